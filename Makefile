@@ -1,0 +1,34 @@
+# rpma: the two set-up commands are `make demo` and `make test`.
+SHELL := /bin/bash
+CARGO ?= cargo
+FEATURES ?= --all-features
+SCRATCH ?= $(CURDIR)/scratch
+
+.PHONY: all deps build test lint fmt demo bench clean
+
+all: build
+
+deps:
+	@bash scripts/install-deps.sh
+
+build: deps
+	$(CARGO) build --workspace $(FEATURES)
+
+fmt:
+	$(CARGO) fmt --all
+
+lint: deps
+	$(CARGO) fmt --all --check
+	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
+
+# Everything CI runs: dependencies, formatting, lints, a build with all features, every test.
+test: lint
+	$(CARGO) build --workspace $(FEATURES)
+	$(CARGO) test --workspace $(FEATURES)
+
+demo: deps
+	@bash scripts/demo.sh
+
+clean:
+	$(CARGO) clean
+	rm -rf $(SCRATCH)

@@ -1,0 +1,3 @@
+//! The verbs-shaped fabric API and its transports.
+
+pub mod soft;

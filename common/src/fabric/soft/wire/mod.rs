@@ -1,0 +1,1 @@
+//! iWARP wire formats: MPA, DDP, RDMAP headers; encode and decode, no I/O.

@@ -1,0 +1,1 @@
+//! Persistent-memory layer (being built under the workspace issue).

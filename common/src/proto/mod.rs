@@ -1,0 +1,1 @@
+//! Control-plane messages: Connect, auth, ConnectResponse, flush, keep-alive, discovery.

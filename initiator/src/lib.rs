@@ -1,0 +1,1 @@
+//! rpma-initiator: connect to an rpma target, map remote namespaces and write them durably.

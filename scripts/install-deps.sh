@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Install the Debian packages rpma builds and tests with. Idempotent: only missing packages are
+# installed, and `apt-get update` runs only when something is missing.
+set -euo pipefail
+
+PACKAGES=(
+  # build: rdma-sys runs bindgen against libibverbs/librdmacm headers
+  pkg-config libclang-dev clang libibverbs-dev librdmacm-dev
+)
+
+missing=()
+for p in "${PACKAGES[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed"; then
+    missing+=("$p")
+  fi
+done
+
+if [ ${#missing[@]} -eq 0 ]; then
+  exit 0
+fi
+
+echo "install-deps: installing ${missing[*]}" >&2
+SUDO=""
+[ "$(id -u)" -eq 0 ] || SUDO="sudo"
+export DEBIAN_FRONTEND=noninteractive
+$SUDO apt-get update -qq
+$SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
