@@ -3,7 +3,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --release -p rpma-target
-BIN=target/release
+BIN=build/release
 SCRATCH=${SCRATCH:-$PWD/scratch}
 mkdir -p "$SCRATCH"
 shm=/dev/shm/rpma-demo-$$.pmem

@@ -1,0 +1,5 @@
+//! rpma-target: the daemon that serves persistent-memory namespaces to initiators.
+//!
+//! The binary `rpma-target` is a thin front over this library.
+
+pub mod probe;
