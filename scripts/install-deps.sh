@@ -6,6 +6,8 @@ set -euo pipefail
 PACKAGES=(
   # build: rdma-sys runs bindgen against libibverbs/librdmacm headers
   pkg-config libclang-dev clang libibverbs-dev librdmacm-dev
+  # tests: tshark decodes the tcp transport's iWARP traffic; systemd-analyze verifies the unit
+  tshark systemd
 )
 
 missing=()
