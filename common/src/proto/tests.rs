@@ -1,0 +1,280 @@
+use super::*;
+use proptest::prelude::*;
+
+fn nqn(s: &str) -> Nqn {
+    Nqn::new(s).unwrap()
+}
+
+fn samples() -> Vec<Message> {
+    vec![
+        Message::Connect(Connect {
+            host_nqn: nqn("nqn.2026-11.io.rpma:host1"),
+            subsystem_nqn: nqn("nqn.2026-11.io.rpma:demo"),
+            host_id: HostId([9; 16]),
+            queue_id: 3,
+            keep_alive_ms: 5000,
+        }),
+        Message::AuthChallenge(AuthChallenge {
+            target_nonce: [1; 32],
+        }),
+        Message::AuthResponse(AuthResponse {
+            host_nonce: [2; 32],
+            host_mac: [3; 32],
+        }),
+        Message::AuthConfirm(AuthConfirm {
+            target_mac: [4; 32],
+        }),
+        Message::ConnectResponse(ConnectResponse {
+            controller_id: 17,
+            keep_alive_ms: 5000,
+            namespaces: vec![NamespaceDescriptor {
+                nsid: 1,
+                size: 1 << 30,
+                block_size: 4096,
+                remote_addr: 0x7f00_0000_0000,
+                rkey: 0xdead_beef,
+                domain: PersistenceDomain::PageCache,
+                durability: DurabilityMethods::APM | DurabilityMethods::GPSPM,
+                atomic_write_unit: 8,
+                read_only: false,
+            }],
+        }),
+        Message::Refusal(Refusal {
+            reason: RefusalReason::HostNotAllowed,
+            message: "host nqn.x is not allowed".into(),
+        }),
+        Message::DiscoveryRequest(DiscoveryRequest {}),
+        Message::DiscoveryResponse(DiscoveryResponse {
+            entries: vec![DiscoveryEntry {
+                subsystem_nqn: nqn("nqn.2026-11.io.rpma:demo"),
+                listen: vec!["tcp://127.0.0.1:7420".into()],
+            }],
+        }),
+        Message::Disconnect(Disconnect {
+            reason: "bye".into(),
+        }),
+        Message::FlushRequest(FlushRequest {
+            nsid: 2,
+            offset: 4096,
+            length: 1 << 20,
+            token: u64::MAX,
+        }),
+        Message::FlushResponse(FlushResponse {
+            token: 42,
+            status: FlushStatus::VisibleOnly,
+        }),
+        Message::KeepAlive(KeepAlive { seq: 5 }),
+    ]
+}
+
+#[test]
+fn every_message_round_trips() {
+    for m in samples() {
+        let bytes = m.encode().unwrap();
+        assert_eq!(bytes[0], PROTO_VERSION);
+        assert_eq!(bytes[1], m.message_type() as u8);
+        assert_eq!(peek_type(&bytes).unwrap(), m.message_type());
+        assert_eq!(Message::decode(&bytes).unwrap(), m);
+    }
+}
+
+#[test]
+fn fixed_layouts_are_exact() {
+    let r = FlushRequest {
+        nsid: 0x0403_0201,
+        offset: 0x1122_3344_5566_7788,
+        length: 0x10,
+        token: 0xAA,
+    };
+    let b = r.encode();
+    assert_eq!(b.len(), 32);
+    assert_eq!(&b[..4], &[1, 0x10, 0, 0]);
+    assert_eq!(&b[4..8], &[1, 2, 3, 4]);
+    assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
+    assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
+    assert_eq!(&b[24..32], &0xAAu64.to_le_bytes());
+
+    let s = FlushResponse {
+        token: 0x0102,
+        status: FlushStatus::IoError,
+    }
+    .encode();
+    assert_eq!(s, [1, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(
+        KeepAlive { seq: 1 }.encode(),
+        [1, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+    );
+}
+
+#[test]
+fn unknown_version_is_a_clear_error() {
+    let mut b = KeepAlive { seq: 1 }.encode();
+    b[0] = 2;
+    let e = Message::decode(&b).unwrap_err();
+    assert!(matches!(
+        e,
+        Error::UnsupportedVersion {
+            got: 2,
+            supported: 1
+        }
+    ));
+    assert!(e
+        .to_string()
+        .contains("unsupported control-plane version 2"));
+}
+
+#[test]
+fn unknown_type_and_flags_are_errors() {
+    let mut b = KeepAlive { seq: 1 }.encode();
+    b[1] = 0x7f;
+    assert!(matches!(Message::decode(&b), Err(Error::UnknownType(0x7f))));
+    let mut b = KeepAlive { seq: 1 }.encode();
+    b[2] = 1;
+    assert!(matches!(
+        Message::decode(&b),
+        Err(Error::UnknownFlags(1, MessageType::KeepAlive))
+    ));
+}
+
+#[test]
+fn every_truncation_is_an_error() {
+    for m in samples() {
+        let bytes = m.encode().unwrap();
+        for n in 0..bytes.len() {
+            // Some postcard bodies are valid prefixes of themselves only if empty.
+            if let Ok(d) = Message::decode(&bytes[..n]) {
+                panic!("{n}-byte prefix of {m:?} decoded as {d:?}");
+            }
+        }
+    }
+    assert!(matches!(
+        FlushRequest::decode(&FlushRequest::default_for_test().encode()[..20]),
+        Err(Error::Truncated {
+            field: "length",
+            ..
+        })
+    ));
+}
+
+impl FlushRequest {
+    fn default_for_test() -> Self {
+        FlushRequest {
+            nsid: 1,
+            offset: 0,
+            length: 0,
+            token: 0,
+        }
+    }
+}
+
+#[test]
+fn trailing_bytes_are_errors() {
+    for m in samples() {
+        let mut bytes = m.encode().unwrap();
+        bytes.push(0);
+        assert!(
+            matches!(Message::decode(&bytes), Err(Error::TrailingBytes { .. })),
+            "{m:?}"
+        );
+    }
+}
+
+#[test]
+fn wrong_type_for_a_fixed_decoder() {
+    let b = KeepAlive { seq: 1 }.encode();
+    assert!(matches!(
+        FlushRequest::decode(&b),
+        Err(Error::InvalidField { field: "type", .. })
+    ));
+}
+
+#[test]
+fn unknown_flush_status_is_an_error() {
+    let mut b = FlushResponse {
+        token: 1,
+        status: FlushStatus::Durable,
+    }
+    .encode();
+    b[4] = 99;
+    assert!(matches!(
+        Message::decode(&b),
+        Err(Error::InvalidField {
+            field: "status",
+            value: 99,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn invalid_nqn_in_body_is_an_error() {
+    let mut b = samples()[0].encode().unwrap();
+    // The host NQN starts after the header and its one-byte length: break "nqn." into "nqX.".
+    b[HEADER_LEN + 3] = b'X';
+    assert!(matches!(
+        Message::decode(&b),
+        Err(Error::Body {
+            ty: MessageType::Connect,
+            ..
+        })
+    ));
+}
+
+#[test]
+fn oversize_is_refused_both_ways() {
+    let big = Message::DiscoveryResponse(DiscoveryResponse {
+        entries: (0..200)
+            .map(|i| DiscoveryEntry {
+                subsystem_nqn: nqn(&format!("nqn.2026-11.io.rpma:subsystem-number-{i}")),
+                listen: vec!["tcp://127.0.0.1:7420".into()],
+            })
+            .collect(),
+    });
+    assert!(matches!(big.encode(), Err(Error::TooLarge { .. })));
+    let mut b = vec![0u8; MAX_MESSAGE_SIZE + 1];
+    b[..4].copy_from_slice(&[PROTO_VERSION, MessageType::Disconnect as u8, 0, 0]);
+    assert!(matches!(Message::decode(&b), Err(Error::TooLarge { .. })));
+}
+
+#[test]
+fn unknown_refusal_codes_survive() {
+    let m = Message::Refusal(Refusal {
+        reason: RefusalReason::Other(999),
+        message: String::new(),
+    });
+    let d = Message::decode(&m.encode().unwrap()).unwrap();
+    assert_eq!(d, m);
+    assert_eq!(RefusalReason::from(3), RefusalReason::AuthFailed);
+    assert_eq!(u16::from(RefusalReason::VersionUnsupported), 4);
+}
+
+#[test]
+fn durability_names() {
+    let m = DurabilityMethods::APM | DurabilityMethods::FLUSH;
+    assert_eq!(m.names(), ["APM", "FLUSH"]);
+    assert!(m.contains(DurabilityMethods::APM));
+    assert!(!m.contains(DurabilityMethods::GPSPM));
+    assert!(DurabilityMethods::NONE.is_empty());
+}
+
+proptest! {
+    #[test]
+    fn decoding_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..600)) {
+        let _ = Message::decode(&bytes);
+    }
+
+    #[test]
+    fn decoding_arbitrary_bodies_never_panics(ty in 1u8..=0x12, body in proptest::collection::vec(any::<u8>(), 0..300)) {
+        let mut b = vec![PROTO_VERSION, ty, 0, 0];
+        b.extend_from_slice(&body);
+        let _ = Message::decode(&b);
+    }
+
+    #[test]
+    fn mutated_valid_messages_never_panic(idx in 0usize..12, pos in any::<usize>(), val in any::<u8>()) {
+        let mut b = samples()[idx].encode().unwrap();
+        let p = pos % b.len();
+        b[p] = val;
+        let _ = Message::decode(&b);
+    }
+}
