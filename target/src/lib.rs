@@ -2,4 +2,5 @@
 //!
 //! The binary `rpma-target` is a thin front over this library.
 
+pub mod config;
 pub mod probe;

@@ -1,0 +1,583 @@
+//! The daemon's TOML configuration, parsed and validated into a [`Config`] that is always usable.
+//!
+//! Every problem is reported with the key it is about, e.g.
+//! `subsystem[1].namespace[0].size: "12X" is not a size`. Relative paths (namespace backing
+//! files, key files) are taken relative to the configuration file's directory.
+
+use std::collections::HashSet;
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use rpma_common::proto::auth::{AuthError, Psk};
+use rpma_common::proto::nqn::{Nqn, NqnError};
+use serde::Deserialize;
+
+/// rpma's own default port (NVMe-oF's 4420 belongs to real NVMe-oF targets).
+pub const DEFAULT_PORT: u16 = 7420;
+/// Where the control socket lives unless the configuration says otherwise.
+pub const DEFAULT_CONTROL_SOCKET: &str = "/run/rpma-target/control.sock";
+/// Keep-alive period when the configuration does not set one (as Linux NVMe-oF's default KATO).
+pub const DEFAULT_KEEP_ALIVE_MS: u32 = 5000;
+
+/// Errors from loading or validating a configuration.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Not TOML, a wrong type, or an unknown key (toml's message names the key and the line).
+    #[error("{path}: {source}")]
+    Parse {
+        /// The file.
+        path: PathBuf,
+        /// What toml reported.
+        #[source]
+        source: toml::de::Error,
+    },
+    /// A value that breaks a rule.
+    #[error("{key}: {problem}")]
+    Invalid {
+        /// The key, e.g. `subsystem[1].namespace[0].size`.
+        key: String,
+        /// What is wrong with it.
+        problem: String,
+    },
+    /// An invalid NQN.
+    #[error("{key}: {source}")]
+    Nqn {
+        /// The key.
+        key: String,
+        /// What is wrong with it.
+        #[source]
+        source: NqnError,
+    },
+    /// A key file that is missing, unreadable, too open or of the wrong length.
+    #[error("{key}: {source}")]
+    Psk {
+        /// The key.
+        key: String,
+        /// What is wrong with it.
+        #[source]
+        source: AuthError,
+    },
+}
+
+/// Result of configuration handling.
+pub type Result<T> = std::result::Result<T, ConfigError>;
+
+fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
+    ConfigError::Invalid {
+        key: key.into(),
+        problem: problem.into(),
+    }
+}
+
+/// A transport, as named by a URL's scheme.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Transport {
+    /// Userspace iWARP over TCP.
+    Tcp,
+    /// libibverbs/librdmacm.
+    Rdma,
+}
+
+/// A listen address: `tcp://host:port` or `rdma://host:port` (port defaults to [`DEFAULT_PORT`]).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct ListenUrl {
+    /// The transport.
+    pub transport: Transport,
+    /// Host name or address (IPv6 without brackets).
+    pub host: String,
+    /// Port.
+    pub port: u16,
+}
+
+impl ListenUrl {
+    /// Parses a listen URL.
+    ///
+    /// # Errors
+    /// A description of the problem (the caller adds the key).
+    pub fn parse(s: &str) -> std::result::Result<Self, String> {
+        let (scheme, rest) = s
+            .split_once("://")
+            .ok_or_else(|| format!("{s:?} is not a URL (expected tcp://host:port)"))?;
+        let transport = match scheme {
+            "tcp" => Transport::Tcp,
+            "rdma" => Transport::Rdma,
+            other => return Err(format!("{s:?}: unknown transport {other:?} (tcp or rdma)")),
+        };
+        if rest.contains(['/', '?', '#', '@']) {
+            return Err(format!(
+                "{s:?}: a listen URL has no path, query or user part"
+            ));
+        }
+        let (host, port) = if let Some(v6) = rest.strip_prefix('[') {
+            let (h, after) = v6
+                .split_once(']')
+                .ok_or_else(|| format!("{s:?}: unterminated [IPv6] address"))?;
+            if h.parse::<std::net::Ipv6Addr>().is_err() {
+                return Err(format!("{s:?}: {h:?} is not an IPv6 address"));
+            }
+            let port = match after {
+                "" => None,
+                p => Some(
+                    p.strip_prefix(':')
+                        .ok_or_else(|| format!("{s:?}: junk after the IPv6 address"))?,
+                ),
+            };
+            (h, port)
+        } else {
+            match rest.rsplit_once(':') {
+                Some((h, p)) => (h, Some(p)),
+                None => (rest, None),
+            }
+        };
+        let host_ok = !host.is_empty()
+            && (host.contains(':')
+                || host.split('.').all(|l| {
+                    !l.is_empty() && l.bytes().all(|c| c.is_ascii_alphanumeric() || c == b'-')
+                }));
+        if !host_ok {
+            return Err(format!("{s:?}: {host:?} is not a host name or address"));
+        }
+        let port = match port {
+            None => DEFAULT_PORT,
+            Some(p) => match p.parse::<u16>() {
+                Ok(p) if p != 0 => p,
+                _ => return Err(format!("{s:?}: {p:?} is not a port (1-65535)")),
+            },
+        };
+        Ok(ListenUrl {
+            transport,
+            host: host.to_owned(),
+            port,
+        })
+    }
+}
+
+impl fmt::Display for ListenUrl {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let scheme = match self.transport {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+        };
+        if self.host.contains(':') {
+            write!(f, "{scheme}://[{}]:{}", self.host, self.port)
+        } else {
+            write!(f, "{scheme}://{}:{}", self.host, self.port)
+        }
+    }
+}
+
+/// A listener.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Listener {
+    /// Where.
+    pub url: ListenUrl,
+    /// The operator declares that RDMA Writes reach persistence without a cache write-back on the
+    /// target (DDIO off, or eADR): APM is then offered on `rdma`. Meaningless on `tcp`, where the
+    /// placement engine itself makes APM valid.
+    pub direct_write_to_pmem: bool,
+}
+
+/// An allowed host.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Host {
+    /// Its NQN.
+    pub nqn: Nqn,
+    /// Its key file, if it must authenticate.
+    pub psk_file: Option<PathBuf>,
+    /// The key loaded from that file.
+    pub psk: Option<Psk>,
+}
+
+/// A namespace.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Namespace {
+    /// 1..0xFFFFFFFE.
+    pub nsid: u32,
+    /// Backing store.
+    pub path: PathBuf,
+    /// Size; `None` for an existing file or a devdax device whose size is taken as it is.
+    pub size: Option<u64>,
+    /// 512 or 4096.
+    pub block_size: u32,
+    /// Remote writes refused.
+    pub read_only: bool,
+    /// Treat as DAX though it is not (testing/benchmarking on DRAM).
+    pub force_dax: bool,
+}
+
+/// A subsystem.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Subsystem {
+    /// Its NQN.
+    pub nqn: Nqn,
+    /// Any host may connect (hosts listed with a key must still authenticate).
+    pub allow_any_host: bool,
+    /// Allowed hosts.
+    pub hosts: Vec<Host>,
+    /// Its namespaces, by ascending nsid.
+    pub namespaces: Vec<Namespace>,
+}
+
+/// A validated configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Config {
+    /// Listeners.
+    pub listeners: Vec<Listener>,
+    /// The control socket's path.
+    pub control_socket: PathBuf,
+    /// Keep-alive period (ms).
+    pub keep_alive_ms: u32,
+    /// Number of poll loops.
+    pub poll_loops: u32,
+    /// Connection limit.
+    pub max_connections: u32,
+    /// Largest queue depth a host may ask for.
+    pub max_queue_depth: u32,
+    /// Offer MPA CRC32c on `tcp`.
+    pub crc: bool,
+    /// Serve the discovery subsystem.
+    pub discovery: bool,
+    /// Subsystems.
+    pub subsystems: Vec<Subsystem>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawConfig {
+    #[serde(default)]
+    listen: Vec<toml::Value>,
+    control_socket: Option<PathBuf>,
+    keep_alive_ms: Option<i64>,
+    poll_loops: Option<i64>,
+    max_connections: Option<i64>,
+    max_queue_depth: Option<i64>,
+    crc: Option<bool>,
+    direct_write_to_pmem: Option<bool>,
+    discovery: Option<bool>,
+    #[serde(default)]
+    subsystem: Vec<RawSubsystem>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawListener {
+    url: String,
+    direct_write_to_pmem: Option<bool>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawSubsystem {
+    nqn: String,
+    #[serde(default)]
+    allow_any_host: bool,
+    #[serde(default)]
+    hosts: Vec<RawHost>,
+    #[serde(default)]
+    namespace: Vec<RawNamespace>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawHost {
+    nqn: String,
+    psk_file: Option<PathBuf>,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RawNamespace {
+    nsid: i64,
+    path: PathBuf,
+    size: Option<toml::Value>,
+    block_size: Option<i64>,
+    #[serde(default)]
+    read_only: bool,
+    #[serde(default)]
+    force_dax: bool,
+}
+
+/// Parses a size: a plain byte count or a number with a binary unit (K, KiB, M, MiB, G, GiB, T,
+/// TiB; case-insensitive; K = 1024).
+pub fn parse_size(s: &str) -> Option<u64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let n: u64 = num.parse().ok()?;
+    let shift = match unit.trim().to_ascii_lowercase().as_str() {
+        "" | "b" => 0,
+        "k" | "kib" => 10,
+        "m" | "mib" => 20,
+        "g" | "gib" => 30,
+        "t" | "tib" => 40,
+        _ => return None,
+    };
+    n.checked_mul(1u64 << shift)
+}
+
+fn int_in(key: &str, v: Option<i64>, default: u32, min: u32, max: u32) -> Result<u32> {
+    let Some(v) = v else { return Ok(default) };
+    if v < i64::from(min) || v > i64::from(max) {
+        return Err(invalid(key, format!("{v} is out of range ({min}..={max})")));
+    }
+    Ok(v as u32)
+}
+
+impl Config {
+    /// Reads and validates a configuration file.
+    ///
+    /// # Errors
+    /// [`ConfigError::Read`], [`ConfigError::Parse`], and those of [`Config::from_toml`].
+    pub fn load(path: &Path) -> Result<Config> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        let base = path.parent().unwrap_or(Path::new("."));
+        Self::parse(&text, base).map_err(|e| match e {
+            ConfigError::Parse { source, .. } => ConfigError::Parse {
+                path: path.to_owned(),
+                source,
+            },
+            e => e,
+        })
+    }
+
+    /// Validates configuration text; relative paths are taken relative to `base`.
+    ///
+    /// # Errors
+    /// [`ConfigError::Parse`] (syntax, types, unknown keys), [`ConfigError::Invalid`] (ranges,
+    /// sizes, block sizes, duplicates, URLs, an unreachable subsystem), [`ConfigError::Nqn`],
+    /// [`ConfigError::Psk`].
+    pub fn from_toml(text: &str, base: &Path) -> Result<Config> {
+        Self::parse(text, base)
+    }
+
+    fn parse(text: &str, base: &Path) -> Result<Config> {
+        let raw: RawConfig = toml::from_str(text).map_err(|source| ConfigError::Parse {
+            path: PathBuf::from("<config>"),
+            source,
+        })?;
+        let global_dwp = raw.direct_write_to_pmem.unwrap_or(false);
+        let mut listeners = Vec::new();
+        let mut seen_urls = HashSet::new();
+        for (i, v) in raw.listen.into_iter().enumerate() {
+            let key = format!("listen[{i}]");
+            let (url, dwp) = match v {
+                toml::Value::String(s) => (s, None),
+                toml::Value::Table(t) => {
+                    let l: RawListener = toml::Value::Table(t)
+                        .try_into()
+                        .map_err(|e: toml::de::Error| invalid(&key, e.message().to_owned()))?;
+                    (l.url, l.direct_write_to_pmem)
+                }
+                other => {
+                    return Err(invalid(
+                        key,
+                        format!(
+                            "expected a URL string or {{ url = ... }}, found {}",
+                            other.type_str()
+                        ),
+                    ))
+                }
+            };
+            let url = ListenUrl::parse(&url).map_err(|p| invalid(&key, p))?;
+            if dwp.is_some() && url.transport != Transport::Rdma {
+                return Err(invalid(
+                    format!("{key}.direct_write_to_pmem"),
+                    "only meaningful for rdma:// listeners (on tcp APM is always valid where durable)",
+                ));
+            }
+            if !seen_urls.insert(url.clone()) {
+                return Err(invalid(key, format!("{url} is listed twice")));
+            }
+            listeners.push(Listener {
+                direct_write_to_pmem: dwp.unwrap_or(global_dwp && url.transport == Transport::Rdma),
+                url,
+            });
+        }
+        if listeners.is_empty() {
+            listeners.push(Listener {
+                url: ListenUrl {
+                    transport: Transport::Tcp,
+                    host: "127.0.0.1".into(),
+                    port: DEFAULT_PORT,
+                },
+                direct_write_to_pmem: false,
+            });
+        }
+
+        let mut subsystems = Vec::new();
+        let mut seen_nqns = HashSet::new();
+        let mut seen_paths = HashSet::new();
+        for (si, rs) in raw.subsystem.into_iter().enumerate() {
+            let skey = format!("subsystem[{si}]");
+            let nqn = Nqn::new(rs.nqn).map_err(|source| ConfigError::Nqn {
+                key: format!("{skey}.nqn"),
+                source,
+            })?;
+            if nqn.is_discovery() {
+                return Err(invalid(
+                    format!("{skey}.nqn"),
+                    "the discovery NQN is reserved (use discovery = true)",
+                ));
+            }
+            if !seen_nqns.insert(nqn.clone()) {
+                return Err(invalid(
+                    format!("{skey}.nqn"),
+                    format!("{nqn} is defined twice"),
+                ));
+            }
+            let mut hosts = Vec::new();
+            let mut seen_hosts = HashSet::new();
+            for (hi, rh) in rs.hosts.into_iter().enumerate() {
+                let hkey = format!("{skey}.hosts[{hi}]");
+                let hnqn = Nqn::new(rh.nqn).map_err(|source| ConfigError::Nqn {
+                    key: format!("{hkey}.nqn"),
+                    source,
+                })?;
+                if !seen_hosts.insert(hnqn.clone()) {
+                    return Err(invalid(
+                        format!("{hkey}.nqn"),
+                        format!("{hnqn} is listed twice"),
+                    ));
+                }
+                let psk_file = rh.psk_file.map(|p| base.join(p));
+                let psk = psk_file
+                    .as_deref()
+                    .map(Psk::from_file)
+                    .transpose()
+                    .map_err(|source| ConfigError::Psk {
+                        key: format!("{hkey}.psk_file"),
+                        source,
+                    })?;
+                hosts.push(Host {
+                    nqn: hnqn,
+                    psk_file,
+                    psk,
+                });
+            }
+            if !rs.allow_any_host && hosts.is_empty() {
+                return Err(invalid(
+                    format!("{skey}.hosts"),
+                    "no host may connect: list hosts or set allow_any_host = true",
+                ));
+            }
+            let mut namespaces = Vec::new();
+            let mut seen_nsids = HashSet::new();
+            for (ni, rn) in rs.namespace.into_iter().enumerate() {
+                let nkey = format!("{skey}.namespace[{ni}]");
+                if rn.nsid < 1 || rn.nsid > 0xFFFF_FFFE {
+                    return Err(invalid(
+                        format!("{nkey}.nsid"),
+                        format!("{} is not a namespace id (1..=4294967294)", rn.nsid),
+                    ));
+                }
+                let nsid = rn.nsid as u32;
+                if !seen_nsids.insert(nsid) {
+                    return Err(invalid(
+                        format!("{nkey}.nsid"),
+                        format!("nsid {nsid} is used twice"),
+                    ));
+                }
+                let block_size = match rn.block_size.unwrap_or(4096) {
+                    b @ (512 | 4096) => b as u32,
+                    b => {
+                        return Err(invalid(
+                            format!("{nkey}.block_size"),
+                            format!("{b} is not a block size (512 or 4096)"),
+                        ))
+                    }
+                };
+                let size = match rn.size {
+                    None => None,
+                    Some(toml::Value::Integer(n)) if n > 0 => Some(n as u64),
+                    Some(toml::Value::String(s)) => match parse_size(&s) {
+                        Some(n) if n > 0 => Some(n),
+                        _ => {
+                            return Err(invalid(
+                                format!("{nkey}.size"),
+                                format!("{s:?} is not a size"),
+                            ))
+                        }
+                    },
+                    Some(v) => {
+                        return Err(invalid(
+                            format!("{nkey}.size"),
+                            format!("{v} is not a size"),
+                        ))
+                    }
+                };
+                if let Some(size) = size {
+                    if size % u64::from(block_size) != 0 {
+                        return Err(invalid(
+                            format!("{nkey}.size"),
+                            format!("{size} is not a multiple of the block size {block_size}"),
+                        ));
+                    }
+                }
+                if rn.path.as_os_str().is_empty() {
+                    return Err(invalid(format!("{nkey}.path"), "empty path"));
+                }
+                let path = base.join(&rn.path);
+                let canonical = path.canonicalize().unwrap_or_else(|_| path.clone());
+                if !seen_paths.insert(canonical) {
+                    return Err(invalid(
+                        format!("{nkey}.path"),
+                        format!("{} backs another namespace already", path.display()),
+                    ));
+                }
+                namespaces.push(Namespace {
+                    nsid,
+                    path,
+                    size,
+                    block_size,
+                    read_only: rn.read_only,
+                    force_dax: rn.force_dax,
+                });
+            }
+            namespaces.sort_by_key(|n| n.nsid);
+            subsystems.push(Subsystem {
+                nqn,
+                allow_any_host: rs.allow_any_host,
+                hosts,
+                namespaces,
+            });
+        }
+
+        Ok(Config {
+            listeners,
+            control_socket: raw
+                .control_socket
+                .map(|p| base.join(p))
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL_SOCKET)),
+            keep_alive_ms: int_in(
+                "keep_alive_ms",
+                raw.keep_alive_ms,
+                DEFAULT_KEEP_ALIVE_MS,
+                100,
+                3_600_000,
+            )?,
+            poll_loops: int_in("poll_loops", raw.poll_loops, 1, 1, 64)?,
+            max_connections: int_in("max_connections", raw.max_connections, 64, 1, 65_535)?,
+            max_queue_depth: int_in("max_queue_depth", raw.max_queue_depth, 128, 1, 65_535)?,
+            crc: raw.crc.unwrap_or(true),
+            discovery: raw.discovery.unwrap_or(true),
+            subsystems,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests;
