@@ -10,3 +10,4 @@
 pub mod fabric;
 pub mod pmem;
 pub mod proto;
+pub mod units;
