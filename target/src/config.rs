@@ -10,6 +10,7 @@ use std::path::{Path, PathBuf};
 
 use rpma_common::proto::auth::{AuthError, Psk};
 use rpma_common::proto::nqn::{Nqn, NqnError};
+use rpma_common::units::parse_size;
 use serde::Deserialize;
 
 /// rpma's own default port (NVMe-oF's 4420 belongs to real NVMe-oF targets).
@@ -308,24 +309,6 @@ struct RawNamespace {
     force_dax: bool,
 }
 
-/// Parses a size: a plain byte count or a number with a binary unit (K, KiB, M, MiB, G, GiB, T,
-/// TiB; case-insensitive; K = 1024).
-pub fn parse_size(s: &str) -> Option<u64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let n: u64 = num.parse().ok()?;
-    let shift = match unit.trim().to_ascii_lowercase().as_str() {
-        "" | "b" => 0,
-        "k" | "kib" => 10,
-        "m" | "mib" => 20,
-        "g" | "gib" => 30,
-        "t" | "tib" => 40,
-        _ => return None,
-    };
-    n.checked_mul(1u64 << shift)
-}
-
 fn int_in(key: &str, v: Option<i64>, default: u32, min: u32, max: u32) -> Result<u32> {
     let Some(v) = v else { return Ok(default) };
     if v < i64::from(min) || v > i64::from(max) {
@@ -504,7 +487,7 @@ impl Config {
                     None => None,
                     Some(toml::Value::Integer(n)) if n > 0 => Some(n as u64),
                     Some(toml::Value::String(s)) => match parse_size(&s) {
-                        Some(n) if n > 0 => Some(n),
+                        Ok(n) if n > 0 => Some(n),
                         _ => {
                             return Err(invalid(
                                 format!("{nkey}.size"),

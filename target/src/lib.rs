@@ -3,4 +3,5 @@
 //! The binary `rpma-target` is a thin front over this library.
 
 pub mod config;
+pub mod flusher;
 pub mod probe;

@@ -329,14 +329,3 @@ fn load_reports_the_path() {
     let e = Config::load(&p).unwrap_err().to_string();
     assert!(e.contains("bad.toml") && e.contains("bogus"), "{e}");
 }
-
-#[test]
-fn sizes() {
-    assert_eq!(parse_size("4096"), Some(4096));
-    assert_eq!(parse_size("1GiB"), Some(1 << 30));
-    assert_eq!(parse_size("64m"), Some(64 << 20));
-    assert_eq!(parse_size("2 K"), Some(2048));
-    assert_eq!(parse_size("12X"), None);
-    assert_eq!(parse_size(""), None);
-    assert_eq!(parse_size("99999999999T"), None);
-}

@@ -1,0 +1,675 @@
+//! The GPSPM flush service's backend: makes namespace ranges durable without ever blocking the
+//! poll loop that serves the connections.
+//!
+//! - `dax` / `dax (forced)` ranges: the pmem layer's persist (cache write-back + sfence), inline;
+//!   it costs about as much as the Writes it follows and never waits for a device.
+//! - `page-cache` ranges: a ranged `fdatasync` submitted through io_uring (`IORING_OP_FSYNC` with
+//!   `IORING_FSYNC_DATASYNC` and an offset/length), which the kernel runs in its own workers.
+//!   Why not `sync_file_range`: it neither writes the metadata that the first write into a
+//!   fallocated (unwritten) extent needs, nor flushes the device's write cache, so it cannot make a
+//!   range durable; a ranged fdatasync does both and writes back only the range asked for.
+//! - `volatile` ranges: answered [`FlushStatus::VisibleOnly`] at once.
+//!
+//! If io_uring is unavailable (an old kernel, `kernel.io_uring_disabled`, a seccomp filter), a
+//! single worker thread runs whole-file `fdatasync` calls instead, and that is logged once.
+//!
+//! Completions are reaped with [`Flusher::poll`], which never blocks; [`Flusher::wait_fd`] is an
+//! eventfd that becomes readable when a device flush completes, for the poll loop's idle wait.
+//! Inline completions (dax, volatile, bad ranges) do not signal it: poll after submitting.
+//!
+//! Threads: a [`Flusher`] belongs to one poll loop (`Send`, not shared). Cleanup: every file a
+//! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
+
+use std::collections::VecDeque;
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::sync::{mpsc, Arc, Once};
+
+use io_uring::{opcode, types, IoUring};
+use rpma_common::pmem::{Domain, Durability, Mapping, Persist};
+use rpma_common::proto::FlushStatus;
+
+/// Errors of the flush service.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FlusherError {
+    /// The eventfd could not be created.
+    #[error("cannot create the flusher's eventfd")]
+    EventFd(#[source] std::io::Error),
+    /// The worker thread (fallback) could not be started.
+    #[error("cannot start the flusher's worker thread")]
+    Thread(#[source] std::io::Error),
+    /// The backing file descriptor could not be duplicated.
+    #[error("cannot duplicate the namespace's file descriptor")]
+    Dup(#[source] std::io::Error),
+    /// A page-cache mapping without a backing file.
+    #[error("a page-cache namespace has no backing file to flush")]
+    NoBackingFile,
+    /// As many flushes are in flight as the flusher was sized for.
+    #[error("{0} flushes in flight: the flusher is full")]
+    Full(usize),
+    /// io_uring refused the submission.
+    #[error("io_uring submission failed")]
+    Submit(#[source] std::io::Error),
+}
+
+/// Result of the flush service.
+pub type Result<T> = std::result::Result<T, FlusherError>;
+
+/// What a flush applies to: one namespace, prepared once when the namespace is opened.
+#[derive(Clone)]
+pub struct FlushTarget {
+    kind: Kind,
+    len: u64,
+}
+
+#[derive(Clone)]
+enum Kind {
+    Dax(Arc<dyn Persist>),
+    PageCache(Arc<OwnedFd>),
+    Volatile,
+}
+
+impl std::fmt::Debug for FlushTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let kind = match &self.kind {
+            Kind::Dax(_) => "dax".to_owned(),
+            Kind::PageCache(fd) => format!("page-cache fd {}", fd.as_raw_fd()),
+            Kind::Volatile => "volatile".to_owned(),
+        };
+        write!(f, "FlushTarget({kind}, {} bytes)", self.len)
+    }
+}
+
+impl FlushTarget {
+    /// The target for a mapped namespace, chosen by its domain.
+    ///
+    /// # Errors
+    /// [`FlusherError::NoBackingFile`], [`FlusherError::Dup`].
+    pub fn for_mapping(m: &Arc<Mapping>) -> Result<Self> {
+        let len = m.len() as u64;
+        Ok(match m.domain() {
+            Domain::Dax | Domain::DaxForced => Self::dax(m.clone(), len),
+            Domain::PageCache => {
+                let fd = m.backing_fd().ok_or(FlusherError::NoBackingFile)?;
+                Self::page_cache(fd.try_clone_to_owned().map_err(FlusherError::Dup)?, len)
+            }
+            _ => Self::volatile(len),
+        })
+    }
+
+    /// Inline persist through the pmem layer.
+    pub fn dax(p: Arc<dyn Persist>, len: u64) -> Self {
+        FlushTarget {
+            kind: Kind::Dax(p),
+            len,
+        }
+    }
+
+    /// fdatasync of `fd` through io_uring (or the worker thread).
+    pub fn page_cache(fd: OwnedFd, len: u64) -> Self {
+        FlushTarget {
+            kind: Kind::PageCache(Arc::new(fd)),
+            len,
+        }
+    }
+
+    /// Nothing can make it durable.
+    pub fn volatile(len: u64) -> Self {
+        FlushTarget {
+            kind: Kind::Volatile,
+            len,
+        }
+    }
+}
+
+/// A finished flush.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct FlushCompletion {
+    /// The request's token.
+    pub token: u64,
+    /// What happened.
+    pub status: FlushStatus,
+}
+
+struct InFlight {
+    token: u64,
+    /// Keeps the file open until the kernel (or the worker) is done with it.
+    _fd: Arc<OwnedFd>,
+}
+
+struct Job {
+    slot: usize,
+    fd: Arc<OwnedFd>,
+}
+
+enum Backend {
+    Uring(Box<IoUring>),
+    Thread {
+        jobs: Option<mpsc::Sender<Job>>,
+        done: mpsc::Receiver<(usize, i32)>,
+        worker: Option<std::thread::JoinHandle<()>>,
+    },
+}
+
+/// The flush service of one poll loop.
+pub struct Flusher {
+    backend: Backend,
+    eventfd: Arc<OwnedFd>,
+    slots: Vec<Option<InFlight>>,
+    free: Vec<usize>,
+    ready: VecDeque<FlushCompletion>,
+}
+
+impl std::fmt::Debug for Flusher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Flusher")
+            .field("backend", &self.backend_name())
+            .field("in_flight", &self.in_flight())
+            .finish()
+    }
+}
+
+static FALLBACK_LOGGED: Once = Once::new();
+
+fn new_eventfd() -> Result<Arc<OwnedFd>> {
+    // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
+    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
+    if fd < 0 {
+        return Err(FlusherError::EventFd(std::io::Error::last_os_error()));
+    }
+    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
+    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
+}
+
+fn signal(fd: &OwnedFd) {
+    let one = 1u64.to_ne_bytes();
+    // SAFETY: writes 8 bytes from a live local array to an eventfd we own. A full counter
+    // (EAGAIN) still leaves the eventfd readable, which is all a waiter needs.
+    unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+}
+
+fn clear(fd: &OwnedFd) {
+    let mut buf = [0u8; 8];
+    // SAFETY: reads at most 8 bytes into a live local array; the fd is non-blocking.
+    unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+}
+
+impl Flusher {
+    /// A flusher for up to `depth` concurrent device flushes: io_uring if the kernel allows it,
+    /// else the worker thread (logged once per process).
+    ///
+    /// # Errors
+    /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
+    pub fn new(depth: u32) -> Result<Self> {
+        let depth = depth.clamp(1, 4096);
+        let eventfd = new_eventfd()?;
+        let ring = IoUring::new(depth.next_power_of_two()).and_then(|ring| {
+            ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+            Ok(ring)
+        });
+        match ring {
+            Ok(ring) => Ok(Self::with_backend(
+                Backend::Uring(Box::new(ring)),
+                eventfd,
+                depth,
+            )),
+            Err(e) => {
+                FALLBACK_LOGGED.call_once(|| {
+                    log::warn!(
+                        "io_uring unavailable ({e}); page-cache flushes use a worker thread instead"
+                    )
+                });
+                Self::with_thread(depth, eventfd)
+            }
+        }
+    }
+
+    /// A flusher that uses the worker thread even where io_uring works.
+    ///
+    /// # Errors
+    /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
+    pub fn new_threaded(depth: u32) -> Result<Self> {
+        Self::with_thread(depth.clamp(1, 4096), new_eventfd()?)
+    }
+
+    fn with_thread(depth: u32, eventfd: Arc<OwnedFd>) -> Result<Self> {
+        let (jobs, job_rx) = mpsc::channel::<Job>();
+        let (done_tx, done) = mpsc::channel();
+        let efd = eventfd.clone();
+        let worker = std::thread::Builder::new()
+            .name("rpma-flusher".into())
+            .spawn(move || {
+                for job in job_rx {
+                    // SAFETY: fdatasync on a descriptor kept open by `job.fd`.
+                    let rc = unsafe { libc::fdatasync(job.fd.as_raw_fd()) };
+                    let res = if rc == 0 {
+                        0
+                    } else {
+                        -std::io::Error::last_os_error()
+                            .raw_os_error()
+                            .unwrap_or(libc::EIO)
+                    };
+                    if done_tx.send((job.slot, res)).is_err() {
+                        break;
+                    }
+                    signal(&efd);
+                }
+            })
+            .map_err(FlusherError::Thread)?;
+        Ok(Self::with_backend(
+            Backend::Thread {
+                jobs: Some(jobs),
+                done,
+                worker: Some(worker),
+            },
+            eventfd,
+            depth,
+        ))
+    }
+
+    fn with_backend(backend: Backend, eventfd: Arc<OwnedFd>, depth: u32) -> Self {
+        Flusher {
+            backend,
+            eventfd,
+            slots: (0..depth).map(|_| None).collect(),
+            free: (0..depth as usize).rev().collect(),
+            ready: VecDeque::new(),
+        }
+    }
+
+    /// "io_uring" or "thread".
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Uring(_) => "io_uring",
+            Backend::Thread { .. } => "thread",
+        }
+    }
+
+    /// Device flushes submitted and not yet reaped.
+    pub fn in_flight(&self) -> usize {
+        self.slots.len() - self.free.len()
+    }
+
+    /// Readable when a device flush may have completed; wait on it, then call [`Flusher::poll`].
+    pub fn wait_fd(&self) -> BorrowedFd<'_> {
+        self.eventfd.as_fd()
+    }
+
+    /// Starts making `[offset, offset + length)` of `target` durable (`length` 0: the whole
+    /// namespace). Never blocks. Bad ranges and inline work complete at once with their status
+    /// and are returned by the next [`Flusher::poll`].
+    ///
+    /// # Errors
+    /// [`FlusherError::Full`] when `depth` device flushes are in flight (the caller answers
+    /// [`FlushStatus::Unavailable`] or queues); [`FlusherError::Submit`] if io_uring refuses.
+    pub fn submit(
+        &mut self,
+        token: u64,
+        target: &FlushTarget,
+        offset: u64,
+        length: u64,
+    ) -> Result<()> {
+        let (offset, length) = if length == 0 {
+            (0, target.len)
+        } else {
+            (offset, length)
+        };
+        if offset
+            .checked_add(length)
+            .map_or(true, |end| end > target.len)
+        {
+            self.ready.push_back(FlushCompletion {
+                token,
+                status: FlushStatus::OutOfRange,
+            });
+            return Ok(());
+        }
+        let fd = match &target.kind {
+            Kind::Volatile => {
+                self.ready.push_back(FlushCompletion {
+                    token,
+                    status: FlushStatus::VisibleOnly,
+                });
+                return Ok(());
+            }
+            Kind::Dax(p) => {
+                // The range was checked against the namespace's length above, which fits usize.
+                let status = match p.persist(offset as usize, length as usize) {
+                    Ok(Durability::Durable) => FlushStatus::Durable,
+                    Ok(Durability::VisibleOnly) => FlushStatus::VisibleOnly,
+                    Err(_) => FlushStatus::IoError,
+                };
+                self.ready.push_back(FlushCompletion { token, status });
+                return Ok(());
+            }
+            Kind::PageCache(fd) => fd.clone(),
+        };
+        let Some(slot) = self.free.pop() else {
+            return Err(FlusherError::Full(self.slots.len()));
+        };
+        let submitted = match &mut self.backend {
+            Backend::Uring(ring) => {
+                // A range longer than u32 syncs the whole file (offset 0, length 0), a superset.
+                let (off, len) = match u32::try_from(length) {
+                    Ok(len) => (offset, len),
+                    Err(_) => (0, 0),
+                };
+                let sqe = opcode::Fsync::new(types::Fd(fd.as_raw_fd()))
+                    .offset(off)
+                    .len(len)
+                    .flags(types::FsyncFlags::DATASYNC)
+                    .build()
+                    .user_data(slot as u64);
+                // SAFETY: the SQE refers to no memory, only to `fd`, which the in-flight table
+                // keeps open (below) until this entry's completion is reaped in `poll`.
+                let pushed = unsafe { ring.submission().push(&sqe) }.is_ok();
+                if pushed {
+                    ring.submit().map(|_| ()).map_err(FlusherError::Submit)
+                } else {
+                    // Cannot happen while in-flight <= ring size; report it rather than panic.
+                    Err(FlusherError::Full(self.slots.len()))
+                }
+            }
+            Backend::Thread { jobs, .. } => {
+                let sent = jobs.as_ref().map(|j| {
+                    j.send(Job {
+                        slot,
+                        fd: fd.clone(),
+                    })
+                });
+                match sent {
+                    Some(Ok(())) => Ok(()),
+                    _ => Err(FlusherError::Submit(std::io::Error::other(
+                        "flusher worker is gone",
+                    ))),
+                }
+            }
+        };
+        match submitted {
+            Ok(()) => {
+                self.slots[slot] = Some(InFlight { token, _fd: fd });
+                Ok(())
+            }
+            Err(e) => {
+                self.free.push(slot);
+                Err(e)
+            }
+        }
+    }
+
+    /// Appends every finished flush to `out` without blocking; returns how many were appended.
+    pub fn poll(&mut self, out: &mut Vec<FlushCompletion>) -> usize {
+        let before = out.len();
+        out.extend(self.ready.drain(..));
+        // Clear the eventfd before reaping so that a completion arriving meanwhile re-arms it.
+        clear(&self.eventfd);
+        let mut finished = Vec::new();
+        match &mut self.backend {
+            Backend::Uring(ring) => {
+                for cqe in ring.completion() {
+                    finished.push((cqe.user_data() as usize, cqe.result()));
+                }
+            }
+            Backend::Thread { done, .. } => finished.extend(done.try_iter()),
+        }
+        for (slot, res) in finished {
+            let Some(f) = self.slots.get_mut(slot).and_then(Option::take) else {
+                continue;
+            };
+            self.free.push(slot);
+            out.push(FlushCompletion {
+                token: f.token,
+                status: if res >= 0 {
+                    FlushStatus::Durable
+                } else {
+                    FlushStatus::IoError
+                },
+            });
+        }
+        out.len() - before
+    }
+
+    /// Blocks until every submitted flush has completed, appending them to `out` (shutdown:
+    /// answer what is in flight before exiting).
+    pub fn drain(&mut self, out: &mut Vec<FlushCompletion>) {
+        loop {
+            self.poll(out);
+            if self.in_flight() == 0 {
+                return;
+            }
+            let mut pfd = libc::pollfd {
+                fd: self.eventfd.as_raw_fd(),
+                events: libc::POLLIN,
+                revents: 0,
+            };
+            // SAFETY: one live pollfd; a 100 ms timeout bounds the wait even if a wake-up is lost.
+            unsafe { libc::poll(&mut pfd, 1, 100) };
+        }
+    }
+}
+
+impl Drop for Flusher {
+    fn drop(&mut self) {
+        if let Backend::Thread { jobs, worker, .. } = &mut self.backend {
+            // Closing the channel ends the worker after its current fdatasync.
+            jobs.take();
+            if let Some(w) = worker.take() {
+                let _ = w.join();
+            }
+        }
+        // io_uring: fsync entries hold no user memory and the kernel holds its own file
+        // references, so dropping the ring with entries in flight is safe.
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::fs::File;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    use super::*;
+    use rpma_common::pmem::OpenOptions;
+
+    fn page_cache_file(dir: &std::path::Path, len: u64) -> FlushTarget {
+        let p = dir.join("f");
+        let f = File::options()
+            .create(true)
+            .truncate(true)
+            .read(true)
+            .write(true)
+            .open(&p)
+            .unwrap();
+        f.set_len(len).unwrap();
+        FlushTarget::page_cache(f.into(), len)
+    }
+
+    fn run_many(mut fl: Flusher) {
+        let d = tempfile::tempdir().unwrap();
+        let t = page_cache_file(d.path(), 1 << 20);
+        let mut want: Vec<u64> = Vec::new();
+        let mut got = Vec::new();
+        for i in 0..200u64 {
+            loop {
+                match fl.submit(1000 + i, &t, (i % 256) * 4096, 4096) {
+                    Ok(()) => break,
+                    Err(FlusherError::Full(_)) => fl.drain(&mut got),
+                    Err(e) => panic!("{e}"),
+                }
+            }
+            want.push(1000 + i);
+        }
+        fl.drain(&mut got);
+        assert_eq!(fl.in_flight(), 0);
+        let mut tokens: Vec<u64> = got.iter().map(|c| c.token).collect();
+        tokens.sort_unstable();
+        assert_eq!(tokens, want);
+        assert!(
+            got.iter().all(|c| c.status == FlushStatus::Durable),
+            "{got:?}"
+        );
+    }
+
+    #[test]
+    fn many_concurrent_flushes_complete_with_their_tokens() {
+        let fl = Flusher::new(32).unwrap();
+        eprintln!("flusher backend: {}", fl.backend_name());
+        run_many(fl);
+    }
+
+    #[test]
+    fn many_concurrent_flushes_on_the_worker_thread() {
+        let fl = Flusher::new_threaded(8).unwrap();
+        assert_eq!(fl.backend_name(), "thread");
+        run_many(fl);
+    }
+
+    #[test]
+    fn wait_fd_becomes_readable() {
+        let d = tempfile::tempdir().unwrap();
+        let t = page_cache_file(d.path(), 8192);
+        let mut fl = Flusher::new(4).unwrap();
+        fl.submit(7, &t, 0, 8192).unwrap();
+        let mut pfd = libc::pollfd {
+            fd: fl.wait_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        let n = unsafe { libc::poll(&mut pfd, 1, 10_000) };
+        assert_eq!(n, 1, "eventfd never became readable");
+        let mut out = Vec::new();
+        fl.drain(&mut out);
+        assert_eq!(
+            out,
+            [FlushCompletion {
+                token: 7,
+                status: FlushStatus::Durable
+            }]
+        );
+    }
+
+    fn unflushable_fd(dir: &std::path::Path) -> OwnedFd {
+        // An O_PATH descriptor is open but not for I/O: fsync on it fails with EBADF, exactly as
+        // on a closed descriptor, without the test closing an fd that something else owns.
+        let p = dir.join("g");
+        File::create(&p).unwrap();
+        File::options()
+            .read(true)
+            .custom_flags(libc::O_PATH)
+            .open(&p)
+            .unwrap()
+            .into()
+    }
+
+    #[test]
+    fn bad_fd_gives_an_error_status() {
+        for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+            let d = tempfile::tempdir().unwrap();
+            let t = FlushTarget::page_cache(unflushable_fd(d.path()), 4096);
+            fl.submit(9, &t, 0, 4096).unwrap();
+            let mut out = Vec::new();
+            fl.drain(&mut out);
+            assert_eq!(
+                out,
+                [FlushCompletion {
+                    token: 9,
+                    status: FlushStatus::IoError
+                }],
+                "{}",
+                fl.backend_name()
+            );
+        }
+    }
+
+    #[test]
+    fn out_of_range_and_volatile_complete_inline() {
+        let mut fl = Flusher::new(4).unwrap();
+        let v = FlushTarget::volatile(4096);
+        fl.submit(1, &v, 0, 4096).unwrap();
+        fl.submit(2, &v, 4000, 200).unwrap();
+        fl.submit(3, &v, u64::MAX, 2).unwrap();
+        let mut out = Vec::new();
+        assert_eq!(fl.poll(&mut out), 3);
+        assert_eq!(
+            out,
+            [
+                FlushCompletion {
+                    token: 1,
+                    status: FlushStatus::VisibleOnly
+                },
+                FlushCompletion {
+                    token: 2,
+                    status: FlushStatus::OutOfRange
+                },
+                FlushCompletion {
+                    token: 3,
+                    status: FlushStatus::OutOfRange
+                },
+            ]
+        );
+    }
+
+    #[test]
+    fn dax_and_mapped_targets() {
+        let d = tempfile::tempdir().unwrap();
+        let m = Arc::new(
+            OpenOptions::new(d.path().join("ns"))
+                .size(1 << 20)
+                .create(true)
+                .force_dax(true)
+                .open()
+                .unwrap(),
+        );
+        let t = FlushTarget::for_mapping(&m).unwrap();
+        assert!(format!("{t:?}").contains("dax"));
+        let mut fl = Flusher::new(4).unwrap();
+        m.write_at(10, b"x").unwrap();
+        fl.submit(5, &t, 0, 0).unwrap();
+        fl.submit(6, &t, 4096, 4096).unwrap();
+        let mut out = Vec::new();
+        fl.poll(&mut out);
+        assert_eq!(out.len(), 2);
+        assert!(out.iter().all(|c| c.status == FlushStatus::Durable));
+
+        let pc = Arc::new(
+            OpenOptions::new(d.path().join("pc"))
+                .size(1 << 20)
+                .create(true)
+                .open()
+                .unwrap(),
+        );
+        let t = FlushTarget::for_mapping(&pc).unwrap();
+        if pc.domain() == Domain::PageCache {
+            assert!(format!("{t:?}").contains("page-cache"));
+            pc.write_at(0, b"y").unwrap();
+            fl.submit(8, &t, 0, 4096).unwrap();
+            let mut out = Vec::new();
+            fl.drain(&mut out);
+            assert_eq!(
+                out,
+                [FlushCompletion {
+                    token: 8,
+                    status: FlushStatus::Durable
+                }]
+            );
+        }
+    }
+
+    #[test]
+    fn full_is_an_error_not_a_panic() {
+        let d = tempfile::tempdir().unwrap();
+        let t = page_cache_file(d.path(), 4096);
+        let mut fl = Flusher::new_threaded(1).unwrap();
+        fl.submit(1, &t, 0, 4096).unwrap();
+        // The single slot is taken until the first completion is reaped.
+        assert!(matches!(
+            fl.submit(2, &t, 0, 4096),
+            Err(FlusherError::Full(1))
+        ));
+        let mut out = Vec::new();
+        fl.drain(&mut out);
+        fl.submit(2, &t, 0, 4096).unwrap();
+        fl.drain(&mut out);
+        assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2]);
+    }
+}
