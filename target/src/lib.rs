@@ -4,4 +4,8 @@
 
 pub mod config;
 pub mod flusher;
+pub mod namespace;
+pub mod notify;
 pub mod probe;
+pub mod reload;
+pub mod subsystem;

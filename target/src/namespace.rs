@@ -1,0 +1,422 @@
+//! Open namespaces: each configured namespace mapped through the pmem layer, with its flush
+//! target and counters, in a table keyed by (subsystem NQN, nsid).
+//!
+//! Namespaces are shared as `Arc<OpenNamespace>`: a reload that replaces or removes one drops
+//! the table's reference, and sessions still holding it keep the mapping alive until they close.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+use rpma_common::pmem::{self, Domain, Mapping, OpenOptions, Resize};
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
+
+use crate::config::{self, Transport};
+use crate::flusher::{FlushTarget, FlusherError};
+use crate::reload::ConfigDiff;
+
+/// Errors opening namespaces.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NamespaceError {
+    /// The pmem layer could not open or map the backing store.
+    #[error("subsystem {subsystem} namespace {nsid} ({path}): cannot open")]
+    Open {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// Backing store.
+        path: PathBuf,
+        /// What the pmem layer reported.
+        #[source]
+        source: pmem::Error,
+    },
+    /// The flush target could not be prepared.
+    #[error("subsystem {subsystem} namespace {nsid}: cannot prepare flushing")]
+    Flush {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// What went wrong.
+        #[source]
+        source: FlusherError,
+    },
+}
+
+/// Result of namespace operations.
+pub type Result<T> = std::result::Result<T, NamespaceError>;
+
+/// The wire's name for a pmem domain.
+pub fn wire_domain(d: Domain) -> PersistenceDomain {
+    match d {
+        Domain::Dax => PersistenceDomain::Dax,
+        Domain::DaxForced => PersistenceDomain::DaxForced,
+        Domain::PageCache => PersistenceDomain::PageCache,
+        _ => PersistenceDomain::Volatile,
+    }
+}
+
+/// The durability methods a namespace in `domain` offers on `transport` (DESIGN.md, Persistence).
+///
+/// - volatile: none (acknowledgements mean "visible only").
+/// - tcp: APM, GPSPM and FLUSH on dax, dax (forced) and page-cache: the placement engine makes
+///   every earlier Write durable before it answers a Read, Atomic or Flush on that QP.
+/// - rdma: GPSPM always; APM only on dax with the operator's `direct_write_to_pmem` declaration
+///   (DDIO off or eADR), never on page-cache where the NIC's writes land in DRAM; FLUSH is left
+///   to the transport, which knows whether the provider implements it.
+pub fn durability_methods(
+    domain: Domain,
+    transport: Transport,
+    direct_write_to_pmem: bool,
+) -> DurabilityMethods {
+    if !domain.is_durable() {
+        return DurabilityMethods::NONE;
+    }
+    match transport {
+        Transport::Tcp => {
+            DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH
+        }
+        Transport::Rdma if domain.is_dax() && direct_write_to_pmem => {
+            DurabilityMethods::APM | DurabilityMethods::GPSPM
+        }
+        Transport::Rdma => DurabilityMethods::GPSPM,
+    }
+}
+
+/// Per-namespace counters, updated by the sessions and the flush service.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Flush requests answered.
+    pub flushes: AtomicU64,
+    /// Flush requests answered with an error status.
+    pub flush_errors: AtomicU64,
+    /// Bytes made durable on request.
+    pub flushed_bytes: AtomicU64,
+    /// Sessions currently holding the namespace.
+    pub sessions: AtomicU64,
+}
+
+impl Counters {
+    /// A plain copy for status output.
+    pub fn snapshot(&self) -> CountersSnapshot {
+        CountersSnapshot {
+            flushes: self.flushes.load(Ordering::Relaxed),
+            flush_errors: self.flush_errors.load(Ordering::Relaxed),
+            flushed_bytes: self.flushed_bytes.load(Ordering::Relaxed),
+            sessions: self.sessions.load(Ordering::Relaxed),
+        }
+    }
+}
+
+/// A copy of [`Counters`].
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+pub struct CountersSnapshot {
+    /// See [`Counters::flushes`].
+    pub flushes: u64,
+    /// See [`Counters::flush_errors`].
+    pub flush_errors: u64,
+    /// See [`Counters::flushed_bytes`].
+    pub flushed_bytes: u64,
+    /// See [`Counters::sessions`].
+    pub sessions: u64,
+}
+
+/// A mapped namespace.
+#[derive(Debug)]
+pub struct OpenNamespace {
+    /// Its configuration.
+    pub config: config::Namespace,
+    /// The mapping.
+    pub mapping: Arc<Mapping>,
+    /// What the flush service uses for it.
+    pub flush_target: FlushTarget,
+    /// Counters.
+    pub counters: Counters,
+}
+
+impl OpenNamespace {
+    /// Opens (creating and allocating a missing file when a size is configured) and maps a
+    /// namespace. An existing file of another size is refused, never silently resized.
+    ///
+    /// # Errors
+    /// [`NamespaceError::Open`], [`NamespaceError::Flush`].
+    pub fn open(subsystem: &Nqn, ns: &config::Namespace) -> Result<Self> {
+        Self::open_with(subsystem, ns, Resize::Refuse)
+    }
+
+    /// [`OpenNamespace::open`] with a choice about an existing file of another size.
+    ///
+    /// # Errors
+    /// As [`OpenNamespace::open`].
+    pub fn open_with(subsystem: &Nqn, ns: &config::Namespace, resize: Resize) -> Result<Self> {
+        let mut opts = OpenOptions::new(&ns.path)
+            .resize(resize)
+            .block_size(u64::from(ns.block_size))
+            .force_dax(ns.force_dax)
+            .create(ns.size.is_some());
+        if let Some(size) = ns.size {
+            opts = opts.size(size);
+        }
+        let mapping = Arc::new(opts.open().map_err(|source| NamespaceError::Open {
+            subsystem: subsystem.clone(),
+            nsid: ns.nsid,
+            path: ns.path.clone(),
+            source,
+        })?);
+        let flush_target =
+            FlushTarget::for_mapping(&mapping).map_err(|source| NamespaceError::Flush {
+                subsystem: subsystem.clone(),
+                nsid: ns.nsid,
+                source,
+            })?;
+        Ok(OpenNamespace {
+            config: ns.clone(),
+            mapping,
+            flush_target,
+            counters: Counters::default(),
+        })
+    }
+
+    /// The probed (or forced) domain.
+    pub fn domain(&self) -> Domain {
+        self.mapping.domain()
+    }
+
+    /// Size in bytes.
+    pub fn size(&self) -> u64 {
+        self.mapping.len() as u64
+    }
+}
+
+/// Key of a namespace in the table.
+pub type NsKey = (Nqn, u32);
+
+/// Every open namespace.
+#[derive(Debug, Default)]
+pub struct NamespaceTable {
+    map: BTreeMap<NsKey, Arc<OpenNamespace>>,
+}
+
+/// What [`NamespaceTable::apply`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// Namespaces opened (added, or reopened because they changed).
+    pub opened: Vec<NsKey>,
+    /// Namespaces dropped from the table (removed, or replaced because they changed).
+    pub closed: Vec<NsKey>,
+}
+
+impl NamespaceTable {
+    /// Opens every namespace of `cfg`; all or nothing.
+    ///
+    /// # Errors
+    /// The first namespace that fails, as [`OpenNamespace::open`].
+    pub fn open_all(cfg: &config::Config) -> Result<Self> {
+        let mut map = BTreeMap::new();
+        for s in &cfg.subsystems {
+            for ns in &s.namespaces {
+                map.insert(
+                    (s.nqn.clone(), ns.nsid),
+                    Arc::new(OpenNamespace::open(&s.nqn, ns)?),
+                );
+            }
+        }
+        Ok(NamespaceTable { map })
+    }
+
+    /// One namespace.
+    pub fn get(&self, subsystem: &Nqn, nsid: u32) -> Option<&Arc<OpenNamespace>> {
+        self.map.get(&(subsystem.clone(), nsid))
+    }
+
+    /// The namespaces of a subsystem, by nsid.
+    pub fn of_subsystem<'a>(
+        &'a self,
+        subsystem: &'a Nqn,
+    ) -> impl Iterator<Item = &'a Arc<OpenNamespace>> + 'a {
+        self.map
+            .iter()
+            .filter(move |((s, _), _)| s == subsystem)
+            .map(|(_, ns)| ns)
+    }
+
+    /// Every namespace.
+    pub fn iter(&self) -> impl Iterator<Item = (&NsKey, &Arc<OpenNamespace>)> {
+        self.map.iter()
+    }
+
+    /// How many namespaces are open.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Applies a reload: opens the added and changed namespaces of `new` first (a changed one
+    /// may grow its file, never shrink it; if any open fails the table is left exactly as it
+    /// was), then swaps them in and drops the removed ones. Namespaces the diff does not name are
+    /// not touched: their `Arc` stays the same.
+    ///
+    /// # Errors
+    /// As [`OpenNamespace::open`].
+    pub fn apply(&mut self, diff: &ConfigDiff, new: &config::Config) -> Result<ApplyReport> {
+        let mut opened = Vec::new();
+        for (key, resize) in diff
+            .namespaces_added
+            .iter()
+            .map(|k| (k, Resize::Refuse))
+            .chain(diff.namespaces_changed.iter().map(|k| (k, Resize::Grow)))
+        {
+            let ns = new
+                .subsystems
+                .iter()
+                .find(|s| s.nqn == key.0)
+                .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
+            if let Some(ns) = ns {
+                opened.push((
+                    key.clone(),
+                    Arc::new(OpenNamespace::open_with(&key.0, ns, resize)?),
+                ));
+            }
+        }
+        let mut report = ApplyReport::default();
+        for key in diff
+            .namespaces_removed
+            .iter()
+            .chain(&diff.namespaces_changed)
+        {
+            if self.map.remove(key).is_some() {
+                report.closed.push(key.clone());
+            }
+        }
+        for (key, ns) in opened {
+            report.opened.push(key.clone());
+            self.map.insert(key, ns);
+        }
+        Ok(report)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn methods_per_domain_and_transport() {
+        let all = DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH;
+        for d in [Domain::Dax, Domain::DaxForced, Domain::PageCache] {
+            assert_eq!(durability_methods(d, Transport::Tcp, false), all);
+        }
+        assert_eq!(
+            durability_methods(Domain::Volatile, Transport::Tcp, true),
+            DurabilityMethods::NONE
+        );
+        assert_eq!(
+            durability_methods(Domain::Volatile, Transport::Rdma, true),
+            DurabilityMethods::NONE
+        );
+        assert_eq!(
+            durability_methods(Domain::Dax, Transport::Rdma, false),
+            DurabilityMethods::GPSPM
+        );
+        assert_eq!(
+            durability_methods(Domain::Dax, Transport::Rdma, true),
+            DurabilityMethods::APM | DurabilityMethods::GPSPM
+        );
+        assert_eq!(
+            durability_methods(Domain::PageCache, Transport::Rdma, true),
+            DurabilityMethods::GPSPM
+        );
+    }
+
+    #[test]
+    fn wire_domains() {
+        assert_eq!(wire_domain(Domain::DaxForced), PersistenceDomain::DaxForced);
+        assert_eq!(wire_domain(Domain::Volatile), PersistenceDomain::Volatile);
+        assert_eq!(
+            wire_domain(Domain::PageCache).to_string(),
+            Domain::PageCache.to_string()
+        );
+    }
+
+    #[test]
+    fn open_errors_name_the_namespace() {
+        let d = tempfile::tempdir().unwrap();
+        let ns = config::Namespace {
+            nsid: 3,
+            path: d.path().join("missing"),
+            size: None,
+            block_size: 4096,
+            read_only: false,
+            force_dax: false,
+        };
+        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+        let e = OpenNamespace::open(&nqn, &ns).unwrap_err();
+        assert!(matches!(e, NamespaceError::Open { nsid: 3, .. }));
+        assert!(e.to_string().contains("namespace 3"), "{e}");
+    }
+
+    fn cfg(dir: &std::path::Path, extra: &str) -> config::Config {
+        let text = format!(
+            "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:t\"\nallow_any_host = true\n\
+             [[subsystem.namespace]]\nnsid = 1\npath = \"n1\"\nsize = \"64KiB\"\n\
+             [[subsystem.namespace]]\nnsid = 2\npath = \"n2\"\nsize = \"64KiB\"\n{extra}"
+        );
+        config::Config::from_toml(&text, dir).unwrap()
+    }
+
+    #[test]
+    fn apply_touches_only_what_the_diff_names() {
+        let d = tempfile::tempdir().unwrap();
+        let old = cfg(d.path(), "");
+        let mut table = NamespaceTable::open_all(&old).unwrap();
+        assert_eq!(table.len(), 2);
+        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+        let ns1 = table.get(&nqn, 1).unwrap().clone();
+        let ns2 = table.get(&nqn, 2).unwrap().clone();
+
+        let mut new = cfg(
+            d.path(),
+            "[[subsystem.namespace]]\nnsid = 3\npath = \"n3\"\nsize = \"64KiB\"\n",
+        );
+        new.subsystems[0].namespaces[1].size = Some(128 << 10);
+        let diff = crate::reload::diff(&old, &new);
+        let report = table.apply(&diff, &new).unwrap();
+        assert_eq!(report.opened, [(nqn.clone(), 3), (nqn.clone(), 2)]);
+        assert_eq!(report.closed, [(nqn.clone(), 2)]);
+        assert!(
+            Arc::ptr_eq(table.get(&nqn, 1).unwrap(), &ns1),
+            "untouched namespace reopened"
+        );
+        assert!(!Arc::ptr_eq(table.get(&nqn, 2).unwrap(), &ns2));
+        assert_eq!(table.get(&nqn, 2).unwrap().size(), 128 << 10, "grown");
+        assert_eq!(table.get(&nqn, 3).unwrap().size(), 64 << 10);
+        assert_eq!(table.of_subsystem(&nqn).count(), 3);
+    }
+
+    #[test]
+    fn failed_apply_leaves_the_table_as_it_was() {
+        let d = tempfile::tempdir().unwrap();
+        let old = cfg(d.path(), "");
+        let mut table = NamespaceTable::open_all(&old).unwrap();
+        // nsid 3 on a path that cannot be created (a directory).
+        std::fs::create_dir(d.path().join("dir")).unwrap();
+        let new = cfg(
+            d.path(),
+            "[[subsystem.namespace]]\nnsid = 3\npath = \"dir\"\nsize = \"64KiB\"\n",
+        );
+        let mut new2 = new.clone();
+        new2.subsystems[0].namespaces.remove(0);
+        let diff = crate::reload::diff(&old, &new2);
+        assert!(!diff.namespaces_removed.is_empty());
+        assert!(table.apply(&diff, &new2).is_err());
+        assert_eq!(table.len(), 2, "nothing removed when an open failed");
+    }
+}

@@ -1,0 +1,302 @@
+//! The SIGHUP reload's diff: what changed between two validated configurations. Pure, so the
+//! daemon's reload is "diff, then apply" and only what the diff names is touched.
+
+use std::collections::BTreeMap;
+
+use rpma_common::proto::nqn::Nqn;
+
+use crate::config::{Config, Host, Namespace, Subsystem};
+use crate::namespace::NsKey;
+
+/// The difference between an old and a new configuration.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ConfigDiff {
+    /// Subsystems only in the new configuration.
+    pub subsystems_added: Vec<Nqn>,
+    /// Subsystems only in the old one.
+    pub subsystems_removed: Vec<Nqn>,
+    /// Subsystems in both whose `allow_any_host` changed.
+    pub subsystems_changed: Vec<Nqn>,
+    /// Namespaces only in the new configuration (including those of added subsystems).
+    pub namespaces_added: Vec<NsKey>,
+    /// Namespaces only in the old one (including those of removed subsystems).
+    pub namespaces_removed: Vec<NsKey>,
+    /// Namespaces in both with a different path, size, block size, read-only or force_dax.
+    pub namespaces_changed: Vec<NsKey>,
+    /// Allowed hosts added: (subsystem, host).
+    pub hosts_added: Vec<(Nqn, Nqn)>,
+    /// Allowed hosts removed: (subsystem, host).
+    pub hosts_removed: Vec<(Nqn, Nqn)>,
+    /// Hosts whose key (file or contents) changed: (subsystem, host).
+    pub hosts_changed: Vec<(Nqn, Nqn)>,
+    /// Settings a reload cannot change (they need a restart): their key names.
+    pub needs_restart: Vec<&'static str>,
+    /// Settings that take effect for new connections: their key names.
+    pub settings_changed: Vec<&'static str>,
+}
+
+impl ConfigDiff {
+    /// Whether nothing changed.
+    pub fn is_empty(&self) -> bool {
+        *self == ConfigDiff::default()
+    }
+
+    /// Whether a session of `host` on `subsystem` is affected (its subsystem or host entry was
+    /// removed or changed). Namespace changes are handled per namespace by the caller.
+    pub fn touches_session(&self, subsystem: &Nqn, host: &Nqn) -> bool {
+        let pair = (subsystem.clone(), host.clone());
+        self.subsystems_removed.contains(subsystem)
+            || self.subsystems_changed.contains(subsystem)
+            || self.hosts_removed.contains(&pair)
+            || self.hosts_changed.contains(&pair)
+    }
+
+    /// A one-line summary for the log.
+    pub fn summary(&self) -> String {
+        if self.is_empty() {
+            return "no changes".into();
+        }
+        let parts = [
+            ("subsystems added", self.subsystems_added.len()),
+            ("subsystems removed", self.subsystems_removed.len()),
+            ("subsystems changed", self.subsystems_changed.len()),
+            ("namespaces added", self.namespaces_added.len()),
+            ("namespaces removed", self.namespaces_removed.len()),
+            ("namespaces changed", self.namespaces_changed.len()),
+            ("hosts added", self.hosts_added.len()),
+            ("hosts removed", self.hosts_removed.len()),
+            ("hosts changed", self.hosts_changed.len()),
+        ];
+        let mut s: Vec<String> = parts
+            .iter()
+            .filter(|(_, n)| *n > 0)
+            .map(|(what, n)| format!("{n} {what}"))
+            .collect();
+        if !self.settings_changed.is_empty() {
+            s.push(format!("changed: {}", self.settings_changed.join(", ")));
+        }
+        if !self.needs_restart.is_empty() {
+            s.push(format!(
+                "ignored until restart: {}",
+                self.needs_restart.join(", ")
+            ));
+        }
+        s.join("; ")
+    }
+}
+
+fn by_nqn(c: &Config) -> BTreeMap<&Nqn, &Subsystem> {
+    c.subsystems.iter().map(|s| (&s.nqn, s)).collect()
+}
+
+fn namespaces(s: &Subsystem) -> BTreeMap<u32, &Namespace> {
+    s.namespaces.iter().map(|n| (n.nsid, n)).collect()
+}
+
+fn hosts(s: &Subsystem) -> BTreeMap<&Nqn, &Host> {
+    s.hosts.iter().map(|h| (&h.nqn, h)).collect()
+}
+
+/// Computes what changed from `old` to `new`.
+pub fn diff(old: &Config, new: &Config) -> ConfigDiff {
+    let mut d = ConfigDiff::default();
+    let (o, n) = (by_nqn(old), by_nqn(new));
+    for (nqn, ns) in &n {
+        match o.get(nqn) {
+            None => {
+                d.subsystems_added.push((*nqn).clone());
+                d.namespaces_added
+                    .extend(ns.namespaces.iter().map(|x| ((*nqn).clone(), x.nsid)));
+                d.hosts_added
+                    .extend(ns.hosts.iter().map(|h| ((*nqn).clone(), h.nqn.clone())));
+            }
+            Some(os) => {
+                if os.allow_any_host != ns.allow_any_host {
+                    d.subsystems_changed.push((*nqn).clone());
+                }
+                let (on, nn) = (namespaces(os), namespaces(ns));
+                for (id, x) in &nn {
+                    match on.get(id) {
+                        None => d.namespaces_added.push(((*nqn).clone(), *id)),
+                        Some(y) if y != x => d.namespaces_changed.push(((*nqn).clone(), *id)),
+                        Some(_) => {}
+                    }
+                }
+                for id in on.keys().filter(|id| !nn.contains_key(id)) {
+                    d.namespaces_removed.push(((*nqn).clone(), *id));
+                }
+                let (oh, nh) = (hosts(os), hosts(ns));
+                for (h, x) in &nh {
+                    match oh.get(h) {
+                        None => d.hosts_added.push(((*nqn).clone(), (*h).clone())),
+                        Some(y) if y != x => d.hosts_changed.push(((*nqn).clone(), (*h).clone())),
+                        Some(_) => {}
+                    }
+                }
+                for h in oh.keys().filter(|h| !nh.contains_key(*h)) {
+                    d.hosts_removed.push(((*nqn).clone(), (*h).clone()));
+                }
+            }
+        }
+    }
+    for (nqn, os) in &o {
+        if !n.contains_key(nqn) {
+            d.subsystems_removed.push((*nqn).clone());
+            d.namespaces_removed
+                .extend(os.namespaces.iter().map(|x| ((*nqn).clone(), x.nsid)));
+            d.hosts_removed
+                .extend(os.hosts.iter().map(|h| ((*nqn).clone(), h.nqn.clone())));
+        }
+    }
+    let restart = [
+        ("listen", old.listeners != new.listeners),
+        ("control_socket", old.control_socket != new.control_socket),
+        ("poll_loops", old.poll_loops != new.poll_loops),
+    ];
+    d.needs_restart = restart
+        .iter()
+        .filter(|(_, c)| *c)
+        .map(|(k, _)| *k)
+        .collect();
+    let settings = [
+        ("keep_alive_ms", old.keep_alive_ms != new.keep_alive_ms),
+        (
+            "max_connections",
+            old.max_connections != new.max_connections,
+        ),
+        (
+            "max_queue_depth",
+            old.max_queue_depth != new.max_queue_depth,
+        ),
+        ("crc", old.crc != new.crc),
+        ("discovery", old.discovery != new.discovery),
+    ];
+    d.settings_changed = settings
+        .iter()
+        .filter(|(_, c)| *c)
+        .map(|(k, _)| *k)
+        .collect();
+    d
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    const BASE: &str = r#"
+listen = ["tcp://127.0.0.1:7420"]
+[[subsystem]]
+nqn = "nqn.2026-11.io.rpma:a"
+hosts = [{ nqn = "nqn.2026-11.io.rpma:h1" }, { nqn = "nqn.2026-11.io.rpma:h2" }]
+[[subsystem.namespace]]
+nsid = 1
+path = "a1"
+size = "1MiB"
+[[subsystem.namespace]]
+nsid = 2
+path = "a2"
+size = "1MiB"
+[[subsystem]]
+nqn = "nqn.2026-11.io.rpma:b"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+path = "b1"
+size = "1MiB"
+"#;
+
+    fn cfg(text: &str) -> Config {
+        Config::from_toml(text, Path::new("/srv")).unwrap()
+    }
+
+    fn nqn(s: &str) -> Nqn {
+        Nqn::new(format!("nqn.2026-11.io.rpma:{s}")).unwrap()
+    }
+
+    #[test]
+    fn identical_is_empty() {
+        let d = diff(&cfg(BASE), &cfg(BASE));
+        assert!(d.is_empty());
+        assert_eq!(d.summary(), "no changes");
+    }
+
+    #[test]
+    fn namespace_added_removed_changed() {
+        let new = BASE
+            .replace(
+                "nsid = 2\npath = \"a2\"\nsize = \"1MiB\"",
+                "nsid = 3\npath = \"a3\"\nsize = \"1MiB\"",
+            )
+            .replace(
+                "path = \"b1\"\nsize = \"1MiB\"",
+                "path = \"b1\"\nsize = \"2MiB\"",
+            );
+        let d = diff(&cfg(BASE), &cfg(&new));
+        assert_eq!(d.namespaces_added, [(nqn("a"), 3)]);
+        assert_eq!(d.namespaces_removed, [(nqn("a"), 2)]);
+        assert_eq!(d.namespaces_changed, [(nqn("b"), 1)]);
+        assert!(d.subsystems_added.is_empty() && d.hosts_added.is_empty());
+        assert!(
+            !d.touches_session(&nqn("a"), &nqn("h1")),
+            "namespace changes are per namespace"
+        );
+        assert!(d.summary().contains("1 namespaces added"));
+    }
+
+    #[test]
+    fn subsystem_added_and_removed_carry_their_namespaces_and_hosts() {
+        let new = BASE.replace("nqn.2026-11.io.rpma:b", "nqn.2026-11.io.rpma:c");
+        let d = diff(&cfg(BASE), &cfg(&new));
+        assert_eq!(d.subsystems_added, [nqn("c")]);
+        assert_eq!(d.subsystems_removed, [nqn("b")]);
+        assert_eq!(d.namespaces_added, [(nqn("c"), 1)]);
+        assert_eq!(d.namespaces_removed, [(nqn("b"), 1)]);
+        assert!(d.touches_session(&nqn("b"), &nqn("anyone")));
+        assert!(!d.touches_session(&nqn("a"), &nqn("h1")));
+    }
+
+    #[test]
+    fn hosts_added_removed_changed() {
+        let new = BASE.replace(
+            r#"hosts = [{ nqn = "nqn.2026-11.io.rpma:h1" }, { nqn = "nqn.2026-11.io.rpma:h2" }]"#,
+            r#"hosts = [{ nqn = "nqn.2026-11.io.rpma:h2" }, { nqn = "nqn.2026-11.io.rpma:h3" }]"#,
+        );
+        let d = diff(&cfg(BASE), &cfg(&new));
+        assert_eq!(d.hosts_added, [(nqn("a"), nqn("h3"))]);
+        assert_eq!(d.hosts_removed, [(nqn("a"), nqn("h1"))]);
+        assert!(d.hosts_changed.is_empty());
+        assert!(d.touches_session(&nqn("a"), &nqn("h1")));
+        assert!(!d.touches_session(&nqn("a"), &nqn("h2")));
+    }
+
+    #[test]
+    fn host_key_change_is_a_change() {
+        let old = cfg(BASE);
+        let mut new = old.clone();
+        new.subsystems[0].hosts[0].psk_file = Some("/etc/rpma/h1.psk".into());
+        let d = diff(&old, &new);
+        assert_eq!(d.hosts_changed, [(nqn("a"), nqn("h1"))]);
+        assert!(d.touches_session(&nqn("a"), &nqn("h1")));
+    }
+
+    #[test]
+    fn allow_any_host_and_settings() {
+        let new = BASE
+            .replace(
+                "allow_any_host = true",
+                "allow_any_host = true\nhosts = [{ nqn = \"nqn.2026-11.io.rpma:h9\" }]",
+            )
+            .replacen("allow_any_host = true", "allow_any_host = false", 1);
+        let new = format!("keep_alive_ms = 900\ncontrol_socket = \"/x.sock\"\n{new}");
+        let d = diff(&cfg(BASE), &cfg(&new));
+        assert_eq!(d.subsystems_changed, [nqn("b")]);
+        assert_eq!(d.hosts_added, [(nqn("b"), nqn("h9"))]);
+        assert_eq!(d.settings_changed, ["keep_alive_ms"]);
+        assert_eq!(d.needs_restart, ["control_socket"]);
+        assert!(d
+            .summary()
+            .contains("ignored until restart: control_socket"));
+    }
+}

@@ -1,0 +1,208 @@
+//! Access decisions for a Connect: which subsystem, whether the host is allowed, whether it must
+//! authenticate; and the discovery listing. Pure functions over the configuration, so that the
+//! session code (wired onto the fabric by the lead) only moves messages.
+
+use rpma_common::proto::auth::{AuthContext, Psk};
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{Connect, DiscoveryEntry, DiscoveryResponse, Refusal, RefusalReason};
+
+use crate::config::{Config, Subsystem};
+
+/// What to do with a Connect.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Admission<'a> {
+    /// Refuse with this message (log it once with the host NQN and the peer).
+    Refuse(Refusal),
+    /// A discovery connection: answer DiscoveryRequests.
+    Discovery,
+    /// The host must prove the key first (start a [`rpma_common::proto::auth::TargetAuth`]).
+    Authenticate {
+        /// The subsystem.
+        subsystem: &'a Subsystem,
+        /// The host's key.
+        psk: Psk,
+        /// What the proofs are bound to.
+        ctx: AuthContext,
+    },
+    /// Admit without authentication.
+    Accept {
+        /// The subsystem.
+        subsystem: &'a Subsystem,
+    },
+}
+
+fn refuse(reason: RefusalReason, message: String) -> Admission<'static> {
+    Admission::Refuse(Refusal { reason, message })
+}
+
+/// Decides on a Connect.
+///
+/// A host listed with a key must authenticate even when `allow_any_host` is set; a host that is
+/// not listed gets in only with `allow_any_host`.
+pub fn admit<'a>(cfg: &'a Config, c: &Connect) -> Admission<'a> {
+    if c.subsystem_nqn.is_discovery() {
+        return if cfg.discovery {
+            Admission::Discovery
+        } else {
+            refuse(
+                RefusalReason::UnknownSubsystem,
+                "discovery is disabled on this target".into(),
+            )
+        };
+    }
+    let Some(subsystem) = cfg.subsystems.iter().find(|s| s.nqn == c.subsystem_nqn) else {
+        return refuse(
+            RefusalReason::UnknownSubsystem,
+            format!("no subsystem {} here", c.subsystem_nqn),
+        );
+    };
+    match subsystem.hosts.iter().find(|h| h.nqn == c.host_nqn) {
+        Some(h) => match &h.psk {
+            Some(psk) => Admission::Authenticate {
+                subsystem,
+                psk: psk.clone(),
+                ctx: AuthContext {
+                    host_nqn: c.host_nqn.clone(),
+                    subsystem_nqn: c.subsystem_nqn.clone(),
+                    host_id: c.host_id,
+                },
+            },
+            None => Admission::Accept { subsystem },
+        },
+        None if subsystem.allow_any_host => Admission::Accept { subsystem },
+        None => refuse(
+            RefusalReason::HostNotAllowed,
+            format!("host {} is not allowed on {}", c.host_nqn, c.subsystem_nqn),
+        ),
+    }
+}
+
+/// Whether `host` may see `s` in a discovery listing.
+pub fn visible_to(s: &Subsystem, host: &Nqn) -> bool {
+    s.allow_any_host || s.hosts.iter().any(|h| &h.nqn == host)
+}
+
+/// The discovery listing for `host`: the subsystems it may connect to, with every listen URL.
+pub fn discovery(cfg: &Config, host: &Nqn) -> DiscoveryResponse {
+    let listen: Vec<String> = cfg.listeners.iter().map(|l| l.url.to_string()).collect();
+    DiscoveryResponse {
+        entries: cfg
+            .subsystems
+            .iter()
+            .filter(|s| visible_to(s, host))
+            .map(|s| DiscoveryEntry {
+                subsystem_nqn: s.nqn.clone(),
+                listen: listen.clone(),
+            })
+            .collect(),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use rpma_common::proto::nqn::DISCOVERY_NQN;
+    use rpma_common::proto::HostId;
+
+    use super::*;
+
+    fn cfg(dir: &std::path::Path, discovery: bool) -> Config {
+        let k = dir.join("k.psk");
+        std::fs::write(&k, "11".repeat(32)).unwrap();
+        std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let text = format!(
+            r#"
+discovery = {discovery}
+listen = ["tcp://127.0.0.1:7420", "tcp://[::1]:7420"]
+[[subsystem]]
+nqn = "nqn.2026-11.io.rpma:closed"
+hosts = [{{ nqn = "nqn.2026-11.io.rpma:plain" }}, {{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
+[[subsystem]]
+nqn = "nqn.2026-11.io.rpma:open"
+allow_any_host = true
+hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
+"#
+        );
+        Config::from_toml(&text, dir).unwrap()
+    }
+
+    fn connect(host: &str, sub: &str) -> Connect {
+        Connect {
+            host_nqn: Nqn::new(host).unwrap(),
+            subsystem_nqn: Nqn::new(sub).unwrap(),
+            host_id: HostId([1; 16]),
+            queue_id: 0,
+            keep_alive_ms: 0,
+        }
+    }
+
+    const CLOSED: &str = "nqn.2026-11.io.rpma:closed";
+    const OPEN: &str = "nqn.2026-11.io.rpma:open";
+
+    #[test]
+    fn decisions() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path(), true);
+        let reason = |a: Admission<'_>| match a {
+            Admission::Refuse(r) => Some(r.reason),
+            _ => None,
+        };
+        assert_eq!(
+            reason(admit(
+                &c,
+                &connect("nqn.2026-11.io.rpma:plain", "nqn.2026-11.io.rpma:nope")
+            )),
+            Some(RefusalReason::UnknownSubsystem)
+        );
+        assert_eq!(
+            reason(admit(&c, &connect("nqn.2026-11.io.rpma:stranger", CLOSED))),
+            Some(RefusalReason::HostNotAllowed)
+        );
+        assert!(matches!(
+            admit(&c, &connect("nqn.2026-11.io.rpma:plain", CLOSED)),
+            Admission::Accept { subsystem } if subsystem.nqn.as_str() == CLOSED
+        ));
+        assert!(matches!(
+            admit(&c, &connect("nqn.2026-11.io.rpma:keyed", CLOSED)),
+            Admission::Authenticate { ctx, .. } if ctx.subsystem_nqn.as_str() == CLOSED
+        ));
+        // allow_any_host does not waive a listed host's key.
+        assert!(matches!(
+            admit(&c, &connect("nqn.2026-11.io.rpma:keyed", OPEN)),
+            Admission::Authenticate { .. }
+        ));
+        assert!(matches!(
+            admit(&c, &connect("nqn.2026-11.io.rpma:stranger", OPEN)),
+            Admission::Accept { .. }
+        ));
+        assert!(matches!(
+            admit(&c, &connect("nqn.2026-11.io.rpma:stranger", DISCOVERY_NQN)),
+            Admission::Discovery
+        ));
+        let off = cfg(d.path(), false);
+        assert_eq!(
+            reason(admit(
+                &off,
+                &connect("nqn.2026-11.io.rpma:stranger", DISCOVERY_NQN)
+            )),
+            Some(RefusalReason::UnknownSubsystem)
+        );
+    }
+
+    #[test]
+    fn discovery_lists_only_what_the_host_may_reach() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path(), true);
+        let stranger = discovery(&c, &Nqn::new("nqn.2026-11.io.rpma:stranger").unwrap());
+        assert_eq!(stranger.entries.len(), 1);
+        assert_eq!(stranger.entries[0].subsystem_nqn.as_str(), OPEN);
+        assert_eq!(
+            stranger.entries[0].listen,
+            ["tcp://127.0.0.1:7420", "tcp://[::1]:7420"]
+        );
+        let plain = discovery(&c, &Nqn::new("nqn.2026-11.io.rpma:plain").unwrap());
+        assert_eq!(plain.entries.len(), 2);
+    }
+}
