@@ -309,6 +309,29 @@ struct RawNamespace {
     force_dax: bool,
 }
 
+/// The control socket a configuration file names, without validating the rest (so that
+/// `rpma-target status --config` works for a user who may not read the key files).
+///
+/// # Errors
+/// [`ConfigError::Read`], [`ConfigError::Parse`], [`ConfigError::Invalid`] if the key is not a
+/// string.
+pub fn control_socket_of(path: &Path) -> Result<PathBuf> {
+    let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+        path: path.to_owned(),
+        source,
+    })?;
+    let table: toml::Table = toml::from_str(&text).map_err(|source| ConfigError::Parse {
+        path: path.to_owned(),
+        source,
+    })?;
+    let base = path.parent().unwrap_or(Path::new("."));
+    match table.get("control_socket") {
+        None => Ok(PathBuf::from(DEFAULT_CONTROL_SOCKET)),
+        Some(toml::Value::String(s)) => Ok(base.join(s)),
+        Some(v) => Err(invalid("control_socket", format!("{v} is not a path"))),
+    }
+}
+
 fn int_in(key: &str, v: Option<i64>, default: u32, min: u32, max: u32) -> Result<u32> {
     let Some(v) = v else { return Ok(default) };
     if v < i64::from(min) || v > i64::from(max) {

@@ -2,7 +2,10 @@
 //!
 //! The binary `rpma-target` is a thin front over this library.
 
+pub mod check;
 pub mod config;
+pub mod control;
+pub mod daemon;
 pub mod flusher;
 pub mod namespace;
 pub mod notify;

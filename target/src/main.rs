@@ -1,15 +1,20 @@
 use std::path::PathBuf;
 use std::process::ExitCode;
 
-use clap::{Parser, Subcommand};
+use clap::{Args, Parser, Subcommand};
 
 /// rpma-target serves persistent memory (a pmem/DAX file, a devdax device, or for testing a regular or
 /// tmpfs file) to remote initiators as directly writable, durable block storage.
+///
+/// Run the daemon in the foreground with `rpma-target --config FILE`.
 #[derive(Debug, Parser)]
-#[command(name = "rpma-target", version, about, long_about = None)]
+#[command(name = "rpma-target", version, about, long_about = None, args_conflicts_with_subcommands = true)]
 struct Cli {
+    /// Run the daemon (in the foreground) with this configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
     #[command(subcommand)]
-    command: Command,
+    command: Option<Command>,
 }
 
 #[derive(Debug, Subcommand)]
@@ -36,20 +41,75 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
+    /// Validate a configuration file, probe each namespace and print its persistence domain and
+    /// the durability methods it would offer; exit non-zero on any problem.
+    CheckConfig {
+        /// The configuration file.
+        file: PathBuf,
+    },
+    /// Show a running daemon's listeners, subsystems, namespaces and sessions.
+    Status(StatusArgs),
+}
+
+#[derive(Debug, Args)]
+struct StatusArgs {
+    /// The daemon's control socket.
+    #[arg(long, value_name = "PATH", conflicts_with = "config")]
+    socket: Option<PathBuf>,
+    /// Take the control socket from this configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Print the daemon's JSON instead of a table.
+    #[arg(long)]
+    json: bool,
+}
+
+fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let socket = match (args.socket, args.config) {
+        (Some(s), _) => s,
+        (None, Some(c)) => rpma_target::config::control_socket_of(&c)?,
+        (None, None) => PathBuf::from(rpma_target::config::DEFAULT_CONTROL_SOCKET),
+    };
+    let (st, raw) = rpma_target::control::query_status(&socket)?;
+    if args.json {
+        println!("{}", raw.trim_end());
+    } else {
+        print!("{}", rpma_target::control::render(&st));
+    }
+    Ok(())
 }
 
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("info")).init();
     let cli = Cli::parse();
-    let result = match cli.command {
-        Command::Probe {
-            path,
-            size,
-            block_size,
-            force_dax,
-            grow,
-            json,
-        } => rpma_target::probe::run(&rpma_target::probe::ProbeArgs {
+    let result = match (cli.config, cli.command) {
+        (Some(config), None) => {
+            rpma_target::daemon::run(&config, Box::new(rpma_target::daemon::NoTransport))
+                .map_err(anyhow::Error::from)
+        }
+        (None, Some(Command::CheckConfig { file })) => {
+            let mut out = std::io::stdout().lock();
+            return match rpma_target::check::check_config(&file, &mut out) {
+                Ok(true) => ExitCode::SUCCESS,
+                Ok(false) => ExitCode::FAILURE,
+                Err(e) => {
+                    eprintln!("rpma-target: error: {e}");
+                    ExitCode::FAILURE
+                }
+            };
+        }
+        (None, Some(Command::Status(args))) => status(args),
+        (
+            None,
+            Some(Command::Probe {
+                path,
+                size,
+                block_size,
+                force_dax,
+                grow,
+                json,
+            }),
+        ) => rpma_target::probe::run(&rpma_target::probe::ProbeArgs {
             path,
             size,
             block_size,
@@ -57,6 +117,12 @@ fn main() -> ExitCode {
             grow,
             json,
         }),
+        (_, _) => {
+            eprintln!(
+                "rpma-target: give --config FILE to run the daemon, or a subcommand (see --help)"
+            );
+            return ExitCode::from(2);
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -64,5 +130,16 @@ fn main() -> ExitCode {
             eprintln!("rpma-target: error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cli_is_consistent() {
+        use clap::CommandFactory;
+        Cli::command().debug_assert();
     }
 }

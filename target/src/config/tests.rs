@@ -329,3 +329,31 @@ fn load_reports_the_path() {
     let e = Config::load(&p).unwrap_err().to_string();
     assert!(e.contains("bad.toml") && e.contains("bogus"), "{e}");
 }
+
+#[test]
+fn control_socket_of_reads_only_that_key() {
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("c.toml");
+    // The key file is missing: a full load would fail, this must not.
+    std::fs::write(
+        &p,
+        "control_socket = \"ctl.sock\"\n[[subsystem]]\nnqn = \"x\"\n",
+    )
+    .unwrap();
+    assert_eq!(control_socket_of(&p).unwrap(), d.path().join("ctl.sock"));
+    std::fs::write(&p, "").unwrap();
+    assert_eq!(
+        control_socket_of(&p).unwrap(),
+        Path::new(DEFAULT_CONTROL_SOCKET)
+    );
+    std::fs::write(&p, "control_socket = 5").unwrap();
+    assert!(control_socket_of(&p)
+        .unwrap_err()
+        .to_string()
+        .starts_with("control_socket: 5"));
+    std::fs::write(&p, "control_socket = ").unwrap();
+    assert!(matches!(
+        control_socket_of(&p),
+        Err(ConfigError::Parse { .. })
+    ));
+}

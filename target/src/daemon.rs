@@ -1,0 +1,381 @@
+//! The daemon: load the configuration, map every namespace, start the control socket, bind the
+//! listeners (through the [`Serve`] seam), then READY=1; serve signals until SIGTERM/SIGINT.
+//!
+//! Order and readiness: READY=1 is sent only after every namespace is mapped, the control socket
+//! accepts and [`Serve::bind`] returned; its STATUS= line says how many listeners are bound, so a
+//! build without the transport wired in does not claim to serve anything.
+//!
+//! Signals are taken through a signalfd (blocked in every thread, read by the main loop):
+//! SIGHUP reloads (RELOADING=1, diff, apply, READY=1), SIGTERM/SIGINT stop (STOPPING=1, then
+//! [`Serve::stop`] completes in-flight flushes and closes sessions, then exit 0).
+
+use std::os::fd::AsFd;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+
+use crate::config::{Config, ConfigError, Transport};
+use crate::control::{
+    self, ControlError, ControlServer, HostStatus, ListenerStatus, NamespaceStatus, SessionStatus,
+    Status, SubsystemStatus, TransportMethods,
+};
+use crate::namespace::{durability_methods, NamespaceError, NamespaceTable};
+use crate::notify::{Notifier, NotifyError};
+use crate::reload::{self, ConfigDiff};
+
+/// Errors that stop the daemon.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum DaemonError {
+    /// Signal handling could not be set up.
+    #[error("cannot set up signal handling")]
+    Signals(#[source] nix::Error),
+    /// The notification socket is misconfigured.
+    #[error(transparent)]
+    Notify(#[from] NotifyError),
+    /// The configuration is invalid.
+    #[error(transparent)]
+    Config(#[from] ConfigError),
+    /// A namespace could not be opened.
+    #[error(transparent)]
+    Namespace(#[from] NamespaceError),
+    /// The control socket could not be started.
+    #[error(transparent)]
+    Control(#[from] ControlError),
+    /// The listeners could not be bound.
+    #[error(transparent)]
+    Serve(#[from] ServeError),
+}
+
+/// Result of the daemon.
+pub type Result<T> = std::result::Result<T, DaemonError>;
+
+/// Errors of a [`Serve`] implementation.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ServeError {
+    /// A listener could not be bound.
+    #[error("cannot listen on {url}")]
+    Bind {
+        /// The listener's URL.
+        url: String,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// The seam where listeners and sessions plug in: the fabric-backed implementation is the lead's
+/// to write; [`NoTransport`] is what this build has.
+pub trait Serve: Send {
+    /// Binds every listener of `cfg`; called after the namespaces are mapped and the control
+    /// socket accepts, before READY=1. Returns one status per listener.
+    ///
+    /// # Errors
+    /// [`ServeError::Bind`] stops the daemon before READY=1.
+    fn bind(
+        &mut self,
+        cfg: &Config,
+        namespaces: &NamespaceTable,
+    ) -> std::result::Result<Vec<ListenerStatus>, ServeError>;
+
+    /// A reload was applied: `namespaces` is the new table. Close the sessions that
+    /// [`ConfigDiff::touches_session`] names and revoke rkeys of removed or changed namespaces;
+    /// leave every other session alone.
+    fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable);
+
+    /// The sessions, for `status`.
+    fn sessions(&self) -> Vec<SessionStatus>;
+
+    /// Stops accepting, answers in-flight flush requests, closes every session.
+    fn stop(&mut self);
+}
+
+/// No transport: binds nothing and says so in every listener's status.
+#[derive(Debug, Default)]
+pub struct NoTransport;
+
+impl Serve for NoTransport {
+    fn bind(
+        &mut self,
+        cfg: &Config,
+        _: &NamespaceTable,
+    ) -> std::result::Result<Vec<ListenerStatus>, ServeError> {
+        log::warn!(
+            "no listener is bound: the fabric is not wired into this build of rpma-target yet"
+        );
+        Ok(cfg
+            .listeners
+            .iter()
+            .map(|l| ListenerStatus {
+                url: l.url.to_string(),
+                bound: false,
+                crc: cfg.crc,
+                direct_write_to_pmem: l.direct_write_to_pmem,
+                note: Some("the fabric is not wired into this build yet".into()),
+            })
+            .collect())
+    }
+
+    fn reloaded(&mut self, _: &ConfigDiff, _: &Config, _: &NamespaceTable) {}
+
+    fn sessions(&self) -> Vec<SessionStatus> {
+        Vec::new()
+    }
+
+    fn stop(&mut self) {}
+}
+
+struct State {
+    config: Config,
+    namespaces: NamespaceTable,
+    listeners: Vec<ListenerStatus>,
+    reloads: u64,
+    last_reload: Option<String>,
+    serve: Box<dyn Serve>,
+}
+
+struct Shared {
+    config_path: PathBuf,
+    started: Instant,
+    state: Mutex<State>,
+}
+
+impl Shared {
+    fn lock(&self) -> MutexGuard<'_, State> {
+        // A panic elsewhere must not take the status and reload paths down with it.
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+fn transports(cfg: &Config) -> Vec<(Transport, bool)> {
+    let mut v: Vec<(Transport, bool)> = Vec::new();
+    for l in &cfg.listeners {
+        let t = (l.url.transport, l.direct_write_to_pmem);
+        if !v.contains(&t) {
+            v.push(t);
+        }
+    }
+    v
+}
+
+fn transport_name(t: Transport, dwp: bool) -> String {
+    match (t, dwp) {
+        (Transport::Tcp, _) => "tcp".into(),
+        (Transport::Rdma, false) => "rdma".into(),
+        (Transport::Rdma, true) => "rdma(direct_write_to_pmem)".into(),
+    }
+}
+
+fn status(shared: &Shared) -> Status {
+    let st = shared.lock();
+    let cfg = &st.config;
+    let ts = transports(cfg);
+    Status {
+        version: env!("CARGO_PKG_VERSION").into(),
+        pid: std::process::id(),
+        uptime_s: shared.started.elapsed().as_secs(),
+        config: shared.config_path.clone(),
+        reloads: st.reloads,
+        last_reload: st.last_reload.clone(),
+        listeners: st.listeners.clone(),
+        subsystems: cfg
+            .subsystems
+            .iter()
+            .map(|s| SubsystemStatus {
+                nqn: s.nqn.to_string(),
+                allow_any_host: s.allow_any_host,
+                hosts: s
+                    .hosts
+                    .iter()
+                    .map(|h| HostStatus {
+                        nqn: h.nqn.to_string(),
+                        psk: h.psk.is_some(),
+                    })
+                    .collect(),
+                namespaces: st
+                    .namespaces
+                    .of_subsystem(&s.nqn)
+                    .map(|ns| NamespaceStatus {
+                        nsid: ns.config.nsid,
+                        path: ns.config.path.clone(),
+                        size: ns.size(),
+                        block_size: ns.config.block_size,
+                        read_only: ns.config.read_only,
+                        domain: ns.domain().to_string(),
+                        durability: ts
+                            .iter()
+                            .map(|&(t, dwp)| TransportMethods {
+                                transport: transport_name(t, dwp),
+                                methods: durability_methods(ns.domain(), t, dwp)
+                                    .names()
+                                    .into_iter()
+                                    .map(String::from)
+                                    .collect(),
+                            })
+                            .collect(),
+                        counters: ns.counters.snapshot(),
+                    })
+                    .collect(),
+            })
+            .collect(),
+        sessions: st.serve.sessions(),
+    }
+}
+
+fn ready_line(st: &State) -> String {
+    let bound = st.listeners.iter().filter(|l| l.bound).count();
+    format!(
+        "{} namespace(s) in {} subsystem(s) mapped; control socket {}; {bound} of {} listener(s) bound",
+        st.namespaces.len(),
+        st.config.subsystems.len(),
+        st.config.control_socket.display(),
+        st.listeners.len()
+    )
+}
+
+/// Runs the daemon until SIGTERM or SIGINT.
+///
+/// # Errors
+/// Any [`DaemonError`] before READY=1. After it, failures (a bad reload) are logged and the
+/// daemon keeps serving with the configuration it has.
+pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
+    let mut mask = SigSet::empty();
+    for s in [Signal::SIGTERM, Signal::SIGHUP, Signal::SIGINT] {
+        mask.add(s);
+    }
+    // Blocked before any thread starts, so every thread inherits the mask and only the signalfd
+    // sees these signals.
+    mask.thread_block().map_err(DaemonError::Signals)?;
+    let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .map_err(DaemonError::Signals)?;
+    let notifier = Notifier::from_env()?;
+
+    // Absolute, so that status and reloads name the same file whatever the working directory.
+    let config_path =
+        &std::fs::canonicalize(config_path).unwrap_or_else(|_| config_path.to_owned());
+    let config = Config::load(config_path)?;
+    let namespaces = NamespaceTable::open_all(&config)?;
+    log::info!("{} namespace(s) mapped", namespaces.len());
+    let socket = config.control_socket.clone();
+    let shared = Arc::new(Shared {
+        config_path: config_path.to_owned(),
+        started: Instant::now(),
+        state: Mutex::new(State {
+            config,
+            namespaces,
+            listeners: Vec::new(),
+            reloads: 0,
+            last_reload: None,
+            serve,
+        }),
+    });
+    let weak = Arc::downgrade(&shared);
+    let handler: control::Handler = Arc::new(move |req| match (req, weak.upgrade()) {
+        ("status", Some(sh)) => serde_json::to_string(&status(&sh)).map_err(|e| e.to_string()),
+        ("status", None) => Err("the daemon is stopping".into()),
+        (other, _) => Err(format!("unknown request {other:?} (try \"status\")")),
+    });
+    let control = ControlServer::bind(&socket, handler)?;
+    log::info!("control socket {}", control.path().display());
+    {
+        let mut st = shared.lock();
+        let State {
+            config,
+            namespaces,
+            serve,
+            ..
+        } = &mut *st;
+        let listeners = serve.bind(config, namespaces)?;
+        st.listeners = listeners;
+        let line = ready_line(&st);
+        log::info!("ready: {line}");
+        notifier.ready(&line)?;
+    }
+
+    let watchdog = notifier.watchdog_interval();
+    let mut last_ping = Instant::now();
+    if watchdog.is_some() {
+        notifier.watchdog()?;
+    }
+    loop {
+        let timeout = match watchdog {
+            Some(w) => {
+                let left = w
+                    .saturating_sub(last_ping.elapsed())
+                    .max(Duration::from_millis(1));
+                PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
+            }
+            None => PollTimeout::NONE,
+        };
+        let mut fds = [PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut fds, timeout) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => {}
+            Err(e) => return Err(DaemonError::Signals(e)),
+        }
+        if let Some(w) = watchdog {
+            if last_ping.elapsed() >= w {
+                if let Err(e) = notifier.watchdog() {
+                    log::warn!("{e}");
+                }
+                last_ping = Instant::now();
+            }
+        }
+        while let Ok(Some(info)) = sfd.read_signal() {
+            match Signal::try_from(info.ssi_signo as i32) {
+                Ok(Signal::SIGHUP) => reload_now(&shared, &notifier),
+                Ok(sig @ (Signal::SIGTERM | Signal::SIGINT)) => {
+                    log::info!("{sig}: stopping");
+                    let _ = notifier.stopping();
+                    shared.lock().serve.stop();
+                    drop(control);
+                    return Ok(());
+                }
+                _ => {}
+            }
+        }
+    }
+}
+
+fn reload_now(shared: &Shared, notifier: &Notifier) {
+    let _ = notifier.reloading();
+    let outcome = Config::load(&shared.config_path)
+        .map_err(|e| e.to_string())
+        .and_then(|new| {
+            let mut st = shared.lock();
+            let d = reload::diff(&st.config, &new);
+            st.namespaces.apply(&d, &new).map_err(|e| e.to_string())?;
+            // Settings that need a restart keep their running values.
+            let mut new = new;
+            new.listeners = st.config.listeners.clone();
+            new.control_socket = st.config.control_socket.clone();
+            new.poll_loops = st.config.poll_loops;
+            let State {
+                serve, namespaces, ..
+            } = &mut *st;
+            serve.reloaded(&d, &new, namespaces);
+            st.config = new;
+            st.reloads += 1;
+            Ok(d.summary())
+        });
+    let mut st = shared.lock();
+    match outcome {
+        Ok(summary) => {
+            log::info!("reloaded {}: {summary}", shared.config_path.display());
+            st.last_reload = Some(summary);
+        }
+        Err(e) => {
+            log::error!(
+                "reload of {} failed, keeping the running configuration: {e}",
+                shared.config_path.display()
+            );
+            st.last_reload = Some(format!("failed: {e}"));
+        }
+    }
+    let line = ready_line(&st);
+    let _ = notifier.ready(&line);
+}
