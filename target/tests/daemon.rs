@@ -1,0 +1,292 @@
+//! The daemon as a real process: readiness over a NOTIFY_SOCKET of the test's own, status over
+//! the control socket, SIGHUP reloads, SIGTERM exit, watchdog pings, start-up failures.
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
+
+struct Daemon {
+    child: Child,
+    notify: UnixDatagram,
+}
+
+impl Daemon {
+    fn start(config: &Path, dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
+        let sock = dir.join("notify.sock");
+        let notify = UnixDatagram::bind(&sock).unwrap();
+        let mut cmd = Command::new(BIN);
+        cmd.arg("--config")
+            .arg(config)
+            .env("NOTIFY_SOCKET", &sock)
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit());
+        for (k, v) in extra_env {
+            cmd.env(k, v);
+        }
+        Daemon {
+            child: cmd.spawn().unwrap(),
+            notify,
+        }
+    }
+
+    /// The next notification, or None after `secs`.
+    fn next(&self, secs: u64) -> Option<String> {
+        self.notify
+            .set_read_timeout(Some(Duration::from_secs(secs)))
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        match self.notify.recv(&mut buf) {
+            Ok(n) => Some(String::from_utf8_lossy(&buf[..n]).into_owned()),
+            Err(_) => None,
+        }
+    }
+
+    /// Skips watchdog pings; panics if nothing else comes.
+    fn expect(&self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some(m) = self.next(30) {
+                if m == "WATCHDOG=1" {
+                    continue;
+                }
+                assert!(m.starts_with(prefix), "expected {prefix:?}, got {m:?}");
+                return m;
+            }
+        }
+        panic!("no {prefix:?} notification");
+    }
+
+    fn signal(&self, sig: libc::c_int) {
+        // SAFETY: kill has no memory-safety preconditions; the pid is our own child's.
+        assert_eq!(
+            unsafe { libc::kill(self.child.id() as libc::pid_t, sig) },
+            0
+        );
+    }
+
+    fn wait(mut self, secs: u64) -> std::process::ExitStatus {
+        let deadline = Instant::now() + Duration::from_secs(secs);
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("daemon did not exit within {secs}s");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn status(args: &[&str]) -> Output {
+    Command::new(BIN).arg("status").args(args).output().unwrap()
+}
+
+fn status_json(socket: &Path) -> serde_json::Value {
+    let out = status(&["--socket", socket.to_str().unwrap(), "--json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).unwrap()
+}
+
+fn nsids(v: &serde_json::Value) -> Vec<u64> {
+    v["subsystems"][0]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["nsid"].as_u64().unwrap())
+        .collect()
+}
+
+const NS2: &str =
+    "\n[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\nblock_size = 512\n";
+
+fn write_config(dir: &Path, extra: &str) -> PathBuf {
+    let p = dir.join("rpma-target.toml");
+    std::fs::write(
+        &p,
+        format!(
+            r#"listen = ["tcp://127.0.0.1:7420"]
+control_socket = "run/control.sock"
+
+[[subsystem]]
+nqn = "nqn.2026-11.io.rpma:demo"
+allow_any_host = true
+
+[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "4MiB"
+{extra}"#
+        ),
+    )
+    .unwrap();
+    p
+}
+
+#[test]
+fn ready_status_reload_and_clean_stop() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), "");
+    let socket = d.path().join("run/control.sock");
+    let daemon = Daemon::start(&cfg, d.path(), &[]);
+
+    let ready = daemon.expect("READY=1");
+    assert!(
+        ready.contains("STATUS=1 namespace(s) in 1 subsystem(s) mapped"),
+        "{ready}"
+    );
+    assert!(
+        ready.contains("0 of 1 listener(s) bound"),
+        "readiness must not claim listeners: {ready}"
+    );
+    // READY=1 came only after the namespace was mapped and the control socket accepted.
+    assert_eq!(
+        std::fs::metadata(d.path().join("ns1")).unwrap().len(),
+        4 << 20
+    );
+    let v = status_json(&socket);
+    assert_eq!(nsids(&v), [1]);
+    assert_eq!(v["listeners"][0]["url"], "tcp://127.0.0.1:7420");
+    assert_eq!(v["listeners"][0]["bound"], false);
+    assert!(v["sessions"].as_array().unwrap().is_empty());
+    let domain = v["subsystems"][0]["namespaces"][0]["domain"]
+        .as_str()
+        .unwrap()
+        .to_owned();
+    assert!(
+        ["page-cache", "volatile", "dax"].contains(&domain.as_str()),
+        "{domain}"
+    );
+
+    // The human table, found through the config file.
+    let out = status(&["--config", cfg.to_str().unwrap()]);
+    assert!(out.status.success());
+    let table = String::from_utf8(out.stdout).unwrap();
+    assert!(
+        table.contains("nqn.2026-11.io.rpma:demo") && table.contains("SESSIONS"),
+        "{table}"
+    );
+
+    // SIGHUP after adding a namespace.
+    write_config(d.path(), NS2);
+    daemon.signal(libc::SIGHUP);
+    assert!(daemon.expect("RELOADING=1").contains("MONOTONIC_USEC="));
+    assert!(daemon.expect("READY=1").contains("2 namespace(s)"));
+    let v = status_json(&socket);
+    assert_eq!(nsids(&v), [1, 2]);
+    assert_eq!(v["reloads"], 1);
+    assert_eq!(v["last_reload"], "1 namespaces added");
+    assert_eq!(v["subsystems"][0]["namespaces"][1]["block_size"], 512);
+
+    // A bad reload keeps the running configuration.
+    std::fs::write(&cfg, "listen = 5").unwrap();
+    daemon.signal(libc::SIGHUP);
+    daemon.expect("RELOADING=1");
+    daemon.expect("READY=1");
+    let v = status_json(&socket);
+    assert_eq!(nsids(&v), [1, 2]);
+    assert!(
+        v["last_reload"].as_str().unwrap().starts_with("failed:"),
+        "{}",
+        v["last_reload"]
+    );
+
+    daemon.signal(libc::SIGTERM);
+    assert_eq!(daemon.expect("STOPPING=1"), "STOPPING=1");
+    let st = daemon.wait(20);
+    assert!(st.success(), "SIGTERM must exit 0: {st:?}");
+    assert!(!socket.exists(), "control socket removed at exit");
+}
+
+#[test]
+fn sigint_also_stops_cleanly() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), "");
+    let daemon = Daemon::start(&cfg, d.path(), &[]);
+    daemon.expect("READY=1");
+    daemon.signal(libc::SIGINT);
+    daemon.expect("STOPPING=1");
+    assert!(daemon.wait(20).success());
+}
+
+#[test]
+fn watchdog_pings_at_half_the_period() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), "");
+    let daemon = Daemon::start(&cfg, d.path(), &[("WATCHDOG_USEC", "400000")]);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut pings = 0;
+    let mut ready = false;
+    while pings < 3 && Instant::now() < deadline {
+        match daemon.next(30).as_deref() {
+            Some("WATCHDOG=1") => pings += 1,
+            Some(m) if m.starts_with("READY=1") => ready = true,
+            Some(m) => panic!("unexpected {m:?}"),
+            None => break,
+        }
+    }
+    assert!(ready && pings >= 3, "ready {ready}, {pings} pings");
+    daemon.signal(libc::SIGTERM);
+    daemon.expect("STOPPING=1");
+    assert!(daemon.wait(20).success());
+}
+
+#[test]
+fn startup_failure_exits_nonzero_without_ready() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::create_dir(d.path().join("ns1")).unwrap();
+    let cfg = write_config(d.path(), "");
+    let daemon = Daemon::start(&cfg, d.path(), &[]);
+    let got = daemon.next(2);
+    let status = daemon.wait(20);
+    assert!(!status.success());
+    assert_eq!(got, None, "no READY=1 when a namespace cannot be mapped");
+}
+
+#[test]
+fn second_daemon_on_the_same_socket_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), "");
+    let first = Daemon::start(&cfg, d.path(), &[]);
+    first.expect("READY=1");
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by a running daemon"));
+    first.signal(libc::SIGTERM);
+    first.expect("STOPPING=1");
+    assert!(first.wait(20).success());
+}
+
+#[test]
+fn status_errors() {
+    let out = status(&["--socket", "/nonexistent/rpma.sock"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot talk to the daemon"));
+    let out = status(&["--config", "/nonexistent/rpma.toml"]);
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
+    let out = Command::new(BIN).output().unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
