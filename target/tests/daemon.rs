@@ -2,6 +2,9 @@
 //! the control socket, SIGHUP reloads, SIGTERM exit, watchdog pings, start-up failures.
 
 use std::os::unix::net::UnixDatagram;
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::time::{Duration, Instant};
@@ -62,12 +65,8 @@ impl Daemon {
         panic!("no {prefix:?} notification");
     }
 
-    fn signal(&self, sig: libc::c_int) {
-        // SAFETY: kill has no memory-safety preconditions; the pid is our own child's.
-        assert_eq!(
-            unsafe { libc::kill(self.child.id() as libc::pid_t, sig) },
-            0
-        );
+    fn signal(&self, sig: Signal) {
+        kill(Pid::from_raw(self.child.id() as i32), sig).unwrap();
     }
 
     fn wait(mut self, secs: u64) -> std::process::ExitStatus {
@@ -187,7 +186,7 @@ fn ready_status_reload_and_clean_stop() {
 
     // SIGHUP after adding a namespace.
     write_config(d.path(), NS2);
-    daemon.signal(libc::SIGHUP);
+    daemon.signal(Signal::SIGHUP);
     assert!(daemon.expect("RELOADING=1").contains("MONOTONIC_USEC="));
     assert!(daemon.expect("READY=1").contains("2 namespace(s)"));
     let v = status_json(&socket);
@@ -198,7 +197,7 @@ fn ready_status_reload_and_clean_stop() {
 
     // A bad reload keeps the running configuration.
     std::fs::write(&cfg, "listen = 5").unwrap();
-    daemon.signal(libc::SIGHUP);
+    daemon.signal(Signal::SIGHUP);
     daemon.expect("RELOADING=1");
     daemon.expect("READY=1");
     let v = status_json(&socket);
@@ -209,7 +208,7 @@ fn ready_status_reload_and_clean_stop() {
         v["last_reload"]
     );
 
-    daemon.signal(libc::SIGTERM);
+    daemon.signal(Signal::SIGTERM);
     assert_eq!(daemon.expect("STOPPING=1"), "STOPPING=1");
     let st = daemon.wait(20);
     assert!(st.success(), "SIGTERM must exit 0: {st:?}");
@@ -222,7 +221,7 @@ fn sigint_also_stops_cleanly() {
     let cfg = write_config(d.path(), "");
     let daemon = Daemon::start(&cfg, d.path(), &[]);
     daemon.expect("READY=1");
-    daemon.signal(libc::SIGINT);
+    daemon.signal(Signal::SIGINT);
     daemon.expect("STOPPING=1");
     assert!(daemon.wait(20).success());
 }
@@ -244,7 +243,7 @@ fn watchdog_pings_at_half_the_period() {
         }
     }
     assert!(ready && pings >= 3, "ready {ready}, {pings} pings");
-    daemon.signal(libc::SIGTERM);
+    daemon.signal(Signal::SIGTERM);
     daemon.expect("STOPPING=1");
     assert!(daemon.wait(20).success());
 }
@@ -274,7 +273,7 @@ fn second_daemon_on_the_same_socket_is_refused() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use by a running daemon"));
-    first.signal(libc::SIGTERM);
+    first.signal(Signal::SIGTERM);
     first.expect("STOPPING=1");
     assert!(first.wait(20).success());
 }
