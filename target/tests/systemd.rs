@@ -1,0 +1,114 @@
+//! The shipped unit and example configuration.
+
+use std::os::unix::fs::PermissionsExt;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
+
+fn repo_file(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+}
+
+#[test]
+fn unit_passes_systemd_analyze_verify() {
+    let Ok(probe) = Command::new("systemd-analyze").arg("--version").output() else {
+        eprintln!(
+            "SKIPPED: systemd-analyze is not installed (scripts/install-deps.sh installs systemd)"
+        );
+        return;
+    };
+    assert!(probe.status.success());
+    let unit = std::fs::read_to_string(repo_file("systemd/rpma-target.service")).unwrap();
+    for key in [
+        "Type=notify",
+        "WatchdogSec=",
+        "Restart=on-failure",
+        "LimitMEMLOCK=infinity",
+        "NoNewPrivileges=yes",
+        "ProtectSystem=strict",
+        "ReadWritePaths=",
+        "ProtectHome=yes",
+        "PrivateTmp=yes",
+        "CapabilityBoundingSet=CAP_IPC_LOCK",
+        "AmbientCapabilities=CAP_IPC_LOCK",
+    ] {
+        assert!(unit.contains(key), "unit lacks {key}");
+    }
+    // verify checks that ExecStart's binary exists: point it at the one just built.
+    let d = tempfile::tempdir().unwrap();
+    let p = d.path().join("rpma-target.service");
+    std::fs::write(&p, unit.replace("/usr/bin/rpma-target", BIN)).unwrap();
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(&p)
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success(),
+        "systemd-analyze verify failed:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("rpma-target.service:"),
+        "warnings about the unit:\n{stderr}"
+    );
+}
+
+#[test]
+fn example_config_passes_check_config_after_adjusting_paths() {
+    let d = tempfile::tempdir().unwrap();
+    let dir = d.path().to_str().unwrap();
+    let text = std::fs::read_to_string(repo_file("systemd/rpma-target.toml")).unwrap();
+    let text = text
+        .replace("/var/lib/rpma", dir)
+        .replace("/etc/rpma", dir)
+        .replace("/run/rpma-target", dir)
+        .replace("size = \"1GiB\"", "size = \"16MiB\"");
+    let psk = d.path().join("host1.psk");
+    std::fs::write(&psk, "5a".repeat(32)).unwrap();
+    std::fs::set_permissions(&psk, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let cfg = d.path().join("rpma-target.toml");
+    std::fs::write(&cfg, &text).unwrap();
+
+    let parsed = rpma_target::config::Config::load(&cfg).unwrap();
+    assert_eq!(parsed.subsystems[0].namespaces.len(), 2);
+    assert_eq!(
+        parsed.listeners[0].url.port,
+        rpma_target::config::DEFAULT_PORT
+    );
+
+    let out = Command::new(BIN)
+        .arg("check-config")
+        .arg(&cfg)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}");
+    assert!(
+        stdout.contains("OK: 2 namespace(s) in 1 subsystem(s)"),
+        "{stdout}"
+    );
+}
+
+#[test]
+fn sysusers_and_tmpfiles_snippets_name_the_user_and_dirs() {
+    let sysusers = std::fs::read_to_string(repo_file("systemd/rpma-target.sysusers.conf")).unwrap();
+    assert!(sysusers.lines().any(|l| l.starts_with("u rpma-target ")));
+    let tmpfiles = std::fs::read_to_string(repo_file("systemd/rpma-target.tmpfiles.conf")).unwrap();
+    for dir in ["/var/lib/rpma", "/etc/rpma", "/run/rpma-target"] {
+        assert!(
+            tmpfiles
+                .lines()
+                .any(|l| l.starts_with("d ") && l.contains(dir)),
+            "{dir}"
+        );
+    }
+    let example = std::fs::read_to_string(repo_file("systemd/rpma-target.toml")).unwrap();
+    let unit = std::fs::read_to_string(repo_file("systemd/rpma-target.service")).unwrap();
+    // The unit's writable path covers the example's namespaces.
+    assert!(
+        example.contains("path = \"/var/lib/rpma/")
+            && unit.contains("ReadWritePaths=/var/lib/rpma")
+    );
+}
