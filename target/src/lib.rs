@@ -7,6 +7,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 pub mod flusher;
+pub mod handshake;
 pub mod namespace;
 pub mod notify;
 pub mod probe;

@@ -1,0 +1,319 @@
+//! The target's side of connection set-up as a sans-I/O state machine: feed it each received
+//! message, send what it returns. It decides admission ([`crate::subsystem::admit`]) and runs the
+//! challenge-response; building the ConnectResponse (which needs this connection's rkeys) is the
+//! session's job once [`Step::Admitted`] comes out.
+
+use rpma_common::proto::auth::{TargetAuth, TargetAwaitingResponse};
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{self, Connect, Message, Refusal, RefusalReason};
+
+use crate::config::Config;
+use crate::subsystem::{admit, Admission};
+
+/// What the session must do next.
+#[derive(Debug)]
+#[non_exhaustive]
+pub enum Step {
+    /// Send this message.
+    Send(Message),
+    /// Send this refusal, log it once (with the host NQN if known, and the peer), then close.
+    Refuse {
+        /// The refusal to send.
+        refusal: Refusal,
+        /// The host, if the Connect could be read.
+        host_nqn: Option<Nqn>,
+    },
+    /// The host is admitted to a subsystem: send the ConnectResponse.
+    Admitted(Connect),
+    /// A discovery connection: answer DiscoveryRequests with [`crate::subsystem::discovery`].
+    Discovery(Connect),
+}
+
+enum State {
+    AwaitConnect,
+    AwaitAuth(Box<(TargetAwaitingResponse, Connect)>),
+    Done,
+}
+
+/// The target's handshake for one connection.
+pub struct TargetHandshake {
+    state: State,
+}
+
+impl std::fmt::Debug for TargetHandshake {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let s = match self.state {
+            State::AwaitConnect => "awaiting Connect",
+            State::AwaitAuth(_) => "awaiting AuthResponse",
+            State::Done => "done",
+        };
+        write!(f, "TargetHandshake({s})")
+    }
+}
+
+impl Default for TargetHandshake {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+fn refuse(reason: RefusalReason, message: impl Into<String>, host_nqn: Option<Nqn>) -> Step {
+    Step::Refuse {
+        refusal: Refusal {
+            reason,
+            message: message.into(),
+        },
+        host_nqn,
+    }
+}
+
+impl TargetHandshake {
+    /// A handshake awaiting the Connect.
+    pub fn new() -> Self {
+        TargetHandshake {
+            state: State::AwaitConnect,
+        }
+    }
+
+    /// Whether the handshake has finished (admitted or refused).
+    pub fn is_done(&self) -> bool {
+        matches!(self.state, State::Done)
+    }
+
+    /// Handles one received message. After a [`Step::Refuse`], [`Step::Admitted`] or
+    /// [`Step::Discovery`] the handshake is done and further input is refused.
+    pub fn on_message(&mut self, cfg: &Config, buf: &[u8]) -> Vec<Step> {
+        let msg = match Message::decode(buf) {
+            Ok(m) => m,
+            Err(e @ proto::Error::UnsupportedVersion { .. }) => {
+                self.state = State::Done;
+                return vec![refuse(
+                    RefusalReason::VersionUnsupported,
+                    e.to_string(),
+                    None,
+                )];
+            }
+            Err(e) => {
+                let host = self.host();
+                self.state = State::Done;
+                return vec![refuse(RefusalReason::ProtocolError, e.to_string(), host)];
+            }
+        };
+        match (std::mem::replace(&mut self.state, State::Done), msg) {
+            (State::AwaitConnect, Message::Connect(c)) => match admit(cfg, &c) {
+                Admission::Refuse(r) => vec![Step::Refuse {
+                    refusal: r,
+                    host_nqn: Some(c.host_nqn),
+                }],
+                Admission::Discovery => vec![Step::Discovery(c)],
+                Admission::Accept { .. } => vec![Step::Admitted(c)],
+                Admission::Authenticate { psk, ctx, .. } => match TargetAuth::start(psk, ctx) {
+                    Ok((auth, ch)) => {
+                        self.state = State::AwaitAuth(Box::new((auth, c)));
+                        vec![Step::Send(Message::AuthChallenge(ch))]
+                    }
+                    Err(e) => vec![refuse(
+                        RefusalReason::AuthFailed,
+                        e.to_string(),
+                        Some(c.host_nqn),
+                    )],
+                },
+            },
+            (State::AwaitAuth(b), Message::AuthResponse(r)) => {
+                let (auth, c) = *b;
+                match auth.on_response(&r) {
+                    Ok(confirm) => {
+                        vec![Step::Send(Message::AuthConfirm(confirm)), Step::Admitted(c)]
+                    }
+                    Err(e) => vec![refuse(
+                        RefusalReason::AuthFailed,
+                        e.to_string(),
+                        Some(c.host_nqn),
+                    )],
+                }
+            }
+            (State::AwaitAuth(b), other) => vec![refuse(
+                RefusalReason::ProtocolError,
+                format!("expected AuthResponse, got {:?}", other.message_type()),
+                Some(b.1.host_nqn),
+            )],
+            (State::AwaitConnect, other) => vec![refuse(
+                RefusalReason::ProtocolError,
+                format!("expected Connect, got {:?}", other.message_type()),
+                None,
+            )],
+            (State::Done, other) => vec![refuse(
+                RefusalReason::ProtocolError,
+                format!("handshake already finished, got {:?}", other.message_type()),
+                None,
+            )],
+        }
+    }
+
+    fn host(&self) -> Option<Nqn> {
+        match &self.state {
+            State::AwaitAuth(b) => Some(b.1.host_nqn.clone()),
+            _ => None,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::PermissionsExt;
+
+    use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
+    use rpma_common::proto::{AuthConfirm, HostId, KeepAlive};
+
+    use super::*;
+
+    const SUB: &str = "nqn.2026-11.io.rpma:demo";
+    const KEYED: &str = "nqn.2026-11.io.rpma:keyed";
+
+    fn cfg(dir: &std::path::Path) -> Config {
+        let k = dir.join("k.psk");
+        std::fs::write(&k, "42".repeat(32)).unwrap();
+        std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
+        Config::from_toml(
+            &format!(
+                "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"nqn.2026-11.io.rpma:plain\" }}, \
+                 {{ nqn = \"{KEYED}\", psk_file = \"k.psk\" }}]\n"
+            ),
+            dir,
+        )
+        .unwrap()
+    }
+
+    fn connect(host: &str, sub: &str) -> Connect {
+        Connect {
+            host_nqn: Nqn::new(host).unwrap(),
+            subsystem_nqn: Nqn::new(sub).unwrap(),
+            host_id: HostId([5; 16]),
+            queue_id: 0,
+            keep_alive_ms: 0,
+        }
+    }
+
+    fn bytes(m: Message) -> Vec<u8> {
+        m.encode().unwrap()
+    }
+
+    fn refusal(steps: &[Step]) -> Option<RefusalReason> {
+        match steps {
+            [Step::Refuse { refusal, .. }] => Some(refusal.reason),
+            _ => None,
+        }
+    }
+
+    #[test]
+    fn plain_host_is_admitted() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        let mut h = TargetHandshake::new();
+        let steps = h.on_message(
+            &c,
+            &bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB))),
+        );
+        assert!(matches!(&steps[..], [Step::Admitted(c)] if c.subsystem_nqn.as_str() == SUB));
+        assert!(h.is_done());
+        // Anything after the handshake is a protocol error, not a second admission.
+        let steps = h.on_message(
+            &c,
+            &bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB))),
+        );
+        assert_eq!(refusal(&steps), Some(RefusalReason::ProtocolError));
+    }
+
+    fn run_auth(
+        key: u8,
+    ) -> (
+        Vec<Step>,
+        Option<AuthConfirm>,
+        rpma_common::proto::auth::HostAwaitingConfirm,
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        let mut h = TargetHandshake::new();
+        let conn = connect(KEYED, SUB);
+        let steps = h.on_message(&c, &bytes(Message::Connect(conn.clone())));
+        let [Step::Send(Message::AuthChallenge(ch))] = &steps[..] else {
+            panic!("{steps:?}")
+        };
+        let ctx = AuthContext {
+            host_nqn: conn.host_nqn,
+            subsystem_nqn: conn.subsystem_nqn,
+            host_id: conn.host_id,
+        };
+        let (host, resp) = HostAuth::new(Psk::new(&[key; 32]).unwrap(), ctx)
+            .on_challenge(ch)
+            .unwrap();
+        let steps = h.on_message(&c, &bytes(Message::AuthResponse(resp)));
+        let confirm = match steps.first() {
+            Some(Step::Send(Message::AuthConfirm(cf))) => Some(cf.clone()),
+            _ => None,
+        };
+        (steps, confirm, host)
+    }
+
+    #[test]
+    fn keyed_host_authenticates_mutually() {
+        let (steps, confirm, host) = run_auth(0x42);
+        assert!(
+            matches!(&steps[..], [Step::Send(_), Step::Admitted(_)]),
+            "{steps:?}"
+        );
+        host.on_confirm(&confirm.unwrap()).unwrap();
+    }
+
+    #[test]
+    fn wrong_key_is_refused_auth_failed() {
+        let (steps, confirm, _) = run_auth(0x43);
+        assert_eq!(refusal(&steps), Some(RefusalReason::AuthFailed));
+        assert!(
+            confirm.is_none(),
+            "the target must not prove itself to a host that failed"
+        );
+    }
+
+    #[test]
+    fn refusals() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        let r = |m: Vec<u8>| refusal(&TargetHandshake::new().on_message(&c, &m));
+        assert_eq!(
+            r(bytes(Message::Connect(connect(
+                "nqn.2026-11.io.rpma:plain",
+                "nqn.2026-11.io.rpma:x"
+            )))),
+            Some(RefusalReason::UnknownSubsystem)
+        );
+        assert_eq!(
+            r(bytes(Message::Connect(connect(
+                "nqn.2026-11.io.rpma:other",
+                SUB
+            )))),
+            Some(RefusalReason::HostNotAllowed)
+        );
+        let mut v2 = bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB)));
+        v2[0] = 2;
+        assert_eq!(r(v2), Some(RefusalReason::VersionUnsupported));
+        assert_eq!(r(vec![1, 2, 3]), Some(RefusalReason::ProtocolError));
+        assert_eq!(
+            r(KeepAlive { seq: 1 }.encode().to_vec()),
+            Some(RefusalReason::ProtocolError)
+        );
+    }
+
+    #[test]
+    fn wrong_message_during_auth() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        let mut h = TargetHandshake::new();
+        h.on_message(&c, &bytes(Message::Connect(connect(KEYED, SUB))));
+        let steps = h.on_message(&c, &KeepAlive { seq: 1 }.encode());
+        assert!(
+            matches!(&steps[..], [Step::Refuse { host_nqn: Some(n), .. }] if n.as_str() == KEYED)
+        );
+        assert!(h.is_done());
+    }
+}
