@@ -1,6 +1,41 @@
 //! rpma-target: the daemon that serves persistent-memory namespaces to initiators.
 //!
-//! The binary `rpma-target` is a thin front over this library.
+//! The binary `rpma-target` is a thin front over this library:
+//! `rpma-target --config FILE` runs [`daemon::run`], `check-config` is [`check::check_config`],
+//! `status` is [`control::query_status`] + [`control::render`].
+//!
+//! # Quick start
+//!
+//! ```no_run
+//! use rpma_target::{config::Config, namespace::NamespaceTable, reload};
+//!
+//! # fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! let cfg = Config::load("/etc/rpma/rpma-target.toml".as_ref())?;
+//! let mut table = NamespaceTable::open_all(&cfg)?;
+//! let new = Config::load("/etc/rpma/rpma-target.toml".as_ref())?;
+//! let diff = reload::diff(&cfg, &new);
+//! table.apply(&diff, &new)?; // touches only what the diff names
+//! # Ok(()) }
+//! ```
+//!
+//! # Modules
+//!
+//! - [`config`]: the TOML configuration, validated with errors that name the key.
+//! - [`namespace`]: namespaces mapped through the pmem layer; durability methods per domain.
+//! - [`subsystem`], [`handshake`]: admission, discovery and the connection handshake (pure /
+//!   sans-I/O, for the sessions on the fabric).
+//! - [`flusher`]: the GPSPM flush service (io_uring, never blocks the poll loop).
+//! - [`reload`]: the SIGHUP configuration diff.
+//! - [`control`]: the control socket and `status`.
+//! - [`notify`]: sd_notify without libsystemd.
+//! - [`daemon`]: start-up, signals, readiness; [`daemon::Serve`] is the seam for listeners and
+//!   sessions.
+//!
+//! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
+//! socket; the [`flusher::Flusher`] belongs to one poll loop. Cleanup: the control socket is removed
+//! at exit; namespace mappings are dropped with the last session that holds them.
+//!
+//! Features: `rdma` builds the rdma transport in rpma-common (listeners on `rdma://` need it).
 
 pub mod check;
 pub mod config;
