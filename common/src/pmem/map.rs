@@ -402,7 +402,7 @@ impl OpenOptions {
     /// [`Error::SizeTooLarge`], [`Error::SizeRequired`], [`Error::NotFound`],
     /// [`Error::IsDirectory`], [`Error::UnsupportedFileType`], [`Error::PermissionDenied`],
     /// [`Error::WouldGrow`], [`Error::WouldShrink`], [`Error::NoSpace`], [`Error::NotDevDax`],
-    /// [`Error::DevDaxTooSmall`], [`Error::Map`], [`Error::Io`].
+    /// [`Error::DevDaxTooSmall`], [`Error::DevDaxAlignment`], [`Error::Map`], [`Error::Io`].
     pub fn open(&self) -> Result<Mapping> {
         if self.block_size != 512 && self.block_size != 4096 {
             return Err(Error::BadBlockSize {
@@ -581,20 +581,8 @@ impl OpenOptions {
     fn open_devdax(&self, meta: &fs::Metadata) -> Result<Mapping> {
         use std::os::unix::fs::MetadataExt;
         let info = devdax::probe(&self.path, meta.rdev())?;
-        let size = match self.size {
-            Some(size) if size > info.size => {
-                return Err(Error::DevDaxTooSmall {
-                    path: self.path.clone(),
-                    available: info.size,
-                    requested: size,
-                })
-            }
-            Some(size) => size,
-            None => {
-                self.check_size(info.size)?;
-                info.size
-            }
-        };
+        let size = devdax::mapping_len(&self.path, info, self.size)?;
+        self.check_size(size)?;
         let file = fs::OpenOptions::new()
             .read(true)
             .write(true)
