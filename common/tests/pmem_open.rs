@@ -432,3 +432,20 @@ fn permission_denied_is_reported() {
         String::from_utf8_lossy(&out.stderr)
     );
 }
+
+#[test]
+fn size_beyond_the_address_space_is_refused_before_touching_the_disk() {
+    let dir = scratch();
+    let path = dir.path().join("ns.pmem");
+    let size = u64::MAX / 4096 * 4096;
+    let err = OpenOptions::new(&path)
+        .size(size)
+        .create(true)
+        .open()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::SizeTooLarge { size: s, .. } if s == size),
+        "{err:?}"
+    );
+    assert!(!path.exists());
+}
