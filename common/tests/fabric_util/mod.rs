@@ -120,3 +120,24 @@ impl Pair {
         (s.0.drain(..).collect(), s.1.drain(..).collect())
     }
 }
+
+impl Pair {
+    /// Another connected pair of queue pairs on the same device, domain and CQs.
+    pub fn another(&self) -> (QueuePair, QueuePair) {
+        let listener = Listener::bind(&self.ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+        let url = listener.url().unwrap();
+        let (pd, tcq) = (self.pd.clone(), self.tcq.clone());
+        let t = std::thread::spawn(move || {
+            let req = listener.accept(&ConnParams::default()).unwrap();
+            let qp = pd.create_qp(&tcq, &tcq, QpCaps::default()).unwrap();
+            req.accept(qp, &ConnParams::default(), b"").unwrap()
+        });
+        let qp = self
+            .pd
+            .create_qp(&self.icq, &self.icq, QpCaps::default())
+            .unwrap()
+            .connect(&url, &ConnParams::default(), b"")
+            .unwrap();
+        (qp, t.join().unwrap())
+    }
+}
