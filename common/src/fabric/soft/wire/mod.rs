@@ -26,6 +26,7 @@ pub mod ddp;
 pub mod mpa;
 pub mod rdmap;
 pub mod terminate;
+pub mod tx;
 
 pub use caps::{CapFlags, Caps};
 pub use crc::{crc32c, crc32c_append};
