@@ -418,4 +418,65 @@ mod tests {
         ));
         assert!(out.is_empty());
     }
+
+    #[test]
+    fn private_opcode_fpdus_match_protocol_md() {
+        use super::super::rdmap::{
+            AtomicWriteRequest, FlushPlacement, FlushRequest, FlushSelectivity, PrivateResponse,
+        };
+        let flush = FlushRequest {
+            req_id: 0x0102_0304,
+            placement: FlushPlacement::Persistent,
+            selectivity: FlushSelectivity::Region { stag: 0x99 },
+        };
+        let aw = AtomicWriteRequest {
+            req_id: 5,
+            stag: 6,
+            to: 8,
+            data: [0xAB; 8],
+        };
+        let resp = PrivateResponse {
+            req_id: 5,
+            request: Opcode::AtomicWriteRequest,
+        };
+        type Case = (Opcode, u32, u32, Vec<u8>, usize, [u8; 4]);
+        let cases: [Case; 3] = [
+            (
+                Opcode::FlushRequest,
+                1,
+                3,
+                flush.encode().to_vec(),
+                52,
+                [0x00, 0x2e, 0x41, 0x4c],
+            ),
+            (
+                Opcode::AtomicWriteRequest,
+                1,
+                4,
+                aw.encode().to_vec(),
+                48,
+                [0x00, 0x2a, 0x41, 0x4d],
+            ),
+            (
+                Opcode::PrivateResponse,
+                3,
+                2,
+                resp.encode().to_vec(),
+                32,
+                [0x00, 0x1a, 0x41, 0x4e],
+            ),
+        ];
+        for (op, qn, msn, body, len, start) in cases {
+            let mut out = Vec::new();
+            let n = encode_fpdu(&Header::untagged(op, msn, true), &body, true, &mut out).unwrap();
+            assert_eq!(n, len, "{op:?}");
+            assert_eq!(out[..4], start, "{op:?}");
+            assert_eq!(out[4..8], [0; 4]);
+            assert_eq!(out[8..12], qn.to_be_bytes(), "{op:?} QN");
+            assert_eq!(out[12..16], msn.to_be_bytes());
+            assert_eq!(out[16..20], [0; 4]);
+            assert_eq!(&out[20..20 + body.len()], &body[..]);
+            assert_eq!(20 + body.len() + 4, len, "{op:?} has no padding");
+        }
+    }
 }
