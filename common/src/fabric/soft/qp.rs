@@ -17,12 +17,13 @@ use crate::fabric::qp::{ConnInfo, ConnParams};
 use crate::fabric::soft::conn::Negotiated;
 use crate::fabric::soft::placement::{self, Dirty};
 use crate::fabric::soft::poll::Poller;
-use crate::fabric::soft::rx::{self, Rx};
 use crate::fabric::soft::tx::{OnSent, Src, Tx, TxMsg};
 use crate::fabric::soft::wire::rdmap::{
     AtomicOp, AtomicRequest, AtomicResponse, AtomicWriteRequest, Body, FlushPlacement,
     FlushRequest, FlushSelectivity, PrivateResponse, ReadRequest,
 };
+use crate::fabric::soft::wire::rx::{self, Delivered, DirectTarget, FpduReceiver};
+use crate::fabric::soft::wire::WireError;
 use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause, Terminate};
 use crate::fabric::types::{
     Access, Completion, FlushTarget, FlushType, QpCaps, QpState, RecvWr, SendFlags, SendOp, SendWr,
@@ -88,9 +89,19 @@ struct CurRecv {
 /// A fatal condition found while placing, to be answered with a Terminate once the FPDU is in.
 struct Fault {
     cause: TermCause,
-    hdr: Header,
-    ulpdu_len: usize,
+    /// The offending segment: its MPA length and DDP/RDMAP header bytes.
+    offending: Option<(u16, Vec<u8>)>,
     recv_status: Option<WcStatus>,
+}
+
+impl Fault {
+    fn at(cause: TermCause, hdr: Header, ulpdu_len: usize) -> Fault {
+        Fault {
+            cause,
+            offending: Some((ulpdu_len as u16, hdr.encode().as_slice().to_vec())),
+            recv_status: None,
+        }
+    }
 }
 
 pub(crate) struct Engine {
@@ -124,12 +135,13 @@ pub(crate) struct Engine {
     ird: usize,
     ird_used: usize,
     dirty: Dirty,
-    fault: Option<Fault>,
+    /// The receive status for the Recv whose Send the placer just refused (LocalLength).
+    refused_recv_status: Option<WcStatus>,
 }
 
 struct Conn {
     sock: TcpStream,
-    rx: Rx,
+    rx: FpduReceiver,
     /// Pollers this socket is registered with, and whether writability is armed there.
     armed: Vec<(usize, bool)>,
 }
@@ -192,7 +204,7 @@ impl SoftQp {
             ird: 1,
             ird_used: 0,
             dirty: Dirty::default(),
-            fault: None,
+            refused_recv_status: None,
         };
         Arc::new(SoftQp {
             num,
@@ -256,7 +268,7 @@ impl SoftQp {
         e.state = QpState::Rtr;
         e.state = QpState::Rts;
         c.conn = Some(Conn {
-            rx: Rx::new(neg.info.crc, rx::MAX_ULPDU),
+            rx: FpduReceiver::new(neg.rx),
             sock,
             armed: Vec::new(),
         });
@@ -814,8 +826,10 @@ impl Engine {
 
     /// Sends a Terminate for `f` and moves to Error.
     fn terminate(&mut self, f: Fault) {
-        let ulpdu = f.hdr.encode();
-        let t = Terminate::new(f.cause).with_ddp(f.ulpdu_len as u16, ulpdu.as_slice());
+        let mut t = Terminate::new(f.cause);
+        if let Some((len, hdr)) = &f.offending {
+            t = t.with_ddp(*len, hdr);
+        }
         self.tx.abort_queued();
         let hdr = Header::untagged(Opcode::Terminate, 1, true);
         let body = t.encode();
@@ -849,49 +863,35 @@ impl Engine {
                 return;
             }
             match conn.rx.poll(&mut conn.sock, self) {
-                Ok(Some(ev)) => self.on_event(ev),
+                Ok(Some(r)) => {
+                    let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
+                    match r.data {
+                        Delivered::Control(body) => {
+                            if let Err(f) = self.on_control(hdr, body, ulpdu_len) {
+                                self.terminate(f);
+                            }
+                        }
+                        _ => self.on_data(hdr, len),
+                    }
+                }
                 Ok(None) => return,
-                Err(rx::RxError::Closed) => {
+                Err(WireError::Closed { .. }) => {
                     self.enter_error("connection closed by the peer".into(), None);
                     return;
                 }
-                Err(rx::RxError::Io(e)) => {
-                    self.enter_error(format!("connection lost: {e}"), None);
+                Err(WireError::Io { source, .. }) => {
+                    self.enter_error(format!("connection lost: {source}"), None);
                     return;
                 }
-                Err(rx::RxError::Wire {
-                    err,
-                    hdr,
-                    ulpdu_len,
-                }) => {
-                    let cause = err.terminate_cause();
-                    let hdr = hdr.unwrap_or(Header::untagged(Opcode::Send, 0, true));
+                Err(e) => {
+                    let offending = conn.rx.offending_segment().map(|(l, h)| (l, h.to_vec()));
+                    let recv_status = self.refused_recv_status.take();
                     self.terminate(Fault {
-                        cause,
-                        hdr,
-                        ulpdu_len,
-                        recv_status: None,
+                        cause: e.terminate_cause(),
+                        offending,
+                        recv_status,
                     });
                     return;
-                }
-            }
-        }
-    }
-
-    fn on_event(&mut self, ev: rx::Event) {
-        if let Some(f) = self.fault.take() {
-            self.terminate(f);
-            return;
-        }
-        match ev {
-            rx::Event::Data { hdr, len } => self.on_data(hdr, len),
-            rx::Event::Control {
-                hdr,
-                body,
-                ulpdu_len,
-            } => {
-                if let Err(f) = self.on_control(hdr, body, ulpdu_len) {
-                    self.terminate(f);
                 }
             }
         }
@@ -938,12 +938,8 @@ impl Engine {
                         .invalidate_remote(inv_stag, self.pd, self.qp_num)
                         .is_err()
                     {
-                        self.terminate(Fault {
-                            cause: TermCause::RDMAP_CANNOT_INVALIDATE,
-                            hdr,
-                            ulpdu_len: hdr.len() + len,
-                            recv_status: None,
-                        });
+                        let cause = TermCause::RDMAP_CANNOT_INVALIDATE;
+                        self.terminate(Fault::at(cause, hdr, hdr.len() + len));
                         self.recv_cq.push(self.recv_completion(
                             cur.entry.wr_id,
                             WcStatus::WrFlush,
@@ -960,13 +956,6 @@ impl Engine {
                 self.recv_cq.push(c);
             }
             _ => {}
-        }
-        self.after_data_fault();
-    }
-
-    fn after_data_fault(&mut self) {
-        if let Some(f) = self.fault.take() {
-            self.terminate(f);
         }
     }
 
@@ -988,12 +977,9 @@ impl Engine {
         if self.dirty.is_empty() {
             return Ok(());
         }
-        self.dirty.persist_all().map_err(|_| Fault {
-            cause: TermCause::RDMAP_CATASTROPHIC_STREAM,
-            hdr,
-            ulpdu_len,
-            recv_status: None,
-        })
+        self.dirty
+            .persist_all()
+            .map_err(|_| Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, hdr, ulpdu_len))
     }
 
     fn lookup(
@@ -1020,12 +1006,7 @@ impl Engine {
         let HeaderKind::Untagged { msn, .. } = hdr.kind else {
             return Ok(());
         };
-        let fault = |cause| Fault {
-            cause,
-            hdr,
-            ulpdu_len,
-            recv_status: None,
-        };
+        let fault = |cause| Fault::at(cause, hdr, ulpdu_len);
         if msn != self.rreq_expect {
             return Err(fault(TermCause::DDP_UNTAGGED_MSN_RANGE));
         }
@@ -1055,12 +1036,7 @@ impl Engine {
         body: Body,
         ulpdu_len: usize,
     ) -> std::result::Result<(), Fault> {
-        let fault = |cause| Fault {
-            cause,
-            hdr,
-            ulpdu_len,
-            recv_status: None,
-        };
+        let fault = |cause| Fault::at(cause, hdr, ulpdu_len);
         match body {
             Body::ReadRequest(rr) => {
                 self.take_ird(hdr, ulpdu_len)?;
@@ -1237,39 +1213,40 @@ impl Engine {
 
 impl rx::Placer for Engine {
     /// Decides where an FPDU's payload goes, after checking STag, bounds and rights: nothing is
-    /// placed for a request that fails them (it is discarded and answered with a Terminate).
-    fn place(&mut self, hdr: &Header, len: usize) -> rx::Placement {
-        if self.fault.is_some() || self.state != QpState::Rts {
-            return rx::Placement::Discard;
+    /// placed for a request that fails them (the receiver reports the refusal, and the engine
+    /// answers with a Terminate).
+    fn place(&mut self, hdr: &Header, len: usize) -> std::result::Result<rx::Placement, TermCause> {
+        if self.state != QpState::Rts {
+            return Ok(rx::Placement::Discard);
         }
         match self.check_placement(hdr, len) {
-            Ok(p) => p,
+            // SAFETY: `check_placement` checked `len` bytes at `p` against the STag's range
+            // and rights (or the posted Recv or Read sink), and the memory is kept alive by the
+            // STag entry's or the work request's Arc until the FPDU is reported. Other parties
+            // may access the same registered memory concurrently, as with any RDMA NIC: the
+            // fabric never forms a Rust reference to it outside this placement.
+            Ok(Some(p)) => Ok(rx::Placement::Direct(unsafe { DirectTarget::new(p, len) })),
+            Ok(None) => Ok(rx::Placement::Discard),
             Err((cause, recv_status)) => {
-                let ulpdu_len = hdr.len() + len;
-                self.fault = Some(Fault {
-                    cause,
-                    hdr: *hdr,
-                    ulpdu_len,
-                    recv_status,
-                });
-                rx::Placement::Discard
+                self.refused_recv_status = recv_status;
+                Err(cause)
             }
         }
     }
 }
 
-type PlaceResult = std::result::Result<rx::Placement, (TermCause, Option<WcStatus>)>;
+type PlaceResult = std::result::Result<Option<*mut u8>, (TermCause, Option<WcStatus>)>;
 
 impl Engine {
     fn check_placement(&mut self, hdr: &Header, len: usize) -> PlaceResult {
         match (hdr.opcode, hdr.kind) {
             // A zero-length Write places nothing (it is also the peer-to-peer RTR).
-            (Opcode::Write, HeaderKind::Tagged { .. }) if len == 0 => Ok(rx::Placement::Discard),
+            (Opcode::Write, HeaderKind::Tagged { .. }) if len == 0 => Ok(None),
             (Opcode::Write, HeaderKind::Tagged { stag, to }) => {
                 match self.lookup(stag, to, len as u64, Access::REMOTE_WRITE) {
                     Ok(t) => {
                         self.dirty.add(&t.region, t.offset, len);
-                        Ok(rx::Placement::Direct(t.ptr()))
+                        Ok(Some(t.ptr()))
                     }
                     Err(f) => Err((placement::tagged_cause(f), None)),
                 }
@@ -1288,9 +1265,7 @@ impl Engine {
                 if stag != sink.mr.lkey() || to != expect_to || *got + len > sink.len {
                     return Err((TermCause::DDP_TAGGED_BASE_BOUNDS, None));
                 }
-                Ok(rx::Placement::Direct(
-                    sink.mr.as_mut_ptr().wrapping_add(sink.offset + *got),
-                ))
+                Ok(Some(sink.mr.as_mut_ptr().wrapping_add(sink.offset + *got)))
             }
             (
                 Opcode::Send | Opcode::SendSe | Opcode::SendInvalidate | Opcode::SendSeInvalidate,
@@ -1325,10 +1300,10 @@ impl Engine {
                 }
                 cur.placed += len;
                 Ok(match &cur.entry.local {
-                    Some(s) if len > 0 => rx::Placement::Direct(
-                        s.mr.as_mut_ptr().wrapping_add(s.offset + mo as usize),
-                    ),
-                    _ => rx::Placement::Discard,
+                    Some(s) if len > 0 => {
+                        Some(s.mr.as_mut_ptr().wrapping_add(s.offset + mo as usize))
+                    }
+                    _ => None,
                 })
             }
             _ => Err((TermCause::RDMAP_UNEXPECTED_OPCODE, None)),
