@@ -7,9 +7,12 @@
 
 pub(crate) mod conn;
 pub(crate) mod device;
+mod engine;
 pub(crate) mod placement;
 pub(crate) mod poll;
 pub(crate) mod qp;
+mod requester;
+mod responder;
 pub(crate) mod tx;
 pub mod wire;
 
