@@ -116,6 +116,10 @@ pub(super) struct Conn {
     pub(super) rx: FpduReceiver,
     /// Pollers this socket is registered with, and whether writability is armed there.
     pub(super) armed: Vec<(usize, bool)>,
+    /// In Error, after our last bytes went out: our side is shut and we read (and drop) what
+    /// the peer still sends until it closes or this deadline passes. Closing with unread
+    /// input would reset the connection and could destroy our Terminate before the peer reads it.
+    pub(super) draining: Option<std::time::Instant>,
 }
 
 impl Engine {

@@ -6,8 +6,10 @@
 //! The engine is split in `engine` (shared state), `requester` and `responder`.
 
 use std::collections::VecDeque;
+use std::io::{ErrorKind, Read};
 use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
 
 use super::engine::*;
 use crate::fabric::cq::CompletionQueue;
@@ -149,6 +151,7 @@ impl SoftQp {
         e.state = QpState::Rtr;
         e.state = QpState::Rts;
         c.conn = Some(Conn {
+            draining: None,
             rx: FpduReceiver::new(neg.rx),
             sock,
             armed: Vec::new(),
@@ -244,9 +247,7 @@ impl SoftQp {
         }
         e.write(cn);
         e.complete_in_order();
-        if e.state == QpState::Error && (!e.tx.pending() || !e.closing) {
-            // The Terminate (if any) is out: close the connection.
-            let _ = cn.sock.shutdown(Shutdown::Both);
+        if e.state == QpState::Error && (!e.tx.pending() || !e.closing) && drain(cn) {
             *conn = None;
         }
     }
@@ -287,6 +288,28 @@ impl SoftQp {
     /// The handle is gone: close the connection, flush what is left.
     pub(crate) fn close(&self) {
         self.to_error("queue pair dropped");
+    }
+}
+
+/// How long a queue pair in Error keeps reading what its peer still sends before it closes.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Half-closes a connection whose last bytes (a Terminate, if any) are out and drops what the
+/// peer still sends. Returns whether the connection can now be closed.
+fn drain(cn: &mut Conn) -> bool {
+    let deadline = *cn.draining.get_or_insert_with(|| {
+        let _ = cn.sock.shutdown(Shutdown::Write);
+        Instant::now() + DRAIN_TIME
+    });
+    let mut buf = [0u8; 4096];
+    loop {
+        match cn.sock.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Instant::now() >= deadline,
+            Err(_) => return true,
+        }
     }
 }
 
