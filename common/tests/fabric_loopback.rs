@@ -304,3 +304,115 @@ fn flush_both_kinds_and_unsignaled_writes() {
     unsafe { std::ptr::copy_nonoverlapping(m.as_ptr(), b.as_mut_ptr(), 8) };
     assert_eq!(&b, b"flushed!");
 }
+
+#[test]
+fn fenced_and_ord_limited_requests_all_complete_in_order() {
+    // ORD 1: every Read waits for the one before; FENCE holds Writes behind them.
+    let ip = ConnParams {
+        ord: 1,
+        ..params(true)
+    };
+    let p = Pair::with(ip, params(true), |_| {});
+    assert_eq!(p.qp.info().ord, 1);
+    let (tmem, tmr) = p.target_buf(
+        4096,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    );
+    tmem.write_at(0, &[7u8; 64]).unwrap();
+    let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+    for i in 0..8u64 {
+        let off = i as usize * 8;
+        p.qp.post_send(SendWr::new(
+            i,
+            SendOp::Read {
+                local: Sge::new(&imr, off, 8),
+                remote: tmr.remote(off as u64),
+            },
+        ))
+        .unwrap();
+        p.qp.post_send(
+            SendWr::new(
+                100 + i,
+                SendOp::Write {
+                    local: Sge::new(&imr, 2048, 8),
+                    remote: tmr.remote(off as u64),
+                },
+            )
+            .with_flags(SendFlags::SIGNALED | SendFlags::FENCE),
+        )
+        .unwrap();
+    }
+    for i in 0..8u64 {
+        assert_eq!((p.next_init().wr_id, p.next_init().wr_id), (i, 100 + i));
+    }
+    let mut b = [0u8; 64];
+    imem.read_at(0, &mut b).unwrap();
+    assert_eq!(
+        b, [7u8; 64],
+        "each Read saw the value before its fenced Write"
+    );
+    tmem.read_at(0, &mut b).unwrap();
+    assert_eq!(b, [0u8; 64], "and every fenced Write landed after");
+}
+
+#[test]
+fn messages_above_max_message_are_refused() {
+    let ip = ConnParams {
+        max_message: 4096,
+        ..params(false)
+    };
+    let p = Pair::with(ip, params(false), |_| {});
+    let (_tmem, tmr) = p.target_buf(
+        8192,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+    );
+    let (_imem, imr) = p.init_buf(8192, Access::LOCAL_WRITE);
+    for op in [
+        SendOp::Write {
+            local: Sge::new(&imr, 0, 4097),
+            remote: tmr.remote(0),
+        },
+        SendOp::Read {
+            local: Sge::new(&imr, 0, 4097),
+            remote: tmr.remote(0),
+        },
+        SendOp::Send {
+            local: Sge::new(&imr, 0, 4097),
+        },
+    ] {
+        assert!(matches!(
+            p.qp.post_send(SendWr::new(1, op)),
+            Err(Error::InvalidWorkRequest { .. })
+        ));
+    }
+    p.qp.post_send(SendWr::new(
+        2,
+        SendOp::Write {
+            local: Sge::new(&imr, 0, 4096),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    assert_eq!(p.next_init().status, WcStatus::Success);
+}
+
+#[test]
+fn a_target_refuses_reads_above_its_max_message() {
+    let tp = ConnParams {
+        max_message: 1024,
+        ..params(true)
+    };
+    let p = Pair::with(params(true), tp, |_| {});
+    let (_tmem, tmr) = p.target_buf(8192, Access::LOCAL_WRITE | Access::REMOTE_READ);
+    let (_imem, imr) = p.init_buf(8192, Access::LOCAL_WRITE);
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Read {
+            local: Sge::new(&imr, 0, 2048),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteOperation));
+}
