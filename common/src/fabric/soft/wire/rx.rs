@@ -581,11 +581,25 @@ impl FpduReceiver {
         let ulpdu = &b[2..(2 + ulpdu_len).min(b.len())];
         let hl = Header::peek_len(ulpdu).unwrap_or(UNTAGGED_HDR_LEN);
         if ulpdu_len < hl {
-            // Blame the lowest layer that can be judged from what the ULPDU holds.
-            let opcode = match Header::decode(&b[2..]) {
-                Ok((h, _)) => Some(h.opcode),
-                Err(WireError::Truncated { .. }) => None,
-                Err(e) => return Err(e),
+            // Blame the lowest layer that can be judged from the ULPDU's own bytes (its control
+            // bytes; the rest of the header is missing).
+            let opcode = match ulpdu {
+                [ddp, rdmap, ..] => {
+                    let tagged = ddp & super::ddp::DDP_TAGGED != 0;
+                    if ddp & 0x03 != super::ddp::DDP_VERSION {
+                        return Err(WireError::BadDdpVersion {
+                            version: ddp & 0x03,
+                            tagged,
+                        });
+                    }
+                    if rdmap & 0xC0 != super::ddp::RDMAP_VERSION {
+                        return Err(WireError::BadRdmapVersion {
+                            version: rdmap >> 6,
+                        });
+                    }
+                    Some(Opcode::from_u8(rdmap & 0x0F)?)
+                }
+                _ => None,
             };
             return Err(WireError::UlpduTooShort {
                 opcode,

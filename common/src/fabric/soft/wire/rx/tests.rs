@@ -721,3 +721,51 @@ proptest! {
         }
     }
 }
+
+#[test]
+fn short_ulpdu_is_judged_on_its_own_bytes() {
+    // ULPDU length 2: only the control bytes; the FPDU is 8 bytes, followed by a good Send.
+    for crc in [true, false] {
+        let mut v = vec![0x00, 0x02, 0x41, 0x43, 0, 0, 0, 0];
+        if crc {
+            let c = crc32c(&v[..4]).to_le_bytes();
+            v[4..].copy_from_slice(&c);
+        }
+        encode_fpdu(
+            &Header::untagged(Opcode::Send, 1, true),
+            b"next",
+            crc,
+            &mut v,
+        )
+        .unwrap();
+        let mut mem = vec![0u8; 16];
+        let mut placer = MemPlacer::new(&mut mem);
+        let mut rx = FpduReceiver::new(all_caps(crc, 1454));
+        let err = rx
+            .poll(&mut Chunky::new(&v, vec![]), &mut placer)
+            .unwrap_err();
+        assert!(
+            matches!(
+                err,
+                WireError::UlpduTooShort {
+                    opcode: Some(Opcode::Send),
+                    ulpdu_len: 2,
+                    need: 18
+                }
+            ),
+            "crc {crc}: {err:?}"
+        );
+        assert_eq!(rx.offending_segment().unwrap(), (2, &[0x41u8, 0x43][..]));
+        // A bad version in those two bytes is blamed first.
+        v[2] = 0x42;
+        if crc {
+            let c = crc32c(&v[..4]).to_le_bytes();
+            v[4..8].copy_from_slice(&c);
+        }
+        let mut rx = FpduReceiver::new(all_caps(crc, 1454));
+        let err = rx
+            .poll(&mut Chunky::new(&v, vec![]), &mut placer)
+            .unwrap_err();
+        assert_eq!(err.terminate_cause(), TermCause::DDP_UNTAGGED_VERSION);
+    }
+}
