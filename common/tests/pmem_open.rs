@@ -374,7 +374,9 @@ fn fifo_is_refused() {
 const PERM_CHILD_ENV: &str = "RPMA_PMEM_TEST_PERMISSION_CHILD";
 
 /// Runs as root in CI, where file modes do not stop anyone: the open is then tried in a re-exec
-/// of this test binary as uid/gid 65534 (nobody), which reports what it saw on stdout.
+/// of this test binary as uid/gid 65534 (nobody), which reports what it saw on stdout. Both the
+/// file and a copy of the binary live in a 0755 temp dir, so that nobody can reach them whatever
+/// the modes of the checkout's directories are: the refusal is then the file's own mode.
 #[test]
 fn permission_denied_is_reported() {
     if let Some(path) = std::env::var_os(PERM_CHILD_ENV) {
@@ -385,7 +387,10 @@ fn permission_denied_is_reported() {
         println!("child-saw-permission-denied");
         return;
     }
-    let dir = scratch();
+    let dir = tempfile::Builder::new()
+        .prefix("rpma-pmem-perm-")
+        .tempdir()
+        .unwrap();
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let path = dir.path().join("private.pmem");
     let m = OpenOptions::new(&path)
@@ -394,7 +399,7 @@ fn permission_denied_is_reported() {
         .open()
         .unwrap();
     drop(m);
-    fs::set_permissions(&path, fs::Permissions::from_mode(0o600)).unwrap();
+    assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
 
     if !nix::unistd::geteuid().is_root() {
         fs::set_permissions(&path, fs::Permissions::from_mode(0o000)).unwrap();
@@ -402,8 +407,11 @@ fn permission_denied_is_reported() {
         assert!(matches!(err, Error::PermissionDenied { .. }), "{err:?}");
         return;
     }
+    let exe = dir.path().join("pmem_open_test");
+    fs::copy(std::env::current_exe().unwrap(), &exe).unwrap();
+    fs::set_permissions(&exe, fs::Permissions::from_mode(0o755)).unwrap();
     use std::os::unix::process::CommandExt;
-    let out = Command::new(std::env::current_exe().unwrap())
+    let out = Command::new(&exe)
         .args([
             "--exact",
             "permission_denied_is_reported",
@@ -411,6 +419,7 @@ fn permission_denied_is_reported() {
             "--test-threads=1",
         ])
         .env(PERM_CHILD_ENV, &path)
+        .current_dir(dir.path())
         .uid(65534)
         .gid(65534)
         .output()
@@ -422,4 +431,21 @@ fn permission_denied_is_reported() {
         out.status,
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+#[test]
+fn size_beyond_the_address_space_is_refused_before_touching_the_disk() {
+    let dir = scratch();
+    let path = dir.path().join("ns.pmem");
+    let size = u64::MAX / 4096 * 4096;
+    let err = OpenOptions::new(&path)
+        .size(size)
+        .create(true)
+        .open()
+        .unwrap_err();
+    assert!(
+        matches!(err, Error::SizeTooLarge { size: s, .. } if s == size),
+        "{err:?}"
+    );
+    assert!(!path.exists());
 }

@@ -23,6 +23,31 @@ pub(crate) fn probe(path: &Path, rdev: u64) -> Result<DevDaxInfo> {
     probe_in(Path::new("/sys"), path, rdev)
 }
 
+/// How many bytes of the device to map: all of it, or the `requested` prefix, which must fit and
+/// be a multiple of the device's alignment (the kernel refuses other lengths).
+///
+/// Errors: [`Error::DevDaxTooSmall`], [`Error::DevDaxAlignment`].
+pub(crate) fn mapping_len(path: &Path, info: DevDaxInfo, requested: Option<u64>) -> Result<u64> {
+    let Some(requested) = requested else {
+        return Ok(info.size);
+    };
+    if requested > info.size {
+        return Err(Error::DevDaxTooSmall {
+            path: path.to_owned(),
+            available: info.size,
+            requested,
+        });
+    }
+    match info.align {
+        Some(align) if align > 0 && requested % align != 0 => Err(Error::DevDaxAlignment {
+            path: path.to_owned(),
+            size: requested,
+            align,
+        }),
+        _ => Ok(requested),
+    }
+}
+
 fn probe_in(sysfs: &Path, path: &Path, rdev: u64) -> Result<DevDaxInfo> {
     let (major, minor) = (libc::major(rdev), libc::minor(rdev));
     let dir: PathBuf = sysfs.join(format!("dev/char/{major}:{minor}"));
@@ -141,6 +166,33 @@ mod tests {
         let sys = fake_sysfs("dax", None, None);
         let err = probe_in(sys.path(), Path::new("/dev/dax0.0"), rdev(252, 3)).unwrap_err();
         assert!(matches!(err, Error::Io { .. }), "{err:?}");
+    }
+
+    #[test]
+    fn mapping_len_is_the_device_or_an_aligned_prefix() {
+        let info = DevDaxInfo {
+            size: 8 << 20,
+            align: Some(2 << 20),
+        };
+        let p = Path::new("/dev/dax0.0");
+        assert_eq!(mapping_len(p, info, None).unwrap(), 8 << 20);
+        assert_eq!(mapping_len(p, info, Some(4 << 20)).unwrap(), 4 << 20);
+        assert_eq!(mapping_len(p, info, Some(8 << 20)).unwrap(), 8 << 20);
+        let err = mapping_len(p, info, Some(16 << 20)).unwrap_err();
+        assert!(
+            matches!(err, Error::DevDaxTooSmall { available, .. } if available == 8 << 20),
+            "{err:?}"
+        );
+        let err = mapping_len(p, info, Some(4096)).unwrap_err();
+        assert!(
+            matches!(err, Error::DevDaxAlignment { align, .. } if align == 2 << 20),
+            "{err:?}"
+        );
+        let unknown = DevDaxInfo {
+            align: None,
+            ..info
+        };
+        assert_eq!(mapping_len(p, unknown, Some(4096)).unwrap(), 4096);
     }
 
     #[test]

@@ -150,6 +150,16 @@ pub enum Error {
         /// The size asked for.
         requested: u64,
     },
+    /// The size asked of a devdax device is not a multiple of its mapping alignment.
+    #[error("{}: {size} bytes is not a multiple of the devdax alignment {align}", path.display())]
+    DevDaxAlignment {
+        /// The device.
+        path: PathBuf,
+        /// The size asked for.
+        size: u64,
+        /// The device's alignment (sysfs `align`).
+        align: u64,
+    },
     /// mmap failed.
     #[error("{}: cannot map {len} bytes", path.as_deref().map_or("anonymous memory".into(), |p| p.display().to_string()))]
     Map {

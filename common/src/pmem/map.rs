@@ -402,7 +402,7 @@ impl OpenOptions {
     /// [`Error::SizeTooLarge`], [`Error::SizeRequired`], [`Error::NotFound`],
     /// [`Error::IsDirectory`], [`Error::UnsupportedFileType`], [`Error::PermissionDenied`],
     /// [`Error::WouldGrow`], [`Error::WouldShrink`], [`Error::NoSpace`], [`Error::NotDevDax`],
-    /// [`Error::DevDaxTooSmall`], [`Error::Map`], [`Error::Io`].
+    /// [`Error::DevDaxTooSmall`], [`Error::DevDaxAlignment`], [`Error::Map`], [`Error::Io`].
     pub fn open(&self) -> Result<Mapping> {
         if self.block_size != 512 && self.block_size != 4096 {
             return Err(Error::BadBlockSize {
@@ -581,20 +581,8 @@ impl OpenOptions {
     fn open_devdax(&self, meta: &fs::Metadata) -> Result<Mapping> {
         use std::os::unix::fs::MetadataExt;
         let info = devdax::probe(&self.path, meta.rdev())?;
-        let size = match self.size {
-            Some(size) if size > info.size => {
-                return Err(Error::DevDaxTooSmall {
-                    path: self.path.clone(),
-                    available: info.size,
-                    requested: size,
-                })
-            }
-            Some(size) => size,
-            None => {
-                self.check_size(info.size)?;
-                info.size
-            }
-        };
+        let size = devdax::mapping_len(&self.path, info, self.size)?;
+        self.check_size(size)?;
         let file = fs::OpenOptions::new()
             .read(true)
             .write(true)
@@ -688,4 +676,33 @@ fn is_ram_fs(file: &File) -> io::Result<bool> {
     // SAFETY: fstatfs succeeded, so it initialised the struct (and it was zeroed before).
     let magic = unsafe { st.assume_init() }.f_type as u32;
     Ok(matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn page_range_covers_the_range_and_stays_in_the_mapping() {
+        let m = Mapping::anonymous(3 * page_size() + 100).unwrap();
+        let p = page_size();
+        assert_eq!(m.page_range(0, 1), (0, p));
+        assert_eq!(m.page_range(p - 1, 2), (0, 2 * p));
+        assert_eq!(m.page_range(p, p), (p, 2 * p));
+        // The tail of the last, partial page is still one whole page for msync.
+        assert_eq!(m.page_range(3 * p + 99, 1), (3 * p, 4 * p));
+    }
+
+    #[test]
+    fn ram_filesystems_are_recognised() {
+        let shm = tempfile::tempfile_in("/dev/shm").unwrap();
+        assert!(is_ram_fs(&shm).unwrap());
+        let disk = tempfile::tempfile_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let disk_is_ram = is_ram_fs(&disk).unwrap();
+        let df = nix::sys::statfs::fstatfs(&disk).unwrap();
+        assert_eq!(
+            disk_is_ram,
+            df.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC
+        );
+    }
 }

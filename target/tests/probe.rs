@@ -1,0 +1,151 @@
+//! `rpma-target probe` as a user runs it: the domain it prints for a file under the repo's
+//! scratch/ (page-cache), under /dev/shm (volatile) and with --force-dax, and its errors.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Output};
+
+fn rpma_target(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_rpma-target"))
+        .args(args)
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap()
+}
+
+fn stdout(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn stderr(o: &Output) -> String {
+    String::from_utf8_lossy(&o.stderr).into_owned()
+}
+
+fn scratch() -> tempfile::TempDir {
+    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("../scratch");
+    std::fs::create_dir_all(&dir).unwrap();
+    tempfile::Builder::new()
+        .prefix("probe-")
+        .tempdir_in(dir)
+        .unwrap()
+}
+
+fn shm() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("rpma-probe-")
+        .tempdir_in("/dev/shm")
+        .unwrap()
+}
+
+fn p(path: &Path) -> &str {
+    path.to_str().unwrap()
+}
+
+#[test]
+fn file_under_scratch_is_page_cache() {
+    let dir = scratch();
+    let path = dir.path().join("ns.pmem");
+    let out = rpma_target(&["probe", p(&path), "--size", "64MiB"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(
+        text.contains(&format!("path:        {}\n", path.display())),
+        "{text}"
+    );
+    assert!(
+        text.contains("size:        67108864 bytes (64 MiB)\n"),
+        "{text}"
+    );
+    assert!(text.contains("domain:      page-cache\n"), "{text}");
+    assert!(text.contains("msync"), "{text}");
+    assert!(text.contains("acks mean:   durable\n"), "{text}");
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 64 << 20);
+}
+
+#[test]
+fn file_under_dev_shm_is_volatile_and_visible_only() {
+    let dir = shm();
+    let path = dir.path().join("ns.pmem");
+    let out = rpma_target(&["probe", p(&path), "--size", "4k", "--block-size", "512"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("domain:      volatile\n"), "{text}");
+    assert!(text.contains("acks mean:   visible only\n"), "{text}");
+    assert!(text.contains("block size:  512\n"), "{text}");
+}
+
+#[test]
+fn force_dax_prints_dax_forced() {
+    let dir = shm();
+    let path = dir.path().join("ns.pmem");
+    let out = rpma_target(&["probe", p(&path), "--size", "1M", "--force-dax"]);
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    assert!(text.contains("domain:      dax (forced)\n"), "{text}");
+    assert!(text.contains("probed:      volatile"), "{text}");
+    assert!(!text.contains("domain:      dax\n"), "{text}");
+    // The existing file again, without --size, as `make demo` does.
+    let out = rpma_target(&["probe", p(&path), "--force-dax", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["domain"], "dax (forced)");
+    assert_eq!(v["probed_domain"], "volatile");
+    assert_eq!(v["size"], 1 << 20);
+    assert_eq!(v["path"], p(&path));
+}
+
+#[test]
+fn json_for_page_cache() {
+    let dir = scratch();
+    let path: PathBuf = dir.path().join("ns.pmem");
+    let out = rpma_target(&["probe", p(&path), "--size", "8k", "--json"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    let v: serde_json::Value = serde_json::from_str(&stdout(&out)).unwrap();
+    assert_eq!(v["domain"], "page-cache");
+    assert_eq!(v["durable"], true);
+    assert_eq!(v["acknowledgement"], "durable");
+    assert_eq!(v["block_size"], 4096);
+}
+
+#[test]
+fn grow_needs_the_flag() {
+    let dir = scratch();
+    let path = dir.path().join("ns.pmem");
+    assert!(rpma_target(&["probe", p(&path), "--size", "8k"])
+        .status
+        .success());
+    let out = rpma_target(&["probe", p(&path), "--size", "16k"]);
+    assert!(!out.status.success());
+    assert!(
+        stderr(&out).contains("refusing to grow"),
+        "{}",
+        stderr(&out)
+    );
+    let out = rpma_target(&["probe", p(&path), "--size", "16k", "--grow"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(stdout(&out).contains("(16 KiB)"), "{}", stdout(&out));
+}
+
+#[test]
+fn bad_input_fails_with_a_clear_message() {
+    let dir = scratch();
+    let ns = dir.path().join("ns.pmem");
+    let cases: [(&[&str], &str); 6] = [
+        (&["probe", p(&ns), "--size", "lots"], "--size lots"),
+        (&["probe", p(&ns), "--size", "0"], "size is 0"),
+        (
+            &["probe", p(&ns), "--size", "5000"],
+            "not a multiple of the block size",
+        ),
+        (&["probe", p(&ns)], "a size is needed"),
+        (&["probe", p(dir.path()), "--size", "4k"], "is a directory"),
+        (&["probe", "/dev/null"], "not a devdax device"),
+    ];
+    for (args, want) in cases {
+        let out = rpma_target(args);
+        assert!(!out.status.success(), "{args:?} succeeded");
+        let err = stderr(&out);
+        assert!(err.contains(want), "{args:?}: {err}");
+        assert!(stdout(&out).is_empty(), "{args:?} printed a report");
+    }
+    assert!(!ns.exists());
+}
