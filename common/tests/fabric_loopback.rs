@@ -416,3 +416,55 @@ fn a_target_refuses_reads_above_its_max_message() {
     let c = p.next_init();
     assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteOperation));
 }
+
+#[test]
+fn receives_posted_before_accept_catch_the_first_send() {
+    // A device and domain to work in (the pair itself is not used).
+    let p = Pair::new(true);
+    // A prepared QP takes receives before it is connected.
+    let (tmem, tmr) = p.target_buf(64, Access::LOCAL_WRITE);
+    let cq = p.ctx.create_cq(8).unwrap();
+    let prepared = p.pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    prepared
+        .post_recv(RecvWr {
+            wr_id: 77,
+            local: Some(Sge::new(&tmr, 0, 64)),
+        })
+        .unwrap();
+    let listener = Listener::bind(&p.ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = listener.url().unwrap();
+    let t = std::thread::spawn(move || {
+        let req = listener.accept(&ConnParams::default()).unwrap();
+        req.accept(prepared, &ConnParams::default(), b"").unwrap()
+    });
+    let icq = p.ctx.create_cq(8).unwrap();
+    let qp =
+        p.pd.create_qp(&icq, &icq, QpCaps::default())
+            .unwrap()
+            .connect(&url, &ConnParams::default(), b"")
+            .unwrap();
+    let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    imem.write_at(0, b"first").unwrap();
+    // Sent at once, possibly before the target thread has returned from accept.
+    qp.post_send(SendWr::new(
+        1,
+        SendOp::Send {
+            local: Sge::new(&imr, 0, 5),
+        },
+    ))
+    .unwrap();
+    let tqp = t.join().unwrap();
+    let mut wc = [Completion::EMPTY; 2];
+    assert_eq!(
+        cq.wait(&mut wc, Some(std::time::Duration::from_secs(10)))
+            .unwrap(),
+        1
+    );
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status, wc[0].byte_len, wc[0].qp_num),
+        (77, WcStatus::Success, 5, tqp.qp_num())
+    );
+    let mut b = [0u8; 5];
+    tmem.read_at(0, &mut b).unwrap();
+    assert_eq!(&b, b"first");
+}
