@@ -1,0 +1,333 @@
+//! The soft queue pair: requester and responder of one iWARP connection.
+//!
+//! Everything runs inside [`SoftQp::progress`] (called from completion-queue polling) and the
+//! posting calls, under the queue pair's lock: read the socket, place or answer what arrived,
+//! start what was posted (within ORD and fences), write what is queued, complete in order.
+//! The engine is split in `engine` (shared state), `requester` and `responder`.
+
+use std::collections::VecDeque;
+use std::io::{ErrorKind, Read};
+use std::net::{Shutdown, TcpStream};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use super::engine::*;
+use crate::fabric::cq::CompletionQueue;
+use crate::fabric::error::{Error, Result};
+use crate::fabric::pd::ProtectionDomain;
+use crate::fabric::qp::{ConnInfo, ConnParams};
+use crate::fabric::soft::conn::Negotiated;
+use crate::fabric::soft::placement::Dirty;
+use crate::fabric::soft::poll::Poller;
+use crate::fabric::soft::tx::Tx;
+use crate::fabric::soft::wire::rx::FpduReceiver;
+use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode};
+
+/// Whether a state may move to another (`ibv_modify_qp` rules, as far as RC uses them).
+pub(crate) fn can_transition(from: QpState, to: QpState) -> bool {
+    use QpState::*;
+    matches!(
+        (from, to),
+        (Reset, Init)
+            | (Init, Init)
+            | (Init, Rtr)
+            | (Rtr, Rts)
+            | (Rts, Rts)
+            | (_, Reset)
+            | (_, Error)
+    )
+}
+
+struct Core {
+    conn: Option<Conn>,
+    e: Engine,
+}
+
+/// A soft queue pair. Shared by its handle and (weakly) by its completion queues.
+pub(crate) struct SoftQp {
+    pub(crate) num: u32,
+    pub(crate) pd: ProtectionDomain,
+    core: Mutex<Core>,
+}
+
+impl SoftQp {
+    pub(crate) fn new(
+        num: u32,
+        pd: ProtectionDomain,
+        send_cq: CompletionQueue,
+        recv_cq: CompletionQueue,
+        caps: QpCaps,
+    ) -> Arc<SoftQp> {
+        let e = Engine {
+            qp_num: num,
+            pd: pd.inner.id,
+            ctx: pd.context().clone(),
+            send_cq,
+            recv_cq,
+            caps,
+            state: QpState::Init,
+            error: None,
+            info: None,
+            tx: Tx::new(false, 1024),
+            closing: false,
+            max_message: 1 << 30,
+            sq: VecDeque::new(),
+            next_seq: 0,
+            next_issue: 0,
+            in_flight: VecDeque::new(),
+            ord: 1,
+            send_msn: 1,
+            rreq_msn: 1,
+            next_req_id: 1,
+            rq: VecDeque::new(),
+            cur_recv: None,
+            recv_msn: 1,
+            rreq_expect: 1,
+            resp_msn: 1,
+            ird: 1,
+            ird_used: 0,
+            dirty: Dirty::default(),
+            refused_recv_status: None,
+        };
+        Arc::new(SoftQp {
+            num,
+            pd,
+            core: Mutex::new(Core { conn: None, e }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Core> {
+        self.core.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    pub(crate) fn state(&self) -> QpState {
+        self.lock().e.state
+    }
+
+    pub(crate) fn info(&self) -> ConnInfo {
+        self.lock()
+            .e
+            .info
+            .clone()
+            .expect("a connected queue pair has its info")
+    }
+
+    pub(crate) fn error(&self) -> Option<String> {
+        self.lock().e.error.clone()
+    }
+
+    pub(crate) fn check_rts(&self, op: &'static str) -> Result<()> {
+        let st = self.state();
+        if st != QpState::Rts {
+            return Err(fail(self.num, st, op, QpState::Rts));
+        }
+        Ok(())
+    }
+
+    /// Init -> RTR -> RTS over a connected, handshaken stream.
+    pub(crate) fn start(
+        self: &Arc<Self>,
+        sock: TcpStream,
+        neg: Negotiated,
+        params: &ConnParams,
+    ) -> Result<()> {
+        let sockerr = |source| Error::Socket {
+            op: "configure",
+            addr: neg.info.peer_addr.to_string(),
+            source,
+        };
+        sock.set_nonblocking(true).map_err(sockerr)?;
+        sock.set_nodelay(true).map_err(sockerr)?;
+        let mut c = self.lock();
+        if !can_transition(c.e.state, QpState::Rtr) {
+            return Err(fail(self.num, c.e.state, "connect", QpState::Init));
+        }
+        let e = &mut c.e;
+        e.tx = Tx::new(neg.info.crc, neg.peer_max_ulpdu.min(params.max_ulpdu));
+        e.ord = neg.info.ord.max(1) as usize;
+        e.ird = neg.info.ird.max(1) as usize;
+        e.max_message = params.max_message;
+        e.info = Some(neg.info.clone());
+        e.state = QpState::Rtr;
+        e.state = QpState::Rts;
+        c.conn = Some(Conn {
+            draining: None,
+            rx: FpduReceiver::new(neg.rx),
+            sock,
+            armed: Vec::new(),
+        });
+        let (scq, rcq) = (c.e.send_cq.clone(), c.e.recv_cq.clone());
+        drop(c);
+        scq.attach(self);
+        rcq.attach(self);
+        Ok(())
+    }
+
+    pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        let mut c = self.lock();
+        let e = &mut c.e;
+        if matches!(e.state, QpState::Reset | QpState::Error) {
+            return Err(fail(self.num, e.state, "post_recv", QpState::Rts));
+        }
+        if e.rq.len() + e.cur_recv.is_some() as usize >= e.caps.max_recv_wr {
+            return Err(Error::QueueFull {
+                qp_num: self.num,
+                queue: "receive",
+                depth: e.caps.max_recv_wr,
+            });
+        }
+        if let Some(s) = &wr.local {
+            e.check_sge(s, Access::LOCAL_WRITE)?;
+        }
+        e.rq.push_back(RqEntry {
+            wr_id: wr.wr_id,
+            local: wr.local,
+        });
+        Ok(())
+    }
+
+    pub(crate) fn post_send(&self, wr: SendWr) -> Result<()> {
+        let mut c = self.lock();
+        c.e.validate(&wr)?;
+        let e = &mut c.e;
+        if e.sq.len() >= e.caps.max_send_wr {
+            return Err(Error::QueueFull {
+                qp_num: self.num,
+                queue: "send",
+                depth: e.caps.max_send_wr,
+            });
+        }
+        let opcode = match &wr.op {
+            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+            SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
+            SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
+            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
+            SendOp::Flush { .. } => WcOpcode::Flush,
+        };
+        let byte_len = match &wr.op {
+            SendOp::Write { local, .. }
+            | SendOp::WriteWithImm { local, .. }
+            | SendOp::Read { local, .. }
+            | SendOp::Send { local }
+            | SendOp::SendWithInvalidate { local, .. } => local.len as u32,
+            SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } | SendOp::AtomicWrite { .. } => 8,
+            SendOp::Flush { .. } => 0,
+        };
+        let seq = e.next_seq;
+        e.next_seq += 1;
+        e.sq.push_back(SqEntry {
+            seq,
+            wr_id: wr.wr_id,
+            opcode,
+            flags: wr.flags,
+            byte_len,
+            status: None,
+            pending: Pending::Unissued(wr.op),
+        });
+        // Ring the doorbell: start it and write what the socket takes now.
+        let Core { conn, e } = &mut *c;
+        e.issue();
+        if let Some(conn) = conn.as_mut() {
+            e.write(conn);
+        }
+        e.complete_in_order();
+        Ok(())
+    }
+
+    /// One round of progress: receive, answer, issue, send, complete.
+    pub(crate) fn progress(&self) {
+        let mut c = self.lock();
+        let Core { conn, e } = &mut *c;
+        let Some(cn) = conn.as_mut() else { return };
+        if e.state == QpState::Rts {
+            e.receive(cn);
+            e.issue();
+        }
+        e.write(cn);
+        e.complete_in_order();
+        if e.state == QpState::Error && (!e.tx.pending() || !e.closing) && drain(cn) {
+            *conn = None;
+        }
+    }
+
+    /// Registers the socket with `poller` and arms writability if output waits.
+    pub(crate) fn arm(&self, poller: &Poller) -> Result<()> {
+        use std::os::fd::AsFd;
+        let mut c = self.lock();
+        let want_write = c.e.tx.pending();
+        let key = poller as *const Poller as usize;
+        let Some(cn) = c.conn.as_mut() else {
+            return Ok(());
+        };
+        match cn.armed.iter_mut().find(|(k, _)| *k == key) {
+            None => {
+                poller.add(cn.sock.as_fd(), self.num as u64, want_write)?;
+                cn.armed.push((key, want_write));
+            }
+            Some((_, w)) if *w != want_write => {
+                poller.set_write(cn.sock.as_fd(), self.num as u64, want_write)?;
+                *w = want_write;
+            }
+            Some(_) => {}
+        }
+        Ok(())
+    }
+
+    pub(crate) fn to_error(&self, why: &str) {
+        let mut c = self.lock();
+        let Core { conn, e } = &mut *c;
+        e.enter_error(why.to_owned(), None);
+        e.complete_in_order();
+        if let Some(cn) = conn.take() {
+            let _ = cn.sock.shutdown(Shutdown::Both);
+        }
+    }
+
+    /// The handle is gone: close the connection, flush what is left.
+    pub(crate) fn close(&self) {
+        self.to_error("queue pair dropped");
+    }
+}
+
+/// How long a queue pair in Error keeps reading what its peer still sends before it closes.
+const DRAIN_TIME: Duration = Duration::from_secs(2);
+
+/// Half-closes a connection whose last bytes (a Terminate, if any) are out and drops what the
+/// peer still sends. Returns whether the connection can now be closed.
+fn drain(cn: &mut Conn) -> bool {
+    let deadline = *cn.draining.get_or_insert_with(|| {
+        let _ = cn.sock.shutdown(Shutdown::Write);
+        Instant::now() + DRAIN_TIME
+    });
+    let mut buf = [0u8; 4096];
+    loop {
+        match cn.sock.read(&mut buf) {
+            Ok(0) => return true,
+            Ok(_) => continue,
+            Err(e) if e.kind() == ErrorKind::Interrupted => continue,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return Instant::now() >= deadline,
+            Err(_) => return true,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn state_machine_follows_verbs() {
+        use QpState::*;
+        assert!(can_transition(Reset, Init));
+        assert!(can_transition(Init, Rtr));
+        assert!(can_transition(Rtr, Rts));
+        assert!(can_transition(Rts, Error));
+        assert!(can_transition(Error, Reset));
+        assert!(!can_transition(Reset, Rts));
+        assert!(!can_transition(Init, Rts));
+        assert!(!can_transition(Error, Rts));
+        assert!(!can_transition(Rts, Rtr));
+    }
+}
