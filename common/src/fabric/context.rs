@@ -1,0 +1,70 @@
+//! [`Context`]: an open device, the root of every other fabric object.
+
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use super::cq::CompletionQueue;
+use super::error::Result;
+use super::pd::ProtectionDomain;
+use super::soft::device::StagTable;
+
+static NEXT_CONTEXT_ID: AtomicU32 = AtomicU32::new(1);
+
+/// An open device (`ibv_context`). Cheap to clone: every clone is the same device.
+///
+/// `Context::soft()` is the userspace iWARP engine of the `tcp` transport; the `rdma` transport
+/// will add `Context::rdma(device)`. Everything made from a context keeps it alive.
+#[derive(Clone)]
+pub struct Context {
+    pub(crate) inner: Arc<ContextInner>,
+}
+
+pub(crate) struct ContextInner {
+    pub(crate) id: u32,
+    pub(crate) stags: StagTable,
+    next_pd: AtomicU32,
+    next_qp: AtomicU32,
+}
+
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context")
+            .field("id", &self.inner.id)
+            .field("transport", &"soft")
+            .finish()
+    }
+}
+
+impl Context {
+    /// The software device: RDMA over TCP, speaking iWARP. Always available.
+    pub fn soft() -> Context {
+        Context {
+            inner: Arc::new(ContextInner {
+                id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),
+                stags: StagTable::new(),
+                next_pd: AtomicU32::new(1),
+                next_qp: AtomicU32::new(1),
+            }),
+        }
+    }
+
+    /// Allocates a protection domain (`ibv_alloc_pd`).
+    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
+        let id = self.inner.next_pd.fetch_add(1, Ordering::Relaxed);
+        Ok(ProtectionDomain::new(self.clone(), id))
+    }
+
+    /// Creates a completion queue (`ibv_create_cq`). `depth` is the number of completions it is
+    /// sized for; see [`CompletionQueue`].
+    pub fn create_cq(&self, depth: usize) -> Result<CompletionQueue> {
+        CompletionQueue::new(self.clone(), depth)
+    }
+
+    pub(crate) fn next_qp_num(&self) -> u32 {
+        self.inner.next_qp.fetch_add(1, Ordering::Relaxed)
+    }
+
+    pub(crate) fn same(&self, other: &Context) -> bool {
+        Arc::ptr_eq(&self.inner, &other.inner)
+    }
+}

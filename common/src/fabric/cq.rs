@@ -1,0 +1,163 @@
+//! [`CompletionQueue`]: where work requests end, and what drives progress.
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Mutex, Weak};
+use std::time::{Duration, Instant};
+
+use super::context::Context;
+use super::error::Result;
+use super::soft::poll::Poller;
+use super::soft::qp::SoftQp;
+use super::types::Completion;
+
+/// How long [`CompletionQueue::wait`] busy-polls after the last completion before it blocks in
+/// epoll.
+pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_micros(50);
+
+/// A completion queue (`ibv_cq`). Cheap to clone; every clone is the same queue.
+///
+/// Polling it drives the sockets of every queue pair bound to it, in the calling thread: there
+/// is no background thread on the data path. That progress also serves the peers' requests
+/// (placing their Writes, answering their Reads, atomics and Flushes), so a target polls its
+/// completion queues even when it posts nothing. Several threads may poll one queue; each
+/// queue pair is driven by one of them at a time.
+///
+/// `depth` is a sizing hint: completions are never dropped, the queue grows beyond it.
+#[derive(Clone)]
+pub struct CompletionQueue {
+    pub(crate) inner: Arc<CqInner>,
+}
+
+pub(crate) struct CqInner {
+    ctx: Context,
+    pub(crate) entries: Mutex<VecDeque<Completion>>,
+    qps: Mutex<Vec<Weak<SoftQp>>>,
+    pub(crate) poller: Poller,
+}
+
+impl std::fmt::Debug for CompletionQueue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let n = self.inner.entries.lock().map(|e| e.len()).unwrap_or(0);
+        f.debug_struct("CompletionQueue")
+            .field("ready", &n)
+            .finish()
+    }
+}
+
+impl CompletionQueue {
+    pub(crate) fn new(ctx: Context, depth: usize) -> Result<CompletionQueue> {
+        Ok(CompletionQueue {
+            inner: Arc::new(CqInner {
+                ctx,
+                entries: Mutex::new(VecDeque::with_capacity(depth.min(1 << 16))),
+                qps: Mutex::new(Vec::new()),
+                poller: Poller::new()?,
+            }),
+        })
+    }
+
+    /// The device it belongs to.
+    pub fn context(&self) -> &Context {
+        &self.inner.ctx
+    }
+
+    pub(crate) fn attach(&self, qp: &Arc<SoftQp>) {
+        let mut qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
+        qps.retain(|w| w.strong_count() > 0);
+        if !qps
+            .iter()
+            .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(qp)))
+        {
+            qps.push(Arc::downgrade(qp));
+        }
+    }
+
+    pub(crate) fn push(&self, c: Completion) {
+        self.inner
+            .entries
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push_back(c);
+    }
+
+    fn live_qps(&self) -> Vec<Arc<SoftQp>> {
+        let qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
+        qps.iter().filter_map(Weak::upgrade).collect()
+    }
+
+    /// Drives the bound queue pairs once and moves up to `out.len()` completions into `out`
+    /// (`ibv_poll_cq`). Returns how many. Never blocks.
+    ///
+    /// # Errors
+    /// None today; a transport that can fail as a whole (the `rdma` device) reports it here.
+    pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        if out.is_empty() {
+            return Ok(0);
+        }
+        for qp in self.live_qps() {
+            qp.progress();
+        }
+        let mut e = self.inner.entries.lock().unwrap_or_else(|p| p.into_inner());
+        let n = out.len().min(e.len());
+        for (slot, c) in out.iter_mut().zip(e.drain(..n)) {
+            *slot = c;
+        }
+        Ok(n)
+    }
+
+    /// Like [`poll`](Self::poll), but waits up to `timeout` (None: forever) for at least one
+    /// completion: it busy-polls for [`DEFAULT_IDLE_SPIN`] and then blocks in epoll on the
+    /// queue pairs' sockets. Returns 0 if the time ran out.
+    ///
+    /// # Errors
+    /// [`Error::Wait`](super::Error::Wait) if epoll fails.
+    pub fn wait(&self, out: &mut [Completion], timeout: Option<Duration>) -> Result<usize> {
+        self.wait_with_spin(out, timeout, DEFAULT_IDLE_SPIN)
+    }
+
+    /// [`wait`](Self::wait) with a chosen busy-poll spell.
+    ///
+    /// # Errors
+    /// [`Error::Wait`](super::Error::Wait) if epoll fails.
+    pub fn wait_with_spin(
+        &self,
+        out: &mut [Completion],
+        timeout: Option<Duration>,
+        spin: Duration,
+    ) -> Result<usize> {
+        let start = Instant::now();
+        let deadline = timeout.map(|t| start + t);
+        let mut last_activity = start;
+        loop {
+            let n = self.poll(out)?;
+            if n > 0 {
+                return Ok(n);
+            }
+            let now = Instant::now();
+            if deadline.is_some_and(|d| now >= d) {
+                return Ok(0);
+            }
+            if now.duration_since(last_activity) < spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            // Idle: block until a socket is ready (arming writability where output waits).
+            for qp in self.live_qps() {
+                qp.arm(&self.inner.poller)?;
+            }
+            if !self
+                .inner
+                .entries
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .is_empty()
+            {
+                continue;
+            }
+            let left = deadline.map(|d| d.saturating_duration_since(now));
+            if self.inner.poller.wait(left)? {
+                last_activity = Instant::now();
+            }
+        }
+    }
+}

@@ -1,0 +1,456 @@
+//! Memory regions and windows: what peers may reach, under which rkey, with which rights.
+
+use std::alloc::{self, Layout};
+use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::Arc;
+
+use super::error::{Error, Result};
+use super::pd::ProtectionDomain;
+use super::soft::device::{StagEntry, StagKind};
+use super::types::{Access, RemoteAddr};
+use crate::pmem::Persist;
+
+/// Memory that can be registered with [`ProtectionDomain::register`].
+///
+/// # Safety
+/// An implementor promises that [`as_mut_ptr`](Self::as_mut_ptr) is valid for reads and writes
+/// of [`len`](Self::len) bytes, never changes, and stays valid for the object's lifetime; and
+/// that it never hands out Rust references into that memory which assume exclusive or unchanging
+/// access, because the fabric writes into it (placing a peer's Write, a Read response, an
+/// atomic) from whichever thread drives progress, through raw pointers.
+pub unsafe trait RegisteredMemory: Send + Sync + 'static {
+    /// Start of the memory.
+    fn as_mut_ptr(&self) -> *mut u8;
+    /// Length in bytes.
+    fn len(&self) -> usize;
+    /// Whether it is empty.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// How ranges of it are made durable, if it is backed by a persistence domain. Offsets given
+    /// to it are from [`as_mut_ptr`](Self::as_mut_ptr).
+    fn persist(&self) -> Option<&dyn Persist> {
+        None
+    }
+}
+
+// SAFETY: a Mapping is a live mmap of `len()` bytes at a fixed address for its whole lifetime;
+// it gives access only through raw pointers, so concurrent placement by the fabric is sound.
+unsafe impl RegisteredMemory for crate::pmem::Mapping {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        crate::pmem::Mapping::as_ptr(self)
+    }
+    fn len(&self) -> usize {
+        crate::pmem::Mapping::len(self)
+    }
+    fn persist(&self) -> Option<&dyn Persist> {
+        Some(self)
+    }
+}
+
+/// An owned, zeroed, page-aligned buffer to register: volatile memory for Read sinks, Recv
+/// buffers, atomic results or test targets. Access it with the copying accessors only: the
+/// fabric writes into it concurrently.
+pub struct AlignedBuf {
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: the buffer is a plain heap allocation owned by this value; all access goes through
+// raw-pointer copies, so sharing it between threads is as sound as sharing the pointer.
+unsafe impl Send for AlignedBuf {}
+// SAFETY: as for Send: no method hands out references into the buffer.
+unsafe impl Sync for AlignedBuf {}
+
+const ALIGN: usize = 4096;
+
+impl AlignedBuf {
+    /// A zeroed buffer of `len` bytes (at least 1), aligned to 4096.
+    ///
+    /// # Errors
+    /// [`Error::Register`] for a zero or absurd length.
+    pub fn new(len: usize) -> Result<Arc<AlignedBuf>> {
+        let layout = Layout::from_size_align(len.max(1), ALIGN).map_err(|_| Error::Register {
+            addr: 0,
+            len,
+            reason: "length too large for an aligned allocation",
+        })?;
+        if len == 0 {
+            return Err(Error::Register {
+                addr: 0,
+                len,
+                reason: "empty buffer",
+            });
+        }
+        // SAFETY: the layout has a non-zero size.
+        let ptr = unsafe { alloc::alloc_zeroed(layout) };
+        if ptr.is_null() {
+            alloc::handle_alloc_error(layout);
+        }
+        Ok(Arc::new(AlignedBuf { ptr, len }))
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.len => Ok(()),
+            _ => Err(Error::LocalBounds {
+                offset,
+                len,
+                region_len: self.len,
+            }),
+        }
+    }
+
+    /// Copies `out.len()` bytes at `offset` into `out`.
+    ///
+    /// # Errors
+    /// [`Error::LocalBounds`] if the range is outside the buffer.
+    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
+        self.check(offset, out.len())?;
+        // SAFETY: the range was checked to lie in the allocation; `out` is a distinct Rust
+        // buffer, so the two do not overlap.
+        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
+        Ok(())
+    }
+
+    /// Copies `data` into the buffer at `offset`.
+    ///
+    /// # Errors
+    /// [`Error::LocalBounds`] if the range is outside the buffer.
+    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
+        self.check(offset, data.len())?;
+        // SAFETY: the range was checked to lie in the allocation; `data` is a distinct Rust
+        // buffer.
+        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
+        Ok(())
+    }
+
+    /// The whole buffer, copied.
+    pub fn to_vec(&self) -> Vec<u8> {
+        let mut v = vec![0; self.len];
+        // Cannot fail: the range is the whole buffer.
+        let _ = self.read_at(0, &mut v);
+        v
+    }
+
+    /// The native-endian u64 at `offset` (8-byte aligned offsets read atomically).
+    ///
+    /// # Errors
+    /// [`Error::LocalBounds`] if the range is outside the buffer.
+    pub fn read_u64(&self, offset: usize) -> Result<u64> {
+        let mut b = [0u8; 8];
+        self.read_at(offset, &mut b)?;
+        Ok(u64::from_ne_bytes(b))
+    }
+}
+
+impl Drop for AlignedBuf {
+    fn drop(&mut self) {
+        let layout = Layout::from_size_align(self.len.max(1), ALIGN).expect("checked in new");
+        // SAFETY: ptr was allocated in `new` with this very layout and is freed only here.
+        unsafe { alloc::dealloc(self.ptr, layout) };
+    }
+}
+
+impl std::fmt::Debug for AlignedBuf {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AlignedBuf")
+            .field("ptr", &self.ptr)
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+// SAFETY: ptr/len describe the live allocation owned by self; access is by raw pointer only.
+unsafe impl RegisteredMemory for AlignedBuf {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.ptr
+    }
+    fn len(&self) -> usize {
+        self.len
+    }
+}
+
+pub(crate) enum Backing {
+    Owned(Arc<dyn RegisteredMemory>),
+    Raw { addr: *mut u8, len: usize },
+}
+
+/// Registered memory as the engine sees it: a fixed address range kept alive by `keep`.
+pub(crate) struct Region {
+    addr: *mut u8,
+    len: usize,
+    keep: Option<Arc<dyn RegisteredMemory>>,
+}
+
+// SAFETY: the range is kept alive by `keep` (or by the register_raw contract) and is only ever
+// accessed through raw pointers and atomics, from any thread.
+unsafe impl Send for Region {}
+// SAFETY: as for Send.
+unsafe impl Sync for Region {}
+
+impl Region {
+    pub(crate) fn new(backing: Backing) -> Result<Region> {
+        let (addr, len, keep) = match backing {
+            Backing::Owned(m) => (m.as_mut_ptr(), m.len(), Some(m)),
+            Backing::Raw { addr, len } => (addr, len, None),
+        };
+        if addr.is_null() || len == 0 {
+            return Err(Error::Register {
+                addr: addr as usize,
+                len,
+                reason: "null or empty range",
+            });
+        }
+        if (addr as usize).checked_add(len).is_none() {
+            return Err(Error::Register {
+                addr: addr as usize,
+                len,
+                reason: "range wraps",
+            });
+        }
+        Ok(Region { addr, len, keep })
+    }
+
+    #[cfg(test)]
+    pub(crate) fn for_test(backing: Backing) -> Region {
+        Region::new(backing).expect("test memory")
+    }
+
+    pub(crate) fn addr(&self) -> *mut u8 {
+        self.addr
+    }
+
+    /// The memory's persistence, if any (offsets from the region's start).
+    pub(crate) fn persist(&self) -> Option<&dyn Persist> {
+        self.keep.as_ref().and_then(|m| m.persist())
+    }
+}
+
+/// A registered memory region (`ibv_mr`). Dropping the last `Arc` deregisters it; the fabric
+/// holds an `Arc` per outstanding work request that uses it, so memory in flight is never freed.
+pub struct MemoryRegion {
+    pd: ProtectionDomain,
+    region: Arc<Region>,
+    key: u32,
+    access: Access,
+}
+
+impl std::fmt::Debug for MemoryRegion {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryRegion")
+            .field("addr", &self.region.addr)
+            .field("len", &self.region.len)
+            .field("rkey", &format_args!("{:#x}", self.key))
+            .field("access", &self.access)
+            .finish()
+    }
+}
+
+pub(crate) fn check_access(access: Access) -> Result<()> {
+    let needs_local = Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+    if !(access & needs_local).is_empty() && !access.contains(Access::LOCAL_WRITE) {
+        return Err(Error::InvalidAccess {
+            access,
+            reason: "remote write and remote atomic need local write",
+        });
+    }
+    Ok(())
+}
+
+pub(crate) fn register(
+    pd: &ProtectionDomain,
+    backing: Backing,
+    access: Access,
+) -> Result<Arc<MemoryRegion>> {
+    check_access(access)?;
+    let region = Arc::new(Region::new(backing)?);
+    let (addr, len) = (region.addr, region.len);
+    let entry = StagEntry {
+        region: Arc::clone(&region),
+        base: addr as u64,
+        len: len as u64,
+        offset: 0,
+        access,
+        pd: pd.inner.id,
+        kind: StagKind::Mr,
+    };
+    let key = pd.context().inner.stags.insert(entry)?;
+    Ok(Arc::new(MemoryRegion {
+        pd: pd.clone(),
+        region,
+        key,
+        access,
+    }))
+}
+
+impl MemoryRegion {
+    /// The start address: the peer names bytes of this region as `addr() + offset`.
+    pub fn addr(&self) -> u64 {
+        self.region.addr as u64
+    }
+
+    /// The start as a pointer.
+    pub fn as_mut_ptr(&self) -> *mut u8 {
+        self.region.addr
+    }
+
+    /// Length in bytes.
+    pub fn len(&self) -> usize {
+        self.region.len
+    }
+
+    /// Whether it is empty (never: registration refuses empty memory).
+    pub fn is_empty(&self) -> bool {
+        self.region.len == 0
+    }
+
+    /// The local key. On the soft transport it equals the rkey.
+    pub fn lkey(&self) -> u32 {
+        self.key
+    }
+
+    /// The key a peer needs to reach this region.
+    pub fn rkey(&self) -> u32 {
+        self.key
+    }
+
+    /// The rights it was registered with.
+    pub fn access(&self) -> Access {
+        self.access
+    }
+
+    /// The protection domain.
+    pub fn pd(&self) -> &ProtectionDomain {
+        &self.pd
+    }
+
+    /// What to hand a peer so it can reach `offset` of this region.
+    pub fn remote(&self, offset: u64) -> RemoteAddr {
+        RemoteAddr {
+            addr: self.addr() + offset,
+            rkey: self.key,
+        }
+    }
+
+    pub(crate) fn region(&self) -> &Arc<Region> {
+        &self.region
+    }
+
+    pub(crate) fn check_local(&self, offset: usize, len: usize, needed: Access) -> Result<()> {
+        match offset.checked_add(len) {
+            Some(end) if end <= self.region.len => {}
+            _ => {
+                return Err(Error::LocalBounds {
+                    offset,
+                    len,
+                    region_len: self.region.len,
+                })
+            }
+        }
+        if !self.access.contains(needed) {
+            return Err(Error::LocalAccess {
+                needed,
+                has: self.access,
+            });
+        }
+        Ok(())
+    }
+}
+
+impl Drop for MemoryRegion {
+    fn drop(&mut self) {
+        self.pd.context().inner.stags.remove(self.key);
+    }
+}
+
+/// A memory window (`ibv_mw`, type 2): a sub-range of a region with a subset of its rights,
+/// under an rkey of its own, usable by one queue pair. Binding again or invalidating changes
+/// the rkey, so an old rkey is refused with a remote access error. Dropping it invalidates it.
+pub struct MemoryWindow {
+    pd: ProtectionDomain,
+    rkey: AtomicU32,
+}
+
+impl std::fmt::Debug for MemoryWindow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MemoryWindow")
+            .field(
+                "rkey",
+                &format_args!("{:#x}", self.rkey.load(Ordering::Relaxed)),
+            )
+            .finish()
+    }
+}
+
+impl MemoryWindow {
+    pub(crate) fn new(pd: &ProtectionDomain) -> Result<MemoryWindow> {
+        let rkey = pd.context().inner.stags.reserve()?;
+        Ok(MemoryWindow {
+            pd: pd.clone(),
+            rkey: AtomicU32::new(rkey),
+        })
+    }
+
+    /// The current rkey (valid only while bound).
+    pub fn rkey(&self) -> u32 {
+        self.rkey.load(Ordering::Acquire)
+    }
+
+    /// Invalidates the window locally (`IBV_WR_LOCAL_INV`): its rkey stops working at once.
+    pub fn invalidate(&self) {
+        self.pd.context().inner.stags.invalidate(self.rkey());
+    }
+
+    pub(crate) fn bind(
+        &self,
+        qp_num: u32,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<u32> {
+        if !mr.pd.same(&self.pd) {
+            return Err(Error::WrongDomain {
+                what: "memory region",
+            });
+        }
+        if !mr.access.contains(Access::MW_BIND) {
+            return Err(Error::MemoryWindow {
+                reason: "the region was not registered with MW_BIND",
+            });
+        }
+        if !mr.access.contains(access & Access::ALL_REMOTE) || access.contains(Access::MW_BIND) {
+            return Err(Error::MemoryWindow {
+                reason: "rights beyond the region's",
+            });
+        }
+        check_access(access | (mr.access & Access::LOCAL_WRITE))?;
+        match offset.checked_add(len) {
+            Some(end) if end <= mr.len() && len > 0 => {}
+            _ => {
+                return Err(Error::MemoryWindow {
+                    reason: "range outside the region",
+                })
+            }
+        }
+        let entry = StagEntry {
+            region: Arc::clone(&mr.region),
+            base: mr.addr() + offset as u64,
+            len: len as u64,
+            offset: offset as u64,
+            access,
+            pd: self.pd.inner.id,
+            kind: StagKind::Mw { qp: qp_num },
+        };
+        let rkey = self.pd.context().inner.stags.rebind(self.rkey(), entry)?;
+        self.rkey.store(rkey, Ordering::Release);
+        Ok(rkey)
+    }
+}
+
+impl Drop for MemoryWindow {
+    fn drop(&mut self) {
+        self.pd.context().inner.stags.remove(self.rkey());
+    }
+}

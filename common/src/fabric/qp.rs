@@ -1,0 +1,367 @@
+//! Queue pairs (reliable connected) and connection management.
+//!
+//! A queue pair is made by [`ProtectionDomain::create_qp`] as a [`PreparedQueuePair`] (state
+//! Init: receives may be posted), and becomes a connected [`QueuePair`] (state RTS) by consuming
+//! itself: actively with [`PreparedQueuePair::connect`], passively with
+//! [`ConnRequest::accept`] on a request from [`Listener::accept`]. This is rdma_cm's shape: the
+//! URL picks the transport (`tcp://host:port`).
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use super::cq::CompletionQueue;
+use super::error::{Error, Result};
+use super::mr::{MemoryRegion, MemoryWindow};
+use super::pd::ProtectionDomain;
+use super::soft::conn;
+use super::soft::qp::SoftQp;
+use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
+use super::url::{Scheme, Url};
+use super::Context;
+
+/// Connection parameters: what this side offers in the MPA exchange.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnParams {
+    /// Ask for MPA CRC32c (on by default). CRC is used if either side asks.
+    pub crc: bool,
+    /// Inbound Read/Atomic/Flush requests this side serves at once (IRD).
+    pub ird: u16,
+    /// Outbound Read/Atomic/Flush requests this side keeps in flight (ORD); lowered to the
+    /// peer's IRD when the connection is made.
+    pub ord: u16,
+    /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
+    /// segmented. At most 65535.
+    pub max_ulpdu: usize,
+    /// Largest message (Write, Read, Send) this side posts or serves; a peer's Read Request for
+    /// more is answered with a Terminate.
+    pub max_message: usize,
+    /// How long a connect or accept may take.
+    pub timeout: Duration,
+}
+
+impl Default for ConnParams {
+    fn default() -> Self {
+        ConnParams {
+            crc: true,
+            ird: 16,
+            ord: 16,
+            max_ulpdu: conn::DEFAULT_MAX_ULPDU,
+            max_message: 1 << 30,
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+/// What was agreed in the MPA exchange.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConnInfo {
+    /// Whether FPDUs carry CRC32c.
+    pub crc: bool,
+    /// Inbound requests this side serves at once.
+    pub ird: u16,
+    /// Outbound requests this side keeps in flight.
+    pub ord: u16,
+    /// The peer understands the private Flush opcode.
+    pub peer_flush: bool,
+    /// The peer understands the private Atomic Write opcode.
+    pub peer_atomic_write: bool,
+    /// The peer understands RFC 7306 atomics.
+    pub peer_atomics: bool,
+    /// The application private data the peer sent.
+    pub peer_private_data: Vec<u8>,
+    /// The local socket address.
+    pub local_addr: SocketAddr,
+    /// The peer's socket address.
+    pub peer_addr: SocketAddr,
+}
+
+/// A queue pair that is not connected yet (state Init).
+pub struct PreparedQueuePair {
+    pub(crate) inner: Arc<SoftQp>,
+}
+
+impl std::fmt::Debug for PreparedQueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PreparedQueuePair")
+            .field("qp_num", &self.inner.num)
+            .finish()
+    }
+}
+
+impl PreparedQueuePair {
+    pub(crate) fn new(
+        pd: ProtectionDomain,
+        send_cq: CompletionQueue,
+        recv_cq: CompletionQueue,
+        caps: QpCaps,
+    ) -> PreparedQueuePair {
+        let num = pd.context().next_qp_num();
+        PreparedQueuePair {
+            inner: SoftQp::new(num, pd, send_cq, recv_cq, caps),
+        }
+    }
+
+    /// The queue pair number.
+    pub fn qp_num(&self) -> u32 {
+        self.inner.num
+    }
+
+    /// Posts a receive before the connection exists, so that the peer's first Send finds it
+    /// (iWARP has no RNR retry: a Send that finds no receive is fatal).
+    ///
+    /// # Errors
+    /// As [`QueuePair::post_recv`].
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        self.inner.post_recv(wr)
+    }
+
+    /// Connects to a listener at `url` (rdma_connect): TCP connect, the MPA exchange carrying
+    /// `private_data` (at most [`conn::MAX_PRIVATE_DATA`] bytes), then RTS.
+    ///
+    /// # Errors
+    /// [`Error::TransportUnavailable`] for `rdma://` in this build, [`Error::Socket`],
+    /// [`Error::Handshake`], [`Error::Rejected`].
+    pub fn connect(self, url: &Url, params: &ConnParams, private_data: &[u8]) -> Result<QueuePair> {
+        match url.scheme {
+            Scheme::Tcp => {}
+            Scheme::Rdma => {
+                return Err(Error::TransportUnavailable {
+                    scheme: "rdma".into(),
+                })
+            }
+        }
+        let (stream, neg) = conn::connect(url, params, private_data)?;
+        self.inner.start(stream, neg, params)?;
+        Ok(QueuePair { inner: self.inner })
+    }
+}
+
+/// A connected reliable queue pair (`ibv_qp` of type RC), in RTS until an error moves it to
+/// Error. Dropping it closes the connection; the peer's queue pair goes to Error.
+pub struct QueuePair {
+    inner: Arc<SoftQp>,
+}
+
+impl std::fmt::Debug for QueuePair {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("QueuePair")
+            .field("qp_num", &self.inner.num)
+            .field("state", &self.inner.state())
+            .finish()
+    }
+}
+
+impl QueuePair {
+    /// The queue pair number (the `qp_num` of its completions).
+    pub fn qp_num(&self) -> u32 {
+        self.inner.num
+    }
+
+    /// The current state: RTS, or Error after a fatal error.
+    pub fn state(&self) -> QpState {
+        self.inner.state()
+    }
+
+    /// What was agreed when connecting.
+    pub fn info(&self) -> ConnInfo {
+        self.inner.info()
+    }
+
+    /// Why the queue pair went to Error, if it did (a received or sent Terminate, a closed
+    /// connection, a local move to Error).
+    pub fn error(&self) -> Option<String> {
+        self.inner.error()
+    }
+
+    /// Posts a send-queue work request (`ibv_post_send`). It starts at once if the send queue
+    /// and the ORD allow, else when progress (polling a completion queue) lets it.
+    ///
+    /// Buffer ownership: the queue pair holds a clone of every `Arc<MemoryRegion>` the request
+    /// names until the request's completion is generated (for an unsignaled request: until the
+    /// queue pair has finished with it), so the memory stays registered and alive while the
+    /// fabric reads or writes it; dropping your handles meanwhile frees nothing. Do not read a
+    /// Read's or an atomic's local buffer before its completion.
+    ///
+    /// Write and Send complete when handed to TCP, as RFC 5040 has it: an error they cause at
+    /// the peer comes back as a Terminate that completes the oldest outstanding request with
+    /// the error status (for APM, the Read that follows the Writes) and flushes the rest.
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`] unless in RTS, [`Error::QueueFull`], [`Error::LocalBounds`],
+    /// [`Error::LocalAccess`], [`Error::WrongDomain`] (a region of another protection domain),
+    /// [`Error::InvalidWorkRequest`] (misaligned or wrong-sized atomics, a message larger than
+    /// `max_message`), [`Error::PeerUnsupported`] (Flush, Atomic Write or atomics to a peer
+    /// that did not advertise them).
+    pub fn post_send(&self, wr: SendWr) -> Result<()> {
+        self.inner.post_send(wr)
+    }
+
+    /// Posts a receive (`ibv_post_recv`). Same buffer ownership as
+    /// [`post_send`](Self::post_send).
+    ///
+    /// # Errors
+    /// [`Error::InvalidState`] in Error, [`Error::QueueFull`], [`Error::LocalBounds`],
+    /// [`Error::LocalAccess`] (the buffer lacks [`Access::LOCAL_WRITE`]), [`Error::WrongDomain`].
+    pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
+        self.inner.post_recv(wr)
+    }
+
+    /// Binds `mw` to `len` bytes at `offset` of `mr` with the remote rights `access`, for this
+    /// queue pair only (`ibv_bind_mw`, type 2). Returns the new rkey; the previous one stops
+    /// working. Executed at once on this transport.
+    ///
+    /// # Errors
+    /// [`Error::MemoryWindow`] (no MW_BIND on the region, rights beyond the region's, range
+    /// outside it), [`Error::WrongDomain`], [`Error::InvalidState`] unless in RTS.
+    pub fn bind_mw(
+        &self,
+        mw: &MemoryWindow,
+        mr: &Arc<MemoryRegion>,
+        offset: usize,
+        len: usize,
+        access: Access,
+    ) -> Result<u32> {
+        self.inner.check_rts("bind_mw")?;
+        mw.bind(self.inner.num, mr, offset, len, access)
+    }
+
+    /// Moves the queue pair to Error (`ibv_modify_qp` to ERR): the connection is closed and
+    /// every outstanding request is completed with `WrFlush`.
+    pub fn to_error(&self) {
+        self.inner.to_error("moved to Error locally");
+    }
+}
+
+impl Drop for QueuePair {
+    fn drop(&mut self) {
+        self.inner.close();
+    }
+}
+
+/// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL.
+pub struct Listener {
+    ctx: Context,
+    inner: conn::TcpListen,
+}
+
+impl std::fmt::Debug for Listener {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Listener")
+            .field("url", &self.url().ok())
+            .finish()
+    }
+}
+
+impl Listener {
+    /// Binds to `url` (port 0: an ephemeral port; see [`Listener::url`]).
+    ///
+    /// # Errors
+    /// [`Error::TransportUnavailable`] for `rdma://` in this build, [`Error::Socket`].
+    pub fn bind(ctx: &Context, url: &Url) -> Result<Listener> {
+        match url.scheme {
+            Scheme::Tcp => {}
+            Scheme::Rdma => {
+                return Err(Error::TransportUnavailable {
+                    scheme: "rdma".into(),
+                })
+            }
+        }
+        Ok(Listener {
+            ctx: ctx.clone(),
+            inner: conn::TcpListen::bind(url)?,
+        })
+    }
+
+    /// The URL it listens on, with the real port.
+    ///
+    /// # Errors
+    /// [`Error::Socket`] if the socket cannot say.
+    pub fn url(&self) -> Result<Url> {
+        self.inner.url()
+    }
+
+    /// Waits for the next connection and reads its MPA Request (rdma_get_request). The peer's
+    /// private data is in the returned request, which must be accepted or rejected.
+    ///
+    /// # Errors
+    /// [`Error::Socket`], [`Error::Handshake`] (a peer that does not speak MPA; the listener
+    /// stays usable).
+    pub fn accept(&self, params: &ConnParams) -> Result<ConnRequest> {
+        let pending = self.inner.accept(params)?;
+        Ok(ConnRequest {
+            ctx: self.ctx.clone(),
+            pending: Some(pending),
+        })
+    }
+}
+
+/// An incoming connection waiting for an answer. Dropping it unanswered rejects it.
+pub struct ConnRequest {
+    ctx: Context,
+    pending: Option<conn::Pending>,
+}
+
+impl std::fmt::Debug for ConnRequest {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConnRequest")
+            .field("peer", &self.peer_addr())
+            .finish()
+    }
+}
+
+impl ConnRequest {
+    /// The private data the peer sent.
+    pub fn private_data(&self) -> &[u8] {
+        self.pending
+            .as_ref()
+            .map(|p| p.private_data())
+            .unwrap_or(&[])
+    }
+
+    /// The peer's address.
+    pub fn peer_addr(&self) -> Option<SocketAddr> {
+        self.pending.as_ref().map(|p| p.peer_addr())
+    }
+
+    /// Accepts into `qp` (rdma_accept) with `private_data` for the peer; `qp` goes to RTS.
+    ///
+    /// # Errors
+    /// [`Error::WrongDomain`] if `qp` is of another device, [`Error::Socket`],
+    /// [`Error::Handshake`].
+    pub fn accept(
+        mut self,
+        qp: PreparedQueuePair,
+        params: &ConnParams,
+        private_data: &[u8],
+    ) -> Result<QueuePair> {
+        if !qp.inner.pd.context().same(&self.ctx) {
+            return Err(Error::WrongDomain { what: "queue pair" });
+        }
+        let pending = self.pending.take().ok_or(Error::InvalidWorkRequest {
+            reason: "connection request already answered",
+        })?;
+        let (stream, neg) = pending.accept(params, private_data)?;
+        qp.inner.start(stream, neg, params)?;
+        Ok(QueuePair { inner: qp.inner })
+    }
+
+    /// Rejects the connection with `private_data` for the peer.
+    pub fn reject(mut self, private_data: &[u8]) {
+        if let Some(p) = self.pending.take() {
+            p.reject(private_data);
+        }
+    }
+}
+
+impl Drop for ConnRequest {
+    fn drop(&mut self) {
+        if let Some(p) = self.pending.take() {
+            log::warn!(
+                "connection request from {} dropped unanswered: rejected",
+                p.peer_addr()
+            );
+            p.reject(&[]);
+        }
+    }
+}

@@ -1,0 +1,449 @@
+//! Plain data of the verbs API: access flags, work requests, completions, states.
+//!
+//! Named after libibverbs (`ibv_access_flags`, `ibv_send_wr`, `ibv_wc`, `ibv_wc_status`,
+//! `ibv_qp_state`) so that the `rdma` transport maps them one to one.
+
+use std::fmt;
+use std::ops::{BitAnd, BitOr, BitOrAssign};
+use std::sync::Arc;
+
+use super::mr::MemoryRegion;
+
+macro_rules! flags {
+    ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $flag:ident = $v:expr,)* }) => {
+        $(#[$m])*
+        #[derive(Clone, Copy, PartialEq, Eq, Hash, Default)]
+        pub struct $name(u32);
+
+        impl $name {
+            $($(#[$fm])* pub const $flag: $name = $name($v);)*
+            /// No flag set.
+            pub const fn empty() -> Self {
+                $name(0)
+            }
+            /// The raw bits.
+            pub const fn bits(self) -> u32 {
+                self.0
+            }
+            /// Whether every flag of `other` is set in `self`.
+            pub const fn contains(self, other: Self) -> bool {
+                self.0 & other.0 == other.0
+            }
+            /// Whether no flag is set.
+            pub const fn is_empty(self) -> bool {
+                self.0 == 0
+            }
+        }
+
+        impl BitOr for $name {
+            type Output = Self;
+            fn bitor(self, rhs: Self) -> Self {
+                $name(self.0 | rhs.0)
+            }
+        }
+
+        impl BitOrAssign for $name {
+            fn bitor_assign(&mut self, rhs: Self) {
+                self.0 |= rhs.0;
+            }
+        }
+
+        impl BitAnd for $name {
+            type Output = Self;
+            fn bitand(self, rhs: Self) -> Self {
+                $name(self.0 & rhs.0)
+            }
+        }
+
+        impl fmt::Debug for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                let mut first = true;
+                write!(f, "{}(", stringify!($name))?;
+                $(if self.contains($name::$flag) && $v != 0 {
+                    if !first { f.write_str(" | ")?; }
+                    first = false;
+                    f.write_str(stringify!($flag))?;
+                })*
+                let _ = first;
+                f.write_str(")")
+            }
+        }
+    };
+}
+
+flags! {
+    /// What a memory region or window allows (`ibv_access_flags`).
+    Access {
+        /// The local side may write into it (Read sinks, Recv buffers, atomic results).
+        LOCAL_WRITE = 1,
+        /// Peers may RDMA Write into it.
+        REMOTE_WRITE = 1 << 1,
+        /// Peers may RDMA Read from it.
+        REMOTE_READ = 1 << 2,
+        /// Peers may run atomics (CompareSwap, FetchAdd) on it.
+        REMOTE_ATOMIC = 1 << 3,
+        /// Memory windows may be bound to it.
+        MW_BIND = 1 << 4,
+        /// Peers may Flush it to global visibility.
+        FLUSH_VISIBILITY = 1 << 5,
+        /// Peers may Flush it to persistence.
+        FLUSH_PERSISTENT = 1 << 6,
+    }
+}
+
+impl Access {
+    /// Every remote right.
+    pub const ALL_REMOTE: Access = Access(0b110_1110);
+}
+
+flags! {
+    /// Per-work-request flags (`ibv_send_flags`).
+    SendFlags {
+        /// Generate a completion on success (errors always complete).
+        SIGNALED = 1,
+        /// Wait for every earlier Read, Atomic and Flush to complete before starting this one.
+        FENCE = 1 << 1,
+        /// Send with Solicited Event (Send and Send with Invalidate only).
+        SOLICITED = 1 << 2,
+    }
+}
+
+/// Queue pair states, as `ibv_qp_state`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum QpState {
+    /// Just created, nothing allowed.
+    Reset,
+    /// Initialised: receives may be posted.
+    Init,
+    /// Ready to receive.
+    Rtr,
+    /// Ready to send: every verb allowed.
+    Rts,
+    /// A fatal error happened; every outstanding work request has been or is being flushed.
+    Error,
+}
+
+/// A local buffer: a range of a registered memory region (`ibv_sge`).
+///
+/// Holding the `Arc` is what keeps the memory alive while the fabric uses it.
+#[derive(Debug, Clone)]
+pub struct Sge {
+    /// The region.
+    pub mr: Arc<MemoryRegion>,
+    /// Byte offset into the region.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+impl Sge {
+    /// A range of `mr`; bounds are checked when the request is posted.
+    pub fn new(mr: &Arc<MemoryRegion>, offset: usize, len: usize) -> Sge {
+        Sge {
+            mr: Arc::clone(mr),
+            offset,
+            len,
+        }
+    }
+
+    /// The whole region.
+    pub fn whole(mr: &Arc<MemoryRegion>) -> Sge {
+        Sge {
+            mr: Arc::clone(mr),
+            offset: 0,
+            len: mr.len(),
+        }
+    }
+}
+
+/// A peer's memory: a virtual address inside a region or window and its rkey.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RemoteAddr {
+    /// Address in the peer's region (its `MemoryRegion::addr()` plus an offset).
+    pub addr: u64,
+    /// The region's or window's rkey.
+    pub rkey: u32,
+}
+
+/// What a Flush makes of the earlier placed data (IBTA placement type).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlushType {
+    /// Globally visible to every reader of the memory.
+    Visibility,
+    /// Persistent: in the memory's durable domain.
+    Persistent,
+}
+
+/// The range a Flush covers (IBTA selectivity).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum FlushTarget {
+    /// `len` bytes at `remote`.
+    Range {
+        /// Start.
+        remote: RemoteAddr,
+        /// Length in bytes.
+        len: u64,
+    },
+    /// The whole region or window of `rkey`.
+    Region {
+        /// Its rkey.
+        rkey: u32,
+    },
+}
+
+/// The operation of a send-queue work request.
+#[derive(Debug, Clone)]
+#[non_exhaustive]
+pub enum SendOp {
+    /// RDMA Write of `local` to `remote`.
+    Write {
+        /// Source.
+        local: Sge,
+        /// Destination.
+        remote: RemoteAddr,
+    },
+    /// RDMA Write, then 32 bits of immediate data that consume a Recv at the peer.
+    WriteWithImm {
+        /// Source.
+        local: Sge,
+        /// Destination.
+        remote: RemoteAddr,
+        /// Immediate data, reported in the peer's receive completion.
+        imm: u32,
+    },
+    /// RDMA Read of `local.len` bytes from `remote` into `local`.
+    Read {
+        /// Sink (needs [`Access::LOCAL_WRITE`]).
+        local: Sge,
+        /// Source.
+        remote: RemoteAddr,
+    },
+    /// Send: consumes a Recv posted at the peer.
+    Send {
+        /// Message.
+        local: Sge,
+    },
+    /// Send that also invalidates `invalidate_rkey` at the peer.
+    SendWithInvalidate {
+        /// Message.
+        local: Sge,
+        /// The peer's rkey to invalidate.
+        invalidate_rkey: u32,
+    },
+    /// 64-bit compare and swap; the original value lands in `local` (8 bytes, native endian).
+    CompareSwap {
+        /// Result buffer (8 bytes, needs [`Access::LOCAL_WRITE`]).
+        local: Sge,
+        /// Target (8-byte aligned).
+        remote: RemoteAddr,
+        /// Expected value.
+        compare: u64,
+        /// New value, stored if the target equals `compare`.
+        swap: u64,
+    },
+    /// 64-bit fetch and add; the original value lands in `local` (8 bytes, native endian).
+    FetchAdd {
+        /// Result buffer (8 bytes, needs [`Access::LOCAL_WRITE`]).
+        local: Sge,
+        /// Target (8-byte aligned).
+        remote: RemoteAddr,
+        /// Addend.
+        add: u64,
+    },
+    /// IBTA Atomic Write: 8 bytes stored at once, after every earlier operation.
+    AtomicWrite {
+        /// Target (8-byte aligned).
+        remote: RemoteAddr,
+        /// The value.
+        value: u64,
+    },
+    /// IBTA Flush: makes earlier placed data visible or persistent.
+    Flush {
+        /// What it covers.
+        target: FlushTarget,
+        /// Visibility or persistence.
+        kind: FlushType,
+    },
+}
+
+/// A send-queue work request (`ibv_send_wr`).
+#[derive(Debug, Clone)]
+pub struct SendWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// The operation.
+    pub op: SendOp,
+    /// Signaled, fence, solicited.
+    pub flags: SendFlags,
+}
+
+impl SendWr {
+    /// A signaled request.
+    pub fn new(wr_id: u64, op: SendOp) -> SendWr {
+        SendWr {
+            wr_id,
+            op,
+            flags: SendFlags::SIGNALED,
+        }
+    }
+
+    /// The same request with `flags` instead.
+    pub fn with_flags(mut self, flags: SendFlags) -> SendWr {
+        self.flags = flags;
+        self
+    }
+}
+
+/// A receive-queue work request (`ibv_recv_wr`).
+#[derive(Debug, Clone)]
+pub struct RecvWr {
+    /// Returned in the completion.
+    pub wr_id: u64,
+    /// Where an incoming Send lands (needs [`Access::LOCAL_WRITE`]); may be empty for
+    /// immediate-data-only receives.
+    pub local: Option<Sge>,
+}
+
+/// Completion statuses, named after `ibv_wc_status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WcStatus {
+    /// Done.
+    Success,
+    /// A message did not fit the local buffer (an incoming Send larger than the posted Recv).
+    LocalLength,
+    /// An internal consistency error of the local queue pair.
+    LocalQpOperation,
+    /// A local buffer was not usable (bad range or rights).
+    LocalProtection,
+    /// The request was not executed: the queue pair went to Error first.
+    WrFlush,
+    /// A memory window bind failed.
+    MwBind,
+    /// The peer sent an unexpected or malformed response.
+    BadResponse,
+    /// The peer refused access: bad rkey, out of bounds, or a missing right.
+    RemoteAccess,
+    /// The peer found the request invalid (no Recv posted, message too long, unsupported op).
+    RemoteInvalidRequest,
+    /// The peer failed to execute the request.
+    RemoteOperation,
+    /// The transport gave up: the connection broke (reset, closed) before the request finished.
+    RetryExceeded,
+    /// Anything else.
+    General,
+}
+
+/// What a completion completes, as `ibv_wc_opcode`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum WcOpcode {
+    /// Send, Send with Invalidate.
+    Send,
+    /// RDMA Write (also with immediate).
+    RdmaWrite,
+    /// RDMA Read.
+    RdmaRead,
+    /// Compare and swap.
+    CompSwap,
+    /// Fetch and add.
+    FetchAdd,
+    /// Atomic Write.
+    AtomicWrite,
+    /// Flush.
+    Flush,
+    /// A received Send.
+    Recv,
+    /// Received immediate data of a Write with immediate.
+    RecvRdmaWithImm,
+}
+
+/// A work completion (`ibv_wc`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Completion {
+    /// The work request's id.
+    pub wr_id: u64,
+    /// How it ended.
+    pub status: WcStatus,
+    /// What it was.
+    pub opcode: WcOpcode,
+    /// Bytes transferred: received (Recv), read (Read), or sent.
+    pub byte_len: u32,
+    /// Immediate data of a received Write with immediate.
+    pub imm: Option<u32>,
+    /// The local rkey a received Send with Invalidate invalidated.
+    pub invalidated_rkey: Option<u32>,
+    /// The received Send asked for a solicited event.
+    pub solicited: bool,
+    /// The queue pair it belongs to.
+    pub qp_num: u32,
+}
+
+impl Completion {
+    /// A placeholder to fill arrays for [`CompletionQueue::poll`](super::CompletionQueue::poll).
+    pub const EMPTY: Completion = Completion {
+        wr_id: 0,
+        status: WcStatus::General,
+        opcode: WcOpcode::Send,
+        byte_len: 0,
+        imm: None,
+        invalidated_rkey: None,
+        solicited: false,
+        qp_num: 0,
+    };
+
+    /// Whether it succeeded.
+    pub fn is_ok(&self) -> bool {
+        self.status == WcStatus::Success
+    }
+}
+
+/// Queue sizes of a queue pair (`ibv_qp_cap`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QpCaps {
+    /// Most send requests outstanding (posted, not yet completed).
+    pub max_send_wr: usize,
+    /// Most receive requests outstanding.
+    pub max_recv_wr: usize,
+}
+
+impl Default for QpCaps {
+    fn default() -> Self {
+        QpCaps {
+            max_send_wr: 256,
+            max_recv_wr: 256,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn access_flags_combine_and_show() {
+        let a = Access::LOCAL_WRITE | Access::REMOTE_READ;
+        assert!(a.contains(Access::REMOTE_READ));
+        assert!(!a.contains(Access::REMOTE_WRITE));
+        assert!(!a.contains(Access::REMOTE_READ | Access::REMOTE_WRITE));
+        assert_eq!(format!("{a:?}"), "Access(LOCAL_WRITE | REMOTE_READ)");
+        assert!(Access::ALL_REMOTE.contains(Access::FLUSH_PERSISTENT | Access::REMOTE_ATOMIC));
+        assert!(!Access::ALL_REMOTE.contains(Access::LOCAL_WRITE));
+        assert!(Access::empty().is_empty());
+    }
+
+    #[test]
+    fn send_wr_defaults_to_signaled() {
+        let wr = SendWr::new(
+            7,
+            SendOp::AtomicWrite {
+                remote: RemoteAddr { addr: 8, rkey: 1 },
+                value: 3,
+            },
+        );
+        assert!(wr.flags.contains(SendFlags::SIGNALED));
+        let wr = wr.with_flags(SendFlags::FENCE);
+        assert!(!wr.flags.contains(SendFlags::SIGNALED));
+    }
+}

@@ -1,0 +1,612 @@
+//! Error paths of the `tcp` transport: protection faults end in a Terminate, a remote access
+//! error at the requester, both queue pairs in Error with the rest flushed, other queue pairs
+//! untouched, and no byte of memory changed.
+
+mod fabric_util;
+
+use std::io::{Read, Write};
+use std::net::TcpStream;
+use std::time::{Duration, Instant};
+
+use fabric_util::*;
+use rpma_common::fabric::soft::wire::{self, mpa, CapFlags, Caps, Header, Opcode, TermCause};
+use rpma_common::fabric::*;
+
+fn rw() -> Access {
+    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
+}
+
+/// Writes `len` bytes of 0xAB to `remote`, then Reads 8 bytes back (APM): returns the Read's
+/// completion.
+fn write_then_read(p: &Pair, remote: RemoteAddr, len: usize) -> (Vec<Completion>, Completion) {
+    let (imem, imr) = p.init_buf(len + 8, Access::LOCAL_WRITE);
+    imem.write_at(0, &vec![0xAB; len]).unwrap();
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            local: Sge::new(&imr, 0, len),
+            remote,
+        },
+    ))
+    .unwrap();
+    p.qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            local: Sge::new(&imr, len, 8),
+            remote,
+        },
+    ))
+    .unwrap();
+    let mut before = Vec::new();
+    loop {
+        let c = p.next_init();
+        if c.wr_id == 2 {
+            return (before, c);
+        }
+        before.push(c);
+    }
+}
+
+fn assert_untouched(mem: &AlignedBuf) {
+    assert!(
+        mem.to_vec().iter().all(|&b| b == 0),
+        "no byte of target memory changed"
+    );
+}
+
+fn assert_both_error(p: &Pair) {
+    let end = Instant::now() + Duration::from_secs(5);
+    while (p.qp.state() != QpState::Error || p.tqp.state() != QpState::Error)
+        && Instant::now() < end
+    {
+        p.pump();
+    }
+    assert_eq!(p.qp.state(), QpState::Error);
+    assert_eq!(p.tqp.state(), QpState::Error);
+}
+
+#[test]
+fn bad_rkey_read_is_remote_access() {
+    let p = Pair::new(true);
+    let (tmem, tmr) = p.target_buf(4096, rw());
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let bad = RemoteAddr {
+        addr: tmr.addr(),
+        rkey: tmr.rkey() ^ 0x100,
+    };
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Read {
+            local: Sge::new(&imr, 0, 8),
+            remote: bad,
+        },
+    ))
+    .unwrap();
+    p.qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            local: Sge::new(&imr, 8, 8),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteAccess));
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (2, WcStatus::WrFlush));
+    assert_both_error(&p);
+    assert!(
+        p.tqp.error().unwrap().contains("Terminate"),
+        "{:?}",
+        p.tqp.error()
+    );
+    assert!(
+        p.qp.error().unwrap().contains("Terminate"),
+        "{:?}",
+        p.qp.error()
+    );
+    assert_untouched(&tmem);
+}
+
+#[test]
+fn bad_rkey_write_fails_the_following_read_and_places_nothing() {
+    for crc in [true, false] {
+        let p = Pair::new(crc);
+        let (tmem, tmr) = p.target_buf(1 << 16, rw());
+        let bad = RemoteAddr {
+            addr: tmr.addr(),
+            rkey: 0xFFFF_FF00,
+        };
+        let (_, read) = write_then_read(&p, bad, 5000);
+        assert_eq!(read.status, WcStatus::RemoteAccess);
+        assert_both_error(&p);
+        assert_untouched(&tmem);
+    }
+}
+
+#[test]
+fn out_of_bounds_write_places_nothing() {
+    let p = Pair::new(false);
+    let (tmem, tmr) = p.target_buf(4096, rw());
+    // Starts inside, ends 1 byte past the region.
+    let (_, read) = write_then_read(&p, tmr.remote(4096 - 100), 101);
+    assert_eq!(read.status, WcStatus::RemoteAccess);
+    assert_both_error(&p);
+    assert_untouched(&tmem);
+    let p = Pair::new(true);
+    let (tmem, tmr) = p.target_buf(4096, rw());
+    let below = RemoteAddr {
+        addr: tmr.addr() - 8,
+        rkey: tmr.rkey(),
+    };
+    let (_, read) = write_then_read(&p, below, 16);
+    assert_eq!(read.status, WcStatus::RemoteAccess);
+    assert_untouched(&tmem);
+}
+
+#[test]
+fn write_to_read_only_region_is_refused() {
+    let p = Pair::new(true);
+    let (tmem, tmr) = p.target_buf(4096, Access::REMOTE_READ);
+    let (_, read) = write_then_read(&p, tmr.remote(0), 64);
+    assert_eq!(read.status, WcStatus::RemoteAccess);
+    assert_both_error(&p);
+    assert_untouched(&tmem);
+}
+
+#[test]
+fn error_flushes_outstanding_and_spares_other_queue_pairs() {
+    let p = Pair::new(true);
+    let (q2, t2) = p.another();
+    let (tmem, tmr) = p.target_buf(4096, rw());
+    let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+    // Many requests behind a bad one.
+    let bad = RemoteAddr {
+        addr: tmr.addr(),
+        rkey: 0x0ABC_DE00,
+    };
+    p.qp.post_send(SendWr::new(
+        100,
+        SendOp::Read {
+            local: Sge::new(&imr, 0, 8),
+            remote: bad,
+        },
+    ))
+    .unwrap();
+    for i in 0..10 {
+        p.qp.post_send(SendWr::new(
+            101 + i,
+            SendOp::Write {
+                local: Sge::new(&imr, 0, 8),
+                remote: tmr.remote(8),
+            },
+        ))
+        .unwrap();
+    }
+    p.tqp
+        .post_recv(RecvWr {
+            wr_id: 7,
+            local: Some(Sge::new(&tmr, 0, 8)),
+        })
+        .unwrap();
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (100, WcStatus::RemoteAccess));
+    for i in 0..10 {
+        let c = p.next_init();
+        assert_eq!((c.wr_id, c.status), (101 + i, WcStatus::WrFlush));
+    }
+    let r = p.next_target();
+    assert_eq!(
+        (r.wr_id, r.status, r.opcode),
+        (7, WcStatus::WrFlush, WcOpcode::Recv)
+    );
+    assert_both_error(&p);
+    assert_untouched(&tmem);
+    // The second connection on the same device and CQs still works.
+    assert_eq!((q2.state(), t2.state()), (QpState::Rts, QpState::Rts));
+    imem.write_at(0, b"isolated").unwrap();
+    q2.post_send(SendWr::new(
+        9,
+        SendOp::Write {
+            local: Sge::new(&imr, 0, 8),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    q2.post_send(SendWr::new(
+        10,
+        SendOp::Read {
+            local: Sge::new(&imr, 8, 8),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    assert_eq!(p.next_init().status, WcStatus::Success);
+    let c = p.next_init();
+    assert_eq!(
+        (c.wr_id, c.status, c.qp_num),
+        (10, WcStatus::Success, q2.qp_num())
+    );
+    let mut b = [0u8; 8];
+    imem.read_at(8, &mut b).unwrap();
+    assert_eq!(&b, b"isolated");
+}
+
+#[test]
+fn send_without_posted_recv_is_a_terminate() {
+    let p = Pair::new(true);
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Send {
+            local: Sge::new(&imr, 0, 16),
+        },
+    ))
+    .unwrap();
+    p.qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            local: Sge::new(&imr, 16, 8),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    let c = p.next_init();
+    assert_eq!(
+        (c.wr_id, c.status),
+        (1, WcStatus::Success),
+        "a Send completes when sent"
+    );
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (2, WcStatus::RemoteInvalidRequest));
+    assert_both_error(&p);
+}
+
+#[test]
+fn send_longer_than_the_recv_is_local_length_there() {
+    let p = Pair::new(false);
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    p.tqp
+        .post_recv(RecvWr {
+            wr_id: 5,
+            local: Some(Sge::new(&tmr, 0, 8)),
+        })
+        .unwrap();
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Send {
+            local: Sge::new(&imr, 0, 16),
+        },
+    ))
+    .unwrap();
+    let r = p.next_target();
+    assert_eq!((r.wr_id, r.status), (5, WcStatus::LocalLength));
+    assert_both_error(&p);
+}
+
+#[test]
+fn posting_needs_rts_and_valid_requests() {
+    let p = Pair::new(true);
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let ro = p.init_buf(64, Access::empty()).1;
+    let post = |op| p.qp.post_send(SendWr::new(1, op));
+    assert!(matches!(
+        post(SendOp::Write {
+            local: Sge::new(&imr, 60, 8),
+            remote: tmr.remote(0)
+        }),
+        Err(Error::LocalBounds { .. })
+    ));
+    assert!(matches!(
+        post(SendOp::Read {
+            local: Sge::new(&ro, 0, 8),
+            remote: tmr.remote(0)
+        }),
+        Err(Error::LocalAccess { .. })
+    ));
+    assert!(matches!(
+        post(SendOp::FetchAdd {
+            local: Sge::new(&imr, 0, 8),
+            remote: tmr.remote(4),
+            add: 1
+        }),
+        Err(Error::InvalidWorkRequest { .. })
+    ));
+    assert!(matches!(
+        post(SendOp::CompareSwap {
+            local: Sge::new(&imr, 0, 4),
+            remote: tmr.remote(0),
+            compare: 0,
+            swap: 1
+        }),
+        Err(Error::InvalidWorkRequest { .. })
+    ));
+    let other_pd = p.ctx.alloc_pd().unwrap();
+    let foreign = other_pd
+        .register(AlignedBuf::new(64).unwrap(), Access::LOCAL_WRITE)
+        .unwrap();
+    assert!(matches!(
+        post(SendOp::Send {
+            local: Sge::new(&foreign, 0, 8)
+        }),
+        Err(Error::WrongDomain { .. })
+    ));
+    p.qp.to_error();
+    assert_eq!(p.qp.state(), QpState::Error);
+    assert!(matches!(
+        post(SendOp::Write {
+            local: Sge::new(&imr, 0, 8),
+            remote: tmr.remote(0)
+        }),
+        Err(Error::InvalidState {
+            state: QpState::Error,
+            ..
+        })
+    ));
+    assert!(matches!(
+        p.qp.post_recv(RecvWr {
+            wr_id: 1,
+            local: None
+        }),
+        Err(Error::InvalidState { .. })
+    ));
+    // The peer sees the close.
+    assert_both_error(&p);
+}
+
+#[test]
+fn peer_close_flushes_outstanding_requests() {
+    let p = Pair::new(true);
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    // The target never polls, so the Read stays unanswered; then its queue pair goes away.
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Read {
+            local: Sge::new(&imr, 0, 8),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    let Pair { qp, tqp, icq, .. } = p;
+    drop(tqp);
+    let mut wc = [Completion::EMPTY; 4];
+    let n = icq.wait(&mut wc, Some(Duration::from_secs(10))).unwrap();
+    assert_eq!(n, 1);
+    assert_eq!((wc[0].wr_id, wc[0].status), (1, WcStatus::WrFlush));
+    assert_eq!(qp.state(), QpState::Error);
+}
+
+#[test]
+fn wait_times_out_when_idle() {
+    let p = Pair::new(true);
+    let mut wc = [Completion::EMPTY; 4];
+    let t = Instant::now();
+    assert_eq!(
+        p.icq
+            .wait(&mut wc, Some(Duration::from_millis(50)))
+            .unwrap(),
+        0
+    );
+    assert!(t.elapsed() >= Duration::from_millis(50));
+}
+
+/// A raw iWARP peer: TCP + MPA through the wire layer, with chosen capabilities.
+fn raw_peer(url: &Url, caps: CapFlags, ord: u16) -> (TcpStream, mpa::Negotiated) {
+    let mut s = TcpStream::connect((url.host.as_str(), url.port)).unwrap();
+    let cfg = mpa::MpaConfig {
+        crc: false,
+        ird: 4,
+        ord,
+        caps: Caps::new(caps, None, b"raw".to_vec()),
+        peer_to_peer: None,
+    };
+    let n = mpa::connect_handshake(&mut s, &cfg).unwrap();
+    (s, n)
+}
+
+fn fpdu(hdr: Header, body: &[u8]) -> Vec<u8> {
+    let h = hdr.encode();
+    let ulpdu = h.as_slice().len() + body.len();
+    let mut v = (ulpdu as u16).to_be_bytes().to_vec();
+    v.extend_from_slice(h.as_slice());
+    v.extend_from_slice(body);
+    v.resize(v.len() + wire::pad_len(ulpdu) + 4, 0);
+    v
+}
+
+/// Accepts one connection on a fresh target and returns (listener url, a thread handle that
+/// yields the target's queue pair and CQ).
+fn target(
+    ird: u16,
+) -> (
+    Url,
+    std::thread::JoinHandle<(QueuePair, CompletionQueue, std::sync::Arc<MemoryRegion>)>,
+) {
+    let ctx = Context::soft();
+    let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = listener.url().unwrap();
+    let h = std::thread::spawn(move || {
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let mr = pd.register(AlignedBuf::new(4096).unwrap(), rw()).unwrap();
+        let params = ConnParams {
+            ird,
+            crc: false,
+            ..ConnParams::default()
+        };
+        let req = listener.accept(&params).unwrap();
+        assert_eq!(req.private_data(), b"raw");
+        let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+        (req.accept(qp, &params, b"").unwrap(), cq, mr)
+    });
+    (url, h)
+}
+
+#[test]
+fn ird_overflow_is_a_terminate() {
+    let (url, h) = target(2);
+    let (mut s, n) = raw_peer(&url, CapFlags::ALL, 8);
+    let (tqp, cq, mr) = h.join().unwrap();
+    assert_eq!(tqp.info().ird, 2);
+    assert_eq!(n.ord, 2, "the raw peer was told IRD 2");
+    // Five Read Requests in one segment: the target may hold two.
+    let mut batch = Vec::new();
+    for msn in 1..=5u32 {
+        let rr = wire::rdmap::ReadRequest {
+            sink_stag: 0x100,
+            sink_to: 0,
+            size: 8,
+            src_stag: mr.rkey(),
+            src_to: mr.addr(),
+        };
+        batch.extend(fpdu(
+            Header::untagged(Opcode::ReadRequest, msn, true),
+            &rr.encode(),
+        ));
+    }
+    s.write_all(&batch).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
+    let mut got = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut wc = [Completion::EMPTY; 4];
+    while Instant::now() < end && tqp.state() == QpState::Rts
+        || got.len() < 4 && Instant::now() < end
+    {
+        cq.poll(&mut wc).unwrap();
+        let mut b = [0u8; 4096];
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(_) => {}
+        }
+    }
+    assert_eq!(tqp.state(), QpState::Error);
+    // Find the Terminate among the FPDUs the target sent.
+    let mut off = 0;
+    let mut cause = None;
+    while off + 2 <= got.len() {
+        let len = u16::from_be_bytes([got[off], got[off + 1]]) as usize;
+        let (hdr, hl) = Header::decode(&got[off + 2..off + 2 + len]).unwrap();
+        if hdr.opcode == Opcode::Terminate {
+            let t = wire::Terminate::decode(&got[off + 2 + hl..off + 2 + len]).unwrap();
+            cause = Some(t.cause);
+        }
+        off += 2 + len + wire::pad_len(len) + 4;
+    }
+    assert_eq!(cause, Some(TermCause::DDP_UNTAGGED_MSN_RANGE));
+}
+
+#[test]
+fn private_opcodes_need_the_peers_caps() {
+    // A peer that advertises nothing: Flush, Atomic Write and atomics fail locally.
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = tl.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = tl.accept().unwrap();
+        let cfg = mpa::MpaConfig {
+            crc: false,
+            ird: 4,
+            ord: 4,
+            caps: Caps::foreign(b"siw".to_vec()),
+            peer_to_peer: None,
+        };
+        mpa::accept_handshake(&mut s, &cfg).unwrap();
+        s
+    });
+    let url: Url = format!("tcp://127.0.0.1:{port}").parse().unwrap();
+    let qp = pd
+        .create_qp(&cq, &cq, QpCaps::default())
+        .unwrap()
+        .connect(&url, &ConnParams::default(), b"")
+        .unwrap();
+    let _peer = h.join().unwrap();
+    let info = qp.info();
+    assert!(!info.peer_flush && !info.peer_atomic_write && !info.peer_atomics);
+    assert_eq!(info.peer_private_data, b"siw");
+    let mr = pd
+        .register(AlignedBuf::new(64).unwrap(), Access::LOCAL_WRITE)
+        .unwrap();
+    let remote = RemoteAddr {
+        addr: 0x1000,
+        rkey: 0x100,
+    };
+    for op in [
+        SendOp::Flush {
+            target: FlushTarget::Region { rkey: 0x100 },
+            kind: FlushType::Persistent,
+        },
+        SendOp::AtomicWrite { remote, value: 1 },
+        SendOp::FetchAdd {
+            local: Sge::new(&mr, 0, 8),
+            remote,
+            add: 1,
+        },
+        SendOp::CompareSwap {
+            local: Sge::new(&mr, 0, 8),
+            remote,
+            compare: 0,
+            swap: 1,
+        },
+        SendOp::WriteWithImm {
+            local: Sge::new(&mr, 0, 8),
+            remote,
+            imm: 1,
+        },
+    ] {
+        assert!(matches!(
+            qp.post_send(SendWr::new(1, op)),
+            Err(Error::PeerUnsupported { .. })
+        ));
+    }
+    assert_eq!(
+        qp.state(),
+        QpState::Rts,
+        "a local refusal does not break the queue pair"
+    );
+}
+
+#[test]
+fn connect_errors() {
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let prep = || pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    // Nobody listens on port 1.
+    let r = prep().connect(
+        &"tcp://127.0.0.1:1".parse().unwrap(),
+        &ConnParams::default(),
+        b"",
+    );
+    assert!(matches!(r, Err(Error::Socket { .. })), "{r:?}");
+    let r = prep().connect(
+        &"rdma://127.0.0.1:1".parse().unwrap(),
+        &ConnParams::default(),
+        b"",
+    );
+    assert!(matches!(r, Err(Error::TransportUnavailable { .. })));
+    let r = prep().connect(
+        &"tcp://127.0.0.1:1".parse().unwrap(),
+        &ConnParams::default(),
+        &[0; 241],
+    );
+    assert!(matches!(r, Err(Error::InvalidWorkRequest { .. })));
+    // A rejected request.
+    let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = listener.url().unwrap();
+    let h = std::thread::spawn(move || {
+        listener
+            .accept(&ConnParams::default())
+            .unwrap()
+            .reject(b"no")
+    });
+    let r = prep().connect(&url, &ConnParams::default(), b"");
+    h.join().unwrap();
+    assert!(matches!(r, Err(Error::Rejected { .. })), "{r:?}");
+}
