@@ -6,6 +6,7 @@ mod fabric_util;
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_util::*;
@@ -609,4 +610,130 @@ fn connect_errors() {
     let r = prep().connect(&url, &ConnParams::default(), b"");
     h.join().unwrap();
     assert!(matches!(r, Err(Error::Rejected { .. })), "{r:?}");
+}
+
+/// Builds a request from (local region, target region).
+type MakeOp = dyn Fn(&Arc<MemoryRegion>, &Arc<MemoryRegion>) -> SendOp;
+
+#[test]
+fn atomics_and_flush_need_their_rights() {
+    let ops: Vec<Box<MakeOp>> = vec![
+        Box::new(|l, t| SendOp::FetchAdd {
+            local: Sge::new(l, 0, 8),
+            remote: t.remote(0),
+            add: 1,
+        }),
+        Box::new(|_, t| SendOp::Flush {
+            target: FlushTarget::Range {
+                remote: t.remote(0),
+                len: 8,
+            },
+            kind: FlushType::Persistent,
+        }),
+        Box::new(|_, t| SendOp::Flush {
+            target: FlushTarget::Region { rkey: t.rkey() },
+            kind: FlushType::Visibility,
+        }),
+        Box::new(|_, t| SendOp::AtomicWrite {
+            remote: t.remote(0),
+            value: 1,
+        }),
+    ];
+    for op in ops {
+        let p = Pair::new(true);
+        // Read-only: no atomic, flush or write right.
+        let (tmem, tmr) = p.target_buf(4096, Access::REMOTE_READ);
+        let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+        p.qp.post_send(SendWr::new(1, op(&imr, &tmr))).unwrap();
+        let c = p.next_init();
+        assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteAccess));
+        assert_both_error(&p);
+        assert_untouched(&tmem);
+    }
+}
+
+#[test]
+fn misaligned_atomic_write_is_refused_locally() {
+    let p = Pair::new(true);
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    let r = p.qp.post_send(SendWr::new(
+        1,
+        SendOp::AtomicWrite {
+            remote: tmr.remote(3),
+            value: 1,
+        },
+    ));
+    assert!(matches!(r, Err(Error::InvalidWorkRequest { .. })));
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let r = p.qp.post_send(
+        SendWr::new(
+            2,
+            SendOp::Read {
+                local: Sge::new(&imr, 0, 8),
+                remote: tmr.remote(0),
+            },
+        )
+        .with_flags(SendFlags::SOLICITED),
+    );
+    assert!(
+        matches!(r, Err(Error::InvalidWorkRequest { .. })),
+        "SE only on Send"
+    );
+    assert_eq!(p.qp.state(), QpState::Rts);
+}
+
+#[test]
+fn an_idle_target_blocks_in_epoll_and_wakes_on_traffic() {
+    let p = Pair::new(false);
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    p.tqp
+        .post_recv(RecvWr {
+            wr_id: 42,
+            local: Some(Sge::new(&tmr, 0, 64)),
+        })
+        .unwrap();
+    let tcq = p.tcq.clone();
+    let waiter = std::thread::spawn(move || {
+        let mut wc = [Completion::EMPTY; 4];
+        let (t, cpu) = (Instant::now(), thread_cpu());
+        let n = tcq.wait(&mut wc, Some(Duration::from_secs(20))).unwrap();
+        (n, wc[0], t.elapsed(), thread_cpu() - cpu)
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    imem.write_at(0, b"wake up").unwrap();
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Send {
+            local: Sge::new(&imr, 0, 7),
+        },
+    ))
+    .unwrap();
+    let (n, c, waited, cpu) = waiter.join().unwrap();
+    assert_eq!(n, 1);
+    assert_eq!((c.wr_id, c.status, c.byte_len), (42, WcStatus::Success, 7));
+    assert!(
+        waited >= Duration::from_millis(150),
+        "it waited for the Send, not timed out early"
+    );
+    assert!(
+        waited < Duration::from_secs(20),
+        "woken by the traffic, not by the time-out"
+    );
+    assert!(
+        cpu < waited / 2,
+        "the idle wait slept ({cpu:?} of CPU in {waited:?})"
+    );
+}
+
+/// CPU time used by the calling thread.
+fn thread_cpu() -> Duration {
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
+    // SAFETY: `ts` is a valid, writable timespec; CLOCK_THREAD_CPUTIME_ID needs nothing else.
+    let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    assert_eq!(rc, 0);
+    Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
 }

@@ -8,6 +8,7 @@ use std::net::{SocketAddr, TcpListener, TcpStream};
 use crate::fabric::error::{Error, Result};
 use crate::fabric::qp::{ConnInfo, ConnParams};
 use crate::fabric::soft::wire::mpa::{self, MpaConfig, MpaFrame, RtrTypes};
+use crate::fabric::soft::wire::rx::RxConfig;
 use crate::fabric::soft::wire::{self, CapFlags, Caps, WireError};
 use crate::fabric::url::{Scheme, Url};
 
@@ -22,6 +23,9 @@ pub const MAX_PRIVATE_DATA: usize = mpa::MAX_SENT_PRIVATE_DATA - 4 - wire::caps:
 pub(crate) struct Negotiated {
     pub(crate) info: ConnInfo,
     pub(crate) peer_max_ulpdu: usize,
+    /// The receive side's settings: CRC, our advertised maximum ULPDU, the opcodes both
+    /// sides understand.
+    pub(crate) rx: RxConfig,
 }
 
 fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<MpaConfig> {
@@ -59,9 +63,11 @@ fn finish(
     params: &ConnParams,
     local_addr: SocketAddr,
     peer_addr: SocketAddr,
-) -> Negotiated {
+) -> Result<Negotiated> {
     let peer_max = n.tx_max_ulpdu(params.max_ulpdu);
-    Negotiated {
+    let rx = RxConfig::from_negotiated(&n, wire::MAX_ULPDU_LIMIT)
+        .map_err(|e| handshake_err(peer_addr, e))?;
+    Ok(Negotiated {
         info: ConnInfo {
             crc: n.crc,
             ird: n.ird,
@@ -74,7 +80,8 @@ fn finish(
             peer_addr,
         },
         peer_max_ulpdu: peer_max,
-    }
+        rx,
+    })
 }
 
 fn handshake_err(peer: SocketAddr, e: WireError) -> Error {
@@ -120,7 +127,7 @@ pub(crate) fn connect(
                 s.set_read_timeout(None)
                     .map_err(sock_err("configure", addr))?;
                 let local = s.local_addr().map_err(sock_err("configure", addr))?;
-                return Ok((s, finish(n, params, local, addr)));
+                return Ok((s, finish(n, params, local, addr)?));
             }
             Err(e) => last = Some((addr, e)),
         }
@@ -256,7 +263,7 @@ impl Pending {
             .stream
             .local_addr()
             .map_err(sock_err("configure", self.peer))?;
-        let neg = finish(n, params, local, self.peer);
+        let neg = finish(n, params, local, self.peer)?;
         Ok((self.stream, neg))
     }
 

@@ -2,15 +2,17 @@
 //!
 //! - [`wire`]: the formats (headers, bodies, MPA frames, CRC), no I/O.
 //! - `device`: the STag table; `conn`: TCP + MPA set-up; `qp`: the requester and responder
-//!   engine; `rx`/`tx`: FPDU reception and transmission; `placement`: the durability contract's
+//!   engine; `tx`: FPDU transmission (reception is the wire layer's `FpduReceiver`); `placement`: the durability contract's
 //!   dirty ranges and the atomics; `poll`: the epoll idle wait.
 
 pub(crate) mod conn;
 pub(crate) mod device;
+mod engine;
 pub(crate) mod placement;
 pub(crate) mod poll;
 pub(crate) mod qp;
-pub(crate) mod rx;
+mod requester;
+mod responder;
 pub(crate) mod tx;
 pub mod wire;
 

@@ -25,7 +25,9 @@ pub mod cursor;
 pub mod ddp;
 pub mod mpa;
 pub mod rdmap;
+pub mod rx;
 pub mod terminate;
+pub mod tx;
 
 pub use caps::{CapFlags, Caps};
 pub use crc::{crc32c, crc32c_append};
@@ -63,8 +65,8 @@ pub enum WireError {
     /// The MPA length is smaller than the DDP/RDMAP header (and fixed body) of its opcode.
     #[error("ULPDU of {ulpdu_len} bytes is shorter than the {need} bytes of a {opcode:?} header")]
     UlpduTooShort {
-        /// The opcode named by the header.
-        opcode: Opcode,
+        /// The opcode named by the header, if the ULPDU reaches that far.
+        opcode: Option<Opcode>,
         /// The MPA ULPDU length.
         ulpdu_len: usize,
         /// The least length this opcode needs.
@@ -152,6 +154,23 @@ pub enum WireError {
         what: &'static str,
         /// The value received.
         value: u64,
+    },
+    /// The receiver's [`rx::Placer`] refused a data segment (bad STag, bounds, rights, no posted
+    /// receive...): nothing was placed; answer with `cause`.
+    #[error("placement of {opcode:?} refused: {cause:?}")]
+    Refused {
+        /// The opcode of the refused segment.
+        opcode: Opcode,
+        /// The Terminate cause the placer gave.
+        cause: TermCause,
+    },
+    /// A direct placement shorter than the payload it was given for (a placer bug).
+    #[error("direct placement of {given} bytes for a payload of {need}")]
+    PlacementTooShort {
+        /// The payload length.
+        need: usize,
+        /// The placement's length.
+        given: usize,
     },
     /// An MPA frame without the Request or Reply key (expected here).
     #[error("bad MPA key (expected: {expected:?})")]
@@ -243,6 +262,8 @@ impl WireError {
             | BadCaps { .. }
             | Rejected => TermCause::MPA_INVALID_REQ_REP,
             NoMatchingRtr => TermCause::MPA_NO_MATCHING_RTR,
+            Refused { cause, .. } => *cause,
+            PlacementTooShort { .. } => TermCause::RDMAP_LOCAL_CATASTROPHIC,
             InvalidConfig { .. } => TermCause::MPA_LOCAL_CATASTROPHIC,
             Closed { .. } | Io { .. } => TermCause::MPA_TCP_LOST,
         }
@@ -343,6 +364,25 @@ mod tests {
                 (2, 0, 4),
             ),
             (WireError::NoMatchingRtr, (2, 0, 7)),
+            (
+                WireError::Refused {
+                    opcode: Opcode::Write,
+                    cause: TermCause::DDP_TAGGED_BASE_BOUNDS,
+                },
+                (1, 1, 1),
+            ),
+            (
+                WireError::PlacementTooShort { need: 2, given: 1 },
+                (0, 0, 0),
+            ),
+            (
+                WireError::UlpduTooShort {
+                    opcode: None,
+                    ulpdu_len: 1,
+                    need: 18,
+                },
+                (2, 0, 3),
+            ),
             (WireError::Closed { during: "test" }, (2, 0, 1)),
         ];
         for (err, (layer, etype, ecode)) in cases {

@@ -551,24 +551,26 @@ pub fn accept_handshake<S: Read + Write>(stream: &mut S, cfg: &MpaConfig) -> Res
         .read_exact(&mut hdr)
         .map_err(|e| WireError::io("MPA Request read", e))?;
     let revision = hdr[17];
+    let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
+    let mut buf = hdr.to_vec();
+    if pd_len <= MAX_PRIVATE_DATA {
+        buf.resize(FRAME_HDR_LEN + pd_len, 0);
+        stream
+            .read_exact(&mut buf[FRAME_HDR_LEN..])
+            .map_err(|e| WireError::io("MPA Request read", e))?;
+    } else {
+        // Drain it (at most 64 KiB) so that closing after the reject does not reset the
+        // connection and lose the reject on its way.
+        let mut rest = (&mut *stream).take(pd_len as u64);
+        std::io::copy(&mut rest, &mut std::io::sink())
+            .map_err(|e| WireError::io("MPA Request read", e))?;
+    }
     let outcome = (|| {
         if hdr[..16] != REQ_KEY[..] {
             return Err(WireError::BadMpaKey {
                 expected: Some(MpaKind::Request),
             });
         }
-        let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
-        if pd_len > MAX_PRIVATE_DATA {
-            return Err(WireError::PrivateDataTooLong {
-                len: pd_len,
-                max: MAX_PRIVATE_DATA,
-            });
-        }
-        let mut buf = hdr.to_vec();
-        buf.resize(FRAME_HDR_LEN + pd_len, 0);
-        stream
-            .read_exact(&mut buf[FRAME_HDR_LEN..])
-            .map_err(|e| WireError::io("MPA Request read", e))?;
         let (req, _) = MpaFrame::decode(&buf)?.ok_or(WireError::MissingIrdOrd)?;
         negotiate(cfg, &req)
     })();
@@ -828,5 +830,206 @@ mod tests {
     #[test]
     fn caps_default_fits_siw_limit() {
         assert!(4 + caps_bytes().len() <= MAX_SENT_PRIVATE_DATA);
+    }
+
+    mod loopback {
+        use super::super::*;
+        use std::io::{Read, Write};
+        use std::net::{TcpListener, TcpStream};
+        use std::thread;
+        use std::time::Duration;
+
+        fn pair() -> (TcpStream, TcpStream) {
+            let l = TcpListener::bind("127.0.0.1:0").unwrap();
+            let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+            let (p, _) = l.accept().unwrap();
+            for s in [&a, &p] {
+                s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+            }
+            (a, p)
+        }
+
+        fn handshake(
+            active: MpaConfig,
+            passive: MpaConfig,
+        ) -> (Result<Negotiated>, Result<Negotiated>) {
+            let (mut a, mut p) = pair();
+            let t = thread::spawn(move || accept_handshake(&mut p, &passive));
+            let ra = connect_handshake(&mut a, &active);
+            (ra, t.join().unwrap())
+        }
+
+        #[test]
+        fn crc_is_on_when_either_side_asks() {
+            for (ca, cp) in [(false, false), (true, false), (false, true), (true, true)] {
+                let active = MpaConfig {
+                    crc: ca,
+                    ird: 4,
+                    ord: 64,
+                    ..Default::default()
+                };
+                let passive = MpaConfig {
+                    crc: cp,
+                    ird: 32,
+                    ord: 2,
+                    ..Default::default()
+                };
+                let (a, p) = handshake(active, passive);
+                let (a, p) = (a.unwrap(), p.unwrap());
+                assert_eq!(a.crc, ca || cp);
+                assert_eq!(p.crc, ca || cp);
+                // Our ORD never exceeds the peer's IRD.
+                assert_eq!((a.ird, a.ord), (2, 32));
+                assert_eq!((p.ird, p.ord), (32, 2));
+                assert_eq!(a.shared, CapFlags::ALL);
+                assert_eq!(p.shared, CapFlags::ALL);
+                assert_eq!(a.rtr, None);
+            }
+        }
+
+        #[test]
+        fn application_bytes_and_caps_travel() {
+            let active = MpaConfig {
+                caps: Caps::new(CapFlags::FLUSH, Some(9000), b"host".to_vec()),
+                ..Default::default()
+            };
+            let passive = MpaConfig {
+                caps: Caps::new(
+                    CapFlags::FLUSH | CapFlags::ATOMIC_WRITE,
+                    None,
+                    b"target".to_vec(),
+                ),
+                peer_to_peer: Some(RtrTypes {
+                    write: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let active = MpaConfig {
+                peer_to_peer: Some(RtrTypes::ALL),
+                ..active
+            };
+            let (a, p) = handshake(active, passive);
+            let (a, p) = (a.unwrap(), p.unwrap());
+            assert_eq!(a.caps.app, b"target");
+            assert_eq!(p.caps.app, b"host");
+            assert_eq!(p.caps.max_ulpdu, Some(9000));
+            assert_eq!(p.tx_max_ulpdu(65535), 9000);
+            assert_eq!(a.shared, CapFlags::FLUSH);
+            assert_eq!(p.shared, CapFlags::FLUSH);
+            assert_eq!((a.rtr, p.rtr), (Some(Rtr::Write), Some(Rtr::Write)));
+        }
+
+        #[test]
+        fn refused_request_gets_a_reject_reply() {
+            let active = MpaConfig {
+                peer_to_peer: Some(RtrTypes {
+                    send: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let passive = MpaConfig {
+                peer_to_peer: Some(RtrTypes {
+                    read: true,
+                    ..Default::default()
+                }),
+                ..Default::default()
+            };
+            let (a, p) = handshake(active, passive);
+            assert!(matches!(p, Err(WireError::NoMatchingRtr)), "{p:?}");
+            assert!(matches!(a, Err(WireError::Rejected)), "{a:?}");
+        }
+
+        /// Sends raw Request bytes to a passive side and returns its error and the reply bytes.
+        fn raw_request(bytes: Vec<u8>) -> (WireError, Vec<u8>) {
+            let (mut a, mut p) = pair();
+            let t = thread::spawn(move || accept_handshake(&mut p, &MpaConfig::default()));
+            a.write_all(&bytes).unwrap();
+            let err = t.join().unwrap().unwrap_err();
+            let mut reply = Vec::new();
+            a.read_to_end(&mut reply).unwrap();
+            (err, reply)
+        }
+
+        fn assert_reject(reply: &[u8]) {
+            let (f, used) = MpaFrame::decode(reply).unwrap().unwrap();
+            assert_eq!(used, reply.len());
+            assert_eq!(f.kind, MpaKind::Reply);
+            assert!(f.reject);
+            assert!(matches!(
+                negotiate(&MpaConfig::default(), &f),
+                Err(WireError::Rejected)
+            ));
+        }
+
+        #[test]
+        fn markers_request_is_rejected() {
+            let mut req = MpaConfig::default().request().encode().unwrap();
+            req[16] |= FLAG_MARKERS;
+            let (err, reply) = raw_request(req);
+            assert!(matches!(err, WireError::MarkersRequested));
+            assert_eq!(
+                err.terminate_cause(),
+                super::super::super::TermCause::MPA_INVALID_REQ_REP
+            );
+            assert_reject(&reply);
+        }
+
+        #[test]
+        fn bad_key_revision_and_oversize_are_rejected() {
+            let mut bad_key = MpaConfig::default().request().encode().unwrap();
+            bad_key[7] = b'Q';
+            let (err, reply) = raw_request(bad_key);
+            assert!(matches!(
+                err,
+                WireError::BadMpaKey {
+                    expected: Some(MpaKind::Request)
+                }
+            ));
+            assert_reject(&reply);
+
+            let rev1 = MpaFrame {
+                revision: 1,
+                ird_ord: None,
+                enhanced: false,
+                ..MpaConfig::default().request()
+            };
+            let (err, reply) = raw_request(rev1.encode().unwrap());
+            assert!(matches!(err, WireError::BadMpaRevision { revision: 1 }));
+            assert_reject(&reply);
+            assert_eq!(reply[17], 1, "a revision-1 peer is answered in revision 1");
+
+            let mut big = b"MPA ID Req Frame".to_vec();
+            big.extend_from_slice(&[FLAG_ENHANCED, 2, 0x02, 0x01]);
+            big.extend_from_slice(&[0; 513]);
+            let (err, reply) = raw_request(big);
+            assert!(matches!(
+                err,
+                WireError::PrivateDataTooLong { len: 513, .. }
+            ));
+            assert_reject(&reply);
+        }
+
+        #[test]
+        fn peer_closing_mid_handshake_is_closed() {
+            let (mut a, p) = pair();
+            let t = thread::spawn(move || {
+                let mut p = p;
+                let mut buf = [0u8; 20];
+                p.read_exact(&mut buf).unwrap();
+                // Drop without replying.
+            });
+            let err = connect_handshake(&mut a, &MpaConfig::default()).unwrap_err();
+            t.join().unwrap();
+            assert!(
+                matches!(err, WireError::Closed { .. } | WireError::Io { .. }),
+                "{err:?}"
+            );
+            assert_eq!(
+                err.terminate_cause(),
+                super::super::super::TermCause::MPA_TCP_LOST
+            );
+        }
     }
 }

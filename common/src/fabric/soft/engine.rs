@@ -1,0 +1,313 @@
+//! The engine of one soft queue pair: its state, and what requester and responder share
+//! (completions in order, the move to Error, Terminates, driving the socket).
+
+use std::collections::VecDeque;
+use std::net::TcpStream;
+
+use crate::fabric::context::Context;
+use crate::fabric::cq::CompletionQueue;
+use crate::fabric::error::Error;
+use crate::fabric::qp::ConnInfo;
+use crate::fabric::soft::placement::Dirty;
+use crate::fabric::soft::tx::{OnSent, Src, Tx, TxMsg};
+use crate::fabric::soft::wire::rx::{Delivered, FpduReceiver};
+use crate::fabric::soft::wire::WireError;
+use crate::fabric::soft::wire::{Header, Opcode, TermCause, Terminate};
+use crate::fabric::types::{
+    Completion, QpCaps, QpState, SendFlags, SendOp, Sge, WcOpcode, WcStatus,
+};
+
+/// How many FPDUs one progress call handles before it lets other queue pairs run.
+const RX_BUDGET: usize = 256;
+
+/// What a send-queue entry still needs from the wire.
+pub(super) enum Pending {
+    /// Not started: the operation as posted.
+    Unissued(SendOp),
+    /// Handed to tx; completes when written (Write, Send).
+    Sending,
+    /// Waiting for a Read Response into `sink`.
+    Read { sink: Sge, got: usize },
+    /// Waiting for an Atomic Response; the original value goes to `result`.
+    Atomic { req_id: u32, result: Sge },
+    /// Waiting for the private response to a Flush or Atomic Write.
+    Private { req_id: u32, request: Opcode },
+    /// Done.
+    Done,
+}
+
+pub(super) struct SqEntry {
+    pub(super) seq: u64,
+    pub(super) wr_id: u64,
+    pub(super) opcode: WcOpcode,
+    pub(super) flags: SendFlags,
+    pub(super) byte_len: u32,
+    pub(super) status: Option<WcStatus>,
+    pub(super) pending: Pending,
+}
+
+pub(super) struct RqEntry {
+    pub(super) wr_id: u64,
+    pub(super) local: Option<Sge>,
+}
+
+/// The Send being received (its segments share one MSN).
+pub(super) struct CurRecv {
+    pub(super) entry: RqEntry,
+    pub(super) msn: u32,
+    pub(super) placed: usize,
+}
+
+/// A fatal condition found while placing, to be answered with a Terminate once the FPDU is in.
+pub(super) struct Fault {
+    pub(super) cause: TermCause,
+    /// The offending segment: its MPA length and DDP/RDMAP header bytes.
+    pub(super) offending: Option<(u16, Vec<u8>)>,
+    pub(super) recv_status: Option<WcStatus>,
+}
+
+impl Fault {
+    pub(super) fn at(cause: TermCause, hdr: Header, ulpdu_len: usize) -> Fault {
+        Fault {
+            cause,
+            offending: Some((ulpdu_len as u16, hdr.encode().as_slice().to_vec())),
+            recv_status: None,
+        }
+    }
+}
+
+pub(crate) struct Engine {
+    pub(super) qp_num: u32,
+    pub(super) pd: u32,
+    pub(super) ctx: Context,
+    pub(super) send_cq: CompletionQueue,
+    pub(super) recv_cq: CompletionQueue,
+    pub(super) caps: QpCaps,
+    pub(super) state: QpState,
+    pub(super) error: Option<String>,
+    pub(super) info: Option<ConnInfo>,
+    pub(super) tx: Tx,
+    pub(super) closing: bool,
+    pub(super) max_message: usize,
+    // Requester.
+    pub(super) sq: VecDeque<SqEntry>,
+    pub(super) next_seq: u64,
+    pub(super) next_issue: u64,
+    pub(super) in_flight: VecDeque<u64>,
+    pub(super) ord: usize,
+    pub(super) send_msn: u32,
+    pub(super) rreq_msn: u32,
+    pub(super) next_req_id: u32,
+    // Responder.
+    pub(super) rq: VecDeque<RqEntry>,
+    pub(super) cur_recv: Option<CurRecv>,
+    pub(super) recv_msn: u32,
+    pub(super) rreq_expect: u32,
+    pub(super) resp_msn: u32,
+    pub(super) ird: usize,
+    pub(super) ird_used: usize,
+    pub(super) dirty: Dirty,
+    /// The receive status for the Recv whose Send the placer just refused (LocalLength).
+    pub(super) refused_recv_status: Option<WcStatus>,
+}
+
+pub(super) struct Conn {
+    pub(super) sock: TcpStream,
+    pub(super) rx: FpduReceiver,
+    /// Pollers this socket is registered with, and whether writability is armed there.
+    pub(super) armed: Vec<(usize, bool)>,
+}
+
+impl Engine {
+    pub(super) fn entry_mut(&mut self, seq: u64) -> Option<&mut SqEntry> {
+        let front = self.sq.front()?.seq;
+        self.sq.get_mut(seq.checked_sub(front)? as usize)
+    }
+
+    pub(super) fn write(&mut self, conn: &mut Conn) {
+        let mut done: Vec<OnSent> = Vec::new();
+        let r = self.tx.flush(&mut conn.sock, |o| done.push(o));
+        for o in done {
+            match o {
+                OnSent::Complete(seq) => {
+                    if let Some(ent) = self.entry_mut(seq) {
+                        if matches!(ent.pending, Pending::Sending) {
+                            ent.pending = Pending::Done;
+                            ent.status.get_or_insert(WcStatus::Success);
+                        }
+                    }
+                }
+                OnSent::ResponseDone => self.ird_used = self.ird_used.saturating_sub(1),
+                OnSent::Nothing => {}
+            }
+        }
+        if let Err(err) = r {
+            self.tx.abort_queued();
+            self.closing = false;
+            self.enter_error(format!("connection lost while sending: {err}"), None);
+        }
+    }
+
+    /// Moves completed entries from the head of the send queue to the CQ (in order).
+    pub(super) fn complete_in_order(&mut self) {
+        while let Some(front) = self.sq.front() {
+            let Some(status) = front.status else { return };
+            let ent = self.sq.pop_front().expect("front exists");
+            if status != WcStatus::Success || ent.flags.contains(SendFlags::SIGNALED) {
+                self.send_cq.push(Completion {
+                    wr_id: ent.wr_id,
+                    status,
+                    opcode: ent.opcode,
+                    byte_len: if status == WcStatus::Success {
+                        ent.byte_len
+                    } else {
+                        0
+                    },
+                    imm: None,
+                    invalidated_rkey: None,
+                    solicited: false,
+                    qp_num: self.qp_num,
+                });
+            }
+        }
+    }
+
+    /// The queue pair goes to Error: the oldest outstanding send request gets `head_status`
+    /// (if given), everything else WrFlush.
+    pub(super) fn enter_error(&mut self, why: String, head_status: Option<WcStatus>) {
+        if self.state == QpState::Error {
+            return;
+        }
+        self.state = QpState::Error;
+        self.error = Some(why);
+        // The oldest unfinished request gets the error; every later one (also those done but
+        // waiting behind it, whose effect at the peer is now uncertain) is flushed.
+        let mut head = head_status;
+        let mut behind = false;
+        for ent in self.sq.iter_mut() {
+            if ent.status.is_some() && !behind {
+                continue;
+            }
+            ent.status = Some(match head.take() {
+                Some(st) if !behind => st,
+                _ => WcStatus::WrFlush,
+            });
+            behind = true;
+            ent.pending = Pending::Done;
+        }
+        self.next_issue = self.next_seq;
+        self.in_flight.clear();
+        let flush = |wr_id| Completion {
+            wr_id,
+            status: WcStatus::WrFlush,
+            opcode: WcOpcode::Recv,
+            byte_len: 0,
+            imm: None,
+            invalidated_rkey: None,
+            solicited: false,
+            qp_num: self.qp_num,
+        };
+        if let Some(cur) = self.cur_recv.take() {
+            self.recv_cq.push(flush(cur.entry.wr_id));
+        }
+        for r in self.rq.drain(..) {
+            self.recv_cq.push(flush(r.wr_id));
+        }
+    }
+
+    /// Sends a Terminate for `f` and moves to Error.
+    pub(super) fn terminate(&mut self, f: Fault) {
+        let mut t = Terminate::new(f.cause);
+        if let Some((len, hdr)) = &f.offending {
+            t = t.with_ddp(*len, hdr);
+        }
+        self.tx.abort_queued();
+        let hdr = Header::untagged(Opcode::Terminate, 1, true);
+        let body = t.encode();
+        let len = body.len();
+        self.tx.push(TxMsg {
+            hdr,
+            src: Src::Inline(body),
+            len,
+            on_sent: OnSent::Nothing,
+        });
+        self.closing = true;
+        if let (Some(st), Some(cur)) = (f.recv_status, self.cur_recv.take()) {
+            self.recv_cq.push(Completion {
+                wr_id: cur.entry.wr_id,
+                status: st,
+                opcode: WcOpcode::Recv,
+                byte_len: 0,
+                imm: None,
+                invalidated_rkey: None,
+                solicited: false,
+                qp_num: self.qp_num,
+            });
+        }
+        let why = format!("sent Terminate {:?}", f.cause);
+        self.enter_error(why, None);
+    }
+
+    pub(super) fn receive(&mut self, conn: &mut Conn) {
+        for _ in 0..RX_BUDGET {
+            if self.state != QpState::Rts {
+                return;
+            }
+            match conn.rx.poll(&mut conn.sock, self) {
+                Ok(Some(r)) => {
+                    let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
+                    match r.data {
+                        Delivered::Control(body) => {
+                            if let Err(f) = self.on_control(hdr, body, ulpdu_len) {
+                                self.terminate(f);
+                            }
+                        }
+                        _ => self.on_data(hdr, len),
+                    }
+                }
+                Ok(None) => return,
+                Err(WireError::Closed { .. }) => {
+                    self.enter_error("connection closed by the peer".into(), None);
+                    return;
+                }
+                Err(WireError::Io { source, .. }) => {
+                    self.enter_error(format!("connection lost: {source}"), None);
+                    return;
+                }
+                Err(e) => {
+                    let offending = conn.rx.offending_segment().map(|(l, h)| (l, h.to_vec()));
+                    let recv_status = self.refused_recv_status.take();
+                    self.terminate(Fault {
+                        cause: e.terminate_cause(),
+                        offending,
+                        recv_status,
+                    });
+                    return;
+                }
+            }
+        }
+    }
+
+    /// A receive completion of this queue pair.
+    pub(super) fn recv_completion(&self, wr_id: u64, status: WcStatus, len: usize) -> Completion {
+        Completion {
+            wr_id,
+            status,
+            opcode: WcOpcode::Recv,
+            byte_len: len as u32,
+            imm: None,
+            invalidated_rkey: None,
+            solicited: false,
+            qp_num: self.qp_num,
+        }
+    }
+}
+
+pub(super) fn fail(qp_num: u32, state: QpState, op: &'static str, needed: QpState) -> Error {
+    Error::InvalidState {
+        qp_num,
+        state,
+        op,
+        needed,
+    }
+}

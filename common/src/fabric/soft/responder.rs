@@ -1,0 +1,425 @@
+//! The responder half of the engine (and the requester's view of responses): every inbound
+//! message, placed or answered. STag, bounds and rights are checked before a byte is placed;
+//! every response leaves only after the Writes before it were placed and made durable.
+
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use super::engine::*;
+use crate::fabric::soft::placement::{self};
+use crate::fabric::soft::tx::{OnSent, Src, TxMsg};
+use crate::fabric::soft::wire::rdmap::{
+    AtomicOp, AtomicResponse, Body, FlushPlacement, FlushSelectivity, PrivateResponse,
+};
+use crate::fabric::soft::wire::rx::{self, DirectTarget};
+use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause};
+use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
+
+impl Engine {
+    /// A data FPDU has been placed (with CRC on, after its CRC passed).
+    pub(super) fn on_data(&mut self, hdr: Header, len: usize) {
+        match (hdr.opcode, hdr.kind) {
+            (Opcode::ReadResponse, _) => {
+                let Some(&seq) = self.in_flight.front() else {
+                    return;
+                };
+                let Some(ent) = self.entry_mut(seq) else {
+                    return;
+                };
+                if let Pending::Read { got, .. } = &mut ent.pending {
+                    *got += len;
+                    if hdr.last {
+                        ent.pending = Pending::Done;
+                        ent.status = Some(WcStatus::Success);
+                        self.in_flight.pop_front();
+                    }
+                }
+            }
+            (
+                Opcode::Send | Opcode::SendSe | Opcode::SendInvalidate | Opcode::SendSeInvalidate,
+                HeaderKind::Untagged { inv_stag, mo, .. },
+            ) => {
+                if !hdr.last {
+                    return;
+                }
+                let Some(cur) = self.cur_recv.take() else {
+                    return;
+                };
+                let mut invalidated = None;
+                if matches!(
+                    hdr.opcode,
+                    Opcode::SendInvalidate | Opcode::SendSeInvalidate
+                ) {
+                    if self
+                        .ctx
+                        .inner
+                        .stags
+                        .invalidate_remote(inv_stag, self.pd, self.qp_num)
+                        .is_err()
+                    {
+                        let cause = TermCause::RDMAP_CANNOT_INVALIDATE;
+                        self.terminate(Fault::at(cause, hdr, hdr.len() + len));
+                        self.recv_cq.push(self.recv_completion(
+                            cur.entry.wr_id,
+                            WcStatus::WrFlush,
+                            0,
+                        ));
+                        return;
+                    }
+                    invalidated = Some(inv_stag);
+                }
+                let mut c =
+                    self.recv_completion(cur.entry.wr_id, WcStatus::Success, mo as usize + len);
+                c.invalidated_rkey = invalidated;
+                c.solicited = matches!(hdr.opcode, Opcode::SendSe | Opcode::SendSeInvalidate);
+                self.recv_cq.push(c);
+            }
+            _ => {}
+        }
+    }
+
+    /// Makes every Write placed so far durable: called before any response leaves.
+    pub(super) fn persist_dirty(
+        &mut self,
+        hdr: Header,
+        ulpdu_len: usize,
+    ) -> std::result::Result<(), Fault> {
+        if self.dirty.is_empty() {
+            return Ok(());
+        }
+        self.dirty
+            .persist_all()
+            .map_err(|_| Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, hdr, ulpdu_len))
+    }
+
+    pub(super) fn lookup(
+        &self,
+        stag: u32,
+        to: u64,
+        len: u64,
+        need: Access,
+    ) -> std::result::Result<
+        crate::fabric::soft::device::Target,
+        crate::fabric::soft::device::AccessFault,
+    > {
+        use crate::fabric::soft::device::AccessFault;
+        let entry = self
+            .ctx
+            .inner
+            .stags
+            .lookup(stag)
+            .ok_or(AccessFault::InvalidStag)?;
+        entry.check(self.pd, self.qp_num, to, len, need)
+    }
+
+    pub(super) fn take_ird(
+        &mut self,
+        hdr: Header,
+        ulpdu_len: usize,
+    ) -> std::result::Result<(), Fault> {
+        let HeaderKind::Untagged { msn, .. } = hdr.kind else {
+            return Ok(());
+        };
+        let fault = |cause| Fault::at(cause, hdr, ulpdu_len);
+        if msn != self.rreq_expect {
+            return Err(fault(TermCause::DDP_UNTAGGED_MSN_RANGE));
+        }
+        if self.ird_used >= self.ird {
+            return Err(fault(TermCause::DDP_UNTAGGED_MSN_RANGE));
+        }
+        self.rreq_expect = self.rreq_expect.wrapping_add(1);
+        self.ird_used += 1;
+        Ok(())
+    }
+
+    pub(super) fn respond(&mut self, opcode: Opcode, body: Vec<u8>) {
+        let hdr = Header::untagged(opcode, self.resp_msn, true);
+        self.resp_msn = self.resp_msn.wrapping_add(1);
+        let len = body.len();
+        self.tx.push(TxMsg {
+            hdr,
+            src: Src::Inline(body),
+            len,
+            on_sent: OnSent::ResponseDone,
+        });
+    }
+
+    pub(super) fn on_control(
+        &mut self,
+        hdr: Header,
+        body: Body,
+        ulpdu_len: usize,
+    ) -> std::result::Result<(), Fault> {
+        let fault = |cause| Fault::at(cause, hdr, ulpdu_len);
+        match body {
+            Body::ReadRequest(rr) => {
+                self.take_ird(hdr, ulpdu_len)?;
+                if rr.size as usize > self.max_message {
+                    return Err(fault(TermCause::RDMAP_OPERATION_UNSPECIFIED));
+                }
+                let t = self
+                    .lookup(rr.src_stag, rr.src_to, rr.size as u64, Access::REMOTE_READ)
+                    .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                self.persist_dirty(hdr, ulpdu_len)?;
+                let rhdr = Header::tagged(Opcode::ReadResponse, rr.sink_stag, rr.sink_to, true);
+                self.tx.push(TxMsg {
+                    hdr: rhdr,
+                    src: Src::Mem {
+                        region: t.region,
+                        offset: t.offset,
+                    },
+                    len: rr.size as usize,
+                    on_sent: OnSent::ResponseDone,
+                });
+            }
+            Body::AtomicRequest(ar) => {
+                self.take_ird(hdr, ulpdu_len)?;
+                if ar.to % 8 != 0 {
+                    return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
+                }
+                let t = self
+                    .lookup(ar.stag, ar.to, 8, Access::REMOTE_ATOMIC)
+                    .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                self.persist_dirty(hdr, ulpdu_len)?;
+                let ptr = t.ptr();
+                if ptr as usize % 8 != 0 {
+                    return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
+                }
+                // SAFETY: `ptr` is 8-aligned, inside registered memory kept alive by
+                // `t.region`, and the fabric accesses it only atomically.
+                let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
+                let original = match ar.op {
+                    AtomicOp::FetchAdd => placement::fetch_add(cell, ar.add_swap, ar.add_swap_mask),
+                    AtomicOp::CompareSwap => placement::compare_swap(
+                        cell,
+                        ar.compare,
+                        ar.compare_mask,
+                        ar.add_swap,
+                        ar.add_swap_mask,
+                    ),
+                };
+                self.dirty.add(&t.region, t.offset, 8);
+                self.persist_dirty(hdr, ulpdu_len)?;
+                let resp = AtomicResponse {
+                    req_id: ar.req_id,
+                    original,
+                };
+                self.respond(Opcode::AtomicResponse, resp.encode().to_vec());
+            }
+            Body::AtomicWriteRequest(aw) => {
+                self.take_ird(hdr, ulpdu_len)?;
+                let t = self
+                    .lookup(aw.stag, aw.to, 8, Access::REMOTE_WRITE)
+                    .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                let ptr = t.ptr();
+                if aw.to % 8 != 0 || ptr as usize % 8 != 0 {
+                    return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
+                }
+                // SAFETY: as for atomics: aligned, in live registered memory, accessed
+                // atomically by the fabric.
+                let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
+                cell.store(u64::from_ne_bytes(aw.data), Ordering::Release);
+                self.dirty.add(&t.region, t.offset, 8);
+                self.persist_dirty(hdr, ulpdu_len)?;
+                let resp = PrivateResponse {
+                    req_id: aw.req_id,
+                    request: Opcode::AtomicWriteRequest,
+                };
+                self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
+            }
+            Body::FlushRequest(fr) => {
+                self.take_ird(hdr, ulpdu_len)?;
+                let need = match fr.placement {
+                    FlushPlacement::Visibility => Access::FLUSH_VISIBILITY,
+                    FlushPlacement::Persistent => Access::FLUSH_PERSISTENT,
+                };
+                let t = match fr.selectivity {
+                    FlushSelectivity::Range { stag, to, len } => {
+                        self.lookup(stag, to, len, need).map(|t| (t, len as usize))
+                    }
+                    FlushSelectivity::Region { stag } => match self.ctx.inner.stags.lookup(stag) {
+                        Some(e) => e
+                            .check(self.pd, self.qp_num, e.base, e.len, need)
+                            .map(|t| (t, e.len as usize)),
+                        None => Err(crate::fabric::soft::device::AccessFault::InvalidStag),
+                    },
+                }
+                .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                self.persist_dirty(hdr, ulpdu_len)?;
+                if fr.placement == FlushPlacement::Persistent {
+                    if let Some(p) = t.0.region.persist() {
+                        if t.1 > 0 && p.persist(t.0.offset, t.1).is_err() {
+                            return Err(fault(TermCause::RDMAP_CATASTROPHIC_STREAM));
+                        }
+                    }
+                }
+                let resp = PrivateResponse {
+                    req_id: fr.req_id,
+                    request: Opcode::FlushRequest,
+                };
+                self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
+            }
+            Body::AtomicResponse(ar) => {
+                let Some(&seq) = self.in_flight.front() else {
+                    return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE));
+                };
+                let ent = self
+                    .entry_mut(seq)
+                    .ok_or_else(|| fault(TermCause::RDMAP_UNEXPECTED_OPCODE))?;
+                match &ent.pending {
+                    Pending::Atomic { req_id, result } if *req_id == ar.req_id => {
+                        let p = result.mr.as_mut_ptr().wrapping_add(result.offset);
+                        let v = ar.original.to_ne_bytes();
+                        // SAFETY: `result` was checked at post time: 8 bytes with local write
+                        // inside a region kept alive by the entry's Arc.
+                        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p, 8) };
+                        ent.pending = Pending::Done;
+                        ent.status = Some(WcStatus::Success);
+                        self.in_flight.pop_front();
+                    }
+                    _ => return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE)),
+                }
+            }
+            Body::PrivateResponse(pr) => {
+                let Some(&seq) = self.in_flight.front() else {
+                    return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE));
+                };
+                let ent = self
+                    .entry_mut(seq)
+                    .ok_or_else(|| fault(TermCause::RDMAP_UNEXPECTED_OPCODE))?;
+                match &ent.pending {
+                    Pending::Private { req_id, request }
+                        if *req_id == pr.req_id && *request == pr.request =>
+                    {
+                        ent.pending = Pending::Done;
+                        ent.status = Some(WcStatus::Success);
+                        self.in_flight.pop_front();
+                    }
+                    _ => return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE)),
+                }
+            }
+            Body::ImmediateData(b) => {
+                let HeaderKind::Untagged { msn, .. } = hdr.kind else {
+                    return Ok(());
+                };
+                if msn != self.recv_msn {
+                    return Err(fault(TermCause::DDP_UNTAGGED_MSN_RANGE));
+                }
+                self.recv_msn = self.recv_msn.wrapping_add(1);
+                let Some(r) = self.rq.pop_front() else {
+                    return Err(fault(TermCause::DDP_UNTAGGED_NO_BUFFER));
+                };
+                let mut c = self.recv_completion(r.wr_id, WcStatus::Success, 0);
+                c.opcode = WcOpcode::RecvRdmaWithImm;
+                c.imm = Some(u64::from_be_bytes(b) as u32);
+                c.solicited = hdr.opcode == Opcode::ImmediateDataSe;
+                self.recv_cq.push(c);
+            }
+            Body::Terminate(t) => {
+                let status = placement::status_for(t.cause);
+                self.closing = false;
+                self.enter_error(format!("received Terminate {:?}", t.cause), Some(status));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl rx::Placer for Engine {
+    /// Decides where an FPDU's payload goes, after checking STag, bounds and rights: nothing is
+    /// placed for a request that fails them (the receiver reports the refusal, and the engine
+    /// answers with a Terminate).
+    fn place(&mut self, hdr: &Header, len: usize) -> std::result::Result<rx::Placement, TermCause> {
+        if self.state != QpState::Rts {
+            return Ok(rx::Placement::Discard);
+        }
+        match self.check_placement(hdr, len) {
+            // SAFETY: `check_placement` checked `len` bytes at `p` against the STag's range
+            // and rights (or the posted Recv or Read sink), and the memory is kept alive by the
+            // STag entry's or the work request's Arc until the FPDU is reported. Other parties
+            // may access the same registered memory concurrently, as with any RDMA NIC: the
+            // fabric never forms a Rust reference to it outside this placement.
+            Ok(Some(p)) => Ok(rx::Placement::Direct(unsafe { DirectTarget::new(p, len) })),
+            Ok(None) => Ok(rx::Placement::Discard),
+            Err((cause, recv_status)) => {
+                self.refused_recv_status = recv_status;
+                Err(cause)
+            }
+        }
+    }
+}
+
+type PlaceResult = std::result::Result<Option<*mut u8>, (TermCause, Option<WcStatus>)>;
+
+impl Engine {
+    pub(super) fn check_placement(&mut self, hdr: &Header, len: usize) -> PlaceResult {
+        match (hdr.opcode, hdr.kind) {
+            // A zero-length Write places nothing (it is also the peer-to-peer RTR).
+            (Opcode::Write, HeaderKind::Tagged { .. }) if len == 0 => Ok(None),
+            (Opcode::Write, HeaderKind::Tagged { stag, to }) => {
+                match self.lookup(stag, to, len as u64, Access::REMOTE_WRITE) {
+                    Ok(t) => {
+                        self.dirty.add(&t.region, t.offset, len);
+                        Ok(Some(t.ptr()))
+                    }
+                    Err(f) => Err((placement::tagged_cause(f), None)),
+                }
+            }
+            (Opcode::ReadResponse, HeaderKind::Tagged { stag, to }) => {
+                let head = self.in_flight.front().copied();
+                let ent = head.and_then(|s| self.entry_mut(s));
+                let Some(SqEntry {
+                    pending: Pending::Read { sink, got },
+                    ..
+                }) = ent
+                else {
+                    return Err((TermCause::RDMAP_UNEXPECTED_OPCODE, None));
+                };
+                let expect_to = sink.mr.addr() + (sink.offset + *got) as u64;
+                if stag != sink.mr.lkey() || to != expect_to || *got + len > sink.len {
+                    return Err((TermCause::DDP_TAGGED_BASE_BOUNDS, None));
+                }
+                Ok(Some(sink.mr.as_mut_ptr().wrapping_add(sink.offset + *got)))
+            }
+            (
+                Opcode::Send | Opcode::SendSe | Opcode::SendInvalidate | Opcode::SendSeInvalidate,
+                HeaderKind::Untagged { msn, mo, .. },
+            ) => {
+                if mo == 0 && self.cur_recv.is_none() {
+                    if msn != self.recv_msn {
+                        return Err((TermCause::DDP_UNTAGGED_MSN_RANGE, None));
+                    }
+                    let Some(entry) = self.rq.pop_front() else {
+                        return Err((TermCause::DDP_UNTAGGED_NO_BUFFER, None));
+                    };
+                    self.recv_msn = self.recv_msn.wrapping_add(1);
+                    self.cur_recv = Some(CurRecv {
+                        entry,
+                        msn,
+                        placed: 0,
+                    });
+                }
+                let Some(cur) = self.cur_recv.as_mut() else {
+                    return Err((TermCause::DDP_UNTAGGED_INVALID_MO, None));
+                };
+                if cur.msn != msn || cur.placed != mo as usize {
+                    return Err((TermCause::DDP_UNTAGGED_INVALID_MO, None));
+                }
+                let cap = cur.entry.local.as_ref().map_or(0, |s| s.len);
+                if mo as usize + len > cap {
+                    return Err((
+                        TermCause::DDP_UNTAGGED_TOO_LONG,
+                        Some(WcStatus::LocalLength),
+                    ));
+                }
+                cur.placed += len;
+                Ok(match &cur.entry.local {
+                    Some(s) if len > 0 => {
+                        Some(s.mr.as_mut_ptr().wrapping_add(s.offset + mo as usize))
+                    }
+                    _ => None,
+                })
+            }
+            _ => Err((TermCause::RDMAP_UNEXPECTED_OPCODE, None)),
+        }
+    }
+}

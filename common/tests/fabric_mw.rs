@@ -1,0 +1,243 @@
+//! Memory windows: bind to a QP with a sub-range and a subset of rights, rebind and
+//! invalidate (locally, or by the peer's Send with Invalidate) revoke the old rkey.
+
+mod fabric_util;
+
+use std::sync::Arc;
+
+use fabric_util::*;
+use rpma_common::fabric::*;
+
+fn target_mr(p: &Pair) -> (Arc<AlignedBuf>, Arc<MemoryRegion>) {
+    p.target_buf(
+        8192,
+        Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::MW_BIND,
+    )
+}
+
+/// Write 8 bytes then Read them back through `remote`; returns the Read's status.
+fn apm(p: &Pair, imr: &Arc<MemoryRegion>, remote: RemoteAddr) -> WcStatus {
+    p.qp.post_send(
+        SendWr::new(
+            1,
+            SendOp::Write {
+                local: Sge::new(imr, 0, 8),
+                remote,
+            },
+        )
+        .with_flags(SendFlags::empty()),
+    )
+    .unwrap();
+    p.qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            local: Sge::new(imr, 8, 8),
+            remote,
+        },
+    ))
+    .unwrap();
+    loop {
+        let c = p.next_init();
+        if c.wr_id == 2 {
+            return c.status;
+        }
+    }
+}
+
+#[test]
+fn bind_scopes_range_and_rights_and_rebind_revokes() {
+    let p = Pair::new(true);
+    let (tmem, mr) = target_mr(&p);
+    let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    imem.write_at(0, b"windowed").unwrap();
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p
+        .tqp
+        .bind_mw(
+            &mw,
+            &mr,
+            4096,
+            1024,
+            Access::REMOTE_WRITE | Access::REMOTE_READ,
+        )
+        .unwrap();
+    assert_eq!(rkey, mw.rkey());
+    assert_ne!(rkey, mr.rkey());
+    let at = |off: u64, rkey| RemoteAddr {
+        addr: mr.addr() + off,
+        rkey,
+    };
+    assert_eq!(apm(&p, &imr, at(4096 + 8, rkey)), WcStatus::Success);
+    let mut b = [0u8; 8];
+    tmem.read_at(4096 + 8, &mut b).unwrap();
+    assert_eq!(&b, b"windowed");
+    // Rebinding gives a new rkey; the old one is refused.
+    let rkey2 = p
+        .tqp
+        .bind_mw(&mw, &mr, 0, 1024, Access::REMOTE_READ)
+        .unwrap();
+    assert_ne!(rkey2, rkey);
+    assert_eq!(apm(&p, &imr, at(4096 + 8, rkey)), WcStatus::RemoteAccess);
+    assert_eq!(p.tqp.state(), QpState::Error);
+}
+
+#[test]
+fn window_outside_its_range_or_rights_is_refused() {
+    let p = Pair::new(false);
+    let (tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p
+        .tqp
+        .bind_mw(&mw, &mr, 4096, 1024, Access::REMOTE_READ)
+        .unwrap();
+    // A read-only window refuses the Write even though the region allows it.
+    let remote = RemoteAddr {
+        addr: mr.addr() + 4096,
+        rkey,
+    };
+    assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
+    assert!(tmem.to_vec().iter().all(|&b| b == 0));
+    let p = Pair::new(false);
+    let (_tmem, mr) = target_mr(&p);
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p
+        .tqp
+        .bind_mw(
+            &mw,
+            &mr,
+            4096,
+            1024,
+            Access::REMOTE_READ | Access::REMOTE_WRITE,
+        )
+        .unwrap();
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    // Below the window, inside the region.
+    let remote = RemoteAddr {
+        addr: mr.addr() + 4000,
+        rkey,
+    };
+    assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
+}
+
+#[test]
+fn bind_errors() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let mw = p.pd.alloc_mw().unwrap();
+    let no_bind = p
+        .target_buf(64, Access::LOCAL_WRITE | Access::REMOTE_WRITE)
+        .1;
+    assert!(matches!(
+        p.tqp.bind_mw(&mw, &no_bind, 0, 8, Access::REMOTE_WRITE),
+        Err(Error::MemoryWindow { .. })
+    ));
+    assert!(matches!(
+        p.tqp.bind_mw(&mw, &mr, 8190, 8, Access::REMOTE_READ),
+        Err(Error::MemoryWindow { .. })
+    ));
+    assert!(matches!(
+        p.tqp.bind_mw(&mw, &mr, 0, 0, Access::REMOTE_READ),
+        Err(Error::MemoryWindow { .. })
+    ));
+    assert!(matches!(
+        p.tqp.bind_mw(&mw, &mr, 0, 8, Access::REMOTE_ATOMIC),
+        Err(Error::MemoryWindow { .. })
+    ));
+    let other = p.ctx.alloc_pd().unwrap().alloc_mw().unwrap();
+    assert!(matches!(
+        p.tqp.bind_mw(&other, &mr, 0, 8, Access::REMOTE_READ),
+        Err(Error::WrongDomain { .. })
+    ));
+}
+
+#[test]
+fn local_invalidate_revokes() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p
+        .tqp
+        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    let remote = RemoteAddr {
+        addr: mr.addr(),
+        rkey,
+    };
+    assert_eq!(apm(&p, &imr, remote), WcStatus::Success);
+    mw.invalidate();
+    assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
+}
+
+#[test]
+fn send_with_invalidate_revokes_the_rkey() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p
+        .tqp
+        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    p.tqp
+        .post_recv(RecvWr {
+            wr_id: 9,
+            local: Some(Sge::new(&mr, 1024, 64)),
+        })
+        .unwrap();
+    let remote = RemoteAddr {
+        addr: mr.addr(),
+        rkey,
+    };
+    assert_eq!(apm(&p, &imr, remote), WcStatus::Success);
+    p.qp.post_send(SendWr::new(
+        3,
+        SendOp::SendWithInvalidate {
+            local: Sge::new(&imr, 0, 4),
+            invalidate_rkey: rkey,
+        },
+    ))
+    .unwrap();
+    assert_eq!(p.next_init().wr_id, 3);
+    let r = p.next_target();
+    assert_eq!(
+        (r.wr_id, r.status, r.byte_len, r.invalidated_rkey),
+        (9, WcStatus::Success, 4, Some(rkey))
+    );
+    assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
+}
+
+#[test]
+fn send_with_invalidate_of_a_region_rkey_is_refused() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    p.tqp
+        .post_recv(RecvWr {
+            wr_id: 9,
+            local: Some(Sge::new(&mr, 1024, 64)),
+        })
+        .unwrap();
+    p.qp.post_send(SendWr::new(
+        3,
+        SendOp::SendWithInvalidate {
+            local: Sge::new(&imr, 0, 4),
+            invalidate_rkey: mr.rkey(),
+        },
+    ))
+    .unwrap();
+    p.qp.post_send(SendWr::new(
+        4,
+        SendOp::Read {
+            local: Sge::new(&imr, 8, 8),
+            remote: mr.remote(0),
+        },
+    ))
+    .unwrap();
+    assert_eq!(p.next_init().wr_id, 3);
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (4, WcStatus::RemoteOperation));
+    let r = p.next_target();
+    assert_eq!((r.wr_id, r.status), (9, WcStatus::WrFlush));
+}
