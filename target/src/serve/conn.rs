@@ -196,10 +196,14 @@ impl Conn {
             Phase::Handshake { hs, .. } => {
                 if self.over_limit {
                     let limit = shared.config().max_connections;
+                    let host = match Message::decode(buf) {
+                        Ok(Message::Connect(c)) => Some(c.host_nqn),
+                        _ => None,
+                    };
                     self.refuse(
                         RefusalReason::TooManyConnections,
                         format!("the target serves at most {limit} connections"),
-                        None,
+                        host.as_ref(),
                     );
                     return;
                 }
