@@ -12,16 +12,16 @@
 //!   loop with the fewest connections; the loop creates the queue pair on its completion queue,
 //!   posts the receive slots and accepts, so a connection is owned by one loop from its first
 //!   byte to its last.
-//! - A poll loop ([`poll_loop`]) waits on its completion queue (busy-polling while traffic flows,
-//!   then blocking in epoll), runs each connection's control exchange ([`conn`]) and the GPSPM
+//! - A poll loop waits on its completion queue (busy-polling while traffic flows,
+//!   then blocking in epoll), runs each connection's control exchange and the GPSPM
 //!   flush service of its own [`Flusher`](crate::flusher::Flusher) (io_uring: a slow disk never
 //!   stalls the loop).
 //! - Each connection has a protection domain of its own. Its namespaces are registered in that
 //!   domain at admission (one memory region per namespace, rights scoped: no remote write on a
 //!   read-only namespace), so its rkeys are its own, reachable from no other connection, and
 //!   revoked by deregistering them at disconnect, keep-alive expiry, reload or shutdown. Nothing
-//!   is registered with a remote right before the host is admitted. See the module docs of
-//!   [`conn`] for why this is not one region per namespace plus memory windows.
+//!   is registered with a remote right before the host is admitted. docs/architecture.md says
+//!   why this is not one region per namespace plus memory windows.
 //!
 //! Counted per session: control messages received, GPSPM flushes. Not counted: RDMA Writes and
 //! Reads, which the transport's placement engine serves without any target code.
