@@ -69,8 +69,8 @@ pub enum ServeError {
     },
 }
 
-/// The seam where listeners and sessions plug in: the fabric-backed implementation is the lead's
-/// to write; [`NoTransport`] is what this build has.
+/// The seam where listeners and sessions plug in: [`crate::serve::FabricServe`] serves them on
+/// the fabric; [`NoTransport`] binds nothing (for tests of the daemon's own machinery).
 pub trait Serve: Send {
     /// Binds every listener of `cfg`; called after the namespaces are mapped and the control
     /// socket accepts, before READY=1. Returns one status per listener.

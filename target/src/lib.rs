@@ -30,9 +30,12 @@
 //! - [`notify`]: sd_notify without libsystemd.
 //! - [`daemon`]: start-up, signals, readiness; [`daemon::Serve`] is the seam for listeners and
 //!   sessions.
+//! - [`serve`]: the fabric-backed [`serve::FabricServe`]: accept threads, poll loops, sessions,
+//!   per-connection rkeys, the GPSPM flush service on the wire.
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
-//! socket; the [`flusher::Flusher`] belongs to one poll loop. Cleanup: the control socket is removed
+//! socket, one thread per listener accepts, and `poll_loops` threads each own their connections
+//! and a [`flusher::Flusher`]. Cleanup: the control socket is removed
 //! at exit; namespace mappings are dropped with the last session that holds them.
 //!
 //! Features: `rdma` builds the rdma transport in rpma-common (listeners on `rdma://` need it).
@@ -47,4 +50,5 @@ pub mod namespace;
 pub mod notify;
 pub mod probe;
 pub mod reload;
+pub mod serve;
 pub mod subsystem;

@@ -84,7 +84,7 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let result = match (cli.config, cli.command) {
         (Some(config), None) => {
-            rpma_target::daemon::run(&config, Box::new(rpma_target::daemon::NoTransport))
+            rpma_target::daemon::run(&config, Box::new(rpma_target::serve::FabricServe::new()))
                 .map_err(anyhow::Error::from)
         }
         (None, Some(Command::CheckConfig { file })) => {

@@ -1,0 +1,154 @@
+//! The initiator library's error type.
+
+use std::time::Duration;
+
+use rpma_common::fabric::{self, WcStatus};
+use rpma_common::proto::auth::AuthError;
+use rpma_common::proto::nqn::NqnError;
+use rpma_common::proto::{self, MessageType, RefusalReason};
+
+/// What a call into the initiator library failed with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// The target URL did not parse.
+    #[error("bad target URL {url:?}")]
+    Url {
+        /// The text given.
+        url: String,
+        /// What the fabric reported.
+        #[source]
+        source: fabric::Error,
+    },
+    /// The transport connection could not be made (refused, unreachable, MPA failure, timeout).
+    #[error("cannot connect to {url}")]
+    Connect {
+        /// The target URL.
+        url: String,
+        /// What the fabric reported.
+        #[source]
+        source: fabric::Error,
+    },
+    /// A fabric call failed (creating a queue, registering a buffer, posting).
+    #[error("{op} failed")]
+    Fabric {
+        /// What was being done.
+        op: &'static str,
+        /// What the fabric reported.
+        #[source]
+        source: fabric::Error,
+    },
+    /// The target did not answer in time.
+    #[error("no {what} from the target within {after:?}")]
+    Timeout {
+        /// What was awaited.
+        what: &'static str,
+        /// How long was waited.
+        after: Duration,
+    },
+    /// Refusal: the target has no subsystem of that NQN.
+    #[error("the target has no such subsystem: {message}")]
+    UnknownSubsystem {
+        /// The target's explanation.
+        message: String,
+    },
+    /// Refusal: this host is not allowed on the subsystem.
+    #[error("this host is not allowed: {message}")]
+    HostNotAllowed {
+        /// The target's explanation.
+        message: String,
+    },
+    /// Refusal: the target did not accept this host's proof of the pre-shared key.
+    #[error("authentication failed: {message}")]
+    AuthFailed {
+        /// The target's explanation.
+        message: String,
+    },
+    /// Refusal: the target does not speak this host's protocol version.
+    #[error("protocol version unsupported by the target: {message}")]
+    VersionUnsupported {
+        /// The target's explanation.
+        message: String,
+    },
+    /// Any other refusal (too many connections, shutting down, protocol error, ...).
+    #[error("the target refused the connection ({reason:?}): {message}")]
+    Refused {
+        /// The reason code.
+        reason: RefusalReason,
+        /// The target's explanation.
+        message: String,
+    },
+    /// The target's proof of the key did not verify, or the target skipped authentication
+    /// although this host holds a key: the target is not who it claims to be.
+    #[error("the target failed to prove the pre-shared key")]
+    TargetNotAuthenticated {
+        /// Why, when the proof itself was checked.
+        #[source]
+        source: Option<AuthError>,
+    },
+    /// The target asks for authentication and this host has no key for it.
+    #[error("the target requires authentication: give this host's pre-shared key")]
+    KeyRequired,
+    /// Computing this host's proof failed (the random source).
+    #[error("cannot authenticate")]
+    Auth(#[source] AuthError),
+    /// The host NQN could not be determined or is invalid.
+    #[error("host NQN")]
+    HostNqn(#[source] NqnError),
+    /// A message from the target could not be decoded (including an unknown version).
+    #[error("malformed message from the target")]
+    Decode(#[source] proto::Error),
+    /// A message could not be encoded.
+    #[error("cannot encode a control message")]
+    Encode(#[source] proto::Error),
+    /// The target sent a message that makes no sense at this point.
+    #[error("protocol error: expected {expected}, got {got:?}")]
+    Unexpected {
+        /// What was expected.
+        expected: &'static str,
+        /// What came.
+        got: MessageType,
+    },
+    /// The target closed the session with a Disconnect.
+    #[error("the target closed the session: {reason}")]
+    Disconnected {
+        /// The target's reason.
+        reason: String,
+    },
+    /// The connection broke (the queue pair went to Error).
+    #[error("the connection to the target is lost: {detail}")]
+    ConnectionLost {
+        /// Why, as the fabric saw it.
+        detail: String,
+    },
+    /// A control message's work request completed with an error.
+    #[error("a control {what} completed with {status:?}")]
+    Completion {
+        /// "send" or "receive".
+        what: &'static str,
+        /// Its status.
+        status: WcStatus,
+    },
+    /// The target did not echo keep-alives for this long: it is presumed gone.
+    #[error("the target answered no keep-alive for {silent:?}")]
+    KeepAliveLost {
+        /// Time since the target was last heard from.
+        silent: Duration,
+    },
+}
+
+impl Error {
+    /// The error for a refusal.
+    pub fn from_refusal(reason: RefusalReason, message: String) -> Error {
+        match reason {
+            RefusalReason::UnknownSubsystem => Error::UnknownSubsystem { message },
+            RefusalReason::HostNotAllowed => Error::HostNotAllowed { message },
+            RefusalReason::AuthFailed => Error::AuthFailed { message },
+            RefusalReason::VersionUnsupported => Error::VersionUnsupported { message },
+            reason => Error::Refused { reason, message },
+        }
+    }
+}
+
+/// The initiator library's result type.
+pub type Result<T> = std::result::Result<T, Error>;

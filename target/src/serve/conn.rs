@@ -1,0 +1,530 @@
+//! One connection, owned by one poll loop: the control exchange over Send/Recv, the session it
+//! becomes, and its end.
+//!
+//! ```text
+//! Handshake --Admitted--> Session   --Disconnect / keep-alive lapse / reload / stop--> Closing
+//!           --Discovery-> Discovery --------------------------------------------------> Closing
+//!           --Refuse----------------------------------------------------------------> Closing
+//! ```
+//!
+//! # Rkeys
+//!
+//! Every connection has a protection domain of its own, and at admission each namespace the host
+//! may reach is registered in it as a memory region over the namespace's mapping, with the
+//! rights the namespace allows (no remote write on a read-only one). Its rkey is therefore
+//! usable by this connection's queue pair only; deregistering it (dropping the [`Grant`]) is the
+//! revocation, after which a Write with the old rkey is answered with RemoteAccess.
+//!
+//! Why not one region per namespace in a shared domain plus a memory window per connection: on
+//! this fabric a window may only carry remote rights its region has, so the shared region would
+//! hold remote write itself, and its rkey (STags are a slot index and an 8-bit key, easy to
+//! guess) would be usable by every queue pair of the domain — including a connection that has
+//! not sent its Connect yet. A per-connection domain closes that hole; the fabric change that
+//! would allow register-once is described in docs/architecture.md.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rpma_common::fabric::{self, Access, MemoryRegion, ProtectionDomain, QpState, QueuePair};
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{
+    Connect, ConnectResponse, Disconnect, DurabilityMethods, FlushRequest, FlushResponse,
+    FlushStatus, Message, NamespaceDescriptor, Refusal, RefusalReason,
+};
+
+use super::msgbuf::MsgBufs;
+use super::{SessionInfo, Shared, HANDSHAKE_TIMEOUT, LINGER, MIN_KEEP_ALIVE};
+use crate::config::{Config, Transport};
+use crate::handshake::{Step, TargetHandshake};
+use crate::namespace::{durability_methods, wire_domain, OpenNamespace};
+use crate::subsystem::discovery;
+
+/// The largest write the placement engine executes as one indivisible store (Atomic Write).
+const ATOMIC_WRITE_UNIT: u32 = 8;
+
+/// Longest keep-alive period a host may ask for (the configuration's own limit).
+const MAX_KEEP_ALIVE: Duration = Duration::from_secs(3600);
+
+/// A namespace this connection may reach: the region that carries its rkey.
+pub(crate) struct Grant {
+    pub(crate) ns: Arc<OpenNamespace>,
+    _mr: Arc<MemoryRegion>,
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        self.ns.counters.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An admitted host.
+pub(crate) struct Session {
+    shared: Arc<Shared>,
+    pub(crate) info: Arc<SessionInfo>,
+    pub(crate) subsystem: Nqn,
+    pub(crate) host: Nqn,
+    keep_alive: Duration,
+    pub(crate) grants: BTreeMap<u32, Grant>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Grants (and with them the rkeys) go with the session.
+        self.grants.clear();
+        self.shared.unregister_session(self.info.controller_id);
+    }
+}
+
+pub(crate) enum Phase {
+    Handshake {
+        hs: TargetHandshake,
+        deadline: Instant,
+    },
+    Discovery {
+        host: Nqn,
+        keep_alive: Duration,
+    },
+    Session(Box<Session>),
+    /// The last message is out (or going): drop the connection when the peer closes or at
+    /// `deadline`.
+    Closing {
+        deadline: Instant,
+    },
+}
+
+/// A flush the connection asks the loop's flusher for.
+pub(crate) struct FlushJob {
+    pub(crate) ns: Arc<OpenNamespace>,
+    pub(crate) req: FlushRequest,
+}
+
+/// A connection.
+pub(crate) struct Conn {
+    pub(crate) qp: QueuePair,
+    pd: ProtectionDomain,
+    pub(crate) bufs: MsgBufs,
+    pub(crate) peer: SocketAddr,
+    peer_flush: bool,
+    pub(crate) phase: Phase,
+    last_seen: Instant,
+    over_limit: bool,
+}
+
+fn keep_alive_of(c: &Connect, cfg: &Config) -> Duration {
+    match c.keep_alive_ms {
+        0 => Duration::from_millis(u64::from(cfg.keep_alive_ms)),
+        ms => Duration::from_millis(u64::from(ms)).clamp(MIN_KEEP_ALIVE, MAX_KEEP_ALIVE),
+    }
+}
+
+impl Conn {
+    pub(crate) fn new(
+        qp: QueuePair,
+        pd: ProtectionDomain,
+        bufs: MsgBufs,
+        over_limit: bool,
+    ) -> Conn {
+        let info = qp.info();
+        let now = Instant::now();
+        Conn {
+            peer: info.peer_addr,
+            peer_flush: info.peer_flush,
+            qp,
+            pd,
+            bufs,
+            phase: Phase::Handshake {
+                hs: TargetHandshake::new(),
+                deadline: now + HANDSHAKE_TIMEOUT,
+            },
+            last_seen: now,
+            over_limit,
+        }
+    }
+
+    fn send(&mut self, m: &Message) {
+        match m.encode() {
+            Ok(bytes) => {
+                if let Err(e) = self.bufs.send(&self.qp, &bytes) {
+                    // The queue pair is in Error: the loop drops the connection on its next tick.
+                    log::debug!("{}: cannot send {:?}: {e}", self.peer, m.message_type());
+                }
+            }
+            Err(e) => log::error!("{}: cannot encode {:?}: {e}", self.peer, m.message_type()),
+        }
+    }
+
+    fn refuse(&mut self, reason: RefusalReason, message: String, host: Option<&Nqn>) {
+        log::warn!(
+            "refused host {} from {}: {reason:?}: {message}",
+            host.map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
+            self.peer
+        );
+        self.send(&Message::Refusal(Refusal { reason, message }));
+        self.phase = Phase::Closing {
+            deadline: Instant::now() + LINGER,
+        };
+    }
+
+    /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
+    pub(crate) fn goodbye(&mut self, reason: &str) {
+        // Dropping the session deregisters its regions before the Disconnect is sent.
+        self.phase = Phase::Closing {
+            deadline: Instant::now() + LINGER,
+        };
+        self.send(&Message::Disconnect(Disconnect {
+            reason: reason.to_owned(),
+        }));
+    }
+
+    fn protocol_error(&mut self, what: String) {
+        log::warn!("{}: protocol error, closing: {what}", self.peer);
+        self.goodbye(&format!("protocol error: {what}"));
+    }
+
+    /// Handles one received message; flush requests for the loop's flusher go to `jobs`.
+    pub(crate) fn on_message(
+        &mut self,
+        shared: &Arc<Shared>,
+        buf: &[u8],
+        jobs: &mut Vec<FlushJob>,
+    ) {
+        let now = Instant::now();
+        match &mut self.phase {
+            Phase::Handshake { hs, .. } => {
+                if self.over_limit {
+                    let limit = shared.config().max_connections;
+                    let host = match Message::decode(buf) {
+                        Ok(Message::Connect(c)) => Some(c.host_nqn),
+                        _ => None,
+                    };
+                    self.refuse(
+                        RefusalReason::TooManyConnections,
+                        format!("the target serves at most {limit} connections"),
+                        host.as_ref(),
+                    );
+                    return;
+                }
+                let cfg = shared.config();
+                let steps = hs.on_message(&cfg, buf);
+                for step in steps {
+                    match step {
+                        Step::Send(m) => self.send(&m),
+                        Step::Refuse { refusal, host_nqn } => {
+                            self.refuse(refusal.reason, refusal.message, host_nqn.as_ref());
+                        }
+                        Step::Admitted(c) => self.admit(shared, &cfg, c),
+                        Step::Discovery(c) => self.admit_discovery(shared, &cfg, c),
+                    }
+                }
+                self.last_seen = now;
+            }
+            Phase::Closing { .. } => {
+                // Flush requests that crossed our goodbye are answered, never silently dropped.
+                if let Ok(Message::FlushRequest(r)) = Message::decode(buf) {
+                    let resp = FlushResponse {
+                        token: r.token,
+                        status: FlushStatus::Unavailable,
+                    };
+                    self.send_raw(&resp.encode());
+                }
+            }
+            Phase::Discovery { host, .. } => {
+                self.last_seen = now;
+                let host = host.clone();
+                match Message::decode(buf) {
+                    Ok(Message::DiscoveryRequest(_)) => {
+                        let resp = discovery(&shared.config(), &host);
+                        self.send(&Message::DiscoveryResponse(resp));
+                    }
+                    Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
+                    Ok(Message::Disconnect(d)) => {
+                        log::debug!(
+                            "{}: discovery host {host} disconnected: {}",
+                            self.peer,
+                            d.reason
+                        );
+                        self.phase = Phase::Closing {
+                            deadline: now + LINGER,
+                        };
+                    }
+                    Ok(other) => self.protocol_error(format!(
+                        "{:?} on a discovery connection",
+                        other.message_type()
+                    )),
+                    Err(e) => self.protocol_error(e.to_string()),
+                }
+            }
+            Phase::Session(s) => {
+                self.last_seen = now;
+                s.info.ops.fetch_add(1, Ordering::Relaxed);
+                s.info.last_seen_ms.store(
+                    now.duration_since(s.info.started).as_millis() as u64,
+                    Ordering::Relaxed,
+                );
+                match Message::decode(buf) {
+                    Ok(Message::FlushRequest(req)) => match s.grants.get(&req.nsid) {
+                        Some(g) => jobs.push(FlushJob {
+                            ns: Arc::clone(&g.ns),
+                            req,
+                        }),
+                        None => {
+                            let resp = FlushResponse {
+                                token: req.token,
+                                status: FlushStatus::InvalidNamespace,
+                            };
+                            self.send_raw(&resp.encode());
+                        }
+                    },
+                    Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
+                    Ok(Message::Disconnect(d)) => {
+                        log::info!(
+                            "session ctrl {} (host {} from {}) closed by the host: {}",
+                            s.info.controller_id,
+                            s.host,
+                            self.peer,
+                            d.reason
+                        );
+                        self.phase = Phase::Closing {
+                            deadline: now + LINGER,
+                        };
+                    }
+                    Ok(other) => {
+                        let t = other.message_type();
+                        self.protocol_error(format!("unexpected {t:?} in a session"));
+                    }
+                    Err(e) => self.protocol_error(e.to_string()),
+                }
+            }
+        }
+    }
+
+    /// Sends an already encoded hot-path message.
+    pub(crate) fn send_raw(&mut self, bytes: &[u8]) {
+        if let Err(e) = self.bufs.send(&self.qp, bytes) {
+            log::debug!("{}: cannot send: {e}", self.peer);
+        }
+    }
+
+    fn admit_discovery(&mut self, shared: &Arc<Shared>, cfg: &Config, c: Connect) {
+        if shared.stopping.load(Ordering::SeqCst) {
+            let m = "the target is shutting down".to_owned();
+            return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
+        }
+        let keep_alive = keep_alive_of(&c, cfg);
+        self.send(&Message::ConnectResponse(ConnectResponse {
+            controller_id: 0,
+            keep_alive_ms: keep_alive.as_millis() as u32,
+            namespaces: Vec::new(),
+        }));
+        log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
+        self.phase = Phase::Discovery {
+            host: c.host_nqn,
+            keep_alive,
+        };
+    }
+
+    fn admit(&mut self, shared: &Arc<Shared>, cfg: &Config, c: Connect) {
+        if shared.stopping.load(Ordering::SeqCst) {
+            let m = "the target is shutting down".to_owned();
+            return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
+        }
+        let keep_alive = keep_alive_of(&c, cfg);
+        let table = shared.namespaces();
+        let mut grants = BTreeMap::new();
+        let mut descriptors = Vec::new();
+        for ((_, nsid), ns) in
+            table.range((c.subsystem_nqn.clone(), 0)..=(c.subsystem_nqn.clone(), u32::MAX))
+        {
+            match self.grant(ns) {
+                Ok((g, d)) => {
+                    grants.insert(*nsid, g);
+                    descriptors.push(d);
+                }
+                Err(e) => {
+                    log::error!(
+                        "cannot register namespace {nsid} of {} for {}: {e}",
+                        c.subsystem_nqn,
+                        self.peer
+                    );
+                    let reason = match e {
+                        fabric::Error::Exhausted { .. } => RefusalReason::TooManyConnections,
+                        _ => RefusalReason::Other(1000),
+                    };
+                    let m = format!("the target cannot register namespace {nsid}: {e}");
+                    return self.refuse(reason, m, Some(&c.host_nqn));
+                }
+            }
+        }
+        let peer = self.peer.to_string();
+        let info = shared.register_session(|controller_id| SessionInfo {
+            controller_id,
+            host_nqn: c.host_nqn.to_string(),
+            subsystem_nqn: c.subsystem_nqn.to_string(),
+            peer,
+            queue_id: c.queue_id,
+            started: Instant::now(),
+            keep_alive_ms: keep_alive.as_millis() as u32,
+            ops: Default::default(),
+            last_seen_ms: Default::default(),
+            expired: Default::default(),
+        });
+        let Some(info) = info else {
+            let m = "no controller id is free".to_owned();
+            return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+        };
+        let resp = Message::ConnectResponse(ConnectResponse {
+            controller_id: info.controller_id,
+            keep_alive_ms: info.keep_alive_ms,
+            namespaces: descriptors,
+        });
+        let session = Session {
+            shared: Arc::clone(shared),
+            info,
+            subsystem: c.subsystem_nqn,
+            host: c.host_nqn,
+            keep_alive,
+            grants,
+        };
+        match resp.encode() {
+            Ok(bytes) => {
+                log::info!(
+                    "session ctrl {}: host {} on {} from {} (queue {}, {} namespace(s), keep-alive {} ms)",
+                    session.info.controller_id,
+                    session.host,
+                    session.subsystem,
+                    self.peer,
+                    c.queue_id,
+                    session.grants.len(),
+                    session.info.keep_alive_ms
+                );
+                self.phase = Phase::Session(Box::new(session));
+                self.send_raw(&bytes);
+            }
+            Err(e) => {
+                let host = session.host.clone();
+                drop(session);
+                self.refuse(RefusalReason::Other(1000), format!("{e}"), Some(&host));
+            }
+        }
+    }
+
+    /// Registers `ns` in this connection's domain with the rights it allows.
+    fn grant(&self, ns: &Arc<OpenNamespace>) -> fabric::Result<(Grant, NamespaceDescriptor)> {
+        let durable = ns.domain().is_durable();
+        let mut access = Access::REMOTE_READ | Access::FLUSH_VISIBILITY;
+        if !ns.config.read_only {
+            access |= Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+        }
+        if durable {
+            access |= Access::FLUSH_PERSISTENT;
+        }
+        let mr = self.pd.register(Arc::clone(&ns.mapping), access)?;
+        let mut methods = durability_methods(ns.domain(), Transport::Tcp, false);
+        if !self.peer_flush {
+            methods = DurabilityMethods(methods.0 & !DurabilityMethods::FLUSH.0);
+        }
+        let d = NamespaceDescriptor {
+            nsid: ns.config.nsid,
+            size: ns.size(),
+            block_size: ns.config.block_size,
+            remote_addr: mr.addr(),
+            rkey: mr.rkey(),
+            domain: wire_domain(ns.domain()),
+            durability: methods,
+            atomic_write_unit: ATOMIC_WRITE_UNIT,
+            read_only: ns.config.read_only,
+        };
+        ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
+        Ok((
+            Grant {
+                ns: Arc::clone(ns),
+                _mr: mr,
+            },
+            d,
+        ))
+    }
+
+    /// Timers: handshake deadline, keep-alive, linger. Returns false when the connection is to
+    /// be dropped.
+    pub(crate) fn tick(&mut self, now: Instant) -> bool {
+        if self.qp.state() == QpState::Error {
+            if let Phase::Session(s) = &self.phase {
+                log::info!(
+                    "session ctrl {} (host {} from {}) lost its connection: {}",
+                    s.info.controller_id,
+                    s.host,
+                    self.peer,
+                    self.qp.error().unwrap_or_default()
+                );
+            }
+            return false;
+        }
+        let lapsed = |ka: Duration| now.saturating_duration_since(self.last_seen) > ka;
+        match &self.phase {
+            Phase::Handshake { deadline, .. } if now >= *deadline => {
+                log::info!(
+                    "{}: no complete Connect within {} s: closed",
+                    self.peer,
+                    HANDSHAKE_TIMEOUT.as_secs()
+                );
+                false
+            }
+            Phase::Session(s) if lapsed(s.keep_alive) => {
+                s.info.expired.store(true, Ordering::Relaxed);
+                log::warn!(
+                    "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys revoked",
+                    s.info.controller_id,
+                    s.host,
+                    self.peer,
+                    s.keep_alive.as_millis()
+                );
+                let why = format!("keep-alive expired ({} ms)", s.keep_alive.as_millis());
+                self.goodbye(&why);
+                true
+            }
+            Phase::Discovery { keep_alive, .. } if lapsed(*keep_alive) => {
+                self.goodbye("keep-alive expired");
+                true
+            }
+            Phase::Closing { deadline } => now < *deadline,
+            _ => true,
+        }
+    }
+
+    /// A reload: close the session if the diff touches it, else revoke the rkeys of its
+    /// namespaces that were removed or changed.
+    pub(crate) fn reloaded(&mut self, diff: &crate::reload::ConfigDiff) {
+        let Phase::Session(s) = &mut self.phase else {
+            return;
+        };
+        if diff.touches_session(&s.subsystem, &s.host) {
+            log::info!(
+                "session ctrl {} (host {} from {}): its subsystem or host entry changed: closing",
+                s.info.controller_id,
+                s.host,
+                self.peer
+            );
+            self.goodbye("the target's configuration for this host changed");
+            return;
+        }
+        let gone: Vec<u32> = s
+            .grants
+            .keys()
+            .copied()
+            .filter(|nsid| {
+                let key = (s.subsystem.clone(), *nsid);
+                diff.namespaces_removed.contains(&key) || diff.namespaces_changed.contains(&key)
+            })
+            .collect();
+        for nsid in gone {
+            s.grants.remove(&nsid);
+            log::info!(
+                "session ctrl {}: namespace {nsid} removed or changed: its rkey is revoked",
+                s.info.controller_id
+            );
+        }
+    }
+}

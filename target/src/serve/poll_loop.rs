@@ -1,0 +1,347 @@
+//! A poll loop: one thread, one completion queue, one flusher, the connections handed to it.
+//!
+//! Each turn: take commands (new connections, reloads, stop), wait on the completion queue
+//! (busy-polling while traffic flows, then blocking in epoll on the connections' sockets: an
+//! idle loop uses no CPU), handle the completions (control messages in, sends done), submit the
+//! flush requests they carried, reap finished flushes and answer them, and now and then run
+//! the connections' timers.
+//!
+//! Stopgap, until the fabric can wake a completion queue's wait on other file descriptors: the
+//! wait is bounded, so that the loop notices commands and flush completions (the flusher's
+//! eventfd) without them being in the epoll set: [`IDLE_WAIT`] when nothing is pending, and
+//! [`FLUSH_WAIT`] while flushes are in flight, which bounds the latency a page-cache flush's
+//! completion can add. The fabric change wanted: let a completion queue's idle wait also watch
+//! caller-supplied fds (or expose its epoll fd / a waker), so that this loop blocks until any of
+//! its sources is ready.
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{mpsc, Arc};
+use std::time::{Duration, Instant};
+
+use rpma_common::fabric::{Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, WcStatus};
+use rpma_common::proto::{FlushResponse, FlushStatus};
+
+use super::conn::{Conn, FlushJob, Phase};
+use super::msgbuf::{MsgBufs, SEND_BIT};
+use super::{LoopCmd, Shared};
+use crate::flusher::{FlushCompletion, Flusher, FlusherError};
+use crate::namespace::OpenNamespace;
+use crate::reload::ConfigDiff;
+
+/// Bounded idle wait (see the module docs).
+const IDLE_WAIT: Duration = Duration::from_millis(20);
+/// Bounded wait while flushes are in flight (see the module docs).
+const FLUSH_WAIT: Duration = Duration::from_millis(1);
+/// How often the connections' timers run.
+const TICK: Duration = Duration::from_millis(10);
+/// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
+const RECV_SLACK: usize = 4;
+/// Send slots per connection (more messages wait in its backlog).
+const SEND_SLOTS: usize = 16;
+/// How long a stopping loop waits for its goodbyes to leave.
+const STOP_GRACE: Duration = Duration::from_secs(1);
+
+struct PendingFlush {
+    qp_num: u32,
+    host_token: u64,
+    ns: Arc<OpenNamespace>,
+    offset: u64,
+    len: u64,
+}
+
+pub(crate) struct PollLoop {
+    index: usize,
+    shared: Arc<Shared>,
+    rx: mpsc::Receiver<LoopCmd>,
+    load: Arc<AtomicUsize>,
+    cq: CompletionQueue,
+    flusher: Flusher,
+    conns: HashMap<u32, Conn>,
+    pending: HashMap<u64, PendingFlush>,
+    /// Flushes waiting for a free flusher slot, in arrival order.
+    waiting: VecDeque<u64>,
+    next_token: u64,
+    jobs: Vec<(u32, FlushJob)>,
+    scratch: Vec<u8>,
+}
+
+impl PollLoop {
+    pub(crate) fn new(
+        index: usize,
+        shared: Arc<Shared>,
+        rx: mpsc::Receiver<LoopCmd>,
+        load: Arc<AtomicUsize>,
+    ) -> Result<PollLoop, Box<dyn std::error::Error + Send + Sync>> {
+        let cfg = shared.config();
+        let cq = shared.ctx.create_cq(1024)?;
+        let flusher = Flusher::new(cfg.max_queue_depth)?;
+        Ok(PollLoop {
+            index,
+            shared,
+            rx,
+            load,
+            cq,
+            flusher,
+            conns: HashMap::new(),
+            pending: HashMap::new(),
+            waiting: VecDeque::new(),
+            next_token: 1,
+            jobs: Vec::new(),
+            scratch: Vec::with_capacity(rpma_common::proto::MAX_MESSAGE_SIZE),
+        })
+    }
+
+    pub(crate) fn run(mut self) {
+        log::debug!(
+            "poll loop {} running (flusher: {})",
+            self.index,
+            self.flusher.backend_name()
+        );
+        let mut next_tick = Instant::now() + TICK;
+        loop {
+            loop {
+                match self.rx.try_recv() {
+                    Ok(LoopCmd::Accept(req)) => self.accept(req),
+                    Ok(LoopCmd::Reload(diff)) => self.reload(&diff),
+                    Ok(LoopCmd::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
+                        return self.shutdown();
+                    }
+                    Err(mpsc::TryRecvError::Empty) => break,
+                }
+            }
+            let busy = self.flusher.in_flight() > 0 || !self.waiting.is_empty();
+            self.turn(Some(if busy { FLUSH_WAIT } else { IDLE_WAIT }));
+            let now = Instant::now();
+            if now >= next_tick {
+                self.tick(now);
+                next_tick = now + TICK;
+            }
+        }
+    }
+
+    fn accept(&mut self, req: ConnRequest) {
+        let cfg = self.shared.config();
+        let peer = req.peer_addr();
+        let n = self.shared.connections.fetch_add(1, Ordering::SeqCst);
+        let over_limit = n >= cfg.max_connections as usize;
+        let depth = cfg.max_queue_depth as usize + RECV_SLACK;
+        let params = ConnParams {
+            crc: cfg.crc,
+            timeout: super::HANDSHAKE_TIMEOUT,
+            ..ConnParams::default()
+        };
+        let made = (|| {
+            let pd = self.shared.ctx.alloc_pd()?;
+            let caps = QpCaps {
+                max_send_wr: SEND_SLOTS,
+                max_recv_wr: depth,
+            };
+            let prepared = pd.create_qp(&self.cq, &self.cq, caps)?;
+            let bufs = MsgBufs::new(&pd, depth, SEND_SLOTS)?;
+            for slot in 0..bufs.recv_slots() {
+                prepared.post_recv(bufs.recv_wr(slot))?;
+            }
+            let qp = req.accept(prepared, &params, &[])?;
+            Ok::<_, rpma_common::fabric::Error>(Conn::new(qp, pd, bufs, over_limit))
+        })();
+        match made {
+            Ok(conn) => {
+                log::debug!("loop {}: connection from {}", self.index, conn.peer);
+                self.conns.insert(conn.qp.qp_num(), conn);
+            }
+            Err(e) => {
+                log::warn!(
+                    "cannot accept the connection from {}: {e}",
+                    peer.map_or_else(|| "?".into(), |p| p.to_string())
+                );
+                self.shared.connections.fetch_sub(1, Ordering::SeqCst);
+                self.load.fetch_sub(1, Ordering::Relaxed);
+            }
+        }
+    }
+
+    fn reload(&mut self, diff: &ConfigDiff) {
+        for c in self.conns.values_mut() {
+            c.reloaded(diff);
+        }
+    }
+
+    /// One wait on the completion queue (None: poll only) and everything it brings.
+    fn turn(&mut self, wait: Option<Duration>) {
+        let mut wcs = [Completion::EMPTY; 64];
+        let n = match wait {
+            Some(t) => self.cq.wait(&mut wcs, Some(t)),
+            None => self.cq.poll(&mut wcs),
+        };
+        let n = match n {
+            Ok(n) => n,
+            Err(e) => {
+                log::error!("loop {}: waiting for completions failed: {e}", self.index);
+                std::thread::sleep(IDLE_WAIT);
+                0
+            }
+        };
+        for c in &wcs[..n] {
+            self.on_completion(c);
+        }
+        self.submit_jobs();
+        self.reap_flushes();
+    }
+
+    fn on_completion(&mut self, c: &Completion) {
+        let Some(conn) = self.conns.get_mut(&c.qp_num) else {
+            return;
+        };
+        if c.wr_id & SEND_BIT != 0 {
+            if let Err(e) = conn.bufs.on_send_done(&conn.qp, c.wr_id) {
+                log::debug!("{}: cannot send: {e}", conn.peer);
+            }
+            return;
+        }
+        if c.status != WcStatus::Success {
+            // WrFlush after the queue pair went to Error, or a message too long for a slot
+            // (LocalLength): the connection is over; tick drops it.
+            if c.status != WcStatus::WrFlush {
+                log::warn!("{}: receive failed: {:?}", conn.peer, c.status);
+            }
+            return;
+        }
+        let mut buf = std::mem::take(&mut self.scratch);
+        if let Some(slot) = conn.bufs.take(c, &mut buf) {
+            // Posted again before the message is handled, so that the slot count stays full.
+            if let Err(e) = conn.qp.post_recv(conn.bufs.recv_wr(slot)) {
+                log::debug!("{}: cannot post a receive: {e}", conn.peer);
+            }
+            let mut jobs = Vec::new();
+            conn.on_message(&self.shared, &buf, &mut jobs);
+            self.jobs.extend(jobs.into_iter().map(|j| (c.qp_num, j)));
+        }
+        self.scratch = buf;
+    }
+
+    fn submit_jobs(&mut self) {
+        for (qp_num, job) in std::mem::take(&mut self.jobs) {
+            let token = self.next_token;
+            self.next_token += 1;
+            self.pending.insert(
+                token,
+                PendingFlush {
+                    qp_num,
+                    host_token: job.req.token,
+                    ns: job.ns,
+                    offset: job.req.offset,
+                    len: job.req.length,
+                },
+            );
+            // Behind earlier requests that found the flusher full, so that none starves.
+            self.waiting.push_back(token);
+        }
+        self.submit_waiting();
+    }
+
+    /// Submits waiting flushes in order until the flusher is full.
+    fn submit_waiting(&mut self) {
+        while let Some(&token) = self.waiting.front() {
+            let Some(p) = self.pending.get(&token) else {
+                self.waiting.pop_front();
+                continue;
+            };
+            let target = p.ns.flush_target.clone();
+            match self.flusher.submit(token, &target, p.offset, p.len) {
+                Ok(()) => {
+                    self.waiting.pop_front();
+                }
+                Err(FlusherError::Full(_)) => break,
+                Err(e) => {
+                    self.waiting.pop_front();
+                    log::error!("loop {}: flush submission failed: {e}", self.index);
+                    self.finish(FlushCompletion {
+                        token,
+                        status: FlushStatus::Unavailable,
+                    });
+                }
+            }
+        }
+    }
+
+    fn reap_flushes(&mut self) {
+        let mut done = Vec::new();
+        self.flusher.poll(&mut done);
+        for c in done {
+            self.finish(c);
+        }
+        if !self.waiting.is_empty() {
+            self.submit_waiting();
+            // Inline completions (dax, volatile, bad ranges) are ready at once.
+            let mut done = Vec::new();
+            self.flusher.poll(&mut done);
+            for c in done {
+                self.finish(c);
+            }
+        }
+    }
+
+    fn finish(&mut self, c: FlushCompletion) {
+        let Some(p) = self.pending.remove(&c.token) else {
+            return;
+        };
+        let counters = &p.ns.counters;
+        counters.flushes.fetch_add(1, Ordering::Relaxed);
+        match c.status {
+            FlushStatus::Durable | FlushStatus::VisibleOnly => {
+                let len = if p.len == 0 { p.ns.size() } else { p.len };
+                counters.flushed_bytes.fetch_add(len, Ordering::Relaxed);
+            }
+            _ => {
+                counters.flush_errors.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        if let Some(conn) = self.conns.get_mut(&p.qp_num) {
+            let resp = FlushResponse {
+                token: p.host_token,
+                status: c.status,
+            };
+            conn.send_raw(&resp.encode());
+        }
+    }
+
+    fn tick(&mut self, now: Instant) {
+        let dead: Vec<u32> = self
+            .conns
+            .iter_mut()
+            .filter_map(|(&n, c)| (!c.tick(now)).then_some(n))
+            .collect();
+        for n in dead {
+            self.conns.remove(&n);
+            self.shared.connections.fetch_sub(1, Ordering::SeqCst);
+            self.load.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+
+    /// Stop: take in what arrived, answer every flush, say goodbye, let the goodbyes out, drop.
+    fn shutdown(mut self) {
+        self.turn(None);
+        let deadline = Instant::now() + STOP_GRACE * 10;
+        while (!self.pending.is_empty()) && Instant::now() < deadline {
+            self.turn(Some(FLUSH_WAIT));
+        }
+        for c in self.conns.values_mut() {
+            match c.phase {
+                Phase::Session(_) | Phase::Discovery { .. } => {
+                    c.goodbye("the target is shutting down")
+                }
+                Phase::Handshake { .. } | Phase::Closing { .. } => {}
+            }
+        }
+        let deadline = Instant::now() + STOP_GRACE;
+        while Instant::now() < deadline && self.conns.values().any(|c| !c.bufs.all_sent()) {
+            self.turn(Some(FLUSH_WAIT));
+        }
+        let n = self.conns.len();
+        self.conns.clear();
+        self.shared.connections.fetch_sub(n, Ordering::SeqCst);
+        self.load.fetch_sub(n, Ordering::Relaxed);
+        log::debug!("poll loop {} stopped", self.index);
+    }
+}

@@ -1,0 +1,600 @@
+//! Sessions on the fabric, end to end: the real `rpma-target` process, started from a config in a
+//! temp dir with a NOTIFY_SOCKET of the test's own, and the rpma-initiator library in-process.
+//! Every wait has a deadline.
+
+use std::os::unix::fs::PermissionsExt;
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+use rpma_common::fabric::{
+    Access, AlignedBuf, Completion, ConnParams, Context, QpCaps, RecvWr, RemoteAddr, SendOp,
+    SendWr, Sge, Url, WcStatus,
+};
+use rpma_common::proto::auth::Psk;
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{
+    Connect, FlushRequest, FlushStatus, HostId, Message, PersistenceDomain, RefusalReason,
+    MAX_MESSAGE_SIZE,
+};
+use rpma_initiator::{
+    connect, identify, ConnectOptions, Error, HostIdentity, Session, CONTROL_BIT,
+};
+
+const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
+const SUB: &str = "nqn.2026-11.io.rpma:demo";
+const OPEN: &str = "nqn.2026-11.io.rpma:open";
+const PLAIN: &str = "nqn.2026-11.io.rpma:plain-host";
+const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
+const KEY: &str = "5a";
+const WAIT: Duration = Duration::from_secs(20);
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+fn scratch() -> tempfile::TempDir {
+    // On the build directory's filesystem: a disk, so namespaces are page-cache (durable).
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+struct Target {
+    dir: PathBuf,
+    port: u16,
+    child: Child,
+    notify: UnixDatagram,
+}
+
+/// The configuration: subsystem SUB (hosts PLAIN, KEYED with a key; nsid 1 rw, nsid 3
+/// read-only) and OPEN (any host; nsid 1), plus `extra` at the end of SUB's namespaces.
+fn config_text(port: u16, top: &str, extra: &str) -> String {
+    format!(
+        r#"listen = ["tcp://127.0.0.1:{port}"]
+control_socket = "ctl.sock"
+{top}
+[[subsystem]]
+nqn = "{OPEN}"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+path = "open1"
+size = "1MiB"
+
+[[subsystem]]
+nqn = "{SUB}"
+hosts = [{{ nqn = "{PLAIN}" }}, {{ nqn = "{KEYED}", psk_file = "keyed.psk" }}]
+[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "2MiB"
+[[subsystem.namespace]]
+nsid = 3
+path = "ns3"
+size = "1MiB"
+read_only = true
+{extra}"#
+    )
+}
+
+impl Target {
+    fn start(dir: &Path, top: &str) -> Target {
+        let port = free_port();
+        let key = dir.join("keyed.psk");
+        std::fs::write(&key, KEY.repeat(32)).unwrap();
+        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        std::fs::write(dir.join("c.toml"), config_text(port, top, "")).unwrap();
+        let sock = dir.join("notify.sock");
+        let notify = UnixDatagram::bind(&sock).unwrap();
+        let child = Command::new(BIN)
+            .arg("--config")
+            .arg(dir.join("c.toml"))
+            .env("NOTIFY_SOCKET", &sock)
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID")
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::inherit())
+            .spawn()
+            .unwrap();
+        let t = Target {
+            dir: dir.to_owned(),
+            port,
+            child,
+            notify,
+        };
+        let ready = t.expect("READY=1");
+        assert!(ready.contains("1 of 1 listener(s) bound"), "{ready}");
+        t
+    }
+
+    fn url(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    /// The next notification starting with `prefix`, skipping others, within WAIT.
+    fn expect(&self, prefix: &str) -> String {
+        let deadline = Instant::now() + WAIT;
+        let mut buf = [0u8; 4096];
+        while Instant::now() < deadline {
+            self.notify
+                .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now())))
+                .unwrap();
+            if let Ok(n) = self.notify.recv(&mut buf) {
+                let m = String::from_utf8_lossy(&buf[..n]).into_owned();
+                if m.starts_with(prefix) {
+                    return m;
+                }
+            }
+        }
+        panic!("no {prefix:?} notification within {WAIT:?}");
+    }
+
+    fn signal(&self, sig: Signal) {
+        kill(Pid::from_raw(self.child.id() as i32), sig).unwrap();
+    }
+
+    fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "daemon did not exit within {within:?}"
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn status(&self) -> serde_json::Value {
+        let out = Command::new(BIN)
+            .args(["status", "--json", "--socket"])
+            .arg(self.dir.join("ctl.sock"))
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    }
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn host(nqn: &str) -> HostIdentity {
+    HostIdentity::new(Nqn::new(nqn).unwrap())
+}
+
+fn nqn(s: &str) -> Nqn {
+    Nqn::new(s).unwrap()
+}
+
+fn opts() -> ConnectOptions {
+    ConnectOptions {
+        timeout: Duration::from_secs(10),
+        ..ConnectOptions::default()
+    }
+}
+
+/// Writes `data` to `remote`, then Reads 8 bytes back (APM): returns the status of every
+/// completion of those two requests (the Read's last). Control completions go to the session.
+fn write_then_read(s: &mut Session, remote: RemoteAddr, data: &[u8]) -> Vec<WcStatus> {
+    let mem = AlignedBuf::new(4096).unwrap();
+    mem.write_at(0, data).unwrap();
+    let mr = s
+        .pd()
+        .register(Arc::clone(&mem), Access::LOCAL_WRITE)
+        .unwrap();
+    let posted = s.qp().post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            local: Sge::new(&mr, 0, data.len()),
+            remote,
+        },
+    ));
+    if posted.is_err() {
+        return vec![WcStatus::WrFlush];
+    }
+    s.qp()
+        .post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                local: Sge::new(&mr, 2048, 8),
+                remote,
+            },
+        ))
+        .unwrap();
+    let deadline = Instant::now() + WAIT;
+    let mut out = Vec::new();
+    let mut wcs = [Completion::EMPTY; 8];
+    while Instant::now() < deadline {
+        let n = s
+            .cq()
+            .wait(&mut wcs, Some(Duration::from_millis(50)))
+            .unwrap();
+        for c in &wcs[..n] {
+            if c.wr_id & CONTROL_BIT != 0 {
+                let _ = s.handle(c);
+            } else {
+                out.push(c.status);
+                if c.wr_id == 2 {
+                    return out;
+                }
+            }
+        }
+    }
+    panic!("the Read did not complete within {WAIT:?}: {out:?}");
+}
+
+#[test]
+fn ready_means_accepting_identify_and_gpspm() {
+    let d = scratch();
+    let t = Target::start(d.path(), "");
+    // Right after READY=1: the listener accepts.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert!(id.controller_id >= 1);
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1, 3]);
+    let n1 = &id.namespaces[0];
+    assert_eq!(
+        (n1.size, n1.block_size, n1.read_only),
+        (2 << 20, 4096, false)
+    );
+    assert_eq!(n1.domain, PersistenceDomain::PageCache);
+    assert_eq!(n1.durability.names(), ["APM", "GPSPM", "FLUSH"]);
+    assert!(id.namespaces[1].read_only);
+
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let n1 = s.namespace(1).unwrap().clone();
+    let remote = RemoteAddr {
+        addr: n1.remote_addr + 4096,
+        rkey: n1.rkey,
+    };
+    let st = write_then_read(&mut s, remote, b"durable bytes over the wire");
+    assert_eq!(st, [WcStatus::Success, WcStatus::Success]);
+    let file = std::fs::read(d.path().join("ns1")).unwrap();
+    assert_eq!(&file[4096..4096 + 27], b"durable bytes over the wire");
+
+    // GPSPM flushes and their errors.
+    assert_eq!(s.flush(1, 4096, 27, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(s.flush(1, 0, 0, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(
+        s.flush(1, 2 << 20, 1, WAIT).unwrap(),
+        FlushStatus::OutOfRange
+    );
+    assert_eq!(
+        s.flush(9, 0, 1, WAIT).unwrap(),
+        FlushStatus::InvalidNamespace
+    );
+
+    // Status: the session with its host, counters per namespace.
+    let v = t.status();
+    let sessions = v["sessions"].as_array().unwrap();
+    assert_eq!(sessions.len(), 1, "{v}");
+    assert_eq!(sessions[0]["host_nqn"], PLAIN);
+    assert_eq!(sessions[0]["controller_id"], u64::from(s.controller_id()));
+    assert!(sessions[0]["ops"].as_u64().unwrap() >= 4);
+    let ns1 = &v["subsystems"][1]["namespaces"][0];
+    assert_eq!(ns1["counters"]["flushes"], 3, "{v}");
+    assert_eq!(ns1["counters"]["flush_errors"], 1, "{v}");
+    assert_eq!(ns1["counters"]["sessions"], 1, "{v}");
+
+    // Read-only: the rkey carries no remote write right.
+    let n3 = s.namespace(3).unwrap().clone();
+    let ro = RemoteAddr {
+        addr: n3.remote_addr,
+        rkey: n3.rkey,
+    };
+    let st = write_then_read(&mut s, ro, b"nope");
+    assert_eq!(st.last(), Some(&WcStatus::RemoteAccess), "{st:?}");
+    assert!(std::fs::read(d.path().join("ns3"))
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+}
+
+#[test]
+fn rkeys_are_per_connection() {
+    let d = scratch();
+    let t = Target::start(d.path(), "");
+    let a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut b = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let (na, nb) = (a.namespace(1).unwrap(), b.namespace(1).unwrap());
+    assert_ne!(na.rkey, nb.rkey);
+    // A's rkey on B's connection is refused.
+    let stolen = RemoteAddr {
+        addr: na.remote_addr,
+        rkey: na.rkey,
+    };
+    let st = write_then_read(&mut b, stolen, b"x");
+    assert_eq!(st.last(), Some(&WcStatus::RemoteAccess), "{st:?}");
+    assert!(std::fs::read(d.path().join("ns1"))
+        .unwrap()
+        .iter()
+        .all(|&b| b == 0));
+}
+
+#[test]
+fn each_refusal() {
+    let d = scratch();
+    let t = Target::start(d.path(), "");
+    let e = connect(
+        &t.url(),
+        &nqn("nqn.2026-11.io.rpma:nope"),
+        &host(PLAIN),
+        &opts(),
+    );
+    assert!(matches!(e, Err(Error::UnknownSubsystem { .. })), "{e:?}");
+    let e = connect(
+        &t.url(),
+        &nqn(SUB),
+        &host("nqn.2026-11.io.rpma:stranger"),
+        &opts(),
+    );
+    assert!(matches!(e, Err(Error::HostNotAllowed { .. })), "{e:?}");
+    // Wrong key.
+    let wrong = host(KEYED).with_psk(Psk::from_hex(&"5b".repeat(32)).unwrap());
+    let e = connect(&t.url(), &nqn(SUB), &wrong, &opts());
+    assert!(matches!(e, Err(Error::AuthFailed { .. })), "{e:?}");
+    // No key at all.
+    let e = connect(&t.url(), &nqn(SUB), &host(KEYED), &opts());
+    assert!(matches!(e, Err(Error::KeyRequired)), "{e:?}");
+    // The right key: mutual authentication succeeds.
+    let right = host(KEYED).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
+    let s = connect(&t.url(), &nqn(SUB), &right, &opts()).unwrap();
+    assert_eq!(s.namespaces().len(), 2);
+    // A host holding a key refuses a target that lets it in without proving the key.
+    let keyed_on_open = host(PLAIN).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
+    let e = connect(&t.url(), &nqn(OPEN), &keyed_on_open, &opts());
+    assert!(
+        matches!(e, Err(Error::TargetNotAuthenticated { .. })),
+        "{e:?}"
+    );
+
+    // Unsupported version: a crafted Connect with version 2 over a raw queue pair.
+    let refusal = raw_exchange(&t.url(), |mut bytes| {
+        bytes[0] = 2;
+        bytes
+    });
+    match refusal {
+        Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::VersionUnsupported),
+        other => panic!("{other:?}"),
+    }
+    // Garbage is a protocol error, and the daemon keeps serving.
+    match raw_exchange(&t.url(), |_| vec![1, 0x01, 0, 0, 0xFF, 0xFF]) {
+        Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::ProtocolError),
+        other => panic!("{other:?}"),
+    }
+    identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+}
+
+/// Connects a bare queue pair, sends `craft(encoded Connect)`, returns the target's answer.
+fn raw_exchange(url: &str, craft: impl FnOnce(Vec<u8>) -> Vec<u8>) -> Message {
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let rmem = AlignedBuf::new(MAX_MESSAGE_SIZE).unwrap();
+    let rmr = pd.register(Arc::clone(&rmem), Access::LOCAL_WRITE).unwrap();
+    let prepared = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    prepared
+        .post_recv(RecvWr {
+            wr_id: 7,
+            local: Some(Sge::whole(&rmr)),
+        })
+        .unwrap();
+    let qp = prepared
+        .connect(&Url::parse(url).unwrap(), &ConnParams::default(), &[])
+        .unwrap();
+    let connect = Message::Connect(Connect {
+        host_nqn: nqn(PLAIN),
+        subsystem_nqn: nqn(SUB),
+        host_id: HostId([3; 16]),
+        queue_id: 0,
+        keep_alive_ms: 0,
+    });
+    let bytes = craft(connect.encode().unwrap());
+    let smem = AlignedBuf::new(bytes.len()).unwrap();
+    smem.write_at(0, &bytes).unwrap();
+    let smr = pd.register(Arc::clone(&smem), Access::empty()).unwrap();
+    qp.post_send(SendWr::new(
+        1,
+        SendOp::Send {
+            local: Sge::whole(&smr),
+        },
+    ))
+    .unwrap();
+    let deadline = Instant::now() + WAIT;
+    let mut wcs = [Completion::EMPTY; 4];
+    while Instant::now() < deadline {
+        let n = cq.wait(&mut wcs, Some(Duration::from_millis(50))).unwrap();
+        for c in &wcs[..n] {
+            if c.wr_id == 7 {
+                assert_eq!(c.status, WcStatus::Success);
+                let mut b = vec![0; c.byte_len as usize];
+                rmem.read_at(0, &mut b).unwrap();
+                return Message::decode(&b).unwrap();
+            }
+        }
+    }
+    panic!("no answer within {WAIT:?}");
+}
+
+#[test]
+fn keep_alive_lapse_revokes_rkeys() {
+    let d = scratch();
+    let t = Target::start(d.path(), "");
+    let o = ConnectOptions {
+        keep_alive: Duration::from_millis(300),
+        ..opts()
+    };
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &o).unwrap();
+    assert_eq!(s.keep_alive(), Duration::from_millis(300));
+    let n1 = s.namespace(1).unwrap().clone();
+    let remote = RemoteAddr {
+        addr: n1.remote_addr,
+        rkey: n1.rkey,
+    };
+    // Ticking keeps the session alive well past its period.
+    let until = Instant::now() + Duration::from_millis(1000);
+    while Instant::now() < until {
+        s.tick().unwrap();
+        let _ = s.wait_message(Duration::from_millis(20), "nothing");
+    }
+    assert_eq!(
+        write_then_read(&mut s, remote, b"alive"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    // Stop ticking: the target revokes the rkeys and says why.
+    match s.wait_message(Duration::from_secs(5), "Disconnect") {
+        Err(Error::Disconnected { reason }) => assert!(reason.contains("keep-alive"), "{reason}"),
+        other => panic!("{other:?}"),
+    }
+    let st = write_then_read(&mut s, remote, b"stale rkey");
+    assert_eq!(st.last(), Some(&WcStatus::RemoteAccess), "{st:?}");
+    let file = std::fs::read(d.path().join("ns1")).unwrap();
+    assert_eq!(&file[..5], b"alive", "the stale Write placed nothing");
+    assert!(file[5..10].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn connection_limit_refuses_the_next() {
+    let d = scratch();
+    let t = Target::start(d.path(), "max_connections = 1");
+    let _a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(
+            e,
+            Err(Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn sighup_adds_a_namespace_while_a_session_stays_up() {
+    let d = scratch();
+    let t = Target::start(d.path(), "keep_alive_ms = 1000");
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let n1 = s.namespace(1).unwrap().clone();
+    let remote = RemoteAddr {
+        addr: n1.remote_addr + 8192,
+        rkey: n1.rkey,
+    };
+    let extra = "[[subsystem.namespace]]\nnsid = 4\npath = \"ns4\"\nsize = \"1MiB\"\n";
+    std::fs::write(
+        d.path().join("c.toml"),
+        config_text(t.port, "keep_alive_ms = 1000", extra),
+    )
+    .unwrap();
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+    // The session was not touched: same rkeys, still working, still alive.
+    for _ in 0..5 {
+        s.tick().unwrap();
+        let _ = s.wait_message(Duration::from_millis(100), "nothing");
+    }
+    assert_eq!(
+        write_then_read(&mut s, remote, b"after reload"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(s.flush(1, 8192, 12, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(s.namespaces().len(), 2);
+    // A new identify sees the new namespace.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1, 3, 4]);
+    let v = t.status();
+    assert_eq!(v["sessions"].as_array().unwrap().len(), 1, "{v}");
+}
+
+#[test]
+fn sigterm_during_flush_load_exits_zero() {
+    let d = scratch();
+    let mut t = Target::start(d.path(), "");
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    // Keep many GPSPM flushes in flight, then stop the daemon.
+    let sent = 48u64;
+    for token in 1..=sent {
+        let req = FlushRequest {
+            nsid: 1,
+            offset: 0,
+            length: 0,
+            token,
+        };
+        s.send_message(&Message::FlushRequest(req)).unwrap();
+    }
+    t.signal(Signal::SIGTERM);
+    let mut answered = Vec::new();
+    let end = loop {
+        match s.wait_message(WAIT, "flush responses") {
+            Ok(Message::FlushResponse(r)) => {
+                assert!(
+                    matches!(r.status, FlushStatus::Durable | FlushStatus::Unavailable),
+                    "{r:?}"
+                );
+                answered.push(r.token);
+            }
+            Ok(other) => panic!("{other:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(end, Error::Disconnected { ref reason } if reason.contains("shutting down"))
+            || matches!(end, Error::ConnectionLost { .. }),
+        "{end:?}"
+    );
+    eprintln!(
+        "{} of {sent} flushes answered before the target went away",
+        answered.len()
+    );
+    answered.sort_unstable();
+    let n = answered.len();
+    answered.dedup();
+    assert_eq!(answered.len(), n, "a flush was answered twice");
+    assert!(answered.iter().all(|t| (1..=sent).contains(t)));
+    // What the target had received before it stopped, it answered, in order of arrival.
+    assert_eq!(answered, (1..=answered.len() as u64).collect::<Vec<_>>());
+    let st = t.wait_exit(WAIT);
+    assert!(st.success(), "{st:?}");
+}
+
+#[test]
+fn rdma_listener_is_refused_at_start() {
+    let d = scratch();
+    std::fs::write(
+        d.path().join("c.toml"),
+        "listen = [\"rdma://127.0.0.1:7\"]\ncontrol_socket = \"ctl.sock\"\n",
+    )
+    .unwrap();
+    let out = Command::new(BIN)
+        .arg("--config")
+        .arg(d.path().join("c.toml"))
+        .env_remove("NOTIFY_SOCKET")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rdma transport is not served"), "{err}");
+}
