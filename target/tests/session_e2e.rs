@@ -16,7 +16,7 @@ use rpma_common::fabric::{
     SendWr, Sge, Url, WcStatus,
 };
 use rpma_common::proto::auth::Psk;
-use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::nqn::{Nqn, DISCOVERY_NQN};
 use rpma_common::proto::{
     Connect, FlushRequest, FlushStatus, HostId, Message, PersistenceDomain, RefusalReason,
     MAX_MESSAGE_SIZE,
@@ -626,4 +626,63 @@ fn rdma_listener_is_refused_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rdma transport is not served"), "{err}");
+}
+
+/// utime + stime of a process, in clock ticks (/proc/PID/stat fields 14 and 15).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14, stime field 15.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Voluntary context switches of every thread of a process: how often its threads went to
+/// sleep, i.e. woke up.
+fn wakeups(pid: u32) -> u64 {
+    let mut n = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let Ok(st) = std::fs::read_to_string(task.unwrap().path().join("status")) else {
+            continue; // a thread that just ended
+        };
+        n += st
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
+    }
+    n
+}
+
+#[test]
+fn idle_daemon_with_a_session_uses_no_cpu() {
+    let d = scratch();
+    // Two poll loops, a keep-alive longer than the measurement: nothing needs to happen.
+    let t = Target::start(d.path(), "poll_loops = 2\nkeep_alive_ms = 30000");
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    // A discovery connection held open too.
+    let _disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
+    // Let the busy-poll spells and the start-up settle.
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = t.child.id();
+    let before = cpu_ticks(pid);
+    let woke_before = wakeups(pid);
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let woke = wakeups(pid) - woke_before;
+    let used = cpu_ticks(pid) - before;
+    let elapsed = start.elapsed();
+    eprintln!("idle target: {used} tick(s) of CPU, {woke} wake-up(s) in {elapsed:?}");
+    // A loop with a bounded wait (say 20 ms) wakes 50 times a second; a sleeping target not
+    // at all (the status thread is not asked, keep-alives are 30 s apart).
+    assert!(woke <= 5, "an idle target woke {woke} times in {elapsed:?}");
+    // A loop that woke every few milliseconds would show here; a sleeping one shows 0 (1 for a
+    // tick that happened to be charged to it). Generous: this is not a speed test.
+    assert!(
+        used <= 2,
+        "an idle target used {used} clock ticks in {elapsed:?}"
+    );
+    // And the session still works after the idle spell.
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
 }

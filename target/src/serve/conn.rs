@@ -447,6 +447,17 @@ impl Conn {
         ))
     }
 
+    /// When [`tick`](Self::tick) has something to do at the latest (if nothing arrives before).
+    pub(crate) fn next_timer(&self) -> Instant {
+        // Just past the lapse: tick's test is "longer than the period".
+        let lapse = |ka: Duration| self.last_seen + ka + Duration::from_millis(1);
+        match &self.phase {
+            Phase::Handshake { deadline, .. } | Phase::Closing { deadline } => *deadline,
+            Phase::Session(s) => lapse(s.keep_alive),
+            Phase::Discovery { keep_alive, .. } => lapse(*keep_alive),
+        }
+    }
+
     /// Timers: handshake deadline, keep-alive, linger. Returns false when the connection is to
     /// be dropped.
     pub(crate) fn tick(&mut self, now: Instant) -> bool {

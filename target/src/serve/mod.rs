@@ -42,6 +42,7 @@ use rpma_common::fabric::{self, ConnRequest, Context, Url};
 use crate::config::{Config, Transport};
 use crate::control::{ListenerStatus, SessionStatus};
 use crate::daemon::{Serve, ServeError};
+use crate::eventfd::EventFd;
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
@@ -219,6 +220,22 @@ impl Shared {
     }
 }
 
+/// The way to a poll loop: its command channel, and the eventfd that wakes its idle wait.
+#[derive(Clone)]
+pub(crate) struct LoopTx {
+    tx: mpsc::Sender<LoopCmd>,
+    wake: Arc<EventFd>,
+}
+
+impl LoopTx {
+    /// Queues `cmd` and wakes the loop; gives `cmd` back if the loop is gone.
+    pub(crate) fn send(&self, cmd: LoopCmd) -> std::result::Result<(), LoopCmd> {
+        self.tx.send(cmd).map_err(|e| e.0)?;
+        self.wake.signal();
+        Ok(())
+    }
+}
+
 /// A command to a poll loop.
 pub(crate) enum LoopCmd {
     /// A new connection to accept and own.
@@ -230,7 +247,7 @@ pub(crate) enum LoopCmd {
 }
 
 struct LoopHandle {
-    tx: mpsc::Sender<LoopCmd>,
+    tx: LoopTx,
     load: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
 }
@@ -300,9 +317,18 @@ impl FabricServe {
         self.shared = Some(Arc::clone(&shared));
         for index in 0..cfg.poll_loops.max(1) as usize {
             let (tx, rx) = mpsc::channel();
+            let wake = EventFd::new().map(Arc::new).map_err(|e| Error::LoopSetup {
+                index,
+                source: Box::new(e),
+            })?;
             let load = Arc::new(AtomicUsize::new(0));
-            let lp = poll_loop::PollLoop::new(index, Arc::clone(&shared), rx, Arc::clone(&load))
-                .map_err(|source| Error::LoopSetup { index, source })?;
+            let tx = LoopTx {
+                tx,
+                wake: Arc::clone(&wake),
+            };
+            let lp =
+                poll_loop::PollLoop::new(index, Arc::clone(&shared), rx, wake, Arc::clone(&load))
+                    .map_err(|source| Error::LoopSetup { index, source })?;
             let name = format!("rpma-loop-{index}");
             let thread = std::thread::Builder::new()
                 .name(name.clone())
@@ -314,7 +340,7 @@ impl FabricServe {
                 thread: Some(thread),
             });
         }
-        let targets: Vec<(mpsc::Sender<LoopCmd>, Arc<AtomicUsize>)> = self
+        let targets: Vec<(LoopTx, Arc<AtomicUsize>)> = self
             .loops
             .iter()
             .map(|l| (l.tx.clone(), Arc::clone(&l.load)))

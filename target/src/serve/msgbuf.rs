@@ -150,9 +150,4 @@ impl MsgBufs {
         }
         Ok(())
     }
-
-    /// Whether every message handed to [`send`](Self::send) has completed.
-    pub(crate) fn all_sent(&self) -> bool {
-        self.backlog.is_empty() && self.free.len() == self.send_slots
-    }
 }
