@@ -19,7 +19,7 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::nqn::{Nqn, DISCOVERY_NQN};
 use rpma_common::proto::{
     Connect, FlushRequest, FlushStatus, HostId, Message, PersistenceDomain, RefusalReason,
-    MAX_MESSAGE_SIZE,
+    MAX_MESSAGE_SIZE, PROTO_VERSION,
 };
 use rpma_initiator::{
     connect, identify, ConnectOptions, Error, HostIdentity, Session, CONTROL_BIT,
@@ -368,21 +368,60 @@ fn each_refusal() {
         "{e:?}"
     );
 
-    // Unsupported version: a crafted Connect with version 2 over a raw queue pair.
-    let refusal = raw_exchange(&t.url(), |mut bytes| {
-        bytes[0] = 2;
-        bytes
-    });
-    match refusal {
-        Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::VersionUnsupported),
-        other => panic!("{other:?}"),
+    // Unsupported versions: crafted Connects over a raw queue pair, from a newer host and from
+    // a host of version 1 (before the ConnectResponse carried the queue depth).
+    for v in [PROTO_VERSION + 1, 1] {
+        let refusal = raw_exchange(&t.url(), |mut bytes| {
+            bytes[0] = v;
+            bytes
+        });
+        match refusal {
+            Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::VersionUnsupported),
+            other => panic!("version {v}: {other:?}"),
+        }
     }
     // Garbage is a protocol error, and the daemon keeps serving.
-    match raw_exchange(&t.url(), |_| vec![1, 0x01, 0, 0, 0xFF, 0xFF]) {
+    match raw_exchange(&t.url(), |_| vec![PROTO_VERSION, 0x01, 0, 0, 0xFF, 0xFF]) {
         Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::ProtocolError),
         other => panic!("{other:?}"),
     }
     identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+}
+
+#[test]
+fn connect_response_grants_the_configured_queue_depth() {
+    let d = scratch();
+    let t = Target::start(d.path(), "max_queue_depth = 16");
+    match raw_exchange(&t.url(), |b| b) {
+        Message::ConnectResponse(r) => {
+            assert_eq!(r.queue_depth, 16);
+            assert_eq!(r.namespaces.len(), 2);
+        }
+        other => panic!("{other:?}"),
+    }
+    // 16 FlushRequests outstanding at once are within the grant: all answered.
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    for token in 1..=16 {
+        let req = FlushRequest {
+            nsid: 1,
+            offset: 0,
+            length: 4096,
+            token,
+        };
+        s.send_message(&Message::FlushRequest(req)).unwrap();
+    }
+    let mut answered = Vec::new();
+    while answered.len() < 16 {
+        match s.wait_message(WAIT, "flush responses").unwrap() {
+            Message::FlushResponse(r) => {
+                assert_eq!(r.status, FlushStatus::Durable);
+                answered.push(r.token);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, (1..=16).collect::<Vec<u64>>());
 }
 
 /// Connects a bare queue pair, sends `craft(encoded Connect)`, returns the target's answer.

@@ -111,6 +111,8 @@ pub(crate) struct Conn {
     pub(crate) phase: Phase,
     last_seen: Instant,
     over_limit: bool,
+    /// FlushRequests the host may have outstanding (receives posted beyond it: slack).
+    queue_depth: u32,
 }
 
 fn keep_alive_of(c: &Connect, cfg: &Config) -> Duration {
@@ -126,6 +128,7 @@ impl Conn {
         pd: ProtectionDomain,
         bufs: MsgBufs,
         over_limit: bool,
+        queue_depth: u32,
     ) -> Conn {
         let info = qp.info();
         let now = Instant::now();
@@ -141,6 +144,7 @@ impl Conn {
             },
             last_seen: now,
             over_limit,
+            queue_depth,
         }
     }
 
@@ -318,6 +322,7 @@ impl Conn {
             controller_id: 0,
             keep_alive_ms: keep_alive.as_millis() as u32,
             namespaces: Vec::new(),
+            queue_depth: 0,
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
         self.phase = Phase::Discovery {
@@ -379,6 +384,7 @@ impl Conn {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
             namespaces: descriptors,
+            queue_depth: self.queue_depth,
         });
         let session = Session {
             shared: Arc::clone(shared),

@@ -142,7 +142,9 @@ impl PollLoop {
         let peer = req.peer_addr();
         let n = self.shared.connections.fetch_add(1, Ordering::SeqCst);
         let over_limit = n >= cfg.max_connections as usize;
-        let depth = cfg.max_queue_depth as usize + RECV_SLACK;
+        // The depth granted now stays this connection's, whatever a reload changes later.
+        let granted = cfg.max_queue_depth;
+        let depth = granted as usize + RECV_SLACK;
         let params = ConnParams {
             crc: cfg.crc,
             timeout: super::HANDSHAKE_TIMEOUT,
@@ -160,7 +162,7 @@ impl PollLoop {
                 prepared.post_recv(bufs.recv_wr(slot))?;
             }
             let qp = req.accept(prepared, &params, &[])?;
-            Ok::<_, rpma_common::fabric::Error>(Conn::new(qp, pd, bufs, over_limit))
+            Ok::<_, rpma_common::fabric::Error>(Conn::new(qp, pd, bufs, over_limit, granted))
         })();
         match made {
             Ok(conn) => {
