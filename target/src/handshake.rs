@@ -294,9 +294,11 @@ mod tests {
             )))),
             Some(RefusalReason::HostNotAllowed)
         );
-        let mut v2 = bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB)));
-        v2[0] = 2;
-        assert_eq!(r(v2), Some(RefusalReason::VersionUnsupported));
+        for v in [1, proto::PROTO_VERSION + 1] {
+            let mut other = bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB)));
+            other[0] = v;
+            assert_eq!(r(other), Some(RefusalReason::VersionUnsupported), "{v}");
+        }
         assert_eq!(r(vec![1, 2, 3]), Some(RefusalReason::ProtocolError));
         assert_eq!(
             r(KeepAlive { seq: 1 }.encode().to_vec()),

@@ -26,11 +26,13 @@
 //! Decoding never panics and never reads past the input, whatever the input is.
 //!
 //! Submodules: [`nqn`] (NVMe qualified names, the default host NQN), [`auth`] (the mutual
-//! HMAC-SHA256 challenge-response as a sans-I/O state machine pair).
+//! HMAC-SHA256 challenge-response as a sans-I/O state machine pair), [`msgbuf`] (the registered
+//! receive and send slots both ends carry these messages in).
 
 pub mod auth;
 mod fixed;
 mod messages;
+pub mod msgbuf;
 pub mod nqn;
 
 pub use fixed::{FlushRequest, FlushResponse, FlushStatus, KeepAlive};

@@ -29,13 +29,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{self, Access, MemoryRegion, ProtectionDomain, QpState, QueuePair};
+use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
     Connect, ConnectResponse, Disconnect, DurabilityMethods, FlushRequest, FlushResponse,
     FlushStatus, Message, NamespaceDescriptor, Refusal, RefusalReason,
 };
 
-use super::msgbuf::MsgBufs;
 use super::{SessionInfo, Shared, HANDSHAKE_TIMEOUT, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};

@@ -28,7 +28,6 @@
 
 mod acceptor;
 mod conn;
-mod msgbuf;
 mod poll_loop;
 
 use std::collections::BTreeMap;

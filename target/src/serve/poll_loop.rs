@@ -24,12 +24,12 @@ use rpma_common::fabric::{
 use rpma_common::proto::{FlushResponse, FlushStatus};
 
 use super::conn::{Conn, FlushJob, Phase};
-use super::msgbuf::{MsgBufs, SEND_BIT};
 use super::{LoopCmd, Shared};
 use crate::eventfd::EventFd;
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
+use rpma_common::proto::msgbuf::{MsgBufs, SEND_BIT};
 
 /// The watched-fd token of the loop's command eventfd.
 const WAKE_CMD: u64 = 1;
