@@ -30,6 +30,7 @@ const SUB: &str = "nqn.2026-11.io.rpma:demo";
 const OPEN: &str = "nqn.2026-11.io.rpma:open";
 const PLAIN: &str = "nqn.2026-11.io.rpma:plain-host";
 const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
+const OPEN_HOST: &str = "nqn.2026-11.io.rpma:any-host";
 const KEY: &str = "5a";
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -284,13 +285,50 @@ fn ready_means_accepting_identify_and_gpspm() {
         FlushStatus::InvalidNamespace
     );
 
-    // Status: the session with its host, counters per namespace.
+    // Status: the session with its host and what is counted, a discovery connection beside
+    // it, counters per namespace.
+    let disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(OPEN_HOST), &opts()).unwrap();
     let v = t.status();
     let sessions = v["sessions"].as_array().unwrap();
-    assert_eq!(sessions.len(), 1, "{v}");
+    assert_eq!(sessions.len(), 2, "{v}");
+    assert_eq!(sessions[0]["kind"], "io");
     assert_eq!(sessions[0]["host_nqn"], PLAIN);
     assert_eq!(sessions[0]["controller_id"], u64::from(s.controller_id()));
-    assert!(sessions[0]["ops"].as_u64().unwrap() >= 4);
+    assert!(sessions[0]["messages"].as_u64().unwrap() >= 4, "{v}");
+    assert_eq!(sessions[0]["flushes"], 4, "{v}");
+    assert!(sessions[0]["counted"]
+        .as_str()
+        .unwrap()
+        .contains("not counted"));
+    assert_eq!(sessions[1]["kind"], "discovery", "{v}");
+    assert_eq!(sessions[1]["host_nqn"], OPEN_HOST);
+    assert_eq!(sessions[1]["controller_id"], 0);
+    assert_eq!(sessions[1]["subsystem_nqn"], DISCOVERY_NQN);
+    let out = Command::new(BIN)
+        .args(["status", "--socket"])
+        .arg(d.path().join("ctl.sock"))
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("SESSIONS (counted: control messages"),
+        "{table}"
+    );
+    assert!(table.contains("flushes 4"), "{table}");
+    assert!(
+        table.contains(&format!("discovery ctrl 0     {OPEN_HOST}")),
+        "{table}"
+    );
+    // A discovery connection leaves the list when it ends.
+    drop(disc);
+    let deadline = Instant::now() + WAIT;
+    while t.status()["sessions"].as_array().unwrap().len() != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the discovery connection stayed listed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let ns1 = &v["subsystems"][1]["namespaces"][0];
     assert_eq!(ns1["counters"]["flushes"], 3, "{v}");
     assert_eq!(ns1["counters"]["flush_errors"], 1, "{v}");

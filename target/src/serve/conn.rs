@@ -86,6 +86,7 @@ pub(crate) enum Phase {
     Discovery {
         host: Nqn,
         keep_alive: Duration,
+        listed: Listed,
     },
     Session(Box<Session>),
     /// The last message is out (or going): drop the connection when the peer closes or at
@@ -93,6 +94,28 @@ pub(crate) enum Phase {
     Closing {
         deadline: Instant,
     },
+}
+
+/// A discovery connection's entry in `status`, removed with it.
+pub(crate) struct Listed {
+    shared: Arc<Shared>,
+    key: u64,
+    info: Arc<SessionInfo>,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        self.shared.unregister_discovery(self.key);
+    }
+}
+
+/// Counts a message from the host in a connection's status.
+fn seen(info: &SessionInfo, now: Instant) {
+    info.messages.fetch_add(1, Ordering::Relaxed);
+    info.last_seen_ms.store(
+        now.duration_since(info.started).as_millis() as u64,
+        Ordering::Relaxed,
+    );
 }
 
 /// A flush the connection asks the loop's flusher for.
@@ -235,8 +258,9 @@ impl Conn {
                     self.send_raw(&resp.encode());
                 }
             }
-            Phase::Discovery { host, .. } => {
+            Phase::Discovery { host, listed, .. } => {
                 self.last_seen = now;
+                seen(&listed.info, now);
                 let host = host.clone();
                 match Message::decode(buf) {
                     Ok(Message::DiscoveryRequest(_)) => {
@@ -263,11 +287,7 @@ impl Conn {
             }
             Phase::Session(s) => {
                 self.last_seen = now;
-                s.info.ops.fetch_add(1, Ordering::Relaxed);
-                s.info.last_seen_ms.store(
-                    now.duration_since(s.info.started).as_millis() as u64,
-                    Ordering::Relaxed,
-                );
+                seen(&s.info, now);
                 match Message::decode(buf) {
                     Ok(Message::FlushRequest(req)) => match s.grants.get(&req.nsid) {
                         Some(g) => jobs.push(FlushJob {
@@ -275,6 +295,7 @@ impl Conn {
                             req,
                         }),
                         None => {
+                            s.info.flushes.fetch_add(1, Ordering::Relaxed);
                             let resp = FlushResponse {
                                 token: req.token,
                                 status: FlushStatus::InvalidNamespace,
@@ -325,9 +346,29 @@ impl Conn {
             queue_depth: 0,
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
+        let info = Arc::new(SessionInfo {
+            kind: "discovery",
+            controller_id: 0,
+            host_nqn: c.host_nqn.to_string(),
+            subsystem_nqn: c.subsystem_nqn.to_string(),
+            peer: self.peer.to_string(),
+            queue_id: c.queue_id,
+            started: Instant::now(),
+            keep_alive_ms: keep_alive.as_millis() as u32,
+            messages: Default::default(),
+            flushes: Default::default(),
+            last_seen_ms: Default::default(),
+            expired: Default::default(),
+        });
+        let key = shared.register_discovery(Arc::clone(&info));
         self.phase = Phase::Discovery {
             host: c.host_nqn,
             keep_alive,
+            listed: Listed {
+                shared: Arc::clone(shared),
+                key,
+                info,
+            },
         };
     }
 
@@ -365,6 +406,7 @@ impl Conn {
         }
         let peer = self.peer.to_string();
         let info = shared.register_session(|controller_id| SessionInfo {
+            kind: "io",
             controller_id,
             host_nqn: c.host_nqn.to_string(),
             subsystem_nqn: c.subsystem_nqn.to_string(),
@@ -372,7 +414,8 @@ impl Conn {
             queue_id: c.queue_id,
             started: Instant::now(),
             keep_alive_ms: keep_alive.as_millis() as u32,
-            ops: Default::default(),
+            messages: Default::default(),
+            flushes: Default::default(),
             last_seen_ms: Default::default(),
             expired: Default::default(),
         });

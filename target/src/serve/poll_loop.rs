@@ -325,6 +325,9 @@ impl PollLoop {
             }
         }
         if let Some(conn) = self.conns.get_mut(&p.qp_num) {
+            if let Phase::Session(s) = &conn.phase {
+                s.info.flushes.fetch_add(1, Ordering::Relaxed);
+            }
             let resp = FlushResponse {
                 token: p.host_token,
                 status: c.status,
