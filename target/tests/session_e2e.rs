@@ -103,7 +103,7 @@ impl Target {
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(std::fs::File::create(dir.join("target.log")).unwrap())
             .spawn()
             .unwrap();
         let t = Target {
@@ -119,6 +119,28 @@ impl Target {
 
     fn url(&self) -> String {
         format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    /// The daemon's log so far (its stderr; printed by the test if it fails).
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("target.log")).unwrap_or_default()
+    }
+
+    /// The log lines that contain every one of `parts`, waiting up to WAIT for at least one.
+    fn log_lines(&self, parts: &[&str]) -> Vec<String> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let lines: Vec<String> = self
+                .log()
+                .lines()
+                .filter(|l| parts.iter().all(|p| l.contains(p)))
+                .map(str::to_owned)
+                .collect();
+            if !lines.is_empty() || Instant::now() >= deadline {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The next notification starting with `prefix`, skipping others, within WAIT.
@@ -176,6 +198,9 @@ impl Drop for Target {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- rpma-target's log ---\n{}", self.log());
+        }
     }
 }
 
@@ -424,6 +449,30 @@ fn each_refusal() {
         other => panic!("{other:?}"),
     }
     identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+
+    // Each refusal is logged once, with the host NQN (when the Connect could be read) and peer.
+    let once = |parts: &[&str]| {
+        let lines = t.log_lines(parts);
+        assert_eq!(lines.len(), 1, "{parts:?}: {lines:#?}\n{}", t.log());
+        assert!(lines[0].contains("from 127.0.0.1:"), "{}", lines[0]);
+    };
+    once(&[
+        "refused host nqn.2026-11.io.rpma:plain-host",
+        "UnknownSubsystem",
+    ]);
+    once(&[
+        "refused host nqn.2026-11.io.rpma:stranger",
+        "HostNotAllowed",
+    ]);
+    once(&["refused host nqn.2026-11.io.rpma:keyed-host", "AuthFailed"]);
+    // The host without a key: not a protocol error, but what it is.
+    once(&[
+        "host nqn.2026-11.io.rpma:keyed-host",
+        "authentication required: the host has no key for nqn.2026-11.io.rpma:demo",
+    ]);
+    assert!(!t.log().contains("expected AuthResponse"), "{}", t.log());
+    assert_eq!(t.log_lines(&["VersionUnsupported"]).len(), 2, "{}", t.log());
+    once(&["refused host (unknown)", "ProtocolError"]);
 }
 
 #[test]

@@ -242,6 +242,16 @@ impl Conn {
                         Step::Refuse { refusal, host_nqn } => {
                             self.refuse(refusal.reason, refusal.message, host_nqn.as_ref());
                         }
+                        Step::Abandoned { why, host_nqn } => {
+                            log::warn!(
+                                "host {} from {}: {why}",
+                                host_nqn.map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
+                                self.peer
+                            );
+                            self.phase = Phase::Closing {
+                                deadline: now + LINGER,
+                            };
+                        }
                         Step::Admitted(c) => self.admit(shared, &cfg, c),
                         Step::Discovery(c) => self.admit_discovery(shared, &cfg, c),
                     }
