@@ -655,6 +655,103 @@ fn sighup_adds_a_namespace_while_a_session_stays_up() {
     assert_eq!(v["sessions"].as_array().unwrap().len(), 1, "{v}");
 }
 
+/// Reads 8 bytes at `remote`: the Read's completion status.
+fn read8(s: &mut Session, remote: RemoteAddr) -> WcStatus {
+    let mem = AlignedBuf::new(64).unwrap();
+    let mr = s
+        .pd()
+        .register(Arc::clone(&mem), Access::LOCAL_WRITE)
+        .unwrap();
+    if s.qp()
+        .post_send(SendWr::new(
+            5,
+            SendOp::Read {
+                local: Sge::new(&mr, 0, 8),
+                remote,
+            },
+        ))
+        .is_err()
+    {
+        return WcStatus::WrFlush;
+    }
+    let deadline = Instant::now() + WAIT;
+    let mut wcs = [Completion::EMPTY; 8];
+    while Instant::now() < deadline {
+        let n = s
+            .cq()
+            .wait(&mut wcs, Some(Duration::from_millis(50)))
+            .unwrap();
+        for c in &wcs[..n] {
+            if c.wr_id & CONTROL_BIT != 0 {
+                let _ = s.handle(c);
+            } else if c.wr_id == 5 {
+                return c.status;
+            }
+        }
+    }
+    panic!("the Read did not complete within {WAIT:?}");
+}
+
+#[test]
+fn sighup_removing_a_namespace_revokes_it_only() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = Target::start(d.path(), top);
+    // A session on OPEN (its nsid 1 only) and one on SUB (nsid 1 and the read-only nsid 3).
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let at = |s: &Session, nsid: u32, off: u64| {
+        let n = s.namespace(nsid).unwrap();
+        RemoteAddr {
+            addr: n.remote_addr + off,
+            rkey: n.rkey,
+        }
+    };
+    let (o1, n1, n3) = (at(&other, 1, 0), at(&s, 1, 4096), at(&s, 3, 0));
+    assert_eq!(read8(&mut s, n3), WcStatus::Success);
+
+    // Remove SUB's nsid 3 and reload.
+    let without_3 = config_text(t.port, top, "").replace(
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"ns3\"\nsize = \"1MiB\"\nread_only = true\n",
+        "",
+    );
+    assert!(!without_3.contains("nsid = 3"), "{without_3}");
+    std::fs::write(d.path().join("c.toml"), without_3).unwrap();
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+
+    // The session that never used nsid 3 is untouched: Writes, Reads and flushes.
+    assert_eq!(
+        write_then_read(&mut other, o1, b"other session"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(other.flush(1, 0, 13, WAIT).unwrap(), FlushStatus::Durable);
+    // The session that had it keeps nsid 1...
+    assert_eq!(
+        write_then_read(&mut s, n1, b"still mine"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(s.flush(1, 4096, 10, WAIT).unwrap(), FlushStatus::Durable);
+    // ...and lost nsid 3: no flush, and its rkey is revoked.
+    assert_eq!(
+        s.flush(3, 0, 8, WAIT).unwrap(),
+        FlushStatus::InvalidNamespace
+    );
+    assert_eq!(read8(&mut s, n3), WcStatus::RemoteAccess);
+    // New connections no longer see it; the other session is still listed and alive.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1]);
+    assert_eq!(other.flush(1, 0, 0, WAIT).unwrap(), FlushStatus::Durable);
+    let v = t.status();
+    assert!(v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["host_nqn"] == OPEN_HOST));
+}
+
 #[test]
 fn sigterm_during_flush_load_exits_zero() {
     let d = scratch();
