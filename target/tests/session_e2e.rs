@@ -379,7 +379,10 @@ fn rkeys_are_per_connection() {
     let t = Target::start(d.path(), "");
     let a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
     let mut b = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
-    let (na, nb) = (a.namespace(1).unwrap(), b.namespace(1).unwrap());
+    let (na, nb) = (
+        a.namespace(1).unwrap().clone(),
+        b.namespace(1).unwrap().clone(),
+    );
     assert_ne!(na.rkey, nb.rkey);
     // A's rkey on B's connection is refused.
     let stolen = RemoteAddr {
@@ -392,6 +395,19 @@ fn rkeys_are_per_connection() {
         .unwrap()
         .iter()
         .all(|&b| b == 0));
+    // B's connection broke on the RemoteAccess, A disconnects: both sessions' regions are
+    // deregistered (the namespace's holder count drops to 0) and they leave the list.
+    a.disconnect(WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let v = t.status();
+        let holders = &v["subsystems"][1]["namespaces"][0]["counters"]["sessions"];
+        if holders == 0 && v["sessions"].as_array().unwrap().is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "rkeys not released: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
