@@ -247,6 +247,12 @@ fn write_then_read(s: &mut Session, remote: RemoteAddr, data: &[u8]) -> Vec<WcSt
             },
         ))
         .unwrap();
+    await_own(s, 2)
+}
+
+/// Polls the session's queue until the test's request `last` completes: the statuses of the
+/// test's own completions, in order (control completions go to the session).
+fn await_own(s: &mut Session, last: u64) -> Vec<WcStatus> {
     let deadline = Instant::now() + WAIT;
     let mut out = Vec::new();
     let mut wcs = [Completion::EMPTY; 8];
@@ -260,13 +266,34 @@ fn write_then_read(s: &mut Session, remote: RemoteAddr, data: &[u8]) -> Vec<WcSt
                 let _ = s.handle(c);
             } else {
                 out.push(c.status);
-                if c.wr_id == 2 {
+                if c.wr_id == last {
                     return out;
                 }
             }
         }
     }
-    panic!("the Read did not complete within {WAIT:?}: {out:?}");
+    panic!("request {last} did not complete within {WAIT:?}: {out:?}");
+}
+
+/// Sends FlushRequests with tokens 1..=n for `length` bytes at offset 0 of nsid 1, without
+/// waiting for their answers.
+fn send_flushes(s: &mut Session, n: u64, length: u64) {
+    for token in 1..=n {
+        let req = FlushRequest {
+            nsid: 1,
+            offset: 0,
+            length,
+            token,
+        };
+        s.send_message(&Message::FlushRequest(req)).unwrap();
+    }
+}
+
+/// A Write to `remote` is refused with RemoteAccess and `file` stays all zeros.
+fn assert_write_refused(s: &mut Session, remote: RemoteAddr, file: &Path) {
+    let st = write_then_read(s, remote, b"nope");
+    assert_eq!(st.last(), Some(&WcStatus::RemoteAccess), "{st:?}");
+    assert!(std::fs::read(file).unwrap().iter().all(|&b| b == 0));
 }
 
 #[test]
@@ -365,12 +392,7 @@ fn ready_means_accepting_identify_and_gpspm() {
         addr: n3.remote_addr,
         rkey: n3.rkey,
     };
-    let st = write_then_read(&mut s, ro, b"nope");
-    assert_eq!(st.last(), Some(&WcStatus::RemoteAccess), "{st:?}");
-    assert!(std::fs::read(d.path().join("ns3"))
-        .unwrap()
-        .iter()
-        .all(|&b| b == 0));
+    assert_write_refused(&mut s, ro, &d.path().join("ns3"));
 }
 
 #[test]
@@ -389,12 +411,7 @@ fn rkeys_are_per_connection() {
         addr: na.remote_addr,
         rkey: na.rkey,
     };
-    let st = write_then_read(&mut b, stolen, b"x");
-    assert_eq!(st.last(), Some(&WcStatus::RemoteAccess), "{st:?}");
-    assert!(std::fs::read(d.path().join("ns1"))
-        .unwrap()
-        .iter()
-        .all(|&b| b == 0));
+    assert_write_refused(&mut b, stolen, &d.path().join("ns1"));
     // B's connection broke on the RemoteAccess, A disconnects: both sessions' regions are
     // deregistered (the namespace's holder count drops to 0) and they leave the list.
     a.disconnect(WAIT).unwrap();
@@ -504,15 +521,7 @@ fn connect_response_grants_the_configured_queue_depth() {
     }
     // 16 FlushRequests outstanding at once are within the grant: all answered.
     let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
-    for token in 1..=16 {
-        let req = FlushRequest {
-            nsid: 1,
-            offset: 0,
-            length: 4096,
-            token,
-        };
-        s.send_message(&Message::FlushRequest(req)).unwrap();
-    }
+    send_flushes(&mut s, 16, 4096);
     let mut answered = Vec::new();
     while answered.len() < 16 {
         match s.wait_message(WAIT, "flush responses").unwrap() {
@@ -690,22 +699,7 @@ fn read8(s: &mut Session, remote: RemoteAddr) -> WcStatus {
     {
         return WcStatus::WrFlush;
     }
-    let deadline = Instant::now() + WAIT;
-    let mut wcs = [Completion::EMPTY; 8];
-    while Instant::now() < deadline {
-        let n = s
-            .cq()
-            .wait(&mut wcs, Some(Duration::from_millis(50)))
-            .unwrap();
-        for c in &wcs[..n] {
-            if c.wr_id & CONTROL_BIT != 0 {
-                let _ = s.handle(c);
-            } else if c.wr_id == 5 {
-                return c.status;
-            }
-        }
-    }
-    panic!("the Read did not complete within {WAIT:?}");
+    *await_own(s, 5).last().unwrap()
 }
 
 #[test]
@@ -775,15 +769,7 @@ fn sigterm_during_flush_load_exits_zero() {
     let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
     // Keep many GPSPM flushes in flight, then stop the daemon.
     let sent = 48u64;
-    for token in 1..=sent {
-        let req = FlushRequest {
-            nsid: 1,
-            offset: 0,
-            length: 0,
-            token,
-        };
-        s.send_message(&Message::FlushRequest(req)).unwrap();
-    }
+    send_flushes(&mut s, sent, 0);
     t.signal(Signal::SIGTERM);
     // Every completion the host's queue holds is read, as verbs would: the responses the target
     // sent before its Disconnect are valid even once the connection is closed behind them.

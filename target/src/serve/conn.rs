@@ -356,20 +356,7 @@ impl Conn {
             queue_depth: 0,
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
-        let info = Arc::new(SessionInfo {
-            kind: "discovery",
-            controller_id: 0,
-            host_nqn: c.host_nqn.to_string(),
-            subsystem_nqn: c.subsystem_nqn.to_string(),
-            peer: self.peer.to_string(),
-            queue_id: c.queue_id,
-            started: Instant::now(),
-            keep_alive_ms: keep_alive.as_millis() as u32,
-            messages: Default::default(),
-            flushes: Default::default(),
-            last_seen_ms: Default::default(),
-            expired: Default::default(),
-        });
+        let info = Arc::new(SessionInfo::new("discovery", 0, &c, self.peer, keep_alive));
         let key = shared.register_discovery(Arc::clone(&info));
         self.phase = Phase::Discovery {
             host: c.host_nqn,
@@ -414,20 +401,8 @@ impl Conn {
                 }
             }
         }
-        let peer = self.peer.to_string();
-        let info = shared.register_session(|controller_id| SessionInfo {
-            kind: "io",
-            controller_id,
-            host_nqn: c.host_nqn.to_string(),
-            subsystem_nqn: c.subsystem_nqn.to_string(),
-            peer,
-            queue_id: c.queue_id,
-            started: Instant::now(),
-            keep_alive_ms: keep_alive.as_millis() as u32,
-            messages: Default::default(),
-            flushes: Default::default(),
-            last_seen_ms: Default::default(),
-            expired: Default::default(),
+        let info = shared.register_session(|controller_id| {
+            SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
         });
         let Some(info) = info else {
             let m = "no controller id is free".to_owned();

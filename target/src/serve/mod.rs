@@ -31,12 +31,14 @@ mod conn;
 mod poll_loop;
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{self, ConnRequest, Context, Url};
+use rpma_common::proto::Connect;
 
 use crate::config::{Config, Transport};
 use crate::control::{ListenerStatus, SessionStatus, SESSION_COUNTED};
@@ -131,6 +133,30 @@ pub(crate) struct SessionInfo {
 }
 
 impl SessionInfo {
+    /// A connection of `kind` just admitted with `c`, its counters at zero.
+    pub(crate) fn new(
+        kind: &'static str,
+        controller_id: u16,
+        c: &Connect,
+        peer: SocketAddr,
+        keep_alive: Duration,
+    ) -> SessionInfo {
+        SessionInfo {
+            kind,
+            controller_id,
+            host_nqn: c.host_nqn.to_string(),
+            subsystem_nqn: c.subsystem_nqn.to_string(),
+            peer: peer.to_string(),
+            queue_id: c.queue_id,
+            started: Instant::now(),
+            keep_alive_ms: keep_alive.as_millis() as u32,
+            messages: AtomicU64::new(0),
+            flushes: AtomicU64::new(0),
+            last_seen_ms: AtomicU64::new(0),
+            expired: AtomicBool::new(false),
+        }
+    }
+
     fn status(&self) -> SessionStatus {
         let age = self.started.elapsed().as_millis() as u64;
         let since = age.saturating_sub(self.last_seen_ms.load(Ordering::Relaxed));
