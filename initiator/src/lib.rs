@@ -35,8 +35,12 @@
 //! Features: `rdma` builds the rdma transport in rpma-common (a later issue).
 
 mod connect;
+pub mod durability;
 mod error;
 mod msgbuf;
+pub mod namespace;
+mod pool;
+mod queue;
 mod session;
 
 pub use connect::{
@@ -44,4 +48,7 @@ pub use connect::{
 };
 pub use error::{Error, Result};
 pub use msgbuf::CONTROL_BIT;
+pub use durability::{Choice, Durability, PersistMethod};
+pub use namespace::Namespace;
+pub use queue::{Connection, Queue, QueueOptions, ReconnectPolicy};
 pub use session::Session;
