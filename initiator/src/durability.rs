@@ -31,8 +31,11 @@ pub enum PersistMethod {
 /// one round trip in the transport but persists everything placed on the queue pair, and is
 /// valid only where the target says writes reach persistence before a Read answer; GPSPM takes
 /// a Send/Receive pair through the target's control path and a receive slot of the queue depth.
-pub const PREFERENCE: [PersistMethod; 3] =
-    [PersistMethod::Flush, PersistMethod::Apm, PersistMethod::Gpspm];
+pub const PREFERENCE: [PersistMethod; 3] = [
+    PersistMethod::Flush,
+    PersistMethod::Apm,
+    PersistMethod::Gpspm,
+];
 
 impl PersistMethod {
     /// The descriptor bit of this method.

@@ -46,9 +46,9 @@ mod session;
 pub use connect::{
     connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, RECV_DEPTH,
 };
+pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, Result};
 pub use msgbuf::CONTROL_BIT;
-pub use durability::{Choice, Durability, PersistMethod};
 pub use namespace::Namespace;
 pub use queue::{Connection, Queue, QueueOptions, ReconnectPolicy};
 pub use session::Session;

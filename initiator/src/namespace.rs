@@ -52,7 +52,12 @@ pub fn check_writable(d: &NamespaceDescriptor) -> Result<()> {
 ///
 /// # Errors
 /// [`Error::Misaligned`].
-pub fn check_aligned(d: &NamespaceDescriptor, what: &'static str, value: u64, align: u64) -> Result<()> {
+pub fn check_aligned(
+    d: &NamespaceDescriptor,
+    what: &'static str,
+    value: u64,
+    align: u64,
+) -> Result<()> {
     if value % align != 0 {
         return Err(Error::Misaligned {
             nsid: d.nsid,
@@ -220,10 +225,17 @@ impl<'q> Namespace<'q> {
         }
     }
 
-    fn atomic(&mut self, what: &'static str, offset: u64, op: impl Fn(&Self) -> SendOp) -> Result<u64> {
+    fn atomic(
+        &mut self,
+        what: &'static str,
+        offset: u64,
+        op: impl Fn(&Self) -> SendOp,
+    ) -> Result<u64> {
         check_atomic(self.descriptor(), offset)?;
         if !self.q.peer_has(|i| i.peer_atomics) {
-            return Err(Error::Unsupported { op: "RFC 7306 atomics" });
+            return Err(Error::Unsupported {
+                op: "RFC 7306 atomics",
+            });
         }
         let send = op(self);
         let idx = self.idx;
@@ -279,7 +291,8 @@ impl<'q> Namespace<'q> {
             value,
         };
         let idx = self.idx;
-        self.q.run(false, |q| q.small_op(idx, "atomic write", send.clone()))
+        self.q
+            .run(false, |q| q.small_op(idx, "atomic write", send.clone()))
     }
 }
 
@@ -376,7 +389,15 @@ mod tests {
         assert!(check_range(&d, 1 << 20, 0).is_ok());
         let e = check_range(&d, 1 << 20, 1).unwrap_err();
         assert!(
-            matches!(e, Error::OutOfRange { nsid: 2, offset: 1048576, len: 1, size: 1048576 }),
+            matches!(
+                e,
+                Error::OutOfRange {
+                    nsid: 2,
+                    offset: 1048576,
+                    len: 1,
+                    size: 1048576
+                }
+            ),
             "{e}"
         );
         assert!(check_range(&d, u64::MAX, 2).is_err());
@@ -389,7 +410,11 @@ mod tests {
         assert!(check_atomic(&d, 8).is_ok());
         assert!(matches!(
             check_atomic(&d, 4),
-            Err(Error::Misaligned { align: 8, value: 4, .. })
+            Err(Error::Misaligned {
+                align: 8,
+                value: 4,
+                ..
+            })
         ));
         assert!(matches!(
             check_atomic(&d, 1 << 20),
@@ -399,7 +424,10 @@ mod tests {
             check_atomic(&desc(true), 0),
             Err(Error::ReadOnly { nsid: 2 })
         ));
-        assert!(check_writable(&desc(true)).unwrap_err().to_string().contains("read-only"));
+        assert!(check_writable(&desc(true))
+            .unwrap_err()
+            .to_string()
+            .contains("read-only"));
     }
 
     #[test]

@@ -243,7 +243,10 @@ mod tests {
         let mut out = [0u8; 3];
         p.copy_out(c, &mut out).unwrap();
         assert_eq!(&out, b"abc");
-        assert!(p.fill(c, &[0u8; 4097]).is_ok(), "spills into the next slot's memory");
+        assert!(
+            p.fill(c, &[0u8; 4097]).is_ok(),
+            "spills into the next slot's memory"
+        );
         assert!(p.fill(3, &[0u8; 4097]).is_err(), "but never past the pool");
     }
 

@@ -157,12 +157,13 @@ impl Connection {
     pub fn open_queue(&self, queue_id: u16) -> Result<Queue> {
         self.queue.check()?;
         let session = self.connect_session(queue_id)?;
-        let pool = Pool::new(session.pd(), self.queue.depth, self.queue.chunk).map_err(
-            |source| Error::Fabric {
-                op: "registering the bounce buffers",
-                source,
-            },
-        )?;
+        let pool =
+            Pool::new(session.pd(), self.queue.depth, self.queue.chunk).map_err(|source| {
+                Error::Fabric {
+                    op: "registering the bounce buffers",
+                    source,
+                }
+            })?;
         let mut q = Queue {
             conn: self.clone(),
             queue_id,
@@ -276,16 +277,16 @@ impl Queue {
         self.run(true, |q| q.pump(Duration::ZERO).map(|_| ()))
     }
 
-    /// Makes every held write durable, then disconnects.
+    /// Disconnects. Writes not made durable are not persisted by this (persist them first if
+    /// they must be).
     ///
     /// # Errors
-    /// As [`Namespace::persist`]; the connection is closed in every case.
+    /// None that matter to a caller closing anyway: the connection is closed in every case.
     pub fn close(mut self) -> Result<()> {
-        let r = self.persist_held();
-        if let Some(s) = self.session.take() {
-            let _ = s.disconnect(Duration::from_secs(1));
+        match self.session.take() {
+            Some(s) => s.disconnect(Duration::from_secs(1)),
+            None => Ok(()),
         }
-        r
     }
 
     // ---- engine ----
@@ -758,7 +759,11 @@ impl Queue {
             }
             Choice::Method(PersistMethod::Gpspm) => {
                 let whole = offset == 0 && len == d.size;
-                let status = self.gpspm(ns, if whole { 0 } else { offset }, if whole { 0 } else { len })?;
+                let status = self.gpspm(
+                    ns,
+                    if whole { 0 } else { offset },
+                    if whole { 0 } else { len },
+                )?;
                 match status {
                     FlushStatus::Durable => {
                         self.pool.release_held(ns, offset, end, false);
@@ -843,12 +848,27 @@ mod tests {
         let ok = QueueOptions::default();
         assert!(ok.check().is_ok());
         for bad in [
-            QueueOptions { depth: 0, ..ok.clone() },
-            QueueOptions { depth: 129, ..ok.clone() },
-            QueueOptions { chunk: 1000, ..ok.clone() },
-            QueueOptions { chunk: 32 << 20, ..ok.clone() },
+            QueueOptions {
+                depth: 0,
+                ..ok.clone()
+            },
+            QueueOptions {
+                depth: 129,
+                ..ok.clone()
+            },
+            QueueOptions {
+                chunk: 1000,
+                ..ok.clone()
+            },
+            QueueOptions {
+                chunk: 32 << 20,
+                ..ok.clone()
+            },
         ] {
-            assert!(matches!(bad.check(), Err(Error::InvalidArgument(_))), "{bad:?}");
+            assert!(
+                matches!(bad.check(), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
         }
         // And open_queue checks before connecting anywhere.
         let c = Connection::new(

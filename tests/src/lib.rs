@@ -114,11 +114,17 @@ impl Target {
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             if left.is_zero() {
-                panic!("rpma-target: no READY=1 within {READY_WITHIN:?}; log:\n{}", self.log());
+                panic!(
+                    "rpma-target: no READY=1 within {READY_WITHIN:?}; log:\n{}",
+                    self.log()
+                );
             }
             if let Some(c) = self.child.as_mut() {
                 if let Ok(Some(st)) = c.try_wait() {
-                    panic!("rpma-target exited ({st}) before READY; log:\n{}", self.log());
+                    panic!(
+                        "rpma-target exited ({st}) before READY; log:\n{}",
+                        self.log()
+                    );
                 }
             }
             self.notify

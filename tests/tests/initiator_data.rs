@@ -107,7 +107,11 @@ fn reads_writes_methods_atomics_and_checks() {
         ns.persist(12_345, data.len() as u64).unwrap(),
         Durability::Durable(PersistMethod::Flush)
     );
-    for m in [PersistMethod::Apm, PersistMethod::Gpspm, PersistMethod::Flush] {
+    for m in [
+        PersistMethod::Apm,
+        PersistMethod::Gpspm,
+        PersistMethod::Flush,
+    ] {
         assert_eq!(ns.set_method(Some(m)).unwrap(), Choice::Method(m));
         let v = pattern(m as u64 + 10, 9000);
         assert_eq!(ns.write_durable(4096, &v).unwrap(), Durability::Durable(m));
@@ -158,15 +162,24 @@ fn reads_writes_methods_atomics_and_checks() {
         ns.fetch_add(size, 1),
         Err(Error::OutOfRange { .. }) | Err(Error::Misaligned { .. })
     ));
-    assert!(matches!(q.namespace(9), Err(Error::NoSuchNamespace { nsid: 9 })));
+    assert!(matches!(
+        q.namespace(9),
+        Err(Error::NoSuchNamespace { nsid: 9 })
+    ));
 
     // Read-only namespace: reads work, writes and atomics are refused locally.
     let mut ro = q.namespace(2).unwrap();
     let mut b = [1u8; 512];
     ro.read_at(0, &mut b).unwrap();
     assert_eq!(b, [0u8; 512]);
-    assert!(matches!(ro.write_at(0, b"x"), Err(Error::ReadOnly { nsid: 2 })));
-    assert!(matches!(ro.write_durable(0, b"x"), Err(Error::ReadOnly { .. })));
+    assert!(matches!(
+        ro.write_at(0, b"x"),
+        Err(Error::ReadOnly { nsid: 2 })
+    ));
+    assert!(matches!(
+        ro.write_durable(0, b"x"),
+        Err(Error::ReadOnly { .. })
+    ));
     assert!(matches!(ro.fetch_add(0, 1), Err(Error::ReadOnly { .. })));
 
     // Volatile: durable calls succeed as "visible only"; a forced method is an error.
@@ -178,7 +191,17 @@ fn reads_writes_methods_atomics_and_checks() {
         Durability::VisibleOnly
     );
     let e = vol.set_method(Some(PersistMethod::Apm)).unwrap_err();
-    assert!(matches!(e, Error::MethodNotValid { nsid: 3, method: PersistMethod::Apm, .. }), "{e}");
+    assert!(
+        matches!(
+            e,
+            Error::MethodNotValid {
+                nsid: 3,
+                method: PersistMethod::Apm,
+                ..
+            }
+        ),
+        "{e}"
+    );
     assert!(matches!(
         vol.write_durable(0, b"again"),
         Err(Error::MethodNotValid { .. })
@@ -292,9 +315,13 @@ fn durable_across_sigkill(nsid: u32) {
     {
         let mut q = conn(&url).open_queue(0).unwrap();
         let mut ns = q.namespace(nsid).unwrap();
-        for (i, m) in [PersistMethod::Flush, PersistMethod::Apm, PersistMethod::Gpspm]
-            .into_iter()
-            .enumerate()
+        for (i, m) in [
+            PersistMethod::Flush,
+            PersistMethod::Apm,
+            PersistMethod::Gpspm,
+        ]
+        .into_iter()
+        .enumerate()
         {
             ns.set_method(Some(m)).unwrap();
             let v = pattern(nsid as u64 * 10 + i as u64, 100_000);
@@ -369,7 +396,11 @@ fn link_cut_mid_stream_reconnects_and_keeps_every_acknowledged_write() {
         }
         acked.push((off, v));
     }
-    assert!(q.reconnects() >= 1, "{cuts} cuts, {} reconnects", q.reconnects());
+    assert!(
+        q.reconnects() >= 1,
+        "{cuts} cuts, {} reconnects",
+        q.reconnects()
+    );
     assert!(relay.accepted() >= 2);
     // Read back directly from the target, not through the relay.
     let mut q2 = conn(&t.url()).open_queue(1).unwrap();
@@ -377,7 +408,10 @@ fn link_cut_mid_stream_reconnects_and_keeps_every_acknowledged_write() {
     for (i, (off, v)) in acked.iter().enumerate() {
         let mut b = vec![0u8; v.len()];
         ns.read_at(*off, &mut b).unwrap();
-        assert!(b == *v, "acknowledged write {i} at {off} missing after a cut");
+        assert!(
+            b == *v,
+            "acknowledged write {i} at {off} missing after a cut"
+        );
     }
 }
 
@@ -397,7 +431,10 @@ fn reconnect_gives_up_cleanly_at_its_limit() {
         })
         .open_queue(0)
         .unwrap();
-    q.namespace(1).unwrap().write_at(0, b"not yet durable").unwrap();
+    q.namespace(1)
+        .unwrap()
+        .write_at(0, b"not yet durable")
+        .unwrap();
     t.kill9();
     let started = std::time::Instant::now();
     let e = q.namespace(1).unwrap().persist(0, 15).unwrap_err();
