@@ -881,6 +881,13 @@ mod tests {
     }
 
     #[test]
+    fn a_queue_can_move_to_its_thread_and_a_connection_is_shared() {
+        fn send<T: Send>() {}
+        send::<Queue>();
+        send::<Connection>();
+    }
+
+    #[test]
     fn wr_id_kinds_stay_clear_of_the_session_bits() {
         for k in [KIND_WRITE, KIND_READ, KIND_SMALL] {
             assert_eq!(k & CONTROL_BIT, 0);
