@@ -197,6 +197,22 @@ impl QueuePair {
         self.inner.post_send(wr)
     }
 
+    /// Posts several send-queue work requests at once, like `ibv_post_send` with a chained
+    /// list, and rings the doorbell once: what can start goes out in one `writev` (for APM,
+    /// the Write(s) and the Read travel together). Same ownership and completion rules as
+    /// [`post_send`](Self::post_send), in list order.
+    ///
+    /// All or nothing: if any request is refused, none is posted (unlike `ibv_post_send`, which
+    /// posts those before the bad one).
+    ///
+    /// # Errors
+    /// Those of [`post_send`](Self::post_send), for the first request refused;
+    /// [`Error::QueueFull`] if the send queue has no room for all of them.
+    pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
+        let mut list: Vec<Option<SendWr>> = wrs.into_iter().map(Some).collect();
+        self.inner.post_sends(&mut list)
+    }
+
     /// Posts a receive (`ibv_post_recv`). Same buffer ownership as
     /// [`post_send`](Self::post_send).
     ///
