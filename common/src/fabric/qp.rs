@@ -31,7 +31,9 @@ pub struct ConnParams {
     /// peer's IRD when the connection is made.
     pub ord: u16,
     /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
-    /// segmented. At most 65535.
+    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
+    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
+    /// on a 1500-byte MTU, about 32 KiB on loopback.
     pub max_ulpdu: usize,
     /// Largest message (Write, Read, Send) this side posts or serves; a peer's Read Request for
     /// more is answered with a Terminate.
@@ -46,7 +48,7 @@ impl Default for ConnParams {
             crc: true,
             ird: 16,
             ord: 16,
-            max_ulpdu: conn::DEFAULT_MAX_ULPDU,
+            max_ulpdu: crate::fabric::soft::wire::MAX_ULPDU_LIMIT,
             max_message: 1 << 30,
             timeout: Duration::from_secs(10),
         }
