@@ -2,8 +2,8 @@
 //!
 //! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]`
 //!
-//! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, the default, and 65535)
-//! and target memory (a volatile `AlignedBuf`, and a /dev/shm file mapped `dax (forced)`, whose
+//! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, one FPDU per segment of
+//! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a volatile `AlignedBuf`, and a /dev/shm file mapped `dax (forced)`, whose
 //! Writes the engine writes back with clwb + sfence before it answers a Read):
 //! - QD1 latency: a 4 KiB Write (unsignaled) then an 8-byte Read, waiting for the Read's
 //!   completion before the next pair: p50 and p99 of the round trip;
@@ -72,27 +72,6 @@ fn main() -> BoxResult<()> {
         a.reps, a.iters, a.gib
     );
 
-    let mut pp = Vec::new();
-    let mut pp99 = Vec::new();
-    let mut st = Vec::new();
-    for _ in 0..a.reps {
-        let (p50, p99) = raw_ping_pong(a.iters)?;
-        pp.push(p50);
-        pp99.push(p99);
-        st.push(raw_stream(a.gib)?);
-    }
-    let floor_lat = median(&mut pp);
-    let floor_bw = median(&mut st);
-    println!();
-    println!("| case | QD1 p50 us | QD1 p99 us | p50 / floor | bandwidth GB/s | bw / floor |");
-    println!("|---|---:|---:|---:|---:|---:|");
-    println!(
-        "| raw TCP (floor) | {:.2} | {:.2} | 1.00 | {:.2} | 1.00 |",
-        floor_lat / 1e3,
-        median(&mut pp99) / 1e3,
-        floor_bw / 1e9
-    );
-
     let shm = tempfile::Builder::new()
         .prefix("rpma-fabric-bench-")
         .tempfile_in("/dev/shm")?;
@@ -100,17 +79,76 @@ fn main() -> BoxResult<()> {
     for dax in [false, true] {
         for crc in [true, false] {
             for ulpdu in [1454usize, 65535] {
-                cases.push((dax, crc, ulpdu, false));
+                cases.push(Case::new(dax, crc, ulpdu, false));
             }
         }
     }
     // The same pair posted with two post_send calls (two writevs) instead of one list.
-    cases.push((false, true, 1454, true));
-    cases.push((false, false, 65535, true));
-    for (dax, crc, ulpdu, separate) in cases {
+    cases.push(Case::new(false, true, 1454, true));
+    cases.push(Case::new(false, false, 65535, true));
+    cases.retain(|c| match &a.only {
+        Some(o) => c.name.contains(o.as_str()),
+        None => true,
+    });
+
+    // Each repetition measures the floor and then every case, so that a case is compared with
+    // a floor measured moments before it (the machine is shared: its load drifts).
+    let mut floor = Stats::default();
+    for rep in 0..a.reps {
+        let (p50, p99) = raw_ping_pong(a.iters)?;
+        let bw = raw_stream(a.gib)?;
+        floor.push(p50, p99, bw, 1.0, 1.0);
+        for c in cases.iter_mut() {
+            let mem: Arc<dyn Target> = if c.dax {
+                let m = OpenOptions::new(shm.path())
+                    .size(REGION as u64)
+                    .force_dax(true)
+                    .open()?;
+                assert!(m.domain().is_durable(), "{}", m.domain());
+                Arc::new(m)
+            } else {
+                AlignedBuf::new(REGION)?
+            };
+            let mut s = Setup::new(c.crc, c.ulpdu, mem)?;
+            s.separate = c.separate;
+            let (l50, l99) = s.qd1(a.iters)?;
+            let cbw = s.bandwidth(a.gib)?;
+            s.stop()?;
+            c.stats.push(l50, l99, cbw, l50 / p50, cbw / bw);
+        }
+        eprintln!("rep {} of {} done", rep + 1, a.reps);
+    }
+    println!();
+    println!("| case | QD1 p50 us | QD1 p99 us | p50 / floor | bandwidth GB/s | bw / floor |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    floor.print("raw TCP (floor)");
+    for c in cases.iter_mut() {
+        c.stats.print(&c.name);
+    }
+    println!();
+    println!("(ratios: median over the repetitions of the ratio to that repetition's floor)");
+    Ok(())
+}
+
+struct Case {
+    name: String,
+    dax: bool,
+    crc: bool,
+    ulpdu: usize,
+    separate: bool,
+    stats: Stats,
+}
+
+impl Case {
+    fn new(dax: bool, crc: bool, ulpdu: usize, separate: bool) -> Case {
         let name = format!(
-            "crc {}, ulpdu {ulpdu}, {}{}",
+            "crc {}, ulpdu {}, {}{}",
             if crc { "on" } else { "off" },
+            if ulpdu == 1454 {
+                "1454"
+            } else {
+                "default (MSS)"
+            },
             if dax { "dax (forced)" } else { "volatile" },
             if separate {
                 ", Write and Read posted apart"
@@ -118,40 +156,46 @@ fn main() -> BoxResult<()> {
                 ""
             }
         );
-        if a.only.as_ref().is_some_and(|o| !name.contains(o.as_str())) {
-            continue;
+        Case {
+            name,
+            dax,
+            crc,
+            ulpdu,
+            separate,
+            stats: Stats::default(),
         }
-        let mem: Arc<dyn Target> = if dax {
-            let m = OpenOptions::new(shm.path())
-                .size(REGION as u64)
-                .force_dax(true)
-                .open()?;
-            assert!(m.domain().is_durable(), "{}", m.domain());
-            Arc::new(m)
-        } else {
-            AlignedBuf::new(REGION)?
-        };
-        let (mut l50, mut l99, mut bw) = (Vec::new(), Vec::new(), Vec::new());
-        for _ in 0..a.reps {
-            let mut s = Setup::new(crc, ulpdu, Arc::clone(&mem))?;
-            s.separate = separate;
-            let (p50, p99) = s.qd1(a.iters)?;
-            l50.push(p50);
-            l99.push(p99);
-            bw.push(s.bandwidth(a.gib)?);
-            s.stop()?;
-        }
-        let (p50, p99, bw) = (median(&mut l50), median(&mut l99), median(&mut bw));
+    }
+}
+
+/// Per-repetition figures of one case.
+#[derive(Default)]
+struct Stats {
+    p50: Vec<f64>,
+    p99: Vec<f64>,
+    bw: Vec<f64>,
+    lat_ratio: Vec<f64>,
+    bw_ratio: Vec<f64>,
+}
+
+impl Stats {
+    fn push(&mut self, p50: f64, p99: f64, bw: f64, lat_ratio: f64, bw_ratio: f64) {
+        self.p50.push(p50);
+        self.p99.push(p99);
+        self.bw.push(bw);
+        self.lat_ratio.push(lat_ratio);
+        self.bw_ratio.push(bw_ratio);
+    }
+
+    fn print(&mut self, name: &str) {
         println!(
             "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            p50 / 1e3,
-            p99 / 1e3,
-            p50 / floor_lat,
-            bw / 1e9,
-            bw / floor_bw
+            median(&mut self.p50) / 1e3,
+            median(&mut self.p99) / 1e3,
+            median(&mut self.lat_ratio),
+            median(&mut self.bw) / 1e9,
+            median(&mut self.bw_ratio)
         );
     }
-    Ok(())
 }
 
 fn print_machine() {
