@@ -1,6 +1,7 @@
 //! [`CompletionQueue`]: where work requests end, and what drives progress.
 
 use std::collections::VecDeque;
+use std::os::fd::BorrowedFd;
 use std::sync::{Arc, Mutex, Weak};
 use std::time::{Duration, Instant};
 
@@ -107,7 +108,9 @@ impl CompletionQueue {
 
     /// Like [`poll`](Self::poll), but waits up to `timeout` (None: forever) for at least one
     /// completion: it busy-polls for [`DEFAULT_IDLE_SPIN`] and then blocks in epoll on the
-    /// queue pairs' sockets. Returns 0 if the time ran out.
+    /// queue pairs' sockets (and the fds given to [`watch_fd`](Self::watch_fd)). Returns 0 if
+    /// the time ran out or a watched fd became readable; [`wait_any`](Self::wait_any) tells
+    /// those apart.
     ///
     /// # Errors
     /// [`Error::Wait`](super::Error::Wait) if epoll fails.
@@ -125,17 +128,67 @@ impl CompletionQueue {
         timeout: Option<Duration>,
         spin: Duration,
     ) -> Result<usize> {
+        Ok(match self.wait_any_with_spin(out, timeout, spin)? {
+            Woken::Completions(n) => n,
+            Woken::Fd(_) | Woken::TimedOut => 0,
+        })
+    }
+
+    /// Adds `fd` to this queue's idle wait (the way an `ibv_comp_channel` fd joins a poll set,
+    /// turned around): while it is readable, [`wait_any`](Self::wait_any) returns
+    /// [`Woken::Fd(token)`](Woken::Fd) instead of blocking. Level-triggered: the caller drains
+    /// the fd (reads its eventfd, pipe, ...) or it keeps waking the queue. A watched fd is looked
+    /// at only when the queue has no completions to return, so a caller that is busy with
+    /// completions checks its fds between calls (cheap and non-blocking for an eventfd).
+    ///
+    /// The fd must stay open while watched, or be [`unwatch_fd`](Self::unwatch_fd)ed first
+    /// (epoll forgets a closed fd by itself, but a new fd with the same number is not watched).
+    ///
+    /// # Errors
+    /// [`Error::Watch`](super::Error::Watch) if the fd is already watched by this queue or
+    /// cannot be polled (a regular file).
+    pub fn watch_fd(&self, fd: BorrowedFd<'_>, token: u64) -> Result<()> {
+        self.inner.poller.watch(fd, token)
+    }
+
+    /// Removes `fd` from this queue's idle wait.
+    ///
+    /// # Errors
+    /// [`Error::Watch`](super::Error::Watch) if the fd is not watched by this queue.
+    pub fn unwatch_fd(&self, fd: BorrowedFd<'_>) -> Result<()> {
+        self.inner.poller.unwatch(fd)
+    }
+
+    /// Like [`wait`](Self::wait), and says why it returned: completions (moved into `out`), a
+    /// readable watched fd, or the time-out.
+    ///
+    /// # Errors
+    /// [`Error::Wait`](super::Error::Wait) if epoll fails.
+    pub fn wait_any(&self, out: &mut [Completion], timeout: Option<Duration>) -> Result<Woken> {
+        self.wait_any_with_spin(out, timeout, DEFAULT_IDLE_SPIN)
+    }
+
+    /// [`wait_any`](Self::wait_any) with a chosen busy-poll spell.
+    ///
+    /// # Errors
+    /// [`Error::Wait`](super::Error::Wait) if epoll fails.
+    pub fn wait_any_with_spin(
+        &self,
+        out: &mut [Completion],
+        timeout: Option<Duration>,
+        spin: Duration,
+    ) -> Result<Woken> {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
         let mut last_activity = start;
         loop {
             let n = self.poll(out)?;
             if n > 0 {
-                return Ok(n);
+                return Ok(Woken::Completions(n));
             }
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
-                return Ok(0);
+                return Ok(Woken::TimedOut);
             }
             if now.duration_since(last_activity) < spin {
                 std::hint::spin_loop();
@@ -155,9 +208,27 @@ impl CompletionQueue {
                 continue;
             }
             let left = deadline.map(|d| d.saturating_duration_since(now));
-            if self.inner.poller.wait(left)? {
+            let ready = self.inner.poller.wait(left)?;
+            if let Some(token) = ready.user {
+                return Ok(Woken::Fd(token));
+            }
+            if ready.any {
                 last_activity = Instant::now();
             }
         }
     }
+}
+
+/// Why [`CompletionQueue::wait_any`] returned.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Woken {
+    /// This many completions were moved into the caller's slice (at least one).
+    Completions(usize),
+    /// A watched fd is readable: the token given to
+    /// [`watch_fd`](CompletionQueue::watch_fd). Others may be readable too (the next wait
+    /// reports them at once).
+    Fd(u64),
+    /// The time-out passed with nothing to report.
+    TimedOut,
 }

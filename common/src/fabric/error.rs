@@ -151,6 +151,18 @@ pub enum Error {
         #[source]
         source: io::Error,
     },
+    /// A file descriptor could not be added to (or removed from) a completion queue's wait set:
+    /// not pollable, already watched, or not watched.
+    #[error("cannot {op} fd {fd} on a completion queue: {source}")]
+    Watch {
+        /// "watch" or "unwatch".
+        op: &'static str,
+        /// The file descriptor.
+        fd: std::os::fd::RawFd,
+        /// The OS error.
+        #[source]
+        source: io::Error,
+    },
 }
 
 /// The fabric's result type.

@@ -75,7 +75,7 @@ mod types;
 mod url;
 
 pub use context::Context;
-pub use cq::{CompletionQueue, DEFAULT_IDLE_SPIN};
+pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
 pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};
 pub use pd::ProtectionDomain;

@@ -1,0 +1,104 @@
+//! The completion queue's idle wait also wakes on caller-supplied fds (`watch_fd`).
+
+mod fabric_util;
+
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use fabric_util::Pair;
+use nix::sys::eventfd::EventFd;
+use rpma_common::fabric::*;
+
+const LONG: Option<Duration> = Some(Duration::from_secs(10));
+
+#[test]
+fn an_idle_wait_wakes_on_a_watched_eventfd_written_by_another_thread() {
+    let p = Pair::new(true);
+    let efd = Arc::new(EventFd::new().unwrap());
+    p.icq.watch_fd(efd.as_fd(), 42).unwrap();
+    let written = Arc::new(AtomicBool::new(false));
+    let (e2, w2) = (Arc::clone(&efd), Arc::clone(&written));
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(50));
+        w2.store(true, Ordering::SeqCst);
+        e2.write(1).unwrap();
+    });
+    let mut wc = [Completion::EMPTY; 4];
+    let woke = p.icq.wait_any(&mut wc, LONG).unwrap();
+    assert_eq!(woke, Woken::Fd(42));
+    assert!(
+        written.load(Ordering::SeqCst),
+        "woke before the eventfd was written"
+    );
+    t.join().unwrap();
+    // Level-triggered: it stays ready until the caller drains it.
+    assert_eq!(p.icq.wait_any(&mut wc, LONG).unwrap(), Woken::Fd(42));
+    assert_eq!(efd.read().unwrap(), 1);
+    let short = Some(Duration::from_millis(20));
+    assert_eq!(p.icq.wait_any(&mut wc, short).unwrap(), Woken::TimedOut);
+    // Plain `wait` returns 0 for a readable watched fd.
+    efd.write(1).unwrap();
+    assert_eq!(p.icq.wait(&mut wc, LONG).unwrap(), 0);
+    efd.read().unwrap();
+    // Unwatched, it no longer wakes the queue.
+    p.icq.unwatch_fd(efd.as_fd()).unwrap();
+    efd.write(1).unwrap();
+    assert_eq!(p.icq.wait_any(&mut wc, short).unwrap(), Woken::TimedOut);
+}
+
+#[test]
+fn completions_still_end_a_wait_on_a_queue_with_watched_fds() {
+    let p = Pair::new(false);
+    let efd = EventFd::new().unwrap();
+    p.icq.watch_fd(efd.as_fd(), 7).unwrap();
+    let (_imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+    p.qp.post_recv(RecvWr {
+        wr_id: 5,
+        local: Some(Sge::new(&imr, 0, 64)),
+    })
+    .unwrap();
+    let (tmem, tmr) = p.target_buf(4096, Access::LOCAL_WRITE);
+    tmem.write_at(0, b"wake up").unwrap();
+    // The target's Send leaves at once (posting writes what the socket takes).
+    p.tqp
+        .post_send(SendWr::new(
+            9,
+            SendOp::Send {
+                local: Sge::new(&tmr, 0, 7),
+            },
+        ))
+        .unwrap();
+    let mut wc = [Completion::EMPTY; 4];
+    let woke = p.icq.wait_any(&mut wc, LONG).unwrap();
+    assert_eq!(woke, Woken::Completions(1));
+    assert_eq!(
+        (wc[0].wr_id, wc[0].status, wc[0].byte_len),
+        (5, WcStatus::Success, 7)
+    );
+}
+
+#[test]
+fn watch_fd_refuses_a_second_watch_an_unpollable_fd_and_unwatching_a_stranger() {
+    let ctx = Context::soft();
+    let cq = ctx.create_cq(4).unwrap();
+    let efd = EventFd::new().unwrap();
+    cq.watch_fd(efd.as_fd(), 1).unwrap();
+    assert!(matches!(
+        cq.watch_fd(efd.as_fd(), 2),
+        Err(Error::Watch { op: "watch", .. })
+    ));
+    let other = EventFd::new().unwrap();
+    assert!(matches!(
+        cq.unwatch_fd(other.as_fd()),
+        Err(Error::Watch { op: "unwatch", .. })
+    ));
+    // Regular files cannot be polled (EPERM from epoll).
+    let f = tempfile::tempfile().unwrap();
+    let err = cq.watch_fd(f.as_fd(), 3).unwrap_err();
+    assert!(matches!(err, Error::Watch { op: "watch", .. }), "{err}");
+    // Another queue may watch the same fd.
+    let cq2 = ctx.create_cq(4).unwrap();
+    cq2.watch_fd(efd.as_fd(), 1).unwrap();
+}
