@@ -143,10 +143,17 @@ pub struct NamespaceStatus {
     pub counters: CountersSnapshot,
 }
 
-/// A session (filled once sessions exist on the fabric).
+/// What a session's counters count, said in every [`SessionStatus::counted`].
+pub const SESSION_COUNTED: &str = "control messages received and GPSPM flushes answered; RDMA \
+     Writes, Reads, Atomics and Flushes are served by the transport's placement engine without \
+     target code and are not counted";
+
+/// A connection: an I/O session, or a discovery connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionStatus {
-    /// Controller id.
+    /// "io" (a session on a subsystem) or "discovery".
+    pub kind: String,
+    /// Controller id (0 on a discovery connection, as the host was told).
     pub controller_id: u16,
     /// Host NQN.
     pub host_nqn: String,
@@ -158,12 +165,12 @@ pub struct SessionStatus {
     pub queue_id: u16,
     /// Milliseconds since connect.
     pub age_ms: u64,
-    /// Bytes the host read.
-    pub bytes_read: u64,
-    /// Bytes the host wrote.
-    pub bytes_written: u64,
-    /// Operations (messages and RDMA operations seen by the target).
-    pub ops: u64,
+    /// Control messages received from the host since it was admitted.
+    pub messages: u64,
+    /// GPSPM flushes answered (any status).
+    pub flushes: u64,
+    /// What the counters count and what they cannot: [`SESSION_COUNTED`].
+    pub counted: String,
     /// Keep-alive period.
     pub keep_alive_ms: u32,
     /// Milliseconds since the last keep-alive.
@@ -373,23 +380,23 @@ pub fn render(s: &Status) -> String {
             );
         }
     }
-    let _ = writeln!(o, "\nSESSIONS");
+    let _ = writeln!(o, "\nSESSIONS (counted: {SESSION_COUNTED})");
     if s.sessions.is_empty() {
         let _ = writeln!(o, "  (none)");
     }
     for x in &s.sessions {
         let _ = writeln!(
             o,
-            "  ctrl {:<5} {} -> {} from {} q{} age {}ms rd {}B wr {}B ops {} keep-alive {} ({}ms ago)",
+            "  {:<9} ctrl {:<5} {} -> {} from {} q{} age {}ms msgs {} flushes {} keep-alive {} ({}ms ago)",
+            x.kind,
             x.controller_id,
             x.host_nqn,
             x.subsystem_nqn,
             x.peer,
             x.queue_id,
             x.age_ms,
-            x.bytes_read,
-            x.bytes_written,
-            x.ops,
+            x.messages,
+            x.flushes,
             x.keep_alive_state,
             x.last_keep_alive_ms
         );
@@ -434,7 +441,21 @@ mod tests {
                     counters: CountersSnapshot::default(),
                 }],
             }],
-            sessions: vec![],
+            sessions: vec![SessionStatus {
+                kind: "discovery".into(),
+                controller_id: 0,
+                host_nqn: "nqn.2026-11.io.rpma:host1".into(),
+                subsystem_nqn: "nqn.2014-08.org.nvmexpress.discovery".into(),
+                peer: "127.0.0.1:40000".into(),
+                queue_id: 0,
+                age_ms: 5,
+                messages: 2,
+                flushes: 0,
+                counted: SESSION_COUNTED.into(),
+                keep_alive_ms: 5000,
+                last_keep_alive_ms: 1,
+                keep_alive_state: "ok".into(),
+            }],
         }
     }
 
@@ -492,6 +513,17 @@ mod tests {
         let t = render(&sample());
         assert!(t.contains("tcp://127.0.0.1:7420") && t.contains("not bound: transport not wired"));
         assert!(t.contains("page-cache") && t.contains("tcp:APM+GPSPM") && t.contains("1 MiB"));
-        assert!(t.contains("SESSIONS\n  (none)"));
+        assert!(
+            t.contains(&format!("SESSIONS (counted: {SESSION_COUNTED})")),
+            "{t}"
+        );
+        assert!(t.contains("not counted"), "{t}");
+        assert!(
+            t.contains("discovery ctrl 0 ") && t.contains("msgs 2 flushes 0"),
+            "{t}"
+        );
+        let mut empty = sample();
+        empty.sessions.clear();
+        assert!(render(&empty).contains("\n  (none)"));
     }
 }

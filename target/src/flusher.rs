@@ -21,12 +21,14 @@
 //! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
 
 use std::collections::VecDeque;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{mpsc, Arc, Once};
 
 use io_uring::{opcode, types, IoUring};
 use rpma_common::pmem::{Domain, Durability, Mapping, Persist};
 use rpma_common::proto::FlushStatus;
+
+use crate::eventfd::EventFd;
 
 /// Errors of the flush service.
 #[derive(Debug, thiserror::Error)]
@@ -154,7 +156,7 @@ enum Backend {
 /// The flush service of one poll loop.
 pub struct Flusher {
     backend: Backend,
-    eventfd: Arc<OwnedFd>,
+    eventfd: Arc<EventFd>,
     slots: Vec<Option<InFlight>>,
     free: Vec<usize>,
     ready: VecDeque<FlushCompletion>,
@@ -171,29 +173,6 @@ impl std::fmt::Debug for Flusher {
 
 static FALLBACK_LOGGED: Once = Once::new();
 
-fn new_eventfd() -> Result<Arc<OwnedFd>> {
-    // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
-    let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-    if fd < 0 {
-        return Err(FlusherError::EventFd(std::io::Error::last_os_error()));
-    }
-    // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
-    Ok(Arc::new(unsafe { OwnedFd::from_raw_fd(fd) }))
-}
-
-fn signal(fd: &OwnedFd) {
-    let one = 1u64.to_ne_bytes();
-    // SAFETY: writes 8 bytes from a live local array to an eventfd we own. A full counter
-    // (EAGAIN) still leaves the eventfd readable, which is all a waiter needs.
-    unsafe { libc::write(fd.as_raw_fd(), one.as_ptr().cast(), one.len()) };
-}
-
-fn clear(fd: &OwnedFd) {
-    let mut buf = [0u8; 8];
-    // SAFETY: reads at most 8 bytes into a live local array; the fd is non-blocking.
-    unsafe { libc::read(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
-}
-
 impl Flusher {
     /// A flusher for up to `depth` concurrent device flushes: io_uring if the kernel allows it,
     /// else the worker thread (logged once per process).
@@ -202,9 +181,10 @@ impl Flusher {
     /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
     pub fn new(depth: u32) -> Result<Self> {
         let depth = depth.clamp(1, 4096);
-        let eventfd = new_eventfd()?;
+        let eventfd = Arc::new(EventFd::new().map_err(FlusherError::EventFd)?);
         let ring = IoUring::new(depth.next_power_of_two()).and_then(|ring| {
-            ring.submitter().register_eventfd(eventfd.as_raw_fd())?;
+            ring.submitter()
+                .register_eventfd(eventfd.as_fd().as_raw_fd())?;
             Ok(ring)
         });
         match ring {
@@ -229,10 +209,11 @@ impl Flusher {
     /// # Errors
     /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
     pub fn new_threaded(depth: u32) -> Result<Self> {
-        Self::with_thread(depth.clamp(1, 4096), new_eventfd()?)
+        let eventfd = Arc::new(EventFd::new().map_err(FlusherError::EventFd)?);
+        Self::with_thread(depth.clamp(1, 4096), eventfd)
     }
 
-    fn with_thread(depth: u32, eventfd: Arc<OwnedFd>) -> Result<Self> {
+    fn with_thread(depth: u32, eventfd: Arc<EventFd>) -> Result<Self> {
         let (jobs, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done) = mpsc::channel();
         let efd = eventfd.clone();
@@ -252,7 +233,7 @@ impl Flusher {
                     if done_tx.send((job.slot, res)).is_err() {
                         break;
                     }
-                    signal(&efd);
+                    efd.signal();
                 }
             })
             .map_err(FlusherError::Thread)?;
@@ -267,7 +248,7 @@ impl Flusher {
         ))
     }
 
-    fn with_backend(backend: Backend, eventfd: Arc<OwnedFd>, depth: u32) -> Self {
+    fn with_backend(backend: Backend, eventfd: Arc<EventFd>, depth: u32) -> Self {
         Flusher {
             backend,
             eventfd,
@@ -397,12 +378,24 @@ impl Flusher {
         }
     }
 
+    /// Clears [`wait_fd`](Self::wait_fd): for a waiter it woke while nothing was in flight (a
+    /// completion's signal can land just after [`poll`](Self::poll) reaped it).
+    pub fn clear_wake(&self) {
+        self.eventfd.clear();
+    }
+
     /// Appends every finished flush to `out` without blocking; returns how many were appended.
+    /// With nothing in flight it makes no system call (and leaves [`wait_fd`](Self::wait_fd)
+    /// alone: see [`clear_wake`](Self::clear_wake)).
     pub fn poll(&mut self, out: &mut Vec<FlushCompletion>) -> usize {
         let before = out.len();
         out.extend(self.ready.drain(..));
+        if self.in_flight() == 0 {
+            // Nothing can complete: no system call on a poll loop's turn without device flushes.
+            return out.len() - before;
+        }
         // Clear the eventfd before reaping so that a completion arriving meanwhile re-arms it.
-        clear(&self.eventfd);
+        self.eventfd.clear();
         let mut finished = Vec::new();
         match &mut self.backend {
             Backend::Uring(ring) => {
@@ -438,7 +431,7 @@ impl Flusher {
                 return;
             }
             let mut pfd = libc::pollfd {
-                fd: self.eventfd.as_raw_fd(),
+                fd: self.eventfd.as_fd().as_raw_fd(),
                 events: libc::POLLIN,
                 revents: 0,
             };

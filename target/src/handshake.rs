@@ -27,6 +27,14 @@ pub enum Step {
     Admitted(Connect),
     /// A discovery connection: answer DiscoveryRequests with [`crate::subsystem::discovery`].
     Discovery(Connect),
+    /// The host gave up (sent a Disconnect) before it was admitted: log `why` once (with the
+    /// host NQN if known, and the peer) and close; there is nobody to send a refusal to.
+    Abandoned {
+        /// What happened, for the log.
+        why: String,
+        /// The host, if its Connect was read.
+        host_nqn: Option<Nqn>,
+    },
 }
 
 enum State {
@@ -132,6 +140,19 @@ impl TargetHandshake {
                     )],
                 }
             }
+            // The initiator library answers a challenge it has no key for with a Disconnect.
+            (State::AwaitAuth(b), Message::Disconnect(d)) => vec![Step::Abandoned {
+                why: format!(
+                    "authentication required: the host has no key for {} (it disconnected at \
+                     the challenge: {})",
+                    b.1.subsystem_nqn, d.reason
+                ),
+                host_nqn: Some(b.1.host_nqn),
+            }],
+            (State::AwaitConnect, Message::Disconnect(d)) => vec![Step::Abandoned {
+                why: format!("disconnected before its Connect: {}", d.reason),
+                host_nqn: None,
+            }],
             (State::AwaitAuth(b), other) => vec![refuse(
                 RefusalReason::ProtocolError,
                 format!("expected AuthResponse, got {:?}", other.message_type()),
@@ -224,6 +245,41 @@ mod tests {
         assert_eq!(refusal(&steps), Some(RefusalReason::ProtocolError));
     }
 
+    #[test]
+    fn a_host_without_a_key_disconnecting_at_the_challenge_is_named_as_such() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        let mut h = TargetHandshake::new();
+        let steps = h.on_message(&c, &bytes(Message::Connect(connect(KEYED, SUB))));
+        assert!(matches!(
+            &steps[..],
+            [Step::Send(Message::AuthChallenge(_))]
+        ));
+        let bye = Message::Disconnect(rpma_common::proto::Disconnect {
+            reason: "no key".into(),
+        });
+        let steps = h.on_message(&c, &bytes(bye.clone()));
+        match &steps[..] {
+            [Step::Abandoned { why, host_nqn }] => {
+                assert!(
+                    why.starts_with("authentication required: the host has no key"),
+                    "{why}"
+                );
+                assert!(why.contains(SUB) && why.contains("no key"), "{why}");
+                assert_eq!(host_nqn.as_ref().map(|n| n.as_str()), Some(KEYED));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(h.is_done());
+        // A Disconnect instead of a Connect: abandoned, host unknown.
+        let mut h = TargetHandshake::new();
+        let steps = h.on_message(&c, &bytes(bye));
+        assert!(matches!(
+            &steps[..],
+            [Step::Abandoned { host_nqn: None, .. }]
+        ));
+    }
+
     fn run_auth(
         key: u8,
     ) -> (
@@ -294,9 +350,11 @@ mod tests {
             )))),
             Some(RefusalReason::HostNotAllowed)
         );
-        let mut v2 = bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB)));
-        v2[0] = 2;
-        assert_eq!(r(v2), Some(RefusalReason::VersionUnsupported));
+        for v in [1, proto::PROTO_VERSION + 1] {
+            let mut other = bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB)));
+            other[0] = v;
+            assert_eq!(r(other), Some(RefusalReason::VersionUnsupported), "{v}");
+        }
         assert_eq!(r(vec![1, 2, 3]), Some(RefusalReason::ProtocolError));
         assert_eq!(
             r(KeepAlive { seq: 1 }.encode().to_vec()),

@@ -44,6 +44,7 @@ pub mod check;
 pub mod config;
 pub mod control;
 pub mod daemon;
+mod eventfd;
 pub mod flusher;
 pub mod handshake;
 pub mod namespace;

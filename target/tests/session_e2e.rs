@@ -16,10 +16,10 @@ use rpma_common::fabric::{
     SendWr, Sge, Url, WcStatus,
 };
 use rpma_common::proto::auth::Psk;
-use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::nqn::{Nqn, DISCOVERY_NQN};
 use rpma_common::proto::{
     Connect, FlushRequest, FlushStatus, HostId, Message, PersistenceDomain, RefusalReason,
-    MAX_MESSAGE_SIZE,
+    MAX_MESSAGE_SIZE, PROTO_VERSION,
 };
 use rpma_initiator::{
     connect, identify, ConnectOptions, Error, HostIdentity, Session, CONTROL_BIT,
@@ -30,6 +30,7 @@ const SUB: &str = "nqn.2026-11.io.rpma:demo";
 const OPEN: &str = "nqn.2026-11.io.rpma:open";
 const PLAIN: &str = "nqn.2026-11.io.rpma:plain-host";
 const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
+const OPEN_HOST: &str = "nqn.2026-11.io.rpma:any-host";
 const KEY: &str = "5a";
 const WAIT: Duration = Duration::from_secs(20);
 
@@ -102,7 +103,7 @@ impl Target {
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(Stdio::null())
-            .stderr(Stdio::inherit())
+            .stderr(std::fs::File::create(dir.join("target.log")).unwrap())
             .spawn()
             .unwrap();
         let t = Target {
@@ -118,6 +119,28 @@ impl Target {
 
     fn url(&self) -> String {
         format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    /// The daemon's log so far (its stderr; printed by the test if it fails).
+    fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("target.log")).unwrap_or_default()
+    }
+
+    /// The log lines that contain every one of `parts`, waiting up to WAIT for at least one.
+    fn log_lines(&self, parts: &[&str]) -> Vec<String> {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let lines: Vec<String> = self
+                .log()
+                .lines()
+                .filter(|l| parts.iter().all(|p| l.contains(p)))
+                .map(str::to_owned)
+                .collect();
+            if !lines.is_empty() || Instant::now() >= deadline {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
     }
 
     /// The next notification starting with `prefix`, skipping others, within WAIT.
@@ -175,6 +198,9 @@ impl Drop for Target {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!("--- rpma-target's log ---\n{}", self.log());
+        }
     }
 }
 
@@ -284,13 +310,50 @@ fn ready_means_accepting_identify_and_gpspm() {
         FlushStatus::InvalidNamespace
     );
 
-    // Status: the session with its host, counters per namespace.
+    // Status: the session with its host and what is counted, a discovery connection beside
+    // it, counters per namespace.
+    let disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(OPEN_HOST), &opts()).unwrap();
     let v = t.status();
     let sessions = v["sessions"].as_array().unwrap();
-    assert_eq!(sessions.len(), 1, "{v}");
+    assert_eq!(sessions.len(), 2, "{v}");
+    assert_eq!(sessions[0]["kind"], "io");
     assert_eq!(sessions[0]["host_nqn"], PLAIN);
     assert_eq!(sessions[0]["controller_id"], u64::from(s.controller_id()));
-    assert!(sessions[0]["ops"].as_u64().unwrap() >= 4);
+    assert!(sessions[0]["messages"].as_u64().unwrap() >= 4, "{v}");
+    assert_eq!(sessions[0]["flushes"], 4, "{v}");
+    assert!(sessions[0]["counted"]
+        .as_str()
+        .unwrap()
+        .contains("not counted"));
+    assert_eq!(sessions[1]["kind"], "discovery", "{v}");
+    assert_eq!(sessions[1]["host_nqn"], OPEN_HOST);
+    assert_eq!(sessions[1]["controller_id"], 0);
+    assert_eq!(sessions[1]["subsystem_nqn"], DISCOVERY_NQN);
+    let out = Command::new(BIN)
+        .args(["status", "--socket"])
+        .arg(d.path().join("ctl.sock"))
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        table.contains("SESSIONS (counted: control messages"),
+        "{table}"
+    );
+    assert!(table.contains("flushes 4"), "{table}");
+    assert!(
+        table.contains(&format!("discovery ctrl 0     {OPEN_HOST}")),
+        "{table}"
+    );
+    // A discovery connection leaves the list when it ends.
+    drop(disc);
+    let deadline = Instant::now() + WAIT;
+    while t.status()["sessions"].as_array().unwrap().len() != 1 {
+        assert!(
+            Instant::now() < deadline,
+            "the discovery connection stayed listed"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
     let ns1 = &v["subsystems"][1]["namespaces"][0];
     assert_eq!(ns1["counters"]["flushes"], 3, "{v}");
     assert_eq!(ns1["counters"]["flush_errors"], 1, "{v}");
@@ -316,7 +379,10 @@ fn rkeys_are_per_connection() {
     let t = Target::start(d.path(), "");
     let a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
     let mut b = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
-    let (na, nb) = (a.namespace(1).unwrap(), b.namespace(1).unwrap());
+    let (na, nb) = (
+        a.namespace(1).unwrap().clone(),
+        b.namespace(1).unwrap().clone(),
+    );
     assert_ne!(na.rkey, nb.rkey);
     // A's rkey on B's connection is refused.
     let stolen = RemoteAddr {
@@ -329,6 +395,19 @@ fn rkeys_are_per_connection() {
         .unwrap()
         .iter()
         .all(|&b| b == 0));
+    // B's connection broke on the RemoteAccess, A disconnects: both sessions' regions are
+    // deregistered (the namespace's holder count drops to 0) and they leave the list.
+    a.disconnect(WAIT).unwrap();
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let v = t.status();
+        let holders = &v["subsystems"][1]["namespaces"][0]["counters"]["sessions"];
+        if holders == 0 && v["sessions"].as_array().unwrap().is_empty() {
+            break;
+        }
+        assert!(Instant::now() < deadline, "rkeys not released: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 #[test]
@@ -368,21 +447,84 @@ fn each_refusal() {
         "{e:?}"
     );
 
-    // Unsupported version: a crafted Connect with version 2 over a raw queue pair.
-    let refusal = raw_exchange(&t.url(), |mut bytes| {
-        bytes[0] = 2;
-        bytes
-    });
-    match refusal {
-        Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::VersionUnsupported),
-        other => panic!("{other:?}"),
+    // Unsupported versions: crafted Connects over a raw queue pair, from a newer host and from
+    // a host of version 1 (before the ConnectResponse carried the queue depth).
+    for v in [PROTO_VERSION + 1, 1] {
+        let refusal = raw_exchange(&t.url(), |mut bytes| {
+            bytes[0] = v;
+            bytes
+        });
+        match refusal {
+            Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::VersionUnsupported),
+            other => panic!("version {v}: {other:?}"),
+        }
     }
     // Garbage is a protocol error, and the daemon keeps serving.
-    match raw_exchange(&t.url(), |_| vec![1, 0x01, 0, 0, 0xFF, 0xFF]) {
+    match raw_exchange(&t.url(), |_| vec![PROTO_VERSION, 0x01, 0, 0, 0xFF, 0xFF]) {
         Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::ProtocolError),
         other => panic!("{other:?}"),
     }
     identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+
+    // Each refusal is logged once, with the host NQN (when the Connect could be read) and peer.
+    let once = |parts: &[&str]| {
+        let lines = t.log_lines(parts);
+        assert_eq!(lines.len(), 1, "{parts:?}: {lines:#?}\n{}", t.log());
+        assert!(lines[0].contains("from 127.0.0.1:"), "{}", lines[0]);
+    };
+    once(&[
+        "refused host nqn.2026-11.io.rpma:plain-host",
+        "UnknownSubsystem",
+    ]);
+    once(&[
+        "refused host nqn.2026-11.io.rpma:stranger",
+        "HostNotAllowed",
+    ]);
+    once(&["refused host nqn.2026-11.io.rpma:keyed-host", "AuthFailed"]);
+    // The host without a key: not a protocol error, but what it is.
+    once(&[
+        "host nqn.2026-11.io.rpma:keyed-host",
+        "authentication required: the host has no key for nqn.2026-11.io.rpma:demo",
+    ]);
+    assert!(!t.log().contains("expected AuthResponse"), "{}", t.log());
+    assert_eq!(t.log_lines(&["VersionUnsupported"]).len(), 2, "{}", t.log());
+    once(&["refused host (unknown)", "ProtocolError"]);
+}
+
+#[test]
+fn connect_response_grants_the_configured_queue_depth() {
+    let d = scratch();
+    let t = Target::start(d.path(), "max_queue_depth = 16");
+    match raw_exchange(&t.url(), |b| b) {
+        Message::ConnectResponse(r) => {
+            assert_eq!(r.queue_depth, 16);
+            assert_eq!(r.namespaces.len(), 2);
+        }
+        other => panic!("{other:?}"),
+    }
+    // 16 FlushRequests outstanding at once are within the grant: all answered.
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    for token in 1..=16 {
+        let req = FlushRequest {
+            nsid: 1,
+            offset: 0,
+            length: 4096,
+            token,
+        };
+        s.send_message(&Message::FlushRequest(req)).unwrap();
+    }
+    let mut answered = Vec::new();
+    while answered.len() < 16 {
+        match s.wait_message(WAIT, "flush responses").unwrap() {
+            Message::FlushResponse(r) => {
+                assert_eq!(r.status, FlushStatus::Durable);
+                answered.push(r.token);
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, (1..=16).collect::<Vec<u64>>());
 }
 
 /// Connects a bare queue pair, sends `craft(encoded Connect)`, returns the target's answer.
@@ -529,6 +671,103 @@ fn sighup_adds_a_namespace_while_a_session_stays_up() {
     assert_eq!(v["sessions"].as_array().unwrap().len(), 1, "{v}");
 }
 
+/// Reads 8 bytes at `remote`: the Read's completion status.
+fn read8(s: &mut Session, remote: RemoteAddr) -> WcStatus {
+    let mem = AlignedBuf::new(64).unwrap();
+    let mr = s
+        .pd()
+        .register(Arc::clone(&mem), Access::LOCAL_WRITE)
+        .unwrap();
+    if s.qp()
+        .post_send(SendWr::new(
+            5,
+            SendOp::Read {
+                local: Sge::new(&mr, 0, 8),
+                remote,
+            },
+        ))
+        .is_err()
+    {
+        return WcStatus::WrFlush;
+    }
+    let deadline = Instant::now() + WAIT;
+    let mut wcs = [Completion::EMPTY; 8];
+    while Instant::now() < deadline {
+        let n = s
+            .cq()
+            .wait(&mut wcs, Some(Duration::from_millis(50)))
+            .unwrap();
+        for c in &wcs[..n] {
+            if c.wr_id & CONTROL_BIT != 0 {
+                let _ = s.handle(c);
+            } else if c.wr_id == 5 {
+                return c.status;
+            }
+        }
+    }
+    panic!("the Read did not complete within {WAIT:?}");
+}
+
+#[test]
+fn sighup_removing_a_namespace_revokes_it_only() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = Target::start(d.path(), top);
+    // A session on OPEN (its nsid 1 only) and one on SUB (nsid 1 and the read-only nsid 3).
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let at = |s: &Session, nsid: u32, off: u64| {
+        let n = s.namespace(nsid).unwrap();
+        RemoteAddr {
+            addr: n.remote_addr + off,
+            rkey: n.rkey,
+        }
+    };
+    let (o1, n1, n3) = (at(&other, 1, 0), at(&s, 1, 4096), at(&s, 3, 0));
+    assert_eq!(read8(&mut s, n3), WcStatus::Success);
+
+    // Remove SUB's nsid 3 and reload.
+    let without_3 = config_text(t.port, top, "").replace(
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"ns3\"\nsize = \"1MiB\"\nread_only = true\n",
+        "",
+    );
+    assert!(!without_3.contains("nsid = 3"), "{without_3}");
+    std::fs::write(d.path().join("c.toml"), without_3).unwrap();
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+
+    // The session that never used nsid 3 is untouched: Writes, Reads and flushes.
+    assert_eq!(
+        write_then_read(&mut other, o1, b"other session"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(other.flush(1, 0, 13, WAIT).unwrap(), FlushStatus::Durable);
+    // The session that had it keeps nsid 1...
+    assert_eq!(
+        write_then_read(&mut s, n1, b"still mine"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(s.flush(1, 4096, 10, WAIT).unwrap(), FlushStatus::Durable);
+    // ...and lost nsid 3: no flush, and its rkey is revoked.
+    assert_eq!(
+        s.flush(3, 0, 8, WAIT).unwrap(),
+        FlushStatus::InvalidNamespace
+    );
+    assert_eq!(read8(&mut s, n3), WcStatus::RemoteAccess);
+    // New connections no longer see it; the other session is still listed and alive.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1]);
+    assert_eq!(other.flush(1, 0, 0, WAIT).unwrap(), FlushStatus::Durable);
+    let v = t.status();
+    assert!(v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["host_nqn"] == OPEN_HOST));
+}
+
 #[test]
 fn sigterm_during_flush_load_exits_zero() {
     let d = scratch();
@@ -546,25 +785,53 @@ fn sigterm_during_flush_load_exits_zero() {
         s.send_message(&Message::FlushRequest(req)).unwrap();
     }
     t.signal(Signal::SIGTERM);
+    // Every completion the host's queue holds is read, as verbs would: the responses the target
+    // sent before its Disconnect are valid even once the connection is closed behind them.
+    // (Session::wait_message stops at the first sign of a closed connection, which may leave
+    // received responses unread in the queue or its inbox.)
     let mut answered = Vec::new();
-    let end = loop {
-        match s.wait_message(WAIT, "flush responses") {
-            Ok(Message::FlushResponse(r)) => {
-                assert!(
-                    matches!(r.status, FlushStatus::Durable | FlushStatus::Unavailable),
-                    "{r:?}"
-                );
-                answered.push(r.token);
+    let mut disconnect = None;
+    let deadline = Instant::now() + WAIT;
+    let mut wcs = [Completion::EMPTY; 16];
+    loop {
+        assert!(
+            Instant::now() < deadline,
+            "no Disconnect within {WAIT:?}: answered {answered:?}"
+        );
+        let n = s
+            .cq()
+            .wait(&mut wcs, Some(Duration::from_millis(50)))
+            .unwrap();
+        for c in &wcs[..n] {
+            assert_ne!(c.wr_id & CONTROL_BIT, 0, "{c:?}");
+            match s.handle(c) {
+                Ok(Some(Message::FlushResponse(r))) => {
+                    assert!(
+                        disconnect.is_none(),
+                        "a response after the Disconnect: {r:?}"
+                    );
+                    assert!(
+                        matches!(r.status, FlushStatus::Durable | FlushStatus::Unavailable),
+                        "{r:?}"
+                    );
+                    answered.push(r.token);
+                }
+                Ok(None) => {}
+                Ok(Some(other)) => panic!("{other:?}"),
+                Err(Error::Disconnected { reason }) if disconnect.is_none() => {
+                    disconnect = Some(reason)
+                }
+                // Receives flushed after the end: not messages.
+                Err(Error::Disconnected { .. }) => {}
+                Err(e) => panic!("{e:?}: answered {answered:?}"),
             }
-            Ok(other) => panic!("{other:?}"),
-            Err(e) => break e,
         }
-    };
-    assert!(
-        matches!(end, Error::Disconnected { ref reason } if reason.contains("shutting down"))
-            || matches!(end, Error::ConnectionLost { .. }),
-        "{end:?}"
-    );
+        if n == 0 && disconnect.is_some() {
+            break;
+        }
+    }
+    let reason = disconnect.unwrap();
+    assert!(reason.contains("shutting down"), "{reason}");
     eprintln!(
         "{} of {sent} flushes answered before the target went away",
         answered.len()
@@ -574,7 +841,8 @@ fn sigterm_during_flush_load_exits_zero() {
     answered.dedup();
     assert_eq!(answered.len(), n, "a flush was answered twice");
     assert!(answered.iter().all(|t| (1..=sent).contains(t)));
-    // What the target had received before it stopped, it answered, in order of arrival.
+    // Receives complete in arrival order, so what the target had received before it stopped is
+    // a prefix of what was sent: all of it answered (Durable, or Unavailable after the goodbye).
     assert_eq!(answered, (1..=answered.len() as u64).collect::<Vec<_>>());
     let st = t.wait_exit(WAIT);
     assert!(st.success(), "{st:?}");
@@ -597,4 +865,63 @@ fn rdma_listener_is_refused_at_start() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("rdma transport is not served"), "{err}");
+}
+
+/// utime + stime of a process, in clock ticks (/proc/PID/stat fields 14 and 15).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14, stime field 15.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Voluntary context switches of every thread of a process: how often its threads went to
+/// sleep, i.e. woke up.
+fn wakeups(pid: u32) -> u64 {
+    let mut n = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let Ok(st) = std::fs::read_to_string(task.unwrap().path().join("status")) else {
+            continue; // a thread that just ended
+        };
+        n += st
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
+    }
+    n
+}
+
+#[test]
+fn idle_daemon_with_a_session_uses_no_cpu() {
+    let d = scratch();
+    // Two poll loops, a keep-alive longer than the measurement: nothing needs to happen.
+    let t = Target::start(d.path(), "poll_loops = 2\nkeep_alive_ms = 30000");
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    // A discovery connection held open too.
+    let _disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
+    // Let the busy-poll spells and the start-up settle.
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = t.child.id();
+    let before = cpu_ticks(pid);
+    let woke_before = wakeups(pid);
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let woke = wakeups(pid) - woke_before;
+    let used = cpu_ticks(pid) - before;
+    let elapsed = start.elapsed();
+    eprintln!("idle target: {used} tick(s) of CPU, {woke} wake-up(s) in {elapsed:?}");
+    // A loop with a bounded wait (say 20 ms) wakes 50 times a second; a sleeping target not
+    // at all (the status thread is not asked, keep-alives are 30 s apart).
+    assert!(woke <= 5, "an idle target woke {woke} times in {elapsed:?}");
+    // A loop that woke every few milliseconds would show here; a sleeping one shows 0 (1 for a
+    // tick that happened to be charged to it). Generous: this is not a speed test.
+    assert!(
+        used <= 2,
+        "an idle target used {used} clock ticks in {elapsed:?}"
+    );
+    // And the session still works after the idle spell.
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
 }

@@ -169,6 +169,12 @@ pub struct ConnectResponse {
     pub keep_alive_ms: u32,
     /// The namespaces this host may reach.
     pub namespaces: Vec<NamespaceDescriptor>,
+    /// The queue depth the target grants this connection: how many FlushRequests the host may
+    /// have outstanding (sent and not answered) at once. The target keeps that many receives
+    /// posted, plus a few more for KeepAlive and Disconnect; iWARP has no receiver-not-ready
+    /// retry, so a host that sends more breaks its connection. 0 on a discovery connection
+    /// (one DiscoveryRequest at a time). Since protocol version 2.
+    pub queue_depth: u32,
 }
 
 /// Why a connection was refused. Unknown codes decode as [`RefusalReason::Other`], so an older host

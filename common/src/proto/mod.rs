@@ -26,11 +26,13 @@
 //! Decoding never panics and never reads past the input, whatever the input is.
 //!
 //! Submodules: [`nqn`] (NVMe qualified names, the default host NQN), [`auth`] (the mutual
-//! HMAC-SHA256 challenge-response as a sans-I/O state machine pair).
+//! HMAC-SHA256 challenge-response as a sans-I/O state machine pair), [`msgbuf`] (the registered
+//! receive and send slots both ends carry these messages in).
 
 pub mod auth;
 mod fixed;
 mod messages;
+pub mod msgbuf;
 pub mod nqn;
 
 pub use fixed::{FlushRequest, FlushResponse, FlushStatus, KeepAlive};
@@ -42,7 +44,12 @@ pub use messages::{
 pub use nqn::Nqn;
 
 /// The protocol version this build speaks (and the only one it accepts).
-pub const PROTO_VERSION: u8 = 1;
+///
+/// History: 1, the first; 2, [`ConnectResponse`] gained `queue_depth` (postcard bodies are not
+/// self-describing, so a new field is a new version). A peer of another version gets
+/// [`Error::UnsupportedVersion`] naming both; a target answers such a Connect with a Refusal
+/// `VersionUnsupported`.
+pub const PROTO_VERSION: u8 = 2;
 
 /// The largest control-plane message, header included. Receive buffers of this size always suffice.
 pub const MAX_MESSAGE_SIZE: usize = 8192;

@@ -38,6 +38,7 @@ fn samples() -> Vec<Message> {
                 atomic_write_unit: 8,
                 read_only: false,
             }],
+            queue_depth: 128,
         }),
         Message::Refusal(Refusal {
             reason: RefusalReason::HostNotAllowed,
@@ -88,7 +89,7 @@ fn fixed_layouts_are_exact() {
     };
     let b = r.encode();
     assert_eq!(b.len(), 32);
-    assert_eq!(&b[..4], &[1, 0x10, 0, 0]);
+    assert_eq!(&b[..4], &[2, 0x10, 0, 0]);
     assert_eq!(&b[4..8], &[1, 2, 3, 4]);
     assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
     assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
@@ -99,28 +100,60 @@ fn fixed_layouts_are_exact() {
         status: FlushStatus::IoError,
     }
     .encode();
-    assert_eq!(s, [1, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(s, [2, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
     assert_eq!(
         KeepAlive { seq: 1 }.encode(),
-        [1, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+        [2, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     );
 }
 
 #[test]
 fn unknown_version_is_a_clear_error() {
     let mut b = KeepAlive { seq: 1 }.encode();
-    b[0] = 2;
+    b[0] = 3;
     let e = Message::decode(&b).unwrap_err();
     assert!(matches!(
         e,
         Error::UnsupportedVersion {
-            got: 2,
-            supported: 1
+            got: 3,
+            supported: 2
         }
     ));
     assert!(e
         .to_string()
-        .contains("unsupported control-plane version 2"));
+        .contains("unsupported control-plane version 3"));
+}
+
+#[test]
+fn a_version_1_connect_response_is_refused_not_misread() {
+    // Version 1's ConnectResponse had no queue_depth: read as version 2 its body would be
+    // short. The version byte stops it first.
+    let mut b = Message::ConnectResponse(ConnectResponse {
+        controller_id: 1,
+        keep_alive_ms: 5000,
+        namespaces: Vec::new(),
+        queue_depth: 0,
+    })
+    .encode()
+    .unwrap();
+    b.pop(); // the queue_depth varint (0 is one byte): what a version 1 target sent
+    b[0] = 1;
+    assert!(matches!(
+        Message::decode(&b),
+        Err(Error::UnsupportedVersion {
+            got: 1,
+            supported: 2
+        })
+    ));
+    // And a version 2 header on a version 1 body is a decode error, not a guess.
+    b[0] = 2;
+    assert!(matches!(
+        Message::decode(&b),
+        Err(Error::Body {
+            ty: MessageType::ConnectResponse,
+            ..
+        })
+    ));
 }
 
 #[test]

@@ -7,13 +7,13 @@
 
 use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{mpsc, Arc};
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
 use rpma_common::fabric::{self, ConnParams, Listener, Url};
 
-use super::{Error, LoopCmd, Result, Shared};
+use super::{Error, LoopCmd, LoopTx, Result, Shared};
 
 /// How long a new connection may take to send its MPA Request. The accept thread waits that
 /// long at most for one slow peer.
@@ -33,7 +33,7 @@ impl Acceptor {
         shared: &Arc<Shared>,
         url: &Url,
         crc: bool,
-        loops: Vec<(mpsc::Sender<LoopCmd>, Arc<AtomicUsize>)>,
+        loops: Vec<(LoopTx, Arc<AtomicUsize>)>,
     ) -> Result<Acceptor> {
         let listener = Listener::bind(&shared.ctx, url).map_err(|source| Error::Listen {
             url: url.to_string(),
@@ -97,7 +97,7 @@ fn accept_loop(
     listener: &Listener,
     params: &ConnParams,
     stop: &AtomicBool,
-    loops: &[(mpsc::Sender<LoopCmd>, Arc<AtomicUsize>)],
+    loops: &[(LoopTx, Arc<AtomicUsize>)],
 ) {
     while !stop.load(Ordering::SeqCst) {
         match listener.accept(params) {
@@ -114,7 +114,7 @@ fn accept_loop(
                 // Counted here so that a burst spreads over the loops; the loop takes it back
                 // when the connection ends.
                 load.fetch_add(1, Ordering::Relaxed);
-                if let Err(mpsc::SendError(LoopCmd::Accept(req))) = tx.send(LoopCmd::Accept(req)) {
+                if let Err(LoopCmd::Accept(req)) = tx.send(LoopCmd::Accept(req)) {
                     load.fetch_sub(1, Ordering::Relaxed);
                     req.reject(b"");
                 }

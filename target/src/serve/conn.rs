@@ -29,13 +29,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{self, Access, MemoryRegion, ProtectionDomain, QpState, QueuePair};
+use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
     Connect, ConnectResponse, Disconnect, DurabilityMethods, FlushRequest, FlushResponse,
     FlushStatus, Message, NamespaceDescriptor, Refusal, RefusalReason,
 };
 
-use super::msgbuf::MsgBufs;
 use super::{SessionInfo, Shared, HANDSHAKE_TIMEOUT, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};
@@ -86,6 +86,7 @@ pub(crate) enum Phase {
     Discovery {
         host: Nqn,
         keep_alive: Duration,
+        listed: Listed,
     },
     Session(Box<Session>),
     /// The last message is out (or going): drop the connection when the peer closes or at
@@ -93,6 +94,28 @@ pub(crate) enum Phase {
     Closing {
         deadline: Instant,
     },
+}
+
+/// A discovery connection's entry in `status`, removed with it.
+pub(crate) struct Listed {
+    shared: Arc<Shared>,
+    key: u64,
+    info: Arc<SessionInfo>,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        self.shared.unregister_discovery(self.key);
+    }
+}
+
+/// Counts a message from the host in a connection's status.
+fn seen(info: &SessionInfo, now: Instant) {
+    info.messages.fetch_add(1, Ordering::Relaxed);
+    info.last_seen_ms.store(
+        now.duration_since(info.started).as_millis() as u64,
+        Ordering::Relaxed,
+    );
 }
 
 /// A flush the connection asks the loop's flusher for.
@@ -111,6 +134,8 @@ pub(crate) struct Conn {
     pub(crate) phase: Phase,
     last_seen: Instant,
     over_limit: bool,
+    /// FlushRequests the host may have outstanding (receives posted beyond it: slack).
+    queue_depth: u32,
 }
 
 fn keep_alive_of(c: &Connect, cfg: &Config) -> Duration {
@@ -126,6 +151,7 @@ impl Conn {
         pd: ProtectionDomain,
         bufs: MsgBufs,
         over_limit: bool,
+        queue_depth: u32,
     ) -> Conn {
         let info = qp.info();
         let now = Instant::now();
@@ -141,6 +167,7 @@ impl Conn {
             },
             last_seen: now,
             over_limit,
+            queue_depth,
         }
     }
 
@@ -215,6 +242,16 @@ impl Conn {
                         Step::Refuse { refusal, host_nqn } => {
                             self.refuse(refusal.reason, refusal.message, host_nqn.as_ref());
                         }
+                        Step::Abandoned { why, host_nqn } => {
+                            log::warn!(
+                                "host {} from {}: {why}",
+                                host_nqn.map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
+                                self.peer
+                            );
+                            self.phase = Phase::Closing {
+                                deadline: now + LINGER,
+                            };
+                        }
                         Step::Admitted(c) => self.admit(shared, &cfg, c),
                         Step::Discovery(c) => self.admit_discovery(shared, &cfg, c),
                     }
@@ -231,8 +268,9 @@ impl Conn {
                     self.send_raw(&resp.encode());
                 }
             }
-            Phase::Discovery { host, .. } => {
+            Phase::Discovery { host, listed, .. } => {
                 self.last_seen = now;
+                seen(&listed.info, now);
                 let host = host.clone();
                 match Message::decode(buf) {
                     Ok(Message::DiscoveryRequest(_)) => {
@@ -259,11 +297,7 @@ impl Conn {
             }
             Phase::Session(s) => {
                 self.last_seen = now;
-                s.info.ops.fetch_add(1, Ordering::Relaxed);
-                s.info.last_seen_ms.store(
-                    now.duration_since(s.info.started).as_millis() as u64,
-                    Ordering::Relaxed,
-                );
+                seen(&s.info, now);
                 match Message::decode(buf) {
                     Ok(Message::FlushRequest(req)) => match s.grants.get(&req.nsid) {
                         Some(g) => jobs.push(FlushJob {
@@ -271,6 +305,7 @@ impl Conn {
                             req,
                         }),
                         None => {
+                            s.info.flushes.fetch_add(1, Ordering::Relaxed);
                             let resp = FlushResponse {
                                 token: req.token,
                                 status: FlushStatus::InvalidNamespace,
@@ -318,11 +353,32 @@ impl Conn {
             controller_id: 0,
             keep_alive_ms: keep_alive.as_millis() as u32,
             namespaces: Vec::new(),
+            queue_depth: 0,
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
+        let info = Arc::new(SessionInfo {
+            kind: "discovery",
+            controller_id: 0,
+            host_nqn: c.host_nqn.to_string(),
+            subsystem_nqn: c.subsystem_nqn.to_string(),
+            peer: self.peer.to_string(),
+            queue_id: c.queue_id,
+            started: Instant::now(),
+            keep_alive_ms: keep_alive.as_millis() as u32,
+            messages: Default::default(),
+            flushes: Default::default(),
+            last_seen_ms: Default::default(),
+            expired: Default::default(),
+        });
+        let key = shared.register_discovery(Arc::clone(&info));
         self.phase = Phase::Discovery {
             host: c.host_nqn,
             keep_alive,
+            listed: Listed {
+                shared: Arc::clone(shared),
+                key,
+                info,
+            },
         };
     }
 
@@ -360,6 +416,7 @@ impl Conn {
         }
         let peer = self.peer.to_string();
         let info = shared.register_session(|controller_id| SessionInfo {
+            kind: "io",
             controller_id,
             host_nqn: c.host_nqn.to_string(),
             subsystem_nqn: c.subsystem_nqn.to_string(),
@@ -367,7 +424,8 @@ impl Conn {
             queue_id: c.queue_id,
             started: Instant::now(),
             keep_alive_ms: keep_alive.as_millis() as u32,
-            ops: Default::default(),
+            messages: Default::default(),
+            flushes: Default::default(),
             last_seen_ms: Default::default(),
             expired: Default::default(),
         });
@@ -379,6 +437,7 @@ impl Conn {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
             namespaces: descriptors,
+            queue_depth: self.queue_depth,
         });
         let session = Session {
             shared: Arc::clone(shared),
@@ -445,6 +504,17 @@ impl Conn {
             },
             d,
         ))
+    }
+
+    /// When [`tick`](Self::tick) has something to do at the latest (if nothing arrives before).
+    pub(crate) fn next_timer(&self) -> Instant {
+        // Just past the lapse: tick's test is "longer than the period".
+        let lapse = |ka: Duration| self.last_seen + ka + Duration::from_millis(1);
+        match &self.phase {
+            Phase::Handshake { deadline, .. } | Phase::Closing { deadline } => *deadline,
+            Phase::Session(s) => lapse(s.keep_alive),
+            Phase::Discovery { keep_alive, .. } => lapse(*keep_alive),
+        }
     }
 
     /// Timers: handshake deadline, keep-alive, linger. Returns false when the connection is to

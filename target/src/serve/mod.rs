@@ -28,7 +28,6 @@
 
 mod acceptor;
 mod conn;
-mod msgbuf;
 mod poll_loop;
 
 use std::collections::BTreeMap;
@@ -40,8 +39,9 @@ use std::time::{Duration, Instant};
 use rpma_common::fabric::{self, ConnRequest, Context, Url};
 
 use crate::config::{Config, Transport};
-use crate::control::{ListenerStatus, SessionStatus};
+use crate::control::{ListenerStatus, SessionStatus, SESSION_COUNTED};
 use crate::daemon::{Serve, ServeError};
+use crate::eventfd::EventFd;
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
@@ -108,9 +108,12 @@ pub const LINGER: Duration = Duration::from_secs(2);
 /// Shortest keep-alive period a host may ask for.
 pub const MIN_KEEP_ALIVE: Duration = Duration::from_millis(100);
 
-/// A session's live counters and identity, shared between its poll loop and `status`.
+/// A connection's live counters and identity, shared between its poll loop and `status`.
 #[derive(Debug)]
 pub(crate) struct SessionInfo {
+    /// "io" or "discovery".
+    pub(crate) kind: &'static str,
+    /// 0 on a discovery connection.
     pub(crate) controller_id: u16,
     pub(crate) host_nqn: String,
     pub(crate) subsystem_nqn: String,
@@ -119,7 +122,9 @@ pub(crate) struct SessionInfo {
     pub(crate) started: Instant,
     pub(crate) keep_alive_ms: u32,
     /// Control messages received from the host.
-    pub(crate) ops: AtomicU64,
+    pub(crate) messages: AtomicU64,
+    /// GPSPM flushes answered.
+    pub(crate) flushes: AtomicU64,
     /// When the last message came in, in ms since `started`.
     pub(crate) last_seen_ms: AtomicU64,
     pub(crate) expired: AtomicBool,
@@ -138,16 +143,16 @@ impl SessionInfo {
             "ok"
         };
         SessionStatus {
+            kind: self.kind.into(),
             controller_id: self.controller_id,
             host_nqn: self.host_nqn.clone(),
             subsystem_nqn: self.subsystem_nqn.clone(),
             peer: self.peer.clone(),
             queue_id: self.queue_id,
             age_ms: age,
-            // Data-path traffic never reaches target code: not counted.
-            bytes_read: 0,
-            bytes_written: 0,
-            ops: self.ops.load(Ordering::Relaxed),
+            messages: self.messages.load(Ordering::Relaxed),
+            flushes: self.flushes.load(Ordering::Relaxed),
+            counted: SESSION_COUNTED.into(),
             keep_alive_ms: self.keep_alive_ms,
             last_keep_alive_ms: since,
             keep_alive_state: state.into(),
@@ -165,6 +170,9 @@ pub(crate) struct Shared {
     pub(crate) connections: AtomicUsize,
     next_controller: AtomicU32,
     sessions: Mutex<BTreeMap<u16, Arc<SessionInfo>>>,
+    /// Discovery connections (controller id 0 on the wire), by a serial of their own.
+    discovery: Mutex<BTreeMap<u64, Arc<SessionInfo>>>,
+    next_discovery: AtomicU64,
 }
 
 impl std::fmt::Debug for Shared {
@@ -211,11 +219,44 @@ impl Shared {
         None
     }
 
+    /// Lists a discovery connection in `status` until the returned key is unregistered.
+    pub(crate) fn register_discovery(&self, info: Arc<SessionInfo>) -> u64 {
+        let key = self.next_discovery.fetch_add(1, Ordering::Relaxed);
+        self.discovery
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .insert(key, info);
+        key
+    }
+
+    pub(crate) fn unregister_discovery(&self, key: u64) {
+        self.discovery
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .remove(&key);
+    }
+
     pub(crate) fn unregister_session(&self, controller_id: u16) {
         self.sessions
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .remove(&controller_id);
+    }
+}
+
+/// The way to a poll loop: its command channel, and the eventfd that wakes its idle wait.
+#[derive(Clone)]
+pub(crate) struct LoopTx {
+    tx: mpsc::Sender<LoopCmd>,
+    wake: Arc<EventFd>,
+}
+
+impl LoopTx {
+    /// Queues `cmd` and wakes the loop; gives `cmd` back if the loop is gone.
+    pub(crate) fn send(&self, cmd: LoopCmd) -> std::result::Result<(), LoopCmd> {
+        self.tx.send(cmd).map_err(|e| e.0)?;
+        self.wake.signal();
+        Ok(())
     }
 }
 
@@ -230,7 +271,7 @@ pub(crate) enum LoopCmd {
 }
 
 struct LoopHandle {
-    tx: mpsc::Sender<LoopCmd>,
+    tx: LoopTx,
     load: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
 }
@@ -295,14 +336,25 @@ impl FabricServe {
             connections: AtomicUsize::new(0),
             next_controller: AtomicU32::new(0),
             sessions: Mutex::new(BTreeMap::new()),
+            discovery: Mutex::new(BTreeMap::new()),
+            next_discovery: AtomicU64::new(0),
         });
         shared.set(cfg, namespaces);
         self.shared = Some(Arc::clone(&shared));
         for index in 0..cfg.poll_loops.max(1) as usize {
             let (tx, rx) = mpsc::channel();
+            let wake = EventFd::new().map(Arc::new).map_err(|e| Error::LoopSetup {
+                index,
+                source: Box::new(e),
+            })?;
             let load = Arc::new(AtomicUsize::new(0));
-            let lp = poll_loop::PollLoop::new(index, Arc::clone(&shared), rx, Arc::clone(&load))
-                .map_err(|source| Error::LoopSetup { index, source })?;
+            let tx = LoopTx {
+                tx,
+                wake: Arc::clone(&wake),
+            };
+            let lp =
+                poll_loop::PollLoop::new(index, Arc::clone(&shared), rx, wake, Arc::clone(&load))
+                    .map_err(|source| Error::LoopSetup { index, source })?;
             let name = format!("rpma-loop-{index}");
             let thread = std::thread::Builder::new()
                 .name(name.clone())
@@ -314,7 +366,7 @@ impl FabricServe {
                 thread: Some(thread),
             });
         }
-        let targets: Vec<(mpsc::Sender<LoopCmd>, Arc<AtomicUsize>)> = self
+        let targets: Vec<(LoopTx, Arc<AtomicUsize>)> = self
             .loops
             .iter()
             .map(|l| (l.tx.clone(), Arc::clone(&l.load)))
@@ -329,11 +381,7 @@ impl FabricServe {
                 bound: true,
                 crc: cfg.crc,
                 direct_write_to_pmem: l.direct_write_to_pmem,
-                note: Some(
-                    "sessions count control messages and GPSPM flushes; RDMA Writes and Reads \
-                     bypass target code and are not counted (bytes_read/bytes_written stay 0)"
-                        .into(),
-                ),
+                note: None,
             });
         }
         Ok(out)
@@ -379,7 +427,11 @@ impl Serve for FabricServe {
             return Vec::new();
         };
         let s = shared.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        s.values().map(|i| i.status()).collect()
+        let mut out: Vec<SessionStatus> = s.values().map(|i| i.status()).collect();
+        drop(s);
+        let d = shared.discovery.lock().unwrap_or_else(|p| p.into_inner());
+        out.extend(d.values().map(|i| i.status()));
+        out
     }
 
     fn stop(&mut self) {

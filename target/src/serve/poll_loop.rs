@@ -1,40 +1,42 @@
 //! A poll loop: one thread, one completion queue, one flusher, the connections handed to it.
 //!
-//! Each turn: take commands (new connections, reloads, stop), wait on the completion queue
-//! (busy-polling while traffic flows, then blocking in epoll on the connections' sockets: an
-//! idle loop uses no CPU), handle the completions (control messages in, sends done), submit the
-//! flush requests they carried, reap finished flushes and answer them, and now and then run
-//! the connections' timers.
+//! Each turn: take commands (new connections, reloads, stop), wait on the completion queue,
+//! handle the completions (control messages in, sends done), submit the flush requests they
+//! carried, reap finished flushes and answer them, and run the connections' timers when one is
+//! due or a connection failed.
 //!
-//! Stopgap, until the fabric can wake a completion queue's wait on other file descriptors: the
-//! wait is bounded, so that the loop notices commands and flush completions (the flusher's
-//! eventfd) without them being in the epoll set: [`IDLE_WAIT`] when nothing is pending, and
-//! [`FLUSH_WAIT`] while flushes are in flight, which bounds the latency a page-cache flush's
-//! completion can add. The fabric change wanted: let a completion queue's idle wait also watch
-//! caller-supplied fds (or expose its epoll fd / a waker), so that this loop blocks until any of
-//! its sources is ready.
+//! The wait busy-polls while traffic flows, then blocks in the completion queue's epoll set,
+//! which holds the connections' sockets and two fds of the loop's own: the flusher's eventfd
+//! (a device flush completed) and the loop's command eventfd (an accept thread handed over a
+//! connection, a reload, stop; see [`LoopTx`](super::LoopTx)). Its time-out is the earliest
+//! timer of the loop's connections (handshake deadline, keep-alive lapse, linger), and none
+//! without connections: an idle loop sleeps until something happens and uses no CPU.
 
 use std::collections::{HashMap, VecDeque};
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, WcStatus};
+use rpma_common::fabric::{
+    Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, QpState, WcStatus, Woken,
+};
 use rpma_common::proto::{FlushResponse, FlushStatus};
 
 use super::conn::{Conn, FlushJob, Phase};
-use super::msgbuf::{MsgBufs, SEND_BIT};
 use super::{LoopCmd, Shared};
+use crate::eventfd::EventFd;
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
+use rpma_common::proto::msgbuf::{MsgBufs, SEND_BIT};
 
-/// Bounded idle wait (see the module docs).
-const IDLE_WAIT: Duration = Duration::from_millis(20);
-/// Bounded wait while flushes are in flight (see the module docs).
-const FLUSH_WAIT: Duration = Duration::from_millis(1);
-/// How often the connections' timers run.
-const TICK: Duration = Duration::from_millis(10);
+/// The watched-fd token of the loop's command eventfd.
+const WAKE_CMD: u64 = 1;
+/// The watched-fd token of the flusher's eventfd.
+const WAKE_FLUSH: u64 = 2;
+/// How long a loop pauses after its completion queue's wait failed (so as not to spin on it).
+const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(20);
 /// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
 const RECV_SLACK: usize = 4;
 /// Send slots per connection (more messages wait in its backlog).
@@ -54,9 +56,13 @@ pub(crate) struct PollLoop {
     index: usize,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<LoopCmd>,
+    wake: Arc<EventFd>,
     load: Arc<AtomicUsize>,
     cq: CompletionQueue,
     flusher: Flusher,
+    /// A connection failed (a receive or send completed in error): run the timers now, which
+    /// drop it.
+    failed: bool,
     conns: HashMap<u32, Conn>,
     pending: HashMap<u64, PendingFlush>,
     /// Flushes waiting for a free flusher slot, in arrival order.
@@ -71,18 +77,24 @@ impl PollLoop {
         index: usize,
         shared: Arc<Shared>,
         rx: mpsc::Receiver<LoopCmd>,
+        wake: Arc<EventFd>,
         load: Arc<AtomicUsize>,
     ) -> Result<PollLoop, Box<dyn std::error::Error + Send + Sync>> {
         let cfg = shared.config();
         let cq = shared.ctx.create_cq(1024)?;
         let flusher = Flusher::new(cfg.max_queue_depth)?;
+        // Both fds live as long as the loop (the flusher and `wake` are fields beside `cq`).
+        cq.watch_fd(wake.as_fd(), WAKE_CMD)?;
+        cq.watch_fd(flusher.wait_fd(), WAKE_FLUSH)?;
         Ok(PollLoop {
             index,
             shared,
             rx,
+            wake,
             load,
             cq,
             flusher,
+            failed: false,
             conns: HashMap::new(),
             pending: HashMap::new(),
             waiting: VecDeque::new(),
@@ -98,7 +110,6 @@ impl PollLoop {
             self.index,
             self.flusher.backend_name()
         );
-        let mut next_tick = Instant::now() + TICK;
         loop {
             loop {
                 match self.rx.try_recv() {
@@ -110,14 +121,20 @@ impl PollLoop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            let busy = self.flusher.in_flight() > 0 || !self.waiting.is_empty();
-            self.turn(Some(if busy { FLUSH_WAIT } else { IDLE_WAIT }));
+            let next = self.next_timer();
             let now = Instant::now();
-            if now >= next_tick {
+            self.turn(Some(next.map(|t| t.saturating_duration_since(now))));
+            let now = Instant::now();
+            if self.failed || next.is_some_and(|t| now >= t) {
+                self.failed = false;
                 self.tick(now);
-                next_tick = now + TICK;
             }
         }
+    }
+
+    /// The earliest timer of the loop's connections; None without connections.
+    fn next_timer(&self) -> Option<Instant> {
+        self.conns.values().map(Conn::next_timer).min()
     }
 
     fn accept(&mut self, req: ConnRequest) {
@@ -125,7 +142,9 @@ impl PollLoop {
         let peer = req.peer_addr();
         let n = self.shared.connections.fetch_add(1, Ordering::SeqCst);
         let over_limit = n >= cfg.max_connections as usize;
-        let depth = cfg.max_queue_depth as usize + RECV_SLACK;
+        // The depth granted now stays this connection's, whatever a reload changes later.
+        let granted = cfg.max_queue_depth;
+        let depth = granted as usize + RECV_SLACK;
         let params = ConnParams {
             crc: cfg.crc,
             timeout: super::HANDSHAKE_TIMEOUT,
@@ -143,7 +162,7 @@ impl PollLoop {
                 prepared.post_recv(bufs.recv_wr(slot))?;
             }
             let qp = req.accept(prepared, &params, &[])?;
-            Ok::<_, rpma_common::fabric::Error>(Conn::new(qp, pd, bufs, over_limit))
+            Ok::<_, rpma_common::fabric::Error>(Conn::new(qp, pd, bufs, over_limit, granted))
         })();
         match made {
             Ok(conn) => {
@@ -167,23 +186,28 @@ impl PollLoop {
         }
     }
 
-    /// One wait on the completion queue (None: poll only) and everything it brings.
-    fn turn(&mut self, wait: Option<Duration>) {
+    /// One wait on the completion queue (`None`: poll only; `Some(None)`: no time-out) and
+    /// everything it brings.
+    fn turn(&mut self, wait: Option<Option<Duration>>) {
         let mut wcs = [Completion::EMPTY; 64];
-        let n = match wait {
-            Some(t) => self.cq.wait(&mut wcs, Some(t)),
-            None => self.cq.poll(&mut wcs),
+        let woken = match wait {
+            Some(t) => self.cq.wait_any(&mut wcs, t),
+            None => self.cq.poll(&mut wcs).map(Woken::Completions),
         };
-        let n = match n {
-            Ok(n) => n,
+        match woken {
+            Ok(Woken::Completions(n)) => {
+                for c in &wcs[..n] {
+                    self.on_completion(c);
+                }
+            }
+            // Commands are taken at the top of the run loop; a flush completion just below.
+            Ok(Woken::Fd(WAKE_CMD)) => self.wake.clear(),
+            Ok(Woken::Fd(WAKE_FLUSH)) => self.flusher.clear_wake(),
+            Ok(_) => {}
             Err(e) => {
                 log::error!("loop {}: waiting for completions failed: {e}", self.index);
-                std::thread::sleep(IDLE_WAIT);
-                0
+                std::thread::sleep(WAIT_FAILED_PAUSE);
             }
-        };
-        for c in &wcs[..n] {
-            self.on_completion(c);
         }
         self.submit_jobs();
         self.reap_flushes();
@@ -193,6 +217,9 @@ impl PollLoop {
         let Some(conn) = self.conns.get_mut(&c.qp_num) else {
             return;
         };
+        if c.status != WcStatus::Success {
+            self.failed = true;
+        }
         if c.wr_id & SEND_BIT != 0 {
             if let Err(e) = conn.bufs.on_send_done(&conn.qp, c.wr_id) {
                 log::debug!("{}: cannot send: {e}", conn.peer);
@@ -298,6 +325,9 @@ impl PollLoop {
             }
         }
         if let Some(conn) = self.conns.get_mut(&p.qp_num) {
+            if let Phase::Session(s) = &conn.phase {
+                s.info.flushes.fetch_add(1, Ordering::Relaxed);
+            }
             let resp = FlushResponse {
                 token: p.host_token,
                 status: c.status,
@@ -319,12 +349,23 @@ impl PollLoop {
         }
     }
 
-    /// Stop: take in what arrived, answer every flush, say goodbye, let the goodbyes out, drop.
+    /// Stop: take in what arrived, answer every flush, say goodbye, let the goodbyes out and
+    /// give the hosts a moment to close first (so that no Send of ours is cut off), drop.
     fn shutdown(mut self) {
         self.turn(None);
         let deadline = Instant::now() + STOP_GRACE * 10;
-        while (!self.pending.is_empty()) && Instant::now() < deadline {
-            self.turn(Some(FLUSH_WAIT));
+        while !self.pending.is_empty() {
+            let now = Instant::now();
+            if now >= deadline {
+                log::error!(
+                    "loop {}: {} flush(es) still in flight after {} s: closing without their answers",
+                    self.index,
+                    self.pending.len(),
+                    (STOP_GRACE * 10).as_secs()
+                );
+                break;
+            }
+            self.turn(Some(Some(deadline - now)));
         }
         for c in self.conns.values_mut() {
             match c.phase {
@@ -335,8 +376,16 @@ impl PollLoop {
             }
         }
         let deadline = Instant::now() + STOP_GRACE;
-        while Instant::now() < deadline && self.conns.values().any(|c| !c.bufs.all_sent()) {
-            self.turn(Some(FLUSH_WAIT));
+        loop {
+            // Until the host closes, its queue pair stays out of Error: sends still go out.
+            let lingering = self.conns.values().any(|c| {
+                matches!(c.phase, Phase::Closing { .. }) && c.qp.state() != QpState::Error
+            });
+            let now = Instant::now();
+            if !lingering || now >= deadline {
+                break;
+            }
+            self.turn(Some(Some(deadline - now)));
         }
         let n = self.conns.len();
         self.conns.clear();
