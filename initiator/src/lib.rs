@@ -52,7 +52,6 @@
 mod connect;
 pub mod durability;
 mod error;
-mod msgbuf;
 pub mod namespace;
 mod pool;
 mod queue;
@@ -63,7 +62,7 @@ pub use connect::{
 };
 pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, Result};
-pub use msgbuf::CONTROL_BIT;
 pub use namespace::Namespace;
 pub use queue::{Connection, Queue, QueueOptions, ReconnectPolicy};
+pub use rpma_common::proto::msgbuf::CONTROL_BIT;
 pub use session::Session;

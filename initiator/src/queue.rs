@@ -22,10 +22,10 @@ use rpma_common::proto::{FlushStatus, Message, NamespaceDescriptor};
 use crate::connect::{connect, ConnectOptions, HostIdentity};
 use crate::durability::{choose, Choice, PersistMethod};
 use crate::error::{Error, Result};
-use crate::msgbuf::CONTROL_BIT;
 use crate::namespace::Namespace;
 use crate::pool::{Pool, Slot, WriteRec};
 use crate::session::Session;
+use rpma_common::proto::msgbuf::CONTROL_BIT;
 
 /// wr_id kinds of the data path (bits 60-61; bits 62-63 are the session's).
 const KIND_SHIFT: u32 = 60;
@@ -891,7 +891,7 @@ mod tests {
     fn wr_id_kinds_stay_clear_of_the_session_bits() {
         for k in [KIND_WRITE, KIND_READ, KIND_SMALL] {
             assert_eq!(k & CONTROL_BIT, 0);
-            assert_eq!(k & crate::msgbuf::SEND_BIT, 0);
+            assert_eq!(k & rpma_common::proto::msgbuf::SEND_BIT, 0);
             assert_eq!(k & KIND_MASK, k);
         }
     }
