@@ -170,7 +170,8 @@ impl<'q> Namespace<'q> {
         check_range(&d, offset, len)?;
         self.q.choice(self.idx)?;
         let idx = self.idx;
-        self.q.run(true, |q| q.persist_range(idx, offset, len))
+        self.q
+            .run(true, |q| q.persist_range(idx, offset, len, false))
     }
 
     /// Writes `data` at `offset` and makes it durable before returning. On a volatile

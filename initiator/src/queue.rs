@@ -522,7 +522,9 @@ impl Queue {
         }
     }
 
-    /// Makes every held write durable (or visible, on volatile namespaces).
+    /// Makes every held write durable (or visible, on volatile namespaces) to free their
+    /// slots. A namespace whose forced method is not valid gets a visibility Read instead: this
+    /// claims nothing to the caller, it only frees the slots.
     fn persist_held(&mut self) -> Result<()> {
         for idx in 0..self.ns.len() {
             let held = self
@@ -530,7 +532,7 @@ impl Queue {
                 .count(|s| matches!(s, Slot::Held(w) | Slot::Writing(w) if w.ns == idx));
             if held > 0 {
                 let size = self.ns[idx].desc.size;
-                self.persist_range(idx, 0, size)?;
+                self.persist_range(idx, 0, size, true)?;
             }
         }
         Ok(())
@@ -707,10 +709,14 @@ impl Queue {
         ns: usize,
         offset: u64,
         len: u64,
+        implicit: bool,
     ) -> Result<crate::Durability> {
         use crate::Durability;
         use rpma_common::fabric::{FlushTarget, FlushType, RemoteAddr};
-        let choice = self.choice(ns)?;
+        let choice = match self.choice(ns) {
+            Err(_) if implicit => Choice::VisibleOnly,
+            c => c?,
+        };
         self.drain()?;
         let d = self.ns[ns].desc.clone();
         let end = offset + len;

@@ -247,6 +247,7 @@ pub struct Relay {
     links: Arc<Mutex<Vec<TcpStream>>>,
     bytes: Arc<AtomicU64>,
     accepted: Arc<AtomicU64>,
+    swallow: Arc<AtomicBool>,
 }
 
 impl Relay {
@@ -259,12 +260,14 @@ impl Relay {
         let links: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
         let bytes = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
+        let swallow = Arc::new(AtomicBool::new(false));
         let upstream = upstream.to_owned();
-        let (s, lk, b, a) = (
+        let (s, lk, b, a, sw) = (
             Arc::clone(&stop),
             Arc::clone(&links),
             Arc::clone(&bytes),
             Arc::clone(&accepted),
+            Arc::clone(&swallow),
         );
         std::thread::spawn(move || {
             while !s.load(Ordering::Relaxed) {
@@ -282,8 +285,13 @@ impl Relay {
                             v.push(down.try_clone().unwrap());
                             v.push(up.try_clone().unwrap());
                         }
-                        pipe(down.try_clone().unwrap(), up.try_clone().unwrap(), &b);
-                        pipe(up, down, &b);
+                        pipe(
+                            down.try_clone().unwrap(),
+                            up.try_clone().unwrap(),
+                            &b,
+                            Some(&sw),
+                        );
+                        pipe(up, down, &b, None);
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
@@ -295,6 +303,7 @@ impl Relay {
             links,
             bytes,
             accepted,
+            swallow,
         }
     }
 
@@ -313,11 +322,19 @@ impl Relay {
         self.accepted.load(Ordering::Relaxed)
     }
 
-    /// Drops every live link.
+    /// Drops every live link (and ends [`swallow`](Self::swallow)).
     pub fn cut(&self) {
         for s in self.links.lock().unwrap().drain(..) {
             let _ = s.shutdown(Shutdown::Both);
         }
+        self.swallow.store(false, Ordering::SeqCst);
+    }
+
+    /// From now until the next [`cut`](Self::cut), bytes from the client are read and thrown
+    /// away instead of forwarded: what the client sent meanwhile never reaches the server
+    /// (a link that dies with data in flight).
+    pub fn swallow(&self) {
+        self.swallow.store(true, Ordering::SeqCst);
     }
 }
 
@@ -328,13 +345,20 @@ impl Drop for Relay {
     }
 }
 
-fn pipe(mut from: TcpStream, mut to: TcpStream, bytes: &Arc<AtomicU64>) {
+fn pipe(
+    mut from: TcpStream,
+    mut to: TcpStream,
+    bytes: &Arc<AtomicU64>,
+    swallow: Option<&Arc<AtomicBool>>,
+) {
     let bytes = Arc::clone(bytes);
+    let swallow = swallow.map(Arc::clone);
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
         loop {
             match from.read(&mut buf) {
                 Ok(0) | Err(_) => break,
+                Ok(_) if swallow.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) => {}
                 Ok(n) => {
                     if to.write_all(&buf[..n]).is_err() {
                         break;
