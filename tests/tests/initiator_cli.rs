@@ -461,3 +461,72 @@ fn durable_cli_write_survives_sigkill_of_the_target() {
         assert_eq!(c, Some(0), "nsid {nsid} lost durable bytes: {all}");
     }
 }
+
+#[test]
+fn two_initiator_processes_on_separate_namespaces_do_not_interfere() {
+    let (_d, _shm, t) = start("two");
+    let url = t.url();
+    let spawn = |nsid: &str, byte: &str| {
+        std::process::Command::new(rpma_tests::built("rpma-initiator"))
+            .args([
+                "--target",
+                &url,
+                "--nqn",
+                SUB,
+                "--hostnqn",
+                HOST,
+                "--nsid",
+                nsid,
+                "write",
+                "--offset",
+                "0",
+                "--pattern",
+                byte,
+                "--length",
+                "2MiB",
+                "--durable",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    // Both at once, several rounds, each overwriting its own namespace only.
+    for round in 0..3 {
+        let (a, b) = (format!("{}", 0x10 + round), format!("{}", 0x20 + round));
+        let mut pa = spawn("1", &a);
+        let mut pb = spawn("4", &b);
+        assert!(pa.wait().unwrap().success());
+        assert!(pb.wait().unwrap().success());
+        let (c, _, all) = run(
+            &t,
+            &[
+                "--nsid",
+                "1",
+                "verify",
+                "--offset",
+                "0",
+                "--pattern",
+                &a,
+                "--length",
+                "2MiB",
+            ],
+        );
+        assert_eq!(c, Some(0), "{all}");
+        let (c, _, all) = run(
+            &t,
+            &[
+                "--nsid",
+                "4",
+                "verify",
+                "--offset",
+                "0",
+                "--pattern",
+                &b,
+                "--length",
+                "2MiB",
+            ],
+        );
+        assert_eq!(c, Some(0), "{all}");
+    }
+}

@@ -507,3 +507,55 @@ fn reconnect_gives_up_cleanly_at_its_limit() {
         Err(Error::Broken)
     ));
 }
+
+#[test]
+fn several_queues_of_one_connection_on_their_own_threads() {
+    let d = scratch();
+    let shm = shm_path("queues");
+    let t = Target::start(d.path(), &config(&shm));
+    let c = conn(&t.url());
+    let threads: Vec<_> = (1..=3u16)
+        .map(|qid| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let mut q = c.open_queue(qid).unwrap();
+                assert_eq!(q.queue_id(), qid);
+                let ctrl = q.controller_id().unwrap();
+                let mut ns = q.namespace(1).unwrap();
+                let base = u64::from(qid) * (1 << 20);
+                for i in 0..16u64 {
+                    let v = pattern(u64::from(qid) * 100 + i, 32 << 10);
+                    assert!(ns
+                        .write_durable(base + i * (32 << 10), &v)
+                        .unwrap()
+                        .is_durable());
+                }
+                // A shared counter: every queue's increments land exactly once.
+                for _ in 0..50 {
+                    ns.fetch_add(0, 1).unwrap();
+                }
+                ctrl
+            })
+        })
+        .collect();
+    let mut ctrls: Vec<u16> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    ctrls.sort_unstable();
+    ctrls.dedup();
+    assert_eq!(ctrls.len(), 3, "each queue is its own controller");
+    let mut q = c.open_queue(0).unwrap();
+    let mut ns = q.namespace(1).unwrap();
+    let mut b = [0u8; 8];
+    ns.read_at(0, &mut b).unwrap();
+    assert_eq!(u64::from_ne_bytes(b), 150);
+    for qid in 1..=3u64 {
+        for i in 0..16u64 {
+            let mut got = vec![0u8; 32 << 10];
+            ns.read_at(qid * (1 << 20) + i * (32 << 10), &mut got)
+                .unwrap();
+            assert!(
+                got == pattern(qid * 100 + i, 32 << 10),
+                "queue {qid} write {i}"
+            );
+        }
+    }
+}
