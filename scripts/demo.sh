@@ -1,52 +1,87 @@
 #!/usr/bin/env bash
-# `make demo`: build rpma and show it working on this machine.
+# `make demo`: build rpma, start a target on a scratch namespace (a /dev/shm file with
+# force_dax, so the pmem path is what runs), write a pattern durably, read and verify it, show
+# identify output and a short latency/bandwidth run, stop the target. Cleans up after itself.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --release -p rpma-target -p rpma-initiator
-BIN=build/release
-SCRATCH=${SCRATCH:-$PWD/scratch}
-mkdir -p "$SCRATCH"
+BIN=$PWD/build/release
+SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/rpma-demo.XXXXXX")
 shm=/dev/shm/rpma-demo-$$.pmem
 target_pid=
 cleanup() {
-    if [ -n "$target_pid" ]; then kill "$target_pid" 2>/dev/null || true; fi
+    if [ -n "$target_pid" ]; then
+        kill "$target_pid" 2>/dev/null || true
+        wait "$target_pid" 2>/dev/null || true
+    fi
     rm -f "$shm"
+    rm -rf "$SCRATCH"
 }
 trap cleanup EXIT
+trap 'exit 130' INT TERM
 
-echo "== a scratch file under the repo"
-"$BIN/rpma-target" probe "$SCRATCH/demo.pmem" --size 64MiB --grow
-echo
-echo "== a scratch file under /dev/shm"
+# A free port on 127.0.0.1 (nothing answers a connect there).
+port=
+for p in $(seq 7420 7520); do
+    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then port=$p; break; fi
+done
+[ -n "$port" ] || { echo "demo: no free port in 7420-7520" >&2; exit 1; }
+URL=tcp://127.0.0.1:$port
+NQN=nqn.2026-11.io.rpma:demo
+HOSTNQN=nqn.2026-11.io.rpma:demo-host
+
+echo "== the scratch namespace: $shm, dax forced (testing on DRAM)"
 "$BIN/rpma-target" probe "$shm" --size 64MiB
-echo
-echo "== the same file with force_dax (testing on DRAM)"
 "$BIN/rpma-target" probe "$shm" --force-dax
-
-echo
-echo "== a target on a scratch config, identified from a host, then stopped"
-port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
-cat > "$SCRATCH/demo-target.toml" <<EOF
-listen = ["tcp://127.0.0.1:$port"]
-control_socket = "demo-control.sock"
+cat > "$SCRATCH/target.toml" <<TOML
+listen = ["$URL"]
+control_socket = "control.sock"
 [[subsystem]]
-nqn = "nqn.2026-11.io.rpma:demo"
-allow_any_host = true
+nqn = "$NQN"
+hosts = [{ nqn = "$HOSTNQN" }]
 [[subsystem.namespace]]
 nsid = 1
-path = "demo-ns1.pmem"
-size = "16MiB"
-EOF
-"$BIN/rpma-target" --config "$SCRATCH/demo-target.toml" &
+path = "$shm"
+size = "64MiB"
+force_dax = true
+TOML
+
+echo
+echo "== rpma-target on $URL"
+RUST_LOG=warn "$BIN/rpma-target" --config "$SCRATCH/target.toml" &
 target_pid=$!
 for _ in $(seq 100); do
-    "$BIN/rpma-target" status --socket "$SCRATCH/demo-control.sock" >/dev/null 2>&1 && break
+    "$BIN/rpma-target" status --socket "$SCRATCH/control.sock" >/dev/null 2>&1 && break
+    kill -0 "$target_pid" 2>/dev/null || { echo "demo: rpma-target exited" >&2; exit 1; }
     sleep 0.1
 done
-"$BIN/rpma-initiator" discover --target "tcp://127.0.0.1:$port"
-"$BIN/rpma-initiator" identify --target "tcp://127.0.0.1:$port" --nqn nqn.2026-11.io.rpma:demo
+
+ini() { "$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" "$@"; }
+
+echo
+echo "== identify"
+ini identify
+echo
+echo "== list (the durability method this host uses on each namespace)"
+ini list
+echo
+echo "== write 8 MiB of 0x5a at 1 MiB, durably"
+ini write --offset 1MiB --pattern 0x5a --length 8MiB --durable
+echo
+echo "== read 32 bytes of it back"
+ini read --offset 1MiB --length 32 | od -A d -t x1 | head -2
+echo
+echo "== verify the 8 MiB"
+ini verify --offset 1MiB --pattern 0x5a --length 8MiB
+echo
+echo "== a short benchmark: QD1 latency, then bandwidth"
+ini bench --offset 16MiB --count 2000 --total 32MiB
+
+echo
+"$BIN/rpma-target" status --socket "$SCRATCH/control.sock" | head -20 || true
 kill -TERM "$target_pid"
 rc=0
 wait "$target_pid" || rc=$?
 target_pid=
+echo
 echo "rpma-target stopped (exit $rc)"

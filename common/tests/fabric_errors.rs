@@ -609,7 +609,22 @@ fn connect_errors() {
     });
     let r = prep().connect(&url, &ConnParams::default(), b"");
     h.join().unwrap();
-    assert!(matches!(r, Err(Error::Rejected { .. })), "{r:?}");
+    match r {
+        Err(Error::Rejected { private_data, .. }) => assert_eq!(private_data, b"no"),
+        r => panic!("{r:?}"),
+    }
+    // A max ULPDU below the wire layer's minimum is refused before connecting.
+    for max_ulpdu in [127, 65536] {
+        let r = prep().connect(
+            &"tcp://127.0.0.1:1".parse().unwrap(),
+            &ConnParams {
+                max_ulpdu,
+                ..ConnParams::default()
+            },
+            b"",
+        );
+        assert!(matches!(r, Err(Error::InvalidWorkRequest { .. })), "{r:?}");
+    }
 }
 
 /// Builds a request from (local region, target region).

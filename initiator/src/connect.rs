@@ -13,8 +13,8 @@ use rpma_common::proto::{
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::msgbuf::MsgBufs;
 use crate::session::Session;
+use rpma_common::proto::msgbuf::MsgBufs;
 
 /// Receive slots a session keeps posted: the most control messages (flush responses and the
 /// like) the target may have in flight to this host. The host must keep at most this many
@@ -155,6 +155,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
         url: parsed.to_string(),
         controller_id: 0,
         keep_alive: Duration::from_secs(5),
+        queue_depth: 0,
         namespaces: Vec::new(),
         inbox: VecDeque::new(),
         other: VecDeque::new(),
@@ -247,6 +248,7 @@ pub fn connect(
                 if r.keep_alive_ms > 0 {
                     s.keep_alive = Duration::from_millis(u64::from(r.keep_alive_ms));
                 }
+                s.queue_depth = r.queue_depth;
                 s.namespaces = r.namespaces;
                 s.namespaces.sort_by_key(|n| n.nsid);
                 return Ok(s);

@@ -135,9 +135,122 @@ pub enum Error {
         /// Time since the target was last heard from.
         silent: Duration,
     },
+    /// The subsystem has no namespace of that nsid (for this host).
+    #[error("no namespace {nsid} on this connection")]
+    NoSuchNamespace {
+        /// The nsid asked for.
+        nsid: u32,
+    },
+    /// An access outside the namespace, checked before anything was posted.
+    #[error("{len} bytes at offset {offset} are outside namespace {nsid} ({size} bytes)")]
+    OutOfRange {
+        /// Namespace.
+        nsid: u32,
+        /// Start of the access.
+        offset: u64,
+        /// Its length.
+        len: u64,
+        /// The namespace's size.
+        size: u64,
+    },
+    /// An offset or length that must be aligned is not (atomics: 8 bytes; block calls: the
+    /// block size).
+    #[error("{what} {value} is not a multiple of {align} on namespace {nsid}")]
+    Misaligned {
+        /// Namespace.
+        nsid: u32,
+        /// "offset" or "length".
+        what: &'static str,
+        /// The value given.
+        value: u64,
+        /// The alignment required.
+        align: u64,
+    },
+    /// A write, atomic or persist to a read-only namespace.
+    #[error("namespace {nsid} is read-only")]
+    ReadOnly {
+        /// Namespace.
+        nsid: u32,
+    },
+    /// The requested durability method is not one the target offers for this namespace: it
+    /// cannot make that namespace durable. Never silently replaced by another method.
+    #[error(
+        "{method} cannot make namespace {nsid} ({domain}) durable: the target offers {offered}"
+    )]
+    MethodNotValid {
+        /// Namespace.
+        nsid: u32,
+        /// The method asked for.
+        method: crate::durability::PersistMethod,
+        /// The namespace's persistence domain.
+        domain: rpma_common::proto::PersistenceDomain,
+        /// What the target offers ("APM GPSPM", or "nothing (visible only)").
+        offered: String,
+    },
+    /// The peer does not support an operation (atomics, Atomic Write, Flush).
+    #[error("the target does not support {op}")]
+    Unsupported {
+        /// The operation.
+        op: &'static str,
+    },
+    /// A data-path request completed with an error status that is not a lost connection
+    /// (a revoked rkey: RemoteAccess; a refused request).
+    #[error("{op} on namespace {nsid} completed with {status:?}")]
+    Remote {
+        /// Namespace.
+        nsid: u32,
+        /// What it was.
+        op: &'static str,
+        /// Its status.
+        status: WcStatus,
+    },
+    /// The target answered a GPSPM FlushRequest with a status that means "not durable".
+    #[error("the target could not make namespace {nsid} durable: {status:?}")]
+    NotDurable {
+        /// Namespace.
+        nsid: u32,
+        /// The target's status.
+        status: proto::FlushStatus,
+    },
+    /// The connection was lost and could not be re-established within the reconnect policy:
+    /// writes not yet acknowledged as durable may not be on the target.
+    #[error("the connection was lost and {attempts} reconnect attempt(s) failed; writes not acknowledged as durable may be lost")]
+    ReconnectFailed {
+        /// Attempts made.
+        attempts: u32,
+        /// The last attempt's error.
+        #[source]
+        last: Box<Error>,
+    },
+    /// After a reconnect the namespace is gone or has another size or mode.
+    #[error("namespace {nsid} changed across a reconnect: {what}")]
+    NamespaceChanged {
+        /// Namespace.
+        nsid: u32,
+        /// What changed.
+        what: String,
+    },
+    /// The queue failed earlier (its reconnect limit was reached) and takes no more work.
+    #[error("the queue is broken by an earlier failure; open a new one")]
+    Broken,
+    /// A bad argument (an empty batch, a zero-length transfer where one is needed, a queue
+    /// option out of range).
+    #[error("invalid argument: {0}")]
+    InvalidArgument(String),
 }
 
 impl Error {
+    /// Whether this error means the connection is gone (a reconnect may help).
+    pub fn is_connection_loss(&self) -> bool {
+        matches!(
+            self,
+            Error::ConnectionLost { .. }
+                | Error::KeepAliveLost { .. }
+                | Error::Disconnected { .. }
+                | Error::Timeout { .. }
+        )
+    }
+
     /// The error for a refusal.
     pub fn from_refusal(reason: RefusalReason, message: String) -> Error {
         match reason {

@@ -1,47 +1,68 @@
 //! rpma-initiator: connect to an rpma target, map remote namespaces and write them durably.
 //!
-//! This is the control side: [`connect`] opens a [`Session`] with a subsystem (transport,
-//! Connect, mutual authentication when the host has a key, namespace descriptors);
-//! [`discover`] lists a target's subsystems; [`identify`] reads a subsystem's namespaces. The
-//! session keeps the queue pair, protection domain and completion queue reachable for the data
-//! path (Writes, Reads, Flushes; GPSPM through [`Session::flush`]).
+//! The data path: a [`Connection`] names a target, a subsystem and this host; it opens
+//! [`Queue`]s (one per thread), and a queue hands out [`Namespace`] handles with `read_at`,
+//! `write_at` (placed, not yet durable), `persist`, `write_durable`, batches, block calls and
+//! atomics. Durable calls use the best method the target offers for the namespace (FLUSH, then
+//! APM, then GPSPM; see [`durability`]) or a forced one, and return a [`Durability`] outcome:
+//! `Durable(method)`, or `VisibleOnly` on a volatile namespace. A lost connection is
+//! reconnected with backoff and every write not yet acknowledged as durable is re-issued
+//! ([`ReconnectPolicy`]). docs/initiator.md has the design and the CLI reference.
+//!
+//! The control side: [`connect`] opens a [`Session`] (transport, Connect, mutual
+//! authentication when the host has a key, namespace descriptors); [`discover`] lists a
+//! target's subsystems; [`identify`] reads a subsystem's namespaces.
 //!
 //! # Quick start
 //!
 //! ```no_run
-//! use rpma_initiator::{connect, ConnectOptions, HostIdentity};
-//! use rpma_common::proto::nqn::Nqn;
+//! use rpma_initiator::{Connection, Durability, HostIdentity};
 //!
 //! # fn main() -> Result<(), Box<dyn std::error::Error>> {
 //! let host = HostIdentity::default_host()?;
-//! let subsystem: Nqn = "nqn.2026-11.io.rpma:demo".parse()?;
-//! let mut s = connect("tcp://127.0.0.1:7420", &subsystem, &host, &ConnectOptions::default())?;
-//! for ns in s.namespaces() {
-//!     println!("nsid {} {} bytes, {}", ns.nsid, ns.size, ns.domain);
+//! let conn = Connection::new("tcp://127.0.0.1:7420", "nqn.2026-11.io.rpma:demo".parse()?, host);
+//! let mut queue = conn.open_queue(0)?;
+//! for d in queue.namespaces() {
+//!     println!("nsid {}: {} bytes, {}", d.nsid, d.size, d.domain);
 //! }
-//! s.tick()?; // from the caller's polling loop: sends a keep-alive when one is due
-//! s.disconnect(std::time::Duration::from_secs(1))?;
+//! let mut ns = queue.namespace(1)?;
+//! match ns.write_durable(4096, b"hello, persistent world")? {
+//!     Durability::Durable(method) => println!("durable ({method})"),
+//!     Durability::VisibleOnly => eprintln!("warning: volatile namespace, visible only"),
+//! }
+//! let mut back = [0u8; 23];
+//! ns.read_at(4096, &mut back)?;
+//! let old = ns.fetch_add(0, 1)?; // an 8-byte aligned counter
+//! # let _ = old;
+//! queue.close()?;
 //! # Ok(()) }
 //! ```
 //!
 //! # Threads, progress, cleanup
 //!
-//! No hidden threads: progress happens when the caller polls the session's completion queue
-//! (or calls a blocking helper, which polls it with a deadline). Keep-alives are sent by
-//! [`Session::tick`], which the caller runs at least every half keep-alive period. Every wait
+//! No hidden threads: progress happens inside the calls of the thread that owns a [`Queue`]
+//! (or a [`Session`]), which poll its completion queue with a deadline. A queue is `Send`:
+//! open one per thread from a cloned [`Connection`]. Keep-alives are sent by
+//! [`Queue::tick`] (and every data call) or [`Session::tick`], which the caller runs at least every half keep-alive period. Every wait
 //! has a deadline ([`ConnectOptions::timeout`]): a dead target is an error, never a hang.
 //! Dropping a [`Session`] closes its connection; the target then revokes its rkeys.
 //!
 //! Features: `rdma` builds the rdma transport in rpma-common (a later issue).
 
 mod connect;
+pub mod durability;
 mod error;
-mod msgbuf;
+pub mod namespace;
+mod pool;
+mod queue;
 mod session;
 
 pub use connect::{
     connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, RECV_DEPTH,
 };
+pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, Result};
-pub use msgbuf::CONTROL_BIT;
+pub use namespace::Namespace;
+pub use queue::{Connection, Queue, QueueOptions, ReconnectPolicy};
+pub use rpma_common::proto::msgbuf::CONTROL_BIT;
 pub use session::Session;

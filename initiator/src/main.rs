@@ -3,20 +3,27 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use clap::{Args, Parser, Subcommand};
+
+mod cli;
 use rpma_common::proto::auth::Psk;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::NamespaceDescriptor;
-use rpma_initiator::{ConnectOptions, Error, HostIdentity};
+use rpma_initiator::{
+    ConnectOptions, Connection, Error, HostIdentity, PersistMethod, QueueOptions,
+};
 use serde::Serialize;
 
 const EXIT_CODES: &str = "\
 Exit codes:
   0  success
-  1  any other error
+  1  any other error (verify: the data differ; a flush the target could not make durable)
   2  bad command line
   3  the target could not be reached, did not answer in time, or the connection broke
+     (and reconnecting failed)
   4  the target refused: unknown subsystem, host not allowed, unsupported version, other refusals
-  5  authentication failed (wrong or missing key, or the target failed to prove the key)";
+  5  authentication failed (wrong or missing key, or the target failed to prove the key)
+  6  the request does not fit the namespace: no such namespace, out of range, misaligned,
+     read-only, or a --persist method that cannot make it durable";
 
 /// rpma-initiator connects to an rpma target and reads, writes and flushes remote persistent memory.
 #[derive(Debug, Parser)]
@@ -34,12 +41,21 @@ struct Global {
     /// The target, e.g. tcp://192.0.2.7:7420.
     #[arg(long, global = true, value_name = "URL")]
     target: Option<String>,
+    /// The subsystem NQN (every command but discover).
+    #[arg(long, global = true, value_name = "NQN")]
+    nqn: Option<String>,
     /// This host's NQN [default: /etc/nvme/hostnqn, else derived from /etc/machine-id].
     #[arg(long, global = true, value_name = "NQN")]
     hostnqn: Option<String>,
     /// This host's pre-shared key (hex, 32-64 bytes; mode 0600), when the target requires one.
     #[arg(long, global = true, value_name = "FILE")]
     psk_file: Option<PathBuf>,
+    /// The namespace.
+    #[arg(long, global = true, value_name = "N", default_value_t = 1)]
+    nsid: u32,
+    /// Force a durability method instead of the best one the target offers.
+    #[arg(long, global = true, value_name = "METHOD", value_parser = ["apm", "gpspm", "flush"])]
+    persist: Option<String>,
     /// Deadline for connecting and for each answer, in seconds.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 10.0)]
     timeout: f64,
@@ -48,21 +64,141 @@ struct Global {
     json: bool,
 }
 
+/// Where the bytes of `write` and `verify` come from.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+struct Source {
+    /// The bytes of this file (its whole length).
+    #[arg(long = "in", value_name = "FILE")]
+    input: Option<PathBuf>,
+    /// One byte repeated (0x5a, 90); needs --length.
+    #[arg(long, value_name = "BYTE", value_parser = parse_byte, requires = "length")]
+    pattern: Option<u8>,
+}
+
 #[derive(Debug, Subcommand)]
 enum Command {
     /// List the subsystems the target lets this host see, with their listen URLs.
     Discover,
     /// Connect to a subsystem and print its namespaces (size, block size, persistence domain,
     /// durability methods), then disconnect.
-    Identify {
-        /// The subsystem NQN.
-        #[arg(long, value_name = "NQN")]
-        nqn: String,
+    Identify,
+    /// List the namespaces with the durability method this host would use on each.
+    List,
+    /// Read bytes: to --out FILE, else as a hex dump (raw bytes when stdout is not a terminal).
+    Read {
+        /// Byte offset in the namespace (4k, 1MiB...).
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        /// Bytes to read.
+        #[arg(long, value_parser = parse_size)]
+        length: u64,
+        /// Write the bytes to this file.
+        #[arg(long, value_name = "FILE")]
+        out: Option<PathBuf>,
+    },
+    /// Write bytes (placed; with --durable, durable before the command succeeds).
+    Write {
+        /// Byte offset in the namespace.
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        #[command(flatten)]
+        source: Source,
+        /// Bytes of --pattern to write.
+        #[arg(long, value_parser = parse_size)]
+        length: Option<u64>,
+        /// Make the bytes durable before returning.
+        #[arg(long)]
+        durable: bool,
+    },
+    /// Compare the namespace with a file or a pattern: exit 1 and the first differing offset
+    /// on a mismatch.
+    Verify {
+        /// Byte offset in the namespace.
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        #[command(flatten)]
+        source: Source,
+        /// Bytes of --pattern to compare.
+        #[arg(long, value_parser = parse_size)]
+        length: Option<u64>,
+    },
+    /// Make a range durable (every earlier write to it).
+    Flush {
+        /// Byte offset in the namespace.
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        /// Bytes.
+        #[arg(long, value_parser = parse_size)]
+        length: u64,
+    },
+    /// Compare and swap the u64 (native endian) at an 8-byte aligned offset; prints the old value.
+    Cas {
+        /// Byte offset (a multiple of 8).
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        /// The value expected.
+        #[arg(long, value_parser = parse_u64)]
+        expected: u64,
+        /// The value to store if it matches.
+        #[arg(long, value_parser = parse_u64)]
+        new: u64,
+    },
+    /// Fetch and add on the u64 (native endian) at an 8-byte aligned offset; prints the old value.
+    Faa {
+        /// Byte offset (a multiple of 8).
+        #[arg(long, value_parser = parse_size)]
+        offset: u64,
+        /// The addend.
+        #[arg(long, value_parser = parse_u64)]
+        add: u64,
+    },
+    /// A short QD1 latency run (durable writes, reads) and a bandwidth run. Overwrites the range
+    /// it uses.
+    Bench {
+        /// Byte offset of the range used.
+        #[arg(long, value_parser = parse_size, default_value = "0")]
+        offset: u64,
+        /// Size of each latency operation.
+        #[arg(long, value_parser = parse_size, default_value = "4k")]
+        io_size: u64,
+        /// Latency operations per kind.
+        #[arg(long, default_value_t = 1000)]
+        count: u32,
+        /// Bytes moved by each bandwidth run (capped at the namespace).
+        #[arg(long, value_parser = parse_size, default_value = "64MiB")]
+        total: u64,
+        /// Requests in flight in the bandwidth run.
+        #[arg(long, default_value_t = 32)]
+        depth: usize,
+    },
+    /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
+    Completions {
+        /// The shell.
+        shell: clap_complete::Shell,
     },
 }
 
+fn parse_size(s: &str) -> Result<u64, String> {
+    rpma_common::units::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn parse_u64(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let r = match t.strip_prefix("0x").or_else(|| t.strip_prefix("0X")) {
+        Some(h) => u64::from_str_radix(h, 16),
+        None => t.parse(),
+    };
+    r.map_err(|_| format!("{s:?} is not a u64 (decimal or 0x hex)"))
+}
+
+fn parse_byte(s: &str) -> Result<u8, String> {
+    let v = parse_u64(s)?;
+    u8::try_from(v).map_err(|_| format!("{s:?} is not a byte (0..=255)"))
+}
+
 /// A failure with its exit code.
-struct Failure {
+pub(crate) struct Failure {
     code: u8,
     err: anyhow::Error,
 }
@@ -83,6 +219,13 @@ impl From<Error> for Failure {
             Error::AuthFailed { .. }
             | Error::KeyRequired
             | Error::TargetNotAuthenticated { .. } => 5,
+            Error::ReconnectFailed { .. } | Error::Broken => 3,
+            Error::NoSuchNamespace { .. }
+            | Error::OutOfRange { .. }
+            | Error::Misaligned { .. }
+            | Error::ReadOnly { .. }
+            | Error::MethodNotValid { .. } => 6,
+            Error::InvalidArgument(_) => 2,
             _ => 1,
         };
         Failure {
@@ -92,7 +235,7 @@ impl From<Error> for Failure {
     }
 }
 
-fn usage(msg: String) -> Failure {
+pub(crate) fn usage(msg: String) -> Failure {
     Failure {
         code: 2,
         err: anyhow::anyhow!(msg),
@@ -120,6 +263,31 @@ impl Global {
             })?),
             None => host,
         })
+    }
+
+    fn subsystem(&self) -> Result<Nqn, Failure> {
+        let n = self
+            .nqn
+            .as_deref()
+            .ok_or_else(|| usage("--nqn NQN (the subsystem) is required".into()))?;
+        Nqn::new(n).map_err(|e| usage(format!("--nqn {n:?}: {e}")))
+    }
+
+    fn persist_method(&self) -> Option<PersistMethod> {
+        self.persist.as_deref().and_then(|m| m.parse().ok())
+    }
+
+    /// The data path's connection, with queue depth `depth`.
+    fn connection(&self, depth: usize) -> Result<Connection, Failure> {
+        Ok(
+            Connection::new(self.target()?, self.subsystem()?, self.host()?)
+                .with_connect_options(self.options()?)
+                .with_queue_options(QueueOptions {
+                    depth,
+                    persist: self.persist_method(),
+                    ..QueueOptions::default()
+                }),
+        )
     }
 
     fn options(&self) -> Result<ConnectOptions, Failure> {
@@ -204,9 +372,9 @@ fn discover(g: &Global) -> Result<(), Failure> {
     Ok(())
 }
 
-fn identify(g: &Global, nqn: &str) -> Result<(), Failure> {
+fn identify(g: &Global) -> Result<(), Failure> {
     let target = g.target()?;
-    let subsystem = Nqn::new(nqn).map_err(|e| usage(format!("--nqn {nqn:?}: {e}")))?;
+    let subsystem = g.subsystem()?;
     let id = rpma_initiator::identify(target, &subsystem, &g.host()?, &g.options()?)?;
     if g.json {
         #[derive(Serialize)]
@@ -260,9 +428,56 @@ fn identify(g: &Global, nqn: &str) -> Result<(), Failure> {
 fn main() -> ExitCode {
     env_logger::Builder::from_env(env_logger::Env::default().default_filter_or("warn")).init();
     let cli = Cli::parse();
+    let g = &cli.global;
     let result = match &cli.command {
-        Command::Discover => discover(&cli.global),
-        Command::Identify { nqn } => identify(&cli.global, nqn),
+        Command::Discover => discover(g),
+        Command::Identify => identify(g),
+        Command::List => cli::list(g),
+        Command::Read {
+            offset,
+            length,
+            out,
+        } => cli::read(g, *offset, *length, out.as_deref()),
+        Command::Write {
+            offset,
+            source,
+            length,
+            durable,
+        } => cli::write(g, *offset, source, *length, *durable),
+        Command::Verify {
+            offset,
+            source,
+            length,
+        } => cli::verify(g, *offset, source, *length),
+        Command::Flush { offset, length } => cli::flush(g, *offset, *length),
+        Command::Cas {
+            offset,
+            expected,
+            new,
+        } => cli::cas(g, *offset, *expected, *new),
+        Command::Faa { offset, add } => cli::faa(g, *offset, *add),
+        Command::Bench {
+            offset,
+            io_size,
+            count,
+            total,
+            depth,
+        } => cli::bench::run(
+            g,
+            &cli::bench::Params {
+                offset: *offset,
+                io_size: *io_size,
+                count: *count,
+                total: *total,
+                depth: *depth,
+            },
+        ),
+        Command::Completions { shell } => {
+            use clap::CommandFactory;
+            let mut cmd = Cli::command();
+            clap_complete::generate(*shell, &mut cmd, "rpma-initiator", &mut std::io::stdout());
+            Ok(())
+        }
     };
     match result {
         Ok(()) => ExitCode::SUCCESS,
@@ -287,38 +502,93 @@ mod tests {
                 "--json",
                 "--target",
                 "tcp://h:1",
-                "identify",
                 "--nqn",
                 "n",
+                "--nsid",
+                "2",
+                "read",
+                "--offset",
+                "4k",
+                "--length",
+                "1MiB",
             ][..],
             &[
                 "rpma-initiator",
-                "identify",
+                "read",
                 "--nqn",
                 "n",
+                "--offset",
+                "4096",
                 "--target",
                 "tcp://h:1",
+                "--length",
+                "1m",
                 "--json",
+                "--nsid",
+                "2",
             ],
         ] {
             let c = Cli::try_parse_from(args).unwrap();
             assert!(c.global.json);
             assert_eq!(c.global.target.as_deref(), Some("tcp://h:1"));
-            assert!(matches!(c.command, Command::Identify { ref nqn } if nqn == "n"));
+            assert_eq!(c.global.nqn.as_deref(), Some("n"));
+            assert_eq!(c.global.nsid, 2);
+            assert!(matches!(
+                c.command,
+                Command::Read {
+                    offset: 4096,
+                    length: 1048576,
+                    out: None
+                }
+            ));
         }
-        assert!(Cli::try_parse_from(["rpma-initiator", "identify"]).is_err());
+        // write: exactly one of --in and --pattern; --pattern needs --length.
+        let w = |extra: &[&str]| {
+            let mut a = vec!["rpma-initiator", "write", "--offset", "0"];
+            a.extend_from_slice(extra);
+            Cli::try_parse_from(a)
+        };
+        assert!(w(&["--pattern", "0x5a", "--length", "4k"]).is_ok());
+        assert!(w(&["--in", "f"]).is_ok());
+        assert!(w(&[]).is_err());
+        assert!(w(&["--pattern", "0x5a"]).is_err());
+        assert!(w(&["--pattern", "256", "--length", "1"]).is_err());
+        assert!(w(&["--in", "f", "--pattern", "1", "--length", "1"]).is_err());
+        assert!(
+            Cli::try_parse_from(["rpma-initiator", "read", "--offset", "4x", "--length", "1"])
+                .is_err()
+        );
+        assert!(Cli::try_parse_from([
+            "rpma-initiator",
+            "flush",
+            "--persist",
+            "fsync",
+            "--offset",
+            "0",
+            "--length",
+            "1"
+        ])
+        .is_err());
+        assert!(Cli::try_parse_from(["rpma-initiator", "completions", "bash"]).is_ok());
     }
 
     #[test]
     fn bad_options_are_usage_errors() {
         let g = Global {
             target: None,
+            nqn: None,
             hostnqn: Some("not an nqn".into()),
             psk_file: None,
+            nsid: 1,
+            persist: None,
             timeout: 0.0,
             json: false,
         };
         assert_eq!(g.target().err().map(|f| f.code), Some(2));
+        assert_eq!(g.subsystem().err().map(|f| f.code), Some(2));
+        assert_eq!(parse_u64("0x10"), Ok(16));
+        assert_eq!(parse_byte("90"), Ok(90));
+        assert!(parse_u64("-1").is_err());
         assert_eq!(g.host().err().map(|f| f.code), Some(2));
         assert_eq!(g.options().err().map(|f| f.code), Some(2));
     }

@@ -26,7 +26,7 @@ use rpma_common::proto::{
 };
 
 use crate::error::{Error, Result};
-use crate::msgbuf::{MsgBufs, CONTROL_BIT, SEND_BIT};
+use rpma_common::proto::msgbuf::{MsgBufs, CONTROL_BIT, SEND_BIT};
 
 /// A session with a subsystem (or with the discovery subsystem).
 pub struct Session {
@@ -38,6 +38,7 @@ pub struct Session {
     pub(crate) url: String,
     pub(crate) controller_id: u16,
     pub(crate) keep_alive: Duration,
+    pub(crate) queue_depth: u32,
     pub(crate) namespaces: Vec<NamespaceDescriptor>,
     pub(crate) inbox: VecDeque<Message>,
     pub(crate) other: VecDeque<Completion>,
@@ -74,6 +75,12 @@ impl Session {
     /// The keep-alive period the target enforces.
     pub fn keep_alive(&self) -> Duration {
         self.keep_alive
+    }
+
+    /// The queue depth the target granted: the most FlushRequests this host may have
+    /// outstanding at once on this connection (0 on a discovery connection).
+    pub fn queue_depth(&self) -> u32 {
+        self.queue_depth
     }
 
     /// The namespaces this host may reach, by ascending nsid.

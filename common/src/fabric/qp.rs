@@ -31,7 +31,9 @@ pub struct ConnParams {
     /// peer's IRD when the connection is made.
     pub ord: u16,
     /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
-    /// segmented. At most 65535.
+    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
+    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
+    /// on a 1500-byte MTU, about 32 KiB on loopback.
     pub max_ulpdu: usize,
     /// Largest message (Write, Read, Send) this side posts or serves; a peer's Read Request for
     /// more is answered with a Terminate.
@@ -46,7 +48,7 @@ impl Default for ConnParams {
             crc: true,
             ird: 16,
             ord: 16,
-            max_ulpdu: conn::DEFAULT_MAX_ULPDU,
+            max_ulpdu: crate::fabric::soft::wire::MAX_ULPDU_LIMIT,
             max_message: 1 << 30,
             timeout: Duration::from_secs(10),
         }
@@ -195,6 +197,22 @@ impl QueuePair {
     /// that did not advertise them).
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
         self.inner.post_send(wr)
+    }
+
+    /// Posts several send-queue work requests at once, like `ibv_post_send` with a chained
+    /// list, and rings the doorbell once: what can start goes out in one `writev` (for APM,
+    /// the Write(s) and the Read travel together). Same ownership and completion rules as
+    /// [`post_send`](Self::post_send), in list order.
+    ///
+    /// All or nothing: if any request is refused, none is posted (unlike `ibv_post_send`, which
+    /// posts those before the bad one).
+    ///
+    /// # Errors
+    /// Those of [`post_send`](Self::post_send), for the first request refused;
+    /// [`Error::QueueFull`] if the send queue has no room for all of them.
+    pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
+        let mut list: Vec<Option<SendWr>> = wrs.into_iter().map(Some).collect();
+        self.inner.post_sends(&mut list)
     }
 
     /// Posts a receive (`ibv_post_recv`). Same buffer ownership as

@@ -12,8 +12,19 @@ use crate::fabric::soft::wire::rx::RxConfig;
 use crate::fabric::soft::wire::{self, CapFlags, Caps, WireError};
 use crate::fabric::url::{Scheme, Url};
 
-/// Default largest ULPDU sent: one FPDU per TCP segment of a 1500-byte MTU.
+/// The largest ULPDU sent when the connection's MSS is unknown: one FPDU per TCP segment of
+/// a 1500-byte MTU. (`ConnParams::default()` asks for 65535, which the MSS then cuts.)
 pub const DEFAULT_MAX_ULPDU: usize = wire::DEFAULT_MAX_ULPDU;
+
+/// The largest ULPDU whose FPDU fits one TCP segment of `sock` (RFC 5044's MULPDU without
+/// markers: the MSS less the 2-byte length, the pad and the CRC), at least
+/// [`wire::tx::MIN_MAX_ULPDU`]. None if the socket does not say its MSS.
+pub(crate) fn mulpdu(sock: &TcpStream) -> Option<usize> {
+    use nix::sys::socket::{getsockopt, sockopt::TcpMaxSeg};
+    let mss = getsockopt(sock, TcpMaxSeg).ok()? as usize;
+    let m = (mss.saturating_sub(4) & !3).saturating_sub(2);
+    Some(m.clamp(wire::tx::MIN_MAX_ULPDU, wire::MAX_ULPDU_LIMIT))
+}
 
 /// The most application private data a connect or accept may carry: 256 bytes of MPA private
 /// data (what Linux siw accepts) less the 4-byte IRD/ORD prefix and the 12-byte capability block.
@@ -34,9 +45,9 @@ fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<Mpa
             reason: "private data longer than 240 bytes",
         });
     }
-    if params.max_ulpdu < 64 || params.max_ulpdu > wire::MAX_ULPDU_LIMIT {
+    if !(wire::tx::MIN_MAX_ULPDU..=wire::MAX_ULPDU_LIMIT).contains(&params.max_ulpdu) {
         return Err(Error::InvalidWorkRequest {
-            reason: "max_ulpdu must be 64..=65535",
+            reason: "max_ulpdu must be 128..=65535",
         });
     }
     Ok(MpaConfig {
@@ -114,12 +125,12 @@ pub(crate) fn connect(
                 s.set_read_timeout(Some(params.timeout))
                     .map_err(sock_err("configure", addr))?;
                 s.set_nodelay(true).map_err(sock_err("configure", addr))?;
-                let n = match mpa::connect_handshake(&mut s, &cfg) {
-                    Ok(n) => n,
-                    Err(WireError::Rejected) => {
+                let n = match mpa::connect_exchange(&mut s, &cfg) {
+                    Ok(mpa::Answer::Accepted(n)) => n,
+                    Ok(mpa::Answer::Rejected { private_data }) => {
                         return Err(Error::Rejected {
                             peer: addr.to_string(),
-                            private_data: vec![],
+                            private_data,
                         })
                     }
                     Err(e) => return Err(handshake_err(addr, e)),
@@ -273,6 +284,28 @@ impl Pending {
         if let Ok(b) = f.encode() {
             // Best effort: the connection closes either way.
             let _ = self.stream.write_all(&b);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mulpdu_fits_one_segment_of_a_loopback_connection() {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (s, _) = l.accept().unwrap();
+        for sock in [&c, &s] {
+            use nix::sys::socket::{getsockopt, sockopt::TcpMaxSeg};
+            let mss = getsockopt(sock, TcpMaxSeg).unwrap() as usize;
+            let m = mulpdu(sock).unwrap();
+            assert!(wire::fpdu_len(m) <= mss, "{m} for MSS {mss}");
+            assert!(
+                wire::fpdu_len(m + 4) > mss.min(wire::fpdu_len(65535)),
+                "{m} for MSS {mss}"
+            );
         }
     }
 }

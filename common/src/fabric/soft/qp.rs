@@ -21,7 +21,7 @@ use crate::fabric::soft::placement::Dirty;
 use crate::fabric::soft::poll::Poller;
 use crate::fabric::soft::tx::Tx;
 use crate::fabric::soft::wire::rx::FpduReceiver;
-use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendOp, SendWr, WcOpcode};
+use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendWr};
 
 /// Whether a state may move to another (`ibv_modify_qp` rules, as far as RC uses them).
 pub(crate) fn can_transition(from: QpState, to: QpState) -> bool {
@@ -143,7 +143,10 @@ impl SoftQp {
             return Err(fail(self.num, c.e.state, "connect", QpState::Init));
         }
         let e = &mut c.e;
-        e.tx = Tx::new(neg.info.crc, neg.peer_max_ulpdu.min(params.max_ulpdu));
+        // RFC 5044: an FPDU should fit one TCP segment (MULPDU), whatever was asked for.
+        let mulpdu = super::conn::mulpdu(&sock).unwrap_or(super::conn::DEFAULT_MAX_ULPDU);
+        let max_ulpdu = neg.peer_max_ulpdu.min(params.max_ulpdu).min(mulpdu);
+        e.tx = Tx::new(neg.info.crc, max_ulpdu);
         e.ord = neg.info.ord.max(1) as usize;
         e.ird = neg.info.ird.max(1) as usize;
         e.max_message = params.max_message;
@@ -187,46 +190,28 @@ impl SoftQp {
     }
 
     pub(crate) fn post_send(&self, wr: SendWr) -> Result<()> {
+        self.post_sends(&mut [Some(wr)])
+    }
+
+    /// Posts every request of `wrs` (all `Some`) or none, then rings the doorbell once: one
+    /// `writev` carries them all as far as ORD and fences let them start.
+    pub(crate) fn post_sends(&self, wrs: &mut [Option<SendWr>]) -> Result<()> {
         let mut c = self.lock();
-        c.e.validate(&wr)?;
+        for wr in wrs.iter().flatten() {
+            c.e.validate(wr)?;
+        }
         let e = &mut c.e;
-        if e.sq.len() >= e.caps.max_send_wr {
+        if e.sq.len() + wrs.len() > e.caps.max_send_wr {
             return Err(Error::QueueFull {
                 qp_num: self.num,
                 queue: "send",
                 depth: e.caps.max_send_wr,
             });
         }
-        let opcode = match &wr.op {
-            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
-            SendOp::Read { .. } => WcOpcode::RdmaRead,
-            SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
-            SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
-            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
-            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
-            SendOp::Flush { .. } => WcOpcode::Flush,
-        };
-        let byte_len = match &wr.op {
-            SendOp::Write { local, .. }
-            | SendOp::WriteWithImm { local, .. }
-            | SendOp::Read { local, .. }
-            | SendOp::Send { local }
-            | SendOp::SendWithInvalidate { local, .. } => local.len as u32,
-            SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } | SendOp::AtomicWrite { .. } => 8,
-            SendOp::Flush { .. } => 0,
-        };
-        let seq = e.next_seq;
-        e.next_seq += 1;
-        e.sq.push_back(SqEntry {
-            seq,
-            wr_id: wr.wr_id,
-            opcode,
-            flags: wr.flags,
-            byte_len,
-            status: None,
-            pending: Pending::Unissued(wr.op),
-        });
-        // Ring the doorbell: start it and write what the socket takes now.
+        for wr in wrs.iter_mut().filter_map(Option::take) {
+            e.enqueue(wr);
+        }
+        // Ring the doorbell: start them and write what the socket takes now.
         let Core { conn, e } = &mut *c;
         e.issue();
         if let Some(conn) = conn.as_mut() {

@@ -12,7 +12,7 @@ use crate::fabric::soft::wire::rdmap::{
 };
 use crate::fabric::soft::wire::{Header, HeaderKind, Opcode};
 use crate::fabric::types::{
-    Access, FlushTarget, FlushType, QpState, SendFlags, SendOp, SendWr, Sge,
+    Access, FlushTarget, FlushType, QpState, SendFlags, SendOp, SendWr, Sge, WcOpcode,
 };
 
 impl Engine {
@@ -34,6 +34,39 @@ impl Engine {
             Some(i) if what(i) => Ok(()),
             _ => Err(Error::PeerUnsupported { op }),
         }
+    }
+
+    /// Appends a validated request to the send queue (not started yet).
+    pub(super) fn enqueue(&mut self, wr: SendWr) {
+        let opcode = match &wr.op {
+            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+            SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
+            SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
+            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
+            SendOp::Flush { .. } => WcOpcode::Flush,
+        };
+        let byte_len = match &wr.op {
+            SendOp::Write { local, .. }
+            | SendOp::WriteWithImm { local, .. }
+            | SendOp::Read { local, .. }
+            | SendOp::Send { local }
+            | SendOp::SendWithInvalidate { local, .. } => local.len as u32,
+            SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } | SendOp::AtomicWrite { .. } => 8,
+            SendOp::Flush { .. } => 0,
+        };
+        let seq = self.next_seq;
+        self.next_seq += 1;
+        self.sq.push_back(SqEntry {
+            seq,
+            wr_id: wr.wr_id,
+            opcode,
+            flags: wr.flags,
+            byte_len,
+            status: None,
+            pending: Pending::Unissued(wr.op),
+        });
     }
 
     pub(super) fn validate(&self, wr: &SendWr) -> Result<()> {

@@ -531,10 +531,40 @@ fn write_frame<S: Write>(stream: &mut S, frame: &MpaFrame) -> Result<()> {
 /// [`WireError::PrivateDataTooLong`], ...), and those of [`negotiate`], notably
 /// [`WireError::Rejected`].
 pub fn connect_handshake<S: Read + Write>(stream: &mut S, cfg: &MpaConfig) -> Result<Negotiated> {
+    match connect_exchange(stream, cfg)? {
+        Answer::Accepted(n) => Ok(n),
+        Answer::Rejected { .. } => Err(WireError::Rejected),
+    }
+}
+
+/// How the passive side answered an MPA Request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Answer {
+    /// Accepted; what was agreed.
+    Accepted(Negotiated),
+    /// Refused (a Reply with R=1), with the private data the peer sent along (after the
+    /// IRD/ORD prefix, if any; no capability block).
+    Rejected {
+        /// The peer's private data.
+        private_data: Vec<u8>,
+    },
+}
+
+/// As [`connect_handshake`], but a rejecting Reply is an [`Answer::Rejected`] carrying the
+/// peer's private data (rdma_cm hands it to the application with `RDMA_CM_EVENT_REJECTED`).
+///
+/// # Errors
+/// As [`connect_handshake`], except [`WireError::Rejected`].
+pub fn connect_exchange<S: Read + Write>(stream: &mut S, cfg: &MpaConfig) -> Result<Answer> {
     cfg.validate()?;
     write_frame(stream, &cfg.request())?;
     let reply = read_frame(stream, MpaKind::Reply)?;
-    negotiate(cfg, &reply)
+    if reply.reject {
+        return Ok(Answer::Rejected {
+            private_data: reply.private_data,
+        });
+    }
+    negotiate(cfg, &reply).map(Answer::Accepted)
 }
 
 /// The passive side's handshake: reads the Request, answers with a Reply. A Request we refuse

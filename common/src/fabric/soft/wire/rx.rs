@@ -397,13 +397,26 @@ impl FpduReceiver {
                     let rest = unsafe {
                         std::slice::from_raw_parts_mut(dst.ptr.add(done), payload_len - done)
                     };
-                    match src.read(rest) {
+                    // Our buffer is empty here: the same readv brings the trailer and what
+                    // follows (up to read-ahead) into it.
+                    let want = rest.len();
+                    self.start = 0;
+                    self.end = 0;
+                    let ahead = READ_AHEAD.min(self.buf.len());
+                    let mut iov = [
+                        io::IoSliceMut::new(rest),
+                        io::IoSliceMut::new(&mut self.buf[..ahead]),
+                    ];
+                    match src.read_vectored(&mut iov) {
                         Ok(0) => {
                             return Err(WireError::Closed {
                                 during: "FPDU payload",
                             })
                         }
-                        Ok(k) => done += k,
+                        Ok(k) => {
+                            done += k.min(want);
+                            self.end = k.saturating_sub(want);
+                        }
                         Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                         Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                             self.state = State::Streaming {
@@ -552,8 +565,13 @@ impl FpduReceiver {
         self.note_offending(ulpdu_len);
         let (header, hl) = self.judge_header(ulpdu_len)?;
         let kind = self.decide(header, hl, ulpdu_len, placer)?;
+        // A payload that is (nearly) all in or within read-ahead is gathered and copied: one
+        // syscall, where reading it into place would take two (payload, then the trailer).
+        let payload_len = ulpdu_len - hl;
+        let buffered = avail - (2 + hl);
+        let direct = payload_len.saturating_sub(buffered) > READ_AHEAD;
         match kind {
-            Kind::Direct(dst) => {
+            Kind::Direct(dst) if direct => {
                 self.start += 2 + hl;
                 self.state = State::Streaming {
                     header,

@@ -1,0 +1,492 @@
+//! Benchmark (not a test): the `tcp` transport over loopback against raw TCP, in one run.
+//!
+//! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]`
+//!
+//! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, one FPDU per segment of
+//! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a volatile `AlignedBuf`, and a /dev/shm file mapped `dax (forced)`, whose
+//! Writes the engine writes back with clwb + sfence before it answers a Read):
+//! - QD1 latency: a 4 KiB Write (unsignaled) then an 8-byte Read, waiting for the Read's
+//!   completion before the next pair: p50 and p99 of the round trip;
+//! - bandwidth: 1 MiB Writes, 16 outstanding, then one 8-byte Read (so that the time includes
+//!   placement and, on dax, the write-back of everything written).
+//!
+//! The floor, in the same run: a raw TCP ping-pong (4 KiB one way, 8 B back, both ends
+//! busy-polling non-blocking sockets with TCP_NODELAY) and a raw TCP stream (1 MiB writes, the
+//! reader busy-polling into a 1 MiB buffer).
+//!
+//! Both ends run in this process, on two threads (the initiator in the main thread, the target
+//! busy-polling its completion queue in another): on a 2-CPU machine that is one CPU each.
+//! Every figure is the median over `--reps` repetitions; ratios are to the raw-TCP floor.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::Instant;
+
+use rpma_common::fabric::*;
+use rpma_common::pmem::OpenOptions;
+
+const SMALL: usize = 4096;
+const MIB: usize = 1 << 20;
+/// Target region: 16 slots of 1 MiB.
+const REGION: usize = 16 * MIB;
+const BW_QD: usize = 16;
+
+type BoxResult<T> = std::result::Result<T, Box<dyn std::error::Error>>;
+
+struct Args {
+    reps: usize,
+    iters: usize,
+    gib: usize,
+    only: Option<String>,
+}
+
+fn args() -> BoxResult<Args> {
+    let mut a = Args {
+        reps: 5,
+        iters: 20_000,
+        gib: 1,
+        only: None,
+    };
+    let mut it = std::env::args().skip(1);
+    while let Some(k) = it.next() {
+        let v = it.next().ok_or("missing value")?;
+        match k.as_str() {
+            "--reps" => a.reps = v.parse()?,
+            "--iters" => a.iters = v.parse()?,
+            "--gib" => a.gib = v.parse()?,
+            "--only" => a.only = Some(v),
+            _ => return Err(format!("unknown argument {k}").into()),
+        }
+    }
+    Ok(a)
+}
+
+fn main() -> BoxResult<()> {
+    let a = args()?;
+    print_machine();
+    println!(
+        "reps {} (medians shown), QD1 iterations {} per rep, bandwidth {} GiB per rep",
+        a.reps, a.iters, a.gib
+    );
+
+    let shm = tempfile::Builder::new()
+        .prefix("rpma-fabric-bench-")
+        .tempfile_in("/dev/shm")?;
+    let mut cases = Vec::new();
+    for dax in [false, true] {
+        for crc in [true, false] {
+            for ulpdu in [1454usize, 65535] {
+                cases.push(Case::new(dax, crc, ulpdu, false));
+            }
+        }
+    }
+    // The same pair posted with two post_send calls (two writevs) instead of one list.
+    cases.push(Case::new(false, true, 1454, true));
+    cases.push(Case::new(false, false, 65535, true));
+    cases.retain(|c| match &a.only {
+        Some(o) => c.name.contains(o.as_str()),
+        None => true,
+    });
+
+    // Each repetition measures the floor and then every case, so that a case is compared with
+    // a floor measured moments before it (the machine is shared: its load drifts).
+    let mut floor = Stats::default();
+    for rep in 0..a.reps {
+        let (p50, p99) = raw_ping_pong(a.iters)?;
+        let bw = raw_stream(a.gib)?;
+        floor.push(p50, p99, bw, 1.0, 1.0);
+        for c in cases.iter_mut() {
+            let mem: Arc<dyn Target> = if c.dax {
+                let m = OpenOptions::new(shm.path())
+                    .size(REGION as u64)
+                    .force_dax(true)
+                    .open()?;
+                assert!(m.domain().is_durable(), "{}", m.domain());
+                Arc::new(m)
+            } else {
+                AlignedBuf::new(REGION)?
+            };
+            let mut s = Setup::new(c.crc, c.ulpdu, mem)?;
+            s.separate = c.separate;
+            let (l50, l99) = s.qd1(a.iters)?;
+            let cbw = s.bandwidth(a.gib)?;
+            s.stop()?;
+            c.stats.push(l50, l99, cbw, l50 / p50, cbw / bw);
+        }
+        eprintln!("rep {} of {} done", rep + 1, a.reps);
+    }
+    println!();
+    println!("| case | QD1 p50 us | QD1 p99 us | p50 / floor | bandwidth GB/s | bw / floor |");
+    println!("|---|---:|---:|---:|---:|---:|");
+    floor.print("raw TCP (floor)");
+    for c in cases.iter_mut() {
+        c.stats.print(&c.name);
+    }
+    println!();
+    println!("(ratios: median over the repetitions of the ratio to that repetition's floor)");
+    Ok(())
+}
+
+struct Case {
+    name: String,
+    dax: bool,
+    crc: bool,
+    ulpdu: usize,
+    separate: bool,
+    stats: Stats,
+}
+
+impl Case {
+    fn new(dax: bool, crc: bool, ulpdu: usize, separate: bool) -> Case {
+        let name = format!(
+            "crc {}, ulpdu {}, {}{}",
+            if crc { "on" } else { "off" },
+            if ulpdu == 1454 {
+                "1454"
+            } else {
+                "default (MSS)"
+            },
+            if dax { "dax (forced)" } else { "volatile" },
+            if separate {
+                ", Write and Read posted apart"
+            } else {
+                ""
+            }
+        );
+        Case {
+            name,
+            dax,
+            crc,
+            ulpdu,
+            separate,
+            stats: Stats::default(),
+        }
+    }
+}
+
+/// Per-repetition figures of one case.
+#[derive(Default)]
+struct Stats {
+    p50: Vec<f64>,
+    p99: Vec<f64>,
+    bw: Vec<f64>,
+    lat_ratio: Vec<f64>,
+    bw_ratio: Vec<f64>,
+}
+
+impl Stats {
+    fn push(&mut self, p50: f64, p99: f64, bw: f64, lat_ratio: f64, bw_ratio: f64) {
+        self.p50.push(p50);
+        self.p99.push(p99);
+        self.bw.push(bw);
+        self.lat_ratio.push(lat_ratio);
+        self.bw_ratio.push(bw_ratio);
+    }
+
+    fn print(&mut self, name: &str) {
+        println!(
+            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
+            median(&mut self.p50) / 1e3,
+            median(&mut self.p99) / 1e3,
+            median(&mut self.lat_ratio),
+            median(&mut self.bw) / 1e9,
+            median(&mut self.bw_ratio)
+        );
+    }
+}
+
+fn print_machine() {
+    let cpuinfo = std::fs::read_to_string("/proc/cpuinfo").unwrap_or_default();
+    let model = cpuinfo
+        .lines()
+        .find_map(|l| l.strip_prefix("model name"))
+        .map(|l| l.trim_start_matches([' ', '\t', ':']))
+        .unwrap_or("unknown");
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!("cpu: {model}, {cpus} logical CPUs; both ends in this process on two threads");
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    v.sort_by(|a, b| a.total_cmp(b));
+    v[v.len() / 2]
+}
+
+fn percentile(sorted: &[u64], p: f64) -> f64 {
+    let i = ((sorted.len() as f64 - 1.0) * p).round() as usize;
+    sorted[i] as f64
+}
+
+/// Registered target memory of either kind.
+trait Target: RegisteredMemory + Send + Sync {}
+impl<T: RegisteredMemory + Send + Sync> Target for T {}
+
+struct Setup {
+    icq: CompletionQueue,
+    qp: QueuePair,
+    local: Arc<MemoryRegion>,
+    remote: Arc<MemoryRegion>,
+    stop: Arc<AtomicBool>,
+    /// Post the Write and the Read with two `post_send` calls instead of one list.
+    separate: bool,
+    target: JoinHandle<Result<QueuePair>>,
+}
+
+impl Setup {
+    fn new(crc: bool, max_ulpdu: usize, mem: Arc<dyn Target>) -> BoxResult<Setup> {
+        let params = ConnParams {
+            crc,
+            max_ulpdu,
+            ..ConnParams::default()
+        };
+        let ctx = Context::soft();
+        let pd = ctx.alloc_pd()?;
+        let icq = ctx.create_cq(256)?;
+        let tcq = ctx.create_cq(256)?;
+        let access = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let remote = register_dyn(&pd, mem, access)?;
+        let local_mem = AlignedBuf::new(REGION)?;
+        for i in 0..REGION / 4096 {
+            local_mem.write_at(i * 4096, &[i as u8; 4096])?;
+        }
+        let local = pd.register(local_mem, Access::LOCAL_WRITE)?;
+        let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse()?)?;
+        let url = listener.url()?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let (pd2, p2, stop2) = (pd.clone(), params.clone(), Arc::clone(&stop));
+        let target = std::thread::spawn(move || -> Result<QueuePair> {
+            let req = listener.accept(&p2)?;
+            let qp = pd2.create_qp(&tcq, &tcq, QpCaps::default())?;
+            let qp = req.accept(qp, &p2, b"")?;
+            // The target only serves: busy-poll its queue until told to stop.
+            let mut wc = [Completion::EMPTY; 16];
+            while !stop2.load(Ordering::Relaxed) {
+                tcq.poll(&mut wc)?;
+            }
+            Ok(qp)
+        });
+        let qp = pd
+            .create_qp(&icq, &icq, QpCaps::default())?
+            .connect(&url, &params, b"")?;
+        Ok(Setup {
+            icq,
+            qp,
+            local,
+            remote,
+            stop,
+            separate: false,
+            target,
+        })
+    }
+
+    fn stop(self) -> BoxResult<()> {
+        self.stop.store(true, Ordering::Relaxed);
+        let tqp = self.target.join().map_err(|_| "target thread panicked")??;
+        drop((self.qp, tqp));
+        Ok(())
+    }
+
+    fn next(&self) -> BoxResult<Completion> {
+        let mut wc = [Completion::EMPTY; 1];
+        loop {
+            if self.icq.poll(&mut wc)? == 1 {
+                if wc[0].status != WcStatus::Success {
+                    return Err(format!("completion failed: {:?}", wc[0]).into());
+                }
+                return Ok(wc[0]);
+            }
+        }
+    }
+
+    fn read_wr(&self, wr_id: u64) -> SendWr {
+        SendWr::new(
+            wr_id,
+            SendOp::Read {
+                local: Sge::new(&self.local, REGION - 8, 8),
+                remote: self.remote.remote(0),
+            },
+        )
+    }
+
+    fn read8(&self, wr_id: u64) -> BoxResult<()> {
+        self.qp.post_send(self.read_wr(wr_id))?;
+        let c = self.next()?;
+        assert_eq!(c.wr_id, wr_id);
+        Ok(())
+    }
+
+    /// Write(4 KiB) + Read(8 B) round trips: (p50, p99) in ns.
+    fn qd1(&self, iters: usize) -> BoxResult<(f64, f64)> {
+        let mut lat = Vec::with_capacity(iters);
+        let slots = (REGION / SMALL) as u64;
+        for i in 0..(iters + iters / 10) as u64 {
+            let off = (i % slots) * SMALL as u64;
+            let t = Instant::now();
+            let write = SendWr::new(
+                i,
+                SendOp::Write {
+                    local: Sge::new(&self.local, off as usize, SMALL),
+                    remote: self.remote.remote(off),
+                },
+            )
+            .with_flags(SendFlags::empty());
+            if self.separate {
+                self.qp.post_send(write)?;
+                self.read8(i)?;
+            } else {
+                self.qp.post_send_list([write, self.read_wr(i)])?;
+                assert_eq!(self.next()?.wr_id, i);
+            }
+            if i >= (iters / 10) as u64 {
+                lat.push(t.elapsed().as_nanos() as u64);
+            }
+        }
+        lat.sort_unstable();
+        Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+    }
+
+    /// 1 MiB Writes, BW_QD outstanding, then a Read: bytes per second.
+    fn bandwidth(&self, gib: usize) -> BoxResult<f64> {
+        let total = gib * 1024;
+        let t = Instant::now();
+        let (mut posted, mut done) = (0usize, 0usize);
+        let mut wc = [Completion::EMPTY; 16];
+        while done < total {
+            while posted < total && posted - done < BW_QD {
+                let off = (posted % (REGION / MIB)) * MIB;
+                self.qp.post_send(SendWr::new(
+                    posted as u64,
+                    SendOp::Write {
+                        local: Sge::new(&self.local, off, MIB),
+                        remote: self.remote.remote(off as u64),
+                    },
+                ))?;
+                posted += 1;
+            }
+            let n = self.icq.poll(&mut wc)?;
+            for c in &wc[..n] {
+                if c.status != WcStatus::Success {
+                    return Err(format!("write failed: {c:?}").into());
+                }
+            }
+            done += n;
+        }
+        self.read8(u64::MAX)?;
+        Ok((total * MIB) as f64 / t.elapsed().as_secs_f64())
+    }
+}
+
+fn register_dyn(
+    pd: &ProtectionDomain,
+    mem: Arc<dyn Target>,
+    access: Access,
+) -> Result<Arc<MemoryRegion>> {
+    pd.register(Arc::new(Shared(mem)), access)
+}
+
+/// An `Arc<dyn Target>` as a sized `RegisteredMemory` that keeps the pmem `Persist` visible.
+struct Shared(Arc<dyn Target>);
+
+// SAFETY: forwards to the inner memory, which upholds the contract.
+unsafe impl RegisteredMemory for Shared {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.0.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.0.len()
+    }
+    fn persist(&self) -> Option<&dyn rpma_common::pmem::Persist> {
+        self.0.persist()
+    }
+}
+
+fn pair() -> BoxResult<(TcpStream, TcpStream)> {
+    let l = TcpListener::bind("127.0.0.1:0")?;
+    let c = TcpStream::connect(l.local_addr()?)?;
+    let (s, _) = l.accept()?;
+    for x in [&c, &s] {
+        x.set_nodelay(true)?;
+        x.set_nonblocking(true)?;
+    }
+    Ok((c, s))
+}
+
+fn spin_write(s: &mut TcpStream, mut buf: &[u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match s.write(buf) {
+            Ok(n) => buf = &buf[n..],
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn spin_read(s: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
+    while !buf.is_empty() {
+        match s.read(buf) {
+            Ok(0) => return Err(ErrorKind::UnexpectedEof.into()),
+            Ok(n) => buf = &mut buf[n..],
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// 4 KiB one way, 8 B back, both ends busy-polling: (p50, p99) in ns.
+fn raw_ping_pong(iters: usize) -> BoxResult<(f64, f64)> {
+    let (mut c, mut s) = pair()?;
+    let total = iters + iters / 10;
+    let server = std::thread::spawn(move || -> std::io::Result<()> {
+        let mut buf = vec![0u8; SMALL];
+        for _ in 0..total {
+            spin_read(&mut s, &mut buf)?;
+            spin_write(&mut s, &buf[..8])?;
+        }
+        Ok(())
+    });
+    let out = vec![7u8; SMALL];
+    let mut back = [0u8; 8];
+    let mut lat = Vec::with_capacity(iters);
+    for i in 0..total {
+        let t = Instant::now();
+        spin_write(&mut c, &out)?;
+        spin_read(&mut c, &mut back)?;
+        if i >= iters / 10 {
+            lat.push(t.elapsed().as_nanos() as u64);
+        }
+    }
+    server.join().map_err(|_| "server panicked")??;
+    lat.sort_unstable();
+    Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+}
+
+/// 1 MiB writes, the reader busy-polling: bytes per second.
+fn raw_stream(gib: usize) -> BoxResult<f64> {
+    let (mut c, mut s) = pair()?;
+    let total = gib << 30;
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let buf = vec![3u8; MIB];
+        for _ in 0..total / MIB {
+            spin_write(&mut c, &buf)?;
+        }
+        Ok(())
+    });
+    let mut buf = vec![0u8; MIB];
+    let t = Instant::now();
+    let mut got = 0;
+    while got < total {
+        match s.read(&mut buf) {
+            Ok(0) => return Err("writer closed early".into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let el = t.elapsed();
+    writer.join().map_err(|_| "writer panicked")??;
+    Ok(total as f64 / el.as_secs_f64())
+}

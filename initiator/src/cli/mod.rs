@@ -1,0 +1,479 @@
+//! The data-path subcommands: list, read, write, verify, flush, cas, faa (and bench in its own
+//! module). Each opens one queue, does its work in pieces of [`PIECE`] bytes (so a progress
+//! bar can move and memory stays bounded), and disconnects.
+
+pub(crate) mod bench;
+mod progress;
+
+use std::io::{IsTerminal, Read as _, Write as _};
+use std::path::Path;
+
+use rpma_initiator::{Choice, Durability, Queue};
+use serde::Serialize;
+
+use crate::{print_json, usage, Failure, Global, NamespaceJson, Source};
+use progress::Progress;
+
+/// Bytes moved per library call.
+const PIECE: u64 = 4 << 20;
+
+fn failure(code: u8, msg: String) -> Failure {
+    Failure {
+        code,
+        err: anyhow::anyhow!(msg),
+    }
+}
+
+fn io_failure(what: String, e: std::io::Error) -> Failure {
+    Failure {
+        code: 1,
+        err: anyhow::Error::new(e).context(what),
+    }
+}
+
+fn open(g: &Global, depth: usize) -> Result<Queue, Failure> {
+    Ok(g.connection(depth)?.open_queue(0)?)
+}
+
+fn close(q: Queue) {
+    let _ = q.close();
+}
+
+/// The text of an outcome, and a warning on stderr when it is not durable.
+fn outcome(g: &Global, d: Durability) -> (&'static str, Option<String>) {
+    match d {
+        Durability::Durable(m) => ("durable", Some(m.to_string())),
+        Durability::VisibleOnly => {
+            eprintln!(
+                "rpma-initiator: warning: namespace {} is volatile: the bytes are visible, NOT durable",
+                g.nsid
+            );
+            ("visible-only", None)
+        }
+    }
+}
+
+/// The bytes of `--in FILE`, or `--pattern B --length L`.
+enum Bytes {
+    File(Vec<u8>),
+    Pattern(u8, u64),
+}
+
+impl Bytes {
+    fn of(source: &Source, length: Option<u64>) -> Result<Bytes, Failure> {
+        match (&source.input, source.pattern) {
+            (Some(path), None) => {
+                if length.is_some() {
+                    return Err(usage("--length goes with --pattern, not --in".into()));
+                }
+                let mut v = Vec::new();
+                std::fs::File::open(path)
+                    .and_then(|mut f| f.read_to_end(&mut v))
+                    .map_err(|e| io_failure(format!("reading {}", path.display()), e))?;
+                Ok(Bytes::File(v))
+            }
+            (None, Some(b)) => Ok(Bytes::Pattern(
+                b,
+                length.ok_or_else(|| usage("--pattern needs --length".into()))?,
+            )),
+            _ => Err(usage("give one of --in FILE or --pattern BYTE".into())),
+        }
+    }
+
+    fn len(&self) -> u64 {
+        match self {
+            Bytes::File(v) => v.len() as u64,
+            Bytes::Pattern(_, n) => *n,
+        }
+    }
+
+    /// The bytes of `[at, at + n)` into `out` (resized).
+    fn piece(&self, at: u64, n: usize, out: &mut Vec<u8>) {
+        out.clear();
+        match self {
+            Bytes::File(v) => out.extend_from_slice(&v[at as usize..at as usize + n]),
+            Bytes::Pattern(b, _) => out.resize(n, *b),
+        }
+    }
+}
+
+pub(crate) fn list(g: &Global) -> Result<(), Failure> {
+    let mut q = open(g, 1)?;
+    #[derive(Serialize)]
+    struct Ns {
+        #[serde(flatten)]
+        ns: NamespaceJson,
+        method: Option<String>,
+        method_error: Option<String>,
+    }
+    let mut rows = Vec::new();
+    for d in q.namespaces() {
+        let ns = q.namespace(d.nsid)?;
+        let (method, method_error) = match ns.method() {
+            Ok(Choice::Method(m)) => (Some(m.to_string()), None),
+            Ok(Choice::VisibleOnly) => (None, None),
+            Err(e) => (None, Some(e.to_string())),
+        };
+        rows.push(Ns {
+            ns: NamespaceJson::from(&d),
+            method,
+            method_error,
+        });
+    }
+    close(q);
+    if g.json {
+        return print_json(&rows);
+    }
+    for r in &rows {
+        let how = match (&r.method, &r.method_error) {
+            (Some(m), _) => format!("durable with {m}"),
+            (None, Some(e)) => format!("NOT durable: {e}"),
+            (None, None) => "visible only (volatile)".into(),
+        };
+        println!(
+            "nsid {}: {}, block {}, {}, {}, {} (offered: {})",
+            r.ns.nsid,
+            rpma_common::units::format_size(r.ns.size),
+            r.ns.block_size,
+            r.ns.domain,
+            if r.ns.read_only {
+                "read-only"
+            } else {
+                "read-write"
+            },
+            how,
+            if r.ns.durability.is_empty() {
+                "none".to_owned()
+            } else {
+                r.ns.durability.join(" ")
+            }
+        );
+    }
+    Ok(())
+}
+
+pub(crate) fn read(
+    g: &Global,
+    offset: u64,
+    length: u64,
+    out: Option<&Path>,
+) -> Result<(), Failure> {
+    let mut q = open(g, 32)?;
+    let mut file = match out {
+        Some(p) => Some(
+            std::fs::File::create(p)
+                .map_err(|e| io_failure(format!("creating {}", p.display()), e))?,
+        ),
+        None => None,
+    };
+    let mut all = Vec::new();
+    let mut bar = Progress::new("read", length, g.json);
+    let mut buf = Vec::new();
+    let mut at = 0;
+    while at < length {
+        let n = (length - at).min(PIECE) as usize;
+        buf.resize(n, 0);
+        q.namespace(g.nsid)?.read_at(offset + at, &mut buf)?;
+        match &mut file {
+            Some(f) => f
+                .write_all(&buf)
+                .map_err(|e| io_failure("writing --out".into(), e))?,
+            None => all.extend_from_slice(&buf),
+        }
+        bar.add(n as u64);
+        at += n as u64;
+    }
+    bar.finish();
+    close(q);
+    if g.json {
+        #[derive(Serialize)]
+        struct Out<'a> {
+            nsid: u32,
+            offset: u64,
+            length: u64,
+            out: Option<String>,
+            hex: Option<&'a str>,
+        }
+        let hex: String = all.iter().map(|b| format!("{b:02x}")).collect();
+        return print_json(&Out {
+            nsid: g.nsid,
+            offset,
+            length,
+            out: out.map(|p| p.display().to_string()),
+            hex: file.is_none().then_some(hex.as_str()),
+        });
+    }
+    if let Some(p) = out {
+        println!(
+            "read {length} bytes at offset {offset} of nsid {} into {}",
+            g.nsid,
+            p.display()
+        );
+        return Ok(());
+    }
+    let stdout = std::io::stdout();
+    let mut w = stdout.lock();
+    let r = if stdout.is_terminal() {
+        w.write_all(hexdump(offset, &all).as_bytes())
+    } else {
+        w.write_all(&all)
+    };
+    r.map_err(|e| io_failure("writing stdout".into(), e))
+}
+
+/// `00001000  5a 5a ... 5a  |ZZZZZZZZZZZZZZZZ|` lines, 16 bytes each.
+fn hexdump(base: u64, data: &[u8]) -> String {
+    let mut s = String::new();
+    for (i, row) in data.chunks(16).enumerate() {
+        let hex: Vec<String> = row.iter().map(|b| format!("{b:02x}")).collect();
+        let asc: String = row
+            .iter()
+            .map(|&b| {
+                if b.is_ascii_graphic() || b == b' ' {
+                    b as char
+                } else {
+                    '.'
+                }
+            })
+            .collect();
+        s += &format!(
+            "{:08x}  {:<47}  |{asc}|\n",
+            base + 16 * i as u64,
+            hex.join(" ")
+        );
+    }
+    s
+}
+
+pub(crate) fn write(
+    g: &Global,
+    offset: u64,
+    source: &Source,
+    length: Option<u64>,
+    durable: bool,
+) -> Result<(), Failure> {
+    let bytes = Bytes::of(source, length)?;
+    let total = bytes.len();
+    let mut q = open(g, 32)?;
+    {
+        // Check everything before the first byte goes out.
+        let ns = q.namespace(g.nsid)?;
+        let d = ns.descriptor().clone();
+        rpma_initiator::namespace::check_writable(&d)?;
+        rpma_initiator::namespace::check_range(&d, offset, total)?;
+        if durable {
+            ns.method()?;
+        }
+    }
+    let start = std::time::Instant::now();
+    let mut bar = Progress::new("write", total, g.json);
+    let mut buf = Vec::new();
+    let mut at = 0;
+    while at < total {
+        let n = (total - at).min(PIECE) as usize;
+        bytes.piece(at, n, &mut buf);
+        q.namespace(g.nsid)?.write_at(offset + at, &buf)?;
+        bar.add(n as u64);
+        at += n as u64;
+    }
+    let result = if durable {
+        Some(q.namespace(g.nsid)?.persist(offset, total)?)
+    } else {
+        None
+    };
+    bar.finish();
+    let secs = start.elapsed().as_secs_f64();
+    close(q);
+    let (state, method) = match result {
+        Some(d) => outcome(g, d),
+        None => ("placed", None),
+    };
+    if g.json {
+        #[derive(Serialize)]
+        struct Out {
+            nsid: u32,
+            offset: u64,
+            length: u64,
+            state: &'static str,
+            method: Option<String>,
+            seconds: f64,
+        }
+        return print_json(&Out {
+            nsid: g.nsid,
+            offset,
+            length: total,
+            state,
+            method,
+            seconds: secs,
+        });
+    }
+    let how = match (state, method) {
+        ("durable", Some(m)) => format!("durable ({m})"),
+        ("placed", _) => "placed, not yet durable (use --durable or flush)".into(),
+        (s, _) => s.to_owned(),
+    };
+    println!(
+        "wrote {total} bytes at offset {offset} of nsid {}: {how}",
+        g.nsid
+    );
+    Ok(())
+}
+
+pub(crate) fn verify(
+    g: &Global,
+    offset: u64,
+    source: &Source,
+    length: Option<u64>,
+) -> Result<(), Failure> {
+    let bytes = Bytes::of(source, length)?;
+    let total = bytes.len();
+    let mut q = open(g, 32)?;
+    let mut bar = Progress::new("verify", total, g.json);
+    let (mut want, mut got) = (Vec::new(), Vec::new());
+    let mut at = 0;
+    let mut mismatch = None;
+    while at < total && mismatch.is_none() {
+        let n = (total - at).min(PIECE) as usize;
+        bytes.piece(at, n, &mut want);
+        got.resize(n, 0);
+        q.namespace(g.nsid)?.read_at(offset + at, &mut got)?;
+        if let Some(i) = want.iter().zip(&got).position(|(a, b)| a != b) {
+            mismatch = Some((offset + at + i as u64, want[i], got[i]));
+        }
+        bar.add(n as u64);
+        at += n as u64;
+    }
+    bar.finish();
+    close(q);
+    if g.json {
+        #[derive(Serialize)]
+        struct Out {
+            nsid: u32,
+            offset: u64,
+            length: u64,
+            matches: bool,
+            first_mismatch: Option<u64>,
+            expected: Option<u8>,
+            found: Option<u8>,
+        }
+        print_json(&Out {
+            nsid: g.nsid,
+            offset,
+            length: total,
+            matches: mismatch.is_none(),
+            first_mismatch: mismatch.map(|m| m.0),
+            expected: mismatch.map(|m| m.1),
+            found: mismatch.map(|m| m.2),
+        })?;
+    } else if mismatch.is_none() {
+        println!("{total} bytes at offset {offset} of nsid {} match", g.nsid);
+    }
+    match mismatch {
+        None => Ok(()),
+        Some((at, e, f)) => Err(failure(
+            1,
+            format!("mismatch at offset {at}: expected {e:#04x}, found {f:#04x}"),
+        )),
+    }
+}
+
+pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure> {
+    let mut q = open(g, 1)?;
+    let d = q.namespace(g.nsid)?.persist(offset, length)?;
+    close(q);
+    let (state, method) = outcome(g, d);
+    if g.json {
+        #[derive(Serialize)]
+        struct Out {
+            nsid: u32,
+            offset: u64,
+            length: u64,
+            state: &'static str,
+            method: Option<String>,
+        }
+        return print_json(&Out {
+            nsid: g.nsid,
+            offset,
+            length,
+            state,
+            method,
+        });
+    }
+    println!("{length} bytes at offset {offset} of nsid {}: {d}", g.nsid);
+    Ok(())
+}
+
+#[derive(Serialize)]
+struct AtomicOut {
+    nsid: u32,
+    offset: u64,
+    old: u64,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    swapped: Option<bool>,
+}
+
+pub(crate) fn cas(g: &Global, offset: u64, expected: u64, new: u64) -> Result<(), Failure> {
+    let mut q = open(g, 1)?;
+    let old = q
+        .namespace(g.nsid)?
+        .compare_and_swap(offset, expected, new)?;
+    close(q);
+    let swapped = old == expected;
+    if g.json {
+        return print_json(&AtomicOut {
+            nsid: g.nsid,
+            offset,
+            old,
+            swapped: Some(swapped),
+        });
+    }
+    println!(
+        "old {old} ({old:#x}): {}",
+        if swapped { "swapped" } else { "not swapped" }
+    );
+    Ok(())
+}
+
+pub(crate) fn faa(g: &Global, offset: u64, add: u64) -> Result<(), Failure> {
+    let mut q = open(g, 1)?;
+    let old = q.namespace(g.nsid)?.fetch_add(offset, add)?;
+    close(q);
+    if g.json {
+        return print_json(&AtomicOut {
+            nsid: g.nsid,
+            offset,
+            old,
+            swapped: None,
+        });
+    }
+    println!("old {old} ({old:#x}), new {}", old.wrapping_add(add));
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn hexdump_lines() {
+        let d = hexdump(0x1000, b"ZZZZZZZZZZZZZZZZ\x00a");
+        let lines: Vec<&str> = d.lines().collect();
+        assert_eq!(lines.len(), 2);
+        assert!(lines[0].starts_with("00001000  5a 5a"), "{d}");
+        assert!(lines[0].ends_with("|ZZZZZZZZZZZZZZZZ|"), "{d}");
+        assert!(lines[1].starts_with("00001010  00 61"), "{d}");
+        assert!(lines[1].ends_with("|.a|"), "{d}");
+    }
+
+    #[test]
+    fn pattern_and_file_pieces() {
+        let p = Bytes::Pattern(0x5a, 10);
+        let mut v = Vec::new();
+        p.piece(4, 3, &mut v);
+        assert_eq!(v, vec![0x5a; 3]);
+        let f = Bytes::File(b"0123456789".to_vec());
+        f.piece(4, 3, &mut v);
+        assert_eq!(v, b"456");
+        assert_eq!(f.len(), 10);
+    }
+}

@@ -1,0 +1,252 @@
+//! Durability methods and the choice of one per namespace.
+//!
+//! The target lists in each namespace descriptor the methods that can make that namespace
+//! durable on this connection (`docs/control-plane.md`, "Durability methods offered"). The
+//! initiator takes the best of them, in the order of [`PREFERENCE`], unless the caller forces
+//! one; a forced method the descriptor does not list is an error
+//! ([`Error::MethodNotValid`]), never a silent downgrade. A namespace that lists none
+//! (volatile) gets [`Choice::VisibleOnly`]: durable calls succeed and say so in their
+//! [`Durability`] outcome.
+
+use std::fmt;
+use std::str::FromStr;
+
+use rpma_common::proto::{DurabilityMethods, NamespaceDescriptor, PersistenceDomain};
+
+use crate::error::{Error, Result};
+
+/// A way to make placed bytes durable (docs/initiator.md, "Durability").
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum PersistMethod {
+    /// Appliance persistency: Write(s), then an 8-byte Read on the same queue pair.
+    Apm,
+    /// General-purpose server persistency: a FlushRequest Send, answered by a FlushResponse.
+    Gpspm,
+    /// The native Flush work request (Persistent, range).
+    Flush,
+}
+
+/// The order in which the initiator picks a method the target offers: FLUSH names the range
+/// and the persistence type explicitly and costs one round trip in the transport; APM is also
+/// one round trip in the transport but persists everything placed on the queue pair, and is
+/// valid only where the target says writes reach persistence before a Read answer; GPSPM takes
+/// a Send/Receive pair through the target's control path and a receive slot of the queue depth.
+pub const PREFERENCE: [PersistMethod; 3] = [
+    PersistMethod::Flush,
+    PersistMethod::Apm,
+    PersistMethod::Gpspm,
+];
+
+impl PersistMethod {
+    /// The descriptor bit of this method.
+    pub fn bit(self) -> DurabilityMethods {
+        match self {
+            PersistMethod::Apm => DurabilityMethods::APM,
+            PersistMethod::Gpspm => DurabilityMethods::GPSPM,
+            PersistMethod::Flush => DurabilityMethods::FLUSH,
+        }
+    }
+
+    /// Lower-case name, as the CLI takes it.
+    pub fn name(self) -> &'static str {
+        match self {
+            PersistMethod::Apm => "apm",
+            PersistMethod::Gpspm => "gpspm",
+            PersistMethod::Flush => "flush",
+        }
+    }
+}
+
+impl fmt::Display for PersistMethod {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            PersistMethod::Apm => "APM",
+            PersistMethod::Gpspm => "GPSPM",
+            PersistMethod::Flush => "FLUSH",
+        })
+    }
+}
+
+impl FromStr for PersistMethod {
+    type Err = Error;
+
+    fn from_str(s: &str) -> Result<Self> {
+        match s.to_ascii_lowercase().as_str() {
+            "apm" => Ok(PersistMethod::Apm),
+            "gpspm" => Ok(PersistMethod::Gpspm),
+            "flush" => Ok(PersistMethod::Flush),
+            _ => Err(Error::InvalidArgument(format!(
+                "{s:?} is not a durability method (apm, gpspm, flush)"
+            ))),
+        }
+    }
+}
+
+/// What a durable call achieved.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Durability {
+    /// The bytes are durable: the target acknowledged them with this method.
+    Durable(PersistMethod),
+    /// The namespace is volatile: the bytes are visible to readers of the target, and nothing
+    /// survives a target restart.
+    VisibleOnly,
+}
+
+impl Durability {
+    /// Whether the bytes are durable.
+    pub fn is_durable(self) -> bool {
+        matches!(self, Durability::Durable(_))
+    }
+}
+
+impl fmt::Display for Durability {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Durability::Durable(m) => write!(f, "durable ({m})"),
+            Durability::VisibleOnly => f.write_str("visible only (volatile namespace)"),
+        }
+    }
+}
+
+/// How durable calls on one namespace are carried out.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Choice {
+    /// With this method.
+    Method(PersistMethod),
+    /// The namespace cannot be made durable: an 8-byte Read orders earlier Writes (they are
+    /// placed, so visible), and the outcome says "visible only".
+    VisibleOnly,
+}
+
+/// What the target offers for `d`, as text ("APM GPSPM", "nothing (visible only)").
+pub fn offered(d: &NamespaceDescriptor) -> String {
+    let names = d.durability.names();
+    if names.is_empty() {
+        "nothing (visible only)".to_owned()
+    } else {
+        names.join(" ")
+    }
+}
+
+/// Chooses the method for namespace `d`: `forced` if given (and valid), else the first of
+/// [`PREFERENCE`] the descriptor lists; FLUSH also needs the peer to have advertised the Flush
+/// opcode (`peer_flush`).
+///
+/// # Errors
+/// [`Error::MethodNotValid`] when `forced` is not offered for `d` (including any forced method
+/// on a volatile namespace: nothing makes it durable).
+pub fn choose(
+    d: &NamespaceDescriptor,
+    peer_flush: bool,
+    forced: Option<PersistMethod>,
+) -> Result<Choice> {
+    let usable = |m: PersistMethod| {
+        d.durability.contains(m.bit())
+            && (m != PersistMethod::Flush || peer_flush)
+            && d.domain != PersistenceDomain::Volatile
+    };
+    if let Some(m) = forced {
+        if usable(m) {
+            return Ok(Choice::Method(m));
+        }
+        return Err(Error::MethodNotValid {
+            nsid: d.nsid,
+            method: m,
+            domain: d.domain,
+            offered: offered(d),
+        });
+    }
+    Ok(PREFERENCE
+        .into_iter()
+        .find(|&m| usable(m))
+        .map_or(Choice::VisibleOnly, Choice::Method))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn desc(domain: PersistenceDomain, methods: DurabilityMethods) -> NamespaceDescriptor {
+        NamespaceDescriptor {
+            nsid: 1,
+            size: 1 << 20,
+            block_size: 4096,
+            remote_addr: 0x1000,
+            rkey: 7,
+            domain,
+            durability: methods,
+            atomic_write_unit: 8,
+            read_only: false,
+        }
+    }
+
+    const ALL: DurabilityMethods = DurabilityMethods(7);
+
+    #[test]
+    fn best_offered_method_wins() {
+        let d = desc(PersistenceDomain::Dax, ALL);
+        assert_eq!(
+            choose(&d, true, None).unwrap(),
+            Choice::Method(PersistMethod::Flush)
+        );
+        // A peer without the Flush opcode: APM next.
+        assert_eq!(
+            choose(&d, false, None).unwrap(),
+            Choice::Method(PersistMethod::Apm)
+        );
+        // rdma without direct_write_to_pmem: GPSPM only.
+        let d = desc(PersistenceDomain::PageCache, DurabilityMethods::GPSPM);
+        assert_eq!(
+            choose(&d, true, None).unwrap(),
+            Choice::Method(PersistMethod::Gpspm)
+        );
+    }
+
+    #[test]
+    fn volatile_is_visible_only_and_refuses_every_forced_method() {
+        let d = desc(PersistenceDomain::Volatile, DurabilityMethods::NONE);
+        assert_eq!(choose(&d, true, None).unwrap(), Choice::VisibleOnly);
+        for m in PREFERENCE {
+            let e = choose(&d, true, Some(m)).unwrap_err();
+            assert!(
+                matches!(e, Error::MethodNotValid { method, .. } if method == m),
+                "{e}"
+            );
+            assert!(e.to_string().contains("visible only"), "{e}");
+        }
+        // Even a descriptor that (wrongly) lists methods on a volatile namespace.
+        let d = desc(PersistenceDomain::Volatile, ALL);
+        assert_eq!(choose(&d, true, None).unwrap(), Choice::VisibleOnly);
+    }
+
+    #[test]
+    fn forced_method_is_used_or_refused_never_downgraded() {
+        let d = desc(PersistenceDomain::DaxForced, DurabilityMethods::GPSPM);
+        assert_eq!(
+            choose(&d, true, Some(PersistMethod::Gpspm)).unwrap(),
+            Choice::Method(PersistMethod::Gpspm)
+        );
+        let e = choose(&d, true, Some(PersistMethod::Apm)).unwrap_err();
+        assert!(matches!(e, Error::MethodNotValid { .. }), "{e}");
+        let d = desc(PersistenceDomain::Dax, ALL);
+        assert!(choose(&d, false, Some(PersistMethod::Flush)).is_err());
+        assert_eq!(
+            choose(&d, true, Some(PersistMethod::Apm)).unwrap(),
+            Choice::Method(PersistMethod::Apm)
+        );
+    }
+
+    #[test]
+    fn names_parse_both_ways() {
+        for m in PREFERENCE {
+            assert_eq!(m.name().parse::<PersistMethod>().unwrap(), m);
+            assert_eq!(m.to_string().parse::<PersistMethod>().unwrap(), m);
+        }
+        assert!("fsync".parse::<PersistMethod>().is_err());
+        assert_eq!(
+            Durability::Durable(PersistMethod::Apm).to_string(),
+            "durable (APM)"
+        );
+        assert!(!Durability::VisibleOnly.is_durable());
+    }
+}

@@ -1,0 +1,281 @@
+//! A queue's registered bounce buffers: `slots` chunks of `chunk` bytes, registered once (and
+//! again in the new protection domain after a reconnect), plus an 8-byte sink for APM Reads and
+//! atomic results.
+//!
+//! A write's slot is kept ([`Slot::Held`]) from the moment its Write is posted until a
+//! durability acknowledgement covers it: that copy is what a reconnect re-issues. A read's slot
+//! is free again once its bytes are copied out.
+
+use std::sync::Arc;
+
+use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
+
+/// What a slot holds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Slot {
+    /// Nothing.
+    Free,
+    /// A posted Write, not completed yet.
+    Writing(WriteRec),
+    /// A completed Write not yet acknowledged as durable.
+    Held(WriteRec),
+    /// A posted Read: `len` bytes for item `item` at `at` of the caller's buffer.
+    Reading {
+        /// Index of the caller's buffer in its batch.
+        item: usize,
+        /// Offset in that buffer.
+        at: usize,
+        /// Bytes.
+        len: usize,
+    },
+    /// A completed Read whose bytes are still to be copied out (same fields).
+    ReadDone {
+        /// Index of the caller's buffer in its batch.
+        item: usize,
+        /// Offset in that buffer.
+        at: usize,
+        /// Bytes.
+        len: usize,
+    },
+}
+
+/// A write a slot carries.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct WriteRec {
+    /// Index of the namespace in the queue's table.
+    pub(crate) ns: usize,
+    /// Offset in the namespace.
+    pub(crate) offset: u64,
+    /// Bytes.
+    pub(crate) len: usize,
+    /// Post order: replays go in this order, so a later write to the same bytes still wins.
+    pub(crate) seq: u64,
+}
+
+/// The bounce buffers of one queue.
+pub(crate) struct Pool {
+    mem: Arc<AlignedBuf>,
+    mr: Arc<MemoryRegion>,
+    sink: Arc<AlignedBuf>,
+    sink_mr: Arc<MemoryRegion>,
+    chunk: usize,
+    slots: Vec<Slot>,
+    free: Vec<usize>,
+    next_seq: u64,
+}
+
+impl std::fmt::Debug for Pool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Pool")
+            .field("slots", &self.slots.len())
+            .field("chunk", &self.chunk)
+            .field("free", &self.free.len())
+            .finish()
+    }
+}
+
+impl Pool {
+    /// Allocates `slots` chunks of `chunk` bytes and registers them in `pd` (local write only:
+    /// the target cannot reach them).
+    pub(crate) fn new(pd: &ProtectionDomain, slots: usize, chunk: usize) -> fabric::Result<Pool> {
+        let mem = AlignedBuf::new(slots * chunk)?;
+        let mr = pd.register(Arc::clone(&mem), Access::LOCAL_WRITE)?;
+        let sink = AlignedBuf::new(64)?;
+        let sink_mr = pd.register(Arc::clone(&sink), Access::LOCAL_WRITE)?;
+        Ok(Pool {
+            mem,
+            mr,
+            sink,
+            sink_mr,
+            chunk,
+            slots: vec![Slot::Free; slots],
+            free: (0..slots).rev().collect(),
+            next_seq: 0,
+        })
+    }
+
+    /// Registers the same memory in `pd` (a new connection's domain); the slots keep their
+    /// contents.
+    pub(crate) fn rebind(&mut self, pd: &ProtectionDomain) -> fabric::Result<()> {
+        self.mr = pd.register(Arc::clone(&self.mem), Access::LOCAL_WRITE)?;
+        self.sink_mr = pd.register(Arc::clone(&self.sink), Access::LOCAL_WRITE)?;
+        Ok(())
+    }
+
+    pub(crate) fn chunk(&self) -> usize {
+        self.chunk
+    }
+
+    pub(crate) fn get(&self, slot: usize) -> Option<Slot> {
+        self.slots.get(slot).copied()
+    }
+
+    pub(crate) fn set(&mut self, slot: usize, s: Slot) {
+        if let Some(x) = self.slots.get_mut(slot) {
+            if s == Slot::Free && *x != Slot::Free {
+                self.free.push(slot);
+            }
+            *x = s;
+        }
+    }
+
+    /// A free slot, now owned by the caller (set it to something other than Free).
+    pub(crate) fn take_free(&mut self) -> Option<usize> {
+        self.free.pop()
+    }
+
+    /// The next post-order number.
+    pub(crate) fn next_seq(&mut self) -> u64 {
+        self.next_seq += 1;
+        self.next_seq
+    }
+
+    /// Copies `data` (at most a chunk) into `slot`.
+    pub(crate) fn fill(&self, slot: usize, data: &[u8]) -> fabric::Result<()> {
+        self.mem.write_at(slot * self.chunk, data)
+    }
+
+    /// Copies the first `out.len()` bytes of `slot` out.
+    pub(crate) fn copy_out(&self, slot: usize, out: &mut [u8]) -> fabric::Result<()> {
+        self.mem.read_at(slot * self.chunk, out)
+    }
+
+    /// The local side of a request on `len` bytes of `slot`.
+    pub(crate) fn sge(&self, slot: usize, len: usize) -> Sge {
+        Sge::new(&self.mr, slot * self.chunk, len)
+    }
+
+    /// The 8-byte sink.
+    pub(crate) fn sink_sge(&self) -> Sge {
+        Sge::new(&self.sink_mr, 0, 8)
+    }
+
+    /// The value an atomic left in the sink (native endian, as the fabric stores it).
+    pub(crate) fn sink_value(&self) -> fabric::Result<u64> {
+        self.sink.read_u64(0)
+    }
+
+    /// Slots in a state matching `f`.
+    pub(crate) fn count(&self, f: impl Fn(&Slot) -> bool) -> usize {
+        self.slots.iter().filter(|s| f(s)).count()
+    }
+
+    /// Held writes of namespace `ns` inside `[start, end)` (all of them if `all`) become free.
+    /// Returns how many.
+    pub(crate) fn release_held(&mut self, ns: usize, start: u64, end: u64, all: bool) -> usize {
+        let mut n = 0;
+        for i in 0..self.slots.len() {
+            if let Slot::Held(w) = self.slots[i] {
+                let inside = w.offset >= start && w.offset + w.len as u64 <= end;
+                if w.ns == ns && (all || inside) {
+                    self.set(i, Slot::Free);
+                    n += 1;
+                }
+            }
+        }
+        n
+    }
+
+    /// After a lost connection: unfinished Writes are held for the replay, Reads are dropped
+    /// (their operation is re-run). Returns the held writes in post order.
+    pub(crate) fn on_connection_lost(&mut self) -> Vec<(usize, WriteRec)> {
+        for i in 0..self.slots.len() {
+            match self.slots[i] {
+                Slot::Writing(w) => self.slots[i] = Slot::Held(w),
+                Slot::Reading { .. } | Slot::ReadDone { .. } => self.set(i, Slot::Free),
+                _ => {}
+            }
+        }
+        let mut held: Vec<(usize, WriteRec)> = self
+            .slots
+            .iter()
+            .enumerate()
+            .filter_map(|(i, s)| match s {
+                Slot::Held(w) => Some((i, *w)),
+                _ => None,
+            })
+            .collect();
+        held.sort_by_key(|(_, w)| w.seq);
+        held
+    }
+
+    /// Drops every held write (a queue that gave up).
+    pub(crate) fn clear(&mut self) {
+        for i in 0..self.slots.len() {
+            self.set(i, Slot::Free);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rpma_common::fabric::Context;
+
+    fn rec(ns: usize, offset: u64, len: usize, seq: u64) -> WriteRec {
+        WriteRec {
+            ns,
+            offset,
+            len,
+            seq,
+        }
+    }
+
+    #[test]
+    fn slots_cycle_and_held_writes_are_released_by_range() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 4, 4096).unwrap();
+        let a = p.take_free().unwrap();
+        let b = p.take_free().unwrap();
+        let c = p.take_free().unwrap();
+        p.set(a, Slot::Held(rec(0, 0, 4096, 1)));
+        p.set(b, Slot::Held(rec(0, 8192, 4096, 2)));
+        p.set(c, Slot::Held(rec(1, 0, 4096, 3)));
+        assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 3);
+        // Only namespace 0's write inside [0, 4096).
+        assert_eq!(p.release_held(0, 0, 4096, false), 1);
+        assert_eq!(p.get(a), Some(Slot::Free));
+        // A range that covers part of a write does not release it.
+        assert_eq!(p.release_held(0, 8192, 8200, false), 0);
+        assert_eq!(p.release_held(0, 0, 0, true), 1);
+        assert_eq!(p.count(|s| *s == Slot::Free), 3);
+        p.fill(c, b"abc").unwrap();
+        let mut out = [0u8; 3];
+        p.copy_out(c, &mut out).unwrap();
+        assert_eq!(&out, b"abc");
+        assert!(
+            p.fill(c, &[0u8; 4097]).is_ok(),
+            "spills into the next slot's memory"
+        );
+        assert!(p.fill(3, &[0u8; 4097]).is_err(), "but never past the pool");
+    }
+
+    #[test]
+    fn connection_loss_holds_unfinished_writes_in_post_order_and_drops_reads() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 4, 512).unwrap();
+        let s: Vec<usize> = (0..4).map(|_| p.take_free().unwrap()).collect();
+        p.set(s[0], Slot::Writing(rec(0, 512, 512, 9)));
+        p.set(s[1], Slot::Held(rec(0, 0, 512, 4)));
+        p.set(
+            s[2],
+            Slot::Reading {
+                item: 0,
+                at: 0,
+                len: 8,
+            },
+        );
+        let held = p.on_connection_lost();
+        assert_eq!(
+            held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
+            vec![4, 9]
+        );
+        assert_eq!(p.get(s[2]), Some(Slot::Free));
+        assert_eq!(p.take_free(), Some(s[2]));
+        let pd2 = Context::soft().alloc_pd().unwrap();
+        p.rebind(&pd2).unwrap();
+        assert_eq!(p.sge(1, 8).offset, 512);
+        p.clear();
+        assert_eq!(p.count(|s| *s == Slot::Free), 4);
+    }
+}

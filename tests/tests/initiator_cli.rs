@@ -1,0 +1,532 @@
+//! `rpma-initiator`'s data subcommands as real processes against a real `rpma-target`: output
+//! (text and JSON), the documented exit codes, and durability across a SIGKILL of the target.
+
+use rpma_tests::{initiator, text, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:cli-data";
+const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
+
+struct Shm(String);
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// nsid 1 page-cache 8 MiB, 2 read-only, 3 volatile (/dev/shm), 4 dax (forced) on a file.
+fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
+    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let shm = Shm(format!("/dev/shm/rpma-cli-{}-{tag}", std::process::id()));
+    let t = Target::start(
+        d.path(),
+        &format!(
+            r#"[[subsystem]]
+nqn = "{SUB}"
+hosts = [{{ nqn = "{HOST}" }}]
+[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "8MiB"
+[[subsystem.namespace]]
+nsid = 2
+path = "ns2"
+size = "1MiB"
+read_only = true
+[[subsystem.namespace]]
+nsid = 3
+path = "{}"
+size = "1MiB"
+[[subsystem.namespace]]
+nsid = 4
+path = "ns4"
+size = "2MiB"
+force_dax = true
+"#,
+            shm.0
+        ),
+    );
+    (d, shm, t)
+}
+
+/// Runs the initiator with the target, subsystem and host given, then `args`.
+fn run(t: &Target, args: &[&str]) -> (Option<i32>, String, String) {
+    let url = t.url();
+    let mut a = vec!["--target", url.as_str(), "--nqn", SUB, "--hostnqn", HOST];
+    a.extend_from_slice(args);
+    let o = initiator(&a);
+    (
+        o.status.code(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        text(&o),
+    )
+}
+
+fn json(t: &Target, args: &[&str]) -> serde_json::Value {
+    let mut a = args.to_vec();
+    a.push("--json");
+    let (c, out, all) = run(t, &a);
+    assert_eq!(c, Some(0), "{args:?}: {all}");
+    serde_json::from_str(&out).unwrap_or_else(|e| panic!("{args:?}: {e}: {out}"))
+}
+
+#[test]
+fn every_subcommand_against_a_running_target() {
+    let (d, _shm, t) = start("all");
+
+    // list
+    let v = json(&t, &["list"]);
+    assert_eq!(v.as_array().unwrap().len(), 4, "{v}");
+    assert_eq!(v[0]["method"], "FLUSH", "{v}");
+    assert_eq!(v[2]["domain"], "volatile");
+    assert!(v[2]["method"].is_null());
+    let (c, out, all) = run(&t, &["list"]);
+    assert_eq!(c, Some(0), "{all}");
+    assert!(
+        out.contains("nsid 1: 8 MiB, block 4096, page-cache, read-write, durable with FLUSH"),
+        "{out}"
+    );
+    assert!(out.contains("visible only (volatile)"), "{out}");
+
+    // identify with the global --nqn (before the subcommand here).
+    let (c, out, all) = run(&t, &["identify"]);
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("4 namespace(s)"), "{out}");
+
+    // write --pattern --durable, then verify and read.
+    let v = json(
+        &t,
+        &[
+            "write",
+            "--offset",
+            "4k",
+            "--pattern",
+            "0x5a",
+            "--length",
+            "1MiB",
+            "--durable",
+        ],
+    );
+    assert_eq!(v["state"], "durable", "{v}");
+    assert_eq!(v["method"], "FLUSH");
+    assert_eq!(v["length"], 1 << 20);
+    let (c, out, all) = run(
+        &t,
+        &[
+            "verify",
+            "--offset",
+            "4096",
+            "--pattern",
+            "90",
+            "--length",
+            "1m",
+        ],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(
+        out.contains("1048576 bytes at offset 4096 of nsid 1 match"),
+        "{out}"
+    );
+    // One byte further: the first differing offset, exit 1.
+    let (c, _, all) = run(
+        &t,
+        &[
+            "verify",
+            "--offset",
+            "4097",
+            "--pattern",
+            "0x5a",
+            "--length",
+            "1MiB",
+        ],
+    );
+    assert_eq!(c, Some(1), "{all}");
+    assert!(all.contains("mismatch at offset 1052672"), "{all}");
+    let v = {
+        let (c, out, all) = run(
+            &t,
+            &[
+                "verify",
+                "--offset",
+                "0",
+                "--pattern",
+                "0x5a",
+                "--length",
+                "8k",
+                "--json",
+            ],
+        );
+        assert_eq!(c, Some(1), "{all}");
+        serde_json::from_str::<serde_json::Value>(&out).unwrap()
+    };
+    assert_eq!(v["matches"], false);
+    assert_eq!(v["first_mismatch"], 0);
+    assert_eq!(v["found"], 0);
+
+    // write --in FILE (placed), flush, read --out, compare files.
+    let src = d.path().join("in.bin");
+    let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
+    std::fs::write(&src, &data).unwrap();
+    let (c, out, all) = run(
+        &t,
+        &["write", "--offset", "2MiB", "--in", src.to_str().unwrap()],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("placed, not yet durable"), "{out}");
+    let v = json(&t, &["flush", "--offset", "2MiB", "--length", "300000"]);
+    assert_eq!(v["state"], "durable", "{v}");
+    let dst = d.path().join("out.bin");
+    let (c, _, all) = run(
+        &t,
+        &[
+            "read",
+            "--offset",
+            "2MiB",
+            "--length",
+            "300000",
+            "--out",
+            dst.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(std::fs::read(&dst).unwrap() == data);
+    let (c, _, all) = run(
+        &t,
+        &[
+            "verify",
+            "--offset",
+            "2097152",
+            "--in",
+            src.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    // read to a pipe: raw bytes; --json: hex.
+    let (c, out, _) = run(&t, &["read", "--offset", "4096", "--length", "4"]);
+    assert_eq!(c, Some(0));
+    assert_eq!(out, "ZZZZ");
+    let v = json(&t, &["read", "--offset", "4096", "--length", "2"]);
+    assert_eq!(v["hex"], "5a5a");
+
+    // cas and faa on the u64 at 0 (zero so far).
+    let v = json(
+        &t,
+        &["cas", "--offset", "0", "--expected", "0", "--new", "0x10"],
+    );
+    assert_eq!(
+        (v["old"].as_u64(), v["swapped"].as_bool()),
+        (Some(0), Some(true)),
+        "{v}"
+    );
+    let v = json(
+        &t,
+        &["cas", "--offset", "0", "--expected", "0", "--new", "5"],
+    );
+    assert_eq!(
+        (v["old"].as_u64(), v["swapped"].as_bool()),
+        (Some(16), Some(false)),
+        "{v}"
+    );
+    let (c, out, all) = run(&t, &["faa", "--offset", "0", "--add", "4"]);
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("old 16 (0x10), new 20"), "{out}");
+
+    // Forced methods, on the dax (forced) namespace.
+    for m in ["apm", "gpspm", "flush"] {
+        let v = json(
+            &t,
+            &[
+                "--nsid",
+                "4",
+                "--persist",
+                m,
+                "write",
+                "--offset",
+                "0",
+                "--pattern",
+                "1",
+                "--length",
+                "64k",
+                "--durable",
+            ],
+        );
+        assert_eq!(v["method"], m.to_uppercase(), "{v}");
+    }
+
+    // Volatile: succeeds with a warning.
+    let (c, out, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "3",
+            "write",
+            "--offset",
+            "0",
+            "--pattern",
+            "7",
+            "--length",
+            "4k",
+            "--durable",
+        ],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("visible-only"), "{out}");
+    assert!(all.contains("warning: namespace 3 is volatile"), "{all}");
+
+    // bench (small), JSON.
+    let v = json(
+        &t,
+        &[
+            "bench", "--count", "50", "--total", "4MiB", "--offset", "4MiB",
+        ],
+    );
+    assert_eq!(v["count"], 50);
+    assert!(v["write_latency"]["p50_us"].as_f64().unwrap() > 0.0, "{v}");
+    assert!(v["read_mib_s"].as_f64().unwrap() > 0.0, "{v}");
+    assert_eq!(v["method"], "FLUSH");
+
+    // completions need no target.
+    let o = initiator(&["completions", "bash"]);
+    assert!(o.status.success());
+    assert!(String::from_utf8_lossy(&o.stdout).contains("rpma-initiator"));
+}
+
+#[test]
+fn each_error_has_its_exit_code() {
+    let (_d, _shm, t) = start("errors");
+    // Wrong subsystem NQN: refused.
+    let url = t.url();
+    let o = initiator(&[
+        "--target",
+        &url,
+        "--nqn",
+        "nqn.2026-11.io.rpma:nope",
+        "--hostnqn",
+        HOST,
+        "list",
+    ]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    // Unknown host: refused.
+    let o = initiator(&[
+        "--target",
+        &url,
+        "--nqn",
+        SUB,
+        "--hostnqn",
+        "nqn.2026-11.io.rpma:stranger",
+        "list",
+    ]);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("not allowed"), "{}", text(&o));
+    // Unknown host name (does not resolve): unreachable.
+    let o = initiator(&[
+        "--target",
+        "tcp://no-such-host.invalid:7420",
+        "--nqn",
+        SUB,
+        "--timeout",
+        "3",
+        "list",
+    ]);
+    assert_eq!(o.status.code(), Some(3), "{}", text(&o));
+    // Out of range.
+    let (c, _, all) = run(
+        &t,
+        &[
+            "write",
+            "--offset",
+            "8MiB",
+            "--pattern",
+            "1",
+            "--length",
+            "1",
+        ],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    assert!(all.contains("outside namespace 1"), "{all}");
+    let (c, _, all) = run(&t, &["read", "--offset", "0", "--length", "9MiB"]);
+    assert_eq!(c, Some(6), "{all}");
+    // Read-only namespace.
+    let (c, _, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "2",
+            "write",
+            "--offset",
+            "0",
+            "--pattern",
+            "1",
+            "--length",
+            "1",
+        ],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    assert!(all.contains("read-only"), "{all}");
+    // Misaligned atomic.
+    let (c, _, all) = run(&t, &["faa", "--offset", "12", "--add", "1"]);
+    assert_eq!(c, Some(6), "{all}");
+    assert!(all.contains("not a multiple of 8"), "{all}");
+    // APM forced where it cannot make the namespace durable (volatile): nothing written.
+    let (c, _, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "3",
+            "--persist",
+            "apm",
+            "write",
+            "--offset",
+            "0",
+            "--pattern",
+            "9",
+            "--length",
+            "8",
+            "--durable",
+        ],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    assert!(all.contains("APM cannot make namespace 3"), "{all}");
+    let v = json(
+        &t,
+        &["--nsid", "3", "read", "--offset", "0", "--length", "1"],
+    );
+    assert_eq!(v["hex"], "00", "the refused write wrote nothing");
+    let (c, _, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "3",
+            "--persist",
+            "gpspm",
+            "flush",
+            "--offset",
+            "0",
+            "--length",
+            "8",
+        ],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    // No such namespace.
+    let (c, _, all) = run(
+        &t,
+        &["--nsid", "9", "read", "--offset", "0", "--length", "1"],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    // Usage.
+    let (c, _, _) = run(&t, &["write", "--offset", "0"]);
+    assert_eq!(c, Some(2));
+    let (c, _, _) = run(&t, &["read", "--offset", "1x", "--length", "1"]);
+    assert_eq!(c, Some(2));
+    let o = initiator(&["--target", &url, "list"]);
+    assert_eq!(o.status.code(), Some(2), "missing --nqn: {}", text(&o));
+}
+
+#[test]
+fn durable_cli_write_survives_sigkill_of_the_target() {
+    for nsid in ["1", "4"] {
+        let (_d, _shm, mut t) = start(&format!("kill{nsid}"));
+        let (c, _, all) = run(
+            &t,
+            &[
+                "--nsid",
+                nsid,
+                "write",
+                "--offset",
+                "64k",
+                "--pattern",
+                "0xc3",
+                "--length",
+                "1MiB",
+                "--durable",
+            ],
+        );
+        assert_eq!(c, Some(0), "{all}");
+        t.kill9();
+        t.restart();
+        let (c, _, all) = run(
+            &t,
+            &[
+                "--nsid",
+                nsid,
+                "verify",
+                "--offset",
+                "64k",
+                "--pattern",
+                "0xc3",
+                "--length",
+                "1MiB",
+            ],
+        );
+        assert_eq!(c, Some(0), "nsid {nsid} lost durable bytes: {all}");
+    }
+}
+
+#[test]
+fn two_initiator_processes_on_separate_namespaces_do_not_interfere() {
+    let (_d, _shm, t) = start("two");
+    let url = t.url();
+    let spawn = |nsid: &str, byte: &str| {
+        std::process::Command::new(rpma_tests::built("rpma-initiator"))
+            .args([
+                "--target",
+                &url,
+                "--nqn",
+                SUB,
+                "--hostnqn",
+                HOST,
+                "--nsid",
+                nsid,
+                "write",
+                "--offset",
+                "0",
+                "--pattern",
+                byte,
+                "--length",
+                "2MiB",
+                "--durable",
+            ])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap()
+    };
+    // Both at once, several rounds, each overwriting its own namespace only.
+    for round in 0..3 {
+        let (a, b) = (format!("{}", 0x10 + round), format!("{}", 0x20 + round));
+        let mut pa = spawn("1", &a);
+        let mut pb = spawn("4", &b);
+        assert!(pa.wait().unwrap().success());
+        assert!(pb.wait().unwrap().success());
+        let (c, _, all) = run(
+            &t,
+            &[
+                "--nsid",
+                "1",
+                "verify",
+                "--offset",
+                "0",
+                "--pattern",
+                &a,
+                "--length",
+                "2MiB",
+            ],
+        );
+        assert_eq!(c, Some(0), "{all}");
+        let (c, _, all) = run(
+            &t,
+            &[
+                "--nsid",
+                "4",
+                "verify",
+                "--offset",
+                "0",
+                "--pattern",
+                &b,
+                "--length",
+                "2MiB",
+            ],
+        );
+        assert_eq!(c, Some(0), "{all}");
+    }
+}

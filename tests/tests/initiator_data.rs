@@ -1,0 +1,561 @@
+//! The initiator library's data path against a real `rpma-target` process: reads, writes,
+//! every durability method, atomics, the local checks, queue depth, several queues,
+//! durability across a SIGKILL of the target, and reconnect through a relay that cuts the link.
+
+use std::time::Duration;
+
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::PersistenceDomain;
+use rpma_initiator::{
+    Choice, ConnectOptions, Connection, Durability, Error, HostIdentity, PersistMethod,
+    QueueOptions, ReconnectPolicy,
+};
+use rpma_tests::{Relay, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:data";
+const HOST: &str = "nqn.2026-11.io.rpma:data-host";
+
+struct Shm(String);
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+fn shm_path(tag: &str) -> Shm {
+    Shm(format!("/dev/shm/rpma-test-{}-{tag}", std::process::id()))
+}
+
+/// nsid 1: page-cache 8 MiB; 2: read-only; 3: volatile (/dev/shm); 4: dax (forced) on a file.
+fn config(shm: &Shm) -> String {
+    format!(
+        r#"[[subsystem]]
+nqn = "{SUB}"
+allow_any_host = true
+[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "8MiB"
+[[subsystem.namespace]]
+nsid = 2
+path = "ns2"
+size = "1MiB"
+block_size = 512
+read_only = true
+[[subsystem.namespace]]
+nsid = 3
+path = "{}"
+size = "1MiB"
+[[subsystem.namespace]]
+nsid = 4
+path = "ns4"
+size = "2MiB"
+force_dax = true
+"#,
+        shm.0
+    )
+}
+
+fn scratch() -> tempfile::TempDir {
+    // The build directory's filesystem: a disk, so files are page-cache namespaces.
+    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
+}
+
+fn conn(url: &str) -> Connection {
+    Connection::new(
+        url,
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .with_connect_options(ConnectOptions {
+        timeout: Duration::from_secs(5),
+        ..ConnectOptions::default()
+    })
+}
+
+fn pattern(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+#[test]
+fn reads_writes_methods_atomics_and_checks() {
+    let d = scratch();
+    let shm = shm_path("rw");
+    let _t = Target::start(d.path(), &config(&shm));
+    let mut q = conn(&_t.url()).open_queue(0).unwrap();
+    assert_eq!(q.namespaces().len(), 4);
+
+    let mut ns = q.namespace(1).unwrap();
+    assert_eq!(ns.descriptor().domain, PersistenceDomain::PageCache);
+    assert_eq!(ns.method().unwrap(), Choice::Method(PersistMethod::Flush));
+    // Larger than a chunk and unaligned: split into several requests.
+    let data = pattern(1, 700_001);
+    ns.write_at(12_345, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    ns.read_at(12_345, &mut back).unwrap();
+    assert!(back == data, "read back what was written");
+    assert_eq!(
+        ns.persist(12_345, data.len() as u64).unwrap(),
+        Durability::Durable(PersistMethod::Flush)
+    );
+    for m in [
+        PersistMethod::Apm,
+        PersistMethod::Gpspm,
+        PersistMethod::Flush,
+    ] {
+        assert_eq!(ns.set_method(Some(m)).unwrap(), Choice::Method(m));
+        let v = pattern(m as u64 + 10, 9000);
+        assert_eq!(ns.write_durable(4096, &v).unwrap(), Durability::Durable(m));
+        let mut b = vec![0u8; v.len()];
+        ns.read_at(4096, &mut b).unwrap();
+        assert!(b == v, "{m}");
+    }
+    ns.set_method(None).unwrap();
+
+    // Atomics: native-endian u64s.
+    ns.write_at(64, &7u64.to_ne_bytes()).unwrap();
+    assert_eq!(ns.compare_and_swap(64, 7, 11).unwrap(), 7);
+    assert_eq!(ns.compare_and_swap(64, 7, 99).unwrap(), 11, "no swap");
+    assert_eq!(ns.fetch_add(64, 5).unwrap(), 11);
+    ns.atomic_write(72, 0xDEAD_BEEF).unwrap();
+    let mut b = [0u8; 16];
+    ns.read_at(64, &mut b).unwrap();
+    assert_eq!(u64::from_ne_bytes(b[..8].try_into().unwrap()), 16);
+    assert_eq!(u64::from_ne_bytes(b[8..].try_into().unwrap()), 0xDEAD_BEEF);
+
+    // Block calls.
+    let blk = pattern(3, 8192);
+    assert!(ns.write_blocks(2, &blk).unwrap().is_durable());
+    let mut b = vec![0u8; 8192];
+    ns.read_blocks(2, &mut b).unwrap();
+    assert!(b == blk);
+    assert!(matches!(
+        ns.write_blocks(0, &blk[..100]),
+        Err(Error::Misaligned { align: 4096, .. })
+    ));
+
+    // Local checks: nothing posted, the queue stays usable.
+    let size = 8u64 << 20;
+    assert!(matches!(
+        ns.write_at(size - 1, b"xy"),
+        Err(Error::OutOfRange { nsid: 1, .. })
+    ));
+    assert!(matches!(
+        ns.read_at(size, &mut [0u8; 1]),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(ns.persist(size, 1), Err(Error::OutOfRange { .. })));
+    assert!(matches!(
+        ns.compare_and_swap(65, 0, 1),
+        Err(Error::Misaligned { align: 8, .. })
+    ));
+    assert!(matches!(
+        ns.fetch_add(size, 1),
+        Err(Error::OutOfRange { .. }) | Err(Error::Misaligned { .. })
+    ));
+    assert!(matches!(
+        q.namespace(9),
+        Err(Error::NoSuchNamespace { nsid: 9 })
+    ));
+
+    // Read-only namespace: reads work, writes and atomics are refused locally.
+    let mut ro = q.namespace(2).unwrap();
+    let mut b = [1u8; 512];
+    ro.read_at(0, &mut b).unwrap();
+    assert_eq!(b, [0u8; 512]);
+    assert!(matches!(
+        ro.write_at(0, b"x"),
+        Err(Error::ReadOnly { nsid: 2 })
+    ));
+    assert!(matches!(
+        ro.write_durable(0, b"x"),
+        Err(Error::ReadOnly { .. })
+    ));
+    assert!(matches!(ro.fetch_add(0, 1), Err(Error::ReadOnly { .. })));
+
+    // Volatile: durable calls succeed as "visible only"; a forced method is an error.
+    let mut vol = q.namespace(3).unwrap();
+    assert_eq!(vol.descriptor().domain, PersistenceDomain::Volatile);
+    assert_eq!(vol.method().unwrap(), Choice::VisibleOnly);
+    assert_eq!(
+        vol.write_durable(0, b"volatile").unwrap(),
+        Durability::VisibleOnly
+    );
+    let e = vol.set_method(Some(PersistMethod::Apm)).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::MethodNotValid {
+                nsid: 3,
+                method: PersistMethod::Apm,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(matches!(
+        vol.write_durable(0, b"again"),
+        Err(Error::MethodNotValid { .. })
+    ));
+    let mut b = [0u8; 8];
+    vol.read_at(0, &mut b).unwrap();
+    assert_eq!(&b, b"volatile", "the refused call wrote nothing");
+
+    // dax (forced).
+    let mut dax = q.namespace(4).unwrap();
+    assert_eq!(dax.descriptor().domain, PersistenceDomain::DaxForced);
+    assert!(dax.write_durable(0, b"dax").unwrap().is_durable());
+    assert_eq!(q.reconnects(), 0);
+    q.close().unwrap();
+}
+
+#[test]
+fn forced_method_is_checked_when_the_queue_opens() {
+    let d = scratch();
+    let shm = shm_path("forced");
+    let t = Target::start(d.path(), &config(&shm));
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            persist: Some(PersistMethod::Gpspm),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    assert_eq!(
+        q.namespace(1).unwrap().write_durable(0, b"g").unwrap(),
+        Durability::Durable(PersistMethod::Gpspm)
+    );
+    let e = q.namespace(3).unwrap().persist(0, 1).unwrap_err();
+    assert!(e.to_string().contains("cannot make namespace 3"), "{e}");
+}
+
+#[test]
+fn a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid() {
+    let d = scratch();
+    let shm = shm_path("pool");
+    let t = Target::start(d.path(), &config(&shm));
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 2,
+            chunk: 4096,
+            persist: Some(PersistMethod::Apm),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    // Placed writes are allowed on the volatile namespace; 10 chunks through 2 slots.
+    let mut vol = q.namespace(3).unwrap();
+    let v = pattern(5, 10 * 4096);
+    vol.write_at(0, &v).unwrap();
+    let mut b = vec![0u8; v.len()];
+    vol.read_at(0, &mut b).unwrap();
+    assert!(b == v);
+    // But durability is still refused there.
+    assert!(matches!(
+        vol.persist(0, 8),
+        Err(Error::MethodNotValid { .. })
+    ));
+    // And a durable namespace through the same small pool.
+    let mut ns = q.namespace(1).unwrap();
+    assert_eq!(
+        ns.write_durable(0, &v).unwrap(),
+        Durability::Durable(PersistMethod::Apm)
+    );
+}
+
+#[test]
+fn queue_depth_32_with_many_outstanding_writes() {
+    let d = scratch();
+    let shm = shm_path("qd");
+    let t = Target::start(d.path(), &config(&shm));
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 32,
+            chunk: 4096,
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(1).unwrap();
+    // 1000 writes of 4 KiB, in reverse order, interleaved over the namespace: 32 in flight.
+    let bufs: Vec<Vec<u8>> = (0..1000).map(|i| pattern(i, 4096)).collect();
+    let items: Vec<(u64, &[u8])> = (0..1000)
+        .rev()
+        .map(|i| ((i as u64 * 7919 % 1000) * 4096, bufs[i].as_slice()))
+        .collect();
+    ns.write_batch(&items).unwrap();
+    assert!(ns.persist(0, 1000 * 4096).unwrap().is_durable());
+    let mut outs: Vec<Vec<u8>> = vec![vec![0u8; 4096]; 1000];
+    let mut reads: Vec<(u64, &mut [u8])> = outs
+        .iter_mut()
+        .enumerate()
+        .map(|(i, b)| ((i as u64 * 7919 % 1000) * 4096, b.as_mut_slice()))
+        .collect();
+    ns.read_batch(&mut reads).unwrap();
+    for (i, o) in outs.iter().enumerate() {
+        assert!(*o == bufs[i], "write {i} read back wrong");
+    }
+}
+
+#[test]
+fn two_initiators_on_separate_namespaces_do_not_interfere() {
+    let d = scratch();
+    let shm = shm_path("two");
+    let t = Target::start(d.path(), &config(&shm));
+    let url = t.url();
+    let run = |nsid: u32, seed: u64, url: String| {
+        std::thread::spawn(move || {
+            let c = conn(&url);
+            let mut q = c.open_queue(nsid as u16).unwrap();
+            let mut ns = q.namespace(nsid).unwrap();
+            for round in 0..20u64 {
+                let v = pattern(seed + round, 64 << 10);
+                ns.write_durable(round * 4096, &v).unwrap();
+                let mut b = vec![0u8; v.len()];
+                ns.read_at(round * 4096, &mut b).unwrap();
+                assert!(b == v, "nsid {nsid} round {round}");
+            }
+            let mut all = vec![0u8; 20 * 4096 + (64 << 10)];
+            ns.read_at(0, &mut all).unwrap();
+            all
+        })
+    };
+    let a = run(1, 100, url.clone());
+    let b = run(4, 200, url.clone());
+    let (a, b) = (a.join().unwrap(), b.join().unwrap());
+    // Each ends with its own last pattern, and the other's bytes never show up.
+    let last = 19 * 4096..19 * 4096 + (64 << 10);
+    assert!(a[last.clone()] == pattern(119, 64 << 10)[..]);
+    assert!(b[last] == pattern(219, 64 << 10)[..]);
+    assert!(a[..4096] == pattern(100, 4096)[..]);
+    assert!(b[..4096] == pattern(200, 4096)[..]);
+}
+
+fn durable_across_sigkill(nsid: u32) {
+    let d = scratch();
+    let shm = shm_path("kill");
+    let mut t = Target::start(d.path(), &config(&shm));
+    let url = t.url();
+    let mut expected = Vec::new();
+    {
+        let mut q = conn(&url).open_queue(0).unwrap();
+        let mut ns = q.namespace(nsid).unwrap();
+        for (i, m) in [
+            PersistMethod::Flush,
+            PersistMethod::Apm,
+            PersistMethod::Gpspm,
+        ]
+        .into_iter()
+        .enumerate()
+        {
+            ns.set_method(Some(m)).unwrap();
+            let v = pattern(nsid as u64 * 10 + i as u64, 100_000);
+            let off = i as u64 * 200_000;
+            assert_eq!(ns.write_durable(off, &v).unwrap(), Durability::Durable(m));
+            expected.push((off, v));
+        }
+        // SIGKILL right after the last acknowledgement: no goodbye, no flush at exit.
+        t.kill9();
+    }
+    t.restart();
+    let mut q = conn(&url).open_queue(0).unwrap();
+    let mut ns = q.namespace(nsid).unwrap();
+    for (off, v) in &expected {
+        let mut b = vec![0u8; v.len()];
+        ns.read_at(*off, &mut b).unwrap();
+        assert!(b == *v, "nsid {nsid}: bytes at {off} lost across SIGKILL");
+    }
+    // And in the file itself.
+    let file = std::fs::read(d.path().join(format!("ns{nsid}"))).unwrap();
+    for (off, v) in &expected {
+        assert!(file[*off as usize..*off as usize + v.len()] == v[..]);
+    }
+}
+
+#[test]
+fn durable_writes_survive_sigkill_on_page_cache() {
+    durable_across_sigkill(1);
+}
+
+#[test]
+fn durable_writes_survive_sigkill_on_forced_dax() {
+    durable_across_sigkill(4);
+}
+
+#[test]
+fn link_cut_mid_stream_reconnects_and_keeps_every_acknowledged_write() {
+    let d = scratch();
+    let shm = shm_path("cut");
+    let t = Target::start(d.path(), &config(&shm));
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let mut q = conn(&relay.url())
+        .with_queue_options(QueueOptions {
+            depth: 8,
+            chunk: 16 << 10,
+            reconnect: ReconnectPolicy {
+                max_attempts: 20,
+                initial_backoff: Duration::from_millis(20),
+                max_backoff: Duration::from_millis(200),
+            },
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    // A cutter in the background drops the link at moments nobody chooses (mid-write,
+    // mid-persist); on top of that the loop cuts it deterministically between writes that
+    // were placed and their persist, so held writes must be re-issued.
+    let relay = std::sync::Arc::new(relay);
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let cutter = {
+        let (relay, stop) = (std::sync::Arc::clone(&relay), std::sync::Arc::clone(&stop));
+        std::thread::spawn(move || {
+            let mut n = 0u32;
+            while !stop.load(std::sync::atomic::Ordering::Relaxed) && n < 200 {
+                std::thread::sleep(Duration::from_millis(37));
+                relay.cut();
+                n += 1;
+            }
+        })
+    };
+    let mut acked = Vec::new();
+    let mut cuts = 0;
+    for i in 0..120u64 {
+        let mut ns = q.namespace(1).unwrap();
+        let v = pattern(1000 + i, 40_000);
+        let off = i * 48_000;
+        // Half durable per call, half placed and then persisted: both must survive.
+        if i % 2 == 0 {
+            assert!(ns.write_durable(off, &v).unwrap().is_durable(), "write {i}");
+        } else {
+            // Every tenth time the placed write never reaches the target: only its
+            // re-issue after the reconnect can make the persist succeed truthfully.
+            if i % 10 == 1 {
+                relay.swallow();
+            }
+            ns.write_at(off, &v).unwrap();
+            if i % 10 == 1 {
+                relay.cut();
+                cuts += 1;
+            }
+            assert!(
+                ns.persist(off, v.len() as u64).unwrap().is_durable(),
+                "write {i}"
+            );
+        }
+        acked.push((off, v));
+    }
+    stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    cutter.join().unwrap();
+    assert!(
+        q.reconnects() >= cuts,
+        "{cuts} deterministic cuts, {} reconnects",
+        q.reconnects()
+    );
+    assert!(relay.accepted() > u64::from(cuts));
+    // Read back directly from the target, not through the relay.
+    let mut q2 = conn(&t.url()).open_queue(1).unwrap();
+    let mut ns = q2.namespace(1).unwrap();
+    for (i, (off, v)) in acked.iter().enumerate() {
+        let mut b = vec![0u8; v.len()];
+        ns.read_at(*off, &mut b).unwrap();
+        assert!(
+            b == *v,
+            "acknowledged write {i} at {off} missing after a cut"
+        );
+    }
+}
+
+#[test]
+fn reconnect_gives_up_cleanly_at_its_limit() {
+    let d = scratch();
+    let shm = shm_path("giveup");
+    let mut t = Target::start(d.path(), &config(&shm));
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            reconnect: ReconnectPolicy {
+                max_attempts: 3,
+                initial_backoff: Duration::from_millis(10),
+                max_backoff: Duration::from_millis(50),
+            },
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    q.namespace(1)
+        .unwrap()
+        .write_at(0, b"not yet durable")
+        .unwrap();
+    t.kill9();
+    let started = std::time::Instant::now();
+    let e = q.namespace(1).unwrap().persist(0, 15).unwrap_err();
+    assert!(
+        matches!(e, Error::ReconnectFailed { attempts: 3, .. }),
+        "{e}"
+    );
+    assert!(started.elapsed() < Duration::from_secs(30), "no hang");
+    assert!(matches!(
+        q.namespace(1).unwrap().read_at(0, &mut [0u8; 4]),
+        Err(Error::Broken)
+    ));
+}
+
+#[test]
+fn several_queues_of_one_connection_on_their_own_threads() {
+    let d = scratch();
+    let shm = shm_path("queues");
+    let t = Target::start(d.path(), &config(&shm));
+    let c = conn(&t.url());
+    let threads: Vec<_> = (1..=3u16)
+        .map(|qid| {
+            let c = c.clone();
+            std::thread::spawn(move || {
+                let mut q = c.open_queue(qid).unwrap();
+                assert_eq!(q.queue_id(), qid);
+                let ctrl = q.controller_id().unwrap();
+                let mut ns = q.namespace(1).unwrap();
+                let base = u64::from(qid) * (1 << 20);
+                for i in 0..16u64 {
+                    let v = pattern(u64::from(qid) * 100 + i, 32 << 10);
+                    assert!(ns
+                        .write_durable(base + i * (32 << 10), &v)
+                        .unwrap()
+                        .is_durable());
+                }
+                // A shared counter: every queue's increments land exactly once.
+                for _ in 0..50 {
+                    ns.fetch_add(0, 1).unwrap();
+                }
+                ctrl
+            })
+        })
+        .collect();
+    let mut ctrls: Vec<u16> = threads.into_iter().map(|h| h.join().unwrap()).collect();
+    ctrls.sort_unstable();
+    ctrls.dedup();
+    assert_eq!(ctrls.len(), 3, "each queue is its own controller");
+    let mut q = c.open_queue(0).unwrap();
+    let mut ns = q.namespace(1).unwrap();
+    let mut b = [0u8; 8];
+    ns.read_at(0, &mut b).unwrap();
+    assert_eq!(u64::from_ne_bytes(b), 150);
+    for qid in 1..=3u64 {
+        for i in 0..16u64 {
+            let mut got = vec![0u8; 32 << 10];
+            ns.read_at(qid * (1 << 20) + i * (32 << 10), &mut got)
+                .unwrap();
+            assert!(
+                got == pattern(qid * 100 + i, 32 << 10),
+                "queue {qid} write {i}"
+            );
+        }
+    }
+}
