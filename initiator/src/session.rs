@@ -251,26 +251,49 @@ impl Session {
             if let Some(m) = self.inbox.pop_front() {
                 return Ok(m);
             }
-            self.check_open()?;
+            // Messages the target sent before it closed may still sit in the CQ behind the
+            // close: a closed session drains them (without blocking) before reporting the close.
+            let open = self.check_open();
             let now = Instant::now();
-            if now >= deadline {
+            let n = if open.is_err() {
+                self.cq.poll(&mut wcs)
+            } else if now >= deadline {
                 return Err(Error::Timeout {
                     what,
                     after: timeout,
                 });
+            } else {
+                self.cq.wait(&mut wcs, Some(deadline - now))
             }
-            let n = self
-                .cq
-                .wait(&mut wcs, Some(deadline - now))
-                .map_err(|source| Error::Fabric {
-                    op: "waiting for completions",
-                    source,
-                })?;
+            .map_err(|source| Error::Fabric {
+                op: "waiting for completions",
+                source,
+            })?;
+            if n == 0 {
+                open?;
+                continue;
+            }
+            // Handle the whole batch: a Disconnect or a failed completion must not drop the
+            // messages that arrived with it. The close itself is kept in the session's state
+            // (`check_open` reports it once the inbox is empty).
+            let mut deferred = None;
             for c in &wcs[..n] {
                 if c.wr_id & CONTROL_BIT == 0 {
                     self.other.push_back(*c);
-                } else if let Some(m) = self.handle(c)? {
-                    self.inbox.push_back(m);
+                    continue;
+                }
+                match self.handle(c) {
+                    Ok(Some(m)) => self.inbox.push_back(m),
+                    Ok(None) => {}
+                    Err(e @ Error::Decode(_)) => return Err(e),
+                    Err(e) => {
+                        deferred.get_or_insert(e);
+                    }
+                }
+            }
+            if self.inbox.is_empty() {
+                if let Some(e) = deferred {
+                    return Err(e);
                 }
             }
         }
