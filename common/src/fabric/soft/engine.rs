@@ -268,6 +268,11 @@ impl Engine {
                         }
                         _ => self.on_data(hdr, len),
                     }
+                    // Nothing more buffered: let the caller write the answers and report the
+                    // completions now rather than after one more read that would likely block.
+                    if conn.rx.is_idle() {
+                        return;
+                    }
                 }
                 Ok(None) => return,
                 Err(WireError::Closed { .. }) => {

@@ -189,7 +189,8 @@ impl Tx {
             if self.ready.is_empty() {
                 return Ok(true);
             }
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(self.ready.len() * 3);
+            let mut iov = [IoSlice::new(&[]); BATCH * 3];
+            let mut iovcnt = 0;
             let mut skip = self.written;
             for f in &self.ready {
                 // SAFETY: as in `cut`: the payload memory is kept alive by the FPDU.
@@ -209,18 +210,18 @@ impl Tx {
                         skip -= part.len();
                         continue;
                     }
-                    iov.push(IoSlice::new(&part[skip..]));
+                    iov[iovcnt] = IoSlice::new(&part[skip..]);
+                    iovcnt += 1;
                     skip = 0;
                 }
             }
-            let n = match sock.write_vectored(&iov) {
+            let n = match sock.write_vectored(&iov[..iovcnt]) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             };
-            drop(iov);
             let mut n = n + self.written;
             self.written = 0;
             while let Some(f) = self.ready.front() {
