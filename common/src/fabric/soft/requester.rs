@@ -130,11 +130,13 @@ impl Engine {
         if wr.flags.contains(SendFlags::SOLICITED)
             && !matches!(
                 wr.op,
-                SendOp::Send { .. } | SendOp::SendWithInvalidate { .. }
+                SendOp::Send { .. }
+                    | SendOp::SendWithInvalidate { .. }
+                    | SendOp::WriteWithImm { .. }
             )
         {
             return Err(Error::InvalidWorkRequest {
-                reason: "solicited event only on Send",
+                reason: "solicited event only on Send and WriteWithImm",
             });
         }
         Ok(())
@@ -215,7 +217,11 @@ impl Engine {
             SendOp::WriteWithImm { local, remote, imm } => {
                 let hdr = Header::tagged(Opcode::Write, remote.rkey, remote.addr, true);
                 self.push_local(hdr, &local, OnSent::Nothing);
-                let hdr = self.untagged(Opcode::ImmediateData);
+                let hdr = self.untagged(if solicited {
+                    Opcode::ImmediateDataSe
+                } else {
+                    Opcode::ImmediateData
+                });
                 let body = (imm as u64).to_be_bytes().to_vec();
                 self.tx.push_inline(hdr, body, OnSent::Complete(seq));
                 Pending::Sending
