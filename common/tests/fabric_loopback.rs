@@ -130,9 +130,47 @@ fn send_recv_with_se_and_imm() {
         assert_eq!((r.wr_id, r.byte_len, r.solicited), (11, 3, true));
         let r = p.next_target();
         assert_eq!(
-            (r.wr_id, r.opcode, r.imm),
-            (12, WcOpcode::RecvRdmaWithImm, Some(0xDEAD_BEEF))
+            (r.wr_id, r.opcode, r.imm, r.solicited),
+            (12, WcOpcode::RecvRdmaWithImm, Some(0xDEAD_BEEF), false)
         );
+        // A solicited WriteWithImm: Immediate Data with SE (0x9).
+        p.tqp
+            .post_recv(RecvWr {
+                wr_id: 13,
+                local: None,
+            })
+            .unwrap();
+        p.qp.post_send(
+            SendWr::new(
+                4,
+                SendOp::WriteWithImm {
+                    local: Sge::new(&imr, 0, 8),
+                    remote: tmr.remote(200),
+                    imm: 7,
+                },
+            )
+            .with_flags(SendFlags::SIGNALED | SendFlags::SOLICITED),
+        )
+        .unwrap();
+        let r = p.next_target();
+        assert_eq!(
+            (r.wr_id, r.opcode, r.imm, r.solicited),
+            (13, WcOpcode::RecvRdmaWithImm, Some(7), true)
+        );
+        // Not on a Write.
+        let err =
+            p.qp.post_send(
+                SendWr::new(
+                    5,
+                    SendOp::Write {
+                        local: Sge::new(&imr, 0, 8),
+                        remote: tmr.remote(200),
+                    },
+                )
+                .with_flags(SendFlags::SOLICITED),
+            )
+            .unwrap_err();
+        assert!(matches!(err, Error::InvalidWorkRequest { .. }), "{err}");
         let mut b = [0u8; 3];
         tmem.read_at(0, &mut b).unwrap();
         assert_eq!(b, [0, 1, 2]);

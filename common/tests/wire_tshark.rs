@@ -5,11 +5,14 @@
 //! Needs tshark and permission to capture on `lo` (root, or dumpcap capabilities); without them
 //! the test prints why and passes without checking (CI installs tshark: scripts/install-deps.sh).
 
-use std::io::{BufRead, BufReader, Write};
+mod fabric_util;
+
+use std::io::Write;
 use std::net::{TcpListener, TcpStream};
-use std::process::{Child, Command, Stdio};
 use std::thread;
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use fabric_util::tshark::{start_capture, stop_capture, tshark_fields};
 
 use rpma_common::fabric::soft::wire::ddp::{Header, HeaderKind, Opcode};
 use rpma_common::fabric::soft::wire::mpa::{accept_handshake, connect_handshake, MpaConfig};
@@ -22,60 +25,6 @@ use rpma_common::fabric::soft::wire::rx::{
 };
 use rpma_common::fabric::soft::wire::terminate::{TermCause, Terminate};
 use rpma_common::fabric::soft::wire::tx::{encode_fpdu, segment, TxConfig};
-
-/// Starts `tshark -i lo` on `port`, writing to `pcap`; None (with the reason printed) if it
-/// cannot capture.
-fn start_capture(port: u16, pcap: &std::path::Path) -> Option<Child> {
-    let mut child = match Command::new("tshark")
-        .args(["-i", "lo", "-f", &format!("tcp port {port}"), "-w"])
-        .arg(pcap)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-    {
-        Ok(c) => c,
-        Err(e) => {
-            eprintln!(
-                "SKIP wire_tshark: cannot run tshark ({e}); install it (scripts/install-deps.sh)"
-            );
-            return None;
-        }
-    };
-    // tshark says "Capturing on 'Loopback: lo'" once the capture runs.
-    let stderr = child.stderr.take().expect("piped");
-    let mut lines = BufReader::new(stderr).lines();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        match lines.next() {
-            Some(Ok(l)) if l.contains("Capturing on") => break,
-            Some(Ok(_)) if Instant::now() < deadline => continue,
-            other => {
-                let _ = child.kill();
-                let _ = child.wait();
-                eprintln!("SKIP wire_tshark: tshark could not capture on lo ({other:?})");
-                return None;
-            }
-        }
-    }
-    // Keep draining stderr so tshark never blocks on it.
-    thread::spawn(move || for _ in lines {});
-    // "Capturing on" comes slightly before dumpcap's capture really runs.
-    thread::sleep(Duration::from_millis(1500));
-    Some(child)
-}
-
-fn stop_capture(mut child: Child) {
-    // Let the last segments reach the capture, then stop tshark cleanly (SIGINT flushes).
-    thread::sleep(Duration::from_millis(500));
-    // SAFETY: kill(2) with a pid we spawned and still own (not yet reaped).
-    let rc = unsafe { libc::kill(child.id() as libc::pid_t, libc::SIGINT) };
-    assert_eq!(rc, 0, "kill tshark");
-    let status = child.wait().expect("wait for tshark");
-    assert!(
-        status.success() || status.code().is_none(),
-        "tshark exited with {status}"
-    );
-}
 
 /// Places tagged data into a local buffer; buffers untagged data.
 struct Mem(Vec<u8>);
@@ -284,29 +233,6 @@ fn run_session(port_listener: TcpListener, crc: bool) -> (usize, usize) {
     (ops.len(), passive_count)
 }
 
-fn tshark_fields(pcap: &std::path::Path, extra: &[&str]) -> String {
-    let out = Command::new("tshark")
-        .arg("-r")
-        .arg(pcap)
-        .args([
-            "--enable-heuristic",
-            "iwarp_mpa_tcp",
-            "--disable-heuristic",
-            "rpcrdma_iwarp",
-            "-o",
-            "tcp.try_heuristic_first:TRUE",
-        ])
-        .args(extra)
-        .output()
-        .expect("run tshark -r");
-    assert!(
-        out.status.success(),
-        "tshark -r failed: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).unwrap()
-}
-
 #[test]
 fn tshark_decodes_every_fpdu_with_good_crc() {
     // RPMA_WIRE_PCAP_DIR keeps the capture and tshark's decode for a look.
@@ -316,7 +242,7 @@ fn tshark_decodes_every_fpdu_with_good_crc() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
     let port = listener.local_addr().unwrap().port();
     let pcap = out_dir.join("wire.pcap");
-    let Some(capture) = start_capture(port, &pcap) else {
+    let Some(capture) = start_capture(port, &pcap, "wire_tshark") else {
         return;
     };
     let (sent_active, sent_passive) = run_session(listener, true);

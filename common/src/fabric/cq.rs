@@ -32,7 +32,7 @@ pub struct CompletionQueue {
 pub(crate) struct CqInner {
     ctx: Context,
     pub(crate) entries: Mutex<VecDeque<Completion>>,
-    qps: Mutex<Vec<Weak<SoftQp>>>,
+    qps: Mutex<Arc<Vec<Weak<SoftQp>>>>,
     pub(crate) poller: Poller,
 }
 
@@ -51,7 +51,7 @@ impl CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx,
                 entries: Mutex::new(VecDeque::with_capacity(depth.min(1 << 16))),
-                qps: Mutex::new(Vec::new()),
+                qps: Mutex::new(Arc::new(Vec::new())),
                 poller: Poller::new()?,
             }),
         })
@@ -64,13 +64,18 @@ impl CompletionQueue {
 
     pub(crate) fn attach(&self, qp: &Arc<SoftQp>) {
         let mut qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-        qps.retain(|w| w.strong_count() > 0);
-        if !qps
+        let mut list: Vec<Weak<SoftQp>> = qps
+            .iter()
+            .filter(|w| w.strong_count() > 0)
+            .cloned()
+            .collect();
+        if !list
             .iter()
             .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(qp)))
         {
-            qps.push(Arc::downgrade(qp));
+            list.push(Arc::downgrade(qp));
         }
+        *qps = Arc::new(list);
     }
 
     pub(crate) fn push(&self, c: Completion) {
@@ -81,9 +86,10 @@ impl CompletionQueue {
             .push_back(c);
     }
 
-    fn live_qps(&self) -> Vec<Arc<SoftQp>> {
-        let qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-        qps.iter().filter_map(Weak::upgrade).collect()
+    /// The bound queue pairs still alive. A snapshot: attaching copies the list, so polling
+    /// neither allocates nor holds the list's lock while it drives the queue pairs.
+    fn live_qps(&self) -> Arc<Vec<Weak<SoftQp>>> {
+        Arc::clone(&self.inner.qps.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Drives the bound queue pairs once and moves up to `out.len()` completions into `out`
@@ -95,7 +101,7 @@ impl CompletionQueue {
         if out.is_empty() {
             return Ok(0);
         }
-        for qp in self.live_qps() {
+        for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
             qp.progress();
         }
         let mut e = self.inner.entries.lock().unwrap_or_else(|p| p.into_inner());
@@ -195,7 +201,7 @@ impl CompletionQueue {
                 continue;
             }
             // Idle: block until a socket is ready (arming writability where output waits).
-            for qp in self.live_qps() {
+            for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
                 qp.arm(&self.inner.poller)?;
             }
             if !self

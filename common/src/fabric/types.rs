@@ -103,7 +103,8 @@ flags! {
         SIGNALED = 1,
         /// Wait for every earlier Read, Atomic and Flush to complete before starting this one.
         FENCE = 1 << 1,
-        /// Send with Solicited Event (Send and Send with Invalidate only).
+        /// Solicited Event (Send, Send with Invalidate and WriteWithImm only): the peer's
+        /// receive completion has `solicited` set.
         SOLICITED = 1 << 2,
     }
 }

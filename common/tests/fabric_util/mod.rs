@@ -1,6 +1,8 @@
 //! Shared harness of the fabric tests: a connected initiator/target pair over 127.0.0.1.
 #![allow(dead_code)]
 
+pub mod tshark;
+
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::sync::Arc;
@@ -37,10 +39,21 @@ impl Pair {
         prep: impl FnOnce(&PreparedQueuePair) + Send + 'static,
     ) -> Pair {
         let ctx = Context::soft();
+        let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+        Pair::on(ctx, listener, ip, tp, prep)
+    }
+
+    /// A pair connected through `listener` (bound on `ctx`).
+    pub fn on(
+        ctx: Context,
+        listener: Listener,
+        ip: ConnParams,
+        tp: ConnParams,
+        prep: impl FnOnce(&PreparedQueuePair) + Send + 'static,
+    ) -> Pair {
         let pd = ctx.alloc_pd().unwrap();
         let icq = ctx.create_cq(256).unwrap();
         let tcq = ctx.create_cq(256).unwrap();
-        let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
         let url = listener.url().unwrap();
         let (pd2, tcq2) = (pd.clone(), tcq.clone());
         let t = std::thread::spawn(move || {

@@ -2,7 +2,7 @@
 //! (revision 2, RFC 6581 IRD/ORD prefix, CRC negotiated, markers refused), with this side's
 //! capability block and the application's private data after it.
 
-use std::io::{Read, Write};
+use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 
 use crate::fabric::error::{Error, Result};
@@ -183,28 +183,22 @@ impl TcpListen {
             .map_err(sock_err("accept", "listener"))?;
         s.set_read_timeout(Some(params.timeout))
             .map_err(sock_err("configure", peer))?;
-        let mut hdr = [0u8; mpa::FRAME_HDR_LEN];
-        s.read_exact(&mut hdr)
-            .map_err(|e| handshake_err(peer, WireError::io("MPA Request", e)))?;
-        let revision = hdr[17];
-        let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
+        let raw = mpa::read_raw_frame(&mut s, "MPA Request").map_err(|e| handshake_err(peer, e))?;
+        let revision = raw.revision;
         let refuse = |s: &mut TcpStream, e: WireError| {
             if let Ok(b) = mpa::reject_reply(revision).encode() {
                 let _ = s.write_all(&b);
             }
             handshake_err(peer, e)
         };
-        if pd_len > mpa::MAX_PRIVATE_DATA {
+        if raw.oversize() {
             let e = WireError::PrivateDataTooLong {
-                len: pd_len,
+                len: raw.pd_len,
                 max: mpa::MAX_PRIVATE_DATA,
             };
             return Err(refuse(&mut s, e));
         }
-        let mut buf = hdr.to_vec();
-        buf.resize(mpa::FRAME_HDR_LEN + pd_len, 0);
-        s.read_exact(&mut buf[mpa::FRAME_HDR_LEN..])
-            .map_err(|e| handshake_err(peer, WireError::io("MPA Request", e)))?;
+        let buf = raw.bytes;
         let req = match MpaFrame::decode(&buf) {
             Ok(Some((f, _))) if f.kind == mpa::MpaKind::Request => f,
             Ok(_) => {

@@ -9,7 +9,7 @@ use crate::fabric::cq::CompletionQueue;
 use crate::fabric::error::Error;
 use crate::fabric::qp::ConnInfo;
 use crate::fabric::soft::placement::Dirty;
-use crate::fabric::soft::tx::{OnSent, Src, Tx, TxMsg};
+use crate::fabric::soft::tx::{OnSent, Tx};
 use crate::fabric::soft::wire::rx::{Delivered, FpduReceiver};
 use crate::fabric::soft::wire::WireError;
 use crate::fabric::soft::wire::{Header, Opcode, TermCause, Terminate};
@@ -158,20 +158,14 @@ impl Engine {
             let Some(status) = front.status else { return };
             let ent = self.sq.pop_front().expect("front exists");
             if status != WcStatus::Success || ent.flags.contains(SendFlags::SIGNALED) {
-                self.send_cq.push(Completion {
-                    wr_id: ent.wr_id,
-                    status,
-                    opcode: ent.opcode,
-                    byte_len: if status == WcStatus::Success {
-                        ent.byte_len
-                    } else {
-                        0
-                    },
-                    imm: None,
-                    invalidated_rkey: None,
-                    solicited: false,
-                    qp_num: self.qp_num,
-                });
+                let len = if status == WcStatus::Success {
+                    ent.byte_len
+                } else {
+                    0
+                };
+                let mut c = self.recv_completion(ent.wr_id, status, len as usize);
+                c.opcode = ent.opcode;
+                self.send_cq.push(c);
             }
         }
     }
@@ -201,16 +195,8 @@ impl Engine {
         }
         self.next_issue = self.next_seq;
         self.in_flight.clear();
-        let flush = |wr_id| Completion {
-            wr_id,
-            status: WcStatus::WrFlush,
-            opcode: WcOpcode::Recv,
-            byte_len: 0,
-            imm: None,
-            invalidated_rkey: None,
-            solicited: false,
-            qp_num: self.qp_num,
-        };
+        let qp_num = self.qp_num;
+        let flush = |wr_id| completion(qp_num, wr_id, WcStatus::WrFlush, 0);
         if let Some(cur) = self.cur_recv.take() {
             self.recv_cq.push(flush(cur.entry.wr_id));
         }
@@ -228,25 +214,11 @@ impl Engine {
         self.tx.abort_queued();
         let hdr = Header::untagged(Opcode::Terminate, 1, true);
         let body = t.encode();
-        let len = body.len();
-        self.tx.push(TxMsg {
-            hdr,
-            src: Src::Inline(body),
-            len,
-            on_sent: OnSent::Nothing,
-        });
+        self.tx.push_inline(hdr, body, OnSent::Nothing);
         self.closing = true;
         if let (Some(st), Some(cur)) = (f.recv_status, self.cur_recv.take()) {
-            self.recv_cq.push(Completion {
-                wr_id: cur.entry.wr_id,
-                status: st,
-                opcode: WcOpcode::Recv,
-                byte_len: 0,
-                imm: None,
-                invalidated_rkey: None,
-                solicited: false,
-                qp_num: self.qp_num,
-            });
+            let c = self.recv_completion(cur.entry.wr_id, st, 0);
+            self.recv_cq.push(c);
         }
         let why = format!("sent Terminate {:?}", f.cause);
         self.enter_error(why, None);
@@ -267,6 +239,11 @@ impl Engine {
                             }
                         }
                         _ => self.on_data(hdr, len),
+                    }
+                    // Nothing more buffered: let the caller write the answers and report the
+                    // completions now rather than after one more read that would likely block.
+                    if conn.rx.is_idle() {
+                        return;
                     }
                 }
                 Ok(None) => return,
@@ -292,18 +269,23 @@ impl Engine {
         }
     }
 
-    /// A receive completion of this queue pair.
+    /// A completion of this queue pair, as a receive (callers change the opcode for sends).
     pub(super) fn recv_completion(&self, wr_id: u64, status: WcStatus, len: usize) -> Completion {
-        Completion {
-            wr_id,
-            status,
-            opcode: WcOpcode::Recv,
-            byte_len: len as u32,
-            imm: None,
-            invalidated_rkey: None,
-            solicited: false,
-            qp_num: self.qp_num,
-        }
+        completion(self.qp_num, wr_id, status, len)
+    }
+}
+
+/// A receive completion of queue pair `qp_num`.
+fn completion(qp_num: u32, wr_id: u64, status: WcStatus, len: usize) -> Completion {
+    Completion {
+        wr_id,
+        status,
+        opcode: WcOpcode::Recv,
+        byte_len: len as u32,
+        imm: None,
+        invalidated_rkey: None,
+        solicited: false,
+        qp_num,
     }
 }
 

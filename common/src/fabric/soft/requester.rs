@@ -130,11 +130,13 @@ impl Engine {
         if wr.flags.contains(SendFlags::SOLICITED)
             && !matches!(
                 wr.op,
-                SendOp::Send { .. } | SendOp::SendWithInvalidate { .. }
+                SendOp::Send { .. }
+                    | SendOp::SendWithInvalidate { .. }
+                    | SendOp::WriteWithImm { .. }
             )
         {
             return Err(Error::InvalidWorkRequest {
-                reason: "solicited event only on Send",
+                reason: "solicited event only on Send and WriteWithImm",
             });
         }
         Ok(())
@@ -176,11 +178,17 @@ impl Engine {
         }
     }
 
-    pub(super) fn mem(s: &Sge) -> Src {
-        Src::Mem {
-            region: Arc::clone(s.mr.region()),
-            offset: s.offset,
-        }
+    /// Queues a message whose payload is the local buffer `s`.
+    fn push_local(&mut self, hdr: Header, s: &Sge, on_sent: OnSent) {
+        self.tx.push(TxMsg {
+            hdr,
+            src: Src::Mem {
+                region: Arc::clone(s.mr.region()),
+                offset: s.offset,
+            },
+            len: s.len,
+            on_sent,
+        });
     }
 
     pub(super) fn req_id(&mut self) -> u32 {
@@ -203,32 +211,19 @@ impl Engine {
         let pending = match op {
             SendOp::Write { local, remote } => {
                 let hdr = Header::tagged(Opcode::Write, remote.rkey, remote.addr, true);
-                let len = local.len;
-                self.tx.push(TxMsg {
-                    hdr,
-                    src: Self::mem(&local),
-                    len,
-                    on_sent: OnSent::Complete(seq),
-                });
+                self.push_local(hdr, &local, OnSent::Complete(seq));
                 Pending::Sending
             }
             SendOp::WriteWithImm { local, remote, imm } => {
                 let hdr = Header::tagged(Opcode::Write, remote.rkey, remote.addr, true);
-                let len = local.len;
-                self.tx.push(TxMsg {
-                    hdr,
-                    src: Self::mem(&local),
-                    len,
-                    on_sent: OnSent::Nothing,
+                self.push_local(hdr, &local, OnSent::Nothing);
+                let hdr = self.untagged(if solicited {
+                    Opcode::ImmediateDataSe
+                } else {
+                    Opcode::ImmediateData
                 });
-                let hdr = self.untagged(Opcode::ImmediateData);
                 let body = (imm as u64).to_be_bytes().to_vec();
-                self.tx.push(TxMsg {
-                    hdr,
-                    src: Src::Inline(body),
-                    len: 8,
-                    on_sent: OnSent::Complete(seq),
-                });
+                self.tx.push_inline(hdr, body, OnSent::Complete(seq));
                 Pending::Sending
             }
             SendOp::Send { local } => {
@@ -238,13 +233,7 @@ impl Engine {
                     Opcode::Send
                 };
                 let hdr = self.untagged(opcode);
-                let len = local.len;
-                self.tx.push(TxMsg {
-                    hdr,
-                    src: Self::mem(&local),
-                    len,
-                    on_sent: OnSent::Complete(seq),
-                });
+                self.push_local(hdr, &local, OnSent::Complete(seq));
                 Pending::Sending
             }
             SendOp::SendWithInvalidate {
@@ -260,13 +249,7 @@ impl Engine {
                 if let HeaderKind::Untagged { inv_stag, .. } = &mut hdr.kind {
                     *inv_stag = invalidate_rkey;
                 }
-                let len = local.len;
-                self.tx.push(TxMsg {
-                    hdr,
-                    src: Self::mem(&local),
-                    len,
-                    on_sent: OnSent::Complete(seq),
-                });
+                self.push_local(hdr, &local, OnSent::Complete(seq));
                 Pending::Sending
             }
             SendOp::Read { local, remote } => {
@@ -279,12 +262,7 @@ impl Engine {
                 };
                 let hdr = self.untagged(Opcode::ReadRequest);
                 let body = rr.encode().to_vec();
-                self.tx.push(TxMsg {
-                    hdr,
-                    src: Src::Inline(body),
-                    len: ReadRequest::LEN,
-                    on_sent: OnSent::Nothing,
-                });
+                self.tx.push_inline(hdr, body, OnSent::Nothing);
                 self.in_flight.push_back(seq);
                 Pending::Read {
                     sink: local,
@@ -361,13 +339,7 @@ impl Engine {
 
     pub(super) fn push_request(&mut self, opcode: Opcode, body: Vec<u8>, seq: u64) {
         let hdr = self.untagged(opcode);
-        let len = body.len();
-        self.tx.push(TxMsg {
-            hdr,
-            src: Src::Inline(body),
-            len,
-            on_sent: OnSent::Nothing,
-        });
+        self.tx.push_inline(hdr, body, OnSent::Nothing);
         self.in_flight.push_back(seq);
     }
 }

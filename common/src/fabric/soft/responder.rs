@@ -131,16 +131,25 @@ impl Engine {
         Ok(())
     }
 
+    /// The send-queue entry of the oldest request awaiting its answer.
+    fn oldest_in_flight(&mut self) -> Option<&mut SqEntry> {
+        let seq = *self.in_flight.front()?;
+        self.entry_mut(seq)
+    }
+
+    /// The oldest request in flight got its (atomic or private) answer: it is done.
+    fn answered(&mut self) {
+        if let Some(ent) = self.oldest_in_flight() {
+            ent.pending = Pending::Done;
+            ent.status = Some(WcStatus::Success);
+        }
+        self.in_flight.pop_front();
+    }
+
     pub(super) fn respond(&mut self, opcode: Opcode, body: Vec<u8>) {
         let hdr = Header::untagged(opcode, self.resp_msn, true);
         self.resp_msn = self.resp_msn.wrapping_add(1);
-        let len = body.len();
-        self.tx.push(TxMsg {
-            hdr,
-            src: Src::Inline(body),
-            len,
-            on_sent: OnSent::ResponseDone,
-        });
+        self.tx.push_inline(hdr, body, OnSent::ResponseDone);
     }
 
     pub(super) fn on_control(
@@ -259,11 +268,8 @@ impl Engine {
                 self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
             }
             Body::AtomicResponse(ar) => {
-                let Some(&seq) = self.in_flight.front() else {
-                    return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE));
-                };
                 let ent = self
-                    .entry_mut(seq)
+                    .oldest_in_flight()
                     .ok_or_else(|| fault(TermCause::RDMAP_UNEXPECTED_OPCODE))?;
                 match &ent.pending {
                     Pending::Atomic { req_id, result } if *req_id == ar.req_id => {
@@ -272,30 +278,21 @@ impl Engine {
                         // SAFETY: `result` was checked at post time: 8 bytes with local write
                         // inside a region kept alive by the entry's Arc.
                         unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p, 8) };
-                        ent.pending = Pending::Done;
-                        ent.status = Some(WcStatus::Success);
-                        self.in_flight.pop_front();
                     }
                     _ => return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE)),
                 }
+                self.answered();
             }
             Body::PrivateResponse(pr) => {
-                let Some(&seq) = self.in_flight.front() else {
-                    return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE));
-                };
                 let ent = self
-                    .entry_mut(seq)
+                    .oldest_in_flight()
                     .ok_or_else(|| fault(TermCause::RDMAP_UNEXPECTED_OPCODE))?;
                 match &ent.pending {
                     Pending::Private { req_id, request }
-                        if *req_id == pr.req_id && *request == pr.request =>
-                    {
-                        ent.pending = Pending::Done;
-                        ent.status = Some(WcStatus::Success);
-                        self.in_flight.pop_front();
-                    }
+                        if *req_id == pr.req_id && *request == pr.request => {}
                     _ => return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE)),
                 }
+                self.answered();
             }
             Body::ImmediateData(b) => {
                 let HeaderKind::Untagged { msn, .. } = hdr.kind else {

@@ -1,6 +1,10 @@
 //! The transmit side of a connection: a FIFO of outbound RDMAP messages, cut into FPDUs and
 //! written with `writev` straight from registered memory (no copy of the payload).
 //!
+//! The cutting and framing are the wire layer's ([`Cuts`], [`Framing`]); what this adds is
+//! ownership across partial writes: a queued FPDU keeps an `Arc` of the region its payload
+//! lives in, so memory in flight is never freed.
+//!
 //! Messages go out whole and in order: requests as posted, responses in the order their
 //! requests came in, which is what RC ordering asks of a single TCP stream.
 
@@ -10,13 +14,14 @@ use std::net::TcpStream;
 use std::sync::Arc;
 
 use crate::fabric::mr::Region;
-use crate::fabric::soft::wire::{self, Header};
+use crate::fabric::soft::wire::tx::{Cuts, Framing, TxConfig, MIN_MAX_ULPDU};
+use crate::fabric::soft::wire::{Header, MAX_ULPDU_LIMIT};
 
 /// Where a message's payload comes from.
 pub(crate) enum Src {
     /// `len` bytes of registered memory at `offset` (kept alive by the Arc).
     Mem { region: Arc<Region>, offset: usize },
-    /// A control body, at most [`INLINE_MAX`] bytes.
+    /// A control body (one segment).
     Inline(Vec<u8>),
 }
 
@@ -38,62 +43,91 @@ pub(crate) struct TxMsg {
     pub(crate) on_sent: OnSent,
 }
 
-const INLINE_MAX: usize = 64;
-/// Length + longest header + longest inline body.
-const HEAD_MAX: usize = 2 + wire::ddp::UNTAGGED_HDR_LEN + INLINE_MAX;
-/// FPDUs gathered into one writev.
-const BATCH: usize = 32;
+/// FPDUs gathered into one writev (three iovecs each, within IOV_MAX).
+const BATCH: usize = 64;
 
-/// One FPDU ready to go: head (MPA length, DDP/RDMAP header, inline body), payload from
-/// memory, trailer (pad + CRC).
+/// A queued FPDU's payload.
+enum Payload {
+    /// Registered memory, kept alive by the Arc while the FPDU waits.
+    Mem {
+        ptr: *const u8,
+        len: usize,
+        _keep: Arc<Region>,
+    },
+    Inline(Vec<u8>),
+}
+
+/// One FPDU ready to go: framing, and its payload from memory or inline.
 struct Fpdu {
-    head: [u8; HEAD_MAX],
-    head_len: u8,
-    payload: *const u8,
-    payload_len: usize,
-    trailer: [u8; 7],
-    trailer_len: u8,
-    /// Keeps the payload's memory alive while the FPDU waits.
-    _keep: Option<Arc<Region>>,
+    framing: Framing,
+    payload: Payload,
     /// Set on a message's last FPDU.
     on_sent: OnSent,
 }
 
-// SAFETY: `payload` points into memory kept alive by `_keep` (or is dangling with length 0);
-// it is only read, and only by the thread that owns the connection at the time.
+// SAFETY: `Payload::Mem::ptr` points into memory kept alive by `_keep`; it is only read, and
+// only by the thread that owns the connection at the time.
 unsafe impl Send for Fpdu {}
 
+impl Payload {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            // SAFETY: `len` bytes of registered memory kept alive by `_keep`; reading it while
+            // a peer may write it yields some bytes, which is the RDMA contract for memory in
+            // flight.
+            Payload::Mem { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
+            Payload::Inline(b) => b,
+        }
+    }
+}
+
 impl Fpdu {
+    fn payload(&self) -> &[u8] {
+        self.payload.bytes()
+    }
+
     fn total(&self) -> usize {
-        self.head_len as usize + self.payload_len + self.trailer_len as usize
+        self.framing.overhead() + self.payload().len()
     }
 }
 
 pub(crate) struct Tx {
     queue: VecDeque<TxMsg>,
-    /// Payload bytes of the queue's front message already cut into FPDUs.
-    front_cut: usize,
+    /// The segments of the queue's front message not yet cut (None: not started).
+    front: Option<Cuts>,
     ready: VecDeque<Fpdu>,
     /// Bytes of `ready`'s front FPDU already written.
     written: usize,
-    crc: bool,
-    max_ulpdu: usize,
+    cfg: TxConfig,
 }
 
 impl Tx {
+    /// `max_ulpdu` is brought within the wire layer's limits (the handshake already refuses
+    /// values outside them).
     pub(crate) fn new(crc: bool, max_ulpdu: usize) -> Tx {
+        let max = max_ulpdu.clamp(MIN_MAX_ULPDU, MAX_ULPDU_LIMIT);
         Tx {
             queue: VecDeque::new(),
-            front_cut: 0,
+            front: None,
             ready: VecDeque::new(),
             written: 0,
-            crc,
-            max_ulpdu,
+            cfg: TxConfig::new(crc, max).expect("max ULPDU clamped to the wire's limits"),
         }
     }
 
     pub(crate) fn push(&mut self, m: TxMsg) {
         self.queue.push_back(m);
+    }
+
+    /// Queues a control message (`body` in one FPDU).
+    pub(crate) fn push_inline(&mut self, hdr: Header, body: Vec<u8>, on_sent: OnSent) {
+        let len = body.len();
+        self.push(TxMsg {
+            hdr,
+            src: Src::Inline(body),
+            len,
+            on_sent,
+        });
     }
 
     /// Whether anything waits to be written.
@@ -113,66 +147,41 @@ impl Tx {
             f.on_sent = OnSent::Nothing;
         }
         self.queue.clear();
-        self.front_cut = 0;
+        self.front = None;
     }
 
     fn cut(&mut self) {
         while self.ready.len() < BATCH {
-            let Some(m) = self.queue.front() else { return };
-            let hlen = m.hdr.len();
-            let room = self.max_ulpdu.saturating_sub(hlen).max(1);
-            let chunk = match m.src {
-                Src::Inline(_) => m.len,
-                _ => (m.len - self.front_cut).min(room),
+            let Some(m) = self.queue.front_mut() else {
+                return;
             };
-            let last = self.front_cut + chunk == m.len;
-            let mut hdr = m.hdr.advanced(self.front_cut);
-            hdr.last = last;
-            let mut head = [0u8; HEAD_MAX];
-            let ulpdu_len = hlen + chunk;
-            head[..2].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
-            let mut head_len = 2 + hdr.encode_into(&mut head[2..]);
-            let (payload, payload_len, keep) = match &m.src {
-                Src::Inline(b) => {
-                    head[head_len..head_len + b.len()].copy_from_slice(b);
-                    head_len += b.len();
-                    (std::ptr::null(), 0, None)
-                }
-                Src::Mem { region, offset } => {
-                    let p = region.addr().wrapping_add(offset + self.front_cut);
-                    (p as *const u8, chunk, Some(Arc::clone(region)))
-                }
+            let cuts = self
+                .front
+                .get_or_insert_with(|| Cuts::new(m.hdr, m.len, &self.cfg));
+            let Some((hdr, at, n)) = cuts.next() else {
+                // Not reached: a message leaves the queue with its last segment.
+                self.queue.pop_front();
+                self.front = None;
+                continue;
             };
-            let pad = wire::pad_len(ulpdu_len);
-            let mut trailer = [0u8; 7];
-            if self.crc {
-                let mut c = wire::crc32c(&head[..head_len]);
-                if payload_len > 0 {
-                    // SAFETY: payload is `payload_len` bytes of registered memory kept alive
-                    // by `keep`; reading it while a peer may write it yields some bytes, which
-                    // is the RDMA contract for memory in flight.
-                    let s = unsafe { std::slice::from_raw_parts(payload, payload_len) };
-                    c = wire::crc32c_append(c, s);
-                }
-                c = wire::crc32c_append(c, &[0u8; 3][..pad]);
-                trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
-            }
-            let on_sent = if last { m.on_sent } else { OnSent::Nothing };
+            let payload = match &mut m.src {
+                Src::Inline(b) => Payload::Inline(std::mem::take(b)),
+                Src::Mem { region, offset } => Payload::Mem {
+                    ptr: region.addr().wrapping_add(*offset + at) as *const u8,
+                    len: n,
+                    _keep: Arc::clone(region),
+                },
+            };
+            let on_sent = if hdr.last { m.on_sent } else { OnSent::Nothing };
+            let framing = Framing::new(&hdr, n, [payload.bytes()], self.cfg.crc());
             self.ready.push_back(Fpdu {
-                head,
-                head_len: head_len as u8,
+                framing,
                 payload,
-                payload_len,
-                trailer,
-                trailer_len: (pad + 4) as u8,
-                _keep: keep,
                 on_sent,
             });
-            if last {
+            if hdr.last {
                 self.queue.pop_front();
-                self.front_cut = 0;
-            } else {
-                self.front_cut += chunk;
+                self.front = None;
             }
         }
     }
@@ -189,38 +198,27 @@ impl Tx {
             if self.ready.is_empty() {
                 return Ok(true);
             }
-            let mut iov: Vec<IoSlice<'_>> = Vec::with_capacity(self.ready.len() * 3);
+            let mut iov = [IoSlice::new(&[]); BATCH * 3];
+            let mut iovcnt = 0;
             let mut skip = self.written;
             for f in &self.ready {
-                // SAFETY: as in `cut`: the payload memory is kept alive by the FPDU.
-                let payload = unsafe {
-                    if f.payload_len == 0 {
-                        &[][..]
-                    } else {
-                        std::slice::from_raw_parts(f.payload, f.payload_len)
-                    }
-                };
-                for part in [
-                    &f.head[..f.head_len as usize],
-                    payload,
-                    &f.trailer[..f.trailer_len as usize],
-                ] {
+                for part in [f.framing.head(), f.payload(), f.framing.trailer()] {
                     if skip >= part.len() {
                         skip -= part.len();
                         continue;
                     }
-                    iov.push(IoSlice::new(&part[skip..]));
+                    iov[iovcnt] = IoSlice::new(&part[skip..]);
+                    iovcnt += 1;
                     skip = 0;
                 }
             }
-            let n = match sock.write_vectored(&iov) {
+            let n = match sock.write_vectored(&iov[..iovcnt]) {
                 Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                 Ok(n) => n,
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
                 Err(e) => return Err(e),
             };
-            drop(iov);
             let mut n = n + self.written;
             self.written = 0;
             while let Some(f) = self.ready.front() {
@@ -237,5 +235,87 @@ impl Tx {
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::soft::wire::tx::segment;
+    use crate::fabric::soft::wire::Opcode;
+    use crate::fabric::{Access, AlignedBuf, Context};
+    use std::io::Read;
+    use std::net::TcpListener;
+
+    fn socket_pair() -> (TcpStream, TcpStream) {
+        let l = TcpListener::bind("127.0.0.1:0").unwrap();
+        let a = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (b, _) = l.accept().unwrap();
+        (a, b)
+    }
+
+    #[test]
+    fn queued_messages_go_out_as_the_wire_segmenter_cuts_them() {
+        for crc in [true, false] {
+            let ctx = Context::soft();
+            let pd = ctx.alloc_pd().unwrap();
+            let mem = AlignedBuf::new(4096).unwrap();
+            let data: Vec<u8> = (0..1000u32).map(|i| (i * 7) as u8).collect();
+            mem.write_at(100, &data).unwrap();
+            let mr = pd.register(mem, Access::LOCAL_WRITE).unwrap();
+
+            let mut tx = Tx::new(crc, 128);
+            let write = Header::tagged(Opcode::Write, 9, 0x4000, true);
+            tx.push(TxMsg {
+                hdr: write,
+                src: Src::Mem {
+                    region: Arc::clone(mr.region()),
+                    offset: 100,
+                },
+                len: 1000,
+                on_sent: OnSent::Complete(1),
+            });
+            let send = Header::untagged(Opcode::Send, 1, true);
+            tx.push_inline(send, b"hello".to_vec(), OnSent::Complete(2));
+            let (mut a, mut b) = socket_pair();
+            let mut done = Vec::new();
+            assert!(tx.flush(&mut a, |o| done.push(o)).unwrap());
+            assert_eq!(done, [OnSent::Complete(1), OnSent::Complete(2)]);
+            assert!(!tx.pending());
+            drop(a);
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).unwrap();
+
+            let cfg = TxConfig::new(crc, 128).unwrap();
+            let mut want = Vec::new();
+            let sg = [&data[..]];
+            let fpdus: Vec<_> = segment(write, &sg, &cfg).collect();
+            assert_eq!(fpdus.len(), 1000usize.div_ceil(128 - 14));
+            for f in fpdus {
+                f.append_to(&mut want);
+            }
+            for f in segment(send, &[&b"hello"[..]], &cfg) {
+                f.append_to(&mut want);
+            }
+            assert_eq!(got, want, "crc {crc}");
+        }
+    }
+
+    #[test]
+    fn abort_keeps_a_partly_written_fpdu_and_drops_the_rest() {
+        let mut tx = Tx::new(true, 128);
+        for i in 0..3 {
+            let h = Header::untagged(Opcode::Send, i + 1, true);
+            tx.push_inline(h, vec![i as u8; 40], OnSent::Complete(i as u64));
+        }
+        tx.cut();
+        assert_eq!(tx.ready.len(), 3);
+        tx.written = 5;
+        tx.abort_queued();
+        assert_eq!(tx.ready.len(), 1);
+        assert_eq!(tx.ready[0].on_sent, OnSent::Nothing);
+        tx.written = 0;
+        tx.abort_queued();
+        assert!(!tx.pending());
     }
 }

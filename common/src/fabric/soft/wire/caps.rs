@@ -131,7 +131,9 @@ impl Caps {
     ///
     /// # Errors
     /// [`WireError::BadCaps`] if the magic is there but the block is malformed: version 0, a
-    /// stated length below 12, or a length beyond the private data.
+    /// stated length below 12, or a length beyond the private data; or if it states a maximum
+    /// ULPDU below [`MIN_MAX_ULPDU`](super::tx::MIN_MAX_ULPDU) (too small for every control
+    /// message).
     pub fn decode(pd: &[u8]) -> Result<Caps> {
         if pd.len() < MAGIC.len() || pd[..4] != MAGIC {
             return Ok(Caps::foreign(pd.to_vec()));
@@ -152,6 +154,9 @@ impl Caps {
         }
         let flags = CapFlags(r.u16().map_err(|_| bad("truncated"))?);
         let max = r.u16().map_err(|_| bad("truncated"))?;
+        if max != 0 && (max as usize) < super::tx::MIN_MAX_ULPDU {
+            return Err(bad("max ULPDU below 128"));
+        }
         Ok(Caps {
             present: true,
             version,
@@ -222,6 +227,10 @@ mod tests {
             (
                 &[0x72, 0x50, 0x4D, 0x41, 1, 13, 0, 0, 0, 0, 0, 0][..],
                 "block longer than the private data",
+            ),
+            (
+                &[0x72, 0x50, 0x4D, 0x41, 1, 12, 0, 0, 0, 127, 0, 0][..],
+                "max ULPDU below 128",
             ),
         ] {
             match Caps::decode(b) {

@@ -5,10 +5,13 @@
 //! Quick start (the engine's view):
 //!
 //! 1. [`mpa::connect_handshake`] / [`mpa::accept_handshake`] on a freshly connected stream give
-//!    a [`mpa::Negotiated`]: CRC on or off, IRD/ORD, the peer's [`caps::Caps`].
+//!    a [`mpa::Negotiated`]: CRC on or off, IRD/ORD, the peer's [`caps::Caps`]
+//!    ([`mpa::connect_exchange`] also hands back a rejecting peer's private data).
 //! 2. To send, build a [`ddp::Header`] template and cut the message into FPDUs with
 //!    [`tx::Segmenter`] (iovec-friendly: header bytes, payload slices, trailer), or encode a small
-//!    control message in one go with [`tx::encode_fpdu`].
+//!    control message in one go with [`tx::encode_fpdu`]. A transmit queue that owns its payloads
+//!    its own way (the engine's) uses the segmenter's owned parts, [`tx::Cuts`] and
+//!    [`tx::Framing`].
 //! 3. To receive, feed a non-blocking socket to [`rx::FpduReceiver::poll`] with a
 //!    [`rx::Placer`] that says where each data payload goes.
 //!

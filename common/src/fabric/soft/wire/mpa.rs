@@ -486,19 +486,57 @@ pub fn negotiate(local: &MpaConfig, peer: &MpaFrame) -> Result<Negotiated> {
     })
 }
 
-fn read_frame<S: Read>(stream: &mut S, expected: MpaKind) -> Result<MpaFrame> {
+/// An MPA frame as read from the stream, before it is judged.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct RawFrame {
+    /// The 20-byte header and the private data (left out if longer than
+    /// [`MAX_PRIVATE_DATA`]).
+    pub bytes: Vec<u8>,
+    /// The revision the header states (to answer a refusal in kind).
+    pub revision: u8,
+    /// The private-data length the header states.
+    pub pd_len: usize,
+}
+
+impl RawFrame {
+    /// Whether the private data is longer than [`MAX_PRIVATE_DATA`] (and was not kept).
+    pub fn oversize(&self) -> bool {
+        self.pd_len > MAX_PRIVATE_DATA
+    }
+}
+
+/// Reads one MPA frame's header and private data from a blocking stream. Oversize private
+/// data is read and dropped (at most 64 KiB), so that closing after a reject does not reset
+/// the connection and lose the reject on its way.
+///
+/// # Errors
+/// [`WireError::Io`] (or [`WireError::Closed`]) while reading, naming `what`.
+pub fn read_raw_frame<S: Read>(stream: &mut S, what: &'static str) -> Result<RawFrame> {
     let mut hdr = [0u8; FRAME_HDR_LEN];
     stream
         .read_exact(&mut hdr)
-        .map_err(|e| WireError::io("MPA frame read", e))?;
+        .map_err(|e| WireError::io(what, e))?;
     let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
-    let mut buf = hdr.to_vec();
+    let mut bytes = hdr.to_vec();
     if pd_len <= MAX_PRIVATE_DATA {
-        buf.resize(FRAME_HDR_LEN + pd_len, 0);
+        bytes.resize(FRAME_HDR_LEN + pd_len, 0);
         stream
-            .read_exact(&mut buf[FRAME_HDR_LEN..])
-            .map_err(|e| WireError::io("MPA private data read", e))?;
+            .read_exact(&mut bytes[FRAME_HDR_LEN..])
+            .map_err(|e| WireError::io(what, e))?;
+    } else {
+        let mut rest = (&mut *stream).take(pd_len as u64);
+        std::io::copy(&mut rest, &mut std::io::sink()).map_err(|e| WireError::io(what, e))?;
     }
+    Ok(RawFrame {
+        bytes,
+        revision: hdr[17],
+        pd_len,
+    })
+}
+
+fn read_frame<S: Read>(stream: &mut S, expected: MpaKind) -> Result<MpaFrame> {
+    let raw = read_raw_frame(stream, "MPA frame read")?;
+    let (buf, pd_len) = (raw.bytes, raw.pd_len);
     let (frame, _) = MpaFrame::decode(&buf)?.ok_or(WireError::Truncated {
         what: "MPA frame",
         need: FRAME_HDR_LEN + pd_len,
@@ -576,27 +614,10 @@ pub fn connect_exchange<S: Read + Write>(stream: &mut S, cfg: &MpaConfig) -> Res
 /// As [`connect_handshake`], except [`WireError::Rejected`].
 pub fn accept_handshake<S: Read + Write>(stream: &mut S, cfg: &MpaConfig) -> Result<Negotiated> {
     cfg.validate()?;
-    let mut hdr = [0u8; FRAME_HDR_LEN];
-    stream
-        .read_exact(&mut hdr)
-        .map_err(|e| WireError::io("MPA Request read", e))?;
-    let revision = hdr[17];
-    let pd_len = u16::from_be_bytes([hdr[18], hdr[19]]) as usize;
-    let mut buf = hdr.to_vec();
-    if pd_len <= MAX_PRIVATE_DATA {
-        buf.resize(FRAME_HDR_LEN + pd_len, 0);
-        stream
-            .read_exact(&mut buf[FRAME_HDR_LEN..])
-            .map_err(|e| WireError::io("MPA Request read", e))?;
-    } else {
-        // Drain it (at most 64 KiB) so that closing after the reject does not reset the
-        // connection and lose the reject on its way.
-        let mut rest = (&mut *stream).take(pd_len as u64);
-        std::io::copy(&mut rest, &mut std::io::sink())
-            .map_err(|e| WireError::io("MPA Request read", e))?;
-    }
+    let raw = read_raw_frame(stream, "MPA Request read")?;
+    let (buf, revision) = (raw.bytes, raw.revision);
     let outcome = (|| {
-        if hdr[..16] != REQ_KEY[..] {
+        if buf[..16] != REQ_KEY[..] {
             return Err(WireError::BadMpaKey {
                 expected: Some(MpaKind::Request),
             });

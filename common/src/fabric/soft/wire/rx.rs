@@ -25,8 +25,9 @@ use super::tx::MIN_MAX_ULPDU;
 use super::{crc32c, fpdu_len, pad_len, Result, WireError, MAX_ULPDU_LIMIT};
 
 /// With CRC off, how far past the bytes it needs the receiver reads ahead. Small enough that a
-/// large direct payload mostly lands straight in place, large enough to batch small FPDUs.
-pub const READ_AHEAD: usize = 4096;
+/// large direct payload mostly lands straight in place, large enough that a 4 KiB Write and the
+/// Read Request behind it come in one read.
+pub const READ_AHEAD: usize = 8192;
 
 /// Settings of the receive side.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

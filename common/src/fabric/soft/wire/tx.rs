@@ -61,23 +61,47 @@ impl Default for TxConfig {
 
 const HEAD_MAX: usize = 2 + UNTAGGED_HDR_LEN;
 
-/// One FPDU ready to send: `head`, then the payload slices, then `trailer`.
-#[derive(Clone, Debug)]
-pub struct TxFpdu<'a> {
-    header: Header,
+/// The framing of one FPDU around its payload: the MPA length and the DDP/RDMAP header in
+/// front (`head`), the pad and the CRC behind (`trailer`). Owns its bytes, so a transmit queue
+/// can keep it beside a payload it owns in its own way (the engine's FPDUs keep an `Arc` of
+/// the registered region).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Framing {
     head: [u8; HEAD_MAX],
     head_len: u8,
-    sg: &'a [&'a [u8]],
-    first: (usize, usize),
-    payload_len: usize,
     trailer: [u8; 7],
     trailer_len: u8,
 }
 
-impl<'a> TxFpdu<'a> {
-    /// The DDP/RDMAP header of this segment.
-    pub fn header(&self) -> &Header {
-        &self.header
+impl Framing {
+    /// Frames `header` (exactly as given, `last` included) around a payload of `payload_len`
+    /// bytes given as `pieces` (used only for the CRC, when `crc`).
+    pub fn new<'p>(
+        header: &Header,
+        payload_len: usize,
+        pieces: impl IntoIterator<Item = &'p [u8]>,
+        crc: bool,
+    ) -> Framing {
+        let ulpdu_len = header.len() + payload_len;
+        let mut head = [0u8; HEAD_MAX];
+        head[..2].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
+        let head_len = 2 + header.encode_into(&mut head[2..]);
+        let pad = pad_len(ulpdu_len);
+        let mut trailer = [0u8; 7];
+        if crc {
+            let mut c = crc32c(&head[..head_len]);
+            for p in pieces {
+                c = crc32c_append(c, p);
+            }
+            c = crc32c_append(c, &trailer[..pad]);
+            trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
+        }
+        Framing {
+            head,
+            head_len: head_len as u8,
+            trailer,
+            trailer_len: (pad + 4) as u8,
+        }
     }
 
     /// MPA length + DDP/RDMAP header bytes.
@@ -88,6 +112,97 @@ impl<'a> TxFpdu<'a> {
     /// Padding (0-3 zero bytes) + CRC (4 bytes, least significant first; zeros without CRC).
     pub fn trailer(&self) -> &[u8] {
         &self.trailer[..self.trailer_len as usize]
+    }
+
+    /// Head and trailer bytes: the FPDU's length on the wire less its payload.
+    pub fn overhead(&self) -> usize {
+        self.head_len as usize + self.trailer_len as usize
+    }
+}
+
+/// The segments of one message, as (header, payload offset, payload length), without its
+/// payload: the owned core of [`Segmenter`], for transmit queues that keep their payloads in
+/// their own way. Each header is the template advanced by the bytes before it (TO for tagged,
+/// MO for untagged); the last carries L. A zero-length message is one segment.
+#[derive(Clone, Copy, Debug)]
+pub struct Cuts {
+    template: Header,
+    total: usize,
+    sent: usize,
+    max_payload: usize,
+    done: bool,
+}
+
+impl Cuts {
+    /// Cuts `total` payload bytes behind `template` (its `last` flag is ignored) into segments
+    /// of at most `cfg.max_ulpdu()` bytes of header and payload.
+    pub fn new(template: Header, total: usize, cfg: &TxConfig) -> Cuts {
+        Cuts {
+            template,
+            total,
+            sent: 0,
+            max_payload: cfg.max_ulpdu - template.len(),
+            done: false,
+        }
+    }
+
+    /// Payload bytes per full segment.
+    pub fn max_payload(&self) -> usize {
+        self.max_payload
+    }
+
+    /// How many segments the whole message takes.
+    pub fn count(&self) -> usize {
+        self.total.div_ceil(self.max_payload).max(1)
+    }
+
+    /// Payload bytes already handed out.
+    pub fn sent(&self) -> usize {
+        self.sent
+    }
+}
+
+impl Iterator for Cuts {
+    type Item = (Header, usize, usize);
+
+    fn next(&mut self) -> Option<(Header, usize, usize)> {
+        if self.done {
+            return None;
+        }
+        let n = (self.total - self.sent).min(self.max_payload);
+        let mut header = self.template.advanced(self.sent);
+        header.last = self.sent + n == self.total;
+        let at = self.sent;
+        self.sent += n;
+        self.done = header.last;
+        Some((header, at, n))
+    }
+}
+
+/// One FPDU ready to send: `head`, then the payload slices, then `trailer`.
+#[derive(Clone, Debug)]
+pub struct TxFpdu<'a> {
+    header: Header,
+    framing: Framing,
+    sg: &'a [&'a [u8]],
+    first: (usize, usize),
+    payload_len: usize,
+}
+
+impl<'a> TxFpdu<'a> {
+    /// The DDP/RDMAP header of this segment.
+    pub fn header(&self) -> &Header {
+        &self.header
+    }
+
+    /// MPA length + DDP/RDMAP header bytes.
+    pub fn head(&self) -> &[u8] {
+        self.framing.head()
+    }
+
+    /// Padding (0-3 zero bytes) + CRC (4 bytes, least significant first; zeros without CRC).
+    pub fn trailer(&self) -> &[u8] {
+        self.framing.trailer()
     }
 
     /// The payload bytes of this segment.
@@ -102,7 +217,7 @@ impl<'a> TxFpdu<'a> {
 
     /// Bytes on the wire.
     pub fn wire_len(&self) -> usize {
-        self.head_len as usize + self.payload_len + self.trailer_len as usize
+        self.framing.overhead() + self.payload_len
     }
 
     /// Appends the pieces as `IoSlice`s for `write_vectored`.
@@ -163,13 +278,10 @@ fn pieces<'a>(
 /// Cuts one message into FPDUs. Create with [`segment`].
 #[derive(Clone, Debug)]
 pub struct Segmenter<'a> {
-    template: Header,
+    cuts: Cuts,
     sg: &'a [&'a [u8]],
-    cfg: TxConfig,
-    total: usize,
-    sent: usize,
+    crc: bool,
     pos: (usize, usize),
-    done: bool,
 }
 
 /// Segments a message whose first segment has header `template` (TO or MO of the first byte;
@@ -178,25 +290,22 @@ pub struct Segmenter<'a> {
 pub fn segment<'a>(template: Header, payload: &'a [&'a [u8]], cfg: &TxConfig) -> Segmenter<'a> {
     let total = payload.iter().map(|s| s.len()).sum();
     Segmenter {
-        template,
+        cuts: Cuts::new(template, total, cfg),
         sg: payload,
-        cfg: *cfg,
-        total,
-        sent: 0,
+        crc: cfg.crc,
         pos: (0, 0),
-        done: false,
     }
 }
 
 impl<'a> Segmenter<'a> {
     /// Payload bytes per full segment with this template.
     pub fn max_payload(&self) -> usize {
-        self.cfg.max_ulpdu - self.template.len()
+        self.cuts.max_payload()
     }
 
     /// How many FPDUs the whole message takes.
     pub fn fpdu_count(&self) -> usize {
-        self.total.div_ceil(self.max_payload()).max(1)
+        self.cuts.count()
     }
 }
 
@@ -204,12 +313,7 @@ impl<'a> Iterator for Segmenter<'a> {
     type Item = TxFpdu<'a>;
 
     fn next(&mut self) -> Option<TxFpdu<'a>> {
-        if self.done {
-            return None;
-        }
-        let n = (self.total - self.sent).min(self.max_payload());
-        let mut header = self.template.advanced(self.sent);
-        header.last = self.sent + n == self.total;
+        let (header, _, n) = self.cuts.next()?;
         let first = self.pos;
         // Advance the scatter-gather position by n.
         let mut left = n;
@@ -222,9 +326,7 @@ impl<'a> Iterator for Segmenter<'a> {
                 self.pos = (self.pos.0 + 1, 0);
             }
         }
-        self.sent += n;
-        self.done = header.last;
-        Some(frame(header, self.sg, first, n, self.cfg.crc))
+        Some(frame(header, self.sg, first, n, self.crc))
     }
 }
 
@@ -235,29 +337,12 @@ fn frame<'a>(
     payload_len: usize,
     crc: bool,
 ) -> TxFpdu<'a> {
-    let ulpdu_len = header.len() + payload_len;
-    let mut head = [0u8; HEAD_MAX];
-    head[..2].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
-    let head_len = 2 + header.encode_into(&mut head[2..]);
-    let pad = pad_len(ulpdu_len);
-    let mut trailer = [0u8; 7];
-    if crc {
-        let mut c = crc32c(&head[..head_len]);
-        for p in pieces(sg, first, payload_len) {
-            c = crc32c_append(c, p);
-        }
-        c = crc32c_append(c, &trailer[..pad]);
-        trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
-    }
     TxFpdu {
         header,
-        head,
-        head_len: head_len as u8,
+        framing: Framing::new(&header, payload_len, pieces(sg, first, payload_len), crc),
         sg,
         first,
         payload_len,
-        trailer,
-        trailer_len: (pad + 4) as u8,
     }
 }
 
@@ -344,6 +429,30 @@ mod tests {
         // The first segment spans both slices: 100 from the first, 14 from the second.
         let parts: Vec<usize> = fpdus[0].payload().map(|p| p.len()).collect();
         assert_eq!(parts, [100, 14]);
+    }
+
+    #[test]
+    fn cuts_give_offsets_and_framing_matches_the_segmenter() {
+        let cfg = TxConfig::new(true, 128).unwrap();
+        let h = Header::untagged(Opcode::Send, 3, false);
+        let cuts: Vec<_> = Cuts::new(h, 250, &cfg).collect();
+        let at: Vec<_> = cuts.iter().map(|&(_, at, n)| (at, n)).collect();
+        assert_eq!(at, [(0, 110), (110, 110), (220, 30)]);
+        assert!(cuts[2].0.last && !cuts[0].0.last);
+        let data = vec![5u8; 250];
+        let sg = [&data[..]];
+        for ((hdr, at, n), f) in cuts.into_iter().zip(segment(h, &sg, &cfg)) {
+            let framing = Framing::new(&hdr, n, [&data[at..at + n]], true);
+            assert_eq!((framing.head(), framing.trailer()), (f.head(), f.trailer()));
+            assert_eq!(framing.overhead() + n, f.wire_len());
+        }
+        let mut empty = Cuts::new(h, 0, &cfg);
+        assert_eq!(empty.count(), 1);
+        assert_eq!(
+            empty.next().map(|(h, at, n)| (h.last, at, n)),
+            Some((true, 0, 0))
+        );
+        assert!(empty.next().is_none());
     }
 
     #[test]
