@@ -26,8 +26,9 @@ pub enum Error {
         /// The URL scheme.
         scheme: String,
     },
-    /// Resolving or binding or connecting a socket failed.
-    #[error("{op} {addr}: {source}")]
+    /// Resolving or binding or connecting a socket failed. (The OS error is the source, not
+    /// repeated in the text.)
+    #[error("{op} {addr}")]
     Socket {
         /// What was being done ("connect", "bind", "accept", ...).
         op: &'static str,

@@ -79,7 +79,10 @@ pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
 pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};
 pub use pd::ProtectionDomain;
-pub use qp::{ConnInfo, ConnParams, ConnRequest, Listener, PreparedQueuePair, QueuePair};
+pub use qp::{
+    ConnInfo, ConnParams, ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair,
+    RequestProgress,
+};
 pub use types::{
     Access, Completion, FlushTarget, FlushType, QpCaps, QpState, RecvWr, RemoteAddr, SendFlags,
     SendOp, SendWr, Sge, WcOpcode, WcStatus,

@@ -7,6 +7,7 @@
 //! URL picks the transport (`tcp://host:port`).
 
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -311,6 +312,94 @@ impl Listener {
             ctx: self.ctx.clone(),
             pending: Some(pending),
         })
+    }
+
+    /// Accepts the next TCP connection without reading anything from it: its MPA Request is
+    /// read, without blocking, by [`Incoming::poll_request`]. A server that reads the Requests
+    /// of many peers at once (polling their fds) cannot be held up by a slow or silent one.
+    /// `None` if the listener is non-blocking ([`Listener::set_nonblocking`]) and no connection
+    /// is waiting.
+    ///
+    /// # Errors
+    /// [`Error::Socket`] (EMFILE and the like; the listener stays usable).
+    pub fn accept_incoming(&self) -> Result<Option<Incoming>> {
+        Ok(self.inner.accept_incoming()?.map(|inner| Incoming {
+            ctx: self.ctx.clone(),
+            inner,
+        }))
+    }
+
+    /// Makes [`accept_incoming`](Self::accept_incoming) return `None` at once instead of
+    /// waiting when no connection is queued (poll [`AsFd::as_fd`] for readability).
+    ///
+    /// # Errors
+    /// [`Error::Socket`].
+    pub fn set_nonblocking(&self, on: bool) -> Result<()> {
+        self.inner.set_nonblocking(on)
+    }
+}
+
+impl AsFd for Listener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.as_fd()
+    }
+}
+
+/// A TCP connection from [`Listener::accept_incoming`] whose MPA Request has not been read in
+/// full yet. Dropping it closes the connection without an answer.
+pub struct Incoming {
+    ctx: Context,
+    inner: conn::Incoming,
+}
+
+impl std::fmt::Debug for Incoming {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Incoming")
+            .field("peer", &self.inner.peer_addr())
+            .finish()
+    }
+}
+
+/// Where reading an [`Incoming`] connection's MPA Request stands.
+#[derive(Debug)]
+pub enum RequestProgress {
+    /// The Request is in: accept or reject it.
+    Complete(ConnRequest),
+    /// Not all of it has arrived: call [`Incoming::poll_request`] again when
+    /// [`AsFd::as_fd`] is readable.
+    Incomplete(Incoming),
+}
+
+impl Incoming {
+    /// The peer's address.
+    pub fn peer_addr(&self) -> SocketAddr {
+        self.inner.peer_addr()
+    }
+
+    /// Reads what the peer has sent so far, without blocking and never past the MPA Request.
+    /// The caller keeps the deadline: a peer that never completes its Request is dropped by
+    /// dropping the [`Incoming`].
+    ///
+    /// # Errors
+    /// [`Error::Handshake`]: the peer closed, or sent a malformed Request (answered with a
+    /// reject Reply, as [`Listener::accept`] does); [`Error::Socket`].
+    pub fn poll_request(self) -> Result<RequestProgress> {
+        let ctx = self.ctx;
+        Ok(match self.inner.poll_request()? {
+            conn::Progress::Complete(pending) => RequestProgress::Complete(ConnRequest {
+                ctx,
+                pending: Some(pending),
+            }),
+            conn::Progress::Incomplete(inner) => {
+                RequestProgress::Incomplete(Incoming { ctx, inner })
+            }
+        })
+    }
+}
+
+impl AsFd for Incoming {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.inner.as_fd()
     }
 }
 

@@ -95,12 +95,31 @@ fn finish(
     })
 }
 
+/// The handshake error for `e`. Its text is said once: an I/O error's OS error becomes the
+/// source (not repeated in `reason`), and a read time-out (EAGAIN from `SO_RCVTIMEO`) says
+/// "timed out".
 fn handshake_err(peer: SocketAddr, e: WireError) -> Error {
+    let (reason, source): (String, Option<Box<dyn std::error::Error + Send + Sync>>) = match e {
+        WireError::Io { during, source } if timed_out(&source) => {
+            (format!("timed out during {during}"), None)
+        }
+        WireError::Io { during, source } => {
+            (format!("I/O error during {during}"), Some(Box::new(source)))
+        }
+        e => (e.to_string(), None),
+    };
     Error::Handshake {
         peer: peer.to_string(),
-        reason: e.to_string(),
-        source: Some(Box::new(e)),
+        reason,
+        source,
     }
+}
+
+fn timed_out(e: &std::io::Error) -> bool {
+    matches!(
+        e.kind(),
+        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+    )
 }
 
 fn sock_err(op: &'static str, addr: impl ToString) -> impl FnOnce(std::io::Error) -> Error {
@@ -184,42 +203,178 @@ impl TcpListen {
         s.set_read_timeout(Some(params.timeout))
             .map_err(sock_err("configure", peer))?;
         let raw = mpa::read_raw_frame(&mut s, "MPA Request").map_err(|e| handshake_err(peer, e))?;
-        let revision = raw.revision;
-        let refuse = |s: &mut TcpStream, e: WireError| {
-            if let Ok(b) = mpa::reject_reply(revision).encode() {
-                let _ = s.write_all(&b);
-            }
-            handshake_err(peer, e)
+        judge_request(s, peer, raw)
+    }
+
+    /// Accepts a TCP connection without reading from it: its MPA Request is read by
+    /// [`Incoming::poll_request`]. `None` when the listener is non-blocking and no connection
+    /// is waiting.
+    pub(crate) fn accept_incoming(&self) -> Result<Option<Incoming>> {
+        let (stream, peer) = match self.listener.accept() {
+            Ok(a) => a,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return Ok(None),
+            Err(e) => return Err(sock_err("accept", "listener")(e)),
         };
-        if raw.oversize() {
-            let e = WireError::PrivateDataTooLong {
-                len: raw.pd_len,
-                max: mpa::MAX_PRIVATE_DATA,
+        stream
+            .set_nonblocking(true)
+            .map_err(sock_err("configure", peer))?;
+        Ok(Some(Incoming {
+            stream,
+            peer,
+            kept: Vec::with_capacity(mpa::FRAME_HDR_LEN),
+            got: 0,
+        }))
+    }
+
+    /// Makes [`accept_incoming`](Self::accept_incoming) return at once when no connection waits.
+    pub(crate) fn set_nonblocking(&self, on: bool) -> Result<()> {
+        self.listener
+            .set_nonblocking(on)
+            .map_err(sock_err("configure", "listener"))
+    }
+
+    pub(crate) fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.listener.as_fd()
+    }
+}
+
+/// A TCP connection whose MPA Request is read without blocking, as bytes arrive.
+pub(crate) struct Incoming {
+    /// Non-blocking until the Request is complete.
+    stream: TcpStream,
+    peer: SocketAddr,
+    /// The header and the private data (the latter only if at most
+    /// [`mpa::MAX_PRIVATE_DATA`]: oversize private data is read and dropped, as
+    /// [`mpa::read_raw_frame`] does).
+    kept: Vec<u8>,
+    /// Bytes of the frame read so far.
+    got: usize,
+}
+
+/// Where reading an [`Incoming`] connection's MPA Request stands.
+pub(crate) enum Progress {
+    /// The Request was read and judged well-formed.
+    Complete(Pending),
+    /// More bytes are needed; call again when the socket is readable.
+    Incomplete(Incoming),
+}
+
+impl Incoming {
+    pub(crate) fn peer_addr(&self) -> SocketAddr {
+        self.peer
+    }
+
+    pub(crate) fn as_fd(&self) -> std::os::fd::BorrowedFd<'_> {
+        use std::os::fd::AsFd;
+        self.stream.as_fd()
+    }
+
+    /// The private-data length the header states, once the header is in.
+    fn pd_len(&self) -> Option<usize> {
+        (self.kept.len() >= mpa::FRAME_HDR_LEN).then(|| {
+            usize::from(u16::from_be_bytes([
+                self.kept[mpa::FRAME_HDR_LEN - 2],
+                self.kept[mpa::FRAME_HDR_LEN - 1],
+            ]))
+        })
+    }
+
+    /// Reads what has arrived, never past the Request's last byte.
+    pub(crate) fn poll_request(mut self) -> Result<Progress> {
+        use std::io::Read;
+        const DURING: &str = "MPA Request";
+        let mut tmp = [0u8; 1024];
+        loop {
+            let total = match self.pd_len() {
+                None => mpa::FRAME_HDR_LEN,
+                Some(pd) => mpa::FRAME_HDR_LEN + pd,
+            };
+            if self.got >= total {
+                break;
+            }
+            let want = (total - self.got).min(tmp.len());
+            match self.stream.read(&mut tmp[..want]) {
+                Ok(0) => {
+                    return Err(handshake_err(
+                        self.peer,
+                        WireError::Closed { during: DURING },
+                    ))
+                }
+                Ok(n) => {
+                    let keep_to = match self.pd_len() {
+                        Some(pd) if pd > mpa::MAX_PRIVATE_DATA => mpa::FRAME_HDR_LEN,
+                        _ => total,
+                    };
+                    let room = keep_to.saturating_sub(self.kept.len()).min(n);
+                    self.kept.extend_from_slice(&tmp[..room]);
+                    self.got += n;
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    return Ok(Progress::Incomplete(self))
+                }
+                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) => {
+                    return Err(handshake_err(
+                        self.peer,
+                        WireError::Io {
+                            during: DURING,
+                            source: e,
+                        },
+                    ))
+                }
+            }
+        }
+        self.stream
+            .set_nonblocking(false)
+            .map_err(sock_err("configure", self.peer))?;
+        let pd_len = self.pd_len().unwrap_or(0);
+        let raw = mpa::RawFrame {
+            revision: self.kept[mpa::FRAME_HDR_LEN - 3],
+            bytes: self.kept,
+            pd_len,
+        };
+        judge_request(self.stream, self.peer, raw).map(Progress::Complete)
+    }
+}
+
+/// Judges a Request read in full: refuses (with a reject Reply) a malformed one.
+fn judge_request(mut s: TcpStream, peer: SocketAddr, raw: mpa::RawFrame) -> Result<Pending> {
+    let revision = raw.revision;
+    let refuse = |s: &mut TcpStream, e: WireError| {
+        if let Ok(b) = mpa::reject_reply(revision).encode() {
+            let _ = s.write_all(&b);
+        }
+        handshake_err(peer, e)
+    };
+    if raw.oversize() {
+        let e = WireError::PrivateDataTooLong {
+            len: raw.pd_len,
+            max: mpa::MAX_PRIVATE_DATA,
+        };
+        return Err(refuse(&mut s, e));
+    }
+    let buf = raw.bytes;
+    let req = match MpaFrame::decode(&buf) {
+        Ok(Some((f, _))) if f.kind == mpa::MpaKind::Request => f,
+        Ok(_) => {
+            let e = WireError::BadMpaKey {
+                expected: Some(mpa::MpaKind::Request),
             };
             return Err(refuse(&mut s, e));
         }
-        let buf = raw.bytes;
-        let req = match MpaFrame::decode(&buf) {
-            Ok(Some((f, _))) if f.kind == mpa::MpaKind::Request => f,
-            Ok(_) => {
-                let e = WireError::BadMpaKey {
-                    expected: Some(mpa::MpaKind::Request),
-                };
-                return Err(refuse(&mut s, e));
-            }
-            Err(e) => return Err(refuse(&mut s, e)),
-        };
-        let app = match Caps::decode(&req.private_data) {
-            Ok(c) => c.app,
-            Err(e) => return Err(refuse(&mut s, e)),
-        };
-        Ok(Pending {
-            stream: s,
-            peer,
-            req,
-            app,
-        })
-    }
+        Err(e) => return Err(refuse(&mut s, e)),
+    };
+    let app = match Caps::decode(&req.private_data) {
+        Ok(c) => c.app,
+        Err(e) => return Err(refuse(&mut s, e)),
+    };
+    Ok(Pending {
+        stream: s,
+        peer,
+        req,
+        app,
+    })
 }
 
 /// A connection whose MPA Request was read and awaits an answer.
@@ -285,6 +440,132 @@ impl Pending {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fabric::error::Error;
+
+    fn listen() -> (TcpListen, SocketAddr) {
+        let l = TcpListen::bind(&"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+        let port = l.url().unwrap().port;
+        (l, SocketAddr::from(([127, 0, 0, 1], port)))
+    }
+
+    /// The full chain of an error, as a CLI prints it.
+    fn chain(e: &dyn std::error::Error) -> String {
+        let mut s = e.to_string();
+        let mut cur = e.source();
+        while let Some(c) = cur {
+            s = format!("{s}: {c}");
+            cur = c.source();
+        }
+        s
+    }
+
+    #[test]
+    fn incoming_waits_for_a_silent_peer_then_completes_a_real_request() {
+        let (l, addr) = listen();
+        let _silent = TcpStream::connect(addr).unwrap();
+        let inc = l.accept_incoming().unwrap().unwrap();
+        // Nothing sent: incomplete, at once.
+        let Progress::Incomplete(inc) = inc.poll_request().unwrap() else {
+            panic!("a silent peer completed a request");
+        };
+        drop(inc);
+
+        let url: Url = format!("tcp://{addr}").parse().unwrap();
+        let client = std::thread::spawn(move || {
+            connect(&url, &ConnParams::default(), b"hi").map(|(_, n)| n.info.peer_private_data)
+        });
+        let mut inc = loop {
+            if let Some(i) = l.accept_incoming().unwrap() {
+                break i;
+            }
+        };
+        let pending = loop {
+            match inc.poll_request().unwrap() {
+                Progress::Complete(p) => break p,
+                Progress::Incomplete(i) => {
+                    inc = i;
+                    std::thread::sleep(std::time::Duration::from_millis(5));
+                }
+            }
+        };
+        assert_eq!(pending.private_data(), b"hi");
+        let (_s, neg) = pending.accept(&ConnParams::default(), b"yo").unwrap();
+        assert_eq!(neg.info.peer_private_data, b"hi");
+        assert_eq!(client.join().unwrap().unwrap(), b"yo");
+    }
+
+    #[test]
+    fn incoming_reads_a_request_sent_in_pieces_and_refuses_garbage() {
+        let (l, addr) = listen();
+        l.set_nonblocking(true).unwrap();
+        assert!(l.accept_incoming().unwrap().is_none(), "nothing queued");
+        let mut c = TcpStream::connect(addr).unwrap();
+        let inc = loop {
+            if let Some(i) = l.accept_incoming().unwrap() {
+                break i;
+            }
+        };
+        // 20 bytes of a header that is not an MPA Request key, in two pieces.
+        c.write_all(&[0u8; 10]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let Progress::Incomplete(inc) = inc.poll_request().unwrap() else {
+            panic!("half a header completed a request");
+        };
+        c.write_all(&[0u8; 10]).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let e = match inc.poll_request() {
+            Err(e) => e,
+            Ok(_) => panic!("garbage accepted as a request"),
+        };
+        assert!(matches!(e, Error::Handshake { .. }), "{e:?}");
+        assert!(chain(&e).contains("bad MPA key"), "{}", chain(&e));
+    }
+
+    #[test]
+    fn incoming_from_a_peer_that_closes_is_an_error() {
+        let (l, addr) = listen();
+        drop(TcpStream::connect(addr).unwrap());
+        let inc = l.accept_incoming().unwrap().unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        let e = match inc.poll_request() {
+            Err(e) => e,
+            Ok(_) => panic!("a closed peer is not a request"),
+        };
+        assert!(
+            chain(&e).contains("connection closed during MPA Request"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn a_timed_out_request_says_timed_out_once() {
+        let (l, addr) = listen();
+        let _silent = TcpStream::connect(addr).unwrap();
+        let params = ConnParams {
+            timeout: std::time::Duration::from_millis(50),
+            ..ConnParams::default()
+        };
+        let e = match l.accept(&params) {
+            Err(e) => e,
+            Ok(_) => panic!("a silent peer made a request"),
+        };
+        let text = chain(&e);
+        assert!(text.contains("timed out during MPA Request"), "{text}");
+        assert!(!text.contains("temporarily unavailable"), "{text}");
+    }
+
+    #[test]
+    fn socket_errors_say_the_os_error_once() {
+        let (l, addr) = listen();
+        drop(l);
+        let url: Url = format!("tcp://{addr}").parse().unwrap();
+        let e = match connect(&url, &ConnParams::default(), b"") {
+            Err(e) => e,
+            Ok(_) => panic!("connected to a closed port"),
+        };
+        let text = chain(&e);
+        assert_eq!(text.matches("refused").count(), 1, "{text}");
+    }
 
     #[test]
     fn mulpdu_fits_one_segment_of_a_loopback_connection() {
