@@ -134,7 +134,22 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                 "read-write"
             };
             let head = format!("  nsid {}: {}", ns.nsid, ns.path.display());
-            let probed = if ns.path.exists() || ns.size.is_none() {
+            // A file that `grow = true` would grow is probed as it is: checking changes nothing.
+            let smaller = std::fs::metadata(&ns.path)
+                .ok()
+                .filter(|m| m.is_file())
+                .zip(ns.size)
+                .is_some_and(|(m, size)| m.len() < size);
+            let probed = if ns.grow && smaller {
+                let as_is = crate::config::Namespace {
+                    size: None,
+                    grow: false,
+                    ..ns.clone()
+                };
+                OpenNamespace::open(&s.nqn, &as_is)
+                    .map(|o| (o.domain(), ns.size.unwrap_or(0), " (will be grown)"))
+                    .map_err(|e| chain(&e))
+            } else if ns.path.exists() || ns.size.is_none() {
                 OpenNamespace::open(&s.nqn, ns)
                     .map(|o| (o.domain(), o.size(), ""))
                     .map_err(|e| chain(&e))

@@ -215,6 +215,9 @@ pub struct Namespace {
     pub read_only: bool,
     /// Treat as DAX though it is not (testing/benchmarking on DRAM).
     pub force_dax: bool,
+    /// An existing file smaller than `size` is grown to it (at start-up and on reload alike);
+    /// without it such a file is refused. Never shrunk either way.
+    pub grow: bool,
 }
 
 /// A subsystem.
@@ -307,6 +310,8 @@ struct RawNamespace {
     read_only: bool,
     #[serde(default)]
     force_dax: bool,
+    #[serde(default)]
+    grow: bool,
 }
 
 /// The control socket a configuration file names, without validating the rest (so that
@@ -551,6 +556,7 @@ impl Config {
                     block_size,
                     read_only: rn.read_only,
                     force_dax: rn.force_dax,
+                    grow: rn.grow,
                 });
             }
             namespaces.sort_by_key(|n| n.nsid);

@@ -34,6 +34,23 @@ pub enum NamespaceError {
         #[source]
         source: pmem::Error,
     },
+    /// An existing file is smaller than the configured size, and the namespace does not say
+    /// `grow = true`.
+    #[error(
+        "subsystem {subsystem} namespace {nsid} ({path}): the file is smaller than the configured \
+         size; set `grow = true` on the namespace to grow it"
+    )]
+    WouldGrow {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// Backing store.
+        path: PathBuf,
+        /// What the pmem layer reported (the sizes).
+        #[source]
+        source: pmem::Error,
+    },
     /// The flush target could not be prepared.
     #[error("subsystem {subsystem} namespace {nsid}: cannot prepare flushing")]
     Flush {
@@ -140,12 +157,19 @@ pub struct OpenNamespace {
 
 impl OpenNamespace {
     /// Opens (creating and allocating a missing file when a size is configured) and maps a
-    /// namespace. An existing file of another size is refused, never silently resized.
+    /// namespace. An existing file of another size is refused, never silently resized, except
+    /// that a smaller one is grown when the namespace says `grow = true` (the same rule at
+    /// start-up and on reload).
     ///
     /// # Errors
-    /// [`NamespaceError::Open`], [`NamespaceError::Flush`].
+    /// [`NamespaceError::WouldGrow`], [`NamespaceError::Open`], [`NamespaceError::Flush`].
     pub fn open(subsystem: &Nqn, ns: &config::Namespace) -> Result<Self> {
-        Self::open_with(subsystem, ns, Resize::Refuse)
+        let resize = if ns.grow {
+            Resize::Grow
+        } else {
+            Resize::Refuse
+        };
+        Self::open_with(subsystem, ns, resize)
     }
 
     /// [`OpenNamespace::open`] with a choice about an existing file of another size.
@@ -161,11 +185,22 @@ impl OpenNamespace {
         if let Some(size) = ns.size {
             opts = opts.size(size);
         }
-        let mapping = Arc::new(opts.open().map_err(|source| NamespaceError::Open {
-            subsystem: subsystem.clone(),
-            nsid: ns.nsid,
-            path: ns.path.clone(),
-            source,
+        let mapping = Arc::new(opts.open().map_err(|source| {
+            let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());
+            match source {
+                pmem::Error::WouldGrow { .. } => NamespaceError::WouldGrow {
+                    subsystem,
+                    nsid,
+                    path,
+                    source,
+                },
+                source => NamespaceError::Open {
+                    subsystem,
+                    nsid,
+                    path,
+                    source,
+                },
+            }
         })?);
         let flush_target =
             FlushTarget::for_mapping(&mapping).map_err(|source| NamespaceError::Flush {
@@ -259,31 +294,24 @@ impl NamespaceTable {
         self.map.is_empty()
     }
 
-    /// Applies a reload: opens the added and changed namespaces of `new` first (a changed one
-    /// may grow its file, never shrink it; if any open fails the table is left exactly as it
-    /// was), then swaps them in and drops the removed ones. Namespaces the diff does not name are
+    /// Applies a reload: opens the added and changed namespaces of `new` first, as
+    /// [`OpenNamespace::open`] does at start-up (a file is grown only with `grow = true`; if
+    /// any open fails the table is left exactly as it was), then swaps them in and drops the
+    /// removed ones. Namespaces the diff does not name are
     /// not touched: their `Arc` stays the same.
     ///
     /// # Errors
     /// As [`OpenNamespace::open`].
     pub fn apply(&mut self, diff: &ConfigDiff, new: &config::Config) -> Result<ApplyReport> {
         let mut opened = Vec::new();
-        for (key, resize) in diff
-            .namespaces_added
-            .iter()
-            .map(|k| (k, Resize::Refuse))
-            .chain(diff.namespaces_changed.iter().map(|k| (k, Resize::Grow)))
-        {
+        for key in diff.namespaces_added.iter().chain(&diff.namespaces_changed) {
             let ns = new
                 .subsystems
                 .iter()
                 .find(|s| s.nqn == key.0)
                 .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
             if let Some(ns) = ns {
-                opened.push((
-                    key.clone(),
-                    Arc::new(OpenNamespace::open_with(&key.0, ns, resize)?),
-                ));
+                opened.push((key.clone(), Arc::new(OpenNamespace::open(&key.0, ns)?)));
             }
         }
         let mut report = ApplyReport::default();
@@ -356,6 +384,7 @@ mod tests {
             block_size: 4096,
             read_only: false,
             force_dax: false,
+            grow: false,
         };
         let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
         let e = OpenNamespace::open(&nqn, &ns).unwrap_err();
@@ -387,6 +416,7 @@ mod tests {
             "[[subsystem.namespace]]\nnsid = 3\npath = \"n3\"\nsize = \"64KiB\"\n",
         );
         new.subsystems[0].namespaces[1].size = Some(128 << 10);
+        new.subsystems[0].namespaces[1].grow = true;
         let diff = crate::reload::diff(&old, &new);
         let report = table.apply(&diff, &new).unwrap();
         assert_eq!(report.opened, [(nqn.clone(), 3), (nqn.clone(), 2)]);
@@ -399,6 +429,43 @@ mod tests {
         assert_eq!(table.get(&nqn, 2).unwrap().size(), 128 << 10, "grown");
         assert_eq!(table.get(&nqn, 3).unwrap().size(), 64 << 10);
         assert_eq!(table.of_subsystem(&nqn).count(), 3);
+    }
+
+    #[test]
+    fn growing_needs_grow_at_start_and_on_reload_alike() {
+        let d = tempfile::tempdir().unwrap();
+        let old = cfg(d.path(), "");
+        let mut table = NamespaceTable::open_all(&old).unwrap();
+        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+        let mut bigger = old.clone();
+        bigger.subsystems[0].namespaces[0].size = Some(128 << 10);
+
+        // Without `grow`: the reload is refused, and so is a start with that configuration.
+        let diff = crate::reload::diff(&old, &bigger);
+        let e = table.apply(&diff, &bigger).unwrap_err();
+        assert!(
+            matches!(&e, NamespaceError::WouldGrow { nsid: 1, .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("grow = true"), "{e}");
+        assert_eq!(table.get(&nqn, 1).unwrap().size(), 64 << 10, "unchanged");
+        drop(table);
+        assert!(NamespaceTable::open_all(&bigger).is_err());
+
+        // With it: a start grows the file, and so does a reload.
+        bigger.subsystems[0].namespaces[0].grow = true;
+        let table = NamespaceTable::open_all(&bigger).unwrap();
+        assert_eq!(table.get(&nqn, 1).unwrap().size(), 128 << 10);
+        drop(table);
+        let mut table = NamespaceTable::open_all(&bigger).unwrap();
+        let mut biggest = bigger.clone();
+        biggest.subsystems[0].namespaces[0].size = Some(256 << 10);
+        let diff = crate::reload::diff(&bigger, &biggest);
+        table.apply(&diff, &biggest).unwrap();
+        assert_eq!(table.get(&nqn, 1).unwrap().size(), 256 << 10);
+        // Never shrunk.
+        let diff = crate::reload::diff(&biggest, &bigger);
+        assert!(table.apply(&diff, &bigger).is_err());
     }
 
     #[test]

@@ -93,6 +93,16 @@ fn namespaces(s: &Subsystem) -> BTreeMap<u32, &Namespace> {
     s.namespaces.iter().map(|n| (n.nsid, n)).collect()
 }
 
+/// Whether two namespace entries describe the same namespace. `grow` alone is no change: it
+/// only says what to do when the size changes.
+fn same_namespace(a: &Namespace, b: &Namespace) -> bool {
+    let b = Namespace {
+        grow: a.grow,
+        ..b.clone()
+    };
+    *a == b
+}
+
 fn hosts(s: &Subsystem) -> BTreeMap<&Nqn, &Host> {
     s.hosts.iter().map(|h| (&h.nqn, h)).collect()
 }
@@ -118,7 +128,9 @@ pub fn diff(old: &Config, new: &Config) -> ConfigDiff {
                 for (id, x) in &nn {
                     match on.get(id) {
                         None => d.namespaces_added.push(((*nqn).clone(), *id)),
-                        Some(y) if y != x => d.namespaces_changed.push(((*nqn).clone(), *id)),
+                        Some(y) if !same_namespace(y, x) => {
+                            d.namespaces_changed.push(((*nqn).clone(), *id))
+                        }
                         Some(_) => {}
                     }
                 }
@@ -243,6 +255,21 @@ size = "1MiB"
             "namespace changes are per namespace"
         );
         assert!(d.summary().contains("1 namespaces added"));
+    }
+
+    #[test]
+    fn grow_alone_is_no_change() {
+        let new = BASE.replace(
+            "path = \"a1\"\nsize = \"1MiB\"",
+            "path = \"a1\"\nsize = \"1MiB\"\ngrow = true",
+        );
+        assert!(new.contains("grow = true"));
+        assert!(diff(&cfg(BASE), &cfg(&new)).is_empty());
+        let grown = new.replace("size = \"1MiB\"\ngrow", "size = \"2MiB\"\ngrow");
+        assert_eq!(
+            diff(&cfg(BASE), &cfg(&grown)).namespaces_changed,
+            [(nqn("a"), 1)]
+        );
     }
 
     #[test]

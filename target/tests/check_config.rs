@@ -196,3 +196,26 @@ fn missing_file_fails() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("cannot read /nonexistent/c.toml"));
 }
+
+#[test]
+fn a_smaller_file_is_refused_unless_grow_and_check_config_never_grows_it() {
+    let d = tempfile::tempdir().unwrap();
+    std::fs::write(d.path().join("ns1"), vec![0u8; 1 << 20]).unwrap();
+    let (ok, out) = run(d.path(), GOOD);
+    assert!(
+        !ok && out.contains("nsid 1: ") && out.contains("problem"),
+        "{out}"
+    );
+    let grow = GOOD.replacen(r#"size = "2MiB""#, "size = \"2MiB\"\ngrow = true", 1);
+    let (ok, out) = run(d.path(), &grow);
+    assert!(ok, "{out}");
+    assert!(
+        out.contains("nsid 1: ") && out.contains("(will be grown), 2 MiB"),
+        "{out}"
+    );
+    assert_eq!(
+        std::fs::metadata(d.path().join("ns1")).unwrap().len(),
+        1 << 20,
+        "check-config must not grow a namespace"
+    );
+}
