@@ -91,6 +91,14 @@ pub trait Serve: Send {
     /// The sessions, for `status`.
     fn sessions(&self) -> Vec<SessionStatus>;
 
+    /// The watchdog check: the names of the serving threads that made no progress since the
+    /// previous call (none on the first), after waking every one of them so that an idle thread
+    /// shows progress by the next call. The daemon pings the service manager's watchdog only
+    /// when this is empty.
+    fn check_progress(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+
     /// Stops accepting, answers in-flight flush requests, closes every session.
     fn stop(&mut self);
 }
@@ -299,6 +307,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
 
     let watchdog = notifier.watchdog_interval();
     let mut last_ping = Instant::now();
+    let mut stalled = false;
     if watchdog.is_some() {
         notifier.watchdog()?;
     }
@@ -319,8 +328,25 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }
         if let Some(w) = watchdog {
             if last_ping.elapsed() >= w {
-                if let Err(e) = notifier.watchdog() {
-                    log::warn!("{e}");
+                let stuck = shared.lock().serve.check_progress();
+                if stuck.is_empty() {
+                    if stalled {
+                        log::info!(
+                            "every serving thread makes progress again: watchdog pings resume"
+                        );
+                        stalled = false;
+                    }
+                    if let Err(e) = notifier.watchdog() {
+                        log::warn!("{}", crate::check::chain(&e));
+                    }
+                } else if !stalled {
+                    // Said once; the service manager restarts the daemon if it stays so.
+                    log::error!(
+                        "{} made no progress within {} ms: not pinging the watchdog",
+                        stuck.join(", "),
+                        w.as_millis()
+                    );
+                    stalled = true;
                 }
                 last_ping = Instant::now();
             }
@@ -344,11 +370,13 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
 fn reload_now(shared: &Shared, notifier: &Notifier) {
     let _ = notifier.reloading();
     let outcome = Config::load(&shared.config_path)
-        .map_err(|e| e.to_string())
+        .map_err(|e| crate::check::chain(&e))
         .and_then(|new| {
             let mut st = shared.lock();
             let d = reload::diff(&st.config, &new);
-            st.namespaces.apply(&d, &new).map_err(|e| e.to_string())?;
+            st.namespaces
+                .apply(&d, &new)
+                .map_err(|e| crate::check::chain(&e))?;
             // Settings that need a restart keep their running values.
             let mut new = new;
             new.listeners = st.config.listeners.clone();

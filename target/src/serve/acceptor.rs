@@ -1,29 +1,65 @@
-//! One accept thread per listener: reads each new connection's MPA Request and hands it to the
-//! least-loaded poll loop, which accepts it into a queue pair of its own.
+//! One accept thread per listener: takes new TCP connections, reads their MPA Requests
+//! concurrently and without blocking, and hands each complete request to the least-loaded poll
+//! loop, which accepts it into a queue pair of its own.
 //!
-//! [`Listener::accept`] blocks and has no way to be interrupted; to stop, the thread's flag is
-//! set and a plain TCP connection to the listener wakes it (its missing MPA Request fails the
-//! accept at once).
+//! No peer can hold up another: the thread polls the listener and every pending connection at
+//! once, a connection has [`MPA_TIMEOUT`] from its TCP accept to its complete Request (then it
+//! is closed), and at most [`MAX_PENDING`] wait at a time (past that the oldest is closed to
+//! make room: a real initiator sends its Request as soon as it connects, so it is through long
+//! before it becomes the oldest).
+//!
+//! The thread is woken through an eventfd: to stop (with its flag set), and by the watchdog
+//! check, which reads its heartbeat (a counter bumped every turn) to tell a live thread from a
+//! stuck one.
 
-use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, TcpStream};
+use std::collections::VecDeque;
+use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{self, ConnParams, Listener, Url};
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use rpma_common::fabric::{self, Incoming, Listener, RequestProgress, Url};
 
-use super::{Error, LoopCmd, LoopTx, Result, Shared};
+use super::{Error, Heartbeat, LoopCmd, LoopTx, Result, Shared};
+use crate::eventfd::EventFd;
 
-/// How long a new connection may take to send its MPA Request. The accept thread waits that
-/// long at most for one slow peer.
-const MPA_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long a new connection may take from its TCP accept to a complete MPA Request.
+pub const MPA_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// Most connections whose MPA Request is still being read, per listener.
+pub const MAX_PENDING: usize = 256;
+
+/// Most connections taken from the kernel's queue in one turn (so that the pending ones are
+/// read between bursts).
+const ACCEPTS_PER_TURN: usize = 64;
+
+/// How long the thread pauses after accept itself failed (EMFILE and the like).
+const ACCEPT_FAILED_PAUSE: Duration = Duration::from_millis(100);
 
 /// A running accept thread.
 pub(crate) struct Acceptor {
     url: Url,
     stop: Arc<AtomicBool>,
+    beat: Heartbeat,
     thread: Option<JoinHandle<()>>,
+}
+
+/// A connection whose MPA Request is being read.
+struct Waiting {
+    inc: Incoming,
+    deadline: Instant,
+}
+
+struct AcceptLoop {
+    listener: Listener,
+    shared: Arc<Shared>,
+    stop: Arc<AtomicBool>,
+    beat: Heartbeat,
+    loops: Vec<(LoopTx, Arc<AtomicUsize>)>,
+    /// In arrival order, so also in deadline order.
+    pending: VecDeque<Waiting>,
 }
 
 impl Acceptor {
@@ -32,32 +68,40 @@ impl Acceptor {
     pub(crate) fn start(
         shared: &Arc<Shared>,
         url: &Url,
-        crc: bool,
         loops: Vec<(LoopTx, Arc<AtomicUsize>)>,
     ) -> Result<Acceptor> {
-        let listener = Listener::bind(&shared.ctx, url).map_err(|source| Error::Listen {
+        let listen_err = |source| Error::Listen {
             url: url.to_string(),
             source,
-        })?;
-        let bound = listener.url().map_err(|source| Error::Listen {
-            url: url.to_string(),
-            source,
-        })?;
-        let stop = Arc::new(AtomicBool::new(false));
-        let params = ConnParams {
-            crc,
-            timeout: MPA_TIMEOUT,
-            ..ConnParams::default()
         };
+        let listener = Listener::bind(&shared.ctx, url).map_err(listen_err)?;
+        let bound = listener.url().map_err(listen_err)?;
+        listener.set_nonblocking(true).map_err(listen_err)?;
         let name = format!("rpma-accept-{}", bound.port);
-        let flag = Arc::clone(&stop);
+        let wake = EventFd::new()
+            .map(Arc::new)
+            .map_err(|source| Error::Thread {
+                name: name.clone(),
+                source,
+            })?;
+        let beat = Heartbeat::new(name.clone(), wake);
+        let stop = Arc::new(AtomicBool::new(false));
+        let lp = AcceptLoop {
+            listener,
+            shared: Arc::clone(shared),
+            stop: Arc::clone(&stop),
+            beat: beat.clone(),
+            loops,
+            pending: VecDeque::new(),
+        };
         let thread = std::thread::Builder::new()
             .name(name.clone())
-            .spawn(move || accept_loop(&listener, &params, &flag, &loops))
+            .spawn(move || lp.run())
             .map_err(|source| Error::Thread { name, source })?;
         Ok(Acceptor {
             url: bound,
             stop,
+            beat,
             thread: Some(thread),
         })
     }
@@ -67,68 +111,175 @@ impl Acceptor {
         &self.url
     }
 
-    /// Stops accepting and joins the thread.
+    /// The thread's heartbeat, for the watchdog check.
+    pub(crate) fn heartbeat(&self) -> &Heartbeat {
+        &self.beat
+    }
+
+    /// Stops accepting (pending connections are closed) and joins the thread.
     pub(crate) fn stop(mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(addr) = wake_addr(&self.url) {
-            // Best effort: if it fails the thread is not blocked in accept (or the socket is
-            // gone), and it sees the flag on its next turn.
-            let _ = TcpStream::connect_timeout(&addr, Duration::from_secs(1));
-        }
+        self.beat.ping();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
     }
 }
 
-/// Where to connect to wake the accept thread: the bound address, with a wildcard replaced by
-/// the loopback of its family.
-fn wake_addr(url: &Url) -> Option<SocketAddr> {
-    let ip: IpAddr = url.host.parse().ok()?;
-    let ip = match ip {
-        IpAddr::V4(v) if v.is_unspecified() => IpAddr::V4(Ipv4Addr::LOCALHOST),
-        IpAddr::V6(v) if v.is_unspecified() => IpAddr::V6(Ipv6Addr::LOCALHOST),
-        ip => ip,
-    };
-    Some(SocketAddr::new(ip, url.port))
-}
-
-fn accept_loop(
-    listener: &Listener,
-    params: &ConnParams,
-    stop: &AtomicBool,
-    loops: &[(LoopTx, Arc<AtomicUsize>)],
-) {
-    while !stop.load(Ordering::SeqCst) {
-        match listener.accept(params) {
-            Ok(req) => {
-                if stop.load(Ordering::SeqCst) {
-                    req.reject(b"");
-                    break;
-                }
-                let Some((tx, load)) = loops.iter().min_by_key(|(_, l)| l.load(Ordering::Relaxed))
-                else {
-                    req.reject(b"");
-                    continue;
-                };
-                // Counted here so that a burst spreads over the loops; the loop takes it back
-                // when the connection ends.
-                load.fetch_add(1, Ordering::Relaxed);
-                if let Err(LoopCmd::Accept(req)) = tx.send(LoopCmd::Accept(req)) {
-                    load.fetch_sub(1, Ordering::Relaxed);
-                    req.reject(b"");
+impl AcceptLoop {
+    fn run(mut self) {
+        while !self.stop.load(Ordering::SeqCst) {
+            self.beat.tick();
+            let (wake, listen, ready) = self.wait();
+            if wake {
+                self.beat.clear();
+            }
+            // Requests first (their fds were polled), then the new connections.
+            let now = Instant::now();
+            let mut kept = VecDeque::with_capacity(self.pending.len());
+            for (w, readable) in std::mem::take(&mut self.pending).into_iter().zip(ready) {
+                if readable {
+                    if let Some(w) = self.read_request(w) {
+                        kept.push_back(w);
+                    }
+                } else if now >= w.deadline {
+                    log::debug!(
+                        "{}: no MPA Request within {} s: closed",
+                        w.inc.peer_addr(),
+                        MPA_TIMEOUT.as_secs()
+                    );
+                } else {
+                    kept.push_back(w);
                 }
             }
-            Err(_) if stop.load(Ordering::SeqCst) => break,
+            self.pending = kept;
+            if listen {
+                self.accept_new();
+            }
+        }
+        log::debug!("accept thread {} stopped", self.beat.name());
+    }
+
+    /// Waits for the wake eventfd, the listener or a pending connection, until the earliest
+    /// deadline: (woken, listener readable, readable per pending connection).
+    fn wait(&self) -> (bool, bool, Vec<bool>) {
+        let timeout = match self.pending.front() {
+            None => PollTimeout::NONE,
+            Some(w) => {
+                let left = w.deadline.saturating_duration_since(Instant::now());
+                // Rounded up so that the deadline has passed when poll returns.
+                let ms = left.as_millis().saturating_add(1);
+                PollTimeout::try_from(ms.min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX)
+            }
+        };
+        let mut fds = Vec::with_capacity(2 + self.pending.len());
+        fds.push(PollFd::new(self.beat.wake_fd(), PollFlags::POLLIN));
+        fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        fds.extend(
+            self.pending
+                .iter()
+                .map(|w| PollFd::new(w.inc.as_fd(), PollFlags::POLLIN)),
+        );
+        let ready = |fd: &PollFd<'_>| {
+            fd.revents().is_some_and(|r| {
+                r.intersects(PollFlags::POLLIN | PollFlags::POLLERR | PollFlags::POLLHUP)
+            })
+        };
+        match poll(&mut fds, timeout) {
+            Ok(_) => (
+                ready(&fds[0]),
+                ready(&fds[1]),
+                fds[2..].iter().map(ready).collect(),
+            ),
+            Err(nix::errno::Errno::EINTR) => (false, false, vec![false; self.pending.len()]),
+            Err(e) => {
+                log::error!("{}: poll failed: {e}", self.beat.name());
+                std::thread::sleep(ACCEPT_FAILED_PAUSE);
+                (false, false, vec![false; self.pending.len()])
+            }
+        }
+    }
+
+    /// Reads what `w`'s peer sent; gives it back if its Request is not complete yet.
+    fn read_request(&self, w: Waiting) -> Option<Waiting> {
+        let peer = w.inc.peer_addr();
+        match w.inc.poll_request() {
+            Ok(RequestProgress::Incomplete(inc)) => Some(Waiting {
+                inc,
+                deadline: w.deadline,
+            }),
+            Ok(RequestProgress::Complete(req)) => {
+                self.hand_over(req);
+                None
+            }
             Err(e @ fabric::Error::Handshake { .. }) => {
-                // A peer that does not speak MPA (a port scan, a wrong client): its problem.
-                log::debug!("{e}");
+                // A peer that does not speak MPA (a port scan, a wrong client): unauthenticated,
+                // so rate-limited.
+                self.shared.peer_log.warn(
+                    peer.ip(),
+                    format_args!("{peer}: bad MPA Request: {}", crate::check::chain(&e)),
+                );
+                None
             }
             Err(e) => {
-                // EMFILE and the like: say so, and do not spin on it.
-                log::warn!("accepting a connection failed: {e}");
-                std::thread::sleep(Duration::from_millis(100));
+                log::debug!("{peer}: {}", crate::check::chain(&e));
+                None
             }
+        }
+    }
+
+    fn hand_over(&self, req: fabric::ConnRequest) {
+        if self.stop.load(Ordering::SeqCst) {
+            req.reject(b"");
+            return;
+        }
+        let Some((tx, load)) = self
+            .loops
+            .iter()
+            .min_by_key(|(_, l)| l.load(Ordering::Relaxed))
+        else {
+            req.reject(b"");
+            return;
+        };
+        // Counted here so that a burst spreads over the loops; the loop takes it back when the
+        // connection ends.
+        load.fetch_add(1, Ordering::Relaxed);
+        if let Err(LoopCmd::Accept(req)) = tx.send(LoopCmd::Accept(req)) {
+            load.fetch_sub(1, Ordering::Relaxed);
+            req.reject(b"");
+        }
+    }
+
+    /// Takes the connections the kernel queued (up to [`ACCEPTS_PER_TURN`]) and starts reading
+    /// their Requests at once (a real initiator's is usually there already).
+    fn accept_new(&mut self) {
+        for _ in 0..ACCEPTS_PER_TURN {
+            let inc = match self.listener.accept_incoming() {
+                Ok(Some(inc)) => inc,
+                Ok(None) => return,
+                Err(e) => {
+                    // EMFILE and the like: say so, and do not spin on it.
+                    log::warn!("accepting a connection failed: {}", crate::check::chain(&e));
+                    std::thread::sleep(ACCEPT_FAILED_PAUSE);
+                    return;
+                }
+            };
+            let w = Waiting {
+                inc,
+                deadline: Instant::now() + MPA_TIMEOUT,
+            };
+            let Some(w) = self.read_request(w) else {
+                continue;
+            };
+            if self.pending.len() >= MAX_PENDING {
+                if let Some(old) = self.pending.pop_front() {
+                    log::debug!(
+                        "{}: closed before its MPA Request: {MAX_PENDING} connections were waiting",
+                        old.inc.peer_addr()
+                    );
+                }
+            }
+            self.pending.push_back(w);
         }
     }
 }

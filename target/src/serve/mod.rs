@@ -4,18 +4,28 @@
 //!
 //! ```text
 //!  accept thread (one per listener)      poll loop 0 .. poll_loops-1 (threads)
-//!  Listener::accept -> ConnRequest ----> accepts into a QP on its own CQ, owns the connection:
+//!  Listener::accept_incoming, then the
+//!  MPA Requests of every pending peer
+//!  read at once -> ConnRequest --------> accepts into a QP on its own CQ, owns the connection:
 //!                                        handshake -> session | discovery -> closing -> dropped
 //! ```
 //!
-//! - An accept thread reads each new connection's MPA Request and hands the request to the poll
-//!   loop with the fewest connections; the loop creates the queue pair on its completion queue,
-//!   posts the receive slots and accepts, so a connection is owned by one loop from its first
-//!   byte to its last.
+//! - An accept thread takes new TCP connections and reads their MPA Requests concurrently,
+//!   without blocking, each with a deadline (so a slow or silent peer delays nobody), and hands
+//!   each complete request to the poll loop with the fewest connections; the loop creates the
+//!   queue pair on its completion queue, posts the receive slots and accepts, so a connection
+//!   is owned by one loop from its first byte to its last.
 //! - A poll loop waits on its completion queue (busy-polling while traffic flows,
 //!   then blocking in epoll), runs each connection's control exchange and the GPSPM
 //!   flush service of its own [`Flusher`](crate::flusher::Flusher) (io_uring: a slow disk never
-//!   stalls the loop).
+//!   stalls the loop for a GPSPM flush). Polling also drives the transport's placement engine,
+//!   which serves the hosts' Writes, Reads and Flushes inline: on a page-cache namespace an RDMA
+//!   Flush, or the Read/Atomic that ends an APM sequence, waits for msync of the dirty range in
+//!   this thread, and stalls the loop's other connections meanwhile (docs/architecture.md,
+//!   "Durability and the poll loop").
+//! - Every accept thread and poll loop bumps a heartbeat each turn; the daemon's watchdog
+//!   check ([`Serve::check_progress`]) wakes them all and pings systemd only while every one
+//!   has moved since the previous check.
 //! - Each connection has a protection domain of its own. Its namespaces are registered in that
 //!   domain at admission (one memory region per namespace, rights scoped: no remote write on a
 //!   read-only namespace), so its rkeys are its own, reachable from no other connection, and
@@ -28,10 +38,14 @@
 
 mod acceptor;
 mod conn;
+mod peer_log;
 mod poll_loop;
+
+pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
@@ -109,6 +123,46 @@ pub const LINGER: Duration = Duration::from_secs(2);
 
 /// Shortest keep-alive period a host may ask for.
 pub const MIN_KEEP_ALIVE: Duration = Duration::from_millis(100);
+
+/// A thread's sign of life: a counter it bumps every turn, and the eventfd that wakes it (so
+/// that an idle thread, blocked in its wait, turns once when checked).
+#[derive(Clone, Debug)]
+pub(crate) struct Heartbeat(Arc<(String, AtomicU64, Arc<EventFd>)>);
+
+impl Heartbeat {
+    pub(crate) fn new(name: String, wake: Arc<EventFd>) -> Heartbeat {
+        Heartbeat(Arc::new((name, AtomicU64::new(0), wake)))
+    }
+
+    /// The thread's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.0 .0
+    }
+
+    /// Called by the thread each turn.
+    pub(crate) fn tick(&self) {
+        self.0 .1.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Turns counted so far.
+    pub(crate) fn count(&self) -> u64 {
+        self.0 .1.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the thread.
+    pub(crate) fn ping(&self) {
+        self.0 .2.signal();
+    }
+
+    /// Called by the woken thread.
+    pub(crate) fn clear(&self) {
+        self.0 .2.clear();
+    }
+
+    pub(crate) fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.0 .2.as_fd()
+    }
+}
 
 /// A connection's live counters and identity, shared between its poll loop and `status`.
 #[derive(Debug)]
@@ -199,6 +253,8 @@ pub(crate) struct Shared {
     /// Discovery connections (controller id 0 on the wire), by a serial of their own.
     discovery: Mutex<BTreeMap<u64, Arc<SessionInfo>>>,
     next_discovery: AtomicU64,
+    /// Warnings about unauthenticated peers, rate-limited per address.
+    pub(crate) peer_log: peer_log::PeerLog,
 }
 
 impl std::fmt::Debug for Shared {
@@ -299,6 +355,7 @@ pub(crate) enum LoopCmd {
 struct LoopHandle {
     tx: LoopTx,
     load: Arc<AtomicUsize>,
+    beat: Heartbeat,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -308,6 +365,8 @@ pub struct FabricServe {
     shared: Option<Arc<Shared>>,
     loops: Vec<LoopHandle>,
     acceptors: Vec<acceptor::Acceptor>,
+    /// Each thread's heartbeat count at the previous [`Serve::check_progress`], by name.
+    beats_seen: BTreeMap<String, u64>,
 }
 
 impl std::fmt::Debug for FabricServe {
@@ -344,6 +403,7 @@ impl FabricServe {
             shared: None,
             loops: Vec::new(),
             acceptors: Vec::new(),
+            beats_seen: BTreeMap::new(),
         }
     }
 
@@ -364,6 +424,7 @@ impl FabricServe {
             sessions: Mutex::new(BTreeMap::new()),
             discovery: Mutex::new(BTreeMap::new()),
             next_discovery: AtomicU64::new(0),
+            peer_log: peer_log::PeerLog::default(),
         });
         shared.set(cfg, namespaces);
         self.shared = Some(Arc::clone(&shared));
@@ -378,10 +439,16 @@ impl FabricServe {
                 tx,
                 wake: Arc::clone(&wake),
             };
-            let lp =
-                poll_loop::PollLoop::new(index, Arc::clone(&shared), rx, wake, Arc::clone(&load))
-                    .map_err(|source| Error::LoopSetup { index, source })?;
             let name = format!("rpma-loop-{index}");
+            let beat = Heartbeat::new(name.clone(), Arc::clone(&wake));
+            let lp = poll_loop::PollLoop::new(
+                index,
+                Arc::clone(&shared),
+                rx,
+                beat.clone(),
+                Arc::clone(&load),
+            )
+            .map_err(|source| Error::LoopSetup { index, source })?;
             let thread = std::thread::Builder::new()
                 .name(name.clone())
                 .spawn(move || lp.run())
@@ -389,6 +456,7 @@ impl FabricServe {
             self.loops.push(LoopHandle {
                 tx,
                 load,
+                beat,
                 thread: Some(thread),
             });
         }
@@ -399,7 +467,7 @@ impl FabricServe {
             .collect();
         let mut out = Vec::new();
         for (l, url) in cfg.listeners.iter().zip(urls) {
-            let a = acceptor::Acceptor::start(&shared, &url, cfg.crc, targets.clone())?;
+            let a = acceptor::Acceptor::start(&shared, &url, targets.clone())?;
             log::info!("listening on {}", a.url());
             self.acceptors.push(a);
             out.push(ListenerStatus {
@@ -446,6 +514,24 @@ impl Serve for FabricServe {
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));
         }
+    }
+
+    fn check_progress(&mut self) -> Vec<String> {
+        let beats = self
+            .loops
+            .iter()
+            .map(|l| &l.beat)
+            .chain(self.acceptors.iter().map(|a| a.heartbeat()));
+        let mut stuck = Vec::new();
+        for b in beats {
+            let now = b.count();
+            if self.beats_seen.insert(b.name().to_owned(), now) == Some(now) {
+                stuck.push(b.name().to_owned());
+            }
+            // Woken so that an idle thread turns (and counts) before the next check.
+            b.ping();
+        }
+        stuck
     }
 
     fn sessions(&self) -> Vec<SessionStatus> {

@@ -13,7 +13,6 @@
 //! without connections: an idle loop sleeps until something happens and uses no CPU.
 
 use std::collections::{HashMap, VecDeque};
-use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
@@ -24,8 +23,7 @@ use rpma_common::fabric::{
 use rpma_common::proto::{FlushResponse, FlushStatus};
 
 use super::conn::{Conn, FlushJob, Phase};
-use super::{LoopCmd, Shared};
-use crate::eventfd::EventFd;
+use super::{Heartbeat, LoopCmd, Shared};
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
@@ -43,6 +41,9 @@ const RECV_SLACK: usize = 4;
 const SEND_SLOTS: usize = 16;
 /// How long a stopping loop waits for its goodbyes to leave.
 const STOP_GRACE: Duration = Duration::from_secs(1);
+/// Test hook (never set in production): a loop that takes a reload command sleeps this many
+/// milliseconds first, so that a test can see the watchdog notice a stuck loop.
+pub const TEST_STALL_ON_RELOAD_ENV: &str = "RPMA_TARGET_TEST_STALL_ON_RELOAD_MS";
 
 struct PendingFlush {
     qp_num: u32,
@@ -56,8 +57,11 @@ pub(crate) struct PollLoop {
     index: usize,
     shared: Arc<Shared>,
     rx: mpsc::Receiver<LoopCmd>,
-    wake: Arc<EventFd>,
+    /// Bumped every turn; its eventfd is the loop's command eventfd.
+    beat: Heartbeat,
     load: Arc<AtomicUsize>,
+    /// [`TEST_STALL_ON_RELOAD_ENV`].
+    stall_on_reload: Option<Duration>,
     cq: CompletionQueue,
     flusher: Flusher,
     /// A connection failed (a receive or send completed in error): run the timers now, which
@@ -77,21 +81,25 @@ impl PollLoop {
         index: usize,
         shared: Arc<Shared>,
         rx: mpsc::Receiver<LoopCmd>,
-        wake: Arc<EventFd>,
+        beat: Heartbeat,
         load: Arc<AtomicUsize>,
     ) -> Result<PollLoop, Box<dyn std::error::Error + Send + Sync>> {
         let cfg = shared.config();
         let cq = shared.ctx.create_cq(1024)?;
         let flusher = Flusher::new(cfg.max_queue_depth)?;
         // Both fds live as long as the loop (the flusher and `wake` are fields beside `cq`).
-        cq.watch_fd(wake.as_fd(), WAKE_CMD)?;
+        cq.watch_fd(beat.wake_fd(), WAKE_CMD)?;
         cq.watch_fd(flusher.wait_fd(), WAKE_FLUSH)?;
         Ok(PollLoop {
             index,
             shared,
             rx,
-            wake,
+            beat,
             load,
+            stall_on_reload: std::env::var(TEST_STALL_ON_RELOAD_ENV)
+                .ok()
+                .and_then(|v| v.parse().ok())
+                .map(Duration::from_millis),
             cq,
             flusher,
             failed: false,
@@ -111,10 +119,17 @@ impl PollLoop {
             self.flusher.backend_name()
         );
         loop {
+            self.beat.tick();
             loop {
                 match self.rx.try_recv() {
                     Ok(LoopCmd::Accept(req)) => self.accept(req),
-                    Ok(LoopCmd::Reload(diff)) => self.reload(&diff),
+                    Ok(LoopCmd::Reload(diff)) => {
+                        if let Some(d) = self.stall_on_reload {
+                            log::warn!("loop {}: test hook: stalling {d:?}", self.index);
+                            std::thread::sleep(d);
+                        }
+                        self.reload(&diff)
+                    }
                     Ok(LoopCmd::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                         return self.shutdown();
                     }
@@ -170,10 +185,15 @@ impl PollLoop {
                 self.conns.insert(conn.qp.qp_num(), conn);
             }
             Err(e) => {
-                log::warn!(
-                    "cannot accept the connection from {}: {e}",
-                    peer.map_or_else(|| "?".into(), |p| p.to_string())
-                );
+                // Mostly a bad MPA Request (unauthenticated): rate-limited per address.
+                let text = crate::check::chain(&e);
+                match peer {
+                    Some(p) => self.shared.peer_log.warn(
+                        p.ip(),
+                        format_args!("cannot accept the connection from {p}: {text}"),
+                    ),
+                    None => log::warn!("cannot accept a connection: {text}"),
+                }
                 self.shared.connections.fetch_sub(1, Ordering::SeqCst);
                 self.load.fetch_sub(1, Ordering::Relaxed);
             }
@@ -201,7 +221,7 @@ impl PollLoop {
                 }
             }
             // Commands are taken at the top of the run loop; a flush completion just below.
-            Ok(Woken::Fd(WAKE_CMD)) => self.wake.clear(),
+            Ok(Woken::Fd(WAKE_CMD)) => self.beat.clear(),
             Ok(Woken::Fd(WAKE_FLUSH)) => self.flusher.clear_wake(),
             Ok(_) => {}
             Err(e) => {
