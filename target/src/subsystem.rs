@@ -6,7 +6,9 @@ use rpma_common::proto::auth::{AuthContext, Psk};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{Connect, DiscoveryEntry, DiscoveryResponse, Refusal, RefusalReason};
 
-use crate::config::{Config, Subsystem};
+use std::net::{IpAddr, SocketAddr};
+
+use crate::config::{Config, ListenUrl, Subsystem};
 
 /// What to do with a Connect.
 #[derive(Debug)]
@@ -78,14 +80,46 @@ pub fn admit<'a>(cfg: &'a Config, c: &Connect) -> Admission<'a> {
     }
 }
 
+/// `url` with a wildcard host replaced by `local`'s address (see [`discovery`]).
+fn advertised(url: &ListenUrl, local: Option<SocketAddr>) -> ListenUrl {
+    let (Ok(bound), Some(local)) = (url.host.parse::<IpAddr>(), local) else {
+        return url.clone();
+    };
+    // An IPv4 peer on a dual-stack socket shows as ::ffff:a.b.c.d: advertise a.b.c.d.
+    let here = match local.ip() {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    };
+    // A `::` listener accepts IPv4 too (unless bindv6only); `0.0.0.0` only IPv4.
+    let fits = match bound {
+        IpAddr::V4(b) => b.is_unspecified() && here.is_ipv4(),
+        IpAddr::V6(b) => b.is_unspecified(),
+    };
+    if !fits {
+        return url.clone();
+    }
+    ListenUrl {
+        host: here.to_string(),
+        ..url.clone()
+    }
+}
+
 /// Whether `host` may see `s` in a discovery listing.
 pub fn visible_to(s: &Subsystem, host: &Nqn) -> bool {
     s.allow_any_host || s.hosts.iter().any(|h| &h.nqn == host)
 }
 
 /// The discovery listing for `host`: the subsystems it may connect to, with every listen URL.
-pub fn discovery(cfg: &Config, host: &Nqn) -> DiscoveryResponse {
-    let listen: Vec<String> = cfg.listeners.iter().map(|l| l.url.to_string()).collect();
+///
+/// A wildcard listener (`0.0.0.0`, `::`) is advertised with `local`'s address, the one the
+/// discovery connection arrived on (an address the host can reach), when `local` is of a family
+/// the listener accepts; otherwise as configured.
+pub fn discovery(cfg: &Config, host: &Nqn, local: Option<SocketAddr>) -> DiscoveryResponse {
+    let listen: Vec<String> = cfg
+        .listeners
+        .iter()
+        .map(|l| advertised(&l.url, local).to_string())
+        .collect();
     DiscoveryResponse {
         entries: cfg
             .subsystems
@@ -195,14 +229,59 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
     fn discovery_lists_only_what_the_host_may_reach() {
         let d = tempfile::tempdir().unwrap();
         let c = cfg(d.path(), true);
-        let stranger = discovery(&c, &Nqn::new("nqn.2026-11.io.rpma:stranger").unwrap());
+        let stranger = discovery(
+            &c,
+            &Nqn::new("nqn.2026-11.io.rpma:stranger").unwrap(),
+            Some("127.0.0.1:7420".parse().unwrap()),
+        );
         assert_eq!(stranger.entries.len(), 1);
         assert_eq!(stranger.entries[0].subsystem_nqn.as_str(), OPEN);
         assert_eq!(
             stranger.entries[0].listen,
             ["tcp://127.0.0.1:7420", "tcp://[::1]:7420"]
         );
-        let plain = discovery(&c, &Nqn::new("nqn.2026-11.io.rpma:plain").unwrap());
+        let plain = discovery(&c, &Nqn::new("nqn.2026-11.io.rpma:plain").unwrap(), None);
         assert_eq!(plain.entries.len(), 2);
+    }
+
+    #[test]
+    fn wildcard_listeners_advertise_the_address_the_host_reached() {
+        let d = tempfile::tempdir().unwrap();
+        let text = r#"
+listen = ["tcp://0.0.0.0:7420", "tcp://[::]:7421", "tcp://192.0.2.7:7422"]
+[[subsystem]]
+nqn = "nqn.2026-11.io.rpma:open"
+allow_any_host = true
+"#;
+        let c = Config::from_toml(text, d.path()).unwrap();
+        let host = Nqn::new("nqn.2026-11.io.rpma:h").unwrap();
+        let listen = |local: Option<&str>| {
+            discovery(&c, &host, local.map(|l| l.parse().unwrap())).entries[0]
+                .listen
+                .clone()
+        };
+        assert_eq!(
+            listen(Some("198.51.100.4:7420")),
+            [
+                "tcp://198.51.100.4:7420",
+                "tcp://198.51.100.4:7421",
+                "tcp://192.0.2.7:7422"
+            ]
+        );
+        // An IPv4 host on the dual-stack listener: its mapped address is shown as IPv4.
+        assert_eq!(
+            listen(Some("[::ffff:198.51.100.4]:7421"))[1],
+            "tcp://198.51.100.4:7421"
+        );
+        // An IPv6 host: the IPv4 wildcard cannot be reached that way, so it stays as it is.
+        assert_eq!(
+            listen(Some("[2001:db8::5]:7421")),
+            [
+                "tcp://0.0.0.0:7420",
+                "tcp://[2001:db8::5]:7421",
+                "tcp://192.0.2.7:7422"
+            ]
+        );
+        assert_eq!(listen(None)[0], "tcp://0.0.0.0:7420");
     }
 }

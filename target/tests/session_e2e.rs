@@ -87,6 +87,11 @@ read_only = true
 
 impl Target {
     fn start(dir: &Path, top: &str) -> Target {
+        Target::start_with_env(dir, top, &[])
+    }
+
+    /// As [`Target::start`], with extra environment variables for the daemon.
+    fn start_with_env(dir: &Path, top: &str, env: &[(&str, &str)]) -> Target {
         let port = free_port();
         let key = dir.join("keyed.psk");
         std::fs::write(&key, KEY.repeat(32)).unwrap();
@@ -94,13 +99,17 @@ impl Target {
         std::fs::write(dir.join("c.toml"), config_text(port, top, "")).unwrap();
         let sock = dir.join("notify.sock");
         let notify = UnixDatagram::bind(&sock).unwrap();
-        let child = Command::new(BIN)
-            .arg("--config")
+        let mut cmd = Command::new(BIN);
+        cmd.arg("--config")
             .arg(dir.join("c.toml"))
             .env("NOTIFY_SOCKET", &sock)
             .env_remove("WATCHDOG_USEC")
             .env_remove("WATCHDOG_PID")
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", "info");
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        let child = cmd
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(dir.join("target.log")).unwrap())
@@ -939,4 +948,179 @@ fn idle_daemon_with_a_session_uses_no_cpu() {
     );
     // And the session still works after the idle spell.
     assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+#[test]
+fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
+    use std::io::Read;
+    let d = scratch();
+    let t = Target::start(d.path(), "");
+    let mut silent: Vec<std::net::TcpStream> = (0..20)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", t.port)).unwrap())
+        .collect();
+    let opened = Instant::now();
+    // A real host gets through at once, for identify and for a session.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1, 3]);
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert!(
+        opened.elapsed() < Duration::from_secs(3),
+        "the host waited {:?} behind silent peers",
+        opened.elapsed()
+    );
+    // The silent ones are still open before their deadline...
+    let mut byte = [0u8; 1];
+    silent[0]
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let early = silent[0].read(&mut byte);
+    assert!(
+        early.as_ref().is_err_and(|e| matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )),
+        "closed before its deadline: {early:?}"
+    );
+    // ...and closed (EOF, nothing sent) once it passed.
+    let deadline = opened + rpma_target::serve::MPA_TIMEOUT + Duration::from_secs(5);
+    for c in &mut silent {
+        c.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))
+        .unwrap();
+        match c.read(&mut byte) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("a silent peer was not closed by its deadline: {other:?}"),
+        }
+    }
+    assert!(
+        opened.elapsed() >= rpma_target::serve::MPA_TIMEOUT - Duration::from_millis(500),
+        "closed early: {:?}",
+        opened.elapsed()
+    );
+    // The session was not disturbed.
+    s.tick().unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+#[test]
+fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
+    let d = scratch();
+    // WATCHDOG_USEC 400 ms: a check every 200 ms. The test hook stalls the loop for 3 s when
+    // it takes the reload command.
+    let t = Target::start_with_env(
+        d.path(),
+        "",
+        &[
+            ("WATCHDOG_USEC", "400000"),
+            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "3000"),
+        ],
+    );
+    // Pings flow while every thread makes progress (an idle loop is woken by the check).
+    for _ in 0..3 {
+        t.expect("WATCHDOG=1");
+    }
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+    let reloaded = Instant::now();
+    // At most one check can still see the loop's last turn; give it 600 ms, then none for 1.5 s.
+    let mut buf = [0u8; 4096];
+    let mut pings = Vec::new();
+    while reloaded.elapsed() < Duration::from_millis(2100) {
+        let left = Duration::from_millis(2100).saturating_sub(reloaded.elapsed());
+        t.notify
+            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+            .unwrap();
+        if let Ok(n) = t.notify.recv(&mut buf) {
+            if buf[..n].starts_with(b"WATCHDOG=1") {
+                pings.push(reloaded.elapsed());
+            }
+        }
+    }
+    assert!(
+        pings.iter().all(|&at| at < Duration::from_millis(600)),
+        "watchdog pinged while the loop was stuck: {pings:?}"
+    );
+    assert!(
+        !t.log_lines(&["rpma-loop-0", "made no progress"]).is_empty(),
+        "{}",
+        t.log()
+    );
+    // The loop comes back: so do the pings.
+    t.expect("WATCHDOG=1");
+    assert!(
+        reloaded.elapsed() >= Duration::from_millis(2500),
+        "{:?}",
+        reloaded.elapsed()
+    );
+}
+
+#[test]
+fn a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = Target::start(d.path(), top);
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(s.namespace(1).unwrap().size, 2 << 20);
+    // Grow SUB's nsid 1 (which needs `grow = true`).
+    let grown = config_text(t.port, top, "").replacen(
+        "path = \"ns1\"\nsize = \"2MiB\"",
+        "path = \"ns1\"\nsize = \"4MiB\"\ngrow = true",
+        1,
+    );
+    assert!(grown.contains("4MiB"));
+    std::fs::write(d.path().join("c.toml"), grown).unwrap();
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+    match s.wait_message(WAIT, "a Disconnect") {
+        Err(Error::Disconnected { reason }) => {
+            assert_eq!(reason, "namespace 1 changed by reload")
+        }
+        other => panic!("expected a Disconnect, got {other:?}"),
+    }
+    // The host reconnects and sees the new size; the other subsystem's session is untouched.
+    let s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(s.namespace(1).unwrap().size, 4 << 20);
+    assert_eq!(other.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    let v = t.status();
+    assert!(
+        v["last_reload"]
+            .as_str()
+            .unwrap()
+            .contains("1 namespaces changed"),
+        "{v}"
+    );
+}
+
+#[test]
+fn a_reload_that_would_grow_without_grow_changes_nothing() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = Target::start(d.path(), top);
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let bigger = config_text(t.port, top, "").replacen(
+        "path = \"ns1\"\nsize = \"2MiB\"",
+        "path = \"ns1\"\nsize = \"4MiB\"",
+        1,
+    );
+    std::fs::write(d.path().join("c.toml"), bigger).unwrap();
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+    let v = t.status();
+    let last = v["last_reload"].as_str().unwrap();
+    assert!(last.starts_with("failed") && last.contains("grow"), "{v}");
+    assert_eq!(
+        std::fs::metadata(d.path().join("ns1")).unwrap().len(),
+        2 << 20
+    );
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }

@@ -274,7 +274,8 @@ impl Conn {
                 let host = host.clone();
                 match Message::decode(buf) {
                     Ok(Message::DiscoveryRequest(_)) => {
-                        let resp = discovery(&shared.config(), &host);
+                        let local = self.qp.info().local_addr;
+                        let resp = discovery(&shared.config(), &host, Some(local));
                         self.send(&Message::DiscoveryResponse(resp));
                     }
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
@@ -539,8 +540,10 @@ impl Conn {
         }
     }
 
-    /// A reload: close the session if the diff touches it, else revoke the rkeys of its
-    /// namespaces that were removed or changed.
+    /// A reload: close the session if the diff touches it or changes one of its namespaces
+    /// (with a Disconnect naming the namespace, so that the host reconnects and sees the new
+    /// descriptor instead of a RemoteAccess later), else revoke the rkeys of its namespaces that
+    /// were removed.
     pub(crate) fn reloaded(&mut self, diff: &crate::reload::ConfigDiff) {
         let Phase::Session(s) = &mut self.phase else {
             return;
@@ -555,19 +558,40 @@ impl Conn {
             self.goodbye("the target's configuration for this host changed");
             return;
         }
+        let in_diff = |list: &[crate::namespace::NsKey], nsid: u32| {
+            list.iter()
+                .any(|(sub, n)| *n == nsid && *sub == s.subsystem)
+        };
+        let changed: Vec<String> = s
+            .grants
+            .keys()
+            .filter(|&&nsid| in_diff(&diff.namespaces_changed, nsid))
+            .map(u32::to_string)
+            .collect();
+        if !changed.is_empty() {
+            let (what, ids) = match changed.len() {
+                1 => ("namespace", changed[0].clone()),
+                _ => ("namespaces", changed.join(", ")),
+            };
+            log::info!(
+                "session ctrl {} (host {} from {}): {what} {ids} changed by reload: closing",
+                s.info.controller_id,
+                s.host,
+                self.peer
+            );
+            self.goodbye(&format!("{what} {ids} changed by reload"));
+            return;
+        }
         let gone: Vec<u32> = s
             .grants
             .keys()
             .copied()
-            .filter(|nsid| {
-                let key = (s.subsystem.clone(), *nsid);
-                diff.namespaces_removed.contains(&key) || diff.namespaces_changed.contains(&key)
-            })
+            .filter(|&nsid| in_diff(&diff.namespaces_removed, nsid))
             .collect();
         for nsid in gone {
             s.grants.remove(&nsid);
             log::info!(
-                "session ctrl {}: namespace {nsid} removed or changed: its rkey is revoked",
+                "session ctrl {}: namespace {nsid} removed by reload: its rkey is revoked",
                 s.info.controller_id
             );
         }
