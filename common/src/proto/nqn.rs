@@ -64,6 +64,23 @@ pub enum NqnError {
         /// The file.
         path: PathBuf,
     },
+    /// Neither a host NQN file nor a machine id exists, and a generated host NQN could be
+    /// stored nowhere (so it would not be stable).
+    #[error("no host NQN: no {hostnqn} and no {machine_id}, and a generated one cannot be stored (tried {tried})")]
+    NoStableHostNqn {
+        /// The host NQN file looked for.
+        hostnqn: PathBuf,
+        /// The machine id file looked for.
+        machine_id: PathBuf,
+        /// Where storing was tried, comma-separated.
+        tried: String,
+        /// Why the last place failed.
+        #[source]
+        source: std::io::Error,
+    },
+    /// No random bytes for a generated host NQN.
+    #[error("cannot generate a host NQN: no random bytes")]
+    Random(#[source] getrandom::Error),
     /// The host NQN file holds an invalid NQN.
     #[error("{path} holds an invalid host NQN")]
     BadHostNqnFile {
@@ -223,13 +240,141 @@ fn validate(s: &str) -> Result<()> {
     Ok(())
 }
 
-/// The default host NQN: the one in [`HOSTNQN_PATH`] if that file exists, else one derived
-/// stably from [`MACHINE_ID_PATH`].
+/// Where the default host NQN comes from, in this order: a host NQN file, a machine id to
+/// derive one from, else a generated one stored once (in the first of `store` that takes it)
+/// and read back from there afterwards.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct HostNqnSources {
+    /// nvme-cli's host NQN file ([`HOSTNQN_PATH`]).
+    pub hostnqn: PathBuf,
+    /// The machine id ([`MACHINE_ID_PATH`]).
+    pub machine_id: PathBuf,
+    /// Where a generated host NQN is stored (and looked for), in order of preference.
+    pub store: Vec<PathBuf>,
+}
+
+impl HostNqnSources {
+    /// The system's: [`HOSTNQN_PATH`], [`MACHINE_ID_PATH`]; a generated NQN is stored in
+    /// [`HOSTNQN_PATH`] if that can be written (as nvme-cli would), else in
+    /// `$XDG_STATE_HOME/rpma/hostnqn` (by default `~/.local/state/rpma/hostnqn`).
+    pub fn system() -> HostNqnSources {
+        let state = std::env::var_os("XDG_STATE_HOME")
+            .map(PathBuf::from)
+            .filter(|p| p.is_absolute())
+            .or_else(|| {
+                std::env::var_os("HOME")
+                    .map(PathBuf::from)
+                    .filter(|p| p.is_absolute())
+                    .map(|h| h.join(".local/state"))
+            });
+        let mut store = vec![PathBuf::from(HOSTNQN_PATH)];
+        store.extend(state.map(|s| s.join("rpma/hostnqn")));
+        HostNqnSources {
+            hostnqn: PathBuf::from(HOSTNQN_PATH),
+            machine_id: PathBuf::from(MACHINE_ID_PATH),
+            store,
+        }
+    }
+}
+
+/// The default host NQN, from [`HostNqnSources::system`]: the one in [`HOSTNQN_PATH`] if that
+/// file exists, else one derived stably from [`MACHINE_ID_PATH`], else (minimal containers
+/// have neither) a random UUID NQN generated once and stored so that it stays the same.
 ///
 /// # Errors
-/// As [`default_host_nqn_from`].
+/// As [`default_host_nqn_in`].
 pub fn default_host_nqn() -> Result<Nqn> {
-    default_host_nqn_from(Path::new(HOSTNQN_PATH), Path::new(MACHINE_ID_PATH))
+    default_host_nqn_in(&HostNqnSources::system())
+}
+
+/// [`default_host_nqn`] from explicit sources.
+///
+/// # Errors
+/// Those of [`default_host_nqn_from`] except a missing machine id; [`NqnError::BadHostNqnFile`]
+/// for an invalid stored NQN; [`NqnError::NoStableHostNqn`] when none of `store` can be
+/// written; [`NqnError::Random`].
+pub fn default_host_nqn_in(src: &HostNqnSources) -> Result<Nqn> {
+    match default_host_nqn_from(&src.hostnqn, &src.machine_id) {
+        Err(NqnError::Read { path, source })
+            if path == src.machine_id && source.kind() == std::io::ErrorKind::NotFound => {}
+        other => return other,
+    }
+    // Stored earlier?
+    for p in &src.store {
+        if let Some(n) = read_nqn_file(p)? {
+            return Ok(n);
+        }
+    }
+    let mut uuid = [0u8; 16];
+    getrandom::fill(&mut uuid).map_err(NqnError::Random)?;
+    uuid[6] = (uuid[6] & 0x0f) | 0x40;
+    uuid[8] = (uuid[8] & 0x3f) | 0x80;
+    let fresh = Nqn::from_uuid(&uuid);
+    let mut last = std::io::Error::new(std::io::ErrorKind::NotFound, "no place to store it");
+    for p in &src.store {
+        match store_once(p, &fresh) {
+            // Another process may have stored its own first: that one wins, for everyone.
+            Ok(()) | Err(StoreError::Exists) => match read_nqn_file(p)? {
+                Some(n) => return Ok(n),
+                None => continue,
+            },
+            Err(StoreError::Io(e)) => last = e,
+        }
+    }
+    Err(NqnError::NoStableHostNqn {
+        hostnqn: src.hostnqn.clone(),
+        machine_id: src.machine_id.clone(),
+        tried: src
+            .store
+            .iter()
+            .map(|p| p.display().to_string())
+            .collect::<Vec<_>>()
+            .join(", "),
+        source: last,
+    })
+}
+
+/// The NQN in `path`, None if it does not exist.
+fn read_nqn_file(path: &Path) -> Result<Option<Nqn>> {
+    match std::fs::read_to_string(path) {
+        Ok(s) => Nqn::new(s.trim())
+            .map(Some)
+            .map_err(|e| NqnError::BadHostNqnFile {
+                path: path.to_owned(),
+                source: Box::new(e),
+            }),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(NqnError::Read {
+            path: path.to_owned(),
+            source,
+        }),
+    }
+}
+
+enum StoreError {
+    Exists,
+    Io(std::io::Error),
+}
+
+/// Writes `nqn` to `path` unless it exists, atomically: a temporary file beside it, then a
+/// hard link (which, unlike rename, never replaces an existing file).
+fn store_once(path: &Path, nqn: &Nqn) -> std::result::Result<(), StoreError> {
+    use std::io::Write;
+    let dir = path.parent().unwrap_or(Path::new("."));
+    std::fs::create_dir_all(dir).map_err(StoreError::Io)?;
+    let tmp = dir.join(format!(".hostnqn.{}.tmp", std::process::id()));
+    let written = (|| {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(format!("{nqn}\n").as_bytes())?;
+        f.sync_all()
+    })();
+    let linked = written.and_then(|()| std::fs::hard_link(&tmp, path));
+    let _ = std::fs::remove_file(&tmp);
+    match linked {
+        Ok(()) => Ok(()),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => Err(StoreError::Exists),
+        Err(e) => Err(StoreError::Io(e)),
+    }
 }
 
 /// [`default_host_nqn`] with explicit file paths.
@@ -411,6 +556,90 @@ mod tests {
             default_host_nqn_from(&h, &m),
             Err(NqnError::BadMachineId { .. })
         ));
+    }
+
+    fn sources(d: &Path) -> HostNqnSources {
+        HostNqnSources {
+            hostnqn: d.join("etc/nvme/hostnqn"),
+            machine_id: d.join("etc/machine-id"),
+            store: vec![d.join("etc/nvme/hostnqn"), d.join("state/rpma/hostnqn")],
+        }
+    }
+
+    #[test]
+    fn without_hostnqn_or_machine_id_one_is_generated_once_and_kept() {
+        let d = tempfile::tempdir().unwrap();
+        let src = sources(d.path());
+        let a = default_host_nqn_in(&src).unwrap();
+        assert!(a.as_str().starts_with(UUID_PREFIX), "{a}");
+        // Stored in the first place that takes it, and the same on every later call.
+        let stored = std::fs::read_to_string(&src.hostnqn).unwrap();
+        assert_eq!(stored.trim(), a.as_str());
+        assert_eq!(default_host_nqn_in(&src).unwrap(), a);
+        assert!(
+            std::fs::read_dir(d.path().join("etc/nvme"))
+                .unwrap()
+                .count()
+                == 1,
+            "temporary file left behind"
+        );
+    }
+
+    #[test]
+    fn a_generated_nqn_falls_back_to_the_state_dir_and_is_found_there() {
+        let d = tempfile::tempdir().unwrap();
+        let mut src = sources(d.path());
+        // A host NQN file that cannot be created (as /etc/nvme/hostnqn for a user, or in a
+        // read-only /etc): under /proc nothing can be created, even by root.
+        let unwritable = PathBuf::from("/proc/rpma-test-no-such-dir/hostnqn");
+        src.hostnqn = unwritable.clone();
+        src.store[0] = unwritable;
+        let a = default_host_nqn_in(&src).unwrap();
+        let stored = std::fs::read_to_string(d.path().join("state/rpma/hostnqn")).unwrap();
+        assert_eq!(stored.trim(), a.as_str());
+        assert_eq!(default_host_nqn_in(&src).unwrap(), a, "stable");
+        // A machine id, once there, takes precedence (as before).
+        std::fs::create_dir_all(d.path().join("etc")).unwrap();
+        std::fs::write(&src.machine_id, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let m = default_host_nqn_in(&src).unwrap();
+        assert_ne!(m, a);
+        assert_eq!(
+            m,
+            default_host_nqn_from(&src.hostnqn, &src.machine_id).unwrap()
+        );
+        // Nowhere to store: a clear error naming the places tried.
+        std::fs::remove_file(&src.machine_id).unwrap();
+        src.store.truncate(1);
+        match default_host_nqn_in(&src) {
+            Err(NqnError::NoStableHostNqn { tried, .. }) => {
+                assert!(
+                    tried.contains("/proc/rpma-test-no-such-dir/hostnqn"),
+                    "{tried}"
+                )
+            }
+            other => panic!("expected NoStableHostNqn, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_bad_stored_nqn_is_an_error_not_replaced() {
+        let d = tempfile::tempdir().unwrap();
+        let src = sources(d.path());
+        std::fs::create_dir_all(d.path().join("state/rpma")).unwrap();
+        std::fs::write(d.path().join("state/rpma/hostnqn"), "garbage\n").unwrap();
+        // The first store place is free, but the existing (bad) one is found first.
+        assert!(matches!(
+            default_host_nqn_in(&src),
+            Err(NqnError::BadHostNqnFile { .. })
+        ));
+    }
+
+    #[test]
+    fn system_sources_use_xdg_state_home_or_home() {
+        let s = HostNqnSources::system();
+        assert_eq!(s.hostnqn, Path::new(HOSTNQN_PATH));
+        assert_eq!(s.store[0], Path::new(HOSTNQN_PATH));
+        assert!(s.store.iter().skip(1).all(|p| p.ends_with("rpma/hostnqn")));
     }
 
     #[test]
