@@ -33,8 +33,9 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    /// Not TOML, a wrong type, or an unknown key (toml's message names the key and the line).
-    #[error("{path}: {source}")]
+    /// Not TOML, a wrong type, or an unknown key (toml's message, the source, names the key
+    /// and the line).
+    #[error("cannot parse {path}")]
     Parse {
         /// The file.
         path: PathBuf,
@@ -50,8 +51,8 @@ pub enum ConfigError {
         /// What is wrong with it.
         problem: String,
     },
-    /// An invalid NQN.
-    #[error("{key}: {source}")]
+    /// An invalid NQN (the source says why).
+    #[error("{key}")]
     Nqn {
         /// The key.
         key: String,
@@ -59,8 +60,9 @@ pub enum ConfigError {
         #[source]
         source: NqnError,
     },
-    /// A key file that is missing, unreadable, too open or of the wrong length.
-    #[error("{key}: {source}")]
+    /// A key file that is missing, unreadable, too open or of the wrong length (the source
+    /// says which).
+    #[error("{key}")]
     Psk {
         /// The key.
         key: String,

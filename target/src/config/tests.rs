@@ -45,7 +45,10 @@ fn dir_with_psk() -> tempfile::TempDir {
 
 fn err(text: &str) -> String {
     let d = dir_with_psk();
-    Config::from_toml(text, d.path()).unwrap_err().to_string()
+    Config::from_toml(text, d.path())
+        .map(|_| ())
+        .map_err(|e| crate::check::chain(&e))
+        .unwrap_err()
 }
 
 /// GOOD with one line replaced.
@@ -261,14 +264,20 @@ fn psk_file_problems() {
     let d = dir_with_psk();
     let p = d.path().join("host1.psk");
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let e = Config::from_toml(GOOD, d.path()).unwrap_err().to_string();
+    let e = Config::from_toml(GOOD, d.path())
+        .map(|_| ())
+        .map_err(|e| crate::check::chain(&e))
+        .unwrap_err();
     assert!(
         e.contains("psk_file: key file") && e.contains("mode 0644"),
         "{e}"
     );
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::write(&p, "ab".repeat(4)).unwrap();
-    let e = Config::from_toml(GOOD, d.path()).unwrap_err().to_string();
+    let e = Config::from_toml(GOOD, d.path())
+        .map(|_| ())
+        .map_err(|e| crate::check::chain(&e))
+        .unwrap_err();
     assert!(
         e.contains("psk_file: key") && e.contains("is 4 bytes"),
         "{e}"
@@ -326,7 +335,10 @@ fn load_reports_the_path() {
     ));
     let p = d.path().join("bad.toml");
     std::fs::write(&p, "bogus = 1").unwrap();
-    let e = Config::load(&p).unwrap_err().to_string();
+    let e = Config::load(&p)
+        .map(|_| ())
+        .map_err(|e| crate::check::chain(&e))
+        .unwrap_err();
     assert!(e.contains("bad.toml") && e.contains("bogus"), "{e}");
 }
 
