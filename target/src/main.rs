@@ -3,8 +3,10 @@ use std::process::ExitCode;
 
 use clap::{Args, Parser, Subcommand};
 
-/// rpma-target serves persistent memory (a pmem/DAX file, a devdax device, or for testing a regular or
-/// tmpfs file) to remote initiators as directly writable, durable block storage.
+/// rpma-target serves namespaces to remote initiators as directly writable block storage,
+/// durable where the backing store is: a file on a DAX filesystem or a devdax device (dax), or a
+/// regular file on any other filesystem (page-cache: durable through msync/fdatasync). tmpfs
+/// files are served as volatile (no durability) and are for testing.
 ///
 /// Run the daemon in the foreground with `rpma-target --config FILE`.
 #[derive(Debug, Parser)]
