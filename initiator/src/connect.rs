@@ -164,6 +164,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
         seq: 0,
         next_token: 0,
         closed: None,
+        admitted: false,
     })
 }
 
@@ -251,6 +252,7 @@ pub fn connect(
                 s.queue_depth = r.queue_depth;
                 s.namespaces = r.namespaces;
                 s.namespaces.sort_by_key(|n| n.nsid);
+                s.admitted = true;
                 return Ok(s);
             }
             other => return Err(unexpected("ConnectResponse", &other)),
