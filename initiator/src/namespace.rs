@@ -58,7 +58,7 @@ pub fn check_aligned(
     value: u64,
     align: u64,
 ) -> Result<()> {
-    if value % align != 0 {
+    if !value.is_multiple_of(align) {
         return Err(Error::Misaligned {
             nsid: d.nsid,
             what,

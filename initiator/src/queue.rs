@@ -163,7 +163,7 @@ impl QueueOptions {
                 self.depth
             )));
         }
-        if !(4096..=16 << 20).contains(&self.chunk) || self.chunk % 4096 != 0 {
+        if !(4096..=16 << 20).contains(&self.chunk) || !self.chunk.is_multiple_of(4096) {
             return Err(Error::InvalidArgument(format!(
                 "chunk {} is not a multiple of 4096 in 4 KiB..=16 MiB",
                 self.chunk
