@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
-# `make demo`: build rpma, start a target on a scratch namespace (a /dev/shm file with
-# force_dax, so the pmem path is what runs), write a pattern durably, read and verify it, show
-# identify output and a short latency/bandwidth run, stop the target. Cleans up after itself.
+# `make demo`: build rpma; probe the persistence domain of a scratch file under the repo
+# (page-cache), of one under /dev/shm (volatile) and of the same with the force_dax override
+# (dax (forced)); start a target on those two (the /dev/shm one with force_dax, so the pmem
+# path is what runs), write a pattern durably, read and verify it, show identify output and a
+# short latency/bandwidth run, stop the target. Cleans up after itself, also on failure or ^C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --release -p rpma-target -p rpma-initiator
 BIN=$PWD/build/release
-SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/rpma-demo.XXXXXX")
+# Under the repo (a disk filesystem, so its files are page-cache), removed on exit.
+mkdir -p scratch
+SCRATCH=$(mktemp -d "$PWD/scratch/demo.XXXXXX")
 shm=/dev/shm/rpma-demo-$$.pmem
 target_pid=
 cleanup() {
@@ -30,9 +34,18 @@ URL=tcp://127.0.0.1:$port
 NQN=nqn.2026-11.io.rpma:demo
 HOSTNQN=nqn.2026-11.io.rpma:demo-host
 
-echo "== the scratch namespace: $shm, dax forced (testing on DRAM)"
-"$BIN/rpma-target" probe "$shm" --size 64MiB
-"$BIN/rpma-target" probe "$shm" --force-dax
+# One probe: its label and the domain line of rpma-target probe (a failed probe stops the demo).
+show() {
+    local label=$1 out
+    shift
+    out=$("$BIN/rpma-target" probe "$@")
+    printf '  %-44s %s\n' "$label" "$(sed -n 's/^domain: *//p' <<<"$out")"
+}
+rel=${SCRATCH#"$PWD"/}
+echo "== persistence domains, as rpma-target probe finds them"
+show "$rel/ns2.pmem (under the repo)" "$SCRATCH/ns2.pmem" --size 8MiB
+show "$shm" "$shm" --size 64MiB
+show "$shm --force-dax" "$shm" --force-dax
 cat > "$SCRATCH/target.toml" <<TOML
 listen = ["$URL"]
 control_socket = "control.sock"
@@ -44,6 +57,10 @@ nsid = 1
 path = "$shm"
 size = "64MiB"
 force_dax = true
+[[subsystem.namespace]]
+nsid = 2
+path = "$SCRATCH/ns2.pmem"
+size = "8MiB"
 TOML
 
 echo
@@ -62,11 +79,13 @@ echo
 echo "== identify"
 ini identify
 echo
-echo "== list (the durability method this host uses on each namespace)"
+echo "== list (the durability method this host uses on each namespace: FLUSH on dax,"
+echo "   GPSPM on page-cache, where the target's msync runs off its poll loop)"
 ini list
 echo
 echo "== write 8 MiB of 0x5a at 1 MiB, durably"
 ini write --offset 1MiB --pattern 0x5a --length 8MiB --durable
+ini --nsid 2 write --offset 0 --pattern 0x5a --length 1MiB --durable
 echo
 echo "== read 32 bytes of it back"
 ini read --offset 1MiB --length 32 | od -A d -t x1 | head -2
