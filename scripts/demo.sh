@@ -12,25 +12,17 @@ BIN=$PWD/build/release
 mkdir -p scratch
 SCRATCH=$(mktemp -d "$PWD/scratch/demo.XXXXXX")
 shm=/dev/shm/rpma-demo-$$.pmem
-target_pid=
+# shellcheck source=scripts/local-target.sh
+. scripts/local-target.sh
 cleanup() {
-    if [ -n "$target_pid" ]; then
-        kill "$target_pid" 2>/dev/null || true
-        wait "$target_pid" 2>/dev/null || true
-    fi
+    stop_target || true
     rm -f "$shm"
     rm -rf "$SCRATCH"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# A free port on 127.0.0.1 (nothing answers a connect there).
-port=
-for p in $(seq 7420 7520); do
-    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then port=$p; break; fi
-done
-[ -n "$port" ] || { echo "demo: no free port in 7420-7520" >&2; exit 1; }
-URL=tcp://127.0.0.1:$port
+free_port
 NQN=nqn.2026-11.io.rpma:demo
 HOSTNQN=nqn.2026-11.io.rpma:demo-host
 
@@ -65,13 +57,7 @@ TOML
 
 echo
 echo "== rpma-target on $URL"
-RUST_LOG=warn "$BIN/rpma-target" --config "$SCRATCH/target.toml" &
-target_pid=$!
-for _ in $(seq 100); do
-    "$BIN/rpma-target" status --socket "$SCRATCH/control.sock" >/dev/null 2>&1 && break
-    kill -0 "$target_pid" 2>/dev/null || { echo "demo: rpma-target exited" >&2; exit 1; }
-    sleep 0.1
-done
+start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 
 ini() { "$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" "$@"; }
 
@@ -98,9 +84,7 @@ ini bench --offset 16MiB --count 2000 --total 32MiB
 
 echo
 "$BIN/rpma-target" status --socket "$SCRATCH/control.sock" | head -20 || true
-kill -TERM "$target_pid"
 rc=0
-wait "$target_pid" || rc=$?
-target_pid=
+stop_target || rc=$?
 echo
 echo "rpma-target stopped (exit $rc)"
