@@ -241,6 +241,8 @@ pub fn connect(
                 authenticated = true;
             }
             Message::ConnectResponse(r) => {
+                // Admitted: from here on, dropping the session says goodbye.
+                s.admitted = true;
                 if host.psk.is_some() && !authenticated && !subsystem.is_discovery() {
                     // The target let us in without proving the key: not the target we trust.
                     return Err(Error::TargetNotAuthenticated { source: None });
@@ -252,7 +254,6 @@ pub fn connect(
                 s.queue_depth = r.queue_depth;
                 s.namespaces = r.namespaces;
                 s.namespaces.sort_by_key(|n| n.nsid);
-                s.admitted = true;
                 return Ok(s);
             }
             other => return Err(unexpected("ConnectResponse", &other)),

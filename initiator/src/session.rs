@@ -47,7 +47,7 @@ pub struct Session {
     pub(crate) seq: u64,
     pub(crate) next_token: u64,
     pub(crate) closed: Option<String>,
-    /// Admitted by a ConnectResponse: a goodbye is owed when the session ends.
+    /// Admitted by a ConnectResponse and not said goodbye to: dropping it sends a Disconnect.
     pub(crate) admitted: bool,
 }
 
@@ -351,12 +351,11 @@ impl Session {
         self.goodbye(timeout)
     }
 
-    /// The Disconnect, once, if the session was admitted and is still open.
+    /// The Disconnect, if the session is still open. Clears `admitted`, so that the Drop that
+    /// follows does not say it twice.
     fn goodbye(&mut self, timeout: Duration) -> Result<()> {
-        if !std::mem::take(&mut self.admitted)
-            || self.closed.is_some()
-            || self.qp.state() == QpState::Error
-        {
+        self.admitted = false;
+        if self.closed.is_some() || self.qp.state() == QpState::Error {
             return Ok(());
         }
         let bye = Message::Disconnect(Disconnect {
@@ -390,6 +389,9 @@ impl Drop for Session {
     /// Says goodbye (a Disconnect) unless that was done or the connection is gone, so that
     /// every exit path (an error, a panic, an early return) closes the session cleanly.
     fn drop(&mut self) {
-        let _ = self.goodbye(DROP_GOODBYE);
+        // A session that was never admitted (an error inside `connect`) owes nothing.
+        if self.admitted {
+            let _ = self.goodbye(DROP_GOODBYE);
+        }
     }
 }
