@@ -29,6 +29,10 @@ test: lint
 demo: deps
 	@bash scripts/demo.sh
 
+# The benchmarks side by side, medians (bench/README.md). Long: run it by hand, not in CI.
+bench: deps
+	@bash bench/run.sh
+
 clean:
 	$(CARGO) clean
 	rm -rf $(SCRATCH)

@@ -1,38 +1,43 @@
 #!/usr/bin/env bash
-# `make demo`: build rpma, start a target on a scratch namespace (a /dev/shm file with
-# force_dax, so the pmem path is what runs), write a pattern durably, read and verify it, show
-# identify output and a short latency/bandwidth run, stop the target. Cleans up after itself.
+# `make demo`: build rpma; probe the persistence domain of a scratch file under the repo
+# (page-cache), of one under /dev/shm (volatile) and of the same with the force_dax override
+# (dax (forced)); start a target on those two (the /dev/shm one with force_dax, so the pmem
+# path is what runs), write a pattern durably, read and verify it, show identify output and a
+# short latency/bandwidth run, stop the target. Cleans up after itself, also on failure or ^C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 cargo build --quiet --release -p rpma-target -p rpma-initiator
 BIN=$PWD/build/release
-SCRATCH=$(mktemp -d "${TMPDIR:-/tmp}/rpma-demo.XXXXXX")
+# Under the repo (a disk filesystem, so its files are page-cache), removed on exit.
+mkdir -p scratch
+SCRATCH=$(mktemp -d "$PWD/scratch/demo.XXXXXX")
 shm=/dev/shm/rpma-demo-$$.pmem
-target_pid=
+# shellcheck source=scripts/local-target.sh
+. scripts/local-target.sh
 cleanup() {
-    if [ -n "$target_pid" ]; then
-        kill "$target_pid" 2>/dev/null || true
-        wait "$target_pid" 2>/dev/null || true
-    fi
+    stop_target || true
     rm -f "$shm"
     rm -rf "$SCRATCH"
 }
 trap cleanup EXIT
 trap 'exit 130' INT TERM
 
-# A free port on 127.0.0.1 (nothing answers a connect there).
-port=
-for p in $(seq 7420 7520); do
-    if ! (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null; then port=$p; break; fi
-done
-[ -n "$port" ] || { echo "demo: no free port in 7420-7520" >&2; exit 1; }
-URL=tcp://127.0.0.1:$port
+free_port
 NQN=nqn.2026-11.io.rpma:demo
 HOSTNQN=nqn.2026-11.io.rpma:demo-host
 
-echo "== the scratch namespace: $shm, dax forced (testing on DRAM)"
-"$BIN/rpma-target" probe "$shm" --size 64MiB
-"$BIN/rpma-target" probe "$shm" --force-dax
+# One probe: its label and the domain line of rpma-target probe (a failed probe stops the demo).
+show() {
+    local label=$1 out
+    shift
+    out=$("$BIN/rpma-target" probe "$@")
+    printf '  %-44s %s\n' "$label" "$(sed -n 's/^domain: *//p' <<<"$out")"
+}
+rel=${SCRATCH#"$PWD"/}
+echo "== persistence domains, as rpma-target probe finds them"
+show "$rel/ns2.pmem (under the repo)" "$SCRATCH/ns2.pmem" --size 8MiB
+show "$shm" "$shm" --size 64MiB
+show "$shm --force-dax" "$shm" --force-dax
 cat > "$SCRATCH/target.toml" <<TOML
 listen = ["$URL"]
 control_socket = "control.sock"
@@ -44,17 +49,15 @@ nsid = 1
 path = "$shm"
 size = "64MiB"
 force_dax = true
+[[subsystem.namespace]]
+nsid = 2
+path = "$SCRATCH/ns2.pmem"
+size = "8MiB"
 TOML
 
 echo
 echo "== rpma-target on $URL"
-RUST_LOG=warn "$BIN/rpma-target" --config "$SCRATCH/target.toml" &
-target_pid=$!
-for _ in $(seq 100); do
-    "$BIN/rpma-target" status --socket "$SCRATCH/control.sock" >/dev/null 2>&1 && break
-    kill -0 "$target_pid" 2>/dev/null || { echo "demo: rpma-target exited" >&2; exit 1; }
-    sleep 0.1
-done
+start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 
 ini() { "$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" "$@"; }
 
@@ -62,11 +65,13 @@ echo
 echo "== identify"
 ini identify
 echo
-echo "== list (the durability method this host uses on each namespace)"
+echo "== list (the durability method this host uses on each namespace: FLUSH on dax,"
+echo "   GPSPM on page-cache, where the target's msync runs off its poll loop)"
 ini list
 echo
 echo "== write 8 MiB of 0x5a at 1 MiB, durably"
 ini write --offset 1MiB --pattern 0x5a --length 8MiB --durable
+ini --nsid 2 write --offset 0 --pattern 0x5a --length 1MiB --durable
 echo
 echo "== read 32 bytes of it back"
 ini read --offset 1MiB --length 32 | od -A d -t x1 | head -2
@@ -79,9 +84,7 @@ ini bench --offset 16MiB --count 2000 --total 32MiB
 
 echo
 "$BIN/rpma-target" status --socket "$SCRATCH/control.sock" | head -20 || true
-kill -TERM "$target_pid"
 rc=0
-wait "$target_pid" || rc=$?
-target_pid=
+stop_target || rc=$?
 echo
 echo "rpma-target stopped (exit $rc)"

@@ -301,6 +301,9 @@ fn existing_file_is_not_resized_without_a_choice() {
         "{err:?}"
     );
     assert!(err.to_string().contains("refusing to shrink"), "{err}");
+    // The text names no Rust API (CLI users read it); the hint names the choice.
+    assert!(!err.to_string().contains("Resize::"), "{err}");
+    assert_eq!(err.resize_needed(), Some(Resize::GrowOrShrink));
     let err = OpenOptions::new(&path)
         .size(4096)
         .resize(Resize::Grow)
@@ -309,6 +312,12 @@ fn existing_file_is_not_resized_without_a_choice() {
     assert!(matches!(err, Error::WouldShrink { .. }), "{err:?}");
     let err = OpenOptions::new(&path).size(16384).open().unwrap_err();
     assert!(matches!(err, Error::WouldGrow { .. }), "{err:?}");
+    assert!(
+        err.to_string().contains("unless growing is allowed"),
+        "{err}"
+    );
+    assert!(!err.to_string().contains("Resize::"), "{err}");
+    assert_eq!(err.resize_needed(), Some(Resize::Grow));
     assert_eq!(
         fs::read(&path).unwrap(),
         vec![7u8; 8192],

@@ -164,6 +164,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
         seq: 0,
         next_token: 0,
         closed: None,
+        admitted: false,
     })
 }
 
@@ -240,6 +241,8 @@ pub fn connect(
                 authenticated = true;
             }
             Message::ConnectResponse(r) => {
+                // Admitted: from here on, dropping the session says goodbye.
+                s.admitted = true;
                 if host.psk.is_some() && !authenticated && !subsystem.is_discovery() {
                     // The target let us in without proving the key: not the target we trust.
                     return Err(Error::TargetNotAuthenticated { source: None });

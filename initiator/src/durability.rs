@@ -2,8 +2,8 @@
 //!
 //! The target lists in each namespace descriptor the methods that can make that namespace
 //! durable on this connection (`docs/control-plane.md`, "Durability methods offered"). The
-//! initiator takes the best of them, in the order of [`PREFERENCE`], unless the caller forces
-//! one; a forced method the descriptor does not list is an error
+//! initiator takes the best of them, in the order [`preference`] gives for the namespace's
+//! domain, unless the caller forces one; a forced method the descriptor does not list is an error
 //! ([`Error::MethodNotValid`]), never a silent downgrade. A namespace that lists none
 //! (volatile) gets [`Choice::VisibleOnly`]: durable calls succeed and say so in their
 //! [`Durability`] outcome.
@@ -26,16 +26,39 @@ pub enum PersistMethod {
     Flush,
 }
 
-/// The order in which the initiator picks a method the target offers: FLUSH names the range
-/// and the persistence type explicitly and costs one round trip in the transport; APM is also
-/// one round trip in the transport but persists everything placed on the queue pair, and is
-/// valid only where the target says writes reach persistence before a Read answer; GPSPM takes
-/// a Send/Receive pair through the target's control path and a receive slot of the queue depth.
-pub const PREFERENCE: [PersistMethod; 3] = [
+/// The order in which the initiator picks a method the target offers on a `dax` (or
+/// `dax (forced)`) namespace: FLUSH names the range and the persistence type explicitly and
+/// costs one round trip in the transport; APM is also one round trip in the transport but
+/// persists everything placed on the queue pair, and is valid only where the target says writes
+/// reach persistence before a Read answer; GPSPM takes a Send/Receive pair through the target's
+/// control path and a receive slot of the queue depth. On dax the persist behind FLUSH and APM
+/// is a cache write-back (well under a microsecond per 4 KiB), cheap enough to run inline.
+pub const PREFERENCE_DAX: [PersistMethod; 3] = [
     PersistMethod::Flush,
     PersistMethod::Apm,
     PersistMethod::Gpspm,
 ];
+
+/// The order on a `page-cache` namespace: GPSPM first. The target answers a FlushRequest from
+/// its flush service, which submits the msync/fdatasync through io_uring and never blocks its
+/// poll loop; FLUSH and APM make the target's placement engine msync inline, in the poll loop,
+/// before it answers (about 150 us per 4 KiB, milliseconds per MiB), stalling every other
+/// connection of that loop meanwhile (docs/fabric.md, "The persist runs in the poll loop").
+pub const PREFERENCE_PAGE_CACHE: [PersistMethod; 3] = [
+    PersistMethod::Gpspm,
+    PersistMethod::Flush,
+    PersistMethod::Apm,
+];
+
+/// The order in which methods are tried on a namespace of `domain` (docs/initiator.md,
+/// "Durability"): [`PREFERENCE_PAGE_CACHE`] on `page-cache`, [`PREFERENCE_DAX`] otherwise (a
+/// volatile namespace gets no method whatever the order).
+pub fn preference(domain: PersistenceDomain) -> [PersistMethod; 3] {
+    match domain {
+        PersistenceDomain::PageCache => PREFERENCE_PAGE_CACHE,
+        _ => PREFERENCE_DAX,
+    }
+}
 
 impl PersistMethod {
     /// The descriptor bit of this method.
@@ -129,7 +152,7 @@ pub fn offered(d: &NamespaceDescriptor) -> String {
 }
 
 /// Chooses the method for namespace `d`: `forced` if given (and valid), else the first of
-/// [`PREFERENCE`] the descriptor lists; FLUSH also needs the peer to have advertised the Flush
+/// [`preference`]`(d.domain)` the descriptor lists; FLUSH also needs the peer to have advertised the Flush
 /// opcode (`peer_flush`).
 ///
 /// # Errors
@@ -156,7 +179,7 @@ pub fn choose(
             offered: offered(d),
         });
     }
-    Ok(PREFERENCE
+    Ok(preference(d.domain)
         .into_iter()
         .find(|&m| usable(m))
         .map_or(Choice::VisibleOnly, Choice::Method))
@@ -184,29 +207,63 @@ mod tests {
 
     #[test]
     fn best_offered_method_wins() {
-        let d = desc(PersistenceDomain::Dax, ALL);
-        assert_eq!(
-            choose(&d, true, None).unwrap(),
-            Choice::Method(PersistMethod::Flush)
-        );
-        // A peer without the Flush opcode: APM next.
-        assert_eq!(
-            choose(&d, false, None).unwrap(),
-            Choice::Method(PersistMethod::Apm)
-        );
-        // rdma without direct_write_to_pmem: GPSPM only.
-        let d = desc(PersistenceDomain::PageCache, DurabilityMethods::GPSPM);
+        for domain in [PersistenceDomain::Dax, PersistenceDomain::DaxForced] {
+            let d = desc(domain, ALL);
+            assert_eq!(
+                choose(&d, true, None).unwrap(),
+                Choice::Method(PersistMethod::Flush)
+            );
+            // A peer without the Flush opcode: APM next.
+            assert_eq!(
+                choose(&d, false, None).unwrap(),
+                Choice::Method(PersistMethod::Apm)
+            );
+            // Only GPSPM offered (rdma without direct_write_to_pmem).
+            let d = desc(domain, DurabilityMethods::GPSPM);
+            assert_eq!(
+                choose(&d, true, None).unwrap(),
+                Choice::Method(PersistMethod::Gpspm)
+            );
+        }
+    }
+
+    #[test]
+    fn page_cache_prefers_gpspm_which_keeps_msync_off_the_poll_loop() {
+        let d = desc(PersistenceDomain::PageCache, ALL);
         assert_eq!(
             choose(&d, true, None).unwrap(),
             Choice::Method(PersistMethod::Gpspm)
         );
+        // Without GPSPM on offer: FLUSH, then APM.
+        let no_gpspm = DurabilityMethods(ALL.0 & !DurabilityMethods::GPSPM.0);
+        let d = desc(PersistenceDomain::PageCache, no_gpspm);
+        assert_eq!(
+            choose(&d, true, None).unwrap(),
+            Choice::Method(PersistMethod::Flush)
+        );
+        assert_eq!(
+            choose(&d, false, None).unwrap(),
+            Choice::Method(PersistMethod::Apm)
+        );
+        // A forced method still wins over the order.
+        let d = desc(PersistenceDomain::PageCache, ALL);
+        assert_eq!(
+            choose(&d, true, Some(PersistMethod::Apm)).unwrap(),
+            Choice::Method(PersistMethod::Apm)
+        );
+        assert_eq!(
+            preference(PersistenceDomain::PageCache)[0],
+            PersistMethod::Gpspm
+        );
+        assert_eq!(preference(PersistenceDomain::Dax)[0], PersistMethod::Flush);
+        assert_eq!(preference(PersistenceDomain::DaxForced), PREFERENCE_DAX);
     }
 
     #[test]
     fn volatile_is_visible_only_and_refuses_every_forced_method() {
         let d = desc(PersistenceDomain::Volatile, DurabilityMethods::NONE);
         assert_eq!(choose(&d, true, None).unwrap(), Choice::VisibleOnly);
-        for m in PREFERENCE {
+        for m in PREFERENCE_DAX {
             let e = choose(&d, true, Some(m)).unwrap_err();
             assert!(
                 matches!(e, Error::MethodNotValid { method, .. } if method == m),
@@ -238,7 +295,7 @@ mod tests {
 
     #[test]
     fn names_parse_both_ways() {
-        for m in PREFERENCE {
+        for m in PREFERENCE_DAX {
             assert_eq!(m.name().parse::<PersistMethod>().unwrap(), m);
             assert_eq!(m.to_string().parse::<PersistMethod>().unwrap(), m);
         }

@@ -214,10 +214,12 @@ pub enum Error {
     },
     /// The connection was lost and could not be re-established within the reconnect policy:
     /// writes not yet acknowledged as durable may not be on the target.
-    #[error("the connection was lost and {attempts} reconnect attempt(s) failed; writes not acknowledged as durable may be lost")]
+    #[error("the connection was lost and {attempts} reconnect attempt(s) over {elapsed:.1?} failed; writes not acknowledged as durable may be lost")]
     ReconnectFailed {
         /// Attempts made.
         attempts: u32,
+        /// Time spent reconnecting.
+        elapsed: Duration,
         /// The last attempt's error.
         #[source]
         last: Box<Error>,

@@ -2,12 +2,14 @@
 //!
 //! The data path: a [`Connection`] names a target, a subsystem and this host; it opens
 //! [`Queue`]s (one per thread), and a queue hands out [`Namespace`] handles with `read_at`,
-//! `write_at` (placed, not yet durable), `persist`, `write_durable`, batches, block calls and
-//! atomics. Durable calls use the best method the target offers for the namespace (FLUSH, then
-//! APM, then GPSPM; see [`durability`]) or a forced one, and return a [`Durability`] outcome:
-//! `Durable(method)`, or `VisibleOnly` on a volatile namespace. A lost connection is
-//! reconnected with backoff and every write not yet acknowledged as durable is re-issued
-//! ([`ReconnectPolicy`]). docs/initiator.md has the design and the CLI reference.
+//! `write_at` (sent, not acknowledged by the target, not yet durable), `persist`,
+//! `write_durable`, batches, block calls and atomics. Durable calls use the best method the
+//! target offers for the namespace (on `dax`: FLUSH, then APM, then GPSPM; on `page-cache`
+//! GPSPM first, which keeps the msync off the target's poll loop; see [`durability`]) or a
+//! forced one, and return a [`Durability`] outcome: `Durable(method)`, or `VisibleOnly` on a
+//! volatile namespace. A lost connection is reconnected with backoff for up to a minute by
+//! default and every write not yet acknowledged as durable is re-issued ([`ReconnectPolicy`]).
+//! docs/initiator.md has the design and the CLI reference.
 //!
 //! The control side: [`connect`] opens a [`Session`] (transport, Connect, mutual
 //! authentication when the host has a key, namespace descriptors); [`discover`] lists a
@@ -45,7 +47,9 @@
 //! open one per thread from a cloned [`Connection`]. Keep-alives are sent by
 //! [`Queue::tick`] (and every data call) or [`Session::tick`], which the caller runs at least every half keep-alive period. Every wait
 //! has a deadline ([`ConnectOptions::timeout`]): a dead target is an error, never a hang.
-//! Dropping a [`Session`] closes its connection; the target then revokes its rkeys.
+//! Dropping a [`Session`] (or a [`Queue`]) sends the target a Disconnect (waiting at most
+//! [`DROP_GOODBYE`] for it to go out) and closes the connection; the target then
+//! revokes its rkeys.
 //!
 //! Features: `rdma` builds the rdma transport in rpma-common (a later issue).
 
@@ -63,6 +67,6 @@ pub use connect::{
 pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, Result};
 pub use namespace::Namespace;
-pub use queue::{Connection, Queue, QueueOptions, ReconnectPolicy};
+pub use queue::{Connection, Queue, QueueOptions, QueueStats, ReconnectPolicy};
 pub use rpma_common::proto::msgbuf::CONTROL_BIT;
-pub use session::Session;
+pub use session::{Session, DROP_GOODBYE};

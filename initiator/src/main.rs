@@ -9,7 +9,7 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::NamespaceDescriptor;
 use rpma_initiator::{
-    ConnectOptions, Connection, Error, HostIdentity, PersistMethod, QueueOptions,
+    ConnectOptions, Connection, Error, HostIdentity, PersistMethod, QueueOptions, ReconnectPolicy,
 };
 use serde::Serialize;
 
@@ -59,6 +59,10 @@ struct Global {
     /// Deadline for connecting and for each answer, in seconds.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 10.0)]
     timeout: f64,
+    /// How long to keep reconnecting after a lost connection before failing, in seconds
+    /// (0: do not reconnect).
+    #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60.0)]
+    reconnect_timeout: f64,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
@@ -154,11 +158,14 @@ enum Command {
         add: u64,
     },
     /// A short QD1 latency run (durable writes, reads) and a bandwidth run. Overwrites the range
-    /// it uses.
+    /// it uses: give --offset (where that range starts), or --yes to use offset 0.
     Bench {
-        /// Byte offset of the range used.
-        #[arg(long, value_parser = parse_size, default_value = "0")]
-        offset: u64,
+        /// Byte offset of the range used (overwritten: up to --total bytes from here).
+        #[arg(long, value_parser = parse_size)]
+        offset: Option<u64>,
+        /// Overwrite from offset 0 without an explicit --offset.
+        #[arg(long)]
+        yes: bool,
         /// Size of each latency operation.
         #[arg(long, value_parser = parse_size, default_value = "4k")]
         io_size: u64,
@@ -285,9 +292,24 @@ impl Global {
                 .with_queue_options(QueueOptions {
                     depth,
                     persist: self.persist_method(),
+                    reconnect: self.reconnect_policy()?,
                     ..QueueOptions::default()
                 }),
         )
+    }
+
+    fn reconnect_policy(&self) -> Result<ReconnectPolicy, Failure> {
+        let t = self.reconnect_timeout;
+        if !(t.is_finite() && (0.0..=86400.0).contains(&t)) {
+            return Err(usage(format!(
+                "--reconnect-timeout {t}: give seconds, from 0 (no reconnect) to 86400"
+            )));
+        }
+        Ok(if t == 0.0 {
+            ReconnectPolicy::never()
+        } else {
+            ReconnectPolicy::within(Duration::from_secs_f64(t))
+        })
     }
 
     fn options(&self) -> Result<ConnectOptions, Failure> {
@@ -458,6 +480,7 @@ fn main() -> ExitCode {
         Command::Faa { offset, add } => cli::faa(g, *offset, *add),
         Command::Bench {
             offset,
+            yes,
             io_size,
             count,
             total,
@@ -466,6 +489,7 @@ fn main() -> ExitCode {
             g,
             &cli::bench::Params {
                 offset: *offset,
+                yes: *yes,
                 io_size: *io_size,
                 count: *count,
                 total: *total,
@@ -582,6 +606,7 @@ mod tests {
             nsid: 1,
             persist: None,
             timeout: 0.0,
+            reconnect_timeout: -1.0,
             json: false,
         };
         assert_eq!(g.target().err().map(|f| f.code), Some(2));
@@ -591,5 +616,41 @@ mod tests {
         assert!(parse_u64("-1").is_err());
         assert_eq!(g.host().err().map(|f| f.code), Some(2));
         assert_eq!(g.options().err().map(|f| f.code), Some(2));
+        assert_eq!(g.reconnect_policy().err().map(|f| f.code), Some(2));
+        let g = Global {
+            reconnect_timeout: 0.0,
+            ..g
+        };
+        assert_eq!(g.reconnect_policy().ok(), Some(ReconnectPolicy::never()));
+        let g = Global {
+            reconnect_timeout: 90.0,
+            ..g
+        };
+        let p = g.reconnect_policy().ok().unwrap();
+        assert_eq!(p.timeout, Duration::from_secs(90));
+        assert!(p.max_attempts > 0);
+    }
+
+    #[test]
+    fn bench_offset_is_optional_only_in_the_parser() {
+        let c = Cli::try_parse_from(["rpma-initiator", "bench"]).unwrap();
+        assert!(matches!(
+            c.command,
+            Command::Bench {
+                offset: None,
+                yes: false,
+                ..
+            }
+        ));
+        let c = Cli::try_parse_from(["rpma-initiator", "bench", "--offset", "16MiB"]).unwrap();
+        assert!(matches!(
+            c.command,
+            Command::Bench {
+                offset: Some(16777216),
+                ..
+            }
+        ));
+        let c = Cli::try_parse_from(["rpma-initiator", "bench", "--reconnect-timeout", "5"]);
+        assert_eq!(c.unwrap().global.reconnect_timeout, 5.0);
     }
 }

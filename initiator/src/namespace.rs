@@ -2,11 +2,11 @@
 //!
 //! Every call checks its arguments against the namespace descriptor before anything is posted
 //! (bounds, alignment, read-only) and returns only when its requests completed: a write when
-//! its bytes were handed to the transport (placed, not yet durable), a durable call when the
-//! target acknowledged durability. Inside one call up to the queue depth of requests are in
+//! its bytes were handed to the transport (sent: the target does not acknowledge a Write, and
+//! nothing is durable yet), a durable call when the target acknowledged durability. Inside one call up to the queue depth of requests are in
 //! flight; the batch calls put many independent transfers in flight at once.
 
-use rpma_common::fabric::{RemoteAddr, SendOp};
+use rpma_common::fabric::{RemoteAddr, SendOp, SendWr};
 use rpma_common::proto::NamespaceDescriptor;
 
 use crate::durability::{Choice, Durability, PersistMethod};
@@ -58,7 +58,7 @@ pub fn check_aligned(
     value: u64,
     align: u64,
 ) -> Result<()> {
-    if value % align != 0 {
+    if !value.is_multiple_of(align) {
         return Err(Error::Misaligned {
             nsid: d.nsid,
             what,
@@ -91,6 +91,11 @@ impl<'q> Namespace<'q> {
 
     fn desc(&self) -> NamespaceDescriptor {
         self.q.ns[self.idx].desc.clone()
+    }
+
+    /// The counters of the queue this handle borrows ([`Queue::stats`]).
+    pub fn queue_stats(&self) -> crate::QueueStats {
+        self.q.stats()
     }
 
     /// How durable calls are carried out here.
@@ -133,9 +138,11 @@ impl<'q> Namespace<'q> {
         self.q.run(true, |q| read_items(q, idx, items))
     }
 
-    /// Writes `data` at `offset`: placed at the target when this returns, not yet durable
-    /// (see [`persist`](Self::persist)). The queue keeps the bytes until they are durable, to
-    /// re-issue them after a reconnect.
+    /// Writes `data` at `offset`. When this returns the Writes were handed to the transport
+    /// (on `tcp` a Write completes when TCP took it, as in iWARP: the target does not
+    /// acknowledge it); they are placed before the target answers any later Read, atomic,
+    /// Flush or persist of this queue, and not durable until [`persist`](Self::persist). The
+    /// queue keeps the bytes until they are durable, to re-issue them after a reconnect.
     ///
     /// # Errors
     /// [`Error::OutOfRange`], [`Error::ReadOnly`]; after a loss, as [`read_at`](Self::read_at).
@@ -143,7 +150,8 @@ impl<'q> Namespace<'q> {
         self.write_batch(&[(offset, data)])
     }
 
-    /// Writes many ranges with their requests in flight together (placed, not yet durable).
+    /// Writes many ranges with their requests in flight together (sent, not yet durable: as
+    /// [`write_at`](Self::write_at)).
     ///
     /// # Errors
     /// As [`write_at`](Self::write_at), checked for every range before any is posted.
@@ -154,7 +162,10 @@ impl<'q> Namespace<'q> {
             check_range(&d, *off, b.len() as u64)?;
         }
         let idx = self.idx;
-        self.q.run(true, |q| write_items(q, idx, items))
+        self.q.run(true, |q| {
+            write_items(q, idx, items, None)?;
+            q.drain()
+        })
     }
 
     /// Makes `len` bytes at `offset` durable (every Write posted before on this queue),
@@ -175,15 +186,36 @@ impl<'q> Namespace<'q> {
     }
 
     /// Writes `data` at `offset` and makes it durable before returning. On a volatile
-    /// namespace the outcome is [`Durability::VisibleOnly`].
+    /// namespace the outcome is [`Durability::VisibleOnly`]. With APM and FLUSH the last
+    /// Writes and the Read or Flush that makes them durable are posted together (one
+    /// doorbell, one `writev` on `tcp`).
     ///
     /// # Errors
     /// As [`write_at`](Self::write_at) and [`persist`](Self::persist); the method is checked
     /// before anything is written.
     pub fn write_durable(&mut self, offset: u64, data: &[u8]) -> Result<Durability> {
+        let d = self.desc();
+        check_writable(&d)?;
+        check_range(&d, offset, data.len() as u64)?;
         self.q.choice(self.idx)?;
-        self.write_at(offset, data)?;
-        self.persist(offset, data.len() as u64)
+        let idx = self.idx;
+        let len = data.len() as u64;
+        self.q.run(true, |q| {
+            let choice = q.choice(idx)?;
+            match q.persist_request(idx, offset, len, choice) {
+                Some((what, op)) => {
+                    let tail = q.small_wr(op);
+                    let id = tail.wr_id;
+                    write_items(q, idx, &[(offset, data)], Some(tail))?;
+                    q.wait_small(idx, what, id)?;
+                    Ok(q.persisted(idx, offset, len, choice))
+                }
+                None => {
+                    write_items(q, idx, &[(offset, data)], None)?;
+                    q.persist_range(idx, offset, len, false)
+                }
+            }
+        })
     }
 
     fn check_blocks(&self, lba: u64, len: usize) -> Result<u64> {
@@ -297,29 +329,49 @@ impl<'q> Namespace<'q> {
     }
 }
 
-fn write_items(q: &mut Queue, idx: usize, items: &[(u64, &[u8])]) -> Result<()> {
+/// Posts the Writes of `items` through the bounce slots, as many per doorbell as there are
+/// free slots, and `tail` (a request that must follow them) with the last of them. Returns
+/// once everything is posted; the completions are the caller's to wait for.
+fn write_items(
+    q: &mut Queue,
+    idx: usize,
+    items: &[(u64, &[u8])],
+    tail: Option<SendWr>,
+) -> Result<()> {
     let chunk = q.pool.chunk();
+    let mut pending = Vec::new();
     for (off, data) in items {
         for (i, piece) in data.chunks(chunk).enumerate() {
-            let slot = loop {
-                if let Some(s) = q.free_slot()? {
-                    break s;
+            let slot = match q.pool.take_free() {
+                Some(s) => s,
+                None => {
+                    // Out of slots: what is pending goes out before waiting for completions.
+                    q.post_list(std::mem::take(&mut pending))?;
+                    loop {
+                        if let Some(s) = q.free_slot()? {
+                            break s;
+                        }
+                    }
                 }
             };
-            q.pool.fill(slot, piece).map_err(|source| Error::Fabric {
-                op: "filling a bounce buffer",
-                source,
-            })?;
+            if let Err(source) = q.pool.fill(slot, piece) {
+                q.pool.untake(slot);
+                return Err(Error::Fabric {
+                    op: "filling a bounce buffer",
+                    source,
+                });
+            }
             let rec = WriteRec {
                 ns: idx,
                 offset: off + (i * chunk) as u64,
                 len: piece.len(),
                 seq: q.pool.next_seq(),
             };
-            q.post_write_slot(slot, rec)?;
+            pending.push(q.write_wr(slot, rec));
         }
     }
-    q.drain()
+    pending.extend(tail);
+    q.post_list(pending)
 }
 
 fn collect_reads(q: &mut Queue, items: &mut [(u64, &mut [u8])]) -> Result<()> {

@@ -62,6 +62,15 @@ pub(crate) struct Pool {
     slots: Vec<Slot>,
     free: Vec<usize>,
     next_seq: u64,
+    /// Slots with a posted request whose completion was not reaped yet.
+    busy: usize,
+    /// The most `busy` ever was.
+    max_busy: usize,
+}
+
+/// A posted request that has not completed yet.
+fn in_flight(s: &Slot) -> bool {
+    matches!(s, Slot::Writing(_) | Slot::Reading { .. })
 }
 
 impl std::fmt::Debug for Pool {
@@ -91,6 +100,8 @@ impl Pool {
             slots: vec![Slot::Free; slots],
             free: (0..slots).rev().collect(),
             next_seq: 0,
+            busy: 0,
+            max_busy: 0,
         })
     }
 
@@ -115,13 +126,38 @@ impl Pool {
             if s == Slot::Free && *x != Slot::Free {
                 self.free.push(slot);
             }
+            match (in_flight(x), in_flight(&s)) {
+                (false, true) => {
+                    self.busy += 1;
+                    self.max_busy = self.max_busy.max(self.busy);
+                }
+                (true, false) => self.busy -= 1,
+                _ => {}
+            }
             *x = s;
         }
+    }
+
+    /// Requests posted and not completed yet.
+    pub(crate) fn in_flight(&self) -> usize {
+        self.busy
+    }
+
+    /// The most requests that were ever in flight at once.
+    pub(crate) fn max_in_flight(&self) -> usize {
+        self.max_busy
     }
 
     /// A free slot, now owned by the caller (set it to something other than Free).
     pub(crate) fn take_free(&mut self) -> Option<usize> {
         self.free.pop()
+    }
+
+    /// Gives back a slot from [`take_free`](Self::take_free) that was not used.
+    pub(crate) fn untake(&mut self, slot: usize) {
+        if self.slots.get(slot) == Some(&Slot::Free) && !self.free.contains(&slot) {
+            self.free.push(slot);
+        }
     }
 
     /// The next post-order number.
@@ -181,7 +217,7 @@ impl Pool {
     pub(crate) fn on_connection_lost(&mut self) -> Vec<(usize, WriteRec)> {
         for i in 0..self.slots.len() {
             match self.slots[i] {
-                Slot::Writing(w) => self.slots[i] = Slot::Held(w),
+                Slot::Writing(w) => self.set(i, Slot::Held(w)),
                 Slot::Reading { .. } | Slot::ReadDone { .. } => self.set(i, Slot::Free),
                 _ => {}
             }
@@ -232,6 +268,7 @@ mod tests {
         p.set(b, Slot::Held(rec(0, 8192, 4096, 2)));
         p.set(c, Slot::Held(rec(1, 0, 4096, 3)));
         assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 3);
+        assert_eq!(p.in_flight(), 0, "held writes are not in flight");
         // Only namespace 0's write inside [0, 4096).
         assert_eq!(p.release_held(0, 0, 4096, false), 1);
         assert_eq!(p.get(a), Some(Slot::Free));
@@ -265,7 +302,9 @@ mod tests {
                 len: 8,
             },
         );
+        assert_eq!((p.in_flight(), p.max_in_flight()), (2, 2));
         let held = p.on_connection_lost();
+        assert_eq!((p.in_flight(), p.max_in_flight()), (0, 2));
         assert_eq!(
             held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
             vec![4, 9]

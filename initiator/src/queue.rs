@@ -6,12 +6,16 @@
 //! host and subsystem). Use one queue per thread.
 //!
 //! Reconnect: when the connection breaks (a queue pair in Error, a Disconnect, a lapsed
-//! keep-alive, a target that stopped answering) the next call reconnects with backoff, up to
-//! [`ReconnectPolicy::max_attempts`], re-issues every write not yet acknowledged as durable (in
-//! post order) and then re-runs the interrupted call. Reads and persists are re-run; an
-//! atomic is not (it may have executed): it fails with the loss, and the queue is usable again.
-//! When the limit is reached every call fails with [`Error::ReconnectFailed`] and then
-//! [`Error::Broken`].
+//! keep-alive, a target that stopped answering) the next call reconnects with capped
+//! exponential backoff for up to [`ReconnectPolicy::timeout`] (60 s by default: long enough
+//! for a target restart that allocates large namespaces), re-issues every write not yet
+//! acknowledged as durable (in post order) and then re-runs the interrupted call. Reads and
+//! persists are re-run; an atomic is not (it may have executed): it fails with the loss, and the
+//! queue is usable again. When the policy runs out the call fails with
+//! [`Error::ReconnectFailed`] and every later one with [`Error::Broken`].
+//!
+//! Dropping a queue (or closing it) says goodbye to the target with a Disconnect, so that the
+//! target logs a closed session rather than a lost connection.
 
 use std::time::{Duration, Instant};
 
@@ -37,11 +41,18 @@ const KIND_MASK: u64 = 3 << KIND_SHIFT;
 /// How often the polling loops wake to run keep-alives when nothing completes.
 const TICK: Duration = Duration::from_millis(100);
 
-/// How a queue retries a lost connection.
+/// How a queue retries a lost connection: attempts spaced by a backoff that doubles from
+/// `initial_backoff` up to `max_backoff`, for at most `timeout` after the loss was seen and at
+/// most `max_attempts` attempts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReconnectPolicy {
-    /// Attempts before giving up (0: never reconnect).
+    /// Attempts before giving up (0: never reconnect; `u32::MAX`, the default: only
+    /// `timeout` limits them).
     pub max_attempts: u32,
+    /// No attempt starts later than this after the loss was seen, and each attempt's connect
+    /// deadline is cut to what is left of it (60 s by default: a target restart that
+    /// allocates large namespaces takes seconds).
+    pub timeout: Duration,
     /// The wait before the first attempt; doubled after each failure.
     pub initial_backoff: Duration,
     /// The longest wait between attempts.
@@ -51,7 +62,8 @@ pub struct ReconnectPolicy {
 impl Default for ReconnectPolicy {
     fn default() -> Self {
         ReconnectPolicy {
-            max_attempts: 8,
+            max_attempts: u32::MAX,
+            timeout: Duration::from_secs(60),
             initial_backoff: Duration::from_millis(50),
             max_backoff: Duration::from_secs(2),
         }
@@ -59,6 +71,23 @@ impl Default for ReconnectPolicy {
 }
 
 impl ReconnectPolicy {
+    /// The default backoff, trying for `timeout` (zero: never reconnect).
+    pub fn within(timeout: Duration) -> ReconnectPolicy {
+        ReconnectPolicy {
+            timeout,
+            ..ReconnectPolicy::default()
+        }
+    }
+
+    /// Never reconnect: a lost connection fails the call at once.
+    pub fn never() -> ReconnectPolicy {
+        ReconnectPolicy {
+            max_attempts: 0,
+            timeout: Duration::ZERO,
+            ..ReconnectPolicy::default()
+        }
+    }
+
     /// The wait before attempt `n` (1-based).
     pub fn backoff(&self, n: u32) -> Duration {
         let exp = n.saturating_sub(1).min(20);
@@ -66,6 +95,38 @@ impl ReconnectPolicy {
             .saturating_mul(1u32 << exp)
             .min(self.max_backoff)
     }
+
+    /// The waits before each attempt this policy allows when every attempt fails at once
+    /// (attempts start while their wait ends within `timeout`).
+    pub fn schedule(&self) -> Vec<Duration> {
+        let mut at = Duration::ZERO;
+        let mut out = Vec::new();
+        for n in 1..=self.max_attempts {
+            at = at.saturating_add(self.backoff(n));
+            if at > self.timeout {
+                break;
+            }
+            out.push(self.backoff(n));
+        }
+        out
+    }
+}
+
+/// Counters of a queue, for tests and diagnostics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueStats {
+    /// Write requests posted (re-issues after a reconnect included).
+    pub writes_posted: u64,
+    /// Read requests posted (APM and visibility Reads not included).
+    pub reads_posted: u64,
+    /// The most data requests (Writes and Reads) that were posted and not yet completed at
+    /// once: 1 for a queue that never had more than one request in flight.
+    pub max_in_flight: usize,
+    /// Send-queue posts of the data path (each rings the doorbell once): a `write_durable`
+    /// of one chunk with APM or FLUSH takes one (the Write and the Read or Flush together).
+    pub doorbells: u64,
+    /// Reconnects so far.
+    pub reconnects: u32,
 }
 
 /// Sizes and policies of a queue.
@@ -102,7 +163,7 @@ impl QueueOptions {
                 self.depth
             )));
         }
-        if !(4096..=16 << 20).contains(&self.chunk) || self.chunk % 4096 != 0 {
+        if !(4096..=16 << 20).contains(&self.chunk) || !self.chunk.is_multiple_of(4096) {
             return Err(Error::InvalidArgument(format!(
                 "chunk {} is not a multiple of 4096 in 4 KiB..=16 MiB",
                 self.chunk
@@ -176,6 +237,9 @@ impl Connection {
             next_small: 0,
             next_token: 0,
             reconnects: 0,
+            writes_posted: 0,
+            reads_posted: 0,
+            doorbells: 0,
             broken: false,
         };
         q.ns = q.describe_all()?;
@@ -183,8 +247,13 @@ impl Connection {
     }
 
     fn connect_session(&self, queue_id: u16) -> Result<Session> {
+        self.connect_session_within(queue_id, self.options.timeout)
+    }
+
+    fn connect_session_within(&self, queue_id: u16, timeout: Duration) -> Result<Session> {
         let opts = ConnectOptions {
             queue_id,
+            timeout,
             ..self.options.clone()
         };
         connect(&self.url, &self.subsystem, &self.host, &opts)
@@ -214,6 +283,9 @@ pub struct Queue {
     next_small: u64,
     next_token: u64,
     reconnects: u32,
+    writes_posted: u64,
+    reads_posted: u64,
+    doorbells: u64,
     broken: bool,
 }
 
@@ -253,6 +325,17 @@ impl Queue {
         self.reconnects
     }
 
+    /// Counters: requests posted, the most in flight at once, reconnects.
+    pub fn stats(&self) -> QueueStats {
+        QueueStats {
+            writes_posted: self.writes_posted,
+            reads_posted: self.reads_posted,
+            max_in_flight: self.pool.max_in_flight(),
+            doorbells: self.doorbells,
+            reconnects: self.reconnects,
+        }
+    }
+
     /// The queue id this queue asked for.
     pub fn queue_id(&self) -> u16 {
         self.queue_id
@@ -277,8 +360,9 @@ impl Queue {
         self.run(true, |q| q.pump(Duration::ZERO).map(|_| ()))
     }
 
-    /// Disconnects. Writes not made durable are not persisted by this (persist them first if
-    /// they must be).
+    /// Disconnects (sends a Disconnect and waits, at most a second, until it is out). Writes
+    /// not made durable are not persisted by this (persist them first if they must be).
+    /// Dropping a queue does the same with a shorter wait.
     ///
     /// # Errors
     /// None that matter to a caller closing anyway: the connection is closed in every case.
@@ -347,17 +431,25 @@ impl Queue {
         if self.broken {
             return Err(Error::Broken);
         }
-        // A target that admits and then drops every connection must not keep a call forever.
+        // A target that admits and then drops every connection must not keep a call forever:
+        // the policy's time budget starts at the first loss this call sees and covers reruns.
         let mut reruns = 0;
+        let mut deadline = None;
+        let budget = self.conn.queue.reconnect.timeout;
         loop {
             if self.needs_reconnect() {
-                self.reconnect()?;
+                let d = *deadline.get_or_insert_with(|| Instant::now() + budget);
+                self.reconnect(d)?;
             }
             match op(self) {
                 Err(e) if retryable(&e) => {
-                    self.reconnect()?;
+                    let d = *deadline.get_or_insert_with(|| Instant::now() + budget);
+                    self.reconnect(d)?;
                     reruns += 1;
-                    if !rerun || reruns > self.conn.queue.reconnect.max_attempts {
+                    if !rerun
+                        || reruns > self.conn.queue.reconnect.max_attempts
+                        || Instant::now() >= d
+                    {
                         return Err(e);
                     }
                 }
@@ -373,7 +465,9 @@ impl Queue {
         }
     }
 
-    fn reconnect(&mut self) -> Result<()> {
+    /// Reconnects with the policy's backoff; no attempt starts after `deadline`.
+    fn reconnect(&mut self, deadline: Instant) -> Result<()> {
+        let started = Instant::now();
         if let Some(s) = self.session.take() {
             drop(s);
         }
@@ -383,9 +477,19 @@ impl Queue {
         self.small_done = None;
         let policy = self.conn.queue.reconnect.clone();
         let mut last = None;
+        let mut attempts = 0;
         for attempt in 1..=policy.max_attempts {
-            std::thread::sleep(policy.backoff(attempt));
-            match self.try_reconnect(&held) {
+            let wait = policy.backoff(attempt);
+            if Instant::now() + wait > deadline {
+                break;
+            }
+            std::thread::sleep(wait);
+            attempts = attempt;
+            // Each attempt gets the connect deadline, cut to what is left of the budget.
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(100));
+            match self.try_reconnect(&held, self.conn.options.timeout.min(left)) {
                 Ok(()) => {
                     self.reconnects += 1;
                     log::info!(
@@ -409,8 +513,11 @@ impl Queue {
         }
         self.give_up();
         Err(Error::ReconnectFailed {
-            attempts: policy.max_attempts,
-            last: Box::new(last.unwrap_or(Error::Broken)),
+            attempts,
+            elapsed: started.elapsed(),
+            last: Box::new(last.unwrap_or_else(|| Error::ConnectionLost {
+                detail: "the reconnect policy allowed no attempt".into(),
+            })),
         })
     }
 
@@ -420,8 +527,8 @@ impl Queue {
         self.pool.clear();
     }
 
-    fn try_reconnect(&mut self, held: &[(usize, WriteRec)]) -> Result<()> {
-        let s = self.conn.connect_session(self.queue_id)?;
+    fn try_reconnect(&mut self, held: &[(usize, WriteRec)], timeout: Duration) -> Result<()> {
+        let s = self.conn.connect_session_within(self.queue_id, timeout)?;
         let peer_flush = s.qp().info().peer_flush;
         for n in &mut self.ns {
             let nsid = n.desc.nsid;
@@ -448,14 +555,16 @@ impl Queue {
             source,
         })?;
         self.session = Some(s);
-        for &(slot, w) in held {
-            self.post_write_slot(slot, w)?;
-        }
-        Ok(())
+        let wrs: Vec<SendWr> = held
+            .iter()
+            .map(|&(slot, w)| self.write_wr(slot, w))
+            .collect();
+        self.post_list(wrs)
     }
 
-    /// Posts the write a slot holds (its bytes are in the slot already).
-    pub(crate) fn post_write_slot(&mut self, slot: usize, w: WriteRec) -> Result<()> {
+    /// The Write of what a slot holds (its bytes are in the slot already); the slot is marked
+    /// in flight: post the request with [`post_list`](Self::post_list).
+    pub(crate) fn write_wr(&mut self, slot: usize, w: WriteRec) -> SendWr {
         let d = &self.ns[w.ns].desc;
         let remote = rpma_common::fabric::RemoteAddr {
             addr: d.remote_addr + w.offset,
@@ -469,8 +578,30 @@ impl Queue {
             },
         );
         self.pool.set(slot, Slot::Writing(w));
+        self.writes_posted += 1;
+        wr
+    }
+
+    /// Posts `wrs` with one doorbell (nothing when empty). If the post is refused for another
+    /// reason than a lost connection, the slots of its Writes are freed (nothing was posted).
+    pub(crate) fn post_list(&mut self, wrs: Vec<SendWr>) -> Result<()> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let kinds: Vec<u64> = wrs.iter().map(|w| w.wr_id).collect();
+        self.doorbells += 1;
         let s = self.session()?;
-        s.qp().post_send(wr).map_err(|e| post_error(s, e))
+        let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
+        if let Err(e) = &r {
+            if !e.is_connection_loss() {
+                for id in kinds {
+                    if id & KIND_MASK == KIND_WRITE {
+                        self.pool.set((id & !KIND_MASK) as usize, Slot::Free);
+                    }
+                }
+            }
+        }
+        r
     }
 
     /// Posts a Read of `len` bytes at `offset` of namespace `ns` into `slot`.
@@ -496,6 +627,8 @@ impl Queue {
             },
         );
         self.pool.set(slot, Slot::Reading { item, at, len });
+        self.reads_posted += 1;
+        self.doorbells += 1;
         let s = self.session()?;
         s.qp().post_send(wr).map_err(|e| post_error(s, e))
     }
@@ -511,10 +644,7 @@ impl Queue {
             if !self.reads_done.is_empty() {
                 return Ok(None);
             }
-            let busy = self
-                .pool
-                .count(|s| matches!(s, Slot::Writing(_) | Slot::Reading { .. }));
-            if busy == 0 {
+            if self.pool.in_flight() == 0 {
                 self.persist_held()?;
                 continue;
             }
@@ -541,11 +671,7 @@ impl Queue {
     /// Waits until no posted Write or Read is outstanding.
     pub(crate) fn drain(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.conn.options.timeout;
-        while self
-            .pool
-            .count(|s| matches!(s, Slot::Writing(_) | Slot::Reading { .. }))
-            > 0
-        {
+        while self.pool.in_flight() > 0 {
             self.pump_until(deadline, "data completions")?;
         }
         Ok(())
@@ -644,15 +770,26 @@ impl Queue {
 
     /// Posts an 8-byte request (APM Read, atomic, Atomic Write, Flush) and waits for it.
     pub(crate) fn small_op(&mut self, ns: usize, what: &'static str, op: SendOp) -> Result<()> {
+        let wr = self.small_wr(op);
+        let wr_id = wr.wr_id;
+        self.doorbells += 1;
+        {
+            let s = self.session()?;
+            s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
+        }
+        self.wait_small(ns, what, wr_id)
+    }
+
+    /// A small request with a fresh wr_id (post it, then [`wait_small`](Self::wait_small)).
+    pub(crate) fn small_wr(&mut self, op: SendOp) -> SendWr {
         self.next_small += 1;
         let wr_id = KIND_SMALL | (self.next_small & !KIND_MASK & !CONTROL_BIT);
         self.small_done = None;
-        {
-            let s = self.session()?;
-            s.qp()
-                .post_send(SendWr::new(wr_id, op))
-                .map_err(|e| post_error(s, e))?;
-        }
+        SendWr::new(wr_id, op)
+    }
+
+    /// Waits for the small request `wr_id` to complete.
+    pub(crate) fn wait_small(&mut self, ns: usize, what: &'static str, wr_id: u64) -> Result<()> {
         let deadline = Instant::now() + self.conn.options.timeout;
         loop {
             if let Some((id, status)) = self.small_done {
@@ -678,6 +815,7 @@ impl Queue {
             length: len,
             token,
         };
+        self.doorbells += 1;
         self.session
             .as_mut()
             .ok_or(Error::Broken)?
@@ -702,47 +840,30 @@ impl Queue {
         self.pool.sink_sge()
     }
 
-    /// Makes `[offset, offset + len)` of namespace `ns` durable with its method, after every
-    /// Write posted before; frees the held writes the acknowledgement covers.
-    pub(crate) fn persist_range(
-        &mut self,
+    /// The send-queue request that makes the Writes posted before it durable (APM Read,
+    /// FLUSH) or visible (a visibility Read) for `[offset, offset + len)` of namespace `ns`;
+    /// None for GPSPM, which is a control message.
+    pub(crate) fn persist_request(
+        &self,
         ns: usize,
         offset: u64,
         len: u64,
-        implicit: bool,
-    ) -> Result<crate::Durability> {
-        use crate::Durability;
+        choice: Choice,
+    ) -> Option<(&'static str, SendOp)> {
         use rpma_common::fabric::{FlushTarget, FlushType, RemoteAddr};
-        let choice = match self.choice(ns) {
-            Err(_) if implicit => Choice::VisibleOnly,
-            c => c?,
-        };
-        self.drain()?;
-        let d = self.ns[ns].desc.clone();
-        let end = offset + len;
+        let d = &self.ns[ns].desc;
         let at = offset.min(d.size.saturating_sub(8));
-        let apm_read = || SendOp::Read {
+        let read = SendOp::Read {
             local: self.sink(),
             remote: RemoteAddr {
                 addr: d.remote_addr + at,
                 rkey: d.rkey,
             },
         };
-        let outcome = match choice {
-            Choice::VisibleOnly => {
-                // A Read answers after every earlier Write was placed: they are visible.
-                let op = apm_read();
-                self.small_op(ns, "visibility read", op)?;
-                self.pool.release_held(ns, offset, end, false);
-                Durability::VisibleOnly
-            }
-            Choice::Method(PersistMethod::Apm) => {
-                let op = apm_read();
-                self.small_op(ns, "APM read", op)?;
-                // Everything placed on this queue pair before the Read is durable.
-                self.pool.release_held(ns, 0, 0, true);
-                Durability::Durable(PersistMethod::Apm)
-            }
+        match choice {
+            // A Read answers after every earlier Write was placed: they are visible.
+            Choice::VisibleOnly => Some(("visibility read", read)),
+            Choice::Method(PersistMethod::Apm) => Some(("APM read", read)),
             Choice::Method(PersistMethod::Flush) => {
                 let target = if offset == 0 && len == d.size {
                     FlushTarget::Region { rkey: d.rkey }
@@ -755,46 +876,82 @@ impl Queue {
                         len,
                     }
                 };
-                let op = SendOp::Flush {
-                    target,
-                    kind: FlushType::Persistent,
-                };
-                self.small_op(ns, "flush", op)?;
-                self.pool.release_held(ns, offset, end, false);
-                Durability::Durable(PersistMethod::Flush)
+                Some((
+                    "flush",
+                    SendOp::Flush {
+                        target,
+                        kind: FlushType::Persistent,
+                    },
+                ))
             }
-            Choice::Method(PersistMethod::Gpspm) => {
-                let whole = offset == 0 && len == d.size;
-                let status = self.gpspm(
-                    ns,
-                    if whole { 0 } else { offset },
-                    if whole { 0 } else { len },
-                )?;
-                match status {
-                    FlushStatus::Durable => {
-                        self.pool.release_held(ns, offset, end, false);
-                        Durability::Durable(PersistMethod::Gpspm)
-                    }
-                    FlushStatus::VisibleOnly => {
-                        self.pool.release_held(ns, offset, end, false);
-                        Durability::VisibleOnly
-                    }
-                    FlushStatus::Unavailable => {
-                        // The target is leaving: retry on the next connection.
-                        return Err(Error::Disconnected {
-                            reason: "the target answered a flush with Unavailable".into(),
-                        });
-                    }
-                    status => {
-                        return Err(Error::NotDurable {
-                            nsid: d.nsid,
-                            status,
-                        })
-                    }
-                }
+            Choice::Method(PersistMethod::Gpspm) => None,
+        }
+    }
+
+    /// After the request of [`persist_request`](Self::persist_request) completed: frees the
+    /// held writes it covers and says what it achieved.
+    pub(crate) fn persisted(
+        &mut self,
+        ns: usize,
+        offset: u64,
+        len: u64,
+        choice: Choice,
+    ) -> crate::Durability {
+        use crate::Durability;
+        match choice {
+            Choice::Method(PersistMethod::Apm) => {
+                // Everything placed on this queue pair before the Read is durable.
+                self.pool.release_held(ns, 0, 0, true);
+                Durability::Durable(PersistMethod::Apm)
             }
+            Choice::Method(m) => {
+                self.pool.release_held(ns, offset, offset + len, false);
+                Durability::Durable(m)
+            }
+            Choice::VisibleOnly => {
+                self.pool.release_held(ns, offset, offset + len, false);
+                Durability::VisibleOnly
+            }
+        }
+    }
+
+    /// Makes `[offset, offset + len)` of namespace `ns` durable with its method, after every
+    /// Write posted before; frees the held writes the acknowledgement covers.
+    pub(crate) fn persist_range(
+        &mut self,
+        ns: usize,
+        offset: u64,
+        len: u64,
+        implicit: bool,
+    ) -> Result<crate::Durability> {
+        let choice = match self.choice(ns) {
+            Err(_) if implicit => Choice::VisibleOnly,
+            c => c?,
         };
-        Ok(outcome)
+        self.drain()?;
+        if let Some((what, op)) = self.persist_request(ns, offset, len, choice) {
+            self.small_op(ns, what, op)?;
+            return Ok(self.persisted(ns, offset, len, choice));
+        }
+        let d = self.ns[ns].desc.clone();
+        let whole = offset == 0 && len == d.size;
+        let status = self.gpspm(
+            ns,
+            if whole { 0 } else { offset },
+            if whole { 0 } else { len },
+        )?;
+        match status {
+            FlushStatus::Durable => Ok(self.persisted(ns, offset, len, choice)),
+            FlushStatus::VisibleOnly => Ok(self.persisted(ns, offset, len, Choice::VisibleOnly)),
+            // The target is leaving: retry on the next connection.
+            FlushStatus::Unavailable => Err(Error::Disconnected {
+                reason: "the target answered a flush with Unavailable".into(),
+            }),
+            status => Err(Error::NotDurable {
+                nsid: d.nsid,
+                status,
+            }),
+        }
     }
 }
 
@@ -841,12 +998,42 @@ mod tests {
     fn backoff_doubles_up_to_its_cap() {
         let p = ReconnectPolicy {
             max_attempts: 5,
+            timeout: Duration::from_secs(60),
             initial_backoff: Duration::from_millis(10),
             max_backoff: Duration::from_millis(50),
         };
         let waits: Vec<u128> = (1..=5).map(|n| p.backoff(n).as_millis()).collect();
         assert_eq!(waits, vec![10, 20, 40, 50, 50]);
         assert_eq!(p.backoff(200), Duration::from_millis(50), "no overflow");
+        assert_eq!(p.schedule().len(), 5, "the attempt limit");
+        let p = ReconnectPolicy {
+            max_attempts: u32::MAX,
+            timeout: Duration::from_millis(200),
+            ..p
+        };
+        // 10 + 20 + 40 + 50 + 50 = 170; the next would start at 220.
+        assert_eq!(p.schedule().len(), 5, "the time limit");
+        assert!(ReconnectPolicy::never().schedule().is_empty());
+        assert!(ReconnectPolicy::within(Duration::ZERO)
+            .schedule()
+            .is_empty());
+    }
+
+    #[test]
+    fn default_reconnect_covers_a_minute_with_capped_backoff() {
+        let p = ReconnectPolicy::default();
+        let waits = p.schedule();
+        let total: Duration = waits.iter().sum();
+        assert!(
+            total > Duration::from_secs(55) && total <= Duration::from_secs(60),
+            "{total:?}"
+        );
+        assert!(waits.iter().all(|w| *w <= Duration::from_secs(2)), "capped");
+        assert_eq!(waits[0], Duration::from_millis(50));
+        assert_eq!(
+            ReconnectPolicy::within(Duration::from_secs(5)).timeout,
+            Duration::from_secs(5)
+        );
     }
 
     #[test]

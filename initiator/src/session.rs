@@ -47,6 +47,8 @@ pub struct Session {
     pub(crate) seq: u64,
     pub(crate) next_token: u64,
     pub(crate) closed: Option<String>,
+    /// Admitted by a ConnectResponse and not said goodbye to: dropping it sends a Disconnect.
+    pub(crate) admitted: bool,
 }
 
 impl std::fmt::Debug for Session {
@@ -340,11 +342,19 @@ impl Session {
     }
 
     /// Sends a Disconnect and closes the connection once it is out (at most `timeout`).
+    /// Dropping a session does the same with a short wait ([`DROP_GOODBYE`]).
     ///
     /// # Errors
     /// None that matter to a caller closing anyway: the connection is closed in every case; an
     /// error says the target may not have read the goodbye.
     pub fn disconnect(mut self, timeout: Duration) -> Result<()> {
+        self.goodbye(timeout)
+    }
+
+    /// The Disconnect, if the session is still open. Clears `admitted`, so that the Drop that
+    /// follows does not say it twice.
+    fn goodbye(&mut self, timeout: Duration) -> Result<()> {
+        self.admitted = false;
         if self.closed.is_some() || self.qp.state() == QpState::Error {
             return Ok(());
         }
@@ -369,5 +379,19 @@ impl Session {
             }
         }
         Ok(())
+    }
+}
+
+/// How long dropping an open session waits for its Disconnect to go out.
+pub const DROP_GOODBYE: Duration = Duration::from_millis(250);
+
+impl Drop for Session {
+    /// Says goodbye (a Disconnect) unless that was done or the connection is gone, so that
+    /// every exit path (an error, a panic, an early return) closes the session cleanly.
+    fn drop(&mut self) {
+        // A session that was never admitted (an error inside `connect`) owes nothing.
+        if self.admitted {
+            let _ = self.goodbye(DROP_GOODBYE);
+        }
     }
 }

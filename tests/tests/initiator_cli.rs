@@ -77,15 +77,29 @@ fn every_subcommand_against_a_running_target() {
     // list
     let v = json(&t, &["list"]);
     assert_eq!(v.as_array().unwrap().len(), 4, "{v}");
-    assert_eq!(v[0]["method"], "FLUSH", "{v}");
+    // page-cache: GPSPM (msync through io_uring, off the target's poll loop); dax: FLUSH.
+    assert_eq!(v[0]["method"], "GPSPM", "{v}");
+    assert_eq!(v[3]["method"], "FLUSH", "{v}");
     assert_eq!(v[2]["domain"], "volatile");
     assert!(v[2]["method"].is_null());
+    // Read-only: no method for writes, and no error either.
+    assert_eq!(v[1]["read_only"], true, "{v}");
+    assert!(v[1]["method"].is_null(), "{v}");
+    assert!(v[1]["method_error"].is_null(), "{v}");
     let (c, out, all) = run(&t, &["list"]);
     assert_eq!(c, Some(0), "{all}");
     assert!(
-        out.contains("nsid 1: 8 MiB, block 4096, page-cache, read-write, durable with FLUSH"),
+        out.contains("nsid 1: 8 MiB, block 4096, page-cache, read-write, durable with GPSPM"),
         "{out}"
     );
+    assert!(
+        out.contains(
+            "nsid 2: 1 MiB, block 4096, page-cache, read-only, no writes, so no durability method"
+        ),
+        "{out}"
+    );
+    let ro_line = out.lines().find(|l| l.starts_with("nsid 2:")).unwrap();
+    assert!(!ro_line.contains("durable with"), "{ro_line}");
     assert!(out.contains("visible only (volatile)"), "{out}");
 
     // identify with the global --nqn (before the subcommand here).
@@ -108,7 +122,8 @@ fn every_subcommand_against_a_running_target() {
         ],
     );
     assert_eq!(v["state"], "durable", "{v}");
-    assert_eq!(v["method"], "FLUSH");
+    assert_eq!(v["method"], "GPSPM");
+    assert_eq!(v["domain"], "page-cache");
     assert_eq!(v["length"], 1 << 20);
     let (c, out, all) = run(
         &t,
@@ -172,7 +187,18 @@ fn every_subcommand_against_a_running_target() {
         &["write", "--offset", "2MiB", "--in", src.to_str().unwrap()],
     );
     assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("placed, not yet durable"), "{out}");
+    // A Write is not acknowledged by the target: the CLI says "sent", never "placed".
+    assert!(
+        out.contains("sent, not acknowledged by the target and not yet durable"),
+        "{out}"
+    );
+    assert!(!out.contains("placed"), "{out}");
+    let v = json(
+        &t,
+        &["write", "--offset", "2MiB", "--in", src.to_str().unwrap()],
+    );
+    assert_eq!(v["state"], "sent", "{v}");
+    assert!(v["method"].is_null(), "{v}");
     let v = json(&t, &["flush", "--offset", "2MiB", "--length", "300000"]);
     assert_eq!(v["state"], "durable", "{v}");
     let dst = d.path().join("out.bin");
@@ -207,6 +233,32 @@ fn every_subcommand_against_a_running_target() {
     assert_eq!(out, "ZZZZ");
     let v = json(&t, &["read", "--offset", "4096", "--length", "2"]);
     assert_eq!(v["hex"], "5a5a");
+    assert!(v["out"].is_null(), "{v}");
+    // More than one 4 MiB piece, streamed to the pipe: every byte in order.
+    let o = {
+        let url = t.url();
+        rpma_tests::initiator(&[
+            "--target",
+            &url,
+            "--nqn",
+            SUB,
+            "--hostnqn",
+            HOST,
+            "read",
+            "--offset",
+            "0",
+            "--length",
+            "5MiB",
+        ])
+    };
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert_eq!(o.stdout.len(), 5 << 20);
+    assert!(o.stdout[4096..4096 + (1 << 20)].iter().all(|&b| b == 0x5a));
+    assert!(o.stdout[2 << 20..(2 << 20) + data.len()] == data[..]);
+    // JSON across a piece boundary stays one valid object.
+    let v = json(&t, &["read", "--offset", "4194302", "--length", "4"]);
+    assert_eq!(v["hex"].as_str().map(str::len), Some(8), "{v}");
+    assert_eq!(v["length"], 4);
 
     // cas and faa on the u64 at 0 (zero so far).
     let v = json(
@@ -231,6 +283,37 @@ fn every_subcommand_against_a_running_target() {
     assert_eq!(c, Some(0), "{all}");
     assert!(out.contains("old 16 (0x10), new 20"), "{out}");
 
+    // The dax (forced) namespace: the domain is shown as it is, "(forced)" included.
+    let (c, out, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "4",
+            "write",
+            "--offset",
+            "0",
+            "--pattern",
+            "1",
+            "--length",
+            "4k",
+            "--durable",
+        ],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
+    let v = json(
+        &t,
+        &["--nsid", "4", "flush", "--offset", "0", "--length", "4k"],
+    );
+    assert_eq!(v["domain"], "dax (forced)", "{v}");
+    assert_eq!(v["method"], "FLUSH", "{v}");
+    let (c, out, all) = run(
+        &t,
+        &["--nsid", "4", "flush", "--offset", "0", "--length", "4k"],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
+
     // Forced methods, on the dax (forced) namespace.
     for m in ["apm", "gpspm", "flush"] {
         let v = json(
@@ -251,6 +334,7 @@ fn every_subcommand_against_a_running_target() {
             ],
         );
         assert_eq!(v["method"], m.to_uppercase(), "{v}");
+        assert_eq!(v["domain"], "dax (forced)", "{v}");
     }
 
     // Volatile: succeeds with a warning.
@@ -270,7 +354,10 @@ fn every_subcommand_against_a_running_target() {
         ],
     );
     assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("visible-only"), "{out}");
+    assert!(
+        out.contains("visible only (volatile): NOT durable"),
+        "{out}"
+    );
     assert!(all.contains("warning: namespace 3 is volatile"), "{all}");
 
     // bench (small), JSON.
@@ -283,7 +370,54 @@ fn every_subcommand_against_a_running_target() {
     assert_eq!(v["count"], 50);
     assert!(v["write_latency"]["p50_us"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["read_mib_s"].as_f64().unwrap() > 0.0, "{v}");
-    assert_eq!(v["method"], "FLUSH");
+    assert_eq!(v["method"], "GPSPM");
+    assert_eq!(v["domain"], "page-cache");
+    // bench overwrites: without an explicit --offset it refuses (exit 2) and writes nothing,
+    // unless --yes.
+    let (c, _, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "4",
+            "write",
+            "--offset",
+            "0",
+            "--pattern",
+            "0x77",
+            "--length",
+            "64k",
+        ],
+    );
+    assert_eq!(c, Some(0), "{all}");
+    let (c, _, all) = run(
+        &t,
+        &["--nsid", "4", "bench", "--count", "5", "--total", "64k"],
+    );
+    assert_eq!(c, Some(2), "{all}");
+    assert!(all.contains("--offset"), "{all}");
+    let (c, _, all) = run(
+        &t,
+        &[
+            "--nsid",
+            "4",
+            "verify",
+            "--offset",
+            "0",
+            "--pattern",
+            "0x77",
+            "--length",
+            "64k",
+        ],
+    );
+    assert_eq!(c, Some(0), "the refused bench wrote: {all}");
+    let v = json(
+        &t,
+        &[
+            "--nsid", "4", "bench", "--yes", "--count", "5", "--total", "64k",
+        ],
+    );
+    assert_eq!(v["method"], "FLUSH", "{v}");
+    assert_eq!(v["domain"], "dax (forced)", "{v}");
 
     // completions need no target.
     let o = initiator(&["completions", "bash"]);
@@ -294,6 +428,7 @@ fn every_subcommand_against_a_running_target() {
 #[test]
 fn each_error_has_its_exit_code() {
     let (_d, _shm, t) = start("errors");
+    let closed_before = t.log().matches("closed by the host").count();
     // Wrong subsystem NQN: refused.
     let url = t.url();
     let o = initiator(&[
@@ -346,6 +481,48 @@ fn each_error_has_its_exit_code() {
     assert!(all.contains("outside namespace 1"), "{all}");
     let (c, _, all) = run(&t, &["read", "--offset", "0", "--length", "9MiB"]);
     assert_eq!(c, Some(6), "{all}");
+    // The whole range is checked before --out is created: nothing written, and the message
+    // names the range asked for (not a 4 MiB piece of it).
+    let f = _d.path().join("never.bin");
+    let (c, out, all) = run(
+        &t,
+        &[
+            "read",
+            "--offset",
+            "6MiB",
+            "--length",
+            "4MiB",
+            "--out",
+            f.to_str().unwrap(),
+        ],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    assert!(
+        !f.exists(),
+        "--out was created for a range that does not fit"
+    );
+    assert!(out.is_empty(), "{out}");
+    assert!(
+        all.contains("4194304 bytes at offset 6291456 are outside namespace 1"),
+        "{all}"
+    );
+    let (c, out, all) = run(&t, &["read", "--offset", "6MiB", "--length", "4MiB"]);
+    assert_eq!(c, Some(6), "{all}");
+    assert!(out.is_empty(), "nothing on stdout before the error: {out}");
+    let (c, _, all) = run(
+        &t,
+        &[
+            "verify",
+            "--offset",
+            "6MiB",
+            "--pattern",
+            "0",
+            "--length",
+            "4MiB",
+        ],
+    );
+    assert_eq!(c, Some(6), "{all}");
+    assert!(all.contains("4194304 bytes at offset 6291456"), "{all}");
     // Read-only namespace.
     let (c, _, all) = run(
         &t,
@@ -420,6 +597,21 @@ fn each_error_has_its_exit_code() {
     assert_eq!(c, Some(2));
     let o = initiator(&["--target", &url, "list"]);
     assert_eq!(o.status.code(), Some(2), "missing --nqn: {}", text(&o));
+
+    // Every admitted session above ended in an error, and every one said goodbye: the target
+    // saw a Disconnect each time, never a lost connection. (11 admitted sessions, 10 of them failed.)
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while t.log().matches("closed by the host").count() < closed_before + 11
+        && std::time::Instant::now() < deadline
+    {
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let log = t.log();
+    assert!(
+        log.matches("closed by the host").count() >= closed_before + 11,
+        "{log}"
+    );
+    assert!(!log.contains("lost its connection"), "{log}");
 }
 
 #[test]

@@ -57,6 +57,12 @@ force_dax = true
     )
 }
 
+/// (writes posted, doorbells) of the queue behind a namespace handle.
+fn dax_stats(ns: &mut rpma_initiator::Namespace<'_>) -> (u64, u64) {
+    let s = ns.queue_stats();
+    (s.writes_posted, s.doorbells)
+}
+
 fn scratch() -> tempfile::TempDir {
     // The build directory's filesystem: a disk, so files are page-cache namespaces.
     tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
@@ -96,7 +102,8 @@ fn reads_writes_methods_atomics_and_checks() {
 
     let mut ns = q.namespace(1).unwrap();
     assert_eq!(ns.descriptor().domain, PersistenceDomain::PageCache);
-    assert_eq!(ns.method().unwrap(), Choice::Method(PersistMethod::Flush));
+    // page-cache: GPSPM first (the target msyncs through io_uring, off its poll loop).
+    assert_eq!(ns.method().unwrap(), Choice::Method(PersistMethod::Gpspm));
     // Larger than a chunk and unaligned: split into several requests.
     let data = pattern(1, 700_001);
     ns.write_at(12_345, &data).unwrap();
@@ -105,7 +112,7 @@ fn reads_writes_methods_atomics_and_checks() {
     assert!(back == data, "read back what was written");
     assert_eq!(
         ns.persist(12_345, data.len() as u64).unwrap(),
-        Durability::Durable(PersistMethod::Flush)
+        Durability::Durable(PersistMethod::Gpspm)
     );
     for m in [
         PersistMethod::Apm,
@@ -210,10 +217,29 @@ fn reads_writes_methods_atomics_and_checks() {
     vol.read_at(0, &mut b).unwrap();
     assert_eq!(&b, b"volatile", "the refused call wrote nothing");
 
-    // dax (forced).
+    // dax (forced): FLUSH first; the Write and the Flush go out with one doorbell.
     let mut dax = q.namespace(4).unwrap();
     assert_eq!(dax.descriptor().domain, PersistenceDomain::DaxForced);
-    assert!(dax.write_durable(0, b"dax").unwrap().is_durable());
+    assert_eq!(dax.method().unwrap(), Choice::Method(PersistMethod::Flush));
+    for m in [PersistMethod::Flush, PersistMethod::Apm] {
+        dax.set_method(Some(m)).unwrap();
+        let before = dax_stats(&mut dax);
+        assert_eq!(
+            dax.write_durable(4096, &pattern(7, 4096)).unwrap(),
+            Durability::Durable(m)
+        );
+        let after = dax_stats(&mut dax);
+        assert_eq!(after.0 - before.0, 1, "{m}: one Write");
+        assert_eq!(
+            after.1 - before.1,
+            1,
+            "{m}: Write and {m} request in one post"
+        );
+    }
+    dax.set_method(None).unwrap();
+    let mut b = vec![0u8; 4096];
+    dax.read_at(4096, &mut b).unwrap();
+    assert!(b == pattern(7, 4096));
     assert_eq!(q.reconnects(), 0);
     q.close().unwrap();
 }
@@ -294,6 +320,10 @@ fn queue_depth_32_with_many_outstanding_writes() {
         .collect();
     ns.write_batch(&items).unwrap();
     assert!(ns.persist(0, 1000 * 4096).unwrap().is_durable());
+    let st = ns.queue_stats();
+    assert_eq!(st.writes_posted, 1000);
+    // The queue filled all 32 slots before it waited for a completion: at QD1 this is 1.
+    assert_eq!(st.max_in_flight, 32, "{st:?}");
     let mut outs: Vec<Vec<u8>> = vec![vec![0u8; 4096]; 1000];
     let mut reads: Vec<(u64, &mut [u8])> = outs
         .iter_mut()
@@ -403,6 +433,7 @@ fn link_cut_mid_stream_reconnects_and_keeps_every_acknowledged_write() {
             chunk: 16 << 10,
             reconnect: ReconnectPolicy {
                 max_attempts: 20,
+                timeout: Duration::from_secs(60),
                 initial_backoff: Duration::from_millis(20),
                 max_backoff: Duration::from_millis(200),
             },
@@ -483,6 +514,7 @@ fn reconnect_gives_up_cleanly_at_its_limit() {
         .with_queue_options(QueueOptions {
             reconnect: ReconnectPolicy {
                 max_attempts: 3,
+                timeout: Duration::from_secs(60),
                 initial_backoff: Duration::from_millis(10),
                 max_backoff: Duration::from_millis(50),
             },
@@ -506,6 +538,84 @@ fn reconnect_gives_up_cleanly_at_its_limit() {
         q.namespace(1).unwrap().read_at(0, &mut [0u8; 4]),
         Err(Error::Broken)
     ));
+}
+
+#[test]
+fn default_reconnect_outlasts_a_slow_target_restart() {
+    // The target is down for 10 s: longer than the old default policy (8 attempts, about
+    // 7 s) lasted; the default now tries for 60 s.
+    let d = scratch();
+    let shm = shm_path("slow");
+    let mut t = Target::start(d.path(), &config(&shm));
+    let url = t.url();
+    let mut q = conn(&url).open_queue(0).unwrap();
+    assert_eq!(q.options().reconnect, ReconnectPolicy::default());
+    let v = pattern(77, 64 << 10);
+    q.namespace(1).unwrap().write_at(8192, &v).unwrap();
+    t.kill9();
+    let started = std::time::Instant::now();
+    let restarter = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_secs(10));
+        t.restart();
+        t
+    });
+    // The write was sent before the kill and never acknowledged: the reconnect re-issues it.
+    let out = q.namespace(1).unwrap().persist(8192, v.len() as u64);
+    let t = restarter.join().unwrap();
+    assert!(out.unwrap().is_durable(), "{}", t.log());
+    assert!(started.elapsed() >= Duration::from_secs(10));
+    assert_eq!(q.reconnects(), 1);
+    let mut b = vec![0u8; v.len()];
+    q.namespace(1).unwrap().read_at(8192, &mut b).unwrap();
+    assert!(b == v, "the held write was re-issued after the restart");
+}
+
+#[test]
+fn reconnect_timeout_bounds_the_time_spent() {
+    let d = scratch();
+    let shm = shm_path("budget");
+    let mut t = Target::start(d.path(), &config(&shm));
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            reconnect: ReconnectPolicy::within(Duration::from_secs(2)),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    t.kill9();
+    let started = std::time::Instant::now();
+    let e = q
+        .namespace(1)
+        .unwrap()
+        .read_at(0, &mut [0u8; 8])
+        .unwrap_err();
+    let took = started.elapsed();
+    assert!(matches!(e, Error::ReconnectFailed { .. }), "{e}");
+    assert!(
+        took >= Duration::from_millis(1500) && took < Duration::from_secs(5),
+        "{took:?}"
+    );
+    // And no reconnect at all: the loss fails the call at once.
+    let d2 = scratch();
+    let shm2 = shm_path("never");
+    let t2 = Target::start(d2.path(), &config(&shm2));
+    let mut q = conn(&t2.url())
+        .with_queue_options(QueueOptions {
+            reconnect: ReconnectPolicy::never(),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    drop(t2);
+    let e = q
+        .namespace(1)
+        .unwrap()
+        .read_at(0, &mut [0u8; 8])
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::ReconnectFailed { attempts: 0, .. }),
+        "{e}"
+    );
 }
 
 #[test]

@@ -92,7 +92,7 @@ pub enum Error {
     /// An existing file is larger than the size asked for and shrinking was not allowed.
     #[error(
         "{}: the file is {existing} bytes, larger than the {requested} asked for; \
-         refusing to shrink it (allow it with Resize::GrowOrShrink)",
+         refusing to shrink it unless shrinking is allowed (the bytes past the new end would be lost)",
         path.display()
     )]
     WouldShrink {
@@ -106,7 +106,7 @@ pub enum Error {
     /// An existing file is smaller than the size asked for and growing was not allowed.
     #[error(
         "{}: the file is {existing} bytes, smaller than the {requested} asked for; \
-         refusing to grow it (allow it with Resize::Grow)",
+         refusing to grow it unless growing is allowed",
         path.display()
     )]
     WouldGrow {
@@ -202,6 +202,19 @@ pub enum Error {
         /// The instruction's name.
         instruction: &'static str,
     },
+}
+
+impl Error {
+    /// The [`Resize`](crate::pmem::Resize) choice that would let the open go through, for a
+    /// refused resize ([`Error::WouldGrow`]: `Grow`; [`Error::WouldShrink`]: `GrowOrShrink`),
+    /// so that a front-end can name its own option for it (a CLI flag, a config key).
+    pub fn resize_needed(&self) -> Option<crate::pmem::Resize> {
+        match self {
+            Error::WouldGrow { .. } => Some(crate::pmem::Resize::Grow),
+            Error::WouldShrink { .. } => Some(crate::pmem::Resize::GrowOrShrink),
+            _ => None,
+        }
+    }
 }
 
 /// The pmem layer's result type.

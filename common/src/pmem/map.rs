@@ -456,7 +456,7 @@ impl OpenOptions {
                 path: self.path.clone(),
             });
         }
-        if size % self.block_size != 0 {
+        if !size.is_multiple_of(self.block_size) {
             return Err(Error::SizeNotMultiple {
                 path: self.path.clone(),
                 size,

@@ -1,6 +1,6 @@
 //! `rpma-initiator bench`: a short QD1 latency run (durable writes, then reads) and a bandwidth
 //! run (writes made durable at the end, then reads) on one queue. Numbers, not a benchmark
-//! suite: bench/ has the fio-style jobs.
+//! suite: bench/ runs this beside the fabric and pmem benchmarks and prints medians.
 
 use std::time::{Duration, Instant};
 
@@ -12,7 +12,10 @@ use crate::{print_json, usage, Failure, Global};
 /// What to run.
 #[derive(Debug)]
 pub(crate) struct Params {
-    pub(crate) offset: u64,
+    /// None: not given (refused unless `yes`).
+    pub(crate) offset: Option<u64>,
+    /// Overwrite from offset 0 when no offset was given.
+    pub(crate) yes: bool,
     pub(crate) io_size: u64,
     pub(crate) count: u32,
     pub(crate) total: u64,
@@ -25,6 +28,19 @@ pub(crate) struct Latency {
     pub(crate) p50_us: f64,
     pub(crate) p99_us: f64,
     pub(crate) max_us: f64,
+}
+
+/// Where the overwritten range starts: an explicit --offset, or 0 with --yes.
+fn start_offset(p: &Params) -> Result<u64, Failure> {
+    match (p.offset, p.yes) {
+        (Some(o), _) => Ok(o),
+        (None, true) => Ok(0),
+        (None, false) => Err(usage(
+            "bench overwrites up to --total bytes of the namespace from --offset on: give \
+             --offset explicitly (where the range may start), or --yes to overwrite from 0"
+                .into(),
+        )),
+    }
 }
 
 /// Summary of per-operation times.
@@ -52,6 +68,7 @@ pub(crate) fn summarize(mut t: Vec<Duration>) -> Latency {
 struct Out {
     nsid: u32,
     method: String,
+    domain: String,
     io_size: u64,
     count: u32,
     write_latency: Latency,
@@ -71,14 +88,15 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     if !(1..=128).contains(&p.depth) {
         return Err(usage(format!("--depth {} is not in 1..=128", p.depth)));
     }
+    let offset = start_offset(p)?;
     let mut q = g.connection(p.depth)?.open_queue(0)?;
     let mut ns = q.namespace(g.nsid)?;
     let d = ns.descriptor().clone();
-    let room = d.size.saturating_sub(p.offset);
+    let room = d.size.saturating_sub(offset);
     if p.io_size > room {
         return Err(usage(format!(
             "--io-size {} does not fit nsid {} past offset {}",
-            p.io_size, d.nsid, p.offset
+            p.io_size, d.nsid, offset
         )));
     }
     let method = match ns.method()? {
@@ -92,14 +110,14 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     let mut wt = Vec::with_capacity(p.count as usize);
     let mut last = Durability::VisibleOnly;
     for i in 0..u64::from(p.count) {
-        let off = p.offset + (i % slots) * p.io_size;
+        let off = offset + (i % slots) * p.io_size;
         let t = Instant::now();
         last = ns.write_durable(off, &buf)?;
         wt.push(t.elapsed());
     }
     let mut rt = Vec::with_capacity(p.count as usize);
     for i in 0..u64::from(p.count) {
-        let off = p.offset + (i % slots) * p.io_size;
+        let off = offset + (i % slots) * p.io_size;
         let t = Instant::now();
         ns.read_at(off, &mut back)?;
         rt.push(t.elapsed());
@@ -112,17 +130,17 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     let mut at = 0;
     while at < total {
         let n = (total - at).min(piece as u64) as usize;
-        ns.write_at(p.offset + at, &big[..n])?;
+        ns.write_at(offset + at, &big[..n])?;
         at += n as u64;
     }
-    ns.persist(p.offset, total)?;
+    ns.persist(offset, total)?;
     let write_secs = t.elapsed().as_secs_f64();
     let mut rbuf = vec![0u8; piece];
     let t = Instant::now();
     let mut at = 0;
     while at < total {
         let n = (total - at).min(piece as u64) as usize;
-        ns.read_at(p.offset + at, &mut rbuf[..n])?;
+        ns.read_at(offset + at, &mut rbuf[..n])?;
         at += n as u64;
     }
     let read_secs = t.elapsed().as_secs_f64();
@@ -137,6 +155,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     let out = Out {
         nsid: g.nsid,
         method,
+        domain: d.domain.to_string(),
         io_size: p.io_size,
         count: p.count,
         write_latency: summarize(wt),
@@ -161,8 +180,9 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         rpma_common::units::format_size(out.io_size)
     );
     println!(
-        "  durable write ({}): {}",
+        "  durable write ({}, {}): {}",
         out.method,
+        out.domain,
         show(&out.write_latency)
     );
     println!("  read: {}", show(&out.read_latency));
@@ -192,5 +212,22 @@ mod tests {
         assert!((l.p99_us - 99.0).abs() < 1e-6, "{l:?}");
         assert!((l.max_us - 100.0).abs() < 1e-6, "{l:?}");
         assert_eq!(summarize(Vec::new()).max_us, 0.0);
+    }
+
+    #[test]
+    fn the_overwritten_range_needs_an_explicit_offset_or_yes() {
+        let p = |offset, yes| Params {
+            offset,
+            yes,
+            io_size: 4096,
+            count: 1,
+            total: 4096,
+            depth: 1,
+        };
+        let e = start_offset(&p(None, false)).err().unwrap();
+        assert_eq!(e.code, 2);
+        assert!(e.err.to_string().contains("--offset"), "{}", e.err);
+        assert_eq!(start_offset(&p(None, true)).ok(), Some(0));
+        assert_eq!(start_offset(&p(Some(8192), false)).ok(), Some(8192));
     }
 }

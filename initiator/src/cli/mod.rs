@@ -1,13 +1,18 @@
 //! The data-path subcommands: list, read, write, verify, flush, cas, faa (and bench in its own
-//! module). Each opens one queue, does its work in pieces of [`PIECE`] bytes (so a progress
-//! bar can move and memory stays bounded), and disconnects.
+//! module). Each opens one queue, checks the whole request against the namespace before it
+//! touches anything, does its work in pieces of [`PIECE`] bytes (so a progress bar can move
+//! and memory stays bounded), and disconnects; on an error path dropping the queue sends the
+//! Disconnect.
 
 pub(crate) mod bench;
 mod progress;
 
-use std::io::{IsTerminal, Read as _, Write as _};
+use std::io::{IsTerminal, Write as _};
+use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 
+use rpma_common::proto::PersistenceDomain;
+use rpma_initiator::namespace::check_range;
 use rpma_initiator::{Choice, Durability, Queue};
 use serde::Serialize;
 
@@ -39,7 +44,7 @@ fn close(q: Queue) {
     let _ = q.close();
 }
 
-/// The text of an outcome, and a warning on stderr when it is not durable.
+/// The state and method of an outcome (JSON), and a warning on stderr when it is not durable.
 fn outcome(g: &Global, d: Durability) -> (&'static str, Option<String>) {
     match d {
         Durability::Durable(m) => ("durable", Some(m.to_string())),
@@ -53,9 +58,17 @@ fn outcome(g: &Global, d: Durability) -> (&'static str, Option<String>) {
     }
 }
 
-/// The bytes of `--in FILE`, or `--pattern B --length L`.
+/// An outcome in words, with the namespace's domain: "durable (FLUSH, dax (forced))".
+fn describe(d: Durability, domain: PersistenceDomain) -> String {
+    match d {
+        Durability::Durable(m) => format!("durable ({m}, {domain})"),
+        Durability::VisibleOnly => format!("visible only ({domain}): NOT durable"),
+    }
+}
+
+/// The bytes of `--in FILE` (read piece by piece), or `--pattern B --length L`.
 enum Bytes {
-    File(Vec<u8>),
+    File(std::fs::File, u64, std::path::PathBuf),
     Pattern(u8, u64),
 }
 
@@ -66,11 +79,13 @@ impl Bytes {
                 if length.is_some() {
                     return Err(usage("--length goes with --pattern, not --in".into()));
                 }
-                let mut v = Vec::new();
-                std::fs::File::open(path)
-                    .and_then(|mut f| f.read_to_end(&mut v))
+                let f = std::fs::File::open(path)
                     .map_err(|e| io_failure(format!("reading {}", path.display()), e))?;
-                Ok(Bytes::File(v))
+                let len = f
+                    .metadata()
+                    .map_err(|e| io_failure(format!("reading {}", path.display()), e))?
+                    .len();
+                Ok(Bytes::File(f, len, path.clone()))
             }
             (None, Some(b)) => Ok(Bytes::Pattern(
                 b,
@@ -82,17 +97,24 @@ impl Bytes {
 
     fn len(&self) -> u64 {
         match self {
-            Bytes::File(v) => v.len() as u64,
+            Bytes::File(_, n, _) => *n,
             Bytes::Pattern(_, n) => *n,
         }
     }
 
     /// The bytes of `[at, at + n)` into `out` (resized).
-    fn piece(&self, at: u64, n: usize, out: &mut Vec<u8>) {
+    fn piece(&self, at: u64, n: usize, out: &mut Vec<u8>) -> Result<(), Failure> {
         out.clear();
         match self {
-            Bytes::File(v) => out.extend_from_slice(&v[at as usize..at as usize + n]),
-            Bytes::Pattern(b, _) => out.resize(n, *b),
+            Bytes::File(f, _, path) => {
+                out.resize(n, 0);
+                f.read_exact_at(out, at)
+                    .map_err(|e| io_failure(format!("reading {}", path.display()), e))
+            }
+            Bytes::Pattern(b, _) => {
+                out.resize(n, *b);
+                Ok(())
+            }
         }
     }
 }
@@ -109,7 +131,9 @@ pub(crate) fn list(g: &Global) -> Result<(), Failure> {
     let mut rows = Vec::new();
     for d in q.namespaces() {
         let ns = q.namespace(d.nsid)?;
+        // A read-only namespace takes no writes, so it has no durability method to use.
         let (method, method_error) = match ns.method() {
+            _ if d.read_only => (None, None),
             Ok(Choice::Method(m)) => (Some(m.to_string()), None),
             Ok(Choice::VisibleOnly) => (None, None),
             Err(e) => (None, Some(e.to_string())),
@@ -126,6 +150,7 @@ pub(crate) fn list(g: &Global) -> Result<(), Failure> {
     }
     for r in &rows {
         let how = match (&r.method, &r.method_error) {
+            _ if r.ns.read_only => "no writes, so no durability method".to_owned(),
             (Some(m), _) => format!("durable with {m}"),
             (None, Some(e)) => format!("NOT durable: {e}"),
             (None, None) => "visible only (volatile)".into(),
@@ -152,6 +177,22 @@ pub(crate) fn list(g: &Global) -> Result<(), Failure> {
     Ok(())
 }
 
+/// Where `read` puts the bytes.
+enum ReadSink<'a> {
+    /// `--out FILE` (created once the range was checked, removed again if the read fails).
+    File(std::fs::File, &'a Path),
+    /// Raw bytes on stdout (a pipe or file).
+    Raw,
+    /// A hex dump on stdout (a terminal).
+    Hexdump,
+    /// `--json` without `--out`: the hex digits inside the JSON object, streamed.
+    JsonHex,
+}
+
+fn stdout_failure(e: std::io::Error) -> Failure {
+    io_failure("writing stdout".into(), e)
+}
+
 pub(crate) fn read(
     g: &Global,
     offset: u64,
@@ -159,14 +200,73 @@ pub(crate) fn read(
     out: Option<&Path>,
 ) -> Result<(), Failure> {
     let mut q = open(g, 32)?;
-    let mut file = match out {
-        Some(p) => Some(
+    // The whole range first: nothing is created or printed for a request that cannot fit.
+    check_range(q.namespace(g.nsid)?.descriptor(), offset, length)?;
+    let mut sink = match out {
+        Some(p) => ReadSink::File(
             std::fs::File::create(p)
                 .map_err(|e| io_failure(format!("creating {}", p.display()), e))?,
+            p,
         ),
-        None => None,
+        None if g.json => ReadSink::JsonHex,
+        None if std::io::stdout().is_terminal() => ReadSink::Hexdump,
+        None => ReadSink::Raw,
     };
-    let mut all = Vec::new();
+    let r = read_into(g, &mut q, offset, length, &mut sink);
+    close(q);
+    if let (Err(_), ReadSink::File(_, p)) = (&r, &sink) {
+        let _ = std::fs::remove_file(p);
+    }
+    r?;
+    match (out, g.json) {
+        (Some(p), true) => {
+            #[derive(Serialize)]
+            struct Out {
+                nsid: u32,
+                offset: u64,
+                length: u64,
+                out: String,
+                hex: Option<()>,
+            }
+            print_json(&Out {
+                nsid: g.nsid,
+                offset,
+                length,
+                out: p.display().to_string(),
+                hex: None,
+            })
+        }
+        (Some(p), false) => {
+            println!(
+                "read {length} bytes at offset {offset} of nsid {} into {}",
+                g.nsid,
+                p.display()
+            );
+            Ok(())
+        }
+        (None, _) => Ok(()),
+    }
+}
+
+/// Reads the range piece by piece into `sink`.
+fn read_into(
+    g: &Global,
+    q: &mut Queue,
+    offset: u64,
+    length: u64,
+    sink: &mut ReadSink<'_>,
+) -> Result<(), Failure> {
+    let stdout = std::io::stdout();
+    let mut w = stdout.lock();
+    if let ReadSink::JsonHex = sink {
+        // The same shape print_json gives the other outputs; the hex is streamed.
+        write!(
+            w,
+            "{{\n  \"nsid\": {},\n  \"offset\": {offset},\n  \"length\": {length},\n  \"out\": null,\n  \"hex\": \"",
+            g.nsid
+        )
+        .map_err(stdout_failure)?;
+    }
     let mut bar = Progress::new("read", length, g.json);
     let mut buf = Vec::new();
     let mut at = 0;
@@ -174,51 +274,27 @@ pub(crate) fn read(
         let n = (length - at).min(PIECE) as usize;
         buf.resize(n, 0);
         q.namespace(g.nsid)?.read_at(offset + at, &mut buf)?;
-        match &mut file {
-            Some(f) => f
+        match sink {
+            ReadSink::File(f, p) => f
                 .write_all(&buf)
-                .map_err(|e| io_failure("writing --out".into(), e))?,
-            None => all.extend_from_slice(&buf),
+                .map_err(|e| io_failure(format!("writing {}", p.display()), e))?,
+            ReadSink::Raw => w.write_all(&buf).map_err(stdout_failure)?,
+            ReadSink::Hexdump => w
+                .write_all(hexdump(offset + at, &buf).as_bytes())
+                .map_err(stdout_failure)?,
+            ReadSink::JsonHex => {
+                let hex: String = buf.iter().map(|b| format!("{b:02x}")).collect();
+                w.write_all(hex.as_bytes()).map_err(stdout_failure)?;
+            }
         }
         bar.add(n as u64);
         at += n as u64;
     }
     bar.finish();
-    close(q);
-    if g.json {
-        #[derive(Serialize)]
-        struct Out<'a> {
-            nsid: u32,
-            offset: u64,
-            length: u64,
-            out: Option<String>,
-            hex: Option<&'a str>,
-        }
-        let hex: String = all.iter().map(|b| format!("{b:02x}")).collect();
-        return print_json(&Out {
-            nsid: g.nsid,
-            offset,
-            length,
-            out: out.map(|p| p.display().to_string()),
-            hex: file.is_none().then_some(hex.as_str()),
-        });
+    if let ReadSink::JsonHex = sink {
+        w.write_all(b"\"\n}\n").map_err(stdout_failure)?;
     }
-    if let Some(p) = out {
-        println!(
-            "read {length} bytes at offset {offset} of nsid {} into {}",
-            g.nsid,
-            p.display()
-        );
-        return Ok(());
-    }
-    let stdout = std::io::stdout();
-    let mut w = stdout.lock();
-    let r = if stdout.is_terminal() {
-        w.write_all(hexdump(offset, &all).as_bytes())
-    } else {
-        w.write_all(&all)
-    };
-    r.map_err(|e| io_failure("writing stdout".into(), e))
+    w.flush().map_err(stdout_failure)
 }
 
 /// `00001000  5a 5a ... 5a  |ZZZZZZZZZZZZZZZZ|` lines, 16 bytes each.
@@ -255,23 +331,24 @@ pub(crate) fn write(
     let bytes = Bytes::of(source, length)?;
     let total = bytes.len();
     let mut q = open(g, 32)?;
-    {
+    let domain = {
         // Check everything before the first byte goes out.
         let ns = q.namespace(g.nsid)?;
         let d = ns.descriptor().clone();
         rpma_initiator::namespace::check_writable(&d)?;
-        rpma_initiator::namespace::check_range(&d, offset, total)?;
+        check_range(&d, offset, total)?;
         if durable {
             ns.method()?;
         }
-    }
+        d.domain
+    };
     let start = std::time::Instant::now();
     let mut bar = Progress::new("write", total, g.json);
     let mut buf = Vec::new();
     let mut at = 0;
     while at < total {
         let n = (total - at).min(PIECE) as usize;
-        bytes.piece(at, n, &mut buf);
+        bytes.piece(at, n, &mut buf)?;
         q.namespace(g.nsid)?.write_at(offset + at, &buf)?;
         bar.add(n as u64);
         at += n as u64;
@@ -284,9 +361,11 @@ pub(crate) fn write(
     bar.finish();
     let secs = start.elapsed().as_secs_f64();
     close(q);
+    // Without --durable the Writes were handed to the transport: the target does not
+    // acknowledge a Write (docs/initiator.md, "What a return means").
     let (state, method) = match result {
         Some(d) => outcome(g, d),
-        None => ("placed", None),
+        None => ("sent", None),
     };
     if g.json {
         #[derive(Serialize)]
@@ -296,6 +375,7 @@ pub(crate) fn write(
             length: u64,
             state: &'static str,
             method: Option<String>,
+            domain: String,
             seconds: f64,
         }
         return print_json(&Out {
@@ -304,13 +384,15 @@ pub(crate) fn write(
             length: total,
             state,
             method,
+            domain: domain.to_string(),
             seconds: secs,
         });
     }
-    let how = match (state, method) {
-        ("durable", Some(m)) => format!("durable ({m})"),
-        ("placed", _) => "placed, not yet durable (use --durable or flush)".into(),
-        (s, _) => s.to_owned(),
+    let how = match result {
+        Some(d) => describe(d, domain),
+        None => "sent, not acknowledged by the target and not yet durable (use --durable or \
+                 flush)"
+            .to_owned(),
     };
     println!(
         "wrote {total} bytes at offset {offset} of nsid {}: {how}",
@@ -328,13 +410,14 @@ pub(crate) fn verify(
     let bytes = Bytes::of(source, length)?;
     let total = bytes.len();
     let mut q = open(g, 32)?;
+    check_range(q.namespace(g.nsid)?.descriptor(), offset, total)?;
     let mut bar = Progress::new("verify", total, g.json);
     let (mut want, mut got) = (Vec::new(), Vec::new());
     let mut at = 0;
     let mut mismatch = None;
     while at < total && mismatch.is_none() {
         let n = (total - at).min(PIECE) as usize;
-        bytes.piece(at, n, &mut want);
+        bytes.piece(at, n, &mut want)?;
         got.resize(n, 0);
         q.namespace(g.nsid)?.read_at(offset + at, &mut got)?;
         if let Some(i) = want.iter().zip(&got).position(|(a, b)| a != b) {
@@ -379,7 +462,9 @@ pub(crate) fn verify(
 
 pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure> {
     let mut q = open(g, 1)?;
-    let d = q.namespace(g.nsid)?.persist(offset, length)?;
+    let mut ns = q.namespace(g.nsid)?;
+    let domain = ns.descriptor().domain;
+    let d = ns.persist(offset, length)?;
     close(q);
     let (state, method) = outcome(g, d);
     if g.json {
@@ -390,6 +475,7 @@ pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure>
             length: u64,
             state: &'static str,
             method: Option<String>,
+            domain: String,
         }
         return print_json(&Out {
             nsid: g.nsid,
@@ -397,9 +483,14 @@ pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure>
             length,
             state,
             method,
+            domain: domain.to_string(),
         });
     }
-    println!("{length} bytes at offset {offset} of nsid {}: {d}", g.nsid);
+    println!(
+        "{length} bytes at offset {offset} of nsid {}: {}",
+        g.nsid,
+        describe(d, domain)
+    );
     Ok(())
 }
 
@@ -469,11 +560,32 @@ mod tests {
     fn pattern_and_file_pieces() {
         let p = Bytes::Pattern(0x5a, 10);
         let mut v = Vec::new();
-        p.piece(4, 3, &mut v);
+        assert!(p.piece(4, 3, &mut v).is_ok());
         assert_eq!(v, vec![0x5a; 3]);
-        let f = Bytes::File(b"0123456789".to_vec());
-        f.piece(4, 3, &mut v);
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("in");
+        std::fs::write(&path, b"0123456789").unwrap();
+        let f = Bytes::File(std::fs::File::open(&path).unwrap(), 10, path.clone());
+        assert!(f.piece(4, 3, &mut v).is_ok());
         assert_eq!(v, b"456");
         assert_eq!(f.len(), 10);
+        // Past the end (the file shrank meanwhile): an error naming the file.
+        let e = f.piece(8, 4, &mut v).err().unwrap();
+        assert!(format!("{:#}", e.err).contains("reading"), "{:#}", e.err);
+    }
+
+    #[test]
+    fn outcomes_name_method_and_domain() {
+        assert_eq!(
+            describe(
+                Durability::Durable(rpma_initiator::PersistMethod::Flush),
+                PersistenceDomain::DaxForced
+            ),
+            "durable (FLUSH, dax (forced))"
+        );
+        assert_eq!(
+            describe(Durability::VisibleOnly, PersistenceDomain::Volatile),
+            "visible only (volatile): NOT durable"
+        );
     }
 }

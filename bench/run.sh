@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# bench/run.sh: rpma's benchmarks side by side, each printing medians (bench/README.md).
+#
+#   bench/run.sh [--reps N] [pmem] [fabric] [initiator]     (no section named: all three)
+#
+#   pmem       common/examples/pmem_persist: persist cost per flush instruction and msync
+#   fabric     common/examples/fabric_bench: the tcp transport against raw TCP, --reps N
+#   initiator  `rpma-initiator bench` against a local rpma-target, N runs per namespace:
+#              dax (forced) on /dev/shm, and a page-cache file under the repo (default method,
+#              GPSPM, and FLUSH forced, which makes the target msync inline in its poll loop)
+#
+# Everything runs on 127.0.0.1 only; scratch files are removed on exit, also on failure or ^C.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+reps=3
+sections=()
+while [ $# -gt 0 ]; do
+    case $1 in
+        --reps) reps=$2; shift 2 ;;
+        pmem | fabric | initiator) sections+=("$1"); shift ;;
+        -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+        *) echo "bench/run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
+    esac
+done
+[ ${#sections[@]} -gt 0 ] || sections=(pmem fabric initiator)
+case $reps in
+    '' | *[!0-9]* | 0) echo "bench/run.sh: --reps takes a positive number" >&2; exit 2 ;;
+esac
+wants() { [[ " ${sections[*]} " == *" $1 "* ]]; }
+
+echo "# rpma benchmarks, $(date -u +%Y-%m-%dT%H:%MZ), $(nproc) CPUs, load: $(cut -d' ' -f1-3 /proc/loadavg)"
+
+if wants pmem; then
+    echo
+    echo "## pmem persist cost (cargo run --release -p rpma-common --example pmem_persist)"
+    cargo run --quiet --release -p rpma-common --example pmem_persist
+fi
+
+if wants fabric; then
+    echo
+    echo "## fabric: tcp transport against raw TCP (--example fabric_bench -- --reps $reps)"
+    cargo run --quiet --release -p rpma-common --example fabric_bench -- --reps "$reps"
+fi
+
+if ! wants initiator; then
+    exit 0
+fi
+
+cargo build --quiet --release -p rpma-target -p rpma-initiator
+BIN=$PWD/build/release
+mkdir -p scratch
+SCRATCH=$(mktemp -d "$PWD/scratch/bench.XXXXXX")
+shm=/dev/shm/rpma-bench-$$.pmem
+# shellcheck source=scripts/local-target.sh
+. scripts/local-target.sh
+cleanup() {
+    stop_target || true
+    rm -f "$shm"
+    rm -rf "$SCRATCH"
+}
+trap cleanup EXIT
+trap 'exit 130' INT TERM
+
+free_port
+NQN=nqn.2026-11.io.rpma:bench
+HOSTNQN=nqn.2026-11.io.rpma:bench-host
+cat >"$SCRATCH/target.toml" <<TOML
+listen = ["$URL"]
+control_socket = "control.sock"
+[[subsystem]]
+nqn = "$NQN"
+hosts = [{ nqn = "$HOSTNQN" }]
+[[subsystem.namespace]]
+nsid = 1
+path = "$shm"
+size = "128MiB"
+force_dax = true
+[[subsystem.namespace]]
+nsid = 2
+path = "$SCRATCH/ns2.pmem"
+size = "128MiB"
+TOML
+start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
+
+# The value of "key": in bench's pretty JSON (the first one: write_latency comes before
+# read_latency, so p50_us is the write's unless asked with the read prefix).
+field() { sed -n "s/^ *\"$1\": \\([0-9.e+-]*\\),\\{0,1\\}$/\\1/p" | head -1; }
+read_p50() { sed -n '/"read_latency"/,/}/s/^ *"p50_us": \([0-9.e+-]*\),\{0,1\}$/\1/p'; }
+median() { sort -g | awk '{v[NR] = $1} END {m = NR % 2 ? v[(NR + 1) / 2] : (v[NR / 2] + v[NR / 2 + 1]) / 2; printf "%.1f\n", m}'; }
+
+echo
+echo "## rpma-initiator bench: QD1 4 KiB x 1000, then 64 MiB at depth 32; median of $reps runs"
+echo
+printf '| %-34s | %-6s | %13s | %12s | %14s | %13s |\n' namespace method "write p50 us" "read p50 us" "write MiB/s" "read MiB/s"
+printf '|%s|%s|%s|%s|%s|%s|\n' "$(printf -- '-%.0s' {1..36})" "--------" "--------------:" "-------------:" "---------------:" "--------------:"
+row() {
+    local label=$1 nsid=$2 persist=$3 i out method
+    local wl=() rl=() wb=() rb=()
+    for i in $(seq "$reps"); do
+        out=$("$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \
+            --nsid "$nsid" ${persist:+--persist "$persist"} --json \
+            bench --offset 0 --count 1000 --io-size 4k --total 64MiB --depth 32)
+        method=$(sed -n 's/^ *"method": "\(.*\)",$/\1/p' <<<"$out")
+        wl+=("$(field p50_us <<<"$out")")
+        rl+=("$(read_p50 <<<"$out")")
+        wb+=("$(field write_mib_s <<<"$out")")
+        rb+=("$(field read_mib_s <<<"$out")")
+    done
+    printf '| %-34s | %-6s | %13s | %12s | %14s | %13s |\n' "$label" "$method" \
+        "$(printf '%s\n' "${wl[@]}" | median)" "$(printf '%s\n' "${rl[@]}" | median)" \
+        "$(printf '%s\n' "${wb[@]}" | median)" "$(printf '%s\n' "${rb[@]}" | median)"
+}
+row "dax (forced), /dev/shm" 1 ""
+row "page-cache, file under the repo" 2 ""
+row "page-cache, --persist flush" 2 flush
+echo
+echo "(durable writes: write_durable at QD1; bandwidth writes are made durable once at the end)"
