@@ -73,7 +73,7 @@ pub fn parse_size(input: &str) -> Result<u64> {
 /// `4097 B`.
 pub fn format_size(bytes: u64) -> String {
     for (shift, unit) in [(40, "TiB"), (30, "GiB"), (20, "MiB"), (10, "KiB")] {
-        if bytes != 0 && bytes % (1u64 << shift) == 0 {
+        if bytes != 0 && bytes.is_multiple_of(1u64 << shift) {
             return format!("{} {unit}", bytes >> shift);
         }
     }

@@ -297,7 +297,7 @@ impl Flusher {
         };
         if offset
             .checked_add(length)
-            .map_or(true, |end| end > target.len)
+            .is_none_or(|end| end > target.len)
         {
             self.ready.push_back(FlushCompletion {
                 token,

@@ -132,7 +132,7 @@ impl Psk {
         let not_hex = || AuthError::KeyNotHex {
             origin: origin.to_owned(),
         };
-        if s.len() % 2 != 0 || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
+        if !s.len().is_multiple_of(2) || !s.bytes().all(|c| c.is_ascii_hexdigit()) {
             return Err(not_hex());
         }
         let bytes: Vec<u8> = (0..s.len())

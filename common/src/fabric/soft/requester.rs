@@ -74,7 +74,7 @@ impl Engine {
             return Err(fail(self.qp_num, self.state, "post_send", QpState::Rts));
         }
         let too_big = |s: &Sge| s.len > self.max_message || s.len > u32::MAX as usize;
-        let aligned = |addr: u64| addr % 8 == 0;
+        let aligned = |addr: u64| addr.is_multiple_of(8);
         match &wr.op {
             SendOp::Write { local, .. }
             | SendOp::Send { local }

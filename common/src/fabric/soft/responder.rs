@@ -190,7 +190,7 @@ impl Engine {
                     .map_err(|f| fault(placement::rdmap_cause(f)))?;
                 self.persist_dirty(hdr, ulpdu_len)?;
                 let ptr = t.ptr();
-                if ptr as usize % 8 != 0 {
+                if !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
                 }
                 // SAFETY: `ptr` is 8-aligned, inside registered memory kept alive by
@@ -220,7 +220,7 @@ impl Engine {
                     .lookup(aw.stag, aw.to, 8, Access::REMOTE_WRITE)
                     .map_err(|f| fault(placement::rdmap_cause(f)))?;
                 let ptr = t.ptr();
-                if aw.to % 8 != 0 || ptr as usize % 8 != 0 {
+                if aw.to % 8 != 0 || !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
                 }
                 // SAFETY: as for atomics: aligned, in live registered memory, accessed
