@@ -157,7 +157,17 @@ pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
     if let Some(size) = &args.size {
         opts = opts.size(parse_size(size).with_context(|| format!("--size {size}"))?);
     }
-    let mapping = opts.open()?;
+    let mapping = opts.open().map_err(|e| {
+        let hint = match e.resize_needed() {
+            Some(Resize::Grow) => Some("add --grow to grow the file"),
+            Some(_) => Some("probe never shrinks a file: give its current size, or no --size"),
+            None => None,
+        };
+        match hint {
+            Some(h) => anyhow::Error::new(e).context(h),
+            None => anyhow::Error::new(e),
+        }
+    })?;
     Ok(Report::new(&mapping, args.block_size))
 }
 

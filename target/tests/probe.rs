@@ -116,10 +116,13 @@ fn grow_needs_the_flag() {
     let out = rpma_target(&["probe", p(&path), "--size", "16k"]);
     assert!(!out.status.success());
     assert!(
-        stderr(&out).contains("refusing to grow"),
+        stderr(&out).contains("refusing to grow") && stderr(&out).contains("add --grow"),
         "{}",
         stderr(&out)
     );
+    let out = rpma_target(&["probe", p(&path), "--size", "4k"]);
+    assert!(!out.status.success());
+    assert!(stderr(&out).contains("never shrinks"), "{}", stderr(&out));
     let out = rpma_target(&["probe", p(&path), "--size", "16k", "--grow"]);
     assert!(out.status.success(), "{}", stderr(&out));
     assert!(stdout(&out).contains("(16 KiB)"), "{}", stdout(&out));
