@@ -164,7 +164,8 @@ pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
             None => None,
         };
         match hint {
-            Some(h) => anyhow::Error::new(e).context(h),
+            // The refusal has no source: the hint follows its text.
+            Some(h) => anyhow::anyhow!("{e}: {h}"),
             None => anyhow::Error::new(e),
         }
     })?;
