@@ -20,6 +20,7 @@ use super::caps::CapFlags;
 use super::ddp::{Header, Opcode, TAGGED_HDR_LEN, UNTAGGED_HDR_LEN};
 use super::mpa::Negotiated;
 use super::rdmap::Body;
+use super::ring::Ring;
 use super::terminate::TermCause;
 use super::tx::MIN_MAX_ULPDU;
 use super::{crc32c, fpdu_len, pad_len, Result, WireError, MAX_ULPDU_LIMIT};
@@ -229,7 +230,7 @@ struct Done {
 /// The receive state machine of one connection. See the module docs.
 pub struct FpduReceiver {
     cfg: RxConfig,
-    buf: Box<[u8]>,
+    ring: Ring,
     start: usize,
     end: usize,
     state: State,
@@ -262,7 +263,7 @@ impl FpduReceiver {
         let size = (2 * fpdu_len(cfg.max_ulpdu)).max(2 * READ_AHEAD);
         FpduReceiver {
             cfg,
-            buf: vec![0u8; size].into_boxed_slice(),
+            ring: Ring::new(size),
             start: 0,
             end: 0,
             state: State::Idle,
@@ -314,7 +315,7 @@ impl FpduReceiver {
         };
         let data = match done.kind {
             DoneKind::Placed => Delivered::Placed,
-            DoneKind::Buffered(a, b) => Delivered::Buffered(&self.buf[a..b]),
+            DoneKind::Buffered(a, b) => Delivered::Buffered(&self.ring.view()[a..b]),
             DoneKind::Discarded => Delivered::Discarded,
             DoneKind::Control(body) => Delivered::Control(body),
         };
@@ -379,7 +380,10 @@ impl FpduReceiver {
                         // SAFETY: DirectTarget's contract: `dst` is writable for dst.len bytes
                         // (>= payload_len, checked in parse) and disjoint from our buffer.
                         unsafe {
-                            place_copy(dst.ptr.add(done), &self.buf[self.start..self.start + n])
+                            place_copy(
+                                dst.ptr.add(done),
+                                &self.ring.view()[self.start..self.start + n],
+                            )
                         };
                         self.start += n;
                         done += n;
@@ -403,10 +407,10 @@ impl FpduReceiver {
                     let want = rest.len();
                     self.start = 0;
                     self.end = 0;
-                    let ahead = READ_AHEAD.min(self.buf.len());
+                    let ahead = READ_AHEAD.min(self.ring.cap());
                     let mut iov = [
                         io::IoSliceMut::new(rest),
-                        io::IoSliceMut::new(&mut self.buf[..ahead]),
+                        io::IoSliceMut::new(&mut self.ring.view_mut()[..ahead]),
                     ];
                     match src.read_vectored(&mut iov) {
                         Ok(0) => {
@@ -467,7 +471,7 @@ impl FpduReceiver {
 
     /// Bytes wanted from `start` before `parse` can make progress in the Idle state.
     fn want(&self) -> usize {
-        let avail = &self.buf[self.start..self.end];
+        let avail = &self.ring.view()[self.start..self.end];
         if avail.len() < 2 {
             return 3;
         }
@@ -483,12 +487,13 @@ impl FpduReceiver {
     /// Reads until `want` bytes are buffered from `start` or the source would block
     /// (returns false then).
     fn fill<R: Read>(&mut self, src: &mut R, want: usize) -> Result<bool> {
-        let len = self.buf.len();
-        if self.start > 0 && (self.start == self.end || self.end > len / 2) {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.start >= self.ring.cap() {
+            (self.start, self.end) = self.ring.wrap(self.start, self.end);
         }
+        // The free space behind the data: the ring never moves what it holds.
+        let len = self.start + self.ring.cap();
         while self.end - self.start < want {
             // With CRC off, read only a little past what is needed so that a direct payload
             // mostly bypasses this buffer.
@@ -497,7 +502,7 @@ impl FpduReceiver {
             } else {
                 (self.start + want).max(self.end + READ_AHEAD).min(len)
             };
-            match src.read(&mut self.buf[self.end..limit]) {
+            match src.read(&mut self.ring.view_mut()[self.end..limit]) {
                 Ok(0) => {
                     return Err(WireError::Closed {
                         during: "FPDU receive",
@@ -513,7 +518,7 @@ impl FpduReceiver {
     }
 
     fn note_offending(&mut self, ulpdu_len: usize) {
-        let avail = &self.buf[self.start..self.end];
+        let avail = &self.ring.view()[self.start..self.end];
         let mut hdr = [0u8; UNTAGGED_HDR_LEN];
         let hl = avail
             .get(2..)
@@ -530,7 +535,7 @@ impl FpduReceiver {
         if avail < 2 {
             return Ok(None);
         }
-        let b = &self.buf[self.start..self.end];
+        let b = &self.ring.view()[self.start..self.end];
         let ulpdu_len = u16::from_be_bytes([b[0], b[1]]) as usize;
         let total = fpdu_len(ulpdu_len);
         if ulpdu_len > self.cfg.max_ulpdu {
@@ -545,7 +550,7 @@ impl FpduReceiver {
                 return Ok(None);
             }
             self.note_offending(ulpdu_len);
-            let b = &self.buf[self.start..self.start + total];
+            let b = &self.ring.view()[self.start..self.start + total];
             let computed = crc32c(&b[..total - 4]);
             let received =
                 u32::from_le_bytes([b[total - 4], b[total - 3], b[total - 2], b[total - 1]]);
@@ -596,7 +601,7 @@ impl FpduReceiver {
 
     /// Decodes and checks the header of the FPDU at `start` (its header bytes are buffered).
     fn judge_header(&self, ulpdu_len: usize) -> Result<(Header, usize)> {
-        let b = &self.buf[self.start..self.end];
+        let b = &self.ring.view()[self.start..self.end];
         let ulpdu = &b[2..(2 + ulpdu_len).min(b.len())];
         let hl = Header::peek_len(ulpdu).unwrap_or(UNTAGGED_HDR_LEN);
         if ulpdu_len < hl {
@@ -676,12 +681,12 @@ impl FpduReceiver {
             Kind::Direct(dst) => {
                 // SAFETY: DirectTarget's contract; dst.len >= b - a was checked in `decide`, and
                 // the target does not overlap our buffer.
-                unsafe { place_copy(dst.ptr, &self.buf[a..b]) };
+                unsafe { place_copy(dst.ptr, &self.ring.view()[a..b]) };
                 DoneKind::Placed
             }
             Kind::Buffer => DoneKind::Buffered(a, b),
             Kind::Discard => DoneKind::Discarded,
-            Kind::Control => match Body::decode(header.opcode, &self.buf[a..b])? {
+            Kind::Control => match Body::decode(header.opcode, &self.ring.view()[a..b])? {
                 Some(body) => DoneKind::Control(body),
                 None => DoneKind::Discarded,
             },
