@@ -97,6 +97,7 @@ impl RxConfig {
 pub struct DirectTarget {
     ptr: *mut u8,
     len: usize,
+    writeback: bool,
 }
 
 // SAFETY: `DirectTarget::new`'s contract makes the range writable from whichever thread polls
@@ -113,7 +114,21 @@ impl DirectTarget {
     /// through another reference (the receiver may form a `&mut [u8]` over it to `read` into).
     /// The caller has checked STag, bounds and rights for it.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> DirectTarget {
-        DirectTarget { ptr, len }
+        DirectTarget {
+            ptr,
+            len,
+            writeback: false,
+        }
+    }
+
+    /// Asks that the placed bytes also leave the CPU cache (memory made durable by a cache
+    /// write-back: dax). Where the receiver copies the payload into place it then uses
+    /// non-temporal stores (and writes back the partial lines at either end), and says so in
+    /// [`Received::written_back`]: only a store fence is then needed to make the bytes durable.
+    /// A payload the receiver reads from the stream straight into place is not written back.
+    pub fn with_cache_writeback(mut self) -> DirectTarget {
+        self.writeback = true;
+        self
     }
 
     /// Bytes available at the target.
@@ -178,6 +193,9 @@ pub struct Received<'a> {
     pub payload_len: usize,
     /// The payload's fate.
     pub data: Delivered<'a>,
+    /// Placed with a copy that also wrote it back from the CPU cache (asked for with
+    /// [`DirectTarget::with_cache_writeback`]): an `sfence` makes it durable, no `clwb` needed.
+    pub written_back: bool,
 }
 
 enum Kind {
@@ -215,7 +233,8 @@ enum State {
 }
 
 enum DoneKind {
-    Placed,
+    /// Placed; whether it was also written back from the cache.
+    Placed(bool),
     Buffered(usize, usize),
     Discarded,
     Control(Body),
@@ -255,6 +274,52 @@ impl std::fmt::Debug for FpduReceiver {
 pub unsafe fn place_copy(dst: *mut u8, src: &[u8]) {
     // SAFETY: the caller guarantees `dst` is writable for `src.len()` bytes and disjoint.
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+}
+
+/// [`place_copy`] with non-temporal stores where the CPU has them (x86-64: `movntdq` for the
+/// 16-byte-aligned middle, a plain copy and a cache write-back of the partial lines at either
+/// end): returns true when every byte is on its way out of the cache, so that an `sfence`
+/// makes the range durable, as after `clwb` + `sfence`. Returns false, having done a plain copy,
+/// where there is no cache write-back instruction.
+///
+/// # Safety
+/// As [`place_copy`]; and `dst..dst + src.len()` lies within one live mapping.
+pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let len = src.len();
+        let head = dst.align_offset(16).min(len);
+        let body = (len - head) & !63;
+        let tail = len - head - body;
+        // SAFETY: the caller's contract covers dst..dst + len; head + body + tail == len.
+        unsafe {
+            place_copy(dst, &src[..head]);
+            let mut i = head;
+            while i < head + body {
+                // 64 bytes per round: four aligned 16-byte streaming stores (SSE2 is baseline
+                // on x86-64), unaligned loads from our buffer.
+                let s = src.as_ptr().add(i).cast::<__m128i>();
+                let d = dst.add(i).cast::<__m128i>();
+                let (x0, x1) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
+                let (x2, x3) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+                _mm_stream_si128(d, x0);
+                _mm_stream_si128(d.add(1), x1);
+                _mm_stream_si128(d.add(2), x2);
+                _mm_stream_si128(d.add(3), x3);
+                i += 64;
+            }
+            place_copy(dst.add(head + body), &src[head + body..]);
+            // The partial lines went through the cache: write them back (no fence here; the
+            // caller's sfence orders them with the streaming stores).
+            crate::pmem::writeback_range(dst, head);
+            crate::pmem::writeback_range(dst.add(head + body), tail);
+        }
+        return true;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { place_copy(dst, src) };
+    false
 }
 
 impl FpduReceiver {
@@ -313,8 +378,9 @@ impl FpduReceiver {
                 return Err(e);
             }
         };
+        let written_back = matches!(done.kind, DoneKind::Placed(true));
         let data = match done.kind {
-            DoneKind::Placed => Delivered::Placed,
+            DoneKind::Placed(_) => Delivered::Placed,
             DoneKind::Buffered(a, b) => Delivered::Buffered(&self.ring.view()[a..b]),
             DoneKind::Discarded => Delivered::Discarded,
             DoneKind::Control(body) => Delivered::Control(body),
@@ -324,6 +390,7 @@ impl FpduReceiver {
             ulpdu_len: done.ulpdu_len,
             payload_len: done.ulpdu_len - done.header.len(),
             data,
+            written_back,
         }))
     }
 
@@ -453,7 +520,7 @@ impl FpduReceiver {
                         return Ok(Some(Done {
                             header,
                             ulpdu_len,
-                            kind: DoneKind::Placed,
+                            kind: DoneKind::Placed(false),
                         }));
                     }
                     self.state = State::Trailer {
@@ -678,11 +745,15 @@ impl FpduReceiver {
     fn deliver(&mut self, header: Header, hl: usize, ulpdu_len: usize, kind: Kind) -> Result<Done> {
         let (a, b) = (self.start + 2 + hl, self.start + 2 + ulpdu_len);
         let kind = match kind {
+            Kind::Direct(dst) if dst.writeback => {
+                // SAFETY: as below.
+                DoneKind::Placed(unsafe { place_copy_writeback(dst.ptr, &self.ring.view()[a..b]) })
+            }
             Kind::Direct(dst) => {
                 // SAFETY: DirectTarget's contract; dst.len >= b - a was checked in `decide`, and
                 // the target does not overlap our buffer.
                 unsafe { place_copy(dst.ptr, &self.ring.view()[a..b]) };
-                DoneKind::Placed
+                DoneKind::Placed(false)
             }
             Kind::Buffer => DoneKind::Buffered(a, b),
             Kind::Discard => DoneKind::Discarded,
