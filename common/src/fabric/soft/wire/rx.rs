@@ -276,20 +276,30 @@ pub unsafe fn place_copy(dst: *mut u8, src: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
 }
 
+/// Payloads shorter than this are copied plainly (and written back later, with the other dirty
+/// ranges): with 1440-byte FPDUs every one shares its first and last cache line with its
+/// neighbours, and streaming them in cost more than it saved (docs/benchmarks.md).
+pub const WRITEBACK_COPY_MIN: usize = 2048;
+
 /// [`place_copy`] with non-temporal stores where the CPU has them (x86-64: `movntdq` for the
-/// 16-byte-aligned middle, a plain copy and a cache write-back of the partial lines at either
-/// end): returns true when every byte is on its way out of the cache, so that an `sfence`
+/// whole cache lines in the middle, a plain copy and a cache write-back of the partial lines at
+/// either end): returns true when every byte is on its way out of the cache, so that an `sfence`
 /// makes the range durable, as after `clwb` + `sfence`. Returns false, having done a plain copy,
-/// where there is no cache write-back instruction.
+/// where there is no cache write-back instruction or `src` is shorter than
+/// [`WRITEBACK_COPY_MIN`].
 ///
 /// # Safety
 /// As [`place_copy`]; and `dst..dst + src.len()` lies within one live mapping.
 pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
     #[cfg(target_arch = "x86_64")]
-    if crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None {
+    if src.len() >= WRITEBACK_COPY_MIN
+        && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
+    {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
         let len = src.len();
-        let head = dst.align_offset(16).min(len);
+        // Whole lines only: a partly streamed line leaves the write-combining buffer as a
+        // partial write, which is slow.
+        let head = dst.align_offset(64).min(len);
         let body = (len - head) & !63;
         let tail = len - head - body;
         // SAFETY: the caller's contract covers dst..dst + len; head + body + tail == len.
@@ -297,7 +307,7 @@ pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
             place_copy(dst, &src[..head]);
             let mut i = head;
             while i < head + body {
-                // 64 bytes per round: four aligned 16-byte streaming stores (SSE2 is baseline
+                // One line per round: four aligned 16-byte streaming stores (SSE2 is baseline
                 // on x86-64), unaligned loads from our buffer.
                 let s = src.as_ptr().add(i).cast::<__m128i>();
                 let d = dst.add(i).cast::<__m128i>();

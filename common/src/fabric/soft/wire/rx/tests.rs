@@ -302,18 +302,19 @@ fn a_long_stream_wraps_the_ring_without_losing_a_byte() {
 
 #[test]
 fn writeback_copy_equals_a_plain_copy_at_every_alignment() {
-    let src: Vec<u8> = (0..700u32).map(|i| (i * 13 + 5) as u8).collect();
-    for dst_off in 0..20 {
+    let src: Vec<u8> = (0..3100u32).map(|i| (i * 13 + 5) as u8).collect();
+    for dst_off in (0..20).chain([63, 64, 65]) {
         for src_off in [0usize, 1, 7, 16] {
-            for len in (0..200).chain([255, 256, 257, 500, 640]) {
-                let mut mem = vec![0xEEu8; 720 + 64];
+            for len in (0..200).chain([255, 640, 2047, 2048, 2049, 2111, 3000]) {
+                let mut mem = vec![0xEEu8; 3100 + 64];
                 let s = &src[src_off..src_off + len.min(src.len() - src_off)];
                 // SAFETY: mem has room for s at dst_off and does not overlap src.
                 let wb = unsafe { place_copy_writeback(mem.as_mut_ptr().add(dst_off), s) };
                 crate::pmem::sfence();
                 assert_eq!(
                     wb,
-                    crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
+                    s.len() >= WRITEBACK_COPY_MIN
+                        && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
                 );
                 assert_eq!(
                     &mem[dst_off..dst_off + s.len()],
