@@ -2,9 +2,11 @@
 //! arbitrarily, checked, and their payloads placed where a [`Placer`] says.
 //!
 //! Integrity before placement:
-//! - CRC on: the whole FPDU is gathered in the receiver's buffer, its CRC checked, then its
-//!   header decoded, then the placer asked, then the payload copied into place
-//!   ([`place_copy`], the one function that writes received bytes into registered memory).
+//! - CRC on: the whole FPDU is gathered in the receiver's buffer (a mirrored ring: an FPDU is
+//!   one slice wherever it starts, and nothing is ever compacted), its CRC checked, then its
+//!   header decoded, then the placer asked, then the payload copied into place ([`place_copy`],
+//!   or [`place_copy_writeback`] with non-temporal stores where the placer asked for the cache
+//!   write-back: the only functions that write received bytes into registered memory).
 //! - CRC off: the header is decoded and checked and the placer asked as soon as the header is in;
 //!   a direct payload is then read from the stream straight into place (bytes already read ahead
 //!   are copied), with no staging.
@@ -265,9 +267,8 @@ impl std::fmt::Debug for FpduReceiver {
     }
 }
 
-/// Copies a checked payload into its placement: the one place where received bytes are written
-/// into registered memory on the staged path (a non-temporal copy, which doubles as the cache
-/// write-back for pmem, would go here).
+/// Copies a checked payload into its placement: with [`place_copy_writeback`], the only code
+/// that writes received bytes into registered memory on the staged path.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
