@@ -107,6 +107,10 @@ pub(crate) struct Engine {
     pub(super) ird: usize,
     pub(super) ird_used: usize,
     pub(super) dirty: Dirty,
+    /// The Write being placed into memory whose durability is a cache write-back, with the
+    /// receiver asked to write it back as it copies: (region, offset, len). `on_data` records it
+    /// as needing only a fence, or as dirty if the receiver could not write it back.
+    pub(super) placing: Option<(std::sync::Arc<crate::fabric::mr::Region>, usize, usize)>,
     /// The receive status for the Recv whose Send the placer just refused (LocalLength).
     pub(super) refused_recv_status: Option<WcStatus>,
 }
@@ -238,7 +242,7 @@ impl Engine {
                                 self.terminate(f);
                             }
                         }
-                        _ => self.on_data(hdr, len),
+                        _ => self.on_data(hdr, len, r.written_back),
                     }
                     // Nothing more buffered: let the caller write the answers and report the
                     // completions now rather than after one more read that would likely block.

@@ -18,6 +18,9 @@ const MAX_RANGES: usize = 64;
 #[derive(Default)]
 pub(crate) struct Dirty {
     ranges: Vec<(Arc<Region>, usize, usize)>,
+    /// Bytes were placed with non-temporal stores (on their way out of the cache already):
+    /// a store fence makes them durable.
+    fence: bool,
 }
 
 impl Dirty {
@@ -60,8 +63,14 @@ impl Dirty {
         self.ranges.push((Arc::clone(region), offset, len));
     }
 
+    /// Records that bytes were placed with a copy that wrote them back from the cache
+    /// (non-temporal stores): they need only the fence.
+    pub(crate) fn add_fence(&mut self) {
+        self.fence = true;
+    }
+
     pub(crate) fn is_empty(&self) -> bool {
-        self.ranges.is_empty()
+        self.ranges.is_empty() && !self.fence
     }
 
     #[cfg(test)]
@@ -72,6 +81,9 @@ impl Dirty {
     /// Makes every recorded range durable through its memory's `Persist`, then forgets them.
     /// On failure the ranges that failed stay recorded.
     pub(crate) fn persist_all(&mut self) -> std::result::Result<(), String> {
+        if std::mem::take(&mut self.fence) {
+            crate::pmem::sfence();
+        }
         let mut failed = None;
         self.ranges
             .retain(|(region, off, len)| match region.persist() {
@@ -209,6 +221,15 @@ mod tests {
         assert_eq!(d.ranges(), vec![(0, 150), (990, 18)]);
         d.add(&r, 5, 0);
         assert_eq!(d.ranges().len(), 2);
+        d.persist_all().unwrap();
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn a_fence_alone_is_work_to_do_and_is_done_once() {
+        let mut d = Dirty::default();
+        d.add_fence();
+        assert!(!d.is_empty(), "written-back bytes still need their sfence");
         d.persist_all().unwrap();
         assert!(d.is_empty());
     }

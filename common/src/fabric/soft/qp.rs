@@ -87,6 +87,7 @@ impl SoftQp {
             ird: 1,
             ird_used: 0,
             dirty: Dirty::default(),
+            placing: None,
             refused_recv_status: None,
         };
         Arc::new(SoftQp {

@@ -15,8 +15,16 @@ use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause};
 use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
 
 impl Engine {
-    /// A data FPDU has been placed (with CRC on, after its CRC passed).
-    pub(super) fn on_data(&mut self, hdr: Header, len: usize) {
+    /// A data FPDU has been placed (with CRC on, after its CRC passed); `written_back`: by a
+    /// copy that also wrote it back from the CPU cache.
+    pub(super) fn on_data(&mut self, hdr: Header, len: usize, written_back: bool) {
+        if let Some((region, offset, n)) = self.placing.take() {
+            if written_back {
+                self.dirty.add_fence();
+            } else {
+                self.dirty.add(&region, offset, n);
+            }
+        }
         match (hdr.opcode, hdr.kind) {
             (Opcode::ReadResponse, _) => {
                 let Some(&seq) = self.in_flight.front() else {
@@ -335,7 +343,15 @@ impl rx::Placer for Engine {
             // STag entry's or the work request's Arc until the FPDU is reported. Other parties
             // may access the same registered memory concurrently, as with any RDMA NIC: the
             // fabric never forms a Rust reference to it outside this placement.
-            Ok(Some(p)) => Ok(rx::Placement::Direct(unsafe { DirectTarget::new(p, len) })),
+            Ok(Some((p, writeback))) => {
+                // SAFETY: as above.
+                let t = unsafe { DirectTarget::new(p, len) };
+                Ok(rx::Placement::Direct(if writeback {
+                    t.with_cache_writeback()
+                } else {
+                    t
+                }))
+            }
             Ok(None) => Ok(rx::Placement::Discard),
             Err((cause, recv_status)) => {
                 self.refused_recv_status = recv_status;
@@ -345,18 +361,29 @@ impl rx::Placer for Engine {
     }
 }
 
-type PlaceResult = std::result::Result<Option<*mut u8>, (TermCause, Option<WcStatus>)>;
+/// Where to place (and whether to write the bytes back from the cache as they are copied), or
+/// the Terminate cause and the receive status of a refusal.
+type PlaceResult = std::result::Result<Option<(*mut u8, bool)>, (TermCause, Option<WcStatus>)>;
 
 impl Engine {
     pub(super) fn check_placement(&mut self, hdr: &Header, len: usize) -> PlaceResult {
+        self.placing = None;
         match (hdr.opcode, hdr.kind) {
             // A zero-length Write places nothing (it is also the peer-to-peer RTR).
             (Opcode::Write, HeaderKind::Tagged { .. }) if len == 0 => Ok(None),
             (Opcode::Write, HeaderKind::Tagged { stag, to }) => {
                 match self.lookup(stag, to, len as u64, Access::REMOTE_WRITE) {
                     Ok(t) => {
-                        self.dirty.add(&t.region, t.offset, len);
-                        Ok(Some(t.ptr()))
+                        // Dax memory: ask the receiver to write the bytes back as it copies
+                        // them (non-temporal stores); `on_data` records what it did.
+                        let dax = t.region.persist().is_some_and(|p| p.domain().is_dax());
+                        let ptr = t.ptr();
+                        if dax {
+                            self.placing = Some((t.region, t.offset, len));
+                        } else {
+                            self.dirty.add(&t.region, t.offset, len);
+                        }
+                        Ok(Some((ptr, dax)))
                     }
                     Err(f) => Err((placement::tagged_cause(f), None)),
                 }
@@ -375,7 +402,10 @@ impl Engine {
                 if stag != sink.mr.lkey() || to != expect_to || *got + len > sink.len {
                     return Err((TermCause::DDP_TAGGED_BASE_BOUNDS, None));
                 }
-                Ok(Some(sink.mr.as_mut_ptr().wrapping_add(sink.offset + *got)))
+                Ok(Some((
+                    sink.mr.as_mut_ptr().wrapping_add(sink.offset + *got),
+                    false,
+                )))
             }
             (
                 Opcode::Send | Opcode::SendSe | Opcode::SendInvalidate | Opcode::SendSeInvalidate,
@@ -410,9 +440,10 @@ impl Engine {
                 }
                 cur.placed += len;
                 Ok(match &cur.entry.local {
-                    Some(s) if len > 0 => {
-                        Some(s.mr.as_mut_ptr().wrapping_add(s.offset + mo as usize))
-                    }
+                    Some(s) if len > 0 => Some((
+                        s.mr.as_mut_ptr().wrapping_add(s.offset + mo as usize),
+                        false,
+                    )),
                     _ => None,
                 })
             }

@@ -28,6 +28,7 @@ pub mod cursor;
 pub mod ddp;
 pub mod mpa;
 pub mod rdmap;
+mod ring;
 pub mod rx;
 pub mod terminate;
 pub mod tx;

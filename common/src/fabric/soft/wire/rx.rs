@@ -2,9 +2,11 @@
 //! arbitrarily, checked, and their payloads placed where a [`Placer`] says.
 //!
 //! Integrity before placement:
-//! - CRC on: the whole FPDU is gathered in the receiver's buffer, its CRC checked, then its
-//!   header decoded, then the placer asked, then the payload copied into place
-//!   ([`place_copy`], the one function that writes received bytes into registered memory).
+//! - CRC on: the whole FPDU is gathered in the receiver's buffer (a mirrored ring: an FPDU is
+//!   one slice wherever it starts, and nothing is ever compacted), its CRC checked, then its
+//!   header decoded, then the placer asked, then the payload copied into place ([`place_copy`],
+//!   or [`place_copy_writeback`] with non-temporal stores where the placer asked for the cache
+//!   write-back: the only functions that write received bytes into registered memory).
 //! - CRC off: the header is decoded and checked and the placer asked as soon as the header is in;
 //!   a direct payload is then read from the stream straight into place (bytes already read ahead
 //!   are copied), with no staging.
@@ -20,6 +22,7 @@ use super::caps::CapFlags;
 use super::ddp::{Header, Opcode, TAGGED_HDR_LEN, UNTAGGED_HDR_LEN};
 use super::mpa::Negotiated;
 use super::rdmap::Body;
+use super::ring::Ring;
 use super::terminate::TermCause;
 use super::tx::MIN_MAX_ULPDU;
 use super::{crc32c, fpdu_len, pad_len, Result, WireError, MAX_ULPDU_LIMIT};
@@ -96,6 +99,7 @@ impl RxConfig {
 pub struct DirectTarget {
     ptr: *mut u8,
     len: usize,
+    writeback: bool,
 }
 
 // SAFETY: `DirectTarget::new`'s contract makes the range writable from whichever thread polls
@@ -112,7 +116,21 @@ impl DirectTarget {
     /// through another reference (the receiver may form a `&mut [u8]` over it to `read` into).
     /// The caller has checked STag, bounds and rights for it.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> DirectTarget {
-        DirectTarget { ptr, len }
+        DirectTarget {
+            ptr,
+            len,
+            writeback: false,
+        }
+    }
+
+    /// Asks that the placed bytes also leave the CPU cache (memory made durable by a cache
+    /// write-back: dax). Where the receiver copies the payload into place it then uses
+    /// non-temporal stores (and writes back the partial lines at either end), and says so in
+    /// [`Received::written_back`]: only a store fence is then needed to make the bytes durable.
+    /// A payload the receiver reads from the stream straight into place is not written back.
+    pub fn with_cache_writeback(mut self) -> DirectTarget {
+        self.writeback = true;
+        self
     }
 
     /// Bytes available at the target.
@@ -177,6 +195,9 @@ pub struct Received<'a> {
     pub payload_len: usize,
     /// The payload's fate.
     pub data: Delivered<'a>,
+    /// Placed with a copy that also wrote it back from the CPU cache (asked for with
+    /// [`DirectTarget::with_cache_writeback`]): an `sfence` makes it durable, no `clwb` needed.
+    pub written_back: bool,
 }
 
 enum Kind {
@@ -214,7 +235,8 @@ enum State {
 }
 
 enum DoneKind {
-    Placed,
+    /// Placed; whether it was also written back from the cache.
+    Placed(bool),
     Buffered(usize, usize),
     Discarded,
     Control(Body),
@@ -229,7 +251,7 @@ struct Done {
 /// The receive state machine of one connection. See the module docs.
 pub struct FpduReceiver {
     cfg: RxConfig,
-    buf: Box<[u8]>,
+    ring: Ring,
     start: usize,
     end: usize,
     state: State,
@@ -245,9 +267,8 @@ impl std::fmt::Debug for FpduReceiver {
     }
 }
 
-/// Copies a checked payload into its placement: the one place where received bytes are written
-/// into registered memory on the staged path (a non-temporal copy, which doubles as the cache
-/// write-back for pmem, would go here).
+/// Copies a checked payload into its placement: with [`place_copy_writeback`], the only code
+/// that writes received bytes into registered memory on the staged path.
 ///
 /// # Safety
 /// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
@@ -256,13 +277,69 @@ pub unsafe fn place_copy(dst: *mut u8, src: &[u8]) {
     unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
 }
 
+/// Payloads shorter than this are copied plainly (and written back later, with the other dirty
+/// ranges): with 1440-byte FPDUs every one shares its first and last cache line with its
+/// neighbours, and streaming them in cost more than it saved (docs/benchmarks.md).
+pub const WRITEBACK_COPY_MIN: usize = 2048;
+
+/// [`place_copy`] with non-temporal stores where the CPU has them (x86-64: `movntdq` for the
+/// whole cache lines in the middle, a plain copy and a cache write-back of the partial lines at
+/// either end): returns true when every byte is on its way out of the cache, so that an `sfence`
+/// makes the range durable, as after `clwb` + `sfence`. Returns false, having done a plain copy,
+/// where there is no cache write-back instruction or `src` is shorter than
+/// [`WRITEBACK_COPY_MIN`].
+///
+/// # Safety
+/// As [`place_copy`]; and `dst..dst + src.len()` lies within one live mapping.
+pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    if src.len() >= WRITEBACK_COPY_MIN
+        && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
+    {
+        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+        let len = src.len();
+        // Whole lines only: a partly streamed line leaves the write-combining buffer as a
+        // partial write, which is slow.
+        let head = dst.align_offset(64).min(len);
+        let body = (len - head) & !63;
+        let tail = len - head - body;
+        // SAFETY: the caller's contract covers dst..dst + len; head + body + tail == len.
+        unsafe {
+            place_copy(dst, &src[..head]);
+            let mut i = head;
+            while i < head + body {
+                // One line per round: four aligned 16-byte streaming stores (SSE2 is baseline
+                // on x86-64), unaligned loads from our buffer.
+                let s = src.as_ptr().add(i).cast::<__m128i>();
+                let d = dst.add(i).cast::<__m128i>();
+                let (x0, x1) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
+                let (x2, x3) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
+                _mm_stream_si128(d, x0);
+                _mm_stream_si128(d.add(1), x1);
+                _mm_stream_si128(d.add(2), x2);
+                _mm_stream_si128(d.add(3), x3);
+                i += 64;
+            }
+            place_copy(dst.add(head + body), &src[head + body..]);
+            // The partial lines went through the cache: write them back (no fence here; the
+            // caller's sfence orders them with the streaming stores).
+            crate::pmem::writeback_range(dst, head);
+            crate::pmem::writeback_range(dst.add(head + body), tail);
+        }
+        return true;
+    }
+    // SAFETY: the caller's contract.
+    unsafe { place_copy(dst, src) };
+    false
+}
+
 impl FpduReceiver {
     /// A receiver; its buffer holds two maximal FPDUs.
     pub fn new(cfg: RxConfig) -> FpduReceiver {
         let size = (2 * fpdu_len(cfg.max_ulpdu)).max(2 * READ_AHEAD);
         FpduReceiver {
             cfg,
-            buf: vec![0u8; size].into_boxed_slice(),
+            ring: Ring::new(size),
             start: 0,
             end: 0,
             state: State::Idle,
@@ -312,9 +389,10 @@ impl FpduReceiver {
                 return Err(e);
             }
         };
+        let written_back = matches!(done.kind, DoneKind::Placed(true));
         let data = match done.kind {
-            DoneKind::Placed => Delivered::Placed,
-            DoneKind::Buffered(a, b) => Delivered::Buffered(&self.buf[a..b]),
+            DoneKind::Placed(_) => Delivered::Placed,
+            DoneKind::Buffered(a, b) => Delivered::Buffered(&self.ring.view()[a..b]),
             DoneKind::Discarded => Delivered::Discarded,
             DoneKind::Control(body) => Delivered::Control(body),
         };
@@ -323,6 +401,7 @@ impl FpduReceiver {
             ulpdu_len: done.ulpdu_len,
             payload_len: done.ulpdu_len - done.header.len(),
             data,
+            written_back,
         }))
     }
 
@@ -379,7 +458,10 @@ impl FpduReceiver {
                         // SAFETY: DirectTarget's contract: `dst` is writable for dst.len bytes
                         // (>= payload_len, checked in parse) and disjoint from our buffer.
                         unsafe {
-                            place_copy(dst.ptr.add(done), &self.buf[self.start..self.start + n])
+                            place_copy(
+                                dst.ptr.add(done),
+                                &self.ring.view()[self.start..self.start + n],
+                            )
                         };
                         self.start += n;
                         done += n;
@@ -403,10 +485,10 @@ impl FpduReceiver {
                     let want = rest.len();
                     self.start = 0;
                     self.end = 0;
-                    let ahead = READ_AHEAD.min(self.buf.len());
+                    let ahead = READ_AHEAD.min(self.ring.cap());
                     let mut iov = [
                         io::IoSliceMut::new(rest),
-                        io::IoSliceMut::new(&mut self.buf[..ahead]),
+                        io::IoSliceMut::new(&mut self.ring.view_mut()[..ahead]),
                     ];
                     match src.read_vectored(&mut iov) {
                         Ok(0) => {
@@ -449,7 +531,7 @@ impl FpduReceiver {
                         return Ok(Some(Done {
                             header,
                             ulpdu_len,
-                            kind: DoneKind::Placed,
+                            kind: DoneKind::Placed(false),
                         }));
                     }
                     self.state = State::Trailer {
@@ -467,7 +549,7 @@ impl FpduReceiver {
 
     /// Bytes wanted from `start` before `parse` can make progress in the Idle state.
     fn want(&self) -> usize {
-        let avail = &self.buf[self.start..self.end];
+        let avail = &self.ring.view()[self.start..self.end];
         if avail.len() < 2 {
             return 3;
         }
@@ -483,12 +565,13 @@ impl FpduReceiver {
     /// Reads until `want` bytes are buffered from `start` or the source would block
     /// (returns false then).
     fn fill<R: Read>(&mut self, src: &mut R, want: usize) -> Result<bool> {
-        let len = self.buf.len();
-        if self.start > 0 && (self.start == self.end || self.end > len / 2) {
-            self.buf.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
+        if self.start == self.end {
+            (self.start, self.end) = (0, 0);
+        } else if self.start >= self.ring.cap() {
+            (self.start, self.end) = self.ring.wrap(self.start, self.end);
         }
+        // The free space behind the data: the ring never moves what it holds.
+        let len = self.start + self.ring.cap();
         while self.end - self.start < want {
             // With CRC off, read only a little past what is needed so that a direct payload
             // mostly bypasses this buffer.
@@ -497,7 +580,7 @@ impl FpduReceiver {
             } else {
                 (self.start + want).max(self.end + READ_AHEAD).min(len)
             };
-            match src.read(&mut self.buf[self.end..limit]) {
+            match src.read(&mut self.ring.view_mut()[self.end..limit]) {
                 Ok(0) => {
                     return Err(WireError::Closed {
                         during: "FPDU receive",
@@ -513,7 +596,7 @@ impl FpduReceiver {
     }
 
     fn note_offending(&mut self, ulpdu_len: usize) {
-        let avail = &self.buf[self.start..self.end];
+        let avail = &self.ring.view()[self.start..self.end];
         let mut hdr = [0u8; UNTAGGED_HDR_LEN];
         let hl = avail
             .get(2..)
@@ -530,7 +613,7 @@ impl FpduReceiver {
         if avail < 2 {
             return Ok(None);
         }
-        let b = &self.buf[self.start..self.end];
+        let b = &self.ring.view()[self.start..self.end];
         let ulpdu_len = u16::from_be_bytes([b[0], b[1]]) as usize;
         let total = fpdu_len(ulpdu_len);
         if ulpdu_len > self.cfg.max_ulpdu {
@@ -545,7 +628,7 @@ impl FpduReceiver {
                 return Ok(None);
             }
             self.note_offending(ulpdu_len);
-            let b = &self.buf[self.start..self.start + total];
+            let b = &self.ring.view()[self.start..self.start + total];
             let computed = crc32c(&b[..total - 4]);
             let received =
                 u32::from_le_bytes([b[total - 4], b[total - 3], b[total - 2], b[total - 1]]);
@@ -596,7 +679,7 @@ impl FpduReceiver {
 
     /// Decodes and checks the header of the FPDU at `start` (its header bytes are buffered).
     fn judge_header(&self, ulpdu_len: usize) -> Result<(Header, usize)> {
-        let b = &self.buf[self.start..self.end];
+        let b = &self.ring.view()[self.start..self.end];
         let ulpdu = &b[2..(2 + ulpdu_len).min(b.len())];
         let hl = Header::peek_len(ulpdu).unwrap_or(UNTAGGED_HDR_LEN);
         if ulpdu_len < hl {
@@ -673,15 +756,19 @@ impl FpduReceiver {
     fn deliver(&mut self, header: Header, hl: usize, ulpdu_len: usize, kind: Kind) -> Result<Done> {
         let (a, b) = (self.start + 2 + hl, self.start + 2 + ulpdu_len);
         let kind = match kind {
+            Kind::Direct(dst) if dst.writeback => {
+                // SAFETY: as below.
+                DoneKind::Placed(unsafe { place_copy_writeback(dst.ptr, &self.ring.view()[a..b]) })
+            }
             Kind::Direct(dst) => {
                 // SAFETY: DirectTarget's contract; dst.len >= b - a was checked in `decide`, and
                 // the target does not overlap our buffer.
-                unsafe { place_copy(dst.ptr, &self.buf[a..b]) };
-                DoneKind::Placed
+                unsafe { place_copy(dst.ptr, &self.ring.view()[a..b]) };
+                DoneKind::Placed(false)
             }
             Kind::Buffer => DoneKind::Buffered(a, b),
             Kind::Discard => DoneKind::Discarded,
-            Kind::Control => match Body::decode(header.opcode, &self.buf[a..b])? {
+            Kind::Control => match Body::decode(header.opcode, &self.ring.view()[a..b])? {
                 Some(body) => DoneKind::Control(body),
                 None => DoneKind::Discarded,
             },

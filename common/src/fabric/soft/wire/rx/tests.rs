@@ -266,6 +266,110 @@ proptest! {
     }
 }
 
+/// A stream many times longer than the receiver's ring, in chunks that put FPDUs across its
+/// end over and over: every FPDU comes out whole, every byte lands where it belongs.
+#[test]
+fn a_long_stream_wraps_the_ring_without_losing_a_byte() {
+    for crc in [true, false] {
+        let tx = TxConfig::new(crc, 1000).unwrap();
+        let mut stream = Vec::new();
+        let mut expect_mem = vec![0u8; 8192];
+        let mut fpdus = 0;
+        for i in 0..400usize {
+            let to = (i * 37) % 4096;
+            let data: Vec<u8> = (0..(i * 53) % 3000).map(|j| (i + j) as u8).collect();
+            expect_mem[to..to + data.len()].copy_from_slice(&data);
+            let sg = [&data[..]];
+            for f in segment(Header::tagged(Opcode::Write, 1, to as u64, true), &sg, &tx) {
+                f.append_to(&mut stream);
+                fpdus += 1;
+            }
+        }
+        let mut mem = vec![0u8; 8192];
+        let mut placer = MemPlacer::new(&mut mem);
+        let mut rx = FpduReceiver::new(all_caps(crc, 1000));
+        let cap = rx.ring.cap();
+        assert!(stream.len() > 20 * cap, "{} vs {cap}", stream.len());
+        let plan = vec![Some(4093), None, Some(777), Some(cap - 5), Some(1)];
+        let mut src = Chunky::new(&stream, plan);
+        let got = drain(&mut rx, &mut src, &mut placer).unwrap();
+        assert_eq!(got.len(), fpdus, "crc {crc}");
+        assert!(rx.is_idle());
+        drop(rx);
+        assert!(mem == expect_mem, "crc {crc}");
+    }
+}
+
+#[test]
+fn writeback_copy_equals_a_plain_copy_at_every_alignment() {
+    let src: Vec<u8> = (0..3100u32).map(|i| (i * 13 + 5) as u8).collect();
+    for dst_off in (0..20).chain([63, 64, 65]) {
+        for src_off in [0usize, 1, 7, 16] {
+            for len in (0..200).chain([255, 640, 2047, 2048, 2049, 2111, 3000]) {
+                let mut mem = vec![0xEEu8; 3100 + 64];
+                let s = &src[src_off..src_off + len.min(src.len() - src_off)];
+                // SAFETY: mem has room for s at dst_off and does not overlap src.
+                let wb = unsafe { place_copy_writeback(mem.as_mut_ptr().add(dst_off), s) };
+                crate::pmem::sfence();
+                assert_eq!(
+                    wb,
+                    s.len() >= WRITEBACK_COPY_MIN
+                        && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
+                );
+                assert_eq!(
+                    &mem[dst_off..dst_off + s.len()],
+                    s,
+                    "{dst_off} {src_off} {len}"
+                );
+                assert!(mem[..dst_off].iter().all(|&b| b == 0xEE));
+                assert!(mem[dst_off + s.len()..].iter().all(|&b| b == 0xEE));
+            }
+        }
+    }
+}
+
+/// A placer that asks for the cache write-back on every tagged payload.
+struct WritebackPlacer<'a>(MemPlacer, std::marker::PhantomData<&'a mut [u8]>);
+
+impl Placer for WritebackPlacer<'_> {
+    fn place(&mut self, h: &Header, n: usize) -> std::result::Result<Placement, TermCause> {
+        match self.0.place(h, n)? {
+            Placement::Direct(d) => Ok(Placement::Direct(d.with_cache_writeback())),
+            p => Ok(p),
+        }
+    }
+}
+
+#[test]
+fn a_writeback_placement_is_reported_where_the_payload_was_copied() {
+    let wb = crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None;
+    // (crc, payload length): staged and copied with CRC on; gathered and copied with CRC off
+    // when small; read straight into place (not written back) with CRC off when large.
+    for (crc, len, copied) in [
+        (true, 3001, true),
+        (false, 3001, true),
+        (false, 40000, false),
+    ] {
+        let data: Vec<u8> = (0..len as u32).map(|i| (i % 241) as u8).collect();
+        let mut stream = Vec::new();
+        let h = Header::tagged(Opcode::Write, 1, 3, true);
+        encode_fpdu(&h, &data, crc, &mut stream).unwrap();
+        let mut mem = vec![0u8; 65536];
+        let mut placer = WritebackPlacer(MemPlacer::new(&mut mem), std::marker::PhantomData);
+        let mut rx = FpduReceiver::new(all_caps(crc, 65535));
+        let mut src = Chunky::new(&stream, vec![]);
+        let r = loop {
+            if let Some(r) = rx.poll(&mut src, &mut placer).unwrap() {
+                break r;
+            }
+        };
+        assert_eq!(r.data, Delivered::Placed);
+        assert_eq!(r.written_back, copied && wb, "crc {crc} len {len}");
+        drop(rx);
+        assert_eq!(&mem[3..3 + len], &data[..]);
+    }
+}
+
 #[test]
 fn packed_fpdus_in_one_read_and_eof() {
     let mut stream = Vec::new();
