@@ -963,7 +963,13 @@ fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
     let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
     let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
     assert_eq!(ns, [1, 3]);
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    // This session idles while the test waits out the silent peers' deadline (MPA_TIMEOUT):
+    // a keep-alive period longer than that wait keeps it alive without ticks.
+    let idle = ConnectOptions {
+        keep_alive: rpma_target::serve::MPA_TIMEOUT * 4,
+        ..opts()
+    };
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &idle).unwrap();
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
     assert!(
         opened.elapsed() < Duration::from_secs(3),
