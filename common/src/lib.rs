@@ -2,10 +2,10 @@
 //!
 //! - [`pmem`]: maps a namespace's backing store and makes ranges of it durable, reporting honestly
 //!   which persistence domain the storage is in.
-//! - [`fabric`]: the verbs-shaped API and its transports (`tcp`: userspace iWARP; `rdma`: rdma-sys).
+//! - [`fabric`]: the verbs-shaped API and its transport `tcp` (userspace iWARP); `rdma` comes later.
 //! - [`proto`]: the control-plane wire format spoken over the fabric's Send/Recv.
 //!
-//! Features: `rdma` builds the libibverbs/librdmacm transport through rdma-sys.
+//! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not built yet.
 
 pub mod fabric;
 pub mod pmem;
