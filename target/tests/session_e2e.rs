@@ -2,15 +2,14 @@
 //! temp dir with a NOTIFY_SOCKET of the test's own, and the rpma-initiator library in-process.
 //! Every wait has a deadline.
 
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixDatagram;
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use rpma_common::fabric::{
     Access, AlignedBuf, Completion, ConnParams, Context, QpCaps, RecvWr, RemoteAddr, SendOp,
     SendWr, Sge, Url, WcStatus,
@@ -24,8 +23,8 @@ use rpma_common::proto::{
 use rpma_initiator::{
     connect, identify, ConnectOptions, Error, HostIdentity, Session, CONTROL_BIT,
 };
+use support::{free_port, status, status_json, write_psk, Daemon, BIN};
 
-const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
 const SUB: &str = "nqn.2026-11.io.rpma:demo";
 const OPEN: &str = "nqn.2026-11.io.rpma:open";
 const PLAIN: &str = "nqn.2026-11.io.rpma:plain-host";
@@ -33,14 +32,6 @@ const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
 const OPEN_HOST: &str = "nqn.2026-11.io.rpma:any-host";
 const KEY: &str = "5a";
 const WAIT: Duration = Duration::from_secs(20);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn scratch() -> tempfile::TempDir {
     // On the build directory's filesystem: a disk, so namespaces are page-cache (durable).
@@ -50,8 +41,7 @@ fn scratch() -> tempfile::TempDir {
 struct Target {
     dir: PathBuf,
     port: u16,
-    child: Child,
-    notify: UnixDatagram,
+    daemon: Daemon,
 }
 
 /// The configuration: subsystem SUB (hosts PLAIN, KEYED with a key; nsid 1 rw, nsid 3
@@ -91,35 +81,17 @@ impl Target {
     }
 
     /// As [`Target::start`], with extra environment variables for the daemon.
-    fn start_with_env(dir: &Path, top: &str, env: &[(&str, &str)]) -> Target {
+    fn start_with_env(dir: &Path, top: &str, env_extra: &[(&str, &str)]) -> Target {
         let port = free_port();
-        let key = dir.join("keyed.psk");
-        std::fs::write(&key, KEY.repeat(32)).unwrap();
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_psk(&dir.join("keyed.psk"), KEY);
         std::fs::write(dir.join("c.toml"), config_text(port, top, "")).unwrap();
-        let sock = dir.join("notify.sock");
-        let notify = UnixDatagram::bind(&sock).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.arg("--config")
-            .arg(dir.join("c.toml"))
-            .env("NOTIFY_SOCKET", &sock)
-            .env_remove("WATCHDOG_USEC")
-            .env_remove("WATCHDOG_PID")
-            .env("RUST_LOG", "info");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("target.log")).unwrap())
-            .spawn()
-            .unwrap();
+        let mut env = vec![("RUST_LOG", "info")];
+        env.extend_from_slice(env_extra);
+        let log = std::fs::File::create(dir.join("target.log")).unwrap();
         let t = Target {
             dir: dir.to_owned(),
             port,
-            child,
-            notify,
+            daemon: Daemon::start(&dir.join("c.toml"), dir, &env, Stdio::from(log)),
         };
         let ready = t.expect("READY=1");
         assert!(ready.contains("1 of 1 listener(s) bound"), "{ready}");
@@ -154,59 +126,25 @@ impl Target {
 
     /// The next notification starting with `prefix`, skipping others, within WAIT.
     fn expect(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + WAIT;
-        let mut buf = [0u8; 4096];
-        while Instant::now() < deadline {
-            self.notify
-                .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now())))
-                .unwrap();
-            if let Ok(n) = self.notify.recv(&mut buf) {
-                let m = String::from_utf8_lossy(&buf[..n]).into_owned();
-                if m.starts_with(prefix) {
-                    return m;
-                }
-            }
-        }
-        panic!("no {prefix:?} notification within {WAIT:?}");
+        self.daemon.wait_for(prefix, WAIT)
     }
 
     fn signal(&self, sig: Signal) {
-        kill(Pid::from_raw(self.child.id() as i32), sig).unwrap();
+        self.daemon.signal(sig);
     }
 
     fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "daemon did not exit within {within:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.daemon.wait_exit(within)
     }
 
     fn status(&self) -> serde_json::Value {
-        let out = Command::new(BIN)
-            .args(["status", "--json", "--socket"])
-            .arg(self.dir.join("ctl.sock"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        status_json(&self.dir.join("ctl.sock"))
     }
 }
 
 impl Drop for Target {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.daemon.kill();
         if std::thread::panicking() {
             eprintln!("--- rpma-target's log ---\n{}", self.log());
         }
@@ -365,11 +303,7 @@ fn ready_means_accepting_identify_and_gpspm() {
     assert_eq!(sessions[1]["host_nqn"], OPEN_HOST);
     assert_eq!(sessions[1]["controller_id"], 0);
     assert_eq!(sessions[1]["subsystem_nqn"], DISCOVERY_NQN);
-    let out = Command::new(BIN)
-        .args(["status", "--socket"])
-        .arg(d.path().join("ctl.sock"))
-        .output()
-        .unwrap();
+    let out = status(&["--socket", d.path().join("ctl.sock").to_str().unwrap()]);
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("SESSIONS (counted: control messages"),
@@ -928,7 +862,7 @@ fn idle_daemon_with_a_session_uses_no_cpu() {
     let _disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
     // Let the busy-poll spells and the start-up settle.
     std::thread::sleep(Duration::from_millis(200));
-    let pid = t.child.id();
+    let pid = t.daemon.pid();
     let before = cpu_ticks(pid);
     let woke_before = wakeups(pid);
     let start = Instant::now();
@@ -1036,15 +970,11 @@ fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
     t.expect("READY=1");
     let reloaded = Instant::now();
     // At most one check can still see the loop's last turn; give it 600 ms, then none for 1.5 s.
-    let mut buf = [0u8; 4096];
     let mut pings = Vec::new();
     while reloaded.elapsed() < Duration::from_millis(2100) {
         let left = Duration::from_millis(2100).saturating_sub(reloaded.elapsed());
-        t.notify
-            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-            .unwrap();
-        if let Ok(n) = t.notify.recv(&mut buf) {
-            if buf[..n].starts_with(b"WATCHDOG=1") {
+        if let Some(m) = t.daemon.next(left) {
+            if m.starts_with("WATCHDOG=1") {
                 pings.push(reloaded.elapsed());
             }
         }
