@@ -15,6 +15,13 @@ fn start(config: &Path, dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
     Daemon::start(config, dir, extra_env, Stdio::inherit())
 }
 
+/// Sends `sig`: the daemon must say STOPPING=1 and exit 0 within 20 s.
+fn stop_cleanly(daemon: &mut Daemon, sig: Signal) {
+    daemon.signal(sig);
+    daemon.expect("STOPPING=1");
+    assert!(daemon.wait_exit(Duration::from_secs(20)).success());
+}
+
 fn nsids(v: &serde_json::Value) -> Vec<u64> {
     v["subsystems"][0]["namespaces"]
         .as_array()
@@ -141,9 +148,7 @@ fn sigint_also_stops_cleanly() {
     let cfg = write_config(d.path(), "");
     let mut daemon = start(&cfg, d.path(), &[]);
     daemon.expect("READY=1");
-    daemon.signal(Signal::SIGINT);
-    daemon.expect("STOPPING=1");
-    assert!(daemon.wait_exit(Duration::from_secs(20)).success());
+    stop_cleanly(&mut daemon, Signal::SIGINT);
 }
 
 #[test]
@@ -163,9 +168,7 @@ fn watchdog_pings_at_half_the_period() {
         }
     }
     assert!(ready && pings >= 3, "ready {ready}, {pings} pings");
-    daemon.signal(Signal::SIGTERM);
-    daemon.expect("STOPPING=1");
-    assert!(daemon.wait_exit(Duration::from_secs(20)).success());
+    stop_cleanly(&mut daemon, Signal::SIGTERM);
 }
 
 #[test]
@@ -193,9 +196,7 @@ fn second_daemon_on_the_same_socket_is_refused() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use by a running daemon"));
-    first.signal(Signal::SIGTERM);
-    first.expect("STOPPING=1");
-    assert!(first.wait_exit(Duration::from_secs(20)).success());
+    stop_cleanly(&mut first, Signal::SIGTERM);
 }
 
 #[test]

@@ -102,6 +102,11 @@ impl Target {
         format!("tcp://127.0.0.1:{}", self.port)
     }
 
+    /// A session of PLAIN with SUB, with the default [`opts`].
+    fn session(&self) -> Session {
+        connect(&self.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap()
+    }
+
     /// The daemon's log so far (its stderr; printed by the test if it fails).
     fn log(&self) -> String {
         std::fs::read_to_string(self.dir.join("target.log")).unwrap_or_default()
@@ -261,7 +266,7 @@ fn ready_means_accepting_identify_and_gpspm() {
     assert_eq!(n1.durability.names(), ["APM", "GPSPM", "FLUSH"]);
     assert!(id.namespaces[1].read_only);
 
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let n1 = s.namespace(1).unwrap().clone();
     let remote = RemoteAddr {
         addr: n1.remote_addr + 4096,
@@ -342,8 +347,8 @@ fn ready_means_accepting_identify_and_gpspm() {
 fn rkeys_are_per_connection() {
     let d = scratch();
     let t = Target::start(d.path(), "");
-    let a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
-    let mut b = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let a = t.session();
+    let mut b = t.session();
     let (na, nb) = (
         a.namespace(1).unwrap().clone(),
         b.namespace(1).unwrap().clone(),
@@ -463,7 +468,7 @@ fn connect_response_grants_the_configured_queue_depth() {
         other => panic!("{other:?}"),
     }
     // 16 FlushRequests outstanding at once are within the grant: all answered.
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     send_flushes(&mut s, 16, 4096);
     let mut answered = Vec::new();
     while answered.len() < 16 {
@@ -571,7 +576,7 @@ fn keep_alive_lapse_revokes_rkeys() {
 fn connection_limit_refuses_the_next() {
     let d = scratch();
     let t = Target::start(d.path(), "max_connections = 1");
-    let _a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let _a = t.session();
     let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
     assert!(
         matches!(
@@ -589,7 +594,7 @@ fn connection_limit_refuses_the_next() {
 fn sighup_adds_a_namespace_while_a_session_stays_up() {
     let d = scratch();
     let t = Target::start(d.path(), "keep_alive_ms = 1000");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let n1 = s.namespace(1).unwrap().clone();
     let remote = RemoteAddr {
         addr: n1.remote_addr + 8192,
@@ -652,7 +657,7 @@ fn sighup_removing_a_namespace_revokes_it_only() {
     let t = Target::start(d.path(), top);
     // A session on OPEN (its nsid 1 only) and one on SUB (nsid 1 and the read-only nsid 3).
     let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let at = |s: &Session, nsid: u32, off: u64| {
         let n = s.namespace(nsid).unwrap();
         RemoteAddr {
@@ -709,7 +714,7 @@ fn sighup_removing_a_namespace_revokes_it_only() {
 fn sigterm_during_flush_load_exits_zero() {
     let d = scratch();
     let mut t = Target::start(d.path(), "");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     // Keep many GPSPM flushes in flight, then stop the daemon.
     let sent = 48u64;
     send_flushes(&mut s, sent, 0);
@@ -782,7 +787,7 @@ fn sigterm_during_flush_load_exits_zero() {
 fn sigterm_answers_reach_wait_message() {
     let d = scratch();
     let mut t = Target::start(d.path(), "");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let sent = 48u64;
     send_flushes(&mut s, sent, 0);
     t.signal(Signal::SIGTERM);
@@ -856,7 +861,7 @@ fn idle_daemon_with_a_session_uses_no_cpu() {
     let d = scratch();
     // Two poll loops, a keep-alive longer than the measurement: nothing needs to happen.
     let t = Target::start(d.path(), "poll_loops = 2\nkeep_alive_ms = 30000");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
     // A discovery connection held open too.
     let _disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
@@ -1003,7 +1008,7 @@ fn a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason() 
     let top = "keep_alive_ms = 10000";
     let t = Target::start(d.path(), top);
     let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     assert_eq!(s.namespace(1).unwrap().size, 2 << 20);
     // Grow SUB's nsid 1 (which needs `grow = true`).
     let grown = config_text(t.port, top, "").replacen(
@@ -1023,7 +1028,7 @@ fn a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason() 
         other => panic!("expected a Disconnect, got {other:?}"),
     }
     // The host reconnects and sees the new size; the other subsystem's session is untouched.
-    let s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let s = t.session();
     assert_eq!(s.namespace(1).unwrap().size, 4 << 20);
     assert_eq!(other.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
     let v = t.status();
@@ -1041,7 +1046,7 @@ fn a_reload_that_would_grow_without_grow_changes_nothing() {
     let d = scratch();
     let top = "keep_alive_ms = 10000";
     let t = Target::start(d.path(), top);
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let bigger = config_text(t.port, top, "").replacen(
         "path = \"ns1\"\nsize = \"2MiB\"",
         "path = \"ns1\"\nsize = \"4MiB\"",
