@@ -47,40 +47,12 @@ if ! wants initiator; then
     exit 0
 fi
 
-cargo build --quiet --release -p rpma-target -p rpma-initiator
-BIN=$PWD/build/release
-mkdir -p scratch
-SCRATCH=$(mktemp -d "$PWD/scratch/bench.XXXXXX")
-shm=/dev/shm/rpma-bench-$$.pmem
 # shellcheck source=scripts/local-target.sh
 . scripts/local-target.sh
-cleanup() {
-    stop_target || true
-    rm -f "$shm"
-    rm -rf "$SCRATCH"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-free_port
+local_setup bench
 NQN=nqn.2026-11.io.rpma:bench
 HOSTNQN=nqn.2026-11.io.rpma:bench-host
-cat >"$SCRATCH/target.toml" <<TOML
-listen = ["$URL"]
-control_socket = "control.sock"
-[[subsystem]]
-nqn = "$NQN"
-hosts = [{ nqn = "$HOSTNQN" }]
-[[subsystem.namespace]]
-nsid = 1
-path = "$shm"
-size = "128MiB"
-force_dax = true
-[[subsystem.namespace]]
-nsid = 2
-path = "$SCRATCH/ns2.pmem"
-size = "128MiB"
-TOML
+write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 
 # The value of "key": in bench's pretty JSON (the first one: write_latency comes before

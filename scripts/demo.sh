@@ -6,23 +6,10 @@
 # short latency/bandwidth run, stop the target. Cleans up after itself, also on failure or ^C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-cargo build --quiet --release -p rpma-target -p rpma-initiator
-BIN=$PWD/build/release
-# Under the repo (a disk filesystem, so its files are page-cache), removed on exit.
-mkdir -p scratch
-SCRATCH=$(mktemp -d "$PWD/scratch/demo.XXXXXX")
-shm=/dev/shm/rpma-demo-$$.pmem
+# Builds; BIN, SCRATCH (under the repo: its files are page-cache), shm and URL; removed on exit.
 # shellcheck source=scripts/local-target.sh
 . scripts/local-target.sh
-cleanup() {
-    stop_target || true
-    rm -f "$shm"
-    rm -rf "$SCRATCH"
-}
-trap cleanup EXIT
-trap 'exit 130' INT TERM
-
-free_port
+local_setup demo
 NQN=nqn.2026-11.io.rpma:demo
 HOSTNQN=nqn.2026-11.io.rpma:demo-host
 
@@ -38,22 +25,7 @@ echo "== persistence domains, as rpma-target probe finds them"
 show "$rel/ns2.pmem (under the repo)" "$SCRATCH/ns2.pmem" --size 8MiB
 show "$shm" "$shm" --size 64MiB
 show "$shm --force-dax" "$shm" --force-dax
-cat > "$SCRATCH/target.toml" <<TOML
-listen = ["$URL"]
-control_socket = "control.sock"
-[[subsystem]]
-nqn = "$NQN"
-hosts = [{ nqn = "$HOSTNQN" }]
-[[subsystem.namespace]]
-nsid = 1
-path = "$shm"
-size = "64MiB"
-force_dax = true
-[[subsystem.namespace]]
-nsid = 2
-path = "$SCRATCH/ns2.pmem"
-size = "8MiB"
-TOML
+write_config "$NQN" "$HOSTNQN" 64MiB 8MiB
 
 echo
 echo "== rpma-target on $URL"

@@ -1,15 +1,63 @@
-# Sourced by scripts/demo.sh and bench/run.sh: a throw-away rpma-target on 127.0.0.1.
+# Sourced by scripts/demo.sh and bench/run.sh (from the repo root): a throw-away rpma-target on
+# 127.0.0.1.
 #
-#   BIN=<dir of the release binaries>; SCRATCH=<its scratch dir>
+#   local_setup NAME               -> builds the release binaries and sets BIN (their dir),
+#                                     SCRATCH (scratch/NAME.XXXXXX under the repo: a disk, so
+#                                     its files are page-cache), shm (/dev/shm/rpma-NAME-PID.pmem)
+#                                     and URL (free_port); the EXIT trap stops the target and
+#                                     removes both, also on failure or ^C
+#   write_config NQN HOSTNQN SHM_SIZE NS2_SIZE
+#                                  -> $SCRATCH/target.toml: URL, control socket control.sock,
+#                                     subsystem NQN for HOSTNQN; nsid 1 on $shm (force_dax),
+#                                     nsid 2 on $SCRATCH/ns2.pmem
+#   BIN=<dir of the release binaries>; SCRATCH=<its scratch dir>   (set by local_setup)
 #   free_port                      -> sets URL (tcp://127.0.0.1:PORT, nothing listening there)
 #   start_target CONFIG SOCKET     -> starts rpma-target on CONFIG, sets target_pid, waits until
 #                                     its control SOCKET answers (fails if it exits first)
 #   stop_target                    -> SIGTERM, wait; prints nothing; safe to call twice
 #
-# The caller's EXIT trap should call stop_target, so that a failure or ^C never leaves a target
-# behind.
+# The caller's EXIT trap should call stop_target (local_setup's does), so that a failure or ^C
+# never leaves a target behind.
 
 target_pid=
+
+local_setup() {
+    local name=$1
+    cargo build --quiet --release -p rpma-target -p rpma-initiator
+    BIN=$PWD/build/release
+    mkdir -p scratch
+    SCRATCH=$(mktemp -d "$PWD/scratch/$name.XXXXXX")
+    shm=/dev/shm/rpma-$name-$$.pmem
+    trap local_cleanup EXIT
+    trap 'exit 130' INT TERM
+    free_port
+}
+
+local_cleanup() {
+    stop_target || true
+    rm -f "$shm"
+    rm -rf "$SCRATCH"
+}
+
+write_config() {
+    local nqn=$1 hostnqn=$2 shm_size=$3 ns2_size=$4
+    cat >"$SCRATCH/target.toml" <<TOML
+listen = ["$URL"]
+control_socket = "control.sock"
+[[subsystem]]
+nqn = "$nqn"
+hosts = [{ nqn = "$hostnqn" }]
+[[subsystem.namespace]]
+nsid = 1
+path = "$shm"
+size = "$shm_size"
+force_dax = true
+[[subsystem.namespace]]
+nsid = 2
+path = "$SCRATCH/ns2.pmem"
+size = "$ns2_size"
+TOML
+}
 
 free_port() {
     local p

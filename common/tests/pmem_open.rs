@@ -26,6 +26,11 @@ fn shm() -> tempfile::TempDir {
         .unwrap()
 }
 
+/// Options that create the file at `path` with `size` bytes (or open it if it exists).
+fn create(path: impl Into<PathBuf>, size: u64) -> OpenOptions {
+    OpenOptions::new(path).size(size).create(true)
+}
+
 fn on_tmpfs(p: &Path) -> bool {
     nix::sys::statfs::statfs(p)
         .map(|s| s.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC)
@@ -40,11 +45,7 @@ fn file_under_the_repo_is_page_cache_and_fully_allocated() {
         return;
     }
     let path = dir.path().join("ns.pmem");
-    let m = OpenOptions::new(&path)
-        .size(1 << 20)
-        .create(true)
-        .open()
-        .unwrap();
+    let m = create(&path, 1 << 20).open().unwrap();
     assert_eq!(m.domain(), Domain::PageCache);
     assert_eq!(m.probed_domain(), Domain::PageCache);
     assert_eq!(m.domain().to_string(), "page-cache");
@@ -71,11 +72,7 @@ fn file_under_the_repo_is_page_cache_and_fully_allocated() {
 #[test]
 fn file_under_dev_shm_is_volatile_and_says_visible_only() {
     let dir = shm();
-    let m = OpenOptions::new(dir.path().join("ns.pmem"))
-        .size(64 << 10)
-        .create(true)
-        .open()
-        .unwrap();
+    let m = create(dir.path().join("ns.pmem"), 64 << 10).open().unwrap();
     assert_eq!(m.domain(), Domain::Volatile);
     assert!(!m.domain().is_durable());
     m.write_at(10, b"abc").unwrap();
@@ -90,12 +87,7 @@ fn file_under_dev_shm_is_volatile_and_says_visible_only() {
 fn force_dax_reads_dax_forced_never_dax() {
     let dir = shm();
     let path = dir.path().join("ns.pmem");
-    let m = OpenOptions::new(&path)
-        .size(64 << 10)
-        .create(true)
-        .force_dax(true)
-        .open()
-        .unwrap();
+    let m = create(&path, 64 << 10).force_dax(true).open().unwrap();
     assert_eq!(m.domain(), Domain::DaxForced);
     assert_eq!(m.domain().to_string(), "dax (forced)");
     assert_eq!(m.probed_domain(), Domain::Volatile);
@@ -103,9 +95,7 @@ fn force_dax_reads_dax_forced_never_dax() {
     drop(m);
 
     let dir = scratch();
-    let m = OpenOptions::new(dir.path().join("ns.pmem"))
-        .size(64 << 10)
-        .create(true)
+    let m = create(dir.path().join("ns.pmem"), 64 << 10)
         .force_dax(true)
         .open()
         .unwrap();
@@ -130,11 +120,7 @@ fn anonymous_memory_is_volatile() {
 fn reopen_without_size_uses_the_existing_size_and_keeps_bytes() {
     let dir = scratch();
     let path = dir.path().join("ns.pmem");
-    let m = OpenOptions::new(&path)
-        .size(8192)
-        .create(true)
-        .open()
-        .unwrap();
+    let m = create(&path, 8192).open().unwrap();
     m.write_at(5000, b"kept").unwrap();
     m.persist(5000, 4).unwrap();
     drop(m);
@@ -157,9 +143,7 @@ fn missing_path_without_create_is_not_found() {
     assert!(err.to_string().contains("absent.pmem"), "{err}");
     assert!(!path.exists());
     // A missing parent directory, even with create.
-    let err = OpenOptions::new(dir.path().join("no/such/dir/ns"))
-        .size(4096)
-        .create(true)
+    let err = create(dir.path().join("no/such/dir/ns"), 4096)
         .open()
         .unwrap_err();
     assert!(matches!(err, Error::NotFound { .. }), "{err:?}");
@@ -177,11 +161,7 @@ fn create_without_size_is_refused() {
 #[test]
 fn directory_is_refused() {
     let dir = scratch();
-    let err = OpenOptions::new(dir.path())
-        .size(4096)
-        .create(true)
-        .open()
-        .unwrap_err();
+    let err = create(dir.path(), 4096).open().unwrap_err();
     assert!(matches!(err, Error::IsDirectory { .. }), "{err:?}");
     assert!(err.to_string().contains("is a directory"), "{err}");
 }
@@ -190,11 +170,7 @@ fn directory_is_refused() {
 fn zero_size_is_refused() {
     let dir = scratch();
     let path = dir.path().join("ns.pmem");
-    let err = OpenOptions::new(&path)
-        .size(0)
-        .create(true)
-        .open()
-        .unwrap_err();
+    let err = create(&path, 0).open().unwrap_err();
     assert!(matches!(err, Error::ZeroSize { .. }), "{err:?}");
     assert!(!path.exists());
     // An existing empty file opened without a size has no size either.
@@ -207,11 +183,7 @@ fn zero_size_is_refused() {
 fn size_not_a_multiple_of_the_block_size_is_refused() {
     let dir = scratch();
     let path = dir.path().join("ns.pmem");
-    let err = OpenOptions::new(&path)
-        .size(6000)
-        .create(true)
-        .open()
-        .unwrap_err();
+    let err = create(&path, 6000).open().unwrap_err();
     assert!(
         matches!(
             err,
@@ -224,18 +196,9 @@ fn size_not_a_multiple_of_the_block_size_is_refused() {
         "{err:?}"
     );
     // 1536 is three 512-byte blocks but not a whole 4096-byte one.
-    let err = OpenOptions::new(&path)
-        .size(1536)
-        .create(true)
-        .open()
-        .unwrap_err();
+    let err = create(&path, 1536).open().unwrap_err();
     assert!(matches!(err, Error::SizeNotMultiple { .. }), "{err:?}");
-    let m = OpenOptions::new(&path)
-        .size(1536)
-        .block_size(512)
-        .create(true)
-        .open()
-        .unwrap();
+    let m = create(&path, 1536).block_size(512).open().unwrap();
     assert_eq!(m.len(), 1536);
     drop(m);
     // An existing file whose size is not whole blocks, opened without a size.
@@ -254,10 +217,8 @@ fn size_not_a_multiple_of_the_block_size_is_refused() {
 fn unsupported_block_size_is_refused() {
     let dir = scratch();
     for bs in [0, 1024, 8192, 4095] {
-        let err = OpenOptions::new(dir.path().join("ns.pmem"))
-            .size(8192)
+        let err = create(dir.path().join("ns.pmem"), 8192)
             .block_size(bs)
-            .create(true)
             .open()
             .unwrap_err();
         assert!(
@@ -272,11 +233,7 @@ fn size_beyond_the_filesystem_is_refused_at_open() {
     let dir = scratch();
     let path = dir.path().join("huge.pmem");
     // 1 PiB: more than any test machine's filesystem holds (and past ext4's file size limit).
-    let err = OpenOptions::new(&path)
-        .size(1 << 50)
-        .create(true)
-        .open()
-        .unwrap_err();
+    let err = create(&path, 1 << 50).open().unwrap_err();
     assert!(matches!(err, Error::NoSpace { .. }), "{err:?}");
     assert!(err.to_string().contains("no room"), "{err}");
     assert!(!path.exists(), "a failed create left its file behind");
@@ -402,11 +359,7 @@ fn permission_denied_is_reported() {
         .unwrap();
     fs::set_permissions(dir.path(), fs::Permissions::from_mode(0o755)).unwrap();
     let path = dir.path().join("private.pmem");
-    let m = OpenOptions::new(&path)
-        .size(4096)
-        .create(true)
-        .open()
-        .unwrap();
+    let m = create(&path, 4096).open().unwrap();
     drop(m);
     assert_eq!(fs::metadata(&path).unwrap().mode() & 0o777, 0o600);
 
@@ -447,11 +400,7 @@ fn size_beyond_the_address_space_is_refused_before_touching_the_disk() {
     let dir = scratch();
     let path = dir.path().join("ns.pmem");
     let size = u64::MAX / 4096 * 4096;
-    let err = OpenOptions::new(&path)
-        .size(size)
-        .create(true)
-        .open()
-        .unwrap_err();
+    let err = create(&path, size).open().unwrap_err();
     assert!(
         matches!(err, Error::SizeTooLarge { size: s, .. } if s == size),
         "{err:?}"

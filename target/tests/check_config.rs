@@ -1,10 +1,12 @@
 //! `rpma-target check-config` as a real process: a good configuration and each kind of bad one.
 
+mod support;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::Path;
 use std::process::Command;
 
-const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
+use support::{write_psk, BIN};
 
 const GOOD: &str = r#"
 listen = ["tcp://127.0.0.1:7420"]
@@ -26,8 +28,7 @@ force_dax = true
 fn run(dir: &Path, text: &str) -> (bool, String) {
     let psk = dir.join("host1.psk");
     if !psk.exists() {
-        std::fs::write(&psk, "77".repeat(32)).unwrap();
-        std::fs::set_permissions(&psk, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_psk(&psk, "77");
     }
     let cfg = dir.join("c.toml");
     std::fs::write(&cfg, text).unwrap();

@@ -1,108 +1,25 @@
 //! The daemon as a real process: readiness over a NOTIFY_SOCKET of the test's own, status over
 //! the control socket, SIGHUP reloads, SIGTERM exit, watchdog pings, start-up failures.
 
-use std::os::unix::net::UnixDatagram;
+mod support;
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
+use nix::sys::signal::Signal;
+use support::{free_port, status, status_json, Daemon, BIN};
 
-struct Daemon {
-    child: Child,
-    notify: UnixDatagram,
+/// The daemon on `config`, notifying `dir/notify.sock`, its stderr the test's.
+fn start(config: &Path, dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
+    Daemon::start(config, dir, extra_env, Stdio::inherit())
 }
 
-impl Daemon {
-    fn start(config: &Path, dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
-        let sock = dir.join("notify.sock");
-        let notify = UnixDatagram::bind(&sock).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.arg("--config")
-            .arg(config)
-            .env("NOTIFY_SOCKET", &sock)
-            .env_remove("WATCHDOG_USEC")
-            .env_remove("WATCHDOG_PID")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(Stdio::inherit());
-        for (k, v) in extra_env {
-            cmd.env(k, v);
-        }
-        Daemon {
-            child: cmd.spawn().unwrap(),
-            notify,
-        }
-    }
-
-    /// The next notification, or None after `secs`.
-    fn next(&self, secs: u64) -> Option<String> {
-        self.notify
-            .set_read_timeout(Some(Duration::from_secs(secs)))
-            .unwrap();
-        let mut buf = [0u8; 4096];
-        match self.notify.recv(&mut buf) {
-            Ok(n) => Some(String::from_utf8_lossy(&buf[..n]).into_owned()),
-            Err(_) => None,
-        }
-    }
-
-    /// Skips watchdog pings; panics if nothing else comes.
-    fn expect(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + Duration::from_secs(30);
-        while Instant::now() < deadline {
-            if let Some(m) = self.next(30) {
-                if m == "WATCHDOG=1" {
-                    continue;
-                }
-                assert!(m.starts_with(prefix), "expected {prefix:?}, got {m:?}");
-                return m;
-            }
-        }
-        panic!("no {prefix:?} notification");
-    }
-
-    fn signal(&self, sig: Signal) {
-        kill(Pid::from_raw(self.child.id() as i32), sig).unwrap();
-    }
-
-    fn wait(mut self, secs: u64) -> std::process::ExitStatus {
-        let deadline = Instant::now() + Duration::from_secs(secs);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            if Instant::now() > deadline {
-                let _ = self.child.kill();
-                panic!("daemon did not exit within {secs}s");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn status(args: &[&str]) -> Output {
-    Command::new(BIN).arg("status").args(args).output().unwrap()
-}
-
-fn status_json(socket: &Path) -> serde_json::Value {
-    let out = status(&["--socket", socket.to_str().unwrap(), "--json"]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).unwrap()
+/// Sends `sig`: the daemon must say STOPPING=1 and exit 0 within 20 s.
+fn stop_cleanly(daemon: &mut Daemon, sig: Signal) {
+    daemon.signal(sig);
+    daemon.expect("STOPPING=1");
+    assert!(daemon.wait_exit(Duration::from_secs(20)).success());
 }
 
 fn nsids(v: &serde_json::Value) -> Vec<u64> {
@@ -116,15 +33,6 @@ fn nsids(v: &serde_json::Value) -> Vec<u64> {
 
 const NS2: &str =
     "\n[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\nblock_size = 512\n";
-
-/// A port that was free a moment ago: tests run in parallel, so none may use the default port.
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn write_config(dir: &Path, extra: &str) -> PathBuf {
     let p = dir.join("rpma-target.toml");
@@ -162,7 +70,7 @@ fn ready_status_reload_and_clean_stop() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_config(d.path(), "");
     let socket = d.path().join("run/control.sock");
-    let daemon = Daemon::start(&cfg, d.path(), &[]);
+    let mut daemon = start(&cfg, d.path(), &[]);
 
     let ready = daemon.expect("READY=1");
     assert!(
@@ -229,7 +137,7 @@ fn ready_status_reload_and_clean_stop() {
 
     daemon.signal(Signal::SIGTERM);
     assert_eq!(daemon.expect("STOPPING=1"), "STOPPING=1");
-    let st = daemon.wait(20);
+    let st = daemon.wait_exit(Duration::from_secs(20));
     assert!(st.success(), "SIGTERM must exit 0: {st:?}");
     assert!(!socket.exists(), "control socket removed at exit");
 }
@@ -238,23 +146,21 @@ fn ready_status_reload_and_clean_stop() {
 fn sigint_also_stops_cleanly() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_config(d.path(), "");
-    let daemon = Daemon::start(&cfg, d.path(), &[]);
+    let mut daemon = start(&cfg, d.path(), &[]);
     daemon.expect("READY=1");
-    daemon.signal(Signal::SIGINT);
-    daemon.expect("STOPPING=1");
-    assert!(daemon.wait(20).success());
+    stop_cleanly(&mut daemon, Signal::SIGINT);
 }
 
 #[test]
 fn watchdog_pings_at_half_the_period() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_config(d.path(), "");
-    let daemon = Daemon::start(&cfg, d.path(), &[("WATCHDOG_USEC", "400000")]);
+    let mut daemon = start(&cfg, d.path(), &[("WATCHDOG_USEC", "400000")]);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut pings = 0;
     let mut ready = false;
     while pings < 3 && Instant::now() < deadline {
-        match daemon.next(30).as_deref() {
+        match daemon.next(Duration::from_secs(30)).as_deref() {
             Some("WATCHDOG=1") => pings += 1,
             Some(m) if m.starts_with("READY=1") => ready = true,
             Some(m) => panic!("unexpected {m:?}"),
@@ -262,9 +168,7 @@ fn watchdog_pings_at_half_the_period() {
         }
     }
     assert!(ready && pings >= 3, "ready {ready}, {pings} pings");
-    daemon.signal(Signal::SIGTERM);
-    daemon.expect("STOPPING=1");
-    assert!(daemon.wait(20).success());
+    stop_cleanly(&mut daemon, Signal::SIGTERM);
 }
 
 #[test]
@@ -272,9 +176,9 @@ fn startup_failure_exits_nonzero_without_ready() {
     let d = tempfile::tempdir().unwrap();
     std::fs::create_dir(d.path().join("ns1")).unwrap();
     let cfg = write_config(d.path(), "");
-    let daemon = Daemon::start(&cfg, d.path(), &[]);
-    let got = daemon.next(2);
-    let status = daemon.wait(20);
+    let mut daemon = start(&cfg, d.path(), &[]);
+    let got = daemon.next(Duration::from_secs(2));
+    let status = daemon.wait_exit(Duration::from_secs(20));
     assert!(!status.success());
     assert_eq!(got, None, "no READY=1 when a namespace cannot be mapped");
 }
@@ -283,7 +187,7 @@ fn startup_failure_exits_nonzero_without_ready() {
 fn second_daemon_on_the_same_socket_is_refused() {
     let d = tempfile::tempdir().unwrap();
     let cfg = write_config(d.path(), "");
-    let first = Daemon::start(&cfg, d.path(), &[]);
+    let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
     let out = Command::new(BIN)
         .arg("--config")
@@ -292,9 +196,7 @@ fn second_daemon_on_the_same_socket_is_refused() {
         .unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("in use by a running daemon"));
-    first.signal(Signal::SIGTERM);
-    first.expect("STOPPING=1");
-    assert!(first.wait(20).success());
+    stop_cleanly(&mut first, Signal::SIGTERM);
 }
 
 #[test]

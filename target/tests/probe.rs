@@ -1,11 +1,15 @@
 //! `rpma-target probe` as a user runs it: the domain it prints for a file under the repo's
 //! scratch/ (page-cache), under /dev/shm (volatile) and with --force-dax, and its errors.
 
+mod support;
+
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
+use support::BIN;
+
 fn rpma_target(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_rpma-target"))
+    Command::new(BIN)
         .args(args)
         .env("RUST_LOG", "off")
         .output()

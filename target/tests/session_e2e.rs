@@ -2,15 +2,14 @@
 //! temp dir with a NOTIFY_SOCKET of the test's own, and the rpma-initiator library in-process.
 //! Every wait has a deadline.
 
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixDatagram;
+mod support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use nix::sys::signal::{kill, Signal};
-use nix::unistd::Pid;
+use nix::sys::signal::Signal;
 use rpma_common::fabric::{
     Access, AlignedBuf, Completion, ConnParams, Context, QpCaps, RecvWr, RemoteAddr, SendOp,
     SendWr, Sge, Url, WcStatus,
@@ -24,8 +23,8 @@ use rpma_common::proto::{
 use rpma_initiator::{
     connect, identify, ConnectOptions, Error, HostIdentity, Session, CONTROL_BIT,
 };
+use support::{free_port, status, status_json, write_psk, Daemon, BIN};
 
-const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
 const SUB: &str = "nqn.2026-11.io.rpma:demo";
 const OPEN: &str = "nqn.2026-11.io.rpma:open";
 const PLAIN: &str = "nqn.2026-11.io.rpma:plain-host";
@@ -33,14 +32,6 @@ const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
 const OPEN_HOST: &str = "nqn.2026-11.io.rpma:any-host";
 const KEY: &str = "5a";
 const WAIT: Duration = Duration::from_secs(20);
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
 
 fn scratch() -> tempfile::TempDir {
     // On the build directory's filesystem: a disk, so namespaces are page-cache (durable).
@@ -50,8 +41,7 @@ fn scratch() -> tempfile::TempDir {
 struct Target {
     dir: PathBuf,
     port: u16,
-    child: Child,
-    notify: UnixDatagram,
+    daemon: Daemon,
 }
 
 /// The configuration: subsystem SUB (hosts PLAIN, KEYED with a key; nsid 1 rw, nsid 3
@@ -91,35 +81,17 @@ impl Target {
     }
 
     /// As [`Target::start`], with extra environment variables for the daemon.
-    fn start_with_env(dir: &Path, top: &str, env: &[(&str, &str)]) -> Target {
+    fn start_with_env(dir: &Path, top: &str, env_extra: &[(&str, &str)]) -> Target {
         let port = free_port();
-        let key = dir.join("keyed.psk");
-        std::fs::write(&key, KEY.repeat(32)).unwrap();
-        std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
+        write_psk(&dir.join("keyed.psk"), KEY);
         std::fs::write(dir.join("c.toml"), config_text(port, top, "")).unwrap();
-        let sock = dir.join("notify.sock");
-        let notify = UnixDatagram::bind(&sock).unwrap();
-        let mut cmd = Command::new(BIN);
-        cmd.arg("--config")
-            .arg(dir.join("c.toml"))
-            .env("NOTIFY_SOCKET", &sock)
-            .env_remove("WATCHDOG_USEC")
-            .env_remove("WATCHDOG_PID")
-            .env("RUST_LOG", "info");
-        for (k, v) in env {
-            cmd.env(k, v);
-        }
-        let child = cmd
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(dir.join("target.log")).unwrap())
-            .spawn()
-            .unwrap();
+        let mut env = vec![("RUST_LOG", "info")];
+        env.extend_from_slice(env_extra);
+        let log = std::fs::File::create(dir.join("target.log")).unwrap();
         let t = Target {
             dir: dir.to_owned(),
             port,
-            child,
-            notify,
+            daemon: Daemon::start(&dir.join("c.toml"), dir, &env, Stdio::from(log)),
         };
         let ready = t.expect("READY=1");
         assert!(ready.contains("1 of 1 listener(s) bound"), "{ready}");
@@ -128,6 +100,11 @@ impl Target {
 
     fn url(&self) -> String {
         format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    /// A session of PLAIN with SUB, with the default [`opts`].
+    fn session(&self) -> Session {
+        connect(&self.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap()
     }
 
     /// The daemon's log so far (its stderr; printed by the test if it fails).
@@ -154,59 +131,25 @@ impl Target {
 
     /// The next notification starting with `prefix`, skipping others, within WAIT.
     fn expect(&self, prefix: &str) -> String {
-        let deadline = Instant::now() + WAIT;
-        let mut buf = [0u8; 4096];
-        while Instant::now() < deadline {
-            self.notify
-                .set_read_timeout(Some(deadline.saturating_duration_since(Instant::now())))
-                .unwrap();
-            if let Ok(n) = self.notify.recv(&mut buf) {
-                let m = String::from_utf8_lossy(&buf[..n]).into_owned();
-                if m.starts_with(prefix) {
-                    return m;
-                }
-            }
-        }
-        panic!("no {prefix:?} notification within {WAIT:?}");
+        self.daemon.wait_for(prefix, WAIT)
     }
 
     fn signal(&self, sig: Signal) {
-        kill(Pid::from_raw(self.child.id() as i32), sig).unwrap();
+        self.daemon.signal(sig);
     }
 
     fn wait_exit(&mut self, within: Duration) -> std::process::ExitStatus {
-        let deadline = Instant::now() + within;
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            assert!(
-                Instant::now() < deadline,
-                "daemon did not exit within {within:?}"
-            );
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.daemon.wait_exit(within)
     }
 
     fn status(&self) -> serde_json::Value {
-        let out = Command::new(BIN)
-            .args(["status", "--json", "--socket"])
-            .arg(self.dir.join("ctl.sock"))
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-        serde_json::from_slice(&out.stdout).unwrap()
+        status_json(&self.dir.join("ctl.sock"))
     }
 }
 
 impl Drop for Target {
     fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.daemon.kill();
         if std::thread::panicking() {
             eprintln!("--- rpma-target's log ---\n{}", self.log());
         }
@@ -323,7 +266,7 @@ fn ready_means_accepting_identify_and_gpspm() {
     assert_eq!(n1.durability.names(), ["APM", "GPSPM", "FLUSH"]);
     assert!(id.namespaces[1].read_only);
 
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let n1 = s.namespace(1).unwrap().clone();
     let remote = RemoteAddr {
         addr: n1.remote_addr + 4096,
@@ -365,11 +308,7 @@ fn ready_means_accepting_identify_and_gpspm() {
     assert_eq!(sessions[1]["host_nqn"], OPEN_HOST);
     assert_eq!(sessions[1]["controller_id"], 0);
     assert_eq!(sessions[1]["subsystem_nqn"], DISCOVERY_NQN);
-    let out = Command::new(BIN)
-        .args(["status", "--socket"])
-        .arg(d.path().join("ctl.sock"))
-        .output()
-        .unwrap();
+    let out = status(&["--socket", d.path().join("ctl.sock").to_str().unwrap()]);
     let table = String::from_utf8_lossy(&out.stdout);
     assert!(
         table.contains("SESSIONS (counted: control messages"),
@@ -408,8 +347,8 @@ fn ready_means_accepting_identify_and_gpspm() {
 fn rkeys_are_per_connection() {
     let d = scratch();
     let t = Target::start(d.path(), "");
-    let a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
-    let mut b = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let a = t.session();
+    let mut b = t.session();
     let (na, nb) = (
         a.namespace(1).unwrap().clone(),
         b.namespace(1).unwrap().clone(),
@@ -529,7 +468,7 @@ fn connect_response_grants_the_configured_queue_depth() {
         other => panic!("{other:?}"),
     }
     // 16 FlushRequests outstanding at once are within the grant: all answered.
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     send_flushes(&mut s, 16, 4096);
     let mut answered = Vec::new();
     while answered.len() < 16 {
@@ -637,7 +576,7 @@ fn keep_alive_lapse_revokes_rkeys() {
 fn connection_limit_refuses_the_next() {
     let d = scratch();
     let t = Target::start(d.path(), "max_connections = 1");
-    let _a = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let _a = t.session();
     let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
     assert!(
         matches!(
@@ -655,7 +594,7 @@ fn connection_limit_refuses_the_next() {
 fn sighup_adds_a_namespace_while_a_session_stays_up() {
     let d = scratch();
     let t = Target::start(d.path(), "keep_alive_ms = 1000");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let n1 = s.namespace(1).unwrap().clone();
     let remote = RemoteAddr {
         addr: n1.remote_addr + 8192,
@@ -718,7 +657,7 @@ fn sighup_removing_a_namespace_revokes_it_only() {
     let t = Target::start(d.path(), top);
     // A session on OPEN (its nsid 1 only) and one on SUB (nsid 1 and the read-only nsid 3).
     let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let at = |s: &Session, nsid: u32, off: u64| {
         let n = s.namespace(nsid).unwrap();
         RemoteAddr {
@@ -775,7 +714,7 @@ fn sighup_removing_a_namespace_revokes_it_only() {
 fn sigterm_during_flush_load_exits_zero() {
     let d = scratch();
     let mut t = Target::start(d.path(), "");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     // Keep many GPSPM flushes in flight, then stop the daemon.
     let sent = 48u64;
     send_flushes(&mut s, sent, 0);
@@ -848,7 +787,7 @@ fn sigterm_during_flush_load_exits_zero() {
 fn sigterm_answers_reach_wait_message() {
     let d = scratch();
     let mut t = Target::start(d.path(), "");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let sent = 48u64;
     send_flushes(&mut s, sent, 0);
     t.signal(Signal::SIGTERM);
@@ -922,13 +861,13 @@ fn idle_daemon_with_a_session_uses_no_cpu() {
     let d = scratch();
     // Two poll loops, a keep-alive longer than the measurement: nothing needs to happen.
     let t = Target::start(d.path(), "poll_loops = 2\nkeep_alive_ms = 30000");
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
     // A discovery connection held open too.
     let _disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
     // Let the busy-poll spells and the start-up settle.
     std::thread::sleep(Duration::from_millis(200));
-    let pid = t.child.id();
+    let pid = t.daemon.pid();
     let before = cpu_ticks(pid);
     let woke_before = wakeups(pid);
     let start = Instant::now();
@@ -1036,15 +975,11 @@ fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
     t.expect("READY=1");
     let reloaded = Instant::now();
     // At most one check can still see the loop's last turn; give it 600 ms, then none for 1.5 s.
-    let mut buf = [0u8; 4096];
     let mut pings = Vec::new();
     while reloaded.elapsed() < Duration::from_millis(2100) {
         let left = Duration::from_millis(2100).saturating_sub(reloaded.elapsed());
-        t.notify
-            .set_read_timeout(Some(left.max(Duration::from_millis(1))))
-            .unwrap();
-        if let Ok(n) = t.notify.recv(&mut buf) {
-            if buf[..n].starts_with(b"WATCHDOG=1") {
+        if let Some(m) = t.daemon.next(left) {
+            if m.starts_with("WATCHDOG=1") {
                 pings.push(reloaded.elapsed());
             }
         }
@@ -1073,7 +1008,7 @@ fn a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason() 
     let top = "keep_alive_ms = 10000";
     let t = Target::start(d.path(), top);
     let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     assert_eq!(s.namespace(1).unwrap().size, 2 << 20);
     // Grow SUB's nsid 1 (which needs `grow = true`).
     let grown = config_text(t.port, top, "").replacen(
@@ -1093,7 +1028,7 @@ fn a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason() 
         other => panic!("expected a Disconnect, got {other:?}"),
     }
     // The host reconnects and sees the new size; the other subsystem's session is untouched.
-    let s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let s = t.session();
     assert_eq!(s.namespace(1).unwrap().size, 4 << 20);
     assert_eq!(other.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
     let v = t.status();
@@ -1111,7 +1046,7 @@ fn a_reload_that_would_grow_without_grow_changes_nothing() {
     let d = scratch();
     let top = "keep_alive_ms = 10000";
     let t = Target::start(d.path(), top);
-    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let mut s = t.session();
     let bigger = config_text(t.port, top, "").replacen(
         "path = \"ns1\"\nsize = \"2MiB\"",
         "path = \"ns1\"\nsize = \"4MiB\"",

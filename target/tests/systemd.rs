@@ -1,13 +1,38 @@
 //! The shipped unit and example configuration.
 
+mod support;
+
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::Command;
+use std::process::{Command, Output};
 
-const BIN: &str = env!("CARGO_BIN_EXE_rpma-target");
+use support::BIN;
 
 fn repo_file(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+}
+
+/// The example configuration, `text`, with its directories moved to `dir` and its namespaces
+/// shrunk to 16 MiB, written to `dir/rpma-target.toml` (returned).
+fn example_in(dir: &Path, text: &str) -> PathBuf {
+    let d = dir.to_str().unwrap();
+    let text = text
+        .replace("/var/lib/rpma", d)
+        .replace("/etc/rpma", d)
+        .replace("/run/rpma-target", d)
+        .replace("size = \"1GiB\"", "size = \"16MiB\"");
+    let cfg = dir.join("rpma-target.toml");
+    std::fs::write(&cfg, &text).unwrap();
+    cfg
+}
+
+/// `rpma-target check-config CFG`.
+fn check_config(cfg: &Path) -> Output {
+    Command::new(BIN)
+        .arg("check-config")
+        .arg(cfg)
+        .output()
+        .unwrap()
 }
 
 #[test]
@@ -58,16 +83,9 @@ fn unit_passes_systemd_analyze_verify() {
 #[test]
 fn example_config_passes_check_config_after_adjusting_paths() {
     let d = tempfile::tempdir().unwrap();
-    let dir = d.path().to_str().unwrap();
     let text = std::fs::read_to_string(repo_file("systemd/rpma-target.toml")).unwrap();
-    let text = text
-        .replace("/var/lib/rpma", dir)
-        .replace("/etc/rpma", dir)
-        .replace("/run/rpma-target", dir)
-        .replace("size = \"1GiB\"", "size = \"16MiB\"");
     // As shipped, the example needs no file that the install steps do not create.
-    let cfg = d.path().join("rpma-target.toml");
-    std::fs::write(&cfg, &text).unwrap();
+    let cfg = example_in(d.path(), &text);
 
     let parsed = rpma_target::config::Config::load(&cfg).unwrap();
     assert_eq!(parsed.subsystems[0].namespaces.len(), 2);
@@ -76,11 +94,7 @@ fn example_config_passes_check_config_after_adjusting_paths() {
         rpma_target::config::DEFAULT_PORT
     );
 
-    let out = Command::new(BIN)
-        .arg("check-config")
-        .arg(&cfg)
-        .output()
-        .unwrap();
+    let out = check_config(&cfg);
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     assert!(
@@ -145,19 +159,7 @@ fn example_key_recipe_makes_a_key_check_config_accepts() {
         .find(|l| l.trim_start().starts_with("{ nqn = \"nqn.2014-08"))
         .unwrap()
         .to_owned();
-    let text = text
-        .replace(&plain, &keyed)
-        .replace("/var/lib/rpma", dir)
-        .replace("/etc/rpma", dir)
-        .replace("/run/rpma-target", dir)
-        .replace("size = \"1GiB\"", "size = \"16MiB\"");
-    let cfg = d.path().join("rpma-target.toml");
-    std::fs::write(&cfg, &text).unwrap();
-    let out = Command::new(BIN)
-        .arg("check-config")
-        .arg(&cfg)
-        .output()
-        .unwrap();
+    let out = check_config(&example_in(d.path(), &text.replace(&plain, &keyed)));
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}");
     assert!(stdout.contains("2 host(s), 1 with a key"), "{stdout}");

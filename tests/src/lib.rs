@@ -6,6 +6,7 @@
 
 use std::io::{Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::unix::fs::PermissionsExt;
 use std::os::unix::net::UnixDatagram;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
@@ -49,6 +50,65 @@ pub fn free_port() -> u16 {
         .local_addr()
         .expect("local_addr")
         .port()
+}
+
+/// Writes a pre-shared key file at `path`: the hex byte `byte` 32 times, mode 0600 (the target
+/// refuses a key that others can read).
+pub fn write_psk(path: &Path, byte: &str) {
+    std::fs::write(path, byte.repeat(32)).expect("write psk file");
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).expect("chmod psk file");
+}
+
+/// A namespace file under /dev/shm (tmpfs: the volatile domain), `/dev/shm/rpma-test-PID-TAG`,
+/// removed on drop. The tag keeps the tests of one binary apart.
+#[derive(Debug)]
+pub struct Shm(String);
+
+impl Shm {
+    /// The path for `tag` (nothing is created: the target makes the file).
+    pub fn new(tag: &str) -> Shm {
+        Shm(format!("/dev/shm/rpma-test-{}-{tag}", std::process::id()))
+    }
+
+    /// The file's path.
+    pub fn path(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Drop for Shm {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.0);
+    }
+}
+
+/// The `[[subsystem.namespace]]` tables of the four-namespace subsystem the initiator tests use:
+/// nsid 1 page-cache 8 MiB (`ns1`); 2 read-only 1 MiB of `ns2_block_size` blocks (`ns2`);
+/// 3 volatile 1 MiB on `shm`; 4 dax (forced) 2 MiB on a file (`ns4`).
+pub fn four_namespaces(shm: &Shm, ns2_block_size: u32) -> String {
+    format!(
+        r#"[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "8MiB"
+[[subsystem.namespace]]
+nsid = 2
+path = "ns2"
+size = "1MiB"
+block_size = {ns2_block_size}
+read_only = true
+[[subsystem.namespace]]
+nsid = 3
+path = "{}"
+size = "1MiB"
+[[subsystem.namespace]]
+nsid = 4
+path = "ns4"
+size = "2MiB"
+force_dax = true
+"#,
+        shm.path()
+    )
 }
 
 /// A running `rpma-target` on a config written into `dir`. Killed (SIGKILL) on drop.

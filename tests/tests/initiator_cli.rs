@@ -1,65 +1,64 @@
 //! `rpma-initiator`'s data subcommands as real processes against a real `rpma-target`: output
 //! (text and JSON), the documented exit codes, and durability across a SIGKILL of the target.
 
-use rpma_tests::{initiator, text, Target};
+use rpma_tests::{four_namespaces, initiator, text, Shm, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:cli-data";
 const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
 
-struct Shm(String);
-
-impl Drop for Shm {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-/// nsid 1 page-cache 8 MiB, 2 read-only, 3 volatile (/dev/shm), 4 dax (forced) on a file.
+/// A target in a scratch dir of its own serving SUB to HOST: [`four_namespaces`], nsid 2 of
+/// 4096-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`.
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = Shm(format!("/dev/shm/rpma-cli-{}-{tag}", std::process::id()));
+    let shm = Shm::new(tag);
     let t = Target::start(
         d.path(),
         &format!(
-            r#"[[subsystem]]
-nqn = "{SUB}"
-hosts = [{{ nqn = "{HOST}" }}]
-[[subsystem.namespace]]
-nsid = 1
-path = "ns1"
-size = "8MiB"
-[[subsystem.namespace]]
-nsid = 2
-path = "ns2"
-size = "1MiB"
-read_only = true
-[[subsystem.namespace]]
-nsid = 3
-path = "{}"
-size = "1MiB"
-[[subsystem.namespace]]
-nsid = 4
-path = "ns4"
-size = "2MiB"
-force_dax = true
-"#,
-            shm.0
+            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}",
+            four_namespaces(&shm, 4096)
         ),
     );
     (d, shm, t)
 }
 
+/// The words of a command line (none of which holds a space).
+fn words(line: &str) -> Vec<&str> {
+    line.split_whitespace().collect()
+}
+
+/// The initiator's arguments: the target at `url`, subsystem and host given, then `args`.
+fn with_target<'a>(url: &'a str, args: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["--target", url, "--nqn", SUB, "--hostnqn", HOST];
+    a.extend_from_slice(args);
+    a
+}
+
 /// Runs the initiator with the target, subsystem and host given, then `args`.
 fn run(t: &Target, args: &[&str]) -> (Option<i32>, String, String) {
     let url = t.url();
-    let mut a = vec!["--target", url.as_str(), "--nqn", SUB, "--hostnqn", HOST];
-    a.extend_from_slice(args);
-    let o = initiator(&a);
+    let o = initiator(&with_target(&url, args));
     (
         o.status.code(),
         String::from_utf8_lossy(&o.stdout).into_owned(),
         text(&o),
     )
+}
+
+/// [`run`] with a command line: `cli(&t, "--nsid 2 read --offset 0 --length 1")`.
+fn cli(t: &Target, line: &str) -> (Option<i32>, String, String) {
+    run(t, &words(line))
+}
+
+/// [`cli`] with a path as the last argument (a path may hold a space).
+fn cli_path(t: &Target, line: &str, path: &std::path::Path) -> (Option<i32>, String, String) {
+    let mut a = words(line);
+    a.push(path.to_str().unwrap());
+    run(t, &a)
+}
+
+/// [`json`] with a command line.
+fn json_cli(t: &Target, line: &str) -> serde_json::Value {
+    json(t, &words(line))
 }
 
 fn json(t: &Target, args: &[&str]) -> serde_json::Value {
@@ -75,7 +74,7 @@ fn every_subcommand_against_a_running_target() {
     let (d, _shm, t) = start("all");
 
     // list
-    let v = json(&t, &["list"]);
+    let v = json_cli(&t, "list");
     assert_eq!(v.as_array().unwrap().len(), 4, "{v}");
     // page-cache: GPSPM (msync through io_uring, off the target's poll loop); dax: FLUSH.
     assert_eq!(v[0]["method"], "GPSPM", "{v}");
@@ -86,7 +85,7 @@ fn every_subcommand_against_a_running_target() {
     assert_eq!(v[1]["read_only"], true, "{v}");
     assert!(v[1]["method"].is_null(), "{v}");
     assert!(v[1]["method_error"].is_null(), "{v}");
-    let (c, out, all) = run(&t, &["list"]);
+    let (c, out, all) = cli(&t, "list");
     assert_eq!(c, Some(0), "{all}");
     assert!(
         out.contains("nsid 1: 8 MiB, block 4096, page-cache, read-write, durable with GPSPM"),
@@ -103,74 +102,31 @@ fn every_subcommand_against_a_running_target() {
     assert!(out.contains("visible only (volatile)"), "{out}");
 
     // identify with the global --nqn (before the subcommand here).
-    let (c, out, all) = run(&t, &["identify"]);
+    let (c, out, all) = cli(&t, "identify");
     assert_eq!(c, Some(0), "{all}");
     assert!(out.contains("4 namespace(s)"), "{out}");
 
     // write --pattern --durable, then verify and read.
-    let v = json(
+    let v = json_cli(
         &t,
-        &[
-            "write",
-            "--offset",
-            "4k",
-            "--pattern",
-            "0x5a",
-            "--length",
-            "1MiB",
-            "--durable",
-        ],
+        "write --offset 4k --pattern 0x5a --length 1MiB --durable",
     );
     assert_eq!(v["state"], "durable", "{v}");
     assert_eq!(v["method"], "GPSPM");
     assert_eq!(v["domain"], "page-cache");
     assert_eq!(v["length"], 1 << 20);
-    let (c, out, all) = run(
-        &t,
-        &[
-            "verify",
-            "--offset",
-            "4096",
-            "--pattern",
-            "90",
-            "--length",
-            "1m",
-        ],
-    );
+    let (c, out, all) = cli(&t, "verify --offset 4096 --pattern 90 --length 1m");
     assert_eq!(c, Some(0), "{all}");
     assert!(
         out.contains("1048576 bytes at offset 4096 of nsid 1 match"),
         "{out}"
     );
     // One byte further: the first differing offset, exit 1.
-    let (c, _, all) = run(
-        &t,
-        &[
-            "verify",
-            "--offset",
-            "4097",
-            "--pattern",
-            "0x5a",
-            "--length",
-            "1MiB",
-        ],
-    );
+    let (c, _, all) = cli(&t, "verify --offset 4097 --pattern 0x5a --length 1MiB");
     assert_eq!(c, Some(1), "{all}");
     assert!(all.contains("mismatch at offset 1052672"), "{all}");
     let v = {
-        let (c, out, all) = run(
-            &t,
-            &[
-                "verify",
-                "--offset",
-                "0",
-                "--pattern",
-                "0x5a",
-                "--length",
-                "8k",
-                "--json",
-            ],
-        );
+        let (c, out, all) = cli(&t, "verify --offset 0 --pattern 0x5a --length 8k --json");
         assert_eq!(c, Some(1), "{all}");
         serde_json::from_str::<serde_json::Value>(&out).unwrap()
     };
@@ -182,10 +138,7 @@ fn every_subcommand_against_a_running_target() {
     let src = d.path().join("in.bin");
     let data: Vec<u8> = (0..300_000u32).map(|i| (i * 7 % 251) as u8).collect();
     std::fs::write(&src, &data).unwrap();
-    let (c, out, all) = run(
-        &t,
-        &["write", "--offset", "2MiB", "--in", src.to_str().unwrap()],
-    );
+    let (c, out, all) = cli_path(&t, "write --offset 2MiB --in", &src);
     assert_eq!(c, Some(0), "{all}");
     // A Write is not acknowledged by the target: the CLI says "sent", never "placed".
     assert!(
@@ -199,159 +152,78 @@ fn every_subcommand_against_a_running_target() {
     );
     assert_eq!(v["state"], "sent", "{v}");
     assert!(v["method"].is_null(), "{v}");
-    let v = json(&t, &["flush", "--offset", "2MiB", "--length", "300000"]);
+    let v = json_cli(&t, "flush --offset 2MiB --length 300000");
     assert_eq!(v["state"], "durable", "{v}");
     let dst = d.path().join("out.bin");
-    let (c, _, all) = run(
-        &t,
-        &[
-            "read",
-            "--offset",
-            "2MiB",
-            "--length",
-            "300000",
-            "--out",
-            dst.to_str().unwrap(),
-        ],
-    );
+    let (c, _, all) = cli_path(&t, "read --offset 2MiB --length 300000 --out", &dst);
     assert_eq!(c, Some(0), "{all}");
     assert!(std::fs::read(&dst).unwrap() == data);
-    let (c, _, all) = run(
-        &t,
-        &[
-            "verify",
-            "--offset",
-            "2097152",
-            "--in",
-            src.to_str().unwrap(),
-        ],
-    );
+    let (c, _, all) = cli_path(&t, "verify --offset 2097152 --in", &src);
     assert_eq!(c, Some(0), "{all}");
     // read to a pipe: raw bytes; --json: hex.
-    let (c, out, _) = run(&t, &["read", "--offset", "4096", "--length", "4"]);
+    let (c, out, _) = cli(&t, "read --offset 4096 --length 4");
     assert_eq!(c, Some(0));
     assert_eq!(out, "ZZZZ");
-    let v = json(&t, &["read", "--offset", "4096", "--length", "2"]);
+    let v = json_cli(&t, "read --offset 4096 --length 2");
     assert_eq!(v["hex"], "5a5a");
     assert!(v["out"].is_null(), "{v}");
     // More than one 4 MiB piece, streamed to the pipe: every byte in order.
-    let o = {
-        let url = t.url();
-        rpma_tests::initiator(&[
-            "--target",
-            &url,
-            "--nqn",
-            SUB,
-            "--hostnqn",
-            HOST,
-            "read",
-            "--offset",
-            "0",
-            "--length",
-            "5MiB",
-        ])
-    };
+    let url = t.url();
+    let o = initiator(&with_target(&url, &words("read --offset 0 --length 5MiB")));
     assert_eq!(o.status.code(), Some(0), "{}", text(&o));
     assert_eq!(o.stdout.len(), 5 << 20);
     assert!(o.stdout[4096..4096 + (1 << 20)].iter().all(|&b| b == 0x5a));
     assert!(o.stdout[2 << 20..(2 << 20) + data.len()] == data[..]);
     // JSON across a piece boundary stays one valid object.
-    let v = json(&t, &["read", "--offset", "4194302", "--length", "4"]);
+    let v = json_cli(&t, "read --offset 4194302 --length 4");
     assert_eq!(v["hex"].as_str().map(str::len), Some(8), "{v}");
     assert_eq!(v["length"], 4);
 
     // cas and faa on the u64 at 0 (zero so far).
-    let v = json(
-        &t,
-        &["cas", "--offset", "0", "--expected", "0", "--new", "0x10"],
-    );
+    let v = json_cli(&t, "cas --offset 0 --expected 0 --new 0x10");
     assert_eq!(
         (v["old"].as_u64(), v["swapped"].as_bool()),
         (Some(0), Some(true)),
         "{v}"
     );
-    let v = json(
-        &t,
-        &["cas", "--offset", "0", "--expected", "0", "--new", "5"],
-    );
+    let v = json_cli(&t, "cas --offset 0 --expected 0 --new 5");
     assert_eq!(
         (v["old"].as_u64(), v["swapped"].as_bool()),
         (Some(16), Some(false)),
         "{v}"
     );
-    let (c, out, all) = run(&t, &["faa", "--offset", "0", "--add", "4"]);
+    let (c, out, all) = cli(&t, "faa --offset 0 --add 4");
     assert_eq!(c, Some(0), "{all}");
     assert!(out.contains("old 16 (0x10), new 20"), "{out}");
 
     // The dax (forced) namespace: the domain is shown as it is, "(forced)" included.
-    let (c, out, all) = run(
+    let (c, out, all) = cli(
         &t,
-        &[
-            "--nsid",
-            "4",
-            "write",
-            "--offset",
-            "0",
-            "--pattern",
-            "1",
-            "--length",
-            "4k",
-            "--durable",
-        ],
+        "--nsid 4 write --offset 0 --pattern 1 --length 4k --durable",
     );
     assert_eq!(c, Some(0), "{all}");
     assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
-    let v = json(
-        &t,
-        &["--nsid", "4", "flush", "--offset", "0", "--length", "4k"],
-    );
+    let v = json_cli(&t, "--nsid 4 flush --offset 0 --length 4k");
     assert_eq!(v["domain"], "dax (forced)", "{v}");
     assert_eq!(v["method"], "FLUSH", "{v}");
-    let (c, out, all) = run(
-        &t,
-        &["--nsid", "4", "flush", "--offset", "0", "--length", "4k"],
-    );
+    let (c, out, all) = cli(&t, "--nsid 4 flush --offset 0 --length 4k");
     assert_eq!(c, Some(0), "{all}");
     assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
 
     // Forced methods, on the dax (forced) namespace.
     for m in ["apm", "gpspm", "flush"] {
-        let v = json(
+        let v = json_cli(
             &t,
-            &[
-                "--nsid",
-                "4",
-                "--persist",
-                m,
-                "write",
-                "--offset",
-                "0",
-                "--pattern",
-                "1",
-                "--length",
-                "64k",
-                "--durable",
-            ],
+            &format!("--nsid 4 --persist {m} write --offset 0 --pattern 1 --length 64k --durable"),
         );
         assert_eq!(v["method"], m.to_uppercase(), "{v}");
         assert_eq!(v["domain"], "dax (forced)", "{v}");
     }
 
     // Volatile: succeeds with a warning.
-    let (c, out, all) = run(
+    let (c, out, all) = cli(
         &t,
-        &[
-            "--nsid",
-            "3",
-            "write",
-            "--offset",
-            "0",
-            "--pattern",
-            "7",
-            "--length",
-            "4k",
-            "--durable",
-        ],
+        "--nsid 3 write --offset 0 --pattern 7 --length 4k --durable",
     );
     assert_eq!(c, Some(0), "{all}");
     assert!(
@@ -361,12 +233,7 @@ fn every_subcommand_against_a_running_target() {
     assert!(all.contains("warning: namespace 3 is volatile"), "{all}");
 
     // bench (small), JSON.
-    let v = json(
-        &t,
-        &[
-            "bench", "--count", "50", "--total", "4MiB", "--offset", "4MiB",
-        ],
-    );
+    let v = json_cli(&t, "bench --count 50 --total 4MiB --offset 4MiB");
     assert_eq!(v["count"], 50);
     assert!(v["write_latency"]["p50_us"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["read_mib_s"].as_f64().unwrap() > 0.0, "{v}");
@@ -374,48 +241,14 @@ fn every_subcommand_against_a_running_target() {
     assert_eq!(v["domain"], "page-cache");
     // bench overwrites: without an explicit --offset it refuses (exit 2) and writes nothing,
     // unless --yes.
-    let (c, _, all) = run(
-        &t,
-        &[
-            "--nsid",
-            "4",
-            "write",
-            "--offset",
-            "0",
-            "--pattern",
-            "0x77",
-            "--length",
-            "64k",
-        ],
-    );
+    let (c, _, all) = cli(&t, "--nsid 4 write --offset 0 --pattern 0x77 --length 64k");
     assert_eq!(c, Some(0), "{all}");
-    let (c, _, all) = run(
-        &t,
-        &["--nsid", "4", "bench", "--count", "5", "--total", "64k"],
-    );
+    let (c, _, all) = cli(&t, "--nsid 4 bench --count 5 --total 64k");
     assert_eq!(c, Some(2), "{all}");
     assert!(all.contains("--offset"), "{all}");
-    let (c, _, all) = run(
-        &t,
-        &[
-            "--nsid",
-            "4",
-            "verify",
-            "--offset",
-            "0",
-            "--pattern",
-            "0x77",
-            "--length",
-            "64k",
-        ],
-    );
+    let (c, _, all) = cli(&t, "--nsid 4 verify --offset 0 --pattern 0x77 --length 64k");
     assert_eq!(c, Some(0), "the refused bench wrote: {all}");
-    let v = json(
-        &t,
-        &[
-            "--nsid", "4", "bench", "--yes", "--count", "5", "--total", "64k",
-        ],
-    );
+    let v = json_cli(&t, "--nsid 4 bench --yes --count 5 --total 64k");
     assert_eq!(v["method"], "FLUSH", "{v}");
     assert_eq!(v["domain"], "dax (forced)", "{v}");
 
@@ -465,37 +298,15 @@ fn each_error_has_its_exit_code() {
     ]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));
     // Out of range.
-    let (c, _, all) = run(
-        &t,
-        &[
-            "write",
-            "--offset",
-            "8MiB",
-            "--pattern",
-            "1",
-            "--length",
-            "1",
-        ],
-    );
+    let (c, _, all) = cli(&t, "write --offset 8MiB --pattern 1 --length 1");
     assert_eq!(c, Some(6), "{all}");
     assert!(all.contains("outside namespace 1"), "{all}");
-    let (c, _, all) = run(&t, &["read", "--offset", "0", "--length", "9MiB"]);
+    let (c, _, all) = cli(&t, "read --offset 0 --length 9MiB");
     assert_eq!(c, Some(6), "{all}");
     // The whole range is checked before --out is created: nothing written, and the message
     // names the range asked for (not a 4 MiB piece of it).
     let f = _d.path().join("never.bin");
-    let (c, out, all) = run(
-        &t,
-        &[
-            "read",
-            "--offset",
-            "6MiB",
-            "--length",
-            "4MiB",
-            "--out",
-            f.to_str().unwrap(),
-        ],
-    );
+    let (c, out, all) = cli_path(&t, "read --offset 6MiB --length 4MiB --out", &f);
     assert_eq!(c, Some(6), "{all}");
     assert!(
         !f.exists(),
@@ -506,94 +317,38 @@ fn each_error_has_its_exit_code() {
         all.contains("4194304 bytes at offset 6291456 are outside namespace 1"),
         "{all}"
     );
-    let (c, out, all) = run(&t, &["read", "--offset", "6MiB", "--length", "4MiB"]);
+    let (c, out, all) = cli(&t, "read --offset 6MiB --length 4MiB");
     assert_eq!(c, Some(6), "{all}");
     assert!(out.is_empty(), "nothing on stdout before the error: {out}");
-    let (c, _, all) = run(
-        &t,
-        &[
-            "verify",
-            "--offset",
-            "6MiB",
-            "--pattern",
-            "0",
-            "--length",
-            "4MiB",
-        ],
-    );
+    let (c, _, all) = cli(&t, "verify --offset 6MiB --pattern 0 --length 4MiB");
     assert_eq!(c, Some(6), "{all}");
     assert!(all.contains("4194304 bytes at offset 6291456"), "{all}");
     // Read-only namespace.
-    let (c, _, all) = run(
-        &t,
-        &[
-            "--nsid",
-            "2",
-            "write",
-            "--offset",
-            "0",
-            "--pattern",
-            "1",
-            "--length",
-            "1",
-        ],
-    );
+    let (c, _, all) = cli(&t, "--nsid 2 write --offset 0 --pattern 1 --length 1");
     assert_eq!(c, Some(6), "{all}");
     assert!(all.contains("read-only"), "{all}");
     // Misaligned atomic.
-    let (c, _, all) = run(&t, &["faa", "--offset", "12", "--add", "1"]);
+    let (c, _, all) = cli(&t, "faa --offset 12 --add 1");
     assert_eq!(c, Some(6), "{all}");
     assert!(all.contains("not a multiple of 8"), "{all}");
     // APM forced where it cannot make the namespace durable (volatile): nothing written.
-    let (c, _, all) = run(
+    let (c, _, all) = cli(
         &t,
-        &[
-            "--nsid",
-            "3",
-            "--persist",
-            "apm",
-            "write",
-            "--offset",
-            "0",
-            "--pattern",
-            "9",
-            "--length",
-            "8",
-            "--durable",
-        ],
+        "--nsid 3 --persist apm write --offset 0 --pattern 9 --length 8 --durable",
     );
     assert_eq!(c, Some(6), "{all}");
     assert!(all.contains("APM cannot make namespace 3"), "{all}");
-    let v = json(
-        &t,
-        &["--nsid", "3", "read", "--offset", "0", "--length", "1"],
-    );
+    let v = json_cli(&t, "--nsid 3 read --offset 0 --length 1");
     assert_eq!(v["hex"], "00", "the refused write wrote nothing");
-    let (c, _, all) = run(
-        &t,
-        &[
-            "--nsid",
-            "3",
-            "--persist",
-            "gpspm",
-            "flush",
-            "--offset",
-            "0",
-            "--length",
-            "8",
-        ],
-    );
+    let (c, _, all) = cli(&t, "--nsid 3 --persist gpspm flush --offset 0 --length 8");
     assert_eq!(c, Some(6), "{all}");
     // No such namespace.
-    let (c, _, all) = run(
-        &t,
-        &["--nsid", "9", "read", "--offset", "0", "--length", "1"],
-    );
+    let (c, _, all) = cli(&t, "--nsid 9 read --offset 0 --length 1");
     assert_eq!(c, Some(6), "{all}");
     // Usage.
-    let (c, _, _) = run(&t, &["write", "--offset", "0"]);
+    let (c, _, _) = cli(&t, "write --offset 0");
     assert_eq!(c, Some(2));
-    let (c, _, _) = run(&t, &["read", "--offset", "1x", "--length", "1"]);
+    let (c, _, _) = cli(&t, "read --offset 1x --length 1");
     assert_eq!(c, Some(2));
     let o = initiator(&["--target", &url, "list"]);
     assert_eq!(o.status.code(), Some(2), "missing --nqn: {}", text(&o));
@@ -618,37 +373,16 @@ fn each_error_has_its_exit_code() {
 fn durable_cli_write_survives_sigkill_of_the_target() {
     for nsid in ["1", "4"] {
         let (_d, _shm, mut t) = start(&format!("kill{nsid}"));
-        let (c, _, all) = run(
+        let (c, _, all) = cli(
             &t,
-            &[
-                "--nsid",
-                nsid,
-                "write",
-                "--offset",
-                "64k",
-                "--pattern",
-                "0xc3",
-                "--length",
-                "1MiB",
-                "--durable",
-            ],
+            &format!("--nsid {nsid} write --offset 64k --pattern 0xc3 --length 1MiB --durable"),
         );
         assert_eq!(c, Some(0), "{all}");
         t.kill9();
         t.restart();
-        let (c, _, all) = run(
+        let (c, _, all) = cli(
             &t,
-            &[
-                "--nsid",
-                nsid,
-                "verify",
-                "--offset",
-                "64k",
-                "--pattern",
-                "0xc3",
-                "--length",
-                "1MiB",
-            ],
+            &format!("--nsid {nsid} verify --offset 64k --pattern 0xc3 --length 1MiB"),
         );
         assert_eq!(c, Some(0), "nsid {nsid} lost durable bytes: {all}");
     }
@@ -660,24 +394,12 @@ fn two_initiator_processes_on_separate_namespaces_do_not_interfere() {
     let url = t.url();
     let spawn = |nsid: &str, byte: &str| {
         std::process::Command::new(rpma_tests::built("rpma-initiator"))
-            .args([
-                "--target",
+            .args(with_target(
                 &url,
-                "--nqn",
-                SUB,
-                "--hostnqn",
-                HOST,
-                "--nsid",
-                nsid,
-                "write",
-                "--offset",
-                "0",
-                "--pattern",
-                byte,
-                "--length",
-                "2MiB",
-                "--durable",
-            ])
+                &words(&format!(
+                    "--nsid {nsid} write --offset 0 --pattern {byte} --length 2MiB --durable"
+                )),
+            ))
             .stdout(std::process::Stdio::null())
             .stderr(std::process::Stdio::null())
             .spawn()
@@ -690,34 +412,14 @@ fn two_initiator_processes_on_separate_namespaces_do_not_interfere() {
         let mut pb = spawn("4", &b);
         assert!(pa.wait().unwrap().success());
         assert!(pb.wait().unwrap().success());
-        let (c, _, all) = run(
+        let (c, _, all) = cli(
             &t,
-            &[
-                "--nsid",
-                "1",
-                "verify",
-                "--offset",
-                "0",
-                "--pattern",
-                &a,
-                "--length",
-                "2MiB",
-            ],
+            &format!("--nsid 1 verify --offset 0 --pattern {a} --length 2MiB"),
         );
         assert_eq!(c, Some(0), "{all}");
-        let (c, _, all) = run(
+        let (c, _, all) = cli(
             &t,
-            &[
-                "--nsid",
-                "4",
-                "verify",
-                "--offset",
-                "0",
-                "--pattern",
-                &b,
-                "--length",
-                "2MiB",
-            ],
+            &format!("--nsid 4 verify --offset 0 --pattern {b} --length 2MiB"),
         );
         assert_eq!(c, Some(0), "{all}");
     }

@@ -10,51 +10,24 @@ use rpma_initiator::{
     Choice, ConnectOptions, Connection, Durability, Error, HostIdentity, PersistMethod,
     QueueOptions, ReconnectPolicy,
 };
-use rpma_tests::{Relay, Target};
+use rpma_tests::{four_namespaces, Relay, Shm, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:data";
 const HOST: &str = "nqn.2026-11.io.rpma:data-host";
 
-struct Shm(String);
-
-impl Drop for Shm {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.0);
-    }
-}
-
-fn shm_path(tag: &str) -> Shm {
-    Shm(format!("/dev/shm/rpma-test-{}-{tag}", std::process::id()))
-}
-
-/// nsid 1: page-cache 8 MiB; 2: read-only; 3: volatile (/dev/shm); 4: dax (forced) on a file.
-fn config(shm: &Shm) -> String {
-    format!(
-        r#"[[subsystem]]
-nqn = "{SUB}"
-allow_any_host = true
-[[subsystem.namespace]]
-nsid = 1
-path = "ns1"
-size = "8MiB"
-[[subsystem.namespace]]
-nsid = 2
-path = "ns2"
-size = "1MiB"
-block_size = 512
-read_only = true
-[[subsystem.namespace]]
-nsid = 3
-path = "{}"
-size = "1MiB"
-[[subsystem.namespace]]
-nsid = 4
-path = "ns4"
-size = "2MiB"
-force_dax = true
-"#,
-        shm.0
-    )
+/// A target in a scratch dir of its own serving SUB to any host: [`four_namespaces`], nsid 2 of
+/// 512-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`.
+fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
+    let d = scratch();
+    let shm = Shm::new(tag);
+    let t = Target::start(
+        d.path(),
+        &format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
+            four_namespaces(&shm, 512)
+        ),
+    );
+    (d, shm, t)
 }
 
 /// (writes posted, doorbells) of the queue behind a namespace handle.
@@ -94,9 +67,7 @@ fn pattern(seed: u64, len: usize) -> Vec<u8> {
 
 #[test]
 fn reads_writes_methods_atomics_and_checks() {
-    let d = scratch();
-    let shm = shm_path("rw");
-    let _t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, _t) = start("rw");
     let mut q = conn(&_t.url()).open_queue(0).unwrap();
     assert_eq!(q.namespaces().len(), 4);
 
@@ -246,9 +217,7 @@ fn reads_writes_methods_atomics_and_checks() {
 
 #[test]
 fn forced_method_is_checked_when_the_queue_opens() {
-    let d = scratch();
-    let shm = shm_path("forced");
-    let t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, t) = start("forced");
     let mut q = conn(&t.url())
         .with_queue_options(QueueOptions {
             persist: Some(PersistMethod::Gpspm),
@@ -266,9 +235,7 @@ fn forced_method_is_checked_when_the_queue_opens() {
 
 #[test]
 fn a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid() {
-    let d = scratch();
-    let shm = shm_path("pool");
-    let t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, t) = start("pool");
     let mut q = conn(&t.url())
         .with_queue_options(QueueOptions {
             depth: 2,
@@ -300,9 +267,7 @@ fn a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid() {
 
 #[test]
 fn queue_depth_32_with_many_outstanding_writes() {
-    let d = scratch();
-    let shm = shm_path("qd");
-    let t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, t) = start("qd");
     let mut q = conn(&t.url())
         .with_queue_options(QueueOptions {
             depth: 32,
@@ -338,9 +303,7 @@ fn queue_depth_32_with_many_outstanding_writes() {
 
 #[test]
 fn two_initiators_on_separate_namespaces_do_not_interfere() {
-    let d = scratch();
-    let shm = shm_path("two");
-    let t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, t) = start("two");
     let url = t.url();
     let run = |nsid: u32, seed: u64, url: String| {
         std::thread::spawn(move || {
@@ -371,9 +334,7 @@ fn two_initiators_on_separate_namespaces_do_not_interfere() {
 }
 
 fn durable_across_sigkill(nsid: u32) {
-    let d = scratch();
-    let shm = shm_path("kill");
-    let mut t = Target::start(d.path(), &config(&shm));
+    let (d, _shm, mut t) = start("kill");
     let url = t.url();
     let mut expected = Vec::new();
     {
@@ -423,9 +384,7 @@ fn durable_writes_survive_sigkill_on_forced_dax() {
 
 #[test]
 fn link_cut_mid_stream_reconnects_and_keeps_every_acknowledged_write() {
-    let d = scratch();
-    let shm = shm_path("cut");
-    let t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, t) = start("cut");
     let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
     let mut q = conn(&relay.url())
         .with_queue_options(QueueOptions {
@@ -507,9 +466,7 @@ fn link_cut_mid_stream_reconnects_and_keeps_every_acknowledged_write() {
 
 #[test]
 fn reconnect_gives_up_cleanly_at_its_limit() {
-    let d = scratch();
-    let shm = shm_path("giveup");
-    let mut t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, mut t) = start("giveup");
     let mut q = conn(&t.url())
         .with_queue_options(QueueOptions {
             reconnect: ReconnectPolicy {
@@ -544,9 +501,7 @@ fn reconnect_gives_up_cleanly_at_its_limit() {
 fn default_reconnect_outlasts_a_slow_target_restart() {
     // The target is down for 10 s: longer than the old default policy (8 attempts, about
     // 7 s) lasted; the default now tries for 60 s.
-    let d = scratch();
-    let shm = shm_path("slow");
-    let mut t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, mut t) = start("slow");
     let url = t.url();
     let mut q = conn(&url).open_queue(0).unwrap();
     assert_eq!(q.options().reconnect, ReconnectPolicy::default());
@@ -572,9 +527,7 @@ fn default_reconnect_outlasts_a_slow_target_restart() {
 
 #[test]
 fn reconnect_timeout_bounds_the_time_spent() {
-    let d = scratch();
-    let shm = shm_path("budget");
-    let mut t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, mut t) = start("budget");
     let mut q = conn(&t.url())
         .with_queue_options(QueueOptions {
             reconnect: ReconnectPolicy::within(Duration::from_secs(2)),
@@ -596,9 +549,7 @@ fn reconnect_timeout_bounds_the_time_spent() {
         "{took:?}"
     );
     // And no reconnect at all: the loss fails the call at once.
-    let d2 = scratch();
-    let shm2 = shm_path("never");
-    let t2 = Target::start(d2.path(), &config(&shm2));
+    let (_d2, _shm2, t2) = start("never");
     let mut q = conn(&t2.url())
         .with_queue_options(QueueOptions {
             reconnect: ReconnectPolicy::never(),
@@ -620,9 +571,7 @@ fn reconnect_timeout_bounds_the_time_spent() {
 
 #[test]
 fn several_queues_of_one_connection_on_their_own_threads() {
-    let d = scratch();
-    let shm = shm_path("queues");
-    let t = Target::start(d.path(), &config(&shm));
+    let (_d, _shm, t) = start("queues");
     let c = conn(&t.url());
     let threads: Vec<_> = (1..=3u16)
         .map(|qid| {

@@ -2,54 +2,21 @@
 //! output (text and JSON) and the documented exit codes. Needs both binaries built (`cargo build
 //! --workspace`, as `make test` does).
 
-use std::os::unix::fs::PermissionsExt;
-use std::os::unix::net::UnixDatagram;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Output, Stdio};
-use std::time::{Duration, Instant};
+use rpma_tests::{free_port, initiator, text, write_psk, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:cli";
 const HIDDEN: &str = "nqn.2026-11.io.rpma:hidden";
 const HOST: &str = "nqn.2026-11.io.rpma:cli-host";
 const KEYED: &str = "nqn.2026-11.io.rpma:cli-keyed";
 
-fn binary(name: &str) -> PathBuf {
-    let p = rpma_tests::bin(name);
-    assert!(
-        p.exists(),
-        "{} is not built: run `cargo build --workspace` first",
-        p.display()
-    );
-    p
-}
-
-struct Target {
-    child: Child,
-    url: String,
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-    }
-}
-
-fn start(dir: &Path) -> Target {
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let key = dir.join("k.psk");
-    std::fs::write(&key, "3c".repeat(32)).unwrap();
-    std::fs::set_permissions(&key, std::fs::Permissions::from_mode(0o600)).unwrap();
-    std::fs::write(
-        dir.join("c.toml"),
-        format!(
-            r#"listen = ["tcp://127.0.0.1:{port}"]
-control_socket = "ctl.sock"
-[[subsystem]]
+/// Subsystem SUB (hosts HOST, and KEYED with the key `k.psk`; nsid 1 read-write 2 MiB, nsid 2
+/// read-only 1 MiB of 512-byte blocks) and HIDDEN, which HOST may not reach.
+fn start(dir: &std::path::Path) -> Target {
+    write_psk(&dir.join("k.psk"), "3c");
+    Target::start(
+        dir,
+        &format!(
+            r#"[[subsystem]]
 nqn = "{SUB}"
 hosts = [{{ nqn = "{HOST}" }}, {{ nqn = "{KEYED}", psk_file = "k.psk" }}]
 [[subsystem.namespace]]
@@ -68,84 +35,39 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:someone-else" }}]
 "#
         ),
     )
-    .unwrap();
-    let sock = dir.join("notify.sock");
-    let notify = UnixDatagram::bind(&sock).unwrap();
-    let child = Command::new(binary("rpma-target"))
-        .arg("--config")
-        .arg(dir.join("c.toml"))
-        .env("NOTIFY_SOCKET", &sock)
-        .env_remove("WATCHDOG_USEC")
-        .stdin(Stdio::null())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let t = Target {
-        child,
-        url: format!("tcp://127.0.0.1:{port}"),
-    };
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let mut buf = [0u8; 4096];
-    loop {
-        let left = deadline.saturating_duration_since(Instant::now());
-        assert!(!left.is_zero(), "no READY=1 within 20 s");
-        notify.set_read_timeout(Some(left)).unwrap();
-        if let Ok(n) = notify.recv(&mut buf) {
-            if buf[..n].starts_with(b"READY=1") {
-                return t;
-            }
-        }
-    }
 }
 
-fn initiator(args: &[&str]) -> Output {
-    Command::new(binary("rpma-initiator"))
-        .args(args)
-        .env_remove("RUST_LOG")
-        .output()
-        .unwrap()
-}
-
-fn text(o: &Output) -> String {
-    format!(
-        "{}{}",
-        String::from_utf8_lossy(&o.stdout),
-        String::from_utf8_lossy(&o.stderr)
-    )
+/// `identify` of `nqn` on the target at `url` as `host`, then `extra`.
+fn identify<'a>(url: &'a str, nqn: &'a str, host: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut a = vec!["identify", "--target", url, "--nqn", nqn, "--hostnqn", host];
+    a.extend_from_slice(extra);
+    a
 }
 
 #[test]
 fn discover_and_identify() {
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let t = start(d.path());
+    let url = t.url();
 
-    let o = initiator(&["discover", "--target", &t.url, "--hostnqn", HOST]);
+    let o = initiator(&["discover", "--target", &url, "--hostnqn", HOST]);
     assert!(o.status.success(), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
-    assert!(out.contains(SUB) && out.contains(&t.url), "{out}");
+    assert!(out.contains(SUB) && out.contains(&url), "{out}");
     assert!(
         !out.contains(HIDDEN),
         "discovery lists only what the host may reach: {out}"
     );
 
     // Global options after the subcommand, JSON.
-    let o = initiator(&["discover", "--json", "--hostnqn", HOST, "--target", &t.url]);
+    let o = initiator(&["discover", "--json", "--hostnqn", HOST, "--target", &url]);
     assert!(o.status.success(), "{}", text(&o));
     let v: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
     assert_eq!(v["subsystems"].as_array().unwrap().len(), 1, "{v}");
     assert_eq!(v["subsystems"][0]["nqn"], SUB);
-    assert_eq!(v["subsystems"][0]["listen"][0], t.url.as_str());
+    assert_eq!(v["subsystems"][0]["listen"][0], url.as_str());
 
-    let o = initiator(&[
-        "identify",
-        "--target",
-        &t.url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-    ]);
+    let o = initiator(&identify(&url, SUB, HOST, &[]));
     assert!(o.status.success(), "{}", text(&o));
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(out.contains("2 namespace(s)"), "{out}");
@@ -159,7 +81,7 @@ fn discover_and_identify() {
     let o = initiator(&[
         "--json",
         "--target",
-        &t.url,
+        &url,
         "identify",
         "--nqn",
         SUB,
@@ -177,17 +99,12 @@ fn discover_and_identify() {
 
     // With the key.
     let key = d.path().join("k.psk");
-    let o = initiator(&[
-        "identify",
-        "--target",
-        &t.url,
-        "--nqn",
+    let o = initiator(&identify(
+        &url,
         SUB,
-        "--hostnqn",
         KEYED,
-        "--psk-file",
-        key.to_str().unwrap(),
-    ]);
+        &["--psk-file", key.to_str().unwrap()],
+    ));
     assert!(o.status.success(), "{}", text(&o));
 }
 
@@ -195,70 +112,37 @@ fn discover_and_identify() {
 fn errors_have_their_exit_codes() {
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
     let t = start(d.path());
+    let url = t.url();
     let code = |args: &[&str]| {
         let o = initiator(args);
         (o.status.code(), text(&o))
     };
 
-    let (c, out) = code(&[
-        "identify",
-        "--target",
-        &t.url,
-        "--nqn",
-        "nqn.2026-11.io.rpma:no",
-        "--hostnqn",
-        HOST,
-    ]);
+    let (c, out) = code(&identify(&url, "nqn.2026-11.io.rpma:no", HOST, &[]));
     assert_eq!(c, Some(4), "{out}");
     assert!(out.contains("no such subsystem"), "{out}");
 
-    let (c, out) = code(&[
-        "identify",
-        "--target",
-        &t.url,
-        "--nqn",
-        HIDDEN,
-        "--hostnqn",
-        HOST,
-    ]);
+    let (c, out) = code(&identify(&url, HIDDEN, HOST, &[]));
     assert_eq!(c, Some(4), "{out}");
     assert!(out.contains("not allowed"), "{out}");
 
     let wrong = d.path().join("wrong.psk");
-    std::fs::write(&wrong, "3d".repeat(32)).unwrap();
-    std::fs::set_permissions(&wrong, std::fs::Permissions::from_mode(0o600)).unwrap();
-    let (c, out) = code(&[
-        "identify",
-        "--target",
-        &t.url,
-        "--nqn",
+    write_psk(&wrong, "3d");
+    let (c, out) = code(&identify(
+        &url,
         SUB,
-        "--hostnqn",
         KEYED,
-        "--psk-file",
-        wrong.to_str().unwrap(),
-    ]);
+        &["--psk-file", wrong.to_str().unwrap()],
+    ));
     assert_eq!(c, Some(5), "{out}");
     assert!(out.contains("authentication failed"), "{out}");
 
-    let (c, out) = code(&[
-        "identify",
-        "--target",
-        &t.url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        KEYED,
-    ]);
+    let (c, out) = code(&identify(&url, SUB, KEYED, &[]));
     assert_eq!(c, Some(5), "{out}");
     assert!(out.contains("pre-shared key"), "{out}");
 
     // Nobody listens there.
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
+    let port = free_port();
     let (c, out) = code(&[
         "discover",
         "--target",
@@ -273,16 +157,8 @@ fn errors_have_their_exit_codes() {
     let (c, out) = code(&["identify", "--nqn", SUB]);
     assert_eq!(c, Some(2), "{out}");
     assert!(out.contains("--target URL is required"), "{out}");
-    let (c, out) = code(&[
-        "identify",
-        "--target",
-        "udp://x:1",
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-    ]);
+    let (c, out) = code(&identify("udp://x:1", SUB, HOST, &[]));
     assert_eq!(c, Some(2), "{out}");
-    let (c, _) = code(&["identify", "--target", &t.url]);
+    let (c, _) = code(&["identify", "--target", &url]);
     assert_eq!(c, Some(2), "missing --nqn");
 }
