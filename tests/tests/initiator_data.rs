@@ -334,7 +334,7 @@ fn two_initiators_on_separate_namespaces_do_not_interfere() {
 }
 
 fn durable_across_sigkill(nsid: u32) {
-    let (d, _shm, mut t) = start("kill");
+    let (d, _shm, mut t) = start(&format!("kill{nsid}"));
     let url = t.url();
     let mut expected = Vec::new();
     {
