@@ -5,7 +5,6 @@
 mod fabric_util;
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -393,30 +392,6 @@ fn wait_times_out_when_idle() {
         0
     );
     assert!(t.elapsed() >= Duration::from_millis(50));
-}
-
-/// A raw iWARP peer: TCP + MPA through the wire layer, with chosen capabilities.
-fn raw_peer(url: &Url, caps: CapFlags, ord: u16) -> (TcpStream, mpa::Negotiated) {
-    let mut s = TcpStream::connect((url.host.as_str(), url.port)).unwrap();
-    let cfg = mpa::MpaConfig {
-        crc: false,
-        ird: 4,
-        ord,
-        caps: Caps::new(caps, None, b"raw".to_vec()),
-        peer_to_peer: None,
-    };
-    let n = mpa::connect_handshake(&mut s, &cfg).unwrap();
-    (s, n)
-}
-
-fn fpdu(hdr: Header, body: &[u8]) -> Vec<u8> {
-    let h = hdr.encode();
-    let ulpdu = h.as_slice().len() + body.len();
-    let mut v = (ulpdu as u16).to_be_bytes().to_vec();
-    v.extend_from_slice(h.as_slice());
-    v.extend_from_slice(body);
-    v.resize(v.len() + wire::pad_len(ulpdu) + 4, 0);
-    v
 }
 
 /// Accepts one connection on a fresh target and returns (listener url, a thread handle that

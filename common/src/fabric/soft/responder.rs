@@ -18,11 +18,15 @@ impl Engine {
     /// A data FPDU has been placed (with CRC on, after its CRC passed); `written_back`: by a
     /// copy that also wrote it back from the CPU cache.
     pub(super) fn on_data(&mut self, hdr: Header, len: usize, written_back: bool) {
-        if let Some((region, offset, n)) = self.placing.take() {
-            if written_back {
-                self.dirty.add_fence();
-            } else {
-                self.dirty.add(&region, offset, n);
+        // Dropping `placing` here, once the FPDU is reported, releases the region it kept
+        // alive while the receiver held a raw pointer into it.
+        if let Some(p) = self.placing.take() {
+            if p.writeback {
+                if written_back {
+                    self.dirty.add_fence();
+                } else {
+                    self.dirty.add(&p.region, p.offset, p.len);
+                }
             }
         }
         match (hdr.opcode, hdr.kind) {
@@ -339,10 +343,14 @@ impl rx::Placer for Engine {
         }
         match self.check_placement(hdr, len) {
             // SAFETY: `check_placement` checked `len` bytes at `p` against the STag's range
-            // and rights (or the posted Recv or Read sink), and the memory is kept alive by the
-            // STag entry's or the work request's Arc until the FPDU is reported. Other parties
-            // may access the same registered memory concurrently, as with any RDMA NIC: the
-            // fabric never forms a Rust reference to it outside this placement.
+            // and rights (or the posted Recv or Read sink). The memory stays alive until the
+            // FPDU is reported (or the receiver fails, or the QP leaves RTS and stops polling
+            // it): a Write's region by the Arc in `self.placing`, which only `on_data` (the
+            // report) or the next `check_placement` (the next FPDU) releases, whatever the
+            // MemoryRegion's owner does meanwhile; a Recv buffer or Read sink by the Sge's Arc
+            // in the work request, which stays queued until the FPDU's report completes it.
+            // Other parties may access the same registered memory concurrently, as with any
+            // RDMA NIC: the fabric never forms a Rust reference to it outside this placement.
             Ok(Some((p, writeback))) => {
                 // SAFETY: as above.
                 let t = unsafe { DirectTarget::new(p, len) };
@@ -378,11 +386,17 @@ impl Engine {
                         // them (non-temporal stores); `on_data` records what it did.
                         let dax = t.region.persist().is_some_and(|p| p.domain().is_dax());
                         let ptr = t.ptr();
-                        if dax {
-                            self.placing = Some((t.region, t.offset, len));
-                        } else {
+                        if !dax {
                             self.dirty.add(&t.region, t.offset, len);
                         }
+                        // Held until `on_data`: the receiver keeps only `ptr`, possibly across
+                        // several polls, and the STag entry may be gone before then.
+                        self.placing = Some(Placing {
+                            region: t.region,
+                            offset: t.offset,
+                            len,
+                            writeback: dax,
+                        });
                         Ok(Some((ptr, dax)))
                     }
                     Err(f) => Err((placement::tagged_cause(f), None)),
