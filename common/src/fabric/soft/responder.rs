@@ -37,12 +37,23 @@ impl Engine {
                 let Some(ent) = self.entry_mut(seq) else {
                     return;
                 };
-                if let Pending::Read { got, .. } = &mut ent.pending {
+                if let Pending::Read { got, sink } = &mut ent.pending {
                     *got += len;
                     if hdr.last {
+                        // A Read Response that ends before the requested length is a peer's
+                        // protocol error: the Read fails and the stream is terminated.
+                        let short = *got != sink.len;
                         ent.pending = Pending::Done;
-                        ent.status = Some(WcStatus::Success);
+                        ent.status = Some(if short {
+                            WcStatus::RemoteOperation
+                        } else {
+                            WcStatus::Success
+                        });
                         self.in_flight.pop_front();
+                        if short {
+                            let cause = TermCause::RDMAP_OPERATION_UNSPECIFIED;
+                            self.terminate(Fault::at(cause, hdr, hdr.len() + len));
+                        }
                     }
                 }
             }
@@ -205,8 +216,14 @@ impl Engine {
                 if !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
                 }
-                // SAFETY: `ptr` is 8-aligned, inside registered memory kept alive by
-                // `t.region`, and the fabric accesses it only atomically.
+                // SAFETY: `ptr` is 8-aligned and its 8 bytes lie inside registered memory kept
+                // alive by `t.region` for this call. The `&AtomicU64` lives only for this
+                // statement's operation; no other Rust reference into the memory exists (the
+                // RegisteredMemory contract), but the bytes are racy RDMA-style memory: other
+                // queue pairs may place into them with plain copies at the same time. Rust's
+                // memory model does not define such a mixed race; verbs leaves its result
+                // unspecified, and the fabric inherits that: a requester that races an atomic
+                // with a Write to the same bytes gets no guarantee, here as on an RNIC.
                 let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
                 let original = match ar.op {
                     AtomicOp::FetchAdd => placement::fetch_add(cell, ar.add_swap, ar.add_swap_mask),
@@ -235,8 +252,9 @@ impl Engine {
                 if aw.to % 8 != 0 || !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
                 }
-                // SAFETY: as for atomics: aligned, in live registered memory, accessed
-                // atomically by the fabric.
+                // SAFETY: as for the atomics above: 8-aligned, in registered memory kept alive
+                // by `t.region`, only raw pointers otherwise; concurrent non-atomic placement
+                // by other queue pairs is the racy RDMA-style access the verbs model allows.
                 let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
                 cell.store(u64::from_ne_bytes(aw.data), Ordering::Release);
                 self.dirty.add(&t.region, t.offset, 8);
