@@ -5,7 +5,6 @@
 mod fabric_util;
 
 use std::io::{Read, Write};
-use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -395,30 +394,6 @@ fn wait_times_out_when_idle() {
     assert!(t.elapsed() >= Duration::from_millis(50));
 }
 
-/// A raw iWARP peer: TCP + MPA through the wire layer, with chosen capabilities.
-fn raw_peer(url: &Url, caps: CapFlags, ord: u16) -> (TcpStream, mpa::Negotiated) {
-    let mut s = TcpStream::connect((url.host.as_str(), url.port)).unwrap();
-    let cfg = mpa::MpaConfig {
-        crc: false,
-        ird: 4,
-        ord,
-        caps: Caps::new(caps, None, b"raw".to_vec()),
-        peer_to_peer: None,
-    };
-    let n = mpa::connect_handshake(&mut s, &cfg).unwrap();
-    (s, n)
-}
-
-fn fpdu(hdr: Header, body: &[u8]) -> Vec<u8> {
-    let h = hdr.encode();
-    let ulpdu = h.as_slice().len() + body.len();
-    let mut v = (ulpdu as u16).to_be_bytes().to_vec();
-    v.extend_from_slice(h.as_slice());
-    v.extend_from_slice(body);
-    v.resize(v.len() + wire::pad_len(ulpdu) + 4, 0);
-    v
-}
-
 /// Accepts one connection on a fresh target and returns (listener url, a thread handle that
 /// yields the target's queue pair and CQ).
 fn target(
@@ -751,4 +726,78 @@ fn thread_cpu() -> Duration {
     let rc = unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     assert_eq!(rc, 0);
     Duration::new(ts.tv_sec as u64, ts.tv_nsec as u32)
+}
+
+#[test]
+fn a_short_read_response_fails_the_read_and_terminates() {
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = tl.local_addr().unwrap().port();
+    let h = std::thread::spawn(move || {
+        let (mut s, _) = tl.accept().unwrap();
+        let cfg = mpa::MpaConfig {
+            crc: false,
+            ird: 4,
+            ord: 4,
+            caps: Caps::new(CapFlags::ALL, None, b"raw".to_vec()),
+            peer_to_peer: None,
+        };
+        mpa::accept_handshake(&mut s, &cfg).unwrap();
+        // Wait for the Read Request, answer it with half the bytes asked for.
+        let mut got = Vec::new();
+        let rr = loop {
+            let mut b = [0u8; 256];
+            let n = s.read(&mut b).unwrap();
+            assert!(n > 0, "the initiator sends a Read Request");
+            got.extend_from_slice(&b[..n]);
+            if let Some((_, body)) = fpdus(&got)
+                .into_iter()
+                .find(|(h, _)| h.opcode == Opcode::ReadRequest)
+            {
+                break wire::rdmap::ReadRequest::decode(&body).unwrap();
+            }
+        };
+        let half = vec![0x77u8; rr.size as usize / 2];
+        let resp = Header::tagged(Opcode::ReadResponse, rr.sink_stag, rr.sink_to, true);
+        s.write_all(&fpdu(resp, &half)).unwrap();
+        let rest = read_while(&mut s, || false);
+        terminate_in(&rest).map(|t| t.cause)
+    });
+    let url: Url = format!("tcp://127.0.0.1:{port}").parse().unwrap();
+    let params = ConnParams {
+        crc: false,
+        ..ConnParams::default()
+    };
+    let qp = pd
+        .create_qp(&cq, &cq, QpCaps::default())
+        .unwrap()
+        .connect(&url, &params, b"")
+        .unwrap();
+    let mr = pd
+        .register(AlignedBuf::new(64).unwrap(), Access::LOCAL_WRITE)
+        .unwrap();
+    qp.post_send(SendWr::new(
+        1,
+        SendOp::Read {
+            local: Sge::new(&mr, 0, 64),
+            remote: RemoteAddr {
+                addr: 0x1000,
+                rkey: 0x100,
+            },
+        },
+    ))
+    .unwrap();
+    let mut wc = [Completion::EMPTY; 1];
+    let end = Instant::now() + Duration::from_secs(10);
+    while cq.poll(&mut wc).unwrap() == 0 && Instant::now() < end {}
+    assert_eq!((wc[0].wr_id, wc[0].status), (1, WcStatus::RemoteOperation));
+    assert_eq!(qp.state(), QpState::Error);
+    drop(qp);
+    assert_eq!(
+        h.join().unwrap(),
+        Some(TermCause::RDMAP_OPERATION_UNSPECIFIED),
+        "the peer is told"
+    );
 }

@@ -5,9 +5,12 @@ pub mod tshark;
 
 use std::cell::RefCell;
 use std::collections::VecDeque;
+use std::io::Read;
+use std::net::TcpStream;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rpma_common::fabric::soft::wire::{self, mpa, CapFlags, Caps, Header, Opcode};
 use rpma_common::fabric::*;
 
 pub struct Pair {
@@ -153,4 +156,70 @@ impl Pair {
             .unwrap();
         (qp, t.join().unwrap())
     }
+}
+
+/// A raw iWARP peer: TCP + MPA through the wire layer, with chosen capabilities.
+pub fn raw_peer(url: &Url, caps: CapFlags, ord: u16) -> (TcpStream, mpa::Negotiated) {
+    let mut s = TcpStream::connect((url.host.as_str(), url.port)).unwrap();
+    let cfg = mpa::MpaConfig {
+        crc: false,
+        ird: 4,
+        ord,
+        caps: Caps::new(caps, None, b"raw".to_vec()),
+        peer_to_peer: None,
+    };
+    let n = mpa::connect_handshake(&mut s, &cfg).unwrap();
+    (s, n)
+}
+
+pub fn fpdu(hdr: Header, body: &[u8]) -> Vec<u8> {
+    let h = hdr.encode();
+    let ulpdu = h.as_slice().len() + body.len();
+    let mut v = (ulpdu as u16).to_be_bytes().to_vec();
+    v.extend_from_slice(h.as_slice());
+    v.extend_from_slice(body);
+    v.resize(v.len() + wire::pad_len(ulpdu) + 4, 0);
+    v
+}
+
+/// The FPDUs in `got` (MPA-framed, CRC field not checked): (header, ULPDU payload) of each.
+pub fn fpdus(got: &[u8]) -> Vec<(Header, Vec<u8>)> {
+    let mut out = Vec::new();
+    let mut off = 0;
+    while off + 2 <= got.len() {
+        let len = u16::from_be_bytes([got[off], got[off + 1]]) as usize;
+        if off + 2 + len > got.len() {
+            break;
+        }
+        let (hdr, hl) = Header::decode(&got[off + 2..off + 2 + len]).unwrap();
+        out.push((hdr, got[off + 2 + hl..off + 2 + len].to_vec()));
+        off += 2 + len + wire::pad_len(len) + 4;
+    }
+    out
+}
+
+/// The Terminate among the FPDUs in `got`, if any.
+pub fn terminate_in(got: &[u8]) -> Option<wire::Terminate> {
+    fpdus(got)
+        .into_iter()
+        .find(|(h, _)| h.opcode == Opcode::Terminate)
+        .map(|(_, body)| wire::Terminate::decode(&body).unwrap())
+}
+
+/// Reads what `s` sends while `poll` runs, until `done` or 10 s; returns the bytes.
+pub fn read_while(s: &mut TcpStream, mut poll: impl FnMut() -> bool) -> Vec<u8> {
+    s.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+    let mut got = Vec::new();
+    let end = Instant::now() + Duration::from_secs(10);
+    let mut b = [0u8; 4096];
+    while Instant::now() < end {
+        let done = poll();
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(_) if done => break,
+            Err(_) => {}
+        }
+    }
+    got
 }

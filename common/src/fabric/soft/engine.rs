@@ -107,12 +107,24 @@ pub(crate) struct Engine {
     pub(super) ird: usize,
     pub(super) ird_used: usize,
     pub(super) dirty: Dirty,
-    /// The Write being placed into memory whose durability is a cache write-back, with the
-    /// receiver asked to write it back as it copies: (region, offset, len). `on_data` records it
-    /// as needing only a fence, or as dirty if the receiver could not write it back.
-    pub(super) placing: Option<(std::sync::Arc<crate::fabric::mr::Region>, usize, usize)>,
+    /// The Write FPDU being placed: set by `check_placement`, taken by `on_data` when the FPDU
+    /// is reported. It holds the region's Arc for the whole FPDU, because the receiver keeps
+    /// only a raw pointer into it across `WouldBlock` (and the MemoryRegion, with its STag
+    /// entry, may be dropped by another thread meanwhile).
+    pub(super) placing: Option<Placing>,
     /// The receive status for the Recv whose Send the placer just refused (LocalLength).
     pub(super) refused_recv_status: Option<WcStatus>,
+}
+
+/// A Write FPDU in placement (see `Engine::placing`).
+pub(super) struct Placing {
+    /// Keeps the registered memory alive until the FPDU is reported.
+    pub(super) region: std::sync::Arc<crate::fabric::mr::Region>,
+    pub(super) offset: usize,
+    pub(super) len: usize,
+    /// The receiver was asked to write the bytes back from the cache as it copies them (dax):
+    /// `on_data` records them as needing only a fence, or as dirty if it could not.
+    pub(super) writeback: bool,
 }
 
 pub(super) struct Conn {

@@ -287,13 +287,21 @@ fn drain(cn: &mut Conn) -> bool {
         let _ = cn.sock.shutdown(Shutdown::Write);
         Instant::now() + DRAIN_TIME
     });
+    drain_until(&mut cn.sock, deadline)
+}
+
+/// Reads and drops from `sock` until it reports end of stream (true), an error (true), or would
+/// block (whether `deadline` has passed). The deadline is checked on every turn: a peer that
+/// keeps sending cannot pin the caller here.
+fn drain_until(mut sock: impl Read, deadline: Instant) -> bool {
     let mut buf = [0u8; 4096];
     loop {
-        match cn.sock.read(&mut buf) {
+        match sock.read(&mut buf) {
             Ok(0) => return true,
+            Ok(_) | Err(_) if Instant::now() >= deadline => return true,
             Ok(_) => continue,
             Err(e) if e.kind() == ErrorKind::Interrupted => continue,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => return Instant::now() >= deadline,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return false,
             Err(_) => return true,
         }
     }
@@ -302,6 +310,49 @@ fn drain(cn: &mut Conn) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A peer that never stops sending: every read returns data.
+    struct Flood(usize);
+    impl Read for Flood {
+        fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+            self.0 += 1;
+            buf.fill(0xEE);
+            Ok(buf.len())
+        }
+    }
+
+    #[test]
+    fn draining_a_flooding_peer_stops_at_the_deadline() {
+        let mut flood = Flood(0);
+        let deadline = Instant::now() + Duration::from_millis(50);
+        assert!(
+            drain_until(&mut flood, deadline),
+            "gives up at the deadline"
+        );
+        assert!(Instant::now() >= deadline);
+        assert!(flood.0 > 1, "it did drain until then");
+        // A deadline already passed: one read, then done.
+        let mut flood = Flood(0);
+        assert!(drain_until(&mut flood, Instant::now()));
+        assert_eq!(flood.0, 1);
+    }
+
+    #[test]
+    fn draining_stops_at_end_of_stream_and_waits_on_would_block() {
+        let far = Instant::now() + Duration::from_secs(60);
+        assert!(drain_until(&b"some bytes"[..], far), "EOF after the bytes");
+        struct Blocked;
+        impl Read for Blocked {
+            fn read(&mut self, _: &mut [u8]) -> std::io::Result<usize> {
+                Err(ErrorKind::WouldBlock.into())
+            }
+        }
+        assert!(
+            !drain_until(Blocked, far),
+            "not yet: the peer may still close"
+        );
+        assert!(drain_until(Blocked, Instant::now()), "past the deadline");
+    }
 
     #[test]
     fn state_machine_follows_verbs() {

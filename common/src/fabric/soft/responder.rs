@@ -18,11 +18,15 @@ impl Engine {
     /// A data FPDU has been placed (with CRC on, after its CRC passed); `written_back`: by a
     /// copy that also wrote it back from the CPU cache.
     pub(super) fn on_data(&mut self, hdr: Header, len: usize, written_back: bool) {
-        if let Some((region, offset, n)) = self.placing.take() {
-            if written_back {
-                self.dirty.add_fence();
-            } else {
-                self.dirty.add(&region, offset, n);
+        // Dropping `placing` here, once the FPDU is reported, releases the region it kept
+        // alive while the receiver held a raw pointer into it.
+        if let Some(p) = self.placing.take() {
+            if p.writeback {
+                if written_back {
+                    self.dirty.add_fence();
+                } else {
+                    self.dirty.add(&p.region, p.offset, p.len);
+                }
             }
         }
         match (hdr.opcode, hdr.kind) {
@@ -33,12 +37,23 @@ impl Engine {
                 let Some(ent) = self.entry_mut(seq) else {
                     return;
                 };
-                if let Pending::Read { got, .. } = &mut ent.pending {
+                if let Pending::Read { got, sink } = &mut ent.pending {
                     *got += len;
                     if hdr.last {
+                        // A Read Response that ends before the requested length is a peer's
+                        // protocol error: the Read fails and the stream is terminated.
+                        let short = *got != sink.len;
                         ent.pending = Pending::Done;
-                        ent.status = Some(WcStatus::Success);
+                        ent.status = Some(if short {
+                            WcStatus::RemoteOperation
+                        } else {
+                            WcStatus::Success
+                        });
                         self.in_flight.pop_front();
+                        if short {
+                            let cause = TermCause::RDMAP_OPERATION_UNSPECIFIED;
+                            self.terminate(Fault::at(cause, hdr, hdr.len() + len));
+                        }
                     }
                 }
             }
@@ -201,8 +216,14 @@ impl Engine {
                 if !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
                 }
-                // SAFETY: `ptr` is 8-aligned, inside registered memory kept alive by
-                // `t.region`, and the fabric accesses it only atomically.
+                // SAFETY: `ptr` is 8-aligned and its 8 bytes lie inside registered memory kept
+                // alive by `t.region` for this call. The `&AtomicU64` lives only for this
+                // statement's operation; no other Rust reference into the memory exists (the
+                // RegisteredMemory contract), but the bytes are racy RDMA-style memory: other
+                // queue pairs may place into them with plain copies at the same time. Rust's
+                // memory model does not define such a mixed race; verbs leaves its result
+                // unspecified, and the fabric inherits that: a requester that races an atomic
+                // with a Write to the same bytes gets no guarantee, here as on an RNIC.
                 let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
                 let original = match ar.op {
                     AtomicOp::FetchAdd => placement::fetch_add(cell, ar.add_swap, ar.add_swap_mask),
@@ -231,8 +252,9 @@ impl Engine {
                 if aw.to % 8 != 0 || !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
                 }
-                // SAFETY: as for atomics: aligned, in live registered memory, accessed
-                // atomically by the fabric.
+                // SAFETY: as for the atomics above: 8-aligned, in registered memory kept alive
+                // by `t.region`, only raw pointers otherwise; concurrent non-atomic placement
+                // by other queue pairs is the racy RDMA-style access the verbs model allows.
                 let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
                 cell.store(u64::from_ne_bytes(aw.data), Ordering::Release);
                 self.dirty.add(&t.region, t.offset, 8);
@@ -339,10 +361,14 @@ impl rx::Placer for Engine {
         }
         match self.check_placement(hdr, len) {
             // SAFETY: `check_placement` checked `len` bytes at `p` against the STag's range
-            // and rights (or the posted Recv or Read sink), and the memory is kept alive by the
-            // STag entry's or the work request's Arc until the FPDU is reported. Other parties
-            // may access the same registered memory concurrently, as with any RDMA NIC: the
-            // fabric never forms a Rust reference to it outside this placement.
+            // and rights (or the posted Recv or Read sink). The memory stays alive until the
+            // FPDU is reported (or the receiver fails, or the QP leaves RTS and stops polling
+            // it): a Write's region by the Arc in `self.placing`, which only `on_data` (the
+            // report) or the next `check_placement` (the next FPDU) releases, whatever the
+            // MemoryRegion's owner does meanwhile; a Recv buffer or Read sink by the Sge's Arc
+            // in the work request, which stays queued until the FPDU's report completes it.
+            // Other parties may access the same registered memory concurrently, as with any
+            // RDMA NIC: the fabric never forms a Rust reference to it outside this placement.
             Ok(Some((p, writeback))) => {
                 // SAFETY: as above.
                 let t = unsafe { DirectTarget::new(p, len) };
@@ -378,11 +404,17 @@ impl Engine {
                         // them (non-temporal stores); `on_data` records what it did.
                         let dax = t.region.persist().is_some_and(|p| p.domain().is_dax());
                         let ptr = t.ptr();
-                        if dax {
-                            self.placing = Some((t.region, t.offset, len));
-                        } else {
+                        if !dax {
                             self.dirty.add(&t.region, t.offset, len);
                         }
+                        // Held until `on_data`: the receiver keeps only `ptr`, possibly across
+                        // several polls, and the STag entry may be gone before then.
+                        self.placing = Some(Placing {
+                            region: t.region,
+                            offset: t.offset,
+                            len,
+                            writeback: dax,
+                        });
                         Ok(Some((ptr, dax)))
                     }
                     Err(f) => Err((placement::tagged_cause(f), None)),

@@ -282,6 +282,19 @@ pub unsafe fn place_copy(dst: *mut u8, src: &[u8]) {
 /// neighbours, and streaming them in cost more than it saved (docs/benchmarks.md).
 pub const WRITEBACK_COPY_MIN: usize = 2048;
 
+/// How [`place_copy_writeback`] splits `len` bytes at `dst`: (head, body, tail), where the
+/// body is whole 64-byte lines from a line boundary, streamed with non-temporal stores, and the
+/// head and tail (each under a line) are copied plainly and written back from the cache. The
+/// three cover `len` exactly, so every byte is either streamed or written back.
+// Whole lines only: a partly streamed line leaves the write-combining buffer as a partial
+// write, which is slow.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
+fn writeback_split(dst: *const u8, len: usize) -> (usize, usize, usize) {
+    let head = dst.align_offset(64).min(len);
+    let body = (len - head) & !63;
+    (head, body, len - head - body)
+}
+
 /// [`place_copy`] with non-temporal stores where the CPU has them (x86-64: `movntdq` for the
 /// whole cache lines in the middle, a plain copy and a cache write-back of the partial lines at
 /// either end): returns true when every byte is on its way out of the cache, so that an `sfence`
@@ -297,12 +310,7 @@ pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
         && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        let len = src.len();
-        // Whole lines only: a partly streamed line leaves the write-combining buffer as a
-        // partial write, which is slow.
-        let head = dst.align_offset(64).min(len);
-        let body = (len - head) & !63;
-        let tail = len - head - body;
+        let (head, body, tail) = writeback_split(dst, src.len());
         // SAFETY: the caller's contract covers dst..dst + len; head + body + tail == len.
         unsafe {
             place_copy(dst, &src[..head]);

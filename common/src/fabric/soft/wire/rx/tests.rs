@@ -931,3 +931,25 @@ fn small_fpdus_without_crc_need_no_read_for_a_trailer_alone() {
     drop(rx);
     assert_eq!(mem, data);
 }
+
+#[test]
+fn writeback_split_covers_every_byte_with_whole_lines_streamed() {
+    let buf = vec![0u8; 4096 + 128];
+    let base = buf.as_ptr().wrapping_add(buf.as_ptr().align_offset(64));
+    for mis in 0..64 {
+        for len in [0, 1, 63, 64, 65, 127, 128, 2047, 2048, 2049, 3000, 4096] {
+            let dst = base.wrapping_add(mis);
+            let (head, body, tail) = writeback_split(dst, len);
+            assert_eq!(head + body + tail, len, "mis {mis} len {len}");
+            assert!(head < 64 && tail < 64, "partial lines only at the ends");
+            assert_eq!(body % 64, 0);
+            if body > 0 {
+                assert_eq!((dst as usize + head) % 64, 0, "the body starts on a line");
+                assert!(head == 0 || !(dst as usize).is_multiple_of(64));
+            }
+            if len >= 64 + mis.min(1) * 64 {
+                assert!(body > 0, "a range holding a whole line streams it");
+            }
+        }
+    }
+}

@@ -1,0 +1,258 @@
+//! The durability half of the RC contract, observed directly: the target's memory records
+//! every persist, flush and drain, with a sequence number from a counter the test also reads
+//! when it polls the requester's completion. Every byte written must have been persisted
+//! before the completion of the Read, Flush or atomic that followed the Writes is seen.
+
+mod fabric_util;
+
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use fabric_util::*;
+use rpma_common::fabric::*;
+use rpma_common::pmem::{self, Domain, Durability, Persist};
+
+/// One call made on the recording memory's `Persist`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Call {
+    Persist { seq: u64, offset: usize, len: usize },
+    Flush { seq: u64, offset: usize, len: usize },
+    Drain { seq: u64 },
+}
+
+/// Registered memory in the page-cache domain that records how it is made durable.
+struct Recording {
+    buf: Arc<AlignedBuf>,
+    seq: Arc<AtomicU64>,
+    calls: Mutex<Vec<Call>>,
+}
+
+// SAFETY: all of it is the AlignedBuf's memory, which satisfies the contract itself; this
+// type adds no references into it.
+unsafe impl RegisteredMemory for Recording {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        self.buf.as_mut_ptr()
+    }
+    fn len(&self) -> usize {
+        self.buf.len()
+    }
+    fn persist(&self) -> Option<&dyn Persist> {
+        Some(self)
+    }
+}
+
+impl Persist for Recording {
+    fn domain(&self) -> Domain {
+        Domain::PageCache
+    }
+    fn persist(&self, offset: usize, len: usize) -> pmem::Result<Durability> {
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        self.calls
+            .lock()
+            .unwrap()
+            .push(Call::Persist { seq, offset, len });
+        Ok(Durability::Durable)
+    }
+    fn flush(&self, offset: usize, len: usize) -> pmem::Result<()> {
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        self.calls
+            .lock()
+            .unwrap()
+            .push(Call::Flush { seq, offset, len });
+        Ok(())
+    }
+    fn drain(&self) -> pmem::Result<Durability> {
+        let seq = self.seq.fetch_add(1, Ordering::SeqCst);
+        self.calls.lock().unwrap().push(Call::Drain { seq });
+        Ok(Durability::Durable)
+    }
+}
+
+const SIZE: usize = 1 << 16;
+
+struct Rig {
+    p: Pair,
+    mem: Arc<Recording>,
+    mr: Arc<MemoryRegion>,
+    seq: Arc<AtomicU64>,
+    imem: Arc<AlignedBuf>,
+    imr: Arc<MemoryRegion>,
+}
+
+fn rig() -> Rig {
+    let p = Pair::new(true);
+    let seq = Arc::new(AtomicU64::new(1));
+    let mem = Arc::new(Recording {
+        buf: AlignedBuf::new(SIZE).unwrap(),
+        seq: Arc::clone(&seq),
+        calls: Mutex::new(Vec::new()),
+    });
+    let access = Access::LOCAL_WRITE
+        | Access::REMOTE_WRITE
+        | Access::REMOTE_READ
+        | Access::REMOTE_ATOMIC
+        | Access::FLUSH_PERSISTENT
+        | Access::FLUSH_VISIBILITY;
+    let mr = p.pd.register(Arc::clone(&mem), access).unwrap();
+    let (imem, imr) = p.init_buf(SIZE, Access::LOCAL_WRITE);
+    imem.write_at(0, &vec![0xC3; SIZE]).unwrap();
+    Rig {
+        p,
+        mem,
+        mr,
+        seq,
+        imem,
+        imr,
+    }
+}
+
+impl Rig {
+    fn write(&self, wr_id: u64, offset: usize, len: usize) {
+        self.p
+            .qp
+            .post_send(SendWr::new(
+                wr_id,
+                SendOp::Write {
+                    local: Sge::new(&self.imr, 0, len),
+                    remote: self.mr.remote(offset as u64),
+                },
+            ))
+            .unwrap();
+    }
+
+    /// Waits for the completion of `wr_id` (earlier ones must succeed); returns the sequence
+    /// number taken right when it was polled.
+    fn complete(&self, wr_id: u64) -> u64 {
+        loop {
+            let c = self.p.next_init();
+            let seen = self.seq.fetch_add(1, Ordering::SeqCst);
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            if c.wr_id == wr_id {
+                return seen;
+            }
+        }
+    }
+
+    /// The bytes of `[offset, offset + len)` not covered by a persist numbered below `before`.
+    fn unpersisted(&self, offset: usize, len: usize, before: u64) -> Vec<usize> {
+        let calls = self.mem.calls.lock().unwrap().clone();
+        let mut covered = vec![false; SIZE];
+        for c in calls {
+            if let Call::Persist { seq, offset, len } = c {
+                if seq < before {
+                    covered[offset..offset + len].fill(true);
+                }
+            }
+        }
+        (offset..offset + len).filter(|&i| !covered[i]).collect()
+    }
+
+    fn calls(&self) -> Vec<Call> {
+        self.mem.calls.lock().unwrap().clone()
+    }
+}
+
+fn assert_persisted(r: &Rig, ranges: &[(usize, usize)], before: u64) {
+    for &(off, len) in ranges {
+        let missing = r.unpersisted(off, len, before);
+        assert!(
+            missing.is_empty(),
+            "{} bytes of [{off}, +{len}) not persisted before the completion (first {:?}); calls {:?}",
+            missing.len(),
+            missing.first(),
+            r.calls()
+        );
+    }
+}
+
+#[test]
+fn writes_then_an_8_byte_read_persist_every_written_byte_before_the_read_completes() {
+    let r = rig();
+    // Several FPDUs, a second range, and one that does not start on a cache line.
+    r.write(1, 0, 40_000);
+    r.write(2, 50_001, 777);
+    r.p.qp
+        .post_send(SendWr::new(
+            3,
+            SendOp::Read {
+                local: Sge::new(&r.imr, 0, 8),
+                remote: r.mr.remote(0),
+            },
+        ))
+        .unwrap();
+    let seen = r.complete(3);
+    assert_persisted(&r, &[(0, 40_000), (50_001, 777)], seen);
+    assert_eq!(r.imem.read_u64(0).unwrap(), 0xC3C3_C3C3_C3C3_C3C3);
+}
+
+#[test]
+fn a_write_then_a_flush_persists_the_write_before_the_flush_completes() {
+    for (kind, target) in [
+        (FlushType::Persistent, None),
+        (FlushType::Visibility, None),
+        (FlushType::Persistent, Some(())),
+    ] {
+        let r = rig();
+        r.write(1, 4096, 10_000);
+        let target = match target {
+            None => FlushTarget::Range {
+                remote: r.mr.remote(4096),
+                len: 8,
+            },
+            Some(()) => FlushTarget::Region { rkey: r.mr.rkey() },
+        };
+        r.p.qp
+            .post_send(SendWr::new(2, SendOp::Flush { target, kind }))
+            .unwrap();
+        let seen = r.complete(2);
+        assert_persisted(&r, &[(4096, 10_000)], seen);
+    }
+}
+
+#[test]
+fn a_write_then_an_atomic_persists_both_before_the_atomic_completes() {
+    let r = rig();
+    r.write(1, 100, 3000);
+    r.p.qp
+        .post_send(SendWr::new(
+            2,
+            SendOp::FetchAdd {
+                local: Sge::new(&r.imr, 0, 8),
+                remote: r.mr.remote(8192),
+                add: 5,
+            },
+        ))
+        .unwrap();
+    let seen = r.complete(2);
+    assert_persisted(&r, &[(100, 3000), (8192, 8)], seen);
+    r.write(3, 200, 64);
+    r.p.qp
+        .post_send(SendWr::new(
+            4,
+            SendOp::AtomicWrite {
+                remote: r.mr.remote(16384),
+                value: 9,
+            },
+        ))
+        .unwrap();
+    let seen = r.complete(4);
+    assert_persisted(&r, &[(200, 64), (16384, 8)], seen);
+}
+
+#[test]
+fn a_read_without_earlier_writes_persists_nothing() {
+    let r = rig();
+    for i in 0..3 {
+        r.p.qp
+            .post_send(SendWr::new(
+                i,
+                SendOp::Read {
+                    local: Sge::new(&r.imr, 0, 4096),
+                    remote: r.mr.remote(0),
+                },
+            ))
+            .unwrap();
+        r.complete(i);
+    }
+    assert_eq!(r.calls(), vec![], "nothing was written: nothing to persist");
+}
