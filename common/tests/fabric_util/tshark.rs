@@ -1,7 +1,9 @@
 //! Capturing a loopback session with tshark and reading it back with the iWARP dissectors.
 //!
-//! Needs tshark and permission to capture on `lo` (root, or dumpcap capabilities); without them
-//! `start_capture` says why and the caller skips its check.
+//! Needs tshark and permission to capture on `lo` (root, or dumpcap capabilities). Without them
+//! `start_capture` FAILS the test, saying why, unless the environment sets `RPMA_SKIP_TSHARK=1`:
+//! then it prints why and the caller skips its check. `make test` installs tshark and runs as
+//! root, so a silent skip there would hide a broken wire check.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -9,8 +11,28 @@ use std::process::{Child, Command, Stdio};
 use std::thread;
 use std::time::{Duration, Instant};
 
-/// Starts `tshark -i lo` on `port`, writing to `pcap`; None (with the reason printed) if it
-/// cannot capture.
+/// The environment variable that allows skipping the wire checks when tshark cannot capture.
+pub const SKIP_VAR: &str = "RPMA_SKIP_TSHARK";
+
+/// Whether the environment allows skipping (`RPMA_SKIP_TSHARK=1`).
+fn skip_allowed() -> bool {
+    std::env::var(SKIP_VAR).is_ok_and(|v| v == "1")
+}
+
+/// tshark cannot capture: panics (failing the test) unless skipping is allowed, in which case
+/// it says why and returns None.
+fn cannot_capture(test: &str, why: &str) -> Option<Child> {
+    assert!(
+        skip_allowed(),
+        "{test}: {why}; install tshark (scripts/install-deps.sh) and run as root, \
+         or set {SKIP_VAR}=1 to skip the wire check"
+    );
+    eprintln!("SKIP {test}: {why} ({SKIP_VAR}=1 is set, so the wire check is skipped)");
+    None
+}
+
+/// Starts `tshark -i lo` on `port`, writing to `pcap`. If it cannot capture it fails the test,
+/// or, with `RPMA_SKIP_TSHARK=1`, returns None after printing why.
 pub fn start_capture(port: u16, pcap: &Path, test: &str) -> Option<Child> {
     let mut child = match Command::new("tshark")
         .args(["-i", "lo", "-f", &format!("tcp port {port}"), "-w"])
@@ -20,10 +42,7 @@ pub fn start_capture(port: u16, pcap: &Path, test: &str) -> Option<Child> {
         .spawn()
     {
         Ok(c) => c,
-        Err(e) => {
-            eprintln!("SKIP {test}: cannot run tshark ({e}); install it (scripts/install-deps.sh)");
-            return None;
-        }
+        Err(e) => return cannot_capture(test, &format!("cannot run tshark ({e})")),
     };
     // tshark says "Capturing on 'Loopback: lo'" once the capture runs.
     let stderr = child.stderr.take().expect("piped");
@@ -36,8 +55,10 @@ pub fn start_capture(port: u16, pcap: &Path, test: &str) -> Option<Child> {
             other => {
                 let _ = child.kill();
                 let _ = child.wait();
-                eprintln!("SKIP {test}: tshark could not capture on lo ({other:?})");
-                return None;
+                return cannot_capture(
+                    test,
+                    &format!("tshark could not capture on lo ({other:?})"),
+                );
             }
         }
     }
