@@ -241,3 +241,35 @@ fn send_with_invalidate_of_a_region_rkey_is_refused() {
     let r = p.next_target();
     assert_eq!((r.wr_id, r.status), (9, WcStatus::WrFlush));
 }
+
+#[test]
+fn dropping_the_region_revokes_its_windows() {
+    let p = Pair::new(true);
+    let (tmem, mr) = target_mr(&p);
+    let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    imem.write_at(0, b"too late").unwrap();
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p
+        .tqp
+        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    let remote = RemoteAddr {
+        addr: mr.addr(),
+        rkey,
+    };
+    drop(mr);
+    // The window's rkey died with its region: the Write is refused and places nothing.
+    p.qp.post_send(SendWr::new(
+        1,
+        SendOp::Write {
+            local: Sge::new(&imr, 0, 8),
+            remote,
+        },
+    ))
+    .unwrap();
+    let c = p.next_init();
+    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteAccess));
+    assert_eq!(p.qp.state(), QpState::Error);
+    assert!(tmem.to_vec().iter().all(|&b| b == 0), "a byte was written");
+    assert_eq!(mw.rkey(), rkey, "the window object itself is untouched");
+}

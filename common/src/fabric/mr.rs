@@ -227,8 +227,9 @@ impl Region {
     }
 }
 
-/// A registered memory region (`ibv_mr`). Dropping the last `Arc` deregisters it; the fabric
-/// holds an `Arc` per outstanding work request that uses it, so memory in flight is never freed.
+/// A registered memory region (`ibv_mr`). Dropping the last `Arc` deregisters it and
+/// invalidates every memory window bound to it; the fabric holds an `Arc` per outstanding work
+/// request that uses it, so memory in flight is never freed.
 pub struct MemoryRegion {
     pd: ProtectionDomain,
     region: Arc<Region>,

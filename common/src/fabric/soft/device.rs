@@ -226,17 +226,32 @@ impl StagTable {
         Ok(())
     }
 
-    /// Frees the slot of `stag` (deregistration, window dealloc).
+    /// Frees the slot of `stag` (deregistration, window dealloc). Deregistering a memory region
+    /// also invalidates every window bound to it (the RAII analogue of verbs refusing to
+    /// deregister a region with bound windows): a window's rkey must not outlive the memory it
+    /// reaches. The windows keep their slots, so they can be bound again to another region.
     pub(crate) fn remove(&self, stag: u32) {
         let Some((idx, key)) = split(stag) else {
             return;
         };
         let mut t = self.inner.write().unwrap_or_else(|p| p.into_inner());
-        if let Some(s) = t.slots.get_mut(idx) {
-            if s.in_use && s.key == key {
-                s.in_use = false;
-                s.entry = None;
-                t.free.push(idx as u32);
+        let Some(s) = t.slots.get_mut(idx).filter(|s| s.in_use && s.key == key) else {
+            return;
+        };
+        s.in_use = false;
+        let removed = s.entry.take();
+        t.free.push(idx as u32);
+        let Some(removed) = removed.filter(|e| e.kind == StagKind::Mr) else {
+            return;
+        };
+        // A scan of the table: deregistration is control path, and this keeps lookups free of
+        // any per-region bookkeeping.
+        for slot in &mut t.slots {
+            let bound_here = slot.entry.as_ref().is_some_and(|e| {
+                matches!(e.kind, StagKind::Mw { .. }) && Arc::ptr_eq(&e.region, &removed.region)
+            });
+            if bound_here {
+                slot.entry = None;
             }
         }
     }
@@ -338,6 +353,46 @@ mod tests {
         assert!(t
             .rebind(w1, entry(StagKind::Mr, Access::REMOTE_WRITE).0)
             .is_err());
+    }
+
+    #[test]
+    fn removing_a_region_invalidates_the_windows_bound_to_it() {
+        let t = StagTable::new();
+        let (mr_entry, _) = entry(StagKind::Mr, Access::REMOTE_WRITE);
+        let region = Arc::clone(&mr_entry.region);
+        let mr = t.insert(mr_entry).unwrap();
+        let window_on = |region: &Arc<Region>| StagEntry {
+            region: Arc::clone(region),
+            base: region.addr() as u64,
+            len: 64,
+            offset: 0,
+            access: Access::REMOTE_WRITE,
+            pd: 1,
+            kind: StagKind::Mw { qp: 3 },
+        };
+        let w1 = t.rebind(t.reserve().unwrap(), window_on(&region)).unwrap();
+        let w2 = t.rebind(t.reserve().unwrap(), window_on(&region)).unwrap();
+        // A window on another region, and the other region itself, stay valid.
+        let (other_entry, _) = entry(StagKind::Mr, Access::REMOTE_WRITE);
+        let other_region = Arc::clone(&other_entry.region);
+        let other = t.insert(other_entry).unwrap();
+        let w3 = t
+            .rebind(t.reserve().unwrap(), window_on(&other_region))
+            .unwrap();
+        t.remove(mr);
+        assert!(t.lookup(mr).is_none());
+        assert!(t.lookup(w1).is_none(), "window 1 outlived its region");
+        assert!(t.lookup(w2).is_none(), "window 2 outlived its region");
+        assert!(t.lookup(other).is_some());
+        assert!(t.lookup(w3).is_some());
+        // The table no longer holds the region: only this test does.
+        assert_eq!(Arc::strong_count(&region), 1);
+        // The windows keep their slots and can be bound again.
+        let w1b = t.rebind(w1, window_on(&other_region)).unwrap();
+        assert!(t.lookup(w1b).is_some());
+        // Removing a window leaves its region alone.
+        t.remove(w3);
+        assert!(t.lookup(other).is_some());
     }
 
     #[test]
