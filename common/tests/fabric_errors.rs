@@ -473,7 +473,8 @@ fn ird_overflow_is_a_terminate() {
         }
         off += 2 + len + wire::pad_len(len) + 4;
     }
-    assert_eq!(cause, Some(TermCause::DDP_UNTAGGED_MSN_RANGE));
+    // RFC 5040 §7.2, as Linux siw: RDMAP Remote Operation Error, catastrophic to the stream.
+    assert_eq!(cause, Some(TermCause::RDMAP_CATASTROPHIC_STREAM));
 }
 
 #[test]

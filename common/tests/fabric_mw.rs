@@ -258,18 +258,130 @@ fn dropping_the_region_revokes_its_windows() {
         rkey,
     };
     drop(mr);
-    // The window's rkey died with its region: the Write is refused and places nothing.
+    // The window's rkey died with its region: the Write is refused and places nothing, and
+    // the Read behind it reports RemoteAccess (a Write completes when sent).
+    assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
+    assert_eq!(p.qp.state(), QpState::Error);
+    assert!(tmem.to_vec().iter().all(|&b| b == 0), "a byte was written");
+    assert_eq!(mw.rkey(), rkey, "the window object itself is untouched");
+}
+
+/// Posts a Send with Invalidate of `rkey` (wr 3) and a Read behind it (wr 4) on `p.qp`, with a
+/// Recv (wr 9) posted on the target; returns (the Read's status, the Recv's status).
+fn send_with_invalidate_then_read(
+    p: &Pair,
+    mr: &Arc<MemoryRegion>,
+    imr: &Arc<MemoryRegion>,
+    rkey: u32,
+) -> (WcStatus, WcStatus) {
+    p.tqp
+        .post_recv(RecvWr {
+            wr_id: 9,
+            local: Some(Sge::new(mr, 1024, 64)),
+        })
+        .unwrap();
     p.qp.post_send(SendWr::new(
-        1,
+        3,
+        SendOp::SendWithInvalidate {
+            local: Sge::new(imr, 0, 4),
+            invalidate_rkey: rkey,
+        },
+    ))
+    .unwrap();
+    p.qp.post_send(SendWr::new(
+        4,
+        SendOp::Read {
+            local: Sge::new(imr, 8, 8),
+            remote: mr.remote(0),
+        },
+    ))
+    .unwrap();
+    assert_eq!(p.next_init().wr_id, 3);
+    let c = p.next_init();
+    assert_eq!(c.wr_id, 4);
+    let r = p.next_target();
+    assert_eq!(r.wr_id, 9);
+    assert_eq!(p.tqp.state(), QpState::Error);
+    (c.status, r.status)
+}
+
+#[test]
+fn send_with_invalidate_of_a_window_of_another_qp_is_a_protection_error() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let (qp2, tqp2) = p.another();
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = tqp2
+        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    // RDMAP Remote Protection Error "STag cannot be invalidated" (0x0/0x1/0x09): RemoteAccess.
+    assert_eq!(
+        send_with_invalidate_then_read(&p, &mr, &imr, rkey),
+        (WcStatus::RemoteAccess, WcStatus::WrFlush)
+    );
+    assert!(
+        p.tqp
+            .error()
+            .unwrap_or_default()
+            .contains("etype: 1, ecode: 9"),
+        "{:?}",
+        p.tqp.error()
+    );
+    // The window was not invalidated: it still works for its own queue pair.
+    assert_eq!(tqp2.state(), QpState::Rts);
+    qp2.post_send(SendWr::new(
+        5,
         SendOp::Write {
             local: Sge::new(&imr, 0, 8),
-            remote,
+            remote: RemoteAddr {
+                addr: mr.addr(),
+                rkey,
+            },
         },
     ))
     .unwrap();
     let c = p.next_init();
-    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteAccess));
-    assert_eq!(p.qp.state(), QpState::Error);
-    assert!(tmem.to_vec().iter().all(|&b| b == 0), "a byte was written");
-    assert_eq!(mw.rkey(), rkey, "the window object itself is untouched");
+    assert_eq!((c.wr_id, c.status), (5, WcStatus::Success));
+}
+
+#[test]
+fn send_with_invalidate_of_another_domains_stag_is_a_protection_error() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let other = p.ctx.alloc_pd().unwrap();
+    let foreign = other
+        .register(
+            AlignedBuf::new(64).unwrap(),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::MW_BIND,
+        )
+        .unwrap();
+    assert_eq!(
+        send_with_invalidate_then_read(&p, &mr, &imr, foreign.rkey()),
+        (WcStatus::RemoteAccess, WcStatus::WrFlush)
+    );
+}
+
+#[test]
+fn send_with_invalidate_of_an_unknown_stag_is_an_operation_error() {
+    let p = Pair::new(true);
+    let (_tmem, mr) = target_mr(&p);
+    let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let mw = p.pd.alloc_mw().unwrap();
+    let rkey = p.tqp.bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ).unwrap();
+    mw.invalidate();
+    // RDMAP Remote Operation Error "STag cannot be invalidated" (0x0/0x2/0x09).
+    assert_eq!(
+        send_with_invalidate_then_read(&p, &mr, &imr, rkey),
+        (WcStatus::RemoteOperation, WcStatus::WrFlush)
+    );
+    assert!(
+        p.tqp
+            .error()
+            .unwrap_or_default()
+            .contains("etype: 2, ecode: 9"),
+        "{:?}",
+        p.tqp.error()
+    );
 }

@@ -46,6 +46,17 @@ pub(crate) enum AccessFault {
     Rights,
 }
 
+/// Why a peer's Send with Invalidate could not invalidate its STag.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum InvalidateFault {
+    /// No such STag (never valid, deregistered, already invalidated, or an old key).
+    InvalidStag,
+    /// An STag of another protection domain, or a window bound to another queue pair.
+    NotAssociated,
+    /// A memory region's STag of this domain: only windows can be invalidated remotely.
+    NotAWindow,
+}
+
 /// A checked access: where the bytes live, and the region for persistence.
 pub(crate) struct Target {
     pub(crate) region: Arc<Region>,
@@ -213,14 +224,19 @@ impl StagTable {
         stag: u32,
         pd: u32,
         qp: u32,
-    ) -> std::result::Result<(), AccessFault> {
-        let (idx, key) = split(stag).ok_or(AccessFault::InvalidStag)?;
+    ) -> std::result::Result<(), InvalidateFault> {
+        let (idx, key) = split(stag).ok_or(InvalidateFault::InvalidStag)?;
         let mut t = self.inner.write().unwrap_or_else(|p| p.into_inner());
         let slot = t.slots.get_mut(idx).filter(|s| s.in_use && s.key == key);
-        let slot = slot.ok_or(AccessFault::InvalidStag)?;
-        let entry = slot.entry.as_ref().ok_or(AccessFault::InvalidStag)?;
-        if entry.pd != pd || entry.kind != (StagKind::Mw { qp }) {
-            return Err(AccessFault::NotAssociated);
+        let slot = slot.ok_or(InvalidateFault::InvalidStag)?;
+        let entry = slot.entry.as_ref().ok_or(InvalidateFault::InvalidStag)?;
+        match entry.kind {
+            _ if entry.pd != pd => return Err(InvalidateFault::NotAssociated),
+            StagKind::Mr => return Err(InvalidateFault::NotAWindow),
+            StagKind::Mw { qp: bound } if bound != qp => {
+                return Err(InvalidateFault::NotAssociated)
+            }
+            StagKind::Mw { .. } => {}
         }
         slot.entry = None;
         Ok(())
@@ -403,7 +419,11 @@ mod tests {
             .unwrap();
         assert_eq!(
             t.invalidate_remote(mr, 1, 3),
-            Err(AccessFault::NotAssociated)
+            Err(InvalidateFault::NotAWindow)
+        );
+        assert_eq!(
+            t.invalidate_remote(mr, 2, 3),
+            Err(InvalidateFault::NotAssociated)
         );
         assert!(t.lookup(mr).is_some());
         let w = t.reserve().unwrap();
@@ -412,18 +432,21 @@ mod tests {
             .unwrap();
         assert_eq!(
             t.invalidate_remote(w, 1, 4),
-            Err(AccessFault::NotAssociated)
+            Err(InvalidateFault::NotAssociated)
         );
         assert_eq!(
             t.invalidate_remote(w, 2, 3),
-            Err(AccessFault::NotAssociated)
+            Err(InvalidateFault::NotAssociated)
         );
         assert_eq!(t.invalidate_remote(w, 1, 3), Ok(()));
         assert!(t.lookup(w).is_none());
-        assert_eq!(t.invalidate_remote(w, 1, 3), Err(AccessFault::InvalidStag));
+        assert_eq!(
+            t.invalidate_remote(w, 1, 3),
+            Err(InvalidateFault::InvalidStag)
+        );
         assert_eq!(
             t.invalidate_remote(0x1234_5600, 1, 3),
-            Err(AccessFault::InvalidStag)
+            Err(InvalidateFault::InvalidStag)
         );
     }
 }

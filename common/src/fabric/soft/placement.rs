@@ -5,7 +5,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use crate::fabric::mr::Region;
-use crate::fabric::soft::device::AccessFault;
+use crate::fabric::soft::device::{AccessFault, InvalidateFault};
 use crate::fabric::soft::wire::{Layer, TermCause};
 use crate::fabric::types::WcStatus;
 
@@ -176,6 +176,19 @@ pub(crate) fn rdmap_cause(f: AccessFault) -> TermCause {
     }
 }
 
+/// The Terminate cause for a refused Send with Invalidate (RFC 5040 §7.2 has "STag cannot be
+/// invalidated" under both error types): an STag of another protection domain, or a window
+/// bound to another queue pair, is a Remote Protection Error; an unknown STag, or a region's
+/// (only windows can be invalidated remotely), a Remote Operation Error.
+pub(crate) fn invalidate_cause(f: InvalidateFault) -> TermCause {
+    match f {
+        InvalidateFault::NotAssociated => TermCause::RDMAP_PROTECTION_CANNOT_INVALIDATE,
+        InvalidateFault::InvalidStag | InvalidateFault::NotAWindow => {
+            TermCause::RDMAP_CANNOT_INVALIDATE
+        }
+    }
+}
+
 /// The status a requester reports for the request a received Terminate ended.
 pub(crate) fn status_for(cause: TermCause) -> WcStatus {
     match (cause.layer, cause.etype) {
@@ -295,5 +308,17 @@ mod tests {
             WcStatus::RemoteOperation
         );
         assert_eq!(status_for(TermCause::MPA_CRC), WcStatus::RemoteOperation);
+        assert_eq!(
+            status_for(invalidate_cause(InvalidateFault::NotAssociated)),
+            WcStatus::RemoteAccess
+        );
+        assert_eq!(
+            status_for(invalidate_cause(InvalidateFault::InvalidStag)),
+            WcStatus::RemoteOperation
+        );
+        assert_eq!(
+            status_for(invalidate_cause(InvalidateFault::NotAWindow)),
+            WcStatus::RemoteOperation
+        );
     }
 }

@@ -72,14 +72,13 @@ impl Engine {
                     hdr.opcode,
                     Opcode::SendInvalidate | Opcode::SendSeInvalidate
                 ) {
-                    if self
-                        .ctx
-                        .inner
-                        .stags
-                        .invalidate_remote(inv_stag, self.pd, self.qp_num)
-                        .is_err()
+                    if let Err(f) =
+                        self.ctx
+                            .inner
+                            .stags
+                            .invalidate_remote(inv_stag, self.pd, self.qp_num)
                     {
-                        let cause = TermCause::RDMAP_CANNOT_INVALIDATE;
+                        let cause = placement::invalidate_cause(f);
                         self.terminate(Fault::at(cause, hdr, hdr.len() + len));
                         self.recv_cq.push(self.recv_completion(
                             cur.entry.wr_id,
@@ -146,8 +145,11 @@ impl Engine {
         if msn != self.rreq_expect {
             return Err(fault(TermCause::DDP_UNTAGGED_MSN_RANGE));
         }
+        // The MSN is in sequence, so this is no DDP MSN error: the request overruns the
+        // RDMAP stream's inbound read resources (IRD, RFC 5040 §5.2/§6.4). As Linux siw does,
+        // it is a Remote Operation Error, catastrophic to this stream (RFC 5040 §7.2).
         if self.ird_used >= self.ird {
-            return Err(fault(TermCause::DDP_UNTAGGED_MSN_RANGE));
+            return Err(fault(TermCause::RDMAP_CATASTROPHIC_STREAM));
         }
         self.rreq_expect = self.rreq_expect.wrapping_add(1);
         self.ird_used += 1;
