@@ -473,8 +473,41 @@ fn ird_overflow_is_a_terminate() {
         }
         off += 2 + len + wire::pad_len(len) + 4;
     }
-    // RFC 5040 §7.2, as Linux siw: RDMAP Remote Operation Error, catastrophic to the stream.
+    // RFC 5040 §7.2, as Linux siw: RDMAP Remote Operation Error, catastrophic to the stream;
+    // the third Read Request is quoted (flag R).
     assert_eq!(cause, Some(TermCause::RDMAP_CATASTROPHIC_STREAM));
+    let t = terminate_in(&got).expect("a Terminate");
+    assert_eq!(t.rreq.map(|r| r.src_stag), Some(mr.rkey()));
+}
+
+#[test]
+fn a_refused_read_request_is_quoted_in_the_terminate() {
+    let (url, h) = target(4);
+    let (mut s, _n) = raw_peer(&url, CapFlags::ALL, 4);
+    let (tqp, cq, mr) = h.join().unwrap();
+    // A Read whose source runs past the region's end.
+    let rr = wire::rdmap::ReadRequest {
+        sink_stag: 0x1234,
+        sink_to: 0x40,
+        size: 16,
+        src_stag: mr.rkey(),
+        src_to: mr.addr() + 4090,
+    };
+    let hdr = Header::untagged(Opcode::ReadRequest, 1, true);
+    s.write_all(&fpdu(hdr, &rr.encode())).unwrap();
+    let mut wc = [Completion::EMPTY; 4];
+    let got = read_while(&mut s, || {
+        cq.poll(&mut wc).unwrap();
+        tqp.state() == QpState::Error
+    });
+    assert_eq!(tqp.state(), QpState::Error);
+    let t = terminate_in(&got).expect("a Terminate");
+    assert_eq!(t.cause, TermCause::RDMAP_BASE_BOUNDS);
+    // Flag R: the Read Request as sent; flag D: its DDP header.
+    assert_eq!(t.rreq, Some(rr));
+    assert_eq!(&t.encode()[2..4], &[0xE0, 0x00], "M, D and R set");
+    let d = t.ddp.expect("the offending DDP header");
+    assert_eq!(d.header, hdr.encode().as_slice());
 }
 
 #[test]

@@ -10,6 +10,7 @@ use crate::fabric::error::Error;
 use crate::fabric::qp::ConnInfo;
 use crate::fabric::soft::placement::Dirty;
 use crate::fabric::soft::tx::{OnSent, Tx};
+use crate::fabric::soft::wire::rdmap::ReadRequest;
 use crate::fabric::soft::wire::rx::{Delivered, FpduReceiver};
 use crate::fabric::soft::wire::WireError;
 use crate::fabric::soft::wire::{Header, Opcode, TermCause, Terminate};
@@ -64,6 +65,8 @@ pub(super) struct Fault {
     /// The offending segment: its MPA length and DDP/RDMAP header bytes.
     pub(super) offending: Option<(u16, Vec<u8>)>,
     pub(super) recv_status: Option<WcStatus>,
+    /// The offending RDMA Read Request, quoted with flag R (RFC 5040 §4.8).
+    pub(super) rreq: Option<ReadRequest>,
 }
 
 impl Fault {
@@ -72,7 +75,14 @@ impl Fault {
             cause,
             offending: Some((ulpdu_len as u16, hdr.encode().as_slice().to_vec())),
             recv_status: None,
+            rreq: None,
         }
+    }
+
+    /// The fault was found on Read Request `rr`: the Terminate quotes it.
+    pub(super) fn with_rreq(mut self, rr: ReadRequest) -> Fault {
+        self.rreq = Some(rr);
+        self
     }
 }
 
@@ -227,6 +237,7 @@ impl Engine {
         if let Some((len, hdr)) = &f.offending {
             t = t.with_ddp(*len, hdr);
         }
+        t.rreq = f.rreq;
         self.tx.abort_queued();
         let hdr = Header::untagged(Opcode::Terminate, 1, true);
         let body = t.encode();
@@ -278,6 +289,7 @@ impl Engine {
                         cause: e.terminate_cause(),
                         offending,
                         recv_status,
+                        rreq: None,
                     });
                     return;
                 }

@@ -186,14 +186,16 @@ impl Engine {
         let fault = |cause| Fault::at(cause, hdr, ulpdu_len);
         match body {
             Body::ReadRequest(rr) => {
-                self.take_ird(hdr, ulpdu_len)?;
+                // Every fault on a Read Request quotes it (flag R, RFC 5040 §4.8).
+                let quote = |f: Fault| f.with_rreq(rr);
+                self.take_ird(hdr, ulpdu_len).map_err(quote)?;
                 if rr.size as usize > self.max_message {
-                    return Err(fault(TermCause::RDMAP_OPERATION_UNSPECIFIED));
+                    return Err(quote(fault(TermCause::RDMAP_OPERATION_UNSPECIFIED)));
                 }
                 let t = self
                     .lookup(rr.src_stag, rr.src_to, rr.size as u64, Access::REMOTE_READ)
-                    .map_err(|f| fault(placement::rdmap_cause(f)))?;
-                self.persist_dirty(hdr, ulpdu_len)?;
+                    .map_err(|f| quote(fault(placement::rdmap_cause(f))))?;
+                self.persist_dirty(hdr, ulpdu_len).map_err(quote)?;
                 let rhdr = Header::tagged(Opcode::ReadResponse, rr.sink_stag, rr.sink_to, true);
                 self.tx.push(TxMsg {
                     hdr: rhdr,
