@@ -152,6 +152,34 @@ fn bind_errors() {
 }
 
 #[test]
+fn bind_through_a_queue_pair_of_another_domain_is_refused() {
+    let p = Pair::new(true);
+    let pd2 = p.ctx.alloc_pd().unwrap();
+    let mr2 = pd2
+        .register(
+            AlignedBuf::new(4096).unwrap(),
+            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ | Access::MW_BIND,
+        )
+        .unwrap();
+    let mw2 = pd2.alloc_mw().unwrap();
+    let old = mw2.rkey();
+    // Window and region agree, but the queue pair is of `p.pd`.
+    let r = p.tqp.bind_mw(&mw2, &mr2, 0, 64, Access::REMOTE_READ);
+    match r {
+        Err(e @ Error::WrongDomain { .. }) => {
+            assert!(e.to_string().contains("queue pair"), "{e}")
+        }
+        r => panic!("{r:?}"),
+    }
+    assert_eq!(mw2.rkey(), old, "nothing was bound");
+    // The refusal leaves the queue pair usable: a bind in its own domain works.
+    let (_tmem, mr) = target_mr(&p);
+    let mw = p.pd.alloc_mw().unwrap();
+    assert!(p.tqp.bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ).is_ok());
+    assert_eq!(p.tqp.state(), QpState::Rts);
+}
+
+#[test]
 fn local_invalidate_revokes() {
     let p = Pair::new(true);
     let (_tmem, mr) = target_mr(&p);

@@ -232,7 +232,9 @@ impl QueuePair {
     ///
     /// # Errors
     /// [`Error::MemoryWindow`] (no MW_BIND on the region, rights beyond the region's, range
-    /// outside it), [`Error::WrongDomain`], [`Error::InvalidState`] unless in RTS.
+    /// outside it), [`Error::WrongDomain`] (the window, the region and this queue pair are not
+    /// all of one protection domain, which verbs refuses too), [`Error::InvalidState`] unless
+    /// in RTS.
     pub fn bind_mw(
         &self,
         mw: &MemoryWindow,
@@ -242,6 +244,13 @@ impl QueuePair {
         access: Access,
     ) -> Result<u32> {
         self.inner.check_rts("bind_mw")?;
+        // The window's domain is the region's (`MemoryWindow::bind` checks that): a rkey bound
+        // here would otherwise serve a queue pair of another domain.
+        if !self.inner.pd.same(mr.pd()) {
+            return Err(Error::WrongDomain {
+                what: "the queue pair binding the window",
+            });
+        }
         mw.bind(self.inner.num, mr, offset, len, access)
     }
 
