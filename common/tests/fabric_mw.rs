@@ -413,3 +413,67 @@ fn send_with_invalidate_of_an_unknown_stag_is_an_operation_error() {
         p.tqp.error()
     );
 }
+
+#[test]
+fn a_window_bound_to_one_queue_pair_is_refused_through_another() {
+    let p = Pair::new(true);
+    // B: a second connection on the same domain and CQs.
+    let (qb, tb) = p.another();
+    let (tmem, mr) = target_mr(&p);
+    let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    imem.write_at(0, b"stranger").unwrap();
+    imem.write_at(8, b"untouchd").unwrap();
+    let mw = p.pd.alloc_mw().unwrap();
+    // Bound to A's target side.
+    let rkey = p
+        .tqp
+        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    let remote = RemoteAddr {
+        addr: mr.addr(),
+        rkey,
+    };
+    qb.post_send(
+        SendWr::new(
+            1,
+            SendOp::Write {
+                local: Sge::new(&imr, 0, 8),
+                remote,
+            },
+        )
+        .with_flags(SendFlags::empty()),
+    )
+    .unwrap();
+    qb.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            local: Sge::new(&imr, 8, 8),
+            remote,
+        },
+    ))
+    .unwrap();
+    let c = p.next_init();
+    assert_eq!(
+        (c.wr_id, c.status, c.qp_num),
+        (2, WcStatus::RemoteAccess, qb.qp_num())
+    );
+    assert!(tmem.to_vec().iter().all(|&b| b == 0), "nothing written");
+    let mut b = [0u8; 8];
+    imem.read_at(8, &mut b).unwrap();
+    assert_eq!(&b, b"untouchd", "the failed Read placed nothing");
+    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while (qb.state() != QpState::Error || tb.state() != QpState::Error)
+        && std::time::Instant::now() < end
+    {
+        p.pump();
+    }
+    assert_eq!((qb.state(), tb.state()), (QpState::Error, QpState::Error));
+    // A, the window's queue pair, keeps working through the same rkey.
+    assert_eq!((p.qp.state(), p.tqp.state()), (QpState::Rts, QpState::Rts));
+    imem.write_at(0, b"welcome!").unwrap();
+    assert_eq!(apm(&p, &imr, remote), WcStatus::Success);
+    tmem.read_at(0, &mut b).unwrap();
+    assert_eq!(&b, b"welcome!");
+    imem.read_at(8, &mut b).unwrap();
+    assert_eq!(&b, b"welcome!");
+}
