@@ -835,3 +835,119 @@ fn a_short_read_response_fails_the_read_and_terminates() {
         "the peer is told"
     );
 }
+
+/// A raw peer that keeps sending FPDUs after it was sent a Terminate: the queue pair goes to
+/// Error, drains what arrives for a bounded time (the drain deadline, 2 s) and then closes;
+/// no poll of the shared completion queue is held up meanwhile, and a second queue pair on that
+/// completion queue keeps working.
+#[test]
+fn a_peer_flooding_after_the_terminate_cannot_pin_the_completion_queue() {
+    let p = Pair::new(false);
+    let listener = Listener::bind(&p.ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = listener.url().unwrap();
+    let (pd, tcq) = (p.pd.clone(), p.tcq.clone());
+    let h = std::thread::spawn(move || {
+        let params = ConnParams {
+            crc: false,
+            ..ConnParams::default()
+        };
+        let req = listener.accept(&params).unwrap();
+        let qp = pd.create_qp(&tcq, &tcq, QpCaps::default()).unwrap();
+        req.accept(qp, &params, b"").unwrap()
+    });
+    let (mut s, _n) = raw_peer(&url, CapFlags::ALL, 4);
+    let rawq = h.join().unwrap();
+    let bad = |len| {
+        fpdu(
+            Header::tagged(Opcode::Write, 0xFFFF_FF00, 0, true),
+            &vec![0xEE; len],
+        )
+    };
+    let flooder = std::thread::spawn(move || {
+        s.write_all(&bad(64)).unwrap();
+        // Wait for the Terminate (the target half-closes after it).
+        s.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+        let mut got = Vec::new();
+        let end = Instant::now() + Duration::from_secs(10);
+        let mut b = [0u8; 4096];
+        while terminate_in(&got).is_none() && Instant::now() < end {
+            match s.read(&mut b) {
+                Ok(0) => break,
+                Ok(n) => got.extend_from_slice(&b[..n]),
+                Err(_) => {}
+            }
+        }
+        let term = terminate_in(&got);
+        // Then flood until the target closes the connection (or 20 s).
+        let mut burst = Vec::new();
+        while burst.len() < 64 * 1024 {
+            burst.extend(bad(1000));
+        }
+        let (start, mut sent) = (Instant::now(), 0usize);
+        let closed = loop {
+            if start.elapsed() > Duration::from_secs(20) {
+                break false;
+            }
+            match s.write_all(&burst) {
+                Ok(()) => sent += burst.len(),
+                Err(_) => break true,
+            }
+        };
+        (term, closed, sent, start.elapsed())
+    });
+    let (_tmem, tmr) = p.target_buf(4096, rw());
+    let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
+    let mut slowest = Duration::ZERO;
+    let mut rounds = 0u32;
+    while !flooder.is_finished() {
+        let t = Instant::now();
+        p.pump();
+        slowest = slowest.max(t.elapsed());
+        // The second queue pair on the target's completion queue: a Write and a Read back.
+        rounds += 1;
+        imem.write_at(0, &rounds.to_le_bytes()).unwrap();
+        p.qp.post_send(
+            SendWr::new(
+                1,
+                SendOp::Write {
+                    local: Sge::new(&imr, 0, 4),
+                    remote: tmr.remote(0),
+                },
+            )
+            .with_flags(SendFlags::empty()),
+        )
+        .unwrap();
+        p.qp.post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                local: Sge::new(&imr, 8, 4),
+                remote: tmr.remote(0),
+            },
+        ))
+        .unwrap();
+        let t = Instant::now();
+        let c = p.next_init();
+        slowest = slowest.max(t.elapsed());
+        assert_eq!((c.wr_id, c.status), (2, WcStatus::Success));
+        let mut b = [0u8; 4];
+        imem.read_at(8, &mut b).unwrap();
+        assert_eq!(u32::from_le_bytes(b), rounds);
+    }
+    let (term, closed, sent, flooded) = flooder.join().unwrap();
+    let term = term.expect("the raw peer was sent a Terminate");
+    assert_eq!(term.cause, TermCause::DDP_TAGGED_INVALID_STAG);
+    assert_eq!(rawq.state(), QpState::Error);
+    assert!(
+        closed,
+        "the target closed the connection ({sent} bytes in {flooded:?})"
+    );
+    assert!(sent > 0, "the peer did flood");
+    // Bounds far above the 2 s drain deadline, far below "never".
+    assert!(
+        flooded < Duration::from_secs(10),
+        "closed after {flooded:?}"
+    );
+    assert!(slowest < Duration::from_secs(3), "a poll took {slowest:?}");
+    assert!(rounds > 1);
+    assert_eq!((p.qp.state(), p.tqp.state()), (QpState::Rts, QpState::Rts));
+}
