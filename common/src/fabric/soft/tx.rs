@@ -46,6 +46,13 @@ pub(crate) struct TxMsg {
 /// FPDUs gathered into one writev (three iovecs each, within IOV_MAX).
 const BATCH: usize = 64;
 
+/// How many bytes of FPDUs are framed ahead of the socket (the batch stops at the FPDU that
+/// reaches it). Framing computes the CRC over the payload, which brings it into the cache; the
+/// `writev` that follows copies it again, and that copy should still find it there. A loopback
+/// socket takes about 1 MiB per `writev`; with 64 FPDUs of 32 KiB (2 MiB) framed at once, the
+/// payloads had left the core's 2 MiB L2 by the time the socket took them (docs/benchmarks.md).
+const READY_BYTES: usize = 1024 * 1024;
+
 /// A queued FPDU's payload.
 enum Payload {
     /// Registered memory, kept alive by the Arc while the FPDU waits.
@@ -96,6 +103,8 @@ pub(crate) struct Tx {
     /// The segments of the queue's front message not yet cut (None: not started).
     front: Option<Cuts>,
     ready: VecDeque<Fpdu>,
+    /// Bytes in `ready` (whole FPDUs, including what of the front one was written).
+    ready_bytes: usize,
     /// Bytes of `ready`'s front FPDU already written.
     written: usize,
     cfg: TxConfig,
@@ -110,6 +119,7 @@ impl Tx {
             queue: VecDeque::new(),
             front: None,
             ready: VecDeque::new(),
+            ready_bytes: 0,
             written: 0,
             cfg: TxConfig::new(crc, max).expect("max ULPDU clamped to the wire's limits"),
         }
@@ -143,6 +153,7 @@ impl Tx {
         } else {
             self.ready.clear();
         }
+        self.ready_bytes = self.ready.iter().map(Fpdu::total).sum();
         if let Some(f) = self.ready.front_mut() {
             f.on_sent = OnSent::Nothing;
         }
@@ -151,7 +162,7 @@ impl Tx {
     }
 
     fn cut(&mut self) {
-        while self.ready.len() < BATCH {
+        while self.ready.len() < BATCH && self.ready_bytes < READY_BYTES {
             let Some(m) = self.queue.front_mut() else {
                 return;
             };
@@ -174,11 +185,13 @@ impl Tx {
             };
             let on_sent = if hdr.last { m.on_sent } else { OnSent::Nothing };
             let framing = Framing::new(&hdr, n, [payload.bytes()], self.cfg.crc());
-            self.ready.push_back(Fpdu {
+            let f = Fpdu {
                 framing,
                 payload,
                 on_sent,
-            });
+            };
+            self.ready_bytes += f.total();
+            self.ready.push_back(f);
             if hdr.last {
                 self.queue.pop_front();
                 self.front = None;
@@ -230,6 +243,7 @@ impl Tx {
                 n -= t;
                 let on = f.on_sent;
                 self.ready.pop_front();
+                self.ready_bytes -= t;
                 if on != OnSent::Nothing {
                     sent(on);
                 }
@@ -317,5 +331,63 @@ mod tests {
         tx.written = 0;
         tx.abort_queued();
         assert!(!tx.pending());
+    }
+
+    #[test]
+    fn framing_stops_at_about_ready_bytes_and_counts_what_is_ready() {
+        let ctx = Context::soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let mr = pd
+            .register(AlignedBuf::new(1 << 20).unwrap(), Access::LOCAL_WRITE)
+            .unwrap();
+        // Three 1 MiB Writes cut into 32 KiB-ish FPDUs: the framing stops once 1 MiB is ready,
+        // well before BATCH FPDUs.
+        let mut tx = Tx::new(true, 32_000);
+        for i in 0..3 {
+            tx.push(TxMsg {
+                hdr: Header::tagged(Opcode::Write, 9, 0, true),
+                src: Src::Mem {
+                    region: Arc::clone(mr.region()),
+                    offset: 0,
+                },
+                len: 1 << 20,
+                on_sent: OnSent::Complete(i),
+            });
+        }
+        tx.cut();
+        let sum: usize = tx.ready.iter().map(Fpdu::total).sum();
+        assert_eq!(tx.ready_bytes, sum);
+        assert!(tx.ready.len() < BATCH, "{} FPDUs", tx.ready.len());
+        assert!(
+            (READY_BYTES..READY_BYTES + 32_100).contains(&sum),
+            "{sum} bytes ready"
+        );
+        // Everything still goes out, in order, and the count returns to zero.
+        let (mut a, mut b) = socket_pair();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).unwrap();
+            got.len()
+        });
+        let mut done = Vec::new();
+        a.set_nonblocking(true).unwrap();
+        while tx.pending() {
+            tx.flush(&mut a, |o| done.push(o)).unwrap();
+        }
+        drop(a);
+        assert_eq!(
+            done,
+            [
+                OnSent::Complete(0),
+                OnSent::Complete(1),
+                OnSent::Complete(2)
+            ]
+        );
+        assert_eq!(tx.ready_bytes, 0);
+        // Per message: 32 full FPDUs (ULPDU 32000: 14 header + 31986 payload) and the rest.
+        use crate::fabric::soft::wire::fpdu_len;
+        let rest = (1 << 20) - 32 * 31_986;
+        let per_message = 32 * fpdu_len(32_000) + fpdu_len(14 + rest);
+        assert_eq!(reader.join().unwrap(), 3 * per_message);
     }
 }

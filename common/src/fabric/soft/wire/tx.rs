@@ -9,7 +9,7 @@
 
 use std::io::{self, IoSlice, Write};
 
-use super::crc::{crc32c, crc32c_append};
+use super::crc::{crc32c, crc32c_append, prefetch_pages};
 use super::ddp::{Header, UNTAGGED_HDR_LEN};
 use super::{pad_len, Result, WireError, DEFAULT_MAX_ULPDU, MAX_ULPDU_LIMIT};
 
@@ -91,6 +91,9 @@ impl Framing {
         if crc {
             let mut c = crc32c(&head[..head_len]);
             for p in pieces {
+                // The payload usually comes straight from registered memory that the CPU has
+                // not touched lately (the CRC is the first pass over it).
+                prefetch_pages(p);
                 c = crc32c_append(c, p);
             }
             c = crc32c_append(c, &trailer[..pad]);
