@@ -9,60 +9,22 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use fabric_util::*;
-use rpma_common::fabric::soft::wire::{self, mpa, CapFlags, Caps, Header, Opcode, TermCause};
+use rpma_common::fabric::soft::wire::{self, CapFlags, Caps, Header, Opcode, TermCause};
 use rpma_common::fabric::*;
-
-fn rw() -> Access {
-    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
-}
 
 /// Writes `len` bytes of 0xAB to `remote`, then Reads 8 bytes back (APM): returns the Read's
 /// completion.
 fn write_then_read(p: &Pair, remote: RemoteAddr, len: usize) -> (Vec<Completion>, Completion) {
     let (imem, imr) = p.init_buf(len + 8, Access::LOCAL_WRITE);
     imem.write_at(0, &vec![0xAB; len]).unwrap();
-    p.qp.post_send(SendWr::new(
-        1,
-        SendOp::Write {
-            local: Sge::new(&imr, 0, len),
-            remote,
-        },
-    ))
-    .unwrap();
-    p.qp.post_send(SendWr::new(
-        2,
-        SendOp::Read {
-            local: Sge::new(&imr, len, 8),
-            remote,
-        },
-    ))
-    .unwrap();
-    let mut before = Vec::new();
-    loop {
-        let c = p.next_init();
-        if c.wr_id == 2 {
-            return (before, c);
-        }
-        before.push(c);
-    }
-}
-
-fn assert_untouched(mem: &AlignedBuf) {
-    assert!(
-        mem.to_vec().iter().all(|&b| b == 0),
-        "no byte of target memory changed"
+    post_write_read(
+        &p.qp,
+        Sge::new(&imr, 0, len),
+        Sge::new(&imr, len, 8),
+        remote,
+        SendFlags::SIGNALED,
     );
-}
-
-fn assert_both_error(p: &Pair) {
-    let end = Instant::now() + Duration::from_secs(5);
-    while (p.qp.state() != QpState::Error || p.tqp.state() != QpState::Error)
-        && Instant::now() < end
-    {
-        p.pump();
-    }
-    assert_eq!(p.qp.state(), QpState::Error);
-    assert_eq!(p.tqp.state(), QpState::Error);
+    p.until_init(2)
 }
 
 #[test]
@@ -74,27 +36,11 @@ fn bad_rkey_read_is_remote_access() {
         addr: tmr.addr(),
         rkey: tmr.rkey() ^ 0x100,
     };
-    p.qp.post_send(SendWr::new(
-        1,
-        SendOp::Read {
-            local: Sge::new(&imr, 0, 8),
-            remote: bad,
-        },
-    ))
-    .unwrap();
-    p.qp.post_send(SendWr::new(
-        2,
-        SendOp::Read {
-            local: Sge::new(&imr, 8, 8),
-            remote: tmr.remote(0),
-        },
-    ))
-    .unwrap();
-    let c = p.next_init();
-    assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteAccess));
-    let c = p.next_init();
-    assert_eq!((c.wr_id, c.status), (2, WcStatus::WrFlush));
-    assert_both_error(&p);
+    post_read(&p.qp, 1, Sge::new(&imr, 0, 8), bad);
+    post_read(&p.qp, 2, Sge::new(&imr, 8, 8), tmr.remote(0));
+    p.expect_init(1, WcStatus::RemoteAccess);
+    p.expect_init(2, WcStatus::WrFlush);
+    p.assert_both_error();
     assert!(
         p.tqp.error().unwrap().contains("Terminate"),
         "{:?}",
@@ -119,7 +65,7 @@ fn bad_rkey_write_fails_the_following_read_and_places_nothing() {
         };
         let (_, read) = write_then_read(&p, bad, 5000);
         assert_eq!(read.status, WcStatus::RemoteAccess);
-        assert_both_error(&p);
+        p.assert_both_error();
         assert_untouched(&tmem);
     }
 }
@@ -131,7 +77,7 @@ fn out_of_bounds_write_places_nothing() {
     // Starts inside, ends 1 byte past the region.
     let (_, read) = write_then_read(&p, tmr.remote(4096 - 100), 101);
     assert_eq!(read.status, WcStatus::RemoteAccess);
-    assert_both_error(&p);
+    p.assert_both_error();
     assert_untouched(&tmem);
     let p = Pair::new(true);
     let (tmem, tmr) = p.target_buf(4096, rw());
@@ -150,7 +96,7 @@ fn write_to_read_only_region_is_refused() {
     let (tmem, tmr) = p.target_buf(4096, Access::REMOTE_READ);
     let (_, read) = write_then_read(&p, tmr.remote(0), 64);
     assert_eq!(read.status, WcStatus::RemoteAccess);
-    assert_both_error(&p);
+    p.assert_both_error();
     assert_untouched(&tmem);
 }
 
@@ -165,23 +111,15 @@ fn error_flushes_outstanding_and_spares_other_queue_pairs() {
         addr: tmr.addr(),
         rkey: 0x0ABC_DE00,
     };
-    p.qp.post_send(SendWr::new(
-        100,
-        SendOp::Read {
-            local: Sge::new(&imr, 0, 8),
-            remote: bad,
-        },
-    ))
-    .unwrap();
+    post_read(&p.qp, 100, Sge::new(&imr, 0, 8), bad);
     for i in 0..10 {
-        p.qp.post_send(SendWr::new(
+        post_write(
+            &p.qp,
             101 + i,
-            SendOp::Write {
-                local: Sge::new(&imr, 0, 8),
-                remote: tmr.remote(8),
-            },
-        ))
-        .unwrap();
+            Sge::new(&imr, 0, 8),
+            tmr.remote(8),
+            SendFlags::SIGNALED,
+        );
     }
     p.tqp
         .post_recv(RecvWr {
@@ -189,18 +127,16 @@ fn error_flushes_outstanding_and_spares_other_queue_pairs() {
             local: Some(Sge::new(&tmr, 0, 8)),
         })
         .unwrap();
-    let c = p.next_init();
-    assert_eq!((c.wr_id, c.status), (100, WcStatus::RemoteAccess));
+    p.expect_init(100, WcStatus::RemoteAccess);
     for i in 0..10 {
-        let c = p.next_init();
-        assert_eq!((c.wr_id, c.status), (101 + i, WcStatus::WrFlush));
+        p.expect_init(101 + i, WcStatus::WrFlush);
     }
     let r = p.next_target();
     assert_eq!(
         (r.wr_id, r.status, r.opcode),
         (7, WcStatus::WrFlush, WcOpcode::Recv)
     );
-    assert_both_error(&p);
+    p.assert_both_error();
     assert_untouched(&tmem);
     // The second connection on the same device and CQs still works.
     assert_eq!((q2.state(), t2.state()), (QpState::Rts, QpState::Rts));
@@ -260,7 +196,7 @@ fn send_without_posted_recv_is_a_terminate() {
     );
     let c = p.next_init();
     assert_eq!((c.wr_id, c.status), (2, WcStatus::RemoteInvalidRequest));
-    assert_both_error(&p);
+    p.assert_both_error();
 }
 
 #[test]
@@ -283,7 +219,7 @@ fn send_longer_than_the_recv_is_local_length_there() {
     .unwrap();
     let r = p.next_target();
     assert_eq!((r.wr_id, r.status), (5, WcStatus::LocalLength));
-    assert_both_error(&p);
+    p.assert_both_error();
 }
 
 #[test]
@@ -354,7 +290,7 @@ fn posting_needs_rts_and_valid_requests() {
         Err(Error::InvalidState { .. })
     ));
     // The peer sees the close.
-    assert_both_error(&p);
+    p.assert_both_error();
 }
 
 #[test]
@@ -513,30 +449,12 @@ fn a_refused_read_request_is_quoted_in_the_terminate() {
 #[test]
 fn private_opcodes_need_the_peers_caps() {
     // A peer that advertises nothing: Flush, Atomic Write and atomics fail locally.
-    let ctx = Context::soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = tl.local_addr().unwrap().port();
-    let h = std::thread::spawn(move || {
-        let (mut s, _) = tl.accept().unwrap();
-        let cfg = mpa::MpaConfig {
-            crc: false,
-            ird: 4,
-            ord: 4,
-            caps: Caps::foreign(b"siw".to_vec()),
-            peer_to_peer: None,
-        };
-        mpa::accept_handshake(&mut s, &cfg).unwrap();
-        s
-    });
-    let url: Url = format!("tcp://127.0.0.1:{port}").parse().unwrap();
-    let qp = pd
-        .create_qp(&cq, &cq, QpCaps::default())
-        .unwrap()
-        .connect(&url, &ConnParams::default(), b"")
-        .unwrap();
-    let _peer = h.join().unwrap();
+    let RawTarget { pd, qp, peer, .. } = raw_target(
+        Caps::foreign(b"siw".to_vec()),
+        &ConnParams::default(),
+        |s| s,
+    );
+    let _peer = peer.join().unwrap();
     let info = qp.info();
     assert!(!info.peer_flush && !info.peer_atomic_write && !info.peer_atomics);
     assert_eq!(info.peer_private_data, b"siw");
@@ -671,7 +589,7 @@ fn atomics_and_flush_need_their_rights() {
         p.qp.post_send(SendWr::new(1, op(&imr, &tmr))).unwrap();
         let c = p.next_init();
         assert_eq!((c.wr_id, c.status), (1, WcStatus::RemoteAccess));
-        assert_both_error(&p);
+        p.assert_both_error();
         assert_untouched(&tmem);
     }
 }
@@ -764,21 +682,10 @@ fn thread_cpu() -> Duration {
 
 #[test]
 fn a_short_read_response_fails_the_read_and_terminates() {
-    let ctx = Context::soft();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let tl = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let port = tl.local_addr().unwrap().port();
-    let h = std::thread::spawn(move || {
-        let (mut s, _) = tl.accept().unwrap();
-        let cfg = mpa::MpaConfig {
-            crc: false,
-            ird: 4,
-            ord: 4,
-            caps: Caps::new(CapFlags::ALL, None, b"raw".to_vec()),
-            peer_to_peer: None,
-        };
-        mpa::accept_handshake(&mut s, &cfg).unwrap();
+    let caps = Caps::new(CapFlags::ALL, None, b"raw".to_vec());
+    let RawTarget {
+        pd, cq, qp, peer, ..
+    } = raw_target(caps, &params(false), |mut s| {
         // Wait for the Read Request, answer it with half the bytes asked for.
         let mut got = Vec::new();
         let rr = loop {
@@ -799,16 +706,6 @@ fn a_short_read_response_fails_the_read_and_terminates() {
         let rest = read_while(&mut s, || false);
         terminate_in(&rest).map(|t| t.cause)
     });
-    let url: Url = format!("tcp://127.0.0.1:{port}").parse().unwrap();
-    let params = ConnParams {
-        crc: false,
-        ..ConnParams::default()
-    };
-    let qp = pd
-        .create_qp(&cq, &cq, QpCaps::default())
-        .unwrap()
-        .connect(&url, &params, b"")
-        .unwrap();
     let mr = pd
         .register(AlignedBuf::new(64).unwrap(), Access::LOCAL_WRITE)
         .unwrap();
@@ -830,7 +727,7 @@ fn a_short_read_response_fails_the_read_and_terminates() {
     assert_eq!(qp.state(), QpState::Error);
     drop(qp);
     assert_eq!(
-        h.join().unwrap(),
+        peer.join().unwrap(),
         Some(TermCause::RDMAP_OPERATION_UNSPECIFIED),
         "the peer is told"
     );
@@ -906,25 +803,13 @@ fn a_peer_flooding_after_the_terminate_cannot_pin_the_completion_queue() {
         // The second queue pair on the target's completion queue: a Write and a Read back.
         rounds += 1;
         imem.write_at(0, &rounds.to_le_bytes()).unwrap();
-        p.qp.post_send(
-            SendWr::new(
-                1,
-                SendOp::Write {
-                    local: Sge::new(&imr, 0, 4),
-                    remote: tmr.remote(0),
-                },
-            )
-            .with_flags(SendFlags::empty()),
-        )
-        .unwrap();
-        p.qp.post_send(SendWr::new(
-            2,
-            SendOp::Read {
-                local: Sge::new(&imr, 8, 4),
-                remote: tmr.remote(0),
-            },
-        ))
-        .unwrap();
+        post_write_read(
+            &p.qp,
+            Sge::new(&imr, 0, 4),
+            Sge::new(&imr, 8, 4),
+            tmr.remote(0),
+            SendFlags::empty(),
+        );
         let t = Instant::now();
         let c = p.next_init();
         slowest = slowest.max(t.elapsed());

@@ -17,30 +17,34 @@ fn target_mr(p: &Pair) -> (Arc<AlignedBuf>, Arc<MemoryRegion>) {
 
 /// Write 8 bytes then Read them back through `remote`; returns the Read's status.
 fn apm(p: &Pair, imr: &Arc<MemoryRegion>, remote: RemoteAddr) -> WcStatus {
-    p.qp.post_send(
-        SendWr::new(
-            1,
-            SendOp::Write {
-                local: Sge::new(imr, 0, 8),
-                remote,
-            },
-        )
-        .with_flags(SendFlags::empty()),
-    )
-    .unwrap();
-    p.qp.post_send(SendWr::new(
-        2,
-        SendOp::Read {
-            local: Sge::new(imr, 8, 8),
-            remote,
-        },
-    ))
-    .unwrap();
-    loop {
-        let c = p.next_init();
-        if c.wr_id == 2 {
-            return c.status;
-        }
+    apm_on(&p.qp, imr, remote);
+    p.until_init(2).1.status
+}
+
+/// Posts `apm`'s Write (unsignalled, wr 1) and Read (wr 2) on `qp`.
+fn apm_on(qp: &QueuePair, imr: &Arc<MemoryRegion>, remote: RemoteAddr) {
+    post_write_read(
+        qp,
+        Sge::new(imr, 0, 8),
+        Sge::new(imr, 8, 8),
+        remote,
+        SendFlags::empty(),
+    );
+}
+
+/// Binds `mw` to `mr[0..64]` through the target QP with remote read and write; returns the
+/// window's address at offset 0.
+fn bind_rw64(p: &Pair, mw: &MemoryWindow, mr: &Arc<MemoryRegion>) -> RemoteAddr {
+    bind_rw64_on(&p.tqp, mw, mr)
+}
+
+fn bind_rw64_on(tqp: &QueuePair, mw: &MemoryWindow, mr: &Arc<MemoryRegion>) -> RemoteAddr {
+    let rkey = tqp
+        .bind_mw(mw, mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
+        .unwrap();
+    RemoteAddr {
+        addr: mr.addr(),
+        rkey,
     }
 }
 
@@ -97,7 +101,7 @@ fn window_outside_its_range_or_rights_is_refused() {
         rkey,
     };
     assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
-    assert!(tmem.to_vec().iter().all(|&b| b == 0));
+    assert_untouched(&tmem);
     let p = Pair::new(false);
     let (_tmem, mr) = target_mr(&p);
     let mw = p.pd.alloc_mw().unwrap();
@@ -185,14 +189,7 @@ fn local_invalidate_revokes() {
     let (_tmem, mr) = target_mr(&p);
     let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
     let mw = p.pd.alloc_mw().unwrap();
-    let rkey = p
-        .tqp
-        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
-        .unwrap();
-    let remote = RemoteAddr {
-        addr: mr.addr(),
-        rkey,
-    };
+    let remote = bind_rw64(&p, &mw, &mr);
     assert_eq!(apm(&p, &imr, remote), WcStatus::Success);
     mw.invalidate();
     assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
@@ -204,20 +201,14 @@ fn send_with_invalidate_revokes_the_rkey() {
     let (_tmem, mr) = target_mr(&p);
     let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
     let mw = p.pd.alloc_mw().unwrap();
-    let rkey = p
-        .tqp
-        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
-        .unwrap();
+    let remote = bind_rw64(&p, &mw, &mr);
+    let rkey = remote.rkey;
     p.tqp
         .post_recv(RecvWr {
             wr_id: 9,
             local: Some(Sge::new(&mr, 1024, 64)),
         })
         .unwrap();
-    let remote = RemoteAddr {
-        addr: mr.addr(),
-        rkey,
-    };
     assert_eq!(apm(&p, &imr, remote), WcStatus::Success);
     p.qp.post_send(SendWr::new(
         3,
@@ -241,32 +232,8 @@ fn send_with_invalidate_of_a_region_rkey_is_refused() {
     let p = Pair::new(true);
     let (_tmem, mr) = target_mr(&p);
     let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
-    p.tqp
-        .post_recv(RecvWr {
-            wr_id: 9,
-            local: Some(Sge::new(&mr, 1024, 64)),
-        })
-        .unwrap();
-    p.qp.post_send(SendWr::new(
-        3,
-        SendOp::SendWithInvalidate {
-            local: Sge::new(&imr, 0, 4),
-            invalidate_rkey: mr.rkey(),
-        },
-    ))
-    .unwrap();
-    p.qp.post_send(SendWr::new(
-        4,
-        SendOp::Read {
-            local: Sge::new(&imr, 8, 8),
-            remote: mr.remote(0),
-        },
-    ))
-    .unwrap();
-    assert_eq!(p.next_init().wr_id, 3);
-    let c = p.next_init();
+    let (c, r) = post_send_with_invalidate_and_read(&p, &mr, &imr, mr.rkey());
     assert_eq!((c.wr_id, c.status), (4, WcStatus::RemoteOperation));
-    let r = p.next_target();
     assert_eq!((r.wr_id, r.status), (9, WcStatus::WrFlush));
 }
 
@@ -277,20 +244,14 @@ fn dropping_the_region_revokes_its_windows() {
     let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
     imem.write_at(0, b"too late").unwrap();
     let mw = p.pd.alloc_mw().unwrap();
-    let rkey = p
-        .tqp
-        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
-        .unwrap();
-    let remote = RemoteAddr {
-        addr: mr.addr(),
-        rkey,
-    };
+    let remote = bind_rw64(&p, &mw, &mr);
+    let rkey = remote.rkey;
     drop(mr);
     // The window's rkey died with its region: the Write is refused and places nothing, and
     // the Read behind it reports RemoteAccess (a Write completes when sent).
     assert_eq!(apm(&p, &imr, remote), WcStatus::RemoteAccess);
     assert_eq!(p.qp.state(), QpState::Error);
-    assert!(tmem.to_vec().iter().all(|&b| b == 0), "a byte was written");
+    assert_untouched(&tmem);
     assert_eq!(mw.rkey(), rkey, "the window object itself is untouched");
 }
 
@@ -302,6 +263,21 @@ fn send_with_invalidate_then_read(
     imr: &Arc<MemoryRegion>,
     rkey: u32,
 ) -> (WcStatus, WcStatus) {
+    let (c, r) = post_send_with_invalidate_and_read(p, mr, imr, rkey);
+    assert_eq!(c.wr_id, 4);
+    assert_eq!(r.wr_id, 9);
+    assert_eq!(p.tqp.state(), QpState::Error);
+    (c.status, r.status)
+}
+
+/// The posts of [`send_with_invalidate_then_read`]; asserts the Send completed first and
+/// returns (the next initiator completion, the next target completion).
+fn post_send_with_invalidate_and_read(
+    p: &Pair,
+    mr: &Arc<MemoryRegion>,
+    imr: &Arc<MemoryRegion>,
+    rkey: u32,
+) -> (Completion, Completion) {
     p.tqp
         .post_recv(RecvWr {
             wr_id: 9,
@@ -316,21 +292,9 @@ fn send_with_invalidate_then_read(
         },
     ))
     .unwrap();
-    p.qp.post_send(SendWr::new(
-        4,
-        SendOp::Read {
-            local: Sge::new(imr, 8, 8),
-            remote: mr.remote(0),
-        },
-    ))
-    .unwrap();
+    post_read(&p.qp, 4, Sge::new(imr, 8, 8), mr.remote(0));
     assert_eq!(p.next_init().wr_id, 3);
-    let c = p.next_init();
-    assert_eq!(c.wr_id, 4);
-    let r = p.next_target();
-    assert_eq!(r.wr_id, 9);
-    assert_eq!(p.tqp.state(), QpState::Error);
-    (c.status, r.status)
+    (p.next_init(), p.next_target())
 }
 
 #[test]
@@ -340,9 +304,7 @@ fn send_with_invalidate_of_a_window_of_another_qp_is_a_protection_error() {
     let (_imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
     let (qp2, tqp2) = p.another();
     let mw = p.pd.alloc_mw().unwrap();
-    let rkey = tqp2
-        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
-        .unwrap();
+    let rkey = bind_rw64_on(&tqp2, &mw, &mr).rkey;
     // RDMAP Remote Protection Error "STag cannot be invalidated" (0x0/0x1/0x09): RemoteAccess.
     assert_eq!(
         send_with_invalidate_then_read(&p, &mr, &imr, rkey),
@@ -358,19 +320,12 @@ fn send_with_invalidate_of_a_window_of_another_qp_is_a_protection_error() {
     );
     // The window was not invalidated: it still works for its own queue pair.
     assert_eq!(tqp2.state(), QpState::Rts);
-    qp2.post_send(SendWr::new(
-        5,
-        SendOp::Write {
-            local: Sge::new(&imr, 0, 8),
-            remote: RemoteAddr {
-                addr: mr.addr(),
-                rkey,
-            },
-        },
-    ))
-    .unwrap();
-    let c = p.next_init();
-    assert_eq!((c.wr_id, c.status), (5, WcStatus::Success));
+    let remote = RemoteAddr {
+        addr: mr.addr(),
+        rkey,
+    };
+    post_write(&qp2, 5, Sge::new(&imr, 0, 8), remote, SendFlags::SIGNALED);
+    p.expect_init(5, WcStatus::Success);
 }
 
 #[test]
@@ -425,49 +380,18 @@ fn a_window_bound_to_one_queue_pair_is_refused_through_another() {
     imem.write_at(8, b"untouchd").unwrap();
     let mw = p.pd.alloc_mw().unwrap();
     // Bound to A's target side.
-    let rkey = p
-        .tqp
-        .bind_mw(&mw, &mr, 0, 64, Access::REMOTE_READ | Access::REMOTE_WRITE)
-        .unwrap();
-    let remote = RemoteAddr {
-        addr: mr.addr(),
-        rkey,
-    };
-    qb.post_send(
-        SendWr::new(
-            1,
-            SendOp::Write {
-                local: Sge::new(&imr, 0, 8),
-                remote,
-            },
-        )
-        .with_flags(SendFlags::empty()),
-    )
-    .unwrap();
-    qb.post_send(SendWr::new(
-        2,
-        SendOp::Read {
-            local: Sge::new(&imr, 8, 8),
-            remote,
-        },
-    ))
-    .unwrap();
+    let remote = bind_rw64(&p, &mw, &mr);
+    apm_on(&qb, &imr, remote);
     let c = p.next_init();
     assert_eq!(
         (c.wr_id, c.status, c.qp_num),
         (2, WcStatus::RemoteAccess, qb.qp_num())
     );
-    assert!(tmem.to_vec().iter().all(|&b| b == 0), "nothing written");
+    assert_untouched(&tmem);
     let mut b = [0u8; 8];
     imem.read_at(8, &mut b).unwrap();
     assert_eq!(&b, b"untouchd", "the failed Read placed nothing");
-    let end = std::time::Instant::now() + std::time::Duration::from_secs(5);
-    while (qb.state() != QpState::Error || tb.state() != QpState::Error)
-        && std::time::Instant::now() < end
-    {
-        p.pump();
-    }
-    assert_eq!((qb.state(), tb.state()), (QpState::Error, QpState::Error));
+    p.until_error(&qb, &tb);
     // A, the window's queue pair, keeps working through the same rkey.
     assert_eq!((p.qp.state(), p.tqp.state()), (QpState::Rts, QpState::Rts));
     imem.write_at(0, b"welcome!").unwrap();

@@ -12,10 +12,6 @@ use fabric_util::*;
 use rpma_common::fabric::soft::wire::{mpa, CapFlags, Header, Opcode};
 use rpma_common::fabric::*;
 
-fn rw() -> Access {
-    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
-}
-
 /// A target queue pair (CRC off) accepting a raw peer: (target QP, its CQ, its PD, the peer).
 fn raw_pair() -> (
     QueuePair,
@@ -129,22 +125,8 @@ fn a_multi_fpdu_write_running_out_of_bounds_lands_only_its_full_in_bounds_segmen
         },
     ))
     .unwrap();
-    let mut read = None;
-    while read.is_none() {
-        let c = p.next_init();
-        if c.wr_id == 2 {
-            read = Some(c);
-        }
-    }
-    assert_eq!(read.unwrap().status, WcStatus::RemoteAccess);
-    let end = Instant::now() + Duration::from_secs(5);
-    while (p.qp.state() != QpState::Error || p.tqp.state() != QpState::Error)
-        && Instant::now() < end
-    {
-        p.pump();
-    }
-    assert_eq!(p.qp.state(), QpState::Error);
-    assert_eq!(p.tqp.state(), QpState::Error);
+    assert_eq!(p.until_init(2).1.status, WcStatus::RemoteAccess);
+    p.assert_both_error();
     let mem = tmem.to_vec();
     // DDP tagged segments carry no message length: each FPDU is checked on its own. The full
     // segments before the offending one were in bounds and landed; the offending segment (the

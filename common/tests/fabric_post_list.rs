@@ -4,12 +4,8 @@ mod fabric_util;
 
 use std::time::Duration;
 
-use fabric_util::Pair;
+use fabric_util::{rw, Pair};
 use rpma_common::fabric::*;
-
-fn rw() -> Access {
-    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
-}
 
 #[test]
 fn a_write_and_a_read_posted_as_a_list_complete_in_order() {

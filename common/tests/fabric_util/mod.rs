@@ -6,8 +6,9 @@ pub mod tshark;
 use std::cell::RefCell;
 use std::collections::VecDeque;
 use std::io::Read;
-use std::net::TcpStream;
+use std::net::{TcpListener, TcpStream};
 use std::sync::Arc;
+use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::soft::wire::{self, mpa, CapFlags, Caps, Header, Opcode};
@@ -21,6 +22,11 @@ pub struct Pair {
     pub qp: QueuePair,
     pub tqp: QueuePair,
     stash: RefCell<(VecDeque<Completion>, VecDeque<Completion>)>,
+}
+
+/// Local write, remote write and remote read: the rights of a plain target region.
+pub fn rw() -> Access {
+    Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ
 }
 
 pub fn params(crc: bool) -> ConnParams {
@@ -126,6 +132,39 @@ impl Pair {
         self.next(false).expect("a target completion within 10 s")
     }
 
+    /// Initiator completions until the one of `wr_id`: (those before it, it).
+    pub fn until_init(&self, wr_id: u64) -> (Vec<Completion>, Completion) {
+        let mut before = Vec::new();
+        loop {
+            let c = self.next_init();
+            if c.wr_id == wr_id {
+                return (before, c);
+            }
+            before.push(c);
+        }
+    }
+
+    /// Asserts that the next initiator completion is `wr_id` with `status`; returns it.
+    pub fn expect_init(&self, wr_id: u64, status: WcStatus) -> Completion {
+        let c = self.next_init();
+        assert_eq!((c.wr_id, c.status), (wr_id, status));
+        c
+    }
+
+    /// Polls until both `a` and `b` are in Error, or 5 s; asserts they are.
+    pub fn until_error(&self, a: &QueuePair, b: &QueuePair) {
+        let end = Instant::now() + Duration::from_secs(5);
+        while (a.state() != QpState::Error || b.state() != QpState::Error) && Instant::now() < end {
+            self.pump();
+        }
+        assert_eq!((a.state(), b.state()), (QpState::Error, QpState::Error));
+    }
+
+    /// [`Pair::until_error`] of this pair's own queue pairs.
+    pub fn assert_both_error(&self) {
+        self.until_error(&self.qp, &self.tqp);
+    }
+
     /// Polls both sides for `d`; returns every completion (initiator, target) seen.
     pub fn settle(&self, d: Duration) -> (Vec<Completion>, Vec<Completion>) {
         let end = Instant::now() + d;
@@ -222,4 +261,84 @@ pub fn read_while(s: &mut TcpStream, mut poll: impl FnMut() -> bool) -> Vec<u8> 
         }
     }
     got
+}
+
+/// Posts a Read (signalled) of `remote` into `local` as `wr_id` on `qp`.
+pub fn post_read(qp: &QueuePair, wr_id: u64, local: Sge, remote: RemoteAddr) {
+    qp.post_send(SendWr::new(wr_id, SendOp::Read { local, remote }))
+        .unwrap();
+}
+
+/// Posts a Write of `local` to `remote` as `wr_id` with `flags` on `qp`.
+pub fn post_write(qp: &QueuePair, wr_id: u64, local: Sge, remote: RemoteAddr, flags: SendFlags) {
+    qp.post_send(SendWr::new(wr_id, SendOp::Write { local, remote }).with_flags(flags))
+        .unwrap();
+}
+
+/// Posts a Write of `write` (wr 1, with `write_flags`) then a Read into `read` (wr 2), both
+/// at `remote`, on `qp`: the Read completes only after the Write was placed (or refused).
+pub fn post_write_read(
+    qp: &QueuePair,
+    write: Sge,
+    read: Sge,
+    remote: RemoteAddr,
+    write_flags: SendFlags,
+) {
+    post_write(qp, 1, write, remote, write_flags);
+    post_read(qp, 2, read, remote);
+}
+
+/// Asserts that every byte of `mem` is still zero.
+pub fn assert_untouched(mem: &AlignedBuf) {
+    assert!(
+        mem.to_vec().iter().all(|&b| b == 0),
+        "no byte of target memory changed"
+    );
+}
+
+/// An initiator connected (with `params`) to a bare TCP peer that runs the MPA accept
+/// handshake with `caps` and then `then` on its stream.
+pub struct RawTarget<T> {
+    pub ctx: Context,
+    pub pd: ProtectionDomain,
+    pub cq: CompletionQueue,
+    pub qp: QueuePair,
+    pub peer: JoinHandle<T>,
+}
+
+pub fn raw_target<T: Send + 'static>(
+    caps: Caps,
+    params: &ConnParams,
+    then: impl FnOnce(TcpStream) -> T + Send + 'static,
+) -> RawTarget<T> {
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(16).unwrap();
+    let tl = TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = tl.local_addr().unwrap().port();
+    let peer = std::thread::spawn(move || {
+        let (mut s, _) = tl.accept().unwrap();
+        let cfg = mpa::MpaConfig {
+            crc: false,
+            ird: 4,
+            ord: 4,
+            caps,
+            peer_to_peer: None,
+        };
+        mpa::accept_handshake(&mut s, &cfg).unwrap();
+        then(s)
+    });
+    let url: Url = format!("tcp://127.0.0.1:{port}").parse().unwrap();
+    let qp = pd
+        .create_qp(&cq, &cq, QpCaps::default())
+        .unwrap()
+        .connect(&url, params, b"")
+        .unwrap();
+    RawTarget {
+        ctx,
+        pd,
+        cq,
+        qp,
+        peer,
+    }
 }
