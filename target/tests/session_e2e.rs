@@ -713,12 +713,8 @@ fn sighup_removing_a_namespace_revokes_it_only() {
 #[test]
 fn sigterm_during_flush_load_exits_zero() {
     let d = scratch();
-    let mut t = Target::start(d.path(), "");
-    let mut s = t.session();
-    // Keep many GPSPM flushes in flight, then stop the daemon.
-    let sent = 48u64;
-    send_flushes(&mut s, sent, 0);
-    t.signal(Signal::SIGTERM);
+    let (mut t, mut s) = sigterm_with_flushes_in_flight(d.path());
+    let sent = FLUSHES_IN_FLIGHT;
     // Every completion the host's queue holds is read, as verbs would: the responses the target
     // sent before its Disconnect are valid even once the connection is closed behind them.
     // (`sigterm_answers_reach_wait_message` checks the same through Session::wait_message.)
@@ -769,16 +765,32 @@ fn sigterm_during_flush_load_exits_zero() {
         "{} of {sent} flushes answered before the target went away",
         answered.len()
     );
+    assert_answered_a_prefix(answered);
+    let st = t.wait_exit(WAIT);
+    assert!(st.success(), "{st:?}");
+}
+
+const FLUSHES_IN_FLIGHT: u64 = 48;
+
+/// Starts a target, keeps many GPSPM flushes in flight on a session, then stops the daemon.
+fn sigterm_with_flushes_in_flight(dir: &Path) -> (Target, Session) {
+    let t = Target::start(dir, "");
+    let mut s = t.session();
+    send_flushes(&mut s, FLUSHES_IN_FLIGHT, 0);
+    t.signal(Signal::SIGTERM);
+    (t, s)
+}
+
+/// Flushes complete in any order (io_uring), and receives in arrival order: what the target had
+/// received before it stopped is a prefix of what was sent, each token answered once (Durable,
+/// or Unavailable after the goodbye).
+fn assert_answered_a_prefix(mut answered: Vec<u64>) {
     answered.sort_unstable();
     let n = answered.len();
     answered.dedup();
     assert_eq!(answered.len(), n, "a flush was answered twice");
-    assert!(answered.iter().all(|t| (1..=sent).contains(t)));
-    // Receives complete in arrival order, so what the target had received before it stopped is
-    // a prefix of what was sent: all of it answered (Durable, or Unavailable after the goodbye).
+    assert!(answered.iter().all(|t| (1..=FLUSHES_IN_FLIGHT).contains(t)));
     assert_eq!(answered, (1..=answered.len() as u64).collect::<Vec<_>>());
-    let st = t.wait_exit(WAIT);
-    assert!(st.success(), "{st:?}");
 }
 
 /// The library's own wait returns every response the target sent before its goodbye, and only
@@ -786,11 +798,7 @@ fn sigterm_during_flush_load_exits_zero() {
 #[test]
 fn sigterm_answers_reach_wait_message() {
     let d = scratch();
-    let mut t = Target::start(d.path(), "");
-    let mut s = t.session();
-    let sent = 48u64;
-    send_flushes(&mut s, sent, 0);
-    t.signal(Signal::SIGTERM);
+    let (mut t, mut s) = sigterm_with_flushes_in_flight(d.path());
     let mut answered = Vec::new();
     let end = loop {
         match s.wait_message(WAIT, "flush responses") {
@@ -803,11 +811,8 @@ fn sigterm_answers_reach_wait_message() {
         matches!(end, Error::Disconnected { ref reason } if reason.contains("shutting down")),
         "{end:?}: answered {answered:?}"
     );
-    // Flushes complete in any order (io_uring), but what the target received, it answered: a
-    // prefix of what was sent, each token once.
     assert!(!answered.is_empty());
-    answered.sort_unstable();
-    assert_eq!(answered, (1..=answered.len() as u64).collect::<Vec<_>>());
+    assert_answered_a_prefix(answered);
     assert!(t.wait_exit(WAIT).success());
 }
 
