@@ -710,6 +710,57 @@ fn sighup_removing_a_namespace_revokes_it_only() {
         .any(|x| x["host_nqn"] == OPEN_HOST));
 }
 
+/// Removing a host from a subsystem closes that host's session with a reason and refuses it
+/// from then on; a session of another subsystem is not disturbed.
+#[test]
+fn sighup_removing_a_host_closes_its_session_only() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = Target::start(d.path(), top);
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = t.session();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+
+    let without_plain =
+        config_text(t.port, top, "").replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
+    assert!(!without_plain.contains(PLAIN), "{without_plain}");
+    std::fs::write(d.path().join("c.toml"), without_plain).unwrap();
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1");
+    t.expect("READY=1");
+
+    // The removed host's session is closed, with the reason.
+    let end = loop {
+        match s.wait_message(WAIT, "the goodbye") {
+            Ok(m) => panic!("{m:?}"),
+            Err(e) => break e,
+        }
+    };
+    assert!(
+        matches!(end, Error::Disconnected { ref reason } if reason.contains("configuration")),
+        "{end:?}"
+    );
+    // It is refused from now on.
+    let again = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(again, Err(Error::HostNotAllowed { .. })),
+        "{again:?}"
+    );
+    // The other subsystem's session never noticed.
+    let o1 = {
+        let n = other.namespace(1).unwrap();
+        RemoteAddr {
+            addr: n.remote_addr,
+            rkey: n.rkey,
+        }
+    };
+    assert_eq!(
+        write_then_read(&mut other, o1, b"undisturbed"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(other.flush(1, 0, 11, WAIT).unwrap(), FlushStatus::Durable);
+}
+
 #[test]
 fn sigterm_during_flush_load_exits_zero() {
     let d = scratch();
