@@ -11,3 +11,16 @@ pub mod fabric;
 pub mod pmem;
 pub mod proto;
 pub mod units;
+
+/// An error and its sources on one line, "outer: inner: innermost", for logs and for error
+/// texts that must keep the errno that a wrapper's own message does not repeat.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}

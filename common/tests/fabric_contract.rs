@@ -5,12 +5,12 @@
 
 mod fabric_util;
 
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 
 use fabric_util::*;
 use rpma_common::fabric::*;
-use rpma_common::pmem::{self, Domain, Durability, Persist};
+use rpma_common::pmem::{self, Domain, Durability, Persist, SyncFailure};
 
 /// One call made on the recording memory's `Persist`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -20,11 +20,14 @@ enum Call {
     Drain { seq: u64 },
 }
 
-/// Registered memory in the page-cache domain that records how it is made durable.
+/// Registered memory in the page-cache domain that records how it is made durable; with
+/// `fail` set, every persist fails as an msync that returned EIO would.
 struct Recording {
     buf: Arc<AlignedBuf>,
     seq: Arc<AtomicU64>,
     calls: Mutex<Vec<Call>>,
+    fail: AtomicBool,
+    failure: Mutex<Option<SyncFailure>>,
 }
 
 // SAFETY: all of it is the AlignedBuf's memory, which satisfies the contract itself; this
@@ -46,6 +49,17 @@ impl Persist for Recording {
         Domain::PageCache
     }
     fn persist(&self, offset: usize, len: usize) -> pmem::Result<Durability> {
+        if self.fail.load(Ordering::SeqCst) {
+            let e = std::io::Error::from_raw_os_error(libc::EIO);
+            self.record_failure(SyncFailure::new("msync", &e));
+            return Err(pmem::Error::Sync {
+                path: "recording".into(),
+                op: "msync",
+                offset,
+                len,
+                source: e,
+            });
+        }
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         self.calls
             .lock()
@@ -65,6 +79,15 @@ impl Persist for Recording {
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         self.calls.lock().unwrap().push(Call::Drain { seq });
         Ok(Durability::Durable)
+    }
+    fn failure(&self) -> Option<SyncFailure> {
+        *self.failure.lock().unwrap()
+    }
+    fn record_failure(&self, failure: SyncFailure) -> bool {
+        let mut f = self.failure.lock().unwrap();
+        let first = f.is_none();
+        f.get_or_insert(failure);
+        first
     }
 }
 
@@ -86,6 +109,8 @@ fn rig() -> Rig {
         buf: AlignedBuf::new(SIZE).unwrap(),
         seq: Arc::clone(&seq),
         calls: Mutex::new(Vec::new()),
+        fail: AtomicBool::new(false),
+        failure: Mutex::new(None),
     });
     let access = Access::LOCAL_WRITE
         | Access::REMOTE_WRITE
@@ -255,4 +280,44 @@ fn a_read_without_earlier_writes_persists_nothing() {
         r.complete(i);
     }
     assert_eq!(r.calls(), vec![], "nothing was written: nothing to persist");
+}
+
+#[test]
+fn a_failed_persist_fails_the_response_and_the_queue_pairs_error_keeps_the_errno() {
+    // APM (Write + Read) and FLUSH (Write + Flush): neither answer may leave when the persist
+    // before it failed, and the target's queue pair says why, errno included.
+    for flush in [false, true] {
+        let r = rig();
+        r.mem.fail.store(true, Ordering::SeqCst);
+        r.write(1, 0, 4096);
+        let op = if flush {
+            SendOp::Flush {
+                target: FlushTarget::Range {
+                    remote: r.mr.remote(0),
+                    len: 4096,
+                },
+                kind: FlushType::Persistent,
+            }
+        } else {
+            SendOp::Read {
+                local: Sge::new(&r.imr, 0, 8),
+                remote: r.mr.remote(0),
+            }
+        };
+        r.p.qp.post_send(SendWr::new(2, op)).unwrap();
+        let (_, c) = r.p.until_init(2);
+        assert_ne!(c.status, WcStatus::Success, "flush {flush}: {c:?}");
+        r.p.assert_both_error();
+        let why = r.p.tqp.error().unwrap_or_default();
+        assert!(
+            why.contains("durable failed") && why.contains("Input/output error"),
+            "flush {flush}: {why}"
+        );
+        assert_eq!(
+            r.mem.failure().map(|f| f.errno),
+            Some(libc::EIO),
+            "the store remembers"
+        );
+        assert!(r.calls().iter().all(|c| !matches!(c, Call::Persist { .. })));
+    }
 }

@@ -78,6 +78,41 @@ impl fmt::Display for Durability {
     }
 }
 
+/// The first failed write-back of a store: which call failed and the errno it returned.
+///
+/// Linux reports a write-back error once per open file and then marks the pages clean, so a
+/// later sync of the same range "succeeds" over data that never reached the media. A store that
+/// has seen one failure therefore fails every later persist, flush and drain with
+/// [`Error::Failed`](crate::pmem::Error::Failed) until it is reopened.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SyncFailure {
+    /// The call that failed: "msync", "fdatasync", ...
+    pub op: &'static str,
+    /// Its errno.
+    pub errno: i32,
+}
+
+impl SyncFailure {
+    /// The failure of `op` with the errno of `e` (EIO when `e` carries none).
+    pub fn new(op: &'static str, e: &std::io::Error) -> SyncFailure {
+        SyncFailure {
+            op,
+            errno: e.raw_os_error().unwrap_or(libc::EIO),
+        }
+    }
+
+    /// The errno as an io::Error, for its text.
+    pub fn io_error(&self) -> std::io::Error {
+        std::io::Error::from_raw_os_error(self.errno)
+    }
+}
+
+impl fmt::Display for SyncFailure {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} failed: {}", self.op, self.io_error())
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -90,6 +125,19 @@ mod tests {
         assert_eq!(Domain::Volatile.to_string(), "volatile");
         assert_eq!(Durability::VisibleOnly.to_string(), "visible only");
         assert_eq!(Durability::Durable.to_string(), "durable");
+    }
+
+    #[test]
+    fn sync_failure_names_the_call_and_the_errno() {
+        let f = SyncFailure::new(
+            "fdatasync",
+            &std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        assert_eq!(f.errno, libc::ENOSPC);
+        let t = f.to_string();
+        assert!(t.starts_with("fdatasync failed: No space left"), "{t}");
+        let no_errno = SyncFailure::new("msync", &std::io::Error::other("x"));
+        assert_eq!(no_errno.errno, libc::EIO);
     }
 
     #[test]

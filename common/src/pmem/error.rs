@@ -3,6 +3,8 @@
 use std::io;
 use std::path::PathBuf;
 
+use super::domain::SyncFailure;
+
 /// Everything that can go wrong while opening, mapping or persisting a namespace's backing store.
 ///
 /// Each variant names the failing step and carries the path (or range) it was working on, so that
@@ -181,7 +183,8 @@ pub enum Error {
         /// Length of the mapping.
         mapping_len: usize,
     },
-    /// msync, sync_file_range or fdatasync failed, so the range may not be durable.
+    /// msync, sync_file_range or fdatasync failed, so the range may not be durable. The store
+    /// is failed from then on ([`Error::Failed`]).
     #[error("{}: {op} of [{offset}, {offset}+{len}) failed; the range may not be durable", path.display())]
     Sync {
         /// The backing file.
@@ -195,6 +198,20 @@ pub enum Error {
         /// What the kernel said.
         #[source]
         source: io::Error,
+    },
+    /// An earlier write-back of this store failed ([`SyncFailure`]): the kernel may since have
+    /// marked the lost pages clean, so no later persist can be trusted. The store stays failed
+    /// until it is reopened.
+    #[error(
+        "{}: the namespace has failed: an earlier {failure}; nothing on it can be made durable \
+         until it is reopened",
+        path.display()
+    )]
+    Failed {
+        /// The backing file.
+        path: PathBuf,
+        /// The first failure.
+        failure: SyncFailure,
     },
     /// A cache flush instruction that this CPU does not have was asked for.
     #[error("this CPU does not support the {instruction} instruction")]

@@ -10,7 +10,7 @@ use std::ptr::NonNull;
 use std::sync::{Mutex, OnceLock};
 
 use super::devdax;
-use super::domain::{Domain, Durability};
+use super::domain::{Domain, Durability, SyncFailure};
 use super::error::{Error, Result};
 use super::flush::{sfence, writeback_range};
 use super::Persist;
@@ -60,11 +60,13 @@ pub struct Mapping {
     path: Option<PathBuf>,
     /// Page-aligned union of the ranges flushed (write-back started) but not yet drained.
     pending: Mutex<Option<(usize, usize)>>,
+    /// The first failed write-back: set once, cleared only by reopening (a new Mapping).
+    failure: OnceLock<SyncFailure>,
 }
 
 // SAFETY: Mapping owns its mapping (unmapped only in Drop) and exposes the memory only through raw
 // pointers and copy methods, the same as a shared file seen by several processes; the only interior
-// state (`pending`) is behind a Mutex.
+// state (`pending`, `failure`) is behind a Mutex or a OnceLock.
 unsafe impl Send for Mapping {}
 // SAFETY: as above: every &self method is either read-only on plain fields, a raw-memory copy whose
 // coordination is the caller's protocol, or goes through the Mutex.
@@ -140,6 +142,7 @@ impl Mapping {
             file: None,
             path: None,
             pending: Mutex::new(None),
+            failure: OnceLock::new(),
         })
     }
 
@@ -235,9 +238,23 @@ impl Mapping {
         let rc =
             unsafe { libc::msync(self.as_ptr().add(start).cast(), end - start, libc::MS_SYNC) };
         if rc != 0 {
-            return Err(self.sync_error("msync", start, end - start, io::Error::last_os_error()));
+            let e = io::Error::last_os_error();
+            self.record_failure(SyncFailure::new("msync", &e));
+            return Err(self.sync_error("msync", start, end - start, e));
         }
         Ok(())
+    }
+
+    /// [`Error::Failed`] once the store has failed: checked before every persist, flush and
+    /// drain, because the kernel reports a write-back error only once.
+    fn check_healthy(&self) -> Result<()> {
+        match self.failure.get() {
+            Some(&failure) => Err(Error::Failed {
+                path: self.path.clone().unwrap_or_default(),
+                failure,
+            }),
+            None => Ok(()),
+        }
     }
 
     fn sync_error(&self, op: &'static str, offset: usize, len: usize, source: io::Error) -> Error {
@@ -266,6 +283,7 @@ impl Persist for Mapping {
 
     fn persist(&self, offset: usize, len: usize) -> Result<Durability> {
         self.check_range(offset, len)?;
+        self.check_healthy()?;
         match self.method {
             Method::Nothing => {}
             Method::CacheWriteBack => {
@@ -284,6 +302,7 @@ impl Persist for Mapping {
 
     fn flush(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
+        self.check_healthy()?;
         match self.method {
             Method::Nothing => {}
             Method::CacheWriteBack => {
@@ -317,6 +336,7 @@ impl Persist for Mapping {
     }
 
     fn drain(&self) -> Result<Durability> {
+        self.check_healthy()?;
         match self.method {
             Method::Nothing => {}
             Method::CacheWriteBack => sfence(),
@@ -329,6 +349,14 @@ impl Persist for Mapping {
             }
         }
         Ok(self.outcome())
+    }
+
+    fn failure(&self) -> Option<SyncFailure> {
+        self.failure.get().copied()
+    }
+
+    fn record_failure(&self, failure: SyncFailure) -> bool {
+        self.failure.set(failure).is_ok()
     }
 }
 
@@ -661,6 +689,7 @@ impl OpenOptions {
             file: Some(file),
             path: Some(self.path.clone()),
             pending: Mutex::new(None),
+            failure: OnceLock::new(),
         }
     }
 }
@@ -691,6 +720,53 @@ mod tests {
         assert_eq!(m.page_range(p, p), (p, 2 * p));
         // The tail of the last, partial page is still one whole page for msync.
         assert_eq!(m.page_range(3 * p + 99, 1), (3 * p, 4 * p));
+    }
+
+    #[test]
+    fn a_recorded_failure_fails_every_later_persist_until_reopened() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = d.path().join("ns");
+        let open = || {
+            OpenOptions::new(&path)
+                .size(1 << 16)
+                .create(true)
+                .open()
+                .unwrap()
+        };
+        let m = open();
+        assert_eq!(m.domain(), Domain::PageCache);
+        assert_eq!(m.persist(0, 4096).unwrap(), Durability::Durable);
+        assert_eq!(m.failure(), None);
+        let eio = SyncFailure::new("fdatasync", &io::Error::from_raw_os_error(libc::EIO));
+        assert!(m.record_failure(eio), "the first failure");
+        let enospc = SyncFailure::new("msync", &io::Error::from_raw_os_error(libc::ENOSPC));
+        assert!(!m.record_failure(enospc), "a second one changes nothing");
+        assert_eq!(m.failure(), Some(eio));
+        for e in [
+            m.persist(0, 4096).unwrap_err(),
+            m.persist(8192, 0).unwrap_err(),
+            m.flush(0, 4096).unwrap_err(),
+            m.drain().unwrap_err(),
+        ] {
+            assert!(
+                matches!(e, Error::Failed { failure, .. } if failure == eio),
+                "{e:?}"
+            );
+            let t = e.to_string();
+            assert!(
+                t.contains("fdatasync failed: Input/output error") && t.contains("reopened"),
+                "{t}"
+            );
+        }
+        // A bad range is still reported as such.
+        assert!(matches!(
+            m.persist(1 << 20, 1).unwrap_err(),
+            Error::OutOfRange { .. }
+        ));
+        drop(m);
+        let m = open();
+        assert_eq!(m.failure(), None, "reopening clears it");
+        assert_eq!(m.persist(0, 4096).unwrap(), Durability::Durable);
     }
 
     #[test]

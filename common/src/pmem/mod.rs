@@ -48,7 +48,7 @@ mod error;
 mod flush;
 mod map;
 
-pub use domain::{Domain, Durability};
+pub use domain::{Domain, Durability, SyncFailure};
 pub use error::{Error, Result};
 pub use flush::{
     cache_line_size, flush_instruction, sfence, writeback_range, writeback_range_with,
@@ -63,6 +63,10 @@ pub use map::{Mapping, OpenOptions, Resize};
 /// (by this thread, or by another one or a NIC and made visible to this thread first) survives a
 /// crash of the process, and on a durable domain a power loss. `Ok(VisibleOnly)` says only that
 /// the bytes are visible; nothing survives power loss. An `Err` promises nothing about the range.
+///
+/// A failed write-back is not forgotten: after the first one (seen by this store, or reported
+/// to it with [`Persist::record_failure`] by whoever synced the backing file another way),
+/// every persist, flush and drain fails with [`Error::Failed`] until the store is reopened.
 pub trait Persist: Send + Sync {
     /// The domain this store is in.
     fn domain(&self) -> Domain;
@@ -76,4 +80,10 @@ pub trait Persist: Send + Sync {
     fn flush(&self, offset: usize, len: usize) -> Result<()>;
     /// Waits until every range flushed so far is durable (or, on volatile memory, visible).
     fn drain(&self) -> Result<Durability>;
+    /// The first write-back failure of this store, if it has failed.
+    fn failure(&self) -> Option<SyncFailure>;
+    /// Records a write-back failure seen outside this trait (an fdatasync of the backing file
+    /// made elsewhere, for example through io_uring): from now on the store is failed. Returns
+    /// true for the first failure (the one to log), false when it had failed already.
+    fn record_failure(&self, failure: SyncFailure) -> bool;
 }

@@ -67,6 +67,9 @@ pub(super) struct Fault {
     pub(super) recv_status: Option<WcStatus>,
     /// The offending RDMA Read Request, quoted with flag R (RFC 5040 §4.8).
     pub(super) rreq: Option<ReadRequest>,
+    /// The persist that failed before a response could leave (the durability contract): it
+    /// becomes part of the queue pair's error, errno included.
+    pub(super) persist: Option<crate::pmem::Error>,
 }
 
 impl Fault {
@@ -76,12 +79,19 @@ impl Fault {
             offending: Some((ulpdu_len as u16, hdr.encode().as_slice().to_vec())),
             recv_status: None,
             rreq: None,
+            persist: None,
         }
     }
 
     /// The fault was found on Read Request `rr`: the Terminate quotes it.
     pub(super) fn with_rreq(mut self, rr: ReadRequest) -> Fault {
         self.rreq = Some(rr);
+        self
+    }
+
+    /// The fault is a failed persist: the queue pair's error carries it.
+    pub(super) fn with_persist(mut self, e: crate::pmem::Error) -> Fault {
+        self.persist = Some(e);
         self
     }
 }
@@ -247,7 +257,14 @@ impl Engine {
             let c = self.recv_completion(cur.entry.wr_id, st, 0);
             self.recv_cq.push(c);
         }
-        let why = format!("sent Terminate {:?}", f.cause);
+        let why = match &f.persist {
+            None => format!("sent Terminate {:?}", f.cause),
+            Some(e) => format!(
+                "sent Terminate {:?}: making earlier Writes durable failed: {}",
+                f.cause,
+                crate::error_chain(e)
+            ),
+        };
         self.enter_error(why, None);
     }
 
@@ -290,6 +307,7 @@ impl Engine {
                         offending,
                         recv_status,
                         rreq: None,
+                        persist: None,
                     });
                     return;
                 }

@@ -79,8 +79,8 @@ impl Dirty {
     }
 
     /// Makes every recorded range durable through its memory's `Persist`, then forgets them.
-    /// On failure the ranges that failed stay recorded.
-    pub(crate) fn persist_all(&mut self) -> std::result::Result<(), String> {
+    /// On failure the ranges that failed stay recorded and the first error is returned.
+    pub(crate) fn persist_all(&mut self) -> crate::pmem::Result<()> {
         if std::mem::take(&mut self.fence) {
             crate::pmem::sfence();
         }
@@ -90,7 +90,7 @@ impl Dirty {
                 Some(p) => match p.persist(*off, *len) {
                     Ok(_) => false,
                     Err(e) => {
-                        failed.get_or_insert_with(|| e.to_string());
+                        failed.get_or_insert(e);
                         true
                     }
                 },

@@ -108,9 +108,9 @@ impl Engine {
         if self.dirty.is_empty() {
             return Ok(());
         }
-        self.dirty
-            .persist_all()
-            .map_err(|_| Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, hdr, ulpdu_len))
+        self.dirty.persist_all().map_err(|e| {
+            Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, hdr, ulpdu_len).with_persist(e)
+        })
     }
 
     pub(super) fn lookup(
@@ -290,8 +290,10 @@ impl Engine {
                 self.persist_dirty(hdr, ulpdu_len)?;
                 if fr.placement == FlushPlacement::Persistent {
                     if let Some(p) = t.0.region.persist() {
-                        if t.1 > 0 && p.persist(t.0.offset, t.1).is_err() {
-                            return Err(fault(TermCause::RDMAP_CATASTROPHIC_STREAM));
+                        if t.1 > 0 {
+                            p.persist(t.0.offset, t.1).map_err(|e| {
+                                fault(TermCause::RDMAP_CATASTROPHIC_STREAM).with_persist(e)
+                            })?;
                         }
                     }
                 }
