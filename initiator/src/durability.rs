@@ -185,6 +185,36 @@ pub fn choose(
         .map_or(Choice::VisibleOnly, Choice::Method))
 }
 
+/// Chooses the method that makes a named range of `d` durable whoever wrote it (docs/initiator.md,
+/// "Which writes a method covers"): as [`choose`], but never APM, whose Read makes durable only
+/// the Writes of its own queue pair. Where the automatic choice was APM the next method offered
+/// is taken.
+///
+/// # Errors
+/// [`Error::ApmNotForRanges`] when APM is forced, or is the only method offered;
+/// [`Error::MethodNotValid`] as [`choose`].
+pub fn choose_for_range(
+    d: &NamespaceDescriptor,
+    peer_flush: bool,
+    forced: Option<PersistMethod>,
+) -> Result<Choice> {
+    let apm_refused = || Error::ApmNotForRanges {
+        nsid: d.nsid,
+        offered: offered(d),
+    };
+    if forced == Some(PersistMethod::Apm) {
+        // Checked after the method's validity, so that an APM the target does not offer says so.
+        choose(d, peer_flush, forced)?;
+        return Err(apm_refused());
+    }
+    let mut without_apm = d.clone();
+    without_apm.durability = DurabilityMethods(d.durability.0 & !DurabilityMethods::APM.0);
+    match choose(&without_apm, peer_flush, forced)? {
+        Choice::VisibleOnly if d.domain != PersistenceDomain::Volatile => Err(apm_refused()),
+        c => Ok(c),
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -200,6 +230,7 @@ mod tests {
             durability: methods,
             atomic_write_unit: 8,
             read_only: false,
+            failure: None,
         }
     }
 
@@ -290,6 +321,45 @@ mod tests {
         assert_eq!(
             choose(&d, true, Some(PersistMethod::Apm)).unwrap(),
             Choice::Method(PersistMethod::Apm)
+        );
+    }
+
+    #[test]
+    fn a_range_is_never_vouched_for_by_apm() {
+        // Automatic: APM's place goes to the next method offered.
+        let d = desc(PersistenceDomain::Dax, ALL);
+        assert_eq!(
+            choose(&d, false, None).unwrap(),
+            Choice::Method(PersistMethod::Apm),
+            "for its own writes APM is fine"
+        );
+        assert_eq!(
+            choose_for_range(&d, false, None).unwrap(),
+            Choice::Method(PersistMethod::Gpspm)
+        );
+        assert_eq!(
+            choose_for_range(&d, true, None).unwrap(),
+            Choice::Method(PersistMethod::Flush)
+        );
+        // Forced APM, or APM the only method: refused, saying what to use instead.
+        for (methods, forced) in [
+            (ALL, Some(PersistMethod::Apm)),
+            (DurabilityMethods::APM, None),
+        ] {
+            let d = desc(PersistenceDomain::PageCache, methods);
+            let e = choose_for_range(&d, true, forced).unwrap_err();
+            assert!(matches!(e, Error::ApmNotForRanges { nsid: 1, .. }), "{e:?}");
+            assert!(e.to_string().contains("--persist gpspm or flush"), "{e}");
+        }
+        // A forced APM that is not offered at all: that error first.
+        let d = desc(PersistenceDomain::PageCache, DurabilityMethods::GPSPM);
+        let e = choose_for_range(&d, true, Some(PersistMethod::Apm)).unwrap_err();
+        assert!(matches!(e, Error::MethodNotValid { .. }), "{e:?}");
+        // Volatile: visible only, as for any durable call.
+        let d = desc(PersistenceDomain::Volatile, DurabilityMethods::NONE);
+        assert_eq!(
+            choose_for_range(&d, true, None).unwrap(),
+            Choice::VisibleOnly
         );
     }
 

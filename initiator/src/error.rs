@@ -187,6 +187,35 @@ pub enum Error {
         /// What the target offers ("APM GPSPM", or "nothing (visible only)").
         offered: String,
     },
+    /// APM was asked to make a range durable that this queue may not have written: an APM Read
+    /// makes durable only the Writes of its own queue pair, so it cannot vouch for a range as
+    /// a whole ([`Namespace::persist`](crate::Namespace::persist) names a range, whoever wrote
+    /// it). Use GPSPM or FLUSH, which make the range itself durable.
+    #[error(
+        "APM cannot make a range of namespace {nsid} durable: it covers only the writes of its \
+         own connection (use --persist gpspm or flush, which make the range durable whoever \
+         wrote it; the target offers {offered})"
+    )]
+    ApmNotForRanges {
+        /// Namespace.
+        nsid: u32,
+        /// What the target offers.
+        offered: String,
+    },
+    /// The namespace has failed on the target: a write-back of it failed, so the target makes
+    /// nothing on it durable, and this library writes nothing to it, until an operator reopens
+    /// it (a reload or restart of the target). Reads still work.
+    #[error(
+        "namespace {nsid} has FAILED on the target ({reason}): nothing on it can be made durable \
+         and writes are refused until an operator reopens it (target reload or restart); reads \
+         still work"
+    )]
+    NamespaceFailed {
+        /// Namespace.
+        nsid: u32,
+        /// What the target said: the failed call and its errno, or its flush status.
+        reason: String,
+    },
     /// The peer does not support an operation (atomics, Atomic Write, Flush).
     #[error("the target does not support {op}")]
     Unsupported {

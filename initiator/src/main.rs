@@ -66,6 +66,10 @@ struct Global {
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     json: bool,
+    /// Accept "visible only" for durable requests on a volatile namespace (write --durable,
+    /// flush, bench): without it they print the outcome and exit 7, NOT durable.
+    #[arg(long, global = true)]
+    visible_ok: bool,
 }
 
 /// Where the bytes of `write` and `verify` come from.
@@ -231,7 +235,8 @@ impl From<Error> for Failure {
             | Error::OutOfRange { .. }
             | Error::Misaligned { .. }
             | Error::ReadOnly { .. }
-            | Error::MethodNotValid { .. } => 6,
+            | Error::MethodNotValid { .. }
+            | Error::ApmNotForRanges { .. } => 6,
             Error::InvalidArgument(_) => 2,
             _ => 1,
         };
@@ -608,6 +613,7 @@ mod tests {
             timeout: 0.0,
             reconnect_timeout: -1.0,
             json: false,
+            visible_ok: false,
         };
         assert_eq!(g.target().err().map(|f| f.code), Some(2));
         assert_eq!(g.subsystem().err().map(|f| f.code), Some(2));

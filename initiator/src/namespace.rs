@@ -37,15 +37,29 @@ pub fn check_range(d: &NamespaceDescriptor, offset: u64, len: u64) -> Result<()>
     }
 }
 
-/// The namespace takes writes.
+/// The namespace takes writes (and durability requests).
 ///
 /// # Errors
-/// [`Error::ReadOnly`].
+/// [`Error::ReadOnly`], [`Error::NamespaceFailed`].
 pub fn check_writable(d: &NamespaceDescriptor) -> Result<()> {
     if d.read_only {
         return Err(Error::ReadOnly { nsid: d.nsid });
     }
-    Ok(())
+    check_healthy(d)
+}
+
+/// The target has not failed the namespace.
+///
+/// # Errors
+/// [`Error::NamespaceFailed`].
+pub fn check_healthy(d: &NamespaceDescriptor) -> Result<()> {
+    match &d.failure {
+        Some(reason) => Err(Error::NamespaceFailed {
+            nsid: d.nsid,
+            reason: reason.clone(),
+        }),
+        None => Ok(()),
+    }
 }
 
 /// `value` (an offset or a length) is a multiple of `align`.
@@ -168,21 +182,47 @@ impl<'q> Namespace<'q> {
         })
     }
 
-    /// Makes `len` bytes at `offset` durable (every Write posted before on this queue),
-    /// with this namespace's method.
+    /// Makes `len` bytes at `offset` durable, whoever wrote them (this queue, another queue or
+    /// another host), after every Write posted before on this queue. It uses this namespace's
+    /// method unless that is APM, whose Read covers only the Writes of its own queue pair:
+    /// then the next method the target offers (docs/initiator.md, "Which writes a method
+    /// covers").
     ///
     /// # Errors
     /// [`Error::OutOfRange`], [`Error::ReadOnly`], [`Error::MethodNotValid`] (a forced method
-    /// that cannot make this namespace durable), [`Error::NotDurable`] (the target could not),
-    /// [`Error::Unsupported`]; after a loss, as [`read_at`](Self::read_at).
+    /// that cannot make this namespace durable), [`Error::ApmNotForRanges`] (APM forced, or the
+    /// only method offered), [`Error::NamespaceFailed`], [`Error::NotDurable`] (the target
+    /// could not), [`Error::Unsupported`]; after a loss, as [`read_at`](Self::read_at).
     pub fn persist(&mut self, offset: u64, len: u64) -> Result<Durability> {
+        let d = self.desc();
+        check_writable(&d)?;
+        check_range(&d, offset, len)?;
+        self.q.range_choice(self.idx)?;
+        let idx = self.idx;
+        self.q.run(true, |q| {
+            let choice = q.range_choice(idx)?;
+            q.persist_range(idx, offset, len, choice)
+        })
+    }
+
+    /// Makes durable the Writes this queue posted to `[offset, offset + len)` (and, with APM,
+    /// every other Write this queue posted before), with this namespace's method, APM
+    /// included: for a caller that wrote the range itself through this queue and wants the
+    /// cheapest acknowledgement. Bytes other queues or hosts wrote there are not promised
+    /// (with APM they are not covered); use [`persist`](Self::persist) for that.
+    ///
+    /// # Errors
+    /// As [`persist`](Self::persist), but never [`Error::ApmNotForRanges`].
+    pub fn persist_written(&mut self, offset: u64, len: u64) -> Result<Durability> {
         let d = self.desc();
         check_writable(&d)?;
         check_range(&d, offset, len)?;
         self.q.choice(self.idx)?;
         let idx = self.idx;
-        self.q
-            .run(true, |q| q.persist_range(idx, offset, len, false))
+        self.q.run(true, |q| {
+            let choice = q.choice(idx)?;
+            q.persist_range(idx, offset, len, choice)
+        })
     }
 
     /// Writes `data` at `offset` and makes it durable before returning. On a volatile
@@ -212,7 +252,7 @@ impl<'q> Namespace<'q> {
                 }
                 None => {
                     write_items(q, idx, &[(offset, data)], None)?;
-                    q.persist_range(idx, offset, len, false)
+                    q.persist_range(idx, offset, len, choice)
                 }
             }
         })
@@ -431,7 +471,26 @@ mod tests {
             durability: DurabilityMethods::GPSPM,
             atomic_write_unit: 8,
             read_only,
+            failure: None,
         }
+    }
+
+    #[test]
+    fn a_failed_namespace_takes_no_writes_and_says_why() {
+        let mut d = desc(false);
+        assert!(check_writable(&d).is_ok());
+        d.failure = Some("fdatasync failed: Input/output error (os error 5)".into());
+        let e = check_writable(&d).unwrap_err();
+        assert!(matches!(e, Error::NamespaceFailed { nsid: 2, .. }), "{e:?}");
+        let t = e.to_string();
+        assert!(
+            t.contains("FAILED") && t.contains("Input/output error"),
+            "{t}"
+        );
+        assert!(
+            check_range(&d, 0, 8).is_ok(),
+            "reads are still checked as usual"
+        );
     }
 
     #[test]

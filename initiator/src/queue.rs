@@ -410,6 +410,7 @@ impl Queue {
 
     pub(crate) fn choice(&self, idx: usize) -> Result<Choice> {
         let n = &self.ns[idx];
+        crate::namespace::check_healthy(&n.desc)?;
         n.choice.clone().map_err(|(method, offered)| {
             // Rebuild the error with its context (Error is not Clone).
             Error::MethodNotValid {
@@ -419,6 +420,15 @@ impl Queue {
                 offered,
             }
         })
+    }
+
+    /// The method for making a named range of namespace `idx` durable whoever wrote it
+    /// ([`choose_for_range`](crate::durability::choose_for_range): never APM).
+    pub(crate) fn range_choice(&self, idx: usize) -> Result<Choice> {
+        let n = &self.ns[idx];
+        crate::namespace::check_healthy(&n.desc)?;
+        let peer_flush = self.peer_has(|i| i.peer_flush);
+        crate::durability::choose_for_range(&n.desc, peer_flush, n.forced)
     }
 
     /// Runs `op`, reconnecting and re-running it after a connection loss (if `rerun`; else
@@ -500,7 +510,7 @@ impl Queue {
                     );
                     return Ok(());
                 }
-                Err(e @ Error::NamespaceChanged { .. }) => {
+                Err(e @ (Error::NamespaceChanged { .. } | Error::NamespaceFailed { .. })) => {
                     self.give_up();
                     return Err(e);
                 }
@@ -530,7 +540,7 @@ impl Queue {
     fn try_reconnect(&mut self, held: &[(usize, WriteRec)], timeout: Duration) -> Result<()> {
         let s = self.conn.connect_session_within(self.queue_id, timeout)?;
         let peer_flush = s.qp().info().peer_flush;
-        for n in &mut self.ns {
+        for (idx, n) in self.ns.iter_mut().enumerate() {
             let nsid = n.desc.nsid;
             let Some(d) = s.namespace(nsid) else {
                 return Err(Error::NamespaceChanged {
@@ -546,6 +556,11 @@ impl Queue {
                         n.desc.size, d.size, n.desc.read_only, d.read_only
                     ),
                 });
+            }
+            // Held writes on a namespace that failed meanwhile can never be made durable:
+            // re-issuing them would only be refused.
+            if held.iter().any(|(_, w)| w.ns == idx) {
+                crate::namespace::check_healthy(d)?;
             }
             n.desc = d.clone();
             n.choice = choice_of(d, peer_flush, n.forced);
@@ -662,7 +677,9 @@ impl Queue {
                 .count(|s| matches!(s, Slot::Held(w) | Slot::Writing(w) if w.ns == idx));
             if held > 0 {
                 let size = self.ns[idx].desc.size;
-                self.persist_range(idx, 0, size, true)?;
+                // The held writes are this queue's own: APM covers them.
+                let choice = self.choice(idx).unwrap_or(Choice::VisibleOnly);
+                self.persist_range(idx, 0, size, choice)?;
             }
         }
         Ok(())
@@ -915,19 +932,17 @@ impl Queue {
         }
     }
 
-    /// Makes `[offset, offset + len)` of namespace `ns` durable with its method, after every
-    /// Write posted before; frees the held writes the acknowledgement covers.
+    /// Makes `[offset, offset + len)` of namespace `ns` durable with `choice`, after every
+    /// Write posted before; frees the held writes the acknowledgement covers. With APM that is
+    /// only this queue's own Writes: callers that name a range for its own sake choose with
+    /// [`range_choice`](Self::range_choice).
     pub(crate) fn persist_range(
         &mut self,
         ns: usize,
         offset: u64,
         len: u64,
-        implicit: bool,
+        choice: Choice,
     ) -> Result<crate::Durability> {
-        let choice = match self.choice(ns) {
-            Err(_) if implicit => Choice::VisibleOnly,
-            c => c?,
-        };
         self.drain()?;
         if let Some((what, op)) = self.persist_request(ns, offset, len, choice) {
             self.small_op(ns, what, op)?;
@@ -946,6 +961,10 @@ impl Queue {
             // The target is leaving: retry on the next connection.
             FlushStatus::Unavailable => Err(Error::Disconnected {
                 reason: "the target answered a flush with Unavailable".into(),
+            }),
+            FlushStatus::NamespaceFailed => Err(Error::NamespaceFailed {
+                nsid: d.nsid,
+                reason: "the target answered a flush with NamespaceFailed".into(),
             }),
             status => Err(Error::NotDurable {
                 nsid: d.nsid,

@@ -141,6 +141,10 @@ pub struct NamespaceStatus {
     pub durability: Vec<TransportMethods>,
     /// Counters.
     pub counters: CountersSnapshot,
+    /// Set when the namespace has failed: the failed write-back call and its errno. No
+    /// durability request on it succeeds until a reload or restart reopens it.
+    #[serde(default)]
+    pub failed: Option<String>,
 }
 
 /// What a session's counters count, said in every [`SessionStatus::counted`].
@@ -378,6 +382,13 @@ pub fn render(s: &Status) -> String {
                 ns.counters.flushes,
                 ns.counters.flush_errors
             );
+            if let Some(f) = &ns.failed {
+                let _ = writeln!(
+                    o,
+                    "  {:<36} {:>5} FAILED: {f}; no durability until reopened (reload or restart)",
+                    "", ns.nsid
+                );
+            }
         }
     }
     let _ = writeln!(o, "\nSESSIONS (counted: {SESSION_COUNTED})");
@@ -439,6 +450,7 @@ mod tests {
                         methods: vec!["APM".into(), "GPSPM".into()],
                     }],
                     counters: CountersSnapshot::default(),
+                    failed: Some("fdatasync failed: Input/output error (os error 5)".into()),
                 }],
             }],
             sessions: vec![SessionStatus {
@@ -518,6 +530,10 @@ mod tests {
             "{t}"
         );
         assert!(t.contains("not counted"), "{t}");
+        assert!(
+            t.contains("FAILED: fdatasync failed: Input/output error (os error 5)"),
+            "{t}"
+        );
         assert!(
             t.contains("discovery ctrl 0 ") && t.contains("msgs 2 flushes 0"),
             "{t}"

@@ -227,6 +227,7 @@ fn status(shared: &Shared) -> Status {
                             })
                             .collect(),
                         counters: ns.counters.snapshot(),
+                        failed: ns.failure().map(|f| f.to_string()),
                     })
                     .collect(),
             })
@@ -373,7 +374,14 @@ fn reload_now(shared: &Shared, notifier: &Notifier) {
         .map_err(|e| crate::check::chain(&e))
         .and_then(|new| {
             let mut st = shared.lock();
-            let d = reload::diff(&st.config, &new);
+            let mut d = reload::diff(&st.config, &new);
+            for ((sub, nsid), f) in d.reopen_failed(&st.namespaces) {
+                log::warn!(
+                    "reload: reopening subsystem {sub} namespace {nsid}, failed by {f}: its \
+                     failure is cleared and its sessions are closed; writes not acknowledged as \
+                     durable before it failed may be lost"
+                );
+            }
             st.namespaces
                 .apply(&d, &new)
                 .map_err(|e| crate::check::chain(&e))?;

@@ -10,6 +10,13 @@
 //!   range durable; a ranged fdatasync does both and writes back only the range asked for.
 //! - `volatile` ranges: answered [`FlushStatus::VisibleOnly`] at once.
 //!
+//! A failed write-back is never forgotten: Linux reports it once per open file and then marks
+//! the pages clean, so a later fdatasync "succeeds" over lost data. The first failure (its call
+//! and errno) is recorded in the namespace's store ([`Persist::record_failure`]), whichever
+//! path saw it (this service's fdatasync, or the placement engine's msync for APM and FLUSH);
+//! from then on every flush of that namespace is answered [`FlushStatus::NamespaceFailed`]
+//! without touching the file, until the namespace is reopened.
+//!
 //! If io_uring is unavailable (an old kernel, `kernel.io_uring_disabled`, a seccomp filter), a
 //! single worker thread runs whole-file `fdatasync` calls instead, and that is logged once.
 //!
@@ -25,7 +32,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{mpsc, Arc, Once};
 
 use io_uring::{opcode, types, IoUring};
-use rpma_common::pmem::{Domain, Durability, Mapping, Persist};
+use rpma_common::pmem::{Domain, Durability, Mapping, Persist, SyncFailure};
 use rpma_common::proto::FlushStatus;
 
 use crate::eventfd::EventFd;
@@ -67,7 +74,8 @@ pub struct FlushTarget {
 #[derive(Clone)]
 enum Kind {
     Dax(Arc<dyn Persist>),
-    PageCache(Arc<OwnedFd>),
+    /// The descriptor to fdatasync, and the store that remembers a failure of it.
+    PageCache(Arc<OwnedFd>, Arc<dyn Persist>),
     Volatile,
 }
 
@@ -75,7 +83,7 @@ impl std::fmt::Debug for FlushTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match &self.kind {
             Kind::Dax(_) => "dax".to_owned(),
-            Kind::PageCache(fd) => format!("page-cache fd {}", fd.as_raw_fd()),
+            Kind::PageCache(fd, _) => format!("page-cache fd {}", fd.as_raw_fd()),
             Kind::Volatile => "volatile".to_owned(),
         };
         write!(f, "FlushTarget({kind}, {} bytes)", self.len)
@@ -93,7 +101,8 @@ impl FlushTarget {
             Domain::Dax | Domain::DaxForced => Self::dax(m.clone(), len),
             Domain::PageCache => {
                 let fd = m.backing_fd().ok_or(FlusherError::NoBackingFile)?;
-                Self::page_cache(fd.try_clone_to_owned().map_err(FlusherError::Dup)?, len)
+                let fd = fd.try_clone_to_owned().map_err(FlusherError::Dup)?;
+                Self::page_cache(fd, m.clone(), len)
             }
             _ => Self::volatile(len),
         })
@@ -107,11 +116,20 @@ impl FlushTarget {
         }
     }
 
-    /// fdatasync of `fd` through io_uring (or the worker thread).
-    pub fn page_cache(fd: OwnedFd, len: u64) -> Self {
+    /// fdatasync of `fd` through io_uring (or the worker thread); a failure is recorded in
+    /// `store` (the mapping of the same file), which then fails every later flush.
+    pub fn page_cache(fd: OwnedFd, store: Arc<dyn Persist>, len: u64) -> Self {
         FlushTarget {
-            kind: Kind::PageCache(Arc::new(fd)),
+            kind: Kind::PageCache(Arc::new(fd), store),
             len,
+        }
+    }
+
+    /// The store's first write-back failure, if the namespace has failed.
+    pub fn failure(&self) -> Option<SyncFailure> {
+        match &self.kind {
+            Kind::Dax(p) | Kind::PageCache(_, p) => p.failure(),
+            Kind::Volatile => None,
         }
     }
 
@@ -137,6 +155,8 @@ struct InFlight {
     token: u64,
     /// Keeps the file open until the kernel (or the worker) is done with it.
     _fd: Arc<OwnedFd>,
+    /// Where a failure of this fdatasync is recorded.
+    store: Arc<dyn Persist>,
 }
 
 struct Job {
@@ -305,7 +325,14 @@ impl Flusher {
             });
             return Ok(());
         }
-        let fd = match &target.kind {
+        if target.failure().is_some() {
+            self.ready.push_back(FlushCompletion {
+                token,
+                status: FlushStatus::NamespaceFailed,
+            });
+            return Ok(());
+        }
+        let (fd, store) = match &target.kind {
             Kind::Volatile => {
                 self.ready.push_back(FlushCompletion {
                     token,
@@ -318,12 +345,14 @@ impl Flusher {
                 let status = match p.persist(offset as usize, length as usize) {
                     Ok(Durability::Durable) => FlushStatus::Durable,
                     Ok(Durability::VisibleOnly) => FlushStatus::VisibleOnly,
+                    // Failed meanwhile (checked above): the store has the errno.
+                    Err(rpma_common::pmem::Error::Failed { .. }) => FlushStatus::NamespaceFailed,
                     Err(_) => FlushStatus::IoError,
                 };
                 self.ready.push_back(FlushCompletion { token, status });
                 return Ok(());
             }
-            Kind::PageCache(fd) => fd.clone(),
+            Kind::PageCache(fd, store) => (fd.clone(), store.clone()),
         };
         let Some(slot) = self.free.pop() else {
             return Err(FlusherError::Full(self.slots.len()));
@@ -368,7 +397,11 @@ impl Flusher {
         };
         match submitted {
             Ok(()) => {
-                self.slots[slot] = Some(InFlight { token, _fd: fd });
+                self.slots[slot] = Some(InFlight {
+                    token,
+                    _fd: fd,
+                    store,
+                });
                 Ok(())
             }
             Err(e) => {
@@ -410,13 +443,20 @@ impl Flusher {
                 continue;
             };
             self.free.push(slot);
+            let status = if res < 0 {
+                let e = std::io::Error::from_raw_os_error(-res);
+                f.store.record_failure(SyncFailure::new("fdatasync", &e));
+                FlushStatus::IoError
+            } else if f.store.failure().is_some() {
+                // Another sync of the file failed meanwhile and took the error report: this
+                // one's 0 proves nothing about the lost pages.
+                FlushStatus::NamespaceFailed
+            } else {
+                FlushStatus::Durable
+            };
             out.push(FlushCompletion {
                 token: f.token,
-                status: if res >= 0 {
-                    FlushStatus::Durable
-                } else {
-                    FlushStatus::IoError
-                },
+                status,
             });
         }
         out.len() - before
@@ -473,7 +513,12 @@ mod tests {
             .open(&p)
             .unwrap();
         f.set_len(len).unwrap();
-        FlushTarget::page_cache(f.into(), len)
+        FlushTarget::page_cache(f.into(), store(len), len)
+    }
+
+    /// A store that only remembers failures (the file's mapping in the daemon).
+    fn store(len: u64) -> Arc<dyn Persist> {
+        Arc::new(Mapping::anonymous(len as usize).unwrap())
     }
 
     fn run_many(mut fl: Flusher) {
@@ -555,10 +600,12 @@ mod tests {
     }
 
     #[test]
-    fn bad_fd_gives_an_error_status() {
+    fn a_failed_fdatasync_is_remembered_with_its_errno_and_fails_every_later_flush() {
         for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
             let d = tempfile::tempdir().unwrap();
-            let t = FlushTarget::page_cache(unflushable_fd(d.path()), 4096);
+            let st = store(4096);
+            let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
+            assert_eq!(t.failure(), None);
             fl.submit(9, &t, 0, 4096).unwrap();
             let mut out = Vec::new();
             fl.drain(&mut out);
@@ -571,6 +618,21 @@ mod tests {
                 "{}",
                 fl.backend_name()
             );
+            let f = t.failure().expect("the failure is recorded in the store");
+            assert_eq!((f.op, f.errno), ("fdatasync", libc::EBADF));
+            // Linux would now report success on the same file (the error was reported once):
+            // a flush of a good descriptor with the same store must still fail, without I/O.
+            let good = File::create(d.path().join("h")).unwrap();
+            let t2 = FlushTarget::page_cache(good.into(), st, 4096);
+            fl.submit(10, &t2, 0, 4096).unwrap();
+            assert_eq!(
+                fl.in_flight(),
+                0,
+                "nothing submitted for a failed namespace"
+            );
+            out.clear();
+            fl.poll(&mut out);
+            assert_eq!(out[0].status, FlushStatus::NamespaceFailed);
         }
     }
 

@@ -6,10 +6,10 @@
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use rpma_common::pmem::{self, Domain, Mapping, OpenOptions, Resize};
+use rpma_common::pmem::{self, Domain, Mapping, OpenOptions, Persist, Resize, SyncFailure};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 
@@ -145,6 +145,8 @@ pub struct CountersSnapshot {
 /// A mapped namespace.
 #[derive(Debug)]
 pub struct OpenNamespace {
+    /// Its subsystem.
+    pub subsystem: Nqn,
     /// Its configuration.
     pub config: config::Namespace,
     /// The mapping.
@@ -153,6 +155,8 @@ pub struct OpenNamespace {
     pub flush_target: FlushTarget,
     /// Counters.
     pub counters: Counters,
+    /// Whether its failure was logged (once per opening).
+    failure_logged: AtomicBool,
 }
 
 impl OpenNamespace {
@@ -209,10 +213,12 @@ impl OpenNamespace {
                 source,
             })?;
         Ok(OpenNamespace {
+            subsystem: subsystem.clone(),
             config: ns.clone(),
             mapping,
             flush_target,
             counters: Counters::default(),
+            failure_logged: AtomicBool::new(false),
         })
     }
 
@@ -224,6 +230,32 @@ impl OpenNamespace {
     /// Size in bytes.
     pub fn size(&self) -> u64 {
         self.mapping.len() as u64
+    }
+
+    /// The first failed write-back of the namespace (from any path: a GPSPM fdatasync, the
+    /// placement engine's msync for APM and FLUSH), if it has failed. A failed namespace answers
+    /// no durability request until it is reopened (reload or restart).
+    pub fn failure(&self) -> Option<SyncFailure> {
+        self.mapping.failure()
+    }
+
+    /// Logs the namespace's failure at error level the first time it is seen; call it wherever
+    /// a durability request on it failed. Returns whether it has failed.
+    pub fn note_failure(&self) -> bool {
+        let Some(f) = self.failure() else {
+            return false;
+        };
+        if !self.failure_logged.swap(true, Ordering::Relaxed) {
+            log::error!(
+                "subsystem {} namespace {} ({}) has FAILED: {f} (errno {}); every durability \
+                 request on it is refused until an operator reopens it (reload or restart)",
+                self.subsystem,
+                self.config.nsid,
+                self.config.path.display(),
+                f.errno
+            );
+        }
+        true
     }
 }
 

@@ -21,7 +21,8 @@ pub struct ConfigDiff {
     pub namespaces_added: Vec<NsKey>,
     /// Namespaces only in the old one (including those of removed subsystems).
     pub namespaces_removed: Vec<NsKey>,
-    /// Namespaces in both with a different path, size, block size, read-only or force_dax.
+    /// Namespaces in both with a different path, size, block size, read-only or force_dax,
+    /// and failed namespaces the reload reopens ([`ConfigDiff::reopen_failed`]).
     pub namespaces_changed: Vec<NsKey>,
     /// Allowed hosts added: (subsystem, host).
     pub hosts_added: Vec<(Nqn, Nqn)>,
@@ -49,6 +50,26 @@ impl ConfigDiff {
             || self.subsystems_changed.contains(subsystem)
             || self.hosts_removed.contains(&pair)
             || self.hosts_changed.contains(&pair)
+    }
+
+    /// Adds every failed namespace of `open` that the new configuration keeps unchanged to
+    /// [`namespaces_changed`](Self::namespaces_changed), so that the reload reopens it (which
+    /// clears the failure: the operator's explicit act) and closes its sessions. Returns them
+    /// with their failures, for the log.
+    pub fn reopen_failed(
+        &mut self,
+        open: &crate::namespace::NamespaceTable,
+    ) -> Vec<(NsKey, rpma_common::pmem::SyncFailure)> {
+        let mut reopened = Vec::new();
+        for (key, ns) in open.iter() {
+            let Some(f) = ns.failure() else { continue };
+            if self.namespaces_removed.contains(key) || self.namespaces_changed.contains(key) {
+                continue;
+            }
+            self.namespaces_changed.push(key.clone());
+            reopened.push((key.clone(), f));
+        }
+        reopened
     }
 
     /// A one-line summary for the log.

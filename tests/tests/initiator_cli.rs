@@ -220,17 +220,55 @@ fn every_subcommand_against_a_running_target() {
         assert_eq!(v["domain"], "dax (forced)", "{v}");
     }
 
-    // Volatile: succeeds with a warning.
+    // Forced dax: every "durable" says so, in text and JSON (flush and bench too).
+    let (c, out, all) = cli(&t, "--nsid 4 flush --offset 0 --length 4k");
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
+    let v = json_cli(&t, "--nsid 4 flush --offset 0 --length 4k");
+    assert_eq!(
+        (&v["state"], &v["domain"]),
+        (&"durable".into(), &"dax (forced)".into())
+    );
+    let (c, out, all) = cli(&t, "--nsid 4 bench --count 5 --total 64k --offset 0");
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("durable write (FLUSH, dax (forced))"), "{out}");
+    let v = json_cli(&t, "--nsid 4 bench --count 5 --total 64k --offset 0");
+    assert_eq!(v["domain"], "dax (forced)", "{v}");
+
+    // Volatile: a durable request that got "visible only" exits 7 (a script checking $? is
+    // not misled), after printing the outcome; --visible-ok accepts it, with a warning.
+    for cmd in [
+        "--nsid 3 write --offset 0 --pattern 7 --length 4k --durable",
+        "--nsid 3 flush --offset 0 --length 4k",
+        "--nsid 3 bench --count 5 --total 64k --offset 0",
+    ] {
+        let (c, out, all) = cli(&t, cmd);
+        assert_eq!(c, Some(7), "{cmd}: {all}");
+        assert!(
+            all.contains("NOT durable") && all.contains("--visible-ok"),
+            "{cmd}: {all}"
+        );
+        assert!(!out.is_empty(), "{cmd}: the outcome is printed first");
+        let (c, _, all) = cli(&t, &format!("--visible-ok {cmd}"));
+        assert_eq!(c, Some(0), "{cmd}: {all}");
+        assert!(all.contains("warning: namespace 3 is volatile"), "{all}");
+    }
     let (c, out, all) = cli(
         &t,
-        "--nsid 3 write --offset 0 --pattern 7 --length 4k --durable",
+        "--nsid 3 write --offset 0 --pattern 7 --length 4k --durable --json",
     );
-    assert_eq!(c, Some(0), "{all}");
+    assert_eq!(c, Some(7), "{all}");
+    let v: serde_json::Value = serde_json::from_str(&out).unwrap();
+    assert_eq!(v["state"], "visible-only", "{v}");
+    let (c, out, _) = cli(
+        &t,
+        "--nsid 3 write --offset 0 --pattern 7 --length 4k --durable --visible-ok",
+    );
+    assert_eq!(c, Some(0));
     assert!(
         out.contains("visible only (volatile): NOT durable"),
         "{out}"
     );
-    assert!(all.contains("warning: namespace 3 is volatile"), "{all}");
 
     // bench (small), JSON.
     let v = json_cli(&t, "bench --count 50 --total 4MiB --offset 4MiB");
@@ -423,4 +461,52 @@ fn two_initiator_processes_on_separate_namespaces_do_not_interfere() {
         );
         assert_eq!(c, Some(0), "{all}");
     }
+}
+
+#[test]
+fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
+    let (d, _shm, t) = start("whoever");
+    let file = d.path().join("ns1");
+    let Some(_) = rpma_tests::unsynced_pages(&file, 0, 1 << 20) else {
+        eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+        return;
+    };
+    let dirty = |off: u64| rpma_tests::unsynced_pages(&file, off, 64 << 10).unwrap();
+    // Each range written by one connection (sent, not durable), flushed by another.
+    for (off, method, want) in [
+        (0u64, "--persist apm", Some(6)),
+        (1 << 20, "--persist gpspm", Some(0)),
+        (2 << 20, "--persist flush", Some(0)),
+        (3 << 20, "", Some(0)),
+    ] {
+        let (c, _, all) = cli(
+            &t,
+            &format!("write --offset {off} --pattern 0x5a --length 64k"),
+        );
+        assert_eq!(c, Some(0), "{all}");
+        assert!(dirty(off) > 0, "the write left dirty pages to find: {all}");
+        let (c, out, all) = cli(&t, &format!("{method} flush --offset {off} --length 64k"));
+        assert_eq!(c, want, "{method}: {all}");
+        if c == Some(6) {
+            // APM covers only the writes of its own connection: it says so and claims nothing.
+            assert!(all.contains("APM cannot make a range"), "{all}");
+            assert!(all.contains("--persist gpspm or flush"), "{all}");
+            assert!(dirty(off) > 0, "nothing was claimed, and nothing synced");
+        } else {
+            assert!(out.contains("durable ("), "{out}");
+            assert_eq!(
+                dirty(off),
+                0,
+                "{method}: answered durable with pages unsynced"
+            );
+        }
+    }
+    // Forced APM on a write of its own stays valid: the Read follows this queue's Writes.
+    let (c, out, all) = cli(
+        &t,
+        "--persist apm write --offset 0 --pattern 1 --length 64k --durable",
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("durable (APM, page-cache)"), "{out}");
+    assert_eq!(dirty(0), 0, "APM's Read came after the range was synced");
 }

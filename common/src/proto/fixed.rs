@@ -161,6 +161,9 @@ pub enum FlushStatus {
     IoError = 4,
     /// The target is shutting down or overloaded and did not flush: the range is NOT durable.
     Unavailable = 5,
+    /// The namespace has failed (an earlier write-back of it failed): nothing on it can be made
+    /// durable until an operator reopens it. Since protocol version 3.
+    NamespaceFailed = 6,
 }
 
 impl FlushStatus {
@@ -173,6 +176,7 @@ impl FlushStatus {
             3 => Self::OutOfRange,
             4 => Self::IoError,
             5 => Self::Unavailable,
+            6 => Self::NamespaceFailed,
             _ => return None,
         })
     }

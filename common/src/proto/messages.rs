@@ -158,6 +158,10 @@ pub struct NamespaceDescriptor {
     pub atomic_write_unit: u32,
     /// Whether remote writes are refused.
     pub read_only: bool,
+    /// Set when the namespace has failed: a write-back of it failed (the text names the call
+    /// and its errno), so the target makes nothing on it durable until an operator reopens it
+    /// (reload or restart). Reads and plain writes still work. Since protocol version 3.
+    pub failure: Option<String>,
 }
 
 /// Target -> host: the connection is open.

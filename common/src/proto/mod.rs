@@ -46,10 +46,11 @@ pub use nqn::Nqn;
 /// The protocol version this build speaks (and the only one it accepts).
 ///
 /// History: 1, the first; 2, [`ConnectResponse`] gained `queue_depth` (postcard bodies are not
-/// self-describing, so a new field is a new version). A peer of another version gets
+/// self-describing, so a new field is a new version); 3, [`NamespaceDescriptor`] gained
+/// `failure` and [`FlushStatus`] `NamespaceFailed`. A peer of another version gets
 /// [`Error::UnsupportedVersion`] naming both; a target answers such a Connect with a Refusal
 /// `VersionUnsupported`.
-pub const PROTO_VERSION: u8 = 2;
+pub const PROTO_VERSION: u8 = 3;
 
 /// The largest control-plane message, header included. Receive buffers of this size always suffice.
 pub const MAX_MESSAGE_SIZE: usize = 8192;

@@ -27,17 +27,32 @@ fn samples() -> Vec<Message> {
         Message::ConnectResponse(ConnectResponse {
             controller_id: 17,
             keep_alive_ms: 5000,
-            namespaces: vec![NamespaceDescriptor {
-                nsid: 1,
-                size: 1 << 30,
-                block_size: 4096,
-                remote_addr: 0x7f00_0000_0000,
-                rkey: 0xdead_beef,
-                domain: PersistenceDomain::PageCache,
-                durability: DurabilityMethods::APM | DurabilityMethods::GPSPM,
-                atomic_write_unit: 8,
-                read_only: false,
-            }],
+            namespaces: vec![
+                NamespaceDescriptor {
+                    nsid: 1,
+                    size: 1 << 30,
+                    block_size: 4096,
+                    remote_addr: 0x7f00_0000_0000,
+                    rkey: 0xdead_beef,
+                    domain: PersistenceDomain::PageCache,
+                    durability: DurabilityMethods::APM | DurabilityMethods::GPSPM,
+                    atomic_write_unit: 8,
+                    read_only: false,
+                    failure: None,
+                },
+                NamespaceDescriptor {
+                    nsid: 2,
+                    size: 1 << 20,
+                    block_size: 512,
+                    remote_addr: 0x7f00_1000_0000,
+                    rkey: 7,
+                    domain: PersistenceDomain::Dax,
+                    durability: DurabilityMethods::FLUSH,
+                    atomic_write_unit: 8,
+                    read_only: true,
+                    failure: Some("fdatasync failed: Input/output error (os error 5)".into()),
+                },
+            ],
             queue_depth: 128,
         }),
         Message::Refusal(Refusal {
@@ -89,7 +104,7 @@ fn fixed_layouts_are_exact() {
     };
     let b = r.encode();
     assert_eq!(b.len(), 32);
-    assert_eq!(&b[..4], &[2, 0x10, 0, 0]);
+    assert_eq!(&b[..4], &[3, 0x10, 0, 0]);
     assert_eq!(&b[4..8], &[1, 2, 3, 4]);
     assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
     assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
@@ -100,10 +115,20 @@ fn fixed_layouts_are_exact() {
         status: FlushStatus::IoError,
     }
     .encode();
-    assert_eq!(s, [2, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(s, [3, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    let f = FlushResponse {
+        token: 1,
+        status: FlushStatus::NamespaceFailed,
+    }
+    .encode();
+    assert_eq!(&f[4..8], &[6, 0, 0, 0]);
+    assert_eq!(
+        FlushResponse::decode(&f).unwrap().status,
+        FlushStatus::NamespaceFailed
+    );
     assert_eq!(
         KeepAlive { seq: 1 }.encode(),
-        [2, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+        [3, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     );
 }
 
@@ -142,11 +167,11 @@ fn a_version_1_connect_response_is_refused_not_misread() {
         Message::decode(&b),
         Err(Error::UnsupportedVersion {
             got: 1,
-            supported: 2
+            supported: PROTO_VERSION
         })
     ));
-    // And a version 2 header on a version 1 body is a decode error, not a guess.
-    b[0] = 2;
+    // And this version's header on a version 1 body is a decode error, not a guess.
+    b[0] = PROTO_VERSION;
     assert!(matches!(
         Message::decode(&b),
         Err(Error::Body {

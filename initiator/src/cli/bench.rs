@@ -133,7 +133,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         ns.write_at(offset + at, &big[..n])?;
         at += n as u64;
     }
-    ns.persist(offset, total)?;
+    ns.persist_written(offset, total)?;
     let write_secs = t.elapsed().as_secs_f64();
     let mut rbuf = vec![0u8; piece];
     let t = Instant::now();
@@ -145,7 +145,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     }
     let read_secs = t.elapsed().as_secs_f64();
     let _ = q.close();
-    if last == Durability::VisibleOnly {
+    if last == Durability::VisibleOnly && g.visible_ok {
         eprintln!(
             "rpma-initiator: warning: namespace {} is volatile: the writes were visible, NOT durable",
             g.nsid
@@ -166,7 +166,8 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         read_mib_s: mib / read_secs.max(1e-9),
     };
     if g.json {
-        return print_json(&out);
+        print_json(&out)?;
+        return crate::cli::require_durable(g, last);
     }
     let show = |l: &Latency| {
         format!(
@@ -193,7 +194,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     );
     println!("  write (durable at the end): {:.1} MiB/s", out.write_mib_s);
     println!("  read: {:.1} MiB/s", out.read_mib_s);
-    Ok(())
+    crate::cli::require_durable(g, last)
 }
 
 #[cfg(test)]

@@ -44,18 +44,39 @@ fn close(q: Queue) {
     let _ = q.close();
 }
 
+/// The exit code of a durable request that got only "visible" (a volatile namespace): a
+/// script that checks `$?` must not take it for durable.
+pub(crate) const EXIT_NOT_DURABLE: u8 = 7;
+
 /// The state and method of an outcome (JSON), and a warning on stderr when it is not durable.
 fn outcome(g: &Global, d: Durability) -> (&'static str, Option<String>) {
     match d {
         Durability::Durable(m) => ("durable", Some(m.to_string())),
         Durability::VisibleOnly => {
-            eprintln!(
-                "rpma-initiator: warning: namespace {} is volatile: the bytes are visible, NOT durable",
-                g.nsid
-            );
+            if g.visible_ok {
+                eprintln!(
+                    "rpma-initiator: warning: namespace {} is volatile: the bytes are visible, NOT durable",
+                    g.nsid
+                );
+            }
             ("visible-only", None)
         }
     }
+}
+
+/// After the outcome was printed: exit 7 for "visible only" unless `--visible-ok`.
+pub(crate) fn require_durable(g: &Global, d: Durability) -> Result<(), Failure> {
+    if d == Durability::VisibleOnly && !g.visible_ok {
+        return Err(failure(
+            EXIT_NOT_DURABLE,
+            format!(
+                "namespace {} is volatile: the bytes are visible, NOT durable (--visible-ok \
+                 accepts that)",
+                g.nsid
+            ),
+        ));
+    }
+    Ok(())
 }
 
 /// An outcome in words, with the namespace's domain: "durable (FLUSH, dax (forced))".
@@ -354,7 +375,8 @@ pub(crate) fn write(
         at += n as u64;
     }
     let result = if durable {
-        Some(q.namespace(g.nsid)?.persist(offset, total)?)
+        // This queue wrote the range itself: APM's Read covers it.
+        Some(q.namespace(g.nsid)?.persist_written(offset, total)?)
     } else {
         None
     };
@@ -378,7 +400,7 @@ pub(crate) fn write(
             domain: String,
             seconds: f64,
         }
-        return print_json(&Out {
+        print_json(&Out {
             nsid: g.nsid,
             offset,
             length: total,
@@ -386,19 +408,20 @@ pub(crate) fn write(
             method,
             domain: domain.to_string(),
             seconds: secs,
-        });
+        })?;
+    } else {
+        let how = match result {
+            Some(d) => describe(d, domain),
+            None => "sent, not acknowledged by the target and not yet durable (use --durable or \
+                     flush)"
+                .to_owned(),
+        };
+        println!(
+            "wrote {total} bytes at offset {offset} of nsid {}: {how}",
+            g.nsid
+        );
     }
-    let how = match result {
-        Some(d) => describe(d, domain),
-        None => "sent, not acknowledged by the target and not yet durable (use --durable or \
-                 flush)"
-            .to_owned(),
-    };
-    println!(
-        "wrote {total} bytes at offset {offset} of nsid {}: {how}",
-        g.nsid
-    );
-    Ok(())
+    result.map_or(Ok(()), |d| require_durable(g, d))
 }
 
 pub(crate) fn verify(
@@ -477,21 +500,22 @@ pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure>
             method: Option<String>,
             domain: String,
         }
-        return print_json(&Out {
+        print_json(&Out {
             nsid: g.nsid,
             offset,
             length,
             state,
             method,
             domain: domain.to_string(),
-        });
+        })?;
+    } else {
+        println!(
+            "{length} bytes at offset {offset} of nsid {}: {}",
+            g.nsid,
+            describe(d, domain)
+        );
     }
-    println!(
-        "{length} bytes at offset {offset} of nsid {}: {}",
-        g.nsid,
-        describe(d, domain)
-    );
-    Ok(())
+    require_durable(g, d)
 }
 
 #[derive(Serialize)]

@@ -471,6 +471,7 @@ impl Conn {
             durability: methods,
             atomic_write_unit: ATOMIC_WRITE_UNIT,
             read_only: ns.config.read_only,
+            failure: ns.failure().map(|f| f.to_string()),
         };
         ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
         Ok((
@@ -498,6 +499,10 @@ impl Conn {
     pub(crate) fn tick(&mut self, now: Instant) -> bool {
         if self.qp.state() == QpState::Error {
             if let Phase::Session(s) = &self.phase {
+                // A persist that failed in the placement engine (APM, FLUSH) ends here.
+                for g in s.grants.values() {
+                    g.ns.note_failure();
+                }
                 log::info!(
                     "session ctrl {} (host {} from {}) lost its connection: {}",
                     s.info.controller_id,

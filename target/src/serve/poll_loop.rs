@@ -342,6 +342,7 @@ impl PollLoop {
             }
             _ => {
                 counters.flush_errors.fetch_add(1, Ordering::Relaxed);
+                p.ns.note_failure();
             }
         }
         if let Some(conn) = self.conns.get_mut(&p.qp_num) {

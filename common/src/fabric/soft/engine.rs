@@ -69,7 +69,8 @@ pub(super) struct Fault {
     pub(super) rreq: Option<ReadRequest>,
     /// The persist that failed before a response could leave (the durability contract): it
     /// becomes part of the queue pair's error, errno included.
-    pub(super) persist: Option<crate::pmem::Error>,
+    /// Boxed: rare, and it would double the size of every `Result<_, Fault>`.
+    pub(super) persist: Option<Box<crate::pmem::Error>>,
 }
 
 impl Fault {
@@ -91,7 +92,7 @@ impl Fault {
 
     /// The fault is a failed persist: the queue pair's error carries it.
     pub(super) fn with_persist(mut self, e: crate::pmem::Error) -> Fault {
-        self.persist = Some(e);
+        self.persist = Some(Box::new(e));
         self
     }
 }
@@ -262,7 +263,7 @@ impl Engine {
             Some(e) => format!(
                 "sent Terminate {:?}: making earlier Writes durable failed: {}",
                 f.cause,
-                crate::error_chain(e)
+                crate::error_chain(e.as_ref())
             ),
         };
         self.enter_error(why, None);
