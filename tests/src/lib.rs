@@ -226,6 +226,29 @@ impl Target {
         }
     }
 
+    /// SIGHUP (reload the config), then waits for the READY=1 that ends the reload.
+    pub fn reload(&mut self) {
+        let pid = self.child.as_ref().expect("running").id();
+        // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+        let rc = unsafe { libc::kill(pid as libc::pid_t, libc::SIGHUP) };
+        assert_eq!(rc, 0, "SIGHUP: {}", std::io::Error::last_os_error());
+        self.wait_ready();
+    }
+
+    /// `rpma-target status --json` through its control socket.
+    pub fn status_json(&self) -> String {
+        let o = run_with_deadline(
+            Command::new(built("rpma-target"))
+                .arg("status")
+                .arg("--socket")
+                .arg(self.dir.join("ctl.sock"))
+                .arg("--json"),
+            Duration::from_secs(10),
+        );
+        assert!(o.status.success(), "status: {}", text(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
     /// Starts the target again on the same config and port (after [`kill9`](Self::kill9)).
     pub fn restart(&mut self) {
         self.kill9();
