@@ -1,10 +1,12 @@
-//! `rpma-target check-config FILE`: validate a configuration, probe every namespace through the
-//! pmem layer, and print its domain and the durability methods each transport would offer.
+//! `rpma-target check-config FILE`: validate a configuration, say for every namespace what the
+//! daemon would do with its backing store (create, grow, open as it is, or refuse) and its domain,
+//! and the durability methods each transport would offer. It changes nothing: the pmem layer's
+//! [`OpenOptions::plan`](rpma_common::pmem::OpenOptions::plan) only looks.
 
 use std::io::Write;
 use std::path::Path;
 
-use rpma_common::pmem::{Domain, OpenOptions};
+use rpma_common::pmem::{self, Domain, Plan, PlanAction, Resize};
 use rpma_common::units::format_size;
 
 use crate::config::{Config, Transport};
@@ -49,34 +51,35 @@ fn methods_line(cfg: &Config, domain: Domain) -> String {
         .join("; ")
 }
 
-/// Probes the domain a namespace file not yet created would have, with a one-block scratch file
-/// beside it (removed again), and checks there is room for it.
-fn probe_new(path: &Path, size: u64, block_size: u32, force_dax: bool) -> Result<Domain, String> {
-    let dir = path
-        .parent()
-        .filter(|d| !d.as_os_str().is_empty())
-        .unwrap_or(Path::new("."));
-    let st = nix::sys::statvfs::statvfs(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
-    let avail = (st.blocks_available() as u64).saturating_mul(st.fragment_size() as u64);
-    if avail < size {
-        return Err(format!(
-            "{} has {} free, the namespace needs {}",
-            dir.display(),
-            format_size(avail),
-            format_size(size)
-        ));
+/// What opening the namespace would do, in words ("would create 64 MiB").
+fn planned(plan: &Plan) -> String {
+    let size = format_size(plan.size);
+    match plan.action {
+        PlanAction::Create => format!("would create {size}"),
+        PlanAction::Grow { from: 0 } => {
+            format!("would grow from 0 B to {size} (the file is empty)")
+        }
+        PlanAction::Grow { from } => {
+            format!(
+                "would grow from {} to {size} (grow = true)",
+                format_size(from)
+            )
+        }
+        PlanAction::Shrink { from } => format!("would shrink from {} to {size}", format_size(from)),
+        PlanAction::AsIs => format!("exists, {size}"),
+        PlanAction::DevDax => format!("devdax, {size}"),
+        _ => format!("would open, {size}"),
     }
-    let scratch = dir.join(format!(".rpma-check-{}", std::process::id()));
-    let r = OpenOptions::new(&scratch)
-        .size(u64::from(block_size))
-        .block_size(u64::from(block_size))
-        .force_dax(force_dax)
-        .create(true)
-        .open()
-        .map(|m| m.domain())
-        .map_err(|e| chain(&e));
-    let _ = std::fs::remove_file(&scratch);
-    r
+}
+
+/// Why opening the namespace would fail, with the configuration key that changes it.
+fn refusal(e: &pmem::Error) -> String {
+    let hint = match e.resize_needed() {
+        Some(Resize::Grow) => "; set `grow = true` on the namespace to grow it",
+        Some(_) => "; rpma-target never shrinks a namespace file: configure the size it has",
+        None => "",
+    };
+    format!("{}{hint}", chain(e))
 }
 
 /// Runs the check, writing a report to `out`; returns whether everything is usable.
@@ -134,40 +137,18 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                 "read-write"
             };
             let head = format!("  nsid {}: {}", ns.nsid, ns.path.display());
-            // A file that `grow = true` would grow is probed as it is: checking changes nothing.
-            let smaller = std::fs::metadata(&ns.path)
-                .ok()
-                .filter(|m| m.is_file())
-                .zip(ns.size)
-                .is_some_and(|(m, size)| m.len() < size);
-            let probed = if ns.grow && smaller {
-                let as_is = crate::config::Namespace {
-                    size: None,
-                    grow: false,
-                    ..ns.clone()
-                };
-                OpenNamespace::open(&s.nqn, &as_is)
-                    .map(|o| (o.domain(), ns.size.unwrap_or(0), " (will be grown)"))
-                    .map_err(|e| chain(&e))
-            } else if ns.path.exists() || ns.size.is_none() {
-                OpenNamespace::open(&s.nqn, ns)
-                    .map(|o| (o.domain(), o.size(), ""))
-                    .map_err(|e| chain(&e))
-            } else {
-                let size = ns.size.unwrap_or(0);
-                probe_new(&ns.path, size, ns.block_size, ns.force_dax)
-                    .map(|d| (d, size, " (will be created)"))
-            };
-            match probed {
-                Ok((domain, size, note)) => writeln!(
+            // Plan only: checking creates, grows, allocates and maps nothing.
+            match OpenNamespace::options(ns).plan() {
+                Ok(plan) => writeln!(
                     out,
-                    "{head}{note}, {}, block {}, {rw}: domain {domain}; {}",
-                    format_size(size),
+                    "{head}: {}, block {}, {rw}: domain {}; {}",
+                    planned(&plan),
                     ns.block_size,
-                    methods_line(&cfg, domain)
+                    plan.domain,
+                    methods_line(&cfg, plan.domain)
                 )?,
                 Err(e) => {
-                    writeln!(out, "{head}: problem: {e}")?;
+                    writeln!(out, "{head}: problem: would refuse: {}", refusal(&e))?;
                     problems += 1;
                 }
             }

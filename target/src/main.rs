@@ -43,8 +43,9 @@ enum Command {
         #[arg(long)]
         json: bool,
     },
-    /// Validate a configuration file, probe each namespace and print its persistence domain and
-    /// the durability methods it would offer; exit non-zero on any problem.
+    /// Validate a configuration file and print, per namespace, what the daemon would do with it
+    /// (create, grow, open or refuse), its persistence domain and the durability methods it would
+    /// offer, changing nothing; exit non-zero on any problem.
     CheckConfig {
         /// The configuration file.
         file: PathBuf,

@@ -181,14 +181,7 @@ impl OpenNamespace {
     /// # Errors
     /// As [`OpenNamespace::open`].
     pub fn open_with(subsystem: &Nqn, ns: &config::Namespace, resize: Resize) -> Result<Self> {
-        let mut opts = OpenOptions::new(&ns.path)
-            .resize(resize)
-            .block_size(u64::from(ns.block_size))
-            .force_dax(ns.force_dax)
-            .create(ns.size.is_some());
-        if let Some(size) = ns.size {
-            opts = opts.size(size);
-        }
+        let opts = Self::options(ns).resize(resize);
         let mapping = Arc::new(opts.open().map_err(|source| {
             let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());
             match source {
@@ -220,6 +213,24 @@ impl OpenNamespace {
             counters: Counters::default(),
             failure_logged: AtomicBool::new(false),
         })
+    }
+
+    /// The pmem options a namespace is opened with: created when it has a size, grown only with
+    /// `grow = true`. `check-config` plans with the same options, so it reports what opening does.
+    pub fn options(ns: &config::Namespace) -> OpenOptions {
+        let opts = OpenOptions::new(&ns.path)
+            .resize(if ns.grow {
+                Resize::Grow
+            } else {
+                Resize::Refuse
+            })
+            .block_size(u64::from(ns.block_size))
+            .force_dax(ns.force_dax)
+            .create(ns.size.is_some());
+        match ns.size {
+            Some(size) => opts.size(size),
+            None => opts,
+        }
     }
 
     /// The probed (or forced) domain.

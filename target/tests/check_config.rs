@@ -2,11 +2,11 @@
 
 mod support;
 
-use std::os::unix::fs::PermissionsExt;
+use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::process::Command;
+use std::process::{Command, Stdio};
 
-use support::{write_psk, BIN};
+use support::{free_port, write_psk, Daemon, BIN};
 
 const GOOD: &str = r#"
 listen = ["tcp://127.0.0.1:7420"]
@@ -51,7 +51,7 @@ fn good_config_reports_domains_and_methods() {
     let (ok, out) = run(d.path(), GOOD);
     assert!(ok, "{out}");
     assert!(
-        out.contains("nsid 1:") && out.contains("(will be created)"),
+        out.contains("nsid 1:") && out.contains("ns1: would create 2 MiB, block 4096"),
         "{out}"
     );
     assert!(
@@ -72,14 +72,11 @@ fn good_config_reports_domains_and_methods() {
         "scratch probe file left behind"
     );
 
-    // Existing files are opened for real.
+    // An existing file is only looked at, too.
     std::fs::write(d.path().join("ns1"), vec![0u8; 2 << 20]).unwrap();
     let (ok, out) = run(d.path(), GOOD);
     assert!(ok, "{out}");
-    assert!(
-        out.contains("nsid 1: ") && !out.contains("nsid 1: ns1 (will be created)"),
-        "{out}"
-    );
+    assert!(out.contains("ns1: exists, 2 MiB, block 4096"), "{out}");
 }
 
 #[test]
@@ -211,7 +208,7 @@ fn a_smaller_file_is_refused_unless_grow_and_check_config_never_grows_it() {
     let (ok, out) = run(d.path(), &grow);
     assert!(ok, "{out}");
     assert!(
-        out.contains("nsid 1: ") && out.contains("(will be grown), 2 MiB"),
+        out.contains("ns1: would grow from 1 MiB to 2 MiB (grow = true), block 4096"),
         "{out}"
     );
     assert_eq!(
@@ -219,4 +216,171 @@ fn a_smaller_file_is_refused_unless_grow_and_check_config_never_grows_it() {
         1 << 20,
         "check-config must not grow a namespace"
     );
+}
+
+/// Size, modification time and allocated blocks: what check-config must leave as they were.
+fn footprint(p: &Path) -> (u64, i64, i64, u64) {
+    let m = std::fs::metadata(p).unwrap();
+    (m.len(), m.mtime(), m.mtime_nsec(), m.blocks())
+}
+
+/// A configuration of one subsystem with `namespaces` (TOML tables), listening on `port`.
+fn with_namespaces(port: u16, namespaces: &str) -> String {
+    format!(
+        "listen = [\"tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n\
+         [[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:demo\"\n\
+         hosts = [{{ nqn = \"nqn.2026-11.io.rpma:host1\", psk_file = \"host1.psk\" }}]\n\
+         {namespaces}"
+    )
+}
+
+#[test]
+fn check_config_creates_grows_and_allocates_nothing_and_says_what_the_daemon_would_do() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |name: &str| d.path().join(name);
+    // An empty file, a sparse smaller one with grow = true, a sparse one of the right size; ns2
+    // does not exist.
+    std::fs::write(p("ns1"), b"").unwrap();
+    std::fs::File::create(p("ns3"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    std::fs::File::create(p("ns4"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let port = free_port();
+    let cfg = with_namespaces(
+        port,
+        r#"
+[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "2MiB"
+[[subsystem.namespace]]
+nsid = 2
+path = "ns2"
+size = "1MiB"
+[[subsystem.namespace]]
+nsid = 3
+path = "ns3"
+size = "2MiB"
+grow = true
+[[subsystem.namespace]]
+nsid = 4
+path = "ns4"
+size = "1MiB"
+"#,
+    );
+    let before: Vec<_> = ["ns1", "ns3", "ns4"].map(|n| footprint(&p(n))).into();
+    let (ok, out) = run(d.path(), &cfg);
+    let after: Vec<_> = ["ns1", "ns3", "ns4"].map(|n| footprint(&p(n))).into();
+    assert_eq!(
+        before, after,
+        "check-config changed a namespace file (size, mtime, blocks)\n{out}"
+    );
+    assert!(
+        !p("ns2").exists(),
+        "check-config created a namespace\n{out}"
+    );
+    assert_eq!(
+        std::fs::read_dir(d.path()).unwrap().count(),
+        5,
+        "check-config left a file behind\n{out}"
+    );
+    assert!(ok, "{out}");
+    for line in [
+        "nsid 1: {ns1}: would grow from 0 B to 2 MiB (the file is empty), block 4096, read-write: \
+         domain ",
+        "nsid 2: {ns2}: would create 1 MiB, block 4096, read-write: domain ",
+        "nsid 3: {ns3}: would grow from 1 MiB to 2 MiB (grow = true), block 4096",
+        "nsid 4: {ns4}: exists, 1 MiB, block 4096",
+    ] {
+        let line = ["ns1", "ns2", "ns3", "ns4"]
+            .iter()
+            .fold(line.to_owned(), |l, n| {
+                l.replace(&format!("{{{n}}}"), &p(n).display().to_string())
+            });
+        assert!(out.contains(&line), "no {line:?} in\n{out}");
+    }
+    assert!(out.contains("OK: 4 namespace(s)"), "{out}");
+
+    // The daemon does what check-config said.
+    std::fs::write(d.path().join("c.toml"), &cfg).unwrap();
+    let daemon = Daemon::start(&p("c.toml"), d.path(), &[], Stdio::inherit());
+    daemon.expect("READY=1");
+    for (name, size) in [
+        ("ns1", 2 << 20),
+        ("ns2", 1 << 20),
+        ("ns3", 2 << 20),
+        ("ns4", 1 << 20),
+    ] {
+        let m = std::fs::metadata(p(name)).unwrap();
+        assert_eq!(m.len(), size, "{name}");
+        assert!(m.blocks() * 512 >= size, "{name} is not allocated");
+    }
+}
+
+#[test]
+fn check_config_refusals_change_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let p = |name: &str| d.path().join(name);
+    // Larger than configured (never shrunk), smaller without grow, and a missing directory.
+    std::fs::File::create(p("ns1"))
+        .unwrap()
+        .set_len(3 << 20)
+        .unwrap();
+    std::fs::File::create(p("ns2"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+    let cfg = with_namespaces(
+        free_port(),
+        r#"
+[[subsystem.namespace]]
+nsid = 1
+path = "ns1"
+size = "2MiB"
+grow = true
+[[subsystem.namespace]]
+nsid = 2
+path = "ns2"
+size = "2MiB"
+[[subsystem.namespace]]
+nsid = 3
+path = "nodir/ns3"
+size = "1MiB"
+"#,
+    );
+    let before = [footprint(&p("ns1")), footprint(&p("ns2"))];
+    let (ok, out) = run(d.path(), &cfg);
+    assert_eq!(
+        before,
+        [footprint(&p("ns1")), footprint(&p("ns2"))],
+        "{out}"
+    );
+    assert!(!p("nodir").exists(), "{out}");
+    assert!(!ok, "{out}");
+    assert!(
+        out.contains(&format!(
+            "nsid 1: {}: problem: would refuse: ",
+            p("ns1").display()
+        )) && out.contains("larger than the 2097152 asked for"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "nsid 2: {}: problem: would refuse: ",
+            p("ns2").display()
+        )) && out.contains("set `grow = true` on the namespace to grow it"),
+        "{out}"
+    );
+    assert!(
+        out.contains(&format!(
+            "nsid 3: {}: problem: would refuse: ",
+            p("nodir/ns3").display()
+        )) && out.contains("no such file or directory"),
+        "{out}"
+    );
+    assert!(out.contains("FAILED: 3 problem(s)"), "{out}");
 }

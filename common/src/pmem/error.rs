@@ -219,6 +219,21 @@ pub enum Error {
         /// The instruction's name.
         instruction: &'static str,
     },
+    /// The filesystem has fewer free bytes than opening would allocate (found by
+    /// [`OpenOptions::plan`](crate::pmem::OpenOptions::plan), which allocates nothing).
+    #[error(
+        "{}: the filesystem has {available} bytes free, fewer than the {needed} the namespace \
+         would allocate",
+        path.display()
+    )]
+    NotEnoughSpace {
+        /// The backing store.
+        path: PathBuf,
+        /// The bytes opening would allocate.
+        needed: u64,
+        /// The bytes free for this user.
+        available: u64,
+    },
 }
 
 impl Error {

@@ -364,12 +364,12 @@ impl Persist for Mapping {
 /// character device, and maps it. See [`OpenOptions::open`].
 #[derive(Debug, Clone)]
 pub struct OpenOptions {
-    path: PathBuf,
-    size: Option<u64>,
-    block_size: u64,
-    force_dax: bool,
-    resize: Resize,
-    create: bool,
+    pub(super) path: PathBuf,
+    pub(super) size: Option<u64>,
+    pub(super) block_size: u64,
+    pub(super) force_dax: bool,
+    pub(super) resize: Resize,
+    pub(super) create: bool,
 }
 
 impl OpenOptions {
@@ -454,15 +454,7 @@ impl OpenOptions {
                 } else {
                     Err(Error::UnsupportedFileType {
                         path: self.path.clone(),
-                        kind: if ft.is_block_device() {
-                            "block device"
-                        } else if ft.is_fifo() {
-                            "FIFO"
-                        } else if ft.is_socket() {
-                            "socket"
-                        } else {
-                            "special file"
-                        },
+                        kind: unsupported_kind(ft),
                     })
                 }
             }
@@ -478,7 +470,7 @@ impl OpenOptions {
         }
     }
 
-    fn check_size(&self, size: u64) -> Result<()> {
+    pub(super) fn check_size(&self, size: u64) -> Result<()> {
         if size == 0 {
             return Err(Error::ZeroSize {
                 path: self.path.clone(),
@@ -500,7 +492,7 @@ impl OpenOptions {
         Ok(())
     }
 
-    fn open_error(&self, op: &'static str, source: io::Error) -> Error {
+    pub(super) fn open_error(&self, op: &'static str, source: io::Error) -> Error {
         let path = self.path.clone();
         match source.raw_os_error() {
             Some(libc::ENOENT) => Error::NotFound { path, source },
@@ -694,6 +686,24 @@ impl OpenOptions {
     }
 }
 
+/// What to call a file that is neither a regular file, a directory nor a character device.
+pub(super) fn unsupported_kind(ft: fs::FileType) -> &'static str {
+    if ft.is_block_device() {
+        "block device"
+    } else if ft.is_fifo() {
+        "FIFO"
+    } else if ft.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
+/// Whether a statfs magic number is a RAM filesystem's (tmpfs, ramfs, hugetlbfs).
+pub(super) fn is_ram_magic(magic: u32) -> bool {
+    matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC)
+}
+
 /// Whether the file lives on a RAM filesystem (tmpfs, ramfs, hugetlbfs).
 fn is_ram_fs(file: &File) -> io::Result<bool> {
     let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
@@ -704,7 +714,7 @@ fn is_ram_fs(file: &File) -> io::Result<bool> {
     }
     // SAFETY: fstatfs succeeded, so it initialised the struct (and it was zeroed before).
     let magic = unsafe { st.assume_init() }.f_type as u32;
-    Ok(matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC))
+    Ok(is_ram_magic(magic))
 }
 
 #[cfg(test)]

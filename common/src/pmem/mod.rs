@@ -38,6 +38,8 @@
 //!   [`OpenOptions::open`] is removed.
 //! - A file is allocated in full before it is mapped, so a full filesystem is an error at open,
 //!   never a SIGBUS on a later store.
+//! - [`OpenOptions::plan`] says what `open` would do (create, grow, refuse, the domain) and
+//!   changes nothing: no file is created, opened for writing, resized, allocated or mapped.
 //! - No logging: this layer sits on the data path.
 //!
 //! docs/persistence.md has the details.
@@ -47,6 +49,7 @@ mod domain;
 mod error;
 mod flush;
 mod map;
+mod plan;
 
 pub use domain::{Domain, Durability, SyncFailure};
 pub use error::{Error, Result};
@@ -55,6 +58,7 @@ pub use flush::{
     FlushInstruction,
 };
 pub use map::{Mapping, OpenOptions, Resize};
+pub use plan::{Plan, PlanAction};
 
 /// The narrow interface the fabric's placement engine and the target's flush service use, and
 /// that a power-loss simulator can implement instead of real media.
