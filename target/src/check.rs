@@ -12,17 +12,8 @@ use rpma_common::units::format_size;
 use crate::config::{Config, Transport};
 use crate::namespace::{durability_methods, OpenNamespace};
 
-/// An error with its chain of causes on one line.
-pub fn chain(e: &dyn std::error::Error) -> String {
-    let mut s = e.to_string();
-    let mut cur = e.source();
-    while let Some(c) = cur {
-        s.push_str(": ");
-        s.push_str(&c.to_string());
-        cur = c.source();
-    }
-    s
-}
+/// An error with its chain of causes on one line (the common crate's, for every log line).
+pub use rpma_common::error_chain as chain;
 
 fn methods_line(cfg: &Config, domain: Domain) -> String {
     let mut seen = Vec::new();
