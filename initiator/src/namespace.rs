@@ -194,15 +194,7 @@ impl<'q> Namespace<'q> {
     /// only method offered), [`Error::NamespaceFailed`], [`Error::NotDurable`] (the target
     /// could not), [`Error::Unsupported`]; after a loss, as [`read_at`](Self::read_at).
     pub fn persist(&mut self, offset: u64, len: u64) -> Result<Durability> {
-        let d = self.desc();
-        check_writable(&d)?;
-        check_range(&d, offset, len)?;
-        self.q.range_choice(self.idx)?;
-        let idx = self.idx;
-        self.q.run(true, |q| {
-            let choice = q.range_choice(idx)?;
-            q.persist_range(idx, offset, len, choice)
-        })
+        self.persist_with(offset, len, Queue::range_choice)
     }
 
     /// Makes durable the Writes this queue posted to `[offset, offset + len)` (and, with APM,
@@ -214,13 +206,24 @@ impl<'q> Namespace<'q> {
     /// # Errors
     /// As [`persist`](Self::persist), but never [`Error::ApmNotForRanges`].
     pub fn persist_written(&mut self, offset: u64, len: u64) -> Result<Durability> {
+        self.persist_with(offset, len, Queue::choice)
+    }
+
+    /// [`persist`](Self::persist) or [`persist_written`](Self::persist_written): checks, then
+    /// the method from `choose` (again after a reconnect, which may change the descriptor).
+    fn persist_with(
+        &mut self,
+        offset: u64,
+        len: u64,
+        choose: fn(&Queue, usize) -> Result<Choice>,
+    ) -> Result<Durability> {
         let d = self.desc();
         check_writable(&d)?;
         check_range(&d, offset, len)?;
-        self.q.choice(self.idx)?;
+        choose(self.q, self.idx)?;
         let idx = self.idx;
         self.q.run(true, |q| {
-            let choice = q.choice(idx)?;
+            let choice = choose(q, idx)?;
             q.persist_range(idx, offset, len, choice)
         })
     }
