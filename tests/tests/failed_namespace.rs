@@ -200,6 +200,17 @@ fn a_writeback_error_fails_the_namespace_for_every_host_until_a_reload_reopens_i
     let (c, all) = cli(&t, HOST, "read --offset 0 --length 16 --json");
     assert_eq!(c, Some(0), "{all}");
 
+    // The placement engine's failed msync (FLUSH, nsid 2) ended that connection, and the
+    // queue pair's error, logged by the target, keeps the typed error down to the errno.
+    let log = t.log();
+    assert!(
+        log.lines()
+            .any(|l| l.contains("making earlier Writes durable failed")
+                && l.contains("msync")
+                && l.contains("No space left on device")),
+        "{log}"
+    );
+
     // status shows it; the log says it once per namespace, at error level, with the errno.
     for nsid in [1, 2] {
         let f = failed_of(&t, nsid);
