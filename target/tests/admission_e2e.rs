@@ -238,13 +238,13 @@ impl Raw {
 /// and the discovery pool (discovery Connects asking a one-hour keep-alive, keep-alives sent);
 /// the allowed host still discovers and connects at once. Default pool sizes and per-source
 /// caps; the deadlines are long (the attackers' connections stay for the whole test, even on a
-/// slow machine).
+/// slow machine); two poll loops, so that a pool also evicts from the other loop.
 #[test]
 fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     let d = scratch();
     let t = Target::start(
         d.path(),
-        "handshake_timeout_ms = 60000\ndiscovery_max_keep_alive_ms = 60000",
+        "handshake_timeout_ms = 60000\ndiscovery_max_keep_alive_ms = 60000\npoll_loops = 2",
     );
     // Discovery sessions: 5 addresses x 4 (the per-source cap) = 20 > 16 (the pool). Each
     // waits for the target's answer, so that all are in before the host comes.
@@ -267,6 +267,11 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
             half.push(Raw::open(t.port, source(a)));
         }
     }
+    // The 8 oldest made room and are closed at once (not at their deadline, a minute away).
+    assert!(
+        half[7].closed_within(Duration::from_secs(2)),
+        "the last evicted connection is still open"
+    );
 
     // The allowed host: discovery, then a session that works.
     let started = Instant::now();
@@ -295,6 +300,10 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
             && a["sessions"]["held"] == 1
     });
     assert!(half[0].closed_within(WAIT), "the oldest was not evicted");
+    assert!(
+        half[8].closed_within(WAIT),
+        "the host's connection evicted the next oldest"
+    );
     assert!(!half[71].closed_within(Duration::from_millis(100)));
     // The attackers' keep-alive (one hour asked) was cut to the discovery maximum.
     let st = t.status();

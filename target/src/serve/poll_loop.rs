@@ -151,7 +151,12 @@ impl PollLoop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            let next = self.next_timer();
+            // An eviction (already flagged as failed) is handled this turn: no wait.
+            let next = if self.failed {
+                Some(Instant::now())
+            } else {
+                self.next_timer()
+            };
             let now = Instant::now();
             self.turn(Some(next.map(|t| t.saturating_duration_since(now))));
             let now = Instant::now();
