@@ -74,6 +74,35 @@ pub struct Status {
     pub subsystems: Vec<SubsystemStatus>,
     /// Sessions.
     pub sessions: Vec<SessionStatus>,
+    /// The admission budgets in use (absent from a daemon that does not serve).
+    #[serde(default)]
+    pub admission: Option<AdmissionStatus>,
+}
+
+/// The admission budgets: what each pool holds and allows.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct AdmissionStatus {
+    /// Connections past MPA whose Connect (and auth) has not finished.
+    pub unadmitted: PoolStatus,
+    /// Discovery sessions.
+    pub discovery: PoolStatus,
+    /// Admitted I/O sessions (`max_connections`; no per-source cap, nothing evicted).
+    pub sessions: PoolStatus,
+}
+
+/// One pool.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PoolStatus {
+    /// Held now.
+    pub held: usize,
+    /// At most, all sources together.
+    pub limit: u32,
+    /// At most per source address (0: no cap of its own).
+    pub per_source_limit: u32,
+    /// Source addresses holding some now.
+    pub sources: usize,
+    /// Taken back for newer connections since start.
+    pub evicted: u64,
 }
 
 /// A listener.
@@ -391,6 +420,20 @@ pub fn render(s: &Status) -> String {
             }
         }
     }
+    if let Some(a) = &s.admission {
+        let _ = writeln!(o, "\nADMISSION");
+        for (name, p) in [
+            ("unadmitted", &a.unadmitted),
+            ("discovery", &a.discovery),
+            ("sessions", &a.sessions),
+        ] {
+            let _ = writeln!(
+                o,
+                "  {name:<10} {:>5} of {:<5} per source {:<5} sources {:<5} evicted {}",
+                p.held, p.limit, p.per_source_limit, p.sources, p.evicted
+            );
+        }
+    }
     let _ = writeln!(o, "\nSESSIONS (counted: {SESSION_COUNTED})");
     if s.sessions.is_empty() {
         let _ = writeln!(o, "  (none)");
@@ -468,6 +511,29 @@ mod tests {
                 last_keep_alive_ms: 1,
                 keep_alive_state: "ok".into(),
             }],
+            admission: Some(AdmissionStatus {
+                unadmitted: PoolStatus {
+                    held: 3,
+                    limit: 64,
+                    per_source_limit: 8,
+                    sources: 2,
+                    evicted: 7,
+                },
+                discovery: PoolStatus {
+                    held: 1,
+                    limit: 16,
+                    per_source_limit: 4,
+                    sources: 1,
+                    evicted: 0,
+                },
+                sessions: PoolStatus {
+                    held: 0,
+                    limit: 64,
+                    per_source_limit: 0,
+                    sources: 0,
+                    evicted: 0,
+                },
+            }),
         }
     }
 
@@ -536,6 +602,10 @@ mod tests {
         );
         assert!(
             t.contains("discovery ctrl 0 ") && t.contains("msgs 2 flushes 0"),
+            "{t}"
+        );
+        assert!(
+            t.contains("unadmitted     3 of 64    per source 8     sources 2     evicted 7"),
             "{t}"
         );
         let mut empty = sample();

@@ -91,6 +91,11 @@ pub trait Serve: Send {
     /// The sessions, for `status`.
     fn sessions(&self) -> Vec<SessionStatus>;
 
+    /// The admission budgets in use, for `status` (None before [`Serve::bind`]).
+    fn admission(&self) -> Option<crate::control::AdmissionStatus> {
+        None
+    }
+
     /// The watchdog check: the names of the serving threads that made no progress since the
     /// previous call (none on the first), after waking every one of them so that an idle thread
     /// shows progress by the next call. The daemon pings the service manager's watchdog only
@@ -233,6 +238,7 @@ fn status(shared: &Shared) -> Status {
             })
             .collect(),
         sessions: st.serve.sessions(),
+        admission: st.serve.admission(),
     }
 }
 

@@ -3,7 +3,7 @@
 //! challenge-response; building the ConnectResponse (which needs this connection's rkeys) is the
 //! session's job once [`Step::Admitted`] comes out.
 
-use rpma_common::proto::auth::{TargetAuth, TargetAwaitingResponse};
+use rpma_common::proto::auth::{Psk, TargetAuth, TargetAwaitingResponse};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{self, Connect, Message, Refusal, RefusalReason};
 
@@ -26,7 +26,13 @@ pub enum Step {
     /// The host is admitted to a subsystem: send the ConnectResponse.
     Admitted(Connect),
     /// A discovery connection: answer DiscoveryRequests with [`crate::subsystem::discovery`].
-    Discovery(Connect),
+    Discovery {
+        /// The Connect.
+        connect: Connect,
+        /// The key the host proved (a host that has one must), which shows it the subsystems
+        /// that need it.
+        key: Option<Psk>,
+    },
     /// The host gave up (sent a Disconnect) before it was admitted: log `why` once (with the
     /// host NQN if known, and the peer) and close; there is nobody to send a refusal to.
     Abandoned {
@@ -39,7 +45,8 @@ pub enum Step {
 
 enum State {
     AwaitConnect,
-    AwaitAuth(Box<(TargetAwaitingResponse, Connect)>),
+    /// The key is kept for a discovery connection, whose listing depends on it.
+    AwaitAuth(Box<(TargetAwaitingResponse, Connect, Psk)>),
     Done,
 }
 
@@ -113,25 +120,39 @@ impl TargetHandshake {
                     refusal: r,
                     host_nqn: Some(c.host_nqn),
                 }],
-                Admission::Discovery => vec![Step::Discovery(c)],
+                Admission::Discovery => vec![Step::Discovery {
+                    connect: c,
+                    key: None,
+                }],
                 Admission::Accept { .. } => vec![Step::Admitted(c)],
-                Admission::Authenticate { psk, ctx, .. } => match TargetAuth::start(psk, ctx) {
-                    Ok((auth, ch)) => {
-                        self.state = State::AwaitAuth(Box::new((auth, c)));
-                        vec![Step::Send(Message::AuthChallenge(ch))]
+                Admission::Authenticate { psk, ctx, .. }
+                | Admission::DiscoveryAuthenticate { psk, ctx } => {
+                    match TargetAuth::start(psk.clone(), ctx) {
+                        Ok((auth, ch)) => {
+                            self.state = State::AwaitAuth(Box::new((auth, c, psk)));
+                            vec![Step::Send(Message::AuthChallenge(ch))]
+                        }
+                        Err(e) => vec![refuse(
+                            RefusalReason::AuthFailed,
+                            e.to_string(),
+                            Some(c.host_nqn),
+                        )],
                     }
-                    Err(e) => vec![refuse(
-                        RefusalReason::AuthFailed,
-                        e.to_string(),
-                        Some(c.host_nqn),
-                    )],
-                },
+                }
             },
             (State::AwaitAuth(b), Message::AuthResponse(r)) => {
-                let (auth, c) = *b;
+                let (auth, c, psk) = *b;
                 match auth.on_response(&r) {
                     Ok(confirm) => {
-                        vec![Step::Send(Message::AuthConfirm(confirm)), Step::Admitted(c)]
+                        let next = if c.subsystem_nqn.is_discovery() {
+                            Step::Discovery {
+                                connect: c,
+                                key: Some(psk),
+                            }
+                        } else {
+                            Step::Admitted(c)
+                        };
+                        vec![Step::Send(Message::AuthConfirm(confirm)), next]
                     }
                     Err(e) => vec![refuse(
                         RefusalReason::AuthFailed,

@@ -209,6 +209,10 @@ pub fn diff(old: &Config, new: &Config) -> ConfigDiff {
         .filter(|(_, c)| *c)
         .map(|(k, _)| *k)
         .collect();
+    d.settings_changed.extend(crate::config::admission_changes(
+        &old.admission,
+        &new.admission,
+    ));
     d
 }
 

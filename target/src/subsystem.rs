@@ -27,6 +27,15 @@ pub enum Admission<'a> {
         /// What the proofs are bound to.
         ctx: AuthContext,
     },
+    /// A discovery connection of a host that has a key: it must prove it first (start a
+    /// [`rpma_common::proto::auth::TargetAuth`]); the listing then shows the subsystems that
+    /// need that key ([`discovery`]).
+    DiscoveryAuthenticate {
+        /// The host's key: the first one the configuration lists for it.
+        psk: Psk,
+        /// What the proofs are bound to (the discovery NQN).
+        ctx: AuthContext,
+    },
     /// Admit without authentication.
     Accept {
         /// The subsystem.
@@ -45,7 +54,17 @@ fn refuse(reason: RefusalReason, message: String) -> Admission<'static> {
 pub fn admit<'a>(cfg: &'a Config, c: &Connect) -> Admission<'a> {
     if c.subsystem_nqn.is_discovery() {
         return if cfg.discovery {
-            Admission::Discovery
+            match host_key(cfg, &c.host_nqn) {
+                Some(psk) => Admission::DiscoveryAuthenticate {
+                    psk: psk.clone(),
+                    ctx: AuthContext {
+                        host_nqn: c.host_nqn.clone(),
+                        subsystem_nqn: c.subsystem_nqn.clone(),
+                        host_id: c.host_id,
+                    },
+                },
+                None => Admission::Discovery,
+            }
         } else {
             refuse(
                 RefusalReason::UnknownSubsystem,
@@ -104,17 +123,42 @@ fn advertised(url: &ListenUrl, local: Option<SocketAddr>) -> ListenUrl {
     }
 }
 
-/// Whether `host` may see `s` in a discovery listing.
-pub fn visible_to(s: &Subsystem, host: &Nqn) -> bool {
-    s.allow_any_host || s.hosts.iter().any(|h| &h.nqn == host)
+/// The key a discovery connection of `host` must prove: the first the configuration lists for
+/// it, in subsystem order. None if it has none.
+pub fn host_key<'a>(cfg: &'a Config, host: &Nqn) -> Option<&'a Psk> {
+    cfg.subsystems
+        .iter()
+        .flat_map(|s| &s.hosts)
+        .filter(|h| &h.nqn == host)
+        .find_map(|h| h.psk.as_ref())
 }
 
-/// The discovery listing for `host`: the subsystems it may connect to, with every listen URL.
+/// Whether `host`, having proved `key` (if any), may see `s` in a discovery listing: it must be
+/// able to connect, and a subsystem that lists it with a key shows only to the holder of that
+/// key.
+pub fn visible_to(s: &Subsystem, host: &Nqn, key: Option<&Psk>) -> bool {
+    match s.hosts.iter().find(|h| &h.nqn == host) {
+        Some(h) => match &h.psk {
+            Some(need) => key == Some(need),
+            None => true,
+        },
+        None => s.allow_any_host,
+    }
+}
+
+/// The discovery listing for `host`, which proved `key` (if it has one): the subsystems it may
+/// connect to, with every listen URL. A subsystem that lists the host with a key shows only if
+/// that is the key it proved ([`visible_to`]).
 ///
 /// A wildcard listener (`0.0.0.0`, `::`) is advertised with `local`'s address, the one the
 /// discovery connection arrived on (an address the host can reach), when `local` is of a family
 /// the listener accepts; otherwise as configured.
-pub fn discovery(cfg: &Config, host: &Nqn, local: Option<SocketAddr>) -> DiscoveryResponse {
+pub fn discovery(
+    cfg: &Config,
+    host: &Nqn,
+    key: Option<&Psk>,
+    local: Option<SocketAddr>,
+) -> DiscoveryResponse {
     let listen: Vec<String> = cfg
         .listeners
         .iter()
@@ -124,7 +168,7 @@ pub fn discovery(cfg: &Config, host: &Nqn, local: Option<SocketAddr>) -> Discove
         entries: cfg
             .subsystems
             .iter()
-            .filter(|s| visible_to(s, host))
+            .filter(|s| visible_to(s, host, key))
             .map(|s| DiscoveryEntry {
                 subsystem_nqn: s.nqn.clone(),
                 listen: listen.clone(),
@@ -232,6 +276,7 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
         let stranger = discovery(
             &c,
             &Nqn::new("nqn.2026-11.io.rpma:stranger").unwrap(),
+            None,
             Some("127.0.0.1:7420".parse().unwrap()),
         );
         assert_eq!(stranger.entries.len(), 1);
@@ -240,8 +285,38 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
             stranger.entries[0].listen,
             ["tcp://127.0.0.1:7420", "tcp://[::1]:7420"]
         );
-        let plain = discovery(&c, &Nqn::new("nqn.2026-11.io.rpma:plain").unwrap(), None);
+        let plain = discovery(
+            &c,
+            &Nqn::new("nqn.2026-11.io.rpma:plain").unwrap(),
+            None,
+            None,
+        );
         assert_eq!(plain.entries.len(), 2);
+    }
+
+    #[test]
+    fn a_host_with_a_key_proves_it_before_discovery_shows_what_needs_it() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path(), true);
+        let keyed = Nqn::new("nqn.2026-11.io.rpma:keyed").unwrap();
+        match admit(&c, &connect(keyed.as_str(), DISCOVERY_NQN)) {
+            Admission::DiscoveryAuthenticate { psk, ctx } => {
+                assert_eq!(psk, Psk::new(&[0x11; 32]).unwrap());
+                assert_eq!(ctx.subsystem_nqn.as_str(), DISCOVERY_NQN);
+            }
+            other => panic!("{other:?}"),
+        }
+        let names = |key: Option<&Psk>| -> Vec<String> {
+            discovery(&c, &keyed, key, None)
+                .entries
+                .iter()
+                .map(|e| e.subsystem_nqn.to_string())
+                .collect()
+        };
+        // Without the key: not even the open subsystem, which lists the host with its key.
+        assert!(names(None).is_empty());
+        assert!(names(Some(&Psk::new(&[0x12; 32]).unwrap())).is_empty());
+        assert_eq!(names(Some(&Psk::new(&[0x11; 32]).unwrap())), [CLOSED, OPEN]);
     }
 
     #[test]
@@ -256,7 +331,7 @@ allow_any_host = true
         let c = Config::from_toml(text, d.path()).unwrap();
         let host = Nqn::new("nqn.2026-11.io.rpma:h").unwrap();
         let listen = |local: Option<&str>| {
-            discovery(&c, &host, local.map(|l| l.parse().unwrap())).entries[0]
+            discovery(&c, &host, None, local.map(|l| l.parse().unwrap())).entries[0]
                 .listen
                 .clone()
         };

@@ -378,7 +378,9 @@ fn rkeys_are_per_connection() {
 #[test]
 fn each_refusal() {
     let d = scratch();
-    let t = Target::start(d.path(), "");
+    // Refusals are rate-limited per peer address (one WARN a period, the rest at DEBUG): every
+    // peer here is 127.0.0.1, so the test reads the DEBUG lines too.
+    let t = Target::start_with_env(d.path(), "", &[("RUST_LOG", "debug")]);
     let e = connect(
         &t.url(),
         &nqn("nqn.2026-11.io.rpma:nope"),

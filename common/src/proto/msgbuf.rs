@@ -8,7 +8,7 @@
 //! the queue pair must not use wr_ids with that bit); a receive's is that bit and its slot, a
 //! send's also has [`SEND_BIT`].
 //!
-//! Memory: both regions stay registered (and their buffers alive) as long as the `MsgBufs`;
+//! Memory: every region stays registered (and their buffers alive) as long as the `MsgBufs`;
 //! the owner keeps it until its queue pair is dropped, so no posted request outlives them.
 
 use std::collections::VecDeque;
@@ -28,13 +28,49 @@ pub const SEND_BIT: u64 = 1 << 62;
 /// Bytes per slot: every control message fits.
 pub const SLOT: usize = MAX_MESSAGE_SIZE;
 
+/// A run of slots in one registered buffer.
+struct Region {
+    mem: Arc<AlignedBuf>,
+    mr: Arc<MemoryRegion>,
+    /// The first slot number in this region.
+    first: usize,
+    slots: usize,
+}
+
+impl Region {
+    fn new(
+        pd: &ProtectionDomain,
+        first: usize,
+        slots: usize,
+        access: Access,
+    ) -> fabric::Result<Region> {
+        let mem = AlignedBuf::new(slots * SLOT)?;
+        let mr = pd.register(Arc::clone(&mem), access)?;
+        Ok(Region {
+            mem,
+            mr,
+            first,
+            slots,
+        })
+    }
+}
+
+/// The region holding `slot`, and the slot's byte offset in it.
+fn locate(regions: &[Region], slot: usize) -> Option<(&Region, usize)> {
+    regions
+        .iter()
+        .find(|r| (r.first..r.first + r.slots).contains(&slot))
+        .map(|r| (r, (slot - r.first) * SLOT))
+}
+
 /// The buffers of one connection.
+///
+/// They may start small and [`grow`](MsgBufs::grow) later: the target gives a connection only
+/// the few slots its control exchange needs until the host is admitted.
 pub struct MsgBufs {
-    recv_mem: Arc<AlignedBuf>,
-    recv_mr: Arc<MemoryRegion>,
+    recv: Vec<Region>,
     recv_slots: usize,
-    send_mem: Arc<AlignedBuf>,
-    send_mr: Arc<MemoryRegion>,
+    send: Vec<Region>,
     free: Vec<usize>,
     send_slots: usize,
     backlog: VecDeque<Vec<u8>>,
@@ -44,6 +80,7 @@ impl std::fmt::Debug for MsgBufs {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MsgBufs")
             .field("recv_slots", &self.recv_slots)
+            .field("send_slots", &self.send_slots)
             .field("sends_in_flight", &(self.send_slots - self.free.len()))
             .field("backlog", &self.backlog.len())
             .finish()
@@ -61,31 +98,58 @@ impl MsgBufs {
         recv_slots: usize,
         send_slots: usize,
     ) -> fabric::Result<MsgBufs> {
-        let recv_mem = AlignedBuf::new(recv_slots * SLOT)?;
-        let recv_mr = pd.register(Arc::clone(&recv_mem), Access::LOCAL_WRITE)?;
-        let send_mem = AlignedBuf::new(send_slots * SLOT)?;
-        let send_mr = pd.register(Arc::clone(&send_mem), Access::empty())?;
+        let recv = Region::new(pd, 0, recv_slots, Access::LOCAL_WRITE)?;
+        let send = Region::new(pd, 0, send_slots, Access::empty())?;
         Ok(MsgBufs {
-            recv_mem,
-            recv_mr,
+            recv: vec![recv],
             recv_slots,
-            send_mem,
-            send_mr,
+            send: vec![send],
             free: (0..send_slots).rev().collect(),
             send_slots,
             backlog: VecDeque::new(),
         })
     }
 
-    /// The receive request for `slot`.
+    /// Adds `recv` receive slots (posted on `qp` at once, after the ones posted already) and
+    /// `send` send slots, in new regions of `pd`.
+    ///
+    /// # Errors
+    /// What allocating, registering or posting fails with; the slots that were added stay.
+    pub fn grow(
+        &mut self,
+        pd: &ProtectionDomain,
+        qp: &QueuePair,
+        recv: usize,
+        send: usize,
+    ) -> fabric::Result<()> {
+        if send > 0 {
+            self.send
+                .push(Region::new(pd, self.send_slots, send, Access::empty())?);
+            self.free.extend(self.send_slots..self.send_slots + send);
+            self.send_slots += send;
+        }
+        if recv > 0 {
+            let first = self.recv_slots;
+            self.recv
+                .push(Region::new(pd, first, recv, Access::LOCAL_WRITE)?);
+            self.recv_slots += recv;
+            for slot in first..first + recv {
+                qp.post_recv(self.recv_wr(slot))?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The receive request for `slot` (a slot number below [`recv_slots`](Self::recv_slots)).
     pub fn recv_wr(&self, slot: usize) -> RecvWr {
         RecvWr {
             wr_id: CONTROL_BIT | slot as u64,
-            local: Some(Sge::new(&self.recv_mr, slot * SLOT, SLOT)),
+            local: locate(&self.recv, slot).map(|(r, off)| Sge::new(&r.mr, off, SLOT)),
         }
     }
 
-    /// How many receive slots there are (all of them are posted at the start).
+    /// How many receive slots there are (all of them are posted: at the start, or by
+    /// [`grow`](Self::grow)).
     pub fn recv_slots(&self) -> usize {
         self.recv_slots
     }
@@ -102,13 +166,12 @@ impl MsgBufs {
         if c.wr_id & (CONTROL_BIT | SEND_BIT) != CONTROL_BIT {
             return None;
         }
-        let slot = usize::try_from(c.wr_id & !CONTROL_BIT)
-            .ok()
-            .filter(|&s| s < self.recv_slots)?;
+        let slot = usize::try_from(c.wr_id & !CONTROL_BIT).ok()?;
+        let (r, off) = locate(&self.recv, slot)?;
         let len = (c.byte_len as usize).min(SLOT);
         out.clear();
         out.resize(len, 0);
-        self.recv_mem.read_at(slot * SLOT, out).ok()?;
+        r.mem.read_at(off, out).ok()?;
         Some(slot)
     }
 
@@ -137,12 +200,17 @@ impl MsgBufs {
     }
 
     fn post(&mut self, qp: &QueuePair, slot: usize, msg: &[u8]) -> fabric::Result<()> {
+        let Some((r, off)) = locate(&self.send, slot) else {
+            return Err(fabric::Error::InvalidWorkRequest {
+                reason: "no such send slot",
+            });
+        };
         // Cannot fail: the slot lies inside the buffer and msg fits a slot (checked by send).
-        self.send_mem.write_at(slot * SLOT, msg)?;
+        r.mem.write_at(off, msg)?;
         let wr = SendWr::new(
             CONTROL_BIT | SEND_BIT | slot as u64,
             SendOp::Send {
-                local: Sge::new(&self.send_mr, slot * SLOT, msg.len()),
+                local: Sge::new(&r.mr, off, msg.len()),
             },
         );
         if let Err(e) = qp.post_send(wr) {
@@ -181,6 +249,7 @@ mod tests {
     use crate::fabric::{CompletionQueue, ConnParams, Context, Listener, QpCaps, WcStatus};
 
     struct End {
+        pd: ProtectionDomain,
         qp: QueuePair,
         cq: CompletionQueue,
         bufs: MsgBufs,
@@ -194,27 +263,28 @@ mod tests {
         let make = move |ctx: &Context| {
             let pd = ctx.alloc_pd().unwrap();
             let cq = ctx.create_cq(64).unwrap();
+            // Room for the slots a test grows.
             let caps = QpCaps {
-                max_send_wr: send,
-                max_recv_wr: recv,
+                max_send_wr: send.max(16),
+                max_recv_wr: recv.max(16),
             };
             let qp = pd.create_qp(&cq, &cq, caps).unwrap();
             let bufs = MsgBufs::new(&pd, recv, send).unwrap();
             for slot in 0..bufs.recv_slots() {
                 qp.post_recv(bufs.recv_wr(slot)).unwrap();
             }
-            (qp, cq, bufs)
+            (pd, qp, cq, bufs)
         };
         let tctx = ctx.clone();
         let t = std::thread::spawn(move || {
             let req = listener.accept(&ConnParams::default()).unwrap();
-            let (qp, cq, bufs) = make(&tctx);
+            let (pd, qp, cq, bufs) = make(&tctx);
             let qp = req.accept(qp, &ConnParams::default(), &[]).unwrap();
-            End { qp, cq, bufs }
+            End { pd, qp, cq, bufs }
         });
-        let (qp, cq, bufs) = make(&ctx);
+        let (pd, qp, cq, bufs) = make(&ctx);
         let qp = qp.connect(&url, &ConnParams::default(), &[]).unwrap();
-        (End { qp, cq, bufs }, t.join().unwrap())
+        (End { pd, qp, cq, bufs }, t.join().unwrap())
     }
 
     /// Drives both ends until `to` received `n` messages; returns them in arrival order.
@@ -300,5 +370,22 @@ mod tests {
         c.wr_id = CONTROL_BIT | SEND_BIT;
         assert_eq!(a.bufs.take(&c, &mut out), None);
         assert_eq!(out, [1, 2, 3]);
+    }
+
+    #[test]
+    fn grown_slots_carry_messages_after_the_first_ones() {
+        let (mut a, mut b) = pair(2, 1);
+        b.bufs.grow(&b.pd, &b.qp, 6, 0).unwrap();
+        a.bufs.grow(&a.pd, &a.qp, 0, 3).unwrap();
+        assert_eq!((b.bufs.recv_slots(), a.bufs.send_slots), (8, 4));
+        // Eight messages at once: only the grown receive slots make room for them.
+        let msgs: Vec<Vec<u8>> = (0..8u8).map(|i| vec![i; 10 + i as usize * 1000]).collect();
+        for m in &msgs {
+            a.bufs.send(&a.qp, m).unwrap();
+        }
+        assert_eq!(exchange(&mut a, &mut b, 8), msgs);
+        let mut c = Completion::EMPTY;
+        c.wr_id = CONTROL_BIT | 8;
+        assert_eq!(b.bufs.take(&c, &mut Vec::new()), None, "past the last slot");
     }
 }

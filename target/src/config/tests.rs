@@ -11,6 +11,14 @@ max_connections = 8
 max_queue_depth = 64
 crc = false
 discovery = false
+max_unadmitted = 32
+max_unadmitted_per_source = 4
+handshake_timeout_ms = 3000
+max_discovery = 8
+max_discovery_per_source = 2
+discovery_max_keep_alive_ms = 5000
+discovery_timeout_ms = 20000
+refusal_log_period_ms = 10000
 
 [[subsystem]]
 nqn = "nqn.2026-11.io.rpma:demo"
@@ -77,6 +85,19 @@ fn good_config_parses_with_values_and_defaults() {
         (2000, 2, 8, 64)
     );
     assert!(!c.crc && !c.discovery);
+    assert_eq!(
+        c.admission,
+        Admission {
+            max_unadmitted: 32,
+            max_unadmitted_per_source: 4,
+            handshake_timeout_ms: 3000,
+            max_discovery: 8,
+            max_discovery_per_source: 2,
+            discovery_max_keep_alive_ms: 5000,
+            discovery_timeout_ms: 20000,
+            refusal_log_period_ms: 10000,
+        }
+    );
     let s = &c.subsystems[0];
     assert_eq!(s.hosts[0].psk, Some(Psk::new(&[0xab; 32]).unwrap()));
     assert_eq!(
@@ -95,6 +116,20 @@ fn good_config_parses_with_values_and_defaults() {
     assert_eq!(minimal.control_socket, Path::new(DEFAULT_CONTROL_SOCKET));
     assert_eq!(minimal.keep_alive_ms, DEFAULT_KEEP_ALIVE_MS);
     assert!(minimal.crc && minimal.discovery);
+    assert_eq!(minimal.max_connections, 64);
+    assert_eq!(
+        minimal.admission,
+        Admission {
+            max_unadmitted: 64,
+            max_unadmitted_per_source: 8,
+            handshake_timeout_ms: 5000,
+            max_discovery: 16,
+            max_discovery_per_source: 4,
+            discovery_max_keep_alive_ms: 10_000,
+            discovery_timeout_ms: 60_000,
+            refusal_log_period_ms: 60_000,
+        }
+    );
 }
 
 #[test]
@@ -299,6 +334,36 @@ fn out_of_range_numbers() {
             "max_queue_depth = 70000",
             "max_queue_depth",
         ),
+        (
+            "max_unadmitted = 32",
+            "max_unadmitted = 0",
+            "max_unadmitted",
+        ),
+        (
+            "handshake_timeout_ms = 3000",
+            "handshake_timeout_ms = 99",
+            "handshake_timeout_ms",
+        ),
+        (
+            "max_discovery = 8",
+            "max_discovery = 70000",
+            "max_discovery",
+        ),
+        (
+            "discovery_max_keep_alive_ms = 5000",
+            "discovery_max_keep_alive_ms = 3600001",
+            "discovery_max_keep_alive_ms",
+        ),
+        (
+            "discovery_timeout_ms = 20000",
+            "discovery_timeout_ms = 0",
+            "discovery_timeout_ms",
+        ),
+        (
+            "refusal_log_period_ms = 10000",
+            "refusal_log_period_ms = 999",
+            "refusal_log_period_ms",
+        ),
     ] {
         let e = err(&good_with(from, to));
         assert!(
@@ -306,6 +371,26 @@ fn out_of_range_numbers() {
             "{e}"
         );
     }
+}
+
+#[test]
+fn a_per_source_cap_above_its_pool_names_the_key() {
+    let e = err(&good_with(
+        "max_unadmitted_per_source = 4",
+        "max_unadmitted_per_source = 33",
+    ));
+    assert_eq!(
+        e,
+        "max_unadmitted_per_source: 33 is more than max_unadmitted (32)"
+    );
+    let e = err(&good_with(
+        "max_discovery_per_source = 2",
+        "max_discovery_per_source = 9",
+    ));
+    assert_eq!(
+        e,
+        "max_discovery_per_source: 9 is more than max_discovery (8)"
+    );
 }
 
 #[test]

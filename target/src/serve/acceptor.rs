@@ -8,6 +8,10 @@
 //! make room: a real initiator sends its Request as soon as it connects, so it is through long
 //! before it becomes the oldest).
 //!
+//! A complete Request takes a place in the unadmitted pool ([`super::budget`]) before it is
+//! handed over; a source past its cap is refused with an MPA reject (logged rate-limited).
+//! The thread also logs the periodic count of suppressed warnings ([`super::peer_log`]).
+//!
 //! The thread is woken through an eventfd: to stop (with its flag set), and by the watchdog
 //! check, which reads its heartbeat (a counter bumped every turn) to tell a live thread from a
 //! stuck one.
@@ -22,6 +26,7 @@ use std::time::{Duration, Instant};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rpma_common::fabric::{self, Incoming, Listener, RequestProgress, Url};
 
+use super::budget::Pool;
 use super::{Error, Heartbeat, LoopCmd, LoopTx, Result, Shared};
 use crate::eventfd::EventFd;
 
@@ -156,6 +161,7 @@ impl AcceptLoop {
             if listen {
                 self.accept_new();
             }
+            self.shared.peer_log.summarize(Instant::now());
         }
         log::debug!("accept thread {} stopped", self.beat.name());
     }
@@ -163,10 +169,17 @@ impl AcceptLoop {
     /// Waits for the wake eventfd, the listener or a pending connection, until the earliest
     /// deadline: (woken, listener readable, readable per pending connection).
     fn wait(&self) -> (bool, bool, Vec<bool>) {
-        let timeout = match self.pending.front() {
+        let next = self
+            .pending
+            .front()
+            .map(|w| w.deadline)
+            .into_iter()
+            .chain(self.shared.peer_log.next_summary())
+            .min();
+        let timeout = match next {
             None => PollTimeout::NONE,
-            Some(w) => {
-                let left = w.deadline.saturating_duration_since(Instant::now());
+            Some(t) => {
+                let left = t.saturating_duration_since(Instant::now());
                 // Rounded up so that the deadline has passed when poll returns.
                 let ms = left.as_millis().saturating_add(1);
                 PollTimeout::try_from(ms.min(i32::MAX as u128) as i32).unwrap_or(PollTimeout::MAX)
@@ -241,10 +254,28 @@ impl AcceptLoop {
             req.reject(b"");
             return;
         };
+        let source = req
+            .peer_addr()
+            .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |p| p.ip());
+        let limits = self.shared.limits(Pool::Unadmitted);
+        let ticket = match self
+            .shared
+            .budgets
+            .take(Pool::Unadmitted, source, limits, tx.clone())
+        {
+            Ok(t) => t,
+            Err(e) => {
+                self.shared
+                    .peer_log
+                    .warn(source, format_args!("refused a connection: {e}"));
+                req.reject(b"too many connections from this address");
+                return;
+            }
+        };
         // Counted here so that a burst spreads over the loops; the loop takes it back when the
         // connection ends.
         load.fetch_add(1, Ordering::Relaxed);
-        if let Err(LoopCmd::Accept(req)) = tx.send(LoopCmd::Accept(req)) {
+        if let Err(LoopCmd::Accept(req, _)) = tx.send(LoopCmd::Accept(req, Box::new(ticket))) {
             load.fetch_sub(1, Ordering::Relaxed);
             req.reject(b"");
         }

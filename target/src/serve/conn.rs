@@ -3,9 +3,20 @@
 //!
 //! ```text
 //! Handshake --Admitted--> Session   --Disconnect / keep-alive lapse / reload / stop--> Closing
-//!           --Discovery-> Discovery --------------------------------------------------> Closing
+//!           --Discovery-> Discovery --Disconnect / keep-alive lapse / time limit-----> Closing
 //!           --Refuse----------------------------------------------------------------> Closing
 //! ```
+//!
+//! # Budgets
+//!
+//! A connection in its handshake holds a place in the unadmitted pool, a discovery connection
+//! one in the discovery pool ([`super::budget`]); an evicted one is dropped at once. An
+//! admitted session leaves the pools and counts against `max_connections`. Until admission a
+//! connection has the few message slots its handshake needs; a session gets the rest (its queue
+//! depth) at admission, posted before its ConnectResponse is sent.
+//!
+//! Refusals, protocol errors and abandoned handshakes are logged rate-limited per peer address
+//! ([`super::peer_log`]): they come from peers nobody has authenticated.
 //!
 //! # Rkeys
 //!
@@ -29,6 +40,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{self, Access, MemoryRegion, ProtectionDomain, QpState, QueuePair};
+use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
@@ -36,7 +48,9 @@ use rpma_common::proto::{
     FlushStatus, Message, NamespaceDescriptor, Refusal, RefusalReason,
 };
 
-use super::{SessionInfo, Shared, HANDSHAKE_TIMEOUT, LINGER, MIN_KEEP_ALIVE};
+use super::budget::{Pool, Ticket};
+use super::poll_loop::{CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
+use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};
 use crate::namespace::{durability_methods, wire_domain, OpenNamespace};
@@ -85,7 +99,11 @@ pub(crate) enum Phase {
     },
     Discovery {
         host: Nqn,
+        /// The key the host proved, if it has one (it sees the subsystems that need it).
+        key: Option<Psk>,
         keep_alive: Duration,
+        /// The session's time limit (`discovery_timeout_ms`).
+        deadline: Instant,
         listed: Listed,
     },
     Session(Box<Session>),
@@ -126,6 +144,7 @@ pub(crate) struct FlushJob {
 
 /// A connection.
 pub(crate) struct Conn {
+    shared: Arc<Shared>,
     pub(crate) qp: QueuePair,
     pd: ProtectionDomain,
     pub(crate) bufs: MsgBufs,
@@ -133,29 +152,37 @@ pub(crate) struct Conn {
     peer_flush: bool,
     pub(crate) phase: Phase,
     last_seen: Instant,
-    over_limit: bool,
+    /// Its place in the unadmitted or the discovery pool; None once admitted.
+    ticket: Option<Ticket>,
+    /// Its poll loop (woken when a pool evicts it).
+    owner: LoopTx,
     /// FlushRequests the host may have outstanding (receives posted beyond it: slack).
     queue_depth: u32,
 }
 
-fn keep_alive_of(c: &Connect, cfg: &Config) -> Duration {
+fn keep_alive_of(c: &Connect, cfg: &Config, max: Duration) -> Duration {
     match c.keep_alive_ms {
-        0 => Duration::from_millis(u64::from(cfg.keep_alive_ms)),
-        ms => Duration::from_millis(u64::from(ms)).clamp(MIN_KEEP_ALIVE, MAX_KEEP_ALIVE),
+        0 => Duration::from_millis(u64::from(cfg.keep_alive_ms)).min(max),
+        ms => Duration::from_millis(u64::from(ms)).clamp(MIN_KEEP_ALIVE, max),
     }
 }
 
 impl Conn {
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn new(
+        shared: &Arc<Shared>,
         qp: QueuePair,
         pd: ProtectionDomain,
         bufs: MsgBufs,
-        over_limit: bool,
+        ticket: Ticket,
+        owner: LoopTx,
         queue_depth: u32,
+        deadline: Instant,
     ) -> Conn {
         let info = qp.info();
         let now = Instant::now();
         Conn {
+            shared: Arc::clone(shared),
             peer: info.peer_addr,
             peer_flush: info.peer_flush,
             qp,
@@ -163,10 +190,11 @@ impl Conn {
             bufs,
             phase: Phase::Handshake {
                 hs: TargetHandshake::new(),
-                deadline: now + HANDSHAKE_TIMEOUT,
+                deadline,
             },
             last_seen: now,
-            over_limit,
+            ticket: Some(ticket),
+            owner,
             queue_depth,
         }
     }
@@ -184,10 +212,13 @@ impl Conn {
     }
 
     fn refuse(&mut self, reason: RefusalReason, message: String, host: Option<&Nqn>) {
-        log::warn!(
-            "refused host {} from {}: {reason:?}: {message}",
-            host.map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
-            self.peer
+        self.shared.peer_log.warn(
+            self.peer.ip(),
+            format_args!(
+                "refused host {} from {}: {reason:?}: {message}",
+                host.map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
+                self.peer
+            ),
         );
         self.send(&Message::Refusal(Refusal { reason, message }));
         self.phase = Phase::Closing {
@@ -207,7 +238,10 @@ impl Conn {
     }
 
     fn protocol_error(&mut self, what: String) {
-        log::warn!("{}: protocol error, closing: {what}", self.peer);
+        self.shared.peer_log.warn(
+            self.peer.ip(),
+            format_args!("{}: protocol error, closing: {what}", self.peer),
+        );
         self.goodbye(&format!("protocol error: {what}"));
     }
 
@@ -221,19 +255,6 @@ impl Conn {
         let now = Instant::now();
         match &mut self.phase {
             Phase::Handshake { hs, .. } => {
-                if self.over_limit {
-                    let limit = shared.config().max_connections;
-                    let host = match Message::decode(buf) {
-                        Ok(Message::Connect(c)) => Some(c.host_nqn),
-                        _ => None,
-                    };
-                    self.refuse(
-                        RefusalReason::TooManyConnections,
-                        format!("the target serves at most {limit} connections"),
-                        host.as_ref(),
-                    );
-                    return;
-                }
                 let cfg = shared.config();
                 let steps = hs.on_message(&cfg, buf);
                 for step in steps {
@@ -243,17 +264,23 @@ impl Conn {
                             self.refuse(refusal.reason, refusal.message, host_nqn.as_ref());
                         }
                         Step::Abandoned { why, host_nqn } => {
-                            log::warn!(
-                                "host {} from {}: {why}",
-                                host_nqn.map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
-                                self.peer
+                            self.shared.peer_log.warn(
+                                self.peer.ip(),
+                                format_args!(
+                                    "host {} from {}: {why}",
+                                    host_nqn
+                                        .map_or_else(|| "(unknown)".to_owned(), |h| h.to_string()),
+                                    self.peer
+                                ),
                             );
                             self.phase = Phase::Closing {
                                 deadline: now + LINGER,
                             };
                         }
                         Step::Admitted(c) => self.admit(shared, &cfg, c),
-                        Step::Discovery(c) => self.admit_discovery(shared, &cfg, c),
+                        Step::Discovery { connect, key } => {
+                            self.admit_discovery(shared, &cfg, connect, key)
+                        }
                     }
                 }
                 self.last_seen = now;
@@ -268,14 +295,17 @@ impl Conn {
                     self.send_raw(&resp.encode());
                 }
             }
-            Phase::Discovery { host, listed, .. } => {
+            Phase::Discovery {
+                host, key, listed, ..
+            } => {
                 self.last_seen = now;
                 seen(&listed.info, now);
                 let host = host.clone();
+                let key = key.clone();
                 match Message::decode(buf) {
                     Ok(Message::DiscoveryRequest(_)) => {
                         let local = self.qp.info().local_addr;
-                        let resp = discovery(&shared.config(), &host, Some(local));
+                        let resp = discovery(&shared.config(), &host, key.as_ref(), Some(local));
                         self.send(&Message::DiscoveryResponse(resp));
                     }
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
@@ -344,12 +374,36 @@ impl Conn {
         }
     }
 
-    fn admit_discovery(&mut self, shared: &Arc<Shared>, cfg: &Config, c: Connect) {
+    fn admit_discovery(
+        &mut self,
+        shared: &Arc<Shared>,
+        cfg: &Config,
+        c: Connect,
+        key: Option<Psk>,
+    ) {
         if shared.stopping.load(Ordering::SeqCst) {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
         }
-        let keep_alive = keep_alive_of(&c, cfg);
+        // From the unadmitted pool to the discovery pool.
+        let limits = shared.limits(Pool::Discovery);
+        match shared
+            .budgets
+            .take(Pool::Discovery, self.peer.ip(), limits, self.owner.clone())
+        {
+            Ok(t) => self.ticket = Some(t),
+            Err(e) => {
+                return self.refuse(
+                    RefusalReason::TooManyConnections,
+                    e.to_string(),
+                    Some(&c.host_nqn),
+                )
+            }
+        }
+        let a = &cfg.admission;
+        let max = Duration::from_millis(u64::from(a.discovery_max_keep_alive_ms));
+        let keep_alive = keep_alive_of(&c, cfg, max);
+        let deadline = Instant::now() + Duration::from_millis(u64::from(a.discovery_timeout_ms));
         self.send(&Message::ConnectResponse(ConnectResponse {
             controller_id: 0,
             keep_alive_ms: keep_alive.as_millis() as u32,
@@ -358,13 +412,15 @@ impl Conn {
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
         let info = Arc::new(SessionInfo::new("discovery", 0, &c, self.peer, keep_alive));
-        let key = shared.register_discovery(Arc::clone(&info));
+        let listed = shared.register_discovery(Arc::clone(&info));
         self.phase = Phase::Discovery {
             host: c.host_nqn,
+            key,
             keep_alive,
+            deadline,
             listed: Listed {
                 shared: Arc::clone(shared),
-                key,
+                key: listed,
                 info,
             },
         };
@@ -375,7 +431,7 @@ impl Conn {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
         }
-        let keep_alive = keep_alive_of(&c, cfg);
+        let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
         let table = shared.namespaces();
         let mut grants = BTreeMap::new();
         let mut descriptors = Vec::new();
@@ -406,9 +462,22 @@ impl Conn {
             SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
         });
         let Some(info) = info else {
-            let m = "no controller id is free".to_owned();
+            let m = format!(
+                "the target serves at most {} sessions",
+                cfg.max_connections.min(0xFFFE)
+            );
             return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
         };
+        // The session's message slots, posted before the host may use them.
+        let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
+        let more_send = SEND_SLOTS.saturating_sub(CONTROL_SEND_SLOTS);
+        if let Err(e) = self.bufs.grow(&self.pd, &self.qp, more_recv, more_send) {
+            shared.unregister_session(info.controller_id);
+            let m = format!("the target cannot allocate the session's buffers: {e}");
+            return self.refuse(RefusalReason::Other(1000), m, Some(&c.host_nqn));
+        }
+        // Admitted: out of the unadmitted pool.
+        self.ticket = None;
         let resp = Message::ConnectResponse(ConnectResponse {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
@@ -490,7 +559,11 @@ impl Conn {
         match &self.phase {
             Phase::Handshake { deadline, .. } | Phase::Closing { deadline } => *deadline,
             Phase::Session(s) => lapse(s.keep_alive),
-            Phase::Discovery { keep_alive, .. } => lapse(*keep_alive),
+            Phase::Discovery {
+                keep_alive,
+                deadline,
+                ..
+            } => lapse(*keep_alive).min(*deadline),
         }
     }
 
@@ -513,14 +586,19 @@ impl Conn {
             }
             return false;
         }
+        if let Some(t) = self.ticket.as_ref().filter(|t| t.evicted()) {
+            log::debug!(
+                "{}: closed: a newer connection took its place in the full {} pool",
+                self.peer,
+                t.pool().name()
+            );
+            return false;
+        }
         let lapsed = |ka: Duration| now.saturating_duration_since(self.last_seen) > ka;
         match &self.phase {
             Phase::Handshake { deadline, .. } if now >= *deadline => {
-                log::info!(
-                    "{}: no complete Connect within {} s: closed",
-                    self.peer,
-                    HANDSHAKE_TIMEOUT.as_secs()
-                );
+                // Unauthenticated, and as frequent as a peer likes: not worth a line each.
+                log::debug!("{}: no complete Connect in time: closed", self.peer);
                 false
             }
             Phase::Session(s) if lapsed(s.keep_alive) => {
@@ -538,6 +616,10 @@ impl Conn {
             }
             Phase::Discovery { keep_alive, .. } if lapsed(*keep_alive) => {
                 self.goodbye("keep-alive expired");
+                true
+            }
+            Phase::Discovery { deadline, .. } if now >= *deadline => {
+                self.goodbye("the discovery session's time limit passed");
                 true
             }
             Phase::Closing { deadline } => now < *deadline,

@@ -11,10 +11,13 @@
 //! ```
 //!
 //! - An accept thread takes new TCP connections and reads their MPA Requests concurrently,
-//!   without blocking, each with a deadline (so a slow or silent peer delays nobody), and hands
-//!   each complete request to the poll loop with the fewest connections; the loop creates the
-//!   queue pair on its completion queue, posts the receive slots and accepts, so a connection
-//!   is owned by one loop from its first byte to its last.
+//!   without blocking, each with a deadline (so a slow or silent peer delays nobody), gives each
+//!   complete request a place in the unadmitted pool (`budget.rs`: bounded in total and per
+//!   source address, its oldest evicted when full) and hands it to the poll loop with the
+//!   fewest connections; the loop creates the queue pair on its completion queue, posts the few
+//!   receive slots the control exchange needs and accepts, so a connection is owned by one loop
+//!   from its first byte to its last. At admission a session gets the rest of its slots (its
+//!   queue depth); a discovery connection moves to the discovery pool.
 //! - A poll loop waits on its completion queue (busy-polling while traffic flows,
 //!   then blocking in epoll), runs each connection's control exchange and the GPSPM
 //!   flush service of its own [`Flusher`](crate::flusher::Flusher) (io_uring: a slow disk never
@@ -37,6 +40,7 @@
 //! Reads, which the transport's placement engine serves without any target code.
 
 mod acceptor;
+mod budget;
 mod conn;
 mod peer_log;
 mod poll_loop;
@@ -55,7 +59,7 @@ use rpma_common::fabric::{self, ConnRequest, Context, Url};
 use rpma_common::proto::Connect;
 
 use crate::config::{Config, Transport};
-use crate::control::{ListenerStatus, SessionStatus, SESSION_COUNTED};
+use crate::control::{AdmissionStatus, ListenerStatus, PoolStatus, SessionStatus, SESSION_COUNTED};
 use crate::daemon::{Serve, ServeError};
 use crate::eventfd::EventFd;
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
@@ -111,10 +115,6 @@ pub enum Error {
 
 /// Result of the serving machinery.
 pub type Result<T> = std::result::Result<T, Error>;
-
-/// How long a new connection may take from its MPA Request to its MPA Reply, and from then to
-/// the end of its control exchange.
-pub const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long a connection lingers after the target sent its last message (a Refusal, or a
 /// Disconnect after keep-alive expiry, reload or shutdown) so that the host reads it. Its rkeys
@@ -246,8 +246,10 @@ pub(crate) struct Shared {
     config: RwLock<Arc<Config>>,
     namespaces: RwLock<Arc<BTreeMap<NsKey, Arc<OpenNamespace>>>>,
     pub(crate) stopping: AtomicBool,
-    /// Connections open, all loops together (for `max_connections`).
+    /// Connections open, all loops together, whatever their phase.
     pub(crate) connections: AtomicUsize,
+    /// The pools of unadmitted connections and discovery sessions.
+    pub(crate) budgets: Arc<budget::Budgets>,
     next_controller: AtomicU32,
     sessions: Mutex<BTreeMap<u16, Arc<SessionInfo>>>,
     /// Discovery connections (controller id 0 on the wire), by a serial of their own.
@@ -282,14 +284,35 @@ impl Shared {
             .collect();
         *self.namespaces.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(map);
         *self.config.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(cfg.clone());
+        self.peer_log.set_period(Duration::from_millis(u64::from(
+            cfg.admission.refusal_log_period_ms,
+        )));
     }
 
-    /// A controller id not in use (1..=0xFFFE), or None if every one is.
+    /// The limits of `pool` in the current configuration.
+    pub(crate) fn limits(&self, pool: budget::Pool) -> budget::Limits {
+        let a = &self.config().admission;
+        let (total, per_source) = match pool {
+            budget::Pool::Unadmitted => (a.max_unadmitted, a.max_unadmitted_per_source),
+            budget::Pool::Discovery => (a.max_discovery, a.max_discovery_per_source),
+        };
+        budget::Limits {
+            total: total as usize,
+            per_source: per_source as usize,
+        }
+    }
+
+    /// Registers an admitted session under a controller id not in use (1..=0xFFFE): None if
+    /// `max_connections` sessions are admitted already or every id is in use.
     pub(crate) fn register_session(
         &self,
         make: impl FnOnce(u16) -> SessionInfo,
     ) -> Option<Arc<SessionInfo>> {
+        let limit = self.config().max_connections as usize;
         let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        if s.len() >= limit {
+            return None;
+        }
         for _ in 0..0xFFFE {
             let id = (self.next_controller.fetch_add(1, Ordering::Relaxed) % 0xFFFE + 1) as u16;
             if let std::collections::btree_map::Entry::Vacant(v) = s.entry(id) {
@@ -333,7 +356,17 @@ pub(crate) struct LoopTx {
     wake: Arc<EventFd>,
 }
 
+impl std::fmt::Debug for LoopTx {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LoopTx")
+    }
+}
+
 impl LoopTx {
+    pub(crate) fn new(tx: mpsc::Sender<LoopCmd>, wake: Arc<EventFd>) -> LoopTx {
+        LoopTx { tx, wake }
+    }
+
     /// Queues `cmd` and wakes the loop; gives `cmd` back if the loop is gone.
     pub(crate) fn send(&self, cmd: LoopCmd) -> std::result::Result<(), LoopCmd> {
         self.tx.send(cmd).map_err(|e| e.0)?;
@@ -344,8 +377,10 @@ impl LoopTx {
 
 /// A command to a poll loop.
 pub(crate) enum LoopCmd {
-    /// A new connection to accept and own.
-    Accept(ConnRequest),
+    /// A new connection to accept and own, with its place in the unadmitted pool.
+    Accept(ConnRequest, Box<budget::Ticket>),
+    /// A connection of this loop lost its place in a pool to a newer one: close it.
+    Evicted,
     /// The configuration was reloaded with this diff (shared config already updated).
     Reload(Arc<ConfigDiff>),
     /// Finish in-flight flushes, say goodbye to every session, exit.
@@ -420,11 +455,14 @@ impl FabricServe {
             namespaces: RwLock::new(Arc::new(BTreeMap::new())),
             stopping: AtomicBool::new(false),
             connections: AtomicUsize::new(0),
+            budgets: Arc::new(budget::Budgets::default()),
             next_controller: AtomicU32::new(0),
             sessions: Mutex::new(BTreeMap::new()),
             discovery: Mutex::new(BTreeMap::new()),
             next_discovery: AtomicU64::new(0),
-            peer_log: peer_log::PeerLog::default(),
+            peer_log: peer_log::PeerLog::new(Duration::from_millis(u64::from(
+                cfg.admission.refusal_log_period_ms,
+            ))),
         });
         shared.set(cfg, namespaces);
         self.shared = Some(Arc::clone(&shared));
@@ -435,15 +473,13 @@ impl FabricServe {
                 source: Box::new(e),
             })?;
             let load = Arc::new(AtomicUsize::new(0));
-            let tx = LoopTx {
-                tx,
-                wake: Arc::clone(&wake),
-            };
+            let tx = LoopTx::new(tx, Arc::clone(&wake));
             let name = format!("rpma-loop-{index}");
             let beat = Heartbeat::new(name.clone(), Arc::clone(&wake));
             let lp = poll_loop::PollLoop::new(
                 index,
                 Arc::clone(&shared),
+                tx.clone(),
                 rx,
                 beat.clone(),
                 Arc::clone(&load),
@@ -544,6 +580,38 @@ impl Serve for FabricServe {
         let d = shared.discovery.lock().unwrap_or_else(|p| p.into_inner());
         out.extend(d.values().map(|i| i.status()));
         out
+    }
+
+    fn admission(&self) -> Option<AdmissionStatus> {
+        let shared = self.shared.as_ref()?;
+        let cfg = shared.config();
+        let pool = |p: budget::Pool| {
+            let u = shared.budgets.usage(p);
+            let l = shared.limits(p);
+            PoolStatus {
+                held: u.held,
+                limit: l.total as u32,
+                per_source_limit: l.per_source as u32,
+                sources: u.sources,
+                evicted: u.evicted,
+            }
+        };
+        let sessions = shared
+            .sessions
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .len();
+        Some(AdmissionStatus {
+            unadmitted: pool(budget::Pool::Unadmitted),
+            discovery: pool(budget::Pool::Discovery),
+            sessions: PoolStatus {
+                held: sessions,
+                limit: cfg.max_connections,
+                per_source_limit: 0,
+                sources: 0,
+                evicted: 0,
+            },
+        })
     }
 
     fn stop(&mut self) {

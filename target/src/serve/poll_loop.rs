@@ -22,8 +22,9 @@ use rpma_common::fabric::{
 };
 use rpma_common::proto::{FlushResponse, FlushStatus};
 
+use super::budget::Ticket;
 use super::conn::{Conn, FlushJob, Phase};
-use super::{Heartbeat, LoopCmd, Shared};
+use super::{Heartbeat, LoopCmd, LoopTx, Shared};
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
@@ -36,9 +37,17 @@ const WAKE_FLUSH: u64 = 2;
 /// How long a loop pauses after its completion queue's wait failed (so as not to spin on it).
 const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(20);
 /// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
-const RECV_SLACK: usize = 4;
-/// Send slots per connection (more messages wait in its backlog).
-const SEND_SLOTS: usize = 16;
+pub(crate) const RECV_SLACK: usize = 4;
+/// Send slots per admitted session (more messages wait in its backlog).
+pub(crate) const SEND_SLOTS: usize = 16;
+/// Receive slots a connection has until its host is admitted to a subsystem (and for good on
+/// a discovery connection): its Connect, an AuthResponse, a Disconnect and one spare. The rest
+/// of a session's slots (its queue depth, [`RECV_SLACK`]) are posted at admission, before the
+/// ConnectResponse goes out.
+pub(crate) const CONTROL_RECV_SLOTS: usize = 4;
+/// Send slots until admission (a challenge and a confirmation, or a refusal; more wait in the
+/// backlog).
+pub(crate) const CONTROL_SEND_SLOTS: usize = 2;
 /// How long a stopping loop waits for its goodbyes to leave.
 const STOP_GRACE: Duration = Duration::from_secs(1);
 /// Test hook (never set in production): a loop that takes a reload command sleeps this many
@@ -56,6 +65,8 @@ struct PendingFlush {
 pub(crate) struct PollLoop {
     index: usize,
     shared: Arc<Shared>,
+    /// The way to this loop, for the pools to wake it when they evict one of its connections.
+    own: LoopTx,
     rx: mpsc::Receiver<LoopCmd>,
     /// Bumped every turn; its eventfd is the loop's command eventfd.
     beat: Heartbeat,
@@ -80,6 +91,7 @@ impl PollLoop {
     pub(crate) fn new(
         index: usize,
         shared: Arc<Shared>,
+        own: LoopTx,
         rx: mpsc::Receiver<LoopCmd>,
         beat: Heartbeat,
         load: Arc<AtomicUsize>,
@@ -93,6 +105,7 @@ impl PollLoop {
         Ok(PollLoop {
             index,
             shared,
+            own,
             rx,
             beat,
             load,
@@ -122,7 +135,9 @@ impl PollLoop {
             self.beat.tick();
             loop {
                 match self.rx.try_recv() {
-                    Ok(LoopCmd::Accept(req)) => self.accept(req),
+                    Ok(LoopCmd::Accept(req, ticket)) => self.accept(req, *ticket),
+                    // The timers run this turn and drop the evicted connections.
+                    Ok(LoopCmd::Evicted) => self.failed = true,
                     Ok(LoopCmd::Reload(diff)) => {
                         if let Some(d) = self.stall_on_reload {
                             log::warn!("loop {}: test hook: stalling {d:?}", self.index);
@@ -136,7 +151,12 @@ impl PollLoop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            let next = self.next_timer();
+            // An eviction (already flagged as failed) is handled this turn: no wait.
+            let next = if self.failed {
+                Some(Instant::now())
+            } else {
+                self.next_timer()
+            };
             let now = Instant::now();
             self.turn(Some(next.map(|t| t.saturating_duration_since(now))));
             let now = Instant::now();
@@ -152,32 +172,43 @@ impl PollLoop {
         self.conns.values().map(Conn::next_timer).min()
     }
 
-    fn accept(&mut self, req: ConnRequest) {
+    fn accept(&mut self, req: ConnRequest, ticket: Ticket) {
         let cfg = self.shared.config();
         let peer = req.peer_addr();
-        let n = self.shared.connections.fetch_add(1, Ordering::SeqCst);
-        let over_limit = n >= cfg.max_connections as usize;
+        self.shared.connections.fetch_add(1, Ordering::SeqCst);
         // The depth granted now stays this connection's, whatever a reload changes later.
         let granted = cfg.max_queue_depth;
         let depth = granted as usize + RECV_SLACK;
+        let handshake = Duration::from_millis(u64::from(cfg.admission.handshake_timeout_ms));
         let params = ConnParams {
             crc: cfg.crc,
-            timeout: super::HANDSHAKE_TIMEOUT,
+            timeout: handshake,
             ..ConnParams::default()
         };
         let made = (|| {
             let pd = self.shared.ctx.alloc_pd()?;
             let caps = QpCaps {
                 max_send_wr: SEND_SLOTS,
-                max_recv_wr: depth,
+                max_recv_wr: depth.max(CONTROL_RECV_SLOTS),
             };
             let prepared = pd.create_qp(&self.cq, &self.cq, caps)?;
-            let bufs = MsgBufs::new(&pd, depth, SEND_SLOTS)?;
+            // Only what the control exchange needs until admission (docs/operations.md,
+            // "Memory"); the session's slots come with its ConnectResponse.
+            let bufs = MsgBufs::new(&pd, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS)?;
             for slot in 0..bufs.recv_slots() {
                 prepared.post_recv(bufs.recv_wr(slot))?;
             }
             let qp = req.accept(prepared, &params, &[])?;
-            Ok::<_, rpma_common::fabric::Error>(Conn::new(qp, pd, bufs, over_limit, granted))
+            Ok::<_, rpma_common::fabric::Error>(Conn::new(
+                &self.shared,
+                qp,
+                pd,
+                bufs,
+                ticket,
+                self.own.clone(),
+                granted,
+                Instant::now() + handshake,
+            ))
         })();
         match made {
             Ok(conn) => {
@@ -250,7 +281,10 @@ impl PollLoop {
             // WrFlush after the queue pair went to Error, or a message too long for a slot
             // (LocalLength): the connection is over; tick drops it.
             if c.status != WcStatus::WrFlush {
-                log::warn!("{}: receive failed: {:?}", conn.peer, c.status);
+                let p = conn.peer;
+                self.shared
+                    .peer_log
+                    .warn(p.ip(), format_args!("{p}: receive failed: {:?}", c.status));
             }
             return;
         }

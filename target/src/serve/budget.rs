@@ -1,0 +1,271 @@
+//! The admission budgets: connections that have not been admitted yet (past MPA, before the end
+//! of their Connect and auth) and discovery sessions each draw a [`Ticket`] from a pool of their
+//! own, bounded in total and per source address (admitted sessions are counted against
+//! `max_connections` at admission, see [`Shared::register_session`](super::Shared)).
+//!
+//! A source past its cap is refused. A pool that is full makes room: its oldest ticket is
+//! evicted (its connection is closed by its poll loop) and the new connection takes its place.
+//! So an attacker who fills a pool, from as many addresses as he likes, can delay an allowed
+//! host by nothing but the time of its own exchange: the host's new connection is always taken
+//! in, and it finishes its Connect long before as many newer connections have pushed it out.
+//!
+//! Before admission a connection holds only what the control exchange needs (a few receive
+//! slots, see the poll loop), so the pool bounds the memory of unadmitted connections too.
+
+use std::collections::{BTreeMap, HashMap};
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+
+use super::{LoopCmd, LoopTx};
+
+/// Which pool a ticket is from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Pool {
+    /// Past MPA, Connect (and auth) not finished.
+    Unadmitted,
+    /// Discovery sessions.
+    Discovery,
+}
+
+impl Pool {
+    /// The pool's name in logs and status.
+    pub(crate) fn name(self) -> &'static str {
+        match self {
+            Pool::Unadmitted => "unadmitted",
+            Pool::Discovery => "discovery",
+        }
+    }
+}
+
+/// A pool's limits.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Limits {
+    pub(crate) total: usize,
+    pub(crate) per_source: usize,
+}
+
+/// Why no ticket was given.
+#[derive(Debug, thiserror::Error)]
+#[error("{count} {} connection(s) from {addr} already (at most {cap} per address)", pool.name())]
+pub(crate) struct SourceFull {
+    pub(crate) pool: Pool,
+    pub(crate) addr: IpAddr,
+    pub(crate) count: usize,
+    pub(crate) cap: usize,
+}
+
+/// What the holder of a ticket and the pool share.
+#[derive(Debug)]
+struct Held {
+    source: IpAddr,
+    evicted: AtomicBool,
+    /// The poll loop that owns the connection, woken when it is evicted.
+    owner: LoopTx,
+}
+
+#[derive(Debug, Default)]
+struct PoolState {
+    per_source: HashMap<IpAddr, usize>,
+    /// By serial: the first is the oldest.
+    held: BTreeMap<u64, Arc<Held>>,
+    next: u64,
+    evicted: u64,
+}
+
+impl PoolState {
+    fn release(&mut self, serial: u64) -> Option<Arc<Held>> {
+        let h = self.held.remove(&serial)?;
+        if let Some(n) = self.per_source.get_mut(&h.source) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_source.remove(&h.source);
+            }
+        }
+        Some(h)
+    }
+}
+
+/// The two pools.
+#[derive(Debug, Default)]
+pub(crate) struct Budgets {
+    unadmitted: Mutex<PoolState>,
+    discovery: Mutex<PoolState>,
+}
+
+/// A connection's place in a pool, given back on drop.
+#[derive(Debug)]
+pub(crate) struct Ticket {
+    budgets: Arc<Budgets>,
+    pool: Pool,
+    serial: u64,
+    held: Arc<Held>,
+}
+
+impl Ticket {
+    /// Whether the pool took the place back for a newer connection: close the connection.
+    pub(crate) fn evicted(&self) -> bool {
+        self.held.evicted.load(Ordering::SeqCst)
+    }
+
+    /// The pool.
+    pub(crate) fn pool(&self) -> Pool {
+        self.pool
+    }
+}
+
+impl Drop for Ticket {
+    fn drop(&mut self) {
+        self.budgets.state(self.pool).release(self.serial);
+    }
+}
+
+/// A pool's use, for `status`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Use {
+    pub(crate) held: usize,
+    pub(crate) sources: usize,
+    pub(crate) evicted: u64,
+}
+
+/// An address as a source: an IPv4 peer on a dual-stack socket is its IPv4 address.
+pub(crate) fn source_of(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
+        v4 => v4,
+    }
+}
+
+impl Budgets {
+    fn state(&self, pool: Pool) -> std::sync::MutexGuard<'_, PoolState> {
+        let m = match pool {
+            Pool::Unadmitted => &self.unadmitted,
+            Pool::Discovery => &self.discovery,
+        };
+        m.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place in `pool` for a connection from `source` owned by the loop `owner`: refused if
+    /// the source holds its cap already; if the pool is full, its oldest holder is evicted.
+    pub(crate) fn take(
+        self: &Arc<Self>,
+        pool: Pool,
+        source: IpAddr,
+        limits: Limits,
+        owner: LoopTx,
+    ) -> Result<Ticket, SourceFull> {
+        let source = source_of(source);
+        let mut st = self.state(pool);
+        let count = st.per_source.get(&source).copied().unwrap_or(0);
+        if count >= limits.per_source {
+            return Err(SourceFull {
+                pool,
+                addr: source,
+                count,
+                cap: limits.per_source,
+            });
+        }
+        // A reload may have lowered the limit: evict down to it.
+        while st.held.len() >= limits.total.max(1) {
+            let Some(&oldest) = st.held.keys().next() else {
+                break;
+            };
+            if let Some(h) = st.release(oldest) {
+                st.evicted += 1;
+                h.evicted.store(true, Ordering::SeqCst);
+                let _ = h.owner.send(LoopCmd::Evicted);
+            }
+        }
+        let serial = st.next;
+        st.next += 1;
+        let held = Arc::new(Held {
+            source,
+            evicted: AtomicBool::new(false),
+            owner,
+        });
+        st.held.insert(serial, Arc::clone(&held));
+        *st.per_source.entry(source).or_insert(0) += 1;
+        Ok(Ticket {
+            budgets: Arc::clone(self),
+            pool,
+            serial,
+            held,
+        })
+    }
+
+    /// What `pool` holds now.
+    pub(crate) fn usage(&self, pool: Pool) -> Use {
+        let st = self.state(pool);
+        Use {
+            held: st.held.len(),
+            sources: st.per_source.len(),
+            evicted: st.evicted,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+
+    use super::*;
+    use crate::eventfd::EventFd;
+
+    fn owner() -> (LoopTx, mpsc::Receiver<LoopCmd>) {
+        let (tx, rx) = mpsc::channel();
+        (LoopTx::new(tx, Arc::new(EventFd::new().unwrap())), rx)
+    }
+
+    const A: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 1));
+    const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 2));
+
+    #[test]
+    fn per_source_cap_refuses_and_a_full_pool_evicts_its_oldest() {
+        let b = Arc::new(Budgets::default());
+        let (tx, rx) = owner();
+        let lim = Limits {
+            total: 3,
+            per_source: 2,
+        };
+        let a1 = b.take(Pool::Unadmitted, A, lim, tx.clone()).unwrap();
+        let a2 = b.take(Pool::Unadmitted, A, lim, tx.clone()).unwrap();
+        let e = b.take(Pool::Unadmitted, A, lim, tx.clone()).unwrap_err();
+        assert_eq!((e.count, e.cap), (2, 2));
+        // Discovery is another pool.
+        let _d = b.take(Pool::Discovery, A, lim, tx.clone()).unwrap();
+        let b1 = b.take(Pool::Unadmitted, B, lim, tx.clone()).unwrap();
+        assert!(rx.try_recv().is_err(), "nobody evicted yet");
+        // Full: the next one evicts the oldest (a1), which frees a place of A's.
+        let b2 = b.take(Pool::Unadmitted, B, lim, tx.clone()).unwrap();
+        assert!(a1.evicted() && !a2.evicted() && !b1.evicted() && !b2.evicted());
+        assert!(matches!(rx.try_recv(), Ok(LoopCmd::Evicted)));
+        assert_eq!(
+            b.usage(Pool::Unadmitted),
+            Use {
+                held: 3,
+                sources: 2,
+                evicted: 1
+            }
+        );
+        // Dropping an evicted ticket gives nothing back twice.
+        drop(a1);
+        assert_eq!(b.usage(Pool::Unadmitted).held, 3);
+        drop((a2, b1, b2));
+        assert_eq!(b.usage(Pool::Unadmitted).held, 0);
+        assert_eq!(b.usage(Pool::Unadmitted).sources, 0);
+        assert_eq!(b.usage(Pool::Discovery).held, 1);
+    }
+
+    #[test]
+    fn mapped_ipv4_is_the_same_source() {
+        let b = Arc::new(Budgets::default());
+        let (tx, _rx) = owner();
+        let lim = Limits {
+            total: 8,
+            per_source: 1,
+        };
+        let _t = b.take(Pool::Discovery, A, lim, tx.clone()).unwrap();
+        let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
+        assert!(b.take(Pool::Discovery, mapped, lim, tx).is_err());
+    }
+}
