@@ -626,7 +626,13 @@ fn sighup_adds_a_namespace_while_a_session_stays_up() {
     let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
     let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
     assert_eq!(ns, [1, 3, 4]);
-    let v = t.status();
+    // identify's Disconnect may still be on its way: the count settles at 1 (ours) shortly.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut v = t.status();
+    while v["sessions"].as_array().unwrap().len() != 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        v = t.status();
+    }
     assert_eq!(v["sessions"].as_array().unwrap().len(), 1, "{v}");
 }
 
