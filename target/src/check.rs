@@ -110,6 +110,19 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         cfg.max_queue_depth,
         if cfg.discovery { "on" } else { "off" }
     )?;
+    writeln!(
+        out,
+        "admission: unadmitted {} ({} per source, {} ms to Connect), discovery {} ({} per source, \
+         keep-alive at most {} ms, closed after {} ms), refusals logged once per peer per {} ms",
+        cfg.admission.max_unadmitted,
+        cfg.admission.max_unadmitted_per_source,
+        cfg.admission.handshake_timeout_ms,
+        cfg.admission.max_discovery,
+        cfg.admission.max_discovery_per_source,
+        cfg.admission.discovery_max_keep_alive_ms,
+        cfg.admission.discovery_timeout_ms,
+        cfg.admission.refusal_log_period_ms
+    )?;
     let mut count = 0usize;
     for s in &cfg.subsystems {
         let keyed = s.hosts.iter().filter(|h| h.psk.is_some()).count();

@@ -63,6 +63,10 @@ fn good_config_reports_domains_and_methods() {
         "{out}"
     );
     assert!(
+        out.contains("admission: unadmitted 64 (8 per source, 5000 ms to Connect), discovery 16"),
+        "{out}"
+    );
+    assert!(
         !d.path().join("ns1").exists(),
         "check-config must not create namespaces"
     );
