@@ -17,6 +17,13 @@
 //! does for anything longer than a `usize`: no reference is formed, the compiler cannot assume
 //! the bytes are unchanged or unobserved, and a byte-wise volatile loop would cost an order of
 //! magnitude in bandwidth on the placement path.
+//!
+//! How far that goes: Rust's memory model has no formal rule yet for plain accesses that race
+//! with writers it cannot see (the kernel, another process, a thread writing through raw
+//! pointers); "torn, nothing worse" is what the hardware and the compiler give for raw copies
+//! that no reference covers, and the position vm-memory (and the VMMs built on it) takes for
+//! guest memory. What this type removes is the part Rust does define as undefined behaviour:
+//! references whose aliasing promises are broken.
 
 use std::io;
 use std::marker::PhantomData;
