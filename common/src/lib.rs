@@ -4,6 +4,8 @@
 //!   which persistence domain the storage is in.
 //! - [`fabric`]: the verbs-shaped API and its transport `tcp` (userspace iWARP); `rdma` comes later.
 //! - [`proto`]: the control-plane wire format spoken over the fabric's Send/Recv.
+//! - [`volatile`]: views of memory that peers, other threads or processes write concurrently
+//!   (registered memory, shared mappings), reached only through copies and iovecs.
 //!
 //! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not built yet.
 
@@ -11,6 +13,7 @@ pub mod fabric;
 pub mod pmem;
 pub mod proto;
 pub mod units;
+pub mod volatile;
 
 /// An error and its sources on one line, "outer: inner: innermost", for logs and for error
 /// texts that must keep the errno that a wrapper's own message does not repeat.

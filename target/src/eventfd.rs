@@ -1,12 +1,14 @@
 //! A non-blocking eventfd: the wake-up signal between threads of the daemon (a flusher's
 //! completions, commands for a poll loop), readable until [`EventFd::clear`]ed.
 
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, BorrowedFd};
+
+use nix::sys::eventfd::{self, EfdFlags};
 
 /// An eventfd (`EFD_NONBLOCK | EFD_CLOEXEC`). Share it with an `Arc` to signal from another
 /// thread.
 #[derive(Debug)]
-pub(crate) struct EventFd(OwnedFd);
+pub(crate) struct EventFd(eventfd::EventFd);
 
 impl EventFd {
     /// A new eventfd, not readable.
@@ -14,29 +16,20 @@ impl EventFd {
     /// # Errors
     /// The OS error of `eventfd(2)` (EMFILE and the like).
     pub(crate) fn new() -> std::io::Result<EventFd> {
-        // SAFETY: eventfd has no memory-safety preconditions; the result is checked below.
-        let fd = unsafe { libc::eventfd(0, libc::EFD_NONBLOCK | libc::EFD_CLOEXEC) };
-        if fd < 0 {
-            return Err(std::io::Error::last_os_error());
-        }
-        // SAFETY: `fd` was just returned by eventfd and is owned by nobody else.
-        Ok(EventFd(unsafe { OwnedFd::from_raw_fd(fd) }))
+        let fd = eventfd::EventFd::from_flags(EfdFlags::EFD_NONBLOCK | EfdFlags::EFD_CLOEXEC)?;
+        Ok(EventFd(fd))
     }
 
     /// Makes it readable.
     pub(crate) fn signal(&self) {
-        let one = 1u64.to_ne_bytes();
-        // SAFETY: writes 8 bytes from a live local array to an eventfd we own. A full counter
-        // (EAGAIN) still leaves the eventfd readable, which is all a waiter needs.
-        unsafe { libc::write(self.0.as_raw_fd(), one.as_ptr().cast(), one.len()) };
+        // A full counter (EAGAIN) still leaves the eventfd readable, which is all a waiter needs.
+        let _ = self.0.write(1);
     }
 
     /// Makes it not readable (until the next [`signal`](Self::signal)).
     pub(crate) fn clear(&self) {
-        let mut buf = [0u8; 8];
-        // SAFETY: reads at most 8 bytes into a live local array; the fd is non-blocking, so an
-        // eventfd that is not readable returns EAGAIN at once.
-        unsafe { libc::read(self.0.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len()) };
+        // Non-blocking: an eventfd that is not readable returns EAGAIN at once.
+        let _ = self.0.read();
     }
 }
 
@@ -49,15 +42,11 @@ impl AsFd for EventFd {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 
     fn readable(e: &EventFd) -> bool {
-        let mut pfd = libc::pollfd {
-            fd: e.as_fd().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one live pollfd, no timeout.
-        unsafe { libc::poll(&mut pfd, 1, 0) == 1 }
+        let mut fds = [PollFd::new(e.as_fd(), PollFlags::POLLIN)];
+        poll(&mut fds, PollTimeout::ZERO).unwrap() == 1
     }
 
     #[test]

@@ -1,6 +1,7 @@
 //! Memory regions and windows: what peers may reach, under which rkey, with which rights.
 
-use std::alloc::{self, Layout};
+use std::num::NonZeroUsize;
+use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
@@ -9,6 +10,7 @@ use super::pd::ProtectionDomain;
 use super::soft::device::{StagEntry, StagKind};
 use super::types::{Access, RemoteAddr};
 use crate::pmem::Persist;
+use crate::volatile::VolatileSlice;
 
 /// Memory that can be registered with [`ProtectionDomain::register`].
 ///
@@ -17,7 +19,8 @@ use crate::pmem::Persist;
 /// of [`len`](Self::len) bytes, never changes, and stays valid for the object's lifetime; and
 /// that it never hands out Rust references into that memory which assume exclusive or unchanging
 /// access, because the fabric writes into it (placing a peer's Write, a Read response, an
-/// atomic) from whichever thread drives progress, through raw pointers.
+/// atomic) from whichever thread drives progress, through raw pointers (copy through a
+/// [`VolatileSlice`] rather than forming a reference).
 pub unsafe trait RegisteredMemory: Send + Sync + 'static {
     /// Start of the memory.
     fn as_mut_ptr(&self) -> *mut u8;
@@ -49,55 +52,67 @@ unsafe impl RegisteredMemory for crate::pmem::Mapping {
 }
 
 /// An owned, zeroed, page-aligned buffer to register: volatile memory for Read sinks, Recv
-/// buffers, atomic results or test targets. Access it with the copying accessors only: the
-/// fabric writes into it concurrently.
+/// buffers, atomic results or test targets.
+///
+/// The fabric writes into it from whichever thread drives progress while its owner may read
+/// it, so it hands out no reference to its bytes: the accessors copy through a
+/// [`VolatileSlice`] (bytes placed while they are being copied may come out torn, never
+/// anything worse), and the memory is an anonymous mapping of its own rather than a Rust heap
+/// allocation.
 pub struct AlignedBuf {
-    ptr: *mut u8,
+    ptr: NonNull<u8>,
     len: usize,
 }
 
-// SAFETY: the buffer is a plain heap allocation owned by this value; all access goes through
-// raw-pointer copies, so sharing it between threads is as sound as sharing the pointer.
+// SAFETY: the buffer is a private anonymous mapping owned by this value and unmapped only in
+// Drop; every access, from any thread, goes through raw-pointer copies or the kernel.
 unsafe impl Send for AlignedBuf {}
 // SAFETY: as for Send: no method hands out references into the buffer.
 unsafe impl Sync for AlignedBuf {}
 
-const ALIGN: usize = 4096;
-
 impl AlignedBuf {
-    /// A zeroed buffer of `len` bytes (at least 1), aligned to 4096.
+    /// A zeroed buffer of `len` bytes (at least 1), aligned to the page size (4096 or more).
     ///
     /// # Errors
-    /// [`Error::Register`] for a zero or absurd length.
+    /// [`Error::Register`] for a zero length, or when the kernel refuses the mapping (an
+    /// absurd length, no memory).
     pub fn new(len: usize) -> Result<Arc<AlignedBuf>> {
-        let layout = Layout::from_size_align(len.max(1), ALIGN).map_err(|_| Error::Register {
+        let refuse = |reason| Error::Register {
             addr: 0,
             len,
-            reason: "length too large for an aligned allocation",
-        })?;
-        if len == 0 {
-            return Err(Error::Register {
-                addr: 0,
-                len,
-                reason: "empty buffer",
-            });
+            reason,
+        };
+        let size = NonZeroUsize::new(len).ok_or(refuse("empty buffer"))?;
+        use nix::sys::mman::{mmap_anonymous, MapFlags, ProtFlags};
+        // SAFETY: a fresh private anonymous mapping at an address the kernel picks aliases no
+        // existing memory; the kernel zeroes it.
+        let ptr = unsafe {
+            mmap_anonymous(
+                None,
+                size,
+                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
+                MapFlags::MAP_PRIVATE,
+            )
         }
-        // SAFETY: the layout has a non-zero size.
-        let ptr = unsafe { alloc::alloc_zeroed(layout) };
-        if ptr.is_null() {
-            alloc::handle_alloc_error(layout);
-        }
-        Ok(Arc::new(AlignedBuf { ptr, len }))
+        .map_err(|_| refuse("the kernel refused an anonymous mapping of this length"))?;
+        Ok(Arc::new(AlignedBuf {
+            ptr: ptr.cast(),
+            len,
+        }))
     }
 
-    fn check(&self, offset: usize, len: usize) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.len => Ok(()),
-            _ => Err(Error::LocalBounds {
-                offset,
-                len,
-                region_len: self.len,
-            }),
+    /// The whole buffer as a view for copies.
+    pub fn as_volatile(&self) -> VolatileSlice<'_> {
+        // SAFETY: the mapping is valid for reads and writes of `len` bytes until Drop, which the
+        // borrow of self outlasts; this type never hands out a reference to its bytes.
+        unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.len) }
+    }
+
+    fn bounds(&self, offset: usize, len: usize) -> Error {
+        Error::LocalBounds {
+            offset,
+            len,
+            region_len: self.len,
         }
     }
 
@@ -106,11 +121,9 @@ impl AlignedBuf {
     /// # Errors
     /// [`Error::LocalBounds`] if the range is outside the buffer.
     pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.check(offset, out.len())?;
-        // SAFETY: the range was checked to lie in the allocation; `out` is a distinct Rust
-        // buffer, so the two do not overlap.
-        unsafe { std::ptr::copy_nonoverlapping(self.ptr.add(offset), out.as_mut_ptr(), out.len()) };
-        Ok(())
+        self.as_volatile()
+            .read_at(offset, out)
+            .map_err(|_| self.bounds(offset, out.len()))
     }
 
     /// Copies `data` into the buffer at `offset`.
@@ -118,11 +131,9 @@ impl AlignedBuf {
     /// # Errors
     /// [`Error::LocalBounds`] if the range is outside the buffer.
     pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check(offset, data.len())?;
-        // SAFETY: the range was checked to lie in the allocation; `data` is a distinct Rust
-        // buffer.
-        unsafe { std::ptr::copy_nonoverlapping(data.as_ptr(), self.ptr.add(offset), data.len()) };
-        Ok(())
+        self.as_volatile()
+            .write_at(offset, data)
+            .map_err(|_| self.bounds(offset, data.len()))
     }
 
     /// The whole buffer, copied.
@@ -133,7 +144,7 @@ impl AlignedBuf {
         v
     }
 
-    /// The native-endian u64 at `offset` (8-byte aligned offsets read atomically).
+    /// The native-endian u64 at `offset` (8-byte aligned offsets read in one access).
     ///
     /// # Errors
     /// [`Error::LocalBounds`] if the range is outside the buffer.
@@ -146,9 +157,9 @@ impl AlignedBuf {
 
 impl Drop for AlignedBuf {
     fn drop(&mut self) {
-        let layout = Layout::from_size_align(self.len.max(1), ALIGN).expect("checked in new");
-        // SAFETY: ptr was allocated in `new` with this very layout and is freed only here.
-        unsafe { alloc::dealloc(self.ptr, layout) };
+        // SAFETY: ptr/len are the mapping made in `new`, unmapped only here; the fabric holds an
+        // Arc of this buffer for as long as it may place into it.
+        let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.len) };
     }
 }
 
@@ -161,10 +172,10 @@ impl std::fmt::Debug for AlignedBuf {
     }
 }
 
-// SAFETY: ptr/len describe the live allocation owned by self; access is by raw pointer only.
+// SAFETY: ptr/len describe the live mapping owned by self; access is by raw pointer only.
 unsafe impl RegisteredMemory for AlignedBuf {
     fn as_mut_ptr(&self) -> *mut u8 {
-        self.ptr
+        self.ptr.as_ptr()
     }
     fn len(&self) -> usize {
         self.len
@@ -219,6 +230,15 @@ impl Region {
 
     pub(crate) fn addr(&self) -> *mut u8 {
         self.addr
+    }
+
+    /// The `len` bytes at `offset`, for copies and iovecs. None if they are not all inside.
+    pub(crate) fn slice(&self, offset: usize, len: usize) -> Option<VolatileSlice<'_>> {
+        // SAFETY: the range is kept alive by `keep` (or by the register_raw contract) for at
+        // least as long as this Region, and registered memory is never covered by a Rust
+        // reference (the RegisteredMemory and register_raw contracts).
+        let whole = unsafe { VolatileSlice::new(self.addr, self.len) };
+        whole.subslice(offset, len).ok()
     }
 
     /// The memory's persistence, if any (offsets from the region's start).

@@ -46,9 +46,12 @@ enum Method {
 /// A shared mapping of a namespace's backing store (or anonymous memory), with the persistence
 /// domain probed when it was opened. Dropping it unmaps the memory and closes the file.
 ///
-/// The mapping hands out raw pointers: the bytes may be changed at any time by other processes
-/// sharing the file, or by a NIC. Readers and writers coordinate through the protocol above this
-/// layer; [`Mapping::read_at`]/[`Mapping::write_at`] are plain copies.
+/// The mapping hands out raw pointers, never references: the bytes may be changed at any time
+/// by other processes sharing the file, by a NIC, or by the fabric placing a peer's Write from
+/// another thread. Readers and writers coordinate through the protocol above this layer;
+/// [`Mapping::read_at`]/[`Mapping::write_at`] are copies through a
+/// [`VolatileSlice`](crate::volatile::VolatileSlice), sound under such concurrent access
+/// (racing bytes may come out torn).
 pub struct Mapping {
     ptr: NonNull<u8>,
     len: usize,
@@ -188,30 +191,39 @@ impl Mapping {
         self.file.as_ref().map(|f| f.as_fd())
     }
 
-    /// Copies `data` into the mapping at `offset`. Not durable until persisted.
+    /// The whole mapping as a view for copies and iovecs.
+    fn volatile(&self) -> crate::volatile::VolatileSlice<'_> {
+        // SAFETY: the mapping is valid for reads and writes of `len` bytes until Drop, which the
+        // borrow of self outlasts, and this type never hands out a reference to its bytes.
+        unsafe { crate::volatile::VolatileSlice::new(self.as_ptr(), self.len) }
+    }
+
+    /// Copies `data` into the mapping at `offset`. Not durable until persisted. Others reading
+    /// the range meanwhile may see a mix of old and new bytes.
     ///
     /// Errors: [`Error::OutOfRange`].
     pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.check_range(offset, data.len())?;
-        // SAFETY: [offset, offset+len) is inside the live mapping (checked), which cannot overlap
-        // `data`'s Rust allocation since it was mapped by this Mapping alone.
-        unsafe {
-            std::ptr::copy_nonoverlapping(data.as_ptr(), self.as_ptr().add(offset), data.len())
-        };
-        Ok(())
+        self.volatile()
+            .write_at(offset, data)
+            .map_err(|_| self.out_of_range(offset, data.len()))
     }
 
-    /// Copies bytes at `offset` out of the mapping into `buf`.
+    /// Copies bytes at `offset` out of the mapping into `buf`. Bytes written meanwhile by others
+    /// (a peer's Write being placed) may come out torn.
     ///
     /// Errors: [`Error::OutOfRange`].
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
-        self.check_range(offset, buf.len())?;
-        // SAFETY: as in write_at: the source range is inside the mapping, the destination is a
-        // distinct Rust allocation.
-        unsafe {
-            std::ptr::copy_nonoverlapping(self.as_ptr().add(offset), buf.as_mut_ptr(), buf.len())
-        };
-        Ok(())
+        self.volatile()
+            .read_at(offset, buf)
+            .map_err(|_| self.out_of_range(offset, buf.len()))
+    }
+
+    fn out_of_range(&self, offset: usize, len: usize) -> Error {
+        Error::OutOfRange {
+            offset,
+            len,
+            mapping_len: self.len,
+        }
     }
 
     fn check_range(&self, offset: usize, len: usize) -> Result<()> {

@@ -309,11 +309,13 @@ impl Engine {
                     .ok_or_else(|| fault(TermCause::RDMAP_UNEXPECTED_OPCODE))?;
                 match &ent.pending {
                     Pending::Atomic { req_id, result } if *req_id == ar.req_id => {
-                        let p = result.mr.as_mut_ptr().wrapping_add(result.offset);
+                        // `result` was checked at post time: 8 bytes with local write inside
+                        // a region kept alive by the entry's Arc. An 8-aligned result is
+                        // stored in one access (the owner may be reading it).
                         let v = ar.original.to_ne_bytes();
-                        // SAFETY: `result` was checked at post time: 8 bytes with local write
-                        // inside a region kept alive by the entry's Arc.
-                        unsafe { std::ptr::copy_nonoverlapping(v.as_ptr(), p, 8) };
+                        if let Some(dst) = result.mr.region().slice(result.offset, 8) {
+                            let _ = dst.write_at(0, &v);
+                        }
                     }
                     _ => return Err(fault(TermCause::RDMAP_UNEXPECTED_OPCODE)),
                 }
@@ -374,7 +376,9 @@ impl rx::Placer for Engine {
             // MemoryRegion's owner does meanwhile; a Recv buffer or Read sink by the Sge's Arc
             // in the work request, which stays queued until the FPDU's report completes it.
             // Other parties may access the same registered memory concurrently, as with any
-            // RDMA NIC: the fabric never forms a Rust reference to it outside this placement.
+            // RDMA NIC (another queue pair placing, the owner copying out), which
+            // DirectTarget's contract allows; none of them holds a Rust reference to it (the
+            // RegisteredMemory and register_raw contracts).
             Ok(Some((p, writeback))) => {
                 // SAFETY: as above.
                 let t = unsafe { DirectTarget::new(p, len) };

@@ -5,17 +5,23 @@
 //! ownership across partial writes: a queued FPDU keeps an `Arc` of the region its payload
 //! lives in, so memory in flight is never freed.
 //!
+//! A payload in registered memory is seen only as a [`VolatileSlice`]: other queue pairs may
+//! place into the same bytes while they wait here (a Read of a range another session writes),
+//! so the CRC is computed over copies of them and `writev` gets raw iovecs, never a `&[u8]`.
+//!
 //! Messages go out whole and in order: requests as posted, responses in the order their
 //! requests came in, which is what RC ordering asks of a single TCP stream.
 
 use std::collections::VecDeque;
-use std::io::{self, IoSlice, Write};
+use std::io;
 use std::net::TcpStream;
+use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
 use crate::fabric::mr::Region;
 use crate::fabric::soft::wire::tx::{Cuts, Framing, TxConfig, MIN_MAX_ULPDU};
 use crate::fabric::soft::wire::{Header, MAX_ULPDU_LIMIT};
+use crate::volatile::VolatileSlice;
 
 /// Where a message's payload comes from.
 pub(crate) enum Src {
@@ -57,8 +63,9 @@ const READY_BYTES: usize = 1024 * 1024;
 enum Payload {
     /// Registered memory, kept alive by the Arc while the FPDU waits.
     Mem {
-        ptr: *const u8,
-        len: usize,
+        /// Only ever handed out borrowed from the payload ([`Payload::iovec`] and the framing),
+        /// so it never outlives `_keep`.
+        slice: VolatileSlice<'static>,
         _keep: Arc<Region>,
     },
     Inline(Vec<u8>),
@@ -72,29 +79,42 @@ struct Fpdu {
     on_sent: OnSent,
 }
 
-// SAFETY: `Payload::Mem::ptr` points into memory kept alive by `_keep`; it is only read, and
-// only by the thread that owns the connection at the time.
+// SAFETY: `Payload::Mem::slice` points into memory kept alive by `_keep`, valid from any
+// thread; it is only copied from and handed to `writev`, by whichever thread owns the
+// connection at the time.
 unsafe impl Send for Fpdu {}
 
 impl Payload {
-    fn bytes(&self) -> &[u8] {
+    fn len(&self) -> usize {
         match self {
-            // SAFETY: `len` bytes of registered memory kept alive by `_keep`; reading it while
-            // a peer may write it yields some bytes, which is the RDMA contract for memory in
-            // flight.
-            Payload::Mem { ptr, len, .. } => unsafe { std::slice::from_raw_parts(*ptr, *len) },
-            Payload::Inline(b) => b,
+            Payload::Mem { slice, .. } => slice.len(),
+            Payload::Inline(b) => b.len(),
+        }
+    }
+
+    /// The bytes from `skip` on, for `writev` (which only reads them).
+    fn iovec(&self, skip: usize) -> libc::iovec {
+        match self {
+            Payload::Mem { slice, .. } => libc::iovec {
+                iov_base: slice.as_ptr().wrapping_add(skip).cast(),
+                iov_len: slice.len() - skip,
+            },
+            Payload::Inline(b) => iovec(&b[skip..]),
         }
     }
 }
 
-impl Fpdu {
-    fn payload(&self) -> &[u8] {
-        self.payload.bytes()
+/// An iovec over bytes we own (framing, inline bodies): `writev` only reads through it.
+fn iovec(b: &[u8]) -> libc::iovec {
+    libc::iovec {
+        iov_base: b.as_ptr().cast_mut().cast(),
+        iov_len: b.len(),
     }
+}
 
+impl Fpdu {
     fn total(&self) -> usize {
-        self.framing.overhead() + self.payload().len()
+        self.framing.overhead() + self.payload.len()
     }
 }
 
@@ -175,16 +195,27 @@ impl Tx {
                 self.front = None;
                 continue;
             };
-            let payload = match &mut m.src {
-                Src::Inline(b) => Payload::Inline(std::mem::take(b)),
-                Src::Mem { region, offset } => Payload::Mem {
-                    ptr: region.addr().wrapping_add(*offset + at) as *const u8,
-                    len: n,
-                    _keep: Arc::clone(region),
-                },
+            let crc = self.cfg.crc();
+            let (payload, framing) = match &mut m.src {
+                Src::Inline(b) => {
+                    let b = std::mem::take(b);
+                    let framing = Framing::new(&hdr, n, [&b[..]], crc);
+                    (Payload::Inline(b), framing)
+                }
+                Src::Mem { region, offset } => {
+                    let s = region
+                        .slice(*offset + at, n)
+                        .expect("checked against the region when the request was accepted");
+                    let framing = Framing::for_volatile(&hdr, s, crc);
+                    // SAFETY: the bytes stay valid as long as `_keep`, which the payload holds
+                    // beside the slice and drops with it; the slice is only used borrowed from
+                    // the payload; registered memory is never covered by a reference.
+                    let slice = unsafe { VolatileSlice::new(s.as_ptr(), s.len()) };
+                    let keep = Arc::clone(region);
+                    (Payload::Mem { slice, _keep: keep }, framing)
+                }
             };
             let on_sent = if hdr.last { m.on_sent } else { OnSent::Nothing };
-            let framing = Framing::new(&hdr, n, [payload.bytes()], self.cfg.crc());
             let f = Fpdu {
                 framing,
                 payload,
@@ -211,26 +242,45 @@ impl Tx {
             if self.ready.is_empty() {
                 return Ok(true);
             }
-            let mut iov = [IoSlice::new(&[]); BATCH * 3];
+            let empty = libc::iovec {
+                iov_base: std::ptr::null_mut(),
+                iov_len: 0,
+            };
+            let mut iov = [empty; BATCH * 3];
             let mut iovcnt = 0;
             let mut skip = self.written;
             for f in &self.ready {
-                for part in [f.framing.head(), f.payload(), f.framing.trailer()] {
-                    if skip >= part.len() {
-                        skip -= part.len();
+                let (head, trailer) = (f.framing.head(), f.framing.trailer());
+                for (i, len) in [head.len(), f.payload.len(), trailer.len()]
+                    .into_iter()
+                    .enumerate()
+                {
+                    if skip >= len {
+                        skip -= len;
                         continue;
                     }
-                    iov[iovcnt] = IoSlice::new(&part[skip..]);
+                    iov[iovcnt] = match i {
+                        0 => iovec(&head[skip..]),
+                        1 => f.payload.iovec(skip),
+                        _ => iovec(&trailer[skip..]),
+                    };
                     iovcnt += 1;
                     skip = 0;
                 }
             }
-            let n = match sock.write_vectored(&iov[..iovcnt]) {
-                Ok(0) => return Err(io::Error::from(io::ErrorKind::WriteZero)),
-                Ok(n) => n,
-                Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
-                Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
-                Err(e) => return Err(e),
+            // SAFETY: every iovec describes bytes valid for reads for the whole call: framing
+            // and inline bodies owned by `self.ready` (borrowed here), registered memory kept
+            // alive by the `Arc` of each FPDU in it; `writev` only reads them, and no Rust
+            // reference is formed over the registered memory. iovcnt <= BATCH * 3 < IOV_MAX.
+            let r = unsafe { libc::writev(sock.as_raw_fd(), iov.as_ptr(), iovcnt as libc::c_int) };
+            let n = match r {
+                0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+                n if n > 0 => n as usize,
+                _ => match io::Error::last_os_error() {
+                    e if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    e if e.kind() == io::ErrorKind::Interrupted => continue,
+                    e => return Err(e),
+                },
             };
             let mut n = n + self.written;
             self.written = 0;

@@ -7,6 +7,8 @@
 //!
 //! MPA puts the value on the wire least-significant byte first: `crc32c(..).to_le_bytes()`.
 
+use crate::volatile::VolatileSlice;
+
 /// CRC32c of `data`.
 pub fn crc32c(data: &[u8]) -> u32 {
     crc_fast::crc32_iscsi(data)
@@ -19,6 +21,35 @@ pub fn crc32c_append(crc: u32, data: &[u8]) -> u32 {
     let mut d =
         crc_fast::Digest::new_with_init_state(crc_fast::CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
     d.update(data);
+    d.finalize() as u32
+}
+
+/// Bytes of registered memory copied out per step of [`crc32c_append_volatile`]: small enough
+/// to stay in L1, large enough that the per-call cost of the CRC is lost in the bytes.
+const VOLATILE_CHUNK: usize = 8192;
+
+/// [`crc32c_append`] over bytes others may be writing (registered memory): they are copied out
+/// a chunk at a time into a buffer of our own and the CRC runs over that, so that no Rust
+/// reference ever covers them. A byte written meanwhile makes this the CRC of some mix of old
+/// and new bytes, which may then not match what a later read of the memory sends: the peer's
+/// CRC check fails and the connection is terminated, as when an RNIC's data changes under it.
+pub fn crc32c_append_volatile(crc: u32, data: VolatileSlice<'_>) -> u32 {
+    prefetch_range(data.as_ptr(), data.len());
+    let mut d =
+        crc_fast::Digest::new_with_init_state(crc_fast::CrcAlgorithm::Crc32Iscsi, u64::from(!crc));
+    let mut chunk = std::mem::MaybeUninit::<[u8; VOLATILE_CHUNK]>::uninit();
+    let buf = chunk.as_mut_ptr().cast::<u8>();
+    let mut off = 0;
+    while off < data.len() {
+        let n = (data.len() - off).min(VOLATILE_CHUNK);
+        // SAFETY: `data` is valid for reads of its length (its contract) and off + n <= len;
+        // `buf` is our own VOLATILE_CHUNK >= n bytes, which no slice of registered memory can
+        // overlap.
+        unsafe { crate::volatile::copy(buf, data.as_ptr().add(off), n) };
+        // SAFETY: the copy just initialised these n bytes of our own buffer.
+        d.update(unsafe { std::slice::from_raw_parts(buf, n) });
+        off += n;
+    }
     d.finalize() as u32
 }
 
@@ -43,15 +74,21 @@ fn page_offsets(addr: usize, len: usize) -> impl Iterator<Item = usize> {
 /// (docs/benchmarks.md). A hint only: it never faults and changes no state a program can see.
 #[inline]
 pub fn prefetch_pages(data: &[u8]) {
+    prefetch_range(data.as_ptr(), data.len());
+}
+
+/// [`prefetch_pages`] for `len` bytes at `ptr`, which need not be covered by a reference.
+#[inline]
+fn prefetch_range(ptr: *const u8, len: usize) {
     #[cfg(target_arch = "x86_64")]
-    for o in page_offsets(data.as_ptr() as usize, data.len()) {
+    for o in page_offsets(ptr as usize, len) {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
-        // SAFETY: `o < data.len()`, so the address is inside `data`; a prefetch only hints
-        // the cache and cannot fault in any case.
-        unsafe { _mm_prefetch::<_MM_HINT_T0>(data.as_ptr().add(o).cast()) };
+        // SAFETY: SSE is baseline on x86-64; a prefetch only hints the cache, reads nothing a
+        // program can see and cannot fault on any address (`o < len` keeps it in the range).
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(ptr.wrapping_add(o).cast()) };
     }
     #[cfg(not(target_arch = "x86_64"))]
-    let _ = data;
+    let _ = (ptr, len);
 }
 
 #[cfg(test)]
@@ -65,6 +102,25 @@ mod tests {
         assert_eq!(crc32c(b"123456789"), 0xE306_9283);
         assert_eq!(crc32c(b""), 0);
         assert_eq!(crc32c_append(0, b"123456789"), 0xE306_9283);
+    }
+
+    #[test]
+    fn the_volatile_crc_equals_the_slice_crc_across_chunks() {
+        let mut data: Vec<u8> = (0..3 * VOLATILE_CHUNK as u32 + 77)
+            .map(|i| (i.wrapping_mul(2654435761) >> 11) as u8)
+            .collect();
+        let want: Vec<u32> = [0, 1, VOLATILE_CHUNK, VOLATILE_CHUNK + 1, data.len()]
+            .iter()
+            .map(|&n| crc32c_append(crc32c(b"head"), &data[..n]))
+            .collect();
+        let s = VolatileSlice::from(&mut data[..]);
+        for (i, &n) in [0, 1, VOLATILE_CHUNK, VOLATILE_CHUNK + 1, s.len()]
+            .iter()
+            .enumerate()
+        {
+            let v = crc32c_append_volatile(crc32c(b"head"), s.subslice(0, n).unwrap());
+            assert_eq!(v, want[i], "{n} bytes");
+        }
     }
 
     #[test]

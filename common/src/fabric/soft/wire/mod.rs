@@ -1,6 +1,7 @@
 //! iWARP wire formats for the `tcp` transport: MPA (RFC 5044, RFC 6581), DDP (RFC 5041),
 //! RDMAP (RFC 5040, RFC 7306) and this project's private opcodes. Pure code: encoding, decoding,
-//! segmentation and a receive state machine fed through `std::io::Read`; no sockets inside.
+//! segmentation and a receive state machine fed through `std::io::Read` and
+//! [`ReadVolatile`](crate::volatile::ReadVolatile); no sockets inside.
 //!
 //! Quick start (the engine's view):
 //!
@@ -13,7 +14,9 @@
 //!    its own way (the engine's) uses the segmenter's owned parts, [`tx::Cuts`] and
 //!    [`tx::Framing`].
 //! 3. To receive, feed a non-blocking socket to [`rx::FpduReceiver::poll`] with a
-//!    [`rx::Placer`] that says where each data payload goes.
+//!    [`rx::Placer`] that says where each data payload goes. Registered memory, on both sides,
+//!    is reached only through a [`VolatileSlice`](crate::volatile::VolatileSlice)
+//!    ([`tx::Framing::for_volatile`], [`rx::DirectTarget`]).
 //!
 //! Every decoding error is a [`WireError`], and every `WireError` names the Terminate cause the
 //! RFCs prescribe for it ([`WireError::terminate_cause`]), so the engine can answer a bad frame with

@@ -9,6 +9,7 @@
 //! buffered down by `cap` when the data wraps: the same indices, correct, just slower.
 
 use std::io;
+use std::ops::Range;
 
 /// A mirrored byte ring of `cap()` bytes, seen as a slice of `2 * cap()` bytes.
 pub(crate) struct Ring {
@@ -111,17 +112,32 @@ impl Ring {
         self.cap
     }
 
-    /// The whole double view (`2 * cap` bytes).
-    pub(crate) fn view(&self) -> &[u8] {
-        // SAFETY: `ptr` is valid for 2 * cap bytes for the ring's lifetime; the borrow of self
-        // keeps `view_mut` from being used meanwhile.
-        unsafe { std::slice::from_raw_parts(self.ptr, 2 * self.cap) }
+    /// Panics unless `range` is a window of at most `cap` bytes inside the double view: such a
+    /// window covers each byte of the memfd at most once, so a reference over it aliases
+    /// nothing (the whole double view would cover every byte twice).
+    fn window(&self, range: &Range<usize>) -> *mut u8 {
+        assert!(
+            range.start <= range.end && range.end <= 2 * self.cap && range.len() <= self.cap,
+            "ring window {range:?} of a {}-byte ring",
+            self.cap
+        );
+        // SAFETY: inside the 2 * cap bytes at `ptr` (checked).
+        unsafe { self.ptr.add(range.start) }
     }
 
-    /// The whole double view, writable (the receiver reads from the socket into it).
-    pub(crate) fn view_mut(&mut self) -> &mut [u8] {
-        // SAFETY: as in `view`, and `&mut self` makes this the only reference.
-        unsafe { std::slice::from_raw_parts_mut(self.ptr, 2 * self.cap) }
+    /// The bytes at `range` (at most `cap` of them, anywhere in the double view).
+    pub(crate) fn bytes(&self, range: Range<usize>) -> &[u8] {
+        let p = self.window(&range);
+        // SAFETY: valid for the ring's lifetime; a window of at most cap bytes covers no byte
+        // twice, and the borrow of self keeps `bytes_mut` from being used meanwhile.
+        unsafe { std::slice::from_raw_parts(p, range.len()) }
+    }
+
+    /// The bytes at `range`, writable (the receiver reads from the socket into them).
+    pub(crate) fn bytes_mut(&mut self, range: Range<usize>) -> &mut [u8] {
+        let p = self.window(&range);
+        // SAFETY: as in `bytes`, and `&mut self` makes this the only reference into the ring.
+        unsafe { std::slice::from_raw_parts_mut(p, range.len()) }
     }
 
     /// Moves the buffered bytes `[start, end)` (with `start >= cap`, `end - start <= cap`) down
@@ -135,8 +151,15 @@ impl Ring {
             // SAFETY: an empty asm statement; it may "touch memory", which is the point.
             unsafe { std::arch::asm!("", options(nostack, preserves_flags)) };
         } else {
-            let cap = self.cap;
-            self.view_mut().copy_within(start..end, start - cap);
+            // SAFETY: the fallback is one plain allocation of 2 * cap bytes (no mirror), and
+            // both ranges lie inside it; `ptr::copy` allows the overlap.
+            unsafe {
+                std::ptr::copy(
+                    self.ptr.add(start),
+                    self.ptr.add(start - self.cap),
+                    end - start,
+                )
+            };
         }
         (start - self.cap, end - self.cap)
     }
@@ -166,13 +189,13 @@ mod tests {
         assert!(r.cap() >= 5000);
         assert!(r.mirrored, "memfd mirror expected on Linux");
         let cap = r.cap();
-        r.view_mut()[cap + 10..cap + 13].copy_from_slice(b"abc");
+        r.bytes_mut(cap + 10..cap + 13).copy_from_slice(b"abc");
         let (s, e) = r.wrap(cap + 10, cap + 13);
         assert_eq!((s, e), (10, 13));
-        assert_eq!(&r.view()[s..e], b"abc");
-        r.view_mut()[cap - 2..cap + 2].copy_from_slice(b"wxyz");
-        assert_eq!(&r.view()[cap - 2..cap], b"wx");
-        assert_eq!(&r.view()[0..2], b"yz");
+        assert_eq!(r.bytes(s..e), b"abc");
+        r.bytes_mut(cap - 2..cap + 2).copy_from_slice(b"wxyz");
+        assert_eq!(r.bytes(cap - 2..cap), b"wx");
+        assert_eq!(r.bytes(0..2), b"yz");
     }
 
     #[test]
@@ -184,8 +207,26 @@ mod tests {
             cap,
             mirrored: false,
         };
-        r.view_mut()[cap + 100..cap + 104].copy_from_slice(b"data");
+        r.bytes_mut(cap + 100..cap + 104).copy_from_slice(b"data");
         let (s, e) = r.wrap(cap + 100, cap + 104);
-        assert_eq!(&r.view()[s..e], b"data");
+        assert_eq!(r.bytes(s..e), b"data");
+    }
+
+    #[test]
+    fn windows_never_cover_a_byte_twice() {
+        let r = Ring::new(4096);
+        let cap = r.cap();
+        assert_eq!(
+            r.bytes(cap / 2..cap / 2 + cap).len(),
+            cap,
+            "one whole turn is fine"
+        );
+        assert_eq!(r.bytes(2 * cap..2 * cap).len(), 0);
+        for bad in [0..cap + 1, cap - 1..2 * cap, cap..2 * cap + 1] {
+            let caught = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| {
+                r.bytes(bad.clone()).len()
+            }));
+            assert!(caught.is_err(), "{bad:?} must be refused");
+        }
     }
 }

@@ -11,6 +11,11 @@
 //!   a direct payload is then read from the stream straight into place (bytes already read ahead
 //!   are copied), with no staging.
 //!
+//! Registered memory is reached only through a [`VolatileSlice`]: copies and the iovecs of a
+//! `readv` ([`ReadVolatile`]), never a Rust reference, because other poll loops may place into
+//! the same bytes and the memory's owner may read them meanwhile (racing bytes may come out
+//! torn, as on any RDMA NIC; nothing worse).
+//!
 //! Any error leaves nothing placed for the offending FPDU (with CRC off, an I/O error or EOF
 //! in the middle of a direct payload can leave a prefix of it written, as on any RDMA NIC) and
 //! poisons the receiver: the caller answers with a Terminate for
@@ -26,6 +31,7 @@ use super::ring::Ring;
 use super::terminate::TermCause;
 use super::tx::MIN_MAX_ULPDU;
 use super::{crc32c, fpdu_len, pad_len, Result, WireError, MAX_ULPDU_LIMIT};
+use crate::volatile::{self, ReadVolatile, VolatileSlice};
 
 /// With CRC off, how far past the bytes it needs the receiver reads ahead. Small enough that a
 /// large direct payload mostly lands straight in place, large enough that a 4 KiB Write and the
@@ -97,13 +103,12 @@ impl RxConfig {
 /// Registered memory a payload is placed into.
 #[derive(Debug)]
 pub struct DirectTarget {
-    ptr: *mut u8,
-    len: usize,
+    dst: VolatileSlice<'static>,
     writeback: bool,
 }
 
-// SAFETY: `DirectTarget::new`'s contract makes the range writable from whichever thread polls
-// the receiver; the pointer is only dereferenced by the receiver that holds it.
+// SAFETY: `DirectTarget::new`'s contract makes the range valid from whichever thread polls the
+// receiver; the slice only reaches it through copies and iovecs, which any thread may use.
 unsafe impl Send for DirectTarget {}
 
 impl DirectTarget {
@@ -111,14 +116,16 @@ impl DirectTarget {
     ///
     /// # Safety
     /// From the moment this is returned to the receiver until the `poll` call that reports the
-    /// FPDU (or fails, or the receiver is dropped): `ptr..ptr + len` is valid for writes from the
-    /// polling thread, does not overlap the receiver's own buffer, and nothing reads or writes it
-    /// through another reference (the receiver may form a `&mut [u8]` over it to `read` into).
-    /// The caller has checked STag, bounds and rights for it.
+    /// FPDU (or fails, or the receiver is dropped): `ptr..ptr + len` stays valid for reads and
+    /// writes, and no Rust reference to its bytes is used (the contract of
+    /// [`VolatileSlice::new`]). Other parties may read and write the bytes meanwhile through raw
+    /// pointers or the kernel: another queue pair placing into them, the memory's owner
+    /// copying out of them; the receiver forms no reference to them either. The caller has
+    /// checked STag, bounds and rights for it.
     pub unsafe fn new(ptr: *mut u8, len: usize) -> DirectTarget {
         DirectTarget {
-            ptr,
-            len,
+            // SAFETY: this function's own contract, for as long as the receiver holds it.
+            dst: unsafe { VolatileSlice::new(ptr, len) },
             writeback: false,
         }
     }
@@ -135,12 +142,12 @@ impl DirectTarget {
 
     /// Bytes available at the target.
     pub fn len(&self) -> usize {
-        self.len
+        self.dst.len()
     }
 
     /// Whether the target is empty.
     pub fn is_empty(&self) -> bool {
-        self.len == 0
+        self.dst.is_empty()
     }
 }
 
@@ -267,14 +274,15 @@ impl std::fmt::Debug for FpduReceiver {
     }
 }
 
-/// Copies a checked payload into its placement: with [`place_copy_writeback`], the only code
-/// that writes received bytes into registered memory on the staged path.
+/// Copies a checked payload to the start of its placement: with [`place_copy_writeback`], the
+/// only code that writes received bytes into registered memory on the staged path. A `memcpy`
+/// on raw pointers (see [`crate::volatile`]): as fast as a slice copy, with no reference over
+/// memory others may be writing.
 ///
-/// # Safety
-/// `dst` must be valid for writes of `src.len()` bytes and must not overlap `src`.
-pub unsafe fn place_copy(dst: *mut u8, src: &[u8]) {
-    // SAFETY: the caller guarantees `dst` is writable for `src.len()` bytes and disjoint.
-    unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst, src.len()) }
+/// # Errors
+/// [`volatile::Error::OutOfRange`] if `dst` is shorter than `src` (nothing is copied).
+pub fn place_copy(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<()> {
+    dst.write_at(0, src)
 }
 
 /// Payloads shorter than this are copied plainly (and written back later, with the other dirty
@@ -300,26 +308,32 @@ fn writeback_split(dst: *const u8, len: usize) -> (usize, usize, usize) {
 /// either end): returns true when every byte is on its way out of the cache, so that an `sfence`
 /// makes the range durable, as after `clwb` + `sfence`. Returns false, having done a plain copy,
 /// where there is no cache write-back instruction or `src` is shorter than
-/// [`WRITEBACK_COPY_MIN`].
+/// [`WRITEBACK_COPY_MIN`]. Streaming stores go through raw pointers too: racing bytes may come
+/// out torn, as with [`place_copy`].
 ///
-/// # Safety
-/// As [`place_copy`]; and `dst..dst + src.len()` lies within one live mapping.
-pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
+/// # Errors
+/// As [`place_copy`].
+pub fn place_copy_writeback(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<bool> {
+    let dst = dst.subslice(0, src.len())?;
     #[cfg(target_arch = "x86_64")]
     if src.len() >= WRITEBACK_COPY_MIN
         && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        let (head, body, tail) = writeback_split(dst, src.len());
-        // SAFETY: the caller's contract covers dst..dst + len; head + body + tail == len.
+        let (head, body, tail) = writeback_split(dst.as_ptr(), src.len());
+        let (d0, s0) = (dst.as_ptr(), src.as_ptr());
+        // SAFETY: `dst` is valid for writes of src.len() bytes (a VolatileSlice of that length,
+        // checked above) and, being memory no reference may cover, does not overlap `src`;
+        // head + body + tail == len, so every access stays inside both; the write-back only
+        // needs the lines mapped, which a valid slice is.
         unsafe {
-            place_copy(dst, &src[..head]);
+            crate::volatile::copy(d0, s0, head);
             let mut i = head;
             while i < head + body {
                 // One line per round: four aligned 16-byte streaming stores (SSE2 is baseline
                 // on x86-64), unaligned loads from our buffer.
-                let s = src.as_ptr().add(i).cast::<__m128i>();
-                let d = dst.add(i).cast::<__m128i>();
+                let s = s0.add(i).cast::<__m128i>();
+                let d = d0.add(i).cast::<__m128i>();
                 let (x0, x1) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
                 let (x2, x3) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
                 _mm_stream_si128(d, x0);
@@ -328,17 +342,16 @@ pub unsafe fn place_copy_writeback(dst: *mut u8, src: &[u8]) -> bool {
                 _mm_stream_si128(d.add(3), x3);
                 i += 64;
             }
-            place_copy(dst.add(head + body), &src[head + body..]);
+            crate::volatile::copy(d0.add(head + body), s0.add(head + body), tail);
             // The partial lines went through the cache: write them back (no fence here; the
             // caller's sfence orders them with the streaming stores).
-            crate::pmem::writeback_range(dst, head);
-            crate::pmem::writeback_range(dst.add(head + body), tail);
+            crate::pmem::writeback_range(d0, head);
+            crate::pmem::writeback_range(d0.add(head + body), tail);
         }
-        return true;
+        return Ok(true);
     }
-    // SAFETY: the caller's contract.
-    unsafe { place_copy(dst, src) };
-    false
+    place_copy(dst, src)?;
+    Ok(false)
 }
 
 impl FpduReceiver {
@@ -384,7 +397,7 @@ impl FpduReceiver {
     /// negotiated, [`WireError::BadBodyLength`] and the body errors of [`Body::decode`];
     /// [`WireError::Refused`] when the placer refuses, [`WireError::PlacementTooShort`]. After an
     /// error every call fails with [`WireError::Closed`].
-    pub fn poll<R: Read, P: Placer>(
+    pub fn poll<R: Read + ReadVolatile, P: Placer>(
         &mut self,
         src: &mut R,
         placer: &mut P,
@@ -400,7 +413,7 @@ impl FpduReceiver {
         let written_back = matches!(done.kind, DoneKind::Placed(true));
         let data = match done.kind {
             DoneKind::Placed(_) => Delivered::Placed,
-            DoneKind::Buffered(a, b) => Delivered::Buffered(&self.ring.view()[a..b]),
+            DoneKind::Buffered(a, b) => Delivered::Buffered(self.ring.bytes(a..b)),
             DoneKind::Discarded => Delivered::Discarded,
             DoneKind::Control(body) => Delivered::Control(body),
         };
@@ -413,7 +426,11 @@ impl FpduReceiver {
         }))
     }
 
-    fn step<R: Read, P: Placer>(&mut self, src: &mut R, placer: &mut P) -> Result<Option<Done>> {
+    fn step<R: Read + ReadVolatile, P: Placer>(
+        &mut self,
+        src: &mut R,
+        placer: &mut P,
+    ) -> Result<Option<Done>> {
         loop {
             match std::mem::replace(&mut self.state, State::Idle) {
                 State::Failed => {
@@ -462,15 +479,14 @@ impl FpduReceiver {
                 } => {
                     let payload_len = ulpdu_len - header.len();
                     let n = (self.end - self.start).min(payload_len - done);
+                    // dst.len() >= payload_len was checked in `decide`.
+                    let rest = dst
+                        .dst
+                        .subslice(done, payload_len - done)
+                        .map_err(|_| too_short(payload_len, &dst))?;
                     if n > 0 {
-                        // SAFETY: DirectTarget's contract: `dst` is writable for dst.len bytes
-                        // (>= payload_len, checked in parse) and disjoint from our buffer.
-                        unsafe {
-                            place_copy(
-                                dst.ptr.add(done),
-                                &self.ring.view()[self.start..self.start + n],
-                            )
-                        };
+                        place_copy(rest, self.ring.bytes(self.start..self.start + n))
+                            .map_err(|_| too_short(payload_len, &dst))?;
                         self.start += n;
                         done += n;
                     }
@@ -483,22 +499,20 @@ impl FpduReceiver {
                         };
                         continue;
                     }
-                    // SAFETY: as above; done < payload_len <= dst.len, and no other reference to
-                    // the range exists while the receiver holds the target.
-                    let rest = unsafe {
-                        std::slice::from_raw_parts_mut(dst.ptr.add(done), payload_len - done)
-                    };
                     // Our buffer is empty here: the same readv brings the trailer and what
-                    // follows (up to read-ahead) into it.
-                    let want = rest.len();
+                    // follows (up to read-ahead) into it. The payload goes straight into place
+                    // through an iovec: no `&mut [u8]` over registered memory that another
+                    // poll loop may be placing into at the same time.
+                    let want = payload_len - done;
+                    let rest = dst
+                        .dst
+                        .subslice(done, want)
+                        .map_err(|_| too_short(payload_len, &dst))?;
                     self.start = 0;
                     self.end = 0;
                     let ahead = READ_AHEAD.min(self.ring.cap());
-                    let mut iov = [
-                        io::IoSliceMut::new(rest),
-                        io::IoSliceMut::new(&mut self.ring.view_mut()[..ahead]),
-                    ];
-                    match src.read_vectored(&mut iov) {
+                    let bufs = [rest, VolatileSlice::from(self.ring.bytes_mut(0..ahead))];
+                    match src.read_volatile(&bufs) {
                         Ok(0) => {
                             return Err(WireError::Closed {
                                 during: "FPDU payload",
@@ -557,7 +571,7 @@ impl FpduReceiver {
 
     /// Bytes wanted from `start` before `parse` can make progress in the Idle state.
     fn want(&self) -> usize {
-        let avail = &self.ring.view()[self.start..self.end];
+        let avail = self.ring.bytes(self.start..self.end);
         if avail.len() < 2 {
             return 3;
         }
@@ -588,7 +602,7 @@ impl FpduReceiver {
             } else {
                 (self.start + want).max(self.end + READ_AHEAD).min(len)
             };
-            match src.read(&mut self.ring.view_mut()[self.end..limit]) {
+            match src.read(self.ring.bytes_mut(self.end..limit)) {
                 Ok(0) => {
                     return Err(WireError::Closed {
                         during: "FPDU receive",
@@ -604,7 +618,7 @@ impl FpduReceiver {
     }
 
     fn note_offending(&mut self, ulpdu_len: usize) {
-        let avail = &self.ring.view()[self.start..self.end];
+        let avail = self.ring.bytes(self.start..self.end);
         let mut hdr = [0u8; UNTAGGED_HDR_LEN];
         let hl = avail
             .get(2..)
@@ -621,7 +635,7 @@ impl FpduReceiver {
         if avail < 2 {
             return Ok(None);
         }
-        let b = &self.ring.view()[self.start..self.end];
+        let b = self.ring.bytes(self.start..self.end);
         let ulpdu_len = u16::from_be_bytes([b[0], b[1]]) as usize;
         let total = fpdu_len(ulpdu_len);
         if ulpdu_len > self.cfg.max_ulpdu {
@@ -636,7 +650,7 @@ impl FpduReceiver {
                 return Ok(None);
             }
             self.note_offending(ulpdu_len);
-            let b = &self.ring.view()[self.start..self.start + total];
+            let b = self.ring.bytes(self.start..self.start + total);
             let computed = crc32c(&b[..total - 4]);
             let received =
                 u32::from_le_bytes([b[total - 4], b[total - 3], b[total - 2], b[total - 1]]);
@@ -687,7 +701,7 @@ impl FpduReceiver {
 
     /// Decodes and checks the header of the FPDU at `start` (its header bytes are buffered).
     fn judge_header(&self, ulpdu_len: usize) -> Result<(Header, usize)> {
-        let b = &self.ring.view()[self.start..self.end];
+        let b = self.ring.bytes(self.start..self.end);
         let ulpdu = &b[2..(2 + ulpdu_len).min(b.len())];
         let hl = Header::peek_len(ulpdu).unwrap_or(UNTAGGED_HDR_LEN);
         if ulpdu_len < hl {
@@ -748,11 +762,8 @@ impl FpduReceiver {
                 opcode: header.opcode,
                 cause,
             }),
-            Ok(Placement::Direct(dst)) if dst.len < payload_len => {
-                Err(WireError::PlacementTooShort {
-                    need: payload_len,
-                    given: dst.len,
-                })
+            Ok(Placement::Direct(dst)) if dst.len() < payload_len => {
+                Err(too_short(payload_len, &dst))
             }
             Ok(Placement::Direct(dst)) => Ok(Kind::Direct(dst)),
             Ok(Placement::Buffer) => Ok(Kind::Buffer),
@@ -764,19 +775,18 @@ impl FpduReceiver {
     fn deliver(&mut self, header: Header, hl: usize, ulpdu_len: usize, kind: Kind) -> Result<Done> {
         let (a, b) = (self.start + 2 + hl, self.start + 2 + ulpdu_len);
         let kind = match kind {
-            Kind::Direct(dst) if dst.writeback => {
-                // SAFETY: as below.
-                DoneKind::Placed(unsafe { place_copy_writeback(dst.ptr, &self.ring.view()[a..b]) })
-            }
+            // dst.len() >= b - a was checked in `decide`.
+            Kind::Direct(dst) if dst.writeback => DoneKind::Placed(
+                place_copy_writeback(dst.dst, self.ring.bytes(a..b))
+                    .map_err(|_| too_short(b - a, &dst))?,
+            ),
             Kind::Direct(dst) => {
-                // SAFETY: DirectTarget's contract; dst.len >= b - a was checked in `decide`, and
-                // the target does not overlap our buffer.
-                unsafe { place_copy(dst.ptr, &self.ring.view()[a..b]) };
+                place_copy(dst.dst, self.ring.bytes(a..b)).map_err(|_| too_short(b - a, &dst))?;
                 DoneKind::Placed(false)
             }
             Kind::Buffer => DoneKind::Buffered(a, b),
             Kind::Discard => DoneKind::Discarded,
-            Kind::Control => match Body::decode(header.opcode, &self.ring.view()[a..b])? {
+            Kind::Control => match Body::decode(header.opcode, self.ring.bytes(a..b))? {
                 Some(body) => DoneKind::Control(body),
                 None => DoneKind::Discarded,
             },
@@ -787,6 +797,13 @@ impl FpduReceiver {
             ulpdu_len,
             kind,
         })
+    }
+}
+
+fn too_short(need: usize, dst: &DirectTarget) -> WireError {
+    WireError::PlacementTooShort {
+        need,
+        given: dst.len(),
     }
 }
 

@@ -9,9 +9,10 @@
 
 use std::io::{self, IoSlice, Write};
 
-use super::crc::{crc32c, crc32c_append, prefetch_pages};
+use super::crc::{crc32c, crc32c_append, crc32c_append_volatile, prefetch_pages};
 use super::ddp::{Header, UNTAGGED_HDR_LEN};
 use super::{pad_len, Result, WireError, DEFAULT_MAX_ULPDU, MAX_ULPDU_LIMIT};
+use crate::volatile::VolatileSlice;
 
 /// The smallest maximum ULPDU accepted by [`TxConfig`] and the receiver's configuration: room
 /// for an untagged header and the largest control body (52 bytes), with margin.
@@ -82,6 +83,33 @@ impl Framing {
         pieces: impl IntoIterator<Item = &'p [u8]>,
         crc: bool,
     ) -> Framing {
+        Framing::build(header, payload_len, crc, |mut c| {
+            for p in pieces {
+                // The payload usually comes straight from registered memory that the CPU has
+                // not touched lately (the CRC is the first pass over it).
+                prefetch_pages(p);
+                c = crc32c_append(c, p);
+            }
+            c
+        })
+    }
+
+    /// Frames `header` around `payload`, registered memory that others may be writing (a
+    /// Write's source, a Read Response's): the CRC, when `crc`, is computed over copies of it
+    /// ([`crc32c_append_volatile`]), never through a reference.
+    pub fn for_volatile(header: &Header, payload: VolatileSlice<'_>, crc: bool) -> Framing {
+        Framing::build(header, payload.len(), crc, |c| {
+            crc32c_append_volatile(c, payload)
+        })
+    }
+
+    /// `payload_crc` continues a CRC over the payload's bytes; called only when `crc`.
+    fn build(
+        header: &Header,
+        payload_len: usize,
+        crc: bool,
+        payload_crc: impl FnOnce(u32) -> u32,
+    ) -> Framing {
         let ulpdu_len = header.len() + payload_len;
         let mut head = [0u8; HEAD_MAX];
         head[..2].copy_from_slice(&(ulpdu_len as u16).to_be_bytes());
@@ -89,13 +117,7 @@ impl Framing {
         let pad = pad_len(ulpdu_len);
         let mut trailer = [0u8; 7];
         if crc {
-            let mut c = crc32c(&head[..head_len]);
-            for p in pieces {
-                // The payload usually comes straight from registered memory that the CPU has
-                // not touched lately (the CRC is the first pass over it).
-                prefetch_pages(p);
-                c = crc32c_append(c, p);
-            }
+            let mut c = payload_crc(crc32c(&head[..head_len]));
             c = crc32c_append(c, &trailer[..pad]);
             trailer[pad..pad + 4].copy_from_slice(&c.to_le_bytes());
         }

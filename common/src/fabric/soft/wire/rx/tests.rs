@@ -62,18 +62,27 @@ impl Read for Chunky<'_> {
             }
         }
     }
+}
 
+impl ReadVolatile for Chunky<'_> {
     /// Without a plan, a readv fills every buffer in turn (one step); with one, it reads into
-    /// the first non-empty buffer, as the default does.
-    fn read_vectored(&mut self, bufs: &mut [io::IoSliceMut<'_>]) -> io::Result<usize> {
-        let mut bufs = bufs.iter_mut().filter(|b| !b.is_empty());
+    /// the first non-empty buffer, as `Read::read_vectored`'s default does.
+    fn read_volatile(&mut self, bufs: &[VolatileSlice<'_>]) -> io::Result<usize> {
+        // Reads one chunk into `b`, through a buffer of our own: no reference over `b`.
+        let read_one = |me: &mut Self, b: &VolatileSlice<'_>| {
+            let mut tmp = vec![0u8; b.len()];
+            let n = me.read(&mut tmp)?;
+            b.write_at(0, &tmp[..n]).expect("n <= b.len()");
+            Ok::<usize, io::Error>(n)
+        };
+        let mut bufs = bufs.iter().filter(|b| !b.is_empty());
         if !self.plan.is_empty() {
-            return bufs.next().map_or(Ok(0), |b| self.read(b));
+            return bufs.next().map_or(Ok(0), |b| read_one(self, b));
         }
         let step = self.step;
         let mut total = 0;
         for b in bufs {
-            match self.read(b) {
+            match read_one(self, b) {
                 Ok(n) => {
                     total += n;
                     if n < b.len() {
@@ -308,8 +317,8 @@ fn writeback_copy_equals_a_plain_copy_at_every_alignment() {
             for len in (0..200).chain([255, 640, 2047, 2048, 2049, 2111, 3000]) {
                 let mut mem = vec![0xEEu8; 3100 + 64];
                 let s = &src[src_off..src_off + len.min(src.len() - src_off)];
-                // SAFETY: mem has room for s at dst_off and does not overlap src.
-                let wb = unsafe { place_copy_writeback(mem.as_mut_ptr().add(dst_off), s) };
+                let dst = VolatileSlice::from(&mut mem[dst_off..]);
+                let wb = place_copy_writeback(dst, s).unwrap();
                 crate::pmem::sfence();
                 assert_eq!(
                     wb,
@@ -727,6 +736,23 @@ fn discard_and_control_bodies() {
     let r = rx.poll(&mut src, &mut Drop1).unwrap().unwrap();
     assert_eq!(r.data, Delivered::Control(Body::Terminate(t)));
     assert!(rx.poll(&mut src, &mut Drop1).unwrap().is_none());
+}
+
+#[test]
+fn placing_copies_refuse_a_destination_shorter_than_the_payload() {
+    let src = vec![9u8; 4096];
+    for n in [5, 4096] {
+        let mut mem = vec![0u8; n - 1];
+        let err = volatile::Error::OutOfRange {
+            offset: 0,
+            len: n,
+            slice_len: n - 1,
+        };
+        let dst = VolatileSlice::from(&mut mem[..]);
+        assert_eq!(place_copy(dst, &src[..n]), Err(err));
+        assert_eq!(place_copy_writeback(dst, &src[..n]), Err(err));
+        assert!(mem.iter().all(|&b| b == 0), "nothing copied");
+    }
 }
 
 #[test]
