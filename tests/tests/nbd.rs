@@ -424,9 +424,19 @@ fn qemu_io_across_block_boundaries_and_the_cli_see_the_same_bytes() {
         "-c",
         "write -f -P 0x5b 20000 100",
         "-c",
+        "write -P 0x5c 30000 9000",
+        "-c",
+        "write -z 32768 4096",
+        "-c",
         "flush",
         "-c",
         "read -P 0x5a 1000 10000",
+        "-c",
+        "read -P 0x5c 30000 2768",
+        "-c",
+        "read -P 0 32768 4096",
+        "-c",
+        "read -P 0x5c 36864 2136",
         "-c",
         "read -P 0x5b 20000 100",
         "-c",
@@ -436,12 +446,16 @@ fn qemu_io_across_block_boundaries_and_the_cli_see_the_same_bytes() {
     ]));
     assert!(!out.contains("verification failed"), "{out}");
     // The same bytes through the library's own CLI.
-    let b = cli_read(&t, 1, 0, 24576);
+    let b = cli_read(&t, 1, 0, 49152);
     assert!(b[..1000].iter().all(|&x| x == 0));
     assert!(b[1000..11000].iter().all(|&x| x == 0x5a));
     assert!(b[11000..20000].iter().all(|&x| x == 0));
     assert!(b[20000..20100].iter().all(|&x| x == 0x5b));
-    assert!(b[20100..].iter().all(|&x| x == 0));
+    assert!(b[20100..30000].iter().all(|&x| x == 0));
+    let z = &b[30000..];
+    assert!(z[..2768].iter().all(|&x| x == 0x5c) && z[6864..9000].iter().all(|&x| x == 0x5c));
+    assert!(z[2768..6864].iter().all(|&x| x == 0), "WRITE_ZEROES");
+    assert!(z[9000..].iter().all(|&x| x == 0));
     // And the reverse: the CLI writes, qemu-io reads.
     cli(
         &t,
@@ -655,6 +669,19 @@ fn fua_and_flush_answers_mean_durable_across_a_target_sigkill() {
             "FLUSH answered with pages unsynced"
         );
     }
+    // CAN_MULTI_CONN: another connection's acknowledged write is covered by this one's FLUSH,
+    // and seen by its reads.
+    let g = pattern(9, 64 << 10);
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.write(0, 192 << 10, &g), 0);
+    assert_eq!(c.flush(), 0);
+    wait_placed(&file, 192 << 10, &g);
+    assert_eq!(
+        unsynced(192 << 10).unwrap_or(0),
+        0,
+        "a FLUSH missed another connection's write"
+    );
+    assert_eq!(c.read(192 << 10, 64 << 10).unwrap(), g);
 
     t.kill9();
     t.restart();
