@@ -56,6 +56,10 @@ pub(crate) struct Shared {
     pub(crate) stopping: AtomicBool,
     /// Requests answered, over all clients.
     pub(crate) requests: AtomicU64,
+    /// The span of the writes acknowledged and not yet made durable by a FLUSH: what the
+    /// next FLUSH persists (a FLUSH of the whole namespace would write back all of it: on a
+    /// dax namespace of 256 MiB that is 12 ms, against 0.3 ms for one 4 KiB write).
+    dirty: Mutex<Option<(u64, u64)>>,
 }
 
 impl Shared {
@@ -91,12 +95,31 @@ impl Shared {
         self.lock().as_ref().map_or(0, |q| q.stats().max_in_flight)
     }
 
-    /// Makes every write acknowledged so far durable (FLUSH; FUA uses a range): the Writes of
-    /// every connection went through this queue, so `persist_written` covers them all, APM
-    /// included. Ok(false) when the namespace is volatile (visible only).
+    /// Records acknowledged writes in `[lo, hi)` for the next FLUSH.
+    pub(crate) fn mark_dirty(&self, lo: u64, hi: u64) {
+        let mut d = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+        *d = Some(match *d {
+            Some((a, b)) => (a.min(lo), b.max(hi)),
+            None => (lo, hi),
+        });
+    }
+
+    /// Makes every write acknowledged so far durable (FLUSH; FUA uses its own range): the
+    /// Writes of every connection went through this queue, so `persist_written` of their span
+    /// covers them all, APM included. Ok(false) when the namespace is volatile (visible
+    /// only): unless visible_ok, those writes stay pending, so that no later FLUSH claims them.
     pub(crate) fn flush_all(&self) -> crate::Result<bool> {
-        let size = self.desc.size;
-        self.persist(0, size)
+        let span = self.dirty.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some((lo, hi)) = span else {
+            return Ok(true);
+        };
+        let r = self.persist(lo, hi - lo);
+        match r {
+            Ok(true) => {}
+            Ok(false) if self.opts.visible_ok => {}
+            _ => self.mark_dirty(lo, hi),
+        }
+        r
     }
 
     /// `persist_written` of a range: Ok(true) durable, Ok(false) visible only.
@@ -184,6 +207,7 @@ impl Server {
             info,
             stopping: AtomicBool::new(false),
             requests: AtomicU64::new(0),
+            dirty: Mutex::new(None),
         });
         let t = Arc::clone(&shared);
         let ticker = std::thread::Builder::new()
