@@ -53,6 +53,8 @@ struct Export {
     child: Option<Child>,
     sock: PathBuf,
     log: PathBuf,
+    /// HOST:PORT when it listens on TCP (`--listen` in its arguments).
+    tcp: Option<String>,
 }
 
 impl Export {
@@ -76,10 +78,15 @@ impl Export {
             "--nsid",
             &nsid,
             "nbd",
-            "--socket",
         ];
         let s = sock.to_str().unwrap().to_owned();
-        a.push(&s);
+        let tcp = args
+            .iter()
+            .position(|a| *a == "--listen")
+            .map(|i| args[i + 1].to_owned());
+        if tcp.is_none() {
+            a.extend(["--socket", &s]);
+        }
         a.extend_from_slice(args);
         let child = Command::new(built("rpma-initiator"))
             .args(&a)
@@ -94,6 +101,7 @@ impl Export {
             child: Some(child),
             sock,
             log,
+            tcp,
         };
         let deadline = Instant::now() + WAIT;
         let mut buf = [0u8; 512];
@@ -112,16 +120,22 @@ impl Export {
             if let Ok(n) = notify.recv(&mut buf) {
                 if buf[..n].starts_with(b"READY=1") {
                     // READY=1 means the socket accepts.
-                    assert!(UnixStream::connect(&e.sock).is_ok(), "{}", e.log());
+                    match &e.tcp {
+                        Some(a) => assert!(std::net::TcpStream::connect(a).is_ok()),
+                        None => assert!(UnixStream::connect(&e.sock).is_ok(), "{}", e.log()),
+                    }
                     return e;
                 }
             }
         }
     }
 
-    /// `nbd+unix:///rpma?socket=PATH`.
+    /// `nbd+unix:///rpma?socket=PATH`, or `nbd://HOST:PORT/rpma`.
     fn uri(&self) -> String {
-        format!("nbd+unix:///rpma?socket={}", self.sock.display())
+        match &self.tcp {
+            Some(a) => format!("nbd://{a}/rpma"),
+            None => format!("nbd+unix:///rpma?socket={}", self.sock.display()),
+        }
     }
 
     fn log(&self) -> String {
@@ -541,8 +555,11 @@ fn nbdinfo_reports_size_block_sizes_and_honest_flags() {
         return;
     }
     let (_d, _shm, t) = start("info");
+    // nsid 1 over TCP, nsid 2 (read-only) over a Unix socket.
+    let addr = format!("127.0.0.1:{}", rpma_tests::free_port());
     for (nsid, size, block, ro) in [(1, NS1, 4096, false), (2, 1u64 << 20, 512, true)] {
-        let e = Export::start(&t, nsid, &format!("info{nsid}"), &[]);
+        let args: &[&str] = if nsid == 1 { &["--listen", &addr] } else { &[] };
+        let e = Export::start(&t, nsid, &format!("info{nsid}"), args);
         let out = run_with_deadline(Command::new("nbdinfo").args(["--json", &e.uri()]), WAIT);
         assert!(out.status.success(), "{}", text(&out));
         let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();

@@ -1,6 +1,7 @@
 //! Option haggling of the fixed newstyle handshake, up to the transmission phase.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
+use std::time::{Duration, Instant};
 
 use super::proto::{
     self, greeting, option_reply, BlockSizes, InfoRequest, OptionHeader, FLAG_C_FIXED_NEWSTYLE,
@@ -8,6 +9,7 @@ use super::proto::{
     OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, OPT_INFO, OPT_LIST, REP_ACK, REP_ERR_INVALID,
     REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO, REP_SERVER,
 };
+use super::stream::Stream;
 use super::ConnError;
 
 /// Option data larger than this ends the connection (a name is at most 4096 bytes).
@@ -47,18 +49,22 @@ pub(crate) enum Outcome {
     Aborted,
 }
 
-/// Greets the client and answers its options until it enters the transmission phase.
+/// Greets the client and answers its options until it enters the transmission phase, which
+/// must happen `within` that time (a client that dribbles its handshake holds a connection
+/// slot no longer).
 ///
 /// # Errors
-/// [`ConnError`]: a socket error, a bad magic, unknown client flags, an unknown export in
-/// `NBD_OPT_EXPORT_NAME` (which cannot return an error), oversized option data.
+/// [`ConnError`]: a socket error, the deadline, a bad magic, unknown client flags, an unknown
+/// export in `NBD_OPT_EXPORT_NAME` (which cannot return an error), oversized option data.
 pub(crate) fn negotiate(
-    s: &mut (impl Read + Write),
+    s: &mut Stream,
     ex: &ExportInfo,
+    within: Duration,
 ) -> Result<Outcome, ConnError> {
+    let deadline = Instant::now() + within;
     s.write_all(&greeting())?;
     let mut f = [0u8; 4];
-    s.read_exact(&mut f)?;
+    read_by(s, &mut f, deadline, within)?;
     let client = u32::from_be_bytes(f);
     if client & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(ConnError::Protocol(format!(
@@ -69,7 +75,7 @@ pub(crate) fn negotiate(
     let mut out = Vec::new();
     for _ in 0..MAX_OPTIONS {
         let mut h = [0u8; OPTION_LEN];
-        s.read_exact(&mut h)?;
+        read_by(s, &mut h, deadline, within)?;
         let h = OptionHeader::parse(&h)?;
         if h.len > MAX_OPTION_DATA {
             return Err(ConnError::Protocol(format!(
@@ -79,7 +85,7 @@ pub(crate) fn negotiate(
             )));
         }
         let mut data = vec![0u8; h.len as usize];
-        s.read_exact(&mut data)?;
+        read_by(s, &mut data, deadline, within)?;
         out.clear();
         let done = answer(h.option, &data, ex, no_zeroes, &mut out)?;
         s.write_all(&out)?;
@@ -90,6 +96,34 @@ pub(crate) fn negotiate(
     Err(ConnError::Protocol(format!(
         "{MAX_OPTIONS} options without choosing an export"
     )))
+}
+
+/// Fills `buf` before `deadline`.
+fn read_by(
+    s: &mut Stream,
+    buf: &mut [u8],
+    deadline: Instant,
+    within: Duration,
+) -> Result<(), ConnError> {
+    let late = || ConnError::Protocol(format!("the handshake did not finish within {within:?}"));
+    let mut at = 0;
+    while at < buf.len() {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(late());
+        }
+        s.set_read_timeout(Some(left))?;
+        match s.read(&mut buf[at..]) {
+            Ok(0) => return Err(std::io::Error::from(ErrorKind::UnexpectedEof).into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(late())
+            }
+            Err(e) => return Err(e.into()),
+        }
+    }
+    Ok(())
 }
 
 /// The reply to one option, into `out`; Some when the handshake is over.
@@ -308,8 +342,13 @@ mod tests {
 
     #[test]
     fn negotiate_over_a_socket_pair() {
-        let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let t = std::thread::spawn(move || negotiate(&mut b, &export()));
+        let pair = || {
+            let (a, b) = std::os::unix::net::UnixStream::pair().unwrap();
+            (a, Stream::Unix(b))
+        };
+        let within = Duration::from_secs(10);
+        let (mut a, mut b) = pair();
+        let t = std::thread::spawn(move || negotiate(&mut b, &export(), within));
         let mut g = [0u8; 18];
         a.read_exact(&mut g).unwrap();
         a.write_all(&3u32.to_be_bytes()).unwrap();
@@ -319,10 +358,26 @@ mod tests {
         a.write_all(&o).unwrap();
         assert_eq!(t.join().unwrap().unwrap(), Outcome::Aborted);
         // Unknown client flags: the connection is dropped.
-        let (mut a, mut b) = std::os::unix::net::UnixStream::pair().unwrap();
-        let t = std::thread::spawn(move || negotiate(&mut b, &export()));
+        let (mut a, mut b) = pair();
+        let t = std::thread::spawn(move || negotiate(&mut b, &export(), within));
         a.read_exact(&mut g).unwrap();
         a.write_all(&4u32.to_be_bytes()).unwrap();
         assert!(matches!(t.join().unwrap(), Err(ConnError::Protocol(_))));
+        // A client that dribbles: the whole handshake has a deadline, not each read.
+        let (mut a, mut b) = pair();
+        let start = Instant::now();
+        let t =
+            std::thread::spawn(move || negotiate(&mut b, &export(), Duration::from_millis(300)));
+        a.read_exact(&mut g).unwrap();
+        for byte in [0u8, 0, 0] {
+            a.write_all(&[byte]).unwrap();
+            std::thread::sleep(Duration::from_millis(120));
+        }
+        let r = t.join().unwrap();
+        assert!(
+            matches!(&r, Err(ConnError::Protocol(m)) if m.contains("within")),
+            "{r:?}"
+        );
+        assert!(start.elapsed() < Duration::from_secs(2));
     }
 }

@@ -22,8 +22,8 @@ use super::transmission::Client;
 use super::{NbdError, Result, MAX_CLIENTS, MAX_PAYLOAD};
 use crate::{Connection, Durability, Error, Namespace, Queue};
 
-/// How long a client may take over each read of its handshake.
-const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
+/// How long a client may take over its whole handshake.
+const HANDSHAKE_WITHIN: Duration = Duration::from_secs(30);
 /// How long a reply may wait for a client that does not read.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often an idle queue is ticked (keep-alive: well under half the target's period).
@@ -391,9 +391,8 @@ fn export_info(opts: &ExportOptions, d: &NamespaceDescriptor) -> ExportInfo {
 
 fn run_client(shared: &Shared, mut stream: Stream, id: u64, peer: &str) {
     debug!("nbd: client {id} connected from {peer}");
-    let _ = stream.set_read_timeout(Some(HANDSHAKE_TIMEOUT));
     let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-    let outcome = match handshake::negotiate(&mut stream, &shared.info) {
+    let outcome = match handshake::negotiate(&mut stream, &shared.info, HANDSHAKE_WITHIN) {
         Ok(o) => o,
         Err(e) => {
             warn!(

@@ -14,9 +14,9 @@ use std::sync::atomic::Ordering;
 use log::warn;
 
 use super::proto::{
-    self, simple_reply, simple_reply_header, Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE,
-    CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO, ENOSPC, EPERM, REQUEST_LEN,
-    SIMPLE_REPLY_LEN,
+    self, simple_reply, simple_reply_header, Errno, Request, CMD_DISC, CMD_FLAG_FUA,
+    CMD_FLAG_NO_HOLE, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO, ENOSPC, EPERM,
+    REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
 use super::server::Shared;
 use super::stream::Stream;
@@ -426,8 +426,9 @@ impl<'a> Client<'a> {
         };
         if let Err(e) = r {
             warn!(
-                "nbd: {} READ request(s) failed: {}",
+                "nbd: {} READ request(s) failed, answered {}: {}",
                 run.len(),
+                Errno(errno(&e, false)),
                 rpma_common::error_chain(&e)
             );
             self.out.truncate(base);
@@ -477,8 +478,9 @@ impl<'a> Client<'a> {
         let (ok, fua_err) = match r {
             Err(e) => {
                 warn!(
-                    "nbd: {} WRITE request(s) failed: {}",
+                    "nbd: {} WRITE request(s) failed, answered {}: {}",
                     run.len(),
+                    Errno(errno(&e, true)),
                     rpma_common::error_chain(&e)
                 );
                 (errno(&e, true), errno(&e, true))
@@ -522,7 +524,11 @@ impl<'a> Client<'a> {
                 proto::EIO
             }
             Err(e) => {
-                warn!("nbd: {what} failed: {}", rpma_common::error_chain(&e));
+                warn!(
+                    "nbd: {what} failed, answered {}: {}",
+                    Errno(errno(&e, true)),
+                    rpma_common::error_chain(&e)
+                );
                 errno(&e, true)
             }
         }
