@@ -725,6 +725,26 @@ fn fua_and_flush_answers_mean_durable_across_a_target_sigkill() {
 }
 
 #[test]
+fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
+    let (_d, _shm, mut t) = start("lost");
+    let e = Export::start(&t, 1, "lost", &["--reconnect-timeout", "1"]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    t.kill9();
+    // The keep-alive finds the target gone and gives up after 1 s of reconnecting.
+    e.log_line("the queue to the target failed");
+    t.restart();
+    // The write was answered but never made durable, and its queue is gone: this FLUSH
+    // cannot vouch for it.
+    assert_eq!(c.flush(), EIO);
+    assert_eq!(c.flush(), 0, "reported once");
+    assert_eq!(c.write(FUA, 4096, &[8; 4096]), 0, "a new queue serves");
+    // A connection opened after the loss had no write on the old queue.
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.flush(), 0);
+}
+
+#[test]
 fn volatile_flush_and_fua_fail_with_eio_unless_visible_ok() {
     let (_d, _shm, t) = start("volatile");
     let e = Export::start(&t, 3, "vol", &[]);

@@ -238,6 +238,8 @@ pub(crate) struct Client<'a> {
     out: Vec<u8>,
     zeroes: Vec<u8>,
     stats: Stats,
+    /// [`Shared::losses`] as of this client's start or last FLUSH.
+    losses_seen: u64,
 }
 
 impl<'a> Client<'a> {
@@ -260,6 +262,7 @@ impl<'a> Client<'a> {
             out: Vec::new(),
             zeroes: Vec::new(),
             stats: Stats::default(),
+            losses_seen: shared.losses.load(Ordering::SeqCst),
         }
     }
 
@@ -370,7 +373,20 @@ impl<'a> Client<'a> {
                     let e = if self.limits.read_only {
                         0
                     } else {
-                        self.durable(self.shared.flush_all(), 1, "FLUSH")
+                        let e = self.durable(self.shared.flush_all(), 1, "FLUSH");
+                        // A queue given up since this client's last FLUSH may have lost writes
+                        // it had answered: that FLUSH cannot vouch for them.
+                        let losses = self.shared.losses.load(Ordering::SeqCst);
+                        if losses != self.losses_seen {
+                            self.losses_seen = losses;
+                            if e == 0 {
+                                EIO
+                            } else {
+                                e
+                            }
+                        } else {
+                            e
+                        }
                     };
                     simple_reply(&mut self.out, e, items[i].req.handle);
                     i += 1;
