@@ -881,6 +881,35 @@ fn a_client_at_depth_32_has_32_requests_in_flight() {
 }
 
 #[test]
+fn pipelined_overlapping_requests_keep_their_order() {
+    let (_d, _shm, t) = start("order");
+    let e = Export::start(&t, 1, "order", &[]);
+    let mut c = Raw::connect(&e.sock);
+    let (a, b, x) = (pattern(10, 8192), pattern(11, 8192), pattern(12, 4096));
+    // One burst: W(a) R W(b, overlapping) W(x, overlapping) R.
+    let mut burst = c.request(CMD_WRITE, 0, 1, 0, 8192);
+    burst.extend_from_slice(&a);
+    burst.extend(c.request(CMD_READ, 0, 2, 0, 12288));
+    burst.extend(c.request(CMD_WRITE, 0, 3, 4096, 8192));
+    burst.extend_from_slice(&b);
+    burst.extend(c.request(CMD_WRITE, FUA, 4, 8192, 4096));
+    burst.extend_from_slice(&x);
+    burst.extend(c.request(CMD_READ, 0, 5, 0, 12288));
+    c.send(&burst);
+    assert_eq!(c.reply(), (0, 1));
+    assert_eq!(c.reply(), (0, 2));
+    let first = c.take(12288);
+    assert!(first[..8192] == a[..] && first[8192..].iter().all(|&v| v == 0));
+    assert_eq!(c.reply(), (0, 3));
+    assert_eq!(c.reply(), (0, 4));
+    assert_eq!(c.reply(), (0, 5));
+    let second = c.take(12288);
+    assert!(second[..4096] == a[..4096], "write-after-write");
+    assert!(second[4096..8192] == b[..4096], "write-after-write");
+    assert!(second[8192..] == x[..], "the later overlapping write wins");
+}
+
+#[test]
 fn sigterm_answers_what_was_sent_flushes_and_exits_0() {
     let (_d, _shm, t) = start("term");
     let file = t.dir().join("ns1");
