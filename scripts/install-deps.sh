@@ -8,6 +8,8 @@ PACKAGES=(
   pkg-config libclang-dev clang libibverbs-dev librdmacm-dev
   # tests: tshark decodes the tcp transport's iWARP traffic; systemd-analyze verifies the unit
   tshark systemd
+  # tests: third-party NBD clients against `rpma-initiator nbd` (tests/tests/nbd.rs)
+  qemu-utils libnbd-bin fio
 )
 
 missing=()

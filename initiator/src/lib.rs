@@ -57,6 +57,7 @@ mod connect;
 pub mod durability;
 mod error;
 pub mod namespace;
+pub mod nbd;
 mod pool;
 mod queue;
 mod session;

@@ -183,6 +183,28 @@ enum Command {
         #[arg(long, default_value_t = 32)]
         depth: usize,
     },
+    /// Serve the namespace as an NBD export (fixed newstyle) until SIGTERM/SIGINT; prints the
+    /// export's URL once clients can connect (READY=1 to systemd).
+    Nbd {
+        /// Listen on this Unix socket (clients: nbd+unix:///NAME?socket=PATH).
+        #[arg(
+            long,
+            value_name = "PATH",
+            conflicts_with = "listen",
+            required_unless_present = "listen"
+        )]
+        socket: Option<PathBuf>,
+        /// Listen on this TCP address (clients: nbd://HOST:PORT/NAME).
+        #[arg(long, value_name = "HOST:PORT")]
+        listen: Option<String>,
+        /// The export's name (the empty name, the default export, selects it too).
+        #[arg(long, value_name = "NAME", default_value = "rpma")]
+        export: String,
+        /// Requests in flight on the target at once (and requests of a client issued together).
+        #[arg(long, value_name = "N", default_value_t = 64,
+              value_parser = clap::value_parser!(u16).range(1..=128))]
+        queue_depth: u16,
+    },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions {
         /// The shell.
@@ -499,6 +521,20 @@ fn main() -> ExitCode {
                 count: *count,
                 total: *total,
                 depth: *depth,
+            },
+        ),
+        Command::Nbd {
+            socket,
+            listen,
+            export,
+            queue_depth,
+        } => cli::nbd::run(
+            g,
+            &cli::nbd::Params {
+                socket: socket.clone(),
+                listen: listen.clone(),
+                export: export.clone(),
+                queue_depth: usize::from(*queue_depth),
             },
         ),
         Command::Completions { shell } => {

@@ -5,6 +5,8 @@
 //! Disconnect.
 
 pub(crate) mod bench;
+pub(crate) mod nbd;
+mod notify;
 mod progress;
 
 use std::io::{IsTerminal, Write as _};

@@ -1,0 +1,143 @@
+//! `rpma-initiator nbd`: serve the namespace as an NBD export until SIGTERM/SIGINT (the
+//! server itself is the library's `nbd` module). Prints the export's URL on stdout once
+//! clients can connect, and tells systemd READY=1 at the same moment.
+
+use std::os::fd::AsFd;
+use std::path::PathBuf;
+
+use nix::sys::signal::{SigSet, Signal};
+use nix::sys::signalfd::{SfdFlags, SignalFd};
+use rpma_common::proto::PersistenceDomain;
+use rpma_initiator::nbd::{ExportOptions, Listener, NbdError, Server};
+
+use super::notify::Notifier;
+use super::EXIT_NOT_DURABLE;
+use crate::{usage, Failure, Global};
+
+/// Where and what to serve.
+#[derive(Debug)]
+pub(crate) struct Params {
+    pub(crate) socket: Option<PathBuf>,
+    pub(crate) listen: Option<String>,
+    pub(crate) export: String,
+    pub(crate) queue_depth: usize,
+}
+
+fn failure(e: NbdError) -> Failure {
+    match e {
+        NbdError::Library(e) => e.into(),
+        e => Failure {
+            code: 1,
+            err: e.into(),
+        },
+    }
+}
+
+fn os_failure(what: &str, e: impl std::error::Error + Send + Sync + 'static) -> Failure {
+    Failure {
+        code: 1,
+        err: anyhow::Error::new(e).context(what.to_owned()),
+    }
+}
+
+pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
+    let mut mask = SigSet::empty();
+    mask.add(Signal::SIGTERM);
+    mask.add(Signal::SIGINT);
+    // Blocked before the server starts its threads: only the signalfd sees them.
+    mask.thread_block()
+        .map_err(|e| os_failure("blocking SIGTERM/SIGINT", e))?;
+    let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
+        .map_err(|e| os_failure("creating a signalfd", e))?;
+    let notifier = Notifier::from_env().map_err(|e| os_failure("NOTIFY_SOCKET", e))?;
+    let listener = match (&p.socket, &p.listen) {
+        (Some(path), None) => Listener::unix(path),
+        (None, Some(addr)) => Listener::tcp(addr),
+        _ => {
+            return Err(usage(
+                "give one of --socket PATH or --listen HOST:PORT".into(),
+            ))
+        }
+    }
+    .map_err(failure)?;
+    let opts = ExportOptions {
+        name: p.export.clone(),
+        nsid: g.nsid,
+        visible_ok: g.visible_ok,
+        max_batch: p.queue_depth,
+    };
+    let mut server = Server::new(g.connection(p.queue_depth)?, opts, listener).map_err(failure)?;
+    let d = server.descriptor().clone();
+    if d.domain == PersistenceDomain::Volatile {
+        if g.visible_ok {
+            log::warn!(
+                "namespace {} is volatile: FLUSH and FUA writes succeed (--visible-ok) but the \
+                 bytes are only visible, NOT durable",
+                d.nsid
+            );
+        } else {
+            log::warn!(
+                "namespace {} is volatile: FLUSH and FUA writes will fail with EIO (nothing can \
+                 make them durable; --visible-ok accepts visible only)",
+                d.nsid
+            );
+        }
+    }
+    let url = server.url();
+    println!("{url}");
+    log::info!(
+        "serving nsid {} ({} bytes, block {}, {}{}) as {url}",
+        d.nsid,
+        d.size,
+        d.block_size,
+        d.domain,
+        if d.read_only { ", read-only" } else { "" }
+    );
+    if let Err(e) = notifier.ready(&format!("serving {url}")) {
+        log::warn!("cannot tell the service manager READY=1: {e}");
+    }
+    server.serve(sfd.as_fd()).map_err(failure)?;
+    if let Ok(Some(info)) = sfd.read_signal() {
+        let name = Signal::try_from(info.ssi_signo as i32).map_or("a signal", |s| s.as_str());
+        log::info!("{name}: finishing the requests in flight, flushing, stopping");
+    }
+    let _ = notifier.stopping();
+    let durable = server.shutdown().map_err(failure)?;
+    if !durable && !g.visible_ok {
+        return Err(Failure {
+            code: EXIT_NOT_DURABLE,
+            err: anyhow::anyhow!(
+                "namespace {} is volatile: the writes are visible, NOT durable (--visible-ok \
+                 accepts that)",
+                d.nsid
+            ),
+        });
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::{Cli, Command};
+    use clap::Parser;
+
+    #[test]
+    fn nbd_takes_exactly_one_of_socket_and_listen() {
+        let p = |a: &[&str]| Cli::try_parse_from([&["rpma-initiator", "nbd"], a].concat());
+        assert!(p(&[]).is_err());
+        assert!(p(&["--socket", "s", "--listen", "h:1"]).is_err());
+        assert!(p(&["--socket", "s", "--queue-depth", "0"]).is_err());
+        assert!(p(&["--socket", "s", "--queue-depth", "129"]).is_err());
+        let c = p(&["--listen", "127.0.0.1:10809", "--nsid", "2"]).unwrap();
+        assert_eq!(c.global.nsid, 2);
+        match c.command {
+            Command::Nbd {
+                socket: None,
+                listen: Some(l),
+                export,
+                queue_depth: 64,
+            } => assert_eq!((l.as_str(), export.as_str()), ("127.0.0.1:10809", "rpma")),
+            other => panic!("{other:?}"),
+        }
+    }
+}

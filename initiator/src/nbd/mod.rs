@@ -1,0 +1,98 @@
+//! A namespace as an NBD export: `rpma-initiator nbd` serves it to any NBD client (qemu,
+//! nbdinfo/nbdcopy, fio's nbd engine, the kernel's nbd-client) on a Unix socket or TCP.
+//!
+//! - [`proto`]: the wire format (fixed newstyle handshake, simple replies).
+//! - `handshake`: option haggling (`NBD_OPT_GO`/`INFO` with the export size and block
+//!   sizes, `LIST`, `ABORT`, `EXPORT_NAME`; anything else gets `NBD_REP_ERR_UNSUP`).
+//! - `transmission`: one client's requests, batched onto the export's queue.
+//! - [`Server`]: the listener, one thread per client, keep-alives, shutdown.
+//!
+//! # One queue for the export
+//!
+//! Every client connection issues its requests through one library [`Queue`](crate::Queue)
+//! (one queue pair), taking it for one batch at a time. The queue pair executes in order, so a
+//! FLUSH (`persist_written` of the span of the writes acknowledged since the last FLUSH,
+//! rather than the whole namespace, whose write-back can take milliseconds on dax) comes after
+//! every Write any connection had acknowledged, and makes all of them durable (with APM too:
+//! every one is this queue's own Write). That is what `NBD_FLAG_CAN_MULTI_CONN` promises, so it is set. (With a queue per
+//! connection a Write acknowledged on one connection may still be in its queue pair's stream
+//! when another connection's FLUSH is answered: a range persist would not see it.)
+//!
+//! # Threads
+//!
+//! [`Server::serve`] runs in the caller's thread: it accepts, ticks the queue's keep-alive and
+//! returns when a stop descriptor (a signalfd, say) becomes readable. Each client has a thread
+//! of its own; [`Server::shutdown`] ends them (each finishes the requests it has read), then
+//! makes every write durable and disconnects.
+
+mod handshake;
+pub mod proto;
+mod server;
+mod stream;
+mod transmission;
+
+pub use server::{ExportOptions, Server};
+pub use stream::Listener;
+
+/// The largest READ or WRITE payload (`NBD_INFO_BLOCK_SIZE` maximum); the protocol's
+/// recommended limit for clients that were told nothing.
+pub const MAX_PAYLOAD: u32 = 32 << 20;
+
+/// Client connections served at once; more are closed at once (and logged).
+pub const MAX_CLIENTS: usize = 64;
+
+/// What starting or running an export failed with.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum NbdError {
+    /// The listening socket could not be set up.
+    #[error("cannot listen on {addr}")]
+    Listen {
+        /// The address.
+        addr: String,
+        /// The I/O error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A server already answers on that Unix socket.
+    #[error("{addr} is in use: another server answers on it")]
+    InUse {
+        /// The socket path.
+        addr: String,
+    },
+    /// The library refused: connecting, the namespace, its durability method.
+    #[error(transparent)]
+    Library(#[from] crate::Error),
+    /// A thread of the server could not be started.
+    #[error("cannot start a thread")]
+    Thread(#[source] std::io::Error),
+    /// Waiting for connections or the stop descriptor failed.
+    #[error("waiting for NBD connections")]
+    Poll(#[source] std::io::Error),
+    /// The flush at shutdown could not make the writes durable.
+    #[error("the final flush of namespace {nsid} failed")]
+    FinalFlush {
+        /// Namespace.
+        nsid: u32,
+        /// What the library reported.
+        #[source]
+        source: crate::Error,
+    },
+}
+
+/// Result of the NBD server's calls.
+pub type Result<T> = std::result::Result<T, NbdError>;
+
+/// Why one client's connection ended badly (logged once, by its thread; the server goes on).
+#[derive(Debug, thiserror::Error)]
+pub(crate) enum ConnError {
+    /// The socket failed (reset, timeout).
+    #[error("socket error")]
+    Io(#[from] std::io::Error),
+    /// The client sent something the protocol does not allow.
+    #[error("protocol violation")]
+    Wire(#[from] proto::WireError),
+    /// The client sent something this server cannot follow.
+    #[error("{0}")]
+    Protocol(String),
+}

@@ -1,0 +1,199 @@
+//! The listening socket and client streams, Unix or TCP.
+
+use std::io::{self, Read, Write};
+use std::net::{Shutdown, TcpListener, TcpStream};
+use std::os::fd::{AsFd, AsRawFd, BorrowedFd, RawFd};
+use std::os::unix::fs::FileTypeExt;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use super::{NbdError, Result};
+
+/// Where the export listens.
+#[derive(Debug)]
+pub enum Listener {
+    /// A Unix socket; the file is removed on drop.
+    Unix(UnixListener, PathBuf),
+    /// A TCP address.
+    Tcp(TcpListener),
+}
+
+impl Listener {
+    /// Binds a Unix socket at `path`. A socket file left by a server that is gone is
+    /// replaced; one that a live server answers on is not.
+    ///
+    /// # Errors
+    /// [`NbdError::InUse`], [`NbdError::Listen`].
+    pub fn unix(path: &Path) -> Result<Listener> {
+        let addr = path.display().to_string();
+        if let Ok(m) = std::fs::symlink_metadata(path) {
+            if m.file_type().is_socket() && UnixStream::connect(path).is_err() {
+                let _ = std::fs::remove_file(path);
+            } else if m.file_type().is_socket() {
+                return Err(NbdError::InUse { addr });
+            }
+        }
+        let l = UnixListener::bind(path).map_err(|source| NbdError::Listen {
+            addr: addr.clone(),
+            source,
+        })?;
+        l.set_nonblocking(true)
+            .map_err(|source| NbdError::Listen { addr, source })?;
+        Ok(Listener::Unix(l, path.to_owned()))
+    }
+
+    /// Binds `addr` (HOST:PORT).
+    ///
+    /// # Errors
+    /// [`NbdError::Listen`].
+    pub fn tcp(addr: &str) -> Result<Listener> {
+        let err = |source| NbdError::Listen {
+            addr: addr.to_owned(),
+            source,
+        };
+        let l = TcpListener::bind(addr).map_err(err)?;
+        l.set_nonblocking(true).map_err(err)?;
+        Ok(Listener::Tcp(l))
+    }
+
+    /// The URL a client uses for export `name`: `nbd+unix:///NAME?socket=PATH` or
+    /// `nbd://HOST:PORT/NAME`.
+    pub fn url(&self, name: &str) -> String {
+        match self {
+            Listener::Unix(_, p) => format!("nbd+unix:///{name}?socket={}", p.display()),
+            Listener::Tcp(l) => match l.local_addr() {
+                Ok(a) => format!("nbd://{a}/{name}"),
+                Err(_) => format!("nbd://?/{name}"),
+            },
+        }
+    }
+
+    /// Accepts a pending connection (the listener does not block): None when there is none.
+    ///
+    /// # Errors
+    /// Those of accept(2) other than `WouldBlock`.
+    pub(crate) fn accept(&self) -> io::Result<Option<(Stream, String)>> {
+        let r = match self {
+            Listener::Unix(l, p) => l
+                .accept()
+                .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", p.display()))),
+            Listener::Tcp(l) => l.accept().map(|(s, a)| {
+                let _ = s.set_nodelay(true);
+                (Stream::Tcp(s), a.to_string())
+            }),
+        };
+        match r {
+            Ok((s, peer)) => {
+                // Accepted sockets inherit O_NONBLOCK on some systems: clients block.
+                s.set_nonblocking(false)?;
+                Ok(Some((s, peer)))
+            }
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => Ok(None),
+            Err(e) => Err(e),
+        }
+    }
+}
+
+impl AsFd for Listener {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Listener::Unix(l, _) => l.as_fd(),
+            Listener::Tcp(l) => l.as_fd(),
+        }
+    }
+}
+
+impl Drop for Listener {
+    fn drop(&mut self) {
+        if let Listener::Unix(_, p) = self {
+            let _ = std::fs::remove_file(p);
+        }
+    }
+}
+
+/// A client connection.
+#[derive(Debug)]
+pub(crate) enum Stream {
+    Unix(UnixStream),
+    Tcp(TcpStream),
+}
+
+impl Stream {
+    pub(crate) fn try_clone(&self) -> io::Result<Stream> {
+        Ok(match self {
+            Stream::Unix(s) => Stream::Unix(s.try_clone()?),
+            Stream::Tcp(s) => Stream::Tcp(s.try_clone()?),
+        })
+    }
+
+    pub(crate) fn shutdown(&self, how: Shutdown) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.shutdown(how),
+            Stream::Tcp(s) => s.shutdown(how),
+        }
+    }
+
+    fn set_nonblocking(&self, on: bool) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_nonblocking(on),
+            Stream::Tcp(s) => s.set_nonblocking(on),
+        }
+    }
+
+    pub(crate) fn set_read_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_read_timeout(t),
+            Stream::Tcp(s) => s.set_read_timeout(t),
+        }
+    }
+
+    pub(crate) fn set_write_timeout(&self, t: Option<Duration>) -> io::Result<()> {
+        match self {
+            Stream::Unix(s) => s.set_write_timeout(t),
+            Stream::Tcp(s) => s.set_write_timeout(t),
+        }
+    }
+
+    /// Reads what is already there without waiting: `Ok(None)` when nothing is.
+    pub(crate) fn read_available(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
+        use nix::sys::socket::{recv, MsgFlags};
+        match recv(self.as_raw_fd(), buf, MsgFlags::MSG_DONTWAIT) {
+            Ok(n) => Ok(Some(n)),
+            Err(nix::errno::Errno::EAGAIN) => Ok(None),
+            Err(nix::errno::Errno::EINTR) => Ok(None),
+            Err(e) => Err(io::Error::from(e)),
+        }
+    }
+}
+
+impl AsRawFd for Stream {
+    fn as_raw_fd(&self) -> RawFd {
+        match self {
+            Stream::Unix(s) => s.as_raw_fd(),
+            Stream::Tcp(s) => s.as_raw_fd(),
+        }
+    }
+}
+
+impl Read for Stream {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.read(buf),
+            Stream::Tcp(s) => s.read(buf),
+        }
+    }
+}
+
+impl Write for Stream {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        match self {
+            Stream::Unix(s) => s.write(buf),
+            Stream::Tcp(s) => s.write(buf),
+        }
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
