@@ -196,6 +196,17 @@ impl Pool {
         self.slots.iter().filter(|s| f(s)).count()
     }
 
+    /// The span `[start, end)` covering every held or writing write of namespace `ns`, if any.
+    pub(crate) fn held_span(&self, ns: usize) -> Option<(u64, u64)> {
+        self.slots.iter().fold(None, |span, s| match s {
+            Slot::Held(w) | Slot::Writing(w) if w.ns == ns => {
+                let (lo, hi) = (w.offset, w.offset + w.len as u64);
+                Some(span.map_or((lo, hi), |(a, b): (u64, u64)| (a.min(lo), b.max(hi))))
+            }
+            _ => span,
+        })
+    }
+
     /// Held writes of namespace `ns` inside `[start, end)` (all of them if `all`) become free.
     /// Returns how many.
     pub(crate) fn release_held(&mut self, ns: usize, start: u64, end: u64, all: bool) -> usize {
@@ -269,6 +280,10 @@ mod tests {
         p.set(c, Slot::Held(rec(1, 0, 4096, 3)));
         assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 3);
         assert_eq!(p.in_flight(), 0, "held writes are not in flight");
+        // The spans a persist of the held writes covers, per namespace.
+        assert_eq!(p.held_span(0), Some((0, 12288)));
+        assert_eq!(p.held_span(1), Some((0, 4096)));
+        assert_eq!(p.held_span(2), None);
         // Only namespace 0's write inside [0, 4096).
         assert_eq!(p.release_held(0, 0, 4096, false), 1);
         assert_eq!(p.get(a), Some(Slot::Free));

@@ -672,14 +672,12 @@ impl Queue {
     /// claims nothing to the caller, it only frees the slots.
     fn persist_held(&mut self) -> Result<()> {
         for idx in 0..self.ns.len() {
-            let held = self
-                .pool
-                .count(|s| matches!(s, Slot::Held(w) | Slot::Writing(w) if w.ns == idx));
-            if held > 0 {
-                let size = self.ns[idx].desc.size;
+            // Only the span the held writes cover: the whole namespace would cost a persist of
+            // all of it (a cache write-back of every line on dax).
+            if let Some((start, end)) = self.pool.held_span(idx) {
                 // The held writes are this queue's own: APM covers them.
                 let choice = self.choice(idx).unwrap_or(Choice::VisibleOnly);
-                self.persist_range(idx, 0, size, choice)?;
+                self.persist_range(idx, start, end - start, choice)?;
             }
         }
         Ok(())
