@@ -8,6 +8,9 @@ PACKAGES=(
   pkg-config libclang-dev clang libibverbs-dev librdmacm-dev
   # tests: tshark decodes the tcp transport's iWARP traffic; systemd-analyze verifies the unit
   tshark systemd
+  # tests of rpma-initiator mount (FUSE): mkfs.ext4/e2fsck, and losetup/mount/umount. No fuse3:
+  # the initiator mounts with mount(2) as root, so fusermount3 is never needed.
+  e2fsprogs util-linux
 )
 
 missing=()
