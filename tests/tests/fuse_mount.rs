@@ -235,7 +235,17 @@ impl Mounted {
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        for lo in loops_under(&self.dir) {
+        let mut los = loops_under(&self.dir);
+        // After a lazy unmount the kernel names the backing file from the detached mount's
+        // root ("/ns1"): our own device is found by its number.
+        if let Some(lo) = &self.lo {
+            let name = lo.file_name().unwrap().to_string_lossy().into_owned();
+            let backing = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"));
+            if backing.is_ok_and(|b| Path::new(b.trim_end()).file_name() == self.file.file_name()) {
+                los.push(lo.clone());
+            }
+        }
+        for lo in los {
             let _ = sh(Command::new("losetup").arg("-d").arg(lo));
         }
         if let Some(mut c) = self.child.take() {
@@ -590,4 +600,44 @@ fn bad_mount_requests_fail_cleanly() {
     let (code, out) = run(vec!["umount".into(), mnt.to_string_lossy().into_owned()]);
     assert_eq!(code, Some(1), "{out}");
     assert!(out.contains("no rpma FUSE mount"), "{out}");
+}
+
+#[test]
+fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmount() {
+    require_fuse!("sigterm_while_a_filesystem_on_the_loop_device_is_mounted");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-busy");
+    let t = target(&root, &shm);
+    let mnt = root.join("mnt");
+    let ext = root.join("ext");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    let lo = m.lo.clone().expect("a loop device");
+    sh_ok(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-E", "nodiscard"])
+            .arg(&lo),
+    );
+    let fs = FsMount::new(&lo, &ext, false);
+    let pid = m.child.as_ref().unwrap().id();
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    // Still serving the mounted filesystem: nothing pulled from under it.
+    assert!(
+        m.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "{}",
+        m.log()
+    );
+    std::fs::write(ext.join("late.txt"), b"written after SIGTERM").unwrap();
+    sh_ok(&mut Command::new("sync"));
+    assert!(
+        !mounted(&mnt),
+        "the FUSE mount should have left the namespace"
+    );
+    // Unmounting the filesystem releases the loop device, the file, and so the process.
+    fs.unmount();
+    let st = m.wait_exit();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    assert!(loops_under(&mnt).is_empty(), "{:?}", loops_under(&mnt));
+    assert!(m.log().contains("in use"), "{}", m.log());
 }

@@ -220,6 +220,24 @@ pub(crate) fn detach(dev: &Path) -> Result<(), DetachError> {
     Ok(())
 }
 
+/// Detaches `dev` once its last user closes it (the kernel's autoclear): for a device that
+/// [`detach`] found busy, so that unmounting the filesystem on it also releases the file.
+///
+/// # Errors
+/// Opening the device, LOOP_CLR_FD.
+pub(crate) fn detach_deferred(dev: &Path) -> io::Result<()> {
+    let f = open_dev(dev, true, false)?;
+    // SAFETY: as in detach; with other openers the kernel only sets LO_FLAGS_AUTOCLEAR.
+    let rc = unsafe { libc::ioctl(f.as_raw_fd(), LOOP_CLR_FD, 0) };
+    if rc != 0 {
+        let e = io::Error::last_os_error();
+        if e.raw_os_error() != Some(libc::ENXIO) {
+            return Err(e);
+        }
+    }
+    Ok(())
+}
+
 fn sysfs(dev: &Path, attr: &str) -> Option<String> {
     let name = name_of(dev)?;
     std::fs::read_to_string(format!("/sys/block/{name}/loop/{attr}"))

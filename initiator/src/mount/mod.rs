@@ -234,16 +234,27 @@ fn ready(g: &Global, file: &Path, lo: Option<&loopdev::LoopDev>) -> Result<(), F
     Ok(())
 }
 
-/// On SIGTERM/SIGINT: detach our loop device, unmount. A loop device still in use (a mounted
-/// filesystem on it) and a file still open make the unmount lazy: the mount leaves the
-/// namespace now, the session ends when the last user closes the file (unmount the filesystem
-/// on the loop device, then `losetup -d` it, or `rpma-initiator umount` does nothing more).
+/// On SIGTERM/SIGINT: detach our loop device, unmount. A loop device still in use (a
+/// filesystem on it is mounted) is set to detach itself when that filesystem is unmounted, and
+/// the FUSE unmount is then lazy: the mount leaves the namespace now and the session ends (with
+/// its final persist) once the last user of the file is gone.
 fn stop(dir: &Path, lo: Option<loopdev::LoopDev>) {
     if let Some(l) = lo {
         // Only if it is still ours (an operator may have detached and reused it).
         if loopdev::backing_file(&l.path).is_some_and(|b| b.starts_with(dir)) {
-            if let Err(e) = loopdev::detach(&l.path) {
-                log::error!("{e}; unmounting lazily: the session ends once it is detached");
+            match loopdev::detach(&l.path) {
+                Ok(()) => {}
+                Err(loopdev::DetachError::Busy(p)) => {
+                    log::warn!(
+                        "{} is in use: it detaches itself once the filesystem on it is \
+                         unmounted; serving until then",
+                        p.display()
+                    );
+                    if let Err(e) = loopdev::detach_deferred(&p) {
+                        log::error!("setting {} to detach itself: {e}", p.display());
+                    }
+                }
+                Err(e) => log::error!("{e}"),
             }
         }
     }
