@@ -94,10 +94,15 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
         };
         (d, c)
     };
-    if choice == Some(Choice::VisibleOnly) && !g.visible_ok {
+    if choice == Some(Choice::VisibleOnly) {
+        let fsync = if g.visible_ok {
+            "fsync returns 0 for bytes that are only visible (--visible-ok)"
+        } else {
+            "fsync fails with EIO (--visible-ok accepts visible-only)"
+        };
         eprintln!(
-            "rpma-initiator: warning: namespace {} is volatile: fsync will fail with EIO \
-             (the bytes are visible, NOT durable; --visible-ok accepts that)",
+            "rpma-initiator: warning: namespace {} is volatile: nothing written is durable; \
+             {fsync}",
             g.nsid
         );
     }
