@@ -241,7 +241,12 @@ impl Drop for Mounted {
         if let Some(lo) = &self.lo {
             let name = lo.file_name().unwrap().to_string_lossy().into_owned();
             let backing = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"));
-            if backing.is_ok_and(|b| Path::new(b.trim_end()).file_name() == self.file.file_name()) {
+            // The full path, or "/ns1" once lazily unmounted (never another test's "/x/ns1").
+            let detached = Path::new("/").join(self.file.file_name().unwrap());
+            if backing.is_ok_and(|b| {
+                let b = Path::new(b.trim_end());
+                b == self.file || b == detached
+            }) {
                 los.push(lo.clone());
             }
         }
@@ -389,15 +394,15 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
     m.assert_gone();
 }
 
-/// Writes `data` through the FUSE file at `offset`, fsyncs, SIGKILLs the target, restarts it
-/// and reads the range back with `rpma-initiator read`.
+/// Writes `data` through the FUSE file at one offset and fsyncs, at another and closes, then
+/// SIGKILLs the target, restarts it and reads both ranges back with `rpma-initiator read`.
 fn fsync_survives_sigkill(nsid: u32) {
     let (_d, root) = scratch();
     let shm = Shm::new(&format!("fuse-kill-{nsid}"));
     let mut t = target(&root, &shm);
     let mnt = root.join("mnt");
     let m = Mounted::start(&conn_args(&t.url(), nsid), &mnt, &[]);
-    let data = noise(1 << 20, u64::from(nsid));
+    let data = noise(768 << 10, u64::from(nsid));
     let off = 64 << 10;
     let f = std::fs::OpenOptions::new()
         .read(true)
@@ -412,6 +417,15 @@ fn fsync_survives_sigkill(nsid: u32) {
             assert_eq!(n, 0, "dirty pages left after fsync");
         }
     }
+    // A close flushes: bytes written and not fsynced are durable once close() returned.
+    let off2 = 1 << 20;
+    f.write_all_at(&data, off2).unwrap();
+    drop(f);
+    if nsid == 1 {
+        if let Some(n) = rpma_tests::unsynced_pages(&root.join("ns1"), off2, data.len() as u64) {
+            assert_eq!(n, 0, "dirty pages left after close");
+        }
+    }
     t.kill9();
     t.restart();
     let back = cli_read(&t.url(), nsid, off, data.len(), &root.join("back"));
@@ -419,19 +433,23 @@ fn fsync_survives_sigkill(nsid: u32) {
         back == data,
         "nsid {nsid}: the fsynced bytes did not survive"
     );
-    drop(f);
+    let back = cli_read(&t.url(), nsid, off2, data.len(), &root.join("back2"));
+    assert!(
+        back == data,
+        "nsid {nsid}: the bytes flushed by close did not survive"
+    );
     drop(m);
 }
 
 #[test]
-fn an_fsynced_write_survives_a_sigkill_of_the_target_page_cache() {
-    require_fuse!("an_fsynced_write_survives_a_sigkill_of_the_target_page_cache");
+fn fsynced_and_closed_writes_survive_a_sigkill_of_the_target_page_cache() {
+    require_fuse!("fsynced_and_closed_writes_survive_a_sigkill_of_the_target_page_cache");
     fsync_survives_sigkill(1);
 }
 
 #[test]
-fn an_fsynced_write_survives_a_sigkill_of_the_target_forced_dax() {
-    require_fuse!("an_fsynced_write_survives_a_sigkill_of_the_target_forced_dax");
+fn fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax() {
+    require_fuse!("fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax");
     fsync_survives_sigkill(4);
 }
 
