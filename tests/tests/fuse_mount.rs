@@ -659,3 +659,36 @@ fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmoun
     assert!(loops_under(&mnt).is_empty(), "{:?}", loops_under(&mnt));
     assert!(m.log().contains("in use"), "{}", m.log());
 }
+
+#[test]
+fn sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused() {
+    require_fuse!("sigterm_detaches_a_loop_device_attached_by_hand");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-hand");
+    let t = target(&root, &shm);
+    let mnt = root.join("mnt");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &[]);
+    // Mounting again on the same directory would stack a second mount: refused.
+    let mut a = conn_args(&t.url(), 1);
+    a.extend(["mount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    let o = initiator(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("already"), "{}", text(&o));
+    // util-linux's losetup, with direct I/O, on the file.
+    let lo = sh_ok(
+        Command::new("losetup")
+            .args(["--find", "--show", "--direct-io=on"])
+            .arg(&m.file),
+    );
+    let lo = PathBuf::from(lo.trim());
+    m.lo = Some(lo.clone());
+    assert_eq!(losetup_j(&m.file).lines().count(), 1);
+    let mut buf = vec![0u8; 4096];
+    std::fs::File::open(&lo)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+    let st = m.sigterm();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+}

@@ -264,11 +264,6 @@ pub(crate) fn backed_under(dir: &Path) -> Vec<(PathBuf, PathBuf)> {
     v
 }
 
-/// The file `dev` is attached to (None: not attached, or no such device).
-pub(crate) fn backing_file(dev: &Path) -> Option<PathBuf> {
-    sysfs(dev, "backing_file").map(PathBuf::from)
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -284,6 +279,6 @@ mod tests {
     fn nothing_is_backed_by_a_fresh_directory() {
         let d = tempfile::tempdir().unwrap();
         assert!(backed_under(d.path()).is_empty());
-        assert_eq!(backing_file(Path::new("/dev/loop-none")), None);
+        assert_eq!(sysfs(Path::new("/dev/loop-none"), "backing_file"), None);
     }
 }

@@ -73,6 +73,16 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
     }
     let dir = std::fs::canonicalize(a.dir)
         .map_err(|e| io_failure(format!("resolving {}", a.dir.display()), e))?;
+    let stacked = kmount::mounts()
+        .map_err(|e| io_failure("reading /proc/mounts".into(), e))?
+        .into_iter()
+        .any(|m| m.dir == dir && m.fstype == kmount::FSTYPE);
+    if stacked {
+        return Err(usage(format!(
+            "{}: an rpma mount is already there (rpma-initiator umount {0})",
+            dir.display()
+        )));
+    }
     // Every thread started from here on inherits the mask: only the signal thread sees them.
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGTERM);
@@ -177,7 +187,7 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
         match events.recv() {
             Ok(Event::Signal(sig)) => {
                 log::info!("{sig}: detaching and unmounting {}", dir.display());
-                stop(&dir, lo.take());
+                stop(&dir);
             }
             Ok(Event::SessionEnded(r)) => break r,
             Err(_) => break Ok(()),
@@ -239,28 +249,26 @@ fn ready(g: &Global, file: &Path, lo: Option<&loopdev::LoopDev>) -> Result<(), F
     Ok(())
 }
 
-/// On SIGTERM/SIGINT: detach our loop device, unmount. A loop device still in use (a
+/// On SIGTERM/SIGINT: detach the loop devices over the file, unmount. A loop device still in use (a
 /// filesystem on it is mounted) is set to detach itself when that filesystem is unmounted, and
 /// the FUSE unmount is then lazy: the mount leaves the namespace now and the session ends (with
 /// its final persist) once the last user of the file is gone.
-fn stop(dir: &Path, lo: Option<loopdev::LoopDev>) {
-    if let Some(l) = lo {
-        // Only if it is still ours (an operator may have detached and reused it).
-        if loopdev::backing_file(&l.path).is_some_and(|b| b.starts_with(dir)) {
-            match loopdev::detach(&l.path) {
-                Ok(()) => {}
-                Err(loopdev::DetachError::Busy(p)) => {
-                    log::warn!(
-                        "{} is in use: it detaches itself once the filesystem on it is \
-                         unmounted; serving until then",
-                        p.display()
-                    );
-                    if let Err(e) = loopdev::detach_deferred(&p) {
-                        log::error!("setting {} to detach itself: {e}", p.display());
-                    }
+fn stop(dir: &Path) {
+    // Ours and any an operator attached by hand: all of them hold the file open.
+    for (dev, _) in loopdev::backed_under(dir) {
+        match loopdev::detach(&dev) {
+            Ok(()) => log::info!("detached {}", dev.display()),
+            Err(loopdev::DetachError::Busy(p)) => {
+                log::warn!(
+                    "{} is in use: it detaches itself once the filesystem on it is \
+                     unmounted; serving until then",
+                    p.display()
+                );
+                if let Err(e) = loopdev::detach_deferred(&p) {
+                    log::error!("setting {} to detach itself: {e}", p.display());
                 }
-                Err(e) => log::error!("{e}"),
             }
+            Err(e) => log::error!("{e}"),
         }
     }
     match kmount::unmount(dir, false) {
