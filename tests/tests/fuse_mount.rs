@@ -16,6 +16,9 @@ const SUB: &str = "nqn.2026-11.io.rpma:fuse";
 const HOST: &str = "nqn.2026-11.io.rpma:fuse-host";
 /// How long a mount may take to print its paths, or to exit once stopped.
 const WITHIN: Duration = Duration::from_secs(20);
+/// A mount process still running after this is SIGKILLed, so that a hung server fails the
+/// test (its file then answers ENOTCONN) instead of blocking it.
+const WATCHDOG: Duration = Duration::from_secs(90);
 
 /// Why this machine cannot run these tests, if it cannot.
 fn skip_reason() -> Option<String> {
@@ -133,6 +136,22 @@ struct Mounted {
     file: PathBuf,
     lo: Option<PathBuf>,
     log: PathBuf,
+    /// Dropping it disarms the watchdog.
+    watchdog: Option<mpsc::Sender<()>>,
+}
+
+/// SIGKILLs `pid` after [`WATCHDOG`] unless `disarm` is dropped first.
+fn watchdog(pid: u32) -> mpsc::Sender<()> {
+    let (disarm, armed) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(mpsc::RecvTimeoutError::Timeout) = armed.recv_timeout(WATCHDOG) {
+            eprintln!("watchdog: the mount process {pid} outlived {WATCHDOG:?}: SIGKILL");
+            // SAFETY: kill has no memory-safety preconditions; the pid is a child that has
+            // not been reaped (reaping disarms first).
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    });
+    disarm
 }
 
 impl Mounted {
@@ -151,6 +170,7 @@ impl Mounted {
             .spawn()
             .expect("spawn rpma-initiator mount");
         let mut m = Mounted {
+            watchdog: Some(watchdog(child.id())),
             child: Some(child),
             dir: dir.to_owned(),
             file: PathBuf::new(),
@@ -202,6 +222,7 @@ impl Mounted {
         let deadline = Instant::now() + WITHIN;
         loop {
             if let Some(st) = c.try_wait().unwrap() {
+                self.watchdog = None;
                 self.child = None;
                 return st;
             }
@@ -254,6 +275,7 @@ impl Drop for Mounted {
             let _ = sh(Command::new("losetup").arg("-d").arg(lo));
         }
         if let Some(mut c) = self.child.take() {
+            self.watchdog = None;
             // SAFETY: as in sigterm.
             unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
             let deadline = Instant::now() + Duration::from_secs(10);
