@@ -10,6 +10,9 @@ PACKAGES=(
   tshark systemd
   # tests: third-party NBD clients against `rpma-initiator nbd` (tests/tests/nbd.rs)
   qemu-utils libnbd-bin fio
+  # tests of rpma-initiator mount (FUSE): mkfs.ext4/e2fsck, and losetup/mount/umount. No fuse3:
+  # the initiator mounts with mount(2) as root, so fusermount3 is never needed.
+  e2fsprogs util-linux
 )
 
 missing=()

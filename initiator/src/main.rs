@@ -5,6 +5,7 @@ use std::time::Duration;
 use clap::{Args, Parser, Subcommand};
 
 mod cli;
+mod mount;
 use rpma_common::proto::auth::Psk;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::NamespaceDescriptor;
@@ -204,6 +205,25 @@ enum Command {
         #[arg(long, value_name = "N", default_value_t = 64,
               value_parser = clap::value_parser!(u16).range(1..=128))]
         queue_depth: u16,
+    },
+    /// Show the namespace as one regular file (DIR/nsN) in a FUSE filesystem, in the foreground
+    /// until SIGTERM or `umount`; prints the file's path (and the loop device's) once ready.
+    /// Needs root. fsync makes every acknowledged write durable (docs/mount-fuse.md).
+    Mount {
+        /// The mount point (an existing directory).
+        dir: PathBuf,
+        /// Also attach a loop device to the file (direct I/O) and print its path.
+        #[arg(long = "loop")]
+        loop_dev: bool,
+        /// The file's name [default: nsN].
+        #[arg(long, value_name = "NAME")]
+        file_name: Option<String>,
+    },
+    /// Undo `mount`: detach the loop devices over its file, unmount DIR (the mount process then
+    /// persists, disconnects and exits).
+    Umount {
+        /// The mount point.
+        dir: PathBuf,
     },
     /// Print a shell completion script (bash, zsh, fish, elvish, powershell).
     Completions {
@@ -537,6 +557,19 @@ fn main() -> ExitCode {
                 queue_depth: usize::from(*queue_depth),
             },
         ),
+        Command::Mount {
+            dir,
+            loop_dev,
+            file_name,
+        } => mount::mount(
+            g,
+            &mount::MountArgs {
+                dir,
+                loop_dev: *loop_dev,
+                file_name: file_name.as_deref(),
+            },
+        ),
+        Command::Umount { dir } => mount::umount(g, dir),
         Command::Completions { shell } => {
             use clap::CommandFactory;
             let mut cmd = Cli::command();

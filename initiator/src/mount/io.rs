@@ -1,0 +1,298 @@
+//! The I/O thread: the one owner of the library [`Queue`] (a queue is one-per-thread and
+//! synchronous). The FUSE session thread hands it jobs with their reply objects and goes back
+//! to reading /dev/fuse; jobs run in arrival order, so a write acknowledged to the kernel comes
+//! before any later fsync. When idle the thread runs the queue's keep-alives. When the session
+//! ends (its sender dropped) the thread persists what is still dirty and disconnects.
+//!
+//! Durability: every write acknowledged to the kernel was handed to the transport
+//! (`write_at`) and widens the dirty range; fsync and a flush on close make that range durable
+//! with `persist_written` (this queue wrote it, so APM's Read covers it too) before they are
+//! answered. On a volatile namespace nothing can be durable: fsync answers EIO unless
+//! `--visible-ok`.
+
+use std::sync::mpsc::{Receiver, RecvTimeoutError, Sender};
+use std::thread::JoinHandle;
+use std::time::Duration;
+
+use fuser::{Errno, ReplyData, ReplyEmpty, ReplyWrite};
+use rpma_initiator::{Durability, Error, Queue};
+
+/// How often an idle thread runs the keep-alives (well under half the 5 s keep-alive).
+const IDLE_TICK: Duration = Duration::from_millis(500);
+
+/// Work for the I/O thread. The fs layer checked every range against the namespace.
+#[derive(Debug)]
+pub(crate) enum Job {
+    /// Read `size` bytes at `offset`.
+    Read {
+        offset: u64,
+        size: usize,
+        reply: ReplyData,
+    },
+    /// Write `data` at `offset` (sent; dirty until the next persist).
+    Write {
+        offset: u64,
+        data: Vec<u8>,
+        reply: ReplyWrite,
+    },
+    /// Zeroes `len` bytes at `offset` (fallocate ZERO_RANGE).
+    Zero {
+        offset: u64,
+        len: u64,
+        reply: ReplyEmpty,
+    },
+    /// fsync: make every acknowledged write durable.
+    Fsync { reply: ReplyEmpty },
+    /// flush (a close): the same, but nothing to do, and no error, when nothing is dirty.
+    Flush { reply: ReplyEmpty },
+}
+
+/// What the I/O thread did by the end.
+#[derive(Debug)]
+pub(crate) struct Summary {
+    /// The final persist of what was still dirty, when something was: its error.
+    pub(crate) final_persist: Result<Option<Durability>, Error>,
+    /// Writes served.
+    pub(crate) writes: u64,
+}
+
+/// The errno a failed library call maps to.
+pub(crate) fn errno_of(e: &Error) -> Errno {
+    match e {
+        Error::ReadOnly { .. } => Errno::EROFS,
+        Error::OutOfRange { .. } => Errno::from_i32(libc::ENOSPC),
+        _ => Errno::EIO,
+    }
+}
+
+struct Worker {
+    q: Queue,
+    nsid: u32,
+    read_only: bool,
+    visible_ok: bool,
+    /// [lo, hi) covering every write acknowledged and not yet made durable.
+    dirty: Option<(u64, u64)>,
+    writes: u64,
+    /// The last error logged (logged once until an operation succeeds again).
+    logged: Option<String>,
+}
+
+/// Starts the I/O thread on `q`.
+pub(crate) fn spawn(
+    q: Queue,
+    nsid: u32,
+    read_only: bool,
+    visible_ok: bool,
+) -> std::io::Result<(Sender<Job>, JoinHandle<Summary>)> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    let w = Worker {
+        q,
+        nsid,
+        read_only,
+        visible_ok,
+        dirty: None,
+        writes: 0,
+        logged: None,
+    };
+    let h = std::thread::Builder::new()
+        .name("rpma-io".into())
+        .spawn(move || w.run(rx))?;
+    Ok((tx, h))
+}
+
+impl Worker {
+    fn run(mut self, rx: Receiver<Job>) -> Summary {
+        loop {
+            match rx.recv_timeout(IDLE_TICK) {
+                Ok(job) => self.serve(job),
+                Err(RecvTimeoutError::Timeout) => {
+                    let r = self.q.tick();
+                    let _ = self.note("keep-alive", r);
+                }
+                Err(RecvTimeoutError::Disconnected) => break,
+            }
+        }
+        let final_persist = match self.dirty {
+            None => Ok(None),
+            Some(_) => self.persist().map(Some),
+        };
+        if let Err(e) = &final_persist {
+            log::error!(
+                "the last writes to namespace {} could not be made durable: {e:#}",
+                self.nsid
+            );
+        }
+        let _ = self.q.close();
+        Summary {
+            final_persist,
+            writes: self.writes,
+        }
+    }
+
+    /// Logs a failure once (until something succeeds again).
+    fn note<T>(&mut self, what: &str, r: Result<T, Error>) -> Result<T, Errno> {
+        match r {
+            Ok(v) => {
+                self.logged = None;
+                Ok(v)
+            }
+            Err(e) => {
+                let errno = errno_of(&e);
+                let msg = format!(
+                    "{what} on namespace {}: {:#}",
+                    self.nsid,
+                    anyhow::Error::new(e)
+                );
+                if self.logged.as_deref() != Some(msg.as_str()) {
+                    log::error!("{msg}");
+                    self.logged = Some(msg);
+                }
+                Err(errno)
+            }
+        }
+    }
+
+    fn serve(&mut self, job: Job) {
+        match job {
+            Job::Read {
+                offset,
+                size,
+                reply,
+            } => {
+                let mut buf = vec![0u8; size];
+                let r = self
+                    .q
+                    .namespace(self.nsid)
+                    .and_then(|mut ns| ns.read_at(offset, &mut buf));
+                match self.note("read", r) {
+                    Ok(()) => reply.data(&buf),
+                    Err(e) => reply.error(e),
+                }
+            }
+            Job::Write {
+                offset,
+                data,
+                reply,
+            } => {
+                let r = self
+                    .q
+                    .namespace(self.nsid)
+                    .and_then(|mut ns| ns.write_at(offset, &data));
+                match self.note("write", r) {
+                    Ok(()) => {
+                        self.dirtied(offset, data.len() as u64);
+                        self.writes += 1;
+                        reply.written(data.len() as u32);
+                    }
+                    Err(e) => reply.error(e),
+                }
+            }
+            Job::Zero { offset, len, reply } => match self.zero(offset, len) {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(e),
+            },
+            Job::Fsync { reply } => match self.sync() {
+                Ok(()) => reply.ok(),
+                Err(e) => reply.error(e),
+            },
+            Job::Flush { reply } => {
+                let r = if self.dirty.is_some() {
+                    self.sync()
+                } else {
+                    Ok(())
+                };
+                match r {
+                    Ok(()) => reply.ok(),
+                    Err(e) => reply.error(e),
+                }
+            }
+        }
+    }
+
+    fn dirtied(&mut self, offset: u64, len: u64) {
+        let end = offset + len;
+        self.dirty = Some(match self.dirty {
+            None => (offset, end),
+            Some((lo, hi)) => (lo.min(offset), hi.max(end)),
+        });
+    }
+
+    fn zero(&mut self, offset: u64, len: u64) -> Result<(), Errno> {
+        const PIECE: u64 = 1 << 20;
+        let zeros = vec![0u8; PIECE.min(len) as usize];
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(PIECE);
+            let r = self
+                .q
+                .namespace(self.nsid)
+                .and_then(|mut ns| ns.write_at(offset + at, &zeros[..n as usize]));
+            self.note("zeroing", r)?;
+            self.dirtied(offset + at, n);
+            at += n;
+        }
+        Ok(())
+    }
+
+    /// Makes the dirty range durable; Durable or, with `--visible-ok`, VisibleOnly is success.
+    fn persist(&mut self) -> Result<Durability, Error> {
+        let d = match self.dirty {
+            Some((lo, hi)) => self
+                .q
+                .namespace(self.nsid)
+                .and_then(|mut ns| ns.persist_written(lo, hi - lo))?,
+            None => match self.q.namespace(self.nsid)?.method()? {
+                rpma_initiator::Choice::VisibleOnly => Durability::VisibleOnly,
+                rpma_initiator::Choice::Method(m) => Durability::Durable(m),
+            },
+        };
+        // Visible is all a volatile namespace can give: nothing is left to retry.
+        self.dirty = None;
+        Ok(d)
+    }
+
+    /// fsync: durable, or EIO (a volatile namespace without `--visible-ok` included).
+    fn sync(&mut self) -> Result<(), Errno> {
+        if self.read_only {
+            // Nothing was written through this mount: nothing to make durable.
+            return Ok(());
+        }
+        let r = self.persist();
+        match self.note("fsync", r)? {
+            Durability::Durable(_) => Ok(()),
+            Durability::VisibleOnly if self.visible_ok => Ok(()),
+            Durability::VisibleOnly => {
+                let msg = format!(
+                    "fsync on namespace {}: volatile, the bytes are visible but NOT durable \
+                     (EIO; --visible-ok accepts that)",
+                    self.nsid
+                );
+                if self.logged.as_deref() != Some(msg.as_str()) {
+                    log::warn!("{msg}");
+                    self.logged = Some(msg);
+                }
+                Err(Errno::EIO)
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn errors_map_to_errnos() {
+        assert_eq!(errno_of(&Error::ReadOnly { nsid: 1 }), Errno::EROFS);
+        assert_eq!(
+            errno_of(&Error::OutOfRange {
+                nsid: 1,
+                offset: 0,
+                len: 1,
+                size: 0
+            }),
+            Errno::from_i32(libc::ENOSPC)
+        );
+        assert_eq!(errno_of(&Error::Broken), Errno::EIO);
+    }
+}

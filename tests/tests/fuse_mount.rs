@@ -1,0 +1,716 @@
+//! `rpma-initiator mount` (the FUSE door) with the clients people use: losetup's kernel loop
+//! device, mkfs.ext4, mount, e2fsck, and plain reads/writes/fsync on the file, against a real
+//! `rpma-target`. Needs root, /dev/fuse and loop devices: without them each test prints why it
+//! was SKIPPED. Every mount and loop device is cleaned up by a guard, even when a test fails.
+
+use std::io::{BufRead, BufReader};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Stdio};
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use rpma_tests::{built, four_namespaces, initiator, run_with_deadline, text, Shm, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:fuse";
+const HOST: &str = "nqn.2026-11.io.rpma:fuse-host";
+/// How long a mount may take to print its paths, or to exit once stopped.
+const WITHIN: Duration = Duration::from_secs(20);
+/// A mount process still running after this is SIGKILLed, so that a hung server fails the
+/// test (its file then answers ENOTCONN) instead of blocking it.
+const WATCHDOG: Duration = Duration::from_secs(90);
+
+/// Why this machine cannot run these tests, if it cannot.
+fn skip_reason() -> Option<String> {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        return Some("needs root (mount(2), loop devices)".into());
+    }
+    if let Err(e) = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open("/dev/fuse")
+    {
+        return Some(format!("/dev/fuse: {e}"));
+    }
+    if !Path::new("/dev/loop-control").exists() {
+        return Some("no /dev/loop-control (loop module)".into());
+    }
+    for tool in ["mkfs.ext4", "e2fsck", "mount", "umount", "losetup"] {
+        let found = Command::new(tool)
+            .arg("--version")
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+            .is_ok();
+        if !found {
+            return Some(format!("{tool} is not installed (e2fsprogs, util-linux)"));
+        }
+    }
+    None
+}
+
+macro_rules! require_fuse {
+    ($name:expr) => {
+        if let Some(why) = skip_reason() {
+            eprintln!("SKIPPED {}: {why}", $name);
+            return;
+        }
+    };
+}
+
+fn target(dir: &Path, shm: &Shm) -> Target {
+    Target::start(
+        dir,
+        &format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}",
+            four_namespaces(shm, 4096)
+        ),
+    )
+}
+
+fn conn_args(url: &str, nsid: u32) -> Vec<String> {
+    [
+        "--target",
+        url,
+        "--nqn",
+        SUB,
+        "--hostnqn",
+        HOST,
+        "--nsid",
+        &nsid.to_string(),
+    ]
+    .iter()
+    .map(|s| s.to_string())
+    .collect()
+}
+
+/// The mount points of this mount namespace.
+fn mounted(dir: &Path) -> bool {
+    let m = std::fs::read_to_string("/proc/mounts").unwrap();
+    let d = dir.to_string_lossy();
+    m.lines().any(|l| l.split(' ').nth(1) == Some(&*d))
+}
+
+/// Loop devices whose backing file is in `dir`.
+fn loops_under(dir: &Path) -> Vec<PathBuf> {
+    let mut v = Vec::new();
+    for e in std::fs::read_dir("/sys/block").unwrap().flatten() {
+        let name = e.file_name().to_string_lossy().into_owned();
+        if !name.starts_with("loop") {
+            continue;
+        }
+        if let Ok(b) = std::fs::read_to_string(e.path().join("loop/backing_file")) {
+            if Path::new(b.trim_end()).parent() == Some(dir) {
+                v.push(PathBuf::from("/dev").join(name));
+            }
+        }
+    }
+    v
+}
+
+/// `losetup -j FILE`: the loop devices util-linux sees over the file.
+fn losetup_j(file: &Path) -> String {
+    let o = run_with_deadline(
+        Command::new("losetup").arg("-j").arg(file),
+        Duration::from_secs(10),
+    );
+    String::from_utf8_lossy(&o.stdout).into_owned()
+}
+
+fn sh(cmd: &mut Command) -> std::process::Output {
+    run_with_deadline(cmd, Duration::from_secs(60))
+}
+
+fn sh_ok(cmd: &mut Command) -> String {
+    let o = sh(cmd);
+    assert!(o.status.success(), "{cmd:?}: {}", text(&o));
+    text(&o)
+}
+
+/// A running `rpma-initiator mount`. Drop: detaches its loop devices, SIGTERMs it, and lazily
+/// unmounts whatever is left.
+struct Mounted {
+    child: Option<Child>,
+    dir: PathBuf,
+    file: PathBuf,
+    lo: Option<PathBuf>,
+    log: PathBuf,
+    /// Dropping it disarms the watchdog.
+    watchdog: Option<mpsc::Sender<()>>,
+}
+
+/// SIGKILLs `pid` after [`WATCHDOG`] unless `disarm` is dropped first.
+fn watchdog(pid: u32) -> mpsc::Sender<()> {
+    let (disarm, armed) = mpsc::channel::<()>();
+    std::thread::spawn(move || {
+        if let Err(mpsc::RecvTimeoutError::Timeout) = armed.recv_timeout(WATCHDOG) {
+            eprintln!("watchdog: the mount process {pid} outlived {WATCHDOG:?}: SIGKILL");
+            // SAFETY: kill has no memory-safety preconditions; the pid is a child that has
+            // not been reaped (reaping disarms first).
+            unsafe { libc::kill(pid as libc::pid_t, libc::SIGKILL) };
+        }
+    });
+    disarm
+}
+
+impl Mounted {
+    /// Starts `rpma-initiator ARGS mount DIR EXTRA` and waits for its paths on stdout.
+    fn start(args: &[String], dir: &Path, extra: &[&str]) -> Mounted {
+        let log = dir.with_extension("log");
+        let child = Command::new(built("rpma-initiator"))
+            .args(args)
+            .arg("mount")
+            .arg(dir)
+            .args(extra)
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn rpma-initiator mount");
+        let mut m = Mounted {
+            watchdog: Some(watchdog(child.id())),
+            child: Some(child),
+            dir: dir.to_owned(),
+            file: PathBuf::new(),
+            lo: None,
+            log,
+        };
+        let want = if extra.contains(&"--loop") { 2 } else { 1 };
+        let out = m.child.as_mut().unwrap().stdout.take().unwrap();
+        let (tx, rx) = mpsc::channel();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines() {
+                let Ok(l) = l else { break };
+                if tx.send(l).is_err() {
+                    break;
+                }
+            }
+        });
+        let deadline = Instant::now() + WITHIN;
+        let mut lines = Vec::new();
+        while lines.len() < want {
+            let left = deadline.saturating_duration_since(Instant::now());
+            match rx.recv_timeout(left.min(Duration::from_millis(200))) {
+                Ok(l) => lines.push(l),
+                Err(_) => {
+                    if let Ok(Some(st)) = m.child.as_mut().unwrap().try_wait() {
+                        panic!("mount exited ({st}) before it was ready:\n{}", m.log());
+                    }
+                    assert!(
+                        !left.is_zero(),
+                        "mount not ready within {WITHIN:?}:\n{}",
+                        m.log()
+                    );
+                }
+            }
+        }
+        m.file = PathBuf::from(&lines[0]);
+        m.lo = lines.get(1).map(PathBuf::from);
+        assert!(mounted(dir), "{} is not in /proc/mounts", dir.display());
+        m
+    }
+
+    fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// Waits for the mount process to exit.
+    fn wait_exit(&mut self) -> ExitStatus {
+        let c = self.child.as_mut().expect("running");
+        let deadline = Instant::now() + WITHIN;
+        loop {
+            if let Some(st) = c.try_wait().unwrap() {
+                self.watchdog = None;
+                self.child = None;
+                return st;
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the mount process did not exit within {WITHIN:?}:\n{}",
+                self.log()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn sigterm(&mut self) -> ExitStatus {
+        let pid = self.child.as_ref().expect("running").id();
+        // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+        assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+        self.wait_exit()
+    }
+
+    /// Asserts that neither the mount nor a loop device over the file is left.
+    fn assert_gone(&self) {
+        assert!(!mounted(&self.dir), "{} still mounted", self.dir.display());
+        assert!(
+            loops_under(&self.dir).is_empty(),
+            "{:?}",
+            loops_under(&self.dir)
+        );
+        assert_eq!(losetup_j(&self.file), "");
+    }
+}
+
+impl Drop for Mounted {
+    fn drop(&mut self) {
+        let mut los = loops_under(&self.dir);
+        // After a lazy unmount the kernel names the backing file from the detached mount's
+        // root ("/ns1"): our own device is found by its number.
+        if let Some(lo) = &self.lo {
+            let name = lo.file_name().unwrap().to_string_lossy().into_owned();
+            let backing = std::fs::read_to_string(format!("/sys/block/{name}/loop/backing_file"));
+            // The full path, or "/ns1" once lazily unmounted (never another test's "/x/ns1").
+            let detached = Path::new("/").join(self.file.file_name().unwrap());
+            if backing.is_ok_and(|b| {
+                let b = Path::new(b.trim_end());
+                b == self.file || b == detached
+            }) {
+                los.push(lo.clone());
+            }
+        }
+        for lo in los {
+            let _ = sh(Command::new("losetup").arg("-d").arg(lo));
+        }
+        if let Some(mut c) = self.child.take() {
+            self.watchdog = None;
+            // SAFETY: as in sigterm.
+            unsafe { libc::kill(c.id() as libc::pid_t, libc::SIGTERM) };
+            let deadline = Instant::now() + Duration::from_secs(10);
+            while c.try_wait().ok().flatten().is_none() && Instant::now() < deadline {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        if mounted(&self.dir) {
+            let _ = sh(Command::new("umount").arg("-l").arg(&self.dir));
+        }
+    }
+}
+
+/// A filesystem mounted from a loop device; unmounted on drop (lazily as a last resort).
+struct FsMount(PathBuf);
+
+impl FsMount {
+    fn new(dev: &Path, dir: &Path, ro: bool) -> FsMount {
+        std::fs::create_dir_all(dir).unwrap();
+        let mut c = Command::new("mount");
+        if ro {
+            c.arg("-o").arg("ro");
+        }
+        sh_ok(c.arg(dev).arg(dir));
+        FsMount(dir.to_owned())
+    }
+
+    fn unmount(self) {
+        sh_ok(Command::new("umount").arg(&self.0));
+        std::mem::forget(self);
+    }
+}
+
+impl Drop for FsMount {
+    fn drop(&mut self) {
+        if sh(Command::new("umount").arg(&self.0)).status.success() {
+            return;
+        }
+        let _ = sh(Command::new("umount").arg("-l").arg(&self.0));
+    }
+}
+
+/// A canonical scratch directory with a `mnt` mount point.
+fn scratch() -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::tempdir().unwrap();
+    let root = std::fs::canonicalize(d.path()).unwrap();
+    std::fs::create_dir(root.join("mnt")).unwrap();
+    (d, root)
+}
+
+/// Bytes that differ from one offset to the next (and from any pattern fill).
+fn noise(len: usize, seed: u64) -> Vec<u8> {
+    let mut x = seed | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// `rpma-initiator read` of a range, through its own connection.
+fn cli_read(url: &str, nsid: u32, offset: u64, len: usize, out: &Path) -> Vec<u8> {
+    let mut a = conn_args(url, nsid);
+    a.extend(
+        [
+            "read",
+            "--offset",
+            &offset.to_string(),
+            "--length",
+            &len.to_string(),
+            "--out",
+            &out.to_string_lossy(),
+        ]
+        .map(String::from),
+    );
+    let a: Vec<&str> = a.iter().map(String::as_str).collect();
+    let o = initiator(&a);
+    assert!(o.status.success(), "read: {}", text(&o));
+    std::fs::read(out).unwrap()
+}
+
+#[test]
+fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing() {
+    require_fuse!("ext4_on_the_loop_device_survives_a_new_initiator");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-ext4");
+    let t = target(&root, &shm);
+    let mnt = root.join("mnt");
+    let ext = root.join("ext");
+    let big = noise(1 << 20, 7);
+
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    assert_eq!(m.file, mnt.join("ns1"));
+    let lo = m.lo.clone().expect("a loop device");
+    assert!(losetup_j(&m.file).contains(&*lo.to_string_lossy()));
+    sh_ok(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-E", "nodiscard"])
+            .arg(&lo),
+    );
+    let fs = FsMount::new(&lo, &ext, false);
+    std::fs::write(ext.join("hello.txt"), b"hello, remote pmem\n").unwrap();
+    std::fs::create_dir(ext.join("d")).unwrap();
+    std::fs::write(ext.join("d/big.bin"), &big).unwrap();
+    sh_ok(&mut Command::new("sync"));
+    fs.unmount();
+    // umount: detaches the loop device, unmounts; the mount process persists and exits 0.
+    let mut a = conn_args(&t.url(), 1);
+    a.extend(["umount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    let o = initiator(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "umount: {}", text(&o));
+    assert!(text(&o).contains(&*lo.to_string_lossy()), "{}", text(&o));
+    let st = m.wait_exit();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+    drop(m);
+
+    // A new initiator: the files are there and e2fsck finds nothing to fix.
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    let lo = m.lo.clone().expect("a loop device");
+    let fs = FsMount::new(&lo, &ext, true);
+    assert_eq!(
+        std::fs::read(ext.join("hello.txt")).unwrap(),
+        b"hello, remote pmem\n"
+    );
+    assert!(std::fs::read(ext.join("d/big.bin")).unwrap() == big);
+    fs.unmount();
+    let fsck = sh(Command::new("e2fsck").arg("-fn").arg(&lo));
+    assert!(fsck.status.success(), "e2fsck -fn: {}", text(&fsck));
+    // SIGTERM: the same clean stop.
+    let st = m.sigterm();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+}
+
+/// Writes `data` through the FUSE file at one offset and fsyncs, at another and closes, then
+/// SIGKILLs the target, restarts it and reads both ranges back with `rpma-initiator read`.
+fn fsync_survives_sigkill(nsid: u32) {
+    let (_d, root) = scratch();
+    let shm = Shm::new(&format!("fuse-kill-{nsid}"));
+    let mut t = target(&root, &shm);
+    let mnt = root.join("mnt");
+    let m = Mounted::start(&conn_args(&t.url(), nsid), &mnt, &[]);
+    let data = noise(768 << 10, u64::from(nsid));
+    let off = 64 << 10;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    f.write_all_at(&data, off).unwrap();
+    f.sync_all().unwrap();
+    if nsid == 1 {
+        // page-cache: fsync had the target sync the range (no dirty page left to lose).
+        if let Some(n) = rpma_tests::unsynced_pages(&root.join("ns1"), off, data.len() as u64) {
+            assert_eq!(n, 0, "dirty pages left after fsync");
+        }
+    }
+    // A close flushes: bytes written and not fsynced are durable once close() returned.
+    let off2 = 1 << 20;
+    f.write_all_at(&data, off2).unwrap();
+    drop(f);
+    if nsid == 1 {
+        if let Some(n) = rpma_tests::unsynced_pages(&root.join("ns1"), off2, data.len() as u64) {
+            assert_eq!(n, 0, "dirty pages left after close");
+        }
+    }
+    t.kill9();
+    t.restart();
+    let back = cli_read(&t.url(), nsid, off, data.len(), &root.join("back"));
+    assert!(
+        back == data,
+        "nsid {nsid}: the fsynced bytes did not survive"
+    );
+    let back = cli_read(&t.url(), nsid, off2, data.len(), &root.join("back2"));
+    assert!(
+        back == data,
+        "nsid {nsid}: the bytes flushed by close did not survive"
+    );
+    drop(m);
+}
+
+#[test]
+fn fsynced_and_closed_writes_survive_a_sigkill_of_the_target_page_cache() {
+    require_fuse!("fsynced_and_closed_writes_survive_a_sigkill_of_the_target_page_cache");
+    fsync_survives_sigkill(1);
+}
+
+#[test]
+fn fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax() {
+    require_fuse!("fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax");
+    fsync_survives_sigkill(4);
+}
+
+#[test]
+fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
+    require_fuse!("bytes_cross_between_the_fuse_file_and_the_cli_both_ways");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-cross");
+    let t = target(&root, &shm);
+    let m = Mounted::start(&conn_args(&t.url(), 1), &root.join("mnt"), &[]);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    // FUSE -> CLI, at an odd offset across the 256 KiB request chunks.
+    let a = noise(300_000, 3);
+    f.write_all_at(&a, 12_345).unwrap();
+    f.sync_all().unwrap();
+    assert!(cli_read(&t.url(), 1, 12_345, a.len(), &root.join("a")) == a);
+    // CLI -> FUSE, over a range the file was read from first (no cache may keep old bytes).
+    let b = noise(200_000, 5);
+    let mut got = vec![0u8; b.len()];
+    f.read_exact_at(&mut got, 4_000_000).unwrap();
+    std::fs::write(root.join("b"), &b).unwrap();
+    let mut args = conn_args(&t.url(), 1);
+    args.extend(["write", "--offset", "4000000", "--durable", "--in"].map(String::from));
+    args.push(root.join("b").to_string_lossy().into_owned());
+    let o = initiator(&args.iter().map(String::as_str).collect::<Vec<_>>());
+    assert!(o.status.success(), "write: {}", text(&o));
+    f.read_exact_at(&mut got, 4_000_000).unwrap();
+    assert!(got == b, "the FUSE file shows stale bytes");
+}
+
+#[test]
+fn the_file_has_a_fixed_size_and_refuses_writes_past_its_end() {
+    require_fuse!("the_file_has_a_fixed_size_and_refuses_writes_past_its_end");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-size");
+    let t = target(&root, &shm);
+    let m = Mounted::start(
+        &conn_args(&t.url(), 1),
+        &root.join("mnt"),
+        &["--file-name", "disk"],
+    );
+    assert_eq!(m.file, root.join("mnt/disk"));
+    let size = 8u64 << 20;
+    assert_eq!(std::fs::metadata(&m.file).unwrap().len(), size);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    let e = f.write_at(b"x", size).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::ENOSPC), "{e}");
+    // Across the end: short, as on a block device.
+    assert_eq!(f.write_at(&[7u8; 8192], size - 4096).unwrap(), 4096);
+    let mut buf = [0u8; 16];
+    assert_eq!(f.read_at(&mut buf, size).unwrap(), 0);
+    let e = f.set_len(size / 2).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "{e}");
+    let e = std::fs::File::create(&m.file).unwrap_err();
+    assert_eq!(e.raw_os_error(), Some(libc::EPERM), "O_TRUNC: {e}");
+    assert_eq!(std::fs::metadata(&m.file).unwrap().len(), size);
+}
+
+#[test]
+fn a_read_only_namespace_is_mounted_read_only() {
+    require_fuse!("a_read_only_namespace_is_mounted_read_only");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-ro");
+    let t = target(&root, &shm);
+    let m = Mounted::start(&conn_args(&t.url(), 2), &root.join("mnt"), &[]);
+    let line = std::fs::read_to_string("/proc/mounts")
+        .unwrap()
+        .lines()
+        .find(|l| l.split(' ').nth(1) == Some(&*root.join("mnt").to_string_lossy()))
+        .map(str::to_owned)
+        .unwrap();
+    assert!(
+        line.split(' ')
+            .nth(3)
+            .unwrap()
+            .split(',')
+            .any(|o| o == "ro"),
+        "{line}"
+    );
+    let e = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&m.file)
+        .unwrap_err();
+    assert!(
+        matches!(e.raw_os_error(), Some(libc::EROFS) | Some(libc::EPERM)),
+        "{e}"
+    );
+    let mut buf = vec![1u8; 4096];
+    std::fs::File::open(&m.file)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+}
+
+#[test]
+fn fsync_on_a_volatile_namespace_is_eio_unless_visible_ok() {
+    require_fuse!("fsync_on_a_volatile_namespace_is_eio_unless_visible_ok");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-volatile");
+    let t = target(&root, &shm);
+    for (visible_ok, want_ok) in [(false, false), (true, true)] {
+        let mut args = conn_args(&t.url(), 3);
+        if visible_ok {
+            args.push("--visible-ok".into());
+        }
+        let m = Mounted::start(&args, &root.join("mnt"), &[]);
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&m.file)
+            .unwrap();
+        f.write_all_at(b"visible, not durable", 0).unwrap();
+        let r = f.sync_all();
+        assert_eq!(r.is_ok(), want_ok, "--visible-ok {visible_ok}: {r:?}");
+        if let Err(e) = r {
+            assert_eq!(e.raw_os_error(), Some(libc::EIO));
+        }
+        drop(f);
+        drop(m);
+    }
+}
+
+#[test]
+fn bad_mount_requests_fail_cleanly() {
+    require_fuse!("bad_mount_requests_fail_cleanly");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-bad");
+    let t = target(&root, &shm);
+    let run = |args: Vec<String>| {
+        let o = initiator(&args.iter().map(String::as_str).collect::<Vec<_>>());
+        (o.status.code(), text(&o))
+    };
+    // A directory that does not exist: a usage error, nothing mounted.
+    let missing = root.join("missing");
+    let mut a = conn_args(&t.url(), 1);
+    a.extend(["mount".to_owned(), missing.to_string_lossy().into_owned()]);
+    let (code, out) = run(a);
+    assert_eq!(code, Some(2), "{out}");
+    assert!(out.contains("missing"), "{out}");
+    assert!(!mounted(&missing));
+    // A target that is not there: exit 3, and the mount point is left alone.
+    let mnt = root.join("mnt");
+    let mut a = conn_args(&format!("tcp://127.0.0.1:{}", rpma_tests::free_port()), 1);
+    a.extend(
+        [
+            "--timeout",
+            "2",
+            "--reconnect-timeout",
+            "0",
+            "mount",
+            &mnt.to_string_lossy(),
+        ]
+        .map(String::from),
+    );
+    let (code, out) = run(a);
+    assert_eq!(code, Some(3), "{out}");
+    assert!(!mounted(&mnt));
+    // umount of a directory that is no rpma mount.
+    let (code, out) = run(vec!["umount".into(), mnt.to_string_lossy().into_owned()]);
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("no rpma FUSE mount"), "{out}");
+}
+
+#[test]
+fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmount() {
+    require_fuse!("sigterm_while_a_filesystem_on_the_loop_device_is_mounted");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-busy");
+    let t = target(&root, &shm);
+    let mnt = root.join("mnt");
+    let ext = root.join("ext");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    let lo = m.lo.clone().expect("a loop device");
+    sh_ok(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-E", "nodiscard"])
+            .arg(&lo),
+    );
+    let fs = FsMount::new(&lo, &ext, false);
+    let pid = m.child.as_ref().unwrap().id();
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);
+    std::thread::sleep(Duration::from_millis(500));
+    // Still serving the mounted filesystem: nothing pulled from under it.
+    assert!(
+        m.child.as_mut().unwrap().try_wait().unwrap().is_none(),
+        "{}",
+        m.log()
+    );
+    std::fs::write(ext.join("late.txt"), b"written after SIGTERM").unwrap();
+    sh_ok(&mut Command::new("sync"));
+    assert!(
+        !mounted(&mnt),
+        "the FUSE mount should have left the namespace"
+    );
+    // Unmounting the filesystem releases the loop device, the file, and so the process.
+    fs.unmount();
+    let st = m.wait_exit();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    assert!(loops_under(&mnt).is_empty(), "{:?}", loops_under(&mnt));
+    assert!(m.log().contains("in use"), "{}", m.log());
+}
+
+#[test]
+fn sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused() {
+    require_fuse!("sigterm_detaches_a_loop_device_attached_by_hand");
+    let (_d, root) = scratch();
+    let shm = Shm::new("fuse-hand");
+    let t = target(&root, &shm);
+    let mnt = root.join("mnt");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &[]);
+    // Mounting again on the same directory would stack a second mount: refused.
+    let mut a = conn_args(&t.url(), 1);
+    a.extend(["mount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    let o = initiator(&a.iter().map(String::as_str).collect::<Vec<_>>());
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("already"), "{}", text(&o));
+    // util-linux's losetup, with direct I/O, on the file.
+    let lo = sh_ok(
+        Command::new("losetup")
+            .args(["--find", "--show", "--direct-io=on"])
+            .arg(&m.file),
+    );
+    let lo = PathBuf::from(lo.trim());
+    m.lo = Some(lo.clone());
+    assert_eq!(losetup_j(&m.file).lines().count(), 1);
+    let mut buf = vec![0u8; 4096];
+    std::fs::File::open(&lo)
+        .unwrap()
+        .read_exact_at(&mut buf, 0)
+        .unwrap();
+    let st = m.sigterm();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+}
