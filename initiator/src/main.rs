@@ -17,14 +17,17 @@ use serde::Serialize;
 const EXIT_CODES: &str = "\
 Exit codes:
   0  success
-  1  any other error (verify: the data differ; a flush the target could not make durable)
+  1  any other error (verify: the data differ; a flush the target could not make durable;
+     the namespace has failed on the target)
   2  bad command line
   3  the target could not be reached, did not answer in time, or the connection broke
      (and reconnecting failed)
   4  the target refused: unknown subsystem, host not allowed, unsupported version, other refusals
   5  authentication failed (wrong or missing key, or the target failed to prove the key)
   6  the request does not fit the namespace: no such namespace, out of range, misaligned,
-     read-only, or a --persist method that cannot make it durable";
+     read-only, or a --persist method that cannot make it durable (APM for a flush of a range)
+  7  a durable request on a volatile namespace got only \"visible\", NOT durable (--visible-ok
+     accepts that)";
 
 /// rpma-initiator connects to an rpma target and reads, writes and flushes remote persistent memory.
 #[derive(Debug, Parser)]
