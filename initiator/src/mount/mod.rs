@@ -1,7 +1,7 @@
 //! `rpma-initiator mount DIR [--loop]` and `rpma-initiator umount DIR`: the namespace as one
 //! regular file in a FUSE filesystem ([`fs`]), served by one I/O thread that owns the queue
-//! ([`io`]), optionally with a loop device over it ([`loopdev`]). docs/mount-fuse.md has the
-//! operator's side.
+//! ([`io`]), optionally with a loop device over it ([`loopdev`]). docs/mount.md ("FUSE file
+//! and loop device") has the operator's side.
 //!
 //! Threads: the FUSE session (reads /dev/fuse, answers metadata, forwards data), the I/O thread,
 //! a signal thread (SIGTERM and SIGINT are blocked everywhere else and waited for there), and
