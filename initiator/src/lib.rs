@@ -53,6 +53,7 @@
 //!
 //! Features: `rdma` builds the rdma transport in rpma-common (a later issue).
 
+mod checks;
 mod connect;
 pub mod durability;
 mod error;
