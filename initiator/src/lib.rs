@@ -57,6 +57,7 @@ mod checks;
 mod connect;
 pub mod durability;
 mod error;
+mod method;
 pub mod namespace;
 pub mod nbd;
 mod pool;
