@@ -78,7 +78,8 @@ impl Server {
     ///
     /// # Errors
     /// [`NbdError::Library`]: those of [`Connection::open_queue`],
-    /// [`Error::NoSuchNamespace`], [`Error::MethodNotValid`].
+    /// [`Error::NoSuchNamespace`](crate::Error::NoSuchNamespace),
+    /// [`Error::MethodNotValid`](crate::Error::MethodNotValid).
     pub fn new(conn: Connection, opts: ExportOptions, listener: Listener) -> Result<Server> {
         let mut q = conn.open_queue(0)?;
         let ns = q.namespace(opts.nsid)?;
