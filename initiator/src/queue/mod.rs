@@ -17,10 +17,12 @@
 //! Dropping a queue (or closing it) says goodbye to the target with a Disconnect, so that the
 //! target logs a closed session rather than a lost connection.
 //!
-//! The queue's parts: [`connection`] (where and who, queue options, the reconnect policy),
+//! The queue's parts: `connection` (where and who, queue options, the reconnect policy),
 //! `engine` (posting through the bounce slots, polling and dispatching completions),
 //! `reconnect` (re-running a call after a loss, re-issuing held writes) and `persist` (the
-//! durability method of each namespace and the requests that make ranges durable).
+//! durability method of each namespace and the requests that make ranges durable). The
+//! handle on one namespace, [`Queue::namespace`], lives in namespace.rs and drives the queue
+//! through these methods only (the queue does not know the handle).
 
 use std::time::Duration;
 
