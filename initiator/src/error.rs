@@ -181,7 +181,7 @@ pub enum Error {
         /// Namespace.
         nsid: u32,
         /// The method asked for.
-        method: crate::durability::PersistMethod,
+        method: crate::method::PersistMethod,
         /// The namespace's persistence domain.
         domain: rpma_common::proto::PersistenceDomain,
         /// What the target offers ("APM GPSPM", or "nothing (visible only)").

@@ -53,9 +53,11 @@
 //!
 //! Features: `rdma` builds the rdma transport in rpma-common (a later issue).
 
+mod checks;
 mod connect;
 pub mod durability;
 mod error;
+mod method;
 pub mod namespace;
 pub mod nbd;
 mod pool;

@@ -6,13 +6,13 @@
 //! nothing is durable yet), a durable call when the target acknowledged durability. Inside one call up to the queue depth of requests are in
 //! flight; the batch calls put many independent transfers in flight at once.
 
-use rpma_common::fabric::{RemoteAddr, SendOp, SendWr};
+use rpma_common::fabric::{RemoteAddr, SendOp};
 use rpma_common::proto::NamespaceDescriptor;
 
+pub use crate::checks::{check_aligned, check_atomic, check_healthy, check_range, check_writable};
 use crate::durability::{Choice, Durability, PersistMethod};
 use crate::error::{Error, Result};
-use crate::pool::{Slot, WriteRec};
-use crate::queue::Queue;
+use crate::queue::{OnLoss, Queue};
 
 /// One namespace, borrowed from its queue.
 #[derive(Debug)]
@@ -21,90 +21,25 @@ pub struct Namespace<'q> {
     idx: usize,
 }
 
-/// `len` bytes at `offset` lie inside the namespace.
-///
-/// # Errors
-/// [`Error::OutOfRange`].
-pub fn check_range(d: &NamespaceDescriptor, offset: u64, len: u64) -> Result<()> {
-    match offset.checked_add(len) {
-        Some(end) if end <= d.size => Ok(()),
-        _ => Err(Error::OutOfRange {
-            nsid: d.nsid,
-            offset,
-            len,
-            size: d.size,
-        }),
+impl Queue {
+    /// A handle on namespace `nsid` for reads, writes, persists and atomics.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchNamespace`].
+    pub fn namespace(&mut self, nsid: u32) -> Result<Namespace<'_>> {
+        let idx = self.namespace_index(nsid)?;
+        Ok(Namespace { q: self, idx })
     }
-}
-
-/// The namespace takes writes (and durability requests).
-///
-/// # Errors
-/// [`Error::ReadOnly`], [`Error::NamespaceFailed`].
-pub fn check_writable(d: &NamespaceDescriptor) -> Result<()> {
-    if d.read_only {
-        return Err(Error::ReadOnly { nsid: d.nsid });
-    }
-    check_healthy(d)
-}
-
-/// The target has not failed the namespace.
-///
-/// # Errors
-/// [`Error::NamespaceFailed`].
-pub fn check_healthy(d: &NamespaceDescriptor) -> Result<()> {
-    match &d.failure {
-        Some(reason) => Err(Error::NamespaceFailed {
-            nsid: d.nsid,
-            reason: reason.clone(),
-        }),
-        None => Ok(()),
-    }
-}
-
-/// `value` (an offset or a length) is a multiple of `align`.
-///
-/// # Errors
-/// [`Error::Misaligned`].
-pub fn check_aligned(
-    d: &NamespaceDescriptor,
-    what: &'static str,
-    value: u64,
-    align: u64,
-) -> Result<()> {
-    if !value.is_multiple_of(align) {
-        return Err(Error::Misaligned {
-            nsid: d.nsid,
-            what,
-            value,
-            align,
-        });
-    }
-    Ok(())
-}
-
-/// An 8-byte atomic at `offset`: aligned, inside, writable.
-///
-/// # Errors
-/// [`Error::Misaligned`], [`Error::OutOfRange`], [`Error::ReadOnly`].
-pub fn check_atomic(d: &NamespaceDescriptor, offset: u64) -> Result<()> {
-    check_aligned(d, "offset", offset, 8)?;
-    check_range(d, offset, 8)?;
-    check_writable(d)
 }
 
 impl<'q> Namespace<'q> {
-    pub(crate) fn new(q: &'q mut Queue, idx: usize) -> Namespace<'q> {
-        Namespace { q, idx }
-    }
-
     /// The descriptor (it changes across a reconnect: new rkey and address).
     pub fn descriptor(&self) -> &NamespaceDescriptor {
-        &self.q.ns[self.idx].desc
+        self.q.descriptor(self.idx)
     }
 
     fn desc(&self) -> NamespaceDescriptor {
-        self.q.ns[self.idx].desc.clone()
+        self.descriptor().clone()
     }
 
     /// The counters of the queue this handle borrows ([`Queue::stats`]).
@@ -149,7 +84,7 @@ impl<'q> Namespace<'q> {
             check_range(&d, *off, b.len() as u64)?;
         }
         let idx = self.idx;
-        self.q.run(true, |q| read_items(q, idx, items))
+        self.q.run(OnLoss::Rerun, |q| q.read_into(idx, items))
     }
 
     /// Writes `data` at `offset`. When this returns the Writes were handed to the transport
@@ -176,8 +111,8 @@ impl<'q> Namespace<'q> {
             check_range(&d, *off, b.len() as u64)?;
         }
         let idx = self.idx;
-        self.q.run(true, |q| {
-            write_items(q, idx, items, None)?;
+        self.q.run(OnLoss::Rerun, |q| {
+            q.post_writes(idx, items, None)?;
             q.drain()
         })
     }
@@ -222,7 +157,7 @@ impl<'q> Namespace<'q> {
         check_range(&d, offset, len)?;
         choose(self.q, self.idx)?;
         let idx = self.idx;
-        self.q.run(true, |q| {
+        self.q.run(OnLoss::Rerun, |q| {
             let choice = choose(q, idx)?;
             q.persist_range(idx, offset, len, choice)
         })
@@ -243,18 +178,18 @@ impl<'q> Namespace<'q> {
         self.q.choice(self.idx)?;
         let idx = self.idx;
         let len = data.len() as u64;
-        self.q.run(true, |q| {
+        self.q.run(OnLoss::Rerun, |q| {
             let choice = q.choice(idx)?;
             match q.persist_request(idx, offset, len, choice) {
                 Some((what, op)) => {
-                    let tail = q.small_wr(op);
+                    let tail = q.waited_wr(op);
                     let id = tail.wr_id;
-                    write_items(q, idx, &[(offset, data)], Some(tail))?;
-                    q.wait_small(idx, what, id)?;
+                    q.post_writes(idx, &[(offset, data)], Some(tail))?;
+                    q.wait_for_request(idx, what, id)?;
                     Ok(q.persisted(idx, offset, len, choice))
                 }
                 None => {
-                    write_items(q, idx, &[(offset, data)], None)?;
+                    q.post_writes(idx, &[(offset, data)], None)?;
                     q.persist_range(idx, offset, len, choice)
                 }
             }
@@ -316,8 +251,8 @@ impl<'q> Namespace<'q> {
         let send = op(self);
         let idx = self.idx;
         // Not re-run after a loss: it may have executed.
-        self.q.run(false, |q| {
-            q.small_op(idx, what, send.clone())?;
+        self.q.run(OnLoss::ReconnectAndFail, |q| {
+            q.post_and_wait(idx, what, send.clone())?;
             q.sink_value()
         })
     }
@@ -367,192 +302,8 @@ impl<'q> Namespace<'q> {
             value,
         };
         let idx = self.idx;
-        self.q
-            .run(false, |q| q.small_op(idx, "atomic write", send.clone()))
-    }
-}
-
-/// Posts the Writes of `items` through the bounce slots, as many per doorbell as there are
-/// free slots, and `tail` (a request that must follow them) with the last of them. Returns
-/// once everything is posted; the completions are the caller's to wait for.
-fn write_items(
-    q: &mut Queue,
-    idx: usize,
-    items: &[(u64, &[u8])],
-    tail: Option<SendWr>,
-) -> Result<()> {
-    let chunk = q.pool.chunk();
-    let mut pending = Vec::new();
-    for (off, data) in items {
-        for (i, piece) in data.chunks(chunk).enumerate() {
-            let slot = match q.pool.take_free() {
-                Some(s) => s,
-                None => {
-                    // Out of slots: what is pending goes out before waiting for completions.
-                    q.post_list(std::mem::take(&mut pending))?;
-                    loop {
-                        if let Some(s) = q.free_slot()? {
-                            break s;
-                        }
-                    }
-                }
-            };
-            if let Err(source) = q.pool.fill(slot, piece) {
-                q.pool.untake(slot);
-                return Err(Error::Fabric {
-                    op: "filling a bounce buffer",
-                    source,
-                });
-            }
-            let rec = WriteRec {
-                ns: idx,
-                offset: off + (i * chunk) as u64,
-                len: piece.len(),
-                seq: q.pool.next_seq(),
-            };
-            pending.push(q.write_wr(slot, rec));
-        }
-    }
-    pending.extend(tail);
-    q.post_list(pending)
-}
-
-fn collect_reads(q: &mut Queue, items: &mut [(u64, &mut [u8])]) -> Result<()> {
-    while let Some(slot) = q.reads_done.pop() {
-        if let Some(Slot::ReadDone { item, at, len }) = q.pool.get(slot) {
-            let out = &mut items[item].1[at..at + len];
-            q.pool.copy_out(slot, out).map_err(|source| Error::Fabric {
-                op: "copying a read out",
-                source,
-            })?;
-            q.pool.set(slot, Slot::Free);
-        }
-    }
-    Ok(())
-}
-
-fn read_items(q: &mut Queue, idx: usize, items: &mut [(u64, &mut [u8])]) -> Result<()> {
-    let chunk = q.pool.chunk();
-    for item in 0..items.len() {
-        let (off, total) = (items[item].0, items[item].1.len());
-        let mut at = 0;
-        while at < total {
-            let len = chunk.min(total - at);
-            let slot = loop {
-                collect_reads(q, items)?;
-                if let Some(s) = q.free_slot()? {
-                    break s;
-                }
-            };
-            q.post_read_slot(slot, idx, off + at as u64, len, item, at)?;
-            at += len;
-        }
-    }
-    let deadline = std::time::Instant::now() + q.options_timeout();
-    loop {
-        collect_reads(q, items)?;
-        if q.pool.count(|s| matches!(s, Slot::Reading { .. })) == 0 {
-            return Ok(());
-        }
-        q.pump_until(deadline, "read completions")?;
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
-
-    fn desc(read_only: bool) -> NamespaceDescriptor {
-        NamespaceDescriptor {
-            nsid: 2,
-            size: 1 << 20,
-            block_size: 512,
-            remote_addr: 0x10000,
-            rkey: 1,
-            domain: PersistenceDomain::PageCache,
-            durability: DurabilityMethods::GPSPM,
-            atomic_write_unit: 8,
-            read_only,
-            failure: None,
-        }
-    }
-
-    #[test]
-    fn a_failed_namespace_takes_no_writes_and_says_why() {
-        let mut d = desc(false);
-        assert!(check_writable(&d).is_ok());
-        d.failure = Some("fdatasync failed: Input/output error (os error 5)".into());
-        let e = check_writable(&d).unwrap_err();
-        assert!(matches!(e, Error::NamespaceFailed { nsid: 2, .. }), "{e:?}");
-        let t = e.to_string();
-        assert!(
-            t.contains("FAILED") && t.contains("Input/output error"),
-            "{t}"
-        );
-        assert!(
-            check_range(&d, 0, 8).is_ok(),
-            "reads are still checked as usual"
-        );
-    }
-
-    #[test]
-    fn ranges_are_checked_without_overflow() {
-        let d = desc(false);
-        assert!(check_range(&d, 0, 1 << 20).is_ok());
-        assert!(check_range(&d, (1 << 20) - 1, 1).is_ok());
-        assert!(check_range(&d, 1 << 20, 0).is_ok());
-        let e = check_range(&d, 1 << 20, 1).unwrap_err();
-        assert!(
-            matches!(
-                e,
-                Error::OutOfRange {
-                    nsid: 2,
-                    offset: 1048576,
-                    len: 1,
-                    size: 1048576
-                }
-            ),
-            "{e}"
-        );
-        assert!(check_range(&d, u64::MAX, 2).is_err());
-        assert!(check_range(&d, 0, u64::MAX).is_err());
-    }
-
-    #[test]
-    fn atomics_need_alignment_room_and_write_access() {
-        let d = desc(false);
-        assert!(check_atomic(&d, 8).is_ok());
-        assert!(matches!(
-            check_atomic(&d, 4),
-            Err(Error::Misaligned {
-                align: 8,
-                value: 4,
-                ..
-            })
-        ));
-        assert!(matches!(
-            check_atomic(&d, 1 << 20),
-            Err(Error::OutOfRange { .. })
-        ));
-        assert!(matches!(
-            check_atomic(&desc(true), 0),
-            Err(Error::ReadOnly { nsid: 2 })
-        ));
-        assert!(check_writable(&desc(true))
-            .unwrap_err()
-            .to_string()
-            .contains("read-only"));
-    }
-
-    #[test]
-    fn block_alignment_names_the_field() {
-        let d = desc(false);
-        assert!(check_aligned(&d, "length", 1024, 512).is_ok());
-        let e = check_aligned(&d, "length", 1000, 512).unwrap_err();
-        assert_eq!(
-            e.to_string(),
-            "length 1000 is not a multiple of 512 on namespace 2"
-        );
+        self.q.run(OnLoss::ReconnectAndFail, |q| {
+            q.post_and_wait(idx, "atomic write", send.clone())
+        })
     }
 }

@@ -49,6 +49,7 @@ mod domain;
 mod error;
 mod flush;
 mod map;
+mod open;
 mod plan;
 
 pub use domain::{Domain, Durability, SyncFailure};
@@ -57,7 +58,8 @@ pub use flush::{
     cache_line_size, flush_instruction, sfence, writeback_range, writeback_range_with,
     FlushInstruction,
 };
-pub use map::{Mapping, OpenOptions, Resize};
+pub use map::Mapping;
+pub use open::{OpenOptions, Resize};
 pub use plan::{Plan, PlanAction};
 
 /// The narrow interface the fabric's placement engine and the target's flush service use, and

@@ -6,7 +6,7 @@ use std::ffi::CString;
 use std::fs;
 use std::io;
 use std::os::unix::ffi::OsStrExt;
-use std::os::unix::fs::{FileTypeExt, MetadataExt};
+use std::os::unix::fs::MetadataExt;
 use std::path::Path;
 
 use nix::unistd::AccessFlags;
@@ -14,7 +14,7 @@ use nix::unistd::AccessFlags;
 use super::devdax;
 use super::domain::Domain;
 use super::error::{Error, Result};
-use super::map::{is_ram_magic, unsupported_kind, OpenOptions, Resize};
+use super::open::{is_ram_magic, OpenOptions, Store};
 
 /// What [`OpenOptions::open`] would do to the backing store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -23,12 +23,13 @@ pub enum PlanAction {
     /// Create the file and allocate the whole size.
     Create,
     /// Grow the existing file from `from` bytes and allocate it. `from == 0`: an empty file,
-    /// which is grown without a [`Resize`] choice.
+    /// which is grown without a [`Resize`](crate::pmem::Resize) choice.
     Grow {
         /// The file's size now.
         from: u64,
     },
-    /// Shrink the existing file from `from` bytes ([`Resize::GrowOrShrink`] only).
+    /// Shrink the existing file from `from` bytes
+    /// ([`Resize::GrowOrShrink`](crate::pmem::Resize::GrowOrShrink) only).
     Shrink {
         /// The file's size now.
         from: u64,
@@ -72,41 +73,10 @@ impl OpenOptions {
     /// [`Error::NoSpace`]; [`Error::NotEnoughSpace`] instead when the filesystem has fewer free
     /// bytes than open would allocate.
     pub fn plan(&self) -> Result<Plan> {
-        if self.block_size != 512 && self.block_size != 4096 {
-            return Err(Error::BadBlockSize {
-                block_size: self.block_size,
-            });
-        }
-        if let Some(size) = self.size {
-            self.check_size(size)?;
-        }
-        match fs::metadata(&self.path) {
-            Ok(meta) => {
-                let ft = meta.file_type();
-                if ft.is_dir() {
-                    Err(Error::IsDirectory {
-                        path: self.path.clone(),
-                    })
-                } else if ft.is_char_device() {
-                    self.plan_devdax(&meta)
-                } else if ft.is_file() {
-                    self.plan_file(&meta)
-                } else {
-                    Err(Error::UnsupportedFileType {
-                        path: self.path.clone(),
-                        kind: unsupported_kind(ft),
-                    })
-                }
-            }
-            Err(e) if e.kind() == io::ErrorKind::NotFound && self.create => {
-                let Some(size) = self.size else {
-                    return Err(Error::SizeRequired {
-                        path: self.path.clone(),
-                    });
-                };
-                self.plan_create(size)
-            }
-            Err(e) => Err(self.open_error("stat", e)),
+        match self.locate()? {
+            Store::File(meta) => self.plan_file(&meta),
+            Store::CharDevice(meta) => self.plan_devdax(&meta),
+            Store::Create { size } => self.plan_create(size),
         }
     }
 
@@ -114,33 +84,13 @@ impl OpenOptions {
         // open() opens before it looks at sizes, so a refused open is its first error.
         self.check_access(&self.path, AccessFlags::R_OK | AccessFlags::W_OK)?;
         let existing = meta.len();
-        let (action, size) = match self.size {
-            None => {
-                self.check_size(existing)?;
-                (PlanAction::AsIs, existing)
-            }
-            Some(size) if size == existing => (PlanAction::AsIs, size),
-            Some(size) if existing == 0 => (PlanAction::Grow { from: 0 }, size),
-            Some(size) if size > existing => match self.resize {
-                Resize::Refuse => {
-                    return Err(Error::WouldGrow {
-                        path: self.path.clone(),
-                        existing,
-                        requested: size,
-                    })
-                }
-                Resize::Grow | Resize::GrowOrShrink => (PlanAction::Grow { from: existing }, size),
-            },
-            Some(size) => match self.resize {
-                Resize::GrowOrShrink => (PlanAction::Shrink { from: existing }, size),
-                Resize::Refuse | Resize::Grow => {
-                    return Err(Error::WouldShrink {
-                        path: self.path.clone(),
-                        existing,
-                        requested: size,
-                    })
-                }
-            },
+        let size = self.settle_size(existing)?;
+        let action = if size == existing {
+            PlanAction::AsIs
+        } else if size > existing {
+            PlanAction::Grow { from: existing }
+        } else {
+            PlanAction::Shrink { from: existing }
         };
         let allocated = meta.blocks().saturating_mul(512);
         let allocate = size.saturating_sub(allocated);
@@ -288,6 +238,7 @@ mod tests {
     use std::mem::discriminant;
 
     use super::*;
+    use crate::pmem::Resize;
 
     const MIB: u64 = 1 << 20;
 

@@ -7,7 +7,9 @@ use std::time::{Duration, Instant};
 use rpma_initiator::{Choice, Durability};
 use serde::Serialize;
 
-use crate::{print_json, usage, Failure, Global};
+use super::args::Global;
+use super::failure::{usage, Failure};
+use super::json::print_json;
 
 /// What to run.
 #[derive(Debug)]

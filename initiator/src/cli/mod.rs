@@ -4,7 +4,11 @@
 //! and memory stays bounded), and disconnects; on an error path dropping the queue sends the
 //! Disconnect.
 
+mod args;
 pub(crate) mod bench;
+pub(crate) mod control;
+mod failure;
+mod json;
 pub(crate) mod nbd;
 mod notify;
 mod progress;
@@ -18,7 +22,10 @@ use rpma_initiator::namespace::check_range;
 use rpma_initiator::{Choice, Durability, Queue};
 use serde::Serialize;
 
-use crate::{print_json, usage, Failure, Global, NamespaceJson, Source};
+pub(crate) use args::{Cli, Command, Global, Source};
+pub(crate) use failure::{usage, Failure};
+pub(crate) use json::print_json;
+use json::NamespaceJson;
 use progress::Progress;
 
 /// Bytes moved per library call.

@@ -10,9 +10,10 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 use rpma_common::proto::PersistenceDomain;
 use rpma_initiator::nbd::{ExportOptions, Listener, NbdError, Server};
 
+use super::args::Global;
+use super::failure::{usage, Failure};
 use super::notify::Notifier;
 use super::EXIT_NOT_DURABLE;
-use crate::{usage, Failure, Global};
 
 /// Where and what to serve.
 #[derive(Debug)]
@@ -118,7 +119,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
 
 #[cfg(test)]
 mod tests {
-    use crate::{Cli, Command};
+    use crate::cli::args::{Cli, Command};
     use clap::Parser;
 
     #[test]

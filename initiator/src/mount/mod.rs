@@ -24,7 +24,7 @@ use rpma_initiator::namespace::check_healthy;
 use rpma_initiator::Choice;
 use serde::Serialize;
 
-use crate::{print_json, usage, Failure, Global};
+use crate::cli::{print_json, usage, Failure, Global};
 
 /// Requests the I/O thread keeps in flight inside one call.
 const DEPTH: usize = 32;

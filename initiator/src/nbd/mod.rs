@@ -28,10 +28,12 @@
 mod handshake;
 pub mod proto;
 mod server;
+mod shared;
 mod stream;
 mod transmission;
 
-pub use server::{ExportOptions, Server};
+pub use server::Server;
+pub use shared::ExportOptions;
 pub use stream::Listener;
 
 /// The largest READ or WRITE payload (`NBD_INFO_BLOCK_SIZE` maximum); the protocol's

@@ -3,8 +3,8 @@
 
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -17,10 +17,11 @@ use super::proto::{
     BlockSizes, TF_CAN_MULTI_CONN, TF_HAS_FLAGS, TF_READ_ONLY, TF_SEND_FLUSH, TF_SEND_FUA,
     TF_SEND_WRITE_ZEROES,
 };
+use super::shared::{ExportOptions, Shared};
 use super::stream::{Listener, Stream};
 use super::transmission::Client;
 use super::{NbdError, Result, MAX_CLIENTS, MAX_PAYLOAD};
-use crate::{Connection, Durability, Error, Namespace, Queue};
+use crate::Connection;
 
 /// How long a client may take over its whole handshake.
 const HANDSHAKE_WITHIN: Duration = Duration::from_secs(30);
@@ -30,132 +31,6 @@ const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 const TICK: Duration = Duration::from_millis(500);
 /// How long shutdown waits for the client threads.
 const DRAIN_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// What to export and how.
-#[derive(Debug, Clone)]
-pub struct ExportOptions {
-    /// The export name clients ask for (the empty name selects it too).
-    pub name: String,
-    /// The namespace.
-    pub nsid: u32,
-    /// On a volatile namespace, answer FLUSH and FUA writes with success although the bytes
-    /// are only visible (else they fail with EIO: nothing can make them durable).
-    pub visible_ok: bool,
-    /// Requests of one client issued together (at most the queue depth helps).
-    pub max_batch: usize,
-}
-
-/// What the client threads share: the queue (taken for one batch at a time) and the export.
-#[derive(Debug)]
-pub(crate) struct Shared {
-    conn: Connection,
-    queue: Mutex<Option<Queue>>,
-    pub(crate) opts: ExportOptions,
-    pub(crate) desc: NamespaceDescriptor,
-    pub(crate) info: ExportInfo,
-    pub(crate) stopping: AtomicBool,
-    /// Requests answered, over all clients.
-    pub(crate) requests: AtomicU64,
-    /// The span of the writes acknowledged and not yet made durable by a FLUSH: what the
-    /// next FLUSH persists (a FLUSH of the whole namespace would write back all of it: on a
-    /// dax namespace of 256 MiB that is 12 ms, against 0.3 ms for one 4 KiB write).
-    dirty: Mutex<Option<(u64, u64)>>,
-    /// Queues given up (reconnect budget spent): each may have taken acknowledged writes that
-    /// were not durable yet with it. Every connection's next FLUSH answers EIO once per loss.
-    pub(crate) losses: AtomicU64,
-}
-
-impl Shared {
-    fn lock(&self) -> MutexGuard<'_, Option<Queue>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// Runs `f` on the namespace. A queue that gave up (its reconnect budget spent) is
-    /// replaced by a new one on the next call.
-    pub(crate) fn with_ns<T>(
-        &self,
-        f: impl FnOnce(&mut Namespace<'_>) -> crate::Result<T>,
-    ) -> crate::Result<T> {
-        let mut g = self.lock();
-        if g.is_none() {
-            let q = self.conn.open_queue(0)?;
-            info!("nbd: reconnected to the target with a new queue");
-            *g = Some(q);
-        }
-        let Some(q) = g.as_mut() else {
-            return Err(Error::Broken);
-        };
-        let r = q.namespace(self.opts.nsid).and_then(|mut ns| f(&mut ns));
-        if let Err(e @ (Error::Broken | Error::ReconnectFailed { .. })) = &r {
-            self.lost(&mut g, e);
-        }
-        r
-    }
-
-    /// Drops a queue that gave up; the next request opens a new one.
-    fn lost(&self, g: &mut Option<Queue>, e: &Error) {
-        error!(
-            "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable              may be lost: the next FLUSH of every connection answers EIO",
-            rpma_common::error_chain(e)
-        );
-        self.losses.fetch_add(1, Ordering::SeqCst);
-        *g = None;
-    }
-
-    /// The most data requests the queue ever had in flight at once.
-    pub(crate) fn max_in_flight(&self) -> usize {
-        self.lock().as_ref().map_or(0, |q| q.stats().max_in_flight)
-    }
-
-    /// Records acknowledged writes in `[lo, hi)` for the next FLUSH.
-    pub(crate) fn mark_dirty(&self, lo: u64, hi: u64) {
-        let mut d = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
-        *d = Some(match *d {
-            Some((a, b)) => (a.min(lo), b.max(hi)),
-            None => (lo, hi),
-        });
-    }
-
-    /// Makes every write acknowledged so far durable (FLUSH; FUA uses its own range): the
-    /// Writes of every connection went through this queue, so `persist_written` of their span
-    /// covers them all, APM included. Ok(false) when the namespace is volatile (visible
-    /// only): unless visible_ok, those writes stay pending, so that no later FLUSH claims them.
-    pub(crate) fn flush_all(&self) -> crate::Result<bool> {
-        let span = self.dirty.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let Some((lo, hi)) = span else {
-            return Ok(true);
-        };
-        let r = self.persist(lo, hi - lo);
-        match r {
-            Ok(true) => {}
-            Ok(false) if self.opts.visible_ok => {}
-            _ => self.mark_dirty(lo, hi),
-        }
-        r
-    }
-
-    /// `persist_written` of a range: Ok(true) durable, Ok(false) visible only.
-    pub(crate) fn persist(&self, offset: u64, len: u64) -> crate::Result<bool> {
-        self.with_ns(|ns| ns.persist_written(offset, len))
-            .map(|d| matches!(d, Durability::Durable(_)))
-    }
-
-    fn tick(&self) {
-        // A batch in progress keeps the queue alive itself: never wait for it here.
-        let Ok(mut g) = self.queue.try_lock() else {
-            return;
-        };
-        if let Some(q) = g.as_mut() {
-            if let Err(e) = q.tick() {
-                if matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
-                    self.lost(&mut g, &e);
-                } else {
-                    warn!("nbd: keep-alive with the target failed: {e}");
-                }
-            }
-        }
-    }
-}
 
 /// Ticks the queue (keep-alive) until the server stops. A thread of its own: a tick that
 /// reconnects to a restarted target can take seconds, and must not hold up accepting clients
@@ -203,7 +78,8 @@ impl Server {
     ///
     /// # Errors
     /// [`NbdError::Library`]: those of [`Connection::open_queue`],
-    /// [`Error::NoSuchNamespace`], [`Error::MethodNotValid`].
+    /// [`Error::NoSuchNamespace`](crate::Error::NoSuchNamespace),
+    /// [`Error::MethodNotValid`](crate::Error::MethodNotValid).
     pub fn new(conn: Connection, opts: ExportOptions, listener: Listener) -> Result<Server> {
         let mut q = conn.open_queue(0)?;
         let ns = q.namespace(opts.nsid)?;
@@ -212,17 +88,7 @@ impl Server {
             ns.method()?;
         }
         let info = export_info(&opts, &desc);
-        let shared = Arc::new(Shared {
-            conn,
-            queue: Mutex::new(Some(q)),
-            opts,
-            desc,
-            info,
-            stopping: AtomicBool::new(false),
-            requests: AtomicU64::new(0),
-            dirty: Mutex::new(None),
-            losses: AtomicU64::new(0),
-        });
+        let shared = Arc::new(Shared::new(conn, q, opts, desc, info));
         let t = Arc::clone(&shared);
         let ticker = std::thread::Builder::new()
             .name("nbd-keepalive".into())

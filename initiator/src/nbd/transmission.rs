@@ -18,7 +18,7 @@ use super::proto::{
     CMD_FLAG_NO_HOLE, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO, ENOSPC, EPERM,
     REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
-use super::server::Shared;
+use super::shared::Shared;
 use super::stream::Stream;
 use super::{ConnError, MAX_PAYLOAD};
 use crate::Error;

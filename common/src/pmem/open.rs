@@ -1,0 +1,418 @@
+//! Opening a backing store: [`OpenOptions`] (validation, the size and [`Resize`] rules,
+//! creating and allocating a file up front with posix_fallocate, devdax devices), mapping it
+//! shared (MAP_SYNC when accepted) and probing its persistence domain. [`OpenOptions::plan`]
+//! (plan.rs) shares the first steps, [`OpenOptions::locate`] and [`OpenOptions::settle_size`],
+//! so that the plan refuses what `open` refuses, with the same errors.
+
+use std::fs::{self, File};
+use std::io;
+use std::os::fd::AsRawFd;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
+use std::path::PathBuf;
+use std::ptr::NonNull;
+
+use super::devdax;
+use super::domain::Domain;
+use super::error::{Error, Result};
+use super::map::Mapping;
+
+/// statfs magic numbers of filesystems that live in RAM.
+const TMPFS_MAGIC: u32 = 0x0102_1994;
+const RAMFS_MAGIC: u32 = 0x8584_58f6;
+const HUGETLBFS_MAGIC: u32 = 0x9584_58f6;
+
+/// What to do when an existing file's size differs from the size asked for.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Resize {
+    /// Refuse with [`Error::WouldGrow`] or [`Error::WouldShrink`] (the default).
+    #[default]
+    Refuse,
+    /// Grow a smaller file (the new part is allocated up front like the rest); refuse to shrink.
+    Grow,
+    /// Grow or shrink to the size asked for. Shrinking discards the bytes past the new end.
+    GrowOrShrink,
+}
+
+/// What the path of an [`OpenOptions`] names, found by [`OpenOptions::locate`].
+#[derive(Debug)]
+pub(super) enum Store {
+    /// An existing regular file.
+    File(fs::Metadata),
+    /// A character device: a devdax device, or refused as not one.
+    CharDevice(fs::Metadata),
+    /// Nothing: a file of `size` bytes to create.
+    Create { size: u64 },
+}
+
+/// Opens a namespace's backing store: a regular file (created and allocated if asked) or a devdax
+/// character device, and maps it. See [`OpenOptions::open`].
+#[derive(Debug, Clone)]
+pub struct OpenOptions {
+    pub(super) path: PathBuf,
+    pub(super) size: Option<u64>,
+    pub(super) block_size: u64,
+    pub(super) force_dax: bool,
+    pub(super) resize: Resize,
+    pub(super) create: bool,
+}
+
+impl OpenOptions {
+    /// Options for `path`: no size (use the existing size), block size 4096, no force_dax,
+    /// [`Resize::Refuse`], no create.
+    pub fn new(path: impl Into<PathBuf>) -> OpenOptions {
+        OpenOptions {
+            path: path.into(),
+            size: None,
+            block_size: 4096,
+            force_dax: false,
+            resize: Resize::Refuse,
+            create: false,
+        }
+    }
+
+    /// Namespace size in bytes: needed to create a file; for an existing one it must match unless
+    /// [`OpenOptions::resize`] allows the change; for devdax it maps that much of the device.
+    pub fn size(mut self, size: u64) -> OpenOptions {
+        self.size = Some(size);
+        self
+    }
+
+    /// Block size, 512 or 4096 (default). The size must be a multiple of it.
+    pub fn block_size(mut self, block_size: u64) -> OpenOptions {
+        self.block_size = block_size;
+        self
+    }
+
+    /// Treat the mapping as dax whatever the probe finds (testing and benchmarking on DRAM, like
+    /// PMDK's PMEM_IS_PMEM_FORCE): persists use cache write-back + sfence and the domain reads
+    /// `dax (forced)`. It promises nothing about the media.
+    pub fn force_dax(mut self, force: bool) -> OpenOptions {
+        self.force_dax = force;
+        self
+    }
+
+    /// Whether an existing file may be grown or shrunk to the size asked for.
+    pub fn resize(mut self, resize: Resize) -> OpenOptions {
+        self.resize = resize;
+        self
+    }
+
+    /// Create the file if it does not exist (a size is then required).
+    pub fn create(mut self, create: bool) -> OpenOptions {
+        self.create = create;
+        self
+    }
+
+    /// Validates the options, opens (creating and allocating the whole size up front, so that a
+    /// full filesystem fails here and never as SIGBUS later), maps the store shared (trying
+    /// MAP_SHARED_VALIDATE | MAP_SYNC first) and probes the persistence domain.
+    ///
+    /// An existing empty file is treated like a new one: it is grown to the size without a
+    /// [`Resize`] choice, since there is nothing in it to lose.
+    ///
+    /// Errors: [`Error::BadBlockSize`], [`Error::ZeroSize`], [`Error::SizeNotMultiple`],
+    /// [`Error::SizeTooLarge`], [`Error::SizeRequired`], [`Error::NotFound`],
+    /// [`Error::IsDirectory`], [`Error::UnsupportedFileType`], [`Error::PermissionDenied`],
+    /// [`Error::WouldGrow`], [`Error::WouldShrink`], [`Error::NoSpace`], [`Error::NotDevDax`],
+    /// [`Error::DevDaxTooSmall`], [`Error::DevDaxAlignment`], [`Error::Map`], [`Error::Io`].
+    pub fn open(&self) -> Result<Mapping> {
+        match self.locate()? {
+            Store::File(_) => self.open_file(false),
+            Store::CharDevice(meta) => self.open_devdax(&meta),
+            Store::Create { .. } => self.open_file(true),
+        }
+    }
+
+    /// The first step of [`open`](Self::open) and [`plan`](Self::plan): checks the options
+    /// (block size, size) and says what the path names, refusing a directory, a special file,
+    /// or a missing path that may not be created or has no size to be created with.
+    pub(super) fn locate(&self) -> Result<Store> {
+        if self.block_size != 512 && self.block_size != 4096 {
+            return Err(Error::BadBlockSize {
+                block_size: self.block_size,
+            });
+        }
+        if let Some(size) = self.size {
+            self.check_size(size)?;
+        }
+        match fs::metadata(&self.path) {
+            Ok(meta) => {
+                let ft = meta.file_type();
+                if ft.is_dir() {
+                    Err(Error::IsDirectory {
+                        path: self.path.clone(),
+                    })
+                } else if ft.is_char_device() {
+                    Ok(Store::CharDevice(meta))
+                } else if ft.is_file() {
+                    Ok(Store::File(meta))
+                } else {
+                    Err(Error::UnsupportedFileType {
+                        path: self.path.clone(),
+                        kind: unsupported_kind(ft),
+                    })
+                }
+            }
+            Err(e) if e.kind() == io::ErrorKind::NotFound && self.create => match self.size {
+                Some(size) => Ok(Store::Create { size }),
+                None => Err(Error::SizeRequired {
+                    path: self.path.clone(),
+                }),
+            },
+            Err(e) => Err(self.open_error("stat", e)),
+        }
+    }
+
+    /// The size an existing file of `existing` bytes ends up with, by the [`Resize`] rules: the
+    /// size asked for (or the existing one when none was); an empty file grows without a
+    /// [`Resize`] choice, since there is nothing in it to lose.
+    ///
+    /// # Errors
+    /// [`Error::WouldGrow`], [`Error::WouldShrink`], and those of a bad existing size when no
+    /// size was asked for.
+    pub(super) fn settle_size(&self, existing: u64) -> Result<u64> {
+        let size = match self.size {
+            None => {
+                self.check_size(existing)?;
+                return Ok(existing);
+            }
+            Some(size) => size,
+        };
+        if existing == 0 || size == existing {
+            return Ok(size);
+        }
+        match self.resize {
+            Resize::Refuse | Resize::Grow if size < existing => Err(Error::WouldShrink {
+                path: self.path.clone(),
+                existing,
+                requested: size,
+            }),
+            Resize::Refuse => Err(Error::WouldGrow {
+                path: self.path.clone(),
+                existing,
+                requested: size,
+            }),
+            _ => Ok(size),
+        }
+    }
+
+    pub(super) fn check_size(&self, size: u64) -> Result<()> {
+        if size == 0 {
+            return Err(Error::ZeroSize {
+                path: self.path.clone(),
+            });
+        }
+        if !size.is_multiple_of(self.block_size) {
+            return Err(Error::SizeNotMultiple {
+                path: self.path.clone(),
+                size,
+                block_size: self.block_size,
+            });
+        }
+        if usize::try_from(size).is_err() || size > isize::MAX as u64 {
+            return Err(Error::SizeTooLarge {
+                path: self.path.clone(),
+                size,
+            });
+        }
+        Ok(())
+    }
+
+    pub(super) fn open_error(&self, op: &'static str, source: io::Error) -> Error {
+        let path = self.path.clone();
+        match source.raw_os_error() {
+            Some(libc::ENOENT) => Error::NotFound { path, source },
+            Some(libc::EACCES) | Some(libc::EPERM) => Error::PermissionDenied { path, source },
+            Some(libc::EISDIR) => Error::IsDirectory { path },
+            _ => Error::Io { path, op, source },
+        }
+    }
+
+    fn open_file(&self, create: bool) -> Result<Mapping> {
+        let mut opts = fs::OpenOptions::new();
+        opts.read(true).write(true);
+        if create {
+            opts.create_new(true).mode(0o600);
+        }
+        let (file, created) = match opts.open(&self.path) {
+            Ok(f) => (f, create),
+            // Someone created it between our stat and open: open what is there.
+            Err(e) if create && e.kind() == io::ErrorKind::AlreadyExists => {
+                return self.open_file(false);
+            }
+            Err(e) => return Err(self.open_error("open", e)),
+        };
+        let result = self.size_and_map_file(&file, created);
+        if result.is_err() && created {
+            // Leave nothing behind for a namespace that could not be opened.
+            let _ = fs::remove_file(&self.path);
+        }
+        let (len, probed, map_sync, ptr) = result?;
+        Ok(self.finish(file, len, probed, map_sync, ptr))
+    }
+
+    /// Settles the file's size, allocates it, maps it and probes the domain.
+    fn size_and_map_file(
+        &self,
+        file: &File,
+        created: bool,
+    ) -> Result<(usize, Domain, bool, NonNull<u8>)> {
+        let io_err = |op, source| Error::Io {
+            path: self.path.clone(),
+            op,
+            source,
+        };
+        let existing = file.metadata().map_err(|e| io_err("stat", e))?.len();
+        let size = self.settle_size(existing)?;
+        if size < existing {
+            file.set_len(size).map_err(|e| io_err("shrink", e))?;
+        }
+        // Allocate every block now, holes included, so that no store into the mapping ever needs
+        // the filesystem to find space (which would be SIGBUS on a full filesystem).
+        // SAFETY: posix_fallocate only reads the descriptor and the integer arguments.
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+        if rc != 0 {
+            let source = io::Error::from_raw_os_error(rc);
+            if size > existing && !created {
+                // Undo a partial grow; the original bytes are untouched.
+                let _ = file.set_len(existing);
+            }
+            return Err(match rc {
+                libc::ENOSPC | libc::EDQUOT | libc::EFBIG => Error::NoSpace {
+                    path: self.path.clone(),
+                    size,
+                    source,
+                },
+                _ => io_err("allocate (posix_fallocate)", source),
+            });
+        }
+        let len = size as usize; // fits: check_size
+        let (ptr, map_sync) = self.map_shared(file, len)?;
+        let probed = if map_sync {
+            Domain::Dax
+        } else if is_ram_fs(file).map_err(|e| io_err("statfs", e))? {
+            Domain::Volatile
+        } else {
+            Domain::PageCache
+        };
+        Ok((len, probed, map_sync, ptr))
+    }
+
+    fn open_devdax(&self, meta: &fs::Metadata) -> Result<Mapping> {
+        use std::os::unix::fs::MetadataExt;
+        let info = devdax::probe(&self.path, meta.rdev())?;
+        let size = devdax::mapping_len(&self.path, info, self.size)?;
+        self.check_size(size)?;
+        let file = fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .open(&self.path)
+            .map_err(|e| self.open_error("open", e))?;
+        let len = size as usize; // fits: check_size
+        let (ptr, map_sync) = self.map_shared(&file, len)?;
+        Ok(self.finish(file, len, Domain::Dax, map_sync, ptr))
+    }
+
+    /// Maps the whole file shared, with MAP_SYNC when the kernel and filesystem accept it.
+    fn map_shared(&self, file: &File, len: usize) -> Result<(NonNull<u8>, bool)> {
+        let map = |flags| {
+            // SAFETY: a new shared mapping of our own descriptor at an address the kernel picks
+            // aliases no Rust-owned memory; the file is at least `len` bytes (allocated above).
+            let p = unsafe {
+                libc::mmap(
+                    std::ptr::null_mut(),
+                    len,
+                    libc::PROT_READ | libc::PROT_WRITE,
+                    flags,
+                    file.as_raw_fd(),
+                    0,
+                )
+            };
+            if p == libc::MAP_FAILED {
+                Err(io::Error::last_os_error())
+            } else {
+                Ok(p)
+            }
+        };
+        let map_err = |source| Error::Map {
+            path: Some(self.path.clone()),
+            len,
+            source,
+        };
+        let (p, map_sync) = match map(libc::MAP_SHARED_VALIDATE | libc::MAP_SYNC) {
+            Ok(p) => (p, true),
+            // EOPNOTSUPP: no DAX here; EINVAL: a kernel that predates MAP_SHARED_VALIDATE.
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EOPNOTSUPP | libc::EINVAL)) => {
+                (map(libc::MAP_SHARED).map_err(map_err)?, false)
+            }
+            Err(e) => return Err(map_err(e)),
+        };
+        let ptr = NonNull::new(p.cast()).ok_or_else(|| map_err(io::Error::other("mmap gave 0")))?;
+        Ok((ptr, map_sync))
+    }
+
+    fn finish(
+        &self,
+        file: File,
+        len: usize,
+        probed: Domain,
+        map_sync: bool,
+        ptr: NonNull<u8>,
+    ) -> Mapping {
+        let domain = if self.force_dax {
+            Domain::DaxForced
+        } else {
+            probed
+        };
+        Mapping::of_file(file, self.path.clone(), ptr, len, domain, probed, map_sync)
+    }
+}
+
+/// What to call a file that is neither a regular file, a directory nor a character device.
+pub(super) fn unsupported_kind(ft: fs::FileType) -> &'static str {
+    if ft.is_block_device() {
+        "block device"
+    } else if ft.is_fifo() {
+        "FIFO"
+    } else if ft.is_socket() {
+        "socket"
+    } else {
+        "special file"
+    }
+}
+
+/// Whether a statfs magic number is a RAM filesystem's (tmpfs, ramfs, hugetlbfs).
+pub(super) fn is_ram_magic(magic: u32) -> bool {
+    matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC)
+}
+
+/// Whether the file lives on a RAM filesystem (tmpfs, ramfs, hugetlbfs).
+fn is_ram_fs(file: &File) -> io::Result<bool> {
+    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
+    // SAFETY: fstatfs writes a statfs into the buffer, which is large enough and ours.
+    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) };
+    if rc != 0 {
+        return Err(io::Error::last_os_error());
+    }
+    // SAFETY: fstatfs succeeded, so it initialised the struct (and it was zeroed before).
+    let magic = unsafe { st.assume_init() }.f_type as u32;
+    Ok(is_ram_magic(magic))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ram_filesystems_are_recognised() {
+        let shm = tempfile::tempfile_in("/dev/shm").unwrap();
+        assert!(is_ram_fs(&shm).unwrap());
+        let disk = tempfile::tempfile_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let disk_is_ram = is_ram_fs(&disk).unwrap();
+        let df = nix::sys::statfs::fstatfs(&disk).unwrap();
+        assert_eq!(
+            disk_is_ram,
+            df.filesystem_type() == nix::sys::statfs::TMPFS_MAGIC
+        );
+    }
+}

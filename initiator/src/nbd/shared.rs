@@ -1,0 +1,162 @@
+//! What the client threads of an export share: the [`ExportOptions`], the queue (taken for one
+//! batch at a time, replaced after a loss), the dirty span the next FLUSH persists, and the
+//! counters.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard};
+
+use log::{error, info, warn};
+use rpma_common::proto::NamespaceDescriptor;
+
+use super::handshake::ExportInfo;
+use crate::{Connection, Durability, Error, Namespace, Queue};
+
+/// What to export and how.
+#[derive(Debug, Clone)]
+pub struct ExportOptions {
+    /// The export name clients ask for (the empty name selects it too).
+    pub name: String,
+    /// The namespace.
+    pub nsid: u32,
+    /// On a volatile namespace, answer FLUSH and FUA writes with success although the bytes
+    /// are only visible (else they fail with EIO: nothing can make them durable).
+    pub visible_ok: bool,
+    /// Requests of one client issued together (at most the queue depth helps).
+    pub max_batch: usize,
+}
+
+/// What the client threads share: the queue (taken for one batch at a time) and the export.
+#[derive(Debug)]
+pub(crate) struct Shared {
+    conn: Connection,
+    queue: Mutex<Option<Queue>>,
+    pub(crate) opts: ExportOptions,
+    pub(crate) desc: NamespaceDescriptor,
+    pub(crate) info: ExportInfo,
+    pub(crate) stopping: AtomicBool,
+    /// Requests answered, over all clients.
+    pub(crate) requests: AtomicU64,
+    /// The span of the writes acknowledged and not yet made durable by a FLUSH: what the
+    /// next FLUSH persists (a FLUSH of the whole namespace would write back all of it: on a
+    /// dax namespace of 256 MiB that is 12 ms, against 0.3 ms for one 4 KiB write).
+    dirty: Mutex<Option<(u64, u64)>>,
+    /// Queues given up (reconnect budget spent): each may have taken acknowledged writes that
+    /// were not durable yet with it. Every connection's next FLUSH answers EIO once per loss.
+    pub(crate) losses: AtomicU64,
+}
+
+impl Shared {
+    /// The state of an export of `desc` over `queue` (opened from `conn`, which opens the
+    /// next one after a loss).
+    pub(super) fn new(
+        conn: Connection,
+        queue: Queue,
+        opts: ExportOptions,
+        desc: NamespaceDescriptor,
+        info: ExportInfo,
+    ) -> Shared {
+        Shared {
+            conn,
+            queue: Mutex::new(Some(queue)),
+            opts,
+            desc,
+            info,
+            stopping: AtomicBool::new(false),
+            requests: AtomicU64::new(0),
+            dirty: Mutex::new(None),
+            losses: AtomicU64::new(0),
+        }
+    }
+
+    /// The queue (None after a loss, until the next request opens a new one).
+    pub(super) fn lock(&self) -> MutexGuard<'_, Option<Queue>> {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Runs `f` on the namespace. A queue that gave up (its reconnect budget spent) is
+    /// replaced by a new one on the next call.
+    pub(crate) fn with_ns<T>(
+        &self,
+        f: impl FnOnce(&mut Namespace<'_>) -> crate::Result<T>,
+    ) -> crate::Result<T> {
+        let mut g = self.lock();
+        if g.is_none() {
+            let q = self.conn.open_queue(0)?;
+            info!("nbd: reconnected to the target with a new queue");
+            *g = Some(q);
+        }
+        let Some(q) = g.as_mut() else {
+            return Err(Error::Broken);
+        };
+        let r = q.namespace(self.opts.nsid).and_then(|mut ns| f(&mut ns));
+        if let Err(e @ (Error::Broken | Error::ReconnectFailed { .. })) = &r {
+            self.lost(&mut g, e);
+        }
+        r
+    }
+
+    /// Drops a queue that gave up; the next request opens a new one.
+    fn lost(&self, g: &mut Option<Queue>, e: &Error) {
+        error!(
+            "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable              may be lost: the next FLUSH of every connection answers EIO",
+            rpma_common::error_chain(e)
+        );
+        self.losses.fetch_add(1, Ordering::SeqCst);
+        *g = None;
+    }
+
+    /// The most data requests the queue ever had in flight at once.
+    pub(crate) fn max_in_flight(&self) -> usize {
+        self.lock().as_ref().map_or(0, |q| q.stats().max_in_flight)
+    }
+
+    /// Records acknowledged writes in `[lo, hi)` for the next FLUSH.
+    pub(crate) fn mark_dirty(&self, lo: u64, hi: u64) {
+        let mut d = self.dirty.lock().unwrap_or_else(|p| p.into_inner());
+        *d = Some(match *d {
+            Some((a, b)) => (a.min(lo), b.max(hi)),
+            None => (lo, hi),
+        });
+    }
+
+    /// Makes every write acknowledged so far durable (FLUSH; FUA uses its own range): the
+    /// Writes of every connection went through this queue, so `persist_written` of their span
+    /// covers them all, APM included. Ok(false) when the namespace is volatile (visible
+    /// only): unless visible_ok, those writes stay pending, so that no later FLUSH claims them.
+    pub(crate) fn flush_all(&self) -> crate::Result<bool> {
+        let span = self.dirty.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let Some((lo, hi)) = span else {
+            return Ok(true);
+        };
+        let r = self.persist(lo, hi - lo);
+        match r {
+            Ok(true) => {}
+            Ok(false) if self.opts.visible_ok => {}
+            _ => self.mark_dirty(lo, hi),
+        }
+        r
+    }
+
+    /// `persist_written` of a range: Ok(true) durable, Ok(false) visible only.
+    pub(crate) fn persist(&self, offset: u64, len: u64) -> crate::Result<bool> {
+        self.with_ns(|ns| ns.persist_written(offset, len))
+            .map(|d| matches!(d, Durability::Durable(_)))
+    }
+
+    /// Runs the queue's keep-alive, unless a batch holds the queue (it keeps it alive itself).
+    pub(super) fn tick(&self) {
+        // A batch in progress keeps the queue alive itself: never wait for it here.
+        let Ok(mut g) = self.queue.try_lock() else {
+            return;
+        };
+        if let Some(q) = g.as_mut() {
+            if let Err(e) = q.tick() {
+                if matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
+                    self.lost(&mut g, &e);
+                } else {
+                    warn!("nbd: keep-alive with the target failed: {e}");
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,303 @@
+//! Where and who: a [`Connection`] (target URL, subsystem, host, options) opens queues; the
+//! queue options and the reconnect policy that decide how a queue behaves.
+
+use std::time::Duration;
+
+use rpma_common::proto::nqn::Nqn;
+
+use super::Queue;
+use crate::connect::{connect, ConnectOptions, HostIdentity};
+use crate::durability::PersistMethod;
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::session::Session;
+
+/// How a queue retries a lost connection: attempts spaced by a backoff that doubles from
+/// `initial_backoff` up to `max_backoff`, for at most `timeout` after the loss was seen and at
+/// most `max_attempts` attempts.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ReconnectPolicy {
+    /// Attempts before giving up (0: never reconnect; `u32::MAX`, the default: only
+    /// `timeout` limits them).
+    pub max_attempts: u32,
+    /// No attempt starts later than this after the loss was seen, and each attempt's connect
+    /// deadline is cut to what is left of it (60 s by default: a target restart that
+    /// allocates large namespaces takes seconds).
+    pub timeout: Duration,
+    /// The wait before the first attempt; doubled after each failure.
+    pub initial_backoff: Duration,
+    /// The longest wait between attempts.
+    pub max_backoff: Duration,
+}
+
+impl Default for ReconnectPolicy {
+    fn default() -> Self {
+        ReconnectPolicy {
+            max_attempts: u32::MAX,
+            timeout: Duration::from_secs(60),
+            initial_backoff: Duration::from_millis(50),
+            max_backoff: Duration::from_secs(2),
+        }
+    }
+}
+
+impl ReconnectPolicy {
+    /// The default backoff, trying for `timeout` (zero: never reconnect).
+    pub fn within(timeout: Duration) -> ReconnectPolicy {
+        ReconnectPolicy {
+            timeout,
+            ..ReconnectPolicy::default()
+        }
+    }
+
+    /// Never reconnect: a lost connection fails the call at once.
+    pub fn never() -> ReconnectPolicy {
+        ReconnectPolicy {
+            max_attempts: 0,
+            timeout: Duration::ZERO,
+            ..ReconnectPolicy::default()
+        }
+    }
+
+    /// The wait before attempt `n` (1-based).
+    pub fn backoff(&self, n: u32) -> Duration {
+        let exp = n.saturating_sub(1).min(20);
+        self.initial_backoff
+            .saturating_mul(1u32 << exp)
+            .min(self.max_backoff)
+    }
+
+    /// The waits before each attempt this policy allows when every attempt fails at once
+    /// (attempts start while their wait ends within `timeout`).
+    pub fn schedule(&self) -> Vec<Duration> {
+        let mut at = Duration::ZERO;
+        let mut out = Vec::new();
+        for n in 1..=self.max_attempts {
+            at = at.saturating_add(self.backoff(n));
+            if at > self.timeout {
+                break;
+            }
+            out.push(self.backoff(n));
+        }
+        out
+    }
+}
+
+/// Sizes and policies of a queue.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct QueueOptions {
+    /// Registered bounce slots: the most requests in flight at once (and the most written
+    /// chunks kept for a replay until they are durable). 1..=128.
+    pub depth: usize,
+    /// Bytes per slot: transfers are split into requests of at most this size. 4 KiB..=16 MiB,
+    /// a multiple of 4096.
+    pub chunk: usize,
+    /// Force a durability method on every namespace (None: the best one offered).
+    pub persist: Option<PersistMethod>,
+    /// Reconnect behaviour.
+    pub reconnect: ReconnectPolicy,
+}
+
+impl Default for QueueOptions {
+    fn default() -> Self {
+        QueueOptions {
+            depth: 32,
+            chunk: 256 << 10,
+            persist: None,
+            reconnect: ReconnectPolicy::default(),
+        }
+    }
+}
+
+impl QueueOptions {
+    fn check(&self) -> Result<()> {
+        if !(1..=128).contains(&self.depth) {
+            return Err(Error::InvalidArgument(format!(
+                "queue depth {} is not in 1..=128",
+                self.depth
+            )));
+        }
+        if !(4096..=16 << 20).contains(&self.chunk) || !self.chunk.is_multiple_of(4096) {
+            return Err(Error::InvalidArgument(format!(
+                "chunk {} is not a multiple of 4096 in 4 KiB..=16 MiB",
+                self.chunk
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Where and who: a target URL, a subsystem, a host identity and options. Cheap to clone:
+/// hand one to each thread and open a queue there.
+#[derive(Debug, Clone)]
+pub struct Connection {
+    pub(super) url: String,
+    pub(super) subsystem: Nqn,
+    pub(super) host: HostIdentity,
+    pub(super) options: ConnectOptions,
+    pub(super) queue: QueueOptions,
+}
+
+impl Connection {
+    /// A connection to `subsystem` at `url` as `host`, with default options.
+    pub fn new(url: &str, subsystem: Nqn, host: HostIdentity) -> Connection {
+        Connection {
+            url: url.to_owned(),
+            subsystem,
+            host,
+            options: ConnectOptions::default(),
+            queue: QueueOptions::default(),
+        }
+    }
+
+    /// The same with these connect options (time-out, keep-alive, CRC).
+    pub fn with_connect_options(mut self, o: ConnectOptions) -> Connection {
+        self.options = o;
+        self
+    }
+
+    /// The same with these queue options.
+    pub fn with_queue_options(mut self, q: QueueOptions) -> Connection {
+        self.queue = q;
+        self
+    }
+
+    /// Opens queue `queue_id` (0 is the admin queue; it carries I/O too): connects, registers
+    /// the bounce buffers and chooses each namespace's durability method.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for bad queue options, those of [`connect`], and
+    /// [`Error::MethodNotValid`] when a forced method is not valid on some namespace (the
+    /// check is per namespace: it is made again, and reported, when that namespace is used).
+    pub fn open_queue(&self, queue_id: u16) -> Result<Queue> {
+        self.queue.check()?;
+        let session = self.connect_session(queue_id)?;
+        let pool =
+            Pool::new(session.pd(), self.queue.depth, self.queue.chunk).map_err(|source| {
+                Error::Fabric {
+                    op: "registering the bounce buffers",
+                    source,
+                }
+            })?;
+        let mut q = Queue {
+            conn: self.clone(),
+            queue_id,
+            session: Some(session),
+            pool,
+            ns: Vec::new(),
+            flush_answers: Vec::new(),
+            reads_done: Vec::new(),
+            waited_done: None,
+            next_waited: 0,
+            next_token: 0,
+            reconnects: 0,
+            writes_posted: 0,
+            reads_posted: 0,
+            doorbells: 0,
+            broken: false,
+        };
+        q.ns = q.describe_all()?;
+        Ok(q)
+    }
+
+    fn connect_session(&self, queue_id: u16) -> Result<Session> {
+        self.connect_session_within(queue_id, self.options.timeout)
+    }
+
+    pub(super) fn connect_session_within(
+        &self,
+        queue_id: u16,
+        timeout: Duration,
+    ) -> Result<Session> {
+        let opts = ConnectOptions {
+            queue_id,
+            timeout,
+            ..self.options.clone()
+        };
+        connect(&self.url, &self.subsystem, &self.host, &opts)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn backoff_doubles_up_to_its_cap() {
+        let p = ReconnectPolicy {
+            max_attempts: 5,
+            timeout: Duration::from_secs(60),
+            initial_backoff: Duration::from_millis(10),
+            max_backoff: Duration::from_millis(50),
+        };
+        let waits: Vec<u128> = (1..=5).map(|n| p.backoff(n).as_millis()).collect();
+        assert_eq!(waits, vec![10, 20, 40, 50, 50]);
+        assert_eq!(p.backoff(200), Duration::from_millis(50), "no overflow");
+        assert_eq!(p.schedule().len(), 5, "the attempt limit");
+        let p = ReconnectPolicy {
+            max_attempts: u32::MAX,
+            timeout: Duration::from_millis(200),
+            ..p
+        };
+        // 10 + 20 + 40 + 50 + 50 = 170; the next would start at 220.
+        assert_eq!(p.schedule().len(), 5, "the time limit");
+        assert!(ReconnectPolicy::never().schedule().is_empty());
+        assert!(ReconnectPolicy::within(Duration::ZERO)
+            .schedule()
+            .is_empty());
+    }
+
+    #[test]
+    fn default_reconnect_covers_a_minute_with_capped_backoff() {
+        let p = ReconnectPolicy::default();
+        let waits = p.schedule();
+        let total: Duration = waits.iter().sum();
+        assert!(
+            total > Duration::from_secs(55) && total <= Duration::from_secs(60),
+            "{total:?}"
+        );
+        assert!(waits.iter().all(|w| *w <= Duration::from_secs(2)), "capped");
+        assert_eq!(waits[0], Duration::from_millis(50));
+        assert_eq!(
+            ReconnectPolicy::within(Duration::from_secs(5)).timeout,
+            Duration::from_secs(5)
+        );
+    }
+
+    #[test]
+    fn queue_options_are_checked() {
+        let ok = QueueOptions::default();
+        assert!(ok.check().is_ok());
+        for bad in [
+            QueueOptions {
+                depth: 0,
+                ..ok.clone()
+            },
+            QueueOptions {
+                depth: 129,
+                ..ok.clone()
+            },
+            QueueOptions {
+                chunk: 1000,
+                ..ok.clone()
+            },
+            QueueOptions {
+                chunk: 32 << 20,
+                ..ok.clone()
+            },
+        ] {
+            assert!(
+                matches!(bad.check(), Err(Error::InvalidArgument(_))),
+                "{bad:?}"
+            );
+        }
+        // And open_queue checks before connecting anywhere.
+        let c = Connection::new(
+            "tcp://127.0.0.1:9",
+            "nqn.2026-11.io.rpma:x".parse().unwrap(),
+            HostIdentity::new("nqn.2026-11.io.rpma:h".parse().unwrap()),
+        )
+        .with_queue_options(QueueOptions { depth: 0, ..ok });
+        assert!(matches!(c.open_queue(1), Err(Error::InvalidArgument(_))));
+    }
+}

@@ -1,0 +1,401 @@
+//! The engine: posting Writes and Reads through the bounce slots, single requests the caller
+//! waits for, polling the completion queue and dispatching what completed.
+
+use std::time::{Duration, Instant};
+
+use rpma_common::fabric::{Completion, QpState, SendOp, SendWr, WcStatus};
+use rpma_common::proto::msgbuf::CONTROL_BIT;
+use rpma_common::proto::Message;
+
+use super::Queue;
+use crate::error::{Error, Result};
+use crate::pool::{Slot, WriteRec};
+use crate::session::Session;
+
+/// wr_id kinds of the data path (bits 60-61; bits 62-63 are the session's): a Write or a Read
+/// through a bounce slot (the slot number in the low bits), or a request outside the slots
+/// that its caller waits for by wr_id (an APM or visibility Read, an atomic, an Atomic Write,
+/// a Flush).
+const KIND_SHIFT: u32 = 60;
+const KIND_WRITE: u64 = 1 << KIND_SHIFT;
+const KIND_READ: u64 = 2 << KIND_SHIFT;
+const KIND_WAITED: u64 = 3 << KIND_SHIFT;
+const KIND_MASK: u64 = 3 << KIND_SHIFT;
+
+/// How often the polling loops wake to run keep-alives when nothing completes.
+const TICK: Duration = Duration::from_millis(100);
+
+impl Queue {
+    /// The Write of what a slot holds (its bytes are in the slot already); the slot is marked
+    /// in flight: post the request with [`post_list`](Self::post_list).
+    pub(crate) fn write_wr(&mut self, slot: usize, w: WriteRec) -> SendWr {
+        let d = &self.ns[w.ns].desc;
+        let remote = rpma_common::fabric::RemoteAddr {
+            addr: d.remote_addr + w.offset,
+            rkey: d.rkey,
+        };
+        let wr = SendWr::new(
+            KIND_WRITE | slot as u64,
+            SendOp::Write {
+                local: self.pool.sge(slot, w.len),
+                remote,
+            },
+        );
+        self.pool.set(slot, Slot::Writing(w));
+        self.writes_posted += 1;
+        wr
+    }
+
+    /// Posts `wrs` with one doorbell (nothing when empty). If the post is refused for another
+    /// reason than a lost connection, the slots of its Writes are freed (nothing was posted).
+    pub(crate) fn post_list(&mut self, wrs: Vec<SendWr>) -> Result<()> {
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        let kinds: Vec<u64> = wrs.iter().map(|w| w.wr_id).collect();
+        self.doorbells += 1;
+        let s = self.session()?;
+        let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
+        if let Err(e) = &r {
+            if !e.is_connection_loss() {
+                for id in kinds {
+                    if id & KIND_MASK == KIND_WRITE {
+                        self.pool.set((id & !KIND_MASK) as usize, Slot::Free);
+                    }
+                }
+            }
+        }
+        r
+    }
+
+    /// Posts a Read of `len` bytes at `offset` of namespace `ns` into `slot`.
+    pub(crate) fn post_read_slot(
+        &mut self,
+        slot: usize,
+        ns: usize,
+        offset: u64,
+        len: usize,
+        item: usize,
+        at: usize,
+    ) -> Result<()> {
+        let d = &self.ns[ns].desc;
+        let remote = rpma_common::fabric::RemoteAddr {
+            addr: d.remote_addr + offset,
+            rkey: d.rkey,
+        };
+        let wr = SendWr::new(
+            KIND_READ | slot as u64,
+            SendOp::Read {
+                local: self.pool.sge(slot, len),
+                remote,
+            },
+        );
+        self.pool.set(slot, Slot::Reading { item, at, len });
+        self.reads_posted += 1;
+        self.doorbells += 1;
+        let s = self.session()?;
+        s.qp().post_send(wr).map_err(|e| post_error(s, e))
+    }
+
+    /// A free slot, waiting for in-flight requests, or making held writes durable when every
+    /// slot holds one. None when a Read completed: copy it out ([`Queue::reads_done`]) first.
+    pub(crate) fn free_slot(&mut self) -> Result<Option<usize>> {
+        let deadline = Instant::now() + self.conn.options.timeout;
+        loop {
+            if let Some(s) = self.pool.take_free() {
+                return Ok(Some(s));
+            }
+            if !self.reads_done.is_empty() {
+                return Ok(None);
+            }
+            if self.pool.in_flight() == 0 {
+                self.persist_held()?;
+                continue;
+            }
+            self.poll_or_time_out(deadline, "a free request slot")?;
+        }
+    }
+
+    /// Waits until no posted Write or Read is outstanding.
+    pub(crate) fn drain(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.conn.options.timeout;
+        while self.pool.in_flight() > 0 {
+            self.poll_or_time_out(deadline, "data completions")?;
+        }
+        Ok(())
+    }
+
+    /// One wait on the completion queue (at most `TICK`, or `deadline`): dispatches what
+    /// completed and returns, with a Timeout past `deadline`.
+    pub(crate) fn poll_or_time_out(&mut self, deadline: Instant, what: &'static str) -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout {
+                what,
+                after: self.conn.options.timeout,
+            });
+        }
+        self.poll_completions((deadline - now).min(TICK))?;
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for completions, dispatches them and runs the keep-alive.
+    pub(super) fn poll_completions(&mut self, timeout: Duration) -> Result<usize> {
+        let mut wcs = [Completion::EMPTY; 32];
+        let s = self.session.as_mut().ok_or(Error::Broken)?;
+        s.tick()?;
+        let n = s
+            .cq()
+            .wait(&mut wcs, Some(timeout))
+            .map_err(|source| Error::Fabric {
+                op: "waiting for completions",
+                source,
+            })?;
+        let mut first_err = None;
+        for c in &wcs[..n] {
+            if let Err(e) = self.dispatch(c) {
+                first_err.get_or_insert(e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(n),
+        }
+    }
+
+    fn dispatch(&mut self, c: &Completion) -> Result<()> {
+        if c.wr_id & CONTROL_BIT != 0 {
+            let s = self.session.as_mut().ok_or(Error::Broken)?;
+            if let Some(Message::FlushResponse(r)) = s.handle(c)? {
+                self.flush_answers.push((r.token, r.status));
+            }
+            return Ok(());
+        }
+        let slot = (c.wr_id & !KIND_MASK) as usize;
+        match c.wr_id & KIND_MASK {
+            KIND_WRITE => {
+                if let Some(Slot::Writing(w)) = self.pool.get(slot) {
+                    // Placed or not, the slot keeps the bytes until they are durable.
+                    self.pool.set(slot, Slot::Held(w));
+                    if c.status != WcStatus::Success {
+                        return Err(self.completion_error(w.ns, "write", c.status));
+                    }
+                }
+            }
+            KIND_READ => {
+                if let Some(Slot::Reading { item, at, len }) = self.pool.get(slot) {
+                    if c.status == WcStatus::Success {
+                        self.pool.set(slot, Slot::ReadDone { item, at, len });
+                        self.reads_done.push(slot);
+                    } else {
+                        self.pool.set(slot, Slot::Free);
+                        return Err(self.completion_error(usize::MAX, "read", c.status));
+                    }
+                }
+            }
+            KIND_WAITED => self.waited_done = Some((c.wr_id, c.status)),
+            _ => {}
+        }
+        Ok(())
+    }
+
+    /// The error for a failed data completion: a lost connection, or what the target refused.
+    fn completion_error(&self, ns: usize, op: &'static str, status: WcStatus) -> Error {
+        if matches!(status, WcStatus::WrFlush | WcStatus::RetryExceeded) {
+            let detail = self
+                .session
+                .as_ref()
+                .and_then(|s| s.qp().error())
+                .unwrap_or_else(|| format!("{op} completed with {status:?}"));
+            return Error::ConnectionLost { detail };
+        }
+        Error::Remote {
+            nsid: self.ns.get(ns).map_or(0, |n| n.desc.nsid),
+            op,
+            status,
+        }
+    }
+
+    /// Posts a request outside the bounce slots (APM Read, atomic, Atomic Write, Flush) and
+    /// waits for its completion.
+    pub(crate) fn post_and_wait(
+        &mut self,
+        ns: usize,
+        what: &'static str,
+        op: SendOp,
+    ) -> Result<()> {
+        let wr = self.waited_wr(op);
+        let wr_id = wr.wr_id;
+        self.doorbells += 1;
+        {
+            let s = self.session()?;
+            s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
+        }
+        self.wait_for_request(ns, what, wr_id)
+    }
+
+    /// A request outside the bounce slots with a fresh wr_id (post it, then
+    /// [`wait_for_request`](Self::wait_for_request)).
+    pub(crate) fn waited_wr(&mut self, op: SendOp) -> SendWr {
+        self.next_waited += 1;
+        let wr_id = KIND_WAITED | (self.next_waited & !KIND_MASK & !CONTROL_BIT);
+        self.waited_done = None;
+        SendWr::new(wr_id, op)
+    }
+
+    /// Waits for the request `wr_id` of [`waited_wr`](Self::waited_wr) to complete.
+    pub(crate) fn wait_for_request(
+        &mut self,
+        ns: usize,
+        what: &'static str,
+        wr_id: u64,
+    ) -> Result<()> {
+        let deadline = Instant::now() + self.conn.options.timeout;
+        loop {
+            if let Some((id, status)) = self.waited_done {
+                if id == wr_id {
+                    self.waited_done = None;
+                    if status == WcStatus::Success {
+                        return Ok(());
+                    }
+                    return Err(self.completion_error(ns, what, status));
+                }
+            }
+            self.poll_or_time_out(deadline, what)?;
+        }
+    }
+
+    pub(crate) fn sink_value(&self) -> Result<u64> {
+        self.pool.sink_value().map_err(|source| Error::Fabric {
+            op: "reading an atomic result",
+            source,
+        })
+    }
+
+    pub(crate) fn sink(&self) -> rpma_common::fabric::Sge {
+        self.pool.sink_sge()
+    }
+
+    /// Posts the Writes of `items` through the bounce slots, as many per doorbell as there are
+    /// free slots, and `tail` (a request that must follow them) with the last of them. Returns
+    /// once everything is posted; the completions are the caller's to wait for.
+    pub(crate) fn post_writes(
+        &mut self,
+        idx: usize,
+        items: &[(u64, &[u8])],
+        tail: Option<SendWr>,
+    ) -> Result<()> {
+        let chunk = self.pool.chunk();
+        let mut pending = Vec::new();
+        for (off, data) in items {
+            for (i, piece) in data.chunks(chunk).enumerate() {
+                let slot = match self.pool.take_free() {
+                    Some(s) => s,
+                    None => {
+                        // Out of slots: what is pending goes out before waiting for completions.
+                        self.post_list(std::mem::take(&mut pending))?;
+                        loop {
+                            if let Some(s) = self.free_slot()? {
+                                break s;
+                            }
+                        }
+                    }
+                };
+                if let Err(source) = self.pool.fill(slot, piece) {
+                    self.pool.untake(slot);
+                    return Err(Error::Fabric {
+                        op: "filling a bounce buffer",
+                        source,
+                    });
+                }
+                let rec = WriteRec {
+                    ns: idx,
+                    offset: off + (i * chunk) as u64,
+                    len: piece.len(),
+                    seq: self.pool.next_seq(),
+                };
+                pending.push(self.write_wr(slot, rec));
+            }
+        }
+        pending.extend(tail);
+        self.post_list(pending)
+    }
+
+    /// Copies the completed Reads out of their slots into `items` and frees the slots.
+    fn collect_reads(&mut self, items: &mut [(u64, &mut [u8])]) -> Result<()> {
+        while let Some(slot) = self.reads_done.pop() {
+            if let Some(Slot::ReadDone { item, at, len }) = self.pool.get(slot) {
+                let out = &mut items[item].1[at..at + len];
+                self.pool
+                    .copy_out(slot, out)
+                    .map_err(|source| Error::Fabric {
+                        op: "copying a read out",
+                        source,
+                    })?;
+                self.pool.set(slot, Slot::Free);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `items` (each range into its buffer) of namespace `idx` through the bounce slots,
+    /// up to the queue depth in flight, and returns when every byte is copied out.
+    pub(crate) fn read_into(&mut self, idx: usize, items: &mut [(u64, &mut [u8])]) -> Result<()> {
+        let chunk = self.pool.chunk();
+        for item in 0..items.len() {
+            let (off, total) = (items[item].0, items[item].1.len());
+            let mut at = 0;
+            while at < total {
+                let len = chunk.min(total - at);
+                let slot = loop {
+                    self.collect_reads(items)?;
+                    if let Some(s) = self.free_slot()? {
+                        break s;
+                    }
+                };
+                self.post_read_slot(slot, idx, off + at as u64, len, item, at)?;
+                at += len;
+            }
+        }
+        let deadline = Instant::now() + self.options_timeout();
+        loop {
+            self.collect_reads(items)?;
+            if self.pool.count(|s| matches!(s, Slot::Reading { .. })) == 0 {
+                return Ok(());
+            }
+            self.poll_or_time_out(deadline, "read completions")?;
+        }
+    }
+}
+
+/// Posting fails locally; a queue pair in Error means the connection is gone.
+fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
+    if s.qp().state() == QpState::Error {
+        return Error::ConnectionLost {
+            detail: s.qp().error().unwrap_or_else(|| e.to_string()),
+        };
+    }
+    match e {
+        rpma_common::fabric::Error::PeerUnsupported { .. } => Error::Unsupported {
+            op: "this operation (the peer did not advertise it)",
+        },
+        source => Error::Fabric {
+            op: "posting a request",
+            source,
+        },
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn wr_id_kinds_stay_clear_of_the_session_bits() {
+        for k in [KIND_WRITE, KIND_READ, KIND_WAITED] {
+            assert_eq!(k & CONTROL_BIT, 0);
+            assert_eq!(k & rpma_common::proto::msgbuf::SEND_BIT, 0);
+            assert_eq!(k & KIND_MASK, k);
+        }
+    }
+}

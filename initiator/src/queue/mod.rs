@@ -1,0 +1,204 @@
+//! The data path: a [`Connection`] (where and who) opens [`Queue`]s; a queue is one connected
+//! queue pair with its registered bounce buffers, driven by the calling thread only.
+//!
+//! Each queue is its own transport connection and session (the target admits every
+//! connection on its own: queue ids above 0 get a controller id of their own, with the same
+//! host and subsystem). Use one queue per thread.
+//!
+//! Reconnect: when the connection breaks (a queue pair in Error, a Disconnect, a lapsed
+//! keep-alive, a target that stopped answering) the next call reconnects with capped
+//! exponential backoff for up to [`ReconnectPolicy::timeout`] (60 s by default: long enough
+//! for a target restart that allocates large namespaces), re-issues every write not yet
+//! acknowledged as durable (in post order) and then re-runs the interrupted call. Reads and
+//! persists are re-run; an atomic is not (it may have executed): it fails with the loss, and the
+//! queue is usable again. When the policy runs out the call fails with
+//! [`Error::ReconnectFailed`] and every later one with [`Error::Broken`].
+//!
+//! Dropping a queue (or closing it) says goodbye to the target with a Disconnect, so that the
+//! target logs a closed session rather than a lost connection.
+//!
+//! The queue's parts: `connection` (where and who, queue options, the reconnect policy),
+//! `engine` (posting through the bounce slots, polling and dispatching completions),
+//! `reconnect` (re-running a call after a loss, re-issuing held writes) and `persist` (the
+//! durability method of each namespace and the requests that make ranges durable). The
+//! handle on one namespace, [`Queue::namespace`], lives in namespace.rs and drives the queue
+//! through these methods only (the queue does not know the handle).
+
+use std::time::Duration;
+
+use rpma_common::fabric::WcStatus;
+use rpma_common::proto::{FlushStatus, NamespaceDescriptor};
+
+use crate::durability::{Choice, PersistMethod};
+use crate::error::{Error, Result};
+use crate::pool::Pool;
+use crate::session::Session;
+
+mod connection;
+mod engine;
+mod persist;
+mod reconnect;
+
+pub use connection::{Connection, QueueOptions, ReconnectPolicy};
+pub(crate) use reconnect::OnLoss;
+
+/// Counters of a queue, for tests and diagnostics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct QueueStats {
+    /// Write requests posted (re-issues after a reconnect included).
+    pub writes_posted: u64,
+    /// Read requests posted (APM and visibility Reads not included).
+    pub reads_posted: u64,
+    /// The most data requests (Writes and Reads) that were posted and not yet completed at
+    /// once: 1 for a queue that never had more than one request in flight.
+    pub max_in_flight: usize,
+    /// Send-queue posts of the data path (each rings the doorbell once): a `write_durable`
+    /// of one chunk with APM or FLUSH takes one (the Write and the Read or Flush together).
+    pub doorbells: u64,
+    /// Reconnects so far.
+    pub reconnects: u32,
+}
+
+/// A namespace as a queue knows it.
+#[derive(Debug, Clone)]
+struct NsState {
+    desc: NamespaceDescriptor,
+    /// The method for durable calls, or the error a forced one gave.
+    choice: std::result::Result<Choice, (PersistMethod, String)>,
+    forced: Option<PersistMethod>,
+}
+
+/// One connected queue pair and its registered buffers. Not shared between threads: open one
+/// queue per thread from a [`Connection`].
+pub struct Queue {
+    conn: Connection,
+    queue_id: u16,
+    session: Option<Session>,
+    pool: Pool,
+    ns: Vec<NsState>,
+    flush_answers: Vec<(u64, FlushStatus)>,
+    reads_done: Vec<usize>,
+    waited_done: Option<(u64, WcStatus)>,
+    next_waited: u64,
+    next_token: u64,
+    reconnects: u32,
+    writes_posted: u64,
+    reads_posted: u64,
+    doorbells: u64,
+    broken: bool,
+}
+
+impl std::fmt::Debug for Queue {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Queue")
+            .field("url", &self.conn.url)
+            .field("queue_id", &self.queue_id)
+            .field("session", &self.session)
+            .field("pool", &self.pool)
+            .field("reconnects", &self.reconnects)
+            .finish()
+    }
+}
+
+impl Queue {
+    /// The namespaces this host may reach, by nsid.
+    pub fn namespaces(&self) -> Vec<NamespaceDescriptor> {
+        self.ns.iter().map(|n| n.desc.clone()).collect()
+    }
+
+    /// How many times this queue reconnected.
+    pub fn reconnects(&self) -> u32 {
+        self.reconnects
+    }
+
+    /// Counters: requests posted, the most in flight at once, reconnects.
+    pub fn stats(&self) -> QueueStats {
+        QueueStats {
+            writes_posted: self.writes_posted,
+            reads_posted: self.reads_posted,
+            max_in_flight: self.pool.max_in_flight(),
+            doorbells: self.doorbells,
+            reconnects: self.reconnects,
+        }
+    }
+
+    /// The queue id this queue asked for.
+    pub fn queue_id(&self) -> u16 {
+        self.queue_id
+    }
+
+    /// The controller id of the current connection.
+    pub fn controller_id(&self) -> Option<u16> {
+        self.session.as_ref().map(Session::controller_id)
+    }
+
+    /// The options the queue was opened with.
+    pub fn options(&self) -> &QueueOptions {
+        &self.conn.queue
+    }
+
+    /// Runs keep-alives and reaps completions without blocking. Call it from an idle loop at
+    /// least every half keep-alive period (every data call does it too).
+    ///
+    /// # Errors
+    /// As the data calls: a lost connection is reconnected first.
+    pub fn tick(&mut self) -> Result<()> {
+        self.run(OnLoss::Rerun, |q| {
+            q.poll_completions(Duration::ZERO).map(|_| ())
+        })
+    }
+
+    /// Disconnects (sends a Disconnect and waits, at most a second, until it is out). Writes
+    /// not made durable are not persisted by this (persist them first if they must be).
+    /// Dropping a queue does the same with a shorter wait.
+    ///
+    /// # Errors
+    /// None that matter to a caller closing anyway: the connection is closed in every case.
+    pub fn close(mut self) -> Result<()> {
+        match self.session.take() {
+            Some(s) => s.disconnect(Duration::from_secs(1)),
+            None => Ok(()),
+        }
+    }
+
+    /// The connect time-out: the deadline of every wait on this queue.
+    pub(crate) fn options_timeout(&self) -> Duration {
+        self.conn.options.timeout
+    }
+
+    /// The index of namespace `nsid` among this queue's namespaces.
+    ///
+    /// # Errors
+    /// [`Error::NoSuchNamespace`].
+    pub(crate) fn namespace_index(&self, nsid: u32) -> Result<usize> {
+        self.ns
+            .iter()
+            .position(|n| n.desc.nsid == nsid)
+            .ok_or(Error::NoSuchNamespace { nsid })
+    }
+
+    /// The descriptor of namespace `idx` (it changes across a reconnect: new rkey and address).
+    pub(crate) fn descriptor(&self, idx: usize) -> &NamespaceDescriptor {
+        &self.ns[idx].desc
+    }
+
+    fn session(&self) -> Result<&Session> {
+        self.session.as_ref().ok_or(Error::Broken)
+    }
+
+    pub(crate) fn peer_has(&self, f: impl Fn(&rpma_common::fabric::ConnInfo) -> bool) -> bool {
+        self.session.as_ref().is_some_and(|s| f(&s.qp().info()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_queue_can_move_to_its_thread_and_a_connection_is_shared() {
+        fn send<T: Send>() {}
+        send::<Queue>();
+        send::<Connection>();
+    }
+}
