@@ -196,7 +196,8 @@ pub(crate) enum Command {
     },
     /// Show the namespace as one regular file (DIR/nsN) in a FUSE filesystem, in the foreground
     /// until SIGTERM or `umount`; prints the file's path (and the loop device's) once ready.
-    /// Needs root. fsync makes every acknowledged write durable (docs/mount-fuse.md).
+    /// Needs root. fsync makes every acknowledged write durable (docs/mount.md, "FUSE file and
+    /// loop device").
     Mount {
         /// The mount point (an existing directory).
         dir: PathBuf,
