@@ -186,6 +186,8 @@ enum Command {
         /// Requests in flight in the bandwidth run.
         #[arg(long, default_value_t = 32)]
         depth: usize,
+        #[command(flatten)]
+        fio: cli::fio::JobArgs,
     },
     /// Serve the namespace as an NBD export (fixed newstyle) until SIGTERM/SIGINT; prints the
     /// export's URL once clients can connect (READY=1 to systemd).
@@ -535,7 +537,8 @@ fn main() -> ExitCode {
             count,
             total,
             depth,
-        } => cli::bench::run(
+            fio,
+        } if fio.job.is_none() => cli::bench::run(
             g,
             &cli::bench::Params {
                 offset: *offset,
@@ -546,6 +549,7 @@ fn main() -> ExitCode {
                 depth: *depth,
             },
         ),
+        Command::Bench { fio, .. } => cli::fio::run(g, fio),
         Command::Nbd {
             socket,
             listen,

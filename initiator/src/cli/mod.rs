@@ -5,6 +5,7 @@
 //! Disconnect.
 
 pub(crate) mod bench;
+pub(crate) mod fio;
 pub(crate) mod nbd;
 mod notify;
 mod progress;
