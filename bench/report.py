@@ -166,12 +166,13 @@ def cpu_table(root, data):
             else:
                 busy.setdefault((backend, what), []).append((rep, secs))
     lines = [
-        "| server | idle CPU over 10 s (% of one CPU) | server CPU us per op, iops.fio | server CPU us per op, lat.fio |",
-        "|---|---:|---:|---:|",
+        "| server | idle CPU over 10 s (% of one CPU) | server CPU us per op, iops.fio | server CPU us per op, lat.fio | client CPU us per op, iops.fio |",
+        "|---|---:|---:|---:|---:|",
     ]
     for b, label in BACKENDS:
         cells = []
-        cells.append(fmt(med([s / 10 * 100 for s in idle.get(b, [])])))
+        m = med([s / 10 * 100 for s in idle.get(b, [])])
+        cells.append("-" if m is None else f"{m:.2f}")
         for f in ("iops", "lat"):
             per = []
             for rep, secs in busy.get((b, f), []):
@@ -185,6 +186,21 @@ def cpu_table(root, data):
                 if ios:
                     per.append(secs / ios * 1e6)
             cells.append(fmt(med(per)))
+        # The client's own account (fio's and rpma-initiator's usr_cpu + sys_cpu, % of the
+        # section's runtime), per operation.
+        per = []
+        for rep in sorted({r for r, _ in busy.get((b, "iops"), [])}):
+            jp = os.path.join(root, "json", b, f"iops.rep{rep}.json")
+            if not os.path.exists(jp):
+                continue
+            with open(jp) as fh:
+                t = fh.read()
+            doc = json.loads(t[t.index("{"):])
+            secs = sum((j["usr_cpu"] + j["sys_cpu"]) / 100 * j["job_runtime"] / 1000 for j in doc["jobs"])
+            ios = sum(j["read"]["total_ios"] + j["write"]["total_ios"] for j in doc["jobs"])
+            if ios:
+                per.append(secs / ios * 1e6)
+        cells.append(fmt(med(per)))
         lines.append(f"| {label} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
