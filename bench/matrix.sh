@@ -67,7 +67,7 @@ secs() { awk -v t="$1" -v c="$clk" 'BEGIN {printf "%.3f\n", t / c}'; }
 
 {
     echo "Machine: $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1), $(nproc) CPUs;" \
-        "flags: $(sed -n 's/^flags\s*: //p' /proc/cpuinfo | head -1 | tr ' ' '\n' |
+        "flags (those that matter here): $(sed -n 's/^flags\s*: //p' /proc/cpuinfo | head -1 | tr ' ' '\n' |
             grep -E '^(clwb|clflushopt|avx512f|avx2|sse4_2|pclmulqdq|vpclmulqdq)$' | tr '\n' ' ')"
     echo "Kernel $(uname -r); $(date -u +%Y-%m-%dT%H:%MZ); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
     echo "Command: bench/run.sh$([ "$quick" = 1 ] && echo ' --quick') --reps $reps" \

@@ -77,6 +77,8 @@ pub(crate) fn json(jobs: &[(Job, Outcome)], extra: Value) -> Value {
                 "read": dir_json(&o.read, o),
                 "write": dir_json(&o.write, o),
                 "trim": dir_json(&Outcome::empty().read, o),
+                // fio times an fsync apart; here a durable write's clat includes it.
+                "sync": { "total_ios": 0, "lat_ns": lat_stats(&Outcome::empty().read, false) },
                 "job_runtime": o.runtime.as_millis() as u64,
                 "usr_cpu": pct(o.usr),
                 "sys_cpu": pct(o.sys),
@@ -258,6 +260,7 @@ mod tests {
         assert!(w["lat_ns"]["min"].as_u64().unwrap() <= 1000);
         assert_eq!(jobs[0]["read"]["total_ios"], 1);
         assert_eq!(jobs[0]["trim"]["total_ios"], 0);
+        assert_eq!(jobs[0]["sync"]["total_ios"], 0);
         assert_eq!(jobs[0]["job options"]["rw"], "randrw");
         assert!(v["fio version"]
             .as_str()
