@@ -21,12 +21,12 @@ pub(crate) struct JobArgs {
     /// Run this fio job file instead of the quick bench (the options fio's matrix uses:
     /// rw, bs, iodepth, numjobs, size, offset, runtime, time_based, ramp_time, rwmixread,
     /// fsync/sync, verify). It overwrites the region its jobs name.
-    #[arg(long, value_name = "FILE")]
+    #[arg(long, value_name = "FILE",
+          conflicts_with_all = ["offset", "yes", "io_size", "count", "total", "depth"])]
     pub(crate) job: Option<PathBuf>,
-    /// How --job reports: fio's text summary, or fio's JSON (also with --json).
-    #[arg(long, value_name = "FORMAT", value_parser = ["normal", "json"], default_value = "normal",
-          requires = "job")]
-    pub(crate) output_format: String,
+    /// How --job reports: fio's text summary, or fio's JSON (also with --json) [default: normal].
+    #[arg(long, value_name = "FORMAT", value_parser = ["normal", "json"], requires = "job")]
+    pub(crate) output_format: Option<String>,
 }
 
 /// Runs every job section of `args.job`, one after another, and prints the report.
@@ -39,7 +39,7 @@ pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
     let jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
     let depth = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1);
     let conn = g.connection(depth)?;
-    let json_out = g.json || args.output_format == "json";
+    let json_out = g.json || args.output_format.as_deref() == Some("json");
     let mut done = Vec::new();
     let mut visible_only = false;
     for (i, j) in jobs.iter().enumerate() {
@@ -118,6 +118,29 @@ pub(crate) fn progress_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn job_is_an_option_of_bench_and_excludes_the_quick_bench_options() {
+        use clap::Parser as _;
+        let parse = |args: &[&str]| {
+            crate::Cli::try_parse_from(["rpma-initiator", "bench"].iter().chain(args))
+        };
+        let c = parse(&["--job", "j.fio", "--output-format", "json"]).unwrap();
+        match c.command {
+            crate::Command::Bench { fio, .. } => {
+                assert_eq!(fio.job.as_deref(), Some(std::path::Path::new("j.fio")));
+                assert_eq!(fio.output_format.as_deref(), Some("json"));
+            }
+            other => panic!("{other:?}"),
+        }
+        assert!(parse(&["--job", "j.fio", "--offset", "0"]).is_err());
+        assert!(parse(&["--job", "j.fio", "--depth", "4"]).is_err());
+        // (clap drops the requirement when --job would conflict with a quick-bench option.)
+        assert!(parse(&["--output-format", "json"]).is_err(), "needs --job");
+        assert!(parse(&["--job", "j.fio", "--output-format", "terse"]).is_err());
+        // The quick bench as before.
+        assert!(parse(&["--yes", "--count", "5"]).is_ok());
+    }
 
     #[test]
     fn progress_line_counts_down() {
