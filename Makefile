@@ -30,8 +30,9 @@ demo: deps
 	@bash scripts/demo.sh
 
 # The benchmarks side by side, medians (bench/README.md). Long: run it by hand, not in CI.
+# BENCH_ARGS=--quick: about two minutes.
 bench: deps
-	@bash bench/run.sh
+	@bash bench/run.sh $(BENCH_ARGS)
 
 clean:
 	$(CARGO) clean

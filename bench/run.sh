@@ -1,29 +1,42 @@
 #!/usr/bin/env bash
-# bench/run.sh: rpma's benchmarks side by side, each printing medians (bench/README.md).
+# bench/run.sh: rpma side by side with its peers, fio-style, medians (bench/README.md).
 #
-#   bench/run.sh [--reps N] [pmem] [fabric] [initiator]     (no section named: all three)
+#   bench/run.sh [--quick] [--reps N] [--out DIR] [matrix] [pmem] [fabric] [initiator]
+#                                                      (no section named: matrix)
 #
+#   matrix     the fio job files bench/jobs/{lat,iops,bw,mixed}.fio against, in one run:
+#              rpma native (rpma-initiator bench --job) on a /dev/shm namespace (force_dax) and
+#              on a disk file (page-cache); rpma's NBD export driven by fio's nbd engine; the
+#              peer, nbdkit's file plugin on the same kinds of file, driven by fio's nbd engine;
+#              the floor (fabric_bench's raw TCP ping-pong and stream); the servers' CPU, idle
+#              over 10 s and per operation. Writes DIR (default bench/results): json/BACKEND/
+#              FILE.repN.json, cpu.tsv, floor.txt, machine.txt, summary.md and three SVG plots.
+#              --quick: 1 s per job section, no ramp, one repetition (under three minutes).
 #   pmem       common/examples/pmem_persist: persist cost per flush instruction and msync
 #   fabric     common/examples/fabric_bench: the tcp transport against raw TCP, --reps N
-#   initiator  `rpma-initiator bench` against a local rpma-target, N runs per namespace:
-#              dax (forced) on /dev/shm, and a page-cache file under the repo (default method,
-#              GPSPM, and FLUSH forced, which makes the target msync inline in its poll loop)
+#   initiator  `rpma-initiator bench` (the quick one) against a local rpma-target, N runs per
+#              namespace: dax (forced) on /dev/shm, a page-cache file (default method, and FLUSH)
 #
 # Everything runs on 127.0.0.1 only; scratch files are removed on exit, also on failure or ^C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-reps=3
+reps=
+quick=0
+out=bench/results
 sections=()
 while [ $# -gt 0 ]; do
     case $1 in
         --reps) reps=$2; shift 2 ;;
-        pmem | fabric | initiator) sections+=("$1"); shift ;;
-        -h | --help) sed -n '2,12p' "$0"; exit 0 ;;
+        --quick) quick=1; shift ;;
+        --out) out=$2; shift 2 ;;
+        matrix | pmem | fabric | initiator) sections+=("$1"); shift ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "bench/run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
-[ ${#sections[@]} -gt 0 ] || sections=(pmem fabric initiator)
+[ ${#sections[@]} -gt 0 ] || sections=(matrix)
+[ -n "$reps" ] || { [ "$quick" = 1 ] && reps=1 || reps=3; }
 case $reps in
     '' | *[!0-9]* | 0) echo "bench/run.sh: --reps takes a positive number" >&2; exit 2 ;;
 esac
@@ -41,6 +54,10 @@ if wants fabric; then
     echo
     echo "## fabric: tcp transport against raw TCP (--example fabric_bench -- --reps $reps)"
     cargo run --quiet --release -p rpma-common --example fabric_bench -- --reps "$reps"
+fi
+
+if wants matrix; then
+    bash bench/matrix.sh "$quick" "$reps" "$out"
 fi
 
 if ! wants initiator; then

@@ -13,6 +13,7 @@ PACKAGES=(
   # tests of rpma-initiator mount (FUSE): mkfs.ext4/e2fsck, and losetup/mount/umount. No fuse3:
   # the initiator mounts with mount(2) as root, so fusermount3 is never needed.
   e2fsprogs util-linux
+  nbdkit  # make bench (bench/matrix.sh): the peer, nbdkit's file plugin, driven by fio's nbd engine
 )
 
 missing=()

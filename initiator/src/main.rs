@@ -48,7 +48,8 @@ fn main() -> ExitCode {
             count,
             total,
             depth,
-        } => cli::bench::run(
+            fio,
+        } if fio.job.is_none() => cli::bench::run(
             g,
             &cli::bench::Params {
                 offset: *offset,
@@ -59,6 +60,7 @@ fn main() -> ExitCode {
                 depth: *depth,
             },
         ),
+        Command::Bench { fio, .. } => cli::fio::run(g, fio),
         Command::Nbd {
             socket,
             listen,

@@ -171,6 +171,8 @@ pub(crate) enum Command {
         /// Requests in flight in the bandwidth run.
         #[arg(long, default_value_t = 32)]
         depth: usize,
+        #[command(flatten)]
+        fio: super::fio::JobArgs,
     },
     /// Serve the namespace as an NBD export (fixed newstyle) until SIGTERM/SIGINT; prints the
     /// export's URL once clients can connect (READY=1 to systemd).

@@ -8,6 +8,7 @@ mod args;
 pub(crate) mod bench;
 pub(crate) mod control;
 mod failure;
+pub(crate) mod fio;
 mod json;
 pub(crate) mod nbd;
 mod notify;

@@ -1,0 +1,425 @@
+//! Runs one job section: `numjobs` threads, each with its own queue pair, each keeping
+//! `iodepth` requests in flight through the library's batch calls (a batch of `iodepth` reads
+//! or writes is posted together; every request in it is charged the batch's time, as its
+//! completion latency). Sections run one after another.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hdrhistogram::Histogram;
+use rpma_initiator::{Connection, Durability, Namespace};
+
+use super::job::Job;
+use crate::cli::Failure;
+
+/// Live counters every worker adds to, read by the progress line.
+#[derive(Debug, Default)]
+pub(crate) struct Live {
+    pub(crate) read_bytes: AtomicU64,
+    pub(crate) write_bytes: AtomicU64,
+    pub(crate) read_ios: AtomicU64,
+    pub(crate) write_ios: AtomicU64,
+    pub(crate) stop: AtomicBool,
+}
+
+/// One direction's totals.
+#[derive(Debug, Clone)]
+pub(crate) struct Dir {
+    pub(crate) bytes: u64,
+    pub(crate) ios: u64,
+    /// Completion latency in nanoseconds.
+    pub(crate) clat: Histogram<u64>,
+}
+
+impl Dir {
+    fn new() -> Dir {
+        Dir {
+            bytes: 0,
+            ios: 0,
+            // 1 ns .. 100 s, 3 significant digits (0.1% relative error).
+            clat: Histogram::new_with_bounds(1, 100_000_000_000, 3).expect("valid bounds"),
+        }
+    }
+
+    fn record(&mut self, n: u64, bytes_each: u64, took: Duration) {
+        self.bytes += n * bytes_each;
+        self.ios += n;
+        let ns = (took.as_nanos() as u64).clamp(1, 100_000_000_000);
+        self.clat.saturating_record_n(ns, n);
+    }
+
+    fn merge(&mut self, o: &Dir) {
+        self.bytes += o.bytes;
+        self.ios += o.ios;
+        self.clat.add(&o.clat).expect("same bounds");
+    }
+}
+
+/// A section's outcome, its threads merged.
+#[derive(Debug, Clone)]
+pub(crate) struct Outcome {
+    pub(crate) read: Dir,
+    pub(crate) write: Dir,
+    /// The measured phase (after ramp_time), longest thread.
+    pub(crate) runtime: Duration,
+    /// Process CPU time over the section, user and system.
+    pub(crate) usr: Duration,
+    pub(crate) sys: Duration,
+    /// Some write was acknowledged only "visible" (a volatile namespace).
+    pub(crate) visible_only: bool,
+    /// Blocks read back and compared (verify).
+    pub(crate) verified: u64,
+}
+
+impl Outcome {
+    pub(crate) fn empty() -> Outcome {
+        Outcome {
+            read: Dir::new(),
+            write: Dir::new(),
+            runtime: Duration::ZERO,
+            usr: Duration::ZERO,
+            sys: Duration::ZERO,
+            visible_only: false,
+            verified: 0,
+        }
+    }
+}
+
+fn fail(msg: String) -> Failure {
+    Failure {
+        code: 1,
+        err: anyhow::anyhow!(msg),
+    }
+}
+
+/// Process CPU time so far (user, system).
+pub(crate) fn cpu_times() -> (Duration, Duration) {
+    // SAFETY: getrusage writes one plain struct, which is zero-initialisable and outlives the call.
+    let ru = unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        libc::getrusage(libc::RUSAGE_SELF, &mut ru);
+        ru
+    };
+    let tv = |t: libc::timeval| {
+        Duration::from_secs(t.tv_sec as u64) + Duration::from_micros(t.tv_usec as u64)
+    };
+    (tv(ru.ru_utime), tv(ru.ru_stime))
+}
+
+/// Runs `job` against namespace `nsid`; `live` is shared with the progress line.
+pub(crate) fn run(
+    conn: &Connection,
+    nsid: u32,
+    job: &Job,
+    index: usize,
+    live: &Arc<Live>,
+) -> Result<Outcome, Failure> {
+    let (u0, s0) = cpu_times();
+    let mut handles = Vec::new();
+    for t in 0..job.numjobs {
+        let (conn, job, live) = (conn.clone(), job.clone(), Arc::clone(live));
+        let seed = 0x9E37_79B9_7F4A_7C15u64 ^ ((index as u64) << 32 | t as u64);
+        handles.push(
+            std::thread::Builder::new()
+                .name(format!("bench-{t}"))
+                .spawn(move || worker(&conn, nsid, &job, seed, &live))
+                .map_err(|e| fail(format!("starting a job thread: {e}")))?,
+        );
+    }
+    let mut total = Outcome::empty();
+    let mut first_err = None;
+    for h in handles {
+        match h.join() {
+            Ok(Ok(o)) => {
+                total.read.merge(&o.read);
+                total.write.merge(&o.write);
+                total.runtime = total.runtime.max(o.runtime);
+                total.visible_only |= o.visible_only;
+                total.verified += o.verified;
+            }
+            Ok(Err(e)) => {
+                live.stop.store(true, Ordering::Relaxed);
+                first_err.get_or_insert(e);
+            }
+            Err(_) => {
+                live.stop.store(true, Ordering::Relaxed);
+                first_err.get_or_insert(fail("a job thread panicked".into()));
+            }
+        }
+    }
+    if let Some(e) = first_err {
+        return Err(e);
+    }
+    let (u1, s1) = cpu_times();
+    total.usr = u1.saturating_sub(u0);
+    total.sys = s1.saturating_sub(s0);
+    Ok(total)
+}
+
+/// xorshift64*: cheap, and the same sequence for the same seed.
+struct Rng(u64);
+
+impl Rng {
+    fn next(&mut self) -> u64 {
+        self.0 ^= self.0 >> 12;
+        self.0 ^= self.0 << 25;
+        self.0 ^= self.0 >> 27;
+        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
+    }
+}
+
+/// The bytes a verifying job writes at `off`: a function of the offset only, so every thread
+/// and every pass writes the same bytes there and a read can be checked whoever wrote last.
+pub(crate) fn fill(off: u64, buf: &mut [u8]) {
+    let mut x = off.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    for chunk in buf.chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// One thread: its own queue, `iodepth` requests per batch, until the runtime or size is done.
+fn worker(
+    conn: &Connection,
+    nsid: u32,
+    job: &Job,
+    seed: u64,
+    live: &Live,
+) -> Result<Outcome, Failure> {
+    let mut q = conn.open_queue(0)?;
+    let mut ns = q.namespace(nsid)?;
+    let d = ns.descriptor().clone();
+    let room = d.size.saturating_sub(job.offset);
+    let size = job.size.unwrap_or(room);
+    if job.offset >= d.size || size > room {
+        return Err(crate::cli::usage(format!(
+            "job `{}`: offset {} + size {} does not fit nsid {nsid} ({} bytes)",
+            job.name, job.offset, size, d.size
+        )));
+    }
+    if size < job.bs {
+        return Err(crate::cli::usage(format!(
+            "job `{}`: size {size} is smaller than bs {}",
+            job.name, job.bs
+        )));
+    }
+    let blocks = size / job.bs;
+    let bs = job.bs as usize;
+    let depth = job.iodepth;
+    let mut wbufs = vec![vec![0xA5u8; bs]; depth];
+    let mut rbufs = vec![vec![0u8; bs]; depth];
+    let mut want = vec![0u8; bs];
+    let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
+    let mut rng = Rng(seed | 1);
+    let mut seq = 0u64;
+    let read_pct = u64::from(job.rw.read_percent(job.rwmixread));
+    let mut out = Outcome::empty();
+    let mut since_sync = 0u32;
+    // The span the writes since the last persist cover (fsync > 1).
+    let mut dirty: Option<(u64, u64)> = None;
+    let start = Instant::now();
+    let measured_from = start + job.ramp;
+    let end = job.runtime.map(|r| measured_from + r);
+    let mut measured_bytes = 0u64;
+    let mut wr: Vec<u64> = Vec::with_capacity(depth);
+    let mut rd: Vec<u64> = Vec::with_capacity(depth);
+    loop {
+        let now = Instant::now();
+        if live.stop.load(Ordering::Relaxed) || end.is_some_and(|e| now >= e) {
+            break;
+        }
+        if !job.time_based && now >= measured_from && measured_bytes >= size {
+            break;
+        }
+        let measuring = now >= measured_from;
+        wr.clear();
+        rd.clear();
+        for _ in 0..depth {
+            let block = if job.rw.random() {
+                rng.next() % blocks
+            } else {
+                let b = seq % blocks;
+                seq += 1;
+                b
+            };
+            let is_read = read_pct == 100 || (read_pct > 0 && rng.next() % 100 < read_pct);
+            if is_read {
+                rd.push(block);
+            } else {
+                wr.push(block);
+            }
+        }
+        let at = |b: u64| job.offset + b * job.bs;
+        if !wr.is_empty() {
+            for (i, &b) in wr.iter().enumerate() {
+                if job.verify {
+                    fill(at(b), &mut wbufs[i]);
+                    written[(b / 64) as usize] |= 1 << (b % 64);
+                }
+            }
+            let t = Instant::now();
+            let durable = write(&mut ns, job, &wr, &wbufs, &mut since_sync, &mut dirty)?;
+            let took = t.elapsed();
+            if durable == Some(Durability::VisibleOnly) {
+                out.visible_only = true;
+            }
+            let n = wr.len() as u64;
+            live.write_bytes.fetch_add(n * job.bs, Ordering::Relaxed);
+            live.write_ios.fetch_add(n, Ordering::Relaxed);
+            if measuring {
+                out.write.record(n, job.bs, took);
+                measured_bytes += n * job.bs;
+            }
+        }
+        if !rd.is_empty() {
+            let t = Instant::now();
+            {
+                let mut items: Vec<(u64, &mut [u8])> = rd
+                    .iter()
+                    .zip(rbufs.iter_mut())
+                    .map(|(&b, buf)| (at(b), buf.as_mut_slice()))
+                    .collect();
+                ns.read_batch(&mut items)?;
+            }
+            let took = t.elapsed();
+            let n = rd.len() as u64;
+            live.read_bytes.fetch_add(n * job.bs, Ordering::Relaxed);
+            live.read_ios.fetch_add(n, Ordering::Relaxed);
+            if measuring {
+                out.read.record(n, job.bs, took);
+                measured_bytes += n * job.bs;
+            }
+            if job.verify {
+                for (i, &b) in rd.iter().enumerate() {
+                    // A job that only reads checks every block (an earlier job wrote them
+                    // with verify on); a mixed one the blocks it wrote itself.
+                    if read_pct == 100 || written[(b / 64) as usize] & (1 << (b % 64)) != 0 {
+                        fill(at(b), &mut want);
+                        compare(job, at(b), &want, &rbufs[i])?;
+                        out.verified += 1;
+                    }
+                }
+            }
+        }
+    }
+    out.runtime = Instant::now().saturating_duration_since(measured_from);
+    if let Some((lo, hi)) = dirty {
+        if ns.persist_written(lo, hi - lo)? == Durability::VisibleOnly {
+            out.visible_only = true;
+        }
+    }
+    // fio's verify after a writing job: every block written is read back and checked.
+    if job.verify {
+        let todo: Vec<u64> = (0..blocks)
+            .filter(|b| written[(b / 64) as usize] & (1 << (b % 64)) != 0)
+            .collect();
+        for batch in todo.chunks(depth) {
+            {
+                let mut items: Vec<(u64, &mut [u8])> = batch
+                    .iter()
+                    .zip(rbufs.iter_mut())
+                    .map(|(&b, buf)| (job.offset + b * job.bs, buf.as_mut_slice()))
+                    .collect();
+                ns.read_batch(&mut items)?;
+            }
+            for (i, &b) in batch.iter().enumerate() {
+                fill(job.offset + b * job.bs, &mut want);
+                compare(job, job.offset + b * job.bs, &want, &rbufs[i])?;
+                out.verified += 1;
+            }
+        }
+    }
+    let _ = q.close();
+    Ok(out)
+}
+
+fn compare(job: &Job, off: u64, want: &[u8], got: &[u8]) -> Result<(), Failure> {
+    match want.iter().zip(got).position(|(a, b)| a != b) {
+        None => Ok(()),
+        Some(i) => Err(fail(format!(
+            "job `{}`: verify failed at offset {}: expected {:#04x}, found {:#04x}",
+            job.name,
+            off + i as u64,
+            want[i],
+            got[i]
+        ))),
+    }
+}
+
+/// Posts one batch of writes. fsync=1 (or sync): each write acknowledged durable (at QD1 one
+/// write_durable, the Write and its persist in one doorbell; deeper, the batch then a persist
+/// per range). fsync=N: a persist of the span written after every N writes.
+fn write(
+    ns: &mut Namespace<'_>,
+    job: &Job,
+    blocks: &[u64],
+    bufs: &[Vec<u8>],
+    since_sync: &mut u32,
+    dirty: &mut Option<(u64, u64)>,
+) -> Result<Option<Durability>, Failure> {
+    let at = |b: u64| job.offset + b * job.bs;
+    if job.fsync == 1 && blocks.len() == 1 {
+        return Ok(Some(ns.write_durable(at(blocks[0]), &bufs[0])?));
+    }
+    let items: Vec<(u64, &[u8])> = blocks
+        .iter()
+        .zip(bufs)
+        .map(|(&b, buf)| (at(b), buf.as_slice()))
+        .collect();
+    ns.write_batch(&items)?;
+    if job.fsync == 1 {
+        let mut last = None;
+        for &b in blocks {
+            last = Some(ns.persist_written(at(b), job.bs)?);
+        }
+        return Ok(last);
+    }
+    if job.fsync > 1 {
+        for &b in blocks {
+            let (lo, hi) = (at(b), at(b) + job.bs);
+            *dirty = Some(dirty.map_or((lo, hi), |(l, h)| (l.min(lo), h.max(hi))));
+        }
+        *since_sync += blocks.len() as u32;
+        if *since_sync >= job.fsync {
+            *since_sync = 0;
+            if let Some((lo, hi)) = dirty.take() {
+                return Ok(Some(ns.persist_written(lo, hi - lo)?));
+            }
+        }
+    }
+    Ok(None)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fill_depends_on_the_offset_only() {
+        let (mut a, mut b, mut c) = (vec![0u8; 515], vec![0u8; 515], vec![0u8; 515]);
+        fill(4096, &mut a);
+        fill(4096, &mut b);
+        fill(8192, &mut c);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+        assert!(a.iter().any(|&x| x != a[0]));
+    }
+
+    #[test]
+    fn histogram_merge_and_record() {
+        let mut d = Dir::new();
+        d.record(4, 4096, Duration::from_micros(10));
+        let mut e = Dir::new();
+        e.record(1, 4096, Duration::from_micros(1000));
+        d.merge(&e);
+        assert_eq!((d.ios, d.bytes), (5, 5 * 4096));
+        assert_eq!(d.clat.len(), 5);
+        let p50 = d.clat.value_at_quantile(0.5);
+        assert!((9_990..=10_010).contains(&p50), "{p50}");
+        assert!(d.clat.max() >= 999_000);
+    }
+}

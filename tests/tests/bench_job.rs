@@ -1,0 +1,133 @@
+//! `rpma-initiator bench --job FILE`: a tiny fio job file run against a real target, with
+//! verify on, read back through the JSON report the way fio's tooling reads it.
+
+use rpma_tests::{four_namespaces, initiator, text, Shm, Target};
+use serde_json::Value;
+
+const SUB: &str = "nqn.2026-11.io.rpma:benchjob";
+const HOST: &str = "nqn.2026-11.io.rpma:benchjob-host";
+
+const JOB: &str = "\
+[global]
+size=1m
+offset=0
+stonewall
+verify=crc32c
+
+[mixed]
+rw=randrw
+rwmixread=50
+bs=4k
+iodepth=4
+numjobs=2
+time_based
+runtime=1
+
+[durable]
+rw=write
+bs=512
+offset=1m
+size=64k
+fsync=1
+";
+
+fn start() -> (tempfile::TempDir, Shm, Target) {
+    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let shm = Shm::new("benchjob");
+    let t = Target::start(
+        d.path(),
+        &format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
+            four_namespaces(&shm, 512)
+        ),
+    );
+    (d, shm, t)
+}
+
+fn bench(t: &Target, nsid: &str, job: &std::path::Path, extra: &[&str]) -> std::process::Output {
+    let url = t.url();
+    let job = job.to_str().unwrap();
+    let mut args = vec![
+        "--target",
+        &url,
+        "--nqn",
+        SUB,
+        "--hostnqn",
+        HOST,
+        "--nsid",
+        nsid,
+        "bench",
+        "--job",
+        job,
+    ];
+    args.extend_from_slice(extra);
+    initiator(&args)
+}
+
+#[test]
+fn a_job_file_runs_verifies_and_reports_fio_json() {
+    let (d, _shm, t) = start();
+    let job = d.path().join("tiny.fio");
+    std::fs::write(&job, JOB).unwrap();
+    // nsid 4: dax (forced), 2 MiB; nsid 1: page-cache, 8 MiB.
+    for nsid in ["4", "1"] {
+        let o = bench(&t, nsid, &job, &["--output-format", "json"]);
+        assert!(o.status.success(), "nsid {nsid}: {}", text(&o));
+        let v: Value = serde_json::from_slice(&o.stdout).expect("fio JSON on stdout");
+        let jobs = v["jobs"].as_array().unwrap();
+        assert_eq!(jobs.len(), 2, "one job object per section: {v}");
+        let mixed = &jobs[0];
+        assert_eq!(mixed["jobname"], "mixed");
+        for dir in ["read", "write"] {
+            let d = &mixed[dir];
+            assert!(d["total_ios"].as_u64().unwrap() > 0, "{dir}: {d}");
+            assert!(d["iops"].as_f64().unwrap() > 0.0, "{dir}: {d}");
+            assert!(d["bw_bytes"].as_u64().unwrap() > 0, "{dir}: {d}");
+            assert!(d["clat_ns"]["percentile"]["50.000000"].as_u64().unwrap() > 0);
+            assert!(d["lat_ns"]["mean"].as_f64().unwrap() > 0.0);
+            // time_based: about the runtime (1 s), measured.
+            let ms = d["runtime"].as_u64().unwrap();
+            assert!((900..5000).contains(&ms), "{ms}");
+        }
+        assert!(mixed["verified_blocks"].as_u64().unwrap() > 0, "{mixed}");
+        let durable = &jobs[1];
+        // Not time_based: exactly size/bs writes, each acknowledged durable, then read back.
+        assert_eq!(durable["write"]["total_ios"], 128, "{durable}");
+        assert_eq!(durable["write"]["io_bytes"], 65536);
+        assert_eq!(durable["read"]["total_ios"], 0);
+        assert_eq!(durable["verified_blocks"], 128);
+    }
+    // The bytes are where the verify pattern put them: a second, read-only pass checks them.
+    let reread = d.path().join("reread.fio");
+    std::fs::write(
+        &reread,
+        "[r]\nrw=read\nbs=512\noffset=1m\nsize=64k\nverify=crc32c\n",
+    )
+    .unwrap();
+    let o = bench(&t, "1", &reread, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(out.contains("r: (groupid=0, jobs=1): err= 0"), "{out}");
+    assert!(out.contains("read: IOPS="), "{out}");
+    assert!(out.contains("clat percentiles"), "{out}");
+    assert!(out.contains("verify       : 128 blocks match"), "{out}");
+}
+
+#[test]
+fn an_unknown_job_option_exits_2_and_names_it() {
+    let (d, _shm, t) = start();
+    let job = d.path().join("bad.fio");
+    std::fs::write(&job, "[j]\nrw=read\nbs=4k\niodepth_batch=8\n").unwrap();
+    let o = bench(&t, "1", &job, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(
+        text(&o).contains("unknown job option `iodepth_batch`"),
+        "{}",
+        text(&o)
+    );
+    // A region past the namespace is refused before anything is written.
+    std::fs::write(&job, "[j]\nrw=write\nbs=4k\nsize=16m\n").unwrap();
+    let o = bench(&t, "1", &job, &[]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("does not fit"), "{}", text(&o));
+}
