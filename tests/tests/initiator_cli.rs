@@ -392,7 +392,8 @@ fn each_error_has_its_exit_code() {
     assert_eq!(o.status.code(), Some(2), "missing --nqn: {}", text(&o));
 
     // Every admitted session above ended in an error, and every one said goodbye: the target
-    // saw a Disconnect each time, never a lost connection. (11 admitted sessions, 10 of them failed.)
+    // saw a Disconnect each time, never a lost connection. (11 admitted sessions, 10 of them
+    // failed.)
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while t.log().matches("closed by the host").count() < closed_before + 11
         && std::time::Instant::now() < deadline
