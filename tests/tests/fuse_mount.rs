@@ -10,7 +10,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use rpma_tests::{built, four_namespaces, initiator, run_with_deadline, text, Shm, Target};
+use rpma_tests::{
+    built, four_namespaces, initiator, run_with_deadline, text, Config, Shm, Subsystem, Target,
+};
 
 const SUB: &str = "nqn.2026-11.io.rpma:fuse";
 const HOST: &str = "nqn.2026-11.io.rpma:fuse-host";
@@ -62,10 +64,13 @@ macro_rules! require_fuse {
 fn target(dir: &Path, shm: &Shm) -> Target {
     Target::start(
         dir,
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}",
-            four_namespaces(shm, 4096)
-        ),
+        &Config::new()
+            .subsystem(
+                Subsystem::new(SUB)
+                    .host(HOST)
+                    .namespaces(four_namespaces(shm, 4096)),
+            )
+            .to_string(),
     )
 }
 

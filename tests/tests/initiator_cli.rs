@@ -1,7 +1,7 @@
 //! `rpma-initiator`'s data subcommands as real processes against a real `rpma-target`: output
 //! (text and JSON), the documented exit codes, and durability across a SIGKILL of the target.
 
-use rpma_tests::{four_namespaces, initiator, text, Shm, Target};
+use rpma_tests::{four_namespaces, initiator, text, Config, Shm, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:cli-data";
 const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
@@ -13,10 +13,13 @@ fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
     let shm = Shm::new(tag);
     let t = Target::start(
         d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}",
-            four_namespaces(&shm, 4096)
-        ),
+        &Config::new()
+            .subsystem(
+                Subsystem::new(SUB)
+                    .host(HOST)
+                    .namespaces(four_namespaces(&shm, 4096)),
+            )
+            .to_string(),
     );
     (d, shm, t)
 }

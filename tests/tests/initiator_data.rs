@@ -10,7 +10,7 @@ use rpma_initiator::{
     Choice, ConnectOptions, Connection, Durability, Error, HostIdentity, PersistMethod,
     QueueOptions, ReconnectPolicy,
 };
-use rpma_tests::{four_namespaces, Relay, Shm, Target};
+use rpma_tests::{four_namespaces, Config, Relay, Shm, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:data";
 const HOST: &str = "nqn.2026-11.io.rpma:data-host";
@@ -22,10 +22,13 @@ fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
     let shm = Shm::new(tag);
     let t = Target::start(
         d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
-            four_namespaces(&shm, 512)
-        ),
+        &Config::new()
+            .subsystem(
+                Subsystem::new(SUB)
+                    .any_host()
+                    .namespaces(four_namespaces(&shm, 512)),
+            )
+            .to_string(),
     );
     (d, shm, t)
 }

@@ -11,7 +11,9 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use rpma_tests::{built, four_namespaces, initiator, run_with_deadline, text, Shm, Target};
+use rpma_tests::{
+    built, four_namespaces, initiator, run_with_deadline, text, Config, Shm, Subsystem, Target,
+};
 
 const SUB: &str = "nqn.2026-11.io.rpma:nbd";
 const HOST: &str = "nqn.2026-11.io.rpma:nbd-host";
@@ -26,10 +28,13 @@ fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
     let shm = Shm::new(tag);
     let t = Target::start(
         d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
-            four_namespaces(&shm, 512)
-        ),
+        &Config::new()
+            .subsystem(
+                Subsystem::new(SUB)
+                    .any_host()
+                    .namespaces(four_namespaces(&shm, 512)),
+            )
+            .to_string(),
     );
     (d, shm, t)
 }
