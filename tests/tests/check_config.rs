@@ -1,12 +1,10 @@
 //! `rpma-target check-config` as a real process: a good configuration and each kind of bad one.
 
-mod support;
-
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use support::{free_port, write_psk, Daemon, BIN};
+use rpma_tests::{free_port, target_bin, write_psk, Daemon};
 
 const GOOD: &str = r#"
 listen = ["tcp://127.0.0.1:7420"]
@@ -32,7 +30,7 @@ fn run(dir: &Path, text: &str) -> (bool, String) {
     }
     let cfg = dir.join("c.toml");
     std::fs::write(&cfg, text).unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(target_bin())
         .arg("check-config")
         .arg(&cfg)
         .output()
@@ -191,7 +189,7 @@ fn namespace_problems_found_by_probing() {
 
 #[test]
 fn missing_file_fails() {
-    let out = Command::new(BIN)
+    let out = Command::new(target_bin())
         .args(["check-config", "/nonexistent/c.toml"])
         .output()
         .unwrap();

@@ -1,14 +1,12 @@
 //! The daemon as a real process: readiness over a NOTIFY_SOCKET of the test's own, status over
 //! the control socket, SIGHUP reloads, SIGTERM exit, watchdog pings, start-up failures.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use support::{free_port, status, status_json, Daemon, BIN};
+use rpma_tests::{free_port, status, status_json, target_bin, Daemon};
 
 /// The daemon on `config`, notifying `dir/notify.sock`, its stderr the test's.
 fn start(config: &Path, dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
@@ -189,7 +187,7 @@ fn second_daemon_on_the_same_socket_is_refused() {
     let cfg = write_config(d.path(), "");
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
-    let out = Command::new(BIN)
+    let out = Command::new(target_bin())
         .arg("--config")
         .arg(&cfg)
         .output()
@@ -207,6 +205,6 @@ fn status_errors() {
     let out = status(&["--config", "/nonexistent/rpma.toml"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
-    let out = Command::new(BIN).output().unwrap();
+    let out = Command::new(target_bin()).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
