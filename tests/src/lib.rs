@@ -6,6 +6,7 @@
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
 //! - [`relay`]: a TCP relay that can cut its links;
+//! - [`sessions`]: the session tests' fixture and what they do over a session;
 //! - [`cachestat`]: what the page cache holds unsynced.
 //!
 //! Every wait has a deadline (polling, never a fixed sleep for bytes to arrive); ports are
@@ -16,6 +17,7 @@ pub mod cachestat;
 pub mod config;
 pub mod initiator;
 pub mod relay;
+pub mod sessions;
 pub mod target;
 
 pub use bins::{bin, bin_dir, built, free_port, write_psk, Shm};

@@ -175,13 +175,7 @@ impl Target {
     /// As [`Target::start`], with extra environment variables for the daemon.
     pub fn start_with_env(dir: &Path, config: &str, env: &[(&str, &str)]) -> Target {
         let port = free_port();
-        std::fs::write(
-            dir.join("target.toml"),
-            format!(
-                "listen = [\"tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{config}"
-            ),
-        )
-        .expect("write target.toml");
+        write_config(dir, port, config);
         let mut t = Target {
             dir: dir.to_owned(),
             port,
@@ -284,6 +278,17 @@ impl Target {
         }
     }
 
+    /// The next notification, or None after `within`.
+    pub fn next(&self, within: Duration) -> Option<String> {
+        self.daemon().next(within)
+    }
+
+    /// Rewrites `target.toml` with the same listener and control socket and `config` after
+    /// them (for a reload).
+    pub fn rewrite(&self, config: &str) {
+        write_config(&self.dir, self.port, config);
+    }
+
     /// The next notification starting with `prefix`, skipping others, within `within`.
     pub fn expect(&self, prefix: &str, within: Duration) -> String {
         self.daemon().wait_for(prefix, within)
@@ -336,6 +341,15 @@ impl Target {
         self.kill9();
         self.spawn();
     }
+}
+
+/// Writes `dir/target.toml`: a listener on `port`, the control socket `ctl.sock`, `config`.
+fn write_config(dir: &Path, port: u16, config: &str) {
+    std::fs::write(
+        dir.join("target.toml"),
+        format!("listen = [\"tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{config}"),
+    )
+    .expect("write target.toml");
 }
 
 impl Drop for Target {
