@@ -36,6 +36,36 @@ pub fn scratch() -> tempfile::TempDir {
         .expect("scratch dir")
 }
 
+/// A target in a scratch directory of its own serving `subsystem` with [`four_namespaces`]
+/// (nsid 2 of `ns2_block_size` blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`): the directory,
+/// the /dev/shm file and the target, each removed or killed on drop.
+pub fn four_namespace_target(
+    tag: &str,
+    subsystem: Subsystem,
+    ns2_block_size: u32,
+) -> (tempfile::TempDir, Shm, Target) {
+    let d = scratch();
+    let shm = Shm::new(tag);
+    let config =
+        Config::new().subsystem(subsystem.namespaces(four_namespaces(&shm, ns2_block_size)));
+    let t = Target::start(d.path(), &config.to_string());
+    (d, shm, t)
+}
+
+/// `len` bytes that differ from one offset to the next (xorshift from `seed`): data no fill
+/// pattern or stale content matches.
+pub fn noise(seed: u64, len: usize) -> Vec<u8> {
+    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
 /// A host NQN or subsystem NQN that must parse.
 pub fn nqn(s: &str) -> rpma_common::proto::nqn::Nqn {
     rpma_common::proto::nqn::Nqn::new(s).expect("a valid NQN")

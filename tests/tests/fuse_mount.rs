@@ -335,15 +335,7 @@ fn scratch() -> (tempfile::TempDir, PathBuf) {
 
 /// Bytes that differ from one offset to the next (and from any pattern fill).
 fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    rpma_tests::noise(seed, len)
 }
 
 /// `rpma-initiator read` of a range, through its own connection.

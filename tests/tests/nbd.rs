@@ -12,7 +12,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use rpma_tests::{
-    built, four_namespaces, initiator, run_with_deadline, text, Config, Shm, Subsystem, Target,
+    built, four_namespace_target, initiator, noise as pattern, run_with_deadline, text, Shm,
+    Subsystem, Target,
 };
 
 const SUB: &str = "nqn.2026-11.io.rpma:nbd";
@@ -24,19 +25,7 @@ const WAIT: Duration = Duration::from_secs(30);
 /// A target in a scratch dir of its own serving SUB to any host: [`four_namespaces`] (nsid 1
 /// page-cache 8 MiB, 2 read-only 1 MiB of 512-byte blocks, 3 volatile, 4 forced dax 2 MiB).
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = Shm::new(tag);
-    let t = Target::start(
-        d.path(),
-        &Config::new()
-            .subsystem(
-                Subsystem::new(SUB)
-                    .any_host()
-                    .namespaces(four_namespaces(&shm, 512)),
-            )
-            .to_string(),
-    );
-    (d, shm, t)
+    four_namespace_target(tag, Subsystem::new(SUB).any_host(), 512)
 }
 
 /// Whether `tool` runs; else says why the test is skipped.
@@ -266,18 +255,6 @@ fn cli_write(t: &Target, nsid: u32, offset: u64, data: &[u8]) {
         ],
     );
     let _ = std::fs::remove_file(&f);
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 // ---- a raw client ----
