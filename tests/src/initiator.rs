@@ -17,6 +17,19 @@ pub fn initiator(args: &[&str]) -> Output {
     )
 }
 
+/// The initiator's connection arguments: `--target URL --nqn SUB --hostnqn HOST`, then
+/// `--nsid N` when given.
+pub fn conn_args(url: &str, sub: &str, host: &str, nsid: Option<u32>) -> Vec<String> {
+    let mut a: Vec<String> = ["--target", url, "--nqn", sub, "--hostnqn", host]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    if let Some(n) = nsid {
+        a.extend(["--nsid".to_owned(), n.to_string()]);
+    }
+    a
+}
+
 /// Runs a command, killing it if it outlives `timeout` (the test then fails on its output).
 pub fn run_with_deadline(cmd: &mut Command, timeout: Duration) -> Output {
     let mut child = cmd

@@ -284,7 +284,9 @@ fn half_open_connections_hold_little_memory_and_the_pool_bounds_it() {
             .collect::<Vec<_>>(),
     );
     // Their loop frees them when it sees them close.
-    std::thread::sleep(Duration::from_millis(300));
+    wait_admission(&t, "the warm-up connections freed", |a| {
+        a["unadmitted"]["held"].as_u64() == Some(0)
+    });
     let base = rss_kib(&t);
     let mut held = Vec::new();
     for a in 2..10 {

@@ -75,19 +75,7 @@ fn target(dir: &Path, shm: &Shm) -> Target {
 }
 
 fn conn_args(url: &str, nsid: u32) -> Vec<String> {
-    [
-        "--target",
-        url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        &nsid.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    rpma_tests::conn_args(url, SUB, HOST, Some(nsid))
 }
 
 /// The mount points of this mount namespace.

@@ -12,8 +12,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use rpma_tests::{
-    built, four_namespace_target, initiator, noise as pattern, run_with_deadline, text, Shm,
-    Subsystem, Target,
+    built, conn_args, four_namespace_target, initiator, noise as pattern, run_with_deadline, text,
+    Shm, Subsystem, Target,
 };
 
 const SUB: &str = "nqn.2026-11.io.rpma:nbd";
@@ -60,19 +60,9 @@ impl Export {
         let notify_path = dir.join(format!("{tag}.notify"));
         let _ = std::fs::remove_file(&notify_path);
         let notify = UnixDatagram::bind(&notify_path).unwrap();
-        let nsid = nsid.to_string();
-        let url = t.url();
-        let mut a = vec![
-            "--target",
-            &url,
-            "--nqn",
-            SUB,
-            "--hostnqn",
-            HOST,
-            "--nsid",
-            &nsid,
-            "nbd",
-        ];
+        let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+        let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
+        a.push("nbd");
         let s = sock.to_str().unwrap().to_owned();
         let tcp = args
             .iter()
@@ -197,18 +187,8 @@ fn tool(cmd: &mut Command) -> String {
 
 /// `rpma-initiator` with the target, subsystem, host and `--nsid nsid`, then `args`.
 fn cli(t: &Target, nsid: u32, args: &[&str]) -> std::process::Output {
-    let url = t.url();
-    let n = nsid.to_string();
-    let mut a = vec![
-        "--target",
-        &url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        &n,
-    ];
+    let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+    let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
     a.extend_from_slice(args);
     let o = initiator(&a);
     assert!(o.status.success(), "{a:?}: {}", text(&o));
