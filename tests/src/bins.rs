@@ -68,3 +68,8 @@ impl Drop for Shm {
         let _ = std::fs::remove_file(&self.0);
     }
 }
+
+/// A file of the repository, by its path from the repository's root.
+pub fn repo_file(rel: &str) -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+}

@@ -20,7 +20,7 @@ pub mod relay;
 pub mod sessions;
 pub mod target;
 
-pub use bins::{bin, bin_dir, built, free_port, write_psk, Shm};
+pub use bins::{bin, bin_dir, built, free_port, repo_file, write_psk, Shm};
 pub use cachestat::unsynced_pages;
 pub use config::{four_namespaces, Config, Namespace, Subsystem};
 pub use initiator::{conn_args, initiator, run_with_deadline, text};

@@ -12,8 +12,8 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use rpma_tests::{
-    built, conn_args, four_namespace_target, initiator, noise as pattern, run_with_deadline, text,
-    Shm, Subsystem, Target,
+    built, conn_args, four_namespace_target, initiator, noise as pattern, repo_file,
+    run_with_deadline, text, Shm, Subsystem, Target,
 };
 
 const SUB: &str = "nqn.2026-11.io.rpma:nbd";
@@ -902,10 +902,6 @@ fn sigterm_answers_what_was_sent_flushes_and_exits_0() {
 }
 
 // ---- systemd ----
-
-fn repo_file(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
-}
 
 #[test]
 fn the_template_unit_passes_verify_and_its_command_line_gets_ready() {

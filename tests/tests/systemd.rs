@@ -4,11 +4,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use rpma_tests::target_bin;
-
-fn repo_file(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
-}
+use rpma_tests::{repo_file, target_bin};
 
 /// The example configuration, `text`, with its directories moved to `dir` and its namespaces
 /// shrunk to 16 MiB, written to `dir/rpma-target.toml` (returned).
