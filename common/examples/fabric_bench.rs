@@ -3,8 +3,9 @@
 //! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]`
 //!
 //! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, one FPDU per segment of
-//! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a volatile `AlignedBuf`, and a /dev/shm file mapped `dax (forced)`, whose
-//! Writes the engine writes back with clwb + sfence before it answers a Read):
+//! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a
+//! volatile `AlignedBuf`, and a /dev/shm file mapped `dax (forced)`, whose Writes the engine writes
+//! back with clwb + sfence before it answers a Read):
 //! - QD1 latency: a 4 KiB Write (unsignaled) then an 8-byte Read, waiting for the Read's
 //!   completion before the next pair: p50 and p99 of the round trip;
 //! - bandwidth: 1 MiB Writes, 16 outstanding, then one 8-byte Read (so that the time includes

@@ -4,7 +4,8 @@
 //!
 //! For 64 B, 4 KiB and 1 MiB ranges it reports the median (and 90th percentile) nanoseconds of:
 //! - cache write-back + sfence with each instruction this CPU has (clwb, clflushopt, clflush), on a
-//!   /dev/shm mapping opened with force_dax (DRAM: the cost of the instructions, not of pmem media);
+//!   /dev/shm mapping opened with force_dax (DRAM: the cost of the instructions, not of pmem
+//!   media);
 //! - msync(MS_SYNC) through `Persist::persist` on a page-cache file under the repo's scratch/;
 //! - references from the same run: a plain memcpy of the same size into the mapping, and the cost
 //!   of reading the clock twice.

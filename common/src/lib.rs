@@ -2,12 +2,14 @@
 //!
 //! - [`pmem`]: maps a namespace's backing store and makes ranges of it durable, reporting honestly
 //!   which persistence domain the storage is in.
-//! - [`fabric`]: the verbs-shaped API and its transport `tcp` (userspace iWARP); `rdma` comes later.
+//! - [`fabric`]: the verbs-shaped API and its transport `tcp` (userspace iWARP); `rdma` comes
+//!   later.
 //! - [`proto`]: the control-plane wire format spoken over the fabric's Send/Recv.
 //! - [`volatile`]: views of memory that peers, other threads or processes write concurrently
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
 //!
-//! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not built yet.
+//! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not
+//! built yet.
 
 pub mod fabric;
 pub mod pmem;

@@ -1,10 +1,9 @@
-//! Persist, flush and drain: unaligned ranges, range checks, the trait as an object, and a
-//! SIGKILLed child whose persisted page-cache bytes the parent must find.
+//! Persist, flush and drain: unaligned ranges, range checks, the trait as an object. That a
+//! persisted page-cache range leaves no dirty page behind (cachestat(2)) is tested in
+//! tests/tests/pmem_durability.rs.
 
 use std::fs;
-use std::io::{BufRead, BufReader, Read};
-use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::path::Path;
 use std::sync::Arc;
 
 use rpma_common::pmem::{Domain, Durability, Error, Mapping, OpenOptions, Persist};
@@ -174,88 +173,4 @@ fn persist_works_through_a_shared_trait_object() {
     }
     assert_eq!(p.drain().unwrap(), Durability::Durable);
     assert_eq!(p.domain(), Domain::PageCache);
-}
-
-const CRASH_CHILD_ENV: &str = "RPMA_PMEM_TEST_CRASH_CHILD";
-const CRASH_OFFSET: usize = 4096 * 2 - 5;
-
-/// A child process maps a page-cache file, writes and persists an unaligned range, says so, and
-/// is SIGKILLed while it waits; the parent must then find the bytes in the file.
-#[test]
-fn persisted_bytes_survive_a_sigkilled_child() {
-    if let Some(path) = std::env::var_os(CRASH_CHILD_ENV) {
-        let m = OpenOptions::new(PathBuf::from(path)).open().unwrap();
-        let data = pattern(3000, 42);
-        m.write_at(CRASH_OFFSET, &data).unwrap();
-        assert_eq!(
-            m.persist(CRASH_OFFSET, data.len()).unwrap(),
-            Durability::Durable
-        );
-        // Unpersisted bytes after the marker are allowed to be anything.
-        println!("child-persisted");
-        // Wait to be killed; give up after a minute so that a broken parent never leaves us behind.
-        std::thread::sleep(std::time::Duration::from_secs(60));
-        std::process::exit(3);
-    }
-    let dir = scratch();
-    let path = dir.path().join("crash.pmem");
-    drop(
-        OpenOptions::new(&path)
-            .size(16384)
-            .create(true)
-            .open()
-            .unwrap(),
-    );
-    let mut child = Command::new(std::env::current_exe().unwrap())
-        .args([
-            "--exact",
-            "persisted_bytes_survive_a_sigkilled_child",
-            "--nocapture",
-            "--test-threads=1",
-        ])
-        .env(CRASH_CHILD_ENV, &path)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut out = BufReader::new(child.stdout.take().unwrap());
-    let mut seen = String::new();
-    let mut line = String::new();
-    let persisted = loop {
-        line.clear();
-        if out.read_line(&mut line).unwrap() == 0 {
-            break false;
-        }
-        seen.push_str(&line);
-        if line.trim_end().ends_with("child-persisted") {
-            break true;
-        }
-    };
-    // SIGKILL, then reap: no zombie is left whatever happened above.
-    let _ = child.kill();
-    let status = child.wait().unwrap();
-    let mut err = String::new();
-    child
-        .stderr
-        .take()
-        .unwrap()
-        .read_to_string(&mut err)
-        .unwrap();
-    assert!(persisted, "child did not persist:\n{seen}\n{err}");
-    use std::os::unix::process::ExitStatusExt;
-    assert_eq!(
-        status.signal(),
-        Some(libc::SIGKILL),
-        "child was not killed: {status}"
-    );
-
-    let file = fs::read(&path).unwrap();
-    assert_eq!(
-        &file[CRASH_OFFSET..CRASH_OFFSET + 3000],
-        &pattern(3000, 42)[..]
-    );
-    let m = OpenOptions::new(&path).open().unwrap();
-    let mut back = vec![0u8; 3000];
-    m.read_at(CRASH_OFFSET, &mut back).unwrap();
-    assert_eq!(back, pattern(3000, 42));
 }

@@ -112,8 +112,8 @@ pub fn offered(d: &NamespaceDescriptor) -> String {
 }
 
 /// Chooses the method for namespace `d`: `forced` if given (and valid), else the first of
-/// [`preference`]`(d.domain)` the descriptor lists; FLUSH also needs the peer to have advertised the Flush
-/// opcode (`peer_flush`).
+/// [`preference`]`(d.domain)` the descriptor lists; FLUSH also needs the peer to have advertised
+/// the Flush opcode (`peer_flush`).
 ///
 /// # Errors
 /// [`Error::MethodNotValid`] when `forced` is not offered for `d` (including any forced method

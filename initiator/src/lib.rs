@@ -45,10 +45,10 @@
 //! No hidden threads: progress happens inside the calls of the thread that owns a [`Queue`]
 //! (or a [`Session`]), which poll its completion queue with a deadline. A queue is `Send`:
 //! open one per thread from a cloned [`Connection`]. Keep-alives are sent by
-//! [`Queue::tick`] (and every data call) or [`Session::tick`], which the caller runs at least every half keep-alive period. Every wait
-//! has a deadline ([`ConnectOptions::timeout`]): a dead target is an error, never a hang.
-//! Dropping a [`Session`] (or a [`Queue`]) sends the target a Disconnect (waiting at most
-//! [`DROP_GOODBYE`] for it to go out) and closes the connection; the target then
+//! [`Queue::tick`] (and every data call) or [`Session::tick`], which the caller runs at least every
+//! half keep-alive period. Every wait has a deadline ([`ConnectOptions::timeout`]): a dead target
+//! is an error, never a hang. Dropping a [`Session`] (or a [`Queue`]) sends the target a Disconnect
+//! (waiting at most [`DROP_GOODBYE`] for it to go out) and closes the connection; the target then
 //! revokes its rkeys.
 //!
 //! Features: `rdma` builds the rdma transport in rpma-common (a later issue).

@@ -202,6 +202,9 @@ pub struct Host {
     pub psk: Option<Psk>,
 }
 
+/// A namespace's key: its subsystem and namespace id.
+pub type NsKey = (Nqn, u32);
+
 /// A namespace.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Namespace {

@@ -3,7 +3,7 @@
 //!
 //! Order and readiness: READY=1 is sent only after every namespace is mapped, the control socket
 //! accepts and [`Serve::bind`] returned; its STATUS= line says how many listeners are bound, so a
-//! build without the transport wired in does not claim to serve anything.
+//! daemon whose listeners are not bound does not claim to serve anything.
 //!
 //! Signals are taken through a signalfd (blocked in every thread, read by the main loop):
 //! SIGHUP reloads (RELOADING=1, diff, apply, READY=1), SIGTERM/SIGINT stop (STOPPING=1, then
@@ -48,40 +48,26 @@ pub enum DaemonError {
     Control(#[from] ControlError),
     /// The listeners could not be bound.
     #[error(transparent)]
-    Serve(#[from] ServeError),
+    Serve(#[from] crate::serve::Error),
 }
 
 /// Result of the daemon.
 pub type Result<T> = std::result::Result<T, DaemonError>;
 
-/// Errors of a [`Serve`] implementation.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ServeError {
-    /// A listener could not be bound.
-    #[error("cannot listen on {url}")]
-    Bind {
-        /// The listener's URL.
-        url: String,
-        /// Why.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-}
-
 /// The seam where listeners and sessions plug in: [`crate::serve::FabricServe`] serves them on
-/// the fabric; [`NoTransport`] binds nothing (for tests of the daemon's own machinery).
+/// the fabric; [`NoTransport`] binds nothing (a daemon without listeners, for tests of its own
+/// machinery).
 pub trait Serve: Send {
     /// Binds every listener of `cfg`; called after the namespaces are mapped and the control
     /// socket accepts, before READY=1. Returns one status per listener.
     ///
     /// # Errors
-    /// [`ServeError::Bind`] stops the daemon before READY=1.
+    /// Any error stops the daemon before READY=1.
     fn bind(
         &mut self,
         cfg: &Config,
         namespaces: &NamespaceTable,
-    ) -> std::result::Result<Vec<ListenerStatus>, ServeError>;
+    ) -> crate::serve::Result<Vec<ListenerStatus>>;
 
     /// A reload was applied: `namespaces` is the new table. Close the sessions that
     /// [`ConfigDiff::touches_session`] names and revoke rkeys of removed or changed namespaces;
@@ -108,7 +94,8 @@ pub trait Serve: Send {
     fn stop(&mut self);
 }
 
-/// No transport: binds nothing and says so in every listener's status.
+/// No transport: binds nothing and says so in every listener's status (tests of the daemon's
+/// own machinery; the binary serves with [`crate::serve::FabricServe`]).
 #[derive(Debug, Default)]
 pub struct NoTransport;
 
@@ -117,10 +104,8 @@ impl Serve for NoTransport {
         &mut self,
         cfg: &Config,
         _: &NamespaceTable,
-    ) -> std::result::Result<Vec<ListenerStatus>, ServeError> {
-        log::warn!(
-            "no listener is bound: the fabric is not wired into this build of rpma-target yet"
-        );
+    ) -> crate::serve::Result<Vec<ListenerStatus>> {
+        log::warn!("no listener is bound: this daemon runs without a transport");
         Ok(cfg
             .listeners
             .iter()
@@ -129,7 +114,7 @@ impl Serve for NoTransport {
                 bound: false,
                 crc: cfg.crc,
                 direct_write_to_pmem: l.direct_write_to_pmem,
-                note: Some("the fabric is not wired into this build yet".into()),
+                note: Some("no transport".into()),
             })
             .collect())
     }
@@ -344,7 +329,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
                         stalled = false;
                     }
                     if let Err(e) = notifier.watchdog() {
-                        log::warn!("{}", crate::check::chain(&e));
+                        log::warn!("{}", rpma_common::error_chain(&e));
                     }
                 } else if !stalled {
                     // Said once; the service manager restarts the daemon if it stays so.
@@ -377,11 +362,11 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
 fn reload_now(shared: &Shared, notifier: &Notifier) {
     let _ = notifier.reloading();
     let outcome = Config::load(&shared.config_path)
-        .map_err(|e| crate::check::chain(&e))
+        .map_err(|e| rpma_common::error_chain(&e))
         .and_then(|new| {
             let mut st = shared.lock();
             let mut d = reload::diff(&st.config, &new);
-            for ((sub, nsid), f) in d.reopen_failed(&st.namespaces) {
+            for ((sub, nsid), f) in st.namespaces.reopen_failed(&mut d) {
                 log::warn!(
                     "reload: reopening subsystem {sub} namespace {nsid}, failed by {f}: its \
                      failure is cleared and its sessions are closed; writes not acknowledged as \
@@ -390,7 +375,7 @@ fn reload_now(shared: &Shared, notifier: &Notifier) {
             }
             st.namespaces
                 .apply(&d, &new)
-                .map_err(|e| crate::check::chain(&e))?;
+                .map_err(|e| rpma_common::error_chain(&e))?;
             // Settings that need a restart keep their running values.
             let mut new = new;
             new.listeners = st.config.listeners.clone();

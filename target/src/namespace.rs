@@ -13,6 +13,7 @@ use rpma_common::pmem::{self, Domain, Mapping, OpenOptions, Persist, Resize, Syn
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 
+pub use crate::config::NsKey;
 use crate::config::{self, Transport};
 use crate::flusher::{FlushTarget, FlusherError};
 use crate::reload::ConfigDiff;
@@ -270,9 +271,6 @@ impl OpenNamespace {
     }
 }
 
-/// Key of a namespace in the table.
-pub type NsKey = (Nqn, u32);
-
 /// Every open namespace.
 #[derive(Debug, Default)]
 pub struct NamespaceTable {
@@ -335,6 +333,23 @@ impl NamespaceTable {
     /// Whether none is.
     pub fn is_empty(&self) -> bool {
         self.map.is_empty()
+    }
+
+    /// Adds every failed namespace that the new configuration keeps unchanged to `diff`'s
+    /// [`namespaces_changed`](ConfigDiff::namespaces_changed), so that the reload reopens it
+    /// (which clears the failure: the operator's explicit act) and closes its sessions. Returns
+    /// them with their failures, for the log.
+    pub fn reopen_failed(&self, diff: &mut ConfigDiff) -> Vec<(NsKey, SyncFailure)> {
+        let mut reopened = Vec::new();
+        for (key, ns) in self.iter() {
+            let Some(f) = ns.failure() else { continue };
+            if diff.namespaces_removed.contains(key) || diff.namespaces_changed.contains(key) {
+                continue;
+            }
+            diff.namespaces_changed.push(key.clone());
+            reopened.push((key.clone(), f));
+        }
+        reopened
     }
 
     /// Applies a reload: opens the added and changed namespaces of `new` first, as

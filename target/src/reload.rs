@@ -5,8 +5,7 @@ use std::collections::BTreeMap;
 
 use rpma_common::proto::nqn::Nqn;
 
-use crate::config::{Config, Host, Namespace, Subsystem};
-use crate::namespace::NsKey;
+use crate::config::{Config, Host, Namespace, NsKey, Subsystem};
 
 /// The difference between an old and a new configuration.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]
@@ -22,7 +21,8 @@ pub struct ConfigDiff {
     /// Namespaces only in the old one (including those of removed subsystems).
     pub namespaces_removed: Vec<NsKey>,
     /// Namespaces in both with a different path, size, block size, read-only or force_dax,
-    /// and failed namespaces the reload reopens ([`ConfigDiff::reopen_failed`]).
+    /// and failed namespaces the reload reopens
+    /// ([`NamespaceTable::reopen_failed`](crate::namespace::NamespaceTable::reopen_failed)).
     pub namespaces_changed: Vec<NsKey>,
     /// Allowed hosts added: (subsystem, host).
     pub hosts_added: Vec<(Nqn, Nqn)>,
@@ -50,26 +50,6 @@ impl ConfigDiff {
             || self.subsystems_changed.contains(subsystem)
             || self.hosts_removed.contains(&pair)
             || self.hosts_changed.contains(&pair)
-    }
-
-    /// Adds every failed namespace of `open` that the new configuration keeps unchanged to
-    /// [`namespaces_changed`](Self::namespaces_changed), so that the reload reopens it (which
-    /// clears the failure: the operator's explicit act) and closes its sessions. Returns them
-    /// with their failures, for the log.
-    pub fn reopen_failed(
-        &mut self,
-        open: &crate::namespace::NamespaceTable,
-    ) -> Vec<(NsKey, rpma_common::pmem::SyncFailure)> {
-        let mut reopened = Vec::new();
-        for (key, ns) in open.iter() {
-            let Some(f) = ns.failure() else { continue };
-            if self.namespaces_removed.contains(key) || self.namespaces_changed.contains(key) {
-                continue;
-            }
-            self.namespaces_changed.push(key.clone());
-            reopened.push((key.clone(), f));
-        }
-        reopened
     }
 
     /// A one-line summary for the log.

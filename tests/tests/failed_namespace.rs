@@ -10,7 +10,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-use rpma_tests::{initiator, text, Target};
+use rpma_tests::{conn_args, initiator, text, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:failed-ns";
 const HOST: &str = "nqn.2026-11.io.rpma:failed-ns-host";
@@ -102,17 +102,9 @@ impl Drop for FragileFs {
 }
 
 fn cli(t: &Target, host: &str, line: &str) -> (Option<i32>, String) {
-    let url = t.url();
-    let mut a = vec![
-        "--target",
-        &url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        host,
-        "--reconnect-timeout",
-        "5",
-    ];
+    let conn = conn_args(&t.url(), SUB, host, None);
+    let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
+    a.extend(["--reconnect-timeout", "5"]);
     a.extend(line.split_whitespace());
     let o = initiator(&a);
     (o.status.code(), text(&o))

@@ -10,7 +10,9 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use rpma_tests::{built, four_namespaces, initiator, run_with_deadline, text, Shm, Target};
+use rpma_tests::{
+    built, four_namespaces, initiator, run_with_deadline, text, Config, Shm, Subsystem, Target,
+};
 
 const SUB: &str = "nqn.2026-11.io.rpma:fuse";
 const HOST: &str = "nqn.2026-11.io.rpma:fuse-host";
@@ -62,27 +64,18 @@ macro_rules! require_fuse {
 fn target(dir: &Path, shm: &Shm) -> Target {
     Target::start(
         dir,
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}",
-            four_namespaces(shm, 4096)
-        ),
+        &Config::new()
+            .subsystem(
+                Subsystem::new(SUB)
+                    .host(HOST)
+                    .namespaces(four_namespaces(shm, 4096)),
+            )
+            .to_string(),
     )
 }
 
 fn conn_args(url: &str, nsid: u32) -> Vec<String> {
-    [
-        "--target",
-        url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        &nsid.to_string(),
-    ]
-    .iter()
-    .map(|s| s.to_string())
-    .collect()
+    rpma_tests::conn_args(url, SUB, HOST, Some(nsid))
 }
 
 /// The mount points of this mount namespace.
@@ -330,15 +323,7 @@ fn scratch() -> (tempfile::TempDir, PathBuf) {
 
 /// Bytes that differ from one offset to the next (and from any pattern fill).
 fn noise(len: usize, seed: u64) -> Vec<u8> {
-    let mut x = seed | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
+    rpma_tests::noise(seed, len)
 }
 
 /// `rpma-initiator read` of a range, through its own connection.

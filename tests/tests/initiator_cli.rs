@@ -1,7 +1,7 @@
 //! `rpma-initiator`'s data subcommands as real processes against a real `rpma-target`: output
 //! (text and JSON), the documented exit codes, and durability across a SIGKILL of the target.
 
-use rpma_tests::{four_namespaces, initiator, text, Shm, Target};
+use rpma_tests::{four_namespace_target, initiator, text, Shm, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:cli-data";
 const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
@@ -9,16 +9,7 @@ const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
 /// A target in a scratch dir of its own serving SUB to HOST: [`four_namespaces`], nsid 2 of
 /// 4096-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`.
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = Shm::new(tag);
-    let t = Target::start(
-        d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}",
-            four_namespaces(&shm, 4096)
-        ),
-    );
-    (d, shm, t)
+    four_namespace_target(tag, Subsystem::new(SUB).host(HOST), 4096)
 }
 
 /// The words of a command line (none of which holds a space).
@@ -392,7 +383,8 @@ fn each_error_has_its_exit_code() {
     assert_eq!(o.status.code(), Some(2), "missing --nqn: {}", text(&o));
 
     // Every admitted session above ended in an error, and every one said goodbye: the target
-    // saw a Disconnect each time, never a lost connection. (11 admitted sessions, 10 of them failed.)
+    // saw a Disconnect each time, never a lost connection. (11 admitted sessions, 10 of them
+    // failed.)
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while t.log().matches("closed by the host").count() < closed_before + 11
         && std::time::Instant::now() < deadline

@@ -10,7 +10,7 @@ use rpma_initiator::{
     Choice, ConnectOptions, Connection, Durability, Error, HostIdentity, PersistMethod,
     QueueOptions, ReconnectPolicy,
 };
-use rpma_tests::{four_namespaces, Relay, Shm, Target};
+use rpma_tests::{four_namespace_target, noise as pattern, Relay, Shm, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:data";
 const HOST: &str = "nqn.2026-11.io.rpma:data-host";
@@ -18,27 +18,13 @@ const HOST: &str = "nqn.2026-11.io.rpma:data-host";
 /// A target in a scratch dir of its own serving SUB to any host: [`four_namespaces`], nsid 2 of
 /// 512-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`.
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
-    let d = scratch();
-    let shm = Shm::new(tag);
-    let t = Target::start(
-        d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
-            four_namespaces(&shm, 512)
-        ),
-    );
-    (d, shm, t)
+    four_namespace_target(tag, Subsystem::new(SUB).any_host(), 512)
 }
 
 /// (writes posted, doorbells) of the queue behind a namespace handle.
 fn dax_stats(ns: &mut rpma_initiator::Namespace<'_>) -> (u64, u64) {
     let s = ns.queue_stats();
     (s.writes_posted, s.doorbells)
-}
-
-fn scratch() -> tempfile::TempDir {
-    // The build directory's filesystem: a disk, so files are page-cache namespaces.
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
 }
 
 fn conn(url: &str) -> Connection {
@@ -51,18 +37,6 @@ fn conn(url: &str) -> Connection {
         timeout: Duration::from_secs(5),
         ..ConnectOptions::default()
     })
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 #[test]

@@ -11,7 +11,10 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
-use rpma_tests::{built, four_namespaces, initiator, run_with_deadline, text, Shm, Target};
+use rpma_tests::{
+    built, conn_args, four_namespace_target, initiator, noise as pattern, repo_file,
+    run_with_deadline, text, Shm, Subsystem, Target,
+};
 
 const SUB: &str = "nqn.2026-11.io.rpma:nbd";
 const HOST: &str = "nqn.2026-11.io.rpma:nbd-host";
@@ -22,16 +25,7 @@ const WAIT: Duration = Duration::from_secs(30);
 /// A target in a scratch dir of its own serving SUB to any host: [`four_namespaces`] (nsid 1
 /// page-cache 8 MiB, 2 read-only 1 MiB of 512-byte blocks, 3 volatile, 4 forced dax 2 MiB).
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = Shm::new(tag);
-    let t = Target::start(
-        d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
-            four_namespaces(&shm, 512)
-        ),
-    );
-    (d, shm, t)
+    four_namespace_target(tag, Subsystem::new(SUB).any_host(), 512)
 }
 
 /// Whether `tool` runs; else says why the test is skipped.
@@ -66,19 +60,9 @@ impl Export {
         let notify_path = dir.join(format!("{tag}.notify"));
         let _ = std::fs::remove_file(&notify_path);
         let notify = UnixDatagram::bind(&notify_path).unwrap();
-        let nsid = nsid.to_string();
-        let url = t.url();
-        let mut a = vec![
-            "--target",
-            &url,
-            "--nqn",
-            SUB,
-            "--hostnqn",
-            HOST,
-            "--nsid",
-            &nsid,
-            "nbd",
-        ];
+        let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+        let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
+        a.push("nbd");
         let s = sock.to_str().unwrap().to_owned();
         let tcp = args
             .iter()
@@ -203,18 +187,8 @@ fn tool(cmd: &mut Command) -> String {
 
 /// `rpma-initiator` with the target, subsystem, host and `--nsid nsid`, then `args`.
 fn cli(t: &Target, nsid: u32, args: &[&str]) -> std::process::Output {
-    let url = t.url();
-    let n = nsid.to_string();
-    let mut a = vec![
-        "--target",
-        &url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        &n,
-    ];
+    let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+    let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
     a.extend_from_slice(args);
     let o = initiator(&a);
     assert!(o.status.success(), "{a:?}: {}", text(&o));
@@ -261,18 +235,6 @@ fn cli_write(t: &Target, nsid: u32, offset: u64, data: &[u8]) {
         ],
     );
     let _ = std::fs::remove_file(&f);
-}
-
-fn pattern(seed: u64, len: usize) -> Vec<u8> {
-    let mut x = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 // ---- a raw client ----
@@ -940,10 +902,6 @@ fn sigterm_answers_what_was_sent_flushes_and_exits_0() {
 }
 
 // ---- systemd ----
-
-fn repo_file(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
-}
 
 #[test]
 fn the_template_unit_passes_verify_and_its_command_line_gets_ready() {

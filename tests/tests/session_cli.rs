@@ -2,7 +2,7 @@
 //! output (text and JSON) and the documented exit codes. Needs both binaries built (`cargo build
 //! --workspace`, as `make test` does).
 
-use rpma_tests::{free_port, initiator, text, write_psk, Target};
+use rpma_tests::{free_port, initiator, text, write_psk, Config, Namespace, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:cli";
 const HIDDEN: &str = "nqn.2026-11.io.rpma:hidden";
@@ -13,28 +13,16 @@ const KEYED: &str = "nqn.2026-11.io.rpma:cli-keyed";
 /// read-only 1 MiB of 512-byte blocks) and HIDDEN, which HOST may not reach.
 fn start(dir: &std::path::Path) -> Target {
     write_psk(&dir.join("k.psk"), "3c");
-    Target::start(
-        dir,
-        &format!(
-            r#"[[subsystem]]
-nqn = "{SUB}"
-hosts = [{{ nqn = "{HOST}" }}, {{ nqn = "{KEYED}", psk_file = "k.psk" }}]
-[[subsystem.namespace]]
-nsid = 1
-path = "ns1"
-size = "2MiB"
-[[subsystem.namespace]]
-nsid = 2
-path = "ns2"
-size = "1MiB"
-block_size = 512
-read_only = true
-[[subsystem]]
-nqn = "{HIDDEN}"
-hosts = [{{ nqn = "nqn.2026-11.io.rpma:someone-else" }}]
-"#
-        ),
-    )
+    let config = Config::new()
+        .subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .keyed_host(KEYED, "k.psk")
+                .namespace(Namespace::new(1, "ns1", "2MiB"))
+                .namespace(Namespace::new(2, "ns2", "1MiB").block_size(512).read_only()),
+        )
+        .subsystem(Subsystem::new(HIDDEN).host("nqn.2026-11.io.rpma:someone-else"));
+    Target::start(dir, &config.to_string())
 }
 
 /// `identify` of `nqn` on the target at `url` as `host`, then `extra`.

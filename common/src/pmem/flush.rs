@@ -3,8 +3,8 @@
 //!
 //! The instruction is chosen once per process by CPUID: `clwb` (writes back and may keep the
 //! line), else `clflushopt` (writes back and evicts, weakly ordered), else `clflush` (strongly
-//! ordered, serialising). `clwb` and `clflushopt` need an `sfence` afterwards before the data can be
-//! called durable; [`sfence`] is that fence.
+//! ordered, serialising). `clwb` and `clflushopt` need an `sfence` afterwards before the data can
+//! be called durable; [`sfence`] is that fence.
 
 use std::fmt;
 use std::sync::OnceLock;

@@ -243,7 +243,8 @@ fn nonce() -> Result<[u8; 32]> {
 pub struct TargetAuth;
 
 impl TargetAuth {
-    /// Starts an exchange: returns the state awaiting the host's response and the challenge to send.
+    /// Starts an exchange: returns the state awaiting the host's response and the challenge to
+    /// send.
     ///
     /// # Errors
     /// [`AuthError::Random`].

@@ -16,9 +16,10 @@
 //!
 //! # Layout
 //!
-//! Every message starts with the same 4-byte header: `version: u8`, `type: u8`, `flags: u16` (little
-//! endian, no flags are defined yet and a non-zero value is refused). A message of an unknown version
-//! or type is an error ([`Error::UnsupportedVersion`], [`Error::UnknownType`]), never a guess.
+//! Every message starts with the same 4-byte header: `version: u8`, `type: u8`, `flags: u16`
+//! (little endian, no flags are defined yet and a non-zero value is refused). A message of an
+//! unknown version or type is an error ([`Error::UnsupportedVersion`], [`Error::UnknownType`]),
+//! never a guess.
 //!
 //! The hot-path messages ([`FlushRequest`], [`FlushResponse`], [`KeepAlive`]) have fixed
 //! little-endian layouts written by hand (see `docs/control-plane.md`); the others carry a
@@ -114,7 +115,8 @@ pub enum Error {
         /// Its value.
         value: u64,
     },
-    /// The postcard body of a message could not be decoded (this includes an invalid NQN inside it).
+    /// The postcard body of a message could not be decoded (this includes an invalid NQN inside
+    /// it).
     #[error("malformed {ty:?} body")]
     Body {
         /// Type of the message.
@@ -188,8 +190,8 @@ message_types! {
 /// Reads and checks the common header; returns the message type.
 ///
 /// # Errors
-/// [`Error::Truncated`], [`Error::TooLarge`], [`Error::UnsupportedVersion`], [`Error::UnknownType`],
-/// [`Error::UnknownFlags`].
+/// [`Error::Truncated`], [`Error::TooLarge`], [`Error::UnsupportedVersion`],
+/// [`Error::UnknownType`], [`Error::UnknownFlags`].
 pub fn peek_type(buf: &[u8]) -> Result<MessageType> {
     if buf.len() > MAX_MESSAGE_SIZE {
         return Err(Error::TooLarge {

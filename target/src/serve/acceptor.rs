@@ -230,12 +230,12 @@ impl AcceptLoop {
                 // so rate-limited.
                 self.shared.peer_log.warn(
                     peer.ip(),
-                    format_args!("{peer}: bad MPA Request: {}", crate::check::chain(&e)),
+                    format_args!("{peer}: bad MPA Request: {}", rpma_common::error_chain(&e)),
                 );
                 None
             }
             Err(e) => {
-                log::debug!("{peer}: {}", crate::check::chain(&e));
+                log::debug!("{peer}: {}", rpma_common::error_chain(&e));
                 None
             }
         }
@@ -290,7 +290,10 @@ impl AcceptLoop {
                 Ok(None) => return,
                 Err(e) => {
                     // EMFILE and the like: say so, and do not spin on it.
-                    log::warn!("accepting a connection failed: {}", crate::check::chain(&e));
+                    log::warn!(
+                        "accepting a connection failed: {}",
+                        rpma_common::error_chain(&e)
+                    );
                     std::thread::sleep(ACCEPT_FAILED_PAUSE);
                     return;
                 }

@@ -60,12 +60,12 @@ use rpma_common::proto::Connect;
 
 use crate::config::{Config, Transport};
 use crate::control::{AdmissionStatus, ListenerStatus, PoolStatus, SessionStatus, SESSION_COUNTED};
-use crate::daemon::{Serve, ServeError};
+use crate::daemon::Serve;
 use crate::eventfd::EventFd;
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
-/// Errors of the serving machinery outside [`Serve::bind`] (which reports [`ServeError`]).
+/// Errors of the serving machinery, as [`Serve::bind`] reports them.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum Error {
@@ -78,8 +78,8 @@ pub enum Error {
         #[source]
         source: fabric::Error,
     },
-    /// A transport this build does not serve yet.
-    #[error("{url}: the rdma transport is not served yet (a later issue); use tcp://")]
+    /// A transport this build does not serve.
+    #[error("{url}: the rdma transport is not served by this build; use tcp://")]
     RdmaNotServed {
         /// The URL.
         url: String,
@@ -519,28 +519,12 @@ impl FabricServe {
 }
 
 impl Serve for FabricServe {
-    fn bind(
-        &mut self,
-        cfg: &Config,
-        namespaces: &NamespaceTable,
-    ) -> std::result::Result<Vec<ListenerStatus>, ServeError> {
-        self.start(cfg, namespaces).map_err(|e| {
-            let url = match &e {
-                Error::Url { url, .. }
-                | Error::RdmaNotServed { url }
-                | Error::Listen { url, .. } => url.clone(),
-                _ => cfg
-                    .listeners
-                    .first()
-                    .map(|l| l.url.to_string())
-                    .unwrap_or_default(),
-            };
+    fn bind(&mut self, cfg: &Config, namespaces: &NamespaceTable) -> Result<Vec<ListenerStatus>> {
+        let started = self.start(cfg, namespaces);
+        if started.is_err() {
             self.stop();
-            ServeError::Bind {
-                url,
-                source: Box::new(e),
-            }
-        })
+        }
+        started
     }
 
     fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable) {

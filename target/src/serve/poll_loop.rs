@@ -217,7 +217,7 @@ impl PollLoop {
             }
             Err(e) => {
                 // Mostly a bad MPA Request (unauthenticated): rate-limited per address.
-                let text = crate::check::chain(&e);
+                let text = rpma_common::error_chain(&e);
                 match peer {
                     Some(p) => self.shared.peer_log.warn(
                         p.ip(),

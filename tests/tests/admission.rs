@@ -3,13 +3,10 @@
 //! rpma-initiator library in-process as the allowed host (from 127.0.0.1). Every wait has a
 //! deadline.
 
-mod support;
-
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{bind, connect as sock_connect, socket, AddressFamily, SockFlag};
@@ -18,10 +15,10 @@ use rpma_common::fabric::soft::wire::mpa::{self, Answer, MpaConfig, Negotiated};
 use rpma_common::fabric::soft::wire::tx::encode_fpdu;
 use rpma_common::fabric::soft::wire::{Header, Opcode};
 use rpma_common::proto::auth::Psk;
-use rpma_common::proto::nqn::{Nqn, DISCOVERY_NQN};
+use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{Connect, FlushStatus, HostId, KeepAlive, Message};
-use rpma_initiator::{connect, discover, ConnectOptions, Error, HostIdentity};
-use support::{free_port, status_json, write_psk, Daemon};
+use rpma_initiator::{connect, discover, Error, HostIdentity};
+use rpma_tests::{host, nqn, opts, scratch, write_psk, Config, Namespace, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:demo";
 const OPEN: &str = "nqn.2026-11.io.rpma:open";
@@ -30,112 +27,47 @@ const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
 const KEY: &str = "5a";
 const WAIT: Duration = Duration::from_secs(20);
 
-struct Target {
-    dir: PathBuf,
-    port: u16,
-    daemon: Daemon,
-}
-
-impl Target {
-    /// A daemon serving OPEN (any host) and SUB (PLAIN, and KEYED with a key), with `top` at
-    /// the top of its configuration.
-    fn start(dir: &Path, top: &str) -> Target {
-        let port = free_port();
-        write_psk(&dir.join("keyed.psk"), KEY);
-        let text = format!(
-            r#"listen = ["tcp://127.0.0.1:{port}"]
-control_socket = "ctl.sock"
-{top}
-[[subsystem]]
-nqn = "{OPEN}"
-allow_any_host = true
-
-[[subsystem]]
-nqn = "{SUB}"
-hosts = [{{ nqn = "{PLAIN}" }}, {{ nqn = "{KEYED}", psk_file = "keyed.psk" }}]
-[[subsystem.namespace]]
-nsid = 1
-path = "ns1"
-size = "1MiB"
-"#
+/// A daemon serving OPEN (any host) and SUB (PLAIN, and KEYED with a key), with `top` at the
+/// top of its configuration.
+fn start(dir: &Path, top: &str) -> Target {
+    write_psk(&dir.join("keyed.psk"), KEY);
+    let config = Config::new()
+        .set(top)
+        .subsystem(Subsystem::new(OPEN).any_host())
+        .subsystem(
+            Subsystem::new(SUB)
+                .host(PLAIN)
+                .keyed_host(KEYED, "keyed.psk")
+                .namespace(Namespace::new(1, "ns1", "1MiB")),
         );
-        std::fs::write(dir.join("c.toml"), text).unwrap();
-        let log = std::fs::File::create(dir.join("target.log")).unwrap();
-        let daemon = Daemon::start(
-            &dir.join("c.toml"),
-            dir,
-            &[("RUST_LOG", "info")],
-            Stdio::from(log),
-        );
-        let ready = daemon.wait_for("READY=1", WAIT);
-        assert!(ready.contains("1 of 1 listener(s) bound"), "{ready}");
-        Target {
-            dir: dir.to_owned(),
-            port,
-            daemon,
+    let t = Target::start(dir, &config.to_string());
+    assert!(
+        t.ready().contains("1 of 1 listener(s) bound"),
+        "{}",
+        t.ready()
+    );
+    t
+}
+
+/// The daemon's resident memory (VmRSS), in KiB.
+fn rss_kib(t: &Target) -> u64 {
+    let s = std::fs::read_to_string(format!("/proc/{}/status", t.pid())).unwrap();
+    s.lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))
+        .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+        .unwrap()
+}
+
+/// Waits until `pred` holds on the status' `admission` object.
+fn wait_admission(t: &Target, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let st = t.status();
+        if pred(&st["admission"]) {
+            return;
         }
-    }
-
-    fn url(&self) -> String {
-        format!("tcp://127.0.0.1:{}", self.port)
-    }
-
-    fn log(&self) -> String {
-        std::fs::read_to_string(self.dir.join("target.log")).unwrap_or_default()
-    }
-
-    fn status(&self) -> serde_json::Value {
-        status_json(&self.dir.join("ctl.sock"))
-    }
-
-    /// The daemon's resident memory (VmRSS), in KiB.
-    fn rss_kib(&self) -> u64 {
-        let s = std::fs::read_to_string(format!("/proc/{}/status", self.daemon.pid())).unwrap();
-        s.lines()
-            .find_map(|l| l.strip_prefix("VmRSS:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
-            .unwrap()
-    }
-
-    /// Waits until `pred` holds on the status' `admission` object.
-    fn wait_admission(&self, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
-        let deadline = Instant::now() + WAIT;
-        loop {
-            let st = self.status();
-            if pred(&st["admission"]) {
-                return;
-            }
-            assert!(Instant::now() < deadline, "{what}: {}", st["admission"]);
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Target {
-    fn drop(&mut self) {
-        self.daemon.kill();
-        if std::thread::panicking() {
-            eprintln!("--- rpma-target's log ---\n{}", self.log());
-        }
-    }
-}
-
-fn scratch() -> tempfile::TempDir {
-    tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap()
-}
-
-fn nqn(s: &str) -> Nqn {
-    Nqn::new(s).unwrap()
-}
-
-fn host(s: &str) -> HostIdentity {
-    HostIdentity::new(nqn(s))
-}
-
-fn opts() -> ConnectOptions {
-    ConnectOptions {
-        timeout: Duration::from_secs(10),
-        ..ConnectOptions::default()
+        assert!(Instant::now() < deadline, "{what}: {}", st["admission"]);
+        std::thread::sleep(Duration::from_millis(20));
     }
 }
 
@@ -242,7 +174,7 @@ impl Raw {
 #[test]
 fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     let d = scratch();
-    let t = Target::start(
+    let t = start(
         d.path(),
         "handshake_timeout_ms = 60000\ndiscovery_max_keep_alive_ms = 60000\npoll_loops = 2",
     );
@@ -251,7 +183,7 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     let mut disc = Vec::new();
     for a in 20..25 {
         for _ in 0..4 {
-            let mut r = Raw::open(t.port, source(a));
+            let mut r = Raw::open(t.port(), source(a));
             r.discovery_connect();
             r.answered();
             disc.push(r);
@@ -264,7 +196,7 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     let mut half = Vec::new();
     for a in 2..11 {
         for _ in 0..8 {
-            half.push(Raw::open(t.port, source(a)));
+            half.push(Raw::open(t.port(), source(a)));
         }
     }
     // The 8 oldest made room and are closed at once (not at their deadline, a minute away).
@@ -292,13 +224,17 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     // The attackers filled the pools: the newest took the oldest's places (the host's first
     // connection took one more; its second found the place the first left), and the host's
     // discovery session has ended.
-    t.wait_admission("the pools as the attackers and the host left them", |a| {
-        a["unadmitted"]["held"] == 63
-            && a["unadmitted"]["evicted"] == 9
-            && a["discovery"]["held"] == 15
-            && a["discovery"]["evicted"] == 5
-            && a["sessions"]["held"] == 1
-    });
+    wait_admission(
+        &t,
+        "the pools as the attackers and the host left them",
+        |a| {
+            a["unadmitted"]["held"] == 63
+                && a["unadmitted"]["evicted"] == 9
+                && a["discovery"]["held"] == 15
+                && a["discovery"]["evicted"] == 5
+                && a["sessions"]["held"] == 1
+        },
+    );
     assert!(half[0].closed_within(WAIT), "the oldest was not evicted");
     assert!(
         half[8].closed_within(WAIT),
@@ -317,14 +253,14 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     assert_eq!(longest, Some(60_000), "{}", st["sessions"]);
     // Past its cap, an address gets no further discovery session (127.0.0.24's are among the
     // newest: still held)...
-    let mut over = Raw::open(t.port, source(24));
+    let mut over = Raw::open(t.port(), source(24));
     over.discovery_connect();
     assert!(
         over.closed_within(WAIT),
         "a 5th discovery session of 127.0.0.24"
     );
     // ...and no further half-open connection: refused at MPA.
-    let (_s, answer) = raw_mpa(t.port, source(10));
+    let (_s, answer) = raw_mpa(t.port(), source(10));
     assert!(
         matches!(answer, Answer::Rejected { .. }),
         "a 9th half-open connection of 127.0.0.10: {answer:?}"
@@ -339,24 +275,26 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
 fn half_open_connections_hold_little_memory_and_the_pool_bounds_it() {
     const POOL: usize = 64;
     let d = scratch();
-    let t = Target::start(d.path(), "");
+    let t = start(d.path(), "");
     // Warm up the paths a connection takes once, so that the baseline holds the code and the
     // allocator's first arenas.
     drop(
         (0..8)
-            .map(|_| Raw::open(t.port, source(2)))
+            .map(|_| Raw::open(t.port(), source(2)))
             .collect::<Vec<_>>(),
     );
     // Their loop frees them when it sees them close.
-    std::thread::sleep(Duration::from_millis(300));
-    let base = t.rss_kib();
+    wait_admission(&t, "the warm-up connections freed", |a| {
+        a["unadmitted"]["held"].as_u64() == Some(0)
+    });
+    let base = rss_kib(&t);
     let mut held = Vec::new();
     for a in 2..10 {
         for _ in 0..8 {
-            held.push(Raw::open(t.port, source(a)));
+            held.push(Raw::open(t.port(), source(a)));
         }
     }
-    let full = t.rss_kib();
+    let full = rss_kib(&t);
     let each = full.saturating_sub(base) / POOL as u64;
     eprintln!("{POOL} half-open connections: {base} KiB -> {full} KiB, {each} KiB each");
     // Before this was bounded a connection held ~1.2 MiB (a session's 132 receive slots of
@@ -368,17 +306,17 @@ fn half_open_connections_hold_little_memory_and_the_pool_bounds_it() {
     // Four times the pool: the newest take the oldest's places; memory stays bounded.
     for a in 10..34 {
         for _ in 0..8 {
-            held.push(Raw::open(t.port, source(a)));
+            held.push(Raw::open(t.port(), source(a)));
         }
     }
-    t.wait_admission("the pool evicted", |a| {
+    wait_admission(&t, "the pool evicted", |a| {
         a["unadmitted"]["held"].as_u64() <= Some(POOL as u64)
             && a["unadmitted"]["evicted"].as_u64() > Some(0)
     });
     // Evicted connections (or, on a slow machine, timed-out ones) are closed and freed by
     // their loop.
     assert!(held[3 * POOL - 1].closed_within(WAIT));
-    let after = t.rss_kib();
+    let after = rss_kib(&t);
     eprintln!("{} connections made: {after} KiB", 4 * POOL);
     assert!(
         after.saturating_sub(base) <= POOL as u64 * 160 + 8 * 1024,
@@ -397,7 +335,7 @@ fn refusals_of_one_peer_are_logged_rate_limited_with_a_count() {
     let d = scratch();
     // A refused connection keeps its unadmitted place until the peer has closed: a generous
     // per-source cap, so that a slow target is not also refusing at MPA.
-    let t = Target::start(
+    let t = start(
         d.path(),
         "refusal_log_period_ms = 2000\nmax_unadmitted_per_source = 64",
     );
@@ -462,7 +400,7 @@ fn refusals_of_one_peer_are_logged_rate_limited_with_a_count() {
 #[test]
 fn discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key() {
     let d = scratch();
-    let t = Target::start(d.path(), "");
+    let t = start(d.path(), "");
     let names = |h: &HostIdentity| -> Result<Vec<String>, Error> {
         discover(&t.url(), h, &opts()).map(|e| {
             e.iter()

@@ -1,15 +1,13 @@
 //! `rpma-target probe` as a user runs it: the domain it prints for a file under the repo's
 //! scratch/ (page-cache), under /dev/shm (volatile) and with --force-dax, and its errors.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use support::BIN;
+use rpma_tests::target_bin;
 
 fn rpma_target(args: &[&str]) -> Output {
-    Command::new(BIN)
+    Command::new(target_bin())
         .args(args)
         .env("RUST_LOG", "off")
         .output()

@@ -1,16 +1,10 @@
 //! The shipped unit and example configuration.
 
-mod support;
-
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Output};
 
-use support::BIN;
-
-fn repo_file(rel: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
-}
+use rpma_tests::{repo_file, target_bin};
 
 /// The example configuration, `text`, with its directories moved to `dir` and its namespaces
 /// shrunk to 16 MiB, written to `dir/rpma-target.toml` (returned).
@@ -28,7 +22,7 @@ fn example_in(dir: &Path, text: &str) -> PathBuf {
 
 /// `rpma-target check-config CFG`.
 fn check_config(cfg: &Path) -> Output {
-    Command::new(BIN)
+    Command::new(target_bin())
         .arg("check-config")
         .arg(cfg)
         .output()
@@ -63,7 +57,11 @@ fn unit_passes_systemd_analyze_verify() {
     // verify checks that ExecStart's binary exists: point it at the one just built.
     let d = tempfile::tempdir().unwrap();
     let p = d.path().join("rpma-target.service");
-    std::fs::write(&p, unit.replace("/usr/bin/rpma-target", BIN)).unwrap();
+    std::fs::write(
+        &p,
+        unit.replace("/usr/bin/rpma-target", target_bin().to_str().unwrap()),
+    )
+    .unwrap();
     let out = Command::new("systemd-analyze")
         .arg("verify")
         .arg(&p)

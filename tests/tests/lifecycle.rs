@@ -1,14 +1,14 @@
 //! The daemon as a real process: readiness over a NOTIFY_SOCKET of the test's own, status over
 //! the control socket, SIGHUP reloads, SIGTERM exit, watchdog pings, start-up failures.
 
-mod support;
-
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
-use support::{free_port, status, status_json, Daemon, BIN};
+use rpma_tests::{
+    free_port, status, status_json, target_bin, Config, Daemon, Namespace, Subsystem,
+};
 
 /// The daemon on `config`, notifying `dir/notify.sock`, its stderr the test's.
 fn start(config: &Path, dir: &Path, extra_env: &[(&str, &str)]) -> Daemon {
@@ -31,10 +31,12 @@ fn nsids(v: &serde_json::Value) -> Vec<u64> {
         .collect()
 }
 
-const NS2: &str =
-    "\n[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\nblock_size = 512\n";
+/// Namespace 2 of 1 MiB in 512-byte blocks, added by a reload.
+fn ns2() -> Namespace {
+    Namespace::new(2, "ns2", "1MiB").block_size(512)
+}
 
-fn write_config(dir: &Path, extra: &str) -> PathBuf {
+fn write_config(dir: &Path, extra: Option<Namespace>) -> PathBuf {
     let p = dir.join("rpma-target.toml");
     // A rewrite (before a reload) keeps the listener, so that the reload touches only namespaces.
     let port = std::fs::read_to_string(&p)
@@ -44,31 +46,24 @@ fn write_config(dir: &Path, extra: &str) -> PathBuf {
             rest.split('"').next()?.parse().ok()
         })
         .unwrap_or_else(free_port);
-    std::fs::write(
-        &p,
-        format!(
-            r#"listen = ["tcp://127.0.0.1:{port}"]
-control_socket = "run/control.sock"
-
-[[subsystem]]
-nqn = "nqn.2026-11.io.rpma:demo"
-allow_any_host = true
-
-[[subsystem.namespace]]
-nsid = 1
-path = "ns1"
-size = "4MiB"
-{extra}"#
-        ),
-    )
-    .unwrap();
+    let mut ns = vec![Namespace::new(1, "ns1", "4MiB")];
+    ns.extend(extra);
+    let config = Config::new()
+        .set(&format!("listen = [\"tcp://127.0.0.1:{port}\"]"))
+        .set("control_socket = \"run/control.sock\"")
+        .subsystem(
+            Subsystem::new("nqn.2026-11.io.rpma:demo")
+                .any_host()
+                .namespaces(ns),
+        );
+    std::fs::write(&p, config.to_string()).unwrap();
     p
 }
 
 #[test]
 fn ready_status_reload_and_clean_stop() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_config(d.path(), "");
+    let cfg = write_config(d.path(), None);
     let socket = d.path().join("run/control.sock");
     let mut daemon = start(&cfg, d.path(), &[]);
 
@@ -112,7 +107,7 @@ fn ready_status_reload_and_clean_stop() {
     );
 
     // SIGHUP after adding a namespace.
-    write_config(d.path(), NS2);
+    write_config(d.path(), Some(ns2()));
     daemon.signal(Signal::SIGHUP);
     assert!(daemon.expect("RELOADING=1").contains("MONOTONIC_USEC="));
     assert!(daemon.expect("READY=1").contains("2 namespace(s)"));
@@ -145,7 +140,7 @@ fn ready_status_reload_and_clean_stop() {
 #[test]
 fn sigint_also_stops_cleanly() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_config(d.path(), "");
+    let cfg = write_config(d.path(), None);
     let mut daemon = start(&cfg, d.path(), &[]);
     daemon.expect("READY=1");
     stop_cleanly(&mut daemon, Signal::SIGINT);
@@ -154,7 +149,7 @@ fn sigint_also_stops_cleanly() {
 #[test]
 fn watchdog_pings_at_half_the_period() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_config(d.path(), "");
+    let cfg = write_config(d.path(), None);
     let mut daemon = start(&cfg, d.path(), &[("WATCHDOG_USEC", "400000")]);
     let deadline = Instant::now() + Duration::from_secs(30);
     let mut pings = 0;
@@ -175,7 +170,7 @@ fn watchdog_pings_at_half_the_period() {
 fn startup_failure_exits_nonzero_without_ready() {
     let d = tempfile::tempdir().unwrap();
     std::fs::create_dir(d.path().join("ns1")).unwrap();
-    let cfg = write_config(d.path(), "");
+    let cfg = write_config(d.path(), None);
     let mut daemon = start(&cfg, d.path(), &[]);
     let got = daemon.next(Duration::from_secs(2));
     let status = daemon.wait_exit(Duration::from_secs(20));
@@ -186,10 +181,10 @@ fn startup_failure_exits_nonzero_without_ready() {
 #[test]
 fn second_daemon_on_the_same_socket_is_refused() {
     let d = tempfile::tempdir().unwrap();
-    let cfg = write_config(d.path(), "");
+    let cfg = write_config(d.path(), None);
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
-    let out = Command::new(BIN)
+    let out = Command::new(target_bin())
         .arg("--config")
         .arg(&cfg)
         .output()
@@ -207,6 +202,6 @@ fn status_errors() {
     let out = status(&["--config", "/nonexistent/rpma.toml"]);
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot read"));
-    let out = Command::new(BIN).output().unwrap();
+    let out = Command::new(target_bin()).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }

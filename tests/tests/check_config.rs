@@ -1,29 +1,34 @@
 //! `rpma-target check-config` as a real process: a good configuration and each kind of bad one.
 
-mod support;
-
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
 use std::process::{Command, Stdio};
 
-use support::{free_port, write_psk, Daemon, BIN};
+use rpma_tests::{free_port, target_bin, write_psk, Config, Daemon, Namespace, Subsystem};
 
-const GOOD: &str = r#"
-listen = ["tcp://127.0.0.1:7420"]
-control_socket = "ctl.sock"
-[[subsystem]]
-nqn = "nqn.2026-11.io.rpma:demo"
-hosts = [{ nqn = "nqn.2026-11.io.rpma:host1", psk_file = "host1.psk" }]
-[[subsystem.namespace]]
-nsid = 1
-path = "ns1"
-size = "2MiB"
-[[subsystem.namespace]]
-nsid = 2
-path = "ns2"
-size = "1MiB"
-force_dax = true
-"#;
+/// The fixture: listening on `port`, subsystem demo whose host1 has a key, `namespaces`.
+fn config(port: u16, namespaces: impl IntoIterator<Item = Namespace>) -> String {
+    Config::new()
+        .set(&format!("listen = [\"tcp://127.0.0.1:{port}\"]"))
+        .set("control_socket = \"ctl.sock\"")
+        .subsystem(
+            Subsystem::new("nqn.2026-11.io.rpma:demo")
+                .keyed_host("nqn.2026-11.io.rpma:host1", "host1.psk")
+                .namespaces(namespaces),
+        )
+        .to_string()
+}
+
+/// A good configuration: nsid 1 page-cache 2 MiB, nsid 2 forced dax 1 MiB.
+fn good() -> String {
+    config(
+        7420,
+        [
+            Namespace::new(1, "ns1", "2MiB"),
+            Namespace::new(2, "ns2", "1MiB").force_dax(),
+        ],
+    )
+}
 
 fn run(dir: &Path, text: &str) -> (bool, String) {
     let psk = dir.join("host1.psk");
@@ -32,7 +37,7 @@ fn run(dir: &Path, text: &str) -> (bool, String) {
     }
     let cfg = dir.join("c.toml");
     std::fs::write(&cfg, text).unwrap();
-    let out = Command::new(BIN)
+    let out = Command::new(target_bin())
         .arg("check-config")
         .arg(&cfg)
         .output()
@@ -48,7 +53,7 @@ fn run(dir: &Path, text: &str) -> (bool, String) {
 #[test]
 fn good_config_reports_domains_and_methods() {
     let d = tempfile::tempdir().unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(ok, "{out}");
     assert!(
         out.contains("nsid 1:") && out.contains("ns1: would create 2 MiB, block 4096"),
@@ -78,7 +83,7 @@ fn good_config_reports_domains_and_methods() {
 
     // An existing file is only looked at, too.
     std::fs::write(d.path().join("ns1"), vec![0u8; 2 << 20]).unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(ok, "{out}");
     assert!(out.contains("ns1: exists, 2 MiB, block 4096"), "{out}");
 }
@@ -91,7 +96,7 @@ fn volatile_namespace_offers_nothing_durable() {
         return;
     }
     let d = tempfile::tempdir_in(shm).unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(ok, "{out}");
     assert!(
         out.contains("domain volatile; tcp: none durable (visible only)"),
@@ -151,8 +156,9 @@ fn each_bad_config_fails_with_its_key() {
     ];
     for (from, to, needle) in cases {
         let d = tempfile::tempdir().unwrap();
-        assert!(GOOD.contains(from), "{from}");
-        let (ok, out) = run(d.path(), &GOOD.replacen(from, to, 1));
+        let good = good();
+        assert!(good.contains(from), "{from}");
+        let (ok, out) = run(d.path(), &good.replacen(from, to, 1));
         assert!(!ok, "{to}: should fail\n{out}");
         assert!(out.contains(needle), "{to}: expected {needle:?} in\n{out}");
         assert!(out.contains("FAILED"), "{out}");
@@ -165,11 +171,11 @@ fn psk_with_open_permissions_fails() {
     let psk = d.path().join("host1.psk");
     std::fs::write(&psk, "77".repeat(32)).unwrap();
     std::fs::set_permissions(&psk, std::fs::Permissions::from_mode(0o644)).unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(!ok && out.contains("mode 0644"), "{out}");
     std::fs::set_permissions(&psk, std::fs::Permissions::from_mode(0o600)).unwrap();
     std::fs::write(&psk, "77".repeat(8)).unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(!ok && out.contains("is 8 bytes"), "{out}");
 }
 
@@ -179,7 +185,7 @@ fn namespace_problems_found_by_probing() {
     let d = tempfile::tempdir().unwrap();
     std::fs::create_dir(d.path().join("ns1")).unwrap();
     std::fs::write(d.path().join("ns2"), vec![0u8; 4096]).unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(!ok, "{out}");
     assert!(
         out.contains("nsid 1: ") && out.contains("is a directory"),
@@ -191,7 +197,7 @@ fn namespace_problems_found_by_probing() {
 
 #[test]
 fn missing_file_fails() {
-    let out = Command::new(BIN)
+    let out = Command::new(target_bin())
         .args(["check-config", "/nonexistent/c.toml"])
         .output()
         .unwrap();
@@ -203,12 +209,12 @@ fn missing_file_fails() {
 fn a_smaller_file_is_refused_unless_grow_and_check_config_never_grows_it() {
     let d = tempfile::tempdir().unwrap();
     std::fs::write(d.path().join("ns1"), vec![0u8; 1 << 20]).unwrap();
-    let (ok, out) = run(d.path(), GOOD);
+    let (ok, out) = run(d.path(), &good());
     assert!(
         !ok && out.contains("nsid 1: ") && out.contains("problem"),
         "{out}"
     );
-    let grow = GOOD.replacen(r#"size = "2MiB""#, "size = \"2MiB\"\ngrow = true", 1);
+    let grow = good().replacen(r#"size = "2MiB""#, "size = \"2MiB\"\ngrow = true", 1);
     let (ok, out) = run(d.path(), &grow);
     assert!(ok, "{out}");
     assert!(
@@ -228,14 +234,9 @@ fn footprint(p: &Path) -> (u64, i64, i64, u64) {
     (m.len(), m.mtime(), m.mtime_nsec(), m.blocks())
 }
 
-/// A configuration of one subsystem with `namespaces` (TOML tables), listening on `port`.
+/// [`config`] on `port` with `namespaces` (TOML tables).
 fn with_namespaces(port: u16, namespaces: &str) -> String {
-    format!(
-        "listen = [\"tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n\
-         [[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:demo\"\n\
-         hosts = [{{ nqn = \"nqn.2026-11.io.rpma:host1\", psk_file = \"host1.psk\" }}]\n\
-         {namespaces}"
-    )
+    config(port, []) + namespaces
 }
 
 #[test]

@@ -1,0 +1,76 @@
+//! Running `rpma-initiator` (and any command) with a deadline.
+
+use std::io::Read;
+use std::process::{Command, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use crate::built;
+
+/// Runs `rpma-initiator` with `args` (no RUST_LOG, stdin closed) within `timeout`.
+pub fn initiator(args: &[&str]) -> Output {
+    run_with_deadline(
+        Command::new(built("rpma-initiator"))
+            .args(args)
+            .env_remove("RUST_LOG")
+            .stdin(Stdio::null()),
+        Duration::from_secs(60),
+    )
+}
+
+/// The initiator's connection arguments: `--target URL --nqn SUB --hostnqn HOST`, then
+/// `--nsid N` when given.
+pub fn conn_args(url: &str, sub: &str, host: &str, nsid: Option<u32>) -> Vec<String> {
+    let mut a: Vec<String> = ["--target", url, "--nqn", sub, "--hostnqn", host]
+        .iter()
+        .map(|s| s.to_string())
+        .collect();
+    if let Some(n) = nsid {
+        a.extend(["--nsid".to_owned(), n.to_string()]);
+    }
+    a
+}
+
+/// Runs a command, killing it if it outlives `timeout` (the test then fails on its output).
+pub fn run_with_deadline(cmd: &mut Command, timeout: Duration) -> Output {
+    let mut child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("spawn");
+    let (mut out, mut err) = (child.stdout.take().unwrap(), child.stderr.take().unwrap());
+    let o = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = out.read_to_end(&mut v);
+        v
+    });
+    let e = std::thread::spawn(move || {
+        let mut v = Vec::new();
+        let _ = err.read_to_end(&mut v);
+        v
+    });
+    let deadline = Instant::now() + timeout;
+    let status = loop {
+        if let Some(st) = child.try_wait().expect("try_wait") {
+            break st;
+        }
+        if Instant::now() >= deadline {
+            let _ = child.kill();
+            panic!("{cmd:?} did not finish within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    Output {
+        status,
+        stdout: o.join().unwrap_or_default(),
+        stderr: e.join().unwrap_or_default(),
+    }
+}
+
+/// stdout and stderr of `o`, for assertion messages.
+pub fn text(o: &Output) -> String {
+    format!(
+        "{}{}",
+        String::from_utf8_lossy(&o.stdout),
+        String::from_utf8_lossy(&o.stderr)
+    )
+}

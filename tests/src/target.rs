@@ -1,0 +1,362 @@
+//! The real `rpma-target`: [`Daemon`], the process with a NOTIFY_SOCKET of the test's own, and
+//! [`Target`], a daemon serving a config written into a test directory. Both are killed
+//! (SIGKILL) on drop; every wait has a deadline.
+
+use std::os::unix::net::UnixDatagram;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, ExitStatus, Output, Stdio};
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::{kill, Signal};
+use nix::unistd::Pid;
+
+use crate::{built, free_port, run_with_deadline, text};
+
+/// How long a target may take to say READY.
+pub const READY_WITHIN: Duration = Duration::from_secs(30);
+
+/// The `rpma-target` binary (built by `cargo build --workspace`).
+pub fn target_bin() -> PathBuf {
+    built("rpma-target")
+}
+
+/// `rpma-target status ARGS` (within 10 s).
+pub fn status(args: &[&str]) -> Output {
+    run_with_deadline(
+        Command::new(target_bin()).arg("status").args(args),
+        Duration::from_secs(10),
+    )
+}
+
+/// `rpma-target status --socket SOCKET --json`, which must succeed, parsed.
+pub fn status_json(socket: &Path) -> serde_json::Value {
+    let out = status(&["--socket", socket.to_str().unwrap(), "--json"]);
+    assert!(out.status.success(), "status: {}", text(&out));
+    serde_json::from_slice(&out.stdout).expect("status --json")
+}
+
+/// A running `rpma-target --config CONFIG` that tells `DIR/notify.sock` what it does.
+/// Killed (SIGKILL) on drop.
+#[derive(Debug)]
+pub struct Daemon {
+    child: Child,
+    notify: UnixDatagram,
+}
+
+impl Daemon {
+    /// Starts the daemon on `config` with NOTIFY_SOCKET at `dir/notify.sock`, no watchdog
+    /// unless `env` (added to its environment) asks for one, and its stderr to `stderr`.
+    pub fn start(config: &Path, dir: &Path, env: &[(&str, &str)], stderr: Stdio) -> Daemon {
+        let sock = dir.join("notify.sock");
+        let _ = std::fs::remove_file(&sock);
+        let notify = UnixDatagram::bind(&sock).expect("bind notify socket");
+        let mut cmd = Command::new(target_bin());
+        cmd.arg("--config")
+            .arg(config)
+            .env("NOTIFY_SOCKET", &sock)
+            .env_remove("WATCHDOG_USEC")
+            .env_remove("WATCHDOG_PID")
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
+        for (k, v) in env {
+            cmd.env(k, v);
+        }
+        Daemon {
+            child: cmd.spawn().expect("spawn rpma-target"),
+            notify,
+        }
+    }
+
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The next notification, or None after `within`.
+    pub fn next(&self, within: Duration) -> Option<String> {
+        self.notify
+            .set_read_timeout(Some(within.max(Duration::from_millis(1))))
+            .unwrap();
+        let mut buf = [0u8; 4096];
+        match self.notify.recv(&mut buf) {
+            Ok(n) => Some(String::from_utf8_lossy(&buf[..n]).into_owned()),
+            Err(_) => None,
+        }
+    }
+
+    /// The next notification but watchdog pings, which must start with `prefix`; panics if
+    /// nothing else comes within 30 s.
+    pub fn expect(&self, prefix: &str) -> String {
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while Instant::now() < deadline {
+            if let Some(m) = self.next(Duration::from_secs(30)) {
+                if m == "WATCHDOG=1" {
+                    continue;
+                }
+                assert!(m.starts_with(prefix), "expected {prefix:?}, got {m:?}");
+                return m;
+            }
+        }
+        panic!("no {prefix:?} notification");
+    }
+
+    /// The next notification starting with `prefix`, skipping any others, within `within`.
+    pub fn wait_for(&self, prefix: &str, within: Duration) -> String {
+        let deadline = Instant::now() + within;
+        while Instant::now() < deadline {
+            if let Some(m) = self.next(deadline.saturating_duration_since(Instant::now())) {
+                if m.starts_with(prefix) {
+                    return m;
+                }
+            }
+        }
+        panic!("no {prefix:?} notification within {within:?}");
+    }
+
+    /// Whether it has exited (reaped if so).
+    pub fn exited(&mut self) -> Option<ExitStatus> {
+        self.child.try_wait().ok().flatten()
+    }
+
+    /// Sends `sig` to the daemon.
+    pub fn signal(&self, sig: Signal) {
+        kill(Pid::from_raw(self.pid() as i32), sig).unwrap();
+    }
+
+    /// SIGKILL, and wait for the process to be gone.
+    pub fn kill(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// Its exit status; kills it and panics if it is still running after `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        let deadline = Instant::now() + within;
+        loop {
+            if let Some(st) = self.child.try_wait().unwrap() {
+                return st;
+            }
+            if Instant::now() > deadline {
+                let _ = self.child.kill();
+                panic!("daemon did not exit within {within:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for Daemon {
+    fn drop(&mut self) {
+        self.kill();
+    }
+}
+
+/// A running `rpma-target` on a config written into `dir` (`target.toml`: a listener on an
+/// ephemeral port, the control socket `ctl.sock`, then the test's own text), logging at info
+/// to `dir/target.log`. Killed (SIGKILL) on drop; its log is printed if the test panics.
+#[derive(Debug)]
+pub struct Target {
+    dir: PathBuf,
+    port: u16,
+    env: Vec<(String, String)>,
+    daemon: Option<Daemon>,
+    ready: String,
+}
+
+impl Target {
+    /// Writes `dir/target.toml` (a listener on an ephemeral port, a control socket, then
+    /// `config`: top-level settings and the `[[subsystem]]` tables, e.g. a
+    /// [`Config`](crate::Config)'s text) and starts the target; returns once it said READY=1.
+    pub fn start(dir: &Path, config: &str) -> Target {
+        Target::start_with_env(dir, config, &[])
+    }
+
+    /// As [`Target::start`], with extra environment variables for the daemon.
+    pub fn start_with_env(dir: &Path, config: &str, env: &[(&str, &str)]) -> Target {
+        let port = free_port();
+        write_config(dir, port, config);
+        let mut t = Target {
+            dir: dir.to_owned(),
+            port,
+            env: env
+                .iter()
+                .map(|(k, v)| (k.to_string(), v.to_string()))
+                .collect(),
+            daemon: None,
+            ready: String::new(),
+        };
+        t.spawn();
+        t
+    }
+
+    fn spawn(&mut self) {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("target.log"))
+            .expect("open target.log");
+        let mut env = vec![("RUST_LOG", "info")];
+        env.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+        self.daemon = Some(Daemon::start(
+            &self.dir.join("target.toml"),
+            &self.dir,
+            &env,
+            Stdio::from(log),
+        ));
+        self.wait_ready();
+    }
+
+    fn daemon(&self) -> &Daemon {
+        self.daemon.as_ref().expect("the target is running")
+    }
+
+    fn wait_ready(&mut self) {
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left.is_zero() {
+                panic!("rpma-target: no READY=1 within {READY_WITHIN:?}");
+            }
+            let d = self.daemon.as_mut().expect("the target is running");
+            if let Some(st) = d.exited() {
+                panic!("rpma-target exited ({st}) before READY");
+            }
+            if let Some(m) = d.next(left.min(Duration::from_millis(200))) {
+                if m.starts_with("READY=1") {
+                    self.ready = m;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// The last READY=1 notification (with its STATUS= line).
+    pub fn ready(&self) -> &str {
+        &self.ready
+    }
+
+    /// `tcp://127.0.0.1:PORT`.
+    pub fn url(&self) -> String {
+        format!("tcp://127.0.0.1:{}", self.port)
+    }
+
+    /// The port it listens on.
+    pub fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// The directory of its config, namespaces and log.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// The daemon's process id.
+    pub fn pid(&self) -> u32 {
+        self.daemon().pid()
+    }
+
+    /// What the target logged so far.
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(self.dir.join("target.log")).unwrap_or_default()
+    }
+
+    /// The log lines that contain every one of `parts`, waiting up to `within` for at least one.
+    pub fn log_lines(&self, parts: &[&str], within: Duration) -> Vec<String> {
+        let deadline = Instant::now() + within;
+        loop {
+            let lines: Vec<String> = self
+                .log()
+                .lines()
+                .filter(|l| parts.iter().all(|p| l.contains(p)))
+                .map(str::to_owned)
+                .collect();
+            if !lines.is_empty() || Instant::now() >= deadline {
+                return lines;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    /// The next notification, or None after `within`.
+    pub fn next(&self, within: Duration) -> Option<String> {
+        self.daemon().next(within)
+    }
+
+    /// Rewrites `target.toml` with the same listener and control socket and `config` after
+    /// them (for a reload).
+    pub fn rewrite(&self, config: &str) {
+        write_config(&self.dir, self.port, config);
+    }
+
+    /// The next notification starting with `prefix`, skipping others, within `within`.
+    pub fn expect(&self, prefix: &str, within: Duration) -> String {
+        self.daemon().wait_for(prefix, within)
+    }
+
+    /// Sends `sig` to the daemon.
+    pub fn signal(&self, sig: Signal) {
+        self.daemon().signal(sig);
+    }
+
+    /// Its exit status; kills it and panics if it is still running after `within`.
+    pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
+        self.daemon
+            .as_mut()
+            .expect("the target is running")
+            .wait_exit(within)
+    }
+
+    /// SIGKILL, and wait for the process to be gone: no goodbye, no flush.
+    pub fn kill9(&mut self) {
+        if let Some(mut d) = self.daemon.take() {
+            d.kill();
+        }
+    }
+
+    /// SIGHUP (reload the config), then waits for the READY=1 that ends the reload.
+    pub fn reload(&mut self) {
+        self.signal(Signal::SIGHUP);
+        self.wait_ready();
+    }
+
+    /// `rpma-target status --json` through its control socket, as text.
+    pub fn status_json(&self) -> String {
+        let o = status(&[
+            "--socket",
+            self.dir.join("ctl.sock").to_str().unwrap(),
+            "--json",
+        ]);
+        assert!(o.status.success(), "status: {}", text(&o));
+        String::from_utf8_lossy(&o.stdout).into_owned()
+    }
+
+    /// `rpma-target status --json` through its control socket, parsed.
+    pub fn status(&self) -> serde_json::Value {
+        status_json(&self.dir.join("ctl.sock"))
+    }
+
+    /// Starts the target again on the same config and port (after [`kill9`](Self::kill9)).
+    pub fn restart(&mut self) {
+        self.kill9();
+        self.spawn();
+    }
+}
+
+/// Writes `dir/target.toml`: a listener on `port`, the control socket `ctl.sock`, `config`.
+fn write_config(dir: &Path, port: u16, config: &str) {
+    std::fs::write(
+        dir.join("target.toml"),
+        format!("listen = [\"tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{config}"),
+    )
+    .expect("write target.toml");
+}
+
+impl Drop for Target {
+    fn drop(&mut self) {
+        self.kill9();
+        if std::thread::panicking() {
+            eprintln!("--- rpma-target's log ---\n{}", self.log());
+        }
+    }
+}

@@ -1,0 +1,186 @@
+//! Liveness: an idle daemon sleeps, silent peers delay no one and are closed at their deadline,
+//! the watchdog stops when a poll loop is stuck.
+//! The real `rpma-target` process and the rpma-initiator library in-process (the fixture of
+//! [`rpma_tests::sessions`]); every wait has a deadline.
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use rpma_common::proto::nqn::DISCOVERY_NQN;
+use rpma_common::proto::FlushStatus;
+use rpma_initiator::{connect, identify, ConnectOptions};
+use rpma_tests::sessions::*;
+use rpma_tests::{host, nqn, opts, scratch};
+
+/// utime + stime of a process, in clock ticks (/proc/PID/stat fields 14 and 15).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command name, which is in parentheses and may contain spaces.
+    let rest = &stat[stat.rfind(')').unwrap() + 2..];
+    let f: Vec<&str> = rest.split_whitespace().collect();
+    // rest starts at field 3 (state): utime is field 14, stime field 15.
+    f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap()
+}
+
+/// Voluntary context switches of every thread of a process: how often its threads went to
+/// sleep, i.e. woke up.
+fn wakeups(pid: u32) -> u64 {
+    let mut n = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let Ok(st) = std::fs::read_to_string(task.unwrap().path().join("status")) else {
+            continue; // a thread that just ended
+        };
+        n += st
+            .lines()
+            .find_map(|l| l.strip_prefix("voluntary_ctxt_switches:"))
+            .map_or(0, |v| v.trim().parse::<u64>().unwrap());
+    }
+    n
+}
+
+#[test]
+fn idle_daemon_with_a_session_uses_no_cpu() {
+    let d = scratch();
+    // Two poll loops, a keep-alive longer than the measurement: nothing needs to happen.
+    let t = start(d.path(), "poll_loops = 2\nkeep_alive_ms = 30000");
+    let mut s = session(&t);
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    // A discovery connection held open too.
+    let _disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
+    // Let the busy-poll spells and the start-up settle.
+    std::thread::sleep(Duration::from_millis(200));
+    let pid = t.pid();
+    let before = cpu_ticks(pid);
+    let woke_before = wakeups(pid);
+    let start = Instant::now();
+    std::thread::sleep(Duration::from_secs(1));
+    let woke = wakeups(pid) - woke_before;
+    let used = cpu_ticks(pid) - before;
+    let elapsed = start.elapsed();
+    eprintln!("idle target: {used} tick(s) of CPU, {woke} wake-up(s) in {elapsed:?}");
+    // A loop with a bounded wait (say 20 ms) wakes 50 times a second; a sleeping target not
+    // at all (the status thread is not asked, keep-alives are 30 s apart).
+    assert!(woke <= 5, "an idle target woke {woke} times in {elapsed:?}");
+    // A loop that woke every few milliseconds would show here; a sleeping one shows 0 (1 for a
+    // tick that happened to be charged to it). Generous: this is not a speed test.
+    assert!(
+        used <= 2,
+        "an idle target used {used} clock ticks in {elapsed:?}"
+    );
+    // And the session still works after the idle spell.
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+#[test]
+fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
+    use std::io::Read;
+    let d = scratch();
+    let t = start(d.path(), "");
+    let mut silent: Vec<std::net::TcpStream> = (0..20)
+        .map(|_| std::net::TcpStream::connect(("127.0.0.1", t.port())).unwrap())
+        .collect();
+    let opened = Instant::now();
+    // A real host gets through at once, for identify and for a session.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1, 3]);
+    // This session idles while the test waits out the silent peers' deadline (MPA_TIMEOUT):
+    // a keep-alive period longer than that wait keeps it alive without ticks.
+    let idle = ConnectOptions {
+        keep_alive: rpma_target::serve::MPA_TIMEOUT * 4,
+        ..opts()
+    };
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &idle).unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert!(
+        opened.elapsed() < Duration::from_secs(3),
+        "the host waited {:?} behind silent peers",
+        opened.elapsed()
+    );
+    // The silent ones are still open before their deadline...
+    let mut byte = [0u8; 1];
+    silent[0]
+        .set_read_timeout(Some(Duration::from_millis(200)))
+        .unwrap();
+    let early = silent[0].read(&mut byte);
+    assert!(
+        early.as_ref().is_err_and(|e| matches!(
+            e.kind(),
+            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+        )),
+        "closed before its deadline: {early:?}"
+    );
+    // ...and closed (EOF, nothing sent) once it passed.
+    let deadline = opened + rpma_target::serve::MPA_TIMEOUT + Duration::from_secs(5);
+    for c in &mut silent {
+        c.set_read_timeout(Some(
+            deadline
+                .saturating_duration_since(Instant::now())
+                .max(Duration::from_millis(1)),
+        ))
+        .unwrap();
+        match c.read(&mut byte) {
+            Ok(0) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => {}
+            other => panic!("a silent peer was not closed by its deadline: {other:?}"),
+        }
+    }
+    assert!(
+        opened.elapsed() >= rpma_target::serve::MPA_TIMEOUT - Duration::from_millis(500),
+        "closed early: {:?}",
+        opened.elapsed()
+    );
+    // The session was not disturbed.
+    s.tick().unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+#[test]
+fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
+    let d = scratch();
+    // WATCHDOG_USEC 400 ms: a check every 200 ms. The test hook stalls the loop for 3 s when
+    // it takes the reload command.
+    let t = start_with_env(
+        d.path(),
+        "",
+        &[
+            ("WATCHDOG_USEC", "400000"),
+            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "3000"),
+        ],
+    );
+    // Pings flow while every thread makes progress (an idle loop is woken by the check).
+    for _ in 0..3 {
+        t.expect("WATCHDOG=1", WAIT);
+    }
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    let reloaded = Instant::now();
+    // At most one check can still see the loop's last turn; give it 600 ms, then none for 1.5 s.
+    let mut pings = Vec::new();
+    while reloaded.elapsed() < Duration::from_millis(2100) {
+        let left = Duration::from_millis(2100).saturating_sub(reloaded.elapsed());
+        if let Some(m) = t.next(left) {
+            if m.starts_with("WATCHDOG=1") {
+                pings.push(reloaded.elapsed());
+            }
+        }
+    }
+    assert!(
+        pings.iter().all(|&at| at < Duration::from_millis(600)),
+        "watchdog pinged while the loop was stuck: {pings:?}"
+    );
+    assert!(
+        !t.log_lines(&["rpma-loop-0", "made no progress"], WAIT)
+            .is_empty(),
+        "{}",
+        t.log()
+    );
+    // The loop comes back: so do the pings.
+    t.expect("WATCHDOG=1", WAIT);
+    assert!(
+        reloaded.elapsed() >= Duration::from_millis(2500),
+        "{:?}",
+        reloaded.elapsed()
+    );
+}

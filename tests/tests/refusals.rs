@@ -1,0 +1,137 @@
+//! What the target refuses and how it says so: every refusal reason of the Connect exchange, the
+//! connection limit, an rdma:// listener at start-up.
+//! The real `rpma-target` process and the rpma-initiator library in-process (the fixture of
+//! [`rpma_tests::sessions`]); every wait has a deadline.
+
+use std::process::Command;
+
+use rpma_common::proto::auth::Psk;
+use rpma_common::proto::{Message, RefusalReason, PROTO_VERSION};
+use rpma_initiator::{connect, identify, Error};
+use rpma_tests::sessions::*;
+use rpma_tests::{host, nqn, opts, scratch, target_bin};
+
+#[test]
+fn each_refusal() {
+    let d = scratch();
+    // Refusals are rate-limited per peer address (one WARN a period, the rest at DEBUG): every
+    // peer here is 127.0.0.1, so the test reads the DEBUG lines too.
+    let t = start_with_env(d.path(), "", &[("RUST_LOG", "debug")]);
+    let e = connect(
+        &t.url(),
+        &nqn("nqn.2026-11.io.rpma:nope"),
+        &host(PLAIN),
+        &opts(),
+    );
+    assert!(matches!(e, Err(Error::UnknownSubsystem { .. })), "{e:?}");
+    let e = connect(
+        &t.url(),
+        &nqn(SUB),
+        &host("nqn.2026-11.io.rpma:stranger"),
+        &opts(),
+    );
+    assert!(matches!(e, Err(Error::HostNotAllowed { .. })), "{e:?}");
+    // Wrong key.
+    let wrong = host(KEYED).with_psk(Psk::from_hex(&"5b".repeat(32)).unwrap());
+    let e = connect(&t.url(), &nqn(SUB), &wrong, &opts());
+    assert!(matches!(e, Err(Error::AuthFailed { .. })), "{e:?}");
+    // No key at all.
+    let e = connect(&t.url(), &nqn(SUB), &host(KEYED), &opts());
+    assert!(matches!(e, Err(Error::KeyRequired)), "{e:?}");
+    // The right key: mutual authentication succeeds.
+    let right = host(KEYED).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
+    let s = connect(&t.url(), &nqn(SUB), &right, &opts()).unwrap();
+    assert_eq!(s.namespaces().len(), 2);
+    // A host holding a key refuses a target that lets it in without proving the key.
+    let keyed_on_open = host(PLAIN).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
+    let e = connect(&t.url(), &nqn(OPEN), &keyed_on_open, &opts());
+    assert!(
+        matches!(e, Err(Error::TargetNotAuthenticated { .. })),
+        "{e:?}"
+    );
+
+    // Unsupported versions: crafted Connects over a raw queue pair, from a newer host and from
+    // a host of version 1 (before the ConnectResponse carried the queue depth).
+    for v in [PROTO_VERSION + 1, 1] {
+        let refusal = raw_exchange(&t.url(), |mut bytes| {
+            bytes[0] = v;
+            bytes
+        });
+        match refusal {
+            Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::VersionUnsupported),
+            other => panic!("version {v}: {other:?}"),
+        }
+    }
+    // Garbage is a protocol error, and the daemon keeps serving.
+    match raw_exchange(&t.url(), |_| vec![PROTO_VERSION, 0x01, 0, 0, 0xFF, 0xFF]) {
+        Message::Refusal(r) => assert_eq!(r.reason, RefusalReason::ProtocolError),
+        other => panic!("{other:?}"),
+    }
+    identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+
+    // Each refusal is logged once, with the host NQN (when the Connect could be read) and peer.
+    let once = |parts: &[&str]| {
+        let lines = t.log_lines(parts, WAIT);
+        assert_eq!(lines.len(), 1, "{parts:?}: {lines:#?}\n{}", t.log());
+        assert!(lines[0].contains("from 127.0.0.1:"), "{}", lines[0]);
+    };
+    once(&[
+        "refused host nqn.2026-11.io.rpma:plain-host",
+        "UnknownSubsystem",
+    ]);
+    once(&[
+        "refused host nqn.2026-11.io.rpma:stranger",
+        "HostNotAllowed",
+    ]);
+    once(&["refused host nqn.2026-11.io.rpma:keyed-host", "AuthFailed"]);
+    // The host without a key: not a protocol error, but what it is.
+    once(&[
+        "host nqn.2026-11.io.rpma:keyed-host",
+        "authentication required: the host has no key for nqn.2026-11.io.rpma:demo",
+    ]);
+    assert!(!t.log().contains("expected AuthResponse"), "{}", t.log());
+    assert_eq!(
+        t.log_lines(&["VersionUnsupported"], WAIT).len(),
+        2,
+        "{}",
+        t.log()
+    );
+    once(&["refused host (unknown)", "ProtocolError"]);
+}
+
+#[test]
+fn connection_limit_refuses_the_next() {
+    let d = scratch();
+    let t = start(d.path(), "max_connections = 1");
+    let _a = session(&t);
+    let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(
+            e,
+            Err(Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn rdma_listener_is_refused_at_start() {
+    let d = scratch();
+    std::fs::write(
+        d.path().join("c.toml"),
+        "listen = [\"rdma://127.0.0.1:7\"]\ncontrol_socket = \"ctl.sock\"\n",
+    )
+    .unwrap();
+    let out = Command::new(target_bin())
+        .arg("--config")
+        .arg(d.path().join("c.toml"))
+        .env_remove("NOTIFY_SOCKET")
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("rdma transport is not served"), "{err}");
+}

@@ -1,0 +1,222 @@
+//! SIGHUP reloads with sessions up: only what the diff names is touched (namespaces added,
+//! removed, changed; hosts removed), a refused reload changes nothing.
+//! The real `rpma-target` process and the rpma-initiator library in-process (the fixture of
+//! [`rpma_tests::sessions`]); every wait has a deadline.
+
+use std::time::Duration;
+
+use nix::sys::signal::Signal;
+use rpma_common::fabric::{RemoteAddr, WcStatus};
+use rpma_common::proto::FlushStatus;
+use rpma_initiator::{connect, identify, Error, Session};
+use rpma_tests::sessions::*;
+use rpma_tests::{host, nqn, opts, scratch};
+
+#[test]
+fn sighup_adds_a_namespace_while_a_session_stays_up() {
+    let d = scratch();
+    let t = start(d.path(), "keep_alive_ms = 1000");
+    let mut s = session(&t);
+    let n1 = s.namespace(1).unwrap().clone();
+    let remote = RemoteAddr {
+        addr: n1.remote_addr + 8192,
+        rkey: n1.rkey,
+    };
+    let extra = "[[subsystem.namespace]]\nnsid = 4\npath = \"ns4\"\nsize = \"1MiB\"\n";
+    t.rewrite(&demo_config("keep_alive_ms = 1000", extra));
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    // The session was not touched: same rkeys, still working, still alive.
+    for _ in 0..5 {
+        s.tick().unwrap();
+        let _ = s.wait_message(Duration::from_millis(100), "nothing");
+    }
+    assert_eq!(
+        write_then_read(&mut s, remote, b"after reload"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(s.flush(1, 8192, 12, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(s.namespaces().len(), 2);
+    // A new identify sees the new namespace.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1, 3, 4]);
+    // identify's Disconnect may still be on its way: the count settles at 1 (ours) shortly.
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    let mut v = t.status();
+    while v["sessions"].as_array().unwrap().len() != 1 && std::time::Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+        v = t.status();
+    }
+    assert_eq!(v["sessions"].as_array().unwrap().len(), 1, "{v}");
+}
+
+#[test]
+fn sighup_removing_a_namespace_revokes_it_only() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = start(d.path(), top);
+    // A session on OPEN (its nsid 1 only) and one on SUB (nsid 1 and the read-only nsid 3).
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = session(&t);
+    let at = |s: &Session, nsid: u32, off: u64| {
+        let n = s.namespace(nsid).unwrap();
+        RemoteAddr {
+            addr: n.remote_addr + off,
+            rkey: n.rkey,
+        }
+    };
+    let (o1, n1, n3) = (at(&other, 1, 0), at(&s, 1, 4096), at(&s, 3, 0));
+    assert_eq!(read8(&mut s, n3), WcStatus::Success);
+
+    // Remove SUB's nsid 3 and reload.
+    let without_3 = demo_config(top, "").replace(
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"ns3\"\nsize = \"1MiB\"\nread_only = true\n",
+        "",
+    );
+    assert!(!without_3.contains("nsid = 3"), "{without_3}");
+    t.rewrite(&without_3);
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+
+    // The session that never used nsid 3 is untouched: Writes, Reads and flushes.
+    assert_eq!(
+        write_then_read(&mut other, o1, b"other session"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(other.flush(1, 0, 13, WAIT).unwrap(), FlushStatus::Durable);
+    // The session that had it keeps nsid 1...
+    assert_eq!(
+        write_then_read(&mut s, n1, b"still mine"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(s.flush(1, 4096, 10, WAIT).unwrap(), FlushStatus::Durable);
+    // ...and lost nsid 3: no flush, and its rkey is revoked.
+    assert_eq!(
+        s.flush(3, 0, 8, WAIT).unwrap(),
+        FlushStatus::InvalidNamespace
+    );
+    assert_eq!(read8(&mut s, n3), WcStatus::RemoteAccess);
+    // New connections no longer see it; the other session is still listed and alive.
+    let id = identify(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let ns: Vec<u32> = id.namespaces.iter().map(|n| n.nsid).collect();
+    assert_eq!(ns, [1]);
+    assert_eq!(other.flush(1, 0, 0, WAIT).unwrap(), FlushStatus::Durable);
+    let v = t.status();
+    assert!(v["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|x| x["host_nqn"] == OPEN_HOST));
+}
+
+/// Removing a host from a subsystem closes that host's session with a reason and refuses it
+/// from then on; a session of another subsystem is not disturbed.
+#[test]
+fn sighup_removing_a_host_closes_its_session_only() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = start(d.path(), top);
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = session(&t);
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+
+    let without_plain = demo_config(top, "").replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
+    assert!(!without_plain.contains(PLAIN), "{without_plain}");
+    t.rewrite(&without_plain);
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+
+    // The removed host's session is closed, with the reason.
+    let end = s.wait_message(WAIT, "the goodbye");
+    assert!(
+        matches!(end, Err(Error::Disconnected { ref reason }) if reason.contains("configuration")),
+        "{end:?}"
+    );
+    // It is refused from now on.
+    let again = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(again, Err(Error::HostNotAllowed { .. })),
+        "{again:?}"
+    );
+    // The other subsystem's session never noticed.
+    let o1 = {
+        let n = other.namespace(1).unwrap();
+        RemoteAddr {
+            addr: n.remote_addr,
+            rkey: n.rkey,
+        }
+    };
+    assert_eq!(
+        write_then_read(&mut other, o1, b"undisturbed"),
+        [WcStatus::Success, WcStatus::Success]
+    );
+    assert_eq!(other.flush(1, 0, 11, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+#[test]
+fn a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = start(d.path(), top);
+    let mut other = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let mut s = session(&t);
+    assert_eq!(s.namespace(1).unwrap().size, 2 << 20);
+    // Grow SUB's nsid 1 (which needs `grow = true`).
+    let grown = demo_config(top, "").replacen(
+        "path = \"ns1\"\nsize = \"2MiB\"",
+        "path = \"ns1\"\nsize = \"4MiB\"\ngrow = true",
+        1,
+    );
+    assert!(grown.contains("4MiB"));
+    t.rewrite(&grown);
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    match s.wait_message(WAIT, "a Disconnect") {
+        Err(Error::Disconnected { reason }) => {
+            assert_eq!(reason, "namespace 1 changed by reload")
+        }
+        other => panic!("expected a Disconnect, got {other:?}"),
+    }
+    // The host reconnects and sees the new size; the other subsystem's session is untouched.
+    let s = session(&t);
+    assert_eq!(s.namespace(1).unwrap().size, 4 << 20);
+    assert_eq!(other.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    let v = t.status();
+    assert!(
+        v["last_reload"]
+            .as_str()
+            .unwrap()
+            .contains("1 namespaces changed"),
+        "{v}"
+    );
+}
+
+#[test]
+fn a_reload_that_would_grow_without_grow_changes_nothing() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = start(d.path(), top);
+    let mut s = session(&t);
+    let bigger = demo_config(top, "").replacen(
+        "path = \"ns1\"\nsize = \"2MiB\"",
+        "path = \"ns1\"\nsize = \"4MiB\"",
+        1,
+    );
+    t.rewrite(&bigger);
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    let v = t.status();
+    let last = v["last_reload"].as_str().unwrap();
+    assert!(last.starts_with("failed") && last.contains("grow"), "{v}");
+    assert_eq!(
+        std::fs::metadata(d.path().join("ns1")).unwrap().len(),
+        2 << 20
+    );
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
