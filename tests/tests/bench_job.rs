@@ -1,7 +1,7 @@
 //! `rpma-initiator bench --job FILE`: a tiny fio job file run against a real target, with
 //! verify on, read back through the JSON report the way fio's tooling reads it.
 
-use rpma_tests::{four_namespaces, initiator, text, Shm, Target};
+use rpma_tests::{four_namespace_target, initiator, text, Shm, Subsystem, Target};
 use serde_json::Value;
 
 const SUB: &str = "nqn.2026-11.io.rpma:benchjob";
@@ -32,16 +32,7 @@ fsync=1
 ";
 
 fn start() -> (tempfile::TempDir, Shm, Target) {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let shm = Shm::new("benchjob");
-    let t = Target::start(
-        d.path(),
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nallow_any_host = true\n{}",
-            four_namespaces(&shm, 512)
-        ),
-    );
-    (d, shm, t)
+    four_namespace_target("benchjob", Subsystem::new(SUB).any_host(), 512)
 }
 
 fn bench(t: &Target, nsid: &str, job: &std::path::Path, extra: &[&str]) -> std::process::Output {
