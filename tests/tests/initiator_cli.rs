@@ -471,19 +471,30 @@ fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
         (2 << 20, "--persist flush", Some(0)),
         (3 << 20, "", Some(0)),
     ] {
-        let (c, _, all) = cli(
-            &t,
-            &format!("write --offset {off} --pattern 0x5a --length 64k"),
+        // The kernel's background write-back (another process's dirty data past the threshold)
+        // may clean the pages before we look: write again until some are seen dirty.
+        let mut seen_dirty = false;
+        for pattern in 0x5a..0x5f {
+            let (c, _, all) = cli(
+                &t,
+                &format!("write --offset {off} --pattern {pattern} --length 64k"),
+            );
+            assert_eq!(c, Some(0), "{all}");
+            if dirty(off) > 0 {
+                seen_dirty = true;
+                break;
+            }
+        }
+        assert!(
+            seen_dirty,
+            "five writes in a row were written back before they could be checked"
         );
-        assert_eq!(c, Some(0), "{all}");
-        assert!(dirty(off) > 0, "the write left dirty pages to find: {all}");
         let (c, out, all) = cli(&t, &format!("{method} flush --offset {off} --length 64k"));
         assert_eq!(c, want, "{method}: {all}");
         if c == Some(6) {
             // APM covers only the writes of its own connection: it says so and claims nothing.
             assert!(all.contains("APM cannot make a range"), "{all}");
             assert!(all.contains("--persist gpspm or flush"), "{all}");
-            assert!(dirty(off) > 0, "nothing was claimed, and nothing synced");
         } else {
             assert!(out.contains("durable ("), "{out}");
             assert_eq!(
