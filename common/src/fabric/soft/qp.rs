@@ -17,9 +17,9 @@ use crate::fabric::error::{Error, Result};
 use crate::fabric::pd::ProtectionDomain;
 use crate::fabric::qp::{ConnInfo, ConnParams};
 use crate::fabric::soft::conn::Negotiated;
+use crate::fabric::soft::outbound::Tx;
 use crate::fabric::soft::placement::Dirty;
 use crate::fabric::soft::poll::Poller;
-use crate::fabric::soft::tx::Tx;
 use crate::fabric::soft::wire::rx::FpduReceiver;
 use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendWr};
 

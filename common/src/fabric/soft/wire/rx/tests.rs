@@ -309,34 +309,6 @@ fn a_long_stream_wraps_the_ring_without_losing_a_byte() {
     }
 }
 
-#[test]
-fn writeback_copy_equals_a_plain_copy_at_every_alignment() {
-    let src: Vec<u8> = (0..3100u32).map(|i| (i * 13 + 5) as u8).collect();
-    for dst_off in (0..20).chain([63, 64, 65]) {
-        for src_off in [0usize, 1, 7, 16] {
-            for len in (0..200).chain([255, 640, 2047, 2048, 2049, 2111, 3000]) {
-                let mut mem = vec![0xEEu8; 3100 + 64];
-                let s = &src[src_off..src_off + len.min(src.len() - src_off)];
-                let dst = VolatileSlice::from(&mut mem[dst_off..]);
-                let wb = place_copy_writeback(dst, s).unwrap();
-                crate::pmem::sfence();
-                assert_eq!(
-                    wb,
-                    s.len() >= WRITEBACK_COPY_MIN
-                        && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
-                );
-                assert_eq!(
-                    &mem[dst_off..dst_off + s.len()],
-                    s,
-                    "{dst_off} {src_off} {len}"
-                );
-                assert!(mem[..dst_off].iter().all(|&b| b == 0xEE));
-                assert!(mem[dst_off + s.len()..].iter().all(|&b| b == 0xEE));
-            }
-        }
-    }
-}
-
 /// A placer that asks for the cache write-back on every tagged payload.
 struct WritebackPlacer<'a>(MemPlacer, std::marker::PhantomData<&'a mut [u8]>);
 
@@ -739,23 +711,6 @@ fn discard_and_control_bodies() {
 }
 
 #[test]
-fn placing_copies_refuse_a_destination_shorter_than_the_payload() {
-    let src = vec![9u8; 4096];
-    for n in [5, 4096] {
-        let mut mem = vec![0u8; n - 1];
-        let err = volatile::Error::OutOfRange {
-            offset: 0,
-            len: n,
-            slice_len: n - 1,
-        };
-        let dst = VolatileSlice::from(&mut mem[..]);
-        assert_eq!(place_copy(dst, &src[..n]), Err(err));
-        assert_eq!(place_copy_writeback(dst, &src[..n]), Err(err));
-        assert!(mem.iter().all(|&b| b == 0), "nothing copied");
-    }
-}
-
-#[test]
 fn placement_shorter_than_payload_is_an_error() {
     struct Short(Vec<u8>);
     impl Placer for Short {
@@ -956,26 +911,4 @@ fn small_fpdus_without_crc_need_no_read_for_a_trailer_alone() {
     );
     drop(rx);
     assert_eq!(mem, data);
-}
-
-#[test]
-fn writeback_split_covers_every_byte_with_whole_lines_streamed() {
-    let buf = vec![0u8; 4096 + 128];
-    let base = buf.as_ptr().wrapping_add(buf.as_ptr().align_offset(64));
-    for mis in 0..64 {
-        for len in [0, 1, 63, 64, 65, 127, 128, 2047, 2048, 2049, 3000, 4096] {
-            let dst = base.wrapping_add(mis);
-            let (head, body, tail) = writeback_split(dst, len);
-            assert_eq!(head + body + tail, len, "mis {mis} len {len}");
-            assert!(head < 64 && tail < 64, "partial lines only at the ends");
-            assert_eq!(body % 64, 0);
-            if body > 0 {
-                assert_eq!((dst as usize + head) % 64, 0, "the body starts on a line");
-                assert!(head == 0 || !(dst as usize).is_multiple_of(64));
-            }
-            if len >= 64 + mis.min(1) * 64 {
-                assert!(body > 0, "a range holding a whole line streams it");
-            }
-        }
-    }
 }
