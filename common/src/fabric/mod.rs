@@ -70,7 +70,12 @@ mod error;
 mod mr;
 mod pd;
 mod qp;
+// The soft transport is the crate's own; the raw-frame tests reach its wire formats through
+// the test-only `wire-testing` feature.
+#[cfg(feature = "wire-testing")]
 pub mod soft;
+#[cfg(not(feature = "wire-testing"))]
+mod soft;
 mod types;
 mod url;
 
@@ -81,7 +86,7 @@ pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};
 pub use pd::ProtectionDomain;
 pub use qp::{
     ConnInfo, ConnParams, ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair,
-    RequestProgress,
+    RequestProgress, TcpInfo, TcpParams,
 };
 pub use types::{
     Access, Completion, FlushTarget, FlushType, QpCaps, QpState, RecvWr, RemoteAddr, SendFlags,

@@ -21,53 +21,74 @@ use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
 use super::url::{Scheme, Url};
 use super::Context;
 
-/// Connection parameters: what this side offers in the MPA exchange.
+/// Connection parameters: what this side offers when connecting or accepting. Those of one
+/// transport are in its own part ([`ConnParams::tcp`]); the others mean the same on every
+/// transport.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnParams {
-    /// Ask for MPA CRC32c (on by default). CRC is used if either side asks.
-    pub crc: bool,
     /// Inbound Read/Atomic/Flush requests this side serves at once (IRD).
     pub ird: u16,
     /// Outbound Read/Atomic/Flush requests this side keeps in flight (ORD); lowered to the
     /// peer's IRD when the connection is made.
     pub ord: u16,
-    /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
-    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
-    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
-    /// on a 1500-byte MTU, about 32 KiB on loopback.
-    pub max_ulpdu: usize,
     /// Largest message (Write, Read, Send) this side posts or serves; a peer's Read Request for
     /// more is answered with a Terminate.
     pub max_message: usize,
     /// How long a connect or accept may take.
     pub timeout: Duration,
+    /// What the `tcp` transport offers in the MPA exchange (ignored by other transports).
+    pub tcp: TcpParams,
 }
 
 impl Default for ConnParams {
     fn default() -> Self {
         ConnParams {
-            crc: true,
             ird: 16,
             ord: 16,
-            max_ulpdu: crate::fabric::soft::wire::MAX_ULPDU_LIMIT,
             max_message: 1 << 30,
             timeout: Duration::from_secs(10),
+            tcp: TcpParams::default(),
         }
     }
 }
 
-/// What was agreed in the MPA exchange.
+/// The `tcp` transport's connection parameters: its MPA knobs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpParams {
+    /// Ask for MPA CRC32c (on by default). CRC is used if either side asks.
+    pub crc: bool,
+    /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
+    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
+    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
+    /// on a 1500-byte MTU, about 32 KiB on loopback.
+    pub max_ulpdu: usize,
+}
+
+impl TcpParams {
+    /// The most private data a connect or accept may carry on this transport (the MPA frame's
+    /// room less this project's capability block).
+    pub const MAX_PRIVATE_DATA: usize = conn::MAX_PRIVATE_DATA;
+}
+
+impl Default for TcpParams {
+    fn default() -> Self {
+        TcpParams {
+            crc: true,
+            max_ulpdu: conn::MAX_ULPDU_LIMIT,
+        }
+    }
+}
+
+/// What was agreed when the connection was made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnInfo {
-    /// Whether FPDUs carry CRC32c.
-    pub crc: bool,
     /// Inbound requests this side serves at once.
     pub ird: u16,
     /// Outbound requests this side keeps in flight.
     pub ord: u16,
-    /// The peer understands the private Flush opcode.
+    /// The peer understands Flush (RDMA Flush: the private opcode on `tcp`).
     pub peer_flush: bool,
-    /// The peer understands the private Atomic Write opcode.
+    /// The peer understands Atomic Write (the private opcode on `tcp`).
     pub peer_atomic_write: bool,
     /// The peer understands RFC 7306 atomics.
     pub peer_atomics: bool,
@@ -77,6 +98,15 @@ pub struct ConnInfo {
     pub local_addr: SocketAddr,
     /// The peer's socket address.
     pub peer_addr: SocketAddr,
+    /// What the `tcp` transport agreed in the MPA exchange (`None` on other transports).
+    pub tcp: Option<TcpInfo>,
+}
+
+/// What the `tcp` transport agreed in the MPA exchange.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpInfo {
+    /// Whether FPDUs carry CRC32c.
+    pub crc: bool,
 }
 
 /// A queue pair that is not connected yet (state Init).
@@ -120,7 +150,7 @@ impl PreparedQueuePair {
     }
 
     /// Connects to a listener at `url` (rdma_connect): TCP connect, the MPA exchange carrying
-    /// `private_data` (at most [`conn::MAX_PRIVATE_DATA`] bytes), then RTS.
+    /// `private_data` (at most [`TcpParams::MAX_PRIVATE_DATA`] bytes on `tcp`), then RTS.
     ///
     /// # Errors
     /// [`Error::TransportUnavailable`] for `rdma://` in this build, [`Error::Socket`],

@@ -26,6 +26,7 @@ pub(crate) mod qp;
 mod requester;
 mod responder;
 mod status;
+// The wire formats are whole codecs (every RFC cause, the blocking handshakes, the segmenter):
+// some parts serve only tests, which reach them through the `wire-testing` feature.
+#[cfg_attr(not(feature = "wire-testing"), allow(dead_code, unused_imports))]
 pub mod wire;
-
-pub use conn::{DEFAULT_MAX_ULPDU, MAX_PRIVATE_DATA};

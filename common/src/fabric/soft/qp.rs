@@ -146,8 +146,8 @@ impl SoftQp {
         let e = &mut c.e;
         // RFC 5044: an FPDU should fit one TCP segment (MULPDU), whatever was asked for.
         let mulpdu = super::conn::mulpdu(&sock).unwrap_or(super::conn::DEFAULT_MAX_ULPDU);
-        let max_ulpdu = neg.peer_max_ulpdu.min(params.max_ulpdu).min(mulpdu);
-        e.tx = Tx::new(neg.info.crc, max_ulpdu);
+        let max_ulpdu = neg.peer_max_ulpdu.min(params.tcp.max_ulpdu).min(mulpdu);
+        e.tx = Tx::new(neg.crc, max_ulpdu);
         e.ord = neg.info.ord.max(1) as usize;
         e.ird = neg.info.ird.max(1) as usize;
         e.max_message = params.max_message;

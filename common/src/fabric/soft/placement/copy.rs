@@ -51,6 +51,7 @@ impl DirectTarget {
     }
 
     /// Whether the target is empty.
+    #[cfg_attr(not(feature = "wire-testing"), allow(dead_code))] // `len`'s pair
     pub fn is_empty(&self) -> bool {
         self.dst.is_empty()
     }
