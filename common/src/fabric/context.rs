@@ -7,6 +7,7 @@ use super::cq::CompletionQueue;
 use super::error::{Error, Result};
 use super::pd::ProtectionDomain;
 use super::soft::device::StagTable;
+use super::transport::Device;
 use super::url::{Scheme, Url};
 
 static NEXT_CONTEXT_ID: AtomicU32 = AtomicU32::new(1);
@@ -23,7 +24,7 @@ pub struct Context {
 
 pub(crate) struct ContextInner {
     pub(crate) id: u32,
-    pub(crate) stags: StagTable,
+    pub(crate) device: Device,
     next_pd: AtomicU32,
     next_qp: AtomicU32,
 }
@@ -32,7 +33,14 @@ impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context")
             .field("id", &self.inner.id)
-            .field("transport", &"soft")
+            .field(
+                "transport",
+                &match self.inner.device {
+                    Device::Soft(_) => "soft",
+                    #[cfg(feature = "rdma")]
+                    Device::Rdma(ref d) => match *d {},
+                },
+            )
             .finish()
     }
 }
@@ -59,7 +67,7 @@ impl Context {
         Context {
             inner: Arc::new(ContextInner {
                 id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),
-                stags: StagTable::new(),
+                device: Device::Soft(StagTable::new()),
                 next_pd: AtomicU32::new(1),
                 next_qp: AtomicU32::new(1),
             }),
@@ -76,6 +84,10 @@ impl Context {
     /// sized for; see [`CompletionQueue`].
     pub fn create_cq(&self, depth: usize) -> Result<CompletionQueue> {
         CompletionQueue::new(self.clone(), depth)
+    }
+
+    pub(crate) fn device(&self) -> &Device {
+        &self.inner.device
     }
 
     pub(crate) fn next_qp_num(&self) -> u32 {

@@ -70,12 +70,15 @@ mod error;
 mod mr;
 mod pd;
 mod qp;
+#[cfg(feature = "rdma")]
+mod rdma;
 // The soft transport is the crate's own; the raw-frame tests reach its wire formats through
 // the test-only `wire-testing` feature.
 #[cfg(feature = "wire-testing")]
 pub mod soft;
 #[cfg(not(feature = "wire-testing"))]
 mod soft;
+mod transport;
 mod types;
 mod url;
 

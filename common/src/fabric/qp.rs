@@ -16,7 +16,7 @@ use super::error::{Error, Result};
 use super::mr::{MemoryRegion, MemoryWindow};
 use super::pd::ProtectionDomain;
 use super::soft::conn;
-use super::soft::qp::SoftQp;
+use super::transport::{IncomingEngine, IncomingProgress, ListenEngine, PendingEngine, QpEngine};
 use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
 use super::url::{Scheme, Url};
 use super::Context;
@@ -111,13 +111,13 @@ pub struct TcpInfo {
 
 /// A queue pair that is not connected yet (state Init).
 pub struct PreparedQueuePair {
-    pub(crate) inner: Arc<SoftQp>,
+    pub(crate) inner: QpEngine,
 }
 
 impl std::fmt::Debug for PreparedQueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PreparedQueuePair")
-            .field("qp_num", &self.inner.num)
+            .field("qp_num", &self.inner.num())
             .finish()
     }
 }
@@ -130,14 +130,15 @@ impl PreparedQueuePair {
         caps: QpCaps,
     ) -> PreparedQueuePair {
         let num = pd.context().next_qp_num();
+        let device = pd.context().clone();
         PreparedQueuePair {
-            inner: SoftQp::new(num, pd, send_cq, recv_cq, caps),
+            inner: device.device().create_qp(num, pd, send_cq, recv_cq, caps),
         }
     }
 
     /// The queue pair number.
     pub fn qp_num(&self) -> u32 {
-        self.inner.num
+        self.inner.num()
     }
 
     /// Posts a receive before the connection exists, so that the peer's first Send finds it
@@ -164,8 +165,7 @@ impl PreparedQueuePair {
                 })
             }
         }
-        let (stream, neg) = conn::connect(url, params, private_data)?;
-        self.inner.start(stream, neg, params)?;
+        self.inner.connect(url, params, private_data)?;
         Ok(QueuePair { inner: self.inner })
     }
 }
@@ -173,13 +173,13 @@ impl PreparedQueuePair {
 /// A connected reliable queue pair (`ibv_qp` of type RC), in RTS until an error moves it to
 /// Error. Dropping it closes the connection; the peer's queue pair goes to Error.
 pub struct QueuePair {
-    inner: Arc<SoftQp>,
+    inner: QpEngine,
 }
 
 impl std::fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QueuePair")
-            .field("qp_num", &self.inner.num)
+            .field("qp_num", &self.inner.num())
             .field("state", &self.inner.state())
             .finish()
     }
@@ -188,7 +188,7 @@ impl std::fmt::Debug for QueuePair {
 impl QueuePair {
     /// The queue pair number (the `qp_num` of its completions).
     pub fn qp_num(&self) -> u32 {
-        self.inner.num
+        self.inner.num()
     }
 
     /// The current state: RTS, or Error after a fatal error.
@@ -276,12 +276,12 @@ impl QueuePair {
         self.inner.check_rts("bind_mw")?;
         // The window's domain is the region's (`MemoryWindow::bind` checks that): a rkey bound
         // here would otherwise serve a queue pair of another domain.
-        if !self.inner.pd.same(mr.pd()) {
+        if !self.inner.pd().same(mr.pd()) {
             return Err(Error::WrongDomain {
                 what: "the queue pair binding the window",
             });
         }
-        mw.bind(self.inner.num, mr, offset, len, access)
+        mw.bind(self.inner.num(), mr, offset, len, access)
     }
 
     /// Moves the queue pair to Error (`ibv_modify_qp` to ERR): the connection is closed and
@@ -300,7 +300,7 @@ impl Drop for QueuePair {
 /// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL.
 pub struct Listener {
     ctx: Context,
-    inner: conn::TcpListen,
+    inner: ListenEngine,
 }
 
 impl std::fmt::Debug for Listener {
@@ -327,7 +327,7 @@ impl Listener {
         }
         Ok(Listener {
             ctx: ctx.clone(),
-            inner: conn::TcpListen::bind(url)?,
+            inner: ctx.device().listen(url)?,
         })
     }
 
@@ -388,7 +388,7 @@ impl AsFd for Listener {
 /// full yet. Dropping it closes the connection without an answer.
 pub struct Incoming {
     ctx: Context,
-    inner: conn::Incoming,
+    inner: IncomingEngine,
 }
 
 impl std::fmt::Debug for Incoming {
@@ -425,11 +425,11 @@ impl Incoming {
     pub fn poll_request(self) -> Result<RequestProgress> {
         let ctx = self.ctx;
         Ok(match self.inner.poll_request()? {
-            conn::Progress::Complete(pending) => RequestProgress::Complete(ConnRequest {
+            IncomingProgress::Complete(pending) => RequestProgress::Complete(ConnRequest {
                 ctx,
                 pending: Some(pending),
             }),
-            conn::Progress::Incomplete(inner) => {
+            IncomingProgress::Incomplete(inner) => {
                 RequestProgress::Incomplete(Incoming { ctx, inner })
             }
         })
@@ -445,7 +445,7 @@ impl AsFd for Incoming {
 /// An incoming connection waiting for an answer. Dropping it unanswered rejects it.
 pub struct ConnRequest {
     ctx: Context,
-    pending: Option<conn::Pending>,
+    pending: Option<PendingEngine>,
 }
 
 impl std::fmt::Debug for ConnRequest {
@@ -481,14 +481,13 @@ impl ConnRequest {
         params: &ConnParams,
         private_data: &[u8],
     ) -> Result<QueuePair> {
-        if !qp.inner.pd.context().same(&self.ctx) {
+        if !qp.inner.pd().context().same(&self.ctx) {
             return Err(Error::WrongDomain { what: "queue pair" });
         }
         let pending = self.pending.take().ok_or(Error::InvalidWorkRequest {
             reason: "connection request already answered",
         })?;
-        let (stream, neg) = pending.accept(params, private_data)?;
-        qp.inner.start(stream, neg, params)?;
+        qp.inner.accept(pending, params, private_data)?;
         Ok(QueuePair { inner: qp.inner })
     }
 

@@ -17,6 +17,7 @@
 //!   driving the socket), `requester` and `responder`.
 
 pub(crate) mod conn;
+pub(crate) mod cq;
 pub(crate) mod device;
 mod engine;
 mod outbound;

@@ -76,8 +76,8 @@ impl Engine {
                 ) {
                     if let Err(f) =
                         self.ctx
-                            .inner
-                            .stags
+                            .device()
+                            .stags()
                             .invalidate_remote(inv_stag, self.pd, self.qp_num)
                     {
                         let cause = status::invalidate_cause(f);
@@ -128,8 +128,8 @@ impl Engine {
         use crate::fabric::soft::device::AccessFault;
         let entry = self
             .ctx
-            .inner
-            .stags
+            .device()
+            .stags()
             .lookup(stag)
             .ok_or(AccessFault::InvalidStag)?;
         entry.check(self.pd, self.qp_num, to, len, need)
@@ -281,12 +281,14 @@ impl Engine {
                     FlushSelectivity::Range { stag, to, len } => {
                         self.lookup(stag, to, len, need).map(|t| (t, len as usize))
                     }
-                    FlushSelectivity::Region { stag } => match self.ctx.inner.stags.lookup(stag) {
-                        Some(e) => e
-                            .check(self.pd, self.qp_num, e.base, e.len, need)
-                            .map(|t| (t, e.len as usize)),
-                        None => Err(crate::fabric::soft::device::AccessFault::InvalidStag),
-                    },
+                    FlushSelectivity::Region { stag } => {
+                        match self.ctx.device().stags().lookup(stag) {
+                            Some(e) => e
+                                .check(self.pd, self.qp_num, e.base, e.len, need)
+                                .map(|t| (t, e.len as usize)),
+                            None => Err(crate::fabric::soft::device::AccessFault::InvalidStag),
+                        }
+                    }
                 }
                 .map_err(|f| fault(status::rdmap_cause(f)))?;
                 self.persist_dirty(hdr, ulpdu_len)?;
