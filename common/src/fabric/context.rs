@@ -6,7 +6,6 @@ use std::sync::Arc;
 use super::cq::CompletionQueue;
 use super::error::{Error, Result};
 use super::pd::ProtectionDomain;
-use super::soft::device::StagTable;
 use super::transport::Device;
 use super::url::{Scheme, Url};
 
@@ -67,7 +66,7 @@ impl Context {
         Context {
             inner: Arc::new(ContextInner {
                 id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),
-                device: Device::Soft(StagTable::new()),
+                device: Device::soft(),
                 next_pd: AtomicU32::new(1),
                 next_qp: AtomicU32::new(1),
             }),

@@ -7,7 +7,6 @@ use std::time::{Duration, Instant};
 
 use super::context::Context;
 use super::error::Result;
-use super::soft::qp::SoftQp;
 use super::transport::CqEngine;
 use super::types::Completion;
 
@@ -61,9 +60,9 @@ impl CompletionQueue {
         &self.inner.ctx
     }
 
-    /// Makes a soft queue pair's progress part of this queue's polling.
-    pub(crate) fn attach(&self, qp: &Arc<SoftQp>) {
-        self.inner.engine.attach_soft(qp);
+    /// The transport's part.
+    pub(crate) fn engine(&self) -> &CqEngine {
+        &self.inner.engine
     }
 
     pub(crate) fn push(&self, c: Completion) {

@@ -7,8 +7,12 @@
 //! as [`Completion`]s. Every object is RAII and keeps its parent alive. docs/fabric.md has the
 //! design: threading, ordering and durability contract, error model.
 //!
-//! Transports: `tcp` ([`Context::soft`]): userspace iWARP over TCP, always built. `rdma`
-//! (feature `rdma`, a later issue) will implement the same API on libibverbs.
+//! Transports, picked by URL scheme ([`Context::for_url`]): `tcp` ([`Context::soft`]):
+//! userspace iWARP over TCP, always built. `rdma` (feature `rdma`) is a skeleton that will
+//! implement the same API on libibverbs; until then `rdma://` is refused with
+//! [`Error::TransportUnavailable`]. Each public type holds its transport's part through the
+//! seam in `transport.rs` (docs/fabric.md, "The transport seam"); options of one transport are
+//! in their own types ([`TcpParams`], [`TcpInfo`]).
 //!
 //! # Quick start
 //!

@@ -68,6 +68,11 @@ pub(crate) enum Device {
 }
 
 impl Device {
+    /// A fresh soft device.
+    pub(crate) fn soft() -> Device {
+        Device::Soft(StagTable::new())
+    }
+
     /// The soft device's STag table: only the soft engine calls this, and it runs only on
     /// objects of a soft device.
     pub(crate) fn stags(&self) -> &StagTable {

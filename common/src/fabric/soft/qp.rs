@@ -162,8 +162,8 @@ impl SoftQp {
         });
         let (scq, rcq) = (c.e.send_cq.clone(), c.e.recv_cq.clone());
         drop(c);
-        scq.attach(self);
-        rcq.attach(self);
+        scq.engine().attach_soft(self);
+        rcq.engine().attach_soft(self);
         Ok(())
     }
 
