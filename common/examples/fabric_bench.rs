@@ -238,8 +238,7 @@ struct Setup {
 impl Setup {
     fn new(crc: bool, max_ulpdu: usize, mem: Arc<dyn Target>) -> BoxResult<Setup> {
         let params = ConnParams {
-            crc,
-            max_ulpdu,
+            tcp: TcpParams { crc, max_ulpdu },
             ..ConnParams::default()
         };
         let ctx = Context::soft();

@@ -347,7 +347,10 @@ fn target(
         let mr = pd.register(AlignedBuf::new(4096).unwrap(), rw()).unwrap();
         let params = ConnParams {
             ird,
-            crc: false,
+            tcp: TcpParams {
+                crc: false,
+                ..TcpParams::default()
+            },
             ..ConnParams::default()
         };
         let req = listener.accept(&params).unwrap();
@@ -545,7 +548,10 @@ fn connect_errors() {
         let r = prep().connect(
             &"tcp://127.0.0.1:1".parse().unwrap(),
             &ConnParams {
-                max_ulpdu,
+                tcp: TcpParams {
+                    max_ulpdu,
+                    ..TcpParams::default()
+                },
                 ..ConnParams::default()
             },
             b"",
@@ -745,7 +751,10 @@ fn a_peer_flooding_after_the_terminate_cannot_pin_the_completion_queue() {
     let (pd, tcq) = (p.pd.clone(), p.tcq.clone());
     let h = std::thread::spawn(move || {
         let params = ConnParams {
-            crc: false,
+            tcp: TcpParams {
+                crc: false,
+                ..TcpParams::default()
+            },
             ..ConnParams::default()
         };
         let req = listener.accept(&params).unwrap();

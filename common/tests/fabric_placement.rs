@@ -28,7 +28,10 @@ fn raw_pair() -> (
     let (pd2, cq2) = (pd.clone(), cq.clone());
     let h = std::thread::spawn(move || {
         let params = ConnParams {
-            crc: false,
+            tcp: TcpParams {
+                crc: false,
+                ..TcpParams::default()
+            },
             ..ConnParams::default()
         };
         let req = listener.accept(&params).unwrap();
@@ -99,7 +102,10 @@ fn a_multi_fpdu_write_running_out_of_bounds_lands_only_its_full_in_bounds_segmen
     // 128-byte ULPDUs: 14 bytes of tagged DDP/RDMAP header, 114 of payload per FPDU.
     const SEG: usize = 128 - 14;
     let ip = ConnParams {
-        max_ulpdu: 128,
+        tcp: TcpParams {
+            max_ulpdu: 128,
+            ..TcpParams::default()
+        },
         ..params(true)
     };
     let p = Pair::with(ip, params(true), |_| {});

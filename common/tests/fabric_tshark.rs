@@ -214,8 +214,10 @@ fn tshark_decodes_every_fpdu_of_an_engine_session() {
     };
     // 1454-byte ULPDUs, so that the 3000-byte Write is segmented.
     let params = ConnParams {
-        crc: true,
-        max_ulpdu: 1454,
+        tcp: TcpParams {
+            crc: true,
+            max_ulpdu: 1454,
+        },
         ..ConnParams::default()
     };
     let p = Pair::on(ctx, listener, params.clone(), params, |_| {});

@@ -4,7 +4,7 @@
 use std::collections::VecDeque;
 use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{ConnParams, Context, QpCaps, Url};
+use rpma_common::fabric::{ConnParams, Context, QpCaps, TcpParams, Url};
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::{self, Nqn, DISCOVERY_NQN, UUID_PREFIX};
 use rpma_common::proto::{
@@ -91,8 +91,8 @@ pub struct ConnectOptions {
     pub keep_alive: Duration,
     /// 0 for the admin queue, 1.. for I/O queues.
     pub queue_id: u16,
-    /// Ask for MPA CRC32c.
-    pub crc: bool,
+    /// The `tcp` transport's options (MPA CRC32c, FPDU size); other transports ignore them.
+    pub tcp: TcpParams,
 }
 
 impl Default for ConnectOptions {
@@ -101,7 +101,7 @@ impl Default for ConnectOptions {
             timeout: Duration::from_secs(10),
             keep_alive: Duration::ZERO,
             queue_id: 0,
-            crc: true,
+            tcp: TcpParams::default(),
         }
     }
 }
@@ -117,7 +117,10 @@ fn parse_url(url: &str) -> Result<Url> {
 fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
     let parsed = parse_url(url)?;
     let fab = |op| move |source| Error::Fabric { op, source };
-    let ctx = Context::soft();
+    let ctx = Context::for_url(&parsed).map_err(|source| Error::Connect {
+        url: url.to_owned(),
+        source,
+    })?;
     let pd = ctx
         .alloc_pd()
         .map_err(fab("allocating a protection domain"))?;
@@ -135,7 +138,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
             .map_err(fab("posting a receive"))?;
     }
     let params = ConnParams {
-        crc: opts.crc,
+        tcp: opts.tcp.clone(),
         timeout: opts.timeout,
         ..ConnParams::default()
     };

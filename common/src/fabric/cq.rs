@@ -2,13 +2,12 @@
 
 use std::collections::VecDeque;
 use std::os::fd::BorrowedFd;
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use super::context::Context;
 use super::error::Result;
-use super::soft::poll::Poller;
-use super::soft::qp::SoftQp;
+use super::transport::CqEngine;
 use super::types::Completion;
 
 /// How long [`CompletionQueue::wait`] busy-polls after the last completion before it blocks in
@@ -32,8 +31,7 @@ pub struct CompletionQueue {
 pub(crate) struct CqInner {
     ctx: Context,
     pub(crate) entries: Mutex<VecDeque<Completion>>,
-    qps: Mutex<Arc<Vec<Weak<SoftQp>>>>,
-    pub(crate) poller: Poller,
+    engine: CqEngine,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -47,12 +45,12 @@ impl std::fmt::Debug for CompletionQueue {
 
 impl CompletionQueue {
     pub(crate) fn new(ctx: Context, depth: usize) -> Result<CompletionQueue> {
+        let engine = ctx.device().create_cq()?;
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx,
                 entries: Mutex::new(VecDeque::with_capacity(depth.min(1 << 16))),
-                qps: Mutex::new(Arc::new(Vec::new())),
-                poller: Poller::new()?,
+                engine,
             }),
         })
     }
@@ -62,20 +60,9 @@ impl CompletionQueue {
         &self.inner.ctx
     }
 
-    pub(crate) fn attach(&self, qp: &Arc<SoftQp>) {
-        let mut qps = self.inner.qps.lock().unwrap_or_else(|p| p.into_inner());
-        let mut list: Vec<Weak<SoftQp>> = qps
-            .iter()
-            .filter(|w| w.strong_count() > 0)
-            .cloned()
-            .collect();
-        if !list
-            .iter()
-            .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(qp)))
-        {
-            list.push(Arc::downgrade(qp));
-        }
-        *qps = Arc::new(list);
+    /// The transport's part.
+    pub(crate) fn engine(&self) -> &CqEngine {
+        &self.inner.engine
     }
 
     pub(crate) fn push(&self, c: Completion) {
@@ -84,12 +71,6 @@ impl CompletionQueue {
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .push_back(c);
-    }
-
-    /// The bound queue pairs still alive. A snapshot: attaching copies the list, so polling
-    /// neither allocates nor holds the list's lock while it drives the queue pairs.
-    fn live_qps(&self) -> Arc<Vec<Weak<SoftQp>>> {
-        Arc::clone(&self.inner.qps.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
     /// Drives the bound queue pairs once and moves up to `out.len()` completions into `out`
@@ -101,9 +82,7 @@ impl CompletionQueue {
         if out.is_empty() {
             return Ok(0);
         }
-        for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
-            qp.progress();
-        }
+        self.inner.engine.progress();
         let mut e = self.inner.entries.lock().unwrap_or_else(|p| p.into_inner());
         let n = out.len().min(e.len());
         for (slot, c) in out.iter_mut().zip(e.drain(..n)) {
@@ -154,7 +133,7 @@ impl CompletionQueue {
     /// [`Error::Watch`](super::Error::Watch) if the fd is already watched by this queue or
     /// cannot be polled (a regular file).
     pub fn watch_fd(&self, fd: BorrowedFd<'_>, token: u64) -> Result<()> {
-        self.inner.poller.watch(fd, token)
+        self.inner.engine.watch(fd, token)
     }
 
     /// Removes `fd` from this queue's idle wait.
@@ -162,7 +141,7 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Watch`](super::Error::Watch) if the fd is not watched by this queue.
     pub fn unwatch_fd(&self, fd: BorrowedFd<'_>) -> Result<()> {
-        self.inner.poller.unwatch(fd)
+        self.inner.engine.unwatch(fd)
     }
 
     /// Like [`wait`](Self::wait), and says why it returned: completions (moved into `out`), a
@@ -201,9 +180,7 @@ impl CompletionQueue {
                 continue;
             }
             // Idle: block until a socket is ready (arming writability where output waits).
-            for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
-                qp.arm(&self.inner.poller)?;
-            }
+            self.inner.engine.arm()?;
             if !self
                 .inner
                 .entries
@@ -214,7 +191,7 @@ impl CompletionQueue {
                 continue;
             }
             let left = deadline.map(|d| d.saturating_duration_since(now));
-            let ready = self.inner.poller.wait(left)?;
+            let ready = self.inner.engine.block(left)?;
             if let Some(token) = ready.user {
                 return Ok(Woken::Fd(token));
             }

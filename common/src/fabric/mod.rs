@@ -7,8 +7,12 @@
 //! as [`Completion`]s. Every object is RAII and keeps its parent alive. docs/fabric.md has the
 //! design: threading, ordering and durability contract, error model.
 //!
-//! Transports: `tcp` ([`Context::soft`]): userspace iWARP over TCP, always built. `rdma`
-//! (feature `rdma`, a later issue) will implement the same API on libibverbs.
+//! Transports, picked by URL scheme ([`Context::for_url`]): `tcp` ([`Context::soft`]):
+//! userspace iWARP over TCP, always built. `rdma` (feature `rdma`) is a skeleton that will
+//! implement the same API on libibverbs; until then `rdma://` is refused with
+//! [`Error::TransportUnavailable`]. Each public type holds its transport's part through the
+//! seam in `transport.rs` (docs/fabric.md, "The transport seam"); options of one transport are
+//! in their own types ([`TcpParams`], [`TcpInfo`]).
 //!
 //! # Quick start
 //!
@@ -70,7 +74,15 @@ mod error;
 mod mr;
 mod pd;
 mod qp;
+#[cfg(feature = "rdma")]
+mod rdma;
+// The soft transport is the crate's own; the raw-frame tests reach its wire formats through
+// the test-only `wire-testing` feature.
+#[cfg(feature = "wire-testing")]
 pub mod soft;
+#[cfg(not(feature = "wire-testing"))]
+mod soft;
+mod transport;
 mod types;
 mod url;
 
@@ -81,7 +93,7 @@ pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};
 pub use pd::ProtectionDomain;
 pub use qp::{
     ConnInfo, ConnParams, ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair,
-    RequestProgress,
+    RequestProgress, TcpInfo, TcpParams,
 };
 pub use types::{
     Access, Completion, FlushTarget, FlushType, QpCaps, QpState, RecvWr, RemoteAddr, SendFlags,

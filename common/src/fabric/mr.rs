@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::error::{Error, Result};
 use super::pd::ProtectionDomain;
-use super::soft::device::{StagEntry, StagKind};
+use super::transport::Grant;
 use super::types::{Access, RemoteAddr};
 use crate::pmem::Persist;
 use crate::volatile::VolatileSlice;
@@ -287,16 +287,14 @@ pub(crate) fn register(
     check_access(access)?;
     let region = Arc::new(Region::new(backing)?);
     let (addr, len) = (region.addr, region.len);
-    let entry = StagEntry {
-        region: Arc::clone(&region),
+    let key = pd.context().device().register_mr(Grant {
+        region: &region,
         base: addr as u64,
         len: len as u64,
         offset: 0,
         access,
         pd: pd.inner.id,
-        kind: StagKind::Mr,
-    };
-    let key = pd.context().inner.stags.insert(entry)?;
+    })?;
     Ok(Arc::new(MemoryRegion {
         pd: pd.clone(),
         region,
@@ -381,7 +379,7 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        self.pd.context().inner.stags.remove(self.key);
+        self.pd.context().device().release(self.key);
     }
 }
 
@@ -406,7 +404,7 @@ impl std::fmt::Debug for MemoryWindow {
 
 impl MemoryWindow {
     pub(crate) fn new(pd: &ProtectionDomain) -> Result<MemoryWindow> {
-        let rkey = pd.context().inner.stags.reserve()?;
+        let rkey = pd.context().device().alloc_mw()?;
         Ok(MemoryWindow {
             pd: pd.clone(),
             rkey: AtomicU32::new(rkey),
@@ -420,7 +418,7 @@ impl MemoryWindow {
 
     /// Invalidates the window locally (`IBV_WR_LOCAL_INV`): its rkey stops working at once.
     pub fn invalidate(&self) {
-        self.pd.context().inner.stags.invalidate(self.rkey());
+        self.pd.context().device().invalidate(self.rkey());
     }
 
     pub(crate) fn bind(
@@ -455,16 +453,19 @@ impl MemoryWindow {
                 })
             }
         }
-        let entry = StagEntry {
-            region: Arc::clone(&mr.region),
+        let grant = Grant {
+            region: &mr.region,
             base: mr.addr() + offset as u64,
             len: len as u64,
             offset: offset as u64,
             access,
             pd: self.pd.inner.id,
-            kind: StagKind::Mw { qp: qp_num },
         };
-        let rkey = self.pd.context().inner.stags.rebind(self.rkey(), entry)?;
+        let rkey = self
+            .pd
+            .context()
+            .device()
+            .bind_mw(self.rkey(), qp_num, grant)?;
         self.rkey.store(rkey, Ordering::Release);
         Ok(rkey)
     }
@@ -472,6 +473,6 @@ impl MemoryWindow {
 
 impl Drop for MemoryWindow {
     fn drop(&mut self) {
-        self.pd.context().inner.stags.remove(self.rkey());
+        self.pd.context().device().release(self.rkey());
     }
 }

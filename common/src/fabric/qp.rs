@@ -16,58 +16,79 @@ use super::error::{Error, Result};
 use super::mr::{MemoryRegion, MemoryWindow};
 use super::pd::ProtectionDomain;
 use super::soft::conn;
-use super::soft::qp::SoftQp;
+use super::transport::{IncomingEngine, IncomingProgress, ListenEngine, PendingEngine, QpEngine};
 use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
 use super::url::{Scheme, Url};
 use super::Context;
 
-/// Connection parameters: what this side offers in the MPA exchange.
+/// Connection parameters: what this side offers when connecting or accepting. Those of one
+/// transport are in its own part ([`ConnParams::tcp`]); the others mean the same on every
+/// transport.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnParams {
-    /// Ask for MPA CRC32c (on by default). CRC is used if either side asks.
-    pub crc: bool,
     /// Inbound Read/Atomic/Flush requests this side serves at once (IRD).
     pub ird: u16,
     /// Outbound Read/Atomic/Flush requests this side keeps in flight (ORD); lowered to the
     /// peer's IRD when the connection is made.
     pub ord: u16,
-    /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
-    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
-    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
-    /// on a 1500-byte MTU, about 32 KiB on loopback.
-    pub max_ulpdu: usize,
     /// Largest message (Write, Read, Send) this side posts or serves; a peer's Read Request for
     /// more is answered with a Terminate.
     pub max_message: usize,
     /// How long a connect or accept may take.
     pub timeout: Duration,
+    /// What the `tcp` transport offers in the MPA exchange (ignored by other transports).
+    pub tcp: TcpParams,
 }
 
 impl Default for ConnParams {
     fn default() -> Self {
         ConnParams {
-            crc: true,
             ird: 16,
             ord: 16,
-            max_ulpdu: crate::fabric::soft::wire::MAX_ULPDU_LIMIT,
             max_message: 1 << 30,
             timeout: Duration::from_secs(10),
+            tcp: TcpParams::default(),
         }
     }
 }
 
-/// What was agreed in the MPA exchange.
+/// The `tcp` transport's connection parameters: its MPA knobs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpParams {
+    /// Ask for MPA CRC32c (on by default). CRC is used if either side asks.
+    pub crc: bool,
+    /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
+    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
+    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
+    /// on a 1500-byte MTU, about 32 KiB on loopback.
+    pub max_ulpdu: usize,
+}
+
+impl TcpParams {
+    /// The most private data a connect or accept may carry on this transport (the MPA frame's
+    /// room less this project's capability block).
+    pub const MAX_PRIVATE_DATA: usize = conn::MAX_PRIVATE_DATA;
+}
+
+impl Default for TcpParams {
+    fn default() -> Self {
+        TcpParams {
+            crc: true,
+            max_ulpdu: conn::MAX_ULPDU_LIMIT,
+        }
+    }
+}
+
+/// What was agreed when the connection was made.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ConnInfo {
-    /// Whether FPDUs carry CRC32c.
-    pub crc: bool,
     /// Inbound requests this side serves at once.
     pub ird: u16,
     /// Outbound requests this side keeps in flight.
     pub ord: u16,
-    /// The peer understands the private Flush opcode.
+    /// The peer understands Flush (RDMA Flush: the private opcode on `tcp`).
     pub peer_flush: bool,
-    /// The peer understands the private Atomic Write opcode.
+    /// The peer understands Atomic Write (the private opcode on `tcp`).
     pub peer_atomic_write: bool,
     /// The peer understands RFC 7306 atomics.
     pub peer_atomics: bool,
@@ -77,17 +98,26 @@ pub struct ConnInfo {
     pub local_addr: SocketAddr,
     /// The peer's socket address.
     pub peer_addr: SocketAddr,
+    /// What the `tcp` transport agreed in the MPA exchange (`None` on other transports).
+    pub tcp: Option<TcpInfo>,
+}
+
+/// What the `tcp` transport agreed in the MPA exchange.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TcpInfo {
+    /// Whether FPDUs carry CRC32c.
+    pub crc: bool,
 }
 
 /// A queue pair that is not connected yet (state Init).
 pub struct PreparedQueuePair {
-    pub(crate) inner: Arc<SoftQp>,
+    pub(crate) inner: QpEngine,
 }
 
 impl std::fmt::Debug for PreparedQueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PreparedQueuePair")
-            .field("qp_num", &self.inner.num)
+            .field("qp_num", &self.inner.num())
             .finish()
     }
 }
@@ -100,14 +130,15 @@ impl PreparedQueuePair {
         caps: QpCaps,
     ) -> PreparedQueuePair {
         let num = pd.context().next_qp_num();
+        let device = pd.context().clone();
         PreparedQueuePair {
-            inner: SoftQp::new(num, pd, send_cq, recv_cq, caps),
+            inner: device.device().create_qp(num, pd, send_cq, recv_cq, caps),
         }
     }
 
     /// The queue pair number.
     pub fn qp_num(&self) -> u32 {
-        self.inner.num
+        self.inner.num()
     }
 
     /// Posts a receive before the connection exists, so that the peer's first Send finds it
@@ -120,7 +151,7 @@ impl PreparedQueuePair {
     }
 
     /// Connects to a listener at `url` (rdma_connect): TCP connect, the MPA exchange carrying
-    /// `private_data` (at most [`conn::MAX_PRIVATE_DATA`] bytes), then RTS.
+    /// `private_data` (at most [`TcpParams::MAX_PRIVATE_DATA`] bytes on `tcp`), then RTS.
     ///
     /// # Errors
     /// [`Error::TransportUnavailable`] for `rdma://` in this build, [`Error::Socket`],
@@ -134,8 +165,7 @@ impl PreparedQueuePair {
                 })
             }
         }
-        let (stream, neg) = conn::connect(url, params, private_data)?;
-        self.inner.start(stream, neg, params)?;
+        self.inner.connect(url, params, private_data)?;
         Ok(QueuePair { inner: self.inner })
     }
 }
@@ -143,13 +173,13 @@ impl PreparedQueuePair {
 /// A connected reliable queue pair (`ibv_qp` of type RC), in RTS until an error moves it to
 /// Error. Dropping it closes the connection; the peer's queue pair goes to Error.
 pub struct QueuePair {
-    inner: Arc<SoftQp>,
+    inner: QpEngine,
 }
 
 impl std::fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QueuePair")
-            .field("qp_num", &self.inner.num)
+            .field("qp_num", &self.inner.num())
             .field("state", &self.inner.state())
             .finish()
     }
@@ -158,7 +188,7 @@ impl std::fmt::Debug for QueuePair {
 impl QueuePair {
     /// The queue pair number (the `qp_num` of its completions).
     pub fn qp_num(&self) -> u32 {
-        self.inner.num
+        self.inner.num()
     }
 
     /// The current state: RTS, or Error after a fatal error.
@@ -246,12 +276,12 @@ impl QueuePair {
         self.inner.check_rts("bind_mw")?;
         // The window's domain is the region's (`MemoryWindow::bind` checks that): a rkey bound
         // here would otherwise serve a queue pair of another domain.
-        if !self.inner.pd.same(mr.pd()) {
+        if !self.inner.pd().same(mr.pd()) {
             return Err(Error::WrongDomain {
                 what: "the queue pair binding the window",
             });
         }
-        mw.bind(self.inner.num, mr, offset, len, access)
+        mw.bind(self.inner.num(), mr, offset, len, access)
     }
 
     /// Moves the queue pair to Error (`ibv_modify_qp` to ERR): the connection is closed and
@@ -270,7 +300,7 @@ impl Drop for QueuePair {
 /// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL.
 pub struct Listener {
     ctx: Context,
-    inner: conn::TcpListen,
+    inner: ListenEngine,
 }
 
 impl std::fmt::Debug for Listener {
@@ -297,7 +327,7 @@ impl Listener {
         }
         Ok(Listener {
             ctx: ctx.clone(),
-            inner: conn::TcpListen::bind(url)?,
+            inner: ctx.device().listen(url)?,
         })
     }
 
@@ -358,7 +388,7 @@ impl AsFd for Listener {
 /// full yet. Dropping it closes the connection without an answer.
 pub struct Incoming {
     ctx: Context,
-    inner: conn::Incoming,
+    inner: IncomingEngine,
 }
 
 impl std::fmt::Debug for Incoming {
@@ -395,11 +425,11 @@ impl Incoming {
     pub fn poll_request(self) -> Result<RequestProgress> {
         let ctx = self.ctx;
         Ok(match self.inner.poll_request()? {
-            conn::Progress::Complete(pending) => RequestProgress::Complete(ConnRequest {
+            IncomingProgress::Complete(pending) => RequestProgress::Complete(ConnRequest {
                 ctx,
                 pending: Some(pending),
             }),
-            conn::Progress::Incomplete(inner) => {
+            IncomingProgress::Incomplete(inner) => {
                 RequestProgress::Incomplete(Incoming { ctx, inner })
             }
         })
@@ -415,7 +445,7 @@ impl AsFd for Incoming {
 /// An incoming connection waiting for an answer. Dropping it unanswered rejects it.
 pub struct ConnRequest {
     ctx: Context,
-    pending: Option<conn::Pending>,
+    pending: Option<PendingEngine>,
 }
 
 impl std::fmt::Debug for ConnRequest {
@@ -451,14 +481,13 @@ impl ConnRequest {
         params: &ConnParams,
         private_data: &[u8],
     ) -> Result<QueuePair> {
-        if !qp.inner.pd.context().same(&self.ctx) {
+        if !qp.inner.pd().context().same(&self.ctx) {
             return Err(Error::WrongDomain { what: "queue pair" });
         }
         let pending = self.pending.take().ok_or(Error::InvalidWorkRequest {
             reason: "connection request already answered",
         })?;
-        let (stream, neg) = pending.accept(params, private_data)?;
-        qp.inner.start(stream, neg, params)?;
+        qp.inner.accept(pending, params, private_data)?;
         Ok(QueuePair { inner: qp.inner })
     }
 

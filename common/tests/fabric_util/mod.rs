@@ -31,7 +31,10 @@ pub fn rw() -> Access {
 
 pub fn params(crc: bool) -> ConnParams {
     ConnParams {
-        crc,
+        tcp: TcpParams {
+            crc,
+            ..TcpParams::default()
+        },
         ..ConnParams::default()
     }
 }

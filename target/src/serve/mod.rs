@@ -431,7 +431,8 @@ fn fabric_url(l: &crate::config::Listener) -> Result<Url> {
 }
 
 impl FabricServe {
-    /// A server on the soft (`tcp`) device; nothing runs until [`Serve::bind`].
+    /// A server; nothing runs until [`Serve::bind`], which opens the device its listeners'
+    /// URLs name.
     pub fn new() -> FabricServe {
         FabricServe {
             ctx: Context::soft(),
@@ -449,6 +450,14 @@ impl FabricServe {
             .iter()
             .map(fabric_url)
             .collect::<Result<_>>()?;
+        // The device is the listeners' transport's (they share one: a config has one
+        // transport today).
+        if let Some(url) = urls.first() {
+            self.ctx = Context::for_url(url).map_err(|source| Error::Listen {
+                url: url.to_string(),
+                source,
+            })?;
+        }
         let shared = Arc::new(Shared {
             ctx: self.ctx.clone(),
             config: RwLock::new(Arc::new(cfg.clone())),

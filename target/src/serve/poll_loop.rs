@@ -18,7 +18,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, QpState, WcStatus, Woken,
+    Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, QpState, TcpParams, WcStatus,
+    Woken,
 };
 use rpma_common::proto::{FlushResponse, FlushStatus};
 
@@ -181,8 +182,11 @@ impl PollLoop {
         let depth = granted as usize + RECV_SLACK;
         let handshake = Duration::from_millis(u64::from(cfg.admission.handshake_timeout_ms));
         let params = ConnParams {
-            crc: cfg.crc,
             timeout: handshake,
+            tcp: TcpParams {
+                crc: cfg.crc,
+                ..TcpParams::default()
+            },
             ..ConnParams::default()
         };
         let made = (|| {

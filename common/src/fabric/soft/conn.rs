@@ -6,15 +6,18 @@ use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 
 use crate::fabric::error::{Error, Result};
-use crate::fabric::qp::{ConnInfo, ConnParams};
+use crate::fabric::qp::{ConnInfo, ConnParams, TcpInfo};
 use crate::fabric::soft::wire::mpa::{self, MpaConfig, MpaFrame, RtrTypes};
 use crate::fabric::soft::wire::rx::RxConfig;
 use crate::fabric::soft::wire::{self, CapFlags, Caps, WireError};
 use crate::fabric::url::{Scheme, Url};
 
 /// The largest ULPDU sent when the connection's MSS is unknown: one FPDU per TCP segment of
-/// a 1500-byte MTU. (`ConnParams::default()` asks for 65535, which the MSS then cuts.)
-pub const DEFAULT_MAX_ULPDU: usize = wire::DEFAULT_MAX_ULPDU;
+/// a 1500-byte MTU. (`TcpParams::default()` asks for 65535, which the MSS then cuts.)
+pub(crate) const DEFAULT_MAX_ULPDU: usize = wire::DEFAULT_MAX_ULPDU;
+
+/// The largest ULPDU MPA can carry (`TcpParams::default()` asks for it).
+pub(crate) const MAX_ULPDU_LIMIT: usize = wire::MAX_ULPDU_LIMIT;
 
 /// The largest ULPDU whose FPDU fits one TCP segment of `sock` (RFC 5044's MULPDU without
 /// markers: the MSS less the 2-byte length, the pad and the CRC), at least
@@ -28,11 +31,13 @@ pub(crate) fn mulpdu(sock: &TcpStream) -> Option<usize> {
 
 /// The most application private data a connect or accept may carry: 256 bytes of MPA private
 /// data (what Linux siw accepts) less the 4-byte IRD/ORD prefix and the 12-byte capability block.
-pub const MAX_PRIVATE_DATA: usize = mpa::MAX_SENT_PRIVATE_DATA - 4 - wire::caps::BLOCK_LEN;
+pub(crate) const MAX_PRIVATE_DATA: usize = mpa::MAX_SENT_PRIVATE_DATA - 4 - wire::caps::BLOCK_LEN;
 
 /// What the engine needs from the handshake.
 pub(crate) struct Negotiated {
     pub(crate) info: ConnInfo,
+    /// Whether FPDUs carry CRC32c.
+    pub(crate) crc: bool,
     pub(crate) peer_max_ulpdu: usize,
     /// The receive side's settings: CRC, our advertised maximum ULPDU, the opcodes both
     /// sides understand.
@@ -45,13 +50,13 @@ fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<Mpa
             reason: "private data longer than 240 bytes",
         });
     }
-    if !(wire::tx::MIN_MAX_ULPDU..=wire::MAX_ULPDU_LIMIT).contains(&params.max_ulpdu) {
+    if !(wire::tx::MIN_MAX_ULPDU..=wire::MAX_ULPDU_LIMIT).contains(&params.tcp.max_ulpdu) {
         return Err(Error::InvalidWorkRequest {
             reason: "max_ulpdu must be 128..=65535",
         });
     }
     Ok(MpaConfig {
-        crc: params.crc,
+        crc: params.tcp.crc,
         ird: params.ird.min(mpa::IRD_ORD_MAX),
         ord: params.ord.min(mpa::IRD_ORD_MAX),
         caps: Caps::new(
@@ -75,12 +80,11 @@ fn finish(
     local_addr: SocketAddr,
     peer_addr: SocketAddr,
 ) -> Result<Negotiated> {
-    let peer_max = n.tx_max_ulpdu(params.max_ulpdu);
+    let peer_max = n.tx_max_ulpdu(params.tcp.max_ulpdu);
     let rx = RxConfig::from_negotiated(&n, wire::MAX_ULPDU_LIMIT)
         .map_err(|e| handshake_err(peer_addr, e))?;
     Ok(Negotiated {
         info: ConnInfo {
-            crc: n.crc,
             ird: n.ird,
             ord: n.ord,
             peer_flush: n.shared.contains(CapFlags::FLUSH),
@@ -89,7 +93,9 @@ fn finish(
             peer_private_data: n.caps.app.clone(),
             local_addr,
             peer_addr,
+            tcp: Some(TcpInfo { crc: n.crc }),
         },
+        crc: n.crc,
         peer_max_ulpdu: peer_max,
         rx,
     })

@@ -17,9 +17,9 @@ use crate::fabric::error::{Error, Result};
 use crate::fabric::pd::ProtectionDomain;
 use crate::fabric::qp::{ConnInfo, ConnParams};
 use crate::fabric::soft::conn::Negotiated;
+use crate::fabric::soft::outbound::Tx;
 use crate::fabric::soft::placement::Dirty;
 use crate::fabric::soft::poll::Poller;
-use crate::fabric::soft::tx::Tx;
 use crate::fabric::soft::wire::rx::FpduReceiver;
 use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendWr};
 
@@ -146,8 +146,8 @@ impl SoftQp {
         let e = &mut c.e;
         // RFC 5044: an FPDU should fit one TCP segment (MULPDU), whatever was asked for.
         let mulpdu = super::conn::mulpdu(&sock).unwrap_or(super::conn::DEFAULT_MAX_ULPDU);
-        let max_ulpdu = neg.peer_max_ulpdu.min(params.max_ulpdu).min(mulpdu);
-        e.tx = Tx::new(neg.info.crc, max_ulpdu);
+        let max_ulpdu = neg.peer_max_ulpdu.min(params.tcp.max_ulpdu).min(mulpdu);
+        e.tx = Tx::new(neg.crc, max_ulpdu);
         e.ord = neg.info.ord.max(1) as usize;
         e.ird = neg.info.ird.max(1) as usize;
         e.max_message = params.max_message;
@@ -162,8 +162,8 @@ impl SoftQp {
         });
         let (scq, rcq) = (c.e.send_cq.clone(), c.e.recv_cq.clone());
         drop(c);
-        scq.attach(self);
-        rcq.attach(self);
+        scq.engine().attach_soft(self);
+        rcq.engine().attach_soft(self);
         Ok(())
     }
 

@@ -6,7 +6,7 @@ use std::sync::Arc;
 use super::engine::*;
 use crate::fabric::error::{Error, Result};
 use crate::fabric::qp::ConnInfo;
-use crate::fabric::soft::tx::{OnSent, Src, TxMsg};
+use crate::fabric::soft::outbound::{OnSent, Src, TxMsg};
 use crate::fabric::soft::wire::rdmap::{
     AtomicRequest, AtomicWriteRequest, FlushPlacement, FlushRequest, FlushSelectivity, ReadRequest,
 };

@@ -5,12 +5,14 @@
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::engine::*;
-use crate::fabric::soft::placement::{self};
-use crate::fabric::soft::tx::{OnSent, Src, TxMsg};
+use crate::fabric::soft::outbound::{OnSent, Src, TxMsg};
+use crate::fabric::soft::placement;
+use crate::fabric::soft::placement::DirectTarget;
+use crate::fabric::soft::status;
 use crate::fabric::soft::wire::rdmap::{
     AtomicOp, AtomicResponse, Body, FlushPlacement, FlushSelectivity, PrivateResponse,
 };
-use crate::fabric::soft::wire::rx::{self, DirectTarget};
+use crate::fabric::soft::wire::rx;
 use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause};
 use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
 
@@ -74,11 +76,11 @@ impl Engine {
                 ) {
                     if let Err(f) =
                         self.ctx
-                            .inner
-                            .stags
+                            .device()
+                            .stags()
                             .invalidate_remote(inv_stag, self.pd, self.qp_num)
                     {
-                        let cause = placement::invalidate_cause(f);
+                        let cause = status::invalidate_cause(f);
                         self.terminate(Fault::at(cause, hdr, hdr.len() + len));
                         self.recv_cq.push(self.recv_completion(
                             cur.entry.wr_id,
@@ -126,8 +128,8 @@ impl Engine {
         use crate::fabric::soft::device::AccessFault;
         let entry = self
             .ctx
-            .inner
-            .stags
+            .device()
+            .stags()
             .lookup(stag)
             .ok_or(AccessFault::InvalidStag)?;
         entry.check(self.pd, self.qp_num, to, len, need)
@@ -194,7 +196,7 @@ impl Engine {
                 }
                 let t = self
                     .lookup(rr.src_stag, rr.src_to, rr.size as u64, Access::REMOTE_READ)
-                    .map_err(|f| quote(fault(placement::rdmap_cause(f))))?;
+                    .map_err(|f| quote(fault(status::rdmap_cause(f))))?;
                 self.persist_dirty(hdr, ulpdu_len).map_err(quote)?;
                 let rhdr = Header::tagged(Opcode::ReadResponse, rr.sink_stag, rr.sink_to, true);
                 self.tx.push(TxMsg {
@@ -214,7 +216,7 @@ impl Engine {
                 }
                 let t = self
                     .lookup(ar.stag, ar.to, 8, Access::REMOTE_ATOMIC)
-                    .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                    .map_err(|f| fault(status::rdmap_cause(f)))?;
                 self.persist_dirty(hdr, ulpdu_len)?;
                 let ptr = t.ptr();
                 if !(ptr as usize).is_multiple_of(8) {
@@ -251,7 +253,7 @@ impl Engine {
                 self.take_ird(hdr, ulpdu_len)?;
                 let t = self
                     .lookup(aw.stag, aw.to, 8, Access::REMOTE_WRITE)
-                    .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                    .map_err(|f| fault(status::rdmap_cause(f)))?;
                 let ptr = t.ptr();
                 if aw.to % 8 != 0 || !(ptr as usize).is_multiple_of(8) {
                     return Err(fault(TermCause::RDMAP_BASE_BOUNDS));
@@ -279,14 +281,16 @@ impl Engine {
                     FlushSelectivity::Range { stag, to, len } => {
                         self.lookup(stag, to, len, need).map(|t| (t, len as usize))
                     }
-                    FlushSelectivity::Region { stag } => match self.ctx.inner.stags.lookup(stag) {
-                        Some(e) => e
-                            .check(self.pd, self.qp_num, e.base, e.len, need)
-                            .map(|t| (t, e.len as usize)),
-                        None => Err(crate::fabric::soft::device::AccessFault::InvalidStag),
-                    },
+                    FlushSelectivity::Region { stag } => {
+                        match self.ctx.device().stags().lookup(stag) {
+                            Some(e) => e
+                                .check(self.pd, self.qp_num, e.base, e.len, need)
+                                .map(|t| (t, e.len as usize)),
+                            None => Err(crate::fabric::soft::device::AccessFault::InvalidStag),
+                        }
+                    }
                 }
-                .map_err(|f| fault(placement::rdmap_cause(f)))?;
+                .map_err(|f| fault(status::rdmap_cause(f)))?;
                 self.persist_dirty(hdr, ulpdu_len)?;
                 if fr.placement == FlushPlacement::Persistent {
                     if let Some(p) = t.0.region.persist() {
@@ -350,7 +354,7 @@ impl Engine {
                 self.recv_cq.push(c);
             }
             Body::Terminate(t) => {
-                let status = placement::status_for(t.cause);
+                let status = status::status_for(t.cause);
                 self.closing = false;
                 self.enter_error(format!("received Terminate {:?}", t.cause), Some(status));
             }
@@ -427,7 +431,7 @@ impl Engine {
                         });
                         Ok(Some((ptr, dax)))
                     }
-                    Err(f) => Err((placement::tagged_cause(f), None)),
+                    Err(f) => Err((status::tagged_cause(f), None)),
                 }
             }
             (Opcode::ReadResponse, HeaderKind::Tagged { stag, to }) => {

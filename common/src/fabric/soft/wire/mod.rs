@@ -16,7 +16,9 @@
 //! 3. To receive, feed a non-blocking socket to [`rx::FpduReceiver::poll`] with a
 //!    [`rx::Placer`] that says where each data payload goes. Registered memory, on both sides,
 //!    is reached only through a [`VolatileSlice`](crate::volatile::VolatileSlice)
-//!    ([`tx::Framing::for_volatile`], [`rx::DirectTarget`]).
+//!    ([`tx::Framing::for_volatile`], [`rx::DirectTarget`]). The copies into place, and what
+//!    the responder does with placed bytes, are the transport's placement module's, not this
+//!    layer's.
 //!
 //! Every decoding error is a [`WireError`], and every `WireError` names the Terminate cause the
 //! RFCs prescribe for it ([`WireError::terminate_cause`]), so the engine can answer a bad frame with

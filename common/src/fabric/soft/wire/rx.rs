@@ -4,8 +4,8 @@
 //! Integrity before placement:
 //! - CRC on: the whole FPDU is gathered in the receiver's buffer (a mirrored ring: an FPDU is
 //!   one slice wherever it starts, and nothing is ever compacted), its CRC checked, then its
-//!   header decoded, then the placer asked, then the payload copied into place ([`place_copy`],
-//!   or [`place_copy_writeback`] with non-temporal stores where the placer asked for the cache
+//!   header decoded, then the placer asked, then the payload copied into place (`place_copy`,
+//!   or `place_copy_writeback` with non-temporal stores where the placer asked for the cache
 //!   write-back: the only functions that write received bytes into registered memory).
 //! - CRC off: the header is decoded and checked and the placer asked as soon as the header is in;
 //!   a direct payload is then read from the stream straight into place (bytes already read ahead
@@ -31,7 +31,9 @@ use super::ring::Ring;
 use super::terminate::TermCause;
 use super::tx::MIN_MAX_ULPDU;
 use super::{crc32c, fpdu_len, pad_len, Result, WireError, MAX_ULPDU_LIMIT};
-use crate::volatile::{self, ReadVolatile, VolatileSlice};
+pub use crate::fabric::soft::placement::DirectTarget;
+use crate::fabric::soft::placement::{place_copy, place_copy_writeback};
+use crate::volatile::{ReadVolatile, VolatileSlice};
 
 /// With CRC off, how far past the bytes it needs the receiver reads ahead. Small enough that a
 /// large direct payload mostly lands straight in place, large enough that a 4 KiB Write and the
@@ -97,57 +99,6 @@ impl RxConfig {
                 reason: "not negotiated",
             })
         }
-    }
-}
-
-/// Registered memory a payload is placed into.
-#[derive(Debug)]
-pub struct DirectTarget {
-    dst: VolatileSlice<'static>,
-    writeback: bool,
-}
-
-// SAFETY: `DirectTarget::new`'s contract makes the range valid from whichever thread polls the
-// receiver; the slice only reaches it through copies and iovecs, which any thread may use.
-unsafe impl Send for DirectTarget {}
-
-impl DirectTarget {
-    /// A placement at `ptr` for up to `len` bytes.
-    ///
-    /// # Safety
-    /// From the moment this is returned to the receiver until the `poll` call that reports the
-    /// FPDU (or fails, or the receiver is dropped): `ptr..ptr + len` stays valid for reads and
-    /// writes, and no Rust reference to its bytes is used (the contract of
-    /// [`VolatileSlice::new`]). Other parties may read and write the bytes meanwhile through raw
-    /// pointers or the kernel: another queue pair placing into them, the memory's owner
-    /// copying out of them; the receiver forms no reference to them either. The caller has
-    /// checked STag, bounds and rights for it.
-    pub unsafe fn new(ptr: *mut u8, len: usize) -> DirectTarget {
-        DirectTarget {
-            // SAFETY: this function's own contract, for as long as the receiver holds it.
-            dst: unsafe { VolatileSlice::new(ptr, len) },
-            writeback: false,
-        }
-    }
-
-    /// Asks that the placed bytes also leave the CPU cache (memory made durable by a cache
-    /// write-back: dax). Where the receiver copies the payload into place it then uses
-    /// non-temporal stores (and writes back the partial lines at either end), and says so in
-    /// [`Received::written_back`]: only a store fence is then needed to make the bytes durable.
-    /// A payload the receiver reads from the stream straight into place is not written back.
-    pub fn with_cache_writeback(mut self) -> DirectTarget {
-        self.writeback = true;
-        self
-    }
-
-    /// Bytes available at the target.
-    pub fn len(&self) -> usize {
-        self.dst.len()
-    }
-
-    /// Whether the target is empty.
-    pub fn is_empty(&self) -> bool {
-        self.dst.is_empty()
     }
 }
 
@@ -272,86 +223,6 @@ impl std::fmt::Debug for FpduReceiver {
             .field("buffered", &(self.end - self.start))
             .finish_non_exhaustive()
     }
-}
-
-/// Copies a checked payload to the start of its placement: with [`place_copy_writeback`], the
-/// only code that writes received bytes into registered memory on the staged path. A `memcpy`
-/// on raw pointers (see [`crate::volatile`]): as fast as a slice copy, with no reference over
-/// memory others may be writing.
-///
-/// # Errors
-/// [`volatile::Error::OutOfRange`] if `dst` is shorter than `src` (nothing is copied).
-pub fn place_copy(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<()> {
-    dst.write_at(0, src)
-}
-
-/// Payloads shorter than this are copied plainly (and written back later, with the other dirty
-/// ranges): with 1440-byte FPDUs every one shares its first and last cache line with its
-/// neighbours, and streaming them in cost more than it saved (docs/benchmarks.md).
-pub const WRITEBACK_COPY_MIN: usize = 2048;
-
-/// How [`place_copy_writeback`] splits `len` bytes at `dst`: (head, body, tail), where the
-/// body is whole 64-byte lines from a line boundary, streamed with non-temporal stores, and the
-/// head and tail (each under a line) are copied plainly and written back from the cache. The
-/// three cover `len` exactly, so every byte is either streamed or written back.
-// Whole lines only: a partly streamed line leaves the write-combining buffer as a partial
-// write, which is slow.
-#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
-fn writeback_split(dst: *const u8, len: usize) -> (usize, usize, usize) {
-    let head = dst.align_offset(64).min(len);
-    let body = (len - head) & !63;
-    (head, body, len - head - body)
-}
-
-/// [`place_copy`] with non-temporal stores where the CPU has them (x86-64: `movntdq` for the
-/// whole cache lines in the middle, a plain copy and a cache write-back of the partial lines at
-/// either end): returns true when every byte is on its way out of the cache, so that an `sfence`
-/// makes the range durable, as after `clwb` + `sfence`. Returns false, having done a plain copy,
-/// where there is no cache write-back instruction or `src` is shorter than
-/// [`WRITEBACK_COPY_MIN`]. Streaming stores go through raw pointers too: racing bytes may come
-/// out torn, as with [`place_copy`].
-///
-/// # Errors
-/// As [`place_copy`].
-pub fn place_copy_writeback(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<bool> {
-    let dst = dst.subslice(0, src.len())?;
-    #[cfg(target_arch = "x86_64")]
-    if src.len() >= WRITEBACK_COPY_MIN
-        && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
-    {
-        use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-        let (head, body, tail) = writeback_split(dst.as_ptr(), src.len());
-        let (d0, s0) = (dst.as_ptr(), src.as_ptr());
-        // SAFETY: `dst` is valid for writes of src.len() bytes (a VolatileSlice of that length,
-        // checked above) and, being memory no reference may cover, does not overlap `src`;
-        // head + body + tail == len, so every access stays inside both; the write-back only
-        // needs the lines mapped, which a valid slice is.
-        unsafe {
-            crate::volatile::copy(d0, s0, head);
-            let mut i = head;
-            while i < head + body {
-                // One line per round: four aligned 16-byte streaming stores (SSE2 is baseline
-                // on x86-64), unaligned loads from our buffer.
-                let s = s0.add(i).cast::<__m128i>();
-                let d = d0.add(i).cast::<__m128i>();
-                let (x0, x1) = (_mm_loadu_si128(s), _mm_loadu_si128(s.add(1)));
-                let (x2, x3) = (_mm_loadu_si128(s.add(2)), _mm_loadu_si128(s.add(3)));
-                _mm_stream_si128(d, x0);
-                _mm_stream_si128(d.add(1), x1);
-                _mm_stream_si128(d.add(2), x2);
-                _mm_stream_si128(d.add(3), x3);
-                i += 64;
-            }
-            crate::volatile::copy(d0.add(head + body), s0.add(head + body), tail);
-            // The partial lines went through the cache: write them back (no fence here; the
-            // caller's sfence orders them with the streaming stores).
-            crate::pmem::writeback_range(d0, head);
-            crate::pmem::writeback_range(d0.add(head + body), tail);
-        }
-        return Ok(true);
-    }
-    place_copy(dst, src)?;
-    Ok(false)
 }
 
 impl FpduReceiver {

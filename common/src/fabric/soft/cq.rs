@@ -1,0 +1,63 @@
+//! The soft transport's part of a completion queue: the queue pairs whose sockets its polling
+//! drives, and the epoll set its idle wait blocks in.
+
+use std::sync::{Arc, Mutex, Weak};
+
+use super::poll::Poller;
+use super::qp::SoftQp;
+use crate::fabric::error::Result;
+
+pub(crate) struct SoftCq {
+    qps: Mutex<Arc<Vec<Weak<SoftQp>>>>,
+    poller: Poller,
+}
+
+impl SoftCq {
+    pub(crate) fn new() -> Result<SoftCq> {
+        Ok(SoftCq {
+            qps: Mutex::new(Arc::new(Vec::new())),
+            poller: Poller::new()?,
+        })
+    }
+
+    pub(crate) fn poller(&self) -> &Poller {
+        &self.poller
+    }
+
+    pub(crate) fn attach(&self, qp: &Arc<SoftQp>) {
+        let mut qps = self.qps.lock().unwrap_or_else(|p| p.into_inner());
+        let mut list: Vec<Weak<SoftQp>> = qps
+            .iter()
+            .filter(|w| w.strong_count() > 0)
+            .cloned()
+            .collect();
+        if !list
+            .iter()
+            .any(|w| std::ptr::eq(w.as_ptr(), Arc::as_ptr(qp)))
+        {
+            list.push(Arc::downgrade(qp));
+        }
+        *qps = Arc::new(list);
+    }
+
+    /// The bound queue pairs still alive. A snapshot: attaching copies the list, so polling
+    /// neither allocates nor holds the list's lock while it drives the queue pairs.
+    fn live_qps(&self) -> Arc<Vec<Weak<SoftQp>>> {
+        Arc::clone(&self.qps.lock().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Drives the bound queue pairs once.
+    pub(crate) fn progress(&self) {
+        for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
+            qp.progress();
+        }
+    }
+
+    /// Arms the sockets for the idle wait (writability where output waits).
+    pub(crate) fn arm(&self) -> Result<()> {
+        for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
+            qp.arm(&self.poller)?;
+        }
+        Ok(())
+    }
+}

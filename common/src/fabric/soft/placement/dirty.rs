@@ -1,0 +1,157 @@
+//! The dirty-range set behind the durability contract: what Writes placed since the last
+//! Read, Atomic or Flush response, made durable before the next such response leaves.
+
+use std::sync::Arc;
+
+use crate::fabric::mr::Region;
+
+/// Beyond this many separate ranges per region, they are merged into one covering range: one
+/// larger persist beats an unbounded list.
+const MAX_RANGES: usize = 64;
+
+/// The ranges placed by Writes since the last Read, Atomic or Flush response: they are made
+/// durable before the next such response leaves (the RC durability contract).
+#[derive(Default)]
+pub(crate) struct Dirty {
+    ranges: Vec<(Arc<Region>, usize, usize)>,
+    /// Bytes were placed with non-temporal stores (on their way out of the cache already):
+    /// a store fence makes them durable.
+    fence: bool,
+}
+
+impl Dirty {
+    /// Records `len` bytes at `offset` of `region` as placed. Regions without a persistence
+    /// domain are not tracked: there is nothing to make durable.
+    pub(crate) fn add(&mut self, region: &Arc<Region>, offset: usize, len: usize) {
+        if len == 0 || region.persist().is_none() {
+            return;
+        }
+        let end = offset + len;
+        // Merge with an overlapping or adjacent range of the same region (the common case:
+        // consecutive FPDUs of one Write).
+        for r in self.ranges.iter_mut().rev() {
+            if Arc::ptr_eq(&r.0, region) && offset <= r.1 + r.2 && r.1 <= end {
+                let start = r.1.min(offset);
+                r.2 = (r.1 + r.2).max(end) - start;
+                r.1 = start;
+                return;
+            }
+        }
+        let same = self
+            .ranges
+            .iter()
+            .filter(|r| Arc::ptr_eq(&r.0, region))
+            .count();
+        if same >= MAX_RANGES {
+            let (mut lo, mut hi) = (offset, end);
+            self.ranges.retain(|r| {
+                if Arc::ptr_eq(&r.0, region) {
+                    lo = lo.min(r.1);
+                    hi = hi.max(r.1 + r.2);
+                    false
+                } else {
+                    true
+                }
+            });
+            self.ranges.push((Arc::clone(region), lo, hi - lo));
+            return;
+        }
+        self.ranges.push((Arc::clone(region), offset, len));
+    }
+
+    /// Records that bytes were placed with a copy that wrote them back from the cache
+    /// (non-temporal stores): they need only the fence.
+    pub(crate) fn add_fence(&mut self) {
+        self.fence = true;
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.ranges.is_empty() && !self.fence
+    }
+
+    #[cfg(test)]
+    fn ranges(&self) -> Vec<(usize, usize)> {
+        self.ranges.iter().map(|r| (r.1, r.2)).collect()
+    }
+
+    /// Makes every recorded range durable through its memory's `Persist`, then forgets them.
+    /// On failure the ranges that failed stay recorded and the first error is returned.
+    pub(crate) fn persist_all(&mut self) -> crate::pmem::Result<()> {
+        if std::mem::take(&mut self.fence) {
+            crate::pmem::sfence();
+        }
+        let mut failed = None;
+        self.ranges
+            .retain(|(region, off, len)| match region.persist() {
+                Some(p) => match p.persist(*off, *len) {
+                    Ok(_) => false,
+                    Err(e) => {
+                        failed.get_or_insert(e);
+                        true
+                    }
+                },
+                None => false,
+            });
+        match failed {
+            None => Ok(()),
+            Some(e) => Err(e),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::fabric::mr::{AlignedBuf, Backing};
+    use crate::pmem::{Domain, Mapping};
+
+    fn volatile_region() -> Arc<Region> {
+        Arc::new(Region::for_test(Backing::Owned(
+            AlignedBuf::new(8192).unwrap(),
+        )))
+    }
+
+    fn mapped_region() -> Arc<Region> {
+        let m = Mapping::anonymous(1 << 16).unwrap();
+        Arc::new(Region::for_test(Backing::Owned(Arc::new(m))))
+    }
+
+    #[test]
+    fn dirty_ranges_merge_and_skip_memory_without_persistence() {
+        let mut d = Dirty::default();
+        d.add(&volatile_region(), 0, 100);
+        assert!(d.is_empty(), "no Persist: nothing to track");
+        let r = mapped_region();
+        assert_eq!(r.persist().map(|p| p.domain()), Some(Domain::Volatile));
+        d.add(&r, 0, 100);
+        d.add(&r, 100, 50); // adjacent
+        d.add(&r, 20, 10); // inside
+        assert_eq!(d.ranges(), vec![(0, 150)]);
+        d.add(&r, 1000, 8);
+        d.add(&r, 990, 10); // adjacent below
+        assert_eq!(d.ranges(), vec![(0, 150), (990, 18)]);
+        d.add(&r, 5, 0);
+        assert_eq!(d.ranges().len(), 2);
+        d.persist_all().unwrap();
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn a_fence_alone_is_work_to_do_and_is_done_once() {
+        let mut d = Dirty::default();
+        d.add_fence();
+        assert!(!d.is_empty(), "written-back bytes still need their sfence");
+        d.persist_all().unwrap();
+        assert!(d.is_empty());
+    }
+
+    #[test]
+    fn dirty_ranges_collapse_past_the_limit() {
+        let mut d = Dirty::default();
+        let r = mapped_region();
+        for i in 0..(MAX_RANGES + 1) {
+            d.add(&r, i * 16, 8);
+        }
+        assert_eq!(d.ranges(), vec![(0, MAX_RANGES * 16 + 8)]);
+    }
+}

@@ -1,0 +1,13 @@
+//! Placement: how received bytes land in registered memory and what the responder does there.
+//!
+//! - `copy`: the [`DirectTarget`] a receiver is handed and the copies into it.
+//! - `dirty`: the ranges placed since the last response, for the durability contract.
+//! - `atomics`: RFC 7306 fetch-and-add and compare-and-swap on registered memory.
+
+mod atomics;
+mod copy;
+mod dirty;
+
+pub(crate) use atomics::{compare_swap, fetch_add};
+pub use copy::{place_copy, place_copy_writeback, DirectTarget};
+pub(crate) use dirty::Dirty;
