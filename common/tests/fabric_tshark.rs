@@ -5,8 +5,8 @@
 //! The session covers Write (segmented), WriteWithImm, Read, Send, Send with Solicited Event,
 //! Send with Invalidate, FetchAdd, CompareSwap, the private Flush and Atomic Write, and a
 //! Terminate provoked by a bad rkey. Needs tshark and permission to capture on `lo`; without
-//! them the test fails, unless `RPMA_SKIP_TSHARK=1` (then it says why and skips the check). `RPMA_WIRE_PCAP_DIR` keeps the capture
-//! (fabric.pcap) and tshark's decode (fabric.txt).
+//! them the test fails, unless `RPMA_SKIP_TSHARK=1` (then it says why and skips the check).
+//! `RPMA_WIRE_PCAP_DIR` keeps the capture (fabric.pcap) and tshark's decode (fabric.txt).
 
 mod fabric_util;
 

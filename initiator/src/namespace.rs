@@ -3,8 +3,9 @@
 //! Every call checks its arguments against the namespace descriptor before anything is posted
 //! (bounds, alignment, read-only) and returns only when its requests completed: a write when
 //! its bytes were handed to the transport (sent: the target does not acknowledge a Write, and
-//! nothing is durable yet), a durable call when the target acknowledged durability. Inside one call up to the queue depth of requests are in
-//! flight; the batch calls put many independent transfers in flight at once.
+//! nothing is durable yet), a durable call when the target acknowledged durability. Inside one
+//! call up to the queue depth of requests are in flight; the batch calls put many independent
+//! transfers in flight at once.
 
 use rpma_common::fabric::{RemoteAddr, SendOp};
 use rpma_common::proto::NamespaceDescriptor;

@@ -27,7 +27,8 @@
 //!
 //! // Target: register memory and listen.
 //! let target_mem = AlignedBuf::new(4096)?;
-//! let target_mr = pd.register(Arc::clone(&target_mem), Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ)?;
+//! let rights = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+//! let target_mr = pd.register(Arc::clone(&target_mem), rights)?;
 //! let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse()?)?;
 //! let url = listener.url()?;
 //! let (pd2, cq2) = (pd.clone(), cq.clone());

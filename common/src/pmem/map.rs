@@ -72,8 +72,9 @@ impl std::fmt::Debug for Mapping {
 
 impl Drop for Mapping {
     fn drop(&mut self) {
-        // SAFETY: ptr/len are exactly the region this Mapping mapped and still owns; nothing borrows
-        // from it past the Mapping's lifetime (only raw pointers, whose use is the caller's contract).
+        // SAFETY: ptr/len are exactly the region this Mapping mapped and still owns; nothing
+        // borrows from it past the Mapping's lifetime (only raw pointers, whose use is the
+        // caller's contract).
         unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
     }
 }
@@ -339,8 +340,9 @@ impl Persist for Mapping {
             Method::Msync if len > 0 => {
                 let (start, end) = self.page_range(offset, len);
                 if let Some(file) = &self.file {
-                    // Start write-back now so that drain() has less to wait for. Failure here is not
-                    // final: drain()'s msync writes whatever is still dirty and reports its error.
+                    // Start write-back now so that drain() has less to wait for. Failure here is
+                    // not final: drain()'s msync writes whatever is still dirty and reports its
+                    // error.
                     // SAFETY: sync_file_range only reads the descriptor and the integer arguments.
                     unsafe {
                         libc::sync_file_range(

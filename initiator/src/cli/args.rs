@@ -14,7 +14,7 @@ use rpma_initiator::{
 
 use super::failure::{usage, Failure, EXIT_CODES};
 
-/// rpma-initiator connects to an rpma target and reads, writes and flushes remote persistent memory.
+/// rpma-initiator reads, writes and flushes the remote persistent memory of an rpma target.
 #[derive(Debug, Parser)]
 #[command(name = "rpma-initiator", version, about, long_about = None, after_help = EXIT_CODES)]
 pub(crate) struct Cli {

@@ -38,7 +38,8 @@ impl DirectTarget {
     /// Asks that the placed bytes also leave the CPU cache (memory made durable by a cache
     /// write-back: dax). Where the receiver copies the payload into place it then uses
     /// non-temporal stores (and writes back the partial lines at either end), and says so in
-    /// `Received::written_back` (the wire layer's receiver): only a store fence is then needed to make the bytes durable.
+    /// `Received::written_back` (the wire layer's receiver): only a store fence is then needed
+    /// to make the bytes durable.
     /// A payload the receiver reads from the stream straight into place is not written back.
     pub fn with_cache_writeback(mut self) -> DirectTarget {
         self.writeback = true;

@@ -21,8 +21,8 @@
 //!    layer's.
 //!
 //! Every decoding error is a [`WireError`], and every `WireError` names the Terminate cause the
-//! RFCs prescribe for it ([`WireError::terminate_cause`]), so the engine can answer a bad frame with
-//! the right Terminate. Nothing here panics on input from the network; the few functions that panic
+//! RFCs prescribe for it ([`WireError::terminate_cause`]), so the engine can answer a bad frame
+//! with the right Terminate. Nothing here panics on input from the network; the few functions that panic
 //! on a caller's mistake (an output buffer too small) say so.
 //!
 //! Threads: every type is plain data or a state machine owned by one connection; nothing is shared.
