@@ -5,6 +5,7 @@
 //! - [`target`]: the real `rpma-target` ([`Target`] on a config of the test's own, or the bare
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
+//! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
 //! - [`relay`]: a TCP relay that can cut its links;
 //! - [`sessions`]: the session tests' fixture and what they do over a session;
 //! - [`cachestat`]: what the page cache holds unsynced.
@@ -16,6 +17,7 @@ pub mod bins;
 pub mod cachestat;
 pub mod config;
 pub mod initiator;
+pub mod nbd;
 pub mod relay;
 pub mod sessions;
 pub mod target;
