@@ -4,7 +4,9 @@
 //!   [`Namespace`]);
 //! - [`target`]: the real `rpma-target` ([`Target`] on a config of the test's own, or the bare
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
+//! - [`fuse`]: what the FUSE mount tests share: a running `rpma-initiator mount`, cleanup guards;
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
+//! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
 //! - [`relay`]: a TCP relay that can cut its links;
 //! - [`sessions`]: the session tests' fixture and what they do over a session;
 //! - [`cachestat`]: what the page cache holds unsynced.
@@ -15,7 +17,9 @@
 pub mod bins;
 pub mod cachestat;
 pub mod config;
+pub mod fuse;
 pub mod initiator;
+pub mod nbd;
 pub mod relay;
 pub mod sessions;
 pub mod target;

@@ -1,0 +1,157 @@
+use super::*;
+use crate::nbd::proto::{WireError, REQUEST_MAGIC};
+
+fn req(kind: u16, flags: u16, offset: u64, len: u32) -> Request {
+    Request {
+        flags,
+        kind,
+        handle: 1,
+        offset,
+        len,
+    }
+}
+
+fn bytes(r: &Request, magic: u32) -> Vec<u8> {
+    let mut b = magic.to_be_bytes().to_vec();
+    b.extend_from_slice(&r.flags.to_be_bytes());
+    b.extend_from_slice(&r.kind.to_be_bytes());
+    b.extend_from_slice(&r.handle.to_be_bytes());
+    b.extend_from_slice(&r.offset.to_be_bytes());
+    b.extend_from_slice(&r.len.to_be_bytes());
+    if r.kind == CMD_WRITE && r.len <= MAX_PAYLOAD {
+        b.extend(std::iter::repeat_n(0xab, r.len as usize));
+    }
+    b
+}
+
+const RW: Limits = Limits {
+    size: 1 << 20,
+    read_only: false,
+    align: 1,
+};
+
+#[test]
+fn requests_are_checked_before_anything_is_issued() {
+    let strict = Limits { align: 512, ..RW };
+    let ro = Limits {
+        read_only: true,
+        ..RW
+    };
+    assert_eq!(classify(&req(CMD_READ, 0, 0, 4096), RW), Action::Read);
+    assert_eq!(classify(&req(CMD_READ, 0, 1, 3), RW), Action::Read);
+    assert_eq!(
+        classify(&req(CMD_READ, 0, 1, 3), strict),
+        Action::Fail(EINVAL)
+    );
+    assert_eq!(
+        classify(&req(CMD_READ, 0, 1 << 20, 1), RW),
+        Action::Fail(EINVAL)
+    );
+    assert_eq!(
+        classify(&req(CMD_READ, 0, u64::MAX, 2), RW),
+        Action::Fail(EINVAL)
+    );
+    assert_eq!(classify(&req(CMD_READ, 0, 0, 0), RW), Action::Fail(EINVAL));
+    assert_eq!(
+        classify(&req(CMD_WRITE, 0, (1 << 20) - 512, 1024), RW),
+        Action::Fail(ENOSPC)
+    );
+    assert_eq!(
+        classify(&req(CMD_WRITE, 0, 0, 512), ro),
+        Action::Fail(EPERM)
+    );
+    assert_eq!(
+        classify(&req(CMD_WRITE, CMD_FLAG_FUA, 512, 512), strict),
+        Action::Write { fua: true }
+    );
+    assert_eq!(
+        classify(&req(CMD_WRITE_ZEROES, CMD_FLAG_NO_HOLE, 0, 1 << 20), RW),
+        Action::Zeroes { fua: false }
+    );
+    assert_eq!(
+        classify(&req(CMD_WRITE, CMD_FLAG_NO_HOLE, 0, 1), RW),
+        Action::Fail(EINVAL)
+    );
+    assert_eq!(
+        classify(&req(CMD_READ, 1 << 4, 0, 1), RW),
+        Action::Fail(EINVAL)
+    );
+    assert_eq!(
+        classify(&req(4, 0, 0, 512), RW),
+        Action::Fail(EINVAL),
+        "TRIM"
+    );
+    assert_eq!(classify(&req(CMD_FLUSH, 0, 0, 0), ro), Action::Flush);
+    assert_eq!(classify(&req(CMD_DISC, 0, 0, 0), RW), Action::Disc);
+}
+
+#[test]
+fn split_takes_complete_requests_only() {
+    let w = req(CMD_WRITE, 0, 0, 100);
+    let r = req(CMD_READ, 0, 0, 4096);
+    let mut b = bytes(&w, REQUEST_MAGIC);
+    b.extend(bytes(&r, REQUEST_MAGIC));
+    let s = split(&b, 32);
+    assert_eq!(s.items.len(), 2);
+    assert_eq!(s.items[0].payload, 28..128);
+    assert_eq!(s.consumed, b.len());
+    assert!(s.fatal.is_none());
+    // Every truncation: the complete requests, and what the next one needs.
+    for n in 0..b.len() {
+        let s = split(&b[..n], 32);
+        assert!(s.fatal.is_none());
+        let want = if n < 128 {
+            s.items.is_empty()
+        } else {
+            s.items.len() == 1
+        };
+        assert!(want, "{n}");
+        assert!(s.want >= REQUEST_LEN, "{n}");
+    }
+    assert_eq!(split(&b, 1).items.len(), 1);
+    // A bad magic after a good request: the good one, then the end.
+    let mut bad = bytes(&r, REQUEST_MAGIC);
+    bad.extend(bytes(&r, 0xdead_beef));
+    let s = split(&bad, 32);
+    assert_eq!(s.items.len(), 1);
+    assert!(matches!(
+        s.fatal,
+        Some(ConnError::Wire(WireError::BadMagic { .. }))
+    ));
+    // An oversized WRITE is answered (EINVAL), then the connection ends.
+    let big = req(CMD_WRITE, 0, 0, MAX_PAYLOAD + 1);
+    let s = split(&bytes(&big, REQUEST_MAGIC), 32);
+    assert_eq!(s.items.len(), 1);
+    assert_eq!(classify(&s.items[0].req, RW), Action::Fail(EINVAL));
+    assert!(matches!(s.fatal, Some(ConnError::Protocol(_))));
+}
+
+#[test]
+fn library_errors_map_to_nbd_errors() {
+    let oor = Error::OutOfRange {
+        nsid: 1,
+        offset: 0,
+        len: 1,
+        size: 0,
+    };
+    assert_eq!(errno(&oor, true), ENOSPC);
+    assert_eq!(errno(&oor, false), EINVAL);
+    assert_eq!(errno(&Error::ReadOnly { nsid: 1 }, true), EPERM);
+    assert_eq!(errno(&Error::Broken, false), EIO);
+}
+
+#[test]
+fn inbuf_compacts_and_grows() {
+    let mut b = InBuf::default();
+    b.room(4)[..4].copy_from_slice(b"abcd");
+    b.filled(4);
+    b.consume(1);
+    assert_eq!(b.bytes(), b"bcd");
+    let r = b.room(10);
+    assert!(r.len() >= 10);
+    r[..2].copy_from_slice(b"ef");
+    b.filled(2);
+    assert_eq!(b.bytes(), b"bcdef");
+    b.consume(5);
+    assert!(b.bytes().is_empty());
+}

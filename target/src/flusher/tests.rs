@@ -1,0 +1,230 @@
+use std::fs::File;
+use std::os::unix::fs::OpenOptionsExt;
+
+use super::*;
+use rpma_common::pmem::OpenOptions;
+
+fn page_cache_file(dir: &std::path::Path, len: u64) -> FlushTarget {
+    let p = dir.join("f");
+    let f = File::options()
+        .create(true)
+        .truncate(true)
+        .read(true)
+        .write(true)
+        .open(&p)
+        .unwrap();
+    f.set_len(len).unwrap();
+    FlushTarget::page_cache(f.into(), store(len), len)
+}
+
+/// A store that only remembers failures (the file's mapping in the daemon).
+fn store(len: u64) -> Arc<dyn Persist> {
+    Arc::new(Mapping::anonymous(len as usize).unwrap())
+}
+
+fn run_many(mut fl: Flusher) {
+    let d = tempfile::tempdir().unwrap();
+    let t = page_cache_file(d.path(), 1 << 20);
+    let mut want: Vec<u64> = Vec::new();
+    let mut got = Vec::new();
+    for i in 0..200u64 {
+        loop {
+            match fl.submit(1000 + i, &t, (i % 256) * 4096, 4096) {
+                Ok(()) => break,
+                Err(FlusherError::Full(_)) => fl.drain(&mut got),
+                Err(e) => panic!("{e}"),
+            }
+        }
+        want.push(1000 + i);
+    }
+    fl.drain(&mut got);
+    assert_eq!(fl.in_flight(), 0);
+    let mut tokens: Vec<u64> = got.iter().map(|c| c.token).collect();
+    tokens.sort_unstable();
+    assert_eq!(tokens, want);
+    assert!(
+        got.iter().all(|c| c.status == FlushStatus::Durable),
+        "{got:?}"
+    );
+}
+
+#[test]
+fn many_concurrent_flushes_complete_with_their_tokens() {
+    let fl = Flusher::new(32).unwrap();
+    eprintln!("flusher backend: {}", fl.backend_name());
+    run_many(fl);
+}
+
+#[test]
+fn many_concurrent_flushes_on_the_worker_thread() {
+    let fl = Flusher::new_threaded(8).unwrap();
+    assert_eq!(fl.backend_name(), "thread");
+    run_many(fl);
+}
+
+#[test]
+fn wait_fd_becomes_readable() {
+    let d = tempfile::tempdir().unwrap();
+    let t = page_cache_file(d.path(), 8192);
+    let mut fl = Flusher::new(4).unwrap();
+    fl.submit(7, &t, 0, 8192).unwrap();
+    let mut pfd = libc::pollfd {
+        fd: fl.wait_fd().as_raw_fd(),
+        events: libc::POLLIN,
+        revents: 0,
+    };
+    // SAFETY: one live pollfd.
+    let n = unsafe { libc::poll(&mut pfd, 1, 10_000) };
+    assert_eq!(n, 1, "eventfd never became readable");
+    let mut out = Vec::new();
+    fl.drain(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 7,
+            status: FlushStatus::Durable
+        }]
+    );
+}
+
+fn unflushable_fd(dir: &std::path::Path) -> OwnedFd {
+    // An O_PATH descriptor is open but not for I/O: fsync on it fails with EBADF, exactly as
+    // on a closed descriptor, without the test closing an fd that something else owns.
+    let p = dir.join("g");
+    File::create(&p).unwrap();
+    File::options()
+        .read(true)
+        .custom_flags(libc::O_PATH)
+        .open(&p)
+        .unwrap()
+        .into()
+}
+
+#[test]
+fn a_failed_fdatasync_is_remembered_with_its_errno_and_fails_every_later_flush() {
+    for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+        let d = tempfile::tempdir().unwrap();
+        let st = store(4096);
+        let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
+        assert_eq!(t.failure(), None);
+        fl.submit(9, &t, 0, 4096).unwrap();
+        let mut out = Vec::new();
+        fl.drain(&mut out);
+        assert_eq!(
+            out,
+            [FlushCompletion {
+                token: 9,
+                status: FlushStatus::IoError
+            }],
+            "{}",
+            fl.backend_name()
+        );
+        let f = t.failure().expect("the failure is recorded in the store");
+        assert_eq!((f.op, f.errno), ("fdatasync", libc::EBADF));
+        // Linux would now report success on the same file (the error was reported once):
+        // a flush of a good descriptor with the same store must still fail, without I/O.
+        let good = File::create(d.path().join("h")).unwrap();
+        let t2 = FlushTarget::page_cache(good.into(), st, 4096);
+        fl.submit(10, &t2, 0, 4096).unwrap();
+        assert_eq!(
+            fl.in_flight(),
+            0,
+            "nothing submitted for a failed namespace"
+        );
+        out.clear();
+        fl.poll(&mut out);
+        assert_eq!(out[0].status, FlushStatus::NamespaceFailed);
+    }
+}
+
+#[test]
+fn out_of_range_and_volatile_complete_inline() {
+    let mut fl = Flusher::new(4).unwrap();
+    let v = FlushTarget::volatile(4096);
+    fl.submit(1, &v, 0, 4096).unwrap();
+    fl.submit(2, &v, 4000, 200).unwrap();
+    fl.submit(3, &v, u64::MAX, 2).unwrap();
+    let mut out = Vec::new();
+    assert_eq!(fl.poll(&mut out), 3);
+    assert_eq!(
+        out,
+        [
+            FlushCompletion {
+                token: 1,
+                status: FlushStatus::VisibleOnly
+            },
+            FlushCompletion {
+                token: 2,
+                status: FlushStatus::OutOfRange
+            },
+            FlushCompletion {
+                token: 3,
+                status: FlushStatus::OutOfRange
+            },
+        ]
+    );
+}
+
+#[test]
+fn dax_and_mapped_targets() {
+    let d = tempfile::tempdir().unwrap();
+    let m = Arc::new(
+        OpenOptions::new(d.path().join("ns"))
+            .size(1 << 20)
+            .create(true)
+            .force_dax(true)
+            .open()
+            .unwrap(),
+    );
+    let t = FlushTarget::for_mapping(&m).unwrap();
+    assert!(format!("{t:?}").contains("dax"));
+    let mut fl = Flusher::new(4).unwrap();
+    m.write_at(10, b"x").unwrap();
+    fl.submit(5, &t, 0, 0).unwrap();
+    fl.submit(6, &t, 4096, 4096).unwrap();
+    let mut out = Vec::new();
+    fl.poll(&mut out);
+    assert_eq!(out.len(), 2);
+    assert!(out.iter().all(|c| c.status == FlushStatus::Durable));
+
+    let pc = Arc::new(
+        OpenOptions::new(d.path().join("pc"))
+            .size(1 << 20)
+            .create(true)
+            .open()
+            .unwrap(),
+    );
+    let t = FlushTarget::for_mapping(&pc).unwrap();
+    if pc.domain() == Domain::PageCache {
+        assert!(format!("{t:?}").contains("page-cache"));
+        pc.write_at(0, b"y").unwrap();
+        fl.submit(8, &t, 0, 4096).unwrap();
+        let mut out = Vec::new();
+        fl.drain(&mut out);
+        assert_eq!(
+            out,
+            [FlushCompletion {
+                token: 8,
+                status: FlushStatus::Durable
+            }]
+        );
+    }
+}
+
+#[test]
+fn full_is_an_error_not_a_panic() {
+    let d = tempfile::tempdir().unwrap();
+    let t = page_cache_file(d.path(), 4096);
+    let mut fl = Flusher::new_threaded(1).unwrap();
+    fl.submit(1, &t, 0, 4096).unwrap();
+    // The single slot is taken until the first completion is reaped.
+    assert!(matches!(
+        fl.submit(2, &t, 0, 4096),
+        Err(FlusherError::Full(1))
+    ));
+    let mut out = Vec::new();
+    fl.drain(&mut out);
+    fl.submit(2, &t, 0, 4096).unwrap();
+    fl.drain(&mut out);
+    assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2]);
+}

@@ -1,0 +1,153 @@
+//! `rpma-initiator nbd` against a real `rpma-target`: durability of FUA and FLUSH across a
+//! SIGKILL of the target, and what FLUSH answers when it cannot be honest (EIO).
+
+use std::path::Path;
+use std::process::Command;
+use std::time::{Duration, Instant};
+
+use rpma_tests::nbd::*;
+use rpma_tests::noise as pattern;
+
+// ---- durability ----
+
+/// Waits until the namespace file holds `data` at `offset` (placed by the target).
+fn wait_placed(file: &Path, offset: u64, data: &[u8]) {
+    use std::os::unix::fs::FileExt;
+    let f = std::fs::File::open(file).unwrap();
+    let mut b = vec![0u8; data.len()];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        f.read_exact_at(&mut b, offset).unwrap();
+        if b == data {
+            return;
+        }
+        assert!(Instant::now() < deadline, "never placed at {offset}");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+#[test]
+fn fua_and_flush_answers_mean_durable_across_a_target_sigkill() {
+    let (_d, _shm, mut t) = start("durable");
+    let file = t.dir().join("ns1");
+    let unsynced = |off: u64| rpma_tests::unsynced_pages(&file, off, 64 << 10);
+    let mut e = Export::start(&t, 1, "durable", &[]);
+    let mut c = Raw::connect(&e.sock);
+    let (a, b, f) = (
+        pattern(3, 64 << 10),
+        pattern(4, 64 << 10),
+        pattern(5, 64 << 10),
+    );
+    assert_eq!(c.write(0, 0, &a), 0);
+    if unsynced(0).is_some() {
+        // Only sent: once placed it sits dirty in the page cache (so the checks below can
+        // fail). Placement follows the answer shortly: wait for it.
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while unsynced(0) == Some(0) {
+            assert!(
+                Instant::now() < deadline,
+                "a plain write never showed up dirty"
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    } else {
+        eprintln!("note: no cachestat(2) on this kernel: durability checked by SIGKILL only");
+    }
+    assert_eq!(c.write(FUA, 64 << 10, &b), 0);
+    // Read straight from the file (not through a queue, whose Read would sync): once the bytes
+    // are there, nothing of them may be unsynced.
+    wait_placed(&file, 64 << 10, &b);
+    assert_eq!(
+        unsynced(64 << 10).unwrap_or(0),
+        0,
+        "FUA answered with pages unsynced"
+    );
+    assert_eq!(c.write(0, 128 << 10, &f), 0);
+    assert_eq!(c.flush(), 0);
+    for off in [0, 128 << 10] {
+        assert_eq!(
+            unsynced(off).unwrap_or(0),
+            0,
+            "FLUSH answered with pages unsynced"
+        );
+    }
+    // CAN_MULTI_CONN: another connection's acknowledged write is covered by this one's FLUSH,
+    // and seen by its reads.
+    let g = pattern(9, 64 << 10);
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.write(0, 192 << 10, &g), 0);
+    assert_eq!(c.flush(), 0);
+    wait_placed(&file, 192 << 10, &g);
+    assert_eq!(
+        unsynced(192 << 10).unwrap_or(0),
+        0,
+        "a FLUSH missed another connection's write"
+    );
+    assert_eq!(c.read(192 << 10, 64 << 10).unwrap(), g);
+
+    t.kill9();
+    t.restart();
+    // The export reconnects on its own and serves the same bytes.
+    assert_eq!(c.read(0, 64 << 10).unwrap(), a);
+    assert_eq!(c.read(64 << 10, 64 << 10).unwrap(), b);
+    assert_eq!(c.read(128 << 10, 64 << 10).unwrap(), f);
+    assert_eq!(cli_read(&t, 1, 64 << 10, 64 << 10), b);
+    assert!(e.running());
+
+    // qemu-io's FUA write on the forced-dax namespace, across another SIGKILL.
+    if have("qemu-io") {
+        let e4 = Export::start(&t, 4, "durable4", &[]);
+        let uri = e4.uri();
+        tool(Command::new("qemu-io").args(["-f", "raw", &uri, "-c", "write -f -P 0x6d 4096 8192"]));
+        t.kill9();
+        t.restart();
+        assert!(cli_read(&t, 4, 4096, 8192).iter().all(|&x| x == 0x6d));
+        let out =
+            tool(Command::new("qemu-io").args(["-f", "raw", &uri, "-c", "read -P 0x6d 4096 8192"]));
+        assert!(!out.contains("verification failed"), "{out}");
+    }
+    assert_eq!(e.term().code(), Some(0), "{}", e.log());
+}
+
+#[test]
+fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
+    let (_d, _shm, mut t) = start("lost");
+    let e = Export::start(&t, 1, "lost", &["--reconnect-timeout", "1"]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    t.kill9();
+    // The keep-alive finds the target gone and gives up after 1 s of reconnecting.
+    e.log_line("the queue to the target failed");
+    t.restart();
+    // The write was answered but never made durable, and its queue is gone: this FLUSH
+    // cannot vouch for it.
+    assert_eq!(c.flush(), EIO);
+    assert_eq!(c.flush(), 0, "reported once");
+    assert_eq!(c.write(FUA, 4096, &[8; 4096]), 0, "a new queue serves");
+    // A connection opened after the loss had no write on the old queue.
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.flush(), 0);
+}
+
+#[test]
+fn volatile_flush_and_fua_fail_with_eio_unless_visible_ok() {
+    let (_d, _shm, t) = start("volatile");
+    let e = Export::start(&t, 3, "vol", &[]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(
+        c.write(0, 0, &[1; 4096]),
+        0,
+        "a plain write is only sent anyway"
+    );
+    assert_eq!(c.write(FUA, 4096, &[2; 4096]), EIO);
+    assert_eq!(c.flush(), EIO);
+    assert_eq!(
+        c.read(4096, 4096).unwrap(),
+        vec![2; 4096],
+        "visible all the same"
+    );
+    let ok = Export::start(&t, 3, "vol-ok", &["--visible-ok"]);
+    let mut c = Raw::connect(&ok.sock);
+    assert_eq!(c.write(FUA, 4096, &[3; 4096]), 0);
+    assert_eq!(c.flush(), 0);
+}

@@ -1,0 +1,275 @@
+//! `rpma-initiator nbd` against a real `rpma-target`, driven by a raw client that misbehaves on
+//! purpose: bad clients, ordering of pipelined requests, queue depth, SIGTERM; and the systemd
+//! template unit.
+
+use std::os::unix::net::{UnixDatagram, UnixStream};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use rpma_tests::nbd::*;
+use rpma_tests::{built, noise as pattern, repo_file};
+
+// ---- bad clients, depth, SIGTERM ----
+
+#[test]
+fn bad_clients_lose_their_own_connection_and_change_nothing_else() {
+    let (_d, _shm, t) = start("bad");
+    let mut e = Export::start(&t, 1, "bad", &[]);
+    let base = pattern(6, NS1 as usize);
+    cli_write(&t, 1, 0, &base);
+    let mut expect = base.clone();
+    // A good client, connected throughout, reads after every bad one.
+    let mut good = Raw::connect(&e.sock);
+    let check = |good: &mut Raw, what: &str| {
+        assert_eq!(
+            good.read(8192, 4096).unwrap(),
+            base[8192..12288],
+            "after {what}"
+        );
+    };
+
+    // A short header, then gone.
+    let mut r = Raw::hello(&e.sock);
+    r.send(&IHAVEOPT.to_be_bytes()[..5]);
+    drop(r);
+    check(&mut good, "a short option header");
+    // A bad option magic: closed.
+    let mut r = Raw::hello(&e.sock);
+    r.send(&[0xee; 16]);
+    assert!(r.closed(), "bad option magic");
+    check(&mut good, "a bad option magic");
+    // An unknown option: NBD_REP_ERR_UNSUP, and the handshake goes on.
+    let mut r = Raw::hello(&e.sock);
+    r.option(0x4242, b"whatever");
+    let (opt, ty, _) = r.option_reply();
+    assert_eq!((opt, ty), (0x4242, 0x8000_0001));
+    r.go();
+    assert_eq!(r.read(0, 4096).unwrap(), base[..4096]);
+    // Requests past the end: EINVAL (read), ENOSPC (write); the connection stays.
+    assert_eq!(r.read(NS1 - 4096, 8192), Err(EINVAL));
+    assert_eq!(r.write(0, NS1 - 4096, &[0xcc; 8192]), ENOSPC);
+    assert_eq!(r.read(u64::MAX - 4095, 4096), Err(EINVAL));
+    // Misaligned to the block size it was told: EINVAL.
+    assert_eq!(r.read(1, 4096), Err(EINVAL));
+    assert_eq!(r.write(0, 4096, &[0xcc; 100]), EINVAL);
+    // An oversized READ: EINVAL, the connection stays.
+    assert_eq!(r.read(0, 64 << 20), Err(EINVAL));
+    // A good write still works on it.
+    assert_eq!(r.write(0, 4096, &[0x11; 4096]), 0);
+    expect[4096..8192].fill(0x11);
+    // An oversized WRITE: EINVAL, then closed (its payload cannot be skipped).
+    let h = r.request(CMD_WRITE, 0, 77, 0, 64 << 20);
+    r.send(&h);
+    r.send(&[0xcc; 4096]);
+    assert_eq!(r.reply(), (EINVAL, 77));
+    assert!(r.closed(), "oversized write");
+    check(&mut good, "an oversized write");
+    // A bad request magic: closed.
+    let mut r = Raw::connect(&e.sock);
+    r.send(&[0xdd; 28]);
+    assert!(r.closed(), "bad request magic");
+    // A client that goes away in the middle of a WRITE: nothing of it is written.
+    let mut r = Raw::connect(&e.sock);
+    let mut w = r.request(CMD_WRITE, FUA, 5, 65536, 8192);
+    w.extend_from_slice(&[0xcc; 4096]);
+    r.send(&w);
+    drop(r);
+    // Unknown client flags: closed.
+    let s = UnixStream::connect(&e.sock).unwrap();
+    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut r = Raw(s);
+    r.take(18);
+    r.send(&0x80u32.to_be_bytes());
+    assert!(r.closed(), "unknown client flags");
+    check(&mut good, "a client gone mid-request");
+    e.log_line("went away in the middle of a request");
+
+    assert!(e.running(), "the server died: {}", e.log());
+    assert_eq!(good.flush(), 0);
+    let now = cli_read(&t, 1, 0, NS1);
+    if let Some(i) = (0..now.len()).find(|&i| now[i] != expect[i]) {
+        panic!("byte {i} changed: {:#x} where {:#x}", now[i], expect[i]);
+    }
+    assert_eq!(e.term().code(), Some(0), "{}", e.log());
+}
+
+#[test]
+fn a_client_at_depth_32_has_32_requests_in_flight() {
+    let (_d, _shm, t) = start("depth");
+    let e = Export::start(&t, 1, "depth", &[]);
+    let data = pattern(7, 32 * 4096);
+    cli_write(&t, 1, 0, &data);
+    let mut c = Raw::connect(&e.sock);
+    // 32 READs in one go, as a client at depth 32 sends them.
+    let mut b = Vec::new();
+    for i in 0..32u64 {
+        b.extend(c.request(CMD_READ, 0, 100 + i, (31 - i) * 4096, 4096));
+    }
+    c.send(&b);
+    for i in 0..32u64 {
+        let (err, h) = c.reply();
+        assert_eq!((err, h), (0, 100 + i), "replies come in order here");
+        let off = ((31 - i) * 4096) as usize;
+        assert!(c.take(4096) == data[off..off + 4096]);
+    }
+    let disc = c.request(CMD_DISC, 0, 1, 0, 0);
+    c.send(&disc);
+    assert!(c.closed());
+    let line = e.log_line("largest batch");
+    assert!(
+        line.contains("largest batch 32;") && line.contains("queue max in flight 32"),
+        "{line}"
+    );
+}
+
+#[test]
+fn pipelined_overlapping_requests_keep_their_order() {
+    let (_d, _shm, t) = start("order");
+    let e = Export::start(&t, 1, "order", &[]);
+    let mut c = Raw::connect(&e.sock);
+    let (a, b, x) = (pattern(10, 8192), pattern(11, 8192), pattern(12, 4096));
+    // One burst: W(a) R W(b, overlapping) W(x, overlapping) R.
+    let mut burst = c.request(CMD_WRITE, 0, 1, 0, 8192);
+    burst.extend_from_slice(&a);
+    burst.extend(c.request(CMD_READ, 0, 2, 0, 12288));
+    burst.extend(c.request(CMD_WRITE, 0, 3, 4096, 8192));
+    burst.extend_from_slice(&b);
+    burst.extend(c.request(CMD_WRITE, FUA, 4, 8192, 4096));
+    burst.extend_from_slice(&x);
+    burst.extend(c.request(CMD_READ, 0, 5, 0, 12288));
+    c.send(&burst);
+    assert_eq!(c.reply(), (0, 1));
+    assert_eq!(c.reply(), (0, 2));
+    let first = c.take(12288);
+    assert!(first[..8192] == a[..] && first[8192..].iter().all(|&v| v == 0));
+    assert_eq!(c.reply(), (0, 3));
+    assert_eq!(c.reply(), (0, 4));
+    assert_eq!(c.reply(), (0, 5));
+    let second = c.take(12288);
+    assert!(second[..4096] == a[..4096], "write-after-write");
+    assert!(second[4096..8192] == b[..4096], "write-after-write");
+    assert!(second[8192..] == x[..], "the later overlapping write wins");
+}
+
+#[test]
+fn sigterm_answers_what_was_sent_flushes_and_exits_0() {
+    let (_d, _shm, t) = start("term");
+    let file = t.dir().join("ns1");
+    let mut e = Export::start(&t, 1, "term", &[]);
+    let mut c = Raw::connect(&e.sock);
+    let data = pattern(8, 8 * 8192);
+    let mut b = Vec::new();
+    for i in 0..8u64 {
+        b.extend(c.request(CMD_WRITE, 0, 200 + i, i * 8192, 8192));
+        b.extend_from_slice(&data[i as usize * 8192..(i as usize + 1) * 8192]);
+    }
+    c.send(&b);
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+    assert_eq!(unsafe { libc::kill(e.pid(), libc::SIGTERM) }, 0);
+    for i in 0..8u64 {
+        assert_eq!(c.reply(), (0, 200 + i));
+    }
+    assert!(c.closed());
+    assert_eq!(e.wait().code(), Some(0), "{}", e.log());
+    assert!(e.log().contains("writes durable"), "{}", e.log());
+    assert_eq!(
+        rpma_tests::unsynced_pages(&file, 0, 8 * 8192).unwrap_or(0),
+        0,
+        "the final flush left pages unsynced"
+    );
+    assert!(!e.sock.exists(), "the socket file is removed");
+    assert_eq!(cli_read(&t, 1, 0, 8 * 8192), data);
+}
+
+// ---- systemd ----
+
+#[test]
+fn the_template_unit_passes_verify_and_its_command_line_gets_ready() {
+    let unit = std::fs::read_to_string(repo_file("systemd/rpma-nbd@.service")).unwrap();
+    for key in [
+        "Type=notify",
+        "NotifyAccess=main",
+        "EnvironmentFile=/etc/rpma/nbd-%i.env",
+        "KillSignal=SIGTERM",
+        "RuntimeDirectory=rpma-nbd/%i",
+        "NoNewPrivileges=yes",
+    ] {
+        assert!(unit.contains(key), "unit lacks {key}");
+    }
+    let bin = built("rpma-initiator");
+    let bin = bin.to_str().unwrap();
+    if Command::new("systemd-analyze")
+        .arg("--version")
+        .output()
+        .is_ok()
+    {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("rpma-nbd@disk1.service");
+        std::fs::write(&p, unit.replace("/usr/bin/rpma-initiator", bin)).unwrap();
+        let out = Command::new("systemd-analyze")
+            .arg("verify")
+            .arg(&p)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(out.status.success(), "systemd-analyze verify: {stderr}");
+        assert!(
+            !stderr.contains("rpma-nbd@"),
+            "warnings about the unit:\n{stderr}"
+        );
+    } else {
+        eprintln!("SKIPPED (verify): systemd-analyze is not installed");
+    }
+
+    // ExecStart as systemd would run it for instance "disk1" with an environment file's
+    // variables: it must come up and say READY=1 only once the socket accepts.
+    let exec = unit
+        .lines()
+        .find_map(|l| l.strip_prefix("ExecStart=/bin/sh -c '"))
+        .and_then(|l| l.strip_suffix('\''))
+        .expect("ExecStart=/bin/sh -c '...'")
+        .replace("$$", "$")
+        .replace("%i", "disk1")
+        .replace("/usr/bin/rpma-initiator", bin);
+    let (_d, _shm, t) = start("unit");
+    let sock = t.dir().join("disk1.sock");
+    let notify_path = t.dir().join("unit.notify");
+    let notify = UnixDatagram::bind(&notify_path).unwrap();
+    notify.set_read_timeout(Some(WAIT)).unwrap();
+    let mut child = Command::new("/bin/sh")
+        .args(["-c", &exec])
+        .env_clear()
+        .env("TARGET", t.url())
+        .env("NQN", SUB)
+        .env("HOSTNQN", HOST)
+        .env("SOCKET", &sock)
+        .env("EXTRA_ARGS", "--queue-depth 8")
+        .env("NOTIFY_SOCKET", &notify_path)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut buf = [0u8; 512];
+    let n = notify
+        .recv(&mut buf)
+        .expect("READY=1 from the unit's command line");
+    assert!(buf[..n].starts_with(b"READY=1"));
+    let mut c = Raw::hello(&sock);
+    // The default export is the instance name: NBD_OPT_LIST names it.
+    c.option(3, &[]);
+    let (_, ty, data) = c.option_reply();
+    assert_eq!(ty, 2);
+    assert_eq!(&data[4..9], b"disk1");
+    // SIGTERM reaches rpma-initiator itself (sh exec'd it): a clean exit 0.
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+    assert_eq!(unsafe { libc::kill(child.id() as i32, libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + WAIT;
+    let st = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        assert!(Instant::now() < deadline, "did not stop");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(st.code(), Some(0));
+}
