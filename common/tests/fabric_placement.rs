@@ -27,13 +27,7 @@ fn raw_pair() -> (
     let cq = ctx.create_cq(16).unwrap();
     let (pd2, cq2) = (pd.clone(), cq.clone());
     let h = std::thread::spawn(move || {
-        let params = ConnParams {
-            tcp: TcpParams {
-                crc: false,
-                ..TcpParams::default()
-            },
-            ..ConnParams::default()
-        };
+        let params = params(false);
         let req = listener.accept(&params).unwrap();
         let qp = pd2.create_qp(&cq2, &cq2, QpCaps::default()).unwrap();
         req.accept(qp, &params, b"").unwrap()

@@ -246,13 +246,7 @@ fn a_peer_flooding_after_the_terminate_cannot_pin_the_completion_queue() {
     let url = listener.url().unwrap();
     let (pd, tcq) = (p.pd.clone(), p.tcq.clone());
     let h = std::thread::spawn(move || {
-        let params = ConnParams {
-            tcp: TcpParams {
-                crc: false,
-                ..TcpParams::default()
-            },
-            ..ConnParams::default()
-        };
+        let params = params(false);
         let req = listener.accept(&params).unwrap();
         let qp = pd.create_qp(&tcq, &tcq, QpCaps::default()).unwrap();
         req.accept(qp, &params, b"").unwrap()
