@@ -5,8 +5,13 @@ use std::sync::Arc;
 
 use crate::fabric::mr::Region;
 
-/// Beyond this many separate ranges per region, they are merged into one covering range: one
-/// larger persist beats an unbounded list.
+/// Beyond this many separate ranges the list is cut down. On memory whose persist is a cache
+/// write-back (dax) the recorded ranges are made durable at once, early (always allowed:
+/// durability only ever comes sooner), and the list starts over: merging them into one covering
+/// range would write back every cache line between scattered writes. On page-cache memory they
+/// are merged into one covering range: one msync writes back only the dirty pages in it, where
+/// an msync per range would pay the filesystem's sync (a journal commit, a device cache flush)
+/// for each.
 const MAX_RANGES: usize = 64;
 
 /// The ranges placed by Writes since the last Read, Atomic or Flush response: they are made
@@ -37,24 +42,30 @@ impl Dirty {
                 return;
             }
         }
-        let same = self
-            .ranges
-            .iter()
-            .filter(|r| Arc::ptr_eq(&r.0, region))
-            .count();
-        if same >= MAX_RANGES {
-            let (mut lo, mut hi) = (offset, end);
-            self.ranges.retain(|r| {
-                if Arc::ptr_eq(&r.0, region) {
-                    lo = lo.min(r.1);
-                    hi = hi.max(r.1 + r.2);
-                    false
-                } else {
-                    true
-                }
-            });
-            self.ranges.push((Arc::clone(region), lo, hi - lo));
-            return;
+        if self.ranges.len() >= MAX_RANGES {
+            let early = region
+                .persist()
+                .is_some_and(|p| p.domain() != crate::pmem::Domain::PageCache);
+            if early {
+                // A failure is not lost: the ranges that failed stay recorded, the memory's
+                // store remembers it, and the next persist before a response reports it. Only
+                // if ranges are left over (it failed) are they merged, to keep the list bounded.
+                let _ = self.persist_all();
+            }
+            if self.ranges.len() >= MAX_RANGES {
+                let (mut lo, mut hi) = (offset, end);
+                self.ranges.retain(|r| {
+                    if Arc::ptr_eq(&r.0, region) {
+                        lo = lo.min(r.1);
+                        hi = hi.max(r.1 + r.2);
+                        false
+                    } else {
+                        true
+                    }
+                });
+                self.ranges.push((Arc::clone(region), lo, hi - lo));
+                return;
+            }
         }
         self.ranges.push((Arc::clone(region), offset, len));
     }
@@ -146,12 +157,33 @@ mod tests {
     }
 
     #[test]
-    fn dirty_ranges_collapse_past_the_limit() {
+    fn past_the_limit_the_ranges_are_persisted_early_not_merged() {
         let mut d = Dirty::default();
         let r = mapped_region();
         for i in 0..(MAX_RANGES + 1) {
             d.add(&r, i * 16, 8);
         }
-        assert_eq!(d.ranges(), vec![(0, MAX_RANGES * 16 + 8)]);
+        // The first MAX_RANGES went out early; only the last one waits for a response.
+        assert_eq!(d.ranges(), vec![(MAX_RANGES * 16, 8)]);
+    }
+
+    #[test]
+    fn on_page_cache_past_the_limit_the_ranges_merge_into_one_msync() {
+        // A file on the disk the sources are on (not /tmp, which may be a tmpfs: volatile).
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let m = crate::pmem::OpenOptions::new(dir.path().join("ns"))
+            .size(1 << 20)
+            .create(true)
+            .open()
+            .unwrap();
+        assert_eq!(m.domain(), Domain::PageCache);
+        let r = Arc::new(Region::for_test(Backing::Owned(Arc::new(m))));
+        let mut d = Dirty::default();
+        for i in 0..(MAX_RANGES + 1) {
+            d.add(&r, i * 4096, 8);
+        }
+        assert_eq!(d.ranges(), vec![(0, MAX_RANGES * 4096 + 8)]);
+        d.persist_all().unwrap();
+        assert!(d.is_empty());
     }
 }
