@@ -70,6 +70,6 @@ pub use connect::{
 pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, Result};
 pub use namespace::Namespace;
-pub use queue::{Connection, Queue, QueueOptions, QueueStats, ReconnectPolicy};
+pub use queue::{Completed, Connection, Queue, QueueOptions, QueueStats, ReconnectPolicy, Ticket};
 pub use rpma_common::proto::msgbuf::CONTROL_BIT;
 pub use session::{Session, DROP_GOODBYE};

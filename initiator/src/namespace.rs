@@ -113,9 +113,56 @@ impl<'q> Namespace<'q> {
         }
         let idx = self.idx;
         self.q.run(OnLoss::Rerun, |q| {
-            q.post_writes(idx, items, None)?;
+            q.post_writes(idx, items, Vec::new())?;
             q.drain()
         })
+    }
+
+    /// Starts a Write of `data` (1 byte to one chunk) at `offset` and returns without waiting:
+    /// started requests go out together when the caller waits for them
+    /// ([`wait_started`](Self::wait_started)) or posts anything else, so that a caller can keep
+    /// the queue full, a new request as each one completes. Its completion
+    /// ([`Completed::Write`](crate::Completed)) means sent, as [`write_at`](Self::write_at)'s
+    /// return; the queue keeps the bytes until a durability call covers them. Blocks only when
+    /// every slot is busy (as the batch calls do).
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`], [`Error::ReadOnly`], [`Error::InvalidArgument`] (empty or larger
+    /// than a chunk); a lost connection is reported (the queue reconnects; see
+    /// [`wait_started`](Self::wait_started)).
+    pub fn start_write(&mut self, offset: u64, data: &[u8]) -> Result<crate::Ticket> {
+        let d = self.desc();
+        check_writable(&d)?;
+        check_range(&d, offset, data.len() as u64)?;
+        self.q.start_write(self.idx, offset, data)
+    }
+
+    /// Starts a Read of `len` bytes (1 to one chunk) at `offset`, as
+    /// [`start_write`](Self::start_write); take its bytes with [`take_read`](Self::take_read)
+    /// once it completed.
+    ///
+    /// # Errors
+    /// [`Error::OutOfRange`], [`Error::InvalidArgument`]; a lost connection as for
+    /// [`start_write`](Self::start_write).
+    pub fn start_read(&mut self, offset: u64, len: usize) -> Result<crate::Ticket> {
+        check_range(&self.desc(), offset, len as u64)?;
+        self.q.start_read(self.idx, offset, len)
+    }
+
+    /// [`Queue::wait_started`]: posts what was started, waits for at least one completion.
+    ///
+    /// # Errors
+    /// As [`Queue::wait_started`].
+    pub fn wait_started(&mut self, out: &mut Vec<crate::Completed>) -> Result<()> {
+        self.q.wait_started(out)
+    }
+
+    /// [`Queue::take_read`]: the bytes of a completed started Read.
+    ///
+    /// # Errors
+    /// As [`Queue::take_read`].
+    pub fn take_read(&mut self, ticket: crate::Ticket, buf: &mut [u8]) -> Result<()> {
+        self.q.take_read(ticket, buf)
     }
 
     /// Makes `len` bytes at `offset` durable, whoever wrote them (this queue, another queue or
@@ -143,6 +190,22 @@ impl<'q> Namespace<'q> {
     /// As [`persist`](Self::persist), but never [`Error::ApmNotForRanges`].
     pub fn persist_written(&mut self, offset: u64, len: u64) -> Result<Durability> {
         self.persist_with(offset, len, Queue::choice)
+    }
+
+    /// Makes durable every write this queue posted to this namespace that is not durable yet,
+    /// wherever they landed, without naming a range: the queue knows them (it holds each until
+    /// it is durable, for a replay). With this namespace's method, or, where the target offers
+    /// APM on a dax namespace and no method was forced, with one APM Read (the target then writes
+    /// back only the lines those writes placed; a FLUSH would take one request per scattered
+    /// range). Writes of other queues or hosts are not covered: use [`persist`](Self::persist).
+    ///
+    /// # Errors
+    /// As [`persist_written`](Self::persist_written).
+    pub fn persist_own_writes(&mut self) -> Result<Durability> {
+        check_writable(&self.desc())?;
+        self.q.held_choice(self.idx)?;
+        let idx = self.idx;
+        self.q.run(OnLoss::Rerun, |q| q.persist_own(idx))
     }
 
     /// [`persist`](Self::persist) or [`persist_written`](Self::persist_written): checks, then
@@ -173,27 +236,42 @@ impl<'q> Namespace<'q> {
     /// As [`write_at`](Self::write_at) and [`persist`](Self::persist); the method is checked
     /// before anything is written.
     pub fn write_durable(&mut self, offset: u64, data: &[u8]) -> Result<Durability> {
+        self.write_batch_durable(&[(offset, data)])
+    }
+
+    /// Writes many ranges and makes them durable before returning, with their requests in
+    /// flight together: with APM one Read, with FLUSH one Flush per range (touching ranges
+    /// merged), posted behind the last Writes with the same doorbell; with GPSPM the Writes,
+    /// then the FlushRequest(s). Only these ranges are made durable (and, with APM, every
+    /// earlier Write of this queue).
+    ///
+    /// # Errors
+    /// As [`write_durable`](Self::write_durable), checked for every range before any is posted.
+    pub fn write_batch_durable(&mut self, items: &[(u64, &[u8])]) -> Result<Durability> {
         let d = self.desc();
         check_writable(&d)?;
-        check_range(&d, offset, data.len() as u64)?;
+        for (off, b) in items {
+            check_range(&d, *off, b.len() as u64)?;
+        }
         self.q.choice(self.idx)?;
+        let ranges = crate::pool::merge_ranges(
+            items
+                .iter()
+                .map(|(off, b)| (*off, off + b.len() as u64))
+                .collect(),
+        );
         let idx = self.idx;
-        let len = data.len() as u64;
         self.q.run(OnLoss::Rerun, |q| {
             let choice = q.choice(idx)?;
-            match q.persist_request(idx, offset, len, choice) {
-                Some((what, op)) => {
-                    let tail = q.waited_wr(op);
-                    let id = tail.wr_id;
-                    q.post_writes(idx, &[(offset, data)], Some(tail))?;
-                    q.wait_for_request(idx, what, id)?;
-                    Ok(q.persisted(idx, offset, len, choice))
-                }
-                None => {
-                    q.post_writes(idx, &[(offset, data)], None)?;
-                    q.persist_range(idx, offset, len, choice)
-                }
+            if choice == Choice::Method(PersistMethod::Gpspm) {
+                q.post_writes(idx, items, Vec::new())?;
+                q.drain()?;
+                return q.gpspm_ranges(idx, &ranges);
             }
+            let reqs = q.persist_requests(idx, &ranges, choice);
+            let ids: Vec<(&'static str, u64)> = reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
+            q.post_writes(idx, items, reqs.into_iter().map(|(_, r)| r).collect())?;
+            q.await_persisted(idx, &ranges, choice, &ids)
         })
     }
 

@@ -37,6 +37,20 @@ pub(crate) enum Slot {
         /// Bytes.
         len: usize,
     },
+    /// A posted Read started on its own (`Namespace::start_read`), not completed yet.
+    Started {
+        /// What the caller knows it by.
+        ticket: u64,
+        /// Bytes.
+        len: usize,
+    },
+    /// A started Read that completed: its bytes wait for `Namespace::take_read`.
+    StartedDone {
+        /// What the caller knows it by.
+        ticket: u64,
+        /// Bytes.
+        len: usize,
+    },
 }
 
 /// A write a slot carries.
@@ -49,7 +63,26 @@ pub(crate) struct WriteRec {
     /// Bytes.
     pub(crate) len: usize,
     /// Post order: replays go in this order, so a later write to the same bytes still wins.
+    /// A started write's ticket.
     pub(crate) seq: u64,
+    /// A started write (`Namespace::start_write`) whose completion the caller has not been told
+    /// of yet.
+    pub(crate) notify: bool,
+}
+
+/// `ranges` (`[start, end)` each) sorted, overlapping and adjacent ones merged; empty ones
+/// dropped.
+pub(crate) fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+    ranges.retain(|r| r.0 < r.1);
+    ranges.sort_unstable();
+    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
+    for (lo, hi) in ranges {
+        match merged.last_mut() {
+            Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
+            _ => merged.push((lo, hi)),
+        }
+    }
+    merged
 }
 
 /// The bounce buffers of one queue.
@@ -70,7 +103,10 @@ pub(crate) struct Pool {
 
 /// A posted request that has not completed yet.
 fn in_flight(s: &Slot) -> bool {
-    matches!(s, Slot::Writing(_) | Slot::Reading { .. })
+    matches!(
+        s,
+        Slot::Writing(_) | Slot::Reading { .. } | Slot::Started { .. }
+    )
 }
 
 impl std::fmt::Debug for Pool {
@@ -115,6 +151,11 @@ impl Pool {
 
     pub(crate) fn chunk(&self) -> usize {
         self.chunk
+    }
+
+    /// How many slots there are.
+    pub(crate) fn slots(&self) -> usize {
+        self.slots.len()
     }
 
     pub(crate) fn get(&self, slot: usize) -> Option<Slot> {
@@ -196,15 +237,20 @@ impl Pool {
         self.slots.iter().filter(|s| f(s)).count()
     }
 
-    /// The span `[start, end)` covering every held or writing write of namespace `ns`, if any.
-    pub(crate) fn held_span(&self, ns: usize) -> Option<(u64, u64)> {
-        self.slots.iter().fold(None, |span, s| match s {
-            Slot::Held(w) | Slot::Writing(w) if w.ns == ns => {
-                let (lo, hi) = (w.offset, w.offset + w.len as u64);
-                Some(span.map_or((lo, hi), |(a, b): (u64, u64)| (a.min(lo), b.max(hi))))
-            }
-            _ => span,
-        })
+    /// The ranges `[start, end)` of namespace `ns` that held or writing writes cover, sorted,
+    /// overlapping and adjacent ones merged.
+    pub(crate) fn held_ranges(&self, ns: usize) -> Vec<(u64, u64)> {
+        let all: Vec<(u64, u64)> = self
+            .slots
+            .iter()
+            .filter_map(|s| match s {
+                Slot::Held(w) | Slot::Writing(w) if w.ns == ns => {
+                    Some((w.offset, w.offset + w.len as u64))
+                }
+                _ => None,
+            })
+            .collect();
+        merge_ranges(all)
     }
 
     /// Held writes of namespace `ns` inside `[start, end)` (all of them if `all`) become free.
@@ -224,12 +270,15 @@ impl Pool {
     }
 
     /// After a lost connection: unfinished Writes are held for the replay, Reads are dropped
-    /// (their operation is re-run). Returns the held writes in post order.
+    /// (their operation is re-run; a started Read's ticket is void). Returns the held writes in post order.
     pub(crate) fn on_connection_lost(&mut self) -> Vec<(usize, WriteRec)> {
         for i in 0..self.slots.len() {
             match self.slots[i] {
                 Slot::Writing(w) => self.set(i, Slot::Held(w)),
-                Slot::Reading { .. } | Slot::ReadDone { .. } => self.set(i, Slot::Free),
+                Slot::Reading { .. }
+                | Slot::ReadDone { .. }
+                | Slot::Started { .. }
+                | Slot::StartedDone { .. } => self.set(i, Slot::Free),
                 _ => {}
             }
         }
@@ -265,6 +314,7 @@ mod tests {
             offset,
             len,
             seq,
+            notify: false,
         }
     }
 
@@ -280,10 +330,10 @@ mod tests {
         p.set(c, Slot::Held(rec(1, 0, 4096, 3)));
         assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 3);
         assert_eq!(p.in_flight(), 0, "held writes are not in flight");
-        // The spans a persist of the held writes covers, per namespace.
-        assert_eq!(p.held_span(0), Some((0, 12288)));
-        assert_eq!(p.held_span(1), Some((0, 4096)));
-        assert_eq!(p.held_span(2), None);
+        // The ranges a persist of the held writes covers, per namespace: apart, not their span.
+        assert_eq!(p.held_ranges(0), vec![(0, 4096), (8192, 12288)]);
+        assert_eq!(p.held_ranges(1), vec![(0, 4096)]);
+        assert!(p.held_ranges(2).is_empty());
         // Only namespace 0's write inside [0, 4096).
         assert_eq!(p.release_held(0, 0, 4096, false), 1);
         assert_eq!(p.get(a), Some(Slot::Free));
@@ -300,6 +350,21 @@ mod tests {
             "spills into the next slot's memory"
         );
         assert!(p.fill(3, &[0u8; 4097]).is_err(), "but never past the pool");
+    }
+
+    #[test]
+    fn ranges_merge_when_they_overlap_or_touch_and_stay_apart_otherwise() {
+        assert_eq!(
+            merge_ranges(vec![
+                (8192, 12288),
+                (0, 4096),
+                (4096, 4608),
+                (100, 200),
+                (9000, 9000)
+            ]),
+            vec![(0, 4608), (8192, 12288)]
+        );
+        assert!(merge_ranges(vec![(5, 5)]).is_empty());
     }
 
     #[test]

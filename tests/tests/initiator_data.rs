@@ -7,7 +7,7 @@ use std::time::Duration;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::PersistenceDomain;
 use rpma_initiator::{
-    Choice, ConnectOptions, Connection, Durability, Error, HostIdentity, PersistMethod,
+    Choice, Completed, ConnectOptions, Connection, Durability, Error, HostIdentity, PersistMethod,
     QueueOptions, ReconnectPolicy,
 };
 use rpma_tests::{four_namespace_target, noise as pattern, Relay, Shm, Subsystem, Target};
@@ -187,6 +187,250 @@ fn reads_writes_methods_atomics_and_checks() {
     assert!(b == pattern(7, 4096));
     assert_eq!(q.reconnects(), 0);
     q.close().unwrap();
+}
+
+#[test]
+fn batches_made_durable_in_one_post_and_a_queue_persists_its_own_writes() {
+    let (_d, _shm, t) = start("batchdur");
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 8,
+            chunk: 4096,
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let bufs: Vec<Vec<u8>> = (0..3).map(|i| pattern(40 + i, 4096)).collect();
+    // Two touching ranges (merged: one Flush) and one far away (a Flush of its own).
+    let at = [0u64, 4096, 1 << 20];
+    let items: Vec<(u64, &[u8])> = at
+        .iter()
+        .zip(&bufs)
+        .map(|(o, b)| (*o, b.as_slice()))
+        .collect();
+    let mut dax = q.namespace(4).unwrap();
+    for m in [PersistMethod::Flush, PersistMethod::Apm] {
+        dax.set_method(Some(m)).unwrap();
+        let before = dax_stats(&mut dax);
+        assert_eq!(
+            dax.write_batch_durable(&items).unwrap(),
+            Durability::Durable(m)
+        );
+        let after = dax_stats(&mut dax);
+        assert_eq!(after.0 - before.0, 3, "{m}: three Writes");
+        assert_eq!(
+            after.1 - before.1,
+            1,
+            "{m}: Writes and requests in one post"
+        );
+    }
+    dax.set_method(Some(PersistMethod::Gpspm)).unwrap();
+    assert_eq!(
+        dax.write_batch_durable(&items).unwrap(),
+        Durability::Durable(PersistMethod::Gpspm)
+    );
+    for (o, b) in at.iter().zip(&bufs) {
+        let mut back = vec![0u8; 4096];
+        dax.read_at(*o, &mut back).unwrap();
+        assert!(back == *b, "offset {o}");
+    }
+
+    // The queue's own pending writes, without naming a range: on dax, where the target offers
+    // APM and no method is forced, one APM Read; a forced method is kept.
+    dax.set_method(None).unwrap();
+    assert_eq!(dax.method().unwrap(), Choice::Method(PersistMethod::Flush));
+    dax.write_batch(&items).unwrap();
+    let before = dax_stats(&mut dax);
+    assert_eq!(
+        dax.persist_own_writes().unwrap(),
+        Durability::Durable(PersistMethod::Apm)
+    );
+    assert_eq!(dax_stats(&mut dax).1 - before.1, 1, "one Read");
+    dax.set_method(Some(PersistMethod::Flush)).unwrap();
+    dax.write_batch(&items).unwrap();
+    let before = dax_stats(&mut dax);
+    assert_eq!(
+        dax.persist_own_writes().unwrap(),
+        Durability::Durable(PersistMethod::Flush)
+    );
+    assert_eq!(dax_stats(&mut dax).1 - before.1, 1, "two Flushes, one post");
+
+    // page-cache keeps its method (GPSPM: no msync in the target's poll loop).
+    let mut pc = q.namespace(1).unwrap();
+    pc.write_batch(&items).unwrap();
+    assert_eq!(
+        pc.persist_own_writes().unwrap(),
+        Durability::Durable(PersistMethod::Gpspm)
+    );
+    let mut back = vec![0u8; 4096];
+    pc.read_at(1 << 20, &mut back).unwrap();
+    assert!(back == bufs[2]);
+    // Volatile: visible only; read-only: refused before anything is sent.
+    let mut vol = q.namespace(3).unwrap();
+    vol.write_at(0, b"v").unwrap();
+    assert_eq!(vol.persist_own_writes().unwrap(), Durability::VisibleOnly);
+    assert_eq!(
+        vol.write_batch_durable(&items[..1]).unwrap(),
+        Durability::VisibleOnly
+    );
+    let mut ro = q.namespace(2).unwrap();
+    assert!(matches!(
+        ro.persist_own_writes(),
+        Err(Error::ReadOnly { nsid: 2 })
+    ));
+    assert!(matches!(
+        ro.write_batch_durable(&items),
+        Err(Error::ReadOnly { nsid: 2 })
+    ));
+    // A range past the end: refused for the whole batch, nothing posted.
+    let mut dax = q.namespace(4).unwrap();
+    let size = dax.descriptor().size;
+    let before = dax_stats(&mut dax);
+    assert!(matches!(
+        dax.write_batch_durable(&[(0, b"ok".as_slice()), (size - 1, b"xy".as_slice())]),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert_eq!(dax_stats(&mut dax), before);
+}
+
+#[test]
+fn started_requests_keep_the_queue_full_and_report_each_completion() {
+    let (_d, _shm, t) = start("started");
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 8,
+            chunk: 4096,
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(4).unwrap();
+    let bufs: Vec<Vec<u8>> = (0..40).map(|i| pattern(200 + i, 4096)).collect();
+    // Nothing started: the wait returns at once with nothing.
+    let mut done = Vec::new();
+    ns.wait_started(&mut done).unwrap();
+    assert!(done.is_empty());
+
+    // Eight writes started, then one wait: one doorbell for all eight, each reported once.
+    let before = ns.queue_stats();
+    let tickets: Vec<_> = (0..8)
+        .map(|i| ns.start_write(i as u64 * 8192, &bufs[i]).unwrap())
+        .collect();
+    assert_eq!(
+        ns.queue_stats().doorbells,
+        before.doorbells,
+        "not posted yet"
+    );
+    let mut seen = Vec::new();
+    while seen.len() < 8 {
+        done.clear();
+        ns.wait_started(&mut done).unwrap();
+        seen.extend(done.iter().copied());
+    }
+    let after = ns.queue_stats();
+    assert_eq!(after.doorbells - before.doorbells, 1, "{after:?}");
+    assert_eq!(after.max_in_flight, 8);
+    let mut want: Vec<_> = tickets.iter().map(|t| Completed::Write(*t)).collect();
+    want.sort();
+    seen.sort();
+    assert_eq!(seen, want);
+
+    // 32 more writes through 8 slots: a start waits for a slot, and every slot held by a
+    // completed write is freed by the queue's own persist of them.
+    let mut outstanding = 0usize;
+    for (i, b) in bufs.iter().enumerate().skip(8) {
+        ns.start_write(i as u64 * 8192, b).unwrap();
+        outstanding += 1;
+        if outstanding == 8 {
+            done.clear();
+            ns.wait_started(&mut done).unwrap();
+            outstanding -= done.len();
+        }
+    }
+    while outstanding > 0 {
+        done.clear();
+        ns.wait_started(&mut done).unwrap();
+        outstanding -= done.len();
+    }
+
+    // Reads started and taken, each with its own bytes.
+    let rt: Vec<_> = (0..40)
+        .rev()
+        .take(8)
+        .map(|i| (i, ns.start_read(i as u64 * 8192, 4096).unwrap()))
+        .collect();
+    let mut got = 0;
+    while got < rt.len() {
+        done.clear();
+        ns.wait_started(&mut done).unwrap();
+        for c in &done {
+            let Completed::Read(t) = c else {
+                panic!("only reads are outstanding: {c:?}")
+            };
+            let i = rt.iter().find(|(_, x)| x == t).unwrap().0;
+            let mut b = vec![0u8; 4096];
+            assert!(matches!(
+                ns.take_read(*t, &mut b[..100]),
+                Err(Error::InvalidArgument(_))
+            ));
+            ns.take_read(*t, &mut b).unwrap();
+            assert!(b == bufs[i], "read {i}");
+            assert!(
+                matches!(ns.take_read(*t, &mut b), Err(Error::InvalidArgument(_))),
+                "taken once only"
+            );
+            got += 1;
+        }
+    }
+
+    // Every slot holding a completed read that nobody took: a new start says so.
+    for i in 0..8u64 {
+        ns.start_read(i * 4096, 64).unwrap();
+    }
+    let mut n = 0;
+    while n < 8 {
+        done.clear();
+        ns.wait_started(&mut done).unwrap();
+        n += done.len();
+    }
+    let e = ns.start_read(0, 8).unwrap_err();
+    assert!(
+        matches!(&e, Error::InvalidArgument(m) if m.contains("take_read")),
+        "{e}"
+    );
+    for c in &done {
+        let Completed::Read(t) = c else { panic!() };
+        ns.take_read(*t, &mut [0u8; 64]).unwrap();
+    }
+
+    // Bad input, refused before anything is started.
+    assert!(matches!(
+        ns.start_write(0, b""),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ns.start_write(0, &[0u8; 4097]),
+        Err(Error::InvalidArgument(_))
+    ));
+    assert!(matches!(
+        ns.start_read(0, 0),
+        Err(Error::InvalidArgument(_))
+    ));
+    let size = ns.descriptor().size;
+    assert!(matches!(
+        ns.start_read(size - 8, 16),
+        Err(Error::OutOfRange { .. })
+    ));
+    assert!(matches!(
+        ns.start_write(size, b"x"),
+        Err(Error::OutOfRange { .. })
+    ));
+    let mut ro = q.namespace(2).unwrap();
+    assert!(matches!(
+        ro.start_write(0, b"x"),
+        Err(Error::ReadOnly { nsid: 2 })
+    ));
+    assert_eq!(q.reconnects(), 0);
 }
 
 #[test]

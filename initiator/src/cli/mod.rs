@@ -377,19 +377,25 @@ pub(crate) fn write(
     let mut bar = Progress::new("write", total, g.json);
     let mut buf = Vec::new();
     let mut at = 0;
+    let mut result = None;
     while at < total {
         let n = (total - at).min(PIECE) as usize;
         bytes.piece(at, n, &mut buf)?;
-        q.namespace(g.nsid)?.write_at(offset + at, &buf)?;
+        let mut ns = q.namespace(g.nsid)?;
+        if durable && n as u64 == total {
+            // One piece: the Writes and the request that makes them durable go out together.
+            result = Some(ns.write_durable(offset, &buf)?);
+        } else {
+            ns.write_at(offset + at, &buf)?;
+        }
         bar.add(n as u64);
         at += n as u64;
     }
-    let result = if durable {
-        // This queue wrote the range itself: APM's Read covers it.
-        Some(q.namespace(g.nsid)?.persist_written(offset, total)?)
-    } else {
-        None
-    };
+    if durable && result.is_none() {
+        // Several pieces: one more round trip for the whole range (this queue wrote it
+        // itself: APM's Read covers it), small beside moving more than a piece.
+        result = Some(q.namespace(g.nsid)?.persist_written(offset, total)?);
+    }
     bar.finish();
     let secs = start.elapsed().as_secs_f64();
     close(q);

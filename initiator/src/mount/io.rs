@@ -5,8 +5,9 @@
 //! ends (its sender dropped) the thread persists what is still dirty and disconnects.
 //!
 //! Durability: every write acknowledged to the kernel was handed to the transport
-//! (`write_at`) and widens the dirty range; fsync and a flush on close make that range durable
-//! with `persist_written` (this queue wrote it, so APM's Read covers it too) before they are
+//! (`write_at`) and marks the file dirty; fsync and a flush on close make every such write
+//! durable with `persist_own_writes` (the writes this queue still holds: one APM Read on dax, a
+//! Flush per written range, or GPSPM; never the span between scattered writes) before they are
 //! answered. On a volatile namespace nothing can be durable: fsync answers EIO unless
 //! `--visible-ok`.
 
@@ -237,10 +238,10 @@ impl Worker {
     /// Makes the dirty range durable; Durable or, with `--visible-ok`, VisibleOnly is success.
     fn persist(&mut self) -> Result<Durability, Error> {
         let d = match self.dirty {
-            Some((lo, hi)) => self
+            Some(_) => self
                 .q
                 .namespace(self.nsid)
-                .and_then(|mut ns| ns.persist_written(lo, hi - lo))?,
+                .and_then(|mut ns| ns.persist_own_writes())?,
             None => match self.q.namespace(self.nsid)?.method()? {
                 rpma_initiator::Choice::VisibleOnly => Durability::VisibleOnly,
                 rpma_initiator::Choice::Method(m) => Durability::Durable(m),

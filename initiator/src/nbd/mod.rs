@@ -11,10 +11,10 @@
 //!
 //! Every client connection issues its requests through one library [`Queue`](crate::Queue)
 //! (one queue pair), taking it for one batch at a time. The queue pair executes in order, so a
-//! FLUSH (`persist_written` of the span of the writes acknowledged since the last FLUSH,
-//! rather than the whole namespace, whose write-back can take milliseconds on dax) comes after
-//! every Write any connection had acknowledged, and makes all of them durable (with APM too:
-//! every one is this queue's own Write). That is what `NBD_FLAG_CAN_MULTI_CONN` promises, so it is
+//! FLUSH (`persist_own_writes`: the writes this queue still holds for a replay, rather than
+//! the whole namespace or the span between them, whose write-back can take milliseconds on
+//! dax) comes after every Write any connection had acknowledged, and makes all of them durable
+//! (with APM too: every one is this queue's own Write). That is what `NBD_FLAG_CAN_MULTI_CONN` promises, so it is
 //! set. (With a queue per connection a Write acknowledged on one connection may still be in its
 //! queue pair's stream when another connection's FLUSH is answered: a range persist would not see
 //! it.)

@@ -119,28 +119,26 @@ impl Shared {
         });
     }
 
-    /// Makes every write acknowledged so far durable (FLUSH; FUA uses its own range): the
-    /// Writes of every connection went through this queue, so `persist_written` of their span
-    /// covers them all, APM included. Ok(false) when the namespace is volatile (visible
+    /// Makes every write acknowledged so far durable (FLUSH): the Writes of every connection
+    /// went through this queue, so `persist_own_writes` covers them all (one APM Read on dax,
+    /// a Flush per written range, or GPSPM). Ok(false) when the namespace is volatile (visible
     /// only): unless visible_ok, those writes stay pending, so that no later FLUSH claims them.
     pub(crate) fn flush_all(&self) -> crate::Result<bool> {
         let span = self.dirty.lock().unwrap_or_else(|p| p.into_inner()).take();
         let Some((lo, hi)) = span else {
             return Ok(true);
         };
-        let r = self.persist(lo, hi - lo);
+        // Every write acknowledged on any connection went through this queue: its own pending
+        // writes are exactly the ones not made durable yet (a FUA write already is).
+        let r = self
+            .with_ns(|ns| ns.persist_own_writes())
+            .map(|d| matches!(d, Durability::Durable(_)));
         match r {
             Ok(true) => {}
             Ok(false) if self.opts.visible_ok => {}
             _ => self.mark_dirty(lo, hi),
         }
         r
-    }
-
-    /// `persist_written` of a range: Ok(true) durable, Ok(false) visible only.
-    pub(crate) fn persist(&self, offset: u64, len: u64) -> crate::Result<bool> {
-        self.with_ns(|ns| ns.persist_written(offset, len))
-            .map(|d| matches!(d, Durability::Durable(_)))
     }
 
     /// Runs the queue's keep-alive, unless a batch holds the queue (it keeps it alive itself).

@@ -455,14 +455,15 @@ impl<'a> Client<'a> {
         self.answered(run.len());
     }
 
-    /// The writes (and zeroes) of a run in one batch, then one persist over the FUA ones.
+    /// The writes (and zeroes) of a run in one batch; with FUA ones among them, made durable
+    /// by the same call (a failed durability answers every request of the run with the error).
     fn writes(&mut self, run: &[Item], actions: &[Action]) {
         if self.zeroes.is_empty() && actions.iter().any(|a| matches!(a, Action::Zeroes { .. })) {
             self.zeroes = vec![0u8; ZERO_PIECE];
         }
         let data = self.buf.bytes();
         let mut v: Vec<(u64, &[u8])> = Vec::with_capacity(run.len());
-        let mut fua: Option<(u64, u64)> = None;
+        let mut fua = false;
         for (it, a) in run.iter().zip(actions) {
             let (off, len) = (it.req.offset, u64::from(it.req.len));
             match a {
@@ -480,11 +481,18 @@ impl<'a> Client<'a> {
                 a,
                 Action::Write { fua: true } | Action::Zeroes { fua: true }
             ) {
-                let (lo, hi) = fua.unwrap_or((off, off + len));
-                fua = Some((lo.min(off), hi.max(off + len)));
+                fua = true;
             }
         }
-        let r = self.shared.with_ns(|ns| ns.write_batch(&v));
+        // With a FUA write in the run, the Writes and the requests that make them durable go
+        // out together (one doorbell with APM and FLUSH); otherwise the Writes alone.
+        let r = if fua {
+            self.shared
+                .with_ns(|ns| ns.write_batch_durable(&v))
+                .map(|d| Some(d.is_durable()))
+        } else {
+            self.shared.with_ns(|ns| ns.write_batch(&v)).map(|()| None)
+        };
         if r.is_ok() {
             let lo = v.iter().map(|(o, _)| *o).min().unwrap_or(0);
             let hi = v.iter().map(|(o, d)| o + d.len() as u64).max().unwrap_or(0);
@@ -501,24 +509,19 @@ impl<'a> Client<'a> {
                 );
                 (errno(&e, true), errno(&e, true))
             }
-            Ok(()) => match fua {
-                None => (0, 0),
-                Some((lo, hi)) => {
-                    let n = actions
-                        .iter()
-                        .filter(|a| {
-                            matches!(
-                                a,
-                                Action::Write { fua: true } | Action::Zeroes { fua: true }
-                            )
-                        })
-                        .count();
-                    (
-                        0,
-                        self.durable(self.shared.persist(lo, hi - lo), n, "FUA write"),
-                    )
-                }
-            },
+            Ok(None) => (0, 0),
+            Ok(Some(durable)) => {
+                let n = actions
+                    .iter()
+                    .filter(|a| {
+                        matches!(
+                            a,
+                            Action::Write { fua: true } | Action::Zeroes { fua: true }
+                        )
+                    })
+                    .count();
+                (0, self.durable(Ok(durable), n, "FUA write"))
+            }
         };
         for (it, a) in run.iter().zip(actions) {
             let e = match a {

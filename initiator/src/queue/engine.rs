@@ -7,7 +7,7 @@ use rpma_common::fabric::{Completion, QpState, SendOp, SendWr, WcStatus};
 use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::Message;
 
-use super::Queue;
+use super::{Completed, Queue, Ticket};
 use crate::error::{Error, Result};
 use crate::pool::{Slot, WriteRec};
 use crate::session::Session;
@@ -46,9 +46,15 @@ impl Queue {
         wr
     }
 
-    /// Posts `wrs` with one doorbell (nothing when empty). If the post is refused for another
-    /// reason than a lost connection, the slots of its Writes are freed (nothing was posted).
-    pub(crate) fn post_list(&mut self, wrs: Vec<SendWr>) -> Result<()> {
+    /// Posts `wrs` with one doorbell (nothing when empty), after the started requests not
+    /// posted yet. If the post is refused for another reason than a lost connection, the slots
+    /// of its Writes are freed (nothing was posted).
+    pub(crate) fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
+        if !self.deferred.is_empty() {
+            let mut all = std::mem::take(&mut self.deferred);
+            all.append(&mut wrs);
+            wrs = all;
+        }
         if wrs.is_empty() {
             return Ok(());
         }
@@ -78,23 +84,27 @@ impl Queue {
         item: usize,
         at: usize,
     ) -> Result<()> {
+        let wr = self.read_wr(slot, ns, offset, len);
+        self.pool.set(slot, Slot::Reading { item, at, len });
+        self.reads_posted += 1;
+        self.post_list(vec![wr])
+    }
+
+    /// The Read of `len` bytes at `offset` of namespace `ns` into `slot` (mark the slot, then
+    /// post it).
+    pub(crate) fn read_wr(&self, slot: usize, ns: usize, offset: u64, len: usize) -> SendWr {
         let d = &self.ns[ns].desc;
         let remote = rpma_common::fabric::RemoteAddr {
             addr: d.remote_addr + offset,
             rkey: d.rkey,
         };
-        let wr = SendWr::new(
+        SendWr::new(
             KIND_READ | slot as u64,
             SendOp::Read {
                 local: self.pool.sge(slot, len),
                 remote,
             },
-        );
-        self.pool.set(slot, Slot::Reading { item, at, len });
-        self.reads_posted += 1;
-        self.doorbells += 1;
-        let s = self.session()?;
-        s.qp().post_send(wr).map_err(|e| post_error(s, e))
+        )
     }
 
     /// A free slot, waiting for in-flight requests, or making held writes durable when every
@@ -141,6 +151,8 @@ impl Queue {
 
     /// Waits up to `timeout` for completions, dispatches them and runs the keep-alive.
     pub(super) fn poll_completions(&mut self, timeout: Duration) -> Result<usize> {
+        // Started requests go out before any wait for completions.
+        self.post_list(Vec::new())?;
         let mut wcs = [Completion::EMPTY; 32];
         let s = self.session.as_mut().ok_or(Error::Broken)?;
         s.tick()?;
@@ -176,14 +188,18 @@ impl Queue {
             KIND_WRITE => {
                 if let Some(Slot::Writing(w)) = self.pool.get(slot) {
                     // Placed or not, the slot keeps the bytes until they are durable.
-                    self.pool.set(slot, Slot::Held(w));
+                    self.pool
+                        .set(slot, Slot::Held(WriteRec { notify: false, ..w }));
                     if c.status != WcStatus::Success {
                         return Err(self.completion_error(w.ns, "write", c.status));
                     }
+                    if w.notify {
+                        self.started_done.push(Completed::Write(Ticket(w.seq)));
+                    }
                 }
             }
-            KIND_READ => {
-                if let Some(Slot::Reading { item, at, len }) = self.pool.get(slot) {
+            KIND_READ => match self.pool.get(slot) {
+                Some(Slot::Reading { item, at, len }) => {
                     if c.status == WcStatus::Success {
                         self.pool.set(slot, Slot::ReadDone { item, at, len });
                         self.reads_done.push(slot);
@@ -192,8 +208,18 @@ impl Queue {
                         return Err(self.completion_error(usize::MAX, "read", c.status));
                     }
                 }
-            }
-            KIND_WAITED => self.waited_done = Some((c.wr_id, c.status)),
+                Some(Slot::Started { ticket, len }) => {
+                    if c.status == WcStatus::Success {
+                        self.pool.set(slot, Slot::StartedDone { ticket, len });
+                        self.started_done.push(Completed::Read(Ticket(ticket)));
+                    } else {
+                        self.pool.set(slot, Slot::Free);
+                        return Err(self.completion_error(usize::MAX, "read", c.status));
+                    }
+                }
+                _ => {}
+            },
+            KIND_WAITED => self.waited_done.push((c.wr_id, c.status)),
             _ => {}
         }
         Ok(())
@@ -226,11 +252,7 @@ impl Queue {
     ) -> Result<()> {
         let wr = self.waited_wr(op);
         let wr_id = wr.wr_id;
-        self.doorbells += 1;
-        {
-            let s = self.session()?;
-            s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
-        }
+        self.post_list(vec![wr])?;
         self.wait_for_request(ns, what, wr_id)
     }
 
@@ -239,11 +261,12 @@ impl Queue {
     pub(crate) fn waited_wr(&mut self, op: SendOp) -> SendWr {
         self.next_waited += 1;
         let wr_id = KIND_WAITED | (self.next_waited & !KIND_MASK & !CONTROL_BIT);
-        self.waited_done = None;
         SendWr::new(wr_id, op)
     }
 
-    /// Waits for the request `wr_id` of [`waited_wr`](Self::waited_wr) to complete.
+    /// Waits for the request `wr_id` of [`waited_wr`](Self::waited_wr) to complete. Several may
+    /// be in flight: wait for them in the order they were made (the completions of earlier ones,
+    /// waited for or abandoned, are dropped once a later one is found).
     pub(crate) fn wait_for_request(
         &mut self,
         ns: usize,
@@ -252,14 +275,14 @@ impl Queue {
     ) -> Result<()> {
         let deadline = Instant::now() + self.conn.options.timeout;
         loop {
-            if let Some((id, status)) = self.waited_done {
-                if id == wr_id {
-                    self.waited_done = None;
-                    if status == WcStatus::Success {
-                        return Ok(());
-                    }
-                    return Err(self.completion_error(ns, what, status));
+            if let Some(&(_, status)) = self.waited_done.iter().find(|d| d.0 == wr_id) {
+                // wr_ids of waited requests grow (within the kind's bits): older entries
+                // belong to requests nobody waits for any longer.
+                self.waited_done.retain(|d| d.0 > wr_id);
+                if status == WcStatus::Success {
+                    return Ok(());
                 }
+                return Err(self.completion_error(ns, what, status));
             }
             self.poll_or_time_out(deadline, what)?;
         }
@@ -277,13 +300,13 @@ impl Queue {
     }
 
     /// Posts the Writes of `items` through the bounce slots, as many per doorbell as there are
-    /// free slots, and `tail` (a request that must follow them) with the last of them. Returns
+    /// free slots, and `tail` (requests that must follow them) with the last of them. Returns
     /// once everything is posted; the completions are the caller's to wait for.
     pub(crate) fn post_writes(
         &mut self,
         idx: usize,
         items: &[(u64, &[u8])],
-        tail: Option<SendWr>,
+        tail: Vec<SendWr>,
     ) -> Result<()> {
         let chunk = self.pool.chunk();
         let mut pending = Vec::new();
@@ -313,6 +336,7 @@ impl Queue {
                     offset: off + (i * chunk) as u64,
                     len: piece.len(),
                     seq: self.pool.next_seq(),
+                    notify: false,
                 };
                 pending.push(self.write_wr(slot, rec));
             }

@@ -38,9 +38,11 @@ mod connection;
 mod engine;
 mod persist;
 mod reconnect;
+mod started;
 
 pub use connection::{Connection, QueueOptions, ReconnectPolicy};
 pub(crate) use reconnect::OnLoss;
+pub use started::{Completed, Ticket};
 
 /// Counters of a queue, for tests and diagnostics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -78,7 +80,12 @@ pub struct Queue {
     ns: Vec<NsState>,
     flush_answers: Vec<(u64, FlushStatus)>,
     reads_done: Vec<usize>,
-    waited_done: Option<(u64, WcStatus)>,
+    /// Completions of requests outside the slots (wr_id, status), until their waiter looks.
+    waited_done: Vec<(u64, WcStatus)>,
+    /// Started requests, made but not posted yet: they go out with the next post or wait.
+    deferred: Vec<rpma_common::fabric::SendWr>,
+    /// Started requests that completed, until the caller asks.
+    started_done: Vec<Completed>,
     next_waited: u64,
     next_token: u64,
     reconnects: u32,

@@ -4,8 +4,10 @@
 
 use std::time::Instant;
 
-use rpma_common::fabric::SendOp;
-use rpma_common::proto::{FlushStatus, Message, NamespaceDescriptor};
+use rpma_common::fabric::{SendOp, SendWr};
+use rpma_common::proto::{
+    DurabilityMethods, FlushStatus, Message, NamespaceDescriptor, PersistenceDomain,
+};
 
 use super::{NsState, Queue};
 use crate::checks::check_healthy;
@@ -176,17 +178,148 @@ impl Queue {
     /// Makes every held write durable (or visible, on volatile namespaces) to free their
     /// slots. A namespace whose forced method is not valid gets a visibility Read instead: this
     /// claims nothing to the caller, it only frees the slots.
+    ///
+    /// What it persists is the held writes' own ranges, never the span between them: a FLUSH
+    /// (or a GPSPM request on dax) of the span of random writes would write back every cache
+    /// line in between, milliseconds for writes scattered over 64 MiB.
     pub(super) fn persist_held(&mut self) -> Result<()> {
         for idx in 0..self.ns.len() {
-            // Only the span the held writes cover: the whole namespace would cost a persist of
-            // all of it (a cache write-back of every line on dax).
-            if let Some((start, end)) = self.pool.held_span(idx) {
-                // The held writes are this queue's own: APM covers them.
-                let choice = self.choice(idx).unwrap_or(Choice::VisibleOnly);
-                self.persist_range(idx, start, end - start, choice)?;
+            let ranges = self.pool.held_ranges(idx);
+            if ranges.is_empty() {
+                continue;
             }
+            let choice = self.held_choice(idx).unwrap_or(Choice::VisibleOnly);
+            self.persist_ranges(idx, &ranges, choice)?;
         }
         Ok(())
+    }
+
+    /// Makes durable every write this queue posted to namespace `idx` that is not durable yet
+    /// (the ones it holds for a replay), with [`held_choice`](Self::held_choice).
+    pub(crate) fn persist_own(&mut self, idx: usize) -> Result<crate::Durability> {
+        let choice = self.held_choice(idx)?;
+        let ranges = self.pool.held_ranges(idx);
+        self.persist_ranges(idx, &ranges, choice)
+    }
+
+    /// The method for this queue's own held writes of namespace `idx`: the namespace's, except
+    /// that where the target offers APM on a dax namespace and no method was forced, APM: one
+    /// Read makes them all durable, and the target writes back only the lines they placed (its
+    /// dirty list), where a FLUSH per scattered range costs a request each.
+    pub(crate) fn held_choice(&self, idx: usize) -> Result<Choice> {
+        let c = self.choice(idx)?;
+        let apm = Choice::Method(PersistMethod::Apm);
+        if c != apm
+            && c != Choice::VisibleOnly
+            && self.ns[idx].forced.is_none()
+            && self.apm_for_held(idx)
+        {
+            return Ok(apm);
+        }
+        Ok(c)
+    }
+
+    /// Whether APM may stand in for the chosen method to free held writes of namespace `idx`:
+    /// the target offers it, and the namespace is dax (on page-cache APM would make the
+    /// target msync in its poll loop, which the default choice of GPSPM avoids).
+    fn apm_for_held(&self, idx: usize) -> bool {
+        let d = &self.ns[idx].desc;
+        matches!(
+            d.domain,
+            PersistenceDomain::Dax | PersistenceDomain::DaxForced
+        ) && d.durability.contains(DurabilityMethods::APM)
+    }
+
+    /// The send-queue requests that make the sorted, disjoint `ranges` of namespace `ns`
+    /// durable (or visible) after the Writes posted before them, with their wr_ids: one Read
+    /// for APM and visibility (it covers every earlier Write of this queue pair), one Flush per
+    /// range for FLUSH (never their span: a Flush of the span between scattered writes would
+    /// write back every cache line in between); none for GPSPM, a control message
+    /// ([`gpspm_ranges`](Self::gpspm_ranges) after the Writes completed).
+    pub(crate) fn persist_requests(
+        &mut self,
+        ns: usize,
+        ranges: &[(u64, u64)],
+        choice: Choice,
+    ) -> Vec<(&'static str, SendWr)> {
+        let one = matches!(
+            choice,
+            Choice::VisibleOnly | Choice::Method(PersistMethod::Apm)
+        );
+        let mut out = Vec::new();
+        for &(lo, hi) in ranges {
+            if let Some((what, op)) = self.persist_request(ns, lo, hi - lo, choice) {
+                out.push((what, self.waited_wr(op)));
+            }
+            if one {
+                break;
+            }
+        }
+        out
+    }
+
+    /// Waits for the requests of [`persist_requests`](Self::persist_requests) (posted), then
+    /// frees the held writes in `ranges` and says what they achieved.
+    pub(crate) fn await_persisted(
+        &mut self,
+        ns: usize,
+        ranges: &[(u64, u64)],
+        choice: Choice,
+        requests: &[(&'static str, u64)],
+    ) -> Result<crate::Durability> {
+        for &(what, id) in requests {
+            self.wait_for_request(ns, what, id)?;
+        }
+        let mut out = match choice {
+            Choice::Method(m) => crate::Durability::Durable(m),
+            Choice::VisibleOnly => crate::Durability::VisibleOnly,
+        };
+        for &(lo, hi) in ranges {
+            out = self.persisted(ns, lo, hi - lo, choice);
+        }
+        Ok(out)
+    }
+
+    /// Makes the sorted, disjoint `ranges` of namespace `ns` durable with `choice`, after every
+    /// Write posted before, and frees the held writes they cover: the requests of
+    /// [`persist_requests`](Self::persist_requests) behind one doorbell, or GPSPM's.
+    pub(crate) fn persist_ranges(
+        &mut self,
+        ns: usize,
+        ranges: &[(u64, u64)],
+        choice: Choice,
+    ) -> Result<crate::Durability> {
+        self.drain()?;
+        if choice == Choice::Method(PersistMethod::Gpspm) {
+            return self.gpspm_ranges(ns, ranges);
+        }
+        let reqs = self.persist_requests(ns, ranges, choice);
+        let ids: Vec<(&'static str, u64)> = reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
+        self.post_list(reqs.into_iter().map(|(_, r)| r).collect())?;
+        self.await_persisted(ns, ranges, choice, &ids)
+    }
+
+    /// GPSPM for the sorted, disjoint `ranges` after every Write posted before completed: their
+    /// span on page-cache (a ranged fdatasync writes back only the dirty pages in it, where one
+    /// per range would each pay the filesystem's sync), a request per range elsewhere (the
+    /// target's write-back of a dax span would cover every line in between).
+    pub(crate) fn gpspm_ranges(
+        &mut self,
+        ns: usize,
+        ranges: &[(u64, u64)],
+    ) -> Result<crate::Durability> {
+        let choice = Choice::Method(PersistMethod::Gpspm);
+        let (Some(first), Some(last)) = (ranges.first(), ranges.last()) else {
+            return Ok(crate::Durability::Durable(PersistMethod::Gpspm));
+        };
+        if self.ns[ns].desc.domain == PersistenceDomain::PageCache {
+            return self.persist_range(ns, first.0, last.1 - first.0, choice);
+        }
+        let mut out = crate::Durability::Durable(PersistMethod::Gpspm);
+        for &(lo, hi) in ranges {
+            out = self.persist_range(ns, lo, hi - lo, choice)?;
+        }
+        Ok(out)
     }
 
     /// GPSPM: a FlushRequest for the range, and its answer.

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use rpma_common::fabric::{QpState, SendWr};
 
 use super::persist::choice_of;
-use super::Queue;
+use super::{Completed, Queue};
 use crate::checks::check_healthy;
 use crate::error::{Error, Result};
 use crate::pool::WriteRec;
@@ -74,7 +74,11 @@ impl Queue {
         let held = self.pool.on_connection_lost();
         self.flush_answers.clear();
         self.reads_done.clear();
-        self.waited_done = None;
+        self.waited_done.clear();
+        // Started Writes are held (re-issued below), started Reads dropped: their tickets void.
+        self.deferred.clear();
+        self.started_done
+            .retain(|c| matches!(c, Completed::Write(_)));
         let policy = self.conn.queue.reconnect.clone();
         let mut last = None;
         let mut attempts = 0;

@@ -37,7 +37,9 @@ pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
         err: anyhow::Error::new(e).context(format!("reading {}", path.display())),
     })?;
     let jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
-    let depth = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1);
+    // At least the library's default of 32 slots: a written block keeps its slot until it is
+    // durable, so a deeper pool makes the persist that frees them rarer at low iodepths.
+    let depth = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1).max(32);
     let conn = g.connection(depth)?;
     let json_out = g.json || args.output_format.as_deref() == Some("json");
     let mut done = Vec::new();

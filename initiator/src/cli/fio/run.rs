@@ -1,14 +1,18 @@
 //! Runs one job section: `numjobs` threads, each with its own queue pair, each keeping
-//! `iodepth` requests in flight through the library's batch calls (a batch of `iodepth` reads
-//! or writes is posted together; every request in it is charged the batch's time, as its
-//! completion latency). Sections run one after another.
+//! `iodepth` requests in flight. Without per-write durability (`fsync=0`) and with blocks of
+//! at most a chunk, the queue is kept full as fio's engines keep theirs: a request is started
+//! as soon as one completes (the library's started requests), and each request's latency is
+//! its own, from its start to the wait that saw it complete. Otherwise (`fsync`/`sync`, or
+//! blocks larger than a chunk) through the batch calls: a batch of `iodepth` reads or writes is
+//! posted together, and every request in it is charged the batch's time. Sections run one
+//! after another.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use rpma_initiator::{Connection, Durability, Namespace};
+use rpma_initiator::{Completed, Connection, Durability, Namespace, Ticket};
 
 use super::job::Job;
 use crate::cli::Failure;
@@ -191,6 +195,7 @@ fn worker(
     live: &Live,
 ) -> Result<Outcome, Failure> {
     let mut q = conn.open_queue(0)?;
+    let chunk = q.options().chunk as u64;
     let mut ns = q.namespace(nsid)?;
     let d = ns.descriptor().clone();
     let room = d.size.saturating_sub(job.offset);
@@ -208,6 +213,11 @@ fn worker(
         )));
     }
     let blocks = size / job.bs;
+    if job.fsync == 0 && job.bs <= chunk {
+        let out = worker_started(&mut ns, job, blocks, seed, live)?;
+        let _ = q.close();
+        return Ok(out);
+    }
     let bs = job.bs as usize;
     let depth = job.iodepth;
     let mut wbufs = vec![vec![0xA5u8; bs]; depth];
@@ -337,6 +347,138 @@ fn worker(
     Ok(out)
 }
 
+/// A started request of [`worker_started`].
+struct InFlight {
+    ticket: Ticket,
+    since: Instant,
+    block: u64,
+    measured: bool,
+    /// A read to check against what was written (decided when it starts: a write started
+    /// after it may not have landed before it).
+    check: bool,
+}
+
+/// One thread's queue kept full: `iodepth` started requests, a new one as each completes.
+fn worker_started(
+    ns: &mut Namespace<'_>,
+    job: &Job,
+    blocks: u64,
+    seed: u64,
+    live: &Live,
+) -> Result<Outcome, Failure> {
+    let bs = job.bs as usize;
+    let depth = job.iodepth;
+    let at = |b: u64| job.offset + b * job.bs;
+    let read_pct = u64::from(job.rw.read_percent(job.rwmixread));
+    let (mut wbuf, mut rbuf, mut want) = (vec![0xA5u8; bs], vec![0u8; bs], vec![0u8; bs]);
+    let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
+    let mut rng = Rng(seed | 1);
+    let mut seq = 0u64;
+    let mut out = Outcome::empty();
+    let start = Instant::now();
+    let measured_from = start + job.ramp;
+    let end = job.runtime.map(|r| measured_from + r);
+    let size = blocks * job.bs;
+    let mut measured_bytes = 0u64;
+    let mut reads: Vec<InFlight> = Vec::with_capacity(depth);
+    let mut writes: Vec<InFlight> = Vec::with_capacity(depth);
+    let mut done: Vec<Completed> = Vec::with_capacity(depth);
+    let mut stopping = false;
+    loop {
+        let now = Instant::now();
+        stopping |= live.stop.load(Ordering::Relaxed)
+            || end.is_some_and(|e| now >= e)
+            || (!job.time_based && now >= measured_from && measured_bytes >= size);
+        while !stopping && reads.len() + writes.len() < depth {
+            let block = if job.rw.random() {
+                rng.next() % blocks
+            } else {
+                let b = seq % blocks;
+                seq += 1;
+                b
+            };
+            let is_read = read_pct == 100 || (read_pct > 0 && rng.next() % 100 < read_pct);
+            let measured = Instant::now() >= measured_from;
+            let since = Instant::now();
+            if is_read {
+                // A job that only reads checks every block (an earlier job wrote them with
+                // verify on); a mixed one the blocks it wrote itself.
+                let mine = written[(block / 64) as usize] & (1 << (block % 64)) != 0;
+                let ticket = ns.start_read(at(block), bs)?;
+                reads.push(InFlight {
+                    ticket,
+                    since,
+                    block,
+                    measured,
+                    check: job.verify && (read_pct == 100 || mine),
+                });
+            } else {
+                if job.verify {
+                    fill(at(block), &mut wbuf);
+                    written[(block / 64) as usize] |= 1 << (block % 64);
+                }
+                let ticket = ns.start_write(at(block), &wbuf)?;
+                writes.push(InFlight {
+                    ticket,
+                    since,
+                    block,
+                    measured,
+                    check: false,
+                });
+            }
+        }
+        if reads.is_empty() && writes.is_empty() {
+            break;
+        }
+        done.clear();
+        ns.wait_started(&mut done)?;
+        let now = Instant::now();
+        for c in &done {
+            let (list, ticket) = match c {
+                Completed::Read(t) => (&mut reads, *t),
+                Completed::Write(t) => (&mut writes, *t),
+            };
+            let Some(i) = list.iter().position(|r| r.ticket == ticket) else {
+                continue;
+            };
+            let r = list.swap_remove(i);
+            let took = now.saturating_duration_since(r.since);
+            if matches!(c, Completed::Read(_)) {
+                ns.take_read(ticket, &mut rbuf)?;
+                live.read_bytes.fetch_add(job.bs, Ordering::Relaxed);
+                live.read_ios.fetch_add(1, Ordering::Relaxed);
+                if r.measured {
+                    out.read.record(1, job.bs, took);
+                    measured_bytes += job.bs;
+                }
+                if r.check {
+                    fill(at(r.block), &mut want);
+                    compare(job, at(r.block), &want, &rbuf)?;
+                    out.verified += 1;
+                }
+            } else {
+                live.write_bytes.fetch_add(job.bs, Ordering::Relaxed);
+                live.write_ios.fetch_add(1, Ordering::Relaxed);
+                if r.measured {
+                    out.write.record(1, job.bs, took);
+                    measured_bytes += job.bs;
+                }
+            }
+        }
+    }
+    out.runtime = Instant::now().saturating_duration_since(measured_from);
+    if job.verify {
+        // fio's verify after a writing job: every block written is read back and checked.
+        for b in (0..blocks).filter(|b| written[(b / 64) as usize] & (1 << (b % 64)) != 0) {
+            ns.read_at(at(b), &mut rbuf)?;
+            fill(at(b), &mut want);
+            compare(job, at(b), &want, &rbuf)?;
+            out.verified += 1;
+        }
+    }
+    Ok(out)
+}
+
 fn compare(job: &Job, off: u64, want: &[u8], got: &[u8]) -> Result<(), Failure> {
     match want.iter().zip(got).position(|(a, b)| a != b) {
         None => Ok(()),
@@ -350,9 +492,9 @@ fn compare(job: &Job, off: u64, want: &[u8], got: &[u8]) -> Result<(), Failure> 
     }
 }
 
-/// Posts one batch of writes. fsync=1 (or sync): each write acknowledged durable (at QD1 one
-/// write_durable, the Write and its persist in one doorbell; deeper, the batch then a persist
-/// per range). fsync=N: a persist of the span written after every N writes.
+/// Posts one batch of writes. fsync=1 (or sync): each write acknowledged durable (one
+/// write_batch_durable: the Writes and the requests that make them durable behind one
+/// doorbell with APM and FLUSH). fsync=N: a persist of the span written after every N writes.
 fn write(
     ns: &mut Namespace<'_>,
     job: &Job,
@@ -362,22 +504,15 @@ fn write(
     dirty: &mut Option<(u64, u64)>,
 ) -> Result<Option<Durability>, Failure> {
     let at = |b: u64| job.offset + b * job.bs;
-    if job.fsync == 1 && blocks.len() == 1 {
-        return Ok(Some(ns.write_durable(at(blocks[0]), &bufs[0])?));
-    }
     let items: Vec<(u64, &[u8])> = blocks
         .iter()
         .zip(bufs)
         .map(|(&b, buf)| (at(b), buf.as_slice()))
         .collect();
-    ns.write_batch(&items)?;
     if job.fsync == 1 {
-        let mut last = None;
-        for &b in blocks {
-            last = Some(ns.persist_written(at(b), job.bs)?);
-        }
-        return Ok(last);
+        return Ok(Some(ns.write_batch_durable(&items)?));
     }
+    ns.write_batch(&items)?;
     if job.fsync > 1 {
         for &b in blocks {
             let (lo, hi) = (at(b), at(b) + job.bs);
