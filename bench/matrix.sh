@@ -49,7 +49,10 @@ nbdkit --foreground --exit-with-parent --unix "$SCRATCH/nbdkit-disk.sock" file "
 nbdkit_disk=$!
 pids+=("$nbdkit_disk")
 ini() { "$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" "$@"; }
-ini --nsid 1 nbd --socket "$SCRATCH/rpma-nbd.sock" --export dax >/dev/null &
+# Started directly, not through ini(): a function run in the background is a subshell, whose
+# pid is not the export's (its CPU would not be measured and SIGTERM would not reach it).
+"$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \
+    --nsid 1 nbd --socket "$SCRATCH/rpma-nbd.sock" --export dax >/dev/null &
 rpma_nbd=$!
 pids+=("$rpma_nbd")
 for s in nbdkit-shm nbdkit-disk rpma-nbd; do

@@ -200,6 +200,25 @@ impl OpenNamespace {
                 },
             }
         })?);
+        if matches!(mapping.domain(), Domain::Dax | Domain::DaxForced) {
+            // The first Write to each page would otherwise pay a page fault in the poll loop
+            // (about half the speed of a first pass over a fresh namespace).
+            let t = std::time::Instant::now();
+            match mapping.prefault() {
+                Ok(()) => log::info!(
+                    "subsystem {subsystem} nsid {}: {} bytes mapped in ahead of use in {} ms",
+                    ns.nsid,
+                    mapping.len(),
+                    t.elapsed().as_millis()
+                ),
+                Err(e) => log::warn!(
+                    "subsystem {subsystem} nsid {}: not mapped in ahead of use (first writes \
+                     to each page fault): {}",
+                    ns.nsid,
+                    rpma_common::error_chain(&e)
+                ),
+            }
+        }
         let flush_target =
             FlushTarget::for_mapping(&mapping).map_err(|source| NamespaceError::Flush {
                 subsystem: subsystem.clone(),

@@ -190,6 +190,35 @@ impl Mapping {
         self.probed
     }
 
+    /// Maps every page of the mapping in, writable, ahead of use (`madvise(MADV_POPULATE_WRITE)`,
+    /// Linux 5.14): the first Write to each page then takes no page fault. On dax and tmpfs
+    /// memory that fault is most of the cost of a first write: a first pass over a fresh /dev/shm
+    /// namespace ran at about half the speed of the next. Not for page-cache files: on those it
+    /// would read the whole file in. Costs the page tables (about 2 MiB per GiB with 4 KiB
+    /// pages) and, on a tmpfs file that was not allocated, the memory.
+    ///
+    /// Errors: [`Error::Io`] when the kernel refuses (`EINVAL` before 5.14); the mapping is
+    /// usable as before.
+    pub fn prefault(&self) -> Result<()> {
+        // SAFETY: the range is exactly this live mapping; MADV_POPULATE_WRITE only faults its
+        // pages in (writable) and changes no byte of them.
+        let r = unsafe {
+            libc::madvise(
+                self.ptr.as_ptr().cast(),
+                self.len,
+                libc::MADV_POPULATE_WRITE,
+            )
+        };
+        if r != 0 {
+            return Err(Error::Io {
+                path: self.path.clone().unwrap_or_default(),
+                op: "madvise(MADV_POPULATE_WRITE)",
+                source: io::Error::last_os_error(),
+            });
+        }
+        Ok(())
+    }
+
     /// Whether the kernel accepted MAP_SYNC for this mapping (page faults then never leave
     /// filesystem metadata behind the data: the dax guarantee for fsdax files).
     pub fn map_sync(&self) -> bool {
@@ -403,6 +432,46 @@ mod tests {
         assert_eq!(m.page_range(p, p), (p, 2 * p));
         // The tail of the last, partial page is still one whole page for msync.
         assert_eq!(m.page_range(3 * p + 99, 1), (3 * p, 4 * p));
+    }
+
+    /// Minor page faults of the calling thread so far.
+    fn thread_minor_faults() -> i64 {
+        // SAFETY: getrusage writes one plain struct, zero-initialisable, that outlives the call.
+        unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
+            ru.ru_minflt
+        }
+    }
+
+    /// Writes one byte in every page; returns this thread's minor faults meanwhile.
+    fn faults_touching(m: &Mapping) -> i64 {
+        let before = thread_minor_faults();
+        for off in (0..m.len()).step_by(page_size()) {
+            m.write_at(off, &[1]).unwrap();
+        }
+        thread_minor_faults() - before
+    }
+
+    #[test]
+    fn prefault_maps_every_page_in_ahead_of_the_first_write() {
+        let d = tempfile::tempdir_in("/dev/shm").unwrap();
+        let pages = 512;
+        let open = |name: &str| {
+            OpenOptions::new(d.path().join(name))
+                .size((pages * page_size()) as u64)
+                .create(true)
+                .force_dax(true)
+                .open()
+                .unwrap()
+        };
+        // Without it, the first write to each page faults (the control: it can fail).
+        let cold = open("cold");
+        assert!(faults_touching(&cold) >= pages as i64 / 2);
+        let warm = open("warm");
+        warm.prefault().unwrap();
+        let f = faults_touching(&warm);
+        assert!(f < pages as i64 / 16, "{f} faults after prefault");
     }
 
     #[test]
