@@ -278,14 +278,23 @@ impl Global {
 
     /// The data path's connection, with queue depth `depth`.
     pub(crate) fn connection(&self, depth: usize) -> Result<Connection, Failure> {
+        self.connection_with(depth, QueueOptions::default().chunk)
+    }
+
+    /// [`connection`](Self::connection) with queues of `depth` slots of `chunk` bytes.
+    pub(crate) fn connection_with(
+        &self,
+        depth: usize,
+        chunk: usize,
+    ) -> Result<Connection, Failure> {
         Ok(
             Connection::new(self.target()?, self.subsystem()?, self.host()?)
                 .with_connect_options(self.options()?)
                 .with_queue_options(QueueOptions {
                     depth,
+                    chunk,
                     persist: self.persist_method(),
                     reconnect: self.reconnect_policy()?,
-                    ..QueueOptions::default()
                 }),
         )
     }

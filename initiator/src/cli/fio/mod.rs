@@ -29,6 +29,22 @@ pub(crate) struct JobArgs {
     pub(crate) output_format: Option<String>,
 }
 
+/// Registered memory the pool may take when slots are added beyond the deepest iodepth.
+const POOL_BYTES: u64 = 16 << 20;
+
+/// The queue's slots and chunk for `jobs`: chunks of the largest block size (4 KiB to 16 MiB,
+/// a multiple of 4 KiB), so that a request takes one slot; and as many slots as the deepest
+/// iodepth, or more, up to 128 and [`POOL_BYTES`]: a written block keeps its slot until it is
+/// durable, so more slots make the persist that frees them rarer (on page-cache a ranged
+/// fdatasync per pool-full of writes).
+fn pool_shape(jobs: &[job::Job]) -> (usize, usize) {
+    let bs = jobs.iter().map(|j| j.bs).max().unwrap_or(4096);
+    let chunk = bs.div_ceil(4096).clamp(1, 4096) * 4096;
+    let deepest = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1);
+    let room = (POOL_BYTES / chunk) as usize;
+    (room.clamp(deepest.max(1), 128.max(deepest)), chunk as usize)
+}
+
 /// Runs every job section of `args.job`, one after another, and prints the report.
 pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
     let path = args.job.as_ref().expect("called with --job");
@@ -37,10 +53,8 @@ pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
         err: anyhow::Error::new(e).context(format!("reading {}", path.display())),
     })?;
     let jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
-    // At least the library's default of 32 slots: a written block keeps its slot until it is
-    // durable, so a deeper pool makes the persist that frees them rarer at low iodepths.
-    let depth = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1).max(32);
-    let conn = g.connection(depth)?;
+    let (depth, chunk) = pool_shape(&jobs);
+    let conn = g.connection_with(depth, chunk)?;
     let json_out = g.json || args.output_format.as_deref() == Some("json");
     let mut done = Vec::new();
     let mut visible_only = false;
@@ -120,6 +134,23 @@ pub(crate) fn progress_line(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_pool_takes_one_slot_per_request_and_more_slots_where_they_are_small() {
+        let shape = |text: &str| pool_shape(&job::parse(text).unwrap());
+        assert_eq!(shape("[a]\nrw=randwrite\nbs=4k\n"), (128, 4096));
+        assert_eq!(
+            shape("[a]\nrw=randwrite\nbs=512\niodepth=64\n"),
+            (128, 4096)
+        );
+        // 1 MiB blocks: 16 MiB of slots, but never fewer than the deepest iodepth.
+        assert_eq!(shape("[a]\nrw=write\nbs=1m\niodepth=4\n"), (16, 1 << 20));
+        assert_eq!(
+            shape("[a]\nrw=write\nbs=1m\niodepth=32\n[b]\nrw=read\nbs=6k\n"),
+            (32, 1 << 20)
+        );
+        assert_eq!(shape("[a]\nrw=read\nbs=6k\n"), (128, 8192));
+    }
 
     #[test]
     fn job_is_an_option_of_bench_and_excludes_the_quick_bench_options() {
