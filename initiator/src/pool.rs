@@ -269,16 +269,17 @@ impl Pool {
         n
     }
 
-    /// After a lost connection: unfinished Writes are held for the replay, Reads are dropped
-    /// (their operation is re-run; a started Read's ticket is void). Returns the held writes in post order.
+    /// After a lost connection: unfinished Writes are held for the replay, Reads in flight are
+    /// dropped (their operation is re-run; a started Read's ticket is void). Returns the held
+    /// writes in post order.
     pub(crate) fn on_connection_lost(&mut self) -> Vec<(usize, WriteRec)> {
         for i in 0..self.slots.len() {
             match self.slots[i] {
                 Slot::Writing(w) => self.set(i, Slot::Held(w)),
-                Slot::Reading { .. }
-                | Slot::ReadDone { .. }
-                | Slot::Started { .. }
-                | Slot::StartedDone { .. } => self.set(i, Slot::Free),
+                // A completed started Read keeps its bytes for take_read.
+                Slot::Reading { .. } | Slot::ReadDone { .. } | Slot::Started { .. } => {
+                    self.set(i, Slot::Free)
+                }
                 _ => {}
             }
         }
@@ -365,6 +366,25 @@ mod tests {
             vec![(0, 4608), (8192, 12288)]
         );
         assert!(merge_ranges(vec![(5, 5)]).is_empty());
+    }
+
+    #[test]
+    fn connection_loss_voids_started_reads_in_flight_and_keeps_completed_ones() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 3, 512).unwrap();
+        let s: Vec<usize> = (0..3).map(|_| p.take_free().unwrap()).collect();
+        p.set(s[0], Slot::Started { ticket: 1, len: 8 });
+        p.set(s[1], Slot::StartedDone { ticket: 2, len: 8 });
+        let mut w = rec(0, 0, 512, 3);
+        w.notify = true;
+        p.set(s[2], Slot::Writing(w));
+        assert_eq!(p.in_flight(), 2);
+        let held = p.on_connection_lost();
+        assert_eq!(p.get(s[0]), Some(Slot::Free), "in flight: void");
+        assert_eq!(p.get(s[1]), Some(Slot::StartedDone { ticket: 2, len: 8 }));
+        // The started Write is held for the replay and still to be reported.
+        assert_eq!(held, vec![(s[2], w)]);
+        assert_eq!(p.in_flight(), 0);
     }
 
     #[test]

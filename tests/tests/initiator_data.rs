@@ -434,6 +434,83 @@ fn started_requests_keep_the_queue_full_and_report_each_completion() {
 }
 
 #[test]
+fn started_writes_survive_a_cut_link_and_started_reads_are_reported_void() {
+    let (_d, _shm, t) = start("startcut");
+    let relay = std::sync::Arc::new(Relay::start(&format!("127.0.0.1:{}", t.port())));
+    let mut q = conn(&relay.url())
+        .with_queue_options(QueueOptions {
+            depth: 8,
+            chunk: 4096,
+            reconnect: ReconnectPolicy {
+                max_attempts: 20,
+                timeout: Duration::from_secs(30),
+                initial_backoff: Duration::from_millis(20),
+                max_backoff: Duration::from_millis(200),
+            },
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(4).unwrap();
+    let bufs: Vec<Vec<u8>> = (0..6).map(|i| pattern(300 + i, 4096)).collect();
+    // The Writes leave into a link that throws them away, and a Read behind them.
+    relay.swallow();
+    let tickets: Vec<_> = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| ns.start_write(i as u64 * 4096, b).unwrap())
+        .collect();
+    let read = ns.start_read(0, 4096).unwrap();
+    let mut done = Vec::new();
+    let cutter = {
+        let r = std::sync::Arc::clone(&relay);
+        std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            r.cut();
+        })
+    };
+    // The Writes complete locally (TCP took them); the Read cannot: the wait sees the cut
+    // link, reconnects, and reports the loss.
+    let mut seen = Vec::new();
+    let err = loop {
+        done.clear();
+        match ns.wait_started(&mut done) {
+            Ok(()) => seen.extend(done.iter().copied()),
+            Err(e) => break e,
+        }
+    };
+    assert!(err.is_connection_loss(), "{err}");
+    cutter.join().unwrap();
+    // Whatever was not reported before the loss is reported after it: every Write once, the
+    // Read never (void: its slot was freed).
+    loop {
+        done.clear();
+        ns.wait_started(&mut done).unwrap();
+        if done.is_empty() {
+            break;
+        }
+        seen.extend(done.iter().copied());
+    }
+    for t in &tickets {
+        let n = seen.iter().filter(|c| **c == Completed::Write(*t)).count();
+        assert_eq!(n, 1, "write {t:?} reported {n} times: {seen:?}");
+    }
+    assert!(!seen.contains(&Completed::Read(read)), "{seen:?}");
+    assert!(matches!(
+        ns.take_read(read, &mut [0u8; 4096]),
+        Err(Error::InvalidArgument(_))
+    ));
+    // The swallowed Writes were re-issued on the new connection: their bytes are there.
+    assert!(ns.persist_own_writes().unwrap().is_durable());
+    for (i, b) in bufs.iter().enumerate() {
+        let mut back = vec![0u8; 4096];
+        ns.read_at(i as u64 * 4096, &mut back).unwrap();
+        assert!(back == *b, "write {i} lost");
+    }
+    assert!(q.reconnects() >= 1);
+}
+
+#[test]
 fn forced_method_is_checked_when_the_queue_opens() {
     let (_d, _shm, t) = start("forced");
     let mut q = conn(&t.url())

@@ -187,10 +187,12 @@ impl Queue {
         match c.wr_id & KIND_MASK {
             KIND_WRITE => {
                 if let Some(Slot::Writing(w)) = self.pool.get(slot) {
-                    // Placed or not, the slot keeps the bytes until they are durable.
-                    self.pool
-                        .set(slot, Slot::Held(WriteRec { notify: false, ..w }));
-                    if c.status != WcStatus::Success {
+                    // Placed or not, the slot keeps the bytes until they are durable. A started
+                    // Write whose completion failed is reported when its re-issue completes.
+                    let ok = c.status == WcStatus::Success;
+                    let notify = w.notify && !ok;
+                    self.pool.set(slot, Slot::Held(WriteRec { notify, ..w }));
+                    if !ok {
                         return Err(self.completion_error(w.ns, "write", c.status));
                     }
                     if w.notify {

@@ -6,7 +6,7 @@ use std::time::{Duration, Instant};
 use rpma_common::fabric::{QpState, SendWr};
 
 use super::persist::choice_of;
-use super::{Completed, Queue};
+use super::Queue;
 use crate::checks::check_healthy;
 use crate::error::{Error, Result};
 use crate::pool::WriteRec;
@@ -75,10 +75,10 @@ impl Queue {
         self.flush_answers.clear();
         self.reads_done.clear();
         self.waited_done.clear();
-        // Started Writes are held (re-issued below), started Reads dropped: their tickets void.
+        // Started Writes are held (re-issued below) and started Reads in flight dropped (their
+        // tickets void); the completions already collected stay, completed Reads with their
+        // bytes.
         self.deferred.clear();
-        self.started_done
-            .retain(|c| matches!(c, Completed::Write(_)));
         let policy = self.conn.queue.reconnect.clone();
         let mut last = None;
         let mut attempts = 0;

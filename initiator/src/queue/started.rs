@@ -109,7 +109,8 @@ impl Queue {
     /// # Errors
     /// A time-out, or what the data calls return. After a lost connection (reported as an
     /// error; the queue reconnects) the started Reads that had not completed are void: start
-    /// them again. Started Writes are re-issued by the reconnect and still complete.
+    /// them again. Started Writes are re-issued by the reconnect and still complete (each
+    /// reported once); completions already collected, and completed Reads' bytes, stay.
     pub fn wait_started(&mut self, out: &mut Vec<Completed>) -> Result<()> {
         self.run(OnLoss::ReconnectAndFail, |q| {
             let deadline = Instant::now() + q.conn.options.timeout;
