@@ -30,7 +30,7 @@ demo: deps
 	@bash scripts/demo.sh
 
 # The benchmarks side by side, medians (bench/README.md). Long: run it by hand, not in CI.
-# BENCH_ARGS=--quick: about two minutes.
+# BENCH_ARGS=--quick: under three minutes once built.
 bench: deps
 	@bash bench/run.sh $(BENCH_ARGS)
 
