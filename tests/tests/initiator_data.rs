@@ -27,6 +27,38 @@ fn dax_stats(ns: &mut rpma_initiator::Namespace<'_>) -> (u64, u64) {
     (s.writes_posted, s.doorbells)
 }
 
+/// With method `m` forced, `call` is acknowledged durable with `m`, having posted `writes`
+/// Writes and rung the doorbell once (the Writes and the request(s) that make them durable).
+fn durable_in_one_post(
+    ns: &mut rpma_initiator::Namespace<'_>,
+    m: PersistMethod,
+    writes: u64,
+    call: impl FnOnce(&mut rpma_initiator::Namespace<'_>) -> rpma_initiator::Result<Durability>,
+) {
+    ns.set_method(Some(m)).unwrap();
+    let before = dax_stats(ns);
+    assert_eq!(call(ns).unwrap(), Durability::Durable(m));
+    let after = dax_stats(ns);
+    assert_eq!(after.0 - before.0, writes, "{m}: Writes posted");
+    assert_eq!(
+        after.1 - before.1,
+        1,
+        "{m}: Writes and request(s) in one post"
+    );
+}
+
+/// Queue 0 on `url` with `depth` slots of 4 KiB.
+fn queue_of(url: &str, depth: usize) -> rpma_initiator::Queue {
+    conn(url)
+        .with_queue_options(QueueOptions {
+            depth,
+            chunk: 4096,
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap()
+}
+
 fn conn(url: &str) -> Connection {
     Connection::new(
         url,
@@ -167,19 +199,9 @@ fn reads_writes_methods_atomics_and_checks() {
     assert_eq!(dax.descriptor().domain, PersistenceDomain::DaxForced);
     assert_eq!(dax.method().unwrap(), Choice::Method(PersistMethod::Flush));
     for m in [PersistMethod::Flush, PersistMethod::Apm] {
-        dax.set_method(Some(m)).unwrap();
-        let before = dax_stats(&mut dax);
-        assert_eq!(
-            dax.write_durable(4096, &pattern(7, 4096)).unwrap(),
-            Durability::Durable(m)
-        );
-        let after = dax_stats(&mut dax);
-        assert_eq!(after.0 - before.0, 1, "{m}: one Write");
-        assert_eq!(
-            after.1 - before.1,
-            1,
-            "{m}: Write and {m} request in one post"
-        );
+        durable_in_one_post(&mut dax, m, 1, |ns| {
+            ns.write_durable(4096, &pattern(7, 4096))
+        });
     }
     dax.set_method(None).unwrap();
     let mut b = vec![0u8; 4096];
@@ -192,14 +214,7 @@ fn reads_writes_methods_atomics_and_checks() {
 #[test]
 fn batches_made_durable_in_one_post_and_a_queue_persists_its_own_writes() {
     let (_d, _shm, t) = start("batchdur");
-    let mut q = conn(&t.url())
-        .with_queue_options(QueueOptions {
-            depth: 8,
-            chunk: 4096,
-            ..QueueOptions::default()
-        })
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue_of(&t.url(), 8);
     let bufs: Vec<Vec<u8>> = (0..3).map(|i| pattern(40 + i, 4096)).collect();
     // Two touching ranges (merged: one Flush) and one far away (a Flush of its own).
     let at = [0u64, 4096, 1 << 20];
@@ -210,19 +225,7 @@ fn batches_made_durable_in_one_post_and_a_queue_persists_its_own_writes() {
         .collect();
     let mut dax = q.namespace(4).unwrap();
     for m in [PersistMethod::Flush, PersistMethod::Apm] {
-        dax.set_method(Some(m)).unwrap();
-        let before = dax_stats(&mut dax);
-        assert_eq!(
-            dax.write_batch_durable(&items).unwrap(),
-            Durability::Durable(m)
-        );
-        let after = dax_stats(&mut dax);
-        assert_eq!(after.0 - before.0, 3, "{m}: three Writes");
-        assert_eq!(
-            after.1 - before.1,
-            1,
-            "{m}: Writes and requests in one post"
-        );
+        durable_in_one_post(&mut dax, m, 3, |ns| ns.write_batch_durable(&items));
     }
     dax.set_method(Some(PersistMethod::Gpspm)).unwrap();
     assert_eq!(
@@ -296,14 +299,7 @@ fn batches_made_durable_in_one_post_and_a_queue_persists_its_own_writes() {
 #[test]
 fn started_requests_keep_the_queue_full_and_report_each_completion() {
     let (_d, _shm, t) = start("started");
-    let mut q = conn(&t.url())
-        .with_queue_options(QueueOptions {
-            depth: 8,
-            chunk: 4096,
-            ..QueueOptions::default()
-        })
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue_of(&t.url(), 8);
     let mut ns = q.namespace(4).unwrap();
     let bufs: Vec<Vec<u8>> = (0..40).map(|i| pattern(200 + i, 4096)).collect();
     // Nothing started: the wait returns at once with nothing.
@@ -563,14 +559,7 @@ fn a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid() {
 #[test]
 fn queue_depth_32_with_many_outstanding_writes() {
     let (_d, _shm, t) = start("qd");
-    let mut q = conn(&t.url())
-        .with_queue_options(QueueOptions {
-            depth: 32,
-            chunk: 4096,
-            ..QueueOptions::default()
-        })
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue_of(&t.url(), 32);
     let mut ns = q.namespace(1).unwrap();
     // 1000 writes of 4 KiB, in reverse order, interleaved over the namespace: 32 in flight.
     let bufs: Vec<Vec<u8>> = (0..1000).map(|i| pattern(i, 4096)).collect();

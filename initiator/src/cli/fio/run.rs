@@ -161,6 +161,43 @@ pub(crate) fn run(
     Ok(total)
 }
 
+/// Picks the next request of a job: its block and whether it reads.
+struct Picker {
+    rng: Rng,
+    seq: u64,
+    blocks: u64,
+    random: bool,
+    read_pct: u64,
+}
+
+impl Picker {
+    fn new(job: &Job, blocks: u64, seed: u64) -> Picker {
+        Picker {
+            rng: Rng(seed | 1),
+            seq: 0,
+            blocks,
+            random: job.rw.random(),
+            read_pct: u64::from(job.rw.read_percent(job.rwmixread)),
+        }
+    }
+
+    /// (block, is a read).
+    fn next(&mut self) -> (u64, bool) {
+        let block = if self.random {
+            self.rng.next() % self.blocks
+        } else {
+            let b = self.seq % self.blocks;
+            self.seq += 1;
+            b
+        };
+        let pct = self.read_pct;
+        (
+            block,
+            pct == 100 || (pct > 0 && self.rng.next() % 100 < pct),
+        )
+    }
+}
+
 /// xorshift64*: cheap, and the same sequence for the same seed.
 struct Rng(u64);
 
@@ -224,9 +261,8 @@ fn worker(
     let mut rbufs = vec![vec![0u8; bs]; depth];
     let mut want = vec![0u8; bs];
     let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
-    let mut rng = Rng(seed | 1);
-    let mut seq = 0u64;
-    let read_pct = u64::from(job.rw.read_percent(job.rwmixread));
+    let mut pick = Picker::new(job, blocks, seed);
+    let read_pct = pick.read_pct;
     let mut out = Outcome::empty();
     let mut since_sync = 0u32;
     // The span the writes since the last persist cover (fsync > 1).
@@ -249,14 +285,7 @@ fn worker(
         wr.clear();
         rd.clear();
         for _ in 0..depth {
-            let block = if job.rw.random() {
-                rng.next() % blocks
-            } else {
-                let b = seq % blocks;
-                seq += 1;
-                b
-            };
-            let is_read = read_pct == 100 || (read_pct > 0 && rng.next() % 100 < read_pct);
+            let (block, is_read) = pick.next();
             if is_read {
                 rd.push(block);
             } else {
@@ -369,11 +398,10 @@ fn worker_started(
     let bs = job.bs as usize;
     let depth = job.iodepth;
     let at = |b: u64| job.offset + b * job.bs;
-    let read_pct = u64::from(job.rw.read_percent(job.rwmixread));
+    let mut pick = Picker::new(job, blocks, seed);
+    let read_pct = pick.read_pct;
     let (mut wbuf, mut rbuf, mut want) = (vec![0xA5u8; bs], vec![0u8; bs], vec![0u8; bs]);
     let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
-    let mut rng = Rng(seed | 1);
-    let mut seq = 0u64;
     let mut out = Outcome::empty();
     let start = Instant::now();
     let measured_from = start + job.ramp;
@@ -390,14 +418,7 @@ fn worker_started(
             || end.is_some_and(|e| now >= e)
             || (!job.time_based && now >= measured_from && measured_bytes >= size);
         while !stopping && reads.len() + writes.len() < depth {
-            let block = if job.rw.random() {
-                rng.next() % blocks
-            } else {
-                let b = seq % blocks;
-                seq += 1;
-                b
-            };
-            let is_read = read_pct == 100 || (read_pct > 0 && rng.next() % 100 < read_pct);
+            let (block, is_read) = pick.next();
             let measured = Instant::now() >= measured_from;
             let since = Instant::now();
             if is_read {
