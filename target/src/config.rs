@@ -228,6 +228,9 @@ pub struct Namespace {
     /// An existing file smaller than `size` is grown to it (at start-up and on reload alike);
     /// without it such a file is refused. Never shrunk either way.
     pub grow: bool,
+    /// A dax namespace is mapped in ahead of use when it is opened (default true): no page
+    /// fault on the first Write to each page, for page tables and start-up time.
+    pub prefault: bool,
 }
 
 /// A subsystem.
@@ -333,6 +336,7 @@ struct RawNamespace {
     force_dax: bool,
     #[serde(default)]
     grow: bool,
+    prefault: Option<bool>,
 }
 
 /// The control socket a configuration file names, without validating the rest (so that
@@ -579,6 +583,7 @@ impl Config {
                     read_only: rn.read_only,
                     force_dax: rn.force_dax,
                     grow: rn.grow,
+                    prefault: rn.prefault.unwrap_or(true),
                 });
             }
             namespaces.sort_by_key(|n| n.nsid);

@@ -200,7 +200,7 @@ impl OpenNamespace {
                 },
             }
         })?);
-        if matches!(mapping.domain(), Domain::Dax | Domain::DaxForced) {
+        if ns.prefault && matches!(mapping.domain(), Domain::Dax | Domain::DaxForced) {
             // The first Write to each page would otherwise pay a page fault in the poll loop
             // (about half the speed of a first pass over a fresh namespace).
             let t = std::time::Instant::now();
@@ -451,6 +451,44 @@ mod tests {
         );
     }
 
+    /// Minor faults of this thread while writing a byte into every page of `ns`.
+    fn first_touch_faults(ns: &OpenNamespace) -> i64 {
+        let faults = || {
+            // SAFETY: getrusage fills one plain struct that outlives the call.
+            unsafe {
+                let mut ru: libc::rusage = std::mem::zeroed();
+                assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
+                ru.ru_minflt
+            }
+        };
+        let before = faults();
+        for off in (0..ns.mapping.len()).step_by(4096) {
+            ns.mapping.write_at(off, &[1]).unwrap();
+        }
+        faults() - before
+    }
+
+    #[test]
+    fn a_dax_namespace_is_mapped_in_ahead_unless_the_config_says_not_to() {
+        let d = tempfile::tempdir_in("/dev/shm").unwrap();
+        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+        let ns = |name: &str, prefault: bool| config::Namespace {
+            nsid: 1,
+            path: d.path().join(name),
+            size: Some(2 << 20),
+            block_size: 4096,
+            read_only: false,
+            force_dax: true,
+            grow: false,
+            prefault,
+        };
+        let ahead = OpenNamespace::open(&nqn, &ns("ahead", true)).unwrap();
+        let lazy = OpenNamespace::open(&nqn, &ns("lazy", false)).unwrap();
+        let pages = (2 << 20) / 4096;
+        assert!(first_touch_faults(&lazy) >= pages / 2, "the control");
+        assert!(first_touch_faults(&ahead) < pages / 16);
+    }
+
     #[test]
     fn open_errors_name_the_namespace() {
         let d = tempfile::tempdir().unwrap();
@@ -462,6 +500,7 @@ mod tests {
             read_only: false,
             force_dax: false,
             grow: false,
+            prefault: true,
         };
         let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
         let e = OpenNamespace::open(&nqn, &ns).unwrap_err();

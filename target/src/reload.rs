@@ -95,10 +95,12 @@ fn namespaces(s: &Subsystem) -> BTreeMap<u32, &Namespace> {
 }
 
 /// Whether two namespace entries describe the same namespace. `grow` alone is no change: it
-/// only says what to do when the size changes.
+/// only says what to do when the size changes; nor is `prefault`: it only says how the next
+/// open maps it.
 fn same_namespace(a: &Namespace, b: &Namespace) -> bool {
     let b = Namespace {
         grow: a.grow,
+        prefault: a.prefault,
         ..b.clone()
     };
     *a == b

@@ -37,6 +37,7 @@ path = "a.pmem"
 size = 1048576
 read_only = true
 force_dax = true
+prefault = false
 
 [[subsystem]]
 nqn = "nqn.2026-11.io.rpma:other"
@@ -107,6 +108,10 @@ fn good_config_parses_with_values_and_defaults() {
     );
     assert_eq!(s.namespaces[0].size, Some(1 << 20));
     assert!(s.namespaces[0].read_only && s.namespaces[0].force_dax);
+    assert!(
+        !s.namespaces[0].prefault && s.namespaces[1].prefault,
+        "default: mapped ahead"
+    );
     assert_eq!(s.namespaces[1].size, Some(8 << 20));
     assert_eq!(s.namespaces[1].block_size, 512);
     assert_eq!(s.namespaces[1].path, d.path().join("b.pmem"));
