@@ -12,8 +12,7 @@ use rpma_common::units::format_size;
 use crate::config::{Config, Transport};
 use crate::namespace::{durability_methods, OpenNamespace};
 
-/// An error with its chain of causes on one line (the common crate's, for every log line).
-pub use rpma_common::error_chain as chain;
+use rpma_common::error_chain as chain;
 
 fn methods_line(cfg: &Config, domain: Domain) -> String {
     let mut seen = Vec::new();

@@ -169,20 +169,7 @@ impl OpenNamespace {
     /// # Errors
     /// [`NamespaceError::WouldGrow`], [`NamespaceError::Open`], [`NamespaceError::Flush`].
     pub fn open(subsystem: &Nqn, ns: &config::Namespace) -> Result<Self> {
-        let resize = if ns.grow {
-            Resize::Grow
-        } else {
-            Resize::Refuse
-        };
-        Self::open_with(subsystem, ns, resize)
-    }
-
-    /// [`OpenNamespace::open`] with a choice about an existing file of another size.
-    ///
-    /// # Errors
-    /// As [`OpenNamespace::open`].
-    pub fn open_with(subsystem: &Nqn, ns: &config::Namespace, resize: Resize) -> Result<Self> {
-        let opts = Self::options(ns).resize(resize);
+        let opts = Self::options(ns);
         let mapping = Arc::new(opts.open().map_err(|source| {
             let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());
             match source {

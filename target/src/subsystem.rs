@@ -105,10 +105,7 @@ fn advertised(url: &ListenUrl, local: Option<SocketAddr>) -> ListenUrl {
         return url.clone();
     };
     // An IPv4 peer on a dual-stack socket shows as ::ffff:a.b.c.d: advertise a.b.c.d.
-    let here = match local.ip() {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-        v4 => v4,
-    };
+    let here = local.ip().to_canonical();
     // A `::` listener accepts IPv4 too (unless bindv6only); `0.0.0.0` only IPv4.
     let fits = match bound {
         IpAddr::V4(b) => b.is_unspecified() && here.is_ipv4(),

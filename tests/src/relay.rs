@@ -16,7 +16,6 @@ pub struct Relay {
     port: u16,
     stop: Arc<AtomicBool>,
     links: Arc<Mutex<Vec<TcpStream>>>,
-    bytes: Arc<AtomicU64>,
     accepted: Arc<AtomicU64>,
     swallow: Arc<AtomicBool>,
 }
@@ -29,14 +28,12 @@ impl Relay {
         let port = l.local_addr().unwrap().port();
         let stop = Arc::new(AtomicBool::new(false));
         let links: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let bytes = Arc::new(AtomicU64::new(0));
         let accepted = Arc::new(AtomicU64::new(0));
         let swallow = Arc::new(AtomicBool::new(false));
         let upstream = upstream.to_owned();
-        let (s, lk, b, a, sw) = (
+        let (s, lk, a, sw) = (
             Arc::clone(&stop),
             Arc::clone(&links),
-            Arc::clone(&bytes),
             Arc::clone(&accepted),
             Arc::clone(&swallow),
         );
@@ -59,10 +56,9 @@ impl Relay {
                         pipe(
                             down.try_clone().unwrap(),
                             up.try_clone().unwrap(),
-                            &b,
                             Some(&sw),
                         );
-                        pipe(up, down, &b, None);
+                        pipe(up, down, None);
                     }
                     Err(_) => std::thread::sleep(Duration::from_millis(5)),
                 }
@@ -72,7 +68,6 @@ impl Relay {
             port,
             stop,
             links,
-            bytes,
             accepted,
             swallow,
         }
@@ -81,11 +76,6 @@ impl Relay {
     /// `tcp://127.0.0.1:PORT` of the relay.
     pub fn url(&self) -> String {
         format!("tcp://127.0.0.1:{}", self.port)
-    }
-
-    /// Bytes relayed so far (both directions).
-    pub fn bytes(&self) -> u64 {
-        self.bytes.load(Ordering::Relaxed)
     }
 
     /// Connections accepted so far.
@@ -116,13 +106,7 @@ impl Drop for Relay {
     }
 }
 
-fn pipe(
-    mut from: TcpStream,
-    mut to: TcpStream,
-    bytes: &Arc<AtomicU64>,
-    swallow: Option<&Arc<AtomicBool>>,
-) {
-    let bytes = Arc::clone(bytes);
+fn pipe(mut from: TcpStream, mut to: TcpStream, swallow: Option<&Arc<AtomicBool>>) {
     let swallow = swallow.map(Arc::clone);
     std::thread::spawn(move || {
         let mut buf = vec![0u8; 64 << 10];
@@ -134,7 +118,6 @@ fn pipe(
                     if to.write_all(&buf[..n]).is_err() {
                         break;
                     }
-                    bytes.fetch_add(n as u64, Ordering::Relaxed);
                 }
             }
         }

@@ -320,17 +320,6 @@ impl Target {
         self.wait_ready();
     }
 
-    /// `rpma-target status --json` through its control socket, as text.
-    pub fn status_json(&self) -> String {
-        let o = status(&[
-            "--socket",
-            self.dir.join("ctl.sock").to_str().unwrap(),
-            "--json",
-        ]);
-        assert!(o.status.success(), "status: {}", text(&o));
-        String::from_utf8_lossy(&o.stdout).into_owned()
-    }
-
     /// `rpma-target status --json` through its control socket, parsed.
     pub fn status(&self) -> serde_json::Value {
         status_json(&self.dir.join("ctl.sock"))

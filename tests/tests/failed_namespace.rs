@@ -111,7 +111,7 @@ fn cli(t: &Target, host: &str, line: &str) -> (Option<i32>, String) {
 }
 
 fn failed_of(t: &Target, nsid: u64) -> serde_json::Value {
-    let v: serde_json::Value = serde_json::from_str(&t.status_json()).unwrap();
+    let v = t.status();
     let ns = v["subsystems"][0]["namespaces"]
         .as_array()
         .unwrap()

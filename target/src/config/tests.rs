@@ -56,7 +56,7 @@ fn err(text: &str) -> String {
     let d = dir_with_psk();
     Config::from_toml(text, d.path())
         .map(|_| ())
-        .map_err(|e| crate::check::chain(&e))
+        .map_err(|e| rpma_common::error_chain(&e))
         .unwrap_err()
 }
 
@@ -306,7 +306,7 @@ fn psk_file_problems() {
     std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o644)).unwrap();
     let e = Config::from_toml(GOOD, d.path())
         .map(|_| ())
-        .map_err(|e| crate::check::chain(&e))
+        .map_err(|e| rpma_common::error_chain(&e))
         .unwrap_err();
     assert!(
         e.contains("psk_file: key file") && e.contains("mode 0644"),
@@ -316,7 +316,7 @@ fn psk_file_problems() {
     std::fs::write(&p, "ab".repeat(4)).unwrap();
     let e = Config::from_toml(GOOD, d.path())
         .map(|_| ())
-        .map_err(|e| crate::check::chain(&e))
+        .map_err(|e| rpma_common::error_chain(&e))
         .unwrap_err();
     assert!(
         e.contains("psk_file: key") && e.contains("is 4 bytes"),
@@ -427,7 +427,7 @@ fn load_reports_the_path() {
     std::fs::write(&p, "bogus = 1").unwrap();
     let e = Config::load(&p)
         .map(|_| ())
-        .map_err(|e| crate::check::chain(&e))
+        .map_err(|e| rpma_common::error_chain(&e))
         .unwrap_err();
     assert!(e.contains("bad.toml") && e.contains("bogus"), "{e}");
 }

@@ -128,14 +128,6 @@ pub(crate) struct Use {
     pub(crate) evicted: u64,
 }
 
-/// An address as a source: an IPv4 peer on a dual-stack socket is its IPv4 address.
-pub(crate) fn source_of(ip: IpAddr) -> IpAddr {
-    match ip {
-        IpAddr::V6(v6) => v6.to_ipv4_mapped().map_or(IpAddr::V6(v6), IpAddr::V4),
-        v4 => v4,
-    }
-}
-
 impl Budgets {
     fn state(&self, pool: Pool) -> std::sync::MutexGuard<'_, PoolState> {
         let m = match pool {
@@ -154,7 +146,8 @@ impl Budgets {
         limits: Limits,
         owner: LoopTx,
     ) -> Result<Ticket, SourceFull> {
-        let source = source_of(source);
+        // An IPv4 peer on a dual-stack socket (::ffff:a.b.c.d) is the source a.b.c.d.
+        let source = source.to_canonical();
         let mut st = self.state(pool);
         let count = st.per_source.get(&source).copied().unwrap_or(0);
         if count >= limits.per_source {

@@ -246,12 +246,8 @@ impl Conn {
     }
 
     /// Handles one received message; flush requests for the loop's flusher go to `jobs`.
-    pub(crate) fn on_message(
-        &mut self,
-        shared: &Arc<Shared>,
-        buf: &[u8],
-        jobs: &mut Vec<FlushJob>,
-    ) {
+    pub(crate) fn on_message(&mut self, buf: &[u8], jobs: &mut Vec<FlushJob>) {
+        let shared = Arc::clone(&self.shared);
         let now = Instant::now();
         match &mut self.phase {
             Phase::Handshake { hs, .. } => {
@@ -277,9 +273,9 @@ impl Conn {
                                 deadline: now + LINGER,
                             };
                         }
-                        Step::Admitted(c) => self.admit(shared, &cfg, c),
+                        Step::Admitted(c) => self.admit(&cfg, c),
                         Step::Discovery { connect, key } => {
-                            self.admit_discovery(shared, &cfg, connect, key)
+                            self.admit_discovery(&cfg, connect, key)
                         }
                     }
                 }
@@ -374,13 +370,8 @@ impl Conn {
         }
     }
 
-    fn admit_discovery(
-        &mut self,
-        shared: &Arc<Shared>,
-        cfg: &Config,
-        c: Connect,
-        key: Option<Psk>,
-    ) {
+    fn admit_discovery(&mut self, cfg: &Config, c: Connect, key: Option<Psk>) {
+        let shared = Arc::clone(&self.shared);
         if shared.stopping.load(Ordering::SeqCst) {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
@@ -419,14 +410,15 @@ impl Conn {
             keep_alive,
             deadline,
             listed: Listed {
-                shared: Arc::clone(shared),
+                shared: Arc::clone(&shared),
                 key: listed,
                 info,
             },
         };
     }
 
-    fn admit(&mut self, shared: &Arc<Shared>, cfg: &Config, c: Connect) {
+    fn admit(&mut self, cfg: &Config, c: Connect) {
+        let shared = Arc::clone(&self.shared);
         if shared.stopping.load(Ordering::SeqCst) {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
@@ -485,7 +477,7 @@ impl Conn {
             queue_depth: self.queue_depth,
         });
         let session = Session {
-            shared: Arc::clone(shared),
+            shared: Arc::clone(&shared),
             info,
             subsystem: c.subsystem_nqn,
             host: c.host_nqn,

@@ -246,8 +246,6 @@ pub(crate) struct Shared {
     config: RwLock<Arc<Config>>,
     namespaces: RwLock<Arc<BTreeMap<NsKey, Arc<OpenNamespace>>>>,
     pub(crate) stopping: AtomicBool,
-    /// Connections open, all loops together, whatever their phase.
-    pub(crate) connections: AtomicUsize,
     /// The pools of unadmitted connections and discovery sessions.
     pub(crate) budgets: Arc<budget::Budgets>,
     next_controller: AtomicU32,
@@ -262,7 +260,6 @@ pub(crate) struct Shared {
 impl std::fmt::Debug for Shared {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Shared")
-            .field("connections", &self.connections.load(Ordering::Relaxed))
             .field("stopping", &self.stopping.load(Ordering::Relaxed))
             .finish()
     }
@@ -463,7 +460,6 @@ impl FabricServe {
             config: RwLock::new(Arc::new(cfg.clone())),
             namespaces: RwLock::new(Arc::new(BTreeMap::new())),
             stopping: AtomicBool::new(false),
-            connections: AtomicUsize::new(0),
             budgets: Arc::new(budget::Budgets::default()),
             next_controller: AtomicU32::new(0),
             sessions: Mutex::new(BTreeMap::new()),

@@ -176,7 +176,6 @@ impl PollLoop {
     fn accept(&mut self, req: ConnRequest, ticket: Ticket) {
         let cfg = self.shared.config();
         let peer = req.peer_addr();
-        self.shared.connections.fetch_add(1, Ordering::SeqCst);
         // The depth granted now stays this connection's, whatever a reload changes later.
         let granted = cfg.max_queue_depth;
         let depth = granted as usize + RECV_SLACK;
@@ -229,7 +228,6 @@ impl PollLoop {
                     ),
                     None => log::warn!("cannot accept a connection: {text}"),
                 }
-                self.shared.connections.fetch_sub(1, Ordering::SeqCst);
                 self.load.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -299,7 +297,7 @@ impl PollLoop {
                 log::debug!("{}: cannot post a receive: {e}", conn.peer);
             }
             let mut jobs = Vec::new();
-            conn.on_message(&self.shared, &buf, &mut jobs);
+            conn.on_message(&buf, &mut jobs);
             self.jobs.extend(jobs.into_iter().map(|j| (c.qp_num, j)));
         }
         self.scratch = buf;
@@ -403,7 +401,6 @@ impl PollLoop {
             .collect();
         for n in dead {
             self.conns.remove(&n);
-            self.shared.connections.fetch_sub(1, Ordering::SeqCst);
             self.load.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -448,7 +445,6 @@ impl PollLoop {
         }
         let n = self.conns.len();
         self.conns.clear();
-        self.shared.connections.fetch_sub(n, Ordering::SeqCst);
         self.load.fetch_sub(n, Ordering::Relaxed);
         log::debug!("poll loop {} stopped", self.index);
     }

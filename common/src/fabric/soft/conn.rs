@@ -454,16 +454,7 @@ mod tests {
         (l, SocketAddr::from(([127, 0, 0, 1], port)))
     }
 
-    /// The full chain of an error, as a CLI prints it.
-    fn chain(e: &dyn std::error::Error) -> String {
-        let mut s = e.to_string();
-        let mut cur = e.source();
-        while let Some(c) = cur {
-            s = format!("{s}: {c}");
-            cur = c.source();
-        }
-        s
-    }
+    use crate::error_chain as chain;
 
     #[test]
     fn incoming_waits_for_a_silent_peer_then_completes_a_real_request() {
