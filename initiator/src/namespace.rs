@@ -263,15 +263,7 @@ impl<'q> Namespace<'q> {
         let idx = self.idx;
         self.q.run(OnLoss::Rerun, |q| {
             let choice = q.choice(idx)?;
-            if choice == Choice::Method(PersistMethod::Gpspm) {
-                q.post_writes(idx, items, Vec::new())?;
-                q.drain()?;
-                return q.gpspm_ranges(idx, &ranges);
-            }
-            let reqs = q.persist_requests(idx, &ranges, choice);
-            let ids: Vec<(&'static str, u64)> = reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
-            q.post_writes(idx, items, reqs.into_iter().map(|(_, r)| r).collect())?;
-            q.await_persisted(idx, &ranges, choice, &ids)
+            q.write_and_persist(idx, items, &ranges, choice)
         })
     }
 

@@ -71,8 +71,8 @@ struct Worker {
     nsid: u32,
     read_only: bool,
     visible_ok: bool,
-    /// [lo, hi) covering every write acknowledged and not yet made durable.
-    dirty: Option<(u64, u64)>,
+    /// A write was acknowledged and not yet made durable (the queue holds it until then).
+    dirty: bool,
     writes: u64,
     /// The last error logged (logged once until an operation succeeds again).
     logged: Option<String>,
@@ -91,7 +91,7 @@ pub(crate) fn spawn(
         nsid,
         read_only,
         visible_ok,
-        dirty: None,
+        dirty: false,
         writes: 0,
         logged: None,
     };
@@ -113,9 +113,10 @@ impl Worker {
                 Err(RecvTimeoutError::Disconnected) => break,
             }
         }
-        let final_persist = match self.dirty {
-            None => Ok(None),
-            Some(_) => self.persist().map(Some),
+        let final_persist = if self.dirty {
+            self.persist().map(Some)
+        } else {
+            Ok(None)
         };
         if let Err(e) = &final_persist {
             log::error!(
@@ -181,7 +182,7 @@ impl Worker {
                     .and_then(|mut ns| ns.write_at(offset, &data));
                 match self.note("write", r) {
                     Ok(()) => {
-                        self.dirtied(offset, data.len() as u64);
+                        self.dirty = true;
                         self.writes += 1;
                         reply.written(data.len() as u32);
                     }
@@ -197,25 +198,13 @@ impl Worker {
                 Err(e) => reply.error(e),
             },
             Job::Flush { reply } => {
-                let r = if self.dirty.is_some() {
-                    self.sync()
-                } else {
-                    Ok(())
-                };
+                let r = if self.dirty { self.sync() } else { Ok(()) };
                 match r {
                     Ok(()) => reply.ok(),
                     Err(e) => reply.error(e),
                 }
             }
         }
-    }
-
-    fn dirtied(&mut self, offset: u64, len: u64) {
-        let end = offset + len;
-        self.dirty = Some(match self.dirty {
-            None => (offset, end),
-            Some((lo, hi)) => (lo.min(offset), hi.max(end)),
-        });
     }
 
     fn zero(&mut self, offset: u64, len: u64) -> Result<(), Errno> {
@@ -229,26 +218,27 @@ impl Worker {
                 .namespace(self.nsid)
                 .and_then(|mut ns| ns.write_at(offset + at, &zeros[..n as usize]));
             self.note("zeroing", r)?;
-            self.dirtied(offset + at, n);
+            self.dirty = true;
             at += n;
         }
         Ok(())
     }
 
-    /// Makes the dirty range durable; Durable or, with `--visible-ok`, VisibleOnly is success.
+    /// Makes the pending writes durable; Durable or, with `--visible-ok`, VisibleOnly is
+    /// success.
     fn persist(&mut self) -> Result<Durability, Error> {
-        let d = match self.dirty {
-            Some(_) => self
-                .q
+        let d = if self.dirty {
+            self.q
                 .namespace(self.nsid)
-                .and_then(|mut ns| ns.persist_own_writes())?,
-            None => match self.q.namespace(self.nsid)?.method()? {
+                .and_then(|mut ns| ns.persist_own_writes())?
+        } else {
+            match self.q.namespace(self.nsid)?.method()? {
                 rpma_initiator::Choice::VisibleOnly => Durability::VisibleOnly,
                 rpma_initiator::Choice::Method(m) => Durability::Durable(m),
-            },
+            }
         };
         // Visible is all a volatile namespace can give: nothing is left to retry.
-        self.dirty = None;
+        self.dirty = false;
         Ok(d)
     }
 

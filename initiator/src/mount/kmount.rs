@@ -78,10 +78,9 @@ pub(crate) fn unmount(dir: &Path, lazy: bool) -> io::Result<()> {
     Ok(())
 }
 
-/// One line of /proc/mounts: (source, mount point, type).
+/// One line of /proc/mounts: (mount point, type).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct MountEntry {
-    pub(crate) source: String,
     pub(crate) dir: PathBuf,
     pub(crate) fstype: String,
 }
@@ -115,9 +114,8 @@ pub(crate) fn parse_mounts(text: &str) -> Vec<MountEntry> {
     text.lines()
         .filter_map(|l| {
             let mut f = l.split(' ');
-            let (source, dir, fstype) = (f.next()?, f.next()?, f.next()?);
+            let (_source, dir, fstype) = (f.next()?, f.next()?, f.next()?);
             Some(MountEntry {
-                source: unescape(source),
                 dir: PathBuf::from(unescape(dir)),
                 fstype: fstype.to_owned(),
             })

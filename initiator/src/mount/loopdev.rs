@@ -246,18 +246,18 @@ fn sysfs(dev: &Path, attr: &str) -> Option<String> {
 }
 
 /// The loop devices whose backing file lies under `dir` (by the path the kernel records, so a
-/// dead FUSE mount's devices are found too): (device, backing file).
-pub(crate) fn backed_under(dir: &Path) -> Vec<(PathBuf, PathBuf)> {
+/// dead FUSE mount's devices are found too).
+pub(crate) fn backed_under(dir: &Path) -> Vec<PathBuf> {
     let Ok(rd) = std::fs::read_dir("/sys/block") else {
         return Vec::new();
     };
-    let mut v: Vec<(PathBuf, PathBuf)> = rd
+    let mut v: Vec<PathBuf> = rd
         .flatten()
         .filter(|e| e.file_name().to_string_lossy().starts_with("loop"))
         .filter_map(|e| {
             let dev = PathBuf::from("/dev").join(e.file_name());
             let backing = PathBuf::from(sysfs(&dev, "backing_file")?);
-            (backing.parent() == Some(dir)).then_some((dev, backing))
+            (backing.parent() == Some(dir)).then_some(dev)
         })
         .collect();
     v.sort();

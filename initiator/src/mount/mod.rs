@@ -255,7 +255,7 @@ fn ready(g: &Global, file: &Path, lo: Option<&loopdev::LoopDev>) -> Result<(), F
 /// its final persist) once the last user of the file is gone.
 fn stop(dir: &Path) {
     // Ours and any an operator attached by hand: all of them hold the file open.
-    for (dev, _) in loopdev::backed_under(dir) {
+    for dev in loopdev::backed_under(dir) {
         match loopdev::detach(&dev) {
             Ok(()) => log::info!("detached {}", dev.display()),
             Err(loopdev::DetachError::Busy(p)) => {
@@ -303,7 +303,7 @@ pub(crate) fn umount(g: &Global, dir: &Path) -> Result<(), Failure> {
         ));
     }
     let mut detached = Vec::new();
-    for (dev, _) in loopdev::backed_under(&dir) {
+    for dev in loopdev::backed_under(&dir) {
         loopdev::detach(&dev).map_err(|e| failure(1, e.into()))?;
         detached.push(dev);
     }

@@ -324,32 +324,6 @@ impl Request {
     pub fn has_payload(&self) -> bool {
         self.kind == CMD_WRITE
     }
-
-    /// The request in a few words, for logs.
-    pub fn describe(&self) -> String {
-        format!(
-            "{} {} bytes at {} (flags {:#x})",
-            command_name(self.kind),
-            self.len,
-            self.offset,
-            self.flags
-        )
-    }
-}
-
-/// The name of a command, for logs.
-pub fn command_name(kind: u16) -> &'static str {
-    match kind {
-        CMD_READ => "READ",
-        CMD_WRITE => "WRITE",
-        CMD_DISC => "DISC",
-        CMD_FLUSH => "FLUSH",
-        4 => "TRIM",
-        5 => "CACHE",
-        CMD_WRITE_ZEROES => "WRITE_ZEROES",
-        7 => "BLOCK_STATUS",
-        _ => "unknown command",
-    }
 }
 
 /// The name of an option, for logs.

@@ -494,9 +494,7 @@ impl<'a> Client<'a> {
             self.shared.with_ns(|ns| ns.write_batch(&v)).map(|()| None)
         };
         if r.is_ok() {
-            let lo = v.iter().map(|(o, _)| *o).min().unwrap_or(0);
-            let hi = v.iter().map(|(o, d)| o + d.len() as u64).max().unwrap_or(0);
-            self.shared.mark_dirty(lo, hi);
+            self.shared.mark_dirty();
         }
         drop(v);
         let (ok, fua_err) = match r {

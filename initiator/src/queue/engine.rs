@@ -58,20 +58,37 @@ impl Queue {
         if wrs.is_empty() {
             return Ok(());
         }
-        let kinds: Vec<u64> = wrs.iter().map(|w| w.wr_id).collect();
+        // The slots of its Writes, to free if the post is refused (no allocation without any).
+        let writes: Vec<usize> = if wrs.iter().any(|w| w.wr_id & KIND_MASK == KIND_WRITE) {
+            wrs.iter()
+                .filter(|w| w.wr_id & KIND_MASK == KIND_WRITE)
+                .map(|w| (w.wr_id & !KIND_MASK) as usize)
+                .collect()
+        } else {
+            Vec::new()
+        };
         self.doorbells += 1;
         let s = self.session()?;
         let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
         if let Err(e) = &r {
             if !e.is_connection_loss() {
-                for id in kinds {
-                    if id & KIND_MASK == KIND_WRITE {
-                        self.pool.set((id & !KIND_MASK) as usize, Slot::Free);
-                    }
+                for slot in writes {
+                    self.pool.set(slot, Slot::Free);
                 }
             }
         }
         r
+    }
+
+    /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
+    /// Flush): directly when no started request waits to go first, else behind them.
+    fn post_one(&mut self, wr: SendWr) -> Result<()> {
+        if !self.deferred.is_empty() {
+            return self.post_list(vec![wr]);
+        }
+        self.doorbells += 1;
+        let s = self.session()?;
+        s.qp().post_send(wr).map_err(|e| post_error(s, e))
     }
 
     /// Posts a Read of `len` bytes at `offset` of namespace `ns` into `slot`.
@@ -87,7 +104,7 @@ impl Queue {
         let wr = self.read_wr(slot, ns, offset, len);
         self.pool.set(slot, Slot::Reading { item, at, len });
         self.reads_posted += 1;
-        self.post_list(vec![wr])
+        self.post_one(wr)
     }
 
     /// The Read of `len` bytes at `offset` of namespace `ns` into `slot` (mark the slot, then
@@ -254,7 +271,7 @@ impl Queue {
     ) -> Result<()> {
         let wr = self.waited_wr(op);
         let wr_id = wr.wr_id;
-        self.post_list(vec![wr])?;
+        self.post_one(wr)?;
         self.wait_for_request(ns, what, wr_id)
     }
 

@@ -146,9 +146,8 @@ impl Queue {
         choice: Choice,
     ) -> Result<crate::Durability> {
         self.drain()?;
-        if let Some((what, op)) = self.persist_request(ns, offset, len, choice) {
-            self.post_and_wait(ns, what, op)?;
-            return Ok(self.persisted(ns, offset, len, choice));
+        if choice != Choice::Method(PersistMethod::Gpspm) {
+            return self.write_and_persist(ns, &[], &[(offset, offset + len)], choice);
         }
         let d = self.ns[ns].desc.clone();
         let whole = offset == 0 && len == d.size;
@@ -290,12 +289,28 @@ impl Queue {
         choice: Choice,
     ) -> Result<crate::Durability> {
         self.drain()?;
+        self.write_and_persist(ns, &[], ranges, choice)
+    }
+
+    /// Posts the Writes of `items` to namespace `ns` and makes the sorted, disjoint `ranges`
+    /// durable with `choice` after them: the requests of
+    /// [`persist_requests`](Self::persist_requests) behind the last Writes with one doorbell,
+    /// or, for GPSPM, the FlushRequest(s) once the Writes completed.
+    pub(crate) fn write_and_persist(
+        &mut self,
+        ns: usize,
+        items: &[(u64, &[u8])],
+        ranges: &[(u64, u64)],
+        choice: Choice,
+    ) -> Result<crate::Durability> {
         if choice == Choice::Method(PersistMethod::Gpspm) {
+            self.post_writes(ns, items, Vec::new())?;
+            self.drain()?;
             return self.gpspm_ranges(ns, ranges);
         }
         let reqs = self.persist_requests(ns, ranges, choice);
         let ids: Vec<(&'static str, u64)> = reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
-        self.post_list(reqs.into_iter().map(|(_, r)| r).collect())?;
+        self.post_writes(ns, items, reqs.into_iter().map(|(_, r)| r).collect())?;
         self.await_persisted(ns, ranges, choice, &ids)
     }
 

@@ -264,9 +264,8 @@ fn worker(
     let mut pick = Picker::new(job, blocks, seed);
     let read_pct = pick.read_pct;
     let mut out = Outcome::empty();
+    // Writes since the last persist (fsync > 1).
     let mut since_sync = 0u32;
-    // The span the writes since the last persist cover (fsync > 1).
-    let mut dirty: Option<(u64, u64)> = None;
     let start = Instant::now();
     let measured_from = start + job.ramp;
     let end = job.runtime.map(|r| measured_from + r);
@@ -301,7 +300,7 @@ fn worker(
                 }
             }
             let t = Instant::now();
-            let durable = write(&mut ns, job, &wr, &wbufs, &mut since_sync, &mut dirty)?;
+            let durable = write(&mut ns, job, &wr, &wbufs, &mut since_sync)?;
             let took = t.elapsed();
             if durable == Some(Durability::VisibleOnly) {
                 out.visible_only = true;
@@ -346,10 +345,8 @@ fn worker(
         }
     }
     out.runtime = Instant::now().saturating_duration_since(measured_from);
-    if let Some((lo, hi)) = dirty {
-        if ns.persist_written(lo, hi - lo)? == Durability::VisibleOnly {
-            out.visible_only = true;
-        }
+    if since_sync > 0 && ns.persist_own_writes()? == Durability::VisibleOnly {
+        out.visible_only = true;
     }
     // fio's verify after a writing job: every block written is read back and checked.
     if job.verify {
@@ -515,14 +512,14 @@ fn compare(job: &Job, off: u64, want: &[u8], got: &[u8]) -> Result<(), Failure> 
 
 /// Posts one batch of writes. fsync=1 (or sync): each write acknowledged durable (one
 /// write_batch_durable: the Writes and the requests that make them durable behind one
-/// doorbell with APM and FLUSH). fsync=N: a persist of the span written after every N writes.
+/// doorbell with APM and FLUSH). fsync=N: after every N writes, a persist of this queue's
+/// writes not durable yet (`persist_own_writes`: their own ranges, never the span between).
 fn write(
     ns: &mut Namespace<'_>,
     job: &Job,
     blocks: &[u64],
     bufs: &[Vec<u8>],
     since_sync: &mut u32,
-    dirty: &mut Option<(u64, u64)>,
 ) -> Result<Option<Durability>, Failure> {
     let at = |b: u64| job.offset + b * job.bs;
     let items: Vec<(u64, &[u8])> = blocks
@@ -535,16 +532,10 @@ fn write(
     }
     ns.write_batch(&items)?;
     if job.fsync > 1 {
-        for &b in blocks {
-            let (lo, hi) = (at(b), at(b) + job.bs);
-            *dirty = Some(dirty.map_or((lo, hi), |(l, h)| (l.min(lo), h.max(hi))));
-        }
         *since_sync += blocks.len() as u32;
         if *since_sync >= job.fsync {
             *since_sync = 0;
-            if let Some((lo, hi)) = dirty.take() {
-                return Ok(Some(ns.persist_written(lo, hi - lo)?));
-            }
+            return Ok(Some(ns.persist_own_writes()?));
         }
     }
     Ok(None)
