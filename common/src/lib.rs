@@ -12,6 +12,7 @@
 //! built yet.
 
 pub mod fabric;
+pub mod notify;
 pub mod pmem;
 pub mod proto;
 pub mod units;

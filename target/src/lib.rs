@@ -48,7 +48,8 @@ mod eventfd;
 pub mod flusher;
 pub mod handshake;
 pub mod namespace;
-pub mod notify;
+/// sd_notify(3) (the common crate's, which the initiator's NBD export uses too).
+pub use rpma_common::notify;
 pub mod probe;
 pub mod reload;
 pub mod serve;

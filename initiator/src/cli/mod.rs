@@ -11,7 +11,6 @@ mod failure;
 pub(crate) mod fio;
 mod json;
 pub(crate) mod nbd;
-mod notify;
 mod progress;
 
 use std::io::{IsTerminal, Write as _};

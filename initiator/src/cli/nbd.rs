@@ -12,8 +12,8 @@ use rpma_initiator::nbd::{ExportOptions, Listener, NbdError, Server};
 
 use super::args::Global;
 use super::failure::{usage, Failure};
-use super::notify::Notifier;
 use super::EXIT_NOT_DURABLE;
+use rpma_common::notify::Notifier;
 
 /// Where and what to serve.
 #[derive(Debug)]
