@@ -359,11 +359,7 @@ impl OpenOptions {
         map_sync: bool,
         ptr: NonNull<u8>,
     ) -> Mapping {
-        let domain = if self.force_dax {
-            Domain::DaxForced
-        } else {
-            probed
-        };
+        let domain = self.reported(probed);
         Mapping::of_file(file, self.path.clone(), ptr, len, domain, probed, map_sync)
     }
 }
@@ -387,16 +383,21 @@ pub(super) fn is_ram_magic(magic: u32) -> bool {
 }
 
 /// Whether the file lives on a RAM filesystem (tmpfs, ramfs, hugetlbfs).
-fn is_ram_fs(file: &File) -> io::Result<bool> {
-    let mut st = std::mem::MaybeUninit::<libc::statfs>::zeroed();
-    // SAFETY: fstatfs writes a statfs into the buffer, which is large enough and ours.
-    let rc = unsafe { libc::fstatfs(file.as_raw_fd(), st.as_mut_ptr()) };
-    if rc != 0 {
-        return Err(io::Error::last_os_error());
+impl OpenOptions {
+    /// The domain every interface reports for a store probed as `probed`: `dax (forced)` when
+    /// asked to force it.
+    pub(super) fn reported(&self, probed: Domain) -> Domain {
+        if self.force_dax {
+            Domain::DaxForced
+        } else {
+            probed
+        }
     }
-    // SAFETY: fstatfs succeeded, so it initialised the struct (and it was zeroed before).
-    let magic = unsafe { st.assume_init() }.f_type as u32;
-    Ok(is_ram_magic(magic))
+}
+
+fn is_ram_fs(file: &File) -> io::Result<bool> {
+    let st = nix::sys::statfs::fstatfs(file)?;
+    Ok(is_ram_magic(st.filesystem_type().0 as u32))
 }
 
 #[cfg(test)]

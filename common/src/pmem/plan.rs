@@ -140,11 +140,7 @@ impl OpenOptions {
             size,
             allocate,
             probed,
-            domain: if self.force_dax {
-                Domain::DaxForced
-            } else {
-                probed
-            },
+            domain: self.reported(probed),
         }
     }
 

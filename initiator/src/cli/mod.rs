@@ -38,7 +38,7 @@ fn failure(code: u8, msg: String) -> Failure {
     }
 }
 
-fn io_failure(what: String, e: std::io::Error) -> Failure {
+pub(crate) fn io_failure(what: String, e: std::io::Error) -> Failure {
     Failure {
         code: 1,
         err: anyhow::Error::new(e).context(what),

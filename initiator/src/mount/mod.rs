@@ -24,7 +24,7 @@ use rpma_initiator::namespace::check_healthy;
 use rpma_initiator::Choice;
 use serde::Serialize;
 
-use crate::cli::{print_json, usage, Failure, Global};
+use crate::cli::{io_failure, print_json, usage, Failure, Global};
 
 /// Requests the I/O thread keeps in flight inside one call.
 const DEPTH: usize = 32;
@@ -44,8 +44,12 @@ fn failure(code: u8, err: anyhow::Error) -> Failure {
     Failure { code, err }
 }
 
-fn io_failure(what: String, e: std::io::Error) -> Failure {
-    failure(1, anyhow::Error::new(e).context(what))
+/// Whether an rpma FUSE mount is at `dir` (an absolute path).
+fn is_rpma_mount(dir: &Path) -> Result<bool, Failure> {
+    let mounts = kmount::mounts().map_err(|e| io_failure("reading /proc/mounts".into(), e))?;
+    Ok(mounts
+        .iter()
+        .any(|m| m.dir == dir && m.fstype == kmount::FSTYPE))
 }
 
 /// The file's name: one path component.
@@ -73,11 +77,7 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
     }
     let dir = std::fs::canonicalize(a.dir)
         .map_err(|e| io_failure(format!("resolving {}", a.dir.display()), e))?;
-    let stacked = kmount::mounts()
-        .map_err(|e| io_failure("reading /proc/mounts".into(), e))?
-        .into_iter()
-        .any(|m| m.dir == dir && m.fstype == kmount::FSTYPE);
-    if stacked {
+    if is_rpma_mount(&dir)? {
         return Err(usage(format!(
             "{}: an rpma mount is already there (rpma-initiator umount {0})",
             dir.display()
@@ -292,11 +292,7 @@ fn stop(dir: &Path) {
 /// mount process then persists, disconnects and exits 0.
 pub(crate) fn umount(g: &Global, dir: &Path) -> Result<(), Failure> {
     let dir = kmount::absolute(dir).map_err(|e| usage(format!("{}: {e}", dir.display())))?;
-    let mounts = kmount::mounts().map_err(|e| io_failure("reading /proc/mounts".into(), e))?;
-    if !mounts
-        .iter()
-        .any(|m| m.dir == dir && m.fstype == kmount::FSTYPE)
-    {
+    if !is_rpma_mount(&dir)? {
         return Err(failure(
             1,
             anyhow::anyhow!("{}: no rpma FUSE mount there", dir.display()),
