@@ -309,3 +309,21 @@ pub fn scratch() -> (tempfile::TempDir, PathBuf) {
     std::fs::create_dir(root.join("mnt")).unwrap();
     (d, root)
 }
+
+/// A scratch directory ([`scratch`]), a /dev/shm file tagged `tag` and a [`target`] serving
+/// them. Bind the four in this order, so that the target stops before its files go.
+pub fn start(tag: &str) -> (tempfile::TempDir, PathBuf, Shm, Target) {
+    let (d, root) = scratch();
+    let shm = Shm::new(tag);
+    let t = target(&root, &shm);
+    (d, root, shm, t)
+}
+
+/// An ext4 filesystem on `dev` (quiet, forced, no discard: a loop device over the FUSE file).
+pub fn mkfs_ext4(dev: &Path) {
+    sh_ok(
+        Command::new("mkfs.ext4")
+            .args(["-q", "-F", "-E", "nodiscard"])
+            .arg(dev),
+    );
+}

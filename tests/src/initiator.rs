@@ -1,6 +1,7 @@
 //! Running `rpma-initiator` (and any command) with a deadline.
 
 use std::io::Read;
+use std::path::Path;
 use std::process::{Command, Output, Stdio};
 use std::time::{Duration, Instant};
 
@@ -28,6 +29,39 @@ pub fn conn_args(url: &str, sub: &str, host: &str, nsid: Option<u32>) -> Vec<Str
         a.extend(["--nsid".to_owned(), n.to_string()]);
     }
     a
+}
+
+/// `rpma-initiator` with the connection arguments `conn` ([`conn_args`]), then `args`; panics
+/// with its output unless it succeeds.
+pub fn cli_with(conn: &[String], args: &[&str]) -> Output {
+    let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
+    a.extend_from_slice(args);
+    let o = initiator(&a);
+    assert!(o.status.success(), "{a:?}: {}", text(&o));
+    o
+}
+
+/// The bytes `[offset, offset + len)` of the namespace `conn` names, read by
+/// `rpma-initiator read` through a file in `scratch`.
+pub fn cli_read_with(conn: &[String], scratch: &Path, offset: u64, len: u64) -> Vec<u8> {
+    let out = scratch.join(format!("read-{offset}-{len}"));
+    let (o, l) = (offset.to_string(), len.to_string());
+    let args = ["read", "--offset", &o, "--length", &l, "--out"];
+    cli_with(conn, &[&args[..], &[out.to_str().unwrap()]].concat());
+    let b = std::fs::read(&out).unwrap();
+    let _ = std::fs::remove_file(&out);
+    b
+}
+
+/// Writes `data` at `offset` of the namespace `conn` names with `rpma-initiator write
+/// --durable`, through a file in `scratch`.
+pub fn cli_write_with(conn: &[String], scratch: &Path, offset: u64, data: &[u8]) {
+    let f = scratch.join(format!("write-{offset}"));
+    std::fs::write(&f, data).unwrap();
+    let o = offset.to_string();
+    let args = ["write", "--offset", &o, "--durable", "--in"];
+    cli_with(conn, &[&args[..], &[f.to_str().unwrap()]].concat());
+    let _ = std::fs::remove_file(&f);
 }
 
 /// Runs a command, killing it if it outlives `timeout` (the test then fails on its output).

@@ -27,7 +27,9 @@ pub mod target;
 pub use bins::{bin, bin_dir, built, free_port, repo_file, write_psk, Shm};
 pub use cachestat::unsynced_pages;
 pub use config::{four_namespaces, Config, Namespace, Subsystem};
-pub use initiator::{conn_args, initiator, run_with_deadline, text};
+pub use initiator::{
+    cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_with_deadline, text,
+};
 pub use relay::Relay;
 pub use target::{status, status_json, target_bin, Daemon, Target, READY_WITHIN};
 

@@ -11,8 +11,7 @@ use std::process::{Child, Command, ExitStatus, Stdio};
 use std::time::{Duration, Instant};
 
 use crate::{
-    built, conn_args, four_namespace_target, initiator, run_with_deadline, text, Shm, Subsystem,
-    Target,
+    built, conn_args, four_namespace_target, run_with_deadline, text, Shm, Subsystem, Target,
 };
 
 pub const SUB: &str = "nqn.2026-11.io.rpma:nbd";
@@ -187,54 +186,19 @@ pub fn tool(cmd: &mut Command) -> String {
 
 /// `rpma-initiator` with the target, subsystem, host and `--nsid nsid`, then `args`.
 pub fn cli(t: &Target, nsid: u32, args: &[&str]) -> std::process::Output {
-    let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
-    let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
-    a.extend_from_slice(args);
-    let o = initiator(&a);
-    assert!(o.status.success(), "{a:?}: {}", text(&o));
-    o
+    crate::cli_with(&conn_args(&t.url(), SUB, HOST, Some(nsid)), args)
 }
 
 /// The namespace's bytes `[offset, offset + len)`, read by `rpma-initiator read`.
 pub fn cli_read(t: &Target, nsid: u32, offset: u64, len: u64) -> Vec<u8> {
-    let out = t.dir().join(format!("read-{nsid}-{offset}-{len}"));
-    let (o, l) = (offset.to_string(), len.to_string());
-    cli(
-        t,
-        nsid,
-        &[
-            "read",
-            "--offset",
-            &o,
-            "--length",
-            &l,
-            "--out",
-            out.to_str().unwrap(),
-        ],
-    );
-    let b = std::fs::read(&out).unwrap();
-    let _ = std::fs::remove_file(&out);
-    b
+    let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+    crate::cli_read_with(&conn, t.dir(), offset, len)
 }
 
 /// Writes `data` at `offset` with `rpma-initiator write --durable`.
 pub fn cli_write(t: &Target, nsid: u32, offset: u64, data: &[u8]) {
-    let f = t.dir().join(format!("write-{nsid}-{offset}"));
-    std::fs::write(&f, data).unwrap();
-    let o = offset.to_string();
-    cli(
-        t,
-        nsid,
-        &[
-            "write",
-            "--offset",
-            &o,
-            "--in",
-            f.to_str().unwrap(),
-            "--durable",
-        ],
-    );
-    let _ = std::fs::remove_file(&f);
+    let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+    crate::cli_write_with(&conn, t.dir(), offset, data);
 }
 
 // ---- a raw client ----

@@ -9,7 +9,7 @@ use std::process::Command;
 use std::time::Duration;
 
 use rpma_tests::fuse::*;
-use rpma_tests::{initiator, text, Shm};
+use rpma_tests::{initiator, text};
 
 macro_rules! require_fuse {
     ($name:expr) => {
@@ -26,32 +26,14 @@ fn noise(len: usize, seed: u64) -> Vec<u8> {
 }
 
 /// `rpma-initiator read` of a range, through its own connection.
-fn cli_read(url: &str, nsid: u32, offset: u64, len: usize, out: &Path) -> Vec<u8> {
-    let mut a = conn_args(url, nsid);
-    a.extend(
-        [
-            "read",
-            "--offset",
-            &offset.to_string(),
-            "--length",
-            &len.to_string(),
-            "--out",
-            &out.to_string_lossy(),
-        ]
-        .map(String::from),
-    );
-    let a: Vec<&str> = a.iter().map(String::as_str).collect();
-    let o = initiator(&a);
-    assert!(o.status.success(), "read: {}", text(&o));
-    std::fs::read(out).unwrap()
+fn cli_read(url: &str, nsid: u32, offset: u64, len: usize, scratch: &Path) -> Vec<u8> {
+    rpma_tests::cli_read_with(&conn_args(url, nsid), scratch, offset, len as u64)
 }
 
 #[test]
 fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing() {
     require_fuse!("ext4_on_the_loop_device_survives_a_new_initiator");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-ext4");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-ext4");
     let mnt = root.join("mnt");
     let ext = root.join("ext");
     let big = noise(1 << 20, 7);
@@ -60,11 +42,7 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
     assert_eq!(m.file, mnt.join("ns1"));
     let lo = m.lo.clone().expect("a loop device");
     assert!(losetup_j(&m.file).contains(&*lo.to_string_lossy()));
-    sh_ok(
-        Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-E", "nodiscard"])
-            .arg(&lo),
-    );
+    mkfs_ext4(&lo);
     let fs = FsMount::new(&lo, &ext, false);
     std::fs::write(ext.join("hello.txt"), b"hello, remote pmem\n").unwrap();
     std::fs::create_dir(ext.join("d")).unwrap();
@@ -103,9 +81,7 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
 /// Writes `data` through the FUSE file at one offset and fsyncs, at another and closes, then
 /// SIGKILLs the target, restarts it and reads both ranges back with `rpma-initiator read`.
 fn fsync_survives_sigkill(nsid: u32) {
-    let (_d, root) = scratch();
-    let shm = Shm::new(&format!("fuse-kill-{nsid}"));
-    let mut t = target(&root, &shm);
+    let (_d, root, _shm, mut t) = start(&format!("fuse-kill-{nsid}"));
     let mnt = root.join("mnt");
     let m = Mounted::start(&conn_args(&t.url(), nsid), &mnt, &[]);
     let data = noise(768 << 10, u64::from(nsid));
@@ -133,12 +109,12 @@ fn fsync_survives_sigkill(nsid: u32) {
         }
     }
     t.restart();
-    let back = cli_read(&t.url(), nsid, off, data.len(), &root.join("back"));
+    let back = cli_read(&t.url(), nsid, off, data.len(), &root);
     assert!(
         back == data,
         "nsid {nsid}: the fsynced bytes did not survive"
     );
-    let back = cli_read(&t.url(), nsid, off2, data.len(), &root.join("back2"));
+    let back = cli_read(&t.url(), nsid, off2, data.len(), &root);
     assert!(
         back == data,
         "nsid {nsid}: the bytes flushed by close did not survive"
@@ -161,9 +137,7 @@ fn fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax() {
 #[test]
 fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
     require_fuse!("bytes_cross_between_the_fuse_file_and_the_cli_both_ways");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-cross");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-cross");
     let m = Mounted::start(&conn_args(&t.url(), 1), &root.join("mnt"), &[]);
     let f = std::fs::OpenOptions::new()
         .read(true)
@@ -174,17 +148,12 @@ fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
     let a = noise(300_000, 3);
     f.write_all_at(&a, 12_345).unwrap();
     f.sync_all().unwrap();
-    assert!(cli_read(&t.url(), 1, 12_345, a.len(), &root.join("a")) == a);
+    assert!(cli_read(&t.url(), 1, 12_345, a.len(), &root) == a);
     // CLI -> FUSE, over a range the file was read from first (no cache may keep old bytes).
     let b = noise(200_000, 5);
     let mut got = vec![0u8; b.len()];
     f.read_exact_at(&mut got, 4_000_000).unwrap();
-    std::fs::write(root.join("b"), &b).unwrap();
-    let mut args = conn_args(&t.url(), 1);
-    args.extend(["write", "--offset", "4000000", "--durable", "--in"].map(String::from));
-    args.push(root.join("b").to_string_lossy().into_owned());
-    let o = initiator(&args.iter().map(String::as_str).collect::<Vec<_>>());
-    assert!(o.status.success(), "write: {}", text(&o));
+    rpma_tests::cli_write_with(&conn_args(&t.url(), 1), &root, 4_000_000, &b);
     f.read_exact_at(&mut got, 4_000_000).unwrap();
     assert!(got == b, "the FUSE file shows stale bytes");
 }
@@ -192,9 +161,7 @@ fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
 #[test]
 fn the_file_has_a_fixed_size_and_refuses_writes_past_its_end() {
     require_fuse!("the_file_has_a_fixed_size_and_refuses_writes_past_its_end");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-size");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-size");
     let m = Mounted::start(
         &conn_args(&t.url(), 1),
         &root.join("mnt"),
@@ -224,9 +191,7 @@ fn the_file_has_a_fixed_size_and_refuses_writes_past_its_end() {
 #[test]
 fn a_read_only_namespace_is_mounted_read_only() {
     require_fuse!("a_read_only_namespace_is_mounted_read_only");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-ro");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-ro");
     let m = Mounted::start(&conn_args(&t.url(), 2), &root.join("mnt"), &[]);
     let line = std::fs::read_to_string("/proc/mounts")
         .unwrap()
@@ -260,9 +225,7 @@ fn a_read_only_namespace_is_mounted_read_only() {
 #[test]
 fn fsync_on_a_volatile_namespace_is_eio_unless_visible_ok() {
     require_fuse!("fsync_on_a_volatile_namespace_is_eio_unless_visible_ok");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-volatile");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-volatile");
     for (visible_ok, want_ok) in [(false, false), (true, true)] {
         let mut args = conn_args(&t.url(), 3);
         if visible_ok {
@@ -287,9 +250,7 @@ fn fsync_on_a_volatile_namespace_is_eio_unless_visible_ok() {
 #[test]
 fn bad_mount_requests_fail_cleanly() {
     require_fuse!("bad_mount_requests_fail_cleanly");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-bad");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-bad");
     let run = |args: Vec<String>| {
         let o = initiator(&args.iter().map(String::as_str).collect::<Vec<_>>());
         (o.status.code(), text(&o))
@@ -328,18 +289,12 @@ fn bad_mount_requests_fail_cleanly() {
 #[test]
 fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmount() {
     require_fuse!("sigterm_while_a_filesystem_on_the_loop_device_is_mounted");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-busy");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-busy");
     let mnt = root.join("mnt");
     let ext = root.join("ext");
     let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
     let lo = m.lo.clone().expect("a loop device");
-    sh_ok(
-        Command::new("mkfs.ext4")
-            .args(["-q", "-F", "-E", "nodiscard"])
-            .arg(&lo),
-    );
+    mkfs_ext4(&lo);
     let fs = FsMount::new(&lo, &ext, false);
     let pid = m.child.as_ref().unwrap().id();
     // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
@@ -368,9 +323,7 @@ fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmoun
 #[test]
 fn sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused() {
     require_fuse!("sigterm_detaches_a_loop_device_attached_by_hand");
-    let (_d, root) = scratch();
-    let shm = Shm::new("fuse-hand");
-    let t = target(&root, &shm);
+    let (_d, root, _shm, t) = start("fuse-hand");
     let mnt = root.join("mnt");
     let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &[]);
     // Mounting again on the same directory would stack a second mount: refused.
