@@ -6,7 +6,6 @@
 use std::io::Write;
 use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
 use std::os::fd::AsRawFd;
-use std::path::Path;
 use std::time::{Duration, Instant};
 
 use nix::sys::socket::{bind, connect as sock_connect, socket, AddressFamily, SockFlag};
@@ -18,36 +17,8 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{Connect, FlushStatus, HostId, KeepAlive, Message};
 use rpma_initiator::{connect, discover, Error, HostIdentity};
-use rpma_tests::{host, nqn, opts, scratch, write_psk, Config, Namespace, Subsystem, Target};
-
-const SUB: &str = "nqn.2026-11.io.rpma:demo";
-const OPEN: &str = "nqn.2026-11.io.rpma:open";
-const PLAIN: &str = "nqn.2026-11.io.rpma:plain-host";
-const KEYED: &str = "nqn.2026-11.io.rpma:keyed-host";
-const KEY: &str = "5a";
-const WAIT: Duration = Duration::from_secs(20);
-
-/// A daemon serving OPEN (any host) and SUB (PLAIN, and KEYED with a key), with `top` at the
-/// top of its configuration.
-fn start(dir: &Path, top: &str) -> Target {
-    write_psk(&dir.join("keyed.psk"), KEY);
-    let config = Config::new()
-        .set(top)
-        .subsystem(Subsystem::new(OPEN).any_host())
-        .subsystem(
-            Subsystem::new(SUB)
-                .host(PLAIN)
-                .keyed_host(KEYED, "keyed.psk")
-                .namespace(Namespace::new(1, "ns1", "1MiB")),
-        );
-    let t = Target::start(dir, &config.to_string());
-    assert!(
-        t.ready().contains("1 of 1 listener(s) bound"),
-        "{}",
-        t.ready()
-    );
-    t
-}
+use rpma_tests::sessions::{start, KEY, KEYED, OPEN, PLAIN, SUB, WAIT};
+use rpma_tests::{host, nqn, opts, scratch, Target};
 
 /// The daemon's resident memory (VmRSS), in KiB.
 fn rss_kib(t: &Target) -> u64 {
