@@ -31,7 +31,7 @@ pub use initiator::{
     cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_with_deadline, text,
 };
 pub use relay::Relay;
-pub use target::{status, status_json, target_bin, Daemon, Target, READY_WITHIN};
+pub use target::{check_config, status, status_json, target_bin, Daemon, Target, READY_WITHIN};
 
 /// A temporary directory under the build directory's filesystem (a disk: namespaces there are
 /// page-cache, durable), removed on drop.

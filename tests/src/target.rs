@@ -28,6 +28,14 @@ pub fn status(args: &[&str]) -> Output {
     )
 }
 
+/// `rpma-target check-config CFG`, within a deadline.
+pub fn check_config(cfg: &Path) -> Output {
+    run_with_deadline(
+        Command::new(target_bin()).arg("check-config").arg(cfg),
+        Duration::from_secs(30),
+    )
+}
+
 /// `rpma-target status --socket SOCKET --json`, which must succeed, parsed.
 pub fn status_json(socket: &Path) -> serde_json::Value {
     let out = status(&["--socket", socket.to_str().unwrap(), "--json"]);

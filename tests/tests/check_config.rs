@@ -2,9 +2,9 @@
 
 use std::os::unix::fs::{MetadataExt, PermissionsExt};
 use std::path::Path;
-use std::process::{Command, Stdio};
+use std::process::Stdio;
 
-use rpma_tests::{free_port, target_bin, write_psk, Config, Daemon, Namespace, Subsystem};
+use rpma_tests::{free_port, write_psk, Config, Daemon, Namespace, Subsystem};
 
 /// The fixture: listening on `port`, subsystem demo whose host1 has a key, `namespaces`.
 fn config(port: u16, namespaces: impl IntoIterator<Item = Namespace>) -> String {
@@ -37,17 +37,8 @@ fn run(dir: &Path, text: &str) -> (bool, String) {
     }
     let cfg = dir.join("c.toml");
     std::fs::write(&cfg, text).unwrap();
-    let out = Command::new(target_bin())
-        .arg("check-config")
-        .arg(&cfg)
-        .output()
-        .unwrap();
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    (out.status.success(), text)
+    let out = rpma_tests::check_config(&cfg);
+    (out.status.success(), rpma_tests::text(&out))
 }
 
 #[test]
@@ -197,10 +188,7 @@ fn namespace_problems_found_by_probing() {
 
 #[test]
 fn missing_file_fails() {
-    let out = Command::new(target_bin())
-        .args(["check-config", "/nonexistent/c.toml"])
-        .output()
-        .unwrap();
+    let out = rpma_tests::check_config(Path::new("/nonexistent/c.toml"));
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stdout).contains("cannot read /nonexistent/c.toml"));
 }

@@ -2,7 +2,7 @@
 
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Command;
 
 use rpma_tests::{repo_file, target_bin};
 
@@ -20,14 +20,7 @@ fn example_in(dir: &Path, text: &str) -> PathBuf {
     cfg
 }
 
-/// `rpma-target check-config CFG`.
-fn check_config(cfg: &Path) -> Output {
-    Command::new(target_bin())
-        .arg("check-config")
-        .arg(cfg)
-        .output()
-        .unwrap()
-}
+use rpma_tests::check_config;
 
 #[test]
 fn unit_passes_systemd_analyze_verify() {
