@@ -7,9 +7,13 @@
 //! - [`fuse`]: what the FUSE mount tests share: a running `rpma-initiator mount`, cleanup guards;
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
 //! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
-//! - [`relay`]: a TCP relay that can cut its links;
+//! - [`relay`]: a TCP relay that injects link faults (cut, reset, stall, swallow, a reset after
+//!   N bytes);
 //! - [`sessions`]: the session tests' fixture and what they do over a session;
-//! - [`cachestat`]: what the page cache holds unsynced.
+//! - [`cachestat`]: what the page cache holds unsynced;
+//! - [`stress`]: what the link-fault and load tests share: short/long runs, a seeded random
+//!   source, the target's footprint (sessions, regions, pools, fds, memory), self-describing
+//!   blocks.
 //!
 //! Every wait has a deadline (polling, never a fixed sleep for bytes to arrive); ports are
 //! ephemeral; everything listens on 127.0.0.1 only.
@@ -22,6 +26,7 @@ pub mod initiator;
 pub mod nbd;
 pub mod relay;
 pub mod sessions;
+pub mod stress;
 pub mod target;
 
 pub use bins::{bin, bin_dir, built, free_port, repo_file, write_psk, Shm};
@@ -30,7 +35,7 @@ pub use config::{four_namespaces, Config, Namespace, Subsystem};
 pub use initiator::{
     cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_with_deadline, text,
 };
-pub use relay::Relay;
+pub use relay::{Fault, Relay};
 pub use target::{check_config, status, status_json, target_bin, Daemon, Target, READY_WITHIN};
 
 /// A temporary directory under the build directory's filesystem (a disk: namespaces there are

@@ -1,23 +1,148 @@
-//! A TCP relay that can cut its links or swallow what the client sends.
+//! A TCP relay between the tests' initiators and a target that injects link faults on demand:
+//! cut (FIN both ways), reset (RST both ways: `SO_LINGER` 0), stall (nothing forwarded either
+//! way until resumed or for a while), swallow (what the client sends is thrown away) and a reset
+//! after a number of further bytes (a fault at a chosen point of the stream, mid-FPDU).
+//!
+//! Each link is one thread that owns both sockets (non-blocking, `poll(2)`, 5 ms turns) and
+//! looks at its controls every turn; the calls that change what a link does ([`Relay::cut`],
+//! [`Relay::stall_links`], [`Relay::swallow`], ...) return only once every live link has seen
+//! the change, so that a test's next write already meets the fault.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::os::fd::AsFd;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-/// A TCP relay on 127.0.0.1: every connection to it is forwarded to `upstream`. [`cut`]
-/// drops every live link at once (both sides see a reset or close); new connections are
-/// relayed as before. Stops on drop.
-///
-/// [`cut`]: Relay::cut
+use nix::poll::{poll, PollFd, PollFlags};
+use nix::sys::socket::{setsockopt, sockopt};
+
+/// A fault for one link (or every live link).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Both sides see a close (FIN).
+    Cut,
+    /// Both sides see a reset (RST): bytes not yet read are gone.
+    Reset,
+    /// Nothing is forwarded either way for this long, then the link carries on (what was sent
+    /// meanwhile is delivered late). `Duration::MAX`: until [`Relay::resume`].
+    Stall(Duration),
+    /// This many more bytes from the client reach the server, then both sides are reset.
+    ResetAfter(u64),
+}
+
+const RUN: u8 = 0;
+const CUT: u8 = 1;
+const RESET: u8 = 2;
+
+/// One link's controls, shared by its thread and the relay.
+#[derive(Debug)]
+struct LinkCtl {
+    kill: AtomicU8,
+    /// Stalled until then (None: flowing).
+    stall_until: Mutex<Option<Instant>>,
+    /// Client bytes still to forward before a reset (`u64::MAX`: no limit).
+    budget: AtomicU64,
+    /// Turns of the link's loop so far (a change is seen once this moves on twice).
+    turns: AtomicU64,
+    done: AtomicBool,
+}
+
+impl LinkCtl {
+    fn new() -> LinkCtl {
+        LinkCtl {
+            kill: AtomicU8::new(RUN),
+            stall_until: Mutex::new(None),
+            budget: AtomicU64::new(u64::MAX),
+            turns: AtomicU64::new(0),
+            done: AtomicBool::new(false),
+        }
+    }
+
+    fn stalled(&self) -> bool {
+        let mut s = self.stall_until.lock().unwrap();
+        match *s {
+            Some(t) if Instant::now() < t => true,
+            Some(_) => {
+                *s = None;
+                false
+            }
+            None => false,
+        }
+    }
+
+    fn apply(&self, f: Fault) {
+        match f {
+            Fault::Cut => self.kill.store(CUT, Ordering::SeqCst),
+            Fault::Reset => self.kill.store(RESET, Ordering::SeqCst),
+            Fault::Stall(d) => {
+                *self.stall_until.lock().unwrap() = Some(
+                    Instant::now()
+                        .checked_add(d)
+                        .unwrap_or_else(|| Instant::now() + Duration::from_secs(86_400)),
+                )
+            }
+            Fault::ResetAfter(n) => self.budget.store(n, Ordering::SeqCst),
+        }
+    }
+}
+
+/// How many faults of each kind were injected (for the tests' figures).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FaultCounts {
+    /// Cuts (FIN), one per link cut.
+    pub cuts: u64,
+    /// Resets (RST), immediate or after a byte count, one per link.
+    pub resets: u64,
+    /// Stalls, one per link stalled.
+    pub stalls: u64,
+    /// Times the client's bytes were swallowed.
+    pub swallows: u64,
+}
+
+impl FaultCounts {
+    /// All of them.
+    pub fn total(&self) -> u64 {
+        self.cuts + self.resets + self.stalls + self.swallows
+    }
+}
+
+#[derive(Debug, Default)]
+struct Shared {
+    stop: AtomicBool,
+    swallow: AtomicBool,
+    links: Mutex<Vec<Arc<LinkCtl>>>,
+    accepted: AtomicU64,
+    armed: Mutex<Option<Fault>>,
+    counts: Mutex<FaultCounts>,
+}
+
+impl Shared {
+    fn count(&self, f: Fault, n: u64) {
+        let mut c = self.counts.lock().unwrap();
+        match f {
+            Fault::Cut => c.cuts += n,
+            Fault::Reset | Fault::ResetAfter(_) => c.resets += n,
+            Fault::Stall(_) => c.stalls += n,
+        }
+    }
+
+    /// The links still running (finished ones are forgotten).
+    fn live(&self) -> Vec<Arc<LinkCtl>> {
+        let mut v = self.links.lock().unwrap();
+        v.retain(|l| !l.done.load(Ordering::SeqCst));
+        v.clone()
+    }
+}
+
+/// A TCP relay on 127.0.0.1: every connection to it is forwarded to `upstream`, through a link
+/// that faults when told to. New connections are relayed as usual whatever happened to the old
+/// ones. Stops (cutting every link) on drop.
 #[derive(Debug)]
 pub struct Relay {
     port: u16,
-    stop: Arc<AtomicBool>,
-    links: Arc<Mutex<Vec<TcpStream>>>,
-    accepted: Arc<AtomicU64>,
-    swallow: Arc<AtomicBool>,
+    shared: Arc<Shared>,
 }
 
 impl Relay {
@@ -26,51 +151,34 @@ impl Relay {
         let l = TcpListener::bind("127.0.0.1:0").expect("bind relay");
         l.set_nonblocking(true).expect("nonblocking");
         let port = l.local_addr().unwrap().port();
-        let stop = Arc::new(AtomicBool::new(false));
-        let links: Arc<Mutex<Vec<TcpStream>>> = Arc::default();
-        let accepted = Arc::new(AtomicU64::new(0));
-        let swallow = Arc::new(AtomicBool::new(false));
+        let shared = Arc::new(Shared::default());
         let upstream = upstream.to_owned();
-        let (s, lk, a, sw) = (
-            Arc::clone(&stop),
-            Arc::clone(&links),
-            Arc::clone(&accepted),
-            Arc::clone(&swallow),
-        );
+        let sh = Arc::clone(&shared);
         std::thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
+            while !sh.stop.load(Ordering::Relaxed) {
                 match l.accept() {
                     Ok((down, _)) => {
                         let Ok(up) = TcpStream::connect(&upstream) else {
                             continue;
                         };
-                        a.fetch_add(1, Ordering::Relaxed);
-                        let _ = down.set_nonblocking(false);
-                        let _ = down.set_nodelay(true);
-                        let _ = up.set_nodelay(true);
-                        {
-                            let mut v = lk.lock().unwrap();
-                            v.push(down.try_clone().unwrap());
-                            v.push(up.try_clone().unwrap());
+                        sh.accepted.fetch_add(1, Ordering::Relaxed);
+                        let ctl = Arc::new(LinkCtl::new());
+                        if let Some(f) = sh.armed.lock().unwrap().take() {
+                            ctl.apply(f);
+                            sh.count(f, 1);
                         }
-                        pipe(
-                            down.try_clone().unwrap(),
-                            up.try_clone().unwrap(),
-                            Some(&sw),
-                        );
-                        pipe(up, down, None);
+                        sh.links.lock().unwrap().push(Arc::clone(&ctl));
+                        let sh = Arc::clone(&sh);
+                        std::thread::spawn(move || {
+                            run_link(down, up, &ctl, &sh);
+                            ctl.done.store(true, Ordering::SeqCst);
+                        });
                     }
-                    Err(_) => std::thread::sleep(Duration::from_millis(5)),
+                    Err(_) => std::thread::sleep(Duration::from_millis(2)),
                 }
             }
         });
-        Relay {
-            port,
-            stop,
-            links,
-            accepted,
-            swallow,
-        }
+        Relay { port, shared }
     }
 
     /// `tcp://127.0.0.1:PORT` of the relay.
@@ -80,48 +188,234 @@ impl Relay {
 
     /// Connections accepted so far.
     pub fn accepted(&self) -> u64 {
-        self.accepted.load(Ordering::Relaxed)
+        self.shared.accepted.load(Ordering::Relaxed)
     }
 
-    /// Drops every live link (and ends [`swallow`](Self::swallow)).
-    pub fn cut(&self) {
-        for s in self.links.lock().unwrap().drain(..) {
-            let _ = s.shutdown(Shutdown::Both);
+    /// Links running now.
+    pub fn live(&self) -> usize {
+        self.shared.live().len()
+    }
+
+    /// The faults injected so far.
+    pub fn counts(&self) -> FaultCounts {
+        *self.shared.counts.lock().unwrap()
+    }
+
+    /// Applies `f` to every live link; returns how many.
+    pub fn inject_all(&self, f: Fault) -> usize {
+        let links = self.shared.live();
+        self.shared.count(f, links.len() as u64);
+        for l in &links {
+            l.apply(f);
         }
-        self.swallow.store(false, Ordering::SeqCst);
+        settle(&links);
+        links.len()
     }
 
-    /// From now until the next [`cut`](Self::cut), bytes from the client are read and thrown
-    /// away instead of forwarded: what the client sent meanwhile never reaches the server
-    /// (a link that dies with data in flight).
+    /// Applies `f` to one live link, the `n`th (modulo how many there are); false if none is.
+    pub fn inject_one(&self, f: Fault, n: usize) -> bool {
+        let links = self.shared.live();
+        if links.is_empty() {
+            return false;
+        }
+        let l = &links[n % links.len()];
+        self.shared.count(f, 1);
+        l.apply(f);
+        settle(std::slice::from_ref(l));
+        true
+    }
+
+    /// The next connection accepted gets `f` from its first byte (a fault during the
+    /// handshake: `ResetAfter(n)` resets it after n bytes of MPA and Connect).
+    pub fn arm_next(&self, f: Fault) {
+        *self.shared.armed.lock().unwrap() = Some(f);
+    }
+
+    /// Drops every live link with a FIN both ways (and ends [`swallow`](Self::swallow)).
+    pub fn cut(&self) {
+        self.inject_all(Fault::Cut);
+        self.shared.swallow.store(false, Ordering::SeqCst);
+    }
+
+    /// Drops every live link with a RST both ways (and ends [`swallow`](Self::swallow)).
+    pub fn reset(&self) {
+        self.inject_all(Fault::Reset);
+        self.shared.swallow.store(false, Ordering::SeqCst);
+    }
+
+    /// The live links stop forwarding, either way, until [`resume`](Self::resume): what is sent
+    /// meanwhile waits in the relay and the kernels' buffers, as on a link that went silent.
+    /// New links are not stalled.
+    pub fn stall_links(&self) -> usize {
+        self.inject_all(Fault::Stall(Duration::MAX))
+    }
+
+    /// Every stalled link carries on: what waited is delivered now, late.
+    pub fn resume(&self) {
+        let links = self.shared.live();
+        for l in &links {
+            *l.stall_until.lock().unwrap() = None;
+        }
+        settle(&links);
+    }
+
+    /// From now until the next [`cut`](Self::cut) or [`reset`](Self::reset), bytes from the
+    /// client are read and thrown away instead of forwarded: what the client sent meanwhile
+    /// never reaches the server (a link that dies with data in flight).
     pub fn swallow(&self) {
-        self.swallow.store(true, Ordering::SeqCst);
+        self.shared.swallow.store(true, Ordering::SeqCst);
+        let links = self.shared.live();
+        self.shared.counts.lock().unwrap().swallows += 1;
+        settle(&links);
     }
 }
 
 impl Drop for Relay {
     fn drop(&mut self) {
-        self.stop.store(true, Ordering::Relaxed);
-        self.cut();
+        self.shared.stop.store(true, Ordering::Relaxed);
+        for l in self.shared.live() {
+            l.apply(Fault::Cut);
+        }
     }
 }
 
-fn pipe(mut from: TcpStream, mut to: TcpStream, swallow: Option<&Arc<AtomicBool>>) {
-    let swallow = swallow.map(Arc::clone);
-    std::thread::spawn(move || {
-        let mut buf = vec![0u8; 64 << 10];
-        loop {
-            match from.read(&mut buf) {
-                Ok(0) | Err(_) => break,
-                Ok(_) if swallow.as_ref().is_some_and(|s| s.load(Ordering::SeqCst)) => {}
+/// Returns once each of `links` has run two more turns (or ended): a control changed before
+/// this call is then in force on all of them.
+fn settle(links: &[Arc<LinkCtl>]) {
+    let start: Vec<u64> = links
+        .iter()
+        .map(|l| l.turns.load(Ordering::SeqCst))
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(5);
+    for (l, t) in links.iter().zip(start) {
+        while !l.done.load(Ordering::SeqCst)
+            && l.turns.load(Ordering::SeqCst) < t + 2
+            && Instant::now() < deadline
+        {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    }
+}
+
+/// Ends a link with a RST: `SO_LINGER` 0, then the close (when `s` is dropped) aborts.
+fn abort(s: &TcpStream) {
+    let _ = setsockopt(
+        s,
+        sockopt::Linger,
+        &libc::linger {
+            l_onoff: 1,
+            l_linger: 0,
+        },
+    );
+}
+
+/// Forwards between `down` (the client) and `up` (the server) until either side closes or a
+/// fault ends the link.
+fn run_link(down: TcpStream, up: TcpStream, ctl: &LinkCtl, sh: &Shared) {
+    let _ = down.set_nodelay(true);
+    let _ = up.set_nodelay(true);
+    if down.set_nonblocking(true).is_err() || up.set_nonblocking(true).is_err() {
+        return;
+    }
+    // Bytes read from one side, not yet written to the other.
+    let mut to_up: Vec<u8> = Vec::new();
+    let mut to_down: Vec<u8> = Vec::new();
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        ctl.turns.fetch_add(1, Ordering::SeqCst);
+        if sh.stop.load(Ordering::Relaxed) {
+            ctl.kill.store(CUT, Ordering::SeqCst);
+        }
+        match ctl.kill.load(Ordering::SeqCst) {
+            CUT => {
+                let _ = down.shutdown(Shutdown::Both);
+                let _ = up.shutdown(Shutdown::Both);
+                return;
+            }
+            RESET => {
+                abort(&down);
+                abort(&up);
+                return;
+            }
+            _ => {}
+        }
+        if ctl.stalled() {
+            std::thread::sleep(Duration::from_millis(2));
+            continue;
+        }
+        let flags = |pending_in: &[u8], pending_out: &[u8]| {
+            let mut f = PollFlags::empty();
+            if pending_in.is_empty() {
+                f |= PollFlags::POLLIN;
+            }
+            if !pending_out.is_empty() {
+                f |= PollFlags::POLLOUT;
+            }
+            f
+        };
+        let mut fds = [
+            PollFd::new(down.as_fd(), flags(&to_up, &to_down)),
+            PollFd::new(up.as_fd(), flags(&to_down, &to_up)),
+        ];
+        if poll(&mut fds, 5u8).is_err() {
+            continue;
+        }
+        // A control that changed while polling wins over the bytes that woke the poll.
+        if ctl.kill.load(Ordering::SeqCst) != RUN || ctl.stalled() {
+            continue;
+        }
+        if to_up.is_empty() {
+            match (&down).read(&mut buf) {
+                Ok(0) => return close_both(&down, &up),
+                Ok(_) if sh.swallow.load(Ordering::SeqCst) => {}
                 Ok(n) => {
-                    if to.write_all(&buf[..n]).is_err() {
-                        break;
+                    let budget = ctl.budget.load(Ordering::SeqCst);
+                    let take = (n as u64).min(budget) as usize;
+                    to_up.extend_from_slice(&buf[..take]);
+                    if budget != u64::MAX {
+                        ctl.budget.store(budget - take as u64, Ordering::SeqCst);
                     }
                 }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(_) => return close_both(&down, &up),
             }
         }
-        let _ = to.shutdown(Shutdown::Both);
-        let _ = from.shutdown(Shutdown::Both);
-    });
+        if to_down.is_empty() {
+            match (&up).read(&mut buf) {
+                Ok(0) => return close_both(&up, &down),
+                Ok(n) => to_down.extend_from_slice(&buf[..n]),
+                Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+                Err(_) => return close_both(&up, &down),
+            }
+        }
+        if !flush(&up, &mut to_up) || !flush(&down, &mut to_down) {
+            return close_both(&down, &up);
+        }
+        // The byte budget is spent and its last bytes are out: reset here.
+        if ctl.budget.load(Ordering::SeqCst) == 0 && to_up.is_empty() {
+            ctl.kill.store(RESET, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Writes what it can of `pending` to `to`; false if `to` is gone.
+fn flush(mut to: &TcpStream, pending: &mut Vec<u8>) -> bool {
+    while !pending.is_empty() {
+        match to.write(pending) {
+            Ok(0) => return false,
+            Ok(n) => {
+                pending.drain(..n);
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => return true,
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+/// One side closed (or failed): the other is closed too. (Each side is read only when what it
+/// sent before has been passed on, so nothing is pending here.)
+fn close_both(from: &TcpStream, to: &TcpStream) {
+    let _ = to.shutdown(Shutdown::Both);
+    let _ = from.shutdown(Shutdown::Both);
 }

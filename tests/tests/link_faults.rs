@@ -1,0 +1,545 @@
+//! Link faults under load (issue 14, part 3). Initiator queues keep writing (durable, and placed
+//! then persisted), reading and counting while a relay between them and the real `rpma-target`
+//! cuts (FIN), resets (RST), stalls and resets mid-stream (after a random byte count: mid-FPDU,
+//! mid-handshake) their links at random moments, and the library reconnects and re-issues what
+//! was not acknowledged. Then:
+//! - no call took longer than [`CALL_BOUND`] (every call returned or failed within it);
+//! - every write acknowledged as durable is on the target, read back directly (not through the
+//!   relay) and from the backing file, and reads during the run saw the latest write;
+//! - the target holds nothing for the lost connections: its session table, the regions (rkeys)
+//!   registered for them, its admission pools and its open fds are back to the baseline.
+//!
+//! Seeded (the seed is printed; `RPMA_RELIABILITY_SEED` replays it), bounded loops; the long
+//! version runs under `RPMA_RELIABILITY_LONG=1`. A variant in a network namespace of its own
+//! drops real packets (iptables' statistic match on lo) and blacks the link out for a while; it
+//! skips, saying why, where namespaces or iptables are missing.
+
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rpma_common::proto::nqn::Nqn;
+use rpma_initiator::{
+    ConnectOptions, Connection, Error, HostIdentity, PersistMethod, QueueOptions, ReconnectPolicy,
+};
+use rpma_tests::stress::{self, block, parse_block, Footprint, Rng};
+use rpma_tests::{scratch, Config, Fault, Namespace, Relay, Subsystem, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:faults";
+const HOST: &str = "nqn.2026-11.io.rpma:faults-host";
+const BLOCK: usize = 4096;
+/// Blocks of each worker's region.
+const BLOCKS: u64 = 48;
+/// The first page of nsid 1 holds the workers' counters (one u64 each).
+const COUNTERS: u64 = 4096;
+/// The connect time-out: the deadline of every wait of a call (a stall longer than this makes
+/// the queue give the connection up and reconnect).
+const OP_TIMEOUT: Duration = Duration::from_secs(2);
+/// How long a queue keeps reconnecting after a loss.
+const RECONNECT_BUDGET: Duration = Duration::from_secs(20);
+/// No call may take longer: the reconnect budget, then the waits of the re-run call.
+const CALL_BOUND: Duration = Duration::from_secs(20 + 4 * 2);
+/// The target's footprint is back to its baseline within this after the last link closed.
+const CLEANUP_WITHIN: Duration = Duration::from_secs(20);
+
+/// A target serving SUB to any host: nsid 1 on page-cache, nsid 2 dax (forced), each with room
+/// for `workers` regions (and nsid 1 the counters page).
+fn start(dir: &std::path::Path, workers: u64, top: &str) -> Target {
+    let size = COUNTERS + workers.div_ceil(2) * BLOCKS * BLOCK as u64;
+    let size = format!("{}KiB", size.div_ceil(1024));
+    let config = Config::new().set(top).subsystem(
+        Subsystem::new(SUB)
+            .any_host()
+            .namespace(Namespace::new(1, "ns1", &size))
+            .namespace(Namespace::new(2, "ns2", &size).force_dax()),
+    );
+    Target::start(dir, &config.to_string())
+}
+
+/// Queues to `url` with short waits and a reconnect policy that rides out every fault here.
+fn conn(url: &str, timeout: Duration) -> Connection {
+    Connection::new(
+        url,
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .with_connect_options(ConnectOptions {
+        timeout,
+        ..ConnectOptions::default()
+    })
+    .with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: 16 << 10,
+        reconnect: ReconnectPolicy {
+            max_attempts: u32::MAX,
+            timeout: RECONNECT_BUDGET,
+            initial_backoff: Duration::from_millis(20),
+            max_backoff: Duration::from_millis(250),
+        },
+        ..QueueOptions::default()
+    })
+}
+
+/// Where worker `w` writes: (nsid, first byte of its region).
+fn region(w: u64) -> (u32, u64) {
+    (1 + (w % 2) as u32, COUNTERS + (w / 2) * BLOCKS * BLOCK as u64)
+}
+
+/// What a worker did, for the checks after the run.
+#[derive(Debug, Default)]
+struct Outcome {
+    worker: u64,
+    /// Per block: the generation of its last write (0: never written). Every one was
+    /// acknowledged durable by the end of the run.
+    latest: Vec<u64>,
+    /// Writes acknowledged durable (a block written twice counts twice).
+    acked: u64,
+    /// fetch_adds that returned / that failed with the loss (they may have executed).
+    adds_ok: u64,
+    adds_lost: u64,
+    calls: u64,
+    reads_checked: u64,
+    slowest: Duration,
+    reconnects: u32,
+}
+
+/// Runs `call`, failing the test if it outlasts [`CALL_BOUND`].
+fn timed<T>(o: &mut Outcome, what: &str, call: impl FnOnce() -> T) -> T {
+    let t = Instant::now();
+    let r = call();
+    let took = t.elapsed();
+    assert!(
+        took <= CALL_BOUND,
+        "worker {}: {what} took {took:?} (bound {CALL_BOUND:?})",
+        o.worker
+    );
+    o.slowest = o.slowest.max(took);
+    o.calls += 1;
+    r
+}
+
+/// Worker `w`: random calls on its own region through `c` until `until`, each call checked
+/// (durable calls must be durable, reads must see the latest write).
+fn worker(c: &Connection, w: u64, mut rng: Rng, until: Instant) -> Outcome {
+    let (nsid, base) = region(w);
+    let method = [
+        None,
+        Some(PersistMethod::Gpspm),
+        Some(PersistMethod::Flush),
+        Some(PersistMethod::Apm),
+    ][(w % 4) as usize];
+    let mut q = c.open_queue(w as u16 + 1).expect("open queue");
+    let mut o = Outcome {
+        worker: w,
+        latest: vec![0; BLOCKS as usize],
+        ..Outcome::default()
+    };
+    let mut generation = 0u64;
+    // Written blocks not yet acknowledged durable.
+    let mut placed: Vec<u64> = Vec::new();
+    let at = |b: u64| base + b * BLOCK as u64;
+    q.namespace(nsid).unwrap().set_method(method).unwrap();
+    while Instant::now() < until {
+        let mut ns = q.namespace(nsid).unwrap();
+        let b = rng.below(BLOCKS);
+        let roll = rng.below(100);
+        if roll < 30 {
+            generation += 1;
+            let data = block(w, b, generation, BLOCK);
+            let d = timed(&mut o, "write_durable", || ns.write_durable(at(b), &data));
+            assert!(d.expect("write_durable").is_durable(), "worker {w}");
+            o.latest[b as usize] = generation;
+            placed.retain(|&x| x != b);
+            o.acked += 1;
+        } else if roll < 50 {
+            generation += 1;
+            let data = block(w, b, generation, BLOCK);
+            timed(&mut o, "write_at", || ns.write_at(at(b), &data)).expect("write_at");
+            o.latest[b as usize] = generation;
+            if rng.chance(50) {
+                let d = timed(&mut o, "persist_written", || {
+                    ns.persist_written(at(b), BLOCK as u64)
+                });
+                assert!(d.expect("persist_written").is_durable(), "worker {w}");
+                placed.retain(|&x| x != b);
+                o.acked += 1;
+            } else if !placed.contains(&b) {
+                placed.push(b);
+            }
+        } else if roll < 60 {
+            let n = rng.range(2, 5);
+            let mut blocks: Vec<u64> = (0..n).map(|_| rng.below(BLOCKS)).collect();
+            blocks.sort_unstable();
+            blocks.dedup();
+            let datas: Vec<(u64, Vec<u8>)> = blocks
+                .iter()
+                .map(|&b| {
+                    generation += 1;
+                    (b, block(w, b, generation, BLOCK))
+                })
+                .collect();
+            let items: Vec<(u64, &[u8])> =
+                datas.iter().map(|(b, d)| (at(*b), d.as_slice())).collect();
+            let d = timed(&mut o, "write_batch_durable", || {
+                ns.write_batch_durable(&items)
+            });
+            assert!(d.expect("write_batch_durable").is_durable(), "worker {w}");
+            for (b, d) in &datas {
+                o.latest[*b as usize] = parse_block(d).unwrap().2;
+                placed.retain(|x| x != b);
+                o.acked += 1;
+            }
+        } else if roll < 65 {
+            let d = timed(&mut o, "persist_own_writes", || ns.persist_own_writes());
+            assert!(d.expect("persist_own_writes").is_durable(), "worker {w}");
+            o.acked += placed.len() as u64;
+            placed.clear();
+        } else if roll < 90 {
+            let mut got = vec![0u8; BLOCK];
+            timed(&mut o, "read_at", || ns.read_at(at(b), &mut got)).expect("read_at");
+            check_block(w, b, o.latest[b as usize], &got, "a read during the run");
+            o.reads_checked += 1;
+        } else {
+            let mut counters = q.namespace(1).unwrap();
+            match timed(&mut o, "fetch_add", || counters.fetch_add(8 * w, 1)) {
+                Ok(_) => o.adds_ok += 1,
+                Err(e) if e.is_connection_loss() => o.adds_lost += 1,
+                Err(e) => panic!("worker {w}: fetch_add: {e}"),
+            }
+        }
+    }
+    let mut ns = q.namespace(nsid).unwrap();
+    let d = timed(&mut o, "persist_own_writes", || ns.persist_own_writes());
+    assert!(d.expect("the last persist_own_writes").is_durable());
+    o.acked += placed.len() as u64;
+    o.reconnects = q.reconnects();
+    q.close().unwrap();
+    o
+}
+
+/// Block `b` of worker `w` holds generation `generation` (zeros if never written).
+fn check_block(w: u64, b: u64, generation: u64, got: &[u8], when: &str) {
+    if generation == 0 {
+        assert!(
+            got.iter().all(|&x| x == 0),
+            "worker {w} block {b}: never written, yet not zero ({when})"
+        );
+        return;
+    }
+    assert_eq!(
+        parse_block(got),
+        Some((w, b, generation)),
+        "worker {w} block {b}: not its latest write, generation {generation} ({when})"
+    );
+}
+
+/// Every block of every worker, read through a fresh queue straight to the target and from the
+/// backing files; the counters within what the fetch_adds could have done. Returns the blocks
+/// checked.
+fn verify(t: &Target, outcomes: &[Outcome]) -> u64 {
+    let mut q = conn(&t.url(), Duration::from_secs(10))
+        .open_queue(0)
+        .unwrap();
+    let files = [
+        std::fs::read(t.dir().join("ns1")).unwrap(),
+        std::fs::read(t.dir().join("ns2")).unwrap(),
+    ];
+    let mut checked = 0;
+    for o in outcomes {
+        let (nsid, base) = region(o.worker);
+        let mut ns = q.namespace(nsid).unwrap();
+        for b in 0..BLOCKS {
+            let off = base + b * BLOCK as u64;
+            let mut got = vec![0u8; BLOCK];
+            ns.read_at(off, &mut got).unwrap();
+            let g = o.latest[b as usize];
+            check_block(o.worker, b, g, &got, "read back after the run");
+            let file = &files[nsid as usize - 1][off as usize..off as usize + BLOCK];
+            check_block(o.worker, b, g, file, "the backing file after the run");
+            checked += u64::from(g > 0);
+        }
+        let mut word = [0u8; 8];
+        q.namespace(1)
+            .unwrap()
+            .read_at(8 * o.worker, &mut word)
+            .unwrap();
+        let v = u64::from_ne_bytes(word);
+        assert!(
+            (o.adds_ok..=o.adds_ok + o.adds_lost).contains(&v),
+            "worker {}: counter {v}, {} adds returned and {} were lost with a link",
+            o.worker,
+            o.adds_ok,
+            o.adds_lost
+        );
+    }
+    q.close().unwrap();
+    checked
+}
+
+/// A warm-up through `url` (every method on both namespaces, then a clean close), then the
+/// target's footprint once it holds nothing: the baseline to come back to.
+fn baseline(t: &Target, url: &str) -> Footprint {
+    let mut q = conn(url, Duration::from_secs(10)).open_queue(0).unwrap();
+    for nsid in [1, 2] {
+        let mut ns = q.namespace(nsid).unwrap();
+        for m in [PersistMethod::Apm, PersistMethod::Gpspm, PersistMethod::Flush] {
+            ns.set_method(Some(m)).unwrap();
+            ns.write_durable(COUNTERS, &[0u8; 512]).unwrap();
+        }
+        ns.fetch_add(1024, 0).unwrap();
+    }
+    q.close().unwrap();
+    let deadline = Instant::now() + CLEANUP_WITHIN;
+    loop {
+        let f = Footprint::of(t);
+        if f.is_idle() {
+            return f;
+        }
+        assert!(Instant::now() < deadline, "the warm-up session stays: {f:?}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Injects random faults into `relay`'s links every 30..400 ms until `stop`.
+fn injector(relay: Arc<Relay>, mut rng: Rng, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        // Bounded: at most one fault per 30 ms of the longest run.
+        for _ in 0..20_000 {
+            if stop.load(Ordering::Relaxed) {
+                return;
+            }
+            std::thread::sleep(rng.duration(Duration::from_millis(30), Duration::from_millis(400)));
+            let n = rng.below(1 << 16) as usize;
+            match rng.below(100) {
+                0..=24 => {
+                    relay.inject_one(Fault::Cut, n);
+                }
+                25..=44 => {
+                    relay.inject_one(Fault::Reset, n);
+                }
+                45..=64 => {
+                    relay.inject_one(Fault::ResetAfter(rng.below(64 << 10)), n);
+                }
+                65..=84 => {
+                    let d = rng.duration(Duration::from_millis(50), Duration::from_millis(3000));
+                    relay.inject_one(Fault::Stall(d), n);
+                }
+                85..=89 => {
+                    relay.cut();
+                }
+                90..=94 => {
+                    relay.reset();
+                }
+                _ => {
+                    // A link that dies with data in flight: what the hosts send is lost, then
+                    // the links are cut.
+                    relay.swallow();
+                    std::thread::sleep(rng.duration(Duration::ZERO, Duration::from_millis(100)));
+                    relay.cut();
+                }
+            }
+        }
+    })
+}
+
+/// Runs `workers` workers through `url` for `run`, with `inject` (started with the workers and
+/// stopped when they are done) injecting faults; returns their outcomes.
+fn run_workers(
+    url: &str,
+    workers: u64,
+    run: Duration,
+    rng: &mut Rng,
+    inject: impl FnOnce(Rng, Arc<AtomicBool>) -> std::thread::JoinHandle<()>,
+) -> Vec<Outcome> {
+    let c = conn(url, OP_TIMEOUT);
+    let until = Instant::now() + run;
+    let stop = Arc::new(AtomicBool::new(false));
+    let faults = inject(rng.fork(u64::MAX), Arc::clone(&stop));
+    let handles: Vec<_> = (0..workers)
+        .map(|w| {
+            let (c, r) = (c.clone(), rng.fork(w));
+            std::thread::spawn(move || worker(&c, w, r, until))
+        })
+        .collect();
+    // Every worker ends within its run and one bounded call (a hang fails here, not never).
+    let deadline = until + CALL_BOUND + Duration::from_secs(10);
+    let mut outcomes = Vec::new();
+    for h in handles {
+        while !h.is_finished() {
+            assert!(Instant::now() < deadline, "a worker hangs");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        match h.join() {
+            Ok(o) => outcomes.push(o),
+            Err(p) => {
+                stop.store(true, Ordering::Relaxed);
+                std::panic::resume_unwind(p)
+            }
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    faults.join().unwrap();
+    outcomes
+}
+
+fn report(test: &str, outcomes: &[Outcome], checked: u64, faults: &str, cleanup: Duration) {
+    let sum = |f: fn(&Outcome) -> u64| outcomes.iter().map(f).sum::<u64>();
+    let slowest = outcomes.iter().map(|o| o.slowest).max().unwrap_or_default();
+    eprintln!(
+        "{test}: {} workers, {} calls, {} writes acknowledged durable, {} reads checked during \
+         the run, {} blocks verified after, {} fetch_adds ({} lost with a link), {} reconnects, \
+         faults: {faults}, slowest call {slowest:?} (bound {CALL_BOUND:?}), lost 0, target back \
+         to baseline {cleanup:?} after the last link closed",
+        outcomes.len(),
+        sum(|o| o.calls),
+        sum(|o| o.acked),
+        sum(|o| o.reads_checked),
+        checked,
+        sum(|o| o.adds_ok + o.adds_lost),
+        sum(|o| o.adds_lost),
+        sum(|o| u64::from(o.reconnects)),
+    );
+}
+
+#[test]
+fn random_cuts_resets_and_stalls_under_load_lose_no_acknowledged_write() {
+    let mut rng = Rng::for_test("link faults");
+    let workers = stress::pick(4, 8);
+    let run = stress::pick(Duration::from_secs(10), Duration::from_secs(240));
+    let d = scratch();
+    let t = start(d.path(), workers, "");
+    let relay = Arc::new(Relay::start(&format!("127.0.0.1:{}", t.port())));
+    let base = baseline(&t, &relay.url());
+    let outcomes = run_workers(&relay.url(), workers, run, &mut rng, |r, stop| {
+        injector(Arc::clone(&relay), r, stop)
+    });
+    let counts = relay.counts();
+    // Nothing may still be on its way from a stalled link when the blocks are checked.
+    relay.resume();
+    drop(Arc::into_inner(relay).expect("the injector is done"));
+    let checked = verify(&t, &outcomes);
+    let cleanup = Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+    assert!(counts.total() >= 10, "too few faults to mean anything: {counts:?}");
+    assert!(
+        outcomes.iter().map(|o| o.reconnects).sum::<u32>() >= 5,
+        "the faults should have made the queues reconnect"
+    );
+    report(
+        "link faults",
+        &outcomes,
+        checked,
+        &format!("{counts:?}"),
+        cleanup,
+    );
+}
+
+/// A link that goes silent while a Write is on it, and delivers it late (after the queue gave
+/// the connection up, reconnected, re-issued the Write and went on to write the block again),
+/// must not overwrite the later, acknowledged write: the old connection's bytes must reach a
+/// session that is gone (its rkeys revoked) or arrive before the re-issue.
+#[test]
+fn a_stalled_link_delivering_late_overwrites_no_acknowledged_write() {
+    let d = scratch();
+    // The target's keep-alive outlasts the queue's time-out: the target still holds the old
+    // session when the queue gives it up.
+    let t = start(d.path(), 2, "keep_alive_ms = 4000");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let mut q = conn(&relay.url(), Duration::from_secs(1))
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(1).unwrap();
+    let (a, b, c) = (block(0, 0, 1, BLOCK), block(0, 0, 2, BLOCK), block(0, 0, 3, BLOCK));
+    assert!(ns.write_durable(COUNTERS, &a).unwrap().is_durable());
+    assert_eq!(relay.stall_links(), 1);
+    // B goes into the silent link; its persist times out, the queue reconnects on a new link
+    // and re-issues B there.
+    ns.write_at(COUNTERS, &b).unwrap();
+    let started = Instant::now();
+    assert!(ns
+        .persist_written(COUNTERS, BLOCK as u64)
+        .unwrap()
+        .is_durable());
+    let persisted_after = started.elapsed();
+    assert!(ns.write_durable(COUNTERS, &c).unwrap().is_durable());
+    assert_eq!(q.reconnects(), 1);
+    // Now the old link wakes up and delivers what it held: B's Write, the persist, keep-alives
+    // and the goodbye.
+    relay.resume();
+    let deadline = Instant::now() + CLEANUP_WITHIN;
+    while Footprint::of(&t).sessions > 1 {
+        assert!(Instant::now() < deadline, "the old session stays");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut got = vec![0u8; BLOCK];
+    q.namespace(1).unwrap().read_at(COUNTERS, &mut got).unwrap();
+    assert_eq!(
+        parse_block(&got).map(|b| b.2),
+        Some(3),
+        "the stalled link's late Write overwrote the acknowledged one (persist took \
+         {persisted_after:?})"
+    );
+    let file = std::fs::read(t.dir().join("ns1")).unwrap();
+    assert_eq!(parse_block(&file[4096..8192]).map(|b| b.2), Some(3));
+}
+
+/// Faults at chosen points of the handshake (a reset after n bytes of MPA and Connect, a stall
+/// longer than the time-out, a cut at once), on a fresh queue and on a queue's reconnect: each
+/// attempt fails or succeeds within its deadline, the next one succeeds, and the target keeps
+/// nothing of the broken attempts.
+#[test]
+fn faults_during_the_handshake_leave_nothing_behind() {
+    let mut rng = Rng::for_test("handshake faults");
+    let d = scratch();
+    let t = start(d.path(), 2, "");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let base = baseline(&t, &relay.url());
+    let c = conn(&relay.url(), Duration::from_secs(1));
+    let mut faults: Vec<Fault> = (0..stress::pick(12, 80))
+        .map(|_| Fault::ResetAfter(rng.below(700)))
+        .collect();
+    faults.extend([
+        Fault::Cut,
+        Fault::Reset,
+        Fault::ResetAfter(0),
+        Fault::Stall(Duration::from_millis(1500)),
+    ]);
+    let mut q = c.open_queue(0).unwrap();
+    let mut opened = 0;
+    for (i, f) in faults.iter().enumerate() {
+        // A fresh queue whose first connection meets the fault.
+        relay.arm_next(*f);
+        let started = Instant::now();
+        match c.open_queue(1) {
+            Ok(q1) => {
+                opened += 1;
+                q1.close().unwrap();
+            }
+            Err(e) => assert!(
+                e.is_connection_loss() || matches!(e, Error::Connect { .. }),
+                "{f:?}: {e}"
+            ),
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "{f:?}: too slow");
+        // A queue whose reconnect meets it: the call still succeeds.
+        relay.arm_next(*f);
+        relay.cut();
+        let v = block(9, i as u64, i as u64 + 1, BLOCK);
+        let started = Instant::now();
+        let mut ns = q.namespace(1).unwrap();
+        assert!(ns.write_durable(COUNTERS, &v).unwrap().is_durable(), "{f:?}");
+        assert!(started.elapsed() < CALL_BOUND, "{f:?}: too slow");
+        let mut got = vec![0u8; BLOCK];
+        ns.read_at(COUNTERS, &mut got).unwrap();
+        assert!(got == v, "{f:?}");
+    }
+    eprintln!(
+        "handshake faults: {} faults on fresh queues ({opened} still opened: the fault came \
+         after the handshake), {} on reconnects, {} reconnects",
+        faults.len(),
+        faults.len(),
+        q.reconnects()
+    );
+    q.close().unwrap();
+    drop(relay);
+    Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+}
