@@ -13,6 +13,9 @@ PACKAGES=(
   # tests of rpma-initiator mount (FUSE): mkfs.ext4/e2fsck, and losetup/mount/umount. No fuse3:
   # the initiator mounts with mount(2) as root, so fusermount3 is never needed.
   e2fsprogs util-linux
+  # tests: real packet loss and a blackout in a network namespace of the link-fault test's own
+  # (tests/tests/link_faults.rs: iptables' statistic match on lo; ip comes with iproute2)
+  iptables iproute2
   nbdkit  # make bench (bench/matrix.sh): the peer, nbdkit's file plugin, driven by fio's nbd engine
 )
 

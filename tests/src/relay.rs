@@ -30,11 +30,16 @@ pub enum Fault {
     Stall(Duration),
     /// This many more bytes from the client reach the server, then both sides are reset.
     ResetAfter(u64),
+    /// The client sees a reset; the server's side stays open and hears nothing more (what it
+    /// sends is read and dropped) until the server closes it: a peer that vanished, as behind
+    /// a NAT that dropped the flow. Only the server's own time-outs end its side.
+    Orphan,
 }
 
 const RUN: u8 = 0;
 const CUT: u8 = 1;
 const RESET: u8 = 2;
+const ORPHAN: u8 = 3;
 
 /// One link's controls, shared by its thread and the relay.
 #[derive(Debug)]
@@ -76,6 +81,7 @@ impl LinkCtl {
         match f {
             Fault::Cut => self.kill.store(CUT, Ordering::SeqCst),
             Fault::Reset => self.kill.store(RESET, Ordering::SeqCst),
+            Fault::Orphan => self.kill.store(ORPHAN, Ordering::SeqCst),
             Fault::Stall(d) => {
                 *self.stall_until.lock().unwrap() = Some(
                     Instant::now()
@@ -97,6 +103,8 @@ pub struct FaultCounts {
     pub resets: u64,
     /// Stalls, one per link stalled.
     pub stalls: u64,
+    /// Links orphaned (the client reset, the server left hanging).
+    pub orphans: u64,
     /// Times the client's bytes were swallowed.
     pub swallows: u64,
 }
@@ -104,7 +112,7 @@ pub struct FaultCounts {
 impl FaultCounts {
     /// All of them.
     pub fn total(&self) -> u64 {
-        self.cuts + self.resets + self.stalls + self.swallows
+        self.cuts + self.resets + self.stalls + self.swallows + self.orphans
     }
 }
 
@@ -125,6 +133,7 @@ impl Shared {
             Fault::Cut => c.cuts += n,
             Fault::Reset | Fault::ResetAfter(_) => c.resets += n,
             Fault::Stall(_) => c.stalls += n,
+            Fault::Orphan => c.orphans += n,
         }
     }
 
@@ -337,6 +346,11 @@ fn run_link(down: TcpStream, up: TcpStream, ctl: &LinkCtl, sh: &Shared) {
                 abort(&up);
                 return;
             }
+            ORPHAN => {
+                abort(&down);
+                drop(down);
+                return hang_on(up, ctl, sh);
+            }
             _ => {}
         }
         if ctl.stalled() {
@@ -394,6 +408,32 @@ fn run_link(down: TcpStream, up: TcpStream, ctl: &LinkCtl, sh: &Shared) {
         // The byte budget is spent and its last bytes are out: reset here.
         if ctl.budget.load(Ordering::SeqCst) == 0 && to_up.is_empty() {
             ctl.kill.store(RESET, Ordering::SeqCst);
+        }
+    }
+}
+
+/// The server's side of an orphaned link: read and dropped until the server closes it (or the
+/// link is cut or reset, or the relay stops).
+fn hang_on(up: TcpStream, ctl: &LinkCtl, sh: &Shared) {
+    let mut buf = vec![0u8; 64 << 10];
+    loop {
+        ctl.turns.fetch_add(1, Ordering::SeqCst);
+        if sh.stop.load(Ordering::Relaxed) || ctl.kill.load(Ordering::SeqCst) == CUT {
+            let _ = up.shutdown(Shutdown::Both);
+            return;
+        }
+        if ctl.kill.load(Ordering::SeqCst) == RESET {
+            return abort(&up);
+        }
+        let mut fds = [PollFd::new(up.as_fd(), PollFlags::POLLIN)];
+        if poll(&mut fds, 5u8).is_err() {
+            continue;
+        }
+        match (&up).read(&mut buf) {
+            Ok(0) => return,
+            Ok(_) => {}
+            Err(e) if e.kind() == ErrorKind::WouldBlock => {}
+            Err(_) => return,
         }
     }
 }

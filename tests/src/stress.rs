@@ -55,11 +55,11 @@ impl Rng {
 
     /// An independent source derived from this one (for one thread of a test).
     pub fn fork(&mut self, n: u64) -> Rng {
-        Rng::new(self.next() ^ n.wrapping_mul(0xA076_1D64_78BD_642F))
+        Rng::new(self.next_u64() ^ n.wrapping_mul(0xA076_1D64_78BD_642F))
     }
 
     /// The next 64 random bits.
-    pub fn next(&mut self) -> u64 {
+    pub fn next_u64(&mut self) -> u64 {
         self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
         let mut z = self.0;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -69,7 +69,7 @@ impl Rng {
 
     /// Uniform in `0..n` (n > 0).
     pub fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
+        self.next_u64() % n
     }
 
     /// Uniform in `lo..hi` (lo < hi).
@@ -247,7 +247,7 @@ mod tests {
         let x: Vec<u64> = (0..8).map(|_| a.below(1000)).collect();
         let y: Vec<u64> = (0..8).map(|_| b.below(1000)).collect();
         assert_eq!(x, y);
-        assert_ne!(Rng::new(43).next(), Rng::new(42).next());
+        assert_ne!(Rng::new(43).next_u64(), Rng::new(42).next_u64());
         let mut r = Rng::new(7);
         assert!((0..1000).all(|_| (5..9).contains(&r.range(5, 9))));
     }
@@ -269,7 +269,10 @@ mod tests {
     fn memory_and_fds_of_this_process() {
         let me = std::process::id();
         let m = memory(me);
-        assert!(m.rss_kib > 0 && m.anon_kib > 0 && m.anon_kib <= m.rss_kib, "{m:?}");
+        assert!(
+            m.rss_kib > 0 && m.anon_kib > 0 && m.anon_kib <= m.rss_kib,
+            "{m:?}"
+        );
         // Other tests of this binary may open files meanwhile: one clean try of ten is enough.
         let one_more = (0..10).any(|_| {
             let n = fd_count(me);

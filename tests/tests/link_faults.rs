@@ -1,8 +1,9 @@
 //! Link faults under load (issue 14, part 3). Initiator queues keep writing (durable, and placed
 //! then persisted), reading and counting while a relay between them and the real `rpma-target`
-//! cuts (FIN), resets (RST), stalls and resets mid-stream (after a random byte count: mid-FPDU,
-//! mid-handshake) their links at random moments, and the library reconnects and re-issues what
-//! was not acknowledged. Then:
+//! cuts (FIN), resets (RST), stalls, orphans (the host sees a reset, the target's side is left
+//! hanging) and resets mid-stream (after a random byte count: mid-FPDU, mid-handshake) their
+//! links at random moments, and the library reconnects and re-issues what was not
+//! acknowledged. Then:
 //! - no call took longer than [`CALL_BOUND`] (every call returned or failed within it);
 //! - every write acknowledged as durable is on the target, read back directly (not through the
 //!   relay) and from the backing file, and reads during the run saw the latest write;
@@ -82,7 +83,10 @@ fn conn(url: &str, timeout: Duration) -> Connection {
 
 /// Where worker `w` writes: (nsid, first byte of its region).
 fn region(w: u64) -> (u32, u64) {
-    (1 + (w % 2) as u32, COUNTERS + (w / 2) * BLOCKS * BLOCK as u64)
+    (
+        1 + (w % 2) as u32,
+        COUNTERS + (w / 2) * BLOCKS * BLOCK as u64,
+    )
 }
 
 /// What a worker did, for the checks after the run.
@@ -282,7 +286,11 @@ fn baseline(t: &Target, url: &str) -> Footprint {
     let mut q = conn(url, Duration::from_secs(10)).open_queue(0).unwrap();
     for nsid in [1, 2] {
         let mut ns = q.namespace(nsid).unwrap();
-        for m in [PersistMethod::Apm, PersistMethod::Gpspm, PersistMethod::Flush] {
+        for m in [
+            PersistMethod::Apm,
+            PersistMethod::Gpspm,
+            PersistMethod::Flush,
+        ] {
             ns.set_method(Some(m)).unwrap();
             ns.write_durable(COUNTERS, &[0u8; 512]).unwrap();
         }
@@ -295,7 +303,10 @@ fn baseline(t: &Target, url: &str) -> Footprint {
         if f.is_idle() {
             return f;
         }
-        assert!(Instant::now() < deadline, "the warm-up session stays: {f:?}");
+        assert!(
+            Instant::now() < deadline,
+            "the warm-up session stays: {f:?}"
+        );
         std::thread::sleep(Duration::from_millis(20));
     }
 }
@@ -311,14 +322,17 @@ fn injector(relay: Arc<Relay>, mut rng: Rng, stop: Arc<AtomicBool>) -> std::thre
             std::thread::sleep(rng.duration(Duration::from_millis(30), Duration::from_millis(400)));
             let n = rng.below(1 << 16) as usize;
             match rng.below(100) {
-                0..=24 => {
+                0..=19 => {
                     relay.inject_one(Fault::Cut, n);
                 }
-                25..=44 => {
+                20..=34 => {
                     relay.inject_one(Fault::Reset, n);
                 }
-                45..=64 => {
+                35..=54 => {
                     relay.inject_one(Fault::ResetAfter(rng.below(64 << 10)), n);
+                }
+                55..=64 => {
+                    relay.inject_one(Fault::Orphan, n);
                 }
                 65..=84 => {
                     let d = rng.duration(Duration::from_millis(50), Duration::from_millis(3000));
@@ -416,10 +430,15 @@ fn random_cuts_resets_and_stalls_under_load_lose_no_acknowledged_write() {
     let counts = relay.counts();
     // Nothing may still be on its way from a stalled link when the blocks are checked.
     relay.resume();
-    drop(Arc::into_inner(relay).expect("the injector is done"));
     let checked = verify(&t, &outcomes);
+    // With the relay still up: the target must end the orphaned links' sessions itself (its
+    // keep-alive), not wait for the relay to close them.
     let cleanup = Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
-    assert!(counts.total() >= 10, "too few faults to mean anything: {counts:?}");
+    drop(Arc::into_inner(relay).expect("the injector is done"));
+    assert!(
+        counts.total() >= 10,
+        "too few faults to mean anything: {counts:?}"
+    );
     assert!(
         outcomes.iter().map(|o| o.reconnects).sum::<u32>() >= 5,
         "the faults should have made the queues reconnect"
@@ -448,7 +467,11 @@ fn a_stalled_link_delivering_late_overwrites_no_acknowledged_write() {
         .open_queue(0)
         .unwrap();
     let mut ns = q.namespace(1).unwrap();
-    let (a, b, c) = (block(0, 0, 1, BLOCK), block(0, 0, 2, BLOCK), block(0, 0, 3, BLOCK));
+    let (a, b, c) = (
+        block(0, 0, 1, BLOCK),
+        block(0, 0, 2, BLOCK),
+        block(0, 0, 3, BLOCK),
+    );
     assert!(ns.write_durable(COUNTERS, &a).unwrap().is_durable());
     assert_eq!(relay.stall_links(), 1);
     // B goes into the silent link; its persist times out, the queue reconnects on a new link
@@ -519,14 +542,20 @@ fn faults_during_the_handshake_leave_nothing_behind() {
                 "{f:?}: {e}"
             ),
         }
-        assert!(started.elapsed() < Duration::from_secs(5), "{f:?}: too slow");
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "{f:?}: too slow"
+        );
         // A queue whose reconnect meets it: the call still succeeds.
         relay.arm_next(*f);
         relay.cut();
         let v = block(9, i as u64, i as u64 + 1, BLOCK);
         let started = Instant::now();
         let mut ns = q.namespace(1).unwrap();
-        assert!(ns.write_durable(COUNTERS, &v).unwrap().is_durable(), "{f:?}");
+        assert!(
+            ns.write_durable(COUNTERS, &v).unwrap().is_durable(),
+            "{f:?}"
+        );
         assert!(started.elapsed() < CALL_BOUND, "{f:?}: too slow");
         let mut got = vec![0u8; BLOCK];
         ns.read_at(COUNTERS, &mut got).unwrap();
@@ -542,4 +571,168 @@ fn faults_during_the_handshake_leave_nothing_behind() {
     q.close().unwrap();
     drop(relay);
     Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+}
+
+/// Moves the calling thread into a network namespace of its own (unshare(2) acts on the
+/// calling thread: the rest of the test binary stays where it was) with lo up, and checks that
+/// iptables works there. What the thread starts afterwards (threads, the target, iptables)
+/// shares the namespace. Err: why not, for the skip message.
+fn enter_fresh_netns() -> Result<(), String> {
+    // SAFETY: unshare(2) takes no pointers; CLONE_NEWNET changes only the calling thread's
+    // network namespace, which no other thread of this process relies on.
+    if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+        return Err(format!(
+            "unshare(CLONE_NEWNET): {} (needs root / CAP_SYS_ADMIN)",
+            std::io::Error::last_os_error()
+        ));
+    }
+    run_tool("ip", &["link", "set", "lo", "up"])?;
+    run_tool("iptables", &["-w", "5", "-L", "INPUT", "-n"])
+        .map_err(|e| format!("{e} (scripts/install-deps.sh installs iptables)"))?;
+    Ok(())
+}
+
+/// Runs a system tool; Err with its output if it is missing or fails.
+fn run_tool(tool: &str, args: &[&str]) -> Result<(), String> {
+    let out = std::process::Command::new(tool)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{tool}: {e}"))?;
+    if !out.status.success() {
+        return Err(format!(
+            "{tool} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&out.stderr).trim()
+        ));
+    }
+    Ok(())
+}
+
+/// `iptables -w 5 ACTION INPUT -i lo -p tcp --PORT_SIDE port MATCH -j DROP`, which must work.
+fn drop_rule(action: &str, side: &str, port: u16, matching: &[&str]) {
+    let port = port.to_string();
+    let mut args = vec![
+        "-w", "5", action, "INPUT", "-i", "lo", "-p", "tcp", side, &port,
+    ];
+    args.extend_from_slice(matching);
+    args.extend(["-j", "DROP"]);
+    run_tool("iptables", &args).unwrap();
+}
+
+/// Real packets lost: in a network namespace of the test's own, iptables drops a share of the
+/// target's packets on lo both ways (the kernel's TCP retransmits them) and, at random
+/// moments, all of them for up to 4 s (a blackout longer than the time-out: the queues give
+/// their connections up while the packets still in flight retransmit late). Same checks as
+/// through the relay. The drop share is the kernel's randomness, not the seed's.
+#[test]
+fn real_packet_loss_and_a_blackout_in_a_network_namespace() {
+    let h = std::thread::spawn(|| {
+        if let Err(why) = enter_fresh_netns() {
+            eprintln!("SKIP real_packet_loss_and_a_blackout_in_a_network_namespace: {why}");
+            return;
+        }
+        let mut rng = Rng::for_test("packet loss");
+        let workers = stress::pick(3, 6);
+        let run = stress::pick(Duration::from_secs(8), Duration::from_secs(120));
+        let d = scratch();
+        let t = start(d.path(), workers, "");
+        let port = t.port();
+        let base = baseline(&t, &t.url());
+        let loss = [
+            "-m",
+            "statistic",
+            "--mode",
+            "random",
+            "--probability",
+            "0.03",
+        ];
+        for side in ["--dport", "--sport"] {
+            drop_rule("-A", side, port, &loss);
+        }
+        let blackouts = Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let b = Arc::clone(&blackouts);
+        let outcomes = run_workers(&t.url(), workers, run, &mut rng, move |mut r, stop| {
+            std::thread::spawn(move || {
+                for _ in 0..1000 {
+                    std::thread::sleep(
+                        r.duration(Duration::from_millis(500), Duration::from_millis(3000)),
+                    );
+                    if stop.load(Ordering::Relaxed) {
+                        return;
+                    }
+                    for side in ["--dport", "--sport"] {
+                        drop_rule("-I", side, port, &[]);
+                    }
+                    b.fetch_add(1, Ordering::Relaxed);
+                    std::thread::sleep(
+                        r.duration(Duration::from_millis(300), Duration::from_millis(4000)),
+                    );
+                    for side in ["--dport", "--sport"] {
+                        drop_rule("-D", side, port, &[]);
+                    }
+                }
+            })
+        });
+        for side in ["--dport", "--sport"] {
+            drop_rule("-D", side, port, &loss);
+        }
+        let checked = verify(&t, &outcomes);
+        let cleanup = Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+        report(
+            "packet loss",
+            &outcomes,
+            checked,
+            &format!(
+                "3% of packets dropped both ways, {} blackouts",
+                blackouts.load(Ordering::Relaxed)
+            ),
+            cleanup,
+        );
+    });
+    if let Err(p) = h.join() {
+        std::panic::resume_unwind(p);
+    }
+}
+
+/// A host that vanishes (its side reset, the target's side left open and silent) costs the
+/// target nothing for long: the target expires the session on its keep-alive, revokes its
+/// rkeys and closes the connection, with the relay still holding its side open; the host's
+/// queue reconnects and its held write is re-issued.
+#[test]
+fn a_vanished_host_is_expired_by_the_target() {
+    let d = scratch();
+    let t = start(d.path(), 2, "");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let base = baseline(&t, &relay.url());
+    let c = conn(&relay.url(), Duration::from_secs(2)).with_connect_options(ConnectOptions {
+        timeout: Duration::from_secs(2),
+        keep_alive: Duration::from_millis(500),
+        ..ConnectOptions::default()
+    });
+    let mut q = c.open_queue(0).unwrap();
+    let v = block(5, 0, 1, BLOCK);
+    q.namespace(1).unwrap().write_at(COUNTERS, &v).unwrap();
+    assert!(relay.inject_one(Fault::Orphan, 0));
+    let orphaned = Instant::now();
+    // The target holds the session until its keep-alive lapses (it hears nothing more).
+    assert_eq!(Footprint::of(&t).sessions, 1);
+    assert!(q
+        .namespace(1)
+        .unwrap()
+        .persist_written(COUNTERS, BLOCK as u64)
+        .unwrap()
+        .is_durable());
+    assert_eq!(q.reconnects(), 1);
+    q.close().unwrap();
+    let took = Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+    let lines = t.log_lines(&["ctrl 2", "lapsed; rkeys revoked"], Duration::from_secs(1));
+    assert_eq!(lines.len(), 1, "{}", t.log());
+    eprintln!(
+        "vanished host: the target expired its session and was back to baseline {:?} after the \
+         host vanished",
+        orphaned.elapsed().max(took)
+    );
+    let file = std::fs::read(t.dir().join("ns1")).unwrap();
+    assert!(file[4096..8192] == v[..], "the held write was re-issued");
+    drop(relay);
 }
