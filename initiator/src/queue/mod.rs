@@ -9,7 +9,9 @@
 //! keep-alive, a target that stopped answering) the next call reconnects with capped
 //! exponential backoff for up to [`ReconnectPolicy::timeout`] (60 s by default: long enough
 //! for a target restart that allocates large namespaces), re-issues every write not yet
-//! acknowledged as durable (in post order) and then re-runs the interrupted call. Reads and
+//! acknowledged as durable (in post order) and then re-runs the interrupted call. A connection
+//! given up while still up (it went silent) is retired first, so that nothing it still carries
+//! lands after the re-issue (docs/initiator.md, "Reconnect"). Reads and
 //! persists are re-run; an atomic is not (it may have executed): it fails with the loss, and the
 //! queue is usable again. When the policy runs out the call fails with
 //! [`Error::ReconnectFailed`] and every later one with [`Error::Broken`].

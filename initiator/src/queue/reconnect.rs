@@ -213,7 +213,10 @@ impl Queue {
                 });
             }
             let wait = expired_by.min(deadline) - now;
-            match old.cq().wait(&mut wcs, Some(wait.min(Duration::from_millis(100)))) {
+            match old
+                .cq()
+                .wait(&mut wcs, Some(wait.min(Duration::from_millis(100))))
+            {
                 Ok(n) if wcs[..n].iter().any(|c| Some(c.wr_id) == fence) => break Ok(()),
                 Ok(_) => {}
                 Err(source) => {
