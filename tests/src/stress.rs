@@ -18,6 +18,24 @@ pub fn long() -> bool {
     std::env::var("RPMA_RELIABILITY_LONG").is_ok_and(|v| !v.is_empty() && v != "0")
 }
 
+/// Reports a test's figures: one line, `TEST: key=value ...`, on stderr and, when
+/// `RPMA_RELIABILITY_FIGURES` names a file, appended to it (`make reliability` collects the
+/// figures docs/reliability.md quotes this way).
+pub fn figures(test: &str, pairs: &[(&str, String)]) {
+    let kv: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+    let line = format!("{test}: {}", kv.join(" "));
+    eprintln!("{line}");
+    if let Ok(path) = std::env::var("RPMA_RELIABILITY_FIGURES") {
+        use std::io::Write;
+        let mut f = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&path)
+            .unwrap_or_else(|e| panic!("RPMA_RELIABILITY_FIGURES={path}: {e}"));
+        writeln!(f, "{line}").unwrap_or_else(|e| panic!("RPMA_RELIABILITY_FIGURES={path}: {e}"));
+    }
+}
+
 /// `short` normally, `long` under `RPMA_RELIABILITY_LONG=1`.
 pub fn pick<T>(short: T, long: T) -> T {
     if self::long() {
@@ -29,7 +47,10 @@ pub fn pick<T>(short: T, long: T) -> T {
 
 /// A small seeded random source (splitmix64): the same seed, the same choices.
 #[derive(Debug, Clone)]
-pub struct Rng(u64);
+pub struct Rng {
+    state: u64,
+    seed: u64,
+}
 
 impl Rng {
     /// A source for `test`: seeded from `RPMA_RELIABILITY_SEED`, else from the clock and the
@@ -50,7 +71,12 @@ impl Rng {
 
     /// A source seeded with `seed`.
     pub fn new(seed: u64) -> Rng {
-        Rng(seed)
+        Rng { state: seed, seed }
+    }
+
+    /// The seed it started from.
+    pub fn seed(&self) -> u64 {
+        self.seed
     }
 
     /// An independent source derived from this one (for one thread of a test).
@@ -60,8 +86,8 @@ impl Rng {
 
     /// The next 64 random bits.
     pub fn next_u64(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
-        let mut z = self.0;
+        self.state = self.state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.state;
         z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
         z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
         z ^ (z >> 31)

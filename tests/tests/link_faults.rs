@@ -396,28 +396,49 @@ fn run_workers(
     outcomes
 }
 
-fn report(test: &str, outcomes: &[Outcome], checked: u64, faults: &str, cleanup: Duration) {
+/// The figures of a run (stress::figures): what was done, what was checked, lost = 0.
+fn report(
+    test: &str,
+    seed: u64,
+    outcomes: &[Outcome],
+    checked: u64,
+    faults: &[(&str, u64)],
+    cleanup: Duration,
+) {
     let sum = |f: fn(&Outcome) -> u64| outcomes.iter().map(f).sum::<u64>();
     let slowest = outcomes.iter().map(|o| o.slowest).max().unwrap_or_default();
-    eprintln!(
-        "{test}: {} workers, {} calls, {} writes acknowledged durable, {} reads checked during \
-         the run, {} blocks verified after, {} fetch_adds ({} lost with a link), {} reconnects, \
-         faults: {faults}, slowest call {slowest:?} (bound {CALL_BOUND:?}), lost 0, target back \
-         to baseline {cleanup:?} after the last link closed",
-        outcomes.len(),
-        sum(|o| o.calls),
-        sum(|o| o.acked),
-        sum(|o| o.reads_checked),
-        checked,
-        sum(|o| o.adds_ok + o.adds_lost),
-        sum(|o| o.adds_lost),
-        sum(|o| u64::from(o.reconnects)),
-    );
+    let mut pairs = vec![
+        (
+            "mode",
+            if stress::long() { "long" } else { "short" }.to_owned(),
+        ),
+        ("seed", seed.to_string()),
+        ("workers", outcomes.len().to_string()),
+        ("calls", sum(|o| o.calls).to_string()),
+        ("acked_durable", sum(|o| o.acked).to_string()),
+        ("reads_checked", sum(|o| o.reads_checked).to_string()),
+        ("blocks_verified", checked.to_string()),
+        ("fetch_adds", sum(|o| o.adds_ok + o.adds_lost).to_string()),
+        (
+            "fetch_adds_lost_with_link",
+            sum(|o| o.adds_lost).to_string(),
+        ),
+        ("reconnects", sum(|o| u64::from(o.reconnects)).to_string()),
+    ];
+    pairs.extend(faults.iter().map(|(k, v)| (*k, v.to_string())));
+    pairs.extend([
+        ("slowest_call_ms", slowest.as_millis().to_string()),
+        ("bound_ms", CALL_BOUND.as_millis().to_string()),
+        ("lost", "0".to_owned()),
+        ("cleanup_ms", cleanup.as_millis().to_string()),
+    ]);
+    stress::figures(test, &pairs);
 }
 
 #[test]
 fn random_cuts_resets_and_stalls_under_load_lose_no_acknowledged_write() {
     let mut rng = Rng::for_test("link faults");
+    let seed = rng.seed();
     let workers = stress::pick(4, 8);
     let run = stress::pick(Duration::from_secs(10), Duration::from_secs(240));
     let d = scratch();
@@ -444,10 +465,18 @@ fn random_cuts_resets_and_stalls_under_load_lose_no_acknowledged_write() {
         "the faults should have made the queues reconnect"
     );
     report(
-        "link faults",
+        "link-faults",
+        seed,
         &outcomes,
         checked,
-        &format!("{counts:?}"),
+        &[
+            ("faults", counts.total()),
+            ("cuts", counts.cuts),
+            ("resets", counts.resets),
+            ("stalls", counts.stalls),
+            ("orphans", counts.orphans),
+            ("swallows", counts.swallows),
+        ],
         cleanup,
     );
 }
@@ -503,6 +532,15 @@ fn a_stalled_link_delivering_late_overwrites_no_acknowledged_write() {
     );
     let file = std::fs::read(t.dir().join("ns1")).unwrap();
     assert_eq!(parse_block(&file[4096..8192]).map(|b| b.2), Some(3));
+    stress::figures(
+        "stalled-link",
+        &[
+            ("target_keep_alive_ms", "4000".to_owned()),
+            ("queue_timeout_ms", "1000".to_owned()),
+            ("persist_took_ms", persisted_after.as_millis().to_string()),
+            ("lost", "0".to_owned()),
+        ],
+    );
 }
 
 /// Faults at chosen points of the handshake (a reset after n bytes of MPA and Connect, a stall
@@ -517,8 +555,10 @@ fn faults_during_the_handshake_leave_nothing_behind() {
     let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
     let base = baseline(&t, &relay.url());
     let c = conn(&relay.url(), Duration::from_secs(1));
+    // A host sends about 200 bytes before its ConnectResponse (MPA Request, Connect): most
+    // resets fall inside the handshake, some in the first write after it.
     let mut faults: Vec<Fault> = (0..stress::pick(12, 80))
-        .map(|_| Fault::ResetAfter(rng.below(700)))
+        .map(|i| Fault::ResetAfter(rng.below(if i % 4 == 3 { 2000 } else { 200 })))
         .collect();
     faults.extend([
         Fault::Cut,
@@ -561,12 +601,15 @@ fn faults_during_the_handshake_leave_nothing_behind() {
         ns.read_at(COUNTERS, &mut got).unwrap();
         assert!(got == v, "{f:?}");
     }
-    eprintln!(
-        "handshake faults: {} faults on fresh queues ({opened} still opened: the fault came \
-         after the handshake), {} on reconnects, {} reconnects",
-        faults.len(),
-        faults.len(),
-        q.reconnects()
+    stress::figures(
+        "handshake-faults",
+        &[
+            ("seed", rng.seed().to_string()),
+            ("faults_on_fresh_queues", faults.len().to_string()),
+            ("fresh_queues_opened_anyway", opened.to_string()),
+            ("faults_on_reconnects", faults.len().to_string()),
+            ("reconnects", q.reconnects().to_string()),
+        ],
     );
     q.close().unwrap();
     drop(relay);
@@ -632,6 +675,7 @@ fn real_packet_loss_and_a_blackout_in_a_network_namespace() {
             return;
         }
         let mut rng = Rng::for_test("packet loss");
+        let seed = rng.seed();
         let workers = stress::pick(3, 6);
         let run = stress::pick(Duration::from_secs(8), Duration::from_secs(120));
         let d = scratch();
@@ -679,13 +723,14 @@ fn real_packet_loss_and_a_blackout_in_a_network_namespace() {
         let checked = verify(&t, &outcomes);
         let cleanup = Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
         report(
-            "packet loss",
+            "packet-loss",
+            seed,
             &outcomes,
             checked,
-            &format!(
-                "3% of packets dropped both ways, {} blackouts",
-                blackouts.load(Ordering::Relaxed)
-            ),
+            &[
+                ("drop_percent", 3),
+                ("blackouts", blackouts.load(Ordering::Relaxed)),
+            ],
             cleanup,
         );
     });
@@ -724,13 +769,16 @@ fn a_vanished_host_is_expired_by_the_target() {
         .is_durable());
     assert_eq!(q.reconnects(), 1);
     q.close().unwrap();
-    let took = Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+    Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
+    let back_after = orphaned.elapsed();
     let lines = t.log_lines(&["ctrl 2", "lapsed; rkeys revoked"], Duration::from_secs(1));
     assert_eq!(lines.len(), 1, "{}", t.log());
-    eprintln!(
-        "vanished host: the target expired its session and was back to baseline {:?} after the \
-         host vanished",
-        orphaned.elapsed().max(took)
+    stress::figures(
+        "vanished-host",
+        &[
+            ("keep_alive_ms", "500".to_owned()),
+            ("back_to_baseline_ms", back_after.as_millis().to_string()),
+        ],
     );
     let file = std::fs::read(t.dir().join("ns1")).unwrap();
     assert!(file[4096..8192] == v[..], "the held write was re-issued");
