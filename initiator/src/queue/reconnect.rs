@@ -161,7 +161,7 @@ impl Queue {
     /// # Errors
     /// [`Error::ReconnectFailed`] if `deadline` (the reconnect budget) passes first: the held
     /// writes cannot be re-issued safely.
-    pub(super) fn retire(&mut self, mut old: Session, deadline: Instant) -> Result<()> {
+    fn retire(&mut self, mut old: Session, deadline: Instant) -> Result<()> {
         if old.closed.is_some() || old.qp().state() == QpState::Error {
             return Ok(());
         }
