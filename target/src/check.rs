@@ -191,10 +191,12 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     if rdma {
         let per_session =
             pinned_per_subsystem.into_iter().max().unwrap_or(0) + memlock::SESSION_OVERHEAD;
-        match memlock::judge(memlock::current_limit(), per_session, cfg.max_connections) {
+        let limit = memlock::current_limit();
+        match memlock::judge(limit, per_session, cfg.max_connections) {
             memlock::Verdict::Fine => writeln!(
                 out,
-                "memlock: enough for max_connections rdma sessions of {} each",
+                "memlock: {limit}: enough for max_connections {} rdma sessions of {} each",
+                cfg.max_connections,
                 format_size(per_session)
             )?,
             memlock::Verdict::Short(m) => writeln!(out, "warning: {m}")?,

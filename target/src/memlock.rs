@@ -27,6 +27,15 @@ pub enum Limit {
     Bytes(u64),
 }
 
+impl std::fmt::Display for Limit {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Limit::Unlimited => f.write_str("unlimited (RLIMIT_MEMLOCK infinity, or CAP_IPC_LOCK)"),
+            Limit::Bytes(b) => write!(f, "RLIMIT_MEMLOCK {}", format_size(*b)),
+        }
+    }
+}
+
 /// What the check found.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Verdict {
@@ -177,6 +186,12 @@ mod tests {
         };
         assert!(m.contains("enough for 3 rdma session(s)"), "{m}");
         assert!(m.contains("max_connections 128"), "{m}");
+    }
+
+    #[test]
+    fn limits_say_what_they_are() {
+        assert_eq!(Limit::Bytes(8 * MIB).to_string(), "RLIMIT_MEMLOCK 8 MiB");
+        assert!(Limit::Unlimited.to_string().contains("CAP_IPC_LOCK"));
     }
 
     #[test]

@@ -265,6 +265,20 @@ impl Device {
 
     fn open(contexts: CmContexts, ctx: *mut ibv_context) -> Result<Device> {
         let ctx = NonNull::new(ctx).ok_or(Error::NoDevice)?;
+        // SAFETY: the context is open; its device's transport type is plain data.
+        let transport = unsafe { (*(*ctx.as_ptr()).device).transport_type };
+        if transport != ibv_transport_type::IBV_TRANSPORT_IB {
+            // The queue pair moves (RTR, RTS, rdma_establish) are InfiniBand CM's; an iWARP
+            // RNIC's CM moves the queue pair itself. The tcp transport speaks iWARP.
+            return Err(Error::NoSuchDevice {
+                wanted: context_name(ctx.as_ptr()),
+                reason: format!(
+                    "an {} device: this transport drives InfiniBand-transport devices (IB, \
+                     RoCE, Soft-RoCE); use tcp://, which speaks iWARP",
+                    transport_name(transport)
+                ),
+            });
+        }
         let caps = query_caps(ctx)?;
         // The async fd is read when a completion queue's wait says so: never block there.
         // SAFETY: async_fd is the context's open fd for as long as the context is open.

@@ -870,6 +870,7 @@ fn post_legacy(
     if specs.is_empty() {
         return Ok(());
     }
+    let n = specs.len();
     let mut wrs: Vec<ibv_send_wr> = specs.iter().map(|_| translate::empty_send_wr()).collect();
     let mut sges: Vec<ibv_sge> = vec![
         ibv_sge {
@@ -877,16 +878,22 @@ fn post_legacy(
             length: 0,
             lkey: 0
         };
-        specs.len()
+        n
     ];
-    for (i, (id, spec)) in specs.iter().enumerate() {
-        translate::fill_send_wr(spec, *id, &mut wrs[i], &mut sges[i]);
-    }
-    // Chain them; neither vector is resized from here on, so the pointers stay valid.
+    // Every write below goes through these two pointers, so the pointers the list keeps
+    // (`next`, `sg_list`) are derived from them and stay valid: neither vector is touched
+    // again until the call returns.
     let base = wrs.as_mut_ptr();
-    for i in 0..wrs.len() - 1 {
-        // SAFETY: `i + 1` is inside `wrs`.
-        wrs[i].next = unsafe { base.add(i + 1) };
+    let sge_base = sges.as_mut_ptr();
+    for (i, (id, spec)) in specs.iter().enumerate() {
+        // SAFETY: `i < n`, the length of both vectors; the references made here are the only
+        // live ones to those elements.
+        unsafe {
+            translate::fill_send_wr(spec, *id, &mut *base.add(i), &mut *sge_base.add(i));
+            if i + 1 < n {
+                (*base.add(i)).next = base.add(i + 1);
+            }
+        }
     }
     let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
     // SAFETY: the queue pair is live; the list and its scatter entries outlive the call (the
