@@ -4,7 +4,7 @@
 //! Init: receives may be posted), and becomes a connected [`QueuePair`] (state RTS) by consuming
 //! itself: actively with [`PreparedQueuePair::connect`], passively with
 //! [`ConnRequest::accept`] on a request from [`Listener::accept`]. This is rdma_cm's shape: the
-//! URL picks the transport (`tcp://host:port`).
+//! URL picks the transport (`tcp://host:port`, `rdma://host:port`).
 
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -293,7 +293,9 @@ impl Drop for QueuePair {
     }
 }
 
-/// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL.
+/// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL (or an
+/// `rdma://` one, from an RDMA device's context: rdma_cm's own listener, whose requests arrive
+/// whole, so [`Incoming::poll_request`] completes at once).
 pub struct Listener {
     ctx: Context,
     inner: ListenEngine,
