@@ -356,7 +356,10 @@ fn connect_errors() {
     if cfg!(feature = "rdma") {
         assert!(matches!(r, Err(Error::BadUrl { .. })), "{r:?}");
     } else {
-        assert!(matches!(r, Err(Error::TransportUnavailable { .. })), "{r:?}");
+        assert!(
+            matches!(r, Err(Error::TransportUnavailable { .. })),
+            "{r:?}"
+        );
     }
     let r = prep().connect(
         &"tcp://127.0.0.1:1".parse().unwrap(),

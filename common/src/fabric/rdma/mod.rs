@@ -9,7 +9,7 @@
 //! | `ProtectionDomain` | `Pd` | `ibv_pd` |
 //! | `MemoryRegion` / `MemoryWindow` | `Mr` / `Mw` (`mr.rs`) | `ibv_mr` (pinned, or ODP) / `ibv_mw` type 2 |
 //! | `CompletionQueue` | `Cq` (`cq.rs`) | `ibv_cq` + `ibv_comp_channel` |
-//! | queue pairs | `Qp` (`qp.rs`, set-up in `link.rs`) | RC `ibv_qp` (extended with Atomic Write) |
+//! | queue pairs | `Qp` (`qp.rs`; set-up `link.rs`, posting `post.rs`, completions `wc.rs`) | RC `ibv_qp` (extended with Atomic Write) |
 //! | `Listener`, `ConnRequest` | `Listen`, `Pending` (`cm.rs`) | `rdma_cm_id` + `rdma_event_channel` |
 //!
 //! `translate.rs` holds the tables between the fabric's plain data and verbs' (access
@@ -27,9 +27,11 @@ mod cq;
 mod device;
 mod link;
 mod mr;
+mod post;
 mod qp;
 mod sys;
 mod translate;
+mod wc;
 
 pub(crate) use cm::{Listen, Pending};
 pub(crate) use cq::Cq;

@@ -20,29 +20,29 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdma_sys::{
-    ibv_qp, ibv_qp_attr, ibv_qp_attr_mask as am, ibv_qp_create_send_ops_flags as so, ibv_qp_ex,
-    ibv_qp_init_attr_mask, ibv_qp_state, ibv_qp_type, ibv_recv_wr, ibv_send_wr, ibv_sge, ibv_wc,
-    ibv_wc_flags, ibv_wr_opcode,
+    ibv_qp, ibv_qp_attr, ibv_qp_attr_mask as am, ibv_qp_ex, ibv_qp_state, ibv_recv_wr, ibv_sge,
+    ibv_wr_opcode,
 };
 
 use super::cm::Conn;
 use super::device::{Device, Pd};
 use super::mr::Mr;
+use super::post;
 use super::sys;
-use super::translate::{self, caps, WrSpec};
+use super::translate::{self, caps};
 use crate::fabric::cq::CompletionQueue;
 use crate::fabric::error::{Error, Result};
 use crate::fabric::pd::ProtectionDomain;
 use crate::fabric::qp::ConnInfo;
-use crate::fabric::transport::{CqEngine, Entries, PdEngine};
+use crate::fabric::transport::{CqEngine, PdEngine};
 use crate::fabric::types::{
     Access, Completion, QpCaps, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
 };
 
 /// Sequence numbers are 31 bits; the top bit of a hardware `wr_id`'s low half marks receives
 /// (a failed completion's opcode is undefined, so it cannot say which queue it is of).
-const SEQ_MASK: u32 = (1 << 31) - 1;
-const RECV_BIT: u32 = 1 << 31;
+pub(super) const SEQ_MASK: u32 = (1 << 31) - 1;
+pub(super) const RECV_BIT: u32 = 1 << 31;
 
 /// How long closing waits for the device to flush what is outstanding.
 const DRAIN_TIME: Duration = Duration::from_millis(500);
@@ -52,22 +52,22 @@ const BIND_TIME: Duration = Duration::from_secs(5);
 static NEXT_TAG: AtomicU32 = AtomicU32::new(1);
 
 /// A posted send-queue request, until its completion (or a later one's) is reaped.
-struct SendSlot {
-    seq: u32,
-    wr_id: u64,
-    opcode: WcOpcode,
-    byte_len: u32,
+pub(super) struct SendSlot {
+    pub(super) seq: u32,
+    pub(super) wr_id: u64,
+    pub(super) opcode: WcOpcode,
+    pub(super) byte_len: u32,
     /// The user asked for its completion (errors are reported anyway).
-    report: bool,
+    pub(super) report: bool,
     /// A memory window bind of the transport's own.
-    bind: bool,
+    pub(super) bind: bool,
     _local: Option<Sge>,
     _bound: Option<Mr>,
 }
 
-struct RecvSlot {
-    seq: u32,
-    wr_id: u64,
+pub(super) struct RecvSlot {
+    pub(super) seq: u32,
+    pub(super) wr_id: u64,
     _local: Option<Sge>,
 }
 
@@ -79,14 +79,14 @@ pub(super) struct Core {
     pub(super) max_message: usize,
     /// The peer's capability flags (`caps::*`).
     pub(super) peer_flags: u8,
-    sq: VecDeque<SendSlot>,
+    pub(super) sq: VecDeque<SendSlot>,
     next_send: u32,
     /// Unsignaled requests posted since the last one signaled in hardware.
     unsignaled: u32,
-    rq: VecDeque<RecvSlot>,
+    pub(super) rq: VecDeque<RecvSlot>,
     next_recv: u32,
     /// The last bind's sequence number and status.
-    bind_result: Option<(u32, WcStatus)>,
+    pub(super) bind_result: Option<(u32, WcStatus)>,
 }
 
 /// An rdma queue pair. Shared by its handle and (weakly) by the device's registry, through
@@ -94,7 +94,7 @@ pub(super) struct Core {
 pub(crate) struct Qp {
     pub(crate) num: u32,
     pub(crate) pd: ProtectionDomain,
-    tag: u32,
+    pub(super) tag: u32,
     pub(super) dev: Device,
     pub(super) raw: NonNull<ibv_qp>,
     /// The extended queue pair (the `ibv_wr_*` posting calls), made when the device has
@@ -167,7 +167,7 @@ impl Device {
                 rcq.release(r);
             }
         };
-        let (raw, ex) = match create_raw(self, &rpd, scq.raw(), rcq.raw(), s, r) {
+        let (raw, ex) = match post::create_raw(self, &rpd, scq.raw(), rcq.raw(), s, r) {
             Ok(made) => made,
             Err(e) => {
                 unreserve();
@@ -207,73 +207,6 @@ impl Device {
         self.register_qp(num, Arc::downgrade(&qp));
         Ok(qp)
     }
-}
-
-/// Makes the `ibv_qp` (extended when the device has Atomic Write; the plain one if the
-/// provider cannot make that).
-fn create_raw(
-    dev: &Device,
-    pd: &Pd,
-    scq: *mut rdma_sys::ibv_cq,
-    rcq: *mut rdma_sys::ibv_cq,
-    send: u32,
-    recv: u32,
-) -> Result<(NonNull<ibv_qp>, Option<NonNull<ibv_qp_ex>>)> {
-    let cap = rdma_sys::ibv_qp_cap {
-        max_send_wr: send,
-        max_recv_wr: recv,
-        max_send_sge: 1,
-        max_recv_sge: 1,
-        max_inline_data: 0,
-    };
-    if dev.caps().atomic_write {
-        // SAFETY: ibv_qp_init_attr_ex is plain C data; zero is "not set" for every field.
-        let mut a: rdma_sys::ibv_qp_init_attr_ex = unsafe { std::mem::zeroed() };
-        a.send_cq = scq;
-        a.recv_cq = rcq;
-        a.cap = cap;
-        a.qp_type = ibv_qp_type::IBV_QPT_RC;
-        a.pd = pd.raw();
-        a.comp_mask = (ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_PD
-            | ibv_qp_init_attr_mask::IBV_QP_INIT_ATTR_SEND_OPS_FLAGS)
-            .0;
-        a.send_ops_flags = u64::from(
-            (so::IBV_QP_EX_WITH_RDMA_WRITE
-                | so::IBV_QP_EX_WITH_RDMA_WRITE_WITH_IMM
-                | so::IBV_QP_EX_WITH_SEND
-                | so::IBV_QP_EX_WITH_SEND_WITH_INV
-                | so::IBV_QP_EX_WITH_RDMA_READ
-                | so::IBV_QP_EX_WITH_ATOMIC_CMP_AND_SWP
-                | so::IBV_QP_EX_WITH_ATOMIC_FETCH_AND_ADD
-                | so::IBV_QP_EX_WITH_BIND_MW
-                | so::IBV_QP_EX_WITH_ATOMIC_WRITE)
-                .0,
-        );
-        // SAFETY: the context, PD and CQs are live and of one device; `a` is filled above.
-        let qp = unsafe { rdma_sys::ibv_create_qp_ex(dev.ctx(), &mut a) };
-        if let Some(qp) = qp.and_then(NonNull::new) {
-            // SAFETY: `qp` was made by ibv_create_qp_ex, so it has an extended part.
-            let ex = NonNull::new(unsafe { rdma_sys::ibv_qp_to_qp_ex(qp.as_ptr()) });
-            if ex.is_some() {
-                return Ok((qp, ex));
-            }
-            // SAFETY: just made, used by nothing.
-            unsafe { rdma_sys::ibv_destroy_qp(qp.as_ptr()) };
-        }
-    }
-    let mut a = rdma_sys::ibv_qp_init_attr {
-        qp_context: std::ptr::null_mut(),
-        send_cq: scq,
-        recv_cq: rcq,
-        srq: std::ptr::null_mut(),
-        cap,
-        qp_type: ibv_qp_type::IBV_QPT_RC,
-        sq_sig_all: 0,
-    };
-    // SAFETY: the PD and CQs are live and of one device; `a` is valid.
-    let qp = unsafe { rdma_sys::ibv_create_qp(pd.raw(), &mut a) };
-    let qp = NonNull::new(qp).ok_or_else(|| sys::errno("ibv_create_qp"))?;
-    Ok((qp, None))
 }
 
 impl Qp {
@@ -519,8 +452,8 @@ impl Qp {
             specs.push((translate::token(self.tag, seq), spec));
         }
         let posted = match self.ex {
-            Some(ex) => post_ex(ex, &specs),
-            None => post_legacy(self.raw, &specs),
+            Some(ex) => post::post_ex(ex, &specs),
+            None => post::post_legacy(self.raw, &specs),
         };
         let n = match posted {
             Ok(()) => specs.len(),
@@ -595,102 +528,6 @@ impl Qp {
         if let Some(cm) = &c.cm {
             cm.id.disconnect();
         }
-    }
-
-    /// Takes a completion the queue reaped: releases what its request held and reports it.
-    pub(crate) fn complete(&self, wc: &ibv_wc, entries: &Entries) {
-        let (tag, low) = translate::untoken(wc.wr_id);
-        if tag != self.tag {
-            return; // a completion of an earlier queue pair with this number
-        }
-        let status = translate::status_from_ibv(wc.status);
-        let mut c = self.lock();
-        if status != WcStatus::Success && status != WcStatus::WrFlush {
-            let why = format!(
-                "a request completed with {status:?} (vendor error {:#x})",
-                wc.vendor_err
-            );
-            self.enter_error(&mut c, why);
-        } else if status == WcStatus::WrFlush && c.state != QpState::Error {
-            self.enter_error(&mut c, "flushed by the device".into());
-        }
-        let out = if low & RECV_BIT != 0 {
-            self.complete_recv(&mut c, wc, low & SEQ_MASK, status)
-        } else {
-            self.complete_send(&mut c, wc, low, status)
-        };
-        if let Some(done) = out {
-            entries
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push_back(done);
-        }
-    }
-
-    fn completion(&self, wr_id: u64, status: WcStatus, opcode: WcOpcode, len: u32) -> Completion {
-        Completion {
-            wr_id,
-            status,
-            opcode,
-            byte_len: if status == WcStatus::Success { len } else { 0 },
-            imm: None,
-            invalidated_rkey: None,
-            solicited: false,
-            qp_num: self.num,
-        }
-    }
-
-    fn complete_send(
-        &self,
-        c: &mut Core,
-        _wc: &ibv_wc,
-        seq: u32,
-        status: WcStatus,
-    ) -> Option<Completion> {
-        // Only a sequence number still in the table counts (a duplicate or stale one is
-        // dropped rather than releasing what later requests hold).
-        let pos = c.sq.iter().position(|s| s.seq == seq)?;
-        // The earlier ones are done: RC completes in order, and an unsignaled success has no
-        // completion of its own.
-        c.sq.drain(..pos);
-        let slot = c.sq.pop_front()?;
-        if slot.bind {
-            c.bind_result = Some((seq, status));
-            return None;
-        }
-        (status != WcStatus::Success || slot.report)
-            .then(|| self.completion(slot.wr_id, status, slot.opcode, slot.byte_len))
-    }
-
-    fn complete_recv(
-        &self,
-        c: &mut Core,
-        wc: &ibv_wc,
-        seq: u32,
-        status: WcStatus,
-    ) -> Option<Completion> {
-        let pos = c.rq.iter().position(|s| s.seq == seq)?;
-        let slot = c.rq.remove(pos)?;
-        let opcode = match status {
-            WcStatus::Success => translate::opcode_from_ibv(wc.opcode).unwrap_or(WcOpcode::Recv),
-            _ => WcOpcode::Recv,
-        };
-        let mut out = self.completion(slot.wr_id, status, opcode, wc.byte_len);
-        if status == WcStatus::Success {
-            let flags = ibv_wc_flags(wc.wc_flags);
-            // SAFETY: the union holds the immediate data when the WITH_IMM flag is set and the
-            // invalidated rkey when WITH_INV is: the device sets the flag it filled.
-            unsafe {
-                if flags.0 & ibv_wc_flags::IBV_WC_WITH_IMM.0 != 0 {
-                    out.imm = Some(u32::from_be(wc.imm_data_invalidated_rkey_union.imm_data));
-                }
-                if flags.0 & ibv_wc_flags::IBV_WC_WITH_INV.0 != 0 {
-                    out.invalidated_rkey =
-                        Some(wc.imm_data_invalidated_rkey_union.invalidated_rkey);
-                }
-            }
-        }
-        Some(out)
     }
 
     /// Binds type-2 window `mw` to `len` bytes at `addr` of `mr` under `rkey`, posting the bind
@@ -859,119 +696,6 @@ impl Qp {
             }
         }
     }
-}
-
-/// Posts `specs` through `ibv_post_send` as one chained list. On failure: how many went to
-/// the device before the refused one, and the error.
-fn post_legacy(
-    qp: NonNull<ibv_qp>,
-    specs: &[(u64, WrSpec)],
-) -> std::result::Result<(), (usize, Error)> {
-    if specs.is_empty() {
-        return Ok(());
-    }
-    let n = specs.len();
-    let mut wrs: Vec<ibv_send_wr> = specs.iter().map(|_| translate::empty_send_wr()).collect();
-    let mut sges: Vec<ibv_sge> = vec![
-        ibv_sge {
-            addr: 0,
-            length: 0,
-            lkey: 0
-        };
-        n
-    ];
-    // Every write below goes through these two pointers, so the pointers the list keeps
-    // (`next`, `sg_list`) are derived from them and stay valid: neither vector is touched
-    // again until the call returns.
-    let base = wrs.as_mut_ptr();
-    let sge_base = sges.as_mut_ptr();
-    for (i, (id, spec)) in specs.iter().enumerate() {
-        // SAFETY: `i < n`, the length of both vectors; the references made here are the only
-        // live ones to those elements.
-        unsafe {
-            translate::fill_send_wr(spec, *id, &mut *base.add(i), &mut *sge_base.add(i));
-            if i + 1 < n {
-                (*base.add(i)).next = base.add(i + 1);
-            }
-        }
-    }
-    let mut bad: *mut ibv_send_wr = std::ptr::null_mut();
-    // SAFETY: the queue pair is live; the list and its scatter entries outlive the call (the
-    // provider copies them into its queue); the buffers they name are held by the caller's
-    // slots until the requests complete.
-    let r = unsafe { rdma_sys::ibv_post_send(qp.as_ptr(), base, &mut bad) };
-    if r == 0 {
-        return Ok(());
-    }
-    let k = if bad.is_null() {
-        0
-    } else {
-        // SAFETY: `bad` points into `wrs` (the provider names the refused request).
-        unsafe { bad.offset_from(base) }.clamp(0, specs.len() as isize) as usize
-    };
-    Err((k, sys::returned("ibv_post_send", r)))
-}
-
-/// Posts `specs` through the `ibv_wr_*` calls (the path with Atomic Write). All or nothing.
-fn post_ex(
-    ex: NonNull<ibv_qp_ex>,
-    specs: &[(u64, WrSpec)],
-) -> std::result::Result<(), (usize, Error)> {
-    let q = ex.as_ptr();
-    let unsupported = || (0, sys::returned("ibv_wr_*", libc::EOPNOTSUPP));
-    // SAFETY: the extended queue pair is live; between ibv_wr_start and ibv_wr_complete (or
-    // abort) each request is one opcode call then its scatter entry; every pointer passed is
-    // valid for the call (the provider copies into its queue, including Atomic Write's 8
-    // bytes); the buffers named are held by the caller's slots until completion.
-    unsafe {
-        rdma_sys::ibv_wr_start(q);
-        for (id, w) in specs {
-            (*q).wr_id = *id;
-            (*q).wr_flags = w.send_flags;
-            let (raddr, rkey) = w.remote.unwrap_or((0, 0));
-            let ok = match w.opcode {
-                ibv_wr_opcode::IBV_WR_RDMA_WRITE => (*q).wr_rdma_write.map(|f| f(q, rkey, raddr)),
-                ibv_wr_opcode::IBV_WR_RDMA_WRITE_WITH_IMM => (*q)
-                    .wr_rdma_write_imm
-                    .map(|f| f(q, rkey, raddr, w.imm.unwrap_or(0).to_be())),
-                ibv_wr_opcode::IBV_WR_RDMA_READ => (*q).wr_rdma_read.map(|f| f(q, rkey, raddr)),
-                ibv_wr_opcode::IBV_WR_SEND => (*q).wr_send.map(|f| f(q)),
-                ibv_wr_opcode::IBV_WR_SEND_WITH_INV => (*q)
-                    .wr_send_inv
-                    .map(|f| f(q, w.invalidate_rkey.unwrap_or(0))),
-                ibv_wr_opcode::IBV_WR_ATOMIC_CMP_AND_SWP => (*q)
-                    .wr_atomic_cmp_swp
-                    .map(|f| f(q, rkey, raddr, w.compare_add, w.swap)),
-                ibv_wr_opcode::IBV_WR_ATOMIC_FETCH_AND_ADD => (*q)
-                    .wr_atomic_fetch_add
-                    .map(|f| f(q, rkey, raddr, w.compare_add)),
-                ibv_wr_opcode::IBV_WR_ATOMIC_WRITE => {
-                    let value = w.atomic_value.unwrap_or(0);
-                    (*q).wr_atomic_write
-                        .map(|f| f(q, rkey, raddr, (&value as *const u64).cast()))
-                }
-                _ => None,
-            };
-            if ok.is_none() {
-                rdma_sys::ibv_wr_abort(q);
-                return Err(unsupported());
-            }
-            if let Some((addr, len, lkey)) = w.sge {
-                match (*q).wr_set_sge {
-                    Some(f) => f(q, lkey, addr, len),
-                    None => {
-                        rdma_sys::ibv_wr_abort(q);
-                        return Err(unsupported());
-                    }
-                }
-            }
-        }
-        let r = rdma_sys::ibv_wr_complete(q);
-        if r != 0 {
-            return Err((0, sys::returned("ibv_wr_complete", r)));
-        }
-    }
-    Ok(())
 }
 
 impl Drop for Qp {
