@@ -51,7 +51,8 @@
 //! (waiting at most [`DROP_GOODBYE`] for it to go out) and closes the connection; the target then
 //! revokes its rkeys.
 //!
-//! Features: `rdma` builds the rdma transport in rpma-common (a later issue).
+//! Features: `rdma` builds the rdma transport in rpma-common: `rdma://` target URLs then
+//! connect over an RDMA NIC or Soft-RoCE (docs/rdma.md).
 
 mod checks;
 mod connect;

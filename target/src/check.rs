@@ -9,7 +9,8 @@ use std::path::Path;
 use rpma_common::pmem::{self, Domain, Plan, PlanAction, Resize};
 use rpma_common::units::format_size;
 
-use crate::config::{Config, Transport};
+use crate::config::{Config, ListenUrl, Transport};
+use crate::memlock;
 use crate::namespace::{durability_methods, OpenNamespace};
 
 use rpma_common::error_chain as chain;
@@ -39,6 +40,21 @@ fn methods_line(cfg: &Config, domain: Domain) -> String {
         })
         .collect::<Vec<_>>()
         .join("; ")
+}
+
+/// The RDMA device a listener would use, or why there is none.
+#[cfg(feature = "rdma")]
+fn rdma_device(url: &ListenUrl) -> Result<String, String> {
+    use rpma_common::fabric::{Context, Url};
+    let u = Url::parse(&url.to_string()).map_err(|e| chain(&e))?;
+    let ctx = Context::for_url(&u).map_err(|e| chain(&e))?;
+    Ok(format!("rdma device {}", ctx.device_name()))
+}
+
+/// Without the feature there is no rdma transport to open.
+#[cfg(not(feature = "rdma"))]
+fn rdma_device(_: &ListenUrl) -> Result<String, String> {
+    Err("this build has no rdma transport (feature `rdma`)".into())
 }
 
 /// What opening the namespace would do, in words ("would create 64 MiB").
@@ -90,15 +106,21 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             Transport::Rdma => format!("direct_write_to_pmem {}", l.direct_write_to_pmem),
         };
         writeln!(out, "listener {} ({extra})", l.url)?;
-        if l.url.transport == Transport::Rdma && !cfg!(feature = "rdma") {
-            writeln!(
-                out,
-                "problem: listener {}: this build has no rdma transport (feature `rdma`)",
-                l.url
-            )?;
-            problems += 1;
+        if l.url.transport == Transport::Rdma {
+            match rdma_device(&l.url) {
+                Ok(line) => writeln!(out, "  {line}")?,
+                Err(why) => {
+                    writeln!(out, "problem: listener {}: {why}", l.url)?;
+                    problems += 1;
+                }
+            }
         }
     }
+    let rdma = cfg
+        .listeners
+        .iter()
+        .any(|l| l.url.transport == Transport::Rdma);
+    let mut pinned_per_subsystem = Vec::new();
     writeln!(out, "control socket {}", cfg.control_socket.display())?;
     writeln!(
         out,
@@ -124,6 +146,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     )?;
     let mut count = 0usize;
     for s in &cfg.subsystems {
+        let mut pinned = 0u64;
         let keyed = s.hosts.iter().filter(|h| h.psk.is_some()).count();
         writeln!(
             out,
@@ -142,18 +165,44 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             let head = format!("  nsid {}: {}", ns.nsid, ns.path.display());
             // Plan only: checking creates, grows, allocates and maps nothing.
             match OpenNamespace::options(ns).plan() {
-                Ok(plan) => writeln!(
-                    out,
-                    "{head}: {}, block {}, {rw}: domain {}; {}",
-                    planned(&plan),
-                    ns.block_size,
-                    plan.domain,
-                    methods_line(&cfg, plan.domain)
-                )?,
+                Ok(plan) => {
+                    // What an rdma registration pins (devdax, RAM); fsdax and page-cache use ODP.
+                    if matches!(plan.action, PlanAction::DevDax) || plan.domain == Domain::Volatile
+                    {
+                        pinned += plan.size;
+                    }
+                    writeln!(
+                        out,
+                        "{head}: {}, block {}, {rw}: domain {}; {}",
+                        planned(&plan),
+                        ns.block_size,
+                        plan.domain,
+                        methods_line(&cfg, plan.domain)
+                    )?
+                }
                 Err(e) => {
                     writeln!(out, "{head}: problem: would refuse: {}", refusal(&e))?;
                     problems += 1;
                 }
+            }
+        }
+        pinned_per_subsystem.push(pinned);
+    }
+    if rdma {
+        let per_session =
+            pinned_per_subsystem.into_iter().max().unwrap_or(0) + memlock::SESSION_OVERHEAD;
+        let limit = memlock::current_limit();
+        match memlock::judge(limit, per_session, cfg.max_connections) {
+            memlock::Verdict::Fine => writeln!(
+                out,
+                "memlock: {limit}: enough for max_connections {} rdma sessions of {} each",
+                cfg.max_connections,
+                format_size(per_session)
+            )?,
+            memlock::Verdict::Short(m) => writeln!(out, "warning: {m}")?,
+            memlock::Verdict::TooLow(m) => {
+                writeln!(out, "problem: {m}")?;
+                problems += 1;
             }
         }
     }

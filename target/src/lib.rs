@@ -38,7 +38,8 @@
 //! and a [`flusher::Flusher`]. Cleanup: the control socket is removed
 //! at exit; namespace mappings are dropped with the last session that holds them.
 //!
-//! Features: `rdma` builds the rdma transport in rpma-common (listeners on `rdma://` need it).
+//! Features: `rdma` builds the rdma transport in rpma-common (listeners on `rdma://` need it;
+//! [`memlock`] checks at start that RLIMIT_MEMLOCK lets their sessions register namespaces).
 
 pub mod check;
 pub mod config;
@@ -47,6 +48,7 @@ pub mod daemon;
 mod eventfd;
 pub mod flusher;
 pub mod handshake;
+pub mod memlock;
 pub mod namespace;
 /// sd_notify(3) (the common crate's, which the initiator's NBD export uses too).
 pub use rpma_common::notify;

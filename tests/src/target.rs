@@ -166,6 +166,8 @@ impl Drop for Daemon {
 #[derive(Debug)]
 pub struct Target {
     dir: PathBuf,
+    /// The listener's scheme and host (`tcp://127.0.0.1`, `rdma://192.0.2.1`).
+    listen: String,
     port: u16,
     env: Vec<(String, String)>,
     daemon: Option<Daemon>,
@@ -182,10 +184,17 @@ impl Target {
 
     /// As [`Target::start`], with extra environment variables for the daemon.
     pub fn start_with_env(dir: &Path, config: &str, env: &[(&str, &str)]) -> Target {
+        Target::start_on(dir, "tcp://127.0.0.1", config, env)
+    }
+
+    /// As [`Target::start_with_env`], listening on `listen` (a scheme and host:
+    /// `tcp://127.0.0.1`, `rdma://192.0.2.1`) and an ephemeral port.
+    pub fn start_on(dir: &Path, listen: &str, config: &str, env: &[(&str, &str)]) -> Target {
         let port = free_port();
-        write_config(dir, port, config);
+        write_config(dir, listen, port, config);
         let mut t = Target {
             dir: dir.to_owned(),
+            listen: listen.to_owned(),
             port,
             env: env
                 .iter()
@@ -244,9 +253,9 @@ impl Target {
         &self.ready
     }
 
-    /// `tcp://127.0.0.1:PORT`.
+    /// `tcp://127.0.0.1:PORT` (or the listener [`Target::start_on`] was given).
     pub fn url(&self) -> String {
-        format!("tcp://127.0.0.1:{}", self.port)
+        format!("{}:{}", self.listen, self.port)
     }
 
     /// The port it listens on.
@@ -294,7 +303,7 @@ impl Target {
     /// Rewrites `target.toml` with the same listener and control socket and `config` after
     /// them (for a reload).
     pub fn rewrite(&self, config: &str) {
-        write_config(&self.dir, self.port, config);
+        write_config(&self.dir, &self.listen, self.port, config);
     }
 
     /// The next notification starting with `prefix`, skipping others, within `within`.
@@ -340,11 +349,12 @@ impl Target {
     }
 }
 
-/// Writes `dir/target.toml`: a listener on `port`, the control socket `ctl.sock`, `config`.
-fn write_config(dir: &Path, port: u16, config: &str) {
+/// Writes `dir/target.toml`: a listener on `listen` and `port`, the control socket
+/// `ctl.sock`, `config`.
+fn write_config(dir: &Path, listen: &str, port: u16, config: &str) {
     std::fs::write(
         dir.join("target.toml"),
-        format!("listen = [\"tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{config}"),
+        format!("listen = [\"{listen}:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{config}"),
     )
     .expect("write target.toml");
 }

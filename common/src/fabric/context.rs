@@ -4,7 +4,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use super::cq::CompletionQueue;
-use super::error::{Error, Result};
+use super::error::Result;
 use super::pd::ProtectionDomain;
 use super::transport::Device;
 use super::url::{Scheme, Url};
@@ -14,8 +14,9 @@ static NEXT_CONTEXT_ID: AtomicU32 = AtomicU32::new(1);
 /// An open device (`ibv_context`). Cheap to clone: every clone is the same device.
 ///
 /// [`Context::for_url`] opens the device that serves a URL's transport: `tcp://` the userspace
-/// iWARP engine ([`Context::soft`]); `rdma://` is refused until that transport is built and
-/// implemented. Everything made from a context keeps it alive.
+/// iWARP engine ([`Context::soft`]); `rdma://` (feature `rdma`) the RDMA device that owns the
+/// URL's address, or that routes to it ([`Context::rdma_device`] opens one by name). Everything
+/// made from a context keeps it alive.
 #[derive(Clone)]
 pub struct Context {
     pub(crate) inner: Arc<ContextInner>,
@@ -32,57 +33,85 @@ impl std::fmt::Debug for Context {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Context")
             .field("id", &self.inner.id)
-            .field(
-                "transport",
-                &match self.inner.device {
-                    Device::Soft(_) => "soft",
-                    #[cfg(feature = "rdma")]
-                    Device::Rdma(ref d) => match *d {},
-                },
-            )
+            .field("transport", &self.inner.device.transport())
             .finish()
     }
 }
 
 impl Context {
     /// The device that serves `url`'s transport: for `tcp://`, a soft device
-    /// ([`Context::soft`]). Code that takes its URLs from users opens its context here, so that
-    /// a new transport needs no change to it.
+    /// ([`Context::soft`]); for `rdma://`, the RDMA device whose address the URL's host is
+    /// (a listener's URL), else the one the host is routed through (a target's URL), as
+    /// rdma_cm resolves it. Code that takes its URLs from users opens its context here, so
+    /// that a new transport needs no change to it.
     ///
     /// # Errors
-    /// [`Error::TransportUnavailable`] for `rdma://`: that transport is not built in this
-    /// binary or not implemented yet.
+    /// [`Error::TransportUnavailable`] for `rdma://` in a build without the `rdma` feature;
+    /// with it, [`Error::NoDevice`] ("no RDMA device found; use tcp://") where the machine has
+    /// none, [`Error::NoSuchDevice`] when no device serves the address, [`Error::Socket`] when
+    /// the host does not resolve.
     pub fn for_url(url: &Url) -> Result<Context> {
         match url.scheme {
             Scheme::Tcp => Ok(Context::soft()),
-            Scheme::Rdma => Err(Error::TransportUnavailable {
+            #[cfg(feature = "rdma")]
+            Scheme::Rdma => Ok(Context::with_device(Device::Rdma(
+                super::rdma::Device::for_url(url)?,
+            ))),
+            #[cfg(not(feature = "rdma"))]
+            Scheme::Rdma => Err(super::error::Error::TransportUnavailable {
                 scheme: "rdma".into(),
             }),
         }
     }
 
-    /// The software device: RDMA over TCP, speaking iWARP. Always available.
-    pub fn soft() -> Context {
+    /// The RDMA device named `name` (as `ibv_devices` lists it: `mlx5_0`, `rxe0`, ...).
+    ///
+    /// # Errors
+    /// [`Error::NoDevice`] where the machine has no RDMA device, [`Error::NoSuchDevice`] when
+    /// none has that name, [`Error::Verbs`] when it cannot be opened.
+    #[cfg(feature = "rdma")]
+    pub fn rdma_device(name: &str) -> Result<Context> {
+        Ok(Context::with_device(Device::Rdma(
+            super::rdma::Device::by_name(name)?,
+        )))
+    }
+
+    fn with_device(device: Device) -> Context {
         Context {
             inner: Arc::new(ContextInner {
                 id: NEXT_CONTEXT_ID.fetch_add(1, Ordering::Relaxed),
-                device: Device::soft(),
+                device,
                 next_pd: AtomicU32::new(1),
                 next_qp: AtomicU32::new(1),
             }),
         }
     }
 
+    /// The software device: RDMA over TCP, speaking iWARP. Always available.
+    pub fn soft() -> Context {
+        Context::with_device(Device::soft())
+    }
+
     /// Allocates a protection domain (`ibv_alloc_pd`).
+    ///
+    /// # Errors
+    /// None on the soft transport; [`Error::Verbs`] when an RDMA device refuses.
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
         let id = self.inner.next_pd.fetch_add(1, Ordering::Relaxed);
-        Ok(ProtectionDomain::new(self.clone(), id))
+        let engine = self.inner.device.alloc_pd()?;
+        Ok(ProtectionDomain::new(self.clone(), id, engine))
     }
 
     /// Creates a completion queue (`ibv_create_cq`). `depth` is the number of completions it is
     /// sized for; see [`CompletionQueue`].
     pub fn create_cq(&self, depth: usize) -> Result<CompletionQueue> {
         CompletionQueue::new(self.clone(), depth)
+    }
+
+    /// The device's name: `soft` for the `tcp` transport's, the RDMA device's own
+    /// (`mlx5_0`, `rxe0`) for `rdma`.
+    pub fn device_name(&self) -> &str {
+        self.inner.device.name()
     }
 
     pub(crate) fn device(&self) -> &Device {
@@ -101,15 +130,45 @@ impl Context {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::fabric::Error;
 
     #[test]
     fn the_url_picks_the_transport() {
         let tcp = Context::for_url(&Url::parse("tcp://127.0.0.1:0").unwrap()).unwrap();
         assert!(tcp.alloc_pd().is_ok());
+        assert!(format!("{tcp:?}").contains("soft"));
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    #[test]
+    fn rdma_is_unavailable_without_the_feature() {
         let rdma = Context::for_url(&Url::parse("rdma://127.0.0.1:4420").unwrap());
         assert!(
             matches!(rdma, Err(Error::TransportUnavailable { ref scheme }) if scheme == "rdma"),
             "{rdma:?}"
         );
+    }
+
+    /// On a machine without RDMA devices (CI), `rdma://` says so and how to go on; with a
+    /// device, a loopback URL is not served by one (no RDMA device owns 127.0.0.1 unless rxe
+    /// is bound to `lo`), or it is: either way the answer is a clear one.
+    #[cfg(feature = "rdma")]
+    #[test]
+    fn rdma_without_a_device_says_use_tcp() {
+        let rdma = Context::for_url(&Url::parse("rdma://127.0.0.1:4420").unwrap());
+        match super::super::rdma::devices() {
+            Ok(list) if list.is_empty() => {
+                let e = rdma.expect_err("no device, no context");
+                assert!(matches!(e, Error::NoDevice), "{e:?}");
+                assert_eq!(e.to_string(), "no RDMA device found; use tcp://");
+                let named = Context::rdma_device("mlx5_0").expect_err("no device");
+                assert!(matches!(named, Error::NoDevice), "{named:?}");
+            }
+            Ok(_) => match rdma {
+                Ok(ctx) => assert!(format!("{ctx:?}").contains("rdma")),
+                Err(e) => assert!(matches!(e, Error::NoSuchDevice { .. }), "{e:?}"),
+            },
+            Err(e) => panic!("listing devices failed: {e}"),
+        }
     }
 }

@@ -45,7 +45,7 @@ impl std::fmt::Debug for CompletionQueue {
 
 impl CompletionQueue {
     pub(crate) fn new(ctx: Context, depth: usize) -> Result<CompletionQueue> {
-        let engine = ctx.device().create_cq()?;
+        let engine = ctx.device().create_cq(depth)?;
         Ok(CompletionQueue {
             inner: Arc::new(CqInner {
                 ctx,
@@ -65,6 +65,13 @@ impl CompletionQueue {
         &self.inner.engine
     }
 
+    /// One round of the transport's progress (the rdma queue pair drives its queues itself
+    /// while it waits for a bind or drains before closing).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn drive(&self) -> Result<()> {
+        self.inner.engine.progress(&self.inner.entries)
+    }
+
     pub(crate) fn push(&self, c: Completion) {
         self.inner
             .entries
@@ -77,12 +84,13 @@ impl CompletionQueue {
     /// (`ibv_poll_cq`). Returns how many. Never blocks.
     ///
     /// # Errors
-    /// None today; a transport that can fail as a whole (the `rdma` device) reports it here.
+    /// None on the soft transport; on `rdma`, [`Error::Verbs`](super::Error::Verbs) when the
+    /// device fails to poll its completion queue (the device is gone or broken).
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
         if out.is_empty() {
             return Ok(0);
         }
-        self.inner.engine.progress();
+        self.inner.engine.progress(&self.inner.entries)?;
         let mut e = self.inner.entries.lock().unwrap_or_else(|p| p.into_inner());
         let n = out.len().min(e.len());
         for (slot, c) in out.iter_mut().zip(e.drain(..n)) {
@@ -179,8 +187,10 @@ impl CompletionQueue {
                 std::hint::spin_loop();
                 continue;
             }
-            // Idle: block until a socket is ready (arming writability where output waits).
-            self.inner.engine.arm()?;
+            // Idle: block until a socket is ready (arming writability where output waits), or
+            // the completion channel fires (rdma: armed, then polled once more, so that a
+            // completion that came just before the arming is not slept through).
+            self.inner.engine.arm(&self.inner.entries)?;
             if !self
                 .inner
                 .entries

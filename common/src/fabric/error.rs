@@ -26,6 +26,27 @@ pub enum Error {
         /// The URL scheme.
         scheme: String,
     },
+    /// `rdma://`: the machine has no RDMA device (no NIC, no Soft-RoCE link, or no kernel
+    /// RDMA support).
+    #[error("no RDMA device found; use tcp://")]
+    NoDevice,
+    /// `rdma://`: no RDMA device has this name, or none serves this address.
+    #[error("no RDMA device {wanted}: {reason}")]
+    NoSuchDevice {
+        /// The device name or address asked for.
+        wanted: String,
+        /// Why none fits (the devices there are, the address's route).
+        reason: String,
+    },
+    /// A verbs or rdma_cm call failed. (The OS error is the source, not repeated in the text.)
+    #[error("{op}")]
+    Verbs {
+        /// The call ("ibv_create_cq", "rdma_resolve_route", ...).
+        op: &'static str,
+        /// The error it reported.
+        #[source]
+        source: io::Error,
+    },
     /// Resolving or binding or connecting a socket failed. (The OS error is the source, not
     /// repeated in the text.)
     #[error("{op} {addr}")]

@@ -8,11 +8,13 @@
 //! design: threading, ordering and durability contract, error model.
 //!
 //! Transports, picked by URL scheme ([`Context::for_url`]): `tcp` ([`Context::soft`]):
-//! userspace iWARP over TCP, always built. `rdma` (feature `rdma`) is a skeleton that will
-//! implement the same API on libibverbs; until then `rdma://` is refused with
-//! [`Error::TransportUnavailable`]. Each public type holds its transport's part through the
-//! seam in `transport.rs` (docs/fabric.md, "The transport seam"); options of one transport are
-//! in their own types ([`TcpParams`], [`TcpInfo`]).
+//! userspace iWARP over TCP, always built. `rdma` (feature `rdma`): the same API on
+//! libibverbs and librdmacm, for RoCEv2 and InfiniBand NICs and Soft-RoCE (docs/rdma.md);
+//! without the feature `rdma://` is refused with [`Error::TransportUnavailable`], and with it
+//! on a machine without an RDMA device with [`Error::NoDevice`] ("no RDMA device found; use
+//! tcp://"). Each public type holds its transport's part through the seam in `transport.rs`
+//! (docs/fabric.md, "The transport seam"); options of one transport are in their own types
+//! ([`TcpParams`], [`TcpInfo`]).
 //!
 //! # Quick start
 //!
@@ -90,7 +92,7 @@ mod url;
 pub use context::Context;
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
-pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};
+pub use mr::{AlignedBuf, MemoryBacking, MemoryRegion, MemoryWindow, RegisteredMemory};
 pub use pd::ProtectionDomain;
 pub use qp::{
     ConnInfo, ConnParams, ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair,
@@ -101,3 +103,9 @@ pub use types::{
     SendOp, SendWr, Sge, WcOpcode, WcStatus,
 };
 pub use url::{Scheme, Url};
+
+#[cfg(feature = "rdma")]
+pub use rdma::{
+    devices as rdma_devices, RdmaDevice, RDMA_MAX_ACCEPT_PRIVATE_DATA,
+    RDMA_MAX_CONNECT_PRIVATE_DATA, RDMA_MAX_REJECT_PRIVATE_DATA,
+};

@@ -7,7 +7,7 @@ use std::sync::Arc;
 
 use super::error::{Error, Result};
 use super::pd::ProtectionDomain;
-use super::transport::Grant;
+use super::transport::{Grant, MrEngine, MwEngine, QpEngine};
 use super::types::{Access, RemoteAddr};
 use crate::pmem::Persist;
 use crate::volatile::VolatileSlice;
@@ -35,6 +35,26 @@ pub unsafe trait RegisteredMemory: Send + Sync + 'static {
     fn persist(&self) -> Option<&dyn Persist> {
         None
     }
+    /// What kind of memory it is, for transports that pin memory for a NIC (`rdma`): fsdax and
+    /// page-cache files cannot be pinned long-term and need on-demand paging there.
+    fn backing(&self) -> MemoryBacking {
+        MemoryBacking::Ram
+    }
+}
+
+/// What backs registered memory, as far as pinning it for a NIC goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum MemoryBacking {
+    /// Anonymous memory, tmpfs, hugetlbfs: pinnable.
+    Ram,
+    /// A devdax character device: pinnable (its pages are never moved or written back).
+    DevDax,
+    /// A file on a DAX filesystem: the kernel refuses long-term pins of its pages.
+    FsDax,
+    /// A regular file in the page cache: long-term pins of writable file pages are refused
+    /// (Linux 6.5 and later) or break write-back.
+    PageCache,
 }
 
 // SAFETY: a Mapping is a live mmap of `len()` bytes at a fixed address for its whole lifetime;
@@ -48,6 +68,21 @@ unsafe impl RegisteredMemory for crate::pmem::Mapping {
     }
     fn persist(&self) -> Option<&dyn Persist> {
         Some(self)
+    }
+    fn backing(&self) -> MemoryBacking {
+        use crate::pmem::Domain;
+        let chardev = self.backing_fd().is_some_and(|fd| {
+            nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).is_ok_and(|st| {
+                nix::sys::stat::SFlag::from_bits_truncate(st.st_mode)
+                    .contains(nix::sys::stat::SFlag::S_IFCHR)
+            })
+        });
+        match self.probed_domain() {
+            _ if chardev => MemoryBacking::DevDax,
+            Domain::Dax | Domain::DaxForced => MemoryBacking::FsDax,
+            Domain::PageCache => MemoryBacking::PageCache,
+            _ => MemoryBacking::Ram,
+        }
     }
 }
 
@@ -245,6 +280,14 @@ impl Region {
     pub(crate) fn persist(&self) -> Option<&dyn Persist> {
         self.keep.as_ref().and_then(|m| m.persist())
     }
+
+    /// What backs it; raw registrations count as RAM (the caller's memory, pinnable).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn backing(&self) -> MemoryBacking {
+        self.keep
+            .as_ref()
+            .map_or(MemoryBacking::Ram, |m| m.backing())
+    }
 }
 
 /// A registered memory region (`ibv_mr`). Dropping the last `Arc` deregisters it and
@@ -253,7 +296,7 @@ impl Region {
 pub struct MemoryRegion {
     pd: ProtectionDomain,
     region: Arc<Region>,
-    key: u32,
+    engine: MrEngine,
     access: Access,
 }
 
@@ -262,7 +305,7 @@ impl std::fmt::Debug for MemoryRegion {
         f.debug_struct("MemoryRegion")
             .field("addr", &self.region.addr)
             .field("len", &self.region.len)
-            .field("rkey", &format_args!("{:#x}", self.key))
+            .field("rkey", &format_args!("{:#x}", self.engine.rkey()))
             .field("access", &self.access)
             .finish()
     }
@@ -287,18 +330,20 @@ pub(crate) fn register(
     check_access(access)?;
     let region = Arc::new(Region::new(backing)?);
     let (addr, len) = (region.addr, region.len);
-    let key = pd.context().device().register_mr(Grant {
+    let engine = pd.context().device().register_mr(Grant {
         region: &region,
         base: addr as u64,
         len: len as u64,
         offset: 0,
         access,
         pd: pd.inner.id,
+        pd_engine: &pd.inner.engine,
+        mr_engine: None,
     })?;
     Ok(Arc::new(MemoryRegion {
         pd: pd.clone(),
         region,
-        key,
+        engine,
         access,
     }))
 }
@@ -326,12 +371,12 @@ impl MemoryRegion {
 
     /// The local key. On the soft transport it equals the rkey.
     pub fn lkey(&self) -> u32 {
-        self.key
+        self.engine.lkey()
     }
 
     /// The key a peer needs to reach this region.
     pub fn rkey(&self) -> u32 {
-        self.key
+        self.engine.rkey()
     }
 
     /// The rights it was registered with.
@@ -348,7 +393,7 @@ impl MemoryRegion {
     pub fn remote(&self, offset: u64) -> RemoteAddr {
         RemoteAddr {
             addr: self.addr() + offset,
-            rkey: self.key,
+            rkey: self.engine.rkey(),
         }
     }
 
@@ -379,7 +424,7 @@ impl MemoryRegion {
 
 impl Drop for MemoryRegion {
     fn drop(&mut self) {
-        self.pd.context().device().release(self.key);
+        self.pd.context().device().release_mr(&self.engine);
     }
 }
 
@@ -389,6 +434,7 @@ impl Drop for MemoryRegion {
 pub struct MemoryWindow {
     pd: ProtectionDomain,
     rkey: AtomicU32,
+    engine: MwEngine,
 }
 
 impl std::fmt::Debug for MemoryWindow {
@@ -404,10 +450,11 @@ impl std::fmt::Debug for MemoryWindow {
 
 impl MemoryWindow {
     pub(crate) fn new(pd: &ProtectionDomain) -> Result<MemoryWindow> {
-        let rkey = pd.context().device().alloc_mw()?;
+        let (rkey, engine) = pd.context().device().alloc_mw(&pd.inner.engine)?;
         Ok(MemoryWindow {
             pd: pd.clone(),
             rkey: AtomicU32::new(rkey),
+            engine,
         })
     }
 
@@ -418,12 +465,19 @@ impl MemoryWindow {
 
     /// Invalidates the window locally (`IBV_WR_LOCAL_INV`): its rkey stops working at once.
     pub fn invalidate(&self) {
-        self.pd.context().device().invalidate(self.rkey());
+        if let Some(rkey) = self
+            .pd
+            .context()
+            .device()
+            .invalidate(&self.engine, self.rkey())
+        {
+            self.rkey.store(rkey, Ordering::Release);
+        }
     }
 
     pub(crate) fn bind(
         &self,
-        qp_num: u32,
+        qp: &QpEngine,
         mr: &Arc<MemoryRegion>,
         offset: usize,
         len: usize,
@@ -460,12 +514,14 @@ impl MemoryWindow {
             offset: offset as u64,
             access,
             pd: self.pd.inner.id,
+            pd_engine: &self.pd.inner.engine,
+            mr_engine: Some(&mr.engine),
         };
         let rkey = self
             .pd
             .context()
             .device()
-            .bind_mw(self.rkey(), qp_num, grant)?;
+            .bind_mw(&self.engine, self.rkey(), qp, grant)?;
         self.rkey.store(rkey, Ordering::Release);
         Ok(rkey)
     }
@@ -473,6 +529,9 @@ impl MemoryWindow {
 
 impl Drop for MemoryWindow {
     fn drop(&mut self) {
-        self.pd.context().device().release(self.rkey());
+        self.pd
+            .context()
+            .device()
+            .release_mw(&self.engine, self.rkey());
     }
 }

@@ -7,6 +7,7 @@ use super::cq::CompletionQueue;
 use super::error::{Error, Result};
 use super::mr::{self, MemoryRegion, MemoryWindow, RegisteredMemory};
 use super::qp::PreparedQueuePair;
+use super::transport::PdEngine;
 use super::types::{Access, QpCaps};
 
 /// A protection domain (`ibv_pd`). Cheap to clone; its objects keep it (and its context) alive.
@@ -21,6 +22,9 @@ pub struct ProtectionDomain {
 pub(crate) struct PdInner {
     pub(crate) ctx: Context,
     pub(crate) id: u32,
+    /// The transport's part (`ibv_pd` on rdma; nothing on the soft transport, whose STag
+    /// table names the domain by `id`).
+    pub(crate) engine: PdEngine,
 }
 
 impl std::fmt::Debug for ProtectionDomain {
@@ -32,9 +36,9 @@ impl std::fmt::Debug for ProtectionDomain {
 }
 
 impl ProtectionDomain {
-    pub(crate) fn new(ctx: Context, id: u32) -> ProtectionDomain {
+    pub(crate) fn new(ctx: Context, id: u32, engine: PdEngine) -> ProtectionDomain {
         ProtectionDomain {
-            inner: Arc::new(PdInner { ctx, id }),
+            inner: Arc::new(PdInner { ctx, id, engine }),
         }
     }
 
@@ -48,7 +52,9 @@ impl ProtectionDomain {
     ///
     /// # Errors
     /// [`Error::InvalidAccess`] for flags that need [`Access::LOCAL_WRITE`] without it,
-    /// [`Error::Register`] for empty memory, [`Error::Exhausted`] when no STag is left.
+    /// [`Error::Register`] for empty memory (and on `rdma` for memory the device cannot
+    /// register: fsdax or page-cache files without on-demand paging), [`Error::Exhausted`] when
+    /// no STag is left, [`Error::Verbs`] when the device refuses the registration.
     pub fn register<M: RegisteredMemory>(
         &self,
         mem: Arc<M>,
@@ -86,7 +92,8 @@ impl ProtectionDomain {
     /// [`QueuePair::bind_mw`](super::QueuePair::bind_mw)).
     ///
     /// # Errors
-    /// [`Error::Exhausted`] when no STag is left.
+    /// [`Error::Exhausted`] when no STag is left; on `rdma`, [`Error::MemoryWindow`] when the
+    /// device has no type-2 windows, [`Error::Verbs`] when it refuses one.
     pub fn alloc_mw(&self) -> Result<MemoryWindow> {
         MemoryWindow::new(self)
     }
@@ -97,7 +104,8 @@ impl ProtectionDomain {
     ///
     /// # Errors
     /// [`Error::WrongDomain`] if a completion queue belongs to another context,
-    /// [`Error::InvalidWorkRequest`] for zero queue sizes.
+    /// [`Error::InvalidWorkRequest`] for zero queue sizes; on `rdma`, [`Error::Exhausted`] when
+    /// the device's queue or completion queue limits are passed, [`Error::Verbs`].
     pub fn create_qp(
         &self,
         send_cq: &CompletionQueue,
@@ -114,12 +122,7 @@ impl ProtectionDomain {
                 reason: "queue sizes must be at least 1",
             });
         }
-        Ok(PreparedQueuePair::new(
-            self.clone(),
-            send_cq.clone(),
-            recv_cq.clone(),
-            caps,
-        ))
+        PreparedQueuePair::new(self.clone(), send_cq.clone(), recv_cq.clone(), caps)
     }
 
     pub(crate) fn same(&self, other: &ProtectionDomain) -> bool {

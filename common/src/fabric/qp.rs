@@ -4,7 +4,7 @@
 //! Init: receives may be posted), and becomes a connected [`QueuePair`] (state RTS) by consuming
 //! itself: actively with [`PreparedQueuePair::connect`], passively with
 //! [`ConnRequest::accept`] on a request from [`Listener::accept`]. This is rdma_cm's shape: the
-//! URL picks the transport (`tcp://host:port`).
+//! URL picks the transport (`tcp://host:port`, `rdma://host:port`).
 
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -18,7 +18,7 @@ use super::pd::ProtectionDomain;
 use super::soft::conn;
 use super::transport::{IncomingEngine, IncomingProgress, ListenEngine, PendingEngine, QpEngine};
 use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
-use super::url::{Scheme, Url};
+use super::url::Url;
 use super::Context;
 
 /// Connection parameters: what this side offers when connecting or accepting. Those of one
@@ -128,12 +128,12 @@ impl PreparedQueuePair {
         send_cq: CompletionQueue,
         recv_cq: CompletionQueue,
         caps: QpCaps,
-    ) -> PreparedQueuePair {
+    ) -> Result<PreparedQueuePair> {
         let num = pd.context().next_qp_num();
         let device = pd.context().clone();
-        PreparedQueuePair {
-            inner: device.device().create_qp(num, pd, send_cq, recv_cq, caps),
-        }
+        Ok(PreparedQueuePair {
+            inner: device.device().create_qp(num, pd, send_cq, recv_cq, caps)?,
+        })
     }
 
     /// The queue pair number.
@@ -150,21 +150,17 @@ impl PreparedQueuePair {
         self.inner.post_recv(wr)
     }
 
-    /// Connects to a listener at `url` (rdma_connect): TCP connect, the MPA exchange carrying
-    /// `private_data` (at most [`TcpParams::MAX_PRIVATE_DATA`] bytes on `tcp`), then RTS.
+    /// Connects to a listener at `url` (rdma_connect): on `tcp`, TCP connect and the MPA
+    /// exchange carrying `private_data` (at most [`TcpParams::MAX_PRIVATE_DATA`] bytes); on
+    /// `rdma`, rdma_cm address and route resolution and the CM exchange (at most
+    /// `RDMA_MAX_CONNECT_PRIVATE_DATA`, 52 bytes); then RTS.
     ///
     /// # Errors
-    /// [`Error::TransportUnavailable`] for `rdma://` in this build, [`Error::Socket`],
-    /// [`Error::Handshake`], [`Error::Rejected`].
+    /// [`Error::TransportUnavailable`] for `rdma://` in a build without the `rdma` feature,
+    /// [`Error::BadUrl`] for a URL of another transport than the queue pair's,
+    /// [`Error::Socket`], [`Error::Handshake`], [`Error::Rejected`], [`Error::Verbs`].
     pub fn connect(self, url: &Url, params: &ConnParams, private_data: &[u8]) -> Result<QueuePair> {
-        match url.scheme {
-            Scheme::Tcp => {}
-            Scheme::Rdma => {
-                return Err(Error::TransportUnavailable {
-                    scheme: "rdma".into(),
-                })
-            }
-        }
+        self.inner.pd().context().device().check_scheme(url)?;
         self.inner.connect(url, params, private_data)?;
         Ok(QueuePair { inner: self.inner })
     }
@@ -281,7 +277,7 @@ impl QueuePair {
                 what: "the queue pair binding the window",
             });
         }
-        mw.bind(self.inner.num(), mr, offset, len, access)
+        mw.bind(&self.inner, mr, offset, len, access)
     }
 
     /// Moves the queue pair to Error (`ibv_modify_qp` to ERR): the connection is closed and
@@ -297,7 +293,9 @@ impl Drop for QueuePair {
     }
 }
 
-/// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL.
+/// A passive endpoint (rdma_listen): accepts connections on a `tcp://host:port` URL (or an
+/// `rdma://` one, from an RDMA device's context: rdma_cm's own listener, whose requests arrive
+/// whole, so [`Incoming::poll_request`] completes at once).
 pub struct Listener {
     ctx: Context,
     inner: ListenEngine,
@@ -315,16 +313,11 @@ impl Listener {
     /// Binds to `url` (port 0: an ephemeral port; see [`Listener::url`]).
     ///
     /// # Errors
-    /// [`Error::TransportUnavailable`] for `rdma://` in this build, [`Error::Socket`].
+    /// [`Error::TransportUnavailable`] for `rdma://` in a build without the `rdma` feature,
+    /// [`Error::BadUrl`] for a URL of another transport than the context's,
+    /// [`Error::Socket`] (on `rdma`: rdma_cm's bind or listen).
     pub fn bind(ctx: &Context, url: &Url) -> Result<Listener> {
-        match url.scheme {
-            Scheme::Tcp => {}
-            Scheme::Rdma => {
-                return Err(Error::TransportUnavailable {
-                    scheme: "rdma".into(),
-                })
-            }
-        }
+        ctx.device().check_scheme(url)?;
         Ok(Listener {
             ctx: ctx.clone(),
             inner: ctx.device().listen(url)?,

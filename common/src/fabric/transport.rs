@@ -16,8 +16,11 @@ use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
+use std::collections::VecDeque;
+use std::sync::Mutex;
+
 use super::cq::CompletionQueue;
-use super::error::Result;
+use super::error::{Error, Result};
 use super::mr::Region;
 use super::pd::ProtectionDomain;
 use super::qp::{ConnInfo, ConnParams};
@@ -28,8 +31,8 @@ use super::soft::cq::SoftCq;
 use super::soft::device::{StagEntry, StagKind, StagTable};
 use super::soft::poll::Ready;
 use super::soft::qp::SoftQp;
-use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
-use super::url::Url;
+use super::types::{Access, Completion, QpCaps, QpState, RecvWr, SendWr};
+use super::url::{Scheme, Url};
 
 /// What a memory registration or a window binding grants, whatever the transport.
 pub(crate) struct Grant<'a> {
@@ -41,6 +44,12 @@ pub(crate) struct Grant<'a> {
     pub(crate) offset: u64,
     pub(crate) access: Access,
     pub(crate) pd: u32,
+    /// The domain's transport part (the `ibv_pd` a verbs registration is made in).
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) pd_engine: &'a PdEngine,
+    /// For a window binding: the region's transport part.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) mr_engine: Option<&'a MrEngine>,
 }
 
 impl Grant<'_> {
@@ -61,10 +70,62 @@ impl Grant<'_> {
 pub(crate) enum Device {
     /// `tcp`: the soft device is its STag table.
     Soft(StagTable),
-    /// `rdma`: a skeleton that cannot be opened yet.
+    /// `rdma`: a verbs device (its `ibv_context`, shared with librdmacm).
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)] // the skeleton has no values yet
     Rdma(rdma::Device),
+}
+
+/// A protection domain's transport part.
+pub(crate) enum PdEngine {
+    /// `tcp`: the STag table names the domain by its id.
+    Soft,
+    /// `rdma`: an `ibv_pd`.
+    #[cfg(feature = "rdma")]
+    Rdma(rdma::Pd),
+}
+
+/// A memory region's transport part.
+pub(crate) enum MrEngine {
+    /// `tcp`: its STag, both lkey and rkey.
+    Soft { key: u32 },
+    /// `rdma`: an `ibv_mr`, deregistered when dropped.
+    #[cfg(feature = "rdma")]
+    Rdma(rdma::Mr),
+}
+
+impl MrEngine {
+    pub(crate) fn lkey(&self) -> u32 {
+        match self {
+            MrEngine::Soft { key } => *key,
+            #[cfg(feature = "rdma")]
+            MrEngine::Rdma(m) => m.lkey(),
+        }
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        match self {
+            MrEngine::Soft { key } => *key,
+            #[cfg(feature = "rdma")]
+            MrEngine::Rdma(m) => m.rkey(),
+        }
+    }
+}
+
+/// A memory window's transport part.
+pub(crate) enum MwEngine {
+    /// `tcp`: the window is its STag-table entry, named by the rkey.
+    Soft,
+    /// `rdma`: an `ibv_mw` of type 2.
+    #[cfg(feature = "rdma")]
+    Rdma(rdma::Mw),
+}
+
+/// The empty STag table an rdma device answers `stags` with: only the soft engine asks, and it
+/// only ever runs on objects of a soft device.
+#[cfg(feature = "rdma")]
+fn no_stags() -> &'static StagTable {
+    static EMPTY: std::sync::OnceLock<StagTable> = std::sync::OnceLock::new();
+    EMPTY.get_or_init(StagTable::new)
 }
 
 impl Device {
@@ -73,69 +134,158 @@ impl Device {
         Device::Soft(StagTable::new())
     }
 
+    /// The transport's name, for `Debug`.
+    pub(crate) fn transport(&self) -> &'static str {
+        match self {
+            Device::Soft(_) => "soft",
+            #[cfg(feature = "rdma")]
+            Device::Rdma(_) => "rdma",
+        }
+    }
+
+    /// The device's name.
+    pub(crate) fn name(&self) -> &str {
+        match self {
+            Device::Soft(_) => "soft",
+            #[cfg(feature = "rdma")]
+            Device::Rdma(d) => &d.inner.name,
+        }
+    }
+
+    /// Refuses a URL of another transport than this device's.
+    pub(crate) fn check_scheme(&self, url: &Url) -> Result<()> {
+        let ok = match url.scheme {
+            Scheme::Tcp => matches!(self, Device::Soft(_)),
+            #[cfg(feature = "rdma")]
+            Scheme::Rdma => matches!(self, Device::Rdma(_)),
+            #[cfg(not(feature = "rdma"))]
+            Scheme::Rdma => {
+                return Err(Error::TransportUnavailable {
+                    scheme: "rdma".into(),
+                })
+            }
+        };
+        if ok {
+            Ok(())
+        } else {
+            Err(Error::BadUrl {
+                url: url.to_string(),
+                reason: "the URL names another transport than this context's device",
+            })
+        }
+    }
+
     /// The soft device's STag table: only the soft engine calls this, and it runs only on
     /// objects of a soft device.
     pub(crate) fn stags(&self) -> &StagTable {
         match self {
             Device::Soft(t) => t,
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            Device::Rdma(_) => no_stags(),
         }
     }
 
-    /// Registers a memory region; returns its key.
-    pub(crate) fn register_mr(&self, g: Grant<'_>) -> Result<u32> {
+    /// A protection domain's transport part.
+    pub(crate) fn alloc_pd(&self) -> Result<PdEngine> {
         match self {
-            Device::Soft(t) => t.insert(g.soft(StagKind::Mr)),
+            Device::Soft(_) => Ok(PdEngine::Soft),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            Device::Rdma(d) => Ok(PdEngine::Rdma(d.alloc_pd()?)),
         }
     }
 
-    /// Allocates an unbound memory window's key.
-    pub(crate) fn alloc_mw(&self) -> Result<u32> {
-        match self {
-            Device::Soft(t) => t.reserve(),
+    /// Registers a memory region.
+    pub(crate) fn register_mr(&self, g: Grant<'_>) -> Result<MrEngine> {
+        match (self, g.pd_engine) {
+            (Device::Soft(t), _) => Ok(MrEngine::Soft {
+                key: t.insert(g.soft(StagKind::Mr))?,
+            }),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            (Device::Rdma(d), PdEngine::Rdma(pd)) => Ok(MrEngine::Rdma(d.register_mr(pd, &g)?)),
+            #[cfg(feature = "rdma")]
+            (Device::Rdma(_), PdEngine::Soft) => Err(Error::WrongDomain {
+                what: "protection domain",
+            }),
+        }
+    }
+
+    /// Allocates an unbound memory window: its key and transport part.
+    pub(crate) fn alloc_mw(&self, pd: &PdEngine) -> Result<(u32, MwEngine)> {
+        match (self, pd) {
+            (Device::Soft(t), _) => Ok((t.reserve()?, MwEngine::Soft)),
+            #[cfg(feature = "rdma")]
+            (Device::Rdma(d), PdEngine::Rdma(pd)) => {
+                let mw = d.alloc_mw(pd)?;
+                Ok((mw.rkey(), MwEngine::Rdma(mw)))
+            }
+            #[cfg(feature = "rdma")]
+            (Device::Rdma(_), PdEngine::Soft) => Err(Error::WrongDomain {
+                what: "protection domain",
+            }),
         }
     }
 
     /// Binds window `rkey` for queue pair `qp`; returns the new rkey.
-    pub(crate) fn bind_mw(&self, rkey: u32, qp: u32, g: Grant<'_>) -> Result<u32> {
-        match self {
-            Device::Soft(t) => t.rebind(rkey, g.soft(StagKind::Mw { qp })),
+    pub(crate) fn bind_mw(
+        &self,
+        mw: &MwEngine,
+        rkey: u32,
+        qp: &QpEngine,
+        g: Grant<'_>,
+    ) -> Result<u32> {
+        match (self, mw, qp) {
+            (Device::Soft(t), _, q) => t.rebind(rkey, g.soft(StagKind::Mw { qp: q.num() })),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            (Device::Rdma(_), MwEngine::Rdma(w), QpEngine::Rdma(q)) => w.bind(q, &g),
+            #[cfg(feature = "rdma")]
+            _ => Err(Error::WrongDomain {
+                what: "memory window",
+            }),
         }
     }
 
-    /// Makes `key` refuse every access from now on (a local invalidate).
-    pub(crate) fn invalidate(&self, key: u32) {
-        match self {
-            Device::Soft(t) => {
+    /// Makes window `key` refuse every access from now on (a local invalidate). Returns the
+    /// window's new rkey where the transport gives it one.
+    pub(crate) fn invalidate(&self, mw: &MwEngine, key: u32) -> Option<u32> {
+        match (self, mw) {
+            (Device::Soft(t), _) => {
                 t.invalidate(key);
+                None
             }
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            (Device::Rdma(_), MwEngine::Rdma(w)) => Some(w.invalidate()),
+            #[cfg(feature = "rdma")]
+            (Device::Rdma(_), MwEngine::Soft) => None,
         }
     }
 
-    /// Forgets `key` (deregistration, a window's drop).
-    pub(crate) fn release(&self, key: u32) {
-        match self {
-            Device::Soft(t) => t.remove(key),
+    /// Forgets a region (deregistration). On rdma the region's own drop deregisters it.
+    pub(crate) fn release_mr(&self, mr: &MrEngine) {
+        match (self, mr) {
+            (Device::Soft(t), MrEngine::Soft { key }) => t.remove(*key),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            _ => {}
         }
     }
 
-    /// A completion queue's transport part.
-    pub(crate) fn create_cq(&self) -> Result<CqEngine> {
-        match self {
-            Device::Soft(_) => Ok(CqEngine::Soft(SoftCq::new()?)),
+    /// Forgets window `key` (its drop). On rdma the window's own drop deallocates it.
+    pub(crate) fn release_mw(&self, mw: &MwEngine, key: u32) {
+        match (self, mw) {
+            (Device::Soft(t), MwEngine::Soft) => t.remove(key),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            _ => {}
+        }
+    }
+
+    /// A completion queue's transport part, sized for `depth` completions.
+    pub(crate) fn create_cq(&self, depth: usize) -> Result<CqEngine> {
+        match self {
+            Device::Soft(_) => {
+                let _ = depth; // the soft queue grows as needed
+                Ok(CqEngine::Soft(SoftCq::new()?))
+            }
+            #[cfg(feature = "rdma")]
+            Device::Rdma(d) => Ok(CqEngine::Rdma(d.create_cq(depth)?)),
         }
     }
 
@@ -147,11 +297,11 @@ impl Device {
         send_cq: CompletionQueue,
         recv_cq: CompletionQueue,
         caps: QpCaps,
-    ) -> QpEngine {
+    ) -> Result<QpEngine> {
         match self {
-            Device::Soft(_) => QpEngine::Soft(SoftQp::new(num, pd, send_cq, recv_cq, caps)),
+            Device::Soft(_) => Ok(QpEngine::Soft(SoftQp::new(num, pd, send_cq, recv_cq, caps))),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            Device::Rdma(d) => Ok(QpEngine::Rdma(d.create_qp(pd, send_cq, recv_cq, caps)?)),
         }
     }
 
@@ -160,16 +310,19 @@ impl Device {
         match self {
             Device::Soft(_) => Ok(ListenEngine::Soft(conn::TcpListen::bind(url)?)),
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => match *d {},
+            Device::Rdma(d) => Ok(ListenEngine::Rdma(d.listen(url)?)),
         }
     }
 }
+
+/// The completions a completion queue holds for its users (the soft engine pushes into it
+/// through its queue pairs; the rdma engine translates what it polls into it).
+pub(crate) type Entries = Mutex<VecDeque<Completion>>;
 
 /// A completion queue's transport part: what drives progress and the idle wait.
 pub(crate) enum CqEngine {
     Soft(SoftCq),
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)] // the skeleton has no values yet
     Rdma(rdma::Cq),
 }
 
@@ -178,26 +331,35 @@ impl CqEngine {
     pub(crate) fn attach_soft(&self, qp: &Arc<SoftQp>) {
         match self {
             CqEngine::Soft(c) => c.attach(qp),
+            // A soft queue pair is only ever made on a soft device's queues.
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => match *c {},
+            CqEngine::Rdma(_) => {}
         }
     }
 
-    /// Drives the bound queue pairs once.
-    pub(crate) fn progress(&self) {
+    /// Drives the bound queue pairs once (soft), or polls the device's queue into `entries`
+    /// (rdma).
+    pub(crate) fn progress(&self, entries: &Entries) -> Result<()> {
         match self {
-            CqEngine::Soft(c) => c.progress(),
+            CqEngine::Soft(c) => {
+                let _ = entries; // the soft queue pairs push into it themselves
+                c.progress();
+                Ok(())
+            }
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => match *c {},
+            CqEngine::Rdma(c) => c.progress(entries),
         }
     }
 
     /// Prepares the idle wait (arms what must wake it).
-    pub(crate) fn arm(&self) -> Result<()> {
+    pub(crate) fn arm(&self, entries: &Entries) -> Result<()> {
         match self {
-            CqEngine::Soft(c) => c.arm(),
+            CqEngine::Soft(c) => {
+                let _ = entries;
+                c.arm()
+            }
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => match *c {},
+            CqEngine::Rdma(c) => c.arm(entries),
         }
     }
 
@@ -206,7 +368,7 @@ impl CqEngine {
         match self {
             CqEngine::Soft(c) => c.poller().wait(timeout),
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => match *c {},
+            CqEngine::Rdma(c) => c.block(timeout),
         }
     }
 
@@ -214,7 +376,7 @@ impl CqEngine {
         match self {
             CqEngine::Soft(c) => c.poller().watch(fd, token),
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => match *c {},
+            CqEngine::Rdma(c) => c.poller().watch(fd, token),
         }
     }
 
@@ -222,7 +384,7 @@ impl CqEngine {
         match self {
             CqEngine::Soft(c) => c.poller().unwatch(fd),
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => match *c {},
+            CqEngine::Rdma(c) => c.poller().unwatch(fd),
         }
     }
 }
@@ -231,16 +393,16 @@ impl CqEngine {
 pub(crate) enum QpEngine {
     Soft(Arc<SoftQp>),
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)] // the skeleton has no values yet
-    Rdma(rdma::Qp),
+    Rdma(Arc<rdma::Qp>),
 }
 
+/// `$e` for whichever transport the queue pair is: both engines have the same method names.
 macro_rules! each_qp {
     ($self:expr, $q:ident => $e:expr) => {
         match $self {
             QpEngine::Soft($q) => $e,
             #[cfg(feature = "rdma")]
-            QpEngine::Rdma($q) => match *$q {},
+            QpEngine::Rdma($q) => $e,
         }
     };
 }
@@ -287,10 +449,14 @@ impl QpEngine {
         params: &ConnParams,
         private_data: &[u8],
     ) -> Result<()> {
-        each_qp!(self, q => {
-            let (stream, neg) = conn::connect(url, params, private_data)?;
-            q.start(stream, neg, params)
-        })
+        match self {
+            QpEngine::Soft(q) => {
+                let (stream, neg) = conn::connect(url, params, private_data)?;
+                q.start(stream, neg, params)
+            }
+            #[cfg(feature = "rdma")]
+            QpEngine::Rdma(q) => q.connect(url, params, private_data),
+        }
     }
 
     /// Accepts `pending` into this queue pair (Init to RTS).
@@ -306,9 +472,14 @@ impl QpEngine {
                 q.start(stream, neg, params)
             }
             #[cfg(feature = "rdma")]
-            (QpEngine::Rdma(q), _) => match *q {},
+            (QpEngine::Rdma(q), PendingEngine::Rdma(p)) => q.accept(*p, params, private_data),
             #[cfg(feature = "rdma")]
-            (_, PendingEngine::Rdma(p)) => match p {},
+            (_, p) => {
+                p.reject(&[]);
+                Err(Error::WrongDomain {
+                    what: "queue pair of another transport",
+                })
+            }
         }
     }
 }
@@ -317,44 +488,57 @@ impl QpEngine {
 pub(crate) enum ListenEngine {
     Soft(conn::TcpListen),
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)] // the skeleton has no values yet
     Rdma(rdma::Listen),
-}
-
-macro_rules! each {
-    ($ty:ident, $self:expr, $x:ident => $e:expr) => {
-        match $self {
-            $ty::Soft($x) => $e,
-            #[cfg(feature = "rdma")]
-            $ty::Rdma($x) => match *$x {},
-        }
-    };
 }
 
 impl ListenEngine {
     pub(crate) fn url(&self) -> Result<Url> {
-        each!(ListenEngine, self, l => l.url())
+        match self {
+            ListenEngine::Soft(l) => l.url(),
+            #[cfg(feature = "rdma")]
+            ListenEngine::Rdma(l) => Ok(l.url()),
+        }
     }
     pub(crate) fn accept(&self, params: &ConnParams) -> Result<PendingEngine> {
-        each!(ListenEngine, self, l => l.accept(params).map(PendingEngine::Soft))
+        match self {
+            ListenEngine::Soft(l) => l.accept(params).map(PendingEngine::Soft),
+            #[cfg(feature = "rdma")]
+            ListenEngine::Rdma(l) => l
+                .accept(params.timeout)
+                .map(|p| PendingEngine::Rdma(Box::new(p))),
+        }
     }
     pub(crate) fn accept_incoming(&self) -> Result<Option<IncomingEngine>> {
-        each!(ListenEngine, self, l => Ok(l.accept_incoming()?.map(IncomingEngine::Soft)))
+        match self {
+            ListenEngine::Soft(l) => Ok(l.accept_incoming()?.map(IncomingEngine::Soft)),
+            #[cfg(feature = "rdma")]
+            ListenEngine::Rdma(l) => Ok(l
+                .accept_incoming()?
+                .map(|p| IncomingEngine::Rdma(Box::new(p)))),
+        }
     }
     pub(crate) fn set_nonblocking(&self, on: bool) -> Result<()> {
-        each!(ListenEngine, self, l => l.set_nonblocking(on))
+        match self {
+            ListenEngine::Soft(l) => l.set_nonblocking(on),
+            #[cfg(feature = "rdma")]
+            ListenEngine::Rdma(l) => l.set_nonblocking(on),
+        }
     }
     pub(crate) fn as_fd(&self) -> BorrowedFd<'_> {
-        each!(ListenEngine, self, l => l.as_fd())
+        match self {
+            ListenEngine::Soft(l) => l.as_fd(),
+            #[cfg(feature = "rdma")]
+            ListenEngine::Rdma(l) => l.as_fd(),
+        }
     }
 }
 
-/// An accepted connection whose request is still being read.
+/// An accepted connection whose request is still being read. (On rdma the CM delivers a
+/// request whole: it is complete from the start.)
 pub(crate) enum IncomingEngine {
     Soft(conn::Incoming),
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)] // the skeleton has no values yet
-    Rdma(rdma::Never),
+    Rdma(Box<rdma::Pending>),
 }
 
 /// Where reading an incoming request stands.
@@ -365,10 +549,18 @@ pub(crate) enum IncomingProgress {
 
 impl IncomingEngine {
     pub(crate) fn peer_addr(&self) -> SocketAddr {
-        each!(IncomingEngine, self, i => i.peer_addr())
+        match self {
+            IncomingEngine::Soft(i) => i.peer_addr(),
+            #[cfg(feature = "rdma")]
+            IncomingEngine::Rdma(p) => p.peer_addr(),
+        }
     }
     pub(crate) fn as_fd(&self) -> BorrowedFd<'_> {
-        each!(IncomingEngine, self, i => i.as_fd())
+        match self {
+            IncomingEngine::Soft(i) => i.as_fd(),
+            #[cfg(feature = "rdma")]
+            IncomingEngine::Rdma(p) => p.as_fd(),
+        }
     }
     pub(crate) fn poll_request(self) -> Result<IncomingProgress> {
         match self {
@@ -379,7 +571,9 @@ impl IncomingEngine {
                 }
             }),
             #[cfg(feature = "rdma")]
-            IncomingEngine::Rdma(n) => match n {},
+            IncomingEngine::Rdma(p) => Ok(IncomingProgress::Complete(PendingEngine::Rdma(
+                Box::new(p.check()?),
+            ))),
         }
     }
 }
@@ -387,23 +581,32 @@ impl IncomingEngine {
 /// A connection request waiting for an answer.
 pub(crate) enum PendingEngine {
     Soft(conn::Pending),
+    /// Boxed: a request carries its rdma_cm id, channel and addresses, and the soft variant
+    /// is small; every ConnRequest handed to a poll loop would otherwise be as big.
     #[cfg(feature = "rdma")]
-    #[allow(dead_code)] // the skeleton has no values yet
-    Rdma(rdma::Never),
+    Rdma(Box<rdma::Pending>),
 }
 
 impl PendingEngine {
     pub(crate) fn private_data(&self) -> &[u8] {
-        each!(PendingEngine, self, p => p.private_data())
+        match self {
+            PendingEngine::Soft(p) => p.private_data(),
+            #[cfg(feature = "rdma")]
+            PendingEngine::Rdma(p) => p.private_data(),
+        }
     }
     pub(crate) fn peer_addr(&self) -> SocketAddr {
-        each!(PendingEngine, self, p => p.peer_addr())
+        match self {
+            PendingEngine::Soft(p) => p.peer_addr(),
+            #[cfg(feature = "rdma")]
+            PendingEngine::Rdma(p) => p.peer_addr(),
+        }
     }
     pub(crate) fn reject(self, private_data: &[u8]) {
         match self {
             PendingEngine::Soft(p) => p.reject(private_data),
             #[cfg(feature = "rdma")]
-            PendingEngine::Rdma(n) => match n {},
+            PendingEngine::Rdma(p) => p.reject(private_data),
         }
     }
 }

@@ -306,7 +306,8 @@ pub struct RecvWr {
     pub local: Option<Sge>,
 }
 
-/// Completion statuses, named after `ibv_wc_status`.
+/// Completion statuses, named after `ibv_wc_status` (each of its values has one here; the
+/// soft transport produces the first twelve).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 #[non_exhaustive]
 pub enum WcStatus {
@@ -334,6 +335,33 @@ pub enum WcStatus {
     RetryExceeded,
     /// Anything else.
     General,
+    /// An internal consistency error of the local end-to-end context (RD only;
+    /// `IBV_WC_LOC_EEC_OP_ERR`).
+    LocalEecOperation,
+    /// A local access violation while the NIC read or wrote a local buffer
+    /// (`IBV_WC_LOC_ACCESS_ERR`).
+    LocalAccess,
+    /// The peer kept answering "receiver not ready" (no Recv posted) past the retry count
+    /// (`IBV_WC_RNR_RETRY_EXC_ERR`).
+    RnrRetryExceeded,
+    /// A reliable-datagram domain violation (RD only; `IBV_WC_LOC_RDD_VIOL_ERR`).
+    LocalRddViolation,
+    /// The peer refused an RDMA Read as invalid (`IBV_WC_REM_INV_RD_REQ_ERR`).
+    RemoteInvalidReadRequest,
+    /// The peer aborted the operation (`IBV_WC_REM_ABORT_ERR`).
+    RemoteAbort,
+    /// An invalid end-to-end context number (RD only; `IBV_WC_INV_EECN_ERR`).
+    InvalidEecNumber,
+    /// An invalid end-to-end context state (RD only; `IBV_WC_INV_EEC_STATE_ERR`).
+    InvalidEecState,
+    /// The device failed as a whole (`IBV_WC_FATAL_ERR`).
+    Fatal,
+    /// The response did not come in time (`IBV_WC_RESP_TIMEOUT_ERR`).
+    ResponseTimeout,
+    /// A tag-matching error (`IBV_WC_TM_ERR`).
+    TagMatching,
+    /// A tag-matching rendezvous did not complete (`IBV_WC_TM_RNDV_INCOMPLETE`).
+    TagMatchingRendezvousIncomplete,
 }
 
 /// What a completion completes, as `ibv_wc_opcode`.

@@ -507,6 +507,30 @@ impl Conn {
         }
     }
 
+    /// The transport this connection came in on, and (rdma) its listener's operator
+    /// declaration `direct_write_to_pmem`, which decides whether APM is offered. The listener
+    /// is the rdma one on the connection's local port (and address, unless it listens on the
+    /// wildcard); none found declares nothing, which offers GPSPM only.
+    fn served_by(&self) -> (Transport, bool) {
+        let info = self.qp.info();
+        if info.tcp.is_some() {
+            return (Transport::Tcp, false);
+        }
+        let local = info.local_addr;
+        let cfg = self.shared.config();
+        let dwp = cfg
+            .listeners
+            .iter()
+            .filter(|l| l.url.transport == Transport::Rdma && l.url.port == local.port())
+            .find(|l| {
+                l.url.host.parse::<std::net::IpAddr>().map_or(true, |ip| {
+                    ip.is_unspecified() || ip == local.ip().to_canonical()
+                })
+            })
+            .is_some_and(|l| l.direct_write_to_pmem);
+        (Transport::Rdma, dwp)
+    }
+
     /// Registers `ns` in this connection's domain with the rights it allows.
     fn grant(&self, ns: &Arc<OpenNamespace>) -> fabric::Result<(Grant, NamespaceDescriptor)> {
         let durable = ns.domain().is_durable();
@@ -518,7 +542,8 @@ impl Conn {
             access |= Access::FLUSH_PERSISTENT;
         }
         let mr = self.pd.register(Arc::clone(&ns.mapping), access)?;
-        let mut methods = durability_methods(ns.domain(), Transport::Tcp, false);
+        let (transport, direct_write_to_pmem) = self.served_by();
+        let mut methods = durability_methods(ns.domain(), transport, direct_write_to_pmem);
         if !self.peer_flush {
             methods = DurabilityMethods(methods.0 & !DurabilityMethods::FLUSH.0);
         }

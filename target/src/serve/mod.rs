@@ -78,11 +78,25 @@ pub enum Error {
         #[source]
         source: fabric::Error,
     },
-    /// A transport this build does not serve.
+    /// A transport this build does not serve (built without the `rdma` feature).
     #[error("{url}: the rdma transport is not served by this build; use tcp://")]
     RdmaNotServed {
         /// The URL.
         url: String,
+    },
+    /// Listeners of both transports in one configuration: the poll loops share one device.
+    #[error("listeners {tcp} and {rdma}: one configuration serves one transport (tcp or rdma)")]
+    MixedTransports {
+        /// A `tcp://` listener.
+        tcp: String,
+        /// An `rdma://` listener.
+        rdma: String,
+    },
+    /// RLIMIT_MEMLOCK is too low for one rdma session's registrations.
+    #[error("{message}")]
+    Memlock {
+        /// What is too low and what to change.
+        message: String,
     },
     /// Binding a listener failed.
     #[error("cannot listen on {url}")]
@@ -418,13 +432,25 @@ impl Default for FabricServe {
     }
 }
 
-/// The `rdma://` refusal, shared by bind and check paths.
+/// A listener's fabric URL; `rdma://` is refused by a build without the `rdma` feature.
 fn fabric_url(l: &crate::config::Listener) -> Result<Url> {
     let url = l.url.to_string();
-    if l.url.transport == Transport::Rdma {
+    if l.url.transport == Transport::Rdma && !cfg!(feature = "rdma") {
         return Err(Error::RdmaNotServed { url });
     }
     Url::parse(&url).map_err(|source| Error::Url { url, source })
+}
+
+/// Refuses a configuration whose listeners mix transports (one device serves every loop).
+fn one_transport(cfg: &Config) -> Result<()> {
+    let of = |t| cfg.listeners.iter().find(|l| l.url.transport == t);
+    match (of(Transport::Tcp), of(Transport::Rdma)) {
+        (Some(t), Some(r)) => Err(Error::MixedTransports {
+            tcp: t.url.to_string(),
+            rdma: r.url.to_string(),
+        }),
+        _ => Ok(()),
+    }
 }
 
 impl FabricServe {
@@ -447,13 +473,20 @@ impl FabricServe {
             .iter()
             .map(fabric_url)
             .collect::<Result<_>>()?;
+        one_transport(cfg)?;
         // The device is the listeners' transport's (they share one: a config has one
-        // transport today).
+        // transport). On rdma it is the device of the first listener's address; without one
+        // this fails with "no RDMA device found; use tcp://".
         if let Some(url) = urls.first() {
             self.ctx = Context::for_url(url).map_err(|source| Error::Listen {
                 url: url.to_string(),
                 source,
             })?;
+        }
+        match crate::memlock::check(cfg, namespaces) {
+            crate::memlock::Verdict::TooLow(message) => return Err(Error::Memlock { message }),
+            crate::memlock::Verdict::Short(message) => log::warn!("{message}"),
+            crate::memlock::Verdict::Fine => {}
         }
         let shared = Arc::new(Shared {
             ctx: self.ctx.clone(),

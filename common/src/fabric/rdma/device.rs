@@ -1,0 +1,493 @@
+//! RDMA devices: listing them, opening one (by name, or by the address a URL names, as rdma_cm
+//! binds or resolves it), what it can do, and the protection domain.
+//!
+//! The `ibv_context` is librdmacm's own (from `rdma_get_devices`), not one opened here: the
+//! rdma_cm ids that set up connections report that context as theirs, and a queue pair must
+//! be made in a protection domain of the same context as its rdma_cm id. librdmacm keeps a
+//! context open while any list from `rdma_get_devices` is held, so the device holds its list.
+
+use std::collections::HashMap;
+use std::os::raw::c_int;
+use std::ptr::NonNull;
+use std::sync::{Arc, RwLock, Weak};
+use std::time::{Duration, Instant};
+
+use rdma_sys::{
+    ibv_atomic_cap, ibv_context, ibv_device, ibv_device_attr_ex, ibv_device_cap_flags,
+    ibv_odp_general_caps, ibv_pd, ibv_transport_type,
+};
+
+use super::cm::{self, CmId, EventChannel};
+use super::qp::Qp;
+use super::sys::{self, cap_ex};
+use crate::fabric::error::{Error, Result};
+use crate::fabric::url::Url;
+
+/// An RDMA device as `ibv_get_device_list` reports it, without opening it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RdmaDevice {
+    /// Its name (`mlx5_0`, `rxe0`, `siw0`, ...).
+    pub name: String,
+    /// Its node GUID (host order).
+    pub guid: u64,
+    /// `InfiniBand` (also RoCE and Soft-RoCE), `iWARP`, or what else verbs says.
+    pub transport: &'static str,
+}
+
+/// The machine's RDMA devices. A machine without any (no RDMA NIC, no Soft-RoCE link, no
+/// kernel RDMA support: `ibv_get_device_list` then fails with ENOSYS) has an empty list.
+///
+/// # Errors
+/// [`Error::Verbs`] when libibverbs fails otherwise (no memory).
+pub fn devices() -> Result<Vec<RdmaDevice>> {
+    let mut n: c_int = 0;
+    // SAFETY: ibv_get_device_list writes the count and returns a NULL-terminated array owned by
+    // the caller until ibv_free_device_list, which the guard below calls.
+    let list = unsafe { rdma_sys::ibv_get_device_list(&mut n) };
+    let Some(list) = NonNull::new(list) else {
+        let e = std::io::Error::last_os_error();
+        return match e.raw_os_error() {
+            // No uverbs in the kernel (no /sys/class/infiniband_verbs), no device: nothing.
+            Some(libc::ENOSYS | libc::ENODEV | libc::ENOENT) | None | Some(0) => Ok(Vec::new()),
+            _ => Err(Error::Verbs {
+                op: "ibv_get_device_list",
+                source: e,
+            }),
+        };
+    };
+    struct Guard(NonNull<*mut ibv_device>);
+    impl Drop for Guard {
+        fn drop(&mut self) {
+            // SAFETY: the array came from ibv_get_device_list and is freed once, here.
+            unsafe { rdma_sys::ibv_free_device_list(self.0.as_ptr()) };
+        }
+    }
+    let guard = Guard(list);
+    let mut out = Vec::with_capacity(n.max(0) as usize);
+    for i in 0..n.max(0) as usize {
+        // SAFETY: the array holds `n` device pointers (then NULL), alive until it is freed.
+        let dev = unsafe { *guard.0.as_ptr().add(i) };
+        if dev.is_null() {
+            break;
+        }
+        // SAFETY: `dev` is a live ibv_device of the list; its fields are plain data.
+        let (name, transport, guid) = unsafe {
+            (
+                sys::c_chars(&(*dev).name),
+                (*dev).transport_type,
+                u64::from_be(rdma_sys::ibv_get_device_guid(dev)),
+            )
+        };
+        out.push(RdmaDevice {
+            name,
+            guid,
+            transport: transport_name(transport),
+        });
+    }
+    Ok(out)
+}
+
+fn transport_name(t: ibv_transport_type::Type) -> &'static str {
+    match t {
+        ibv_transport_type::IBV_TRANSPORT_IB => "InfiniBand",
+        ibv_transport_type::IBV_TRANSPORT_IWARP => "iWARP",
+        ibv_transport_type::IBV_TRANSPORT_USNIC | ibv_transport_type::IBV_TRANSPORT_USNIC_UDP => {
+            "usNIC"
+        }
+        _ => "unknown",
+    }
+}
+
+/// librdmacm's list of open device contexts: while it is held, every context in it stays open.
+struct CmContexts {
+    list: NonNull<*mut ibv_context>,
+    len: usize,
+}
+
+// SAFETY: the list is an immutable array of pointers to contexts, which libibverbs makes safe
+// to use from any thread; it is freed only in Drop.
+unsafe impl Send for CmContexts {}
+// SAFETY: as for Send: nothing mutates the array.
+unsafe impl Sync for CmContexts {}
+
+impl CmContexts {
+    /// librdmacm's contexts; [`Error::NoDevice`] if there are none.
+    fn open() -> Result<CmContexts> {
+        let mut n: c_int = 0;
+        // SAFETY: rdma_get_devices returns a NULL-terminated array (or NULL) that the caller
+        // frees with rdma_free_devices; `n` receives its length.
+        let list = unsafe { rdma_sys::rdma_get_devices(&mut n) };
+        match NonNull::new(list) {
+            Some(list) if n > 0 => Ok(CmContexts {
+                list,
+                len: n as usize,
+            }),
+            Some(list) => {
+                // SAFETY: an empty list from rdma_get_devices, freed once.
+                unsafe { rdma_sys::rdma_free_devices(list.as_ptr()) };
+                Err(Error::NoDevice)
+            }
+            // ENODEV (no device), or no rdma_cm in the kernel: there is nothing to use.
+            None => Err(Error::NoDevice),
+        }
+    }
+
+    fn contexts(&self) -> impl Iterator<Item = *mut ibv_context> + '_ {
+        // SAFETY: the array holds `len` context pointers and is alive as long as self.
+        (0..self.len).map(move |i| unsafe { *self.list.as_ptr().add(i) })
+    }
+
+    fn names(&self) -> String {
+        self.contexts()
+            .map(context_name)
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+impl Drop for CmContexts {
+    fn drop(&mut self) {
+        // SAFETY: the array came from rdma_get_devices and is freed once, here.
+        unsafe { rdma_sys::rdma_free_devices(self.list.as_ptr()) };
+    }
+}
+
+fn context_name(ctx: *mut ibv_context) -> String {
+    // SAFETY: `ctx` is an open context of librdmacm's list; its device pointer and the
+    // device's name are valid while it is open.
+    unsafe { sys::c_chars(&(*(*ctx).device).name) }
+}
+
+/// What a device can do, queried once when it is opened.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Caps {
+    pub(crate) max_qp_wr: u32,
+    pub(crate) max_cqe: u32,
+    /// Most Reads/atomics this side serves at once per queue pair (responder resources).
+    pub(crate) max_qp_rd_atom: u8,
+    /// Most Reads/atomics this side keeps in flight per queue pair (initiator depth).
+    pub(crate) max_qp_init_rd_atom: u8,
+    pub(crate) atomics: bool,
+    pub(crate) atomic_write: bool,
+    pub(crate) mw_type2: bool,
+    /// On-demand paging: supported at all, and the RC operations it covers
+    /// (`IBV_ODP_SUPPORT_*`).
+    pub(crate) odp: bool,
+    pub(crate) odp_rc: u32,
+}
+
+/// An open RDMA device. Cheap to clone.
+#[derive(Clone)]
+pub(crate) struct Device {
+    pub(crate) inner: Arc<DeviceInner>,
+}
+
+pub(crate) struct DeviceInner {
+    ctx: NonNull<ibv_context>,
+    pub(crate) name: String,
+    pub(crate) caps: Caps,
+    /// The live queue pairs by number: completions and async events name them so.
+    qps: RwLock<HashMap<u32, Weak<Qp>>>,
+    /// Last: keeps `ctx` open.
+    _contexts: CmContexts,
+}
+
+// SAFETY: libibverbs contexts may be used from any thread; the registry is behind a lock.
+unsafe impl Send for DeviceInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for DeviceInner {}
+
+impl std::fmt::Debug for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RdmaDevice")
+            .field("name", &self.inner.name)
+            .field("caps", &self.inner.caps)
+            .finish()
+    }
+}
+
+/// How long resolving a remote address may take when a URL picks the device.
+const RESOLVE_TIMEOUT: Duration = Duration::from_secs(2);
+
+impl Device {
+    /// The device named `name`.
+    pub(crate) fn by_name(name: &str) -> Result<Device> {
+        let contexts = CmContexts::open()?;
+        let found = contexts.contexts().find(|&c| context_name(c) == name);
+        let Some(ctx) = found else {
+            return Err(Error::NoSuchDevice {
+                wanted: format!("named {name:?}"),
+                reason: format!("the devices here are {}", contexts.names()),
+            });
+        };
+        Device::open(contexts, ctx)
+    }
+
+    /// The device that serves `url`: the one whose address its host is (rdma_bind_addr), or
+    /// the one its host is routed through (rdma_resolve_addr). A wildcard host names the only
+    /// device there is.
+    pub(crate) fn for_url(url: &Url) -> Result<Device> {
+        let contexts = CmContexts::open()?;
+        let addrs = url.socket_addrs()?;
+        let mut why = Vec::new();
+        for addr in &addrs {
+            if addr.ip().is_unspecified() {
+                let all: Vec<*mut ibv_context> = contexts.contexts().collect();
+                match all[..] {
+                    [only] => return Device::open(contexts, only),
+                    _ => {
+                        why.push(format!(
+                            "{} is the wildcard and there are several devices ({}): use one \
+                             device's address",
+                            addr.ip(),
+                            contexts.names()
+                        ));
+                        continue;
+                    }
+                }
+            }
+            match cm_device_of(addr) {
+                Ok(verbs) => {
+                    let found = contexts.contexts().find(|&c| c == verbs);
+                    if let Some(ctx) = found {
+                        return Device::open(contexts, ctx);
+                    }
+                    why.push(format!("{addr}: rdma_cm named a device not in its list"));
+                }
+                Err(e) => why.push(format!("{addr}: {}", crate::error_chain(&e))),
+            }
+        }
+        Err(Error::NoSuchDevice {
+            wanted: format!("for {url}"),
+            reason: why.join("; "),
+        })
+    }
+
+    fn open(contexts: CmContexts, ctx: *mut ibv_context) -> Result<Device> {
+        let ctx = NonNull::new(ctx).ok_or(Error::NoDevice)?;
+        // SAFETY: the context is open; its device's transport type is plain data.
+        let transport = unsafe { (*(*ctx.as_ptr()).device).transport_type };
+        if transport != ibv_transport_type::IBV_TRANSPORT_IB {
+            // The queue pair moves (RTR, RTS, rdma_establish) are InfiniBand CM's; an iWARP
+            // RNIC's CM moves the queue pair itself. The tcp transport speaks iWARP.
+            return Err(Error::NoSuchDevice {
+                wanted: context_name(ctx.as_ptr()),
+                reason: format!(
+                    "an {} device: this transport drives InfiniBand-transport devices (IB, \
+                     RoCE, Soft-RoCE); use tcp://, which speaks iWARP",
+                    transport_name(transport)
+                ),
+            });
+        }
+        let caps = query_caps(ctx)?;
+        // The async fd is read when a completion queue's wait says so: never block there.
+        // SAFETY: async_fd is the context's open fd for as long as the context is open.
+        let afd = unsafe { sys::borrow_fd((*ctx.as_ptr()).async_fd) };
+        sys::set_nonblocking(afd, true, "fcntl(async_fd)")?;
+        Ok(Device {
+            inner: Arc::new(DeviceInner {
+                ctx,
+                name: context_name(ctx.as_ptr()),
+                caps,
+                qps: RwLock::new(HashMap::new()),
+                _contexts: contexts,
+            }),
+        })
+    }
+
+    pub(crate) fn ctx(&self) -> *mut ibv_context {
+        self.inner.ctx.as_ptr()
+    }
+
+    pub(crate) fn caps(&self) -> &Caps {
+        &self.inner.caps
+    }
+
+    /// The context's async event fd (non-blocking).
+    pub(crate) fn async_fd(&self) -> std::os::fd::RawFd {
+        // SAFETY: the context is open while self lives.
+        unsafe { (*self.ctx()).async_fd }
+    }
+
+    /// Whether `ctx` is this device's context.
+    pub(crate) fn same(&self, ctx: *mut ibv_context) -> bool {
+        self.ctx() == ctx
+    }
+
+    /// Allocates a protection domain.
+    pub(crate) fn alloc_pd(&self) -> Result<Pd> {
+        // SAFETY: the context is open while self lives; the PD is deallocated in Pd's Drop,
+        // which the Arc inside keeps after every object made in it.
+        let pd = unsafe { rdma_sys::ibv_alloc_pd(self.ctx()) };
+        let pd = NonNull::new(pd).ok_or_else(|| sys::errno("ibv_alloc_pd"))?;
+        Ok(Pd {
+            inner: Arc::new(PdInner {
+                pd,
+                _dev: self.clone(),
+            }),
+        })
+    }
+
+    pub(crate) fn register_qp(&self, num: u32, qp: Weak<Qp>) {
+        self.registry_mut().insert(num, qp);
+    }
+
+    pub(crate) fn unregister_qp(&self, num: u32) {
+        self.registry_mut().remove(&num);
+    }
+
+    /// The live queue pair numbered `num`.
+    pub(crate) fn qp(&self, num: u32) -> Option<Arc<Qp>> {
+        self.inner
+            .qps
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .get(&num)
+            .and_then(Weak::upgrade)
+    }
+
+    fn registry_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u32, Weak<Qp>>> {
+        self.inner.qps.write().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Reads the device's async events (non-blocking) and acts on those about queue pairs: a
+    /// fatal or access error moves that queue pair to Error, so that its requests are flushed
+    /// and its owner learns why. A fatal device error moves every queue pair to Error.
+    pub(crate) fn handle_async_events(&self) {
+        use rdma_sys::ibv_event_type as ev;
+        for _ in 0..64 {
+            // SAFETY: ibv_async_event is a plain C struct (a union of pointers and an enum
+            // whose 0 is a valid value), filled by ibv_get_async_event.
+            let mut e: rdma_sys::ibv_async_event = unsafe { std::mem::zeroed() };
+            // SAFETY: the context is open; the fd is non-blocking, so this returns -1 at once
+            // when no event is queued.
+            if unsafe { rdma_sys::ibv_get_async_event(self.ctx(), &mut e) } != 0 {
+                return;
+            }
+            let why = match e.event_type {
+                ev::IBV_EVENT_QP_FATAL => Some("the device reported a fatal queue pair error"),
+                ev::IBV_EVENT_QP_REQ_ERR => Some("the device reported an invalid request"),
+                ev::IBV_EVENT_QP_ACCESS_ERR => Some("the device reported a local access error"),
+                _ => None,
+            };
+            if let Some(why) = why {
+                // SAFETY: for these event types the union holds the queue pair, valid until
+                // the event is acknowledged below.
+                let num = unsafe { (*e.element.qp).qp_num };
+                if let Some(qp) = self.qp(num) {
+                    qp.to_error(why);
+                }
+            } else if e.event_type == ev::IBV_EVENT_DEVICE_FATAL {
+                let all: Vec<Arc<Qp>> = self
+                    .inner
+                    .qps
+                    .read()
+                    .unwrap_or_else(|p| p.into_inner())
+                    .values()
+                    .filter_map(Weak::upgrade)
+                    .collect();
+                for qp in all {
+                    qp.to_error("the RDMA device failed (IBV_EVENT_DEVICE_FATAL)");
+                }
+            }
+            // SAFETY: `e` came from ibv_get_async_event and is acknowledged once.
+            unsafe { rdma_sys::ibv_ack_async_event(&mut e) };
+        }
+    }
+}
+
+/// The context rdma_cm ties `addr` to: the device that has it (bind), else the one that
+/// routes to it (resolve).
+fn cm_device_of(addr: &std::net::SocketAddr) -> Result<*mut ibv_context> {
+    let channel = EventChannel::new()?;
+    let id = CmId::new(&channel)?;
+    let mut local = *addr;
+    local.set_port(0);
+    if id.bind(&local).is_ok() && !id.verbs().is_null() {
+        return Ok(id.verbs());
+    }
+    drop(id);
+    // Bound to nothing (a remote address, or a local one no device has): resolve it.
+    let id = CmId::new(&channel)?;
+    id.resolve_addr(addr, RESOLVE_TIMEOUT)?;
+    let deadline = Instant::now() + RESOLVE_TIMEOUT;
+    let ev = cm::wait_event(&channel, deadline)?.ok_or_else(|| Error::Socket {
+        op: "resolve address",
+        addr: addr.to_string(),
+        source: std::io::ErrorKind::TimedOut.into(),
+    })?;
+    ev.expect(
+        rdma_sys::rdma_cm_event_type::RDMA_CM_EVENT_ADDR_RESOLVED,
+        "resolve address",
+        addr,
+    )?;
+    let verbs = id.verbs();
+    if verbs.is_null() {
+        return Err(Error::NoSuchDevice {
+            wanted: format!("for {addr}"),
+            reason: "its route leaves through no RDMA device".into(),
+        });
+    }
+    Ok(verbs)
+}
+
+fn query_caps(ctx: NonNull<ibv_context>) -> Result<Caps> {
+    // SAFETY: ibv_device_attr_ex is plain C data; zero is a valid value of every field (the
+    // query fills what the device reports, rdma-sys does not clear it first).
+    let mut attr: ibv_device_attr_ex = unsafe { std::mem::zeroed() };
+    // SAFETY: the context is open; `attr` is a valid out-parameter of the size the wrapper
+    // reports. A NULL input asks for the default query.
+    let r = unsafe { rdma_sys::ibv_query_device_ex(ctx.as_ptr(), std::ptr::null(), &mut attr) };
+    if r != 0 {
+        return Err(sys::returned("ibv_query_device_ex", r));
+    }
+    let a = &attr.orig_attr;
+    let flags = ibv_device_cap_flags(a.device_cap_flags);
+    let has = |f: ibv_device_cap_flags| flags.0 & f.0 != 0;
+    let u8_of = |v: c_int| v.clamp(0, 255) as u8;
+    Ok(Caps {
+        max_qp_wr: a.max_qp_wr.max(1) as u32,
+        max_cqe: a.max_cqe.max(1) as u32,
+        max_qp_rd_atom: u8_of(a.max_qp_rd_atom),
+        max_qp_init_rd_atom: u8_of(a.max_qp_init_rd_atom),
+        atomics: a.atomic_cap != ibv_atomic_cap::IBV_ATOMIC_NONE,
+        atomic_write: attr.device_cap_flags_ex & cap_ex::ATOMIC_WRITE != 0,
+        mw_type2: has(ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2A)
+            || has(ibv_device_cap_flags::IBV_DEVICE_MEM_WINDOW_TYPE_2B),
+        odp: attr.odp_caps.general_caps & u64::from(ibv_odp_general_caps::IBV_ODP_SUPPORT.0) != 0,
+        odp_rc: attr.odp_caps.per_transport_caps.rc_odp_caps,
+    })
+}
+
+/// A protection domain (`ibv_pd`). Cheap to clone; deallocated with its last clone, which
+/// every region, window and queue pair made in it holds.
+#[derive(Clone)]
+pub(crate) struct Pd {
+    pub(crate) inner: Arc<PdInner>,
+}
+
+pub(crate) struct PdInner {
+    pd: NonNull<ibv_pd>,
+    /// The parent: the context stays open while the domain exists.
+    _dev: Device,
+}
+
+// SAFETY: verbs objects may be used from any thread (libibverbs locks internally); the
+// pointer is only deallocated in Drop.
+unsafe impl Send for PdInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for PdInner {}
+
+impl Pd {
+    pub(crate) fn raw(&self) -> *mut ibv_pd {
+        self.inner.pd.as_ptr()
+    }
+}
+
+impl Drop for PdInner {
+    fn drop(&mut self) {
+        // SAFETY: every region, window and queue pair of this domain holds a clone of the Pd,
+        // so none is left when the last one goes; the PD is deallocated once, here.
+        unsafe { rdma_sys::ibv_dealloc_pd(self.pd.as_ptr()) };
+    }
+}

@@ -1,0 +1,364 @@
+//! Memory registration on an RDMA device, and type-2 memory windows.
+//!
+//! What may be pinned is pinned (`ibv_reg_mr`): anonymous memory, tmpfs, and devdax, whose
+//! pages are never moved or written back. fsdax files cannot be: the kernel refuses
+//! long-term pins of DAX file pages, so they are registered with on-demand paging
+//! (`IBV_ACCESS_ON_DEMAND`) where the device has it for the rights asked, and refused with the
+//! reason where it does not. Page-cache files are registered the same way: long-term pins of
+//! writable file pages are refused (Linux 6.5 and later) or keep write-back from working.
+//!
+//! A window is an `ibv_mw` of type 2, bound to one queue pair by a posted bind. Invalidating
+//! one (locally, or because its region is deregistered) replaces the `ibv_mw` with a fresh one:
+//! the old rkey is then refused by the device, and no local-invalidate request has to be
+//! posted on a queue pair that may be gone.
+
+use std::ptr::NonNull;
+use std::sync::{Arc, Mutex, Weak};
+
+use rdma_sys::{
+    ibv_access_flags as ia, ibv_mr, ibv_mw, ibv_mw_type, ibv_odp_transport_cap_bits as odp,
+};
+
+use super::device::{Caps, Pd};
+use super::qp::Qp;
+use super::sys;
+use super::translate;
+use crate::fabric::error::{Error, Result};
+use crate::fabric::mr::MemoryBacking;
+use crate::fabric::transport::{Grant, MrEngine};
+use crate::fabric::types::Access;
+
+/// A registered region (`ibv_mr`). Cheap to clone: windows bound to it hold a clone.
+#[derive(Clone)]
+pub(crate) struct Mr {
+    inner: Arc<MrInner>,
+}
+
+struct MrInner {
+    mr: NonNull<ibv_mr>,
+    /// The windows bound to it, invalidated before it is deregistered (verbs refuses to
+    /// deregister a region with bound windows).
+    windows: Mutex<Vec<Weak<MwInner>>>,
+    _pd: Pd,
+}
+
+// SAFETY: a registration is used only through verbs calls, which are thread-safe, and read
+// fields that never change; it is deregistered only in Drop.
+unsafe impl Send for MrInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for MrInner {}
+
+impl Mr {
+    pub(crate) fn lkey(&self) -> u32 {
+        // SAFETY: the registration is live while self is; lkey never changes.
+        unsafe { (*self.inner.mr.as_ptr()).lkey }
+    }
+
+    pub(crate) fn rkey(&self) -> u32 {
+        // SAFETY: as for lkey.
+        unsafe { (*self.inner.mr.as_ptr()).rkey }
+    }
+
+    pub(crate) fn raw(&self) -> *mut ibv_mr {
+        self.inner.mr.as_ptr()
+    }
+}
+
+impl Drop for MrInner {
+    fn drop(&mut self) {
+        let windows = std::mem::take(&mut *self.windows.lock().unwrap_or_else(|p| p.into_inner()));
+        for w in windows.iter().filter_map(Weak::upgrade) {
+            w.invalidate_if_on(self.mr.as_ptr());
+        }
+        // SAFETY: every request that used this region held a clone of its MemoryRegion until
+        // completed, and every window bound to it was just invalidated: nothing refers to it.
+        unsafe { rdma_sys::ibv_dereg_mr(self.mr.as_ptr()) };
+    }
+}
+
+/// The rights ODP must cover for `access` (`IBV_ODP_SUPPORT_*`).
+fn odp_needed(access: Access) -> u32 {
+    let mut need = 0;
+    if access.contains(Access::REMOTE_WRITE) {
+        need |= odp::IBV_ODP_SUPPORT_WRITE.0;
+    }
+    if access.contains(Access::REMOTE_READ) {
+        need |= odp::IBV_ODP_SUPPORT_READ.0;
+    }
+    if access.contains(Access::REMOTE_ATOMIC) {
+        need |= odp::IBV_ODP_SUPPORT_ATOMIC.0;
+    }
+    need
+}
+
+/// Whether the memory must be registered with on-demand paging, or the reason it cannot be
+/// registered on this device at all.
+pub(crate) fn plan(
+    backing: MemoryBacking,
+    access: Access,
+    caps: &Caps,
+) -> std::result::Result<bool, &'static str> {
+    let odp_ok = caps.odp && caps.odp_rc & odp_needed(access) == odp_needed(access);
+    match backing {
+        MemoryBacking::FsDax if odp_ok => Ok(true),
+        MemoryBacking::FsDax => Err(
+            "fsdax pages cannot be pinned for a NIC (the kernel refuses long-term pins of DAX \
+             file pages) and this device has no on-demand paging (ODP) for these rights: use a \
+             devdax namespace, or an ODP-capable NIC",
+        ),
+        MemoryBacking::PageCache if odp_ok => Ok(true),
+        MemoryBacking::PageCache => Err(
+            "page-cache file pages cannot be pinned for a NIC (long-term pins of writable file \
+             pages are refused by Linux 6.5 and later, and break write-back before) and this \
+             device has no on-demand paging (ODP) for these rights: use devdax, tmpfs, or an \
+             ODP-capable NIC",
+        ),
+        _ => Ok(false),
+    }
+}
+
+impl super::device::Device {
+    /// Registers the grant's range in `pd`.
+    pub(crate) fn register_mr(&self, pd: &Pd, g: &Grant<'_>) -> Result<Mr> {
+        let refuse = |reason| Error::Register {
+            addr: g.base as usize,
+            len: g.len as usize,
+            reason,
+        };
+        let odp_on = plan(g.region.backing(), g.access, self.caps()).map_err(refuse)?;
+        let mut flags = translate::access_to_ibv(g.access, self.caps().atomics);
+        if odp_on {
+            flags |= ia::IBV_ACCESS_ON_DEMAND.0;
+        }
+        let addr = g.region.addr().wrapping_add(g.offset as usize);
+        // SAFETY: the PD is live; [addr, addr+len) is the region's registered memory, which
+        // the Region (kept by the MemoryRegion that will own this registration, and by every
+        // request using it) keeps mapped for as long as the registration exists.
+        let mr =
+            unsafe { rdma_sys::ibv_reg_mr(pd.raw(), addr.cast(), g.len as usize, flags as i32) };
+        let Some(mr) = NonNull::new(mr) else {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::ENOMEM) || e.raw_os_error() == Some(libc::EPERM) {
+                return Err(refuse(
+                    "the kernel refused to pin it (ENOMEM/EPERM): RLIMIT_MEMLOCK is too low; \
+                     raise LimitMEMLOCK (systemd) or `ulimit -l`, or grant CAP_IPC_LOCK",
+                ));
+            }
+            return Err(Error::Verbs {
+                op: "ibv_reg_mr",
+                source: e,
+            });
+        };
+        Ok(Mr {
+            inner: Arc::new(MrInner {
+                mr,
+                windows: Mutex::new(Vec::new()),
+                _pd: pd.clone(),
+            }),
+        })
+    }
+
+    /// A type-2 memory window in `pd`.
+    pub(crate) fn alloc_mw(&self, pd: &Pd) -> Result<Mw> {
+        if !self.caps().mw_type2 {
+            return Err(Error::MemoryWindow {
+                reason: "this RDMA device has no type-2 memory windows: use a region per \
+                         connection",
+            });
+        }
+        let raw = alloc_raw(pd)?;
+        Ok(Mw {
+            inner: Arc::new(MwInner {
+                pd: pd.clone(),
+                state: Mutex::new(MwState {
+                    raw: Some(raw),
+                    // SAFETY: just allocated, live.
+                    rkey: unsafe { (*raw.as_ptr()).rkey },
+                    on: None,
+                }),
+            }),
+        })
+    }
+}
+
+fn alloc_raw(pd: &Pd) -> Result<NonNull<ibv_mw>> {
+    // SAFETY: the PD is live; the window is deallocated by MwInner (invalidate or Drop).
+    let mw = unsafe { rdma_sys::ibv_alloc_mw(pd.raw(), ibv_mw_type::IBV_MW_TYPE_2) };
+    mw.and_then(NonNull::new)
+        .ok_or_else(|| sys::errno("ibv_alloc_mw"))
+}
+
+/// A type-2 memory window.
+pub(crate) struct Mw {
+    inner: Arc<MwInner>,
+}
+
+struct MwInner {
+    pd: Pd,
+    state: Mutex<MwState>,
+}
+
+struct MwState {
+    /// None after a failed re-allocation: the window then refuses to bind.
+    raw: Option<NonNull<ibv_mw>>,
+    rkey: u32,
+    /// The region it is bound to.
+    on: Option<*mut ibv_mr>,
+}
+
+// SAFETY: the window is used only under its lock, through thread-safe verbs calls.
+unsafe impl Send for MwInner {}
+// SAFETY: as for Send.
+unsafe impl Sync for MwInner {}
+
+impl Mw {
+    pub(crate) fn rkey(&self) -> u32 {
+        self.inner.lock().rkey
+    }
+
+    /// Binds the window for `qp` over the grant's range of its region; returns the new rkey.
+    pub(crate) fn bind(&self, qp: &Qp, g: &Grant<'_>) -> Result<u32> {
+        let Some(MrEngine::Rdma(mr)) = g.mr_engine else {
+            return Err(Error::WrongDomain {
+                what: "memory region",
+            });
+        };
+        let mut st = self.inner.lock();
+        let raw = st.raw.ok_or(Error::MemoryWindow {
+            reason: "the window could not be re-allocated after its last invalidation",
+        })?;
+        // SAFETY: ibv_inc_rkey is arithmetic on the key's low byte.
+        let rkey = unsafe { rdma_sys::ibv_inc_rkey(st.rkey) };
+        let access = translate::access_to_ibv(g.access, true);
+        qp.bind_window(raw.as_ptr(), rkey, mr, g.base, g.len, access)?;
+        st.rkey = rkey;
+        st.on = Some(mr.raw());
+        mr.inner
+            .windows
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .push(Arc::downgrade(&self.inner));
+        Ok(rkey)
+    }
+
+    /// Invalidates the window (see the module docs); returns its new rkey.
+    pub(crate) fn invalidate(&self) -> u32 {
+        self.inner.reset();
+        self.rkey()
+    }
+}
+
+impl MwInner {
+    fn lock(&self) -> std::sync::MutexGuard<'_, MwState> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Replaces the `ibv_mw` with a fresh, unbound one.
+    fn reset(&self) {
+        let mut st = self.lock();
+        if let Some(raw) = st.raw.take() {
+            // SAFETY: the window is live and deallocated once (it was taken out of the state).
+            unsafe { rdma_sys::ibv_dealloc_mw(raw.as_ptr()) };
+        }
+        st.on = None;
+        match alloc_raw(&self.pd) {
+            Ok(raw) => {
+                // SAFETY: just allocated, live.
+                st.rkey = unsafe { (*raw.as_ptr()).rkey };
+                st.raw = Some(raw);
+            }
+            Err(_) => st.rkey = 0,
+        }
+    }
+
+    fn invalidate_if_on(&self, mr: *mut ibv_mr) {
+        if self.lock().on == Some(mr) {
+            self.reset();
+        }
+    }
+}
+
+impl Drop for MwInner {
+    fn drop(&mut self) {
+        if let Some(raw) = self
+            .state
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .raw
+            .take()
+        {
+            // SAFETY: the window is live and deallocated once, here.
+            unsafe { rdma_sys::ibv_dealloc_mw(raw.as_ptr()) };
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn caps(with_odp: bool, odp_rc: u32) -> Caps {
+        Caps {
+            max_qp_wr: 1024,
+            max_cqe: 4096,
+            max_qp_rd_atom: 16,
+            max_qp_init_rd_atom: 16,
+            atomics: true,
+            atomic_write: false,
+            mw_type2: true,
+            odp: with_odp,
+            odp_rc,
+        }
+    }
+
+    #[test]
+    fn what_is_pinned_and_what_needs_odp() {
+        let rw = Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ;
+        let none = caps(false, 0);
+        assert_eq!(plan(MemoryBacking::Ram, rw, &none), Ok(false));
+        assert_eq!(plan(MemoryBacking::DevDax, rw, &none), Ok(false));
+        let e = plan(MemoryBacking::FsDax, rw, &none).unwrap_err();
+        assert!(
+            e.contains("fsdax") && e.contains("ODP") && e.contains("devdax"),
+            "{e}"
+        );
+        let e = plan(MemoryBacking::PageCache, rw, &none).unwrap_err();
+        assert!(e.contains("page-cache") && e.contains("ODP"), "{e}");
+
+        let full = odp::IBV_ODP_SUPPORT_WRITE.0
+            | odp::IBV_ODP_SUPPORT_READ.0
+            | odp::IBV_ODP_SUPPORT_ATOMIC.0;
+        assert_eq!(plan(MemoryBacking::FsDax, rw, &caps(true, full)), Ok(true));
+        assert_eq!(
+            plan(MemoryBacking::PageCache, rw, &caps(true, full)),
+            Ok(true)
+        );
+        // ODP that does not cover a right asked for is no ODP for this registration.
+        let no_atomic = odp::IBV_ODP_SUPPORT_WRITE.0 | odp::IBV_ODP_SUPPORT_READ.0;
+        assert!(plan(
+            MemoryBacking::FsDax,
+            rw | Access::REMOTE_ATOMIC,
+            &caps(true, no_atomic)
+        )
+        .is_err());
+        assert_eq!(
+            plan(MemoryBacking::FsDax, rw, &caps(true, no_atomic)),
+            Ok(true)
+        );
+        // Pinnable memory never uses ODP, even where the device has it.
+        assert_eq!(
+            plan(MemoryBacking::DevDax, rw, &caps(true, full)),
+            Ok(false)
+        );
+    }
+
+    #[test]
+    fn odp_rights_follow_the_access() {
+        assert_eq!(odp_needed(Access::LOCAL_WRITE), 0);
+        assert_eq!(odp_needed(Access::REMOTE_READ), odp::IBV_ODP_SUPPORT_READ.0);
+        assert_eq!(
+            odp_needed(Access::REMOTE_WRITE | Access::REMOTE_ATOMIC),
+            odp::IBV_ODP_SUPPORT_WRITE.0 | odp::IBV_ODP_SUPPORT_ATOMIC.0
+        );
+    }
+}

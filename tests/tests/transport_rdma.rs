@@ -1,0 +1,422 @@
+//! The `rdma` transport end to end.
+//!
+//! On every machine: without an RDMA device, `rdma://` fails with "no RDMA device found; use
+//! tcp://" in the fabric (`Context::for_url`) and through the real binaries: `rpma-target`
+//! refuses to start on an `rdma://` listener, `check-config` reports it as a problem, and
+//! `rpma-initiator --target rdma://...` refuses to connect.
+//!
+//! Wherever a device exists: the scenarios below (connect, durable write and read back through
+//! the library and the CLI, GPSPM, atomics, a second session's rkey refused, a target restart)
+//! are written once and run over `tcp` always and over `rdma` in the
+//! `#[ignore = "requires an RDMA device"]` tests, which need `RPMA_TEST_RDMA_DEVICE` (the
+//! device, e.g. `rxe0`) and `RPMA_TEST_RDMA_ADDR` (an address of that device's netdev to listen
+//! on). docs/rdma.md sets up Soft-RoCE for them and says how to run them.
+
+use std::path::Path;
+use std::process::Stdio;
+use std::time::Duration;
+
+use rpma_common::fabric::{RemoteAddr, WcStatus};
+use rpma_common::proto::DurabilityMethods;
+use rpma_initiator::{connect, Connection, Durability, PersistMethod};
+use rpma_tests::sessions::write_then_read;
+use rpma_tests::{
+    check_config, cli_read_with, cli_write_with, conn_args, free_port, host, initiator, noise, nqn,
+    opts, scratch, text, Config, Daemon, Namespace, Shm, Subsystem, Target,
+};
+
+const SUB: &str = "nqn.2026-11.io.rpma:rdma-e2e";
+const HOST: &str = "nqn.2026-11.io.rpma:rdma-host";
+const NO_DEVICE: &str = "no RDMA device found; use tcp://";
+
+/// Which transport a scenario runs over.
+enum Fabric {
+    Tcp,
+    /// An RDMA device's address to listen on (the target) and connect to (the initiator).
+    Rdma {
+        addr: String,
+    },
+}
+
+impl Fabric {
+    /// The RDMA device the environment names; panics with what to set when it names none
+    /// (the tests that call this are ignored unless asked for).
+    fn rdma() -> Fabric {
+        let need = |var: &str| {
+            std::env::var(var).unwrap_or_else(|_| {
+                panic!(
+                    "{var} is not set: the rdma runs need RPMA_TEST_RDMA_DEVICE (e.g. rxe0) and \
+                     RPMA_TEST_RDMA_ADDR (an address of its netdev); see docs/rdma.md"
+                )
+            })
+        };
+        let device = need("RPMA_TEST_RDMA_DEVICE");
+        let addr = need("RPMA_TEST_RDMA_ADDR");
+        #[cfg(feature = "rdma")]
+        {
+            use rpma_common::fabric::{rdma_devices, Context, Url};
+            let names: Vec<String> = rdma_devices()
+                .expect("listing RDMA devices")
+                .into_iter()
+                .map(|d| d.name)
+                .collect();
+            assert!(
+                names.contains(&device),
+                "no device {device:?} here: {names:?}"
+            );
+            let url = Url::parse(&format!("{}:1", listen_base(&addr))).unwrap();
+            let ctx = Context::for_url(&url).expect("the address's device");
+            assert_eq!(ctx.device_name(), device, "{addr} is not {device}'s");
+        }
+        #[cfg(not(feature = "rdma"))]
+        let _ = device;
+        Fabric::Rdma { addr }
+    }
+
+    /// The listener's scheme and host.
+    fn listen(&self) -> String {
+        match self {
+            Fabric::Tcp => "tcp://127.0.0.1".into(),
+            Fabric::Rdma { addr } => listen_base(addr),
+        }
+    }
+}
+
+fn listen_base(addr: &str) -> String {
+    if addr.contains(':') {
+        format!("rdma://[{addr}]")
+    } else {
+        format!("rdma://{addr}")
+    }
+}
+
+/// A target serving SUB to HOST with one dax (forced) namespace on /dev/shm (durable as far as
+/// the target's persistence goes, and pinnable for an RDMA NIC), killed on drop.
+struct Setup {
+    target: Target,
+    shm: Shm,
+    dir: tempfile::TempDir,
+}
+
+const NS_SIZE: usize = 4 << 20;
+
+fn start(fab: &Fabric, tag: &str) -> Setup {
+    let dir = scratch();
+    let shm = Shm::new(tag);
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB)
+            .host(HOST)
+            .namespace(Namespace::new(1, shm.path(), "4MiB").force_dax()),
+    );
+    let target = Target::start_on(dir.path(), &fab.listen(), &config.to_string(), &[]);
+    assert!(
+        target.ready().contains("1 of 1 listener(s) bound"),
+        "{}",
+        target.ready()
+    );
+    Setup { target, shm, dir }
+}
+
+fn queue(s: &Setup) -> rpma_initiator::Queue {
+    Connection::new(&s.target.url(), nqn(SUB), host(HOST))
+        .with_connect_options(opts())
+        .open_queue(0)
+        .expect("open a queue")
+}
+
+fn file(s: &Setup) -> Vec<u8> {
+    let f = std::fs::read(s.shm.path()).expect("the namespace file");
+    assert_eq!(f.len(), NS_SIZE);
+    f
+}
+
+// ---- the scenarios ----
+
+fn write_durable_read_back(fab: Fabric) {
+    let s = start(&fab, "wdr");
+    let mut q = queue(&s);
+    let mut ns = q.namespace(1).unwrap();
+    let data = noise(13, 256 << 10);
+    let d = ns.write_durable(8192, &data).unwrap();
+    assert!(matches!(d, Durability::Durable(_)), "{d:?}");
+    let mut back = vec![0u8; data.len()];
+    ns.read_at(8192, &mut back).unwrap();
+    assert_eq!(back, data, "read back");
+    assert_eq!(
+        &file(&s)[8192..8192 + data.len()],
+        &data[..],
+        "in the namespace"
+    );
+    drop(q);
+    // The CLI over the same transport: a durable write, then a read in another process.
+    let conn = conn_args(&s.target.url(), SUB, HOST, Some(1));
+    let line = b"the CLI, over the same transport";
+    cli_write_with(&conn, s.dir.path(), 1 << 20, line);
+    assert_eq!(
+        cli_read_with(&conn, s.dir.path(), 1 << 20, line.len() as u64),
+        line
+    );
+}
+
+fn gpspm(fab: Fabric) {
+    let s = start(&fab, "gpspm");
+    let mut q = queue(&s);
+    let mut ns = q.namespace(1).unwrap();
+    let offered = ns.descriptor().durability;
+    assert!(offered.contains(DurabilityMethods::GPSPM), "{offered:?}");
+    match fab {
+        // The placement engine makes APM valid on tcp.
+        Fabric::Tcp => assert!(offered.contains(DurabilityMethods::APM), "{offered:?}"),
+        // On rdma APM needs the operator's direct_write_to_pmem (not declared here), and
+        // rdma-core 44 has no Flush.
+        Fabric::Rdma { .. } => {
+            assert!(!offered.contains(DurabilityMethods::APM), "{offered:?}");
+            assert!(!offered.contains(DurabilityMethods::FLUSH), "{offered:?}");
+        }
+    }
+    ns.set_method(Some(PersistMethod::Gpspm)).unwrap();
+    let data = noise(21, 64 << 10);
+    assert_eq!(
+        ns.write_durable(0, &data).unwrap(),
+        Durability::Durable(PersistMethod::Gpspm)
+    );
+    assert_eq!(&file(&s)[..data.len()], &data[..]);
+}
+
+fn atomics(fab: Fabric) {
+    let s = start(&fab, "atomics");
+    let mut q = queue(&s);
+    let mut ns = q.namespace(1).unwrap();
+    assert_eq!(ns.compare_and_swap(64, 0, 7).unwrap(), 0);
+    assert_eq!(
+        ns.compare_and_swap(64, 1, 99).unwrap(),
+        7,
+        "no swap on a mismatch"
+    );
+    assert_eq!(ns.fetch_add(64, 35).unwrap(), 7);
+    let mut v = [0u8; 8];
+    ns.read_at(64, &mut v).unwrap();
+    assert_eq!(u64::from_ne_bytes(v), 42);
+    assert_eq!(&file(&s)[64..72], &42u64.to_ne_bytes());
+}
+
+fn second_session_rkey_refused(fab: Fabric) {
+    let s = start(&fab, "rkeys");
+    let a = connect(&s.target.url(), &nqn(SUB), &host(HOST), &opts()).unwrap();
+    let mut b = connect(&s.target.url(), &nqn(SUB), &host(HOST), &opts()).unwrap();
+    let na = a.namespace(1).unwrap().clone();
+    assert_ne!(
+        na.rkey,
+        b.namespace(1).unwrap().rkey,
+        "an rkey per connection"
+    );
+    let stolen = RemoteAddr {
+        addr: na.remote_addr + 4096,
+        rkey: na.rkey,
+    };
+    // tcp: the Write is handed to TCP, the Read behind it fails; rdma: the Write itself fails
+    // and the Read is flushed. Either way: RemoteAccess, and nothing placed.
+    let st = write_then_read(&mut b, stolen, b"stolen rkey");
+    assert!(st.contains(&WcStatus::RemoteAccess), "{st:?}");
+    assert!(file(&s)[4096..4096 + 11].iter().all(|&b| b == 0));
+    drop(a);
+}
+
+fn target_restart(fab: Fabric) {
+    let mut s = start(&fab, "restart");
+    let data = noise(34, 128 << 10);
+    {
+        let mut q = queue(&s);
+        let d = q.namespace(1).unwrap().write_durable(4096, &data).unwrap();
+        assert!(matches!(d, Durability::Durable(_)), "{d:?}");
+    }
+    s.target.restart();
+    let mut q = queue(&s);
+    let mut back = vec![0u8; data.len()];
+    q.namespace(1).unwrap().read_at(4096, &mut back).unwrap();
+    assert_eq!(back, data, "the durable bytes are there after the restart");
+}
+
+// ---- over tcp, always ----
+
+#[test]
+fn tcp_write_durable_read_back() {
+    write_durable_read_back(Fabric::Tcp);
+}
+
+#[test]
+fn tcp_gpspm() {
+    gpspm(Fabric::Tcp);
+}
+
+#[test]
+fn tcp_atomics() {
+    atomics(Fabric::Tcp);
+}
+
+#[test]
+fn tcp_second_session_rkey_refused() {
+    second_session_rkey_refused(Fabric::Tcp);
+}
+
+#[test]
+fn tcp_target_restart() {
+    target_restart(Fabric::Tcp);
+}
+
+// ---- over rdma, where a device is named ----
+
+#[test]
+#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+fn rdma_write_durable_read_back() {
+    write_durable_read_back(Fabric::rdma());
+}
+
+#[test]
+#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+fn rdma_gpspm() {
+    gpspm(Fabric::rdma());
+}
+
+#[test]
+#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+fn rdma_atomics() {
+    atomics(Fabric::rdma());
+}
+
+#[test]
+#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+fn rdma_second_session_rkey_refused() {
+    second_session_rkey_refused(Fabric::rdma());
+}
+
+#[test]
+#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+fn rdma_target_restart() {
+    target_restart(Fabric::rdma());
+}
+
+// ---- without a device: the clear error ----
+
+/// Whether this machine has an RDMA device (then the no-device tests have nothing to show).
+fn has_device() -> bool {
+    std::path::Path::new("/sys/class/infiniband")
+        .read_dir()
+        .is_ok_and(|mut d| d.next().is_some())
+}
+
+/// What the binaries say about `rdma://` where there is no device: the clear error, or, in a
+/// build without the `rdma` feature, that the build has no such transport.
+fn expected(what: &str) -> &'static str {
+    match (cfg!(feature = "rdma"), what) {
+        (true, _) => NO_DEVICE,
+        (false, "target") => "the rdma transport is not served by this build; use tcp://",
+        (false, _) => "transport \"rdma\" is not available in this build",
+    }
+}
+
+#[cfg(feature = "rdma")]
+#[test]
+fn the_fabric_says_there_is_no_device() {
+    use rpma_common::fabric::{rdma_devices, Context, Error, Listener, Url};
+    if has_device() {
+        eprintln!("skipped: this machine has an RDMA device");
+        return;
+    }
+    assert_eq!(rdma_devices().unwrap(), vec![], "an empty list, no error");
+    for u in [
+        "rdma://127.0.0.1:7420",
+        "rdma://0.0.0.0:7420",
+        "rdma://[::1]:7420",
+    ] {
+        let e = Context::for_url(&Url::parse(u).unwrap()).expect_err(u);
+        assert!(matches!(e, Error::NoDevice), "{u}: {e:?}");
+        assert_eq!(e.to_string(), NO_DEVICE);
+    }
+    let e = Context::rdma_device("rxe0").expect_err("no device of any name");
+    assert!(matches!(e, Error::NoDevice), "{e:?}");
+    // A tcp device does not listen on, or connect to, rdma:// URLs.
+    let soft = Context::soft();
+    let url = Url::parse("rdma://127.0.0.1:7420").unwrap();
+    let e = Listener::bind(&soft, &url).expect_err("soft device, rdma URL");
+    assert!(matches!(e, Error::BadUrl { .. }), "{e:?}");
+    let pd = soft.alloc_pd().unwrap();
+    let cq = soft.create_cq(4).unwrap();
+    let qp = pd.create_qp(&cq, &cq, Default::default()).unwrap();
+    let e = qp
+        .connect(&url, &Default::default(), b"")
+        .expect_err("soft queue pair, rdma URL");
+    assert!(matches!(e, Error::BadUrl { .. }), "{e:?}");
+}
+
+fn rdma_listener_config(dir: &Path, port: u16) -> std::path::PathBuf {
+    let cfg = dir.join("target.toml");
+    let body = Config::new().subsystem(
+        Subsystem::new(SUB)
+            .host(HOST)
+            .namespace(Namespace::new(1, "ns1", "1MiB")),
+    );
+    std::fs::write(
+        &cfg,
+        format!("listen = [\"rdma://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{body}"),
+    )
+    .unwrap();
+    cfg
+}
+
+#[test]
+fn the_target_refuses_an_rdma_listener_without_a_device() {
+    if has_device() {
+        eprintln!("skipped: this machine has an RDMA device");
+        return;
+    }
+    let d = scratch();
+    let cfg = rdma_listener_config(d.path(), free_port());
+    let log = d.path().join("stderr");
+    let err = std::fs::File::create(&log).unwrap();
+    let mut t = Daemon::start(&cfg, d.path(), &[], Stdio::from(err));
+    let st = t.wait_exit(Duration::from_secs(30));
+    assert!(!st.success(), "{st}");
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains(expected("target")), "{said}");
+    assert!(
+        said.contains("rdma://127.0.0.1:"),
+        "names the listener: {said}"
+    );
+    // check-config says so too, as a problem.
+    let o = check_config(&cfg);
+    assert!(!o.status.success(), "{}", text(&o));
+    let out = text(&o);
+    let want = if cfg!(feature = "rdma") {
+        NO_DEVICE
+    } else {
+        "this build has no rdma transport"
+    };
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("problem: listener rdma://") && l.contains(want)),
+        "{out}"
+    );
+}
+
+#[test]
+fn the_initiator_refuses_an_rdma_target_without_a_device() {
+    if has_device() {
+        eprintln!("skipped: this machine has an RDMA device");
+        return;
+    }
+    let url = format!("rdma://127.0.0.1:{}", free_port());
+    for cmd in [
+        &["identify"][..],
+        &["read", "--offset", "0", "--length", "16"][..],
+    ] {
+        let mut args: Vec<String> = conn_args(&url, SUB, HOST, Some(1));
+        args.extend(cmd.iter().map(|s| s.to_string()));
+        let a: Vec<&str> = args.iter().map(String::as_str).collect();
+        let o = initiator(&a);
+        assert!(!o.status.success(), "{a:?}: {}", text(&o));
+        let said = text(&o);
+        assert!(said.contains(expected("initiator")), "{a:?}: {said}");
+        assert!(said.contains(&url), "names the target: {said}");
+    }
+}
