@@ -14,6 +14,8 @@ PACKAGES=(
   # the initiator mounts with mount(2) as root, so fusermount3 is never needed.
   e2fsprogs util-linux
   nbdkit  # make bench (bench/matrix.sh): the peer, nbdkit's file plugin, driven by fio's nbd engine
+  # tests/tests/metrics.rs: promtool checks the /metrics exposition, a real Prometheus scrapes it
+  prometheus
 )
 
 missing=()

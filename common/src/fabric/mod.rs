@@ -70,6 +70,7 @@
 //! ```
 
 mod context;
+mod counters;
 mod cq;
 mod error;
 mod mr;
@@ -88,6 +89,7 @@ mod types;
 mod url;
 
 pub use context::Context;
+pub use counters::{RegionServed, ResponderCounters, ResponderSnapshot, TerminateCause};
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
 pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};

@@ -36,8 +36,10 @@
 //!   is registered with a remote right before the host is admitted. docs/architecture.md says
 //!   why this is not one region per namespace plus memory windows.
 //!
-//! Counted per session: control messages received, GPSPM flushes. Not counted: RDMA Writes and
-//! Reads, which the transport's placement engine serves without any target code.
+//! Counted per session: control messages received, GPSPM flushes, and per namespace what the
+//! transport's placement engine served (its per-queue-pair counters, read through the session's
+//! rkeys) and the GPSPM requests answered. A session's counts are folded into its host's totals
+//! when it ends ([`crate::metrics`] has the model).
 
 mod acceptor;
 mod budget;
@@ -55,13 +57,21 @@ use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{self, ConnRequest, Context, Url};
+use rpma_common::fabric::{self, ConnRequest, Context, ResponderCounters, Url};
 use rpma_common::proto::Connect;
+use rpma_common::stats::{Counter, Histogram};
 
 use crate::config::{Config, Transport};
-use crate::control::{AdmissionStatus, ListenerStatus, PoolStatus, SessionStatus, SESSION_COUNTED};
+use crate::control::{
+    AdmissionStatus, ListenerStatus, PoolStatus, SessionNamespaceStatus, SessionStatus,
+    SESSION_COUNTED,
+};
 use crate::daemon::Serve;
 use crate::eventfd::EventFd;
+use crate::metrics::{
+    DataCounters, Events, HostCounters, LatencyStatus, LoopStats, MetricsStatus, Outcomes,
+    MAX_HOST_SERIES, OTHER_HOSTS,
+};
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
@@ -184,6 +194,21 @@ pub(crate) struct SessionInfo {
     /// When the last message came in, in ms since `started`.
     pub(crate) last_seen_ms: AtomicU64,
     pub(crate) expired: AtomicBool,
+    /// What the session's queue pair served (None on a transport that does not count, and on
+    /// discovery connections).
+    responder: Option<ResponderCounters>,
+    /// The namespaces it was granted, with their rkeys and GPSPM counts.
+    namespaces: Vec<SessionNs>,
+}
+
+/// A namespace of a session: the rkey its placement counts are under, and the GPSPM requests
+/// the session's poll loop answered on it (that loop is their only writer).
+#[derive(Debug)]
+pub(crate) struct SessionNs {
+    nsid: u32,
+    rkey: u32,
+    gpspm: Counter,
+    gpspm_failed: Counter,
 }
 
 impl SessionInfo {
@@ -208,13 +233,75 @@ impl SessionInfo {
             flushes: AtomicU64::new(0),
             last_seen_ms: AtomicU64::new(0),
             expired: AtomicBool::new(false),
+            responder: None,
+            namespaces: Vec::new(),
         }
+    }
+
+    /// Counts the session's data path: its queue pair's responder counters and its
+    /// namespaces as (nsid, rkey).
+    pub(crate) fn with_data(
+        mut self,
+        responder: Option<ResponderCounters>,
+        namespaces: impl IntoIterator<Item = (u32, u32)>,
+    ) -> SessionInfo {
+        self.responder = responder;
+        self.namespaces = namespaces
+            .into_iter()
+            .map(|(nsid, rkey)| SessionNs {
+                nsid,
+                rkey,
+                gpspm: Counter::new(),
+                gpspm_failed: Counter::new(),
+            })
+            .collect();
+        self
+    }
+
+    /// A GPSPM request on `nsid` was answered (`ok`: durable or visible only). Called by the
+    /// session's poll loop only.
+    pub(crate) fn gpspm_answered(&self, nsid: u32, ok: bool) {
+        if let Some(n) = self.namespaces.iter().find(|n| n.nsid == nsid) {
+            (if ok { &n.gpspm } else { &n.gpspm_failed }).add(1);
+        }
+    }
+
+    /// The data counts per namespace, and the responder's persist histograms (writeback,
+    /// msync), now.
+    fn data(&self) -> (Vec<(u32, DataCounters)>, Histogram, Histogram) {
+        let snap = self.responder.as_ref().map(ResponderCounters::snapshot);
+        let per_ns = self
+            .namespaces
+            .iter()
+            .map(|n| {
+                let served = snap.as_ref().and_then(|s| s.region(n.rkey));
+                let gpspm = Outcomes {
+                    ok: n.gpspm.get(),
+                    failed: n.gpspm_failed.get(),
+                };
+                (n.nsid, DataCounters::from_served(served, gpspm))
+            })
+            .collect();
+        let (wb, ms) = snap
+            .map(|s| (s.persist_writeback, s.persist_msync))
+            .unwrap_or_default();
+        (per_ns, wb, ms)
     }
 
     fn status(&self) -> SessionStatus {
         let age = self.started.elapsed().as_millis() as u64;
         let since = age.saturating_sub(self.last_seen_ms.load(Ordering::Relaxed));
         let ka = u64::from(self.keep_alive_ms);
+        let mut total = DataCounters::default();
+        let namespaces: Vec<SessionNamespaceStatus> = self
+            .data()
+            .0
+            .into_iter()
+            .map(|(nsid, data)| {
+                total.add(&data);
+                SessionNamespaceStatus { nsid, data }
+            })
+            .collect();
         let state = if self.expired.load(Ordering::Relaxed) {
             "expired"
         } else if ka > 0 && since > ka * 3 / 4 {
@@ -236,7 +323,37 @@ impl SessionInfo {
             keep_alive_ms: self.keep_alive_ms,
             last_keep_alive_ms: since,
             keep_alive_state: state.into(),
+            data: total,
+            namespaces,
         }
+    }
+}
+
+/// What the sessions that ended had counted: per (subsystem, nsid, host), and the persist
+/// histograms of their queue pairs. Folded in under the session list's lock as each one is
+/// unregistered, so that a reader never sees a session twice or a count go backwards.
+#[derive(Debug, Default)]
+struct Retired {
+    hosts: BTreeMap<(String, u32, String), DataCounters>,
+    persist_writeback: Histogram,
+    persist_msync: Histogram,
+}
+
+impl Retired {
+    fn fold(&mut self, info: &SessionInfo) {
+        let (per_ns, wb, ms) = info.data();
+        for (nsid, d) in per_ns {
+            if d.is_zero() {
+                continue;
+            }
+            let mut key = (info.subsystem_nqn.clone(), nsid, info.host_nqn.clone());
+            if !self.hosts.contains_key(&key) && self.hosts.len() >= MAX_HOST_SERIES {
+                key.2 = OTHER_HOSTS.to_owned();
+            }
+            self.hosts.entry(key).or_default().add(&d);
+        }
+        self.persist_writeback.merge(&wb);
+        self.persist_msync.merge(&ms);
     }
 }
 
@@ -255,6 +372,12 @@ pub(crate) struct Shared {
     next_discovery: AtomicU64,
     /// Warnings about unauthenticated peers, rate-limited per address.
     pub(crate) peer_log: peer_log::PeerLog,
+    /// Control-plane events.
+    pub(crate) events: Events,
+    /// Each poll loop's own counts.
+    loop_stats: Vec<Arc<LoopStats>>,
+    /// What ended sessions counted. Locked only while `sessions` is (in that order).
+    retired: Mutex<Retired>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -338,11 +461,89 @@ impl Shared {
             .remove(&key);
     }
 
+    /// Removes an ended session from the list, folding its counts into its host's totals.
     pub(crate) fn unregister_session(&self, controller_id: u16) {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&controller_id);
+        let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(info) = s.remove(&controller_id) {
+            self.retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .fold(&info);
+        }
+    }
+
+    /// The target-wide counts now.
+    fn metrics(&self) -> MetricsStatus {
+        let mut m = MetricsStatus {
+            counting: rpma_common::stats::COUNTING,
+            ..MetricsStatus::default()
+        };
+        self.events.fill(&mut m);
+        let (hosts, wb, ms) = {
+            let live = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            let r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut hosts, mut wb, mut ms) =
+                (r.hosts.clone(), r.persist_writeback, r.persist_msync);
+            drop(r);
+            for info in live.values() {
+                let (per_ns, w, m) = info.data();
+                for (nsid, d) in per_ns {
+                    let key = (info.subsystem_nqn.clone(), nsid, info.host_nqn.clone());
+                    hosts.entry(key).or_default().add(&d);
+                }
+                wb.merge(&w);
+                ms.merge(&m);
+            }
+            (hosts, wb, ms)
+        };
+        m.hosts = hosts
+            .into_iter()
+            .map(|((subsystem, nsid, host), data)| HostCounters {
+                subsystem,
+                nsid,
+                host,
+                data,
+            })
+            .collect();
+        let mut terminates = [0u64; 5];
+        let (mut req, mut gwb, mut fds) = (
+            Histogram::default(),
+            Histogram::default(),
+            Histogram::default(),
+        );
+        for l in &self.loop_stats {
+            for (t, n) in terminates.iter_mut().zip(l.terminates()) {
+                *t += n;
+            }
+            Histogram::merge(&mut req, &l.gpspm_request.snapshot());
+            Histogram::merge(&mut gwb, &l.gpspm_writeback.snapshot());
+            Histogram::merge(&mut fds, &l.gpspm_fdatasync.snapshot());
+        }
+        m.terminates = crate::metrics::terminates_by_name(&terminates);
+        let lat = |kind: &str, path: &str, histogram: Histogram| LatencyStatus {
+            kind: kind.into(),
+            path: path.into(),
+            histogram,
+        };
+        m.latency = vec![
+            lat("writeback", "placement", wb),
+            lat("msync", "placement", ms),
+            lat("writeback", "gpspm", gwb),
+            lat("fdatasync", "gpspm", fds),
+            lat("gpspm_request", "gpspm", req),
+        ];
+        m
+    }
+
+    /// After a reload: forget the ended sessions' counts of namespaces no longer configured.
+    fn forget_removed(&self, table: &NamespaceTable) {
+        let _live = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        r.hosts.retain(|(sub, nsid, _), _| {
+            table
+                .iter()
+                .any(|((s, n), _)| n == nsid && s.as_str() == sub.as_str())
+        });
     }
 }
 
@@ -455,6 +656,9 @@ impl FabricServe {
                 source,
             })?;
         }
+        let loop_stats: Vec<Arc<LoopStats>> = (0..cfg.poll_loops.max(1))
+            .map(|_| Arc::new(LoopStats::default()))
+            .collect();
         let shared = Arc::new(Shared {
             ctx: self.ctx.clone(),
             config: RwLock::new(Arc::new(cfg.clone())),
@@ -468,6 +672,9 @@ impl FabricServe {
             peer_log: peer_log::PeerLog::new(Duration::from_millis(u64::from(
                 cfg.admission.refusal_log_period_ms,
             ))),
+            events: Events::default(),
+            loop_stats: loop_stats.clone(),
+            retired: Mutex::new(Retired::default()),
         });
         shared.set(cfg, namespaces);
         self.shared = Some(Arc::clone(&shared));
@@ -488,6 +695,7 @@ impl FabricServe {
                 rx,
                 beat.clone(),
                 Arc::clone(&load),
+                Arc::clone(&loop_stats[index]),
             )
             .map_err(|source| Error::LoopSetup { index, source })?;
             let thread = std::thread::Builder::new()
@@ -535,6 +743,7 @@ impl Serve for FabricServe {
     fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable) {
         let Some(shared) = &self.shared else { return };
         shared.set(cfg, namespaces);
+        shared.forget_removed(namespaces);
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));
@@ -569,6 +778,10 @@ impl Serve for FabricServe {
         let d = shared.discovery.lock().unwrap_or_else(|p| p.into_inner());
         out.extend(d.values().map(|i| i.status()));
         out
+    }
+
+    fn metrics(&self) -> Option<MetricsStatus> {
+        Some(self.shared.as_ref()?.metrics())
     }
 
     fn admission(&self) -> Option<AdmissionStatus> {
