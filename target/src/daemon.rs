@@ -277,8 +277,11 @@ fn apply_metrics_listen(
     want: Option<std::net::SocketAddr>,
     page: &PageFn,
 ) -> std::result::Result<(), ListenerError> {
+    // Already serving what is wanted (a failed attempt is retried, even at the same address).
     let configured = status.as_ref().map(|s| s.configured.clone());
-    if configured == want.map(|a| a.to_string()) && (current.is_some() || want.is_none()) {
+    let failed = status.as_ref().is_some_and(|s| s.note.is_some());
+    if configured == want.map(|a| a.to_string()) && !failed && (current.is_some() || want.is_none())
+    {
         return Ok(());
     }
     let Some(addr) = want else {
@@ -289,10 +292,19 @@ fn apply_metrics_listen(
         return Ok(());
     };
     let bound = MetricsServer::bind(addr, Arc::clone(page)).or_else(|e| {
-        if current.take().is_some() {
-            MetricsServer::bind(addr, Arc::clone(page))
-        } else {
-            Err(e)
+        // In use, by the old listener itself (say 0.0.0.0:9420 -> 127.0.0.1:9420): close it
+        // and try again.
+        let ours = current
+            .as_ref()
+            .is_some_and(|c| c.local_addr().port() == addr.port());
+        match &e {
+            ListenerError::Bind { source, .. }
+                if ours && source.kind() == std::io::ErrorKind::AddrInUse =>
+            {
+                current.take();
+                MetricsServer::bind(addr, Arc::clone(page))
+            }
+            _ => Err(e),
         }
     });
     match bound {
@@ -308,15 +320,22 @@ fn apply_metrics_listen(
             Ok(())
         }
         Err(e) => {
-            // Whatever still serves (the old address) stays listed as it is.
-            if current.is_none() {
-                *status = Some(MetricsListenerStatus {
+            let why = rpma_common::error_chain(&e);
+            *status = Some(match current {
+                // The old address still serves: say so beside the failure.
+                Some(old) => MetricsListenerStatus {
+                    configured: addr.to_string(),
+                    addr: Some(old.local_addr().to_string()),
+                    bound: true,
+                    note: Some(format!("{why}; still serving on {}", old.local_addr())),
+                },
+                None => MetricsListenerStatus {
                     configured: addr.to_string(),
                     addr: None,
                     bound: false,
-                    note: Some(rpma_common::error_chain(&e)),
-                });
-            }
+                    note: Some(why),
+                },
+            });
             Err(e)
         }
     }

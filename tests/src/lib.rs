@@ -6,6 +6,7 @@
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
 //! - [`fuse`]: what the FUSE mount tests share: a running `rpma-initiator mount`, cleanup guards;
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
+//! - [`metrics`]: HTTP to the target's metrics listener, promtool, a real Prometheus server;
 //! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
 //! - [`relay`]: a TCP relay that can cut its links;
 //! - [`sessions`]: the session tests' fixture and what they do over a session;
@@ -19,6 +20,7 @@ pub mod cachestat;
 pub mod config;
 pub mod fuse;
 pub mod initiator;
+pub mod metrics;
 pub mod nbd;
 pub mod relay;
 pub mod sessions;
