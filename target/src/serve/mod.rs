@@ -678,7 +678,7 @@ impl FabricServe {
         });
         shared.set(cfg, namespaces);
         self.shared = Some(Arc::clone(&shared));
-        for index in 0..cfg.poll_loops.max(1) as usize {
+        for (index, stats) in loop_stats.iter().enumerate() {
             let (tx, rx) = mpsc::channel();
             let wake = EventFd::new().map(Arc::new).map_err(|e| Error::LoopSetup {
                 index,
@@ -695,7 +695,7 @@ impl FabricServe {
                 rx,
                 beat.clone(),
                 Arc::clone(&load),
-                Arc::clone(&loop_stats[index]),
+                Arc::clone(stats),
             )
             .map_err(|source| Error::LoopSetup { index, source })?;
             let thread = std::thread::Builder::new()
