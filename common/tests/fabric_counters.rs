@@ -152,3 +152,57 @@ fn a_refused_access_is_a_terminate_counted_by_cause_and_nothing_else() {
     drop(p);
     assert_eq!(counters.terminates()[0], 1);
 }
+
+#[test]
+fn failed_persists_are_counted_as_failed_durability_and_persist_terminates() {
+    use rpma_common::pmem::{Persist, SyncFailure};
+    for apm in [false, true] {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let p = Pair::new(true);
+        let pc = page_cache(dir.path());
+        let pmr =
+            p.pd.register(Arc::clone(&pc), rw() | Access::FLUSH_PERSISTENT)
+                .unwrap();
+        let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+        imem.write_at(0, &[7u8; 4096]).unwrap();
+        post_write(
+            &p.qp,
+            1,
+            Sge::new(&imr, 0, 4096),
+            pmr.remote(0),
+            SendFlags::empty(),
+        );
+        // The namespace's store fails (as a write-back error would): no persist succeeds.
+        pc.record_failure(SyncFailure::new(
+            "msync",
+            &std::io::Error::from_raw_os_error(5),
+        ));
+        let op = if apm {
+            SendOp::Read {
+                local: Sge::new(&imr, 0, 8),
+                remote: pmr.remote(0),
+            }
+        } else {
+            SendOp::Flush {
+                target: FlushTarget::Range {
+                    remote: pmr.remote(0),
+                    len: 4096,
+                },
+                kind: FlushType::Persistent,
+            }
+        };
+        p.qp.post_send(SendWr::new(2, op)).unwrap();
+        let c = p.next_init();
+        assert_eq!(c.wr_id, 2);
+        assert_ne!(c.status, WcStatus::Success, "apm {apm}");
+        let s = p.tqp.responder_counters().unwrap().snapshot();
+        let r = s.region(pmr.rkey()).copied().unwrap();
+        assert_eq!((r.writes, r.write_bytes), (1, 4096));
+        if apm {
+            assert_eq!((r.apm, r.apm_failed, r.reads), (0, 1, 0), "{r:?}");
+        } else {
+            assert_eq!((r.flushes, r.flushes_failed), (0, 1), "{r:?}");
+        }
+        assert_eq!(s.terminates_for(TerminateCause::Persist), 1, "{s:?}");
+    }
+}

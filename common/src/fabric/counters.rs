@@ -69,6 +69,10 @@ pub(crate) enum PersistKind {
     Msync = 1,
 }
 
+/// The rkey under which a queue pair sums the counts of the rkeys it was served through past
+/// the first 256 (no `tcp` STag is 0).
+pub const OTHER_RKEYS: u32 = 0;
+
 /// The counts of one rkey (a memory region or window of the queue pair's domain).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct RegionServed {

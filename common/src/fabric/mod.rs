@@ -89,7 +89,9 @@ mod types;
 mod url;
 
 pub use context::Context;
-pub use counters::{RegionServed, ResponderCounters, ResponderSnapshot, TerminateCause};
+pub use counters::{
+    RegionServed, ResponderCounters, ResponderSnapshot, TerminateCause, OTHER_RKEYS,
+};
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
 pub use mr::{AlignedBuf, MemoryRegion, MemoryWindow, RegisteredMemory};

@@ -1,6 +1,9 @@
 //! The responder half of the engine (and the requester's view of responses): every inbound
 //! message, placed or answered. STag, bounds and rights are checked before a byte is placed;
 //! every response leaves only after the Writes before it were placed and made durable.
+//! What is served is counted per rkey as it is served (`placement::Counting`: Writes at their
+//! placement, Reads, atomics and Flushes once answered, APM Reads and failed persists), and the
+//! persist work before a response is timed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 

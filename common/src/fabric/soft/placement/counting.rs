@@ -4,8 +4,14 @@
 
 use std::sync::Arc;
 
-use crate::fabric::counters::{PersistKind, RegionCells, ResponderCounters, TerminateCause};
+use crate::fabric::counters::{
+    PersistKind, RegionCells, ResponderCounters, TerminateCause, OTHER_RKEYS,
+};
 use crate::stats::{Stopwatch, COUNTING};
+
+/// Rkeys counted apart per queue pair; the counts of further ones (a queue pair that is served
+/// through ever new window bindings) are summed under [`OTHER_RKEYS`].
+pub(crate) const MAX_RKEYS: usize = 256;
 
 /// Counting for one queue pair's engine.
 #[derive(Default)]
@@ -26,14 +32,16 @@ impl Counting {
         }
     }
 
-    /// The cells of `rkey`, listed for readers the first time it is served. The number of
-    /// rkeys a queue pair can be served through is bounded by the registrations its protection
-    /// domain had: only accesses that passed the STag check are counted.
+    /// The cells of `rkey`, listed for readers the first time it is served (only accesses
+    /// that passed the STag check are counted); past [`MAX_RKEYS`], those of [`OTHER_RKEYS`].
     #[inline]
     fn cells(&mut self, rkey: u32) -> &RegionCells {
         if self.slots.get(self.last).is_none_or(|s| s.0 != rkey) {
             self.last = match self.slots.iter().position(|s| s.0 == rkey) {
                 Some(i) => i,
+                None if self.slots.len() >= MAX_RKEYS && rkey != OTHER_RKEYS => {
+                    return self.cells(OTHER_RKEYS);
+                }
                 None => {
                     let cells = self.shared.add_region(rkey);
                     self.slots.push((rkey, cells));
@@ -131,5 +139,21 @@ mod tests {
         assert_eq!((r6.apm, r6.apm_failed), (1, 1));
         assert_eq!(s.terminates_for(TerminateCause::Crc), 1);
         assert_eq!(s.persist_writeback.count(), 1);
+    }
+
+    #[test]
+    fn past_the_limit_further_rkeys_are_summed_apart() {
+        let shared = ResponderCounters::new();
+        let mut c = Counting::new(shared.clone());
+        for rkey in 0..(MAX_RKEYS as u32 + 10) {
+            c.write(0x100 + rkey, 1, true);
+        }
+        c.write(0x100, 1, true);
+        let s = shared.snapshot();
+        assert_eq!(s.regions.len(), MAX_RKEYS + 1);
+        assert_eq!(s.region(0x100).unwrap().writes, 2);
+        assert_eq!(s.region(OTHER_RKEYS).unwrap().writes, 10);
+        let total: u64 = s.regions.iter().map(|r| r.write_bytes).sum();
+        assert_eq!(total, MAX_RKEYS as u64 + 11);
     }
 }
