@@ -455,6 +455,11 @@ fn reload_starts_moves_and_stops_the_metrics_listener() {
     assert!(TcpStream::connect(at(p)).is_err());
     for port in [p, q] {
         t.rewrite(&config(&format!("metrics_listen = \"{}\"", at(port))));
+        let checked = rpma_tests::text(&rpma_tests::check_config(&d.path().join("target.toml")));
+        assert!(
+            checked.contains(&format!("metrics http://{}/metrics", at(port))),
+            "{checked}"
+        );
         t.reload();
         let v = t.status();
         assert!(
