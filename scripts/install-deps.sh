@@ -17,6 +17,8 @@ PACKAGES=(
   # (tests/tests/link_faults.rs: iptables' statistic match on lo; ip comes with iproute2)
   iptables iproute2
   nbdkit  # make bench (bench/matrix.sh): the peer, nbdkit's file plugin, driven by fio's nbd engine
+  # tests/tests/metrics.rs: promtool checks the /metrics exposition, a real Prometheus scrapes it
+  prometheus
 )
 
 missing=()

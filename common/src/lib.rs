@@ -5,6 +5,8 @@
 //! - [`fabric`]: the verbs-shaped API and its transport `tcp` (userspace iWARP); `rdma` comes
 //!   later.
 //! - [`proto`]: the control-plane wire format spoken over the fabric's Send/Recv.
+//! - [`stats`]: counters and latency histograms with one writer each (the data path's
+//!   counting), read by anyone.
 //! - [`volatile`]: views of memory that peers, other threads or processes write concurrently
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
 //!
@@ -15,6 +17,7 @@ pub mod fabric;
 pub mod notify;
 pub mod pmem;
 pub mod proto;
+pub mod stats;
 pub mod units;
 pub mod volatile;
 

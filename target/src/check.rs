@@ -122,6 +122,9 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         .any(|l| l.url.transport == Transport::Rdma);
     let mut pinned_per_subsystem = Vec::new();
     writeln!(out, "control socket {}", cfg.control_socket.display())?;
+    if let Some(addr) = cfg.metrics_listen {
+        writeln!(out, "metrics http://{addr}/metrics")?;
+    }
     writeln!(
         out,
         "keep_alive_ms {}, poll_loops {}, max_connections {}, max_queue_depth {}, discovery {}",

@@ -268,6 +268,9 @@ pub struct Config {
     pub discovery: bool,
     /// The budgets of connections that are not admitted sessions.
     pub admission: Admission,
+    /// Where the Prometheus metrics endpoint listens (`metrics_listen = "127.0.0.1:9420"`);
+    /// None: no endpoint (the default). A reload applies a change.
+    pub metrics_listen: Option<std::net::SocketAddr>,
     /// Subsystems.
     pub subsystems: Vec<Subsystem>,
 }
@@ -293,6 +296,7 @@ struct RawConfig {
     discovery_max_keep_alive_ms: Option<i64>,
     discovery_timeout_ms: Option<i64>,
     refusal_log_period_ms: Option<i64>,
+    metrics_listen: Option<String>,
     #[serde(default)]
     subsystem: Vec<RawSubsystem>,
 }
@@ -407,6 +411,18 @@ impl Config {
         })?;
         let global_dwp = raw.direct_write_to_pmem.unwrap_or(false);
         let admission = admission(&raw)?;
+        let metrics_listen = raw
+            .metrics_listen
+            .as_deref()
+            .map(|a| {
+                a.parse::<std::net::SocketAddr>().map_err(|_| {
+                    invalid(
+                        "metrics_listen",
+                        format!("{a:?} is not an address and port (e.g. \"127.0.0.1:9420\")"),
+                    )
+                })
+            })
+            .transpose()?;
         let mut listeners = Vec::new();
         let mut seen_urls = HashSet::new();
         for (i, v) in raw.listen.into_iter().enumerate() {
@@ -614,6 +630,7 @@ impl Config {
             crc: raw.crc.unwrap_or(true),
             discovery: raw.discovery.unwrap_or(true),
             admission,
+            metrics_listen,
             subsystems,
         })
     }

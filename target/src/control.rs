@@ -12,6 +12,7 @@ use std::time::Duration;
 
 use serde::{Deserialize, Serialize};
 
+use crate::metrics::{DataCounters, MetricsStatus};
 use crate::namespace::CountersSnapshot;
 
 /// Errors of the control socket, server and client side.
@@ -77,6 +78,25 @@ pub struct Status {
     /// The admission budgets in use (absent from a daemon that does not serve).
     #[serde(default)]
     pub admission: Option<AdmissionStatus>,
+    /// Data-path and control-plane counts (absent from a daemon that does not serve).
+    #[serde(default)]
+    pub metrics: Option<MetricsStatus>,
+    /// The metrics listener (absent unless `metrics_listen` is set).
+    #[serde(default)]
+    pub metrics_listener: Option<MetricsListenerStatus>,
+}
+
+/// The metrics listener.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MetricsListenerStatus {
+    /// The configured address (`metrics_listen`).
+    pub configured: String,
+    /// The address it is bound to (port 0 configured: the one the kernel chose).
+    pub addr: Option<String>,
+    /// Serving.
+    pub bound: bool,
+    /// Why it is not bound, if it is not.
+    pub note: Option<String>,
 }
 
 /// The admission budgets: what each pool holds and allows.
@@ -168,8 +188,11 @@ pub struct NamespaceStatus {
     pub domain: String,
     /// Methods per configured transport.
     pub durability: Vec<TransportMethods>,
-    /// Counters.
+    /// Counters of the GPSPM flush service and the sessions holding it.
     pub counters: CountersSnapshot,
+    /// What hosts did with it: every session, those ended included.
+    #[serde(default)]
+    pub data: DataCounters,
     /// Set when the namespace has failed: the failed write-back call and its errno. No
     /// durability request on it succeeds until a reload or restart reopens it.
     #[serde(default)]
@@ -177,9 +200,18 @@ pub struct NamespaceStatus {
 }
 
 /// What a session's counters count, said in every [`SessionStatus::counted`].
-pub const SESSION_COUNTED: &str = "control messages received and GPSPM flushes answered; RDMA \
-     Writes, Reads, Atomics and Flushes are served by the transport's placement engine without \
-     target code and are not counted";
+pub const SESSION_COUNTED: &str = "control messages received and GPSPM flushes answered; per \
+     namespace, the RDMA Writes, Reads, Atomics and Flushes the tcp transport's placement engine \
+     served and the GPSPM requests";
+
+/// A session's counts on one of its namespaces.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SessionNamespaceStatus {
+    /// Namespace id.
+    pub nsid: u32,
+    /// The counts.
+    pub data: DataCounters,
+}
 
 /// A connection: an I/O session, or a discovery connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -210,6 +242,13 @@ pub struct SessionStatus {
     pub last_keep_alive_ms: u64,
     /// "ok", "late" or "expired".
     pub keep_alive_state: String,
+    /// The data counts of the session, all its namespaces together.
+    #[serde(default)]
+    pub data: DataCounters,
+    /// The data counts per namespace the session holds (or held: a namespace a reload removed
+    /// stays listed).
+    #[serde(default)]
+    pub namespaces: Vec<SessionNamespaceStatus>,
 }
 
 /// Answers one request line.
@@ -375,6 +414,13 @@ pub fn render(s: &Status) -> String {
         };
         let _ = writeln!(o, "  {:<28} crc={:<5} {}", l.url, l.crc, state);
     }
+    if let Some(m) = &s.metrics_listener {
+        let state = match (&m.addr, m.bound) {
+            (Some(a), true) => format!("http://{a}/metrics"),
+            _ => format!("not bound: {}", m.note.as_deref().unwrap_or("-")),
+        };
+        let _ = writeln!(o, "  {:<28} metrics   {state}", m.configured);
+    }
     let _ = writeln!(o, "\nNAMESPACES");
     let _ = writeln!(
         o,
@@ -420,6 +466,21 @@ pub fn render(s: &Status) -> String {
             }
         }
     }
+    let _ = writeln!(
+        o,
+        "\nDATA (per namespace, every host, ended sessions included; durability ok/failed)"
+    );
+    for sub in &s.subsystems {
+        for ns in &sub.namespaces {
+            let _ = writeln!(
+                o,
+                "  {:<36} {:>5} {}",
+                sub.nqn,
+                ns.nsid,
+                data_line(&ns.data)
+            );
+        }
+    }
     if let Some(a) = &s.admission {
         let _ = writeln!(o, "\nADMISSION");
         for (name, p) in [
@@ -454,8 +515,91 @@ pub fn render(s: &Status) -> String {
             x.keep_alive_state,
             x.last_keep_alive_ms
         );
+        for n in &x.namespaces {
+            let _ = writeln!(o, "      nsid {}: {}", n.nsid, data_line(&n.data));
+        }
+    }
+    if let Some(m) = &s.metrics {
+        render_metrics(&mut o, m);
     }
     o
+}
+
+/// One line of data counts.
+fn data_line(d: &DataCounters) -> String {
+    use rpma_common::units::format_size;
+    let du = &d.durability;
+    format!(
+        "writes {} ({}) reads {} ({}) atomics {} apm {}/{} flush {}/{} gpspm {}/{}",
+        d.writes,
+        format_size(d.write_bytes),
+        d.reads,
+        format_size(d.read_bytes),
+        d.atomics,
+        du.apm.ok,
+        du.apm.failed,
+        du.flush.ok,
+        du.flush.failed,
+        du.gpspm.ok,
+        du.gpspm.failed
+    )
+}
+
+/// "name n, name n" of the non-zero counts, or "none".
+fn nonzero(m: &std::collections::BTreeMap<String, u64>) -> String {
+    let v: Vec<String> = m
+        .iter()
+        .filter(|(_, n)| **n > 0)
+        .map(|(k, n)| format!("{k} {n}"))
+        .collect();
+    if v.is_empty() {
+        "none".into()
+    } else {
+        v.join(", ")
+    }
+}
+
+/// A latency bound for people: 250ns, 1.0us, 2.0ms, 1.05s.
+fn fmt_ns(ns: Option<u64>) -> String {
+    match ns {
+        None => "-".into(),
+        Some(n) if n < 1_000 => format!("{n}ns"),
+        Some(n) if n < 1_000_000 => format!("{:.1}us", n as f64 / 1e3),
+        Some(n) if n < 1_000_000_000 => format!("{:.1}ms", n as f64 / 1e6),
+        Some(n) => format!("{:.2}s", n as f64 / 1e9),
+    }
+}
+
+fn render_metrics(o: &mut String, m: &MetricsStatus) {
+    use std::fmt::Write as _;
+    let _ = writeln!(o, "\nEVENTS");
+    let _ = writeln!(
+        o,
+        "  sessions admitted {} (discovery {}); ended: {}",
+        m.sessions_admitted,
+        m.discovery_admitted,
+        nonzero(&m.sessions_ended)
+    );
+    let _ = writeln!(o, "  refusals: {}", nonzero(&m.refusals));
+    let _ = writeln!(o, "  handshakes failed: {}", nonzero(&m.handshakes_failed));
+    let _ = writeln!(o, "  terminates sent: {}", nonzero(&m.terminates));
+    if !m.counting {
+        let _ = writeln!(o, "  (this build does not count the data path)");
+    }
+    let _ = writeln!(o, "\nLATENCY (bucket bounds: at most twice the true value)");
+    for l in &m.latency {
+        let h = &l.histogram;
+        let _ = writeln!(
+            o,
+            "  {:<14} {:<10} count {:<8} p50 <= {:<8} p99 <= {:<8} mean {}",
+            l.kind,
+            l.path,
+            h.count(),
+            fmt_ns(h.quantile_upper_ns(0.5)),
+            fmt_ns(h.quantile_upper_ns(0.99)),
+            fmt_ns(h.sum_ns.checked_div(h.count()))
+        );
+    }
 }
 
 #[cfg(test)]
@@ -493,6 +637,11 @@ mod tests {
                         methods: vec!["APM".into(), "GPSPM".into()],
                     }],
                     counters: CountersSnapshot::default(),
+                    data: DataCounters {
+                        writes: 3,
+                        write_bytes: 12288,
+                        ..DataCounters::default()
+                    },
                     failed: Some("fdatasync failed: Input/output error (os error 5)".into()),
                 }],
             }],
@@ -510,6 +659,15 @@ mod tests {
                 keep_alive_ms: 5000,
                 last_keep_alive_ms: 1,
                 keep_alive_state: "ok".into(),
+                data: DataCounters::default(),
+                namespaces: vec![SessionNamespaceStatus {
+                    nsid: 1,
+                    data: DataCounters {
+                        reads: 2,
+                        read_bytes: 16,
+                        ..DataCounters::default()
+                    },
+                }],
             }],
             admission: Some(AdmissionStatus {
                 unadmitted: PoolStatus {
@@ -533,6 +691,26 @@ mod tests {
                     sources: 0,
                     evicted: 0,
                 },
+            }),
+            metrics: Some(MetricsStatus {
+                counting: true,
+                refusals: [("auth_failed".to_owned(), 2), ("other".to_owned(), 0)].into(),
+                latency: vec![crate::metrics::LatencyStatus {
+                    kind: "msync".into(),
+                    path: "placement".into(),
+                    histogram: {
+                        let mut h = rpma_common::stats::Histogram::default();
+                        h.record(3_000);
+                        h
+                    },
+                }],
+                ..MetricsStatus::default()
+            }),
+            metrics_listener: Some(MetricsListenerStatus {
+                configured: "127.0.0.1:0".into(),
+                addr: Some("127.0.0.1:9420".into()),
+                bound: true,
+                note: None,
             }),
         }
     }
@@ -595,7 +773,25 @@ mod tests {
             t.contains(&format!("SESSIONS (counted: {SESSION_COUNTED})")),
             "{t}"
         );
-        assert!(t.contains("not counted"), "{t}");
+        assert!(t.contains("RDMA Writes, Reads, Atomics and Flushes"), "{t}");
+        assert!(
+            t.contains("127.0.0.1:0                  metrics   http://127.0.0.1:9420/metrics"),
+            "{t}"
+        );
+        assert!(
+            t.contains("writes 3 (12 KiB) reads 0 (0 B) atomics 0 apm 0/0 flush 0/0 gpspm 0/0"),
+            "{t}"
+        );
+        assert!(
+            t.contains("      nsid 1: writes 0 (0 B) reads 2 (16 B)"),
+            "{t}"
+        );
+        assert!(t.contains("  refusals: auth_failed 2\n"), "{t}");
+        assert!(t.contains("  terminates sent: none\n"), "{t}");
+        assert!(
+            t.contains("msync          placement  count 1        p50 <= 4.0us"),
+            "{t}"
+        );
         assert!(
             t.contains("FAILED: fdatasync failed: Input/output error (os error 5)"),
             "{t}"

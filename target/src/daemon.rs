@@ -8,6 +8,10 @@
 //! Signals are taken through a signalfd (blocked in every thread, read by the main loop):
 //! SIGHUP reloads (RELOADING=1, diff, apply, READY=1), SIGTERM/SIGINT stop (STOPPING=1, then
 //! [`Serve::stop`] completes in-flight flushes and closes sessions, then exit 0).
+//!
+//! The metrics endpoint (`metrics_listen`, off by default) is started with the control socket,
+//! before READY=1, and moved by a reload that changes the address; every scrape renders the
+//! same [`Status`] that `status` answers ([`crate::metrics::exposition`]).
 
 use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
@@ -20,9 +24,11 @@ use nix::sys::signalfd::{SfdFlags, SignalFd};
 
 use crate::config::{Config, ConfigError, Transport};
 use crate::control::{
-    self, ControlError, ControlServer, HostStatus, ListenerStatus, NamespaceStatus, SessionStatus,
-    Status, SubsystemStatus, TransportMethods,
+    self, ControlError, ControlServer, HostStatus, ListenerStatus, MetricsListenerStatus,
+    NamespaceStatus, SessionStatus, Status, SubsystemStatus, TransportMethods,
 };
+use crate::metrics::listener::{ListenerError, MetricsServer, PageFn};
+use crate::metrics::DataCounters;
 use crate::namespace::{durability_methods, NamespaceError, NamespaceTable};
 use crate::notify::{Notifier, NotifyError};
 use crate::reload::{self, ConfigDiff};
@@ -49,6 +55,9 @@ pub enum DaemonError {
     /// The listeners could not be bound.
     #[error(transparent)]
     Serve(#[from] crate::serve::Error),
+    /// The metrics listener could not be started.
+    #[error(transparent)]
+    Metrics(#[from] ListenerError),
 }
 
 /// Result of the daemon.
@@ -79,6 +88,12 @@ pub trait Serve: Send {
 
     /// The admission budgets in use, for `status` (None before [`Serve::bind`]).
     fn admission(&self) -> Option<crate::control::AdmissionStatus> {
+        None
+    }
+
+    /// The data-path and control-plane counts, for `status` and the metrics endpoint (None
+    /// before [`Serve::bind`], and from a daemon that serves nothing).
+    fn metrics(&self) -> Option<crate::metrics::MetricsStatus> {
         None
     }
 
@@ -135,6 +150,8 @@ struct State {
     reloads: u64,
     last_reload: Option<String>,
     serve: Box<dyn Serve>,
+    metrics: Option<MetricsServer>,
+    metrics_status: Option<MetricsListenerStatus>,
 }
 
 struct Shared {
@@ -173,6 +190,16 @@ fn status(shared: &Shared) -> Status {
     let st = shared.lock();
     let cfg = &st.config;
     let ts = transports(cfg);
+    let metrics = st.serve.metrics();
+    let data_of = |sub: &str, nsid: u32| {
+        let mut d = DataCounters::default();
+        for h in metrics.iter().flat_map(|m| m.hosts.iter()) {
+            if h.nsid == nsid && h.subsystem == sub {
+                d.add(&h.data);
+            }
+        }
+        d
+    };
     Status {
         version: env!("CARGO_PKG_VERSION").into(),
         pid: std::process::id(),
@@ -217,6 +244,7 @@ fn status(shared: &Shared) -> Status {
                             })
                             .collect(),
                         counters: ns.counters.snapshot(),
+                        data: data_of(s.nqn.as_str(), ns.config.nsid),
                         failed: ns.failure().map(|f| f.to_string()),
                     })
                     .collect(),
@@ -224,6 +252,92 @@ fn status(shared: &Shared) -> Status {
             .collect(),
         sessions: st.serve.sessions(),
         admission: st.serve.admission(),
+        metrics,
+        metrics_listener: st.metrics_status.clone(),
+    }
+}
+
+/// The metrics page of the daemon behind `weak`.
+fn metrics_page(weak: std::sync::Weak<Shared>) -> PageFn {
+    Arc::new(move || match weak.upgrade() {
+        Some(sh) => crate::metrics::exposition::render(
+            &status(&sh),
+            &crate::metrics::process::Process::current(),
+        ),
+        None => String::new(),
+    })
+}
+
+/// Moves the metrics listener to what `want` says: kept if it is already there, else bound
+/// anew (the new address first, so that a failure keeps the old one serving; if the two
+/// conflict, after the old one is closed).
+fn apply_metrics_listen(
+    current: &mut Option<MetricsServer>,
+    status: &mut Option<MetricsListenerStatus>,
+    want: Option<std::net::SocketAddr>,
+    page: &PageFn,
+) -> std::result::Result<(), ListenerError> {
+    // Already serving what is wanted (a failed attempt is retried, even at the same address).
+    let configured = status.as_ref().map(|s| s.configured.clone());
+    let failed = status.as_ref().is_some_and(|s| s.note.is_some());
+    if configured == want.map(|a| a.to_string()) && !failed && (current.is_some() || want.is_none())
+    {
+        return Ok(());
+    }
+    let Some(addr) = want else {
+        if current.take().is_some() {
+            log::info!("metrics listener closed");
+        }
+        *status = None;
+        return Ok(());
+    };
+    let bound = MetricsServer::bind(addr, Arc::clone(page)).or_else(|e| {
+        // In use, by the old listener itself (say 0.0.0.0:9420 -> 127.0.0.1:9420): close it
+        // and try again.
+        let ours = current
+            .as_ref()
+            .is_some_and(|c| c.local_addr().port() == addr.port());
+        match &e {
+            ListenerError::Bind { source, .. }
+                if ours && source.kind() == std::io::ErrorKind::AddrInUse =>
+            {
+                current.take();
+                MetricsServer::bind(addr, Arc::clone(page))
+            }
+            _ => Err(e),
+        }
+    });
+    match bound {
+        Ok(server) => {
+            log::info!("metrics on http://{}/metrics", server.local_addr());
+            *status = Some(MetricsListenerStatus {
+                configured: addr.to_string(),
+                addr: Some(server.local_addr().to_string()),
+                bound: true,
+                note: None,
+            });
+            *current = Some(server);
+            Ok(())
+        }
+        Err(e) => {
+            let why = rpma_common::error_chain(&e);
+            *status = Some(match current {
+                // The old address still serves: say so beside the failure.
+                Some(old) => MetricsListenerStatus {
+                    configured: addr.to_string(),
+                    addr: Some(old.local_addr().to_string()),
+                    bound: true,
+                    note: Some(format!("{why}; still serving on {}", old.local_addr())),
+                },
+                None => MetricsListenerStatus {
+                    configured: addr.to_string(),
+                    addr: None,
+                    bound: false,
+                    note: Some(why),
+                },
+            });
+            Err(e)
+        }
     }
 }
 
@@ -272,6 +386,8 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             reloads: 0,
             last_reload: None,
             serve,
+            metrics: None,
+            metrics_status: None,
         }),
     });
     let weak = Arc::downgrade(&shared);
@@ -282,8 +398,16 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     });
     let control = ControlServer::bind(&socket, handler)?;
     log::info!("control socket {}", control.path().display());
+    let page = metrics_page(Arc::downgrade(&shared));
     {
         let mut st = shared.lock();
+        let want = st.config.metrics_listen;
+        let State {
+            metrics,
+            metrics_status,
+            ..
+        } = &mut *st;
+        apply_metrics_listen(metrics, metrics_status, want, &page)?;
         let State {
             config,
             namespaces,
@@ -345,12 +469,14 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }
         while let Ok(Some(info)) = sfd.read_signal() {
             match Signal::try_from(info.ssi_signo as i32) {
-                Ok(Signal::SIGHUP) => reload_now(&shared, &notifier),
+                Ok(Signal::SIGHUP) => reload_now(&shared, &notifier, &page),
                 Ok(sig @ (Signal::SIGTERM | Signal::SIGINT)) => {
                     log::info!("{sig}: stopping");
                     let _ = notifier.stopping();
                     shared.lock().serve.stop();
                     drop(control);
+                    let metrics = shared.lock().metrics.take();
+                    drop(metrics);
                     return Ok(());
                 }
                 _ => {}
@@ -359,7 +485,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     }
 }
 
-fn reload_now(shared: &Shared, notifier: &Notifier) {
+fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
     let _ = notifier.reloading();
     let outcome = Config::load(&shared.config_path)
         .map_err(|e| rpma_common::error_chain(&e))
@@ -389,6 +515,21 @@ fn reload_now(shared: &Shared, notifier: &Notifier) {
             st.reloads += 1;
             Ok(d.summary())
         });
+    // Outside the state lock: a scrape in progress needs it to finish, and closing the old
+    // listener waits for its accept thread.
+    if outcome.is_ok() {
+        let (mut current, mut status, want) = {
+            let mut st = shared.lock();
+            let want = st.config.metrics_listen;
+            (st.metrics.take(), st.metrics_status.take(), want)
+        };
+        if let Err(e) = apply_metrics_listen(&mut current, &mut status, want, page) {
+            log::error!("reload: {}", rpma_common::error_chain(&e));
+        }
+        let mut st = shared.lock();
+        st.metrics = current;
+        st.metrics_status = status;
+    }
     let mut st = shared.lock();
     match outcome {
         Ok(summary) => {

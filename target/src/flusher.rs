@@ -24,6 +24,10 @@
 //! eventfd that becomes readable when a device flush completes, for the poll loop's idle wait.
 //! Inline completions (dax, volatile, bad ranges) do not signal it: poll after submitting.
 //!
+//! Timings: the inline write-back and each fdatasync (submission to completion) are recorded
+//! in the histograms of the loop's [`LoopStats`] ([`Flusher::set_stats`]); the flusher is their
+//! only writer.
+//!
 //! Threads: a [`Flusher`] belongs to one poll loop (`Send`, not shared). Cleanup: every file a
 //! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
 
@@ -34,8 +38,10 @@ use std::sync::{mpsc, Arc, Once};
 use io_uring::{opcode, types, IoUring};
 use rpma_common::pmem::{Domain, Durability, Mapping, Persist, SyncFailure};
 use rpma_common::proto::FlushStatus;
+use rpma_common::stats::Stopwatch;
 
 use crate::eventfd::EventFd;
+use crate::metrics::LoopStats;
 
 /// Errors of the flush service.
 #[derive(Debug, thiserror::Error)]
@@ -157,6 +163,8 @@ struct InFlight {
     _fd: Arc<OwnedFd>,
     /// Where a failure of this fdatasync is recorded.
     store: Arc<dyn Persist>,
+    /// When it was submitted.
+    started: Stopwatch,
 }
 
 struct Job {
@@ -180,6 +188,7 @@ pub struct Flusher {
     slots: Vec<Option<InFlight>>,
     free: Vec<usize>,
     ready: VecDeque<FlushCompletion>,
+    stats: Arc<LoopStats>,
 }
 
 impl std::fmt::Debug for Flusher {
@@ -275,7 +284,13 @@ impl Flusher {
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth as usize).rev().collect(),
             ready: VecDeque::new(),
+            stats: Arc::default(),
         }
+    }
+
+    /// Records the flush timings in `stats` (the poll loop's) from now on.
+    pub fn set_stats(&mut self, stats: Arc<LoopStats>) {
+        self.stats = stats;
     }
 
     /// "io_uring" or "thread".
@@ -342,7 +357,10 @@ impl Flusher {
             }
             Kind::Dax(p) => {
                 // The range was checked against the namespace's length above, which fits usize.
-                let status = match p.persist(offset as usize, length as usize) {
+                let sw = Stopwatch::start();
+                let done = p.persist(offset as usize, length as usize);
+                self.stats.gpspm_writeback.record_since(sw);
+                let status = match done {
                     Ok(Durability::Durable) => FlushStatus::Durable,
                     Ok(Durability::VisibleOnly) => FlushStatus::VisibleOnly,
                     // Failed meanwhile (checked above): the store has the errno.
@@ -357,6 +375,7 @@ impl Flusher {
         let Some(slot) = self.free.pop() else {
             return Err(FlusherError::Full(self.slots.len()));
         };
+        let started = Stopwatch::start();
         let submitted = match &mut self.backend {
             Backend::Uring(ring) => {
                 // A range longer than u32 syncs the whole file (offset 0, length 0), a superset.
@@ -401,6 +420,7 @@ impl Flusher {
                     token,
                     _fd: fd,
                     store,
+                    started,
                 });
                 Ok(())
             }
@@ -443,6 +463,7 @@ impl Flusher {
                 continue;
             };
             self.free.push(slot);
+            self.stats.gpspm_fdatasync.record_since(f.started);
             let status = if res < 0 {
                 let e = std::io::Error::from_raw_os_error(-res);
                 f.store.record_failure(SyncFailure::new("fdatasync", &e));

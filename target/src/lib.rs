@@ -27,6 +27,8 @@
 //! - [`flusher`]: the GPSPM flush service (io_uring, never blocks the poll loop).
 //! - [`reload`]: the SIGHUP configuration diff.
 //! - [`control`]: the control socket and `status`.
+//! - [`metrics`]: what is counted and how: the data-path counters' aggregation, latency
+//!   histograms, the Prometheus exposition and its HTTP listener (`metrics_listen`).
 //! - [`notify`]: sd_notify without libsystemd.
 //! - [`daemon`]: start-up, signals, readiness; [`daemon::Serve`] is the seam for listeners and
 //!   sessions.
@@ -34,7 +36,8 @@
 //!   per-connection rkeys, the GPSPM flush service on the wire.
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
-//! socket, one thread per listener accepts, and `poll_loops` threads each own their connections
+//! socket (and, with `metrics_listen`, one accepts scrapes, each served on a short-lived thread
+//! of its own, at most four at once), one thread per listener accepts, and `poll_loops` threads each own their connections
 //! and a [`flusher::Flusher`]. Cleanup: the control socket is removed
 //! at exit; namespace mappings are dropped with the last session that holds them.
 //!
@@ -49,6 +52,7 @@ mod eventfd;
 pub mod flusher;
 pub mod handshake;
 pub mod memlock;
+pub mod metrics;
 pub mod namespace;
 /// sd_notify(3) (the common crate's, which the initiator's NBD export uses too).
 pub use rpma_common::notify;

@@ -185,6 +185,7 @@ pub fn diff(old: &Config, new: &Config) -> ConfigDiff {
         ),
         ("crc", old.crc != new.crc),
         ("discovery", old.discovery != new.discovery),
+        ("metrics_listen", old.metrics_listen != new.metrics_listen),
     ];
     d.settings_changed = settings
         .iter()
@@ -332,5 +333,19 @@ size = "1MiB"
         assert!(d
             .summary()
             .contains("ignored until restart: control_socket"));
+    }
+
+    #[test]
+    fn metrics_listen_is_reloaded_not_restarted() {
+        let on = format!("metrics_listen = \"127.0.0.1:9420\"\n{BASE}");
+        let d = diff(&cfg(BASE), &cfg(&on));
+        assert_eq!(d.settings_changed, ["metrics_listen"]);
+        assert!(d.needs_restart.is_empty());
+        assert!(
+            d.summary().contains("changed: metrics_listen"),
+            "{}",
+            d.summary()
+        );
+        assert!(diff(&cfg(&on), &cfg(&on)).is_empty());
     }
 }

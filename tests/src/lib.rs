@@ -6,6 +6,7 @@
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
 //! - [`fuse`]: what the FUSE mount tests share: a running `rpma-initiator mount`, cleanup guards;
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
+//! - [`metrics`]: HTTP to the target's metrics listener, promtool, a real Prometheus server;
 //! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
 //! - [`relay`]: a TCP relay that injects link faults (cut, reset, stall, swallow, a reset after
 //!   N bytes);
@@ -23,6 +24,7 @@ pub mod cachestat;
 pub mod config;
 pub mod fuse;
 pub mod initiator;
+pub mod metrics;
 pub mod nbd;
 pub mod relay;
 pub mod sessions;

@@ -67,7 +67,7 @@ fn ready_means_accepting_identify_and_gpspm() {
     assert!(sessions[0]["counted"]
         .as_str()
         .unwrap()
-        .contains("not counted"));
+        .contains("RDMA Writes, Reads, Atomics and Flushes"));
     assert_eq!(sessions[1]["kind"], "discovery", "{v}");
     assert_eq!(sessions[1]["host_nqn"], OPEN_HOST);
     assert_eq!(sessions[1]["controller_id"], 0);

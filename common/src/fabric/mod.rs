@@ -72,6 +72,7 @@
 //! ```
 
 mod context;
+mod counters;
 mod cq;
 mod error;
 mod mr;
@@ -90,6 +91,9 @@ mod types;
 mod url;
 
 pub use context::Context;
+pub use counters::{
+    RegionServed, ResponderCounters, ResponderSnapshot, TerminateCause, OTHER_RKEYS,
+};
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
 pub use mr::{AlignedBuf, MemoryBacking, MemoryRegion, MemoryWindow, RegisteredMemory};

@@ -285,6 +285,15 @@ impl QueuePair {
     pub fn to_error(&self) {
         self.inner.to_error("moved to Error locally");
     }
+
+    /// What this queue pair served as the responder (Writes placed, Reads answered, atomics,
+    /// durability requests per rkey; Terminates sent; persist latencies), where the transport
+    /// serves remote requests in software: `tcp` does; `rdma` (an RNIC) gives None. The handle
+    /// stays readable after the queue pair is dropped. Counting takes no lock and no shared
+    /// atomic on the data path ([`ResponderCounters`](super::ResponderCounters)).
+    pub fn responder_counters(&self) -> Option<super::ResponderCounters> {
+        self.inner.responder_counters()
+    }
 }
 
 impl Drop for QueuePair {

@@ -441,6 +441,15 @@ impl QpEngine {
     pub(crate) fn close(&self) {
         each_qp!(self, q => q.close())
     }
+    /// What the queue pair served as the responder, where software serves it (the soft
+    /// placement engine); an RNIC places without software, so `rdma` has none.
+    pub(crate) fn responder_counters(&self) -> Option<super::counters::ResponderCounters> {
+        match self {
+            QpEngine::Soft(q) => Some(q.counters.clone()),
+            #[cfg(feature = "rdma")]
+            QpEngine::Rdma(_) => None,
+        }
+    }
 
     /// Connects actively (Init to RTS).
     pub(crate) fn connect(

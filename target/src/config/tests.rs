@@ -459,3 +459,34 @@ fn control_socket_of_reads_only_that_key() {
         Err(ConfigError::Parse { .. })
     ));
 }
+
+#[test]
+fn metrics_listen_is_an_address_and_port_and_off_by_default() {
+    let d = dir_with_psk();
+    let c = Config::from_toml(GOOD, d.path()).unwrap();
+    assert_eq!(c.metrics_listen, None, "off by default");
+    for (text, want) in [
+        ("127.0.0.1:9420", "127.0.0.1:9420"),
+        ("0.0.0.0:9420", "0.0.0.0:9420"),
+        ("[::1]:9420", "[::1]:9420"),
+    ] {
+        let cfg = format!("metrics_listen = \"{text}\"\n{GOOD}");
+        let c = Config::from_toml(&cfg, d.path()).unwrap();
+        assert_eq!(c.metrics_listen.unwrap().to_string(), want);
+    }
+    for bad in [
+        "localhost:9420",
+        "127.0.0.1",
+        "127.0.0.1:99999",
+        "http://127.0.0.1:9420",
+        "",
+    ] {
+        let e = err(&format!("metrics_listen = \"{bad}\"\n{GOOD}"));
+        assert!(
+            e.starts_with("metrics_listen: ") && e.contains("is not an address and port"),
+            "{bad}: {e}"
+        );
+    }
+    let e = err(&format!("metrics_listen = 9420\n{GOOD}"));
+    assert!(e.contains("metrics_listen"), "{e}");
+}

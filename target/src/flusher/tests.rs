@@ -228,3 +228,30 @@ fn full_is_an_error_not_a_panic() {
     fl.drain(&mut out);
     assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2]);
 }
+
+#[test]
+fn flushes_are_timed_in_the_loops_histograms() {
+    let d = tempfile::tempdir().unwrap();
+    let pc = page_cache_file(d.path(), 1 << 16);
+    let dax = FlushTarget::dax(store(1 << 16), 1 << 16);
+    let stats = Arc::new(LoopStats::default());
+    let mut fl = Flusher::new(4).unwrap();
+    fl.set_stats(Arc::clone(&stats));
+    fl.submit(1, &pc, 0, 4096).unwrap();
+    fl.submit(2, &pc, 4096, 4096).unwrap();
+    fl.submit(3, &dax, 0, 4096).unwrap();
+    // Refused before any work: not timed.
+    fl.submit(4, &pc, 1 << 16, 4096).unwrap();
+    let mut out = Vec::new();
+    fl.drain(&mut out);
+    assert_eq!(out.len(), 4);
+    let fds = stats.gpspm_fdatasync.snapshot();
+    assert_eq!(fds.count(), 2, "{fds:?}");
+    assert!(fds.sum_ns > 0);
+    assert_eq!(stats.gpspm_writeback.snapshot().count(), 1);
+    assert_eq!(
+        stats.gpspm_request.snapshot().count(),
+        0,
+        "the loop times requests"
+    );
+}

@@ -228,6 +228,9 @@ impl AcceptLoop {
             Err(e @ fabric::Error::Handshake { .. }) => {
                 // A peer that does not speak MPA (a port scan, a wrong client): unauthenticated,
                 // so rate-limited.
+                self.shared
+                    .events
+                    .handshake_failed(crate::metrics::HandshakeFailure::BadMpaRequest);
                 self.shared.peer_log.warn(
                     peer.ip(),
                     format_args!("{peer}: bad MPA Request: {}", rpma_common::error_chain(&e)),
@@ -265,6 +268,7 @@ impl AcceptLoop {
         {
             Ok(t) => t,
             Err(e) => {
+                self.shared.events.refused_source_limit();
                 self.shared
                     .peer_log
                     .warn(source, format_args!("refused a connection: {e}"));

@@ -47,12 +47,14 @@ use rpma_common::proto::{
     Connect, ConnectResponse, Disconnect, DurabilityMethods, FlushRequest, FlushResponse,
     FlushStatus, Message, NamespaceDescriptor, Refusal, RefusalReason,
 };
+use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
 use super::poll_loop::{CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
 use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};
+use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
 use crate::namespace::{durability_methods, wire_domain, OpenNamespace};
 use crate::subsystem::discovery;
 
@@ -65,7 +67,7 @@ const MAX_KEEP_ALIVE: Duration = Duration::from_secs(3600);
 /// A namespace this connection may reach: the region that carries its rkey.
 pub(crate) struct Grant {
     pub(crate) ns: Arc<OpenNamespace>,
-    _mr: Arc<MemoryRegion>,
+    mr: Arc<MemoryRegion>,
 }
 
 impl Drop for Grant {
@@ -140,6 +142,8 @@ fn seen(info: &SessionInfo, now: Instant) {
 pub(crate) struct FlushJob {
     pub(crate) ns: Arc<OpenNamespace>,
     pub(crate) req: FlushRequest,
+    /// When the request was taken in (for the arrival-to-answer histogram).
+    pub(crate) arrived: Stopwatch,
 }
 
 /// A connection.
@@ -158,6 +162,16 @@ pub(crate) struct Conn {
     owner: LoopTx,
     /// FlushRequests the host may have outstanding (receives posted beyond it: slack).
     queue_depth: u32,
+    /// Its poll loop's counts (the Terminates it sent are added when it is dropped).
+    stats: Arc<LoopStats>,
+}
+
+impl Drop for Conn {
+    fn drop(&mut self) {
+        if let Some(r) = self.qp.responder_counters() {
+            self.stats.add_terminates(&r.terminates());
+        }
+    }
 }
 
 fn keep_alive_of(c: &Connect, cfg: &Config, max: Duration) -> Duration {
@@ -178,6 +192,7 @@ impl Conn {
         owner: LoopTx,
         queue_depth: u32,
         deadline: Instant,
+        stats: Arc<LoopStats>,
     ) -> Conn {
         let info = qp.info();
         let now = Instant::now();
@@ -196,6 +211,14 @@ impl Conn {
             ticket: Some(ticket),
             owner,
             queue_depth,
+            stats,
+        }
+    }
+
+    /// Counts the end of the session, if this connection is one.
+    pub(crate) fn session_ended(&self, why: EndReason) {
+        if let Phase::Session(_) = self.phase {
+            self.shared.events.ended(why);
         }
     }
 
@@ -212,6 +235,7 @@ impl Conn {
     }
 
     fn refuse(&mut self, reason: RefusalReason, message: String, host: Option<&Nqn>) {
+        self.shared.events.refused(reason);
         self.shared.peer_log.warn(
             self.peer.ip(),
             format_args!(
@@ -238,6 +262,7 @@ impl Conn {
     }
 
     fn protocol_error(&mut self, what: String) {
+        self.session_ended(EndReason::ProtocolError);
         self.shared.peer_log.warn(
             self.peer.ip(),
             format_args!("{}: protocol error, closing: {what}", self.peer),
@@ -260,6 +285,9 @@ impl Conn {
                             self.refuse(refusal.reason, refusal.message, host_nqn.as_ref());
                         }
                         Step::Abandoned { why, host_nqn } => {
+                            self.shared
+                                .events
+                                .handshake_failed(HandshakeFailure::Abandoned);
                             self.shared.peer_log.warn(
                                 self.peer.ip(),
                                 format_args!(
@@ -330,6 +358,7 @@ impl Conn {
                         Some(g) => jobs.push(FlushJob {
                             ns: Arc::clone(&g.ns),
                             req,
+                            arrived: Stopwatch::start(),
                         }),
                         None => {
                             s.info.flushes.fetch_add(1, Ordering::Relaxed);
@@ -342,6 +371,7 @@ impl Conn {
                     },
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
                     Ok(Message::Disconnect(d)) => {
+                        shared.events.ended(EndReason::Host);
                         log::info!(
                             "session ctrl {} (host {} from {}) closed by the host: {}",
                             s.info.controller_id,
@@ -402,6 +432,7 @@ impl Conn {
             queue_depth: 0,
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
+        shared.events.admitted(true);
         let info = Arc::new(SessionInfo::new("discovery", 0, &c, self.peer, keep_alive));
         let listed = shared.register_discovery(Arc::clone(&info));
         self.phase = Phase::Discovery {
@@ -450,8 +481,11 @@ impl Conn {
                 }
             }
         }
+        let responder = self.qp.responder_counters();
+        let rkeys: Vec<(u32, u32)> = grants.iter().map(|(n, g)| (*n, g.mr.rkey())).collect();
         let info = shared.register_session(|controller_id| {
             SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
+                .with_data(responder, rkeys)
         });
         let Some(info) = info else {
             let m = format!(
@@ -497,6 +531,7 @@ impl Conn {
                     session.info.keep_alive_ms
                 );
                 self.phase = Phase::Session(Box::new(session));
+                shared.events.admitted(false);
                 self.send_raw(&bytes);
             }
             Err(e) => {
@@ -563,7 +598,7 @@ impl Conn {
         Ok((
             Grant {
                 ns: Arc::clone(ns),
-                _mr: mr,
+                mr,
             },
             d,
         ))
@@ -588,6 +623,7 @@ impl Conn {
     /// be dropped.
     pub(crate) fn tick(&mut self, now: Instant) -> bool {
         if self.qp.state() == QpState::Error {
+            self.session_ended(EndReason::ConnectionLost);
             if let Phase::Session(s) = &self.phase {
                 // A persist that failed in the placement engine (APM, FLUSH) ends here.
                 for g in s.grants.values() {
@@ -614,12 +650,16 @@ impl Conn {
         let lapsed = |ka: Duration| now.saturating_duration_since(self.last_seen) > ka;
         match &self.phase {
             Phase::Handshake { deadline, .. } if now >= *deadline => {
+                self.shared
+                    .events
+                    .handshake_failed(HandshakeFailure::Timeout);
                 // Unauthenticated, and as frequent as a peer likes: not worth a line each.
                 log::debug!("{}: no complete Connect in time: closed", self.peer);
                 false
             }
             Phase::Session(s) if lapsed(s.keep_alive) => {
                 s.info.expired.store(true, Ordering::Relaxed);
+                self.shared.events.ended(EndReason::KeepAlive);
                 log::warn!(
                     "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys revoked",
                     s.info.controller_id,
@@ -659,6 +699,7 @@ impl Conn {
                 s.host,
                 self.peer
             );
+            self.session_ended(EndReason::Reload);
             self.goodbye("the target's configuration for this host changed");
             return;
         }
@@ -683,6 +724,7 @@ impl Conn {
                 s.host,
                 self.peer
             );
+            self.session_ended(EndReason::Reload);
             self.goodbye(&format!("{what} {ids} changed by reload"));
             return;
         }

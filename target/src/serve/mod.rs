@@ -36,32 +36,37 @@
 //!   is registered with a remote right before the host is admitted. docs/architecture.md says
 //!   why this is not one region per namespace plus memory windows.
 //!
-//! Counted per session: control messages received, GPSPM flushes. Not counted: RDMA Writes and
-//! Reads, which the transport's placement engine serves without any target code.
+//! Counted per session: control messages received, GPSPM flushes, and per namespace what the
+//! transport's placement engine served (its per-queue-pair counters, read through the session's
+//! rkeys) and the GPSPM requests answered. A session's counts are folded into its host's totals
+//! when it ends ([`crate::metrics`] has the model).
 
 mod acceptor;
 mod budget;
 mod conn;
 mod peer_log;
 mod poll_loop;
+mod session_info;
 
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
+use session_info::Retired;
+pub(crate) use session_info::SessionInfo;
 
 use std::collections::BTreeMap;
-use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use rpma_common::fabric::{self, ConnRequest, Context, Url};
-use rpma_common::proto::Connect;
+use rpma_common::stats::Histogram;
 
 use crate::config::{Config, Transport};
-use crate::control::{AdmissionStatus, ListenerStatus, PoolStatus, SessionStatus, SESSION_COUNTED};
+use crate::control::{AdmissionStatus, ListenerStatus, PoolStatus, SessionStatus};
 use crate::daemon::Serve;
 use crate::eventfd::EventFd;
+use crate::metrics::{Events, HostCounters, LatencyStatus, LoopStats, MetricsStatus};
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
@@ -178,82 +183,6 @@ impl Heartbeat {
     }
 }
 
-/// A connection's live counters and identity, shared between its poll loop and `status`.
-#[derive(Debug)]
-pub(crate) struct SessionInfo {
-    /// "io" or "discovery".
-    pub(crate) kind: &'static str,
-    /// 0 on a discovery connection.
-    pub(crate) controller_id: u16,
-    pub(crate) host_nqn: String,
-    pub(crate) subsystem_nqn: String,
-    pub(crate) peer: String,
-    pub(crate) queue_id: u16,
-    pub(crate) started: Instant,
-    pub(crate) keep_alive_ms: u32,
-    /// Control messages received from the host.
-    pub(crate) messages: AtomicU64,
-    /// GPSPM flushes answered.
-    pub(crate) flushes: AtomicU64,
-    /// When the last message came in, in ms since `started`.
-    pub(crate) last_seen_ms: AtomicU64,
-    pub(crate) expired: AtomicBool,
-}
-
-impl SessionInfo {
-    /// A connection of `kind` just admitted with `c`, its counters at zero.
-    pub(crate) fn new(
-        kind: &'static str,
-        controller_id: u16,
-        c: &Connect,
-        peer: SocketAddr,
-        keep_alive: Duration,
-    ) -> SessionInfo {
-        SessionInfo {
-            kind,
-            controller_id,
-            host_nqn: c.host_nqn.to_string(),
-            subsystem_nqn: c.subsystem_nqn.to_string(),
-            peer: peer.to_string(),
-            queue_id: c.queue_id,
-            started: Instant::now(),
-            keep_alive_ms: keep_alive.as_millis() as u32,
-            messages: AtomicU64::new(0),
-            flushes: AtomicU64::new(0),
-            last_seen_ms: AtomicU64::new(0),
-            expired: AtomicBool::new(false),
-        }
-    }
-
-    fn status(&self) -> SessionStatus {
-        let age = self.started.elapsed().as_millis() as u64;
-        let since = age.saturating_sub(self.last_seen_ms.load(Ordering::Relaxed));
-        let ka = u64::from(self.keep_alive_ms);
-        let state = if self.expired.load(Ordering::Relaxed) {
-            "expired"
-        } else if ka > 0 && since > ka * 3 / 4 {
-            "late"
-        } else {
-            "ok"
-        };
-        SessionStatus {
-            kind: self.kind.into(),
-            controller_id: self.controller_id,
-            host_nqn: self.host_nqn.clone(),
-            subsystem_nqn: self.subsystem_nqn.clone(),
-            peer: self.peer.clone(),
-            queue_id: self.queue_id,
-            age_ms: age,
-            messages: self.messages.load(Ordering::Relaxed),
-            flushes: self.flushes.load(Ordering::Relaxed),
-            counted: SESSION_COUNTED.into(),
-            keep_alive_ms: self.keep_alive_ms,
-            last_keep_alive_ms: since,
-            keep_alive_state: state.into(),
-        }
-    }
-}
-
 /// What every thread of the serving machinery shares.
 pub(crate) struct Shared {
     pub(crate) ctx: Context,
@@ -269,6 +198,12 @@ pub(crate) struct Shared {
     next_discovery: AtomicU64,
     /// Warnings about unauthenticated peers, rate-limited per address.
     pub(crate) peer_log: peer_log::PeerLog,
+    /// Control-plane events.
+    pub(crate) events: Events,
+    /// Each poll loop's own counts.
+    loop_stats: Vec<Arc<LoopStats>>,
+    /// What ended sessions counted. Locked only while `sessions` is (in that order).
+    retired: Mutex<Retired>,
 }
 
 impl std::fmt::Debug for Shared {
@@ -352,11 +287,89 @@ impl Shared {
             .remove(&key);
     }
 
+    /// Removes an ended session from the list, folding its counts into its host's totals.
     pub(crate) fn unregister_session(&self, controller_id: u16) {
-        self.sessions
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .remove(&controller_id);
+        let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(info) = s.remove(&controller_id) {
+            self.retired
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .fold(&info);
+        }
+    }
+
+    /// The target-wide counts now.
+    fn metrics(&self) -> MetricsStatus {
+        let mut m = MetricsStatus {
+            counting: rpma_common::stats::COUNTING,
+            ..MetricsStatus::default()
+        };
+        self.events.fill(&mut m);
+        let (hosts, wb, ms) = {
+            let live = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+            let r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+            let (mut hosts, mut wb, mut ms) =
+                (r.hosts.clone(), r.persist_writeback, r.persist_msync);
+            drop(r);
+            for info in live.values() {
+                let (per_ns, w, m) = info.data();
+                for (nsid, d) in per_ns {
+                    let key = (info.subsystem_nqn.clone(), nsid, info.host_nqn.clone());
+                    hosts.entry(key).or_default().add(&d);
+                }
+                wb.merge(&w);
+                ms.merge(&m);
+            }
+            (hosts, wb, ms)
+        };
+        m.hosts = hosts
+            .into_iter()
+            .map(|((subsystem, nsid, host), data)| HostCounters {
+                subsystem,
+                nsid,
+                host,
+                data,
+            })
+            .collect();
+        let mut terminates = [0u64; 5];
+        let (mut req, mut gwb, mut fds) = (
+            Histogram::default(),
+            Histogram::default(),
+            Histogram::default(),
+        );
+        for l in &self.loop_stats {
+            for (t, n) in terminates.iter_mut().zip(l.terminates()) {
+                *t += n;
+            }
+            Histogram::merge(&mut req, &l.gpspm_request.snapshot());
+            Histogram::merge(&mut gwb, &l.gpspm_writeback.snapshot());
+            Histogram::merge(&mut fds, &l.gpspm_fdatasync.snapshot());
+        }
+        m.terminates = crate::metrics::terminates_by_name(&terminates);
+        let lat = |kind: &str, path: &str, histogram: Histogram| LatencyStatus {
+            kind: kind.into(),
+            path: path.into(),
+            histogram,
+        };
+        m.latency = vec![
+            lat("writeback", "placement", wb),
+            lat("msync", "placement", ms),
+            lat("writeback", "gpspm", gwb),
+            lat("fdatasync", "gpspm", fds),
+            lat("gpspm_request", "gpspm", req),
+        ];
+        m
+    }
+
+    /// After a reload: forget the ended sessions' counts of namespaces no longer configured.
+    fn forget_removed(&self, table: &NamespaceTable) {
+        let _live = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        let mut r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        r.hosts.retain(|(sub, nsid, _), _| {
+            table
+                .iter()
+                .any(|((s, n), _)| n == nsid && s.as_str() == sub.as_str())
+        });
     }
 }
 
@@ -488,6 +501,9 @@ impl FabricServe {
             crate::memlock::Verdict::Short(message) => log::warn!("{message}"),
             crate::memlock::Verdict::Fine => {}
         }
+        let loop_stats: Vec<Arc<LoopStats>> = (0..cfg.poll_loops.max(1))
+            .map(|_| Arc::new(LoopStats::default()))
+            .collect();
         let shared = Arc::new(Shared {
             ctx: self.ctx.clone(),
             config: RwLock::new(Arc::new(cfg.clone())),
@@ -501,10 +517,13 @@ impl FabricServe {
             peer_log: peer_log::PeerLog::new(Duration::from_millis(u64::from(
                 cfg.admission.refusal_log_period_ms,
             ))),
+            events: Events::default(),
+            loop_stats: loop_stats.clone(),
+            retired: Mutex::new(Retired::default()),
         });
         shared.set(cfg, namespaces);
         self.shared = Some(Arc::clone(&shared));
-        for index in 0..cfg.poll_loops.max(1) as usize {
+        for (index, stats) in loop_stats.iter().enumerate() {
             let (tx, rx) = mpsc::channel();
             let wake = EventFd::new().map(Arc::new).map_err(|e| Error::LoopSetup {
                 index,
@@ -521,6 +540,7 @@ impl FabricServe {
                 rx,
                 beat.clone(),
                 Arc::clone(&load),
+                Arc::clone(stats),
             )
             .map_err(|source| Error::LoopSetup { index, source })?;
             let thread = std::thread::Builder::new()
@@ -568,6 +588,7 @@ impl Serve for FabricServe {
     fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable) {
         let Some(shared) = &self.shared else { return };
         shared.set(cfg, namespaces);
+        shared.forget_removed(namespaces);
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));
@@ -602,6 +623,10 @@ impl Serve for FabricServe {
         let d = shared.discovery.lock().unwrap_or_else(|p| p.into_inner());
         out.extend(d.values().map(|i| i.status()));
         out
+    }
+
+    fn metrics(&self) -> Option<MetricsStatus> {
+        Some(self.shared.as_ref()?.metrics())
     }
 
     fn admission(&self) -> Option<AdmissionStatus> {

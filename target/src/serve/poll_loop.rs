@@ -22,11 +22,13 @@ use rpma_common::fabric::{
     Woken,
 };
 use rpma_common::proto::{FlushResponse, FlushStatus};
+use rpma_common::stats::Stopwatch;
 
 use super::budget::Ticket;
 use super::conn::{Conn, FlushJob, Phase};
 use super::{Heartbeat, LoopCmd, LoopTx, Shared};
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
+use crate::metrics::{EndReason, LoopStats};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
 use rpma_common::proto::msgbuf::{MsgBufs, SEND_BIT};
@@ -61,6 +63,7 @@ struct PendingFlush {
     ns: Arc<OpenNamespace>,
     offset: u64,
     len: u64,
+    arrived: Stopwatch,
 }
 
 pub(crate) struct PollLoop {
@@ -86,6 +89,8 @@ pub(crate) struct PollLoop {
     next_token: u64,
     jobs: Vec<(u32, FlushJob)>,
     scratch: Vec<u8>,
+    /// This loop's counts (it is their only writer; its flusher writes the flush timings).
+    stats: Arc<LoopStats>,
 }
 
 impl PollLoop {
@@ -96,10 +101,12 @@ impl PollLoop {
         rx: mpsc::Receiver<LoopCmd>,
         beat: Heartbeat,
         load: Arc<AtomicUsize>,
+        stats: Arc<LoopStats>,
     ) -> Result<PollLoop, Box<dyn std::error::Error + Send + Sync>> {
         let cfg = shared.config();
         let cq = shared.ctx.create_cq(1024)?;
-        let flusher = Flusher::new(cfg.max_queue_depth)?;
+        let mut flusher = Flusher::new(cfg.max_queue_depth)?;
+        flusher.set_stats(Arc::clone(&stats));
         // Both fds live as long as the loop (the flusher and `wake` are fields beside `cq`).
         cq.watch_fd(beat.wake_fd(), WAKE_CMD)?;
         cq.watch_fd(flusher.wait_fd(), WAKE_FLUSH)?;
@@ -123,6 +130,7 @@ impl PollLoop {
             next_token: 1,
             jobs: Vec::new(),
             scratch: Vec::with_capacity(rpma_common::proto::MAX_MESSAGE_SIZE),
+            stats,
         })
     }
 
@@ -211,6 +219,7 @@ impl PollLoop {
                 self.own.clone(),
                 granted,
                 Instant::now() + handshake,
+                Arc::clone(&self.stats),
             ))
         })();
         match made {
@@ -315,6 +324,7 @@ impl PollLoop {
                     ns: job.ns,
                     offset: job.req.offset,
                     len: job.req.length,
+                    arrived: job.arrived,
                 },
             );
             // Behind earlier requests that found the flusher full, so that none starves.
@@ -371,19 +381,18 @@ impl PollLoop {
         };
         let counters = &p.ns.counters;
         counters.flushes.fetch_add(1, Ordering::Relaxed);
-        match c.status {
-            FlushStatus::Durable | FlushStatus::VisibleOnly => {
-                let len = if p.len == 0 { p.ns.size() } else { p.len };
-                counters.flushed_bytes.fetch_add(len, Ordering::Relaxed);
-            }
-            _ => {
-                counters.flush_errors.fetch_add(1, Ordering::Relaxed);
-                p.ns.note_failure();
-            }
+        let ok = matches!(c.status, FlushStatus::Durable | FlushStatus::VisibleOnly);
+        if ok {
+            let len = if p.len == 0 { p.ns.size() } else { p.len };
+            counters.flushed_bytes.fetch_add(len, Ordering::Relaxed);
+        } else {
+            counters.flush_errors.fetch_add(1, Ordering::Relaxed);
+            p.ns.note_failure();
         }
         if let Some(conn) = self.conns.get_mut(&p.qp_num) {
             if let Phase::Session(s) = &conn.phase {
                 s.info.flushes.fetch_add(1, Ordering::Relaxed);
+                s.info.gpspm_answered(p.ns.config.nsid, ok);
             }
             let resp = FlushResponse {
                 token: p.host_token,
@@ -391,6 +400,7 @@ impl PollLoop {
             };
             conn.send_raw(&resp.encode());
         }
+        self.stats.gpspm_request.record_since(p.arrived);
     }
 
     fn tick(&mut self, now: Instant) {
@@ -426,6 +436,7 @@ impl PollLoop {
         for c in self.conns.values_mut() {
             match c.phase {
                 Phase::Session(_) | Phase::Discovery { .. } => {
+                    c.session_ended(EndReason::Shutdown);
                     c.goodbye("the target is shutting down")
                 }
                 Phase::Handshake { .. } | Phase::Closing { .. } => {}

@@ -9,7 +9,7 @@ use crate::fabric::cq::CompletionQueue;
 use crate::fabric::error::Error;
 use crate::fabric::qp::ConnInfo;
 use crate::fabric::soft::outbound::{OnSent, Tx};
-use crate::fabric::soft::placement::Dirty;
+use crate::fabric::soft::placement::{Counting, Dirty};
 use crate::fabric::soft::wire::rdmap::ReadRequest;
 use crate::fabric::soft::wire::rx::{Delivered, FpduReceiver};
 use crate::fabric::soft::wire::WireError;
@@ -135,6 +135,8 @@ pub(crate) struct Engine {
     pub(super) placing: Option<Placing>,
     /// The receive status for the Recv whose Send the placer just refused (LocalLength).
     pub(super) refused_recv_status: Option<WcStatus>,
+    /// What this queue pair served as the responder (its `ResponderCounters`' only writer).
+    pub(super) counting: Counting,
 }
 
 /// A Write FPDU in placement (see `Engine::placing`).
@@ -250,6 +252,8 @@ impl Engine {
         }
         t.rreq = f.rreq;
         self.tx.abort_queued();
+        self.counting
+            .terminated(super::status::terminate_cause(f.cause, f.persist.is_some()));
         let hdr = Header::untagged(Opcode::Terminate, 1, true);
         let body = t.encode();
         self.tx.push_inline(hdr, body, OnSent::Nothing);

@@ -12,13 +12,14 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use super::engine::*;
+use crate::fabric::counters::ResponderCounters;
 use crate::fabric::cq::CompletionQueue;
 use crate::fabric::error::{Error, Result};
 use crate::fabric::pd::ProtectionDomain;
 use crate::fabric::qp::{ConnInfo, ConnParams};
 use crate::fabric::soft::conn::Negotiated;
 use crate::fabric::soft::outbound::Tx;
-use crate::fabric::soft::placement::Dirty;
+use crate::fabric::soft::placement::{Counting, Dirty};
 use crate::fabric::soft::poll::Poller;
 use crate::fabric::soft::wire::rx::FpduReceiver;
 use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendWr};
@@ -47,6 +48,8 @@ struct Core {
 pub(crate) struct SoftQp {
     pub(crate) num: u32,
     pub(crate) pd: ProtectionDomain,
+    /// What the engine served as the responder; read without the queue pair's lock.
+    pub(crate) counters: ResponderCounters,
     core: Mutex<Core>,
 }
 
@@ -58,6 +61,7 @@ impl SoftQp {
         recv_cq: CompletionQueue,
         caps: QpCaps,
     ) -> Arc<SoftQp> {
+        let counters = ResponderCounters::new();
         let e = Engine {
             qp_num: num,
             pd: pd.inner.id,
@@ -89,10 +93,12 @@ impl SoftQp {
             dirty: Dirty::default(),
             placing: None,
             refused_recv_status: None,
+            counting: Counting::new(counters.clone()),
         };
         Arc::new(SoftQp {
             num,
             pd,
+            counters,
             core: Mutex::new(Core { conn: None, e }),
         })
     }

@@ -1,10 +1,14 @@
 //! The responder half of the engine (and the requester's view of responses): every inbound
 //! message, placed or answered. STag, bounds and rights are checked before a byte is placed;
 //! every response leaves only after the Writes before it were placed and made durable.
+//! What is served is counted per rkey as it is served (`placement::Counting`: Writes at their
+//! placement, Reads, atomics and Flushes once answered, APM Reads and failed persists), and the
+//! persist work before a response is timed.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use super::engine::*;
+use crate::fabric::counters::PersistKind;
 use crate::fabric::soft::outbound::{OnSent, Src, TxMsg};
 use crate::fabric::soft::placement;
 use crate::fabric::soft::placement::DirectTarget;
@@ -15,6 +19,8 @@ use crate::fabric::soft::wire::rdmap::{
 use crate::fabric::soft::wire::rx;
 use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause};
 use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
+use crate::pmem::Domain;
+use crate::stats::{Stopwatch, COUNTING};
 
 impl Engine {
     /// A data FPDU has been placed (with CRC on, after its CRC passed); `written_back`: by a
@@ -23,6 +29,9 @@ impl Engine {
         // Dropping `placing` here, once the FPDU is reported, releases the region it kept
         // alive while the receiver held a raw pointer into it.
         if let Some(p) = self.placing.take() {
+            if let HeaderKind::Tagged { stag, .. } = hdr.kind {
+                self.counting.write(stag, p.len, hdr.last);
+            }
             if p.writeback {
                 if written_back {
                     self.dirty.add_fence();
@@ -101,18 +110,31 @@ impl Engine {
         }
     }
 
-    /// Makes every Write placed so far durable: called before any response leaves.
+    /// Makes every Write placed so far durable: called before any response leaves. Returns
+    /// whether there was durable work to do (dax or page-cache ranges, or a fence), timed in
+    /// the persist histograms.
     pub(super) fn persist_dirty(
         &mut self,
         hdr: Header,
         ulpdu_len: usize,
-    ) -> std::result::Result<(), Fault> {
+    ) -> std::result::Result<bool, Fault> {
         if self.dirty.is_empty() {
-            return Ok(());
+            return Ok(false);
         }
-        self.dirty.persist_all().map_err(|e| {
+        let work = if COUNTING {
+            self.dirty.durable_work()
+        } else {
+            None
+        };
+        let sw = Stopwatch::start();
+        let done = self.dirty.persist_all();
+        if let Some(kind) = work {
+            self.counting.persisted(kind, sw);
+        }
+        done.map_err(|e| {
             Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, hdr, ulpdu_len).with_persist(e)
-        })
+        })?;
+        Ok(work.is_some())
     }
 
     pub(super) fn lookup(
@@ -197,7 +219,14 @@ impl Engine {
                 let t = self
                     .lookup(rr.src_stag, rr.src_to, rr.size as u64, Access::REMOTE_READ)
                     .map_err(|f| quote(fault(status::rdmap_cause(f))))?;
-                self.persist_dirty(hdr, ulpdu_len).map_err(quote)?;
+                // Earlier Writes to make durable: this is an APM Read.
+                let apm = match self.persist_dirty(hdr, ulpdu_len) {
+                    Ok(apm) => apm,
+                    Err(f) => {
+                        self.counting.apm(rr.src_stag, false);
+                        return Err(quote(f));
+                    }
+                };
                 let rhdr = Header::tagged(Opcode::ReadResponse, rr.sink_stag, rr.sink_to, true);
                 self.tx.push(TxMsg {
                     hdr: rhdr,
@@ -208,6 +237,10 @@ impl Engine {
                     len: rr.size as usize,
                     on_sent: OnSent::ResponseDone,
                 });
+                self.counting.read(rr.src_stag, rr.size);
+                if apm {
+                    self.counting.apm(rr.src_stag, true);
+                }
             }
             Body::AtomicRequest(ar) => {
                 self.take_ird(hdr, ulpdu_len)?;
@@ -248,6 +281,7 @@ impl Engine {
                     original,
                 };
                 self.respond(Opcode::AtomicResponse, resp.encode().to_vec());
+                self.counting.atomic(ar.stag);
             }
             Body::AtomicWriteRequest(aw) => {
                 self.take_ird(hdr, ulpdu_len)?;
@@ -270,6 +304,7 @@ impl Engine {
                     request: Opcode::AtomicWriteRequest,
                 };
                 self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
+                self.counting.atomic(aw.stag);
             }
             Body::FlushRequest(fr) => {
                 self.take_ird(hdr, ulpdu_len)?;
@@ -291,13 +326,34 @@ impl Engine {
                     }
                 }
                 .map_err(|f| fault(status::rdmap_cause(f)))?;
-                self.persist_dirty(hdr, ulpdu_len)?;
+                let stag = match fr.selectivity {
+                    FlushSelectivity::Range { stag, .. } | FlushSelectivity::Region { stag } => {
+                        stag
+                    }
+                };
+                if let Err(f) = self.persist_dirty(hdr, ulpdu_len) {
+                    self.counting.flush(stag, false);
+                    return Err(f);
+                }
                 if fr.placement == FlushPlacement::Persistent {
                     if let Some(p) = t.0.region.persist() {
                         if t.1 > 0 {
-                            p.persist(t.0.offset, t.1).map_err(|e| {
-                                fault(TermCause::RDMAP_CATASTROPHIC_STREAM).with_persist(e)
-                            })?;
+                            let sw = Stopwatch::start();
+                            let done = p.persist(t.0.offset, t.1);
+                            match p.domain() {
+                                Domain::PageCache => {
+                                    self.counting.persisted(PersistKind::Msync, sw)
+                                }
+                                Domain::Dax | Domain::DaxForced => {
+                                    self.counting.persisted(PersistKind::Writeback, sw)
+                                }
+                                _ => {}
+                            }
+                            if let Err(e) = done {
+                                self.counting.flush(stag, false);
+                                let f = fault(TermCause::RDMAP_CATASTROPHIC_STREAM);
+                                return Err(f.with_persist(e));
+                            }
                         }
                     }
                 }
@@ -306,6 +362,7 @@ impl Engine {
                     request: Opcode::FlushRequest,
                 };
                 self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
+                self.counting.flush(stag, true);
             }
             Body::AtomicResponse(ar) => {
                 let ent = self

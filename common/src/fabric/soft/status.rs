@@ -1,6 +1,7 @@
 //! Status mapping: the Terminate cause a refused access calls for, and the completion status
 //! a received Terminate gives the request it ends.
 
+use crate::fabric::counters::TerminateCause;
 use crate::fabric::soft::device::{AccessFault, InvalidateFault};
 use crate::fabric::soft::wire::{Layer, TermCause};
 use crate::fabric::types::WcStatus;
@@ -51,9 +52,52 @@ pub(crate) fn status_for(cause: TermCause) -> WcStatus {
     }
 }
 
+/// The class a sent Terminate is counted under; `persist`: it reports a failed persist.
+pub(crate) fn terminate_cause(cause: TermCause, persist: bool) -> TerminateCause {
+    if persist {
+        return TerminateCause::Persist;
+    }
+    if cause == TermCause::MPA_CRC {
+        return TerminateCause::Crc;
+    }
+    match status_for(cause) {
+        WcStatus::RemoteAccess => TerminateCause::Access,
+        WcStatus::RemoteInvalidRequest => TerminateCause::InvalidRequest,
+        _ => TerminateCause::Operation,
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn terminates_are_counted_by_the_class_the_requester_sees() {
+        let c = |cause| terminate_cause(cause, false);
+        assert_eq!(
+            c(TermCause::DDP_TAGGED_INVALID_STAG),
+            TerminateCause::Access
+        );
+        assert_eq!(c(TermCause::RDMAP_BASE_BOUNDS), TerminateCause::Access);
+        assert_eq!(
+            c(TermCause::DDP_UNTAGGED_NO_BUFFER),
+            TerminateCause::InvalidRequest
+        );
+        assert_eq!(
+            c(TermCause::RDMAP_UNEXPECTED_OPCODE),
+            TerminateCause::InvalidRequest
+        );
+        assert_eq!(
+            c(TermCause::RDMAP_CATASTROPHIC_STREAM),
+            TerminateCause::Operation
+        );
+        assert_eq!(c(TermCause::MPA_LENGTH_MISMATCH), TerminateCause::Operation);
+        assert_eq!(c(TermCause::MPA_CRC), TerminateCause::Crc);
+        assert_eq!(
+            terminate_cause(TermCause::RDMAP_CATASTROPHIC_STREAM, true),
+            TerminateCause::Persist
+        );
+    }
 
     #[test]
     fn terminate_causes_map_to_statuses() {

@@ -3,7 +3,9 @@
 
 use std::sync::Arc;
 
+use crate::fabric::counters::PersistKind;
 use crate::fabric::mr::Region;
+use crate::pmem::Domain;
 
 /// Beyond this many separate ranges the list is cut down. On memory whose persist is a cache
 /// write-back (dax) the recorded ranges are made durable at once, early (always allowed:
@@ -45,7 +47,7 @@ impl Dirty {
         if self.ranges.len() >= MAX_RANGES {
             let early = region
                 .persist()
-                .is_some_and(|p| p.domain() != crate::pmem::Domain::PageCache);
+                .is_some_and(|p| p.domain() != Domain::PageCache);
             if early {
                 // A failure is not lost: the ranges that failed stay recorded, the memory's
                 // store remembers it, and the next persist before a response reports it. Only
@@ -78,6 +80,21 @@ impl Dirty {
 
     pub(crate) fn is_empty(&self) -> bool {
         self.ranges.is_empty() && !self.fence
+    }
+
+    /// What persisting would take: msync if a page-cache range is recorded, else a cache
+    /// write-back (and fence) if a dax range or a fence is; None when there is nothing durable
+    /// to make (empty, or volatile memory only).
+    pub(crate) fn durable_work(&self) -> Option<PersistKind> {
+        let mut work = self.fence.then_some(PersistKind::Writeback);
+        for (region, _, _) in &self.ranges {
+            match region.persist().map(|p| p.domain()) {
+                Some(Domain::PageCache) => return Some(PersistKind::Msync),
+                Some(Domain::Dax | Domain::DaxForced) => work = Some(PersistKind::Writeback),
+                _ => {}
+            }
+        }
+        work
     }
 
     #[cfg(test)]
@@ -114,7 +131,7 @@ impl Dirty {
 mod tests {
     use super::*;
     use crate::fabric::mr::{AlignedBuf, Backing};
-    use crate::pmem::{Domain, Mapping};
+    use crate::pmem::Mapping;
 
     fn volatile_region() -> Arc<Region> {
         Arc::new(Region::for_test(Backing::Owned(
@@ -143,6 +160,11 @@ mod tests {
         assert_eq!(d.ranges(), vec![(0, 150), (990, 18)]);
         d.add(&r, 5, 0);
         assert_eq!(d.ranges().len(), 2);
+        assert_eq!(
+            d.durable_work(),
+            None,
+            "volatile memory: nothing to make durable"
+        );
         d.persist_all().unwrap();
         assert!(d.is_empty());
     }
@@ -150,8 +172,10 @@ mod tests {
     #[test]
     fn a_fence_alone_is_work_to_do_and_is_done_once() {
         let mut d = Dirty::default();
+        assert_eq!(d.durable_work(), None);
         d.add_fence();
         assert!(!d.is_empty(), "written-back bytes still need their sfence");
+        assert_eq!(d.durable_work(), Some(PersistKind::Writeback));
         d.persist_all().unwrap();
         assert!(d.is_empty());
     }
@@ -183,6 +207,12 @@ mod tests {
             d.add(&r, i * 4096, 8);
         }
         assert_eq!(d.ranges(), vec![(0, MAX_RANGES * 4096 + 8)]);
+        d.add_fence();
+        assert_eq!(
+            d.durable_work(),
+            Some(PersistKind::Msync),
+            "msync wins over a fence"
+        );
         d.persist_all().unwrap();
         assert!(d.is_empty());
     }

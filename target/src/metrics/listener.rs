@@ -1,0 +1,322 @@
+//! The metrics listener: HTTP/1.x on a TCP address of its own, answering only `GET /metrics`.
+//!
+//! Bounded like every other listener, so that a slow or hostile scraper cannot hold the daemon
+//! or grow its memory:
+//! - at most [`MAX_SCRAPERS`] connections are served at once, each on a thread of its own;
+//!   one more is closed at once (with a 503 if the socket takes it without waiting);
+//! - a request must arrive whole within [`REQUEST_DEADLINE`] (a slowloris is cut off there)
+//!   and its head may be at most [`MAX_REQUEST`] bytes (431 past it); nothing after the head
+//!   is read;
+//! - the answer must leave within [`WRITE_DEADLINE`]; then the connection is closed
+//!   (`Connection: close`: one request per connection).
+//!
+//! Anything but `GET` is answered 405 (with `Allow: GET`), any path but `/metrics` (a query
+//! string is ignored) 404, a request line that is not HTTP/1.x 400. The page itself comes from
+//! the handler given to [`MetricsServer::bind`], called once per scrape.
+
+use std::io::{ErrorKind, Read, Write};
+use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+/// Connections served at once.
+pub const MAX_SCRAPERS: usize = 4;
+/// Largest request head (request line and headers).
+pub const MAX_REQUEST: usize = 8192;
+/// How long a client has to send its whole request head.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
+/// How long the answer may take to leave.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(5);
+
+/// Errors of the metrics listener.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ListenerError {
+    /// The address could not be bound.
+    #[error("cannot listen for metrics on {addr}")]
+    Bind {
+        /// The address.
+        addr: SocketAddr,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The accept thread could not start.
+    #[error("cannot start the metrics thread")]
+    Thread(#[source] std::io::Error),
+}
+
+/// Renders the page for one scrape.
+pub type PageFn = Arc<dyn Fn() -> String + Send + Sync>;
+
+/// A bound metrics listener: its accept thread runs until this is dropped.
+pub struct MetricsServer {
+    addr: SocketAddr,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for MetricsServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("MetricsServer")
+            .field("addr", &self.addr)
+            .finish()
+    }
+}
+
+impl MetricsServer {
+    /// Listens on `addr` and serves `page` at /metrics. When this returns, connections are
+    /// accepted.
+    ///
+    /// # Errors
+    /// [`ListenerError::Bind`], [`ListenerError::Thread`].
+    pub fn bind(addr: SocketAddr, page: PageFn) -> Result<MetricsServer, ListenerError> {
+        let bind_err = |source| ListenerError::Bind { addr, source };
+        let listener = TcpListener::bind(addr).map_err(bind_err)?;
+        let local = listener.local_addr().map_err(bind_err)?;
+        let stop = Arc::new(AtomicBool::new(false));
+        let stop2 = Arc::clone(&stop);
+        let active = Arc::new(AtomicUsize::new(0));
+        let thread = std::thread::Builder::new()
+            .name("rpma-metrics".into())
+            .spawn(move || accept_loop(listener, stop2, active, page))
+            .map_err(ListenerError::Thread)?;
+        Ok(MetricsServer {
+            addr: local,
+            stop,
+            thread: Some(thread),
+        })
+    }
+
+    /// The address it is bound to.
+    pub fn local_addr(&self) -> SocketAddr {
+        self.addr
+    }
+}
+
+impl Drop for MetricsServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Release);
+        // Wake the blocking accept with a connection of our own (to loopback if the listener
+        // is on a wildcard address).
+        let mut wake = self.addr;
+        if wake.ip().is_unspecified() {
+            wake.set_ip(match wake {
+                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
+                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
+            });
+        }
+        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// Decrements the count of connections being served when one ends.
+struct Slot(Arc<AtomicUsize>);
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+fn accept_loop(
+    listener: TcpListener,
+    stop: Arc<AtomicBool>,
+    active: Arc<AtomicUsize>,
+    page: PageFn,
+) {
+    for conn in listener.incoming() {
+        if stop.load(Ordering::Acquire) {
+            break;
+        }
+        let conn = match conn {
+            Ok(c) => c,
+            Err(e) => {
+                // EMFILE and the like: say so, and do not spin on it.
+                log::warn!("metrics listener: accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(100));
+                continue;
+            }
+        };
+        if active.fetch_add(1, Ordering::AcqRel) >= MAX_SCRAPERS {
+            active.fetch_sub(1, Ordering::AcqRel);
+            busy(conn);
+            continue;
+        }
+        let slot = Slot(Arc::clone(&active));
+        let page = Arc::clone(&page);
+        let spawned = std::thread::Builder::new()
+            .name("rpma-scrape".into())
+            .spawn(move || {
+                let _slot = slot;
+                serve(conn, &page);
+            });
+        if let Err(e) = spawned {
+            // The closure (and its slot) was dropped with the error.
+            log::warn!("metrics listener: cannot start a thread: {e}");
+        }
+    }
+}
+
+/// Over the limit: a 503 if the socket takes it at once, then close.
+fn busy(conn: TcpStream) {
+    let _ = conn.set_nonblocking(true);
+    let _ = (&conn).write(&response(
+        "503 Service Unavailable",
+        &[("Retry-After", "1")],
+        b"too many scrapers at once\n",
+    ));
+    let _ = conn.shutdown(Shutdown::Both);
+}
+
+fn response(status: &str, headers: &[(&str, &str)], body: &[u8]) -> Vec<u8> {
+    let mut head = format!(
+        "HTTP/1.1 {status}\r\nContent-Length: {}\r\nConnection: close\r\n",
+        body.len()
+    );
+    for (k, v) in headers {
+        head.push_str(&format!("{k}: {v}\r\n"));
+    }
+    if !headers.iter().any(|(k, _)| *k == "Content-Type") {
+        head.push_str("Content-Type: text/plain; charset=utf-8\r\n");
+    }
+    head.push_str("\r\n");
+    let mut out = head.into_bytes();
+    out.extend_from_slice(body);
+    out
+}
+
+/// What a request head asks for.
+#[derive(Debug, PartialEq, Eq)]
+enum Request {
+    Metrics,
+    NotFound,
+    MethodNotAllowed,
+    Bad,
+}
+
+/// Parses a complete request head (without the final blank line).
+fn parse(head: &[u8]) -> Request {
+    let Ok(text) = std::str::from_utf8(head) else {
+        return Request::Bad;
+    };
+    let line = text.split("\r\n").next().unwrap_or("");
+    let mut parts = line.split(' ');
+    let (Some(method), Some(target), Some(version), None) =
+        (parts.next(), parts.next(), parts.next(), parts.next())
+    else {
+        return Request::Bad;
+    };
+    if !matches!(version, "HTTP/1.0" | "HTTP/1.1") || method.is_empty() || target.is_empty() {
+        return Request::Bad;
+    }
+    if !method.bytes().all(|b| b.is_ascii_uppercase()) {
+        return Request::Bad;
+    }
+    if method != "GET" {
+        return Request::MethodNotAllowed;
+    }
+    let path = target.split('?').next().unwrap_or("");
+    if path == "/metrics" {
+        Request::Metrics
+    } else {
+        Request::NotFound
+    }
+}
+
+/// Where the head ends (the index after "\r\n\r\n"), if it has.
+fn head_end(buf: &[u8]) -> Option<usize> {
+    buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4)
+}
+
+/// Why no request head was read.
+#[derive(Debug, PartialEq, Eq)]
+enum NoHead {
+    /// The peer closed or the connection failed: nothing to answer.
+    Gone,
+    /// Answer with this status.
+    Refuse(&'static str),
+}
+
+/// Reads a request head within the deadline.
+fn read_head(conn: &mut impl Read, set_timeout: impl Fn(Duration)) -> Result<Vec<u8>, NoHead> {
+    let deadline = Instant::now() + REQUEST_DEADLINE;
+    let mut buf = Vec::with_capacity(1024);
+    let mut chunk = [0u8; 1024];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(NoHead::Refuse("408 Request Timeout"));
+        }
+        set_timeout(left);
+        match conn.read(&mut chunk) {
+            Ok(0) => return Err(NoHead::Gone),
+            Ok(n) => {
+                // Search from just before the new bytes: the terminator may straddle reads.
+                let from = buf.len().saturating_sub(3);
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(end) = head_end(&buf[from..]) {
+                    buf.truncate(from + end - 4);
+                    return Ok(buf);
+                }
+                if buf.len() > MAX_REQUEST {
+                    return Err(NoHead::Refuse("431 Request Header Fields Too Large"));
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                return Err(NoHead::Refuse("408 Request Timeout"))
+            }
+            Err(_) => return Err(NoHead::Gone),
+        }
+    }
+}
+
+fn serve(mut conn: TcpStream, page: &PageFn) {
+    let _ = conn.set_write_timeout(Some(WRITE_DEADLINE));
+    let sock = conn.try_clone();
+    let set_timeout = |t| {
+        if let Ok(s) = &sock {
+            let _ = s.set_read_timeout(Some(t));
+        }
+    };
+    let answer = match read_head(&mut conn, set_timeout) {
+        Err(NoHead::Gone) => return,
+        Err(NoHead::Refuse(status)) => response(status, &[], format!("{status}\n").as_bytes()),
+        Ok(head) => match parse(&head) {
+            Request::Metrics => response(
+                "200 OK",
+                &[("Content-Type", super::exposition::CONTENT_TYPE)],
+                page().as_bytes(),
+            ),
+            Request::NotFound => response("404 Not Found", &[], b"only /metrics is served\n"),
+            Request::MethodNotAllowed => response(
+                "405 Method Not Allowed",
+                &[("Allow", "GET")],
+                b"only GET is served\n",
+            ),
+            Request::Bad => response("400 Bad Request", &[], b"not an HTTP/1.x request\n"),
+        },
+    };
+    let _ = conn.write_all(&answer);
+    // Unread request bytes (a body) would turn our close into a reset that can destroy the
+    // answer before the client reads it: half-close, then drop what is left, briefly.
+    let _ = conn.shutdown(Shutdown::Write);
+    let _ = conn.set_read_timeout(Some(Duration::from_millis(200)));
+    let mut sink = [0u8; 1024];
+    let until = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < until {
+        match conn.read(&mut sink) {
+            Ok(0) | Err(_) => break,
+            Ok(_) => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,137 @@
+use super::*;
+
+fn get(addr: SocketAddr, request: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(10))).unwrap();
+    s.write_all(request).unwrap();
+    let mut out = String::new();
+    let _ = s.read_to_string(&mut out);
+    out
+}
+
+fn server() -> MetricsServer {
+    let page: PageFn = Arc::new(|| "# HELP x_total y\n# TYPE x_total counter\nx_total 1\n".into());
+    MetricsServer::bind("127.0.0.1:0".parse().unwrap(), page).unwrap()
+}
+
+#[test]
+fn request_lines_are_sorted_into_metrics_404_405_and_400() {
+    assert_eq!(parse(b"GET /metrics HTTP/1.1\r\nHost: x"), Request::Metrics);
+    assert_eq!(parse(b"GET /metrics?name[]=up HTTP/1.0"), Request::Metrics);
+    assert_eq!(parse(b"GET / HTTP/1.1"), Request::NotFound);
+    assert_eq!(parse(b"GET /metrics/x HTTP/1.1"), Request::NotFound);
+    assert_eq!(parse(b"POST /metrics HTTP/1.1"), Request::MethodNotAllowed);
+    assert_eq!(parse(b"HEAD /metrics HTTP/1.1"), Request::MethodNotAllowed);
+    assert_eq!(parse(b"get /metrics HTTP/1.1"), Request::Bad);
+    assert_eq!(parse(b"GET /metrics HTTP/2"), Request::Bad);
+    assert_eq!(parse(b"GET /metrics"), Request::Bad);
+    assert_eq!(parse(b"GET  /metrics HTTP/1.1"), Request::Bad);
+    assert_eq!(parse(b"GET /metrics HTTP/1.1 extra"), Request::Bad);
+    assert_eq!(parse(b"\xff\xfe garbage"), Request::Bad);
+    assert_eq!(parse(b""), Request::Bad);
+}
+
+/// Hands out its bytes a few at a time.
+struct Trickle(Vec<u8>, usize);
+impl Read for Trickle {
+    fn read(&mut self, buf: &mut [u8]) -> std::io::Result<usize> {
+        let n = self.1.min(buf.len()).min(self.0.len());
+        buf[..n].copy_from_slice(&self.0[..n]);
+        self.0.drain(..n);
+        Ok(n)
+    }
+}
+
+#[test]
+fn heads_are_read_across_reads_and_bounded() {
+    let req = b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\nbody".to_vec();
+    for step in [1, 2, 3, 5, 1024] {
+        let got = read_head(&mut Trickle(req.clone(), step), |_| {}).unwrap();
+        assert_eq!(got, b"GET /metrics HTTP/1.1\r\nHost: a", "step {step}");
+    }
+    let huge = [
+        b"GET /metrics HTTP/1.1\r\nX: ".as_slice(),
+        &[b'a'; MAX_REQUEST],
+    ]
+    .concat();
+    assert_eq!(
+        read_head(&mut Trickle(huge, 1000), |_| {}),
+        Err(NoHead::Refuse("431 Request Header Fields Too Large"))
+    );
+    assert_eq!(
+        read_head(&mut Trickle(b"GET / HTT".to_vec(), 4), |_| {}),
+        Err(NoHead::Gone),
+        "closed before the head ended"
+    );
+}
+
+#[test]
+fn serves_get_metrics_and_refuses_the_rest() {
+    let s = server();
+    let addr = s.local_addr();
+    assert_ne!(addr.port(), 0);
+    let ok = get(addr, b"GET /metrics HTTP/1.1\r\nHost: t\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200 OK\r\n"), "{ok}");
+    assert!(
+        ok.contains("Content-Type: text/plain; version=0.0.4"),
+        "{ok}"
+    );
+    assert!(ok.contains("Connection: close"), "{ok}");
+    assert!(ok.ends_with("\r\n\r\n# HELP x_total y\n# TYPE x_total counter\nx_total 1\n"));
+    let post = get(
+        addr,
+        b"POST /metrics HTTP/1.1\r\nContent-Length: 5\r\n\r\nhello",
+    );
+    assert!(post.starts_with("HTTP/1.1 405 "), "{post}");
+    assert!(post.contains("Allow: GET"), "{post}");
+    assert!(get(addr, b"GET /other HTTP/1.1\r\n\r\n").starts_with("HTTP/1.1 404 "));
+    assert!(get(addr, b"\x16\x03\x01 not http\r\n\r\n").starts_with("HTTP/1.1 400 "));
+}
+
+#[test]
+fn silent_clients_take_at_most_the_scraper_slots() {
+    let s = server();
+    let addr = s.local_addr();
+    // Connections that send nothing hold every slot...
+    let silent: Vec<TcpStream> = (0..MAX_SCRAPERS)
+        .map(|_| TcpStream::connect(addr).unwrap())
+        .collect();
+    // ...so one more is turned away at once (not queued behind them).
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let mut refused = String::new();
+    while Instant::now() < deadline {
+        refused = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+        if refused.starts_with("HTTP/1.1 503 ") {
+            break;
+        }
+        // The accept thread may not have taken all of the silent ones yet.
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(refused.starts_with("HTTP/1.1 503 "), "{refused}");
+    // When they go, the slots come back.
+    drop(silent);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let r = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+        if r.starts_with("HTTP/1.1 200 ") {
+            break;
+        }
+        assert!(Instant::now() < deadline, "slots not freed: {r}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+#[test]
+fn dropping_the_server_closes_the_port() {
+    let s = server();
+    let addr = s.local_addr();
+    drop(s);
+    assert!(
+        TcpStream::connect(addr).is_err(),
+        "nothing listens after drop"
+    );
+    let taken = TcpListener::bind("127.0.0.1:0").unwrap();
+    let page: PageFn = Arc::new(String::new);
+    let err = MetricsServer::bind(taken.local_addr().unwrap(), page).unwrap_err();
+    assert!(matches!(err, ListenerError::Bind { .. }), "{err}");
+}
