@@ -39,6 +39,7 @@ fn samples() -> Vec<Message> {
                     atomic_write_unit: 8,
                     read_only: false,
                     failure: None,
+                    simulation: None,
                 },
                 NamespaceDescriptor {
                     nsid: 2,
@@ -51,6 +52,7 @@ fn samples() -> Vec<Message> {
                     atomic_write_unit: 8,
                     read_only: true,
                     failure: Some("fdatasync failed: Input/output error (os error 5)".into()),
+                    simulation: Some(crate::pmem::SIMULATION_LABEL.into()),
                 },
             ],
             queue_depth: 128,
