@@ -9,7 +9,8 @@
 //! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
 //! - [`relay`]: a TCP relay that can cut its links;
 //! - [`sessions`]: the session tests' fixture and what they do over a session;
-//! - [`cachestat`]: what the page cache holds unsynced.
+//! - [`cachestat`]: what the page cache holds unsynced;
+//! - [`crash`]: the crash-consistency harness behind the `rpma-crash` binary.
 //!
 //! Every wait has a deadline (polling, never a fixed sleep for bytes to arrive); ports are
 //! ephemeral; everything listens on 127.0.0.1 only.
@@ -17,6 +18,7 @@
 pub mod bins;
 pub mod cachestat;
 pub mod config;
+pub mod crash;
 pub mod fuse;
 pub mod initiator;
 pub mod nbd;

@@ -17,20 +17,26 @@ use rpma_tests::{
 
 const SUB: &str = "nqn.2026-11.io.rpma:power-loss";
 const HOST: &str = "nqn.2026-11.io.rpma:power-loss-host";
-const METHODS: [PersistMethod; 3] = [PersistMethod::Apm, PersistMethod::Gpspm, PersistMethod::Flush];
+const METHODS: [PersistMethod; 3] = [
+    PersistMethod::Apm,
+    PersistMethod::Gpspm,
+    PersistMethod::Flush,
+];
 
 /// nsid 1: page-cache file, nsid 2: /dev/shm forced dax, both simulated with `settings`;
 /// nsid 3: a page-cache file without the simulation.
 fn start(tag: &str, settings: &str) -> (tempfile::TempDir, Shm, Target) {
     let d = scratch();
     let shm = Shm::new(tag);
-    let config = Config::new().subsystem(Subsystem::new(SUB).any_host().namespaces([
-        Namespace::new(1, "pc", "1MiB").power_loss_simulation(settings),
-        Namespace::new(2, shm.path(), "1MiB")
-            .force_dax()
-            .power_loss_simulation(settings),
-        Namespace::new(3, "plain", "1MiB"),
-    ]));
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB).any_host().namespaces([
+            Namespace::new(1, "pc", "1MiB").power_loss_simulation(settings),
+            Namespace::new(2, shm.path(), "1MiB")
+                .force_dax()
+                .power_loss_simulation(settings),
+            Namespace::new(3, "plain", "1MiB"),
+        ]),
+    );
     let t = Target::start(d.path(), &config.to_string());
     (d, shm, t)
 }
@@ -92,7 +98,13 @@ fn durable_and_placed(
         acked.push(data);
     }
     for i in 0..METHODS.len() as u64 {
-        place(&mut w, &mut r, nsid, 8192 * i + 4096, &noise(seed + 100, 4096));
+        place(
+            &mut w,
+            &mut r,
+            nsid,
+            8192 * i + 4096,
+            &noise(seed + 100, 4096),
+        );
     }
     (acked, vec![d, w, r])
 }
@@ -123,7 +135,11 @@ fn a_sigkill_loses_exactly_what_was_not_persisted() {
                 // no persist covered, so a crash test there cannot tell a persist that works.
                 assert_eq!(placed, noise(nsid as u64 * 1000 + 100, 4096));
             } else {
-                assert_eq!(placed, vec![0; 4096], "nsid {nsid}: never persisted, yet kept");
+                assert_eq!(
+                    placed,
+                    vec![0; 4096],
+                    "nsid {nsid}: never persisted, yet kept"
+                );
             }
         }
     }
@@ -204,7 +220,11 @@ fn the_simulated_domain_is_labelled_wherever_it_is_shown() {
         assert!(o.status.success(), "{}", text(&o));
         let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
         let s = j.to_string();
-        assert_eq!(s.matches(SIMULATION_LABEL).count(), 4, "{cmd}: domain and simulation: {s}");
+        assert_eq!(
+            s.matches(SIMULATION_LABEL).count(),
+            4,
+            "{cmd}: domain and simulation: {s}"
+        );
     }
     // A durable write's outcome names it.
     let dir = t.dir().join("in");
@@ -214,7 +234,14 @@ fn the_simulated_domain_is_labelled_wherever_it_is_shown() {
     let o = initiator(
         &[
             &conn1[..],
-            &["write", "--offset", "0", "--durable", "--in", dir.to_str().unwrap()],
+            &[
+                "write",
+                "--offset",
+                "0",
+                "--durable",
+                "--in",
+                dir.to_str().unwrap(),
+            ],
         ]
         .concat(),
     );

@@ -248,13 +248,7 @@ impl Mapping {
         // SAFETY: the range is exactly the live memory this mapping hands out (the file's
         // mapping, or the simulation's working copy); MADV_POPULATE_WRITE only faults its pages
         // in (writable) and changes no byte of them.
-        let r = unsafe {
-            libc::madvise(
-                self.as_ptr().cast(),
-                self.len,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
+        let r = unsafe { libc::madvise(self.as_ptr().cast(), self.len, libc::MADV_POPULATE_WRITE) };
         if r != 0 {
             return Err(Error::Io {
                 path: self.path.clone().unwrap_or_default(),
@@ -339,8 +333,13 @@ impl Mapping {
     fn msync(&self, start: usize, end: usize) -> Result<()> {
         // SAFETY: start is page-aligned and [start, end) lies within the pages of the file's
         // mapping.
-        let rc =
-            unsafe { libc::msync(self.ptr.as_ptr().add(start).cast(), end - start, libc::MS_SYNC) };
+        let rc = unsafe {
+            libc::msync(
+                self.ptr.as_ptr().add(start).cast(),
+                end - start,
+                libc::MS_SYNC,
+            )
+        };
         if rc != 0 {
             let e = io::Error::last_os_error();
             self.record_failure(SyncFailure::new("msync", &e));
@@ -384,7 +383,12 @@ impl Mapping {
         };
         what(sim).map_err(|e| {
             self.record_failure(SyncFailure::new("pwrite", &e));
-            self.sync_error("pwrite to the power-loss simulation's media", offset, len, e)
+            self.sync_error(
+                "pwrite to the power-loss simulation's media",
+                offset,
+                len,
+                e,
+            )
         })
     }
 

@@ -399,7 +399,16 @@ impl OpenOptions {
     ) -> Result<Mapping> {
         let domain = self.reported(probed);
         let bare = |file, sim| {
-            Mapping::of_file(file, self.path.clone(), ptr, len, domain, probed, map_sync, sim)
+            Mapping::of_file(
+                file,
+                self.path.clone(),
+                ptr,
+                len,
+                domain,
+                probed,
+                map_sync,
+                sim,
+            )
         };
         let Some(opts) = self.simulation else {
             return Ok(bare(file, None));

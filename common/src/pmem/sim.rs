@@ -11,7 +11,10 @@
 //! - it is *evicted*: at every persist, flush or drain, the units of a random 64 KiB window
 //!   that differ from the media are each written to it with probability
 //!   [`Simulation::eviction_percent`] (seeded, so a run is reproducible for the same sequence
-//!   of calls), as a cache evicts dirty lines or the kernel writes dirty pages back on its own.
+//!   of calls), as a cache evicts dirty lines or the kernel writes dirty pages back on its own;
+//!   with [`Simulation::eviction_interval_ms`], also that often from a thread of its own, so
+//!   that a write still being placed when the process dies may have reached the media in part
+//!   (what the windows hit then depends on timing: the seed fixes only which windows).
 //!
 //! The process dying is the power loss: after a SIGKILL the working copy is gone, and the next
 //! open reads the media back into a new one. The media is written with pwrite, so it survives
@@ -61,16 +64,20 @@ pub struct Simulation {
     /// The chance, in percent (0-100), that an unpersisted unit in the window examined at a
     /// persist, flush or drain is written to the media; 0 turns eviction off.
     pub eviction_percent: u8,
+    /// Also examine a window this often (ms) from a thread of the simulation's own; 0: only at
+    /// persists, flushes and drains.
+    pub eviction_interval_ms: u32,
     /// Fault injection: persists copy nothing to the media and still answer durable.
     pub broken_persist: bool,
 }
 
 impl Default for Simulation {
-    /// Seed 1, eviction 50 %, persists working.
+    /// Seed 1, eviction 50 % at persists, flushes and drains (no timer), persists working.
     fn default() -> Simulation {
         Simulation {
             seed: 1,
             eviction_percent: 50,
+            eviction_interval_ms: 0,
             broken_persist: false,
         }
     }
@@ -224,7 +231,31 @@ impl Sim {
         }
         let sim = Arc::new(sim);
         reg.insert(key, Arc::downgrade(&sim));
+        if opts.eviction_percent > 0 && opts.eviction_interval_ms > 0 {
+            Sim::start_evictor(&sim).map_err(OpenError::Io)?;
+        }
         Ok(sim)
+    }
+
+    /// The eviction timer: a thread that holds the simulation only while it evicts, and ends
+    /// when the simulation is gone or has lost its power.
+    fn start_evictor(sim: &Arc<Sim>) -> io::Result<()> {
+        let weak = Arc::downgrade(sim);
+        let every = std::time::Duration::from_millis(u64::from(sim.opts.eviction_interval_ms));
+        std::thread::Builder::new()
+            .name("rpma-sim-evict".into())
+            .spawn(move || loop {
+                std::thread::sleep(every);
+                let Some(s) = weak.upgrade() else { return };
+                if s.lost.load(Ordering::SeqCst) {
+                    return;
+                }
+                let mut st = s.lock();
+                st.stats.events += 1;
+                // A failed pwrite here is reported by the next persist, which meets it too.
+                let _ = s.evict(&mut st);
+            })
+            .map(|_| ())
     }
 
     /// The working copy's first byte.
@@ -273,11 +304,7 @@ impl Sim {
             return Ok(());
         }
         let (start, end) = self.units(offset, len);
-        match st
-            .pending
-            .iter_mut()
-            .find(|r| start <= r.1 && r.0 <= end)
-        {
+        match st.pending.iter_mut().find(|r| start <= r.1 && r.0 <= end) {
             Some(r) => *r = (r.0.min(start), r.1.max(end)),
             None => st.pending.push((start, end)),
         }

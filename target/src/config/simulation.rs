@@ -11,11 +11,13 @@ use super::{invalid, Result};
 struct RawSimulation {
     seed: Option<i64>,
     eviction_percent: Option<i64>,
+    eviction_interval_ms: Option<i64>,
     broken_persist: Option<bool>,
 }
 
 /// `power_loss_simulation` at `key`: absent or `false` is off, `true` the defaults
-/// ([`Simulation::default`]), `{ seed, eviction_percent, broken_persist }` each of them.
+/// ([`Simulation::default`]), `{ seed, eviction_percent, eviction_interval_ms,
+/// broken_persist }` each of them.
 ///
 /// # Errors
 /// [`ConfigError::Invalid`](super::ConfigError::Invalid) for another type, an unknown key, a
@@ -29,8 +31,8 @@ pub(super) fn simulation(key: &str, v: Option<toml::Value>) -> Result<Option<Sim
             return Err(invalid(
                 key,
                 format!(
-                    "expected true, false or {{ seed, eviction_percent, broken_persist }}, \
-                     found {}",
+                    "expected true, false or {{ seed, eviction_percent, eviction_interval_ms, \
+                     broken_persist }}, found {}",
                     other.type_str()
                 ),
             ))
@@ -55,9 +57,20 @@ pub(super) fn simulation(key: &str, v: Option<toml::Value>) -> Result<Option<Sim
             ))
         }
     };
+    let eviction_interval_ms = match r.eviction_interval_ms {
+        None => d.eviction_interval_ms,
+        Some(ms @ 0..=60_000) => ms as u32,
+        Some(ms) => {
+            return Err(invalid(
+                format!("{key}.eviction_interval_ms"),
+                format!("{ms} is out of range (0..=60000)"),
+            ))
+        }
+    };
     Ok(Some(Simulation {
         seed,
         eviction_percent,
+        eviction_interval_ms,
         broken_persist: r.broken_persist.unwrap_or(d.broken_persist),
     }))
 }
@@ -77,10 +90,15 @@ mod tests {
         assert_eq!(parse("v = false").unwrap(), None);
         assert_eq!(parse("v = true").unwrap(), Some(Simulation::default()));
         assert_eq!(
-            parse("v = { seed = 9, eviction_percent = 0, broken_persist = true }").unwrap(),
+            parse(
+                "v = { seed = 9, eviction_percent = 0, eviction_interval_ms = 5, \
+                 broken_persist = true }"
+            )
+            .unwrap(),
             Some(Simulation {
                 seed: 9,
                 eviction_percent: 0,
+                eviction_interval_ms: 5,
                 broken_persist: true
             })
         );
@@ -101,10 +119,18 @@ mod tests {
             "ns.power_loss_simulation.eviction_percent: 101 is not a percentage (0..=100)"
         );
         assert_eq!(
+            e("v = { eviction_interval_ms = 60001 }"),
+            "ns.power_loss_simulation.eviction_interval_ms: 60001 is out of range (0..=60000)"
+        );
+        assert_eq!(
             e("v = { seed = -1 }"),
             "ns.power_loss_simulation.seed: -1 is negative"
         );
-        assert!(e("v = 1").contains("expected true, false or"), "{}", e("v = 1"));
+        assert!(
+            e("v = 1").contains("expected true, false or"),
+            "{}",
+            e("v = 1")
+        );
         let unknown = e("v = { evict = 3 }");
         assert!(
             unknown.starts_with("ns.power_loss_simulation: unknown field `evict`"),

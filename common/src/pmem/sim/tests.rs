@@ -244,7 +244,7 @@ fn eviction_writes_unpersisted_units_and_is_reproducible_from_its_seed() {
         let sim = Simulation {
             seed,
             eviction_percent: 50,
-            broken_persist: false,
+            ..Simulation::default()
         };
         let m = open(&path, true, sim);
         // Dirty every line, then let 8 persists of one line evict at random (8 windows of
@@ -269,6 +269,30 @@ fn eviction_writes_unpersisted_units_and_is_reproducible_from_its_seed() {
         written > 64 && written < LEN as usize / 2,
         "{written} bytes on the media: some evicted, most not"
     );
+}
+
+#[test]
+fn the_eviction_timer_writes_unpersisted_units_without_any_persist() {
+    let d = tempfile::tempdir_in("/dev/shm").unwrap();
+    let path = d.path().join("ns");
+    let sim = Simulation {
+        eviction_interval_ms: 1,
+        eviction_percent: 100,
+        ..Simulation::default()
+    };
+    let m = open(&path, true, sim);
+    m.write_at(0, &vec![0xCD; LEN as usize]).unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    while !std::fs::read(&path).unwrap().contains(&0xCD) {
+        assert!(std::time::Instant::now() < deadline, "no eviction in 10 s");
+        std::thread::sleep(std::time::Duration::from_millis(5));
+    }
+    assert!(m.simulation_stats().unwrap().evicted_units > 0);
+    m.simulate_power_loss();
+    // The timer stops with the power: the media changes no more.
+    let after = std::fs::read(&path).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(20));
+    assert!(std::fs::read(&path).unwrap() == after);
 }
 
 #[test]
@@ -299,7 +323,10 @@ fn the_flush_service_sync_copies_the_range_to_the_media() {
         m.write_at(40_000, b"gpspm").unwrap();
         m.before_sync(40_000, 5).unwrap();
         assert_eq!(media(path, 40_000, 5), b"gpspm");
-        assert!(!m.durable_by_writeback(), "the placement must record its ranges");
+        assert!(
+            !m.durable_by_writeback(),
+            "the placement must record its ranges"
+        );
         assert!(matches!(
             m.before_sync(LEN as usize, 1),
             Err(Error::OutOfRange { .. })
