@@ -200,7 +200,7 @@ fn library(spec: &Spec, m: PersistMethod, sh: &Shared, out: &mut Outcome) -> Res
     let mut turn = 0u64;
     while !stop.load(Ordering::Relaxed) {
         turn += 1;
-        let n = if m == PersistMethod::Flush && turn % 3 == 0 {
+        let n = if m == PersistMethod::Flush && turn.is_multiple_of(3) {
             2
         } else {
             1
