@@ -27,8 +27,12 @@ fn stores() -> (tempfile::TempDir, tempfile::TempDir, [(PathBuf, bool); 2]) {
 }
 
 fn open(path: &Path, force_dax: bool, sim: Simulation) -> Mapping {
+    open_len(path, force_dax, sim, LEN)
+}
+
+fn open_len(path: &Path, force_dax: bool, sim: Simulation, len: u64) -> Mapping {
     OpenOptions::new(path)
-        .size(LEN)
+        .size(len)
         .create(true)
         .force_dax(force_dax)
         .power_loss_simulation(Some(sim))
@@ -187,7 +191,9 @@ fn eviction_never_takes_the_media_back_behind_a_completed_persist() {
             seed: 7,
             ..Simulation::default()
         };
-        let m = Arc::new(open(path, *dax, all));
+        // 128 KiB: every 64 KiB eviction window has an even chance to cover the 16 units.
+        let len = 128 << 10;
+        let m = Arc::new(open_len(path, *dax, all, len as u64));
         let unit = if *dax { cache_line() } else { 4096 };
         // One thread stores and persists generations into 16 units; another makes eviction
         // happen all the time (persists of a range of its own); the media is checked against
@@ -197,7 +203,7 @@ fn eviction_never_takes_the_media_back_behind_a_completed_persist() {
             let (m, stop) = (m.clone(), stop.clone());
             std::thread::spawn(move || {
                 while !stop.load(Ordering::Relaxed) {
-                    m.persist(LEN as usize - 64, 64).unwrap();
+                    m.persist(len - 64, 64).unwrap();
                 }
             })
         };
