@@ -299,6 +299,10 @@ impl OpenOptions {
         };
         let existing = file.metadata().map_err(|e| io_err("stat", e))?.len();
         let size = self.settle_size(existing)?;
+        if let Some(sim) = self.simulation {
+            // Before anything is resized: a live simulation of this file keeps its own size.
+            Sim::check_live(file, size as usize, sim).map_err(|e| self.sim_error(e))?;
+        }
         if size < existing {
             file.set_len(size).map_err(|e| io_err("shrink", e))?;
         }
@@ -430,18 +434,22 @@ impl OpenOptions {
             Ok(s) => Ok(bare(file, Some(s))),
             Err(e) => {
                 drop(bare(file, None));
-                Err(match e {
-                    sim::OpenError::Io(source) => Error::Io {
-                        path: self.path.clone(),
-                        op: "read the media of the power-loss simulation",
-                        source,
-                    },
-                    sim::OpenError::Mismatch(reason) => Error::SimulationUnsupported {
-                        path: self.path.clone(),
-                        reason,
-                    },
-                })
+                Err(self.sim_error(e))
             }
+        }
+    }
+
+    fn sim_error(&self, e: sim::OpenError) -> Error {
+        match e {
+            sim::OpenError::Io(source) => Error::Io {
+                path: self.path.clone(),
+                op: "read the media of the power-loss simulation",
+                source,
+            },
+            sim::OpenError::Mismatch(reason) => Error::SimulationUnsupported {
+                path: self.path.clone(),
+                reason,
+            },
         }
     }
 }

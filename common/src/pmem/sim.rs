@@ -155,6 +155,12 @@ pub(super) enum OpenError {
     Mismatch(&'static str),
 }
 
+/// The registry's key of a file: (device, inode).
+fn key_of(media: &File) -> Result<(u64, u64), OpenError> {
+    let meta = media.metadata().map_err(OpenError::Io)?;
+    Ok((meta.dev(), meta.ino()))
+}
+
 fn splitmix(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -182,22 +188,10 @@ impl Sim {
         unit: usize,
         opts: Simulation,
     ) -> Result<Arc<Sim>, OpenError> {
-        let meta = media.metadata().map_err(OpenError::Io)?;
-        let key = (meta.dev(), meta.ino());
+        let key = key_of(media)?;
         let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
         if let Some(live) = reg.get(&key).and_then(Weak::upgrade) {
-            if live.opts != opts {
-                return Err(OpenError::Mismatch(
-                    "it is still open in this process with other power-loss simulation \
-                     settings (restart the target to change them)",
-                ));
-            }
-            if live.len != len || live.unit != unit {
-                return Err(OpenError::Mismatch(
-                    "it is still open in this process with another size or domain (restart \
-                     the target to change them)",
-                ));
-            }
+            live.matches(len, Some(unit), opts)?;
             return Ok(live);
         }
         let anon = |len| Mapping::anonymous(len).map_err(|e| OpenError::Io(io::Error::other(e)));
@@ -256,6 +250,33 @@ impl Sim {
                 let _ = s.evict(&mut st);
             })
             .map(|_| ())
+    }
+
+    /// Refuses, before anything about the file changes, an opening of `media` at `len` bytes
+    /// that the live simulation of the same file in this process (if any) could not serve.
+    pub(super) fn check_live(media: &File, len: usize, opts: Simulation) -> Result<(), OpenError> {
+        let key = key_of(media)?;
+        let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        match reg.get(&key).and_then(Weak::upgrade) {
+            Some(live) => live.matches(len, None, opts),
+            None => Ok(()),
+        }
+    }
+
+    fn matches(&self, len: usize, unit: Option<usize>, opts: Simulation) -> Result<(), OpenError> {
+        if self.opts != opts {
+            return Err(OpenError::Mismatch(
+                "it is still open in this process with other power-loss simulation settings \
+                 (restart the target to change them)",
+            ));
+        }
+        if self.len != len || unit.is_some_and(|u| u != self.unit) {
+            return Err(OpenError::Mismatch(
+                "it is still open in this process with another size or domain (restart the \
+                 target to change them)",
+            ));
+        }
+        Ok(())
     }
 
     /// The working copy's first byte.

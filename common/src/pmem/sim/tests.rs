@@ -364,6 +364,23 @@ fn openings_of_one_file_share_one_cache() {
         matches!(e, Error::SimulationUnsupported { .. }) && e.to_string().contains("settings"),
         "{e}"
     );
+    // Nor another size (grown on purpose: the simulation's cache has the old one).
+    let e = OpenOptions::new(&path)
+        .size(2 * LEN)
+        .resize(crate::pmem::Resize::Grow)
+        .force_dax(true)
+        .power_loss_simulation(Some(strict()))
+        .open()
+        .unwrap_err();
+    assert!(
+        matches!(e, Error::SimulationUnsupported { .. }) && e.to_string().contains("size"),
+        "{e}"
+    );
+    assert_eq!(
+        std::fs::metadata(&path).unwrap().len(),
+        LEN,
+        "refused before growing"
+    );
     drop(a);
     assert_eq!(media(&path, 10, 6), [0; 6], "b still holds the cache");
     drop(b);
@@ -383,6 +400,12 @@ fn the_simulation_is_refused_where_there_is_nothing_to_simulate() {
         assert!(e.to_string().contains("volatile"), "{e}");
     }
     assert!(!path.exists(), "the refused open left no file behind");
+    // A devdax device cannot be the media (no pwrite); what open and plan check for it.
+    let e = opts.check_simulation(true, Domain::Dax).unwrap_err();
+    assert!(e.to_string().contains("devdax"), "{e}");
+    assert!(OpenOptions::new(&path)
+        .check_simulation(true, Domain::Dax)
+        .is_ok());
     // The plan of a simulated page-cache file goes through.
     let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
     let plan = OpenOptions::new(disk.path().join("ns"))
