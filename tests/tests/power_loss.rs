@@ -133,15 +133,39 @@ fn a_sigkill_loses_exactly_what_was_not_persisted() {
             if nsid == 3 {
                 // Without the simulation a SIGKILL drops nothing: the page cache keeps what
                 // no persist covered, so a crash test there cannot tell a persist that works.
-                assert_eq!(placed, noise(nsid as u64 * 1000 + 100, 4096));
+                assert!(
+                    placed == noise(nsid as u64 * 1000 + 100, 4096),
+                    "nsid 3: lost"
+                );
             } else {
-                assert_eq!(
-                    placed,
-                    vec![0; 4096],
+                assert!(
+                    placed == [0; 4096],
                     "nsid {nsid}: never persisted, yet kept"
                 );
             }
         }
+    }
+}
+
+#[test]
+fn a_clean_stop_is_not_a_power_loss() {
+    // SIGTERM: the daemon closes its namespaces, and the simulation writes its working copy
+    // back, as the kernel would write the page cache back.
+    let (_d, _shm, mut t) = start("clean", "eviction_percent = 0");
+    let (mut w, mut r) = (queue(&t), queue(&t));
+    for nsid in [1, 2] {
+        place(&mut w, &mut r, nsid, 40960, &noise(u64::from(nsid), 4096));
+    }
+    drop((w, r));
+    t.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(t.wait_exit(Duration::from_secs(30)).success());
+    t.restart();
+    let mut q = queue(&t);
+    for nsid in [1, 2] {
+        assert!(
+            read(&mut q, nsid, 40960, 4096) == noise(u64::from(nsid), 4096),
+            "nsid {nsid}: written back at the clean stop, yet gone"
+        );
     }
 }
 
@@ -166,9 +190,8 @@ fn with_a_broken_persist_the_acknowledged_writes_are_lost() {
     for nsid in [1, 2] {
         for (i, m) in METHODS.into_iter().enumerate() {
             let at = 8192 * i as u64;
-            assert_eq!(
-                read(&mut q, nsid, at, 4096),
-                vec![0; 4096],
+            assert!(
+                read(&mut q, nsid, at, 4096) == [0; 4096],
                 "nsid {nsid}, {m}: acknowledged durable, and lost: what a crash test must see"
             );
         }
