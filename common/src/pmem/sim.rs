@@ -124,8 +124,11 @@ pub(super) struct Sim {
     shadow: Mapping,
     media: File,
     key: (u64, u64),
-    /// Set by a simulated power loss: nothing is written back at the close.
+    /// Set by a simulated power loss (and until the working copy is read in): nothing is
+    /// written back at the close.
     lost: AtomicBool,
+    /// In the registry (so its Drop must take the registry's lock to leave it).
+    registered: AtomicBool,
     state: Mutex<State>,
 }
 
@@ -191,9 +194,14 @@ impl Sim {
         let key = key_of(media)?;
         let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
         if let Some(live) = reg.get(&key).and_then(Weak::upgrade) {
-            live.matches(len, Some(unit), opts)?;
-            return Ok(live);
+            let fits = live.matches(len, Some(unit), opts);
+            // Unlocked before `live` may be dropped: if it is the last reference, its Drop
+            // takes the registry's lock.
+            drop(reg);
+            return fits.map(|()| live);
         }
+        // Until registered, an error drops this Sim without touching the registry (held
+        // here) or the media (`lost`: a half-read working copy is never written back).
         let anon = |len| Mapping::anonymous(len).map_err(|e| OpenError::Io(io::Error::other(e)));
         let sim = Sim {
             opts,
@@ -203,7 +211,8 @@ impl Sim {
             shadow: anon(len)?,
             media: media.try_clone().map_err(OpenError::Io)?,
             key,
-            lost: AtomicBool::new(false),
+            lost: AtomicBool::new(true),
+            registered: AtomicBool::new(false),
             state: Mutex::new(State {
                 rng: splitmix(opts.seed) | 1,
                 pending: Vec::new(),
@@ -223,11 +232,16 @@ impl Sim {
             copy(&sim.shadow).map_err(OpenError::Io)?;
             at += n;
         }
+        sim.lost.store(false, Ordering::SeqCst);
         let sim = Arc::new(sim);
-        reg.insert(key, Arc::downgrade(&sim));
         if opts.eviction_percent > 0 && opts.eviction_interval_ms > 0 {
-            Sim::start_evictor(&sim).map_err(OpenError::Io)?;
+            if let Err(e) = Sim::start_evictor(&sim) {
+                sim.lost.store(true, Ordering::SeqCst);
+                return Err(OpenError::Io(e));
+            }
         }
+        sim.registered.store(true, Ordering::SeqCst);
+        reg.insert(key, Arc::downgrade(&sim));
         Ok(sim)
     }
 
@@ -257,7 +271,10 @@ impl Sim {
     pub(super) fn check_live(media: &File, len: usize, opts: Simulation) -> Result<(), OpenError> {
         let key = key_of(media)?;
         let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-        match reg.get(&key).and_then(Weak::upgrade) {
+        let live = reg.get(&key).and_then(Weak::upgrade);
+        // Unlocked before `live` may be dropped (its Drop may take the lock).
+        drop(reg);
+        match live {
             Some(live) => live.matches(len, None, opts),
             None => Ok(()),
         }
@@ -423,12 +440,17 @@ impl Drop for Sim {
     fn drop(&mut self) {
         // Under the registry's lock, so that an open of the same file waits for the write-back
         // instead of reading a half-written media.
-        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
-        if reg
-            .get(&self.key)
-            .is_some_and(|w| std::ptr::eq(w.as_ptr(), self))
-        {
-            reg.remove(&self.key);
+        let mut reg = self
+            .registered
+            .load(Ordering::SeqCst)
+            .then(|| registry().lock().unwrap_or_else(|e| e.into_inner()));
+        if let Some(reg) = reg.as_mut() {
+            if reg
+                .get(&self.key)
+                .is_some_and(|w| std::ptr::eq(w.as_ptr(), self))
+            {
+                reg.remove(&self.key);
+            }
         }
         if !self.lost.load(Ordering::SeqCst) {
             // A clean close is not a power loss. Nowhere to report an error: the media keeps
