@@ -124,6 +124,8 @@ pub struct Report {
     /// The checks' counts: acknowledged blocks checked, lost, torn unacknowledged, corrupt.
     #[serde(flatten)]
     pub tally: Tally,
+    /// The same, by medium.
+    pub tally_by_medium: BTreeMap<&'static str, Tally>,
     /// Writers that failed before the target was killed (should be none).
     pub writer_errors_before_kill: u64,
     /// Wall time of the run.
@@ -168,6 +170,14 @@ impl Report {
             .iter()
             .map(|(k, n)| format!("{k} {n}"))
             .collect();
+        let per = |f: fn(&Tally) -> u64| {
+            let v: Vec<String> = self
+                .tally_by_medium
+                .iter()
+                .map(|(m, t)| format!("{m} {}", f(t)))
+                .collect();
+            v.join(", ")
+        };
         let verdict = match (self.passed(), self.hollow()) {
             (false, _) => "FAIL: acknowledged writes lost".to_owned(),
             (true, Some(h)) => format!("INCONCLUSIVE: {h}"),
@@ -178,10 +188,10 @@ impl Report {
              every {} ms){}\n\
              cycles: {}, kills (SIGKILL of the target): {}\n\
              acknowledged durable writes: {} ({})\n\
-             acknowledged blocks checked after restarts: {}\n\
-             lost: {}\n\
-             torn unacknowledged blocks: {}\n\
-             corrupt: {}\n\
+             acknowledged blocks checked after restarts: {} ({})\n\
+             lost: {} ({})\n\
+             torn unacknowledged blocks: {} ({})\n\
+             corrupt: {} ({})\n\
              time: {:.1} s\n\
              result: {verdict}",
             self.seed,
@@ -199,9 +209,13 @@ impl Report {
             self.acknowledged,
             by.join(", "),
             self.tally.acknowledged_checked,
+            per(|t| t.acknowledged_checked),
             self.tally.lost,
+            per(|t| t.lost),
             self.tally.torn_unacknowledged,
+            per(|t| t.torn_unacknowledged),
             self.tally.corrupt,
+            per(|t| t.corrupt),
             self.seconds,
         )
     }
@@ -260,6 +274,11 @@ fn verify(t: &Target, ns: &Ns, blocks: usize, report: &mut Report) {
         .unwrap_or_else(|e| e.into_inner())
         .check_all(&data);
     report.tally.add(&tally);
+    report
+        .tally_by_medium
+        .entry(ns.medium.name())
+        .or_default()
+        .add(&tally);
     for (block, verdict, content) in bad {
         if report.problems.len() < 20 {
             let what = match verdict {
