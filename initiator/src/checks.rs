@@ -95,6 +95,7 @@ mod tests {
             atomic_write_unit: 8,
             read_only,
             failure: None,
+            simulation: None,
         }
     }
 

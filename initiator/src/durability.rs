@@ -191,6 +191,7 @@ mod tests {
             atomic_write_unit: 8,
             read_only: false,
             failure: None,
+            simulation: None,
         }
     }
 

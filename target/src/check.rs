@@ -179,7 +179,10 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                         "{head}: {}, block {}, {rw}: domain {}; {}",
                         planned(&plan),
                         ns.block_size,
-                        plan.domain,
+                        match ns.power_loss_simulation {
+                            Some(s) => format!("{}, {}", plan.domain, s.label()),
+                            None => plan.domain.to_string(),
+                        },
                         methods_line(&cfg, plan.domain)
                     )?
                 }

@@ -14,6 +14,7 @@ use rpma_common::units::parse_size;
 use serde::Deserialize;
 
 mod admission;
+mod simulation;
 
 use admission::admission;
 pub use admission::{admission_changes, Admission};
@@ -231,6 +232,9 @@ pub struct Namespace {
     /// A dax namespace is mapped in ahead of use when it is opened (default true): no page
     /// fault on the first Write to each page, for page tables and start-up time.
     pub prefault: bool,
+    /// Tests and debugging only: run the namespace under the power-loss simulation
+    /// (docs/reliability.md); its domain is labelled so everywhere it is shown.
+    pub power_loss_simulation: Option<rpma_common::pmem::Simulation>,
 }
 
 /// A subsystem.
@@ -341,6 +345,7 @@ struct RawNamespace {
     #[serde(default)]
     grow: bool,
     prefault: Option<bool>,
+    power_loss_simulation: Option<toml::Value>,
 }
 
 /// The control socket a configuration file names, without validating the rest (so that
@@ -600,6 +605,10 @@ impl Config {
                     force_dax: rn.force_dax,
                     grow: rn.grow,
                     prefault: rn.prefault.unwrap_or(true),
+                    power_loss_simulation: simulation::simulation(
+                        &format!("{nkey}.power_loss_simulation"),
+                        rn.power_loss_simulation,
+                    )?,
                 });
             }
             namespaces.sort_by_key(|n| n.nsid);

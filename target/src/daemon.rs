@@ -231,7 +231,7 @@ fn status(shared: &Shared) -> Status {
                         size: ns.size(),
                         block_size: ns.config.block_size,
                         read_only: ns.config.read_only,
-                        domain: ns.domain().to_string(),
+                        domain: ns.domain_label(),
                         durability: ts
                             .iter()
                             .map(|&(t, dwp)| TransportMethods {

@@ -372,6 +372,16 @@ impl Flusher {
             }
             Kind::PageCache(fd, store) => (fd.clone(), store.clone()),
         };
+        // The store's own part first (the power-loss simulation copies the range to its
+        // media, which the fdatasync then writes); nothing for real media.
+        if let Err(e) = store.before_sync(offset as usize, length as usize) {
+            let status = match e {
+                rpma_common::pmem::Error::Failed { .. } => FlushStatus::NamespaceFailed,
+                _ => FlushStatus::IoError,
+            };
+            self.ready.push_back(FlushCompletion { token, status });
+            return Ok(());
+        }
         let Some(slot) = self.free.pop() else {
             return Err(FlusherError::Full(self.slots.len()));
         };

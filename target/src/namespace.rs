@@ -206,6 +206,14 @@ impl OpenNamespace {
                 ),
             }
         }
+        if mapping.simulation().is_some() {
+            log::warn!(
+                "subsystem {subsystem} nsid {} ({}): domain {}: only what was persisted survives                  a SIGKILL of this daemon; NOT for production",
+                ns.nsid,
+                ns.path.display(),
+                mapping.domain_label()
+            );
+        }
         let flush_target =
             FlushTarget::for_mapping(&mapping).map_err(|source| NamespaceError::Flush {
                 subsystem: subsystem.clone(),
@@ -233,6 +241,7 @@ impl OpenNamespace {
             })
             .block_size(u64::from(ns.block_size))
             .force_dax(ns.force_dax)
+            .power_loss_simulation(ns.power_loss_simulation)
             .create(ns.size.is_some());
         match ns.size {
             Some(size) => opts.size(size),
@@ -243,6 +252,12 @@ impl OpenNamespace {
     /// The probed (or forced) domain.
     pub fn domain(&self) -> Domain {
         self.mapping.domain()
+    }
+
+    /// The domain as every interface shows it, with the power-loss simulation's label when
+    /// it is on ("page-cache, power-loss simulation (test only)").
+    pub fn domain_label(&self) -> String {
+        self.mapping.domain_label()
     }
 
     /// Size in bytes.
@@ -468,6 +483,7 @@ mod tests {
             force_dax: true,
             grow: false,
             prefault,
+            power_loss_simulation: None,
         };
         let ahead = OpenNamespace::open(&nqn, &ns("ahead", true)).unwrap();
         let lazy = OpenNamespace::open(&nqn, &ns("lazy", false)).unwrap();
@@ -488,6 +504,7 @@ mod tests {
             force_dax: false,
             grow: false,
             prefault: true,
+            power_loss_simulation: None,
         };
         let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
         let e = OpenNamespace::open(&nqn, &ns).unwrap_err();

@@ -153,6 +153,12 @@ impl Namespace {
         self.set("force_dax = true")
     }
 
+    /// `power_loss_simulation = { SETTINGS }` (tests only: docs/reliability.md), e.g.
+    /// `"eviction_percent = 0"`; `""` for the defaults.
+    pub fn power_loss_simulation(self, settings: &str) -> Namespace {
+        self.set(&format!("power_loss_simulation = {{ {settings} }}"))
+    }
+
     /// Any other `key = value` line.
     pub fn set(mut self, line: &str) -> Namespace {
         self.lines.push(line.to_owned());

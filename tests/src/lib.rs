@@ -15,6 +15,7 @@
 //! - [`stress`]: what the link-fault and load tests share: short/long runs, a seeded random
 //!   source, the target's footprint (sessions, regions, pools, fds, memory), self-describing
 //!   blocks.
+//! - [`crash`]: the crash-consistency harness behind the `rpma-crash` binary.
 //!
 //! Every wait has a deadline (polling, never a fixed sleep for bytes to arrive); ports are
 //! ephemeral; everything listens on 127.0.0.1 only.
@@ -22,6 +23,7 @@
 pub mod bins;
 pub mod cachestat;
 pub mod config;
+pub mod crash;
 pub mod fuse;
 pub mod initiator;
 pub mod metrics;

@@ -219,6 +219,15 @@ pub enum Error {
         /// The instruction's name.
         instruction: &'static str,
     },
+    /// The power-loss simulation was asked for on a store it cannot simulate (a devdax
+    /// device, a volatile domain) or one open already in this process with other settings.
+    #[error("{}: no power-loss simulation here: {reason}", path.display())]
+    SimulationUnsupported {
+        /// The backing store.
+        path: PathBuf,
+        /// Why.
+        reason: &'static str,
+    },
     /// The filesystem has fewer free bytes than opening would allocate (found by
     /// [`OpenOptions::plan`](crate::pmem::OpenOptions::plan), which allocates nothing).
     #[error(

@@ -7,11 +7,12 @@ use std::io;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd};
 use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
-use std::sync::{Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock};
 
 use super::domain::{Domain, Durability, SyncFailure};
 use super::error::{Error, Result};
 use super::flush::{sfence, writeback_range};
+use super::sim::{Sim, SimStats, Simulation};
 use super::Persist;
 
 /// How persist/flush/drain make a range durable, decided once at open.
@@ -34,7 +35,11 @@ enum Method {
 /// [`Mapping::read_at`]/[`Mapping::write_at`] are copies through a
 /// [`VolatileSlice`](crate::volatile::VolatileSlice), sound under such concurrent access
 /// (racing bytes may come out torn).
+///
+/// Under the power-loss simulation ([`OpenOptions::power_loss_simulation`](super::OpenOptions::power_loss_simulation),
+/// sim.rs) the memory handed out is the simulation's working copy, and the file is its media.
 pub struct Mapping {
+    /// The mapping of the backing file (or anonymous memory).
     ptr: NonNull<u8>,
     len: usize,
     domain: Domain,
@@ -47,6 +52,8 @@ pub struct Mapping {
     pending: Mutex<Option<(usize, usize)>>,
     /// The first failed write-back: set once, cleared only by reopening (a new Mapping).
     failure: OnceLock<SyncFailure>,
+    /// The power-loss simulation, when on: the working copy the process sees.
+    sim: Option<Arc<Sim>>,
 }
 
 // SAFETY: Mapping owns its mapping (unmapped only in Drop) and exposes the memory only through raw
@@ -66,6 +73,7 @@ impl std::fmt::Debug for Mapping {
             .field("domain", &self.domain)
             .field("probed", &self.probed)
             .field("map_sync", &self.map_sync)
+            .field("sim", &self.sim)
             .finish()
     }
 }
@@ -91,7 +99,9 @@ fn page_size() -> usize {
 impl Mapping {
     /// A mapping of `len` bytes of `file` (at `path`) at `ptr`, which it owns from now on (and
     /// unmaps when dropped), in `domain` (`probed` is what the probe found, `map_sync` whether
-    /// the kernel accepted MAP_SYNC): the persist method follows from the domain.
+    /// the kernel accepted MAP_SYNC): the persist method follows from the domain. With `sim`,
+    /// the memory handed out is the simulation's working copy.
+    #[allow(clippy::too_many_arguments)]
     pub(super) fn of_file(
         file: File,
         path: PathBuf,
@@ -100,6 +110,7 @@ impl Mapping {
         domain: Domain,
         probed: Domain,
         map_sync: bool,
+        sim: Option<Arc<Sim>>,
     ) -> Mapping {
         let method = match domain {
             Domain::Volatile => Method::Nothing,
@@ -119,6 +130,7 @@ impl Mapping {
             path: Some(path),
             pending: Mutex::new(None),
             failure: OnceLock::new(),
+            sim,
         }
     }
 
@@ -162,12 +174,45 @@ impl Mapping {
             path: None,
             pending: Mutex::new(None),
             failure: OnceLock::new(),
+            sim: None,
         })
     }
 
-    /// The first byte of the mapping.
+    /// The first byte of the mapping (under the power-loss simulation, of its working copy).
     pub fn as_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
+        match &self.sim {
+            Some(sim) => sim.working_ptr(),
+            None => self.ptr.as_ptr(),
+        }
+    }
+
+    /// The power-loss simulation's settings, when it is on.
+    pub fn simulation(&self) -> Option<Simulation> {
+        self.sim.as_ref().map(|s| s.options())
+    }
+
+    /// What the power-loss simulation did so far, when it is on.
+    pub fn simulation_stats(&self) -> Option<SimStats> {
+        self.sim.as_ref().map(|s| s.stats())
+    }
+
+    /// The domain as every interface shows it: "page-cache", or under the power-loss
+    /// simulation "page-cache, power-loss simulation (test only)".
+    pub fn domain_label(&self) -> String {
+        match self.simulation() {
+            Some(s) => format!("{}, {}", self.domain, s.label()),
+            None => self.domain.to_string(),
+        }
+    }
+
+    /// Simulates a power loss (tests): the mapping is dropped without the clean close's
+    /// write-back, so only what reached the media survives, and the next open of the file in
+    /// this process starts from the media. Every other mapping of the same file in this
+    /// process loses its cache with it. Without the simulation it is a plain drop.
+    pub fn simulate_power_loss(self) {
+        if let Some(sim) = &self.sim {
+            sim.lose_power();
+        }
     }
 
     /// Length of the mapping in bytes (the namespace size).
@@ -200,15 +245,10 @@ impl Mapping {
     /// Errors: [`Error::Io`] when the kernel refuses (`EINVAL` before 5.14); the mapping is
     /// usable as before.
     pub fn prefault(&self) -> Result<()> {
-        // SAFETY: the range is exactly this live mapping; MADV_POPULATE_WRITE only faults its
-        // pages in (writable) and changes no byte of them.
-        let r = unsafe {
-            libc::madvise(
-                self.ptr.as_ptr().cast(),
-                self.len,
-                libc::MADV_POPULATE_WRITE,
-            )
-        };
+        // SAFETY: the range is exactly the live memory this mapping hands out (the file's
+        // mapping, or the simulation's working copy); MADV_POPULATE_WRITE only faults its pages
+        // in (writable) and changes no byte of them.
+        let r = unsafe { libc::madvise(self.as_ptr().cast(), self.len, libc::MADV_POPULATE_WRITE) };
         if r != 0 {
             return Err(Error::Io {
                 path: self.path.clone().unwrap_or_default(),
@@ -291,9 +331,15 @@ impl Mapping {
     }
 
     fn msync(&self, start: usize, end: usize) -> Result<()> {
-        // SAFETY: start is page-aligned and [start, end) lies within the pages of this mapping.
-        let rc =
-            unsafe { libc::msync(self.as_ptr().add(start).cast(), end - start, libc::MS_SYNC) };
+        // SAFETY: start is page-aligned and [start, end) lies within the pages of the file's
+        // mapping.
+        let rc = unsafe {
+            libc::msync(
+                self.ptr.as_ptr().add(start).cast(),
+                end - start,
+                libc::MS_SYNC,
+            )
+        };
         if rc != 0 {
             let e = io::Error::last_os_error();
             self.record_failure(SyncFailure::new("msync", &e));
@@ -324,6 +370,28 @@ impl Mapping {
         }
     }
 
+    /// The simulation's part of a persist, flush, drain or sync (`what` says which): its
+    /// copy to the media, whose failure is a failed write-back like any other.
+    fn simulated(
+        &self,
+        offset: usize,
+        len: usize,
+        what: impl FnOnce(&Sim) -> io::Result<()>,
+    ) -> Result<()> {
+        let Some(sim) = &self.sim else {
+            return Ok(());
+        };
+        what(sim).map_err(|e| {
+            self.record_failure(SyncFailure::new("pwrite", &e));
+            self.sync_error(
+                "pwrite to the power-loss simulation's media",
+                offset,
+                len,
+                e,
+            )
+        })
+    }
+
     fn outcome(&self) -> Durability {
         if self.domain.is_durable() {
             Durability::Durable
@@ -341,11 +409,12 @@ impl Persist for Mapping {
     fn persist(&self, offset: usize, len: usize) -> Result<Durability> {
         self.check_range(offset, len)?;
         self.check_healthy()?;
+        self.simulated(offset, len, |s| s.persist(offset, len))?;
         match self.method {
             Method::Nothing => {}
             Method::CacheWriteBack => {
-                // SAFETY: the range is inside the live mapping (checked above).
-                unsafe { writeback_range(self.as_ptr().add(offset), len) };
+                // SAFETY: the range is inside the live file mapping (checked above).
+                unsafe { writeback_range(self.ptr.as_ptr().add(offset), len) };
                 sfence();
             }
             Method::Msync if len > 0 => {
@@ -360,11 +429,12 @@ impl Persist for Mapping {
     fn flush(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
         self.check_healthy()?;
+        self.simulated(offset, len, |s| s.flush(offset, len))?;
         match self.method {
             Method::Nothing => {}
             Method::CacheWriteBack => {
-                // SAFETY: the range is inside the live mapping (checked above).
-                unsafe { writeback_range(self.as_ptr().add(offset), len) };
+                // SAFETY: the range is inside the live file mapping (checked above).
+                unsafe { writeback_range(self.ptr.as_ptr().add(offset), len) };
             }
             Method::Msync if len > 0 => {
                 let (start, end) = self.page_range(offset, len);
@@ -395,6 +465,7 @@ impl Persist for Mapping {
 
     fn drain(&self) -> Result<Durability> {
         self.check_healthy()?;
+        self.simulated(0, 0, Sim::drain)?;
         match self.method {
             Method::Nothing => {}
             Method::CacheWriteBack => sfence(),
@@ -415,6 +486,16 @@ impl Persist for Mapping {
 
     fn record_failure(&self, failure: SyncFailure) -> bool {
         self.failure.set(failure).is_ok()
+    }
+
+    fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
+        self.check_range(offset, len)?;
+        self.check_healthy()?;
+        self.simulated(offset, len, |s| s.persist(offset, len))
+    }
+
+    fn durable_by_writeback(&self) -> bool {
+        self.domain.is_dax() && self.sim.is_none()
     }
 }
 

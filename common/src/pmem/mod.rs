@@ -41,6 +41,10 @@
 //! - [`OpenOptions::plan`] says what `open` would do (create, grow, refuse, the domain) and
 //!   changes nothing: no file is created, opened for writing, resized, allocated or mapped.
 //! - No logging: this layer sits on the data path.
+//! - [`OpenOptions::power_loss_simulation`] (tests and debugging only) keeps a working copy in
+//!   memory and lets the file receive only what was persisted (and some evicted units): a
+//!   SIGKILL of the process is then a power loss. Its domain reads with
+//!   [`SIMULATION_LABEL`] everywhere ([`Mapping::domain_label`]).
 //!
 //! docs/persistence.md has the details.
 
@@ -51,6 +55,7 @@ mod flush;
 mod map;
 mod open;
 mod plan;
+mod sim;
 
 pub use domain::{Domain, Durability, SyncFailure};
 pub use error::{Error, Result};
@@ -61,6 +66,7 @@ pub use flush::{
 pub use map::Mapping;
 pub use open::{OpenOptions, Resize};
 pub use plan::{Plan, PlanAction};
+pub use sim::{SimStats, Simulation, SIMULATION_LABEL};
 
 /// The narrow interface the fabric's placement engine and the target's flush service use, and
 /// that a power-loss simulator can implement instead of real media.
@@ -92,4 +98,19 @@ pub trait Persist: Send + Sync {
     /// made elsewhere, for example through io_uring): from now on the store is failed. Returns
     /// true for the first failure (the one to log), false when it had failed already.
     fn record_failure(&self, failure: SyncFailure) -> bool;
+    /// Called by whoever is about to make `[offset, offset+len)` durable by syncing the
+    /// backing file another way (the target's io_uring fdatasync for GPSPM), before that sync.
+    /// Real media: nothing to do, the kernel's sync writes what the mapping's stores left in
+    /// the page cache. The power-loss simulation: copies the range from its working copy to
+    /// the media file, which the sync then writes. Errors as [`Persist::persist`].
+    fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
+    /// Whether a copy that writes cache lines back as it stores (non-temporal stores), then a
+    /// store fence, makes placed bytes durable, so that their ranges need no persist: true on
+    /// dax. False under the power-loss simulation, whose media only a persist reaches.
+    fn durable_by_writeback(&self) -> bool {
+        self.domain().is_dax()
+    }
 }

@@ -15,6 +15,7 @@ use super::devdax;
 use super::domain::Domain;
 use super::error::{Error, Result};
 use super::map::Mapping;
+use super::sim::{self, Sim, Simulation};
 
 /// statfs magic numbers of filesystems that live in RAM.
 const TMPFS_MAGIC: u32 = 0x0102_1994;
@@ -54,6 +55,7 @@ pub struct OpenOptions {
     pub(super) force_dax: bool,
     pub(super) resize: Resize,
     pub(super) create: bool,
+    pub(super) simulation: Option<Simulation>,
 }
 
 impl OpenOptions {
@@ -67,6 +69,7 @@ impl OpenOptions {
             force_dax: false,
             resize: Resize::Refuse,
             create: false,
+            simulation: None,
         }
     }
 
@@ -103,6 +106,33 @@ impl OpenOptions {
         self
     }
 
+    /// Tests and debugging only: the power-loss simulation (sim.rs, docs/persistence.md). The
+    /// mapping hands out a working copy in memory; the file (the media) receives a unit only
+    /// when a persist covers it, or when it is evicted at random; the death of the process is
+    /// a power loss, and the next open starts from the media. A regular file in a durable
+    /// domain only (refused: [`Error::SimulationUnsupported`]).
+    pub fn power_loss_simulation(mut self, simulation: Option<Simulation>) -> OpenOptions {
+        self.simulation = simulation;
+        self
+    }
+
+    /// The refusal of a power-loss simulation on this store, if any: devdax (no pwrite), a
+    /// volatile domain (nothing is durable there to simulate).
+    pub(super) fn check_simulation(&self, devdax: bool, domain: Domain) -> Result<()> {
+        let reason = match self.simulation {
+            None => return Ok(()),
+            Some(_) if devdax => "a devdax device cannot be its media (a regular file can)",
+            Some(_) if !domain.is_durable() => {
+                "the domain is volatile: nothing survives a power loss there to simulate                  (force_dax treats a RAM file as dax)"
+            }
+            Some(_) => return Ok(()),
+        };
+        Err(Error::SimulationUnsupported {
+            path: self.path.clone(),
+            reason,
+        })
+    }
+
     /// Validates the options, opens (creating and allocating the whole size up front, so that a
     /// full filesystem fails here and never as SIGBUS later), maps the store shared (trying
     /// MAP_SHARED_VALIDATE | MAP_SYNC first) and probes the persistence domain.
@@ -114,7 +144,8 @@ impl OpenOptions {
     /// [`Error::SizeTooLarge`], [`Error::SizeRequired`], [`Error::NotFound`],
     /// [`Error::IsDirectory`], [`Error::UnsupportedFileType`], [`Error::PermissionDenied`],
     /// [`Error::WouldGrow`], [`Error::WouldShrink`], [`Error::NoSpace`], [`Error::NotDevDax`],
-    /// [`Error::DevDaxTooSmall`], [`Error::DevDaxAlignment`], [`Error::Map`], [`Error::Io`].
+    /// [`Error::DevDaxTooSmall`], [`Error::DevDaxAlignment`], [`Error::Map`], [`Error::Io`],
+    /// [`Error::SimulationUnsupported`].
     pub fn open(&self) -> Result<Mapping> {
         match self.locate()? {
             Store::File(_) => self.open_file(false),
@@ -248,7 +279,11 @@ impl OpenOptions {
             let _ = fs::remove_file(&self.path);
         }
         let (len, probed, map_sync, ptr) = result?;
-        Ok(self.finish(file, len, probed, map_sync, ptr))
+        let mapping = self.finish(file, len, probed, map_sync, ptr);
+        if mapping.is_err() && created {
+            let _ = fs::remove_file(&self.path);
+        }
+        mapping
     }
 
     /// Settles the file's size, allocates it, maps it and probes the domain.
@@ -264,6 +299,10 @@ impl OpenOptions {
         };
         let existing = file.metadata().map_err(|e| io_err("stat", e))?.len();
         let size = self.settle_size(existing)?;
+        if let Some(sim) = self.simulation {
+            // Before anything is resized: a live simulation of this file keeps its own size.
+            Sim::check_live(file, size as usize, sim).map_err(|e| self.sim_error(e))?;
+        }
         if size < existing {
             file.set_len(size).map_err(|e| io_err("shrink", e))?;
         }
@@ -308,9 +347,10 @@ impl OpenOptions {
             .write(true)
             .open(&self.path)
             .map_err(|e| self.open_error("open", e))?;
+        self.check_simulation(true, Domain::Dax)?;
         let len = size as usize; // fits: check_size
         let (ptr, map_sync) = self.map_shared(&file, len)?;
-        Ok(self.finish(file, len, Domain::Dax, map_sync, ptr))
+        self.finish(file, len, Domain::Dax, map_sync, ptr)
     }
 
     /// Maps the whole file shared, with MAP_SYNC when the kernel and filesystem accept it.
@@ -351,6 +391,8 @@ impl OpenOptions {
         Ok((ptr, map_sync))
     }
 
+    /// The mapping of the opened file: it owns `ptr` from here on, also when the power-loss
+    /// simulation is refused (dropping it unmaps).
     fn finish(
         &self,
         file: File,
@@ -358,9 +400,57 @@ impl OpenOptions {
         probed: Domain,
         map_sync: bool,
         ptr: NonNull<u8>,
-    ) -> Mapping {
+    ) -> Result<Mapping> {
         let domain = self.reported(probed);
-        Mapping::of_file(file, self.path.clone(), ptr, len, domain, probed, map_sync)
+        let bare = |file, sim| {
+            Mapping::of_file(
+                file,
+                self.path.clone(),
+                ptr,
+                len,
+                domain,
+                probed,
+                map_sync,
+                sim,
+            )
+        };
+        let Some(opts) = self.simulation else {
+            return Ok(bare(file, None));
+        };
+        if let Err(e) = self.check_simulation(false, domain) {
+            drop(bare(file, None));
+            return Err(e);
+        }
+        // A cache line where a write-back instruction makes it durable, a page where msync does.
+        let unit = if domain.is_dax() && cfg!(target_arch = "x86_64") {
+            super::flush::cache_line_size()
+        } else {
+            nix::unistd::sysconf(nix::unistd::SysconfVar::PAGE_SIZE)
+                .ok()
+                .flatten()
+                .map_or(4096, |p| p as usize)
+        };
+        match Sim::open(&file, len, unit, opts) {
+            Ok(s) => Ok(bare(file, Some(s))),
+            Err(e) => {
+                drop(bare(file, None));
+                Err(self.sim_error(e))
+            }
+        }
+    }
+
+    fn sim_error(&self, e: sim::OpenError) -> Error {
+        match e {
+            sim::OpenError::Io(source) => Error::Io {
+                path: self.path.clone(),
+                op: "read the media of the power-loss simulation",
+                source,
+            },
+            sim::OpenError::Mismatch(reason) => Error::SimulationUnsupported {
+                path: self.path.clone(),
+                reason,
+            },
+        }
     }
 }
 

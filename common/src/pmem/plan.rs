@@ -73,11 +73,13 @@ impl OpenOptions {
     /// [`Error::NoSpace`]; [`Error::NotEnoughSpace`] instead when the filesystem has fewer free
     /// bytes than open would allocate.
     pub fn plan(&self) -> Result<Plan> {
-        match self.locate()? {
+        let plan = match self.locate()? {
             Store::File(meta) => self.plan_file(&meta),
             Store::CharDevice(meta) => self.plan_devdax(&meta),
             Store::Create { size } => self.plan_create(size),
-        }
+        }?;
+        self.check_simulation(plan.action == PlanAction::DevDax, plan.domain)?;
+        Ok(plan)
     }
 
     fn plan_file(&self, meta: &fs::Metadata) -> Result<Plan> {

@@ -162,6 +162,22 @@ pub struct NamespaceDescriptor {
     /// and its errno), so the target makes nothing on it durable until an operator reopens it
     /// (reload or restart). Reads and plain writes still work. Since protocol version 3.
     pub failure: Option<String>,
+    /// Set when the target runs the namespace under its power-loss simulation (tests and
+    /// debugging only: docs/reliability.md): the label every interface shows beside the
+    /// domain, [`SIMULATION_LABEL`](crate::pmem::SIMULATION_LABEL) and whether persist is
+    /// broken on purpose. Since protocol version 4.
+    pub simulation: Option<String>,
+}
+
+impl NamespaceDescriptor {
+    /// The domain as every interface shows it: "page-cache", or
+    /// "page-cache, power-loss simulation (test only)" under the target's simulation.
+    pub fn domain_label(&self) -> String {
+        match &self.simulation {
+            Some(s) => format!("{}, {s}", self.domain),
+            None => self.domain.to_string(),
+        }
+    }
 }
 
 /// Target -> host: the connection is open.

@@ -39,6 +39,7 @@ fn samples() -> Vec<Message> {
                     atomic_write_unit: 8,
                     read_only: false,
                     failure: None,
+                    simulation: None,
                 },
                 NamespaceDescriptor {
                     nsid: 2,
@@ -51,6 +52,7 @@ fn samples() -> Vec<Message> {
                     atomic_write_unit: 8,
                     read_only: true,
                     failure: Some("fdatasync failed: Input/output error (os error 5)".into()),
+                    simulation: Some(crate::pmem::SIMULATION_LABEL.into()),
                 },
             ],
             queue_depth: 128,
@@ -104,7 +106,7 @@ fn fixed_layouts_are_exact() {
     };
     let b = r.encode();
     assert_eq!(b.len(), 32);
-    assert_eq!(&b[..4], &[3, 0x10, 0, 0]);
+    assert_eq!(&b[..4], &[4, 0x10, 0, 0]);
     assert_eq!(&b[4..8], &[1, 2, 3, 4]);
     assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
     assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
@@ -115,7 +117,7 @@ fn fixed_layouts_are_exact() {
         status: FlushStatus::IoError,
     }
     .encode();
-    assert_eq!(s, [3, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(s, [4, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
     let f = FlushResponse {
         token: 1,
         status: FlushStatus::NamespaceFailed,
@@ -128,7 +130,7 @@ fn fixed_layouts_are_exact() {
     );
     assert_eq!(
         KeepAlive { seq: 1 }.encode(),
-        [3, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+        [4, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     );
 }
 

@@ -157,7 +157,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     let out = Out {
         nsid: g.nsid,
         method,
-        domain: d.domain.to_string(),
+        domain: d.domain_label(),
         io_size: p.io_size,
         count: p.count,
         write_latency: summarize(wt),

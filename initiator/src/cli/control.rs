@@ -82,7 +82,7 @@ pub(crate) fn identify(g: &Global) -> Result<(), Failure> {
             n.nsid,
             n.size,
             n.block_size,
-            n.domain,
+            n.domain_label(),
             methods,
             if n.read_only {
                 "read-only"

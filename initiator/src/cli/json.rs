@@ -10,7 +10,10 @@ pub(crate) struct NamespaceJson {
     pub(crate) nsid: u32,
     pub(crate) size: u64,
     pub(crate) block_size: u32,
+    /// The domain as shown, with the power-loss simulation's label when it is on.
     pub(crate) domain: String,
+    /// The power-loss simulation's label (tests only), or null.
+    pub(crate) simulation: Option<String>,
     pub(crate) durability: Vec<&'static str>,
     pub(crate) read_only: bool,
     pub(crate) atomic_write_unit: u32,
@@ -22,7 +25,8 @@ impl From<&NamespaceDescriptor> for NamespaceJson {
             nsid: n.nsid,
             size: n.size,
             block_size: n.block_size,
-            domain: n.domain.to_string(),
+            domain: n.domain_label(),
+            simulation: n.simulation.clone(),
             durability: n.durability.names(),
             read_only: n.read_only,
             atomic_write_unit: n.atomic_write_unit,

@@ -17,7 +17,6 @@ use std::io::{IsTerminal, Write as _};
 use std::os::unix::fs::FileExt as _;
 use std::path::Path;
 
-use rpma_common::proto::PersistenceDomain;
 use rpma_initiator::namespace::check_range;
 use rpma_initiator::{Choice, Durability, Queue};
 use serde::Serialize;
@@ -88,8 +87,9 @@ pub(crate) fn require_durable(g: &Global, d: Durability) -> Result<(), Failure> 
     Ok(())
 }
 
-/// An outcome in words, with the namespace's domain: "durable (FLUSH, dax (forced))".
-fn describe(d: Durability, domain: PersistenceDomain) -> String {
+/// An outcome in words, with the namespace's domain as shown (its label): "durable (FLUSH, dax
+/// (forced))".
+fn describe(d: Durability, domain: &str) -> String {
     match d {
         Durability::Durable(m) => format!("durable ({m}, {domain})"),
         Durability::VisibleOnly => format!("visible only ({domain}): NOT durable"),
@@ -370,7 +370,7 @@ pub(crate) fn write(
         if durable {
             ns.method()?;
         }
-        d.domain
+        d.domain_label()
     };
     let start = std::time::Instant::now();
     let mut bar = Progress::new("write", total, g.json);
@@ -421,12 +421,12 @@ pub(crate) fn write(
             length: total,
             state,
             method,
-            domain: domain.to_string(),
+            domain: domain.clone(),
             seconds: secs,
         })?;
     } else {
         let how = match result {
-            Some(d) => describe(d, domain),
+            Some(d) => describe(d, &domain),
             None => "sent, not acknowledged by the target and not yet durable (use --durable or \
                      flush)"
                 .to_owned(),
@@ -501,7 +501,7 @@ pub(crate) fn verify(
 pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure> {
     let mut q = open(g, 1)?;
     let mut ns = q.namespace(g.nsid)?;
-    let domain = ns.descriptor().domain;
+    let domain = ns.descriptor().domain_label();
     let d = ns.persist(offset, length)?;
     close(q);
     let (state, method) = outcome(g, d);
@@ -521,13 +521,13 @@ pub(crate) fn flush(g: &Global, offset: u64, length: u64) -> Result<(), Failure>
             length,
             state,
             method,
-            domain: domain.to_string(),
+            domain: domain.clone(),
         })?;
     } else {
         println!(
             "{length} bytes at offset {offset} of nsid {}: {}",
             g.nsid,
-            describe(d, domain)
+            describe(d, &domain)
         );
     }
     require_durable(g, d)
@@ -583,6 +583,7 @@ pub(crate) fn faa(g: &Global, offset: u64, add: u64) -> Result<(), Failure> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use rpma_common::proto::PersistenceDomain;
 
     #[test]
     fn hexdump_lines() {
@@ -618,13 +619,23 @@ mod tests {
         assert_eq!(
             describe(
                 Durability::Durable(rpma_initiator::PersistMethod::Flush),
-                PersistenceDomain::DaxForced
+                &PersistenceDomain::DaxForced.to_string()
             ),
             "durable (FLUSH, dax (forced))"
         );
         assert_eq!(
-            describe(Durability::VisibleOnly, PersistenceDomain::Volatile),
+            describe(
+                Durability::VisibleOnly,
+                &PersistenceDomain::Volatile.to_string()
+            ),
             "visible only (volatile): NOT durable"
+        );
+        assert_eq!(
+            describe(
+                Durability::Durable(rpma_initiator::PersistMethod::Gpspm),
+                "page-cache, power-loss simulation (test only)"
+            ),
+            "durable (GPSPM, page-cache, power-loss simulation (test only))"
         );
     }
 }

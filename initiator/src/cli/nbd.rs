@@ -91,7 +91,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         d.nsid,
         d.size,
         d.block_size,
-        d.domain,
+        d.domain_label(),
         if d.read_only { ", read-only" } else { "" }
     );
     if let Err(e) = notifier.ready(&format!("serving {url}")) {

@@ -260,7 +260,7 @@ fn export_info(opts: &ExportOptions, d: &NamespaceDescriptor) -> ExportInfo {
             "rpma namespace {} ({} bytes, {}{})",
             d.nsid,
             d.size,
-            d.domain,
+            d.domain_label(),
             if d.read_only { ", read-only" } else { "" }
         ),
         size: d.size,

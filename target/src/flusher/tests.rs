@@ -255,3 +255,54 @@ fn flushes_are_timed_in_the_loops_histograms() {
         "the loop times requests"
     );
 }
+
+/// GPSPM under the power-loss simulation: the range reaches the media (the backing file)
+/// through the flusher on both domains, io_uring's fdatasync included; a range nobody flushed
+/// does not, and a broken persist answers Durable with nothing written.
+#[test]
+fn gpspm_flushes_reach_the_simulations_media() {
+    use rpma_common::pmem::Simulation;
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let shm = tempfile::tempdir_in("/dev/shm").unwrap();
+    for (dir, force_dax) in [(disk.path(), false), (shm.path(), true)] {
+        for broken_persist in [false, true] {
+            let path = dir.join(format!("sim-{broken_persist}"));
+            let sim = Simulation {
+                eviction_percent: 0,
+                broken_persist,
+                ..Simulation::default()
+            };
+            let m = Arc::new(
+                OpenOptions::new(&path)
+                    .size(1 << 20)
+                    .create(true)
+                    .force_dax(force_dax)
+                    .power_loss_simulation(Some(sim))
+                    .open()
+                    .unwrap(),
+            );
+            let t = FlushTarget::for_mapping(&m).unwrap();
+            let kind = if force_dax { "dax" } else { "page-cache" };
+            assert!(format!("{t:?}").contains(kind), "{t:?}");
+            m.write_at(8192, b"flushed").unwrap();
+            m.write_at(65536, b"not flushed").unwrap();
+            let mut fl = Flusher::new(4).unwrap();
+            fl.submit(1, &t, 8192, 7).unwrap();
+            let mut out = Vec::new();
+            fl.drain(&mut out);
+            assert_eq!(
+                out,
+                [FlushCompletion {
+                    token: 1,
+                    status: FlushStatus::Durable
+                }]
+            );
+            let media = std::fs::read(&path).unwrap();
+            let want: &[u8] = if broken_persist { &[0; 7] } else { b"flushed" };
+            assert_eq!(&media[8192..8199], want, "{kind}, broken {broken_persist}");
+            assert_eq!(&media[65536..65547], &[0; 11], "{kind}");
+            drop(t);
+            Arc::into_inner(m).unwrap().simulate_power_loss();
+        }
+    }
+}

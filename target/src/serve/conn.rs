@@ -593,6 +593,7 @@ impl Conn {
             atomic_write_unit: ATOMIC_WRITE_UNIT,
             read_only: ns.config.read_only,
             failure: ns.failure().map(|f| f.to_string()),
+            simulation: ns.mapping.simulation().map(|s| s.label()),
         };
         ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
         Ok((

@@ -472,8 +472,9 @@ impl Engine {
                 match self.lookup(stag, to, len as u64, Access::REMOTE_WRITE) {
                     Ok(t) => {
                         // Dax memory: ask the receiver to write the bytes back as it copies
-                        // them (non-temporal stores); `on_data` records what it did.
-                        let dax = t.region.persist().is_some_and(|p| p.domain().is_dax());
+                        // them (non-temporal stores); `on_data` records what it did. Not under
+                        // the power-loss simulation: only a persist of the range reaches it.
+                        let dax = t.region.persist().is_some_and(|p| p.durable_by_writeback());
                         let ptr = t.ptr();
                         if !dax {
                             self.dirty.add(&t.region, t.offset, len);

@@ -1,0 +1,340 @@
+//! The power-loss simulation end to end (docs/reliability.md): a SIGKILL of a target whose
+//! namespaces run under it loses exactly what was not persisted, on page-cache and on forced
+//! dax, through every durability method; without the simulation the same SIGKILL loses
+//! nothing (why the simulation exists); a broken persist loses acknowledged writes; the domain
+//! is labelled wherever it is shown; and what the simulation cannot do is refused.
+
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use rpma_common::pmem::SIMULATION_LABEL;
+use rpma_common::proto::nqn::Nqn;
+use rpma_initiator::{ConnectOptions, Connection, Durability, HostIdentity, PersistMethod};
+use rpma_tests::{
+    check_config, conn_args, initiator, noise, scratch, text, Config, Daemon, Namespace, Shm,
+    Subsystem, Target,
+};
+
+const SUB: &str = "nqn.2026-11.io.rpma:power-loss";
+const HOST: &str = "nqn.2026-11.io.rpma:power-loss-host";
+const METHODS: [PersistMethod; 3] = [
+    PersistMethod::Apm,
+    PersistMethod::Gpspm,
+    PersistMethod::Flush,
+];
+
+/// nsid 1: page-cache file, nsid 2: /dev/shm forced dax, both simulated with `settings`;
+/// nsid 3: a page-cache file without the simulation.
+fn start(tag: &str, settings: &str) -> (tempfile::TempDir, Shm, Target) {
+    let d = scratch();
+    let shm = Shm::new(tag);
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB).any_host().namespaces([
+            Namespace::new(1, "pc", "1MiB").power_loss_simulation(settings),
+            Namespace::new(2, shm.path(), "1MiB")
+                .force_dax()
+                .power_loss_simulation(settings),
+            Namespace::new(3, "plain", "1MiB"),
+        ]),
+    );
+    let t = Target::start(d.path(), &config.to_string());
+    (d, shm, t)
+}
+
+fn queue(t: &Target) -> rpma_initiator::Queue {
+    Connection::new(
+        &t.url(),
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .with_connect_options(ConnectOptions {
+        timeout: Duration::from_secs(10),
+        ..ConnectOptions::default()
+    })
+    .open_queue(0)
+    .unwrap()
+}
+
+fn read(q: &mut rpma_initiator::Queue, nsid: u32, offset: u64, len: usize) -> Vec<u8> {
+    let mut b = vec![0; len];
+    q.namespace(nsid).unwrap().read_at(offset, &mut b).unwrap();
+    b
+}
+
+/// Writes (not durable) `data` at `offset` on queue `w` and waits until queue `r` reads it
+/// back: placed in the target's memory. A Read on `w` itself would make it durable (APM).
+fn place(
+    w: &mut rpma_initiator::Queue,
+    r: &mut rpma_initiator::Queue,
+    nsid: u32,
+    offset: u64,
+    data: &[u8],
+) {
+    w.namespace(nsid).unwrap().write_at(offset, data).unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while read(r, nsid, offset, data.len()) != data {
+        assert!(Instant::now() < deadline, "nsid {nsid}: never placed");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Per method, 4 KiB acknowledged durable at block `2 * i` of `nsid` on one queue, then 4 KiB
+/// only placed at block `2 * i + 1` by another (a durable call on the first would persist
+/// them: APM covers every earlier Write of its queue pair). Returns the durable writes' data
+/// and the queues, to be dropped only after the kill (nothing may end their sessions first).
+fn durable_and_placed(
+    t: &Target,
+    nsid: u32,
+    seed: u64,
+) -> (Vec<Vec<u8>>, Vec<rpma_initiator::Queue>) {
+    let (mut d, mut w, mut r) = (queue(t), queue(t), queue(t));
+    let mut acked = Vec::new();
+    for (i, m) in METHODS.into_iter().enumerate() {
+        let data = noise(seed + i as u64, 4096);
+        let mut ns = d.namespace(nsid).unwrap();
+        ns.set_method(Some(m)).unwrap();
+        let at = 8192 * i as u64;
+        assert_eq!(ns.write_durable(at, &data).unwrap(), Durability::Durable(m));
+        acked.push(data);
+    }
+    for i in 0..METHODS.len() as u64 {
+        place(
+            &mut w,
+            &mut r,
+            nsid,
+            8192 * i + 4096,
+            &noise(seed + 100, 4096),
+        );
+    }
+    (acked, vec![d, w, r])
+}
+
+#[test]
+fn a_sigkill_loses_exactly_what_was_not_persisted() {
+    let (_d, _shm, mut t) = start("exact", "eviction_percent = 0");
+    let (mut acked, mut queues) = (Vec::new(), Vec::new());
+    for nsid in [1, 2, 3] {
+        let (a, q) = durable_and_placed(&t, nsid, u64::from(nsid) * 1000);
+        acked.push(a);
+        queues.extend(q);
+    }
+    t.kill9(); // the power loss
+    drop(queues);
+    t.restart(); // the same config again
+    let mut q = queue(&t);
+    for nsid in [1, 2, 3] {
+        for (i, m) in METHODS.into_iter().enumerate() {
+            let at = 8192 * i as u64;
+            assert!(
+                read(&mut q, nsid, at, 4096) == acked[nsid as usize - 1][i],
+                "nsid {nsid}: the write acknowledged durable with {m} was lost"
+            );
+            let placed = read(&mut q, nsid, at + 4096, 4096);
+            if nsid == 3 {
+                // Without the simulation a SIGKILL drops nothing: the page cache keeps what
+                // no persist covered, so a crash test there cannot tell a persist that works.
+                assert!(
+                    placed == noise(nsid as u64 * 1000 + 100, 4096),
+                    "nsid 3: lost"
+                );
+            } else {
+                assert!(
+                    placed == [0; 4096],
+                    "nsid {nsid}: never persisted, yet kept"
+                );
+            }
+        }
+    }
+}
+
+#[test]
+fn a_clean_stop_is_not_a_power_loss() {
+    // SIGTERM: the daemon closes its namespaces, and the simulation writes its working copy
+    // back, as the kernel would write the page cache back.
+    let (_d, _shm, mut t) = start("clean", "eviction_percent = 0");
+    let (mut w, mut r) = (queue(&t), queue(&t));
+    for nsid in [1, 2] {
+        place(&mut w, &mut r, nsid, 40960, &noise(u64::from(nsid), 4096));
+    }
+    drop((w, r));
+    t.signal(nix::sys::signal::Signal::SIGTERM);
+    assert!(t.wait_exit(Duration::from_secs(30)).success());
+    t.restart();
+    let mut q = queue(&t);
+    for nsid in [1, 2] {
+        assert!(
+            read(&mut q, nsid, 40960, 4096) == noise(u64::from(nsid), 4096),
+            "nsid {nsid}: written back at the clean stop, yet gone"
+        );
+    }
+}
+
+#[test]
+fn with_a_broken_persist_the_acknowledged_writes_are_lost() {
+    let (_d, _shm, mut t) = start("broken", "eviction_percent = 0, broken_persist = true");
+    let (mut acked, mut queues) = (Vec::new(), Vec::new());
+    for nsid in [1, 2] {
+        let (a, q) = durable_and_placed(&t, nsid, u64::from(nsid) * 7000);
+        acked.push(a);
+        queues.extend(q);
+    }
+    assert!(
+        t.log().contains("persist BROKEN"),
+        "the log says so: {}",
+        t.log()
+    );
+    t.kill9();
+    drop(queues);
+    t.restart();
+    let mut q = queue(&t);
+    for nsid in [1, 2] {
+        for (i, m) in METHODS.into_iter().enumerate() {
+            let at = 8192 * i as u64;
+            assert!(
+                read(&mut q, nsid, at, 4096) == [0; 4096],
+                "nsid {nsid}, {m}: acknowledged durable, and lost: what a crash test must see"
+            );
+        }
+    }
+}
+
+#[test]
+fn the_simulated_domain_is_labelled_wherever_it_is_shown() {
+    let (_d, _shm, t) = start("label", "");
+    let st = t.status();
+    let domains: Vec<&str> = st["subsystems"][0]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n["domain"].as_str().unwrap())
+        .collect();
+    assert_eq!(
+        domains,
+        [
+            format!("page-cache, {SIMULATION_LABEL}").as_str(),
+            &format!("dax (forced), {SIMULATION_LABEL}"),
+            "page-cache"
+        ],
+        "{st}"
+    );
+    // The human status too.
+    let human = rpma_tests::status(&["--socket", t.dir().join("ctl.sock").to_str().unwrap()]);
+    assert!(text(&human).contains(SIMULATION_LABEL), "{}", text(&human));
+    let warned = t.log_lines(&[SIMULATION_LABEL, "NOT for production"], Duration::ZERO);
+    assert_eq!(warned.len(), 2, "{}", t.log());
+    // check-config.
+    let out = check_config(&t.dir().join("target.toml"));
+    let out = text(&out);
+    let simulated = out.lines().filter(|l| l.contains(SIMULATION_LABEL)).count();
+    assert_eq!(simulated, 2, "{out}");
+    // The initiator: identify and list, in words and JSON.
+    let conn = conn_args(&t.url(), SUB, HOST, None);
+    let conn: Vec<&str> = conn.iter().map(String::as_str).collect();
+    for cmd in ["identify", "list"] {
+        let o = initiator(&[&conn[..], &[cmd]].concat());
+        assert!(o.status.success(), "{}", text(&o));
+        let words = String::from_utf8_lossy(&o.stdout).into_owned();
+        let labelled = words
+            .lines()
+            .filter(|l| l.contains(SIMULATION_LABEL))
+            .count();
+        assert_eq!(labelled, 2, "{cmd}: {words}");
+        let o = initiator(&[&conn[..], &["--json", cmd]].concat());
+        assert!(o.status.success(), "{}", text(&o));
+        let j: serde_json::Value = serde_json::from_slice(&o.stdout).unwrap();
+        let s = j.to_string();
+        assert_eq!(
+            s.matches(SIMULATION_LABEL).count(),
+            4,
+            "{cmd}: domain and simulation: {s}"
+        );
+    }
+    // A durable write's outcome names it.
+    let dir = t.dir().join("in");
+    std::fs::write(&dir, [7u8; 4096]).unwrap();
+    let conn1 = conn_args(&t.url(), SUB, HOST, Some(1));
+    let conn1: Vec<&str> = conn1.iter().map(String::as_str).collect();
+    let o = initiator(
+        &[
+            &conn1[..],
+            &[
+                "write",
+                "--offset",
+                "0",
+                "--durable",
+                "--in",
+                dir.to_str().unwrap(),
+            ],
+        ]
+        .concat(),
+    );
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("page-cache, {SIMULATION_LABEL})")),
+        "{}",
+        text(&o)
+    );
+}
+
+#[test]
+fn what_the_simulation_cannot_simulate_is_refused() {
+    let d = scratch();
+    let shm = Shm::new("refused");
+    // /dev/shm without force_dax is volatile: nothing survives a power loss to simulate.
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB)
+            .any_host()
+            .namespace(Namespace::new(1, shm.path(), "1MiB").power_loss_simulation("")),
+    );
+    let cfg = d.path().join("target.toml");
+    std::fs::write(
+        &cfg,
+        format!(
+            "listen = [\"tcp://127.0.0.1:{}\"]\ncontrol_socket = \"ctl.sock\"\n{config}",
+            rpma_tests::free_port()
+        ),
+    )
+    .unwrap();
+    let out = check_config(&cfg);
+    assert!(!out.status.success());
+    assert!(
+        text(&out).contains("no power-loss simulation here: the domain is volatile"),
+        "{}",
+        text(&out)
+    );
+    let log = d.path().join("stderr");
+    let mut daemon = Daemon::start(
+        &cfg,
+        d.path(),
+        &[],
+        Stdio::from(std::fs::File::create(&log).unwrap()),
+    );
+    let st = daemon.wait_exit(Duration::from_secs(30));
+    assert!(!st.success());
+    let err = std::fs::read_to_string(&log).unwrap();
+    assert!(err.contains("the domain is volatile"), "{err}");
+    assert!(
+        !std::path::Path::new(shm.path()).exists(),
+        "no file left behind"
+    );
+    // A bad setting names its key.
+    std::fs::write(
+        &cfg,
+        format!(
+            "{}",
+            Config::new().subsystem(Subsystem::new(SUB).any_host().namespace(
+                Namespace::new(1, "ns", "1MiB").power_loss_simulation("eviction_percent = 200")
+            ))
+        ),
+    )
+    .unwrap();
+    let out = check_config(&cfg);
+    assert!(
+        text(&out).contains(
+            "subsystem[0].namespace[0].power_loss_simulation.eviction_percent: 200 is not a \
+             percentage (0..=100)"
+        ),
+        "{}",
+        text(&out)
+    );
+}
