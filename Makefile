@@ -4,7 +4,7 @@ CARGO ?= cargo
 FEATURES ?= --all-features
 SCRATCH ?= $(CURDIR)/scratch
 
-.PHONY: all deps build test lint fmt demo bench clean
+.PHONY: all deps build test lint fmt demo bench reliability clean
 
 all: build
 
@@ -33,6 +33,12 @@ demo: deps
 # BENCH_ARGS=--quick: under three minutes once built.
 bench: deps
 	@bash bench/run.sh $(BENCH_ARGS)
+
+# The long reliability run (docs/reliability.md): at least 200 crash cycles under the power-loss
+# simulation, the long link-fault and load runs, 10 minutes of fuzzing per target. `make test`
+# runs the short versions. RELIABILITY_ARGS: see scripts/reliability.sh --help.
+reliability: deps
+	@bash scripts/reliability.sh $(RELIABILITY_ARGS)
 
 clean:
 	$(CARGO) clean

@@ -3,12 +3,19 @@
 # reliability` runs it; `make test` runs the short versions of the same suites.
 #
 #   scripts/reliability.sh [--cycles N] [--seed S] [--run-ms MIN-MAX] [--out FILE]
+#                          [--fuzz-seconds N] [--only crash,faults,fuzz]
 #
 #   crash   rpma-crash (tests/src/crash): N cycles (default 200, at least 200 for the figures
 #           docs/reliability.md quotes) of SIGKILL and restart of a target whose namespaces run
 #           under the power-loss simulation (a page-cache file and a forced-dax /dev/shm file),
 #           while APM, GPSPM, FLUSH, NBD FUA and NBD FLUSH writers write; every acknowledged
 #           block is checked after every restart. Any loss fails the run.
+#   faults  tests/tests/link_faults.rs and load.rs with RPMA_RELIABILITY_LONG=1: minutes of random
+#           cuts, resets, stalls and packet loss under load, and 32 connections of mixed calls;
+#           no hang, no acknowledged write lost, the target back to baseline, memory and fds flat.
+#   fuzz    scripts/fuzz.sh --seconds N (--fuzz-seconds, default 600) for every fuzz target.
+#
+#   Sections: --only crash,faults,fuzz (default: all three).
 #
 # Writes the figures to FILE (default tests/results/reliability.txt; the crash run's JSON
 # beside it as crash.json). Exits non-zero if a suite fails; the file says which.
@@ -18,6 +25,8 @@ cd "$(dirname "$0")/.."
 cycles=200
 seed=$(date +%s)
 run_ms=30-300
+fuzz_seconds=600
+only=crash,faults,fuzz
 out=tests/results/reliability.txt
 while [ $# -gt 0 ]; do
     case $1 in
@@ -25,7 +34,9 @@ while [ $# -gt 0 ]; do
         --seed) seed=$2; shift 2 ;;
         --run-ms) run_ms=$2; shift 2 ;;
         --out) out=$2; shift 2 ;;
-        -h | --help) sed -n '2,15p' "$0"; exit 0 ;;
+        --fuzz-seconds) fuzz_seconds=$2; shift 2 ;;
+        --only) only=$2; shift 2 ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "scripts/reliability.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
@@ -41,16 +52,39 @@ status=0
     echo "# rpma reliability run"
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
     echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
-    echo "machine: $(nproc) CPUs, $(uname -sr)"
+    echo "machine: $(nproc) CPUs, $(uname -sr); $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)"
     echo
-    echo "## crash consistency (rpma-crash --cycles $cycles --seed $seed --run-ms $run_ms)"
 } >"$out"
-if $CARGO run -q --all-features -p rpma-tests --bin rpma-crash -- \
-    --cycles "$cycles" --seed "$seed" --run-ms "$run_ms" --json "$json" >>"$out"; then
-    :
-else
-    status=$?
-    echo "crash consistency: FAILED (exit $status)" >>"$out"
+wants() { [[ ",$only," == *",$1,"* ]]; }
+if wants crash; then
+    echo "## crash consistency (rpma-crash --cycles $cycles --seed $seed --run-ms $run_ms)" >>"$out"
+    if ! $CARGO run -q --all-features -p rpma-tests --bin rpma-crash -- \
+        --cycles "$cycles" --seed "$seed" --run-ms "$run_ms" --json "$json" >>"$out"; then
+        status=1
+        echo "crash consistency: FAILED" >>"$out"
+    fi
+fi
+if wants faults; then
+    figures=$(cd "$(dirname "$out")" && pwd)/faults.txt
+    rm -f "$figures"
+    echo >>"$out"
+    echo "## link faults and load (RPMA_RELIABILITY_LONG=1: tests link_faults, load)" >>"$out"
+    if RPMA_RELIABILITY_LONG=1 RPMA_RELIABILITY_FIGURES=$figures $CARGO test -q --all-features \
+        -p rpma-tests --test link_faults --test load >/dev/null 2>&1; then
+        :
+    else
+        status=1
+        echo "link faults and load: FAILED (rerun: RPMA_RELIABILITY_LONG=1 cargo test -p rpma-tests --test link_faults --test load)" >>"$out"
+    fi
+    [ -f "$figures" ] && cat "$figures" >>"$out"
+fi
+if wants fuzz; then
+    echo >>"$out"
+    echo "## fuzzing (scripts/fuzz.sh --seconds $fuzz_seconds per target)" >>"$out"
+    if ! bash scripts/fuzz.sh --seconds "$fuzz_seconds" >>"$out" 2>&1; then
+        status=1
+        echo "fuzzing: FAILED (a crash: see the artifacts scripts/fuzz.sh names)" >>"$out"
+    fi
 fi
 cat "$out"
 exit "$status"
