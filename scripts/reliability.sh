@@ -36,7 +36,7 @@ while [ $# -gt 0 ]; do
         --out) out=$2; shift 2 ;;
         --fuzz-seconds) fuzz_seconds=$2; shift 2 ;;
         --only) only=$2; shift 2 ;;
-        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
         *) echo "scripts/reliability.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done
