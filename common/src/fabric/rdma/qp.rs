@@ -214,8 +214,10 @@ impl Qp {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Reset to Init on port 1 with the remote rights every connection of this project uses;
-    /// rdma_cm's Init attributes (the route's port and P_Key) replace these at connect.
+    /// Reset to Init on port 1 with the remote rights every connection of this project uses
+    /// (receives may be posted from Init on). rdma_cm's Init attributes replace these at
+    /// connect: the route's port and P_Key, and the rights, which it gives as none until the
+    /// connection exists; `link.rs` moves through Init again once it does.
     fn to_init(&self) -> Result<()> {
         // SAFETY: ibv_qp_attr is plain C data.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
