@@ -241,6 +241,16 @@ impl CmId {
         let _ = unsafe { rdma_sys::rdma_disconnect(self.raw()) };
     }
 
+    /// Tells rdma_cm that the queue pair received its first packet before the RTU (the
+    /// device's `IBV_EVENT_COMM_EST`), so the CM moves the connection to established.
+    pub(crate) fn notify_established(&self) {
+        // SAFETY: the id is live; a failure (the connection is already established, or gone)
+        // changes nothing.
+        let _ = unsafe {
+            rdma_sys::rdma_notify(self.raw(), rdma_sys::ibv_event_type::IBV_EVENT_COMM_EST)
+        };
+    }
+
     fn migrate(&self, channel: &EventChannel) -> Result<()> {
         // SAFETY: both live; the id has no unacknowledged event (every event is acknowledged
         // as it is read).

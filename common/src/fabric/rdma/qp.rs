@@ -532,6 +532,13 @@ impl Qp {
         }
     }
 
+    /// The device saw this queue pair's first packet before the RTU: rdma_cm is told.
+    pub(crate) fn notify_established(&self) {
+        if let Some(cm) = &self.lock().cm {
+            cm.id.notify_established();
+        }
+    }
+
     /// Binds type-2 window `mw` to `len` bytes at `addr` of `mr` under `rkey`, posting the bind
     /// and driving the send queue's completions until it is done.
     pub(crate) fn bind_window(
