@@ -294,9 +294,12 @@ impl Region {
 /// invalidates every memory window bound to it; the fabric holds an `Arc` per outstanding work
 /// request that uses it, so memory in flight is never freed.
 pub struct MemoryRegion {
-    pd: ProtectionDomain,
-    region: Arc<Region>,
+    // Drop order matters: the registration goes first (ibv_dereg_mr), then the memory it
+    // names (its unmapping), then the domain. Unmapped first, a new mapping at the same
+    // address could take a peer's writes through a still-registered (ODP) region.
     engine: MrEngine,
+    region: Arc<Region>,
+    pd: ProtectionDomain,
     access: Access,
 }
 
@@ -341,9 +344,9 @@ pub(crate) fn register(
         mr_engine: None,
     })?;
     Ok(Arc::new(MemoryRegion {
-        pd: pd.clone(),
-        region,
         engine,
+        region,
+        pd: pd.clone(),
         access,
     }))
 }

@@ -241,6 +241,16 @@ impl CmId {
         let _ = unsafe { rdma_sys::rdma_disconnect(self.raw()) };
     }
 
+    /// Tells rdma_cm that the queue pair received its first packet before the RTU (the
+    /// device's `IBV_EVENT_COMM_EST`), so the CM moves the connection to established.
+    pub(crate) fn notify_established(&self) {
+        // SAFETY: the id is live; a failure (the connection is already established, or gone)
+        // changes nothing.
+        let _ = unsafe {
+            rdma_sys::rdma_notify(self.raw(), rdma_sys::ibv_event_type::IBV_EVENT_COMM_EST)
+        };
+    }
+
     fn migrate(&self, channel: &EventChannel) -> Result<()> {
         // SAFETY: both live; the id has no unacknowledged event (every event is acknowledged
         // as it is read).
@@ -273,19 +283,16 @@ impl CmId {
         if r != 0 {
             return Err(sys::errno("rdma_init_qp_attr"));
         }
-        if state == ibv_qp_state::IBV_QPS_RTR {
-            if self.link_layer() == sys::LINK_LAYER_INFINIBAND {
-                // librdmacm's work-around for an rdma_ucm bug: on InfiniBand, the mask bits
-                // 21-23 (RoCE-only attributes) must not be passed.
-                mask &= !0xe0_0000;
-            }
-            if let Some(d) = dest_rd_atomic {
-                attr.max_dest_rd_atomic = d;
-            }
-        }
-        if let (ibv_qp_state::IBV_QPS_RTS, Some(r)) = (state, rd_atomic) {
-            attr.max_rd_atomic = r;
-        }
+        let infiniband =
+            state == ibv_qp_state::IBV_QPS_RTR && self.link_layer() == sys::LINK_LAYER_INFINIBAND;
+        adjust_attr(
+            &mut attr,
+            &mut mask,
+            state,
+            infiniband,
+            rd_atomic,
+            dest_rd_atomic,
+        );
         // SAFETY: the caller promises a live queue pair of this device; attr/mask come from
         // rdma_cm for this transition.
         let r = unsafe { rdma_sys::ibv_modify_qp(qp, &mut attr, mask) };
@@ -305,6 +312,36 @@ impl CmId {
             return 0;
         }
         pa.link_layer
+    }
+}
+
+/// The RNR NAK timer code this side's queue pair asks a sender to wait between RNR retries:
+/// 12 is 0.64 ms. rdma_cm's RTR attributes carry 0, which IBTA encodes as 655.36 ms.
+pub(crate) const MIN_RNR_TIMER: u8 = 12;
+
+/// This transport's changes to the attributes rdma_cm gives for a move to `state`: on RTR the
+/// IRD (`dest_rd_atomic`) and the RNR timer, and on InfiniBand librdmacm's work-around for an
+/// rdma_ucm bug (mask bits 21-23, RoCE-only attributes, must not be passed); on RTS the ORD.
+fn adjust_attr(
+    attr: &mut ibv_qp_attr,
+    mask: &mut i32,
+    state: ibv_qp_state::Type,
+    infiniband: bool,
+    rd_atomic: Option<u8>,
+    dest_rd_atomic: Option<u8>,
+) {
+    if state == ibv_qp_state::IBV_QPS_RTR {
+        if infiniband {
+            *mask &= !0xe0_0000;
+        }
+        if let Some(d) = dest_rd_atomic {
+            attr.max_dest_rd_atomic = d;
+        }
+        attr.min_rnr_timer = MIN_RNR_TIMER;
+        *mask |= rdma_sys::ibv_qp_attr_mask::IBV_QP_MIN_RNR_TIMER.0 as i32;
+    }
+    if let (ibv_qp_state::IBV_QPS_RTS, Some(r)) = (state, rd_atomic) {
+        attr.max_rd_atomic = r;
     }
 }
 
@@ -401,6 +438,31 @@ pub(crate) struct Event {
 }
 
 impl Event {
+    /// The peer's ORD and IRD, in that order, from a connect request or response. IB CM
+    /// reports them in the receiver's view (cm_format_req_event / cm_format_rep_event swap the
+    /// message's fields): `responder_resources` is what this side must serve, the peer's
+    /// initiator depth; `initiator_depth` is what the peer serves, its responder resources.
+    pub(crate) fn peer_depths(&self) -> (u8, u8) {
+        (self.responder_resources, self.initiator_depth)
+    }
+
+    #[cfg(test)]
+    pub(crate) fn for_test(
+        kind: ev::Type,
+        status: i32,
+        responder_resources: u8,
+        initiator_depth: u8,
+    ) -> Event {
+        Event {
+            kind,
+            status,
+            private: Vec::new(),
+            responder_resources,
+            initiator_depth,
+            request: None,
+        }
+    }
+
     /// The event's name (`RDMA_CM_EVENT_ESTABLISHED`, ...).
     pub(crate) fn name(&self) -> String {
         // SAFETY: rdma_event_str returns a static string for any value.
@@ -571,7 +633,10 @@ impl Listen {
         Ok(())
     }
 
-    /// Waits for the next connection request (or returns at once when non-blocking).
+    /// Waits for the next connection request (or returns at once when non-blocking). As on
+    /// `tcp`, the wait for a connection has no time limit: the fabric's timeout bounds reading
+    /// the peer's request once its connection is there, and an rdma_cm request arrives whole,
+    /// its private data in the event.
     pub(crate) fn accept(&self, _timeout: Duration) -> Result<Pending> {
         loop {
             if let Some(p) = self.accept_incoming()? {
@@ -622,10 +687,10 @@ pub(crate) struct Pending {
     app: Vec<u8>,
     /// The peer's capability flags (`caps::*`).
     pub(crate) peer_flags: u8,
-    /// Reads/atomics the peer serves at once (bounds this side's ORD).
-    pub(crate) peer_responder: u8,
-    /// Reads/atomics the peer keeps in flight (bounds this side's IRD).
-    pub(crate) peer_initiator: u8,
+    /// Reads/atomics the peer serves at once, its IRD (bounds this side's ORD).
+    pub(crate) peer_ird: u8,
+    /// Reads/atomics the peer keeps in flight, its ORD (bounds this side's IRD).
+    pub(crate) peer_ord: u8,
     /// Why the request cannot be served (its private data is not this transport's).
     problem: Option<&'static str>,
 }
@@ -640,14 +705,15 @@ impl Pending {
             Ok((flags, app)) => (flags, app.to_vec(), None),
             Err(why) => (0, Vec::new(), Some(why)),
         };
+        let (peer_ord, peer_ird) = e.peer_depths();
         Pending {
             peer: conn.id.peer_addr().unwrap_or_else(unspecified),
             local: conn.id.local_addr().unwrap_or_else(unspecified),
             conn,
             app,
             peer_flags,
-            peer_responder: e.responder_resources,
-            peer_initiator: e.initiator_depth,
+            peer_ird,
+            peer_ord,
             problem,
         }
     }
@@ -714,6 +780,88 @@ mod tests {
             (77, 16, 8)
         );
         assert_eq!((p.raw.retry_count, p.raw.rnr_retry_count), (7, 7));
+    }
+
+    #[test]
+    fn peer_depths_are_read_in_the_receivers_view() {
+        // A request whose sender has ORD 4 (its initiator depth) and IRD 16 (its responder
+        // resources) arrives, swapped by IB CM, as responder_resources 4, initiator_depth 16.
+        let e = Event {
+            kind: ev::RDMA_CM_EVENT_CONNECT_REQUEST,
+            status: 0,
+            private: Vec::new(),
+            responder_resources: 4,
+            initiator_depth: 16,
+            request: None,
+        };
+        assert_eq!(e.peer_depths(), (4, 16));
+    }
+
+    fn attr() -> ibv_qp_attr {
+        // SAFETY: ibv_qp_attr is plain C data; zero is valid for each field.
+        unsafe { std::mem::zeroed() }
+    }
+
+    #[test]
+    fn rtr_gets_the_ird_and_a_short_rnr_timer() {
+        use rdma_sys::ibv_qp_attr_mask as am;
+        let rnr = am::IBV_QP_MIN_RNR_TIMER.0 as i32;
+        let (mut a, mut mask) = (attr(), 0xe0_0000 | am::IBV_QP_STATE.0 as i32);
+        adjust_attr(
+            &mut a,
+            &mut mask,
+            ibv_qp_state::IBV_QPS_RTR,
+            true,
+            Some(3),
+            Some(9),
+        );
+        assert_eq!((a.max_dest_rd_atomic, a.max_rd_atomic), (9, 0));
+        assert_eq!(a.min_rnr_timer, MIN_RNR_TIMER);
+        assert_eq!(mask, am::IBV_QP_STATE.0 as i32 | rnr);
+        // RoCE keeps the RoCE-only bits.
+        let (mut a, mut mask) = (attr(), 0xe0_0000);
+        adjust_attr(
+            &mut a,
+            &mut mask,
+            ibv_qp_state::IBV_QPS_RTR,
+            false,
+            None,
+            None,
+        );
+        assert_eq!(mask, 0xe0_0000 | rnr);
+        assert_eq!(a.max_dest_rd_atomic, 0);
+    }
+
+    #[test]
+    fn rts_gets_the_ord_and_init_is_left_alone() {
+        let (mut a, mut mask) = (attr(), 0);
+        adjust_attr(
+            &mut a,
+            &mut mask,
+            ibv_qp_state::IBV_QPS_RTS,
+            true,
+            Some(3),
+            Some(9),
+        );
+        assert_eq!(
+            (a.max_rd_atomic, a.max_dest_rd_atomic, a.min_rnr_timer),
+            (3, 0, 0)
+        );
+        assert_eq!(mask, 0);
+        let (mut a, mut mask) = (attr(), 0x7);
+        adjust_attr(
+            &mut a,
+            &mut mask,
+            ibv_qp_state::IBV_QPS_INIT,
+            true,
+            Some(3),
+            Some(9),
+        );
+        assert_eq!(
+            (a.max_rd_atomic, a.max_dest_rd_atomic, a.min_rnr_timer),
+            (0, 0, 0)
+        );
+        assert_eq!(mask, 0x7);
     }
 
     /// Without an RDMA stack (CI), an event channel cannot be made and says so as "no device".

@@ -8,8 +8,10 @@
 //! queue pair's fatal error), so that a queue that is always busy still notices them.
 //!
 //! The idle wait blocks in one epoll set: the completion channel's fd (armed with
-//! `ibv_req_notify_cq` first, then polled once more, so that a completion that came just
-//! before the arming is not slept through), an epoll set of the bound queue pairs' rdma_cm
+//! `ibv_req_notify_cq` first, on every wait: with several threads waiting on one queue, the
+//! one that takes the channel's event is not always the one that armed it, so nobody may skip
+//! the arming; then polled once more, so that a completion that came just before the arming
+//! is not slept through), an epoll set of the bound queue pairs' rdma_cm
 //! channels and the device's async fd, and the fds the user watches.
 //!
 //! Verbs completion queues overflow fatally, so each queue pair reserves its send or receive
@@ -18,7 +20,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Mutex;
 use std::time::Duration;
 
@@ -58,7 +60,6 @@ pub(crate) struct Cq {
     size: Mutex<Size>,
     poller: Poller,
     events: Epoll,
-    armed: AtomicBool,
     turns: AtomicU32,
 }
 
@@ -119,7 +120,6 @@ impl Cq {
             }),
             poller,
             events,
-            armed: AtomicBool::new(false),
             turns: AtomicU32::new(0),
         };
         let poller = match Poller::new() {
@@ -269,13 +269,11 @@ impl Cq {
 
     /// Arms the completion channel and reaps once more (see the module docs).
     pub(crate) fn arm(&self, entries: &Entries) -> Result<()> {
-        if !self.armed.swap(true, Ordering::AcqRel) {
-            // SAFETY: the CQ is live; the next completion of any kind raises one event.
-            let r = unsafe { rdma_sys::ibv_req_notify_cq(self.raw(), 0) };
-            if r != 0 {
-                self.armed.store(false, Ordering::Release);
-                return Err(sys::returned("ibv_req_notify_cq", r));
-            }
+        // SAFETY: the CQ is live; the next completion of any kind raises one event. Arming an
+        // armed queue is allowed and changes nothing.
+        let r = unsafe { rdma_sys::ibv_req_notify_cq(self.raw(), 0) };
+        if r != 0 {
+            return Err(sys::returned("ibv_req_notify_cq", r));
         }
         self.reap(entries)?;
         self.check_events()
@@ -307,7 +305,6 @@ impl Cq {
         if n > 0 {
             // SAFETY: `n` events of this CQ (its channel serves only it) were taken above.
             unsafe { rdma_sys::ibv_ack_cq_events(self.raw(), n) };
-            self.armed.store(false, Ordering::Release);
         }
     }
 }

@@ -5,11 +5,15 @@
 //! rdma_cm ids that set up connections report that context as theirs, and a queue pair must
 //! be made in a protection domain of the same context as its rdma_cm id. librdmacm keeps a
 //! context open while any list from `rdma_get_devices` is held, so the device holds its list.
+//!
+//! There is one `DeviceInner` per context, however often the device is opened: the context's
+//! async fd is librdmacm's and shared, and an async event must find its queue pair in the one
+//! registry that has it, whichever completion queue reads it.
 
 use std::collections::HashMap;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
-use std::sync::{Arc, RwLock, Weak};
+use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
 use rdma_sys::{
@@ -197,6 +201,40 @@ unsafe impl Send for DeviceInner {}
 // SAFETY: as for Send.
 unsafe impl Sync for DeviceInner {}
 
+/// The open devices, by context address.
+type Shared<T> = Mutex<Vec<(usize, Weak<T>)>>;
+
+static OPEN: Shared<DeviceInner> = Mutex::new(Vec::new());
+
+/// The live value of `key` in `map`, or (none live) the one `make` makes, remembered.
+fn shared<T>(map: &Shared<T>, key: usize, make: impl FnOnce() -> Result<Arc<T>>) -> Result<Arc<T>> {
+    let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
+    if let Some(live) = m
+        .iter()
+        .filter(|(k, _)| *k == key)
+        .find_map(|(_, w)| w.upgrade())
+    {
+        return Ok(live);
+    }
+    let made = make()?;
+    m.retain(|(k, w)| *k != key && w.strong_count() > 0);
+    m.push((key, Arc::downgrade(&made)));
+    Ok(made)
+}
+
+/// Forgets `key`'s dead entries (its value is being dropped).
+fn forget<T>(map: &Shared<T>, key: usize) {
+    let mut m = map.lock().unwrap_or_else(|p| p.into_inner());
+    m.retain(|(k, w)| *k != key || w.strong_count() > 0);
+}
+
+impl Drop for DeviceInner {
+    fn drop(&mut self) {
+        // A device opened again meanwhile has a live entry, which stays.
+        forget(&OPEN, self.ctx.as_ptr() as usize);
+    }
+}
+
 impl std::fmt::Debug for Device {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RdmaDevice")
@@ -265,6 +303,11 @@ impl Device {
 
     fn open(contexts: CmContexts, ctx: *mut ibv_context) -> Result<Device> {
         let ctx = NonNull::new(ctx).ok_or(Error::NoDevice)?;
+        let inner = shared(&OPEN, ctx.as_ptr() as usize, || Device::make(contexts, ctx))?;
+        Ok(Device { inner })
+    }
+
+    fn make(contexts: CmContexts, ctx: NonNull<ibv_context>) -> Result<Arc<DeviceInner>> {
         // SAFETY: the context is open; its device's transport type is plain data.
         let transport = unsafe { (*(*ctx.as_ptr()).device).transport_type };
         if transport != ibv_transport_type::IBV_TRANSPORT_IB {
@@ -284,15 +327,13 @@ impl Device {
         // SAFETY: async_fd is the context's open fd for as long as the context is open.
         let afd = unsafe { sys::borrow_fd((*ctx.as_ptr()).async_fd) };
         sys::set_nonblocking(afd, true, "fcntl(async_fd)")?;
-        Ok(Device {
-            inner: Arc::new(DeviceInner {
-                ctx,
-                name: context_name(ctx.as_ptr()),
-                caps,
-                qps: RwLock::new(HashMap::new()),
-                _contexts: contexts,
-            }),
-        })
+        Ok(Arc::new(DeviceInner {
+            ctx,
+            name: context_name(ctx.as_ptr()),
+            caps,
+            qps: RwLock::new(HashMap::new()),
+            _contexts: contexts,
+        }))
     }
 
     pub(crate) fn ctx(&self) -> *mut ibv_context {
@@ -353,8 +394,11 @@ impl Device {
     /// Reads the device's async events (non-blocking) and acts on those about queue pairs: a
     /// fatal or access error moves that queue pair to Error, so that its requests are flushed
     /// and its owner learns why. A fatal device error moves every queue pair to Error.
+    ///
+    /// Each event is acknowledged before it is acted on: acting may drop the last reference
+    /// to a queue pair, whose ibv_destroy_qp waits for that queue pair's events to be
+    /// acknowledged.
     pub(crate) fn handle_async_events(&self) {
-        use rdma_sys::ibv_event_type as ev;
         for _ in 0..64 {
             // SAFETY: ibv_async_event is a plain C struct (a union of pointers and an enum
             // whose 0 is a valid value), filled by ibv_get_async_event.
@@ -364,35 +408,65 @@ impl Device {
             if unsafe { rdma_sys::ibv_get_async_event(self.ctx(), &mut e) } != 0 {
                 return;
             }
-            let why = match e.event_type {
-                ev::IBV_EVENT_QP_FATAL => Some("the device reported a fatal queue pair error"),
-                ev::IBV_EVENT_QP_REQ_ERR => Some("the device reported an invalid request"),
-                ev::IBV_EVENT_QP_ACCESS_ERR => Some("the device reported a local access error"),
-                _ => None,
+            let action = async_action(e.event_type);
+            let num = match action {
+                AsyncAction::QpError(_) | AsyncAction::Established => {
+                    // SAFETY: for these event types the union holds the queue pair, valid
+                    // until the event is acknowledged below.
+                    Some(unsafe { (*e.element.qp).qp_num })
+                }
+                AsyncAction::DeviceFatal | AsyncAction::Ignore => None,
             };
-            if let Some(why) = why {
-                // SAFETY: for these event types the union holds the queue pair, valid until
-                // the event is acknowledged below.
-                let num = unsafe { (*e.element.qp).qp_num };
-                if let Some(qp) = self.qp(num) {
-                    qp.to_error(why);
-                }
-            } else if e.event_type == ev::IBV_EVENT_DEVICE_FATAL {
-                let all: Vec<Arc<Qp>> = self
-                    .inner
-                    .qps
-                    .read()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .values()
-                    .filter_map(Weak::upgrade)
-                    .collect();
-                for qp in all {
-                    qp.to_error("the RDMA device failed (IBV_EVENT_DEVICE_FATAL)");
-                }
-            }
-            // SAFETY: `e` came from ibv_get_async_event and is acknowledged once.
+            // SAFETY: `e` came from ibv_get_async_event and is acknowledged once; nothing of
+            // it is used after this (the number was copied out).
             unsafe { rdma_sys::ibv_ack_async_event(&mut e) };
+            match (action, num.and_then(|n| self.qp(n))) {
+                (AsyncAction::QpError(why), Some(qp)) => qp.to_error(why),
+                (AsyncAction::Established, Some(qp)) => qp.notify_established(),
+                (AsyncAction::DeviceFatal, _) => {
+                    let all: Vec<Arc<Qp>> = self
+                        .inner
+                        .qps
+                        .read()
+                        .unwrap_or_else(|p| p.into_inner())
+                        .values()
+                        .filter_map(Weak::upgrade)
+                        .collect();
+                    for qp in all {
+                        qp.to_error("the RDMA device failed (IBV_EVENT_DEVICE_FATAL)");
+                    }
+                }
+                _ => {}
+            }
         }
+    }
+}
+
+/// What an async event does.
+#[derive(Debug, PartialEq, Eq)]
+enum AsyncAction {
+    /// Its queue pair moves to Error, for this reason.
+    QpError(&'static str),
+    /// Its queue pair received before the RTU: rdma_cm is told (rdma_notify).
+    Established,
+    /// Every queue pair moves to Error.
+    DeviceFatal,
+    Ignore,
+}
+
+fn async_action(t: rdma_sys::ibv_event_type) -> AsyncAction {
+    use rdma_sys::ibv_event_type as ev;
+    match t {
+        ev::IBV_EVENT_QP_FATAL => {
+            AsyncAction::QpError("the device reported a fatal queue pair error")
+        }
+        ev::IBV_EVENT_QP_REQ_ERR => AsyncAction::QpError("the device reported an invalid request"),
+        ev::IBV_EVENT_QP_ACCESS_ERR => {
+            AsyncAction::QpError("the device reported a local access error")
+        }
+        ev::IBV_EVENT_COMM_EST => AsyncAction::Established,
+        ev::IBV_EVENT_DEVICE_FATAL => AsyncAction::DeviceFatal,
+        _ => AsyncAction::Ignore,
     }
 }
 
@@ -489,5 +563,85 @@ impl Drop for PdInner {
         // SAFETY: every region, window and queue pair of this domain holds a clone of the Pd,
         // so none is left when the last one goes; the PD is deallocated once, here.
         unsafe { rdma_sys::ibv_dealloc_pd(self.pd.as_ptr()) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use rdma_sys::ibv_event_type as ev;
+
+    #[test]
+    fn async_events_name_what_they_do() {
+        for t in [
+            ev::IBV_EVENT_QP_FATAL,
+            ev::IBV_EVENT_QP_REQ_ERR,
+            ev::IBV_EVENT_QP_ACCESS_ERR,
+        ] {
+            assert!(matches!(async_action(t), AsyncAction::QpError(_)), "{t:?}");
+        }
+        assert_eq!(
+            async_action(ev::IBV_EVENT_COMM_EST),
+            AsyncAction::Established
+        );
+        assert_eq!(
+            async_action(ev::IBV_EVENT_DEVICE_FATAL),
+            AsyncAction::DeviceFatal
+        );
+        for t in [
+            ev::IBV_EVENT_PORT_ACTIVE,
+            ev::IBV_EVENT_SQ_DRAINED,
+            ev::IBV_EVENT_QP_LAST_WQE_REACHED,
+            ev::IBV_EVENT_CQ_ERR,
+        ] {
+            assert_eq!(async_action(t), AsyncAction::Ignore, "{t:?}");
+        }
+    }
+
+    #[test]
+    fn one_value_per_key_while_it_lives() {
+        let map: Shared<u32> = Mutex::new(Vec::new());
+        let made = std::cell::Cell::new(0);
+        let make = |v: u32| {
+            let made = &made;
+            move || {
+                made.set(made.get() + 1);
+                Ok(Arc::new(v))
+            }
+        };
+        let a = shared(&map, 1, make(10)).unwrap();
+        let b = shared(&map, 1, make(11)).unwrap();
+        assert!(Arc::ptr_eq(&a, &b), "a second open shares the first");
+        assert_eq!(*b, 10);
+        let c = shared(&map, 2, make(20)).unwrap();
+        assert_eq!(*c, 20);
+        drop((a, b));
+        // Gone: the next open makes a new one, and the dead entry is not kept.
+        let d = shared(&map, 1, make(12)).unwrap();
+        assert_eq!(*d, 12);
+        assert_eq!(map.lock().unwrap().len(), 2);
+        assert_eq!(made.get(), 3, "made only when none lived");
+        // A failed make leaves nothing behind and keeps the others.
+        let e = shared(&map, 3, || Err::<Arc<u32>, _>(Error::NoDevice));
+        assert!(matches!(e, Err(Error::NoDevice)));
+        assert_eq!(map.lock().unwrap().len(), 2);
+    }
+
+    #[test]
+    fn forgetting_keeps_a_live_reopened_value() {
+        let map: Shared<u32> = Mutex::new(Vec::new());
+        let old = shared(&map, 1, || Ok(Arc::new(1))).unwrap();
+        drop(old);
+        // Reopened before the old value's Drop got to forget it.
+        let new = shared(&map, 1, || Ok(Arc::new(2))).unwrap();
+        map.lock().unwrap().push((1, Weak::new()));
+        forget(&map, 1);
+        let m = map.lock().unwrap();
+        assert_eq!(m.len(), 1);
+        assert_eq!(m[0].1.upgrade().as_deref(), Some(&2));
+        drop(m);
+        drop(new);
+        forget(&map, 1);
+        assert!(map.lock().unwrap().is_empty());
     }
 }

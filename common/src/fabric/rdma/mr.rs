@@ -10,7 +10,9 @@
 //! A window is an `ibv_mw` of type 2, bound to one queue pair by a posted bind. Invalidating
 //! one (locally, or because its region is deregistered) replaces the `ibv_mw` with a fresh one:
 //! the old rkey is then refused by the device, and no local-invalidate request has to be
-//! posted on a queue pair that may be gone.
+//! posted on a queue pair that may be gone. Binding a window that is bound replaces it the
+//! same way first: a type-2 window binds only from the free state (IBTA o10-37.2.30; rxe
+//! refuses with EINVAL and the queue pair goes to Error).
 
 use std::ptr::NonNull;
 use std::sync::{Arc, Mutex, Weak};
@@ -224,20 +226,21 @@ impl Mw {
             });
         };
         let mut st = self.inner.lock();
+        if needs_fresh(&st) {
+            self.inner.replace(&mut st);
+        }
         let raw = st.raw.ok_or(Error::MemoryWindow {
             reason: "the window could not be re-allocated after its last invalidation",
         })?;
-        // SAFETY: ibv_inc_rkey is arithmetic on the key's low byte.
-        let rkey = unsafe { rdma_sys::ibv_inc_rkey(st.rkey) };
+        let rkey = inc_rkey(st.rkey);
         let access = translate::access_to_ibv(g.access, true);
-        qp.bind_window(raw.as_ptr(), rkey, mr, g.base, g.len, access)?;
+        qp.bind_window(raw.as_ptr(), rkey, mr, g.region, g.base, g.len, access)?;
         st.rkey = rkey;
         st.on = Some(mr.raw());
-        mr.inner
-            .windows
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push(Arc::downgrade(&self.inner));
+        remember(
+            &mut mr.inner.windows.lock().unwrap_or_else(|p| p.into_inner()),
+            &self.inner,
+        );
         Ok(rkey)
     }
 
@@ -248,6 +251,24 @@ impl Mw {
     }
 }
 
+/// Whether the window must be replaced before a bind: a bound type-2 window cannot be bound
+/// again (only a free one can).
+fn needs_fresh(st: &MwState) -> bool {
+    st.on.is_some()
+}
+
+/// The next rkey of a window: the same index, the key byte (the low 8 bits) one on, wrapping
+/// (rdma-sys's `ibv_inc_rkey` adds one to the whole key, which overflows at `u32::MAX`).
+fn inc_rkey(rkey: u32) -> u32 {
+    (rkey & !0xff) | (rkey.wrapping_add(1) & 0xff)
+}
+
+/// Adds `w` to a region's windows, once, and forgets the ones that are gone.
+fn remember<T>(windows: &mut Vec<Weak<T>>, w: &Arc<T>) {
+    windows.retain(|x| x.strong_count() > 0 && !std::ptr::eq(x.as_ptr(), Arc::as_ptr(w)));
+    windows.push(Arc::downgrade(w));
+}
+
 impl MwInner {
     fn lock(&self) -> std::sync::MutexGuard<'_, MwState> {
         self.state.lock().unwrap_or_else(|p| p.into_inner())
@@ -256,6 +277,10 @@ impl MwInner {
     /// Replaces the `ibv_mw` with a fresh, unbound one.
     fn reset(&self) {
         let mut st = self.lock();
+        self.replace(&mut st);
+    }
+
+    fn replace(&self, st: &mut MwState) {
         if let Some(raw) = st.raw.take() {
             // SAFETY: the window is live and deallocated once (it was taken out of the state).
             unsafe { rdma_sys::ibv_dealloc_mw(raw.as_ptr()) };
@@ -350,6 +375,45 @@ mod tests {
             plan(MemoryBacking::DevDax, rw, &caps(true, full)),
             Ok(false)
         );
+    }
+
+    #[test]
+    fn rkeys_step_in_the_key_byte_only() {
+        assert_eq!(inc_rkey(0x1234_5600), 0x1234_5601);
+        assert_eq!(inc_rkey(0x1234_56ff), 0x1234_5600);
+        // No overflow at the top (a debug build's panic with rkey + 1).
+        assert_eq!(inc_rkey(u32::MAX), 0xffff_ff00);
+        assert_eq!(inc_rkey(0), 1);
+    }
+
+    #[test]
+    fn a_bound_window_is_replaced_before_it_is_bound_again() {
+        let mut st = MwState {
+            raw: None,
+            rkey: 7,
+            on: None,
+        };
+        assert!(!needs_fresh(&st), "a free window binds as it is");
+        st.on = Some(std::ptr::null_mut::<ibv_mr>().wrapping_add(1));
+        assert!(needs_fresh(&st), "a bound one must be replaced first");
+    }
+
+    #[test]
+    fn a_region_remembers_each_window_once_and_forgets_dead_ones() {
+        let mut list: Vec<Weak<u8>> = Vec::new();
+        let (a, b) = (Arc::new(1u8), Arc::new(2u8));
+        for _ in 0..5 {
+            remember(&mut list, &a);
+        }
+        assert_eq!(list.len(), 1, "rebinding does not grow the list");
+        remember(&mut list, &b);
+        assert_eq!(list.len(), 2);
+        drop(a);
+        let c = Arc::new(3u8);
+        remember(&mut list, &c);
+        let live: Vec<u8> = list.iter().filter_map(Weak::upgrade).map(|x| *x).collect();
+        assert_eq!(live, vec![2, 3]);
+        assert_eq!(list.len(), 2, "the dead window's entry is gone");
     }
 
     #[test]

@@ -11,6 +11,12 @@
 //! reported), so that the table, and the device's send queue, never fill with requests whose
 //! end nobody would hear of.
 //!
+//! Closing drains as `ib_drain_sq`/`ib_drain_rq` do: in Error, one signaled marker is posted
+//! to each queue (the device queues have a slot more than the tables allow, for it); a request
+//! posted in Error completes at once, flushed, and after everything before it, so its
+//! completion retires what is left in the table, unsignaled requests that ran included. The
+//! tables' buffers are released only after `ibv_destroy_qp`.
+//!
 //! Connection set-up (rdma_cm) is in `link.rs`; the tables and posting are here.
 
 use std::collections::VecDeque;
@@ -32,11 +38,12 @@ use super::sys;
 use super::translate::{self, caps};
 use crate::fabric::cq::CompletionQueue;
 use crate::fabric::error::{Error, Result};
+use crate::fabric::mr::Region;
 use crate::fabric::pd::ProtectionDomain;
 use crate::fabric::qp::ConnInfo;
 use crate::fabric::transport::{CqEngine, PdEngine};
 use crate::fabric::types::{
-    Access, Completion, QpCaps, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
+    Access, QpCaps, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
 };
 
 /// Sequence numbers are 31 bits; the top bit of a hardware `wr_id`'s low half marks receives
@@ -51,6 +58,17 @@ const BIND_TIME: Duration = Duration::from_secs(5);
 
 static NEXT_TAG: AtomicU32 = AtomicU32::new(1);
 
+/// Whose a send-queue request is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum SlotKind {
+    /// The user's.
+    Request,
+    /// A memory window bind of the transport's own.
+    Bind,
+    /// The marker closing posts (see the module docs).
+    Drain,
+}
+
 /// A posted send-queue request, until its completion (or a later one's) is reaped.
 pub(super) struct SendSlot {
     pub(super) seq: u32,
@@ -59,16 +77,19 @@ pub(super) struct SendSlot {
     pub(super) byte_len: u32,
     /// The user asked for its completion (errors are reported anyway).
     pub(super) report: bool,
-    /// A memory window bind of the transport's own.
-    pub(super) bind: bool,
-    _local: Option<Sge>,
-    _bound: Option<Mr>,
+    pub(super) kind: SlotKind,
+    pub(super) _local: Option<Sge>,
+    // A bind's region: the registration, then (dropped after it) the memory it names.
+    pub(super) _bound: Option<Mr>,
+    pub(super) _memory: Option<Arc<Region>>,
 }
 
 pub(super) struct RecvSlot {
     pub(super) seq: u32,
     pub(super) wr_id: u64,
-    _local: Option<Sge>,
+    /// The marker closing posts.
+    pub(super) drain: bool,
+    pub(super) _local: Option<Sge>,
 }
 
 pub(super) struct Core {
@@ -85,8 +106,41 @@ pub(super) struct Core {
     unsignaled: u32,
     pub(super) rq: VecDeque<RecvSlot>,
     next_recv: u32,
-    /// The last bind's sequence number and status.
-    pub(super) bind_result: Option<(u32, WcStatus)>,
+    /// Completed binds (sequence number and status) until their binder takes them.
+    pub(super) bind_results: Vec<(u32, WcStatus)>,
+    /// Closing posted its drain markers.
+    drain_posted: bool,
+    /// What closing found still outstanding: kept until the queue pair is destroyed, since
+    /// the device may still use it.
+    pub(super) held_sends: Vec<SendSlot>,
+    pub(super) held_recvs: Vec<RecvSlot>,
+}
+
+impl Core {
+    pub(super) fn new() -> Core {
+        Core {
+            state: QpState::Reset,
+            error: None,
+            info: None,
+            cm: None,
+            max_message: 1 << 30,
+            peer_flags: 0,
+            sq: VecDeque::new(),
+            next_send: 0,
+            unsignaled: 0,
+            rq: VecDeque::new(),
+            next_recv: 0,
+            bind_results: Vec::new(),
+            drain_posted: false,
+            held_sends: Vec::new(),
+            held_recvs: Vec::new(),
+        }
+    }
+}
+
+/// The device queue's depth for a table of `n` requests: one more, for the drain marker.
+pub(super) fn hw_depth(n: usize) -> u32 {
+    n as u32 + 1
 }
 
 /// An rdma queue pair. Shared by its handle and (weakly) by the device's registry, through
@@ -143,13 +197,14 @@ impl Device {
         };
         let rpd = rpd.clone();
         let (scq, rcq) = (rdma_cq(&send_cq)?, rdma_cq(&recv_cq)?);
+        // The device queues have a slot more than the tables (`hw_depth`).
         let max = self.caps().max_qp_wr as usize;
-        if caps.max_send_wr > max || caps.max_recv_wr > max {
+        if caps.max_send_wr >= max || caps.max_recv_wr >= max {
             return Err(Error::Exhausted {
-                what: "queue pair depth (the device's max_qp_wr)",
+                what: "queue pair depth (the device's max_qp_wr, less one for the drain marker)",
             });
         }
-        let (s, r) = (caps.max_send_wr as u32, caps.max_recv_wr as u32);
+        let (s, r) = (hw_depth(caps.max_send_wr), hw_depth(caps.max_recv_wr));
         if same_cq(&send_cq, &recv_cq) {
             scq.reserve(s + r)?;
         } else {
@@ -187,20 +242,7 @@ impl Device {
             recv_cq,
             caps,
             _rpd: rpd,
-            core: Mutex::new(Core {
-                state: QpState::Reset,
-                error: None,
-                info: None,
-                cm: None,
-                max_message: 1 << 30,
-                peer_flags: 0,
-                sq: VecDeque::new(),
-                next_send: 0,
-                unsignaled: 0,
-                rq: VecDeque::new(),
-                next_recv: 0,
-                bind_result: None,
-            }),
+            core: Mutex::new(Core::new()),
         });
         // From here on the queue pair's Drop destroys it and gives the reservations back.
         qp.to_init()?;
@@ -214,8 +256,10 @@ impl Qp {
         self.core.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Reset to Init on port 1 with the remote rights every connection of this project uses;
-    /// rdma_cm's Init attributes (the route's port and P_Key) replace these at connect.
+    /// Reset to Init on port 1 with the remote rights every connection of this project uses
+    /// (receives may be posted from Init on). rdma_cm's Init attributes replace these at
+    /// connect: the route's port and P_Key, and the rights, which it gives as none until the
+    /// connection exists; `link.rs` moves through Init again once it does.
     fn to_init(&self) -> Result<()> {
         // SAFETY: ibv_qp_attr is plain C data.
         let mut attr: ibv_qp_attr = unsafe { std::mem::zeroed() };
@@ -341,6 +385,7 @@ impl Qp {
         c.rq.push_back(RecvSlot {
             seq,
             wr_id: wr.wr_id,
+            drain: false,
             _local: wr.local,
         });
         Ok(())
@@ -500,9 +545,10 @@ impl Qp {
                 opcode,
                 byte_len,
                 report: wr.flags.contains(SendFlags::SIGNALED),
-                bind: false,
+                kind: SlotKind::Request,
                 _local: local,
                 _bound: None,
+                _memory: None,
             });
         }
     }
@@ -530,13 +576,23 @@ impl Qp {
         }
     }
 
-    /// Binds type-2 window `mw` to `len` bytes at `addr` of `mr` under `rkey`, posting the bind
+    /// The device saw this queue pair's first packet before the RTU: rdma_cm is told.
+    pub(crate) fn notify_established(&self) {
+        if let Some(cm) = &self.lock().cm {
+            cm.id.notify_established();
+        }
+    }
+
+    /// Binds type-2 window `mw` (unbound: type-2 windows bind only from the free state) to
+    /// `len` bytes at `addr` of `mr` (whose memory is `memory`) under `rkey`, posting the bind
     /// and driving the send queue's completions until it is done.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn bind_window(
         &self,
         mw: *mut rdma_sys::ibv_mw,
         rkey: u32,
         mr: &Mr,
+        memory: &Arc<Region>,
         addr: u64,
         len: u64,
         access: u32,
@@ -607,9 +663,10 @@ impl Qp {
                 opcode: WcOpcode::Send,
                 byte_len: 0,
                 report: false,
-                bind: true,
+                kind: SlotKind::Bind,
                 _local: None,
                 _bound: Some(mr.clone()),
+                _memory: Some(memory.clone()),
             });
             seq
         };
@@ -617,14 +674,12 @@ impl Qp {
         loop {
             {
                 let mut c = self.lock();
-                if let Some((s, st)) = c.bind_result {
-                    if s == seq {
-                        c.bind_result = None;
-                        return match st {
-                            WcStatus::Success => Ok(()),
-                            _ => Err(refused("the device refused the bind")),
-                        };
-                    }
+                if let Some(i) = c.bind_results.iter().position(|&(s, _)| s == seq) {
+                    let (_, st) = c.bind_results.swap_remove(i);
+                    return match st {
+                        WcStatus::Success => Ok(()),
+                        _ => Err(refused("the device refused the bind")),
+                    };
                 }
             }
             self.send_cq.drive()?;
@@ -635,11 +690,13 @@ impl Qp {
         }
     }
 
-    /// The handle is gone: disconnect, let the device flush what is outstanding (reaped by
-    /// driving this queue pair's completion queues for a short while), report what is left as
-    /// flushed, and release the connection.
+    /// The handle is gone: disconnect, drain both queues (see the module docs; reaped by
+    /// driving this queue pair's completion queues, for at most a short while should the
+    /// device not answer), report what the user still waits for as flushed, and release the
+    /// connection.
     pub(crate) fn close(&self) {
         self.to_error("queue pair dropped");
+        self.post_drain_markers();
         let deadline = Instant::now() + DRAIN_TIME;
         loop {
             {
@@ -658,23 +715,69 @@ impl Qp {
             std::thread::sleep(Duration::from_micros(50));
         }
         let mut c = self.lock();
-        let flushed: Vec<Completion> =
-            c.sq.drain(..)
-                .filter(|s| !s.bind)
-                .map(|s| self.completion(s.wr_id, WcStatus::WrFlush, s.opcode, 0))
-                .collect();
-        for f in flushed {
-            self.send_cq.push(f);
+        let (sends, recvs) = c.hold_leftovers();
+        for (wr_id, opcode) in sends {
+            self.send_cq
+                .push(self.completion(wr_id, WcStatus::WrFlush, opcode, 0));
         }
-        let flushed: Vec<Completion> =
-            c.rq.drain(..)
-                .map(|s| self.completion(s.wr_id, WcStatus::WrFlush, WcOpcode::Recv, 0))
-                .collect();
-        for f in flushed {
-            self.recv_cq.push(f);
+        for wr_id in recvs {
+            self.recv_cq
+                .push(self.completion(wr_id, WcStatus::WrFlush, WcOpcode::Recv, 0));
         }
         if let Some(cm) = c.cm.take() {
             self.unwatch_cm(&cm);
+        }
+    }
+
+    /// Posts the drain markers (once, in Error). One that the device refuses leaves that
+    /// queue to the drain's time limit.
+    fn post_drain_markers(&self) {
+        let mut c = self.lock();
+        if c.drain_posted || c.state != QpState::Error {
+            return;
+        }
+        c.drain_posted = true;
+        let seq = c.next_send;
+        let mut wr = translate::empty_send_wr();
+        wr.wr_id = translate::token(self.tag, seq);
+        // A zero-length Write, as ib_drain_sq posts: no buffer, no remote key is used.
+        wr.opcode = ibv_wr_opcode::IBV_WR_RDMA_WRITE;
+        wr.send_flags = rdma_sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: the queue pair is live and in Error; `wr` (no scatter list) outlives the
+        // call; the device queue has room for it (`hw_depth`). On an extended queue pair the
+        // plain post is serialized with the `ibv_wr_*` ones by the core lock, held here.
+        if unsafe { rdma_sys::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) } == 0 {
+            c.next_send = (seq + 1) & SEQ_MASK;
+            c.sq.push_back(SendSlot {
+                seq,
+                wr_id: 0,
+                opcode: WcOpcode::RdmaWrite,
+                byte_len: 0,
+                report: false,
+                kind: SlotKind::Drain,
+                _local: None,
+                _bound: None,
+                _memory: None,
+            });
+        }
+        let seq = c.next_recv;
+        let mut rwr = ibv_recv_wr {
+            wr_id: translate::token(self.tag, seq | RECV_BIT),
+            next: std::ptr::null_mut(),
+            sg_list: std::ptr::null_mut(),
+            num_sge: 0,
+        };
+        let mut bad = std::ptr::null_mut();
+        // SAFETY: as for the send marker; a receive with no buffer.
+        if unsafe { rdma_sys::ibv_post_recv(self.raw.as_ptr(), &mut rwr, &mut bad) } == 0 {
+            c.next_recv = (seq + 1) & SEQ_MASK;
+            c.rq.push_back(RecvSlot {
+                seq,
+                wr_id: 0,
+                drain: true,
+                _local: None,
+            });
         }
     }
 
@@ -706,10 +809,13 @@ impl Drop for Qp {
         }
         // SAFETY: the queue pair is live and destroyed once, here; nothing posts to it any
         // more (its handle is gone) and the registry no longer names it, so no completion is
-        // handed to it; the tables' buffers are released after it is gone (the fields drop
-        // after this body).
+        // handed to it; the tables' buffers, and those closing held, are released after it is
+        // gone (`core` drops after this body).
         unsafe { rdma_sys::ibv_destroy_qp(self.raw.as_ptr()) };
-        let (s, r) = (self.caps.max_send_wr as u32, self.caps.max_recv_wr as u32);
+        let (s, r) = (
+            hw_depth(self.caps.max_send_wr),
+            hw_depth(self.caps.max_recv_wr),
+        );
         if let (Ok(scq), Ok(rcq)) = (rdma_cq(&self.send_cq), rdma_cq(&self.recv_cq)) {
             if same_cq(&self.send_cq, &self.recv_cq) {
                 scq.release(s + r);

@@ -106,9 +106,12 @@ const OPCODE: [(wo::Type, WcOpcode); 9] = [
     (wo::IBV_WC_ATOMIC_WRITE, WcOpcode::AtomicWrite),
     (wo::IBV_WC_RECV, WcOpcode::Recv),
     (wo::IBV_WC_RECV_RDMA_WITH_IMM, WcOpcode::RecvRdmaWithImm),
-    // No Flush in rdma-core 44; IBV_WC_FLUSH (10) came with 45.
-    (10, WcOpcode::Flush),
+    (IBV_WC_FLUSH, WcOpcode::Flush),
 ];
+
+/// `IBV_WC_FLUSH`: not in rdma-core 44's header (rdma-sys's bindings), 8 from rdma-core 45 on
+/// (the kernel's `IB_UVERBS_WC_FLUSH`, between `IBV_WC_TSO` and `IBV_WC_ATOMIC_WRITE`).
+const IBV_WC_FLUSH: wo::Type = 8;
 
 /// The fabric's opcode for a successful completion's `ibv_wc_opcode`, if it has one (bind and
 /// local-invalidate completions are the transport's own).
@@ -458,6 +461,11 @@ mod tests {
         // The transport's own completions have no fabric opcode.
         assert_eq!(opcode_from_ibv(wo::IBV_WC_BIND_MW), None);
         assert_eq!(opcode_from_ibv(wo::IBV_WC_LOCAL_INV), None);
+        // Flush sits in the gap rdma-core 44 leaves between TSO and Atomic Write.
+        assert_eq!(IBV_WC_FLUSH, wo::IBV_WC_TSO + 1);
+        assert_eq!(IBV_WC_FLUSH + 1, wo::IBV_WC_ATOMIC_WRITE);
+        assert_eq!(opcode_from_ibv(8), Some(WcOpcode::Flush));
+        assert_eq!(opcode_from_ibv(10), None);
     }
 
     #[test]
