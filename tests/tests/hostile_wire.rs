@@ -1,0 +1,323 @@
+//! Hostile peers on the wire, against the real `rpma-target`: raw MPA/DDP/RDMAP from other
+//! loopback addresses, each breaking one rule, while a legitimate host keeps writing and
+//! verifying on another subsystem. Each attack gets its specific refusal (an MPA reject Reply,
+//! or a Terminate with the RFC cause), its connection is closed, SUB's namespaces are
+//! unchanged (checksums), and the legitimate host is served throughout
+//! (tests/tests/hostile/mod.rs has the raw peer and the checks). Every wait has a deadline.
+
+mod hostile;
+
+use hostile::{mpa_answer, ns, FromTarget, Peer, Suite};
+use rpma_common::fabric::soft::wire::mpa::{MpaConfig, MpaFrame};
+use rpma_common::fabric::soft::wire::rdmap::{
+    AtomicRequest, FlushPlacement, FlushRequest, FlushSelectivity, ReadRequest,
+};
+use rpma_common::fabric::soft::wire::{crc32c, Caps, Header, Opcode, TermCause, Terminate};
+use rpma_common::proto::{Disconnect, KeepAlive, Message};
+use rpma_tests::sessions::WAIT;
+
+/// `f` with its CRC recomputed (after a deliberate change to its header).
+fn recrc(mut f: Vec<u8>) -> Vec<u8> {
+    let n = f.len() - 4;
+    let c = crc32c(&f[..n]).to_le_bytes();
+    f[n..].copy_from_slice(&c);
+    f
+}
+
+fn request_bytes(f: impl FnOnce(&mut MpaFrame)) -> Vec<u8> {
+    let mut r = MpaConfig::default().request();
+    f(&mut r);
+    r.encode().unwrap()
+}
+
+#[test]
+fn mpa_requests_that_break_the_rules_are_rejected() {
+    let mut s = Suite::start("");
+    let mut bad_key = request_bytes(|_| {});
+    bad_key[..16].copy_from_slice(b"MPA ID Bad Frame");
+    // 600 bytes of private data: more than RFC 5044's 512 (read and dropped, then rejected).
+    let mut long = request_bytes(|_| {});
+    long[18..20].copy_from_slice(&600u16.to_be_bytes());
+    long.resize(20 + 600, 0x41);
+    let cases = [
+        ("bad MPA key", bad_key),
+        ("private data too long", long),
+        ("markers requested", request_bytes(|r| r.markers = true)),
+        (
+            "MPA revision 1",
+            request_bytes(|r| {
+                r.revision = 1;
+                r.enhanced = false;
+                r.ird_ord = None;
+            }),
+        ),
+        (
+            "no IRD/ORD prefix",
+            request_bytes(|r| {
+                r.enhanced = false;
+                r.ird_ord = None;
+            }),
+        ),
+    ];
+    for (case, bytes) in cases {
+        let src = s.src();
+        let (reply, closed) = mpa_answer(s.port(), src, &bytes);
+        let reply = reply.unwrap_or_else(|| panic!("{case}: no MPA Reply"));
+        assert!(reply.reject, "{case}: the Reply accepted: {reply:?}");
+        assert!(closed, "{case}: the connection stayed open");
+        s.unchanged(case);
+    }
+    s.finish();
+}
+
+#[test]
+fn bad_frames_before_connect_get_the_rfc_terminate() {
+    let mut s = Suite::start("");
+
+    let mut p = s.peer();
+    assert!(p.n.crc, "the target asks for CRC");
+    let mut f = p.fpdu(
+        Header::untagged(Opcode::Send, 1, true),
+        &KeepAlive { seq: 1 }.encode(),
+    );
+    f[22] ^= 0x01;
+    p.raw(&f);
+    p.expect_terminate(TermCause::MPA_CRC, "CRC mismatch");
+    s.unchanged("CRC mismatch");
+
+    // A Write whose ULPDU length runs 1000 bytes past its 32 bytes of payload, into the
+    // FPDUs after it: the CRC cannot match (RFC 5044 §8: the stream is lost).
+    let mut p = s.peer();
+    let mut f = p.write_fpdu(0x100, 0, &[0xEE; 32]);
+    f[..2].copy_from_slice(&(14u16 + 32 + 1000).to_be_bytes());
+    let f = recrc(f);
+    p.raw(&f);
+    for seq in 0..40 {
+        let ka = KeepAlive { seq }.encode();
+        p.send(&ka);
+    }
+    p.expect_terminate(TermCause::MPA_CRC, "ULPDU length past the data");
+    s.unchanged("ULPDU length past the data");
+
+    // A ULPDU length of 10: shorter than the tagged header it starts.
+    let mut p = s.peer();
+    let f = recrc(vec![0, 10, 0xC1, 0x40, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
+    p.raw(&f);
+    p.expect_terminate(
+        TermCause::MPA_LENGTH_MISMATCH,
+        "ULPDU shorter than its header",
+    );
+    s.unchanged("ULPDU shorter than its header");
+
+    let mut p = s.peer();
+    let mut f = p.fpdu(Header::untagged(Opcode::Send, 1, true), &[0; 8]);
+    f[3] = 0x40 | 0x0F;
+    let f = recrc(f);
+    p.raw(&f);
+    p.expect_terminate(TermCause::RDMAP_UNEXPECTED_OPCODE, "unknown opcode 0xF");
+    s.unchanged("unknown opcode 0xF");
+
+    // A peer that advertised no capabilities may not use the private opcodes, nor RFC 7306.
+    let foreign = MpaConfig {
+        caps: Caps::foreign(Vec::new()),
+        ..MpaConfig::default()
+    };
+    let flush = FlushRequest {
+        req_id: 1,
+        placement: FlushPlacement::Persistent,
+        selectivity: FlushSelectivity::Region { stag: 0x101 },
+    };
+    let atomic = AtomicRequest::fetch_add(1, 0x101, 0, 1);
+    for (case, op, body) in [
+        (
+            "private opcode not negotiated",
+            Opcode::FlushRequest,
+            flush.encode().to_vec(),
+        ),
+        (
+            "RFC 7306 atomic not negotiated",
+            Opcode::AtomicRequest,
+            atomic.encode().to_vec(),
+        ),
+    ] {
+        let src = s.src();
+        let mut p = Peer::open_with(s.port(), src, &foreign);
+        assert_eq!(p.n.shared.0, 0, "nothing optional is shared");
+        let f = p.request_fpdu(op, &body);
+        p.raw(&f);
+        p.expect_terminate(TermCause::RDMAP_UNEXPECTED_OPCODE, case);
+        s.unchanged(case);
+    }
+
+    // Until admission a connection has only its handshake's few receive slots: eight Sends
+    // in one segment overrun them.
+    let mut p = s.peer();
+    let mut burst = Vec::new();
+    for seq in 0..8u32 {
+        let h = Header::untagged(Opcode::Send, seq + 1, true);
+        burst.extend(p.fpdu(h, &KeepAlive { seq: seq.into() }.encode()));
+    }
+    p.raw(&burst);
+    p.expect_terminate(
+        TermCause::DDP_UNTAGGED_NO_BUFFER,
+        "Send with no posted Recv",
+    );
+    s.unchanged("Send with no posted Recv");
+
+    let mut p = s.peer();
+    let f = p.write_fpdu(0x00DE_AD01, 0, &[0xEE; 64]);
+    p.raw(&f);
+    p.expect_terminate(TermCause::DDP_TAGGED_INVALID_STAG, "unknown STag");
+    s.unchanged("unknown STag");
+
+    // The peer's own Terminate ends its connection only: the target closes it, sends nothing.
+    let mut p = s.peer();
+    let t = Terminate::new(TermCause::RDMAP_OPERATION_UNSPECIFIED);
+    let f = p.fpdu(Header::untagged(Opcode::Terminate, 1, true), &t.encode());
+    p.raw(&f);
+    match p.next(WAIT) {
+        Some(FromTarget::Closed) => {}
+        other => panic!("after the peer's Terminate: {other:?}"),
+    }
+    s.unchanged("the peer's Terminate");
+
+    // Writes before Connect: the legitimate host's own rkey and address (the best guess there
+    // is) belong to its connection only; guessed STags name nothing this connection may write
+    // (no region, another connection's, or one without remote rights).
+    let (rkey, addr) = (s.legit.desc.rkey, s.legit.desc.remote_addr);
+    let refused = [
+        TermCause::DDP_TAGGED_INVALID_STAG,
+        TermCause::DDP_TAGGED_STAG_NOT_ASSOCIATED,
+        TermCause::RDMAP_ACCESS_RIGHTS,
+    ];
+    for stag in [rkey, rkey.wrapping_add(0x100), rkey ^ 0x01, 0x101, 0x201] {
+        let mut p = s.peer();
+        let f = p.write_fpdu(stag, addr, &[0xEE; 64]);
+        p.raw(&f);
+        let case = "a Write before Connect with a guessed STag";
+        let t = p.expect_terminate_any(&refused, case);
+        if stag == rkey {
+            assert_eq!(t.cause, TermCause::DDP_TAGGED_STAG_NOT_ASSOCIATED);
+        }
+        s.unchanged(case);
+    }
+    s.finish();
+}
+
+#[test]
+fn an_admitted_peer_reaches_only_what_it_was_granted() {
+    let mut s = Suite::start("");
+
+    let mut p = s.peer();
+    let r = p.admit();
+    let n1 = ns(&r, 1).clone();
+    let f = p.write_fpdu(n1.rkey, n1.remote_addr + n1.size - 8, &[0xEE; 64]);
+    p.raw(&f);
+    p.expect_terminate(TermCause::DDP_TAGGED_BASE_BOUNDS, "TO past the end");
+    s.unchanged("TO past the end");
+
+    let mut p = s.peer();
+    let r = p.admit();
+    let n1 = ns(&r, 1).clone();
+    let f = p.write_fpdu(n1.rkey, n1.remote_addr.wrapping_sub(64), &[0xEE; 64]);
+    p.raw(&f);
+    p.expect_terminate(TermCause::DDP_TAGGED_BASE_BOUNDS, "TO before the start");
+    s.unchanged("TO before the start");
+
+    let mut p = s.peer();
+    let r = p.admit();
+    let n3 = ns(&r, 3).clone();
+    assert!(n3.read_only);
+    let f = p.write_fpdu(n3.rkey, n3.remote_addr, &[0xEE; 64]);
+    p.raw(&f);
+    p.expect_terminate(
+        TermCause::RDMAP_ACCESS_RIGHTS,
+        "write to a read-only namespace",
+    );
+    s.unchanged("write to a read-only namespace");
+
+    let mut p = s.peer();
+    let r = p.admit();
+    let n1 = ns(&r, 1).clone();
+    let f = p.request_fpdu(
+        Opcode::AtomicRequest,
+        &AtomicRequest::fetch_add(1, n1.rkey, n1.remote_addr + 4, 1).encode(),
+    );
+    p.raw(&f);
+    p.expect_terminate(TermCause::RDMAP_BASE_BOUNDS, "unaligned atomic");
+    s.unchanged("unaligned atomic");
+
+    let mut p = s.peer();
+    let r = p.admit();
+    let n1 = ns(&r, 1).clone();
+    let f = p.write_fpdu(n1.rkey ^ 0x00FF_0000, n1.remote_addr, &[0xEE; 64]);
+    p.raw(&f);
+    p.expect_terminate(
+        TermCause::DDP_TAGGED_INVALID_STAG,
+        "unknown STag in a session",
+    );
+    s.unchanged("unknown STag in a session");
+
+    // ORD 1 asks the target for IRD 1: four 1 MiB Reads in one segment overrun it (RFC 5040
+    // §6.4; as Linux siw, a Remote Operation Error catastrophic to the stream).
+    let src = s.src();
+    let one = MpaConfig {
+        ord: 1,
+        ..MpaConfig::default()
+    };
+    let mut p = Peer::open_with(s.port(), src, &one);
+    assert_eq!(p.n.ord, 1);
+    let r = p.admit();
+    let n1 = ns(&r, 1).clone();
+    let mut reads = Vec::new();
+    for _ in 0..4 {
+        let rr = ReadRequest {
+            sink_stag: 0x4242,
+            sink_to: 0,
+            size: 1 << 20,
+            src_stag: n1.rkey,
+            src_to: n1.remote_addr,
+        };
+        reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
+    }
+    p.raw(&reads);
+    p.expect_terminate(TermCause::RDMAP_CATASTROPHIC_STREAM, "Reads beyond IRD");
+    s.unchanged("Reads beyond IRD");
+
+    // A session's rkey dies with it: after its Disconnect, another session's Write with it
+    // names no region.
+    let mut a = s.peer();
+    let ra = a.admit();
+    let old = ns(&ra, 1).clone();
+    a.message(&Message::Disconnect(Disconnect {
+        reason: "done".into(),
+    }));
+    drop(a);
+    let deadline = std::time::Instant::now() + WAIT;
+    while s.t.status()["sessions"].as_array().unwrap().len() > 1 {
+        assert!(std::time::Instant::now() < deadline, "the session stayed");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut b = s.peer();
+    let rb = b.admit();
+    assert_ne!(
+        ns(&rb, 1).rkey,
+        old.rkey,
+        "a closed session's rkey was handed out again"
+    );
+    let f = b.write_fpdu(old.rkey, old.remote_addr, &[0xEE; 64]);
+    b.raw(&f);
+    b.expect_terminate(
+        TermCause::DDP_TAGGED_INVALID_STAG,
+        "rkey of a closed session",
+    );
+    s.unchanged("rkey of a closed session");
+
+    // A well-behaved admitted raw peer still gets its answers.
+    let mut ok = s.peer();
+    ok.admit();
+    ok.message(&Message::KeepAlive(KeepAlive { seq: 9 }));
+    assert_eq!(ok.next_message(), Message::KeepAlive(KeepAlive { seq: 9 }));
+    assert!(ok.still_open());
+    s.finish();
+}
