@@ -284,8 +284,8 @@ impl Peer {
     }
 }
 
-/// The namespace of `d` a descriptor names.
-pub fn ns<'a>(r: &'a ConnectResponse, nsid: u32) -> &'a NamespaceDescriptor {
+/// The descriptor of namespace `nsid` in a ConnectResponse.
+pub fn ns(r: &ConnectResponse, nsid: u32) -> &NamespaceDescriptor {
     r.namespaces.iter().find(|d| d.nsid == nsid).unwrap()
 }
 

@@ -81,7 +81,7 @@ pub fn requests(data: &[u8]) {
 fn check_action(r: &Request, a: Action, l: Limits) {
     let len = u64::from(r.len);
     let inside = r.offset.checked_add(len).is_some_and(|e| e <= l.size);
-    let aligned = r.offset % l.align == 0 && len % l.align == 0;
+    let aligned = r.offset.is_multiple_of(l.align) && len.is_multiple_of(l.align);
     let sound = inside && aligned && len > 0;
     match a {
         Action::Read => {
