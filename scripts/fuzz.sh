@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # Runs each cargo-fuzz target (fuzz/) for N seconds, growing its corpus in fuzz/corpus/<target>/,
 # then reports the figures. `make reliability` calls `scripts/fuzz.sh --seconds 600`; `make test`
-# never fuzzes (it replays the committed corpus in common/tests/fuzz_corpus.rs and
-# initiator/tests/fuzz_corpus.rs).
+# never fuzzes (tests/tests/fuzz_corpus.rs replays the committed corpus).
 #
 #   scripts/fuzz.sh [--seconds N] [--target NAME]... [--minimize] [--report FILE] [--jobs N]
 #
@@ -52,8 +51,7 @@ if [ ${#targets[@]} -eq 0 ]; then
 fi
 
 # Seeds built with the crates' own encoders: only the missing ones are written.
-cargo run -q -p rpma-common --features wire-testing --example fuzz_seeds
-cargo run -q -p rpma-initiator --features fuzzing --example nbd_fuzz_seeds
+cargo run -q -p rpma-tests --example fuzz_seeds
 
 logs=build/fuzz
 mkdir -p "$logs"
@@ -90,6 +88,10 @@ if [ "$minimize" -eq 1 ]; then
     cargo fuzz cmin --fuzz-dir fuzz -O "$t" "fuzz/corpus/$t" >"$logs/$t.cmin.log" 2>&1 \
       || echo "fuzz.sh: $t: cmin failed (see $logs/$t.cmin.log)"
   done
+  # cmin keeps inputs by coverage under new names: the named seeds come back (the replay test
+  # wants them), and so do the regression inputs, which git still has.
+  cargo run -q -p rpma-tests --example fuzz_seeds
+  git checkout -- 'fuzz/corpus/*/regress-*' 2>/dev/null || true
 fi
 
 status=0

@@ -13,7 +13,7 @@
 //! `fuzz`, the fuzz targets' entry points.
 
 pub mod fabric;
-// Test-only: the fuzz targets' entry points and seeds (fuzz/, common/tests/fuzz_corpus.rs).
+// Test-only: the fuzz targets' entry points and seeds (fuzz/, tests/tests/fuzz_corpus.rs).
 #[cfg(feature = "wire-testing")]
 pub mod fuzz;
 pub mod notify;

@@ -2,7 +2,7 @@
 //!
 //! Each entry takes arbitrary bytes, drives one parser the way the engine or the daemon drives
 //! it, and panics only when an invariant breaks: never on the input itself. The cargo-fuzz
-//! targets in `fuzz/` call them, and `common/tests/fuzz_corpus.rs` replays the committed corpus
+//! targets in `fuzz/` call them, and `tests/tests/fuzz_corpus.rs` replays the committed corpus
 //! (`fuzz/corpus/<target>/`) and the seeds below through the same functions on stable Rust, so
 //! a crash the fuzzer once found stays found.
 //!
@@ -13,11 +13,13 @@
 //! | [`control_message`] | `proto` (every control message), `proto::auth` | one message; also read as u16-LE-length-prefixed messages for the auth exchanges |
 //!
 //! [`seeds`] builds real inputs with the crate's own encoders: the corpus starts from them.
+//! The replay test and the seed writer (`cargo run -p rpma-tests --example fuzz_seeds`) live
+//! in the tests crate, beside those of the other crates' targets.
 
 mod control;
 mod mpa;
 mod rx;
-pub mod seeds;
+mod seeds;
 
 pub use control::control_message;
 pub use mpa::mpa_handshake;
@@ -34,4 +36,9 @@ pub fn entry(name: &str) -> Option<fn(&[u8])> {
         "control_message" => Some(control_message),
         _ => None,
     }
+}
+
+/// Real inputs of target `name`, each with a file name for the corpus.
+pub fn seeds(name: &str) -> Vec<(String, Vec<u8>)> {
+    seeds::for_target(name)
 }

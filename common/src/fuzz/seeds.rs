@@ -1,7 +1,7 @@
 //! Real inputs for the fuzz targets, built with the crate's own encoders: what the engine and
 //! the daemon exchange in normal use, and the malformed frames the hostile tests send. The
-//! corpus in `fuzz/corpus/` starts from these (`cargo run -p rpma-common --features
-//! wire-testing --example fuzz_seeds`), and the replay test runs them too.
+//! corpus in `fuzz/corpus/` starts from these (`cargo run -p rpma-tests --example
+//! fuzz_seeds`), and the replay test runs them too.
 
 use crate::fabric::soft::wire::ddp::{Header, Opcode};
 use crate::fabric::soft::wire::mpa::{reject_reply, IrdOrd, MpaConfig, MpaFrame, MpaKind};

@@ -2,7 +2,7 @@
 //! the API): [`handshake`] (the option haggling, fuzz target `nbd_handshake`) and [`requests`]
 //! (splitting and judging transmission requests, `nbd_requests`). Each takes arbitrary bytes,
 //! drives the server's own code, and panics only when an invariant breaks. The cargo-fuzz
-//! targets in `fuzz/` call them; `initiator/tests/fuzz_corpus.rs` replays the committed corpus
+//! targets in `fuzz/` call them; `tests/tests/fuzz_corpus.rs` replays the committed corpus
 //! and the [`seeds`] through them on stable Rust.
 
 pub use super::handshake::fuzz::handshake;
