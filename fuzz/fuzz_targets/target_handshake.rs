@@ -2,4 +2,6 @@
 //! say what is checked).
 #![no_main]
 
-libfuzzer_sys::fuzz_target!(|data: &[u8]| { rpma_target::handshake::fuzz::connect_sequence(data) });
+use rpma_target::handshake::fuzz::connect_sequence;
+
+libfuzzer_sys::fuzz_target!(|data: &[u8]| connect_sequence(data));
