@@ -233,7 +233,7 @@ fn answer(
     }
 }
 
-#[cfg(any(test, feature = "fuzzing"))]
+#[cfg(feature = "fuzzing")]
 pub(crate) mod fuzz;
 
 #[cfg(test)]

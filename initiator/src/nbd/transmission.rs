@@ -552,7 +552,7 @@ impl<'a> Client<'a> {
     }
 }
 
-#[cfg(any(test, feature = "fuzzing"))]
+#[cfg(feature = "fuzzing")]
 pub(crate) mod fuzz;
 
 #[cfg(test)]
