@@ -56,7 +56,7 @@ cargo run -q -p rpma-tests --example fuzz_seeds
 logs=build/fuzz
 mkdir -p "$logs"
 touch "$logs/started"
-echo "fuzz.sh: building ${#targets[@]} target(s)"
+echo "fuzz.sh: building the targets"
 cargo fuzz build --fuzz-dir fuzz -O
 
 run_one() {
