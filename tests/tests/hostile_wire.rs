@@ -207,7 +207,34 @@ fn bad_frames_before_connect_get_the_rfc_terminate() {
 #[test]
 fn an_admitted_peer_reaches_only_what_it_was_granted() {
     let mut s = Suite::start("");
+    admitted_peer_cases(&mut s);
+    s.finish();
+}
 
+/// Without CRC the target judges a Write's header as soon as it is in and reads a large payload
+/// straight into place: the same refusals, before a byte lands.
+#[test]
+fn without_crc_the_same_refusals_come_before_any_byte_lands() {
+    let mut s = Suite::start("crc = false");
+    s.mpa.crc = false;
+    let mut p = s.peer();
+    assert!(!p.n.crc);
+    let r = p.admit();
+    let n1 = ns(&r, 1).clone();
+    // 60 KiB: more than the receiver reads ahead, so it would be streamed into place.
+    let big = vec![0xEE; 60 << 10];
+    let f = p.write_fpdu(n1.rkey, n1.remote_addr + n1.size - 4096, &big);
+    p.raw(&f);
+    p.expect_terminate(
+        TermCause::DDP_TAGGED_BASE_BOUNDS,
+        "a large Write past the end",
+    );
+    s.unchanged("a large Write past the end, CRC off");
+    admitted_peer_cases(&mut s);
+    s.finish();
+}
+
+fn admitted_peer_cases(s: &mut Suite) {
     let mut p = s.peer();
     let r = p.admit();
     let n1 = ns(&r, 1).clone();
@@ -263,7 +290,7 @@ fn an_admitted_peer_reaches_only_what_it_was_granted() {
     let src = s.src();
     let one = MpaConfig {
         ord: 1,
-        ..MpaConfig::default()
+        ..s.mpa.clone()
     };
     let mut p = Peer::open_with(s.port(), src, &one);
     assert_eq!(p.n.ord, 1);
@@ -319,5 +346,4 @@ fn an_admitted_peer_reaches_only_what_it_was_granted() {
     ok.message(&Message::KeepAlive(KeepAlive { seq: 9 }));
     assert_eq!(ok.next_message(), Message::KeepAlive(KeepAlive { seq: 9 }));
     assert!(ok.still_open());
-    s.finish();
 }

@@ -381,6 +381,8 @@ fn sum(p: &Path) -> u32 {
 pub struct Suite {
     pub t: Target,
     pub legit: Legit,
+    /// What [`Suite::peer`]'s peers offer in MPA.
+    pub mpa: MpaConfig,
     dir: tempfile::TempDir,
     sums: [u32; 2],
     next_src: u8,
@@ -398,6 +400,7 @@ impl Suite {
         let mut s = Suite {
             t,
             legit,
+            mpa: MpaConfig::default(),
             dir,
             sums: [0; 2],
             next_src: 2,
@@ -425,10 +428,10 @@ impl Suite {
         Ipv4Addr::new(127, 0, 0, n)
     }
 
-    /// A raw peer past MPA from a fresh address.
+    /// A raw peer past MPA from a fresh address, offering [`Suite::mpa`].
     pub fn peer(&mut self) -> Peer {
         let src = self.src();
-        Peer::open(self.port(), src)
+        Peer::open_with(self.port(), src, &self.mpa.clone())
     }
 
     /// After an attack: SUB's namespaces are as they were, and the legitimate host still works.
