@@ -2,7 +2,6 @@
 //! the acceptor judges and answers a Request (minus the socket), the active side through the
 //! blocking handshake over an in-memory stream.
 
-use std::io::{self, Read, Write};
 use std::net::{Ipv4Addr, SocketAddr};
 
 use crate::fabric::soft::conn;
@@ -13,6 +12,8 @@ use crate::fabric::soft::wire::rx::RxConfig;
 use crate::fabric::soft::wire::tx::MIN_MAX_ULPDU;
 use crate::fabric::soft::wire::{Layer, WireError, MAX_ULPDU_LIMIT};
 use crate::fabric::{ConnParams, TcpParams};
+
+use super::Pipe;
 
 /// `data[0]` bit 0 picks the side: 0 passive (the bytes are a peer's MPA Request, judged as
 /// the target's acceptor does, then negotiated and answered as `Pending::accept` does), 1
@@ -105,10 +106,7 @@ fn active(frame: &[u8], crc: bool, p2p: bool) {
         peer_to_peer: p2p.then_some(RtrTypes::ALL),
         ..MpaConfig::default()
     };
-    let mut s = Pipe {
-        input: frame,
-        out: Vec::new(),
-    };
+    let mut s = Pipe::new(frame);
     let r = mpa::connect_exchange(&mut s, &cfg);
     let sent = cfg.request().encode().expect("our Request encodes");
     assert_eq!(
@@ -126,28 +124,5 @@ fn active(frame: &[u8], crc: bool, p2p: bool) {
         }
         Ok(Answer::Rejected { private_data }) => assert!(private_data.len() <= MAX_PRIVATE_DATA),
         Err(e) => assert_mpa_layer(&e),
-    }
-}
-
-/// The peer's bytes to read, ours written.
-struct Pipe<'a> {
-    input: &'a [u8],
-    out: Vec<u8>,
-}
-
-impl Read for Pipe<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.input.read(buf)
-    }
-}
-
-impl Write for Pipe<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.out.extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
     }
 }

@@ -1,7 +1,9 @@
 //! The option haggling under arbitrary client bytes (fuzz target `nbd_handshake`).
 
-use std::io::{self, Read, Write};
+use std::io;
 use std::time::Duration;
+
+use rpma_common::fuzz::Pipe;
 
 use super::{negotiate, ClientStream, ExportInfo, Outcome};
 use crate::nbd::proto::{
@@ -28,10 +30,7 @@ fn export() -> ExportInfo {
 /// ABORT, or the export fields after EXPORT_NAME, with or without the zeroes as the client
 /// asked.
 pub fn handshake(data: &[u8]) {
-    let mut s = Pipe {
-        input: data,
-        out: Vec::new(),
-    };
+    let mut s = Pipe::new(data);
     let ex = export();
     let outcome = negotiate(&mut s, &ex, Duration::from_secs(60));
     let out = s.out;
@@ -152,29 +151,7 @@ pub(crate) fn seeds() -> Vec<Vec<u8>> {
     ]
 }
 
-/// The client's bytes to read (then EOF), the server's written.
-struct Pipe<'a> {
-    input: &'a [u8],
-    out: Vec<u8>,
-}
-
-impl Read for Pipe<'_> {
-    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
-        self.input.read(buf)
-    }
-}
-
-impl Write for Pipe<'_> {
-    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
-        self.out.extend_from_slice(buf);
-        Ok(buf.len())
-    }
-
-    fn flush(&mut self) -> io::Result<()> {
-        Ok(())
-    }
-}
-
+// The in-memory stream of rpma-common's fuzz entries, with no read time-out to set.
 impl ClientStream for Pipe<'_> {
     fn set_read_timeout(&mut self, _: Option<Duration>) -> io::Result<()> {
         Ok(())
