@@ -24,7 +24,7 @@ pub mod relay;
 pub mod sessions;
 pub mod target;
 
-pub use bins::{bin, bin_dir, built, free_port, repo_file, write_psk, Shm};
+pub use bins::{bin, bin_dir, built, free_port, repo_file, tcp_from, write_psk, Shm};
 pub use cachestat::unsynced_pages;
 pub use config::{four_namespaces, Config, Namespace, Subsystem};
 pub use initiator::{

@@ -74,48 +74,40 @@ fn mpa_requests_that_break_the_rules_are_rejected() {
 fn bad_frames_before_connect_get_the_rfc_terminate() {
     let mut s = Suite::start("");
 
-    let mut p = s.peer();
+    let p = s.peer();
     assert!(p.n.crc, "the target asks for CRC");
-    let mut f = p.fpdu(
-        Header::untagged(Opcode::Send, 1, true),
-        &KeepAlive { seq: 1 }.encode(),
-    );
+    let ka = KeepAlive { seq: 1 }.encode();
+    let mut f = p.fpdu(Header::untagged(Opcode::Send, 1, true), &ka);
     f[22] ^= 0x01;
-    p.raw(&f);
-    p.expect_terminate(TermCause::MPA_CRC, "CRC mismatch");
-    s.unchanged("CRC mismatch");
+    s.terminated(p, &f, TermCause::MPA_CRC, "CRC mismatch");
 
     // A Write whose ULPDU length runs 1000 bytes past its 32 bytes of payload, into the
     // FPDUs after it: the CRC cannot match (RFC 5044 §8: the stream is lost).
-    let mut p = s.peer();
+    let p = s.peer();
     let mut f = p.write_fpdu(0x100, 0, &[0xEE; 32]);
     f[..2].copy_from_slice(&(14u16 + 32 + 1000).to_be_bytes());
-    let f = recrc(f);
-    p.raw(&f);
-    for seq in 0..40 {
-        let ka = KeepAlive { seq }.encode();
-        p.send(&ka);
+    let mut f = recrc(f);
+    for msn in 1..=40 {
+        f.extend(p.fpdu(Header::untagged(Opcode::Send, msn, true), &ka));
     }
-    p.expect_terminate(TermCause::MPA_CRC, "ULPDU length past the data");
-    s.unchanged("ULPDU length past the data");
+    s.terminated(p, &f, TermCause::MPA_CRC, "ULPDU length past the data");
 
     // A ULPDU length of 10: shorter than the tagged header it starts.
-    let mut p = s.peer();
+    let p = s.peer();
     let f = recrc(vec![0, 10, 0xC1, 0x40, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0]);
-    p.raw(&f);
-    p.expect_terminate(
-        TermCause::MPA_LENGTH_MISMATCH,
-        "ULPDU shorter than its header",
-    );
-    s.unchanged("ULPDU shorter than its header");
+    let case = "ULPDU shorter than its header";
+    s.terminated(p, &f, TermCause::MPA_LENGTH_MISMATCH, case);
 
-    let mut p = s.peer();
+    let p = s.peer();
     let mut f = p.fpdu(Header::untagged(Opcode::Send, 1, true), &[0; 8]);
     f[3] = 0x40 | 0x0F;
     let f = recrc(f);
-    p.raw(&f);
-    p.expect_terminate(TermCause::RDMAP_UNEXPECTED_OPCODE, "unknown opcode 0xF");
-    s.unchanged("unknown opcode 0xF");
+    s.terminated(
+        p,
+        &f,
+        TermCause::RDMAP_UNEXPECTED_OPCODE,
+        "unknown opcode 0xF",
+    );
 
     // A peer that advertised no capabilities may not use the private opcodes, nor RFC 7306.
     let foreign = MpaConfig {
@@ -144,31 +136,23 @@ fn bad_frames_before_connect_get_the_rfc_terminate() {
         let mut p = Peer::open_with(s.port(), src, &foreign);
         assert_eq!(p.n.shared.0, 0, "nothing optional is shared");
         let f = p.request_fpdu(op, &body);
-        p.raw(&f);
-        p.expect_terminate(TermCause::RDMAP_UNEXPECTED_OPCODE, case);
-        s.unchanged(case);
+        s.terminated(p, &f, TermCause::RDMAP_UNEXPECTED_OPCODE, case);
     }
 
     // Until admission a connection has only its handshake's few receive slots: eight Sends
     // in one segment overrun them.
-    let mut p = s.peer();
+    let p = s.peer();
     let mut burst = Vec::new();
     for seq in 0..8u32 {
         let h = Header::untagged(Opcode::Send, seq + 1, true);
         burst.extend(p.fpdu(h, &KeepAlive { seq: seq.into() }.encode()));
     }
-    p.raw(&burst);
-    p.expect_terminate(
-        TermCause::DDP_UNTAGGED_NO_BUFFER,
-        "Send with no posted Recv",
-    );
-    s.unchanged("Send with no posted Recv");
+    let case = "Send with no posted Recv";
+    s.terminated(p, &burst, TermCause::DDP_UNTAGGED_NO_BUFFER, case);
 
-    let mut p = s.peer();
+    let p = s.peer();
     let f = p.write_fpdu(0x00DE_AD01, 0, &[0xEE; 64]);
-    p.raw(&f);
-    p.expect_terminate(TermCause::DDP_TAGGED_INVALID_STAG, "unknown STag");
-    s.unchanged("unknown STag");
+    s.terminated(p, &f, TermCause::DDP_TAGGED_INVALID_STAG, "unknown STag");
 
     // The peer's own Terminate ends its connection only: the target closes it, sends nothing.
     let mut p = s.peer();
@@ -217,73 +201,46 @@ fn an_admitted_peer_reaches_only_what_it_was_granted() {
 fn without_crc_the_same_refusals_come_before_any_byte_lands() {
     let mut s = Suite::start("crc = false");
     s.mpa.crc = false;
-    let mut p = s.peer();
+    let (p, n1, _) = s.admitted();
     assert!(!p.n.crc);
-    let r = p.admit();
-    let n1 = ns(&r, 1).clone();
     // 60 KiB: more than the receiver reads ahead, so it would be streamed into place.
     let big = vec![0xEE; 60 << 10];
     let f = p.write_fpdu(n1.rkey, n1.remote_addr + n1.size - 4096, &big);
-    p.raw(&f);
-    p.expect_terminate(
-        TermCause::DDP_TAGGED_BASE_BOUNDS,
-        "a large Write past the end",
-    );
-    s.unchanged("a large Write past the end, CRC off");
+    let case = "a large Write past the end, CRC off";
+    s.terminated(p, &f, TermCause::DDP_TAGGED_BASE_BOUNDS, case);
     admitted_peer_cases(&mut s);
     s.finish();
 }
 
 fn admitted_peer_cases(s: &mut Suite) {
-    let mut p = s.peer();
-    let r = p.admit();
-    let n1 = ns(&r, 1).clone();
-    let f = p.write_fpdu(n1.rkey, n1.remote_addr + n1.size - 8, &[0xEE; 64]);
-    p.raw(&f);
-    p.expect_terminate(TermCause::DDP_TAGGED_BASE_BOUNDS, "TO past the end");
-    s.unchanged("TO past the end");
+    let bytes = [0xEE; 64];
+    let (p, n1, _) = s.admitted();
+    let f = p.write_fpdu(n1.rkey, n1.remote_addr + n1.size - 8, &bytes);
+    s.terminated(p, &f, TermCause::DDP_TAGGED_BASE_BOUNDS, "TO past the end");
 
-    let mut p = s.peer();
-    let r = p.admit();
-    let n1 = ns(&r, 1).clone();
-    let f = p.write_fpdu(n1.rkey, n1.remote_addr.wrapping_sub(64), &[0xEE; 64]);
-    p.raw(&f);
-    p.expect_terminate(TermCause::DDP_TAGGED_BASE_BOUNDS, "TO before the start");
-    s.unchanged("TO before the start");
-
-    let mut p = s.peer();
-    let r = p.admit();
-    let n3 = ns(&r, 3).clone();
-    assert!(n3.read_only);
-    let f = p.write_fpdu(n3.rkey, n3.remote_addr, &[0xEE; 64]);
-    p.raw(&f);
-    p.expect_terminate(
-        TermCause::RDMAP_ACCESS_RIGHTS,
-        "write to a read-only namespace",
+    let (p, n1, _) = s.admitted();
+    let f = p.write_fpdu(n1.rkey, n1.remote_addr.wrapping_sub(64), &bytes);
+    s.terminated(
+        p,
+        &f,
+        TermCause::DDP_TAGGED_BASE_BOUNDS,
+        "TO before the start",
     );
-    s.unchanged("write to a read-only namespace");
 
-    let mut p = s.peer();
-    let r = p.admit();
-    let n1 = ns(&r, 1).clone();
-    let f = p.request_fpdu(
-        Opcode::AtomicRequest,
-        &AtomicRequest::fetch_add(1, n1.rkey, n1.remote_addr + 4, 1).encode(),
-    );
-    p.raw(&f);
-    p.expect_terminate(TermCause::RDMAP_BASE_BOUNDS, "unaligned atomic");
-    s.unchanged("unaligned atomic");
+    let (p, _, n3) = s.admitted();
+    let f = p.write_fpdu(n3.rkey, n3.remote_addr, &bytes);
+    let case = "write to a read-only namespace";
+    s.terminated(p, &f, TermCause::RDMAP_ACCESS_RIGHTS, case);
 
-    let mut p = s.peer();
-    let r = p.admit();
-    let n1 = ns(&r, 1).clone();
-    let f = p.write_fpdu(n1.rkey ^ 0x00FF_0000, n1.remote_addr, &[0xEE; 64]);
-    p.raw(&f);
-    p.expect_terminate(
-        TermCause::DDP_TAGGED_INVALID_STAG,
-        "unknown STag in a session",
-    );
-    s.unchanged("unknown STag in a session");
+    let (mut p, n1, _) = s.admitted();
+    let fetch_add = AtomicRequest::fetch_add(1, n1.rkey, n1.remote_addr + 4, 1);
+    let f = p.request_fpdu(Opcode::AtomicRequest, &fetch_add.encode());
+    s.terminated(p, &f, TermCause::RDMAP_BASE_BOUNDS, "unaligned atomic");
+
+    let (p, n1, _) = s.admitted();
+    let f = p.write_fpdu(n1.rkey ^ 0x00FF_0000, n1.remote_addr, &bytes);
+    let case = "unknown STag in a session";
+    s.terminated(p, &f, TermCause::DDP_TAGGED_INVALID_STAG, case);
 
     // ORD 1 asks the target for IRD 1: four 1 MiB Reads in one segment overrun it (RFC 5040
     // §6.4; as Linux siw, a Remote Operation Error catastrophic to the stream).
@@ -307,15 +264,16 @@ fn admitted_peer_cases(s: &mut Suite) {
         };
         reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
     }
-    p.raw(&reads);
-    p.expect_terminate(TermCause::RDMAP_CATASTROPHIC_STREAM, "Reads beyond IRD");
-    s.unchanged("Reads beyond IRD");
+    s.terminated(
+        p,
+        &reads,
+        TermCause::RDMAP_CATASTROPHIC_STREAM,
+        "Reads beyond IRD",
+    );
 
     // A session's rkey dies with it: after its Disconnect, another session's Write with it
     // names no region.
-    let mut a = s.peer();
-    let ra = a.admit();
-    let old = ns(&ra, 1).clone();
+    let (mut a, old, _) = s.admitted();
     a.message(&Message::Disconnect(Disconnect {
         reason: "done".into(),
     }));
@@ -325,20 +283,14 @@ fn admitted_peer_cases(s: &mut Suite) {
         assert!(std::time::Instant::now() < deadline, "the session stayed");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    let mut b = s.peer();
-    let rb = b.admit();
+    let (b, n1, _) = s.admitted();
     assert_ne!(
-        ns(&rb, 1).rkey,
-        old.rkey,
+        n1.rkey, old.rkey,
         "a closed session's rkey was handed out again"
     );
-    let f = b.write_fpdu(old.rkey, old.remote_addr, &[0xEE; 64]);
-    b.raw(&f);
-    b.expect_terminate(
-        TermCause::DDP_TAGGED_INVALID_STAG,
-        "rkey of a closed session",
-    );
-    s.unchanged("rkey of a closed session");
+    let f = b.write_fpdu(old.rkey, old.remote_addr, &bytes);
+    let case = "rkey of a closed session";
+    s.terminated(b, &f, TermCause::DDP_TAGGED_INVALID_STAG, case);
 
     // A well-behaved admitted raw peer still gets its answers.
     let mut ok = s.peer();

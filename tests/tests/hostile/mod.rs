@@ -11,16 +11,13 @@
 #![allow(dead_code)] // each suite uses its part
 
 use std::io::{Read, Write};
-use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{Ipv4Addr, TcpStream};
 use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{bind, connect as sock_connect, socket, AddressFamily, SockFlag};
-use nix::sys::socket::{SockType, SockaddrIn};
 use rpma_common::fabric::soft::wire::ddp::HeaderKind;
 use rpma_common::fabric::soft::wire::mpa::{self, Answer, MpaConfig, MpaFrame, Negotiated};
 use rpma_common::fabric::soft::wire::tx::encode_fpdu;
@@ -28,32 +25,15 @@ use rpma_common::fabric::soft::wire::{crc32c, fpdu_len, Header, Opcode, TermCaus
 use rpma_common::proto::{Connect, ConnectResponse, HostId, Message, NamespaceDescriptor};
 use rpma_initiator::{Connection, HostIdentity};
 use rpma_tests::sessions::{start, OPEN, PLAIN, SUB, WAIT};
-use rpma_tests::{noise, nqn, opts, scratch, Target};
+use rpma_tests::{noise, nqn, opts, scratch, tcp_from, Target};
 
 /// What one read from a peer that sends nothing more may wait.
 const QUIET: Duration = Duration::from_millis(200);
 
-/// A TCP connection from `src` (127.0.0.N) to the target's port.
-pub fn tcp_from(port: u16, src: Ipv4Addr) -> TcpStream {
-    let fd = socket(
-        AddressFamily::Inet,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap();
-    bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(src, 0))).unwrap();
-    let to = SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
-    sock_connect(fd.as_raw_fd(), &to).unwrap();
-    let s = TcpStream::from(fd);
-    s.set_read_timeout(Some(WAIT)).unwrap();
-    s
-}
-
 /// Sends `request` (an MPA Request, well-formed or not) from `src` and returns the target's
 /// answer: the decoded Reply, and whether the connection was closed after it.
 pub fn mpa_answer(port: u16, src: Ipv4Addr, request: &[u8]) -> (Option<MpaFrame>, bool) {
-    let mut s = tcp_from(port, src);
+    let mut s = tcp_from(port, src, WAIT);
     s.write_all(request).unwrap();
     let raw = mpa::read_raw_frame(&mut s, "the target's MPA Reply").ok();
     let reply = raw.and_then(|r| MpaFrame::decode(&r.bytes).ok().flatten().map(|(f, _)| f));
@@ -108,7 +88,7 @@ pub struct Peer {
 impl Peer {
     /// MPA from `src` with `cfg`; panics unless the target accepts.
     pub fn open_with(port: u16, src: Ipv4Addr, cfg: &MpaConfig) -> Peer {
-        let mut s = tcp_from(port, src);
+        let mut s = tcp_from(port, src, WAIT);
         match mpa::connect_exchange(&mut s, cfg).unwrap() {
             Answer::Accepted(n) => Peer {
                 s,
@@ -432,6 +412,23 @@ impl Suite {
     pub fn peer(&mut self) -> Peer {
         let src = self.src();
         Peer::open_with(self.port(), src, &self.mpa.clone())
+    }
+
+    /// A raw peer admitted to SUB as PLAIN, with SUB's namespaces 1 and 3 (read-only).
+    pub fn admitted(&mut self) -> (Peer, NamespaceDescriptor, NamespaceDescriptor) {
+        let mut p = self.peer();
+        let r = p.admit();
+        let (n1, n3) = (ns(&r, 1).clone(), ns(&r, 3).clone());
+        assert!(n3.read_only && !n1.read_only);
+        (p, n1, n3)
+    }
+
+    /// One attack: `p` sends `bytes`; the target must answer with a Terminate of `cause` and
+    /// close the connection, changing nothing, while the legitimate host is served.
+    pub fn terminated(&mut self, mut p: Peer, bytes: &[u8], cause: TermCause, case: &str) {
+        p.raw(bytes);
+        p.expect_terminate(cause, case);
+        self.unchanged(case);
     }
 
     /// After an attack: SUB's namespaces are as they were, and the legitimate host still works.
