@@ -11,9 +11,13 @@
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
 //!
 //! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not
-//! built yet.
+//! built yet. `wire-testing` (tests only) makes the soft transport's wire formats public and adds
+//! `fuzz`, the fuzz targets' entry points.
 
 pub mod fabric;
+// Test-only: the fuzz targets' entry points and seeds (fuzz/, tests/tests/fuzz_corpus.rs).
+#[cfg(feature = "wire-testing")]
+pub mod fuzz;
 pub mod notify;
 pub mod pmem;
 pub mod proto;

@@ -200,6 +200,10 @@ impl TargetHandshake {
     }
 }
 
+// Test-only: the fuzz target's entry point (fuzz/, tests/tests/fuzz_corpus.rs).
+#[cfg(feature = "fuzzing")]
+pub mod fuzz;
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;

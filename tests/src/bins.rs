@@ -1,6 +1,7 @@
 //! The workspace's binaries, ports, key files and /dev/shm namespace files.
 
-use std::net::TcpListener;
+use std::net::{Ipv4Addr, SocketAddrV4, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 
@@ -37,6 +38,26 @@ pub fn free_port() -> u16 {
         .local_addr()
         .expect("local_addr")
         .port()
+}
+
+/// A TCP connection from `src` (another loopback address, 127.0.0.N: a peer of its own to the
+/// target's per-address budgets and logs) to 127.0.0.1:`port`, reads timing out after
+/// `read_timeout`.
+pub fn tcp_from(port: u16, src: Ipv4Addr, read_timeout: std::time::Duration) -> TcpStream {
+    use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )
+    .expect("a TCP socket");
+    bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(src, 0))).expect("bind 127.0.0.N");
+    let to = SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+    connect(fd.as_raw_fd(), &to).expect("connect to the target");
+    let s = TcpStream::from(fd);
+    s.set_read_timeout(Some(read_timeout)).unwrap();
+    s
 }
 
 /// Writes a pre-shared key file at `path`: the hex byte `byte` 32 times, mode 0600 (the target

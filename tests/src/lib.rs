@@ -33,7 +33,7 @@ pub mod sessions;
 pub mod stress;
 pub mod target;
 
-pub use bins::{bin, bin_dir, built, free_port, repo_file, write_psk, Shm};
+pub use bins::{bin, bin_dir, built, free_port, repo_file, tcp_from, write_psk, Shm};
 pub use cachestat::unsynced_pages;
 pub use config::{four_namespaces, Config, Namespace, Subsystem};
 pub use initiator::{

@@ -4,12 +4,9 @@
 //! deadline.
 
 use std::io::Write;
-use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
-use std::os::fd::AsRawFd;
+use std::net::{Ipv4Addr, TcpStream};
 use std::time::{Duration, Instant};
 
-use nix::sys::socket::{bind, connect as sock_connect, socket, AddressFamily, SockFlag};
-use nix::sys::socket::{SockType, SockaddrIn};
 use rpma_common::fabric::soft::wire::mpa::{self, Answer, MpaConfig, Negotiated};
 use rpma_common::fabric::soft::wire::tx::encode_fpdu;
 use rpma_common::fabric::soft::wire::{Header, Opcode};
@@ -18,7 +15,7 @@ use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{Connect, FlushStatus, HostId, KeepAlive, Message};
 use rpma_initiator::{connect, discover, Error, HostIdentity};
 use rpma_tests::sessions::{start, KEY, KEYED, OPEN, PLAIN, SUB, WAIT};
-use rpma_tests::{host, nqn, opts, scratch, Target};
+use rpma_tests::{host, nqn, opts, scratch, tcp_from, Target};
 
 /// The daemon's resident memory (VmRSS), in KiB.
 fn rss_kib(t: &Target) -> u64 {
@@ -56,18 +53,7 @@ struct Raw {
 
 /// TCP from `src` to 127.0.0.1:`port`, then an MPA Request: the target's answer.
 fn raw_mpa(port: u16, src: Ipv4Addr) -> (TcpStream, Answer) {
-    let fd = socket(
-        AddressFamily::Inet,
-        SockType::Stream,
-        SockFlag::SOCK_CLOEXEC,
-        None,
-    )
-    .unwrap();
-    bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(src, 0))).unwrap();
-    let to = SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
-    sock_connect(fd.as_raw_fd(), &to).unwrap();
-    let mut s = TcpStream::from(fd);
-    s.set_read_timeout(Some(WAIT)).unwrap();
+    let mut s = tcp_from(port, src, WAIT);
     let cfg = MpaConfig {
         crc: false,
         ..MpaConfig::default()

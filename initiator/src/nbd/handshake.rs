@@ -38,6 +38,19 @@ impl ExportInfo {
     }
 }
 
+/// What the handshake needs of a client's stream: bytes both ways and a read time-out (a
+/// socket; an in-memory pipe in the fuzz tests).
+pub(crate) trait ClientStream: Read + Write {
+    /// As `UnixStream::set_read_timeout`.
+    fn set_read_timeout(&mut self, t: Option<Duration>) -> std::io::Result<()>;
+}
+
+impl ClientStream for Stream {
+    fn set_read_timeout(&mut self, t: Option<Duration>) -> std::io::Result<()> {
+        Stream::set_read_timeout(self, t)
+    }
+}
+
 /// How the handshake ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Outcome {
@@ -56,8 +69,8 @@ pub(crate) enum Outcome {
 /// # Errors
 /// [`ConnError`]: a socket error, the deadline, a bad magic, unknown client flags, an unknown
 /// export in `NBD_OPT_EXPORT_NAME` (which cannot return an error), oversized option data.
-pub(crate) fn negotiate(
-    s: &mut Stream,
+pub(crate) fn negotiate<S: ClientStream>(
+    s: &mut S,
     ex: &ExportInfo,
     within: Duration,
 ) -> Result<Outcome, ConnError> {
@@ -99,8 +112,8 @@ pub(crate) fn negotiate(
 }
 
 /// Fills `buf` before `deadline`.
-fn read_by(
-    s: &mut Stream,
+fn read_by<S: ClientStream>(
+    s: &mut S,
     buf: &mut [u8],
     deadline: Instant,
     within: Duration,
@@ -219,6 +232,9 @@ fn answer(
         }
     }
 }
+
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
 
 #[cfg(test)]
 mod tests {

@@ -26,6 +26,9 @@
 //! of its own; [`Server::shutdown`] ends them (each finishes the requests it has read), then
 //! makes every write durable and disconnects.
 
+// Test-only: the fuzz targets' entry points (fuzz/, tests/tests/fuzz_corpus.rs).
+#[cfg(feature = "fuzzing")]
+pub mod fuzz;
 mod handshake;
 pub mod proto;
 mod server;

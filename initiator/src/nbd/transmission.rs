@@ -552,5 +552,8 @@ impl<'a> Client<'a> {
     }
 }
 
+#[cfg(feature = "fuzzing")]
+pub(crate) mod fuzz;
+
 #[cfg(test)]
 mod tests;

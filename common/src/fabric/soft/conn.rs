@@ -44,7 +44,7 @@ pub(crate) struct Negotiated {
     pub(crate) rx: RxConfig,
 }
 
-fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<MpaConfig> {
+pub(crate) fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<MpaConfig> {
     if private_data.len() > MAX_PRIVATE_DATA {
         return Err(Error::InvalidWorkRequest {
             reason: "private data longer than 240 bytes",
@@ -74,7 +74,7 @@ fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<Mpa
     })
 }
 
-fn finish(
+pub(crate) fn finish(
     n: mpa::Negotiated,
     params: &ConnParams,
     local_addr: SocketAddr,
@@ -346,41 +346,41 @@ impl Incoming {
 
 /// Judges a Request read in full: refuses (with a reject Reply) a malformed one.
 fn judge_request(mut s: TcpStream, peer: SocketAddr, raw: mpa::RawFrame) -> Result<Pending> {
-    let revision = raw.revision;
-    let refuse = |s: &mut TcpStream, e: WireError| {
-        if let Ok(b) = mpa::reject_reply(revision).encode() {
-            let _ = s.write_all(&b);
+    match judge(&raw) {
+        Ok((req, app)) => Ok(Pending {
+            stream: s,
+            peer,
+            req,
+            app,
+        }),
+        Err(e) => {
+            if let Ok(b) = mpa::reject_reply(raw.revision).encode() {
+                let _ = s.write_all(&b);
+            }
+            Err(handshake_err(peer, e))
         }
-        handshake_err(peer, e)
-    };
+    }
+}
+
+/// The socket-free part of [`judge_request`]: the Request and its application bytes, or why it
+/// is refused.
+pub(crate) fn judge(raw: &mpa::RawFrame) -> std::result::Result<(MpaFrame, Vec<u8>), WireError> {
     if raw.oversize() {
-        let e = WireError::PrivateDataTooLong {
+        return Err(WireError::PrivateDataTooLong {
             len: raw.pd_len,
             max: mpa::MAX_PRIVATE_DATA,
-        };
-        return Err(refuse(&mut s, e));
+        });
     }
-    let buf = raw.bytes;
-    let req = match MpaFrame::decode(&buf) {
-        Ok(Some((f, _))) if f.kind == mpa::MpaKind::Request => f,
-        Ok(_) => {
-            let e = WireError::BadMpaKey {
+    let req = match MpaFrame::decode(&raw.bytes)? {
+        Some((f, _)) if f.kind == mpa::MpaKind::Request => f,
+        _ => {
+            return Err(WireError::BadMpaKey {
                 expected: Some(mpa::MpaKind::Request),
-            };
-            return Err(refuse(&mut s, e));
+            })
         }
-        Err(e) => return Err(refuse(&mut s, e)),
     };
-    let app = match Caps::decode(&req.private_data) {
-        Ok(c) => c.app,
-        Err(e) => return Err(refuse(&mut s, e)),
-    };
-    Ok(Pending {
-        stream: s,
-        peer,
-        req,
-        app,
-    })
+    let app = Caps::decode(&req.private_data)?.app;
+    Ok((req, app))
 }
 
 /// A connection whose MPA Request was read and awaits an answer.

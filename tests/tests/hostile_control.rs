@@ -1,0 +1,275 @@
+//! Hostile peers on the control plane and floods, against the real `rpma-target`: a replayed
+//! and a reflected authentication response, messages out of place, floods of zero-length
+//! FPDUs. As in hostile_wire.rs: each gets its specific refusal, its connection closes (or,
+//! for what the protocol allows, costs nothing and places nothing), SUB's namespaces are
+//! unchanged and the legitimate host is served throughout. Every wait has a deadline.
+
+mod hostile;
+
+use std::io::{ErrorKind, Write};
+use std::time::{Duration, Instant};
+
+use hostile::{FromTarget, Suite};
+use rpma_common::fabric::soft::wire::{Header, Opcode, TermCause};
+use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
+use rpma_common::proto::nqn::DISCOVERY_NQN;
+use rpma_common::proto::{
+    AuthResponse, Connect, FlushRequest, FlushStatus, HostId, Message, RefusalReason,
+};
+use rpma_tests::nqn;
+use rpma_tests::sessions::{KEY, KEYED, OPEN_HOST, PLAIN, SUB, WAIT};
+
+/// Connect as KEYED to SUB: the target's challenge.
+fn keyed_connect(p: &mut hostile::Peer, id: HostId) -> rpma_common::proto::AuthChallenge {
+    p.message(&Message::Connect(Connect {
+        host_nqn: nqn(KEYED),
+        subsystem_nqn: nqn(SUB),
+        host_id: id,
+        queue_id: 0,
+        // Long enough that the session outlives the attacks beside it without keep-alives.
+        keep_alive_ms: 60_000,
+    }));
+    match p.next_message() {
+        Message::AuthChallenge(c) => c,
+        other => panic!("expected a challenge, got {other:?}"),
+    }
+}
+
+/// The next message is a Refusal for `reason`, and the target closes the connection.
+fn refused(p: &mut hostile::Peer, reason: RefusalReason, case: &str) {
+    match p.next_message() {
+        Message::Refusal(r) => assert_eq!(r.reason, reason, "{case}: {r:?}"),
+        other => panic!("{case}: expected a Refusal, got {other:?}"),
+    }
+    assert!(p.closed(), "{case}: the connection stayed open");
+}
+
+#[test]
+fn recorded_or_reflected_auth_responses_are_refused() {
+    let mut s = Suite::start("");
+    let id = HostId([0x5A; 16]);
+    let psk = || Psk::from_hex(&KEY.repeat(32)).unwrap();
+    let ctx = AuthContext {
+        host_nqn: nqn(KEYED),
+        subsystem_nqn: nqn(SUB),
+        host_id: id,
+    };
+    // The real host authenticates; an eavesdropper records its response.
+    let mut host = s.peer();
+    let ch = keyed_connect(&mut host, id);
+    let (awaiting, recorded) = HostAuth::new(psk(), ctx.clone()).on_challenge(&ch).unwrap();
+    host.message(&Message::AuthResponse(recorded.clone()));
+    match host.next_message() {
+        Message::AuthConfirm(c) => awaiting.on_confirm(&c).unwrap(),
+        other => panic!("expected AuthConfirm, got {other:?}"),
+    }
+    assert!(matches!(host.next_message(), Message::ConnectResponse(_)));
+
+    // The replay, on a connection of its own: a fresh challenge, so the proof fails.
+    let mut p = s.peer();
+    let ch2 = keyed_connect(&mut p, id);
+    assert_ne!(ch2.target_nonce, ch.target_nonce);
+    p.message(&Message::AuthResponse(recorded));
+    refused(&mut p, RefusalReason::AuthFailed, "replayed auth response");
+    s.unchanged("replayed auth response");
+
+    // The target's own nonce sent back as the host's.
+    let mut p = s.peer();
+    let ch3 = keyed_connect(&mut p, id);
+    p.message(&Message::AuthResponse(AuthResponse {
+        host_nonce: ch3.target_nonce,
+        host_mac: [0; 32],
+    }));
+    refused(&mut p, RefusalReason::AuthFailed, "reflected auth nonce");
+    s.unchanged("reflected auth nonce");
+
+    // The authenticated session was not disturbed by either.
+    host.message(&Message::FlushRequest(FlushRequest {
+        nsid: 1,
+        offset: 0,
+        length: 4096,
+        token: 5,
+    }));
+    match host.next_message() {
+        Message::FlushResponse(r) => assert_eq!((r.token, r.status), (5, FlushStatus::Durable)),
+        other => panic!("{other:?}"),
+    }
+    s.finish();
+}
+
+#[test]
+fn messages_out_of_place_end_their_connection() {
+    let mut s = Suite::start("");
+    // Before Connect: anything else is a protocol error.
+    let mut p = s.peer();
+    p.message(&Message::FlushRequest(FlushRequest {
+        nsid: 1,
+        offset: 0,
+        length: 8,
+        token: 1,
+    }));
+    refused(
+        &mut p,
+        RefusalReason::ProtocolError,
+        "FlushRequest before Connect",
+    );
+    s.unchanged("FlushRequest before Connect");
+
+    // A second Connect in a session: the session ends with a Disconnect naming why.
+    let mut p = s.peer();
+    p.admit();
+    p.connect(PLAIN, SUB);
+    match p.next_message() {
+        Message::Disconnect(d) => assert!(d.reason.contains("protocol error"), "{d:?}"),
+        other => panic!("expected a Disconnect, got {other:?}"),
+    }
+    assert!(p.closed(), "a second Connect: the connection stayed open");
+    s.unchanged("a second Connect in a session");
+
+    // A discovery session asked to flush.
+    let mut p = s.peer();
+    p.connect(OPEN_HOST, DISCOVERY_NQN);
+    assert!(matches!(p.next_message(), Message::ConnectResponse(_)));
+    p.message(&Message::FlushRequest(FlushRequest {
+        nsid: 1,
+        offset: 0,
+        length: 8,
+        token: 2,
+    }));
+    match p.next_message() {
+        Message::Disconnect(d) => assert!(d.reason.contains("discovery"), "{d:?}"),
+        other => panic!("expected a Disconnect, got {other:?}"),
+    }
+    assert!(
+        p.closed(),
+        "a flush on a discovery session: the connection stayed open"
+    );
+    s.unchanged("FlushRequest on a discovery session");
+
+    // A Send that is no message at all (zero bytes) before Connect.
+    let mut p = s.peer();
+    p.send(&[]);
+    refused(&mut p, RefusalReason::ProtocolError, "an empty Send");
+    s.unchanged("an empty Send");
+    s.finish();
+}
+
+/// Writes `fpdu` back to back, `count` times or for `for_how_long` or until the target closes,
+/// ending on an FPDU boundary: the FPDUs sent, and whether the target closed the connection.
+fn flood(p: &mut hostile::Peer, fpdu: &[u8], count: u64, for_how_long: Duration) -> (u64, bool) {
+    let batch: Vec<u8> = fpdu.repeat((64 << 10) / fpdu.len());
+    let until = Instant::now() + for_how_long;
+    let max_bytes = count.saturating_mul(fpdu.len() as u64);
+    let (mut bytes, mut at) = (0u64, 0usize);
+    p.s.set_write_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    let cut = loop {
+        if at == batch.len() {
+            if Instant::now() >= until || bytes >= max_bytes {
+                break false;
+            }
+            at = 0;
+        }
+        match p.s.write(&batch[at..]) {
+            Ok(n) => {
+                at += n;
+                bytes += n as u64;
+            }
+            // The target is behind and its socket buffer full.
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if Instant::now() >= until + WAIT {
+                    panic!("the target stopped reading a flood");
+                }
+            }
+            Err(_) => break true,
+        }
+    };
+    p.s.set_write_timeout(Some(WAIT)).unwrap();
+    (bytes / fpdu.len() as u64, cut)
+}
+
+#[test]
+fn floods_of_zero_length_fpdus_cost_nothing_and_change_nothing() {
+    // A short handshake deadline: a connection that floods instead of sending its Connect is
+    // closed at it, however busy it keeps the target.
+    let mut s = Suite::start("handshake_timeout_ms = 2000");
+    let started = Instant::now();
+    let mut p = s.peer();
+    // Zero-length Writes place nothing (one is the peer-to-peer RTR), whatever STag they name.
+    let z = p.write_fpdu(s.legit.desc.rkey, s.legit.desc.remote_addr, &[]);
+    let ops = s.legit.ops();
+    let (sent, cut) = flood(&mut p, &z, u64::MAX, Duration::from_secs(4));
+    assert!(
+        s.legit.ops() > ops,
+        "the legitimate host made no progress during the flood"
+    );
+    s.legit.progressed("a flood of zero-length Writes");
+    assert!(
+        cut,
+        "the flooding connection was not closed at its handshake deadline"
+    );
+    let took = started.elapsed();
+    assert!(
+        took < Duration::from_secs(2) + WAIT,
+        "closed after {took:?}"
+    );
+    eprintln!("{sent} zero-length Writes before the deadline closed the connection");
+    s.unchanged("a flood of zero-length Writes before Connect");
+
+    // In a session the same flood is within the protocol: nothing placed, the session still
+    // answers, and the target stays responsive to everyone else. (A bounded one: the target
+    // drains it in order, and the session's own keep-alive waits behind it.)
+    let mut p = s.peer();
+    let r = p.admit();
+    let n1 = hostile::ns(&r, 1).clone();
+    let z = p.write_fpdu(n1.rkey, n1.remote_addr, &[]);
+    let (sent, cut) = flood(&mut p, &z, 50_000, Duration::from_secs(2));
+    assert!(!cut, "a session flooding zero-length Writes was closed");
+    s.legit
+        .progressed("a flood of zero-length Writes in a session");
+    p.message(&Message::FlushRequest(FlushRequest {
+        nsid: 1,
+        offset: 0,
+        length: 8,
+        token: 3,
+    }));
+    loop {
+        match p.next(WAIT) {
+            Some(FromTarget::Message(Ok(Message::FlushResponse(f)))) => {
+                assert_eq!((f.token, f.status), (3, FlushStatus::Durable));
+                break;
+            }
+            Some(FromTarget::Other(_)) => {}
+            other => panic!("after {sent} zero-length Writes: {other:?}"),
+        }
+    }
+    s.unchanged("a flood of zero-length Writes in a session");
+
+    // Zero-length Sends each take a receive slot: the first is no message (a protocol error),
+    // and the rest find no posted receive.
+    let mut p = s.peer();
+    let mut burst = Vec::new();
+    for msn in 1..=64 {
+        burst.extend(p.fpdu(Header::untagged(Opcode::Send, msn, true), &[]));
+    }
+    p.raw(&burst);
+    let mut terminated = false;
+    let deadline = Instant::now() + WAIT;
+    while Instant::now() < deadline {
+        match p.next(WAIT) {
+            Some(FromTarget::Terminate(t)) => {
+                assert_eq!(t.cause, TermCause::DDP_UNTAGGED_NO_BUFFER);
+                terminated = true;
+            }
+            Some(FromTarget::Closed) => break,
+            Some(_) => {}
+            None => panic!("a flood of zero-length Sends: the connection stayed open"),
+        }
+    }
+    assert!(
+        terminated,
+        "a flood of zero-length Sends was not terminated"
+    );
+    s.unchanged("a flood of zero-length Sends");
+    s.finish();
+}
