@@ -272,6 +272,7 @@ fn control_message() -> Vec<Vec<u8>> {
         atomic_write_unit: 8,
         read_only: false,
         failure: Some("EIO from msync".into()),
+        simulation: Some("power-loss simulation (test only)".into()),
     };
     let msgs = vec![
         Message::Connect(connect),
