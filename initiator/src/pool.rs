@@ -255,15 +255,56 @@ impl Pool {
 
     /// Held writes of namespace `ns` inside `[start, end)` (all of them if `all`) become free.
     /// Returns how many.
+    ///
+    /// A held write stays held, although its range is durable, while an older write (held or
+    /// still in flight) that overlaps it stays: a replay after a lost connection re-issues the
+    /// older one, and without the newer one after it the older bytes would land over an
+    /// acknowledged write. A persist of the held ranges, or an APM that covers them all, frees
+    /// both later.
     pub(crate) fn release_held(&mut self, ns: usize, start: u64, end: u64, all: bool) -> usize {
-        let mut n = 0;
-        for i in 0..self.slots.len() {
-            if let Slot::Held(w) = self.slots[i] {
-                let inside = w.offset >= start && w.offset + w.len as u64 <= end;
-                if w.ns == ns && (all || inside) {
-                    self.set(i, Slot::Free);
-                    n += 1;
+        let mine = |s: &Slot| match *s {
+            Slot::Held(w) | Slot::Writing(w) if w.ns == ns => Some(w),
+            _ => None,
+        };
+        let mut free: Vec<bool> = self
+            .slots
+            .iter()
+            .map(|s| match *s {
+                Slot::Held(w) if w.ns == ns => {
+                    all || (w.offset >= start && w.offset + w.len as u64 <= end)
                 }
+                _ => false,
+            })
+            .collect();
+        if !all {
+            // Until nothing changes: keeping one write may keep a newer one over it.
+            let mut changed = true;
+            while changed {
+                changed = false;
+                for i in 0..self.slots.len() {
+                    let Some(w) = mine(&self.slots[i]).filter(|_| free[i]) else {
+                        continue;
+                    };
+                    let shadowed = self.slots.iter().enumerate().any(|(j, s)| {
+                        mine(s).is_some_and(|o| {
+                            !free[j]
+                                && o.seq < w.seq
+                                && o.offset < w.offset + w.len as u64
+                                && w.offset < o.offset + o.len as u64
+                        })
+                    });
+                    if shadowed {
+                        free[i] = false;
+                        changed = true;
+                    }
+                }
+            }
+        }
+        let mut n = 0;
+        for (i, f) in free.into_iter().enumerate() {
+            if f {
+                self.set(i, Slot::Free);
+                n += 1;
             }
         }
         n
@@ -317,6 +358,43 @@ mod tests {
             seq,
             notify: false,
         }
+    }
+
+    /// A durable acknowledgement of a newer write inside an older, larger held write must not
+    /// free the newer one alone: the replay would re-issue only the older write and put its
+    /// stale bytes back over the acknowledged ones.
+    #[test]
+    fn an_acknowledged_write_under_an_older_held_one_stays_for_the_replay() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 4, 1 << 17).unwrap();
+        let (old, new, other) = (
+            p.take_free().unwrap(),
+            p.take_free().unwrap(),
+            p.take_free().unwrap(),
+        );
+        p.set(old, Slot::Held(rec(0, 0, 1 << 17, 1)));
+        p.set(new, Slot::Held(rec(0, 4096, 4096, 2)));
+        // Newer than `new` and overlapping it, but outside the older write's shadow: free.
+        p.set(other, Slot::Held(rec(0, 1 << 20, 4096, 3)));
+        assert_eq!(p.release_held(0, 4096, 8192, false), 0);
+        assert_eq!(p.release_held(0, 1 << 20, (1 << 20) + 4096, false), 1);
+        let held = p.on_connection_lost();
+        assert_eq!(
+            held.iter()
+                .map(|(_, w)| (w.offset, w.seq))
+                .collect::<Vec<_>>(),
+            [(0, 1), (4096, 2)],
+            "the replay re-applies the acknowledged write after the older one"
+        );
+        // An in-flight older write shadows as well.
+        p.set(old, Slot::Writing(rec(0, 0, 1 << 17, 1)));
+        assert_eq!(p.release_held(0, 4096, 8192, false), 0);
+        // A persist of the whole held span frees both; APM frees every held write.
+        p.set(old, Slot::Held(rec(0, 0, 1 << 17, 1)));
+        assert_eq!(p.release_held(0, 0, 1 << 17, false), 2);
+        p.set(old, Slot::Held(rec(0, 0, 1 << 17, 4)));
+        p.set(new, Slot::Held(rec(0, 4096, 4096, 5)));
+        assert_eq!(p.release_held(0, 0, 0, true), 2);
     }
 
     #[test]
