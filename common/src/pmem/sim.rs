@@ -192,7 +192,18 @@ impl Sim {
         opts: Simulation,
     ) -> Result<Arc<Sim>, OpenError> {
         let key = key_of(media)?;
-        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let mut reg = loop {
+            let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+            // An entry nobody holds any more is a simulation whose Drop is about to take the
+            // lock and write its working copy back: reading the media before that would
+            // lose what the clean close writes.
+            if reg.get(&key).is_some_and(|w| w.strong_count() == 0) {
+                drop(reg);
+                std::thread::sleep(std::time::Duration::from_millis(1));
+                continue;
+            }
+            break reg;
+        };
         if let Some(live) = reg.get(&key).and_then(Weak::upgrade) {
             let fits = live.matches(len, Some(unit), opts);
             // Unlocked before `live` may be dropped: if it is the last reference, its Drop
@@ -323,6 +334,7 @@ impl Sim {
     /// A persist (or the sync of the flush service) of a range: its units reach the media.
     pub(super) fn persist(&self, offset: usize, len: usize) -> io::Result<()> {
         let mut st = self.lock();
+        self.powered()?;
         st.stats.events += 1;
         self.evict(&mut st)?;
         if len == 0 || self.opts.broken_persist {
@@ -336,6 +348,7 @@ impl Sim {
     /// A flush: its units reach the media at the next drain.
     pub(super) fn flush(&self, offset: usize, len: usize) -> io::Result<()> {
         let mut st = self.lock();
+        self.powered()?;
         st.stats.events += 1;
         self.evict(&mut st)?;
         if len == 0 || self.opts.broken_persist {
@@ -353,9 +366,20 @@ impl Sim {
         Ok(())
     }
 
+    /// After [`lose_power`](Self::lose_power) nothing reaches the media any more: every other
+    /// handle of the simulation lost its cache too, so its persists fail rather than answer
+    /// durable. Checked under the state lock, which `lose_power` takes.
+    fn powered(&self) -> io::Result<()> {
+        if self.lost.load(Ordering::SeqCst) {
+            return Err(io::Error::other("the simulated power is off"));
+        }
+        Ok(())
+    }
+
     /// A drain: every flushed range reaches the media.
     pub(super) fn drain(&self) -> io::Result<()> {
         let mut st = self.lock();
+        self.powered()?;
         st.stats.events += 1;
         self.evict(&mut st)?;
         self.drain_pending(&mut st)
@@ -425,7 +449,11 @@ impl Sim {
     /// The simulated power loss of this process's cache: nothing more reaches the media from
     /// this simulation, and the next open reads the media again.
     pub(super) fn lose_power(&self) {
+        // Under the state lock: no copy to the media is under way when this returns, and
+        // none starts after it.
+        let st = self.lock();
         self.lost.store(true, Ordering::SeqCst);
+        drop(st);
         let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
         if reg
             .get(&self.key)

@@ -432,3 +432,22 @@ fn labels_name_the_simulation_and_a_broken_persist() {
     assert_eq!(plain.domain_label(), "volatile");
     assert!(plain.simulation().is_none() && plain.simulation_stats().is_none());
 }
+
+#[test]
+fn after_a_power_loss_the_other_openings_reach_the_media_no_more() {
+    let (_d, _s, files) = stores();
+    for (path, dax) in &files {
+        let a = open(path, *dax, strict());
+        let b = open(path, *dax, strict());
+        a.simulate_power_loss();
+        b.write_at(100, b"after").unwrap();
+        assert!(
+            b.persist(100, 5).is_err(),
+            "a dead cache answers no persist"
+        );
+        assert_eq!(media(path, 100, 5), [0; 5]);
+        // Nor does its close write the dead cache back.
+        drop(b);
+        assert_eq!(media(path, 100, 5), [0; 5]);
+    }
+}
