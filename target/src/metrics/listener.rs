@@ -277,8 +277,29 @@ fn read_head(conn: &mut impl Read, set_timeout: impl Fn(Duration)) -> Result<Vec
     }
 }
 
+/// Writes all of `buf` within `deadline`, or fails: a socket's write timeout bounds each send
+/// only, so a client that reads a little now and then would hold a scrape slot for as long as
+/// it likes.
+fn write_within(conn: &mut TcpStream, buf: &[u8], deadline: Duration) -> std::io::Result<()> {
+    let until = Instant::now() + deadline;
+    let mut at = 0;
+    while at < buf.len() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        conn.set_write_timeout(Some(left))?;
+        match conn.write(&buf[at..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
 fn serve(mut conn: TcpStream, page: &PageFn) {
-    let _ = conn.set_write_timeout(Some(WRITE_DEADLINE));
     let sock = conn.try_clone();
     let set_timeout = |t| {
         if let Ok(s) = &sock {
@@ -303,7 +324,9 @@ fn serve(mut conn: TcpStream, page: &PageFn) {
             Request::Bad => response("400 Bad Request", &[], b"not an HTTP/1.x request\n"),
         },
     };
-    let _ = conn.write_all(&answer);
+    if write_within(&mut conn, &answer, WRITE_DEADLINE).is_err() {
+        return;
+    }
     // Unread request bytes (a body) would turn our close into a reset that can destroy the
     // answer before the client reads it: half-close, then drop what is left, briefly.
     let _ = conn.shutdown(Shutdown::Write);

@@ -135,3 +135,38 @@ fn dropping_the_server_closes_the_port() {
     let err = MetricsServer::bind(taken.local_addr().unwrap(), page).unwrap_err();
     assert!(matches!(err, ListenerError::Bind { .. }), "{err}");
 }
+
+/// A client that reads a little now and then cannot stretch an answer past the deadline (a
+/// socket write timeout alone bounds each send, not the answer).
+#[test]
+fn a_slow_reader_does_not_stretch_an_answer_past_the_deadline() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let stop2 = Arc::clone(&stop);
+    let reader = std::thread::spawn(move || {
+        let mut c = TcpStream::connect(addr).unwrap();
+        let mut b = [0u8; 4096];
+        // 4 KiB every 20 ms: progress, but far slower than the answer needs.
+        while let Ok(n) = c.read(&mut b) {
+            if n == 0 || stop2.load(Ordering::Relaxed) {
+                break;
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    let (mut conn, _) = l.accept().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let t = Instant::now();
+        let r = write_within(&mut conn, &vec![7u8; 256 << 20], Duration::from_millis(500));
+        let _ = tx.send((r.map_err(|e| e.kind()), t.elapsed()));
+    });
+    let (r, took) = rx
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the write gave up within its deadline");
+    assert_eq!(r, Err(ErrorKind::TimedOut));
+    assert!(took < Duration::from_secs(3), "{took:?}");
+    stop.store(true, Ordering::Relaxed);
+    reader.join().unwrap();
+}
