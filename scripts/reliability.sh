@@ -81,9 +81,11 @@ fi
 if wants fuzz; then
     echo >>"$out"
     echo "## fuzzing (scripts/fuzz.sh --seconds $fuzz_seconds per target)" >>"$out"
-    if ! bash scripts/fuzz.sh --seconds "$fuzz_seconds" >>"$out" 2>&1; then
+    # The build and libFuzzer's own output go to a log beside the figures; the figures table
+    # into them. The corpus grows in fuzz/corpus: `scripts/fuzz.sh --minimize` before committing.
+    if ! bash scripts/fuzz.sh --seconds "$fuzz_seconds" >>"$out" 2>"$(dirname "$out")/fuzz.log"; then
         status=1
-        echo "fuzzing: FAILED (a crash: see the artifacts scripts/fuzz.sh names)" >>"$out"
+        echo "fuzzing: FAILED (a crash: fuzz/artifacts/TARGET/; log: $(dirname "$out")/fuzz.log)" >>"$out"
     fi
 fi
 cat "$out"
