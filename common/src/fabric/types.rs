@@ -294,6 +294,24 @@ impl SendWr {
         self.flags = flags;
         self
     }
+
+    /// The flag rule every transport enforces: a solicited event only on a Send or a
+    /// WriteWithImm.
+    pub(crate) fn check_solicited(&self) -> super::error::Result<()> {
+        if self.flags.contains(SendFlags::SOLICITED)
+            && !matches!(
+                self.op,
+                SendOp::Send { .. }
+                    | SendOp::SendWithInvalidate { .. }
+                    | SendOp::WriteWithImm { .. }
+            )
+        {
+            return Err(super::error::Error::InvalidWorkRequest {
+                reason: "solicited event only on Send and WriteWithImm",
+            });
+        }
+        Ok(())
+    }
 }
 
 /// A receive-queue work request (`ibv_recv_wr`).

@@ -447,19 +447,7 @@ impl Qp {
             // rdma-core 44 has no flush verb: never offered on this transport.
             SendOp::Flush { .. } => return Err(Error::PeerUnsupported { op: "Flush" }),
         }
-        if wr.flags.contains(SendFlags::SOLICITED)
-            && !matches!(
-                wr.op,
-                SendOp::Send { .. }
-                    | SendOp::SendWithInvalidate { .. }
-                    | SendOp::WriteWithImm { .. }
-            )
-        {
-            return Err(Error::InvalidWorkRequest {
-                reason: "solicited event only on Send and WriteWithImm",
-            });
-        }
-        Ok(())
+        wr.check_solicited()
     }
 
     /// Posts every request of `wrs` (all `Some`) with one doorbell, or none of them.

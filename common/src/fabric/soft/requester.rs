@@ -127,19 +127,7 @@ impl Engine {
             }
             SendOp::Flush { .. } => self.peer_has(|i| i.peer_flush, "Flush")?,
         }
-        if wr.flags.contains(SendFlags::SOLICITED)
-            && !matches!(
-                wr.op,
-                SendOp::Send { .. }
-                    | SendOp::SendWithInvalidate { .. }
-                    | SendOp::WriteWithImm { .. }
-            )
-        {
-            return Err(Error::InvalidWorkRequest {
-                reason: "solicited event only on Send and WriteWithImm",
-            });
-        }
-        Ok(())
+        wr.check_solicited()
     }
 
     /// Starts posted requests in order, as far as ORD and fences allow.
