@@ -268,6 +268,38 @@ pub enum SendOp {
     },
 }
 
+impl SendOp {
+    /// What a completion of this request reports (every transport keeps it with the posted
+    /// request: a failed completion's own opcode is undefined).
+    pub(crate) fn wc_opcode(&self) -> WcOpcode {
+        match self {
+            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
+            SendOp::Read { .. } => WcOpcode::RdmaRead,
+            SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
+            SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
+            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
+            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
+            SendOp::Flush { .. } => WcOpcode::Flush,
+        }
+    }
+}
+
+/// The shape every transport demands of a CompareSwap or FetchAdd: an 8-byte result buffer
+/// and an 8-byte aligned target.
+pub(crate) fn check_atomic_args(local: &Sge, remote: RemoteAddr) -> super::error::Result<()> {
+    if local.len != 8 {
+        return Err(super::error::Error::InvalidWorkRequest {
+            reason: "atomic result buffer must be 8 bytes",
+        });
+    }
+    if !remote.addr.is_multiple_of(8) {
+        return Err(super::error::Error::InvalidWorkRequest {
+            reason: "atomic target must be 8-byte aligned",
+        });
+    }
+    Ok(())
+}
+
 /// A send-queue work request (`ibv_send_wr`).
 #[derive(Debug, Clone)]
 pub struct SendWr {

@@ -420,16 +420,7 @@ impl Qp {
             }
             SendOp::CompareSwap { local, remote, .. } | SendOp::FetchAdd { local, remote, .. } => {
                 self.check_sge(local, Access::LOCAL_WRITE)?;
-                if local.len != 8 {
-                    return Err(Error::InvalidWorkRequest {
-                        reason: "atomic result buffer must be 8 bytes",
-                    });
-                }
-                if !aligned(remote.addr) {
-                    return Err(Error::InvalidWorkRequest {
-                        reason: "atomic target must be 8-byte aligned",
-                    });
-                }
+                crate::fabric::types::check_atomic_args(local, *remote)?;
                 if c.peer_flags & caps::ATOMICS == 0 || !self.dev.caps().atomics {
                     return Err(Error::PeerUnsupported { op: "atomics" });
                 }
@@ -509,7 +500,7 @@ impl Qp {
 
     fn push_slots(&self, c: &mut Core, wrs: &mut [Option<SendWr>]) {
         for wr in wrs.iter_mut().filter_map(Option::take) {
-            let opcode = translate::opcode_of(&wr.op);
+            let opcode = wr.op.wc_opcode();
             let (local, byte_len) = match wr.op {
                 SendOp::Write { local, .. }
                 | SendOp::WriteWithImm { local, .. }

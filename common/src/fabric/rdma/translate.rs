@@ -135,20 +135,6 @@ pub(crate) fn is_recv(o: wo::Type) -> bool {
     o & wo::IBV_WC_RECV != 0
 }
 
-/// What a completion of a posted request reports (its own record: a completion's `opcode` is
-/// undefined when it failed).
-pub(crate) fn opcode_of(op: &SendOp) -> WcOpcode {
-    match op {
-        SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
-        SendOp::Read { .. } => WcOpcode::RdmaRead,
-        SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
-        SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
-        SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
-        SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
-        SendOp::Flush { .. } => WcOpcode::Flush,
-    }
-}
-
 /// A work request, as verbs wants its fields: the neutral form both posting paths
 /// (`ibv_post_send` and the `ibv_wr_*` calls) are built from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -690,22 +676,24 @@ mod tests {
         let l = sge();
         let remote = RemoteAddr { addr: 8, rkey: 1 };
         assert_eq!(
-            opcode_of(&SendOp::WriteWithImm {
+            (SendOp::WriteWithImm {
                 local: l.clone(),
                 remote,
                 imm: 0
-            }),
+            })
+            .wc_opcode(),
             WcOpcode::RdmaWrite
         );
         assert_eq!(
-            opcode_of(&SendOp::SendWithInvalidate {
+            (SendOp::SendWithInvalidate {
                 local: l,
                 invalidate_rkey: 0
-            }),
+            })
+            .wc_opcode(),
             WcOpcode::Send
         );
         assert_eq!(
-            opcode_of(&SendOp::AtomicWrite { remote, value: 0 }),
+            (SendOp::AtomicWrite { remote, value: 0 }).wc_opcode(),
             WcOpcode::AtomicWrite
         );
     }

@@ -12,7 +12,7 @@ use crate::fabric::soft::wire::rdmap::{
 };
 use crate::fabric::soft::wire::{Header, HeaderKind, Opcode};
 use crate::fabric::types::{
-    Access, FlushTarget, FlushType, QpState, SendFlags, SendOp, SendWr, Sge, WcOpcode,
+    check_atomic_args, Access, FlushTarget, FlushType, QpState, SendFlags, SendOp, SendWr, Sge,
 };
 
 impl Engine {
@@ -38,15 +38,7 @@ impl Engine {
 
     /// Appends a validated request to the send queue (not started yet).
     pub(super) fn enqueue(&mut self, wr: SendWr) {
-        let opcode = match &wr.op {
-            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
-            SendOp::Read { .. } => WcOpcode::RdmaRead,
-            SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
-            SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
-            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
-            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
-            SendOp::Flush { .. } => WcOpcode::Flush,
-        };
+        let opcode = wr.op.wc_opcode();
         let byte_len = match &wr.op {
             SendOp::Write { local, .. }
             | SendOp::WriteWithImm { local, .. }
@@ -105,16 +97,7 @@ impl Engine {
             }
             SendOp::CompareSwap { local, remote, .. } | SendOp::FetchAdd { local, remote, .. } => {
                 self.check_sge(local, Access::LOCAL_WRITE)?;
-                if local.len != 8 {
-                    return Err(Error::InvalidWorkRequest {
-                        reason: "atomic result buffer must be 8 bytes",
-                    });
-                }
-                if !aligned(remote.addr) {
-                    return Err(Error::InvalidWorkRequest {
-                        reason: "atomic target must be 8-byte aligned",
-                    });
-                }
+                check_atomic_args(local, *remote)?;
                 self.peer_has(|i| i.peer_atomics, "atomics (RFC 7306)")?;
             }
             SendOp::AtomicWrite { remote, .. } => {
