@@ -14,11 +14,13 @@
 //! - [`cachestat`]: what the page cache holds unsynced;
 //! - [`stress`]: what the link-fault and load tests share: short/long runs, a seeded random
 //!   source, the target's footprint (sessions, regions, pools, fds, memory), self-describing
-//!   blocks.
-//! - [`crash`]: the crash-consistency harness behind the `rpma-crash` binary.
+//!   blocks;
+//! - [`crash`]: the crash-consistency harness behind the `rpma-crash` binary;
+//! - [`transport`]: which transport a test runs over (`tcp`, or `rdma` in the
+//!   [`rdma_runs!`] twins of the tests that mean the same on both).
 //!
 //! Every wait has a deadline (polling, never a fixed sleep for bytes to arrive); ports are
-//! ephemeral; everything listens on 127.0.0.1 only.
+//! ephemeral; every tcp run listens on 127.0.0.1 only.
 
 pub mod bins;
 pub mod cachestat;
@@ -32,6 +34,7 @@ pub mod relay;
 pub mod sessions;
 pub mod stress;
 pub mod target;
+pub mod transport;
 
 pub use bins::{bin, bin_dir, built, free_port, repo_file, tcp_from, write_psk, Shm};
 pub use cachestat::unsynced_pages;
@@ -41,6 +44,7 @@ pub use initiator::{
 };
 pub use relay::{Fault, Relay};
 pub use target::{check_config, status, status_json, target_bin, Daemon, Target, READY_WITHIN};
+pub use transport::Transport;
 
 /// A temporary directory under the build directory's filesystem (a disk: namespaces there are
 /// page-cache, durable), removed on drop.

@@ -167,7 +167,8 @@ pub fn read8(s: &mut Session, remote: RemoteAddr) -> WcStatus {
 
 /// Connects a bare queue pair, sends `craft(encoded Connect)`, returns the target's answer.
 pub fn raw_exchange(url: &str, craft: impl FnOnce(Vec<u8>) -> Vec<u8>) -> Message {
-    let ctx = Context::soft();
+    let url = Url::parse(url).unwrap();
+    let ctx = Context::for_url(&url).unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(16).unwrap();
     let rmem = AlignedBuf::new(MAX_MESSAGE_SIZE).unwrap();
@@ -179,9 +180,7 @@ pub fn raw_exchange(url: &str, craft: impl FnOnce(Vec<u8>) -> Vec<u8>) -> Messag
             local: Some(Sge::whole(&rmr)),
         })
         .unwrap();
-    let qp = prepared
-        .connect(&Url::parse(url).unwrap(), &ConnParams::default(), &[])
-        .unwrap();
+    let qp = prepared.connect(&url, &ConnParams::default(), &[]).unwrap();
     let connect = Message::Connect(Connect {
         host_nqn: nqn(PLAIN),
         subsystem_nqn: nqn(SUB),

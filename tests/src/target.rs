@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 use nix::sys::signal::{kill, Signal};
 use nix::unistd::Pid;
 
+use crate::transport::Transport;
 use crate::{built, free_port, run_with_deadline, text};
 
 /// How long a target may take to say READY.
@@ -168,6 +169,8 @@ pub struct Target {
     dir: PathBuf,
     /// The listener's scheme and host (`tcp://127.0.0.1`, `rdma://192.0.2.1`).
     listen: String,
+    /// Its `listen = [...]` line.
+    listen_line: String,
     port: u16,
     env: Vec<(String, String)>,
     daemon: Option<Daemon>,
@@ -175,7 +178,8 @@ pub struct Target {
 }
 
 impl Target {
-    /// Writes `dir/target.toml` (a listener on an ephemeral port, a control socket, then
+    /// Writes `dir/target.toml` (a listener of the test's [`Transport`] on an ephemeral port, a
+    /// control socket, then
     /// `config`: top-level settings and the `[[subsystem]]` tables, e.g. a
     /// [`Config`](crate::Config)'s text) and starts the target; returns once it said READY=1.
     pub fn start(dir: &Path, config: &str) -> Target {
@@ -184,17 +188,33 @@ impl Target {
 
     /// As [`Target::start`], with extra environment variables for the daemon.
     pub fn start_with_env(dir: &Path, config: &str, env: &[(&str, &str)]) -> Target {
-        Target::start_on(dir, "tcp://127.0.0.1", config, env)
+        let t = Transport::current();
+        let port = free_port();
+        Target::launch(dir, t.listen(), port, t.listen_line(port), config, env)
     }
 
     /// As [`Target::start_with_env`], listening on `listen` (a scheme and host:
-    /// `tcp://127.0.0.1`, `rdma://192.0.2.1`) and an ephemeral port.
+    /// `tcp://127.0.0.1`, `rdma://192.0.2.1`, whatever the test's transport) and an ephemeral
+    /// port, with no `direct_write_to_pmem` declaration.
     pub fn start_on(dir: &Path, listen: &str, config: &str, env: &[(&str, &str)]) -> Target {
         let port = free_port();
-        write_config(dir, listen, port, config);
+        let line = format!("listen = [\"{listen}:{port}\"]");
+        Target::launch(dir, listen.to_owned(), port, line, config, env)
+    }
+
+    fn launch(
+        dir: &Path,
+        listen: String,
+        port: u16,
+        listen_line: String,
+        config: &str,
+        env: &[(&str, &str)],
+    ) -> Target {
+        write_config(dir, &listen_line, config);
         let mut t = Target {
             dir: dir.to_owned(),
-            listen: listen.to_owned(),
+            listen,
+            listen_line,
             port,
             env: env
                 .iter()
@@ -253,7 +273,8 @@ impl Target {
         &self.ready
     }
 
-    /// `tcp://127.0.0.1:PORT` (or the listener [`Target::start_on`] was given).
+    /// `tcp://127.0.0.1:PORT`, `rdma://ADDR:PORT` (the test's transport, or the listener
+    /// [`Target::start_on`] was given).
     pub fn url(&self) -> String {
         format!("{}:{}", self.listen, self.port)
     }
@@ -303,7 +324,7 @@ impl Target {
     /// Rewrites `target.toml` with the same listener and control socket and `config` after
     /// them (for a reload).
     pub fn rewrite(&self, config: &str) {
-        write_config(&self.dir, &self.listen, self.port, config);
+        write_config(&self.dir, &self.listen_line, config);
     }
 
     /// The next notification starting with `prefix`, skipping others, within `within`.
@@ -349,12 +370,11 @@ impl Target {
     }
 }
 
-/// Writes `dir/target.toml`: a listener on `listen` and `port`, the control socket
-/// `ctl.sock`, `config`.
-fn write_config(dir: &Path, listen: &str, port: u16, config: &str) {
+/// Writes `dir/target.toml`: the `listen_line`, the control socket `ctl.sock`, `config`.
+fn write_config(dir: &Path, listen_line: &str, config: &str) {
     std::fs::write(
         dir.join("target.toml"),
-        format!("listen = [\"{listen}:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{config}"),
+        format!("{listen_line}\ncontrol_socket = \"ctl.sock\"\n{config}"),
     )
     .expect("write target.toml");
 }

@@ -381,3 +381,5 @@ fn discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key() {
         [OPEN]
     );
 }
+
+rpma_tests::rdma_runs!(discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key,);

@@ -122,3 +122,5 @@ fn an_unknown_job_option_exits_2_and_names_it() {
     assert_eq!(o.status.code(), Some(2), "{}", text(&o));
     assert!(text(&o).contains("does not fit"), "{}", text(&o));
 }
+
+rpma_tests::rdma_runs!(a_job_file_runs_verifies_and_reports_fio_json,);

@@ -6,16 +6,21 @@
 use std::process::Command;
 use std::time::Duration;
 
-use rpma_tests::{run_with_deadline, scratch, text};
+use rpma_tests::{run_with_deadline, scratch, text, Transport};
 
-/// `rpma-crash ARGS --quiet --json FILE`: its exit code and its report.
+/// `rpma-crash ARGS --quiet --json FILE` (and `--transport rdma` in the `rdma::` twins): its
+/// exit code and its report.
 fn crash(args: &[&str]) -> (Option<i32>, serde_json::Value, String) {
     let d = scratch();
     let json = d.path().join("report.json");
     let o = run_with_deadline(
         Command::new(env!("CARGO_BIN_EXE_rpma-crash"))
             .args(args)
-            .args(["--quiet", "--json", json.to_str().unwrap()]),
+            .args(["--quiet", "--json", json.to_str().unwrap()])
+            .args(match Transport::current() {
+                Transport::Tcp => &[][..],
+                Transport::Rdma { .. } => &["--transport", "rdma"],
+            }),
         Duration::from_secs(120),
     );
     let report = std::fs::read(&json)
@@ -83,6 +88,8 @@ fn bad_arguments_are_refused_with_the_usage() {
         &["--eviction-percent", "101"],
         &["--cycles", "0"],
         &["--frobnicate"],
+        &["--transport", "carrier-pigeon"],
+        &["--transport"],
     ] {
         let o = run_with_deadline(
             Command::new(env!("CARGO_BIN_EXE_rpma-crash")).args(args),
@@ -96,3 +103,25 @@ fn bad_arguments_are_refused_with_the_usage() {
         );
     }
 }
+
+#[test]
+fn an_rdma_run_needs_its_device_named() {
+    let o = run_with_deadline(
+        Command::new(env!("CARGO_BIN_EXE_rpma-crash"))
+            .args(["--transport", "rdma", "--cycles", "1"])
+            .env_remove("RPMA_TEST_RDMA_DEVICE")
+            .env_remove("RPMA_TEST_RDMA_ADDR"),
+        Duration::from_secs(10),
+    );
+    assert_eq!(o.status.code(), Some(64), "{}", text(&o));
+    assert!(
+        text(&o).contains("RPMA_TEST_RDMA_DEVICE is not set"),
+        "{}",
+        text(&o)
+    );
+}
+
+rpma_tests::rdma_runs!(
+    every_acknowledged_write_survives_a_few_power_losses,
+    a_broken_persist_is_caught_and_fails_the_run,
+);

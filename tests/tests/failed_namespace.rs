@@ -251,3 +251,7 @@ fn a_writeback_error_fails_the_namespace_for_every_host_until_a_reload_reopens_i
     }
     drop(t);
 }
+
+rpma_tests::rdma_runs!(
+    a_writeback_error_fails_the_namespace_for_every_host_until_a_reload_reopens_it,
+);

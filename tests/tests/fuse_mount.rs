@@ -265,7 +265,10 @@ fn bad_mount_requests_fail_cleanly() {
     assert!(!mounted(&missing));
     // A target that is not there: exit 3, and the mount point is left alone.
     let mnt = root.join("mnt");
-    let mut a = conn_args(&format!("tcp://127.0.0.1:{}", rpma_tests::free_port()), 1);
+    let mut a = conn_args(
+        &rpma_tests::Transport::current().url(rpma_tests::free_port()),
+        1,
+    );
     a.extend(
         [
             "--timeout",
@@ -350,3 +353,16 @@ fn sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused
     assert!(st.success(), "mount exited {st}:\n{}", m.log());
     m.assert_gone();
 }
+
+rpma_tests::rdma_runs!(
+    ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing,
+    fsynced_and_closed_writes_survive_a_sigkill_of_the_target_page_cache,
+    fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax,
+    bytes_cross_between_the_fuse_file_and_the_cli_both_ways,
+    the_file_has_a_fixed_size_and_refuses_writes_past_its_end,
+    a_read_only_namespace_is_mounted_read_only,
+    fsync_on_a_volatile_namespace_is_eio_unless_visible_ok,
+    bad_mount_requests_fail_cleanly,
+    sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmount,
+    sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused,
+);

@@ -513,3 +513,10 @@ fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
     assert!(out.contains("durable (APM, page-cache)"), "{out}");
     assert_eq!(dirty(0), 0, "APM's Read came after the range was synced");
 }
+
+rpma_tests::rdma_runs!(
+    every_subcommand_against_a_running_target,
+    durable_cli_write_survives_sigkill_of_the_target,
+    two_initiator_processes_on_separate_namespaces_do_not_interfere,
+    a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses,
+);

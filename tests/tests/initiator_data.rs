@@ -902,3 +902,19 @@ fn several_queues_of_one_connection_on_their_own_threads() {
         }
     }
 }
+
+rpma_tests::rdma_runs!(
+    reads_writes_methods_atomics_and_checks,
+    batches_made_durable_in_one_post_and_a_queue_persists_its_own_writes,
+    started_requests_keep_the_queue_full_and_report_each_completion,
+    forced_method_is_checked_when_the_queue_opens,
+    a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid,
+    queue_depth_32_with_many_outstanding_writes,
+    two_initiators_on_separate_namespaces_do_not_interfere,
+    durable_writes_survive_sigkill_on_page_cache,
+    durable_writes_survive_sigkill_on_forced_dax,
+    reconnect_gives_up_cleanly_at_its_limit,
+    default_reconnect_outlasts_a_slow_target_restart,
+    reconnect_timeout_bounds_the_time_spent,
+    several_queues_of_one_connection_on_their_own_threads,
+);

@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rpma_tests::{
-    free_port, status, status_json, target_bin, Config, Daemon, Namespace, Subsystem,
+    free_port, status, status_json, target_bin, Config, Daemon, Namespace, Subsystem, Transport,
 };
 
 /// The daemon on `config`, notifying `dir/notify.sock`, its stderr the test's.
@@ -42,14 +42,14 @@ fn write_config(dir: &Path, extra: Option<Namespace>) -> PathBuf {
     let port = std::fs::read_to_string(&p)
         .ok()
         .and_then(|old| {
-            let rest = old.split("tcp://127.0.0.1:").nth(1)?;
-            rest.split('"').next()?.parse().ok()
+            let url = old.lines().next()?.split('"').nth(1)?;
+            url.rsplit(':').next()?.parse().ok()
         })
         .unwrap_or_else(free_port);
     let mut ns = vec![Namespace::new(1, "ns1", "4MiB")];
     ns.extend(extra);
     let config = Config::new()
-        .set(&format!("listen = [\"tcp://127.0.0.1:{port}\"]"))
+        .set(&Transport::current().listen_line(port))
         .set("control_socket = \"run/control.sock\"")
         .subsystem(
             Subsystem::new("nqn.2026-11.io.rpma:demo")
@@ -205,3 +205,10 @@ fn status_errors() {
     let out = Command::new(target_bin()).output().unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+rpma_tests::rdma_runs!(
+    ready_status_reload_and_clean_stop,
+    sigint_also_stops_cleanly,
+    watchdog_pings_at_half_the_period,
+    second_daemon_on_the_same_socket_is_refused,
+);

@@ -184,3 +184,8 @@ fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
         reloaded.elapsed()
     );
 }
+
+rpma_tests::rdma_runs!(
+    idle_daemon_with_a_session_uses_no_cpu,
+    watchdog_pings_stop_while_a_poll_loop_is_stuck,
+);

@@ -478,3 +478,5 @@ fn thirty_two_connections_of_mixed_calls_leave_memory_and_fds_flat() {
         ],
     );
 }
+
+rpma_tests::rdma_runs!(thirty_two_connections_of_mixed_calls_leave_memory_and_fds_flat,);

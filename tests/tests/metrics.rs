@@ -552,3 +552,10 @@ fn refusals_terminates_and_keep_alive_lapses_are_counted() {
     }
     drop(s);
 }
+
+rpma_tests::rdma_runs!(
+    status_and_the_endpoint_count_exactly_what_a_workload_did,
+    a_real_prometheus_scrapes_exactly_the_bytes_and_flushes_written,
+    hostile_scrapers_are_refused_and_the_daemon_keeps_serving,
+    reload_starts_moves_and_stops_the_metrics_listener,
+);

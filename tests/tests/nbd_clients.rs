@@ -214,3 +214,10 @@ fn fio_nbd_randwrite_with_crc32c_verify_at_depth_8() {
         .max();
     assert!(most > Some(1), "depth 8 issued one at a time: {}", e.log());
 }
+
+rpma_tests::rdma_runs!(
+    qemu_io_across_block_boundaries_and_the_cli_see_the_same_bytes,
+    qemu_img_convert_compare_and_nbdcopy_round_trip,
+    nbdinfo_reports_size_block_sizes_and_honest_flags,
+    fio_nbd_randwrite_with_crc32c_verify_at_depth_8,
+);

@@ -151,3 +151,9 @@ fn volatile_flush_and_fua_fail_with_eio_unless_visible_ok() {
     assert_eq!(c.write(FUA, 4096, &[3; 4096]), 0);
     assert_eq!(c.flush(), 0);
 }
+
+rpma_tests::rdma_runs!(
+    fua_and_flush_answers_mean_durable_across_a_target_sigkill,
+    a_flush_after_the_queue_gave_up_answers_eio_once_per_connection,
+    volatile_flush_and_fua_fail_with_eio_unless_visible_ok,
+);

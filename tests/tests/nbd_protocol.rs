@@ -273,3 +273,11 @@ fn the_template_unit_passes_verify_and_its_command_line_gets_ready() {
     };
     assert_eq!(st.code(), Some(0));
 }
+
+rpma_tests::rdma_runs!(
+    bad_clients_lose_their_own_connection_and_change_nothing_else,
+    a_client_at_depth_32_has_32_requests_in_flight,
+    pipelined_overlapping_requests_keep_their_order,
+    sigterm_answers_what_was_sent_flushes_and_exits_0,
+    the_template_unit_passes_verify_and_its_command_line_gets_ready,
+);

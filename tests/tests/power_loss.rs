@@ -338,3 +338,10 @@ fn what_the_simulation_cannot_simulate_is_refused() {
         text(&out)
     );
 }
+
+rpma_tests::rdma_runs!(
+    a_sigkill_loses_exactly_what_was_not_persisted,
+    a_clean_stop_is_not_a_power_loss,
+    with_a_broken_persist_the_acknowledged_writes_are_lost,
+    the_simulated_domain_is_labelled_wherever_it_is_shown,
+);

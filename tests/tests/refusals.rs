@@ -146,3 +146,5 @@ fn rdma_listener_is_refused_at_start() {
     }
     assert!(err.contains(want), "{err}");
 }
+
+rpma_tests::rdma_runs!(each_refusal, connection_limit_refuses_the_next,);

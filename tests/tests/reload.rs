@@ -220,3 +220,11 @@ fn a_reload_that_would_grow_without_grow_changes_nothing() {
     );
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
+
+rpma_tests::rdma_runs!(
+    sighup_adds_a_namespace_while_a_session_stays_up,
+    sighup_removing_a_namespace_revokes_it_only,
+    sighup_removing_a_host_closes_its_session_only,
+    a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason,
+    a_reload_that_would_grow_without_grow_changes_nothing,
+);

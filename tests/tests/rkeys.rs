@@ -78,3 +78,5 @@ fn keep_alive_lapse_revokes_rkeys() {
     assert_eq!(&file[..5], b"alive", "the stale Write placed nothing");
     assert!(file[5..10].iter().all(|&b| b == 0));
 }
+
+rpma_tests::rdma_runs!(rkeys_are_per_connection, keep_alive_lapse_revokes_rkeys,);

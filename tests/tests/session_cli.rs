@@ -134,7 +134,7 @@ fn errors_have_their_exit_codes() {
     let (c, out) = code(&[
         "discover",
         "--target",
-        &format!("tcp://127.0.0.1:{port}"),
+        &rpma_tests::Transport::current().url(port),
         "--timeout",
         "2",
     ]);
@@ -150,3 +150,5 @@ fn errors_have_their_exit_codes() {
     let (c, _) = code(&["identify", "--target", &url]);
     assert_eq!(c, Some(2), "missing --nqn");
 }
+
+rpma_tests::rdma_runs!(discover_and_identify, errors_have_their_exit_codes,);

@@ -134,3 +134,8 @@ fn connect_response_grants_the_configured_queue_depth() {
     answered.sort_unstable();
     assert_eq!(answered, (1..=16).collect::<Vec<u64>>());
 }
+
+rpma_tests::rdma_runs!(
+    ready_means_accepting_identify_and_gpspm,
+    connect_response_grants_the_configured_queue_depth,
+);

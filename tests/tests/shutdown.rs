@@ -117,3 +117,8 @@ fn sigterm_answers_reach_wait_message() {
     assert_answered_a_prefix(answered);
     assert!(t.wait_exit(WAIT).success());
 }
+
+rpma_tests::rdma_runs!(
+    sigterm_during_flush_load_exits_zero,
+    sigterm_answers_reach_wait_message,
+);

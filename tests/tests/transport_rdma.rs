@@ -7,10 +7,12 @@
 //!
 //! Wherever a device exists: the scenarios below (connect, durable write and read back through
 //! the library and the CLI, GPSPM, atomics, a second session's rkey refused, a target restart)
-//! are written once and run over `tcp` always and over `rdma` in the
-//! `#[ignore = "requires an RDMA device"]` tests, which need `RPMA_TEST_RDMA_DEVICE` (the
-//! device, e.g. `rxe0`) and `RPMA_TEST_RDMA_ADDR` (an address of that device's netdev to listen
-//! on). docs/rdma.md sets up Soft-RoCE for them and says how to run them.
+//! run over `tcp` always and over `rdma` in their `rdma::` twins ([`rpma_tests::rdma_runs!`],
+//! like the rest of the end-to-end suite), `#[ignore = "requires an RDMA device"]`, which need
+//! `RPMA_TEST_RDMA_DEVICE` (the device, e.g. `rxe0`) and `RPMA_TEST_RDMA_ADDR` (an address of
+//! that device's netdev to listen on). Unlike the rest of the suite, the target here declares no
+//! `direct_write_to_pmem`: what it offers by default is part of what is tested. docs/rdma.md
+//! sets up Soft-RoCE for them and says how to run them.
 
 use std::path::Path;
 use std::process::Stdio;
@@ -22,73 +24,12 @@ use rpma_initiator::{connect, Connection, Durability, PersistMethod};
 use rpma_tests::sessions::write_then_read;
 use rpma_tests::{
     check_config, cli_read_with, cli_write_with, conn_args, free_port, host, initiator, noise, nqn,
-    opts, scratch, text, Config, Daemon, Namespace, Shm, Subsystem, Target,
+    opts, scratch, text, Config, Daemon, Namespace, Shm, Subsystem, Target, Transport,
 };
 
 const SUB: &str = "nqn.2026-11.io.rpma:rdma-e2e";
 const HOST: &str = "nqn.2026-11.io.rpma:rdma-host";
 const NO_DEVICE: &str = "no RDMA device found; use tcp://";
-
-/// Which transport a scenario runs over.
-enum Fabric {
-    Tcp,
-    /// An RDMA device's address to listen on (the target) and connect to (the initiator).
-    Rdma {
-        addr: String,
-    },
-}
-
-impl Fabric {
-    /// The RDMA device the environment names; panics with what to set when it names none
-    /// (the tests that call this are ignored unless asked for).
-    fn rdma() -> Fabric {
-        let need = |var: &str| {
-            std::env::var(var).unwrap_or_else(|_| {
-                panic!(
-                    "{var} is not set: the rdma runs need RPMA_TEST_RDMA_DEVICE (e.g. rxe0) and \
-                     RPMA_TEST_RDMA_ADDR (an address of its netdev); see docs/rdma.md"
-                )
-            })
-        };
-        let device = need("RPMA_TEST_RDMA_DEVICE");
-        let addr = need("RPMA_TEST_RDMA_ADDR");
-        #[cfg(feature = "rdma")]
-        {
-            use rpma_common::fabric::{rdma_devices, Context, Url};
-            let names: Vec<String> = rdma_devices()
-                .expect("listing RDMA devices")
-                .into_iter()
-                .map(|d| d.name)
-                .collect();
-            assert!(
-                names.contains(&device),
-                "no device {device:?} here: {names:?}"
-            );
-            let url = Url::parse(&format!("{}:1", listen_base(&addr))).unwrap();
-            let ctx = Context::for_url(&url).expect("the address's device");
-            assert_eq!(ctx.device_name(), device, "{addr} is not {device}'s");
-        }
-        #[cfg(not(feature = "rdma"))]
-        let _ = device;
-        Fabric::Rdma { addr }
-    }
-
-    /// The listener's scheme and host.
-    fn listen(&self) -> String {
-        match self {
-            Fabric::Tcp => "tcp://127.0.0.1".into(),
-            Fabric::Rdma { addr } => listen_base(addr),
-        }
-    }
-}
-
-fn listen_base(addr: &str) -> String {
-    if addr.contains(':') {
-        format!("rdma://[{addr}]")
-    } else {
-        format!("rdma://{addr}")
-    }
-}
 
 /// A target serving SUB to HOST with one dax (forced) namespace on /dev/shm (durable as far as
 /// the target's persistence goes, and pinnable for an RDMA NIC), killed on drop.
@@ -100,7 +41,7 @@ struct Setup {
 
 const NS_SIZE: usize = 4 << 20;
 
-fn start(fab: &Fabric, tag: &str) -> Setup {
+fn start(tag: &str) -> Setup {
     let dir = scratch();
     let shm = Shm::new(tag);
     let config = Config::new().subsystem(
@@ -108,7 +49,9 @@ fn start(fab: &Fabric, tag: &str) -> Setup {
             .host(HOST)
             .namespace(Namespace::new(1, shm.path(), "4MiB").force_dax()),
     );
-    let target = Target::start_on(dir.path(), &fab.listen(), &config.to_string(), &[]);
+    // No direct_write_to_pmem declaration: what the target offers by default on each transport.
+    let listen = Transport::current().listen();
+    let target = Target::start_on(dir.path(), &listen, &config.to_string(), &[]);
     assert!(
         target.ready().contains("1 of 1 listener(s) bound"),
         "{}",
@@ -130,10 +73,11 @@ fn file(s: &Setup) -> Vec<u8> {
     f
 }
 
-// ---- the scenarios ----
+// ---- the scenarios: over tcp always, over rdma where a device is named ----
 
-fn write_durable_read_back(fab: Fabric) {
-    let s = start(&fab, "wdr");
+#[test]
+fn write_durable_read_back() {
+    let s = start("wdr");
     let mut q = queue(&s);
     let mut ns = q.namespace(1).unwrap();
     let data = noise(13, 256 << 10);
@@ -158,18 +102,19 @@ fn write_durable_read_back(fab: Fabric) {
     );
 }
 
-fn gpspm(fab: Fabric) {
-    let s = start(&fab, "gpspm");
+#[test]
+fn gpspm() {
+    let s = start("gpspm");
     let mut q = queue(&s);
     let mut ns = q.namespace(1).unwrap();
     let offered = ns.descriptor().durability;
     assert!(offered.contains(DurabilityMethods::GPSPM), "{offered:?}");
-    match fab {
+    match Transport::current() {
         // The placement engine makes APM valid on tcp.
-        Fabric::Tcp => assert!(offered.contains(DurabilityMethods::APM), "{offered:?}"),
+        Transport::Tcp => assert!(offered.contains(DurabilityMethods::APM), "{offered:?}"),
         // On rdma APM needs the operator's direct_write_to_pmem (not declared here), and
         // rdma-core 44 has no Flush.
-        Fabric::Rdma { .. } => {
+        Transport::Rdma { .. } => {
             assert!(!offered.contains(DurabilityMethods::APM), "{offered:?}");
             assert!(!offered.contains(DurabilityMethods::FLUSH), "{offered:?}");
         }
@@ -183,8 +128,9 @@ fn gpspm(fab: Fabric) {
     assert_eq!(&file(&s)[..data.len()], &data[..]);
 }
 
-fn atomics(fab: Fabric) {
-    let s = start(&fab, "atomics");
+#[test]
+fn atomics() {
+    let s = start("atomics");
     let mut q = queue(&s);
     let mut ns = q.namespace(1).unwrap();
     assert_eq!(ns.compare_and_swap(64, 0, 7).unwrap(), 0);
@@ -200,8 +146,9 @@ fn atomics(fab: Fabric) {
     assert_eq!(&file(&s)[64..72], &42u64.to_ne_bytes());
 }
 
-fn second_session_rkey_refused(fab: Fabric) {
-    let s = start(&fab, "rkeys");
+#[test]
+fn second_session_rkey_refused() {
+    let s = start("rkeys");
     let a = connect(&s.target.url(), &nqn(SUB), &host(HOST), &opts()).unwrap();
     let mut b = connect(&s.target.url(), &nqn(SUB), &host(HOST), &opts()).unwrap();
     let na = a.namespace(1).unwrap().clone();
@@ -222,8 +169,9 @@ fn second_session_rkey_refused(fab: Fabric) {
     drop(a);
 }
 
-fn target_restart(fab: Fabric) {
-    let mut s = start(&fab, "restart");
+#[test]
+fn target_restart() {
+    let mut s = start("restart");
     let data = noise(34, 128 << 10);
     {
         let mut q = queue(&s);
@@ -237,64 +185,13 @@ fn target_restart(fab: Fabric) {
     assert_eq!(back, data, "the durable bytes are there after the restart");
 }
 
-// ---- over tcp, always ----
-
-#[test]
-fn tcp_write_durable_read_back() {
-    write_durable_read_back(Fabric::Tcp);
-}
-
-#[test]
-fn tcp_gpspm() {
-    gpspm(Fabric::Tcp);
-}
-
-#[test]
-fn tcp_atomics() {
-    atomics(Fabric::Tcp);
-}
-
-#[test]
-fn tcp_second_session_rkey_refused() {
-    second_session_rkey_refused(Fabric::Tcp);
-}
-
-#[test]
-fn tcp_target_restart() {
-    target_restart(Fabric::Tcp);
-}
-
-// ---- over rdma, where a device is named ----
-
-#[test]
-#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
-fn rdma_write_durable_read_back() {
-    write_durable_read_back(Fabric::rdma());
-}
-
-#[test]
-#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
-fn rdma_gpspm() {
-    gpspm(Fabric::rdma());
-}
-
-#[test]
-#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
-fn rdma_atomics() {
-    atomics(Fabric::rdma());
-}
-
-#[test]
-#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
-fn rdma_second_session_rkey_refused() {
-    second_session_rkey_refused(Fabric::rdma());
-}
-
-#[test]
-#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
-fn rdma_target_restart() {
-    target_restart(Fabric::rdma());
-}
+rpma_tests::rdma_runs!(
+    write_durable_read_back,
+    gpspm,
+    atomics,
+    second_session_rkey_refused,
+    target_restart,
+);
 
 // ---- without a device: the clear error ----
 

@@ -8,8 +8,11 @@
 //! rpma-crash [--cycles N] [--seed S] [--run-ms MIN-MAX] [--eviction-percent P]
 //!            [--eviction-interval-ms MS] [--methods apm,gpspm,flush,nbd-fua,nbd-flush] [--media page-cache,dax]
 //!            [--blocks-per-writer N] [--broken-persist] [--results FILE] [--json FILE]
-//!            [--keep] [--quiet]
+//!            [--keep] [--quiet] [--transport tcp|rdma]
 //! ```
+//!
+//! `--transport rdma` runs it over the RDMA device `RPMA_TEST_RDMA_DEVICE` names, listening on
+//! `RPMA_TEST_RDMA_ADDR` (docs/rdma.md); the default is tcp on 127.0.0.1.
 //!
 //! Exit status: 0 nothing acknowledged was lost; 1 an acknowledged write was lost (or a block
 //! is corrupt); 2 the run is inconclusive (a writer failed before any kill, or a method got no
@@ -18,16 +21,19 @@
 use std::process::ExitCode;
 
 use rpma_tests::crash::{run, Medium, Method, Options};
+use rpma_tests::transport::{self, Transport};
 
 const USAGE: &str = "usage: rpma-crash [--cycles N] [--seed S] [--run-ms MIN-MAX] \
 [--eviction-percent P] [--eviction-interval-ms MS] [--methods apm,gpspm,flush,nbd-fua,nbd-flush] [--media page-cache,dax] \
-[--blocks-per-writer N] [--broken-persist] [--results FILE] [--json FILE] [--keep] [--quiet]";
+[--blocks-per-writer N] [--broken-persist] [--results FILE] [--json FILE] [--keep] [--quiet] \
+[--transport tcp|rdma]";
 
 struct Args {
     opts: Options,
     results: Option<String>,
     json: Option<String>,
     quiet: bool,
+    transport: Transport,
 }
 
 fn number<T: std::str::FromStr>(flag: &str, v: Option<String>) -> Result<T, String> {
@@ -55,6 +61,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         results: None,
         json: None,
         quiet: false,
+        transport: Transport::Tcp,
     };
     while let Some(flag) = it.next() {
         let o = &mut a.opts;
@@ -97,6 +104,14 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             "--results" => a.results = Some(it.next().ok_or("--results needs a file")?),
             "--json" => a.json = Some(it.next().ok_or("--json needs a file")?),
             "--quiet" => a.quiet = true,
+            "--transport" => {
+                a.transport = match it.next().as_deref() {
+                    Some("tcp") => Transport::Tcp,
+                    Some("rdma") => Transport::rdma_from_env()?,
+                    Some(t) => return Err(format!("--transport {t:?}: tcp or rdma")),
+                    None => return Err("--transport needs tcp or rdma".into()),
+                }
+            }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
         }
@@ -119,11 +134,15 @@ fn main() -> ExitCode {
         }
     };
     let quiet = a.quiet;
-    let report = run(&a.opts, |line| {
-        if !quiet {
-            eprintln!("rpma-crash: {line}");
-        }
+    let mut report = None;
+    transport::on(a.transport, || {
+        report = Some(run(&a.opts, |line| {
+            if !quiet {
+                eprintln!("rpma-crash: {line}");
+            }
+        }))
     });
+    let report = report.expect("the run reports");
     let summary = report.summary();
     println!("{summary}");
     for p in &report.problems {

@@ -1,0 +1,225 @@
+//! Which transport the end-to-end tests run over: `tcp` always, `rdma` wherever a device is
+//! named.
+//!
+//! Every [`Target::start`](crate::Target::start) (and what is built on it: the session, NBD,
+//! FUSE and initiator fixtures) listens on the transport of the test's thread, and every
+//! initiator follows the target's URL. A test file lists the tests that mean the same thing on
+//! both transports with [`rdma_runs!`](crate::rdma_runs): each gets a twin in a module `rdma`,
+//! `#[ignore = "requires an RDMA device"]`, that runs the same body with the thread's transport
+//! set to [`Transport::rdma`]. Those twins need `RPMA_TEST_RDMA_DEVICE` (the device, e.g.
+//! `rxe0`) and `RPMA_TEST_RDMA_ADDR` (an address of its netdev): docs/rdma.md.
+//!
+//! The tests left out of the lists are about TCP itself (raw MPA/DDP frames, the fault-injecting
+//! TCP relay, per-source admission of TCP connections, the userspace engine's own limits).
+
+use std::cell::RefCell;
+
+/// Names the RDMA device of the `rdma` runs.
+pub const DEVICE_VAR: &str = "RPMA_TEST_RDMA_DEVICE";
+/// An address of that device's netdev, to listen on and connect to.
+pub const ADDR_VAR: &str = "RPMA_TEST_RDMA_ADDR";
+
+/// A transport to run a test over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Transport {
+    /// The userspace iWARP engine over TCP on 127.0.0.1.
+    Tcp,
+    /// An RDMA device, through the address of its netdev.
+    Rdma {
+        /// The device's name (`rxe0`, `mlx5_0`).
+        device: String,
+        /// An address of the device's netdev.
+        addr: String,
+    },
+}
+
+thread_local! {
+    static CURRENT: RefCell<Transport> = const { RefCell::new(Transport::Tcp) };
+}
+
+impl Transport {
+    /// The RDMA device the environment names, checked to exist and to own the address; panics
+    /// with [`Transport::rdma_from_env`]'s error (the tests that call this are ignored unless
+    /// asked for).
+    pub fn rdma() -> Transport {
+        Transport::rdma_from_env().unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// The RDMA device `RPMA_TEST_RDMA_DEVICE` names with the address `RPMA_TEST_RDMA_ADDR`,
+    /// checked to exist and to own the address; or what to set, or what is wrong.
+    pub fn rdma_from_env() -> Result<Transport, String> {
+        let need = |var: &str| {
+            std::env::var(var).map_err(|_| {
+                format!(
+                    "{var} is not set: the rdma runs need {DEVICE_VAR} (e.g. rxe0) and \
+                     {ADDR_VAR} (an address of its netdev); see docs/rdma.md"
+                )
+            })
+        };
+        let device = need(DEVICE_VAR)?;
+        let addr = need(ADDR_VAR)?;
+        let t = Transport::Rdma { device, addr };
+        t.check_device()?;
+        Ok(t)
+    }
+
+    #[cfg(feature = "rdma")]
+    fn check_device(&self) -> Result<(), String> {
+        use rpma_common::fabric::{rdma_devices, Context, Url};
+        let Transport::Rdma { device, addr } = self else {
+            return Ok(());
+        };
+        let names: Vec<String> = rdma_devices()
+            .map_err(|e| format!("listing RDMA devices: {e}"))?
+            .into_iter()
+            .map(|d| d.name)
+            .collect();
+        if !names.contains(device) {
+            return Err(format!("no RDMA device {device:?} here: {names:?}"));
+        }
+        let url = Url::parse(&format!("{}:1", self.listen())).map_err(|e| e.to_string())?;
+        let ctx = Context::for_url(&url).map_err(|e| format!("{addr}: {e}"))?;
+        if ctx.device_name() != device {
+            return Err(format!(
+                "{addr} is {}'s address, not {device}'s",
+                ctx.device_name()
+            ));
+        }
+        Ok(())
+    }
+
+    #[cfg(not(feature = "rdma"))]
+    fn check_device(&self) -> Result<(), String> {
+        Err("this build has no rdma transport: build the tests with --features rdma".into())
+    }
+
+    /// The transport of this thread's test ([`Transport::Tcp`] unless [`on`] set another).
+    pub fn current() -> Transport {
+        CURRENT.with(|c| c.borrow().clone())
+    }
+
+    /// The listener's scheme and host: `tcp://127.0.0.1`, `rdma://ADDR`, `rdma://[ADDR6]`.
+    pub fn listen(&self) -> String {
+        match self {
+            Transport::Tcp => "tcp://127.0.0.1".into(),
+            Transport::Rdma { addr, .. } if addr.contains(':') => format!("rdma://[{addr}]"),
+            Transport::Rdma { addr, .. } => format!("rdma://{addr}"),
+        }
+    }
+
+    /// The configuration's `listen = [...]` line for `port`. On rdma the listener declares
+    /// `direct_write_to_pmem`, so that the target offers the durability methods it offers on
+    /// tcp and the same tests hold (the namespaces of the tests are /dev/shm or page cache, and
+    /// Soft-RoCE places by CPU stores; docs/rdma.md says when the declaration is true of a
+    /// real NIC).
+    pub fn listen_line(&self, port: u16) -> String {
+        match self {
+            Transport::Tcp => format!("listen = [\"{}:{port}\"]", self.listen()),
+            Transport::Rdma { .. } => format!(
+                "listen = [{{ url = \"{}:{port}\", direct_write_to_pmem = true }}]",
+                self.listen()
+            ),
+        }
+    }
+
+    /// A target URL on `port` of this transport.
+    pub fn url(&self, port: u16) -> String {
+        format!("{}:{port}", self.listen())
+    }
+}
+
+/// Runs `test` with this thread's transport set to `transport` (back to tcp after, also when
+/// it panics).
+pub fn on(transport: Transport, test: impl FnOnce()) {
+    struct Reset;
+    impl Drop for Reset {
+        fn drop(&mut self) {
+            CURRENT.with(|c| *c.borrow_mut() = Transport::Tcp);
+        }
+    }
+    CURRENT.with(|c| *c.borrow_mut() = transport);
+    let _reset = Reset;
+    test();
+}
+
+/// Runs `test` over the RDMA device the environment names ([`Transport::rdma`]).
+pub fn on_rdma(test: fn()) {
+    on(Transport::rdma(), test);
+}
+
+/// `rdma_runs!(a, b, ...)`: for each named `#[test]` function of the file, a twin
+/// `rdma::a` that runs it over the RDMA device the environment names, ignored unless asked for
+/// (`cargo test -p rpma-tests --all-features -- --ignored rdma::`; docs/rdma.md).
+#[macro_export]
+macro_rules! rdma_runs {
+    ($($name:ident),+ $(,)?) => {
+        /// The tests above that mean the same on both transports, over `rdma`.
+        mod rdma {
+            $(
+                #[test]
+                #[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+                fn $name() {
+                    $crate::transport::on_rdma(super::$name);
+                }
+            )+
+        }
+    };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn rdma(addr: &str) -> Transport {
+        Transport::Rdma {
+            device: "rxe0".into(),
+            addr: addr.into(),
+        }
+    }
+
+    #[test]
+    fn listeners_and_urls_of_each_transport() {
+        assert_eq!(Transport::Tcp.url(7420), "tcp://127.0.0.1:7420");
+        assert_eq!(rdma("192.0.2.1").url(7420), "rdma://192.0.2.1:7420");
+        assert_eq!(rdma("fd00::1").url(7420), "rdma://[fd00::1]:7420");
+        assert_eq!(
+            Transport::Tcp.listen_line(9),
+            "listen = [\"tcp://127.0.0.1:9\"]"
+        );
+        assert_eq!(
+            rdma("192.0.2.1").listen_line(9),
+            "listen = [{ url = \"rdma://192.0.2.1:9\", direct_write_to_pmem = true }]"
+        );
+    }
+
+    #[test]
+    fn the_thread_transport_is_set_for_the_test_only() {
+        assert_eq!(Transport::current(), Transport::Tcp);
+        on(rdma("192.0.2.1"), || {
+            assert_eq!(Transport::current(), rdma("192.0.2.1"));
+            // Another thread keeps its own.
+            std::thread::spawn(|| assert_eq!(Transport::current(), Transport::Tcp))
+                .join()
+                .unwrap();
+        });
+        assert_eq!(Transport::current(), Transport::Tcp);
+        let r = std::panic::catch_unwind(|| on(rdma("192.0.2.1"), || panic!("a failing test")));
+        assert!(r.is_err());
+        assert_eq!(Transport::current(), Transport::Tcp, "reset after a panic");
+    }
+
+    #[test]
+    fn an_rdma_run_without_the_environment_says_what_to_set() {
+        if std::env::var_os(DEVICE_VAR).is_some() {
+            return;
+        }
+        let msg = Transport::rdma_from_env().expect_err("no device named");
+        assert!(
+            msg.contains(DEVICE_VAR) && msg.contains("docs/rdma.md"),
+            "{msg}"
+        );
+        let r = std::panic::catch_unwind(Transport::rdma);
+        let said = r.expect_err("a twin without the environment fails");
+        assert_eq!(said.downcast_ref::<String>(), Some(&msg));
+    }
+}
