@@ -193,6 +193,34 @@ rpma_tests::rdma_runs!(
     target_restart,
 );
 
+/// The listener line the suite's `rdma::` twins write is one the daemon's own loader takes: an
+/// rdma listener with the `direct_write_to_pmem` declaration, on the given address and port.
+#[test]
+fn the_suites_rdma_listener_line_is_a_valid_config() {
+    for addr in ["192.0.2.10", "fd00::10"] {
+        let t = Transport::Rdma {
+            device: "rxe0".into(),
+            addr: addr.into(),
+        };
+        let body = Config::new().subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .namespace(Namespace::new(1, "ns1", "1MiB")),
+        );
+        let text = format!("{}\n{body}", t.listen_line(7421));
+        let c = rpma_target::config::Config::from_toml(&text, Path::new("/nonexistent"))
+            .unwrap_or_else(|e| panic!("{text}: {e}"));
+        assert_eq!(c.listeners.len(), 1, "{text}");
+        let l = &c.listeners[0];
+        assert!(l.direct_write_to_pmem, "{text}");
+        assert_eq!(l.url.to_string(), t.url(7421), "{text}");
+    }
+    // And the tcp one, without the declaration (which tcp listeners refuse).
+    let text = Transport::Tcp.listen_line(7421);
+    let c = rpma_target::config::Config::from_toml(&text, Path::new("/nonexistent")).unwrap();
+    assert!(!c.listeners[0].direct_write_to_pmem);
+}
+
 // ---- without a device: the clear error ----
 
 /// Whether this machine has an RDMA device (then the no-device tests have nothing to show).
