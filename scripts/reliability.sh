@@ -48,10 +48,15 @@ json="$(dirname "$out")/crash.json"
 $CARGO build --workspace --all-features
 
 status=0
+# Asked before the figures file (tracked) is rewritten, and without what a run itself writes
+# (the results, the grown fuzz corpus), or every run would say "with local changes".
+commit="$(git rev-parse --short HEAD 2>/dev/null || echo unknown)"
+git diff --quiet HEAD -- . ':(exclude)tests/results' ':(exclude)fuzz/corpus' 2>/dev/null \
+    || commit+=" (with local changes)"
 {
     echo "# rpma reliability run"
     echo "date: $(date -u +%Y-%m-%dT%H:%M:%SZ)"
-    echo "commit: $(git rev-parse --short HEAD 2>/dev/null || echo unknown)$(git diff --quiet 2>/dev/null || echo ' (with local changes)')"
+    echo "commit: $commit"
     echo "machine: $(nproc) CPUs, $(uname -sr); $(sed -n 's/^model name\s*: //p' /proc/cpuinfo | head -1)"
     echo
 } >"$out"
