@@ -114,6 +114,38 @@ impl Rng {
     }
 }
 
+/// The calls of one worker: how many, and the slowest; each one bounded.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct Calls {
+    /// Calls made.
+    pub count: u64,
+    /// The slowest of them.
+    pub slowest: Duration,
+}
+
+impl Calls {
+    /// Runs `call`, failing the test if it outlasts `bound` (the message names `who`, e.g.
+    /// "worker 3", and `what`).
+    pub fn timed<T>(
+        &mut self,
+        bound: Duration,
+        who: impl std::fmt::Display,
+        what: &str,
+        call: impl FnOnce() -> T,
+    ) -> T {
+        let t = Instant::now();
+        let r = call();
+        let took = t.elapsed();
+        assert!(
+            took <= bound,
+            "{who}: {what} took {took:?} (bound {bound:?})"
+        );
+        self.slowest = self.slowest.max(took);
+        self.count += 1;
+        r
+    }
+}
+
 /// Open file descriptors of process `pid` (entries of /proc/PID/fd).
 pub fn fd_count(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))

@@ -101,25 +101,15 @@ struct Outcome {
     /// fetch_adds that returned / that failed with the loss (they may have executed).
     adds_ok: u64,
     adds_lost: u64,
-    calls: u64,
+    calls: stress::Calls,
     reads_checked: u64,
-    slowest: Duration,
     reconnects: u32,
 }
 
 /// Runs `call`, failing the test if it outlasts [`CALL_BOUND`].
 fn timed<T>(o: &mut Outcome, what: &str, call: impl FnOnce() -> T) -> T {
-    let t = Instant::now();
-    let r = call();
-    let took = t.elapsed();
-    assert!(
-        took <= CALL_BOUND,
-        "worker {}: {what} took {took:?} (bound {CALL_BOUND:?})",
-        o.worker
-    );
-    o.slowest = o.slowest.max(took);
-    o.calls += 1;
-    r
+    let who = format_args!("worker {}", o.worker);
+    o.calls.timed(CALL_BOUND, who, what, call)
 }
 
 /// Worker `w`: random calls on its own region through `c` until `until`, each call checked
@@ -421,7 +411,11 @@ fn report(
     cleanup: Duration,
 ) {
     let sum = |f: fn(&Outcome) -> u64| outcomes.iter().map(f).sum::<u64>();
-    let slowest = outcomes.iter().map(|o| o.slowest).max().unwrap_or_default();
+    let slowest = outcomes
+        .iter()
+        .map(|o| o.calls.slowest)
+        .max()
+        .unwrap_or_default();
     let mut pairs = vec![
         (
             "mode",
@@ -429,7 +423,7 @@ fn report(
         ),
         ("seed", seed.to_string()),
         ("workers", outcomes.len().to_string()),
-        ("calls", sum(|o| o.calls).to_string()),
+        ("calls", sum(|o| o.calls.count).to_string()),
         ("acked_durable", sum(|o| o.acked).to_string()),
         ("reads_checked", sum(|o| o.reads_checked).to_string()),
         ("blocks_verified", checked.to_string()),

@@ -96,23 +96,13 @@ struct Outcome {
     swaps: u64,
     /// The last value stored with Atomic Write.
     stored: u64,
-    calls: u64,
+    calls: stress::Calls,
     reads_checked: u64,
-    slowest: Duration,
 }
 
 fn timed<T>(o: &mut Outcome, what: &str, call: impl FnOnce() -> T) -> T {
-    let t = Instant::now();
-    let r = call();
-    let took = t.elapsed();
-    assert!(
-        took <= CALL_BOUND,
-        "connection {}: {what} took {took:?}",
-        o.worker
-    );
-    o.slowest = o.slowest.max(took);
-    o.calls += 1;
-    r
+    let who = format_args!("connection {}", o.worker);
+    o.calls.timed(CALL_BOUND, who, what, call)
 }
 
 /// Connection `w`: writes every block of its region durably (the warm-up), waits at `gate`,
@@ -450,7 +440,11 @@ fn thirty_two_connections_of_mixed_calls_leave_memory_and_fds_flat() {
     q.close().unwrap();
     let cleanup = Footprint::wait_back_to(&t, &base, Duration::from_secs(20));
     let sum = |f: fn(&Outcome) -> u64| outcomes.iter().map(f).sum::<u64>();
-    let slowest = outcomes.iter().map(|o| o.slowest).max().unwrap_or_default();
+    let slowest = outcomes
+        .iter()
+        .map(|o| o.calls.slowest)
+        .max()
+        .unwrap_or_default();
     stress::figures(
         "load",
         &[
@@ -461,7 +455,7 @@ fn thirty_two_connections_of_mixed_calls_leave_memory_and_fds_flat() {
             ("seed", rng.seed().to_string()),
             ("connections", CONNECTIONS.to_string()),
             ("run_s", run.as_secs().to_string()),
-            ("calls", sum(|o| o.calls).to_string()),
+            ("calls", sum(|o| o.calls.count).to_string()),
             ("reads_checked", sum(|o| o.reads_checked).to_string()),
             ("blocks_verified", checked.to_string()),
             ("fetch_adds", adds.to_string()),
