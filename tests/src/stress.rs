@@ -114,6 +114,17 @@ impl Rng {
     }
 }
 
+/// The durability method worker `w` forces, in turn: the queue's choice, GPSPM, FLUSH, APM.
+pub fn method_for(w: u64) -> Option<rpma_initiator::PersistMethod> {
+    use rpma_initiator::PersistMethod;
+    [
+        None,
+        Some(PersistMethod::Gpspm),
+        Some(PersistMethod::Flush),
+        Some(PersistMethod::Apm),
+    ][(w % 4) as usize]
+}
+
 /// The calls of one worker: how many, and the slowest; each one bounded.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Calls {

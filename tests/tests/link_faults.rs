@@ -122,12 +122,7 @@ fn worker(
     run: Duration,
 ) -> Outcome {
     let (nsid, base) = region(w);
-    let method = [
-        None,
-        Some(PersistMethod::Gpspm),
-        Some(PersistMethod::Flush),
-        Some(PersistMethod::Apm),
-    ][(w % 4) as usize];
+    let method = stress::method_for(w);
     // Opened before the faults start (faults_during_the_handshake_leave_nothing_behind is the
     // test of a first connection that meets one: open_queue does not retry).
     let mut q = c.open_queue(w as u16 + 1).expect("open queue");

@@ -110,12 +110,7 @@ fn timed<T>(o: &mut Outcome, what: &str, call: impl FnOnce() -> T) -> T {
 /// end sample is taken between) and closes.
 fn worker(c: &Connection, w: u64, mut rng: Rng, gate: &Barrier, run: Duration) -> Outcome {
     let (nsid, base) = region(w);
-    let method = [
-        None,
-        Some(PersistMethod::Gpspm),
-        Some(PersistMethod::Flush),
-        Some(PersistMethod::Apm),
-    ][(w % 4) as usize];
+    let method = stress::method_for(w);
     let mut q = c.open_queue(w as u16 + 1).expect("open queue");
     let mut o = Outcome {
         worker: w,
