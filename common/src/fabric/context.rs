@@ -5,8 +5,10 @@ use std::sync::Arc;
 
 use super::cq::CompletionQueue;
 use super::error::Result;
+use super::mr::{MemoryBacking, Registration};
 use super::pd::ProtectionDomain;
 use super::transport::Device;
+use super::types::Access;
 use super::url::{Scheme, Url};
 
 static NEXT_CONTEXT_ID: AtomicU32 = AtomicU32::new(1);
@@ -112,6 +114,25 @@ impl Context {
     /// (`mlx5_0`, `rxe0`) for `rdma`.
     pub fn device_name(&self) -> &str {
         self.inner.device.name()
+    }
+
+    /// How this device registers memory of `backing` for `access` (what a namespace of that
+    /// kind costs: pinned, on-demand paging, or nothing on `tcp`), without registering
+    /// anything. `check-config` asks this for every namespace behind an `rdma://` listener.
+    ///
+    /// # Errors
+    /// Why the device cannot register such memory at all (fsdax or page-cache pages on a
+    /// device without on-demand paging for those rights): the same reason a registration
+    /// would fail with.
+    pub fn registration(
+        &self,
+        backing: MemoryBacking,
+        access: Access,
+    ) -> std::result::Result<Registration, String> {
+        self.inner
+            .device
+            .registration(backing, access)
+            .map_err(str::to_owned)
     }
 
     pub(crate) fn device(&self) -> &Device {

@@ -96,7 +96,9 @@ pub use counters::{
 };
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
-pub use mr::{AlignedBuf, MemoryBacking, MemoryRegion, MemoryWindow, RegisteredMemory};
+pub use mr::{
+    AlignedBuf, MemoryBacking, MemoryRegion, MemoryWindow, RegisteredMemory, Registration,
+};
 pub use pd::ProtectionDomain;
 pub use qp::{
     ConnInfo, ConnParams, ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair,

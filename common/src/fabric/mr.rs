@@ -57,6 +57,31 @@ pub enum MemoryBacking {
     PageCache,
 }
 
+/// How a device registers memory of one [`MemoryBacking`] ([`Context::registration`]).
+///
+/// [`Context::registration`]: crate::fabric::Context::registration
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Registration {
+    /// The `tcp` transport: its userspace engine places into the memory itself; nothing is
+    /// registered with a NIC or pinned.
+    Engine,
+    /// Pinned for the NIC (`ibv_reg_mr`): counts against RLIMIT_MEMLOCK.
+    Pinned,
+    /// On-demand paging (`IBV_ACCESS_ON_DEMAND`): nothing is pinned, the NIC faults pages in.
+    OnDemand,
+}
+
+impl std::fmt::Display for Registration {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(match self {
+            Registration::Engine => "placed by the userspace engine (nothing pinned)",
+            Registration::Pinned => "pinned (counts against RLIMIT_MEMLOCK)",
+            Registration::OnDemand => "on-demand paging (ODP, nothing pinned)",
+        })
+    }
+}
+
 // SAFETY: a Mapping is a live mmap of `len()` bytes at a fixed address for its whole lifetime;
 // it gives access only through raw pointers, so concurrent placement by the fabric is sound.
 unsafe impl RegisteredMemory for crate::pmem::Mapping {

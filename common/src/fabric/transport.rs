@@ -21,7 +21,7 @@ use std::sync::Mutex;
 
 use super::cq::CompletionQueue;
 use super::error::{Error, Result};
-use super::mr::Region;
+use super::mr::{MemoryBacking, Region, Registration};
 use super::pd::ProtectionDomain;
 use super::qp::{ConnInfo, ConnParams};
 #[cfg(feature = "rdma")]
@@ -149,6 +149,22 @@ impl Device {
             Device::Soft(_) => "soft",
             #[cfg(feature = "rdma")]
             Device::Rdma(d) => &d.inner.name,
+        }
+    }
+
+    /// How memory of `backing` would be registered for `access`, or why it cannot be.
+    pub(crate) fn registration(
+        &self,
+        backing: MemoryBacking,
+        access: Access,
+    ) -> std::result::Result<Registration, &'static str> {
+        match self {
+            Device::Soft(_) => {
+                let _ = (backing, access);
+                Ok(Registration::Engine)
+            }
+            #[cfg(feature = "rdma")]
+            Device::Rdma(d) => d.registration(backing, access),
         }
     }
 

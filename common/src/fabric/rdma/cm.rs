@@ -23,6 +23,7 @@ use rdma_sys::{
 };
 
 use super::device::Device;
+use super::ext;
 use super::sys;
 use super::translate::caps;
 use crate::fabric::error::{Error, Result};
@@ -307,7 +308,7 @@ impl CmId {
         let mut pa: rdma_sys::ibv_port_attr = unsafe { std::mem::zeroed() };
         // SAFETY: the id is tied to a device (verbs non-NULL once resolved or a request) and
         // `pa` is a valid out-parameter.
-        let r = unsafe { rdma_sys::___ibv_query_port(self.verbs(), self.port_num(), &mut pa) };
+        let r = unsafe { ext::query_port(self.verbs(), self.port_num(), &mut pa) };
         if r != 0 {
             return 0;
         }

@@ -340,6 +340,7 @@ mod tests {
             mw_type2: true,
             odp: false,
             odp_rc: 0,
+            odp_defect: None,
         }
     }
 

@@ -25,6 +25,7 @@
 mod cm;
 mod cq;
 mod device;
+mod ext;
 mod link;
 mod mr;
 mod post;

@@ -100,7 +100,16 @@ pub(crate) fn plan(
     access: Access,
     caps: &Caps,
 ) -> std::result::Result<bool, &'static str> {
-    let odp_ok = caps.odp && caps.odp_rc & odp_needed(access) == odp_needed(access);
+    let odp_ok = caps.odp
+        && caps.odp_defect.is_none()
+        && caps.odp_rc & odp_needed(access) == odp_needed(access);
+    if let (Some(defect), MemoryBacking::FsDax | MemoryBacking::PageCache) =
+        (caps.odp_defect, backing)
+    {
+        if caps.odp {
+            return Err(defect);
+        }
+    }
     match backing {
         MemoryBacking::FsDax if odp_ok => Ok(true),
         MemoryBacking::FsDax => Err(
@@ -120,6 +129,23 @@ pub(crate) fn plan(
 }
 
 impl super::device::Device {
+    /// How memory of `backing` would be registered for `access` on this device, or why it
+    /// cannot be.
+    pub(crate) fn registration(
+        &self,
+        backing: MemoryBacking,
+        access: Access,
+    ) -> std::result::Result<crate::fabric::Registration, &'static str> {
+        use crate::fabric::Registration;
+        plan(backing, access, self.caps()).map(|on_demand| {
+            if on_demand {
+                Registration::OnDemand
+            } else {
+                Registration::Pinned
+            }
+        })
+    }
+
     /// Registers the grant's range in `pd`.
     pub(crate) fn register_mr(&self, pd: &Pd, g: &Grant<'_>) -> Result<Mr> {
         let refuse = |reason| Error::Register {
@@ -333,6 +359,7 @@ mod tests {
             mw_type2: true,
             odp: with_odp,
             odp_rc,
+            odp_defect: None,
         }
     }
 
@@ -375,6 +402,18 @@ mod tests {
             plan(MemoryBacking::DevDax, rw, &caps(true, full)),
             Ok(false)
         );
+        // A device whose ODP misplaces data (Soft-RoCE): file pages are refused with that
+        // reason, pinnable memory is registered as ever.
+        let broken = Caps {
+            odp_defect: Some(super::super::device::RXE_ODP_DEFECT),
+            ..caps(true, full)
+        };
+        for b in [MemoryBacking::PageCache, MemoryBacking::FsDax] {
+            let e = plan(b, rw, &broken).unwrap_err();
+            assert!(e.contains("wrong offset"), "{b:?}: {e}");
+        }
+        assert_eq!(plan(MemoryBacking::Ram, rw, &broken), Ok(false));
+        assert_eq!(plan(MemoryBacking::DevDax, rw, &broken), Ok(false));
     }
 
     #[test]

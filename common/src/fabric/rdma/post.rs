@@ -10,6 +10,7 @@ use rdma_sys::{
 };
 
 use super::device::{Device, Pd};
+use super::ext;
 use super::sys;
 use super::translate::{self, WrSpec};
 use crate::fabric::error::{Error, Result};
@@ -55,8 +56,9 @@ pub(super) fn create_raw(
                 .0,
         );
         // SAFETY: the context, PD and CQs are live and of one device; `a` is filled above.
-        let qp = unsafe { rdma_sys::ibv_create_qp_ex(dev.ctx(), &mut a) };
-        if let Some(qp) = qp.and_then(NonNull::new) {
+        // (Not rdma-sys's wrapper, which never finds the provider's op: ext.rs.)
+        let qp = unsafe { ext::create_qp_ex(dev.ctx(), &mut a) };
+        if let Some(qp) = NonNull::new(qp) {
             // SAFETY: `qp` was made by ibv_create_qp_ex, so it has an extended part.
             let ex = NonNull::new(unsafe { rdma_sys::ibv_qp_to_qp_ex(qp.as_ptr()) });
             if ex.is_some() {
