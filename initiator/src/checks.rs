@@ -47,6 +47,20 @@ pub fn check_healthy(d: &NamespaceDescriptor) -> Result<()> {
     }
 }
 
+/// The target serves the namespace on this connection (it has an rkey for it).
+///
+/// # Errors
+/// [`Error::NamespaceUnavailable`].
+pub fn check_reachable(d: &NamespaceDescriptor) -> Result<()> {
+    match &d.unavailable {
+        Some(reason) => Err(Error::NamespaceUnavailable {
+            nsid: d.nsid,
+            reason: reason.clone(),
+        }),
+        None => Ok(()),
+    }
+}
+
 /// `value` (an offset or a length) is a multiple of `align`.
 ///
 /// # Errors
@@ -96,7 +110,21 @@ mod tests {
             read_only,
             failure: None,
             simulation: None,
+            unavailable: None,
         }
+    }
+
+    #[test]
+    fn an_unavailable_namespace_is_refused_with_the_targets_reason() {
+        let mut d = desc(false);
+        assert!(check_reachable(&d).is_ok());
+        d.unavailable = Some("the target cannot register it on this transport: no ODP".into());
+        let e = check_reachable(&d).unwrap_err();
+        assert!(
+            matches!(e, Error::NamespaceUnavailable { nsid: 2, .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("no ODP"), "{e}");
     }
 
     #[test]

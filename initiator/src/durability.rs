@@ -192,6 +192,7 @@ mod tests {
             read_only: false,
             failure: None,
             simulation: None,
+            unavailable: None,
         }
     }
 

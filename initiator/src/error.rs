@@ -216,6 +216,17 @@ pub enum Error {
         /// What the target said: the failed call and its errno, or its flush status.
         reason: String,
     },
+    /// The target lists the namespace but cannot serve it on this connection's transport
+    /// (it cannot register its memory: e.g. page-cache pages on an RDMA device without
+    /// on-demand paging). Nothing can be read or written on it; the subsystem's other
+    /// namespaces are served.
+    #[error("namespace {nsid} is unavailable on this connection: {reason}")]
+    NamespaceUnavailable {
+        /// Namespace.
+        nsid: u32,
+        /// What the target said.
+        reason: String,
+    },
     /// The peer does not support an operation (atomics, Atomic Write, Flush).
     #[error("the target does not support {op}")]
     Unsupported {

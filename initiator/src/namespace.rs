@@ -26,7 +26,8 @@ impl Queue {
     /// A handle on namespace `nsid` for reads, writes, persists and atomics.
     ///
     /// # Errors
-    /// [`Error::NoSuchNamespace`].
+    /// [`Error::NoSuchNamespace`], [`Error::NamespaceUnavailable`] (the target lists it but
+    /// cannot serve it on this transport).
     pub fn namespace(&mut self, nsid: u32) -> Result<Namespace<'_>> {
         let idx = self.namespace_index(nsid)?;
         Ok(Namespace { q: self, idx })

@@ -6,12 +6,13 @@
 use std::io::Write;
 use std::path::Path;
 
+use rpma_common::fabric::{Context, MemoryBacking};
 use rpma_common::pmem::{self, Domain, Plan, PlanAction, Resize};
 use rpma_common::units::format_size;
 
 use crate::config::{Config, ListenUrl, Transport};
 use crate::memlock;
-use crate::namespace::{durability_methods, OpenNamespace};
+use crate::namespace::{access_for, durability_methods, OpenNamespace};
 
 use rpma_common::error_chain as chain;
 
@@ -44,17 +45,26 @@ fn methods_line(cfg: &Config, domain: Domain) -> String {
 
 /// The RDMA device a listener would use, or why there is none.
 #[cfg(feature = "rdma")]
-fn rdma_device(url: &ListenUrl) -> Result<String, String> {
-    use rpma_common::fabric::{Context, Url};
+fn rdma_device(url: &ListenUrl) -> Result<Context, String> {
+    use rpma_common::fabric::Url;
     let u = Url::parse(&url.to_string()).map_err(|e| chain(&e))?;
-    let ctx = Context::for_url(&u).map_err(|e| chain(&e))?;
-    Ok(format!("rdma device {}", ctx.device_name()))
+    Context::for_url(&u).map_err(|e| chain(&e))
 }
 
 /// Without the feature there is no rdma transport to open.
 #[cfg(not(feature = "rdma"))]
-fn rdma_device(_: &ListenUrl) -> Result<String, String> {
+fn rdma_device(_: &ListenUrl) -> Result<Context, String> {
     Err("this build has no rdma transport (feature `rdma`)".into())
+}
+
+/// What a NIC registration of the planned namespace would be up against.
+fn backing_of(plan: &Plan) -> MemoryBacking {
+    match plan.probed {
+        _ if matches!(plan.action, PlanAction::DevDax) => MemoryBacking::DevDax,
+        Domain::Dax | Domain::DaxForced => MemoryBacking::FsDax,
+        Domain::PageCache => MemoryBacking::PageCache,
+        _ => MemoryBacking::Ram,
+    }
 }
 
 /// What opening the namespace would do, in words ("would create 64 MiB").
@@ -100,6 +110,8 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         }
     };
     let mut problems = 0usize;
+    // The rdma listeners' devices: each namespace is checked against each.
+    let mut devices: Vec<(String, Context)> = Vec::new();
     for l in &cfg.listeners {
         let extra = match l.url.transport {
             Transport::Tcp => format!("crc {}", if cfg.crc { "on" } else { "off" }),
@@ -108,7 +120,10 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         writeln!(out, "listener {} ({extra})", l.url)?;
         if l.url.transport == Transport::Rdma {
             match rdma_device(&l.url) {
-                Ok(line) => writeln!(out, "  {line}")?,
+                Ok(ctx) => {
+                    writeln!(out, "  rdma device {}", ctx.device_name())?;
+                    devices.push((l.url.to_string(), ctx));
+                }
                 Err(why) => {
                     writeln!(out, "problem: listener {}: {why}", l.url)?;
                     problems += 1;
@@ -184,7 +199,24 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                             None => plan.domain.to_string(),
                         },
                         methods_line(&cfg, plan.domain)
-                    )?
+                    )?;
+                    // Whether each rdma device can register it, and how.
+                    let access = access_for(ns.read_only, plan.domain);
+                    for (url, ctx) in &devices {
+                        let dev = ctx.device_name();
+                        match ctx.registration(backing_of(&plan), access) {
+                            Ok(r) => writeln!(out, "    {url} ({dev}): registered {r}")?,
+                            Err(why) => {
+                                writeln!(
+                                    out,
+                                    "    problem: {url} ({dev}) cannot register nsid {}: {why}; \
+                                     hosts would see it unavailable",
+                                    ns.nsid
+                                )?;
+                                problems += 1;
+                            }
+                        }
+                    }
                 }
                 Err(e) => {
                     writeln!(out, "{head}: problem: would refuse: {}", refusal(&e))?;

@@ -9,6 +9,7 @@ use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
+use rpma_common::fabric::Access;
 use rpma_common::pmem::{self, Domain, Mapping, OpenOptions, Persist, Resize, SyncFailure};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
@@ -105,6 +106,20 @@ pub fn durability_methods(
     }
 }
 
+/// The rights a connection's registration of a namespace carries: reads and visibility
+/// flushes always, writes and atomics unless it is read-only, persistent flushes where its
+/// domain is durable.
+pub fn access_for(read_only: bool, domain: Domain) -> Access {
+    let mut access = Access::REMOTE_READ | Access::FLUSH_VISIBILITY;
+    if !read_only {
+        access |= Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
+    }
+    if domain.is_durable() {
+        access |= Access::FLUSH_PERSISTENT;
+    }
+    access
+}
+
 /// Per-namespace counters, updated by the sessions and the flush service.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -158,6 +173,8 @@ pub struct OpenNamespace {
     pub counters: Counters,
     /// Whether its failure was logged (once per opening).
     failure_logged: AtomicBool,
+    /// Whether a transport's refusal to register it was logged (once per opening).
+    unregistrable_logged: AtomicBool,
 }
 
 impl OpenNamespace {
@@ -227,6 +244,7 @@ impl OpenNamespace {
             flush_target,
             counters: Counters::default(),
             failure_logged: AtomicBool::new(false),
+            unregistrable_logged: AtomicBool::new(false),
         })
     }
 
@@ -289,6 +307,30 @@ impl OpenNamespace {
             );
         }
         true
+    }
+}
+
+impl OpenNamespace {
+    /// A connection could not register the namespace (`why`): it is served to that connection
+    /// as unavailable. Logged at error once per opening (every host of the subsystem would
+    /// hit the same wall), at debug after.
+    pub fn note_unregistrable(&self, why: &str) {
+        if !self.unregistrable_logged.swap(true, Ordering::Relaxed) {
+            log::error!(
+                "subsystem {} namespace {} ({}) cannot be registered on this transport: {why}; \
+                 it is listed to hosts as unavailable, the subsystem's other namespaces are \
+                 served",
+                self.subsystem,
+                self.config.nsid,
+                self.config.path.display()
+            );
+        } else {
+            log::debug!(
+                "subsystem {} namespace {}: unavailable to another connection: {why}",
+                self.subsystem,
+                self.config.nsid
+            );
+        }
     }
 }
 

@@ -193,6 +193,194 @@ rpma_tests::rdma_runs!(
     target_restart,
 );
 
+// ---- in the VM lab: what the device can register ----
+
+/// A directory on a page-cache file system for namespaces that must be page cache whatever
+/// the run's scratch is (`RPMA_TEST_SCRATCH` in the VM lab, else the build directory).
+fn page_cache_dir() -> tempfile::TempDir {
+    let root = std::env::var_os(rpma_tests::SCRATCH_VAR)
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(rpma_tests::bin_dir);
+    tempfile::tempdir_in(root).unwrap()
+}
+
+/// A target on the environment's RDMA device (no `direct_write_to_pmem`) serving SUB with
+/// `namespaces`, and the output of `check-config` on its configuration.
+fn start_rdma(dir: &Path, namespaces: Vec<Namespace>) -> (Target, String, bool) {
+    let t = Transport::rdma();
+    let config = Config::new().subsystem(Subsystem::new(SUB).host(HOST).namespaces(namespaces));
+    let target = Target::start_on(dir, &t.listen(), &config.to_string(), &[]);
+    let o = check_config(&dir.join("target.toml"));
+    (target, text(&o), o.status.success())
+}
+
+/// On a device without on-demand paging (the VM lab's stock kernel: Soft-RoCE of Linux 6.1),
+/// a page-cache namespace cannot be registered. It is refused alone: the subsystem's other
+/// namespace is served, `identify` and `list` show the refused one with the reason, the
+/// library and the CLI refuse I/O to it with that reason, the target logs it once however
+/// many hosts connect, and `check-config` fails saying which namespace and why.
+#[test]
+#[ignore = "requires an RDMA device without ODP (the VM lab's stock kernel; make vm-test)"]
+fn no_odp_a_namespace_the_device_cannot_register_is_refused_alone() {
+    let d = scratch();
+    let shm = Shm::new("no-odp");
+    let pc = page_cache_dir();
+    let pc_ns = pc.path().join("page-cache.ns");
+    let (t, checked, ok) = start_rdma(
+        d.path(),
+        vec![
+            Namespace::new(1, pc_ns.to_str().unwrap(), "4MiB"),
+            Namespace::new(2, shm.path(), "4MiB").force_dax(),
+        ],
+    );
+    assert!(
+        !ok,
+        "check-config passes an unregistrable namespace: {checked}"
+    );
+    assert!(
+        checked.lines().any(|l| l.contains("problem:")
+            && l.contains("cannot register nsid 1")
+            && l.contains("on-demand paging")),
+        "{checked}"
+    );
+    assert!(
+        checked.lines().any(|l| l.contains("registered pinned")),
+        "nsid 2 is pinned: {checked}"
+    );
+
+    let conn = conn_args(&t.url(), SUB, HOST, None);
+    let mut args: Vec<&str> = conn.iter().map(String::as_str).collect();
+    args.push("identify");
+    let o = initiator(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    let out = text(&o);
+    assert!(
+        out.lines().any(|l| l.contains("nsid 1:")
+            && l.contains("UNAVAILABLE")
+            && l.contains("on-demand paging")),
+        "{out}"
+    );
+    assert!(
+        out.lines()
+            .any(|l| l.contains("nsid 2:") && l.contains("GPSPM")),
+        "{out}"
+    );
+    args.pop();
+    args.push("list");
+    let o = initiator(&args);
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("UNAVAILABLE"), "{}", text(&o));
+
+    // The library: nsid 1 is refused with the reason, nsid 2 takes a durable write.
+    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
+        .with_connect_options(opts())
+        .open_queue(0)
+        .unwrap();
+    let e = q.namespace(1).map(|_| ()).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            rpma_initiator::Error::NamespaceUnavailable { nsid: 1, .. }
+        ),
+        "{e:?}"
+    );
+    let mut ns = q.namespace(2).unwrap();
+    let data = noise(5, 64 << 10);
+    assert_eq!(
+        ns.write_durable(4096, &data).unwrap(),
+        Durability::Durable(PersistMethod::Gpspm)
+    );
+    drop(q);
+    assert_eq!(
+        &std::fs::read(shm.path()).unwrap()[4096..4096 + data.len()],
+        &data[..]
+    );
+
+    // The CLI: a write to nsid 1 fails with exit 4 and the reason.
+    let f = d.path().join("data");
+    std::fs::write(&f, b"refused").unwrap();
+    let conn = conn_args(&t.url(), SUB, HOST, Some(1));
+    let mut args: Vec<&str> = conn.iter().map(String::as_str).collect();
+    args.extend([
+        "write",
+        "--offset",
+        "0",
+        "--durable",
+        "--in",
+        f.to_str().unwrap(),
+    ]);
+    let o = initiator(&args);
+    assert_eq!(o.status.code(), Some(4), "{}", text(&o));
+    assert!(text(&o).contains("unavailable"), "{}", text(&o));
+
+    // Logged once, at error, for every connection above.
+    let lines: Vec<_> = t
+        .log()
+        .lines()
+        .filter(|l| l.contains("cannot be registered on this transport"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(lines.len(), 1, "{lines:#?}");
+    assert!(lines[0].contains("ERROR"), "{}", lines[0]);
+}
+
+/// On Soft-RoCE with on-demand paging (the VM lab's odp kernel), `check-config` says how each
+/// kind of namespace is registered: /dev/shm and devdax pinned; page cache and fsdax refused,
+/// because rxe's ODP misplaces data (docs/rdma.md), unless `RPMA_TRUST_RXE_ODP=trust` says to
+/// use it anyway (then on-demand paging).
+#[test]
+#[ignore = "requires the VM lab: Soft-RoCE with ODP, fsdax and devdax (make vm-test)"]
+fn check_config_says_how_the_device_registers_each_namespace() {
+    let d = scratch();
+    let shm = Shm::new("reg");
+    let dax_dir = std::env::var("RPMA_TEST_DAX_DIR").expect("RPMA_TEST_DAX_DIR (the VM lab)");
+    let on_dax = tempfile::tempdir_in(dax_dir).unwrap();
+    let dax_ns = on_dax.path().join("ns");
+    let devdax = std::env::var("RPMA_TEST_DEVDAX").expect("RPMA_TEST_DEVDAX (the VM lab)");
+    let pc = page_cache_dir();
+    let pc_ns = pc.path().join("page-cache.ns");
+    let (_t, checked, ok) = start_rdma(
+        d.path(),
+        vec![
+            Namespace::new(1, pc_ns.to_str().unwrap(), "4MiB"),
+            Namespace::new(2, shm.path(), "4MiB"),
+            Namespace::new(3, dax_ns.to_str().unwrap(), "4MiB"),
+            Namespace::existing(4, &devdax).read_only(),
+        ],
+    );
+    // The line after a namespace's own says how each rdma device registers it.
+    let after = |nsid: u32| {
+        let mut lines = checked.lines();
+        lines.find(|l| l.trim_start().starts_with(&format!("nsid {nsid}:")));
+        lines.next().unwrap_or_default().to_owned()
+    };
+    assert!(after(2).contains("registered pinned"), "{checked}");
+    assert!(after(4).contains("registered pinned"), "{checked}");
+    if std::env::var("RPMA_TRUST_RXE_ODP").as_deref() == Ok("trust") {
+        assert!(ok, "{checked}");
+        assert!(
+            after(1).contains("registered on-demand paging"),
+            "{checked}"
+        );
+        assert!(
+            after(3).contains("registered on-demand paging"),
+            "{checked}"
+        );
+    } else {
+        assert!(!ok, "{checked}");
+        for nsid in [1, 3] {
+            let l = after(nsid);
+            assert!(
+                l.contains("problem:")
+                    && l.contains(&format!("cannot register nsid {nsid}"))
+                    && l.contains("wrong offset"),
+                "nsid {nsid}: {checked}"
+            );
+        }
+        assert!(checked.contains("FAILED: 2 problem(s)"), "{checked}");
+    }
+}
+
 /// The listener line the suite's `rdma::` twins write is one the daemon's own loader takes: an
 /// rdma listener with the `direct_write_to_pmem` declaration, on the given address and port.
 #[test]

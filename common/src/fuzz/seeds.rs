@@ -273,6 +273,7 @@ fn control_message() -> Vec<Vec<u8>> {
         read_only: false,
         failure: Some("EIO from msync".into()),
         simulation: Some("power-loss simulation (test only)".into()),
+        unavailable: Some("cannot register: no ODP".into()),
     };
     let msgs = vec![
         Message::Connect(connect),

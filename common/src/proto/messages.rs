@@ -167,6 +167,12 @@ pub struct NamespaceDescriptor {
     /// domain, [`SIMULATION_LABEL`](crate::pmem::SIMULATION_LABEL) and whether persist is
     /// broken on purpose. Since protocol version 4.
     pub simulation: Option<String>,
+    /// Set when the target cannot give this connection the namespace (the text says why: the
+    /// transport cannot register its memory, e.g. page-cache pages on an RDMA device without
+    /// on-demand paging). The namespace is listed so that the host can say so, but has no
+    /// rkey (`remote_addr` and `rkey` are 0): nothing may be posted to it. The subsystem's
+    /// other namespaces are served as usual. Since protocol version 5.
+    pub unavailable: Option<String>,
 }
 
 impl NamespaceDescriptor {

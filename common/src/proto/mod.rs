@@ -49,10 +49,11 @@ pub use nqn::Nqn;
 /// History: 1, the first; 2, [`ConnectResponse`] gained `queue_depth` (postcard bodies are not
 /// self-describing, so a new field is a new version); 3, [`NamespaceDescriptor`] gained
 /// `failure` and [`FlushStatus`] `NamespaceFailed`; 4, [`NamespaceDescriptor`] gained
-/// `simulation` (the power-loss simulation's label). A peer of another version gets
+/// `simulation` (the power-loss simulation's label); 5, [`NamespaceDescriptor`] gained
+/// `unavailable` (a namespace the target cannot register for this connection). A peer of another version gets
 /// [`Error::UnsupportedVersion`] naming both; a target answers such a Connect with a Refusal
 /// `VersionUnsupported`.
-pub const PROTO_VERSION: u8 = 4;
+pub const PROTO_VERSION: u8 = 5;
 
 /// The largest control-plane message, header included. Receive buffers of this size always suffice.
 pub const MAX_MESSAGE_SIZE: usize = 8192;

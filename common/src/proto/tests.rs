@@ -40,6 +40,7 @@ fn samples() -> Vec<Message> {
                     read_only: false,
                     failure: None,
                     simulation: None,
+                    unavailable: None,
                 },
                 NamespaceDescriptor {
                     nsid: 2,
@@ -53,6 +54,7 @@ fn samples() -> Vec<Message> {
                     read_only: true,
                     failure: Some("fdatasync failed: Input/output error (os error 5)".into()),
                     simulation: Some(crate::pmem::SIMULATION_LABEL.into()),
+                    unavailable: Some("cannot register 1048576 bytes: no ODP".into()),
                 },
             ],
             queue_depth: 128,
@@ -106,7 +108,7 @@ fn fixed_layouts_are_exact() {
     };
     let b = r.encode();
     assert_eq!(b.len(), 32);
-    assert_eq!(&b[..4], &[4, 0x10, 0, 0]);
+    assert_eq!(&b[..4], &[5, 0x10, 0, 0]);
     assert_eq!(&b[4..8], &[1, 2, 3, 4]);
     assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
     assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
@@ -117,7 +119,7 @@ fn fixed_layouts_are_exact() {
         status: FlushStatus::IoError,
     }
     .encode();
-    assert_eq!(s, [4, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(s, [5, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
     let f = FlushResponse {
         token: 1,
         status: FlushStatus::NamespaceFailed,
@@ -130,7 +132,7 @@ fn fixed_layouts_are_exact() {
     );
     assert_eq!(
         KeepAlive { seq: 1 }.encode(),
-        [4, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+        [5, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     );
 }
 

@@ -77,6 +77,16 @@ pub(crate) fn identify(g: &Global) -> Result<(), Failure> {
         } else {
             methods.join(" ")
         };
+        if let Some(why) = &n.unavailable {
+            println!(
+                "  nsid {}: {} bytes, block {}, domain {}, UNAVAILABLE: {why}",
+                n.nsid,
+                n.size,
+                n.block_size,
+                n.domain_label()
+            );
+            continue;
+        }
         println!(
             "  nsid {}: {} bytes, block {}, domain {}, durability {}, {}",
             n.nsid,

@@ -11,7 +11,8 @@ Exit codes:
   2  bad command line
   3  the target could not be reached, did not answer in time, or the connection broke
      (and reconnecting failed)
-  4  the target refused: unknown subsystem, host not allowed, unsupported version, other refusals
+  4  the target refused: unknown subsystem, host not allowed, unsupported version, a namespace
+     it cannot serve on this transport (identify says why), other refusals
   5  authentication failed (wrong or missing key, or the target failed to prove the key)
   6  the request does not fit the namespace: no such namespace, out of range, misaligned,
      read-only, or a --persist method that cannot make it durable (APM for a flush of a range)
@@ -36,7 +37,8 @@ impl From<Error> for Failure {
             Error::UnknownSubsystem { .. }
             | Error::HostNotAllowed { .. }
             | Error::VersionUnsupported { .. }
-            | Error::Refused { .. } => 4,
+            | Error::Refused { .. }
+            | Error::NamespaceUnavailable { .. } => 4,
             Error::AuthFailed { .. }
             | Error::KeyRequired
             | Error::TargetNotAuthenticated { .. } => 5,

@@ -17,6 +17,8 @@ pub(crate) struct NamespaceJson {
     pub(crate) durability: Vec<&'static str>,
     pub(crate) read_only: bool,
     pub(crate) atomic_write_unit: u32,
+    /// Why the target cannot serve it on this transport, or null.
+    pub(crate) unavailable: Option<String>,
 }
 
 impl From<&NamespaceDescriptor> for NamespaceJson {
@@ -30,6 +32,7 @@ impl From<&NamespaceDescriptor> for NamespaceJson {
             durability: n.durability.names(),
             read_only: n.read_only,
             atomic_write_unit: n.atomic_write_unit,
+            unavailable: n.unavailable.clone(),
         }
     }
 }

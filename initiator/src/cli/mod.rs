@@ -160,6 +160,14 @@ pub(crate) fn list(g: &Global) -> Result<(), Failure> {
     }
     let mut rows = Vec::new();
     for d in q.namespaces() {
+        if d.unavailable.is_some() {
+            rows.push(Ns {
+                ns: NamespaceJson::from(&d),
+                method: None,
+                method_error: None,
+            });
+            continue;
+        }
         let ns = q.namespace(d.nsid)?;
         // A read-only namespace takes no writes, so it has no durability method to use.
         let (method, method_error) = match ns.method() {
@@ -180,6 +188,9 @@ pub(crate) fn list(g: &Global) -> Result<(), Failure> {
     }
     for r in &rows {
         let how = match (&r.method, &r.method_error) {
+            _ if r.ns.unavailable.is_some() => {
+                format!("UNAVAILABLE: {}", r.ns.unavailable.as_deref().unwrap_or(""))
+            }
             _ if r.ns.read_only => "no writes, so no durability method".to_owned(),
             (Some(m), _) => format!("durable with {m}"),
             (None, Some(e)) => format!("NOT durable: {e}"),

@@ -178,12 +178,15 @@ impl Queue {
     /// The index of namespace `nsid` among this queue's namespaces.
     ///
     /// # Errors
-    /// [`Error::NoSuchNamespace`].
+    /// [`Error::NoSuchNamespace`], [`Error::NamespaceUnavailable`].
     pub(crate) fn namespace_index(&self, nsid: u32) -> Result<usize> {
-        self.ns
+        let idx = self
+            .ns
             .iter()
             .position(|n| n.desc.nsid == nsid)
-            .ok_or(Error::NoSuchNamespace { nsid })
+            .ok_or(Error::NoSuchNamespace { nsid })?;
+        crate::checks::check_reachable(&self.ns[idx].desc)?;
+        Ok(idx)
     }
 
     /// The descriptor of namespace `idx` (it changes across a reconnect: new rkey and address).

@@ -39,7 +39,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{self, Access, MemoryRegion, ProtectionDomain, QpState, QueuePair};
+use rpma_common::fabric::{self, MemoryRegion, ProtectionDomain, QpState, QueuePair};
 use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
@@ -55,7 +55,7 @@ use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
-use crate::namespace::{durability_methods, wire_domain, OpenNamespace};
+use crate::namespace::{access_for, durability_methods, wire_domain, OpenNamespace};
 use crate::subsystem::discovery;
 
 /// The largest write the placement engine executes as one indivisible store (Atomic Write).
@@ -466,18 +466,22 @@ impl Conn {
                     grants.insert(*nsid, g);
                     descriptors.push(d);
                 }
-                Err(e) => {
+                // Out of keys or room: the target is full, the host may try again later.
+                Err(e @ fabric::Error::Exhausted { .. }) => {
                     log::error!(
                         "cannot register namespace {nsid} of {} for {}: {e}",
                         c.subsystem_nqn,
                         self.peer
                     );
-                    let reason = match e {
-                        fabric::Error::Exhausted { .. } => RefusalReason::TooManyConnections,
-                        _ => RefusalReason::Other(1000),
-                    };
                     let m = format!("the target cannot register namespace {nsid}: {e}");
-                    return self.refuse(reason, m, Some(&c.host_nqn));
+                    return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+                }
+                // This namespace cannot be registered on this transport (no ODP for page
+                // cache, ...): it is listed with the reason and the others are served.
+                Err(e) => {
+                    let why = rpma_common::error_chain(&e);
+                    ns.note_unregistrable(&why);
+                    descriptors.push(self.unavailable(ns, why));
                 }
             }
         }
@@ -568,14 +572,7 @@ impl Conn {
 
     /// Registers `ns` in this connection's domain with the rights it allows.
     fn grant(&self, ns: &Arc<OpenNamespace>) -> fabric::Result<(Grant, NamespaceDescriptor)> {
-        let durable = ns.domain().is_durable();
-        let mut access = Access::REMOTE_READ | Access::FLUSH_VISIBILITY;
-        if !ns.config.read_only {
-            access |= Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
-        }
-        if durable {
-            access |= Access::FLUSH_PERSISTENT;
-        }
+        let access = access_for(ns.config.read_only, ns.domain());
         let mr = self.pd.register(Arc::clone(&ns.mapping), access)?;
         let (transport, direct_write_to_pmem) = self.served_by();
         let mut methods = durability_methods(ns.domain(), transport, direct_write_to_pmem);
@@ -594,6 +591,7 @@ impl Conn {
             read_only: ns.config.read_only,
             failure: ns.failure().map(|f| f.to_string()),
             simulation: ns.mapping.simulation().map(|s| s.label()),
+            unavailable: None,
         };
         ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
         Ok((
@@ -603,6 +601,27 @@ impl Conn {
             },
             d,
         ))
+    }
+
+    /// The descriptor of a namespace this connection cannot be given: listed with the reason,
+    /// no rkey, nothing durable.
+    fn unavailable(&self, ns: &OpenNamespace, why: String) -> NamespaceDescriptor {
+        NamespaceDescriptor {
+            nsid: ns.config.nsid,
+            size: ns.size(),
+            block_size: ns.config.block_size,
+            remote_addr: 0,
+            rkey: 0,
+            domain: wire_domain(ns.domain()),
+            durability: DurabilityMethods::NONE,
+            atomic_write_unit: 0,
+            read_only: ns.config.read_only,
+            failure: ns.failure().map(|f| f.to_string()),
+            simulation: ns.mapping.simulation().map(|s| s.label()),
+            unavailable: Some(format!(
+                "the target cannot register it on this transport: {why}"
+            )),
+        }
     }
 
     /// When [`tick`](Self::tick) has something to do at the latest (if nothing arrives before).
