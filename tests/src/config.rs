@@ -138,6 +138,14 @@ impl Namespace {
         }
     }
 
+    /// Namespace `nsid` on an existing `path` taken at its size (a devdax device, a file
+    /// made beforehand).
+    pub fn existing(nsid: u32, path: &str) -> Namespace {
+        Namespace {
+            lines: vec![format!("nsid = {nsid}"), format!("path = \"{path}\"")],
+        }
+    }
+
     /// `read_only = true`.
     pub fn read_only(self) -> Namespace {
         self.set("read_only = true")
@@ -166,11 +174,29 @@ impl Namespace {
     }
 }
 
+impl Namespace {
+    /// Whether the namespace is a file beside the configuration (a relative path), which the
+    /// rdma runs on a device that cannot register file pages declare `force_dax` on a tmpfs
+    /// scratch ([`Transport::file_pages_pinned`](crate::Transport::file_pages_pinned)).
+    fn pinned_on_rdma(&self) -> bool {
+        let relative = self.lines.iter().any(|l| {
+            l.strip_prefix("path = \"")
+                .is_some_and(|p| !p.starts_with('/'))
+        });
+        relative
+            && !self.lines.iter().any(|l| l.starts_with("force_dax"))
+            && crate::Transport::current().file_pages_pinned()
+    }
+}
+
 impl fmt::Display for Namespace {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         writeln!(f, "[[subsystem.namespace]]")?;
         for l in &self.lines {
             writeln!(f, "{l}")?;
+        }
+        if self.pinned_on_rdma() {
+            writeln!(f, "force_dax = true")?;
         }
         Ok(())
     }
@@ -188,4 +214,31 @@ pub fn four_namespaces(shm: &Shm, ns2_block_size: u32) -> [Namespace; 4] {
         Namespace::new(3, shm.path(), "1MiB"),
         Namespace::new(4, "ns4", "2MiB").force_dax(),
     ]
+}
+
+/// `config` without the `[[subsystem.namespace]]` table of `nsid` (the first one), for a
+/// reload that removes it.
+pub fn without_namespace(config: &str, nsid: u32) -> String {
+    let mut out = String::new();
+    let mut table = String::new();
+    let mut dropped = false;
+    let flush = |table: &mut String, out: &mut String, dropped: &mut bool| {
+        let is_it = table.starts_with("[[subsystem.namespace]]")
+            && table.lines().any(|l| l.trim() == format!("nsid = {nsid}"));
+        if is_it && !*dropped {
+            *dropped = true;
+        } else {
+            out.push_str(table);
+        }
+        table.clear();
+    };
+    for line in config.lines() {
+        if line.starts_with('[') {
+            flush(&mut table, &mut out, &mut dropped);
+        }
+        table.push_str(line);
+        table.push('\n');
+    }
+    flush(&mut table, &mut out, &mut dropped);
+    out
 }

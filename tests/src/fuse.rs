@@ -304,7 +304,7 @@ impl Drop for FsMount {
 
 /// A canonical scratch directory with a `mnt` mount point.
 pub fn scratch() -> (tempfile::TempDir, PathBuf) {
-    let d = tempfile::tempdir().unwrap();
+    let d = tempfile::tempdir_in(crate::scratch_root()).unwrap();
     let root = std::fs::canonicalize(d.path()).unwrap();
     std::fs::create_dir(root.join("mnt")).unwrap();
     (d, root)

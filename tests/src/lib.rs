@@ -38,7 +38,7 @@ pub mod transport;
 
 pub use bins::{bin, bin_dir, built, free_port, repo_file, tcp_from, write_psk, Shm};
 pub use cachestat::unsynced_pages;
-pub use config::{four_namespaces, Config, Namespace, Subsystem};
+pub use config::{four_namespaces, without_namespace, Config, Namespace, Subsystem};
 pub use initiator::{
     cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_with_deadline, text,
 };
@@ -46,12 +46,30 @@ pub use relay::{Fault, Relay};
 pub use target::{check_config, status, status_json, target_bin, Daemon, Target, READY_WITHIN};
 pub use transport::Transport;
 
-/// A temporary directory under the build directory's filesystem (a disk: namespaces there are
-/// page-cache, durable), removed on drop.
+/// Names the directory scratch files go under instead of the build directory: the VM lab sets
+/// it to a filesystem of the guest's own (its view of the checkout is read-only).
+pub const SCRATCH_VAR: &str = "RPMA_TEST_SCRATCH";
+
+/// Where [`scratch`] directories go: `RPMA_TEST_RDMA_SCRATCH` in an rdma run whose device
+/// cannot register file pages ([`Transport::file_pages_pinned`]), else `RPMA_TEST_SCRATCH`,
+/// else the build directory (on a disk: namespaces there are page-cache, durable).
+pub fn scratch_root() -> std::path::PathBuf {
+    if Transport::current().file_pages_pinned() {
+        if let Some(p) = std::env::var_os(transport::RDMA_SCRATCH_VAR) {
+            return std::path::PathBuf::from(p);
+        }
+    }
+    match std::env::var_os(SCRATCH_VAR) {
+        Some(p) if !p.is_empty() => std::path::PathBuf::from(p),
+        _ => bin_dir(),
+    }
+}
+
+/// A temporary directory under [`scratch_root`], removed on drop.
 pub fn scratch() -> tempfile::TempDir {
     tempfile::Builder::new()
         .prefix("rpma-e2e-")
-        .tempdir_in(bin_dir())
+        .tempdir_in(scratch_root())
         .expect("scratch dir")
 }
 

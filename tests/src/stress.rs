@@ -125,6 +125,24 @@ pub fn method_for(w: u64) -> Option<rpma_initiator::PersistMethod> {
     ][(w % 4) as usize]
 }
 
+/// `m` where the namespace's target offers it, else None (the queue's own choice): FLUSH is
+/// offered on tcp only, APM over rdma on dax only (docs/rdma.md).
+pub fn if_offered(
+    ns: &rpma_initiator::Namespace<'_>,
+    m: Option<rpma_initiator::PersistMethod>,
+) -> Option<rpma_initiator::PersistMethod> {
+    use rpma_common::proto::DurabilityMethods as D;
+    use rpma_initiator::PersistMethod as P;
+    let offered = ns.descriptor().durability;
+    m.filter(|m| {
+        offered.contains(match m {
+            P::Apm => D::APM,
+            P::Gpspm => D::GPSPM,
+            P::Flush => D::FLUSH,
+        })
+    })
+}
+
 /// The calls of one worker: how many, and the slowest; each one bounded.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Calls {

@@ -14,10 +14,16 @@
 
 use std::cell::RefCell;
 
+use rpma_common::proto::PersistenceDomain;
+use rpma_initiator::PersistMethod;
+
 /// Names the RDMA device of the `rdma` runs.
 pub const DEVICE_VAR: &str = "RPMA_TEST_RDMA_DEVICE";
 /// An address of that device's netdev, to listen on and connect to.
 pub const ADDR_VAR: &str = "RPMA_TEST_RDMA_ADDR";
+/// A tmpfs directory for the scratch of the rdma runs, where the device cannot register
+/// file pages ([`Transport::file_pages_pinned`]).
+pub const RDMA_SCRATCH_VAR: &str = "RPMA_TEST_RDMA_SCRATCH";
 
 /// A transport to run a test over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -93,6 +99,63 @@ impl Transport {
         Err("this build has no rdma transport: build the tests with --features rdma".into())
     }
 
+    /// Whether this run puts its namespace files on pinned memory: over an RDMA device that
+    /// cannot register file pages (page cache, fsdax) at all, such as Soft-RoCE, whose
+    /// on-demand paging misplaces data (docs/rdma.md), the environment says so with
+    /// `RPMA_TEST_RDMA_SCRATCH` (a tmpfs): the scratch directories of the rdma runs go there
+    /// ([`scratch_root`](crate::scratch_root)) and the namespace files beside a configuration
+    /// are declared `force_dax` ([`Namespace`](crate::Namespace)), so the tests exercise the
+    /// transport on memory it can register. Page cache over such a device is refused
+    /// (transport_rdma.rs tests that).
+    pub fn file_pages_pinned(&self) -> bool {
+        matches!(self, Transport::Rdma { .. }) && std::env::var_os(RDMA_SCRATCH_VAR).is_some()
+    }
+
+    /// The domain of the suite's namespace files beside a configuration (a relative path,
+    /// no `force_dax`) in this run: `page-cache`, or `dax (forced)` where the run pins them
+    /// ([`Transport::file_pages_pinned`]).
+    pub fn file_domain(&self) -> PersistenceDomain {
+        if self.file_pages_pinned() {
+            PersistenceDomain::DaxForced
+        } else {
+            PersistenceDomain::PageCache
+        }
+    }
+
+    /// The durability methods the suite's target offers on `domain` over this transport, best
+    /// first (the initiator's choice): on tcp FLUSH, APM and GPSPM where the placement engine
+    /// makes them valid (page cache: GPSPM first, its msync off the poll loop); over rdma,
+    /// with the suite's `direct_write_to_pmem` declaration, APM and GPSPM on dax and GPSPM
+    /// on page cache (a NIC places without the target's CPU, and rdma-core 44 has no Flush
+    /// verb: docs/rdma.md).
+    pub fn methods(&self, domain: PersistenceDomain) -> Vec<PersistMethod> {
+        use PersistMethod::{Apm, Flush, Gpspm};
+        let dax = matches!(
+            domain,
+            PersistenceDomain::Dax | PersistenceDomain::DaxForced
+        );
+        match (self, domain) {
+            (_, PersistenceDomain::Volatile) => vec![],
+            (Transport::Tcp, _) if dax => vec![Flush, Apm, Gpspm],
+            (Transport::Tcp, _) => vec![Gpspm, Apm, Flush],
+            (Transport::Rdma { .. }, _) if dax => vec![Apm, Gpspm],
+            (Transport::Rdma { .. }, _) => vec![Gpspm],
+        }
+    }
+
+    /// The durability methods a target without the `direct_write_to_pmem` declaration
+    /// ([`Target::start_on`](crate::Target::start_on)) offers on `domain`, best first: as
+    /// [`Transport::methods`] on tcp; over rdma GPSPM only (APM needs the declaration; the
+    /// power-loss simulation, which loses the CPU caches as an ADR platform does, would find
+    /// an APM write of a NIC lost).
+    pub fn methods_undeclared(&self, domain: PersistenceDomain) -> Vec<PersistMethod> {
+        match self {
+            Transport::Tcp => self.methods(domain),
+            Transport::Rdma { .. } if domain == PersistenceDomain::Volatile => vec![],
+            Transport::Rdma { .. } => vec![PersistMethod::Gpspm],
+        }
+    }
+
     /// The transport of this thread's test ([`Transport::Tcp`] unless [`on`] set another).
     pub fn current() -> Transport {
         CURRENT.with(|c| c.borrow().clone())
@@ -119,6 +182,15 @@ impl Transport {
                 "listen = [{{ url = \"{}:{port}\", direct_write_to_pmem = true }}]",
                 self.listen()
             ),
+        }
+    }
+
+    /// The address peers connect from and to over this transport: `127.0.0.1`, or the RDMA
+    /// device's address (both ends use it).
+    pub fn host(&self) -> &str {
+        match self {
+            Transport::Tcp => "127.0.0.1",
+            Transport::Rdma { addr, .. } => addr,
         }
     }
 

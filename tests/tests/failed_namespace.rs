@@ -124,7 +124,7 @@ fn failed_of(t: &Target, nsid: u64) -> serde_json::Value {
 
 #[test]
 fn a_writeback_error_fails_the_namespace_for_every_host_until_a_reload_reopens_it() {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = rpma_tests::scratch();
     let fs = match FragileFs::new(d.path()) {
         Ok(fs) => fs,
         Err(why) => {
@@ -252,6 +252,6 @@ fn a_writeback_error_fails_the_namespace_for_every_host_until_a_reload_reopens_i
     drop(t);
 }
 
-rpma_tests::rdma_runs!(
-    a_writeback_error_fails_the_namespace_for_every_host_until_a_reload_reopens_it,
-);
+// No rdma:: twin: a write-back error needs a page-cache namespace, which the VM lab's
+// Soft-RoCE cannot register (docs/rdma.md, "Soft-RoCE and ODP"); the failure handling is the
+// target's, the same on both transports.

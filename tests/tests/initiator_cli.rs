@@ -1,7 +1,9 @@
 //! `rpma-initiator`'s data subcommands as real processes against a real `rpma-target`: output
 //! (text and JSON), the documented exit codes, and durability across a SIGKILL of the target.
 
-use rpma_tests::{four_namespace_target, initiator, text, Shm, Subsystem, Target};
+use rpma_common::proto::PersistenceDomain;
+use rpma_initiator::PersistMethod;
+use rpma_tests::{four_namespace_target, initiator, text, Shm, Subsystem, Target, Transport};
 
 const SUB: &str = "nqn.2026-11.io.rpma:cli-data";
 const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
@@ -63,13 +65,24 @@ fn json(t: &Target, args: &[&str]) -> serde_json::Value {
 #[test]
 fn every_subcommand_against_a_running_target() {
     let (d, _shm, t) = start("all");
+    // What this run's namespaces are and what the target offers on them (page cache on tcp;
+    // over rdma, where the device cannot register file pages, dax (forced): Transport).
+    let tr = Transport::current();
+    let name = |m: PersistMethod| m.to_string().to_uppercase();
+    let files = tr.file_domain().to_string();
+    let files_best = name(tr.methods(tr.file_domain())[0]);
+    let dax = tr.methods(PersistenceDomain::DaxForced);
+    let dax_best = name(dax[0]);
+    // A range written by another process: APM cannot make it durable (it covers its own
+    // connection's writes only), so FLUSH or GPSPM.
+    let dax_range = name(*dax.iter().find(|m| **m != PersistMethod::Apm).unwrap());
 
     // list
     let v = json_cli(&t, "list");
     assert_eq!(v.as_array().unwrap().len(), 4, "{v}");
     // page-cache: GPSPM (msync through io_uring, off the target's poll loop); dax: FLUSH.
-    assert_eq!(v[0]["method"], "GPSPM", "{v}");
-    assert_eq!(v[3]["method"], "FLUSH", "{v}");
+    assert_eq!(v[0]["method"], files_best, "{v}");
+    assert_eq!(v[3]["method"], dax_best, "{v}");
     assert_eq!(v[2]["domain"], "volatile");
     assert!(v[2]["method"].is_null());
     // Read-only: no method for writes, and no error either.
@@ -79,13 +92,15 @@ fn every_subcommand_against_a_running_target() {
     let (c, out, all) = cli(&t, "list");
     assert_eq!(c, Some(0), "{all}");
     assert!(
-        out.contains("nsid 1: 8 MiB, block 4096, page-cache, read-write, durable with GPSPM"),
+        out.contains(&format!(
+            "nsid 1: 8 MiB, block 4096, {files}, read-write, durable with {files_best}"
+        )),
         "{out}"
     );
     assert!(
-        out.contains(
-            "nsid 2: 1 MiB, block 4096, page-cache, read-only, no writes, so no durability method"
-        ),
+        out.contains(&format!(
+            "nsid 2: 1 MiB, block 4096, {files}, read-only, no writes, so no durability method"
+        )),
         "{out}"
     );
     let ro_line = out.lines().find(|l| l.starts_with("nsid 2:")).unwrap();
@@ -103,8 +118,8 @@ fn every_subcommand_against_a_running_target() {
         "write --offset 4k --pattern 0x5a --length 1MiB --durable",
     );
     assert_eq!(v["state"], "durable", "{v}");
-    assert_eq!(v["method"], "GPSPM");
-    assert_eq!(v["domain"], "page-cache");
+    assert_eq!(v["method"], files_best);
+    assert_eq!(v["domain"], files);
     assert_eq!(v["length"], 1 << 20);
     let (c, out, all) = cli(&t, "verify --offset 4096 --pattern 90 --length 1m");
     assert_eq!(c, Some(0), "{all}");
@@ -193,16 +208,22 @@ fn every_subcommand_against_a_running_target() {
         "--nsid 4 write --offset 0 --pattern 1 --length 4k --durable",
     );
     assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
+    assert!(
+        out.contains(&format!("durable ({dax_best}, dax (forced))")),
+        "{out}"
+    );
     let v = json_cli(&t, "--nsid 4 flush --offset 0 --length 4k");
     assert_eq!(v["domain"], "dax (forced)", "{v}");
-    assert_eq!(v["method"], "FLUSH", "{v}");
+    assert_eq!(v["method"], dax_range, "{v}");
     let (c, out, all) = cli(&t, "--nsid 4 flush --offset 0 --length 4k");
     assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
+    assert!(
+        out.contains(&format!("durable ({dax_range}, dax (forced))")),
+        "{out}"
+    );
 
     // Forced methods, on the dax (forced) namespace.
-    for m in ["apm", "gpspm", "flush"] {
+    for m in dax.iter().map(|m| m.to_string().to_lowercase()) {
         let v = json_cli(
             &t,
             &format!("--nsid 4 --persist {m} write --offset 0 --pattern 1 --length 64k --durable"),
@@ -214,7 +235,10 @@ fn every_subcommand_against_a_running_target() {
     // Forced dax: every "durable" says so, in text and JSON (flush and bench too).
     let (c, out, all) = cli(&t, "--nsid 4 flush --offset 0 --length 4k");
     assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("durable (FLUSH, dax (forced))"), "{out}");
+    assert!(
+        out.contains(&format!("durable ({dax_range}, dax (forced))")),
+        "{out}"
+    );
     let v = json_cli(&t, "--nsid 4 flush --offset 0 --length 4k");
     assert_eq!(
         (&v["state"], &v["domain"]),
@@ -222,7 +246,10 @@ fn every_subcommand_against_a_running_target() {
     );
     let (c, out, all) = cli(&t, "--nsid 4 bench --count 5 --total 64k --offset 0");
     assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("durable write (FLUSH, dax (forced))"), "{out}");
+    assert!(
+        out.contains(&format!("durable write ({dax_best}, dax (forced))")),
+        "{out}"
+    );
     let v = json_cli(&t, "--nsid 4 bench --count 5 --total 64k --offset 0");
     assert_eq!(v["domain"], "dax (forced)", "{v}");
 
@@ -266,8 +293,8 @@ fn every_subcommand_against_a_running_target() {
     assert_eq!(v["count"], 50);
     assert!(v["write_latency"]["p50_us"].as_f64().unwrap() > 0.0, "{v}");
     assert!(v["read_mib_s"].as_f64().unwrap() > 0.0, "{v}");
-    assert_eq!(v["method"], "GPSPM");
-    assert_eq!(v["domain"], "page-cache");
+    assert_eq!(v["method"], files_best);
+    assert_eq!(v["domain"], files);
     // bench overwrites: without an explicit --offset it refuses (exit 2) and writes nothing,
     // unless --yes.
     let (c, _, all) = cli(&t, "--nsid 4 write --offset 0 --pattern 0x77 --length 64k");
@@ -278,7 +305,7 @@ fn every_subcommand_against_a_running_target() {
     let (c, _, all) = cli(&t, "--nsid 4 verify --offset 0 --pattern 0x77 --length 64k");
     assert_eq!(c, Some(0), "the refused bench wrote: {all}");
     let v = json_cli(&t, "--nsid 4 bench --yes --count 5 --total 64k");
-    assert_eq!(v["method"], "FLUSH", "{v}");
+    assert_eq!(v["method"], dax_best, "{v}");
     assert_eq!(v["domain"], "dax (forced)", "{v}");
 
     // completions need no target.
@@ -514,9 +541,11 @@ fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
     assert_eq!(dirty(0), 0, "APM's Read came after the range was synced");
 }
 
+// Not over rdma: a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses, which
+// watches page-cache write-back (cachestat), where the device cannot register page cache
+// (Soft-RoCE: docs/rdma.md) and the run pins its files.
 rpma_tests::rdma_runs!(
     every_subcommand_against_a_running_target,
     durable_cli_write_survives_sigkill_of_the_target,
     two_initiator_processes_on_separate_namespaces_do_not_interfere,
-    a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses,
 );

@@ -92,8 +92,9 @@ fn ready_status_reload_and_clean_stop() {
         .as_str()
         .unwrap()
         .to_owned();
+    let files = rpma_tests::Transport::current().file_domain().to_string();
     assert!(
-        ["page-cache", "volatile", "dax"].contains(&domain.as_str()),
+        ["page-cache", "volatile", "dax", files.as_str()].contains(&domain.as_str()),
         "{domain}"
     );
 

@@ -123,6 +123,7 @@ fn worker(c: &Connection, w: u64, mut rng: Rng, gate: &Barrier, run: Duration) -
     let mut generation = 0;
     {
         let mut ns = q.namespace(nsid).unwrap();
+        let method = stress::if_offered(&ns, method);
         ns.set_method(method).unwrap();
         for b in 0..BLOCKS {
             generation += 1;
@@ -137,6 +138,7 @@ fn worker(c: &Connection, w: u64, mut rng: Rng, gate: &Barrier, run: Duration) -
             let b = i % BLOCKS;
             assert!(ns.persist(at(b), BLOCK as u64).unwrap().is_durable());
         }
+        let method = stress::if_offered(&ns, method);
         ns.set_method(method).unwrap();
     }
     gate.wait();
@@ -253,11 +255,8 @@ fn thirty_two_connections_of_mixed_calls_leave_memory_and_fds_flat() {
         let mut q = c.open_queue(0).unwrap();
         for nsid in [1, 2] {
             let mut ns = q.namespace(nsid).unwrap();
-            for m in [
-                PersistMethod::Apm,
-                PersistMethod::Gpspm,
-                PersistMethod::Flush,
-            ] {
+            let domain = ns.descriptor().domain;
+            for m in rpma_tests::Transport::current().methods(domain) {
                 ns.set_method(Some(m)).unwrap();
                 assert!(ns.write_durable(WORDS, &[0u8; 64]).unwrap().is_durable());
             }

@@ -9,19 +9,25 @@ use std::time::{Duration, Instant};
 
 use rpma_common::pmem::SIMULATION_LABEL;
 use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::PersistenceDomain;
 use rpma_initiator::{ConnectOptions, Connection, Durability, HostIdentity, PersistMethod};
 use rpma_tests::{
     check_config, conn_args, initiator, noise, scratch, text, Config, Daemon, Namespace, Shm,
-    Subsystem, Target,
+    Subsystem, Target, Transport,
 };
 
 const SUB: &str = "nqn.2026-11.io.rpma:power-loss";
 const HOST: &str = "nqn.2026-11.io.rpma:power-loss-host";
-const METHODS: [PersistMethod; 3] = [
-    PersistMethod::Apm,
-    PersistMethod::Gpspm,
-    PersistMethod::Flush,
-];
+/// The methods the target offers on the simulated namespaces (no `direct_write_to_pmem`
+/// over rdma: the simulation loses the caches at a power loss, as an ADR platform does).
+fn methods(nsid: u32) -> Vec<PersistMethod> {
+    let t = Transport::current();
+    let domain = match nsid {
+        2 => PersistenceDomain::DaxForced,
+        _ => t.file_domain(),
+    };
+    t.methods_undeclared(domain)
+}
 
 /// nsid 1: page-cache file, nsid 2: /dev/shm forced dax, both simulated with `settings`;
 /// nsid 3: a page-cache file without the simulation.
@@ -37,7 +43,8 @@ fn start(tag: &str, settings: &str) -> (tempfile::TempDir, Shm, Target) {
             Namespace::new(3, "plain", "1MiB"),
         ]),
     );
-    let t = Target::start(d.path(), &config.to_string());
+    let listen = Transport::current().listen();
+    let t = Target::start_on(d.path(), &listen, &config.to_string(), &[]);
     (d, shm, t)
 }
 
@@ -89,7 +96,7 @@ fn durable_and_placed(
 ) -> (Vec<Vec<u8>>, Vec<rpma_initiator::Queue>) {
     let (mut d, mut w, mut r) = (queue(t), queue(t), queue(t));
     let mut acked = Vec::new();
-    for (i, m) in METHODS.into_iter().enumerate() {
+    for (i, m) in methods(nsid).into_iter().enumerate() {
         let data = noise(seed + i as u64, 4096);
         let mut ns = d.namespace(nsid).unwrap();
         ns.set_method(Some(m)).unwrap();
@@ -97,7 +104,7 @@ fn durable_and_placed(
         assert_eq!(ns.write_durable(at, &data).unwrap(), Durability::Durable(m));
         acked.push(data);
     }
-    for i in 0..METHODS.len() as u64 {
+    for i in 0..methods(nsid).len() as u64 {
         place(
             &mut w,
             &mut r,
@@ -123,7 +130,7 @@ fn a_sigkill_loses_exactly_what_was_not_persisted() {
     t.restart(); // the same config again
     let mut q = queue(&t);
     for nsid in [1, 2, 3] {
-        for (i, m) in METHODS.into_iter().enumerate() {
+        for (i, m) in methods(nsid).into_iter().enumerate() {
             let at = 8192 * i as u64;
             assert!(
                 read(&mut q, nsid, at, 4096) == acked[nsid as usize - 1][i],
@@ -188,7 +195,7 @@ fn with_a_broken_persist_the_acknowledged_writes_are_lost() {
     t.restart();
     let mut q = queue(&t);
     for nsid in [1, 2] {
-        for (i, m) in METHODS.into_iter().enumerate() {
+        for (i, m) in methods(nsid).into_iter().enumerate() {
             let at = 8192 * i as u64;
             assert!(
                 read(&mut q, nsid, at, 4096) == [0; 4096],
@@ -208,12 +215,13 @@ fn the_simulated_domain_is_labelled_wherever_it_is_shown() {
         .iter()
         .map(|n| n["domain"].as_str().unwrap())
         .collect();
+    let files = Transport::current().file_domain().to_string();
     assert_eq!(
         domains,
         [
-            format!("page-cache, {SIMULATION_LABEL}").as_str(),
+            format!("{files}, {SIMULATION_LABEL}").as_str(),
             &format!("dax (forced), {SIMULATION_LABEL}"),
-            "page-cache"
+            &files
         ],
         "{st}"
     );
@@ -270,7 +278,7 @@ fn the_simulated_domain_is_labelled_wherever_it_is_shown() {
     );
     assert!(o.status.success(), "{}", text(&o));
     assert!(
-        text(&o).contains(&format!("page-cache, {SIMULATION_LABEL})")),
+        text(&o).contains(&format!("{files}, {SIMULATION_LABEL})")),
         "{}",
         text(&o)
     );

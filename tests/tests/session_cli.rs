@@ -34,7 +34,7 @@ fn identify<'a>(url: &'a str, nqn: &'a str, host: &'a str, extra: &[&'a str]) ->
 
 #[test]
 fn discover_and_identify() {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = rpma_tests::scratch();
     let t = start(d.path());
     let url = t.url();
 
@@ -98,7 +98,7 @@ fn discover_and_identify() {
 
 #[test]
 fn errors_have_their_exit_codes() {
-    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let d = rpma_tests::scratch();
     let t = start(d.path());
     let url = t.url();
     let code = |args: &[&str]| {

@@ -12,7 +12,11 @@
 //! ```
 //!
 //! `--transport rdma` runs it over the RDMA device `RPMA_TEST_RDMA_DEVICE` names, listening on
-//! `RPMA_TEST_RDMA_ADDR` (docs/rdma.md); the default is tcp on 127.0.0.1.
+//! `RPMA_TEST_RDMA_ADDR` (docs/rdma.md); the default is tcp on 127.0.0.1. Over rdma the target
+//! declares no `direct_write_to_pmem` (the simulation's caches are lost at a power loss, as
+//! an ADR platform's are: APM would be a false "durable" there), so the methods default to
+//! the ones it then offers (gpspm, nbd-fua, nbd-flush), and where the device cannot register
+//! file pages (`RPMA_TEST_RDMA_SCRATCH`, docs/rdma.md) the media to `dax`.
 //!
 //! Exit status: 0 nothing acknowledged was lost; 1 an acknowledged write was lost (or a block
 //! is corrupt); 2 the run is inconclusive (a writer failed before any kill, or a method got no
@@ -63,6 +67,7 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
         quiet: false,
         transport: Transport::Tcp,
     };
+    let (mut methods_given, mut media_given) = (false, false);
     while let Some(flag) = it.next() {
         let o = &mut a.opts;
         match flag.as_str() {
@@ -91,8 +96,14 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
                     return Err("--eviction-interval-ms: 0 to 60000".into());
                 }
             }
-            "--methods" => o.methods = list(&flag, it.next(), Method::parse)?,
-            "--media" => o.media = list(&flag, it.next(), Medium::parse)?,
+            "--methods" => {
+                o.methods = list(&flag, it.next(), Method::parse)?;
+                methods_given = true;
+            }
+            "--media" => {
+                o.media = list(&flag, it.next(), Medium::parse)?;
+                media_given = true;
+            }
             "--blocks-per-writer" => {
                 o.blocks_per_writer = number(&flag, it.next())?;
                 if o.blocks_per_writer < 2 {
@@ -114,6 +125,14 @@ fn parse(mut it: impl Iterator<Item = String>) -> Result<Args, String> {
             }
             "-h" | "--help" => return Err(String::new()),
             other => return Err(format!("unknown argument {other:?}")),
+        }
+    }
+    if matches!(a.transport, Transport::Rdma { .. }) {
+        if !methods_given {
+            a.opts.methods = vec![Method::Gpspm, Method::NbdFua, Method::NbdFlush];
+        }
+        if !media_given && a.transport.file_pages_pinned() {
+            a.opts.media = vec![Medium::Dax];
         }
     }
     if a.opts.cycles == 0 || a.opts.methods.is_empty() || a.opts.media.is_empty() {

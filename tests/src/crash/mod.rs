@@ -342,7 +342,14 @@ pub fn run(o: &Options, mut progress: impl FnMut(&str)) -> Report {
         rng ^= rng << 17;
         rng
     };
-    let mut t = Target::start(scratch.path(), &config(o, &shm, blocks, o.seed));
+    // No direct_write_to_pmem on rdma: see rpma-crash's docs.
+    let listen = crate::Transport::current().listen();
+    let mut t = Target::start_on(
+        scratch.path(),
+        &listen,
+        &config(o, &shm, blocks, o.seed),
+        &[],
+    );
     for ns in &namespaces {
         verify(&t, ns, blocks, &mut report);
     }
