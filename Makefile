@@ -4,7 +4,7 @@ CARGO ?= cargo
 FEATURES ?= --all-features
 SCRATCH ?= $(CURDIR)/scratch
 
-.PHONY: all deps build test lint fmt demo bench reliability clean
+.PHONY: all deps build test host-test vm-test lint fmt demo bench reliability clean
 
 all: build
 
@@ -21,10 +21,25 @@ lint: deps
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 
-# Everything CI runs: dependencies, formatting, lints, a build with all features, every test.
-test: lint
+# Everything CI runs: dependencies, formatting, lints, a build with all features, every test:
+# the host's, then the VM lab's (the real stack: Soft-RoCE, DAX, the kernel's block clients;
+# docs/testing.md). RPMA_SKIP_VM=1 skips the VM part, loudly, for machines without qemu.
+test: host-test
+	@if [ "$${RPMA_SKIP_VM:-}" = 1 ]; then \
+	  echo "*** RPMA_SKIP_VM=1: the VM lab did NOT run: the rdma transport, real DAX and the" >&2; \
+	  echo "*** kernel's nbd/md/nvme clients are untested in this run (docs/testing.md)" >&2; \
+	else \
+	  $(MAKE) --no-print-directory vm-test; \
+	fi
+
+host-test: lint
 	$(CARGO) build --workspace $(FEATURES)
 	$(CARGO) test --workspace $(FEATURES)
+
+# The VM lab alone: boots Debian kernels under qemu on this machine's userspace and runs the
+# device tests there (scripts/vm-test.sh; set-up by scripts/vm-setup.sh).
+vm-test: deps
+	@CARGO="$(CARGO)" FEATURES="$(FEATURES)" bash scripts/vm-test.sh
 
 demo: deps
 	@bash scripts/demo.sh
