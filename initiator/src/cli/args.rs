@@ -48,8 +48,10 @@ pub(crate) struct Global {
     /// Deadline for connecting and for each answer, in seconds.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 10.0)]
     pub(crate) timeout: f64,
-    /// How long to keep reconnecting after a lost connection before failing, in seconds
-    /// (0: do not reconnect).
+    /// How long to keep trying to connect, in seconds: a first connection refused or failed
+    /// (the target not up yet, no room for this host at the moment) is retried with backoff
+    /// for this long, and a lost connection is reconnected for this long (0: one attempt, no
+    /// reconnect). A refusal of the host, subsystem or key is not retried.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60.0)]
     pub(crate) reconnect_timeout: f64,
     /// Print JSON instead of text.
