@@ -4,7 +4,7 @@ CARGO ?= cargo
 FEATURES ?= --all-features
 SCRATCH ?= $(CURDIR)/scratch
 
-.PHONY: all deps build test lint fmt demo bench reliability clean
+.PHONY: all deps build test tsan lint fmt demo bench reliability clean
 
 all: build
 
@@ -21,10 +21,19 @@ lint: deps
 	$(CARGO) fmt --all --check
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 
-# Everything CI runs: dependencies, formatting, lints, a build with all features, every test.
+# Everything CI runs: dependencies, formatting, lints, a build with all features, every test,
+# and the concurrency tests under ThreadSanitizer.
 test: lint
 	$(CARGO) build --workspace $(FEATURES)
 	$(CARGO) test --workspace $(FEATURES)
+	@bash scripts/tsan.sh
+
+# The concurrency tests of the shared-memory paths under ThreadSanitizer (scripts/tsan.sh,
+# docs/reliability.md "Race detection"), in a build of their own (build/tsan): a few minutes
+# from scratch on two CPUs, about one when built. TSAN_ARGS="--at REV" runs the race test
+# against an older commit's fabric.
+tsan: deps
+	@bash scripts/tsan.sh $(TSAN_ARGS)
 
 demo: deps
 	@bash scripts/demo.sh
