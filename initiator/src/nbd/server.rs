@@ -236,9 +236,11 @@ impl Server {
                         State::Unused => "idle, no request sent,",
                         _ => "idle",
                     };
+                    // Charged to the newcomer's source: the cause, whose flood of newcomers
+                    // must not use up the budget of the sources it pushes out.
                     self.shared.problems.log(
                         Level::Warn,
-                        c.peer.source,
+                        peer.source,
                         format_args!(
                             "nbd: client {} ({}) evicted for a new connection from {}: {what} \
                              for {} s (at most {} connection(s) per source, {} in all)",
