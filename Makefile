@@ -4,7 +4,7 @@ CARGO ?= cargo
 FEATURES ?= --all-features
 SCRATCH ?= $(CURDIR)/scratch
 
-.PHONY: all deps build test host-test vm-test lint fmt demo bench reliability clean
+.PHONY: all deps build test host-test vm-test tsan lint fmt demo bench reliability clean
 
 all: build
 
@@ -22,8 +22,9 @@ lint: deps
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 
 # Everything CI runs: dependencies, formatting, lints, a build with all features, every test:
-# the host's, then the VM lab's (the real stack: Soft-RoCE, DAX, the kernel's block clients;
-# docs/testing.md). RPMA_SKIP_VM=1 skips the VM part, loudly, for machines without qemu.
+# the host's (with the concurrency tests under ThreadSanitizer), then the VM lab's (the real
+# stack: Soft-RoCE, DAX, the kernel's block clients; docs/testing.md). RPMA_SKIP_VM=1 skips the
+# VM part, loudly, for machines without qemu.
 test: host-test
 	@if [ "$${RPMA_SKIP_VM:-}" = 1 ]; then \
 	  echo "*** RPMA_SKIP_VM=1: the VM lab did NOT run: the rdma transport, real DAX and the" >&2; \
@@ -35,11 +36,19 @@ test: host-test
 host-test: lint
 	$(CARGO) build --workspace $(FEATURES)
 	$(CARGO) test --workspace $(FEATURES)
+	@bash scripts/tsan.sh
 
 # The VM lab alone: boots Debian kernels under qemu on this machine's userspace and runs the
 # device tests there (scripts/vm-test.sh; set-up by scripts/vm-setup.sh).
 vm-test: deps
 	@CARGO="$(CARGO)" FEATURES="$(FEATURES)" bash scripts/vm-test.sh
+
+# The concurrency tests of the shared-memory paths under ThreadSanitizer (scripts/tsan.sh,
+# docs/reliability.md "Race detection"), in a build of their own (build/tsan): a few minutes
+# from scratch on two CPUs, about one when built. TSAN_ARGS="--at REV" runs the race test
+# against an older commit's fabric.
+tsan: deps
+	@bash scripts/tsan.sh $(TSAN_ARGS)
 
 demo: deps
 	@bash scripts/demo.sh

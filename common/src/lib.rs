@@ -9,6 +9,7 @@
 //!   counting), read by anyone.
 //! - [`volatile`]: views of memory that peers, other threads or processes write concurrently
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
+//! - [`sync`]: locking that ThreadSanitizer can follow (`make tsan`).
 //!
 //! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not
 //! built yet. `wire-testing` (tests only) makes the soft transport's wire formats public and adds
@@ -22,6 +23,7 @@ pub mod notify;
 pub mod pmem;
 pub mod proto;
 pub mod stats;
+pub mod sync;
 pub mod units;
 pub mod volatile;
 

@@ -24,11 +24,21 @@
 //! that no reference covers, and the position vm-memory (and the VMMs built on it) takes for
 //! guest memory. What this type removes is the part Rust does define as undefined behaviour:
 //! references whose aliasing promises are broken.
+//!
+//! # Under ThreadSanitizer (`make tsan`, `--cfg rpma_tsan`)
+//!
+//! ThreadSanitizer cannot see references; it sees accesses, and two racing plain accesses are a
+//! data race to it, whether they come through a slice or through this type's `memcpy`. So in
+//! the `rpma_tsan` build this type's copies are relaxed atomic accesses (8 bytes at a time where
+//! both ends are aligned, else byte by byte), and its `readv` goes through a buffer of its own:
+//! what a NIC's DMA is to the CPU's memory model, racing and torn at some granularity, never
+//! undefined. Every other access to registered or shared memory stays a plain access, and
+//! ThreadSanitizer reports it when it races with one of these: the check that everything
+//! reaches that memory through this type (docs/reliability.md, "Race detection").
 
 use std::io;
 use std::marker::PhantomData;
 use std::net::TcpStream;
-use std::os::fd::AsRawFd;
 
 /// The errors of [`VolatileSlice`]'s checked accessors.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
@@ -167,11 +177,67 @@ impl<'a> VolatileSlice<'a> {
     }
 }
 
-/// Copies `len` bytes from `src` to `dst` (see the module docs for why `memcpy` above 8 bytes).
+/// Copies `len` bytes from `src` to `dst` (see the module docs for why `memcpy` above 8 bytes,
+/// and for the atomic copies of the `rpma_tsan` build).
 ///
 /// # Safety
 /// `src` is valid for reads and `dst` for writes of `len` bytes; the ranges do not overlap.
 pub(crate) unsafe fn copy(dst: *mut u8, src: *const u8, len: usize) {
+    #[cfg(rpma_tsan)]
+    {
+        // SAFETY: the caller's contract.
+        unsafe { atomic_copy(dst, src, len) };
+    }
+    #[cfg(not(rpma_tsan))]
+    // SAFETY: the caller's contract.
+    unsafe {
+        plain_copy(dst, src, len)
+    };
+}
+
+/// [`copy`] as relaxed atomic loads and stores, for ThreadSanitizer (module docs).
+///
+/// # Safety
+/// As [`copy`].
+#[cfg(rpma_tsan)]
+unsafe fn atomic_copy(dst: *mut u8, src: *const u8, len: usize) {
+    use std::sync::atomic::{AtomicU64, AtomicU8, Ordering::Relaxed};
+    let mut i = 0;
+    if (dst as usize) % 8 == (src as usize) % 8 {
+        while i < len && !(dst as usize + i).is_multiple_of(8) {
+            // SAFETY: in range (i < len, the caller's contract); any address is aligned for u8.
+            unsafe {
+                let v = AtomicU8::from_ptr(src.add(i).cast_mut()).load(Relaxed);
+                AtomicU8::from_ptr(dst.add(i)).store(v, Relaxed);
+            }
+            i += 1;
+        }
+        while i + 8 <= len {
+            // SAFETY: in range, and both addresses are multiples of 8 here (equal alignment,
+            // the head above brought dst to it).
+            unsafe {
+                let v = AtomicU64::from_ptr(src.add(i).cast::<u64>().cast_mut()).load(Relaxed);
+                AtomicU64::from_ptr(dst.add(i).cast::<u64>()).store(v, Relaxed);
+            }
+            i += 8;
+        }
+    }
+    while i < len {
+        // SAFETY: as for the head.
+        unsafe {
+            let v = AtomicU8::from_ptr(src.add(i).cast_mut()).load(Relaxed);
+            AtomicU8::from_ptr(dst.add(i)).store(v, Relaxed);
+        }
+        i += 1;
+    }
+}
+
+/// [`copy`] in a normal build.
+///
+/// # Safety
+/// As [`copy`].
+#[cfg_attr(rpma_tsan, allow(dead_code))]
+unsafe fn plain_copy(dst: *mut u8, src: *const u8, len: usize) {
     if len > 8 {
         // SAFETY: the caller's contract; any alignment is valid for u8.
         unsafe { std::ptr::copy_nonoverlapping(src, dst, len) };
@@ -221,7 +287,30 @@ pub trait ReadVolatile {
 const MAX_IOV: usize = 8;
 
 impl ReadVolatile for TcpStream {
+    #[cfg(rpma_tsan)]
     fn read_volatile(&mut self, bufs: &[VolatileSlice<'_>]) -> io::Result<usize> {
+        // The kernel's writes are plain accesses to ThreadSanitizer: read into a buffer of our
+        // own, then copy into place atomically (module docs).
+        use std::io::Read;
+        let want: usize = bufs.iter().take(MAX_IOV).map(VolatileSlice::len).sum();
+        let mut own = vec![0u8; want];
+        let n = self.read(&mut own)?;
+        let mut at = 0;
+        for b in bufs {
+            let k = (n - at).min(b.len());
+            b.write_at(0, &own[at..at + k])
+                .map_err(|e| io::Error::other(e.to_string()))?;
+            at += k;
+            if at == n {
+                break;
+            }
+        }
+        Ok(n)
+    }
+
+    #[cfg(not(rpma_tsan))]
+    fn read_volatile(&mut self, bufs: &[VolatileSlice<'_>]) -> io::Result<usize> {
+        use std::os::fd::AsRawFd;
         let mut iov = [libc::iovec {
             iov_base: std::ptr::null_mut(),
             iov_len: 0,

@@ -66,6 +66,7 @@ fn main() -> ExitCode {
             listen,
             export,
             queue_depth,
+            limits,
         } => cli::nbd::run(
             g,
             &cli::nbd::Params {
@@ -73,6 +74,7 @@ fn main() -> ExitCode {
                 listen: listen.clone(),
                 export: export.clone(),
                 queue_depth: usize::from(*queue_depth),
+                limits: limits.client_limits(),
             },
         ),
         Command::Mount {

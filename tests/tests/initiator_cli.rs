@@ -342,7 +342,8 @@ fn each_error_has_its_exit_code() {
     ]);
     assert_eq!(o.status.code(), Some(4), "{}", text(&o));
     assert!(text(&o).contains("not allowed"), "{}", text(&o));
-    // Unknown host name (does not resolve): unreachable.
+    // Unknown host name (does not resolve): unreachable (one attempt: a first connection
+    // that fails is retried within --reconnect-timeout).
     let o = initiator(&[
         "--target",
         "tcp://no-such-host.invalid:7420",
@@ -350,6 +351,8 @@ fn each_error_has_its_exit_code() {
         SUB,
         "--timeout",
         "3",
+        "--reconnect-timeout",
+        "0",
         "list",
     ]);
     assert_eq!(o.status.code(), Some(3), "{}", text(&o));

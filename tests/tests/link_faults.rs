@@ -124,7 +124,7 @@ fn worker(
     let (nsid, base) = region(w);
     let method = stress::method_for(w);
     // Opened before the faults start (faults_during_the_handshake_leave_nothing_behind is the
-    // test of a first connection that meets one: open_queue does not retry).
+    // test of a first connection that meets one).
     let mut q = c.open_queue(w as u16 + 1).expect("open queue");
     let _ = opened.send(());
     let until = Instant::now() + run;
@@ -573,7 +573,8 @@ fn faults_during_the_handshake_leave_nothing_behind() {
     let mut q = c.open_queue(0).unwrap();
     let mut opened = 0;
     for (i, f) in faults.iter().enumerate() {
-        // A fresh queue whose first connection meets the fault.
+        // A fresh queue whose first connection meets the fault (open_queue retries a first
+        // connection that failed: the fault is armed for one connection only).
         relay.arm_next(*f);
         let started = Instant::now();
         match c.open_queue(1) {

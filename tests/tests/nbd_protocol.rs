@@ -28,6 +28,15 @@ fn bad_clients_lose_their_own_connection_and_change_nothing_else() {
         );
     };
 
+    // A client that goes away in the middle of a WRITE: nothing of it is written. (First:
+    // the export logs at most five warnings about one source a minute, counting the rest.)
+    let mut r = Raw::connect(&e.sock);
+    let mut w = r.request(CMD_WRITE, FUA, 5, 65536, 8192);
+    w.extend_from_slice(&[0xcc; 4096]);
+    r.send(&w);
+    drop(r);
+    check(&mut good, "a client gone mid-request");
+    e.log_line("went away in the middle of a request");
     // A short header, then gone.
     let mut r = Raw::hello(&e.sock);
     r.send(&IHAVEOPT.to_be_bytes()[..5]);
@@ -68,12 +77,6 @@ fn bad_clients_lose_their_own_connection_and_change_nothing_else() {
     let mut r = Raw::connect(&e.sock);
     r.send(&[0xdd; 28]);
     assert!(r.closed(), "bad request magic");
-    // A client that goes away in the middle of a WRITE: nothing of it is written.
-    let mut r = Raw::connect(&e.sock);
-    let mut w = r.request(CMD_WRITE, FUA, 5, 65536, 8192);
-    w.extend_from_slice(&[0xcc; 4096]);
-    r.send(&w);
-    drop(r);
     // Unknown client flags: closed.
     let s = UnixStream::connect(&e.sock).unwrap();
     s.set_read_timeout(Some(WAIT)).unwrap();
@@ -81,8 +84,7 @@ fn bad_clients_lose_their_own_connection_and_change_nothing_else() {
     r.take(18);
     r.send(&0x80u32.to_be_bytes());
     assert!(r.closed(), "unknown client flags");
-    check(&mut good, "a client gone mid-request");
-    e.log_line("went away in the middle of a request");
+    check(&mut good, "unknown client flags");
 
     assert!(e.running(), "the server died: {}", e.log());
     assert_eq!(good.flush(), 0);

@@ -129,7 +129,7 @@ fn errors_have_their_exit_codes() {
     assert_eq!(c, Some(5), "{out}");
     assert!(out.contains("pre-shared key"), "{out}");
 
-    // Nobody listens there.
+    // Nobody listens there (one attempt; first_connection.rs tests the retries).
     let port = free_port();
     let (c, out) = code(&[
         "discover",
@@ -137,6 +137,8 @@ fn errors_have_their_exit_codes() {
         &rpma_tests::Transport::current().url(port),
         "--timeout",
         "2",
+        "--reconnect-timeout",
+        "0",
     ]);
     assert_eq!(c, Some(3), "{out}");
     assert!(out.contains("cannot connect"), "{out}");

@@ -193,7 +193,7 @@ impl Sim {
     ) -> Result<Arc<Sim>, OpenError> {
         let key = key_of(media)?;
         let mut reg = loop {
-            let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+            let reg = crate::sync::lock(registry());
             // An entry nobody holds any more is a simulation whose Drop is about to take the
             // lock and write its working copy back: reading the media before that would
             // lose what the clean close writes.
@@ -281,7 +281,7 @@ impl Sim {
     /// that the live simulation of the same file in this process (if any) could not serve.
     pub(super) fn check_live(media: &File, len: usize, opts: Simulation) -> Result<(), OpenError> {
         let key = key_of(media)?;
-        let reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let reg = crate::sync::lock(registry());
         let live = reg.get(&key).and_then(Weak::upgrade);
         // Unlocked before `live` may be dropped (its Drop may take the lock).
         drop(reg);
@@ -321,7 +321,7 @@ impl Sim {
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, State> {
-        self.state.lock().unwrap_or_else(|e| e.into_inner())
+        crate::sync::lock(&self.state)
     }
 
     /// `[offset, offset+len)` rounded out to whole units, clipped to the mapping.
@@ -454,7 +454,7 @@ impl Sim {
         let st = self.lock();
         self.lost.store(true, Ordering::SeqCst);
         drop(st);
-        let mut reg = registry().lock().unwrap_or_else(|e| e.into_inner());
+        let mut reg = crate::sync::lock(registry());
         if reg
             .get(&self.key)
             .is_some_and(|w| std::ptr::eq(w.as_ptr(), self))
@@ -471,7 +471,7 @@ impl Drop for Sim {
         let mut reg = self
             .registered
             .load(Ordering::SeqCst)
-            .then(|| registry().lock().unwrap_or_else(|e| e.into_inner()));
+            .then(|| crate::sync::lock(registry()));
         if let Some(reg) = reg.as_mut() {
             if reg
                 .get(&self.key)

@@ -48,8 +48,10 @@ pub(crate) struct Global {
     /// Deadline for connecting and for each answer, in seconds.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 10.0)]
     pub(crate) timeout: f64,
-    /// How long to keep reconnecting after a lost connection before failing, in seconds
-    /// (0: do not reconnect).
+    /// How long to keep trying to connect, in seconds: a first connection refused or failed
+    /// (the target not up yet, no room for this host at the moment) is retried with backoff
+    /// for this long, and a lost connection is reconnected for this long (0: one attempt, no
+    /// reconnect). A refusal of the host, subsystem or key is not retried.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60.0)]
     pub(crate) reconnect_timeout: f64,
     /// Print JSON instead of text.
@@ -59,6 +61,64 @@ pub(crate) struct Global {
     /// flush, bench): without it they print the outcome and exit 7, NOT durable.
     #[arg(long, global = true)]
     pub(crate) visible_ok: bool,
+}
+
+/// The NBD export's limits on its clients (docs/mount.md, "Limits").
+#[derive(Debug, Args, Clone, Copy, PartialEq)]
+pub(crate) struct NbdLimits {
+    /// Client connections served at once. A newcomer past it takes the place of a client still
+    /// in its handshake, else of the one idle the longest, of the source holding the most
+    /// (refused only if all are executing requests).
+    #[arg(long, value_name = "N", default_value_t = 64,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) max_clients: u32,
+    /// Client connections from one source at once (a TCP client's address, a Unix-socket
+    /// client's user id); a newcomer past it takes the place of one of its own source's.
+    #[arg(long, value_name = "N", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) max_clients_per_source: u32,
+    /// Seconds a client may take over its whole handshake.
+    #[arg(long, value_name = "SECONDS", default_value_t = 10.0, value_parser = parse_secs)]
+    pub(crate) handshake_timeout: f64,
+    /// Seconds a client may send no request before it is closed (0: never). NBD has no
+    /// keep-alive: a quiet kernel client is closed too (nbd-client -persist reconnects).
+    #[arg(long, value_name = "SECONDS", default_value_t = 600.0, value_parser = parse_secs_or_0)]
+    pub(crate) idle_timeout: f64,
+    /// Seconds per period of the log limits: per period at most 5 lines about one client
+    /// source and 50 in all (each for warnings and for clients coming and going), then one
+    /// line counting what was held back.
+    #[arg(long, value_name = "SECONDS", default_value_t = 60.0, value_parser = parse_secs)]
+    pub(crate) log_period: f64,
+}
+
+fn parse_secs(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v.is_finite() && v > 0.0 && v <= 86400.0 => Ok(v),
+        _ => Err(format!(
+            "{s:?}: give seconds, more than 0 and at most 86400"
+        )),
+    }
+}
+
+fn parse_secs_or_0(s: &str) -> Result<f64, String> {
+    match s.trim().parse::<f64>() {
+        Ok(v) if v == 0.0 => Ok(v),
+        _ => parse_secs(s).map_err(|_| format!("{s:?}: give seconds, 0 (never) to 86400")),
+    }
+}
+
+impl NbdLimits {
+    /// The library's limits.
+    pub(crate) fn client_limits(&self) -> rpma_initiator::nbd::ClientLimits {
+        rpma_initiator::nbd::ClientLimits {
+            max_clients: self.max_clients as usize,
+            max_per_source: self.max_clients_per_source as usize,
+            handshake_timeout: Duration::from_secs_f64(self.handshake_timeout),
+            idle_timeout: (self.idle_timeout > 0.0)
+                .then(|| Duration::from_secs_f64(self.idle_timeout)),
+            log_period: Duration::from_secs_f64(self.log_period),
+        }
+    }
 }
 
 /// Where the bytes of `write` and `verify` come from.
@@ -195,6 +255,8 @@ pub(crate) enum Command {
         #[arg(long, value_name = "N", default_value_t = 64,
               value_parser = clap::value_parser!(u16).range(1..=128))]
         queue_depth: u16,
+        #[command(flatten)]
+        limits: NbdLimits,
     },
     /// Show the namespace as one regular file (DIR/nsN) in a FUSE filesystem, in the foreground
     /// until SIGTERM or `umount`; prints the file's path (and the loop device's) once ready.

@@ -1,6 +1,7 @@
 //! The control-side subcommands: discover (a target's subsystems) and identify (a
 //! subsystem's namespaces).
 
+use rpma_initiator::ConnectOptions;
 use serde::Serialize;
 
 use super::args::Global;
@@ -9,7 +10,19 @@ use super::json::{print_json, NamespaceJson};
 
 pub(crate) fn discover(g: &Global) -> Result<(), Failure> {
     let target = g.target()?;
-    let entries = rpma_initiator::discover(target, &g.host()?, &g.options()?)?;
+    let (host, opts) = (g.host()?, g.options()?);
+    let entries = g
+        .reconnect_policy()?
+        .first_connection(target, opts.timeout, |timeout| {
+            rpma_initiator::discover(
+                target,
+                &host,
+                &ConnectOptions {
+                    timeout,
+                    ..opts.clone()
+                },
+            )
+        })?;
     if g.json {
         #[derive(Serialize)]
         struct Entry<'a> {
@@ -44,7 +57,16 @@ pub(crate) fn discover(g: &Global) -> Result<(), Failure> {
 pub(crate) fn identify(g: &Global) -> Result<(), Failure> {
     let target = g.target()?;
     let subsystem = g.subsystem()?;
-    let id = rpma_initiator::identify(target, &subsystem, &g.host()?, &g.options()?)?;
+    let (host, opts) = (g.host()?, g.options()?);
+    let id = g
+        .reconnect_policy()?
+        .first_connection(target, opts.timeout, |timeout| {
+            let o = ConnectOptions {
+                timeout,
+                ..opts.clone()
+            };
+            rpma_initiator::identify(target, &subsystem, &host, &o)
+        })?;
     if g.json {
         #[derive(Serialize)]
         struct Out<'a> {

@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use rpma_common::proto::PersistenceDomain;
-use rpma_initiator::nbd::{ExportOptions, Listener, NbdError, Server};
+use rpma_initiator::nbd::{ClientLimits, ExportOptions, Listener, NbdError, Server};
 
 use super::args::Global;
 use super::failure::{usage, Failure};
@@ -22,6 +22,7 @@ pub(crate) struct Params {
     pub(crate) listen: Option<String>,
     pub(crate) export: String,
     pub(crate) queue_depth: usize,
+    pub(crate) limits: ClientLimits,
 }
 
 fn failure(e: NbdError) -> Failure {
@@ -66,6 +67,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         nsid: g.nsid,
         visible_ok: g.visible_ok,
         max_batch: p.queue_depth,
+        limits: p.limits,
     };
     let mut server = Server::new(g.connection(p.queue_depth)?, opts, listener).map_err(failure)?;
     let d = server.descriptor().clone();
@@ -119,8 +121,11 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
 
 #[cfg(test)]
 mod tests {
+    use std::time::Duration;
+
     use crate::cli::args::{Cli, Command};
     use clap::Parser;
+    use rpma_initiator::nbd::ClientLimits;
 
     #[test]
     fn nbd_takes_exactly_one_of_socket_and_listen() {
@@ -137,8 +142,50 @@ mod tests {
                 listen: Some(l),
                 export,
                 queue_depth: 64,
-            } => assert_eq!((l.as_str(), export.as_str()), ("127.0.0.1:10809", "rpma")),
+                limits,
+            } => {
+                assert_eq!((l.as_str(), export.as_str()), ("127.0.0.1:10809", "rpma"));
+                assert_eq!(limits.client_limits(), ClientLimits::default());
+            }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn nbd_limits_are_checked_and_0_turns_the_idle_timeout_off() {
+        let p = |a: &[&str]| {
+            Cli::try_parse_from([&["rpma-initiator", "nbd", "--socket", "s"], a].concat())
+        };
+        for bad in [
+            &["--max-clients", "0"][..],
+            &["--max-clients-per-source", "0"],
+            &["--handshake-timeout", "0"],
+            &["--handshake-timeout", "nan"],
+            &["--idle-timeout", "-1"],
+            &["--log-period", "0"],
+        ] {
+            assert!(p(bad).is_err(), "{bad:?}");
+        }
+        let c = p(&[
+            "--max-clients",
+            "8",
+            "--max-clients-per-source",
+            "2",
+            "--handshake-timeout",
+            "1.5",
+            "--idle-timeout",
+            "0",
+            "--log-period",
+            "2",
+        ])
+        .unwrap();
+        let Command::Nbd { limits, .. } = c.command else {
+            panic!("nbd")
+        };
+        let l = limits.client_limits();
+        assert_eq!((l.max_clients, l.max_per_source), (8, 2));
+        assert_eq!(l.handshake_timeout, Duration::from_millis(1500));
+        assert_eq!(l.idle_timeout, None);
+        assert_eq!(l.log_period, Duration::from_secs(2));
     }
 }

@@ -9,6 +9,7 @@ use super::proto::{
     OPT_ABORT, OPT_EXPORT_NAME, OPT_GO, OPT_INFO, OPT_LIST, REP_ACK, REP_ERR_INVALID,
     REP_ERR_UNKNOWN, REP_ERR_UNSUP, REP_INFO, REP_SERVER,
 };
+use super::ratelog::Escaped;
 use super::stream::Stream;
 use super::ConnError;
 
@@ -155,7 +156,10 @@ fn answer(
                 .map_err(|_| ConnError::Protocol("export name is not UTF-8".into()))?;
             if !ex.matches(name) {
                 // This option has no error reply: the protocol says to close.
-                return Err(ConnError::Protocol(format!("no export named {name:?}")));
+                return Err(ConnError::Protocol(format!(
+                    "no export named {}",
+                    Escaped(name)
+                )));
             }
             out.extend_from_slice(&proto::export_fields(ex.size, ex.flags));
             if !no_zeroes {

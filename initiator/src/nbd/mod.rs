@@ -6,6 +6,8 @@
 //!   sizes, `LIST`, `ABORT`, `EXPORT_NAME`; anything else gets `NBD_REP_ERR_UNSUP`).
 //! - `transmission`: one client's requests, batched onto the export's queue.
 //! - [`Server`]: the listener, one thread per client, keep-alives, shutdown.
+//! - `slots`: the limits on clients ([`ClientLimits`]): per source and in all, with eviction
+//!   of unfinished and idle clients for newcomers; `ratelog`: rate-limited client log lines.
 //!
 //! # One queue for the export
 //!
@@ -31,21 +33,20 @@
 pub mod fuzz;
 mod handshake;
 pub mod proto;
+mod ratelog;
 mod server;
 mod shared;
+mod slots;
 mod stream;
 mod transmission;
 
 pub use server::Server;
-pub use shared::ExportOptions;
+pub use shared::{ClientLimits, ExportOptions};
 pub use stream::Listener;
 
 /// The largest READ or WRITE payload (`NBD_INFO_BLOCK_SIZE` maximum); the protocol's
 /// recommended limit for clients that were told nothing.
 pub const MAX_PAYLOAD: u32 = 32 << 20;
-
-/// Client connections served at once; more are closed at once (and logged).
-pub const MAX_CLIENTS: usize = 64;
 
 /// What starting or running an export failed with.
 #[derive(Debug, thiserror::Error)]
@@ -101,4 +102,10 @@ pub(crate) enum ConnError {
     /// The client sent something this server cannot follow.
     #[error("{0}")]
     Protocol(String),
+    /// The client sent no request for this long (`--idle-timeout`).
+    #[error("no request for {0:?}")]
+    Idle(std::time::Duration),
+    /// The client's slot was taken for a newcomer.
+    #[error("evicted for a newcomer")]
+    Evicted,
 }

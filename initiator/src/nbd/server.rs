@@ -8,7 +8,7 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
-use log::{debug, error, info, warn};
+use log::{debug, info, warn, Level};
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use rpma_common::proto::{NamespaceDescriptor, PersistenceDomain};
 
@@ -18,13 +18,12 @@ use super::proto::{
     TF_SEND_WRITE_ZEROES,
 };
 use super::shared::{ExportOptions, Shared};
-use super::stream::{Listener, Stream};
+use super::slots::{self, Caps, Decision, Held, Slot, State};
+use super::stream::{Listener, Peer, Stream};
 use super::transmission::Client;
-use super::{NbdError, Result, MAX_CLIENTS, MAX_PAYLOAD};
+use super::{ConnError, NbdError, Result, MAX_PAYLOAD};
 use crate::Connection;
 
-/// How long a client may take over its whole handshake.
-const HANDSHAKE_WITHIN: Duration = Duration::from_secs(30);
 /// How long a reply may wait for a client that does not read.
 const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often an idle queue is ticked (keep-alive: well under half the target's period).
@@ -48,6 +47,8 @@ fn ticker(shared: &Shared) {
 
 struct ClientThread {
     id: u64,
+    peer: Peer,
+    slot: Arc<Slot>,
     stream: Stream,
     thread: JoinHandle<()>,
 }
@@ -59,6 +60,8 @@ pub struct Server {
     clients: Vec<ClientThread>,
     next_id: u64,
     ticker: Option<JoinHandle<()>>,
+    /// The clock of the clients' slots.
+    epoch: Instant,
 }
 
 impl std::fmt::Debug for Server {
@@ -100,6 +103,7 @@ impl Server {
             clients: Vec::new(),
             next_id: 1,
             ticker: Some(ticker),
+            epoch: Instant::now(),
         })
     }
 
@@ -136,6 +140,8 @@ impl Server {
                 return Ok(());
             }
             self.reap();
+            self.shared.problems.tick();
+            self.shared.sessions.tick();
             if accept {
                 self.accept();
             }
@@ -162,29 +168,95 @@ impl Server {
                     return;
                 }
             };
-            if self.clients.len() >= MAX_CLIENTS {
-                warn!("nbd: {MAX_CLIENTS} clients already connected: closing the connection from {peer}");
+            self.reap();
+            if !self.make_room(&peer) {
                 continue;
             }
             let id = self.next_id;
             self.next_id += 1;
             let Ok(kill) = stream.try_clone() else {
-                warn!("nbd: cannot duplicate the socket of {peer}: closing it");
+                warn!(
+                    "nbd: cannot duplicate the socket of {}: closing it",
+                    peer.name
+                );
                 continue;
             };
-            let shared = Arc::clone(&self.shared);
+            let slot = Arc::new(Slot::new(self.epoch));
+            let (shared, s, p) = (Arc::clone(&self.shared), Arc::clone(&slot), peer.clone());
             let spawned = std::thread::Builder::new()
                 .name(format!("nbd-client-{id}"))
-                .spawn(move || run_client(&shared, stream, id, &peer));
+                .spawn(move || run_client(&shared, stream, id, &p, &s));
             match spawned {
                 Ok(thread) => self.clients.push(ClientThread {
                     id,
+                    peer,
+                    slot,
                     stream: kill,
                     thread,
                 }),
                 Err(e) => warn!("nbd: cannot start a thread for client {id}: {e}"),
             }
         }
+    }
+
+    /// Makes room for a newcomer from `peer` within the limits, evicting a client in its
+    /// handshake or idle if need be ([`slots::decide`]); false if it must be turned away.
+    fn make_room(&mut self, peer: &Peer) -> bool {
+        let l = self.shared.opts.limits;
+        let caps = Caps {
+            total: l.max_clients,
+            per_source: l.max_per_source,
+        };
+        // A victim that turned busy meanwhile is not evicted: decide again.
+        for _ in 0..8 {
+            let held: Vec<Held> = self
+                .clients
+                .iter()
+                .map(|c| Held::of(c.peer.source, &c.slot))
+                .collect();
+            match slots::decide(&held, peer.source, caps) {
+                Decision::Admit => return true,
+                Decision::Refuse(why) => {
+                    self.shared.problems.log(
+                        Level::Warn,
+                        peer.source,
+                        format_args!("nbd: refused a connection from {}: {why}", peer.name),
+                    );
+                    return false;
+                }
+                Decision::Evict(i) => {
+                    let (c, h) = (&self.clients[i], held[i]);
+                    if !c.slot.evict() {
+                        continue;
+                    }
+                    // Its thread sees end of file (or a failed write) and leaves.
+                    let _ = c.stream.shutdown(Shutdown::Both);
+                    let what = match h.state {
+                        State::Handshake => "in its handshake",
+                        State::Unused => "idle, no request sent,",
+                        _ => "idle",
+                    };
+                    // Charged to the newcomer's source: the cause, whose flood of newcomers
+                    // must not use up the budget of the sources it pushes out.
+                    self.shared.problems.log(
+                        Level::Warn,
+                        peer.source,
+                        format_args!(
+                            "nbd: client {} ({}) evicted for a new connection from {}: {what} \
+                             for {} s (at most {} connection(s) per source, {} in all)",
+                            c.id,
+                            c.peer.name,
+                            peer.name,
+                            h.since.elapsed().as_secs(),
+                            l.max_per_source,
+                            l.max_clients
+                        ),
+                    );
+                    return true;
+                }
+            }
+        }
+        false
     }
 
     /// Stops: no new requests are read, every client finishes the requests it has read and is
@@ -269,15 +341,34 @@ fn export_info(opts: &ExportOptions, d: &NamespaceDescriptor) -> ExportInfo {
     }
 }
 
-fn run_client(shared: &Shared, mut stream: Stream, id: u64, peer: &str) {
-    debug!("nbd: client {id} connected from {peer}");
+/// Serves one client, then shuts its socket down: the accept loop holds a clone of it until
+/// it reaps this thread, and the client must see the end at once.
+fn run_client(shared: &Shared, stream: Stream, id: u64, peer: &Peer, slot: &Slot) {
+    let end = match stream.try_clone() {
+        Ok(s) => s,
+        Err(_) => return,
+    };
+    serve_client(shared, stream, id, peer, slot);
+    let _ = end.shutdown(Shutdown::Both);
+}
+
+fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot: &Slot) {
+    debug!("nbd: client {id} connected from {}", peer.name);
+    let src = peer.source;
     let _ = stream.set_write_timeout(Some(WRITE_TIMEOUT));
-    let outcome = match handshake::negotiate(&mut stream, &shared.info, HANDSHAKE_WITHIN) {
+    let within = shared.opts.limits.handshake_timeout;
+    let outcome = match handshake::negotiate(&mut stream, &shared.info, within) {
         Ok(o) => o,
+        Err(_) if slot.evicted() => return,
         Err(e) => {
-            warn!(
-                "nbd: client {id} ({peer}): handshake failed: {}; connection closed",
-                rpma_common::error_chain(&e)
+            shared.problems.log(
+                Level::Warn,
+                src,
+                format_args!(
+                    "nbd: client {id} ({}): handshake failed: {}; connection closed",
+                    peer.name,
+                    rpma_common::error_chain(&e)
+                ),
             );
             return;
         }
@@ -289,33 +380,57 @@ fn run_client(shared: &Shared, mut stream: Stream, id: u64, peer: &str) {
         }
         Outcome::Transmission { strict } => strict,
     };
+    if !slot.entered_transmission() {
+        return;
+    }
     // If the server is stopping, the read side was shut already: the requests the client
     // sent are answered, then end of file.
     let _ = stream.set_read_timeout(None);
-    info!("nbd: client {id} ({peer}) entered transmission");
-    let mut c = Client::new(shared, stream, strict);
+    shared.sessions.log(
+        Level::Info,
+        src,
+        format_args!("nbd: client {id} ({}) entered transmission", peer.name),
+    );
+    let mut c = Client::new(shared, stream, strict, slot, src);
     let r = c.run();
     let s = c.stats();
+    if slot.evicted() || matches!(r, Err(ConnError::Evicted)) {
+        // The accept loop said why.
+        return;
+    }
     let how = match &r {
         Ok(()) => "closed".to_owned(),
+        Err(ConnError::Idle(d)) => {
+            format!("closed: no request for {} s (--idle-timeout)", d.as_secs())
+        }
         Err(e) => format!("closed on error: {}", rpma_common::error_chain(e)),
     };
     let line = format!(
-        "nbd: client {id} ({peer}) {how} after {} request(s), largest batch {}; queue max in flight {}",
+        "nbd: client {id} ({}) {how} after {} request(s), largest batch {}; queue max in flight {}",
+        peer.name,
         s.requests,
         s.max_batch,
         shared.max_in_flight()
     );
-    if r.is_ok() {
-        info!("{line}");
-    } else {
-        warn!("{line}");
+    match r {
+        Ok(()) | Err(ConnError::Idle(_)) => {
+            shared
+                .sessions
+                .log(Level::Info, src, format_args!("{line}"))
+        }
+        Err(_) => shared
+            .problems
+            .log(Level::Warn, src, format_args!("{line}")),
     }
     if shared.desc.domain == PersistenceDomain::Volatile && s.visible_only > 0 {
-        error!(
-            "nbd: client {id}: {} FLUSH/FUA request(s) on volatile namespace {} got EIO: \
-             nothing can make them durable (--visible-ok accepts visible only)",
-            s.visible_only, shared.opts.nsid
+        shared.problems.log(
+            Level::Error,
+            src,
+            format_args!(
+                "nbd: client {id}: {} FLUSH/FUA request(s) on volatile namespace {} got EIO: \
+                 nothing can make them durable (--visible-ok accepts visible only)",
+                s.visible_only, shared.opts.nsid
+            ),
         );
     }
 }

@@ -4,11 +4,13 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard};
+use std::time::Duration;
 
 use log::{error, info, warn};
 use rpma_common::proto::NamespaceDescriptor;
 
 use super::handshake::ExportInfo;
+use super::ratelog::RateLog;
 use crate::{Connection, Durability, Error, Namespace, Queue};
 
 /// What to export and how.
@@ -23,7 +25,45 @@ pub struct ExportOptions {
     pub visible_ok: bool,
     /// Requests of one client issued together (at most the queue depth helps).
     pub max_batch: usize,
+    /// How many clients, for how long, and how much they may make the export log.
+    pub limits: ClientLimits,
 }
+
+/// The export's limits on its clients (docs/mount.md, "Limits"): what a client that holds a
+/// connection without using it, or that fails in a loop, can cost.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClientLimits {
+    /// Connections served at once. A newcomer past it evicts a client that is still in its
+    /// handshake or idle (none: it is refused).
+    pub max_clients: usize,
+    /// Connections from one source at once (a TCP client's address, a Unix-socket client's
+    /// user id). A newcomer past it evicts one of its own source's.
+    pub max_per_source: usize,
+    /// A client's whole handshake must be over within this.
+    pub handshake_timeout: Duration,
+    /// A client that sends no request for this long is closed; `None`: never.
+    pub idle_timeout: Option<Duration>,
+    /// The period of the log limits: per period, a few lines about one source and a few
+    /// dozen in all, then one line counting what was held back.
+    pub log_period: Duration,
+}
+
+impl Default for ClientLimits {
+    fn default() -> Self {
+        ClientLimits {
+            max_clients: 64,
+            max_per_source: 16,
+            handshake_timeout: Duration::from_secs(10),
+            idle_timeout: Some(Duration::from_secs(600)),
+            log_period: Duration::from_secs(60),
+        }
+    }
+}
+
+/// Lines about one source per log period, for problems and for sessions each.
+const LINES_PER_SOURCE: u32 = 5;
+/// Lines about all sources per log period, for problems and for sessions each.
+const LINES_IN_ALL: u32 = 50;
 
 /// What the client threads share: the queue (taken for one batch at a time) and the export.
 #[derive(Debug)]
@@ -42,6 +82,11 @@ pub(crate) struct Shared {
     /// Queues given up (reconnect budget spent): each may have taken acknowledged writes that
     /// were not durable yet with it. Every connection's next FLUSH answers EIO once per loss.
     pub(crate) losses: AtomicU64,
+    /// Client-caused WARN and ERROR lines (failed handshakes, evictions, refusals, failed
+    /// requests), rate-limited.
+    pub(crate) problems: RateLog,
+    /// Client-caused INFO lines (a client came, left, was idle too long), rate-limited.
+    pub(crate) sessions: RateLog,
 }
 
 impl Shared {
@@ -54,7 +99,10 @@ impl Shared {
         desc: NamespaceDescriptor,
         info: ExportInfo,
     ) -> Shared {
+        let period = opts.limits.log_period;
         Shared {
+            problems: RateLog::new("warning(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
+            sessions: RateLog::new("session line(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
             conn,
             queue: Mutex::new(Some(queue)),
             opts,
@@ -97,7 +145,8 @@ impl Shared {
     /// Drops a queue that gave up; the next request opens a new one.
     fn lost(&self, g: &mut Option<Queue>, e: &Error) {
         error!(
-            "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable              may be lost: the next FLUSH of every connection answers EIO",
+            "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable \
+             may be lost: the next FLUSH of every connection answers EIO",
             rpma_common::error_chain(e)
         );
         self.losses.fetch_add(1, Ordering::SeqCst);

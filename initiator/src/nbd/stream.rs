@@ -8,7 +8,26 @@ use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
+use nix::sys::socket::{getsockopt, setsockopt, sockopt};
+
+use super::slots::Source;
 use super::{NbdError, Result};
+
+/// TCP keep-alive on client connections: a peer that vanished (its host down, the link cut)
+/// is found out after about two minutes, even by a client thread waiting without an idle
+/// time-out. NBD itself has no keep-alive; a live but quiet client is not affected.
+const KEEPALIVE_IDLE_S: u32 = 60;
+const KEEPALIVE_INTERVAL_S: u32 = 10;
+const KEEPALIVE_PROBES: u32 = 6;
+
+/// Who is at the other end of an accepted connection.
+#[derive(Debug, Clone)]
+pub(crate) struct Peer {
+    /// For the per-source cap and the log limits.
+    pub(crate) source: Source,
+    /// For log lines: `127.0.0.1:41234`, `unix (uid 0, pid 4242)`.
+    pub(crate) name: String,
+}
 
 /// Where the export listens.
 #[derive(Debug)]
@@ -73,14 +92,33 @@ impl Listener {
     ///
     /// # Errors
     /// Those of accept(2) other than `WouldBlock`.
-    pub(crate) fn accept(&self) -> io::Result<Option<(Stream, String)>> {
+    pub(crate) fn accept(&self) -> io::Result<Option<(Stream, Peer)>> {
         let r = match self {
-            Listener::Unix(l, p) => l
-                .accept()
-                .map(|(s, _)| (Stream::Unix(s), format!("unix:{}", p.display()))),
+            Listener::Unix(l, _) => l.accept().map(|(s, _)| {
+                // The user is the source: every process of one user shares its cap.
+                let peer = match getsockopt(&s, sockopt::PeerCredentials) {
+                    Ok(c) => Peer {
+                        source: Source::Uid(c.uid()),
+                        name: format!("unix (uid {}, pid {})", c.uid(), c.pid()),
+                    },
+                    Err(_) => Peer {
+                        source: Source::Unknown,
+                        name: "unix (credentials unknown)".into(),
+                    },
+                };
+                (Stream::Unix(s), peer)
+            }),
             Listener::Tcp(l) => l.accept().map(|(s, a)| {
                 let _ = s.set_nodelay(true);
-                (Stream::Tcp(s), a.to_string())
+                let _ = setsockopt(&s, sockopt::KeepAlive, &true)
+                    .and_then(|()| setsockopt(&s, sockopt::TcpKeepIdle, &KEEPALIVE_IDLE_S))
+                    .and_then(|()| setsockopt(&s, sockopt::TcpKeepInterval, &KEEPALIVE_INTERVAL_S))
+                    .and_then(|()| setsockopt(&s, sockopt::TcpKeepCount, &KEEPALIVE_PROBES));
+                let peer = Peer {
+                    source: Source::Addr(a.ip().to_canonical()),
+                    name: a.to_string(),
+                };
+                (Stream::Tcp(s), peer)
             }),
         };
         match r {

@@ -7,11 +7,12 @@
 //! order of the Writes. So overlapping writes land in request order, a read sees every write
 //! that came before it, and a FLUSH covers every write answered before it arrived.
 
-use std::io::{Read, Write};
+use std::io::{ErrorKind, Read, Write};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
+use std::time::Instant;
 
-use log::warn;
+use log::Level;
 
 use super::proto::{
     self, simple_reply, simple_reply_header, Errno, Request, CMD_DISC, CMD_FLAG_FUA,
@@ -19,6 +20,7 @@ use super::proto::{
     REQUEST_LEN, SIMPLE_REPLY_LEN,
 };
 use super::shared::Shared;
+use super::slots::{Slot, Source};
 use super::stream::Stream;
 use super::{ConnError, MAX_PAYLOAD};
 use crate::Error;
@@ -231,6 +233,10 @@ impl InBuf {
 /// One client in the transmission phase.
 pub(crate) struct Client<'a> {
     shared: &'a Shared,
+    /// Busy while requests execute, idle while it waits: the accept loop may evict it then.
+    slot: &'a Slot,
+    /// For the log limits.
+    source: Source,
     stream: Stream,
     limits: Limits,
     buf: InBuf,
@@ -243,9 +249,18 @@ pub(crate) struct Client<'a> {
 }
 
 impl<'a> Client<'a> {
-    /// `strict`: the client was told the block sizes, so misaligned requests fail.
-    pub(crate) fn new(shared: &'a Shared, stream: Stream, strict: bool) -> Client<'a> {
+    /// `strict`: the client was told the block sizes, so misaligned requests fail. `slot` is
+    /// the client's place in the export, idle (its handshake is over).
+    pub(crate) fn new(
+        shared: &'a Shared,
+        stream: Stream,
+        strict: bool,
+        slot: &'a Slot,
+        source: Source,
+    ) -> Client<'a> {
         Client {
+            slot,
+            source,
             limits: Limits {
                 size: shared.desc.size,
                 read_only: shared.desc.read_only,
@@ -275,7 +290,9 @@ impl<'a> Client<'a> {
     ///
     /// # Errors
     /// [`ConnError`]: the socket failed, a bad magic, an oversized WRITE, a client that went
-    /// away in the middle of a request.
+    /// away in the middle of a request, no request within the idle time-out
+    /// ([`ConnError::Idle`]), an eviction ([`ConnError::Evicted`]: nothing read after it is
+    /// executed).
     pub(crate) fn run(&mut self) -> Result<(), ConnError> {
         loop {
             if !self.eof {
@@ -298,7 +315,12 @@ impl<'a> Client<'a> {
                 self.read_more(s.want)?;
                 continue;
             }
-            let disc = self.execute(&s.items)?;
+            if !self.slot.begin() {
+                return Err(ConnError::Evicted);
+            }
+            let r = self.execute(&s.items);
+            self.slot.end();
+            let disc = r?;
             self.buf.consume(s.consumed);
             if disc {
                 return Ok(());
@@ -325,10 +347,20 @@ impl<'a> Client<'a> {
         Ok(())
     }
 
-    /// Waits for more bytes: the next request needs `want` bytes in all.
+    /// Waits for more bytes: the next request needs `want` bytes in all. The client is idle
+    /// meanwhile: past the idle time-out (counted from its last answered request, or its
+    /// handshake) without a complete request, it is closed.
     fn read_more(&mut self, want: usize) -> Result<(), ConnError> {
         let need = want.saturating_sub(self.buf.bytes().len()).max(READ_CHUNK);
+        let idle = self.shared.opts.limits.idle_timeout;
         loop {
+            if let Some(d) = idle {
+                let left = (self.slot.since() + d).saturating_duration_since(Instant::now());
+                if left.is_zero() {
+                    return Err(ConnError::Idle(d));
+                }
+                self.stream.set_read_timeout(Some(left))?;
+            }
             let room = self.buf.room(need);
             match self.stream.read(room) {
                 Ok(0) => {
@@ -339,7 +371,12 @@ impl<'a> Client<'a> {
                     self.buf.filled(n);
                     return Ok(());
                 }
-                Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                Err(e) if e.kind() == ErrorKind::Interrupted => {}
+                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                    if idle.is_none() {
+                        return Err(e.into());
+                    }
+                }
                 Err(e) => return Err(e.into()),
             }
         }
@@ -441,11 +478,15 @@ impl<'a> Client<'a> {
             self.shared.with_ns(|ns| ns.read_batch(&mut v))
         };
         if let Err(e) = r {
-            warn!(
-                "nbd: {} READ request(s) failed, answered {}: {}",
-                run.len(),
-                Errno(errno(&e, false)),
-                rpma_common::error_chain(&e)
+            self.shared.problems.log(
+                Level::Warn,
+                self.source,
+                format_args!(
+                    "nbd: {} READ request(s) failed, answered {}: {}",
+                    run.len(),
+                    Errno(errno(&e, false)),
+                    rpma_common::error_chain(&e)
+                ),
             );
             self.out.truncate(base);
             for it in run {
@@ -499,11 +540,15 @@ impl<'a> Client<'a> {
         drop(v);
         let (ok, fua_err) = match r {
             Err(e) => {
-                warn!(
-                    "nbd: {} WRITE request(s) failed, answered {}: {}",
-                    run.len(),
-                    Errno(errno(&e, true)),
-                    rpma_common::error_chain(&e)
+                self.shared.problems.log(
+                    Level::Warn,
+                    self.source,
+                    format_args!(
+                        "nbd: {} WRITE request(s) failed, answered {}: {}",
+                        run.len(),
+                        Errno(errno(&e, true)),
+                        rpma_common::error_chain(&e)
+                    ),
                 );
                 (errno(&e, true), errno(&e, true))
             }
@@ -541,10 +586,14 @@ impl<'a> Client<'a> {
                 proto::EIO
             }
             Err(e) => {
-                warn!(
-                    "nbd: {what} failed, answered {}: {}",
-                    Errno(errno(&e, true)),
-                    rpma_common::error_chain(&e)
+                self.shared.problems.log(
+                    Level::Warn,
+                    self.source,
+                    format_args!(
+                        "nbd: {what} failed, answered {}: {}",
+                        Errno(errno(&e, true)),
+                        rpma_common::error_chain(&e)
+                    ),
                 );
                 errno(&e, true)
             }

@@ -1,9 +1,12 @@
 //! Where and who: a [`Connection`] (target URL, subsystem, host, options) opens queues; the
-//! queue options and the reconnect policy that decide how a queue behaves.
+//! queue options and the reconnect policy that decide how a queue behaves, from its first
+//! connection on.
 
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
+use rpma_common::fabric;
 use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::RefusalReason;
 
 use super::Queue;
 use crate::connect::{connect, ConnectOptions, HostIdentity};
@@ -12,9 +15,9 @@ use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::session::Session;
 
-/// How a queue retries a lost connection: attempts spaced by a backoff that doubles from
-/// `initial_backoff` up to `max_backoff`, for at most `timeout` after the loss was seen and at
-/// most `max_attempts` attempts.
+/// How a queue retries a lost connection, and a failed first one: attempts spaced by a backoff
+/// that doubles from `initial_backoff` up to `max_backoff`, for at most `timeout` after the
+/// loss (or the first attempt's failure) was seen and at most `max_attempts` attempts.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct ReconnectPolicy {
     /// Attempts before giving up (0: never reconnect; `u32::MAX`, the default: only
@@ -67,6 +70,56 @@ impl ReconnectPolicy {
             .min(self.max_backoff)
     }
 
+    /// Makes a first connection, retrying within this policy while it fails in a way that may
+    /// pass ([`may_pass`]): a target that is not there yet (refused, unreachable, reset, timed
+    /// out), or that refuses for lack of room or because it is shutting down. A refusal of
+    /// the host, the subsystem, the key or the version, a bad URL or a missing device fails at
+    /// once. `attempt` gets each attempt's connect deadline: `timeout`, cut to what is left of
+    /// the policy's time after the first. The first failure that is retried is logged
+    /// (WARN), with how long the policy keeps trying.
+    ///
+    /// [`Connection::open_queue`] connects this way (with the queue's policy); the CLI's
+    /// `identify` and `discover` too (`--reconnect-timeout`).
+    ///
+    /// # Errors
+    /// The last attempt's error, when it may not pass or the policy allows no more attempts.
+    pub fn first_connection<T>(
+        &self,
+        url: &str,
+        timeout: Duration,
+        mut attempt: impl FnMut(Duration) -> Result<T>,
+    ) -> Result<T> {
+        let deadline = Instant::now() + self.timeout;
+        let mut retries = 0;
+        let mut each = timeout;
+        loop {
+            let e = match attempt(each) {
+                Err(e) if may_pass(&e) => e,
+                r => return r,
+            };
+            retries += 1;
+            let wait = self.backoff(retries);
+            if retries > self.max_attempts || Instant::now() + wait > deadline {
+                return Err(e);
+            }
+            if retries == 1 {
+                log::warn!(
+                    "cannot connect to {url}: {}; retrying with backoff for up to {:.0?}",
+                    rpma_common::error_chain(&e),
+                    self.timeout
+                );
+            } else {
+                log::debug!("connect attempt {retries} to {url} failed: {e}");
+            }
+            std::thread::sleep(wait);
+            each = timeout.min(
+                deadline
+                    .saturating_duration_since(Instant::now())
+                    .max(Duration::from_millis(100)),
+            );
+        }
+    }
+
     /// The waits before each attempt this policy allows when every attempt fails at once
     /// (attempts start while their wait ends within `timeout`).
     pub fn schedule(&self) -> Vec<Duration> {
@@ -80,6 +133,26 @@ impl ReconnectPolicy {
             out.push(self.backoff(n));
         }
         out
+    }
+}
+
+/// Whether a failed first connection may succeed if made again: the target not there (yet),
+/// the exchange lost or timed out, or a refusal for lack of room or during a shutdown.
+pub(crate) fn may_pass(e: &Error) -> bool {
+    match e {
+        Error::Connect { source, .. } => !matches!(
+            source,
+            fabric::Error::BadUrl { .. }
+                | fabric::Error::TransportUnavailable { .. }
+                | fabric::Error::NoDevice
+                | fabric::Error::NoSuchDevice { .. }
+        ),
+        Error::Refused {
+            reason: RefusalReason::TooManyConnections | RefusalReason::ShuttingDown,
+            ..
+        } => true,
+        Error::Completion { .. } => true,
+        e => e.is_connection_loss(),
     }
 }
 
@@ -163,15 +236,24 @@ impl Connection {
     }
 
     /// Opens queue `queue_id` (0 is the admin queue; it carries I/O too): connects, registers
-    /// the bounce buffers and chooses each namespace's durability method.
+    /// the bounce buffers and chooses each namespace's durability method. A first connection
+    /// that fails in a way that may pass (the target not up yet, no room for this host at
+    /// the moment) is retried within the queue's [`ReconnectPolicy`], as a lost one is
+    /// ([`ReconnectPolicy::first_connection`]).
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] for bad queue options, those of [`connect`], and
-    /// [`Error::MethodNotValid`] when a forced method is not valid on some namespace (the
-    /// check is per namespace: it is made again, and reported, when that namespace is used).
+    /// [`Error::InvalidArgument`] for bad queue options, those of [`connect`] (the last
+    /// attempt's), and [`Error::MethodNotValid`] when a forced method is not valid on some
+    /// namespace (the check is per namespace: it is made again, and reported, when that
+    /// namespace is used).
     pub fn open_queue(&self, queue_id: u16) -> Result<Queue> {
         self.queue.check()?;
-        let session = self.connect_session(queue_id)?;
+        let session =
+            self.queue
+                .reconnect
+                .first_connection(&self.url, self.options.timeout, |t| {
+                    self.connect_session_within(queue_id, t)
+                })?;
         let pool =
             Pool::new(session.pd(), self.queue.depth, self.queue.chunk).map_err(|source| {
                 Error::Fabric {
@@ -200,10 +282,6 @@ impl Connection {
         };
         q.ns = q.describe_all()?;
         Ok(q)
-    }
-
-    fn connect_session(&self, queue_id: u16) -> Result<Session> {
-        self.connect_session_within(queue_id, self.options.timeout)
     }
 
     pub(super) fn connect_session_within(
@@ -247,6 +325,89 @@ mod tests {
         assert!(ReconnectPolicy::within(Duration::ZERO)
             .schedule()
             .is_empty());
+    }
+
+    #[test]
+    fn a_first_connection_is_retried_only_while_it_may_pass() {
+        let p = ReconnectPolicy {
+            initial_backoff: Duration::from_millis(1),
+            max_backoff: Duration::from_millis(1),
+            ..ReconnectPolicy::within(Duration::from_secs(3600))
+        };
+        let refused = || Error::Connect {
+            url: "tcp://x:1".into(),
+            source: fabric::Error::Socket {
+                op: "connect",
+                addr: "x:1".into(),
+                source: std::io::ErrorKind::ConnectionRefused.into(),
+            },
+        };
+        let full = || Error::Refused {
+            reason: RefusalReason::TooManyConnections,
+            message: "too many connections from this address".into(),
+        };
+        // Refused twice, no room once, then in.
+        let mut n = 0;
+        let r = p.first_connection("tcp://x:1", Duration::from_secs(10), |t| {
+            n += 1;
+            assert_eq!(t, Duration::from_secs(10), "the connect deadline");
+            match n {
+                1 | 2 => Err(refused()),
+                3 => Err(full()),
+                _ => Ok(n),
+            }
+        });
+        assert_eq!(r.unwrap(), 4);
+        // What would fail the same way again fails at once.
+        for e in [
+            Error::HostNotAllowed {
+                message: "no".into(),
+            },
+            Error::UnknownSubsystem {
+                message: "no".into(),
+            },
+            Error::AuthFailed {
+                message: "no".into(),
+            },
+            Error::KeyRequired,
+            Error::Connect {
+                url: "rdma://x:1".into(),
+                source: fabric::Error::NoDevice,
+            },
+            Error::Refused {
+                reason: RefusalReason::ProtocolError,
+                message: "no".into(),
+            },
+        ] {
+            assert!(!may_pass(&e), "{e}");
+            let mut n = 0;
+            let r: Result<()> = p.first_connection("u", Duration::from_secs(1), |_| {
+                n += 1;
+                Err(Error::KeyRequired)
+            });
+            assert!(r.is_err());
+            assert_eq!(n, 1, "{e}: one attempt");
+        }
+        // Never: one attempt, its error.
+        let mut n = 0;
+        let r: Result<()> = ReconnectPolicy::never().first_connection("u", Duration::ZERO, |_| {
+            n += 1;
+            Err(refused())
+        });
+        assert!(matches!(r, Err(Error::Connect { .. })));
+        assert_eq!(n, 1);
+        // The attempt limit, then the last error as it was.
+        let p = ReconnectPolicy {
+            max_attempts: 3,
+            ..p
+        };
+        let mut n = 0;
+        let r: Result<()> = p.first_connection("u", Duration::ZERO, |_| {
+            n += 1;
+            Err(full())
+        });
+        assert!(matches!(r, Err(Error::Refused { .. })));
+        assert_eq!(n, 4, "the first attempt and three retries");
     }
 
     #[test]

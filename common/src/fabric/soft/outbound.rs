@@ -206,13 +206,24 @@ impl Tx {
                     let s = region
                         .slice(*offset + at, n)
                         .expect("checked against the region when the request was accepted");
-                    let framing = Framing::for_volatile(&hdr, s, crc);
-                    // SAFETY: the bytes stay valid as long as `_keep`, which the payload holds
-                    // beside the slice and drops with it; the slice is only used borrowed from
-                    // the payload; registered memory is never covered by a reference.
-                    let slice = unsafe { VolatileSlice::new(s.as_ptr(), s.len()) };
-                    let keep = Arc::clone(region);
-                    (Payload::Mem { slice, _keep: keep }, framing)
+                    if cfg!(rpma_tsan) {
+                        // Under ThreadSanitizer the kernel's read of registered memory (writev)
+                        // would be a plain access: the payload is copied out atomically here
+                        // instead (rpma_common::volatile, "Under ThreadSanitizer").
+                        let mut b = vec![0u8; s.len()];
+                        s.read_at(0, &mut b).expect("inside the slice");
+                        let framing = Framing::new(&hdr, n, [&b[..]], crc);
+                        (Payload::Inline(b), framing)
+                    } else {
+                        let framing = Framing::for_volatile(&hdr, s, crc);
+                        // SAFETY: the bytes stay valid as long as `_keep`, which the payload
+                        // holds beside the slice and drops with it; the slice is only used
+                        // borrowed from the payload; registered memory is never covered by a
+                        // reference.
+                        let slice = unsafe { VolatileSlice::new(s.as_ptr(), s.len()) };
+                        let keep = Arc::clone(region);
+                        (Payload::Mem { slice, _keep: keep }, framing)
+                    }
                 }
             };
             let on_sent = if hdr.last { m.on_sent } else { OnSent::Nothing };

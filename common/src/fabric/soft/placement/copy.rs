@@ -99,8 +99,11 @@ fn writeback_split(dst: *const u8, len: usize) -> (usize, usize, usize) {
 /// As [`place_copy`].
 pub fn place_copy_writeback(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<bool> {
     let dst = dst.subslice(0, src.len())?;
+    // Under ThreadSanitizer the streaming stores would be plain accesses: the plain copy
+    // (atomic there, rpma_common::volatile) and a write-back by the caller instead.
     #[cfg(target_arch = "x86_64")]
-    if src.len() >= WRITEBACK_COPY_MIN
+    if !cfg!(rpma_tsan)
+        && src.len() >= WRITEBACK_COPY_MIN
         && crate::pmem::flush_instruction() != crate::pmem::FlushInstruction::None
     {
         use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};

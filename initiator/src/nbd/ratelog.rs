@@ -1,0 +1,299 @@
+//! Log lines that clients can cause, rate-limited: a client that connects and fails (or
+//! connects and leaves) in a loop must not be able to fill the log, from one source or from
+//! many.
+//!
+//! Each [`RateLog`] lets through, per period (`--log-period`, a minute by default), at most
+//! `per_source` lines about one [`Source`] and `global` lines in all; the rest go to DEBUG and
+//! are counted. Once a period after the first line it held back, it logs one WARN line saying
+//! how many it held back, about how many sources, and which source had the most
+//! ([`RateLog::tick`], called by the accept loop on its timer and by every line). The export
+//! keeps two: one for problems (failed handshakes, evictions, refusals, failed requests) and
+//! one for the INFO lines of clients coming and going, so that a busy but healthy source
+//! cannot use up the budget that would report its failures.
+//!
+//! Strings a client sent (an export name) go into a line only through [`escape`].
+
+use std::collections::HashMap;
+use std::fmt::{self, Arguments, Write as _};
+use std::sync::{Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use log::Level;
+
+use super::slots::Source;
+
+/// Sources whose held-back lines are counted one by one; past that they are counted together.
+const MAX_SOURCES: usize = 4096;
+
+/// Characters of a client's string shown at most.
+const MAX_SHOWN: usize = 128;
+
+/// One kind of client-caused line, rate-limited per source and in all.
+#[derive(Debug)]
+pub(crate) struct RateLog {
+    /// What the summary calls the lines ("warning(s)", "session line(s)").
+    what: &'static str,
+    per_source: u32,
+    global: u32,
+    period: Duration,
+    inner: Mutex<Inner>,
+}
+
+#[derive(Debug, Default)]
+struct Inner {
+    /// Start of the current period of the budgets.
+    window: Option<Instant>,
+    /// Lines let through in this period, per source (only sources that got one: at most
+    /// `global` entries)...
+    used: HashMap<Source, u32>,
+    /// ...and in all.
+    used_all: u32,
+    /// Held back since the last summary, per source (at most MAX_SOURCES)...
+    held: HashMap<Source, u64>,
+    /// ...and about sources past that.
+    held_other: u64,
+    /// When the first line since the last summary was held back.
+    since: Option<Instant>,
+    /// Held back in all, ever.
+    total: u64,
+}
+
+/// A summary line that is due.
+#[derive(Debug, PartialEq, Eq)]
+struct Summary {
+    count: u64,
+    sources: usize,
+    top: Option<(Source, u64)>,
+    over: Duration,
+}
+
+impl RateLog {
+    /// At most `per_source` lines about one source and `global` in all per `period`.
+    pub(crate) fn new(what: &'static str, per_source: u32, global: u32, period: Duration) -> Self {
+        RateLog {
+            what,
+            per_source,
+            global,
+            period: period.max(Duration::from_millis(1)),
+            inner: Mutex::new(Inner::default()),
+        }
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Logs `msg` about `source` at `level` if the budgets allow, else at DEBUG (counted).
+    pub(crate) fn log(&self, level: Level, source: Source, msg: Arguments<'_>) {
+        let now = Instant::now();
+        if self.allow(source, now) {
+            log::log!(level, "{msg}");
+        } else {
+            log::debug!("{msg}");
+        }
+        self.tick_at(now);
+    }
+
+    /// Logs the count of held-back lines if a period has passed since the first of them.
+    pub(crate) fn tick(&self) {
+        self.tick_at(Instant::now());
+    }
+
+    fn tick_at(&self, now: Instant) {
+        if let Some(s) = self.take_summary(now) {
+            let top = match s.top {
+                Some((src, n)) => format!(" (most about {src}: {n})"),
+                None => String::new(),
+            };
+            log::warn!(
+                "nbd: {} {} about {} client source(s) suppressed in the last {} s{top}",
+                s.count,
+                self.what,
+                s.sources,
+                s.over.as_secs()
+            );
+        }
+    }
+
+    /// Lines held back so far.
+    #[cfg(test)]
+    fn suppressed(&self) -> u64 {
+        self.lock().total
+    }
+
+    /// Whether a line about `source` at `now` may go out (and counts it either way).
+    fn allow(&self, source: Source, now: Instant) -> bool {
+        let mut g = self.lock();
+        match g.window {
+            Some(w) if now.saturating_duration_since(w) < self.period => {}
+            _ => {
+                g.window = Some(now);
+                g.used.clear();
+                g.used_all = 0;
+            }
+        }
+        let mine = g.used.get(&source).copied().unwrap_or(0);
+        if mine < self.per_source && g.used_all < self.global {
+            g.used.insert(source, mine + 1);
+            g.used_all += 1;
+            return true;
+        }
+        g.total += 1;
+        g.since.get_or_insert(now);
+        if let Some(n) = g.held.get_mut(&source) {
+            *n += 1;
+        } else if g.held.len() < MAX_SOURCES {
+            g.held.insert(source, 1);
+        } else {
+            g.held_other += 1;
+        }
+        false
+    }
+
+    fn take_summary(&self, now: Instant) -> Option<Summary> {
+        let mut g = self.lock();
+        let since = g.since?;
+        let over = now.saturating_duration_since(since);
+        if over < self.period {
+            return None;
+        }
+        let top = g.held.iter().max_by_key(|(_, &n)| n).map(|(&s, &n)| (s, n));
+        let count = g.held.values().sum::<u64>() + g.held_other;
+        let sources = g.held.len() + usize::from(g.held_other > 0);
+        g.held.clear();
+        g.held_other = 0;
+        g.since = None;
+        Some(Summary {
+            count,
+            sources,
+            top,
+            over,
+        })
+    }
+}
+
+/// `s` as it may appear in a log line: quoted, with every character that could end the line,
+/// move the cursor or reorder text (controls, line and paragraph separators, bidirectional
+/// overrides and other format characters), and the quote and backslash themselves, escaped as
+/// `\u{..}`/`\"`/`\\`; cut after 128 characters (with the length said).
+pub(crate) fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len().min(MAX_SHOWN) + 2);
+    out.push('"');
+    for (i, c) in s.chars().enumerate() {
+        if i == MAX_SHOWN {
+            let _ = write!(out, "\"... ({} bytes in all)", s.len());
+            return out;
+        }
+        match c {
+            '"' => out.push_str("\\\""),
+            '\\' => out.push_str("\\\\"),
+            c if hidden(c) => {
+                let _ = write!(out, "\\u{{{:x}}}", c as u32);
+            }
+            c => out.push(c),
+        }
+    }
+    out.push('"');
+    out
+}
+
+/// Characters a log line must not carry raw.
+fn hidden(c: char) -> bool {
+    c.is_control()
+        || matches!(c,
+            '\u{ad}'                     // soft hyphen
+            | '\u{200b}'..='\u{200f}'    // zero-width, LRM/RLM
+            | '\u{2028}'..='\u{202e}'    // line/paragraph separators, bidi embeddings/overrides
+            | '\u{2060}'..='\u{206f}'    // word joiner, bidi isolates, invisible operators
+            | '\u{feff}'                 // byte order mark
+            | '\u{fff9}'..='\u{fffb}') // interlinear annotations
+}
+
+/// `escape` as a `Display` (for format arguments).
+pub(crate) struct Escaped<'a>(pub(crate) &'a str);
+
+impl fmt::Display for Escaped<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&escape(self.0))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::net::IpAddr;
+
+    const PERIOD: Duration = Duration::from_secs(60);
+
+    fn src(n: u8) -> Source {
+        Source::Addr(IpAddr::from([192, 0, 2, n]))
+    }
+
+    #[test]
+    fn a_source_gets_its_budget_per_period_and_all_share_a_cap() {
+        let l = RateLog::new("warning(s)", 2, 3, PERIOD);
+        let t0 = Instant::now();
+        assert!(l.allow(src(1), t0));
+        assert!(l.allow(src(1), t0));
+        assert!(!l.allow(src(1), t0), "its budget is spent");
+        assert!(l.allow(src(2), t0), "another source");
+        assert!(!l.allow(src(3), t0), "the global cap is spent");
+        let t1 = t0 + PERIOD;
+        assert!(l.allow(src(1), t1), "a new period");
+        assert!(l.allow(src(3), t1));
+        assert_eq!(l.suppressed(), 2);
+    }
+
+    #[test]
+    fn a_summary_counts_what_was_held_back_once_a_period() {
+        let l = RateLog::new("warning(s)", 1, 100, PERIOD);
+        let t0 = Instant::now();
+        assert!(l.allow(src(1), t0));
+        assert_eq!(l.take_summary(t0 + PERIOD * 2), None, "nothing held back");
+        for _ in 0..5 {
+            assert!(!l.allow(src(1), t0));
+        }
+        assert!(l.allow(src(2), t0));
+        assert!(!l.allow(src(2), t0 + Duration::from_secs(1)));
+        assert_eq!(l.take_summary(t0 + PERIOD - Duration::from_millis(1)), None);
+        assert_eq!(
+            l.take_summary(t0 + PERIOD),
+            Some(Summary {
+                count: 6,
+                sources: 2,
+                top: Some((src(1), 5)),
+                over: PERIOD
+            })
+        );
+        assert_eq!(l.take_summary(t0 + PERIOD * 3), None, "counted once");
+    }
+
+    #[test]
+    fn the_maps_stay_bounded_under_many_sources() {
+        let l = RateLog::new("warning(s)", 1, 10, PERIOD);
+        let t0 = Instant::now();
+        for i in 0..(MAX_SOURCES as u32 + 100) {
+            l.allow(Source::Uid(i), t0);
+        }
+        let g = l.lock();
+        assert_eq!(g.used.len(), 10);
+        assert_eq!(g.held.len(), MAX_SOURCES);
+        assert_eq!(g.held_other, 90);
+    }
+
+    #[test]
+    fn escaped_strings_cannot_break_a_line_or_hide_text() {
+        assert_eq!(escape("disk1"), "\"disk1\"");
+        assert_eq!(
+            escape("a\nWARN forged\r\u{1b}[2J"),
+            "\"a\\u{a}WARN forged\\u{d}\\u{1b}[2J\""
+        );
+        assert_eq!(escape("x\u{2028}y\u{202e}z"), "\"x\\u{2028}y\\u{202e}z\"");
+        assert_eq!(escape("q\"b\\"), "\"q\\\"b\\\\\"");
+        let long = "é".repeat(300);
+        let e = escape(&long);
+        assert!(e.ends_with("\"... (600 bytes in all)"), "{e}");
+        assert_eq!(e.chars().filter(|&c| c == 'é').count(), MAX_SHOWN);
+        assert!(!escape(&"\n".repeat(5000)).contains('\n'));
+    }
+}

@@ -1,0 +1,399 @@
+//! Who holds the export's connections, and whom a newcomer may push out.
+//!
+//! The export serves at most `max_clients` connections, at most `max_clients_per_source` of
+//! them from one source (a TCP client's address, a Unix-socket client's user id). A newcomer
+//! is never turned away while someone holds a slot without using it: a source at its cap makes
+//! room from its own connections, a full export from those of the source that holds the most.
+//! The one evicted is the oldest connection that has not sent a request yet (in its handshake
+//! or past it), else the one idle the longest (in the transmission phase, no request being
+//! executed). Only when every candidate is busy executing requests is the newcomer refused.
+//! So clients that merely hold slots, from one address or from many, delay a well-behaved
+//! client by nothing but its own handshake: a newcomer outlives as many newer connections of
+//! its source as the cap allows, and once it has sent a request it goes only after every
+//! holder that never did. What they can still do is push out a client of the source they
+//! share (or of the largest sources, when the export is full) by opening connections faster
+//! than it sends requests (docs/mount.md, "Limits").
+//!
+//! Each client's thread and the accept loop share a [`Slot`]: the client moves it between
+//! handshake, idle and busy; the accept loop takes an idle or unfinished one away
+//! ([`Slot::evict`]) in one compare-and-swap, so an evicted client never starts a request it
+//! read after the eviction, and a busy one is never evicted.
+
+use std::fmt;
+use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::time::{Duration, Instant};
+
+/// Where a client connection comes from: the unit of the per-source cap and of the log limits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) enum Source {
+    /// A TCP client's address (an IPv4 address mapped into IPv6 counts as the IPv4 one).
+    Addr(IpAddr),
+    /// A Unix-socket client's user id (SO_PEERCRED): processes of one user are one source.
+    Uid(u32),
+    /// A Unix-socket client whose credentials could not be read.
+    Unknown,
+}
+
+impl fmt::Display for Source {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Source::Addr(a) => write!(f, "{a}"),
+            Source::Uid(u) => write!(f, "uid {u}"),
+            Source::Unknown => f.write_str("an unknown Unix peer"),
+        }
+    }
+}
+
+const HANDSHAKE: u8 = 0;
+const IDLE: u8 = 1;
+const BUSY: u8 = 2;
+const GONE: u8 = 3;
+
+/// One client's place in the export.
+#[derive(Debug)]
+pub(crate) struct Slot {
+    phase: AtomicU8,
+    /// It has begun executing requests at least once.
+    used: AtomicBool,
+    /// When it connected: its age, for the eviction of clients that sent no request yet.
+    born: Instant,
+    /// Milliseconds after `epoch` when it connected or last became idle.
+    since_ms: AtomicU64,
+    epoch: Instant,
+}
+
+impl Slot {
+    /// A slot for a connection that is starting its handshake now.
+    pub(crate) fn new(epoch: Instant) -> Slot {
+        let s = Slot {
+            phase: AtomicU8::new(HANDSHAKE),
+            used: AtomicBool::new(false),
+            born: Instant::now(),
+            since_ms: AtomicU64::new(0),
+            epoch,
+        };
+        s.touch();
+        s
+    }
+
+    fn touch(&self) {
+        let ms = self.epoch.elapsed().as_millis() as u64;
+        self.since_ms.store(ms, Ordering::SeqCst);
+    }
+
+    /// When it connected or last became idle (finished its handshake or its last requests):
+    /// where its idle time-out counts from.
+    pub(crate) fn since(&self) -> Instant {
+        self.epoch + Duration::from_millis(self.since_ms.load(Ordering::SeqCst))
+    }
+
+    /// The handshake is over: idle from now. False if the client was evicted meanwhile.
+    pub(crate) fn entered_transmission(&self) -> bool {
+        self.touch();
+        self.phase
+            .compare_exchange(HANDSHAKE, IDLE, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok()
+    }
+
+    /// Requests are about to be executed: busy until [`end`](Self::end). False if the client
+    /// was evicted (nothing may be executed then).
+    pub(crate) fn begin(&self) -> bool {
+        let ok = self
+            .phase
+            .compare_exchange(IDLE, BUSY, Ordering::SeqCst, Ordering::SeqCst)
+            .is_ok();
+        if ok {
+            self.used.store(true, Ordering::SeqCst);
+        }
+        ok
+    }
+
+    /// The requests were answered: idle from now.
+    pub(crate) fn end(&self) {
+        self.touch();
+        let _ = self
+            .phase
+            .compare_exchange(BUSY, IDLE, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Takes the slot from a client in its handshake or idle; false if it is busy or gone.
+    pub(crate) fn evict(&self) -> bool {
+        [HANDSHAKE, IDLE].into_iter().any(|from| {
+            self.phase
+                .compare_exchange(from, GONE, Ordering::SeqCst, Ordering::SeqCst)
+                .is_ok()
+        })
+    }
+
+    /// Whether the slot was taken away (the connection is being closed).
+    pub(crate) fn evicted(&self) -> bool {
+        self.phase.load(Ordering::SeqCst) == GONE
+    }
+
+    fn state(&self) -> State {
+        match self.phase.load(Ordering::SeqCst) {
+            HANDSHAKE => State::Handshake,
+            IDLE if self.used.load(Ordering::SeqCst) => State::Idle,
+            IDLE => State::Unused,
+            BUSY => State::Busy,
+            _ => State::Gone,
+        }
+    }
+}
+
+/// A slot's state as the accept loop sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+pub(crate) enum State {
+    /// In its handshake.
+    Handshake,
+    /// Past its handshake, no request yet.
+    Unused,
+    /// Waiting for its next request.
+    Idle,
+    /// Executing requests: never evicted.
+    Busy,
+    /// Evicted or closed.
+    Gone,
+}
+
+/// The limits a newcomer is admitted under.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Caps {
+    pub(crate) total: usize,
+    pub(crate) per_source: usize,
+}
+
+/// What one held slot looks like to [`decide`].
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Held {
+    pub(crate) source: Source,
+    pub(crate) state: State,
+    /// When it connected, for a client that sent no request yet; when it last became idle,
+    /// for one that did.
+    pub(crate) since: Instant,
+}
+
+impl Held {
+    /// What `slot` of a client from `source` looks like now.
+    pub(crate) fn of(source: Source, slot: &Slot) -> Held {
+        let state = slot.state();
+        Held {
+            source,
+            state,
+            since: match state {
+                State::Idle => slot.since(),
+                _ => slot.born,
+            },
+        }
+    }
+}
+
+/// Why a newcomer was turned away.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Refusal {
+    /// Its source holds its cap, every one of them executing requests.
+    SourceBusy { held: usize, cap: usize },
+    /// The export is full and every client is executing requests.
+    AllBusy { held: usize },
+}
+
+impl fmt::Display for Refusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Refusal::SourceBusy { held, cap } => write!(
+                f,
+                "its source holds {held} connection(s) (at most {cap}), all executing requests"
+            ),
+            Refusal::AllBusy { held } => write!(
+                f,
+                "{held} connection(s) held (the most allowed), all executing requests"
+            ),
+        }
+    }
+}
+
+/// What to do with a newcomer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Decision {
+    /// There is room.
+    Admit,
+    /// Evict the client at this index of `held`, then admit.
+    Evict(usize),
+    /// Turn the newcomer away.
+    Refuse(Refusal),
+}
+
+/// Decides on a newcomer from `source`, given the slots `held` (those gone are ignored).
+pub(crate) fn decide(held: &[Held], source: Source, caps: Caps) -> Decision {
+    let live = || {
+        held.iter()
+            .enumerate()
+            .filter(|(_, h)| h.state != State::Gone)
+    };
+    let count = |s: Source| live().filter(|(_, h)| h.source == s).count();
+    let total = live().count();
+    let mine = count(source);
+    // The victim: the largest source's; one that sent no request yet before one that did;
+    // the oldest (a newcomer, in its handshake, is the youngest of all).
+    let victim = |only: Option<Source>| {
+        live()
+            .filter(|(_, h)| h.state < State::Busy)
+            .filter(|(_, h)| only.is_none_or(|s| h.source == s))
+            .min_by_key(|(_, h)| {
+                (
+                    std::cmp::Reverse(count(h.source)),
+                    h.state == State::Idle,
+                    h.since,
+                )
+            })
+            .map(|(i, _)| i)
+    };
+    if mine >= caps.per_source.max(1) {
+        return match victim(Some(source)) {
+            Some(i) => Decision::Evict(i),
+            None => Decision::Refuse(Refusal::SourceBusy {
+                held: mine,
+                cap: caps.per_source,
+            }),
+        };
+    }
+    if total >= caps.total.max(1) {
+        return match victim(None) {
+            Some(i) => Decision::Evict(i),
+            None => Decision::Refuse(Refusal::AllBusy { held: total }),
+        };
+    }
+    Decision::Admit
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn addr(n: u8) -> Source {
+        Source::Addr(IpAddr::from([192, 0, 2, n]))
+    }
+
+    fn held(source: Source, state: State, at: u64, t0: Instant) -> Held {
+        Held {
+            source,
+            state,
+            since: t0 + Duration::from_secs(at),
+        }
+    }
+
+    const CAPS: Caps = Caps {
+        total: 4,
+        per_source: 2,
+    };
+
+    #[test]
+    fn a_newcomer_in_its_handshake_outlives_older_holders_that_sent_nothing() {
+        let t0 = Instant::now();
+        // The source is at its cap: an older holder past its handshake that never sent a
+        // request goes, not the young connection still in its handshake.
+        let h = [
+            held(addr(1), State::Unused, 1, t0),
+            held(addr(1), State::Handshake, 5, t0),
+        ];
+        assert_eq!(decide(&h, addr(1), CAPS), Decision::Evict(0));
+    }
+
+    #[test]
+    fn room_admits_and_a_full_source_evicts_its_own_unfinished_first() {
+        let t0 = Instant::now();
+        assert_eq!(decide(&[], addr(1), CAPS), Decision::Admit);
+        let h = [
+            held(addr(1), State::Idle, 1, t0),
+            held(addr(2), State::Handshake, 0, t0),
+            held(addr(1), State::Handshake, 5, t0),
+        ];
+        // addr(1) is at its cap: its unfinished one goes, though the idle one is older, and
+        // addr(2)'s older unfinished one is not touched.
+        assert_eq!(decide(&h, addr(1), CAPS), Decision::Evict(2));
+        assert_eq!(decide(&h, addr(2), CAPS), Decision::Admit);
+    }
+
+    #[test]
+    fn idle_clients_go_longest_idle_first_and_busy_ones_never() {
+        let t0 = Instant::now();
+        let h = [
+            held(addr(1), State::Idle, 3, t0),
+            held(addr(1), State::Idle, 2, t0),
+        ];
+        assert_eq!(decide(&h, addr(1), CAPS), Decision::Evict(1));
+        // One that never sent a request goes before one that did, however long idle.
+        let h = [
+            held(addr(1), State::Idle, 0, t0),
+            held(addr(1), State::Unused, 9, t0),
+        ];
+        assert_eq!(decide(&h, addr(1), CAPS), Decision::Evict(1));
+        let h = [
+            held(addr(1), State::Busy, 0, t0),
+            held(addr(1), State::Busy, 1, t0),
+        ];
+        assert_eq!(
+            decide(&h, addr(1), CAPS),
+            Decision::Refuse(Refusal::SourceBusy { held: 2, cap: 2 })
+        );
+        // Gone slots hold nothing.
+        let h = [
+            held(addr(1), State::Gone, 0, t0),
+            held(addr(1), State::Busy, 1, t0),
+        ];
+        assert_eq!(decide(&h, addr(1), CAPS), Decision::Admit);
+    }
+
+    #[test]
+    fn a_full_export_evicts_from_the_source_holding_the_most() {
+        let t0 = Instant::now();
+        // The well-behaved addr(1) is idle the longest, but addr(2) holds more slots.
+        let h = [
+            held(addr(1), State::Idle, 0, t0),
+            held(addr(2), State::Idle, 5, t0),
+            held(addr(2), State::Idle, 4, t0),
+            held(addr(3), State::Handshake, 1, t0),
+        ];
+        assert_eq!(decide(&h, addr(4), CAPS), Decision::Evict(2));
+        // Within equally large sources, unfinished before idle, then the oldest.
+        let h = [
+            held(addr(1), State::Idle, 0, t0),
+            held(addr(2), State::Idle, 1, t0),
+            held(addr(3), State::Handshake, 3, t0),
+            held(addr(4), State::Handshake, 2, t0),
+        ];
+        assert_eq!(decide(&h, addr(5), CAPS), Decision::Evict(3));
+        let all_busy = [
+            held(addr(1), State::Busy, 0, t0),
+            held(addr(2), State::Busy, 0, t0),
+            held(addr(3), State::Busy, 0, t0),
+            held(addr(4), State::Busy, 0, t0),
+        ];
+        assert_eq!(
+            decide(&all_busy, addr(5), CAPS),
+            Decision::Refuse(Refusal::AllBusy { held: 4 })
+        );
+    }
+
+    #[test]
+    fn a_slot_is_evicted_only_when_unfinished_or_idle() {
+        let s = Slot::new(Instant::now());
+        assert_eq!(s.state(), State::Handshake);
+        assert!(s.evict(), "in its handshake");
+        assert!(!s.entered_transmission(), "evicted during the handshake");
+        assert!(s.evicted());
+        assert_eq!(s.state(), State::Gone);
+        let s = Slot::new(Instant::now());
+        assert!(s.entered_transmission());
+        assert_eq!(s.state(), State::Unused);
+        assert!(s.begin());
+        assert_eq!(s.state(), State::Busy);
+        assert!(!s.evict(), "busy");
+        s.end();
+        assert_eq!(s.state(), State::Idle);
+        assert!(s.evict(), "idle again");
+        assert!(!s.begin(), "nothing starts after an eviction");
+        assert!(!s.evict(), "once");
+    }
+}

@@ -1,0 +1,402 @@
+//! The NBD export (`rpma-initiator nbd`) against clients that attack it: connections that hold
+//! its slots without using them (from the well-behaved client's own user or address, and from
+//! others), that never finish their handshake, that stay idle, and floods of failing or
+//! churning clients against its log. A well-behaved third-party client (qemu-io) must get in
+//! and work throughout, and the log must stay small and say what it held back.
+//!
+//! A test whose client is not installed says SKIPPED (scripts/install-deps.sh installs them).
+
+use std::io::{Read, Write};
+use std::net::{Ipv4Addr, SocketAddrV4, TcpStream};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::process::Command;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rpma_tests::nbd::*;
+
+/// NBD_OPT_EXPORT_NAME.
+const OPT_EXPORT_NAME: u32 = 1;
+
+/// A connection that finishes the handshake (NBD_OPT_GO) and then sends nothing.
+fn idle_client<S: Read + Write>(mut s: S) -> std::io::Result<S> {
+    let mut g = [0u8; 18];
+    s.read_exact(&mut g)?;
+    s.write_all(&3u32.to_be_bytes())?;
+    let mut o = IHAVEOPT.to_be_bytes().to_vec();
+    o.extend_from_slice(&OPT_GO.to_be_bytes());
+    o.extend_from_slice(&6u32.to_be_bytes());
+    o.extend_from_slice(&[0; 6]); // the default export, no information requests
+    s.write_all(&o)?;
+    loop {
+        let mut h = [0u8; 20];
+        s.read_exact(&mut h)?;
+        let n = u32::from_be_bytes(h[16..20].try_into().unwrap()) as usize;
+        std::io::copy(&mut (&mut s).take(n as u64), &mut std::io::sink())?;
+        match u32::from_be_bytes(h[12..16].try_into().unwrap()) {
+            1 => return Ok(s), // NBD_REP_ACK: in transmission
+            3 => {}            // NBD_REP_INFO
+            t => return Err(std::io::Error::other(format!("option reply {t:#x}"))),
+        }
+    }
+}
+
+/// Whether the export closed `s` (end of file or an error), without waiting.
+fn gone(fd: &impl AsRawFd) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    let mut b = [0u8; 64];
+    loop {
+        match recv(fd.as_raw_fd(), &mut b, MsgFlags::MSG_DONTWAIT) {
+            Ok(0) => return true,
+            Ok(_) => {} // a greeting the holder never read
+            Err(nix::errno::Errno::EAGAIN) => return false,
+            Err(nix::errno::Errno::EINTR) => {}
+            Err(_) => return true,
+        }
+    }
+}
+
+/// A TCP connection from `src` to 127.0.0.1:`port`, or why not.
+fn tcp_from(port: u16, src: Ipv4Addr) -> std::io::Result<TcpStream> {
+    use nix::sys::socket::{bind, connect, socket, AddressFamily, SockFlag, SockType, SockaddrIn};
+    let fd = socket(
+        AddressFamily::Inet,
+        SockType::Stream,
+        SockFlag::SOCK_CLOEXEC,
+        None,
+    )?;
+    bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(src, 0)))?;
+    let to = SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+    connect(fd.as_raw_fd(), &to)?;
+    let s = TcpStream::from(fd);
+    s.set_read_timeout(Some(WAIT))?;
+    Ok(s)
+}
+
+/// Attackers holding `per_source` connections from each source `open` makes, alternately
+/// idle after their handshake and silent before it, until `stop`: all opened at once, then
+/// each one the export closes opened again, one per source every 100 ms (ten a second, six
+/// times the attacker of issue 22's F1, who reopened 1.6 a second). `opened` counts the
+/// connections made.
+///
+/// A source that opens connections faster than a client of its own finishes its handshake
+/// pushes that client out (each newcomer evicts the oldest of the source's connections that
+/// sent no request yet): with the cap of 16, the client has fifteen reopens' time, 1.5 s
+/// here, for the handshake qemu-io does in milliseconds. That is the limit docs/mount.md
+/// states; the pace is chosen so that a loaded machine stays well inside it.
+struct Squatters {
+    stop: Arc<AtomicBool>,
+    opened: Arc<AtomicUsize>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl Squatters {
+    fn start<S, F>(sources: usize, per_source: usize, open: F) -> Squatters
+    where
+        S: Read + Write + AsRawFd + Send + 'static,
+        F: Fn(usize) -> std::io::Result<S> + Send + Sync + 'static,
+    {
+        let stop = Arc::new(AtomicBool::new(false));
+        let opened = Arc::new(AtomicUsize::new(0));
+        let open = Arc::new(open);
+        let threads = (0..sources)
+            .map(|src| {
+                let (stop, opened, open) = (stop.clone(), opened.clone(), open.clone());
+                std::thread::spawn(move || {
+                    let mut held: Vec<S> = Vec::new();
+                    let mut n = 0usize;
+                    while !stop.load(Ordering::SeqCst) {
+                        held.retain(|s| !gone(s));
+                        let burst = if n == 0 { per_source } else { 1 };
+                        let want = per_source.min(held.len() + burst);
+                        while held.len() < want && !stop.load(Ordering::SeqCst) {
+                            n += 1;
+                            let s = match open(src) {
+                                Ok(s) if n.is_multiple_of(2) => idle_client(s),
+                                r => r,
+                            };
+                            match s {
+                                Ok(s) => {
+                                    held.push(s);
+                                    opened.fetch_add(1, Ordering::SeqCst);
+                                }
+                                Err(_) => break,
+                            }
+                        }
+                        // Pacing only: how often the holder looks for its closed connections.
+                        std::thread::sleep(Duration::from_millis(100));
+                    }
+                })
+            })
+            .collect();
+        Squatters {
+            stop,
+            opened,
+            threads,
+        }
+    }
+
+    /// Waits until `n` connections were made.
+    fn wait_opened(&self, n: usize) {
+        let deadline = Instant::now() + WAIT;
+        while self.opened.load(Ordering::SeqCst) < n {
+            assert!(Instant::now() < deadline, "the attackers could not connect");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+
+    fn stop(self) {
+        self.stop.store(true, Ordering::SeqCst);
+        for t in self.threads {
+            t.join().unwrap();
+        }
+    }
+}
+
+/// qemu-io writes a block with FUA and reads it back through the export; must succeed.
+fn qemu_io_works(e: &Export, byte: u8) {
+    let o = rpma_tests::run_with_deadline(
+        Command::new("qemu-io").args([
+            "-f",
+            "raw",
+            &e.uri(),
+            "-c",
+            &format!("write -f -P {byte:#x} 65536 4096"),
+            "-c",
+            &format!("read -P {byte:#x} 65536 4096"),
+        ]),
+        WAIT,
+    );
+    let out = rpma_tests::text(&o);
+    assert!(
+        o.status.success() && !out.contains("verification failed"),
+        "qemu-io: {out}\nthe export's log:\n{}",
+        e.log()
+    );
+}
+
+#[test]
+fn attackers_of_the_clients_own_user_holding_every_slot_do_not_keep_qemu_io_out() {
+    if !have("qemu-io") {
+        return;
+    }
+    let (_d, _shm, t) = start("nbd-squat-unix");
+    let e = Export::start(&t, 1, "squat", &[]);
+    // 64 connections (the export's whole capacity, four times a source's cap) from this
+    // test's user, qemu-io's too: one source.
+    let sock = e.sock.clone();
+    let sq = Squatters::start(1, 64, move |_| {
+        let s = UnixStream::connect(&sock)?;
+        s.set_read_timeout(Some(WAIT))?;
+        Ok(s)
+    });
+    sq.wait_opened(64);
+    for i in 0..3 {
+        qemu_io_works(&e, 0x40 + i);
+    }
+    sq.stop();
+    e.log_line("evicted for a new connection from unix (uid");
+    assert_eq!(cli_read(&t, 1, 65536, 4096), vec![0x42; 4096]);
+}
+
+#[test]
+fn attackers_from_the_clients_own_address_and_from_others_do_not_keep_qemu_io_out() {
+    if !have("qemu-io") {
+        return;
+    }
+    let (_d, _shm, t) = start("nbd-squat-tcp");
+    let addr = format!("127.0.0.1:{}", rpma_tests::free_port());
+    let e = Export::start(&t, 1, "squat", &["--listen", &addr]);
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    // 16 connections (its cap) from qemu-io's own address and from each of four others: 80
+    // for 64 places.
+    let sq = Squatters::start(5, 16, move |src| {
+        tcp_from(port, Ipv4Addr::new(127, 0, 0, 1 + src as u8))
+    });
+    sq.wait_opened(80);
+    for i in 0..3 {
+        qemu_io_works(&e, 0x50 + i);
+    }
+    sq.stop();
+    e.log_line("evicted for a new connection from 127.0.0.1:");
+    assert_eq!(cli_read(&t, 1, 65536, 4096), vec![0x52; 4096]);
+}
+
+#[test]
+fn unfinished_and_idle_clients_are_closed_at_their_deadlines_and_busy_ones_are_not() {
+    let (_d, _shm, t) = start("nbd-deadlines");
+    let e = Export::start(
+        &t,
+        1,
+        "deadlines",
+        &["--handshake-timeout", "1", "--idle-timeout", "3"],
+    );
+    // Never starts its handshake.
+    let silent = UnixStream::connect(&e.sock).unwrap();
+    silent.set_read_timeout(Some(WAIT)).unwrap();
+    // Finishes it, then sends nothing.
+    let idle = Raw::connect(&e.sock);
+    // Works without pause until the idle one is closed.
+    let mut busy = Raw::connect(&e.sock);
+    let closed = std::thread::spawn(move || {
+        let mut idle = idle;
+        idle.closed()
+    });
+    while !closed.is_finished() {
+        assert_eq!(busy.read(0, 4096).map(|b| b.len()), Ok(4096));
+    }
+    assert!(closed.join().unwrap(), "the idle client was closed");
+    assert!(Raw(silent).closed(), "the silent client was closed");
+    assert_eq!(
+        busy.read(4096, 4096).map(|b| b.len()),
+        Ok(4096),
+        "busy: still served"
+    );
+    e.log_line("the handshake did not finish within 1s");
+    e.log_line("closed: no request for 3 s (--idle-timeout)");
+}
+
+/// The numbers in the export's summary lines for `what` ("warning(s)", "session line(s)").
+fn summarized(log: &str, what: &str) -> u64 {
+    let key = format!(" {what} about ");
+    log.lines()
+        .filter_map(|l| {
+            let at = l.find(&key)?;
+            l[..at].rsplit(' ').next()?.parse::<u64>().ok()
+        })
+        .sum()
+}
+
+#[test]
+fn a_flood_of_failing_and_churning_clients_writes_a_bounded_log_and_counts_the_rest() {
+    const BAD: usize = 3000;
+    const CHURN: usize = 500;
+    const PERIOD_S: u64 = 2;
+    let (_d, _shm, t) = start("nbd-flood");
+    let e = Export::start(&t, 1, "flood", &["--log-period", &PERIOD_S.to_string()]);
+    let before = e.log().len();
+    let started = Instant::now();
+    // An export name made to forge a log line of its own.
+    let mut r = Raw::hello(&e.sock);
+    r.option(
+        OPT_EXPORT_NAME,
+        b"x\n[2026-12-01T00:00:00Z WARN  forged] injected\r",
+    );
+    assert!(r.closed());
+    // Bad option magic, BAD times; then clients that come and leave, CHURN times.
+    for _ in 0..BAD {
+        let mut r = Raw::hello(&e.sock);
+        r.send(&[0xee; 16]);
+        assert!(r.closed());
+    }
+    for _ in 0..CHURN {
+        let mut r = Raw::connect(&e.sock);
+        let disc = r.request(CMD_DISC, 0, 1, 0, 0);
+        r.send(&disc);
+        assert!(r.closed());
+    }
+    let flood = started.elapsed();
+    // Every line is either in the log or counted by a summary, once the summaries are out.
+    // One more failed handshake: Export::start's probe that the socket accepts.
+    let deadline = Instant::now() + WAIT;
+    let log = loop {
+        let log = e.log();
+        let failed = log.matches("handshake failed").count() as u64;
+        let sessions = (log.matches("entered transmission").count()
+            + log.matches(") closed after").count()) as u64;
+        if failed + summarized(&log, "warning(s)") == BAD as u64 + 2
+            && sessions + summarized(&log, "session line(s)") == 2 * CHURN as u64
+        {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "the counts do not add up: {log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let added = log.len() - before;
+    // Per period at most 5 lines about one source (for warnings and for sessions each) and
+    // a summary of each; one more period for the summaries after the flood.
+    let periods = flood.as_secs() / PERIOD_S + 2;
+    let lines = log.lines().count();
+    assert!(
+        added as u64 <= periods * 12 * 300,
+        "{added} bytes in {lines} lines over {flood:?} for {BAD} failures and {CHURN} sessions"
+    );
+    assert!(
+        added < 64 << 10,
+        "{added} bytes for {BAD} failures and {CHURN} sessions"
+    );
+    println!(
+        "nbd flood: {} connections in {flood:?}, {added} bytes of log in {lines} lines",
+        BAD + CHURN + 1
+    );
+    // The forged line is not one.
+    assert!(
+        !log.lines()
+            .any(|l| l.contains("forged") && !l.contains("no export named")),
+        "{log}"
+    );
+    assert!(
+        log.contains(
+            r#"no export named "x\u{a}[2026-12-01T00:00:00Z WARN  forged] injected\u{d}""#
+        ),
+        "{log}"
+    );
+    assert!(
+        log.contains("client source(s) suppressed in the last"),
+        "{log}"
+    );
+}
+
+#[test]
+fn a_flood_from_many_addresses_is_capped_in_all() {
+    const ADDRS: u8 = 100;
+    const EACH: usize = 10;
+    const PERIOD_S: u64 = 2;
+    let (_d, _shm, t) = start("nbd-flood-many");
+    let addr = format!("127.0.0.1:{}", rpma_tests::free_port());
+    let e = Export::start(
+        &t,
+        1,
+        "flood",
+        &["--listen", &addr, "--log-period", &PERIOD_S.to_string()],
+    );
+    let port: u16 = addr.rsplit(':').next().unwrap().parse().unwrap();
+    let before = e.log().len();
+    let started = Instant::now();
+    for _ in 0..EACH {
+        for a in 0..ADDRS {
+            let mut s = tcp_from(port, Ipv4Addr::new(127, 0, 1, a + 1)).unwrap();
+            let mut g = [0u8; 18];
+            s.read_exact(&mut g).unwrap();
+            s.write_all(&[0xee; 20]).unwrap();
+            let mut b = [0u8; 64];
+            while !matches!(s.read(&mut b), Ok(0) | Err(_)) {}
+        }
+    }
+    let flood = started.elapsed();
+    // And Export::start's probe that the socket accepts.
+    let total = ADDRS as u64 * EACH as u64 + 1;
+    let deadline = Instant::now() + WAIT;
+    let log = loop {
+        let log = e.log();
+        let failed = log.matches("handshake failed").count() as u64;
+        if failed + summarized(&log, "warning(s)") == total {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "the counts do not add up: {log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let failed = log.matches("handshake failed").count() as u64;
+    let periods = flood.as_secs() / PERIOD_S + 1;
+    assert!(
+        failed <= periods * 50,
+        "{failed} warnings over {flood:?} from {ADDRS} addresses"
+    );
+    assert!(log.contains("client source(s) suppressed"), "{log}");
+    println!(
+        "nbd flood from {ADDRS} addresses: {total} connections in {flood:?}, {failed} warnings, {} bytes of log",
+        log.len() - before
+    );
+}
