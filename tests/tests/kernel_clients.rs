@@ -268,6 +268,29 @@ fn data_offset(dev: &str) -> u64 {
     sectors * 512
 }
 
+/// Whether a direct read of the first block of `dev` succeeds.
+fn read_block(dev: &str) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    let Ok(f) = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_DIRECT)
+        .open(dev)
+    else {
+        return false;
+    };
+    let buf = rpma_common::fabric::AlignedBuf::new(4096).unwrap();
+    // SAFETY: the buffer is 4096 bytes, page-aligned and ours for the call.
+    let n = unsafe {
+        libc::pread(
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            rpma_common::fabric::RegisteredMemory::as_mut_ptr(&*buf).cast(),
+            4096,
+            0,
+        )
+    };
+    n == 4096
+}
+
 /// The bytes of `dev` from `from` on.
 fn read_from(dev: &str, from: u64) -> Vec<u8> {
     use std::io::{Read, Seek, SeekFrom};
@@ -287,9 +310,10 @@ fn md_raid1_across_two_targets_survives_one_and_resyncs() {
     let ta = target(da.path());
     let mut tb = target(db.path());
     // A short reconnect budget on the leg that will lose its target: its export answers EIO
-    // soon, and md fails the leg instead of waiting.
+    // soon, and md fails the leg instead of waiting (long enough for one reconnect over rdma
+    // in an emulated guest).
     let ea = Export::start(&ta, &[]);
-    let eb = Export::start(&tb, &["--reconnect-timeout", "2"]);
+    let eb = Export::start(&tb, &["--reconnect-timeout", "8"]);
     let a = NbdDev::connect(&ea, 1, &[]);
     let b = NbdDev::connect(&eb, 1, &[a.0.trim_start_matches("/dev/").to_owned()]);
     // A device node mdadm makes itself (no udev in the guest to make /dev/md/NAME links).
@@ -348,8 +372,19 @@ fn md_raid1_across_two_targets_survives_one_and_resyncs() {
     );
     assert!(std::fs::read(&path).unwrap() == during, "degraded");
 
-    // B comes back: re-added through the bitmap, resynced.
+    // B comes back: once its export serves again (a request after its budget ran out makes
+    // it reconnect), re-added through the bitmap, resynced.
     tb.restart();
+    let deadline = Instant::now() + WAIT;
+    while !read_block(&b.0) {
+        assert!(
+            Instant::now() < deadline,
+            "{} never served again: {}",
+            b.0,
+            eb.log()
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
     cmd("mdadm", &[md, "--remove", &b.0]);
     let readd = run_with_deadline(Command::new("mdadm").args([md, "--re-add", &b.0]), WAIT);
     assert!(
