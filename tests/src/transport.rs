@@ -14,7 +14,7 @@
 
 use std::cell::RefCell;
 
-use rpma_common::proto::PersistenceDomain;
+use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 use rpma_initiator::PersistMethod;
 
 /// Names the RDMA device of the `rdma` runs.
@@ -141,6 +141,19 @@ impl Transport {
             (Transport::Rdma { .. }, _) if dax => vec![Apm, Gpspm],
             (Transport::Rdma { .. }, _) => vec![Gpspm],
         }
+    }
+
+    /// [`Transport::methods`] as the descriptor's bitset (whose `names()` are in the wire's
+    /// order: APM, GPSPM, FLUSH).
+    pub fn offered(&self, domain: PersistenceDomain) -> DurabilityMethods {
+        self.methods(domain)
+            .into_iter()
+            .map(|m| match m {
+                PersistMethod::Apm => DurabilityMethods::APM,
+                PersistMethod::Gpspm => DurabilityMethods::GPSPM,
+                PersistMethod::Flush => DurabilityMethods::FLUSH,
+            })
+            .fold(DurabilityMethods::NONE, |a, b| a | b)
     }
 
     /// The durability methods a target without the `direct_write_to_pmem` declaration

@@ -15,7 +15,10 @@ use rpma_tests::{host, nqn, opts, scratch};
 #[test]
 fn sighup_adds_a_namespace_while_a_session_stays_up() {
     let d = scratch();
-    let t = start(d.path(), "keep_alive_ms = 1000");
+    // A keep-alive short enough to lapse if the session were dropped by the reload, long
+    // enough for the steps below that do not tick it (an identify over rdma in an emulated
+    // guest takes seconds).
+    let t = start(d.path(), "keep_alive_ms = 10000");
     let mut s = session(&t);
     let n1 = s.namespace(1).unwrap().clone();
     let remote = RemoteAddr {
@@ -23,10 +26,10 @@ fn sighup_adds_a_namespace_while_a_session_stays_up() {
         rkey: n1.rkey,
     };
     let extra = "[[subsystem.namespace]]\nnsid = 4\npath = \"ns4\"\nsize = \"1MiB\"\n";
-    t.rewrite(&demo_config("keep_alive_ms = 1000", extra));
+    t.rewrite(&demo_config("keep_alive_ms = 10000", extra));
     t.signal(Signal::SIGHUP);
-    // The session keeps its 1 s keep-alive going while the target reloads (slower than that
-    // on a loaded machine or in an emulated guest): the host sends keep-alives when it ticks.
+    // The session keeps its keep-alive going while the target reloads (slow on a loaded
+    // machine or in an emulated guest): the host sends keep-alives when it ticks.
     let deadline = std::time::Instant::now() + WAIT;
     loop {
         s.tick().unwrap();

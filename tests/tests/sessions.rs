@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{RemoteAddr, WcStatus};
 use rpma_common::proto::nqn::DISCOVERY_NQN;
-use rpma_common::proto::{FlushStatus, Message, PersistenceDomain};
+use rpma_common::proto::{FlushStatus, Message};
 use rpma_initiator::{connect, identify};
 use rpma_tests::sessions::*;
 use rpma_tests::{host, nqn, opts, scratch, status};
@@ -26,8 +26,9 @@ fn ready_means_accepting_identify_and_gpspm() {
         (n1.size, n1.block_size, n1.read_only),
         (2 << 20, 4096, false)
     );
-    assert_eq!(n1.domain, PersistenceDomain::PageCache);
-    assert_eq!(n1.durability.names(), ["APM", "GPSPM", "FLUSH"]);
+    let tr = rpma_tests::Transport::current();
+    assert_eq!(n1.domain, tr.file_domain());
+    assert_eq!(n1.durability, tr.offered(tr.file_domain()));
     assert!(id.namespaces[1].read_only);
 
     let mut s = session(&t);
