@@ -24,6 +24,7 @@
 //! - [`namespace`]: namespaces mapped through the pmem layer; durability methods per domain.
 //! - [`subsystem`], [`handshake`]: admission, discovery and the connection handshake (pure /
 //!   sans-I/O, for the sessions on the fabric).
+//! - [`failures`]: the state file that remembers failed namespaces across restarts.
 //! - [`flusher`]: the GPSPM flush service (io_uring, never blocks the poll loop).
 //! - [`reload`]: the SIGHUP configuration diff.
 //! - [`control`]: the control socket and `status`.
@@ -49,6 +50,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 mod eventfd;
+pub mod failures;
 pub mod flusher;
 pub mod handshake;
 pub mod memlock;

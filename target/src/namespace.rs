@@ -3,6 +3,12 @@
 //!
 //! Namespaces are shared as `Arc<OpenNamespace>`: a reload that replaces or removes one drops
 //! the table's reference, and sessions still holding it keep the mapping alive until they close.
+//!
+//! A namespace whose write-back failed stays failed across reloads and restarts: the table
+//! records the failure in the [`FailureLedger`] (the state file) from the mapping's failure
+//! hook, before the failed call returns, and every later opening of that file drops its page
+//! cache (so that hosts read what the media holds) and marks the new mapping failed, until
+//! [`NamespaceTable::clear_failure`] (the operator's `rpma-target clear-failure`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -15,6 +21,7 @@ use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 
 pub use crate::config::NsKey;
 use crate::config::{self, Transport};
+use crate::failures::{self, Failed, FailureLedger, LedgerError};
 use crate::flusher::{FlushTarget, FlusherError};
 use crate::reload::ConfigDiff;
 
@@ -51,6 +58,33 @@ pub enum NamespaceError {
         /// What the pmem layer reported (the sizes).
         #[source]
         source: pmem::Error,
+    },
+    /// The namespace to clear is not configured.
+    #[error("subsystem {subsystem} has no namespace {nsid}")]
+    NotFound {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+    },
+    /// The namespace to clear has not failed.
+    #[error("subsystem {subsystem} namespace {nsid} has not failed: nothing to clear")]
+    NotFailed {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+    },
+    /// The state file could not be updated.
+    #[error("subsystem {subsystem} namespace {nsid}: the state file was not updated")]
+    Ledger {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// What went wrong.
+        #[source]
+        source: LedgerError,
     },
     /// The flush target could not be prepared.
     #[error("subsystem {subsystem} namespace {nsid}: cannot prepare flushing")]
@@ -158,6 +192,10 @@ pub struct OpenNamespace {
     pub counters: Counters,
     /// Whether its failure was logged (once per opening).
     failure_logged: AtomicBool,
+    /// The backing file's canonical path (the state file's key).
+    key: PathBuf,
+    /// Where its failure is remembered (None: only in memory, as in unit tests).
+    ledger: Option<Arc<FailureLedger>>,
 }
 
 impl OpenNamespace {
@@ -166,9 +204,27 @@ impl OpenNamespace {
     /// that a smaller one is grown when the namespace says `grow = true` (the same rule at
     /// start-up and on reload).
     ///
+    /// Failures are not remembered (see [`OpenNamespace::open_remembering`]).
+    ///
     /// # Errors
     /// [`NamespaceError::WouldGrow`], [`NamespaceError::Open`], [`NamespaceError::Flush`].
     pub fn open(subsystem: &Nqn, ns: &config::Namespace) -> Result<Self> {
+        Self::open_remembering(subsystem, ns, None, None)
+    }
+
+    /// [`OpenNamespace::open`], failed from the start if `failed` says so or `ledger`
+    /// remembers a failure of its file: its page cache is then dropped first (what hosts read
+    /// is what the media holds) and no durability request on it succeeds. With a `ledger`, its
+    /// first failure from now on is recorded there before the failing call returns.
+    ///
+    /// # Errors
+    /// As [`OpenNamespace::open`].
+    pub fn open_remembering(
+        subsystem: &Nqn,
+        ns: &config::Namespace,
+        ledger: Option<&Arc<FailureLedger>>,
+        failed: Option<SyncFailure>,
+    ) -> Result<Self> {
         let opts = Self::options(ns);
         let mapping = Arc::new(opts.open().map_err(|source| {
             let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());
@@ -220,14 +276,98 @@ impl OpenNamespace {
                 nsid: ns.nsid,
                 source,
             })?;
-        Ok(OpenNamespace {
+        let key = failures::key_of(&ns.path);
+        let remembered = ledger.and_then(|l| l.get(&key));
+        let failed = remembered.as_ref().map(Failed::sync_failure).or(failed);
+        let opened = OpenNamespace {
             subsystem: subsystem.clone(),
             config: ns.clone(),
             mapping,
             flush_target,
             counters: Counters::default(),
-            failure_logged: AtomicBool::new(false),
-        })
+            failure_logged: AtomicBool::new(failed.is_some()),
+            key,
+            ledger: ledger.cloned(),
+        };
+        if let Some(f) = failed {
+            opened.reopen_failed(f, remembered);
+        }
+        opened.remember_failures();
+        Ok(opened)
+    }
+
+    /// From now on the mapping's first failure is recorded in the ledger (if there is one)
+    /// before the call that met it returns.
+    fn remember_failures(&self) {
+        let Some(l) = &self.ledger else { return };
+        let (l, sub, nsid, path) = (
+            Arc::clone(l),
+            self.subsystem.to_string(),
+            self.config.nsid,
+            self.key.clone(),
+        );
+        self.mapping.set_failure_hook(Box::new(move |f| {
+            if let Err(e) = l.record(&sub, nsid, &path, f) {
+                log::error!(
+                    "subsystem {sub} namespace {nsid} failed ({f}) and the failure could not be \
+                     remembered: {}; a restart would forget it",
+                    rpma_common::error_chain(&e)
+                );
+            }
+        }));
+    }
+
+    /// The file failed before this opening: drop its page cache (the pages Linux marked
+    /// clean after the failed write-back hold bytes the media does not), mark the mapping
+    /// failed, make sure the ledger has it, and say so once.
+    fn reopen_failed(&self, f: SyncFailure, remembered: Option<Failed>) {
+        let dropped = self.mapping.drop_page_cache();
+        self.mapping.record_failure(f);
+        let entry = match (remembered, &self.ledger) {
+            (Some(e), _) => Some(e),
+            (None, Some(l)) => {
+                match l.record(self.subsystem.as_str(), self.config.nsid, &self.key, &f) {
+                    Ok(e) => Some(e),
+                    Err(e) => {
+                        log::error!(
+                        "subsystem {} namespace {}: the failure could not be remembered: {}; a \
+                         restart would forget it",
+                        self.subsystem,
+                        self.config.nsid,
+                        rpma_common::error_chain(&e)
+                    );
+                        None
+                    }
+                }
+            }
+            (None, None) => None,
+        };
+        let since = entry.map_or_else(String::new, |e| format!(" since {}", e.since()));
+        let cache = match dropped {
+            Ok(()) => "its page cache was dropped, so hosts read what the media holds".to_owned(),
+            Err(e) => format!(
+                "dropping its page cache failed ({}): hosts may read bytes the media does not hold",
+                rpma_common::error_chain(&e)
+            ),
+        };
+        log::error!(
+            "subsystem {} namespace {} ({}) has FAILED{since}: {f} (errno {}); {cache}; every \
+             durability request on it is refused until an operator clears it with `rpma-target \
+             clear-failure {} {}` (writes not acknowledged as durable before it failed may be \
+             lost)",
+            self.subsystem,
+            self.config.nsid,
+            self.config.path.display(),
+            f.errno,
+            self.subsystem,
+            self.config.nsid
+        );
+    }
+
+    /// What the state file remembers about this namespace's failure (None while healthy, or
+    /// without a state file).
+    pub fn remembered(&self) -> Option<Failed> {
+        self.ledger.as_ref()?.get(&self.key)
     }
 
     /// The pmem options a namespace is opened with: created when it has a size, grown only with
@@ -267,7 +407,8 @@ impl OpenNamespace {
 
     /// The first failed write-back of the namespace (from any path: a GPSPM fdatasync, the
     /// placement engine's msync for APM and FLUSH), if it has failed. A failed namespace answers
-    /// no durability request until it is reopened (reload or restart).
+    /// no durability request until an operator clears it ([`NamespaceTable::clear_failure`]);
+    /// a reload or restart reopens it failed.
     pub fn failure(&self) -> Option<SyncFailure> {
         self.mapping.failure()
     }
@@ -281,11 +422,14 @@ impl OpenNamespace {
         if !self.failure_logged.swap(true, Ordering::Relaxed) {
             log::error!(
                 "subsystem {} namespace {} ({}) has FAILED: {f} (errno {}); every durability \
-                 request on it is refused until an operator reopens it (reload or restart)",
+                 request on it is refused, across reloads and restarts, until an operator \
+                 clears it with `rpma-target clear-failure {} {}`",
                 self.subsystem,
                 self.config.nsid,
                 self.config.path.display(),
-                f.errno
+                f.errno,
+                self.subsystem,
+                self.config.nsid
             );
         }
         true
@@ -296,6 +440,39 @@ impl OpenNamespace {
 #[derive(Debug, Default)]
 pub struct NamespaceTable {
     map: BTreeMap<NsKey, Arc<OpenNamespace>>,
+    /// Where failures are remembered (None: in memory only).
+    ledger: Option<Arc<FailureLedger>>,
+}
+
+/// What [`NamespaceTable::clear_failure`] cleared.
+#[derive(Debug, Clone)]
+pub struct Cleared {
+    /// The namespace's backing file.
+    pub path: PathBuf,
+    /// The failure that was cleared.
+    pub failure: SyncFailure,
+    /// What the state file remembered (None if it had not been recorded there).
+    pub remembered: Option<Failed>,
+}
+
+impl Cleared {
+    /// What may have been lost, in words (for the log and the operator).
+    pub fn what_may_be_lost(&self, key: &NsKey) -> String {
+        let since = self
+            .remembered
+            .as_ref()
+            .map_or_else(String::new, |r| format!(" at {}", r.since()));
+        format!(
+            "subsystem {} namespace {} ({}) failed{since} ({}): any write to it that was not \
+             acknowledged as durable before then may be lost (the media holds whatever the \
+             failed write-back left), and no write since was acknowledged as durable; hosts \
+             now read what the media holds, and durability requests succeed again",
+            key.0,
+            key.1,
+            self.path.display(),
+            self.failure
+        )
+    }
 }
 
 /// What [`NamespaceTable::apply`] did.
@@ -313,16 +490,31 @@ impl NamespaceTable {
     /// # Errors
     /// The first namespace that fails, as [`OpenNamespace::open`].
     pub fn open_all(cfg: &config::Config) -> Result<Self> {
+        Self::open_all_remembering(cfg, None)
+    }
+
+    /// [`NamespaceTable::open_all`], remembering failures in `ledger`: a namespace it
+    /// remembers as failed opens failed ([`OpenNamespace::open_remembering`]).
+    ///
+    /// # Errors
+    /// As [`NamespaceTable::open_all`].
+    pub fn open_all_remembering(
+        cfg: &config::Config,
+        ledger: Option<Arc<FailureLedger>>,
+    ) -> Result<Self> {
         let mut map = BTreeMap::new();
         for s in &cfg.subsystems {
             for ns in &s.namespaces {
-                map.insert(
-                    (s.nqn.clone(), ns.nsid),
-                    Arc::new(OpenNamespace::open(&s.nqn, ns)?),
-                );
+                let opened = OpenNamespace::open_remembering(&s.nqn, ns, ledger.as_ref(), None)?;
+                map.insert((s.nqn.clone(), ns.nsid), Arc::new(opened));
             }
         }
-        Ok(NamespaceTable { map })
+        Ok(NamespaceTable { map, ledger })
+    }
+
+    /// The state file's ledger, if failures are remembered.
+    pub fn ledger(&self) -> Option<&Arc<FailureLedger>> {
+        self.ledger.as_ref()
     }
 
     /// One namespace.
@@ -358,8 +550,9 @@ impl NamespaceTable {
 
     /// Adds every failed namespace that the new configuration keeps unchanged to `diff`'s
     /// [`namespaces_changed`](ConfigDiff::namespaces_changed), so that the reload reopens it
-    /// (which clears the failure: the operator's explicit act) and closes its sessions. Returns
-    /// them with their failures, for the log.
+    /// (dropping its page cache: hosts then read what the media holds) and closes its sessions.
+    /// It stays failed ([`NamespaceTable::apply`]). Returns them with their failures, for the
+    /// log.
     pub fn reopen_failed(&self, diff: &mut ConfigDiff) -> Vec<(NsKey, SyncFailure)> {
         let mut reopened = Vec::new();
         for (key, ns) in self.iter() {
@@ -377,7 +570,9 @@ impl NamespaceTable {
     /// [`OpenNamespace::open`] does at start-up (a file is grown only with `grow = true`; if
     /// any open fails the table is left exactly as it was), then swaps them in and drops the
     /// removed ones. Namespaces the diff does not name are
-    /// not touched: their `Arc` stays the same.
+    /// not touched: their `Arc` stays the same. A failed namespace reopened on the same file
+    /// stays failed (the old mapping's pages are taken out of its page tables first, so that
+    /// the page cache can be dropped).
     ///
     /// # Errors
     /// As [`OpenNamespace::open`].
@@ -390,7 +585,23 @@ impl NamespaceTable {
                 .find(|s| s.nqn == key.0)
                 .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
             if let Some(ns) = ns {
-                opened.push((key.clone(), Arc::new(OpenNamespace::open(&key.0, ns)?)));
+                let old = self.map.get(key);
+                let carried = old
+                    .filter(|o| o.key == failures::key_of(&ns.path))
+                    .and_then(|o| o.failure());
+                if let (Some(o), Some(_)) = (old, carried) {
+                    if let Err(e) = o.mapping.drop_page_cache() {
+                        log::warn!(
+                            "subsystem {} namespace {}: {}",
+                            key.0,
+                            key.1,
+                            rpma_common::error_chain(&e)
+                        );
+                    }
+                }
+                let opened_ns =
+                    OpenNamespace::open_remembering(&key.0, ns, self.ledger.as_ref(), carried)?;
+                opened.push((key.clone(), Arc::new(opened_ns)));
             }
         }
         let mut report = ApplyReport::default();
@@ -408,6 +619,72 @@ impl NamespaceTable {
             self.map.insert(key, ns);
         }
         Ok(report)
+    }
+
+    /// Clears the failure of namespace `key` (the operator's explicit act): reopens its file
+    /// healthy, with its page cache dropped (hosts read what the media holds), forgets the
+    /// failure in the state file, and swaps the new opening in. The caller closes the sessions
+    /// that hold the old one (they reconnect and see a healthy descriptor). If anything fails
+    /// the table and the state file are left as they were.
+    ///
+    /// # Errors
+    /// [`NamespaceError::NotFound`], [`NamespaceError::NotFailed`], those of
+    /// [`OpenNamespace::open`], [`NamespaceError::Ledger`].
+    pub fn clear_failure(&mut self, key: &NsKey, cfg: &config::Config) -> Result<Cleared> {
+        let not_found = || NamespaceError::NotFound {
+            subsystem: key.0.clone(),
+            nsid: key.1,
+        };
+        let old = self.map.get(key).ok_or_else(not_found)?;
+        let failure = old.failure().ok_or_else(|| NamespaceError::NotFailed {
+            subsystem: key.0.clone(),
+            nsid: key.1,
+        })?;
+        let ns = cfg
+            .subsystems
+            .iter()
+            .find(|s| s.nqn == key.0)
+            .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1))
+            .ok_or_else(not_found)?;
+        let remembered = old.remembered();
+        if let Err(e) = old.mapping.drop_page_cache() {
+            log::warn!(
+                "subsystem {} namespace {}: {}",
+                key.0,
+                key.1,
+                rpma_common::error_chain(&e)
+            );
+        }
+        // Opened without the ledger first: it still remembers the failure, and must until the
+        // new opening exists.
+        let fresh = OpenNamespace::open_remembering(&key.0, ns, None, None)?;
+        if let Err(e) = fresh.mapping.drop_page_cache() {
+            log::warn!(
+                "subsystem {} namespace {}: {}",
+                key.0,
+                key.1,
+                rpma_common::error_chain(&e)
+            );
+        }
+        if let Some(l) = &self.ledger {
+            l.clear(&old.key).map_err(|source| NamespaceError::Ledger {
+                subsystem: key.0.clone(),
+                nsid: key.1,
+                source,
+            })?;
+        }
+        let fresh = OpenNamespace {
+            ledger: self.ledger.clone(),
+            ..fresh
+        };
+        fresh.remember_failures();
+        let path = old.config.path.clone();
+        self.map.insert(key.clone(), Arc::new(fresh));
+        Ok(Cleared {
+            path,
+            failure,
+            remembered,
+        })
     }
 }
 
@@ -605,5 +882,83 @@ mod tests {
         assert!(!diff.namespaces_removed.is_empty());
         assert!(table.apply(&diff, &new2).is_err());
         assert_eq!(table.len(), 2, "nothing removed when an open failed");
+    }
+
+    #[test]
+    fn a_failure_is_remembered_across_openings_until_cleared() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = cfg(d.path(), "");
+        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+        let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+        let table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+        let ns1 = table.get(&nqn, 1).unwrap();
+        assert!(ns1.failure().is_none() && ns1.remembered().is_none());
+        // The mapping's first failure reaches the state file at once.
+        let f = SyncFailure::new("msync", &std::io::Error::from_raw_os_error(libc::EIO));
+        ns1.mapping.record_failure(f);
+        let r = ledger.get(&ns1.config.path).expect("recorded");
+        assert_eq!((r.nsid, r.sync_failure()), (1, f));
+        drop(table);
+
+        // A restart: opened failed, nothing durable; the other namespace is healthy.
+        let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+        let mut table =
+            NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+        let ns1 = Arc::clone(table.get(&nqn, 1).unwrap());
+        assert_eq!(ns1.failure(), Some(f));
+        assert!(ns1.mapping.persist(0, 4096).is_err());
+        assert!(table.get(&nqn, 2).unwrap().failure().is_none());
+
+        // A reload that reopens it keeps it failed.
+        let mut diff = crate::reload::diff(&cfg, &cfg);
+        assert_eq!(table.reopen_failed(&mut diff).len(), 1);
+        table.apply(&diff, &cfg).unwrap();
+        assert!(!Arc::ptr_eq(table.get(&nqn, 1).unwrap(), &ns1), "reopened");
+        assert_eq!(table.get(&nqn, 1).unwrap().failure(), Some(f));
+
+        // Clearing: healthy, forgotten, and it says what may be lost; only once.
+        let key = (nqn.clone(), 1);
+        let c = table.clear_failure(&key, &cfg).unwrap();
+        assert_eq!(c.failure, f);
+        assert!(c.what_may_be_lost(&key).contains("may be lost"));
+        let ns1 = Arc::clone(table.get(&nqn, 1).unwrap());
+        assert!(ns1.failure().is_none());
+        assert!(ns1.mapping.persist(0, 4096).is_ok());
+        assert!(ledger.all().is_empty());
+        assert!(matches!(
+            table.clear_failure(&key, &cfg),
+            Err(NamespaceError::NotFailed { nsid: 1, .. })
+        ));
+        assert!(matches!(
+            table.clear_failure(&(nqn.clone(), 9), &cfg),
+            Err(NamespaceError::NotFound { nsid: 9, .. })
+        ));
+        // And a failure after clearing is remembered again.
+        ns1.mapping.record_failure(f);
+        assert!(ledger.get(&ns1.config.path).is_some());
+    }
+
+    #[test]
+    fn a_failure_the_state_file_missed_is_carried_by_a_reload() {
+        let d = tempfile::tempdir().unwrap();
+        let cfg = cfg(d.path(), "");
+        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+        // Without a ledger (the state file could not take it): the reload still keeps it.
+        let mut table = NamespaceTable::open_all(&cfg).unwrap();
+        let f = SyncFailure::new(
+            "fdatasync",
+            &std::io::Error::from_raw_os_error(libc::ENOSPC),
+        );
+        table.get(&nqn, 2).unwrap().mapping.record_failure(f);
+        let mut diff = crate::reload::diff(&cfg, &cfg);
+        table.reopen_failed(&mut diff);
+        table.apply(&diff, &cfg).unwrap();
+        assert_eq!(table.get(&nqn, 2).unwrap().failure(), Some(f));
+        // A new path is another file: nothing to carry.
+        let mut moved = cfg.clone();
+        moved.subsystems[0].namespaces[1].path = d.path().join("n2b");
+        let diff = crate::reload::diff(&cfg, &moved);
+        table.apply(&diff, &moved).unwrap();
+        assert!(table.get(&nqn, 2).unwrap().failure().is_none());
     }
 }

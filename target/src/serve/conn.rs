@@ -708,6 +708,27 @@ impl Conn {
             list.iter()
                 .any(|(sub, n)| *n == nsid && *sub == s.subsystem)
         };
+        let cleared: Vec<String> = s
+            .grants
+            .keys()
+            .filter(|&&nsid| in_diff(&diff.namespaces_cleared, nsid))
+            .map(u32::to_string)
+            .collect();
+        if !cleared.is_empty() {
+            let ids = cleared.join(", ");
+            log::info!(
+                "session ctrl {} (host {} from {}): the failure of namespace(s) {ids} was \
+                 cleared: closing",
+                s.info.controller_id,
+                s.host,
+                self.peer
+            );
+            self.session_ended(EndReason::Reload);
+            self.goodbye(&format!(
+                "namespace(s) {ids} reopened: an operator cleared the failure"
+            ));
+            return;
+        }
         let changed: Vec<String> = s
             .grants
             .keys()
