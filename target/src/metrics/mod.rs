@@ -160,8 +160,7 @@ pub struct MetricsStatus {
     pub discovery_admitted: u64,
     /// I/O sessions ended since start, by reason ([`EndReason`] names).
     pub sessions_ended: BTreeMap<String, u64>,
-    /// Connections refused since start, by reason ([`refusal_name`], and "source_limit" for an
-    /// MPA reject of a source address over its cap).
+    /// Connections refused since start, by reason ([`refusal_name`]).
     pub refusals: BTreeMap<String, u64>,
     /// Handshakes that ended without admission or refusal: "timeout", "abandoned",
     /// "bad_mpa_request".
@@ -226,7 +225,7 @@ pub fn refusal_name(r: RefusalReason) -> &'static str {
     }
 }
 
-const REFUSALS: [&str; 9] = [
+const REFUSALS: [&str; 8] = [
     "unknown_subsystem",
     "host_not_allowed",
     "auth_failed",
@@ -235,7 +234,6 @@ const REFUSALS: [&str; 9] = [
     "protocol_error",
     "shutting_down",
     "other",
-    "source_limit",
 ];
 
 /// A handshake that ended without admission or refusal.
@@ -258,7 +256,7 @@ pub struct Events {
     sessions_admitted: AtomicU64,
     discovery_admitted: AtomicU64,
     ended: [AtomicU64; 6],
-    refusals: [AtomicU64; 9],
+    refusals: [AtomicU64; 8],
     handshakes: [AtomicU64; 3],
 }
 
@@ -285,11 +283,6 @@ impl Events {
             .position(|n| *n == refusal_name(reason))
             .unwrap_or(7);
         self.refusals[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A source address over its cap was rejected at MPA.
-    pub fn refused_source_limit(&self) {
-        self.refusals[8].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A handshake failed.
@@ -408,7 +401,6 @@ mod tests {
         e.ended(EndReason::KeepAlive);
         e.refused(RefusalReason::AuthFailed);
         e.refused(RefusalReason::Other(1000));
-        e.refused_source_limit();
         e.handshake_failed(HandshakeFailure::Timeout);
         let mut m = MetricsStatus::default();
         e.fill(&mut m);
@@ -418,7 +410,6 @@ mod tests {
         assert_eq!(m.sessions_ended.len(), 6);
         assert_eq!(m.refusals["auth_failed"], 1);
         assert_eq!(m.refusals["other"], 1);
-        assert_eq!(m.refusals["source_limit"], 1);
         assert_eq!(m.refusals["host_not_allowed"], 0);
         assert_eq!(m.refusals.len(), REFUSALS.len());
         for r in [

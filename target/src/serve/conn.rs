@@ -408,19 +408,13 @@ impl Conn {
         }
         // From the unadmitted pool to the discovery pool.
         let limits = shared.limits(Pool::Discovery);
-        match shared
-            .budgets
-            .take(Pool::Discovery, self.peer.ip(), limits, self.owner.clone())
-        {
-            Ok(t) => self.ticket = Some(t),
-            Err(e) => {
-                return self.refuse(
-                    RefusalReason::TooManyConnections,
-                    e.to_string(),
-                    Some(&c.host_nqn),
-                )
-            }
-        }
+        // A source at its cap, or a full pool, makes room by evicting its oldest session.
+        self.ticket = Some(shared.budgets.take(
+            Pool::Discovery,
+            self.peer.ip(),
+            limits,
+            self.owner.clone(),
+        ));
         let a = &cfg.admission;
         let max = Duration::from_millis(u64::from(a.discovery_max_keep_alive_ms));
         let keep_alive = keep_alive_of(&c, cfg, max);

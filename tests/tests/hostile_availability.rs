@@ -1,0 +1,170 @@
+//! Hostile peers against availability (issue 22): attackers that share the allowed host's own
+//! source address, and peers that try to fill the log, the metrics or the target's send
+//! capacity. The real `rpma-target` on the sessions fixture, raw peers that frame everything
+//! themselves (tests/tests/hostile/mod.rs), the rpma-initiator library as the allowed host.
+//! Every wait has a deadline and waits for a condition, never for a time to pass.
+
+mod hostile;
+
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hostile::{Peer, Suite};
+use rpma_common::proto::nqn::DISCOVERY_NQN;
+use rpma_common::proto::{FlushStatus, KeepAlive, Message};
+use rpma_initiator::{connect, discover};
+use rpma_tests::sessions::{OPEN, PLAIN, SUB, WAIT};
+use rpma_tests::{host, nqn, opts};
+
+/// The allowed host's own address: the initiator library connects to 127.0.0.1 from it.
+const HOST_ADDR: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+/// Waits until `pred` holds on the status' `admission` object.
+fn wait_admission(s: &Suite, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let st = s.t.status();
+        if pred(&st["admission"]) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {}", st["admission"]);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An attacker on `port` that opens a new connection from `src` every `every` (each waiting
+/// for its MPA Reply, then doing `then` with it) until stopped, keeping every one open.
+struct Reopener {
+    stop: Arc<AtomicBool>,
+    opened: Arc<AtomicUsize>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reopener {
+    fn start(port: u16, src: Ipv4Addr, every: Duration, then: fn(&mut Peer)) -> Reopener {
+        let stop = Arc::new(AtomicBool::new(false));
+        let opened = Arc::new(AtomicUsize::new(0));
+        let (st, n) = (Arc::clone(&stop), Arc::clone(&opened));
+        let handle = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !st.load(Ordering::SeqCst) {
+                let mut p = Peer::open(port, src);
+                then(&mut p);
+                held.push(p);
+                n.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(every);
+            }
+        });
+        Reopener {
+            stop,
+            opened,
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops it: how many connections it opened (it panics if the target refused one).
+    fn finish(mut self) -> usize {
+        self.stop.store(true, Ordering::SeqCst);
+        self.handle.take().unwrap().join().expect("the attacker");
+        self.opened.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Reopener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A discovery session asking a long keep-alive (the configuration allows a minute).
+fn discovery_session(p: &mut Peer) {
+    p.connect("nqn.2026-11.io.rpma:attacker", DISCOVERY_NQN);
+    match p.next_message() {
+        Message::ConnectResponse(r) => assert_eq!(r.controller_id, 0),
+        other => panic!("discovery Connect: {other:?}"),
+    }
+}
+
+/// F1: connections that finish MPA and never Connect, from the allowed host's own address, at
+/// that address's cap (8), and an attacker that keeps opening more (5 a second, three times the
+/// rate that kept the host out for good): the host's connection always gets in, taking the
+/// place of that address's oldest unadmitted connection.
+#[test]
+fn half_open_connections_from_the_hosts_own_address_cannot_keep_it_out() {
+    let mut s = Suite::start("handshake_timeout_ms = 60000");
+    let mut held: Vec<Peer> = (0..8).map(|_| Peer::open(s.port(), HOST_ADDR)).collect();
+    wait_admission(&s, "the attackers hold the address's cap", |a| {
+        a["unadmitted"]["held"] == 8 && a["unadmitted"]["sources"] == 1
+    });
+    let mut sess = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts())
+        .expect("the host's Connect from its own address, at the address's cap");
+    assert_eq!(sess.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    assert!(
+        held[0].closed(),
+        "the oldest attacker's place was not taken"
+    );
+    assert!(held[1].still_open(), "only the oldest was evicted");
+
+    let attacker = Reopener::start(s.port(), HOST_ADDR, Duration::from_millis(200), |_| {});
+    for i in 0..10 {
+        let mut q = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts())
+            .unwrap_or_else(|e| panic!("identify {i} while the attacker reopens: {e}"));
+        assert_eq!(q.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+        let _ = q.disconnect(Duration::from_secs(1));
+    }
+    let opened = attacker.finish();
+    eprintln!("the attacker opened {opened} more connections meanwhile");
+    assert_eq!(sess.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    s.unchanged("half-open connections from the host's own address");
+    s.finish();
+}
+
+/// F2: discovery sessions kept alive from the allowed host's own address, at that address's
+/// cap (4), and an attacker that keeps opening more: the host's discovery always gets in,
+/// taking the place of that address's oldest discovery session.
+#[test]
+fn discovery_sessions_from_the_hosts_own_address_cannot_keep_it_out() {
+    let mut s = Suite::start("discovery_max_keep_alive_ms = 60000");
+    let mut held: Vec<Peer> = (0..4)
+        .map(|_| {
+            let mut p = Peer::open(s.port(), HOST_ADDR);
+            discovery_session(&mut p);
+            p
+        })
+        .collect();
+    for p in &mut held {
+        p.message(&Message::KeepAlive(KeepAlive { seq: 1 }));
+    }
+    wait_admission(&s, "the attackers hold the address's cap", |a| {
+        a["discovery"]["held"] == 4
+    });
+    let names = |v: Vec<rpma_common::proto::DiscoveryEntry>| -> Vec<String> {
+        v.iter().map(|e| e.subsystem_nqn.to_string()).collect()
+    };
+    let found = discover(&s.t.url(), &host(PLAIN), &opts())
+        .expect("the host's discovery from its own address, at the address's cap");
+    assert_eq!(names(found), [OPEN, SUB]);
+    assert!(
+        held[0].closed(),
+        "the oldest attacker's session was not taken"
+    );
+    assert!(held[1].still_open(), "only the oldest was evicted");
+
+    let attacker = Reopener::start(
+        s.port(),
+        HOST_ADDR,
+        Duration::from_millis(200),
+        discovery_session,
+    );
+    for i in 0..10 {
+        let found = discover(&s.t.url(), &host(PLAIN), &opts())
+            .unwrap_or_else(|e| panic!("discovery {i} while the attacker reopens: {e}"));
+        assert_eq!(names(found), [OPEN, SUB]);
+    }
+    let opened = attacker.finish();
+    eprintln!("the attacker opened {opened} more discovery sessions meanwhile");
+    s.unchanged("discovery sessions from the host's own address");
+    s.finish();
+}
