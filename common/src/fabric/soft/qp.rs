@@ -94,6 +94,7 @@ impl SoftQp {
             placing: None,
             refused_recv_status: None,
             counting: Counting::new(counters.clone()),
+            rtr_pending: false,
         };
         Arc::new(SoftQp {
             num,
@@ -158,6 +159,7 @@ impl SoftQp {
         e.ird = neg.info.ird.max(1) as usize;
         e.max_message = params.max_message;
         e.info = Some(neg.info.clone());
+        e.rtr_pending = neg.rtr_write_expected;
         e.state = QpState::Rtr;
         e.state = QpState::Rts;
         c.conn = Some(Conn {
