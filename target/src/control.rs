@@ -99,6 +99,9 @@ pub struct MetricsListenerStatus {
     pub bound: bool,
     /// Why it is not bound, if it is not.
     pub note: Option<String>,
+    /// Connections being served now (at most `MAX_SCRAPERS`).
+    #[serde(default)]
+    pub serving: usize,
 }
 
 /// The admission budgets: what each pool holds and allows.
@@ -738,6 +741,7 @@ mod tests {
                 addr: Some("127.0.0.1:9420".into()),
                 bound: true,
                 note: None,
+                serving: 0,
             }),
         }
     }

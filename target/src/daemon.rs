@@ -258,7 +258,10 @@ fn status(shared: &Shared) -> Status {
         sessions: st.serve.sessions(),
         admission: st.serve.admission(),
         metrics,
-        metrics_listener: st.metrics_status.clone(),
+        metrics_listener: st.metrics_status.clone().map(|mut m| {
+            m.serving = st.metrics.as_ref().map_or(0, MetricsServer::serving);
+            m
+        }),
     }
 }
 
@@ -320,6 +323,7 @@ fn apply_metrics_listen(
                 addr: Some(server.local_addr().to_string()),
                 bound: true,
                 note: None,
+                serving: 0,
             });
             *current = Some(server);
             Ok(())
@@ -333,12 +337,14 @@ fn apply_metrics_listen(
                     addr: Some(old.local_addr().to_string()),
                     bound: true,
                     note: Some(format!("{why}; still serving on {}", old.local_addr())),
+                    serving: 0,
                 },
                 None => MetricsListenerStatus {
                     configured: addr.to_string(),
                     addr: None,
                     bound: false,
                     note: Some(why),
+                    serving: 0,
                 },
             });
             Err(e)

@@ -38,7 +38,7 @@
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
 //! socket (and, with `metrics_listen`, one accepts scrapes, each served on a short-lived thread
-//! of its own, at most four at once), one thread per listener accepts, and `poll_loops` threads each own their connections
+//! of its own, at most eight at once), one thread per listener accepts, and `poll_loops` threads each own their connections
 //! and a [`flusher::Flusher`]. Cleanup: the control socket is removed
 //! at exit; namespace mappings are dropped with the last session that holds them.
 //!

@@ -168,3 +168,67 @@ fn discovery_sessions_from_the_hosts_own_address_cannot_keep_it_out() {
     s.unchanged("discovery sessions from the host's own address");
     s.finish();
 }
+
+/// A scraper that never finishes its request: connects from `src` to the metrics port, sends
+/// a request line, then a byte every 100 ms; when the target closes it (evicted, or cut off at
+/// the request deadline) it connects again at once, until stopped.
+fn trickler(port: u16, src: Ipv4Addr, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
+    use std::io::Write;
+    std::thread::spawn(move || {
+        let mut opened = 0;
+        while !stop.load(Ordering::SeqCst) {
+            let mut s = rpma_tests::tcp_from(port, src, WAIT);
+            opened += 1;
+            if s.write_all(b"GET /metrics HTTP/1.1\r\n").is_err() {
+                continue;
+            }
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(100));
+                if s.write_all(b"X").is_err() {
+                    break;
+                }
+            }
+        }
+        opened
+    })
+}
+
+/// F3: trickling connections to the metrics endpoint, reopened as soon as they are closed,
+/// from the scraper's own address (its cap, 4) and from others (the rest of the places and
+/// more): every scrape is answered 200, because a newcomer takes the place of the oldest
+/// unfinished request (before: 20 of 20 scrapes answered 503).
+#[test]
+fn trickling_scrapers_cannot_blind_the_monitoring() {
+    let mport = rpma_tests::free_port();
+    let mut s = Suite::start(&format!("metrics_listen = \"127.0.0.1:{mport}\""));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    for _ in 0..4 {
+        attackers.push(trickler(mport, HOST_ADDR, Arc::clone(&stop)));
+    }
+    for _ in 0..3 {
+        let src = s.src();
+        for _ in 0..2 {
+            attackers.push(trickler(mport, src, Arc::clone(&stop)));
+        }
+    }
+    // Every place is held by a trickler before the first scrape.
+    let deadline = Instant::now() + WAIT;
+    while s.t.status()["metrics_listener"]["serving"] != 8 {
+        assert!(
+            Instant::now() < deadline,
+            "the tricklers are not all served"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let addr = format!("127.0.0.1:{mport}");
+    for i in 0..20 {
+        let page = rpma_tests::metrics::scrape(&addr);
+        assert!(page.contains("rpma_target_build_info"), "scrape {i}");
+    }
+    stop.store(true, Ordering::SeqCst);
+    let opened: usize = attackers.into_iter().map(|h| h.join().unwrap()).sum();
+    eprintln!("the tricklers opened {opened} connections; 20 of 20 scrapes answered");
+    s.unchanged("trickling scrapers from the scraper's address and others");
+    s.finish();
+}
