@@ -232,3 +232,96 @@ fn trickling_scrapers_cannot_blind_the_monitoring() {
     s.unchanged("trickling scrapers from the scraper's address and others");
     s.finish();
 }
+
+/// One session on OPEN (allow_any_host) as `host`, from `src`: admitted, one GPSPM flush (so
+/// that it has something to count), a Disconnect.
+fn made_up_host_session(port: u16, src: Ipv4Addr, host: &str) {
+    let mut p = Peer::open(port, src);
+    p.connect(host, OPEN);
+    match p.next_message() {
+        Message::ConnectResponse(_) => {}
+        other => panic!("{host}: {other:?}"),
+    }
+    p.message(&Message::FlushRequest(rpma_common::proto::FlushRequest {
+        nsid: 1,
+        offset: 0,
+        length: 8,
+        token: 1,
+    }));
+    match p.next_message() {
+        Message::FlushResponse(f) => assert_eq!(f.status, FlushStatus::Durable),
+        other => panic!("{host}: {other:?}"),
+    }
+    // The target lingers until the host closes: this one closes at once.
+    p.message(&Message::Disconnect(rpma_common::proto::Disconnect {
+        reason: "done".into(),
+    }));
+}
+
+/// F7: sessions with made-up host NQNs (no credential) on an `allow_any_host` subsystem, each
+/// doing a little I/O: the per-host series and the status' per-host table gain nothing from
+/// them (they are counted under one `(allow_any_host)` label), and a configured host's
+/// accounting is untouched (before: 5,000 such hosts took /metrics from 94 KB to 13.9 MB and
+/// pushed a host configured later into `(other)`).
+#[test]
+fn made_up_host_nqns_add_no_series_and_push_out_no_configured_host() {
+    let mport = rpma_tests::free_port();
+    let mut s = Suite::start(&format!("metrics_listen = \"127.0.0.1:{mport}\""));
+    let addr = format!("127.0.0.1:{mport}");
+    // A configured host's accounting before the attack.
+    let mut sess = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(sess.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    let _ = sess.disconnect(Duration::from_secs(1));
+    // One made-up host first, so that the shared label's series exist in the baseline.
+    let src = s.src();
+    made_up_host_session(s.port(), src, "nqn.2026-11.io.evil:h0");
+    let wait_ended = |s: &Suite, n: u64| {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let v = s.t.status();
+            let ended = v["metrics"]["sessions_ended"]["host"].as_u64().unwrap_or(0);
+            if ended >= n {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{ended} of {n} sessions ended");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let v = wait_ended(&s, 2);
+    let page0 = rpma_tests::metrics::scrape(&addr).len();
+    let status0 = v["metrics"]["hosts"].to_string().len();
+
+    let n = 1000;
+    for i in 1..=n {
+        made_up_host_session(s.port(), src, &format!("nqn.2026-11.io.evil:h{i}"));
+    }
+    let v = wait_ended(&s, 2 + n);
+    let page = rpma_tests::metrics::scrape(&addr);
+    let status = v["metrics"]["hosts"].to_string().len();
+    eprintln!(
+        "{n} made-up hosts: /metrics {page0} -> {} bytes, status hosts table {status0} -> {status} bytes",
+        page.len()
+    );
+    // The numbers inside grow by a few digits; no series or entry is added.
+    assert!(
+        page.len() < page0 + 256,
+        "/metrics grew from {page0} to {} bytes",
+        page.len()
+    );
+    assert!(
+        status < status0 + 256,
+        "the status' per-host table grew from {status0} to {status} bytes"
+    );
+    assert!(!page.contains("evil"), "a made-up host NQN is a label");
+    let any = format!(
+        "rpma_target_durability_requests_total{{subsystem=\"{OPEN}\",nsid=\"1\",host=\"(allow_any_host)\",method=\"gpspm\",outcome=\"ok\"}}"
+    );
+    let ok = rpma_tests::metrics::sample(&page, &any).expect("the shared label's series");
+    assert!(ok >= (n + 1) as f64, "{ok}");
+    let plain = format!(
+        "rpma_target_durability_requests_total{{subsystem=\"{SUB}\",nsid=\"1\",host=\"{PLAIN}\",method=\"gpspm\",outcome=\"ok\"}}"
+    );
+    assert_eq!(rpma_tests::metrics::sample(&page, &plain), Some(1.0));
+    s.unchanged("sessions with made-up host NQNs");
+    s.finish();
+}
