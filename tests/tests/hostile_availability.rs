@@ -325,3 +325,147 @@ fn made_up_host_nqns_add_no_series_and_push_out_no_configured_host() {
     s.unchanged("sessions with made-up host NQNs");
     s.finish();
 }
+
+/// Lines of `log` that contain `what`.
+fn lines_with(log: &str, what: &str) -> usize {
+    log.lines().filter(|l| l.contains(what)).count()
+}
+
+/// The lines the summaries of `log` say were suppressed.
+fn counted_in_summaries(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("suppressed in the last"))
+        .map(|l| {
+            let (_, tail) = l.split_once("] ").expect("an env_logger line");
+            tail.split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .sum()
+}
+
+/// F6: one address cycling sessions as fast as it can on an `allow_any_host` subsystem, each
+/// ending with a Disconnect whose reason carries a line break and a forged log line: the session
+/// lines are logged up to their budget per period and counted past it, the forged line never
+/// starts a line of the log, and the log grows by a bounded number of bytes (before: 71,182
+/// lines in 5 s, 401 MB a minute, and the reason logged as sent).
+#[test]
+fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
+    let period = Duration::from_secs(2);
+    let mut s = Suite::start(&format!("refusal_log_period_ms = {}", period.as_millis()));
+    let forged = "[2026-12-01T00:00:00Z ERROR rpma_target] FORGED by a peer";
+    let host_nqn = "nqn.2026-11.io.evil:cycler";
+    let src = s.src();
+    let ended0 = s.t.status()["metrics"]["sessions_ended"]["host"]
+        .as_u64()
+        .unwrap();
+    let log0 = s.t.log().len();
+    let n: u64 = 2000;
+    let started = Instant::now();
+    for _ in 0..n {
+        let mut p = Peer::open(s.port(), src);
+        p.connect(host_nqn, OPEN);
+        match p.next_message() {
+            Message::ConnectResponse(_) => {}
+            other => panic!("{other:?}"),
+        }
+        p.message(&Message::Disconnect(rpma_common::proto::Disconnect {
+            reason: format!("bye\n{forged}\r\n\x1b[2J"),
+        }));
+    }
+    // Every session has ended, and every line about it is either in the log or counted in a
+    // summary line (which comes a period after the first line it counts).
+    let deadline = Instant::now() + WAIT + period;
+    let log = loop {
+        let v = s.t.status();
+        let ended = v["metrics"]["sessions_ended"]["host"].as_u64().unwrap() - ended0;
+        let log = s.t.log();
+        let logged = lines_with(&log[log0..], host_nqn) as u64;
+        if ended == n && logged + counted_in_summaries(&log[log0..]) == 2 * n {
+            break log;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ended {ended} of {n}; logged {logged} + counted {} of {}",
+            counted_in_summaries(&log[log0..]),
+            2 * n
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = started.elapsed();
+    let new = &log[log0..];
+    let periods = (took.as_millis() / period.as_millis()) as usize + 1;
+    let logged = lines_with(new, host_nqn);
+    eprintln!(
+        "{n} sessions in {took:?}: {logged} lines logged, {} counted, {} bytes of log",
+        counted_in_summaries(new),
+        new.len()
+    );
+    assert!(
+        logged <= periods * 20 && logged >= 2,
+        "{logged} session lines in {periods} period(s)"
+    );
+    // At most the budgets' lines (each well under 512 bytes) and a summary per period.
+    assert!(
+        new.len() <= (logged + 2 * periods) * 512,
+        "{} bytes of log for {n} sessions",
+        new.len()
+    );
+    assert!(
+        log.lines()
+            .all(|l| !l.contains("FORGED") || l.contains("bye\\n[2026")),
+        "a forged line or an unescaped reason"
+    );
+    assert!(!log.contains('\x1b'), "a terminal escape reached the log");
+    assert!(
+        log.contains("closed by the host: \"bye\\n[2026-12-01T00:00:00Z ERROR rpma_target] FORGED"),
+        "the reason is logged escaped"
+    );
+    s.unchanged("sessions cycled as fast as one address can");
+    s.finish();
+}
+
+/// F6: refused Connects from 600 addresses (one each): the refusal lines are capped for all
+/// addresses together, not only per address (before: one line per address, 2.35 MB per minute
+/// from 4,096 addresses).
+#[test]
+fn refusals_from_many_addresses_add_a_bounded_volume() {
+    let period = Duration::from_secs(60);
+    let mut s = Suite::start(&format!("refusal_log_period_ms = {}", period.as_millis()));
+    let log0 = s.t.log().len();
+    let started = Instant::now();
+    let mut n = 0;
+    for a in 1..=3u8 {
+        for b in 1..=200u8 {
+            let mut p = Peer::open(s.port(), Ipv4Addr::new(127, 0, a, b));
+            p.connect("nqn.2026-11.io.evil:refused", SUB);
+            match p.next_message() {
+                Message::Refusal(_) => {}
+                other => panic!("{other:?}"),
+            }
+            n += 1;
+        }
+    }
+    let deadline = Instant::now() + WAIT;
+    while s.t.status()["metrics"]["refusals"]["host_not_allowed"].as_u64() < Some(n) {
+        assert!(Instant::now() < deadline, "not every refusal counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let periods = (started.elapsed().as_millis() / period.as_millis()) as usize + 1;
+    let log = s.t.log();
+    let new = &log[log0..];
+    let lines = lines_with(new, "nqn.2026-11.io.evil:refused");
+    eprintln!(
+        "{n} refusals from {n} addresses: {lines} lines, {} bytes",
+        new.len()
+    );
+    assert!(
+        lines <= 256 * periods,
+        "{lines} refusal lines in {periods} period(s)"
+    );
+    assert!(new.len() <= (lines + periods) * 512, "{} bytes", new.len());
+    s.unchanged("refusals from many addresses");
+    s.finish();
+}

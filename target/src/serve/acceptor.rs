@@ -283,9 +283,13 @@ impl AcceptLoop {
                 Ok(None) => return,
                 Err(e) => {
                     // EMFILE and the like: say so, and do not spin on it.
-                    log::warn!(
-                        "accepting a connection failed: {}",
-                        rpma_common::error_chain(&e)
+                    // Peers can cause it (by holding descriptors): rate-limited too.
+                    self.shared.peer_log.warn(
+                        std::net::Ipv4Addr::UNSPECIFIED.into(),
+                        format_args!(
+                            "accepting a connection failed: {}",
+                            rpma_common::error_chain(&e)
+                        ),
                     );
                     std::thread::sleep(ACCEPT_FAILED_PAUSE);
                     return;

@@ -15,8 +15,9 @@
 //! connection has the few message slots its handshake needs; a session gets the rest (its queue
 //! depth) at admission, posted before its ConnectResponse is sent.
 //!
-//! Refusals, protocol errors and abandoned handshakes are logged rate-limited per peer address
-//! ([`super::peer_log`]): they come from peers nobody has authenticated.
+//! Every line a peer can cause (refusals, protocol errors, abandoned handshakes, and the session
+//! lines: start, end, keep-alive lapse, lost connection) is logged rate-limited per peer address
+//! and in all ([`super::peer_log`]), its peer-supplied strings escaped.
 //!
 //! # Rkeys
 //!
@@ -50,6 +51,7 @@ use rpma_common::proto::{
 use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
+use super::peer_log::{peer_text, Class};
 use super::poll_loop::{CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
 use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
@@ -337,7 +339,7 @@ impl Conn {
                         log::debug!(
                             "{}: discovery host {host} disconnected: {}",
                             self.peer,
-                            d.reason
+                            peer_text(&d.reason)
                         );
                         self.phase = Phase::Closing {
                             deadline: now + LINGER,
@@ -372,12 +374,17 @@ impl Conn {
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
                     Ok(Message::Disconnect(d)) => {
                         shared.events.ended(EndReason::Host);
-                        log::info!(
-                            "session ctrl {} (host {} from {}) closed by the host: {}",
-                            s.info.controller_id,
-                            s.host,
-                            self.peer,
-                            d.reason
+                        shared.peer_log.log(
+                            self.peer.ip(),
+                            Class::Session,
+                            log::Level::Info,
+                            format_args!(
+                                "session ctrl {} (host {} from {}) closed by the host: {}",
+                                s.info.controller_id,
+                                s.host,
+                                self.peer,
+                                peer_text(&d.reason)
+                            ),
                         );
                         self.phase = Phase::Closing {
                             deadline: now + LINGER,
@@ -461,10 +468,14 @@ impl Conn {
                     descriptors.push(d);
                 }
                 Err(e) => {
-                    log::error!(
-                        "cannot register namespace {nsid} of {} for {}: {e}",
-                        c.subsystem_nqn,
-                        self.peer
+                    shared.peer_log.log(
+                        self.peer.ip(),
+                        Class::Session,
+                        log::Level::Error,
+                        format_args!(
+                            "cannot register namespace {nsid} of {} for {}: {e}",
+                            c.subsystem_nqn, self.peer
+                        ),
                     );
                     let reason = match e {
                         fabric::Error::Exhausted { .. } => RefusalReason::TooManyConnections,
@@ -514,15 +525,21 @@ impl Conn {
         };
         match resp.encode() {
             Ok(bytes) => {
-                log::info!(
-                    "session ctrl {}: host {} on {} from {} (queue {}, {} namespace(s), keep-alive {} ms)",
-                    session.info.controller_id,
-                    session.host,
-                    session.subsystem,
-                    self.peer,
-                    c.queue_id,
-                    session.grants.len(),
-                    session.info.keep_alive_ms
+                shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "session ctrl {}: host {} on {} from {} (queue {}, {} namespace(s), \
+                         keep-alive {} ms)",
+                        session.info.controller_id,
+                        session.host,
+                        session.subsystem,
+                        self.peer,
+                        c.queue_id,
+                        session.grants.len(),
+                        session.info.keep_alive_ms
+                    ),
                 );
                 self.phase = Phase::Session(Box::new(session));
                 shared.events.admitted(false);
@@ -624,12 +641,17 @@ impl Conn {
                 for g in s.grants.values() {
                     g.ns.note_failure();
                 }
-                log::info!(
-                    "session ctrl {} (host {} from {}) lost its connection: {}",
-                    s.info.controller_id,
-                    s.host,
-                    self.peer,
-                    self.qp.error().unwrap_or_default()
+                self.shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "session ctrl {} (host {} from {}) lost its connection: {}",
+                        s.info.controller_id,
+                        s.host,
+                        self.peer,
+                        self.qp.error().unwrap_or_default()
+                    ),
                 );
             }
             return false;
@@ -655,12 +677,18 @@ impl Conn {
             Phase::Session(s) if lapsed(s.keep_alive) => {
                 s.info.expired.store(true, Ordering::Relaxed);
                 self.shared.events.ended(EndReason::KeepAlive);
-                log::warn!(
-                    "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys revoked",
-                    s.info.controller_id,
-                    s.host,
-                    self.peer,
-                    s.keep_alive.as_millis()
+                self.shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Warn,
+                    format_args!(
+                        "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys \
+                         revoked",
+                        s.info.controller_id,
+                        s.host,
+                        self.peer,
+                        s.keep_alive.as_millis()
+                    ),
                 );
                 let why = format!("keep-alive expired ({} ms)", s.keep_alive.as_millis());
                 self.goodbye(&why);
