@@ -170,9 +170,11 @@ impl Engine {
         self.sq.get_mut(seq.checked_sub(front)? as usize)
     }
 
-    pub(super) fn write(&mut self, conn: &mut Conn) {
+    /// Writes what is queued, at most `budget` bytes: the rest waits for the next progress
+    /// call, after the other queue pairs of the completion queue had their turn.
+    pub(super) fn write(&mut self, conn: &mut Conn, budget: usize) {
         let mut done: Vec<OnSent> = Vec::new();
-        let r = self.tx.flush(&mut conn.sock, |o| done.push(o));
+        let r = self.tx.flush(&mut conn.sock, budget, |o| done.push(o));
         for o in done {
             match o {
                 OnSent::Complete(seq) => {
