@@ -6,6 +6,7 @@
 //! cargo build --release --workspace
 //! cargo run --release -p rpma-tests --example fair_share -- [--target-bin PATH]
 //!     [--attackers 48] [--reads 16] [--read-size 64MiB] [--ops 500] [--reps 3]
+//!     [--attacker-nice 0]
 //! ```
 //!
 //! It starts the `rpma-target` given (default: the one built beside this example) on a forced
@@ -38,6 +39,10 @@ struct Args {
     read_size: usize,
     ops: usize,
     reps: usize,
+    /// The attackers' threads' nice value (0: as the rest): with 19 they get CPU only when
+    /// nothing else wants it, which separates the target's fairness from the CPU the
+    /// attackers take on the same machine.
+    nice: i32,
 }
 
 fn parse_args() -> Args {
@@ -53,6 +58,7 @@ fn parse_args() -> Args {
         read_size: 64 << 20,
         ops: 500,
         reps: 3,
+        nice: 0,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -65,6 +71,7 @@ fn parse_args() -> Args {
             "--read-size" => a.read_size = n(),
             "--ops" => a.ops = n(),
             "--reps" => a.reps = n(),
+            "--attacker-nice" => a.nice = v.parse().expect("a nice value"),
             other => panic!("unknown option {other}"),
         }
     }
@@ -173,6 +180,7 @@ struct Attack {
     url: String,
     reads: usize,
     size: usize,
+    nice: i32,
     sink: Arc<AlignedBuf>,
     stop: Arc<AtomicBool>,
     /// Bytes the attackers were sent.
@@ -188,11 +196,18 @@ fn attacker(i: usize, a: Attack) {
         url,
         reads,
         size,
+        nice,
         sink,
         stop,
         bytes,
         answered,
     } = a;
+    if nice != 0 {
+        // SAFETY: setpriority reads its integer arguments only; gettid names this thread.
+        unsafe {
+            libc::setpriority(libc::PRIO_PROCESS, libc::gettid() as libc::id_t, nice);
+        }
+    }
     // A long keep-alive: a target that leaves the attackers' own messages waiting must not
     // end the attack by expiring them.
     let opts = ConnectOptions {
@@ -271,6 +286,7 @@ fn one_run(a: &Args) -> Run {
         url: d.url.clone(),
         reads: a.reads,
         size: a.read_size,
+        nice: a.nice,
         sink: AlignedBuf::new(a.read_size).unwrap(),
         stop: Arc::new(AtomicBool::new(false)),
         bytes: Arc::new(AtomicU64::new(0)),
@@ -334,12 +350,13 @@ fn main() {
     let a = parse_args();
     let us = |d: Duration| d.as_secs_f64() * 1e6;
     println!(
-        "fair share: {} ({}), {} attackers x {} Reads of {} B in flight, {} ops per measure, {} rep(s)",
+        "fair share: {} ({}), {} attackers x {} Reads of {} B in flight (nice {}), {} ops per measure, {} rep(s)",
         a.target_bin.display(),
         cpu_model(),
         a.attackers,
         a.reads,
         a.read_size,
+        a.nice,
         a.ops,
         a.reps
     );

@@ -61,13 +61,13 @@ pub(crate) struct TxMsg {
 /// What one pass of a completion queue over its queue pairs writes at most, all of them
 /// together (unless more than `TURN_BYTES / MIN_QUANTUM` are busy): docs/benchmarks.md, "Fair
 /// share".
-pub(crate) const TURN_BYTES: usize = 1024 * 1024;
+pub(crate) const TURN_BYTES: usize = 4 * 1024 * 1024;
 
-/// The least share of a busy queue pair per pass: a few FPDUs, one writev.
-pub(crate) const MIN_QUANTUM: usize = 16 * 1024;
+/// The least share of a busy queue pair per pass: one writev of a few FPDUs.
+pub(crate) const MIN_QUANTUM: usize = 64 * 1024;
 
 /// What a post (the doorbell) writes at once at most; the rest goes in progress calls.
-pub(crate) const TX_QUANTUM: usize = TURN_BYTES;
+pub(crate) const TX_QUANTUM: usize = 1024 * 1024;
 
 /// The share of each queue pair in a pass when `busy` of them had output waiting after the
 /// previous one: [`TURN_BYTES`] split between them, at least [`MIN_QUANTUM`].
