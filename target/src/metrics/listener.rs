@@ -249,7 +249,38 @@ impl Drop for Slot {
     }
 }
 
+/// The listener's own warnings (accept failing, no thread), which clients can cause by
+/// exhausting descriptors or threads: one a minute, with how many were held back.
+#[derive(Debug, Default)]
+struct Warnings {
+    last: Option<Instant>,
+    held_back: u64,
+}
+
+impl Warnings {
+    const EVERY: Duration = Duration::from_secs(60);
+
+    fn warn(&mut self, what: std::fmt::Arguments<'_>) {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Self::EVERY)
+        {
+            self.held_back += 1;
+            log::debug!("metrics listener: {what}");
+            return;
+        }
+        let more = match std::mem::take(&mut self.held_back) {
+            0 => String::new(),
+            n => format!(" ({n} more such warning(s) in the last minute)"),
+        };
+        log::warn!("metrics listener: {what}{more}");
+        self.last = Some(now);
+    }
+}
+
 fn accept_loop(listener: TcpListener, stop: Arc<AtomicBool>, slots: Arc<Slots>, page: PageFn) {
+    let mut warnings = Warnings::default();
     for conn in listener.incoming() {
         if stop.load(Ordering::Acquire) {
             break;
@@ -258,7 +289,7 @@ fn accept_loop(listener: TcpListener, stop: Arc<AtomicBool>, slots: Arc<Slots>, 
             Ok(c) => c,
             Err(e) => {
                 // EMFILE and the like: say so, and do not spin on it.
-                log::warn!("metrics listener: accept failed: {e}");
+                warnings.warn(format_args!("accept failed: {e}"));
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             }
@@ -282,7 +313,7 @@ fn accept_loop(listener: TcpListener, stop: Arc<AtomicBool>, slots: Arc<Slots>, 
             .spawn(move || serve(conn, &page, &slot, accepted));
         if let Err(e) = spawned {
             // The closure (and its slot) was dropped with the error.
-            log::warn!("metrics listener: cannot start a thread: {e}");
+            warnings.warn(format_args!("cannot start a thread: {e}"));
         }
     }
 }
