@@ -203,12 +203,13 @@ pub enum Error {
         offered: String,
     },
     /// The namespace has failed on the target: a write-back of it failed, so the target makes
-    /// nothing on it durable, and this library writes nothing to it, until an operator reopens
-    /// it (a reload or restart of the target). Reads still work.
+    /// nothing on it durable, and this library writes nothing to it, until the target's operator
+    /// clears the failure (`rpma-target clear-failure`; reloads and restarts keep it). Reads
+    /// still work and return what the target's media holds.
     #[error(
         "namespace {nsid} has FAILED on the target ({reason}): nothing on it can be made durable \
-         and writes are refused until an operator reopens it (target reload or restart); reads \
-         still work"
+         and writes are refused until the target's operator clears it (rpma-target \
+         clear-failure); reads still work"
     )]
     NamespaceFailed {
         /// Namespace.

@@ -162,6 +162,37 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         cfg.admission.discovery_timeout_ms,
         cfg.admission.refusal_log_period_ms
     )?;
+    let remembered = match crate::failures::peek(&cfg.state_file) {
+        Ok(f) => {
+            let dir = cfg.state_file.parent().unwrap_or(Path::new("."));
+            let writable = match &f {
+                Some(_) => nix::unistd::access(&cfg.state_file, nix::unistd::AccessFlags::W_OK),
+                None => nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK),
+            };
+            let what = match &f {
+                Some(v) => format!("{} failed namespace(s) remembered", v.len()),
+                None => "would create it".into(),
+            };
+            match writable {
+                Ok(()) => writeln!(out, "state file {}: {what}", cfg.state_file.display())?,
+                Err(e) => {
+                    writeln!(
+                        out,
+                        "problem: state_file {}: not writable ({e}): the daemon would not start; \
+                         set `state_file` to a path it can write",
+                        cfg.state_file.display()
+                    )?;
+                    problems += 1;
+                }
+            }
+            f.unwrap_or_default()
+        }
+        Err(e) => {
+            writeln!(out, "problem: {}", chain(&e))?;
+            problems += 1;
+            Vec::new()
+        }
+    };
     let mut count = 0usize;
     for s in &cfg.subsystems {
         let mut pinned = 0u64;
@@ -222,6 +253,18 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                     writeln!(out, "{head}: problem: would refuse: {}", refusal(&e))?;
                     problems += 1;
                 }
+            }
+            let key = crate::failures::key_of(&ns.path);
+            if let Some(f) = remembered.iter().find(|f| f.path == key) {
+                // Not a problem of the configuration: the daemon starts and serves it failed.
+                writeln!(
+                    out,
+                    "    FAILED since {}: {}: no durability until `rpma-target clear-failure {} {}`",
+                    f.since(),
+                    f.failure,
+                    s.nqn,
+                    ns.nsid
+                )?;
             }
         }
         pinned_per_subsystem.push(pinned);

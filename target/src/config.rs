@@ -23,6 +23,8 @@ pub use admission::{admission_changes, Admission};
 pub const DEFAULT_PORT: u16 = 7420;
 /// Where the control socket lives unless the configuration says otherwise.
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/rpma-target/control.sock";
+/// The state file's name beside the configuration file unless `state_file` says otherwise.
+pub const DEFAULT_STATE_FILE: &str = "rpma-target.state";
 /// Keep-alive period when the configuration does not set one (as Linux NVMe-oF's default KATO).
 pub const DEFAULT_KEEP_ALIVE_MS: u32 = 5000;
 
@@ -257,6 +259,9 @@ pub struct Config {
     pub listeners: Vec<Listener>,
     /// The control socket's path.
     pub control_socket: PathBuf,
+    /// Where failed namespaces are remembered across restarts ([`crate::failures`]); beside
+    /// the configuration file by default. Changing it needs a restart.
+    pub state_file: PathBuf,
     /// Keep-alive period (ms).
     pub keep_alive_ms: u32,
     /// Number of poll loops.
@@ -285,6 +290,7 @@ struct RawConfig {
     #[serde(default)]
     listen: Vec<toml::Value>,
     control_socket: Option<PathBuf>,
+    state_file: Option<PathBuf>,
     keep_alive_ms: Option<i64>,
     poll_loops: Option<i64>,
     max_connections: Option<i64>,
@@ -626,6 +632,13 @@ impl Config {
                 .control_socket
                 .map(|p| base.join(p))
                 .unwrap_or_else(|| PathBuf::from(DEFAULT_CONTROL_SOCKET)),
+            state_file: match raw.state_file {
+                Some(p) if p.as_os_str().is_empty() => {
+                    return Err(invalid("state_file", "empty path"))
+                }
+                Some(p) => base.join(p),
+                None => base.join(DEFAULT_STATE_FILE),
+            },
             keep_alive_ms: int_in(
                 "keep_alive_ms",
                 raw.keep_alive_ms,

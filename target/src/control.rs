@@ -1,5 +1,7 @@
 //! The control socket: a Unix stream socket where `rpma-target status` asks for the daemon's
-//! state. One request line (`status`), one JSON answer, then the daemon closes the connection.
+//! state and `rpma-target clear-failure` clears a failed namespace. One request line
+//! (`status`, `clear-failure SUBSYSTEM NSID`), one JSON answer, then the daemon closes the
+//! connection.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
@@ -97,6 +99,9 @@ pub struct MetricsListenerStatus {
     pub bound: bool,
     /// Why it is not bound, if it is not.
     pub note: Option<String>,
+    /// Connections being served now (at most `MAX_SCRAPERS`).
+    #[serde(default)]
+    pub serving: usize,
 }
 
 /// The admission budgets: what each pool holds and allows.
@@ -194,9 +199,13 @@ pub struct NamespaceStatus {
     #[serde(default)]
     pub data: DataCounters,
     /// Set when the namespace has failed: the failed write-back call and its errno. No
-    /// durability request on it succeeds until a reload or restart reopens it.
+    /// durability request on it succeeds until an operator clears it (`rpma-target
+    /// clear-failure`); reloads and restarts keep it.
     #[serde(default)]
     pub failed: Option<String>,
+    /// When it failed (UTC), as the state file remembers it.
+    #[serde(default)]
+    pub failed_since: Option<String>,
 }
 
 /// What a session's counters count, said in every [`SessionStatus::counted`].
@@ -388,6 +397,21 @@ pub fn query_status(path: &Path) -> Result<(Status, String)> {
     Ok((s, raw))
 }
 
+/// Asks the daemon to clear the failure of namespace `nsid` of `subsystem` (`rpma-target
+/// clear-failure`). Returns what the daemon logged: what may have been lost.
+///
+/// # Errors
+/// [`ControlError::Connect`], [`ControlError::Refused`] (not failed, not configured, the
+/// state file could not be updated), [`ControlError::BadAnswer`].
+pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> {
+    let raw = request(path, &format!("clear-failure {subsystem} {nsid}"))?;
+    let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
+    if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
+        return Err(ControlError::Refused(e.to_owned()));
+    }
+    Ok(v["message"].as_str().unwrap_or_default().to_owned())
+}
+
 /// The status as a human-readable table.
 pub fn render(s: &Status) -> String {
     use std::fmt::Write as _;
@@ -458,10 +482,15 @@ pub fn render(s: &Status) -> String {
                 ns.counters.flush_errors
             );
             if let Some(f) = &ns.failed {
+                let since = ns
+                    .failed_since
+                    .as_ref()
+                    .map_or_else(String::new, |t| format!(" since {t}"));
                 let _ = writeln!(
                     o,
-                    "  {:<36} {:>5} FAILED: {f}; no durability until reopened (reload or restart)",
-                    "", ns.nsid
+                    "  {:<36} {:>5} FAILED{since}: {f}; no durability until an operator runs \
+                     `rpma-target clear-failure {} {}`",
+                    "", ns.nsid, sub.nqn, ns.nsid
                 );
             }
         }
@@ -643,6 +672,7 @@ mod tests {
                         ..DataCounters::default()
                     },
                     failed: Some("fdatasync failed: Input/output error (os error 5)".into()),
+                    failed_since: Some("2026-12-01 15:00:00 UTC".into()),
                 }],
             }],
             sessions: vec![SessionStatus {
@@ -711,6 +741,7 @@ mod tests {
                 addr: Some("127.0.0.1:9420".into()),
                 bound: true,
                 note: None,
+                serving: 0,
             }),
         }
     }
@@ -793,7 +824,11 @@ mod tests {
             "{t}"
         );
         assert!(
-            t.contains("FAILED: fdatasync failed: Input/output error (os error 5)"),
+            t.contains(
+                "FAILED since 2026-12-01 15:00:00 UTC: fdatasync failed: Input/output error (os \
+                 error 5); no durability until an operator runs `rpma-target clear-failure \
+                 nqn.2026-11.io.rpma:demo 1`"
+            ),
             "{t}"
         );
         assert!(

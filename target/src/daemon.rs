@@ -27,6 +27,7 @@ use crate::control::{
     self, ControlError, ControlServer, HostStatus, ListenerStatus, MetricsListenerStatus,
     NamespaceStatus, SessionStatus, Status, SubsystemStatus, TransportMethods,
 };
+use crate::failures::FailureLedger;
 use crate::metrics::listener::{ListenerError, MetricsServer, PageFn};
 use crate::metrics::DataCounters;
 use crate::namespace::{durability_methods, NamespaceError, NamespaceTable};
@@ -49,6 +50,9 @@ pub enum DaemonError {
     /// A namespace could not be opened.
     #[error(transparent)]
     Namespace(#[from] NamespaceError),
+    /// The state file (failed namespaces) could not be opened or read.
+    #[error(transparent)]
+    Ledger(#[from] crate::failures::LedgerError),
     /// The control socket could not be started.
     #[error(transparent)]
     Control(#[from] ControlError),
@@ -246,6 +250,7 @@ fn status(shared: &Shared) -> Status {
                         counters: ns.counters.snapshot(),
                         data: data_of(s.nqn.as_str(), ns.config.nsid),
                         failed: ns.failure().map(|f| f.to_string()),
+                        failed_since: ns.remembered().map(|r| r.since()),
                     })
                     .collect(),
             })
@@ -253,7 +258,10 @@ fn status(shared: &Shared) -> Status {
         sessions: st.serve.sessions(),
         admission: st.serve.admission(),
         metrics,
-        metrics_listener: st.metrics_status.clone(),
+        metrics_listener: st.metrics_status.clone().map(|mut m| {
+            m.serving = st.metrics.as_ref().map_or(0, MetricsServer::serving);
+            m
+        }),
     }
 }
 
@@ -315,6 +323,7 @@ fn apply_metrics_listen(
                 addr: Some(server.local_addr().to_string()),
                 bound: true,
                 note: None,
+                serving: 0,
             });
             *current = Some(server);
             Ok(())
@@ -328,12 +337,14 @@ fn apply_metrics_listen(
                     addr: Some(old.local_addr().to_string()),
                     bound: true,
                     note: Some(format!("{why}; still serving on {}", old.local_addr())),
+                    serving: 0,
                 },
                 None => MetricsListenerStatus {
                     configured: addr.to_string(),
                     addr: None,
                     bound: false,
                     note: Some(why),
+                    serving: 0,
                 },
             });
             Err(e)
@@ -373,7 +384,15 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     let config_path =
         &std::fs::canonicalize(config_path).unwrap_or_else(|_| config_path.to_owned());
     let config = Config::load(config_path)?;
-    let namespaces = NamespaceTable::open_all(&config)?;
+    let ledger = Arc::new(FailureLedger::open(&config.state_file)?);
+    let remembered = ledger.all();
+    log::info!(
+        "state file {}: {} failed namespace(s) remembered",
+        config.state_file.display(),
+        remembered.len()
+    );
+    warn_if_state_shares_a_filesystem(&config);
+    let namespaces = NamespaceTable::open_all_remembering(&config, Some(ledger))?;
     log::info!("{} namespace(s) mapped", namespaces.len());
     let socket = config.control_socket.clone();
     let shared = Arc::new(Shared {
@@ -391,10 +410,16 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }),
     });
     let weak = Arc::downgrade(&shared);
-    let handler: control::Handler = Arc::new(move |req| match (req, weak.upgrade()) {
-        ("status", Some(sh)) => serde_json::to_string(&status(&sh)).map_err(|e| e.to_string()),
-        ("status", None) => Err("the daemon is stopping".into()),
-        (other, _) => Err(format!("unknown request {other:?} (try \"status\")")),
+    let handler: control::Handler = Arc::new(move |req| {
+        let verb = req.split_whitespace().next().unwrap_or("");
+        match (verb, weak.upgrade()) {
+            ("status", Some(sh)) => serde_json::to_string(&status(&sh)).map_err(|e| e.to_string()),
+            ("clear-failure", Some(sh)) => clear_failure(&sh, req),
+            ("status" | "clear-failure", None) => Err("the daemon is stopping".into()),
+            (other, _) => Err(format!(
+                "unknown request {other:?} (try \"status\" or \"clear-failure SUBSYSTEM NSID\")"
+            )),
+        }
     });
     let control = ControlServer::bind(&socket, handler)?;
     log::info!("control socket {}", control.path().display());
@@ -485,6 +510,74 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     }
 }
 
+/// Warns when the state file lies on the filesystem of a page-cache namespace: a full
+/// filesystem there (the usual cause of a failed write-back) could keep the failure from being
+/// remembered. The file's blocks are allocated up front, which covers a full filesystem but
+/// not a failing device.
+fn warn_if_state_shares_a_filesystem(cfg: &Config) {
+    use std::os::unix::fs::MetadataExt;
+    let Some(dev) = std::fs::metadata(&cfg.state_file).ok().map(|m| m.dev()) else {
+        return;
+    };
+    for s in &cfg.subsystems {
+        for ns in &s.namespaces {
+            let same = std::fs::metadata(&ns.path).is_ok_and(|m| m.is_file() && m.dev() == dev);
+            if same && !ns.force_dax {
+                log::warn!(
+                    "state file {} is on the same filesystem as subsystem {} namespace {} ({}): \
+                     put it on another one (`state_file`) so that a failing device there cannot \
+                     keep a failure from being remembered",
+                    cfg.state_file.display(),
+                    s.nqn,
+                    ns.nsid,
+                    ns.path.display()
+                );
+                return;
+            }
+        }
+    }
+}
+
+/// `clear-failure SUBSYSTEM NSID` from the control socket: the operator's explicit act that
+/// makes a failed namespace durable again. Logged with what may have been lost, which is also
+/// the answer.
+fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, String> {
+    let mut words = req.split_whitespace().skip(1);
+    let (Some(sub), Some(nsid), None) = (words.next(), words.next(), words.next()) else {
+        return Err("usage: clear-failure SUBSYSTEM NSID".into());
+    };
+    let sub = rpma_common::proto::nqn::Nqn::new(sub.to_owned())
+        .map_err(|e| rpma_common::error_chain(&e))?;
+    let nsid: u32 = nsid
+        .parse()
+        .map_err(|_| format!("{nsid:?} is not a namespace id"))?;
+    let key = (sub, nsid);
+    let mut st = shared.lock();
+    let State {
+        config,
+        namespaces,
+        serve,
+        ..
+    } = &mut *st;
+    let cleared = namespaces
+        .clear_failure(&key, config)
+        .map_err(|e| rpma_common::error_chain(&e))?;
+    let said = cleared.what_may_be_lost(&key);
+    log::warn!("clear-failure (operator, through the control socket): {said}");
+    let diff = ConfigDiff {
+        namespaces_cleared: vec![key.clone()],
+        ..ConfigDiff::default()
+    };
+    serve.reloaded(&diff, config, namespaces);
+    Ok(serde_json::json!({
+        "cleared": { "subsystem": key.0.to_string(), "nsid": key.1,
+                     "path": cleared.path, "failure": cleared.failure.to_string(),
+                     "since": cleared.remembered.as_ref().map(|r| r.since()) },
+        "message": said,
+    })
+    .to_string())
+}
+
 fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
     let _ = notifier.reloading();
     let outcome = Config::load(&shared.config_path)
@@ -495,8 +588,9 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
             for ((sub, nsid), f) in st.namespaces.reopen_failed(&mut d) {
                 log::warn!(
                     "reload: reopening subsystem {sub} namespace {nsid}, failed by {f}: its \
-                     failure is cleared and its sessions are closed; writes not acknowledged as \
-                     durable before it failed may be lost"
+                     sessions are closed and its page cache is dropped, so that hosts read what \
+                     the media holds; it stays FAILED (no durability) until an operator runs \
+                     `rpma-target clear-failure {sub} {nsid}`"
                 );
             }
             st.namespaces

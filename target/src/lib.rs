@@ -24,6 +24,7 @@
 //! - [`namespace`]: namespaces mapped through the pmem layer; durability methods per domain.
 //! - [`subsystem`], [`handshake`]: admission, discovery and the connection handshake (pure /
 //!   sans-I/O, for the sessions on the fabric).
+//! - [`failures`]: the state file that remembers failed namespaces across restarts.
 //! - [`flusher`]: the GPSPM flush service (io_uring, never blocks the poll loop).
 //! - [`reload`]: the SIGHUP configuration diff.
 //! - [`control`]: the control socket and `status`.
@@ -37,7 +38,7 @@
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
 //! socket (and, with `metrics_listen`, one accepts scrapes, each served on a short-lived thread
-//! of its own, at most four at once), one thread per listener accepts, and `poll_loops` threads each own their connections
+//! of its own, at most eight at once), one thread per listener accepts, and `poll_loops` threads each own their connections
 //! and a [`flusher::Flusher`]. Cleanup: the control socket is removed
 //! at exit; namespace mappings are dropped with the last session that holds them.
 //!
@@ -49,6 +50,7 @@ pub mod config;
 pub mod control;
 pub mod daemon;
 mod eventfd;
+pub mod failures;
 pub mod flusher;
 pub mod handshake;
 pub mod memlock;

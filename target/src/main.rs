@@ -52,6 +52,25 @@ enum Command {
     },
     /// Show a running daemon's listeners, subsystems, namespaces and sessions.
     Status(StatusArgs),
+    /// Make a FAILED namespace (a write-back of its file failed) durable again, once you have
+    /// fixed the cause: the daemon reopens it, closes its sessions, forgets the failure in its
+    /// state file and logs what may have been lost. Until then reloads and restarts keep it
+    /// failed.
+    ClearFailure(ClearArgs),
+}
+
+#[derive(Debug, Args)]
+struct ClearArgs {
+    /// The failed namespace's subsystem NQN.
+    subsystem: String,
+    /// Its namespace id.
+    nsid: u32,
+    /// The daemon's control socket.
+    #[arg(long, value_name = "PATH", conflicts_with = "config")]
+    socket: Option<PathBuf>,
+    /// Take the control socket from this configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
 }
 
 #[derive(Debug, Args)]
@@ -67,12 +86,23 @@ struct StatusArgs {
     json: bool,
 }
 
-fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let socket = match (args.socket, args.config) {
+fn socket_of(socket: Option<PathBuf>, config: Option<PathBuf>) -> anyhow::Result<PathBuf> {
+    Ok(match (socket, config) {
         (Some(s), _) => s,
         (None, Some(c)) => rpma_target::config::control_socket_of(&c)?,
         (None, None) => PathBuf::from(rpma_target::config::DEFAULT_CONTROL_SOCKET),
-    };
+    })
+}
+
+fn clear_failure(args: ClearArgs) -> anyhow::Result<()> {
+    let socket = socket_of(args.socket, args.config)?;
+    let said = rpma_target::control::clear_failure(&socket, &args.subsystem, args.nsid)?;
+    println!("cleared: {said}");
+    Ok(())
+}
+
+fn status(args: StatusArgs) -> anyhow::Result<()> {
+    let socket = socket_of(args.socket, args.config)?;
     let (st, raw) = rpma_target::control::query_status(&socket)?;
     if args.json {
         println!("{}", raw.trim_end());
@@ -102,6 +132,7 @@ fn main() -> ExitCode {
             };
         }
         (None, Some(Command::Status(args))) => status(args),
+        (None, Some(Command::ClearFailure(args))) => clear_failure(args),
         (
             None,
             Some(Command::Probe {

@@ -3,6 +3,12 @@
 //!
 //! Namespaces are shared as `Arc<OpenNamespace>`: a reload that replaces or removes one drops
 //! the table's reference, and sessions still holding it keep the mapping alive until they close.
+//!
+//! A namespace whose write-back failed stays failed across reloads and restarts: the table
+//! records the failure in the [`FailureLedger`] (the state file) from the mapping's failure
+//! hook, before the failed call returns, and every later opening of that file drops its page
+//! cache (so that hosts read what the media holds) and marks the new mapping failed, until
+//! [`NamespaceTable::clear_failure`] (the operator's `rpma-target clear-failure`).
 
 use std::collections::BTreeMap;
 use std::path::PathBuf;
@@ -16,6 +22,7 @@ use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 
 pub use crate::config::NsKey;
 use crate::config::{self, Transport};
+use crate::failures::{self, Failed, FailureLedger, LedgerError};
 use crate::flusher::{FlushTarget, FlusherError};
 use crate::reload::ConfigDiff;
 
@@ -52,6 +59,33 @@ pub enum NamespaceError {
         /// What the pmem layer reported (the sizes).
         #[source]
         source: pmem::Error,
+    },
+    /// The namespace to clear is not configured.
+    #[error("subsystem {subsystem} has no namespace {nsid}")]
+    NotFound {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+    },
+    /// The namespace to clear has not failed.
+    #[error("subsystem {subsystem} namespace {nsid} has not failed: nothing to clear")]
+    NotFailed {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+    },
+    /// The state file could not be updated.
+    #[error("subsystem {subsystem} namespace {nsid}: the state file was not updated")]
+    Ledger {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// What went wrong.
+        #[source]
+        source: LedgerError,
     },
     /// The flush target could not be prepared.
     #[error("subsystem {subsystem} namespace {nsid}: cannot prepare flushing")]
@@ -175,6 +209,10 @@ pub struct OpenNamespace {
     failure_logged: AtomicBool,
     /// Whether a transport's refusal to register it was logged (once per opening).
     unregistrable_logged: AtomicBool,
+    /// The backing file's canonical path (the state file's key).
+    key: PathBuf,
+    /// Where its failure is remembered (None: only in memory, as in unit tests).
+    ledger: Option<Arc<FailureLedger>>,
 }
 
 impl OpenNamespace {
@@ -183,9 +221,27 @@ impl OpenNamespace {
     /// that a smaller one is grown when the namespace says `grow = true` (the same rule at
     /// start-up and on reload).
     ///
+    /// Failures are not remembered (see [`OpenNamespace::open_remembering`]).
+    ///
     /// # Errors
     /// [`NamespaceError::WouldGrow`], [`NamespaceError::Open`], [`NamespaceError::Flush`].
     pub fn open(subsystem: &Nqn, ns: &config::Namespace) -> Result<Self> {
+        Self::open_remembering(subsystem, ns, None, None)
+    }
+
+    /// [`OpenNamespace::open`], failed from the start if `failed` says so or `ledger`
+    /// remembers a failure of its file: its page cache is then dropped first (what hosts read
+    /// is what the media holds) and no durability request on it succeeds. With a `ledger`, its
+    /// first failure from now on is recorded there before the failing call returns.
+    ///
+    /// # Errors
+    /// As [`OpenNamespace::open`].
+    pub fn open_remembering(
+        subsystem: &Nqn,
+        ns: &config::Namespace,
+        ledger: Option<&Arc<FailureLedger>>,
+        failed: Option<SyncFailure>,
+    ) -> Result<Self> {
         let opts = Self::options(ns);
         let mapping = Arc::new(opts.open().map_err(|source| {
             let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());
@@ -237,15 +293,99 @@ impl OpenNamespace {
                 nsid: ns.nsid,
                 source,
             })?;
-        Ok(OpenNamespace {
+        let key = failures::key_of(&ns.path);
+        let remembered = ledger.and_then(|l| l.get(&key));
+        let failed = remembered.as_ref().map(Failed::sync_failure).or(failed);
+        let opened = OpenNamespace {
             subsystem: subsystem.clone(),
             config: ns.clone(),
             mapping,
             flush_target,
             counters: Counters::default(),
-            failure_logged: AtomicBool::new(false),
+            failure_logged: AtomicBool::new(failed.is_some()),
             unregistrable_logged: AtomicBool::new(false),
-        })
+            key,
+            ledger: ledger.cloned(),
+        };
+        if let Some(f) = failed {
+            opened.reopen_failed(f, remembered);
+        }
+        opened.remember_failures();
+        Ok(opened)
+    }
+
+    /// From now on the mapping's first failure is recorded in the ledger (if there is one)
+    /// before the call that met it returns.
+    fn remember_failures(&self) {
+        let Some(l) = &self.ledger else { return };
+        let (l, sub, nsid, path) = (
+            Arc::clone(l),
+            self.subsystem.to_string(),
+            self.config.nsid,
+            self.key.clone(),
+        );
+        self.mapping.set_failure_hook(Box::new(move |f| {
+            if let Err(e) = l.record(&sub, nsid, &path, f) {
+                log::error!(
+                    "subsystem {sub} namespace {nsid} failed ({f}) and the failure could not be \
+                     remembered: {}; a restart would forget it",
+                    rpma_common::error_chain(&e)
+                );
+            }
+        }));
+    }
+
+    /// The file failed before this opening: drop its page cache (the pages Linux marked
+    /// clean after the failed write-back hold bytes the media does not), mark the mapping
+    /// failed, make sure the ledger has it, and say so once.
+    fn reopen_failed(&self, f: SyncFailure, remembered: Option<Failed>) {
+        let dropped = self.mapping.drop_page_cache();
+        self.mapping.record_failure(f);
+        let entry = match (remembered, &self.ledger) {
+            (Some(e), _) => Some(e),
+            (None, Some(l)) => {
+                match l.record(self.subsystem.as_str(), self.config.nsid, &self.key, &f) {
+                    Ok(e) => Some(e),
+                    Err(e) => {
+                        log::error!(
+                        "subsystem {} namespace {}: the failure could not be remembered: {}; a \
+                         restart would forget it",
+                        self.subsystem,
+                        self.config.nsid,
+                        rpma_common::error_chain(&e)
+                    );
+                        None
+                    }
+                }
+            }
+            (None, None) => None,
+        };
+        let since = entry.map_or_else(String::new, |e| format!(" since {}", e.since()));
+        let cache = match dropped {
+            Ok(()) => "its page cache was dropped, so hosts read what the media holds".to_owned(),
+            Err(e) => format!(
+                "dropping its page cache failed ({}): hosts may read bytes the media does not hold",
+                rpma_common::error_chain(&e)
+            ),
+        };
+        log::error!(
+            "subsystem {} namespace {} ({}) has FAILED{since}: {f} (errno {}); {cache}; every \
+             durability request on it is refused until an operator clears it with `rpma-target \
+             clear-failure {} {}` (writes not acknowledged as durable before it failed may be \
+             lost)",
+            self.subsystem,
+            self.config.nsid,
+            self.config.path.display(),
+            f.errno,
+            self.subsystem,
+            self.config.nsid
+        );
+    }
+
+    /// What the state file remembers about this namespace's failure (None while healthy, or
+    /// without a state file).
+    pub fn remembered(&self) -> Option<Failed> {
+        self.ledger.as_ref()?.get(&self.key)
     }
 
     /// The pmem options a namespace is opened with: created when it has a size, grown only with
@@ -285,7 +425,8 @@ impl OpenNamespace {
 
     /// The first failed write-back of the namespace (from any path: a GPSPM fdatasync, the
     /// placement engine's msync for APM and FLUSH), if it has failed. A failed namespace answers
-    /// no durability request until it is reopened (reload or restart).
+    /// no durability request until an operator clears it ([`NamespaceTable::clear_failure`]);
+    /// a reload or restart reopens it failed.
     pub fn failure(&self) -> Option<SyncFailure> {
         self.mapping.failure()
     }
@@ -299,11 +440,14 @@ impl OpenNamespace {
         if !self.failure_logged.swap(true, Ordering::Relaxed) {
             log::error!(
                 "subsystem {} namespace {} ({}) has FAILED: {f} (errno {}); every durability \
-                 request on it is refused until an operator reopens it (reload or restart)",
+                 request on it is refused, across reloads and restarts, until an operator \
+                 clears it with `rpma-target clear-failure {} {}`",
                 self.subsystem,
                 self.config.nsid,
                 self.config.path.display(),
-                f.errno
+                f.errno,
+                self.subsystem,
+                self.config.nsid
             );
         }
         true
@@ -338,6 +482,39 @@ impl OpenNamespace {
 #[derive(Debug, Default)]
 pub struct NamespaceTable {
     map: BTreeMap<NsKey, Arc<OpenNamespace>>,
+    /// Where failures are remembered (None: in memory only).
+    ledger: Option<Arc<FailureLedger>>,
+}
+
+/// What [`NamespaceTable::clear_failure`] cleared.
+#[derive(Debug, Clone)]
+pub struct Cleared {
+    /// The namespace's backing file.
+    pub path: PathBuf,
+    /// The failure that was cleared.
+    pub failure: SyncFailure,
+    /// What the state file remembered (None if it had not been recorded there).
+    pub remembered: Option<Failed>,
+}
+
+impl Cleared {
+    /// What may have been lost, in words (for the log and the operator).
+    pub fn what_may_be_lost(&self, key: &NsKey) -> String {
+        let since = self
+            .remembered
+            .as_ref()
+            .map_or_else(String::new, |r| format!(" at {}", r.since()));
+        format!(
+            "subsystem {} namespace {} ({}) failed{since} ({}): any write to it that was not \
+             acknowledged as durable before then may be lost (the media holds whatever the \
+             failed write-back left), and no write since was acknowledged as durable; hosts \
+             now read what the media holds, and durability requests succeed again",
+            key.0,
+            key.1,
+            self.path.display(),
+            self.failure
+        )
+    }
 }
 
 /// What [`NamespaceTable::apply`] did.
@@ -355,16 +532,31 @@ impl NamespaceTable {
     /// # Errors
     /// The first namespace that fails, as [`OpenNamespace::open`].
     pub fn open_all(cfg: &config::Config) -> Result<Self> {
+        Self::open_all_remembering(cfg, None)
+    }
+
+    /// [`NamespaceTable::open_all`], remembering failures in `ledger`: a namespace it
+    /// remembers as failed opens failed ([`OpenNamespace::open_remembering`]).
+    ///
+    /// # Errors
+    /// As [`NamespaceTable::open_all`].
+    pub fn open_all_remembering(
+        cfg: &config::Config,
+        ledger: Option<Arc<FailureLedger>>,
+    ) -> Result<Self> {
         let mut map = BTreeMap::new();
         for s in &cfg.subsystems {
             for ns in &s.namespaces {
-                map.insert(
-                    (s.nqn.clone(), ns.nsid),
-                    Arc::new(OpenNamespace::open(&s.nqn, ns)?),
-                );
+                let opened = OpenNamespace::open_remembering(&s.nqn, ns, ledger.as_ref(), None)?;
+                map.insert((s.nqn.clone(), ns.nsid), Arc::new(opened));
             }
         }
-        Ok(NamespaceTable { map })
+        Ok(NamespaceTable { map, ledger })
+    }
+
+    /// The state file's ledger, if failures are remembered.
+    pub fn ledger(&self) -> Option<&Arc<FailureLedger>> {
+        self.ledger.as_ref()
     }
 
     /// One namespace.
@@ -400,8 +592,9 @@ impl NamespaceTable {
 
     /// Adds every failed namespace that the new configuration keeps unchanged to `diff`'s
     /// [`namespaces_changed`](ConfigDiff::namespaces_changed), so that the reload reopens it
-    /// (which clears the failure: the operator's explicit act) and closes its sessions. Returns
-    /// them with their failures, for the log.
+    /// (dropping its page cache: hosts then read what the media holds) and closes its sessions.
+    /// It stays failed ([`NamespaceTable::apply`]). Returns them with their failures, for the
+    /// log.
     pub fn reopen_failed(&self, diff: &mut ConfigDiff) -> Vec<(NsKey, SyncFailure)> {
         let mut reopened = Vec::new();
         for (key, ns) in self.iter() {
@@ -419,7 +612,9 @@ impl NamespaceTable {
     /// [`OpenNamespace::open`] does at start-up (a file is grown only with `grow = true`; if
     /// any open fails the table is left exactly as it was), then swaps them in and drops the
     /// removed ones. Namespaces the diff does not name are
-    /// not touched: their `Arc` stays the same.
+    /// not touched: their `Arc` stays the same. A failed namespace reopened on the same file
+    /// stays failed (the old mapping's pages are taken out of its page tables first, so that
+    /// the page cache can be dropped).
     ///
     /// # Errors
     /// As [`OpenNamespace::open`].
@@ -432,7 +627,23 @@ impl NamespaceTable {
                 .find(|s| s.nqn == key.0)
                 .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
             if let Some(ns) = ns {
-                opened.push((key.clone(), Arc::new(OpenNamespace::open(&key.0, ns)?)));
+                let old = self.map.get(key);
+                let carried = old
+                    .filter(|o| o.key == failures::key_of(&ns.path))
+                    .and_then(|o| o.failure());
+                if let (Some(o), Some(_)) = (old, carried) {
+                    if let Err(e) = o.mapping.drop_page_cache() {
+                        log::warn!(
+                            "subsystem {} namespace {}: {}",
+                            key.0,
+                            key.1,
+                            rpma_common::error_chain(&e)
+                        );
+                    }
+                }
+                let opened_ns =
+                    OpenNamespace::open_remembering(&key.0, ns, self.ledger.as_ref(), carried)?;
+                opened.push((key.clone(), Arc::new(opened_ns)));
             }
         }
         let mut report = ApplyReport::default();
@@ -451,201 +662,73 @@ impl NamespaceTable {
         }
         Ok(report)
     }
+
+    /// Clears the failure of namespace `key` (the operator's explicit act): reopens its file
+    /// healthy, with its page cache dropped (hosts read what the media holds), forgets the
+    /// failure in the state file, and swaps the new opening in. The caller closes the sessions
+    /// that hold the old one (they reconnect and see a healthy descriptor). If anything fails
+    /// the table and the state file are left as they were.
+    ///
+    /// # Errors
+    /// [`NamespaceError::NotFound`], [`NamespaceError::NotFailed`], those of
+    /// [`OpenNamespace::open`], [`NamespaceError::Ledger`].
+    pub fn clear_failure(&mut self, key: &NsKey, cfg: &config::Config) -> Result<Cleared> {
+        let not_found = || NamespaceError::NotFound {
+            subsystem: key.0.clone(),
+            nsid: key.1,
+        };
+        let old = self.map.get(key).ok_or_else(not_found)?;
+        let failure = old.failure().ok_or_else(|| NamespaceError::NotFailed {
+            subsystem: key.0.clone(),
+            nsid: key.1,
+        })?;
+        let ns = cfg
+            .subsystems
+            .iter()
+            .find(|s| s.nqn == key.0)
+            .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1))
+            .ok_or_else(not_found)?;
+        let remembered = old.remembered();
+        if let Err(e) = old.mapping.drop_page_cache() {
+            log::warn!(
+                "subsystem {} namespace {}: {}",
+                key.0,
+                key.1,
+                rpma_common::error_chain(&e)
+            );
+        }
+        // Opened without the ledger first: it still remembers the failure, and must until the
+        // new opening exists.
+        let fresh = OpenNamespace::open_remembering(&key.0, ns, None, None)?;
+        if let Err(e) = fresh.mapping.drop_page_cache() {
+            log::warn!(
+                "subsystem {} namespace {}: {}",
+                key.0,
+                key.1,
+                rpma_common::error_chain(&e)
+            );
+        }
+        if let Some(l) = &self.ledger {
+            l.clear(&old.key).map_err(|source| NamespaceError::Ledger {
+                subsystem: key.0.clone(),
+                nsid: key.1,
+                source,
+            })?;
+        }
+        let fresh = OpenNamespace {
+            ledger: self.ledger.clone(),
+            ..fresh
+        };
+        fresh.remember_failures();
+        let path = old.config.path.clone();
+        self.map.insert(key.clone(), Arc::new(fresh));
+        Ok(Cleared {
+            path,
+            failure,
+            remembered,
+        })
+    }
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn methods_per_domain_and_transport() {
-        let all = DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH;
-        for d in [Domain::Dax, Domain::DaxForced, Domain::PageCache] {
-            assert_eq!(durability_methods(d, Transport::Tcp, false), all);
-        }
-        assert_eq!(
-            durability_methods(Domain::Volatile, Transport::Tcp, true),
-            DurabilityMethods::NONE
-        );
-        assert_eq!(
-            durability_methods(Domain::Volatile, Transport::Rdma, true),
-            DurabilityMethods::NONE
-        );
-        assert_eq!(
-            durability_methods(Domain::Dax, Transport::Rdma, false),
-            DurabilityMethods::GPSPM
-        );
-        assert_eq!(
-            durability_methods(Domain::Dax, Transport::Rdma, true),
-            DurabilityMethods::APM | DurabilityMethods::GPSPM
-        );
-        assert_eq!(
-            durability_methods(Domain::PageCache, Transport::Rdma, true),
-            DurabilityMethods::GPSPM
-        );
-    }
-
-    #[test]
-    fn wire_domains() {
-        assert_eq!(wire_domain(Domain::DaxForced), PersistenceDomain::DaxForced);
-        assert_eq!(wire_domain(Domain::Volatile), PersistenceDomain::Volatile);
-        assert_eq!(
-            wire_domain(Domain::PageCache).to_string(),
-            Domain::PageCache.to_string()
-        );
-    }
-
-    /// Minor faults of this thread while writing a byte into every page of `ns`.
-    fn first_touch_faults(ns: &OpenNamespace) -> i64 {
-        let faults = || {
-            // SAFETY: getrusage fills one plain struct that outlives the call.
-            unsafe {
-                let mut ru: libc::rusage = std::mem::zeroed();
-                assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
-                ru.ru_minflt
-            }
-        };
-        let before = faults();
-        for off in (0..ns.mapping.len()).step_by(4096) {
-            ns.mapping.write_at(off, &[1]).unwrap();
-        }
-        faults() - before
-    }
-
-    #[test]
-    fn a_dax_namespace_is_mapped_in_ahead_unless_the_config_says_not_to() {
-        let d = tempfile::tempdir_in("/dev/shm").unwrap();
-        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
-        let ns = |name: &str, prefault: bool| config::Namespace {
-            nsid: 1,
-            path: d.path().join(name),
-            size: Some(2 << 20),
-            block_size: 4096,
-            read_only: false,
-            force_dax: true,
-            grow: false,
-            prefault,
-            power_loss_simulation: None,
-        };
-        let ahead = OpenNamespace::open(&nqn, &ns("ahead", true)).unwrap();
-        let lazy = OpenNamespace::open(&nqn, &ns("lazy", false)).unwrap();
-        let pages = (2 << 20) / 4096;
-        assert!(first_touch_faults(&lazy) >= pages / 2, "the control");
-        assert!(first_touch_faults(&ahead) < pages / 16);
-    }
-
-    #[test]
-    fn open_errors_name_the_namespace() {
-        let d = tempfile::tempdir().unwrap();
-        let ns = config::Namespace {
-            nsid: 3,
-            path: d.path().join("missing"),
-            size: None,
-            block_size: 4096,
-            read_only: false,
-            force_dax: false,
-            grow: false,
-            prefault: true,
-            power_loss_simulation: None,
-        };
-        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
-        let e = OpenNamespace::open(&nqn, &ns).unwrap_err();
-        assert!(matches!(e, NamespaceError::Open { nsid: 3, .. }));
-        assert!(e.to_string().contains("namespace 3"), "{e}");
-    }
-
-    fn cfg(dir: &std::path::Path, extra: &str) -> config::Config {
-        let text = format!(
-            "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:t\"\nallow_any_host = true\n\
-             [[subsystem.namespace]]\nnsid = 1\npath = \"n1\"\nsize = \"64KiB\"\n\
-             [[subsystem.namespace]]\nnsid = 2\npath = \"n2\"\nsize = \"64KiB\"\n{extra}"
-        );
-        config::Config::from_toml(&text, dir).unwrap()
-    }
-
-    #[test]
-    fn apply_touches_only_what_the_diff_names() {
-        let d = tempfile::tempdir().unwrap();
-        let old = cfg(d.path(), "");
-        let mut table = NamespaceTable::open_all(&old).unwrap();
-        assert_eq!(table.len(), 2);
-        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
-        let ns1 = table.get(&nqn, 1).unwrap().clone();
-        let ns2 = table.get(&nqn, 2).unwrap().clone();
-
-        let mut new = cfg(
-            d.path(),
-            "[[subsystem.namespace]]\nnsid = 3\npath = \"n3\"\nsize = \"64KiB\"\n",
-        );
-        new.subsystems[0].namespaces[1].size = Some(128 << 10);
-        new.subsystems[0].namespaces[1].grow = true;
-        let diff = crate::reload::diff(&old, &new);
-        let report = table.apply(&diff, &new).unwrap();
-        assert_eq!(report.opened, [(nqn.clone(), 3), (nqn.clone(), 2)]);
-        assert_eq!(report.closed, [(nqn.clone(), 2)]);
-        assert!(
-            Arc::ptr_eq(table.get(&nqn, 1).unwrap(), &ns1),
-            "untouched namespace reopened"
-        );
-        assert!(!Arc::ptr_eq(table.get(&nqn, 2).unwrap(), &ns2));
-        assert_eq!(table.get(&nqn, 2).unwrap().size(), 128 << 10, "grown");
-        assert_eq!(table.get(&nqn, 3).unwrap().size(), 64 << 10);
-        assert_eq!(table.of_subsystem(&nqn).count(), 3);
-    }
-
-    #[test]
-    fn growing_needs_grow_at_start_and_on_reload_alike() {
-        let d = tempfile::tempdir().unwrap();
-        let old = cfg(d.path(), "");
-        let mut table = NamespaceTable::open_all(&old).unwrap();
-        let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
-        let mut bigger = old.clone();
-        bigger.subsystems[0].namespaces[0].size = Some(128 << 10);
-
-        // Without `grow`: the reload is refused, and so is a start with that configuration.
-        let diff = crate::reload::diff(&old, &bigger);
-        let e = table.apply(&diff, &bigger).unwrap_err();
-        assert!(
-            matches!(&e, NamespaceError::WouldGrow { nsid: 1, .. }),
-            "{e:?}"
-        );
-        assert!(e.to_string().contains("grow = true"), "{e}");
-        assert_eq!(table.get(&nqn, 1).unwrap().size(), 64 << 10, "unchanged");
-        drop(table);
-        assert!(NamespaceTable::open_all(&bigger).is_err());
-
-        // With it: a start grows the file, and so does a reload.
-        bigger.subsystems[0].namespaces[0].grow = true;
-        let table = NamespaceTable::open_all(&bigger).unwrap();
-        assert_eq!(table.get(&nqn, 1).unwrap().size(), 128 << 10);
-        drop(table);
-        let mut table = NamespaceTable::open_all(&bigger).unwrap();
-        let mut biggest = bigger.clone();
-        biggest.subsystems[0].namespaces[0].size = Some(256 << 10);
-        let diff = crate::reload::diff(&bigger, &biggest);
-        table.apply(&diff, &biggest).unwrap();
-        assert_eq!(table.get(&nqn, 1).unwrap().size(), 256 << 10);
-        // Never shrunk.
-        let diff = crate::reload::diff(&biggest, &bigger);
-        assert!(table.apply(&diff, &bigger).is_err());
-    }
-
-    #[test]
-    fn failed_apply_leaves_the_table_as_it_was() {
-        let d = tempfile::tempdir().unwrap();
-        let old = cfg(d.path(), "");
-        let mut table = NamespaceTable::open_all(&old).unwrap();
-        // nsid 3 on a path that cannot be created (a directory).
-        std::fs::create_dir(d.path().join("dir")).unwrap();
-        let new = cfg(
-            d.path(),
-            "[[subsystem.namespace]]\nnsid = 3\npath = \"dir\"\nsize = \"64KiB\"\n",
-        );
-        let mut new2 = new.clone();
-        new2.subsystems[0].namespaces.remove(0);
-        let diff = crate::reload::diff(&old, &new2);
-        assert!(!diff.namespaces_removed.is_empty());
-        assert!(table.apply(&diff, &new2).is_err());
-        assert_eq!(table.len(), 2, "nothing removed when an open failed");
-    }
-}
+mod tests;

@@ -24,6 +24,9 @@ pub struct ConfigDiff {
     /// and failed namespaces the reload reopens
     /// ([`NamespaceTable::reopen_failed`](crate::namespace::NamespaceTable::reopen_failed)).
     pub namespaces_changed: Vec<NsKey>,
+    /// Failed namespaces an operator cleared (`rpma-target clear-failure`, never a reload):
+    /// reopened healthy, their sessions closed so that the hosts see the new descriptor.
+    pub namespaces_cleared: Vec<NsKey>,
     /// Allowed hosts added: (subsystem, host).
     pub hosts_added: Vec<(Nqn, Nqn)>,
     /// Allowed hosts removed: (subsystem, host).
@@ -64,6 +67,7 @@ impl ConfigDiff {
             ("namespaces added", self.namespaces_added.len()),
             ("namespaces removed", self.namespaces_removed.len()),
             ("namespaces changed", self.namespaces_changed.len()),
+            ("namespace failures cleared", self.namespaces_cleared.len()),
             ("hosts added", self.hosts_added.len()),
             ("hosts removed", self.hosts_removed.len()),
             ("hosts changed", self.hosts_changed.len()),
@@ -166,6 +170,7 @@ pub fn diff(old: &Config, new: &Config) -> ConfigDiff {
     let restart = [
         ("listen", old.listeners != new.listeners),
         ("control_socket", old.control_socket != new.control_socket),
+        ("state_file", old.state_file != new.state_file),
         ("poll_loops", old.poll_loops != new.poll_loops),
     ];
     d.needs_restart = restart

@@ -208,20 +208,28 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
         .map(|x| x["keep_alive_ms"].as_u64().unwrap())
         .max();
     assert_eq!(longest, Some(60_000), "{}", st["sessions"]);
-    // Past its cap, an address gets no further discovery session (127.0.0.24's are among the
-    // newest: still held)...
+    // Past its cap, an address's newcomer takes the place of that address's own oldest, not
+    // another's: a 5th discovery session of 127.0.0.24 (whose four are among the newest)...
     let mut over = Raw::open(t.port(), source(24));
     over.discovery_connect();
+    over.answered();
     assert!(
-        over.closed_within(WAIT),
-        "a 5th discovery session of 127.0.0.24"
+        disc[16].closed_within(WAIT),
+        "127.0.0.24's oldest discovery session"
     );
-    // ...and no further half-open connection: refused at MPA.
+    assert!(!disc[17].closed_within(Duration::from_millis(100)));
+    assert!(
+        !disc[12].closed_within(Duration::from_millis(100)),
+        "127.0.0.23's"
+    );
+    // ...and a 9th half-open connection of 127.0.0.10, accepted at MPA.
     let (_s, answer) = raw_mpa(t.port(), source(10));
     assert!(
-        matches!(answer, Answer::Rejected { .. }),
+        matches!(answer, Answer::Accepted(_)),
         "a 9th half-open connection of 127.0.0.10: {answer:?}"
     );
+    assert!(half[64].closed_within(WAIT), "127.0.0.10's oldest");
+    assert!(!half[65].closed_within(Duration::from_millis(100)));
     // The session was not disturbed.
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }

@@ -167,6 +167,24 @@ fn host_series(name: &str, nsid: u32, extra: &str) -> String {
     format!("{name}{{subsystem=\"{SUB}\",nsid=\"{nsid}\",host=\"{HOST}\"{extra}}}")
 }
 
+/// Waits until the metrics listener serves no connection (a request after it finds every
+/// place free).
+fn served_by_none(t: &Target) {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let v = t.status();
+        if v["metrics_listener"]["serving"] == 0 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "still serving: {}",
+            v["metrics_listener"]
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
 fn assert_promtool(text: &str) {
     match promtool_check(text) {
         Some((ok, said)) => assert!(ok, "promtool check metrics: {said}\n---\n{text}"),
@@ -397,20 +415,26 @@ fn hostile_scrapers_are_refused_and_the_daemon_keeps_serving() {
             "{req:?}: {r}"
         );
     }
-    // Requests larger than the cap, many times: refused, and the daemon does not grow.
+    // Requests larger than the cap, many times: refused, and the daemon does not grow. Each
+    // waits until the previous one's connection is no longer served: the server may still be
+    // closing it when the client has read its answer (issue 22, item 10: on a loaded machine
+    // the requests back to back met a 503 there).
     let before = rss();
     let mut huge = b"GET /metrics HTTP/1.1\r\nX-Filler: ".to_vec();
     huge.resize(64 << 10, b'a');
     for _ in 0..100 {
+        served_by_none(&t);
         let r = http(&addr, &huge);
         assert!(r.starts_with("HTTP/1.1 431 "), "{}", &r[..r.len().min(200)]);
     }
     let grown = rss().saturating_sub(before);
     assert!(grown < 16 << 20, "RSS grew by {grown} bytes");
 
-    // Slow scrapers (a byte every 400 ms, for 4 s) hold every slot: one more is turned away
-    // at once, the data path is untouched, and each slow one is cut off at the request
-    // deadline (5 s from its connect), however it trickles.
+    // Slow scrapers (a byte every 400 ms, for 4 s) hold every place of this address: a scrape
+    // from it takes the place of the oldest, which is closed without an answer; the data path
+    // is untouched; each other slow one is cut off at the request deadline (5 s from its
+    // connect), however it trickles.
+    served_by_none(&t);
     let slow: Vec<_> = (0..4)
         .map(|_| {
             let addr = addr.clone();
@@ -431,16 +455,28 @@ fn hostile_scrapers_are_refused_and_the_daemon_keeps_serving() {
             })
         })
         .collect();
-    std::thread::sleep(Duration::from_millis(500));
-    let busy = http(&addr, b"GET /metrics HTTP/1.1\r\n\r\n");
-    assert!(busy.starts_with("HTTP/1.1 503 "), "{busy}");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while t.status()["metrics_listener"]["serving"] != 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the slow scrapers are not served"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let m = scrape(&addr);
+    assert!(m.contains("rpma_target_build_info"), "{m}");
     let mut q = queue(&t);
     workload(&mut q, 1, 0, Duration::ZERO);
     assert_eq!(namespace_counts(&t.status(), PC), expected(PC, 1, 1));
-    for h in slow {
-        let (out, took) = h.join().unwrap();
+    let outcomes: Vec<(String, Duration)> = slow.into_iter().map(|h| h.join().unwrap()).collect();
+    assert_eq!(
+        outcomes.iter().filter(|(o, _)| o.is_empty()).count(),
+        1,
+        "one was closed for the scrape: {outcomes:?}"
+    );
+    for (out, took) in outcomes.iter().filter(|(o, _)| !o.is_empty()) {
         assert!(out.starts_with("HTTP/1.1 408 "), "{out}");
-        assert!(took < Duration::from_secs(8), "cut off late: {took:?}");
+        assert!(*took < Duration::from_secs(8), "cut off late: {took:?}");
     }
     // The slots are free again.
     let m = scrape(&addr);

@@ -15,6 +15,9 @@ use super::flush::{sfence, writeback_range};
 use super::sim::{Sim, SimStats, Simulation};
 use super::Persist;
 
+/// What [`Mapping::set_failure_hook`] takes.
+pub type FailureHook = Box<dyn Fn(&SyncFailure) + Send + Sync>;
+
 /// How persist/flush/drain make a range durable, decided once at open.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Method {
@@ -52,6 +55,9 @@ pub struct Mapping {
     pending: Mutex<Option<(usize, usize)>>,
     /// The first failed write-back: set once, cleared only by reopening (a new Mapping).
     failure: OnceLock<SyncFailure>,
+    /// Called once, with the first failure, before the call that recorded it returns
+    /// ([`Mapping::set_failure_hook`]).
+    on_failure: OnceLock<FailureHook>,
     /// The power-loss simulation, when on: the working copy the process sees.
     sim: Option<Arc<Sim>>,
 }
@@ -130,6 +136,7 @@ impl Mapping {
             path: Some(path),
             pending: Mutex::new(None),
             failure: OnceLock::new(),
+            on_failure: OnceLock::new(),
             sim,
         }
     }
@@ -174,6 +181,7 @@ impl Mapping {
             path: None,
             pending: Mutex::new(None),
             failure: OnceLock::new(),
+            on_failure: OnceLock::new(),
             sim: None,
         })
     }
@@ -274,6 +282,66 @@ impl Mapping {
     /// fdatasync it through io_uring. It stays open as long as the mapping.
     pub fn backing_fd(&self) -> Option<BorrowedFd<'_>> {
         self.file.as_ref().map(|f| f.as_fd())
+    }
+
+    /// Sets what is called with the mapping's first write-back failure, in the thread that
+    /// recorded it and before that call returns (so before any caller can report the failure
+    /// onwards): the target remembers failures across restarts there. Only the first hook set
+    /// is kept (returns false for any later one); a failure recorded before the hook was set
+    /// is not replayed to it.
+    pub fn set_failure_hook(&self, hook: FailureHook) -> bool {
+        self.on_failure.set(hook).is_ok()
+    }
+
+    /// Makes the backing file's page cache show what its media holds: writes back what is
+    /// dirty (`fdatasync`), takes this mapping's own pages out of its page tables
+    /// (`madvise(MADV_DONTNEED)`, which for a shared file mapping discards nothing but the
+    /// mapping of the pages), then drops every clean page of the file from the page cache
+    /// (`posix_fadvise(POSIX_FADV_DONTNEED)` of the whole file). The next access reads the
+    /// media. Why: after a failed write-back Linux marks the pages it could not write clean,
+    /// and they would otherwise be served, and synced "successfully", as if they were on the
+    /// media (docs/persistence.md, "A failed write-back is not forgotten").
+    ///
+    /// The kernel keeps pages that another mapping (in any process) still maps or that are
+    /// dirty again; a store into the mapping racing this call may fault a page back in. A
+    /// no-op for anonymous memory and devdax; the power-loss simulation's working copy is
+    /// not the page cache and is left alone.
+    ///
+    /// Errors: [`Error::Sync`] when fdatasync fails (the clean pages are dropped anyway, and
+    /// the failure is recorded as for any sync), [`Error::Io`] when madvise or fadvise do.
+    pub fn drop_page_cache(&self) -> Result<()> {
+        let Some(file) = &self.file else {
+            return Ok(());
+        };
+        if !file.metadata().map(|m| m.is_file()).unwrap_or(false) {
+            return Ok(());
+        }
+        let io_err = |op, source| Error::Io {
+            path: self.path.clone().unwrap_or_default(),
+            op,
+            source,
+        };
+        let synced = file.sync_data().map_err(|e| {
+            self.record_failure(SyncFailure::new("fdatasync", &e));
+            self.sync_error("fdatasync", 0, self.len, e)
+        });
+        // SAFETY: ptr/len are exactly this Mapping's shared file mapping (never the anonymous
+        // memory of `Mapping::anonymous`: that has no file). MADV_DONTNEED on a MAP_SHARED file
+        // mapping only drops page table entries: the bytes stay in the file and the page cache,
+        // and the next access faults them back in from there. No reference into the range
+        // exists (the type hands out raw pointers only).
+        if unsafe { libc::madvise(self.ptr.as_ptr().cast(), self.len, libc::MADV_DONTNEED) } != 0 {
+            return Err(io_err("madvise(MADV_DONTNEED)", io::Error::last_os_error()));
+        }
+        // SAFETY: posix_fadvise only reads the descriptor and the integer arguments.
+        let rc = unsafe { libc::posix_fadvise(file.as_raw_fd(), 0, 0, libc::POSIX_FADV_DONTNEED) };
+        if rc != 0 {
+            return Err(io_err(
+                "posix_fadvise(POSIX_FADV_DONTNEED)",
+                io::Error::from_raw_os_error(rc),
+            ));
+        }
+        synced
     }
 
     /// The whole mapping as a view for copies and iovecs.
@@ -485,7 +553,13 @@ impl Persist for Mapping {
     }
 
     fn record_failure(&self, failure: SyncFailure) -> bool {
-        self.failure.set(failure).is_ok()
+        let first = self.failure.set(failure).is_ok();
+        if first {
+            if let Some(hook) = self.on_failure.get() {
+                hook(&failure);
+            }
+        }
+        first
     }
 
     fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
@@ -600,5 +674,70 @@ mod tests {
         let m = open();
         assert_eq!(m.failure(), None, "reopening clears it");
         assert_eq!(m.persist(0, 4096).unwrap(), Durability::Durable);
+    }
+
+    #[test]
+    fn the_failure_hook_sees_the_first_failure_before_the_call_returns() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let m = OpenOptions::new(d.path().join("ns"))
+            .size(1 << 16)
+            .create(true)
+            .open()
+            .unwrap();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let s2 = Arc::clone(&seen);
+        assert!(m.set_failure_hook(Box::new(move |f| s2.lock().unwrap().push(*f))));
+        assert!(!m.set_failure_hook(Box::new(|_| {})), "one hook");
+        let eio = SyncFailure::new("fdatasync", &io::Error::from_raw_os_error(libc::EIO));
+        m.record_failure(eio);
+        assert_eq!(
+            *seen.lock().unwrap(),
+            [eio],
+            "called before record_failure returned"
+        );
+        m.record_failure(SyncFailure::new("msync", &io::Error::from_raw_os_error(5)));
+        assert_eq!(seen.lock().unwrap().len(), 1, "only the first");
+    }
+
+    /// Pages of `m` resident in the page cache (mincore).
+    fn resident(m: &Mapping) -> usize {
+        let pages = m.len().div_ceil(page_size());
+        let mut v = vec![0u8; pages];
+        // SAFETY: ptr/len are the live file mapping; mincore writes one byte per page into v.
+        let rc = unsafe { libc::mincore(m.ptr.as_ptr().cast(), m.len(), v.as_mut_ptr()) };
+        assert_eq!(rc, 0);
+        v.iter().filter(|&&b| b & 1 != 0).count()
+    }
+
+    #[test]
+    fn dropping_the_page_cache_keeps_the_bytes_and_empties_the_cache() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = d.path().join("ns");
+        let m = OpenOptions::new(&path)
+            .size(1 << 20)
+            .create(true)
+            .open()
+            .unwrap();
+        if m.domain() != Domain::PageCache {
+            eprintln!("SKIPPED: {} is not page-cache here", path.display());
+            return;
+        }
+        m.write_at(4096, b"on the media").unwrap();
+        assert!(resident(&m) > 0);
+        m.drop_page_cache().unwrap();
+        assert_eq!(resident(&m), 0, "nothing left cached");
+        let mut back = [0u8; 12];
+        m.read_at(4096, &mut back).unwrap();
+        assert_eq!(
+            &back, b"on the media",
+            "written back first, then read from the file"
+        );
+        // Anonymous memory has no page cache: nothing happens to it.
+        let a = Mapping::anonymous(4096).unwrap();
+        a.write_at(0, b"kept").unwrap();
+        a.drop_page_cache().unwrap();
+        let mut k = [0u8; 4];
+        a.read_at(0, &mut k).unwrap();
+        assert_eq!(&k, b"kept");
     }
 }

@@ -63,7 +63,7 @@ pub use flush::{
     cache_line_size, flush_instruction, sfence, writeback_range, writeback_range_with,
     FlushInstruction,
 };
-pub use map::Mapping;
+pub use map::{FailureHook, Mapping};
 pub use open::{OpenOptions, Resize};
 pub use plan::{Plan, PlanAction};
 pub use sim::{SimStats, Simulation, SIMULATION_LABEL};

@@ -162,7 +162,7 @@ pub enum FlushStatus {
     /// The target is shutting down or overloaded and did not flush: the range is NOT durable.
     Unavailable = 5,
     /// The namespace has failed (an earlier write-back of it failed): nothing on it can be made
-    /// durable until an operator reopens it. Since protocol version 3.
+    /// durable until an operator clears it (`rpma-target clear-failure`). Since protocol version 3.
     NamespaceFailed = 6,
 }
 

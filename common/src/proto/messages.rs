@@ -159,8 +159,8 @@ pub struct NamespaceDescriptor {
     /// Whether remote writes are refused.
     pub read_only: bool,
     /// Set when the namespace has failed: a write-back of it failed (the text names the call
-    /// and its errno), so the target makes nothing on it durable until an operator reopens it
-    /// (reload or restart). Reads and plain writes still work. Since protocol version 3.
+    /// and its errno), so the target makes nothing on it durable until an operator clears it
+    /// (`rpma-target clear-failure`; reloads and restarts keep it). Reads and plain writes still work. Since protocol version 3.
     pub failure: Option<String>,
     /// Set when the target runs the namespace under its power-loss simulation (tests and
     /// debugging only: docs/reliability.md): the label every interface shows beside the

@@ -119,6 +119,17 @@ fn good_config_parses_with_values_and_defaults() {
     let minimal = Config::from_toml("", d.path()).unwrap();
     assert_eq!(minimal.listeners[0].url.port, DEFAULT_PORT);
     assert_eq!(minimal.control_socket, Path::new(DEFAULT_CONTROL_SOCKET));
+    assert_eq!(
+        minimal.state_file,
+        d.path().join(DEFAULT_STATE_FILE),
+        "beside the config"
+    );
+    let set = Config::from_toml("state_file = \"run/st\"", d.path()).unwrap();
+    assert_eq!(set.state_file, d.path().join("run/st"));
+    assert!(Config::from_toml("state_file = \"\"", d.path())
+        .unwrap_err()
+        .to_string()
+        .starts_with("state_file: empty path"));
     assert_eq!(minimal.keep_alive_ms, DEFAULT_KEEP_ALIVE_MS);
     assert!(minimal.crc && minimal.discovery);
     assert_eq!(minimal.max_connections, 64);

@@ -1,12 +1,19 @@
 //! The metrics listener: HTTP/1.x on a TCP address of its own, answering only `GET /metrics`.
 //!
-//! Bounded like every other listener, so that a slow or hostile scraper cannot hold the daemon
-//! or grow its memory:
-//! - at most [`MAX_SCRAPERS`] connections are served at once, each on a thread of its own;
-//!   one more is closed at once (with a 503 if the socket takes it without waiting);
-//! - a request must arrive whole within [`REQUEST_DEADLINE`] (a slowloris is cut off there)
-//!   and its head may be at most [`MAX_REQUEST`] bytes (431 past it); nothing after the head
-//!   is read;
+//! Bounded like every other listener, so that a slow or hostile scraper can neither hold the
+//! daemon, grow its memory, nor keep a real scraper out (issue 22, F3):
+//! - at most [`MAX_SCRAPERS`] connections are served at once, each on a thread of its own, and
+//!   at most [`MAX_PER_SOURCE`] of them from one source address;
+//! - a newcomer takes the place of an unfinished one the way the target's admission pools do:
+//!   if its address holds its cap, that address's oldest connection still sending its request
+//!   (or done, lingering to close) is closed for it; if all places are taken, the oldest such
+//!   connection of any address is. Only when every place it could take is answering a request
+//!   is it turned away (503), and answers are bounded by [`WRITE_DEADLINE`]. So trickling
+//!   connections, from any address or the scraper's own, cannot keep a real scrape out: its
+//!   request arrives in one packet and is answered long before it becomes the oldest;
+//! - the whole request has one deadline: its head must arrive within [`REQUEST_DEADLINE`] of
+//!   the accept (a slowloris is cut off there with a 408, however it trickles), and may be at
+//!   most [`MAX_REQUEST`] bytes (431 past it); nothing after the head is read;
 //! - the answer must leave within [`WRITE_DEADLINE`]; then the connection is closed
 //!   (`Connection: close`: one request per connection).
 //!
@@ -14,15 +21,21 @@
 //! string is ignored) 404, a request line that is not HTTP/1.x 400. The page itself comes from
 //! the handler given to [`MetricsServer::bind`], called once per scrape.
 
+use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
-use std::net::{Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 /// Connections served at once.
-pub const MAX_SCRAPERS: usize = 4;
+pub const MAX_SCRAPERS: usize = 8;
+/// Connections served at once from one source address.
+pub const MAX_PER_SOURCE: usize = 4;
+/// Threads (served connections and those closing after an eviction) at most: past it a
+/// newcomer is turned away rather than given a thread.
+const MAX_THREADS: usize = 2 * MAX_SCRAPERS;
 /// Largest request head (request line and headers).
 pub const MAX_REQUEST: usize = 8192;
 /// How long a client has to send its whole request head.
@@ -55,6 +68,7 @@ pub type PageFn = Arc<dyn Fn() -> String + Send + Sync>;
 pub struct MetricsServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    slots: Arc<Slots>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -78,14 +92,16 @@ impl MetricsServer {
         let local = listener.local_addr().map_err(bind_err)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
-        let active = Arc::new(AtomicUsize::new(0));
+        let slots = Arc::new(Slots::default());
+        let slots2 = Arc::clone(&slots);
         let thread = std::thread::Builder::new()
             .name("rpma-metrics".into())
-            .spawn(move || accept_loop(listener, stop2, active, page))
+            .spawn(move || accept_loop(listener, stop2, slots2, page))
             .map_err(ListenerError::Thread)?;
         Ok(MetricsServer {
             addr: local,
             stop,
+            slots,
             thread: Some(thread),
         })
     }
@@ -93,6 +109,11 @@ impl MetricsServer {
     /// The address it is bound to.
     pub fn local_addr(&self) -> SocketAddr {
         self.addr
+    }
+
+    /// Connections being served now (a test waits for 0 before it counts on a free place).
+    pub fn serving(&self) -> usize {
+        self.slots.lock().held.len()
     }
 }
 
@@ -115,21 +136,151 @@ impl Drop for MetricsServer {
     }
 }
 
-/// Decrements the count of connections being served when one ends.
-struct Slot(Arc<AtomicUsize>);
+/// Where a served connection is.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Phase {
+    /// Its request head is being read: a newcomer may take its place.
+    Reading,
+    /// The answer is being rendered and written (bounded by [`WRITE_DEADLINE`]).
+    Answering,
+    /// The answer is out; the connection lingers to close cleanly: evictable.
+    Closing,
+}
 
-impl Drop for Slot {
-    fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+/// One served connection.
+#[derive(Debug)]
+struct Held {
+    source: IpAddr,
+    phase: Phase,
+    /// To close it from the accept thread (its own thread then sees its socket end).
+    sock: Option<TcpStream>,
+}
+
+#[derive(Debug, Default)]
+struct Places {
+    /// By serial: the first is the oldest.
+    held: BTreeMap<u64, Held>,
+    next: u64,
+    /// Evicted since start.
+    evicted: u64,
+}
+
+/// The places of the connections being served, and the threads serving them.
+#[derive(Debug, Default)]
+struct Slots {
+    places: Mutex<Places>,
+    threads: AtomicUsize,
+}
+
+impl Slots {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Places> {
+        self.places.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A place for a connection from `source` (`sock` a handle to close it by), evicting an
+    /// unfinished one if it must: its serial, or None (turn it away).
+    fn take(&self, source: IpAddr, sock: Option<TcpStream>) -> Option<u64> {
+        let source = source.to_canonical();
+        if self.threads.load(Ordering::Acquire) >= MAX_THREADS {
+            return None;
+        }
+        let mut p = self.lock();
+        let evictable = |h: &Held| h.phase != Phase::Answering;
+        let mine = p.held.values().filter(|h| h.source == source).count();
+        let mut victim = None;
+        if mine >= MAX_PER_SOURCE {
+            victim = Some(
+                p.held
+                    .iter()
+                    .find(|(_, h)| h.source == source && evictable(h))
+                    .map(|(&k, _)| k)?,
+            );
+        } else if p.held.len() >= MAX_SCRAPERS {
+            victim = Some(p.held.iter().find(|(_, h)| evictable(h)).map(|(&k, _)| k)?);
+        }
+        if let Some(v) = victim {
+            if let Some(h) = p.held.remove(&v) {
+                p.evicted += 1;
+                if let Some(s) = h.sock {
+                    // Its thread's read or write fails now; it gives up and ends.
+                    let _ = s.shutdown(Shutdown::Both);
+                }
+            }
+        }
+        let serial = p.next;
+        p.next += 1;
+        p.held.insert(
+            serial,
+            Held {
+                source,
+                phase: Phase::Reading,
+                sock,
+            },
+        );
+        Some(serial)
+    }
+
+    /// Moves `serial` on to `phase`; false if it was evicted meanwhile.
+    fn set(&self, serial: u64, phase: Phase) -> bool {
+        match self.lock().held.get_mut(&serial) {
+            Some(h) => {
+                h.phase = phase;
+                true
+            }
+            None => false,
+        }
+    }
+
+    fn release(&self, serial: u64) {
+        self.lock().held.remove(&serial);
     }
 }
 
-fn accept_loop(
-    listener: TcpListener,
-    stop: Arc<AtomicBool>,
-    active: Arc<AtomicUsize>,
-    page: PageFn,
-) {
+/// A served connection's place and thread, given back when its thread ends.
+struct Slot {
+    slots: Arc<Slots>,
+    serial: u64,
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        self.slots.release(self.serial);
+        self.slots.threads.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The listener's own warnings (accept failing, no thread), which clients can cause by
+/// exhausting descriptors or threads: one a minute, with how many were held back.
+#[derive(Debug, Default)]
+struct Warnings {
+    last: Option<Instant>,
+    held_back: u64,
+}
+
+impl Warnings {
+    const EVERY: Duration = Duration::from_secs(60);
+
+    fn warn(&mut self, what: std::fmt::Arguments<'_>) {
+        let now = Instant::now();
+        if self
+            .last
+            .is_some_and(|t| now.duration_since(t) < Self::EVERY)
+        {
+            self.held_back += 1;
+            log::debug!("metrics listener: {what}");
+            return;
+        }
+        let more = match std::mem::take(&mut self.held_back) {
+            0 => String::new(),
+            n => format!(" ({n} more such warning(s) in the last minute)"),
+        };
+        log::warn!("metrics listener: {what}{more}");
+        self.last = Some(now);
+    }
+}
+
+fn accept_loop(listener: TcpListener, stop: Arc<AtomicBool>, slots: Arc<Slots>, page: PageFn) {
+    let mut warnings = Warnings::default();
     for conn in listener.incoming() {
         if stop.load(Ordering::Acquire) {
             break;
@@ -138,27 +289,31 @@ fn accept_loop(
             Ok(c) => c,
             Err(e) => {
                 // EMFILE and the like: say so, and do not spin on it.
-                log::warn!("metrics listener: accept failed: {e}");
+                warnings.warn(format_args!("accept failed: {e}"));
                 std::thread::sleep(Duration::from_millis(100));
                 continue;
             }
         };
-        if active.fetch_add(1, Ordering::AcqRel) >= MAX_SCRAPERS {
-            active.fetch_sub(1, Ordering::AcqRel);
+        let accepted = Instant::now();
+        let source = conn
+            .peer_addr()
+            .map_or(IpAddr::from(std::net::Ipv4Addr::UNSPECIFIED), |a| a.ip());
+        let Some(serial) = slots.take(source, conn.try_clone().ok()) else {
             busy(conn);
             continue;
-        }
-        let slot = Slot(Arc::clone(&active));
+        };
+        slots.threads.fetch_add(1, Ordering::AcqRel);
+        let slot = Slot {
+            slots: Arc::clone(&slots),
+            serial,
+        };
         let page = Arc::clone(&page);
         let spawned = std::thread::Builder::new()
             .name("rpma-scrape".into())
-            .spawn(move || {
-                let _slot = slot;
-                serve(conn, &page);
-            });
+            .spawn(move || serve(conn, &page, &slot, accepted));
         if let Err(e) = spawned {
             // The closure (and its slot) was dropped with the error.
-            log::warn!("metrics listener: cannot start a thread: {e}");
+            warnings.warn(format_args!("cannot start a thread: {e}"));
         }
     }
 }
@@ -243,9 +398,12 @@ enum NoHead {
     Refuse(&'static str),
 }
 
-/// Reads a request head within the deadline.
-fn read_head(conn: &mut impl Read, set_timeout: impl Fn(Duration)) -> Result<Vec<u8>, NoHead> {
-    let deadline = Instant::now() + REQUEST_DEADLINE;
+/// Reads a request head by `deadline`.
+fn read_head(
+    conn: &mut impl Read,
+    deadline: Instant,
+    set_timeout: impl Fn(Duration),
+) -> Result<Vec<u8>, NoHead> {
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 1024];
     loop {
@@ -299,14 +457,19 @@ fn write_within(conn: &mut TcpStream, buf: &[u8], deadline: Duration) -> std::io
     Ok(())
 }
 
-fn serve(mut conn: TcpStream, page: &PageFn) {
+fn serve(mut conn: TcpStream, page: &PageFn, slot: &Slot, accepted: Instant) {
     let sock = conn.try_clone();
     let set_timeout = |t| {
         if let Ok(s) = &sock {
             let _ = s.set_read_timeout(Some(t));
         }
     };
-    let answer = match read_head(&mut conn, set_timeout) {
+    let head = read_head(&mut conn, accepted + REQUEST_DEADLINE, set_timeout);
+    // Evicted while it read (its socket was shut): nothing to answer.
+    if !slot.slots.set(slot.serial, Phase::Answering) {
+        return;
+    }
+    let answer = match head {
         Err(NoHead::Gone) => return,
         Err(NoHead::Refuse(status)) => response(status, &[], format!("{status}\n").as_bytes()),
         Ok(head) => match parse(&head) {
@@ -324,7 +487,9 @@ fn serve(mut conn: TcpStream, page: &PageFn) {
             Request::Bad => response("400 Bad Request", &[], b"not an HTTP/1.x request\n"),
         },
     };
-    if write_within(&mut conn, &answer, WRITE_DEADLINE).is_err() {
+    let written = write_within(&mut conn, &answer, WRITE_DEADLINE);
+    // Done: from now on a newcomer may take this place.
+    if written.is_err() || !slot.slots.set(slot.serial, Phase::Closing) {
         return;
     }
     // Unread request bytes (a body) would turn our close into a reset that can destroy the

@@ -122,19 +122,34 @@ pub struct HostCounters {
     pub subsystem: String,
     /// Namespace id.
     pub nsid: u32,
-    /// Host NQN ([`OTHER_HOSTS`] for hosts past [`MAX_HOST_SERIES`]).
+    /// Host NQN, for a host its subsystem lists; [`ANY_HOST`] for all the hosts
+    /// `allow_any_host` admitted ([`host_label`]).
     pub host: String,
     /// The counts.
     pub data: DataCounters,
 }
 
-/// At most this many (subsystem, namespace, host) series are kept for hosts whose sessions
-/// ended; past it, further hosts' counts are summed under [`OTHER_HOSTS`] (a subsystem with
-/// `allow_any_host` could otherwise grow the table with every new host NQN).
-pub const MAX_HOST_SERIES: usize = 4096;
+/// The host name the counts of every host a subsystem does not list (admitted by its
+/// `allow_any_host`) are summed under.
+pub const ANY_HOST: &str = "(allow_any_host)";
 
-/// The host name the counts of hosts past [`MAX_HOST_SERIES`] are summed under.
-pub const OTHER_HOSTS: &str = "(other)";
+/// The `host` label of `host`'s counts on `subsystem`: its NQN if the configuration lists it
+/// there (allow-listed or keyed), else [`ANY_HOST`]. So the per-host series and the status'
+/// per-host table hold only hosts the operator named, plus one line per namespace for all the
+/// others: an unauthenticated peer claiming a new host NQN per session adds nothing to them,
+/// and can push no configured host's counts out (issue 22, F7).
+pub fn host_label(cfg: &crate::config::Config, subsystem: &str, host: &str) -> String {
+    let listed = cfg
+        .subsystems
+        .iter()
+        .find(|s| s.nqn.as_str() == subsystem)
+        .is_some_and(|s| s.hosts.iter().any(|h| h.nqn.as_str() == host));
+    if listed {
+        host.to_owned()
+    } else {
+        ANY_HOST.to_owned()
+    }
+}
 
 /// A latency histogram with what it measures.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -160,8 +175,7 @@ pub struct MetricsStatus {
     pub discovery_admitted: u64,
     /// I/O sessions ended since start, by reason ([`EndReason`] names).
     pub sessions_ended: BTreeMap<String, u64>,
-    /// Connections refused since start, by reason ([`refusal_name`], and "source_limit" for an
-    /// MPA reject of a source address over its cap).
+    /// Connections refused since start, by reason ([`refusal_name`]).
     pub refusals: BTreeMap<String, u64>,
     /// Handshakes that ended without admission or refusal: "timeout", "abandoned",
     /// "bad_mpa_request".
@@ -226,7 +240,7 @@ pub fn refusal_name(r: RefusalReason) -> &'static str {
     }
 }
 
-const REFUSALS: [&str; 9] = [
+const REFUSALS: [&str; 8] = [
     "unknown_subsystem",
     "host_not_allowed",
     "auth_failed",
@@ -235,7 +249,6 @@ const REFUSALS: [&str; 9] = [
     "protocol_error",
     "shutting_down",
     "other",
-    "source_limit",
 ];
 
 /// A handshake that ended without admission or refusal.
@@ -258,7 +271,7 @@ pub struct Events {
     sessions_admitted: AtomicU64,
     discovery_admitted: AtomicU64,
     ended: [AtomicU64; 6],
-    refusals: [AtomicU64; 9],
+    refusals: [AtomicU64; 8],
     handshakes: [AtomicU64; 3],
 }
 
@@ -285,11 +298,6 @@ impl Events {
             .position(|n| *n == refusal_name(reason))
             .unwrap_or(7);
         self.refusals[i].fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// A source address over its cap was rejected at MPA.
-    pub fn refused_source_limit(&self) {
-        self.refusals[8].fetch_add(1, Ordering::Relaxed);
     }
 
     /// A handshake failed.
@@ -408,7 +416,6 @@ mod tests {
         e.ended(EndReason::KeepAlive);
         e.refused(RefusalReason::AuthFailed);
         e.refused(RefusalReason::Other(1000));
-        e.refused_source_limit();
         e.handshake_failed(HandshakeFailure::Timeout);
         let mut m = MetricsStatus::default();
         e.fill(&mut m);
@@ -418,7 +425,6 @@ mod tests {
         assert_eq!(m.sessions_ended.len(), 6);
         assert_eq!(m.refusals["auth_failed"], 1);
         assert_eq!(m.refusals["other"], 1);
-        assert_eq!(m.refusals["source_limit"], 1);
         assert_eq!(m.refusals["host_not_allowed"], 0);
         assert_eq!(m.refusals.len(), REFUSALS.len());
         for r in [
@@ -445,5 +451,31 @@ mod tests {
         assert_eq!(m["access"], 2);
         assert_eq!(m["persist"], 3);
         assert_eq!(m["crc"], 0);
+    }
+
+    #[test]
+    fn only_listed_hosts_have_a_label_of_their_own() {
+        let d = std::path::Path::new("/");
+        let cfg = crate::config::Config::from_toml(
+            "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:a\"\nallow_any_host = true\n\
+             hosts = [{ nqn = \"nqn.2026-11.io.rpma:listed\" }]\n\
+             [[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:b\"\nallow_any_host = true\n",
+            d,
+        )
+        .unwrap();
+        let label = |s: &str, h: &str| host_label(&cfg, s, h);
+        assert_eq!(
+            label("nqn.2026-11.io.rpma:a", "nqn.2026-11.io.rpma:listed"),
+            "nqn.2026-11.io.rpma:listed"
+        );
+        assert_eq!(
+            label("nqn.2026-11.io.rpma:a", "nqn.2026-11.io.x:y"),
+            ANY_HOST
+        );
+        // Listed on another subsystem only: not a name of its own here.
+        assert_eq!(
+            label("nqn.2026-11.io.rpma:b", "nqn.2026-11.io.rpma:listed"),
+            ANY_HOST
+        );
     }
 }

@@ -9,7 +9,7 @@
 //! before it becomes the oldest).
 //!
 //! A complete Request takes a place in the unadmitted pool ([`super::budget`]) before it is
-//! handed over; a source past its cap is refused with an MPA reject (logged rate-limited).
+//! handed over; a source at its cap makes room by evicting its own oldest connection.
 //! The thread also logs the periodic count of suppressed warnings ([`super::peer_log`]).
 //!
 //! The thread is woken through an eventfd: to stop (with its flag set), and by the watchdog
@@ -261,21 +261,10 @@ impl AcceptLoop {
             .peer_addr()
             .map_or(std::net::Ipv4Addr::UNSPECIFIED.into(), |p| p.ip());
         let limits = self.shared.limits(Pool::Unadmitted);
-        let ticket = match self
+        let ticket = self
             .shared
             .budgets
-            .take(Pool::Unadmitted, source, limits, tx.clone())
-        {
-            Ok(t) => t,
-            Err(e) => {
-                self.shared.events.refused_source_limit();
-                self.shared
-                    .peer_log
-                    .warn(source, format_args!("refused a connection: {e}"));
-                req.reject(b"too many connections from this address");
-                return;
-            }
-        };
+            .take(Pool::Unadmitted, source, limits, tx.clone());
         // Counted here so that a burst spreads over the loops; the loop takes it back when the
         // connection ends.
         load.fetch_add(1, Ordering::Relaxed);
@@ -294,9 +283,13 @@ impl AcceptLoop {
                 Ok(None) => return,
                 Err(e) => {
                     // EMFILE and the like: say so, and do not spin on it.
-                    log::warn!(
-                        "accepting a connection failed: {}",
-                        rpma_common::error_chain(&e)
+                    // Peers can cause it (by holding descriptors): rate-limited too.
+                    self.shared.peer_log.warn(
+                        std::net::Ipv4Addr::UNSPECIFIED.into(),
+                        format_args!(
+                            "accepting a connection failed: {}",
+                            rpma_common::error_chain(&e)
+                        ),
                     );
                     std::thread::sleep(ACCEPT_FAILED_PAUSE);
                     return;

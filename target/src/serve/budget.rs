@@ -3,11 +3,14 @@
 //! own, bounded in total and per source address (admitted sessions are counted against
 //! `max_connections` at admission, see [`Shared::register_session`](super::Shared)).
 //!
-//! A source past its cap is refused. A pool that is full makes room: its oldest ticket is
-//! evicted (its connection is closed by its poll loop) and the new connection takes its place.
-//! So an attacker who fills a pool, from as many addresses as he likes, can delay an allowed
-//! host by nothing but the time of its own exchange: the host's new connection is always taken
-//! in, and it finishes its Connect long before as many newer connections have pushed it out.
+//! A newcomer always gets a place, the way a full pool makes room: if its source address holds
+//! its cap already, that source's own oldest ticket is evicted; if the pool is full, the pool's
+//! oldest is (the evicted connection is closed by its poll loop). So an attacker who fills a
+//! pool, from as many addresses as he likes or from the allowed host's own address, can delay
+//! an allowed host by nothing but the time of its own exchange: the host's new connection is
+//! always taken in, and it finishes its Connect long before as many newer connections have
+//! pushed it out. The per-source cap keeps one address from taking more than its share of the
+//! pool: the others' places are evicted only when the pool is full.
 //!
 //! Before admission a connection holds only what the control exchange needs (a few receive
 //! slots, see the poll loop), so the pool bounds the memory of unadmitted connections too.
@@ -45,16 +48,6 @@ pub(crate) struct Limits {
     pub(crate) per_source: usize,
 }
 
-/// Why no ticket was given.
-#[derive(Debug, thiserror::Error)]
-#[error("{count} {} connection(s) from {addr} already (at most {cap} per address)", pool.name())]
-pub(crate) struct SourceFull {
-    pub(crate) pool: Pool,
-    pub(crate) addr: IpAddr,
-    pub(crate) count: usize,
-    pub(crate) cap: usize,
-}
-
 /// What the holder of a ticket and the pool share.
 #[derive(Debug)]
 struct Held {
@@ -74,6 +67,15 @@ struct PoolState {
 }
 
 impl PoolState {
+    /// Takes `serial`'s place back for a newer connection and wakes its loop to close it.
+    fn evict(&mut self, serial: u64) {
+        if let Some(h) = self.release(serial) {
+            self.evicted += 1;
+            h.evicted.store(true, Ordering::SeqCst);
+            let _ = h.owner.send(LoopCmd::Evicted);
+        }
+    }
+
     fn release(&mut self, serial: u64) -> Option<Arc<Held>> {
         let h = self.held.remove(&serial)?;
         if let Some(n) = self.per_source.get_mut(&h.source) {
@@ -137,37 +139,36 @@ impl Budgets {
         m.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// A place in `pool` for a connection from `source` owned by the loop `owner`: refused if
-    /// the source holds its cap already; if the pool is full, its oldest holder is evicted.
+    /// A place in `pool` for a connection from `source` owned by the loop `owner`. Always
+    /// given: if the source holds its cap already, its own oldest holder is evicted; if the
+    /// pool is full, the pool's oldest is.
     pub(crate) fn take(
         self: &Arc<Self>,
         pool: Pool,
         source: IpAddr,
         limits: Limits,
         owner: LoopTx,
-    ) -> Result<Ticket, SourceFull> {
+    ) -> Ticket {
         // An IPv4 peer on a dual-stack socket (::ffff:a.b.c.d) is the source a.b.c.d.
         let source = source.to_canonical();
         let mut st = self.state(pool);
-        let count = st.per_source.get(&source).copied().unwrap_or(0);
-        if count >= limits.per_source {
-            return Err(SourceFull {
-                pool,
-                addr: source,
-                count,
-                cap: limits.per_source,
-            });
+        // A reload may have lowered the limits: evict down to them.
+        while st.per_source.get(&source).copied().unwrap_or(0) >= limits.per_source.max(1) {
+            let Some(oldest) = st
+                .held
+                .iter()
+                .find(|(_, h)| h.source == source)
+                .map(|(&k, _)| k)
+            else {
+                break;
+            };
+            st.evict(oldest);
         }
-        // A reload may have lowered the limit: evict down to it.
         while st.held.len() >= limits.total.max(1) {
             let Some(&oldest) = st.held.keys().next() else {
                 break;
             };
-            if let Some(h) = st.release(oldest) {
-                st.evicted += 1;
-                h.evicted.store(true, Ordering::SeqCst);
-                let _ = h.owner.send(LoopCmd::Evicted);
-            }
+            st.evict(oldest);
         }
         let serial = st.next;
         st.next += 1;
@@ -178,12 +179,12 @@ impl Budgets {
         });
         st.held.insert(serial, Arc::clone(&held));
         *st.per_source.entry(source).or_insert(0) += 1;
-        Ok(Ticket {
+        Ticket {
             budgets: Arc::clone(self),
             pool,
             serial,
             held,
-        })
+        }
     }
 
     /// What `pool` holds now.
@@ -213,40 +214,63 @@ mod tests {
     const B: IpAddr = IpAddr::V4(std::net::Ipv4Addr::new(192, 0, 2, 2));
 
     #[test]
-    fn per_source_cap_refuses_and_a_full_pool_evicts_its_oldest() {
+    fn a_source_at_its_cap_and_a_full_pool_evict_their_oldest() {
         let b = Arc::new(Budgets::default());
         let (tx, rx) = owner();
         let lim = Limits {
             total: 3,
             per_source: 2,
         };
-        let a1 = b.take(Pool::Unadmitted, A, lim, tx.clone()).unwrap();
-        let a2 = b.take(Pool::Unadmitted, A, lim, tx.clone()).unwrap();
-        let e = b.take(Pool::Unadmitted, A, lim, tx.clone()).unwrap_err();
-        assert_eq!((e.count, e.cap), (2, 2));
-        // Discovery is another pool.
-        let _d = b.take(Pool::Discovery, A, lim, tx.clone()).unwrap();
-        let b1 = b.take(Pool::Unadmitted, B, lim, tx.clone()).unwrap();
+        let a1 = b.take(Pool::Unadmitted, A, lim, tx.clone());
+        let b1 = b.take(Pool::Unadmitted, B, lim, tx.clone());
+        let a2 = b.take(Pool::Unadmitted, A, lim, tx.clone());
         assert!(rx.try_recv().is_err(), "nobody evicted yet");
-        // Full: the next one evicts the oldest (a1), which frees a place of A's.
-        let b2 = b.take(Pool::Unadmitted, B, lim, tx.clone()).unwrap();
-        assert!(a1.evicted() && !a2.evicted() && !b1.evicted() && !b2.evicted());
+        // A at its cap: A's own oldest (a1) makes room, not B's older place.
+        let a3 = b.take(Pool::Unadmitted, A, lim, tx.clone());
+        assert!(a1.evicted() && !b1.evicted() && !a2.evicted() && !a3.evicted());
         assert!(matches!(rx.try_recv(), Ok(LoopCmd::Evicted)));
+        // Discovery is another pool.
+        let _d = b.take(Pool::Discovery, A, lim, tx.clone());
+        // Full (b1, a2, a3): B's newcomer evicts the pool's oldest, b1.
+        let b2 = b.take(Pool::Unadmitted, B, lim, tx.clone());
+        assert!(b1.evicted() && !a2.evicted() && !a3.evicted() && !b2.evicted());
         assert_eq!(
             b.usage(Pool::Unadmitted),
             Use {
                 held: 3,
                 sources: 2,
-                evicted: 1
+                evicted: 2
             }
         );
         // Dropping an evicted ticket gives nothing back twice.
-        drop(a1);
+        drop((a1, b1));
         assert_eq!(b.usage(Pool::Unadmitted).held, 3);
-        drop((a2, b1, b2));
+        drop((a2, a3, b2));
         assert_eq!(b.usage(Pool::Unadmitted).held, 0);
         assert_eq!(b.usage(Pool::Unadmitted).sources, 0);
         assert_eq!(b.usage(Pool::Discovery).held, 1);
+    }
+
+    #[test]
+    fn a_lowered_cap_evicts_down_to_it() {
+        let b = Arc::new(Budgets::default());
+        let (tx, _rx) = owner();
+        let wide = Limits {
+            total: 8,
+            per_source: 4,
+        };
+        let held: Vec<Ticket> = (0..4)
+            .map(|_| b.take(Pool::Discovery, A, wide, tx.clone()))
+            .collect();
+        let narrow = Limits {
+            total: 8,
+            per_source: 2,
+        };
+        let new = b.take(Pool::Discovery, A, narrow, tx.clone());
+        let evicted: Vec<bool> = held.iter().map(Ticket::evicted).collect();
+        assert_eq!(evicted, [true, true, true, false]);
+        assert!(!new.evicted());
+        assert_eq!(b.usage(Pool::Discovery).held, 2);
     }
 
     #[test]
@@ -257,8 +281,9 @@ mod tests {
             total: 8,
             per_source: 1,
         };
-        let _t = b.take(Pool::Discovery, A, lim, tx.clone()).unwrap();
+        let t = b.take(Pool::Discovery, A, lim, tx.clone());
         let mapped: IpAddr = "::ffff:192.0.2.1".parse().unwrap();
-        assert!(b.take(Pool::Discovery, mapped, lim, tx).is_err());
+        let _m = b.take(Pool::Discovery, mapped, lim, tx);
+        assert!(t.evicted(), "the same source: its oldest made room");
     }
 }

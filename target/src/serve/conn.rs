@@ -15,8 +15,9 @@
 //! connection has the few message slots its handshake needs; a session gets the rest (its queue
 //! depth) at admission, posted before its ConnectResponse is sent.
 //!
-//! Refusals, protocol errors and abandoned handshakes are logged rate-limited per peer address
-//! ([`super::peer_log`]): they come from peers nobody has authenticated.
+//! Every line a peer can cause (refusals, protocol errors, abandoned handshakes, and the session
+//! lines: start, end, keep-alive lapse, lost connection) is logged rate-limited per peer address
+//! and in all ([`super::peer_log`]), its peer-supplied strings escaped.
 //!
 //! # Rkeys
 //!
@@ -50,6 +51,7 @@ use rpma_common::proto::{
 use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
+use super::peer_log::{peer_text, Class};
 use super::poll_loop::{CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
 use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
@@ -337,7 +339,7 @@ impl Conn {
                         log::debug!(
                             "{}: discovery host {host} disconnected: {}",
                             self.peer,
-                            d.reason
+                            peer_text(&d.reason)
                         );
                         self.phase = Phase::Closing {
                             deadline: now + LINGER,
@@ -372,12 +374,17 @@ impl Conn {
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
                     Ok(Message::Disconnect(d)) => {
                         shared.events.ended(EndReason::Host);
-                        log::info!(
-                            "session ctrl {} (host {} from {}) closed by the host: {}",
-                            s.info.controller_id,
-                            s.host,
-                            self.peer,
-                            d.reason
+                        shared.peer_log.log(
+                            self.peer.ip(),
+                            Class::Session,
+                            log::Level::Info,
+                            format_args!(
+                                "session ctrl {} (host {} from {}) closed by the host: {}",
+                                s.info.controller_id,
+                                s.host,
+                                self.peer,
+                                peer_text(&d.reason)
+                            ),
                         );
                         self.phase = Phase::Closing {
                             deadline: now + LINGER,
@@ -408,19 +415,13 @@ impl Conn {
         }
         // From the unadmitted pool to the discovery pool.
         let limits = shared.limits(Pool::Discovery);
-        match shared
-            .budgets
-            .take(Pool::Discovery, self.peer.ip(), limits, self.owner.clone())
-        {
-            Ok(t) => self.ticket = Some(t),
-            Err(e) => {
-                return self.refuse(
-                    RefusalReason::TooManyConnections,
-                    e.to_string(),
-                    Some(&c.host_nqn),
-                )
-            }
-        }
+        // A source at its cap, or a full pool, makes room by evicting its oldest session.
+        self.ticket = Some(shared.budgets.take(
+            Pool::Discovery,
+            self.peer.ip(),
+            limits,
+            self.owner.clone(),
+        ));
         let a = &cfg.admission;
         let max = Duration::from_millis(u64::from(a.discovery_max_keep_alive_ms));
         let keep_alive = keep_alive_of(&c, cfg, max);
@@ -468,10 +469,14 @@ impl Conn {
                 }
                 // Out of keys or room: the target is full, the host may try again later.
                 Err(e @ fabric::Error::Exhausted { .. }) => {
-                    log::error!(
-                        "cannot register namespace {nsid} of {} for {}: {e}",
-                        c.subsystem_nqn,
-                        self.peer
+                    shared.peer_log.log(
+                        self.peer.ip(),
+                        Class::Session,
+                        log::Level::Error,
+                        format_args!(
+                            "cannot register namespace {nsid} of {} for {}: {e}",
+                            c.subsystem_nqn, self.peer
+                        ),
                     );
                     let m = format!("the target cannot register namespace {nsid}: {e}");
                     return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
@@ -524,15 +529,21 @@ impl Conn {
         };
         match resp.encode() {
             Ok(bytes) => {
-                log::info!(
-                    "session ctrl {}: host {} on {} from {} (queue {}, {} namespace(s), keep-alive {} ms)",
-                    session.info.controller_id,
-                    session.host,
-                    session.subsystem,
-                    self.peer,
-                    c.queue_id,
-                    session.grants.len(),
-                    session.info.keep_alive_ms
+                shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "session ctrl {}: host {} on {} from {} (queue {}, {} namespace(s), \
+                         keep-alive {} ms)",
+                        session.info.controller_id,
+                        session.host,
+                        session.subsystem,
+                        self.peer,
+                        c.queue_id,
+                        session.grants.len(),
+                        session.info.keep_alive_ms
+                    ),
                 );
                 self.phase = Phase::Session(Box::new(session));
                 shared.events.admitted(false);
@@ -649,12 +660,17 @@ impl Conn {
                 for g in s.grants.values() {
                     g.ns.note_failure();
                 }
-                log::info!(
-                    "session ctrl {} (host {} from {}) lost its connection: {}",
-                    s.info.controller_id,
-                    s.host,
-                    self.peer,
-                    self.qp.error().unwrap_or_default()
+                self.shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "session ctrl {} (host {} from {}) lost its connection: {}",
+                        s.info.controller_id,
+                        s.host,
+                        self.peer,
+                        self.qp.error().unwrap_or_default()
+                    ),
                 );
             }
             return false;
@@ -680,12 +696,18 @@ impl Conn {
             Phase::Session(s) if lapsed(s.keep_alive) => {
                 s.info.expired.store(true, Ordering::Relaxed);
                 self.shared.events.ended(EndReason::KeepAlive);
-                log::warn!(
-                    "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys revoked",
-                    s.info.controller_id,
-                    s.host,
-                    self.peer,
-                    s.keep_alive.as_millis()
+                self.shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Warn,
+                    format_args!(
+                        "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys \
+                         revoked",
+                        s.info.controller_id,
+                        s.host,
+                        self.peer,
+                        s.keep_alive.as_millis()
+                    ),
                 );
                 let why = format!("keep-alive expired ({} ms)", s.keep_alive.as_millis());
                 self.goodbye(&why);
@@ -727,6 +749,27 @@ impl Conn {
             list.iter()
                 .any(|(sub, n)| *n == nsid && *sub == s.subsystem)
         };
+        let cleared: Vec<String> = s
+            .grants
+            .keys()
+            .filter(|&&nsid| in_diff(&diff.namespaces_cleared, nsid))
+            .map(u32::to_string)
+            .collect();
+        if !cleared.is_empty() {
+            let ids = cleared.join(", ");
+            log::info!(
+                "session ctrl {} (host {} from {}): the failure of namespace(s) {ids} was \
+                 cleared: closing",
+                s.info.controller_id,
+                s.host,
+                self.peer
+            );
+            self.session_ended(EndReason::Reload);
+            self.goodbye(&format!(
+                "namespace(s) {ids} reopened: an operator cleared the failure"
+            ));
+            return;
+        }
         let changed: Vec<String> = s
             .grants
             .keys()

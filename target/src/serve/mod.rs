@@ -289,12 +289,13 @@ impl Shared {
 
     /// Removes an ended session from the list, folding its counts into its host's totals.
     pub(crate) fn unregister_session(&self, controller_id: u16) {
+        let cfg = self.config();
         let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         if let Some(info) = s.remove(&controller_id) {
             self.retired
                 .lock()
                 .unwrap_or_else(|p| p.into_inner())
-                .fold(&info);
+                .fold(&info, &cfg);
         }
     }
 
@@ -305,6 +306,7 @@ impl Shared {
             ..MetricsStatus::default()
         };
         self.events.fill(&mut m);
+        let cfg = self.config();
         let (hosts, wb, ms) = {
             let live = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
             let r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
@@ -313,8 +315,9 @@ impl Shared {
             drop(r);
             for info in live.values() {
                 let (per_ns, w, m) = info.data();
+                let host = crate::metrics::host_label(&cfg, &info.subsystem_nqn, &info.host_nqn);
                 for (nsid, d) in per_ns {
-                    let key = (info.subsystem_nqn.clone(), nsid, info.host_nqn.clone());
+                    let key = (info.subsystem_nqn.clone(), nsid, host.clone());
                     hosts.entry(key).or_default().add(&d);
                 }
                 wb.merge(&w);
@@ -361,14 +364,17 @@ impl Shared {
         m
     }
 
-    /// After a reload: forget the ended sessions' counts of namespaces no longer configured.
-    fn forget_removed(&self, table: &NamespaceTable) {
+    /// After a reload: forget the ended sessions' counts of namespaces no longer configured,
+    /// and of hosts their subsystem no longer lists.
+    fn forget_removed(&self, table: &NamespaceTable, cfg: &Config) {
         let _live = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
         let mut r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
-        r.hosts.retain(|(sub, nsid, _), _| {
+        r.hosts.retain(|(sub, nsid, host), _| {
             table
                 .iter()
                 .any(|((s, n), _)| n == nsid && s.as_str() == sub.as_str())
+                && (host == crate::metrics::ANY_HOST
+                    || crate::metrics::host_label(cfg, sub, host) == *host)
         });
     }
 }
@@ -588,7 +594,7 @@ impl Serve for FabricServe {
     fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable) {
         let Some(shared) = &self.shared else { return };
         shared.set(cfg, namespaces);
-        shared.forget_removed(namespaces);
+        shared.forget_removed(namespaces, cfg);
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));

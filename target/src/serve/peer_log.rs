@@ -1,22 +1,53 @@
-//! Rate-limited warnings about unauthenticated peers: a peer that sends bad MPA Requests or
-//! Connects that are refused must not be able to fill the log. The first warning about an
-//! address in a period (`refusal_log_period_ms`, a minute by default) is logged at WARN; more
-//! about the same address within the period go to DEBUG and are counted, and once a period
-//! after the first of them one WARN line says how many were suppressed, about how many
-//! addresses, and which address had the most ([`PeerLog::summarize`], called by the accept
-//! threads on a timer and by every warning).
+//! Rate-limited log lines about peers: nothing a peer can make the target log may fill the log,
+//! whether it is one peer cycling sessions as fast as it can or refusals from thousands of
+//! addresses (issue 22, F6).
+//!
+//! Every line a peer can cause goes through [`PeerLog`], in one of two classes:
+//! - [`Class::Warning`] (refusals, protocol errors, abandoned handshakes, bad MPA Requests,
+//!   failed receives): one line per peer address and period;
+//! - [`Class::Session`] (session start and end, keep-alive lapses, lost connections): up to
+//!   [`SESSION_LINES`] per peer address and period, so that a host's own sessions are logged
+//!   but an attacker cycling sessions is not.
+//!
+//! On top of both, at most [`GLOBAL_LINES`] such lines are logged per period from all peers
+//! together, so that any number of addresses adds a bounded volume. A line over a budget goes to
+//! DEBUG instead and is counted; once a period after the first of them, one WARN line says how
+//! many were suppressed, about how many addresses, and which address had the most
+//! ([`PeerLog::summarize`], called by the accept threads on a timer and by every line).
+//!
+//! Peer-supplied text can never start a line of its own: every message is escaped
+//! ([`escape`]: control characters, line breaks included, are written as `\n`, `\u{1b}`...) and
+//! a peer's strings are cut to [`PEER_TEXT`] characters ([`peer_text`]). The period is
+//! `refusal_log_period_ms` (a minute by default).
 
 use std::collections::HashMap;
-use std::fmt::Arguments;
+use std::fmt::{Arguments, Write as _};
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 /// Addresses remembered at most; when full, entries older than the period are forgotten,
-/// and if none is, warnings about new addresses go to DEBUG too (a flood from many addresses
-/// gets one WARN per address and period at most, and the map stays bounded).
+/// and if none is, lines about new addresses are suppressed (the map stays bounded).
 const MAX_PEERS: usize = 4096;
+
+/// Session lines per peer address and period.
+pub(crate) const SESSION_LINES: u32 = 20;
+
+/// Lines per period from all peers together.
+pub(crate) const GLOBAL_LINES: u32 = 256;
+
+/// Characters of a peer-supplied string kept in a line (a Disconnect reason may be 8 KiB).
+pub(crate) const PEER_TEXT: usize = 200;
+
+/// What kind of line: each has its own budget per peer.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Class {
+    /// About something refused or broken: one per peer and period.
+    Warning,
+    /// A session started or ended: [`SESSION_LINES`] per peer and period.
+    Session,
+}
 
 /// The per-address limiter, shared by the accept threads and the poll loops.
 #[derive(Debug)]
@@ -26,14 +57,25 @@ pub(crate) struct PeerLog {
     inner: Mutex<Inner>,
 }
 
+/// One address's use of its budgets in its current period.
+#[derive(Debug, Clone, Copy)]
+struct Budget {
+    since: Instant,
+    warnings: u32,
+    sessions: u32,
+}
+
 #[derive(Debug, Default)]
 struct Inner {
-    last: HashMap<IpAddr, Instant>,
+    peers: HashMap<IpAddr, Budget>,
+    /// The global budget's period and use.
+    global_since: Option<Instant>,
+    global_used: u32,
     /// Suppressed since the last summary, per address (at most MAX_PEERS of them)...
     suppressed: HashMap<IpAddr, u64>,
     /// ...and about addresses past that.
     suppressed_other: u64,
-    /// When the first warning since the last summary was suppressed.
+    /// When the first line since the last summary was suppressed.
     since: Option<Instant>,
     /// Suppressed in all, ever.
     total: u64,
@@ -48,8 +90,35 @@ struct Summary {
     over: Duration,
 }
 
+/// `s` with every control character (and the Unicode line and paragraph separators) escaped
+/// as Rust writes it in a string (`\n`, `\r`, `\t`, `\u{1b}`, ...), so that it stays on one
+/// line and a terminal shows it as text. Escaping twice changes nothing more.
+pub(crate) fn escape(s: &str) -> String {
+    let mut out = String::with_capacity(s.len());
+    for c in s.chars() {
+        if c.is_control() || c == '\u{2028}' || c == '\u{2029}' {
+            let _ = write!(out, "{}", c.escape_debug());
+        } else {
+            out.push(c);
+        }
+    }
+    out
+}
+
+/// A peer-supplied string for a log line: escaped, at most [`PEER_TEXT`] characters of it,
+/// quoted, with its full length when it was cut.
+pub(crate) fn peer_text(s: &str) -> String {
+    let n = s.chars().count();
+    if n <= PEER_TEXT {
+        format!("\"{}\"", escape(s))
+    } else {
+        let head: String = s.chars().take(PEER_TEXT).collect();
+        format!("\"{}\"... ({n} characters)", escape(&head))
+    }
+}
+
 impl PeerLog {
-    /// A limiter allowing one WARN per address and `period`.
+    /// A limiter with budgets per `period`.
     pub(crate) fn new(period: Duration) -> PeerLog {
         PeerLog {
             period_ms: AtomicU64::new(period.as_millis() as u64),
@@ -57,7 +126,7 @@ impl PeerLog {
         }
     }
 
-    /// Sets the period (for warnings from now on).
+    /// Sets the period (for lines from now on).
     pub(crate) fn set_period(&self, period: Duration) {
         self.period_ms
             .store(period.as_millis() as u64, Ordering::Relaxed);
@@ -71,18 +140,26 @@ impl PeerLog {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Logs `msg` about `peer` at WARN if allowed now, else at DEBUG.
+    /// Logs `msg` (escaped) about `peer` at WARN, within the [`Class::Warning`] budget; at
+    /// DEBUG past it.
     pub(crate) fn warn(&self, peer: IpAddr, msg: Arguments<'_>) {
+        self.log(peer, Class::Warning, log::Level::Warn, msg);
+    }
+
+    /// Logs `msg` (escaped) about `peer` at `level` if `class`'s budgets allow it now, else at
+    /// DEBUG (counted for the summary).
+    pub(crate) fn log(&self, peer: IpAddr, class: Class, level: log::Level, msg: Arguments<'_>) {
         let now = Instant::now();
-        if self.allow(peer, now) {
-            log::warn!("{msg}");
-        } else {
-            log::debug!("{msg}");
+        let allowed = self.allow(peer, class, now);
+        let level = if allowed { level } else { log::Level::Debug };
+        if log::log_enabled!(target: module_path!(), level) {
+            let text = escape(&msg.to_string());
+            log::log!(level, "{text}");
         }
         self.summarize(now);
     }
 
-    /// Logs the count of suppressed warnings if a period has passed since the first of them.
+    /// Logs the count of suppressed lines if a period has passed since the first of them.
     pub(crate) fn summarize(&self, now: Instant) {
         if let Some(s) = self.take_summary(now) {
             let top = match s.top {
@@ -90,7 +167,7 @@ impl PeerLog {
                 None => String::new(),
             };
             log::warn!(
-                "{} warning(s) about {} peer address(es) suppressed in the last {} s{top}",
+                "{} log line(s) about {} peer address(es) suppressed in the last {} s{top}",
                 s.count,
                 s.peers,
                 s.over.as_secs()
@@ -98,12 +175,12 @@ impl PeerLog {
         }
     }
 
-    /// When [`summarize`](Self::summarize) has a line to log, if warnings were suppressed.
+    /// When [`summarize`](Self::summarize) has a line to log, if lines were suppressed.
     pub(crate) fn next_summary(&self) -> Option<Instant> {
         self.lock().since.map(|t| t + self.period())
     }
 
-    /// Warnings sent to DEBUG instead of WARN so far.
+    /// Lines sent to DEBUG instead of their level so far.
     #[cfg(test)]
     pub(crate) fn suppressed(&self) -> u64 {
         self.lock().total
@@ -134,22 +211,47 @@ impl PeerLog {
         })
     }
 
-    /// Whether a warning about `peer` at `now` may go to WARN (and remembers it if so).
-    fn allow(&self, peer: IpAddr, now: Instant) -> bool {
-        let mut g = self.lock();
+    /// Whether a `class` line about `peer` at `now` may be logged at its level (and takes it
+    /// from the budgets if so; counts it as suppressed if not).
+    fn allow(&self, peer: IpAddr, class: Class, now: Instant) -> bool {
         let period = self.period();
-        let recent = |t: &Instant| now.saturating_duration_since(*t) < period;
-        let ok = match g.last.get(&peer) {
-            Some(t) => !recent(t),
-            None => {
-                if g.last.len() >= MAX_PEERS {
-                    g.last.retain(|_, t| recent(t));
-                }
-                g.last.len() < MAX_PEERS
+        let mut g = self.lock();
+        let recent = |t: Instant| now.saturating_duration_since(t) < period;
+        if !g.global_since.is_some_and(recent) {
+            g.global_since = Some(now);
+            g.global_used = 0;
+        }
+        if !g.peers.contains_key(&peer) && g.peers.len() >= MAX_PEERS {
+            g.peers.retain(|_, b| recent(b.since));
+        }
+        let room = g.peers.len() < MAX_PEERS || g.peers.contains_key(&peer);
+        let global_ok = g.global_used < GLOBAL_LINES;
+        let ok = room && global_ok && {
+            let b = g.peers.entry(peer).or_insert(Budget {
+                since: now,
+                warnings: 0,
+                sessions: 0,
+            });
+            if !recent(b.since) {
+                *b = Budget {
+                    since: now,
+                    warnings: 0,
+                    sessions: 0,
+                };
+            }
+            let (used, cap) = match class {
+                Class::Warning => (&mut b.warnings, 1),
+                Class::Session => (&mut b.sessions, SESSION_LINES),
+            };
+            if *used < cap {
+                *used += 1;
+                true
+            } else {
+                false
             }
         };
         if ok {
-            g.last.insert(peer, now);
+            g.global_used += 1;
         } else {
             g.total += 1;
             g.since.get_or_insert(now);
@@ -169,73 +271,113 @@ impl PeerLog {
 mod tests {
     use super::*;
 
-    const WARN_EVERY: Duration = Duration::from_secs(60);
+    const EVERY: Duration = Duration::from_secs(60);
+
+    fn ip(i: u32) -> IpAddr {
+        IpAddr::from(i.to_be_bytes())
+    }
 
     #[test]
     fn one_warning_per_address_and_period() {
-        let l = PeerLog::new(WARN_EVERY);
+        let l = PeerLog::new(EVERY);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
         let t0 = Instant::now();
-        assert!(l.allow(a, t0));
-        assert!(!l.allow(a, t0 + Duration::from_secs(1)));
-        assert!(!l.allow(a, t0 + WARN_EVERY - Duration::from_millis(1)));
-        assert!(l.allow(b, t0 + Duration::from_secs(1)), "another address");
-        assert!(l.allow(a, t0 + WARN_EVERY), "a new period");
+        assert!(l.allow(a, Class::Warning, t0));
+        assert!(!l.allow(a, Class::Warning, t0 + Duration::from_secs(1)));
+        assert!(!l.allow(a, Class::Warning, t0 + EVERY - Duration::from_millis(1)));
+        assert!(
+            l.allow(b, Class::Warning, t0 + Duration::from_secs(1)),
+            "another address"
+        );
+        assert!(l.allow(a, Class::Warning, t0 + EVERY), "a new period");
         assert_eq!(l.suppressed(), 2);
     }
 
     #[test]
-    fn the_map_stays_bounded() {
-        let l = PeerLog::new(WARN_EVERY);
+    fn session_lines_have_a_budget_of_their_own() {
+        let l = PeerLog::new(EVERY);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
         let t0 = Instant::now();
-        for i in 0..MAX_PEERS as u32 {
-            assert!(l.allow(IpAddr::from(i.to_be_bytes()), t0));
+        assert!(l.allow(a, Class::Warning, t0));
+        for i in 0..SESSION_LINES {
+            assert!(l.allow(a, Class::Session, t0), "session line {i}");
         }
-        let new: IpAddr = "198.51.100.1".parse().unwrap();
+        assert!(!l.allow(a, Class::Session, t0));
+        assert!(l.allow(a, Class::Session, t0 + EVERY), "a new period");
+    }
+
+    #[test]
+    fn all_addresses_together_have_a_global_budget() {
+        let l = PeerLog::new(EVERY);
+        let t0 = Instant::now();
+        let allowed = (0..1000)
+            .filter(|&i| l.allow(ip(i), Class::Warning, t0))
+            .count();
+        assert_eq!(allowed, GLOBAL_LINES as usize);
         assert!(
-            !l.allow(new, t0 + Duration::from_secs(1)),
-            "full of recent peers"
+            l.allow(ip(5000), Class::Warning, t0 + EVERY),
+            "the next period"
         );
-        assert!(l.allow(new, t0 + WARN_EVERY), "old entries are forgotten");
-        assert!(l.lock().last.len() <= MAX_PEERS);
+    }
+
+    #[test]
+    fn the_map_stays_bounded() {
+        let l = PeerLog::new(EVERY);
+        let t0 = Instant::now();
+        for i in 0..(MAX_PEERS as u32 + 10) {
+            l.allow(ip(i), Class::Session, t0);
+        }
+        assert!(l.lock().peers.len() <= MAX_PEERS);
+        let new: IpAddr = "198.51.100.1".parse().unwrap();
+        assert!(l.allow(new, Class::Warning, t0 + EVERY), "old entries go");
+        assert!(l.lock().peers.len() <= MAX_PEERS);
     }
 
     #[test]
     fn a_summary_counts_what_was_suppressed_once_a_period() {
-        let l = PeerLog::new(WARN_EVERY);
+        let l = PeerLog::new(EVERY);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
         let t0 = Instant::now();
         assert_eq!(l.next_summary(), None);
-        assert!(l.allow(a, t0));
-        assert!(l.allow(b, t0));
-        assert_eq!(
-            l.take_summary(t0 + WARN_EVERY * 2),
-            None,
-            "nothing suppressed"
-        );
+        assert!(l.allow(a, Class::Warning, t0));
+        assert!(l.allow(b, Class::Warning, t0));
+        assert_eq!(l.take_summary(t0 + EVERY * 2), None, "nothing suppressed");
         let t1 = t0 + Duration::from_secs(1);
         for _ in 0..5 {
-            assert!(!l.allow(a, t1));
+            assert!(!l.allow(a, Class::Warning, t1));
         }
-        assert!(!l.allow(b, t1 + Duration::from_secs(1)));
-        assert_eq!(l.next_summary(), Some(t1 + WARN_EVERY));
+        assert!(!l.allow(b, Class::Warning, t1 + Duration::from_secs(1)));
+        assert_eq!(l.next_summary(), Some(t1 + EVERY));
+        assert_eq!(l.take_summary(t1 + EVERY - Duration::from_millis(1)), None);
         assert_eq!(
-            l.take_summary(t1 + WARN_EVERY - Duration::from_millis(1)),
-            None
-        );
-        assert_eq!(
-            l.take_summary(t1 + WARN_EVERY),
+            l.take_summary(t1 + EVERY),
             Some(Summary {
                 count: 6,
                 peers: 2,
                 top: Some((a, 5)),
-                over: WARN_EVERY
+                over: EVERY
             })
         );
-        assert_eq!(l.take_summary(t1 + WARN_EVERY * 3), None, "counted once");
+        assert_eq!(l.take_summary(t1 + EVERY * 3), None, "counted once");
         assert_eq!(l.next_summary(), None);
         assert_eq!(l.suppressed(), 6);
+    }
+
+    #[test]
+    fn peer_text_never_breaks_a_line() {
+        assert_eq!(
+            escape("a\nERROR forged\r\x1b[31m"),
+            "a\\nERROR forged\\r\\u{1b}[31m"
+        );
+        assert_eq!(escape(&escape("a\nb")), escape("a\nb"), "idempotent");
+        assert_eq!(escape("plain text, ünïcode"), "plain text, ünïcode");
+        assert_eq!(escape("\u{2028}"), "\\u{2028}");
+        assert_eq!(peer_text("bye"), "\"bye\"");
+        let long = "x\n".repeat(500);
+        let t = peer_text(&long);
+        assert!(!t.contains('\n'), "{t}");
+        assert!(t.ends_with("... (1000 characters)"), "{t}");
     }
 }

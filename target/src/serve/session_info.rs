@@ -10,8 +10,9 @@ use rpma_common::fabric::ResponderCounters;
 use rpma_common::proto::Connect;
 use rpma_common::stats::{Counter, Histogram};
 
+use crate::config::Config;
 use crate::control::{SessionNamespaceStatus, SessionStatus, SESSION_COUNTED};
-use crate::metrics::{DataCounters, Outcomes, MAX_HOST_SERIES, OTHER_HOSTS};
+use crate::metrics::{host_label, DataCounters, Outcomes};
 
 /// A connection's live counters and identity, shared between its poll loop and `status`.
 #[derive(Debug)]
@@ -168,8 +169,8 @@ impl SessionInfo {
     }
 }
 
-/// What the sessions that ended had counted: per (subsystem, nsid, host), and the persist
-/// histograms of their queue pairs. Folded in under the session list's lock as each one is
+/// What the sessions that ended had counted: per (subsystem, nsid, host label:
+/// [`host_label`]), and the persist histograms of their queue pairs. Folded in under the session list's lock as each one is
 /// unregistered, so that a reader never sees a session twice or a count go backwards.
 #[derive(Debug, Default)]
 pub(super) struct Retired {
@@ -179,16 +180,14 @@ pub(super) struct Retired {
 }
 
 impl Retired {
-    pub(super) fn fold(&mut self, info: &SessionInfo) {
+    pub(super) fn fold(&mut self, info: &SessionInfo, cfg: &Config) {
         let (per_ns, wb, ms) = info.data();
+        let host = host_label(cfg, &info.subsystem_nqn, &info.host_nqn);
         for (nsid, d) in per_ns {
             if d.is_zero() {
                 continue;
             }
-            let mut key = (info.subsystem_nqn.clone(), nsid, info.host_nqn.clone());
-            if !self.hosts.contains_key(&key) && self.hosts.len() >= MAX_HOST_SERIES {
-                key.2 = OTHER_HOSTS.to_owned();
-            }
+            let key = (info.subsystem_nqn.clone(), nsid, host.clone());
             self.hosts.entry(key).or_default().add(&d);
         }
         self.persist_writeback.merge(&wb);

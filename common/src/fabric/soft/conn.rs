@@ -42,6 +42,9 @@ pub(crate) struct Negotiated {
     /// The receive side's settings: CRC, our advertised maximum ULPDU, the opcodes both
     /// sides understand.
     pub(crate) rx: RxConfig,
+    /// Passive side of a peer-to-peer connection whose RTR is a zero-length Write: the first
+    /// FPDU may be that Write, whatever STag it names (RFC 6581).
+    pub(crate) rtr_write_expected: bool,
 }
 
 pub(crate) fn config(params: &ConnParams, private_data: &[u8], passive: bool) -> Result<MpaConfig> {
@@ -98,6 +101,7 @@ pub(crate) fn finish(
         crc: n.crc,
         peer_max_ulpdu: peer_max,
         rx,
+        rtr_write_expected: false,
     })
 }
 
@@ -429,7 +433,9 @@ impl Pending {
             .stream
             .local_addr()
             .map_err(sock_err("configure", self.peer))?;
-        let neg = finish(n, params, local, self.peer)?;
+        let rtr_write = n.rtr == Some(mpa::Rtr::Write);
+        let mut neg = finish(n, params, local, self.peer)?;
+        neg.rtr_write_expected = rtr_write;
         Ok((self.stream, neg))
     }
 

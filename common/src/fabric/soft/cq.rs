@@ -1,8 +1,10 @@
 //! The soft transport's part of a completion queue: the queue pairs whose sockets its polling
 //! drives, and the epoll set its idle wait blocks in.
 
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
+use super::outbound::quantum;
 use super::poll::Poller;
 use super::qp::SoftQp;
 use crate::fabric::error::Result;
@@ -10,6 +12,9 @@ use crate::fabric::error::Result;
 pub(crate) struct SoftCq {
     qps: Mutex<Arc<Vec<Weak<SoftQp>>>>,
     poller: Poller,
+    /// Queue pairs that still had output waiting after the previous pass: they share the
+    /// next pass's send budget (fair share, `outbound::quantum`).
+    busy: AtomicUsize,
 }
 
 impl SoftCq {
@@ -17,6 +22,7 @@ impl SoftCq {
         Ok(SoftCq {
             qps: Mutex::new(Arc::new(Vec::new())),
             poller: Poller::new()?,
+            busy: AtomicUsize::new(0),
         })
     }
 
@@ -46,11 +52,15 @@ impl SoftCq {
         Arc::clone(&self.qps.lock().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// Drives the bound queue pairs once.
+    /// Drives the bound queue pairs once, round-robin: each writes at most its share of the
+    /// pass's send budget, split between those that had output waiting after the last pass.
     pub(crate) fn progress(&self) {
+        let share = quantum(self.busy.load(Ordering::Relaxed));
+        let mut busy = 0;
         for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
-            qp.progress();
+            busy += usize::from(qp.progress(share));
         }
+        self.busy.store(busy, Ordering::Relaxed);
     }
 
     /// Arms the sockets for the idle wait (writability where output waits).

@@ -137,6 +137,9 @@ pub(crate) struct Engine {
     pub(super) refused_recv_status: Option<WcStatus>,
     /// What this queue pair served as the responder (its `ResponderCounters`' only writer).
     pub(super) counting: Counting,
+    /// The next FPDU may be a peer-to-peer RTR (a zero-length Write naming any STag): set at
+    /// connection for a passive side that negotiated it, cleared by the first FPDU.
+    pub(super) rtr_pending: bool,
 }
 
 /// A Write FPDU in placement (see `Engine::placing`).
@@ -167,9 +170,11 @@ impl Engine {
         self.sq.get_mut(seq.checked_sub(front)? as usize)
     }
 
-    pub(super) fn write(&mut self, conn: &mut Conn) {
+    /// Writes what is queued, at most `budget` bytes: the rest waits for the next progress
+    /// call, after the other queue pairs of the completion queue had their turn.
+    pub(super) fn write(&mut self, conn: &mut Conn, budget: usize) {
         let mut done: Vec<OnSent> = Vec::new();
-        let r = self.tx.flush(&mut conn.sock, |o| done.push(o));
+        let r = self.tx.flush(&mut conn.sock, budget, |o| done.push(o));
         for o in done {
             match o {
                 OnSent::Complete(seq) => {
@@ -280,6 +285,7 @@ impl Engine {
             }
             match conn.rx.poll(&mut conn.sock, self) {
                 Ok(Some(r)) => {
+                    self.rtr_pending = false;
                     let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
                     match r.data {
                         Delivered::Control(body) => {

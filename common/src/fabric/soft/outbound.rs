@@ -11,6 +11,15 @@
 //!
 //! Messages go out whole and in order: requests as posted, responses in the order their
 //! requests came in, which is what RC ordering asks of a single TCP stream.
+//!
+//! Fair share: one [`Tx::flush`] writes at most the budget its caller gives, so a queue pair
+//! with a gigabyte of Read Responses queued and a peer that reads as fast as the loopback goes
+//! takes its share and lets the other queue pairs of its completion queue have theirs:
+//! round-robin service of the send capacity. A completion queue's pass over its queue pairs
+//! has [`TURN_BYTES`] to give, split between those that had output waiting after the previous
+//! pass ([`quantum`]), so that a small answer waiting among them waits for about
+//! [`TURN_BYTES`] of the others' output, however many they are (down to [`MIN_QUANTUM`] each),
+//! and a lone sender still writes [`TURN_BYTES`] per call.
 
 use std::collections::VecDeque;
 use std::io;
@@ -47,6 +56,23 @@ pub(crate) struct TxMsg {
     pub(crate) src: Src,
     pub(crate) len: usize,
     pub(crate) on_sent: OnSent,
+}
+
+/// What one pass of a completion queue over its queue pairs writes at most, all of them
+/// together (unless more than `TURN_BYTES / MIN_QUANTUM` are busy): docs/benchmarks.md, "Fair
+/// share".
+pub(crate) const TURN_BYTES: usize = 4 * 1024 * 1024;
+
+/// The least share of a busy queue pair per pass: one writev of a few FPDUs.
+pub(crate) const MIN_QUANTUM: usize = 64 * 1024;
+
+/// What a post (the doorbell) writes at once at most; the rest goes in progress calls.
+pub(crate) const TX_QUANTUM: usize = 1024 * 1024;
+
+/// The share of each queue pair in a pass when `busy` of them had output waiting after the
+/// previous one: [`TURN_BYTES`] split between them, at least [`MIN_QUANTUM`].
+pub(crate) fn quantum(busy: usize) -> usize {
+    (TURN_BYTES / busy.max(1)).max(MIN_QUANTUM)
 }
 
 /// FPDUs gathered into one writev (three iovecs each, within IOV_MAX).
@@ -241,14 +267,20 @@ impl Tx {
         }
     }
 
-    /// Writes as much as the socket takes. Calls `sent` for each message fully written.
-    /// Returns Ok(true) if everything was written, Ok(false) if the socket is full.
+    /// Writes as much as the socket takes, but at most `budget` bytes. Calls `sent` for each
+    /// message fully written. Returns Ok(true) if everything was written, Ok(false) if the
+    /// socket is full or the budget spent.
     pub(crate) fn flush(
         &mut self,
         sock: &mut TcpStream,
+        budget: usize,
         mut sent: impl FnMut(OnSent),
     ) -> io::Result<bool> {
+        let mut spent = 0usize;
         loop {
+            if spent >= budget {
+                return Ok(!self.pending());
+            }
             self.cut();
             if self.ready.is_empty() {
                 return Ok(true);
@@ -260,7 +292,10 @@ impl Tx {
             let mut iov = [empty; BATCH * 3];
             let mut iovcnt = 0;
             let mut skip = self.written;
-            for f in &self.ready {
+            // What this writev may carry: the rest of the budget (an FPDU may be cut, the next
+            // call goes on from there).
+            let mut room = budget - spent;
+            'gather: for f in &self.ready {
                 let (head, trailer) = (f.framing.head(), f.framing.trailer());
                 for (i, len) in [head.len(), f.payload.len(), trailer.len()]
                     .into_iter()
@@ -270,11 +305,17 @@ impl Tx {
                         skip -= len;
                         continue;
                     }
-                    iov[iovcnt] = match i {
+                    if room == 0 {
+                        break 'gather;
+                    }
+                    let mut v = match i {
                         0 => iovec(&head[skip..]),
                         1 => f.payload.iovec(skip),
                         _ => iovec(&trailer[skip..]),
                     };
+                    v.iov_len = v.iov_len.min(room);
+                    room -= v.iov_len;
+                    iov[iovcnt] = v;
                     iovcnt += 1;
                     skip = 0;
                 }
@@ -293,6 +334,7 @@ impl Tx {
                     e => return Err(e),
                 },
             };
+            spent += n;
             let mut n = n + self.written;
             self.written = 0;
             while let Some(f) = self.ready.front() {
@@ -354,7 +396,7 @@ mod tests {
             tx.push_inline(send, b"hello".to_vec(), OnSent::Complete(2));
             let (mut a, mut b) = socket_pair();
             let mut done = Vec::new();
-            assert!(tx.flush(&mut a, |o| done.push(o)).unwrap());
+            assert!(tx.flush(&mut a, usize::MAX, |o| done.push(o)).unwrap());
             assert_eq!(done, [OnSent::Complete(1), OnSent::Complete(2)]);
             assert!(!tx.pending());
             drop(a);
@@ -433,7 +475,7 @@ mod tests {
         let mut done = Vec::new();
         a.set_nonblocking(true).unwrap();
         while tx.pending() {
-            tx.flush(&mut a, |o| done.push(o)).unwrap();
+            tx.flush(&mut a, usize::MAX, |o| done.push(o)).unwrap();
         }
         drop(a);
         assert_eq!(
@@ -450,5 +492,51 @@ mod tests {
         let rest = (1 << 20) - 32 * 31_986;
         let per_message = 32 * fpdu_len(32_000) + fpdu_len(14 + rest);
         assert_eq!(reader.join().unwrap(), 3 * per_message);
+    }
+
+    #[test]
+    fn a_flush_stops_after_its_budget_and_the_next_goes_on() {
+        let ctx = Context::soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let mr = pd
+            .register(AlignedBuf::new(1 << 20).unwrap(), Access::LOCAL_WRITE)
+            .unwrap();
+        let mut tx = Tx::new(false, 16 * 1024);
+        tx.push(TxMsg {
+            hdr: Header::tagged(Opcode::Write, 9, 0, true),
+            src: Src::Mem {
+                region: Arc::clone(mr.region()),
+                offset: 0,
+            },
+            len: 1 << 20,
+            on_sent: OnSent::Complete(1),
+        });
+        let (mut a, mut b) = socket_pair();
+        let reader = std::thread::spawn(move || {
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).unwrap();
+            got.len()
+        });
+        // Each call writes at most its budget, then returns with the rest still queued.
+        let mut done = Vec::new();
+        let mut calls = 0;
+        a.set_nonblocking(true).unwrap();
+        while tx.pending() {
+            tx.flush(&mut a, 64 * 1024, |o| done.push(o)).unwrap();
+            calls += 1;
+        }
+        drop(a);
+        assert!(calls >= 16, "a 1 MiB message in {calls} calls of 64 KiB");
+        assert_eq!(done, [OnSent::Complete(1)]);
+        assert!(reader.join().unwrap() > 1 << 20);
+    }
+
+    #[test]
+    fn a_pass_is_split_between_the_busy() {
+        assert_eq!(quantum(0), TURN_BYTES);
+        assert_eq!(quantum(1), TURN_BYTES);
+        assert_eq!(quantum(4), TURN_BYTES / 4);
+        assert_eq!(quantum(48), TURN_BYTES / 48);
+        assert_eq!(quantum(10_000), MIN_QUANTUM);
     }
 }

@@ -18,7 +18,7 @@ use crate::fabric::error::{Error, Result};
 use crate::fabric::pd::ProtectionDomain;
 use crate::fabric::qp::{ConnInfo, ConnParams};
 use crate::fabric::soft::conn::Negotiated;
-use crate::fabric::soft::outbound::Tx;
+use crate::fabric::soft::outbound::{Tx, TX_QUANTUM};
 use crate::fabric::soft::placement::{Counting, Dirty};
 use crate::fabric::soft::poll::Poller;
 use crate::fabric::soft::wire::rx::FpduReceiver;
@@ -94,6 +94,7 @@ impl SoftQp {
             placing: None,
             refused_recv_status: None,
             counting: Counting::new(counters.clone()),
+            rtr_pending: false,
         };
         Arc::new(SoftQp {
             num,
@@ -158,6 +159,7 @@ impl SoftQp {
         e.ird = neg.info.ird.max(1) as usize;
         e.max_message = params.max_message;
         e.info = Some(neg.info.clone());
+        e.rtr_pending = neg.rtr_write_expected;
         e.state = QpState::Rtr;
         e.state = QpState::Rts;
         c.conn = Some(Conn {
@@ -222,26 +224,30 @@ impl SoftQp {
         let Core { conn, e } = &mut *c;
         e.issue();
         if let Some(conn) = conn.as_mut() {
-            e.write(conn);
+            e.write(conn, TX_QUANTUM);
         }
         e.complete_in_order();
         Ok(())
     }
 
-    /// One round of progress: receive, answer, issue, send, complete.
-    pub(crate) fn progress(&self) {
+    /// One round of progress: receive, answer, issue, send (at most `share` bytes), complete.
+    /// Returns whether output is still waiting.
+    pub(crate) fn progress(&self, share: usize) -> bool {
         let mut c = self.lock();
         let Core { conn, e } = &mut *c;
-        let Some(cn) = conn.as_mut() else { return };
+        let Some(cn) = conn.as_mut() else {
+            return false;
+        };
         if e.state == QpState::Rts {
             e.receive(cn);
             e.issue();
         }
-        e.write(cn);
+        e.write(cn, share);
         e.complete_in_order();
         if e.state == QpState::Error && (!e.tx.pending() || !e.closing) && drain(cn) {
             *conn = None;
         }
+        e.tx.pending()
     }
 
     /// Registers the socket with `poller` and arms writability if output waits.

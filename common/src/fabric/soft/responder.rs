@@ -466,8 +466,18 @@ impl Engine {
     pub(super) fn check_placement(&mut self, hdr: &Header, len: usize) -> PlaceResult {
         self.placing = None;
         match (hdr.opcode, hdr.kind) {
-            // A zero-length Write places nothing (it is also the peer-to-peer RTR).
-            (Opcode::Write, HeaderKind::Tagged { .. }) if len == 0 => Ok(None),
+            // A zero-length Write places nothing. The peer-to-peer RTR (the first FPDU of a
+            // connection that negotiated it) may name any STag; every other one is checked like
+            // any Write, so that a flood of them with a bogus STag (before Connect nothing is
+            // registered for this queue pair) ends at the first with a Terminate instead of
+            // costing the target until a deadline.
+            (Opcode::Write, HeaderKind::Tagged { .. }) if len == 0 && self.rtr_pending => Ok(None),
+            (Opcode::Write, HeaderKind::Tagged { stag, to }) if len == 0 => {
+                match self.lookup(stag, to, 0, Access::REMOTE_WRITE) {
+                    Ok(_) => Ok(None),
+                    Err(f) => Err((status::tagged_cause(f), None)),
+                }
+            }
             (Opcode::Write, HeaderKind::Tagged { stag, to }) => {
                 match self.lookup(stag, to, len as u64, Access::REMOTE_WRITE) {
                     Ok(t) => {

@@ -58,6 +58,7 @@ fn status() -> Status {
                 },
                 data,
                 failed: Some("msync failed".into()),
+                failed_since: None,
             }],
         }],
         sessions: vec![SessionStatus {

@@ -9,6 +9,10 @@ fn get(addr: SocketAddr, request: &[u8]) -> String {
     out
 }
 
+fn far() -> Instant {
+    Instant::now() + Duration::from_secs(60)
+}
+
 fn server() -> MetricsServer {
     let page: PageFn = Arc::new(|| "# HELP x_total y\n# TYPE x_total counter\nx_total 1\n".into());
     MetricsServer::bind("127.0.0.1:0".parse().unwrap(), page).unwrap()
@@ -46,7 +50,7 @@ impl Read for Trickle {
 fn heads_are_read_across_reads_and_bounded() {
     let req = b"GET /metrics HTTP/1.1\r\nHost: a\r\n\r\nbody".to_vec();
     for step in [1, 2, 3, 5, 1024] {
-        let got = read_head(&mut Trickle(req.clone(), step), |_| {}).unwrap();
+        let got = read_head(&mut Trickle(req.clone(), step), far(), |_| {}).unwrap();
         assert_eq!(got, b"GET /metrics HTTP/1.1\r\nHost: a", "step {step}");
     }
     let huge = [
@@ -55,11 +59,11 @@ fn heads_are_read_across_reads_and_bounded() {
     ]
     .concat();
     assert_eq!(
-        read_head(&mut Trickle(huge, 1000), |_| {}),
+        read_head(&mut Trickle(huge, 1000), far(), |_| {}),
         Err(NoHead::Refuse("431 Request Header Fields Too Large"))
     );
     assert_eq!(
-        read_head(&mut Trickle(b"GET / HTT".to_vec(), 4), |_| {}),
+        read_head(&mut Trickle(b"GET / HTT".to_vec(), 4), far(), |_| {}),
         Err(NoHead::Gone),
         "closed before the head ended"
     );
@@ -88,37 +92,74 @@ fn serves_get_metrics_and_refuses_the_rest() {
     assert!(get(addr, b"\x16\x03\x01 not http\r\n\r\n").starts_with("HTTP/1.1 400 "));
 }
 
+/// Waits until the server serves `n` connections.
+fn serving(s: &MetricsServer, n: usize) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while s.serving() != n {
+        assert!(Instant::now() < deadline, "serving {} not {n}", s.serving());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
-fn silent_clients_take_at_most_the_scraper_slots() {
+fn silent_clients_make_room_for_a_scrape_oldest_first() {
     let s = server();
     let addr = s.local_addr();
-    // Connections that send nothing hold every slot...
-    let silent: Vec<TcpStream> = (0..MAX_SCRAPERS)
+    // Connections that send nothing hold every place this address may have...
+    let mut silent: Vec<TcpStream> = (0..MAX_PER_SOURCE)
         .map(|_| TcpStream::connect(addr).unwrap())
         .collect();
-    // ...so one more is turned away at once (not queued behind them).
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let mut refused = String::new();
-    while Instant::now() < deadline {
-        refused = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
-        if refused.starts_with("HTTP/1.1 503 ") {
-            break;
-        }
-        // The accept thread may not have taken all of the silent ones yet.
-        std::thread::sleep(Duration::from_millis(20));
-    }
-    assert!(refused.starts_with("HTTP/1.1 503 "), "{refused}");
-    // When they go, the slots come back.
+    serving(&s, MAX_PER_SOURCE);
+    // ...and a scrape from the same address still gets in, in the oldest one's place.
+    let ok = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
+    assert!(ok.starts_with("HTTP/1.1 200 "), "{ok}");
+    let mut b = [0u8; 16];
+    silent[0]
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    assert!(
+        matches!(silent[0].read(&mut b), Ok(0) | Err(_)),
+        "the oldest was closed"
+    );
+    silent[1]
+        .set_read_timeout(Some(Duration::from_millis(50)))
+        .unwrap();
+    assert!(
+        matches!(silent[1].read(&mut b), Err(e) if e.kind() == ErrorKind::WouldBlock),
+        "the next one is still served"
+    );
+    assert_eq!(s.slots.lock().evicted, 1);
     drop(silent);
-    let deadline = Instant::now() + Duration::from_secs(5);
-    loop {
-        let r = get(addr, b"GET /metrics HTTP/1.1\r\n\r\n");
-        if r.starts_with("HTTP/1.1 200 ") {
-            break;
-        }
-        assert!(Instant::now() < deadline, "slots not freed: {r}");
-        std::thread::sleep(Duration::from_millis(20));
+    serving(&s, 0);
+}
+
+#[test]
+fn places_taken_by_answers_are_not_evicted() {
+    let slots = Slots::default();
+    let a: IpAddr = "192.0.2.1".parse().unwrap();
+    let b: IpAddr = "192.0.2.2".parse().unwrap();
+    let mine: Vec<u64> = (0..MAX_PER_SOURCE)
+        .map(|_| slots.take(a, None).unwrap())
+        .collect();
+    for &m in &mine {
+        assert!(slots.set(m, Phase::Answering));
     }
+    // Every place of a's is answering: a's newcomer is turned away...
+    assert_eq!(slots.take(a, None), None);
+    // ...until one is done.
+    assert!(slots.set(mine[2], Phase::Closing));
+    let n = slots.take(a, None).unwrap();
+    assert!(!slots.set(mine[2], Phase::Answering), "evicted");
+    assert!(slots.set(n, Phase::Answering));
+    // Another address fills the rest; then the pool's oldest evictable goes: b's first.
+    let bs: Vec<u64> = (0..MAX_SCRAPERS - MAX_PER_SOURCE)
+        .map(|_| slots.take(b, None).unwrap())
+        .collect();
+    let c: IpAddr = "192.0.2.3".parse().unwrap();
+    slots.take(c, None).unwrap();
+    assert!(!slots.set(bs[0], Phase::Reading), "b's oldest made room");
+    assert!(slots.set(bs[1], Phase::Reading));
+    assert_eq!(slots.lock().evicted, 2);
 }
 
 #[test]

@@ -1,0 +1,497 @@
+//! Failed namespaces, remembered across reloads, restarts and SIGKILL: the state file
+//! (`state_file`, beside the configuration by default).
+//!
+//! Linux reports a write-back error once and marks the pages it could not write clean, so a
+//! target that forgot a failure on restart would serve those pages and call them durable
+//! (docs/persistence.md, "A failed write-back is not forgotten"). The [`FailureLedger`] keeps
+//! every failed namespace's backing file with the failure and its time until an operator
+//! clears it explicitly (`rpma-target clear-failure`, through the control socket).
+//!
+//! # The file
+//!
+//! It is allocated once, at start-up, at its full size: two slots of [`SLOT`] bytes. Each
+//! update writes the whole list into the slot not holding the newest copy and `fdatasync`s it,
+//! so recording a failure allocates no block of the filesystem (a full filesystem, the usual
+//! reason for a failed write-back, can still take it) and a crash in the middle of an update
+//! leaves the other slot intact. A slot is a text line
+//! `rpma-target state v1 seq=N len=L crc32c=XXXXXXXX`, then `L` bytes of JSON, then zeros;
+//! the valid slot with the highest `seq` wins. A file whose slots are both damaged is refused
+//! (the daemon does not start): nobody could tell which namespaces had failed.
+
+use std::fs::File;
+use std::io::{Read, Seek, SeekFrom, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::Mutex;
+use std::time::{SystemTime, UNIX_EPOCH};
+
+use rpma_common::pmem::SyncFailure;
+use serde::{Deserialize, Serialize};
+
+/// Bytes per slot (the file is two of them).
+pub const SLOT: usize = 64 * 1024;
+
+const MAGIC: &str = "rpma-target state v1";
+
+/// Errors of the state file.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LedgerError {
+    /// The file could not be created, allocated, read or written.
+    #[error(
+        "state file {}: cannot {op} (it remembers failed namespaces across restarts; set \
+         `state_file` to a path the daemon can write, on another filesystem than the \
+         namespaces if you can)",
+        path.display()
+    )]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What was being done.
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Neither slot holds a valid copy.
+    #[error(
+        "state file {}: damaged ({why}); it says which namespaces failed, so the daemon will \
+         not guess: restore it, or remove it once you have checked every namespace's data",
+        path.display()
+    )]
+    Damaged {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        why: String,
+    },
+    /// The list does not fit in a slot.
+    #[error("state file {}: {len} bytes of failures do not fit in {SLOT}", path.display())]
+    TooLarge {
+        /// The file.
+        path: PathBuf,
+        /// The list's size.
+        len: usize,
+    },
+}
+
+/// Result of the ledger.
+pub type Result<T> = std::result::Result<T, LedgerError>;
+
+/// A failed namespace, as remembered.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Failed {
+    /// The backing file (as configured when it failed, canonicalized).
+    pub path: PathBuf,
+    /// Its subsystem then.
+    pub subsystem: String,
+    /// Its namespace id then.
+    pub nsid: u32,
+    /// The call that failed: "fdatasync", "msync", ...
+    pub op: String,
+    /// Its errno.
+    pub errno: i32,
+    /// The failure as logged ("fdatasync failed: No space left on device (os error 28)").
+    pub failure: String,
+    /// When it failed, in ms since the Unix epoch.
+    pub since_unix_ms: u64,
+}
+
+impl Failed {
+    /// The failure, as the pmem layer reports it.
+    pub fn sync_failure(&self) -> SyncFailure {
+        // The layer names its calls with static strings; a name this build does not know
+        // still reads as a failed write-back.
+        let op = match self.op.as_str() {
+            "msync" => "msync",
+            "fdatasync" => "fdatasync",
+            "pwrite" => "pwrite",
+            _ => "write-back",
+        };
+        SyncFailure {
+            op,
+            errno: self.errno,
+        }
+    }
+
+    /// When it failed, for people (UTC).
+    pub fn since(&self) -> String {
+        utc(self.since_unix_ms / 1000)
+    }
+}
+
+/// `YYYY-MM-DD HH:MM:SS UTC` of Unix time `secs`.
+pub fn utc(secs: u64) -> String {
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil from days (Howard Hinnant's algorithm), for days since 1970-01-01.
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = doy - (153 * mp + 2) / 5 + 1;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 };
+    let y = yoe + era * 400 + i64::from(m <= 2);
+    format!(
+        "{y:04}-{m:02}-{d:02} {:02}:{:02}:{:02} UTC",
+        rem / 3600,
+        rem / 60 % 60,
+        rem % 60
+    )
+}
+
+#[derive(Debug, Default, Serialize, Deserialize)]
+struct Contents {
+    failed: Vec<Failed>,
+}
+
+#[derive(Debug)]
+struct Inner {
+    file: File,
+    seq: u64,
+    /// The slot holding the newest copy.
+    slot: usize,
+    failed: Vec<Failed>,
+}
+
+/// The failed namespaces and the file that remembers them. Shared by the namespaces (each
+/// mapping's failure hook records into it) and the daemon.
+#[derive(Debug)]
+pub struct FailureLedger {
+    path: PathBuf,
+    inner: Mutex<Inner>,
+}
+
+/// The canonical form of a backing path, the ledger's key (the path itself if it cannot be
+/// resolved).
+pub fn key_of(path: &Path) -> PathBuf {
+    path.canonicalize().unwrap_or_else(|_| path.to_owned())
+}
+
+fn now_ms() -> u64 {
+    SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// One slot's contents: None if it is all zeros (never written).
+fn parse_slot(buf: &[u8]) -> std::result::Result<Option<(u64, Contents)>, String> {
+    if buf.iter().all(|&b| b == 0) {
+        return Ok(None);
+    }
+    let nl = buf
+        .iter()
+        .position(|&b| b == b'\n')
+        .ok_or("no header line")?;
+    let head = std::str::from_utf8(&buf[..nl]).map_err(|_| "header is not text")?;
+    let rest = head
+        .strip_prefix(MAGIC)
+        .ok_or_else(|| format!("header {head:?}"))?;
+    let mut seq = None;
+    let mut len = None;
+    let mut crc = None;
+    for kv in rest.split_whitespace() {
+        match kv.split_once('=') {
+            Some(("seq", v)) => seq = v.parse::<u64>().ok(),
+            Some(("len", v)) => len = v.parse::<usize>().ok(),
+            Some(("crc32c", v)) => crc = u32::from_str_radix(v, 16).ok(),
+            _ => return Err(format!("header {head:?}")),
+        }
+    }
+    let (Some(seq), Some(len), Some(crc)) = (seq, len, crc) else {
+        return Err(format!("header {head:?}"));
+    };
+    let body = buf
+        .get(nl + 1..nl + 1 + len)
+        .ok_or("length past the slot")?;
+    if crc_fast::crc32_iscsi(body) != crc {
+        return Err("checksum mismatch".into());
+    }
+    let c: Contents = serde_json::from_slice(body).map_err(|e| e.to_string())?;
+    Ok(Some((seq, c)))
+}
+
+/// The newest valid copy in a state file's bytes: (seq, slot, contents), None if it holds
+/// none yet.
+fn newest(path: &Path, buf: &[u8]) -> Result<Option<(u64, usize, Contents)>> {
+    let mut best: Option<(u64, usize, Contents)> = None;
+    let mut damaged = Vec::new();
+    for slot in 0..2 {
+        let part = buf.get(slot * SLOT..).unwrap_or(&[]);
+        let part = &part[..part.len().min(SLOT)];
+        match parse_slot(part) {
+            Ok(Some((seq, c))) if best.as_ref().is_none_or(|b| seq > b.0) => {
+                best = Some((seq, slot, c))
+            }
+            Ok(_) => {}
+            Err(why) => damaged.push(format!("slot {slot}: {why}")),
+        }
+    }
+    if best.is_none() && !damaged.is_empty() {
+        return Err(LedgerError::Damaged {
+            path: path.to_owned(),
+            why: damaged.join("; "),
+        });
+    }
+    Ok(best)
+}
+
+/// What the state file at `path` remembers, read without creating or changing anything
+/// (`check-config`): None if there is no file yet.
+///
+/// # Errors
+/// [`LedgerError::Io`] (unreadable), [`LedgerError::Damaged`].
+pub fn peek(path: &Path) -> Result<Option<Vec<Failed>>> {
+    match std::fs::read(path) {
+        Ok(buf) => Ok(Some(
+            newest(path, &buf)?.map(|b| b.2.failed).unwrap_or_default(),
+        )),
+        Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(LedgerError::Io {
+            path: path.to_owned(),
+            op: "read",
+            source,
+        }),
+    }
+}
+
+impl FailureLedger {
+    /// Opens the state file at `path`, creating it (and allocating both slots) if missing, and
+    /// reads what it remembers. Fails if the file cannot be written: a daemon that could not
+    /// remember a failure must not start.
+    ///
+    /// # Errors
+    /// [`LedgerError::Io`], [`LedgerError::Damaged`].
+    pub fn open(path: &Path) -> Result<FailureLedger> {
+        let io = |op| {
+            move |source| LedgerError::Io {
+                path: path.to_owned(),
+                op,
+                source,
+            }
+        };
+        let mut file = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(path)
+            .map_err(io("open for writing"))?;
+        let mut buf = Vec::new();
+        file.read_to_end(&mut buf).map_err(io("read"))?;
+        let best = newest(path, &buf)?;
+        // Allocated up front: an update then needs no new block.
+        if buf.len() < 2 * SLOT {
+            file.seek(SeekFrom::Start(buf.len() as u64))
+                .and_then(|_| file.write_all(&vec![0u8; 2 * SLOT - buf.len()]))
+                .map_err(io("allocate"))?;
+        }
+        file.sync_all().map_err(io("sync"))?;
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            // The new file's name is durable too.
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
+        }
+        let (seq, slot, c) = best.unwrap_or((0, 1, Contents::default()));
+        Ok(FailureLedger {
+            path: path.to_owned(),
+            inner: Mutex::new(Inner {
+                file,
+                seq,
+                slot,
+                failed: c.failed,
+            }),
+        })
+    }
+
+    /// The state file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// What is remembered about the file at `path`, if it failed.
+    pub fn get(&self, path: &Path) -> Option<Failed> {
+        let key = key_of(path);
+        self.lock().failed.iter().find(|f| f.path == key).cloned()
+    }
+
+    /// Every failed namespace remembered.
+    pub fn all(&self) -> Vec<Failed> {
+        self.lock().failed.clone()
+    }
+
+    /// Remembers that the namespace backed by `path` failed with `failure` (kept as it is if
+    /// the file is remembered already: the first failure and its time stand). Written to the
+    /// file before this returns.
+    ///
+    /// # Errors
+    /// [`LedgerError::Io`], [`LedgerError::TooLarge`]: the failure is then not remembered
+    /// across a restart (it still holds in memory).
+    pub fn record(
+        &self,
+        subsystem: &str,
+        nsid: u32,
+        path: &Path,
+        failure: &SyncFailure,
+    ) -> Result<Failed> {
+        let key = key_of(path);
+        let mut g = self.lock();
+        if let Some(f) = g.failed.iter().find(|f| f.path == key) {
+            return Ok(f.clone());
+        }
+        let entry = Failed {
+            path: key,
+            subsystem: subsystem.to_owned(),
+            nsid,
+            op: failure.op.to_owned(),
+            errno: failure.errno,
+            failure: failure.to_string(),
+            since_unix_ms: now_ms(),
+        };
+        let mut next = g.failed.clone();
+        next.push(entry.clone());
+        self.write(&mut g, next)?;
+        Ok(entry)
+    }
+
+    /// Forgets the failure of the file at `path` (the operator's explicit act). Returns what
+    /// was remembered, None if nothing was.
+    ///
+    /// # Errors
+    /// [`LedgerError::Io`]: nothing is forgotten then.
+    pub fn clear(&self, path: &Path) -> Result<Option<Failed>> {
+        let key = key_of(path);
+        let mut g = self.lock();
+        let Some(at) = g.failed.iter().position(|f| f.path == key) else {
+            return Ok(None);
+        };
+        let mut next = g.failed.clone();
+        let gone = next.remove(at);
+        self.write(&mut g, next)?;
+        Ok(Some(gone))
+    }
+
+    /// Writes `failed` into the slot not holding the newest copy, then makes it the newest.
+    fn write(&self, g: &mut Inner, failed: Vec<Failed>) -> Result<()> {
+        let c = Contents { failed };
+        let body = serde_json::to_vec(&c).expect("the ledger serializes");
+        let seq = g.seq + 1;
+        let head = format!(
+            "{MAGIC} seq={seq} len={} crc32c={:08x}\n",
+            body.len(),
+            crc_fast::crc32_iscsi(&body)
+        );
+        let mut slot = Vec::with_capacity(SLOT);
+        slot.extend_from_slice(head.as_bytes());
+        slot.extend_from_slice(&body);
+        if slot.len() > SLOT {
+            return Err(LedgerError::TooLarge {
+                path: self.path.clone(),
+                len: slot.len(),
+            });
+        }
+        slot.resize(SLOT, 0);
+        let to = 1 - g.slot;
+        let io = |op| {
+            move |source| LedgerError::Io {
+                path: self.path.clone(),
+                op,
+                source,
+            }
+        };
+        g.file
+            .write_all_at(&slot, (to * SLOT) as u64)
+            .map_err(io("write"))?;
+        g.file.sync_data().map_err(io("sync"))?;
+        g.seq = seq;
+        g.slot = to;
+        g.failed = c.failed;
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn enospc() -> SyncFailure {
+        SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(28))
+    }
+
+    #[test]
+    fn a_recorded_failure_survives_reopening_until_cleared() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let ns = d.path().join("ns1");
+        std::fs::write(&ns, b"x").unwrap();
+        let l = FailureLedger::open(&state).unwrap();
+        assert_eq!(std::fs::metadata(&state).unwrap().len(), 2 * SLOT as u64);
+        assert!(l.get(&ns).is_none());
+        let f = l
+            .record("nqn.2026-11.io.rpma:t", 1, &ns, &enospc())
+            .unwrap();
+        assert_eq!(f.sync_failure(), enospc());
+        // The first failure stands.
+        let eio = SyncFailure::new("msync", &std::io::Error::from_raw_os_error(5));
+        assert_eq!(l.record("nqn.2026-11.io.rpma:t", 1, &ns, &eio).unwrap(), f);
+        drop(l);
+
+        // Another opening (a restart) sees it, by any spelling of the path.
+        let l = FailureLedger::open(&state).unwrap();
+        let odd = d.path().join(".").join("ns1");
+        assert_eq!(l.get(&odd), Some(f.clone()));
+        assert_eq!(l.all().len(), 1);
+        assert_eq!(l.clear(&ns).unwrap(), Some(f));
+        assert_eq!(l.clear(&ns).unwrap(), None);
+        drop(l);
+        assert!(FailureLedger::open(&state).unwrap().all().is_empty());
+    }
+
+    #[test]
+    fn a_torn_update_leaves_the_previous_copy() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let l = FailureLedger::open(&state).unwrap();
+        let a = d.path().join("a");
+        let b = d.path().join("b");
+        l.record("nqn.2026-11.io.rpma:t", 1, &a, &enospc()).unwrap();
+        l.record("nqn.2026-11.io.rpma:t", 2, &b, &enospc()).unwrap();
+        let newest = l.lock().slot;
+        drop(l);
+        // The newest copy is torn (a crash while it was written): the older one is used.
+        let f = std::fs::OpenOptions::new()
+            .write(true)
+            .open(&state)
+            .unwrap();
+        f.write_all_at(b"garbage", (newest * SLOT + 40) as u64)
+            .unwrap();
+        let l = FailureLedger::open(&state).unwrap();
+        assert_eq!(l.all().len(), 1, "the copy before the torn one");
+        drop(l);
+        // Both damaged: refused, not taken as "nothing failed".
+        f.write_all_at(b"garbage", (((1 - newest) * SLOT) + 40) as u64)
+            .unwrap();
+        let e = FailureLedger::open(&state).unwrap_err();
+        assert!(matches!(e, LedgerError::Damaged { .. }), "{e}");
+    }
+
+    #[test]
+    fn an_unwritable_place_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let e = FailureLedger::open(&d.path().join("missing-dir/state")).unwrap_err();
+        assert!(e.to_string().contains("state_file"), "{e}");
+    }
+
+    #[test]
+    fn utc_dates() {
+        assert_eq!(utc(0), "1970-01-01 00:00:00 UTC");
+        assert_eq!(utc(1_764_588_000), "2025-12-01 11:20:00 UTC");
+        assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
+    }
+}

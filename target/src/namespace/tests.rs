@@ -1,0 +1,270 @@
+use super::*;
+
+#[test]
+fn methods_per_domain_and_transport() {
+    let all = DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH;
+    for d in [Domain::Dax, Domain::DaxForced, Domain::PageCache] {
+        assert_eq!(durability_methods(d, Transport::Tcp, false), all);
+    }
+    assert_eq!(
+        durability_methods(Domain::Volatile, Transport::Tcp, true),
+        DurabilityMethods::NONE
+    );
+    assert_eq!(
+        durability_methods(Domain::Volatile, Transport::Rdma, true),
+        DurabilityMethods::NONE
+    );
+    assert_eq!(
+        durability_methods(Domain::Dax, Transport::Rdma, false),
+        DurabilityMethods::GPSPM
+    );
+    assert_eq!(
+        durability_methods(Domain::Dax, Transport::Rdma, true),
+        DurabilityMethods::APM | DurabilityMethods::GPSPM
+    );
+    assert_eq!(
+        durability_methods(Domain::PageCache, Transport::Rdma, true),
+        DurabilityMethods::GPSPM
+    );
+}
+
+#[test]
+fn wire_domains() {
+    assert_eq!(wire_domain(Domain::DaxForced), PersistenceDomain::DaxForced);
+    assert_eq!(wire_domain(Domain::Volatile), PersistenceDomain::Volatile);
+    assert_eq!(
+        wire_domain(Domain::PageCache).to_string(),
+        Domain::PageCache.to_string()
+    );
+}
+
+/// Minor faults of this thread while writing a byte into every page of `ns`.
+fn first_touch_faults(ns: &OpenNamespace) -> i64 {
+    let faults = || {
+        // SAFETY: getrusage fills one plain struct that outlives the call.
+        unsafe {
+            let mut ru: libc::rusage = std::mem::zeroed();
+            assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
+            ru.ru_minflt
+        }
+    };
+    let before = faults();
+    for off in (0..ns.mapping.len()).step_by(4096) {
+        ns.mapping.write_at(off, &[1]).unwrap();
+    }
+    faults() - before
+}
+
+#[test]
+fn a_dax_namespace_is_mapped_in_ahead_unless_the_config_says_not_to() {
+    let d = tempfile::tempdir_in("/dev/shm").unwrap();
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ns = |name: &str, prefault: bool| config::Namespace {
+        nsid: 1,
+        path: d.path().join(name),
+        size: Some(2 << 20),
+        block_size: 4096,
+        read_only: false,
+        force_dax: true,
+        grow: false,
+        prefault,
+        power_loss_simulation: None,
+    };
+    let ahead = OpenNamespace::open(&nqn, &ns("ahead", true)).unwrap();
+    let lazy = OpenNamespace::open(&nqn, &ns("lazy", false)).unwrap();
+    let pages = (2 << 20) / 4096;
+    assert!(first_touch_faults(&lazy) >= pages / 2, "the control");
+    assert!(first_touch_faults(&ahead) < pages / 16);
+}
+
+#[test]
+fn open_errors_name_the_namespace() {
+    let d = tempfile::tempdir().unwrap();
+    let ns = config::Namespace {
+        nsid: 3,
+        path: d.path().join("missing"),
+        size: None,
+        block_size: 4096,
+        read_only: false,
+        force_dax: false,
+        grow: false,
+        prefault: true,
+        power_loss_simulation: None,
+    };
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let e = OpenNamespace::open(&nqn, &ns).unwrap_err();
+    assert!(matches!(e, NamespaceError::Open { nsid: 3, .. }));
+    assert!(e.to_string().contains("namespace 3"), "{e}");
+}
+
+fn cfg(dir: &std::path::Path, extra: &str) -> config::Config {
+    let text = format!(
+        "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:t\"\nallow_any_host = true\n\
+         [[subsystem.namespace]]\nnsid = 1\npath = \"n1\"\nsize = \"64KiB\"\n\
+         [[subsystem.namespace]]\nnsid = 2\npath = \"n2\"\nsize = \"64KiB\"\n{extra}"
+    );
+    config::Config::from_toml(&text, dir).unwrap()
+}
+
+#[test]
+fn apply_touches_only_what_the_diff_names() {
+    let d = tempfile::tempdir().unwrap();
+    let old = cfg(d.path(), "");
+    let mut table = NamespaceTable::open_all(&old).unwrap();
+    assert_eq!(table.len(), 2);
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ns1 = table.get(&nqn, 1).unwrap().clone();
+    let ns2 = table.get(&nqn, 2).unwrap().clone();
+
+    let mut new = cfg(
+        d.path(),
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"n3\"\nsize = \"64KiB\"\n",
+    );
+    new.subsystems[0].namespaces[1].size = Some(128 << 10);
+    new.subsystems[0].namespaces[1].grow = true;
+    let diff = crate::reload::diff(&old, &new);
+    let report = table.apply(&diff, &new).unwrap();
+    assert_eq!(report.opened, [(nqn.clone(), 3), (nqn.clone(), 2)]);
+    assert_eq!(report.closed, [(nqn.clone(), 2)]);
+    assert!(
+        Arc::ptr_eq(table.get(&nqn, 1).unwrap(), &ns1),
+        "untouched namespace reopened"
+    );
+    assert!(!Arc::ptr_eq(table.get(&nqn, 2).unwrap(), &ns2));
+    assert_eq!(table.get(&nqn, 2).unwrap().size(), 128 << 10, "grown");
+    assert_eq!(table.get(&nqn, 3).unwrap().size(), 64 << 10);
+    assert_eq!(table.of_subsystem(&nqn).count(), 3);
+}
+
+#[test]
+fn growing_needs_grow_at_start_and_on_reload_alike() {
+    let d = tempfile::tempdir().unwrap();
+    let old = cfg(d.path(), "");
+    let mut table = NamespaceTable::open_all(&old).unwrap();
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let mut bigger = old.clone();
+    bigger.subsystems[0].namespaces[0].size = Some(128 << 10);
+
+    // Without `grow`: the reload is refused, and so is a start with that configuration.
+    let diff = crate::reload::diff(&old, &bigger);
+    let e = table.apply(&diff, &bigger).unwrap_err();
+    assert!(
+        matches!(&e, NamespaceError::WouldGrow { nsid: 1, .. }),
+        "{e:?}"
+    );
+    assert!(e.to_string().contains("grow = true"), "{e}");
+    assert_eq!(table.get(&nqn, 1).unwrap().size(), 64 << 10, "unchanged");
+    drop(table);
+    assert!(NamespaceTable::open_all(&bigger).is_err());
+
+    // With it: a start grows the file, and so does a reload.
+    bigger.subsystems[0].namespaces[0].grow = true;
+    let table = NamespaceTable::open_all(&bigger).unwrap();
+    assert_eq!(table.get(&nqn, 1).unwrap().size(), 128 << 10);
+    drop(table);
+    let mut table = NamespaceTable::open_all(&bigger).unwrap();
+    let mut biggest = bigger.clone();
+    biggest.subsystems[0].namespaces[0].size = Some(256 << 10);
+    let diff = crate::reload::diff(&bigger, &biggest);
+    table.apply(&diff, &biggest).unwrap();
+    assert_eq!(table.get(&nqn, 1).unwrap().size(), 256 << 10);
+    // Never shrunk.
+    let diff = crate::reload::diff(&biggest, &bigger);
+    assert!(table.apply(&diff, &bigger).is_err());
+}
+
+#[test]
+fn failed_apply_leaves_the_table_as_it_was() {
+    let d = tempfile::tempdir().unwrap();
+    let old = cfg(d.path(), "");
+    let mut table = NamespaceTable::open_all(&old).unwrap();
+    // nsid 3 on a path that cannot be created (a directory).
+    std::fs::create_dir(d.path().join("dir")).unwrap();
+    let new = cfg(
+        d.path(),
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"dir\"\nsize = \"64KiB\"\n",
+    );
+    let mut new2 = new.clone();
+    new2.subsystems[0].namespaces.remove(0);
+    let diff = crate::reload::diff(&old, &new2);
+    assert!(!diff.namespaces_removed.is_empty());
+    assert!(table.apply(&diff, &new2).is_err());
+    assert_eq!(table.len(), 2, "nothing removed when an open failed");
+}
+
+#[test]
+fn a_failure_is_remembered_across_openings_until_cleared() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+    let table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+    let ns1 = table.get(&nqn, 1).unwrap();
+    assert!(ns1.failure().is_none() && ns1.remembered().is_none());
+    // The mapping's first failure reaches the state file at once.
+    let f = SyncFailure::new("msync", &std::io::Error::from_raw_os_error(libc::EIO));
+    ns1.mapping.record_failure(f);
+    let r = ledger.get(&ns1.config.path).expect("recorded");
+    assert_eq!((r.nsid, r.sync_failure()), (1, f));
+    drop(table);
+
+    // A restart: opened failed, nothing durable; the other namespace is healthy.
+    let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+    let mut table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+    let ns1 = Arc::clone(table.get(&nqn, 1).unwrap());
+    assert_eq!(ns1.failure(), Some(f));
+    assert!(ns1.mapping.persist(0, 4096).is_err());
+    assert!(table.get(&nqn, 2).unwrap().failure().is_none());
+
+    // A reload that reopens it keeps it failed.
+    let mut diff = crate::reload::diff(&cfg, &cfg);
+    assert_eq!(table.reopen_failed(&mut diff).len(), 1);
+    table.apply(&diff, &cfg).unwrap();
+    assert!(!Arc::ptr_eq(table.get(&nqn, 1).unwrap(), &ns1), "reopened");
+    assert_eq!(table.get(&nqn, 1).unwrap().failure(), Some(f));
+
+    // Clearing: healthy, forgotten, and it says what may be lost; only once.
+    let key = (nqn.clone(), 1);
+    let c = table.clear_failure(&key, &cfg).unwrap();
+    assert_eq!(c.failure, f);
+    assert!(c.what_may_be_lost(&key).contains("may be lost"));
+    let ns1 = Arc::clone(table.get(&nqn, 1).unwrap());
+    assert!(ns1.failure().is_none());
+    assert!(ns1.mapping.persist(0, 4096).is_ok());
+    assert!(ledger.all().is_empty());
+    assert!(matches!(
+        table.clear_failure(&key, &cfg),
+        Err(NamespaceError::NotFailed { nsid: 1, .. })
+    ));
+    assert!(matches!(
+        table.clear_failure(&(nqn.clone(), 9), &cfg),
+        Err(NamespaceError::NotFound { nsid: 9, .. })
+    ));
+    // And a failure after clearing is remembered again.
+    ns1.mapping.record_failure(f);
+    assert!(ledger.get(&ns1.config.path).is_some());
+}
+
+#[test]
+fn a_failure_the_state_file_missed_is_carried_by_a_reload() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    // Without a ledger (the state file could not take it): the reload still keeps it.
+    let mut table = NamespaceTable::open_all(&cfg).unwrap();
+    let f = SyncFailure::new(
+        "fdatasync",
+        &std::io::Error::from_raw_os_error(libc::ENOSPC),
+    );
+    table.get(&nqn, 2).unwrap().mapping.record_failure(f);
+    let mut diff = crate::reload::diff(&cfg, &cfg);
+    table.reopen_failed(&mut diff);
+    table.apply(&diff, &cfg).unwrap();
+    assert_eq!(table.get(&nqn, 2).unwrap().failure(), Some(f));
+    // A new path is another file: nothing to carry.
+    let mut moved = cfg.clone();
+    moved.subsystems[0].namespaces[1].path = d.path().join("n2b");
+    let diff = crate::reload::diff(&cfg, &moved);
+    table.apply(&diff, &moved).unwrap();
+    assert!(table.get(&nqn, 2).unwrap().failure().is_none());
+}

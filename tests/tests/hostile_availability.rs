@@ -1,0 +1,471 @@
+//! Hostile peers against availability (issue 22): attackers that share the allowed host's own
+//! source address, and peers that try to fill the log, the metrics or the target's send
+//! capacity. The real `rpma-target` on the sessions fixture, raw peers that frame everything
+//! themselves (tests/tests/hostile/mod.rs), the rpma-initiator library as the allowed host.
+//! Every wait has a deadline and waits for a condition, never for a time to pass.
+
+mod hostile;
+
+use std::net::Ipv4Addr;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use hostile::{Peer, Suite};
+use rpma_common::proto::nqn::DISCOVERY_NQN;
+use rpma_common::proto::{FlushStatus, KeepAlive, Message};
+use rpma_initiator::{connect, discover};
+use rpma_tests::sessions::{OPEN, PLAIN, SUB, WAIT};
+use rpma_tests::{host, nqn, opts};
+
+/// The allowed host's own address: the initiator library connects to 127.0.0.1 from it.
+const HOST_ADDR: Ipv4Addr = Ipv4Addr::LOCALHOST;
+
+/// Waits until `pred` holds on the status' `admission` object.
+fn wait_admission(s: &Suite, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let st = s.t.status();
+        if pred(&st["admission"]) {
+            return;
+        }
+        assert!(Instant::now() < deadline, "{what}: {}", st["admission"]);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// An attacker on `port` that opens a new connection from `src` every `every` (each waiting
+/// for its MPA Reply, then doing `then` with it) until stopped, keeping every one open.
+struct Reopener {
+    stop: Arc<AtomicBool>,
+    opened: Arc<AtomicUsize>,
+    handle: Option<std::thread::JoinHandle<()>>,
+}
+
+impl Reopener {
+    fn start(port: u16, src: Ipv4Addr, every: Duration, then: fn(&mut Peer)) -> Reopener {
+        let stop = Arc::new(AtomicBool::new(false));
+        let opened = Arc::new(AtomicUsize::new(0));
+        let (st, n) = (Arc::clone(&stop), Arc::clone(&opened));
+        let handle = std::thread::spawn(move || {
+            let mut held = Vec::new();
+            while !st.load(Ordering::SeqCst) {
+                let mut p = Peer::open(port, src);
+                then(&mut p);
+                held.push(p);
+                n.fetch_add(1, Ordering::SeqCst);
+                std::thread::sleep(every);
+            }
+        });
+        Reopener {
+            stop,
+            opened,
+            handle: Some(handle),
+        }
+    }
+
+    /// Stops it: how many connections it opened (it panics if the target refused one).
+    fn finish(mut self) -> usize {
+        self.stop.store(true, Ordering::SeqCst);
+        self.handle.take().unwrap().join().expect("the attacker");
+        self.opened.load(Ordering::SeqCst)
+    }
+}
+
+impl Drop for Reopener {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A discovery session asking a long keep-alive (the configuration allows a minute).
+fn discovery_session(p: &mut Peer) {
+    p.connect("nqn.2026-11.io.rpma:attacker", DISCOVERY_NQN);
+    match p.next_message() {
+        Message::ConnectResponse(r) => assert_eq!(r.controller_id, 0),
+        other => panic!("discovery Connect: {other:?}"),
+    }
+}
+
+/// F1: connections that finish MPA and never Connect, from the allowed host's own address, at
+/// that address's cap (8), and an attacker that keeps opening more (5 a second, three times the
+/// rate that kept the host out for good): the host's connection always gets in, taking the
+/// place of that address's oldest unadmitted connection.
+#[test]
+fn half_open_connections_from_the_hosts_own_address_cannot_keep_it_out() {
+    let mut s = Suite::start("handshake_timeout_ms = 60000");
+    let mut held: Vec<Peer> = (0..8).map(|_| Peer::open(s.port(), HOST_ADDR)).collect();
+    wait_admission(&s, "the attackers hold the address's cap", |a| {
+        a["unadmitted"]["held"] == 8 && a["unadmitted"]["sources"] == 1
+    });
+    let mut sess = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts())
+        .expect("the host's Connect from its own address, at the address's cap");
+    assert_eq!(sess.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    assert!(
+        held[0].closed(),
+        "the oldest attacker's place was not taken"
+    );
+    assert!(held[1].still_open(), "only the oldest was evicted");
+
+    let attacker = Reopener::start(s.port(), HOST_ADDR, Duration::from_millis(200), |_| {});
+    for i in 0..10 {
+        let mut q = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts())
+            .unwrap_or_else(|e| panic!("identify {i} while the attacker reopens: {e}"));
+        assert_eq!(q.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+        let _ = q.disconnect(Duration::from_secs(1));
+    }
+    let opened = attacker.finish();
+    eprintln!("the attacker opened {opened} more connections meanwhile");
+    assert_eq!(sess.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    s.unchanged("half-open connections from the host's own address");
+    s.finish();
+}
+
+/// F2: discovery sessions kept alive from the allowed host's own address, at that address's
+/// cap (4), and an attacker that keeps opening more: the host's discovery always gets in,
+/// taking the place of that address's oldest discovery session.
+#[test]
+fn discovery_sessions_from_the_hosts_own_address_cannot_keep_it_out() {
+    let mut s = Suite::start("discovery_max_keep_alive_ms = 60000");
+    let mut held: Vec<Peer> = (0..4)
+        .map(|_| {
+            let mut p = Peer::open(s.port(), HOST_ADDR);
+            discovery_session(&mut p);
+            p
+        })
+        .collect();
+    for p in &mut held {
+        p.message(&Message::KeepAlive(KeepAlive { seq: 1 }));
+    }
+    wait_admission(&s, "the attackers hold the address's cap", |a| {
+        a["discovery"]["held"] == 4
+    });
+    let names = |v: Vec<rpma_common::proto::DiscoveryEntry>| -> Vec<String> {
+        v.iter().map(|e| e.subsystem_nqn.to_string()).collect()
+    };
+    let found = discover(&s.t.url(), &host(PLAIN), &opts())
+        .expect("the host's discovery from its own address, at the address's cap");
+    assert_eq!(names(found), [OPEN, SUB]);
+    assert!(
+        held[0].closed(),
+        "the oldest attacker's session was not taken"
+    );
+    assert!(held[1].still_open(), "only the oldest was evicted");
+
+    let attacker = Reopener::start(
+        s.port(),
+        HOST_ADDR,
+        Duration::from_millis(200),
+        discovery_session,
+    );
+    for i in 0..10 {
+        let found = discover(&s.t.url(), &host(PLAIN), &opts())
+            .unwrap_or_else(|e| panic!("discovery {i} while the attacker reopens: {e}"));
+        assert_eq!(names(found), [OPEN, SUB]);
+    }
+    let opened = attacker.finish();
+    eprintln!("the attacker opened {opened} more discovery sessions meanwhile");
+    s.unchanged("discovery sessions from the host's own address");
+    s.finish();
+}
+
+/// A scraper that never finishes its request: connects from `src` to the metrics port, sends
+/// a request line, then a byte every 100 ms; when the target closes it (evicted, or cut off at
+/// the request deadline) it connects again at once, until stopped.
+fn trickler(port: u16, src: Ipv4Addr, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
+    use std::io::Write;
+    std::thread::spawn(move || {
+        let mut opened = 0;
+        while !stop.load(Ordering::SeqCst) {
+            let mut s = rpma_tests::tcp_from(port, src, WAIT);
+            opened += 1;
+            if s.write_all(b"GET /metrics HTTP/1.1\r\n").is_err() {
+                continue;
+            }
+            while !stop.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(100));
+                if s.write_all(b"X").is_err() {
+                    break;
+                }
+            }
+        }
+        opened
+    })
+}
+
+/// F3: trickling connections to the metrics endpoint, reopened as soon as they are closed,
+/// from the scraper's own address (its cap, 4) and from others (the rest of the places and
+/// more): every scrape is answered 200, because a newcomer takes the place of the oldest
+/// unfinished request (before: 20 of 20 scrapes answered 503).
+#[test]
+fn trickling_scrapers_cannot_blind_the_monitoring() {
+    let mport = rpma_tests::free_port();
+    let mut s = Suite::start(&format!("metrics_listen = \"127.0.0.1:{mport}\""));
+    let stop = Arc::new(AtomicBool::new(false));
+    let mut attackers = Vec::new();
+    for _ in 0..4 {
+        attackers.push(trickler(mport, HOST_ADDR, Arc::clone(&stop)));
+    }
+    for _ in 0..3 {
+        let src = s.src();
+        for _ in 0..2 {
+            attackers.push(trickler(mport, src, Arc::clone(&stop)));
+        }
+    }
+    // Every place is held by a trickler before the first scrape.
+    let deadline = Instant::now() + WAIT;
+    while s.t.status()["metrics_listener"]["serving"] != 8 {
+        assert!(
+            Instant::now() < deadline,
+            "the tricklers are not all served"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let addr = format!("127.0.0.1:{mport}");
+    for i in 0..20 {
+        let page = rpma_tests::metrics::scrape(&addr);
+        assert!(page.contains("rpma_target_build_info"), "scrape {i}");
+    }
+    stop.store(true, Ordering::SeqCst);
+    let opened: usize = attackers.into_iter().map(|h| h.join().unwrap()).sum();
+    eprintln!("the tricklers opened {opened} connections; 20 of 20 scrapes answered");
+    s.unchanged("trickling scrapers from the scraper's address and others");
+    s.finish();
+}
+
+/// One session on OPEN (allow_any_host) as `host`, from `src`: admitted, one GPSPM flush (so
+/// that it has something to count), a Disconnect.
+fn made_up_host_session(port: u16, src: Ipv4Addr, host: &str) {
+    let mut p = Peer::open(port, src);
+    p.connect(host, OPEN);
+    match p.next_message() {
+        Message::ConnectResponse(_) => {}
+        other => panic!("{host}: {other:?}"),
+    }
+    p.message(&Message::FlushRequest(rpma_common::proto::FlushRequest {
+        nsid: 1,
+        offset: 0,
+        length: 8,
+        token: 1,
+    }));
+    match p.next_message() {
+        Message::FlushResponse(f) => assert_eq!(f.status, FlushStatus::Durable),
+        other => panic!("{host}: {other:?}"),
+    }
+    // The target lingers until the host closes: this one closes at once.
+    p.message(&Message::Disconnect(rpma_common::proto::Disconnect {
+        reason: "done".into(),
+    }));
+}
+
+/// F7: sessions with made-up host NQNs (no credential) on an `allow_any_host` subsystem, each
+/// doing a little I/O: the per-host series and the status' per-host table gain nothing from
+/// them (they are counted under one `(allow_any_host)` label), and a configured host's
+/// accounting is untouched (before: 5,000 such hosts took /metrics from 94 KB to 13.9 MB and
+/// pushed a host configured later into `(other)`).
+#[test]
+fn made_up_host_nqns_add_no_series_and_push_out_no_configured_host() {
+    let mport = rpma_tests::free_port();
+    let mut s = Suite::start(&format!("metrics_listen = \"127.0.0.1:{mport}\""));
+    let addr = format!("127.0.0.1:{mport}");
+    // A configured host's accounting before the attack.
+    let mut sess = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(sess.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    let _ = sess.disconnect(Duration::from_secs(1));
+    // One made-up host first, so that the shared label's series exist in the baseline.
+    let src = s.src();
+    made_up_host_session(s.port(), src, "nqn.2026-11.io.evil:h0");
+    let wait_ended = |s: &Suite, n: u64| {
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let v = s.t.status();
+            let ended = v["metrics"]["sessions_ended"]["host"].as_u64().unwrap_or(0);
+            if ended >= n {
+                return v;
+            }
+            assert!(Instant::now() < deadline, "{ended} of {n} sessions ended");
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    };
+    let v = wait_ended(&s, 2);
+    let page0 = rpma_tests::metrics::scrape(&addr).len();
+    let status0 = v["metrics"]["hosts"].to_string().len();
+
+    let n = 1000;
+    for i in 1..=n {
+        made_up_host_session(s.port(), src, &format!("nqn.2026-11.io.evil:h{i}"));
+    }
+    let v = wait_ended(&s, 2 + n);
+    let page = rpma_tests::metrics::scrape(&addr);
+    let status = v["metrics"]["hosts"].to_string().len();
+    eprintln!(
+        "{n} made-up hosts: /metrics {page0} -> {} bytes, status hosts table {status0} -> {status} bytes",
+        page.len()
+    );
+    // The numbers inside grow by a few digits; no series or entry is added.
+    assert!(
+        page.len() < page0 + 256,
+        "/metrics grew from {page0} to {} bytes",
+        page.len()
+    );
+    assert!(
+        status < status0 + 256,
+        "the status' per-host table grew from {status0} to {status} bytes"
+    );
+    assert!(!page.contains("evil"), "a made-up host NQN is a label");
+    let any = format!(
+        "rpma_target_durability_requests_total{{subsystem=\"{OPEN}\",nsid=\"1\",host=\"(allow_any_host)\",method=\"gpspm\",outcome=\"ok\"}}"
+    );
+    let ok = rpma_tests::metrics::sample(&page, &any).expect("the shared label's series");
+    assert!(ok >= (n + 1) as f64, "{ok}");
+    let plain = format!(
+        "rpma_target_durability_requests_total{{subsystem=\"{SUB}\",nsid=\"1\",host=\"{PLAIN}\",method=\"gpspm\",outcome=\"ok\"}}"
+    );
+    assert_eq!(rpma_tests::metrics::sample(&page, &plain), Some(1.0));
+    s.unchanged("sessions with made-up host NQNs");
+    s.finish();
+}
+
+/// Lines of `log` that contain `what`.
+fn lines_with(log: &str, what: &str) -> usize {
+    log.lines().filter(|l| l.contains(what)).count()
+}
+
+/// The lines the summaries of `log` say were suppressed.
+fn counted_in_summaries(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("suppressed in the last"))
+        .map(|l| {
+            let (_, tail) = l.split_once("] ").expect("an env_logger line");
+            tail.split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .sum()
+}
+
+/// F6: one address cycling sessions as fast as it can on an `allow_any_host` subsystem, each
+/// ending with a Disconnect whose reason carries a line break and a forged log line: the session
+/// lines are logged up to their budget per period and counted past it, the forged line never
+/// starts a line of the log, and the log grows by a bounded number of bytes (before: 71,182
+/// lines in 5 s, 401 MB a minute, and the reason logged as sent).
+#[test]
+fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
+    let period = Duration::from_secs(2);
+    let mut s = Suite::start(&format!("refusal_log_period_ms = {}", period.as_millis()));
+    let forged = "[2026-12-01T00:00:00Z ERROR rpma_target] FORGED by a peer";
+    let host_nqn = "nqn.2026-11.io.evil:cycler";
+    let src = s.src();
+    let ended0 = s.t.status()["metrics"]["sessions_ended"]["host"]
+        .as_u64()
+        .unwrap();
+    let log0 = s.t.log().len();
+    let n: u64 = 2000;
+    let started = Instant::now();
+    for _ in 0..n {
+        let mut p = Peer::open(s.port(), src);
+        p.connect(host_nqn, OPEN);
+        match p.next_message() {
+            Message::ConnectResponse(_) => {}
+            other => panic!("{other:?}"),
+        }
+        p.message(&Message::Disconnect(rpma_common::proto::Disconnect {
+            reason: format!("bye\n{forged}\r\n\x1b[2J"),
+        }));
+    }
+    // Every session has ended, and every line about it is either in the log or counted in a
+    // summary line (which comes a period after the first line it counts).
+    let deadline = Instant::now() + WAIT + period;
+    let log = loop {
+        let v = s.t.status();
+        let ended = v["metrics"]["sessions_ended"]["host"].as_u64().unwrap() - ended0;
+        let log = s.t.log();
+        let logged = lines_with(&log[log0..], host_nqn) as u64;
+        if ended == n && logged + counted_in_summaries(&log[log0..]) == 2 * n {
+            break log;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "ended {ended} of {n}; logged {logged} + counted {} of {}",
+            counted_in_summaries(&log[log0..]),
+            2 * n
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let took = started.elapsed();
+    let new = &log[log0..];
+    let periods = (took.as_millis() / period.as_millis()) as usize + 1;
+    let logged = lines_with(new, host_nqn);
+    eprintln!(
+        "{n} sessions in {took:?}: {logged} lines logged, {} counted, {} bytes of log",
+        counted_in_summaries(new),
+        new.len()
+    );
+    assert!(
+        logged <= periods * 20 && logged >= 2,
+        "{logged} session lines in {periods} period(s)"
+    );
+    // At most the budgets' lines (each well under 512 bytes) and a summary per period.
+    assert!(
+        new.len() <= (logged + 2 * periods) * 512,
+        "{} bytes of log for {n} sessions",
+        new.len()
+    );
+    assert!(
+        log.lines()
+            .all(|l| !l.contains("FORGED") || l.contains("bye\\n[2026")),
+        "a forged line or an unescaped reason"
+    );
+    assert!(!log.contains('\x1b'), "a terminal escape reached the log");
+    assert!(
+        log.contains("closed by the host: \"bye\\n[2026-12-01T00:00:00Z ERROR rpma_target] FORGED"),
+        "the reason is logged escaped"
+    );
+    s.unchanged("sessions cycled as fast as one address can");
+    s.finish();
+}
+
+/// F6: refused Connects from 600 addresses (one each): the refusal lines are capped for all
+/// addresses together, not only per address (before: one line per address, 2.35 MB per minute
+/// from 4,096 addresses).
+#[test]
+fn refusals_from_many_addresses_add_a_bounded_volume() {
+    let period = Duration::from_secs(60);
+    let mut s = Suite::start(&format!("refusal_log_period_ms = {}", period.as_millis()));
+    let log0 = s.t.log().len();
+    let started = Instant::now();
+    let mut n = 0;
+    for a in 1..=3u8 {
+        for b in 1..=200u8 {
+            let mut p = Peer::open(s.port(), Ipv4Addr::new(127, 0, a, b));
+            p.connect("nqn.2026-11.io.evil:refused", SUB);
+            match p.next_message() {
+                Message::Refusal(_) => {}
+                other => panic!("{other:?}"),
+            }
+            n += 1;
+        }
+    }
+    let deadline = Instant::now() + WAIT;
+    while s.t.status()["metrics"]["refusals"]["host_not_allowed"].as_u64() < Some(n) {
+        assert!(Instant::now() < deadline, "not every refusal counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let periods = (started.elapsed().as_millis() / period.as_millis()) as usize + 1;
+    let log = s.t.log();
+    let new = &log[log0..];
+    let lines = lines_with(new, "nqn.2026-11.io.evil:refused");
+    eprintln!(
+        "{n} refusals from {n} addresses: {lines} lines, {} bytes",
+        new.len()
+    );
+    assert!(
+        lines <= 256 * periods,
+        "{lines} refusal lines in {periods} period(s)"
+    );
+    assert!(new.len() <= (lines + periods) * 512, "{} bytes", new.len());
+    s.unchanged("refusals from many addresses");
+    s.finish();
+}
