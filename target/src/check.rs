@@ -30,6 +30,7 @@ fn methods_line(cfg: &Config, domain: Domain) -> String {
                 (Transport::Tcp, _) => "tcp",
                 (Transport::Rdma, false) => "rdma",
                 (Transport::Rdma, true) => "rdma(direct_write_to_pmem)",
+                (Transport::NvmeTcp, _) => "nvme-tcp",
             };
             let m = durability_methods(domain, t, dwp);
             if m.is_empty() {
@@ -104,6 +105,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         let extra = match l.url.transport {
             Transport::Tcp => format!("crc {}", if cfg.crc { "on" } else { "off" }),
             Transport::Rdma => format!("direct_write_to_pmem {}", l.direct_write_to_pmem),
+            Transport::NvmeTcp => "NVMe/TCP: digests as each host asks".to_owned(),
         };
         writeln!(out, "listener {} ({extra})", l.url)?;
         if l.url.transport == Transport::Rdma {
