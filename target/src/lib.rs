@@ -34,6 +34,7 @@
 //!   sessions.
 //! - [`serve`]: the fabric-backed [`serve::FabricServe`]: accept threads, poll loops, sessions,
 //!   per-connection rkeys, the GPSPM flush service on the wire.
+//! - [`nvme_tcp`]: NVMe over TCP: its wire and the data structures a host reads.
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
 //! socket (and, with `metrics_listen`, one accepts scrapes, each served on a short-lived thread
@@ -54,6 +55,7 @@ pub mod handshake;
 pub mod memlock;
 pub mod metrics;
 pub mod namespace;
+pub mod nvme_tcp;
 /// sd_notify(3) (the common crate's, which the initiator's NBD export uses too).
 pub use rpma_common::notify;
 pub mod probe;
