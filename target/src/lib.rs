@@ -34,7 +34,8 @@
 //!   sessions.
 //! - [`serve`]: the fabric-backed [`serve::FabricServe`]: accept threads, poll loops, sessions,
 //!   per-connection rkeys, the GPSPM flush service on the wire.
-//! - [`nvme_tcp`]: NVMe over TCP: its wire and the data structures a host reads.
+//! - [`nvme_tcp`]: the `nvme-tcp://` listener: NVMe over TCP for the stock Linux host, on the
+//!   same subsystems, namespaces, budgets and metrics.
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
 //! socket (and, with `metrics_listen`, one accepts scrapes, each served on a short-lived thread

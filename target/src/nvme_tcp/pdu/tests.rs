@@ -100,7 +100,13 @@ fn an_icreq_is_the_only_pdu_accepted_first() {
     );
     assert_eq!(frame(&b[..5], &Limits::ICREQ), Framed::NeedMore(8));
     assert_eq!(frame(&b[..100], &Limits::ICREQ), Framed::NeedMore(128));
-    let cmd = build(kind::CAPSULE_CMD, 0, &command(1), &[], &limits(false, false));
+    let cmd = build(
+        kind::CAPSULE_CMD,
+        0,
+        &command(1),
+        &[],
+        &limits(false, false),
+    );
     assert_eq!(fatal(frame(&cmd, &Limits::ICREQ)).0, Fes::PduSequenceError);
     // A second ICReq once connected.
     assert_eq!(
@@ -109,10 +115,16 @@ fn an_icreq_is_the_only_pdu_accepted_first() {
     );
     let mut bad = b.clone();
     bad[2] = 64;
-    assert_eq!(fatal(frame(&bad, &Limits::ICREQ)), (Fes::InvalidHeaderField, 2));
+    assert_eq!(
+        fatal(frame(&bad, &Limits::ICREQ)),
+        (Fes::InvalidHeaderField, 2)
+    );
     let mut bad = b.clone();
     bad[4] = 200;
-    assert_eq!(fatal(frame(&bad, &Limits::ICREQ)), (Fes::InvalidHeaderField, 4));
+    assert_eq!(
+        fatal(frame(&bad, &Limits::ICREQ)),
+        (Fes::InvalidHeaderField, 4)
+    );
     assert_eq!(Limits::ICREQ.max_plen(), 128);
 }
 
@@ -165,7 +177,13 @@ fn a_bad_header_digest_is_fatal_a_bad_data_digest_is_not() {
         Framed::Pdu(Pdu::CapsuleCmd { data_ok, .. }, _) => assert!(!data_ok),
         other => panic!("{other:?}"),
     }
-    let mut b = build(kind::H2C_DATA, flag::LAST_PDU, &h2c(1, 1, 0, 4), &[9; 4], &l);
+    let mut b = build(
+        kind::H2C_DATA,
+        flag::LAST_PDU,
+        &h2c(1, 1, 0, 4),
+        &[9; 4],
+        &l,
+    );
     let at = b.len() - 5;
     b[at] ^= 0x80; // the data itself
     match frame(&b, &l) {
@@ -185,18 +203,36 @@ fn digest_flags_must_say_what_was_negotiated() {
         (Fes::InvalidHeaderField, 1),
         "HDGSTF without a header digest negotiated"
     );
-    let without = build(kind::CAPSULE_CMD, 0, &command(1), &[], &limits(false, false));
+    let without = build(
+        kind::CAPSULE_CMD,
+        0,
+        &command(1),
+        &[],
+        &limits(false, false),
+    );
     assert_eq!(
         fatal(frame(&without, &limits(true, false))),
         (Fes::InvalidHeaderField, 1),
         "no HDGSTF where one was negotiated"
     );
-    let dd = build(kind::CAPSULE_CMD, 0, &command(1), &[5; 8], &limits(false, true));
+    let dd = build(
+        kind::CAPSULE_CMD,
+        0,
+        &command(1),
+        &[5; 8],
+        &limits(false, true),
+    );
     assert_eq!(
         fatal(frame(&dd, &limits(false, false))),
         (Fes::InvalidHeaderField, 1)
     );
-    let no_dd = build(kind::CAPSULE_CMD, 0, &command(1), &[5; 8], &limits(false, false));
+    let no_dd = build(
+        kind::CAPSULE_CMD,
+        0,
+        &command(1),
+        &[5; 8],
+        &limits(false, false),
+    );
     assert_eq!(
         fatal(frame(&no_dd, &limits(false, true))),
         (Fes::InvalidHeaderField, 1)
