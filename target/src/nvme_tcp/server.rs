@@ -275,8 +275,11 @@ impl Loop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            // Evictions: the tick below closes the queues whose tickets were taken back.
+            // Evictions: the queues whose tickets were taken back are closed now.
             while self.evictions.try_recv().is_ok() {}
+            self.evicted();
+            // What the commands made the queues say (a reload's events) goes out before the wait.
+            self.finish_turn();
             let now = Instant::now();
             let next = self.conns.values().map(|c| c.queue.next_timer()).min();
             let timeout = match next {
@@ -308,7 +311,6 @@ impl Loop {
             }
             self.reap_flushes();
             self.each(|q, env| q.tick(env));
-            self.evicted();
             self.finish_turn();
         }
     }
