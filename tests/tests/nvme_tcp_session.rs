@@ -434,3 +434,116 @@ fn a_shutdown_notification_completes_once_everything_is_durable() {
         "CAP is 8 bytes"
     );
 }
+
+#[test]
+fn wrong_admin_and_io_commands_get_their_status_and_the_queue_goes_on() {
+    let (_d, _s, _t, addr) = start("nvme-wrong");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    let code = |c: &mut Controller, sqe: Sqe, room: u32| c.admin.command(sqe, &[], room).unwrap();
+    // Features: an unknown one, a saveable set, a selection that does not exist, and what is.
+    assert_eq!(
+        code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x7e), 0).code(),
+        sc::INVALID_FIELD
+    );
+    assert_eq!(
+        code(&mut c, Sqe::new(0x09, 0).cdw(10, 0x0f | (1 << 31)), 0).code(),
+        0x10d,
+        "Feature Identifier Not Saveable"
+    );
+    assert_eq!(
+        code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x0f | (5 << 8)), 0).code(),
+        sc::INVALID_FIELD
+    );
+    assert_eq!(
+        ok(code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x0f), 0)).dw0,
+        5000,
+        "KATO"
+    );
+    assert_eq!(
+        ok(code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x06), 0)).dw0,
+        1,
+        "write cache on"
+    );
+    ok(c.set_features(0x06, 0));
+    assert_eq!(
+        ok(code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x06), 0)).dw0,
+        0,
+        "and off"
+    );
+    assert_eq!(
+        c.set_features(0x07, 0xffff).code(),
+        sc::INVALID_FIELD,
+        "queues: 65536"
+    );
+    // Properties: a register that is not there, CC as 8 bytes, a write to CSTS.
+    assert_eq!(c.property_get(0x40, false).code(), sc::INVALID_FIELD);
+    assert_eq!(c.property_get(0x14, true).code(), sc::INVALID_FIELD);
+    assert_eq!(c.property_set(0x1c, 1).code(), sc::INVALID_FIELD);
+    // Get Log Page: an offset that is not a whole dword, one it does not have.
+    assert_eq!(c.get_log(0x02, 512, 2).code(), sc::INVALID_FIELD);
+    assert_eq!(c.get_log(0x7f, 512, 0).code(), 0x109, "Invalid Log Page");
+    let smart = ok(c.get_log(0x02, 512, 0));
+    assert_eq!(smart.data.len(), 512);
+    // Abort aborts nothing and says so; unknown and PCIe-only opcodes are refused.
+    assert_eq!(ok(code(&mut c, Sqe::new(0x08, 0), 0)).dw0 & 1, 1);
+    assert_eq!(
+        code(&mut c, Sqe::new(0x01, 0), 0).code(),
+        sc::INVALID_OPCODE,
+        "Create I/O SQ"
+    );
+    assert_eq!(
+        code(&mut c, Sqe::new(0xc5, 0), 0).code(),
+        sc::INVALID_OPCODE
+    );
+    // PRPs instead of SGLs.
+    let mut prp = Sqe::new(0x06, 0).cdw(10, 1);
+    prp.0[1] = 0;
+    assert_eq!(code(&mut c, prp, 4096).code(), sc::INVALID_FIELD);
+    // Five held event requests are one too many.
+    for cid in 100..104u16 {
+        let mut s = Sqe::new(0x0c, 0).u16(2, cid);
+        s.0[39] = 0x5a;
+        let p = c.admin.frame(rpma_tests::nvme::pdu::CMD, 0, &s.0, &[]);
+        c.admin.send_raw(&p);
+    }
+    assert_eq!(
+        code(&mut c, Sqe::new(0x0c, 0), 0).code(),
+        0x105,
+        "Asynchronous Event Request Limit Exceeded"
+    );
+    // I/O: protection information asked for, a length that is not the SGL's, Write Zeroes and
+    // deallocation past the end, a Dataset Management with fewer ranges than it says.
+    let mut q = c.io_queue(1).unwrap();
+    let pi = Sqe::new(0x02, 1).cdw(12, 7 | (1 << 26));
+    assert_eq!(q.command(pi, &[], 4096).unwrap().code(), sc::INVALID_FIELD);
+    let short = Sqe::new(0x02, 1).cdw(12, 7);
+    assert_eq!(q.command(short, &[], 512).unwrap().code(), sc::SGL_LENGTH);
+    let blocks = (8u32 << 20) / 512;
+    let wz = Sqe::new(0x08, 1).cdw(10, blocks - 1).cdw(12, 1);
+    assert_eq!(q.command(wz, &[], 0).unwrap().code(), sc::LBA_RANGE);
+    let mut range = vec![0u8; 16];
+    range[4..8].copy_from_slice(&2u32.to_le_bytes());
+    range[8..16].copy_from_slice(&u64::from(blocks - 1).to_le_bytes());
+    let dsm = Sqe::new(0x09, 1).cdw(11, 1 << 2);
+    assert_eq!(q.command(dsm, &range, 0).unwrap().code(), sc::LBA_RANGE);
+    let dsm = Sqe::new(0x09, 1).cdw(10, 3).cdw(11, 1 << 2);
+    assert_eq!(
+        q.command(dsm, &range, 0).unwrap().code(),
+        sc::SGL_LENGTH,
+        "4 ranges said, 1 sent"
+    );
+    // A write to the end of the namespace and one block past it.
+    assert!(q
+        .write(1, u64::from(blocks - 1), 512, &[1; 512], false)
+        .unwrap()
+        .ok());
+    assert_eq!(
+        q.write(1, u64::from(blocks - 1), 512, &[1; 1024], false)
+            .unwrap()
+            .code(),
+        sc::LBA_RANGE
+    );
+    // After all that, the queues still serve.
+    assert!(q.read(1, 0, 512, 1).unwrap().ok());
+    assert!(c.identify(1, 0).ok());
+}
