@@ -395,9 +395,15 @@ impl Loop {
                 if space.is_empty() {
                     break;
                 }
+                let room = space.len();
                 match (&c.stream).read(space) {
                     Ok(0) => {
                         c.queue.peer_gone(&mut env);
+                        break;
+                    }
+                    // A short read took everything there was: no second read for its EAGAIN.
+                    Ok(n) if n < room => {
+                        c.queue.received(n, &mut env);
                         break;
                     }
                     Ok(n) => c.queue.received(n, &mut env),
