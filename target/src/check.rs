@@ -160,6 +160,14 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             s.hosts.len(),
             s.allow_any_host
         )?;
+        if keyed > 0 && cfg.listeners.iter().any(|l| !l.url.transport.is_fabric()) {
+            writeln!(
+                out,
+                "  note: its {keyed} host(s) with a key are refused on nvme-tcp:// listeners \
+                 (Authentication Required: no DH-HMAC-CHAP there); they connect over tcp:// or \
+                 rdma:// with rpma-initiator"
+            )?;
+        }
         for ns in &s.namespaces {
             count += 1;
             let rw = if ns.read_only {

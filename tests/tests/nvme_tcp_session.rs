@@ -547,3 +547,58 @@ fn wrong_admin_and_io_commands_get_their_status_and_the_queue_goes_on() {
     assert!(q.read(1, 0, 512, 1).unwrap().ok());
     assert!(c.identify(1, 0).ok());
 }
+
+#[test]
+fn with_sq_flow_control_disabled_data_carries_the_success_flag() {
+    let (_d, _s, _t, addr) = start("nvme-sqflow");
+    let c = Controller::connect(&addr, SUB, HOST, (true, true)).unwrap();
+    let mut q = Host::icreq(Host::connect_tcp(&addr), true, true).unwrap();
+    let data = rpma_tests::nvme::connect_data(c.host_id, c.cntlid, SUB, HOST);
+    // CATTR bit 2: the host disables SQ flow control (nvme connect-all does, when the discovery
+    // log offers it).
+    let connect = rpma_tests::nvme::connect_sqe(1, 127, 0).byte(46, 1 << 2);
+    ok(q.command(connect, &data, 0).unwrap());
+    let a = noise(5, 8192);
+    ok(q.write(1, 0, 512, &a, false).unwrap());
+    let r = ok(q.read(1, 0, 512, 16).unwrap());
+    assert!(r.by_success_flag, "no CapsuleResp after the data");
+    assert_eq!(r.data, a);
+    // A command without data still completes with a CapsuleResp; an error too.
+    ok(q.flush(1).unwrap());
+    let e = q.read(1, (8 << 20) / 512, 512, 1).unwrap();
+    assert_eq!(e.code(), sc::LBA_RANGE);
+    assert!(!e.by_success_flag);
+}
+
+#[test]
+fn check_config_shows_the_listener_its_methods_and_the_keyed_hosts_it_refuses() {
+    let dir = rpma_tests::scratch();
+    let psk = dir.path().join("k.psk");
+    rpma_tests::write_psk(&psk, "31");
+    let text = format!(
+        "listen = [\"tcp://127.0.0.1:7420\", \"nvme-tcp://127.0.0.1\"]\n{}",
+        Config::new().subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .keyed_host("nqn.2026-11.io.rpma:keyed", psk.to_str().unwrap())
+                .namespace(Namespace::new(1, "ns1", "1MiB"))
+        )
+    );
+    let cfg = dir.path().join("target.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let o = rpma_tests::check_config(&cfg);
+    let out = rpma_tests::text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("listener nvme-tcp://127.0.0.1:4420 (NVMe/TCP: digests as each host asks)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("tcp: APM GPSPM FLUSH; nvme-tcp: FLUSH"),
+        "{out}"
+    );
+    assert!(
+        out.contains("its 1 host(s) with a key are refused on nvme-tcp:// listeners"),
+        "{out}"
+    );
+}

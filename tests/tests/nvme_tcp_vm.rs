@@ -239,6 +239,22 @@ fn vm_discover_connect_identify_list_disconnect() {
     let blk = d1.trim_start_matches("/dev/");
     let wc = std::fs::read_to_string(format!("/sys/block/{blk}/queue/write_cache")).unwrap();
     assert_eq!(wc.trim(), "write back");
+    // An all-dax subsystem reports no write cache: the kernel sends neither Flush nor FUA.
+    let dax = "nqn.2026-11.io.rpma:vm-basic-dax";
+    let td = target(
+        &scratch("basic-dax"),
+        dax,
+        vec![Namespace::new(1, "ns1", "16MiB").force_dax()],
+    );
+    let o = connect(td.port(), dax, &[]);
+    assert!(o.status.success(), "{}", text(&o));
+    let _cd = Connected(dax.into());
+    let dd = device(dax, 1);
+    let blk = dd.trim_start_matches("/dev/");
+    let wc = std::fs::read_to_string(format!("/sys/block/{blk}/queue/write_cache")).unwrap();
+    assert_eq!(wc.trim(), "write through");
+    let fua = std::fs::read_to_string(format!("/sys/block/{blk}/queue/fua")).unwrap();
+    assert_eq!(fua.trim(), "0");
     let st = t.status();
     let kinds: Vec<String> = st["sessions"]
         .as_array()
