@@ -219,7 +219,12 @@ fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
         )))
         .to_string();
     let t = Target::start_on(&t_dir, "nvme-tcp://127.0.0.1", &cfg, &[]);
-    let (_c, mut q) = queue(&t);
+    let (mut c, mut q) = queue(&t);
+    assert_eq!(
+        c.get_log(0x02, 512, 0).data[0],
+        0,
+        "healthy: no critical warning"
+    );
     fs.fill();
     // 1 MiB of dirty pages, in writes of MDTS (128 KiB).
     for i in 0..8u64 {
@@ -237,6 +242,12 @@ fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
     let w = q.write(1, 8, 4096, &[1; 4096], false).unwrap();
     assert_eq!(w.code(), sc::WRITE_FAULT, "writes are refused too");
     assert!(q.read(1, 0, 4096, 1).unwrap().ok(), "reads still work");
+    let smart = c.get_log(0x02, 512, 0);
+    assert_eq!(
+        smart.data[0] & (1 << 2),
+        1 << 2,
+        "SMART: reliability degraded"
+    );
     let st = t.status();
     assert!(
         st["subsystems"][0]["namespaces"][0]["failed"].is_string(),

@@ -602,3 +602,33 @@ fn check_config_shows_the_listener_its_methods_and_the_keyed_hosts_it_refuses() 
         "{out}"
     );
 }
+
+#[test]
+fn a_reload_that_needs_a_write_cache_closes_a_controller_that_reported_none() {
+    let (_d, shm, mut t, addr) = start("nvme-vwc-reload");
+    let mut c = Controller::connect(&addr, DAX, HOST, (false, false)).unwrap();
+    assert_eq!(ok(c.identify(1, 0)).data[525] & 1, 0, "VWC 0");
+    // Without a write cache there is none to turn off.
+    assert_eq!(c.set_features(0x06, 0).code(), sc::INVALID_FIELD);
+    // A Disconnect on an I/O queue: completed, then the queue is closed.
+    let mut q = c.io_queue(1).unwrap();
+    ok(q.command(Sqe::fabrics(0x08), &[], 0).unwrap());
+    assert!(matches!(q.recv(), Err(rpma_tests::nvme::Error::Closed(_))));
+    // A page-cache namespace joins the dax subsystem: the controller told the host writes are
+    // durable at completion, which the new namespace cannot keep: it is closed, the host
+    // reconnects and reads VWC 1.
+    let text = config(&shm).to_string().replace(
+        "path = \"dax1\"\nsize = \"2MiB\"\nforce_dax = true\n",
+        "path = \"dax1\"\nsize = \"2MiB\"\nforce_dax = true\n[[subsystem.namespace]]\nnsid = 2\npath = \"pc2\"\nsize = \"1MiB\"\n",
+    );
+    assert!(text.contains("pc2"), "{text}");
+    t.rewrite(&text);
+    t.reload();
+    assert!(matches!(
+        c.admin.recv(),
+        Err(rpma_tests::nvme::Error::Closed(_))
+    ));
+    let mut c = Controller::connect(&addr, DAX, HOST, (false, false)).unwrap();
+    assert_eq!(ok(c.identify(1, 0)).data[525] & 1, 1, "VWC 1 now");
+    assert_eq!(t.status()["metrics"]["sessions_ended"]["reload"], 1);
+}
