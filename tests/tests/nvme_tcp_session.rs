@@ -632,3 +632,32 @@ fn a_reload_that_needs_a_write_cache_closes_a_controller_that_reported_none() {
     assert_eq!(ok(c.identify(1, 0)).data[525] & 1, 1, "VWC 1 now");
     assert_eq!(t.status()["metrics"]["sessions_ended"]["reload"], 1);
 }
+
+#[test]
+fn a_keep_alive_timeout_of_zero_is_the_targets_keep_alive() {
+    let (_d, _s, _t, addr) = start("nvme-kato0");
+    let mut admin = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let data = rpma_tests::nvme::connect_data([4; 16], 0xffff, SUB, HOST);
+    ok(admin
+        .command(rpma_tests::nvme::connect_sqe(0, 31, 0), &data, 0)
+        .unwrap());
+    ok(admin
+        .command(
+            Sqe::fabrics(0x00)
+                .u32(44, 0x14)
+                .u32(48, rpma_tests::nvme::CC_ENABLE),
+            &[],
+            0,
+        )
+        .unwrap());
+    let get = |h: &mut Host| ok(h.command(Sqe::new(0x0a, 0).cdw(10, 0x0f), &[], 0).unwrap()).dw0;
+    assert_eq!(get(&mut admin), 5000, "keep_alive_ms, the default");
+    ok(admin
+        .command(Sqe::new(0x09, 0).cdw(10, 0x0f).cdw(11, 0), &[], 0)
+        .unwrap());
+    assert_eq!(get(&mut admin), 5000, "Set Features to 0 likewise");
+    ok(admin
+        .command(Sqe::new(0x09, 0).cdw(10, 0x0f).cdw(11, 7_200_000), &[], 0)
+        .unwrap());
+    assert_eq!(get(&mut admin), 3_600_000, "at most an hour");
+}

@@ -262,7 +262,15 @@ fn set_features(ctrl: &Controller, sqe: &Sqe, env: &Env<'_>) -> Reply {
             Reply::dw0(n | (n << 16))
         }
         fid::KEEP_ALIVE_TIMER => {
-            ctrl.set_kato(Duration::from_millis(u64::from(cdw11)), env.now);
+            let asked = Duration::from_millis(u64::from(cdw11));
+            let kato = if io {
+                super::fabrics::io_kato(asked, &env.ctx.serve.config())
+            } else {
+                asked.min(Duration::from_millis(u64::from(
+                    env.ctx.serve.config().admission.discovery_max_keep_alive_ms,
+                )))
+            };
+            ctrl.set_kato(kato, env.now);
             Reply::ok()
         }
         fid::ASYNC_EVENT_CONFIG => {

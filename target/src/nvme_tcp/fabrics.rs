@@ -46,6 +46,18 @@ const MAX_KATO: Duration = Duration::from_secs(3600);
 /// Connect ATTR bit: the host disables SQ flow control.
 const CATTR_DISABLE_SQFLOW: u8 = 1 << 2;
 
+/// The keep-alive timeout of an I/O controller that asked for `kato`: clamped to 100 ms..1 h,
+/// and 0 (none) means the target's `keep_alive_ms`, as on the native listeners: a controller
+/// holds a place among the admitted sessions, so it must show it is alive (a host that asks for
+/// none, `--keep-alive-tmo=0`, is closed after that period and reconnects).
+pub(crate) fn io_kato(kato: Duration, cfg: &crate::config::Config) -> Duration {
+    if kato.is_zero() {
+        Duration::from_millis(u64::from(cfg.keep_alive_ms))
+    } else {
+        kato.clamp(MIN_KEEP_ALIVE, MAX_KATO)
+    }
+}
+
 /// An admitted I/O controller's place among the sessions: its controller id, its entry in
 /// `status`, its namespaces' session counts. Dropping it gives them back and kills the
 /// controller (its I/O queues close).
@@ -339,11 +351,7 @@ impl Queue {
         namespaces: Vec<Arc<OpenNamespace>>,
         env: &mut Env<'_>,
     ) -> Result<u16, Refusal> {
-        let kato = if kato.is_zero() {
-            kato
-        } else {
-            kato.clamp(MIN_KEEP_ALIVE, MAX_KATO)
-        };
+        let kato = io_kato(kato, &env.ctx.serve.config());
         let ctx = Arc::clone(env.ctx);
         let now = env.now;
         let entries = ctx.queue_entries();
