@@ -31,6 +31,7 @@ fn methods_line(cfg: &Config, domain: Domain) -> String {
                 (Transport::Tcp, _) => "tcp",
                 (Transport::Rdma, false) => "rdma",
                 (Transport::Rdma, true) => "rdma(direct_write_to_pmem)",
+                (Transport::NvmeTcp, _) => "nvme-tcp",
             };
             let m = durability_methods(domain, t, dwp);
             if m.is_empty() {
@@ -116,6 +117,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         let extra = match l.url.transport {
             Transport::Tcp => format!("crc {}", if cfg.crc { "on" } else { "off" }),
             Transport::Rdma => format!("direct_write_to_pmem {}", l.direct_write_to_pmem),
+            Transport::NvmeTcp => "NVMe/TCP: digests as each host asks".to_owned(),
         };
         writeln!(out, "listener {} ({extra})", l.url)?;
         if l.url.transport == Transport::Rdma {
@@ -204,6 +206,14 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             s.hosts.len(),
             s.allow_any_host
         )?;
+        if keyed > 0 && cfg.listeners.iter().any(|l| !l.url.transport.is_fabric()) {
+            writeln!(
+                out,
+                "  note: its {keyed} host(s) with a key are refused on nvme-tcp:// listeners \
+                 (Authentication Required: no DH-HMAC-CHAP there); they connect over tcp:// or \
+                 rdma:// with rpma-initiator"
+            )?;
+        }
         for ns in &s.namespaces {
             count += 1;
             let rw = if ns.read_only {

@@ -21,6 +21,9 @@ pub use admission::{admission_changes, Admission};
 
 /// rpma's own default port (NVMe-oF's 4420 belongs to real NVMe-oF targets).
 pub const DEFAULT_PORT: u16 = 7420;
+/// The default port of an `nvme-tcp://` listener: NVMe/TCP's by convention (8009 is the
+/// discovery convention; any port serves both here).
+pub const NVME_TCP_DEFAULT_PORT: u16 = 4420;
 /// Where the control socket lives unless the configuration says otherwise.
 pub const DEFAULT_CONTROL_SOCKET: &str = "/run/rpma-target/control.sock";
 /// The state file's name beside the configuration file unless `state_file` says otherwise.
@@ -98,9 +101,31 @@ pub enum Transport {
     Tcp,
     /// libibverbs/librdmacm.
     Rdma,
+    /// NVMe over TCP: the stock host (`nvme connect -t tcp`) for the same subsystems
+    /// ([`crate::nvme_tcp`]).
+    #[serde(rename = "nvme-tcp")]
+    NvmeTcp,
 }
 
-/// A listen address: `tcp://host:port` or `rdma://host:port` (port defaults to [`DEFAULT_PORT`]).
+impl Transport {
+    /// The URL scheme.
+    pub fn scheme(self) -> &'static str {
+        match self {
+            Transport::Tcp => "tcp",
+            Transport::Rdma => "rdma",
+            Transport::NvmeTcp => "nvme-tcp",
+        }
+    }
+
+    /// Whether the transport is one of rpma's own fabrics (served by `rpma-initiator`), not
+    /// NVMe/TCP.
+    pub fn is_fabric(self) -> bool {
+        self != Transport::NvmeTcp
+    }
+}
+
+/// A listen address: `tcp://host:port`, `rdma://host:port` (port defaults to [`DEFAULT_PORT`]) or
+/// `nvme-tcp://host:port` (port defaults to [`NVME_TCP_DEFAULT_PORT`]).
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct ListenUrl {
     /// The transport.
@@ -123,7 +148,12 @@ impl ListenUrl {
         let transport = match scheme {
             "tcp" => Transport::Tcp,
             "rdma" => Transport::Rdma,
-            other => return Err(format!("{s:?}: unknown transport {other:?} (tcp or rdma)")),
+            "nvme-tcp" => Transport::NvmeTcp,
+            other => {
+                return Err(format!(
+                    "{s:?}: unknown transport {other:?} (tcp, rdma or nvme-tcp)"
+                ))
+            }
         };
         if rest.contains(['/', '?', '#', '@']) {
             return Err(format!(
@@ -160,6 +190,7 @@ impl ListenUrl {
             return Err(format!("{s:?}: {host:?} is not a host name or address"));
         }
         let port = match port {
+            None if transport == Transport::NvmeTcp => NVME_TCP_DEFAULT_PORT,
             None => DEFAULT_PORT,
             Some(p) => match p.parse::<u16>() {
                 Ok(p) if p != 0 => p,
@@ -176,10 +207,7 @@ impl ListenUrl {
 
 impl fmt::Display for ListenUrl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        let scheme = match self.transport {
-            Transport::Tcp => "tcp",
-            Transport::Rdma => "rdma",
-        };
+        let scheme = self.transport.scheme();
         if self.host.contains(':') {
             write!(f, "{scheme}://[{}]:{}", self.host, self.port)
         } else {

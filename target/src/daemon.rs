@@ -187,6 +187,7 @@ fn transport_name(t: Transport, dwp: bool) -> String {
         (Transport::Tcp, _) => "tcp".into(),
         (Transport::Rdma, false) => "rdma".into(),
         (Transport::Rdma, true) => "rdma(direct_write_to_pmem)".into(),
+        (Transport::NvmeTcp, _) => "nvme-tcp".into(),
     }
 }
 

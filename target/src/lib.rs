@@ -35,6 +35,8 @@
 //!   sessions.
 //! - [`serve`]: the fabric-backed [`serve::FabricServe`]: accept threads, poll loops, sessions,
 //!   per-connection rkeys, the GPSPM flush service on the wire.
+//! - [`nvme_tcp`]: the `nvme-tcp://` listener: NVMe over TCP for the stock Linux host, on the
+//!   same subsystems, namespaces, budgets and metrics.
 //!
 //! Threads: the daemon's main thread handles signals and reloads, one thread serves the control
 //! socket (and, with `metrics_listen`, one accepts scrapes, each served on a short-lived thread
@@ -56,6 +58,7 @@ pub mod handshake;
 pub mod memlock;
 pub mod metrics;
 pub mod namespace;
+pub mod nvme_tcp;
 /// sd_notify(3) (the common crate's, which the initiator's NBD export uses too).
 pub use rpma_common::notify;
 pub mod probe;

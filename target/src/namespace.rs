@@ -121,6 +121,8 @@ pub fn wire_domain(d: Domain) -> PersistenceDomain {
 /// - rdma: GPSPM always; APM only on dax with the operator's `direct_write_to_pmem` declaration
 ///   (DDIO off or eADR), never on page-cache where the NIC's writes land in DRAM; FLUSH is left
 ///   to the transport, which knows whether the provider implements it.
+/// - nvme-tcp: FLUSH, meaning NVMe's Flush command and Write with FUA (docs/nvme-tcp.md): there
+///   is no other way to ask an NVMe controller for durability.
 pub fn durability_methods(
     domain: Domain,
     transport: Transport,
@@ -137,6 +139,7 @@ pub fn durability_methods(
             DurabilityMethods::APM | DurabilityMethods::GPSPM
         }
         Transport::Rdma => DurabilityMethods::GPSPM,
+        Transport::NvmeTcp => DurabilityMethods::FLUSH,
     }
 }
 

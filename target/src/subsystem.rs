@@ -100,7 +100,7 @@ pub fn admit<'a>(cfg: &'a Config, c: &Connect) -> Admission<'a> {
 }
 
 /// `url` with a wildcard host replaced by `local`'s address (see [`discovery`]).
-fn advertised(url: &ListenUrl, local: Option<SocketAddr>) -> ListenUrl {
+pub(crate) fn advertised(url: &ListenUrl, local: Option<SocketAddr>) -> ListenUrl {
     let (Ok(bound), Some(local)) = (url.host.parse::<IpAddr>(), local) else {
         return url.clone();
     };
@@ -144,7 +144,8 @@ pub fn visible_to(s: &Subsystem, host: &Nqn, key: Option<&Psk>) -> bool {
 }
 
 /// The discovery listing for `host`, which proved `key` (if it has one): the subsystems it may
-/// connect to, with every listen URL. A subsystem that lists the host with a key shows only if
+/// connect to, with every listen URL of rpma's own transports (`nvme-tcp://` listeners are for
+/// NVMe hosts, which discover them through their own discovery log page). A subsystem that lists the host with a key shows only if
 /// that is the key it proved ([`visible_to`]).
 ///
 /// A wildcard listener (`0.0.0.0`, `::`) is advertised with `local`'s address, the one the
@@ -159,6 +160,7 @@ pub fn discovery(
     let listen: Vec<String> = cfg
         .listeners
         .iter()
+        .filter(|l| l.url.transport.is_fabric())
         .map(|l| advertised(&l.url, local).to_string())
         .collect();
     DiscoveryResponse {
@@ -190,7 +192,7 @@ mod tests {
         let text = format!(
             r#"
 discovery = {discovery}
-listen = ["tcp://127.0.0.1:7420", "tcp://[::1]:7420"]
+listen = ["tcp://127.0.0.1:7420", "nvme-tcp://127.0.0.1:4420", "tcp://[::1]:7420"]
 [[subsystem]]
 nqn = "nqn.2026-11.io.rpma:closed"
 hosts = [{{ nqn = "nqn.2026-11.io.rpma:plain" }}, {{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]

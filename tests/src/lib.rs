@@ -8,6 +8,7 @@
 //! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
 //! - [`metrics`]: HTTP to the target's metrics listener, promtool, a real Prometheus server;
 //! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
+//! - [`nvme`]: an NVMe/TCP host of its own for the `nvme-tcp://` listener's tests;
 //! - [`relay`]: a TCP relay that injects link faults (cut, reset, stall, swallow, a reset after
 //!   N bytes);
 //! - [`sessions`]: the session tests' fixture and what they do over a session;
@@ -30,6 +31,7 @@ pub mod fuse;
 pub mod initiator;
 pub mod metrics;
 pub mod nbd;
+pub mod nvme;
 pub mod relay;
 pub mod sessions;
 pub mod stress;

@@ -52,7 +52,7 @@ run mount -o dax /dev/pmem0 "$LABDIR/pmem"
 grep -q " $LABDIR/pmem ext4 .*dax" /proc/mounts || fail "$LABDIR/pmem is not mounted with dax"
 
 # Scratch: a page-cache file system of the guest's own.
-run modprobe brd rd_nr=1 rd_size=$((1536 * 1024))
+run modprobe brd rd_nr=1 rd_size=$((2560 * 1024))
 run mkfs.ext4 -q -F /dev/ram0
 mkdir -p "$LABDIR/scratch"
 run mount /dev/ram0 "$LABDIR/scratch"

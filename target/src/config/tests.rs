@@ -501,3 +501,52 @@ fn metrics_listen_is_an_address_and_port_and_off_by_default() {
     let e = err(&format!("metrics_listen = 9420\n{GOOD}"));
     assert!(e.contains("metrics_listen"), "{e}");
 }
+
+#[test]
+fn nvme_tcp_listeners_parse_beside_the_fabric_ones() {
+    let c = Config::from_toml(
+        &good_with(
+            r#""tcp://127.0.0.1:7420""#,
+            r#""tcp://127.0.0.1:7420", "nvme-tcp://127.0.0.1", "nvme-tcp://[::1]:8009""#,
+        ),
+        dir_with_psk().path(),
+    )
+    .unwrap();
+    let urls: Vec<String> = c.listeners.iter().map(|l| l.url.to_string()).collect();
+    assert_eq!(
+        urls,
+        [
+            "tcp://127.0.0.1:7420",
+            "nvme-tcp://127.0.0.1:4420",
+            "nvme-tcp://[::1]:8009",
+            "rdma://[::1]:7421"
+        ]
+    );
+    assert_eq!(c.listeners[1].url.transport, Transport::NvmeTcp);
+    assert!(!Transport::NvmeTcp.is_fabric() && Transport::Tcp.is_fabric());
+    // The same address on another transport is another listener; twice the same is refused.
+    let e = err(&good_with(
+        r#""tcp://127.0.0.1:7420""#,
+        r#""nvme-tcp://127.0.0.1:4420", "nvme-tcp://127.0.0.1""#,
+    ));
+    assert!(
+        e.contains("listen[1]: nvme-tcp://127.0.0.1:4420 is listed twice"),
+        "{e}"
+    );
+    let e = err(&good_with(
+        r#""tcp://127.0.0.1:7420""#,
+        r#"{ url = "nvme-tcp://127.0.0.1", direct_write_to_pmem = true }"#,
+    ));
+    assert!(e.contains("only meaningful for rdma"), "{e}");
+    for (url, needle) in [
+        ("nvme-tcp://127.0.0.1:0", "is not a port"),
+        ("nvme-tcp://127.0.0.1:4420/nqn", "no path"),
+        (
+            "nvme://127.0.0.1:4420",
+            "unknown transport \"nvme\" (tcp, rdma or nvme-tcp)",
+        ),
+    ] {
+        let e = err(&good_with("tcp://127.0.0.1:7420", url));
+        assert!(e.contains(needle), "{url}: {e}");
+    }
+}

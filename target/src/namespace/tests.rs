@@ -26,6 +26,16 @@ fn methods_per_domain_and_transport() {
         durability_methods(Domain::PageCache, Transport::Rdma, true),
         DurabilityMethods::GPSPM
     );
+    for d in [Domain::Dax, Domain::PageCache] {
+        assert_eq!(
+            durability_methods(d, Transport::NvmeTcp, false),
+            DurabilityMethods::FLUSH
+        );
+    }
+    assert_eq!(
+        durability_methods(Domain::Volatile, Transport::NvmeTcp, false),
+        DurabilityMethods::NONE
+    );
 }
 
 #[test]

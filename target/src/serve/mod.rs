@@ -42,7 +42,7 @@
 //! when it ends ([`crate::metrics`] has the model).
 
 mod acceptor;
-mod budget;
+pub(crate) mod budget;
 mod conn;
 mod peer_log;
 mod poll_loop;
@@ -50,7 +50,7 @@ mod session_info;
 
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
 use session_info::Retired;
-pub(crate) use session_info::SessionInfo;
+pub(crate) use session_info::{SessionCounts, SessionInfo};
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -96,6 +96,15 @@ pub enum Error {
         tcp: String,
         /// An `rdma://` listener.
         rdma: String,
+    },
+    /// Binding an `nvme-tcp://` listener failed.
+    #[error("cannot listen on {url}")]
+    NvmeListen {
+        /// The URL.
+        url: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
     },
     /// RLIMIT_MEMLOCK is too low for one rdma session's registrations.
     #[error("{message}")]
@@ -202,6 +211,8 @@ pub(crate) struct Shared {
     pub(crate) events: Events,
     /// Each poll loop's own counts.
     loop_stats: Vec<Arc<LoopStats>>,
+    /// Each NVMe/TCP loop's own counts (its flushes' timings, its TermReqs).
+    nvme_loop_stats: Vec<Arc<LoopStats>>,
     /// What ended sessions counted. Locked only while `sessions` is (in that order).
     retired: Mutex<Retired>,
 }
@@ -215,6 +226,30 @@ impl std::fmt::Debug for Shared {
 }
 
 impl Shared {
+    /// A shared state serving `cfg` and `table`, without threads (unit tests of the code that
+    /// uses it).
+    #[cfg(test)]
+    pub(crate) fn for_tests(cfg: &Config, table: &NamespaceTable) -> Arc<Shared> {
+        let s = Arc::new(Shared {
+            ctx: Context::soft(),
+            config: RwLock::new(Arc::new(cfg.clone())),
+            namespaces: RwLock::new(Arc::new(BTreeMap::new())),
+            stopping: AtomicBool::new(false),
+            budgets: Arc::new(budget::Budgets::default()),
+            next_controller: AtomicU32::new(0),
+            sessions: Mutex::new(BTreeMap::new()),
+            discovery: Mutex::new(BTreeMap::new()),
+            next_discovery: AtomicU64::new(0),
+            peer_log: peer_log::PeerLog::new(Duration::from_secs(60)),
+            events: Events::default(),
+            loop_stats: Vec::new(),
+            nvme_loop_stats: Vec::new(),
+            retired: Mutex::new(Retired::default()),
+        });
+        s.set(cfg, table);
+        s
+    }
+
     pub(crate) fn config(&self) -> Arc<Config> {
         Arc::clone(&self.config.read().unwrap_or_else(|p| p.into_inner()))
     }
@@ -348,6 +383,16 @@ impl Shared {
             Histogram::merge(&mut gwb, &l.gpspm_writeback.snapshot());
             Histogram::merge(&mut fds, &l.gpspm_fdatasync.snapshot());
         }
+        // The NVMe/TCP loops: their C2HTermReqs, their per-Write write-backs (dax) and their
+        // flushes' fdatasyncs (page-cache), kept in the same cells.
+        let (mut nwb, mut nfds) = (Histogram::default(), Histogram::default());
+        for l in &self.nvme_loop_stats {
+            for (t, n) in terminates.iter_mut().zip(l.terminates()) {
+                *t += n;
+            }
+            Histogram::merge(&mut nwb, &l.gpspm_writeback.snapshot());
+            Histogram::merge(&mut nfds, &l.gpspm_fdatasync.snapshot());
+        }
         m.terminates = crate::metrics::terminates_by_name(&terminates);
         let lat = |kind: &str, path: &str, histogram: Histogram| LatencyStatus {
             kind: kind.into(),
@@ -361,6 +406,10 @@ impl Shared {
             lat("fdatasync", "gpspm", fds),
             lat("gpspm_request", "gpspm", req),
         ];
+        if !self.nvme_loop_stats.is_empty() {
+            m.latency.push(lat("writeback", "nvme-tcp", nwb));
+            m.latency.push(lat("fdatasync", "nvme-tcp", nfds));
+        }
         m
     }
 
@@ -430,6 +479,8 @@ pub struct FabricServe {
     shared: Option<Arc<Shared>>,
     loops: Vec<LoopHandle>,
     acceptors: Vec<acceptor::Acceptor>,
+    /// The `nvme-tcp://` listeners, when there are any.
+    nvme: Option<crate::nvme_tcp::Server>,
     /// Each thread's heartbeat count at the previous [`Serve::check_progress`], by name.
     beats_seen: BTreeMap<String, u64>,
 }
@@ -451,7 +502,8 @@ impl Default for FabricServe {
     }
 }
 
-/// A listener's fabric URL; `rdma://` is refused by a build without the `rdma` feature.
+/// A listener's fabric URL; `rdma://` is refused by a build without the `rdma` feature
+/// (`nvme-tcp://` listeners are not the fabric's: [`crate::nvme_tcp`] serves them).
 fn fabric_url(l: &crate::config::Listener) -> Result<Url> {
     let url = l.url.to_string();
     if l.url.transport == Transport::Rdma && !cfg!(feature = "rdma") {
@@ -460,7 +512,8 @@ fn fabric_url(l: &crate::config::Listener) -> Result<Url> {
     Url::parse(&url).map_err(|source| Error::Url { url, source })
 }
 
-/// Refuses a configuration whose listeners mix transports (one device serves every loop).
+/// Refuses a configuration whose fabric listeners mix transports (one device serves every loop;
+/// `nvme-tcp://` listeners have loops of their own).
 fn one_transport(cfg: &Config) -> Result<()> {
     let of = |t| cfg.listeners.iter().find(|l| l.url.transport == t);
     match (of(Transport::Tcp), of(Transport::Rdma)) {
@@ -481,6 +534,7 @@ impl FabricServe {
             shared: None,
             loops: Vec::new(),
             acceptors: Vec::new(),
+            nvme: None,
             beats_seen: BTreeMap::new(),
         }
     }
@@ -490,8 +544,17 @@ impl FabricServe {
         let urls: Vec<Url> = cfg
             .listeners
             .iter()
+            .filter(|l| l.url.transport.is_fabric())
             .map(fabric_url)
             .collect::<Result<_>>()?;
+        let nvme_loops = if cfg.listeners.iter().any(|l| !l.url.transport.is_fabric()) {
+            cfg.poll_loops.max(1) as usize
+        } else {
+            0
+        };
+        let nvme_loop_stats: Vec<Arc<LoopStats>> = (0..nvme_loops)
+            .map(|_| Arc::new(LoopStats::default()))
+            .collect();
         one_transport(cfg)?;
         // The device is the listeners' transport's (they share one: a config has one
         // transport). On rdma it is the device of the first listener's address; without one
@@ -525,6 +588,7 @@ impl FabricServe {
             ))),
             events: Events::default(),
             loop_stats: loop_stats.clone(),
+            nvme_loop_stats: nvme_loop_stats.clone(),
             retired: Mutex::new(Retired::default()),
         });
         shared.set(cfg, namespaces);
@@ -565,8 +629,25 @@ impl FabricServe {
             .iter()
             .map(|l| (l.tx.clone(), Arc::clone(&l.load)))
             .collect();
+        if nvme_loops > 0 {
+            self.nvme = Some(crate::nvme_tcp::Server::start(&shared, &nvme_loop_stats)?);
+        }
         let mut out = Vec::new();
-        for (l, url) in cfg.listeners.iter().zip(urls) {
+        let mut urls = urls.into_iter();
+        for l in &cfg.listeners {
+            if let (false, Some(nvme)) = (l.url.transport.is_fabric(), self.nvme.as_mut()) {
+                let bound = nvme.listen(&l.url)?;
+                log::info!("listening on nvme-tcp://{bound} (NVMe/TCP)");
+                out.push(ListenerStatus {
+                    url: l.url.to_string(),
+                    bound: true,
+                    crc: false,
+                    direct_write_to_pmem: false,
+                    note: None,
+                });
+                continue;
+            }
+            let Some(url) = urls.next() else { continue };
             let a = acceptor::Acceptor::start(&shared, &url, targets.clone())?;
             log::info!("listening on {}", a.url());
             self.acceptors.push(a);
@@ -595,6 +676,9 @@ impl Serve for FabricServe {
         let Some(shared) = &self.shared else { return };
         shared.set(cfg, namespaces);
         shared.forget_removed(namespaces, cfg);
+        if let Some(nvme) = &self.nvme {
+            nvme.reloaded(diff);
+        }
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));
@@ -606,7 +690,8 @@ impl Serve for FabricServe {
             .loops
             .iter()
             .map(|l| &l.beat)
-            .chain(self.acceptors.iter().map(|a| a.heartbeat()));
+            .chain(self.acceptors.iter().map(|a| a.heartbeat()))
+            .chain(self.nvme.iter().flat_map(|n| n.heartbeats()));
         let mut stuck = Vec::new();
         for b in beats {
             let now = b.count();
@@ -674,6 +759,9 @@ impl Serve for FabricServe {
         for a in self.acceptors.drain(..) {
             a.stop();
         }
+        if let Some(mut nvme) = self.nvme.take() {
+            nvme.stop();
+        }
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Stop);
         }
@@ -690,7 +778,7 @@ impl Serve for FabricServe {
 
 impl Drop for FabricServe {
     fn drop(&mut self) {
-        if !self.loops.is_empty() || !self.acceptors.is_empty() {
+        if !self.loops.is_empty() || !self.acceptors.is_empty() || self.nvme.is_some() {
             self.stop();
         }
     }

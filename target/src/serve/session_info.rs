@@ -14,6 +14,13 @@ use crate::config::Config;
 use crate::control::{SessionNamespaceStatus, SessionStatus, SESSION_COUNTED};
 use crate::metrics::{host_label, DataCounters, Outcomes};
 
+/// What a session's transport counted per namespace where no placement engine counts it (an
+/// NVMe/TCP controller: [`crate::nvme_tcp`]).
+pub(crate) trait SessionCounts: Send + Sync + std::fmt::Debug {
+    /// The counts per nsid, now.
+    fn per_namespace(&self) -> Vec<(u32, DataCounters)>;
+}
+
 /// A connection's live counters and identity, shared between its poll loop and `status`.
 #[derive(Debug)]
 pub(crate) struct SessionInfo {
@@ -39,6 +46,8 @@ pub(crate) struct SessionInfo {
     responder: Option<ResponderCounters>,
     /// The namespaces it was granted, with their rkeys and GPSPM counts.
     namespaces: Vec<SessionNs>,
+    /// Counts kept by the transport itself (instead of the two above).
+    counts: Option<std::sync::Arc<dyn SessionCounts>>,
 }
 
 /// A namespace of a session: the rkey its placement counts are under, and the GPSPM requests
@@ -75,7 +84,14 @@ impl SessionInfo {
             expired: AtomicBool::new(false),
             responder: None,
             namespaces: Vec::new(),
+            counts: None,
         }
+    }
+
+    /// Counts the session's data path with `counts` (a transport without a placement engine).
+    pub(crate) fn with_counts(mut self, counts: std::sync::Arc<dyn SessionCounts>) -> SessionInfo {
+        self.counts = Some(counts);
+        self
     }
 
     /// Counts the session's data path: its queue pair's responder counters and its
@@ -109,6 +125,13 @@ impl SessionInfo {
     /// The data counts per namespace, and the responder's persist histograms (writeback,
     /// msync), now.
     pub(super) fn data(&self) -> (Vec<(u32, DataCounters)>, Histogram, Histogram) {
+        if let Some(c) = &self.counts {
+            return (
+                c.per_namespace(),
+                Histogram::default(),
+                Histogram::default(),
+            );
+        }
         let snap = self.responder.as_ref().map(ResponderCounters::snapshot);
         let per_ns = self
             .namespaces

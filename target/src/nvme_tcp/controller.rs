@@ -1,0 +1,644 @@
+//! A controller: what its admin queue and its I/O queues (each a TCP connection of its own,
+//! maybe served by different poll loops) share. The admin queue owns it: it is created by the
+//! admin Connect and dies with the admin queue's connection or its keep-alive, taking its I/O
+//! queues with it (they look at [`Controller::is_dead`] on every turn).
+//!
+//! # What it holds
+//!
+//! - the controller registers a host reads and writes with Property Get/Set (CAP, VS, CC,
+//!   CSTS): enable, disable, shutdown;
+//! - the features (number of queues, keep-alive timer, asynchronous event configuration,
+//!   volatile write cache enable) and the asynchronous events waiting for a request;
+//! - the namespaces of its subsystem, as a map the I/O queues read under a generation counter
+//!   (a reload swaps it; an I/O queue takes the new one at its next command);
+//! - what it served, per namespace ([`Counts`]), for `status` and the metrics.
+//!
+//! # Durability
+//!
+//! [`Controller::vwc`] is decided when it is created, from its namespaces' domains: a volatile
+//! write cache exists unless every namespace is `dax` (where each Write is made durable before
+//! its completion). It never changes for the life of the controller: a reload that would need
+//! it to (a page-cache namespace added to an all-dax subsystem) closes the controller, and the
+//! host reconnects to one that reports it.
+
+use std::collections::{BTreeMap, BTreeSet, VecDeque};
+use std::path::Path;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::{Duration, Instant};
+
+use rpma_common::pmem::Domain;
+use rpma_common::proto::nqn::Nqn;
+
+use super::identify::{namespace_ids, CtrlKind, NVME_VERSION};
+use crate::metrics::{DataCounters, Outcomes};
+use crate::namespace::OpenNamespace;
+use crate::serve::SessionCounts;
+
+/// The most I/O queues a controller grants (the Linux host asks for one per CPU).
+pub const MAX_IO_QUEUES: u16 = 16;
+
+/// CC fields.
+mod cc {
+    pub const EN: u32 = 1;
+    pub fn css(cc: u32) -> u32 {
+        (cc >> 4) & 0x7
+    }
+    pub fn mps(cc: u32) -> u32 {
+        (cc >> 7) & 0xf
+    }
+    pub fn ams(cc: u32) -> u32 {
+        (cc >> 11) & 0x7
+    }
+    pub fn shn(cc: u32) -> u32 {
+        (cc >> 14) & 0x3
+    }
+    pub fn iosqes(cc: u32) -> u32 {
+        (cc >> 16) & 0xf
+    }
+    pub fn iocqes(cc: u32) -> u32 {
+        (cc >> 20) & 0xf
+    }
+}
+
+/// CSTS fields.
+pub mod csts {
+    /// Ready.
+    pub const RDY: u32 = 1;
+    /// Controller fatal status.
+    pub const CFS: u32 = 1 << 1;
+    /// Shutdown processing occurring.
+    pub const SHST_OCCURRING: u32 = 1 << 2;
+    /// Shutdown processing complete.
+    pub const SHST_COMPLETE: u32 = 2 << 2;
+    /// The SHST field.
+    pub const SHST_MASK: u32 = 3 << 2;
+}
+
+/// Property offsets.
+pub mod prop {
+    /// Controller Capabilities (8 bytes).
+    pub const CAP: u32 = 0x00;
+    /// Version.
+    pub const VS: u32 = 0x08;
+    /// Controller Configuration.
+    pub const CC: u32 = 0x14;
+    /// Controller Status.
+    pub const CSTS: u32 = 0x1c;
+}
+
+/// Asynchronous event results (completion dword 0).
+pub mod aen {
+    /// Notice: namespace attribute changed; read the Changed Namespace List (04h).
+    pub const NS_CHANGED: u32 = 0x0004_0002;
+    /// Notice: discovery log page changed (70h).
+    pub const DISCOVERY_CHANGED: u32 = 0x0070_f002;
+    /// AEC bit enabling namespace attribute notices.
+    pub const AEC_NS_ATTR: u32 = 1 << 8;
+    /// AEC bit enabling discovery log change notices.
+    pub const AEC_DISCOVERY: u32 = 1 << 31;
+}
+
+/// What an I/O queue of this controller served on a namespace (single atomics: several queues,
+/// on several loops, add to them).
+#[derive(Debug, Default)]
+pub struct NsCounts {
+    writes: AtomicU64,
+    write_bytes: AtomicU64,
+    reads: AtomicU64,
+    read_bytes: AtomicU64,
+    flush_ok: AtomicU64,
+    flush_failed: AtomicU64,
+}
+
+impl NsCounts {
+    /// A Write (or Write Zeroes, or a deallocation) of `bytes`.
+    pub fn wrote(&self, bytes: u64) {
+        self.writes.fetch_add(1, Ordering::Relaxed);
+        self.write_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// A Read of `bytes`.
+    pub fn read(&self, bytes: u64) {
+        self.reads.fetch_add(1, Ordering::Relaxed);
+        self.read_bytes.fetch_add(bytes, Ordering::Relaxed);
+    }
+
+    /// A durability request (Flush, or a Write with FUA) answered.
+    pub fn durability(&self, ok: bool) {
+        let c = if ok {
+            &self.flush_ok
+        } else {
+            &self.flush_failed
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn data(&self) -> DataCounters {
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        let mut d = DataCounters {
+            writes: get(&self.writes),
+            write_bytes: get(&self.write_bytes),
+            reads: get(&self.reads),
+            read_bytes: get(&self.read_bytes),
+            ..DataCounters::default()
+        };
+        d.durability.flush = Outcomes {
+            ok: get(&self.flush_ok),
+            failed: get(&self.flush_failed),
+        };
+        d
+    }
+}
+
+/// A controller's counts per namespace, kept for every namespace it ever served.
+#[derive(Debug, Default)]
+pub struct Counts(Mutex<BTreeMap<u32, Arc<NsCounts>>>);
+
+impl Counts {
+    fn of(&self, nsid: u32) -> Arc<NsCounts> {
+        Arc::clone(
+            self.0
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .entry(nsid)
+                .or_default(),
+        )
+    }
+
+    /// Everything counted, summed over the namespaces (for the SMART log).
+    pub fn total(&self) -> DataCounters {
+        let mut t = DataCounters::default();
+        for c in self.0.lock().unwrap_or_else(|p| p.into_inner()).values() {
+            t.add(&c.data());
+        }
+        t
+    }
+}
+
+impl SessionCounts for Counts {
+    fn per_namespace(&self) -> Vec<(u32, DataCounters)> {
+        self.0
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .map(|(n, c)| (*n, c.data()))
+            .collect()
+    }
+}
+
+/// A namespace as a controller serves it.
+#[derive(Debug, Clone)]
+pub struct NsEntry {
+    /// The open namespace.
+    pub ns: Arc<OpenNamespace>,
+    /// Its counts on this controller.
+    pub counts: Arc<NsCounts>,
+    /// Its NGUID.
+    pub nguid: [u8; 16],
+    /// Its UUID.
+    pub uuid: [u8; 16],
+}
+
+/// Namespaces by nsid.
+pub type NsMap = BTreeMap<u32, NsEntry>;
+
+/// Whether a namespace in `domain` needs a volatile write cache to be reported: every domain
+/// but dax, where each Write is persisted before its completion.
+pub fn needs_vwc(domain: Domain) -> bool {
+    !domain.is_dax()
+}
+
+/// The shared, mutable part.
+#[derive(Debug)]
+struct State {
+    cc: u32,
+    csts: u32,
+    /// I/O queues granted (Set Features Number of Queues), not 0's based.
+    io_queues: u16,
+    /// I/O queue ids connected.
+    connected: BTreeSet<u16>,
+    aec: u32,
+    /// Volatile write cache enabled (Set Features 06h); only meaningful with [`Controller::vwc`].
+    wce: bool,
+    kato: Duration,
+    last_keep_alive: Instant,
+    /// Namespaces changed since the Changed Namespace List was last read.
+    changed: BTreeSet<u32>,
+    /// Events waiting for an Asynchronous Event Request.
+    events: VecDeque<u32>,
+    /// Event types reported and not yet cleared by reading their log page.
+    masked: BTreeSet<u32>,
+}
+
+/// A controller (see the module docs).
+#[derive(Debug)]
+pub struct Controller {
+    /// Its id.
+    pub cntlid: u16,
+    /// I/O or discovery.
+    pub kind: CtrlKind,
+    /// Its subsystem.
+    pub subsystem: Nqn,
+    /// The host.
+    pub host: Nqn,
+    /// The host's identifier.
+    pub host_id: [u8; 16],
+    /// A volatile write cache is reported (see the module docs).
+    pub vwc: bool,
+    /// The largest queue a host may create (MQES + 1).
+    pub queue_entries: u16,
+    state: Mutex<State>,
+    namespaces: RwLock<Arc<NsMap>>,
+    ns_generation: AtomicU64,
+    dead: AtomicBool,
+    /// What it served.
+    pub counts: Arc<Counts>,
+}
+
+/// What a write to CC did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CcChange {
+    /// Nothing that needs the queue's attention.
+    None,
+    /// Enabled: CSTS.RDY is set.
+    Enabled,
+    /// Disabled (reset): outstanding asynchronous event requests are aborted.
+    Disabled,
+    /// Shutdown notification: make everything durable, then [`Controller::shutdown_done`].
+    Shutdown,
+}
+
+impl Controller {
+    /// A controller of `subsystem` for `host` serving `namespaces` (its subsystem's), with
+    /// `kato` as the keep-alive timeout (zero: none), queues of at most `queue_entries`.
+    #[allow(clippy::too_many_arguments)]
+    pub fn new(
+        cntlid: u16,
+        kind: CtrlKind,
+        subsystem: Nqn,
+        host: Nqn,
+        host_id: [u8; 16],
+        namespaces: Vec<Arc<OpenNamespace>>,
+        kato: Duration,
+        queue_entries: u16,
+        now: Instant,
+    ) -> Controller {
+        let counts = Arc::new(Counts::default());
+        let vwc = kind == CtrlKind::Io && namespaces.iter().any(|n| needs_vwc(n.domain()));
+        let map = Self::map_of(&subsystem, namespaces, &counts);
+        Controller {
+            cntlid,
+            kind,
+            subsystem,
+            host,
+            host_id,
+            vwc,
+            queue_entries: queue_entries.max(2),
+            state: Mutex::new(State {
+                cc: 0,
+                csts: 0,
+                io_queues: MAX_IO_QUEUES,
+                connected: BTreeSet::new(),
+                aec: 0,
+                wce: true,
+                kato,
+                last_keep_alive: now,
+                changed: BTreeSet::new(),
+                events: VecDeque::new(),
+                masked: BTreeSet::new(),
+            }),
+            namespaces: RwLock::new(Arc::new(map)),
+            ns_generation: AtomicU64::new(0),
+            dead: AtomicBool::new(false),
+            counts,
+        }
+    }
+
+    fn map_of(subsystem: &Nqn, namespaces: Vec<Arc<OpenNamespace>>, counts: &Counts) -> NsMap {
+        namespaces
+            .into_iter()
+            .map(|ns| {
+                let nsid = ns.config.nsid;
+                let (nguid, uuid) = namespace_ids(subsystem, nsid, Path::new(&ns.config.path));
+                let e = NsEntry {
+                    counts: counts.of(nsid),
+                    ns,
+                    nguid,
+                    uuid,
+                };
+                (nsid, e)
+            })
+            .collect()
+    }
+
+    fn state(&self) -> MutexGuard<'_, State> {
+        self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// The namespaces now, and their generation (it changes when a reload swaps them).
+    pub fn namespaces(&self) -> (u64, Arc<NsMap>) {
+        let g = self.ns_generation.load(Ordering::Acquire);
+        let m = Arc::clone(&self.namespaces.read().unwrap_or_else(|p| p.into_inner()));
+        (g, m)
+    }
+
+    /// The generation of the namespace map (cheap: one load).
+    pub fn ns_generation(&self) -> u64 {
+        self.ns_generation.load(Ordering::Acquire)
+    }
+
+    /// Swaps in the namespaces of a reload; `changed` (added, removed or replaced nsids) are
+    /// reported to the host as a namespace attribute notice, if it asked for those.
+    pub fn set_namespaces(&self, namespaces: Vec<Arc<OpenNamespace>>, changed: &[u32]) {
+        let map = Self::map_of(&self.subsystem, namespaces, &self.counts);
+        *self.namespaces.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(map);
+        self.ns_generation.fetch_add(1, Ordering::AcqRel);
+        if changed.is_empty() {
+            return;
+        }
+        let mut st = self.state();
+        st.changed.extend(changed.iter().copied());
+        Self::raise(&mut st, aen::NS_CHANGED, aen::AEC_NS_ATTR);
+    }
+
+    /// Reports a discovery log page change (discovery controllers), if the host asked for it.
+    pub fn discovery_changed(&self) {
+        let mut st = self.state();
+        Self::raise(&mut st, aen::DISCOVERY_CHANGED, aen::AEC_DISCOVERY);
+    }
+
+    fn raise(st: &mut State, event: u32, enabled_by: u32) {
+        if st.aec & enabled_by == 0 || st.masked.contains(&event) || st.events.contains(&event) {
+            return;
+        }
+        st.events.push_back(event);
+    }
+
+    /// The next event for an outstanding Asynchronous Event Request (masked until its log page
+    /// is read).
+    pub fn take_event(&self) -> Option<u32> {
+        let mut st = self.state();
+        let e = st.events.pop_front()?;
+        st.masked.insert(e);
+        Some(e)
+    }
+
+    /// The Changed Namespace List; with `clear` (RAE 0) it is emptied and the notice unmasked.
+    pub fn changed_namespaces(&self, clear: bool) -> Vec<u32> {
+        let mut st = self.state();
+        let list = st.changed.iter().copied().collect();
+        if clear {
+            st.changed.clear();
+            st.masked.remove(&aen::NS_CHANGED);
+        }
+        list
+    }
+
+    /// The discovery log page was read (RAE 0): its notice is unmasked.
+    pub fn discovery_log_read(&self) {
+        self.state().masked.remove(&aen::DISCOVERY_CHANGED);
+    }
+
+    /// CAP: MQES, a 7.5 s ready timeout, the NVM command set, 4 KiB pages only.
+    pub fn cap(&self) -> u64 {
+        u64::from(self.queue_entries - 1) | (15u64 << 24) | (1u64 << 37)
+    }
+
+    /// VS.
+    pub fn vs(&self) -> u32 {
+        NVME_VERSION
+    }
+
+    /// CC.
+    pub fn cc(&self) -> u32 {
+        self.state().cc
+    }
+
+    /// CSTS.
+    pub fn csts(&self) -> u32 {
+        self.state().csts
+    }
+
+    /// Whether CSTS.RDY is set (commands other than Fabrics ones are served only then).
+    pub fn ready(&self) -> bool {
+        self.csts() & csts::RDY != 0
+    }
+
+    /// A host writes CC.
+    pub fn set_cc(&self, new: u32) -> CcChange {
+        let mut st = self.state();
+        let old = st.cc;
+        st.cc = new;
+        let mut change = CcChange::None;
+        if new & cc::EN != 0 && old & cc::EN == 0 {
+            let valid = cc::css(new) == 0
+                && cc::mps(new) == 0
+                && cc::ams(new) == 0
+                && cc::iosqes(new) == 6
+                && cc::iocqes(new) == 4;
+            if valid {
+                st.csts = csts::RDY;
+                change = CcChange::Enabled;
+            } else {
+                st.csts = csts::CFS;
+            }
+        } else if new & cc::EN == 0 && old & cc::EN != 0 {
+            st.csts = 0;
+            change = CcChange::Disabled;
+        }
+        if cc::shn(new) != 0 && cc::shn(old) == 0 {
+            st.csts = (st.csts & !csts::SHST_MASK) | csts::SHST_OCCURRING;
+            change = CcChange::Shutdown;
+        } else if cc::shn(new) == 0 {
+            st.csts &= !csts::SHST_MASK;
+        }
+        change
+    }
+
+    /// Everything written before the shutdown notification is durable (or the namespaces
+    /// failed): shutdown processing is complete.
+    pub fn shutdown_done(&self) {
+        let mut st = self.state();
+        if st.csts & csts::SHST_MASK == csts::SHST_OCCURRING {
+            st.csts = (st.csts & !csts::SHST_MASK) | csts::SHST_COMPLETE;
+        }
+    }
+
+    /// Whether the host shut the controller down (CC.SHN written) before it went away.
+    pub fn was_shut_down(&self) -> bool {
+        self.csts() & csts::SHST_MASK != 0
+    }
+
+    /// Set Features Number of Queues: grants up to [`MAX_IO_QUEUES`]; returns the grant (not
+    /// 0's based).
+    pub fn set_io_queues(&self, asked: u16) -> u16 {
+        let mut st = self.state();
+        st.io_queues = asked.clamp(1, MAX_IO_QUEUES);
+        st.io_queues
+    }
+
+    /// I/O queues granted.
+    pub fn io_queues(&self) -> u16 {
+        self.state().io_queues
+    }
+
+    /// Connects I/O queue `qid`: false if it is not granted or already connected.
+    pub fn attach_io_queue(&self, qid: u16) -> bool {
+        let mut st = self.state();
+        qid >= 1 && qid <= st.io_queues && st.connected.insert(qid)
+    }
+
+    /// I/O queue `qid` went away.
+    pub fn detach_io_queue(&self, qid: u16) {
+        self.state().connected.remove(&qid);
+    }
+
+    /// Asynchronous Event Configuration.
+    pub fn aec(&self) -> u32 {
+        self.state().aec
+    }
+
+    /// Sets the Asynchronous Event Configuration.
+    pub fn set_aec(&self, aec: u32) {
+        self.state().aec = aec;
+    }
+
+    /// Volatile write cache enabled (always false without one).
+    pub fn wce(&self) -> bool {
+        self.vwc && self.state().wce
+    }
+
+    /// Enables or disables the volatile write cache; false if there is none to enable.
+    pub fn set_wce(&self, on: bool) -> bool {
+        if !self.vwc {
+            return false;
+        }
+        self.state().wce = on;
+        true
+    }
+
+    /// The keep-alive timeout (zero: none).
+    pub fn kato(&self) -> Duration {
+        self.state().kato
+    }
+
+    /// Sets the keep-alive timeout.
+    pub fn set_kato(&self, kato: Duration, now: Instant) {
+        let mut st = self.state();
+        st.kato = kato;
+        st.last_keep_alive = now;
+    }
+
+    /// A Keep Alive command came.
+    pub fn keep_alive(&self, now: Instant) {
+        self.state().last_keep_alive = now;
+    }
+
+    /// When the keep-alive lapses, if there is one.
+    pub fn keep_alive_deadline(&self) -> Option<Instant> {
+        let st = self.state();
+        (!st.kato.is_zero()).then(|| st.last_keep_alive + st.kato)
+    }
+
+    /// The controller is gone: its I/O queues close.
+    pub fn kill(&self) {
+        self.dead.store(true, Ordering::Release);
+    }
+
+    /// Whether it is gone.
+    pub fn is_dead(&self) -> bool {
+        self.dead.load(Ordering::Acquire)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ctrl(kind: CtrlKind) -> Controller {
+        Controller::new(
+            1,
+            kind,
+            Nqn::new("nqn.2026-11.io.rpma:s").unwrap(),
+            Nqn::new("nqn.2026-11.io.rpma:h").unwrap(),
+            [0; 16],
+            Vec::new(),
+            Duration::from_secs(5),
+            128,
+            Instant::now(),
+        )
+    }
+
+    const GOOD_CC: u32 = 1 | (6 << 16) | (4 << 20);
+
+    #[test]
+    fn enable_disable_and_shutdown() {
+        let c = ctrl(CtrlKind::Io);
+        assert_eq!(c.cap() & 0xffff, 127, "MQES is 0's based");
+        assert_ne!(c.cap() & (1 << 37), 0, "NVM command set");
+        assert!(!c.ready());
+        assert_eq!(c.set_cc(GOOD_CC), CcChange::Enabled);
+        assert!(c.ready());
+        assert_eq!(c.set_cc(GOOD_CC | (1 << 14)), CcChange::Shutdown);
+        assert_eq!(c.csts() & csts::SHST_MASK, csts::SHST_OCCURRING);
+        assert!(c.was_shut_down());
+        c.shutdown_done();
+        assert_eq!(c.csts() & csts::SHST_MASK, csts::SHST_COMPLETE);
+        assert_eq!(c.set_cc(0), CcChange::Disabled);
+        assert!(!c.ready());
+        // Queue entry sizes other than 64/16 bytes are a fatal status, never ready.
+        assert_eq!(c.set_cc(1 | (7 << 16) | (4 << 20)), CcChange::None);
+        assert_eq!(c.csts(), csts::CFS);
+    }
+
+    #[test]
+    fn queues_are_granted_and_attached_once() {
+        let c = ctrl(CtrlKind::Io);
+        assert_eq!(c.set_io_queues(64), MAX_IO_QUEUES);
+        assert_eq!(c.set_io_queues(2), 2);
+        assert!(!c.attach_io_queue(0));
+        assert!(c.attach_io_queue(1));
+        assert!(!c.attach_io_queue(1), "twice");
+        assert!(c.attach_io_queue(2));
+        assert!(!c.attach_io_queue(3), "not granted");
+        c.detach_io_queue(1);
+        assert!(c.attach_io_queue(1));
+    }
+
+    #[test]
+    fn events_wait_for_their_enable_and_are_masked_until_read() {
+        let c = ctrl(CtrlKind::Io);
+        c.set_namespaces(Vec::new(), &[3]);
+        assert_eq!(c.take_event(), None, "not enabled");
+        assert_eq!(c.changed_namespaces(false), [3], "still listed");
+        c.set_aec(aen::AEC_NS_ATTR);
+        let g = c.ns_generation();
+        c.set_namespaces(Vec::new(), &[5]);
+        assert_eq!(c.ns_generation(), g + 1);
+        assert_eq!(c.take_event(), Some(aen::NS_CHANGED));
+        c.set_namespaces(Vec::new(), &[6]);
+        assert_eq!(c.take_event(), None, "masked until the log is read");
+        assert_eq!(c.changed_namespaces(true), [3, 5, 6]);
+        assert!(c.changed_namespaces(false).is_empty());
+        c.set_namespaces(Vec::new(), &[7]);
+        assert_eq!(
+            c.take_event(),
+            Some(aen::NS_CHANGED),
+            "unmasked by the read"
+        );
+    }
+
+    #[test]
+    fn keep_alive_and_write_cache() {
+        let c = ctrl(CtrlKind::Io);
+        let t0 = Instant::now();
+        c.keep_alive(t0);
+        assert_eq!(c.keep_alive_deadline(), Some(t0 + Duration::from_secs(5)));
+        c.set_kato(Duration::ZERO, t0);
+        assert_eq!(c.keep_alive_deadline(), None);
+        assert!(!c.vwc, "no namespace needs one");
+        assert!(!c.set_wce(true));
+        assert!(!c.wce());
+    }
+}

@@ -1,0 +1,337 @@
+//! I/O commands (NVM command set) and what makes them durable.
+//!
+//! | command | what it does |
+//! |---|---|
+//! | Read | copies the range out of the namespace's mapping into one C2HData PDU |
+//! | Write | copies the data (in the capsule, or each H2CData PDU as it passes its digest) into the mapping |
+//! | Write Zeroes | zeroes the range (see "Zeroing") |
+//! | Dataset Management | with the deallocate attribute, zeroes each range (deallocated blocks read as zeros); other attributes are hints, ignored |
+//! | Flush | makes everything written to the namespace (or to every namespace, NSID FFFFFFFFh) durable |
+//!
+//! # Durability, per persistence domain
+//!
+//! - `dax` (and `dax (forced)`): every Write, Write Zeroes and deallocation is persisted (cache
+//!   write-back + sfence of its range) before its completion; a namespace needs no volatile
+//!   write cache, and a controller whose namespaces are all dax reports none (VWC 0). Flush and
+//!   FUA then have nothing left to do and complete at once.
+//! - `page-cache`: a completion means the bytes are in the page cache. The controller reports
+//!   a volatile write cache (VWC 1); a Flush is an fdatasync of the namespace's file (through
+//!   the loop's flusher, io_uring: the loop never waits for the disk), a Write with FUA a ranged
+//!   fdatasync of its range before its completion. With the write cache disabled (Set Features
+//!   06h), every Write is treated as FUA.
+//! - `volatile`: nothing can make a byte durable. The controller reports a volatile write
+//!   cache, and Flush and FUA complete successfully meaning "visible to every reader", as the
+//!   native FlushResponse VisibleOnly does (docs/nvme-tcp.md says so).
+//! - A namespace that failed (a write-back error, on any path) answers every Write, Write
+//!   Zeroes, deallocation, FUA and Flush with Write Fault (DNR): nothing written to it can be
+//!   made durable until an operator reopens it. Reads still work.
+//!
+//! # Zeroing
+//!
+//! On a page-cache file (not under the power-loss simulation) a range is zeroed with
+//! `fallocate(FALLOC_FL_ZERO_RANGE)`: the blocks become unwritten extents that read as zeros,
+//! and stay allocated. A hole punch is not used, on purpose: a namespace file is fully
+//! allocated so that a store into its mapping can never meet a full filesystem (SIGBUS), and a
+//! hole would undo that. Where the filesystem cannot, and on dax, volatile and simulated
+//! namespaces, zeros are written through the mapping.
+
+use std::os::fd::AsRawFd;
+use std::sync::Arc;
+
+use rpma_common::pmem::{Domain, Persist};
+use rpma_common::stats::Stopwatch;
+
+use super::command::{io, Sqe, Status, NSID_ALL};
+use super::controller::{Controller, NsCounts, NsEntry};
+use super::queue::{Env, Phase, Queue, MAX_TRANSFER};
+use super::reply::{Flushes, Input, Reply, Then};
+use super::transfer::Sink;
+use crate::namespace::OpenNamespace;
+
+/// Zeros written through a mapping at a time.
+static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+
+/// A command's LBA range as bytes: (offset, length).
+fn lba_range(ns: &OpenNamespace, slba: u64, blocks: u64) -> Result<(u64, u64), Status> {
+    let bs = u64::from(ns.config.block_size);
+    let nsze = ns.size() / bs;
+    match slba.checked_add(blocks) {
+        Some(end) if end <= nsze => Ok((slba * bs, blocks * bs)),
+        _ => Err(Status::LBA_OUT_OF_RANGE),
+    }
+}
+
+/// A Read's or Write's range: SLBA (dwords 10-11), NLB (dword 12, 0's based).
+fn rw_range(ns: &OpenNamespace, sqe: &Sqe) -> Result<(u64, u64), Status> {
+    let cdw12 = sqe.cdw(12);
+    if (cdw12 >> 26) & 0xf != 0 {
+        // Protection information: this namespace has none.
+        return Err(Status::INVALID_FIELD);
+    }
+    let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
+    lba_range(ns, slba, u64::from(cdw12 & 0xffff) + 1)
+}
+
+/// Checks a write to `ns`: not read-only, not failed.
+fn writable(ns: &OpenNamespace) -> Result<(), Status> {
+    if ns.config.read_only {
+        return Err(Status::WRITE_PROTECTED);
+    }
+    if ns.note_failure() {
+        return Err(Status::WRITE_FAULT);
+    }
+    Ok(())
+}
+
+/// Zeroes `[offset, offset + len)` of `ns` (see "Zeroing" in the module docs).
+fn zero_range(ns: &OpenNamespace, offset: u64, len: u64) -> Result<(), Status> {
+    let m = &ns.mapping;
+    if m.domain() == Domain::PageCache && m.simulation().is_none() {
+        if let Some(fd) = m.backing_fd() {
+            // SAFETY: fallocate on a descriptor the mapping keeps open for its whole life; it
+            // is given no memory, and the range lies inside the file (checked by the caller).
+            let r = unsafe {
+                libc::fallocate(
+                    fd.as_raw_fd(),
+                    libc::FALLOC_FL_ZERO_RANGE | libc::FALLOC_FL_KEEP_SIZE,
+                    offset as libc::off_t,
+                    len as libc::off_t,
+                )
+            };
+            if r == 0 {
+                return Ok(());
+            }
+        }
+    }
+    let mut at = offset;
+    let end = offset + len;
+    while at < end {
+        let n = (end - at).min(ZEROS.len() as u64) as usize;
+        m.write_at(at as usize, &ZEROS[..n])
+            .map_err(|_| Status::LBA_OUT_OF_RANGE)?;
+        at += n as u64;
+    }
+    Ok(())
+}
+
+impl Queue {
+    /// The namespace `nsid` of this I/O queue's controller (its map refreshed after a reload).
+    fn io_namespace(&mut self, nsid: u32) -> Result<(Arc<Controller>, NsEntry), Status> {
+        let Phase::Io(q) = &mut self.phase else {
+            return Err(Status::INVALID_OPCODE);
+        };
+        if q.ctrl.ns_generation() != q.ns_generation {
+            let (g, m) = q.ctrl.namespaces();
+            q.ns_generation = g;
+            q.ns = m;
+        }
+        let e = q.ns.get(&nsid).cloned().ok_or(Status::INVALID_NS)?;
+        Ok((Arc::clone(&q.ctrl), e))
+    }
+
+    /// An I/O command.
+    pub(crate) fn io_command(&mut self, sqe: &Sqe, input: &Input<'_>, env: &mut Env<'_>) -> Reply {
+        let r = match sqe.opcode() {
+            io::READ => self.read(sqe, input.room()),
+            io::WRITE => self.write_in_capsule(sqe, input.data(), env),
+            io::FLUSH => self.flush(sqe, env),
+            io::WRITE_ZEROES => self.write_zeroes(sqe, env),
+            io::DSM => self.deallocate(sqe, input.data()),
+            _ => Err(Status::INVALID_OPCODE),
+        };
+        r.unwrap_or_else(Reply::status)
+    }
+
+    fn read(&mut self, sqe: &Sqe, room: u32) -> Result<Reply, Status> {
+        let (_, e) = self.io_namespace(sqe.nsid())?;
+        let (offset, len) = rw_range(&e.ns, sqe)?;
+        if len > u64::from(MAX_TRANSFER) {
+            return Err(Status::INVALID_FIELD);
+        }
+        if len != u64::from(room) {
+            return Err(Status::SGL_LENGTH_INVALID);
+        }
+        Ok(Reply::Read {
+            ns: e.ns,
+            counts: e.counts,
+            offset,
+            len: len as u32,
+        })
+    }
+
+    /// Checks a Write whose `len` bytes of data are still to come, and says where they go.
+    pub(crate) fn prepare_write(&mut self, sqe: &Sqe, len: u32) -> Result<Sink, Status> {
+        let (_, e) = self.io_namespace(sqe.nsid())?;
+        let (offset, bytes) = rw_range(&e.ns, sqe)?;
+        if bytes > u64::from(MAX_TRANSFER) {
+            return Err(Status::INVALID_FIELD);
+        }
+        if bytes != u64::from(len) {
+            return Err(Status::SGL_LENGTH_INVALID);
+        }
+        writable(&e.ns)?;
+        Ok(Sink::Namespace {
+            ns: e.ns,
+            counts: e.counts,
+            offset,
+            fua: sqe.cdw(12) & (1 << 30) != 0,
+        })
+    }
+
+    fn write_in_capsule(
+        &mut self,
+        sqe: &Sqe,
+        data: &[u8],
+        env: &mut Env<'_>,
+    ) -> Result<Reply, Status> {
+        let Sink::Namespace {
+            ns,
+            counts,
+            offset,
+            fua,
+        } = self.prepare_write(sqe, data.len() as u32)?
+        else {
+            return Err(Status::INTERNAL);
+        };
+        ns.mapping
+            .write_at(offset as usize, data)
+            .map_err(|_| Status::LBA_OUT_OF_RANGE)?;
+        counts.wrote(data.len() as u64);
+        Ok(self.after_write(sqe.cid(), ns, counts, offset, data.len() as u64, fua, env))
+    }
+
+    /// What follows bytes placed in `ns`: persisted at once on dax, flushed first when FUA (or
+    /// with the write cache off) on page-cache, nothing more on volatile.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn after_write(
+        &mut self,
+        cid: u16,
+        ns: Arc<OpenNamespace>,
+        counts: Arc<NsCounts>,
+        offset: u64,
+        len: u64,
+        fua: bool,
+        env: &mut Env<'_>,
+    ) -> Reply {
+        let wce = match &self.phase {
+            Phase::Io(q) => q.ctrl.wce(),
+            _ => false,
+        };
+        match ns.domain() {
+            d if d.is_dax() => {
+                let sw = Stopwatch::start();
+                let done = ns.mapping.persist(offset as usize, len as usize);
+                env.stats.gpspm_writeback.record_since(sw);
+                let ok = done.is_ok();
+                if fua {
+                    counts.durability(ok);
+                }
+                if ok {
+                    Reply::ok()
+                } else {
+                    ns.note_failure();
+                    Reply::status(Status::WRITE_FAULT)
+                }
+            }
+            Domain::PageCache if fua || !wce => {
+                let target = ns.flush_target.clone();
+                let counted = if fua { vec![counts] } else { Vec::new() };
+                self.wait_for(
+                    Then::Complete(cid),
+                    vec![(target, offset, len)],
+                    counted,
+                    vec![ns],
+                    env,
+                )
+            }
+            _ => {
+                if fua {
+                    counts.durability(true);
+                }
+                Reply::ok()
+            }
+        }
+    }
+
+    fn flush(&mut self, sqe: &Sqe, env: &mut Env<'_>) -> Result<Reply, Status> {
+        let entries: Vec<NsEntry> = if sqe.nsid() == NSID_ALL {
+            let Phase::Io(q) = &self.phase else {
+                return Err(Status::INVALID_OPCODE);
+            };
+            q.ctrl.namespaces().1.values().cloned().collect()
+        } else {
+            vec![self.io_namespace(sqe.nsid())?.1]
+        };
+        let mut flushes = Vec::new();
+        let mut counted = Vec::new();
+        let mut namespaces = Vec::new();
+        for e in entries {
+            if e.ns.note_failure() {
+                e.counts.durability(false);
+                return Err(Status::WRITE_FAULT);
+            }
+            if e.ns.domain() == Domain::PageCache {
+                flushes.push((e.ns.flush_target.clone(), 0, 0));
+                namespaces.push(Arc::clone(&e.ns));
+            }
+            counted.push(e.counts);
+        }
+        Ok(self.wait_for(Then::Complete(sqe.cid()), flushes, counted, namespaces, env))
+    }
+
+    fn write_zeroes(&mut self, sqe: &Sqe, env: &mut Env<'_>) -> Result<Reply, Status> {
+        let (_, e) = self.io_namespace(sqe.nsid())?;
+        let cdw12 = sqe.cdw(12);
+        let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
+        let (offset, len) = lba_range(&e.ns, slba, u64::from(cdw12 & 0xffff) + 1)?;
+        writable(&e.ns)?;
+        zero_range(&e.ns, offset, len)?;
+        e.counts.wrote(len);
+        let fua = cdw12 & (1 << 30) != 0;
+        Ok(self.after_write(sqe.cid(), e.ns, e.counts, offset, len, fua, env))
+    }
+
+    fn deallocate(&mut self, sqe: &Sqe, data: &[u8]) -> Result<Reply, Status> {
+        let (_, e) = self.io_namespace(sqe.nsid())?;
+        let ranges = (sqe.cdw(10) & 0xff) as usize + 1;
+        if data.len() < ranges * 16 {
+            return Err(Status::SGL_LENGTH_INVALID);
+        }
+        if sqe.cdw(11) & (1 << 2) == 0 {
+            // Only hints (integral read/write): nothing to do.
+            return Ok(Reply::ok());
+        }
+        writable(&e.ns)?;
+        let mut todo = Vec::with_capacity(ranges);
+        for r in data[..ranges * 16].chunks_exact(16) {
+            let blocks = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
+            let slba = u64::from_le_bytes([r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15]]);
+            if blocks > 0 {
+                todo.push(lba_range(&e.ns, slba, blocks)?);
+            }
+        }
+        for (offset, len) in todo {
+            zero_range(&e.ns, offset, len)?;
+            if e.ns.domain().is_dax()
+                && e.ns.mapping.persist(offset as usize, len as usize).is_err()
+            {
+                e.ns.note_failure();
+                return Err(Status::WRITE_FAULT);
+            }
+        }
+        Ok(Reply::ok())
+    }
+
+    /// What a shutdown notification makes durable: every page-cache namespace of this admin
+    /// queue's controller (dax ones are durable already, volatile ones cannot be).
+    pub(crate) fn flush_everything(&self) -> (Flushes, Vec<Arc<OpenNamespace>>) {
+        let Phase::Admin(a) = &self.phase else {
+            return (Vec::new(), Vec::new());
+        };
+        let (_, map) = a.ctrl.namespaces();
+        map.values()
+            .filter(|e| e.ns.domain() == Domain::PageCache && e.ns.failure().is_none())
+            .map(|e| ((e.ns.flush_target.clone(), 0, 0), Arc::clone(&e.ns)))
+            .unzip()
+    }
+}

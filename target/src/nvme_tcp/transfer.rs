@@ -1,0 +1,218 @@
+//! Data a command fetches with R2T: one R2T per command for all of its data, answered by
+//! H2CData PDUs that must come in order, within the R2T, under its transfer tag, each at most
+//! MAXH2CDATA long. A Write's data goes straight into its namespace, PDU by PDU, each only after
+//! its data digest matched (integrity before placement); the data of any other command (at most
+//! 8 KiB) is buffered and the command runs once it is whole.
+//!
+//! An H2CData PDU is checked against its R2T from its header alone, before its data is read
+//! into the receive buffer: data for a command that asked for none, under the wrong tag, at
+//! the wrong offset or past the R2T is a fatal error with its own status (module
+//! [`super::pdu`], [`Fes`]), and costs no buffer.
+
+use std::sync::Arc;
+
+use super::command::{self, Sqe, Status};
+use super::controller::NsCounts;
+use super::pdu::{self, Fatal, Fes, H2cData};
+use super::queue::{Env, Phase, Queue};
+use super::reply::Input;
+use crate::namespace::OpenNamespace;
+
+/// Where the data an R2T fetches goes.
+pub(crate) enum Sink {
+    /// Straight into a namespace at this byte offset (a Write).
+    Namespace {
+        ns: Arc<OpenNamespace>,
+        counts: Arc<NsCounts>,
+        offset: u64,
+        fua: bool,
+    },
+    /// Into a buffer, then the command runs as if the data had come in its capsule.
+    Buffer(Vec<u8>),
+}
+
+/// A command waiting for its data.
+pub(crate) struct Transfer {
+    pub(super) sqe: Sqe,
+    pub(super) ttag: u16,
+    pub(super) len: u32,
+    pub(super) received: u32,
+    /// A data digest failed: the command completes with a transient transport error.
+    pub(super) corrupt: bool,
+    pub(super) sink: Sink,
+}
+
+/// Data of commands other than Writes fetched with R2T is buffered whole: at most this much.
+pub(crate) const MAX_BUFFERED: u32 = 8192;
+
+impl Queue {
+    /// A command whose data comes with R2T: a Write goes straight into its namespace, anything
+    /// else into a small buffer.
+    pub(super) fn fetch(&mut self, sqe: Sqe, len: u32, env: &mut Env<'_>) {
+        let cid = sqe.cid();
+        let sink = if sqe.opcode() == command::io::WRITE && matches!(self.phase, Phase::Io(_)) {
+            match self.prepare_write(&sqe, len) {
+                Ok(s) => s,
+                Err(st) => return self.complete(cid, 0, st),
+            }
+        } else if len <= MAX_BUFFERED {
+            Sink::Buffer(Vec::with_capacity(len as usize))
+        } else {
+            return self.complete(cid, 0, Status::SGL_LENGTH_INVALID);
+        };
+        self.next_ttag = self.next_ttag.wrapping_add(1);
+        let ttag = self.next_ttag;
+        self.transfers.insert(
+            cid,
+            Transfer {
+                sqe,
+                ttag,
+                len,
+                received: 0,
+                corrupt: false,
+                sink,
+            },
+        );
+        pdu::r2t(&mut self.tx, self.c2h.hdgst, cid, ttag, 0, len);
+        let _ = env;
+    }
+
+    /// Checks an H2CData PDU's header against the R2T it answers as soon as the header is in,
+    /// before its data is buffered.
+    pub(super) fn check_h2c_header(&self, input: &[u8]) -> Option<Fatal> {
+        if input.len() < pdu::HLEN_24
+            || input[0] != pdu::kind::H2C_DATA
+            || usize::from(input[2]) != pdu::HLEN_24
+            || self.limits.await_icreq
+        {
+            return None;
+        }
+        let le16 = |at: usize| u16::from_le_bytes([input[at], input[at + 1]]);
+        let le32 = |at: usize| {
+            u32::from_le_bytes([input[at], input[at + 1], input[at + 2], input[at + 3]])
+        };
+        let hdr = H2cData {
+            cccid: le16(8),
+            ttag: le16(10),
+            datao: le32(12),
+            datal: le32(16),
+            last: input[1] & pdu::flag::LAST_PDU != 0,
+        };
+        self.check_h2c(&hdr).err()
+    }
+
+    pub(super) fn check_h2c(&self, h: &H2cData) -> Result<(), Fatal> {
+        use pdu::h2c_off;
+        let Some(t) = self.transfers.get(&h.cccid) else {
+            return Err(Fatal::new(
+                Fes::InvalidHeaderField,
+                h2c_off::CCCID,
+                format!(
+                    "H2CData for command {} that has no R2T outstanding",
+                    h.cccid
+                ),
+            ));
+        };
+        if h.ttag != t.ttag {
+            return Err(Fatal::new(
+                Fes::InvalidHeaderField,
+                h2c_off::TTAG,
+                format!("H2CData TTAG {} (the R2T's is {})", h.ttag, t.ttag),
+            ));
+        }
+        if h.datal == 0 {
+            return Err(Fatal::new(
+                Fes::InvalidHeaderField,
+                h2c_off::DATAL,
+                "an H2CData PDU without data",
+            ));
+        }
+        if h.datao != t.received {
+            return Err(Fatal::new(
+                Fes::DataOutOfRange,
+                h2c_off::DATAO,
+                format!("H2CData at offset {} (expected {})", h.datao, t.received),
+            ));
+        }
+        let end = u64::from(h.datao) + u64::from(h.datal);
+        if end > u64::from(t.len) {
+            return Err(Fatal::new(
+                Fes::DataOutOfRange,
+                h2c_off::DATAL,
+                format!(
+                    "H2CData for bytes {}..{end} of a {}-byte R2T",
+                    h.datao, t.len
+                ),
+            ));
+        }
+        if h.datal > self.limits.maxh2cdata {
+            return Err(Fatal::new(
+                Fes::DataLimitExceeded,
+                0,
+                format!("H2CData of {} bytes, more than MAXH2CDATA", h.datal),
+            ));
+        }
+        if h.last != (end == u64::from(t.len)) {
+            return Err(Fatal::new(
+                Fes::InvalidHeaderField,
+                1,
+                "LAST_PDU does not mark the end of the R2T's data",
+            ));
+        }
+        Ok(())
+    }
+
+    pub(super) fn on_h2c_data(
+        &mut self,
+        h: H2cData,
+        data: &[u8],
+        data_ok: bool,
+        header: &[u8],
+        env: &mut Env<'_>,
+    ) {
+        if let Err(f) = self.check_h2c(&h) {
+            return self.fatal(f, header, env);
+        }
+        let Some(t) = self.transfers.get_mut(&h.cccid) else {
+            return;
+        };
+        t.received += h.datal;
+        if !data_ok {
+            // Integrity before placement: data that failed its digest never lands.
+            t.corrupt = true;
+        } else if !t.corrupt {
+            match &mut t.sink {
+                Sink::Namespace { ns, offset, .. } => {
+                    let at = *offset + u64::from(h.datao);
+                    if ns.mapping.write_at(at as usize, data).is_err() {
+                        t.corrupt = true;
+                    }
+                }
+                Sink::Buffer(b) => b.extend_from_slice(data),
+            }
+        }
+        if t.received < t.len {
+            return;
+        }
+        let Some(t) = self.transfers.remove(&h.cccid) else {
+            return;
+        };
+        let cid = t.sqe.cid();
+        if t.corrupt {
+            return self.complete(cid, 0, Status::TRANSIENT_TRANSPORT);
+        }
+        match t.sink {
+            Sink::Namespace {
+                ns,
+                counts,
+                offset,
+                fua,
+            } => {
+                counts.wrote(u64::from(t.len));
+                let r = self.after_write(cid, ns, counts, offset, u64::from(t.len), fua, env);
+                self.reply(cid, r, env);
+            }
+            Sink::Buffer(b) => self.run(t.sqe, Input::Data(&b), env),
+        }
+    }
+}

@@ -1,0 +1,261 @@
+//! What an NVMe/TCP host is told is durable survives a SIGKILL of the target; what it was not
+//! told is durable may not (the control that shows the check can fail). Under the power-loss
+//! simulation (docs/reliability.md) only what was persisted reaches the namespace's file, so a
+//! SIGKILL of the daemon loses everything else, as a power loss would.
+//!
+//! - page-cache: a Write is durable once a Flush of its namespace (or the Write itself, with
+//!   FUA) completed;
+//! - dax: every Write is durable at its completion (no volatile write cache is reported);
+//! - a namespace whose write-back failed answers Flush, FUA and Write with Write Fault
+//!   (needs root, loop devices and mkfs.ext4 for a real failing filesystem; says why it skips).
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use rpma_tests::nvme::{sc, Controller, Host};
+use rpma_tests::{Config, Namespace, Subsystem, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:nvme-durable";
+const HOST: &str = "nqn.2026-11.io.rpma:nvme-durable-host";
+
+fn start(ns: Namespace) -> (tempfile::TempDir, Target) {
+    let dir = rpma_tests::scratch();
+    let cfg = Config::new()
+        .subsystem(Subsystem::new(SUB).host(HOST).namespace(ns))
+        .to_string();
+    let t = Target::start_on(dir.path(), "nvme-tcp://127.0.0.1", &cfg, &[]);
+    (dir, t)
+}
+
+fn queue(t: &Target) -> (Controller, Host) {
+    let addr = format!("127.0.0.1:{}", t.port());
+    let c = Controller::connect(&addr, SUB, HOST, (true, true)).expect("admitted");
+    let q = c.io_queue(1).expect("I/O queue");
+    (c, q)
+}
+
+#[test]
+fn on_page_cache_what_flush_or_fua_acknowledged_survives_a_sigkill_and_nothing_else_is_promised() {
+    // No eviction: a range reaches the file only when something makes it durable.
+    let (_d, mut t) =
+        start(Namespace::new(1, "ns1", "4MiB").power_loss_simulation("eviction_percent = 0"));
+    let (a, b, f) = (
+        rpma_tests::noise(1, 8192),
+        rpma_tests::noise(2, 8192),
+        rpma_tests::noise(3, 8192),
+    );
+    {
+        let (c, mut q) = queue(&t);
+        let id = c.identify_vwc();
+        assert!(id, "page-cache: a volatile write cache is reported");
+        assert!(q.write(1, 0, 4096, &a, false).unwrap().ok());
+        assert!(q.flush(1).unwrap().ok(), "acknowledged: A is durable");
+        assert!(
+            q.write(1, 16, 4096, &f, true).unwrap().ok(),
+            "FUA: F is durable"
+        );
+        assert!(
+            q.write(1, 32, 4096, &b, false).unwrap().ok(),
+            "B: not flushed"
+        );
+        // Everything reads back before the kill.
+        assert_eq!(q.read(1, 32, 4096, 2).unwrap().data, b);
+        let _ = c;
+    }
+    t.restart();
+    let (_c, mut q) = queue(&t);
+    assert_eq!(q.read(1, 0, 4096, 2).unwrap().data, a, "flushed: there");
+    assert_eq!(q.read(1, 16, 4096, 2).unwrap().data, f, "FUA: there");
+    assert_eq!(
+        q.read(1, 32, 4096, 2).unwrap().data,
+        vec![0; 8192],
+        "never made durable: lost, as a power loss loses it (the control)"
+    );
+}
+
+#[test]
+fn on_dax_every_write_is_durable_at_its_completion() {
+    let (_d, mut t) = start(
+        Namespace::new(1, "ns1", "2MiB")
+            .force_dax()
+            .power_loss_simulation("eviction_percent = 0"),
+    );
+    let a = rpma_tests::noise(9, 16384);
+    {
+        let (c, mut q) = queue(&t);
+        assert!(!c.identify_vwc(), "dax: no volatile write cache");
+        assert!(q.write(1, 4, 4096, &a, false).unwrap().ok());
+    }
+    t.restart();
+    let (_c, mut q) = queue(&t);
+    assert_eq!(q.read(1, 4, 4096, 4).unwrap().data, a);
+}
+
+#[test]
+fn a_persist_that_does_nothing_is_caught() {
+    // The same sequence with persists broken (they copy nothing and still answer durable):
+    // the acknowledged data is gone after the kill, so the check above can fail.
+    let (_d, mut t) = start(
+        Namespace::new(1, "ns1", "4MiB")
+            .power_loss_simulation("eviction_percent = 0, broken_persist = true"),
+    );
+    let a = rpma_tests::noise(4, 8192);
+    {
+        let (_c, mut q) = queue(&t);
+        assert!(q.write(1, 0, 4096, &a, false).unwrap().ok());
+        assert!(q.flush(1).unwrap().ok());
+    }
+    t.restart();
+    let (_c, mut q) = queue(&t);
+    assert_ne!(q.read(1, 0, 4096, 2).unwrap().data, a);
+}
+
+trait Vwc {
+    fn identify_vwc(&self) -> bool;
+}
+
+impl Vwc for Controller {
+    /// Identify Controller's VWC bit (on a fresh admin queue of the same controller's host).
+    fn identify_vwc(&self) -> bool {
+        let mut c = Controller::connect(&self.addr, &self.subsystem, &self.host, (false, false))
+            .expect("admitted");
+        let id = c.identify(1, 0);
+        assert!(id.ok());
+        id.data[525] & 1 == 1
+    }
+}
+
+fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
+    let o = Command::new(cmd)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{cmd}: {e}"))?;
+    if !o.status.success() {
+        return Err(format!(
+            "{cmd} {args:?}: {}",
+            String::from_utf8_lossy(&o.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
+}
+
+/// ext4 on a loop device whose 256 MiB sparse image lies on a 48 MiB tmpfs: once the tmpfs is
+/// full, the next write-back fails (as in failed_namespace.rs).
+struct FragileFs {
+    tmpfs: PathBuf,
+    mnt: PathBuf,
+    loopdev: String,
+}
+
+impl FragileFs {
+    fn new(dir: &Path) -> Result<FragileFs, String> {
+        // SAFETY: geteuid has no preconditions.
+        if unsafe { libc::geteuid() } != 0 {
+            return Err("needs root (mount, losetup)".into());
+        }
+        let (tmpfs, mnt) = (dir.join("t"), dir.join("m"));
+        std::fs::create_dir_all(&tmpfs).map_err(|e| e.to_string())?;
+        std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
+        sh(
+            "mount",
+            &[
+                "-t",
+                "tmpfs",
+                "-o",
+                "size=48M",
+                "tmpfs",
+                tmpfs.to_str().unwrap(),
+            ],
+        )?;
+        let mut fs = FragileFs {
+            tmpfs: tmpfs.clone(),
+            mnt: mnt.clone(),
+            loopdev: String::new(),
+        };
+        let img = tmpfs.join("img");
+        let img = img.to_str().unwrap();
+        sh("truncate", &["-s", "256M", img])?;
+        sh("mkfs.ext4", &["-q", "-F", img])?;
+        fs.loopdev = sh("losetup", &["--find", "--show", img])?;
+        sh(
+            "mount",
+            &["-o", "noinit_itable", &fs.loopdev, mnt.to_str().unwrap()],
+        )?;
+        Ok(fs)
+    }
+
+    fn fill(&self) {
+        let _ = std::fs::write(self.tmpfs.join("fill"), vec![0u8; 64 << 20]);
+    }
+}
+
+impl Drop for FragileFs {
+    fn drop(&mut self) {
+        let _ = sh("umount", &["-l", self.mnt.to_str().unwrap()]);
+        if !self.loopdev.is_empty() {
+            let _ = sh("losetup", &["-d", &self.loopdev]);
+        }
+        let _ = sh("umount", &["-l", self.tmpfs.to_str().unwrap()]);
+    }
+}
+
+#[test]
+fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
+    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let fs = match FragileFs::new(d.path()) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
+            return;
+        }
+    };
+    let t_dir = d.path().join("target");
+    std::fs::create_dir(&t_dir).unwrap();
+    let cfg = Config::new()
+        .subsystem(Subsystem::new(SUB).host(HOST).namespace(Namespace::new(
+            1,
+            &format!("{}/ns1", fs.mnt.display()),
+            "8MiB",
+        )))
+        .to_string();
+    let t = Target::start_on(&t_dir, "nvme-tcp://127.0.0.1", &cfg, &[]);
+    let (mut c, mut q) = queue(&t);
+    assert_eq!(
+        c.get_log(0x02, 512, 0).data[0],
+        0,
+        "healthy: no critical warning"
+    );
+    fs.fill();
+    // 1 MiB of dirty pages, in writes of MDTS (128 KiB).
+    for i in 0..8u64 {
+        let w = q.write(1, i * 32, 4096, &vec![0x5a; 128 << 10], false);
+        assert!(w.unwrap().ok());
+    }
+    let f = q.flush(1).unwrap();
+    assert_eq!(f.code(), sc::WRITE_FAULT, "the failed write-back: {f:?}");
+    assert!(f.dnr(), "nothing will succeed until an operator acts");
+    // Linux would now report success for the same pages: the namespace must not.
+    let f = q.flush(1).unwrap();
+    assert_eq!(f.code(), sc::WRITE_FAULT);
+    let w = q.write(1, 0, 4096, &[1; 4096], true).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT, "FUA");
+    let w = q.write(1, 8, 4096, &[1; 4096], false).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT, "writes are refused too");
+    assert!(q.read(1, 0, 4096, 1).unwrap().ok(), "reads still work");
+    let smart = c.get_log(0x02, 512, 0);
+    assert_eq!(
+        smart.data[0] & (1 << 2),
+        1 << 2,
+        "SMART: reliability degraded"
+    );
+    let st = t.status();
+    assert!(
+        st["subsystems"][0]["namespaces"][0]["failed"].is_string(),
+        "{}",
+        st["subsystems"][0]
+    );
+    assert!(t
+        .log()
+        .lines()
+        .any(|l| l.contains("has FAILED") && l.contains("No space left")));
+}

@@ -1,0 +1,378 @@
+//! Malformed and hostile input against the `nvme-tcp://` listener, as the hostile suite does for
+//! the native wire: each malformed PDU gets its exact termination (the C2HTermReq's fatal error
+//! status and information, or the command's status where the spec makes it a command error),
+//! nothing is written, the connection is closed, and the daemon keeps serving. Before its Connect
+//! a peer costs a bounded place, buffer, time and log.
+
+use std::net::Ipv4Addr;
+use std::time::{Duration, Instant};
+
+use rpma_tests::nvme::{
+    connect_data, connect_sqe, h2c_header, icreq_pdu, pdu, sc, Controller, Error, Host, Sqe, Term,
+};
+use rpma_tests::{tcp_from, Config, Namespace, Subsystem, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:hostile-nvme";
+const HOST: &str = "nqn.2026-11.io.rpma:hostile-nvme-host";
+
+/// Fatal error statuses.
+const INVALID_HEADER_FIELD: u16 = 1;
+const PDU_SEQUENCE: u16 = 2;
+const HEADER_DIGEST: u16 = 3;
+const DATA_OUT_OF_RANGE: u16 = 4;
+const DATA_LIMIT_EXCEEDED: u16 = 5;
+const UNSUPPORTED_PARAMETER: u16 = 6;
+
+fn start(extra: &str) -> (tempfile::TempDir, Target, String) {
+    let dir = rpma_tests::scratch();
+    let cfg = Config::new()
+        .set(extra)
+        .subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .namespace(Namespace::new(1, "ns1", "4MiB").block_size(512)),
+        )
+        .to_string();
+    let t = Target::start_on(dir.path(), "nvme-tcp://127.0.0.1", &cfg, &[]);
+    let addr = format!("127.0.0.1:{}", t.port());
+    (dir, t, addr)
+}
+
+/// The C2HTermReq the target answers `h` with, and that it closes the connection after it.
+fn terminated(h: &mut Host) -> Term {
+    let t = loop {
+        match h.recv() {
+            Err(Error::Terminated(t)) => break t,
+            Ok(r) => assert!(
+                r.kind == pdu::RESP || r.kind == pdu::R2T,
+                "unexpected {r:?}"
+            ),
+            Err(e) => panic!("no C2HTermReq: {e:?}"),
+        }
+    };
+    assert!(
+        matches!(h.recv(), Err(Error::Closed(_))),
+        "closed after the C2HTermReq"
+    );
+    t
+}
+
+/// An I/O queue of a fresh controller, with the digests asked for.
+fn io(addr: &str, digests: (bool, bool)) -> (Controller, Host) {
+    let c = Controller::connect(addr, SUB, HOST, digests).expect("admitted");
+    let q = c.io_queue(1).expect("I/O queue");
+    (c, q)
+}
+
+fn read_back(addr: &str, slba: u64) -> Vec<u8> {
+    let (_c, mut q) = io(addr, (false, false));
+    q.read(1, slba, 512, 8).unwrap().data
+}
+
+/// A Write command asking for `len` bytes by R2T (no data in its capsule).
+fn write_by_r2t(h: &Host, cid: u16, slba: u64, len: u32) -> Vec<u8> {
+    let mut s = Sqe::new(0x01, 1)
+        .cdw(10, slba as u32)
+        .cdw(12, len / 512 - 1)
+        .u16(2, cid);
+    s.0[32..36].copy_from_slice(&len.to_le_bytes());
+    s.0[39] = 0x5a;
+    h.frame(pdu::CMD, 0, &s.0, &[])
+}
+
+#[test]
+fn a_bad_header_digest_is_terminated_and_nothing_is_written() {
+    let (_d, t, addr) = start("");
+    let (_c, mut q) = io(&addr, (true, true));
+    let mut s = Sqe::new(0x01, 1).cdw(10, 0).cdw(12, 7).u16(2, 9);
+    s.0[32..36].copy_from_slice(&4096u32.to_le_bytes());
+    s.0[39] = 0x01;
+    let mut p = q.frame(pdu::CMD, 0, &s.0, &[0xee; 4096]);
+    p[20] ^= 0x01; // a byte of the command under the header digest
+    q.send_raw(&p);
+    let term = terminated(&mut q);
+    assert_eq!(term.fes, HEADER_DIGEST);
+    assert_eq!(&term.data[..8], &p[..8], "it carries the offending header");
+    assert_eq!(read_back(&addr, 0), vec![0; 4096], "nothing written");
+    let m = &t.status()["metrics"];
+    assert_eq!(m["terminates"]["crc"], 1, "{m}");
+}
+
+#[test]
+fn a_bad_data_digest_fails_the_command_and_nothing_lands() {
+    let (_d, _t, addr) = start("");
+    let (_c, mut q) = io(&addr, (false, true));
+    // In the capsule.
+    let mut s = Sqe::new(0x01, 1).cdw(10, 0).cdw(12, 7).u16(2, 3);
+    s.0[32..36].copy_from_slice(&4096u32.to_le_bytes());
+    s.0[39] = 0x01;
+    let mut p = q.frame(pdu::CMD, 0, &s.0, &[0xaa; 4096]);
+    let last = p.len() - 1;
+    p[last] ^= 0xff;
+    q.send_raw(&p);
+    let c = q.complete(3, &[]).expect("a completion, not a termination");
+    assert_eq!(c.code(), sc::TRANSIENT);
+    assert!(!c.dnr(), "a transient transport error may be retried");
+    // By R2T, the second of two H2CData PDUs corrupt: the command fails, the first half that
+    // did pass its digest may have landed, the corrupt half did not.
+    let p = write_by_r2t(&q, 4, 16, 8192);
+    q.send_raw(&p);
+    let r = q.recv().unwrap();
+    assert_eq!(r.kind, pdu::R2T);
+    let ttag = r.u16(10);
+    let a = q.frame(
+        pdu::H2C_DATA,
+        0,
+        &h2c_header(4, ttag, 0, 4096),
+        &[0x11; 4096],
+    );
+    q.send_raw(&a);
+    let mut b = q.frame(
+        pdu::H2C_DATA,
+        4,
+        &h2c_header(4, ttag, 4096, 4096),
+        &[0x22; 4096],
+    );
+    let last = b.len() - 1;
+    b[last] ^= 1;
+    q.send_raw(&b);
+    let c = q.complete(4, &[]).unwrap();
+    assert_eq!(c.code(), sc::TRANSIENT);
+    // The connection goes on.
+    let ok = q.read(1, 0, 512, 8).unwrap();
+    assert!(ok.ok());
+    assert_eq!(
+        ok.data,
+        vec![0; 4096],
+        "the corrupt capsule's data never landed"
+    );
+    let back = q.read(1, 24, 512, 8).unwrap().data;
+    assert_eq!(back, vec![0; 4096], "the corrupt H2CData never landed");
+}
+
+#[test]
+fn h2c_data_past_maxh2cdata_or_its_r2t_or_for_no_r2t_is_terminated() {
+    let (_d, _t, addr) = start("");
+    // More than MAXH2CDATA in one PDU (the R2T asked for 128 KiB).
+    let (_c, mut q) = io(&addr, (false, false));
+    let p = write_by_r2t(&q, 7, 0, 131072);
+    q.send_raw(&p);
+    let ttag = q.recv().unwrap().u16(10);
+    let n = q.maxh2cdata + 4;
+    let p = q.frame(
+        pdu::H2C_DATA,
+        0,
+        &h2c_header(7, ttag, 0, n),
+        &vec![1; n as usize],
+    );
+    q.send_raw(&p);
+    assert_eq!(terminated(&mut q).fes, DATA_LIMIT_EXCEEDED);
+    // Past the R2T's range.
+    let (_c, mut q) = io(&addr, (false, false));
+    let p = write_by_r2t(&q, 7, 0, 4096);
+    q.send_raw(&p);
+    let ttag = q.recv().unwrap().u16(10);
+    let p = q.frame(pdu::H2C_DATA, 4, &h2c_header(7, ttag, 0, 8192), &[1; 8192]);
+    q.send_raw(&p);
+    assert_eq!(terminated(&mut q).fes, DATA_OUT_OF_RANGE);
+    // At an offset the R2T did not ask for.
+    let (_c, mut q) = io(&addr, (false, false));
+    let p = write_by_r2t(&q, 7, 0, 8192);
+    q.send_raw(&p);
+    let ttag = q.recv().unwrap().u16(10);
+    let p = q.frame(
+        pdu::H2C_DATA,
+        0,
+        &h2c_header(7, ttag, 4096, 4096),
+        &[1; 4096],
+    );
+    q.send_raw(&p);
+    assert_eq!(terminated(&mut q).fes, DATA_OUT_OF_RANGE);
+    // Under a transfer tag it never gave.
+    let (_c, mut q) = io(&addr, (false, false));
+    let p = write_by_r2t(&q, 7, 0, 4096);
+    q.send_raw(&p);
+    let ttag = q.recv().unwrap().u16(10);
+    let p = q.frame(
+        pdu::H2C_DATA,
+        4,
+        &h2c_header(7, ttag.wrapping_add(5), 0, 4096),
+        &[1; 4096],
+    );
+    q.send_raw(&p);
+    let t = terminated(&mut q);
+    assert_eq!((t.fes, t.fei), (INVALID_HEADER_FIELD, 10), "TTAG");
+    // Data for a command that asked for none.
+    let (_c, mut q) = io(&addr, (false, false));
+    let p = q.frame(pdu::H2C_DATA, 4, &h2c_header(42, 1, 0, 512), &[1; 512]);
+    q.send_raw(&p);
+    let t = terminated(&mut q);
+    assert_eq!((t.fes, t.fei), (INVALID_HEADER_FIELD, 8), "CCCID");
+    assert_eq!(read_back(&addr, 0), vec![0; 4096], "nothing written");
+}
+
+#[test]
+fn pdus_only_a_controller_sends_are_terminated_by_type() {
+    let (_d, _t, addr) = start("");
+    for kind in [
+        pdu::R2T,
+        pdu::C2H_DATA,
+        pdu::RESP,
+        pdu::IC_RESP,
+        pdu::C2H_TERM,
+        0x0b,
+    ] {
+        let (_c, mut q) = io(&addr, (false, false));
+        // An R2T nobody asked for (and the other controller-to-host types).
+        let p = q.frame(kind, 0, &h2c_header(1, 1, 0, 512), &[]);
+        q.send_raw(&p);
+        let t = terminated(&mut q);
+        assert_eq!((t.fes, t.fei), (INVALID_HEADER_FIELD, 0), "type {kind:#x}");
+    }
+}
+
+#[test]
+fn the_connection_setup_is_checked_before_anything_else() {
+    let (_d, _t, addr) = start("");
+    // A command before the ICReq.
+    let mut h = Host::raw(Host::connect_tcp(&addr));
+    let p = h.frame(pdu::CMD, 0, &Sqe::new(0x06, 0).0, &[]);
+    h.send_raw(&p);
+    assert_eq!(terminated(&mut h).fes, PDU_SEQUENCE);
+    // An ICReq of a version it does not speak, and an alignment beyond the spec's.
+    let mut h = Host::raw(Host::connect_tcp(&addr));
+    h.send_raw(&icreq_pdu(1, 0, 0));
+    let t = terminated(&mut h);
+    assert_eq!((t.fes, t.fei), (UNSUPPORTED_PARAMETER, 8), "PFV");
+    let mut h = Host::raw(Host::connect_tcp(&addr));
+    h.send_raw(&icreq_pdu(0, 32, 0));
+    let t = terminated(&mut h);
+    assert_eq!((t.fes, t.fei), (UNSUPPORTED_PARAMETER, 10), "HPDA");
+    // A second ICReq.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    h.send_raw(&icreq_pdu(0, 0, 0));
+    assert_eq!(terminated(&mut h).fes, PDU_SEQUENCE);
+    // A command other than Connect first: a sequence error, then closed.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let c = h.command(Sqe::new(0x06, 0).cdw(10, 1), &[], 4096).unwrap();
+    assert_eq!(c.code(), sc::SEQUENCE);
+    assert!(matches!(h.recv(), Err(Error::Closed(_))));
+    // A Connect to a subsystem that is not there: Connect Invalid Parameters, the subsystem
+    // NQN's offset in the Connect data, then closed.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), true, true).unwrap();
+    let d = connect_data([1; 16], 0xffff, "nqn.2026-11.io.rpma:unknown", HOST);
+    let c = h.command(connect_sqe(0, 31, 0), &d, 0).unwrap();
+    assert_eq!(
+        (c.code(), c.dw0, c.dnr()),
+        (sc::CONNECT_INVALID_PARAM, (1 << 16) | 256, true)
+    );
+    assert!(matches!(h.recv(), Err(Error::Closed(_))));
+    // A capsule longer than the in-capsule limit: refused from its header.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let mut p = h.frame(pdu::CMD, 0, &connect_sqe(0, 31, 0).0, &[0; 16]);
+    p[4..8].copy_from_slice(&(72u32 + 65536).to_le_bytes());
+    h.send_raw(&p[..24]);
+    assert_eq!(terminated(&mut h).fes, DATA_LIMIT_EXCEEDED);
+    // The daemon keeps serving.
+    let (_c, mut q) = io(&addr, (true, true));
+    assert!(q.write(1, 0, 512, &[5; 512], false).unwrap().ok());
+}
+
+#[test]
+fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
+    let (_d, t, addr) =
+        start("max_unadmitted = 16\nmax_unadmitted_per_source = 2\nhandshake_timeout_ms = 1500");
+    let port = t.port();
+    // A source past its cap is closed at once; its first two wait.
+    let src = Ipv4Addr::new(127, 0, 0, 9);
+    let a = tcp_from(port, src, Duration::from_secs(20));
+    let b = tcp_from(port, src, Duration::from_secs(20));
+    let mut c = Host::raw(tcp_from(port, src, Duration::from_secs(20)));
+    c.send_raw(&icreq_pdu(0, 0, 0));
+    assert!(
+        matches!(c.recv(), Err(Error::Closed(_))),
+        "over the per-source cap"
+    );
+    // The two that never send anything are closed at the handshake deadline.
+    for s in [a, b] {
+        let mut h = Host::raw(s);
+        assert!(matches!(h.recv(), Err(Error::Closed(_))));
+    }
+    // Many half-open connections, each with a nearly whole 8 KiB capsule: the daemon's memory
+    // grows by a bounded buffer each, not by what a connected queue may buffer.
+    let rss = || -> u64 {
+        let s = std::fs::read_to_string(format!("/proc/{}/status", t.pid())).unwrap();
+        let line = s
+            .lines()
+            .find(|l| l.starts_with("VmRSS:"))
+            .unwrap()
+            .to_owned();
+        line.split_whitespace()
+            .nth(1)
+            .unwrap()
+            .parse::<u64>()
+            .unwrap()
+            * 1024
+    };
+    let before = rss();
+    let mut held = Vec::new();
+    for i in 0..16u8 {
+        let mut h = Host::raw(tcp_from(
+            port,
+            Ipv4Addr::new(127, 0, 1, i),
+            Duration::from_secs(20),
+        ));
+        h.send_raw(&icreq_pdu(0, 0, 0));
+        h.recv().expect("ICResp");
+        let p = h.frame(pdu::CMD, 0, &connect_sqe(0, 31, 0).0, &vec![0; 8192]);
+        h.send_raw(&p[..p.len() - 1]);
+        held.push(h);
+    }
+    let st = t.status();
+    assert_eq!(
+        st["admission"]["unadmitted"]["held"], 16,
+        "{}",
+        st["admission"]
+    );
+    let grown = rss().saturating_sub(before);
+    assert!(
+        grown < 16 * 48 * 1024,
+        "16 half-open connections grew the daemon by {grown} bytes"
+    );
+    // A 17th evicts the oldest (the pool is full), which is closed.
+    let mut newest = Host::raw(tcp_from(
+        port,
+        Ipv4Addr::new(127, 0, 2, 1),
+        Duration::from_secs(20),
+    ));
+    newest.send_raw(&icreq_pdu(0, 0, 0));
+    newest.recv().expect("ICResp");
+    assert!(
+        matches!(held[0].recv(), Err(Error::Closed(_))),
+        "the oldest was evicted"
+    );
+    // The allowed host still gets in, with the pool full of strangers.
+    let (_c, mut q) = io(&addr, (false, false));
+    assert!(q.read(1, 0, 512, 1).unwrap().ok());
+    // 20 broken peers from one address: one WARN line for them in the period.
+    let src = Ipv4Addr::new(127, 0, 3, 1);
+    for _ in 0..20 {
+        let mut h = Host::raw(tcp_from(port, src, Duration::from_secs(20)));
+        h.send_raw(&[0xff; 8]);
+        let _ = h.recv();
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while t.status()["metrics"]["terminates"]["invalid_request"].as_u64() < Some(20) {
+        assert!(Instant::now() < deadline);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let warned = t
+        .log()
+        .lines()
+        .filter(|l| l.contains("WARN") && l.contains("127.0.3.1"))
+        .count();
+    assert_eq!(warned, 1, "rate-limited per address");
+    let m = &t.status()["metrics"];
+    assert!(m["handshakes_failed"]["timeout"].as_u64() >= Some(2), "{m}");
+    assert!(m["refusals"]["source_limit"].as_u64() >= Some(1), "{m}");
+}

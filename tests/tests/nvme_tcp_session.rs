@@ -1,0 +1,663 @@
+//! The `nvme-tcp://` listener of a real `rpma-target`, driven by the tests' own NVMe/TCP host
+//! (tests/src/nvme.rs) over loopback: ICReq negotiation, Connect allowed and refused, Identify,
+//! the discovery log, reads and writes and their durability commands, queue rules, reloads
+//! and asynchronous events, keep-alive, shutdown.
+
+use std::time::{Duration, Instant};
+
+use rpma_tests::nvme::{sc, Completion, Controller, Host, Sqe, DISCOVERY_NQN};
+use rpma_tests::{Config, Namespace, Shm, Subsystem, Target};
+
+const SUB: &str = "nqn.2026-11.io.rpma:nvme";
+const DAX: &str = "nqn.2026-11.io.rpma:nvme-dax";
+const HOST: &str = "nqn.2026-11.io.rpma:nvme-host";
+const OTHER: &str = "nqn.2026-11.io.rpma:nvme-stranger";
+
+/// nsid 1 page-cache 8 MiB (512-byte blocks), 2 read-only 1 MiB, 3 volatile 1 MiB; and an
+/// all-dax (forced) subsystem.
+fn config(shm: &Shm) -> Config {
+    Config::new()
+        .subsystem(Subsystem::new(SUB).host(HOST).namespaces([
+            Namespace::new(1, "ns1", "8MiB").block_size(512),
+            Namespace::new(2, "ns2", "1MiB").read_only(),
+            Namespace::new(3, shm.path(), "1MiB"),
+        ]))
+        .subsystem(
+            Subsystem::new(DAX)
+                .host(HOST)
+                .namespace(Namespace::new(1, "dax1", "2MiB").force_dax()),
+        )
+}
+
+fn start(tag: &str) -> (tempfile::TempDir, Shm, Target, String) {
+    let dir = rpma_tests::scratch();
+    let shm = Shm::new(tag);
+    let t = Target::start_on(
+        dir.path(),
+        "nvme-tcp://127.0.0.1",
+        &config(&shm).to_string(),
+        &[],
+    );
+    let addr = format!("127.0.0.1:{}", t.port());
+    (dir, shm, t, addr)
+}
+
+fn noise(seed: u64, len: usize) -> Vec<u8> {
+    rpma_tests::noise(seed, len)
+}
+
+fn ok(c: Completion) -> Completion {
+    assert!(c.ok(), "{c:?}");
+    c
+}
+
+#[test]
+fn every_digest_combination_negotiates_and_carries_io() {
+    let (_d, _s, _t, addr) = start("nvme-digests");
+    for digests in [(false, false), (true, false), (false, true), (true, true)] {
+        let mut c = Controller::connect(&addr, SUB, HOST, digests).expect("admitted");
+        let n = ok(c.set_features(0x07, 1 | (1 << 16)));
+        assert_eq!(n.dw0, 1 | (1 << 16), "two I/O queues granted");
+        let mut q = c.io_queue(1).expect("I/O queue");
+        // In the capsule, by R2T (one PDU), by R2T over several H2CData PDUs (128 KiB, MDTS).
+        for (slba, len) in [(0u64, 4096usize), (64, 32768), (1024, 131072)] {
+            let data = noise(slba + u64::from(digests.0) * 2 + u64::from(digests.1), len);
+            ok(q.write(1, slba, 512, &data, false).unwrap());
+            let r = ok(q.read(1, slba, 512, (len / 512) as u32).unwrap());
+            assert_eq!(r.data, data, "{digests:?} {len}");
+        }
+        // Above MDTS: refused, not served.
+        let big = q.read(1, 0, 512, 257).unwrap();
+        assert_eq!(big.code(), sc::INVALID_FIELD);
+    }
+}
+
+#[test]
+fn connect_admits_the_listed_host_and_refuses_the_others_with_their_status() {
+    let dir = rpma_tests::scratch();
+    let psk = dir.path().join("k.psk");
+    rpma_tests::write_psk(&psk, "21");
+    let cfg = Config::new()
+        .subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .keyed_host("nqn.2026-11.io.rpma:keyed", psk.to_str().unwrap())
+                .namespace(Namespace::new(1, "ns1", "1MiB")),
+        )
+        .to_string();
+    let t = Target::start_on(dir.path(), "nvme-tcp://127.0.0.1", &cfg, &[]);
+    let addr = format!("127.0.0.1:{}", t.port());
+    let c = Controller::connect(&addr, SUB, HOST, (false, false)).expect("admitted");
+    assert_ne!(c.cntlid, 0);
+    let refused = |sub: &str, host: &str| {
+        let e = Controller::connect(&addr, sub, host, (false, false)).expect_err("refused");
+        assert!(e.dnr(), "{e:?}");
+        e
+    };
+    let e = refused(SUB, "nqn.2026-11.io.rpma:keyed");
+    assert_eq!(e.code(), sc::AUTH_REQUIRED, "no DH-HMAC-CHAP: refused");
+    let e = refused(SUB, OTHER);
+    assert_eq!(
+        (e.code(), e.dw0),
+        (sc::CONNECT_INVALID_HOST, (1 << 16) | 512)
+    );
+    let e = refused("nqn.2026-11.io.rpma:nowhere", HOST);
+    assert_eq!(
+        (e.code(), e.dw0),
+        (sc::CONNECT_INVALID_PARAM, (1 << 16) | 256)
+    );
+    // A refused connection is closed after its completion.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let data = rpma_tests::nvme::connect_data([1; 16], 0xffff, SUB, OTHER);
+    let r = h
+        .command(rpma_tests::nvme::connect_sqe(0, 31, 0), &data, 0)
+        .unwrap();
+    assert_eq!(r.code(), sc::CONNECT_INVALID_HOST);
+    assert!(matches!(h.recv(), Err(rpma_tests::nvme::Error::Closed(_))));
+    let lines = t.log_lines(&["nvme-tcp Connect refused"], Duration::from_secs(10));
+    assert!(
+        lines[0].contains("keyed") && lines[0].contains("DH-HMAC-CHAP"),
+        "the refusal says why: {lines:?}"
+    );
+    // Refusals from one address are logged once per period: the others are counted.
+    assert_eq!(lines.len(), 1, "{lines:?}");
+    let m = &t.status()["metrics"];
+    assert_eq!(m["refusals"]["host_not_allowed"], 2);
+    assert_eq!(m["refusals"]["unknown_subsystem"], 1);
+    assert_eq!(m["refusals"]["auth_failed"], 1);
+    assert_eq!(m["sessions_admitted"], 1);
+}
+
+#[test]
+fn identify_reports_the_controller_and_its_namespaces() {
+    let (_d, _s, mut t, addr) = start("nvme-identify");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    let id = ok(c.identify(1, 0)).data;
+    assert_eq!(id.len(), 4096);
+    assert_eq!(u16::from_le_bytes([id[78], id[79]]), c.cntlid, "CNTLID");
+    assert_eq!(
+        id[525] & 1,
+        1,
+        "VWC: page-cache and volatile namespaces have a write cache"
+    );
+    assert_eq!(&id[768..768 + SUB.len()], SUB.as_bytes());
+    assert_eq!(id[111], 1, "an I/O controller");
+    let serial = id[4..24].to_vec();
+    let ns1 = ok(c.identify(0, 1)).data;
+    let blocks = u64::from_le_bytes(ns1[0..8].try_into().unwrap());
+    assert_eq!(blocks, (8 << 20) / 512);
+    assert_eq!(
+        (u32::from_le_bytes(ns1[128..132].try_into().unwrap()) >> 16) & 0xff,
+        9
+    );
+    let ns2 = ok(c.identify(0, 2)).data;
+    assert_eq!(
+        u64::from_le_bytes(ns2[0..8].try_into().unwrap()),
+        (1 << 20) / 4096
+    );
+    assert_eq!(ns2[99], 1, "read-only: write protected");
+    let list = ok(c.identify(2, 0)).data;
+    let ids: Vec<u32> = list
+        .chunks(4)
+        .map(|b| u32::from_le_bytes(b.try_into().unwrap()))
+        .take_while(|&n| n != 0)
+        .collect();
+    assert_eq!(ids, [1, 2, 3]);
+    let desc = ok(c.identify(3, 1)).data;
+    assert_eq!((desc[0], desc[1]), (2, 16), "NGUID");
+    let nguid = desc[4..20].to_vec();
+    assert_eq!(
+        &ns1[104..120],
+        &nguid[..],
+        "the same NGUID in Identify Namespace"
+    );
+    assert_eq!(
+        c.identify(0, 9).data,
+        vec![0; 4096],
+        "an inactive id reads zeroed"
+    );
+    assert_eq!(c.identify(3, 9).code(), sc::INVALID_NS);
+    assert_eq!(c.identify(0x1f, 0).code(), sc::INVALID_FIELD);
+    // The all-dax subsystem: no volatile write cache (every write is durable at completion).
+    let mut d = Controller::connect(&addr, DAX, HOST, (false, false)).unwrap();
+    assert_eq!(ok(d.identify(1, 0)).data[525] & 1, 0, "VWC 0 on dax");
+    drop((c, d));
+    // Stable across a restart: the host must recognise its namespaces when it reconnects.
+    t.restart();
+    let addr = format!("127.0.0.1:{}", t.port());
+    let mut c = Controller::connect(&addr, SUB, HOST, (true, true)).unwrap();
+    assert_eq!(&ok(c.identify(3, 1)).data[4..20], &nguid[..]);
+    assert_eq!(&ok(c.identify(1, 0)).data[4..24], &serial[..]);
+}
+
+#[test]
+fn reads_writes_and_every_durability_command() {
+    let (_d, _s, t, addr) = start("nvme-io");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 0));
+    let mut q = c.io_queue(1).unwrap();
+    let a = noise(1, 8192);
+    ok(q.write(1, 16, 512, &a, false).unwrap());
+    ok(q.flush(1).unwrap());
+    ok(q.write(1, 32, 512, &a, true).unwrap());
+    assert_eq!(ok(q.read(1, 32, 512, 16).unwrap()).data, a);
+    // Write Zeroes over blocks 16..24 (FUA), then Dataset Management deallocate of 32..40.
+    let wz = Sqe::new(0x08, 1).cdw(10, 16).cdw(12, 7 | (1 << 30));
+    ok(q.command(wz, &[], 0).unwrap());
+    let mut range = vec![0u8; 16];
+    range[4..8].copy_from_slice(&8u32.to_le_bytes());
+    range[8..16].copy_from_slice(&32u64.to_le_bytes());
+    let dsm = Sqe::new(0x09, 1).cdw(10, 0).cdw(11, 1 << 2);
+    ok(q.command(dsm, &range, 0).unwrap());
+    let back = ok(q.read(1, 16, 512, 32).unwrap()).data;
+    assert_eq!(&back[..4096], &[0u8; 4096][..], "zeroed");
+    assert_eq!(&back[4096..8192], &a[4096..], "not zeroed");
+    assert_eq!(
+        &back[8192..12288],
+        &[0u8; 4096][..],
+        "deallocated reads zeros"
+    );
+    assert_eq!(&back[12288..], &a[4096..]);
+    // Refusals: out of range, read-only, no such namespace, an opcode it does not have.
+    assert_eq!(
+        q.read(1, (8 << 20) / 512 - 1, 512, 2).unwrap().code(),
+        sc::LBA_RANGE
+    );
+    let w = q.write(2, 0, 4096, &[1; 4096], false).unwrap();
+    assert_eq!(w.code(), sc::WRITE_PROTECTED);
+    assert_eq!(q.read(7, 0, 512, 1).unwrap().code(), sc::INVALID_NS);
+    assert_eq!(
+        q.command(Sqe::new(0x05, 1), &[], 0).unwrap().code(),
+        sc::INVALID_OPCODE
+    );
+    // The volatile namespace: Flush and FUA succeed (visible only, as documented).
+    ok(q.write(3, 0, 4096, &a[..4096], true).unwrap());
+    ok(q.flush(3).unwrap());
+    // Every namespace at once.
+    ok(q.flush(0xffff_ffff).unwrap());
+    // status counts what the session did, per namespace.
+    let st = t.status();
+    let s = st["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|s| s["kind"] == "nvme-tcp")
+        .expect("the controller is listed")
+        .clone();
+    assert_eq!(s["host_nqn"], HOST);
+    let ns1 = s["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["nsid"] == 1)
+        .unwrap()["data"]
+        .clone();
+    assert_eq!(ns1["writes"], 3, "two writes and the Write Zeroes");
+    assert_eq!(
+        ns1["durability"]["flush"]["ok"], 4,
+        "Flush, FUA write, FUA Write Zeroes, the Flush of every namespace"
+    );
+    assert!(ns1["reads"].as_u64().unwrap() >= 2);
+}
+
+#[test]
+fn io_queues_only_for_their_own_controller_and_granted_ids() {
+    let (_d, _s, _t, addr) = start("nvme-queues");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 1 | (1 << 16)));
+    let _q1 = c.io_queue(1).unwrap();
+    let e = c.io_queue(1).expect_err("twice");
+    assert_eq!((e.code(), e.dw0), (sc::CONNECT_INVALID_PARAM, 42));
+    let e = c.io_queue(3).expect_err("not granted");
+    assert_eq!((e.code(), e.dw0), (sc::CONNECT_INVALID_PARAM, 42));
+    let mut other = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    other.host_id = [9; 16];
+    other.cntlid = c.cntlid;
+    let e = other.io_queue(2).expect_err("another host id");
+    assert_eq!(
+        (e.code(), e.dw0),
+        (sc::CONNECT_INVALID_PARAM, (1 << 16) | 16)
+    );
+    // An I/O command on the admin queue, an admin command on an I/O queue.
+    let mut q2 = c.io_queue(2).unwrap();
+    assert_eq!(
+        q2.command(Sqe::new(0x06, 0).cdw(10, 1), &[], 4096)
+            .unwrap()
+            .code(),
+        sc::INVALID_OPCODE
+    );
+    assert_eq!(
+        c.admin
+            .command(Sqe::new(0x02, 1).cdw(12, 0), &[], 512)
+            .unwrap()
+            .code(),
+        sc::SGL_LENGTH,
+        "Get Log Page with a length that is not the SGL's"
+    );
+}
+
+#[test]
+fn discovery_lists_what_the_host_may_reach() {
+    let (_d, _s, _t, addr) = start("nvme-discovery");
+    let mut d = Controller::connect(&addr, DISCOVERY_NQN, OTHER, (false, false)).unwrap();
+    let head = ok(d.get_log(0x70, 1024, 0)).data;
+    assert_eq!(
+        u64::from_le_bytes(head[8..16].try_into().unwrap()),
+        1,
+        "a stranger sees only discovery"
+    );
+    let mut d = Controller::connect(&addr, DISCOVERY_NQN, HOST, (false, false)).unwrap();
+    let head = ok(d.get_log(0x70, 1024, 0)).data;
+    let n = u64::from_le_bytes(head[8..16].try_into().unwrap()) as u32;
+    assert_eq!(n, 3, "discovery, and both subsystems that list the host");
+    let all = ok(d.get_log(0x70, 1024 * (n + 1), 0)).data;
+    let subs: Vec<String> = (1..=n as usize)
+        .map(|i| {
+            let r = &all[i * 1024..(i + 1) * 1024];
+            assert_eq!(r[0], 3, "TCP");
+            let port = String::from_utf8_lossy(&r[32..64])
+                .trim_end_matches('\0')
+                .to_owned();
+            assert_eq!(port, addr.rsplit(':').next().unwrap());
+            String::from_utf8_lossy(&r[256..512])
+                .trim_end_matches('\0')
+                .to_owned()
+        })
+        .collect();
+    assert_eq!(subs, [DISCOVERY_NQN, SUB, DAX]);
+    // An offset inside the page, and one past it.
+    assert_eq!(ok(d.get_log(0x70, 1024, 1024)).data, all[1024..2048]);
+    assert_eq!(d.get_log(0x70, 1024, 1 << 20).code(), sc::INVALID_FIELD);
+    // A discovery controller answers nothing an I/O controller does.
+    assert_eq!(d.identify(0, 1).code(), sc::INVALID_FIELD);
+    assert_eq!(d.get_log(0x02, 512, 0).code(), 0x109, "Invalid Log Page");
+}
+
+#[test]
+fn a_reload_that_adds_a_namespace_completes_the_held_event_request() {
+    let (_d, shm, t, addr) = start("nvme-aen");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x0b, 1 << 8));
+    // An Asynchronous Event Request is held: no completion comes until something happens.
+    let aer = Sqe::new(0x0c, 0).u16(2, 4000);
+    let mut pdu = aer;
+    pdu.0[39] = 0x5a;
+    let p = c.admin.frame(rpma_tests::nvme::pdu::CMD, 0, &pdu.0, &[]);
+    c.admin.send_raw(&p);
+    // A Keep Alive answered meanwhile shows the AER did not complete.
+    let ka = ok(c.admin.command(Sqe::new(0x18, 0), &[], 0).unwrap());
+    assert_eq!(ka.dw0, 0);
+    let cfg = config(&shm).subsystem(
+        Subsystem::new("nqn.2026-11.io.rpma:unrelated")
+            .host(HOST)
+            .namespace(Namespace::new(1, "u1", "1MiB")),
+    );
+    let text = cfg
+        .to_string()
+        .replace(
+            "[[subsystem.namespace]]\nnsid = 3",
+            "[[subsystem.namespace]]\nnsid = 4\npath = \"ns4\"\nsize = \"1MiB\"\n[[subsystem.namespace]]\nnsid = 3",
+        );
+    t.rewrite(&text);
+    let mut t = t;
+    t.reload();
+    let done = c
+        .admin
+        .complete(4000, &[])
+        .expect("the event request completes");
+    assert_eq!(
+        done.dw0, 0x0004_0002,
+        "namespace attribute changed, log page 04h"
+    );
+    let changed = ok(c.get_log(0x04, 4096, 0)).data;
+    assert_eq!(u32::from_le_bytes(changed[0..4].try_into().unwrap()), 4);
+    assert_eq!(u32::from_le_bytes(changed[4..8].try_into().unwrap()), 0);
+    let list = ok(c.identify(2, 0)).data;
+    assert_eq!(u32::from_le_bytes(list[12..16].try_into().unwrap()), 4);
+    let mut q = c.io_queue(1).unwrap();
+    ok(q.write(4, 0, 4096, &[7; 4096], false).unwrap());
+}
+
+#[test]
+fn a_lapsed_keep_alive_ends_the_controller_and_its_io_queues() {
+    let (_d, _s, t, addr) = start("nvme-kato");
+    let mut admin = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let data = rpma_tests::nvme::connect_data([3; 16], 0xffff, SUB, HOST);
+    let c = ok(admin
+        .command(rpma_tests::nvme::connect_sqe(0, 31, 300), &data, 0)
+        .unwrap());
+    let cntlid = c.dw0 as u16;
+    let mut q = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let data = rpma_tests::nvme::connect_data([3; 16], cntlid, SUB, HOST);
+    ok(q.command(rpma_tests::nvme::connect_sqe(1, 31, 0), &data, 0)
+        .unwrap());
+    // No Keep Alive: both connections are closed by the target.
+    assert!(matches!(
+        admin.recv(),
+        Err(rpma_tests::nvme::Error::Closed(_))
+    ));
+    assert!(matches!(q.recv(), Err(rpma_tests::nvme::Error::Closed(_))));
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let m = t.status()["metrics"].clone();
+        if m["sessions_ended"]["keep_alive"] == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "{m}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_shutdown_notification_completes_once_everything_is_durable() {
+    let (_d, _s, _t, addr) = start("nvme-shutdown");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    let mut q = c.io_queue(1).unwrap();
+    ok(q.write(1, 0, 512, &noise(3, 65536), false).unwrap());
+    ok(c.property_set(0x14, rpma_tests::nvme::CC_ENABLE | (1 << 14)));
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let csts = c.property_get(0x1c, false).dw0;
+        if (csts >> 2) & 3 == 2 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "CSTS {csts:#x}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let cap = ok(c.property_get(0x00, true));
+    assert_eq!(cap.dw0 & 0xffff, 127, "MQES");
+    assert_ne!(cap.dw1 & (1 << 5), 0, "CSS: the NVM command set (bit 37)");
+    assert_eq!(ok(c.property_get(0x08, false)).dw0, 0x0001_0400, "VS 1.4");
+    assert_eq!(
+        c.property_get(0x00, false).code(),
+        sc::INVALID_FIELD,
+        "CAP is 8 bytes"
+    );
+}
+
+#[test]
+fn wrong_admin_and_io_commands_get_their_status_and_the_queue_goes_on() {
+    let (_d, _s, _t, addr) = start("nvme-wrong");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    let code = |c: &mut Controller, sqe: Sqe, room: u32| c.admin.command(sqe, &[], room).unwrap();
+    // Features: an unknown one, a saveable set, a selection that does not exist, and what is.
+    assert_eq!(
+        code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x7e), 0).code(),
+        sc::INVALID_FIELD
+    );
+    assert_eq!(
+        code(&mut c, Sqe::new(0x09, 0).cdw(10, 0x0f | (1 << 31)), 0).code(),
+        0x10d,
+        "Feature Identifier Not Saveable"
+    );
+    assert_eq!(
+        code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x0f | (5 << 8)), 0).code(),
+        sc::INVALID_FIELD
+    );
+    assert_eq!(
+        ok(code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x0f), 0)).dw0,
+        5000,
+        "KATO"
+    );
+    assert_eq!(
+        ok(code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x06), 0)).dw0,
+        1,
+        "write cache on"
+    );
+    ok(c.set_features(0x06, 0));
+    assert_eq!(
+        ok(code(&mut c, Sqe::new(0x0a, 0).cdw(10, 0x06), 0)).dw0,
+        0,
+        "and off"
+    );
+    assert_eq!(
+        c.set_features(0x07, 0xffff).code(),
+        sc::INVALID_FIELD,
+        "queues: 65536"
+    );
+    // Properties: a register that is not there, CC as 8 bytes, a write to CSTS.
+    assert_eq!(c.property_get(0x40, false).code(), sc::INVALID_FIELD);
+    assert_eq!(c.property_get(0x14, true).code(), sc::INVALID_FIELD);
+    assert_eq!(c.property_set(0x1c, 1).code(), sc::INVALID_FIELD);
+    // Get Log Page: an offset that is not a whole dword, one it does not have.
+    assert_eq!(c.get_log(0x02, 512, 2).code(), sc::INVALID_FIELD);
+    assert_eq!(c.get_log(0x7f, 512, 0).code(), 0x109, "Invalid Log Page");
+    let smart = ok(c.get_log(0x02, 512, 0));
+    assert_eq!(smart.data.len(), 512);
+    // Abort aborts nothing and says so; unknown and PCIe-only opcodes are refused.
+    assert_eq!(ok(code(&mut c, Sqe::new(0x08, 0), 0)).dw0 & 1, 1);
+    assert_eq!(
+        code(&mut c, Sqe::new(0x01, 0), 0).code(),
+        sc::INVALID_OPCODE,
+        "Create I/O SQ"
+    );
+    assert_eq!(
+        code(&mut c, Sqe::new(0xc5, 0), 0).code(),
+        sc::INVALID_OPCODE
+    );
+    // PRPs instead of SGLs.
+    let mut prp = Sqe::new(0x06, 0).cdw(10, 1);
+    prp.0[1] = 0;
+    assert_eq!(code(&mut c, prp, 4096).code(), sc::INVALID_FIELD);
+    // Five held event requests are one too many.
+    for cid in 100..104u16 {
+        let mut s = Sqe::new(0x0c, 0).u16(2, cid);
+        s.0[39] = 0x5a;
+        let p = c.admin.frame(rpma_tests::nvme::pdu::CMD, 0, &s.0, &[]);
+        c.admin.send_raw(&p);
+    }
+    assert_eq!(
+        code(&mut c, Sqe::new(0x0c, 0), 0).code(),
+        0x105,
+        "Asynchronous Event Request Limit Exceeded"
+    );
+    // I/O: protection information asked for, a length that is not the SGL's, Write Zeroes and
+    // deallocation past the end, a Dataset Management with fewer ranges than it says.
+    let mut q = c.io_queue(1).unwrap();
+    let pi = Sqe::new(0x02, 1).cdw(12, 7 | (1 << 26));
+    assert_eq!(q.command(pi, &[], 4096).unwrap().code(), sc::INVALID_FIELD);
+    let short = Sqe::new(0x02, 1).cdw(12, 7);
+    assert_eq!(q.command(short, &[], 512).unwrap().code(), sc::SGL_LENGTH);
+    let blocks = (8u32 << 20) / 512;
+    let wz = Sqe::new(0x08, 1).cdw(10, blocks - 1).cdw(12, 1);
+    assert_eq!(q.command(wz, &[], 0).unwrap().code(), sc::LBA_RANGE);
+    let mut range = vec![0u8; 16];
+    range[4..8].copy_from_slice(&2u32.to_le_bytes());
+    range[8..16].copy_from_slice(&u64::from(blocks - 1).to_le_bytes());
+    let dsm = Sqe::new(0x09, 1).cdw(11, 1 << 2);
+    assert_eq!(q.command(dsm, &range, 0).unwrap().code(), sc::LBA_RANGE);
+    let dsm = Sqe::new(0x09, 1).cdw(10, 3).cdw(11, 1 << 2);
+    assert_eq!(
+        q.command(dsm, &range, 0).unwrap().code(),
+        sc::SGL_LENGTH,
+        "4 ranges said, 1 sent"
+    );
+    // A write to the end of the namespace and one block past it.
+    assert!(q
+        .write(1, u64::from(blocks - 1), 512, &[1; 512], false)
+        .unwrap()
+        .ok());
+    assert_eq!(
+        q.write(1, u64::from(blocks - 1), 512, &[1; 1024], false)
+            .unwrap()
+            .code(),
+        sc::LBA_RANGE
+    );
+    // After all that, the queues still serve.
+    assert!(q.read(1, 0, 512, 1).unwrap().ok());
+    assert!(c.identify(1, 0).ok());
+}
+
+#[test]
+fn with_sq_flow_control_disabled_data_carries_the_success_flag() {
+    let (_d, _s, _t, addr) = start("nvme-sqflow");
+    let c = Controller::connect(&addr, SUB, HOST, (true, true)).unwrap();
+    let mut q = Host::icreq(Host::connect_tcp(&addr), true, true).unwrap();
+    let data = rpma_tests::nvme::connect_data(c.host_id, c.cntlid, SUB, HOST);
+    // CATTR bit 2: the host disables SQ flow control (nvme connect-all does, when the discovery
+    // log offers it).
+    let connect = rpma_tests::nvme::connect_sqe(1, 127, 0).byte(46, 1 << 2);
+    ok(q.command(connect, &data, 0).unwrap());
+    let a = noise(5, 8192);
+    ok(q.write(1, 0, 512, &a, false).unwrap());
+    let r = ok(q.read(1, 0, 512, 16).unwrap());
+    assert!(r.by_success_flag, "no CapsuleResp after the data");
+    assert_eq!(r.data, a);
+    // A command without data still completes with a CapsuleResp; an error too.
+    ok(q.flush(1).unwrap());
+    let e = q.read(1, (8 << 20) / 512, 512, 1).unwrap();
+    assert_eq!(e.code(), sc::LBA_RANGE);
+    assert!(!e.by_success_flag);
+}
+
+#[test]
+fn check_config_shows_the_listener_its_methods_and_the_keyed_hosts_it_refuses() {
+    let dir = rpma_tests::scratch();
+    let psk = dir.path().join("k.psk");
+    rpma_tests::write_psk(&psk, "31");
+    let text = format!(
+        "listen = [\"tcp://127.0.0.1:7420\", \"nvme-tcp://127.0.0.1\"]\n{}",
+        Config::new().subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .keyed_host("nqn.2026-11.io.rpma:keyed", psk.to_str().unwrap())
+                .namespace(Namespace::new(1, "ns1", "1MiB"))
+        )
+    );
+    let cfg = dir.path().join("target.toml");
+    std::fs::write(&cfg, text).unwrap();
+    let o = rpma_tests::check_config(&cfg);
+    let out = rpma_tests::text(&o);
+    assert!(o.status.success(), "{out}");
+    assert!(
+        out.contains("listener nvme-tcp://127.0.0.1:4420 (NVMe/TCP: digests as each host asks)"),
+        "{out}"
+    );
+    assert!(
+        out.contains("tcp: APM GPSPM FLUSH; nvme-tcp: FLUSH"),
+        "{out}"
+    );
+    assert!(
+        out.contains("its 1 host(s) with a key are refused on nvme-tcp:// listeners"),
+        "{out}"
+    );
+}
+
+#[test]
+fn a_reload_that_needs_a_write_cache_closes_a_controller_that_reported_none() {
+    let (_d, shm, mut t, addr) = start("nvme-vwc-reload");
+    let mut c = Controller::connect(&addr, DAX, HOST, (false, false)).unwrap();
+    assert_eq!(ok(c.identify(1, 0)).data[525] & 1, 0, "VWC 0");
+    // Without a write cache there is none to turn off.
+    assert_eq!(c.set_features(0x06, 0).code(), sc::INVALID_FIELD);
+    // A Disconnect on an I/O queue: completed, then the queue is closed.
+    let mut q = c.io_queue(1).unwrap();
+    ok(q.command(Sqe::fabrics(0x08), &[], 0).unwrap());
+    assert!(matches!(q.recv(), Err(rpma_tests::nvme::Error::Closed(_))));
+    // A page-cache namespace joins the dax subsystem: the controller told the host writes are
+    // durable at completion, which the new namespace cannot keep: it is closed, the host
+    // reconnects and reads VWC 1.
+    let text = config(&shm).to_string().replace(
+        "path = \"dax1\"\nsize = \"2MiB\"\nforce_dax = true\n",
+        "path = \"dax1\"\nsize = \"2MiB\"\nforce_dax = true\n[[subsystem.namespace]]\nnsid = 2\npath = \"pc2\"\nsize = \"1MiB\"\n",
+    );
+    assert!(text.contains("pc2"), "{text}");
+    t.rewrite(&text);
+    t.reload();
+    assert!(matches!(
+        c.admin.recv(),
+        Err(rpma_tests::nvme::Error::Closed(_))
+    ));
+    let mut c = Controller::connect(&addr, DAX, HOST, (false, false)).unwrap();
+    assert_eq!(ok(c.identify(1, 0)).data[525] & 1, 1, "VWC 1 now");
+    assert_eq!(t.status()["metrics"]["sessions_ended"]["reload"], 1);
+}
+
+#[test]
+fn a_keep_alive_timeout_of_zero_is_the_targets_keep_alive() {
+    let (_d, _s, _t, addr) = start("nvme-kato0");
+    let mut admin = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let data = rpma_tests::nvme::connect_data([4; 16], 0xffff, SUB, HOST);
+    ok(admin
+        .command(rpma_tests::nvme::connect_sqe(0, 31, 0), &data, 0)
+        .unwrap());
+    ok(admin
+        .command(
+            Sqe::fabrics(0x00)
+                .u32(44, 0x14)
+                .u32(48, rpma_tests::nvme::CC_ENABLE),
+            &[],
+            0,
+        )
+        .unwrap());
+    let get = |h: &mut Host| ok(h.command(Sqe::new(0x0a, 0).cdw(10, 0x0f), &[], 0).unwrap()).dw0;
+    assert_eq!(get(&mut admin), 5000, "keep_alive_ms, the default");
+    ok(admin
+        .command(Sqe::new(0x09, 0).cdw(10, 0x0f).cdw(11, 0), &[], 0)
+        .unwrap());
+    assert_eq!(get(&mut admin), 5000, "Set Features to 0 likewise");
+    ok(admin
+        .command(Sqe::new(0x09, 0).cdw(10, 0x0f).cdw(11, 7_200_000), &[], 0)
+        .unwrap());
+    assert_eq!(get(&mut admin), 3_600_000, "at most an hour");
+}
