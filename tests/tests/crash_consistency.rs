@@ -68,7 +68,7 @@ fn a_broken_persist_is_caught_and_fails_the_run() {
         "--seed",
         "1402",
         "--run-ms",
-        "100-250",
+        "200-400",
         "--broken-persist",
     ]);
     assert_eq!(code, Some(1), "{out}");
