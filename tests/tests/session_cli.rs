@@ -84,7 +84,8 @@ fn discover_and_identify() {
     assert_eq!(v["subsystem"], SUB);
     assert_eq!(v["namespaces"][0]["nsid"], 1);
     assert_eq!(v["namespaces"][0]["size"], 2 << 20);
-    assert_eq!(v["namespaces"][0]["domain"], "page-cache");
+    let files = rpma_tests::Transport::current().file_domain().to_string();
+    assert_eq!(v["namespaces"][0]["domain"], files.as_str());
     assert_eq!(v["namespaces"][0]["durability"][1], "GPSPM");
     assert_eq!(v["namespaces"][1]["read_only"], true);
 
