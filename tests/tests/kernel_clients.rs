@@ -374,7 +374,10 @@ fn md_raid1_across_two_targets_survives_one_and_resyncs() {
             break;
         }
         if Instant::now() >= deadline {
-            let dmesg = Command::new("dmesg").output().map(|o| text(&o)).unwrap_or_default();
+            let dmesg = Command::new("dmesg")
+                .output()
+                .map(|o| text(&o))
+                .unwrap_or_default();
             let tail: Vec<&str> = dmesg.lines().rev().take(30).collect();
             panic!(
                 "{md} never resynced: {s}\n--- leg B's export ---\n{}\n--- dmesg ---\n{}",

@@ -290,7 +290,8 @@ fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
     let b = tcp_from(port, src, Duration::from_secs(20));
     let mut c = Host::raw(tcp_from(port, src, Duration::from_secs(20)));
     c.send_raw(&icreq_pdu(0, 0, 0));
-    c.recv().expect("the newcomer past the per-source cap gets its ICResp");
+    c.recv()
+        .expect("the newcomer past the per-source cap gets its ICResp");
     let mut a = Host::raw(a);
     assert!(
         matches!(a.recv(), Err(Error::Closed(_))),
