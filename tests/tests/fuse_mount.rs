@@ -47,7 +47,10 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
     std::fs::write(ext.join("hello.txt"), b"hello, remote pmem\n").unwrap();
     std::fs::create_dir(ext.join("d")).unwrap();
     std::fs::write(ext.join("d/big.bin"), &big).unwrap();
-    sh_ok(&mut Command::new("sync"));
+    // syncfs of this filesystem alone: a global sync(1) would also wait on every other
+    // filesystem of the machine (in the VM lab: ext4 on an nbd device whose target another
+    // test has just killed).
+    sh_ok(Command::new("sync").arg("-f").arg(&ext));
     fs.unmount();
     // umount: detaches the loop device, unmounts; the mount process persists and exits 0.
     let mut a = conn_args(&t.url(), 1);
@@ -310,7 +313,10 @@ fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmoun
         m.log()
     );
     std::fs::write(ext.join("late.txt"), b"written after SIGTERM").unwrap();
-    sh_ok(&mut Command::new("sync"));
+    // syncfs of this filesystem alone: a global sync(1) would also wait on every other
+    // filesystem of the machine (in the VM lab: ext4 on an nbd device whose target another
+    // test has just killed).
+    sh_ok(Command::new("sync").arg("-f").arg(&ext));
     assert!(
         !mounted(&mnt),
         "the FUSE mount should have left the namespace"
