@@ -14,10 +14,10 @@ use crate::fabric::soft::placement;
 use crate::fabric::soft::placement::DirectTarget;
 use crate::fabric::soft::status;
 use crate::fabric::soft::wire::rdmap::{
-    AtomicOp, AtomicResponse, Body, FlushPlacement, FlushSelectivity, PrivateResponse,
+    AtomicOp, AtomicResponse, FlushPlacement, FlushSelectivity, PrivateResponse,
 };
 use crate::fabric::soft::wire::rx;
-use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause};
+use crate::fabric::soft::wire::{Body, Header, HeaderKind, Opcode, TermCause};
 use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
 use crate::pmem::Domain;
 use crate::stats::{Stopwatch, COUNTING};
