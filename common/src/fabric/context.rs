@@ -50,6 +50,11 @@ impl Context {
     /// with it, [`Error::NoDevice`] ("no RDMA device found; use tcp://") where the machine has
     /// none, [`Error::NoSuchDevice`] when no device serves the address, [`Error::Socket`] when
     /// the host does not resolve.
+    ///
+    /// [`Error::TransportUnavailable`]: super::Error::TransportUnavailable
+    /// [`Error::NoDevice`]: super::Error::NoDevice
+    /// [`Error::NoSuchDevice`]: super::Error::NoSuchDevice
+    /// [`Error::Socket`]: super::Error::Socket
     pub fn for_url(url: &Url) -> Result<Context> {
         Ok(Context::with_device(Device::for_url(url)?))
     }
@@ -59,6 +64,10 @@ impl Context {
     /// # Errors
     /// [`Error::NoDevice`] where the machine has no RDMA device, [`Error::NoSuchDevice`] when
     /// none has that name, [`Error::Verbs`] when it cannot be opened.
+    ///
+    /// [`Error::NoDevice`]: super::Error::NoDevice
+    /// [`Error::NoSuchDevice`]: super::Error::NoSuchDevice
+    /// [`Error::Verbs`]: super::Error::Verbs
     #[cfg(feature = "rdma")]
     pub fn rdma_device(name: &str) -> Result<Context> {
         Ok(Context::with_device(Device::rdma_by_name(name)?))

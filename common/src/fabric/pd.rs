@@ -40,6 +40,8 @@ impl Context {
     ///
     /// # Errors
     /// None on the soft transport; [`Error::Verbs`] when an RDMA device refuses.
+    ///
+    /// [`Error::Verbs`]: super::Error::Verbs
     pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
         let id = self.next_pd_num();
         let engine = self.device().alloc_pd()?;

@@ -122,6 +122,8 @@ impl PreparedQueuePair {
     /// [`Error::TransportUnavailable`] for `rdma://` in a build without the `rdma` feature,
     /// [`Error::BadUrl`] for a URL of another transport than the queue pair's,
     /// [`Error::Socket`], [`Error::Handshake`], [`Error::Rejected`], [`Error::Verbs`].
+    ///
+    /// [`TcpParams::MAX_PRIVATE_DATA`]: super::TcpParams::MAX_PRIVATE_DATA
     pub fn connect(self, url: &Url, params: &ConnParams, private_data: &[u8]) -> Result<QueuePair> {
         self.inner.pd.context().device().check_scheme(url)?;
         self.inner.engine.connect(url, params, private_data)?;
