@@ -1,6 +1,7 @@
 //! The rdma transport's queue pair: an RC `ibv_qp` made with its protection domain and
-//! completion queues (so that receives can be posted before the connection exists), posting
-//! in both directions, and the translation of its completions.
+//! completion queues (so that receives can be posted before the connection exists), its
+//! tables of posted requests, and its life (made, in Error, drained, destroyed). Posting is in
+//! `submit.rs`, the verbs calls in `post.rs`, completions in `wc.rs`.
 //!
 //! Buffer ownership: every posted request's `Sge` (an `Arc` of its region) is kept in the
 //! queue pair's send or receive table, keyed by the sequence number in the request's hardware
