@@ -15,6 +15,8 @@
 //! it (docs/rdma.md). `wire-testing` (tests only) makes the soft transport's wire formats public
 //! and adds `fuzz`, the fuzz targets' entry points.
 
+#![warn(missing_docs)]
+
 pub mod fabric;
 // Test-only: the fuzz targets' entry points and seeds (fuzz/, tests/tests/fuzz_corpus.rs).
 #[cfg(feature = "wire-testing")]
