@@ -17,8 +17,12 @@ build: deps
 fmt:
 	$(CARGO) fmt --all
 
+# The import structure: no circle between files, no import against a layer rule
+# (scripts/layers.toml, docs/architecture.md "Layers"); the checker's own tests first.
 lint: deps
 	$(CARGO) fmt --all --check
+	@python3 scripts/layers_test.py
+	python3 scripts/layers.py
 	$(CARGO) clippy --workspace --all-targets $(FEATURES) -- -D warnings
 
 # Everything CI runs: dependencies, formatting, lints, a build with all features, every test:

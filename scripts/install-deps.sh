@@ -6,6 +6,8 @@ set -euo pipefail
 PACKAGES=(
   # build: rdma-sys runs bindgen against libibverbs/librdmacm headers
   pkg-config libclang-dev clang libibverbs-dev librdmacm-dev
+  # lint: scripts/layers.py checks the import structure (3.11 or later: tomllib)
+  python3
   # tests: tshark decodes the tcp transport's iWARP traffic; systemd-analyze verifies the unit
   tshark systemd
   # tests: third-party NBD clients against `rpma-initiator nbd` (tests/tests/nbd_clients.rs)

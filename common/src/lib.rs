@@ -2,8 +2,8 @@
 //!
 //! - [`pmem`]: maps a namespace's backing store and makes ranges of it durable, reporting honestly
 //!   which persistence domain the storage is in.
-//! - [`fabric`]: the verbs-shaped API and its transport `tcp` (userspace iWARP); `rdma` comes
-//!   later.
+//! - [`fabric`]: the verbs-shaped API and its transports: `tcp` (userspace iWARP) and, with the
+//!   `rdma` feature, `rdma` (libibverbs and librdmacm).
 //! - [`proto`]: the control-plane wire format spoken over the fabric's Send/Recv.
 //! - [`stats`]: counters and latency histograms with one writer each (the data path's
 //!   counting), read by anyone.
@@ -11,9 +11,11 @@
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
 //! - [`sync`]: locking that ThreadSanitizer can follow (`make tsan`).
 //!
-//! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm); the `rdma` transport on it is not
-//! built yet. `wire-testing` (tests only) makes the soft transport's wire formats public and adds
-//! `fuzz`, the fuzz targets' entry points.
+//! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm) and builds the `rdma` transport on
+//! it (docs/rdma.md). `wire-testing` (tests only) makes the soft transport's wire formats public
+//! and adds `fuzz`, the fuzz targets' entry points.
+
+#![warn(missing_docs)]
 
 pub mod fabric;
 // Test-only: the fuzz targets' entry points and seeds (fuzz/, tests/tests/fuzz_corpus.rs).

@@ -15,10 +15,11 @@ use std::time::Duration;
 
 use fabric_util::tshark::{start_capture, stop_capture, tshark_fields};
 
+use rpma_common::fabric::soft::wire::body::Body;
 use rpma_common::fabric::soft::wire::ddp::{Header, HeaderKind, Opcode};
 use rpma_common::fabric::soft::wire::mpa::{accept_handshake, connect_handshake, MpaConfig};
 use rpma_common::fabric::soft::wire::rdmap::{
-    AtomicRequest, AtomicResponse, AtomicWriteRequest, Body, FlushPlacement, FlushRequest,
+    AtomicRequest, AtomicResponse, AtomicWriteRequest, FlushPlacement, FlushRequest,
     FlushSelectivity, PrivateResponse, ReadRequest,
 };
 use rpma_common::fabric::soft::wire::rx::{

@@ -56,6 +56,8 @@
 //! Features: `rdma` builds the rdma transport in rpma-common: `rdma://` target URLs then
 //! connect over an RDMA NIC or Soft-RoCE (docs/rdma.md).
 
+#![warn(missing_docs)]
+
 mod checks;
 mod connect;
 pub mod durability;

@@ -8,16 +8,20 @@ use std::collections::HashSet;
 use std::fmt;
 use std::path::{Path, PathBuf};
 
-use rpma_common::proto::auth::{AuthError, Psk};
-use rpma_common::proto::nqn::{Nqn, NqnError};
+use rpma_common::proto::auth::Psk;
+use rpma_common::proto::nqn::Nqn;
 use rpma_common::units::parse_size;
-use serde::Deserialize;
 
 mod admission;
+mod error;
+mod raw;
 mod simulation;
 
 use admission::admission;
 pub use admission::{admission_changes, Admission};
+use error::{int_in, invalid};
+pub use error::{ConfigError, Result};
+use raw::{RawConfig, RawListener};
 
 /// rpma's own default port (NVMe-oF's 4420 belongs to real NVMe-oF targets).
 pub const DEFAULT_PORT: u16 = 7420;
@@ -30,68 +34,6 @@ pub const DEFAULT_CONTROL_SOCKET: &str = "/run/rpma-target/control.sock";
 pub const DEFAULT_STATE_FILE: &str = "rpma-target.state";
 /// Keep-alive period when the configuration does not set one (as Linux NVMe-oF's default KATO).
 pub const DEFAULT_KEEP_ALIVE_MS: u32 = 5000;
-
-/// Errors from loading or validating a configuration.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ConfigError {
-    /// The file could not be read.
-    #[error("cannot read {path}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// The I/O error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Not TOML, a wrong type, or an unknown key (toml's message, the source, names the key
-    /// and the line).
-    #[error("cannot parse {path}")]
-    Parse {
-        /// The file.
-        path: PathBuf,
-        /// What toml reported.
-        #[source]
-        source: toml::de::Error,
-    },
-    /// A value that breaks a rule.
-    #[error("{key}: {problem}")]
-    Invalid {
-        /// The key, e.g. `subsystem[1].namespace[0].size`.
-        key: String,
-        /// What is wrong with it.
-        problem: String,
-    },
-    /// An invalid NQN (the source says why).
-    #[error("{key}")]
-    Nqn {
-        /// The key.
-        key: String,
-        /// What is wrong with it.
-        #[source]
-        source: NqnError,
-    },
-    /// A key file that is missing, unreadable, too open or of the wrong length (the source
-    /// says which).
-    #[error("{key}")]
-    Psk {
-        /// The key.
-        key: String,
-        /// What is wrong with it.
-        #[source]
-        source: AuthError,
-    },
-}
-
-/// Result of configuration handling.
-pub type Result<T> = std::result::Result<T, ConfigError>;
-
-fn invalid(key: impl Into<String>, problem: impl Into<String>) -> ConfigError {
-    ConfigError::Invalid {
-        key: key.into(),
-        problem: problem.into(),
-    }
-}
 
 /// A transport, as named by a URL's scheme.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, serde::Serialize)]
@@ -312,76 +254,6 @@ pub struct Config {
     pub subsystems: Vec<Subsystem>,
 }
 
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawConfig {
-    #[serde(default)]
-    listen: Vec<toml::Value>,
-    control_socket: Option<PathBuf>,
-    state_file: Option<PathBuf>,
-    keep_alive_ms: Option<i64>,
-    poll_loops: Option<i64>,
-    max_connections: Option<i64>,
-    max_queue_depth: Option<i64>,
-    crc: Option<bool>,
-    direct_write_to_pmem: Option<bool>,
-    discovery: Option<bool>,
-    max_unadmitted: Option<i64>,
-    max_unadmitted_per_source: Option<i64>,
-    handshake_timeout_ms: Option<i64>,
-    max_discovery: Option<i64>,
-    max_discovery_per_source: Option<i64>,
-    discovery_max_keep_alive_ms: Option<i64>,
-    discovery_timeout_ms: Option<i64>,
-    refusal_log_period_ms: Option<i64>,
-    metrics_listen: Option<String>,
-    #[serde(default)]
-    subsystem: Vec<RawSubsystem>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawListener {
-    url: String,
-    direct_write_to_pmem: Option<bool>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawSubsystem {
-    nqn: String,
-    #[serde(default)]
-    allow_any_host: bool,
-    #[serde(default)]
-    hosts: Vec<RawHost>,
-    #[serde(default)]
-    namespace: Vec<RawNamespace>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawHost {
-    nqn: String,
-    psk_file: Option<PathBuf>,
-}
-
-#[derive(Debug, Deserialize)]
-#[serde(deny_unknown_fields)]
-struct RawNamespace {
-    nsid: i64,
-    path: PathBuf,
-    size: Option<toml::Value>,
-    block_size: Option<i64>,
-    #[serde(default)]
-    read_only: bool,
-    #[serde(default)]
-    force_dax: bool,
-    #[serde(default)]
-    grow: bool,
-    prefault: Option<bool>,
-    power_loss_simulation: Option<toml::Value>,
-}
-
 /// The control socket a configuration file names, without validating the rest (so that
 /// `rpma-target status --config` works for a user who may not read the key files).
 ///
@@ -403,14 +275,6 @@ pub fn control_socket_of(path: &Path) -> Result<PathBuf> {
         Some(toml::Value::String(s)) => Ok(base.join(s)),
         Some(v) => Err(invalid("control_socket", format!("{v} is not a path"))),
     }
-}
-
-fn int_in(key: &str, v: Option<i64>, default: u32, min: u32, max: u32) -> Result<u32> {
-    let Some(v) = v else { return Ok(default) };
-    if v < i64::from(min) || v > i64::from(max) {
-        return Err(invalid(key, format!("{v} is out of range ({min}..={max})")));
-    }
-    Ok(v as u32)
 }
 
 impl Config {

@@ -3,13 +3,11 @@
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
-use super::cq::CompletionQueue;
 use super::error::Result;
-use super::mr::{MemoryBacking, Registration};
-use super::pd::ProtectionDomain;
+use super::memory::{MemoryBacking, Registration};
 use super::transport::Device;
 use super::types::Access;
-use super::url::{Scheme, Url};
+use super::url::Url;
 
 static NEXT_CONTEXT_ID: AtomicU32 = AtomicU32::new(1);
 
@@ -52,18 +50,13 @@ impl Context {
     /// with it, [`Error::NoDevice`] ("no RDMA device found; use tcp://") where the machine has
     /// none, [`Error::NoSuchDevice`] when no device serves the address, [`Error::Socket`] when
     /// the host does not resolve.
+    ///
+    /// [`Error::TransportUnavailable`]: super::Error::TransportUnavailable
+    /// [`Error::NoDevice`]: super::Error::NoDevice
+    /// [`Error::NoSuchDevice`]: super::Error::NoSuchDevice
+    /// [`Error::Socket`]: super::Error::Socket
     pub fn for_url(url: &Url) -> Result<Context> {
-        match url.scheme {
-            Scheme::Tcp => Ok(Context::soft()),
-            #[cfg(feature = "rdma")]
-            Scheme::Rdma => Ok(Context::with_device(Device::Rdma(
-                super::rdma::Device::for_url(url)?,
-            ))),
-            #[cfg(not(feature = "rdma"))]
-            Scheme::Rdma => Err(super::error::Error::TransportUnavailable {
-                scheme: "rdma".into(),
-            }),
-        }
+        Ok(Context::with_device(Device::for_url(url)?))
     }
 
     /// The RDMA device named `name` (as `ibv_devices` lists it: `mlx5_0`, `rxe0`, ...).
@@ -71,11 +64,13 @@ impl Context {
     /// # Errors
     /// [`Error::NoDevice`] where the machine has no RDMA device, [`Error::NoSuchDevice`] when
     /// none has that name, [`Error::Verbs`] when it cannot be opened.
+    ///
+    /// [`Error::NoDevice`]: super::Error::NoDevice
+    /// [`Error::NoSuchDevice`]: super::Error::NoSuchDevice
+    /// [`Error::Verbs`]: super::Error::Verbs
     #[cfg(feature = "rdma")]
     pub fn rdma_device(name: &str) -> Result<Context> {
-        Ok(Context::with_device(Device::Rdma(
-            super::rdma::Device::by_name(name)?,
-        )))
+        Ok(Context::with_device(Device::rdma_by_name(name)?))
     }
 
     fn with_device(device: Device) -> Context {
@@ -92,22 +87,6 @@ impl Context {
     /// The software device: RDMA over TCP, speaking iWARP. Always available.
     pub fn soft() -> Context {
         Context::with_device(Device::soft())
-    }
-
-    /// Allocates a protection domain (`ibv_alloc_pd`).
-    ///
-    /// # Errors
-    /// None on the soft transport; [`Error::Verbs`] when an RDMA device refuses.
-    pub fn alloc_pd(&self) -> Result<ProtectionDomain> {
-        let id = self.inner.next_pd.fetch_add(1, Ordering::Relaxed);
-        let engine = self.inner.device.alloc_pd()?;
-        Ok(ProtectionDomain::new(self.clone(), id, engine))
-    }
-
-    /// Creates a completion queue (`ibv_create_cq`). `depth` is the number of completions it is
-    /// sized for; see [`CompletionQueue`].
-    pub fn create_cq(&self, depth: usize) -> Result<CompletionQueue> {
-        CompletionQueue::new(self.clone(), depth)
     }
 
     /// The device's name: `soft` for the `tcp` transport's, the RDMA device's own
@@ -137,6 +116,10 @@ impl Context {
 
     pub(crate) fn device(&self) -> &Device {
         &self.inner.device
+    }
+
+    pub(crate) fn next_pd_num(&self) -> u32 {
+        self.inner.next_pd.fetch_add(1, Ordering::Relaxed)
     }
 
     pub(crate) fn next_qp_num(&self) -> u32 {

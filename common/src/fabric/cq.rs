@@ -1,10 +1,10 @@
 //! [`CompletionQueue`]: where work requests end, and what drives progress.
 
-use std::collections::VecDeque;
 use std::os::fd::BorrowedFd;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use super::completions::Completions;
 use super::context::Context;
 use super::error::Result;
 use super::transport::CqEngine;
@@ -30,28 +30,33 @@ pub struct CompletionQueue {
 
 pub(crate) struct CqInner {
     ctx: Context,
-    pub(crate) entries: Mutex<VecDeque<Completion>>,
+    /// What the transport completed and nobody polled yet: the transport pushes, `poll` takes.
+    list: Arc<Completions>,
     engine: CqEngine,
 }
 
 impl std::fmt::Debug for CompletionQueue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let n = self.inner.entries.lock().map(|e| e.len()).unwrap_or(0);
         f.debug_struct("CompletionQueue")
-            .field("ready", &n)
+            .field("ready", &self.inner.list.len())
             .finish()
+    }
+}
+
+impl Context {
+    /// Creates a completion queue (`ibv_create_cq`). `depth` is the number of completions it is
+    /// sized for; see [`CompletionQueue`].
+    pub fn create_cq(&self, depth: usize) -> Result<CompletionQueue> {
+        CompletionQueue::new(self.clone(), depth)
     }
 }
 
 impl CompletionQueue {
     pub(crate) fn new(ctx: Context, depth: usize) -> Result<CompletionQueue> {
-        let engine = ctx.device().create_cq(depth)?;
+        let list = Arc::new(Completions::with_capacity(depth.min(1 << 16)));
+        let engine = ctx.device().create_cq(depth, &list)?;
         Ok(CompletionQueue {
-            inner: Arc::new(CqInner {
-                ctx,
-                entries: Mutex::new(VecDeque::with_capacity(depth.min(1 << 16))),
-                engine,
-            }),
+            inner: Arc::new(CqInner { ctx, list, engine }),
         })
     }
 
@@ -65,21 +70,6 @@ impl CompletionQueue {
         &self.inner.engine
     }
 
-    /// One round of the transport's progress (the rdma queue pair drives its queues itself
-    /// while it waits for a bind or drains before closing).
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub(crate) fn drive(&self) -> Result<()> {
-        self.inner.engine.progress(&self.inner.entries)
-    }
-
-    pub(crate) fn push(&self, c: Completion) {
-        self.inner
-            .entries
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .push_back(c);
-    }
-
     /// Drives the bound queue pairs once and moves up to `out.len()` completions into `out`
     /// (`ibv_poll_cq`). Returns how many. Never blocks.
     ///
@@ -90,13 +80,8 @@ impl CompletionQueue {
         if out.is_empty() {
             return Ok(0);
         }
-        self.inner.engine.progress(&self.inner.entries)?;
-        let mut e = self.inner.entries.lock().unwrap_or_else(|p| p.into_inner());
-        let n = out.len().min(e.len());
-        for (slot, c) in out.iter_mut().zip(e.drain(..n)) {
-            *slot = c;
-        }
-        Ok(n)
+        self.inner.engine.progress()?;
+        Ok(self.inner.list.take_into(out))
     }
 
     /// Like [`poll`](Self::poll), but waits up to `timeout` (None: forever) for at least one
@@ -190,14 +175,8 @@ impl CompletionQueue {
             // Idle: block until a socket is ready (arming writability where output waits), or
             // the completion channel fires (rdma: armed, then polled once more, so that a
             // completion that came just before the arming is not slept through).
-            self.inner.engine.arm(&self.inner.entries)?;
-            if !self
-                .inner
-                .entries
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .is_empty()
-            {
+            self.inner.engine.arm()?;
+            if !self.inner.list.is_empty() {
                 continue;
             }
             let left = deadline.map(|d| d.saturating_duration_since(now));

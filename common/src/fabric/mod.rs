@@ -16,6 +16,11 @@
 //! (docs/fabric.md, "The transport seam"); options of one transport are in their own types
 //! ([`TcpParams`], [`TcpInfo`]).
 //!
+//! The files are in one-way layers (docs/fabric.md, "Layers"; `make lint` checks them):
+//! neutral data and errors (`types`, `wr`, `memory`, `params`, `error`, `url`, `counters`,
+//! `completions`, `wait`); each transport (`soft/`, `rdma/`) on those alone; the seam
+//! (`transport`); the public façade (`context`, `pd`, `mr`, `cq`, `qp`) on the seam.
+//!
 //! # Quick start
 //!
 //! ```
@@ -71,13 +76,18 @@
 //! # }
 //! ```
 
-mod context;
+// The neutral layer: plain data and errors, which every layer above may name.
+mod completions;
 mod counters;
-mod cq;
 mod error;
-mod mr;
-mod pd;
-mod qp;
+mod memory;
+mod params;
+mod types;
+mod url;
+mod wait;
+mod wr;
+
+// The transports, each on the neutral layer alone.
 #[cfg(feature = "rdma")]
 mod rdma;
 // The soft transport is the crate's own; the raw-frame tests reach its wire formats through
@@ -86,9 +96,15 @@ mod rdma;
 pub mod soft;
 #[cfg(not(feature = "wire-testing"))]
 mod soft;
+
+// The seam, which dispatches to the transports, and the public façade over it.
 mod transport;
-mod types;
-mod url;
+
+mod context;
+mod cq;
+mod mr;
+mod pd;
+mod qp;
 
 pub use context::Context;
 pub use counters::{
@@ -96,19 +112,14 @@ pub use counters::{
 };
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
 pub use error::{Error, Result};
-pub use mr::{
-    AlignedBuf, MemoryBacking, MemoryRegion, MemoryWindow, RegisteredMemory, Registration,
-};
+pub use memory::{AlignedBuf, MemoryBacking, RegisteredMemory, Registration};
+pub use mr::{MemoryRegion, MemoryWindow};
+pub use params::{ConnInfo, ConnParams, TcpInfo, TcpParams};
 pub use pd::ProtectionDomain;
-pub use qp::{
-    ConnInfo, ConnParams, ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair,
-    RequestProgress, TcpInfo, TcpParams,
-};
-pub use types::{
-    Access, Completion, FlushTarget, FlushType, QpCaps, QpState, RecvWr, RemoteAddr, SendFlags,
-    SendOp, SendWr, Sge, WcOpcode, WcStatus,
-};
+pub use qp::{ConnRequest, Incoming, Listener, PreparedQueuePair, QueuePair, RequestProgress};
+pub use types::{Access, Completion, QpCaps, QpState, SendFlags, WcOpcode, WcStatus};
 pub use url::{Scheme, Url};
+pub use wr::{FlushTarget, FlushType, RecvWr, RemoteAddr, SendOp, SendWr, Sge};
 
 #[cfg(feature = "rdma")]
 pub use rdma::{

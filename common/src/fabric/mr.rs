@@ -1,319 +1,22 @@
 //! Memory regions and windows: what peers may reach, under which rkey, with which rights.
+//! The memory itself, and what a registration grants, are the neutral layer's (`memory.rs`);
+//! the transport's part is behind the seam.
 
-use std::num::NonZeroUsize;
-use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
 use std::sync::Arc;
 
 use super::error::{Error, Result};
+use super::memory::{Grant, LocalRegion, RegisteredMemory};
 use super::pd::ProtectionDomain;
-use super::transport::{Grant, MrEngine, MwEngine, QpEngine};
-use super::types::{Access, RemoteAddr};
-use crate::pmem::Persist;
-use crate::volatile::VolatileSlice;
+use super::transport::{MrEngine, MwEngine, QpEngine};
+use super::types::{Access, DomainId};
+use super::wr::{RemoteAddr, Sge};
 
-/// Memory that can be registered with [`ProtectionDomain::register`].
-///
-/// # Safety
-/// An implementor promises that [`as_mut_ptr`](Self::as_mut_ptr) is valid for reads and writes
-/// of [`len`](Self::len) bytes, never changes, and stays valid for the object's lifetime; and
-/// that it never hands out Rust references into that memory which assume exclusive or unchanging
-/// access, because the fabric writes into it (placing a peer's Write, a Read response, an
-/// atomic) from whichever thread drives progress, through raw pointers (copy through a
-/// [`VolatileSlice`] rather than forming a reference).
-pub unsafe trait RegisteredMemory: Send + Sync + 'static {
-    /// Start of the memory.
-    fn as_mut_ptr(&self) -> *mut u8;
-    /// Length in bytes.
-    fn len(&self) -> usize;
-    /// Whether it is empty.
-    fn is_empty(&self) -> bool {
-        self.len() == 0
-    }
-    /// How ranges of it are made durable, if it is backed by a persistence domain. Offsets given
-    /// to it are from [`as_mut_ptr`](Self::as_mut_ptr).
-    fn persist(&self) -> Option<&dyn Persist> {
-        None
-    }
-    /// What kind of memory it is, for transports that pin memory for a NIC (`rdma`): fsdax and
-    /// page-cache files cannot be pinned long-term and need on-demand paging there.
-    fn backing(&self) -> MemoryBacking {
-        MemoryBacking::Ram
-    }
-}
-
-/// What backs registered memory, as far as pinning it for a NIC goes.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum MemoryBacking {
-    /// Anonymous memory, tmpfs, hugetlbfs: pinnable.
-    Ram,
-    /// A devdax character device: pinnable (its pages are never moved or written back).
-    DevDax,
-    /// A file on a DAX filesystem: the kernel refuses long-term pins of its pages.
-    FsDax,
-    /// A regular file in the page cache: long-term pins of writable file pages are refused
-    /// (Linux 6.5 and later) or break write-back.
-    PageCache,
-}
-
-/// How a device registers memory of one [`MemoryBacking`] ([`Context::registration`]).
-///
-/// [`Context::registration`]: crate::fabric::Context::registration
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum Registration {
-    /// The `tcp` transport: its userspace engine places into the memory itself; nothing is
-    /// registered with a NIC or pinned.
-    Engine,
-    /// Pinned for the NIC (`ibv_reg_mr`): counts against RLIMIT_MEMLOCK.
-    Pinned,
-    /// On-demand paging (`IBV_ACCESS_ON_DEMAND`): nothing is pinned, the NIC faults pages in.
-    OnDemand,
-}
-
-impl std::fmt::Display for Registration {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(match self {
-            Registration::Engine => "placed by the userspace engine (nothing pinned)",
-            Registration::Pinned => "pinned (counts against RLIMIT_MEMLOCK)",
-            Registration::OnDemand => "on-demand paging (ODP, nothing pinned)",
-        })
-    }
-}
-
-// SAFETY: a Mapping is a live mmap of `len()` bytes at a fixed address for its whole lifetime;
-// it gives access only through raw pointers, so concurrent placement by the fabric is sound.
-unsafe impl RegisteredMemory for crate::pmem::Mapping {
-    fn as_mut_ptr(&self) -> *mut u8 {
-        crate::pmem::Mapping::as_ptr(self)
-    }
-    fn len(&self) -> usize {
-        crate::pmem::Mapping::len(self)
-    }
-    fn persist(&self) -> Option<&dyn Persist> {
-        Some(self)
-    }
-    fn backing(&self) -> MemoryBacking {
-        use crate::pmem::Domain;
-        let chardev = self.backing_fd().is_some_and(|fd| {
-            nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).is_ok_and(|st| {
-                nix::sys::stat::SFlag::from_bits_truncate(st.st_mode)
-                    .contains(nix::sys::stat::SFlag::S_IFCHR)
-            })
-        });
-        match self.probed_domain() {
-            _ if chardev => MemoryBacking::DevDax,
-            Domain::Dax | Domain::DaxForced => MemoryBacking::FsDax,
-            Domain::PageCache => MemoryBacking::PageCache,
-            _ => MemoryBacking::Ram,
-        }
-    }
-}
-
-/// An owned, zeroed, page-aligned buffer to register: volatile memory for Read sinks, Recv
-/// buffers, atomic results or test targets.
-///
-/// The fabric writes into it from whichever thread drives progress while its owner may read
-/// it, so it hands out no reference to its bytes: the accessors copy through a
-/// [`VolatileSlice`] (bytes placed while they are being copied may come out torn, never
-/// anything worse), and the memory is an anonymous mapping of its own rather than a Rust heap
-/// allocation.
-pub struct AlignedBuf {
-    ptr: NonNull<u8>,
-    len: usize,
-}
-
-// SAFETY: the buffer is a private anonymous mapping owned by this value and unmapped only in
-// Drop; every access, from any thread, goes through raw-pointer copies or the kernel.
-unsafe impl Send for AlignedBuf {}
-// SAFETY: as for Send: no method hands out references into the buffer.
-unsafe impl Sync for AlignedBuf {}
-
-impl AlignedBuf {
-    /// A zeroed buffer of `len` bytes (at least 1), aligned to the page size (4096 or more).
-    ///
-    /// # Errors
-    /// [`Error::Register`] for a zero length, or when the kernel refuses the mapping (an
-    /// absurd length, no memory).
-    pub fn new(len: usize) -> Result<Arc<AlignedBuf>> {
-        let refuse = |reason| Error::Register {
-            addr: 0,
-            len,
-            reason,
-        };
-        let size = NonZeroUsize::new(len).ok_or(refuse("empty buffer"))?;
-        use nix::sys::mman::{mmap_anonymous, MapFlags, ProtFlags};
-        // SAFETY: a fresh private anonymous mapping at an address the kernel picks aliases no
-        // existing memory; the kernel zeroes it.
-        let ptr = unsafe {
-            mmap_anonymous(
-                None,
-                size,
-                ProtFlags::PROT_READ | ProtFlags::PROT_WRITE,
-                MapFlags::MAP_PRIVATE,
-            )
-        }
-        .map_err(|_| refuse("the kernel refused an anonymous mapping of this length"))?;
-        Ok(Arc::new(AlignedBuf {
-            ptr: ptr.cast(),
-            len,
-        }))
-    }
-
-    /// The whole buffer as a view for copies.
-    pub fn as_volatile(&self) -> VolatileSlice<'_> {
-        // SAFETY: the mapping is valid for reads and writes of `len` bytes until Drop, which the
-        // borrow of self outlasts; this type never hands out a reference to its bytes.
-        unsafe { VolatileSlice::new(self.ptr.as_ptr(), self.len) }
-    }
-
-    fn bounds(&self, offset: usize, len: usize) -> Error {
-        Error::LocalBounds {
-            offset,
-            len,
-            region_len: self.len,
-        }
-    }
-
-    /// Copies `out.len()` bytes at `offset` into `out`.
-    ///
-    /// # Errors
-    /// [`Error::LocalBounds`] if the range is outside the buffer.
-    pub fn read_at(&self, offset: usize, out: &mut [u8]) -> Result<()> {
-        self.as_volatile()
-            .read_at(offset, out)
-            .map_err(|_| self.bounds(offset, out.len()))
-    }
-
-    /// Copies `data` into the buffer at `offset`.
-    ///
-    /// # Errors
-    /// [`Error::LocalBounds`] if the range is outside the buffer.
-    pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
-        self.as_volatile()
-            .write_at(offset, data)
-            .map_err(|_| self.bounds(offset, data.len()))
-    }
-
-    /// The whole buffer, copied.
-    pub fn to_vec(&self) -> Vec<u8> {
-        let mut v = vec![0; self.len];
-        // Cannot fail: the range is the whole buffer.
-        let _ = self.read_at(0, &mut v);
-        v
-    }
-
-    /// The native-endian u64 at `offset` (8-byte aligned offsets read in one access).
-    ///
-    /// # Errors
-    /// [`Error::LocalBounds`] if the range is outside the buffer.
-    pub fn read_u64(&self, offset: usize) -> Result<u64> {
-        let mut b = [0u8; 8];
-        self.read_at(offset, &mut b)?;
-        Ok(u64::from_ne_bytes(b))
-    }
-}
-
-impl Drop for AlignedBuf {
-    fn drop(&mut self) {
-        // SAFETY: ptr/len are the mapping made in `new`, unmapped only here; the fabric holds an
-        // Arc of this buffer for as long as it may place into it.
-        let _ = unsafe { nix::sys::mman::munmap(self.ptr.cast(), self.len) };
-    }
-}
-
-impl std::fmt::Debug for AlignedBuf {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("AlignedBuf")
-            .field("ptr", &self.ptr)
-            .field("len", &self.len)
-            .finish()
-    }
-}
-
-// SAFETY: ptr/len describe the live mapping owned by self; access is by raw pointer only.
-unsafe impl RegisteredMemory for AlignedBuf {
-    fn as_mut_ptr(&self) -> *mut u8 {
-        self.ptr.as_ptr()
-    }
-    fn len(&self) -> usize {
-        self.len
-    }
-}
-
-pub(crate) enum Backing {
-    Owned(Arc<dyn RegisteredMemory>),
-    Raw { addr: *mut u8, len: usize },
-}
-
-/// Registered memory as the engine sees it: a fixed address range kept alive by `keep`.
-pub(crate) struct Region {
-    addr: *mut u8,
-    len: usize,
-    keep: Option<Arc<dyn RegisteredMemory>>,
-}
-
-// SAFETY: the range is kept alive by `keep` (or by the register_raw contract) and is only ever
-// accessed through raw pointers and atomics, from any thread.
-unsafe impl Send for Region {}
-// SAFETY: as for Send.
-unsafe impl Sync for Region {}
-
-impl Region {
-    pub(crate) fn new(backing: Backing) -> Result<Region> {
-        let (addr, len, keep) = match backing {
-            Backing::Owned(m) => (m.as_mut_ptr(), m.len(), Some(m)),
-            Backing::Raw { addr, len } => (addr, len, None),
-        };
-        if addr.is_null() || len == 0 {
-            return Err(Error::Register {
-                addr: addr as usize,
-                len,
-                reason: "null or empty range",
-            });
-        }
-        if (addr as usize).checked_add(len).is_none() {
-            return Err(Error::Register {
-                addr: addr as usize,
-                len,
-                reason: "range wraps",
-            });
-        }
-        Ok(Region { addr, len, keep })
-    }
-
-    #[cfg(test)]
-    pub(crate) fn for_test(backing: Backing) -> Region {
-        Region::new(backing).expect("test memory")
-    }
-
-    pub(crate) fn addr(&self) -> *mut u8 {
-        self.addr
-    }
-
-    /// The `len` bytes at `offset`, for copies and iovecs. None if they are not all inside.
-    pub(crate) fn slice(&self, offset: usize, len: usize) -> Option<VolatileSlice<'_>> {
-        // SAFETY: the range is kept alive by `keep` (or by the register_raw contract) for at
-        // least as long as this Region, and registered memory is never covered by a Rust
-        // reference (the RegisteredMemory and register_raw contracts).
-        let whole = unsafe { VolatileSlice::new(self.addr, self.len) };
-        whole.subslice(offset, len).ok()
-    }
-
-    /// The memory's persistence, if any (offsets from the region's start).
-    pub(crate) fn persist(&self) -> Option<&dyn Persist> {
-        self.keep.as_ref().and_then(|m| m.persist())
-    }
-
-    /// What backs it; raw registrations count as RAM (the caller's memory, pinnable).
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub(crate) fn backing(&self) -> MemoryBacking {
-        self.keep
-            .as_ref()
-            .map_or(MemoryBacking::Ram, |m| m.backing())
-    }
-}
+// soft/outbound.rs and soft/placement/dirty.rs (and their tests) still name these by this
+// path: the issue-23 branch changes those files, so they move to `memory` once it has merged.
+#[cfg(test)]
+pub(crate) use super::memory::AlignedBuf;
+pub(crate) use super::memory::{Backing, Region};
 
 /// A registered memory region (`ibv_mr`). Dropping the last `Arc` deregisters it and
 /// invalidates every memory window bound to it; the fabric holds an `Arc` per outstanding work
@@ -331,11 +34,64 @@ pub struct MemoryRegion {
 impl std::fmt::Debug for MemoryRegion {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("MemoryRegion")
-            .field("addr", &self.region.addr)
-            .field("len", &self.region.len)
+            .field("addr", &self.region.addr())
+            .field("len", &self.region.len())
             .field("rkey", &format_args!("{:#x}", self.engine.rkey()))
             .field("access", &self.access)
             .finish()
+    }
+}
+
+impl ProtectionDomain {
+    /// Registers `mem` (`ibv_reg_mr`): the region keeps `mem` alive, and remembers its
+    /// [`Persist`](crate::pmem::Persist) so that the responder can make remote writes durable.
+    ///
+    /// # Errors
+    /// [`Error::InvalidAccess`] for flags that need [`Access::LOCAL_WRITE`] without it,
+    /// [`Error::Register`] for empty memory (and on `rdma` for memory the device cannot
+    /// register: fsdax or page-cache files without on-demand paging), [`Error::Exhausted`] when
+    /// no STag is left, [`Error::Verbs`] when the device refuses the registration.
+    pub fn register<M: RegisteredMemory>(
+        &self,
+        mem: Arc<M>,
+        access: Access,
+    ) -> Result<Arc<MemoryRegion>> {
+        register(self, Backing::Owned(mem), access)
+    }
+
+    /// Registers raw memory (`ibv_reg_mr` on a pointer).
+    ///
+    /// # Safety
+    /// `addr` must be valid for reads and writes of `len` bytes, and stay so — not freed, not
+    /// unmapped, not moved — until the returned region and every work request that uses it are
+    /// gone (the fabric keeps an `Arc` of the region per outstanding request). Dropping the
+    /// region's last `Arc` revokes its rkey and the rkeys of every memory window bound to it
+    /// (they are refused with a remote access error from then on); a peer's Write FPDU already
+    /// being placed when it is dropped holds the region until that FPDU is in, so the memory
+    /// must also stay valid until the queue pairs that could be placing into it have made
+    /// progress past that FPDU (or are gone). Peers with the rkey write into it at any time
+    /// from the thread that drives progress: no Rust reference that assumes exclusive or
+    /// unchanging access may exist to it meanwhile.
+    ///
+    /// # Errors
+    /// As [`ProtectionDomain::register`].
+    pub unsafe fn register_raw(
+        &self,
+        addr: *mut u8,
+        len: usize,
+        access: Access,
+    ) -> Result<Arc<MemoryRegion>> {
+        register(self, Backing::Raw { addr, len }, access)
+    }
+
+    /// Allocates a memory window (type 2: bound to one queue pair by
+    /// [`QueuePair::bind_mw`](super::QueuePair::bind_mw)).
+    ///
+    /// # Errors
+    /// [`Error::Exhausted`] when no STag is left; on `rdma`, [`Error::MemoryWindow`] when the
+    /// device has no type-2 windows, [`Error::Verbs`] when it refuses one.
+    pub fn alloc_mw(&self) -> Result<MemoryWindow> {
+        MemoryWindow::new(self)
     }
 }
 
@@ -350,24 +106,19 @@ pub(crate) fn check_access(access: Access) -> Result<()> {
     Ok(())
 }
 
-pub(crate) fn register(
-    pd: &ProtectionDomain,
-    backing: Backing,
-    access: Access,
-) -> Result<Arc<MemoryRegion>> {
+fn register(pd: &ProtectionDomain, backing: Backing, access: Access) -> Result<Arc<MemoryRegion>> {
     check_access(access)?;
     let region = Arc::new(Region::new(backing)?);
-    let (addr, len) = (region.addr, region.len);
-    let engine = pd.context().device().register_mr(Grant {
+    let (addr, len) = (region.addr(), region.len());
+    let grant = Grant {
         region: &region,
         base: addr as u64,
         len: len as u64,
         offset: 0,
         access,
         pd: pd.inner.id,
-        pd_engine: &pd.inner.engine,
-        mr_engine: None,
-    })?;
+    };
+    let engine = pd.context().device().register_mr(&pd.inner.engine, grant)?;
     Ok(Arc::new(MemoryRegion {
         engine,
         region,
@@ -379,22 +130,22 @@ pub(crate) fn register(
 impl MemoryRegion {
     /// The start address: the peer names bytes of this region as `addr() + offset`.
     pub fn addr(&self) -> u64 {
-        self.region.addr as u64
+        self.region.addr() as u64
     }
 
     /// The start as a pointer.
     pub fn as_mut_ptr(&self) -> *mut u8 {
-        self.region.addr
+        self.region.addr()
     }
 
     /// Length in bytes.
     pub fn len(&self) -> usize {
-        self.region.len
+        self.region.len()
     }
 
     /// Whether it is empty (never: registration refuses empty memory).
     pub fn is_empty(&self) -> bool {
-        self.region.len == 0
+        self.region.len() == 0
     }
 
     /// The local key. On the soft transport it equals the rkey.
@@ -424,29 +175,46 @@ impl MemoryRegion {
             rkey: self.engine.rkey(),
         }
     }
+}
 
+impl MemoryRegion {
+    /// The registered memory (the soft transport's tests reach it so).
+    #[cfg_attr(not(test), allow(dead_code))]
     pub(crate) fn region(&self) -> &Arc<Region> {
         &self.region
     }
+}
 
-    pub(crate) fn check_local(&self, offset: usize, len: usize, needed: Access) -> Result<()> {
-        match offset.checked_add(len) {
-            Some(end) if end <= self.region.len => {}
-            _ => {
-                return Err(Error::LocalBounds {
-                    offset,
-                    len,
-                    region_len: self.region.len,
-                })
-            }
+impl LocalRegion for MemoryRegion {
+    fn memory(&self) -> &Arc<Region> {
+        &self.region
+    }
+    fn lkey(&self) -> u32 {
+        self.engine.lkey()
+    }
+    fn access(&self) -> Access {
+        self.access
+    }
+    fn domain(&self) -> DomainId {
+        self.pd.domain()
+    }
+}
+
+// The constructors of the neutral `Sge` live with the region they take: below the façade, an
+// `Sge` knows its region only as a `LocalRegion`.
+impl Sge {
+    /// A range of `mr`; bounds are checked when the request is posted.
+    pub fn new(mr: &Arc<MemoryRegion>, offset: usize, len: usize) -> Sge {
+        Sge {
+            mr: Arc::clone(mr) as Arc<dyn LocalRegion>,
+            offset,
+            len,
         }
-        if !self.access.contains(needed) {
-            return Err(Error::LocalAccess {
-                needed,
-                has: self.access,
-            });
-        }
-        Ok(())
+    }
+
+    /// The whole region.
+    pub fn whole(mr: &Arc<MemoryRegion>) -> Sge {
+        Sge::new(mr, 0, mr.len())
     }
 }
 
@@ -542,14 +310,12 @@ impl MemoryWindow {
             offset: offset as u64,
             access,
             pd: self.pd.inner.id,
-            pd_engine: &self.pd.inner.engine,
-            mr_engine: Some(&mr.engine),
         };
-        let rkey = self
-            .pd
-            .context()
-            .device()
-            .bind_mw(&self.engine, self.rkey(), qp, grant)?;
+        let rkey =
+            self.pd
+                .context()
+                .device()
+                .bind_mw(&self.engine, self.rkey(), qp, &mr.engine, grant)?;
         self.rkey.store(rkey, Ordering::Release);
         Ok(rkey)
     }

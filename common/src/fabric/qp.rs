@@ -9,115 +9,66 @@
 use std::net::SocketAddr;
 use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::Arc;
-use std::time::Duration;
 
+use super::context::Context;
+use super::counters::ResponderCounters;
 use super::cq::CompletionQueue;
 use super::error::{Error, Result};
 use super::mr::{MemoryRegion, MemoryWindow};
+use super::params::{ConnInfo, ConnParams};
 use super::pd::ProtectionDomain;
-use super::soft::conn;
 use super::transport::{IncomingEngine, IncomingProgress, ListenEngine, PendingEngine, QpEngine};
-use super::types::{Access, QpCaps, QpState, RecvWr, SendWr};
+use super::types::{Access, QpCaps, QpState};
 use super::url::Url;
-use super::Context;
+use super::wr::{RecvWr, SendWr};
 
-/// Connection parameters: what this side offers when connecting or accepting. Those of one
-/// transport are in its own part ([`ConnParams::tcp`]); the others mean the same on every
-/// transport.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConnParams {
-    /// Inbound Read/Atomic/Flush requests this side serves at once (IRD).
-    pub ird: u16,
-    /// Outbound Read/Atomic/Flush requests this side keeps in flight (ORD); lowered to the
-    /// peer's IRD when the connection is made.
-    pub ord: u16,
-    /// Largest message (Write, Read, Send) this side posts or serves; a peer's Read Request for
-    /// more is answered with a Terminate.
-    pub max_message: usize,
-    /// How long a connect or accept may take.
-    pub timeout: Duration,
-    /// What the `tcp` transport offers in the MPA exchange (ignored by other transports).
-    pub tcp: TcpParams,
+/// A queue pair's parts: the transport's, and the objects it was made from, which it keeps
+/// alive (a verbs queue pair keeps its domain and completion queues).
+pub(crate) struct QpParts {
+    pub(crate) engine: QpEngine,
+    pd: ProtectionDomain,
+    _send_cq: CompletionQueue,
+    _recv_cq: CompletionQueue,
 }
 
-impl Default for ConnParams {
-    fn default() -> Self {
-        ConnParams {
-            ird: 16,
-            ord: 16,
-            max_message: 1 << 30,
-            timeout: Duration::from_secs(10),
-            tcp: TcpParams::default(),
+impl ProtectionDomain {
+    /// Creates a reliable-connected queue pair in state Init (`ibv_create_qp`): receives may be
+    /// posted; [`PreparedQueuePair::connect`] or
+    /// [`ConnRequest::accept`](super::ConnRequest::accept) bring it to RTS.
+    ///
+    /// # Errors
+    /// [`Error::WrongDomain`] if a completion queue belongs to another context,
+    /// [`Error::InvalidWorkRequest`] for zero queue sizes; on `rdma`, [`Error::Exhausted`] when
+    /// the device's queue or completion queue limits are passed, [`Error::Verbs`].
+    pub fn create_qp(
+        &self,
+        send_cq: &CompletionQueue,
+        recv_cq: &CompletionQueue,
+        caps: QpCaps,
+    ) -> Result<PreparedQueuePair> {
+        if !send_cq.context().same(&self.inner.ctx) || !recv_cq.context().same(&self.inner.ctx) {
+            return Err(Error::WrongDomain {
+                what: "completion queue",
+            });
         }
-    }
-}
-
-/// The `tcp` transport's connection parameters: its MPA knobs.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TcpParams {
-    /// Ask for MPA CRC32c (on by default). CRC is used if either side asks.
-    pub crc: bool,
-    /// Largest ULPDU (DDP header + payload) this side sends in one FPDU; longer messages are
-    /// segmented. 128..=65535; 65535 by default. The engine also keeps every FPDU within one
-    /// TCP segment of the connection (RFC 5044's MULPDU, from the socket's MSS): about 1442
-    /// on a 1500-byte MTU, about 32 KiB on loopback.
-    pub max_ulpdu: usize,
-}
-
-impl TcpParams {
-    /// The most private data a connect or accept may carry on this transport (the MPA frame's
-    /// room less this project's capability block).
-    pub const MAX_PRIVATE_DATA: usize = conn::MAX_PRIVATE_DATA;
-}
-
-impl Default for TcpParams {
-    fn default() -> Self {
-        TcpParams {
-            crc: true,
-            max_ulpdu: conn::MAX_ULPDU_LIMIT,
+        if caps.max_send_wr == 0 || caps.max_recv_wr == 0 {
+            return Err(Error::InvalidWorkRequest {
+                reason: "queue sizes must be at least 1",
+            });
         }
+        PreparedQueuePair::new(self.clone(), send_cq.clone(), recv_cq.clone(), caps)
     }
-}
-
-/// What was agreed when the connection was made.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct ConnInfo {
-    /// Inbound requests this side serves at once.
-    pub ird: u16,
-    /// Outbound requests this side keeps in flight.
-    pub ord: u16,
-    /// The peer understands Flush (RDMA Flush: the private opcode on `tcp`).
-    pub peer_flush: bool,
-    /// The peer understands Atomic Write (the private opcode on `tcp`).
-    pub peer_atomic_write: bool,
-    /// The peer understands RFC 7306 atomics.
-    pub peer_atomics: bool,
-    /// The application private data the peer sent.
-    pub peer_private_data: Vec<u8>,
-    /// The local socket address.
-    pub local_addr: SocketAddr,
-    /// The peer's socket address.
-    pub peer_addr: SocketAddr,
-    /// What the `tcp` transport agreed in the MPA exchange (`None` on other transports).
-    pub tcp: Option<TcpInfo>,
-}
-
-/// What the `tcp` transport agreed in the MPA exchange.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct TcpInfo {
-    /// Whether FPDUs carry CRC32c.
-    pub crc: bool,
 }
 
 /// A queue pair that is not connected yet (state Init).
 pub struct PreparedQueuePair {
-    pub(crate) inner: QpEngine,
+    inner: QpParts,
 }
 
 impl std::fmt::Debug for PreparedQueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("PreparedQueuePair")
-            .field("qp_num", &self.inner.num())
+            .field("qp_num", &self.inner.engine.num())
             .finish()
     }
 }
@@ -130,15 +81,27 @@ impl PreparedQueuePair {
         caps: QpCaps,
     ) -> Result<PreparedQueuePair> {
         let num = pd.context().next_qp_num();
-        let device = pd.context().clone();
+        let engine = pd.context().device().create_qp(
+            num,
+            pd.domain(),
+            &pd.inner.engine,
+            send_cq.engine(),
+            recv_cq.engine(),
+            caps,
+        )?;
         Ok(PreparedQueuePair {
-            inner: device.device().create_qp(num, pd, send_cq, recv_cq, caps)?,
+            inner: QpParts {
+                engine,
+                pd,
+                _send_cq: send_cq,
+                _recv_cq: recv_cq,
+            },
         })
     }
 
     /// The queue pair number.
     pub fn qp_num(&self) -> u32 {
-        self.inner.num()
+        self.inner.engine.num()
     }
 
     /// Posts a receive before the connection exists, so that the peer's first Send finds it
@@ -147,7 +110,7 @@ impl PreparedQueuePair {
     /// # Errors
     /// As [`QueuePair::post_recv`].
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        self.inner.post_recv(wr)
+        self.inner.engine.post_recv(wr)
     }
 
     /// Connects to a listener at `url` (rdma_connect): on `tcp`, TCP connect and the MPA
@@ -159,9 +122,11 @@ impl PreparedQueuePair {
     /// [`Error::TransportUnavailable`] for `rdma://` in a build without the `rdma` feature,
     /// [`Error::BadUrl`] for a URL of another transport than the queue pair's,
     /// [`Error::Socket`], [`Error::Handshake`], [`Error::Rejected`], [`Error::Verbs`].
+    ///
+    /// [`TcpParams::MAX_PRIVATE_DATA`]: super::TcpParams::MAX_PRIVATE_DATA
     pub fn connect(self, url: &Url, params: &ConnParams, private_data: &[u8]) -> Result<QueuePair> {
-        self.inner.pd().context().device().check_scheme(url)?;
-        self.inner.connect(url, params, private_data)?;
+        self.inner.pd.context().device().check_scheme(url)?;
+        self.inner.engine.connect(url, params, private_data)?;
         Ok(QueuePair { inner: self.inner })
     }
 }
@@ -169,14 +134,14 @@ impl PreparedQueuePair {
 /// A connected reliable queue pair (`ibv_qp` of type RC), in RTS until an error moves it to
 /// Error. Dropping it closes the connection; the peer's queue pair goes to Error.
 pub struct QueuePair {
-    inner: QpEngine,
+    inner: QpParts,
 }
 
 impl std::fmt::Debug for QueuePair {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("QueuePair")
-            .field("qp_num", &self.inner.num())
-            .field("state", &self.inner.state())
+            .field("qp_num", &self.inner.engine.num())
+            .field("state", &self.inner.engine.state())
             .finish()
     }
 }
@@ -184,23 +149,23 @@ impl std::fmt::Debug for QueuePair {
 impl QueuePair {
     /// The queue pair number (the `qp_num` of its completions).
     pub fn qp_num(&self) -> u32 {
-        self.inner.num()
+        self.inner.engine.num()
     }
 
     /// The current state: RTS, or Error after a fatal error.
     pub fn state(&self) -> QpState {
-        self.inner.state()
+        self.inner.engine.state()
     }
 
     /// What was agreed when connecting.
     pub fn info(&self) -> ConnInfo {
-        self.inner.info()
+        self.inner.engine.info()
     }
 
     /// Why the queue pair went to Error, if it did (a received or sent Terminate, a closed
     /// connection, a local move to Error).
     pub fn error(&self) -> Option<String> {
-        self.inner.error()
+        self.inner.engine.error()
     }
 
     /// Posts a send-queue work request (`ibv_post_send`). It starts at once if the send queue
@@ -223,7 +188,7 @@ impl QueuePair {
     /// `max_message`), [`Error::PeerUnsupported`] (Flush, Atomic Write or atomics to a peer
     /// that did not advertise them).
     pub fn post_send(&self, wr: SendWr) -> Result<()> {
-        self.inner.post_send(wr)
+        self.inner.engine.post_send(wr)
     }
 
     /// Posts several send-queue work requests at once, like `ibv_post_send` with a chained
@@ -239,7 +204,7 @@ impl QueuePair {
     /// [`Error::QueueFull`] if the send queue has no room for all of them.
     pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
         let mut list: Vec<Option<SendWr>> = wrs.into_iter().map(Some).collect();
-        self.inner.post_sends(&mut list)
+        self.inner.engine.post_sends(&mut list)
     }
 
     /// Posts a receive (`ibv_post_recv`). Same buffer ownership as
@@ -249,7 +214,7 @@ impl QueuePair {
     /// [`Error::InvalidState`] in Error, [`Error::QueueFull`], [`Error::LocalBounds`],
     /// [`Error::LocalAccess`] (the buffer lacks [`Access::LOCAL_WRITE`]), [`Error::WrongDomain`].
     pub fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        self.inner.post_recv(wr)
+        self.inner.engine.post_recv(wr)
     }
 
     /// Binds `mw` to `len` bytes at `offset` of `mr` with the remote rights `access`, for this
@@ -269,21 +234,21 @@ impl QueuePair {
         len: usize,
         access: Access,
     ) -> Result<u32> {
-        self.inner.check_rts("bind_mw")?;
+        self.inner.engine.check_rts("bind_mw")?;
         // The window's domain is the region's (`MemoryWindow::bind` checks that): a rkey bound
         // here would otherwise serve a queue pair of another domain.
-        if !self.inner.pd().same(mr.pd()) {
+        if !self.inner.pd.same(mr.pd()) {
             return Err(Error::WrongDomain {
                 what: "the queue pair binding the window",
             });
         }
-        mw.bind(&self.inner, mr, offset, len, access)
+        mw.bind(&self.inner.engine, mr, offset, len, access)
     }
 
     /// Moves the queue pair to Error (`ibv_modify_qp` to ERR): the connection is closed and
     /// every outstanding request is completed with `WrFlush`.
     pub fn to_error(&self) {
-        self.inner.to_error("moved to Error locally");
+        self.inner.engine.to_error("moved to Error locally");
     }
 
     /// What this queue pair served as the responder (Writes placed, Reads answered, atomics,
@@ -291,14 +256,14 @@ impl QueuePair {
     /// serves remote requests in software: `tcp` does; `rdma` (an RNIC) gives None. The handle
     /// stays readable after the queue pair is dropped. Counting takes no lock and no shared
     /// atomic on the data path ([`ResponderCounters`](super::ResponderCounters)).
-    pub fn responder_counters(&self) -> Option<super::ResponderCounters> {
-        self.inner.responder_counters()
+    pub fn responder_counters(&self) -> Option<ResponderCounters> {
+        self.inner.engine.responder_counters()
     }
 }
 
 impl Drop for QueuePair {
     fn drop(&mut self) {
-        self.inner.close();
+        self.inner.engine.close();
     }
 }
 
@@ -483,13 +448,13 @@ impl ConnRequest {
         params: &ConnParams,
         private_data: &[u8],
     ) -> Result<QueuePair> {
-        if !qp.inner.pd().context().same(&self.ctx) {
+        if !qp.inner.pd.context().same(&self.ctx) {
             return Err(Error::WrongDomain { what: "queue pair" });
         }
         let pending = self.pending.take().ok_or(Error::InvalidWorkRequest {
             reason: "connection request already answered",
         })?;
-        qp.inner.accept(pending, params, private_data)?;
+        qp.inner.engine.accept(pending, params, private_data)?;
         Ok(QueuePair { inner: qp.inner })
     }
 

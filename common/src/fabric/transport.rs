@@ -8,68 +8,38 @@
 //! object made from it gets the same variant, so a transport's code only ever meets its own
 //! objects.
 //!
-//! A transport slots in as a module beside `soft` (`rdma` behind its cargo feature) and one
-//! variant per enum here; nothing above the fabric changes.
+//! The seam is the only file that names the transports: it matches the variants of the
+//! objects that meet (a queue pair and its completion queues, a window and its region) and
+//! hands each transport its own parts and neutral data (a `DomainId`, a `Grant`, a completion
+//! list), never a public object. Objects of two transports meeting are refused with
+//! `Error::WrongDomain`. A transport slots in as a module beside `soft` (`rdma` behind its
+//! cargo feature) and one variant per enum here; nothing above the fabric changes.
 
 use std::net::SocketAddr;
 use std::os::fd::BorrowedFd;
 use std::sync::Arc;
 use std::time::Duration;
 
-use std::collections::VecDeque;
-use std::sync::Mutex;
-
-use super::cq::CompletionQueue;
+use super::completions::Completions;
+use super::counters::ResponderCounters;
 use super::error::{Error, Result};
-use super::mr::{MemoryBacking, Region, Registration};
-use super::pd::ProtectionDomain;
-use super::qp::{ConnInfo, ConnParams};
+use super::memory::{Grant, MemoryBacking, Registration};
+use super::params::{ConnInfo, ConnParams};
 #[cfg(feature = "rdma")]
 use super::rdma;
 use super::soft::conn;
 use super::soft::cq::SoftCq;
 use super::soft::device::{StagEntry, StagKind, StagTable};
-use super::soft::poll::Ready;
 use super::soft::qp::SoftQp;
-use super::types::{Access, Completion, QpCaps, QpState, RecvWr, SendWr};
+use super::types::{Access, DomainId, QpCaps, QpState};
 use super::url::{Scheme, Url};
-
-/// What a memory registration or a window binding grants, whatever the transport.
-pub(crate) struct Grant<'a> {
-    pub(crate) region: &'a Arc<Region>,
-    /// The address a peer names the first byte by.
-    pub(crate) base: u64,
-    pub(crate) len: u64,
-    /// Where `base` is in the region.
-    pub(crate) offset: u64,
-    pub(crate) access: Access,
-    pub(crate) pd: u32,
-    /// The domain's transport part (the `ibv_pd` a verbs registration is made in).
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub(crate) pd_engine: &'a PdEngine,
-    /// For a window binding: the region's transport part.
-    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
-    pub(crate) mr_engine: Option<&'a MrEngine>,
-}
-
-impl Grant<'_> {
-    fn soft(&self, kind: StagKind) -> StagEntry {
-        StagEntry {
-            region: Arc::clone(self.region),
-            base: self.base,
-            len: self.len,
-            offset: self.offset,
-            access: self.access,
-            pd: self.pd,
-            kind,
-        }
-    }
-}
+use super::wait::Ready;
+use super::wr::{RecvWr, SendWr};
 
 /// An open device.
 pub(crate) enum Device {
-    /// `tcp`: the soft device is its STag table.
-    Soft(StagTable),
+    /// `tcp`: the soft device is its STag table, which its queue pairs share.
+    Soft(Arc<StagTable>),
     /// `rdma`: a verbs device (its `ibv_context`, shared with librdmacm).
     #[cfg(feature = "rdma")]
     Rdma(rdma::Device),
@@ -120,18 +90,35 @@ pub(crate) enum MwEngine {
     Rdma(rdma::Mw),
 }
 
-/// The empty STag table an rdma device answers `stags` with: only the soft engine asks, and it
-/// only ever runs on objects of a soft device.
+/// The error for objects of two transports (or two devices) meeting.
 #[cfg(feature = "rdma")]
-fn no_stags() -> &'static StagTable {
-    static EMPTY: std::sync::OnceLock<StagTable> = std::sync::OnceLock::new();
-    EMPTY.get_or_init(StagTable::new)
+fn wrong(what: &'static str) -> Error {
+    Error::WrongDomain { what }
 }
 
 impl Device {
     /// A fresh soft device.
     pub(crate) fn soft() -> Device {
-        Device::Soft(StagTable::new())
+        Device::Soft(Arc::new(StagTable::new()))
+    }
+
+    /// The device that serves `url`'s transport (see `Context::for_url`).
+    pub(crate) fn for_url(url: &Url) -> Result<Device> {
+        match url.scheme {
+            Scheme::Tcp => Ok(Device::soft()),
+            #[cfg(feature = "rdma")]
+            Scheme::Rdma => Ok(Device::Rdma(rdma::Device::for_url(url)?)),
+            #[cfg(not(feature = "rdma"))]
+            Scheme::Rdma => Err(Error::TransportUnavailable {
+                scheme: "rdma".into(),
+            }),
+        }
+    }
+
+    /// The RDMA device named `name`.
+    #[cfg(feature = "rdma")]
+    pub(crate) fn rdma_by_name(name: &str) -> Result<Device> {
+        Ok(Device::Rdma(rdma::Device::by_name(name)?))
     }
 
     /// The transport's name, for `Debug`.
@@ -191,16 +178,6 @@ impl Device {
         }
     }
 
-    /// The soft device's STag table: only the soft engine calls this, and it runs only on
-    /// objects of a soft device.
-    pub(crate) fn stags(&self) -> &StagTable {
-        match self {
-            Device::Soft(t) => t,
-            #[cfg(feature = "rdma")]
-            Device::Rdma(_) => no_stags(),
-        }
-    }
-
     /// A protection domain's transport part.
     pub(crate) fn alloc_pd(&self) -> Result<PdEngine> {
         match self {
@@ -210,53 +187,52 @@ impl Device {
         }
     }
 
-    /// Registers a memory region.
-    pub(crate) fn register_mr(&self, g: Grant<'_>) -> Result<MrEngine> {
-        match (self, g.pd_engine) {
-            (Device::Soft(t), _) => Ok(MrEngine::Soft {
-                key: t.insert(g.soft(StagKind::Mr))?,
+    /// Registers a memory region in domain `pd`.
+    pub(crate) fn register_mr(&self, pd: &PdEngine, g: Grant<'_>) -> Result<MrEngine> {
+        match (self, pd) {
+            (Device::Soft(t), PdEngine::Soft) => Ok(MrEngine::Soft {
+                key: t.insert(StagEntry::granted(&g, StagKind::Mr))?,
             }),
             #[cfg(feature = "rdma")]
             (Device::Rdma(d), PdEngine::Rdma(pd)) => Ok(MrEngine::Rdma(d.register_mr(pd, &g)?)),
             #[cfg(feature = "rdma")]
-            (Device::Rdma(_), PdEngine::Soft) => Err(Error::WrongDomain {
-                what: "protection domain",
-            }),
+            _ => Err(wrong("protection domain")),
         }
     }
 
     /// Allocates an unbound memory window: its key and transport part.
     pub(crate) fn alloc_mw(&self, pd: &PdEngine) -> Result<(u32, MwEngine)> {
         match (self, pd) {
-            (Device::Soft(t), _) => Ok((t.reserve()?, MwEngine::Soft)),
+            (Device::Soft(t), PdEngine::Soft) => Ok((t.reserve()?, MwEngine::Soft)),
             #[cfg(feature = "rdma")]
             (Device::Rdma(d), PdEngine::Rdma(pd)) => {
                 let mw = d.alloc_mw(pd)?;
                 Ok((mw.rkey(), MwEngine::Rdma(mw)))
             }
             #[cfg(feature = "rdma")]
-            (Device::Rdma(_), PdEngine::Soft) => Err(Error::WrongDomain {
-                what: "protection domain",
-            }),
+            _ => Err(wrong("protection domain")),
         }
     }
 
-    /// Binds window `rkey` for queue pair `qp`; returns the new rkey.
+    /// Binds window `rkey` to region `mr` for queue pair `qp`; returns the new rkey.
     pub(crate) fn bind_mw(
         &self,
         mw: &MwEngine,
         rkey: u32,
         qp: &QpEngine,
+        mr: &MrEngine,
         g: Grant<'_>,
     ) -> Result<u32> {
-        match (self, mw, qp) {
-            (Device::Soft(t), _, q) => t.rebind(rkey, g.soft(StagKind::Mw { qp: q.num() })),
+        match (self, mw, qp, mr) {
+            (Device::Soft(t), MwEngine::Soft, q, MrEngine::Soft { .. }) => {
+                t.rebind(rkey, StagEntry::granted(&g, StagKind::Mw { qp: q.num() }))
+            }
             #[cfg(feature = "rdma")]
-            (Device::Rdma(_), MwEngine::Rdma(w), QpEngine::Rdma(q)) => w.bind(q, &g),
+            (Device::Rdma(_), MwEngine::Rdma(w), QpEngine::Rdma(q), MrEngine::Rdma(m)) => {
+                q.bind_mw(w, m, &g)
+            }
             #[cfg(feature = "rdma")]
-            _ => Err(Error::WrongDomain {
-                what: "memory window",
-            }),
+            _ => Err(wrong("memory window")),
         }
     }
 
@@ -293,31 +269,50 @@ impl Device {
         }
     }
 
-    /// A completion queue's transport part, sized for `depth` completions.
-    pub(crate) fn create_cq(&self, depth: usize) -> Result<CqEngine> {
+    /// A completion queue's transport part, sized for `depth` completions, which it pushes
+    /// into `list`.
+    pub(crate) fn create_cq(&self, depth: usize, list: &Arc<Completions>) -> Result<CqEngine> {
         match self {
             Device::Soft(_) => {
                 let _ = depth; // the soft queue grows as needed
-                Ok(CqEngine::Soft(SoftCq::new()?))
+                Ok(CqEngine::Soft(Arc::new(SoftCq::new(Arc::clone(list))?)))
             }
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => Ok(CqEngine::Rdma(d.create_cq(depth)?)),
+            Device::Rdma(d) => Ok(CqEngine::Rdma(Arc::new(
+                d.create_cq(depth, Arc::clone(list))?,
+            ))),
         }
     }
 
-    /// A queue pair's transport part, in Init.
+    /// A queue pair's transport part, in Init, in domain `pd` (`domain`), completing into
+    /// `send` and `recv`.
     pub(crate) fn create_qp(
         &self,
         num: u32,
-        pd: ProtectionDomain,
-        send_cq: CompletionQueue,
-        recv_cq: CompletionQueue,
+        domain: DomainId,
+        pd: &PdEngine,
+        send: &CqEngine,
+        recv: &CqEngine,
         caps: QpCaps,
     ) -> Result<QpEngine> {
-        match self {
-            Device::Soft(_) => Ok(QpEngine::Soft(SoftQp::new(num, pd, send_cq, recv_cq, caps))),
+        match (self, pd, send, recv) {
+            (Device::Soft(t), PdEngine::Soft, CqEngine::Soft(s), CqEngine::Soft(r)) => {
+                let qp = SoftQp::new(num, domain, Arc::clone(t), s.list(), r.list(), caps);
+                Ok(QpEngine::Soft {
+                    qp,
+                    cqs: [Arc::clone(s), Arc::clone(r)],
+                })
+            }
             #[cfg(feature = "rdma")]
-            Device::Rdma(d) => Ok(QpEngine::Rdma(d.create_qp(pd, send_cq, recv_cq, caps)?)),
+            (Device::Rdma(d), PdEngine::Rdma(pd), CqEngine::Rdma(s), CqEngine::Rdma(r)) => {
+                Ok(QpEngine::Rdma(d.create_qp(domain, pd, s, r, caps)?))
+            }
+            #[cfg(feature = "rdma")]
+            (_, _, CqEngine::Soft(_), _) | (_, _, _, CqEngine::Soft(_)) => {
+                Err(wrong("completion queue"))
+            }
+            #[cfg(feature = "rdma")]
+            _ => Err(wrong("protection domain")),
         }
     }
 
@@ -331,51 +326,34 @@ impl Device {
     }
 }
 
-/// The completions a completion queue holds for its users (the soft engine pushes into it
-/// through its queue pairs; the rdma engine translates what it polls into it).
-pub(crate) type Entries = Mutex<VecDeque<Completion>>;
-
-/// A completion queue's transport part: what drives progress and the idle wait.
+/// A completion queue's transport part: what drives progress and the idle wait. Shared with
+/// the queue pairs made on it.
 pub(crate) enum CqEngine {
-    Soft(SoftCq),
+    Soft(Arc<SoftCq>),
     #[cfg(feature = "rdma")]
-    Rdma(rdma::Cq),
+    Rdma(Arc<rdma::Cq>),
 }
 
 impl CqEngine {
-    /// Makes a soft queue pair's progress part of this queue's polling.
-    pub(crate) fn attach_soft(&self, qp: &Arc<SoftQp>) {
-        match self {
-            CqEngine::Soft(c) => c.attach(qp),
-            // A soft queue pair is only ever made on a soft device's queues.
-            #[cfg(feature = "rdma")]
-            CqEngine::Rdma(_) => {}
-        }
-    }
-
-    /// Drives the bound queue pairs once (soft), or polls the device's queue into `entries`
-    /// (rdma).
-    pub(crate) fn progress(&self, entries: &Entries) -> Result<()> {
+    /// Drives the bound queue pairs once (soft: they push their completions), or polls the
+    /// device's queue into the completion list (rdma).
+    pub(crate) fn progress(&self) -> Result<()> {
         match self {
             CqEngine::Soft(c) => {
-                let _ = entries; // the soft queue pairs push into it themselves
                 c.progress();
                 Ok(())
             }
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => c.progress(entries),
+            CqEngine::Rdma(c) => c.progress(),
         }
     }
 
     /// Prepares the idle wait (arms what must wake it).
-    pub(crate) fn arm(&self, entries: &Entries) -> Result<()> {
+    pub(crate) fn arm(&self) -> Result<()> {
         match self {
-            CqEngine::Soft(c) => {
-                let _ = entries;
-                c.arm()
-            }
+            CqEngine::Soft(c) => c.arm(),
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => c.arm(entries),
+            CqEngine::Rdma(c) => c.arm(),
         }
     }
 
@@ -407,7 +385,12 @@ impl CqEngine {
 
 /// A queue pair's transport part.
 pub(crate) enum QpEngine {
-    Soft(Arc<SoftQp>),
+    /// The soft queue pair, and its send and receive queues, whose polling drives it once it
+    /// is connected.
+    Soft {
+        qp: Arc<SoftQp>,
+        cqs: [Arc<SoftCq>; 2],
+    },
     #[cfg(feature = "rdma")]
     Rdma(Arc<rdma::Qp>),
 }
@@ -416,7 +399,7 @@ pub(crate) enum QpEngine {
 macro_rules! each_qp {
     ($self:expr, $q:ident => $e:expr) => {
         match $self {
-            QpEngine::Soft($q) => $e,
+            QpEngine::Soft { qp: $q, .. } => $e,
             #[cfg(feature = "rdma")]
             QpEngine::Rdma($q) => $e,
         }
@@ -426,9 +409,6 @@ macro_rules! each_qp {
 impl QpEngine {
     pub(crate) fn num(&self) -> u32 {
         each_qp!(self, q => q.num)
-    }
-    pub(crate) fn pd(&self) -> &ProtectionDomain {
-        each_qp!(self, q => &q.pd)
     }
     pub(crate) fn state(&self) -> QpState {
         each_qp!(self, q => q.state())
@@ -459,9 +439,9 @@ impl QpEngine {
     }
     /// What the queue pair served as the responder, where software serves it (the soft
     /// placement engine); an RNIC places without software, so `rdma` has none.
-    pub(crate) fn responder_counters(&self) -> Option<super::counters::ResponderCounters> {
+    pub(crate) fn responder_counters(&self) -> Option<ResponderCounters> {
         match self {
-            QpEngine::Soft(q) => Some(q.counters.clone()),
+            QpEngine::Soft { qp, .. } => Some(qp.counters.clone()),
             #[cfg(feature = "rdma")]
             QpEngine::Rdma(_) => None,
         }
@@ -475,9 +455,11 @@ impl QpEngine {
         private_data: &[u8],
     ) -> Result<()> {
         match self {
-            QpEngine::Soft(q) => {
+            QpEngine::Soft { qp, cqs } => {
                 let (stream, neg) = conn::connect(url, params, private_data)?;
-                q.start(stream, neg, params)
+                qp.start(stream, neg, params)?;
+                cqs.iter().for_each(|c| c.attach(qp));
+                Ok(())
             }
             #[cfg(feature = "rdma")]
             QpEngine::Rdma(q) => q.connect(url, params, private_data),
@@ -492,18 +474,18 @@ impl QpEngine {
         private_data: &[u8],
     ) -> Result<()> {
         match (self, pending) {
-            (QpEngine::Soft(q), PendingEngine::Soft(p)) => {
+            (QpEngine::Soft { qp, cqs }, PendingEngine::Soft(p)) => {
                 let (stream, neg) = p.accept(params, private_data)?;
-                q.start(stream, neg, params)
+                qp.start(stream, neg, params)?;
+                cqs.iter().for_each(|c| c.attach(qp));
+                Ok(())
             }
             #[cfg(feature = "rdma")]
             (QpEngine::Rdma(q), PendingEngine::Rdma(p)) => q.accept(*p, params, private_data),
             #[cfg(feature = "rdma")]
             (_, p) => {
                 p.reject(&[]);
-                Err(Error::WrongDomain {
-                    what: "queue pair of another transport",
-                })
+                Err(wrong("queue pair of another transport"))
             }
         }
     }

@@ -1,13 +1,12 @@
-//! Plain data of the verbs API: access flags, work requests, completions, states.
+//! Plain data of the verbs API: access and send flags, queue pair states, completions, queue
+//! sizes. The bottom of the fabric: it imports nothing (work requests, which name memory,
+//! are in `wr.rs`).
 //!
-//! Named after libibverbs (`ibv_access_flags`, `ibv_send_wr`, `ibv_wc`, `ibv_wc_status`,
+//! Named after libibverbs (`ibv_access_flags`, `ibv_send_flags`, `ibv_wc`, `ibv_wc_status`,
 //! `ibv_qp_state`) so that the `rdma` transport maps them one to one.
 
 use std::fmt;
 use std::ops::{BitAnd, BitOr, BitOrAssign};
-use std::sync::Arc;
-
-use super::mr::MemoryRegion;
 
 macro_rules! flags {
     ($(#[$m:meta])* $name:ident { $($(#[$fm:meta])* $flag:ident = $v:expr,)* }) => {
@@ -123,237 +122,6 @@ pub enum QpState {
     Rts,
     /// A fatal error happened; every outstanding work request has been or is being flushed.
     Error,
-}
-
-/// A local buffer: a range of a registered memory region (`ibv_sge`).
-///
-/// Holding the `Arc` is what keeps the memory alive while the fabric uses it.
-#[derive(Debug, Clone)]
-pub struct Sge {
-    /// The region.
-    pub mr: Arc<MemoryRegion>,
-    /// Byte offset into the region.
-    pub offset: usize,
-    /// Length in bytes.
-    pub len: usize,
-}
-
-impl Sge {
-    /// A range of `mr`; bounds are checked when the request is posted.
-    pub fn new(mr: &Arc<MemoryRegion>, offset: usize, len: usize) -> Sge {
-        Sge {
-            mr: Arc::clone(mr),
-            offset,
-            len,
-        }
-    }
-
-    /// The whole region.
-    pub fn whole(mr: &Arc<MemoryRegion>) -> Sge {
-        Sge {
-            mr: Arc::clone(mr),
-            offset: 0,
-            len: mr.len(),
-        }
-    }
-}
-
-/// A peer's memory: a virtual address inside a region or window and its rkey.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct RemoteAddr {
-    /// Address in the peer's region (its `MemoryRegion::addr()` plus an offset).
-    pub addr: u64,
-    /// The region's or window's rkey.
-    pub rkey: u32,
-}
-
-/// What a Flush makes of the earlier placed data (IBTA placement type).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FlushType {
-    /// Globally visible to every reader of the memory.
-    Visibility,
-    /// Persistent: in the memory's durable domain.
-    Persistent,
-}
-
-/// The range a Flush covers (IBTA selectivity).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum FlushTarget {
-    /// `len` bytes at `remote`.
-    Range {
-        /// Start.
-        remote: RemoteAddr,
-        /// Length in bytes.
-        len: u64,
-    },
-    /// The whole region or window of `rkey`.
-    Region {
-        /// Its rkey.
-        rkey: u32,
-    },
-}
-
-/// The operation of a send-queue work request.
-#[derive(Debug, Clone)]
-#[non_exhaustive]
-pub enum SendOp {
-    /// RDMA Write of `local` to `remote`.
-    Write {
-        /// Source.
-        local: Sge,
-        /// Destination.
-        remote: RemoteAddr,
-    },
-    /// RDMA Write, then 32 bits of immediate data that consume a Recv at the peer.
-    WriteWithImm {
-        /// Source.
-        local: Sge,
-        /// Destination.
-        remote: RemoteAddr,
-        /// Immediate data, reported in the peer's receive completion.
-        imm: u32,
-    },
-    /// RDMA Read of `local.len` bytes from `remote` into `local`.
-    Read {
-        /// Sink (needs [`Access::LOCAL_WRITE`]).
-        local: Sge,
-        /// Source.
-        remote: RemoteAddr,
-    },
-    /// Send: consumes a Recv posted at the peer.
-    Send {
-        /// Message.
-        local: Sge,
-    },
-    /// Send that also invalidates `invalidate_rkey` at the peer.
-    SendWithInvalidate {
-        /// Message.
-        local: Sge,
-        /// The peer's rkey to invalidate.
-        invalidate_rkey: u32,
-    },
-    /// 64-bit compare and swap; the original value lands in `local` (8 bytes, native endian).
-    CompareSwap {
-        /// Result buffer (8 bytes, needs [`Access::LOCAL_WRITE`]).
-        local: Sge,
-        /// Target (8-byte aligned).
-        remote: RemoteAddr,
-        /// Expected value.
-        compare: u64,
-        /// New value, stored if the target equals `compare`.
-        swap: u64,
-    },
-    /// 64-bit fetch and add; the original value lands in `local` (8 bytes, native endian).
-    FetchAdd {
-        /// Result buffer (8 bytes, needs [`Access::LOCAL_WRITE`]).
-        local: Sge,
-        /// Target (8-byte aligned).
-        remote: RemoteAddr,
-        /// Addend.
-        add: u64,
-    },
-    /// IBTA Atomic Write: 8 bytes stored at once, after every earlier operation.
-    AtomicWrite {
-        /// Target (8-byte aligned).
-        remote: RemoteAddr,
-        /// The value.
-        value: u64,
-    },
-    /// IBTA Flush: makes earlier placed data visible or persistent.
-    Flush {
-        /// What it covers.
-        target: FlushTarget,
-        /// Visibility or persistence.
-        kind: FlushType,
-    },
-}
-
-impl SendOp {
-    /// What a completion of this request reports (every transport keeps it with the posted
-    /// request: a failed completion's own opcode is undefined).
-    pub(crate) fn wc_opcode(&self) -> WcOpcode {
-        match self {
-            SendOp::Write { .. } | SendOp::WriteWithImm { .. } => WcOpcode::RdmaWrite,
-            SendOp::Read { .. } => WcOpcode::RdmaRead,
-            SendOp::Send { .. } | SendOp::SendWithInvalidate { .. } => WcOpcode::Send,
-            SendOp::CompareSwap { .. } => WcOpcode::CompSwap,
-            SendOp::FetchAdd { .. } => WcOpcode::FetchAdd,
-            SendOp::AtomicWrite { .. } => WcOpcode::AtomicWrite,
-            SendOp::Flush { .. } => WcOpcode::Flush,
-        }
-    }
-}
-
-/// The shape every transport demands of a CompareSwap or FetchAdd: an 8-byte result buffer
-/// and an 8-byte aligned target.
-pub(crate) fn check_atomic_args(local: &Sge, remote: RemoteAddr) -> super::error::Result<()> {
-    if local.len != 8 {
-        return Err(super::error::Error::InvalidWorkRequest {
-            reason: "atomic result buffer must be 8 bytes",
-        });
-    }
-    if !remote.addr.is_multiple_of(8) {
-        return Err(super::error::Error::InvalidWorkRequest {
-            reason: "atomic target must be 8-byte aligned",
-        });
-    }
-    Ok(())
-}
-
-/// A send-queue work request (`ibv_send_wr`).
-#[derive(Debug, Clone)]
-pub struct SendWr {
-    /// Returned in the completion.
-    pub wr_id: u64,
-    /// The operation.
-    pub op: SendOp,
-    /// Signaled, fence, solicited.
-    pub flags: SendFlags,
-}
-
-impl SendWr {
-    /// A signaled request.
-    pub fn new(wr_id: u64, op: SendOp) -> SendWr {
-        SendWr {
-            wr_id,
-            op,
-            flags: SendFlags::SIGNALED,
-        }
-    }
-
-    /// The same request with `flags` instead.
-    pub fn with_flags(mut self, flags: SendFlags) -> SendWr {
-        self.flags = flags;
-        self
-    }
-
-    /// The flag rule every transport enforces: a solicited event only on a Send or a
-    /// WriteWithImm.
-    pub(crate) fn check_solicited(&self) -> super::error::Result<()> {
-        if self.flags.contains(SendFlags::SOLICITED)
-            && !matches!(
-                self.op,
-                SendOp::Send { .. }
-                    | SendOp::SendWithInvalidate { .. }
-                    | SendOp::WriteWithImm { .. }
-            )
-        {
-            return Err(super::error::Error::InvalidWorkRequest {
-                reason: "solicited event only on Send and WriteWithImm",
-            });
-        }
-        Ok(())
-    }
-}
-
-/// A receive-queue work request (`ibv_recv_wr`).
-#[derive(Debug, Clone)]
-pub struct RecvWr {
-    /// Returned in the completion.
-    pub wr_id: u64,
-    /// Where an incoming Send lands (needs [`Access::LOCAL_WRITE`]); may be empty for
-    /// immediate-data-only receives.
-    pub local: Option<Sge>,
 }
 
 /// Completion statuses, named after `ibv_wc_status` (each of its values has one here; the
@@ -478,6 +246,16 @@ impl Completion {
     }
 }
 
+/// Which protection domain of which device an object belongs to: what every transport checks
+/// before a queue pair uses a region (a verbs device refuses an lkey of another domain).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub(crate) struct DomainId {
+    /// The device (`Context`) it was made on: ids are unique in the process.
+    pub(crate) ctx: u32,
+    /// The domain, unique on its device.
+    pub(crate) pd: u32,
+}
+
 /// Queue sizes of a queue pair (`ibv_qp_cap`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct QpCaps {
@@ -510,19 +288,5 @@ mod tests {
         assert!(Access::ALL_REMOTE.contains(Access::FLUSH_PERSISTENT | Access::REMOTE_ATOMIC));
         assert!(!Access::ALL_REMOTE.contains(Access::LOCAL_WRITE));
         assert!(Access::empty().is_empty());
-    }
-
-    #[test]
-    fn send_wr_defaults_to_signaled() {
-        let wr = SendWr::new(
-            7,
-            SendOp::AtomicWrite {
-                remote: RemoteAddr { addr: 8, rkey: 1 },
-                value: 3,
-            },
-        );
-        assert!(wr.flags.contains(SendFlags::SIGNALED));
-        let wr = wr.with_flags(SendFlags::FENCE);
-        assert!(!wr.flags.contains(SendFlags::SIGNALED));
     }
 }

@@ -13,7 +13,7 @@ use crate::fabric::soft::wire::tx::MIN_MAX_ULPDU;
 use crate::fabric::soft::wire::{Layer, WireError, MAX_ULPDU_LIMIT};
 use crate::fabric::{ConnParams, TcpParams};
 
-use super::Pipe;
+use super::pipe::Pipe;
 
 /// `data[0]` bit 0 picks the side: 0 passive (the bytes are a peer's MPA Request, judged as
 /// the target's acceptor does, then negotiated and answered as `Pending::accept` does), 1

@@ -3,8 +3,8 @@
 
 use std::io::{self, Read};
 
+use crate::fabric::soft::wire::body::Body;
 use crate::fabric::soft::wire::ddp::{Header, HeaderKind, Opcode};
-use crate::fabric::soft::wire::rdmap::Body;
 use crate::fabric::soft::wire::rx::{
     Delivered, DirectTarget, FpduReceiver, Placement, Placer, Received, RxConfig,
 };

@@ -245,18 +245,5 @@ pub enum Error {
     },
 }
 
-impl Error {
-    /// The [`Resize`](crate::pmem::Resize) choice that would let the open go through, for a
-    /// refused resize ([`Error::WouldGrow`]: `Grow`; [`Error::WouldShrink`]: `GrowOrShrink`),
-    /// so that a front-end can name its own option for it (a CLI flag, a config key).
-    pub fn resize_needed(&self) -> Option<crate::pmem::Resize> {
-        match self {
-            Error::WouldGrow { .. } => Some(crate::pmem::Resize::Grow),
-            Error::WouldShrink { .. } => Some(crate::pmem::Resize::GrowOrShrink),
-            _ => None,
-        }
-    }
-}
-
 /// The pmem layer's result type.
 pub type Result<T> = std::result::Result<T, Error>;

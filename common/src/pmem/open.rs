@@ -15,7 +15,8 @@ use super::devdax;
 use super::domain::Domain;
 use super::error::{Error, Result};
 use super::map::Mapping;
-use super::sim::{self, Sim, Simulation};
+use super::media::Media;
+use super::sim::{self, Sim, Simulated, Simulation};
 
 /// statfs magic numbers of filesystems that live in RAM.
 const TMPFS_MAGIC: u32 = 0x0102_1994;
@@ -402,25 +403,12 @@ impl OpenOptions {
         ptr: NonNull<u8>,
     ) -> Result<Mapping> {
         let domain = self.reported(probed);
-        let bare = |file, sim| {
-            Mapping::of_file(
-                file,
-                self.path.clone(),
-                ptr,
-                len,
-                domain,
-                probed,
-                map_sync,
-                sim,
-            )
-        };
+        // From here the mapping is owned (and unmapped on every error path) by `media`.
+        let media = Media::of_file(file, self.path.clone(), ptr, len, domain, probed, map_sync);
         let Some(opts) = self.simulation else {
-            return Ok(bare(file, None));
+            return Ok(Mapping::real(media));
         };
-        if let Err(e) = self.check_simulation(false, domain) {
-            drop(bare(file, None));
-            return Err(e);
-        }
+        self.check_simulation(false, domain)?;
         // A cache line where a write-back instruction makes it durable, a page where msync does.
         let unit = if domain.is_dax() && cfg!(target_arch = "x86_64") {
             super::flush::cache_line_size()
@@ -430,12 +418,10 @@ impl OpenOptions {
                 .flatten()
                 .map_or(4096, |p| p as usize)
         };
-        match Sim::open(&file, len, unit, opts) {
-            Ok(s) => Ok(bare(file, Some(s))),
-            Err(e) => {
-                drop(bare(file, None));
-                Err(self.sim_error(e))
-            }
+        let file = media.file().expect("a file's media has its file");
+        match Sim::open(file, len, unit, opts) {
+            Ok(s) => Ok(Mapping::simulated(Simulated::new(media, s))),
+            Err(e) => Err(self.sim_error(e)),
         }
     }
 
@@ -450,6 +436,21 @@ impl OpenOptions {
                 path: self.path.clone(),
                 reason,
             },
+        }
+    }
+}
+
+// The error names no option of opening (it is below this file); opening says which of its
+// options a refused resize calls for.
+impl Error {
+    /// The [`Resize`] choice that would let the open go through, for a refused resize
+    /// ([`Error::WouldGrow`]: `Grow`; [`Error::WouldShrink`]: `GrowOrShrink`), so that a
+    /// front-end can name its own option for it (a CLI flag, a config key).
+    pub fn resize_needed(&self) -> Option<Resize> {
+        match self {
+            Error::WouldGrow { .. } => Some(Resize::Grow),
+            Error::WouldShrink { .. } => Some(Resize::GrowOrShrink),
+            _ => None,
         }
     }
 }

@@ -45,7 +45,10 @@ use std::os::unix::fs::{FileExt, MetadataExt};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
-use super::map::Mapping;
+use super::domain::{Domain, Durability, SyncFailure};
+use super::error::Result;
+use super::media::Media;
+use super::persist::Persist;
 
 /// What every interface appends to the domain of a simulated namespace.
 pub const SIMULATION_LABEL: &str = "power-loss simulation (test only)";
@@ -119,9 +122,9 @@ pub(super) struct Sim {
     unit: usize,
     len: usize,
     /// What the process reads and writes (registered with the fabric).
-    working: Mapping,
+    working: Media,
     /// A copy of what the media holds: the simulation is its only writer.
-    shadow: Mapping,
+    shadow: Media,
     media: File,
     key: (u64, u64),
     /// Set by a simulated power loss (and until the working copy is read in): nothing is
@@ -159,7 +162,7 @@ pub(super) enum OpenError {
 }
 
 /// The registry's key of a file: (device, inode).
-fn key_of(media: &File) -> Result<(u64, u64), OpenError> {
+fn key_of(media: &File) -> std::result::Result<(u64, u64), OpenError> {
     let meta = media.metadata().map_err(OpenError::Io)?;
     Ok((meta.dev(), meta.ino()))
 }
@@ -190,7 +193,7 @@ impl Sim {
         len: usize,
         unit: usize,
         opts: Simulation,
-    ) -> Result<Arc<Sim>, OpenError> {
+    ) -> std::result::Result<Arc<Sim>, OpenError> {
         let key = key_of(media)?;
         let mut reg = loop {
             let reg = crate::sync::lock(registry());
@@ -213,7 +216,7 @@ impl Sim {
         }
         // Until registered, an error drops this Sim without touching the registry (held
         // here) or the media (`lost`: a half-read working copy is never written back).
-        let anon = |len| Mapping::anonymous(len).map_err(|e| OpenError::Io(io::Error::other(e)));
+        let anon = |len| Media::anonymous(len).map_err(|e| OpenError::Io(io::Error::other(e)));
         let sim = Sim {
             opts,
             unit,
@@ -238,7 +241,7 @@ impl Sim {
             sim.media
                 .read_exact_at(&mut buf[..n], at as u64)
                 .map_err(OpenError::Io)?;
-            let copy = |m: &Mapping| m.write_at(at, &buf[..n]).map_err(io::Error::other);
+            let copy = |m: &Media| write_at(m, at, &buf[..n]);
             copy(&sim.working).map_err(OpenError::Io)?;
             copy(&sim.shadow).map_err(OpenError::Io)?;
             at += n;
@@ -279,7 +282,11 @@ impl Sim {
 
     /// Refuses, before anything about the file changes, an opening of `media` at `len` bytes
     /// that the live simulation of the same file in this process (if any) could not serve.
-    pub(super) fn check_live(media: &File, len: usize, opts: Simulation) -> Result<(), OpenError> {
+    pub(super) fn check_live(
+        media: &File,
+        len: usize,
+        opts: Simulation,
+    ) -> std::result::Result<(), OpenError> {
         let key = key_of(media)?;
         let reg = crate::sync::lock(registry());
         let live = reg.get(&key).and_then(Weak::upgrade);
@@ -291,7 +298,12 @@ impl Sim {
         }
     }
 
-    fn matches(&self, len: usize, unit: Option<usize>, opts: Simulation) -> Result<(), OpenError> {
+    fn matches(
+        &self,
+        len: usize,
+        unit: Option<usize>,
+        opts: Simulation,
+    ) -> std::result::Result<(), OpenError> {
         if self.opts != opts {
             return Err(OpenError::Mismatch(
                 "it is still open in this process with other power-loss simulation settings \
@@ -309,7 +321,7 @@ impl Sim {
 
     /// The working copy's first byte.
     pub(super) fn working_ptr(&self) -> *mut u8 {
-        self.working.as_ptr()
+        self.working.ptr()
     }
 
     pub(super) fn options(&self) -> Simulation {
@@ -417,12 +429,8 @@ impl Sim {
             let n = now.len().min(end - at);
             // A snapshot: the media and the shadow get the same bytes even if a Write is
             // being placed into the working copy meanwhile.
-            self.working
-                .read_at(at, &mut now[..n])
-                .map_err(io::Error::other)?;
-            self.shadow
-                .read_at(at, &mut was[..n])
-                .map_err(io::Error::other)?;
+            read_at(&self.working, at, &mut now[..n])?;
+            read_at(&self.shadow, at, &mut was[..n])?;
             let mut u = 0;
             while u < n {
                 let w = self.unit.min(n - u);
@@ -434,9 +442,7 @@ impl Sim {
                     };
                 if take {
                     self.media.write_all_at(&now[u..u + w], (at + u) as u64)?;
-                    self.shadow
-                        .write_at(at + u, &now[u..u + w])
-                        .map_err(io::Error::other)?;
+                    write_at(&self.shadow, at + u, &now[u..u + w])?;
                     copied += 1;
                 }
                 u += w;
@@ -486,6 +492,124 @@ impl Drop for Sim {
             let _ = self.copy(0, self.len, None);
         }
         drop(reg);
+    }
+}
+
+/// Copies `data` into anonymous memory at `at` (a copy through a `VolatileSlice`: the fabric
+/// places into the working copy meanwhile).
+fn write_at(m: &Media, at: usize, data: &[u8]) -> io::Result<()> {
+    volatile(m).write_at(at, data).map_err(io::Error::other)
+}
+
+fn read_at(m: &Media, at: usize, out: &mut [u8]) -> io::Result<()> {
+    volatile(m).read_at(at, out).map_err(io::Error::other)
+}
+
+fn volatile(m: &Media) -> crate::volatile::VolatileSlice<'_> {
+    // SAFETY: the media's mapping is valid for reads and writes of its length until it is
+    // dropped, which the borrow outlasts; registered memory is reached only through copies.
+    unsafe { crate::volatile::VolatileSlice::new(m.ptr(), m.len()) }
+}
+
+/// A namespace under the power-loss simulation: the mapping of its file (the media, whose own
+/// persist still runs after the copy, so that costs and write-back errors are those of the
+/// real domain), and the simulation, whose working copy is the memory handed out.
+#[derive(Debug)]
+pub(super) struct Simulated {
+    media: Media,
+    sim: Arc<Sim>,
+}
+
+impl Simulated {
+    pub(super) fn new(media: Media, sim: Arc<Sim>) -> Simulated {
+        Simulated { media, sim }
+    }
+
+    pub(super) fn media(&self) -> &Media {
+        &self.media
+    }
+
+    pub(super) fn working_ptr(&self) -> *mut u8 {
+        self.sim.working_ptr()
+    }
+
+    pub(super) fn settings(&self) -> Simulation {
+        self.sim.options()
+    }
+
+    pub(super) fn stats(&self) -> SimStats {
+        self.sim.stats()
+    }
+
+    pub(super) fn lose_power(&self) {
+        self.sim.lose_power();
+    }
+
+    /// The simulation's part of a persist, flush, drain or sync (`what` says which): its copy
+    /// to the media, whose failure is a failed write-back like any other.
+    fn copy(
+        &self,
+        offset: usize,
+        len: usize,
+        what: impl FnOnce(&Sim) -> io::Result<()>,
+    ) -> Result<()> {
+        what(&self.sim).map_err(|e| {
+            self.media.record_failure(SyncFailure::new("pwrite", &e));
+            self.media.sync_error(
+                "pwrite to the power-loss simulation's media",
+                offset,
+                len,
+                e,
+            )
+        })
+    }
+
+    fn check(&self, offset: usize, len: usize) -> Result<()> {
+        self.media.check_range(offset, len)?;
+        self.media.check_healthy()
+    }
+}
+
+impl Persist for Simulated {
+    fn domain(&self) -> Domain {
+        self.media.domain()
+    }
+
+    fn persist(&self, offset: usize, len: usize) -> Result<Durability> {
+        self.check(offset, len)?;
+        self.copy(offset, len, |s| s.persist(offset, len))?;
+        self.media.persist(offset, len)
+    }
+
+    fn flush(&self, offset: usize, len: usize) -> Result<()> {
+        self.check(offset, len)?;
+        self.copy(offset, len, |s| s.flush(offset, len))?;
+        self.media.flush(offset, len)
+    }
+
+    fn drain(&self) -> Result<Durability> {
+        self.media.check_healthy()?;
+        self.copy(0, 0, Sim::drain)?;
+        self.media.drain()
+    }
+
+    fn failure(&self) -> Option<SyncFailure> {
+        self.media.failure()
+    }
+
+    fn record_failure(&self, failure: SyncFailure) -> bool {
+        self.media.record_failure(failure)
+    }
+
+    fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
+        self.check(offset, len)?;
+        self.copy(offset, len, |s| s.persist(offset, len))
+    }
+
+    /// The media is reached only by a persist: streaming stores into the working copy make
+    /// nothing durable.
+    fn durable_by_writeback(&self) -> bool {
+        false
     }
 }
 

@@ -1,59 +1,7 @@
 //! The hot-path messages: fixed little-endian layouts, encoded into arrays (no allocation) and
 //! decoded with a bounds-checked cursor. Byte offsets are in `docs/control-plane.md`.
 
-use super::{header, peek_type, Error, MessageType, Result, HEADER_LEN};
-
-/// A bounds-checked little-endian reader over untrusted bytes.
-pub(crate) struct Reader<'a> {
-    buf: &'a [u8],
-    pos: usize,
-}
-
-impl<'a> Reader<'a> {
-    pub(crate) fn new(buf: &'a [u8]) -> Self {
-        Reader { buf, pos: 0 }
-    }
-
-    fn take<const N: usize>(&mut self, field: &'static str) -> Result<[u8; N]> {
-        let end = self.pos.checked_add(N).filter(|&e| e <= self.buf.len());
-        let Some(end) = end else {
-            return Err(Error::Truncated {
-                field,
-                offset: self.pos,
-                needed: N,
-                len: self.buf.len(),
-            });
-        };
-        let mut out = [0u8; N];
-        out.copy_from_slice(&self.buf[self.pos..end]);
-        self.pos = end;
-        Ok(out)
-    }
-
-    pub(crate) fn u8(&mut self, field: &'static str) -> Result<u8> {
-        Ok(self.take::<1>(field)?[0])
-    }
-
-    pub(crate) fn u16(&mut self, field: &'static str) -> Result<u16> {
-        Ok(u16::from_le_bytes(self.take(field)?))
-    }
-
-    pub(crate) fn u32(&mut self, field: &'static str) -> Result<u32> {
-        Ok(u32::from_le_bytes(self.take(field)?))
-    }
-
-    pub(crate) fn u64(&mut self, field: &'static str) -> Result<u64> {
-        Ok(u64::from_le_bytes(self.take(field)?))
-    }
-
-    fn finish(self, ty: MessageType) -> Result<()> {
-        let extra = self.buf.len() - self.pos;
-        if extra != 0 {
-            return Err(Error::TrailingBytes { ty, extra });
-        }
-        Ok(())
-    }
-}
+use super::header::{header, peek_type, Error, MessageType, Reader, Result, HEADER_LEN};
 
 /// Checks the header for type `want` and returns a reader positioned after it.
 fn open(buf: &[u8], want: MessageType) -> Result<Reader<'_>> {

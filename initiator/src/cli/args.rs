@@ -1,6 +1,6 @@
 //! The command line: the clap types ([`Cli`], the [`Global`] options every subcommand takes,
-//! [`Command`], [`Source`]), the value parsers, and what the global options build (the
-//! connection, its options and reconnect policy).
+//! [`Command`], [`Source`], `bench`'s [`JobArgs`]), the value parsers, and what the global
+//! options build (the connection, its options and reconnect policy).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -232,7 +232,7 @@ pub(crate) enum Command {
         #[arg(long, default_value_t = 32)]
         depth: usize,
         #[command(flatten)]
-        fio: super::fio::JobArgs,
+        fio: JobArgs,
     },
     /// Serve the namespace as an NBD export (fixed newstyle) until SIGTERM/SIGINT; prints the
     /// export's URL once clients can connect (READY=1 to systemd).
@@ -283,6 +283,20 @@ pub(crate) enum Command {
         /// The shell.
         shell: clap_complete::Shell,
     },
+}
+
+/// The options of `bench` that run a job file (flattened into the `bench` subcommand).
+#[derive(Debug, Args)]
+pub(crate) struct JobArgs {
+    /// Run this fio job file instead of the quick bench (the options fio's matrix uses:
+    /// rw, bs, iodepth, numjobs, size, offset, runtime, time_based, ramp_time, rwmixread,
+    /// fsync/sync, verify). It overwrites the region its jobs name.
+    #[arg(long, value_name = "FILE",
+          conflicts_with_all = ["offset", "yes", "io_size", "count", "total", "depth"])]
+    pub(crate) job: Option<PathBuf>,
+    /// How --job reports: fio's text summary, or fio's JSON (also with --json) [default: normal].
+    #[arg(long, value_name = "FORMAT", value_parser = ["normal", "json"], requires = "job")]
+    pub(crate) output_format: Option<String>,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {

@@ -21,7 +21,7 @@ use rpma_initiator::namespace::check_range;
 use rpma_initiator::{Choice, Durability, Queue};
 use serde::Serialize;
 
-pub(crate) use args::{Cli, Command, Global, Source};
+pub(crate) use args::{Cli, Command, Global, JobArgs, Source};
 pub(crate) use failure::{usage, Failure};
 pub(crate) use json::print_json;
 use json::NamespaceJson;

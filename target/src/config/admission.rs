@@ -1,6 +1,7 @@
 //! The admission budgets: the [`Admission`] settings, their defaults, parsing and validation.
 
-use super::{int_in, invalid, RawConfig, Result};
+use super::error::{int_in, invalid, Result};
+use super::raw::RawConfig;
 
 /// The budgets that keep unauthenticated peers from crowding out allowed hosts: connections
 /// that have not finished their Connect (and auth) and discovery sessions each draw on a pool

@@ -4,7 +4,7 @@
 use rpma_common::pmem::Simulation;
 use serde::Deserialize;
 
-use super::{invalid, Result};
+use super::error::{invalid, Result};
 
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]

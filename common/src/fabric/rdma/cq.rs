@@ -21,7 +21,7 @@
 use std::os::fd::{AsFd, BorrowedFd};
 use std::ptr::NonNull;
 use std::sync::atomic::{AtomicU32, Ordering};
-use std::sync::Mutex;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
@@ -29,9 +29,10 @@ use rdma_sys::{ibv_comp_channel, ibv_cq, ibv_wc};
 
 use super::device::Device;
 use super::sys;
+use crate::fabric::completions::Completions;
 use crate::fabric::error::{Error, Result};
-use crate::fabric::soft::poll::{Poller, Ready};
-use crate::fabric::transport::Entries;
+use crate::fabric::types::Completion;
+use crate::fabric::wait::{Poller, Ready};
 
 /// Work completions reaped per `ibv_poll_cq`.
 const BATCH: usize = 32;
@@ -54,6 +55,8 @@ struct Size {
 
 pub(crate) struct Cq {
     dev: Device,
+    /// The completion queue's list: what is reaped goes there.
+    list: Arc<Completions>,
     // Destroyed before the channel (Drop).
     cq: NonNull<ibv_cq>,
     channel: NonNull<ibv_comp_channel>,
@@ -76,7 +79,7 @@ fn epoll_err(e: nix::Error) -> Error {
 }
 
 impl Cq {
-    pub(crate) fn new(dev: &Device, depth: usize) -> Result<Cq> {
+    pub(crate) fn new(dev: &Device, depth: usize, list: Arc<Completions>) -> Result<Cq> {
         let max = dev.caps().max_cqe;
         let cqe = (depth.max(1).min(u32::MAX as usize) as u32).min(max);
         // SAFETY: the context is open; the channel is destroyed in Drop (after the CQ).
@@ -112,6 +115,7 @@ impl Cq {
         // From here on Drop cleans up.
         let made = |poller: Poller, events: Epoll| Cq {
             dev: dev.clone(),
+            list,
             cq,
             channel,
             size: Mutex::new(Size {
@@ -206,9 +210,14 @@ impl Cq {
         let _ = self.events.delete(fd);
     }
 
-    /// Reaps what the device completed into `entries`, and now and then the events.
-    pub(crate) fn progress(&self, entries: &Entries) -> Result<()> {
-        self.reap(entries)?;
+    /// Adds a completion of the transport's own (a queue pair's flushed leftovers).
+    pub(crate) fn push(&self, c: Completion) {
+        self.list.push(c);
+    }
+
+    /// Reaps what the device completed into the list, and now and then the events.
+    pub(crate) fn progress(&self) -> Result<()> {
+        self.reap()?;
         if self
             .turns
             .fetch_add(1, Ordering::Relaxed)
@@ -219,7 +228,7 @@ impl Cq {
         Ok(())
     }
 
-    fn reap(&self, entries: &Entries) -> Result<()> {
+    fn reap(&self) -> Result<()> {
         // SAFETY: ibv_wc is plain C data; ibv_poll_cq overwrites the entries it reports.
         let mut wcs: [ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
         for _ in 0..ROUNDS {
@@ -235,7 +244,7 @@ impl Cq {
                 // A completion of a queue pair that is gone (its number is no longer in the
                 // registry) has nobody to report to: dropped.
                 if let Some(qp) = self.dev.qp(wc.qp_num) {
-                    qp.complete(wc, entries);
+                    qp.complete(wc, &self.list);
                 }
             }
             if (n as usize) < BATCH {
@@ -268,14 +277,14 @@ impl Cq {
     }
 
     /// Arms the completion channel and reaps once more (see the module docs).
-    pub(crate) fn arm(&self, entries: &Entries) -> Result<()> {
+    pub(crate) fn arm(&self) -> Result<()> {
         // SAFETY: the CQ is live; the next completion of any kind raises one event. Arming an
         // armed queue is allowed and changes nothing.
         let r = unsafe { rdma_sys::ibv_req_notify_cq(self.raw(), 0) };
         if r != 0 {
             return Err(sys::returned("ibv_req_notify_cq", r));
         }
-        self.reap(entries)?;
+        self.reap()?;
         self.check_events()
     }
 
@@ -311,7 +320,7 @@ impl Cq {
 
 impl Drop for Cq {
     fn drop(&mut self) {
-        // SAFETY: every queue pair bound to this CQ holds its CompletionQueue, so none is left;
+        // SAFETY: every queue pair bound to this CQ holds an Arc of it, so none is left;
         // every channel event was acknowledged (take_channel_events). The CQ goes before its
         // channel, each once.
         unsafe {

@@ -23,10 +23,25 @@ use rdma_sys::{
 
 use super::cm::{self, CmId, EventChannel};
 use super::ext;
-use super::qp::Qp;
 use super::sys::{self, cap_ex};
+use crate::fabric::completions::Completions;
 use crate::fabric::error::{Error, Result};
 use crate::fabric::url::Url;
+
+/// What the device's completion queues and async events reach a queue pair by: its number
+/// names it in a work completion and in an event. The queue pair (`qp.rs`) implements it; the
+/// device keeps the live ones in its registry, without knowing their type, so that it stays
+/// below them.
+pub(crate) trait QpEvents: Send + Sync {
+    /// Takes a work completion a completion queue reaped, and reports it into `list`.
+    fn complete(&self, wc: &rdma_sys::ibv_wc, list: &Completions);
+    /// Reads the connection's rdma_cm events (non-blocking).
+    fn handle_cm_events(&self);
+    /// An async event moves the queue pair to Error, for `why`.
+    fn to_error(&self, why: &str);
+    /// The device saw the queue pair's first packet before the RTU.
+    fn notify_established(&self);
+}
 
 /// An RDMA device as `ibv_get_device_list` reports it, without opening it.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -215,7 +230,7 @@ pub(crate) struct DeviceInner {
     pub(crate) name: String,
     pub(crate) caps: Caps,
     /// The live queue pairs by number: completions and async events name them so.
-    qps: RwLock<HashMap<u32, Weak<Qp>>>,
+    qps: RwLock<HashMap<u32, Weak<dyn QpEvents>>>,
     /// Last: keeps `ctx` open.
     _contexts: CmContexts,
 }
@@ -393,7 +408,7 @@ impl Device {
         })
     }
 
-    pub(crate) fn register_qp(&self, num: u32, qp: Weak<Qp>) {
+    pub(crate) fn register_qp(&self, num: u32, qp: Weak<dyn QpEvents>) {
         self.registry_mut().insert(num, qp);
     }
 
@@ -402,7 +417,7 @@ impl Device {
     }
 
     /// The live queue pair numbered `num`.
-    pub(crate) fn qp(&self, num: u32) -> Option<Arc<Qp>> {
+    pub(crate) fn qp(&self, num: u32) -> Option<Arc<dyn QpEvents>> {
         self.inner
             .qps
             .read()
@@ -411,7 +426,7 @@ impl Device {
             .and_then(Weak::upgrade)
     }
 
-    fn registry_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u32, Weak<Qp>>> {
+    fn registry_mut(&self) -> std::sync::RwLockWriteGuard<'_, HashMap<u32, Weak<dyn QpEvents>>> {
         self.inner.qps.write().unwrap_or_else(|p| p.into_inner())
     }
 
@@ -448,7 +463,7 @@ impl Device {
                 (AsyncAction::QpError(why), Some(qp)) => qp.to_error(why),
                 (AsyncAction::Established, Some(qp)) => qp.notify_established(),
                 (AsyncAction::DeviceFatal, _) => {
-                    let all: Vec<Arc<Qp>> = self
+                    let all: Vec<Arc<dyn QpEvents>> = self
                         .inner
                         .qps
                         .read()

@@ -18,12 +18,13 @@ use std::time::Instant;
 
 use rdma_sys::{ibv_qp_state, rdma_cm_event_type as ev};
 
-use super::cm::{self, CmId, Conn, EventChannel, Param, Pending};
+use super::cm::{self, CmId, Conn, EventChannel, Param};
 use super::device::Caps;
+use super::listen::Pending;
 use super::qp::Qp;
 use super::translate::caps;
 use crate::fabric::error::{Error, Result};
-use crate::fabric::qp::{ConnInfo, ConnParams};
+use crate::fabric::params::{ConnInfo, ConnParams};
 use crate::fabric::types::QpState;
 use crate::fabric::url::Url;
 

@@ -9,8 +9,8 @@
 //! | `ProtectionDomain` | `Pd` | `ibv_pd` |
 //! | `MemoryRegion` / `MemoryWindow` | `Mr` / `Mw` (`mr.rs`) | `ibv_mr` (pinned, or ODP) / `ibv_mw` type 2 |
 //! | `CompletionQueue` | `Cq` (`cq.rs`) | `ibv_cq` + `ibv_comp_channel` |
-//! | queue pairs | `Qp` (`qp.rs`; set-up `link.rs`, posting `post.rs`, completions `wc.rs`) | RC `ibv_qp` (extended with Atomic Write) |
-//! | `Listener`, `ConnRequest` | `Listen`, `Pending` (`cm.rs`) | `rdma_cm_id` + `rdma_event_channel` |
+//! | queue pairs | `Qp` (`qp.rs`; set-up `link.rs`, posting `submit.rs` on `post.rs`, completions `wc.rs`) | RC `ibv_qp` (extended with Atomic Write) |
+//! | `Listener`, `ConnRequest` | `Listen`, `Pending` (`listen.rs`, on `cm.rs`) | `rdma_cm_id` + `rdma_event_channel` |
 //!
 //! `translate.rs` holds the tables between the fabric's plain data and verbs' (access
 //! flags, opcodes, every completion status, work request fields, the private data block).
@@ -27,20 +27,25 @@ mod cq;
 mod device;
 mod ext;
 mod link;
+mod listen;
 mod mr;
 mod post;
 mod qp;
+mod submit;
 mod sys;
 mod translate;
 mod wc;
 
-pub(crate) use cm::{Listen, Pending};
 pub(crate) use cq::Cq;
 pub use device::{devices, RdmaDevice};
 pub(crate) use device::{Device, Pd};
+pub(crate) use listen::{Listen, Pending};
 pub(crate) use mr::{Mr, Mw};
 pub(crate) use qp::Qp;
 
+use std::sync::Arc;
+
+use crate::fabric::completions::Completions;
 use crate::fabric::error::Result;
 use crate::fabric::url::Url;
 
@@ -53,9 +58,10 @@ pub const RDMA_MAX_ACCEPT_PRIVATE_DATA: usize = translate::caps::REP_ROOM - tran
 pub const RDMA_MAX_REJECT_PRIVATE_DATA: usize = translate::caps::REJ_ROOM - translate::caps::LEN;
 
 impl Device {
-    /// A completion queue sized for `depth` completions (it grows as queue pairs are bound).
-    pub(crate) fn create_cq(&self, depth: usize) -> Result<Cq> {
-        Cq::new(self, depth)
+    /// A completion queue sized for `depth` completions (it grows as queue pairs are bound),
+    /// reaping into `list`.
+    pub(crate) fn create_cq(&self, depth: usize, list: Arc<Completions>) -> Result<Cq> {
+        Cq::new(self, depth, list)
     }
 
     /// A listener on `url`.

@@ -22,12 +22,10 @@ use rdma_sys::{
 };
 
 use super::device::{Caps, Pd};
-use super::qp::Qp;
 use super::sys;
 use super::translate;
 use crate::fabric::error::{Error, Result};
-use crate::fabric::mr::MemoryBacking;
-use crate::fabric::transport::{Grant, MrEngine};
+use crate::fabric::memory::{Grant, MemoryBacking, Registration};
 use crate::fabric::types::Access;
 
 /// A registered region (`ibv_mr`). Cheap to clone: windows bound to it hold a clone.
@@ -135,8 +133,7 @@ impl super::device::Device {
         &self,
         backing: MemoryBacking,
         access: Access,
-    ) -> std::result::Result<crate::fabric::Registration, &'static str> {
-        use crate::fabric::Registration;
+    ) -> std::result::Result<Registration, &'static str> {
         plan(backing, access, self.caps()).map(|on_demand| {
             if on_demand {
                 Registration::OnDemand
@@ -244,13 +241,14 @@ impl Mw {
         self.inner.lock().rkey
     }
 
-    /// Binds the window for `qp` over the grant's range of its region; returns the new rkey.
-    pub(crate) fn bind(&self, qp: &Qp, g: &Grant<'_>) -> Result<u32> {
-        let Some(MrEngine::Rdma(mr)) = g.mr_engine else {
-            return Err(Error::WrongDomain {
-                what: "memory region",
-            });
-        };
+    /// Binds the window over the grant's range of `mr` (its region): `post` posts the bind
+    /// (`ibv_mw`, new rkey, rights) on the queue pair and waits for it. Returns the new rkey.
+    pub(crate) fn bind(
+        &self,
+        mr: &Mr,
+        g: &Grant<'_>,
+        post: impl FnOnce(*mut ibv_mw, u32, u32) -> Result<()>,
+    ) -> Result<u32> {
         let mut st = self.inner.lock();
         if needs_fresh(&st) {
             self.inner.replace(&mut st);
@@ -260,7 +258,7 @@ impl Mw {
         })?;
         let rkey = inc_rkey(st.rkey);
         let access = translate::access_to_ibv(g.access, true);
-        qp.bind_window(raw.as_ptr(), rkey, mr, g.region, g.base, g.len, access)?;
+        post(raw.as_ptr(), rkey, access)?;
         st.rkey = rkey;
         st.on = Some(mr.raw());
         remember(

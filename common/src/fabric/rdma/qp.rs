@@ -1,6 +1,7 @@
 //! The rdma transport's queue pair: an RC `ibv_qp` made with its protection domain and
-//! completion queues (so that receives can be posted before the connection exists), posting
-//! in both directions, and the translation of its completions.
+//! completion queues (so that receives can be posted before the connection exists), its
+//! tables of posted requests, and its life (made, in Error, drained, destroyed). Posting is in
+//! `submit.rs`, the verbs calls in `post.rs`, completions in `wc.rs`.
 //!
 //! Buffer ownership: every posted request's `Sge` (an `Arc` of its region) is kept in the
 //! queue pair's send or receive table, keyed by the sequence number in the request's hardware
@@ -17,7 +18,9 @@
 //! completion retires what is left in the table, unsignaled requests that ran included. The
 //! tables' buffers are released only after `ibv_destroy_qp`.
 //!
-//! Connection set-up (rdma_cm) is in `link.rs`; the tables and posting are here.
+//! Here: the queue pair, its tables and its life (made, moved to Error, drained, destroyed).
+//! Posting into the tables is in `submit.rs`, the completions that empty them in `wc.rs`,
+//! connection set-up (rdma_cm) in `link.rs`.
 
 use std::collections::VecDeque;
 use std::ptr::NonNull;
@@ -26,25 +29,23 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use rdma_sys::{
-    ibv_qp, ibv_qp_attr, ibv_qp_attr_mask as am, ibv_qp_ex, ibv_qp_state, ibv_recv_wr, ibv_sge,
+    ibv_qp, ibv_qp_attr, ibv_qp_attr_mask as am, ibv_qp_ex, ibv_qp_state, ibv_recv_wr,
     ibv_wr_opcode,
 };
 
 use super::cm::Conn;
-use super::device::{Device, Pd};
+use super::cq::Cq;
+use super::device::{Device, Pd, QpEvents};
 use super::mr::Mr;
 use super::post;
 use super::sys;
 use super::translate::{self, caps};
-use crate::fabric::cq::CompletionQueue;
+use crate::fabric::completions::Completions;
 use crate::fabric::error::{Error, Result};
-use crate::fabric::mr::Region;
-use crate::fabric::pd::ProtectionDomain;
-use crate::fabric::qp::ConnInfo;
-use crate::fabric::transport::{CqEngine, PdEngine};
-use crate::fabric::types::{
-    Access, QpCaps, QpState, RecvWr, SendFlags, SendOp, SendWr, Sge, WcOpcode, WcStatus,
-};
+use crate::fabric::memory::Region;
+use crate::fabric::params::ConnInfo;
+use crate::fabric::types::{Access, DomainId, QpCaps, QpState, WcOpcode, WcStatus};
+use crate::fabric::wr::Sge;
 
 /// Sequence numbers are 31 bits; the top bit of a hardware `wr_id`'s low half marks receives
 /// (a failed completion's opcode is undefined, so it cannot say which queue it is of).
@@ -54,7 +55,7 @@ pub(super) const RECV_BIT: u32 = 1 << 31;
 /// How long closing waits for the device to flush what is outstanding.
 const DRAIN_TIME: Duration = Duration::from_millis(500);
 /// How long a memory window bind may take.
-const BIND_TIME: Duration = Duration::from_secs(5);
+pub(super) const BIND_TIME: Duration = Duration::from_secs(5);
 
 static NEXT_TAG: AtomicU32 = AtomicU32::new(1);
 
@@ -101,11 +102,11 @@ pub(super) struct Core {
     /// The peer's capability flags (`caps::*`).
     pub(super) peer_flags: u8,
     pub(super) sq: VecDeque<SendSlot>,
-    next_send: u32,
+    pub(super) next_send: u32,
     /// Unsignaled requests posted since the last one signaled in hardware.
-    unsignaled: u32,
+    pub(super) unsignaled: u32,
     pub(super) rq: VecDeque<RecvSlot>,
-    next_recv: u32,
+    pub(super) next_recv: u32,
     /// Completed binds (sequence number and status) until their binder takes them.
     pub(super) bind_results: Vec<(u32, WcStatus)>,
     /// Closing posted its drain markers.
@@ -147,16 +148,17 @@ pub(super) fn hw_depth(n: usize) -> u32 {
 /// which its completion queues find it.
 pub(crate) struct Qp {
     pub(crate) num: u32,
-    pub(crate) pd: ProtectionDomain,
+    /// The protection domain: local buffers must be of it.
+    pub(super) domain: DomainId,
     pub(super) tag: u32,
     pub(super) dev: Device,
     pub(super) raw: NonNull<ibv_qp>,
     /// The extended queue pair (the `ibv_wr_*` posting calls), made when the device has
     /// Atomic Write, which only that path posts.
-    ex: Option<NonNull<ibv_qp_ex>>,
-    pub(super) send_cq: CompletionQueue,
-    pub(super) recv_cq: CompletionQueue,
-    caps: QpCaps,
+    pub(super) ex: Option<NonNull<ibv_qp_ex>>,
+    pub(super) send_cq: Arc<Cq>,
+    pub(super) recv_cq: Arc<Cq>,
+    pub(super) caps: QpCaps,
     _rpd: Pd,
     core: Mutex<Core>,
 }
@@ -168,35 +170,18 @@ unsafe impl Send for Qp {}
 // SAFETY: as for Send.
 unsafe impl Sync for Qp {}
 
-fn rdma_cq(cq: &CompletionQueue) -> Result<&super::cq::Cq> {
-    match cq.engine() {
-        CqEngine::Rdma(c) => Ok(c),
-        _ => Err(Error::WrongDomain {
-            what: "completion queue",
-        }),
-    }
-}
-
-fn same_cq(a: &CompletionQueue, b: &CompletionQueue) -> bool {
-    Arc::ptr_eq(&a.inner, &b.inner)
-}
-
 impl Device {
-    /// A queue pair in Init on `pd`'s device, its receives postable.
+    /// A queue pair in Init in `rpd` (protection domain `domain`), its receives postable.
     pub(crate) fn create_qp(
         &self,
-        pd: ProtectionDomain,
-        send_cq: CompletionQueue,
-        recv_cq: CompletionQueue,
+        domain: DomainId,
+        rpd: &Pd,
+        send_cq: &Arc<Cq>,
+        recv_cq: &Arc<Cq>,
         caps: QpCaps,
     ) -> Result<Arc<Qp>> {
-        let PdEngine::Rdma(rpd) = &pd.inner.engine else {
-            return Err(Error::WrongDomain {
-                what: "protection domain",
-            });
-        };
         let rpd = rpd.clone();
-        let (scq, rcq) = (rdma_cq(&send_cq)?, rdma_cq(&recv_cq)?);
+        let (scq, rcq) = (send_cq, recv_cq);
         // The device queues have a slot more than the tables (`hw_depth`).
         let max = self.caps().max_qp_wr as usize;
         if caps.max_send_wr >= max || caps.max_recv_wr >= max {
@@ -205,7 +190,7 @@ impl Device {
             });
         }
         let (s, r) = (hw_depth(caps.max_send_wr), hw_depth(caps.max_recv_wr));
-        if same_cq(&send_cq, &recv_cq) {
+        if Arc::ptr_eq(scq, rcq) {
             scq.reserve(s + r)?;
         } else {
             scq.reserve(s)?;
@@ -215,7 +200,7 @@ impl Device {
             }
         }
         let unreserve = || {
-            if same_cq(&send_cq, &recv_cq) {
+            if Arc::ptr_eq(scq, rcq) {
                 scq.release(s + r);
             } else {
                 scq.release(s);
@@ -233,20 +218,21 @@ impl Device {
         let num = unsafe { (*raw.as_ptr()).qp_num };
         let qp = Arc::new(Qp {
             num,
-            pd,
+            domain,
             tag: NEXT_TAG.fetch_add(1, Ordering::Relaxed),
             dev: self.clone(),
             raw,
             ex,
-            send_cq,
-            recv_cq,
+            send_cq: Arc::clone(send_cq),
+            recv_cq: Arc::clone(recv_cq),
             caps,
             _rpd: rpd,
             core: Mutex::new(Core::new()),
         });
         // From here on the queue pair's Drop destroys it and gives the reservations back.
         qp.to_init()?;
-        self.register_qp(num, Arc::downgrade(&qp));
+        let events: Arc<dyn QpEvents> = qp.clone();
+        self.register_qp(num, Arc::downgrade(&events));
         Ok(qp)
     }
 }
@@ -304,7 +290,7 @@ impl Qp {
         Ok(())
     }
 
-    fn wrong_state(&self, state: QpState, op: &'static str, needed: QpState) -> Error {
+    pub(super) fn wrong_state(&self, state: QpState, op: &'static str, needed: QpState) -> Error {
         Error::InvalidState {
             qp_num: self.num,
             state,
@@ -324,212 +310,6 @@ impl Qp {
             f |= caps::ATOMIC_WRITE;
         }
         f
-    }
-
-    fn check_sge(&self, s: &Sge, need: Access) -> Result<()> {
-        if !s.mr.pd().same(&self.pd) {
-            return Err(Error::WrongDomain {
-                what: "memory region",
-            });
-        }
-        s.mr.check_local(s.offset, s.len, need)
-    }
-
-    pub(crate) fn post_recv(&self, wr: RecvWr) -> Result<()> {
-        let mut c = self.lock();
-        if matches!(c.state, QpState::Reset | QpState::Error) {
-            return Err(self.wrong_state(c.state, "post_recv", QpState::Rts));
-        }
-        if c.rq.len() >= self.caps.max_recv_wr {
-            return Err(Error::QueueFull {
-                qp_num: self.num,
-                queue: "receive",
-                depth: self.caps.max_recv_wr,
-            });
-        }
-        if let Some(s) = &wr.local {
-            self.check_sge(s, Access::LOCAL_WRITE)?;
-        }
-        let seq = c.next_recv;
-        let mut sge = match &wr.local {
-            Some(s) => ibv_sge {
-                addr: s.mr.addr() + s.offset as u64,
-                length: s.len as u32,
-                lkey: s.mr.lkey(),
-            },
-            None => ibv_sge {
-                addr: 0,
-                length: 0,
-                lkey: 0,
-            },
-        };
-        let mut rwr = ibv_recv_wr {
-            wr_id: translate::token(self.tag, seq | RECV_BIT),
-            next: std::ptr::null_mut(),
-            sg_list: std::ptr::null_mut(),
-            num_sge: 0,
-        };
-        if wr.local.is_some() {
-            rwr.sg_list = &mut sge;
-            rwr.num_sge = 1;
-        }
-        let mut bad = std::ptr::null_mut();
-        // SAFETY: the queue pair is live; `rwr` and `sge` outlive the call (the provider copies
-        // them); the buffer they name stays registered and alive in the slot pushed below,
-        // under the same lock the completion takes, until the receive completes.
-        let r = unsafe { rdma_sys::ibv_post_recv(self.raw.as_ptr(), &mut rwr, &mut bad) };
-        if r != 0 {
-            return Err(sys::returned("ibv_post_recv", r));
-        }
-        c.next_recv = (seq + 1) & SEQ_MASK;
-        c.rq.push_back(RecvSlot {
-            seq,
-            wr_id: wr.wr_id,
-            drain: false,
-            _local: wr.local,
-        });
-        Ok(())
-    }
-
-    pub(crate) fn post_send(&self, wr: SendWr) -> Result<()> {
-        self.post_sends(&mut [Some(wr)])
-    }
-
-    /// Checks a request as the soft transport does, with this transport's capabilities.
-    fn validate(&self, c: &Core, wr: &SendWr) -> Result<()> {
-        let too_big = |s: &Sge| s.len > c.max_message || s.len > u32::MAX as usize;
-        let big = || Error::InvalidWorkRequest {
-            reason: "message larger than max_message",
-        };
-        let aligned = |addr: u64| addr.is_multiple_of(8);
-        match &wr.op {
-            SendOp::Write { local, .. }
-            | SendOp::WriteWithImm { local, .. }
-            | SendOp::Send { local }
-            | SendOp::SendWithInvalidate { local, .. } => {
-                self.check_sge(local, Access::empty())?;
-                if too_big(local) {
-                    return Err(big());
-                }
-            }
-            SendOp::Read { local, .. } => {
-                self.check_sge(local, Access::LOCAL_WRITE)?;
-                if too_big(local) {
-                    return Err(big());
-                }
-            }
-            SendOp::CompareSwap { local, remote, .. } | SendOp::FetchAdd { local, remote, .. } => {
-                self.check_sge(local, Access::LOCAL_WRITE)?;
-                crate::fabric::types::check_atomic_args(local, *remote)?;
-                if c.peer_flags & caps::ATOMICS == 0 || !self.dev.caps().atomics {
-                    return Err(Error::PeerUnsupported { op: "atomics" });
-                }
-            }
-            SendOp::AtomicWrite { remote, .. } => {
-                if !aligned(remote.addr) {
-                    return Err(Error::InvalidWorkRequest {
-                        reason: "atomic write target must be 8-byte aligned",
-                    });
-                }
-                if c.peer_flags & caps::ATOMIC_WRITE == 0 || self.ex.is_none() {
-                    return Err(Error::PeerUnsupported { op: "Atomic Write" });
-                }
-            }
-            // rdma-core 44 has no flush verb: never offered on this transport.
-            SendOp::Flush { .. } => return Err(Error::PeerUnsupported { op: "Flush" }),
-        }
-        wr.check_solicited()
-    }
-
-    /// Posts every request of `wrs` (all `Some`) with one doorbell, or none of them.
-    pub(crate) fn post_sends(&self, wrs: &mut [Option<SendWr>]) -> Result<()> {
-        let mut c = self.lock();
-        if c.state != QpState::Rts {
-            return Err(self.wrong_state(c.state, "post_send", QpState::Rts));
-        }
-        for wr in wrs.iter().flatten() {
-            self.validate(&c, wr)?;
-        }
-        if c.sq.len() + wrs.len() > self.caps.max_send_wr {
-            return Err(Error::QueueFull {
-                qp_num: self.num,
-                queue: "send",
-                depth: self.caps.max_send_wr,
-            });
-        }
-        // A run of unsignaled requests is signaled in hardware at half the queue.
-        let every = (self.caps.max_send_wr as u32 / 2).max(1);
-        let mut run = c.unsignaled;
-        let mut specs = Vec::with_capacity(wrs.len());
-        for (i, wr) in wrs.iter().flatten().enumerate() {
-            let asked = wr.flags.contains(SendFlags::SIGNALED);
-            run = if asked { 0 } else { run + 1 };
-            let signal = asked || run >= every;
-            if signal {
-                run = 0;
-            }
-            let seq = (c.next_send + i as u32) & SEQ_MASK;
-            let flags = translate::send_flags(wr.flags, signal);
-            let spec = translate::spec(&wr.op, flags, |s| {
-                (s.mr.addr() + s.offset as u64, s.mr.lkey())
-            });
-            specs.push((translate::token(self.tag, seq), spec));
-        }
-        let posted = match self.ex {
-            Some(ex) => post::post_ex(ex, &specs),
-            None => post::post_legacy(self.raw, &specs),
-        };
-        let n = match posted {
-            Ok(()) => specs.len(),
-            Err((0, e)) => return Err(e),
-            Err((k, e)) => {
-                // Some went to the device: they complete (flushed, now) and must be tracked.
-                self.push_slots(&mut c, &mut wrs[..k]);
-                self.enter_error(
-                    &mut c,
-                    format!("the device refused request {k} of a list after the first {k}"),
-                );
-                return Err(e);
-            }
-        };
-        debug_assert_eq!(n, wrs.len());
-        c.unsignaled = run;
-        self.push_slots(&mut c, wrs);
-        Ok(())
-    }
-
-    fn push_slots(&self, c: &mut Core, wrs: &mut [Option<SendWr>]) {
-        for wr in wrs.iter_mut().filter_map(Option::take) {
-            let opcode = wr.op.wc_opcode();
-            let (local, byte_len) = match wr.op {
-                SendOp::Write { local, .. }
-                | SendOp::WriteWithImm { local, .. }
-                | SendOp::Read { local, .. }
-                | SendOp::Send { local }
-                | SendOp::SendWithInvalidate { local, .. } => {
-                    let n = local.len as u32;
-                    (Some(local), n)
-                }
-                SendOp::CompareSwap { local, .. } | SendOp::FetchAdd { local, .. } => {
-                    (Some(local), 8)
-                }
-                SendOp::AtomicWrite { .. } => (None, 8),
-                SendOp::Flush { .. } => (None, 0),
-            };
-            let seq = c.next_send;
-            c.next_send = (seq + 1) & SEQ_MASK;
-            c.sq.push_back(SendSlot {
-                seq,
-                wr_id: wr.wr_id,
-                opcode,
-                byte_len,
-                report: wr.flags.contains(SendFlags::SIGNALED),
-                kind: SlotKind::Request,
-                _local: local,
-                _bound: None,
-                _memory: None,
-            });
-        }
     }
 
     /// Moves to Error (once): the device flushes every outstanding request.
@@ -562,113 +342,6 @@ impl Qp {
         }
     }
 
-    /// Binds type-2 window `mw` (unbound: type-2 windows bind only from the free state) to
-    /// `len` bytes at `addr` of `mr` (whose memory is `memory`) under `rkey`, posting the bind
-    /// and driving the send queue's completions until it is done.
-    #[allow(clippy::too_many_arguments)]
-    pub(crate) fn bind_window(
-        &self,
-        mw: *mut rdma_sys::ibv_mw,
-        rkey: u32,
-        mr: &Mr,
-        memory: &Arc<Region>,
-        addr: u64,
-        len: u64,
-        access: u32,
-    ) -> Result<()> {
-        let refused = |reason| Error::MemoryWindow { reason };
-        let seq = {
-            let mut c = self.lock();
-            if c.state != QpState::Rts {
-                return Err(self.wrong_state(c.state, "bind_mw", QpState::Rts));
-            }
-            if c.sq.len() >= self.caps.max_send_wr {
-                return Err(Error::QueueFull {
-                    qp_num: self.num,
-                    queue: "send",
-                    depth: self.caps.max_send_wr,
-                });
-            }
-            let seq = c.next_send;
-            let info = rdma_sys::ibv_mw_bind_info {
-                mr: mr.raw(),
-                addr,
-                length: len,
-                mw_access_flags: access,
-            };
-            let id = translate::token(self.tag, seq);
-            let signaled = rdma_sys::ibv_send_flags::IBV_SEND_SIGNALED.0;
-            let r = match self.ex {
-                // SAFETY: the extended queue pair is live; the bind's fields are read during
-                // the calls; start/complete bracket one request.
-                Some(ex) => unsafe {
-                    let q = ex.as_ptr();
-                    rdma_sys::ibv_wr_start(q);
-                    (*q).wr_id = id;
-                    (*q).wr_flags = signaled;
-                    match (*q).wr_bind_mw {
-                        Some(bind) => {
-                            bind(q, mw, rkey, &info);
-                            rdma_sys::ibv_wr_complete(q)
-                        }
-                        None => {
-                            rdma_sys::ibv_wr_abort(q);
-                            libc::EOPNOTSUPP
-                        }
-                    }
-                },
-                None => {
-                    let mut wr = translate::empty_send_wr();
-                    wr.wr_id = id;
-                    wr.opcode = ibv_wr_opcode::IBV_WR_BIND_MW;
-                    wr.send_flags = signaled;
-                    wr.bind_mw_tso_union.bind_mw = rdma_sys::bind_mw_t {
-                        mw,
-                        rkey,
-                        bind_info: info,
-                    };
-                    let mut bad = std::ptr::null_mut();
-                    // SAFETY: the queue pair is live; `wr` outlives the call.
-                    unsafe { rdma_sys::ibv_post_send(self.raw.as_ptr(), &mut wr, &mut bad) }
-                }
-            };
-            if r != 0 {
-                return Err(sys::returned("bind memory window", r));
-            }
-            c.next_send = (seq + 1) & SEQ_MASK;
-            c.sq.push_back(SendSlot {
-                seq,
-                wr_id: 0,
-                opcode: WcOpcode::Send,
-                byte_len: 0,
-                report: false,
-                kind: SlotKind::Bind,
-                _local: None,
-                _bound: Some(mr.clone()),
-                _memory: Some(memory.clone()),
-            });
-            seq
-        };
-        let deadline = Instant::now() + BIND_TIME;
-        loop {
-            {
-                let mut c = self.lock();
-                if let Some(i) = c.bind_results.iter().position(|&(s, _)| s == seq) {
-                    let (_, st) = c.bind_results.swap_remove(i);
-                    return match st {
-                        WcStatus::Success => Ok(()),
-                        _ => Err(refused("the device refused the bind")),
-                    };
-                }
-            }
-            self.send_cq.drive()?;
-            if Instant::now() >= deadline {
-                return Err(refused("the bind did not complete in 5 s"));
-            }
-            std::thread::yield_now();
-        }
-    }
-
     /// The handle is gone: disconnect, drain both queues (see the module docs; reaped by
     /// driving this queue pair's completion queues, for at most a short while should the
     /// device not answer), report what the user still waits for as flushed, and release the
@@ -687,9 +360,9 @@ impl Qp {
             if Instant::now() >= deadline {
                 break;
             }
-            let _ = self.send_cq.drive();
-            if !same_cq(&self.send_cq, &self.recv_cq) {
-                let _ = self.recv_cq.drive();
+            let _ = self.send_cq.progress();
+            if !Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+                let _ = self.recv_cq.progress();
             }
             std::thread::sleep(Duration::from_micros(50));
         }
@@ -764,19 +437,30 @@ impl Qp {
     pub(super) fn watch_cm(&self, cm: &Conn) {
         use std::os::fd::AsFd;
         for cq in [&self.send_cq, &self.recv_cq] {
-            if let Ok(c) = rdma_cq(cq) {
-                c.watch_events(cm.channel.as_fd(), self.num);
-            }
+            cq.watch_events(cm.channel.as_fd(), self.num);
         }
     }
 
     fn unwatch_cm(&self, cm: &Conn) {
         use std::os::fd::AsFd;
         for cq in [&self.send_cq, &self.recv_cq] {
-            if let Ok(c) = rdma_cq(cq) {
-                c.unwatch_events(cm.channel.as_fd());
-            }
+            cq.unwatch_events(cm.channel.as_fd());
         }
+    }
+}
+
+impl QpEvents for Qp {
+    fn complete(&self, wc: &rdma_sys::ibv_wc, list: &Completions) {
+        Qp::complete(self, wc, list)
+    }
+    fn handle_cm_events(&self) {
+        Qp::handle_cm_events(self)
+    }
+    fn to_error(&self, why: &str) {
+        Qp::to_error(self, why)
+    }
+    fn notify_established(&self) {
+        Qp::notify_established(self)
     }
 }
 
@@ -795,13 +479,11 @@ impl Drop for Qp {
             hw_depth(self.caps.max_send_wr),
             hw_depth(self.caps.max_recv_wr),
         );
-        if let (Ok(scq), Ok(rcq)) = (rdma_cq(&self.send_cq), rdma_cq(&self.recv_cq)) {
-            if same_cq(&self.send_cq, &self.recv_cq) {
-                scq.release(s + r);
-            } else {
-                scq.release(s);
-                rcq.release(r);
-            }
+        if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
+            self.send_cq.release(s + r);
+        } else {
+            self.send_cq.release(s);
+            self.recv_cq.release(r);
         }
     }
 }

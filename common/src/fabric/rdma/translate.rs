@@ -8,7 +8,8 @@ use rdma_sys::{
     ibv_wc_status as ws, ibv_wr_opcode as wr,
 };
 
-use crate::fabric::types::{Access, FlushTarget, SendFlags, SendOp, WcOpcode, WcStatus};
+use crate::fabric::types::{Access, SendFlags, WcOpcode, WcStatus};
+use crate::fabric::wr::{FlushTarget, SendOp};
 
 /// The verbs access flags for `a`. Flush rights have no verbs flag in rdma-core 44 (and this
 /// transport posts no Flush), so they are dropped; `atomics: false` (a device without
@@ -480,8 +481,8 @@ mod tests {
     #[test]
     fn work_request_fields_of_every_operation() {
         let local = sge();
-        let base = local.mr.addr();
-        let lkey = |s: &Sge| (s.mr.addr() + s.offset as u64, 0x1234);
+        let base = local.addr() - local.offset as u64;
+        let lkey = |s: &Sge| (s.addr(), 0x1234);
         let remote = RemoteAddr {
             addr: 0x1000_0008,
             rkey: 0x77,

@@ -7,12 +7,12 @@ use rdma_sys::{ibv_wc, ibv_wc_flags};
 
 use super::qp::{Core, Qp, SlotKind, RECV_BIT, SEQ_MASK};
 use super::translate;
-use crate::fabric::transport::Entries;
+use crate::fabric::completions::Completions;
 use crate::fabric::types::{Completion, QpState, WcOpcode, WcStatus};
 
 impl Qp {
     /// Takes a completion the queue reaped: releases what its request held and reports it.
-    pub(crate) fn complete(&self, wc: &ibv_wc, entries: &Entries) {
+    pub(crate) fn complete(&self, wc: &ibv_wc, list: &Completions) {
         let (tag, low) = translate::untoken(wc.wr_id);
         if tag != self.tag {
             return; // a completion of an earlier queue pair with this number
@@ -34,10 +34,7 @@ impl Qp {
             self.complete_send(&mut c, wc, low, status)
         };
         if let Some(done) = out {
-            entries
-                .lock()
-                .unwrap_or_else(|p| p.into_inner())
-                .push_back(done);
+            list.push(done);
         }
     }
 

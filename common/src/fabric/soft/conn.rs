@@ -5,19 +5,20 @@
 use std::io::Write;
 use std::net::{SocketAddr, TcpListener, TcpStream};
 
+use super::wire::mpa::{self, MpaConfig, MpaFrame, RtrTypes};
+use super::wire::rx::RxConfig;
+use super::wire::{self, CapFlags, Caps, WireError};
 use crate::fabric::error::{Error, Result};
-use crate::fabric::qp::{ConnInfo, ConnParams, TcpInfo};
-use crate::fabric::soft::wire::mpa::{self, MpaConfig, MpaFrame, RtrTypes};
-use crate::fabric::soft::wire::rx::RxConfig;
-use crate::fabric::soft::wire::{self, CapFlags, Caps, WireError};
+use crate::fabric::params::{ConnInfo, ConnParams, TcpInfo, TcpParams};
 use crate::fabric::url::{Scheme, Url};
 
 /// The largest ULPDU sent when the connection's MSS is unknown: one FPDU per TCP segment of
 /// a 1500-byte MTU. (`TcpParams::default()` asks for 65535, which the MSS then cuts.)
 pub(crate) const DEFAULT_MAX_ULPDU: usize = wire::DEFAULT_MAX_ULPDU;
 
-/// The largest ULPDU MPA can carry (`TcpParams::default()` asks for it).
-pub(crate) const MAX_ULPDU_LIMIT: usize = wire::MAX_ULPDU_LIMIT;
+// What the neutral parameters promise (`TcpParams`) is what this framing can do.
+const _: () = assert!(TcpParams::MAX_ULPDU == wire::MAX_ULPDU_LIMIT);
+const _: () = assert!(TcpParams::MAX_PRIVATE_DATA == MAX_PRIVATE_DATA);
 
 /// The largest ULPDU whose FPDU fits one TCP segment of `sock` (RFC 5044's MULPDU without
 /// markers: the MSS less the 2-byte length, the pad and the CRC), at least

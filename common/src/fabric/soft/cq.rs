@@ -5,11 +5,14 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, Weak};
 
 use super::outbound::quantum;
-use super::poll::Poller;
 use super::qp::SoftQp;
+use crate::fabric::completions::Completions;
 use crate::fabric::error::Result;
+use crate::fabric::wait::Poller;
 
 pub(crate) struct SoftCq {
+    /// Where the bound queue pairs push their completions (the completion queue's list).
+    list: Arc<Completions>,
     qps: Mutex<Arc<Vec<Weak<SoftQp>>>>,
     poller: Poller,
     /// Queue pairs that still had output waiting after the previous pass: they share the
@@ -18,8 +21,9 @@ pub(crate) struct SoftCq {
 }
 
 impl SoftCq {
-    pub(crate) fn new() -> Result<SoftCq> {
+    pub(crate) fn new(list: Arc<Completions>) -> Result<SoftCq> {
         Ok(SoftCq {
+            list,
             qps: Mutex::new(Arc::new(Vec::new())),
             poller: Poller::new()?,
             busy: AtomicUsize::new(0),
@@ -30,6 +34,12 @@ impl SoftCq {
         &self.poller
     }
 
+    /// The completion list a queue pair made on this queue completes into.
+    pub(crate) fn list(&self) -> Arc<Completions> {
+        Arc::clone(&self.list)
+    }
+
+    /// Makes a connected queue pair's progress part of this queue's polling.
     pub(crate) fn attach(&self, qp: &Arc<SoftQp>) {
         let mut qps = self.qps.lock().unwrap_or_else(|p| p.into_inner());
         let mut list: Vec<Weak<SoftQp>> = qps

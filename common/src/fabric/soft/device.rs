@@ -7,7 +7,7 @@
 use std::sync::{Arc, RwLock};
 
 use crate::fabric::error::{Error, Result};
-use crate::fabric::mr::Region;
+use crate::fabric::memory::{Grant, Region};
 use crate::fabric::types::Access;
 
 /// What an STag names.
@@ -72,6 +72,19 @@ impl Target {
 }
 
 impl StagEntry {
+    /// The entry for what a registration (`Mr`) or a window binding (`Mw`) grants.
+    pub(crate) fn granted(g: &Grant<'_>, kind: StagKind) -> StagEntry {
+        StagEntry {
+            region: Arc::clone(g.region),
+            base: g.base,
+            len: g.len,
+            offset: g.offset,
+            access: g.access,
+            pd: g.pd,
+            kind,
+        }
+    }
+
     /// Checks an access of `len` bytes at tagged offset `to` with rights `need` by a queue pair
     /// `qp` of protection domain `pd`.
     pub(crate) fn check(
@@ -276,7 +289,7 @@ impl StagTable {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::fabric::mr::{AlignedBuf, Backing, RegisteredMemory};
+    use crate::fabric::memory::{AlignedBuf, Backing, RegisteredMemory};
 
     fn entry(kind: StagKind, access: Access) -> (StagEntry, u64) {
         let buf = AlignedBuf::new(4096).unwrap();

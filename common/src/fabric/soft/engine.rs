@@ -3,20 +3,21 @@
 
 use std::collections::VecDeque;
 use std::net::TcpStream;
+use std::sync::Arc;
 
-use crate::fabric::context::Context;
-use crate::fabric::cq::CompletionQueue;
+use super::device::StagTable;
+use super::outbound::{OnSent, Tx};
+use super::placement::{Counting, Dirty};
+use super::status;
+use super::wire::rdmap::ReadRequest;
+use super::wire::rx::{Delivered, FpduReceiver};
+use super::wire::{Header, Opcode, TermCause, Terminate, WireError};
+use crate::fabric::completions::Completions;
 use crate::fabric::error::Error;
-use crate::fabric::qp::ConnInfo;
-use crate::fabric::soft::outbound::{OnSent, Tx};
-use crate::fabric::soft::placement::{Counting, Dirty};
-use crate::fabric::soft::wire::rdmap::ReadRequest;
-use crate::fabric::soft::wire::rx::{Delivered, FpduReceiver};
-use crate::fabric::soft::wire::WireError;
-use crate::fabric::soft::wire::{Header, Opcode, TermCause, Terminate};
-use crate::fabric::types::{
-    Completion, QpCaps, QpState, SendFlags, SendOp, Sge, WcOpcode, WcStatus,
-};
+use crate::fabric::memory::Region;
+use crate::fabric::params::ConnInfo;
+use crate::fabric::types::{Completion, DomainId, QpCaps, QpState, SendFlags, WcOpcode, WcStatus};
+use crate::fabric::wr::{SendOp, Sge};
 
 /// How many FPDUs one progress call handles before it lets other queue pairs run.
 const RX_BUDGET: usize = 256;
@@ -99,10 +100,12 @@ impl Fault {
 
 pub(crate) struct Engine {
     pub(super) qp_num: u32,
-    pub(super) pd: u32,
-    pub(super) ctx: Context,
-    pub(super) send_cq: CompletionQueue,
-    pub(super) recv_cq: CompletionQueue,
+    /// The protection domain: local buffers and STags must be of it.
+    pub(super) domain: DomainId,
+    /// The device's STag table, where peers' rkeys are looked up.
+    pub(super) stags: Arc<StagTable>,
+    pub(super) send_cq: Arc<Completions>,
+    pub(super) recv_cq: Arc<Completions>,
     pub(super) caps: QpCaps,
     pub(super) state: QpState,
     pub(super) error: Option<String>,
@@ -145,7 +148,7 @@ pub(crate) struct Engine {
 /// A Write FPDU in placement (see `Engine::placing`).
 pub(super) struct Placing {
     /// Keeps the registered memory alive until the FPDU is reported.
-    pub(super) region: std::sync::Arc<crate::fabric::mr::Region>,
+    pub(super) region: Arc<Region>,
     pub(super) offset: usize,
     pub(super) len: usize,
     /// The receiver was asked to write the bytes back from the cache as it copies them (dax):
@@ -258,7 +261,7 @@ impl Engine {
         t.rreq = f.rreq;
         self.tx.abort_queued();
         self.counting
-            .terminated(super::status::terminate_cause(f.cause, f.persist.is_some()));
+            .terminated(status::terminate_cause(f.cause, f.persist.is_some()));
         let hdr = Header::untagged(Opcode::Terminate, 1, true);
         let body = t.encode();
         self.tx.push_inline(hdr, body, OnSent::Nothing);

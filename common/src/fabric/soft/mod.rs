@@ -8,7 +8,7 @@
 //!   atomics (`atomics`).
 //! - `status`: Terminate causes for refused accesses, completion statuses for received
 //!   Terminates.
-//! - `device`: the STag table (regions and windows, rights checks); `poll`: the epoll idle wait.
+//! - `device`: the STag table (regions and windows, rights checks).
 //! - `conn`: TCP connect/accept and the MPA exchange.
 //! - `outbound`: a connection's FIFO of outbound messages, written with `writev` (the framing
 //!   is the wire layer's `tx`).
@@ -22,7 +22,6 @@ pub(crate) mod device;
 mod engine;
 mod outbound;
 pub(crate) mod placement;
-pub(crate) mod poll;
 pub(crate) mod qp;
 mod requester;
 mod responder;

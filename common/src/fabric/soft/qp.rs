@@ -11,18 +11,19 @@ use std::net::{Shutdown, TcpStream};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
+use super::conn::{self, Negotiated};
+use super::device::StagTable;
 use super::engine::*;
+use super::outbound::{Tx, TX_QUANTUM};
+use super::placement::{Counting, Dirty};
+use super::wire::rx::FpduReceiver;
+use crate::fabric::completions::Completions;
 use crate::fabric::counters::ResponderCounters;
-use crate::fabric::cq::CompletionQueue;
 use crate::fabric::error::{Error, Result};
-use crate::fabric::pd::ProtectionDomain;
-use crate::fabric::qp::{ConnInfo, ConnParams};
-use crate::fabric::soft::conn::Negotiated;
-use crate::fabric::soft::outbound::{Tx, TX_QUANTUM};
-use crate::fabric::soft::placement::{Counting, Dirty};
-use crate::fabric::soft::poll::Poller;
-use crate::fabric::soft::wire::rx::FpduReceiver;
-use crate::fabric::types::{Access, QpCaps, QpState, RecvWr, SendWr};
+use crate::fabric::params::{ConnInfo, ConnParams};
+use crate::fabric::types::{Access, DomainId, QpCaps, QpState};
+use crate::fabric::wait::Poller;
+use crate::fabric::wr::{RecvWr, SendWr};
 
 /// Whether a state may move to another (`ibv_modify_qp` rules, as far as RC uses them).
 pub(crate) fn can_transition(from: QpState, to: QpState) -> bool {
@@ -47,25 +48,27 @@ struct Core {
 /// A soft queue pair. Shared by its handle and (weakly) by its completion queues.
 pub(crate) struct SoftQp {
     pub(crate) num: u32,
-    pub(crate) pd: ProtectionDomain,
     /// What the engine served as the responder; read without the queue pair's lock.
     pub(crate) counters: ResponderCounters,
     core: Mutex<Core>,
 }
 
 impl SoftQp {
+    /// A queue pair in Init, of protection domain `domain` on the device whose STag table is
+    /// `stags`, completing into `send_cq` and `recv_cq`.
     pub(crate) fn new(
         num: u32,
-        pd: ProtectionDomain,
-        send_cq: CompletionQueue,
-        recv_cq: CompletionQueue,
+        domain: DomainId,
+        stags: Arc<StagTable>,
+        send_cq: Arc<Completions>,
+        recv_cq: Arc<Completions>,
         caps: QpCaps,
     ) -> Arc<SoftQp> {
         let counters = ResponderCounters::new();
         let e = Engine {
             qp_num: num,
-            pd: pd.inner.id,
-            ctx: pd.context().clone(),
+            domain,
+            stags,
             send_cq,
             recv_cq,
             caps,
@@ -98,7 +101,6 @@ impl SoftQp {
         };
         Arc::new(SoftQp {
             num,
-            pd,
             counters,
             core: Mutex::new(Core { conn: None, e }),
         })
@@ -132,9 +134,10 @@ impl SoftQp {
         Ok(())
     }
 
-    /// Init -> RTR -> RTS over a connected, handshaken stream.
+    /// Init -> RTR -> RTS over a connected, handshaken stream. The caller then attaches the
+    /// queue pair to its completion queues, whose polling drives it.
     pub(crate) fn start(
-        self: &Arc<Self>,
+        &self,
         sock: TcpStream,
         neg: Negotiated,
         params: &ConnParams,
@@ -152,7 +155,7 @@ impl SoftQp {
         }
         let e = &mut c.e;
         // RFC 5044: an FPDU should fit one TCP segment (MULPDU), whatever was asked for.
-        let mulpdu = super::conn::mulpdu(&sock).unwrap_or(super::conn::DEFAULT_MAX_ULPDU);
+        let mulpdu = conn::mulpdu(&sock).unwrap_or(conn::DEFAULT_MAX_ULPDU);
         let max_ulpdu = neg.peer_max_ulpdu.min(params.tcp.max_ulpdu).min(mulpdu);
         e.tx = Tx::new(neg.crc, max_ulpdu);
         e.ord = neg.info.ord.max(1) as usize;
@@ -168,10 +171,6 @@ impl SoftQp {
             sock,
             armed: Vec::new(),
         });
-        let (scq, rcq) = (c.e.send_cq.clone(), c.e.recv_cq.clone());
-        drop(c);
-        scq.engine().attach_soft(self);
-        rcq.engine().attach_soft(self);
         Ok(())
     }
 

@@ -4,25 +4,24 @@
 use std::sync::Arc;
 
 use super::engine::*;
-use crate::fabric::error::{Error, Result};
-use crate::fabric::qp::ConnInfo;
-use crate::fabric::soft::outbound::{OnSent, Src, TxMsg};
-use crate::fabric::soft::wire::rdmap::{
+use super::outbound::{OnSent, Src, TxMsg};
+use super::wire::rdmap::{
     AtomicRequest, AtomicWriteRequest, FlushPlacement, FlushRequest, FlushSelectivity, ReadRequest,
 };
-use crate::fabric::soft::wire::{Header, HeaderKind, Opcode};
-use crate::fabric::types::{
-    check_atomic_args, Access, FlushTarget, FlushType, QpState, SendFlags, SendOp, SendWr, Sge,
-};
+use super::wire::{Header, HeaderKind, Opcode};
+use crate::fabric::error::{Error, Result};
+use crate::fabric::params::ConnInfo;
+use crate::fabric::types::{Access, QpState, SendFlags};
+use crate::fabric::wr::{check_atomic_args, FlushTarget, FlushType, SendOp, SendWr, Sge};
 
 impl Engine {
     pub(super) fn check_sge(&self, s: &Sge, need: Access) -> Result<()> {
-        if s.mr.pd().inner.id != self.pd || !s.mr.pd().context().same(&self.ctx) {
+        if s.domain() != self.domain {
             return Err(Error::WrongDomain {
                 what: "memory region",
             });
         }
-        s.mr.check_local(s.offset, s.len, need)
+        s.check_local(need)
     }
 
     pub(super) fn peer_has(
@@ -154,7 +153,7 @@ impl Engine {
         self.tx.push(TxMsg {
             hdr,
             src: Src::Mem {
-                region: Arc::clone(s.mr.region()),
+                region: Arc::clone(s.region()),
                 offset: s.offset,
             },
             len: s.len,
@@ -225,8 +224,8 @@ impl Engine {
             }
             SendOp::Read { local, remote } => {
                 let rr = ReadRequest {
-                    sink_stag: local.mr.lkey(),
-                    sink_to: local.mr.addr() + local.offset as u64,
+                    sink_stag: local.lkey(),
+                    sink_to: local.addr(),
                     size: local.len as u32,
                     src_stag: remote.rkey,
                     src_to: remote.addr,

@@ -7,17 +7,17 @@
 
 use std::sync::atomic::{AtomicU64, Ordering};
 
+use super::device::AccessFault;
 use super::engine::*;
-use crate::fabric::counters::PersistKind;
-use crate::fabric::soft::outbound::{OnSent, Src, TxMsg};
-use crate::fabric::soft::placement;
-use crate::fabric::soft::placement::DirectTarget;
-use crate::fabric::soft::status;
-use crate::fabric::soft::wire::rdmap::{
-    AtomicOp, AtomicResponse, Body, FlushPlacement, FlushSelectivity, PrivateResponse,
+use super::outbound::{OnSent, Src, TxMsg};
+use super::placement::{self, DirectTarget};
+use super::status;
+use super::wire::rdmap::{
+    AtomicOp, AtomicResponse, FlushPlacement, FlushSelectivity, PrivateResponse,
 };
-use crate::fabric::soft::wire::rx;
-use crate::fabric::soft::wire::{Header, HeaderKind, Opcode, TermCause};
+use super::wire::rx;
+use super::wire::{Body, Header, HeaderKind, Opcode, TermCause};
+use crate::fabric::counters::PersistKind;
 use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
 use crate::pmem::Domain;
 use crate::stats::{Stopwatch, COUNTING};
@@ -84,10 +84,8 @@ impl Engine {
                     Opcode::SendInvalidate | Opcode::SendSeInvalidate
                 ) {
                     if let Err(f) =
-                        self.ctx
-                            .device()
-                            .stags()
-                            .invalidate_remote(inv_stag, self.pd, self.qp_num)
+                        self.stags
+                            .invalidate_remote(inv_stag, self.domain.pd, self.qp_num)
                     {
                         let cause = status::invalidate_cause(f);
                         self.terminate(Fault::at(cause, hdr, hdr.len() + len));
@@ -143,18 +141,9 @@ impl Engine {
         to: u64,
         len: u64,
         need: Access,
-    ) -> std::result::Result<
-        crate::fabric::soft::device::Target,
-        crate::fabric::soft::device::AccessFault,
-    > {
-        use crate::fabric::soft::device::AccessFault;
-        let entry = self
-            .ctx
-            .device()
-            .stags()
-            .lookup(stag)
-            .ok_or(AccessFault::InvalidStag)?;
-        entry.check(self.pd, self.qp_num, to, len, need)
+    ) -> std::result::Result<crate::fabric::soft::device::Target, AccessFault> {
+        let entry = self.stags.lookup(stag).ok_or(AccessFault::InvalidStag)?;
+        entry.check(self.domain.pd, self.qp_num, to, len, need)
     }
 
     pub(super) fn take_ird(
@@ -316,14 +305,12 @@ impl Engine {
                     FlushSelectivity::Range { stag, to, len } => {
                         self.lookup(stag, to, len, need).map(|t| (t, len as usize))
                     }
-                    FlushSelectivity::Region { stag } => {
-                        match self.ctx.device().stags().lookup(stag) {
-                            Some(e) => e
-                                .check(self.pd, self.qp_num, e.base, e.len, need)
-                                .map(|t| (t, e.len as usize)),
-                            None => Err(crate::fabric::soft::device::AccessFault::InvalidStag),
-                        }
-                    }
+                    FlushSelectivity::Region { stag } => match self.stags.lookup(stag) {
+                        Some(e) => e
+                            .check(self.domain.pd, self.qp_num, e.base, e.len, need)
+                            .map(|t| (t, e.len as usize)),
+                        None => Err(AccessFault::InvalidStag),
+                    },
                 }
                 .map_err(|f| fault(status::rdmap_cause(f)))?;
                 let stag = match fr.selectivity {
@@ -374,7 +361,7 @@ impl Engine {
                         // a region kept alive by the entry's Arc. An 8-aligned result is
                         // stored in one access (the owner may be reading it).
                         let v = ar.original.to_ne_bytes();
-                        if let Some(dst) = result.mr.region().slice(result.offset, 8) {
+                        if let Some(dst) = result.region().slice(result.offset, 8) {
                             let _ = dst.write_at(0, &v);
                         }
                     }
@@ -512,12 +499,12 @@ impl Engine {
                 else {
                     return Err((TermCause::RDMAP_UNEXPECTED_OPCODE, None));
                 };
-                let expect_to = sink.mr.addr() + (sink.offset + *got) as u64;
-                if stag != sink.mr.lkey() || to != expect_to || *got + len > sink.len {
+                let expect_to = sink.addr() + *got as u64;
+                if stag != sink.lkey() || to != expect_to || *got + len > sink.len {
                     return Err((TermCause::DDP_TAGGED_BASE_BOUNDS, None));
                 }
                 Ok(Some((
-                    sink.mr.as_mut_ptr().wrapping_add(sink.offset + *got),
+                    sink.region().addr().wrapping_add(sink.offset + *got),
                     false,
                 )))
             }
@@ -555,7 +542,7 @@ impl Engine {
                 cur.placed += len;
                 Ok(match &cur.entry.local {
                     Some(s) if len > 0 => Some((
-                        s.mr.as_mut_ptr().wrapping_add(s.offset + mo as usize),
+                        s.region().addr().wrapping_add(s.offset + mo as usize),
                         false,
                     )),
                     _ => None,

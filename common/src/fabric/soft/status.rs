@@ -1,9 +1,9 @@
 //! Status mapping: the Terminate cause a refused access calls for, and the completion status
 //! a received Terminate gives the request it ends.
 
+use super::device::{AccessFault, InvalidateFault};
+use super::wire::{Layer, TermCause};
 use crate::fabric::counters::TerminateCause;
-use crate::fabric::soft::device::{AccessFault, InvalidateFault};
-use crate::fabric::soft::wire::{Layer, TermCause};
 use crate::fabric::types::WcStatus;
 
 /// The Terminate cause for a refused tagged access (a Write or a Read Response's target).

@@ -3,7 +3,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::*;
-use crate::pmem::{Domain, Durability, Error, OpenOptions, Persist};
+use crate::pmem::{Domain, Durability, Error, Mapping, OpenOptions, Persist};
 
 const LEN: u64 = 1 << 20;
 

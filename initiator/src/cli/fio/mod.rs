@@ -6,28 +6,13 @@ pub(crate) mod report;
 pub(crate) mod run;
 
 use std::io::{IsTerminal, Write as _};
-use std::path::PathBuf;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use serde_json::json;
 
-use crate::cli::{usage, Failure, Global};
-
-/// The options of `bench` that run a job file (flattened into the `bench` subcommand).
-#[derive(Debug, clap::Args)]
-pub(crate) struct JobArgs {
-    /// Run this fio job file instead of the quick bench (the options fio's matrix uses:
-    /// rw, bs, iodepth, numjobs, size, offset, runtime, time_based, ramp_time, rwmixread,
-    /// fsync/sync, verify). It overwrites the region its jobs name.
-    #[arg(long, value_name = "FILE",
-          conflicts_with_all = ["offset", "yes", "io_size", "count", "total", "depth"])]
-    pub(crate) job: Option<PathBuf>,
-    /// How --job reports: fio's text summary, or fio's JSON (also with --json) [default: normal].
-    #[arg(long, value_name = "FORMAT", value_parser = ["normal", "json"], requires = "job")]
-    pub(crate) output_format: Option<String>,
-}
+use crate::cli::{usage, Failure, Global, JobArgs};
 
 /// Registered memory the pool may take when slots are added beyond the deepest iodepth.
 const POOL_BYTES: u64 = 16 << 20;

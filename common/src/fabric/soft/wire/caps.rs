@@ -16,7 +16,7 @@
 //! application bytes.
 
 use super::cursor::{Reader, Writer};
-use super::{Result, WireError};
+use super::error::{Result, WireError};
 
 /// The block's magic.
 pub const MAGIC: [u8; 4] = *b"rPMA";

@@ -1,7 +1,7 @@
 //! A bounds-checked big-endian reader over a byte slice: every read past the end is a
 //! [`WireError::Truncated`], never a panic. No unsafe.
 
-use super::{Result, WireError};
+use super::error::{Result, WireError};
 
 /// Reads big-endian fields from a slice, front to back.
 #[derive(Debug, Clone)]

@@ -12,7 +12,8 @@
 //! | 14 | 4 | payload | MO |
 //! | 18 | | | payload |
 
-use super::{Result, WireError};
+pub use super::codes::{Opcode, QN_READ_REQUEST, QN_RESPONSE, QN_SEND, QN_TERMINATE};
+use super::error::{Result, WireError};
 
 /// DDP control: T, the tagged buffer model.
 pub const DDP_TAGGED: u8 = 0x80;
@@ -27,140 +28,6 @@ pub const RDMAP_VERSION: u8 = 0x40;
 pub const TAGGED_HDR_LEN: usize = 14;
 /// Length of the untagged DDP/RDMAP header.
 pub const UNTAGGED_HDR_LEN: usize = 18;
-
-/// Untagged queue 0: Send, Send with Invalidate/Solicited Event, Immediate Data.
-pub const QN_SEND: u32 = 0;
-/// Untagged queue 1: Read Requests, RFC 7306 Atomic Requests and the private Flush and Atomic
-/// Write Requests: everything that counts against IRD/ORD.
-pub const QN_READ_REQUEST: u32 = 1;
-/// Untagged queue 2: Terminate.
-pub const QN_TERMINATE: u32 = 2;
-/// Untagged queue 3: RFC 7306 Atomic Responses and the private responses.
-pub const QN_RESPONSE: u32 = 3;
-
-/// RDMAP opcodes: RFC 5040, RFC 7306, and the private ones in 0xC-0xE (docs/protocol.md).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Opcode {
-    /// RDMA Write (tagged).
-    Write = 0x0,
-    /// RDMA Read Request (untagged, QN 1).
-    ReadRequest = 0x1,
-    /// RDMA Read Response (tagged, to the sink STag/TO of the request).
-    ReadResponse = 0x2,
-    /// Send (QN 0).
-    Send = 0x3,
-    /// Send with Invalidate (QN 0, STag to invalidate in the header).
-    SendInvalidate = 0x4,
-    /// Send with Solicited Event.
-    SendSe = 0x5,
-    /// Send with Solicited Event and Invalidate.
-    SendSeInvalidate = 0x6,
-    /// Terminate (QN 2).
-    Terminate = 0x7,
-    /// RFC 7306 Immediate Data: 8 bytes, QN 0.
-    ImmediateData = 0x8,
-    /// RFC 7306 Immediate Data with Solicited Event.
-    ImmediateDataSe = 0x9,
-    /// RFC 7306 Atomic Request (QN 1).
-    AtomicRequest = 0xA,
-    /// RFC 7306 Atomic Response (QN 3).
-    AtomicResponse = 0xB,
-    /// Private: Flush Request (QN 1), IBTA FLUSH semantics.
-    FlushRequest = 0xC,
-    /// Private: Atomic Write Request (QN 1), IBTA ATOMIC WRITE semantics.
-    AtomicWriteRequest = 0xD,
-    /// Private: the response to a Flush or Atomic Write Request (QN 3).
-    PrivateResponse = 0xE,
-}
-
-impl Opcode {
-    /// The opcode for a raw 4-bit value.
-    ///
-    /// # Errors
-    /// [`WireError::UnknownOpcode`] for 0xF (and anything above 4 bits).
-    pub fn from_u8(v: u8) -> Result<Opcode> {
-        use Opcode::*;
-        Ok(match v {
-            0x0 => Write,
-            0x1 => ReadRequest,
-            0x2 => ReadResponse,
-            0x3 => Send,
-            0x4 => SendInvalidate,
-            0x5 => SendSe,
-            0x6 => SendSeInvalidate,
-            0x7 => Terminate,
-            0x8 => ImmediateData,
-            0x9 => ImmediateDataSe,
-            0xA => AtomicRequest,
-            0xB => AtomicResponse,
-            0xC => FlushRequest,
-            0xD => AtomicWriteRequest,
-            0xE => PrivateResponse,
-            opcode => return Err(WireError::UnknownOpcode { opcode }),
-        })
-    }
-
-    /// Whether the opcode uses the tagged buffer model.
-    pub const fn is_tagged(self) -> bool {
-        matches!(self, Opcode::Write | Opcode::ReadResponse)
-    }
-
-    /// The untagged queue the opcode travels on (None for tagged opcodes).
-    pub const fn queue(self) -> Option<u32> {
-        use Opcode::*;
-        match self {
-            Write | ReadResponse => None,
-            Send | SendInvalidate | SendSe | SendSeInvalidate | ImmediateData | ImmediateDataSe => {
-                Some(QN_SEND)
-            }
-            ReadRequest | AtomicRequest | FlushRequest | AtomicWriteRequest => {
-                Some(QN_READ_REQUEST)
-            }
-            Terminate => Some(QN_TERMINATE),
-            AtomicResponse | PrivateResponse => Some(QN_RESPONSE),
-        }
-    }
-
-    /// Whether this is one of the private opcodes (0xC-0xE).
-    pub const fn is_private(self) -> bool {
-        matches!(
-            self,
-            Opcode::FlushRequest | Opcode::AtomicWriteRequest | Opcode::PrivateResponse
-        )
-    }
-
-    /// Whether the opcode carries user data (placed through the receiver's `Placer`); the
-    /// others carry a fixed or small control body.
-    pub const fn carries_data(self) -> bool {
-        use Opcode::*;
-        matches!(
-            self,
-            Write | ReadResponse | Send | SendInvalidate | SendSe | SendSeInvalidate
-        )
-    }
-
-    /// Whether the message must be a single segment at offset 0 (a control message).
-    pub const fn is_single_segment(self) -> bool {
-        !self.carries_data()
-    }
-
-    /// The fixed body length of a control message (None for data and for Terminate, whose body
-    /// is variable).
-    pub const fn body_len(self) -> Option<usize> {
-        use Opcode::*;
-        match self {
-            ReadRequest => Some(super::rdmap::ReadRequest::LEN),
-            ImmediateData | ImmediateDataSe => Some(8),
-            AtomicRequest => Some(super::rdmap::AtomicRequest::LEN),
-            AtomicResponse => Some(super::rdmap::AtomicResponse::LEN),
-            FlushRequest => Some(super::rdmap::FlushRequest::LEN),
-            AtomicWriteRequest => Some(super::rdmap::AtomicWriteRequest::LEN),
-            PrivateResponse => Some(super::rdmap::PrivateResponse::LEN),
-            _ => None,
-        }
-    }
-}
 
 /// The DDP/RDMAP header length for an opcode: 14 if tagged, else 18.
 pub const fn header_len(opcode: Opcode) -> usize {
@@ -347,7 +214,9 @@ impl Header {
                 version: rdmap >> 6,
             });
         }
-        let opcode = Opcode::from_u8(rdmap & 0x0F)?;
+        let opcode = Opcode::from_u8(rdmap & 0x0F).ok_or(WireError::UnknownOpcode {
+            opcode: rdmap & 0x0F,
+        })?;
         if opcode.is_tagged() != tagged {
             return Err(WireError::UnexpectedOpcode {
                 opcode,
@@ -464,22 +333,6 @@ mod tests {
         );
         let t = Header::tagged(Opcode::Write, 9, u64::MAX, false).advanced(2);
         assert_eq!(t.kind, HeaderKind::Tagged { stag: 9, to: 1 });
-    }
-
-    #[test]
-    fn opcode_table() {
-        for v in 0u8..=0xE {
-            let op = Opcode::from_u8(v).unwrap();
-            assert_eq!(op as u8, v);
-            assert_eq!(header_len(op), if op.is_tagged() { 14 } else { 18 });
-            assert_eq!(op.queue().is_none(), op.is_tagged());
-        }
-        assert!(matches!(
-            Opcode::from_u8(0xF),
-            Err(WireError::UnknownOpcode { opcode: 0xF })
-        ));
-        assert!(Opcode::FlushRequest.is_private());
-        assert!(!Opcode::AtomicRequest.is_private());
     }
 
     #[test]

@@ -17,8 +17,9 @@
 use std::io::{Read, Write};
 
 use super::caps::{CapFlags, Caps};
+pub use super::codes::MpaKind;
 use super::cursor::Reader;
-use super::{Result, WireError};
+use super::error::{Result, WireError};
 
 /// The Request key.
 pub const REQ_KEY: &[u8; 16] = b"MPA ID Req Frame";
@@ -42,15 +43,6 @@ pub const MAX_SENT_PRIVATE_DATA: usize = 256;
 pub const IRD_ORD_MAX: u16 = 0x3FFF;
 /// The revision we speak.
 pub const REVISION: u8 = 2;
-
-/// Request (active side) or Reply (passive side).
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum MpaKind {
-    /// `MPA ID Req Frame`.
-    Request,
-    /// `MPA ID Rep Frame`.
-    Reply,
-}
 
 /// The RFC 6581 IRD/ORD prefix.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]

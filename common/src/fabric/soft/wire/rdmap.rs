@@ -3,10 +3,9 @@
 //! untagged header (offset 20 of the FPDU) and has a fixed length; docs/protocol.md shows every
 //! byte.
 
+use super::codes::Opcode;
 use super::cursor::{Reader, Writer};
-use super::ddp::Opcode;
-use super::terminate::Terminate;
-use super::{Result, WireError};
+use super::error::{Result, WireError};
 
 /// RDMA Read Request (RFC 5040 §4.4), QN 1.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -55,7 +54,12 @@ impl ReadRequest {
     }
 }
 
-fn fixed<'a>(b: &'a [u8], opcode: Opcode, len: usize, what: &'static str) -> Result<Reader<'a>> {
+pub(super) fn fixed<'a>(
+    b: &'a [u8],
+    opcode: Opcode,
+    len: usize,
+    what: &'static str,
+) -> Result<Reader<'a>> {
     if b.len() > len {
         return Err(WireError::BadBodyLength {
             opcode,
@@ -403,47 +407,18 @@ impl PrivateResponse {
     }
 }
 
-/// A decoded control-message body (everything but Write, Read Response and the Sends).
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub enum Body {
-    /// Read Request.
-    ReadRequest(ReadRequest),
-    /// Terminate.
-    Terminate(Terminate),
-    /// Immediate Data (with or without Solicited Event: see the header's opcode).
-    ImmediateData([u8; 8]),
-    /// Atomic Request.
-    AtomicRequest(AtomicRequest),
-    /// Atomic Response.
-    AtomicResponse(AtomicResponse),
-    /// Flush Request.
-    FlushRequest(FlushRequest),
-    /// Atomic Write Request.
-    AtomicWriteRequest(AtomicWriteRequest),
-    /// Flush / Atomic Write response.
-    PrivateResponse(PrivateResponse),
-}
-
-impl Body {
-    /// Decodes the body of a control message with opcode `opcode`; None for data opcodes.
-    ///
-    /// # Errors
-    /// Those of the body's own `decode`.
-    pub fn decode(opcode: Opcode, b: &[u8]) -> Result<Option<Body>> {
-        Ok(Some(match opcode {
-            Opcode::ReadRequest => Body::ReadRequest(ReadRequest::decode(b)?),
-            Opcode::Terminate => Body::Terminate(Terminate::decode(b)?),
-            Opcode::ImmediateData | Opcode::ImmediateDataSe => {
-                let mut r = fixed(b, opcode, 8, "Immediate Data")?;
-                Body::ImmediateData(r.array()?)
-            }
-            Opcode::AtomicRequest => Body::AtomicRequest(AtomicRequest::decode(b)?),
-            Opcode::AtomicResponse => Body::AtomicResponse(AtomicResponse::decode(b)?),
-            Opcode::FlushRequest => Body::FlushRequest(FlushRequest::decode(b)?),
-            Opcode::AtomicWriteRequest => Body::AtomicWriteRequest(AtomicWriteRequest::decode(b)?),
-            Opcode::PrivateResponse => Body::PrivateResponse(PrivateResponse::decode(b)?),
-            _ => return Ok(None),
-        }))
+/// The fixed body length of a control message (None for data and for Terminate, whose body
+/// is variable).
+pub const fn body_len(opcode: Opcode) -> Option<usize> {
+    match opcode {
+        Opcode::ReadRequest => Some(ReadRequest::LEN),
+        Opcode::ImmediateData | Opcode::ImmediateDataSe => Some(8),
+        Opcode::AtomicRequest => Some(AtomicRequest::LEN),
+        Opcode::AtomicResponse => Some(AtomicResponse::LEN),
+        Opcode::FlushRequest => Some(FlushRequest::LEN),
+        Opcode::AtomicWriteRequest => Some(AtomicWriteRequest::LEN),
+        Opcode::PrivateResponse => Some(PrivateResponse::LEN),
+        _ => None,
     }
 }
 
@@ -618,11 +593,5 @@ mod tests {
         assert!(FlushRequest::decode(&[0u8; 20]).is_err());
         assert!(AtomicWriteRequest::decode(&[0u8; 23]).is_err());
         assert!(PrivateResponse::decode(&[0u8; 4]).is_err());
-        assert!(Body::decode(Opcode::ImmediateData, &[0u8; 7]).is_err());
-        assert_eq!(
-            Body::decode(Opcode::ImmediateDataSe, &[1u8; 8]).unwrap(),
-            Some(Body::ImmediateData([1; 8]))
-        );
-        assert_eq!(Body::decode(Opcode::Write, &[]).unwrap(), None);
     }
 }

@@ -23,14 +23,17 @@
 
 use std::io::{self, Read};
 
+use super::body::Body;
 use super::caps::CapFlags;
-use super::ddp::{Header, Opcode, TAGGED_HDR_LEN, UNTAGGED_HDR_LEN};
+use super::codes::{Opcode, TermCause};
+use super::crc::crc32c;
+use super::ddp::{Header, TAGGED_HDR_LEN, UNTAGGED_HDR_LEN};
+use super::error::{Result, WireError};
 use super::mpa::Negotiated;
-use super::rdmap::Body;
+use super::rdmap::body_len;
 use super::ring::Ring;
-use super::terminate::TermCause;
 use super::tx::MIN_MAX_ULPDU;
-use super::{crc32c, fpdu_len, pad_len, Result, WireError, MAX_ULPDU_LIMIT};
+use super::{fpdu_len, pad_len, MAX_ULPDU_LIMIT};
 pub use crate::fabric::soft::placement::DirectTarget;
 use crate::fabric::soft::placement::{place_copy, place_copy_writeback};
 use crate::volatile::{ReadVolatile, VolatileSlice};
@@ -592,7 +595,11 @@ impl FpduReceiver {
                             version: rdmap >> 6,
                         });
                     }
-                    Some(Opcode::from_u8(rdmap & 0x0F)?)
+                    Some(
+                        Opcode::from_u8(rdmap & 0x0F).ok_or(WireError::UnknownOpcode {
+                            opcode: rdmap & 0x0F,
+                        })?,
+                    )
                 }
                 _ => None,
             };
@@ -605,7 +612,7 @@ impl FpduReceiver {
         let (header, hl) = Header::decode(&ulpdu[..hl])?;
         self.cfg.check_allowed(header.opcode)?;
         let payload_len = ulpdu_len - hl;
-        if let Some(expected) = header.opcode.body_len() {
+        if let Some(expected) = body_len(header.opcode) {
             if payload_len != expected {
                 return Err(WireError::BadBodyLength {
                     opcode: header.opcode,

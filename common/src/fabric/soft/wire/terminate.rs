@@ -1,5 +1,5 @@
-//! Terminate causes (RFC 5040 §7.2, RFC 5041 §7, RFC 5044 §8, RFC 6581 §6) and the Terminate
-//! message body (RFC 5040 §4.8).
+//! The Terminate message body (RFC 5040 §4.8); its causes (RFC 5040 §7.2, RFC 5041 §7,
+//! RFC 5044 §8, RFC 6581 §6) are in `codes.rs`.
 //!
 //! Body layout, after the untagged DDP/RDMAP header (QN 2, MSN 1, MO 0):
 //!
@@ -12,94 +12,10 @@
 //! | 6 | 14 or 18 | the offending DDP header, tagged or untagged by its T bit (if D) |
 //! | .. | 28 | the offending RDMA Read Request header (if R) |
 
+pub use super::codes::{Layer, TermCause};
 use super::cursor::{Reader, Writer};
+use super::error::{Result, WireError};
 use super::rdmap::ReadRequest;
-use super::{Result, WireError};
-
-/// The layer a Terminate blames.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-#[repr(u8)]
-pub enum Layer {
-    /// RDMAP (RFC 5040).
-    Rdmap = 0,
-    /// DDP (RFC 5041).
-    Ddp = 1,
-    /// The lower layer protocol: MPA (RFC 5044).
-    Mpa = 2,
-}
-
-impl Layer {
-    fn from_u8(v: u8) -> Result<Layer> {
-        match v {
-            0 => Ok(Layer::Rdmap),
-            1 => Ok(Layer::Ddp),
-            2 => Ok(Layer::Mpa),
-            other => Err(WireError::BadField {
-                what: "Terminate layer",
-                value: other.into(),
-            }),
-        }
-    }
-}
-
-/// A Terminate cause: layer, error type, error code.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub struct TermCause {
-    /// The layer.
-    pub layer: Layer,
-    /// The error type (4 bits).
-    pub etype: u8,
-    /// The error code.
-    pub ecode: u8,
-}
-
-const fn cause(layer: Layer, etype: u8, ecode: u8) -> TermCause {
-    TermCause {
-        layer,
-        etype,
-        ecode,
-    }
-}
-
-#[allow(missing_docs)] // The names are the RFCs' own; docs/protocol.md tabulates them.
-impl TermCause {
-    // RDMAP, RFC 5040 §7.2.
-    pub const RDMAP_LOCAL_CATASTROPHIC: Self = cause(Layer::Rdmap, 0, 0);
-    pub const RDMAP_INVALID_STAG: Self = cause(Layer::Rdmap, 1, 0x00);
-    pub const RDMAP_BASE_BOUNDS: Self = cause(Layer::Rdmap, 1, 0x01);
-    pub const RDMAP_ACCESS_RIGHTS: Self = cause(Layer::Rdmap, 1, 0x02);
-    pub const RDMAP_STAG_NOT_ASSOCIATED: Self = cause(Layer::Rdmap, 1, 0x03);
-    pub const RDMAP_TO_WRAP: Self = cause(Layer::Rdmap, 1, 0x04);
-    pub const RDMAP_PROTECTION_CANNOT_INVALIDATE: Self = cause(Layer::Rdmap, 1, 0x09);
-    pub const RDMAP_PROTECTION_UNSPECIFIED: Self = cause(Layer::Rdmap, 1, 0xFF);
-    pub const RDMAP_VERSION: Self = cause(Layer::Rdmap, 2, 0x05);
-    pub const RDMAP_UNEXPECTED_OPCODE: Self = cause(Layer::Rdmap, 2, 0x06);
-    pub const RDMAP_CATASTROPHIC_STREAM: Self = cause(Layer::Rdmap, 2, 0x07);
-    pub const RDMAP_CATASTROPHIC_GLOBAL: Self = cause(Layer::Rdmap, 2, 0x08);
-    pub const RDMAP_CANNOT_INVALIDATE: Self = cause(Layer::Rdmap, 2, 0x09);
-    pub const RDMAP_OPERATION_UNSPECIFIED: Self = cause(Layer::Rdmap, 2, 0xFF);
-    // DDP, RFC 5041 §7.
-    pub const DDP_LOCAL_CATASTROPHIC: Self = cause(Layer::Ddp, 0, 0);
-    pub const DDP_TAGGED_INVALID_STAG: Self = cause(Layer::Ddp, 1, 0x00);
-    pub const DDP_TAGGED_BASE_BOUNDS: Self = cause(Layer::Ddp, 1, 0x01);
-    pub const DDP_TAGGED_STAG_NOT_ASSOCIATED: Self = cause(Layer::Ddp, 1, 0x02);
-    pub const DDP_TAGGED_TO_WRAP: Self = cause(Layer::Ddp, 1, 0x03);
-    pub const DDP_TAGGED_VERSION: Self = cause(Layer::Ddp, 1, 0x04);
-    pub const DDP_UNTAGGED_INVALID_QN: Self = cause(Layer::Ddp, 2, 0x01);
-    pub const DDP_UNTAGGED_NO_BUFFER: Self = cause(Layer::Ddp, 2, 0x02);
-    pub const DDP_UNTAGGED_MSN_RANGE: Self = cause(Layer::Ddp, 2, 0x03);
-    pub const DDP_UNTAGGED_INVALID_MO: Self = cause(Layer::Ddp, 2, 0x04);
-    pub const DDP_UNTAGGED_TOO_LONG: Self = cause(Layer::Ddp, 2, 0x05);
-    pub const DDP_UNTAGGED_VERSION: Self = cause(Layer::Ddp, 2, 0x06);
-    // MPA (LLP), RFC 5044 §8 and RFC 6581 §6; error type 0 = MPA error.
-    pub const MPA_TCP_LOST: Self = cause(Layer::Mpa, 0, 0x01);
-    pub const MPA_CRC: Self = cause(Layer::Mpa, 0, 0x02);
-    pub const MPA_LENGTH_MISMATCH: Self = cause(Layer::Mpa, 0, 0x03);
-    pub const MPA_INVALID_REQ_REP: Self = cause(Layer::Mpa, 0, 0x04);
-    pub const MPA_LOCAL_CATASTROPHIC: Self = cause(Layer::Mpa, 0, 0x05);
-    pub const MPA_INSUFFICIENT_IRD: Self = cause(Layer::Mpa, 0, 0x06);
-    pub const MPA_NO_MATCHING_RTR: Self = cause(Layer::Mpa, 0, 0x07);
-}
 
 /// Header control flag M: the DDP segment length field is valid.
 pub const HDRCT_M: u16 = 0x8000;
@@ -205,7 +121,10 @@ impl Terminate {
         let ecode = r.u8()?;
         let hdrct = r.u16()?;
         let cause = TermCause {
-            layer: Layer::from_u8(b0 >> 4)?,
+            layer: Layer::from_u8(b0 >> 4).ok_or(WireError::BadField {
+                what: "Terminate layer",
+                value: (b0 >> 4).into(),
+            })?,
             etype: b0 & 0x0F,
             ecode,
         };

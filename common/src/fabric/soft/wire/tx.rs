@@ -11,7 +11,8 @@ use std::io::{self, IoSlice, Write};
 
 use super::crc::{crc32c, crc32c_append, crc32c_append_volatile, prefetch_pages};
 use super::ddp::{Header, UNTAGGED_HDR_LEN};
-use super::{pad_len, Result, WireError, DEFAULT_MAX_ULPDU, MAX_ULPDU_LIMIT};
+use super::error::{Result, WireError};
+use super::{pad_len, DEFAULT_MAX_ULPDU, MAX_ULPDU_LIMIT};
 use crate::volatile::VolatileSlice;
 
 /// The smallest maximum ULPDU accepted by [`TxConfig`] and the receiver's configuration: room

@@ -1,5 +1,6 @@
-//! The idle wait of a completion queue: one epoll set over the sockets of its queue pairs and
-//! the file descriptors its user asked it to watch.
+//! The idle wait of a completion queue, for every transport: one epoll set over what can wake
+//! it (the soft transport's sockets, the rdma transport's completion channel and event fds)
+//! and the file descriptors its user asked it to watch.
 //!
 //! While traffic flows, [`CompletionQueue::wait`](crate::fabric::CompletionQueue::wait)
 //! busy-polls; after an idle spell it blocks here, so an idle process uses no CPU.
@@ -10,9 +11,10 @@ use std::time::Duration;
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
 
-use crate::fabric::error::{Error, Result};
+use super::error::{Error, Result};
 
-/// Set in the epoll data of a watched (user) fd; socket tokens are queue pair numbers (32 bits).
+/// Set in the epoll data of a watched (user) fd; the transport's tokens (queue pair numbers)
+/// are 32 bits.
 const USER: u64 = 1 << 63;
 
 pub(crate) struct Poller {
@@ -24,7 +26,7 @@ pub(crate) struct Poller {
 /// What one blocking wait saw.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct Ready {
-    /// Something (a socket or a watched fd) is ready.
+    /// Something (a transport's fd or a watched fd) is ready.
     pub(crate) any: bool,
     /// The token of a readable watched fd, if one is.
     pub(crate) user: Option<u64>,
@@ -52,7 +54,8 @@ impl Poller {
         f
     }
 
-    /// Watches socket `fd` (readable; writable too if `write`), tagged `token` (< 2^32).
+    /// Watches the transport's `fd` (readable; writable too if `write`), tagged `token`
+    /// (< 2^32).
     pub(crate) fn add(&self, fd: BorrowedFd<'_>, token: u64, write: bool) -> Result<()> {
         debug_assert!(token < USER);
         self.epoll
@@ -60,7 +63,7 @@ impl Poller {
             .map_err(io)
     }
 
-    /// Changes whether socket `fd` is watched for writability.
+    /// Changes whether the transport's `fd` is watched for writability.
     pub(crate) fn set_write(&self, fd: BorrowedFd<'_>, token: u64, write: bool) -> Result<()> {
         let mut ev = EpollEvent::new(Self::flags(write), token);
         self.epoll.modify(fd, &mut ev).map_err(io)
@@ -97,7 +100,8 @@ impl Poller {
         })
     }
 
-    /// Blocks until a socket or a watched fd is ready or `timeout` passes (None: forever).
+    /// Blocks until a transport's fd or a watched fd is ready or `timeout` passes (None:
+    /// forever).
     pub(crate) fn wait(&self, timeout: Option<Duration>) -> Result<Ready> {
         let t = match timeout {
             None => EpollTimeout::NONE,
