@@ -10,6 +10,8 @@
 
 use std::time::Instant;
 
+use rpma_common::fabric::SendFlags;
+
 use super::{OnLoss, Queue};
 use crate::error::{Error, Result};
 use crate::pool::{Kind, Slot, WriteRec};
@@ -51,8 +53,15 @@ impl Queue {
     }
 
     /// Starts a Write of `data` (at most one chunk) at `offset` of namespace `idx`; the
-    /// caller checked the range.
-    pub(crate) fn start_write(&mut self, idx: usize, offset: u64, data: &[u8]) -> Result<Ticket> {
+    /// caller checked the range. `fence`: the Write starts only after every Read before it
+    /// completed.
+    pub(crate) fn start_write(
+        &mut self,
+        idx: usize,
+        offset: u64,
+        data: &[u8],
+        fence: bool,
+    ) -> Result<Ticket> {
         self.check_one_chunk(data.len())?;
         self.run(OnLoss::ReconnectAndFail, |q| {
             let slot = q.slot_for_start()?;
@@ -72,7 +81,10 @@ impl Queue {
                 notify: true,
             };
             q.pool.supersede(&rec);
-            let wr = q.write_wr(slot, rec);
+            let mut wr = q.write_wr(slot, rec);
+            if fence {
+                wr = wr.with_flags(SendFlags::SIGNALED | SendFlags::FENCE);
+            }
             q.deferred.push(wr);
             Ok(Ticket(seq))
         })
