@@ -19,7 +19,7 @@ begin=$(date +%s)
 # shellcheck source=scripts/local-target.sh
 . scripts/local-target.sh
 local_setup matrix
-cargo build --quiet --release -p rpma-common --example fabric_bench
+[ -n "${RPMA_BENCH_BIN:-}" ] || cargo build --quiet --release -p rpma-common --example fabric_bench
 NQN=nqn.2026-11.io.rpma:bench
 HOSTNQN=nqn.2026-11.io.rpma:bench-host
 write_config "$NQN" "$HOSTNQN" 128MiB 128MiB

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # bench/run.sh: rpma side by side with its peers, fio-style, medians (bench/README.md).
 #
-#   bench/run.sh [--quick] [--reps N] [--out DIR] [matrix] [pmem] [fabric] [initiator]
+#   bench/run.sh [--quick] [--reps N] [--out DIR] [--bin DIR] [matrix] [pmem] [fabric] [initiator]
 #                                                      (no section named: matrix)
 #
 #   matrix     the fio job files bench/jobs/{lat,iops,bw,mixed}.fio against, in one run:
@@ -17,6 +17,9 @@
 #   initiator  `rpma-initiator bench` (the quick one) against a local rpma-target, N runs per
 #              namespace: dax (forced) on /dev/shm, a page-cache file (default method, and FLUSH)
 #
+# --bin DIR: run the rpma-target, rpma-initiator and examples/fabric_bench found in DIR instead of
+# building this tree's (an A/B of two builds in one sitting: copy build/release's three aside).
+#
 # Everything runs on 127.0.0.1 only; scratch files are removed on exit, also on failure or ^C.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -30,8 +33,9 @@ while [ $# -gt 0 ]; do
         --reps) reps=$2; shift 2 ;;
         --quick) quick=1; shift ;;
         --out) out=$2; shift 2 ;;
+        --bin) RPMA_BENCH_BIN=$(cd "$2" && pwd); export RPMA_BENCH_BIN; shift 2 ;;
         matrix | pmem | fabric | initiator) sections+=("$1"); shift ;;
-        -h | --help) sed -n '2,21p' "$0"; exit 0 ;;
+        -h | --help) sed -n '2,24p' "$0"; exit 0 ;;
         *) echo "bench/run.sh: unknown argument $1 (see --help)" >&2; exit 2 ;;
     esac
 done

@@ -1,7 +1,9 @@
 # Sourced by scripts/demo.sh and bench/run.sh (from the repo root): a throw-away rpma-target on
 # 127.0.0.1.
 #
-#   local_setup NAME               -> builds the release binaries and sets BIN (their dir),
+#   local_setup NAME               -> builds the release binaries and sets BIN (their dir; with
+#                                     RPMA_BENCH_BIN set, as bench/run.sh --bin does, that dir,
+#                                     unbuilt),
 #                                     SCRATCH (scratch/NAME.XXXXXX under the repo: a disk, so
 #                                     its files are page-cache), shm (/dev/shm/rpma-NAME-PID.pmem)
 #                                     and URL (free_port); the EXIT trap stops the target and
@@ -23,8 +25,12 @@ target_pid=
 
 local_setup() {
     local name=$1
-    cargo build --quiet --release -p rpma-target -p rpma-initiator
-    BIN=$PWD/build/release
+    if [ -n "${RPMA_BENCH_BIN:-}" ]; then
+        BIN=$RPMA_BENCH_BIN
+    else
+        cargo build --quiet --release -p rpma-target -p rpma-initiator
+        BIN=$PWD/build/release
+    fi
     mkdir -p scratch
     SCRATCH=$(mktemp -d "$PWD/scratch/$name.XXXXXX")
     shm=/dev/shm/rpma-$name-$$.pmem

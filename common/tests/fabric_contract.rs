@@ -1,7 +1,10 @@
 //! The durability half of the RC contract, observed directly: the target's memory records
 //! every persist, flush and drain, with a sequence number from a counter the test also reads
-//! when it polls the requester's completion. Every byte written must have been persisted
-//! before the completion of the Read, Flush or atomic that followed the Writes is seen.
+//! when it polls the requester's completion. On memory made durable by a cache write-back
+//! (dax), every byte written must have been persisted before the completion of the Read, Flush
+//! or atomic that followed the Writes is seen. On page-cache memory a Read or atomic response
+//! persists nothing (it orders the Writes: no msync in the poll loop), and a Flush persists the
+//! range it names.
 
 mod fabric_util;
 
@@ -20,9 +23,11 @@ enum Call {
     Drain { seq: u64 },
 }
 
-/// Registered memory in the page-cache domain that records how it is made durable; with
-/// `fail` set, every persist fails as an msync that returned EIO would.
+/// Registered memory in `domain` that records how it is made durable (never by the copy that
+/// places the bytes: on dax as under the power-loss simulation, every placed range is
+/// persisted); with `fail` set, every persist fails as an msync that returned EIO would.
 struct Recording {
+    domain: Domain,
     buf: Arc<AlignedBuf>,
     seq: Arc<AtomicU64>,
     calls: Mutex<Vec<Call>>,
@@ -46,7 +51,10 @@ unsafe impl RegisteredMemory for Recording {
 
 impl Persist for Recording {
     fn domain(&self) -> Domain {
-        Domain::PageCache
+        self.domain
+    }
+    fn durable_by_writeback(&self) -> bool {
+        false
     }
     fn persist(&self, offset: usize, len: usize) -> pmem::Result<Durability> {
         if self.fail.load(Ordering::SeqCst) {
@@ -102,10 +110,16 @@ struct Rig {
     imr: Arc<MemoryRegion>,
 }
 
+/// Dax memory (forced): the contract persists every placed byte before a response.
 fn rig() -> Rig {
+    rig_in(Domain::DaxForced)
+}
+
+fn rig_in(domain: Domain) -> Rig {
     let p = Pair::new(true);
     let seq = Arc::new(AtomicU64::new(1));
     let mem = Arc::new(Recording {
+        domain,
         buf: AlignedBuf::new(SIZE).unwrap(),
         seq: Arc::clone(&seq),
         calls: Mutex::new(Vec::new()),
@@ -262,6 +276,56 @@ fn a_write_then_an_atomic_persists_both_before_the_atomic_completes() {
         .unwrap();
     let seen = r.complete(4);
     assert_persisted(&r, &[(200, 64), (16384, 8)], seen);
+}
+
+#[test]
+fn on_page_cache_a_read_or_atomic_only_orders_the_writes_and_a_flush_persists_its_range() {
+    let r = rig_in(Domain::PageCache);
+    r.write(1, 0, 40_000);
+    r.p.qp
+        .post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                local: Sge::new(&r.imr, 0, 8),
+                remote: r.mr.remote(0),
+            },
+        ))
+        .unwrap();
+    r.complete(2);
+    // Placed (the Read sees it), not persisted.
+    assert_eq!(r.imem.read_u64(0).unwrap(), 0xC3C3_C3C3_C3C3_C3C3);
+    r.p.qp
+        .post_send(SendWr::new(
+            3,
+            SendOp::FetchAdd {
+                local: Sge::new(&r.imr, 0, 8),
+                remote: r.mr.remote(8192),
+                add: 5,
+            },
+        ))
+        .unwrap();
+    r.complete(3);
+    assert_eq!(
+        r.calls(),
+        vec![],
+        "no persist before a Read or atomic response"
+    );
+    // A Flush persists the range it names, and only that.
+    r.p.qp
+        .post_send(SendWr::new(
+            4,
+            SendOp::Flush {
+                target: FlushTarget::Range {
+                    remote: r.mr.remote(4096),
+                    len: 100,
+                },
+                kind: FlushType::Persistent,
+            },
+        ))
+        .unwrap();
+    let seen = r.complete(4);
+    assert_persisted(&r, &[(4096, 100)], seen);
+    assert_eq!(r.unpersisted(0, 4096, seen).len(), 4096, "{:?}", r.calls());
 }
 
 #[test]

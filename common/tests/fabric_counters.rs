@@ -19,6 +19,19 @@ fn page_cache(dir: &std::path::Path) -> Arc<rpma_common::pmem::Mapping> {
     Arc::new(m)
 }
 
+/// A dax (forced) mapping, where a Read after Writes is an APM Read (on page-cache it only
+/// orders them: docs/fabric.md, "Ordering and durability").
+fn dax(dir: &std::path::Path) -> Arc<rpma_common::pmem::Mapping> {
+    let m = rpma_common::pmem::OpenOptions::new(dir.join("dax"))
+        .size(1 << 20)
+        .create(true)
+        .force_dax(true)
+        .open()
+        .unwrap();
+    assert_eq!(m.domain(), rpma_common::pmem::Domain::DaxForced);
+    Arc::new(m)
+}
+
 #[test]
 fn the_responder_counts_writes_reads_atomics_and_flushes_per_rkey() {
     for crc in [true, false] {
@@ -36,7 +49,8 @@ fn the_responder_counts_writes_reads_atomics_and_flushes_per_rkey() {
         imem.write_at(0, &vec![0x5A; 300_000]).unwrap();
         let quiet = SendFlags::empty();
         // A Write to the page-cache region, one of 300,000 bytes (several FPDUs: one
-        // message) to the plain one, then an 8-byte Read: the APM Read, which msyncs first.
+        // message) to the plain one, then an 8-byte Read: on page-cache it only orders the
+        // Writes (no msync), so it is no APM Read.
         post_write(&p.qp, 1, Sge::new(&imr, 0, 4096), pmr.remote(0), quiet);
         post_write(&p.qp, 2, Sge::new(&imr, 0, 300_000), plain.remote(0), quiet);
         p.qp.post_send(SendWr::new(
@@ -91,7 +105,7 @@ fn the_responder_counts_writes_reads_atomics_and_flushes_per_rkey() {
             reads: 1,
             read_bytes: 8,
             atomics: 1,
-            apm: 1,
+            apm: 0,
             apm_failed: 0,
             flushes: 1,
             flushes_failed: 0,
@@ -110,9 +124,31 @@ fn the_responder_counts_writes_reads_atomics_and_flushes_per_rkey() {
             "crc {crc}"
         );
         assert_eq!(s.regions.len(), 2);
-        // The APM Read's msync, the Flush's dirty range and its named range.
-        assert!(s.persist_msync.count() >= 2, "{:?}", s.persist_msync);
+        // The Flush's named range, and nothing before the Read.
+        assert_eq!(s.persist_msync.count(), 1, "{:?}", s.persist_msync);
         assert_eq!(s.persist_writeback.count(), 0);
+        // On dax the same Write and Read is an APM Read: a write-back before it.
+        let dm = dax(dir.path());
+        let dmr = p.pd.register(Arc::clone(&dm), rw()).unwrap();
+        post_write(&p.qp, 8, Sge::new(&imr, 0, 512), dmr.remote(0), quiet);
+        p.qp.post_send(SendWr::new(
+            9,
+            SendOp::Read {
+                local: Sge::new(&imr, 400_000, 8),
+                remote: dmr.remote(0),
+            },
+        ))
+        .unwrap();
+        p.expect_init(9, WcStatus::Success);
+        let s = p.tqp.responder_counters().expect("tcp counts").snapshot();
+        let got = s.region(dmr.rkey()).copied().expect("the dax rkey");
+        assert_eq!(
+            (got.writes, got.reads, got.apm, got.apm_failed),
+            (1, 1, 1, 0),
+            "crc {crc}"
+        );
+        assert_eq!(s.persist_writeback.count(), 1, "{:?}", s.persist_writeback);
+        assert_eq!(s.persist_msync.count(), 1, "{:?}", s.persist_msync);
         assert_eq!(s.terminates, [0; 5]);
         // The requester side served nothing.
         let i = p.qp.responder_counters().unwrap().snapshot();
@@ -159,7 +195,14 @@ fn failed_persists_are_counted_as_failed_durability_and_persist_terminates() {
     for apm in [false, true] {
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let p = Pair::new(true);
-        let pc = page_cache(dir.path());
+        // APM on dax (forced), where a Read after Writes persists them; a 512-byte Write is
+        // copied plainly and recorded dirty (a streamed one would need only a fence). FLUSH on
+        // page-cache.
+        let (pc, len) = if apm {
+            (dax(dir.path()), 512)
+        } else {
+            (page_cache(dir.path()), 4096)
+        };
         let pmr =
             p.pd.register(Arc::clone(&pc), rw() | Access::FLUSH_PERSISTENT)
                 .unwrap();
@@ -168,7 +211,7 @@ fn failed_persists_are_counted_as_failed_durability_and_persist_terminates() {
         post_write(
             &p.qp,
             1,
-            Sge::new(&imr, 0, 4096),
+            Sge::new(&imr, 0, len),
             pmr.remote(0),
             SendFlags::empty(),
         );
@@ -197,7 +240,7 @@ fn failed_persists_are_counted_as_failed_durability_and_persist_terminates() {
         assert_ne!(c.status, WcStatus::Success, "apm {apm}");
         let s = p.tqp.responder_counters().unwrap().snapshot();
         let r = s.region(pmr.rkey()).copied().unwrap();
-        assert_eq!((r.writes, r.write_bytes), (1, 4096));
+        assert_eq!((r.writes, r.write_bytes), (1, len as u64));
         if apm {
             assert_eq!((r.apm, r.apm_failed, r.reads), (0, 1, 0), "{r:?}");
         } else {

@@ -146,3 +146,307 @@ fn a_multi_fpdu_write_running_out_of_bounds_lands_only_its_full_in_bounds_segmen
         "the offending segment placed nothing"
     );
 }
+
+/// Minor page faults of the calling thread so far.
+fn thread_minor_faults() -> i64 {
+    // SAFETY: getrusage writes one plain struct, zero-initialisable, that outlives the call.
+    unsafe {
+        let mut ru: libc::rusage = std::mem::zeroed();
+        assert_eq!(libc::getrusage(libc::RUSAGE_THREAD, &mut ru), 0);
+        ru.ru_minflt
+    }
+}
+
+/// On a page-cache namespace the engine places a Write with pwrite into the file, not with
+/// stores into the mapping: a page the last msync cleaned takes no write fault (the target's
+/// cost per durable write on a disk, docs/benchmarks.md), and the bytes are in the file's page
+/// cache, which the mapping shows. With stores, every page written faults once after the
+/// msync (this test fails on that code).
+#[test]
+fn a_write_into_a_page_cache_namespace_takes_no_write_fault() {
+    use rpma_common::pmem::{Domain, OpenOptions, Persist};
+    use std::os::unix::fs::FileExt;
+    const PAGES: usize = 64;
+    for crc in [true, false] {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = dir.path().join("ns");
+        let m = Arc::new(
+            OpenOptions::new(&path)
+                .size((PAGES * 4096) as u64)
+                .create(true)
+                .open()
+                .unwrap(),
+        );
+        assert_eq!(m.domain(), Domain::PageCache);
+        let p = Pair::new(crc);
+        let mr = p.pd.register(Arc::clone(&m), rw()).unwrap();
+        let (src, smr) = p.init_buf(4096, Access::LOCAL_WRITE);
+        let write = |wr_id: u64, page: usize, byte: u8| {
+            src.write_at(0, &[byte; 4096]).unwrap();
+            p.qp.post_send(SendWr::new(
+                wr_id,
+                SendOp::Write {
+                    local: Sge::new(&smr, 0, 4096),
+                    remote: mr.remote((page * 4096) as u64),
+                },
+            ))
+            .unwrap();
+            // An 8-byte Read behind it: answered once the Write is placed.
+            p.qp.post_send(SendWr::new(
+                wr_id + 1,
+                SendOp::Read {
+                    local: Sge::new(&smr, 0, 8),
+                    remote: mr.remote(0),
+                },
+            ))
+            .unwrap();
+            let (_, c) = p.until_init(wr_id + 1);
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        };
+        // Every page once (and the engine's own buffers warm), then the file synced: its pages
+        // are clean, mapped read-only until the next write to each.
+        for page in 0..PAGES {
+            write(10 + 2 * page as u64, page, 1);
+        }
+        Persist::persist(&*m, 0, PAGES * 4096).unwrap();
+        let mut b = [0u8; 1];
+        for page in 0..PAGES {
+            m.read_at(page * 4096, &mut b).unwrap();
+        }
+        // The test thread polls both completion queues: it runs the target's placement.
+        let before = thread_minor_faults();
+        for page in 0..PAGES {
+            write(1000 + 2 * page as u64, page, 0xA0 + (page % 16) as u8);
+        }
+        let faults = thread_minor_faults() - before;
+        assert!(
+            faults < PAGES as i64 / 4,
+            "crc {crc}: {faults} page faults placing {PAGES} pages"
+        );
+        let file = std::fs::File::open(&path).unwrap();
+        for page in 0..PAGES {
+            let want = 0xA0 + (page % 16) as u8;
+            let mut got = [0u8; 4096];
+            file.read_exact_at(&mut got, (page * 4096) as u64).unwrap();
+            assert!(
+                got.iter().all(|&x| x == want),
+                "crc {crc}: page {page} in the file"
+            );
+            m.read_at(page * 4096 + 4095, &mut b).unwrap();
+            assert_eq!(b[0], want, "crc {crc}: page {page} in the mapping");
+        }
+    }
+}
+
+/// Pages of `path` in `offset..offset + len` not yet written back (dirty or under write-back),
+/// from cachestat(2); None on a kernel without it (ENOSYS).
+fn unsynced_pages(path: &std::path::Path, offset: u64, len: u64) -> Option<u64> {
+    #[repr(C)]
+    struct Range {
+        off: u64,
+        len: u64,
+    }
+    #[repr(C)]
+    #[derive(Default)]
+    struct Stat {
+        nr_cache: u64,
+        nr_dirty: u64,
+        nr_writeback: u64,
+        nr_evicted: u64,
+        nr_recently_evicted: u64,
+    }
+    const SYS_CACHESTAT: libc::c_long = 451;
+    let f = std::fs::File::open(path).unwrap();
+    let range = Range { off: offset, len };
+    let mut st = Stat::default();
+    // SAFETY: cachestat reads `range` and writes one struct cachestat into `st`, both live
+    // locals of the layouts the kernel's uapi defines; the descriptor is open for the call.
+    let rc = unsafe {
+        libc::syscall(
+            SYS_CACHESTAT,
+            std::os::fd::AsRawFd::as_raw_fd(&f),
+            &range as *const Range,
+            &mut st as *mut Stat,
+            0u32,
+        )
+    };
+    if rc != 0 {
+        let e = std::io::Error::last_os_error();
+        assert_eq!(e.raw_os_error(), Some(libc::ENOSYS), "cachestat: {e}");
+        return None;
+    }
+    Some(st.nr_dirty + st.nr_writeback)
+}
+
+/// The pwrite placement leaves the bytes in the file's page cache, dirty, where a Flush
+/// Persistent of their range finds them: after it the range's pages are written back, and the
+/// pages of the same Writes outside the range are still dirty (so the check can see a flush
+/// that syncs nothing, and one that only orders: the Read after the Writes synced nothing).
+#[test]
+fn a_pwrite_placed_write_is_synced_by_a_flush_of_its_range() {
+    use rpma_common::pmem::{Domain, OpenOptions};
+    const PAGES: u64 = 32;
+    const HALF: u64 = PAGES / 2 * 4096;
+    for crc in [true, false] {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = dir.path().join("ns");
+        let m = Arc::new(
+            OpenOptions::new(&path)
+                .size(PAGES * 4096)
+                .create(true)
+                .open()
+                .unwrap(),
+        );
+        assert_eq!(m.domain(), Domain::PageCache);
+        assert!(m.placement_file().is_some(), "placed with pwrite");
+        let Some(_) = unsynced_pages(&path, 0, PAGES * 4096) else {
+            eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+            return;
+        };
+        let p = Pair::new(crc);
+        let mr =
+            p.pd.register(Arc::clone(&m), rw() | Access::FLUSH_PERSISTENT)
+                .unwrap();
+        let (src, smr) = p.init_buf((PAGES * 4096) as usize, Access::LOCAL_WRITE);
+        // The kernel's background write-back may clean pages before we look: write again
+        // until both halves are seen dirty.
+        let mut seen_dirty = false;
+        for round in 0..5u64 {
+            src.write_at(0, &vec![0x30 + round as u8; (PAGES * 4096) as usize])
+                .unwrap();
+            p.qp.post_send(SendWr::new(
+                10 * round + 1,
+                SendOp::Write {
+                    local: Sge::new(&smr, 0, (PAGES * 4096) as usize),
+                    remote: mr.remote(0),
+                },
+            ))
+            .unwrap();
+            // A Read behind the Writes: on page-cache it orders them and syncs nothing.
+            p.qp.post_send(SendWr::new(
+                10 * round + 2,
+                SendOp::Read {
+                    local: Sge::new(&smr, 0, 8),
+                    remote: mr.remote(0),
+                },
+            ))
+            .unwrap();
+            let (_, c) = p.until_init(10 * round + 2);
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            let lo = unsynced_pages(&path, 0, HALF).unwrap();
+            let hi = unsynced_pages(&path, HALF, HALF).unwrap();
+            if lo > 0 && hi > 0 {
+                seen_dirty = true;
+                break;
+            }
+        }
+        assert!(
+            seen_dirty,
+            "crc {crc}: five rounds written back before a look"
+        );
+        p.qp.post_send(SendWr::new(
+            100,
+            SendOp::Flush {
+                target: FlushTarget::Range {
+                    remote: mr.remote(0),
+                    len: HALF,
+                },
+                kind: FlushType::Persistent,
+            },
+        ))
+        .unwrap();
+        let (_, c) = p.until_init(100);
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        assert_eq!(
+            unsynced_pages(&path, 0, HALF),
+            Some(0),
+            "crc {crc}: the flushed range is written back"
+        );
+        assert!(
+            unsynced_pages(&path, HALF, HALF).unwrap() > 0,
+            "crc {crc}: outside the range nothing was synced"
+        );
+    }
+}
+
+/// Page-cache memory whose placement file is open read-only: every pwrite into it fails.
+struct ReadOnlyFile {
+    map: Arc<rpma_common::pmem::Mapping>,
+    file: std::fs::File,
+}
+
+// SAFETY: all of it is the Mapping's memory, which satisfies the contract itself; this type
+// adds no references into it.
+unsafe impl RegisteredMemory for ReadOnlyFile {
+    fn as_mut_ptr(&self) -> *mut u8 {
+        RegisteredMemory::as_mut_ptr(&*self.map)
+    }
+    fn len(&self) -> usize {
+        RegisteredMemory::len(&*self.map)
+    }
+    fn persist(&self) -> Option<&dyn rpma_common::pmem::Persist> {
+        RegisteredMemory::persist(&*self.map)
+    }
+    fn placement_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+        use std::os::fd::AsFd;
+        Some(self.file.as_fd())
+    }
+}
+
+/// A pwrite placement that fails is not a placed Write: the connection is terminated (as a
+/// failed store would have), the Read behind it is never answered with success, and nothing
+/// reaches the file.
+#[test]
+fn a_failed_pwrite_placement_terminates_the_connection() {
+    use rpma_common::pmem::OpenOptions;
+    for crc in [true, false] {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = dir.path().join("ns");
+        let map = Arc::new(
+            OpenOptions::new(&path)
+                .size(16 * 4096)
+                .create(true)
+                .open()
+                .unwrap(),
+        );
+        let mem = Arc::new(ReadOnlyFile {
+            map,
+            file: std::fs::File::open(&path).unwrap(),
+        });
+        let p = Pair::new(crc);
+        let mr = p.pd.register(mem, rw()).unwrap();
+        let (src, smr) = p.init_buf(8192, Access::LOCAL_WRITE);
+        src.write_at(0, &[0x77; 8192]).unwrap();
+        p.qp.post_send(SendWr::new(
+            1,
+            SendOp::Write {
+                local: Sge::new(&smr, 0, 8192),
+                remote: mr.remote(4096),
+            },
+        ))
+        .unwrap();
+        p.qp.post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                local: Sge::new(&smr, 0, 8),
+                remote: mr.remote(4096),
+            },
+        ))
+        .unwrap();
+        p.assert_both_error();
+        let (init, _) = p.settle(Duration::from_millis(100));
+        assert!(
+            init.iter()
+                .all(|c| c.wr_id != 2 || c.status != WcStatus::Success),
+            "crc {crc}: the Read after a failed placement succeeded: {init:?}"
+        );
+        let mut got = vec![0u8; 8192];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &std::fs::File::open(&path).unwrap(),
+            &mut got,
+            4096,
+        )
+        .unwrap();
+        assert!(got.iter().all(|&b| b == 0), "crc {crc}: bytes in the file");
+    }
+}

@@ -131,11 +131,40 @@ impl<'q> Namespace<'q> {
     /// [`Error::OutOfRange`], [`Error::ReadOnly`], [`Error::InvalidArgument`] (empty or larger
     /// than a chunk); a lost connection is reported (the queue reconnects; see
     /// [`wait_started`](Self::wait_started)).
+    ///
+    /// A Write started behind a Read of the same bytes that has not completed may land before
+    /// the target reads them (a responder reads a Read's bytes when it answers, as an RDMA
+    /// NIC does): the Read may return the new bytes. Where that matters, use
+    /// [`start_write_fenced`](Self::start_write_fenced).
     pub fn start_write(&mut self, offset: u64, data: &[u8]) -> Result<crate::Ticket> {
-        let d = self.desc();
-        check_writable(&d)?;
-        check_range(&d, offset, data.len() as u64)?;
-        self.q.start_write(self.idx, offset, data)
+        let d = self.descriptor();
+        check_writable(d)?;
+        check_range(d, offset, data.len() as u64)?;
+        self.q.start_write(self.idx, offset, data, false)
+    }
+
+    /// [`start_write`](Self::start_write), but the Write starts only once every Read started
+    /// before it completed (the verbs fence): those Reads never see its bytes.
+    ///
+    /// # Errors
+    /// As [`start_write`](Self::start_write).
+    pub fn start_write_fenced(&mut self, offset: u64, data: &[u8]) -> Result<crate::Ticket> {
+        let d = self.descriptor();
+        check_writable(d)?;
+        check_range(d, offset, data.len() as u64)?;
+        self.q.start_write(self.idx, offset, data, true)
+    }
+
+    /// The most bytes one started request moves: the queue's chunk
+    /// ([`QueueOptions::chunk`](crate::QueueOptions::chunk)).
+    pub fn chunk(&self) -> usize {
+        self.q.options().chunk
+    }
+
+    /// The most requests the queue has in flight at once
+    /// ([`QueueOptions::depth`](crate::QueueOptions::depth)).
+    pub fn depth(&self) -> usize {
+        self.q.options().depth
     }
 
     /// Starts a Read of `len` bytes (1 to one chunk) at `offset`, as
@@ -146,7 +175,7 @@ impl<'q> Namespace<'q> {
     /// [`Error::OutOfRange`], [`Error::InvalidArgument`]; a lost connection as for
     /// [`start_write`](Self::start_write).
     pub fn start_read(&mut self, offset: u64, len: usize) -> Result<crate::Ticket> {
-        check_range(&self.desc(), offset, len as u64)?;
+        check_range(self.descriptor(), offset, len as u64)?;
         self.q.start_read(self.idx, offset, len)
     }
 

@@ -6,6 +6,7 @@
 //! durability acknowledgement covers it: that copy is what a reconnect re-issues. A read's slot
 //! is free again once its bytes are copied out.
 
+use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
@@ -53,6 +54,40 @@ pub(crate) enum Slot {
     },
 }
 
+impl Slot {
+    /// Its variant's index in [`Pool`]'s counts.
+    fn kind(&self) -> usize {
+        match self {
+            Slot::Free => 0,
+            Slot::Writing(_) => 1,
+            Slot::Held(_) => 2,
+            Slot::Reading { .. } => 3,
+            Slot::ReadDone { .. } => 4,
+            Slot::Started { .. } => 5,
+            Slot::StartedDone { .. } => 6,
+        }
+    }
+
+    /// The write it carries (posted or held).
+    fn write(&self) -> Option<WriteRec> {
+        match *self {
+            Slot::Writing(w) | Slot::Held(w) => Some(w),
+            _ => None,
+        }
+    }
+}
+
+/// The kinds of slot [`Pool::number`] counts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Kind {
+    /// Held writes.
+    Held,
+    /// Posted Reads of a batch.
+    Reading,
+    /// Started requests not completed yet: Reads, and Writes the caller waits to hear of.
+    StartedOutstanding,
+}
+
 /// A write a slot carries.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) struct WriteRec {
@@ -92,6 +127,8 @@ pub(crate) struct Pool {
     sink: Arc<AlignedBuf>,
     sink_mr: Arc<MemoryRegion>,
     chunk: usize,
+    /// The most requests in flight at once.
+    depth: usize,
     slots: Vec<Slot>,
     free: Vec<usize>,
     next_seq: u64,
@@ -99,6 +136,15 @@ pub(crate) struct Pool {
     busy: usize,
     /// The most `busy` ever was.
     max_busy: usize,
+    /// Slots per variant ([`Slot::kind`]), and posted started Writes (`notify`): so that the
+    /// queue's waits never scan the slots (a pool may have thousands).
+    kinds: [usize; 7],
+    notify_writing: usize,
+    /// The newest write (posted or held) starting at each (namespace, offset): the one a new
+    /// write there may supersede ([`Pool::supersede`]).
+    latest: HashMap<(usize, u64), usize>,
+    /// Completed started Reads by ticket.
+    done_reads: HashMap<u64, usize>,
 }
 
 /// A posted request that has not completed yet.
@@ -121,8 +167,14 @@ impl std::fmt::Debug for Pool {
 
 impl Pool {
     /// Allocates `slots` chunks of `chunk` bytes and registers them in `pd` (local write only:
-    /// the target cannot reach them).
-    pub(crate) fn new(pd: &ProtectionDomain, slots: usize, chunk: usize) -> fabric::Result<Pool> {
+    /// the target cannot reach them); at most `depth` of them are handed out while that many
+    /// requests are in flight.
+    pub(crate) fn new(
+        pd: &ProtectionDomain,
+        depth: usize,
+        slots: usize,
+        chunk: usize,
+    ) -> fabric::Result<Pool> {
         let mem = AlignedBuf::new(slots * chunk)?;
         let mr = pd.register(Arc::clone(&mem), Access::LOCAL_WRITE)?;
         let sink = AlignedBuf::new(64)?;
@@ -133,11 +185,16 @@ impl Pool {
             sink,
             sink_mr,
             chunk,
+            depth,
             slots: vec![Slot::Free; slots],
             free: (0..slots).rev().collect(),
             next_seq: 0,
             busy: 0,
             max_busy: 0,
+            kinds: [slots, 0, 0, 0, 0, 0, 0],
+            notify_writing: 0,
+            latest: HashMap::new(),
+            done_reads: HashMap::new(),
         })
     }
 
@@ -153,29 +210,89 @@ impl Pool {
         self.chunk
     }
 
-    /// How many slots there are.
-    pub(crate) fn slots(&self) -> usize {
-        self.slots.len()
-    }
-
     pub(crate) fn get(&self, slot: usize) -> Option<Slot> {
         self.slots.get(slot).copied()
     }
 
     pub(crate) fn set(&mut self, slot: usize, s: Slot) {
-        if let Some(x) = self.slots.get_mut(slot) {
-            if s == Slot::Free && *x != Slot::Free {
-                self.free.push(slot);
+        let Some(&old) = self.slots.get(slot) else {
+            return;
+        };
+        if s == Slot::Free && old != Slot::Free {
+            self.free.push(slot);
+        }
+        match (in_flight(&old), in_flight(&s)) {
+            (false, true) => {
+                self.busy += 1;
+                self.max_busy = self.max_busy.max(self.busy);
             }
-            match (in_flight(x), in_flight(&s)) {
-                (false, true) => {
-                    self.busy += 1;
-                    self.max_busy = self.max_busy.max(self.busy);
-                }
-                (true, false) => self.busy -= 1,
-                _ => {}
+            (true, false) => self.busy -= 1,
+            _ => {}
+        }
+        self.kinds[old.kind()] -= 1;
+        self.kinds[s.kind()] += 1;
+        let notify = |x: &Slot| matches!(x, Slot::Writing(WriteRec { notify: true, .. }));
+        self.notify_writing =
+            self.notify_writing + usize::from(notify(&s)) - usize::from(notify(&old));
+        if let Slot::StartedDone { ticket, .. } = old {
+            self.done_reads.remove(&ticket);
+        }
+        if let Slot::StartedDone { ticket, .. } = s {
+            self.done_reads.insert(ticket, slot);
+        }
+        if let Some(w) = old.write() {
+            if self.latest.get(&(w.ns, w.offset)) == Some(&slot) {
+                self.latest.remove(&(w.ns, w.offset));
             }
-            *x = s;
+        }
+        self.slots[slot] = s;
+        if let Some(w) = s.write() {
+            let newer = |p: &usize| {
+                self.slots[*p]
+                    .write()
+                    .is_some_and(|o| o.seq > w.seq && (o.ns, o.offset) == (w.ns, w.offset))
+            };
+            if !self.latest.get(&(w.ns, w.offset)).is_some_and(newer) {
+                self.latest.insert((w.ns, w.offset), slot);
+            }
+        }
+    }
+
+    /// How many slots are of `kind`.
+    pub(crate) fn number(&self, kind: Kind) -> usize {
+        match kind {
+            Kind::Held => self.kinds[2],
+            Kind::Reading => self.kinds[3],
+            Kind::StartedOutstanding => self.kinds[5] + self.notify_writing,
+        }
+    }
+
+    /// A new write `w` (not a re-issue) is about to be posted: an older held write of the same
+    /// namespace that it covers whole, starting at the same offset, is no longer needed for a
+    /// replay (the replay re-issues `w`, in post order, over the same bytes), so its slot is
+    /// freed. This is what lets a pool of held writes absorb a working set it can hold without
+    /// a persist: rewriting a block frees its older copy. A held write whose completion the
+    /// caller still waits to hear of (a started Write to be re-issued) stays. Returns whether
+    /// one was freed.
+    pub(crate) fn supersede(&mut self, w: &WriteRec) -> bool {
+        let Some(&p) = self.latest.get(&(w.ns, w.offset)) else {
+            return false;
+        };
+        match self.slots[p] {
+            Slot::Held(o) if !o.notify && o.len <= w.len && o.seq < w.seq => {
+                self.set(p, Slot::Free);
+                true
+            }
+            _ => false,
+        }
+    }
+
+    /// The slot of the completed started Read `ticket`, and its length.
+    pub(crate) fn done_read(&self, ticket: u64) -> Option<(usize, usize)> {
+        let &slot = self.done_reads.get(&ticket)?;
+        match self.slots[slot] {
+            Slot::StartedDone { len, .. } => Some((slot, len)),
+            _ => None,
         }
     }
 
@@ -189,8 +306,12 @@ impl Pool {
         self.max_busy
     }
 
-    /// A free slot, now owned by the caller (set it to something other than Free).
+    /// A free slot, now owned by the caller (set it to something other than Free); None also
+    /// while `depth` requests are in flight.
     pub(crate) fn take_free(&mut self) -> Option<usize> {
+        if self.busy >= self.depth {
+            return None;
+        }
         self.free.pop()
     }
 
@@ -232,7 +353,8 @@ impl Pool {
         self.sink.read_u64(0)
     }
 
-    /// Slots in a state matching `f`.
+    /// Slots in a state matching `f` (tests; the queue uses [`Pool::number`]).
+    #[cfg(test)]
     pub(crate) fn count(&self, f: impl Fn(&Slot) -> bool) -> usize {
         self.slots.iter().filter(|s| f(s)).count()
     }
@@ -262,49 +384,38 @@ impl Pool {
     /// acknowledged write. A persist of the held ranges, or an APM that covers them all, frees
     /// both later.
     pub(crate) fn release_held(&mut self, ns: usize, start: u64, end: u64, all: bool) -> usize {
-        let mine = |s: &Slot| match *s {
-            Slot::Held(w) | Slot::Writing(w) if w.ns == ns => Some(w),
-            _ => None,
-        };
-        let mut free: Vec<bool> = self
+        // The namespace's writes in post order; each one is judged after every older one, so
+        // one pass settles it (keeping one write may keep a newer one over it).
+        let mut mine: Vec<(WriteRec, usize, bool)> = self
             .slots
             .iter()
-            .map(|s| match *s {
-                Slot::Held(w) if w.ns == ns => {
-                    all || (w.offset >= start && w.offset + w.len as u64 <= end)
-                }
-                _ => false,
+            .enumerate()
+            .filter_map(|(i, s)| match *s {
+                Slot::Held(w) if w.ns == ns => Some((
+                    w,
+                    i,
+                    all || (w.offset >= start && w.offset + w.len as u64 <= end),
+                )),
+                Slot::Writing(w) if w.ns == ns => Some((w, i, false)),
+                _ => None,
             })
             .collect();
-        if !all {
-            // Until nothing changes: keeping one write may keep a newer one over it.
-            let mut changed = true;
-            while changed {
-                changed = false;
-                for i in 0..self.slots.len() {
-                    let Some(w) = mine(&self.slots[i]).filter(|_| free[i]) else {
-                        continue;
-                    };
-                    let shadowed = self.slots.iter().enumerate().any(|(j, s)| {
-                        mine(s).is_some_and(|o| {
-                            !free[j]
-                                && o.seq < w.seq
-                                && o.offset < w.offset + w.len as u64
-                                && w.offset < o.offset + o.len as u64
-                        })
-                    });
-                    if shadowed {
-                        free[i] = false;
-                        changed = true;
-                    }
-                }
-            }
-        }
+        mine.sort_unstable_by_key(|(w, _, _)| w.seq);
+        // The kept writes so far, by start: a write is at most a chunk long, so one that
+        // overlaps [a, b) starts in (a - chunk, b).
+        let mut kept: BTreeMap<(u64, u64), u64> = BTreeMap::new();
         let mut n = 0;
-        for (i, f) in free.into_iter().enumerate() {
-            if f {
+        for (w, i, candidate) in mine {
+            let (a, b) = (w.offset, w.offset + w.len as u64);
+            let shadowed = !all
+                && kept
+                    .range((a.saturating_sub(self.chunk as u64), 0)..(b, 0))
+                    .any(|(_, &end)| end > a);
+            if candidate && !shadowed {
                 self.set(i, Slot::Free);
                 n += 1;
+            } else {
+                kept.insert((a, w.seq), b);
             }
         }
         n
@@ -366,7 +477,7 @@ mod tests {
     #[test]
     fn an_acknowledged_write_under_an_older_held_one_stays_for_the_replay() {
         let pd = Context::soft().alloc_pd().unwrap();
-        let mut p = Pool::new(&pd, 4, 1 << 17).unwrap();
+        let mut p = Pool::new(&pd, 4, 4, 1 << 17).unwrap();
         let (old, new, other) = (
             p.take_free().unwrap(),
             p.take_free().unwrap(),
@@ -398,9 +509,70 @@ mod tests {
     }
 
     #[test]
+    fn a_newer_write_of_the_same_block_frees_the_held_older_one() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 2, 6, 4096).unwrap();
+        let s: Vec<usize> = (0..5).map(|_| p.take_free().unwrap()).collect();
+        p.set(s[0], Slot::Held(rec(0, 0, 4096, 1)));
+        p.set(s[1], Slot::Held(rec(0, 8192, 4096, 2)));
+        p.set(s[2], Slot::Held(rec(1, 0, 4096, 3)));
+        let mut pending = rec(0, 8192, 4096, 4);
+        pending.notify = true;
+        p.set(s[3], Slot::Held(pending));
+        assert_eq!(p.number(Kind::Held), 4);
+        // Same namespace and offset, at least as long: the older copy goes.
+        assert!(p.supersede(&rec(0, 0, 4096, 5)));
+        assert_eq!(p.get(s[0]), Some(Slot::Free));
+        // Another namespace, a shorter write, or a write whose completion the caller still
+        // waits for (s[3], the latest at 8192): kept.
+        assert!(!p.supersede(&rec(1, 4096, 4096, 6)));
+        assert!(
+            !p.supersede(&rec(0, 8192, 4096, 7)),
+            "a pending report stays"
+        );
+        p.set(s[4], Slot::Writing(rec(0, 16384, 8192, 8)));
+        assert!(!p.supersede(&rec(0, 16384, 8192, 9)), "still in flight");
+        assert_eq!(p.number(Kind::Held), 3);
+        // The replay has every write that is still needed, in post order.
+        let held = p.on_connection_lost();
+        assert_eq!(
+            held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
+            vec![2, 3, 4, 8]
+        );
+    }
+
+    #[test]
+    fn at_most_depth_slots_are_in_flight_the_rest_hold_writes() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 2, 8, 4096).unwrap();
+        let a = p.take_free().unwrap();
+        p.set(a, Slot::Writing(rec(0, 0, 4096, 1)));
+        let b = p.take_free().unwrap();
+        p.set(
+            b,
+            Slot::Reading {
+                item: 0,
+                at: 0,
+                len: 8,
+            },
+        );
+        assert_eq!(p.take_free(), None, "two in flight");
+        p.set(a, Slot::Held(rec(0, 0, 4096, 1)));
+        let c = p.take_free().unwrap();
+        p.set(c, Slot::Started { ticket: 7, len: 8 });
+        assert_eq!(p.number(Kind::StartedOutstanding), 1);
+        assert_eq!(p.number(Kind::Reading), 1);
+        p.set(c, Slot::StartedDone { ticket: 7, len: 8 });
+        assert_eq!(p.done_read(7), Some((c, 8)));
+        assert_eq!(p.number(Kind::StartedOutstanding), 0);
+        p.set(c, Slot::Free);
+        assert_eq!(p.done_read(7), None);
+    }
+
+    #[test]
     fn slots_cycle_and_held_writes_are_released_by_range() {
         let pd = Context::soft().alloc_pd().unwrap();
-        let mut p = Pool::new(&pd, 4, 4096).unwrap();
+        let mut p = Pool::new(&pd, 4, 4, 4096).unwrap();
         let a = p.take_free().unwrap();
         let b = p.take_free().unwrap();
         let c = p.take_free().unwrap();
@@ -449,7 +621,7 @@ mod tests {
     #[test]
     fn connection_loss_voids_started_reads_in_flight_and_keeps_completed_ones() {
         let pd = Context::soft().alloc_pd().unwrap();
-        let mut p = Pool::new(&pd, 3, 512).unwrap();
+        let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
         let s: Vec<usize> = (0..3).map(|_| p.take_free().unwrap()).collect();
         p.set(s[0], Slot::Started { ticket: 1, len: 8 });
         p.set(s[1], Slot::StartedDone { ticket: 2, len: 8 });
@@ -468,7 +640,7 @@ mod tests {
     #[test]
     fn connection_loss_holds_unfinished_writes_in_post_order_and_drops_reads() {
         let pd = Context::soft().alloc_pd().unwrap();
-        let mut p = Pool::new(&pd, 4, 512).unwrap();
+        let mut p = Pool::new(&pd, 4, 4, 512).unwrap();
         let s: Vec<usize> = (0..4).map(|_| p.take_free().unwrap()).collect();
         p.set(s[0], Slot::Writing(rec(0, 512, 512, 9)));
         p.set(s[1], Slot::Held(rec(0, 0, 512, 4)));

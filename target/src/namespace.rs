@@ -116,8 +116,11 @@ pub fn wire_domain(d: Domain) -> PersistenceDomain {
 /// The durability methods a namespace in `domain` offers on `transport` (DESIGN.md, Persistence).
 ///
 /// - volatile: none (acknowledgements mean "visible only").
-/// - tcp: APM, GPSPM and FLUSH on dax, dax (forced) and page-cache: the placement engine makes
-///   every earlier Write durable before it answers a Read, Atomic or Flush on that QP.
+/// - tcp: APM, GPSPM and FLUSH on dax and dax (forced): the placement engine makes every
+///   earlier Write durable before it answers a Read, Atomic or Flush on that QP. GPSPM and
+///   FLUSH on page-cache: there a Read or Atomic response only orders the earlier Writes (an
+///   msync before every Read response after a Write, in the poll loop, cost a mixed load nine
+///   tenths of its rate), so APM is not offered.
 /// - rdma: GPSPM always; APM only on dax with the operator's `direct_write_to_pmem` declaration
 ///   (DDIO off or eADR), never on page-cache where the NIC's writes land in DRAM; FLUSH is left
 ///   to the transport, which knows whether the provider implements it.
@@ -132,9 +135,10 @@ pub fn durability_methods(
         return DurabilityMethods::NONE;
     }
     match transport {
-        Transport::Tcp => {
+        Transport::Tcp if domain.is_dax() => {
             DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH
         }
+        Transport::Tcp => DurabilityMethods::GPSPM | DurabilityMethods::FLUSH,
         Transport::Rdma if domain.is_dax() && direct_write_to_pmem => {
             DurabilityMethods::APM | DurabilityMethods::GPSPM
         }

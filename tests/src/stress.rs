@@ -126,7 +126,7 @@ pub fn method_for(w: u64) -> Option<rpma_initiator::PersistMethod> {
 }
 
 /// `m` where the namespace's target offers it, else None (the queue's own choice): FLUSH is
-/// offered on tcp only, APM over rdma on dax only (docs/rdma.md).
+/// offered on tcp only, APM on dax only (docs/rdma.md; docs/fabric.md for page-cache on tcp).
 pub fn if_offered(
     ns: &rpma_initiator::Namespace<'_>,
     m: Option<rpma_initiator::PersistMethod>,

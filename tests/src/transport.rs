@@ -123,8 +123,9 @@ impl Transport {
     }
 
     /// The durability methods the suite's target offers on `domain` over this transport, best
-    /// first (the initiator's choice): on tcp FLUSH, APM and GPSPM where the placement engine
-    /// makes them valid (page cache: GPSPM first, its msync off the poll loop); over rdma,
+    /// first (the initiator's choice): on tcp FLUSH, APM and GPSPM on dax, GPSPM (its fdatasync
+    /// off the poll loop) and FLUSH on page cache, where a Read response makes nothing durable
+    /// and APM is not offered; over rdma,
     /// with the suite's `direct_write_to_pmem` declaration, APM and GPSPM on dax and GPSPM
     /// on page cache (a NIC places without the target's CPU, and rdma-core 44 has no Flush
     /// verb: docs/rdma.md).
@@ -137,7 +138,7 @@ impl Transport {
         match (self, domain) {
             (_, PersistenceDomain::Volatile) => vec![],
             (Transport::Tcp, _) if dax => vec![Flush, Apm, Gpspm],
-            (Transport::Tcp, _) => vec![Gpspm, Apm, Flush],
+            (Transport::Tcp, _) => vec![Gpspm, Flush],
             (Transport::Rdma { .. }, _) if dax => vec![Apm, Gpspm],
             (Transport::Rdma { .. }, _) => vec![Gpspm],
         }

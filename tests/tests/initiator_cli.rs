@@ -522,9 +522,13 @@ fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
         let (c, out, all) = cli(&t, &format!("{method} flush --offset {off} --length 64k"));
         assert_eq!(c, want, "{method}: {all}");
         if c == Some(6) {
-            // APM covers only the writes of its own connection: it says so and claims nothing.
-            assert!(all.contains("APM cannot make a range"), "{all}");
-            assert!(all.contains("--persist gpspm or flush"), "{all}");
+            // APM is not offered on page-cache (a Read response there makes nothing durable):
+            // it says so and claims nothing.
+            assert!(
+                all.contains("APM cannot make namespace 1 (page-cache) durable")
+                    && all.contains("the target offers GPSPM FLUSH"),
+                "{all}"
+            );
         } else {
             assert!(out.contains("durable ("), "{out}");
             assert_eq!(
@@ -534,14 +538,13 @@ fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
             );
         }
     }
-    // Forced APM on a write of its own stays valid: the Read follows this queue's Writes.
-    let (c, out, all) = cli(
+    // Nor on a write of its own: refused before anything is written.
+    let (c, _, all) = cli(
         &t,
         "--persist apm write --offset 0 --pattern 1 --length 64k --durable",
     );
-    assert_eq!(c, Some(0), "{all}");
-    assert!(out.contains("durable (APM, page-cache)"), "{out}");
-    assert_eq!(dirty(0), 0, "APM's Read came after the range was synced");
+    assert_eq!(c, Some(6), "{all}");
+    assert!(all.contains("APM cannot make namespace 1"), "{all}");
 }
 
 // Not over rdma: a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses, which

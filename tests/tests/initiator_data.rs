@@ -567,8 +567,13 @@ fn a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid() {
         vol.persist(0, 8),
         Err(Error::MethodNotValid { .. })
     ));
-    // And a durable namespace through the same small pool.
-    let mut ns = q.namespace(1).unwrap();
+    // Nor is APM offered on page-cache (a Read response there makes nothing durable).
+    assert!(matches!(
+        q.namespace(1).unwrap().write_durable(0, &v[..8]),
+        Err(Error::MethodNotValid { .. })
+    ));
+    // And a durable (dax) namespace through the same small pool.
+    let mut ns = q.namespace(4).unwrap();
     assert_eq!(
         ns.write_durable(0, &v).unwrap(),
         Durability::Durable(PersistMethod::Apm)

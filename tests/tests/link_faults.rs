@@ -275,8 +275,8 @@ fn verify(t: &Target, outcomes: &[Outcome]) -> u64 {
     checked
 }
 
-/// A warm-up through `url` (every method on both namespaces, then a clean close), then the
-/// target's footprint once it holds nothing: the baseline to come back to.
+/// A warm-up through `url` (every method offered on both namespaces, then a clean close),
+/// then the target's footprint once it holds nothing: the baseline to come back to.
 fn baseline(t: &Target, url: &str) -> Footprint {
     let mut q = conn(url, Duration::from_secs(10)).open_queue(0).unwrap();
     for nsid in [1, 2] {
@@ -286,6 +286,9 @@ fn baseline(t: &Target, url: &str) -> Footprint {
             PersistMethod::Gpspm,
             PersistMethod::Flush,
         ] {
+            if rpma_tests::stress::if_offered(&ns, Some(m)).is_none() {
+                continue;
+            }
             ns.set_method(Some(m)).unwrap();
             ns.write_durable(COUNTERS, &[0u8; 512]).unwrap();
         }

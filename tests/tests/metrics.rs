@@ -269,8 +269,8 @@ fn status_and_the_endpoint_count_exactly_what_a_workload_did() {
         5.0,
         "one fdatasync per GPSPM write"
     );
-    // FLUSH and APM persists (a GPSPM write's page-cache range is also msync'ed by the next
-    // response on the queue pair, as the durability contract has it).
+    // FLUSH and APM persists on dax (on page-cache a response makes nothing durable: the GPSPM
+    // write's range is the flusher's fdatasync above).
     assert!(persist("writeback", "placement") >= 10.0, "{m}");
     assert_eq!(
         get(format!(

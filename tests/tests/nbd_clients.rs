@@ -205,12 +205,12 @@ fn fio_nbd_randwrite_with_crc32c_verify_at_depth_8() {
         4 << 20,
         "verify read everything back: {job}"
     );
-    e.log_line("largest batch");
+    e.log_line(" in flight;");
     let most = e
         .log()
         .lines()
-        .filter_map(|l| l.split("largest batch ").nth(1))
-        .filter_map(|l| l.split(';').next()?.parse::<usize>().ok())
+        .filter_map(|l| l.split("at most ").nth(1))
+        .filter_map(|l| l.split(' ').next()?.parse::<usize>().ok())
         .max();
     assert!(most > Some(1), "depth 8 issued one at a time: {}", e.log());
 }

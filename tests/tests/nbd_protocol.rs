@@ -117,9 +117,9 @@ fn a_client_at_depth_32_has_32_requests_in_flight() {
     let disc = c.request(CMD_DISC, 0, 1, 0, 0);
     c.send(&disc);
     assert!(c.closed());
-    let line = e.log_line("largest batch");
+    let line = e.log_line(" in flight;");
     assert!(
-        line.contains("largest batch 32;") && line.contains("queue max in flight 32"),
+        line.contains("at most 32 in flight;") && line.contains("queue max in flight 32"),
         "{line}"
     );
 }

@@ -5,6 +5,7 @@
 //! registered region shows to work requests (`LocalRegion`).
 
 use std::num::NonZeroUsize;
+use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
 use std::sync::Arc;
 
@@ -41,6 +42,17 @@ pub unsafe trait RegisteredMemory: Send + Sync + 'static {
     /// page-cache files cannot be pinned long-term and need on-demand paging there.
     fn backing(&self) -> MemoryBacking {
         MemoryBacking::Ram
+    }
+    /// A file whose page cache holds this memory's bytes at the same offsets (the memory is a
+    /// shared mapping of it from offset 0), into which a transport that copies received
+    /// payloads itself (`tcp`) places them with `pwrite(2)` instead of stores: a store into a
+    /// page the last write-back cleaned takes a write fault (the filesystem's `page_mkwrite`,
+    /// a journal handle on ext4), a `pwrite` none. Only where that is the same as a store for
+    /// every reader of the memory and for [`persist`](Self::persist): a page-cache file, not
+    /// the power-loss simulation (whose memory is not the file's page cache). The descriptor
+    /// stays open as long as the memory.
+    fn placement_file(&self) -> Option<BorrowedFd<'_>> {
+        None
     }
 }
 
@@ -95,6 +107,9 @@ unsafe impl RegisteredMemory for crate::pmem::Mapping {
     }
     fn persist(&self) -> Option<&dyn Persist> {
         Some(self)
+    }
+    fn placement_file(&self) -> Option<BorrowedFd<'_>> {
+        crate::pmem::Mapping::placement_file(self)
     }
     fn backing(&self) -> MemoryBacking {
         use crate::pmem::Domain;
@@ -311,6 +326,15 @@ impl Region {
     /// The memory's persistence, if any (offsets from the region's start).
     pub(crate) fn persist(&self) -> Option<&dyn Persist> {
         self.keep.as_ref().and_then(|m| m.persist())
+    }
+
+    /// The file to place received payloads into with `pwrite(2)`, at the same offsets as in
+    /// the region ([`RegisteredMemory::placement_file`]); open as long as the region.
+    pub(crate) fn placement_file(&self) -> Option<RawFd> {
+        self.keep
+            .as_ref()
+            .and_then(|m| m.placement_file())
+            .map(|fd| fd.as_raw_fd())
     }
 
     /// What backs it; raw registrations count as RAM (the caller's memory, pinnable).

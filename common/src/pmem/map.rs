@@ -202,6 +202,18 @@ impl Mapping {
         self.media().drop_page_cache()
     }
 
+    /// The backing file, where writing into it with `pwrite(2)` at an offset is the same as a
+    /// store into the mapping at that offset, for every reader of the mapping and for
+    /// [`Persist`]: a `page-cache` mapping (the file's own page cache, from offset 0), not
+    /// under the power-loss simulation (whose memory is a working copy). None elsewhere: on dax
+    /// a placed byte must also leave the CPU cache, which a `pwrite` does not promise.
+    pub fn placement_file(&self) -> Option<BorrowedFd<'_>> {
+        match &self.inner {
+            Inner::Real(m) if m.domain() == Domain::PageCache => self.backing_fd(),
+            _ => None,
+        }
+    }
+
     /// The whole mapping as a view for copies and iovecs.
     fn volatile(&self) -> VolatileSlice<'_> {
         // SAFETY: the mapping is valid for reads and writes of `len` bytes until Drop, which the

@@ -354,7 +354,7 @@ impl Global {
 
     /// The data path's connection, with queue depth `depth`.
     pub(crate) fn connection(&self, depth: usize) -> Result<Connection, Failure> {
-        self.connection_with(depth, QueueOptions::default().chunk)
+        self.connection_with(depth, QueueOptions::default().chunk, 0)
     }
 
     /// [`connection`](Self::connection) with queues of `depth` slots of `chunk` bytes.
@@ -362,6 +362,7 @@ impl Global {
         &self,
         depth: usize,
         chunk: usize,
+        replay_bytes: usize,
     ) -> Result<Connection, Failure> {
         Ok(
             Connection::new(self.target()?, self.subsystem()?, self.host()?)
@@ -369,6 +370,7 @@ impl Global {
                 .with_queue_options(QueueOptions {
                     depth,
                     chunk,
+                    replay_bytes,
                     persist: self.persist_method(),
                     reconnect: self.reconnect_policy()?,
                 }),

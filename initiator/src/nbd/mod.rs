@@ -4,34 +4,37 @@
 //! - [`proto`]: the wire format (fixed newstyle handshake, simple replies).
 //! - `handshake`: option haggling (`NBD_OPT_GO`/`INFO` with the export size and block
 //!   sizes, `LIST`, `ABORT`, `EXPORT_NAME`; anything else gets `NBD_REP_ERR_UNSUP`).
-//! - `transmission`: one client's requests, batched onto the export's queue.
+//! - `transmission`: one client's requests, started on its queue as they come (`pipeline`:
+//!   each answered as soon as it completed).
 //! - [`Server`]: the listener, one thread per client, keep-alives, shutdown.
 //! - `slots`: the limits on clients ([`ClientLimits`]): per source and in all, with eviction
 //!   of unfinished and idle clients for newcomers; `ratelog`: rate-limited client log lines.
 //!
-//! # One queue for the export
+//! # A queue per client connection
 //!
-//! Every client connection issues its requests through one library [`Queue`](crate::Queue)
-//! (one queue pair), taking it for one batch at a time. The queue pair executes in order, so a
-//! FLUSH (`persist_own_writes`: the writes this queue still holds for a replay, rather than
-//! the whole namespace or the span between them, whose write-back can take milliseconds on
-//! dax) comes after every Write any connection had acknowledged, and makes all of them durable
-//! (with APM too: every one is this queue's own Write). That is what `NBD_FLAG_CAN_MULTI_CONN` promises, so it is
-//! set. (With a queue per connection a Write acknowledged on one connection may still be in its
-//! queue pair's stream when another connection's FLUSH is answered: a range persist would not see
-//! it.)
+//! Each client connection issues its requests through a library [`Queue`](crate::Queue) of
+//! its own (one queue pair; `shared::Cell`), taken when it enters transmission and given back
+//! (with the writes it holds) when it leaves, so that a client with several connections
+//! (`NBD_FLAG_CAN_MULTI_CONN`, which is set) has as many queue pairs to the target, served by
+//! as many of its poll loops. Where the target refuses another connection, a client shares an
+//! existing queue. A FLUSH on any connection makes durable every write any connection had
+//! acknowledged: it persists each queue's own held writes (`persist_own_writes`: the writes
+//! that queue acknowledged and did not make durable yet, rather than the whole namespace or
+//! the span between them, whose write-back can take milliseconds on dax), one queue after the
+//! other, each after every Write it carried.
 //!
 //! # Threads
 //!
-//! [`Server::serve`] runs in the caller's thread: it accepts, ticks the queue's keep-alive and
-//! returns when a stop descriptor (a signalfd, say) becomes readable. Each client has a thread
-//! of its own; [`Server::shutdown`] ends them (each finishes the requests it has read), then
-//! makes every write durable and disconnects.
+//! [`Server::serve`] runs in the caller's thread: it accepts, ticks the idle queues'
+//! keep-alives and returns when a stop descriptor (a signalfd, say) becomes readable. Each
+//! client has a thread of its own; [`Server::shutdown`] ends them (each finishes the requests
+//! it has read), then makes every write durable and disconnects.
 
 // Test-only: the fuzz targets' entry points (fuzz/, tests/tests/fuzz_corpus.rs).
 #[cfg(feature = "fuzzing")]
 pub mod fuzz;
 mod handshake;
+mod pipeline;
 pub mod proto;
 mod ratelog;
 mod server;

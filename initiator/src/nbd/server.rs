@@ -1,5 +1,5 @@
-//! The export: its queue (shared by every client connection), the accept loop, keep-alives
-//! and shutdown.
+//! The export: its queues (one per client connection), the accept loop, keep-alives and
+//! shutdown.
 
 use std::net::Shutdown;
 use std::os::fd::{AsFd, BorrowedFd};
@@ -303,9 +303,7 @@ impl Server {
                 "visible only (volatile)"
             }
         );
-        if let Some(q) = self.shared.lock().take() {
-            let _ = q.close();
-        }
+        self.shared.close_all();
         Ok(durable)
     }
 }
@@ -391,9 +389,12 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
         src,
         format_args!("nbd: client {id} ({}) entered transmission", peer.name),
     );
-    let mut c = Client::new(shared, stream, strict, slot, src);
+    let cell = shared.take();
+    let mut c = Client::new(shared, &cell, stream, strict, slot, src);
     let r = c.run();
     let s = c.stats();
+    drop(c);
+    shared.give_back(&cell);
     if slot.evicted() || matches!(r, Err(ConnError::Evicted)) {
         // The accept loop said why.
         return;
@@ -406,7 +407,7 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
         Err(e) => format!("closed on error: {}", rpma_common::error_chain(e)),
     };
     let line = format!(
-        "nbd: client {id} ({}) {how} after {} request(s), largest batch {}; queue max in flight {}",
+        "nbd: client {id} ({}) {how} after {} request(s), at most {} in flight; queue max in flight {}",
         peer.name,
         s.requests,
         s.max_batch,

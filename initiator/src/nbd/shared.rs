@@ -1,9 +1,9 @@
-//! What the client threads of an export share: the [`ExportOptions`], the queue (taken for one
-//! batch at a time, replaced after a loss), whether a write awaits the next FLUSH, and the
-//! counters.
+//! What the client threads of an export share: the [`ExportOptions`], the queues (a
+//! [`Cell`] each: one per client connection while it lasts, replaced after a loss), which of
+//! them hold writes that await the next FLUSH, and the counters.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Mutex, MutexGuard};
+use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use log::{error, info, warn};
@@ -65,20 +65,68 @@ const LINES_PER_SOURCE: u32 = 5;
 /// Lines about all sources per log period, for problems and for sessions each.
 const LINES_IN_ALL: u32 = 50;
 
-/// What the client threads share: the queue (taken for one batch at a time) and the export.
+/// One queue of the export (one queue pair to the target) and what it holds.
+///
+/// A client connection takes a cell of its own when it enters transmission ([`Shared::take`])
+/// and gives it back when it leaves, so that the requests of several connections go to the
+/// target on several queue pairs (and several target poll loops) at once. A cell's queue is
+/// locked for a client's round of requests; the client releases it only once every request it
+/// started on it completed, so that no one else ever sees its completions, and sooner when
+/// another thread waits for it ([`Cell::wanted`]): a FLUSH on another connection, a client
+/// that had to share it, the keep-alive.
+#[derive(Debug)]
+pub(crate) struct Cell {
+    queue: Mutex<Option<Queue>>,
+    /// The queue id it opens its queue with.
+    qid: u16,
+    /// Writes were acknowledged on it and not yet made durable by a FLUSH.
+    dirty: AtomicBool,
+    /// Threads waiting for its lock.
+    waiters: AtomicUsize,
+    /// A client has it.
+    taken: AtomicBool,
+}
+
+impl Cell {
+    fn new(qid: u16, q: Option<Queue>) -> Cell {
+        Cell {
+            queue: Mutex::new(q),
+            qid,
+            dirty: AtomicBool::new(false),
+            waiters: AtomicUsize::new(0),
+            taken: AtomicBool::new(false),
+        }
+    }
+
+    /// Whether another thread waits for the queue: its holder should finish what it started
+    /// and let go.
+    pub(crate) fn wanted(&self) -> bool {
+        self.waiters.load(Ordering::SeqCst) > 0
+    }
+
+    /// Records that writes were acknowledged on it, for the next FLUSH.
+    pub(crate) fn mark_dirty(&self) {
+        self.dirty.store(true, Ordering::SeqCst);
+    }
+}
+
+/// A locked cell: its queue (None after a loss, until the next use opens a new one).
+pub(crate) type Held<'a> = MutexGuard<'a, Option<Queue>>;
+
+/// What the client threads share: the queues and the export.
 #[derive(Debug)]
 pub(crate) struct Shared {
     conn: Connection,
-    queue: Mutex<Option<Queue>>,
+    /// Every queue of the export, given out to clients and back.
+    cells: Mutex<Vec<Arc<Cell>>>,
+    /// The queue id of the next queue opened.
+    next_qid: AtomicU16,
     pub(crate) opts: ExportOptions,
     pub(crate) desc: NamespaceDescriptor,
     pub(crate) info: ExportInfo,
     pub(crate) stopping: AtomicBool,
     /// Requests answered, over all clients.
     pub(crate) requests: AtomicU64,
-    /// Writes were acknowledged and not yet made durable by a FLUSH (which persists the
-    /// queue's own held writes, not a range: the queue knows them).
-    dirty: AtomicBool,
     /// Queues given up (reconnect budget spent): each may have taken acknowledged writes that
     /// were not durable yet with it. Every connection's next FLUSH answers EIO once per loss.
     pub(crate) losses: AtomicU64,
@@ -91,7 +139,7 @@ pub(crate) struct Shared {
 
 impl Shared {
     /// The state of an export of `desc` over `queue` (opened from `conn`, which opens the
-    /// next one after a loss).
+    /// next ones: a queue per client connection, and one after a loss).
     pub(super) fn new(
         conn: Connection,
         queue: Queue,
@@ -103,100 +151,190 @@ impl Shared {
         Shared {
             problems: RateLog::new("warning(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
             sessions: RateLog::new("session line(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
+            next_qid: AtomicU16::new(queue.queue_id().wrapping_add(1)),
+            cells: Mutex::new(vec![Arc::new(Cell::new(queue.queue_id(), Some(queue)))]),
             conn,
-            queue: Mutex::new(Some(queue)),
             opts,
             desc,
             info,
             stopping: AtomicBool::new(false),
             requests: AtomicU64::new(0),
-            dirty: AtomicBool::new(false),
             losses: AtomicU64::new(0),
         }
     }
 
-    /// The queue (None after a loss, until the next request opens a new one).
-    pub(super) fn lock(&self) -> MutexGuard<'_, Option<Queue>> {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner())
+    fn cells(&self) -> Vec<Arc<Cell>> {
+        self.cells.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// Runs `f` on the namespace. A queue that gave up (its reconnect budget spent) is
-    /// replaced by a new one on the next call.
+    /// A cell for a client entering transmission: a free one, else a new queue (opened now),
+    /// else (the target refused another connection) the least busy one, shared.
+    pub(crate) fn take(&self) -> Arc<Cell> {
+        let free = self
+            .cells
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .iter()
+            .find(|c| {
+                c.taken
+                    .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_ok()
+            })
+            .cloned();
+        if let Some(c) = free {
+            return c;
+        }
+        let qid = self.next_qid.fetch_add(1, Ordering::SeqCst);
+        // Not under the list's lock: a first connection may be retried for seconds.
+        let opened = self.conn.open_queue(qid);
+        let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
+        match opened {
+            Ok(q) => {
+                let c = Arc::new(Cell::new(qid, Some(q)));
+                c.taken.store(true, Ordering::SeqCst);
+                cells.push(Arc::clone(&c));
+                c
+            }
+            Err(e) => {
+                warn!(
+                    "nbd: cannot open another queue to the target ({}): this client shares one",
+                    rpma_common::error_chain(&e)
+                );
+                let c = cells
+                    .iter()
+                    .min_by_key(|c| c.waiters.load(Ordering::SeqCst))
+                    .expect("the export's first queue is never removed");
+                Arc::clone(c)
+            }
+        }
+    }
+
+    /// Gives a cell back when its client leaves (its held writes stay with it for the next
+    /// FLUSH, of any connection).
+    pub(crate) fn give_back(&self, cell: &Cell) {
+        cell.taken.store(false, Ordering::SeqCst);
+    }
+
+    /// Locks `cell`'s queue, telling its holder that someone waits.
+    pub(crate) fn lock<'c>(&self, cell: &'c Cell) -> Held<'c> {
+        if let Ok(g) = cell.queue.try_lock() {
+            return g;
+        }
+        cell.waiters.fetch_add(1, Ordering::SeqCst);
+        let g = cell.queue.lock().unwrap_or_else(|p| p.into_inner());
+        cell.waiters.fetch_sub(1, Ordering::SeqCst);
+        g
+    }
+
+    /// Runs `f` on the namespace through a locked cell. A queue that gave up (its reconnect
+    /// budget spent) is replaced by a new one on the next call.
     pub(crate) fn with_ns<T>(
         &self,
+        cell: &Cell,
+        g: &mut Held<'_>,
         f: impl FnOnce(&mut Namespace<'_>) -> crate::Result<T>,
     ) -> crate::Result<T> {
-        let mut g = self.lock();
         if g.is_none() {
-            let q = self.conn.open_queue(0)?;
+            let q = self.conn.open_queue(cell.qid)?;
             info!("nbd: reconnected to the target with a new queue");
-            *g = Some(q);
+            **g = Some(q);
         }
         let Some(q) = g.as_mut() else {
             return Err(Error::Broken);
         };
         let r = q.namespace(self.opts.nsid).and_then(|mut ns| f(&mut ns));
-        if let Err(e @ (Error::Broken | Error::ReconnectFailed { .. })) = &r {
-            self.lost(&mut g, e);
+        if let Err(e) = &r {
+            self.check_lost(g, e);
         }
         r
     }
 
-    /// Drops a queue that gave up; the next request opens a new one.
-    fn lost(&self, g: &mut Option<Queue>, e: &Error) {
+    /// After an error of a locked cell's queue: drops a queue that gave up; the next request
+    /// opens a new one.
+    pub(crate) fn check_lost(&self, g: &mut Held<'_>, e: &Error) {
+        if !matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
+            return;
+        }
         error!(
             "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable \
              may be lost: the next FLUSH of every connection answers EIO",
             rpma_common::error_chain(e)
         );
         self.losses.fetch_add(1, Ordering::SeqCst);
-        *g = None;
+        **g = None;
     }
 
-    /// The most data requests the queue ever had in flight at once.
+    /// The most data requests a queue ever had in flight at once.
     pub(crate) fn max_in_flight(&self) -> usize {
-        self.lock().as_ref().map_or(0, |q| q.stats().max_in_flight)
+        self.cells()
+            .iter()
+            .filter_map(|c| {
+                c.queue
+                    .try_lock()
+                    .ok()?
+                    .as_ref()
+                    .map(|q| q.stats().max_in_flight)
+            })
+            .max()
+            .unwrap_or(0)
     }
 
-    /// Records that writes were acknowledged, for the next FLUSH.
-    pub(crate) fn mark_dirty(&self) {
-        self.dirty.store(true, Ordering::SeqCst);
-    }
-
-    /// Makes every write acknowledged so far durable (FLUSH): the Writes of every connection
-    /// went through this queue, so `persist_own_writes` covers them all (one APM Read on dax,
-    /// a Flush per written range, or GPSPM). Ok(false) when the namespace is volatile (visible
-    /// only): unless visible_ok, those writes stay pending, so that no later FLUSH claims them.
+    /// Makes every write acknowledged so far, on any connection, durable (FLUSH): each queue's
+    /// own held writes are exactly the ones it acknowledged and did not make durable yet (a FUA
+    /// write already is), so `persist_own_writes` on every queue that has some covers them all
+    /// (one APM Read on dax, a Flush per written range, or GPSPM). Takes one cell at a time:
+    /// the caller holds none. Ok(false) when the namespace is volatile (visible only): unless
+    /// visible_ok, those writes stay pending, so that no later FLUSH claims them.
     pub(crate) fn flush_all(&self) -> crate::Result<bool> {
-        if !self.dirty.swap(false, Ordering::SeqCst) {
-            return Ok(true);
+        let mut durable = true;
+        for cell in self.cells() {
+            if !cell.dirty.swap(false, Ordering::SeqCst) {
+                continue;
+            }
+            let mut g = self.lock(&cell);
+            let r = self
+                .with_ns(&cell, &mut g, |ns| ns.persist_own_writes())
+                .map(|d| matches!(d, Durability::Durable(_)));
+            match r {
+                Ok(true) => {}
+                Ok(false) if self.opts.visible_ok => {}
+                Ok(false) => {
+                    cell.mark_dirty();
+                    durable = false;
+                }
+                Err(e) => {
+                    cell.mark_dirty();
+                    return Err(e);
+                }
+            }
         }
-        // Every write acknowledged on any connection went through this queue: its own pending
-        // writes are exactly the ones not made durable yet (a FUA write already is).
-        let r = self
-            .with_ns(|ns| ns.persist_own_writes())
-            .map(|d| matches!(d, Durability::Durable(_)));
-        match r {
-            Ok(true) => {}
-            Ok(false) if self.opts.visible_ok => {}
-            _ => self.mark_dirty(),
-        }
-        r
+        Ok(durable)
     }
 
-    /// Runs the queue's keep-alive, unless a batch holds the queue (it keeps it alive itself).
+    /// Runs every idle queue's keep-alive (a queue in use keeps itself alive: never wait
+    /// for it here).
     pub(super) fn tick(&self) {
-        // A batch in progress keeps the queue alive itself: never wait for it here.
-        let Ok(mut g) = self.queue.try_lock() else {
-            return;
-        };
-        if let Some(q) = g.as_mut() {
-            if let Err(e) = q.tick() {
-                if matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
-                    self.lost(&mut g, &e);
-                } else {
-                    warn!("nbd: keep-alive with the target failed: {e}");
+        for cell in self.cells() {
+            let Ok(mut g) = cell.queue.try_lock() else {
+                continue;
+            };
+            if let Some(q) = g.as_mut() {
+                if let Err(e) = q.tick() {
+                    if matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
+                        self.check_lost(&mut g, &e);
+                    } else {
+                        warn!("nbd: keep-alive with the target failed: {e}");
+                    }
                 }
+            }
+        }
+    }
+
+    /// Closes every queue (at shutdown, after the final flush).
+    pub(super) fn close_all(&self) {
+        for cell in self.cells() {
+            if let Some(q) = self.lock(&cell).take() {
+                let _ = q.close();
             }
         }
     }

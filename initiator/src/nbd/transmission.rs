@@ -1,11 +1,11 @@
-//! One client's transmission phase: read what the socket has, split it into requests, issue
-//! the reads and writes of a run of requests as one library batch (up to the queue depth in
-//! flight), answer them, repeat.
+//! One client's transmission phase: read what the socket has, split it into requests, start
+//! the READs and WRITEs on the client's queue as they come and answer each as soon as it
+//! completed (`pipeline`), keeping the queue as full as the client keeps it.
 //!
-//! Order: requests are executed in the order they came, in runs of one kind (reads, writes,
-//! a flush); a run finishes before the next starts, and within a run the queue pair keeps the
-//! order of the Writes. So overlapping writes land in request order, a read sees every write
-//! that came before it, and a FLUSH covers every write answered before it arrived.
+//! Order: the pieces of READs and WRITEs go out on one queue pair in the order the requests
+//! came, so overlapping writes land in request order and a read sees every write that came
+//! before it. A FLUSH, a FUA write and WRITE_ZEROES wait until everything started before them
+//! was answered (a FLUSH covers every write answered before it arrived, on any connection).
 
 use std::io::{ErrorKind, Read, Write};
 use std::ops::Range;
@@ -14,12 +14,12 @@ use std::time::Instant;
 
 use log::Level;
 
+use super::pipeline::{errno, Answer, Pipeline};
 use super::proto::{
-    self, simple_reply, simple_reply_header, Errno, Request, CMD_DISC, CMD_FLAG_FUA,
-    CMD_FLAG_NO_HOLE, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO, ENOSPC, EPERM,
-    REQUEST_LEN, SIMPLE_REPLY_LEN,
+    self, simple_reply, Errno, Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, CMD_FLUSH,
+    CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO, ENOSPC, EPERM, REQUEST_LEN,
 };
-use super::shared::Shared;
+use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
 use super::stream::Stream;
 use super::{ConnError, MAX_PAYLOAD};
@@ -39,7 +39,7 @@ const ZERO_PIECE: usize = 1 << 20;
 pub(crate) struct Stats {
     /// Requests answered.
     pub(crate) requests: u64,
-    /// The most requests issued together.
+    /// The most requests in flight at once.
     pub(crate) max_batch: usize,
     /// FLUSH/FUA requests refused because the namespace is volatile.
     pub(crate) visible_only: u64,
@@ -177,16 +177,6 @@ fn split(buf: &[u8], max_items: usize) -> Split {
     s
 }
 
-/// The NBD error for a library error.
-fn errno(e: &Error, write: bool) -> u32 {
-    match e {
-        Error::OutOfRange { .. } if write => ENOSPC,
-        Error::OutOfRange { .. } | Error::Misaligned { .. } | Error::InvalidArgument(_) => EINVAL,
-        Error::ReadOnly { .. } => EPERM,
-        _ => EIO,
-    }
-}
-
 /// Bytes received and not yet consumed: `data[start..end]`.
 #[derive(Debug, Default)]
 struct InBuf {
@@ -233,8 +223,13 @@ impl InBuf {
 /// One client in the transmission phase.
 pub(crate) struct Client<'a> {
     shared: &'a Shared,
+    /// The client's queue (see [`Cell`]).
+    cell: &'a Cell,
+    /// Its lock, while requests are in flight (or between them, until someone wants it).
+    held: Option<Held<'a>>,
     /// Busy while requests execute, idle while it waits: the accept loop may evict it then.
     slot: &'a Slot,
+    busy: bool,
     /// For the log limits.
     source: Source,
     stream: Stream,
@@ -243,6 +238,7 @@ pub(crate) struct Client<'a> {
     eof: bool,
     out: Vec<u8>,
     zeroes: Vec<u8>,
+    pipe: Pipeline,
     stats: Stats,
     /// [`Shared::losses`] as of this client's start or last FLUSH.
     losses_seen: u64,
@@ -250,9 +246,10 @@ pub(crate) struct Client<'a> {
 
 impl<'a> Client<'a> {
     /// `strict`: the client was told the block sizes, so misaligned requests fail. `slot` is
-    /// the client's place in the export, idle (its handshake is over).
+    /// the client's place in the export, idle (its handshake is over); `cell` its queue.
     pub(crate) fn new(
         shared: &'a Shared,
+        cell: &'a Cell,
         stream: Stream,
         strict: bool,
         slot: &'a Slot,
@@ -260,6 +257,7 @@ impl<'a> Client<'a> {
     ) -> Client<'a> {
         Client {
             slot,
+            busy: false,
             source,
             limits: Limits {
                 size: shared.desc.size,
@@ -271,11 +269,14 @@ impl<'a> Client<'a> {
                 },
             },
             shared,
+            cell,
+            held: None,
             stream,
             buf: InBuf::default(),
             eof: false,
             out: Vec::new(),
             zeroes: Vec::new(),
+            pipe: Pipeline::default(),
             stats: Stats::default(),
             losses_seen: shared.losses.load(Ordering::SeqCst),
         }
@@ -286,7 +287,7 @@ impl<'a> Client<'a> {
     }
 
     /// Serves requests until DISC, end of file (after answering every complete request), or
-    /// an error.
+    /// an error; what was started is answered before it returns.
     ///
     /// # Errors
     /// [`ConnError`]: the socket failed, a bad magic, an oversized WRITE, a client that went
@@ -294,12 +295,43 @@ impl<'a> Client<'a> {
     /// ([`ConnError::Idle`]), an eviction ([`ConnError::Evicted`]: nothing read after it is
     /// executed).
     pub(crate) fn run(&mut self) -> Result<(), ConnError> {
+        let r = self.serve();
+        if !self.pipe.is_empty() {
+            let _ = self.drain();
+            let _ = self.send();
+        }
+        self.held = None;
+        if self.busy {
+            self.slot.end();
+        }
+        r
+    }
+
+    fn serve(&mut self) -> Result<(), ConnError> {
         loop {
             if !self.eof {
                 self.read_ahead()?;
             }
-            let s = split(self.buf.bytes(), self.shared.opts.max_batch.max(1));
+            // At most max_batch requests in flight.
+            let room = self.shared.opts.max_batch.max(1);
+            let room = room.saturating_sub(self.pipe.len());
+            let s = if room > 0 {
+                split(self.buf.bytes(), room)
+            } else {
+                Split::default()
+            };
             if s.items.is_empty() {
+                if !self.pipe.is_empty() {
+                    self.complete()?;
+                    self.send()?;
+                    continue;
+                }
+                // Nothing in flight and no complete request: let the queue go and wait.
+                self.held = None;
+                if self.busy {
+                    self.busy = false;
+                    self.slot.end();
+                }
                 if let Some(f) = s.fatal {
                     return Err(f);
                 }
@@ -315,19 +347,30 @@ impl<'a> Client<'a> {
                 self.read_more(s.want)?;
                 continue;
             }
-            if !self.slot.begin() {
-                return Err(ConnError::Evicted);
+            if !self.busy {
+                if !self.slot.begin() {
+                    return Err(ConnError::Evicted);
+                }
+                self.busy = true;
             }
-            let r = self.execute(&s.items);
-            self.slot.end();
-            let disc = r?;
+            let disc = self.execute(&s.items)?;
             self.buf.consume(s.consumed);
-            if disc {
-                return Ok(());
+            if disc || s.fatal.is_some() {
+                self.drain()?;
+                self.send()?;
+                return match s.fatal {
+                    Some(f) if !disc => Err(f),
+                    _ => Ok(()),
+                };
             }
-            if let Some(f) = s.fatal {
-                return Err(f);
+            if self.cell.wanted() {
+                // Another thread waits for this queue: finish what was started and let go.
+                self.drain()?;
+                self.held = None;
+            } else if !self.pipe.is_empty() {
+                self.complete()?;
             }
+            self.send()?;
         }
     }
 
@@ -382,72 +425,122 @@ impl<'a> Client<'a> {
         }
     }
 
-    /// Executes the items in order, in runs of one kind, and answers each run. True at DISC.
+    /// Starts or executes the items in order: READs and WRITEs are started (answered as they
+    /// complete); FLUSH, FUA writes and WRITE_ZEROES first wait for everything started before
+    /// them. True at DISC (the items after it are not executed).
     fn execute(&mut self, items: &[Item]) -> Result<bool, ConnError> {
-        let actions: Vec<Action> = items
-            .iter()
-            .map(|i| classify(&i.req, self.limits))
-            .collect();
-        let issued = actions
-            .iter()
-            .filter(|a| !matches!(a, Action::Fail(_) | Action::Disc))
-            .count();
-        self.stats.max_batch = self.stats.max_batch.max(issued);
-        let mut i = 0;
-        while i < items.len() {
-            let run_of =
-                |f: fn(&Action) -> bool| i + actions[i..].iter().take_while(|a| f(a)).count();
-            match actions[i] {
-                Action::Disc => {
-                    self.send()?;
-                    return Ok(true);
-                }
+        for it in items {
+            let a = classify(&it.req, self.limits);
+            match a {
+                Action::Disc => return Ok(true),
                 Action::Fail(e) => {
-                    simple_reply(&mut self.out, e, items[i].req.handle);
-                    i += 1;
+                    simple_reply(&mut self.out, e, it.req.handle);
+                    self.answered(1);
                 }
+                Action::Read | Action::Write { fua: false } => self.start(it, a),
                 Action::Flush => {
-                    let e = if self.limits.read_only {
-                        0
-                    } else {
-                        let e = self.durable(self.shared.flush_all(), 1, "FLUSH");
-                        // A queue given up since this client's last FLUSH may have lost writes
-                        // it had answered: that FLUSH cannot vouch for them.
-                        let losses = self.shared.losses.load(Ordering::SeqCst);
-                        if losses != self.losses_seen {
-                            self.losses_seen = losses;
-                            if e == 0 {
-                                EIO
-                            } else {
-                                e
-                            }
-                        } else {
-                            e
-                        }
-                    };
-                    simple_reply(&mut self.out, e, items[i].req.handle);
-                    i += 1;
-                }
-                Action::Read => {
-                    let j = run_of(|a| matches!(a, Action::Read));
-                    self.reads(&items[i..j]);
-                    i = j;
+                    self.drain()?;
+                    // flush_all takes every queue in turn: hold none meanwhile.
+                    self.held = None;
+                    let e = self.flush();
+                    simple_reply(&mut self.out, e, it.req.handle);
+                    self.answered(1);
                 }
                 Action::Write { .. } | Action::Zeroes { .. } => {
-                    let j = run_of(|a| matches!(a, Action::Write { .. } | Action::Zeroes { .. }));
-                    self.writes(&items[i..j], &actions[i..j]);
-                    i = j;
+                    self.drain()?;
+                    self.writes(std::slice::from_ref(it), &[a]);
                 }
             }
-            self.send()?;
         }
+        self.stats.max_batch = self.stats.max_batch.max(self.pipe.len());
         Ok(false)
     }
 
+    /// Starts a READ or a (non-FUA) WRITE.
+    fn start(&mut self, it: &Item, a: Action) {
+        let (shared, cell) = (self.shared, self.cell);
+        let (off, len, handle) = (it.req.offset, it.req.len as usize, it.req.handle);
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
+        let (pipe, data) = (&mut self.pipe, &self.buf);
+        let r = shared.with_ns(cell, g, |ns| {
+            let chunk = ns.chunk();
+            match a {
+                Action::Read => pipe.start_read(ns, chunk, handle, off, len),
+                _ => pipe.start_write(ns, chunk, handle, off, &data.bytes()[it.payload.clone()]),
+            }
+        });
+        if let Err(e) = r {
+            self.queue_error(&e, if a == Action::Read { "READ" } else { "WRITE" });
+        }
+    }
+
+    /// Waits for at least one started request to complete; answers what completed.
+    fn complete(&mut self) -> Result<(), ConnError> {
+        let (shared, cell) = (self.shared, self.cell);
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
+        let pipe = &mut self.pipe;
+        let r = shared.with_ns(cell, g, |ns| pipe.complete(ns));
+        if let Err(e) = r {
+            self.queue_error(&e, "READ/WRITE");
+        }
+        self.collect();
+        Ok(())
+    }
+
+    /// Answers everything started (waits until it completed).
+    fn drain(&mut self) -> Result<(), ConnError> {
+        while !self.pipe.is_empty() {
+            self.complete()?;
+        }
+        Ok(())
+    }
+
+    /// After an error of the client's queue: logged; a queue that gave up fails what is in
+    /// flight (the pipeline dealt with everything else).
+    fn queue_error(&mut self, e: &Error, what: &str) {
+        self.shared.problems.log(
+            Level::Warn,
+            self.source,
+            format_args!(
+                "nbd: {what} on the queue failed: {}",
+                rpma_common::error_chain(e)
+            ),
+        );
+        if self.held.as_ref().is_some_and(|g| g.is_none()) {
+            self.pipe.fail_all(EIO);
+        }
+    }
+
+    /// Moves the answers of completed requests to the output.
+    fn collect(&mut self) {
+        let n = self.pipe.answers.len();
+        if n == 0 {
+            return;
+        }
+        if self.pipe.take_written() > 0 {
+            self.cell.mark_dirty();
+        }
+        for a in std::mem::take(&mut self.pipe.answers) {
+            match a {
+                Answer::Header(h) => self.out.extend_from_slice(&h),
+                Answer::Data(b) => {
+                    self.out.extend_from_slice(&b);
+                    self.pipe.recycle(b);
+                }
+            }
+        }
+        self.answered(n);
+    }
+
     fn send(&mut self) -> Result<(), ConnError> {
+        self.collect();
         if !self.out.is_empty() {
             self.stream.write_all(&self.out)?;
             self.out.clear();
+            if self.out.capacity() > 4 * READ_CHUNK {
+                // A burst of large reads is over: give the memory back.
+                self.out = Vec::new();
+            }
         }
         Ok(())
     }
@@ -457,47 +550,27 @@ impl<'a> Client<'a> {
         self.shared.requests.fetch_add(n as u64, Ordering::Relaxed);
     }
 
-    /// The reads of a run, in one batch, each answered with its bytes.
-    fn reads(&mut self, run: &[Item]) {
-        let base = self.out.len();
-        let total: usize = run
-            .iter()
-            .map(|it| SIMPLE_REPLY_LEN + it.req.len as usize)
-            .sum();
-        self.out.resize(base + total, 0);
-        let r = {
-            let mut rest = &mut self.out[base..];
-            let mut v = Vec::with_capacity(run.len());
-            for it in run {
-                let (hdr, tail) = rest.split_at_mut(SIMPLE_REPLY_LEN);
-                hdr.copy_from_slice(&simple_reply_header(0, it.req.handle));
-                let (data, tail) = tail.split_at_mut(it.req.len as usize);
-                v.push((it.req.offset, data));
-                rest = tail;
-            }
-            self.shared.with_ns(|ns| ns.read_batch(&mut v))
-        };
-        if let Err(e) = r {
-            self.shared.problems.log(
-                Level::Warn,
-                self.source,
-                format_args!(
-                    "nbd: {} READ request(s) failed, answered {}: {}",
-                    run.len(),
-                    Errno(errno(&e, false)),
-                    rpma_common::error_chain(&e)
-                ),
-            );
-            self.out.truncate(base);
-            for it in run {
-                simple_reply(&mut self.out, errno(&e, false), it.req.handle);
+    /// A FLUSH: every write answered so far, on any connection, made durable. The caller
+    /// holds no queue.
+    fn flush(&mut self) -> u32 {
+        if self.limits.read_only {
+            return 0;
+        }
+        let e = self.durable(self.shared.flush_all(), 1, "FLUSH");
+        // A queue given up since this client's last FLUSH may have lost writes it had
+        // answered: that FLUSH cannot vouch for them.
+        let losses = self.shared.losses.load(Ordering::SeqCst);
+        if losses != self.losses_seen {
+            self.losses_seen = losses;
+            if e == 0 {
+                return EIO;
             }
         }
-        self.answered(run.len());
+        e
     }
 
-    /// The writes (and zeroes) of a run in one batch; with FUA ones among them, made durable
-    /// by the same call (a failed durability answers every request of the run with the error).
+    /// A FUA write or WRITE_ZEROES (nothing else in flight): written, made durable if FUA,
+    /// answered.
     fn writes(&mut self, run: &[Item], actions: &[Action]) {
         if self.zeroes.is_empty() && actions.iter().any(|a| matches!(a, Action::Zeroes { .. })) {
             self.zeroes = vec![0u8; ZERO_PIECE];
@@ -525,17 +598,21 @@ impl<'a> Client<'a> {
                 fua = true;
             }
         }
+        let (shared, cell) = (self.shared, self.cell);
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
         // With a FUA write in the run, the Writes and the requests that make them durable go
         // out together (one doorbell with APM and FLUSH); otherwise the Writes alone.
         let r = if fua {
-            self.shared
-                .with_ns(|ns| ns.write_batch_durable(&v))
+            shared
+                .with_ns(cell, g, |ns| ns.write_batch_durable(&v))
                 .map(|d| Some(d.is_durable()))
         } else {
-            self.shared.with_ns(|ns| ns.write_batch(&v)).map(|()| None)
+            shared
+                .with_ns(cell, g, |ns| ns.write_batch(&v))
+                .map(|()| None)
         };
         if r.is_ok() {
-            self.shared.mark_dirty();
+            cell.mark_dirty();
         }
         drop(v);
         let (ok, fua_err) = match r {

@@ -159,12 +159,18 @@ pub(crate) fn may_pass(e: &Error) -> bool {
 /// Sizes and policies of a queue.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct QueueOptions {
-    /// Registered bounce slots: the most requests in flight at once (and the most written
-    /// chunks kept for a replay until they are durable). 1..=128.
+    /// The most requests in flight at once, and the fewest registered bounce slots. 1..=128.
     pub depth: usize,
     /// Bytes per slot: transfers are split into requests of at most this size. 4 KiB..=16 MiB,
     /// a multiple of 4096.
     pub chunk: usize,
+    /// Registered memory for written chunks kept until a durability acknowledgement covers
+    /// them (what a replay after a lost connection re-issues), like a disk's write cache: the
+    /// queue has `max(depth, replay_bytes / chunk)` slots, at most `depth` of them in flight.
+    /// When every slot holds such a write the queue makes them durable before it goes on, so
+    /// more slots make that rarer; a write that covers a held one at the same offset frees it.
+    /// 0 (the default): `depth` slots. At most 1 GiB.
+    pub replay_bytes: usize,
     /// Force a durability method on every namespace (None: the best one offered).
     pub persist: Option<PersistMethod>,
     /// Reconnect behaviour.
@@ -176,6 +182,7 @@ impl Default for QueueOptions {
         QueueOptions {
             depth: 32,
             chunk: 256 << 10,
+            replay_bytes: 0,
             persist: None,
             reconnect: ReconnectPolicy::default(),
         }
@@ -196,7 +203,18 @@ impl QueueOptions {
                 self.chunk
             )));
         }
+        if self.replay_bytes > 1 << 30 {
+            return Err(Error::InvalidArgument(format!(
+                "replay_bytes {} is more than 1 GiB",
+                self.replay_bytes
+            )));
+        }
         Ok(())
+    }
+
+    /// The bounce slots of a queue with these options.
+    pub(crate) fn slots(&self) -> usize {
+        self.depth.max(self.replay_bytes / self.chunk)
     }
 }
 
@@ -254,13 +272,16 @@ impl Connection {
                 .first_connection(&self.url, self.options.timeout, |t| {
                     self.connect_session_within(queue_id, t)
                 })?;
-        let pool =
-            Pool::new(session.pd(), self.queue.depth, self.queue.chunk).map_err(|source| {
-                Error::Fabric {
-                    op: "registering the bounce buffers",
-                    source,
-                }
-            })?;
+        let pool = Pool::new(
+            session.pd(),
+            self.queue.depth,
+            self.queue.slots(),
+            self.queue.chunk,
+        )
+        .map_err(|source| Error::Fabric {
+            op: "registering the bounce buffers",
+            source,
+        })?;
         let mut q = Queue {
             conn: self.clone(),
             queue_id,

@@ -9,7 +9,7 @@ use rpma_common::proto::Message;
 
 use super::{Completed, Queue, Ticket};
 use crate::error::{Error, Result};
-use crate::pool::{Slot, WriteRec};
+use crate::pool::{Kind, Slot, WriteRec};
 use crate::session::Session;
 
 /// wr_id kinds of the data path (bits 60-61; bits 62-63 are the session's): a Write or a Read
@@ -357,6 +357,7 @@ impl Queue {
                     seq: self.pool.next_seq(),
                     notify: false,
                 };
+                self.pool.supersede(&rec);
                 pending.push(self.write_wr(slot, rec));
             }
         }
@@ -403,7 +404,7 @@ impl Queue {
         let deadline = Instant::now() + self.options_timeout();
         loop {
             self.collect_reads(items)?;
-            if self.pool.count(|s| matches!(s, Slot::Reading { .. })) == 0 {
+            if self.pool.number(Kind::Reading) == 0 {
                 return Ok(());
             }
             self.poll_or_time_out(deadline, "read completions")?;

@@ -10,9 +10,11 @@
 
 use std::time::Instant;
 
+use rpma_common::fabric::SendFlags;
+
 use super::{OnLoss, Queue};
 use crate::error::{Error, Result};
-use crate::pool::{Slot, WriteRec};
+use crate::pool::{Kind, Slot, WriteRec};
 
 /// What a started request is known by: unique within its queue.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -38,7 +40,7 @@ impl Queue {
                 return Ok(s);
             }
             if self.pool.in_flight() == 0 {
-                if self.pool.count(|s| matches!(s, Slot::Held(_))) == 0 {
+                if self.pool.number(Kind::Held) == 0 {
                     return Err(Error::InvalidArgument(
                         "every bounce slot holds a completed read: take_read them first".into(),
                     ));
@@ -51,8 +53,15 @@ impl Queue {
     }
 
     /// Starts a Write of `data` (at most one chunk) at `offset` of namespace `idx`; the
-    /// caller checked the range.
-    pub(crate) fn start_write(&mut self, idx: usize, offset: u64, data: &[u8]) -> Result<Ticket> {
+    /// caller checked the range. `fence`: the Write starts only after every Read before it
+    /// completed.
+    pub(crate) fn start_write(
+        &mut self,
+        idx: usize,
+        offset: u64,
+        data: &[u8],
+        fence: bool,
+    ) -> Result<Ticket> {
         self.check_one_chunk(data.len())?;
         self.run(OnLoss::ReconnectAndFail, |q| {
             let slot = q.slot_for_start()?;
@@ -71,7 +80,11 @@ impl Queue {
                 seq,
                 notify: true,
             };
-            let wr = q.write_wr(slot, rec);
+            q.pool.supersede(&rec);
+            let mut wr = q.write_wr(slot, rec);
+            if fence {
+                wr = wr.with_flags(SendFlags::SIGNALED | SendFlags::FENCE);
+            }
             q.deferred.push(wr);
             Ok(Ticket(seq))
         })
@@ -120,13 +133,7 @@ impl Queue {
                     q.post_list(Vec::new())?;
                     return Ok(());
                 }
-                let outstanding = q.pool.count(|s| {
-                    matches!(
-                        s,
-                        Slot::Started { .. } | Slot::Writing(WriteRec { notify: true, .. })
-                    )
-                });
-                if outstanding == 0 {
+                if q.pool.number(Kind::StartedOutstanding) == 0 {
                     return Ok(());
                 }
                 q.poll_or_time_out(deadline, "started requests")?;
@@ -141,11 +148,7 @@ impl Queue {
     /// [`Error::InvalidArgument`] if `ticket` is not a completed Read of this queue (a Write,
     /// not completed yet, taken already, or void after a reconnect) or `buf` is not its length.
     pub fn take_read(&mut self, ticket: Ticket, buf: &mut [u8]) -> Result<()> {
-        let found = (0..self.pool.slots()).find_map(|i| match self.pool.get(i) {
-            Some(Slot::StartedDone { ticket: t, len }) if t == ticket.0 => Some((i, len)),
-            _ => None,
-        });
-        let Some((slot, len)) = found else {
+        let Some((slot, len)) = self.pool.done_read(ticket.0) else {
             return Err(Error::InvalidArgument(format!(
                 "ticket {} is not a completed read of this queue",
                 ticket.0

@@ -3,9 +3,13 @@ use super::*;
 #[test]
 fn methods_per_domain_and_transport() {
     let all = DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH;
-    for d in [Domain::Dax, Domain::DaxForced, Domain::PageCache] {
+    for d in [Domain::Dax, Domain::DaxForced] {
         assert_eq!(durability_methods(d, Transport::Tcp, false), all);
     }
+    assert_eq!(
+        durability_methods(Domain::PageCache, Transport::Tcp, true),
+        DurabilityMethods::GPSPM | DurabilityMethods::FLUSH
+    );
     assert_eq!(
         durability_methods(Domain::Volatile, Transport::Tcp, true),
         DurabilityMethods::NONE

@@ -53,6 +53,14 @@ impl Medium {
     pub fn parse(s: &str) -> Option<Medium> {
         Medium::ALL.into_iter().find(|m| m.name() == s)
     }
+
+    /// Whether the target offers `method` on this medium: everything but APM on page-cache,
+    /// where a Read response only orders the Writes before it (docs/fabric.md, "The
+    /// durability contract"); a forced APM there is refused before anything is written, so
+    /// there is no writer for it.
+    pub fn offers(self, method: Method) -> bool {
+        !(self == Medium::PageCache && method == Method::Apm)
+    }
 }
 
 /// A run's settings.
@@ -245,7 +253,7 @@ fn config(o: &Options, shm: &Shm, blocks: usize, seed: u64) -> String {
         };
         ns.power_loss_simulation(&sim)
     });
-    // Two poll loops: on page-cache, APM and FLUSH msync inline in their loop and stall the
+    // Two poll loops: on page-cache, FLUSH msyncs inline in its loop and stalls the
     // loop's other connections meanwhile (docs/architecture.md), which starves the NBD writers
     // when every writer shares one loop.
     Config::new()
@@ -326,7 +334,7 @@ pub fn run(o: &Options, mut progress: impl FnMut(&str)) -> Report {
         ..Report::default()
     };
     for ns in &namespaces {
-        for m in &o.methods {
+        for m in o.methods.iter().filter(|&&m| ns.medium.offers(m)) {
             report
                 .acknowledged_by
                 .insert(format!("{} {}", ns.medium.name(), m.name()), 0);
@@ -373,6 +381,9 @@ pub fn run(o: &Options, mut progress: impl FnMut(&str)) -> Report {
         let mut threads = Vec::new();
         for (ni, ns) in namespaces.iter().enumerate() {
             for (wi, &method) in o.methods.iter().enumerate() {
+                if !ns.medium.offers(method) {
+                    continue;
+                }
                 let id = (ni * 16 + wi) as u32;
                 let spec = writer::Spec {
                     id,

@@ -189,6 +189,7 @@ fn library(spec: &Spec, m: PersistMethod, sh: &Shared, out: &mut Outcome) -> Res
             chunk: BLOCK,
             persist: Some(m),
             reconnect: ReconnectPolicy::never(),
+            ..QueueOptions::default()
         })
         .open_queue(0)
         .map_err(|e| format!("connect: {e}"))?;

@@ -154,6 +154,9 @@ pub(super) struct Placing {
     /// The receiver was asked to write the bytes back from the cache as it copies them (dax):
     /// `on_data` records them as needing only a fence, or as dirty if it could not.
     pub(super) writeback: bool,
+    /// The region's page-cache file and the offset in it to `pwrite` the payload at, instead
+    /// of copying it into the mapping (`RegisteredMemory::placement_file`).
+    pub(super) file: Option<(std::os::fd::RawFd, u64)>,
 }
 
 pub(super) struct Conn {

@@ -430,11 +430,15 @@ impl rx::Placer for Engine {
             Ok(Some((p, writeback))) => {
                 // SAFETY: as above.
                 let t = unsafe { DirectTarget::new(p, len) };
-                Ok(rx::Placement::Direct(if writeback {
-                    t.with_cache_writeback()
-                } else {
-                    t
-                }))
+                let t = match self.placing.as_ref().and_then(|w| w.file) {
+                    // SAFETY: the descriptor belongs to the region's memory, a shared mapping
+                    // of that file from offset 0 (`RegisteredMemory::placement_file`), and
+                    // stays open while `self.placing` keeps the region alive (as above).
+                    Some((fd, at)) => unsafe { t.into_file(fd, at) },
+                    None if writeback => t.with_cache_writeback(),
+                    None => t,
+                };
+                Ok(rx::Placement::Direct(t))
             }
             Ok(None) => Ok(rx::Placement::Discard),
             Err((cause, recv_status)) => {
@@ -476,6 +480,8 @@ impl Engine {
                         if !dax {
                             self.dirty.add(&t.region, t.offset, len);
                         }
+                        // A page-cache file: written with pwrite, no write fault.
+                        let file = t.region.placement_file().map(|fd| (fd, t.offset as u64));
                         // Held until `on_data`: the receiver keeps only `ptr`, possibly across
                         // several polls, and the STag entry may be gone before then.
                         self.placing = Some(Placing {
@@ -483,6 +489,7 @@ impl Engine {
                             offset: t.offset,
                             len,
                             writeback: dax,
+                            file,
                         });
                         Ok(Some((ptr, dax)))
                     }

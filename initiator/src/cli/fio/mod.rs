@@ -14,20 +14,23 @@ use serde_json::json;
 
 use crate::cli::{usage, Failure, Global, JobArgs};
 
-/// Registered memory the pool may take when slots are added beyond the deepest iodepth.
-const POOL_BYTES: u64 = 16 << 20;
+/// Registered memory the pool may take when slots are added beyond the deepest iodepth: the
+/// writes it can hold until they are durable (the replay buffer), as a disk's write cache.
+/// Anonymous memory, touched only as slots are used.
+const POOL_BYTES: u64 = 64 << 20;
 
-/// The queue's slots and chunk for `jobs`: chunks of the largest block size (4 KiB to 16 MiB,
-/// a multiple of 4 KiB), so that a request takes one slot; and as many slots as the deepest
-/// iodepth, or more, up to 128 and [`POOL_BYTES`]: a written block keeps its slot until it is
-/// durable, so more slots make the persist that frees them rarer (on page-cache a ranged
-/// fdatasync per pool-full of writes).
-fn pool_shape(jobs: &[job::Job]) -> (usize, usize) {
+/// The queue's depth, slots and chunk for `jobs`: chunks of the largest block size (4 KiB to
+/// 16 MiB, a multiple of 4 KiB), so that a request takes one slot; the deepest iodepth in
+/// flight; and as many slots as that, or more, up to [`POOL_BYTES`]: a written block keeps its
+/// slot until it is durable or a newer write of the same block supersedes it, so a pool that
+/// holds the working set needs no persist to free slots, and a larger one makes that persist
+/// rarer (on page-cache a ranged fdatasync per pool-full of writes).
+fn pool_shape(jobs: &[job::Job]) -> (usize, usize, usize) {
     let bs = jobs.iter().map(|j| j.bs).max().unwrap_or(4096);
     let chunk = bs.div_ceil(4096).clamp(1, 4096) * 4096;
-    let deepest = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1);
+    let deepest = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1).max(1);
     let room = (POOL_BYTES / chunk) as usize;
-    (room.clamp(deepest.max(1), 128.max(deepest)), chunk as usize)
+    (deepest, room.max(deepest), chunk as usize)
 }
 
 /// Runs every job section of `args.job`, one after another, and prints the report.
@@ -38,8 +41,8 @@ pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
         err: anyhow::Error::new(e).context(format!("reading {}", path.display())),
     })?;
     let jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
-    let (depth, chunk) = pool_shape(&jobs);
-    let conn = g.connection_with(depth, chunk)?;
+    let (depth, slots, chunk) = pool_shape(&jobs);
+    let conn = g.connection_with(depth, chunk, slots * chunk)?;
     let json_out = g.json || args.output_format.as_deref() == Some("json");
     let mut done = Vec::new();
     let mut visible_only = false;
@@ -123,18 +126,18 @@ mod tests {
     #[test]
     fn the_pool_takes_one_slot_per_request_and_more_slots_where_they_are_small() {
         let shape = |text: &str| pool_shape(&job::parse(text).unwrap());
-        assert_eq!(shape("[a]\nrw=randwrite\nbs=4k\n"), (128, 4096));
+        assert_eq!(shape("[a]\nrw=randwrite\nbs=4k\n"), (1, 16384, 4096));
         assert_eq!(
             shape("[a]\nrw=randwrite\nbs=512\niodepth=64\n"),
-            (128, 4096)
+            (64, 16384, 4096)
         );
-        // 1 MiB blocks: 16 MiB of slots, but never fewer than the deepest iodepth.
-        assert_eq!(shape("[a]\nrw=write\nbs=1m\niodepth=4\n"), (16, 1 << 20));
+        // 1 MiB blocks: 64 MiB of slots, but never fewer than the deepest iodepth.
+        assert_eq!(shape("[a]\nrw=write\nbs=1m\niodepth=4\n"), (4, 64, 1 << 20));
         assert_eq!(
-            shape("[a]\nrw=write\nbs=1m\niodepth=32\n[b]\nrw=read\nbs=6k\n"),
-            (32, 1 << 20)
+            shape("[a]\nrw=write\nbs=16m\niodepth=8\n[b]\nrw=read\nbs=6k\n"),
+            (8, 8, 16 << 20)
         );
-        assert_eq!(shape("[a]\nrw=read\nbs=6k\n"), (128, 8192));
+        assert_eq!(shape("[a]\nrw=read\nbs=6k\n"), (1, 8192, 8192));
     }
 
     #[test]

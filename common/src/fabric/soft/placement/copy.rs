@@ -1,7 +1,10 @@
 //! Copying received payloads into registered memory: the placement a receiver is handed
 //! ([`DirectTarget`]) and the only functions that write received bytes into it ([`place_copy`],
-//! [`place_copy_writeback`]). No parsing here: the wire layer's receiver calls these once a
-//! frame is checked.
+//! [`place_copy_writeback`], and [`place_pwrite`] into the file of a page-cache mapping). No
+//! parsing here: the wire layer's receiver calls these once a frame is checked.
+
+use std::io;
+use std::os::fd::RawFd;
 
 use crate::volatile::{self, VolatileSlice};
 
@@ -10,6 +13,9 @@ use crate::volatile::{self, VolatileSlice};
 pub struct DirectTarget {
     pub(crate) dst: VolatileSlice<'static>,
     pub(crate) writeback: bool,
+    /// The memory is a shared mapping of this file's page cache: the payload goes in with
+    /// `pwrite` at this file offset (the offset of `dst`'s first byte) instead of a copy.
+    pub(crate) file: Option<(RawFd, u64)>,
 }
 
 // SAFETY: `DirectTarget::new`'s contract makes the range valid from whichever thread polls the
@@ -32,7 +38,25 @@ impl DirectTarget {
             // SAFETY: this function's own contract, for as long as the receiver holds it.
             dst: unsafe { VolatileSlice::new(ptr, len) },
             writeback: false,
+            file: None,
         }
+    }
+
+    /// Asks that the payload be written into `fd` at `offset` with `pwrite(2)` rather than
+    /// copied into the memory: the memory is that file's page cache (a shared mapping of it,
+    /// [`RegisteredMemory::placement_file`](crate::fabric::RegisteredMemory::placement_file)),
+    /// so the bytes land in the same place without a store into a mapped page (no write fault
+    /// where the last write-back cleaned the page). A payload placed this way is never staged
+    /// through the memory, and the receiver gathers it before writing it (never read from the
+    /// stream into place).
+    ///
+    /// # Safety
+    /// `fd` stays open, and is the file the memory maps from its offset `offset` at the
+    /// target's first byte, for as long as the receiver holds this target (as for
+    /// [`DirectTarget::new`]'s range).
+    pub unsafe fn into_file(mut self, fd: RawFd, offset: u64) -> DirectTarget {
+        self.file = Some((fd, offset));
+        self
     }
 
     /// Asks that the placed bytes also leave the CPU cache (memory made durable by a cache
@@ -67,6 +91,42 @@ impl DirectTarget {
 /// [`volatile::Error::OutOfRange`] if `dst` is shorter than `src` (nothing is copied).
 pub fn place_copy(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<()> {
     dst.write_at(0, src)
+}
+
+/// Writes a checked payload into the file of a page-cache placement
+/// ([`DirectTarget::into_file`]) at `offset`: the placement that takes no write fault. Short
+/// writes are continued; `EINTR` is retried.
+///
+/// # Errors
+/// The `pwrite` error (`EIO`, `ENOSPC` on a filesystem that could not keep the allocation
+/// made at open...): nothing is promised about the bytes then, and the caller fails the
+/// connection, as a failed store would have.
+pub fn place_pwrite(fd: RawFd, offset: u64, src: &[u8]) -> io::Result<()> {
+    let mut done = 0;
+    while done < src.len() {
+        let rest = &src[done..];
+        // SAFETY: `rest` is a live slice of `rest.len()` readable bytes; pwrite only reads it,
+        // and `fd` is an open descriptor (DirectTarget::into_file's contract).
+        let n = unsafe {
+            libc::pwrite(
+                fd,
+                rest.as_ptr().cast(),
+                rest.len(),
+                (offset + done as u64) as libc::off_t,
+            )
+        };
+        match n {
+            n if n > 0 => done += n as usize,
+            0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
+            _ => {
+                let e = io::Error::last_os_error();
+                if e.kind() != io::ErrorKind::Interrupted {
+                    return Err(e);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Payloads shorter than this are copied plainly (and written back later, with the other dirty

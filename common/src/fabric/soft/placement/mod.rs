@@ -11,6 +11,6 @@ mod counting;
 mod dirty;
 
 pub(crate) use atomics::{compare_swap, fetch_add};
-pub use copy::{place_copy, place_copy_writeback, DirectTarget};
+pub use copy::{place_copy, place_copy_writeback, place_pwrite, DirectTarget};
 pub(crate) use counting::Counting;
 pub(crate) use dirty::Dirty;

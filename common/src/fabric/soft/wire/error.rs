@@ -129,6 +129,16 @@ pub enum WireError {
         /// The placement's length.
         given: usize,
     },
+    /// Writing a payload into the file of a page-cache placement failed (nothing is promised
+    /// about its bytes).
+    #[error("placing {len} bytes into the namespace file failed")]
+    PlacementFailed {
+        /// The payload length.
+        len: usize,
+        /// The `pwrite` error.
+        #[source]
+        source: io::Error,
+    },
     /// An MPA frame without the Request or Reply key (expected here).
     #[error("bad MPA key (expected: {expected:?})")]
     BadMpaKey {
@@ -220,7 +230,9 @@ impl WireError {
             | Rejected => TermCause::MPA_INVALID_REQ_REP,
             NoMatchingRtr => TermCause::MPA_NO_MATCHING_RTR,
             Refused { cause, .. } => *cause,
-            PlacementTooShort { .. } => TermCause::RDMAP_LOCAL_CATASTROPHIC,
+            PlacementTooShort { .. } | PlacementFailed { .. } => {
+                TermCause::RDMAP_LOCAL_CATASTROPHIC
+            }
             InvalidConfig { .. } => TermCause::MPA_LOCAL_CATASTROPHIC,
             Closed { .. } | Io { .. } => TermCause::MPA_TCP_LOST,
         }

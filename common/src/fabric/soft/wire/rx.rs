@@ -6,10 +6,13 @@
 //!   one slice wherever it starts, and nothing is ever compacted), its CRC checked, then its
 //!   header decoded, then the placer asked, then the payload copied into place (`place_copy`,
 //!   or `place_copy_writeback` with non-temporal stores where the placer asked for the cache
-//!   write-back: the only functions that write received bytes into registered memory).
+//!   write-back: the only functions that write received bytes into registered memory), or
+//!   written into the file whose page cache the memory is (`place_pwrite`, where the placer
+//!   named one: no write fault on a page the last write-back cleaned).
 //! - CRC off: the header is decoded and checked and the placer asked as soon as the header is in;
 //!   a direct payload is then read from the stream straight into place (bytes already read ahead
-//!   are copied), with no staging.
+//!   are copied), with no staging; a payload for a file is gathered and written with one
+//!   `pwrite`.
 //!
 //! Registered memory is reached only through a [`VolatileSlice`]: copies and the iovecs of a
 //! `readv` ([`ReadVolatile`]), never a Rust reference, because other poll loops may place into
@@ -35,7 +38,7 @@ use super::ring::Ring;
 use super::tx::MIN_MAX_ULPDU;
 use super::{fpdu_len, pad_len, MAX_ULPDU_LIMIT};
 pub use crate::fabric::soft::placement::DirectTarget;
-use crate::fabric::soft::placement::{place_copy, place_copy_writeback};
+use crate::fabric::soft::placement::{place_copy, place_copy_writeback, place_pwrite};
 use crate::volatile::{ReadVolatile, VolatileSlice};
 
 /// With CRC off, how far past the bytes it needs the receiver reads ahead. Small enough that a
@@ -551,7 +554,8 @@ impl FpduReceiver {
         let buffered = avail - (2 + hl);
         let direct = payload_len.saturating_sub(buffered) > READ_AHEAD;
         match kind {
-            Kind::Direct(dst) if direct => {
+            // Into a file: gathered, then one pwrite (never read from the stream into place).
+            Kind::Direct(dst) if direct && dst.file.is_none() => {
                 self.start += 2 + hl;
                 self.state = State::Streaming {
                     header,
@@ -653,6 +657,14 @@ impl FpduReceiver {
     fn deliver(&mut self, header: Header, hl: usize, ulpdu_len: usize, kind: Kind) -> Result<Done> {
         let (a, b) = (self.start + 2 + hl, self.start + 2 + ulpdu_len);
         let kind = match kind {
+            Kind::Direct(DirectTarget {
+                file: Some((fd, at)),
+                ..
+            }) => {
+                place_pwrite(fd, at, self.ring.bytes(a..b))
+                    .map_err(|source| WireError::PlacementFailed { len: b - a, source })?;
+                DoneKind::Placed(false)
+            }
             // dst.len() >= b - a was checked in `decide`.
             Kind::Direct(dst) if dst.writeback => DoneKind::Placed(
                 place_copy_writeback(dst.dst, self.ring.bytes(a..b))

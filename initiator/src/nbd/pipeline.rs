@@ -1,0 +1,338 @@
+//! A client's READ and WRITE requests on the queue as started requests: each goes out as soon
+//! as it is read (in pieces of at most the queue's chunk) and is answered as soon as its last
+//! piece completed, in whatever order they complete, so that the queue stays as full as the
+//! client keeps it (fio's nbd engine at depth 16 has 16 requests in flight, not a batch of
+//! whatever had arrived, then none while the batch is answered).
+//!
+//! Order: the pieces are posted on one queue pair in the order the requests came, so a READ
+//! sees every WRITE that came before it and overlapping WRITEs land in order, as before.
+//!
+//! A lost connection the queue recovered from voids the READ pieces that had not completed:
+//! they are started again (once); WRITE pieces are re-issued by the queue and complete as
+//! usual. A queue that gave up fails every request in flight.
+
+use std::collections::HashMap;
+
+use super::proto::{simple_reply_header, EINVAL, EIO, ENOSPC, EPERM, SIMPLE_REPLY_LEN};
+use crate::{Completed, Error, Namespace, Ticket};
+
+/// The NBD error for a library error.
+pub(crate) fn errno(e: &Error, write: bool) -> u32 {
+    match e {
+        Error::OutOfRange { .. } if write => ENOSPC,
+        Error::OutOfRange { .. } | Error::Misaligned { .. } | Error::InvalidArgument(_) => EINVAL,
+        Error::ReadOnly { .. } => EPERM,
+        _ => EIO,
+    }
+}
+
+/// A READ or WRITE in flight.
+#[derive(Debug)]
+struct Request {
+    handle: u64,
+    /// Pieces not completed yet.
+    left: usize,
+    /// The first error among its pieces (0: none).
+    err: u32,
+    /// A READ's reply (header and data), filled as its pieces complete; None for a WRITE.
+    reply: Option<Vec<u8>>,
+}
+
+/// A started piece of a request.
+#[derive(Debug, Clone, Copy)]
+struct Piece {
+    request: u64,
+    /// Namespace offset.
+    offset: u64,
+    /// Offset in the request's data.
+    at: usize,
+    len: usize,
+    read: bool,
+    /// Started again after a lost connection voided it.
+    again: bool,
+}
+
+/// An answered request: its reply, to send.
+#[derive(Debug)]
+pub(crate) enum Answer {
+    /// A reply header alone (a WRITE, or a failed READ).
+    Header([u8; SIMPLE_REPLY_LEN]),
+    /// A READ's reply with its data (give the buffer back with [`Pipeline::recycle`]).
+    Data(Vec<u8>),
+}
+
+/// The started requests of one client.
+#[derive(Debug, Default)]
+pub(crate) struct Pipeline {
+    requests: HashMap<u64, Request>,
+    pieces: HashMap<Ticket, Piece>,
+    next: u64,
+    /// Reply buffers to reuse.
+    spare: Vec<Vec<u8>>,
+    done: Vec<Completed>,
+    /// READ pieces started again after a lost connection, by their first ticket: if that one
+    /// still completes (it had, unreported, when the connection went), its bytes are taken
+    /// and dropped, to free its slot.
+    stale: HashMap<Ticket, usize>,
+    scratch: Vec<u8>,
+    /// Answered requests not sent yet.
+    pub(crate) answers: Vec<Answer>,
+    /// WRITEs answered since the last look ([`Pipeline::take_written`]).
+    written: usize,
+}
+
+impl Pipeline {
+    /// Requests in flight.
+    pub(crate) fn len(&self) -> usize {
+        self.requests.len()
+    }
+
+    pub(crate) fn is_empty(&self) -> bool {
+        self.requests.is_empty()
+    }
+
+    /// How many WRITEs were answered (successfully) since the last call.
+    pub(crate) fn take_written(&mut self) -> usize {
+        std::mem::take(&mut self.written)
+    }
+
+    /// A reply buffer back for reuse.
+    pub(crate) fn recycle(&mut self, buf: Vec<u8>) {
+        if self.spare.len() < 64 && buf.capacity() <= 4 << 20 {
+            self.spare.push(buf);
+        }
+    }
+
+    /// Starts a READ of `len` bytes at `offset` (checked by the caller), answered with
+    /// `handle`. Errors fail the request or, after a lost connection, restart what it voided:
+    /// the error is returned for the caller to log and to see whether the queue gave up.
+    pub(crate) fn start_read(
+        &mut self,
+        ns: &mut Namespace<'_>,
+        chunk: usize,
+        handle: u64,
+        offset: u64,
+        len: usize,
+    ) -> Result<(), Error> {
+        let mut reply = self.spare.pop().unwrap_or_default();
+        reply.clear();
+        reply.resize(SIMPLE_REPLY_LEN + len, 0);
+        reply[..SIMPLE_REPLY_LEN].copy_from_slice(&simple_reply_header(0, handle));
+        self.start(ns, chunk, handle, offset, len, Some(reply), None)
+    }
+
+    /// Starts a WRITE of `data` at `offset` (checked by the caller), answered with `handle`.
+    /// The bytes are in the queue's slots when this returns. Errors as for
+    /// [`start_read`](Self::start_read).
+    pub(crate) fn start_write(
+        &mut self,
+        ns: &mut Namespace<'_>,
+        chunk: usize,
+        handle: u64,
+        offset: u64,
+        data: &[u8],
+    ) -> Result<(), Error> {
+        self.start(ns, chunk, handle, offset, data.len(), None, Some(data))
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn start(
+        &mut self,
+        ns: &mut Namespace<'_>,
+        chunk: usize,
+        handle: u64,
+        offset: u64,
+        len: usize,
+        reply: Option<Vec<u8>>,
+        data: Option<&[u8]>,
+    ) -> Result<(), Error> {
+        let id = self.next;
+        self.next += 1;
+        let read = reply.is_some();
+        let pieces = len.div_ceil(chunk).max(1);
+        self.requests.insert(
+            id,
+            Request {
+                handle,
+                left: pieces,
+                err: 0,
+                reply,
+            },
+        );
+        let mut first_err = None;
+        let depth = ns.depth();
+        for i in 0..pieces {
+            // No more pieces in flight than the queue has slots for: a READ's completed pieces
+            // keep their slots until taken, which only `complete` does.
+            while self.pieces.len() >= depth {
+                if let Err(e) = self.complete(ns) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            let at = i * chunk;
+            let n = chunk.min(len - at);
+            let p = Piece {
+                request: id,
+                offset: offset + at as u64,
+                at,
+                len: n,
+                read,
+                again: false,
+            };
+            // A READ in flight over these bytes must not see them: the WRITE waits for it
+            // (the target reads a READ's bytes when it answers).
+            let fence = data.is_some()
+                && self.pieces.values().any(|q| {
+                    q.read && q.offset < p.offset + n as u64 && p.offset < q.offset + q.len as u64
+                });
+            let start = |ns: &mut Namespace<'_>| match data {
+                Some(d) if fence => ns.start_write_fenced(p.offset, &d[at..at + n]),
+                Some(d) => ns.start_write(p.offset, &d[at..at + n]),
+                None => ns.start_read(p.offset, n),
+            };
+            // A lost connection (the queue reconnected): what it voided is started again,
+            // and so is this piece, once.
+            let r = match start(ns) {
+                Err(e) if e.is_connection_loss() => {
+                    self.on_error(ns, &e);
+                    first_err.get_or_insert(e);
+                    start(ns)
+                }
+                r => r,
+            };
+            match r {
+                Ok(t) => {
+                    self.pieces.insert(t, p);
+                }
+                Err(e) => {
+                    self.piece_done(p, errno(&e, !read));
+                    self.on_error(ns, &e);
+                    first_err.get_or_insert(e);
+                }
+            }
+        }
+        first_err.map_or(Ok(()), Err)
+    }
+
+    /// Waits for at least one started piece to complete and answers the requests it
+    /// finished. An error is returned after it was dealt with (see the module docs), for the
+    /// caller to log and to see whether the queue gave up.
+    pub(crate) fn complete(&mut self, ns: &mut Namespace<'_>) -> Result<(), Error> {
+        let mut done = std::mem::take(&mut self.done);
+        let r = ns.wait_started(&mut done);
+        if r.is_ok() && done.is_empty() && !self.pieces.is_empty() {
+            // The queue has nothing outstanding that these wait for (a reconnect dropped them
+            // without a report): they will not complete.
+            self.fail_all(super::proto::EIO);
+        }
+        for c in done.drain(..) {
+            match c {
+                Completed::Write(t) => {
+                    if let Some(p) = self.pieces.remove(&t) {
+                        self.piece_done(p, 0);
+                    }
+                }
+                Completed::Read(t) => self.read_done(ns, t),
+            }
+        }
+        self.done = done;
+        if let Err(e) = &r {
+            self.on_error(ns, e);
+        }
+        r
+    }
+
+    fn read_done(&mut self, ns: &mut Namespace<'_>, t: Ticket) {
+        let Some(p) = self.pieces.remove(&t) else {
+            if let Some(len) = self.stale.remove(&t) {
+                self.scratch.resize(len, 0);
+                let _ = ns.take_read(t, &mut self.scratch);
+            }
+            return;
+        };
+        let err = match self
+            .requests
+            .get_mut(&p.request)
+            .and_then(|r| r.reply.as_mut())
+        {
+            Some(reply) => {
+                let at = SIMPLE_REPLY_LEN + p.at;
+                match ns.take_read(t, &mut reply[at..at + p.len]) {
+                    Ok(()) => 0,
+                    Err(e) => errno(&e, false),
+                }
+            }
+            None => 0,
+        };
+        self.piece_done(p, err);
+    }
+
+    fn piece_done(&mut self, p: Piece, err: u32) {
+        let Some(r) = self.requests.get_mut(&p.request) else {
+            return;
+        };
+        if r.err == 0 {
+            r.err = err;
+        }
+        r.left -= 1;
+        if r.left > 0 {
+            return;
+        }
+        let Some(r) = self.requests.remove(&p.request) else {
+            return;
+        };
+        match r.reply {
+            Some(reply) if r.err == 0 => self.answers.push(Answer::Data(reply)),
+            reply => {
+                if let Some(b) = reply {
+                    self.recycle(b);
+                } else if r.err == 0 {
+                    self.written += 1;
+                }
+                self.answers
+                    .push(Answer::Header(simple_reply_header(r.err, r.handle)));
+            }
+        }
+    }
+
+    /// After an error of the queue: a queue that gave up fails everything in flight; a lost
+    /// connection it recovered from voided the READ pieces that had not completed, which are
+    /// started again (once; a second loss fails them). Other errors concern one piece only.
+    fn on_error(&mut self, ns: &mut Namespace<'_>, e: &Error) {
+        if matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
+            self.fail_all(errno(e, true));
+            return;
+        }
+        if !e.is_connection_loss() {
+            return;
+        }
+        let void: Vec<(Ticket, Piece)> = self
+            .pieces
+            .iter()
+            .filter(|(_, p)| p.read)
+            .map(|(t, p)| (*t, *p))
+            .collect();
+        for (t, p) in void {
+            self.pieces.remove(&t);
+            self.stale.insert(t, p.len);
+            if p.again {
+                self.piece_done(p, errno(e, false));
+                continue;
+            }
+            match ns.start_read(p.offset, p.len) {
+                Ok(t2) => {
+                    self.pieces.insert(t2, Piece { again: true, ..p });
+                }
+                Err(e2) => self.piece_done(p, errno(&e2, false)),
+            }
+        }
+    }
+
+    /// Fails every request in flight with `err` (the queue is gone: nothing will complete).
+    pub(crate) fn fail_all(&mut self, err: u32) {
+        self.stale.clear();
+        for (_, p) in std::mem::take(&mut self.pieces) {
+            self.piece_done(p, err);
+        }
+    }
+}
