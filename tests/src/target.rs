@@ -233,7 +233,9 @@ impl Target {
             .append(true)
             .open(self.dir.join("target.log"))
             .expect("open target.log");
-        let mut env = vec![("RUST_LOG", "info")];
+        // RPMA_TEST_TARGET_LOG: the targets' RUST_LOG when a failure needs more than `info`.
+        let level = std::env::var("RPMA_TEST_TARGET_LOG").unwrap_or_else(|_| "info".to_owned());
+        let mut env = vec![("RUST_LOG", level.as_str())];
         env.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
         self.daemon = Some(Daemon::start(
             &self.dir.join("target.toml"),

@@ -394,8 +394,20 @@ fn thirty_two_connections_of_mixed_calls_leave_memory_and_fds_flat() {
         warm.0.anon_kib,
         end.0.anon_kib
     );
-    // Everything is there: through a fresh queue and in the backing files.
-    let mut q = c.open_queue(0).unwrap();
+    // Everything is there: through a fresh queue and in the backing files. That queue's first
+    // connection may be retried, as a user's is by default: one run of the VM lab's suite
+    // (two lanes, a loaded machine) saw it disconnected during its handshake over rdma right
+    // after the 32 sessions ended; three quiet runs did not (not settled: docs/rdma.md). This
+    // check is about the data, not about connecting.
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 4,
+            chunk: 16 << 10,
+            reconnect: ReconnectPolicy::within(Duration::from_secs(30)),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
     let files = [
         std::fs::read(t.dir().join("ns1")).unwrap(),
         std::fs::read(t.dir().join("ns2")).unwrap(),
