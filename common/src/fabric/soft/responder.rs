@@ -34,7 +34,7 @@ impl Engine {
             }
             if p.writeback {
                 if written_back {
-                    self.dirty.add_fence();
+                    self.dirty.add_fence(&p.region);
                 } else {
                     self.dirty.add(&p.region, p.offset, p.len);
                 }

@@ -26,9 +26,10 @@ const MAX_RANGES: usize = 64;
 #[derive(Default)]
 pub(crate) struct Dirty {
     ranges: Vec<(Arc<Region>, usize, usize)>,
-    /// Bytes were placed with non-temporal stores (on their way out of the cache already):
-    /// a store fence makes them durable.
-    fence: bool,
+    /// The regions bytes were placed into with non-temporal stores (on their way out of the
+    /// cache already): a store fence makes them durable, once their store is known healthy
+    /// (a failed store promises nothing, whatever reached it).
+    fenced: Vec<Arc<Region>>,
 }
 
 impl Dirty {
@@ -76,14 +77,16 @@ impl Dirty {
         self.ranges.push((Arc::clone(region), offset, len));
     }
 
-    /// Records that bytes were placed with a copy that wrote them back from the cache
-    /// (non-temporal stores): they need only the fence.
-    pub(crate) fn add_fence(&mut self) {
-        self.fence = true;
+    /// Records that bytes were placed into `region` with a copy that wrote them back from the
+    /// cache (non-temporal stores): they need only the fence, and their store's health check.
+    pub(crate) fn add_fence(&mut self, region: &Arc<Region>) {
+        if !self.fenced.iter().any(|r| Arc::ptr_eq(r, region)) {
+            self.fenced.push(Arc::clone(region));
+        }
     }
 
     pub(crate) fn is_empty(&self) -> bool {
-        self.ranges.is_empty() && !self.fence
+        self.ranges.is_empty() && self.fenced.is_empty()
     }
 
     /// What persisting would take: a cache write-back (and fence) if a dax range or a fence is
@@ -95,7 +98,7 @@ impl Dirty {
                 Some(Domain::Dax | Domain::DaxForced)
             )
         });
-        (self.fence || dax).then_some(PersistKind::Writeback)
+        (!self.fenced.is_empty() || dax).then_some(PersistKind::Writeback)
     }
 
     #[cfg(test)]
@@ -106,10 +109,19 @@ impl Dirty {
     /// Makes every recorded range durable through its memory's `Persist`, then forgets them.
     /// On failure the ranges that failed stay recorded and the first error is returned.
     pub(crate) fn persist_all(&mut self) -> crate::pmem::Result<()> {
-        if std::mem::take(&mut self.fence) {
-            crate::pmem::sfence();
-        }
         let mut failed = None;
+        // The fence, then each store's health: `drain` fails once the store has failed, as a
+        // persist of a range would. A failed one stays recorded, as a failed range does.
+        self.fenced.retain(|region| match region.persist() {
+            Some(p) => match p.drain() {
+                Ok(_) => false,
+                Err(e) => {
+                    failed.get_or_insert(e);
+                    true
+                }
+            },
+            None => false,
+        });
         self.ranges
             .retain(|(region, off, len)| match region.persist() {
                 Some(p) => match p.persist(*off, *len) {
@@ -174,11 +186,42 @@ mod tests {
     fn a_fence_alone_is_work_to_do_and_is_done_once() {
         let mut d = Dirty::default();
         assert_eq!(d.durable_work(), None);
-        d.add_fence();
+        let r = mapped_region();
+        d.add_fence(&r);
+        d.add_fence(&r);
         assert!(!d.is_empty(), "written-back bytes still need their sfence");
         assert_eq!(d.durable_work(), Some(PersistKind::Writeback));
         d.persist_all().unwrap();
         assert!(d.is_empty());
+    }
+
+    #[test]
+    fn a_fence_into_a_failed_store_fails_and_stays_recorded() {
+        // dax (forced) on a file: bytes written back by non-temporal stores need only the
+        // fence, but once the store has failed nothing may be called durable.
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let m = crate::pmem::OpenOptions::new(dir.path().join("ns"))
+            .size(1 << 20)
+            .create(true)
+            .force_dax(true)
+            .open()
+            .unwrap();
+        assert_eq!(m.domain(), Domain::DaxForced);
+        let m = Arc::new(m);
+        let r = Arc::new(Region::for_test(Backing::Owned(Arc::clone(&m) as _)));
+        let mut d = Dirty::default();
+        d.add_fence(&r);
+        d.persist_all().unwrap();
+        let eio = std::io::Error::from_raw_os_error(libc::EIO);
+        let failure = crate::pmem::SyncFailure::new("fdatasync", &eio);
+        assert!(crate::pmem::Persist::record_failure(&*m, failure));
+        d.add_fence(&r);
+        assert!(matches!(
+            d.persist_all(),
+            Err(crate::pmem::Error::Failed { .. })
+        ));
+        assert!(!d.is_empty(), "the failed fence stays recorded");
+        assert!(d.persist_all().is_err(), "and fails again");
     }
 
     #[test]
