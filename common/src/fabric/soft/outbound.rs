@@ -61,7 +61,7 @@ pub(crate) struct TxMsg {
 /// What one pass of a completion queue over its queue pairs writes at most, all of them
 /// together (unless more than `TURN_BYTES / MIN_QUANTUM` are busy): docs/benchmarks.md, "Fair
 /// share".
-pub(crate) const TURN_BYTES: usize = 4 * 1024 * 1024;
+pub(crate) const TURN_BYTES: usize = 1024 * 1024;
 
 /// The least share of a busy queue pair per pass: one writev of a few FPDUs.
 pub(crate) const MIN_QUANTUM: usize = 64 * 1024;
