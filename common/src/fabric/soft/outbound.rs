@@ -536,7 +536,8 @@ mod tests {
         assert_eq!(quantum(0), TURN_BYTES);
         assert_eq!(quantum(1), TURN_BYTES);
         assert_eq!(quantum(4), TURN_BYTES / 4);
-        assert_eq!(quantum(48), TURN_BYTES / 48);
+        assert_eq!(quantum(8), TURN_BYTES / 8);
+        assert_eq!(quantum(48), MIN_QUANTUM.max(TURN_BYTES / 48));
         assert_eq!(quantum(10_000), MIN_QUANTUM);
     }
 }
