@@ -358,9 +358,18 @@ fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
     let forged = "[2026-12-01T00:00:00Z ERROR rpma_target] FORGED by a peer";
     let host_nqn = "nqn.2026-11.io.evil:cycler";
     let src = s.src();
-    let ended0 = s.t.status()["metrics"]["sessions_ended"]["host"]
-        .as_u64()
-        .unwrap();
+    // Sessions ended for any reason: the peer's close right behind its Disconnect can reach
+    // the target first on a loaded machine (then the session is "connection_lost", and its
+    // end line is logged or counted all the same).
+    let all_ended = |v: &serde_json::Value| -> u64 {
+        v["metrics"]["sessions_ended"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|n| n.as_u64().unwrap())
+            .sum()
+    };
+    let ended0 = all_ended(&s.t.status());
     let log0 = s.t.log().len();
     let n: u64 = 2000;
     let started = Instant::now();
@@ -380,7 +389,7 @@ fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
     let deadline = Instant::now() + WAIT + period;
     let log = loop {
         let v = s.t.status();
-        let ended = v["metrics"]["sessions_ended"]["host"].as_u64().unwrap() - ended0;
+        let ended = all_ended(&v) - ended0;
         let log = s.t.log();
         let logged = lines_with(&log[log0..], host_nqn) as u64;
         if ended == n && logged + counted_in_summaries(&log[log0..]) == 2 * n {
