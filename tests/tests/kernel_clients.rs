@@ -40,12 +40,18 @@ fn cmd(program: &str, args: &[&str]) -> String {
     sh(Command::new(program).args(args))
 }
 
-/// Fails clearly outside the VM lab (the test is ignored there anyway).
-fn require_lab() {
+/// Fails clearly outside the VM lab (the test is ignored there anyway), then holds the
+/// kernel's block devices for the calling test alone: the tests pick /dev/nbdN by looking for
+/// a free one, sync whole file systems and kill exports under mounted devices, so two of them
+/// at once could take the same device or wait on each other's dead export (seen as both
+/// `rdma::` twins stuck until the lab's time-out).
+fn require_lab() -> std::sync::MutexGuard<'static, ()> {
+    static LAB: std::sync::Mutex<()> = std::sync::Mutex::new(());
     assert!(
         Path::new("/sys/module/nbd").exists(),
         "no nbd module: this test runs in the VM lab (make vm-test; docs/testing.md)"
     );
+    LAB.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 /// A target serving SUB with one 64 MiB page-cache namespace, in its own directory.
@@ -187,7 +193,7 @@ fn write_and_sync(path: &Path, data: &[u8]) {
 /// and synced, the target SIGKILLed and restarted, the file read back after dropping the
 /// page cache, e2fsck clean.
 fn ext4_survives_a_target_sigkill(connections: u32) {
-    require_lab();
+    let _lab = require_lab();
     let _one = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
     let d = scratch();
     let mut t = target(d.path());
@@ -281,7 +287,7 @@ fn read_from(dev: &str, from: u64) -> Vec<u8> {
 #[test]
 #[ignore = "requires the VM lab: the kernel's nbd and md (make vm-test)"]
 fn md_raid1_across_two_targets_survives_one_and_resyncs() {
-    require_lab();
+    let _lab = require_lab();
     let _one = DEVICES.lock().unwrap_or_else(|p| p.into_inner());
     let (da, db) = (scratch(), scratch());
     let ta = target(da.path());
