@@ -238,45 +238,7 @@ fn a_write_into_a_page_cache_namespace_takes_no_write_fault() {
     }
 }
 
-/// Pages of `path` in `offset..offset + len` not yet written back (dirty or under write-back),
-/// from cachestat(2); None on a kernel without it (ENOSYS).
-fn unsynced_pages(path: &std::path::Path, offset: u64, len: u64) -> Option<u64> {
-    #[repr(C)]
-    struct Range {
-        off: u64,
-        len: u64,
-    }
-    #[repr(C)]
-    #[derive(Default)]
-    struct Stat {
-        nr_cache: u64,
-        nr_dirty: u64,
-        nr_writeback: u64,
-        nr_evicted: u64,
-        nr_recently_evicted: u64,
-    }
-    const SYS_CACHESTAT: libc::c_long = 451;
-    let f = std::fs::File::open(path).unwrap();
-    let range = Range { off: offset, len };
-    let mut st = Stat::default();
-    // SAFETY: cachestat reads `range` and writes one struct cachestat into `st`, both live
-    // locals of the layouts the kernel's uapi defines; the descriptor is open for the call.
-    let rc = unsafe {
-        libc::syscall(
-            SYS_CACHESTAT,
-            std::os::fd::AsRawFd::as_raw_fd(&f),
-            &range as *const Range,
-            &mut st as *mut Stat,
-            0u32,
-        )
-    };
-    if rc != 0 {
-        let e = std::io::Error::last_os_error();
-        assert_eq!(e.raw_os_error(), Some(libc::ENOSYS), "cachestat: {e}");
-        return None;
-    }
-    Some(st.nr_dirty + st.nr_writeback)
-}
+use rpma_common::pmem::unsynced_pages;
 
 /// The pwrite placement leaves the bytes in the file's page cache, dirty, where a Flush
 /// Persistent of their range finds them: after it the range's pages are written back, and the

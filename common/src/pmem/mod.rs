@@ -48,6 +48,7 @@
 //!
 //! docs/persistence.md has the details.
 
+mod cachestat;
 mod devdax;
 mod domain;
 mod error;
@@ -59,6 +60,7 @@ mod persist;
 mod plan;
 mod sim;
 
+pub use cachestat::unsynced_pages;
 pub use domain::{Domain, Durability, SyncFailure};
 pub use error::{Error, Result};
 pub use flush::{
