@@ -8,7 +8,7 @@ use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::Message;
 
 use super::{Completed, Queue, Ticket};
-use crate::error::{Error, Result};
+use crate::error::{Error, LossReason, Result};
 use crate::pool::{Kind, Slot, WriteRec};
 use crate::session::Session;
 
@@ -247,12 +247,12 @@ impl Queue {
     /// The error for a failed data completion: a lost connection, or what the target refused.
     fn completion_error(&self, ns: usize, op: &'static str, status: WcStatus) -> Error {
         if matches!(status, WcStatus::WrFlush | WcStatus::RetryExceeded) {
-            let detail = self
+            let reason = self
                 .session
                 .as_ref()
                 .and_then(|s| s.qp().error())
-                .unwrap_or_else(|| format!("{op} completed with {status:?}"));
-            return Error::ConnectionLost { detail };
+                .map_or(LossReason::Completion { op, status }, LossReason::QueuePair);
+            return Error::ConnectionLost { reason };
         }
         Error::Remote {
             nsid: self.ns.get(ns).map_or(0, |n| n.desc.nsid),
@@ -416,7 +416,7 @@ impl Queue {
 fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
     if s.qp().state() == QpState::Error {
         return Error::ConnectionLost {
-            detail: s.qp().error().unwrap_or_else(|| e.to_string()),
+            reason: LossReason::of(s.qp()),
         };
     }
     match e {
