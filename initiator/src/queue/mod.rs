@@ -31,7 +31,7 @@ use std::time::Duration;
 use rpma_common::fabric::WcStatus;
 use rpma_common::proto::{FlushStatus, NamespaceDescriptor};
 
-use crate::durability::{Choice, PersistMethod};
+use crate::durability::{Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::session::Session;
@@ -73,8 +73,9 @@ pub struct QueueStats {
 #[derive(Debug, Clone)]
 struct NsState {
     desc: NamespaceDescriptor,
-    /// The method for durable calls, or the error a forced one gave.
-    choice: std::result::Result<Choice, (PersistMethod, String)>,
+    /// The method for durable calls, or the refusal of a forced one (made into
+    /// [`Error::MethodNotValid`] on each durable call: Error is not Clone).
+    choice: std::result::Result<Choice, MethodNotValid>,
     forced: Option<PersistMethod>,
 }
 
