@@ -372,7 +372,14 @@ fn a_failed_persist_fails_the_response_and_the_queue_pairs_error_keeps_the_errno
         let (_, c) = r.p.until_init(2);
         assert_ne!(c.status, WcStatus::Success, "flush {flush}: {c:?}");
         r.p.assert_both_error();
-        let why = r.p.tqp.error().unwrap_or_default();
+        let failure = r.p.tqp.error();
+        assert!(
+            matches!(failure, Some(QpFailure::PersistFailed { .. })),
+            "flush {flush}: {failure:?}"
+        );
+        let why = failure
+            .map(|e| rpma_common::error_chain(&e))
+            .unwrap_or_default();
         assert!(
             why.contains("durable failed") && why.contains("Input/output error"),
             "flush {flush}: {why}"

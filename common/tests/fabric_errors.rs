@@ -41,15 +41,28 @@ fn bad_rkey_read_is_remote_access() {
     p.expect_init(1, WcStatus::RemoteAccess);
     p.expect_init(2, WcStatus::WrFlush);
     p.assert_both_error();
+    // The typed reasons: the target sent a Terminate, the initiator received it, with the
+    // status its Read completed with.
     assert!(
-        p.tqp.error().unwrap().contains("Terminate"),
+        matches!(p.tqp.error(), Some(QpFailure::TerminateSent { .. })),
         "{:?}",
         p.tqp.error()
     );
     assert!(
-        p.qp.error().unwrap().contains("Terminate"),
+        matches!(
+            p.qp.error(),
+            Some(QpFailure::TerminateReceived {
+                status: WcStatus::RemoteAccess,
+                ..
+            })
+        ),
         "{:?}",
         p.qp.error()
+    );
+    let text = p.qp.error().unwrap().to_string();
+    assert!(
+        text.starts_with("received Terminate (RDMAP etype: 1"),
+        "{text}"
     );
     assert_untouched(&tmem);
 }

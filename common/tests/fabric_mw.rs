@@ -313,8 +313,7 @@ fn send_with_invalidate_of_a_window_of_another_qp_is_a_protection_error() {
     assert!(
         p.tqp
             .error()
-            .unwrap_or_default()
-            .contains("etype: 1, ecode: 9"),
+            .is_some_and(|e| e.to_string().contains("etype: 1, ecode: 9")),
         "{:?}",
         p.tqp.error()
     );
@@ -362,8 +361,7 @@ fn send_with_invalidate_of_an_unknown_stag_is_an_operation_error() {
     assert!(
         p.tqp
             .error()
-            .unwrap_or_default()
-            .contains("etype: 2, ecode: 9"),
+            .is_some_and(|e| e.to_string().contains("etype: 2, ecode: 9")),
         "{:?}",
         p.tqp.error()
     );

@@ -184,7 +184,10 @@ fn session(p: &Pair) {
     assert_eq!(failed.status, WcStatus::RemoteAccess, "{failed:?}");
     let (_, _) = p.settle(Duration::from_millis(200));
     assert_eq!(p.tqp.state(), QpState::Error);
-    assert!(p.tqp.error().unwrap_or_default().contains("Terminate"));
+    assert!(matches!(
+        p.tqp.error(),
+        Some(QpFailure::TerminateSent { .. })
+    ));
 }
 
 /// Parses a tshark `-T fields` column of numbers (several per line, comma-separated).

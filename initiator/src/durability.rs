@@ -123,6 +123,37 @@ pub fn choose(
     peer_flush: bool,
     forced: Option<PersistMethod>,
 ) -> Result<Choice> {
+    choose_method(d, peer_flush, forced).map_err(Error::from)
+}
+
+/// A forced method the target does not offer for a namespace: what [`choose`] refuses with,
+/// as a value a queue keeps per namespace and turns into [`Error::MethodNotValid`] on each
+/// durable call.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct MethodNotValid {
+    nsid: u32,
+    method: PersistMethod,
+    domain: PersistenceDomain,
+    offered: String,
+}
+
+impl From<MethodNotValid> for Error {
+    fn from(m: MethodNotValid) -> Error {
+        Error::MethodNotValid {
+            nsid: m.nsid,
+            method: m.method,
+            domain: m.domain,
+            offered: m.offered,
+        }
+    }
+}
+
+/// [`choose`], with its one refusal typed.
+pub(crate) fn choose_method(
+    d: &NamespaceDescriptor,
+    peer_flush: bool,
+    forced: Option<PersistMethod>,
+) -> std::result::Result<Choice, MethodNotValid> {
     let usable = |m: PersistMethod| {
         d.durability.contains(m.bit())
             && (m != PersistMethod::Flush || peer_flush)
@@ -132,7 +163,7 @@ pub fn choose(
         if usable(m) {
             return Ok(Choice::Method(m));
         }
-        return Err(Error::MethodNotValid {
+        return Err(MethodNotValid {
             nsid: d.nsid,
             method: m,
             domain: d.domain,
@@ -197,6 +228,39 @@ mod tests {
     }
 
     const ALL: DurabilityMethods = DurabilityMethods(7);
+
+    #[test]
+    fn a_refused_forced_method_is_kept_typed_with_its_context() {
+        let d = desc(PersistenceDomain::Dax, DurabilityMethods::GPSPM);
+        // What a queue keeps per namespace: the refusal itself, not its text.
+        let kept = choose_method(&d, true, Some(PersistMethod::Apm)).unwrap_err();
+        assert_eq!(
+            kept,
+            MethodNotValid {
+                nsid: 1,
+                method: PersistMethod::Apm,
+                domain: PersistenceDomain::Dax,
+                offered: offered(&d),
+            }
+        );
+        // Each durable call gets the same error as choose gives.
+        for e in [Error::from(kept.clone()), Error::from(kept)] {
+            assert!(
+                matches!(
+                    &e,
+                    Error::MethodNotValid {
+                        nsid: 1,
+                        method: PersistMethod::Apm,
+                        domain: PersistenceDomain::Dax,
+                        offered,
+                    } if *offered == self::offered(&d)
+                ),
+                "{e:?}"
+            );
+        }
+        let direct = choose(&d, true, Some(PersistMethod::Apm)).unwrap_err();
+        assert!(matches!(direct, Error::MethodNotValid { .. }), "{direct:?}");
+    }
 
     #[test]
     fn best_offered_method_wins() {

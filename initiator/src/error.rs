@@ -2,7 +2,7 @@
 
 use std::time::Duration;
 
-use rpma_common::fabric::{self, WcStatus};
+use rpma_common::fabric::{self, QpFailure, WcStatus};
 use rpma_common::proto::auth::AuthError;
 use rpma_common::proto::nqn::NqnError;
 use rpma_common::proto::{self, MessageType, RefusalReason};
@@ -115,11 +115,13 @@ pub enum Error {
         /// The target's reason.
         reason: String,
     },
-    /// The connection broke (the queue pair went to Error).
-    #[error("the connection to the target is lost: {detail}")]
+    /// The connection broke (the queue pair went to Error). The text carries the reason with
+    /// the errors under it.
+    #[error("the connection to the target is lost: {}", rpma_common::error_chain(.reason))]
     ConnectionLost {
-        /// Why, as the fabric saw it.
-        detail: String,
+        /// Why: the fabric's reason when the queue pair recorded one
+        /// ([`LossReason::QueuePair`]), to branch on.
+        reason: LossReason,
     },
     /// A control message's work request completed with an error.
     #[error("a control {what} completed with {status:?}")]
@@ -306,5 +308,87 @@ impl Error {
     }
 }
 
+/// Why a connection was found lost ([`Error::ConnectionLost`]).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// The queue pair went to Error for this reason (a peer that closed, a Terminate, a broken
+    /// link, a failed device).
+    #[error(transparent)]
+    QueuePair(#[from] QpFailure),
+    /// A request completed flushed (or out of retries) and the queue pair recorded no reason.
+    #[error("{op} completed with {status:?}")]
+    Completion {
+        /// What the request was.
+        op: &'static str,
+        /// Its status.
+        status: WcStatus,
+    },
+    /// The queue pair is in Error and recorded no reason.
+    #[error("queue pair in Error")]
+    Unexplained,
+    /// The reconnect policy allowed no attempt (its time-out is zero).
+    #[error("the reconnect policy allowed no attempt")]
+    NoReconnectAttempt,
+}
+
+impl LossReason {
+    /// The reason a queue pair in Error gives: its own, else [`LossReason::Unexplained`].
+    pub(crate) fn of(qp: &fabric::QueuePair) -> LossReason {
+        qp.error()
+            .map_or(LossReason::Unexplained, LossReason::QueuePair)
+    }
+}
+
 /// The initiator library's result type.
 pub type Result<T> = std::result::Result<T, Error>;
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    #[test]
+    fn a_lost_connection_keeps_the_fabrics_reason_typed_and_in_its_text() {
+        let reset = std::io::Error::from_raw_os_error(libc::ECONNRESET);
+        let e = Error::ConnectionLost {
+            reason: QpFailure::Link {
+                op: "receiving",
+                source: Arc::new(reset),
+            }
+            .into(),
+        };
+        assert!(e.is_connection_loss());
+        // A caller branches on the reason, down to the errno.
+        let Error::ConnectionLost {
+            reason: LossReason::QueuePair(QpFailure::Link { op, source }),
+        } = &e
+        else {
+            panic!("{e:?}");
+        };
+        assert_eq!(
+            (*op, source.raw_os_error()),
+            ("receiving", Some(libc::ECONNRESET))
+        );
+        // The text keeps what the string said: the cause and the OS error under it.
+        let text = e.to_string();
+        assert!(
+            text.starts_with(
+                "the connection to the target is lost: connection lost while receiving: "
+            ),
+            "{text}"
+        );
+        assert!(text.contains("reset by peer"), "{text}");
+        let e = Error::ConnectionLost {
+            reason: LossReason::Completion {
+                op: "read",
+                status: WcStatus::WrFlush,
+            },
+        };
+        assert_eq!(
+            e.to_string(),
+            "the connection to the target is lost: read completed with WrFlush"
+        );
+    }
+}

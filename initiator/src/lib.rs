@@ -73,7 +73,7 @@ pub use connect::{
     connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, RECV_DEPTH,
 };
 pub use durability::{Choice, Durability, PersistMethod};
-pub use error::{Error, Result};
+pub use error::{Error, LossReason, Result};
 pub use namespace::Namespace;
 pub use queue::{Completed, Connection, Queue, QueueOptions, QueueStats, ReconnectPolicy, Ticket};
 pub use rpma_common::proto::msgbuf::CONTROL_BIT;

@@ -20,8 +20,11 @@ pub(crate) enum Slot {
     Writing(WriteRec),
     /// A completed Write not yet acknowledged as durable.
     Held(WriteRec),
-    /// A posted Read: `len` bytes for item `item` at `at` of the caller's buffer.
+    /// A posted Read of namespace index `ns`: `len` bytes for item `item` at `at` of the
+    /// caller's buffer.
     Reading {
+        /// The namespace read (its index in the queue), named if the Read fails.
+        ns: usize,
         /// Index of the caller's buffer in its batch.
         item: usize,
         /// Offset in that buffer.
@@ -40,6 +43,8 @@ pub(crate) enum Slot {
     },
     /// A posted Read started on its own (`Namespace::start_read`), not completed yet.
     Started {
+        /// The namespace read (its index in the queue), named if the Read fails.
+        ns: usize,
         /// What the caller knows it by.
         ticket: u64,
         /// Bytes.
@@ -551,6 +556,7 @@ mod tests {
         p.set(
             b,
             Slot::Reading {
+                ns: 0,
                 item: 0,
                 at: 0,
                 len: 8,
@@ -559,7 +565,14 @@ mod tests {
         assert_eq!(p.take_free(), None, "two in flight");
         p.set(a, Slot::Held(rec(0, 0, 4096, 1)));
         let c = p.take_free().unwrap();
-        p.set(c, Slot::Started { ticket: 7, len: 8 });
+        p.set(
+            c,
+            Slot::Started {
+                ns: 0,
+                ticket: 7,
+                len: 8,
+            },
+        );
         assert_eq!(p.number(Kind::StartedOutstanding), 1);
         assert_eq!(p.number(Kind::Reading), 1);
         p.set(c, Slot::StartedDone { ticket: 7, len: 8 });
@@ -623,7 +636,14 @@ mod tests {
         let pd = Context::soft().alloc_pd().unwrap();
         let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
         let s: Vec<usize> = (0..3).map(|_| p.take_free().unwrap()).collect();
-        p.set(s[0], Slot::Started { ticket: 1, len: 8 });
+        p.set(
+            s[0],
+            Slot::Started {
+                ns: 0,
+                ticket: 1,
+                len: 8,
+            },
+        );
         p.set(s[1], Slot::StartedDone { ticket: 2, len: 8 });
         let mut w = rec(0, 0, 512, 3);
         w.notify = true;
@@ -647,6 +667,7 @@ mod tests {
         p.set(
             s[2],
             Slot::Reading {
+                ns: 0,
                 item: 0,
                 at: 0,
                 len: 8,

@@ -25,7 +25,7 @@ use rpma_common::proto::{
     Disconnect, FlushRequest, FlushStatus, KeepAlive, Message, NamespaceDescriptor,
 };
 
-use crate::error::{Error, Result};
+use crate::error::{Error, LossReason, Result};
 use rpma_common::proto::msgbuf::{MsgBufs, CONTROL_BIT, SEND_BIT};
 
 /// A session with a subsystem (or with the discovery subsystem).
@@ -149,10 +149,7 @@ impl Session {
         }
         if self.qp.state() == QpState::Error {
             return Err(Error::ConnectionLost {
-                detail: self
-                    .qp
-                    .error()
-                    .unwrap_or_else(|| "queue pair in Error".into()),
+                reason: LossReason::of(&self.qp),
             });
         }
         Ok(())
@@ -230,7 +227,7 @@ impl Session {
         }
         if self.qp.state() == QpState::Error {
             return Error::ConnectionLost {
-                detail: self.qp.error().unwrap_or_default(),
+                reason: LossReason::of(&self.qp),
             };
         }
         e

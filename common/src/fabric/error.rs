@@ -2,11 +2,13 @@
 //!
 //! Errors that happen on the wire after a work request was posted are not [`Error`]s: they come
 //! back as [`Completion`](super::Completion)s with a non-success [`WcStatus`](super::WcStatus), as
-//! in libibverbs.
+//! in libibverbs. Why a queue pair went to Error is a [`QpFailure`].
 
+use std::fmt;
 use std::io;
+use std::sync::Arc;
 
-use super::types::{Access, QpState};
+use super::types::{Access, QpState, WcStatus};
 
 /// What a fabric call failed with.
 #[derive(Debug, thiserror::Error)]
@@ -189,3 +191,202 @@ pub enum Error {
 
 /// The fabric's result type.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// Why a queue pair went to Error ([`QueuePair::error`](super::QueuePair::error)): the first
+/// cause, kept as it was found, so that a caller can tell a peer that left from a protocol
+/// error, a failed link or a failed device. The text names the cause; the OS or persist
+/// error under it is the [`source`](std::error::Error::source) (print the chain, as
+/// [`error_chain`](crate::error_chain) does, to keep the errno).
+#[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
+pub enum QpFailure {
+    /// The peer closed the connection: the end of the stream (`tcp`), a disconnect request,
+    /// which was answered (`rdma`).
+    #[error("the peer closed the connection")]
+    PeerClosed,
+    /// Sending or receiving on the connection failed (`tcp`: a reset, a time-out).
+    #[error("connection lost while {op}")]
+    Link {
+        /// "sending" or "receiving".
+        op: &'static str,
+        /// The OS error.
+        #[source]
+        source: Arc<io::Error>,
+    },
+    /// The peer sent a Terminate (`tcp`): the oldest outstanding request completed with
+    /// `status`, every later one was flushed.
+    #[error("received Terminate ({code})")]
+    TerminateReceived {
+        /// The Terminate's cause.
+        code: TerminateCode,
+        /// The status the oldest outstanding request completed with.
+        status: WcStatus,
+    },
+    /// This side sent a Terminate (`tcp`): the peer broke the protocol or asked for an access
+    /// it does not have.
+    #[error("sent Terminate ({code})")]
+    TerminateSent {
+        /// The Terminate's cause.
+        code: TerminateCode,
+    },
+    /// This side sent a Terminate (`tcp`) because making earlier Writes durable, before a
+    /// response that vouches for them, failed: the memory's store failed.
+    #[error("sent Terminate ({code}): making earlier Writes durable failed")]
+    PersistFailed {
+        /// The Terminate's cause.
+        code: TerminateCode,
+        /// What the persist failed with (the call and its errno).
+        #[source]
+        source: Arc<crate::pmem::Error>,
+    },
+    /// A work request completed with an error (`rdma`).
+    #[error("a request completed with {status:?} (vendor error {vendor_err:#x})")]
+    RequestFailed {
+        /// Its status.
+        status: WcStatus,
+        /// The device's own error code.
+        vendor_err: u32,
+    },
+    /// The device flushed the queue pair's requests before this side saw an error (`rdma`).
+    #[error("flushed by the device")]
+    Flushed,
+    /// The device refused a request of a list after it had taken the first `posted` (`rdma`).
+    #[error("the device refused a request of a list after taking the first {posted}")]
+    PostRefused {
+        /// How many requests of the list went to the device.
+        posted: usize,
+    },
+    /// Moving the queue pair to RTS or completing the connection failed (`rdma`). The call
+    /// that connected or accepted returned the typed [`Error`]; this keeps its text.
+    #[error("{op} failed: {reason}")]
+    Setup {
+        /// "connect" or "accept".
+        op: &'static str,
+        /// The error the call returned, with its sources.
+        reason: String,
+    },
+    /// The connection manager reported that the connection failed (`rdma`: rejected,
+    /// unreachable, a connect error).
+    #[error("the connection failed: {event} (status {status})")]
+    ConnectionFailed {
+        /// The rdma_cm event's name.
+        event: String,
+        /// Its status (a negative errno, or a reject reason).
+        status: i32,
+    },
+    /// The device reported an error of the queue pair (`rdma`, an async event).
+    #[error("the device reported {event}")]
+    DeviceEvent {
+        /// What it reported.
+        event: DeviceEvent,
+    },
+    /// The RDMA device was removed (`rdma`).
+    #[error("the RDMA device was removed")]
+    DeviceRemoved,
+    /// The RDMA device failed (IBV_EVENT_DEVICE_FATAL): every queue pair on it is in Error.
+    #[error("the RDMA device failed (IBV_EVENT_DEVICE_FATAL)")]
+    DeviceFatal,
+    /// The owner moved the queue pair to Error ([`QueuePair::to_error`](super::QueuePair::to_error)).
+    #[error("moved to Error locally")]
+    Local,
+    /// The queue pair's handle was dropped.
+    #[error("queue pair dropped")]
+    Dropped,
+}
+
+/// An error the device reports of one queue pair (an `ibv_async_event`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum DeviceEvent {
+    /// IBV_EVENT_QP_FATAL.
+    QpFatal,
+    /// IBV_EVENT_QP_REQ_ERR: an invalid request.
+    InvalidRequest,
+    /// IBV_EVENT_QP_ACCESS_ERR: a local access error.
+    AccessError,
+}
+
+impl fmt::Display for DeviceEvent {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(match self {
+            DeviceEvent::QpFatal => "a fatal queue pair error",
+            DeviceEvent::InvalidRequest => "an invalid request",
+            DeviceEvent::AccessError => "a local access error",
+        })
+    }
+}
+
+/// A Terminate's cause as RFC 5040 §7.2 codes it: the layer that found the error, its type
+/// and its code (docs/protocol.md tabulates them).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct TerminateCode {
+    /// The layer.
+    pub layer: TerminateLayer,
+    /// The error type (4 bits).
+    pub etype: u8,
+    /// The error code.
+    pub ecode: u8,
+}
+
+/// The layer of a [`TerminateCode`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum TerminateLayer {
+    /// RDMAP (RFC 5040).
+    Rdmap,
+    /// DDP (RFC 5041).
+    Ddp,
+    /// The lower layer protocol: MPA (RFC 5044).
+    Mpa,
+}
+
+impl fmt::Display for TerminateCode {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        let layer = match self.layer {
+            TerminateLayer::Rdmap => "RDMAP",
+            TerminateLayer::Ddp => "DDP",
+            TerminateLayer::Mpa => "MPA",
+        };
+        write!(f, "{layer} etype: {}, ecode: {}", self.etype, self.ecode)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_failure_names_its_cause_and_keeps_the_error_under_it() {
+        let code = TerminateCode {
+            layer: TerminateLayer::Rdmap,
+            etype: 1,
+            ecode: 9,
+        };
+        let f = QpFailure::TerminateReceived {
+            code,
+            status: WcStatus::RemoteAccess,
+        };
+        assert_eq!(
+            f.to_string(),
+            "received Terminate (RDMAP etype: 1, ecode: 9)"
+        );
+        let eio = io::Error::from_raw_os_error(libc::EIO);
+        let f = QpFailure::Link {
+            op: "receiving",
+            source: Arc::new(eio),
+        };
+        let chain = crate::error_chain(&f);
+        assert!(
+            chain.starts_with("connection lost while receiving: "),
+            "{chain}"
+        );
+        assert!(chain.contains("Input/output error"), "{chain}");
+        let errno = std::error::Error::source(&f)
+            .and_then(|s| s.downcast_ref::<Arc<io::Error>>())
+            .and_then(|e| e.raw_os_error());
+        assert_eq!(errno, Some(libc::EIO), "the errno is reachable by type");
+        let f = QpFailure::DeviceEvent {
+            event: DeviceEvent::AccessError,
+        };
+        assert_eq!(f.to_string(), "the device reported a local access error");
+    }
+}

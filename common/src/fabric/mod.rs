@@ -111,7 +111,7 @@ pub use counters::{
     RegionServed, ResponderCounters, ResponderSnapshot, TerminateCause, OTHER_RKEYS,
 };
 pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
-pub use error::{Error, Result};
+pub use error::{DeviceEvent, Error, QpFailure, Result, TerminateCode, TerminateLayer};
 pub use memory::{AlignedBuf, MemoryBacking, RegisteredMemory, Registration};
 pub use mr::{MemoryRegion, MemoryWindow};
 pub use params::{ConnInfo, ConnParams, TcpInfo, TcpParams};

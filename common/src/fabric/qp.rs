@@ -13,7 +13,7 @@ use std::sync::Arc;
 use super::context::Context;
 use super::counters::ResponderCounters;
 use super::cq::CompletionQueue;
-use super::error::{Error, Result};
+use super::error::{Error, QpFailure, Result};
 use super::mr::{MemoryRegion, MemoryWindow};
 use super::params::{ConnInfo, ConnParams};
 use super::pd::ProtectionDomain;
@@ -162,9 +162,11 @@ impl QueuePair {
         self.inner.engine.info()
     }
 
-    /// Why the queue pair went to Error, if it did (a received or sent Terminate, a closed
-    /// connection, a local move to Error).
-    pub fn error(&self) -> Option<String> {
+    /// Why the queue pair went to Error, if it did: the first cause (a received or sent
+    /// Terminate, a closed or broken connection, a failed device, a local move to Error), typed
+    /// so that a caller can branch on it. Its text names the cause; print it with its sources
+    /// ([`error_chain`](crate::error_chain)) to keep the errno under it.
+    pub fn error(&self) -> Option<QpFailure> {
         self.inner.engine.error()
     }
 
@@ -248,7 +250,7 @@ impl QueuePair {
     /// Moves the queue pair to Error (`ibv_modify_qp` to ERR): the connection is closed and
     /// every outstanding request is completed with `WrFlush`.
     pub fn to_error(&self) {
-        self.inner.engine.to_error("moved to Error locally");
+        self.inner.engine.to_error(QpFailure::Local);
     }
 
     /// What this queue pair served as the responder (Writes placed, Reads answered, atomics,

@@ -22,7 +22,7 @@ use std::time::Duration;
 
 use super::completions::Completions;
 use super::counters::ResponderCounters;
-use super::error::{Error, Result};
+use super::error::{Error, QpFailure, Result};
 use super::memory::{Grant, MemoryBacking, Registration};
 use super::params::{ConnInfo, ConnParams};
 #[cfg(feature = "rdma")]
@@ -416,7 +416,7 @@ impl QpEngine {
     pub(crate) fn info(&self) -> ConnInfo {
         each_qp!(self, q => q.info())
     }
-    pub(crate) fn error(&self) -> Option<String> {
+    pub(crate) fn error(&self) -> Option<QpFailure> {
         each_qp!(self, q => q.error())
     }
     pub(crate) fn check_rts(&self, op: &'static str) -> Result<()> {
@@ -431,7 +431,7 @@ impl QpEngine {
     pub(crate) fn post_sends(&self, wrs: &mut [Option<SendWr>]) -> Result<()> {
         each_qp!(self, q => q.post_sends(wrs))
     }
-    pub(crate) fn to_error(&self, why: &str) {
+    pub(crate) fn to_error(&self, why: QpFailure) {
         each_qp!(self, q => q.to_error(why))
     }
     pub(crate) fn close(&self) {

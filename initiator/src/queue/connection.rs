@@ -299,6 +299,7 @@ impl Connection {
             writes_posted: 0,
             reads_posted: 0,
             doorbells: 0,
+            completion_log: Default::default(),
             broken: false,
         };
         q.ns = q.describe_all()?;

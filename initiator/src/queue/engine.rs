@@ -8,8 +8,8 @@ use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::Message;
 
 use super::{Completed, Queue, Ticket};
-use crate::error::{Error, Result};
-use crate::pool::{Kind, Slot, WriteRec};
+use crate::error::{Error, LossReason, Result};
+use crate::pool::{Kind, Pool, Slot, WriteRec};
 use crate::session::Session;
 
 /// wr_id kinds of the data path (bits 60-61; bits 62-63 are the session's): a Write or a Read
@@ -102,7 +102,7 @@ impl Queue {
         at: usize,
     ) -> Result<()> {
         let wr = self.read_wr(slot, ns, offset, len);
-        self.pool.set(slot, Slot::Reading { item, at, len });
+        self.pool.set(slot, Slot::Reading { ns, item, at, len });
         self.reads_posted += 1;
         self.post_one(wr)
     }
@@ -183,7 +183,7 @@ impl Queue {
         let mut first_err = None;
         for c in &wcs[..n] {
             if let Err(e) = self.dispatch(c) {
-                first_err.get_or_insert(e);
+                self.completion_log.error(&mut first_err, e);
             }
         }
         match first_err {
@@ -200,59 +200,32 @@ impl Queue {
             }
             return Ok(());
         }
-        let slot = (c.wr_id & !KIND_MASK) as usize;
-        match c.wr_id & KIND_MASK {
-            KIND_WRITE => {
-                if let Some(Slot::Writing(w)) = self.pool.get(slot) {
-                    // Placed or not, the slot keeps the bytes until they are durable. A started
-                    // Write whose completion failed is reported when its re-issue completes.
-                    let ok = c.status == WcStatus::Success;
-                    let notify = w.notify && !ok;
-                    self.pool.set(slot, Slot::Held(WriteRec { notify, ..w }));
-                    if !ok {
-                        return Err(self.completion_error(w.ns, "write", c.status));
-                    }
-                    if w.notify {
-                        self.started_done.push(Completed::Write(Ticket(w.seq)));
-                    }
-                }
+        if c.wr_id & KIND_MASK == KIND_WAITED {
+            self.waited_done.push((c.wr_id, c.status));
+            return Ok(());
+        }
+        match complete_slot(&mut self.pool, c) {
+            Outcome::Done => {}
+            Outcome::ReadDone(slot) => self.reads_done.push(slot),
+            Outcome::Started(done) => self.started_done.push(done),
+            Outcome::Failed { ns, op } => return Err(self.completion_error(ns, op, c.status)),
+            Outcome::Unmatched => {
+                self.completion_log.unmatched(c);
             }
-            KIND_READ => match self.pool.get(slot) {
-                Some(Slot::Reading { item, at, len }) => {
-                    if c.status == WcStatus::Success {
-                        self.pool.set(slot, Slot::ReadDone { item, at, len });
-                        self.reads_done.push(slot);
-                    } else {
-                        self.pool.set(slot, Slot::Free);
-                        return Err(self.completion_error(usize::MAX, "read", c.status));
-                    }
-                }
-                Some(Slot::Started { ticket, len }) => {
-                    if c.status == WcStatus::Success {
-                        self.pool.set(slot, Slot::StartedDone { ticket, len });
-                        self.started_done.push(Completed::Read(Ticket(ticket)));
-                    } else {
-                        self.pool.set(slot, Slot::Free);
-                        return Err(self.completion_error(usize::MAX, "read", c.status));
-                    }
-                }
-                _ => {}
-            },
-            KIND_WAITED => self.waited_done.push((c.wr_id, c.status)),
-            _ => {}
         }
         Ok(())
     }
 
-    /// The error for a failed data completion: a lost connection, or what the target refused.
+    /// The error for a failed data completion on namespace index `ns`: a lost connection, or
+    /// what the target refused.
     fn completion_error(&self, ns: usize, op: &'static str, status: WcStatus) -> Error {
         if matches!(status, WcStatus::WrFlush | WcStatus::RetryExceeded) {
-            let detail = self
+            let reason = self
                 .session
                 .as_ref()
                 .and_then(|s| s.qp().error())
-                .unwrap_or_else(|| format!("{op} completed with {status:?}"));
-            return Error::ConnectionLost { detail };
+                .map_or(LossReason::Completion { op, status }, LossReason::QueuePair);
+            return Error::ConnectionLost { reason };
         }
         Error::Remote {
             nsid: self.ns.get(ns).map_or(0, |n| n.desc.nsid),
@@ -412,11 +385,68 @@ impl Queue {
     }
 }
 
+/// What a completion of a Write or Read through a bounce slot did.
+#[derive(Debug, PartialEq, Eq)]
+enum Outcome {
+    /// Nothing more to do (a Write that completed).
+    Done,
+    /// A Read completed into this slot: its bytes wait to be copied out.
+    ReadDone(usize),
+    /// A started request completed.
+    Started(Completed),
+    /// The request failed; it was on namespace index `ns`.
+    Failed { ns: usize, op: &'static str },
+    /// No slot waits for this completion.
+    Unmatched,
+}
+
+/// Moves the slot `c` names on: a completed Write is held until durable, a completed Read's
+/// bytes wait to be copied out, a failed Read frees its slot.
+fn complete_slot(pool: &mut Pool, c: &Completion) -> Outcome {
+    let slot = (c.wr_id & !KIND_MASK) as usize;
+    let ok = c.status == WcStatus::Success;
+    match (c.wr_id & KIND_MASK, pool.get(slot)) {
+        (KIND_WRITE, Some(Slot::Writing(w))) => {
+            // Placed or not, the slot keeps the bytes until they are durable. A started
+            // Write whose completion failed is reported when its re-issue completes.
+            let notify = w.notify && !ok;
+            pool.set(slot, Slot::Held(WriteRec { notify, ..w }));
+            if !ok {
+                return Outcome::Failed {
+                    ns: w.ns,
+                    op: "write",
+                };
+            }
+            if w.notify {
+                return Outcome::Started(Completed::Write(Ticket(w.seq)));
+            }
+            Outcome::Done
+        }
+        (KIND_READ, Some(Slot::Reading { ns, item, at, len })) => {
+            if !ok {
+                pool.set(slot, Slot::Free);
+                return Outcome::Failed { ns, op: "read" };
+            }
+            pool.set(slot, Slot::ReadDone { item, at, len });
+            Outcome::ReadDone(slot)
+        }
+        (KIND_READ, Some(Slot::Started { ns, ticket, len })) => {
+            if !ok {
+                pool.set(slot, Slot::Free);
+                return Outcome::Failed { ns, op: "read" };
+            }
+            pool.set(slot, Slot::StartedDone { ticket, len });
+            Outcome::Started(Completed::Read(Ticket(ticket)))
+        }
+        _ => Outcome::Unmatched,
+    }
+}
+
 /// Posting fails locally; a queue pair in Error means the connection is gone.
 fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
     if s.qp().state() == QpState::Error {
         return Error::ConnectionLost {
-            detail: s.qp().error().unwrap_or_else(|| e.to_string()),
+            reason: LossReason::of(s.qp()),
         };
     }
     match e {
@@ -441,5 +471,84 @@ mod tests {
             assert_eq!(k & rpma_common::proto::msgbuf::SEND_BIT, 0);
             assert_eq!(k & KIND_MASK, k);
         }
+    }
+
+    fn completion(wr_id: u64, status: WcStatus) -> Completion {
+        Completion {
+            wr_id,
+            status,
+            ..Completion::EMPTY
+        }
+    }
+
+    #[test]
+    fn a_failed_read_names_its_namespace() {
+        let pd = rpma_common::fabric::Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
+        let a = p.take_free().unwrap();
+        p.set(
+            a,
+            Slot::Reading {
+                ns: 2,
+                item: 0,
+                at: 0,
+                len: 8,
+            },
+        );
+        let b = p.take_free().unwrap();
+        p.set(
+            b,
+            Slot::Started {
+                ns: 1,
+                ticket: 5,
+                len: 8,
+            },
+        );
+        let failed = |slot: usize| completion(KIND_READ | slot as u64, WcStatus::RemoteAccess);
+        assert_eq!(
+            complete_slot(&mut p, &failed(a)),
+            Outcome::Failed { ns: 2, op: "read" }
+        );
+        assert_eq!(
+            complete_slot(&mut p, &failed(b)),
+            Outcome::Failed { ns: 1, op: "read" }
+        );
+        assert_eq!((p.get(a), p.get(b)), (Some(Slot::Free), Some(Slot::Free)));
+        assert_eq!(p.in_flight(), 0);
+    }
+
+    #[test]
+    fn a_completion_no_slot_waits_for_is_unmatched() {
+        let pd = rpma_common::fabric::Context::soft().alloc_pd().unwrap();
+        let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
+        let a = p.take_free().unwrap();
+        p.set(
+            a,
+            Slot::Reading {
+                ns: 0,
+                item: 0,
+                at: 0,
+                len: 8,
+            },
+        );
+        let ok = |wr_id: u64| completion(wr_id, WcStatus::Success);
+        // A Write's completion for a slot that reads, a free slot, a slot out of range, no kind.
+        for wr_id in [
+            KIND_WRITE | a as u64,
+            KIND_READ | 2,
+            KIND_READ | 99,
+            a as u64,
+        ] {
+            assert_eq!(
+                complete_slot(&mut p, &ok(wr_id)),
+                Outcome::Unmatched,
+                "{wr_id:#x}"
+            );
+        }
+        // The slot is untouched, and its own completion still finds it.
+        assert_eq!(
+            complete_slot(&mut p, &ok(KIND_READ | a as u64)),
+            Outcome::ReadDone(a)
+        );
     }
 }

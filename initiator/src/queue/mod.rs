@@ -31,7 +31,7 @@ use std::time::Duration;
 use rpma_common::fabric::WcStatus;
 use rpma_common::proto::{FlushStatus, NamespaceDescriptor};
 
-use crate::durability::{Choice, PersistMethod};
+use crate::durability::{Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::session::Session;
@@ -61,15 +61,65 @@ pub struct QueueStats {
     pub doorbells: u64,
     /// Reconnects so far.
     pub reconnects: u32,
+    /// Data completions that matched no request slot (each logged, rate-limited): 0 unless
+    /// something is wrong.
+    pub unmatched_completions: u64,
+    /// Completion errors a poll did not return because an earlier one of the same poll was
+    /// (each logged at debug level): after a loss, every other flushed request gives one.
+    pub errors_not_returned: u64,
 }
 
 /// A namespace as a queue knows it.
 #[derive(Debug, Clone)]
 struct NsState {
     desc: NamespaceDescriptor,
-    /// The method for durable calls, or the error a forced one gave.
-    choice: std::result::Result<Choice, (PersistMethod, String)>,
+    /// The method for durable calls, or the refusal of a forced one (made into
+    /// [`Error::MethodNotValid`] on each durable call: Error is not Clone).
+    choice: std::result::Result<Choice, MethodNotValid>,
     forced: Option<PersistMethod>,
+}
+
+/// What the completion poll could not hand back: completions that matched no request slot,
+/// and errors after the first of a poll (the first is returned). Neither is lost silently:
+/// both are counted ([`QueueStats`]) and logged.
+#[derive(Debug, Default)]
+struct CompletionLog {
+    /// Data completions that matched no slot.
+    unmatched: u64,
+    /// Errors of a poll after its first.
+    later_errors: u64,
+}
+
+impl CompletionLog {
+    /// Counts a completion that matched no slot (a request this queue does not track: a bug,
+    /// or a slot reused too early) and logs it, at the 1st, 2nd, 4th, 8th... so that a storm
+    /// costs a line per doubling. Returns whether it logged.
+    fn unmatched(&mut self, c: &rpma_common::fabric::Completion) -> bool {
+        self.unmatched += 1;
+        let log = self.unmatched.is_power_of_two();
+        if log {
+            log::warn!(
+                "a completion matched no request slot (wr_id {:#x}, {:?}, {:?}); {} so far",
+                c.wr_id,
+                c.opcode,
+                c.status,
+                self.unmatched
+            );
+        }
+        log
+    }
+
+    /// Keeps `e` in `first` if it is the poll's first error; a later one is counted and
+    /// logged (at debug: after a loss every flushed request gives one).
+    fn error(&mut self, first: &mut Option<Error>, e: Error) {
+        match first {
+            None => *first = Some(e),
+            Some(kept) => {
+                self.later_errors += 1;
+                log::debug!("a completion failed after the error returned ({kept}): {e}");
+            }
+        }
+    }
 }
 
 /// One connected queue pair and its registered buffers. Not shared between threads: open one
@@ -94,6 +144,7 @@ pub struct Queue {
     writes_posted: u64,
     reads_posted: u64,
     doorbells: u64,
+    completion_log: CompletionLog,
     broken: bool,
 }
 
@@ -128,6 +179,8 @@ impl Queue {
             max_in_flight: self.pool.max_in_flight(),
             doorbells: self.doorbells,
             reconnects: self.reconnects,
+            unmatched_completions: self.completion_log.unmatched,
+            errors_not_returned: self.completion_log.later_errors,
         }
     }
 
@@ -212,5 +265,27 @@ mod tests {
         fn send<T: Send>() {}
         send::<Queue>();
         send::<Connection>();
+    }
+
+    #[test]
+    fn completions_a_poll_cannot_return_are_counted() {
+        let mut log = CompletionLog::default();
+        let c = rpma_common::fabric::Completion::EMPTY;
+        let logged: Vec<bool> = (0..9).map(|_| log.unmatched(&c)).collect();
+        assert_eq!(
+            logged,
+            [true, true, false, true, false, false, false, true, false],
+            "logged at the 1st, 2nd, 4th and 8th"
+        );
+        assert_eq!(log.unmatched, 9);
+        let mut first = None;
+        for nsid in [1, 2, 3] {
+            log.error(&mut first, Error::NoSuchNamespace { nsid });
+        }
+        assert!(
+            matches!(first, Some(Error::NoSuchNamespace { nsid: 1 })),
+            "{first:?}"
+        );
+        assert_eq!(log.later_errors, 2, "the others are counted");
     }
 }

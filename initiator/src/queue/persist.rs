@@ -11,7 +11,7 @@ use rpma_common::proto::{
 
 use super::{NsState, Queue};
 use crate::checks::check_healthy;
-use crate::durability::{choose, Choice, PersistMethod};
+use crate::durability::{choose_method, Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
 
 impl Queue {
@@ -39,15 +39,7 @@ impl Queue {
     pub(crate) fn choice(&self, idx: usize) -> Result<Choice> {
         let n = &self.ns[idx];
         check_healthy(&n.desc)?;
-        n.choice.clone().map_err(|(method, offered)| {
-            // Rebuild the error with its context (Error is not Clone).
-            Error::MethodNotValid {
-                nsid: n.desc.nsid,
-                method,
-                domain: n.desc.domain,
-                offered,
-            }
-        })
+        n.choice.clone().map_err(Error::from)
     }
 
     /// The method for making a named range of namespace `idx` durable whoever wrote it
@@ -362,15 +354,11 @@ impl Queue {
     }
 }
 
+/// The method for durable calls on `d`, or the refusal of a forced one, kept typed.
 pub(super) fn choice_of(
     d: &NamespaceDescriptor,
     peer_flush: bool,
     forced: Option<PersistMethod>,
-) -> std::result::Result<Choice, (PersistMethod, String)> {
-    choose(d, peer_flush, forced).map_err(|e| match e {
-        Error::MethodNotValid {
-            method, offered, ..
-        } => (method, offered),
-        other => (PersistMethod::Gpspm, other.to_string()),
-    })
+) -> std::result::Result<Choice, MethodNotValid> {
+    choose_method(d, peer_flush, forced)
 }

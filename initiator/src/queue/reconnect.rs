@@ -17,7 +17,7 @@ use rpma_common::proto::{Disconnect, Message};
 use super::persist::choice_of;
 use super::Queue;
 use crate::checks::check_healthy;
-use crate::error::{Error, Result};
+use crate::error::{Error, LossReason, Result};
 use crate::pool::WriteRec;
 use crate::session::Session;
 
@@ -142,8 +142,8 @@ impl Queue {
         Err(Error::ReconnectFailed {
             attempts,
             elapsed: started.elapsed(),
-            last: Box::new(last.unwrap_or_else(|| Error::ConnectionLost {
-                detail: "the reconnect policy allowed no attempt".into(),
+            last: Box::new(last.unwrap_or(Error::ConnectionLost {
+                reason: LossReason::NoReconnectAttempt,
             })),
         })
     }

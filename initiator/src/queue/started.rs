@@ -98,7 +98,14 @@ impl Queue {
             let slot = q.slot_for_start()?;
             let ticket = q.pool.next_seq();
             let wr = q.read_wr(slot, idx, offset, len);
-            q.pool.set(slot, Slot::Started { ticket, len });
+            q.pool.set(
+                slot,
+                Slot::Started {
+                    ns: idx,
+                    ticket,
+                    len,
+                },
+            );
             q.reads_posted += 1;
             q.deferred.push(wr);
             Ok(Ticket(ticket))

@@ -669,7 +669,10 @@ impl Conn {
                         s.info.controller_id,
                         s.host,
                         self.peer,
-                        self.qp.error().unwrap_or_default()
+                        self.qp
+                            .error()
+                            .map(|e| rpma_common::error_chain(&e))
+                            .unwrap_or_default()
                     ),
                 );
             }

@@ -25,7 +25,7 @@ use super::cm::{self, CmId, EventChannel};
 use super::ext;
 use super::sys::{self, cap_ex};
 use crate::fabric::completions::Completions;
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{DeviceEvent, Error, QpFailure, Result};
 use crate::fabric::url::Url;
 
 /// What the device's completion queues and async events reach a queue pair by: its number
@@ -38,7 +38,7 @@ pub(crate) trait QpEvents: Send + Sync {
     /// Reads the connection's rdma_cm events (non-blocking).
     fn handle_cm_events(&self);
     /// An async event moves the queue pair to Error, for `why`.
-    fn to_error(&self, why: &str);
+    fn to_error(&self, why: QpFailure);
     /// The device saw the queue pair's first packet before the RTU.
     fn notify_established(&self);
 }
@@ -460,7 +460,9 @@ impl Device {
             // it is used after this (the number was copied out).
             unsafe { rdma_sys::ibv_ack_async_event(&mut e) };
             match (action, num.and_then(|n| self.qp(n))) {
-                (AsyncAction::QpError(why), Some(qp)) => qp.to_error(why),
+                (AsyncAction::QpError(event), Some(qp)) => {
+                    qp.to_error(QpFailure::DeviceEvent { event })
+                }
                 (AsyncAction::Established, Some(qp)) => qp.notify_established(),
                 (AsyncAction::DeviceFatal, _) => {
                     let all: Vec<Arc<dyn QpEvents>> = self
@@ -472,7 +474,7 @@ impl Device {
                         .filter_map(Weak::upgrade)
                         .collect();
                     for qp in all {
-                        qp.to_error("the RDMA device failed (IBV_EVENT_DEVICE_FATAL)");
+                        qp.to_error(QpFailure::DeviceFatal);
                     }
                 }
                 _ => {}
@@ -485,7 +487,7 @@ impl Device {
 #[derive(Debug, PartialEq, Eq)]
 enum AsyncAction {
     /// Its queue pair moves to Error, for this reason.
-    QpError(&'static str),
+    QpError(DeviceEvent),
     /// Its queue pair received before the RTU: rdma_cm is told (rdma_notify).
     Established,
     /// Every queue pair moves to Error.
@@ -496,13 +498,9 @@ enum AsyncAction {
 fn async_action(t: rdma_sys::ibv_event_type) -> AsyncAction {
     use rdma_sys::ibv_event_type as ev;
     match t {
-        ev::IBV_EVENT_QP_FATAL => {
-            AsyncAction::QpError("the device reported a fatal queue pair error")
-        }
-        ev::IBV_EVENT_QP_REQ_ERR => AsyncAction::QpError("the device reported an invalid request"),
-        ev::IBV_EVENT_QP_ACCESS_ERR => {
-            AsyncAction::QpError("the device reported a local access error")
-        }
+        ev::IBV_EVENT_QP_FATAL => AsyncAction::QpError(DeviceEvent::QpFatal),
+        ev::IBV_EVENT_QP_REQ_ERR => AsyncAction::QpError(DeviceEvent::InvalidRequest),
+        ev::IBV_EVENT_QP_ACCESS_ERR => AsyncAction::QpError(DeviceEvent::AccessError),
         ev::IBV_EVENT_COMM_EST => AsyncAction::Established,
         ev::IBV_EVENT_DEVICE_FATAL => AsyncAction::DeviceFatal,
         _ => AsyncAction::Ignore,
@@ -616,12 +614,12 @@ mod tests {
 
     #[test]
     fn async_events_name_what_they_do() {
-        for t in [
-            ev::IBV_EVENT_QP_FATAL,
-            ev::IBV_EVENT_QP_REQ_ERR,
-            ev::IBV_EVENT_QP_ACCESS_ERR,
+        for (t, event) in [
+            (ev::IBV_EVENT_QP_FATAL, DeviceEvent::QpFatal),
+            (ev::IBV_EVENT_QP_REQ_ERR, DeviceEvent::InvalidRequest),
+            (ev::IBV_EVENT_QP_ACCESS_ERR, DeviceEvent::AccessError),
         ] {
-            assert!(matches!(async_action(t), AsyncAction::QpError(_)), "{t:?}");
+            assert_eq!(async_action(t), AsyncAction::QpError(event), "{t:?}");
         }
         assert_eq!(
             async_action(ev::IBV_EVENT_COMM_EST),

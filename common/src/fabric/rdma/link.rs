@@ -23,7 +23,7 @@ use super::device::Caps;
 use super::listen::Pending;
 use super::qp::Qp;
 use super::translate::caps;
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{Error, QpFailure, Result};
 use crate::fabric::params::{ConnInfo, ConnParams};
 use crate::fabric::types::QpState;
 use crate::fabric::url::Url;
@@ -51,23 +51,26 @@ pub(super) fn depths(
 }
 
 /// What a connection's rdma_cm event does to its queue pair.
-#[derive(Debug, PartialEq, Eq)]
+#[derive(Debug)]
 pub(super) enum CmAction {
     /// Nothing (established, time-wait exit, address changes).
     Ignore,
     /// Move to Error for this reason; `answer`: the peer disconnected, and its DREQ is
     /// answered (rdma_disconnect sends the DREP), or it waits for the CM's time-out.
-    Fail { why: String, answer: bool },
+    Fail { why: QpFailure, answer: bool },
 }
 
 pub(super) fn cm_action(e: &cm::Event) -> CmAction {
     let (why, answer) = match e.kind {
-        ev::RDMA_CM_EVENT_DISCONNECTED => ("the peer disconnected".to_owned(), true),
-        ev::RDMA_CM_EVENT_DEVICE_REMOVAL => ("the RDMA device was removed".to_owned(), false),
+        ev::RDMA_CM_EVENT_DISCONNECTED => (QpFailure::PeerClosed, true),
+        ev::RDMA_CM_EVENT_DEVICE_REMOVAL => (QpFailure::DeviceRemoved, false),
         ev::RDMA_CM_EVENT_REJECTED
         | ev::RDMA_CM_EVENT_UNREACHABLE
         | ev::RDMA_CM_EVENT_CONNECT_ERROR => (
-            format!("the connection failed: {} (status {})", e.name(), e.status),
+            QpFailure::ConnectionFailed {
+                event: e.name(),
+                status: e.status,
+            },
             false,
         ),
         _ => return CmAction::Ignore,
@@ -180,10 +183,11 @@ impl Qp {
             // The hardware may be in RTR or RTS: Error says what the core does (and dropping
             // the id disconnects the peer).
             let mut core = self.lock();
-            self.enter_error(
-                &mut core,
-                format!("connect failed: {}", crate::error_chain(&e)),
-            );
+            let why = QpFailure::Setup {
+                op: "connect",
+                reason: crate::error_chain(&e),
+            };
+            self.enter_error(&mut core, why);
             return Err(e);
         }
         let info = ConnInfo {
@@ -247,10 +251,11 @@ impl Qp {
         if let Err(e) = moved {
             // Dropping the request's id rejects it (the CM answers an unanswered request).
             let mut core = self.lock();
-            self.enter_error(
-                &mut core,
-                format!("accept failed: {}", crate::error_chain(&e)),
-            );
+            let why = QpFailure::Setup {
+                op: "accept",
+                reason: crate::error_chain(&e),
+            };
+            self.enter_error(&mut core, why);
             return Err(e);
         }
         let info = ConnInfo {
@@ -394,17 +399,30 @@ mod tests {
     #[test]
     fn a_peers_disconnect_is_answered() {
         let e = cm::Event::for_test(ev::RDMA_CM_EVENT_DISCONNECTED, 0, 0, 0);
-        assert!(matches!(cm_action(&e), CmAction::Fail { answer: true, .. }));
+        assert!(matches!(
+            cm_action(&e),
+            CmAction::Fail {
+                why: QpFailure::PeerClosed,
+                answer: true
+            }
+        ));
         let e = cm::Event::for_test(ev::RDMA_CM_EVENT_DEVICE_REMOVAL, 0, 0, 0);
         assert!(matches!(
             cm_action(&e),
-            CmAction::Fail { answer: false, .. }
+            CmAction::Fail {
+                why: QpFailure::DeviceRemoved,
+                answer: false
+            }
         ));
         let e = cm::Event::for_test(ev::RDMA_CM_EVENT_CONNECT_ERROR, -110, 0, 0);
         match cm_action(&e) {
             CmAction::Fail { why, answer } => {
                 assert!(!answer);
-                assert!(why.contains("status -110"), "{why}");
+                assert!(
+                    matches!(why, QpFailure::ConnectionFailed { status: -110, .. }),
+                    "{why:?}"
+                );
+                assert!(why.to_string().contains("status -110"), "{why}");
             }
             other => panic!("{other:?}"),
         }
@@ -413,10 +431,10 @@ mod tests {
             ev::RDMA_CM_EVENT_TIMEWAIT_EXIT,
             ev::RDMA_CM_EVENT_ADDR_CHANGE,
         ] {
-            assert_eq!(
+            assert!(matches!(
                 cm_action(&cm::Event::for_test(kind, 0, 0, 0)),
                 CmAction::Ignore
-            );
+            ));
         }
     }
 }

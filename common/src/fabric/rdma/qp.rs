@@ -41,7 +41,7 @@ use super::post;
 use super::sys;
 use super::translate::{self, caps};
 use crate::fabric::completions::Completions;
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{Error, QpFailure, Result};
 use crate::fabric::memory::Region;
 use crate::fabric::params::ConnInfo;
 use crate::fabric::types::{Access, DomainId, QpCaps, QpState, WcOpcode, WcStatus};
@@ -95,7 +95,7 @@ pub(super) struct RecvSlot {
 
 pub(super) struct Core {
     pub(super) state: QpState,
-    pub(super) error: Option<String>,
+    pub(super) error: Option<QpFailure>,
     pub(super) info: Option<ConnInfo>,
     pub(super) cm: Option<Conn>,
     pub(super) max_message: usize,
@@ -278,7 +278,7 @@ impl Qp {
             .expect("a connected queue pair has its info")
     }
 
-    pub(crate) fn error(&self) -> Option<String> {
+    pub(crate) fn error(&self) -> Option<QpFailure> {
         self.lock().error.clone()
     }
 
@@ -313,7 +313,7 @@ impl Qp {
     }
 
     /// Moves to Error (once): the device flushes every outstanding request.
-    pub(super) fn enter_error(&self, c: &mut Core, why: String) {
+    pub(super) fn enter_error(&self, c: &mut Core, why: QpFailure) {
         if c.state == QpState::Error {
             return;
         }
@@ -327,9 +327,9 @@ impl Qp {
         unsafe { rdma_sys::ibv_modify_qp(self.raw.as_ptr(), &mut attr, am::IBV_QP_STATE.0 as i32) };
     }
 
-    pub(crate) fn to_error(&self, why: &str) {
+    pub(crate) fn to_error(&self, why: QpFailure) {
         let mut c = self.lock();
-        self.enter_error(&mut c, why.to_owned());
+        self.enter_error(&mut c, why);
         if let Some(cm) = &c.cm {
             cm.id.disconnect();
         }
@@ -347,7 +347,7 @@ impl Qp {
     /// device not answer), report what the user still waits for as flushed, and release the
     /// connection.
     pub(crate) fn close(&self) {
-        self.to_error("queue pair dropped");
+        self.to_error(QpFailure::Dropped);
         self.post_drain_markers();
         let deadline = Instant::now() + DRAIN_TIME;
         loop {
@@ -456,7 +456,7 @@ impl QpEvents for Qp {
     fn handle_cm_events(&self) {
         Qp::handle_cm_events(self)
     }
-    fn to_error(&self, why: &str) {
+    fn to_error(&self, why: QpFailure) {
         Qp::to_error(self, why)
     }
     fn notify_established(&self) {

@@ -13,7 +13,7 @@ use super::post;
 use super::qp::{Core, Qp, RecvSlot, SendSlot, SlotKind, BIND_TIME, RECV_BIT, SEQ_MASK};
 use super::sys;
 use super::translate::{self, caps};
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{Error, QpFailure, Result};
 use crate::fabric::memory::{Grant, Region};
 use crate::fabric::types::{Access, QpState, SendFlags, WcOpcode, WcStatus};
 use crate::fabric::wr::{check_atomic_args, RecvWr, SendOp, SendWr, Sge};
@@ -176,10 +176,7 @@ impl Qp {
             Err((k, e)) => {
                 // Some went to the device: they complete (flushed, now) and must be tracked.
                 self.push_slots(&mut c, &mut wrs[..k]);
-                self.enter_error(
-                    &mut c,
-                    format!("the device refused request {k} of a list after the first {k}"),
-                );
+                self.enter_error(&mut c, QpFailure::PostRefused { posted: k });
                 return Err(e);
             }
         };

@@ -8,6 +8,7 @@ use rdma_sys::{ibv_wc, ibv_wc_flags};
 use super::qp::{Core, Qp, SlotKind, RECV_BIT, SEQ_MASK};
 use super::translate;
 use crate::fabric::completions::Completions;
+use crate::fabric::error::QpFailure;
 use crate::fabric::types::{Completion, QpState, WcOpcode, WcStatus};
 
 impl Qp {
@@ -20,13 +21,13 @@ impl Qp {
         let status = translate::status_from_ibv(wc.status);
         let mut c = self.lock();
         if status != WcStatus::Success && status != WcStatus::WrFlush {
-            let why = format!(
-                "a request completed with {status:?} (vendor error {:#x})",
-                wc.vendor_err
-            );
+            let why = QpFailure::RequestFailed {
+                status,
+                vendor_err: wc.vendor_err,
+            };
             self.enter_error(&mut c, why);
         } else if status == WcStatus::WrFlush && c.state != QpState::Error {
-            self.enter_error(&mut c, "flushed by the device".into());
+            self.enter_error(&mut c, QpFailure::Flushed);
         }
         let out = if low & RECV_BIT != 0 {
             self.complete_recv(&mut c, wc, low & SEQ_MASK, status)

@@ -13,7 +13,7 @@ use super::wire::rdmap::ReadRequest;
 use super::wire::rx::{Delivered, FpduReceiver};
 use super::wire::{Header, Opcode, TermCause, Terminate, WireError};
 use crate::fabric::completions::Completions;
-use crate::fabric::error::Error;
+use crate::fabric::error::{Error, QpFailure, TerminateCode, TerminateLayer};
 use crate::fabric::memory::Region;
 use crate::fabric::params::ConnInfo;
 use crate::fabric::types::{Completion, DomainId, QpCaps, QpState, SendFlags, WcOpcode, WcStatus};
@@ -108,7 +108,7 @@ pub(crate) struct Engine {
     pub(super) recv_cq: Arc<Completions>,
     pub(super) caps: QpCaps,
     pub(super) state: QpState,
-    pub(super) error: Option<String>,
+    pub(super) error: Option<QpFailure>,
     pub(super) info: Option<ConnInfo>,
     pub(super) tx: Tx,
     pub(super) closing: bool,
@@ -198,7 +198,13 @@ impl Engine {
         if let Err(err) = r {
             self.tx.abort_queued();
             self.closing = false;
-            self.enter_error(format!("connection lost while sending: {err}"), None);
+            self.enter_error(
+                QpFailure::Link {
+                    op: "sending",
+                    source: Arc::new(err),
+                },
+                None,
+            );
         }
     }
 
@@ -222,7 +228,7 @@ impl Engine {
 
     /// The queue pair goes to Error: the oldest outstanding send request gets `head_status`
     /// (if given), everything else WrFlush.
-    pub(super) fn enter_error(&mut self, why: String, head_status: Option<WcStatus>) {
+    pub(super) fn enter_error(&mut self, why: QpFailure, head_status: Option<WcStatus>) {
         if self.state == QpState::Error {
             return;
         }
@@ -273,13 +279,13 @@ impl Engine {
             let c = self.recv_completion(cur.entry.wr_id, st, 0);
             self.recv_cq.push(c);
         }
-        let why = match &f.persist {
-            None => format!("sent Terminate {:?}", f.cause),
-            Some(e) => format!(
-                "sent Terminate {:?}: making earlier Writes durable failed: {}",
-                f.cause,
-                crate::error_chain(e.as_ref())
-            ),
+        let code = terminate_code(f.cause);
+        let why = match f.persist {
+            None => QpFailure::TerminateSent { code },
+            Some(e) => QpFailure::PersistFailed {
+                code,
+                source: Arc::from(e),
+            },
         };
         self.enter_error(why, None);
     }
@@ -309,11 +315,18 @@ impl Engine {
                 }
                 Ok(None) => return,
                 Err(WireError::Closed { .. }) => {
-                    self.enter_error("connection closed by the peer".into(), None);
+                    self.enter_error(QpFailure::PeerClosed, None);
                     return;
                 }
                 Err(WireError::Io { source, .. }) => {
-                    self.enter_error(format!("connection lost: {source}"), None);
+                    let source = Arc::new(source);
+                    self.enter_error(
+                        QpFailure::Link {
+                            op: "receiving",
+                            source,
+                        },
+                        None,
+                    );
                     return;
                 }
                 Err(e) => {
@@ -349,6 +362,20 @@ fn completion(qp_num: u32, wr_id: u64, status: WcStatus, len: usize) -> Completi
         invalidated_rkey: None,
         solicited: false,
         qp_num,
+    }
+}
+
+/// A Terminate's cause as the fabric's neutral layer names it.
+pub(super) fn terminate_code(c: TermCause) -> TerminateCode {
+    use super::wire::Layer;
+    TerminateCode {
+        layer: match c.layer {
+            Layer::Rdmap => TerminateLayer::Rdmap,
+            Layer::Ddp => TerminateLayer::Ddp,
+            Layer::Mpa => TerminateLayer::Mpa,
+        },
+        etype: c.etype,
+        ecode: c.ecode,
     }
 }
 

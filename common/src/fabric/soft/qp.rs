@@ -19,7 +19,7 @@ use super::placement::{Counting, Dirty};
 use super::wire::rx::FpduReceiver;
 use crate::fabric::completions::Completions;
 use crate::fabric::counters::ResponderCounters;
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{Error, QpFailure, Result};
 use crate::fabric::params::{ConnInfo, ConnParams};
 use crate::fabric::types::{Access, DomainId, QpCaps, QpState};
 use crate::fabric::wait::Poller;
@@ -122,7 +122,7 @@ impl SoftQp {
             .expect("a connected queue pair has its info")
     }
 
-    pub(crate) fn error(&self) -> Option<String> {
+    pub(crate) fn error(&self) -> Option<QpFailure> {
         self.lock().e.error.clone()
     }
 
@@ -272,10 +272,10 @@ impl SoftQp {
         Ok(())
     }
 
-    pub(crate) fn to_error(&self, why: &str) {
+    pub(crate) fn to_error(&self, why: QpFailure) {
         let mut c = self.lock();
         let Core { conn, e } = &mut *c;
-        e.enter_error(why.to_owned(), None);
+        e.enter_error(why, None);
         e.complete_in_order();
         if let Some(cn) = conn.take() {
             let _ = cn.sock.shutdown(Shutdown::Both);
@@ -284,7 +284,7 @@ impl SoftQp {
 
     /// The handle is gone: close the connection, flush what is left.
     pub(crate) fn close(&self) {
-        self.to_error("queue pair dropped");
+        self.to_error(QpFailure::Dropped);
     }
 }
 

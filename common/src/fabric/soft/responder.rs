@@ -18,6 +18,7 @@ use super::wire::rdmap::{
 use super::wire::rx;
 use super::wire::{Body, Header, HeaderKind, Opcode, TermCause};
 use crate::fabric::counters::PersistKind;
+use crate::fabric::error::QpFailure;
 use crate::fabric::types::{Access, QpState, WcOpcode, WcStatus};
 use crate::pmem::Domain;
 use crate::stats::{Stopwatch, COUNTING};
@@ -400,7 +401,11 @@ impl Engine {
             Body::Terminate(t) => {
                 let status = status::status_for(t.cause);
                 self.closing = false;
-                self.enter_error(format!("received Terminate {:?}", t.cause), Some(status));
+                let why = QpFailure::TerminateReceived {
+                    code: terminate_code(t.cause),
+                    status,
+                };
+                self.enter_error(why, Some(status));
             }
         }
         Ok(())
