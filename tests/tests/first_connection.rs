@@ -203,3 +203,41 @@ fn what_cannot_pass_fails_at_once_and_help_says_what_is_retried() {
         );
     }
 }
+
+#[test]
+fn a_reload_that_removes_the_host_ends_a_running_command_as_refused_not_unreachable() {
+    let d = scratch();
+    let mut t = Target::start(d.path(), &config(""));
+    // A durable-write loop far longer than the test: it ends only by the failure.
+    let mut a = conn_args(&t.url(), SUB, HOST, Some(1));
+    a.extend(
+        [
+            "--reconnect-timeout",
+            "3",
+            "bench",
+            "--yes",
+            "--count",
+            "10000000",
+        ]
+        .map(String::from),
+    );
+    let (mut bench, err) = spawn(d.path(), "bench", &a);
+    let deadline = Instant::now() + WAIT;
+    while t.status()["sessions"].as_array().unwrap().is_empty() {
+        if let Some(st) = bench.try_wait().unwrap() {
+            panic!("exited ({st}): {}", std::fs::read_to_string(&err).unwrap());
+        }
+        assert!(Instant::now() < deadline, "the bench never connected");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    // The operator takes the host off the subsystem.
+    let without = config("").replace(&format!("\"{HOST}\""), "\"nqn.2026-11.io.rpma:other\"");
+    assert!(!without.contains(HOST), "{without}");
+    t.rewrite(&without);
+    t.reload();
+    let (code, out) = finish(bench, &err);
+    // Exit 4 (refused: act on the target's configuration), not 3 (unreachable: wait).
+    assert_eq!(code, Some(4), "{out}");
+    assert!(out.contains("reconnect attempt"), "{out}");
+    assert!(out.contains("not allowed"), "{out}");
+}
