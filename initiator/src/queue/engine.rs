@@ -7,20 +7,11 @@ use rpma_common::fabric::{Completion, QpState, SendOp, SendWr, WcStatus};
 use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::Message;
 
-use super::{Completed, Queue, Ticket};
+use super::completion::{complete_slot, Outcome, KIND_MASK, KIND_READ, KIND_WAITED, KIND_WRITE};
+use super::Queue;
 use crate::error::{Error, LossReason, Result};
-use crate::pool::{Kind, Pool, Slot, WriteRec};
+use crate::pool::{Kind, Slot, WriteRec};
 use crate::session::Session;
-
-/// wr_id kinds of the data path (bits 60-61; bits 62-63 are the session's): a Write or a Read
-/// through a bounce slot (the slot number in the low bits), or a request outside the slots
-/// that its caller waits for by wr_id (an APM or visibility Read, an atomic, an Atomic Write,
-/// a Flush).
-const KIND_SHIFT: u32 = 60;
-const KIND_WRITE: u64 = 1 << KIND_SHIFT;
-const KIND_READ: u64 = 2 << KIND_SHIFT;
-const KIND_WAITED: u64 = 3 << KIND_SHIFT;
-const KIND_MASK: u64 = 3 << KIND_SHIFT;
 
 /// How often the polling loops wake to run keep-alives when nothing completes.
 const TICK: Duration = Duration::from_millis(100);
@@ -385,63 +376,6 @@ impl Queue {
     }
 }
 
-/// What a completion of a Write or Read through a bounce slot did.
-#[derive(Debug, PartialEq, Eq)]
-enum Outcome {
-    /// Nothing more to do (a Write that completed).
-    Done,
-    /// A Read completed into this slot: its bytes wait to be copied out.
-    ReadDone(usize),
-    /// A started request completed.
-    Started(Completed),
-    /// The request failed; it was on namespace index `ns`.
-    Failed { ns: usize, op: &'static str },
-    /// No slot waits for this completion.
-    Unmatched,
-}
-
-/// Moves the slot `c` names on: a completed Write is held until durable, a completed Read's
-/// bytes wait to be copied out, a failed Read frees its slot.
-fn complete_slot(pool: &mut Pool, c: &Completion) -> Outcome {
-    let slot = (c.wr_id & !KIND_MASK) as usize;
-    let ok = c.status == WcStatus::Success;
-    match (c.wr_id & KIND_MASK, pool.get(slot)) {
-        (KIND_WRITE, Some(Slot::Writing(w))) => {
-            // Placed or not, the slot keeps the bytes until they are durable. A started
-            // Write whose completion failed is reported when its re-issue completes.
-            let notify = w.notify && !ok;
-            pool.set(slot, Slot::Held(WriteRec { notify, ..w }));
-            if !ok {
-                return Outcome::Failed {
-                    ns: w.ns,
-                    op: "write",
-                };
-            }
-            if w.notify {
-                return Outcome::Started(Completed::Write(Ticket(w.seq)));
-            }
-            Outcome::Done
-        }
-        (KIND_READ, Some(Slot::Reading { ns, item, at, len })) => {
-            if !ok {
-                pool.set(slot, Slot::Free);
-                return Outcome::Failed { ns, op: "read" };
-            }
-            pool.set(slot, Slot::ReadDone { item, at, len });
-            Outcome::ReadDone(slot)
-        }
-        (KIND_READ, Some(Slot::Started { ns, ticket, len })) => {
-            if !ok {
-                pool.set(slot, Slot::Free);
-                return Outcome::Failed { ns, op: "read" };
-            }
-            pool.set(slot, Slot::StartedDone { ticket, len });
-            Outcome::Started(Completed::Read(Ticket(ticket)))
-        }
-        _ => Outcome::Unmatched,
-    }
-}
-
 /// Posting fails locally; a queue pair in Error means the connection is gone.
 fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
     if s.qp().state() == QpState::Error {
@@ -457,98 +391,5 @@ fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
             op: "posting a request",
             source,
         },
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn wr_id_kinds_stay_clear_of_the_session_bits() {
-        for k in [KIND_WRITE, KIND_READ, KIND_WAITED] {
-            assert_eq!(k & CONTROL_BIT, 0);
-            assert_eq!(k & rpma_common::proto::msgbuf::SEND_BIT, 0);
-            assert_eq!(k & KIND_MASK, k);
-        }
-    }
-
-    fn completion(wr_id: u64, status: WcStatus) -> Completion {
-        Completion {
-            wr_id,
-            status,
-            ..Completion::EMPTY
-        }
-    }
-
-    #[test]
-    fn a_failed_read_names_its_namespace() {
-        let pd = rpma_common::fabric::Context::soft().alloc_pd().unwrap();
-        let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
-        let a = p.take_free().unwrap();
-        p.set(
-            a,
-            Slot::Reading {
-                ns: 2,
-                item: 0,
-                at: 0,
-                len: 8,
-            },
-        );
-        let b = p.take_free().unwrap();
-        p.set(
-            b,
-            Slot::Started {
-                ns: 1,
-                ticket: 5,
-                len: 8,
-            },
-        );
-        let failed = |slot: usize| completion(KIND_READ | slot as u64, WcStatus::RemoteAccess);
-        assert_eq!(
-            complete_slot(&mut p, &failed(a)),
-            Outcome::Failed { ns: 2, op: "read" }
-        );
-        assert_eq!(
-            complete_slot(&mut p, &failed(b)),
-            Outcome::Failed { ns: 1, op: "read" }
-        );
-        assert_eq!((p.get(a), p.get(b)), (Some(Slot::Free), Some(Slot::Free)));
-        assert_eq!(p.in_flight(), 0);
-    }
-
-    #[test]
-    fn a_completion_no_slot_waits_for_is_unmatched() {
-        let pd = rpma_common::fabric::Context::soft().alloc_pd().unwrap();
-        let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
-        let a = p.take_free().unwrap();
-        p.set(
-            a,
-            Slot::Reading {
-                ns: 0,
-                item: 0,
-                at: 0,
-                len: 8,
-            },
-        );
-        let ok = |wr_id: u64| completion(wr_id, WcStatus::Success);
-        // A Write's completion for a slot that reads, a free slot, a slot out of range, no kind.
-        for wr_id in [
-            KIND_WRITE | a as u64,
-            KIND_READ | 2,
-            KIND_READ | 99,
-            a as u64,
-        ] {
-            assert_eq!(
-                complete_slot(&mut p, &ok(wr_id)),
-                Outcome::Unmatched,
-                "{wr_id:#x}"
-            );
-        }
-        // The slot is untouched, and its own completion still finds it.
-        assert_eq!(
-            complete_slot(&mut p, &ok(KIND_READ | a as u64)),
-            Outcome::ReadDone(a)
-        );
     }
 }

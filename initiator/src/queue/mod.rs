@@ -36,6 +36,7 @@ use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::session::Session;
 
+mod completion;
 mod connection;
 mod engine;
 mod persist;
@@ -79,49 +80,6 @@ struct NsState {
     forced: Option<PersistMethod>,
 }
 
-/// What the completion poll could not hand back: completions that matched no request slot,
-/// and errors after the first of a poll (the first is returned). Neither is lost silently:
-/// both are counted ([`QueueStats`]) and logged.
-#[derive(Debug, Default)]
-struct CompletionLog {
-    /// Data completions that matched no slot.
-    unmatched: u64,
-    /// Errors of a poll after its first.
-    later_errors: u64,
-}
-
-impl CompletionLog {
-    /// Counts a completion that matched no slot (a request this queue does not track: a bug,
-    /// or a slot reused too early) and logs it, at the 1st, 2nd, 4th, 8th... so that a storm
-    /// costs a line per doubling. Returns whether it logged.
-    fn unmatched(&mut self, c: &rpma_common::fabric::Completion) -> bool {
-        self.unmatched += 1;
-        let log = self.unmatched.is_power_of_two();
-        if log {
-            log::warn!(
-                "a completion matched no request slot (wr_id {:#x}, {:?}, {:?}); {} so far",
-                c.wr_id,
-                c.opcode,
-                c.status,
-                self.unmatched
-            );
-        }
-        log
-    }
-
-    /// Keeps `e` in `first` if it is the poll's first error; a later one is counted and
-    /// logged (at debug: after a loss every flushed request gives one).
-    fn error(&mut self, first: &mut Option<Error>, e: Error) {
-        match first {
-            None => *first = Some(e),
-            Some(kept) => {
-                self.later_errors += 1;
-                log::debug!("a completion failed after the error returned ({kept}): {e}");
-            }
-        }
-    }
-}
-
 /// One connected queue pair and its registered buffers. Not shared between threads: open one
 /// queue per thread from a [`Connection`].
 pub struct Queue {
@@ -144,7 +102,7 @@ pub struct Queue {
     writes_posted: u64,
     reads_posted: u64,
     doorbells: u64,
-    completion_log: CompletionLog,
+    completion_log: completion::CompletionLog,
     broken: bool,
 }
 
@@ -157,6 +115,61 @@ impl std::fmt::Debug for Queue {
             .field("pool", &self.pool)
             .field("reconnects", &self.reconnects)
             .finish()
+    }
+}
+
+impl Connection {
+    /// Opens queue `queue_id` (0 is the admin queue; it carries I/O too): connects, registers
+    /// the bounce buffers and chooses each namespace's durability method. A first connection
+    /// that fails in a way that may pass (the target not up yet, no room for this host at
+    /// the moment) is retried within the queue's [`ReconnectPolicy`], as a lost one is
+    /// ([`ReconnectPolicy::first_connection`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for bad queue options, those of [`connect`] (the last
+    /// attempt's), and [`Error::MethodNotValid`] when a forced method is not valid on some
+    /// namespace (the check is per namespace: it is made again, and reported, when that
+    /// namespace is used).
+    pub fn open_queue(&self, queue_id: u16) -> Result<Queue> {
+        self.queue.check()?;
+        let session =
+            self.queue
+                .reconnect
+                .first_connection(&self.url, self.options.timeout, |t| {
+                    self.connect_session_within(queue_id, t)
+                })?;
+        let pool = Pool::new(
+            session.pd(),
+            self.queue.depth,
+            self.queue.slots(),
+            self.queue.chunk,
+        )
+        .map_err(|source| Error::Fabric {
+            op: "registering the bounce buffers",
+            source,
+        })?;
+        let mut q = Queue {
+            conn: self.clone(),
+            queue_id,
+            session: Some(session),
+            pool,
+            ns: Vec::new(),
+            flush_answers: Vec::new(),
+            reads_done: Vec::new(),
+            waited_done: Vec::new(),
+            deferred: Vec::new(),
+            started_done: Vec::new(),
+            next_waited: 0,
+            next_token: 0,
+            reconnects: 0,
+            writes_posted: 0,
+            reads_posted: 0,
+            doorbells: 0,
+            completion_log: Default::default(),
+            broken: false,
+        };
+        q.ns = q.describe_all()?;
+        Ok(q)
     }
 }
 
@@ -265,27 +278,5 @@ mod tests {
         fn send<T: Send>() {}
         send::<Queue>();
         send::<Connection>();
-    }
-
-    #[test]
-    fn completions_a_poll_cannot_return_are_counted() {
-        let mut log = CompletionLog::default();
-        let c = rpma_common::fabric::Completion::EMPTY;
-        let logged: Vec<bool> = (0..9).map(|_| log.unmatched(&c)).collect();
-        assert_eq!(
-            logged,
-            [true, true, false, true, false, false, false, true, false],
-            "logged at the 1st, 2nd, 4th and 8th"
-        );
-        assert_eq!(log.unmatched, 9);
-        let mut first = None;
-        for nsid in [1, 2, 3] {
-            log.error(&mut first, Error::NoSuchNamespace { nsid });
-        }
-        assert!(
-            matches!(first, Some(Error::NoSuchNamespace { nsid: 1 })),
-            "{first:?}"
-        );
-        assert_eq!(log.later_errors, 2, "the others are counted");
     }
 }
