@@ -1,11 +1,10 @@
 //! What a data-path completion means: the wr_id kinds the engine names its requests by, what
-//! a completion does to the bounce slot it names, and the log of what a poll could not hand
-//! back. Plain functions over the pool, no connection: the engine (engine.rs) polls and calls
-//! them.
+//! a completion does to the bounce slot it names (a started request's is a [`Completed`]
+//! naming its [`Ticket`]), and the log of what a poll could not hand back. Plain data and
+//! functions over the pool, no connection: the engine (engine/) polls and calls them.
 
 use rpma_common::fabric::{Completion, WcStatus};
 
-use super::started::{Completed, Ticket};
 use crate::error::Error;
 use crate::pool::{Pool, Slot, WriteRec};
 
@@ -18,6 +17,21 @@ pub(super) const KIND_WRITE: u64 = 1 << KIND_SHIFT;
 pub(super) const KIND_READ: u64 = 2 << KIND_SHIFT;
 pub(super) const KIND_WAITED: u64 = 3 << KIND_SHIFT;
 pub(super) const KIND_MASK: u64 = 3 << KIND_SHIFT;
+
+/// What a started request is known by: unique within its queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Ticket(pub(crate) u64);
+
+/// A started request that completed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum Completed {
+    /// The Write was handed to the transport: sent, as after `write_at` (not durable; the
+    /// queue keeps its bytes until a durability call covers them).
+    Write(Ticket),
+    /// The Read's bytes are in the queue: take them with
+    /// [`Queue::take_read`](super::Queue::take_read).
+    Read(Ticket),
+}
 
 /// What a completion of a Write or Read through a bounce slot did.
 #[derive(Debug, PartialEq, Eq)]
