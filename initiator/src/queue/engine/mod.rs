@@ -9,16 +9,17 @@
 //!
 //! # Waiting for a slot, and what keeps it from spinning
 //!
-//! [`Engine::free_slot`] returns a free slot, or asks [`MakeRoom`] to make the held writes
-//! durable when nothing is in flight, or polls (with a deadline) for a completion; and it
-//! hands the turn back (`None`) while a completed batch Read waits in `reads_done`, because
-//! only [`Engine::read_into`], which owns the batch's buffers, can copy it out and free its
-//! slot. [`Engine::post_writes`] cannot, and calls it until it gets a slot: it would spin
-//! forever if `reads_done` were not empty outside a batch. Everything that touches
-//! `reads_done` is in this file: the poll fills it (a batch Read completed), `read_into`
+//! [`Engine::free_slot`] returns a free slot, or asks [`MakeRoom`] to make the held writes durable
+//! when nothing is in flight, or polls (with a deadline) for a completion, or fails when none of
+//! these can free one (every slot a completed started Read, which only `take_read` frees, as a
+//! start finds in `started`); and it hands the turn back (`None`) while a completed batch Read
+//! waits in `reads_done`, because only [`Engine::read_into`], which owns the batch's buffers, can
+//! copy it out and free its slot. [`Engine::post_writes`] cannot, and calls it until it gets a
+//! slot: it would spin forever if `reads_done` were not empty outside a batch. Everything that
+//! touches `reads_done` is in this file: the poll fills it (a batch Read completed), `read_into`
 //! empties it and returns only once every Read of its batch is copied out, and
-//! [`Engine::forget_owed`] clears it with a lost connection. A `read_into` that fails early
-//! may leave some behind only with a connection loss (the reconnect forgets them) or a failed
+//! [`Engine::forget_owed`] clears it with a lost connection. A `read_into` that fails early may
+//! leave some behind only with a connection loss (the reconnect forgets them) or a failed
 //! completion, which leaves the queue pair in Error (verbs), so that the next call reconnects
 //! first.
 //!
@@ -284,6 +285,10 @@ impl Engine {
     /// A free slot, waiting for in-flight requests, or making held writes durable (`room`)
     /// when every slot holds one. None when a Read of the batch completed: copy it out
     /// ([`read_into`](Self::read_into)) first.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when every slot holds a completed started Read nobody took;
+    /// a time-out, or what the poll and `room` return.
     fn free_slot(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<Option<usize>> {
         let deadline = Instant::now() + self.timeout;
         loop {
@@ -294,6 +299,13 @@ impl Engine {
                 return Ok(None);
             }
             if self.pool.in_flight() == 0 {
+                // Nothing will complete and no held write frees a slot: every slot holds a
+                // completed started Read that only take_read frees.
+                if self.pool.number(Kind::Held) == 0 {
+                    return Err(Error::InvalidArgument(
+                        "every bounce slot holds a completed read: take_read them first".into(),
+                    ));
+                }
                 room.make_room(self)?;
                 continue;
             }
