@@ -448,6 +448,45 @@ fn started_requests_keep_the_queue_full_and_report_each_completion() {
     assert_eq!(q.reconnects(), 0);
 }
 
+/// A pool whose every slot holds a completed started Read nobody took: a batch read or write
+/// needs a slot and none can ever come free (nothing in flight, no held write to persist), so
+/// it fails as a start does, and does not wait forever.
+#[test]
+fn a_batch_call_on_slots_full_of_untaken_reads_fails_instead_of_spinning() {
+    let (_d, _shm, t) = start("untaken");
+    let mut q = queue_of(&t.url(), 4);
+    let (tx, rx) = std::sync::mpsc::channel();
+    let worker = std::thread::spawn(move || {
+        let mut ns = q.namespace(4).unwrap();
+        for i in 0..4u64 {
+            ns.start_read(i * 4096, 64).unwrap();
+        }
+        let mut done = Vec::new();
+        while done.len() < 4 {
+            ns.wait_started(&mut done).unwrap();
+        }
+        let read = ns.read_at(0, &mut [0u8; 64]);
+        let write = ns.write_at(0, &[1u8; 64]);
+        tx.send((read, write)).unwrap();
+        // Taken, the slots serve again.
+        for c in &done {
+            let Completed::Read(t) = c else { panic!() };
+            ns.take_read(*t, &mut [0u8; 64]).unwrap();
+        }
+        ns.write_at(0, &[1u8; 64]).unwrap();
+    });
+    let (read, write) = rx
+        .recv_timeout(Duration::from_secs(30))
+        .expect("a batch call on a pool of untaken reads returned (it spun before)");
+    for r in [read, write] {
+        assert!(
+            matches!(&r, Err(Error::InvalidArgument(m)) if m.contains("take_read")),
+            "{r:?}"
+        );
+    }
+    worker.join().unwrap();
+}
+
 #[test]
 fn started_writes_survive_a_cut_link_and_started_reads_are_reported_void() {
     let (_d, _shm, t) = start("startcut");

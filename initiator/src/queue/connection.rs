@@ -8,11 +8,9 @@ use rpma_common::fabric;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::RefusalReason;
 
-use super::Queue;
 use crate::connect::{connect, ConnectOptions, HostIdentity};
 use crate::durability::PersistMethod;
 use crate::error::{Error, Result};
-use crate::pool::Pool;
 use crate::session::Session;
 
 /// How a queue retries a lost connection, and a failed first one: attempts spaced by a backoff
@@ -190,7 +188,7 @@ impl Default for QueueOptions {
 }
 
 impl QueueOptions {
-    fn check(&self) -> Result<()> {
+    pub(super) fn check(&self) -> Result<()> {
         if !(1..=128).contains(&self.depth) {
             return Err(Error::InvalidArgument(format!(
                 "queue depth {} is not in 1..=128",
@@ -251,59 +249,6 @@ impl Connection {
     pub fn with_queue_options(mut self, q: QueueOptions) -> Connection {
         self.queue = q;
         self
-    }
-
-    /// Opens queue `queue_id` (0 is the admin queue; it carries I/O too): connects, registers
-    /// the bounce buffers and chooses each namespace's durability method. A first connection
-    /// that fails in a way that may pass (the target not up yet, no room for this host at
-    /// the moment) is retried within the queue's [`ReconnectPolicy`], as a lost one is
-    /// ([`ReconnectPolicy::first_connection`]).
-    ///
-    /// # Errors
-    /// [`Error::InvalidArgument`] for bad queue options, those of [`connect`] (the last
-    /// attempt's), and [`Error::MethodNotValid`] when a forced method is not valid on some
-    /// namespace (the check is per namespace: it is made again, and reported, when that
-    /// namespace is used).
-    pub fn open_queue(&self, queue_id: u16) -> Result<Queue> {
-        self.queue.check()?;
-        let session =
-            self.queue
-                .reconnect
-                .first_connection(&self.url, self.options.timeout, |t| {
-                    self.connect_session_within(queue_id, t)
-                })?;
-        let pool = Pool::new(
-            session.pd(),
-            self.queue.depth,
-            self.queue.slots(),
-            self.queue.chunk,
-        )
-        .map_err(|source| Error::Fabric {
-            op: "registering the bounce buffers",
-            source,
-        })?;
-        let mut q = Queue {
-            conn: self.clone(),
-            queue_id,
-            session: Some(session),
-            pool,
-            ns: Vec::new(),
-            flush_answers: Vec::new(),
-            reads_done: Vec::new(),
-            waited_done: Vec::new(),
-            deferred: Vec::new(),
-            started_done: Vec::new(),
-            next_waited: 0,
-            next_token: 0,
-            reconnects: 0,
-            writes_posted: 0,
-            reads_posted: 0,
-            doorbells: 0,
-            completion_log: Default::default(),
-            broken: false,
-        };
-        q.ns = q.describe_all()?;
-        Ok(q)
     }
 
     pub(super) fn connect_session_within(

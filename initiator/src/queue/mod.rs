@@ -19,32 +19,45 @@
 //! Dropping a queue (or closing it) says goodbye to the target with a Disconnect, so that the
 //! target logs a closed session rather than a lost connection.
 //!
-//! The queue's parts: `connection` (where and who, queue options, the reconnect policy),
-//! `engine` (posting through the bounce slots, polling and dispatching completions),
-//! `reconnect` (re-running a call after a loss, re-issuing held writes) and `persist` (the
-//! durability method of each namespace and the requests that make ranges durable). The
-//! handle on one namespace, [`Queue::namespace`], lives in namespace.rs and drives the queue
-//! through these methods only (the queue does not know the handle).
+//! The queue's parts, each a type with one job, the arrows running one way (from this file
+//! down):
+//!
+//! - `engine`: the [`Engine`], one connection's data path: the session, the bounce slots and
+//!   the namespaces' addresses; posting, started requests, waiting for single requests,
+//!   polling and dispatching completions (what a completion means: `completion`).
+//! - `persist`: the [`Persister`], the durability method of each namespace and the requests
+//!   that make ranges durable over the engine; it makes room when every slot holds a write.
+//! - `reconnect`: [`Reconnect`], the way from a lost connection to a new one (retiring a silent
+//!   one, the backoff, re-issuing held writes) or to giving up, and the budget of one call.
+//! - at the bottom, plain data: `connection` (where and who, queue options, the reconnect
+//!   policy) and `started` (what a started request is known by).
+//!
+//! [`Queue`] composes them: it runs each call under the reconnect policy and hands it to the
+//! engine and the persister. The handle on one namespace, [`Queue::namespace`], lives in
+//! namespace.rs and drives the queue through its methods only (the queue does not know the
+//! handle).
 
 use std::time::Duration;
 
-use rpma_common::fabric::WcStatus;
-use rpma_common::proto::{FlushStatus, NamespaceDescriptor};
+use rpma_common::fabric::{ConnInfo, SendOp, SendWr, Sge};
+use rpma_common::proto::NamespaceDescriptor;
 
-use crate::durability::{Choice, MethodNotValid, PersistMethod};
+use crate::durability::{Choice, Durability, PersistMethod};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
-use crate::session::Session;
 
+mod completion;
 mod connection;
 mod engine;
 mod persist;
 mod reconnect;
-mod started;
 
+pub use completion::{Completed, Ticket};
 pub use connection::{Connection, QueueOptions, ReconnectPolicy};
+use engine::Engine;
+use persist::Persister;
 pub(crate) use reconnect::OnLoss;
-pub use started::{Completed, Ticket};
+use reconnect::{retryable, Reconnect};
 
 /// Counters of a queue, for tests and diagnostics.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -69,134 +82,108 @@ pub struct QueueStats {
     pub errors_not_returned: u64,
 }
 
-/// A namespace as a queue knows it.
-#[derive(Debug, Clone)]
-struct NsState {
-    desc: NamespaceDescriptor,
-    /// The method for durable calls, or the refusal of a forced one (made into
-    /// [`Error::MethodNotValid`] on each durable call: Error is not Clone).
-    choice: std::result::Result<Choice, MethodNotValid>,
-    forced: Option<PersistMethod>,
-}
-
-/// What the completion poll could not hand back: completions that matched no request slot,
-/// and errors after the first of a poll (the first is returned). Neither is lost silently:
-/// both are counted ([`QueueStats`]) and logged.
-#[derive(Debug, Default)]
-struct CompletionLog {
-    /// Data completions that matched no slot.
-    unmatched: u64,
-    /// Errors of a poll after its first.
-    later_errors: u64,
-}
-
-impl CompletionLog {
-    /// Counts a completion that matched no slot (a request this queue does not track: a bug,
-    /// or a slot reused too early) and logs it, at the 1st, 2nd, 4th, 8th... so that a storm
-    /// costs a line per doubling. Returns whether it logged.
-    fn unmatched(&mut self, c: &rpma_common::fabric::Completion) -> bool {
-        self.unmatched += 1;
-        let log = self.unmatched.is_power_of_two();
-        if log {
-            log::warn!(
-                "a completion matched no request slot (wr_id {:#x}, {:?}, {:?}); {} so far",
-                c.wr_id,
-                c.opcode,
-                c.status,
-                self.unmatched
-            );
-        }
-        log
-    }
-
-    /// Keeps `e` in `first` if it is the poll's first error; a later one is counted and
-    /// logged (at debug: after a loss every flushed request gives one).
-    fn error(&mut self, first: &mut Option<Error>, e: Error) {
-        match first {
-            None => *first = Some(e),
-            Some(kept) => {
-                self.later_errors += 1;
-                log::debug!("a completion failed after the error returned ({kept}): {e}");
-            }
-        }
-    }
-}
-
 /// One connected queue pair and its registered buffers. Not shared between threads: open one
 /// queue per thread from a [`Connection`].
 pub struct Queue {
-    conn: Connection,
-    queue_id: u16,
-    session: Option<Session>,
-    pool: Pool,
-    ns: Vec<NsState>,
-    flush_answers: Vec<(u64, FlushStatus)>,
-    reads_done: Vec<usize>,
-    /// Completions of requests outside the slots (wr_id, status), until their waiter looks.
-    waited_done: Vec<(u64, WcStatus)>,
-    /// Started requests, made but not posted yet: they go out with the next post or wait.
-    deferred: Vec<rpma_common::fabric::SendWr>,
-    /// Started requests that completed, until the caller asks.
-    started_done: Vec<Completed>,
-    next_waited: u64,
-    next_token: u64,
-    reconnects: u32,
-    writes_posted: u64,
-    reads_posted: u64,
-    doorbells: u64,
-    completion_log: CompletionLog,
-    broken: bool,
+    engine: Engine,
+    persister: Persister,
+    reconnect: Reconnect,
 }
 
 impl std::fmt::Debug for Queue {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Queue")
-            .field("url", &self.conn.url)
-            .field("queue_id", &self.queue_id)
-            .field("session", &self.session)
-            .field("pool", &self.pool)
-            .field("reconnects", &self.reconnects)
+            .field("url", &self.reconnect.connection().url)
+            .field("queue_id", &self.reconnect.queue_id())
+            .field("session", &self.engine.session_opt())
+            .field("pool", self.engine.pool())
+            .field("reconnects", &self.reconnect.reconnects())
             .finish()
+    }
+}
+
+impl Connection {
+    /// Opens queue `queue_id` (0 is the admin queue; it carries I/O too): connects, registers
+    /// the bounce buffers and chooses each namespace's durability method. A first connection
+    /// that fails in a way that may pass (the target not up yet, no room for this host at
+    /// the moment) is retried within the queue's [`ReconnectPolicy`], as a lost one is
+    /// ([`ReconnectPolicy::first_connection`]).
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] for bad queue options, those of [`connect`](crate::connect()) (the last
+    /// attempt's), and [`Error::MethodNotValid`] when a forced method is not valid on some
+    /// namespace (the check is per namespace: it is made again, and reported, when that
+    /// namespace is used).
+    pub fn open_queue(&self, queue_id: u16) -> Result<Queue> {
+        self.queue.check()?;
+        let session =
+            self.queue
+                .reconnect
+                .first_connection(&self.url, self.options.timeout, |t| {
+                    self.connect_session_within(queue_id, t)
+                })?;
+        let pool = Pool::new(
+            session.pd(),
+            self.queue.depth,
+            self.queue.slots(),
+            self.queue.chunk,
+        )
+        .map_err(|source| Error::Fabric {
+            op: "registering the bounce buffers",
+            source,
+        })?;
+        let engine = Engine::new(session, pool, self.options.timeout);
+        let persister = Persister::new(
+            engine.descriptors(),
+            engine.peer_has(|i| i.peer_flush),
+            self.queue.persist,
+        );
+        Ok(Queue {
+            engine,
+            persister,
+            reconnect: Reconnect::new(self.clone(), queue_id),
+        })
     }
 }
 
 impl Queue {
     /// The namespaces this host may reach, by nsid.
     pub fn namespaces(&self) -> Vec<NamespaceDescriptor> {
-        self.ns.iter().map(|n| n.desc.clone()).collect()
+        self.engine.descriptors().to_vec()
     }
 
     /// How many times this queue reconnected.
     pub fn reconnects(&self) -> u32 {
-        self.reconnects
+        self.reconnect.reconnects()
     }
 
     /// Counters: requests posted, the most in flight at once, reconnects.
     pub fn stats(&self) -> QueueStats {
+        let c = self.engine.counters();
         QueueStats {
-            writes_posted: self.writes_posted,
-            reads_posted: self.reads_posted,
-            max_in_flight: self.pool.max_in_flight(),
-            doorbells: self.doorbells,
-            reconnects: self.reconnects,
-            unmatched_completions: self.completion_log.unmatched,
-            errors_not_returned: self.completion_log.later_errors,
+            writes_posted: c.writes_posted,
+            reads_posted: c.reads_posted,
+            max_in_flight: c.max_in_flight,
+            doorbells: c.doorbells,
+            reconnects: self.reconnect.reconnects(),
+            unmatched_completions: c.unmatched_completions,
+            errors_not_returned: c.errors_not_returned,
         }
     }
 
     /// The queue id this queue asked for.
     pub fn queue_id(&self) -> u16 {
-        self.queue_id
+        self.reconnect.queue_id()
     }
 
     /// The controller id of the current connection.
     pub fn controller_id(&self) -> Option<u16> {
-        self.session.as_ref().map(Session::controller_id)
+        self.engine.session_opt().map(|s| s.controller_id())
     }
 
     /// The options the queue was opened with.
     pub fn options(&self) -> &QueueOptions {
-        &self.conn.queue
+        &self.reconnect.connection().queue
     }
 
     /// Runs keep-alives and reaps completions without blocking. Call it from an idle loop at
@@ -206,7 +193,7 @@ impl Queue {
     /// As the data calls: a lost connection is reconnected first.
     pub fn tick(&mut self) -> Result<()> {
         self.run(OnLoss::Rerun, |q| {
-            q.poll_completions(Duration::ZERO).map(|_| ())
+            q.engine.poll_completions(Duration::ZERO).map(|_| ())
         })
     }
 
@@ -217,15 +204,64 @@ impl Queue {
     /// # Errors
     /// None that matter to a caller closing anyway: the connection is closed in every case.
     pub fn close(mut self) -> Result<()> {
-        match self.session.take() {
+        match self.engine.take_session() {
             Some(s) => s.disconnect(Duration::from_secs(1)),
             None => Ok(()),
         }
     }
 
-    /// The connect time-out: the deadline of every wait on this queue.
-    pub(crate) fn options_timeout(&self) -> Duration {
-        self.conn.options.timeout
+    /// Posts the started requests not posted yet, waits until at least one started request
+    /// completed and moves the completed ones into `out`. Returns at once, adding nothing, when
+    /// no started request is outstanding.
+    ///
+    /// # Errors
+    /// A time-out, or what the data calls return. After a lost connection (reported as an
+    /// error; the queue reconnects) the started Reads that had not completed are void: start
+    /// them again. Started Writes are re-issued by the reconnect and still complete (each
+    /// reported once); completions already collected, and completed Reads' bytes, stay.
+    pub fn wait_started(&mut self, out: &mut Vec<Completed>) -> Result<()> {
+        self.run(OnLoss::ReconnectAndFail, |q| q.engine.wait_started(out))
+    }
+
+    /// Copies the bytes of the completed started Read `ticket` into `buf` (its length) and
+    /// frees its slot.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] if `ticket` is not a completed Read of this queue (a Write,
+    /// not completed yet, taken already, or void after a reconnect) or `buf` is not its length.
+    pub fn take_read(&mut self, ticket: Ticket, buf: &mut [u8]) -> Result<()> {
+        self.engine.take_read(ticket, buf)
+    }
+
+    /// Runs `op`, reconnecting after a connection loss and then re-running it or failing with
+    /// the loss, as `on_loss` says.
+    pub(crate) fn run<T>(
+        &mut self,
+        on_loss: OnLoss,
+        mut op: impl FnMut(&mut Self) -> Result<T>,
+    ) -> Result<T> {
+        let mut call = self.reconnect.call()?;
+        loop {
+            if self.engine.needs_reconnect() {
+                let d = call.deadline();
+                self.reconnect
+                    .reconnect(&mut self.engine, &mut self.persister, d, true)?;
+            }
+            match op(self) {
+                Err(e) if retryable(&e) => {
+                    let d = call.deadline();
+                    // An interrupted atomic must have executed, or never execute, by the time
+                    // the call reports the loss: retire the connection it may still be on.
+                    let fence = on_loss == OnLoss::ReconnectAndFail;
+                    self.reconnect
+                        .reconnect(&mut self.engine, &mut self.persister, d, fence)?;
+                    if !call.rerun(on_loss) {
+                        return Err(e);
+                    }
+                }
+                r => return r,
+            }
+        }
     }
 
     /// The index of namespace `nsid` among this queue's namespaces.
@@ -233,26 +269,137 @@ impl Queue {
     /// # Errors
     /// [`Error::NoSuchNamespace`], [`Error::NamespaceUnavailable`].
     pub(crate) fn namespace_index(&self, nsid: u32) -> Result<usize> {
-        let idx = self
-            .ns
+        let descs = self.engine.descriptors();
+        let idx = descs
             .iter()
-            .position(|n| n.desc.nsid == nsid)
+            .position(|d| d.nsid == nsid)
             .ok_or(Error::NoSuchNamespace { nsid })?;
-        crate::checks::check_reachable(&self.ns[idx].desc)?;
+        crate::checks::check_reachable(&descs[idx])?;
         Ok(idx)
     }
 
     /// The descriptor of namespace `idx` (it changes across a reconnect: new rkey and address).
     pub(crate) fn descriptor(&self, idx: usize) -> &NamespaceDescriptor {
-        &self.ns[idx].desc
+        self.engine.descriptor(idx)
     }
 
-    fn session(&self) -> Result<&Session> {
-        self.session.as_ref().ok_or(Error::Broken)
+    /// Whether the peer of the current connection has `f`.
+    pub(crate) fn peer_has(&self, f: impl Fn(&ConnInfo) -> bool) -> bool {
+        self.engine.peer_has(f)
     }
 
-    pub(crate) fn peer_has(&self, f: impl Fn(&rpma_common::fabric::ConnInfo) -> bool) -> bool {
-        self.session.as_ref().is_some_and(|s| f(&s.qp().info()))
+    // The data path of namespace.rs, each inside `run`: the engine's and the persister's calls.
+
+    /// Starts a Write (the engine's `start_write`) under the reconnect policy.
+    pub(crate) fn start_write(
+        &mut self,
+        idx: usize,
+        offset: u64,
+        data: &[u8],
+        fence: bool,
+    ) -> Result<Ticket> {
+        self.engine.check_one_chunk(data.len())?;
+        self.run(OnLoss::ReconnectAndFail, |q| {
+            q.engine.start_write(&q.persister, idx, offset, data, fence)
+        })
+    }
+
+    /// Starts a Read (the engine's `start_read`) under the reconnect policy.
+    pub(crate) fn start_read(&mut self, idx: usize, offset: u64, len: usize) -> Result<Ticket> {
+        self.engine.check_one_chunk(len)?;
+        self.run(OnLoss::ReconnectAndFail, |q| {
+            q.engine.start_read(&q.persister, idx, offset, len)
+        })
+    }
+
+    /// Reads `items` of namespace `idx` through the bounce slots.
+    pub(crate) fn read_into(&mut self, idx: usize, items: &mut [(u64, &mut [u8])]) -> Result<()> {
+        self.engine.read_into(&self.persister, idx, items)
+    }
+
+    /// Posts the Writes of `items` to namespace `idx`, then `tail`.
+    pub(crate) fn post_writes(
+        &mut self,
+        idx: usize,
+        items: &[(u64, &[u8])],
+        tail: Vec<SendWr>,
+    ) -> Result<()> {
+        self.engine.post_writes(&self.persister, idx, items, tail)
+    }
+
+    /// Waits until no posted Write or Read is outstanding.
+    pub(crate) fn drain(&mut self) -> Result<()> {
+        self.engine.drain()
+    }
+
+    /// Posts a request outside the bounce slots and waits for its completion.
+    pub(crate) fn post_and_wait(
+        &mut self,
+        ns: usize,
+        what: &'static str,
+        op: SendOp,
+    ) -> Result<()> {
+        self.engine.post_and_wait(ns, what, op)
+    }
+
+    /// The value the last atomic left in the sink.
+    pub(crate) fn sink_value(&self) -> Result<u64> {
+        self.engine.sink_value()
+    }
+
+    /// The 8-byte sink for atomic results.
+    pub(crate) fn sink(&self) -> Sge {
+        self.engine.sink()
+    }
+
+    /// The method for durable calls on namespace `idx` ([`Persister::choice`]).
+    pub(crate) fn choice(&self, idx: usize) -> Result<Choice> {
+        self.persister.choice(&self.engine, idx)
+    }
+
+    /// The method for a named range of namespace `idx` ([`Persister::range_choice`]).
+    pub(crate) fn range_choice(&self, idx: usize) -> Result<Choice> {
+        self.persister.range_choice(&self.engine, idx)
+    }
+
+    /// The method for this queue's held writes of namespace `idx`
+    /// ([`Persister::held_choice`]).
+    pub(crate) fn held_choice(&self, idx: usize) -> Result<Choice> {
+        self.persister.held_choice(&self.engine, idx)
+    }
+
+    /// Forces `m` on namespace `idx` ([`Persister::set_forced`]).
+    pub(crate) fn set_forced(&mut self, idx: usize, m: Option<PersistMethod>) {
+        self.persister.set_forced(&self.engine, idx, m);
+    }
+
+    /// [`Persister::persist_range`].
+    pub(crate) fn persist_range(
+        &mut self,
+        ns: usize,
+        offset: u64,
+        len: u64,
+        choice: Choice,
+    ) -> Result<Durability> {
+        self.persister
+            .persist_range(&mut self.engine, ns, offset, len, choice)
+    }
+
+    /// [`Persister::persist_own`].
+    pub(crate) fn persist_own(&mut self, idx: usize) -> Result<Durability> {
+        self.persister.persist_own(&mut self.engine, idx)
+    }
+
+    /// [`Persister::write_and_persist`].
+    pub(crate) fn write_and_persist(
+        &mut self,
+        ns: usize,
+        items: &[(u64, &[u8])],
+        ranges: &[(u64, u64)],
+        choice: Choice,
+    ) -> Result<Durability> {
+        self.persister
+            .write_and_persist(&mut self.engine, ns, items, ranges, choice)
     }
 }
 
@@ -265,27 +412,5 @@ mod tests {
         fn send<T: Send>() {}
         send::<Queue>();
         send::<Connection>();
-    }
-
-    #[test]
-    fn completions_a_poll_cannot_return_are_counted() {
-        let mut log = CompletionLog::default();
-        let c = rpma_common::fabric::Completion::EMPTY;
-        let logged: Vec<bool> = (0..9).map(|_| log.unmatched(&c)).collect();
-        assert_eq!(
-            logged,
-            [true, true, false, true, false, false, false, true, false],
-            "logged at the 1st, 2nd, 4th and 8th"
-        );
-        assert_eq!(log.unmatched, 9);
-        let mut first = None;
-        for nsid in [1, 2, 3] {
-            log.error(&mut first, Error::NoSuchNamespace { nsid });
-        }
-        assert!(
-            matches!(first, Some(Error::NoSuchNamespace { nsid: 1 })),
-            "{first:?}"
-        );
-        assert_eq!(log.later_errors, 2, "the others are counted");
     }
 }

@@ -1,71 +1,101 @@
-//! Durability mechanics: the method each namespace uses, and the requests that make a range
-//! durable (an APM or visibility Read, a FLUSH, a GPSPM FlushRequest) and free the held writes
-//! they cover.
-
-use std::time::Instant;
+//! Durability: the [`Persister`] knows the method each namespace uses (chosen, or forced, or
+//! the refusal of a forced one) and makes ranges durable over an [`Engine`]: the requests that
+//! do it (an APM or visibility Read, a FLUSH, a GPSPM FlushRequest), and freeing the held
+//! writes their acknowledgement covers. It is also what the engine asks for room when every
+//! slot holds a write ([`MakeRoom`]): it persists the held writes by their own ranges.
 
 use rpma_common::fabric::{SendOp, SendWr};
-use rpma_common::proto::{
-    DurabilityMethods, FlushStatus, Message, NamespaceDescriptor, PersistenceDomain,
-};
+use rpma_common::proto::{DurabilityMethods, FlushStatus, NamespaceDescriptor, PersistenceDomain};
 
-use super::{NsState, Queue};
+use super::engine::{Engine, MakeRoom};
 use crate::checks::check_healthy;
 use crate::durability::{choose_method, Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
 
-impl Queue {
-    pub(super) fn describe_all(&self) -> Result<Vec<NsState>> {
-        let s = self.session()?;
-        let peer_flush = s.qp().info().peer_flush;
-        let forced = self.conn.queue.persist;
-        Ok(s.namespaces()
-            .iter()
-            .map(|d| NsState {
-                desc: d.clone(),
-                choice: choice_of(d, peer_flush, forced),
-                forced,
-            })
-            .collect())
+/// The durability method of one namespace, as a queue knows it.
+#[derive(Debug, Clone)]
+struct NsState {
+    /// The method for durable calls, or the refusal of a forced one (made into
+    /// [`Error::MethodNotValid`] on each durable call: Error is not Clone).
+    choice: std::result::Result<Choice, MethodNotValid>,
+    forced: Option<PersistMethod>,
+}
+
+/// The durability side of a queue: a method per namespace (by the queue's namespace index, as
+/// the engine's descriptors) and the mechanics of making ranges durable. It holds no
+/// connection: every call takes the engine it works through.
+#[derive(Debug)]
+pub(super) struct Persister {
+    ns: Vec<NsState>,
+}
+
+impl Persister {
+    /// The methods for `descs` (the engine's namespaces) on a connection whose peer does (or
+    /// does not) support FLUSH, with `forced` on every namespace.
+    pub(super) fn new(
+        descs: &[NamespaceDescriptor],
+        peer_flush: bool,
+        forced: Option<PersistMethod>,
+    ) -> Persister {
+        Persister {
+            ns: descs
+                .iter()
+                .map(|d| NsState {
+                    choice: choice_of(d, peer_flush, forced),
+                    forced,
+                })
+                .collect(),
+        }
     }
 
-    pub(crate) fn set_forced(&mut self, idx: usize, m: Option<PersistMethod>) {
-        let peer_flush = self.peer_has(|i| i.peer_flush);
+    /// Namespace `idx` as a new connection describes it: its method is chosen again (its
+    /// forced method kept).
+    pub(super) fn refresh(&mut self, idx: usize, d: &NamespaceDescriptor, peer_flush: bool) {
+        let n = &mut self.ns[idx];
+        n.choice = choice_of(d, peer_flush, n.forced);
+    }
+
+    /// Forces `m` on namespace `idx` (None: the best one offered).
+    pub(super) fn set_forced(&mut self, e: &Engine, idx: usize, m: Option<PersistMethod>) {
+        let peer_flush = e.peer_has(|i| i.peer_flush);
         let n = &mut self.ns[idx];
         n.forced = m;
-        n.choice = choice_of(&n.desc, peer_flush, m);
+        n.choice = choice_of(e.descriptor(idx), peer_flush, m);
     }
 
-    pub(crate) fn choice(&self, idx: usize) -> Result<Choice> {
-        let n = &self.ns[idx];
-        check_healthy(&n.desc)?;
-        n.choice.clone().map_err(Error::from)
+    /// The method for durable calls on namespace `idx`.
+    ///
+    /// # Errors
+    /// [`Error::NamespaceFailed`], [`Error::MethodNotValid`].
+    pub(super) fn choice(&self, e: &Engine, idx: usize) -> Result<Choice> {
+        check_healthy(e.descriptor(idx))?;
+        self.ns[idx].choice.clone().map_err(Error::from)
     }
 
     /// The method for making a named range of namespace `idx` durable whoever wrote it
     /// ([`choose_for_range`](crate::durability::choose_for_range): never APM).
-    pub(crate) fn range_choice(&self, idx: usize) -> Result<Choice> {
-        let n = &self.ns[idx];
-        check_healthy(&n.desc)?;
-        let peer_flush = self.peer_has(|i| i.peer_flush);
-        crate::durability::choose_for_range(&n.desc, peer_flush, n.forced)
+    pub(super) fn range_choice(&self, e: &Engine, idx: usize) -> Result<Choice> {
+        let d = e.descriptor(idx);
+        check_healthy(d)?;
+        let peer_flush = e.peer_has(|i| i.peer_flush);
+        crate::durability::choose_for_range(d, peer_flush, self.ns[idx].forced)
     }
 
     /// The send-queue request that makes the Writes posted before it durable (APM Read,
     /// FLUSH) or visible (a visibility Read) for `[offset, offset + len)` of namespace `ns`;
     /// None for GPSPM, which is a control message.
-    pub(crate) fn persist_request(
-        &self,
+    fn persist_request(
+        e: &Engine,
         ns: usize,
         offset: u64,
         len: u64,
         choice: Choice,
     ) -> Option<(&'static str, SendOp)> {
         use rpma_common::fabric::{FlushTarget, FlushType, RemoteAddr};
-        let d = &self.ns[ns].desc;
+        let d = e.descriptor(ns);
         let at = offset.min(d.size.saturating_sub(8));
         let read = SendOp::Read {
-            local: self.sink(),
+            local: e.sink(),
             remote: RemoteAddr {
                 addr: d.remote_addr + at,
                 rkey: d.rkey,
@@ -101,8 +131,8 @@ impl Queue {
 
     /// After the request of [`persist_request`](Self::persist_request) completed: frees the
     /// held writes it covers and says what it achieved.
-    pub(crate) fn persisted(
-        &mut self,
+    fn persisted(
+        e: &mut Engine,
         ns: usize,
         offset: u64,
         len: u64,
@@ -112,15 +142,15 @@ impl Queue {
         match choice {
             Choice::Method(PersistMethod::Apm) => {
                 // Everything placed on this queue pair before the Read is durable.
-                self.pool.release_held(ns, 0, 0, true);
+                e.release_held(ns, 0, 0, true);
                 Durability::Durable(PersistMethod::Apm)
             }
             Choice::Method(m) => {
-                self.pool.release_held(ns, offset, offset + len, false);
+                e.release_held(ns, offset, offset + len, false);
                 Durability::Durable(m)
             }
             Choice::VisibleOnly => {
-                self.pool.release_held(ns, offset, offset + len, false);
+                e.release_held(ns, offset, offset + len, false);
                 Durability::VisibleOnly
             }
         }
@@ -130,27 +160,30 @@ impl Queue {
     /// Write posted before; frees the held writes the acknowledgement covers. With APM that is
     /// only this queue's own Writes: callers that name a range for its own sake choose with
     /// [`range_choice`](Self::range_choice).
-    pub(crate) fn persist_range(
-        &mut self,
+    pub(super) fn persist_range(
+        &self,
+        e: &mut Engine,
         ns: usize,
         offset: u64,
         len: u64,
         choice: Choice,
     ) -> Result<crate::Durability> {
-        self.drain()?;
+        e.drain()?;
         if choice != Choice::Method(PersistMethod::Gpspm) {
-            return self.write_and_persist(ns, &[], &[(offset, offset + len)], choice);
+            return self.write_and_persist(e, ns, &[], &[(offset, offset + len)], choice);
         }
-        let d = self.ns[ns].desc.clone();
+        let d = e.descriptor(ns).clone();
         let whole = offset == 0 && len == d.size;
-        let status = self.gpspm(
+        let status = e.flush_request(
             ns,
             if whole { 0 } else { offset },
             if whole { 0 } else { len },
         )?;
         match status {
-            FlushStatus::Durable => Ok(self.persisted(ns, offset, len, choice)),
-            FlushStatus::VisibleOnly => Ok(self.persisted(ns, offset, len, Choice::VisibleOnly)),
+            FlushStatus::Durable => Ok(Self::persisted(e, ns, offset, len, choice)),
+            FlushStatus::VisibleOnly => {
+                Ok(Self::persisted(e, ns, offset, len, Choice::VisibleOnly))
+            }
             // The target is leaving: retry on the next connection.
             FlushStatus::Unavailable => Err(Error::Disconnected {
                 reason: "the target answered a flush with Unavailable".into(),
@@ -173,52 +206,41 @@ impl Queue {
     /// What it persists is the held writes' own ranges, never the span between them: a FLUSH
     /// (or a GPSPM request on dax) of the span of random writes would write back every cache
     /// line in between, milliseconds for writes scattered over 64 MiB.
-    pub(super) fn persist_held(&mut self) -> Result<()> {
+    fn persist_held(&self, e: &mut Engine) -> Result<()> {
         for idx in 0..self.ns.len() {
-            let ranges = self.pool.held_ranges(idx);
+            let ranges = e.held_ranges(idx);
             if ranges.is_empty() {
                 continue;
             }
-            let choice = self.held_choice(idx).unwrap_or(Choice::VisibleOnly);
-            self.persist_ranges(idx, &ranges, choice)?;
+            let choice = self.held_choice(e, idx).unwrap_or(Choice::VisibleOnly);
+            self.persist_ranges(e, idx, &ranges, choice)?;
         }
         Ok(())
     }
 
     /// Makes durable every write this queue posted to namespace `idx` that is not durable yet
     /// (the ones it holds for a replay), with [`held_choice`](Self::held_choice).
-    pub(crate) fn persist_own(&mut self, idx: usize) -> Result<crate::Durability> {
-        let choice = self.held_choice(idx)?;
-        let ranges = self.pool.held_ranges(idx);
-        self.persist_ranges(idx, &ranges, choice)
+    pub(super) fn persist_own(&self, e: &mut Engine, idx: usize) -> Result<crate::Durability> {
+        let choice = self.held_choice(e, idx)?;
+        let ranges = e.held_ranges(idx);
+        self.persist_ranges(e, idx, &ranges, choice)
     }
 
     /// The method for this queue's own held writes of namespace `idx`: the namespace's, except
     /// that where the target offers APM on a dax namespace and no method was forced, APM: one
     /// Read makes them all durable, and the target writes back only the lines they placed (its
     /// dirty list), where a FLUSH per scattered range costs a request each.
-    pub(crate) fn held_choice(&self, idx: usize) -> Result<Choice> {
-        let c = self.choice(idx)?;
+    pub(super) fn held_choice(&self, e: &Engine, idx: usize) -> Result<Choice> {
+        let c = self.choice(e, idx)?;
         let apm = Choice::Method(PersistMethod::Apm);
         if c != apm
             && c != Choice::VisibleOnly
             && self.ns[idx].forced.is_none()
-            && self.apm_for_held(idx)
+            && apm_for_held(e.descriptor(idx))
         {
             return Ok(apm);
         }
         Ok(c)
-    }
-
-    /// Whether APM may stand in for the chosen method to free held writes of namespace `idx`:
-    /// the target offers it, and the namespace is dax (on page-cache APM would make the
-    /// target msync in its poll loop, which the default choice of GPSPM avoids).
-    fn apm_for_held(&self, idx: usize) -> bool {
-        let d = &self.ns[idx].desc;
-        matches!(
-            d.domain,
-            PersistenceDomain::Dax | PersistenceDomain::DaxForced
-        ) && d.durability.contains(DurabilityMethods::APM)
     }
 
     /// The send-queue requests that make the sorted, disjoint `ranges` of namespace `ns`
@@ -227,8 +249,8 @@ impl Queue {
     /// range for FLUSH (never their span: a Flush of the span between scattered writes would
     /// write back every cache line in between); none for GPSPM, a control message
     /// ([`gpspm_ranges`](Self::gpspm_ranges) after the Writes completed).
-    pub(crate) fn persist_requests(
-        &mut self,
+    fn persist_requests(
+        e: &mut Engine,
         ns: usize,
         ranges: &[(u64, u64)],
         choice: Choice,
@@ -239,8 +261,8 @@ impl Queue {
         );
         let mut out = Vec::new();
         for &(lo, hi) in ranges {
-            if let Some((what, op)) = self.persist_request(ns, lo, hi - lo, choice) {
-                out.push((what, self.waited_wr(op)));
+            if let Some((what, op)) = Self::persist_request(e, ns, lo, hi - lo, choice) {
+                out.push((what, e.waited_wr(op)));
             }
             if one {
                 break;
@@ -251,22 +273,22 @@ impl Queue {
 
     /// Waits for the requests of [`persist_requests`](Self::persist_requests) (posted), then
     /// frees the held writes in `ranges` and says what they achieved.
-    pub(crate) fn await_persisted(
-        &mut self,
+    fn await_persisted(
+        e: &mut Engine,
         ns: usize,
         ranges: &[(u64, u64)],
         choice: Choice,
         requests: &[(&'static str, u64)],
     ) -> Result<crate::Durability> {
         for &(what, id) in requests {
-            self.wait_for_request(ns, what, id)?;
+            e.wait_for_request(ns, what, id)?;
         }
         let mut out = match choice {
             Choice::Method(m) => crate::Durability::Durable(m),
             Choice::VisibleOnly => crate::Durability::VisibleOnly,
         };
         for &(lo, hi) in ranges {
-            out = self.persisted(ns, lo, hi - lo, choice);
+            out = Self::persisted(e, ns, lo, hi - lo, choice);
         }
         Ok(out)
     }
@@ -274,44 +296,47 @@ impl Queue {
     /// Makes the sorted, disjoint `ranges` of namespace `ns` durable with `choice`, after every
     /// Write posted before, and frees the held writes they cover: the requests of
     /// [`persist_requests`](Self::persist_requests) behind one doorbell, or GPSPM's.
-    pub(crate) fn persist_ranges(
-        &mut self,
+    fn persist_ranges(
+        &self,
+        e: &mut Engine,
         ns: usize,
         ranges: &[(u64, u64)],
         choice: Choice,
     ) -> Result<crate::Durability> {
-        self.drain()?;
-        self.write_and_persist(ns, &[], ranges, choice)
+        e.drain()?;
+        self.write_and_persist(e, ns, &[], ranges, choice)
     }
 
     /// Posts the Writes of `items` to namespace `ns` and makes the sorted, disjoint `ranges`
     /// durable with `choice` after them: the requests of
     /// [`persist_requests`](Self::persist_requests) behind the last Writes with one doorbell,
     /// or, for GPSPM, the FlushRequest(s) once the Writes completed.
-    pub(crate) fn write_and_persist(
-        &mut self,
+    pub(super) fn write_and_persist(
+        &self,
+        e: &mut Engine,
         ns: usize,
         items: &[(u64, &[u8])],
         ranges: &[(u64, u64)],
         choice: Choice,
     ) -> Result<crate::Durability> {
         if choice == Choice::Method(PersistMethod::Gpspm) {
-            self.post_writes(ns, items, Vec::new())?;
-            self.drain()?;
-            return self.gpspm_ranges(ns, ranges);
+            e.post_writes(self, ns, items, Vec::new())?;
+            e.drain()?;
+            return self.gpspm_ranges(e, ns, ranges);
         }
-        let reqs = self.persist_requests(ns, ranges, choice);
+        let reqs = Self::persist_requests(e, ns, ranges, choice);
         let ids: Vec<(&'static str, u64)> = reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
-        self.post_writes(ns, items, reqs.into_iter().map(|(_, r)| r).collect())?;
-        self.await_persisted(ns, ranges, choice, &ids)
+        e.post_writes(self, ns, items, reqs.into_iter().map(|(_, r)| r).collect())?;
+        Self::await_persisted(e, ns, ranges, choice, &ids)
     }
 
     /// GPSPM for the sorted, disjoint `ranges` after every Write posted before completed: their
     /// span on page-cache (a ranged fdatasync writes back only the dirty pages in it, where one
     /// per range would each pay the filesystem's sync), a request per range elsewhere (the
     /// target's write-back of a dax span would cover every line in between).
-    pub(crate) fn gpspm_ranges(
-        &mut self,
+    fn gpspm_ranges(
+        &self,
+        e: &mut Engine,
         ns: usize,
         ranges: &[(u64, u64)],
     ) -> Result<crate::Durability> {
@@ -319,43 +344,35 @@ impl Queue {
         let (Some(first), Some(last)) = (ranges.first(), ranges.last()) else {
             return Ok(crate::Durability::Durable(PersistMethod::Gpspm));
         };
-        if self.ns[ns].desc.domain == PersistenceDomain::PageCache {
-            return self.persist_range(ns, first.0, last.1 - first.0, choice);
+        if e.descriptor(ns).domain == PersistenceDomain::PageCache {
+            return self.persist_range(e, ns, first.0, last.1 - first.0, choice);
         }
         let mut out = crate::Durability::Durable(PersistMethod::Gpspm);
         for &(lo, hi) in ranges {
-            out = self.persist_range(ns, lo, hi - lo, choice)?;
+            out = self.persist_range(e, ns, lo, hi - lo, choice)?;
         }
         Ok(out)
     }
+}
 
-    /// GPSPM: a FlushRequest for the range, and its answer.
-    fn gpspm(&mut self, ns: usize, offset: u64, len: u64) -> Result<FlushStatus> {
-        self.next_token += 1;
-        let token = self.next_token;
-        let req = rpma_common::proto::FlushRequest {
-            nsid: self.ns[ns].desc.nsid,
-            offset,
-            length: len,
-            token,
-        };
-        self.doorbells += 1;
-        self.session
-            .as_mut()
-            .ok_or(Error::Broken)?
-            .send_message(&Message::FlushRequest(req))?;
-        let deadline = Instant::now() + self.conn.options.timeout;
-        loop {
-            if let Some(i) = self.flush_answers.iter().position(|a| a.0 == token) {
-                return Ok(self.flush_answers.swap_remove(i).1);
-            }
-            self.poll_or_time_out(deadline, "flush response")?;
-        }
+impl MakeRoom for Persister {
+    fn make_room(&self, e: &mut Engine) -> Result<()> {
+        self.persist_held(e)
     }
 }
 
+/// Whether APM may stand in for the chosen method to free held writes of namespace `d`: the
+/// target offers it, and the namespace is dax (on page-cache APM would make the target msync
+/// in its poll loop, which the default choice of GPSPM avoids).
+fn apm_for_held(d: &NamespaceDescriptor) -> bool {
+    matches!(
+        d.domain,
+        PersistenceDomain::Dax | PersistenceDomain::DaxForced
+    ) && d.durability.contains(DurabilityMethods::APM)
+}
+
 /// The method for durable calls on `d`, or the refusal of a forced one, kept typed.
-pub(super) fn choice_of(
+fn choice_of(
     d: &NamespaceDescriptor,
     peer_flush: bool,
     forced: Option<PersistMethod>,

@@ -1,0 +1,684 @@
+//! The engine: one connection's data path. It owns the session (queue pair, completion queue,
+//! control messages), the bounce slots, the namespaces as this connection addresses them, and
+//! everything between a post and its completion: posting Writes and Reads through the slots,
+//! started requests, single requests the caller waits for, polling the completion queue and
+//! dispatching what completed. It knows nothing of durability methods or reconnects: when
+//! every slot holds a write waiting to be made durable it asks its caller ([`MakeRoom`]), and
+//! a reconnect takes its session away and installs a new one ([`Engine::lose_connection`],
+//! [`Engine::install`]).
+//!
+//! # Waiting for a slot, and what keeps it from spinning
+//!
+//! [`Engine::free_slot`] returns a free slot, or asks [`MakeRoom`] to make the held writes durable
+//! when nothing is in flight, or polls (with a deadline) for a completion, or fails when none of
+//! these can free one (every slot a completed started Read, which only `take_read` frees, as a
+//! start finds in `started`); and it hands the turn back (`None`) while a completed batch Read
+//! waits in `reads_done`, because only [`Engine::read_into`], which owns the batch's buffers, can
+//! copy it out and free its slot. [`Engine::post_writes`] cannot, and calls it until it gets a
+//! slot: it would spin forever if `reads_done` were not empty outside a batch. Everything that
+//! touches `reads_done` is in this file: the poll fills it (a batch Read completed), `read_into`
+//! empties it and returns only once every Read of its batch is copied out, and
+//! [`Engine::forget_owed`] clears it with a lost connection. A `read_into` that fails early may
+//! leave some behind only with a connection loss (the reconnect forgets them) or a failed
+//! completion, which leaves the queue pair in Error (verbs), so that the next call reconnects
+//! first.
+//!
+//! Started requests (their own slot states, never in `reads_done`) are in `started`.
+
+use std::time::{Duration, Instant};
+
+use rpma_common::fabric::{
+    Completion, ConnInfo, QpState, RemoteAddr, SendOp, SendWr, Sge, WcStatus,
+};
+use rpma_common::proto::msgbuf::CONTROL_BIT;
+use rpma_common::proto::{FlushRequest, FlushStatus, Message, NamespaceDescriptor};
+
+use super::completion::{
+    complete_slot, Completed, CompletionLog, Outcome, KIND_MASK, KIND_READ, KIND_WAITED, KIND_WRITE,
+};
+use crate::error::{Error, LossReason, Result};
+use crate::pool::{Kind, Pool, Slot, WriteRec};
+use crate::session::Session;
+
+mod started;
+
+/// How often the polling loops wake to run keep-alives when nothing completes.
+const TICK: Duration = Duration::from_millis(100);
+
+/// What the engine asks of its caller when every slot holds a write that waits for a
+/// durability acknowledgement and nothing is in flight: make them durable (or visible), which
+/// frees their slots. The durability side of the queue answers it (persist.rs).
+pub(super) trait MakeRoom {
+    /// Makes every held write of `e` durable (or visible) and frees its slot.
+    ///
+    /// # Errors
+    /// What the requests that make them durable return.
+    fn make_room(&self, e: &mut Engine) -> Result<()>;
+}
+
+/// The engine's counters, for [`QueueStats`](super::QueueStats).
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Counters {
+    pub(super) writes_posted: u64,
+    pub(super) reads_posted: u64,
+    pub(super) max_in_flight: usize,
+    pub(super) doorbells: u64,
+    pub(super) unmatched_completions: u64,
+    pub(super) errors_not_returned: u64,
+}
+
+/// One connection's data path (the module's doc).
+pub(super) struct Engine {
+    /// None once the connection was taken (a reconnect under way, a queue given up or closed).
+    session: Option<Session>,
+    pool: Pool,
+    /// The queue's namespaces by index, as the current connection addresses them (a reconnect
+    /// replaces them: new rkey and address).
+    descs: Vec<NamespaceDescriptor>,
+    /// The deadline of every wait: the connect time-out.
+    timeout: Duration,
+    /// GPSPM answers (token, status), until their waiter looks.
+    flush_answers: Vec<(u64, FlushStatus)>,
+    /// Slots of batch Reads that completed, until [`read_into`](Self::read_into) copies them
+    /// out. Non-empty only while a batch Read runs (the module's doc: no wait without
+    /// progress).
+    reads_done: Vec<usize>,
+    /// Completions of requests outside the slots (wr_id, status), until their waiter looks.
+    waited_done: Vec<(u64, WcStatus)>,
+    /// Started requests, made but not posted yet: they go out with the next post or wait.
+    deferred: Vec<SendWr>,
+    /// Started requests that completed, until the caller asks.
+    started_done: Vec<Completed>,
+    next_waited: u64,
+    next_token: u64,
+    writes_posted: u64,
+    reads_posted: u64,
+    doorbells: u64,
+    completion_log: CompletionLog,
+}
+
+impl std::fmt::Debug for Engine {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Engine")
+            .field("session", &self.session)
+            .field("pool", &self.pool)
+            .finish()
+    }
+}
+
+impl Engine {
+    /// The engine of a new connection: `session`'s namespaces, in its order, are the queue's.
+    pub(super) fn new(session: Session, pool: Pool, timeout: Duration) -> Engine {
+        Engine {
+            descs: session.namespaces().to_vec(),
+            session: Some(session),
+            pool,
+            timeout,
+            flush_answers: Vec::new(),
+            reads_done: Vec::new(),
+            waited_done: Vec::new(),
+            deferred: Vec::new(),
+            started_done: Vec::new(),
+            next_waited: 0,
+            next_token: 0,
+            writes_posted: 0,
+            reads_posted: 0,
+            doorbells: 0,
+            completion_log: CompletionLog::default(),
+        }
+    }
+
+    pub(super) fn counters(&self) -> Counters {
+        Counters {
+            writes_posted: self.writes_posted,
+            reads_posted: self.reads_posted,
+            max_in_flight: self.pool.max_in_flight(),
+            doorbells: self.doorbells,
+            unmatched_completions: self.completion_log.unmatched,
+            errors_not_returned: self.completion_log.later_errors,
+        }
+    }
+
+    /// The bounce slots (for Debug).
+    pub(super) fn pool(&self) -> &Pool {
+        &self.pool
+    }
+
+    /// The current session, if the connection is up (or thought to be).
+    pub(super) fn session_opt(&self) -> Option<&Session> {
+        self.session.as_ref()
+    }
+
+    fn session(&self) -> Result<&Session> {
+        self.session.as_ref().ok_or(Error::Broken)
+    }
+
+    /// Takes the session away (closing the queue).
+    pub(super) fn take_session(&mut self) -> Option<Session> {
+        self.session.take()
+    }
+
+    /// Whether the peer of the current connection has `f`; false without one.
+    pub(super) fn peer_has(&self, f: impl Fn(&ConnInfo) -> bool) -> bool {
+        self.session.as_ref().is_some_and(|s| f(&s.qp().info()))
+    }
+
+    /// The queue's namespaces, by index.
+    pub(super) fn descriptors(&self) -> &[NamespaceDescriptor] {
+        &self.descs
+    }
+
+    /// The descriptor of namespace `idx`.
+    pub(super) fn descriptor(&self, idx: usize) -> &NamespaceDescriptor {
+        &self.descs[idx]
+    }
+
+    /// The sorted, merged ranges of namespace `ns` that held or posted writes cover.
+    pub(super) fn held_ranges(&self, ns: usize) -> Vec<(u64, u64)> {
+        self.pool.held_ranges(ns)
+    }
+
+    /// A durability acknowledgement covers `[start, end)` of namespace `ns` (every write of
+    /// it if `all`): frees the held writes it covers ([`Pool::release_held`]).
+    pub(super) fn release_held(&mut self, ns: usize, start: u64, end: u64, all: bool) {
+        self.pool.release_held(ns, start, end, all);
+    }
+
+    /// The Write of what a slot holds (its bytes are in the slot already); the slot is marked
+    /// in flight: post the request with [`post_list`](Self::post_list).
+    fn write_wr(&mut self, slot: usize, w: WriteRec) -> SendWr {
+        let d = &self.descs[w.ns];
+        let remote = RemoteAddr {
+            addr: d.remote_addr + w.offset,
+            rkey: d.rkey,
+        };
+        let wr = SendWr::new(
+            KIND_WRITE | slot as u64,
+            SendOp::Write {
+                local: self.pool.sge(slot, w.len),
+                remote,
+            },
+        );
+        self.pool.set(slot, Slot::Writing(w));
+        self.writes_posted += 1;
+        wr
+    }
+
+    /// Posts `wrs` with one doorbell (nothing when empty), after the started requests not
+    /// posted yet. If the post is refused for another reason than a lost connection, the slots
+    /// of its Writes are freed (nothing was posted).
+    fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
+        if !self.deferred.is_empty() {
+            let mut all = std::mem::take(&mut self.deferred);
+            all.append(&mut wrs);
+            wrs = all;
+        }
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        // The slots of its Writes, to free if the post is refused (no allocation without any).
+        let writes: Vec<usize> = if wrs.iter().any(|w| w.wr_id & KIND_MASK == KIND_WRITE) {
+            wrs.iter()
+                .filter(|w| w.wr_id & KIND_MASK == KIND_WRITE)
+                .map(|w| (w.wr_id & !KIND_MASK) as usize)
+                .collect()
+        } else {
+            Vec::new()
+        };
+        self.doorbells += 1;
+        let s = self.session()?;
+        let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
+        if let Err(e) = &r {
+            if !e.is_connection_loss() {
+                for slot in writes {
+                    self.pool.set(slot, Slot::Free);
+                }
+            }
+        }
+        r
+    }
+
+    /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
+    /// Flush): directly when no started request waits to go first, else behind them.
+    fn post_one(&mut self, wr: SendWr) -> Result<()> {
+        if !self.deferred.is_empty() {
+            return self.post_list(vec![wr]);
+        }
+        self.doorbells += 1;
+        let s = self.session()?;
+        s.qp().post_send(wr).map_err(|e| post_error(s, e))
+    }
+
+    /// Posts a Read of `len` bytes at `offset` of namespace `ns` into `slot`.
+    fn post_read_slot(
+        &mut self,
+        slot: usize,
+        ns: usize,
+        offset: u64,
+        len: usize,
+        item: usize,
+        at: usize,
+    ) -> Result<()> {
+        let wr = self.read_wr(slot, ns, offset, len);
+        self.pool.set(slot, Slot::Reading { ns, item, at, len });
+        self.reads_posted += 1;
+        self.post_one(wr)
+    }
+
+    /// The Read of `len` bytes at `offset` of namespace `ns` into `slot` (mark the slot, then
+    /// post it).
+    fn read_wr(&self, slot: usize, ns: usize, offset: u64, len: usize) -> SendWr {
+        let d = &self.descs[ns];
+        let remote = RemoteAddr {
+            addr: d.remote_addr + offset,
+            rkey: d.rkey,
+        };
+        SendWr::new(
+            KIND_READ | slot as u64,
+            SendOp::Read {
+                local: self.pool.sge(slot, len),
+                remote,
+            },
+        )
+    }
+
+    /// A free slot, waiting for in-flight requests, or making held writes durable (`room`)
+    /// when every slot holds one. None when a Read of the batch completed: copy it out
+    /// ([`read_into`](Self::read_into)) first.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`] when every slot holds a completed started Read nobody took;
+    /// a time-out, or what the poll and `room` return.
+    fn free_slot(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<Option<usize>> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(s) = self.pool.take_free() {
+                return Ok(Some(s));
+            }
+            if !self.reads_done.is_empty() {
+                return Ok(None);
+            }
+            if self.pool.in_flight() == 0 {
+                // Nothing will complete and no held write frees a slot: every slot holds a
+                // completed started Read that only take_read frees.
+                if self.pool.number(Kind::Held) == 0 {
+                    return Err(Error::InvalidArgument(
+                        "every bounce slot holds a completed read: take_read them first".into(),
+                    ));
+                }
+                room.make_room(self)?;
+                continue;
+            }
+            self.poll_or_time_out(deadline, "a free request slot")?;
+        }
+    }
+
+    /// Waits until no posted Write or Read is outstanding.
+    pub(super) fn drain(&mut self) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        while self.pool.in_flight() > 0 {
+            self.poll_or_time_out(deadline, "data completions")?;
+        }
+        Ok(())
+    }
+
+    /// One wait on the completion queue (at most `TICK`, or `deadline`): dispatches what
+    /// completed and returns, with a Timeout past `deadline`.
+    fn poll_or_time_out(&mut self, deadline: Instant, what: &'static str) -> Result<()> {
+        let now = Instant::now();
+        if now >= deadline {
+            return Err(Error::Timeout {
+                what,
+                after: self.timeout,
+            });
+        }
+        self.poll_completions((deadline - now).min(TICK))?;
+        Ok(())
+    }
+
+    /// Waits up to `timeout` for completions, dispatches them and runs the keep-alive.
+    pub(super) fn poll_completions(&mut self, timeout: Duration) -> Result<usize> {
+        // Started requests go out before any wait for completions.
+        self.post_list(Vec::new())?;
+        let mut wcs = [Completion::EMPTY; 32];
+        let s = self.session.as_mut().ok_or(Error::Broken)?;
+        s.tick()?;
+        let n = s
+            .cq()
+            .wait(&mut wcs, Some(timeout))
+            .map_err(|source| Error::Fabric {
+                op: "waiting for completions",
+                source,
+            })?;
+        let mut first_err = None;
+        for c in &wcs[..n] {
+            if let Err(e) = self.dispatch(c) {
+                self.completion_log.error(&mut first_err, e);
+            }
+        }
+        match first_err {
+            Some(e) => Err(e),
+            None => Ok(n),
+        }
+    }
+
+    fn dispatch(&mut self, c: &Completion) -> Result<()> {
+        if c.wr_id & CONTROL_BIT != 0 {
+            let s = self.session.as_mut().ok_or(Error::Broken)?;
+            if let Some(Message::FlushResponse(r)) = s.handle(c)? {
+                self.flush_answers.push((r.token, r.status));
+            }
+            return Ok(());
+        }
+        if c.wr_id & KIND_MASK == KIND_WAITED {
+            self.waited_done.push((c.wr_id, c.status));
+            return Ok(());
+        }
+        match complete_slot(&mut self.pool, c) {
+            Outcome::Done => {}
+            Outcome::ReadDone(slot) => self.reads_done.push(slot),
+            Outcome::Started(done) => self.started_done.push(done),
+            Outcome::Failed { ns, op } => return Err(self.completion_error(ns, op, c.status)),
+            Outcome::Unmatched => {
+                self.completion_log.unmatched(c);
+            }
+        }
+        Ok(())
+    }
+
+    /// The error for a failed data completion on namespace index `ns`: a lost connection, or
+    /// what the target refused.
+    fn completion_error(&self, ns: usize, op: &'static str, status: WcStatus) -> Error {
+        if matches!(status, WcStatus::WrFlush | WcStatus::RetryExceeded) {
+            let reason = self
+                .session
+                .as_ref()
+                .and_then(|s| s.qp().error())
+                .map_or(LossReason::Completion { op, status }, LossReason::QueuePair);
+            return Error::ConnectionLost { reason };
+        }
+        Error::Remote {
+            nsid: self.descs.get(ns).map_or(0, |d| d.nsid),
+            op,
+            status,
+        }
+    }
+
+    /// Posts a request outside the bounce slots (APM Read, atomic, Atomic Write, Flush) and
+    /// waits for its completion.
+    pub(super) fn post_and_wait(
+        &mut self,
+        ns: usize,
+        what: &'static str,
+        op: SendOp,
+    ) -> Result<()> {
+        let wr = self.waited_wr(op);
+        let wr_id = wr.wr_id;
+        self.post_one(wr)?;
+        self.wait_for_request(ns, what, wr_id)
+    }
+
+    /// A request outside the bounce slots with a fresh wr_id (post it, then
+    /// [`wait_for_request`](Self::wait_for_request)).
+    pub(super) fn waited_wr(&mut self, op: SendOp) -> SendWr {
+        self.next_waited += 1;
+        let wr_id = KIND_WAITED | (self.next_waited & !KIND_MASK & !CONTROL_BIT);
+        SendWr::new(wr_id, op)
+    }
+
+    /// Waits for the request `wr_id` of [`waited_wr`](Self::waited_wr) to complete. Several may
+    /// be in flight: wait for them in the order they were made (the completions of earlier ones,
+    /// waited for or abandoned, are dropped once a later one is found).
+    pub(super) fn wait_for_request(
+        &mut self,
+        ns: usize,
+        what: &'static str,
+        wr_id: u64,
+    ) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(&(_, status)) = self.waited_done.iter().find(|d| d.0 == wr_id) {
+                // wr_ids of waited requests grow (within the kind's bits): older entries
+                // belong to requests nobody waits for any longer.
+                self.waited_done.retain(|d| d.0 > wr_id);
+                if status == WcStatus::Success {
+                    return Ok(());
+                }
+                return Err(self.completion_error(ns, what, status));
+            }
+            self.poll_or_time_out(deadline, what)?;
+        }
+    }
+
+    /// Sends a GPSPM FlushRequest for `[offset, offset + len)` of namespace `ns` (0, 0: the
+    /// whole namespace) and waits for its answer.
+    pub(super) fn flush_request(
+        &mut self,
+        ns: usize,
+        offset: u64,
+        len: u64,
+    ) -> Result<FlushStatus> {
+        self.next_token += 1;
+        let token = self.next_token;
+        let req = FlushRequest {
+            nsid: self.descs[ns].nsid,
+            offset,
+            length: len,
+            token,
+        };
+        self.doorbells += 1;
+        self.session
+            .as_mut()
+            .ok_or(Error::Broken)?
+            .send_message(&Message::FlushRequest(req))?;
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(i) = self.flush_answers.iter().position(|a| a.0 == token) {
+                return Ok(self.flush_answers.swap_remove(i).1);
+            }
+            self.poll_or_time_out(deadline, "flush response")?;
+        }
+    }
+
+    /// The value the last atomic left in the sink.
+    pub(super) fn sink_value(&self) -> Result<u64> {
+        self.pool.sink_value().map_err(|source| Error::Fabric {
+            op: "reading an atomic result",
+            source,
+        })
+    }
+
+    /// The 8-byte sink for APM Reads and atomic results.
+    pub(super) fn sink(&self) -> Sge {
+        self.pool.sink_sge()
+    }
+
+    /// Posts the Writes of `items` through the bounce slots, as many per doorbell as there are
+    /// free slots, and `tail` (requests that must follow them) with the last of them. Returns
+    /// once everything is posted; the completions are the caller's to wait for.
+    pub(super) fn post_writes(
+        &mut self,
+        room: &(impl MakeRoom + ?Sized),
+        idx: usize,
+        items: &[(u64, &[u8])],
+        tail: Vec<SendWr>,
+    ) -> Result<()> {
+        let chunk = self.pool.chunk();
+        let mut pending = Vec::new();
+        for (off, data) in items {
+            for (i, piece) in data.chunks(chunk).enumerate() {
+                let slot = match self.pool.take_free() {
+                    Some(s) => s,
+                    None => {
+                        // Out of slots: what is pending goes out before waiting for completions.
+                        self.post_list(std::mem::take(&mut pending))?;
+                        // No batch Read runs here, so `reads_done` is empty and free_slot
+                        // returns a slot (the module's doc).
+                        loop {
+                            if let Some(s) = self.free_slot(room)? {
+                                break s;
+                            }
+                        }
+                    }
+                };
+                if let Err(source) = self.pool.fill(slot, piece) {
+                    self.pool.untake(slot);
+                    return Err(Error::Fabric {
+                        op: "filling a bounce buffer",
+                        source,
+                    });
+                }
+                let rec = WriteRec {
+                    ns: idx,
+                    offset: off + (i * chunk) as u64,
+                    len: piece.len(),
+                    seq: self.pool.next_seq(),
+                    notify: false,
+                };
+                self.pool.supersede(&rec);
+                pending.push(self.write_wr(slot, rec));
+            }
+        }
+        pending.extend(tail);
+        self.post_list(pending)
+    }
+
+    /// Copies the completed Reads out of their slots into `items` and frees the slots.
+    fn collect_reads(&mut self, items: &mut [(u64, &mut [u8])]) -> Result<()> {
+        while let Some(slot) = self.reads_done.pop() {
+            if let Some(Slot::ReadDone { item, at, len }) = self.pool.get(slot) {
+                let out = &mut items[item].1[at..at + len];
+                self.pool
+                    .copy_out(slot, out)
+                    .map_err(|source| Error::Fabric {
+                        op: "copying a read out",
+                        source,
+                    })?;
+                self.pool.set(slot, Slot::Free);
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads `items` (each range into its buffer) of namespace `idx` through the bounce slots,
+    /// up to the queue depth in flight, and returns when every byte is copied out.
+    pub(super) fn read_into(
+        &mut self,
+        room: &(impl MakeRoom + ?Sized),
+        idx: usize,
+        items: &mut [(u64, &mut [u8])],
+    ) -> Result<()> {
+        let chunk = self.pool.chunk();
+        for item in 0..items.len() {
+            let (off, total) = (items[item].0, items[item].1.len());
+            let mut at = 0;
+            while at < total {
+                let len = chunk.min(total - at);
+                let slot = loop {
+                    self.collect_reads(items)?;
+                    if let Some(s) = self.free_slot(room)? {
+                        break s;
+                    }
+                };
+                self.post_read_slot(slot, idx, off + at as u64, len, item, at)?;
+                at += len;
+            }
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            self.collect_reads(items)?;
+            if self.pool.number(Kind::Reading) == 0 {
+                return Ok(());
+            }
+            self.poll_or_time_out(deadline, "read completions")?;
+        }
+    }
+
+    /// Whether the connection is gone: no session, or its queue pair in Error.
+    pub(super) fn needs_reconnect(&self) -> bool {
+        match &self.session {
+            Some(s) => s.qp().state() == QpState::Error,
+            None => true,
+        }
+    }
+
+    /// The connection is lost (or given up): unfinished Writes become held, Reads in flight
+    /// are dropped ([`Pool::on_connection_lost`]). Returns the old session, to retire or drop,
+    /// and the held writes in post order, to re-issue on the next connection
+    /// ([`reissue`](Self::reissue)).
+    pub(super) fn lose_connection(&mut self) -> (Option<Session>, Vec<(usize, WriteRec)>) {
+        let held = self.pool.on_connection_lost();
+        (self.session.take(), held)
+    }
+
+    /// Forgets what the lost connection owed: flush answers, completed batch Reads, waited
+    /// completions, and started requests not posted yet. Started Writes are held (re-issued)
+    /// and started Reads in flight dropped (their tickets void); the completions already
+    /// collected stay, completed Reads with their bytes.
+    pub(super) fn forget_owed(&mut self) {
+        self.flush_answers.clear();
+        self.reads_done.clear();
+        self.waited_done.clear();
+        self.deferred.clear();
+    }
+
+    /// Namespace `idx` as the new connection addresses it.
+    pub(super) fn set_descriptor(&mut self, idx: usize, d: NamespaceDescriptor) {
+        self.descs[idx] = d;
+    }
+
+    /// Makes `session` the engine's connection: registers the bounce buffers in its
+    /// protection domain.
+    ///
+    /// # Errors
+    /// [`Error::Fabric`] if the registration fails (the session is dropped).
+    pub(super) fn install(&mut self, session: Session) -> Result<()> {
+        self.pool
+            .rebind(session.pd())
+            .map_err(|source| Error::Fabric {
+                op: "registering the bounce buffers",
+                source,
+            })?;
+        self.session = Some(session);
+        Ok(())
+    }
+
+    /// Re-issues the held writes of [`lose_connection`](Self::lose_connection), in post
+    /// order, behind one doorbell.
+    pub(super) fn reissue(&mut self, held: &[(usize, WriteRec)]) -> Result<()> {
+        let wrs: Vec<SendWr> = held
+            .iter()
+            .map(|&(slot, w)| self.write_wr(slot, w))
+            .collect();
+        self.post_list(wrs)
+    }
+
+    /// Drops the session of a failed reconnect attempt.
+    pub(super) fn drop_session(&mut self) {
+        self.session = None;
+    }
+
+    /// The queue gave up: no connection, every held write dropped.
+    pub(super) fn give_up(&mut self) {
+        self.session = None;
+        self.pool.clear();
+    }
+}
+
+/// Posting fails locally; a queue pair in Error means the connection is gone.
+fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
+    if s.qp().state() == QpState::Error {
+        return Error::ConnectionLost {
+            reason: LossReason::of(s.qp()),
+        };
+    }
+    match e {
+        rpma_common::fabric::Error::PeerUnsupported { .. } => Error::Unsupported {
+            op: "this operation (the peer did not advertise it)",
+        },
+        source => Error::Fabric {
+            op: "posting a request",
+            source,
+        },
+    }
+}

@@ -1,0 +1,166 @@
+//! Started requests: Writes and Reads the caller starts one by one and learns the completion
+//! of later, so that a queue can stay full (a new request as soon as one completes) instead of
+//! waiting for a whole batch.
+//!
+//! A started request takes a bounce slot like any other. It is not posted at once: started
+//! requests collect and go out together, behind one doorbell, when the caller waits
+//! ([`Queue::wait_started`](crate::Queue::wait_started)) or anything else is posted. A started
+//! Write's slot is held until a durability acknowledgement covers it, as every write's; a
+//! started Read's slot is free again once its bytes are taken
+//! ([`Queue::take_read`](crate::Queue::take_read)).
+//!
+//! Here the engine makes them and hands back their completions; what a caller knows them by
+//! ([`Ticket`], [`Completed`]) is plain data in completion.rs, and the
+//! [`Queue`](crate::Queue) runs them under its reconnect policy.
+
+use std::time::Instant;
+
+use rpma_common::fabric::SendFlags;
+
+use super::{Engine, MakeRoom};
+use crate::error::{Error, Result};
+use crate::pool::{Kind, Slot, WriteRec};
+use crate::queue::completion::{Completed, Ticket};
+
+impl Engine {
+    /// A free slot for a started request: waits for completions, and makes held writes durable
+    /// (`room`) when every slot holds one.
+    fn slot_for_start(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<usize> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if let Some(s) = self.pool.take_free() {
+                return Ok(s);
+            }
+            if self.pool.in_flight() == 0 {
+                if self.pool.number(Kind::Held) == 0 {
+                    return Err(Error::InvalidArgument(
+                        "every bounce slot holds a completed read: take_read them first".into(),
+                    ));
+                }
+                room.make_room(self)?;
+                continue;
+            }
+            self.poll_or_time_out(deadline, "a free request slot")?;
+        }
+    }
+
+    /// Starts a Write of `data` (at most one chunk: [`check_one_chunk`](Self::check_one_chunk))
+    /// at `offset` of namespace `idx`; the caller checked the range. `fence`: the Write starts
+    /// only after every Read before it completed. It goes out with the next post or wait.
+    pub(in crate::queue) fn start_write(
+        &mut self,
+        room: &(impl MakeRoom + ?Sized),
+        idx: usize,
+        offset: u64,
+        data: &[u8],
+        fence: bool,
+    ) -> Result<Ticket> {
+        let slot = self.slot_for_start(room)?;
+        if let Err(source) = self.pool.fill(slot, data) {
+            self.pool.untake(slot);
+            return Err(Error::Fabric {
+                op: "filling a bounce buffer",
+                source,
+            });
+        }
+        let seq = self.pool.next_seq();
+        let rec = WriteRec {
+            ns: idx,
+            offset,
+            len: data.len(),
+            seq,
+            notify: true,
+        };
+        self.pool.supersede(&rec);
+        let mut wr = self.write_wr(slot, rec);
+        if fence {
+            wr = wr.with_flags(SendFlags::SIGNALED | SendFlags::FENCE);
+        }
+        self.deferred.push(wr);
+        Ok(Ticket(seq))
+    }
+
+    /// Starts a Read of `len` bytes (at most one chunk) at `offset` of namespace `idx`; the
+    /// caller checked the range. It goes out with the next post or wait.
+    pub(in crate::queue) fn start_read(
+        &mut self,
+        room: &(impl MakeRoom + ?Sized),
+        idx: usize,
+        offset: u64,
+        len: usize,
+    ) -> Result<Ticket> {
+        let slot = self.slot_for_start(room)?;
+        let ticket = self.pool.next_seq();
+        let wr = self.read_wr(slot, idx, offset, len);
+        self.pool.set(
+            slot,
+            Slot::Started {
+                ns: idx,
+                ticket,
+                len,
+            },
+        );
+        self.reads_posted += 1;
+        self.deferred.push(wr);
+        Ok(Ticket(ticket))
+    }
+
+    /// Refuses a started request of `len` bytes unless it fits one slot.
+    ///
+    /// # Errors
+    /// [`Error::InvalidArgument`].
+    pub(in crate::queue) fn check_one_chunk(&self, len: usize) -> Result<()> {
+        if len == 0 || len > self.pool.chunk() {
+            return Err(Error::InvalidArgument(format!(
+                "a started request moves 1 to {} bytes (the queue's chunk), not {len}",
+                self.pool.chunk()
+            )));
+        }
+        Ok(())
+    }
+
+    /// Posts the started requests not posted yet, waits until at least one started request
+    /// completed and moves the completed ones into `out`; returns at once when none is
+    /// outstanding ([`Queue::wait_started`](super::Queue::wait_started)).
+    pub(in crate::queue) fn wait_started(&mut self, out: &mut Vec<Completed>) -> Result<()> {
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            if !self.started_done.is_empty() {
+                out.append(&mut self.started_done);
+                self.post_list(Vec::new())?;
+                return Ok(());
+            }
+            if self.pool.number(Kind::StartedOutstanding) == 0 {
+                return Ok(());
+            }
+            self.poll_or_time_out(deadline, "started requests")?;
+        }
+    }
+
+    /// Copies the bytes of the completed started Read `ticket` into `buf` and frees its slot
+    /// ([`Queue::take_read`](super::Queue::take_read)).
+    pub(in crate::queue) fn take_read(&mut self, ticket: Ticket, buf: &mut [u8]) -> Result<()> {
+        let Some((slot, len)) = self.pool.done_read(ticket.0) else {
+            return Err(Error::InvalidArgument(format!(
+                "ticket {} is not a completed read of this queue",
+                ticket.0
+            )));
+        };
+        if buf.len() != len {
+            return Err(Error::InvalidArgument(format!(
+                "ticket {} read {len} bytes, not {}",
+                ticket.0,
+                buf.len()
+            )));
+        }
+        let r = self
+            .pool
+            .copy_out(slot, buf)
+            .map_err(|source| Error::Fabric {
+                op: "copying a read out",
+                source,
+            });
+        self.pool.set(slot, Slot::Free);
+        r
+    }
+}
