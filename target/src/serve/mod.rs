@@ -48,6 +48,7 @@ mod peer_log;
 mod poll_loop;
 mod session_info;
 
+pub use crate::seam::{Error, Result};
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
 use session_info::Retired;
 pub(crate) use session_info::{SessionCounts, SessionInfo};
@@ -59,90 +60,16 @@ use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::thread::JoinHandle;
 use std::time::Duration;
 
-use rpma_common::fabric::{self, ConnRequest, Context, Url};
+use rpma_common::fabric::{ConnRequest, Context, Url};
 use rpma_common::stats::Histogram;
 
 use crate::config::{Config, Transport};
 use crate::control::{AdmissionStatus, ListenerStatus, PoolStatus, SessionStatus};
-use crate::daemon::Serve;
 use crate::eventfd::EventFd;
 use crate::metrics::{Events, HostCounters, LatencyStatus, LoopStats, MetricsStatus};
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
-
-/// Errors of the serving machinery, as [`Serve::bind`] reports them.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum Error {
-    /// A listen URL the fabric cannot parse.
-    #[error("listen URL {url}")]
-    Url {
-        /// The URL.
-        url: String,
-        /// What the fabric reported.
-        #[source]
-        source: fabric::Error,
-    },
-    /// A transport this build does not serve (built without the `rdma` feature).
-    #[error("{url}: the rdma transport is not served by this build; use tcp://")]
-    RdmaNotServed {
-        /// The URL.
-        url: String,
-    },
-    /// Listeners of both transports in one configuration: the poll loops share one device.
-    #[error("listeners {tcp} and {rdma}: one configuration serves one transport (tcp or rdma)")]
-    MixedTransports {
-        /// A `tcp://` listener.
-        tcp: String,
-        /// An `rdma://` listener.
-        rdma: String,
-    },
-    /// Binding an `nvme-tcp://` listener failed.
-    #[error("cannot listen on {url}")]
-    NvmeListen {
-        /// The URL.
-        url: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// RLIMIT_MEMLOCK is too low for one rdma session's registrations.
-    #[error("{message}")]
-    Memlock {
-        /// What is too low and what to change.
-        message: String,
-    },
-    /// Binding a listener failed.
-    #[error("cannot listen on {url}")]
-    Listen {
-        /// The URL.
-        url: String,
-        /// What the fabric reported.
-        #[source]
-        source: fabric::Error,
-    },
-    /// A thread could not be started.
-    #[error("cannot start thread {name}")]
-    Thread {
-        /// The thread's name.
-        name: String,
-        /// The OS error.
-        #[source]
-        source: std::io::Error,
-    },
-    /// A poll loop's completion queue or flusher could not be created.
-    #[error("cannot set up poll loop {index}")]
-    LoopSetup {
-        /// The loop's index.
-        index: usize,
-        /// What failed.
-        #[source]
-        source: Box<dyn std::error::Error + Send + Sync>,
-    },
-}
-
-/// Result of the serving machinery.
-pub type Result<T> = std::result::Result<T, Error>;
+use crate::seam::Serve;
 
 /// How long a connection lingers after the target sent its last message (a Refusal, or a
 /// Disconnect after keep-alive expiry, reload or shutdown) so that the host reads it. Its rkeys
