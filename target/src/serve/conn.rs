@@ -52,7 +52,6 @@ use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
 use super::peer_log::{peer_text, Class};
-use super::poll_loop::{CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
 use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};
@@ -65,6 +64,19 @@ const ATOMIC_WRITE_UNIT: u32 = 8;
 
 /// Longest keep-alive period a host may ask for (the configuration's own limit).
 const MAX_KEEP_ALIVE: Duration = Duration::from_secs(3600);
+
+/// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
+pub(crate) const RECV_SLACK: usize = 4;
+/// Send slots per admitted session (more messages wait in its backlog).
+pub(crate) const SEND_SLOTS: usize = 16;
+/// Receive slots a connection has until its host is admitted to a subsystem (and for good on
+/// a discovery connection): its Connect, an AuthResponse, a Disconnect and one spare. The rest
+/// of a session's slots (its queue depth, [`RECV_SLACK`]) are posted at admission, before the
+/// ConnectResponse goes out.
+pub(crate) const CONTROL_RECV_SLOTS: usize = 4;
+/// Send slots until admission (a challenge and a confirmation, or a refusal; more wait in the
+/// backlog).
+pub(crate) const CONTROL_SEND_SLOTS: usize = 2;
 
 /// A namespace this connection may reach: the region that carries its rkey.
 pub(crate) struct Grant {
