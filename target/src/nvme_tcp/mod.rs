@@ -19,7 +19,8 @@
 //!   `reply` (completions, data, waiting for flushes) are its halves; `fabrics` (Connect,
 //!   properties, Disconnect), `admin` (admin commands, reloads) and `io` (I/O commands,
 //!   durability) its command handlers; [`controller`]: what the queues of one controller share.
-//! - [`server`]: the accept threads and poll loops that move bytes between sockets and queues.
+//! - [`server`]: the accept threads, and `poll_loop`: the loops that move bytes between sockets
+//!   and queues.
 //!
 //! # Admission and memory
 //!
@@ -48,6 +49,7 @@ pub mod pdu;
 mod admin;
 mod fabrics;
 mod io;
+mod poll_loop;
 pub(crate) mod queue;
 mod reply;
 mod server;
