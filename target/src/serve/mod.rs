@@ -46,6 +46,7 @@ pub(crate) mod budget;
 mod conn;
 mod peer_log;
 mod poll_loop;
+mod session;
 mod session_info;
 mod shared;
 
