@@ -33,6 +33,7 @@ use crate::metrics::DataCounters;
 use crate::namespace::{durability_methods, NamespaceError, NamespaceTable};
 use crate::notify::{Notifier, NotifyError};
 use crate::reload::{self, ConfigDiff};
+pub use crate::seam::Serve;
 
 /// Errors that stop the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -58,7 +59,7 @@ pub enum DaemonError {
     Control(#[from] ControlError),
     /// The listeners could not be bound.
     #[error(transparent)]
-    Serve(#[from] crate::serve::Error),
+    Serve(#[from] crate::seam::Error),
     /// The metrics listener could not be started.
     #[error(transparent)]
     Metrics(#[from] ListenerError),
@@ -66,52 +67,6 @@ pub enum DaemonError {
 
 /// Result of the daemon.
 pub type Result<T> = std::result::Result<T, DaemonError>;
-
-/// The seam where listeners and sessions plug in: [`crate::serve::FabricServe`] serves them on
-/// the fabric; [`NoTransport`] binds nothing (a daemon without listeners, for tests of its own
-/// machinery).
-pub trait Serve: Send {
-    /// Binds every listener of `cfg`; called after the namespaces are mapped and the control
-    /// socket accepts, before READY=1. Returns one status per listener.
-    ///
-    /// # Errors
-    /// Any error stops the daemon before READY=1.
-    fn bind(
-        &mut self,
-        cfg: &Config,
-        namespaces: &NamespaceTable,
-    ) -> crate::serve::Result<Vec<ListenerStatus>>;
-
-    /// A reload was applied: `namespaces` is the new table. Close the sessions that
-    /// [`ConfigDiff::touches_session`] names and revoke rkeys of removed or changed namespaces;
-    /// leave every other session alone.
-    fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable);
-
-    /// The sessions, for `status`.
-    fn sessions(&self) -> Vec<SessionStatus>;
-
-    /// The admission budgets in use, for `status` (None before [`Serve::bind`]).
-    fn admission(&self) -> Option<crate::control::AdmissionStatus> {
-        None
-    }
-
-    /// The data-path and control-plane counts, for `status` and the metrics endpoint (None
-    /// before [`Serve::bind`], and from a daemon that serves nothing).
-    fn metrics(&self) -> Option<crate::metrics::MetricsStatus> {
-        None
-    }
-
-    /// The watchdog check: the names of the serving threads that made no progress since the
-    /// previous call (none on the first), after waking every one of them so that an idle thread
-    /// shows progress by the next call. The daemon pings the service manager's watchdog only
-    /// when this is empty.
-    fn check_progress(&mut self) -> Vec<String> {
-        Vec::new()
-    }
-
-    /// Stops accepting, answers in-flight flush requests, closes every session.
-    fn stop(&mut self);
-}
 
 /// No transport: binds nothing and says so in every listener's status (tests of the daemon's
 /// own machinery; the binary serves with [`crate::serve::FabricServe`]).
@@ -123,7 +78,7 @@ impl Serve for NoTransport {
         &mut self,
         cfg: &Config,
         _: &NamespaceTable,
-    ) -> crate::serve::Result<Vec<ListenerStatus>> {
+    ) -> crate::seam::Result<Vec<ListenerStatus>> {
         log::warn!("no listener is bound: this daemon runs without a transport");
         Ok(cfg
             .listeners

@@ -63,5 +63,6 @@ pub mod nvme_tcp;
 pub use rpma_common::notify;
 pub mod probe;
 pub mod reload;
+mod seam;
 pub mod serve;
 pub mod subsystem;

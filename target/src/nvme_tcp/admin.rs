@@ -26,8 +26,9 @@ use super::command::{self, admin, Sqe, Status, NSID_ALL};
 use super::controller::{aen, Controller, MAX_IO_QUEUES};
 use super::discovery;
 use super::identify::{self, cns, lid, CtrlFacts, CtrlKind, Health, NsFacts};
-use super::queue::{Env, Phase, Queue, IN_CAPSULE_DATA, MDTS};
-use super::reply::{Input, Reply};
+use super::queue::{Env, Queue, IN_CAPSULE_DATA, MDTS};
+use super::reply::Reply;
+use super::state::{Input, Phase};
 use crate::namespace::OpenNamespace;
 
 /// Feature identifiers answered.

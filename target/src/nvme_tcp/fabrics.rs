@@ -24,9 +24,9 @@ use rpma_common::proto::{self, HostId, RefusalReason};
 use super::command::{fctype, Sqe, Status};
 use super::controller::{prop, CcChange, Controller};
 use super::identify::CtrlKind;
-use super::queue::{AdminQueue, DiscoveryQueue, Env, IoQueue, Phase, Queue, IN_CAPSULE_DATA};
-use super::reply::{Input, Reply, Then};
-use super::Ctx;
+use super::queue::{Env, Queue, IN_CAPSULE_DATA};
+use super::reply::Reply;
+use super::state::{AdminQueue, DiscoveryQueue, Input, IoQueue, Phase, Registration, Then};
 use crate::namespace::OpenNamespace;
 use crate::serve::budget::Pool;
 use crate::serve::{SessionInfo, MIN_KEEP_ALIVE};
@@ -55,38 +55,6 @@ pub(crate) fn io_kato(kato: Duration, cfg: &crate::config::Config) -> Duration {
         Duration::from_millis(u64::from(cfg.keep_alive_ms))
     } else {
         kato.clamp(MIN_KEEP_ALIVE, MAX_KATO)
-    }
-}
-
-/// An admitted I/O controller's place among the sessions: its controller id, its entry in
-/// `status`, its namespaces' session counts. Dropping it gives them back and kills the
-/// controller (its I/O queues close).
-pub(crate) struct Registration {
-    ctx: Arc<Ctx>,
-    pub(crate) ctrl: Arc<Controller>,
-    pub(crate) info: Arc<SessionInfo>,
-    held: Vec<Arc<OpenNamespace>>,
-}
-
-impl Registration {
-    /// The namespaces it holds now (a reload changed them).
-    pub(crate) fn hold(&mut self, namespaces: Vec<Arc<OpenNamespace>>) {
-        for ns in &namespaces {
-            ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
-        }
-        for ns in std::mem::replace(&mut self.held, namespaces) {
-            ns.counters.sessions.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-impl Drop for Registration {
-    fn drop(&mut self) {
-        self.ctrl.kill();
-        self.hold(Vec::new());
-        self.ctx.forget_controller(self.ctrl.cntlid);
-        self.ctx.serve.unregister_session(self.ctrl.cntlid);
-        self.ctx.wake_all();
     }
 }
 

@@ -43,9 +43,9 @@ use rpma_common::stats::Stopwatch;
 
 use super::command::{io, Sqe, Status, NSID_ALL};
 use super::controller::{Controller, NsCounts, NsEntry};
-use super::queue::{Env, Phase, Queue, MAX_TRANSFER};
-use super::reply::{Flushes, Input, Reply, Then};
-use super::transfer::Sink;
+use super::queue::{Env, Queue, MAX_TRANSFER};
+use super::reply::{Flushes, Reply};
+use super::state::{Input, Phase, Sink, Then};
 use crate::namespace::OpenNamespace;
 
 /// Zeros written through a mapping at a time.

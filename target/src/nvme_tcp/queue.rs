@@ -27,15 +27,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use super::command::{self, DataIn, Sqe, Status};
-use super::controller::{Controller, NsMap};
-use super::fabrics::Registration;
 use super::pdu::{self, C2hFraming, Fatal, Fes, Framed, Limits, Pdu};
-use super::reply::{Input, Then, Wait};
-use super::transfer::Transfer;
+use super::state::{Input, Phase, Then, Transfer, Wait};
 use super::Ctx;
 use crate::flusher::FlushTarget;
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
-use crate::serve::{budget::Ticket, LoopTx, SessionInfo};
+use crate::serve::{budget::Ticket, LoopTx};
 
 /// MAXH2CDATA offered in the ICResp: the most data per H2CData PDU, so the most a queue buffers.
 pub const MAXH2CDATA: u32 = 64 * 1024;
@@ -97,49 +94,6 @@ impl Env<'_> {
     pub(crate) fn effect(&mut self, e: Effect) {
         self.effects.push((self.conn, e));
     }
-}
-
-/// The admin queue of an I/O controller: it owns the controller.
-pub(crate) struct AdminQueue {
-    pub(crate) ctrl: Arc<Controller>,
-    pub(crate) reg: Registration,
-    /// Asynchronous Event Requests held.
-    pub(crate) aers: Vec<u16>,
-}
-
-/// An I/O queue.
-pub(crate) struct IoQueue {
-    pub(crate) ctrl: Arc<Controller>,
-    pub(crate) qid: u16,
-    pub(crate) ns_generation: u64,
-    pub(crate) ns: Arc<NsMap>,
-}
-
-/// The admin queue of a discovery controller.
-pub(crate) struct DiscoveryQueue {
-    pub(crate) ctrl: Arc<Controller>,
-    pub(crate) info: Arc<SessionInfo>,
-    /// Its entry in `status`, removed with it.
-    pub(crate) listed: u64,
-    pub(crate) ctx: Arc<Ctx>,
-    pub(crate) aers: Vec<u16>,
-    /// When the session's time limit (`discovery_timeout_ms`) ends it.
-    pub(crate) deadline: Instant,
-}
-
-impl Drop for DiscoveryQueue {
-    fn drop(&mut self) {
-        self.ctx.serve.unregister_discovery(self.listed);
-    }
-}
-
-/// Where a queue is.
-pub(crate) enum Phase {
-    AwaitIcReq,
-    AwaitConnect,
-    Admin(Box<AdminQueue>),
-    Io(Box<IoQueue>),
-    Discovery(Box<DiscoveryQueue>),
 }
 
 /// Whether a command moves data to the controller (1), from it (2), or none (0), by the low

@@ -10,31 +10,13 @@ use rpma_common::proto::FlushStatus;
 use super::command::{Cqe, Status};
 use super::controller::NsCounts;
 use super::pdu;
-use super::queue::{Effect, Env, Phase, Queue};
+use super::queue::{Effect, Env, Queue};
+use super::state::{Phase, Then, Wait};
 use crate::flusher::FlushTarget;
 use crate::namespace::OpenNamespace;
 
 /// Flushes to start: (namespace, offset, length; 0 for all of it).
 pub(crate) type Flushes = Vec<(FlushTarget, u64, u64)>;
-
-/// What happens when every flush of a group is done.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Then {
-    /// Complete the command.
-    Complete(u16),
-    /// The shutdown notification's flushes: shutdown processing is complete.
-    ShutdownDone,
-}
-
-/// Flushes a command (or a shutdown) waits for.
-pub(crate) struct Wait {
-    pub(super) then: Then,
-    pub(super) remaining: usize,
-    pub(super) status: Status,
-    pub(super) counted: Vec<Arc<NsCounts>>,
-    /// Namespaces whose failure to note (log once) if a flush of theirs failed.
-    pub(super) namespaces: Vec<Arc<OpenNamespace>>,
-}
 
 /// What a command handler decided.
 pub(crate) enum Reply {
@@ -73,30 +55,6 @@ impl Reply {
         Reply::Done {
             dw0,
             status: Status::SUCCESS,
-        }
-    }
-}
-
-/// The input a command runs with.
-pub(crate) enum Input<'a> {
-    /// Data from the host (in the capsule, or fetched).
-    Data(&'a [u8]),
-    /// Room the host has for data from the controller.
-    Room(u32),
-}
-
-impl Input<'_> {
-    pub(crate) fn data(&self) -> &[u8] {
-        match self {
-            Input::Data(d) => d,
-            Input::Room(_) => &[],
-        }
-    }
-
-    pub(crate) fn room(&self) -> u32 {
-        match self {
-            Input::Room(n) => *n,
-            Input::Data(_) => 0,
         }
     }
 }

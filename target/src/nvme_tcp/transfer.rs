@@ -9,38 +9,10 @@
 //! the wrong offset or past the R2T is a fatal error with its own status (module
 //! [`super::pdu`], [`Fes`]), and costs no buffer.
 
-use std::sync::Arc;
-
 use super::command::{self, Sqe, Status};
-use super::controller::NsCounts;
 use super::pdu::{self, Fatal, Fes, H2cData};
-use super::queue::{Env, Phase, Queue};
-use super::reply::Input;
-use crate::namespace::OpenNamespace;
-
-/// Where the data an R2T fetches goes.
-pub(crate) enum Sink {
-    /// Straight into a namespace at this byte offset (a Write).
-    Namespace {
-        ns: Arc<OpenNamespace>,
-        counts: Arc<NsCounts>,
-        offset: u64,
-        fua: bool,
-    },
-    /// Into a buffer, then the command runs as if the data had come in its capsule.
-    Buffer(Vec<u8>),
-}
-
-/// A command waiting for its data.
-pub(crate) struct Transfer {
-    pub(super) sqe: Sqe,
-    pub(super) ttag: u16,
-    pub(super) len: u32,
-    pub(super) received: u32,
-    /// A data digest failed: the command completes with a transient transport error.
-    pub(super) corrupt: bool,
-    pub(super) sink: Sink,
-}
+use super::queue::{Env, Queue};
+use super::state::{Input, Phase, Sink, Transfer};
 
 /// Data of commands other than Writes fetched with R2T is buffered whole: at most this much.
 pub(crate) const MAX_BUFFERED: u32 = 8192;

@@ -20,7 +20,12 @@ use std::net::IpAddr;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 
-use super::{LoopCmd, LoopTx};
+/// Whoever owns a ticket's connection, told when its pool takes the place back (a poll loop,
+/// through its [`LoopTx`](super::LoopTx)): the pools name no poll loop.
+pub(crate) trait Owner: std::fmt::Debug + Send + Sync {
+    /// The pool took the place back for a newer connection: wake the owner to close it.
+    fn evicted(&self);
+}
 
 /// Which pool a ticket is from.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -54,7 +59,7 @@ struct Held {
     source: IpAddr,
     evicted: AtomicBool,
     /// The poll loop that owns the connection, woken when it is evicted.
-    owner: LoopTx,
+    owner: Box<dyn Owner>,
 }
 
 #[derive(Debug, Default)]
@@ -72,7 +77,7 @@ impl PoolState {
         if let Some(h) = self.release(serial) {
             self.evicted += 1;
             h.evicted.store(true, Ordering::SeqCst);
-            let _ = h.owner.send(LoopCmd::Evicted);
+            h.owner.evicted();
         }
     }
 
@@ -147,7 +152,7 @@ impl Budgets {
         pool: Pool,
         source: IpAddr,
         limits: Limits,
-        owner: LoopTx,
+        owner: impl Owner + 'static,
     ) -> Ticket {
         // An IPv4 peer on a dual-stack socket (::ffff:a.b.c.d) is the source a.b.c.d.
         let source = source.to_canonical();
@@ -175,7 +180,7 @@ impl Budgets {
         let held = Arc::new(Held {
             source,
             evicted: AtomicBool::new(false),
-            owner,
+            owner: Box::new(owner),
         });
         st.held.insert(serial, Arc::clone(&held));
         *st.per_source.entry(source).or_insert(0) += 1;
@@ -204,6 +209,7 @@ mod tests {
 
     use super::*;
     use crate::eventfd::EventFd;
+    use crate::serve::{LoopCmd, LoopTx};
 
     fn owner() -> (LoopTx, mpsc::Receiver<LoopCmd>) {
         let (tx, rx) = mpsc::channel();

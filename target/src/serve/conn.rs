@@ -19,20 +19,8 @@
 //! lines: start, end, keep-alive lapse, lost connection) is logged rate-limited per peer address
 //! and in all ([`super::peer_log`]), its peer-supplied strings escaped.
 //!
-//! # Rkeys
-//!
-//! Every connection has a protection domain of its own, and at admission each namespace the host
-//! may reach is registered in it as a memory region over the namespace's mapping, with the
-//! rights the namespace allows (no remote write on a read-only one). Its rkey is therefore
-//! usable by this connection's queue pair only; deregistering it (dropping the [`Grant`]) is the
-//! revocation, after which a Write with the old rkey is answered with RemoteAccess.
-//!
-//! Why not one region per namespace in a shared domain plus a memory window per connection: on
-//! this fabric a window may only carry remote rights its region has, so the shared region would
-//! hold remote write itself, and its rkey (STags are a slot index and an 8-bit key, easy to
-//! guess) would be usable by every queue pair of the domain — including a connection that has
-//! not sent its Connect yet. A per-connection domain closes that hole; the fabric change that
-//! would allow register-once is described in docs/architecture.md.
+//! An admitted session, the namespaces granted to it (its rkeys) and what a reload does to them
+//! are in [`super::session`], with a discovery connection's entry in `status`.
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -40,61 +28,41 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{self, MemoryRegion, ProtectionDomain, QpState, QueuePair};
+use rpma_common::fabric::{self, ProtectionDomain, QpState, QueuePair};
 use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    Connect, ConnectResponse, Disconnect, DurabilityMethods, FlushRequest, FlushResponse,
-    FlushStatus, Message, NamespaceDescriptor, Refusal, RefusalReason,
+    Connect, ConnectResponse, Disconnect, FlushRequest, FlushResponse, FlushStatus, Message,
+    Refusal, RefusalReason,
 };
 use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
 use super::peer_log::{peer_text, Class};
-use super::poll_loop::{CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
+use super::session::{grant, unavailable, Listed, Session};
 use super::{LoopTx, SessionInfo, Shared, LINGER, MIN_KEEP_ALIVE};
 use crate::config::{Config, Transport};
 use crate::handshake::{Step, TargetHandshake};
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
-use crate::namespace::{access_for, durability_methods, wire_domain, OpenNamespace};
+use crate::namespace::OpenNamespace;
 use crate::subsystem::discovery;
-
-/// The largest write the placement engine executes as one indivisible store (Atomic Write).
-const ATOMIC_WRITE_UNIT: u32 = 8;
 
 /// Longest keep-alive period a host may ask for (the configuration's own limit).
 const MAX_KEEP_ALIVE: Duration = Duration::from_secs(3600);
 
-/// A namespace this connection may reach: the region that carries its rkey.
-pub(crate) struct Grant {
-    pub(crate) ns: Arc<OpenNamespace>,
-    mr: Arc<MemoryRegion>,
-}
-
-impl Drop for Grant {
-    fn drop(&mut self) {
-        self.ns.counters.sessions.fetch_sub(1, Ordering::Relaxed);
-    }
-}
-
-/// An admitted host.
-pub(crate) struct Session {
-    shared: Arc<Shared>,
-    pub(crate) info: Arc<SessionInfo>,
-    pub(crate) subsystem: Nqn,
-    pub(crate) host: Nqn,
-    keep_alive: Duration,
-    pub(crate) grants: BTreeMap<u32, Grant>,
-}
-
-impl Drop for Session {
-    fn drop(&mut self) {
-        // Grants (and with them the rkeys) go with the session.
-        self.grants.clear();
-        self.shared.unregister_session(self.info.controller_id);
-    }
-}
+/// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
+pub(crate) const RECV_SLACK: usize = 4;
+/// Send slots per admitted session (more messages wait in its backlog).
+pub(crate) const SEND_SLOTS: usize = 16;
+/// Receive slots a connection has until its host is admitted to a subsystem (and for good on
+/// a discovery connection): its Connect, an AuthResponse, a Disconnect and one spare. The rest
+/// of a session's slots (its queue depth, [`RECV_SLACK`]) are posted at admission, before the
+/// ConnectResponse goes out.
+pub(crate) const CONTROL_RECV_SLOTS: usize = 4;
+/// Send slots until admission (a challenge and a confirmation, or a refusal; more wait in the
+/// backlog).
+pub(crate) const CONTROL_SEND_SLOTS: usize = 2;
 
 pub(crate) enum Phase {
     Handshake {
@@ -116,19 +84,6 @@ pub(crate) enum Phase {
     Closing {
         deadline: Instant,
     },
-}
-
-/// A discovery connection's entry in `status`, removed with it.
-pub(crate) struct Listed {
-    shared: Arc<Shared>,
-    key: u64,
-    info: Arc<SessionInfo>,
-}
-
-impl Drop for Listed {
-    fn drop(&mut self) {
-        self.shared.unregister_discovery(self.key);
-    }
 }
 
 /// Counts a message from the host in a connection's status.
@@ -462,7 +417,7 @@ impl Conn {
         for ((_, nsid), ns) in
             table.range((c.subsystem_nqn.clone(), 0)..=(c.subsystem_nqn.clone(), u32::MAX))
         {
-            match self.grant(ns) {
+            match grant(&self.pd, ns, self.served_by(), self.peer_flush) {
                 Ok((g, d)) => {
                     grants.insert(*nsid, g);
                     descriptors.push(d);
@@ -486,7 +441,7 @@ impl Conn {
                 Err(e) => {
                     let why = rpma_common::error_chain(&e);
                     ns.note_unregistrable(&why);
-                    descriptors.push(self.unavailable(ns, why));
+                    descriptors.push(unavailable(ns, why));
                 }
             }
         }
@@ -579,60 +534,6 @@ impl Conn {
             })
             .is_some_and(|l| l.direct_write_to_pmem);
         (Transport::Rdma, dwp)
-    }
-
-    /// Registers `ns` in this connection's domain with the rights it allows.
-    fn grant(&self, ns: &Arc<OpenNamespace>) -> fabric::Result<(Grant, NamespaceDescriptor)> {
-        let access = access_for(ns.config.read_only, ns.domain());
-        let mr = self.pd.register(Arc::clone(&ns.mapping), access)?;
-        let (transport, direct_write_to_pmem) = self.served_by();
-        let mut methods = durability_methods(ns.domain(), transport, direct_write_to_pmem);
-        if !self.peer_flush {
-            methods = DurabilityMethods(methods.0 & !DurabilityMethods::FLUSH.0);
-        }
-        let d = NamespaceDescriptor {
-            nsid: ns.config.nsid,
-            size: ns.size(),
-            block_size: ns.config.block_size,
-            remote_addr: mr.addr(),
-            rkey: mr.rkey(),
-            domain: wire_domain(ns.domain()),
-            durability: methods,
-            atomic_write_unit: ATOMIC_WRITE_UNIT,
-            read_only: ns.config.read_only,
-            failure: ns.failure().map(|f| f.to_string()),
-            simulation: ns.mapping.simulation().map(|s| s.label()),
-            unavailable: None,
-        };
-        ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
-        Ok((
-            Grant {
-                ns: Arc::clone(ns),
-                mr,
-            },
-            d,
-        ))
-    }
-
-    /// The descriptor of a namespace this connection cannot be given: listed with the reason,
-    /// no rkey, nothing durable.
-    fn unavailable(&self, ns: &OpenNamespace, why: String) -> NamespaceDescriptor {
-        NamespaceDescriptor {
-            nsid: ns.config.nsid,
-            size: ns.size(),
-            block_size: ns.config.block_size,
-            remote_addr: 0,
-            rkey: 0,
-            domain: wire_domain(ns.domain()),
-            durability: DurabilityMethods::NONE,
-            atomic_write_unit: 0,
-            read_only: ns.config.read_only,
-            failure: ns.failure().map(|f| f.to_string()),
-            simulation: ns.mapping.simulation().map(|s| s.label()),
-            unavailable: Some(format!(
-                "the target cannot register it on this transport: {why}"
-            )),
-        }
     }
 
     /// When [`tick`](Self::tick) has something to do at the latest (if nothing arrives before).
@@ -737,75 +638,9 @@ impl Conn {
         let Phase::Session(s) = &mut self.phase else {
             return;
         };
-        if diff.touches_session(&s.subsystem, &s.host) {
-            log::info!(
-                "session ctrl {} (host {} from {}): its subsystem or host entry changed: closing",
-                s.info.controller_id,
-                s.host,
-                self.peer
-            );
+        if let Some(why) = s.reloaded(diff, self.peer) {
             self.session_ended(EndReason::Reload);
-            self.goodbye("the target's configuration for this host changed");
-            return;
-        }
-        let in_diff = |list: &[crate::namespace::NsKey], nsid: u32| {
-            list.iter()
-                .any(|(sub, n)| *n == nsid && *sub == s.subsystem)
-        };
-        let cleared: Vec<String> = s
-            .grants
-            .keys()
-            .filter(|&&nsid| in_diff(&diff.namespaces_cleared, nsid))
-            .map(u32::to_string)
-            .collect();
-        if !cleared.is_empty() {
-            let ids = cleared.join(", ");
-            log::info!(
-                "session ctrl {} (host {} from {}): the failure of namespace(s) {ids} was \
-                 cleared: closing",
-                s.info.controller_id,
-                s.host,
-                self.peer
-            );
-            self.session_ended(EndReason::Reload);
-            self.goodbye(&format!(
-                "namespace(s) {ids} reopened: an operator cleared the failure"
-            ));
-            return;
-        }
-        let changed: Vec<String> = s
-            .grants
-            .keys()
-            .filter(|&&nsid| in_diff(&diff.namespaces_changed, nsid))
-            .map(u32::to_string)
-            .collect();
-        if !changed.is_empty() {
-            let (what, ids) = match changed.len() {
-                1 => ("namespace", changed[0].clone()),
-                _ => ("namespaces", changed.join(", ")),
-            };
-            log::info!(
-                "session ctrl {} (host {} from {}): {what} {ids} changed by reload: closing",
-                s.info.controller_id,
-                s.host,
-                self.peer
-            );
-            self.session_ended(EndReason::Reload);
-            self.goodbye(&format!("{what} {ids} changed by reload"));
-            return;
-        }
-        let gone: Vec<u32> = s
-            .grants
-            .keys()
-            .copied()
-            .filter(|&nsid| in_diff(&diff.namespaces_removed, nsid))
-            .collect();
-        for nsid in gone {
-            s.grants.remove(&nsid);
-            log::info!(
-                "session ctrl {}: namespace {nsid} removed by reload: its rkey is revoked",
-                s.info.controller_id
-            );
+            self.goodbye(&why);
         }
     }
 }

@@ -25,7 +25,9 @@ use rpma_common::proto::{FlushResponse, FlushStatus};
 use rpma_common::stats::Stopwatch;
 
 use super::budget::Ticket;
-use super::conn::{Conn, FlushJob, Phase};
+use super::conn::{
+    Conn, FlushJob, Phase, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS,
+};
 use super::{Heartbeat, LoopCmd, LoopTx, Shared};
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::metrics::{EndReason, LoopStats};
@@ -39,18 +41,6 @@ const WAKE_CMD: u64 = 1;
 const WAKE_FLUSH: u64 = 2;
 /// How long a loop pauses after its completion queue's wait failed (so as not to spin on it).
 const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(20);
-/// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
-pub(crate) const RECV_SLACK: usize = 4;
-/// Send slots per admitted session (more messages wait in its backlog).
-pub(crate) const SEND_SLOTS: usize = 16;
-/// Receive slots a connection has until its host is admitted to a subsystem (and for good on
-/// a discovery connection): its Connect, an AuthResponse, a Disconnect and one spare. The rest
-/// of a session's slots (its queue depth, [`RECV_SLACK`]) are posted at admission, before the
-/// ConnectResponse goes out.
-pub(crate) const CONTROL_RECV_SLOTS: usize = 4;
-/// Send slots until admission (a challenge and a confirmation, or a refusal; more wait in the
-/// backlog).
-pub(crate) const CONTROL_SEND_SLOTS: usize = 2;
 /// How long a stopping loop waits for its goodbyes to leave.
 const STOP_GRACE: Duration = Duration::from_secs(1);
 /// Test hook (never set in production): a loop that takes a reload command sleeps this many

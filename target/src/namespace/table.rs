@@ -1,0 +1,266 @@
+//! The table of open namespaces, keyed by (subsystem NQN, nsid): opened all or nothing, changed
+//! by a reload's diff only where it says, and the operator's clearing of a failure.
+
+use std::collections::BTreeMap;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+use rpma_common::pmem::SyncFailure;
+use rpma_common::proto::nqn::Nqn;
+
+use super::{NamespaceError, OpenNamespace, Result};
+use crate::config::{self, NsKey};
+use crate::failures::{self, Failed, FailureLedger};
+use crate::reload::ConfigDiff;
+
+/// Every open namespace.
+#[derive(Debug, Default)]
+pub struct NamespaceTable {
+    map: BTreeMap<NsKey, Arc<OpenNamespace>>,
+    /// Where failures are remembered (None: in memory only).
+    ledger: Option<Arc<FailureLedger>>,
+}
+
+/// What [`NamespaceTable::clear_failure`] cleared.
+#[derive(Debug, Clone)]
+pub struct Cleared {
+    /// The namespace's backing file.
+    pub path: PathBuf,
+    /// The failure that was cleared.
+    pub failure: SyncFailure,
+    /// What the state file remembered (None if it had not been recorded there).
+    pub remembered: Option<Failed>,
+}
+
+impl Cleared {
+    /// What may have been lost, in words (for the log and the operator).
+    pub fn what_may_be_lost(&self, key: &NsKey) -> String {
+        let since = self
+            .remembered
+            .as_ref()
+            .map_or_else(String::new, |r| format!(" at {}", r.since()));
+        format!(
+            "subsystem {} namespace {} ({}) failed{since} ({}): any write to it that was not \
+             acknowledged as durable before then may be lost (the media holds whatever the \
+             failed write-back left), and no write since was acknowledged as durable; hosts \
+             now read what the media holds, and durability requests succeed again",
+            key.0,
+            key.1,
+            self.path.display(),
+            self.failure
+        )
+    }
+}
+
+/// What [`NamespaceTable::apply`] did.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct ApplyReport {
+    /// Namespaces opened (added, or reopened because they changed).
+    pub opened: Vec<NsKey>,
+    /// Namespaces dropped from the table (removed, or replaced because they changed).
+    pub closed: Vec<NsKey>,
+}
+
+impl NamespaceTable {
+    /// Opens every namespace of `cfg`; all or nothing.
+    ///
+    /// # Errors
+    /// The first namespace that fails, as [`OpenNamespace::open`].
+    pub fn open_all(cfg: &config::Config) -> Result<Self> {
+        Self::open_all_remembering(cfg, None)
+    }
+
+    /// [`NamespaceTable::open_all`], remembering failures in `ledger`: a namespace it
+    /// remembers as failed opens failed ([`OpenNamespace::open_remembering`]).
+    ///
+    /// # Errors
+    /// As [`NamespaceTable::open_all`].
+    pub fn open_all_remembering(
+        cfg: &config::Config,
+        ledger: Option<Arc<FailureLedger>>,
+    ) -> Result<Self> {
+        let mut map = BTreeMap::new();
+        for s in &cfg.subsystems {
+            for ns in &s.namespaces {
+                let opened = OpenNamespace::open_remembering(&s.nqn, ns, ledger.as_ref(), None)?;
+                map.insert((s.nqn.clone(), ns.nsid), Arc::new(opened));
+            }
+        }
+        Ok(NamespaceTable { map, ledger })
+    }
+
+    /// The state file's ledger, if failures are remembered.
+    pub fn ledger(&self) -> Option<&Arc<FailureLedger>> {
+        self.ledger.as_ref()
+    }
+
+    /// One namespace.
+    pub fn get(&self, subsystem: &Nqn, nsid: u32) -> Option<&Arc<OpenNamespace>> {
+        self.map.get(&(subsystem.clone(), nsid))
+    }
+
+    /// The namespaces of a subsystem, by nsid.
+    pub fn of_subsystem<'a>(
+        &'a self,
+        subsystem: &'a Nqn,
+    ) -> impl Iterator<Item = &'a Arc<OpenNamespace>> + 'a {
+        self.map
+            .iter()
+            .filter(move |((s, _), _)| s == subsystem)
+            .map(|(_, ns)| ns)
+    }
+
+    /// Every namespace.
+    pub fn iter(&self) -> impl Iterator<Item = (&NsKey, &Arc<OpenNamespace>)> {
+        self.map.iter()
+    }
+
+    /// How many namespaces are open.
+    pub fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// Whether none is.
+    pub fn is_empty(&self) -> bool {
+        self.map.is_empty()
+    }
+
+    /// Adds every failed namespace that the new configuration keeps unchanged to `diff`'s
+    /// [`namespaces_changed`](ConfigDiff::namespaces_changed), so that the reload reopens it
+    /// (dropping its page cache: hosts then read what the media holds) and closes its sessions.
+    /// It stays failed ([`NamespaceTable::apply`]). Returns them with their failures, for the
+    /// log.
+    pub fn reopen_failed(&self, diff: &mut ConfigDiff) -> Vec<(NsKey, SyncFailure)> {
+        let mut reopened = Vec::new();
+        for (key, ns) in self.iter() {
+            let Some(f) = ns.failure() else { continue };
+            if diff.namespaces_removed.contains(key) || diff.namespaces_changed.contains(key) {
+                continue;
+            }
+            diff.namespaces_changed.push(key.clone());
+            reopened.push((key.clone(), f));
+        }
+        reopened
+    }
+
+    /// Applies a reload: opens the added and changed namespaces of `new` first, as
+    /// [`OpenNamespace::open`] does at start-up (a file is grown only with `grow = true`; if
+    /// any open fails the table is left exactly as it was), then swaps them in and drops the
+    /// removed ones. Namespaces the diff does not name are
+    /// not touched: their `Arc` stays the same. A failed namespace reopened on the same file
+    /// stays failed (the old mapping's pages are taken out of its page tables first, so that
+    /// the page cache can be dropped).
+    ///
+    /// # Errors
+    /// As [`OpenNamespace::open`].
+    pub fn apply(&mut self, diff: &ConfigDiff, new: &config::Config) -> Result<ApplyReport> {
+        let mut opened = Vec::new();
+        for key in diff.namespaces_added.iter().chain(&diff.namespaces_changed) {
+            let ns = new
+                .subsystems
+                .iter()
+                .find(|s| s.nqn == key.0)
+                .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
+            if let Some(ns) = ns {
+                let old = self.map.get(key);
+                let carried = old
+                    .filter(|o| o.key == failures::key_of(&ns.path))
+                    .and_then(|o| o.failure());
+                if let (Some(o), Some(_)) = (old, carried) {
+                    if let Err(e) = o.mapping.drop_page_cache() {
+                        log::warn!(
+                            "subsystem {} namespace {}: {}",
+                            key.0,
+                            key.1,
+                            rpma_common::error_chain(&e)
+                        );
+                    }
+                }
+                let opened_ns =
+                    OpenNamespace::open_remembering(&key.0, ns, self.ledger.as_ref(), carried)?;
+                opened.push((key.clone(), Arc::new(opened_ns)));
+            }
+        }
+        let mut report = ApplyReport::default();
+        for key in diff
+            .namespaces_removed
+            .iter()
+            .chain(&diff.namespaces_changed)
+        {
+            if self.map.remove(key).is_some() {
+                report.closed.push(key.clone());
+            }
+        }
+        for (key, ns) in opened {
+            report.opened.push(key.clone());
+            self.map.insert(key, ns);
+        }
+        Ok(report)
+    }
+
+    /// Clears the failure of namespace `key` (the operator's explicit act): reopens its file
+    /// healthy, with its page cache dropped (hosts read what the media holds), forgets the
+    /// failure in the state file, and swaps the new opening in. The caller closes the sessions
+    /// that hold the old one (they reconnect and see a healthy descriptor). If anything fails
+    /// the table and the state file are left as they were.
+    ///
+    /// # Errors
+    /// [`NamespaceError::NotFound`], [`NamespaceError::NotFailed`], those of
+    /// [`OpenNamespace::open`], [`NamespaceError::Ledger`].
+    pub fn clear_failure(&mut self, key: &NsKey, cfg: &config::Config) -> Result<Cleared> {
+        let not_found = || NamespaceError::NotFound {
+            subsystem: key.0.clone(),
+            nsid: key.1,
+        };
+        let old = self.map.get(key).ok_or_else(not_found)?;
+        let failure = old.failure().ok_or_else(|| NamespaceError::NotFailed {
+            subsystem: key.0.clone(),
+            nsid: key.1,
+        })?;
+        let ns = cfg
+            .subsystems
+            .iter()
+            .find(|s| s.nqn == key.0)
+            .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1))
+            .ok_or_else(not_found)?;
+        let remembered = old.remembered();
+        if let Err(e) = old.mapping.drop_page_cache() {
+            log::warn!(
+                "subsystem {} namespace {}: {}",
+                key.0,
+                key.1,
+                rpma_common::error_chain(&e)
+            );
+        }
+        // Opened without the ledger first: it still remembers the failure, and must until the
+        // new opening exists.
+        let fresh = OpenNamespace::open_remembering(&key.0, ns, None, None)?;
+        if let Err(e) = fresh.mapping.drop_page_cache() {
+            log::warn!(
+                "subsystem {} namespace {}: {}",
+                key.0,
+                key.1,
+                rpma_common::error_chain(&e)
+            );
+        }
+        if let Some(l) = &self.ledger {
+            l.clear(&old.key).map_err(|source| NamespaceError::Ledger {
+                subsystem: key.0.clone(),
+                nsid: key.1,
+                source,
+            })?;
+        }
+        let fresh = OpenNamespace {
+            ledger: self.ledger.clone(),
+            ..fresh
+        };
+        fresh.remember_failures();
+        let path = old.config.path.clone();
+        self.map.insert(key.clone(), Arc::new(fresh));
+        Ok(Cleared {
+            path,
+            failure,
+            remembered,
+        })
+    }
+}

@@ -1,0 +1,128 @@
+//! The seam between the daemon and what serves listeners and sessions: the [`Serve`] trait and
+//! the errors its [`Serve::bind`] reports. The daemon ([`crate::daemon`]) runs any [`Serve`];
+//! the fabric-backed one ([`crate::serve`], with [`crate::nvme_tcp`]) implements it. Both build on
+//! this file and neither names the other, so the daemon's imports run one way.
+
+use rpma_common::fabric;
+
+use crate::config::Config;
+use crate::control::{AdmissionStatus, ListenerStatus, SessionStatus};
+use crate::metrics::MetricsStatus;
+use crate::namespace::NamespaceTable;
+use crate::reload::ConfigDiff;
+
+/// Errors of the serving machinery, as [`Serve::bind`] reports them.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// A listen URL the fabric cannot parse.
+    #[error("listen URL {url}")]
+    Url {
+        /// The URL.
+        url: String,
+        /// What the fabric reported.
+        #[source]
+        source: fabric::Error,
+    },
+    /// A transport this build does not serve (built without the `rdma` feature).
+    #[error("{url}: the rdma transport is not served by this build; use tcp://")]
+    RdmaNotServed {
+        /// The URL.
+        url: String,
+    },
+    /// Listeners of both transports in one configuration: the poll loops share one device.
+    #[error("listeners {tcp} and {rdma}: one configuration serves one transport (tcp or rdma)")]
+    MixedTransports {
+        /// A `tcp://` listener.
+        tcp: String,
+        /// An `rdma://` listener.
+        rdma: String,
+    },
+    /// Binding an `nvme-tcp://` listener failed.
+    #[error("cannot listen on {url}")]
+    NvmeListen {
+        /// The URL.
+        url: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// RLIMIT_MEMLOCK is too low for one rdma session's registrations.
+    #[error("{message}")]
+    Memlock {
+        /// What is too low and what to change.
+        message: String,
+    },
+    /// Binding a listener failed.
+    #[error("cannot listen on {url}")]
+    Listen {
+        /// The URL.
+        url: String,
+        /// What the fabric reported.
+        #[source]
+        source: fabric::Error,
+    },
+    /// A thread could not be started.
+    #[error("cannot start thread {name}")]
+    Thread {
+        /// The thread's name.
+        name: String,
+        /// The OS error.
+        #[source]
+        source: std::io::Error,
+    },
+    /// A poll loop's completion queue or flusher could not be created.
+    #[error("cannot set up poll loop {index}")]
+    LoopSetup {
+        /// The loop's index.
+        index: usize,
+        /// What failed.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
+}
+
+/// Result of the serving machinery.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// The seam where listeners and sessions plug in: [`crate::serve::FabricServe`] serves them on
+/// the fabric; [`NoTransport`](crate::daemon::NoTransport) binds nothing (a daemon without listeners, for tests of its own
+/// machinery).
+pub trait Serve: Send {
+    /// Binds every listener of `cfg`; called after the namespaces are mapped and the control
+    /// socket accepts, before READY=1. Returns one status per listener.
+    ///
+    /// # Errors
+    /// Any error stops the daemon before READY=1.
+    fn bind(&mut self, cfg: &Config, namespaces: &NamespaceTable) -> Result<Vec<ListenerStatus>>;
+
+    /// A reload was applied: `namespaces` is the new table. Close the sessions that
+    /// [`ConfigDiff::touches_session`] names and revoke rkeys of removed or changed namespaces;
+    /// leave every other session alone.
+    fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable);
+
+    /// The sessions, for `status`.
+    fn sessions(&self) -> Vec<SessionStatus>;
+
+    /// The admission budgets in use, for `status` (None before [`Serve::bind`]).
+    fn admission(&self) -> Option<AdmissionStatus> {
+        None
+    }
+
+    /// The data-path and control-plane counts, for `status` and the metrics endpoint (None
+    /// before [`Serve::bind`], and from a daemon that serves nothing).
+    fn metrics(&self) -> Option<MetricsStatus> {
+        None
+    }
+
+    /// The watchdog check: the names of the serving threads that made no progress since the
+    /// previous call (none on the first), after waking every one of them so that an idle thread
+    /// shows progress by the next call. The daemon pings the service manager's watchdog only
+    /// when this is empty.
+    fn check_progress(&mut self) -> Vec<String> {
+        Vec::new()
+    }
+
+    /// Stops accepting, answers in-flight flush requests, closes every session.
+    fn stop(&mut self);
+}

@@ -1,0 +1,221 @@
+//! An admitted host's session: the namespaces granted to it, each a memory region in its
+//! connection's own protection domain (the rkeys), and what a reload does to them; and a
+//! discovery connection's entry in `status` ([`Listed`]). conn.rs admits a connection to either
+//! and keeps it in its phase; this file names no connection.
+//!
+//! # Rkeys
+//!
+//! Every connection has a protection domain of its own, and at admission each namespace the host
+//! may reach is registered in it as a memory region over the namespace's mapping, with the
+//! rights the namespace allows (no remote write on a read-only one). Its rkey is therefore
+//! usable by this connection's queue pair only; deregistering it (dropping the [`Grant`]) is the
+//! revocation, after which a Write with the old rkey is answered with RemoteAccess.
+//!
+//! Why not one region per namespace in a shared domain plus a memory window per connection: on
+//! this fabric a window may only carry remote rights its region has, so the shared region would
+//! hold remote write itself, and its rkey (STags are a slot index and an 8-bit key, easy to
+//! guess) would be usable by every queue pair of the domain — including a connection that has
+//! not sent its Connect yet. A per-connection domain closes that hole; the fabric change that
+//! would allow register-once is described in docs/architecture.md.
+
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::Duration;
+
+use rpma_common::fabric::{self, MemoryRegion, ProtectionDomain};
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{DurabilityMethods, NamespaceDescriptor};
+
+use super::{SessionInfo, Shared};
+use crate::config::Transport;
+use crate::namespace::{access_for, durability_methods, wire_domain, NsKey, OpenNamespace};
+use crate::reload::ConfigDiff;
+
+/// The largest write the placement engine executes as one indivisible store (Atomic Write).
+const ATOMIC_WRITE_UNIT: u32 = 8;
+
+/// A namespace this connection may reach: the region that carries its rkey.
+pub(crate) struct Grant {
+    pub(crate) ns: Arc<OpenNamespace>,
+    /// The namespace's region in the connection's domain: its rkey is the host's.
+    pub(super) mr: Arc<MemoryRegion>,
+}
+
+impl Drop for Grant {
+    fn drop(&mut self) {
+        self.ns.counters.sessions.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// An admitted host.
+pub(crate) struct Session {
+    /// Where it is registered (given back on drop).
+    pub(super) shared: Arc<Shared>,
+    pub(crate) info: Arc<SessionInfo>,
+    pub(crate) subsystem: Nqn,
+    pub(crate) host: Nqn,
+    /// The keep-alive period agreed at admission.
+    pub(super) keep_alive: Duration,
+    pub(crate) grants: BTreeMap<u32, Grant>,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Grants (and with them the rkeys) go with the session.
+        self.grants.clear();
+        self.shared.unregister_session(self.info.controller_id);
+    }
+}
+
+impl Session {
+    /// A reload: if the diff touches the session or changes one of its namespaces, the reason to
+    /// close it, for its Disconnect (which names the namespace, so that the host reconnects and
+    /// sees the new descriptor instead of a RemoteAccess later); else None, once the rkeys of its
+    /// namespaces that were removed are revoked. `peer` is the host's address, for the log.
+    pub(super) fn reloaded(&mut self, diff: &ConfigDiff, peer: SocketAddr) -> Option<String> {
+        if diff.touches_session(&self.subsystem, &self.host) {
+            log::info!(
+                "session ctrl {} (host {} from {}): its subsystem or host entry changed: closing",
+                self.info.controller_id,
+                self.host,
+                peer
+            );
+            return Some("the target's configuration for this host changed".to_owned());
+        }
+        let in_diff = |list: &[NsKey], nsid: u32| {
+            list.iter()
+                .any(|(sub, n)| *n == nsid && *sub == self.subsystem)
+        };
+        let cleared: Vec<String> = self
+            .grants
+            .keys()
+            .filter(|&&nsid| in_diff(&diff.namespaces_cleared, nsid))
+            .map(u32::to_string)
+            .collect();
+        if !cleared.is_empty() {
+            let ids = cleared.join(", ");
+            log::info!(
+                "session ctrl {} (host {} from {}): the failure of namespace(s) {ids} was \
+                 cleared: closing",
+                self.info.controller_id,
+                self.host,
+                peer
+            );
+            return Some(format!(
+                "namespace(s) {ids} reopened: an operator cleared the failure"
+            ));
+        }
+        let changed: Vec<String> = self
+            .grants
+            .keys()
+            .filter(|&&nsid| in_diff(&diff.namespaces_changed, nsid))
+            .map(u32::to_string)
+            .collect();
+        if !changed.is_empty() {
+            let (what, ids) = match changed.len() {
+                1 => ("namespace", changed[0].clone()),
+                _ => ("namespaces", changed.join(", ")),
+            };
+            log::info!(
+                "session ctrl {} (host {} from {}): {what} {ids} changed by reload: closing",
+                self.info.controller_id,
+                self.host,
+                peer
+            );
+            return Some(format!("{what} {ids} changed by reload"));
+        }
+        let gone: Vec<u32> = self
+            .grants
+            .keys()
+            .copied()
+            .filter(|&nsid| in_diff(&diff.namespaces_removed, nsid))
+            .collect();
+        for nsid in gone {
+            self.grants.remove(&nsid);
+            log::info!(
+                "session ctrl {}: namespace {nsid} removed by reload: its rkey is revoked",
+                self.info.controller_id
+            );
+        }
+        None
+    }
+}
+
+/// Registers `ns` in a connection's domain `pd` with the rights it allows; the durability
+/// methods offered are those of the transport the connection `served_by` (and its listener's
+/// `direct_write_to_pmem`), without RDMA Flush unless the peer can send it (`peer_flush`).
+pub(super) fn grant(
+    pd: &ProtectionDomain,
+    ns: &Arc<OpenNamespace>,
+    served_by: (Transport, bool),
+    peer_flush: bool,
+) -> fabric::Result<(Grant, NamespaceDescriptor)> {
+    let access = access_for(ns.config.read_only, ns.domain());
+    let mr = pd.register(Arc::clone(&ns.mapping), access)?;
+    let (transport, direct_write_to_pmem) = served_by;
+    let mut methods = durability_methods(ns.domain(), transport, direct_write_to_pmem);
+    if !peer_flush {
+        methods = DurabilityMethods(methods.0 & !DurabilityMethods::FLUSH.0);
+    }
+    let d = NamespaceDescriptor {
+        nsid: ns.config.nsid,
+        size: ns.size(),
+        block_size: ns.config.block_size,
+        remote_addr: mr.addr(),
+        rkey: mr.rkey(),
+        domain: wire_domain(ns.domain()),
+        durability: methods,
+        atomic_write_unit: ATOMIC_WRITE_UNIT,
+        read_only: ns.config.read_only,
+        failure: ns.failure().map(|f| f.to_string()),
+        simulation: ns.mapping.simulation().map(|s| s.label()),
+        unavailable: None,
+    };
+    ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
+    Ok((
+        Grant {
+            ns: Arc::clone(ns),
+            mr,
+        },
+        d,
+    ))
+}
+
+/// The descriptor of a namespace a connection cannot be given: listed with the reason, no rkey,
+/// nothing durable.
+pub(super) fn unavailable(ns: &OpenNamespace, why: String) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        nsid: ns.config.nsid,
+        size: ns.size(),
+        block_size: ns.config.block_size,
+        remote_addr: 0,
+        rkey: 0,
+        domain: wire_domain(ns.domain()),
+        durability: DurabilityMethods::NONE,
+        atomic_write_unit: 0,
+        read_only: ns.config.read_only,
+        failure: ns.failure().map(|f| f.to_string()),
+        simulation: ns.mapping.simulation().map(|s| s.label()),
+        unavailable: Some(format!(
+            "the target cannot register it on this transport: {why}"
+        )),
+    }
+}
+
+/// A discovery connection's entry in `status`, removed with it.
+pub(crate) struct Listed {
+    /// Where it is listed.
+    pub(super) shared: Arc<Shared>,
+    /// Its key there.
+    pub(super) key: u64,
+    /// What `status` shows of it.
+    pub(super) info: Arc<SessionInfo>,
+}
+
+impl Drop for Listed {
+    fn drop(&mut self) {
+        self.shared.unregister_discovery(self.key);
+    }
+}
