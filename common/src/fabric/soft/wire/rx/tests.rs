@@ -1,6 +1,9 @@
 //! Tests of the receive state machine: reassembly under arbitrary splits, malformed frames.
 
+use super::super::caps::CapFlags;
+use super::super::codes::Opcode;
 use super::super::ddp::HeaderKind;
+use super::super::mpa::Negotiated;
 use super::super::rdmap::{AtomicRequest, ReadRequest};
 use super::super::terminate::Terminate;
 use super::super::tx::{encode_fpdu, segment, TxConfig};
@@ -297,7 +300,7 @@ fn a_long_stream_wraps_the_ring_without_losing_a_byte() {
         let mut mem = vec![0u8; 8192];
         let mut placer = MemPlacer::new(&mut mem);
         let mut rx = FpduReceiver::new(all_caps(crc, 1000));
-        let cap = rx.ring.cap();
+        let cap = rx.inbox.ring.cap();
         assert!(stream.len() > 20 * cap, "{} vs {cap}", stream.len());
         let plan = vec![Some(4093), None, Some(777), Some(cap - 5), Some(1)];
         let mut src = Chunky::new(&stream, plan);
