@@ -4,15 +4,15 @@
 //! Integrity before placement:
 //! - CRC on: the whole FPDU is gathered in the receiver's buffer (a mirrored ring: an FPDU is
 //!   one slice wherever it starts, and nothing is ever compacted), its CRC checked, then its
-//!   header decoded, then the placer asked, then the payload copied into place (`place_copy`,
-//!   or `place_copy_writeback` with non-temporal stores where the placer asked for the cache
-//!   write-back: the only functions that write received bytes into registered memory), or
-//!   written into the file whose page cache the memory is (`place_pwrite`, where the placer
-//!   named one: no write fault on a page the last write-back cleaned).
+//!   header decoded, then the placer asked, then the payload bytes handed to the placer's
+//!   [`Placer::write`], which copies them into place (with non-temporal stores where the cache
+//!   write-back was asked for) or writes them into the file whose page cache the memory is (a
+//!   `pwrite`, where the placer named one: no write fault on a page the last write-back
+//!   cleaned). The receiver names no placement code (placer.rs).
 //! - CRC off: the header is decoded and checked and the placer asked as soon as the header is in;
 //!   a direct payload is then read from the stream straight into place (bytes already read ahead
-//!   are copied), with no staging; a payload for a file is gathered and written with one
-//!   `pwrite`.
+//!   are copied), with no staging; a payload for a file is gathered and handed to the placer,
+//!   which writes it with one `pwrite`.
 //!
 //! The receiver is a state machine whose states are values: each state's `step` takes its
 //! state by value and returns the next one (`Next`: go on, wait for the source, or deliver
@@ -32,48 +32,20 @@
 use std::io::{self, Read};
 
 use super::body::Body;
-use super::codes::TermCause;
 use super::crc::crc32c;
 use super::ddp::Header;
 use super::error::{Result, WireError};
 use super::{fpdu_len, pad_len};
 use crate::volatile::{ReadVolatile, VolatileSlice};
 
-use crate::fabric::soft::placement::place_copy;
-pub use crate::fabric::soft::placement::DirectTarget;
-
 mod config;
 mod inbox;
+mod placer;
 
 pub use config::{RxConfig, READ_AHEAD};
-use inbox::{too_short, Done, DoneKind, Inbox, Kind};
-
-/// Where a data payload goes.
-#[derive(Debug)]
-pub enum Placement {
-    /// Straight into registered memory.
-    Direct(DirectTarget),
-    /// Into the receiver's buffer, handed back in [`Delivered::Buffered`] (small untagged
-    /// messages the engine copies itself).
-    Buffer,
-    /// Nowhere (read and dropped).
-    Discard,
-}
-
-/// Decides placement for each data segment (Write, Read Response, the Sends).
-pub trait Placer {
-    /// Called once per data FPDU, after its header (and with CRC on, its CRC) passed and before
-    /// any payload byte is placed. `Err(cause)` refuses it: nothing is placed and `poll` fails
-    /// with [`WireError::Refused`].
-    ///
-    /// # Errors
-    /// The Terminate cause that the refusal calls for.
-    fn place(
-        &mut self,
-        header: &Header,
-        payload_len: usize,
-    ) -> std::result::Result<Placement, TermCause>;
-}
+use inbox::{Done, DoneKind, Inbox, Kind};
+use placer::too_short;
+pub use placer::{DirectTarget, Placement, Placer};
 
 /// What became of a received FPDU's payload.
 #[derive(Debug, PartialEq, Eq)]
@@ -254,7 +226,7 @@ impl FpduReceiver {
                     })
                 }
                 State::Idle => idle(&mut self.inbox, src, placer)?,
-                State::Gathering(g) => g.step(&mut self.inbox, src)?,
+                State::Gathering(g) => g.step(&mut self.inbox, src, placer)?,
                 State::Streaming(s) => s.step(&mut self.inbox, src)?,
                 State::Trailer(t) => t.step(&mut self.inbox, src)?,
             };
@@ -312,7 +284,7 @@ fn parse<P: Placer>(inbox: &mut Inbox, placer: &mut P) -> Result<Option<Next>> {
         }
         let (header, hl) = inbox.judge_header(ulpdu_len)?;
         let kind = decide(header, hl, ulpdu_len, placer)?;
-        let done = inbox.deliver(header, hl, ulpdu_len, kind)?;
+        let done = inbox.deliver(header, hl, ulpdu_len, kind, placer)?;
         return Ok(Some(Next::Deliver(done)));
     }
     // CRC off: judge the header as soon as it is in.
@@ -371,7 +343,12 @@ fn decide<P: Placer>(header: Header, hl: usize, ulpdu_len: usize, placer: &mut P
 }
 
 impl Gathering {
-    fn step<R: Read>(self, inbox: &mut Inbox, src: &mut R) -> Result<Next> {
+    fn step<R: Read, P: Placer>(
+        self,
+        inbox: &mut Inbox,
+        src: &mut R,
+        placer: &mut P,
+    ) -> Result<Next> {
         let total = fpdu_len(self.ulpdu_len);
         if inbox.avail() >= total {
             let Gathering {
@@ -380,7 +357,9 @@ impl Gathering {
                 ulpdu_len,
                 kind,
             } = self;
-            return Ok(Next::Deliver(inbox.deliver(header, hl, ulpdu_len, kind)?));
+            return Ok(Next::Deliver(
+                inbox.deliver(header, hl, ulpdu_len, kind, placer)?,
+            ));
         }
         Ok(Next::filled(
             inbox.fill(src, total)?,
@@ -400,7 +379,8 @@ impl Streaming {
             .subslice(self.done, payload_len - self.done)
             .map_err(|_| too_short(payload_len, &self.dst))?;
         if n > 0 {
-            place_copy(rest, inbox.ring.bytes(inbox.start..inbox.start + n))
+            // The bytes read ahead: a copy through the slice, as the read below goes into it.
+            rest.write_at(0, inbox.ring.bytes(inbox.start..inbox.start + n))
                 .map_err(|_| too_short(payload_len, &self.dst))?;
             inbox.start += n;
             self.done += n;

@@ -13,9 +13,7 @@ use super::super::fpdu_len;
 use super::super::rdmap::body_len;
 use super::super::ring::Ring;
 use super::config::{RxConfig, READ_AHEAD};
-use crate::fabric::soft::placement::{
-    place_copy, place_copy_writeback, place_pwrite, DirectTarget,
-};
+use super::placer::{DirectTarget, Placer};
 
 /// Where a judged FPDU's payload goes.
 pub(super) enum Kind {
@@ -177,33 +175,20 @@ impl Inbox {
         Ok((header, hl))
     }
 
-    /// The whole FPDU is buffered at `start` and judged: place or decode it, consume it.
-    pub(super) fn deliver(
+    /// The whole FPDU is buffered at `start` and judged: have it placed (by the placer, which
+    /// is handed the payload bytes) or decode it, consume it.
+    pub(super) fn deliver<P: Placer>(
         &mut self,
         header: Header,
         hl: usize,
         ulpdu_len: usize,
         kind: Kind,
+        placer: &mut P,
     ) -> Result<Done> {
         let (a, b) = (self.start + 2 + hl, self.start + 2 + ulpdu_len);
         let kind = match kind {
-            Kind::Direct(DirectTarget {
-                file: Some((fd, at)),
-                ..
-            }) => {
-                place_pwrite(fd, at, self.ring.bytes(a..b))
-                    .map_err(|source| WireError::PlacementFailed { len: b - a, source })?;
-                DoneKind::Placed(false)
-            }
             // dst.len() >= b - a was checked in `decide`.
-            Kind::Direct(dst) if dst.writeback => DoneKind::Placed(
-                place_copy_writeback(dst.dst, self.ring.bytes(a..b))
-                    .map_err(|_| too_short(b - a, &dst))?,
-            ),
-            Kind::Direct(dst) => {
-                place_copy(dst.dst, self.ring.bytes(a..b)).map_err(|_| too_short(b - a, &dst))?;
-                DoneKind::Placed(false)
-            }
+            Kind::Direct(dst) => DoneKind::Placed(placer.write(dst, self.ring.bytes(a..b))?),
             Kind::Buffer => DoneKind::Buffered(a, b),
             Kind::Discard => DoneKind::Discarded,
             Kind::Control => match Body::decode(header.opcode, self.ring.bytes(a..b))? {
@@ -217,13 +202,5 @@ impl Inbox {
             ulpdu_len,
             kind,
         })
-    }
-}
-
-/// The error of a direct placement of `dst` for a payload of `need` bytes.
-pub(super) fn too_short(need: usize, dst: &DirectTarget) -> WireError {
-    WireError::PlacementTooShort {
-        need,
-        given: dst.len(),
     }
 }

@@ -1,13 +1,14 @@
 //! Tests of the receive state machine: reassembly under arbitrary splits, malformed frames.
 
 use super::super::caps::CapFlags;
-use super::super::codes::Opcode;
+use super::super::codes::{Opcode, TermCause};
 use super::super::ddp::HeaderKind;
 use super::super::mpa::Negotiated;
 use super::super::rdmap::{AtomicRequest, ReadRequest};
 use super::super::terminate::Terminate;
 use super::super::tx::{encode_fpdu, segment, TxConfig};
 use super::*;
+use crate::fabric::soft::placer::write_payload;
 use proptest::prelude::*;
 
 /// A source that hands out the stream in planned chunks, WouldBlock for `None`, and
@@ -145,6 +146,10 @@ impl Placer for MemPlacer {
             HeaderKind::Tagged { .. } => Err(TermCause::DDP_TAGGED_INVALID_STAG),
             HeaderKind::Untagged { .. } => Ok(Placement::Buffer),
         }
+    }
+
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool> {
+        write_payload(target, payload)
     }
 }
 
@@ -321,6 +326,10 @@ impl Placer for WritebackPlacer<'_> {
             Placement::Direct(d) => Ok(Placement::Direct(d.with_cache_writeback())),
             p => Ok(p),
         }
+    }
+
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool> {
+        self.0.write(target, payload)
     }
 }
 
