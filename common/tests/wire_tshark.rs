@@ -15,6 +15,7 @@ use std::time::Duration;
 
 use fabric_util::tshark::{start_capture, stop_capture, tshark_fields};
 
+use rpma_common::fabric::soft::placer::write_payload;
 use rpma_common::fabric::soft::wire::body::Body;
 use rpma_common::fabric::soft::wire::ddp::{Header, HeaderKind, Opcode};
 use rpma_common::fabric::soft::wire::mpa::{accept_handshake, connect_handshake, MpaConfig};
@@ -27,6 +28,7 @@ use rpma_common::fabric::soft::wire::rx::{
 };
 use rpma_common::fabric::soft::wire::terminate::{TermCause, Terminate};
 use rpma_common::fabric::soft::wire::tx::{encode_fpdu, segment, TxConfig};
+use rpma_common::fabric::soft::wire::WireError;
 
 /// Places tagged data into a local buffer; buffers untagged data.
 struct Mem(Vec<u8>);
@@ -43,6 +45,10 @@ impl Placer for Mem {
             HeaderKind::Tagged { .. } => Err(TermCause::DDP_TAGGED_BASE_BOUNDS),
             HeaderKind::Untagged { .. } => Ok(Placement::Buffer),
         }
+    }
+
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool, WireError> {
+        write_payload(target, payload)
     }
 }
 

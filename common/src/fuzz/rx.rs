@@ -9,6 +9,7 @@ use crate::fabric::soft::wire::rx::{
     Delivered, DirectTarget, FpduReceiver, Placement, Placer, Received, RxConfig,
 };
 use crate::fabric::soft::wire::{CapFlags, TermCause, Terminate, WireError, MAX_ULPDU_LIMIT};
+use crate::fabric::soft::{placer::write_payload, wire};
 use crate::volatile::{ReadVolatile, VolatileSlice};
 
 /// The STag the placer knows: remote write into the first half of the window.
@@ -289,6 +290,10 @@ impl Placer for FuzzPlacer {
             }
             _ => Err(TermCause::RDMAP_UNEXPECTED_OPCODE),
         }
+    }
+
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> wire::Result<bool> {
+        write_payload(target, payload)
     }
 }
 

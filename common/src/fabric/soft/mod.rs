@@ -3,9 +3,10 @@
 //! From the bottom up:
 //! - [`wire`]: the formats (headers, bodies, MPA frames, CRC), segmentation and the receive
 //!   state machine; no sockets, no registered memory beyond the copies it is handed.
-//! - `placement`: how received bytes land in registered memory (`copy`: `DirectTarget` and the
-//!   copies into it), the dirty ranges of the durability contract (`dirty`), the RFC 7306
-//!   atomics (`atomics`).
+//! - `placement`: how received bytes land in registered memory (`copy`: the copies into it),
+//!   the dirty ranges of the durability contract (`dirty`), the RFC 7306 atomics (`atomics`).
+//! - [`placer`]: the placer's write that the receiver hands checked payloads to: placement's
+//!   copies into the receiver's `DirectTarget`, so that the wire layer names no placement code.
 //! - `status`: Terminate causes for refused accesses, completion statuses for received
 //!   Terminates.
 //! - `device`: the STag table (regions and windows, rights checks).
@@ -22,6 +23,7 @@ pub(crate) mod device;
 mod engine;
 mod outbound;
 pub(crate) mod placement;
+pub mod placer;
 pub(crate) mod qp;
 mod requester;
 mod responder;

@@ -10,12 +10,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use super::device::AccessFault;
 use super::engine::*;
 use super::outbound::{OnSent, Src, TxMsg};
-use super::placement::{self, DirectTarget};
+use super::placement;
+use super::placer::write_payload;
 use super::status;
 use super::wire::rdmap::{
     AtomicOp, AtomicResponse, FlushPlacement, FlushSelectivity, PrivateResponse,
 };
-use super::wire::rx;
+use super::wire::rx::{self, DirectTarget};
 use super::wire::{Body, Header, HeaderKind, Opcode, TermCause};
 use crate::fabric::counters::PersistKind;
 use crate::fabric::error::QpFailure;
@@ -451,6 +452,12 @@ impl rx::Placer for Engine {
                 Err(cause)
             }
         }
+    }
+
+    /// Writes a payload the receiver gathered into the target `place` chose, with the
+    /// placement module's copies.
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> super::wire::Result<bool> {
+        write_payload(target, payload)
     }
 }
 

@@ -1,86 +1,13 @@
-//! Copying received payloads into registered memory: the placement a receiver is handed
-//! ([`DirectTarget`]) and the only functions that write received bytes into it ([`place_copy`],
-//! [`place_copy_writeback`], and [`place_pwrite`] into the file of a page-cache mapping). No
-//! parsing here: the wire layer's receiver calls these once a frame is checked.
+//! Copying received payloads into registered memory: the only functions that write received
+//! bytes gathered by the receiver into it ([`place_copy`], [`place_copy_writeback`], and
+//! [`place_pwrite`] into the file of a page-cache mapping). No parsing here, and no wire type:
+//! the transport's placer (soft/placer.rs) calls these with the payload bytes the wire layer's
+//! receiver checked and handed it.
 
 use std::io;
 use std::os::fd::RawFd;
 
 use crate::volatile::{self, VolatileSlice};
-
-/// Registered memory a payload is placed into.
-#[derive(Debug)]
-pub struct DirectTarget {
-    pub(crate) dst: VolatileSlice<'static>,
-    pub(crate) writeback: bool,
-    /// The memory is a shared mapping of this file's page cache: the payload goes in with
-    /// `pwrite` at this file offset (the offset of `dst`'s first byte) instead of a copy.
-    pub(crate) file: Option<(RawFd, u64)>,
-}
-
-// SAFETY: `DirectTarget::new`'s contract makes the range valid from whichever thread polls the
-// receiver; the slice only reaches it through copies and iovecs, which any thread may use.
-unsafe impl Send for DirectTarget {}
-
-impl DirectTarget {
-    /// A placement at `ptr` for up to `len` bytes.
-    ///
-    /// # Safety
-    /// From the moment this is returned to the receiver until the `poll` call that reports the
-    /// FPDU (or fails, or the receiver is dropped): `ptr..ptr + len` stays valid for reads and
-    /// writes, and no Rust reference to its bytes is used (the contract of
-    /// [`VolatileSlice::new`]). Other parties may read and write the bytes meanwhile through raw
-    /// pointers or the kernel: another queue pair placing into them, the memory's owner
-    /// copying out of them; the receiver forms no reference to them either. The caller has
-    /// checked STag, bounds and rights for it.
-    pub unsafe fn new(ptr: *mut u8, len: usize) -> DirectTarget {
-        DirectTarget {
-            // SAFETY: this function's own contract, for as long as the receiver holds it.
-            dst: unsafe { VolatileSlice::new(ptr, len) },
-            writeback: false,
-            file: None,
-        }
-    }
-
-    /// Asks that the payload be written into `fd` at `offset` with `pwrite(2)` rather than
-    /// copied into the memory: the memory is that file's page cache (a shared mapping of it,
-    /// [`RegisteredMemory::placement_file`](crate::fabric::RegisteredMemory::placement_file)),
-    /// so the bytes land in the same place without a store into a mapped page (no write fault
-    /// where the last write-back cleaned the page). A payload placed this way is never staged
-    /// through the memory, and the receiver gathers it before writing it (never read from the
-    /// stream into place).
-    ///
-    /// # Safety
-    /// `fd` stays open, and is the file the memory maps from its offset `offset` at the
-    /// target's first byte, for as long as the receiver holds this target (as for
-    /// [`DirectTarget::new`]'s range).
-    pub unsafe fn into_file(mut self, fd: RawFd, offset: u64) -> DirectTarget {
-        self.file = Some((fd, offset));
-        self
-    }
-
-    /// Asks that the placed bytes also leave the CPU cache (memory made durable by a cache
-    /// write-back: dax). Where the receiver copies the payload into place it then uses
-    /// non-temporal stores (and writes back the partial lines at either end), and says so in
-    /// `Received::written_back` (the wire layer's receiver): only a store fence is then needed
-    /// to make the bytes durable.
-    /// A payload the receiver reads from the stream straight into place is not written back.
-    pub fn with_cache_writeback(mut self) -> DirectTarget {
-        self.writeback = true;
-        self
-    }
-
-    /// Bytes available at the target.
-    pub fn len(&self) -> usize {
-        self.dst.len()
-    }
-
-    /// Whether the target is empty.
-    #[cfg_attr(not(feature = "wire-testing"), allow(dead_code))] // `len`'s pair
-    pub fn is_empty(&self) -> bool {
-        self.dst.is_empty()
-    }
-}
 
 /// Copies a checked payload to the start of its placement: with [`place_copy_writeback`], the
 /// only code that writes received bytes into registered memory on the staged path. A `memcpy`
@@ -93,8 +20,8 @@ pub fn place_copy(dst: VolatileSlice<'_>, src: &[u8]) -> volatile::Result<()> {
     dst.write_at(0, src)
 }
 
-/// Writes a checked payload into the file of a page-cache placement
-/// ([`DirectTarget::into_file`]) at `offset`: the placement that takes no write fault. Short
+/// Writes a checked payload into the file of a page-cache placement (the receiver's
+/// `DirectTarget::into_file`) at `offset`: the placement that takes no write fault. Short
 /// writes are continued; `EINTR` is retried.
 ///
 /// # Errors

@@ -14,11 +14,12 @@
 //!    its own way (the engine's) uses the segmenter's owned parts, [`tx::Cuts`] and
 //!    [`tx::Framing`].
 //! 3. To receive, feed a non-blocking socket to [`rx::FpduReceiver::poll`] with a
-//!    [`rx::Placer`] that says where each data payload goes. Registered memory, on both sides,
+//!    [`rx::Placer`] that says where each data payload goes and writes the checked payloads
+//!    the receiver gathered ([`rx::Placer::write`]). Registered memory, on both sides,
 //!    is reached only through a [`VolatileSlice`](crate::volatile::VolatileSlice)
 //!    ([`tx::Framing::for_volatile`], [`rx::DirectTarget`]). The copies into place, and what
 //!    the responder does with placed bytes, are the transport's placement module's, not this
-//!    layer's.
+//!    layer's: this layer names none of it.
 //!
 //! Every decoding error is a [`WireError`], and every `WireError` names the Terminate cause the
 //! RFCs prescribe for it ([`WireError::terminate_cause`]), so the engine can answer a bad frame

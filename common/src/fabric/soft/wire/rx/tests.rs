@@ -1,10 +1,14 @@
 //! Tests of the receive state machine: reassembly under arbitrary splits, malformed frames.
 
+use super::super::caps::CapFlags;
+use super::super::codes::{Opcode, TermCause};
 use super::super::ddp::HeaderKind;
+use super::super::mpa::Negotiated;
 use super::super::rdmap::{AtomicRequest, ReadRequest};
 use super::super::terminate::Terminate;
 use super::super::tx::{encode_fpdu, segment, TxConfig};
 use super::*;
+use crate::fabric::soft::placer::write_payload;
 use proptest::prelude::*;
 
 /// A source that hands out the stream in planned chunks, WouldBlock for `None`, and
@@ -142,6 +146,10 @@ impl Placer for MemPlacer {
             HeaderKind::Tagged { .. } => Err(TermCause::DDP_TAGGED_INVALID_STAG),
             HeaderKind::Untagged { .. } => Ok(Placement::Buffer),
         }
+    }
+
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool> {
+        write_payload(target, payload)
     }
 }
 
@@ -297,7 +305,7 @@ fn a_long_stream_wraps_the_ring_without_losing_a_byte() {
         let mut mem = vec![0u8; 8192];
         let mut placer = MemPlacer::new(&mut mem);
         let mut rx = FpduReceiver::new(all_caps(crc, 1000));
-        let cap = rx.ring.cap();
+        let cap = rx.inbox.ring.cap();
         assert!(stream.len() > 20 * cap, "{} vs {cap}", stream.len());
         let plan = vec![Some(4093), None, Some(777), Some(cap - 5), Some(1)];
         let mut src = Chunky::new(&stream, plan);
@@ -318,6 +326,10 @@ impl Placer for WritebackPlacer<'_> {
             Placement::Direct(d) => Ok(Placement::Direct(d.with_cache_writeback())),
             p => Ok(p),
         }
+    }
+
+    fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool> {
+        self.0.write(target, payload)
     }
 }
 

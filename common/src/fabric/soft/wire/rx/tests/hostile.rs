@@ -245,6 +245,10 @@ fn discard_and_control_bodies() {
         fn place(&mut self, _: &Header, _: usize) -> std::result::Result<Placement, TermCause> {
             Ok(Placement::Discard)
         }
+
+        fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool> {
+            write_payload(target, payload)
+        }
     }
     let mut v = Vec::new();
     encode_fpdu(
@@ -280,6 +284,10 @@ fn placement_shorter_than_payload_is_an_error() {
             Ok(Placement::Direct(unsafe {
                 DirectTarget::new(self.0.as_mut_ptr(), self.0.len())
             }))
+        }
+
+        fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool> {
+            write_payload(target, payload)
         }
     }
     let mut v = Vec::new();
