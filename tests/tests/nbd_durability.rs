@@ -138,6 +138,42 @@ fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
 }
 
 #[test]
+fn every_request_is_answered_while_the_target_stays_gone() {
+    let (_d, _shm, mut t) = start("gone");
+    let e = Export::start(&t, 1, "gone", &["--reconnect-timeout", "1"]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    t.kill9();
+    e.log_line("the queue to the target failed");
+    // No queue now, and none can be opened: each request is answered EIO, none is left
+    // waiting (the kernel's nbd would wait for it forever, and md above it would never fail
+    // the leg).
+    assert_eq!(c.write(0, 4096, &[8; 4096]), EIO);
+    assert_eq!(c.read(0, 4096), Err(EIO));
+    // Several at once, as the kernel sends them.
+    let mut burst = Vec::new();
+    for h in 0..3u64 {
+        burst.extend(c.request(CMD_WRITE, 0, 100 + h, h * 4096, 4096));
+        burst.extend_from_slice(&[9; 4096]);
+    }
+    c.send(&burst);
+    let mut handles: Vec<u64> = (0..3)
+        .map(|_| {
+            let (err, h) = c.reply();
+            assert_eq!(err, EIO, "handle {h}");
+            h
+        })
+        .collect();
+    handles.sort_unstable();
+    assert_eq!(handles, [100, 101, 102]);
+    t.restart();
+    // The write acknowledged before the loss cannot be vouched for; then a new queue serves.
+    assert_eq!(c.flush(), EIO);
+    assert_eq!(c.write(FUA, 4096, &[8; 4096]), 0);
+    assert_eq!(c.read(4096, 4096).unwrap(), vec![8; 4096]);
+}
+
+#[test]
 fn volatile_flush_and_fua_fail_with_eio_unless_visible_ok() {
     let (_d, _shm, t) = start("volatile");
     let e = Export::start(&t, 3, "vol", &[]);
@@ -163,5 +199,6 @@ fn volatile_flush_and_fua_fail_with_eio_unless_visible_ok() {
 rpma_tests::rdma_runs!(
     fua_and_flush_answers_mean_durable_across_a_target_sigkill,
     a_flush_after_the_queue_gave_up_answers_eio_once_per_connection,
+    every_request_is_answered_while_the_target_stays_gone,
     volatile_flush_and_fua_fail_with_eio_unless_visible_ok,
 );

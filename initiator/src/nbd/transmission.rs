@@ -462,7 +462,13 @@ impl<'a> Client<'a> {
         let (off, len, handle) = (it.req.offset, it.req.len as usize, it.req.handle);
         let g = self.held.get_or_insert_with(|| shared.lock(cell));
         let (pipe, data) = (&mut self.pipe, &self.buf);
+        // Whether the pipeline took the request (then it answers it, error or not). A queue
+        // that cannot be had (the one that gave up not replaced yet: the target is still
+        // gone) fails before: the request is answered here, or the client would wait for it
+        // forever (the kernel's nbd, md above it, a sync).
+        let mut taken = false;
         let r = shared.with_ns(cell, g, |ns| {
+            taken = true;
             let chunk = ns.chunk();
             match a {
                 Action::Read => pipe.start_read(ns, chunk, handle, off, len),
@@ -471,6 +477,10 @@ impl<'a> Client<'a> {
         });
         if let Err(e) = r {
             self.queue_error(&e, if a == Action::Read { "READ" } else { "WRITE" });
+            if !taken {
+                simple_reply(&mut self.out, errno(&e, a != Action::Read), handle);
+                self.answered(1);
+            }
         }
     }
 
