@@ -262,6 +262,16 @@ fn wait_md(md: &str, what: &str) -> String {
     }
 }
 
+/// The kernel's last 30 log lines.
+fn dmesg_tail() -> String {
+    let dmesg = Command::new("dmesg")
+        .output()
+        .map(|o| text(&o))
+        .unwrap_or_default();
+    let tail: Vec<&str> = dmesg.lines().rev().take(30).collect();
+    tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+}
+
 /// The data offset of an md member, in bytes (`mdadm --examine`).
 fn data_offset(dev: &str) -> u64 {
     let out = cmd("mdadm", &["--examine", dev]);
@@ -331,21 +341,33 @@ fn md_raid1_across_two_targets_survives_one_and_resyncs() {
     // Kill target B while a writer keeps writing and syncing.
     let during = noise(2, 8 << 20);
     let path = mnt.0.join("during");
-    let writer = {
+    let (done, writer) = std::sync::mpsc::channel();
+    {
         let (path, during) = (path.clone(), during.clone());
         std::thread::spawn(move || {
-            use std::io::Write;
-            let mut f = std::fs::File::create(&path).unwrap();
-            for chunk in during.chunks(256 << 10) {
-                f.write_all(chunk).unwrap();
-                f.sync_data().unwrap();
-            }
-        })
-    };
+            let r = std::panic::catch_unwind(|| {
+                use std::io::Write;
+                let mut f = std::fs::File::create(&path).unwrap();
+                for chunk in during.chunks(256 << 10) {
+                    f.write_all(chunk).unwrap();
+                    f.sync_data().unwrap();
+                }
+            });
+            let _ = done.send(r.is_ok());
+        });
+    }
     tb.kill9();
-    writer
-        .join()
-        .expect("writes and fsyncs succeed on the degraded array");
+    // A deadline, so that a request the export leaves unanswered fails this test with what
+    // the kernel and the export saw, not the whole lab by its time-out.
+    match writer.recv_timeout(WAIT) {
+        Ok(ok) => assert!(ok, "writes and fsyncs succeed on the degraded array"),
+        Err(_) => panic!(
+            "the writer is stuck on the degraded array: {}\n--- leg B's export ---\n{}\n--- dmesg ---\n{}",
+            mdstat(md),
+            eb.log(),
+            dmesg_tail()
+        ),
+    }
     let s = wait_md(md, "[U_]");
     assert!(s.contains("(F)"), "leg B is marked faulty: {s}");
     drop_caches();
@@ -380,15 +402,10 @@ fn md_raid1_across_two_targets_survives_one_and_resyncs() {
             break;
         }
         if Instant::now() >= deadline {
-            let dmesg = Command::new("dmesg")
-                .output()
-                .map(|o| text(&o))
-                .unwrap_or_default();
-            let tail: Vec<&str> = dmesg.lines().rev().take(30).collect();
             panic!(
                 "{md} never resynced: {s}\n--- leg B's export ---\n{}\n--- dmesg ---\n{}",
                 eb.log(),
-                tail.into_iter().rev().collect::<Vec<_>>().join("\n")
+                dmesg_tail()
             );
         }
         std::thread::sleep(Duration::from_millis(200));
