@@ -137,22 +137,7 @@ impl Shared {
     /// uses it).
     #[cfg(test)]
     pub(crate) fn for_tests(cfg: &Config, table: &NamespaceTable) -> Arc<Shared> {
-        let s = Arc::new(Shared {
-            ctx: Context::soft(),
-            config: RwLock::new(Arc::new(cfg.clone())),
-            namespaces: RwLock::new(Arc::new(BTreeMap::new())),
-            stopping: AtomicBool::new(false),
-            budgets: Arc::new(budget::Budgets::default()),
-            next_controller: AtomicU32::new(0),
-            sessions: Mutex::new(BTreeMap::new()),
-            discovery: Mutex::new(BTreeMap::new()),
-            next_discovery: AtomicU64::new(0),
-            peer_log: peer_log::PeerLog::new(Duration::from_secs(60)),
-            events: Events::default(),
-            loop_stats: Vec::new(),
-            nvme_loop_stats: Vec::new(),
-            retired: Mutex::new(Retired::default()),
-        });
+        let s = Arc::new(Shared::new(Context::soft(), cfg, Vec::new(), Vec::new()));
         s.set(cfg, table);
         s
     }
