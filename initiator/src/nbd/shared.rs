@@ -227,7 +227,10 @@ impl Shared {
     }
 
     /// Runs `f` on the namespace through a locked cell. A queue that gave up (its reconnect
-    /// budget spent) is replaced by a new one on the next call.
+    /// budget spent) is replaced by a new one on the next call, with one connection attempt:
+    /// while the target stays gone each request fails at once (EIO), instead of waiting out a
+    /// reconnect budget of its own behind the cell's lock (a kernel client's requests, one
+    /// after another, would take minutes to fail, and md above it would not fail the leg).
     pub(crate) fn with_ns<T>(
         &self,
         cell: &Cell,
@@ -235,7 +238,7 @@ impl Shared {
         f: impl FnOnce(&mut Namespace<'_>) -> crate::Result<T>,
     ) -> crate::Result<T> {
         if g.is_none() {
-            let q = self.conn.open_queue(cell.qid)?;
+            let q = self.conn.open_queue_once(cell.qid)?;
             info!("nbd: reconnected to the target with a new queue");
             **g = Some(q);
         }

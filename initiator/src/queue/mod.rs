@@ -122,6 +122,25 @@ impl Connection {
                 .first_connection(&self.url, self.options.timeout, |t| {
                     self.connect_session_within(queue_id, t)
                 })?;
+        self.queue_on(session, queue_id)
+    }
+
+    /// As [`open_queue`](Self::open_queue) with one connection attempt (within the
+    /// connection's time-out), not retried: for a caller that answers clients of its own
+    /// meanwhile and would rather fail their requests at once while the target stays gone
+    /// (the NBD export, after a queue spent its reconnect budget).
+    ///
+    /// # Errors
+    /// As [`open_queue`](Self::open_queue), from the one attempt.
+    pub fn open_queue_once(&self, queue_id: u16) -> Result<Queue> {
+        self.queue.check()?;
+        let session = self.connect_session_within(queue_id, self.options.timeout)?;
+        self.queue_on(session, queue_id)
+    }
+
+    /// The queue over a connected `session`: the bounce buffers registered, each namespace's
+    /// method chosen.
+    fn queue_on(&self, session: crate::session::Session, queue_id: u16) -> Result<Queue> {
         let pool = Pool::new(
             session.pd(),
             self.queue.depth,
