@@ -565,6 +565,28 @@ fn started_writes_survive_a_cut_link_and_started_reads_are_reported_void() {
 }
 
 #[test]
+fn open_queue_once_makes_one_attempt_whatever_the_reconnect_budget() {
+    let (_d, _shm, mut t) = start("once");
+    // A budget of an hour: open_queue would retry a refused connection for that long.
+    let c = conn(&t.url()).with_queue_options(QueueOptions {
+        reconnect: ReconnectPolicy::within(Duration::from_secs(3600)),
+        ..QueueOptions::default()
+    });
+    let mut q = c.open_queue_once(1).unwrap();
+    let mut b = [0u8; 8];
+    q.namespace(1).unwrap().read_at(0, &mut b).unwrap();
+    drop(q);
+    t.kill9();
+    // Nobody listens now: the one attempt's error, at once.
+    assert!(
+        matches!(c.open_queue_once(1), Err(Error::Connect { .. })),
+        "a refused connection is reported, not retried"
+    );
+    t.restart();
+    assert!(c.open_queue_once(1).is_ok());
+}
+
+#[test]
 fn forced_method_is_checked_when_the_queue_opens() {
     let (_d, _shm, t) = start("forced");
     let mut q = conn(&t.url())
@@ -986,4 +1008,5 @@ rpma_tests::rdma_runs!(
     default_reconnect_outlasts_a_slow_target_restart,
     reconnect_timeout_bounds_the_time_spent,
     several_queues_of_one_connection_on_their_own_threads,
+    open_queue_once_makes_one_attempt_whatever_the_reconnect_budget,
 );

@@ -429,5 +429,9 @@ mod tests {
         )
         .with_queue_options(QueueOptions { depth: 0, ..ok });
         assert!(matches!(c.open_queue(1), Err(Error::InvalidArgument(_))));
+        assert!(matches!(
+            c.open_queue_once(1),
+            Err(Error::InvalidArgument(_))
+        ));
     }
 }
