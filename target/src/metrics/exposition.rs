@@ -4,6 +4,17 @@
 //! (counters end in `_total`, units are seconds and bytes) plus the usual `process_*`.
 //! Labels: `subsystem`, `nsid`, `host` for the data counters; `method`/`outcome`, `reason`,
 //! `cause`, `kind`/`path` where a count is split. docs/operations.md has the reference.
+//!
+//! Written here rather than with the official `prometheus-client` crate (weighed for issue 24):
+//! that crate writes only the OpenMetrics text format (`# EOF`, its own `_total` suffixing) and
+//! is built around metrics that own their atomics in a registry; every figure here is a
+//! snapshot of a [`Status`] taken at the scrape (the counters live in the poll loops, one
+//! writer each), which it takes only through a `Collector` of const metrics, and its
+//! histogram is one that values are observed into (sum, count and buckets behind a lock), with
+//! no constant form for buckets counted elsewhere, as [`Histogram`]'s are (a hand-written
+//! `EncodeMetric` would be needed anyway). What this file owns is small (escaping, float text, HELP/TYPE once per
+//! family), and the output is checked by `promtool check metrics` and scraped by a real
+//! Prometheus in tests/tests/metrics.rs.
 
 use std::fmt::Write as _;
 
