@@ -14,12 +14,12 @@
 //!
 //! - [`pdu`]: the wire (PDUs, digests, framing); [`command`]: submission and completion entries,
 //!   status codes; [`identify`] and [`discovery`]: the data structures a host reads.
-//! - [`queue`]: one connection as a sans-I/O state machine, over `state` (what it holds: its
+//! - `queue`: one connection as a sans-I/O state machine, over `state` (what it holds: its
 //!   phase, the commands waiting for data or flushes): `transfer` (R2T and H2CData) and
 //!   `reply` (completions, data, waiting for flushes) are its halves; `fabrics` (Connect,
 //!   properties, Disconnect), `admin` (admin commands, reloads) and `io` (I/O commands,
 //!   durability) its command handlers; [`controller`]: what the queues of one controller share.
-//! - [`server`]: the accept threads, and `poll_loop`: the loops that move bytes between sockets
+//! - `server`: the accept threads, and `poll_loop`: the loops that move bytes between sockets
 //!   and queues.
 //!
 //! # Admission and memory
