@@ -5,7 +5,7 @@
 //! - [`target`]: the real `rpma-target` ([`Target`] on a config of the test's own, or the bare
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
 //! - [`fuse`]: what the FUSE mount tests share: a running `rpma-initiator mount`, cleanup guards;
-//! - [`initiator`]: running `rpma-initiator` (or any command) with a deadline;
+//! - [`initiator`](mod@initiator): running `rpma-initiator` (or any command) with a deadline;
 //! - [`metrics`]: HTTP to the target's metrics listener, promtool, a real Prometheus server;
 //! - [`nbd`]: what the NBD tests share: an `rpma-initiator nbd` export and a raw NBD client;
 //! - [`nvme`]: an NVMe/TCP host of its own for the `nvme-tcp://` listener's tests;

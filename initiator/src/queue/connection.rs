@@ -69,7 +69,7 @@ impl ReconnectPolicy {
     }
 
     /// Makes a first connection, retrying within this policy while it fails in a way that may
-    /// pass ([`may_pass`]): a target that is not there yet (refused, unreachable, reset, timed
+    /// pass (`may_pass`): a target that is not there yet (refused, unreachable, reset, timed
     /// out), or that refuses for lack of room or because it is shutting down. A refusal of
     /// the host, the subsystem, the key or the version, a bad URL or a missing device fails at
     /// once. `attempt` gets each attempt's connect deadline: `timeout`, cut to what is left of
