@@ -21,16 +21,24 @@ const POOL_BYTES: u64 = 64 << 20;
 
 /// The queue's depth, slots and chunk for `jobs`: chunks of the largest block size (4 KiB to
 /// 16 MiB, a multiple of 4 KiB), so that a request takes one slot; the deepest iodepth in
-/// flight; and as many slots as that, or more, up to [`POOL_BYTES`]: a written block keeps its
-/// slot until it is durable or a newer write of the same block supersedes it, so a pool that
-/// holds the working set needs no persist to free slots, and a larger one makes that persist
-/// rarer (on page-cache a ranged fdatasync per pool-full of writes).
+/// flight; and [`POOL_BYTES`] of slots for the blocks written, plus the deepest iodepth: a
+/// written block keeps its slot until it is durable or a newer write of the same block
+/// supersedes it, and the newer write needs a slot of its own first. So a pool that holds the
+/// working set (the job files' 64 MiB) and what is in flight on top needs no persist to free
+/// slots; one that holds only the working set filled up at every pass over it and persisted
+/// it all (on page-cache one ranged fdatasync of 64 MiB per pass: docs/benchmarks.md).
 fn pool_shape(jobs: &[job::Job]) -> (usize, usize, usize) {
     let bs = jobs.iter().map(|j| j.bs).max().unwrap_or(4096);
     let chunk = bs.div_ceil(4096).clamp(1, 4096) * 4096;
     let deepest = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1).max(1);
     let room = (POOL_BYTES / chunk) as usize;
-    (deepest, room.max(deepest), chunk as usize)
+    // The queue takes at most 1 GiB of replay slots (beyond those in flight).
+    let cap = ((1u64 << 30) / chunk) as usize;
+    (
+        deepest,
+        (room + deepest).min(cap.max(deepest)),
+        chunk as usize,
+    )
 }
 
 /// Runs every job section of `args.job`, one after another, and prints the report.
@@ -126,18 +134,27 @@ mod tests {
     #[test]
     fn the_pool_takes_one_slot_per_request_and_more_slots_where_they_are_small() {
         let shape = |text: &str| pool_shape(&job::parse(text).unwrap());
-        assert_eq!(shape("[a]\nrw=randwrite\nbs=4k\n"), (1, 16384, 4096));
+        // 64 MiB of slots for the blocks written, and the deepest iodepth on top (the newer
+        // write of a block needs a slot before it frees the older one's).
+        assert_eq!(shape("[a]\nrw=randwrite\nbs=4k\n"), (1, 16385, 4096));
         assert_eq!(
             shape("[a]\nrw=randwrite\nbs=512\niodepth=64\n"),
-            (64, 16384, 4096)
+            (64, 16448, 4096)
         );
-        // 1 MiB blocks: 64 MiB of slots, but never fewer than the deepest iodepth.
-        assert_eq!(shape("[a]\nrw=write\nbs=1m\niodepth=4\n"), (4, 64, 1 << 20));
+        assert_eq!(
+            shape("[a]\nrw=write\nbs=1m\niodepth=16\n"),
+            (16, 80, 1 << 20)
+        );
         assert_eq!(
             shape("[a]\nrw=write\nbs=16m\niodepth=8\n[b]\nrw=read\nbs=6k\n"),
-            (8, 8, 16 << 20)
+            (8, 12, 16 << 20)
         );
-        assert_eq!(shape("[a]\nrw=read\nbs=6k\n"), (1, 8192, 8192));
+        assert_eq!(shape("[a]\nrw=read\nbs=6k\n"), (1, 8193, 8192));
+        // Never past the queue's 1 GiB of replay slots (64 x 16 MiB), unless in flight.
+        assert_eq!(
+            shape("[a]\nrw=write\nbs=16m\niodepth=64\n"),
+            (64, 64, 16 << 20)
+        );
     }
 
     #[test]
