@@ -30,7 +30,8 @@
 //! - `reconnect`: [`Reconnect`], the way from a lost connection to a new one (retiring a silent
 //!   one, the backoff, re-issuing held writes) or to giving up, and the budget of one call.
 //! - at the bottom, plain data: `connection` (where and who, queue options, the reconnect
-//!   policy) and `started` (what a started request is known by).
+//!   policy) and `completion` (the kinds of wr_id, what a completion does to its slot, and
+//!   what a started request is known by: [`Ticket`], [`Completed`]).
 //!
 //! [`Queue`] composes them: it runs each call under the reconnect policy and hands it to the
 //! engine and the persister. The handle on one namespace, [`Queue::namespace`], lives in
