@@ -263,7 +263,9 @@ pub enum Error {
         attempts: u32,
         /// Time spent reconnecting.
         elapsed: Duration,
-        /// The last attempt's error.
+        /// The last attempt's error; or the target's refusal of an earlier attempt when no
+        /// later one got an answer from the target ([`Error::is_refusal`]): that refusal is
+        /// what there is to act on, not a last attempt cut short by the budget.
         #[source]
         last: Box<Error>,
     },
@@ -285,6 +287,22 @@ pub enum Error {
 }
 
 impl Error {
+    /// Whether this is the target's own answer refusing the connection: an unknown
+    /// subsystem, a host not allowed, a failed or missing authentication, a version or
+    /// another refusal.
+    pub fn is_refusal(&self) -> bool {
+        matches!(
+            self,
+            Error::UnknownSubsystem { .. }
+                | Error::HostNotAllowed { .. }
+                | Error::AuthFailed { .. }
+                | Error::KeyRequired
+                | Error::TargetNotAuthenticated { .. }
+                | Error::VersionUnsupported { .. }
+                | Error::Refused { .. }
+        )
+    }
+
     /// Whether this error means the connection is gone (a reconnect may help).
     pub fn is_connection_loss(&self) -> bool {
         matches!(

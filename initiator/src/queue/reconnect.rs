@@ -65,6 +65,17 @@ impl Call {
     }
 }
 
+/// Of two failed attempts' errors, the one a failed reconnect reports: the later one, unless
+/// only the earlier is the target's own refusal (a later attempt that got no answer, cut
+/// short by the budget or finding the link gone, says nothing of why the target turned the
+/// host away).
+fn telling(earlier: Option<Error>, later: Error) -> Error {
+    match earlier {
+        Some(e) if e.is_refusal() && !later.is_refusal() => e,
+        _ => later,
+    }
+}
+
 /// Whether a call's error is a connection loss that a reconnect may cure.
 pub(super) fn retryable(e: &Error) -> bool {
     e.is_connection_loss()
@@ -180,7 +191,7 @@ impl Reconnect {
                 Err(err) => {
                     log::debug!("reconnect attempt {attempt} failed: {err}");
                     e.drop_session();
-                    last = Some(err);
+                    last = Some(telling(last, err));
                 }
             }
         }
@@ -324,4 +335,47 @@ fn retire(e: &mut Engine, mut old: Session, deadline: Instant) -> Result<()> {
     drop(old);
     drop(sink_mr);
     outcome
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use super::*;
+
+    fn refused() -> Error {
+        Error::HostNotAllowed {
+            message: "not allowed".into(),
+        }
+    }
+
+    fn timed_out() -> Error {
+        Error::Timeout {
+            what: "a connect answer",
+            after: Duration::from_millis(100),
+        }
+    }
+
+    #[test]
+    fn a_failed_reconnect_reports_the_targets_refusal_over_a_later_attempt_without_answer() {
+        // The last attempt got no answer (the budget cut it short): the refusal stands.
+        assert!(matches!(
+            telling(Some(refused()), timed_out()),
+            Error::HostNotAllowed { .. }
+        ));
+        // Otherwise the later error: a newer refusal, or no refusal at all.
+        assert!(matches!(
+            telling(Some(timed_out()), refused()),
+            Error::HostNotAllowed { .. }
+        ));
+        assert!(matches!(
+            telling(Some(refused()), Error::KeyRequired),
+            Error::KeyRequired
+        ));
+        assert!(matches!(
+            telling(Some(timed_out()), Error::Broken),
+            Error::Broken
+        ));
+        assert!(matches!(telling(None, timed_out()), Error::Timeout { .. }));
+    }
 }
