@@ -283,19 +283,19 @@ impl Engine {
     }
 
     /// A free slot, waiting for in-flight requests, or making held writes durable (`room`)
-    /// when every slot holds one. None when a Read of the batch completed: copy it out
-    /// ([`read_into`](Self::read_into)) first.
+    /// when every slot holds one. None, when `batch` (a batch call, not a started request),
+    /// once a Read of the batch completed: copy it out ([`read_into`](Self::read_into)) first.
     ///
     /// # Errors
     /// [`Error::InvalidArgument`] when every slot holds a completed started Read nobody took;
     /// a time-out, or what the poll and `room` return.
-    fn free_slot(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<Option<usize>> {
+    fn free_slot(&mut self, room: &(impl MakeRoom + ?Sized), batch: bool) -> Result<Option<usize>> {
         let deadline = Instant::now() + self.timeout;
         loop {
             if let Some(s) = self.pool.take_free() {
                 return Ok(Some(s));
             }
-            if !self.reads_done.is_empty() {
+            if batch && !self.reads_done.is_empty() {
                 return Ok(None);
             }
             if self.pool.in_flight() == 0 {
@@ -515,7 +515,7 @@ impl Engine {
                         // No batch Read runs here, so `reads_done` is empty and free_slot
                         // returns a slot (the module's doc).
                         loop {
-                            if let Some(s) = self.free_slot(room)? {
+                            if let Some(s) = self.free_slot(room, true)? {
                                 break s;
                             }
                         }
@@ -576,7 +576,7 @@ impl Engine {
                 let len = chunk.min(total - at);
                 let slot = loop {
                     self.collect_reads(items)?;
-                    if let Some(s) = self.free_slot(room)? {
+                    if let Some(s) = self.free_slot(room, true)? {
                         break s;
                     }
                 };

@@ -26,21 +26,12 @@ impl Engine {
     /// A free slot for a started request: waits for completions, and makes held writes durable
     /// (`room`) when every slot holds one.
     fn slot_for_start(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<usize> {
-        let deadline = Instant::now() + self.timeout;
+        // Not a batch: free_slot does not stop for a batch's completed Reads, so it returns a
+        // slot or an error.
         loop {
-            if let Some(s) = self.pool.take_free() {
+            if let Some(s) = self.free_slot(room, false)? {
                 return Ok(s);
             }
-            if self.pool.in_flight() == 0 {
-                if self.pool.number(Kind::Held) == 0 {
-                    return Err(Error::InvalidArgument(
-                        "every bounce slot holds a completed read: take_read them first".into(),
-                    ));
-                }
-                room.make_room(self)?;
-                continue;
-            }
-            self.poll_or_time_out(deadline, "a free request slot")?;
         }
     }
 
