@@ -404,9 +404,10 @@ pub fn run(o: &Options, mut progress: impl FnMut(&str)) -> Report {
                 threads.push((ns.medium, writer::spawn(spec, sh)));
             }
         }
-        // The kill's moment counts from when every writer is connected and writing (one that
-        // cannot connect is reported: it fails before the kill).
-        let connected = Instant::now() + Duration::from_secs(10);
+        // The kill's moment counts from when every writer has had a write acknowledged (or
+        // ended without one: it is reported, having failed before the kill), not from a time
+        // that a slow machine may not have written anything by.
+        let connected = Instant::now() + Duration::from_secs(120);
         while ready.load(Ordering::SeqCst) < threads.len() && Instant::now() < connected {
             std::thread::sleep(Duration::from_millis(1));
         }

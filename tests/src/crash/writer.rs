@@ -136,7 +136,9 @@ pub struct Shared {
     pub stop: Arc<AtomicBool>,
     /// Set just before the kill.
     pub killed: Arc<AtomicBool>,
-    /// Incremented by each writer once connected.
+    /// Incremented by each writer once it has its first write acknowledged, or has ended
+    /// without one: the kill's moment counts from then, so that every method has written
+    /// something durable in every cycle however slow the machine (an emulated guest).
     pub ready: Arc<AtomicUsize>,
 }
 
@@ -169,11 +171,15 @@ fn issue(spec: &Spec, rng: &mut Rng, ledger: &Mutex<Ledger>, n: usize) -> Vec<(u
     picked
 }
 
-fn acked(ledger: &Mutex<Ledger>, out: &mut Outcome, blocks: &[(usize, u64)]) {
+fn acked(sh: &Shared, ledger: &Mutex<Ledger>, out: &mut Outcome, blocks: &[(usize, u64)]) {
+    let first = out.acks.is_empty();
     let mut l = ledger.lock().unwrap_or_else(|e| e.into_inner());
     for &(b, g) in blocks {
         l.ack(b, g);
         out.acks.push((b, g));
+    }
+    if first && !blocks.is_empty() {
+        sh.ready.fetch_add(1, Ordering::SeqCst);
     }
 }
 
@@ -196,7 +202,6 @@ fn library(spec: &Spec, m: PersistMethod, sh: &Shared, out: &mut Outcome) -> Res
     let mut ns = q
         .namespace(spec.nsid)
         .map_err(|e| format!("namespace: {e}"))?;
-    sh.ready.fetch_add(1, Ordering::SeqCst);
     let mut rng = Rng::new(spec.seed);
     let mut turn = 0u64;
     while !stop.load(Ordering::Relaxed) {
@@ -217,7 +222,7 @@ fn library(spec: &Spec, m: PersistMethod, sh: &Shared, out: &mut Outcome) -> Res
             .map(|(&(b, _), d)| ((b * BLOCK) as u64, d.as_slice()))
             .collect();
         match ns.write_batch_durable(&items) {
-            Ok(Durability::Durable(got)) if got == m => acked(ledger, out, &blocks),
+            Ok(Durability::Durable(got)) if got == m => acked(sh, ledger, out, &blocks),
             Ok(d) => return Err(format!("asked for {m}, got {d:?}")),
             Err(e) => return Err(format!("{e}")),
         }
@@ -307,7 +312,6 @@ fn nbd(spec: &Spec, sh: &Shared, out: &mut Outcome) -> Result<(), String> {
     let (ledger, stop) = (&*sh.ledger, &*sh.stop);
     let sock = spec.socket.as_deref().ok_or("no export socket")?;
     let mut c = NbdClient::connect(sock).map_err(|e| format!("connect: {e}"))?;
-    sh.ready.fetch_add(1, Ordering::SeqCst);
     let mut rng = Rng::new(spec.seed);
     let fua = spec.method == Method::NbdFua;
     while !stop.load(Ordering::Relaxed) {
@@ -327,7 +331,7 @@ fn nbd(spec: &Spec, sh: &Shared, out: &mut Outcome) -> Result<(), String> {
                 e => return Err(format!("flush: NBD error {e}")),
             }
         }
-        acked(ledger, out, &blocks);
+        acked(sh, ledger, out, &blocks);
     }
     Ok(())
 }
@@ -338,6 +342,10 @@ pub fn spawn(spec: Spec, sh: Shared) -> std::thread::JoinHandle<(Spec, Outcome)>
         .name(format!("writer-{}-{}", spec.nsid, spec.method.name()))
         .spawn(move || {
             let o = run(&spec, &sh);
+            if o.acks.is_empty() {
+                // Ended without an acknowledgement: the kill need not wait for it.
+                sh.ready.fetch_add(1, Ordering::SeqCst);
+            }
             (spec, o)
         })
         .expect("spawn a writer thread")
