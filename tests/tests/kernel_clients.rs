@@ -81,7 +81,11 @@ impl Export {
             .args(&conn)
             .args(["nbd", "--listen", &listen])
             .args(args)
-            .env("RUST_LOG", "info")
+            // RPMA_TEST_EXPORT_LOG: the export's RUST_LOG when a failure needs more.
+            .env(
+                "RUST_LOG",
+                std::env::var("RPMA_TEST_EXPORT_LOG").unwrap_or_else(|_| "info".to_owned()),
+            )
             .stdin(std::process::Stdio::null())
             .stdout(std::process::Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
@@ -104,6 +108,13 @@ impl Drop for Export {
     fn drop(&mut self) {
         let _ = self.child.kill();
         let _ = self.child.wait();
+        if std::thread::panicking() {
+            eprintln!(
+                "--- the export's log ---\n{}\n--- the kernel's last lines ---\n{}",
+                self.log(),
+                dmesg_tail()
+            );
+        }
     }
 }
 
