@@ -8,7 +8,8 @@
 //! GPSPM first, which keeps the msync off the target's poll loop; see [`durability`]) or a
 //! forced one, and return a [`Durability`] outcome: `Durable(method)`, or `VisibleOnly` on a
 //! volatile namespace. A lost connection is reconnected with backoff for up to a minute by
-//! default and every write not yet acknowledged as durable is re-issued; a first connection
+//! default and every write not yet acknowledged as durable is re-issued (the bytes of it that
+//! no newer write of a queue of the same [`Connection`] wrote since); a first connection
 //! that fails while the target is not up yet (or has no room) is retried the same way
 //! ([`ReconnectPolicy`]).
 //! docs/initiator.md has the design and the CLI reference.
@@ -67,6 +68,7 @@ pub mod namespace;
 pub mod nbd;
 mod pool;
 mod queue;
+mod replay;
 mod session;
 
 pub use connect::{

@@ -11,6 +11,8 @@ use std::sync::Arc;
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
 
+use crate::replay::{Carried, Member};
+
 /// What a slot holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Slot {
@@ -110,6 +112,13 @@ pub(crate) struct WriteRec {
     pub(crate) notify: bool,
 }
 
+impl WriteRec {
+    /// Which write it is, whatever the caller was told of it.
+    fn key(self) -> (usize, u64, usize, u64) {
+        (self.ns, self.offset, self.len, self.seq)
+    }
+}
+
 /// `ranges` (`[start, end)` each) sorted, overlapping and adjacent ones merged; empty ones
 /// dropped.
 pub(crate) fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
@@ -150,6 +159,8 @@ pub(crate) struct Pool {
     latest: HashMap<(usize, u64), usize>,
     /// Completed started Reads by ticket.
     done_reads: HashMap<u64, usize>,
+    /// The replay order this queue shares with the other queues of its connection.
+    replay: Option<Member>,
 }
 
 /// A posted request that has not completed yet.
@@ -158,6 +169,26 @@ fn in_flight(s: &Slot) -> bool {
         s,
         Slot::Writing(_) | Slot::Reading { .. } | Slot::Started { .. }
     )
+}
+
+impl Drop for Pool {
+    /// The queue is gone: its writes leave the replay order.
+    fn drop(&mut self) {
+        if let Some(m) = self.replay.as_ref().filter(|m| m.entered()) {
+            for w in self.slots.iter().filter_map(Slot::write) {
+                m.release(w.ns, w.offset, w.len, w.seq);
+            }
+        }
+    }
+}
+
+/// The writes `slots` carry, as the replay order takes them.
+fn carried(slots: &[Slot]) -> Carried {
+    slots
+        .iter()
+        .filter_map(Slot::write)
+        .map(|w| (w.ns, w.offset, w.len, w.seq))
+        .collect()
 }
 
 impl std::fmt::Debug for Pool {
@@ -200,7 +231,43 @@ impl Pool {
             notify_writing: 0,
             latest: HashMap::new(),
             done_reads: HashMap::new(),
+            replay: None,
         })
+    }
+
+    /// Joins the replay order of the connection's queues: from now on each new write takes the
+    /// bytes it covers from every older one of any of them ([`crate::replay`]).
+    pub(crate) fn join(&mut self, m: Member) {
+        self.replay = Some(m);
+    }
+
+    /// Whether `slot` still carries the write `w` (held or posted).
+    pub(crate) fn carries(&self, slot: usize, w: &WriteRec) -> bool {
+        self.get(slot)
+            .and_then(|s| s.write())
+            .is_some_and(|x| x.key() == w.key())
+    }
+
+    /// The pieces `[start, end)` of held write `w` that its re-issue may write: all of it,
+    /// unless a newer write of another queue (or of this one) took some.
+    pub(crate) fn replay_pieces(&mut self, w: &WriteRec) -> Vec<(u64, u64)> {
+        if self.keep_order() {
+            if let Some(m) = &self.replay {
+                return m.owned(w.ns, w.offset, w.len, w.seq);
+            }
+        }
+        vec![(w.offset, w.offset + w.len as u64)]
+    }
+
+    /// Whether this queue's writes go through the replay order: once the connection has
+    /// another queue, when the writes it holds enter it ([`Member::keep_order`]). Cheap when
+    /// alone (an atomic load): run at every poll, so that an idle queue enters soon.
+    pub(crate) fn keep_order(&mut self) -> bool {
+        let slots = &self.slots;
+        match self.replay.as_mut() {
+            Some(m) => m.keep_order(|| carried(slots)),
+            None => false,
+        }
     }
 
     /// Registers the same memory in `pd` (a new connection's domain); the slots keep their
@@ -248,6 +315,19 @@ impl Pool {
         if let Some(w) = old.write() {
             if self.latest.get(&(w.ns, w.offset)) == Some(&slot) {
                 self.latest.remove(&(w.ns, w.offset));
+            }
+        }
+        // The same write moving on (posted, completed, held, re-issued) stays registered; a
+        // new one registers, a finished one releases.
+        let (o, n) = (old.write(), s.write());
+        if o.map(WriteRec::key) != n.map(WriteRec::key) && self.keep_order() {
+            if let Some(m) = &self.replay {
+                if let Some(w) = o {
+                    m.release(w.ns, w.offset, w.len, w.seq);
+                }
+                if let Some(w) = n {
+                    m.register(w.ns, w.offset, w.len, w.seq);
+                }
             }
         }
         self.slots[slot] = s;
@@ -345,7 +425,12 @@ impl Pool {
 
     /// The local side of a request on `len` bytes of `slot`.
     pub(crate) fn sge(&self, slot: usize, len: usize) -> Sge {
-        Sge::new(&self.mr, slot * self.chunk, len)
+        self.sge_at(slot, 0, len)
+    }
+
+    /// The local side of a request on `len` bytes of `slot` from byte `at`.
+    pub(crate) fn sge_at(&self, slot: usize, at: usize, len: usize) -> Sge {
+        Sge::new(&self.mr, slot * self.chunk + at, len)
     }
 
     /// The 8-byte sink.
@@ -474,6 +559,73 @@ mod tests {
             seq,
             notify: false,
         }
+    }
+
+    /// Two queues' pools in one replay order: a slot's write registers as it is set, moving on
+    /// (posted, completed, re-issued) keeps it registered, freeing or dropping the pool
+    /// releases it, and a newer write of the other pool takes the bytes it covers for good.
+    #[test]
+    fn pools_of_one_connection_share_the_replay_order() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let order = Arc::new(crate::replay::ReplayOrder::default());
+        let (mut a, mut b) = (
+            Pool::new(&pd, 2, 2, 16384).unwrap(),
+            Pool::new(&pd, 2, 2, 16384).unwrap(),
+        );
+        a.join(Member::new(Arc::clone(&order), vec![1, 2]));
+        b.join(Member::new(Arc::clone(&order), vec![2, 1]));
+        let sa = a.take_free().unwrap();
+        let seq = a.next_seq();
+        let w = WriteRec {
+            notify: true,
+            ..rec(0, 0, 12288, seq)
+        };
+        a.set(sa, Slot::Writing(w));
+        a.set(sa, Slot::Held(WriteRec { notify: false, ..w }));
+        assert!(a.carries(sa, &w));
+        assert_eq!(a.replay_pieces(&w), [(0, 12288)]);
+        // B's index 1 is nsid 1 too: its write in the middle splits A's.
+        let sb = b.take_free().unwrap();
+        let seq = b.next_seq();
+        let v = rec(1, 4096, 4096, seq);
+        b.set(sb, Slot::Writing(v));
+        assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+        // B's write done with (durable): the bytes stay B's.
+        b.set(sb, Slot::Free);
+        assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+        // A's re-issue moves the same write on: nothing changes.
+        a.set(sa, Slot::Writing(w));
+        assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+        assert_eq!(order.len(), 2);
+        // Another namespace of B's is apart.
+        let (sb, seq) = (b.take_free().unwrap(), b.next_seq());
+        b.set(sb, Slot::Held(rec(0, 0, 4096, seq)));
+        assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+        drop(b);
+        assert_eq!(order.len(), 2, "B's write on nsid 2 released");
+        a.clear();
+        assert!(!a.carries(sa, &w));
+        assert_eq!(order.len(), 0);
+    }
+
+    /// A queue alone on its connection at first: its write is in the map all the same, so that a
+    /// second queue's newer write over part of it (done with, and released, before the replay)
+    /// still keeps that part from the first one's replay.
+    #[test]
+    fn a_write_made_before_a_second_queue_joined_is_still_ordered() {
+        let pd = Context::soft().alloc_pd().unwrap();
+        let order = Arc::new(crate::replay::ReplayOrder::default());
+        let mut a = Pool::new(&pd, 2, 2, 16384).unwrap();
+        a.join(Member::new(Arc::clone(&order), vec![1]));
+        let (sa, seq) = (a.take_free().unwrap(), a.next_seq());
+        let w = rec(0, 0, 8192, seq);
+        a.set(sa, Slot::Held(w));
+        let mut b = Pool::new(&pd, 2, 2, 16384).unwrap();
+        b.join(Member::new(Arc::clone(&order), vec![1]));
+        let (sb, seq) = (b.take_free().unwrap(), b.next_seq());
+        b.set(sb, Slot::Writing(rec(0, 0, 4096, seq)));
+        b.set(sb, Slot::Free);
+        assert_eq!(a.replay_pieces(&w), [(4096, 8192)]);
     }
 
     /// A durable acknowledgement of a newer write inside an older, larger held write must not

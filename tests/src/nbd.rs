@@ -53,13 +53,18 @@ pub struct Export {
 impl Export {
     /// Starts an export of `nsid` (extra `args` after `nbd`) and waits for its READY=1.
     pub fn start(t: &Target, nsid: u32, tag: &str, args: &[&str]) -> Export {
+        Export::start_via(t, &t.url(), nsid, tag, args)
+    }
+
+    /// [`start`](Self::start) with the target at `url` (a relay's, say).
+    pub fn start_via(t: &Target, url: &str, nsid: u32, tag: &str, args: &[&str]) -> Export {
         let dir = t.dir();
         let sock = dir.join(format!("{tag}.sock"));
         let log = dir.join(format!("{tag}.log"));
         let notify_path = dir.join(format!("{tag}.notify"));
         let _ = std::fs::remove_file(&notify_path);
         let notify = UnixDatagram::bind(&notify_path).unwrap();
-        let conn = conn_args(&t.url(), SUB, HOST, Some(nsid));
+        let conn = conn_args(url, SUB, HOST, Some(nsid));
         let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
         a.push("nbd");
         let s = sock.to_str().unwrap().to_owned();

@@ -137,6 +137,35 @@ fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
     assert_eq!(c2.flush(), 0);
 }
 
+/// Two connections, two queues to the target: a block written on the first and then
+/// rewritten on the second. The first queue's link is reset; it reconnects and re-issues the
+/// writes it holds for a replay (not durable yet: no FLUSH). Its older copy of the block must
+/// not land over the newer one the second queue wrote: both connections read the newer one.
+#[test]
+fn a_reconnecting_queue_does_not_replay_a_block_another_connection_rewrote() {
+    let (_d, _shm, t) = start("replay");
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, "replay", &[]);
+    let (old, new) = (pattern(1, 8192), pattern(2, 4096));
+    let mut a = Raw::connect(&e.sock);
+    assert_eq!(a.write(0, 0, &old), 0);
+    let mut b = Raw::connect(&e.sock);
+    // FUA: placed (and durable) before the reset, whatever the links' timing.
+    assert_eq!(b.write(FUA, 4096, &new), 0);
+    // A holds the export's first queue (link 0), B one it opened for itself (link 1).
+    assert_eq!(relay.live(), 2, "{}", e.log());
+    assert!(relay.inject_one(rpma_tests::Fault::Reset, 0));
+    // A's next request finds its link gone: its queue reconnects and replays.
+    let mut want = old.clone();
+    want[4096..].copy_from_slice(&new);
+    assert!(a.read(0, 8192).unwrap() == want, "A's read: {}", e.log());
+    assert!(b.read(4096, 4096).unwrap() == new, "B's read: {}", e.log());
+    assert!(e.log().contains("reconnected"), "{}", e.log());
+    // And a FLUSH makes that state durable (the file is the target's namespace).
+    assert_eq!(a.flush(), 0);
+    assert!(b.read(0, 8192).unwrap() == want);
+}
+
 #[test]
 fn every_request_is_answered_while_the_target_stays_gone() {
     let (_d, _shm, mut t) = start("gone");

@@ -2,6 +2,7 @@
 //! queue options and the reconnect policy that decide how a queue behaves, from its first
 //! connection on.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric;
@@ -11,6 +12,7 @@ use rpma_common::proto::RefusalReason;
 use crate::connect::{connect, ConnectOptions, HostIdentity};
 use crate::durability::PersistMethod;
 use crate::error::{Error, Result};
+use crate::replay::ReplayOrder;
 use crate::session::Session;
 
 /// How a queue retries a lost connection, and a failed first one: attempts spaced by a backoff
@@ -218,6 +220,11 @@ impl QueueOptions {
 
 /// Where and who: a target URL, a subsystem, a host identity and options. Cheap to clone:
 /// hand one to each thread and open a queue there.
+///
+/// The queues opened from one connection and its clones share a replay order: when one of them
+/// re-issues its held writes after a lost connection, it replays only the bytes no newer write
+/// of any of them has written since (docs/initiator.md, "Reconnect"). Queues of two
+/// connections made apart (two [`Connection::new`]) know nothing of each other's writes.
 #[derive(Debug, Clone)]
 pub struct Connection {
     pub(super) url: String,
@@ -225,6 +232,7 @@ pub struct Connection {
     pub(super) host: HostIdentity,
     pub(super) options: ConnectOptions,
     pub(super) queue: QueueOptions,
+    pub(super) replay: Arc<ReplayOrder>,
 }
 
 impl Connection {
@@ -236,6 +244,7 @@ impl Connection {
             host,
             options: ConnectOptions::default(),
             queue: QueueOptions::default(),
+            replay: Arc::default(),
         }
     }
 

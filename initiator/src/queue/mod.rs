@@ -38,6 +38,7 @@
 //! namespace.rs and drives the queue through its methods only (the queue does not know the
 //! handle).
 
+use std::sync::Arc;
 use std::time::Duration;
 
 use rpma_common::fabric::{ConnInfo, SendOp, SendWr, Sge};
@@ -46,6 +47,7 @@ use rpma_common::proto::NamespaceDescriptor;
 use crate::durability::{Choice, Durability, PersistMethod};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
+use crate::replay::Member;
 
 mod completion;
 mod connection;
@@ -142,7 +144,8 @@ impl Connection {
     /// The queue over a connected `session`: the bounce buffers registered, each namespace's
     /// method chosen.
     fn queue_on(&self, session: crate::session::Session, queue_id: u16) -> Result<Queue> {
-        let pool = Pool::new(
+        let nsids = session.namespaces().iter().map(|d| d.nsid).collect();
+        let mut pool = Pool::new(
             session.pd(),
             self.queue.depth,
             self.queue.slots(),
@@ -152,6 +155,7 @@ impl Connection {
             op: "registering the bounce buffers",
             source,
         })?;
+        pool.join(Member::new(Arc::clone(&self.replay), nsids));
         let engine = Engine::new(session, pool, self.options.timeout);
         let persister = Persister::new(
             engine.descriptors(),

@@ -40,6 +40,7 @@ use crate::error::{Error, LossReason, Result};
 use crate::pool::{Kind, Pool, Slot, WriteRec};
 use crate::session::Session;
 
+mod lost;
 mod started;
 
 /// How often the polling loops wake to run keep-alives when nothing completes.
@@ -187,21 +188,28 @@ impl Engine {
     /// The Write of what a slot holds (its bytes are in the slot already); the slot is marked
     /// in flight: post the request with [`post_list`](Self::post_list).
     fn write_wr(&mut self, slot: usize, w: WriteRec) -> SendWr {
-        let d = &self.descs[w.ns];
-        let remote = RemoteAddr {
-            addr: d.remote_addr + w.offset,
-            rkey: d.rkey,
-        };
-        let wr = SendWr::new(
-            KIND_WRITE | slot as u64,
-            SendOp::Write {
-                local: self.pool.sge(slot, w.len),
-                remote,
-            },
-        );
+        let wr = self.piece_wr(slot, w, w.offset, w.offset + w.len as u64);
         self.pool.set(slot, Slot::Writing(w));
         self.writes_posted += 1;
         wr
+    }
+
+    /// A Write of the piece `[start, end)` of the write `w` in `slot` (signaled, with the
+    /// slot's wr_id); the slot is left as it is.
+    fn piece_wr(&self, slot: usize, w: WriteRec, start: u64, end: u64) -> SendWr {
+        let d = &self.descs[w.ns];
+        let remote = RemoteAddr {
+            addr: d.remote_addr + start,
+            rkey: d.rkey,
+        };
+        let at = (start - w.offset) as usize;
+        SendWr::new(
+            KIND_WRITE | slot as u64,
+            SendOp::Write {
+                local: self.pool.sge_at(slot, at, (end - start) as usize),
+                remote,
+            },
+        )
     }
 
     /// Posts `wrs` with one doorbell (nothing when empty), after the started requests not
@@ -340,6 +348,8 @@ impl Engine {
     pub(super) fn poll_completions(&mut self, timeout: Duration) -> Result<usize> {
         // Started requests go out before any wait for completions.
         self.post_list(Vec::new())?;
+        // An idle queue, too, enters the replay order soon after another queue came.
+        self.pool.keep_order();
         let mut wcs = [Completion::EMPTY; 32];
         let s = self.session.as_mut().ok_or(Error::Broken)?;
         s.tick()?;
@@ -594,23 +604,6 @@ impl Engine {
         }
     }
 
-    /// Whether the connection is gone: no session, or its queue pair in Error.
-    pub(super) fn needs_reconnect(&self) -> bool {
-        match &self.session {
-            Some(s) => s.qp().state() == QpState::Error,
-            None => true,
-        }
-    }
-
-    /// The connection is lost (or given up): unfinished Writes become held, Reads in flight
-    /// are dropped ([`Pool::on_connection_lost`]). Returns the old session, to retire or drop,
-    /// and the held writes in post order, to re-issue on the next connection
-    /// ([`reissue`](Self::reissue)).
-    pub(super) fn lose_connection(&mut self) -> (Option<Session>, Vec<(usize, WriteRec)>) {
-        let held = self.pool.on_connection_lost();
-        (self.session.take(), held)
-    }
-
     /// Forgets what the lost connection owed: flush answers, completed batch Reads, waited
     /// completions, and started requests not posted yet. Started Writes are held (re-issued)
     /// and started Reads in flight dropped (their tickets void); the completions already
@@ -620,48 +613,6 @@ impl Engine {
         self.reads_done.clear();
         self.waited_done.clear();
         self.deferred.clear();
-    }
-
-    /// Namespace `idx` as the new connection addresses it.
-    pub(super) fn set_descriptor(&mut self, idx: usize, d: NamespaceDescriptor) {
-        self.descs[idx] = d;
-    }
-
-    /// Makes `session` the engine's connection: registers the bounce buffers in its
-    /// protection domain.
-    ///
-    /// # Errors
-    /// [`Error::Fabric`] if the registration fails (the session is dropped).
-    pub(super) fn install(&mut self, session: Session) -> Result<()> {
-        self.pool
-            .rebind(session.pd())
-            .map_err(|source| Error::Fabric {
-                op: "registering the bounce buffers",
-                source,
-            })?;
-        self.session = Some(session);
-        Ok(())
-    }
-
-    /// Re-issues the held writes of [`lose_connection`](Self::lose_connection), in post
-    /// order, behind one doorbell.
-    pub(super) fn reissue(&mut self, held: &[(usize, WriteRec)]) -> Result<()> {
-        let wrs: Vec<SendWr> = held
-            .iter()
-            .map(|&(slot, w)| self.write_wr(slot, w))
-            .collect();
-        self.post_list(wrs)
-    }
-
-    /// Drops the session of a failed reconnect attempt.
-    pub(super) fn drop_session(&mut self) {
-        self.session = None;
-    }
-
-    /// The queue gave up: no connection, every held write dropped.
-    pub(super) fn give_up(&mut self) {
-        self.session = None;
-        self.pool.clear();
     }
 }
 

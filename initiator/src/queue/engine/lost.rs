@@ -1,0 +1,98 @@
+//! What a lost connection does to the engine: the old session taken away (to retire or
+//! drop), the unfinished Writes held, a new session installed (what the connection owed is
+//! forgotten in mod.rs, beside everything else that touches `reads_done`), and the held writes re-issued on it (only the pieces no newer write took:
+//! [`crate::replay`]). The [`Reconnect`](crate::queue::reconnect) state machine drives these
+//! steps; the engine only carries them out.
+
+use rpma_common::fabric::{QpState, SendFlags};
+use rpma_common::proto::NamespaceDescriptor;
+
+use super::Engine;
+use crate::error::{Error, Result};
+use crate::pool::{Slot, WriteRec};
+use crate::queue::completion::{Completed, Ticket};
+use crate::session::Session;
+
+impl Engine {
+    /// Whether the connection is gone: no session, or its queue pair in Error.
+    pub(in crate::queue) fn needs_reconnect(&self) -> bool {
+        match &self.session {
+            Some(s) => s.qp().state() == QpState::Error,
+            None => true,
+        }
+    }
+
+    /// The connection is lost (or given up): unfinished Writes become held, Reads in flight
+    /// are dropped ([`Pool::on_connection_lost`](crate::pool::Pool::on_connection_lost)). Returns the old session, to retire or drop,
+    /// and the held writes in post order, to re-issue on the next connection
+    /// ([`reissue`](Self::reissue)).
+    pub(in crate::queue) fn lose_connection(
+        &mut self,
+    ) -> (Option<Session>, Vec<(usize, WriteRec)>) {
+        let held = self.pool.on_connection_lost();
+        (self.session.take(), held)
+    }
+
+    /// Namespace `idx` as the new connection addresses it.
+    pub(in crate::queue) fn set_descriptor(&mut self, idx: usize, d: NamespaceDescriptor) {
+        self.descs[idx] = d;
+    }
+
+    /// Makes `session` the engine's connection: registers the bounce buffers in its
+    /// protection domain.
+    ///
+    /// # Errors
+    /// [`Error::Fabric`] if the registration fails (the session is dropped).
+    pub(in crate::queue) fn install(&mut self, session: Session) -> Result<()> {
+        self.pool
+            .rebind(session.pd())
+            .map_err(|source| Error::Fabric {
+                op: "registering the bounce buffers",
+                source,
+            })?;
+        self.session = Some(session);
+        Ok(())
+    }
+
+    /// Re-issues the held writes of [`lose_connection`](Self::lose_connection), in post
+    /// order, behind one doorbell: of each, the pieces that no newer write of this queue or of
+    /// another queue of the connection wrote since ([`crate::replay`]). A write split in
+    /// pieces completes once, with its last piece (the others are unsignaled; one queue pair
+    /// completes in order). One with no piece left is not re-issued: its slot is free again,
+    /// and a started Write the caller waits to hear of completes now.
+    pub(in crate::queue) fn reissue(&mut self, held: &[(usize, WriteRec)]) -> Result<()> {
+        let mut wrs = Vec::with_capacity(held.len());
+        for &(slot, w) in held {
+            // An earlier attempt of this reconnect may have let it go already.
+            if !self.pool.carries(slot, &w) {
+                continue;
+            }
+            let pieces = self.pool.replay_pieces(&w);
+            let Some((&(start, end), rest)) = pieces.split_last() else {
+                if w.notify {
+                    self.started_done.push(Completed::Write(Ticket(w.seq)));
+                }
+                self.pool.set(slot, Slot::Free);
+                continue;
+            };
+            for &(s, e) in rest {
+                wrs.push(self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()));
+            }
+            wrs.push(self.piece_wr(slot, w, start, end));
+            self.pool.set(slot, Slot::Writing(w));
+            self.writes_posted += 1;
+        }
+        self.post_list(wrs)
+    }
+
+    /// Drops the session of a failed reconnect attempt.
+    pub(in crate::queue) fn drop_session(&mut self) {
+        self.session = None;
+    }
+
+    /// The queue gave up: no connection, every held write dropped.
+    pub(in crate::queue) fn give_up(&mut self) {
+        self.session = None;
+        self.pool.clear();
+    }
+}

@@ -1,0 +1,464 @@
+//! The replay order of the queues of one [`Connection`](crate::Connection): which held write
+//! a re-issue may still replay, byte for byte, when several queues write the same namespace.
+//!
+//! A queue holds every write it acknowledged until a durability acknowledgement covers it, and
+//! re-issues the held ones, in its own post order, on the next connection after a loss. Within
+//! one queue that order is the order the writes were made. Across queues it is not: a block
+//! written on queue A, then (after A's acknowledgement) rewritten on queue B, would get A's
+//! older copy back when A reconnects and re-issues it (the NBD export's four-connection ext4
+//! test saw exactly that: a file system that needed cleaning after one queue's keep-alive
+//! lapsed under load).
+//!
+//! So the queues of a connection share one map of the bytes each held write is still the
+//! newest writer of: a write is registered as it is posted (its range taken from every older
+//! write, of any queue, that it overlaps), released when its slot lets it go, and a re-issue
+//! replays only the pieces it still owns. Pieces taken away never come back: the newer write
+//! owns them until it is durable, and after that no replay may touch them.
+//!
+//! A queue alone on its connection needs none of this, and the map costs a write about a
+//! microsecond when a queue holds thousands of writes (4 KiB random writes at depth 16 ran at
+//! 0.71x with every write in it: docs/benchmarks.md). So a queue stays out of the map
+//! ("unentered") until the connection has a second queue; it notices at its next change of a
+//! slot or poll of its completions, and enters what it holds then ([`Member::keep_order`]),
+//! newest first, each write only where no one in the map wrote. That is right because a write
+//! it kept out is never newer than one in the map: the second queue entered as it joined,
+//! before its first write, and the first looks at the count of queues before each change, so a
+//! write it made after one of the other queue's was acknowledged went in. For the map to keep
+//! saying which bytes were written after the writes kept out, a write released while some
+//! queue is unentered leaves its pieces behind as tombstones (owned by no queue); they go when
+//! the last unentered queue enters or goes. A queue's owner polls at least every half
+//! keep-alive period (the library's rule for [`Queue::tick`](crate::Queue::tick)), so
+//! tombstones pile up for a few seconds at most.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Who wrote: a queue of the connection, and the write's post order in that queue.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Writer {
+    pub(crate) queue: u64,
+    pub(crate) seq: u64,
+}
+
+/// The owner of a tombstone: bytes written by a write that is gone, after every write an
+/// unentered queue kept out.
+const TOMBSTONE: Writer = Writer {
+    queue: u64::MAX,
+    seq: u64::MAX,
+};
+
+/// A piece `[start, end)` of namespace `nsid` and the write that owns it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct Piece {
+    end: u64,
+    owner: Writer,
+}
+
+/// What the lock guards.
+#[derive(Debug, Default)]
+struct Inner {
+    /// Disjoint pieces by (nsid, start).
+    pieces: BTreeMap<(u32, u64), Piece>,
+    /// Queues alive whose writes are not in the map.
+    unentered: usize,
+}
+
+/// The shared map (one per [`Connection`](crate::Connection) and its clones).
+#[derive(Debug, Default)]
+pub(crate) struct ReplayOrder {
+    next_queue: AtomicU64,
+    /// Queues alive.
+    members: AtomicUsize,
+    inner: Mutex<Inner>,
+}
+
+impl ReplayOrder {
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// `owner` writes `[start, end)` of `nsid` (a new write, as it is posted): it owns those
+    /// bytes now, whoever owned them before. (Called for every write: no allocation, and a
+    /// rewrite of the same range, the common case, replaces one piece in place.)
+    pub(crate) fn register(&self, nsid: u32, start: u64, end: u64, owner: Writer) {
+        if start >= end {
+            return;
+        }
+        let map = &mut self.lock().pieces;
+        // Pieces are disjoint: only the last one starting before `start` can reach into it.
+        let before = map
+            .range((nsid, 0)..(nsid, start))
+            .next_back()
+            .map(|(&(_, s), &p)| (s, p))
+            .filter(|(_, p)| p.end > start);
+        if let Some((s, p)) = before {
+            map.insert((nsid, s), Piece { end: start, ..p });
+            if p.end > end {
+                map.insert((nsid, end), p);
+            }
+        }
+        if let Some(p) = map.get_mut(&(nsid, start)) {
+            if p.end >= end {
+                let rest = (p.end > end).then_some(*p);
+                *p = Piece { end, owner };
+                if let Some(r) = rest {
+                    map.insert((nsid, end), r);
+                }
+                return;
+            }
+        }
+        while let Some((&k, &p)) = map.range((nsid, start)..(nsid, end)).next() {
+            map.remove(&k);
+            if p.end > end {
+                map.insert((nsid, end), p);
+            }
+        }
+        map.insert((nsid, start), Piece { end, owner });
+    }
+
+    /// `owner`'s write of `[start, end)` needs no replay any more (durable, superseded in its
+    /// queue, or its queue gave up): the pieces it still owns go (they all start inside its
+    /// range), or stay as tombstones while a queue is unentered.
+    pub(crate) fn release(&self, nsid: u32, start: u64, end: u64, owner: Writer) {
+        let mut inner = self.lock();
+        let keep = inner.unentered > 0;
+        let map = &mut inner.pieces;
+        let mut from = start;
+        while from < end {
+            let Some((&k, p)) = map.range_mut((nsid, from)..(nsid, end)).next() else {
+                break;
+            };
+            from = p.end;
+            if p.owner == owner {
+                if keep {
+                    p.owner = TOMBSTONE;
+                } else {
+                    map.remove(&k);
+                }
+            }
+        }
+    }
+
+    /// The pieces of `[start, end)` that `owner` still owns, by start: what its re-issue may
+    /// write.
+    pub(crate) fn owned(&self, nsid: u32, start: u64, end: u64, owner: Writer) -> Vec<(u64, u64)> {
+        let inner = self.lock();
+        inner
+            .pieces
+            .range((nsid, start)..(nsid, end))
+            .filter(|(_, p)| p.owner == owner)
+            .map(|(&(_, s), p)| (s, p.end))
+            .collect()
+    }
+
+    /// `owner` wrote `[start, end)` of `nsid` before every write in the map that overlaps it
+    /// (a write an unentered queue kept out): it owns only the bytes no piece covers.
+    fn fill(map: &mut BTreeMap<(u32, u64), Piece>, nsid: u32, start: u64, end: u64, owner: Writer) {
+        let mut at = start;
+        let before = map
+            .range((nsid, 0)..(nsid, start))
+            .next_back()
+            .map(|(_, p)| p.end);
+        if let Some(e) = before {
+            at = at.max(e);
+        }
+        let inside: Vec<(u64, u64)> = map
+            .range((nsid, start)..(nsid, end))
+            .map(|(&(_, s), p)| (s, p.end))
+            .collect();
+        for (s, e) in inside {
+            if s > at {
+                map.insert((nsid, at), Piece { end: s, owner });
+            }
+            at = at.max(e);
+        }
+        if at < end {
+            map.insert((nsid, at), Piece { end, owner });
+        }
+    }
+
+    /// One unentered queue fewer (it entered, or it went): the last one takes the tombstones
+    /// with it.
+    fn one_unentered_fewer(inner: &mut Inner) {
+        inner.unentered -= 1;
+        if inner.unentered == 0 {
+            inner.pieces.retain(|_, p| p.owner != TOMBSTONE);
+        }
+    }
+
+    /// How many pieces the map holds (its memory).
+    #[cfg(test)]
+    pub(crate) fn len(&self) -> usize {
+        self.lock().pieces.len()
+    }
+}
+
+/// The writes a queue's slots carry, for its entry into the map: (ns index, offset, len, seq).
+pub(crate) type Carried = Vec<(usize, u64, usize, u64)>;
+
+/// A queue's membership: the shared order, its number in it, its namespaces' nsids by the
+/// index its slots name them by, and whether its writes are in the map.
+#[derive(Debug)]
+pub(crate) struct Member {
+    order: Arc<ReplayOrder>,
+    queue: u64,
+    nsids: Vec<u32>,
+    entered: bool,
+}
+
+impl Drop for Member {
+    fn drop(&mut self) {
+        self.order.members.fetch_sub(1, Ordering::SeqCst);
+        if !self.entered {
+            ReplayOrder::one_unentered_fewer(&mut self.order.lock());
+        }
+    }
+}
+
+impl Member {
+    /// A new queue of the connection: it enters at once if another is alive (it holds no
+    /// write yet), else it stays out until one comes.
+    pub(crate) fn new(order: Arc<ReplayOrder>, nsids: Vec<u32>) -> Member {
+        order.lock().unentered += 1;
+        order.members.fetch_add(1, Ordering::SeqCst);
+        let mut m = Member {
+            queue: order.next_queue.fetch_add(1, Ordering::Relaxed),
+            order,
+            nsids,
+            entered: false,
+        };
+        m.keep_order(Vec::new);
+        m
+    }
+
+    /// Whether this queue's writes go through the map: once another queue of the connection
+    /// is (or was) alive. The first time, the writes its slots carry (`held`) enter it,
+    /// newest first, each where no piece is.
+    pub(crate) fn keep_order(&mut self, held: impl FnOnce() -> Carried) -> bool {
+        if self.entered {
+            return true;
+        }
+        if self.order.members.load(Ordering::SeqCst) < 2 {
+            return false;
+        }
+        let mut held = held();
+        held.sort_unstable_by_key(|h| std::cmp::Reverse(h.3));
+        let mut inner = self.order.lock();
+        for (ns, offset, len, seq) in held {
+            if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
+                ReplayOrder::fill(&mut inner.pieces, nsid, s, e, w);
+            }
+        }
+        ReplayOrder::one_unentered_fewer(&mut inner);
+        self.entered = true;
+        true
+    }
+
+    /// Whether this queue's writes are in the map.
+    pub(crate) fn entered(&self) -> bool {
+        self.entered
+    }
+
+    fn at(&self, ns: usize, offset: u64, len: usize, seq: u64) -> Option<(u32, u64, u64, Writer)> {
+        let nsid = *self.nsids.get(ns)?;
+        let w = Writer {
+            queue: self.queue,
+            seq,
+        };
+        Some((nsid, offset, offset + len as u64, w))
+    }
+
+    /// A new write of this queue, as it is posted (the queue entered).
+    pub(crate) fn register(&self, ns: usize, offset: u64, len: usize, seq: u64) {
+        if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
+            self.order.register(nsid, s, e, w);
+        }
+    }
+
+    /// A write of this queue that needs no replay any more (the queue entered).
+    pub(crate) fn release(&self, ns: usize, offset: u64, len: usize, seq: u64) {
+        if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
+            self.order.release(nsid, s, e, w);
+        }
+    }
+
+    /// The pieces of a write of this queue that its re-issue may write (the queue entered).
+    pub(crate) fn owned(&self, ns: usize, offset: u64, len: usize, seq: u64) -> Vec<(u64, u64)> {
+        match self.at(ns, offset, len, seq) {
+            Some((nsid, s, e, w)) => self.order.owned(nsid, s, e, w),
+            None => vec![(offset, offset + len as u64)],
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const A: u64 = 0;
+    const B: u64 = 1;
+
+    fn w(queue: u64, seq: u64) -> Writer {
+        Writer { queue, seq }
+    }
+
+    #[test]
+    fn a_newer_write_of_another_queue_takes_the_bytes_it_covers() {
+        let o = ReplayOrder::default();
+        o.register(1, 0, 8192, w(A, 1));
+        o.register(1, 4096, 8192, w(B, 1));
+        assert_eq!(o.owned(1, 0, 8192, w(A, 1)), [(0, 4096)]);
+        assert_eq!(o.owned(1, 4096, 8192, w(B, 1)), [(4096, 8192)]);
+        // Once B's write is durable and released, A still does not get the bytes back.
+        o.release(1, 4096, 8192, w(B, 1));
+        assert_eq!(o.owned(1, 0, 8192, w(A, 1)), [(0, 4096)]);
+        o.release(1, 0, 8192, w(A, 1));
+        assert_eq!(o.len(), 0);
+    }
+
+    #[test]
+    fn a_write_inside_an_older_one_splits_it() {
+        let o = ReplayOrder::default();
+        o.register(1, 0, 12288, w(A, 1));
+        o.register(1, 4096, 8192, w(B, 7));
+        assert_eq!(o.owned(1, 0, 12288, w(A, 1)), [(0, 4096), (8192, 12288)]);
+        assert_eq!(o.len(), 3);
+        // A newer write of A over all of it leaves nothing to the older ones.
+        o.register(1, 0, 12288, w(A, 2));
+        assert!(o.owned(1, 0, 12288, w(A, 1)).is_empty());
+        assert!(o.owned(1, 4096, 8192, w(B, 7)).is_empty());
+        assert_eq!(o.owned(1, 0, 12288, w(A, 2)), [(0, 12288)]);
+        assert_eq!(o.len(), 1);
+    }
+
+    #[test]
+    fn namespaces_and_untouched_neighbours_are_apart() {
+        let o = ReplayOrder::default();
+        o.register(1, 0, 4096, w(A, 1));
+        o.register(2, 0, 4096, w(B, 1));
+        o.register(1, 4096, 8192, w(B, 2));
+        assert_eq!(o.owned(1, 0, 4096, w(A, 1)), [(0, 4096)]);
+        assert_eq!(o.owned(2, 0, 4096, w(B, 1)), [(0, 4096)]);
+        // Releasing a write that owns nothing any more leaves the others alone.
+        o.register(1, 0, 4096, w(B, 3));
+        o.release(1, 0, 4096, w(A, 1));
+        assert_eq!(o.owned(1, 0, 4096, w(B, 3)), [(0, 4096)]);
+        assert_eq!(o.len(), 3);
+    }
+
+    #[test]
+    fn empty_writes_and_unknown_namespaces_change_nothing() {
+        let o = Arc::new(ReplayOrder::default());
+        o.register(1, 4096, 4096, w(A, 1));
+        assert_eq!(o.len(), 0);
+        let m = Member::new(Arc::clone(&o), vec![1]);
+        m.register(5, 0, 4096, 1);
+        assert_eq!(o.len(), 0);
+        // A namespace the member does not know is replayed whole (nothing to compare with).
+        assert_eq!(m.owned(5, 0, 4096, 1), [(0, 4096)]);
+    }
+
+    /// Random registers and releases against a model that keeps the owner of every byte.
+    #[test]
+    fn the_map_agrees_with_a_byte_by_byte_model() {
+        let o = ReplayOrder::default();
+        let mut model: Vec<Option<Writer>> = vec![None; 64];
+        let mut live: Vec<(u64, u64, Writer)> = Vec::new();
+        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
+        let mut next = |n: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        };
+        for seq in 1..1500 {
+            if live.is_empty() || next(3) > 0 {
+                let start = next(60);
+                let end = start + 1 + next(64 - start);
+                let owner = w(next(3), seq);
+                o.register(1, start, end, owner);
+                model[start as usize..end as usize].fill(Some(owner));
+                live.push((start, end, owner));
+            } else {
+                let (start, end, owner) = live.swap_remove(next(live.len() as u64) as usize);
+                o.release(1, start, end, owner);
+                for b in &mut model[start as usize..end as usize] {
+                    if *b == Some(owner) {
+                        *b = None;
+                    }
+                }
+            }
+            for &(start, end, owner) in &live {
+                let want: Vec<u64> = (start..end)
+                    .filter(|&b| model[b as usize] == Some(owner))
+                    .collect();
+                let got: Vec<u64> = o
+                    .owned(1, start, end, owner)
+                    .into_iter()
+                    .flat_map(|(s, e)| s..e)
+                    .collect();
+                assert_eq!(got, want, "{owner:?} at step {seq}");
+            }
+        }
+    }
+
+    #[test]
+    fn a_lone_queue_stays_out_and_enters_under_what_came_after() {
+        let o = Arc::new(ReplayOrder::default());
+        let mut a = Member::new(Arc::clone(&o), vec![1]);
+        // A holds two writes, the newer inside the older.
+        let held = || vec![(0, 0, 20480, 1), (0, 4096, 4096, 2)];
+        assert!(!a.keep_order(held), "alone: out of the map");
+        let b = Member::new(Arc::clone(&o), vec![1]);
+        assert!(b.entered(), "a second queue enters as it joins");
+        // B writes twice over A's older write; one of them is done with before A enters: it
+        // stays as a tombstone.
+        b.register(0, 8192, 4096, 1);
+        b.register(0, 16384, 2048, 2);
+        b.release(0, 16384, 2048, 2);
+        assert_eq!(o.len(), 2);
+        assert!(a.keep_order(held));
+        assert_eq!(a.owned(0, 4096, 4096, 2), [(4096, 8192)]);
+        assert_eq!(
+            a.owned(0, 0, 20480, 1),
+            [(0, 4096), (12288, 16384), (18432, 20480)]
+        );
+        // No queue is out any more: the tombstone went.
+        assert_eq!(o.len(), 5);
+        b.release(0, 8192, 4096, 1);
+        assert_eq!(o.len(), 4, "released for good, no tombstone");
+        // Once in, always in, even alone again.
+        drop(b);
+        assert!(a.keep_order(|| unreachable!("entered once")));
+    }
+
+    #[test]
+    fn tombstones_go_when_the_last_queue_kept_out_goes() {
+        let o = Arc::new(ReplayOrder::default());
+        let a = Member::new(Arc::clone(&o), vec![1]);
+        let b = Member::new(Arc::clone(&o), vec![1]);
+        b.register(0, 0, 4096, 1);
+        b.release(0, 0, 4096, 1);
+        assert_eq!(o.len(), 1, "a tombstone while A is out");
+        drop(a);
+        assert_eq!(o.len(), 0);
+        // With no one out, a release leaves nothing.
+        b.register(0, 0, 4096, 2);
+        b.release(0, 0, 4096, 2);
+        assert_eq!(o.len(), 0);
+    }
+
+    #[test]
+    fn members_of_one_order_get_their_own_numbers() {
+        let o = Arc::new(ReplayOrder::default());
+        let (a, b) = (
+            Member::new(Arc::clone(&o), vec![1]),
+            Member::new(Arc::clone(&o), vec![1]),
+        );
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        assert!(a.owned(0, 0, 4096, 1).is_empty(), "same seq, other queue");
+        assert_eq!(b.owned(0, 0, 4096, 1), [(0, 4096)]);
+    }
+}
