@@ -608,9 +608,9 @@ mod tests {
         assert_eq!(order.len(), 0);
     }
 
-    /// A queue alone on its connection at first: its write is in the map all the same, so that a
-    /// second queue's newer write over part of it (done with, and released, before the replay)
-    /// still keeps that part from the first one's replay.
+    /// A queue alone on its connection keeps its write out of the map; a second queue's newer
+    /// write over part of it, done with and released before the first one enters (a
+    /// tombstone meanwhile), still keeps that part from the first one's replay.
     #[test]
     fn a_write_made_before_a_second_queue_joined_is_still_ordered() {
         let pd = Context::soft().alloc_pd().unwrap();

@@ -616,6 +616,51 @@ fn a_replay_never_writes_over_a_newer_write_of_another_queue() {
     assert!(file[at as usize..at as usize + 4 * BLOCK] == want[..]);
 }
 
+/// A queue holding more writes than its send queue takes (512 slots; a send queue takes 256)
+/// loses its link after writes that never reached the target (swallowed on the way). Its
+/// re-issue puts every one of them in place: they go out in batches, each once the one before
+/// completed. (Posted at once they were refused, and the slots of the refused post were freed:
+/// the reconnect failed every attempt and gave up.)
+#[test]
+fn a_queue_holding_more_writes_than_its_send_queue_reissues_them_all() {
+    let d = scratch();
+    let t = start(d.path(), 20, "");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let c = conn(&relay.url(), Duration::from_secs(5)).with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: BLOCK,
+        replay_bytes: 512 * BLOCK,
+        reconnect: ReconnectPolicy::within(RECONNECT_BUDGET),
+        ..QueueOptions::default()
+    });
+    let mut q = c.open_queue(0).unwrap();
+    let n = 400u64;
+    relay.swallow();
+    for i in 0..n {
+        let b = block(9, i, 1, BLOCK);
+        q.namespace(1)
+            .unwrap()
+            .write_at(COUNTERS + i * BLOCK as u64, &b)
+            .unwrap();
+    }
+    relay.reset();
+    let mut got = vec![0u8; BLOCK];
+    for i in 0..n {
+        q.namespace(1)
+            .unwrap()
+            .read_at(COUNTERS + i * BLOCK as u64, &mut got)
+            .unwrap();
+        assert_eq!(parse_block(&got), Some((9, i, 1)), "block {i}");
+    }
+    assert_eq!(q.reconnects(), 1);
+    assert!(q
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+}
+
 /// Faults at chosen points of the handshake (a reset after n bytes of MPA and Connect, a stall
 /// longer than the time-out, a cut at once), on a fresh queue and on a queue's reconnect: each
 /// attempt fails or succeeds within its deadline, the next one succeeds, and the target keeps

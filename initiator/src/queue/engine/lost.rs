@@ -1,10 +1,11 @@
 //! What a lost connection does to the engine: the old session taken away (to retire or
-//! drop), the unfinished Writes held, a new session installed (what the connection owed is
-//! forgotten in mod.rs, beside everything else that touches `reads_done`), and the held writes re-issued on it (only the pieces no newer write took:
-//! [`crate::replay`]). The [`Reconnect`](crate::queue::reconnect) state machine drives these
-//! steps; the engine only carries them out.
+//! drop), the unfinished Writes held, a new session installed, and the held writes re-issued
+//! on it (only the pieces no newer write took: [`crate::replay`]). What the connection owed is
+//! forgotten in mod.rs, beside everything else that touches `reads_done`. The
+//! [`Reconnect`](crate::queue::reconnect) state machine drives these steps; the engine only
+//! carries them out.
 
-use rpma_common::fabric::{QpState, SendFlags};
+use rpma_common::fabric::{QpState, SendFlags, SendWr};
 use rpma_common::proto::NamespaceDescriptor;
 
 use super::Engine;
@@ -12,6 +13,11 @@ use crate::error::{Error, Result};
 use crate::pool::{Slot, WriteRec};
 use crate::queue::completion::{Completed, Ticket};
 use crate::session::Session;
+
+/// Re-issued Writes posted at once, at most (a send queue takes 256: [`QpCaps`]).
+///
+/// [`QpCaps`]: rpma_common::fabric::QpCaps
+const REISSUE_BATCH: usize = 128;
 
 impl Engine {
     /// Whether the connection is gone: no session, or its queue pair in Error.
@@ -23,9 +29,9 @@ impl Engine {
     }
 
     /// The connection is lost (or given up): unfinished Writes become held, Reads in flight
-    /// are dropped ([`Pool::on_connection_lost`](crate::pool::Pool::on_connection_lost)). Returns the old session, to retire or drop,
-    /// and the held writes in post order, to re-issue on the next connection
-    /// ([`reissue`](Self::reissue)).
+    /// are dropped ([`Pool::on_connection_lost`](crate::pool::Pool::on_connection_lost)).
+    /// Returns the old session, to retire or drop, and the held writes in post order, to
+    /// re-issue on the next connection ([`reissue`](Self::reissue)).
     pub(in crate::queue) fn lose_connection(
         &mut self,
     ) -> (Option<Session>, Vec<(usize, WriteRec)>) {
@@ -55,13 +61,19 @@ impl Engine {
     }
 
     /// Re-issues the held writes of [`lose_connection`](Self::lose_connection), in post
-    /// order, behind one doorbell: of each, the pieces that no newer write of this queue or of
-    /// another queue of the connection wrote since ([`crate::replay`]). A write split in
-    /// pieces completes once, with its last piece (the others are unsignaled; one queue pair
-    /// completes in order). One with no piece left is not re-issued: its slot is free again,
-    /// and a started Write the caller waits to hear of completes now.
+    /// order: of each, the pieces that no newer write of this queue or of another queue of the
+    /// connection wrote since ([`crate::replay`]). A write split in pieces completes once, with
+    /// its last piece (the others are unsignaled; one queue pair completes in order). One with
+    /// no piece left is not re-issued: its slot is free again, and a started Write the caller
+    /// waits to hear of completes now.
+    ///
+    /// They go out [`REISSUE_BATCH`] Writes at a time, each batch once the one before it
+    /// completed: a queue may hold far more writes than its send queue takes (the job runner's
+    /// holds 64 MiB), and a post of all of them at once was refused. A refused post leaves the
+    /// slots as they were, for the next attempt (never freed: those writes are not durable).
     pub(in crate::queue) fn reissue(&mut self, held: &[(usize, WriteRec)]) -> Result<()> {
-        let mut wrs = Vec::with_capacity(held.len());
+        let mut batch: Vec<(usize, WriteRec, Vec<SendWr>)> = Vec::new();
+        let mut wrs = 0;
         for &(slot, w) in held {
             // An earlier attempt of this reconnect may have let it go already.
             if !self.pool.carries(slot, &w) {
@@ -75,14 +87,41 @@ impl Engine {
                 self.pool.set(slot, Slot::Free);
                 continue;
             };
-            for &(s, e) in rest {
-                wrs.push(self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()));
+            let mut these: Vec<SendWr> = rest
+                .iter()
+                .map(|&(s, e)| self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()))
+                .collect();
+            these.push(self.piece_wr(slot, w, start, end));
+            if wrs + these.len() > REISSUE_BATCH && !batch.is_empty() {
+                self.post_reissued(std::mem::take(&mut batch))?;
+                wrs = 0;
             }
-            wrs.push(self.piece_wr(slot, w, start, end));
+            wrs += these.len();
+            batch.push((slot, w, these));
+        }
+        self.post_reissued(batch)
+    }
+
+    /// Posts re-issued Writes, behind one doorbell, once nothing is in flight.
+    fn post_reissued(&mut self, mut batch: Vec<(usize, WriteRec, Vec<SendWr>)>) -> Result<()> {
+        if batch.is_empty() {
+            return Ok(());
+        }
+        self.drain()?;
+        let mut wrs = Vec::with_capacity(batch.len());
+        for (_, _, w) in &mut batch {
+            wrs.append(w);
+        }
+        self.doorbells += 1;
+        let s = self.session()?;
+        s.qp()
+            .post_send_list(wrs)
+            .map_err(|e| super::post_error(s, e))?;
+        for (slot, w, _) in batch {
             self.pool.set(slot, Slot::Writing(w));
             self.writes_posted += 1;
         }
-        self.post_list(wrs)
+        Ok(())
     }
 
     /// Drops the session of a failed reconnect attempt.
