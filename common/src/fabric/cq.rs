@@ -1,6 +1,7 @@
 //! [`CompletionQueue`]: where work requests end, and what drives progress.
 
 use std::os::fd::BorrowedFd;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -11,8 +12,52 @@ use super::transport::CqEngine;
 use super::types::Completion;
 
 /// How long [`CompletionQueue::wait`] busy-polls after the last completion before it blocks in
-/// epoll.
+/// epoll, at least (the spell grows toward [`MAX_IDLE_SPIN`] while the waits it blocks in end
+/// soon: [`IdleSpin`]).
 pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_micros(50);
+
+/// The longest busy-poll spell [`CompletionQueue::wait`] grows to.
+pub const MAX_IDLE_SPIN: Duration = Duration::from_micros(200);
+
+/// The busy-poll spell of one completion queue's [`wait`](CompletionQueue::wait), fitted to its
+/// traffic. A wait that blocked in epoll and was woken soon after (within [`MAX_IDLE_SPIN`])
+/// would have been spared the wake-up, and its sleep, by a spell a little longer than that
+/// sleep: the spell grows to 1.5 times it. A wait that slept longer, or timed out, shrinks it
+/// by a quarter, down to [`DEFAULT_IDLE_SPIN`]. So a peer that sends its next request soon
+/// after each answer (a client at depth 1, a target answering it) finds the loop awake, and a
+/// quiet or sparse one costs the default spell per burst as before; an idle queue blocks and
+/// uses no CPU either way.
+///
+/// Why: the target's poll loop went to sleep 50 us after each answer, and the NBD export's next
+/// request (its own round trip to its client in between) came later, so every request paid a
+/// wake-up; in a KVM guest on AMD EPYC that was most of a 4 KiB read at depth 1 through the
+/// export (docs/benchmarks.md, "The idle spin").
+#[derive(Debug)]
+struct IdleSpin(AtomicU64);
+
+impl IdleSpin {
+    fn new() -> IdleSpin {
+        IdleSpin(AtomicU64::new(DEFAULT_IDLE_SPIN.as_nanos() as u64))
+    }
+
+    fn get(&self) -> Duration {
+        Duration::from_nanos(self.0.load(Ordering::Relaxed))
+    }
+
+    /// A blocking wait slept `slept` (woken by traffic), or timed out (`None`).
+    fn after_sleep(&self, slept: Option<Duration>) {
+        let now = self.0.load(Ordering::Relaxed);
+        let next = match slept {
+            Some(s) if s < MAX_IDLE_SPIN => (s.as_nanos() as u64 * 3 / 2).max(now),
+            _ => now - now / 4,
+        };
+        let next = next.clamp(
+            DEFAULT_IDLE_SPIN.as_nanos() as u64,
+            MAX_IDLE_SPIN.as_nanos() as u64,
+        );
+        self.0.store(next, Ordering::Relaxed);
+    }
+}
 
 /// A completion queue (`ibv_cq`). Cheap to clone; every clone is the same queue.
 ///
@@ -33,6 +78,8 @@ pub(crate) struct CqInner {
     /// What the transport completed and nobody polled yet: the transport pushes, `poll` takes.
     list: Arc<Completions>,
     engine: CqEngine,
+    /// The busy-poll spell of `wait` and `wait_any`.
+    spin: IdleSpin,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -56,7 +103,12 @@ impl CompletionQueue {
         let list = Arc::new(Completions::with_capacity(depth.min(1 << 16)));
         let engine = ctx.device().create_cq(depth, &list)?;
         Ok(CompletionQueue {
-            inner: Arc::new(CqInner { ctx, list, engine }),
+            inner: Arc::new(CqInner {
+                ctx,
+                list,
+                engine,
+                spin: IdleSpin::new(),
+            }),
         })
     }
 
@@ -93,7 +145,7 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Wait`](super::Error::Wait) if epoll fails.
     pub fn wait(&self, out: &mut [Completion], timeout: Option<Duration>) -> Result<usize> {
-        self.wait_with_spin(out, timeout, DEFAULT_IDLE_SPIN)
+        self.wait_with_spin(out, timeout, self.inner.spin.get())
     }
 
     /// [`wait`](Self::wait) with a chosen busy-poll spell.
@@ -143,7 +195,7 @@ impl CompletionQueue {
     /// # Errors
     /// [`Error::Wait`](super::Error::Wait) if epoll fails.
     pub fn wait_any(&self, out: &mut [Completion], timeout: Option<Duration>) -> Result<Woken> {
-        self.wait_any_with_spin(out, timeout, DEFAULT_IDLE_SPIN)
+        self.wait_any_with_spin(out, timeout, self.inner.spin.get())
     }
 
     /// [`wait_any`](Self::wait_any) with a chosen busy-poll spell.
@@ -186,6 +238,11 @@ impl CompletionQueue {
             }
             if ready.any {
                 last_activity = Instant::now();
+                self.inner
+                    .spin
+                    .after_sleep(Some(last_activity.duration_since(now)));
+            } else {
+                self.inner.spin.after_sleep(None);
             }
         }
     }
@@ -203,4 +260,32 @@ pub enum Woken {
     Fd(u64),
     /// The time-out passed with nothing to report.
     TimedOut,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn the_spin_grows_to_cover_short_sleeps_and_shrinks_after_long_ones() {
+        let s = IdleSpin::new();
+        assert_eq!(s.get(), DEFAULT_IDLE_SPIN);
+        // Woken 80 us after blocking: a 120 us spell would have caught it.
+        s.after_sleep(Some(80 * US));
+        assert_eq!(s.get(), 120 * US);
+        // A shorter sleep does not shrink it; one past the cap does not grow it past the cap.
+        s.after_sleep(Some(10 * US));
+        assert_eq!(s.get(), 120 * US);
+        s.after_sleep(Some(190 * US));
+        assert_eq!(s.get(), MAX_IDLE_SPIN);
+        // Long sleeps and time-outs take it back down, never below the default.
+        s.after_sleep(Some(Duration::from_millis(5)));
+        assert_eq!(s.get(), 150 * US);
+        for _ in 0..20 {
+            s.after_sleep(None);
+        }
+        assert_eq!(s.get(), DEFAULT_IDLE_SPIN);
+    }
 }

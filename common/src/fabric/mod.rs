@@ -110,7 +110,7 @@ pub use context::Context;
 pub use counters::{
     RegionServed, ResponderCounters, ResponderSnapshot, TerminateCause, OTHER_RKEYS,
 };
-pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN};
+pub use cq::{CompletionQueue, Woken, DEFAULT_IDLE_SPIN, MAX_IDLE_SPIN};
 pub use error::{DeviceEvent, Error, QpFailure, Result, TerminateCode, TerminateLayer};
 pub use memory::{AlignedBuf, MemoryBacking, RegisteredMemory, Registration};
 pub use mr::{MemoryRegion, MemoryWindow};
