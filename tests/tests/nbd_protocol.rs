@@ -69,7 +69,9 @@ fn bad_clients_lose_their_own_connection_and_change_nothing_else() {
     // An oversized WRITE: EINVAL, then closed (its payload cannot be skipped).
     let h = r.request(CMD_WRITE, 0, 77, 0, 64 << 20);
     r.send(&h);
-    r.send(&[0xcc; 4096]);
+    // The export may have answered and closed on the header alone (seen in the VM lab): a
+    // broken pipe here is that, not a failure; the answer is still there to read.
+    let _ = std::io::Write::write_all(&mut r.0, &[0xcc; 4096]);
     assert_eq!(r.reply(), (EINVAL, 77));
     assert!(r.closed(), "oversized write");
     check(&mut good, "an oversized write");
