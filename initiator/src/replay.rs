@@ -6,8 +6,8 @@
 //! one queue that order is the order the writes were made. Across queues it is not: a block
 //! written on queue A, then (after A's acknowledgement) rewritten on queue B, would get A's
 //! older copy back when A reconnects and re-issues it (the NBD export's four-connection ext4
-//! test saw exactly that: a file system that needed cleaning after one queue's keep-alive
-//! lapsed under load).
+//! test saw that: a file system that needed cleaning after one of the export's queues lost
+//! its connection mid-mkfs, in the VM lab under load).
 //!
 //! So the queues of a connection share one map of the bytes each held write is still the
 //! newest writer of: a write is registered as it is posted (its range taken from every older
