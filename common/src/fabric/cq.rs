@@ -13,7 +13,7 @@ use super::types::Completion;
 
 /// How long [`CompletionQueue::wait`] busy-polls after the last completion before it blocks in
 /// epoll, at least (the spell grows toward [`MAX_IDLE_SPIN`] while the waits it blocks in end
-/// soon: [`IdleSpin`]).
+/// soon: docs/fabric.md).
 pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_micros(50);
 
 /// The longest busy-poll spell [`CompletionQueue::wait`] grows to.
