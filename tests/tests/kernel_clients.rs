@@ -118,46 +118,64 @@ impl Drop for Export {
     }
 }
 
-/// A free /dev/nbdN (no process behind it).
-fn free_nbd(taken: &[String]) -> String {
-    (0..8)
-        .map(|i| format!("nbd{i}"))
-        .find(|n| {
-            !taken.contains(n)
-                && !Path::new(&format!("/sys/block/{n}/pid")).exists()
-                && std::fs::read_to_string(format!("/sys/block/{n}/size"))
-                    .is_ok_and(|s| s.trim() == "0")
-        })
-        .expect("a free nbd device")
+/// A free /dev/nbdN (no process behind it), not one of `taken`.
+fn free_nbd(taken: &[String]) -> Option<String> {
+    (0..8).map(|i| format!("nbd{i}")).find(|n| {
+        !taken.contains(n)
+            && !Path::new(&format!("/sys/block/{n}/pid")).exists()
+            && std::fs::read_to_string(format!("/sys/block/{n}/size"))
+                .is_ok_and(|s| s.trim() == "0")
+    })
 }
 
 /// /dev/nbdN connected to an export by the kernel's nbd-client; disconnected on drop.
 struct NbdDev(String);
 
 impl NbdDev {
+    /// Connects a free /dev/nbdN (not one of `taken`). A device disconnected just before may
+    /// look free (no pid, size 0) while the kernel is still tearing it down: nbd-client then
+    /// fails ("Failed to setup device"; dmesg: "nbdN already in use"), and another device is
+    /// tried, until the deadline.
     fn connect(e: &Export, connections: u32, taken: &[String]) -> NbdDev {
-        let name = free_nbd(taken);
-        let dev = format!("/dev/{name}");
-        let port = e.port.to_string();
-        let c = connections.to_string();
-        let o = run_with_deadline(
-            Command::new("nbd-client").args([
-                "127.0.0.1",
-                &port,
-                &dev,
-                "-N",
-                "rpma",
-                "-b",
-                "4096",
-                "-C",
-                &c,
-            ]),
-            WAIT,
-        );
-        assert!(o.status.success(), "nbd-client: {}\n{}", text(&o), e.log());
-        let size = std::fs::read_to_string(format!("/sys/block/{name}/size")).unwrap();
-        assert_eq!(size.trim(), (64u64 << 20 >> 9).to_string(), "{dev}'s size");
-        NbdDev(dev)
+        let deadline = Instant::now() + WAIT;
+        let mut skip = taken.to_vec();
+        loop {
+            let Some(name) = free_nbd(&skip) else {
+                // Every free-looking device tried: wait for the kernel, then try them again.
+                assert!(Instant::now() < deadline, "no free nbd device");
+                skip = taken.to_vec();
+                std::thread::sleep(Duration::from_millis(200));
+                continue;
+            };
+            let dev = format!("/dev/{name}");
+            let port = e.port.to_string();
+            let c = connections.to_string();
+            let o = run_with_deadline(
+                Command::new("nbd-client").args([
+                    "127.0.0.1",
+                    &port,
+                    &dev,
+                    "-N",
+                    "rpma",
+                    "-b",
+                    "4096",
+                    "-C",
+                    &c,
+                ]),
+                WAIT,
+            );
+            if !o.status.success()
+                && text(&o).contains("Failed to setup device")
+                && Instant::now() < deadline
+            {
+                skip.push(name);
+                continue;
+            }
+            assert!(o.status.success(), "nbd-client: {}\n{}", text(&o), e.log());
+            let size = std::fs::read_to_string(format!("/sys/block/{name}/size")).unwrap();
+            assert_eq!(size.trim(), (64u64 << 20 >> 9).to_string(), "{dev}'s size");
+            return NbdDev(dev);
+        }
     }
 }
 
