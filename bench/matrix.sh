@@ -20,6 +20,11 @@ begin=$(date +%s)
 . scripts/local-target.sh
 local_setup matrix
 [ -n "${RPMA_BENCH_BIN:-}" ] || cargo build --quiet --release -p rpma-common --example fabric_bench
+# Checked before the hour of fio, not after it: the floor is what every ratio is judged by.
+if [ ! -x "$BIN/examples/fabric_bench" ]; then
+    echo "bench: $BIN/examples/fabric_bench is missing (with --bin DIR: DIR/examples/fabric_bench)" >&2
+    exit 1
+fi
 NQN=nqn.2026-11.io.rpma:bench
 HOSTNQN=nqn.2026-11.io.rpma:bench-host
 write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
