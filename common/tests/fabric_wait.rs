@@ -49,6 +49,38 @@ fn an_idle_wait_wakes_on_a_watched_eventfd_written_by_another_thread() {
 }
 
 #[test]
+fn a_watched_fd_ends_the_busy_poll_spell_without_waiting_it_out() {
+    // A spell longer than the time-out: a wait that looked at its watched fds only once the
+    // spell was over (in the blocking wait) would time out here instead (what a GPSPM flush
+    // on page-cache paid: its fdatasync's completion waited for the target's spell to end).
+    let p = Pair::new(true);
+    let efd = EventFd::new().unwrap();
+    p.icq.watch_fd(efd.as_fd(), 11).unwrap();
+    efd.write(1).unwrap();
+    let mut wc = [Completion::EMPTY; 4];
+    let woke = p
+        .icq
+        .wait_any_with_spin(
+            &mut wc,
+            Some(Duration::from_secs(2)),
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+    assert_eq!(woke, Woken::Fd(11));
+    // Drained, the same spell runs to the time-out.
+    efd.read().unwrap();
+    let woke = p
+        .icq
+        .wait_any_with_spin(
+            &mut wc,
+            Some(Duration::from_millis(20)),
+            Duration::from_secs(3600),
+        )
+        .unwrap();
+    assert_eq!(woke, Woken::TimedOut);
+}
+
+#[test]
 fn completions_still_end_a_wait_on_a_queue_with_watched_fds() {
     let p = Pair::new(false);
     let efd = EventFd::new().unwrap();

@@ -137,10 +137,11 @@ impl CompletionQueue {
     }
 
     /// Like [`poll`](Self::poll), but waits up to `timeout` (None: forever) for at least one
-    /// completion: it busy-polls for [`DEFAULT_IDLE_SPIN`] and then blocks in epoll on the
-    /// queue pairs' sockets (and the fds given to [`watch_fd`](Self::watch_fd)). Returns 0 if
-    /// the time ran out or a watched fd became readable; [`wait_any`](Self::wait_any) tells
-    /// those apart.
+    /// completion: it busy-polls for a spell fitted to the traffic (see [`DEFAULT_IDLE_SPIN`]
+    /// and [`MAX_IDLE_SPIN`]), yielding the CPU each turn and looking at the fds given to
+    /// [`watch_fd`](Self::watch_fd) too, and then blocks in epoll on the queue pairs' sockets
+    /// and those fds. Returns 0 if the time ran out or a watched fd became readable;
+    /// [`wait_any`](Self::wait_any) tells those apart.
     ///
     /// # Errors
     /// [`Error::Wait`](super::Error::Wait) if epoll fails.
@@ -221,7 +222,16 @@ impl CompletionQueue {
                 return Ok(Woken::TimedOut);
             }
             if now.duration_since(last_activity) < spin {
-                std::hint::spin_loop();
+                // A watched fd (a flusher's completion) is answered as it comes, not after
+                // the spell: a GPSPM flush on page-cache waited out the spell (up to
+                // MAX_IDLE_SPIN) on top of its fdatasync.
+                if let Some(token) = self.inner.engine.watched_ready()? {
+                    return Ok(Woken::Fd(token));
+                }
+                // The spell is the caller's to spend, not the machine's: a thread that is
+                // ready to run on this CPU (the client this loop serves, the process that
+                // answers it) runs first. Alone on its CPU the yield returns at once.
+                std::thread::yield_now();
                 continue;
             }
             // Idle: block until a socket is ready (arming writability where output waits), or

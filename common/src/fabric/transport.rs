@@ -366,6 +366,15 @@ impl CqEngine {
         }
     }
 
+    /// The token of a watched fd that is readable now (never blocks).
+    pub(crate) fn watched_ready(&self) -> Result<Option<u64>> {
+        match self {
+            CqEngine::Soft(c) => c.poller().watched_ready(),
+            #[cfg(feature = "rdma")]
+            CqEngine::Rdma(c) => c.poller().watched_ready(),
+        }
+    }
+
     pub(crate) fn watch(&self, fd: BorrowedFd<'_>, token: u64) -> Result<()> {
         match self {
             CqEngine::Soft(c) => c.poller().watch(fd, token),

@@ -110,6 +110,20 @@ impl Poller {
                 EpollTimeout::try_from(d + Duration::from_micros(999)).unwrap_or(EpollTimeout::MAX)
             }
         };
+        self.wait_for(t)
+    }
+
+    /// The token of a watched fd that is readable now, without blocking; `None` at once (no
+    /// system call) while nothing is watched. For the busy-poll spell: a watched fd (a
+    /// flusher's completion) is seen as it comes, not only when the spell is over.
+    pub(crate) fn watched_ready(&self) -> Result<Option<u64>> {
+        if self.watched().is_empty() {
+            return Ok(None);
+        }
+        Ok(self.wait_for(EpollTimeout::ZERO)?.user)
+    }
+
+    fn wait_for(&self, t: EpollTimeout) -> Result<Ready> {
         let mut evs = [EpollEvent::empty(); 16];
         let n = match self.epoll.wait(&mut evs, t) {
             Ok(n) => n,
