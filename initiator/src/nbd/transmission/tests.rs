@@ -155,3 +155,89 @@ fn inbuf_compacts_and_grows() {
     b.consume(5);
     assert!(b.bytes().is_empty());
 }
+
+/// A socket that takes at most `per_call` bytes of each write (split anywhere, across
+/// slices), is interrupted every third call, and after `cap` bytes takes none.
+struct Stingy {
+    got: Vec<u8>,
+    per_call: usize,
+    cap: usize,
+    calls: usize,
+}
+
+impl Write for Stingy {
+    fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+        self.calls += 1;
+        if self.calls.is_multiple_of(3) {
+            return Err(ErrorKind::Interrupted.into());
+        }
+        let mut room = self.per_call.min(self.cap - self.got.len());
+        let mut n = 0;
+        for b in bufs {
+            let k = b.len().min(room);
+            self.got.extend_from_slice(&b[..k]);
+            room -= k;
+            n += k;
+        }
+        Ok(n)
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+#[test]
+fn replies_are_written_whole_and_in_order_through_partial_writes() {
+    // Headers in `out`, READ replies between them where they were answered (also two at one
+    // place, and some at either end).
+    let out: Vec<u8> = (0..200u8).collect();
+    let mut bufs: Vec<(usize, Vec<u8>)> = Vec::new();
+    let mut want = Vec::new();
+    let mut at = 0;
+    for i in 0..700usize {
+        let pos = (i * 2 / 7).min(out.len());
+        want.extend_from_slice(&out[at..pos]);
+        at = pos;
+        let b: Vec<u8> = (0..(i % 37) as u8).map(|v| v ^ i as u8).collect();
+        want.extend_from_slice(&b);
+        bufs.push((pos, b));
+    }
+    want.extend_from_slice(&out[at..]);
+    for per_call in [1, 5, 64, 4096, usize::MAX] {
+        let mut w = Stingy {
+            got: Vec::new(),
+            per_call,
+            cap: usize::MAX,
+            calls: 0,
+        };
+        write_all_vectored(&mut w, &out, &bufs).unwrap();
+        assert_eq!(w.got, want, "{per_call} byte(s) per call");
+    }
+    // Nothing at all: no write.
+    let mut w = Stingy {
+        got: Vec::new(),
+        per_call: 1,
+        cap: 0,
+        calls: 0,
+    };
+    write_all_vectored(&mut w, &[], &[(0, Vec::new())]).unwrap();
+    assert_eq!(w.calls, 0);
+}
+
+#[test]
+fn a_socket_that_takes_no_more_bytes_fails_the_write() {
+    let mut w = Stingy {
+        got: Vec::new(),
+        per_call: 3,
+        cap: 10,
+        calls: 0,
+    };
+    let e = write_all_vectored(&mut w, b"0123456", &[(7, b"789abcdef".to_vec())]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::WriteZero);
+    assert_eq!(w.got, b"0123456789");
+}
