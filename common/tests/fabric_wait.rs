@@ -58,25 +58,15 @@ fn a_watched_fd_ends_the_busy_poll_spell_without_waiting_it_out() {
     p.icq.watch_fd(efd.as_fd(), 11).unwrap();
     efd.write(1).unwrap();
     let mut wc = [Completion::EMPTY; 4];
-    let woke = p
-        .icq
-        .wait_any_with_spin(
-            &mut wc,
-            Some(Duration::from_secs(2)),
-            Duration::from_secs(3600),
-        )
-        .unwrap();
-    assert_eq!(woke, Woken::Fd(11));
+    let mut wait = |timeout| {
+        p.icq
+            .wait_any_with_spin(&mut wc, Some(timeout), Duration::from_secs(3600))
+            .unwrap()
+    };
+    assert_eq!(wait(Duration::from_secs(2)), Woken::Fd(11));
     // Drained, the same spell runs to the time-out.
     efd.read().unwrap();
-    let woke = p
-        .icq
-        .wait_any_with_spin(
-            &mut wc,
-            Some(Duration::from_millis(20)),
-            Duration::from_secs(3600),
-        )
-        .unwrap();
+    let woke = wait(Duration::from_millis(20));
     assert_eq!(woke, Woken::TimedOut);
 }
 

@@ -242,3 +242,133 @@ impl Write for Stream {
         Ok(())
     }
 }
+
+/// The iovecs of one vectored write, at most (Linux's IOV_MAX is 1024).
+const MAX_IOVECS: usize = 512;
+
+/// Writes `out` with each buffer of `bufs` inserted where its position says (the length
+/// `out` had when the buffer was queued; positions never decrease), whole, with as few
+/// `writev` calls as the socket takes.
+pub(crate) fn write_all_vectored(
+    w: &mut impl Write,
+    out: &[u8],
+    bufs: &[(usize, Vec<u8>)],
+) -> io::Result<()> {
+    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * bufs.len() + 1);
+    let mut at = 0;
+    for (pos, b) in bufs {
+        slices.push(IoSlice::new(&out[at..*pos]));
+        slices.push(IoSlice::new(b));
+        at = *pos;
+    }
+    slices.push(IoSlice::new(&out[at..]));
+    slices.retain(|s| !s.is_empty());
+    let mut left = &mut slices[..];
+    while !left.is_empty() {
+        let take = left.len().min(MAX_IOVECS);
+        match w.write_vectored(&left[..take]) {
+            Ok(0) => {
+                return Err(io::Error::new(
+                    io::ErrorKind::WriteZero,
+                    "the client's socket took no more bytes",
+                ))
+            }
+            Ok(n) => IoSlice::advance_slices(&mut left, n),
+            Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::io::ErrorKind;
+
+    /// A socket that takes at most `per_call` bytes of each write (split anywhere, across
+    /// slices), is interrupted every third call, and after `cap` bytes takes none.
+    struct Stingy {
+        got: Vec<u8>,
+        per_call: usize,
+        cap: usize,
+        calls: usize,
+    }
+
+    impl Write for Stingy {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.write_vectored(&[IoSlice::new(buf)])
+        }
+
+        fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+            self.calls += 1;
+            if self.calls.is_multiple_of(3) {
+                return Err(ErrorKind::Interrupted.into());
+            }
+            let mut room = self.per_call.min(self.cap - self.got.len());
+            let mut n = 0;
+            for b in bufs {
+                let k = b.len().min(room);
+                self.got.extend_from_slice(&b[..k]);
+                room -= k;
+                n += k;
+            }
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn replies_are_written_whole_and_in_order_through_partial_writes() {
+        // Headers in `out`, READ replies between them where they were answered (also two at one
+        // place, and some at either end).
+        let out: Vec<u8> = (0..200u8).collect();
+        let mut bufs: Vec<(usize, Vec<u8>)> = Vec::new();
+        let mut want = Vec::new();
+        let mut at = 0;
+        for i in 0..700usize {
+            let pos = (i * 2 / 7).min(out.len());
+            want.extend_from_slice(&out[at..pos]);
+            at = pos;
+            let b: Vec<u8> = (0..(i % 37) as u8).map(|v| v ^ i as u8).collect();
+            want.extend_from_slice(&b);
+            bufs.push((pos, b));
+        }
+        want.extend_from_slice(&out[at..]);
+        for per_call in [1, 5, 64, 4096, usize::MAX] {
+            let mut w = Stingy {
+                got: Vec::new(),
+                per_call,
+                cap: usize::MAX,
+                calls: 0,
+            };
+            write_all_vectored(&mut w, &out, &bufs).unwrap();
+            assert_eq!(w.got, want, "{per_call} byte(s) per call");
+        }
+        // Nothing at all: no write.
+        let mut w = Stingy {
+            got: Vec::new(),
+            per_call: 1,
+            cap: 0,
+            calls: 0,
+        };
+        write_all_vectored(&mut w, &[], &[(0, Vec::new())]).unwrap();
+        assert_eq!(w.calls, 0);
+    }
+
+    #[test]
+    fn a_socket_that_takes_no_more_bytes_fails_the_write() {
+        let mut w = Stingy {
+            got: Vec::new(),
+            per_call: 3,
+            cap: 10,
+            calls: 0,
+        };
+        let e = write_all_vectored(&mut w, b"0123456", &[(7, b"789abcdef".to_vec())]).unwrap_err();
+        assert_eq!(e.kind(), ErrorKind::WriteZero);
+        assert_eq!(w.got, b"0123456789");
+    }
+}

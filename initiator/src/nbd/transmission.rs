@@ -7,7 +7,7 @@
 //! before it. A FLUSH, a FUA write and WRITE_ZEROES wait until everything started before them
 //! was answered (a FLUSH covers every write answered before it arrived, on any connection).
 
-use std::io::{ErrorKind, IoSlice, Read, Write};
+use std::io::{ErrorKind, Read};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
 use std::time::Instant;
@@ -21,7 +21,7 @@ use super::proto::{
 };
 use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
-use super::stream::Stream;
+use super::stream::{write_all_vectored, Stream};
 use super::{ConnError, MAX_PAYLOAD};
 use crate::Error;
 
@@ -218,44 +218,6 @@ impl InBuf {
     fn filled(&mut self, n: usize) {
         self.end += n;
     }
-}
-
-/// The iovecs of one vectored write, at most (Linux's IOV_MAX is 1024).
-const MAX_IOVECS: usize = 512;
-
-/// Writes `out` with each buffer of `bufs` inserted where its position says (the length
-/// `out` had when the buffer was queued; positions never decrease), whole, with as few
-/// `writev` calls as the socket takes.
-fn write_all_vectored(
-    w: &mut impl Write,
-    out: &[u8],
-    bufs: &[(usize, Vec<u8>)],
-) -> std::io::Result<()> {
-    let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * bufs.len() + 1);
-    let mut at = 0;
-    for (pos, b) in bufs {
-        slices.push(IoSlice::new(&out[at..*pos]));
-        slices.push(IoSlice::new(b));
-        at = *pos;
-    }
-    slices.push(IoSlice::new(&out[at..]));
-    slices.retain(|s| !s.is_empty());
-    let mut left = &mut slices[..];
-    while !left.is_empty() {
-        let take = left.len().min(MAX_IOVECS);
-        match w.write_vectored(&left[..take]) {
-            Ok(0) => {
-                return Err(std::io::Error::new(
-                    ErrorKind::WriteZero,
-                    "the client's socket took no more bytes",
-                ))
-            }
-            Ok(n) => IoSlice::advance_slices(&mut left, n),
-            Err(e) if e.kind() == ErrorKind::Interrupted => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
 }
 
 /// One client in the transmission phase.
