@@ -54,6 +54,7 @@ done
 echo
 echo "=== VM lab summary (logs: $OUT/logs) ==="
 for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
+  grep -E '^    (FAILED|.* did not finish)' "$OUT/$kernel.summary" 2>/dev/null || true
   tail -1 "$OUT/$kernel.summary" 2>/dev/null || echo "suite ($kernel kernel): did not run"
 done
 echo "vm-test: the VM part took $(($(date +%s) - start)) s"

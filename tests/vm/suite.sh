@@ -91,6 +91,13 @@ for f in $(ls "$RESULTS" | sort); do
     log="$LOGS/$MODE-$name.log"
     sed -n '/^failures:$/,$p' "$log" | head -200
     [ "$missing" -eq 0 ] && [ "$failed" -eq 0 ] && tail -30 "$log"
+    # Each failed test by name with where it panicked and the panic's first line, into the
+    # summary too: scripts/vm-test.sh repeats them last, where a log's tail is all one sees.
+    awk -v bin="$name" '
+      /^---- .* stdout ----$/ { t = $2; want = 0; next }
+      t != "" && / panicked at / { sub(/.* panicked at /, ""); sub(/:$/, ""); at = $0; want = 1; next }
+      want { printf "    FAILED %s %s at %s: %s\n", bin, t, at, substr($0, 1, 160); t = ""; want = 0 }
+    ' "$log" | tee -a "$SUMMARY"
   fi
 done
 
