@@ -1,7 +1,7 @@
 //! [`CompletionQueue`]: where work requests end, and what drives progress.
 
 use std::os::fd::BorrowedFd;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -59,6 +59,56 @@ impl IdleSpin {
     }
 }
 
+/// A yield that took this long gave the CPU to another thread (alone on its CPU, a
+/// `sched_yield` returns in well under a microsecond, in a KVM guest too).
+const YIELD_RAN_OTHERS: Duration = Duration::from_micros(3);
+
+/// At most this many spin turns between two yields.
+const MAX_YIELD_EVERY: u32 = 16;
+
+/// How often a busy-poll spell yields the CPU, fitted to what yielding does: every turn while a
+/// yield gives the CPU to someone (on 2 CPUs shared by a client, the NBD export and the target,
+/// the spinning loop would otherwise keep the one that answers it off the CPU), every second,
+/// fourth, ... up to [`MAX_YIELD_EVERY`]th turn while yields return at once (nobody else wants
+/// the CPU: a yield is a system call each turn then, and the spin sees its completion that
+/// much later; at depth 1 through the NBD export that was 1.5 us of a 4 KiB write,
+/// docs/benchmarks.md "Yielding in the spin").
+#[derive(Debug)]
+struct SpinYield {
+    /// Yield every `every`th turn (kept across waits: the queue's traffic changes slowly).
+    every: AtomicU32,
+}
+
+impl SpinYield {
+    fn new() -> SpinYield {
+        SpinYield {
+            every: AtomicU32::new(1),
+        }
+    }
+
+    /// Spin turn `turn` (from 1) of a spell: yields when it is time to, and learns from how
+    /// long the yield took.
+    fn turn(&self, turn: u32) {
+        let every = self.every.load(Ordering::Relaxed);
+        if !turn.is_multiple_of(every) {
+            return;
+        }
+        let t = Instant::now();
+        std::thread::yield_now();
+        self.learn(t.elapsed());
+    }
+
+    fn learn(&self, took: Duration) {
+        let every = self.every.load(Ordering::Relaxed);
+        let next = if took >= YIELD_RAN_OTHERS {
+            1
+        } else {
+            (every * 2).min(MAX_YIELD_EVERY)
+        };
+        self.every.store(next, Ordering::Relaxed);
+    }
+}
+
 /// A completion queue (`ibv_cq`). Cheap to clone; every clone is the same queue.
 ///
 /// Polling it drives the sockets of every queue pair bound to it, in the calling thread: there
@@ -80,6 +130,8 @@ pub(crate) struct CqInner {
     engine: CqEngine,
     /// The busy-poll spell of `wait` and `wait_any`.
     spin: IdleSpin,
+    /// How often the spell yields.
+    yielder: SpinYield,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -108,6 +160,7 @@ impl CompletionQueue {
                 list,
                 engine,
                 spin: IdleSpin::new(),
+                yielder: SpinYield::new(),
             }),
         })
     }
@@ -212,6 +265,7 @@ impl CompletionQueue {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
         let mut last_activity = start;
+        let mut turn = 0u32;
         loop {
             let n = self.poll(out)?;
             if n > 0 {
@@ -230,8 +284,9 @@ impl CompletionQueue {
                 }
                 // The spell is the caller's to spend, not the machine's: a thread that is
                 // ready to run on this CPU (the client this loop serves, the process that
-                // answers it) runs first. Alone on its CPU the yield returns at once.
-                std::thread::yield_now();
+                // answers it) runs first, as often as yielding finds one (SpinYield).
+                turn = turn.wrapping_add(1);
+                self.inner.yielder.turn(turn);
                 continue;
             }
             // Idle: block until a socket is ready (arming writability where output waits), or
@@ -277,6 +332,25 @@ mod tests {
     use super::*;
 
     const US: Duration = Duration::from_micros(1);
+
+    #[test]
+    fn the_spell_yields_less_often_while_yields_return_at_once_and_every_turn_once_one_did_not() {
+        let y = SpinYield::new();
+        let every = |y: &SpinYield| y.every.load(Ordering::Relaxed);
+        assert_eq!(every(&y), 1);
+        for want in [2, 4, 8, 16, 16] {
+            y.learn(Duration::from_nanos(300));
+            assert_eq!(every(&y), want);
+        }
+        // A yield that gave the CPU away: back to every turn.
+        y.learn(YIELD_RAN_OTHERS);
+        assert_eq!(every(&y), 1);
+        // turn() yields only on every `every`th turn: off-turns learn nothing.
+        y.learn(Duration::ZERO);
+        assert_eq!(every(&y), 2);
+        y.turn(1);
+        assert_eq!(every(&y), 2);
+    }
 
     #[test]
     fn the_spin_grows_to_cover_short_sleeps_and_shrinks_after_long_ones() {
