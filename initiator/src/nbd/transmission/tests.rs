@@ -155,3 +155,39 @@ fn inbuf_compacts_and_grows() {
     b.consume(5);
     assert!(b.bytes().is_empty());
 }
+
+#[test]
+fn inbuf_keeps_its_memory_through_a_burst_of_large_requests_and_gives_it_back_after() {
+    let mut b = InBuf::default();
+    let big = 2 << 20;
+    let fill = |b: &mut InBuf, n: usize| {
+        b.room(n);
+        b.filled(n);
+    };
+    fill(&mut b, big);
+    let grown = b.data.len();
+    assert!(grown >= big);
+    b.consume(big);
+    assert!(b.bytes().is_empty());
+    // The next large request finds the memory there (no growing, no zeroing).
+    assert_eq!(
+        b.data.len(),
+        grown,
+        "a round of large requests keeps the buffer"
+    );
+    fill(&mut b, big);
+    assert_eq!(b.data.len(), grown);
+    // A small round while bytes wait: nothing is given back.
+    b.consume(512);
+    assert_eq!(b.data.len(), grown);
+    b.consume(big - 512);
+    assert_eq!(b.data.len(), grown);
+    // A small round after the burst: the memory goes back.
+    fill(&mut b, 4096);
+    b.consume(4096);
+    assert_eq!(
+        b.data.len(),
+        0,
+        "a small round after a burst gives the buffer back"
+    );
+}
