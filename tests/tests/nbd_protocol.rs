@@ -126,6 +126,38 @@ fn a_client_at_depth_32_has_32_requests_in_flight() {
     );
 }
 
+/// The export keeps the receive buffer a large WRITE grew while large WRITEs come, and gives it
+/// back once the client is quiet (100 ms): with `--idle-timeout 0` (no time-out on the socket)
+/// the short wait it set for that must not outlive it, or the quiet client after it would be
+/// closed 100 ms into its next pause.
+#[test]
+fn a_client_quiet_after_large_writes_is_served_on() {
+    let (_d, _shm, t) = start("quiet");
+    for idle in ["0", "600"] {
+        let e = Export::start(&t, 1, &format!("quiet{idle}"), &["--idle-timeout", idle]);
+        let mut c = Raw::connect(&e.sock);
+        let big = pattern(20, 2 << 20);
+        for _ in 0..2 {
+            assert_eq!(c.write(0, 0, &big), 0, "idle {idle}");
+        }
+        // Quiet: the buffer goes back; then a small write, quiet again, and reads.
+        std::thread::sleep(Duration::from_millis(300));
+        let small = pattern(21, 4096);
+        assert_eq!(c.write(0, 2 << 20, &small), 0, "idle {idle}");
+        std::thread::sleep(Duration::from_millis(300));
+        assert!(c.read(0, 2 << 20) == Ok(big.clone()), "idle {idle}");
+        assert!(c.read(2 << 20, 4096) == Ok(small), "idle {idle}");
+        let disc = c.request(CMD_DISC, 0, 1, 0, 0);
+        c.send(&disc);
+        assert!(c.closed());
+        let line = e.log_line(" closed after ");
+        assert!(
+            line.contains("closed after 5 request(s)"),
+            "idle {idle}: {line}"
+        );
+    }
+}
+
 #[test]
 fn pipelined_overlapping_requests_keep_their_order() {
     let (_d, _shm, t) = start("order");
@@ -281,6 +313,7 @@ fn the_template_unit_passes_verify_and_its_command_line_gets_ready() {
 rpma_tests::rdma_runs!(
     bad_clients_lose_their_own_connection_and_change_nothing_else,
     a_client_at_depth_32_has_32_requests_in_flight,
+    a_client_quiet_after_large_writes_is_served_on,
     pipelined_overlapping_requests_keep_their_order,
     sigterm_answers_what_was_sent_flushes_and_exits_0,
     the_template_unit_passes_verify_and_its_command_line_gets_ready,

@@ -10,7 +10,7 @@
 use std::io::{ErrorKind, Read};
 use std::ops::Range;
 use std::sync::atomic::Ordering;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 use log::Level;
 
@@ -24,13 +24,15 @@ use super::slots::{Slot, Source};
 use super::stream::{write_all_vectored, Stream};
 use super::{ConnError, MAX_PAYLOAD};
 use crate::Error;
+use inbuf::{InBuf, READ_CHUNK};
 
 /// Bytes read from the socket ahead of the requests being executed, at most.
 const READ_AHEAD: usize = 64 << 20;
 /// Payload bytes (reads and writes) of one batch, at most (one request may exceed it).
 const BATCH_BYTES: u64 = 64 << 20;
-/// Bytes asked of each socket read.
-const READ_CHUNK: usize = 256 << 10;
+/// How long a client may be quiet before the large receive buffer a burst of large WRITEs
+/// left it is given back.
+const KEEP_IDLE: Duration = Duration::from_millis(100);
 /// Bytes of zeroes written per piece of a WRITE_ZEROES.
 const ZERO_PIECE: usize = 1 << 20;
 
@@ -175,54 +177,6 @@ fn split(buf: &[u8], max_items: usize) -> Split {
         s.consumed = at + plen;
     }
     s
-}
-
-/// Bytes received and not yet consumed: `data[start..end]`.
-#[derive(Debug, Default)]
-struct InBuf {
-    data: Vec<u8>,
-    start: usize,
-    end: usize,
-}
-
-impl InBuf {
-    fn bytes(&self) -> &[u8] {
-        &self.data[self.start..self.end]
-    }
-
-    /// `n` bytes were executed. Once the buffer is empty, a large one is given back when
-    /// the round just executed was small (a burst of large writes is over); a round of large
-    /// writes keeps it for the next: growing it anew for every 1 MiB WRITE cost a realloc's
-    /// copy and a zeroing each time, 6% of the export's samples on 1 MiB writes at depth 1
-    /// (perf, docs/benchmarks.md "The export's 1 MiB writes").
-    /// The most it holds is the same either way: one batch of requests.
-    fn consume(&mut self, n: usize) {
-        self.start += n;
-        if self.start >= self.end {
-            self.start = 0;
-            self.end = 0;
-            if self.data.len() > 4 * READ_CHUNK && n <= 4 * READ_CHUNK {
-                self.data = Vec::new();
-            }
-        }
-    }
-
-    /// Free space for at least `n` more bytes.
-    fn room(&mut self, n: usize) -> &mut [u8] {
-        if self.data.len() - self.end < n {
-            self.data.copy_within(self.start..self.end, 0);
-            self.end -= self.start;
-            self.start = 0;
-            if self.data.len() - self.end < n {
-                self.data.resize(self.end + n, 0);
-            }
-        }
-        &mut self.data[self.end..]
-    }
-
-    fn filled(&mut self, n: usize) {
-        self.end += n;
-    }
 }
 
 /// One client in the transmission phase.
@@ -408,15 +362,33 @@ impl<'a> Client<'a> {
         let need = want.saturating_sub(self.buf.bytes().len()).max(READ_CHUNK);
         let idle = self.shared.opts.limits.idle_timeout;
         loop {
-            if let Some(d) = idle {
-                let left = (self.slot.since() + d).saturating_duration_since(Instant::now());
-                if left.is_zero() {
-                    return Err(ConnError::Idle(d));
+            let left = match idle {
+                Some(d) => {
+                    let left = (self.slot.since() + d).saturating_duration_since(Instant::now());
+                    if left.is_zero() {
+                        return Err(ConnError::Idle(d));
+                    }
+                    Some(left)
                 }
-                self.stream.set_read_timeout(Some(left))?;
+                None => None,
+            };
+            // A large buffer kept from a burst of large WRITEs goes back once the client has
+            // been quiet for KEEP_IDLE: an idle client holds no more than a fresh one.
+            let keeping = self.buf.bytes().is_empty() && self.buf.large();
+            let timeout = match (keeping, left) {
+                (true, l) => Some(l.map_or(KEEP_IDLE, |l| l.min(KEEP_IDLE))),
+                (false, l) => l,
+            };
+            if timeout.is_some() {
+                self.stream.set_read_timeout(timeout)?;
             }
             let room = self.buf.room(need);
-            match self.stream.read(room) {
+            let r = self.stream.read(room);
+            if keeping && idle.is_none() {
+                // Back to no time-out, as the socket was.
+                self.stream.set_read_timeout(None)?;
+            }
+            match r {
                 Ok(0) => {
                     self.eof = true;
                     return Ok(());
@@ -427,7 +399,9 @@ impl<'a> Client<'a> {
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    if idle.is_none() {
+                    if keeping {
+                        self.buf.release();
+                    } else if idle.is_none() {
                         return Err(e.into());
                     }
                 }
@@ -705,5 +679,6 @@ impl<'a> Client<'a> {
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzz;
 
+mod inbuf;
 #[cfg(test)]
 mod tests;
