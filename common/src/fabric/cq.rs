@@ -71,8 +71,8 @@ const MAX_YIELD_EVERY: u32 = 16;
 /// the spinning loop would otherwise keep the one that answers it off the CPU), every second,
 /// fourth, ... up to [`MAX_YIELD_EVERY`]th turn while yields return at once (nobody else wants
 /// the CPU: a yield is a system call each turn then, and the spin sees its completion that
-/// much later; at depth 1 through the NBD export that was 1.5 us of a 4 KiB write,
-/// docs/benchmarks.md "Yielding in the spin").
+/// much later; at depth 1 through the NBD export that was 1.5 us of a 4 KiB write:
+/// docs/benchmarks.md, "Yielding in the spin" and "Yielding as often as it helps").
 #[derive(Debug)]
 struct SpinYield {
     /// Yield every `every`th turn (kept across waits: the queue's traffic changes slowly).
