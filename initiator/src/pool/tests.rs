@@ -1,0 +1,292 @@
+use super::*;
+use rpma_common::fabric::Context;
+
+fn rec(ns: usize, offset: u64, len: usize, seq: u64) -> WriteRec {
+    WriteRec {
+        ns,
+        offset,
+        len,
+        seq,
+        notify: false,
+    }
+}
+
+/// Two queues' pools in one replay order: a slot's write registers as it is set, moving on
+/// (posted, completed, re-issued) keeps it registered, freeing or dropping the pool
+/// releases it, and a newer write of the other pool takes the bytes it covers for good.
+#[test]
+fn pools_of_one_connection_share_the_replay_order() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let order = Arc::new(crate::replay::ReplayOrder::default());
+    let (mut a, mut b) = (
+        Pool::new(&pd, 2, 2, 16384).unwrap(),
+        Pool::new(&pd, 2, 2, 16384).unwrap(),
+    );
+    a.join(Member::new(Arc::clone(&order), vec![1, 2]));
+    b.join(Member::new(Arc::clone(&order), vec![2, 1]));
+    let sa = a.take_free().unwrap();
+    let seq = a.next_seq();
+    let w = WriteRec {
+        notify: true,
+        ..rec(0, 0, 12288, seq)
+    };
+    a.set(sa, Slot::Writing(w));
+    a.set(sa, Slot::Held(WriteRec { notify: false, ..w }));
+    assert!(a.carries(sa, &w));
+    assert_eq!(a.replay_pieces(&w), [(0, 12288)]);
+    // B's index 1 is nsid 1 too: its write in the middle splits A's.
+    let sb = b.take_free().unwrap();
+    let seq = b.next_seq();
+    let v = rec(1, 4096, 4096, seq);
+    b.set(sb, Slot::Writing(v));
+    assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+    // B's write done with (durable): the bytes stay B's.
+    b.set(sb, Slot::Free);
+    assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+    // A's re-issue moves the same write on: nothing changes.
+    a.set(sa, Slot::Writing(w));
+    assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+    assert_eq!(order.len(), 2);
+    // Another namespace of B's is apart.
+    let (sb, seq) = (b.take_free().unwrap(), b.next_seq());
+    b.set(sb, Slot::Held(rec(0, 0, 4096, seq)));
+    assert_eq!(a.replay_pieces(&w), [(0, 4096), (8192, 12288)]);
+    drop(b);
+    assert_eq!(order.len(), 2, "B's write on nsid 2 released");
+    a.clear();
+    assert!(!a.carries(sa, &w));
+    assert_eq!(order.len(), 0);
+}
+
+/// A queue alone on its connection keeps its write out of the map; a second queue's newer
+/// write over part of it, done with and released before the first one enters (a
+/// tombstone meanwhile), still keeps that part from the first one's replay.
+#[test]
+fn a_write_made_before_a_second_queue_joined_is_still_ordered() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let order = Arc::new(crate::replay::ReplayOrder::default());
+    let mut a = Pool::new(&pd, 2, 2, 16384).unwrap();
+    a.join(Member::new(Arc::clone(&order), vec![1]));
+    let (sa, seq) = (a.take_free().unwrap(), a.next_seq());
+    let w = rec(0, 0, 8192, seq);
+    a.set(sa, Slot::Held(w));
+    let mut b = Pool::new(&pd, 2, 2, 16384).unwrap();
+    b.join(Member::new(Arc::clone(&order), vec![1]));
+    let (sb, seq) = (b.take_free().unwrap(), b.next_seq());
+    b.set(sb, Slot::Writing(rec(0, 0, 4096, seq)));
+    b.set(sb, Slot::Free);
+    assert_eq!(a.replay_pieces(&w), [(4096, 8192)]);
+}
+
+/// A durable acknowledgement of a newer write inside an older, larger held write must not
+/// free the newer one alone: the replay would re-issue only the older write and put its
+/// stale bytes back over the acknowledged ones.
+#[test]
+fn an_acknowledged_write_under_an_older_held_one_stays_for_the_replay() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 4, 4, 1 << 17).unwrap();
+    let (old, new, other) = (
+        p.take_free().unwrap(),
+        p.take_free().unwrap(),
+        p.take_free().unwrap(),
+    );
+    p.set(old, Slot::Held(rec(0, 0, 1 << 17, 1)));
+    p.set(new, Slot::Held(rec(0, 4096, 4096, 2)));
+    // Newer than `new` and overlapping it, but outside the older write's shadow: free.
+    p.set(other, Slot::Held(rec(0, 1 << 20, 4096, 3)));
+    assert_eq!(p.release_held(0, 4096, 8192, false), 0);
+    assert_eq!(p.release_held(0, 1 << 20, (1 << 20) + 4096, false), 1);
+    let held = p.on_connection_lost();
+    assert_eq!(
+        held.iter()
+            .map(|(_, w)| (w.offset, w.seq))
+            .collect::<Vec<_>>(),
+        [(0, 1), (4096, 2)],
+        "the replay re-applies the acknowledged write after the older one"
+    );
+    // An in-flight older write shadows as well.
+    p.set(old, Slot::Writing(rec(0, 0, 1 << 17, 1)));
+    assert_eq!(p.release_held(0, 4096, 8192, false), 0);
+    // A persist of the whole held span frees both; APM frees every held write.
+    p.set(old, Slot::Held(rec(0, 0, 1 << 17, 1)));
+    assert_eq!(p.release_held(0, 0, 1 << 17, false), 2);
+    p.set(old, Slot::Held(rec(0, 0, 1 << 17, 4)));
+    p.set(new, Slot::Held(rec(0, 4096, 4096, 5)));
+    assert_eq!(p.release_held(0, 0, 0, true), 2);
+}
+
+#[test]
+fn a_newer_write_of_the_same_block_frees_the_held_older_one() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 2, 6, 4096).unwrap();
+    let s: Vec<usize> = (0..5).map(|_| p.take_free().unwrap()).collect();
+    p.set(s[0], Slot::Held(rec(0, 0, 4096, 1)));
+    p.set(s[1], Slot::Held(rec(0, 8192, 4096, 2)));
+    p.set(s[2], Slot::Held(rec(1, 0, 4096, 3)));
+    let mut pending = rec(0, 8192, 4096, 4);
+    pending.notify = true;
+    p.set(s[3], Slot::Held(pending));
+    assert_eq!(p.number(Kind::Held), 4);
+    // Same namespace and offset, at least as long: the older copy goes.
+    assert!(p.supersede(&rec(0, 0, 4096, 5)));
+    assert_eq!(p.get(s[0]), Some(Slot::Free));
+    // Another namespace, a shorter write, or a write whose completion the caller still
+    // waits for (s[3], the latest at 8192): kept.
+    assert!(!p.supersede(&rec(1, 4096, 4096, 6)));
+    assert!(
+        !p.supersede(&rec(0, 8192, 4096, 7)),
+        "a pending report stays"
+    );
+    p.set(s[4], Slot::Writing(rec(0, 16384, 8192, 8)));
+    assert!(!p.supersede(&rec(0, 16384, 8192, 9)), "still in flight");
+    assert_eq!(p.number(Kind::Held), 3);
+    // The replay has every write that is still needed, in post order.
+    let held = p.on_connection_lost();
+    assert_eq!(
+        held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
+        vec![2, 3, 4, 8]
+    );
+}
+
+#[test]
+fn at_most_depth_slots_are_in_flight_the_rest_hold_writes() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 2, 8, 4096).unwrap();
+    let a = p.take_free().unwrap();
+    p.set(a, Slot::Writing(rec(0, 0, 4096, 1)));
+    let b = p.take_free().unwrap();
+    p.set(
+        b,
+        Slot::Reading {
+            ns: 0,
+            item: 0,
+            at: 0,
+            len: 8,
+        },
+    );
+    assert_eq!(p.take_free(), None, "two in flight");
+    p.set(a, Slot::Held(rec(0, 0, 4096, 1)));
+    let c = p.take_free().unwrap();
+    p.set(
+        c,
+        Slot::Started {
+            ns: 0,
+            ticket: 7,
+            len: 8,
+        },
+    );
+    assert_eq!(p.number(Kind::StartedOutstanding), 1);
+    assert_eq!(p.number(Kind::Reading), 1);
+    p.set(c, Slot::StartedDone { ticket: 7, len: 8 });
+    assert_eq!(p.done_read(7), Some((c, 8)));
+    assert_eq!(p.number(Kind::StartedOutstanding), 0);
+    p.set(c, Slot::Free);
+    assert_eq!(p.done_read(7), None);
+}
+
+#[test]
+fn slots_cycle_and_held_writes_are_released_by_range() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 4, 4, 4096).unwrap();
+    let a = p.take_free().unwrap();
+    let b = p.take_free().unwrap();
+    let c = p.take_free().unwrap();
+    p.set(a, Slot::Held(rec(0, 0, 4096, 1)));
+    p.set(b, Slot::Held(rec(0, 8192, 4096, 2)));
+    p.set(c, Slot::Held(rec(1, 0, 4096, 3)));
+    assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 3);
+    assert_eq!(p.in_flight(), 0, "held writes are not in flight");
+    // The ranges a persist of the held writes covers, per namespace: apart, not their span.
+    assert_eq!(p.held_ranges(0), vec![(0, 4096), (8192, 12288)]);
+    assert_eq!(p.held_ranges(1), vec![(0, 4096)]);
+    assert!(p.held_ranges(2).is_empty());
+    // Only namespace 0's write inside [0, 4096).
+    assert_eq!(p.release_held(0, 0, 4096, false), 1);
+    assert_eq!(p.get(a), Some(Slot::Free));
+    // A range that covers part of a write does not release it.
+    assert_eq!(p.release_held(0, 8192, 8200, false), 0);
+    assert_eq!(p.release_held(0, 0, 0, true), 1);
+    assert_eq!(p.count(|s| *s == Slot::Free), 3);
+    p.fill(c, b"abc").unwrap();
+    let mut out = [0u8; 3];
+    p.copy_out(c, &mut out).unwrap();
+    assert_eq!(&out, b"abc");
+    assert!(
+        p.fill(c, &[0u8; 4097]).is_ok(),
+        "spills into the next slot's memory"
+    );
+    assert!(p.fill(3, &[0u8; 4097]).is_err(), "but never past the pool");
+}
+
+#[test]
+fn ranges_merge_when_they_overlap_or_touch_and_stay_apart_otherwise() {
+    assert_eq!(
+        merge_ranges(vec![
+            (8192, 12288),
+            (0, 4096),
+            (4096, 4608),
+            (100, 200),
+            (9000, 9000)
+        ]),
+        vec![(0, 4608), (8192, 12288)]
+    );
+    assert!(merge_ranges(vec![(5, 5)]).is_empty());
+}
+
+#[test]
+fn connection_loss_voids_started_reads_in_flight_and_keeps_completed_ones() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 3, 3, 512).unwrap();
+    let s: Vec<usize> = (0..3).map(|_| p.take_free().unwrap()).collect();
+    p.set(
+        s[0],
+        Slot::Started {
+            ns: 0,
+            ticket: 1,
+            len: 8,
+        },
+    );
+    p.set(s[1], Slot::StartedDone { ticket: 2, len: 8 });
+    let mut w = rec(0, 0, 512, 3);
+    w.notify = true;
+    p.set(s[2], Slot::Writing(w));
+    assert_eq!(p.in_flight(), 2);
+    let held = p.on_connection_lost();
+    assert_eq!(p.get(s[0]), Some(Slot::Free), "in flight: void");
+    assert_eq!(p.get(s[1]), Some(Slot::StartedDone { ticket: 2, len: 8 }));
+    // The started Write is held for the replay and still to be reported.
+    assert_eq!(held, vec![(s[2], w)]);
+    assert_eq!(p.in_flight(), 0);
+}
+
+#[test]
+fn connection_loss_holds_unfinished_writes_in_post_order_and_drops_reads() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 4, 4, 512).unwrap();
+    let s: Vec<usize> = (0..4).map(|_| p.take_free().unwrap()).collect();
+    p.set(s[0], Slot::Writing(rec(0, 512, 512, 9)));
+    p.set(s[1], Slot::Held(rec(0, 0, 512, 4)));
+    p.set(
+        s[2],
+        Slot::Reading {
+            ns: 0,
+            item: 0,
+            at: 0,
+            len: 8,
+        },
+    );
+    assert_eq!((p.in_flight(), p.max_in_flight()), (2, 2));
+    let held = p.on_connection_lost();
+    assert_eq!((p.in_flight(), p.max_in_flight()), (0, 2));
+    assert_eq!(
+        held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
+        vec![4, 9]
+    );
+    assert_eq!(p.get(s[2]), Some(Slot::Free));
+    assert_eq!(p.take_free(), Some(s[2]));
+    let pd2 = Context::soft().alloc_pd().unwrap();
+    p.rebind(&pd2).unwrap();
+    assert_eq!(p.sge(1, 8).offset, 512);
+    p.clear();
+    assert_eq!(p.count(|s| *s == Slot::Free), 4);
+}
