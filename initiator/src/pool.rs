@@ -159,8 +159,18 @@ pub(crate) struct Pool {
     latest: HashMap<(usize, u64), usize>,
     /// Completed started Reads by ticket.
     done_reads: HashMap<u64, usize>,
+    /// (post order, slot) of every write that came into a slot, oldest first: what a persist
+    /// walks instead of every slot (a pool may have thousands, a durable job holds a few). An
+    /// entry whose slot no longer carries that write is stale: skipped, and dropped once the
+    /// stale ones outnumber the writes carried.
+    order: Vec<(u64, usize)>,
     /// The replay order this queue shares with the other queues of its connection.
     replay: Option<Member>,
+}
+
+/// Whether `slots[i]` still carries the write of post order `seq`.
+fn live(slots: &[Slot], seq: u64, i: usize) -> bool {
+    slots[i].write().is_some_and(|w| w.seq == seq)
 }
 
 /// A posted request that has not completed yet.
@@ -231,6 +241,7 @@ impl Pool {
             notify_writing: 0,
             latest: HashMap::new(),
             done_reads: HashMap::new(),
+            order: Vec::new(),
             replay: None,
         })
     }
@@ -331,6 +342,10 @@ impl Pool {
             }
         }
         self.slots[slot] = s;
+        if let Some(w) = n.filter(|w| o.map(WriteRec::key) != Some(w.key())) {
+            self.order.push((w.seq, slot));
+            self.compact();
+        }
         if let Some(w) = s.write() {
             let newer = |p: &usize| {
                 self.slots[*p]
@@ -453,16 +468,29 @@ impl Pool {
     /// overlapping and adjacent ones merged.
     pub(crate) fn held_ranges(&self, ns: usize) -> Vec<(u64, u64)> {
         let all: Vec<(u64, u64)> = self
-            .slots
-            .iter()
-            .filter_map(|s| match s {
-                Slot::Held(w) | Slot::Writing(w) if w.ns == ns => {
-                    Some((w.offset, w.offset + w.len as u64))
-                }
-                _ => None,
-            })
+            .writes()
+            .filter(|(w, _)| w.ns == ns)
+            .map(|(w, _)| (w.offset, w.offset + w.len as u64))
             .collect();
         merge_ranges(all)
+    }
+
+    /// Drops the stale entries of the index once they outnumber the writes carried (amortized:
+    /// at most one pass per as many writes as it keeps).
+    fn compact(&mut self) {
+        let carried = self.kinds[1] + self.kinds[2];
+        if self.order.len() > 2 * carried + 64 {
+            let slots = &self.slots;
+            self.order.retain(|&(seq, i)| live(slots, seq, i));
+        }
+    }
+
+    /// The writes the slots carry (posted or held), with their slots; in no set order.
+    fn writes(&self) -> impl Iterator<Item = (WriteRec, usize)> + '_ {
+        self.order.iter().filter_map(|&(seq, i)| {
+            let w = self.slots[i].write()?;
+            (w.seq == seq).then_some((w, i))
+        })
     }
 
     /// Held writes of namespace `ns` inside `[start, end)` (all of them if `all`) become free.
@@ -477,17 +505,12 @@ impl Pool {
         // The namespace's writes in post order; each one is judged after every older one, so
         // one pass settles it (keeping one write may keep a newer one over it).
         let mut mine: Vec<(WriteRec, usize, bool)> = self
-            .slots
-            .iter()
-            .enumerate()
-            .filter_map(|(i, s)| match *s {
-                Slot::Held(w) if w.ns == ns => Some((
-                    w,
-                    i,
-                    all || (w.offset >= start && w.offset + w.len as u64 <= end),
-                )),
-                Slot::Writing(w) if w.ns == ns => Some((w, i, false)),
-                _ => None,
+            .writes()
+            .filter(|(w, _)| w.ns == ns)
+            .map(|(w, i)| {
+                let held = matches!(self.slots[i], Slot::Held(_));
+                let inside = w.offset >= start && w.offset + w.len as u64 <= end;
+                (w, i, held && (all || inside))
             })
             .collect();
         mine.sort_unstable_by_key(|(w, _, _)| w.seq);
@@ -508,6 +531,7 @@ impl Pool {
                 kept.insert((a, w.seq), b);
             }
         }
+        self.compact();
         n
     }
 
@@ -543,6 +567,7 @@ impl Pool {
         for i in 0..self.slots.len() {
             self.set(i, Slot::Free);
         }
+        self.order.clear();
     }
 }
 

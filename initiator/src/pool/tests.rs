@@ -290,3 +290,69 @@ fn connection_loss_holds_unfinished_writes_in_post_order_and_drops_reads() {
     p.clear();
     assert_eq!(p.count(|s| *s == Slot::Free), 4);
 }
+
+/// The writes a persist walks are the ones the slots carry, however many came and went: a long
+/// run of writes (posted, held, superseded, released by persists, a slot reused) in a pool of
+/// many slots gives the same held ranges and frees the same writes as a scan of every slot,
+/// and the index stays a small multiple of the writes carried.
+#[test]
+fn the_index_a_persist_walks_matches_the_slots_and_stays_small() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 4, 512, 4096).unwrap();
+    let scan = |p: &Pool, ns: usize| {
+        let all = p
+            .slots
+            .iter()
+            .filter_map(|s| s.write())
+            .filter(|w| w.ns == ns)
+            .map(|w| (w.offset, w.offset + w.len as u64))
+            .collect();
+        merge_ranges(all)
+    };
+    let mut x: u64 = 0x9e37_79b9_7f4a_7c15;
+    let mut next = || {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        x
+    };
+    let mut posted: Vec<usize> = Vec::new();
+    for round in 0..20_000u32 {
+        let r = next();
+        let (ns, block) = ((r % 2) as usize, (r >> 8) % 64);
+        let w = rec(ns, block * 4096, 4096, p.next_seq());
+        p.supersede(&w);
+        if let Some(s) = p.take_free() {
+            p.set(s, Slot::Writing(w));
+            posted.push(s);
+        }
+        if posted.len() == 4 || round % 7 == 0 {
+            for s in posted.drain(..) {
+                let w = p.get(s).unwrap().write().unwrap();
+                p.set(s, Slot::Held(w));
+            }
+        }
+        if round % 97 == 0 {
+            let (lo, hi) = (block * 4096, block * 4096 + 16 * 4096);
+            let before = p.number(Kind::Held);
+            let freed = p.release_held(ns, lo, hi, round % 3 == 0);
+            assert_eq!(p.number(Kind::Held), before - freed);
+        }
+        for ns in 0..2 {
+            assert_eq!(p.held_ranges(ns), scan(&p, ns), "round {round}");
+        }
+        let carried = p.count(|s| s.write().is_some());
+        assert!(
+            p.order.len() <= 2 * carried + 65,
+            "round {round}: {} entries for {carried} writes",
+            p.order.len()
+        );
+    }
+    assert!(p.number(Kind::Held) > 0);
+    let held = p.count(|s| matches!(s, Slot::Held(_)));
+    assert_eq!(
+        p.release_held(0, 0, 0, true) + p.release_held(1, 0, 0, true),
+        held
+    );
+    assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 0);
+}
