@@ -12,6 +12,8 @@
 //! no newer write of a queue of the same [`Connection`] wrote since); a first connection
 //! that fails while the target is not up yet (or has no room) is retried the same way
 //! ([`ReconnectPolicy`]).
+//! Large writes can skip the copy into the queue's bounce buffers: fill a [`WriteBuf`] and
+//! use the `*_from` calls ([`writebuf`]).
 //! docs/initiator.md has the design and the CLI reference.
 //!
 //! The control side: [`connect`] opens a [`Session`] (transport, Connect, mutual
@@ -70,6 +72,7 @@ mod pool;
 mod queue;
 mod replay;
 mod session;
+pub mod writebuf;
 
 pub use connect::{
     connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, RECV_DEPTH,
@@ -80,3 +83,4 @@ pub use namespace::Namespace;
 pub use queue::{Completed, Connection, Queue, QueueOptions, QueueStats, ReconnectPolicy, Ticket};
 pub use rpma_common::proto::msgbuf::CONTROL_BIT;
 pub use session::{Session, DROP_GOODBYE};
+pub use writebuf::WriteBuf;

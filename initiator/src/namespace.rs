@@ -7,6 +7,8 @@
 //! call up to the queue depth of requests are in flight; the batch calls put many independent
 //! transfers in flight at once.
 
+use std::ops::Range;
+
 use rpma_common::fabric::{RemoteAddr, SendOp};
 use rpma_common::proto::NamespaceDescriptor;
 
@@ -14,6 +16,31 @@ pub use crate::checks::{check_aligned, check_atomic, check_healthy, check_range,
 use crate::durability::{Choice, Durability, PersistMethod};
 use crate::error::{Error, Result};
 use crate::queue::{OnLoss, Queue};
+use crate::writebuf::{Data, WriteBuf};
+
+/// The items of a batch call, to be copied into bounce slots.
+fn copied<'a>(items: &[(u64, &'a [u8])]) -> Vec<(u64, Data<'a>)> {
+    items.iter().map(|&(o, b)| (o, Data::Bytes(b))).collect()
+}
+
+/// The items of a batch call from write buffers, checked.
+fn bufs<'a>(items: &[(u64, &'a WriteBuf, Range<usize>)]) -> Result<Vec<(u64, Data<'a>)>> {
+    items
+        .iter()
+        .map(|(o, b, r)| Ok((*o, from_buf(b, r.clone())?)))
+        .collect()
+}
+
+/// `range` of `buf`, checked.
+fn from_buf(buf: &WriteBuf, range: Range<usize>) -> Result<Data<'_>> {
+    let len = range.end.saturating_sub(range.start);
+    buf.check(range.start, len)?;
+    Ok(Data::Buf {
+        buf,
+        at: range.start,
+        len,
+    })
+}
 
 /// One namespace, borrowed from its queue.
 #[derive(Debug)]
@@ -107,6 +134,31 @@ impl<'q> Namespace<'q> {
     /// # Errors
     /// As [`write_at`](Self::write_at), checked for every range before any is posted.
     pub fn write_batch(&mut self, items: &[(u64, &[u8])]) -> Result<()> {
+        self.write_items(&copied(items))
+    }
+
+    /// [`write_at`](Self::write_at) from `range` of a [`WriteBuf`], without copying it: the
+    /// queue holds the buffer ([`WriteBuf::holds`]) instead of a copy until a durability call
+    /// covers the write.
+    ///
+    /// # Errors
+    /// As [`write_at`](Self::write_at); [`Error::InvalidArgument`] for a range outside the buffer
+    /// or empty.
+    pub fn write_from(&mut self, offset: u64, buf: &WriteBuf, range: Range<usize>) -> Result<()> {
+        let data = from_buf(buf, range)?;
+        self.write_items(&[(offset, data)])
+    }
+
+    /// [`write_batch`](Self::write_batch) from ranges of [`WriteBuf`]s, without copying them (as
+    /// [`write_from`](Self::write_from)).
+    ///
+    /// # Errors
+    /// As [`write_from`](Self::write_from), checked for every range before any is posted.
+    pub fn write_batch_from(&mut self, items: &[(u64, &WriteBuf, Range<usize>)]) -> Result<()> {
+        self.write_items(&bufs(items)?)
+    }
+
+    fn write_items(&mut self, items: &[(u64, Data<'_>)]) -> Result<()> {
         let d = self.desc();
         check_writable(&d)?;
         for (off, b) in items {
@@ -137,10 +189,30 @@ impl<'q> Namespace<'q> {
     /// NIC does): the Read may return the new bytes. Where that matters, use
     /// [`start_write_fenced`](Self::start_write_fenced).
     pub fn start_write(&mut self, offset: u64, data: &[u8]) -> Result<crate::Ticket> {
+        self.start(offset, Data::Bytes(data), false)
+    }
+
+    /// [`start_write`](Self::start_write) from `range` of a [`WriteBuf`] (1 byte to one chunk),
+    /// without copying it: the queue holds the buffer until a durability call covers the write.
+    ///
+    /// # Errors
+    /// As [`start_write`](Self::start_write); [`Error::InvalidArgument`] also for a range outside
+    /// the buffer.
+    pub fn start_write_from(
+        &mut self,
+        offset: u64,
+        buf: &WriteBuf,
+        range: Range<usize>,
+    ) -> Result<crate::Ticket> {
+        let data = from_buf(buf, range)?;
+        self.start(offset, data, false)
+    }
+
+    fn start(&mut self, offset: u64, data: Data<'_>, fence: bool) -> Result<crate::Ticket> {
         let d = self.descriptor();
         check_writable(d)?;
         check_range(d, offset, data.len() as u64)?;
-        self.q.start_write(self.idx, offset, data, false)
+        self.q.start_write(self.idx, offset, data, fence)
     }
 
     /// [`start_write`](Self::start_write), but the Write starts only once every Read started
@@ -149,10 +221,7 @@ impl<'q> Namespace<'q> {
     /// # Errors
     /// As [`start_write`](Self::start_write).
     pub fn start_write_fenced(&mut self, offset: u64, data: &[u8]) -> Result<crate::Ticket> {
-        let d = self.descriptor();
-        check_writable(d)?;
-        check_range(d, offset, data.len() as u64)?;
-        self.q.start_write(self.idx, offset, data, true)
+        self.start(offset, Data::Bytes(data), true)
     }
 
     /// The most bytes one started request moves: the queue's chunk
@@ -278,6 +347,41 @@ impl<'q> Namespace<'q> {
     /// # Errors
     /// As [`write_durable`](Self::write_durable), checked for every range before any is posted.
     pub fn write_batch_durable(&mut self, items: &[(u64, &[u8])]) -> Result<Durability> {
+        self.write_items_durable(&copied(items))
+    }
+
+    /// [`write_durable`](Self::write_durable) from `range` of a [`WriteBuf`], without copying
+    /// it. When this returns the queue holds the buffer no longer, unless an older write of
+    /// this queue that overlaps it is still held (a replay re-issues the two in order; a
+    /// [`persist_own_writes`](Self::persist_own_writes) lets both go).
+    ///
+    /// # Errors
+    /// As [`write_durable`](Self::write_durable); [`Error::InvalidArgument`] for a range outside
+    /// the buffer or empty.
+    pub fn write_durable_from(
+        &mut self,
+        offset: u64,
+        buf: &WriteBuf,
+        range: Range<usize>,
+    ) -> Result<Durability> {
+        let data = from_buf(buf, range)?;
+        self.write_items_durable(&[(offset, data)])
+    }
+
+    /// [`write_batch_durable`](Self::write_batch_durable) from ranges of [`WriteBuf`]s, without
+    /// copying them (as [`write_durable_from`](Self::write_durable_from)).
+    ///
+    /// # Errors
+    /// As [`write_durable_from`](Self::write_durable_from), checked for every range before any
+    /// is posted.
+    pub fn write_batch_durable_from(
+        &mut self,
+        items: &[(u64, &WriteBuf, Range<usize>)],
+    ) -> Result<Durability> {
+        self.write_items_durable(&bufs(items)?)
+    }
+
+    fn write_items_durable(&mut self, items: &[(u64, Data<'_>)]) -> Result<Durability> {
         let d = self.desc();
         check_writable(&d)?;
         for (off, b) in items {

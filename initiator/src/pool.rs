@@ -5,13 +5,19 @@
 //! A write's slot is kept ([`Slot::Held`]) from the moment its Write is posted until a
 //! durability acknowledgement covers it: that copy is what a reconnect re-issues. A read's slot
 //! is free again once its bytes are copied out.
+//!
+//! A write from a caller's [`WriteBuf`] takes a slot too (the count of writes in flight and held
+//! stays the pool's), but not its memory: the slot writes from the buffer, registered in the
+//! pool's domain, and keeps a hold on it ([`crate::writebuf`]) instead of a copy.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::Arc;
+use std::sync::atomic::AtomicUsize;
+use std::sync::{Arc, Weak};
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
 
 use crate::replay::{Carried, Member};
+use crate::writebuf::{Data, Hold, WriteBuf};
 
 /// What a slot holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -134,8 +140,21 @@ pub(crate) fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     merged
 }
 
+/// Where the bytes of a slot's write are when they are not in the slot: a caller's
+/// [`WriteBuf`], from byte `at`.
+struct Ext {
+    id: u64,
+    mem: Arc<AlignedBuf>,
+    mr: Arc<MemoryRegion>,
+    at: usize,
+    /// Keeps the caller from refilling the buffer until the slot is free.
+    _hold: Hold,
+}
+
 /// The bounce buffers of one queue.
 pub(crate) struct Pool {
+    /// The domain the memory is registered in (the connection's).
+    pd: ProtectionDomain,
     mem: Arc<AlignedBuf>,
     mr: Arc<MemoryRegion>,
     sink: Arc<AlignedBuf>,
@@ -164,6 +183,13 @@ pub(crate) struct Pool {
     /// entry whose slot no longer carries that write is stale: skipped, and dropped once the
     /// stale ones outnumber the writes carried.
     order: Vec<(u64, usize)>,
+    /// Bytes copied into slots by [`Pool::load`].
+    copied: u64,
+    /// The slots whose write is from a caller's buffer.
+    ext: HashMap<usize, Ext>,
+    /// This pool's registrations of callers' buffers, by buffer id, while a buffer lives (its
+    /// weak handle tells); made again in a new domain.
+    ext_mrs: HashMap<u64, (Weak<AtomicUsize>, Arc<MemoryRegion>)>,
     /// The replay order this queue shares with the other queues of its connection.
     replay: Option<Member>,
 }
@@ -226,6 +252,7 @@ impl Pool {
         let sink = AlignedBuf::new(64)?;
         let sink_mr = pd.register(Arc::clone(&sink), Access::LOCAL_WRITE)?;
         Ok(Pool {
+            pd: pd.clone(),
             mem,
             mr,
             sink,
@@ -242,6 +269,9 @@ impl Pool {
             latest: HashMap::new(),
             done_reads: HashMap::new(),
             order: Vec::new(),
+            copied: 0,
+            ext: HashMap::new(),
+            ext_mrs: HashMap::new(),
             replay: None,
         })
     }
@@ -286,6 +316,21 @@ impl Pool {
     pub(crate) fn rebind(&mut self, pd: &ProtectionDomain) -> fabric::Result<()> {
         self.mr = pd.register(Arc::clone(&self.mem), Access::LOCAL_WRITE)?;
         self.sink_mr = pd.register(Arc::clone(&self.sink), Access::LOCAL_WRITE)?;
+        self.pd = pd.clone();
+        // The callers' buffers held writes are from, once each; the others register again when
+        // next written from.
+        self.ext_mrs.clear();
+        let mut again: HashMap<u64, Arc<MemoryRegion>> = HashMap::new();
+        for e in self.ext.values_mut() {
+            e.mr = match again.get(&e.id) {
+                Some(mr) => Arc::clone(mr),
+                None => {
+                    let mr = pd.register(Arc::clone(&e.mem), Access::LOCAL_WRITE)?;
+                    again.insert(e.id, Arc::clone(&mr));
+                    mr
+                }
+            };
+        }
         Ok(())
     }
 
@@ -322,6 +367,13 @@ impl Pool {
         }
         if let Slot::StartedDone { ticket, .. } = s {
             self.done_reads.insert(ticket, slot);
+        }
+        if s == Slot::Free
+            || old
+                .write()
+                .is_some_and(|o| s.write().map(WriteRec::key) != Some(o.key()))
+        {
+            self.ext.remove(&slot);
         }
         if let Some(w) = old.write() {
             if self.latest.get(&(w.ns, w.offset)) == Some(&slot) {
@@ -417,6 +469,9 @@ impl Pool {
 
     /// Gives back a slot from [`take_free`](Self::take_free) that was not used.
     pub(crate) fn untake(&mut self, slot: usize) {
+        if self.slots.get(slot) == Some(&Slot::Free) {
+            self.ext.remove(&slot);
+        }
         if self.slots.get(slot) == Some(&Slot::Free) && !self.free.contains(&slot) {
             self.free.push(slot);
         }
@@ -428,9 +483,59 @@ impl Pool {
         self.next_seq
     }
 
-    /// Copies `data` (at most a chunk) into `slot`.
-    pub(crate) fn fill(&self, slot: usize, data: &[u8]) -> fabric::Result<()> {
-        self.mem.write_at(slot * self.chunk, data)
+    /// Puts a write's bytes (at most a chunk) in `slot`, taken and not set yet: copies them in,
+    /// or makes the slot write from the caller's buffer (registered in this pool's domain the
+    /// first time) and holds it.
+    pub(crate) fn load(&mut self, slot: usize, data: Data<'_>) -> fabric::Result<()> {
+        match data {
+            Data::Bytes(b) => {
+                self.ext.remove(&slot);
+                self.mem.write_at(slot * self.chunk, b)?;
+                self.copied += b.len() as u64;
+                Ok(())
+            }
+            Data::Buf { buf, at, .. } => {
+                let mr = self.registered(buf)?;
+                let e = Ext {
+                    id: buf.id(),
+                    mem: Arc::clone(buf.mem()),
+                    mr,
+                    at,
+                    _hold: buf.hold(),
+                };
+                self.ext.insert(slot, e);
+                Ok(())
+            }
+        }
+    }
+
+    /// Bytes copied into slots by [`load`](Self::load) so far.
+    pub(crate) fn bytes_copied(&self) -> u64 {
+        self.copied
+    }
+
+    /// `buf` registered in this pool's domain.
+    fn registered(&mut self, buf: &WriteBuf) -> fabric::Result<Arc<MemoryRegion>> {
+        if let Some((_, mr)) = self.ext_mrs.get(&buf.id()) {
+            return Ok(Arc::clone(mr));
+        }
+        self.ext_mrs
+            .retain(|_, (alive, _)| alive.strong_count() > 0);
+        let mr = self
+            .pd
+            .register(Arc::clone(buf.mem()), Access::LOCAL_WRITE)?;
+        self.ext_mrs
+            .insert(buf.id(), (buf.alive(), Arc::clone(&mr)));
+        Ok(mr)
+    }
+
+    /// The local side of a Write of `len` bytes from byte `at` of the write `slot` carries: the
+    /// slot, or the caller's buffer it writes from.
+    pub(crate) fn write_sge(&self, slot: usize, at: usize, len: usize) -> Sge {
+        match self.ext.get(&slot) {
+            Some(e) => Sge::new(&e.mr, e.at + at, len),
+            None => self.sge_at(slot, at, len),
+        }
     }
 
     /// Copies the first `out.len()` bytes of `slot` out.
@@ -456,6 +561,12 @@ impl Pool {
     /// The value an atomic left in the sink (native endian, as the fabric stores it).
     pub(crate) fn sink_value(&self) -> fabric::Result<u64> {
         self.sink.read_u64(0)
+    }
+
+    /// The registration a slot's write from a caller's buffer uses (tests).
+    #[cfg(test)]
+    pub(crate) fn ext_mr(&self, slot: usize) -> Option<Arc<MemoryRegion>> {
+        self.ext.get(&slot).map(|e| Arc::clone(&e.mr))
     }
 
     /// Slots in a state matching `f` (tests; the queue uses [`Pool::number`]).

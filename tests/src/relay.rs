@@ -459,3 +459,39 @@ fn close_both(from: &TcpStream, to: &TcpStream) {
     let _ = to.shutdown(Shutdown::Both);
     let _ = from.shutdown(Shutdown::Both);
 }
+
+/// Cuts `relay`'s links after `after` from another thread and waits on the started requests of
+/// `ns` through the loss: the completions reported before the wait that sees the cut, then
+/// those reported after it (the queue reconnected), until a wait reports none. Returns the
+/// loss (the error that wait returned) and every completion reported.
+pub fn wait_started_through_a_cut(
+    relay: &Arc<Relay>,
+    after: Duration,
+    ns: &mut rpma_initiator::Namespace<'_>,
+) -> (rpma_initiator::Error, Vec<rpma_initiator::Completed>) {
+    let cutter = {
+        let r = Arc::clone(relay);
+        std::thread::spawn(move || {
+            std::thread::sleep(after);
+            r.cut();
+        })
+    };
+    let (mut seen, mut done) = (Vec::new(), Vec::new());
+    let err = loop {
+        done.clear();
+        match ns.wait_started(&mut done) {
+            Ok(()) => seen.extend(done.iter().copied()),
+            Err(e) => break e,
+        }
+    };
+    cutter.join().unwrap();
+    loop {
+        done.clear();
+        ns.wait_started(&mut done).unwrap();
+        if done.is_empty() {
+            break;
+        }
+        seen.extend(done.iter().copied());
+    }
+    (err, seen)
+}

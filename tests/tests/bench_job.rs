@@ -123,4 +123,59 @@ fn an_unknown_job_option_exits_2_and_names_it() {
     assert!(text(&o).contains("does not fit"), "{}", text(&o));
 }
 
+/// A job without verify writes from a registered buffer (no bounce copy): its bytes land, on
+/// the started path (fsync=0) and the durable batch path alike; `--copy-writes` writes the same
+/// bytes through the bounce buffers; and the flag means nothing without --job.
+#[test]
+fn writes_without_verify_go_from_a_registered_buffer_and_land() {
+    let (d, _shm, t) = start();
+    let job = d.path().join("plain.fio");
+    std::fs::write(
+        &job,
+        "[global]\nstonewall\n\
+         [s]\nrw=write\nbs=4k\noffset=0\nsize=256k\niodepth=4\n\
+         [b]\nrw=randwrite\nbs=64k\noffset=256k\nsize=512k\niodepth=2\nfsync=1\n",
+    )
+    .unwrap();
+    let conn = rpma_tests::conn_args(&t.url(), SUB, HOST, Some(1));
+    for (extra, fill) in [(&[][..], 0u8), (&["--copy-writes"][..], 0x11)] {
+        // Something else there first, so that the bytes read back are the job's.
+        rpma_tests::cli_write_with(&conn, d.path(), 0, &vec![fill; 768 << 10]);
+        let o = bench(&t, "1", &job, extra);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        let back = rpma_tests::cli_read_with(&conn, d.path(), 0, 768 << 10);
+        let (written, rest) = back.split_at(256 << 10);
+        assert!(
+            written.iter().all(|&b| b == 0xA5),
+            "{extra:?}: the started writes"
+        );
+        // A random job of 8 blocks at depth 2 writes most of its region, not all of it.
+        let blocks = rest
+            .chunks(64 << 10)
+            .filter(|c| c.iter().all(|&b| b == 0xA5));
+        assert!(blocks.count() >= 4, "{extra:?}: the durable batch writes");
+        assert!(
+            rest.chunks(64 << 10)
+                .all(|c| c.iter().all(|&b| b == 0xA5) || c.iter().all(|&b| b == fill)),
+            "{extra:?}: every block whole"
+        );
+    }
+    let url = t.url();
+    let o = initiator(&[
+        "--target",
+        &url,
+        "--nqn",
+        SUB,
+        "--hostnqn",
+        HOST,
+        "--nsid",
+        "1",
+        "bench",
+        "--copy-writes",
+        "--yes",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--job"), "{}", text(&o));
+}
+
 rpma_tests::rdma_runs!(a_job_file_runs_verifies_and_reports_fio_json,);

@@ -515,36 +515,12 @@ fn started_writes_survive_a_cut_link_and_started_reads_are_reported_void() {
         .map(|(i, b)| ns.start_write(i as u64 * 4096, b).unwrap())
         .collect();
     let read = ns.start_read(0, 4096).unwrap();
-    let mut done = Vec::new();
-    let cutter = {
-        let r = std::sync::Arc::clone(&relay);
-        std::thread::spawn(move || {
-            std::thread::sleep(Duration::from_millis(300));
-            r.cut();
-        })
-    };
     // The Writes complete locally (TCP took them); the Read cannot: the wait sees the cut
-    // link, reconnects, and reports the loss.
-    let mut seen = Vec::new();
-    let err = loop {
-        done.clear();
-        match ns.wait_started(&mut done) {
-            Ok(()) => seen.extend(done.iter().copied()),
-            Err(e) => break e,
-        }
-    };
+    // link, reconnects, and reports the loss. Whatever was not reported before the loss is
+    // reported after it: every Write once, the Read never (void: its slot was freed).
+    let (err, seen) =
+        rpma_tests::relay::wait_started_through_a_cut(&relay, Duration::from_millis(300), &mut ns);
     assert!(err.is_connection_loss(), "{err}");
-    cutter.join().unwrap();
-    // Whatever was not reported before the loss is reported after it: every Write once, the
-    // Read never (void: its slot was freed).
-    loop {
-        done.clear();
-        ns.wait_started(&mut done).unwrap();
-        if done.is_empty() {
-            break;
-        }
-        seen.extend(done.iter().copied());
-    }
     for t in &tickets {
         let n = seen.iter().filter(|c| **c == Completed::Write(*t)).count();
         assert_eq!(n, 1, "write {t:?} reported {n} times: {seen:?}");

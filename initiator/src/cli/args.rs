@@ -297,6 +297,10 @@ pub(crate) struct JobArgs {
     /// How --job reports: fio's text summary, or fio's JSON (also with --json) [default: normal].
     #[arg(long, value_name = "FORMAT", value_parser = ["normal", "json"], requires = "job")]
     pub(crate) output_format: Option<String>,
+    /// With --job: copy each write into the queue's bounce buffers, as `write_at` does, instead
+    /// of writing from a registered buffer without a copy (the default where verify is off).
+    #[arg(long, requires = "job")]
+    pub(crate) copy_writes: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {

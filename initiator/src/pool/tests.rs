@@ -1,4 +1,5 @@
 use super::*;
+use crate::writebuf::{Data, WriteBuf};
 use rpma_common::fabric::Context;
 
 fn rec(ns: usize, offset: u64, len: usize, seq: u64) -> WriteRec {
@@ -207,15 +208,18 @@ fn slots_cycle_and_held_writes_are_released_by_range() {
     assert_eq!(p.release_held(0, 8192, 8200, false), 0);
     assert_eq!(p.release_held(0, 0, 0, true), 1);
     assert_eq!(p.count(|s| *s == Slot::Free), 3);
-    p.fill(c, b"abc").unwrap();
+    p.load(c, Data::Bytes(b"abc")).unwrap();
     let mut out = [0u8; 3];
     p.copy_out(c, &mut out).unwrap();
     assert_eq!(&out, b"abc");
     assert!(
-        p.fill(c, &[0u8; 4097]).is_ok(),
+        p.load(c, Data::Bytes(&[0u8; 4097])).is_ok(),
         "spills into the next slot's memory"
     );
-    assert!(p.fill(3, &[0u8; 4097]).is_err(), "but never past the pool");
+    assert!(
+        p.load(3, Data::Bytes(&[0u8; 4097])).is_err(),
+        "but never past the pool"
+    );
 }
 
 #[test]
@@ -355,4 +359,93 @@ fn the_index_a_persist_walks_matches_the_slots_and_stays_small() {
         held
     );
     assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 0);
+}
+
+/// A slot that writes from a caller's buffer points its Write at the buffer (registered once
+/// per domain, again after a rebind), holds the buffer until the slot is free (or handed back
+/// unused), and copies nothing; a slot loaded with bytes again writes from its own memory.
+#[test]
+fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 4, 4, 4096).unwrap();
+    let b = WriteBuf::new(8192).unwrap();
+    let s = p.take_free().unwrap();
+    p.load(
+        s,
+        Data::Buf {
+            buf: &b,
+            at: 4096,
+            len: 100,
+        },
+    )
+    .unwrap();
+    assert_eq!((b.holds(), p.bytes_copied()), (1, 0));
+    let w = rec(0, 0, 100, p.next_seq());
+    p.set(s, Slot::Writing(w));
+    let sge = p.write_sge(s, 10, 50);
+    assert_eq!(
+        (sge.offset, sge.len),
+        (4106, 50),
+        "in the buffer, not the slot"
+    );
+    let lkey = p.ext_mr(s).unwrap().lkey();
+    assert_eq!(
+        p.ext_mr(s).unwrap().addr(),
+        b.mem().as_volatile().as_ptr() as u64
+    );
+    // The same write moving on keeps the buffer; a second slot shares the registration.
+    p.set(s, Slot::Held(w));
+    let t = p.take_free().unwrap();
+    p.load(
+        t,
+        Data::Buf {
+            buf: &b,
+            at: 0,
+            len: 10,
+        },
+    )
+    .unwrap();
+    let seq = p.next_seq();
+    p.set(t, Slot::Writing(rec(0, 4096, 10, seq)));
+    assert_eq!(p.ext_mr(t).unwrap().lkey(), lkey);
+    assert_eq!(b.holds(), 2);
+    // A new domain: the held writes' buffer is registered in it.
+    let pd2 = ctx.alloc_pd().unwrap();
+    p.rebind(&pd2).unwrap();
+    let again = p.ext_mr(s).unwrap();
+    assert_ne!(again.lkey(), lkey);
+    assert_eq!(p.ext_mr(t).unwrap().lkey(), again.lkey());
+    assert_eq!(p.write_sge(s, 0, 100).offset, 4096);
+    p.set(s, Slot::Free);
+    p.set(t, Slot::Free);
+    assert_eq!(b.holds(), 0);
+    // Handed back unused, and loaded with bytes: the slot's own memory again.
+    let u = p.take_free().unwrap();
+    p.load(
+        u,
+        Data::Buf {
+            buf: &b,
+            at: 0,
+            len: 10,
+        },
+    )
+    .unwrap();
+    assert_eq!(b.holds(), 1);
+    p.untake(u);
+    assert_eq!(b.holds(), 0);
+    let u = p.take_free().unwrap();
+    p.load(
+        u,
+        Data::Buf {
+            buf: &b,
+            at: 0,
+            len: 10,
+        },
+    )
+    .unwrap();
+    p.load(u, Data::Bytes(b"abc")).unwrap();
+    assert_eq!((b.holds(), p.bytes_copied()), (0, 3));
+    assert!(p.ext_mr(u).is_none());
+    assert_eq!(p.write_sge(u, 0, 3).offset, u * 4096);
 }

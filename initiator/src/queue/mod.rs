@@ -48,6 +48,7 @@ use crate::durability::{Choice, Durability, PersistMethod};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::replay::Member;
+use crate::writebuf::Data;
 
 mod completion;
 mod connection;
@@ -83,6 +84,9 @@ pub struct QueueStats {
     /// Completion errors a poll did not return because an earlier one of the same poll was
     /// (each logged at debug level): after a loss, every other flushed request gives one.
     pub errors_not_returned: u64,
+    /// Bytes of writes copied into the bounce buffers: all of a plain write's, none of a write
+    /// from a [`WriteBuf`](crate::WriteBuf) (re-issues copy nothing either).
+    pub bytes_copied: u64,
 }
 
 /// One connected queue pair and its registered buffers. Not shared between threads: open one
@@ -192,6 +196,7 @@ impl Queue {
             reconnects: self.reconnect.reconnects(),
             unmatched_completions: c.unmatched_completions,
             errors_not_returned: c.errors_not_returned,
+            bytes_copied: c.bytes_copied,
         }
     }
 
@@ -319,7 +324,7 @@ impl Queue {
         &mut self,
         idx: usize,
         offset: u64,
-        data: &[u8],
+        data: Data<'_>,
         fence: bool,
     ) -> Result<Ticket> {
         self.engine.check_one_chunk(data.len())?;
@@ -345,7 +350,7 @@ impl Queue {
     pub(crate) fn post_writes(
         &mut self,
         idx: usize,
-        items: &[(u64, &[u8])],
+        items: &[(u64, Data<'_>)],
         tail: Vec<SendWr>,
     ) -> Result<()> {
         self.engine.post_writes(&self.persister, idx, items, tail)
@@ -418,7 +423,7 @@ impl Queue {
     pub(crate) fn write_and_persist(
         &mut self,
         ns: usize,
-        items: &[(u64, &[u8])],
+        items: &[(u64, Data<'_>)],
         ranges: &[(u64, u64)],
         choice: Choice,
     ) -> Result<Durability> {

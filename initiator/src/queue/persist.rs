@@ -11,6 +11,7 @@ use super::engine::{Engine, MakeRoom};
 use crate::checks::check_healthy;
 use crate::durability::{choose_method, Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
+use crate::writebuf::Data;
 
 /// The durability method of one namespace, as a queue knows it.
 #[derive(Debug, Clone)]
@@ -315,7 +316,7 @@ impl Persister {
         &self,
         e: &mut Engine,
         ns: usize,
-        items: &[(u64, &[u8])],
+        items: &[(u64, Data<'_>)],
         ranges: &[(u64, u64)],
         choice: Choice,
     ) -> Result<crate::Durability> {

@@ -74,6 +74,9 @@ pub(crate) struct Job {
     /// Make the writes durable after every this many (0: never; 1: every write).
     pub(crate) fsync: u32,
     pub(crate) verify: bool,
+    /// Copy each write into the queue's bounce buffers (`bench --copy-writes`) rather than write
+    /// from a registered buffer; a verifying job always copies (its bytes differ per block).
+    pub(crate) copy_writes: bool,
     /// The options as written (global first), for the report's "job options".
     pub(crate) options: Vec<(String, String)>,
 }
@@ -94,6 +97,7 @@ impl Job {
             rwmixread: 50,
             fsync: 0,
             verify: false,
+            copy_writes: false,
             options: Vec::new(),
         }
     }

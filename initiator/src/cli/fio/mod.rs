@@ -48,7 +48,10 @@ pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
         code: 2,
         err: anyhow::Error::new(e).context(format!("reading {}", path.display())),
     })?;
-    let jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
+    let mut jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
+    for j in &mut jobs {
+        j.copy_writes = args.copy_writes;
+    }
     let (depth, slots, chunk) = pool_shape(&jobs);
     let conn = g.connection_with(depth, chunk, slots * chunk)?;
     let json_out = g.json || args.output_format.as_deref() == Some("json");

@@ -7,12 +7,13 @@
 //! posted together, and every request in it is charged the batch's time. Sections run one
 //! after another.
 
+use std::ops::Range;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use hdrhistogram::Histogram;
-use rpma_initiator::{Completed, Connection, Durability, Namespace, Ticket};
+use rpma_initiator::{Completed, Connection, Durability, Namespace, Ticket, WriteBuf};
 
 use super::job::Job;
 use crate::cli::Failure;
@@ -198,6 +199,17 @@ impl Picker {
     }
 }
 
+/// The registered buffer a job writes from without a copy (every write the same bytes,
+/// `bytes`): None for a verifying job (each block's bytes differ) or with --copy-writes.
+fn in_place(job: &Job, bytes: &[u8]) -> Result<Option<WriteBuf>, Failure> {
+    if job.verify || job.copy_writes {
+        return Ok(None);
+    }
+    let mut b = WriteBuf::new(bytes.len())?;
+    b.fill(0, bytes)?;
+    Ok(Some(b))
+}
+
 /// xorshift64*: cheap, and the same sequence for the same seed.
 struct Rng(u64);
 
@@ -258,6 +270,7 @@ fn worker(
     let bs = job.bs as usize;
     let depth = job.iodepth;
     let mut wbufs = vec![vec![0xA5u8; bs]; depth];
+    let zbuf = in_place(job, &wbufs[0])?;
     let mut rbufs = vec![vec![0u8; bs]; depth];
     let mut want = vec![0u8; bs];
     let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
@@ -300,7 +313,7 @@ fn worker(
                 }
             }
             let t = Instant::now();
-            let durable = write(&mut ns, job, &wr, &wbufs, &mut since_sync)?;
+            let durable = write(&mut ns, job, &wr, &wbufs, zbuf.as_ref(), &mut since_sync)?;
             let took = t.elapsed();
             if durable == Some(Durability::VisibleOnly) {
                 out.visible_only = true;
@@ -398,6 +411,7 @@ fn worker_started(
     let mut pick = Picker::new(job, blocks, seed);
     let read_pct = pick.read_pct;
     let (mut wbuf, mut rbuf, mut want) = (vec![0xA5u8; bs], vec![0u8; bs], vec![0u8; bs]);
+    let zbuf = in_place(job, &wbuf)?;
     let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
     let mut out = Outcome::empty();
     let start = Instant::now();
@@ -435,7 +449,10 @@ fn worker_started(
                     fill(at(block), &mut wbuf);
                     written[(block / 64) as usize] |= 1 << (block % 64);
                 }
-                let ticket = ns.start_write(at(block), &wbuf)?;
+                let ticket = match &zbuf {
+                    Some(b) => ns.start_write_from(at(block), b, 0..bs)?,
+                    None => ns.start_write(at(block), &wbuf)?,
+                };
                 writes.push(InFlight {
                     ticket,
                     since,
@@ -519,18 +536,28 @@ fn write(
     job: &Job,
     blocks: &[u64],
     bufs: &[Vec<u8>],
+    zbuf: Option<&WriteBuf>,
     since_sync: &mut u32,
 ) -> Result<Option<Durability>, Failure> {
     let at = |b: u64| job.offset + b * job.bs;
-    let items: Vec<(u64, &[u8])> = blocks
-        .iter()
-        .zip(bufs)
-        .map(|(&b, buf)| (at(b), buf.as_slice()))
-        .collect();
-    if job.fsync == 1 {
-        return Ok(Some(ns.write_batch_durable(&items)?));
+    if let Some(z) = zbuf {
+        let items: Vec<(u64, &WriteBuf, Range<usize>)> =
+            blocks.iter().map(|&b| (at(b), z, 0..z.len())).collect();
+        if job.fsync == 1 {
+            return Ok(Some(ns.write_batch_durable_from(&items)?));
+        }
+        ns.write_batch_from(&items)?;
+    } else {
+        let items: Vec<(u64, &[u8])> = blocks
+            .iter()
+            .zip(bufs)
+            .map(|(&b, buf)| (at(b), buf.as_slice()))
+            .collect();
+        if job.fsync == 1 {
+            return Ok(Some(ns.write_batch_durable(&items)?));
+        }
+        ns.write_batch(&items)?;
     }
-    ns.write_batch(&items)?;
     if job.fsync > 1 {
         *since_sync += blocks.len() as u32;
         if *since_sync >= job.fsync {

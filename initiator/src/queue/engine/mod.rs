@@ -39,6 +39,7 @@ use super::completion::{
 use crate::error::{Error, LossReason, Result};
 use crate::pool::{Kind, Pool, Slot, WriteRec};
 use crate::session::Session;
+use crate::writebuf::Data;
 
 mod lost;
 mod started;
@@ -66,6 +67,7 @@ pub(super) struct Counters {
     pub(super) doorbells: u64,
     pub(super) unmatched_completions: u64,
     pub(super) errors_not_returned: u64,
+    pub(super) bytes_copied: u64,
 }
 
 /// One connection's data path (the module's doc).
@@ -137,6 +139,7 @@ impl Engine {
             doorbells: self.doorbells,
             unmatched_completions: self.completion_log.unmatched,
             errors_not_returned: self.completion_log.later_errors,
+            bytes_copied: self.pool.bytes_copied(),
         }
     }
 
@@ -206,7 +209,7 @@ impl Engine {
         SendWr::new(
             KIND_WRITE | slot as u64,
             SendOp::Write {
-                local: self.pool.sge_at(slot, at, (end - start) as usize),
+                local: self.pool.write_sge(slot, at, (end - start) as usize),
                 remote,
             },
         )
@@ -510,13 +513,13 @@ impl Engine {
         &mut self,
         room: &(impl MakeRoom + ?Sized),
         idx: usize,
-        items: &[(u64, &[u8])],
+        items: &[(u64, Data<'_>)],
         tail: Vec<SendWr>,
     ) -> Result<()> {
         let chunk = self.pool.chunk();
         let mut pending = Vec::new();
         for (off, data) in items {
-            for (i, piece) in data.chunks(chunk).enumerate() {
+            for (i, piece) in data.pieces(chunk).enumerate() {
                 let slot = match self.pool.take_free() {
                     Some(s) => s,
                     None => {
@@ -531,10 +534,10 @@ impl Engine {
                         }
                     }
                 };
-                if let Err(source) = self.pool.fill(slot, piece) {
+                if let Err(source) = self.pool.load(slot, piece) {
                     self.pool.untake(slot);
                     return Err(Error::Fabric {
-                        op: "filling a bounce buffer",
+                        op: piece.load_op(),
                         source,
                     });
                 }

@@ -21,6 +21,7 @@ use super::{Engine, MakeRoom};
 use crate::error::{Error, Result};
 use crate::pool::{Kind, Slot, WriteRec};
 use crate::queue::completion::{Completed, Ticket};
+use crate::writebuf::Data;
 
 impl Engine {
     /// A free slot for a started request: waits for completions, and makes held writes durable
@@ -43,14 +44,14 @@ impl Engine {
         room: &(impl MakeRoom + ?Sized),
         idx: usize,
         offset: u64,
-        data: &[u8],
+        data: Data<'_>,
         fence: bool,
     ) -> Result<Ticket> {
         let slot = self.slot_for_start(room)?;
-        if let Err(source) = self.pool.fill(slot, data) {
+        if let Err(source) = self.pool.load(slot, data) {
             self.pool.untake(slot);
             return Err(Error::Fabric {
-                op: "filling a bounce buffer",
+                op: data.load_op(),
                 source,
             });
         }
