@@ -18,8 +18,8 @@ use std::time::Instant;
 
 use rdma_sys::{ibv_qp_state, rdma_cm_event_type as ev};
 
+use super::caps::Caps;
 use super::cm::{self, CmId, Conn, EventChannel, Param};
-use super::device::Caps;
 use super::listen::Pending;
 use super::qp::Qp;
 use super::translate::caps;

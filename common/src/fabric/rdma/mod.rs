@@ -22,6 +22,7 @@
 //! always), solicited-event flags on receive completions (`ibv_wc` has none), more than one
 //! scatter entry per request (as on `tcp`).
 
+mod caps;
 mod cm;
 mod cq;
 mod device;

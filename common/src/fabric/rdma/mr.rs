@@ -21,7 +21,8 @@ use rdma_sys::{
     ibv_access_flags as ia, ibv_mr, ibv_mw, ibv_mw_type, ibv_odp_transport_cap_bits as odp,
 };
 
-use super::device::{Caps, Pd};
+use super::caps::Caps;
+use super::device::Pd;
 use super::sys;
 use super::translate;
 use crate::fabric::error::{Error, Result};
@@ -403,7 +404,7 @@ mod tests {
         // A device whose ODP misplaces data (Soft-RoCE): file pages are refused with that
         // reason, pinnable memory is registered as ever.
         let broken = Caps {
-            odp_defect: Some(super::super::device::RXE_ODP_DEFECT),
+            odp_defect: Some(super::super::caps::RXE_ODP_DEFECT),
             ..caps(true, full)
         };
         for b in [MemoryBacking::PageCache, MemoryBacking::FsDax] {
