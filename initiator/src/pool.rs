@@ -148,7 +148,7 @@ struct Ext {
     mr: Arc<MemoryRegion>,
     at: usize,
     /// Keeps the caller from refilling the buffer until the slot is free.
-    _hold: Hold,
+    hold: Hold,
 }
 
 /// The bounce buffers of one queue.
@@ -317,16 +317,15 @@ impl Pool {
         self.mr = pd.register(Arc::clone(&self.mem), Access::LOCAL_WRITE)?;
         self.sink_mr = pd.register(Arc::clone(&self.sink), Access::LOCAL_WRITE)?;
         self.pd = pd.clone();
-        // The callers' buffers held writes are from, once each; the others register again when
-        // next written from.
+        // The callers' buffers held writes are from, once each, into the cache the next writes
+        // from them find; the others register again when next written from.
         self.ext_mrs.clear();
-        let mut again: HashMap<u64, Arc<MemoryRegion>> = HashMap::new();
         for e in self.ext.values_mut() {
-            e.mr = match again.get(&e.id) {
-                Some(mr) => Arc::clone(mr),
+            e.mr = match self.ext_mrs.get(&e.id) {
+                Some((_, mr)) => Arc::clone(mr),
                 None => {
                     let mr = pd.register(Arc::clone(&e.mem), Access::LOCAL_WRITE)?;
-                    again.insert(e.id, Arc::clone(&mr));
+                    self.ext_mrs.insert(e.id, (e.hold.alive(), Arc::clone(&mr)));
                     mr
                 }
             };
@@ -471,9 +470,9 @@ impl Pool {
     pub(crate) fn untake(&mut self, slot: usize) {
         if self.slots.get(slot) == Some(&Slot::Free) {
             self.ext.remove(&slot);
-        }
-        if self.slots.get(slot) == Some(&Slot::Free) && !self.free.contains(&slot) {
-            self.free.push(slot);
+            if !self.free.contains(&slot) {
+                self.free.push(slot);
+            }
         }
     }
 
@@ -501,7 +500,7 @@ impl Pool {
                     mem: Arc::clone(buf.mem()),
                     mr,
                     at,
-                    _hold: buf.hold(),
+                    hold: buf.hold(),
                 };
                 self.ext.insert(slot, e);
                 Ok(())

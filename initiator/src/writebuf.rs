@@ -149,6 +149,14 @@ impl WriteBuf {
 #[derive(Debug)]
 pub(crate) struct Hold(Arc<AtomicUsize>);
 
+impl Hold {
+    /// What tells a registration cache whether the buffer is still alive (as
+    /// [`WriteBuf::alive`]).
+    pub(crate) fn alive(&self) -> std::sync::Weak<AtomicUsize> {
+        Arc::downgrade(&self.0)
+    }
+}
+
 impl Drop for Hold {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);

@@ -417,35 +417,29 @@ fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
     assert_ne!(again.lkey(), lkey);
     assert_eq!(p.ext_mr(t).unwrap().lkey(), again.lkey());
     assert_eq!(p.write_sge(s, 0, 100).offset, 4096);
+    // A new write from the buffer after the rebind finds that registration, not a new one.
+    let v = p.take_free().unwrap();
+    p.load(v, buf_data(&b, 0, 10)).unwrap();
+    assert_eq!(p.ext_mr(v).unwrap().lkey(), again.lkey());
+    p.untake(v);
     p.set(s, Slot::Free);
     p.set(t, Slot::Free);
     assert_eq!(b.holds(), 0);
     // Handed back unused, and loaded with bytes: the slot's own memory again.
     let u = p.take_free().unwrap();
-    p.load(
-        u,
-        Data::Buf {
-            buf: &b,
-            at: 0,
-            len: 10,
-        },
-    )
-    .unwrap();
+    p.load(u, buf_data(&b, 0, 10)).unwrap();
     assert_eq!(b.holds(), 1);
     p.untake(u);
     assert_eq!(b.holds(), 0);
     let u = p.take_free().unwrap();
-    p.load(
-        u,
-        Data::Buf {
-            buf: &b,
-            at: 0,
-            len: 10,
-        },
-    )
-    .unwrap();
+    p.load(u, buf_data(&b, 0, 10)).unwrap();
     p.load(u, Data::Bytes(b"abc")).unwrap();
     assert_eq!((b.holds(), p.bytes_copied()), (0, 3));
     assert!(p.ext_mr(u).is_none());
     assert_eq!(p.write_sge(u, 0, 3).offset, u * 4096);
+}
+
+/// `len` bytes from `at` of `buf`, as a write from it.
+fn buf_data(buf: &WriteBuf, at: usize, len: usize) -> Data<'_> {
+    Data::Buf { buf, at, len }
 }
