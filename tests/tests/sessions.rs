@@ -62,7 +62,9 @@ fn ready_means_accepting_identify_and_gpspm() {
 
     // Status: the session with its host and what is counted, a discovery connection beside
     // it, counters per namespace.
-    let disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(OPEN_HOST), &opts()).unwrap();
+    // The discovery connection asks for the longest keep-alive it may have (clamped to the
+    // target's 10 s) for the same reason.
+    let disc = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(OPEN_HOST), &long).unwrap();
     let v = t.status();
     let sessions = v["sessions"].as_array().unwrap();
     assert_eq!(sessions.len(), 2, "{v}");
