@@ -11,11 +11,14 @@
 #     --runtime S      seconds per run (default 3)
 #     --target DIR     the rpma-target to use (default: the first variant's directory)
 #     --nsid N         1: dax (forced) on /dev/shm (default); 2: a page-cache file
+#     --set 'K = V'    a top-level line of the target's configuration (repeatable),
+#                      e.g. --set 'crc = false' with variants DIR and DIR+--crc,off
 #
 # Example: bench/ab.sh --job 'rw=write bs=1m iodepth=1' /tmp/bin /tmp/bin+--copy-writes
 set -euo pipefail
 cd "$(dirname "$0")/.."
 reps=5 job='rw=randwrite bs=4k iodepth=16' runtime=3 tdir= nsid=1
+sets=()
 while [ $# -gt 0 ]; do
     case $1 in
         --reps) reps=$2; shift 2 ;;
@@ -23,7 +26,8 @@ while [ $# -gt 0 ]; do
         --runtime) runtime=$2; shift 2 ;;
         --target) tdir=$2; shift 2 ;;
         --nsid) nsid=$2; shift 2 ;;
-        -h | --help) sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --set) sets+=("$2"); shift 2 ;;
+        -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/ab.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -41,13 +45,15 @@ local_setup ab
 NQN=nqn.2026-11.io.rpma:bench
 HOSTNQN=nqn.2026-11.io.rpma:bench-host
 write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
+# Top-level settings go before the first table.
+for l in "${sets[@]}"; do sed -i "1i $l" "$SCRATCH/target.toml"; done
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 {
     printf '[global]\nsize=64m\noffset=0\ntime_based=1\nruntime=%s\n[ab]\n' "$runtime"
     tr ' ' '\n' <<<"$job"
 } >"$SCRATCH/ab.fio"
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir"
+echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}"
 : >"$SCRATCH/runs"
 for _ in $(seq "$reps"); do
     for v in "$@"; do

@@ -555,3 +555,60 @@ rpma_tests::rdma_runs!(
     durable_cli_write_survives_sigkill_of_the_target,
     two_initiator_processes_on_separate_namespaces_do_not_interfere,
 );
+
+/// `--crc`: CRC32c is on when either side asks (RFC 5044's C bit), so `--crc off` turns it off
+/// only against a target configured with `crc = false`; the data goes through either way. On
+/// rdma the option is ignored and there is no MPA CRC to report.
+#[test]
+fn crc_is_on_when_either_side_asks_for_it() {
+    let tcp = Transport::current() == Transport::Tcp;
+    for target_crc in [true, false] {
+        let d = rpma_tests::scratch();
+        let config = rpma_tests::Config::new()
+            .set(&format!("crc = {target_crc}"))
+            .subsystem(
+                Subsystem::new(SUB)
+                    .host(HOST)
+                    .namespace(rpma_tests::Namespace::new(1, "ns1", "4MiB")),
+            );
+        let t = Target::start(d.path(), &config.to_string());
+        for ours in ["on", "off"] {
+            let want = match tcp {
+                true => serde_json::Value::Bool(target_crc || ours == "on"),
+                false => serde_json::Value::Null,
+            };
+            let what = format!("target crc = {target_crc}, --crc {ours}");
+            let v = json_cli(
+                &t,
+                &format!("--crc {ours} bench --count 3 --total 1MiB --offset 0"),
+            );
+            assert_eq!(v["crc"], want, "{what}: {v}");
+            let (c, out, all) = cli(
+                &t,
+                &format!("--crc {ours} bench --count 3 --total 64k --offset 0"),
+            );
+            assert_eq!(c, Some(0), "{what}: {all}");
+            let says_off = out.contains("WITHOUT CRC32c");
+            assert_eq!(says_off, want == false, "{what}: {out}");
+            // The data goes through without CRC too: a 1 MiB write (many FPDUs) and its
+            // verify, each on a connection of its own.
+            let pattern = if ours == "on" { "0x3c" } else { "0xc3" };
+            let (c, _, all) = cli(
+                &t,
+                &format!(
+                    "--crc {ours} write --offset 8k --pattern {pattern} --length 1MiB --durable"
+                ),
+            );
+            assert_eq!(c, Some(0), "{what}: {all}");
+            let (c, _, all) = cli(
+                &t,
+                &format!("--crc {ours} verify --offset 8k --pattern {pattern} --length 1MiB"),
+            );
+            assert_eq!(c, Some(0), "{what}: {all}");
+        }
+        // A bad value is a usage error (exit 2) naming the choices.
+        let (c, _, all) = cli(&t, "--crc none list");
+        assert_eq!(c, Some(2), "{all}");
+        assert!(all.contains("on") && all.contains("off"), "{all}");
+    }
+}

@@ -54,6 +54,14 @@ pub(crate) struct Global {
     /// reconnect). A refusal of the host, subsystem or key is not retried.
     #[arg(long, global = true, value_name = "SECONDS", default_value_t = 60.0)]
     pub(crate) reconnect_timeout: f64,
+    /// Ask for MPA CRC32c on tcp:// (on by default; rdma:// ignores it). CRC is used when
+    /// either side asks: off takes effect only against a target configured with
+    /// `crc = false`. CRC catches what TCP's 16-bit checksum misses (a NIC, switch or middlebox
+    /// that corrupts a segment and fixes its checksum): turn it off only on a link you trust
+    /// end to end. It saves a pass over every byte on both sides (docs/benchmarks.md).
+    #[arg(long, global = true, value_name = "on|off", default_value = "on",
+          value_parser = ["on", "off"])]
+    pub(crate) crc: String,
     /// Print JSON instead of text.
     #[arg(long, global = true)]
     pub(crate) json: bool,
@@ -402,10 +410,16 @@ impl Global {
                 self.timeout
             )));
         }
-        Ok(ConnectOptions {
+        let mut o = ConnectOptions {
             timeout: Duration::from_secs_f64(self.timeout),
             ..ConnectOptions::default()
-        })
+        };
+        o.tcp.crc = match self.crc.as_str() {
+            "on" => true,
+            "off" => false,
+            c => return Err(usage(format!("--crc {c}: give on or off"))),
+        };
+        Ok(o)
     }
 }
 #[cfg(test)]
@@ -503,6 +517,7 @@ mod tests {
             persist: None,
             timeout: 0.0,
             reconnect_timeout: -1.0,
+            crc: "on".into(),
             json: false,
             visible_ok: false,
         };
@@ -526,6 +541,27 @@ mod tests {
         let p = g.reconnect_policy().ok().unwrap();
         assert_eq!(p.timeout, Duration::from_secs(90));
         assert!(p.max_attempts > 0);
+        // --crc: on asks for CRC (the default), off does not; anything else is refused, by
+        // the parser and by options() (a Global built otherwise).
+        let g = Global { timeout: 5.0, ..g };
+        assert!(g.options().ok().unwrap().tcp.crc);
+        let g = Global {
+            crc: "off".into(),
+            ..g
+        };
+        assert!(!g.options().ok().unwrap().tcp.crc);
+        let g = Global {
+            crc: "maybe".into(),
+            ..g
+        };
+        assert_eq!(g.options().err().map(|f| f.code), Some(2));
+        let parsed = |a: &[&str]| Cli::try_parse_from(a).map(|c| c.global.crc);
+        assert_eq!(parsed(&["rpma-initiator", "list"]).unwrap(), "on");
+        assert_eq!(
+            parsed(&["rpma-initiator", "list", "--crc", "off"]).unwrap(),
+            "off"
+        );
+        assert!(parsed(&["rpma-initiator", "--crc", "no", "list"]).is_err());
     }
 
     #[test]

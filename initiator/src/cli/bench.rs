@@ -71,6 +71,8 @@ struct Out {
     nsid: u32,
     method: String,
     domain: String,
+    /// Whether the frames carried MPA CRC32c (`null`: not the tcp transport).
+    crc: Option<bool>,
     io_size: u64,
     count: u32,
     write_latency: Latency,
@@ -92,6 +94,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     }
     let offset = start_offset(p)?;
     let mut q = g.connection(p.depth)?.open_queue(0)?;
+    let crc = q.crc();
     let mut ns = q.namespace(g.nsid)?;
     let d = ns.descriptor().clone();
     let room = d.size.saturating_sub(offset);
@@ -158,6 +161,7 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         nsid: g.nsid,
         method,
         domain: d.domain_label(),
+        crc,
         io_size: p.io_size,
         count: p.count,
         write_latency: summarize(wt),
@@ -196,6 +200,11 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     );
     println!("  write (durable at the end): {:.1} MiB/s", out.write_mib_s);
     println!("  read: {:.1} MiB/s", out.read_mib_s);
+    match out.crc {
+        Some(true) => println!("tcp frames with CRC32c"),
+        Some(false) => println!("tcp frames WITHOUT CRC32c (--crc off, target crc = false)"),
+        None => {}
+    }
     crate::cli::require_durable(g, last)
 }
 

@@ -210,6 +210,18 @@ impl Queue {
         self.engine.session_opt().map(|s| s.controller_id())
     }
 
+    /// Whether the current connection's frames carry MPA CRC32c: `Some` on the `tcp`
+    /// transport (CRC is on when either side asked for it: [`ConnectOptions::tcp`]), `None` on
+    /// `rdma` (the NIC's link CRCs) and without a connection.
+    ///
+    /// [`ConnectOptions::tcp`]: crate::ConnectOptions::tcp
+    pub fn crc(&self) -> Option<bool> {
+        self.engine
+            .session_opt()
+            .and_then(|s| s.qp().info().tcp)
+            .map(|t| t.crc)
+    }
+
     /// The options the queue was opened with.
     pub fn options(&self) -> &QueueOptions {
         &self.reconnect.connection().queue
