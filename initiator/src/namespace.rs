@@ -256,6 +256,19 @@ impl<'q> Namespace<'q> {
         self.q.wait_started(out)
     }
 
+    /// [`Queue::wait_started_or`]: [`wait_started`](Self::wait_started) that also returns,
+    /// true, as soon as `input` is readable.
+    ///
+    /// # Errors
+    /// As [`Queue::wait_started`].
+    pub fn wait_started_or(
+        &mut self,
+        out: &mut Vec<crate::Completed>,
+        input: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<bool> {
+        self.q.wait_started_or(out, input)
+    }
+
     /// [`Queue::take_read`]: the bytes of a completed started Read.
     ///
     /// # Errors

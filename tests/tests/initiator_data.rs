@@ -487,6 +487,73 @@ fn a_batch_call_on_slots_full_of_untaken_reads_fails_instead_of_spinning() {
     worker.join().unwrap();
 }
 
+/// `wait_started_or`: a wait for started requests that also ends when the caller's input (a
+/// client's socket, here one end of a socket pair) is readable, so that a server takes in its
+/// client's next request instead of leaving it unread until an earlier one completes.
+#[test]
+fn a_wait_for_started_requests_ends_when_the_callers_input_is_readable() {
+    use nix::sys::signal::Signal;
+    use std::io::{Read, Write};
+    use std::os::fd::AsFd;
+    let (_d, _shm, t) = start("started-or");
+    let mut q = queue_of(&t.url(), 8);
+    let mut ns = q.namespace(4).unwrap();
+    let (mut tx, mut rx) = std::os::unix::net::UnixStream::pair().unwrap();
+    let mut done = Vec::new();
+    // Nothing started: false at once, with the input readable or not.
+    assert!(!ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
+    tx.write_all(b"a").unwrap();
+    assert!(!ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
+    assert!(done.is_empty());
+    if Transport::current() == Transport::Tcp {
+        // A Read that cannot complete while the target is stopped (on rdma the NIC would
+        // answer it without the target's process): the readable input ends the wait, with
+        // nothing added, and again after a drained input became readable during a wait.
+        t.signal(Signal::SIGSTOP);
+        let r = ns.start_read(0, 4096).unwrap();
+        assert!(ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
+        assert!(done.is_empty());
+        let mut b = [0u8; 1];
+        rx.read_exact(&mut b).unwrap();
+        let writer = std::thread::spawn(move || {
+            std::thread::sleep(Duration::from_millis(300));
+            tx.write_all(b"b").unwrap();
+            tx
+        });
+        assert!(ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
+        assert!(done.is_empty());
+        tx = writer.join().unwrap();
+        rx.read_exact(&mut b).unwrap();
+        assert_eq!(&b, b"b");
+        // The input drained, the target running again: the wait ends with the Read.
+        t.signal(Signal::SIGCONT);
+        while done.is_empty() {
+            assert!(!ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
+        }
+        assert_eq!(done, vec![Completed::Read(r)]);
+        ns.take_read(r, &mut [0u8; 4096]).unwrap();
+        done.clear();
+    } else {
+        let mut b = [0u8; 1];
+        rx.read_exact(&mut b).unwrap();
+    }
+    // Writes and Reads with an empty input: each completion reported once, as wait_started.
+    let data = pattern(77, 4096);
+    let w = ns.start_write(8192, &data).unwrap();
+    let r = ns.start_read(8192, 4096).unwrap();
+    while done.len() < 2 {
+        assert!(!ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
+    }
+    done.sort();
+    let mut want = vec![Completed::Write(w), Completed::Read(r)];
+    want.sort();
+    assert_eq!(done, want);
+    let mut back = vec![0u8; 4096];
+    ns.take_read(r, &mut back).unwrap();
+    assert!(back == data);
+    drop(tx);
+}
+
 #[test]
 fn started_writes_survive_a_cut_link_and_started_reads_are_reported_void() {
     let (_d, _shm, t) = start("startcut");

@@ -7,7 +7,7 @@ use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 use rpma_tests::nbd::*;
-use rpma_tests::{built, noise as pattern, repo_file};
+use rpma_tests::{built, four_namespaces, noise as pattern, repo_file, Subsystem};
 
 // ---- bad clients, depth, SIGTERM ----
 
@@ -124,6 +124,108 @@ fn a_client_at_depth_32_has_32_requests_in_flight() {
         line.contains("at most 32 in flight;") && line.contains("queue max in flight 32"),
         "{line}"
     );
+}
+
+/// Bytes the target's connections (local port `port`, not its listener) received and have not
+/// read yet, from /proc/net/tcp: a stopped target's grows with each request sent to it.
+fn unread_by_target(port: u16) -> u64 {
+    let tcp = std::fs::read_to_string("/proc/net/tcp").unwrap();
+    tcp.lines()
+        .skip(1)
+        .filter_map(|l| {
+            let f: Vec<&str> = l.split_whitespace().collect();
+            let local = u16::from_str_radix(f.get(1)?.split(':').nth(1)?, 16).ok()?;
+            if local != port || *f.get(3)? == "0A" {
+                return None;
+            }
+            u64::from_str_radix(f.get(4)?.split(':').nth(1)?, 16).ok()
+        })
+        .sum()
+}
+
+/// Waits until the stopped target's connections have more than `than` bytes unread.
+fn wait_unread_above(t: &rpma_tests::Target, than: u64, what: &str) -> u64 {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let n = unread_by_target(t.port());
+        if n > than {
+            return n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: nothing reached the target"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// A request a client sends while its earlier ones are in flight is started at once, not left
+/// unread in the socket until one of them completes (a client at depth 4 had its fifth request
+/// wait so). The target is stopped, so the first READ stays in flight; the second reaches the
+/// target all the same. tcp only: over rdma the NIC answers a READ without the target's process.
+#[test]
+fn a_request_sent_while_another_is_in_flight_is_started_at_once() {
+    use nix::sys::signal::Signal;
+    if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
+        return;
+    }
+    // Keep-alives an hour apart: nothing but the READs reaches the stopped target.
+    let d = rpma_tests::scratch();
+    let shm = rpma_tests::Shm::new("joins");
+    let config = rpma_tests::Config::new()
+        .set("keep_alive_ms = 3600000")
+        .subsystem(
+            Subsystem::new(SUB)
+                .any_host()
+                .namespaces(four_namespaces(&shm, 512)),
+        );
+    let t = rpma_tests::Target::start(d.path(), &config.to_string());
+    // A request time-out of an hour: the first READ's wait does not end for lack of an answer
+    // (after the default 10 s the export would go on to read the second one anyway).
+    let e = Export::start(&t, 1, "joins", &["--timeout", "3600"]);
+    let data = pattern(11, 8192);
+    cli_write(&t, 1, 0, &data);
+    let mut c = Raw::connect(&e.sock);
+    // The client's queue is up before the target stops, and the client has shown that it
+    // sends requests ahead (two at once): the export watches only such a client's socket.
+    let mut two = c.request(CMD_READ, 0, 5, 0, 4096);
+    two.extend(c.request(CMD_READ, 0, 6, 4096, 4096));
+    c.send(&two);
+    for h in [5u64, 6] {
+        assert_eq!(c.reply(), (0, h));
+        c.take(4096);
+    }
+    // Counted once the target is stopped: before, it may still be reading what came last.
+    t.signal(Signal::SIGSTOP);
+    let deadline = Instant::now() + WAIT;
+    while !std::fs::read_to_string(format!("/proc/{}/stat", t.pid()))
+        .unwrap()
+        .rsplit(')')
+        .next()
+        .is_some_and(|rest| rest.trim_start().starts_with('T'))
+    {
+        assert!(Instant::now() < deadline, "the target did not stop");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let before = unread_by_target(t.port());
+    let r1 = c.request(CMD_READ, 0, 1, 0, 4096);
+    c.send(&r1);
+    let after_first = wait_unread_above(&t, before, "the first READ");
+    let r2 = c.request(CMD_READ, 0, 2, 4096, 4096);
+    c.send(&r2);
+    wait_unread_above(
+        &t,
+        after_first,
+        "the second READ, sent while the first was in flight",
+    );
+    t.signal(Signal::SIGCONT);
+    for (h, off) in [(1u64, 0usize), (2, 4096)] {
+        assert_eq!(c.reply(), (0, h));
+        assert!(c.take(4096) == data[off..off + 4096], "READ {h}");
+    }
+    let disc = c.request(CMD_DISC, 0, 3, 0, 0);
+    c.send(&disc);
+    assert!(c.closed());
 }
 
 /// The export keeps the receive buffer a large WRITE grew while large WRITEs come, and gives it

@@ -12,6 +12,7 @@
 //! usual. A queue that gave up fails every request in flight.
 
 use std::collections::HashMap;
+use std::os::fd::BorrowedFd;
 
 use super::proto::{simple_reply_header, EINVAL, EIO, ENOSPC, EPERM, SIMPLE_REPLY_LEN};
 use crate::{Completed, Error, Namespace, Ticket};
@@ -219,8 +220,26 @@ impl Pipeline {
     /// finished. An error is returned after it was dealt with (see the module docs), for the
     /// caller to log and to see whether the queue gave up.
     pub(crate) fn complete(&mut self, ns: &mut Namespace<'_>) -> Result<(), Error> {
+        self.complete_or(ns, None).map(|_| ())
+    }
+
+    /// [`complete`](Self::complete), but it also returns, true and having answered nothing,
+    /// as soon as `input` (the client's socket) is readable: the client's next request is
+    /// taken in while its earlier ones are in flight.
+    pub(crate) fn complete_or(
+        &mut self,
+        ns: &mut Namespace<'_>,
+        input: Option<BorrowedFd<'_>>,
+    ) -> Result<bool, Error> {
         let mut done = std::mem::take(&mut self.done);
-        let r = ns.wait_started(&mut done);
+        let r = match input {
+            Some(fd) => ns.wait_started_or(&mut done, fd),
+            None => ns.wait_started(&mut done).map(|()| false),
+        };
+        if matches!(r, Ok(true)) {
+            self.done = done;
+            return Ok(true);
+        }
         if r.is_ok() && done.is_empty() && !self.pieces.is_empty() {
             // The queue has nothing outstanding that these wait for (a reconnect dropped them
             // without a report): they will not complete.
@@ -240,7 +259,7 @@ impl Pipeline {
         if let Err(e) = &r {
             self.on_error(ns, e);
         }
-        r
+        r.map(|_| false)
     }
 
     fn read_done(&mut self, ns: &mut Namespace<'_>, t: Ticket) {

@@ -205,6 +205,15 @@ impl Stream {
     }
 }
 
+impl AsFd for Stream {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        match self {
+            Stream::Unix(s) => s.as_fd(),
+            Stream::Tcp(s) => s.as_fd(),
+        }
+    }
+}
+
 impl AsRawFd for Stream {
     fn as_raw_fd(&self) -> RawFd {
         match self {

@@ -264,6 +264,25 @@ impl Queue {
         self.run(OnLoss::ReconnectAndFail, |q| q.engine.wait_started(out))
     }
 
+    /// [`wait_started`](Self::wait_started), but it also returns as soon as `input` (a socket,
+    /// a pipe, an eventfd) is readable, true and adding nothing: a server can take in its
+    /// client's next request while the earlier ones are in flight, instead of leaving it
+    /// unread until one of them completes. False: completions were added, or none was
+    /// outstanding. `input` is watched only during the call; the caller drains it (or stops
+    /// passing it, at end of file: a readable fd returns at once every time).
+    ///
+    /// # Errors
+    /// As [`wait_started`](Self::wait_started).
+    pub fn wait_started_or(
+        &mut self,
+        out: &mut Vec<Completed>,
+        input: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<bool> {
+        self.run(OnLoss::ReconnectAndFail, |q| {
+            q.engine.wait_started_or(out, Some(input))
+        })
+    }
+
     /// Copies the bytes of the completed started Read `ticket` into `buf` (its length) and
     /// frees its slot.
     ///

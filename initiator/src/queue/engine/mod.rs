@@ -25,10 +25,11 @@
 //!
 //! Started requests (their own slot states, never in `reads_done`) are in `started`.
 
+use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Completion, ConnInfo, QpState, RemoteAddr, SendOp, SendWr, Sge, WcStatus,
+    Completion, ConnInfo, QpState, RemoteAddr, SendOp, SendWr, Sge, WcStatus, Woken,
 };
 use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::{FlushRequest, FlushStatus, Message, NamespaceDescriptor};
@@ -336,6 +337,17 @@ impl Engine {
     /// One wait on the completion queue (at most `TICK`, or `deadline`): dispatches what
     /// completed and returns, with a Timeout past `deadline`.
     fn poll_or_time_out(&mut self, deadline: Instant, what: &'static str) -> Result<()> {
+        self.poll_or_input(deadline, what, None).map(|_| ())
+    }
+
+    /// [`poll_or_time_out`](Self::poll_or_time_out) that also returns, true, as soon as
+    /// `input` is readable.
+    fn poll_or_input(
+        &mut self,
+        deadline: Instant,
+        what: &'static str,
+        input: Option<BorrowedFd<'_>>,
+    ) -> Result<bool> {
         let now = Instant::now();
         if now >= deadline {
             return Err(Error::Timeout {
@@ -343,12 +355,24 @@ impl Engine {
                 after: self.timeout,
             });
         }
-        self.poll_completions((deadline - now).min(TICK))?;
-        Ok(())
+        self.poll_completions_or((deadline - now).min(TICK), input)
+            .map(|(_, ready)| ready)
     }
 
     /// Waits up to `timeout` for completions, dispatches them and runs the keep-alive.
     pub(super) fn poll_completions(&mut self, timeout: Duration) -> Result<usize> {
+        self.poll_completions_or(timeout, None).map(|(n, _)| n)
+    }
+
+    /// [`poll_completions`](Self::poll_completions) that also returns as soon as `input` is
+    /// readable: how many completions, and whether `input` woke it (then none came). `input`
+    /// joins the completion queue's wait for this call only (watched, then unwatched: the
+    /// queue's session, and so its completion queue, may be another one the next time).
+    fn poll_completions_or(
+        &mut self,
+        timeout: Duration,
+        input: Option<BorrowedFd<'_>>,
+    ) -> Result<(usize, bool)> {
         // Started requests go out before any wait for completions.
         self.post_list(Vec::new())?;
         // An idle queue, too, enters the replay order soon after another queue came.
@@ -356,13 +380,24 @@ impl Engine {
         let mut wcs = [Completion::EMPTY; 32];
         let s = self.session.as_mut().ok_or(Error::Broken)?;
         s.tick()?;
-        let n = s
-            .cq()
-            .wait(&mut wcs, Some(timeout))
-            .map_err(|source| Error::Fabric {
-                op: "waiting for completions",
-                source,
-            })?;
+        let cq = s.cq();
+        let woken = match input {
+            None => cq.wait_any(&mut wcs, Some(timeout)),
+            Some(fd) => cq.watch_fd(fd, 0).and_then(|()| {
+                let w = cq.wait_any(&mut wcs, Some(timeout));
+                let u = cq.unwatch_fd(fd);
+                w.and_then(|w| u.map(|()| w))
+            }),
+        }
+        .map_err(|source| Error::Fabric {
+            op: "waiting for completions",
+            source,
+        })?;
+        let (n, ready) = match woken {
+            Woken::Completions(n) => (n, false),
+            Woken::Fd(_) => (0, true),
+            _ => (0, false),
+        };
         let mut first_err = None;
         for c in &wcs[..n] {
             if let Err(e) = self.dispatch(c) {
@@ -371,7 +406,7 @@ impl Engine {
         }
         match first_err {
             Some(e) => Err(e),
-            None => Ok(n),
+            None => Ok((n, ready)),
         }
     }
 

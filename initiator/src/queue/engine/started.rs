@@ -13,6 +13,7 @@
 //! ([`Ticket`], [`Completed`]) is plain data in completion.rs, and the
 //! [`Queue`](crate::Queue) runs them under its reconnect policy.
 
+use std::os::fd::BorrowedFd;
 use std::time::Instant;
 
 use rpma_common::fabric::SendFlags;
@@ -115,17 +116,31 @@ impl Engine {
     /// completed and moves the completed ones into `out`; returns at once when none is
     /// outstanding ([`Queue::wait_started`](super::Queue::wait_started)).
     pub(in crate::queue) fn wait_started(&mut self, out: &mut Vec<Completed>) -> Result<()> {
+        self.wait_started_or(out, None).map(|_| ())
+    }
+
+    /// [`wait_started`](Self::wait_started) that also returns, true and adding nothing, as
+    /// soon as `input` is readable ([`Queue::wait_started_or`](super::Queue::wait_started_or)).
+    pub(in crate::queue) fn wait_started_or(
+        &mut self,
+        out: &mut Vec<Completed>,
+        input: Option<BorrowedFd<'_>>,
+    ) -> Result<bool> {
         let deadline = Instant::now() + self.timeout;
         loop {
             if !self.started_done.is_empty() {
                 out.append(&mut self.started_done);
                 self.post_list(Vec::new())?;
-                return Ok(());
+                return Ok(false);
             }
             if self.pool.number(Kind::StartedOutstanding) == 0 {
-                return Ok(());
+                return Ok(false);
             }
-            self.poll_or_time_out(deadline, "started requests")?;
+            if self.poll_or_input(deadline, "started requests", input)?
+                && self.started_done.is_empty()
+            {
+                return Ok(true);
+            }
         }
     }
 
