@@ -340,6 +340,27 @@ impl Target {
         self.daemon().signal(sig);
     }
 
+    /// Stops the daemon (SIGSTOP) and returns once it is stopped (state `T` in
+    /// /proc/PID/stat): a signal is delivered later than `kill` returns, and until then the
+    /// daemon may still answer what reaches it. [`Target::signal`] with SIGCONT resumes it.
+    pub fn stop(&self) {
+        self.signal(Signal::SIGSTOP);
+        let stat = format!("/proc/{}/stat", self.pid());
+        let deadline = Instant::now() + READY_WITHIN;
+        loop {
+            let s = std::fs::read_to_string(&stat).expect("the target's /proc stat");
+            // The state follows the command name, which is in parentheses.
+            if s.rsplit(')')
+                .next()
+                .is_some_and(|r| r.trim_start().starts_with('T'))
+            {
+                return;
+            }
+            assert!(Instant::now() < deadline, "rpma-target did not stop: {s}");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Its exit status; kills it and panics if it is still running after `within`.
     pub fn wait_exit(&mut self, within: Duration) -> ExitStatus {
         self.daemon

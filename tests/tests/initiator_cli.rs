@@ -554,6 +554,7 @@ rpma_tests::rdma_runs!(
     every_subcommand_against_a_running_target,
     durable_cli_write_survives_sigkill_of_the_target,
     two_initiator_processes_on_separate_namespaces_do_not_interfere,
+    crc_is_on_when_either_side_asks_for_it,
 );
 
 /// `--crc`: CRC32c is on when either side asks (RFC 5044's C bit), so `--crc off` turns it off

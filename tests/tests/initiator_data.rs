@@ -509,7 +509,7 @@ fn a_wait_for_started_requests_ends_when_the_callers_input_is_readable() {
         // A Read that cannot complete while the target is stopped (on rdma the NIC would
         // answer it without the target's process): the readable input ends the wait, with
         // nothing added, and again after a drained input became readable during a wait.
-        t.signal(Signal::SIGSTOP);
+        t.stop();
         let r = ns.start_read(0, 4096).unwrap();
         assert!(ns.wait_started_or(&mut done, rx.as_fd()).unwrap());
         assert!(done.is_empty());
@@ -1041,6 +1041,7 @@ rpma_tests::rdma_runs!(
     reads_writes_methods_atomics_and_checks,
     batches_made_durable_in_one_post_and_a_queue_persists_its_own_writes,
     started_requests_keep_the_queue_full_and_report_each_completion,
+    a_wait_for_started_requests_ends_when_the_callers_input_is_readable,
     forced_method_is_checked_when_the_queue_opens,
     a_full_pool_frees_itself_even_where_the_forced_method_is_not_valid,
     queue_depth_32_with_many_outstanding_writes,

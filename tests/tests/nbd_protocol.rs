@@ -196,17 +196,7 @@ fn a_request_sent_while_another_is_in_flight_is_started_at_once() {
         c.take(4096);
     }
     // Counted once the target is stopped: before, it may still be reading what came last.
-    t.signal(Signal::SIGSTOP);
-    let deadline = Instant::now() + WAIT;
-    while !std::fs::read_to_string(format!("/proc/{}/stat", t.pid()))
-        .unwrap()
-        .rsplit(')')
-        .next()
-        .is_some_and(|rest| rest.trim_start().starts_with('T'))
-    {
-        assert!(Instant::now() < deadline, "the target did not stop");
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    t.stop();
     let before = unread_by_target(t.port());
     let r1 = c.request(CMD_READ, 0, 1, 0, 4096);
     c.send(&r1);
