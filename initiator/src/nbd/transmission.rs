@@ -8,7 +8,6 @@
 //! was answered (a FLUSH covers every write answered before it arrived, on any connection).
 
 use std::io::{ErrorKind, Read};
-use std::ops::Range;
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
@@ -16,21 +15,17 @@ use std::time::{Duration, Instant};
 use log::Level;
 
 use super::pipeline::{errno, Answer, Pipeline};
-use super::proto::{
-    self, simple_reply, Errno, Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, CMD_FLUSH,
-    CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EINVAL, EIO, ENOSPC, EPERM, REQUEST_LEN,
-};
+use super::proto::{self, simple_reply, Errno, EIO};
 use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
 use super::stream::{write_all_vectored, Stream};
-use super::{ConnError, MAX_PAYLOAD};
+use super::ConnError;
 use crate::Error;
 use inbuf::{InBuf, READ_CHUNK};
+use parse::{classify, split, Action, Item, Limits, Split};
 
 /// Bytes read from the socket ahead of the requests being executed, at most.
 const READ_AHEAD: usize = 64 << 20;
-/// Payload bytes (reads and writes) of one batch, at most (one request may exceed it).
-const BATCH_BYTES: u64 = 64 << 20;
 /// How long a client may be quiet before the large receive buffer a burst of large WRITEs
 /// left it is given back.
 const KEEP_IDLE: Duration = Duration::from_millis(100);
@@ -46,138 +41,6 @@ pub(crate) struct Stats {
     pub(crate) max_batch: usize,
     /// FLUSH/FUA requests refused because the namespace is volatile.
     pub(crate) visible_only: u64,
-}
-
-/// What to do with a request.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Action {
-    Read,
-    Write {
-        fua: bool,
-    },
-    Zeroes {
-        fua: bool,
-    },
-    Flush,
-    Disc,
-    /// Answer with this error.
-    Fail(u32),
-}
-
-/// The export's facts a request is checked against.
-#[derive(Debug, Clone, Copy)]
-struct Limits {
-    size: u64,
-    read_only: bool,
-    /// 1, or the minimum block size when the client was told it.
-    align: u64,
-}
-
-fn classify(r: &Request, l: Limits) -> Action {
-    if r.flags & !(CMD_FLAG_FUA | CMD_FLAG_NO_HOLE) != 0
-        || (r.flags & CMD_FLAG_NO_HOLE != 0 && r.kind != CMD_WRITE_ZEROES)
-    {
-        return Action::Fail(EINVAL);
-    }
-    let len = u64::from(r.len);
-    let inside = r.offset.checked_add(len).is_some_and(|end| end <= l.size);
-    let aligned = r.offset.is_multiple_of(l.align) && len.is_multiple_of(l.align);
-    let fua = r.flags & CMD_FLAG_FUA != 0;
-    let write = |a: Action, limit: u64| {
-        if l.read_only {
-            Action::Fail(EPERM)
-        } else if len == 0 || len > limit || !aligned {
-            Action::Fail(EINVAL)
-        } else if !inside {
-            Action::Fail(ENOSPC)
-        } else {
-            a
-        }
-    };
-    match r.kind {
-        CMD_READ if len == 0 || len > u64::from(MAX_PAYLOAD) || !inside || !aligned => {
-            Action::Fail(EINVAL)
-        }
-        CMD_READ => Action::Read,
-        CMD_WRITE => write(Action::Write { fua }, u64::from(MAX_PAYLOAD)),
-        CMD_WRITE_ZEROES => write(Action::Zeroes { fua }, u64::MAX),
-        CMD_FLUSH => Action::Flush,
-        CMD_DISC => Action::Disc,
-        // TRIM is not advertised (remote memory has nothing to deallocate), nor CACHE or
-        // BLOCK_STATUS (no structured replies).
-        _ => Action::Fail(EINVAL),
-    }
-}
-
-/// A request and where its payload lies in the buffer.
-#[derive(Debug, Clone, PartialEq, Eq)]
-struct Item {
-    req: Request,
-    payload: Range<usize>,
-}
-
-/// The complete requests at the front of a buffer.
-#[derive(Debug, Default)]
-struct Split {
-    items: Vec<Item>,
-    /// Bytes they take.
-    consumed: usize,
-    /// Bytes (from `consumed`) the next request needs to be complete.
-    want: usize,
-    /// Input after which nothing can be parsed: the connection ends once the items before
-    /// it are answered.
-    fatal: Option<ConnError>,
-}
-
-fn split(buf: &[u8], max_items: usize) -> Split {
-    let mut s = Split::default();
-    let mut bytes = 0u64;
-    while s.items.len() < max_items && bytes < BATCH_BYTES {
-        let rest = &buf[s.consumed..];
-        if rest.len() < REQUEST_LEN {
-            s.want = REQUEST_LEN;
-            break;
-        }
-        let req = match Request::parse(&rest[..REQUEST_LEN]) {
-            Ok(r) => r,
-            Err(e) => {
-                s.fatal = Some(e.into());
-                break;
-            }
-        };
-        let at = s.consumed + REQUEST_LEN;
-        if req.has_payload() && req.len > MAX_PAYLOAD {
-            // Its payload cannot be skipped cheaply: answer EINVAL, then close.
-            s.items.push(Item {
-                req,
-                payload: at..at,
-            });
-            s.consumed = at;
-            s.fatal = Some(ConnError::Protocol(format!(
-                "a WRITE of {} bytes (at most {MAX_PAYLOAD})",
-                req.len
-            )));
-            break;
-        }
-        let plen = if req.has_payload() {
-            req.len as usize
-        } else {
-            0
-        };
-        if rest.len() < REQUEST_LEN + plen {
-            s.want = REQUEST_LEN + plen;
-            break;
-        }
-        if matches!(req.kind, CMD_READ | CMD_WRITE) {
-            bytes += u64::from(req.len);
-        }
-        s.items.push(Item {
-            req,
-            payload: at..at + plen,
-        });
-        s.consumed = at + plen;
-    }
-    s
 }
 
 /// One client in the transmission phase.
@@ -710,5 +573,6 @@ impl<'a> Client<'a> {
 pub(crate) mod fuzz;
 
 mod inbuf;
+mod parse;
 #[cfg(test)]
 mod tests;

@@ -1,7 +1,7 @@
 //! Splitting and judging transmission requests under arbitrary client bytes (fuzz target
 //! `nbd_requests`).
 
-use super::{classify, split, Action, Limits, BATCH_BYTES};
+use super::parse::{classify, split, Action, Limits, BATCH_BYTES};
 use crate::nbd::proto::{
     Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EPERM,
     REQUEST_LEN, REQUEST_MAGIC,

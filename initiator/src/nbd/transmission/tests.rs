@@ -1,5 +1,10 @@
 use super::*;
+use crate::nbd::proto::{
+    Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, CMD_FLUSH, CMD_READ, CMD_WRITE,
+    CMD_WRITE_ZEROES, EINVAL, ENOSPC, EPERM, REQUEST_LEN,
+};
 use crate::nbd::proto::{WireError, REQUEST_MAGIC};
+use crate::nbd::MAX_PAYLOAD;
 
 fn req(kind: u16, flags: u16, offset: u64, len: u32) -> Request {
     Request {
