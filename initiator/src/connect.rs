@@ -165,6 +165,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
         last_sent: now,
         last_heard: now,
         seq: 0,
+        echoed: 0,
         next_token: 0,
         closed: None,
         admitted: false,

@@ -320,6 +320,33 @@ impl<'q> Namespace<'q> {
         self.q.run(OnLoss::Rerun, |q| q.persist_own(idx))
     }
 
+    /// The queues of this queue's [`Connection`](crate::Connection) (by
+    /// [`Queue::order_id`], this one included) that sent Writes of some of the `len` bytes at
+    /// `offset` which may not be placed on the target yet, and queues that may hold such
+    /// writes without saying which bytes (a queue alone on its connection until now). A Write
+    /// completes when the transport took it (on `tcp`, as in iWARP): within one queue the
+    /// target executes requests in order, but a newer write of these bytes through another
+    /// queue could land before this one's, and a Read there could miss it. Where the order
+    /// matters, send the request through the one queue named (its own order keeps it after
+    /// them), or have the others [`place_writes`](Self::place_writes) first (the NBD export
+    /// does both, for its connections). Empty when this queue is alone on its connection;
+    /// cheap (one lock of the map the queues share).
+    pub fn unplaced_writers(&mut self, offset: u64, len: usize) -> Vec<u64> {
+        self.q.unplaced_writers(self.idx, offset, len)
+    }
+
+    /// Has every Write this queue sent (to any namespace) placed on the target: one Read of 8
+    /// bytes, which the target answers only after executing every earlier request of this
+    /// queue pair. Places, it does not persist: nothing becomes durable. Afterwards no queue
+    /// finds these writes in [`unplaced_writers`](Self::unplaced_writers) (until this queue
+    /// reconnects: its re-issued writes are on their way again).
+    ///
+    /// # Errors
+    /// As [`read_at`](Self::read_at).
+    pub fn place_writes(&mut self) -> Result<()> {
+        self.q.place_writes(self.idx)
+    }
+
     /// [`persist`](Self::persist) or [`persist_written`](Self::persist_written): checks, then
     /// the method from `choose` (again after a reconnect, which may change the descriptor).
     fn persist_with(

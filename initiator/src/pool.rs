@@ -210,7 +210,7 @@ fn in_flight(s: &Slot) -> bool {
 impl Drop for Pool {
     /// The queue is gone: its writes leave the replay order.
     fn drop(&mut self) {
-        if let Some(m) = self.replay.as_ref().filter(|m| m.entered()) {
+        if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
             for w in self.slots.iter().filter_map(Slot::write) {
                 m.release(w.ns, w.offset, w.len, w.seq);
             }
@@ -383,7 +383,7 @@ impl Pool {
         // new one registers, a finished one releases.
         let (o, n) = (old.write(), s.write());
         if o.map(WriteRec::key) != n.map(WriteRec::key) && self.keep_order() {
-            if let Some(m) = &self.replay {
+            if let Some(m) = &mut self.replay {
                 if let Some(w) = o {
                     m.release(w.ns, w.offset, w.len, w.seq);
                 }
@@ -476,6 +476,50 @@ impl Pool {
         }
     }
 
+    /// The newest post-order number given out (0: none yet).
+    pub(crate) fn last_seq(&self) -> u64 {
+        self.next_seq
+    }
+
+    /// This queue's number in its connection's replay order.
+    pub(crate) fn order_id(&self) -> Option<u64> {
+        self.replay.as_ref().map(Member::id)
+    }
+
+    /// The queues of the connection (this one too) that may hold writes of `len` bytes at
+    /// `offset` of namespace `ns` not known placed ([`crate::replay`]): none while this queue
+    /// is alone.
+    pub(crate) fn unplaced_writers(&mut self, ns: usize, offset: u64, len: usize) -> Vec<u64> {
+        if !self.keep_order() {
+            return Vec::new();
+        }
+        self.replay
+            .as_ref()
+            .map_or_else(Vec::new, |m| m.unplaced_writers(ns, offset, len))
+    }
+
+    /// Whether this queue's writes are in the replay order (another queue of the connection
+    /// came): only then may another queue ask which of them are placed.
+    pub(crate) fn entered(&self) -> bool {
+        self.replay.as_ref().is_some_and(Member::entered)
+    }
+
+    /// This queue's writes up to post order `seq` are placed (recorded while it is in the
+    /// replay order: no one asks before).
+    pub(crate) fn placed_through(&mut self, seq: u64) {
+        if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
+            m.placed_through(seq);
+        }
+    }
+
+    /// None of this queue's writes is known placed any more (it reconnected).
+    pub(crate) fn unplace(&mut self) {
+        let last = self.next_seq;
+        if let Some(m) = &mut self.replay {
+            m.unplace(last);
+        }
+    }
+
     /// The next post-order number.
     pub(crate) fn next_seq(&mut self) -> u64 {
         self.next_seq += 1;
@@ -555,6 +599,11 @@ impl Pool {
     /// The 8-byte sink.
     pub(crate) fn sink_sge(&self) -> Sge {
         Sge::new(&self.sink_mr, 0, 8)
+    }
+
+    /// The sink of placement Reads (apart from [`sink_sge`](Self::sink_sge)'s 8 bytes).
+    pub(crate) fn placement_sge(&self) -> Sge {
+        Sge::new(&self.sink_mr, 8, 8)
     }
 
     /// The value an atomic left in the sink (native endian, as the fabric stores it).

@@ -29,8 +29,22 @@
 //! the last unentered queue enters or goes. A queue's owner polls at least every half
 //! keep-alive period (the library's rule for [`Queue::tick`](crate::Queue::tick)), so
 //! tombstones pile up for a few seconds at most.
+//!
+//! The map also says which of those writes may not be placed yet. A Write completes when the
+//! transport took it (iWARP's rule, the `tcp` transport's): the bytes may still be on their way
+//! to the target when a newer write of the same bytes, on another queue pair, lands. Within a
+//! queue pair the target executes requests in order; across queue pairs nothing orders them.
+//! So a queue records the newest write it knows placed (its post order when a Read it posted
+//! after them was answered: [`Member::placed_through`]), and a caller about to write or read
+//! bytes through one queue asks which queues hold writes of them not known placed
+//! ([`Member::unplaced_writers`]); it has the others place their writes first, or sends its
+//! request through the one queue that holds them (the NBD export does, for its connections). A queue kept out of the map may hold any bytes: it is
+//! named too, until it enters. After a reconnect a queue knows nothing placed again
+//! ([`Member::unplace`]): its re-issued writes are on their way.
 
-use std::collections::BTreeMap;
+mod hot;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -61,7 +75,9 @@ struct Inner {
     /// Disjoint pieces by (nsid, start).
     pieces: BTreeMap<(u32, u64), Piece>,
     /// Queues alive whose writes are not in the map.
-    unentered: usize,
+    unentered: Vec<u64>,
+    /// Per queue, the post order of its newest write known placed (none: nothing known).
+    placed: HashMap<u64, u64>,
 }
 
 /// The shared map (one per [`Connection`](crate::Connection) and its clones).
@@ -71,6 +87,8 @@ pub(crate) struct ReplayOrder {
     /// Queues alive.
     members: AtomicUsize,
     inner: Mutex<Inner>,
+    /// Where writes not known placed may be, without the lock ([`hot`]).
+    hot: hot::Hot,
 }
 
 impl ReplayOrder {
@@ -122,7 +140,7 @@ impl ReplayOrder {
     /// range), or stay as tombstones while a queue is unentered.
     pub(crate) fn release(&self, nsid: u32, start: u64, end: u64, owner: Writer) {
         let mut inner = self.lock();
-        let keep = inner.unentered > 0;
+        let keep = !inner.unentered.is_empty();
         let map = &mut inner.pieces;
         let mut from = start;
         while from < end {
@@ -178,11 +196,42 @@ impl ReplayOrder {
         }
     }
 
-    /// One unentered queue fewer (it entered, or it went): the last one takes the tombstones
-    /// with it.
-    fn one_unentered_fewer(inner: &mut Inner) {
-        inner.unentered -= 1;
-        if inner.unentered == 0 {
+    /// The queues that may hold writes of `[start, end)` of `nsid` not known placed: the
+    /// owners of its pieces whose write is newer than what they know placed, and every queue
+    /// kept out of the map. Sorted, each once.
+    fn unplaced(&self, nsid: u32, start: u64, end: u64) -> Vec<u64> {
+        if !self.hot.maybe(nsid, start, end) {
+            return Vec::new();
+        }
+        self.unplaced_exact(nsid, start, end)
+    }
+
+    /// [`unplaced`](Self::unplaced) from the map alone.
+    fn unplaced_exact(&self, nsid: u32, start: u64, end: u64) -> Vec<u64> {
+        let inner = self.lock();
+        let mut out = inner.unentered.clone();
+        let before = inner
+            .pieces
+            .range((nsid, 0)..(nsid, start))
+            .next_back()
+            .filter(|(_, p)| p.end > start);
+        let inside = inner.pieces.range((nsid, start)..(nsid, end));
+        for (_, p) in before.into_iter().chain(inside) {
+            let w = p.owner;
+            if w != TOMBSTONE && inner.placed.get(&w.queue).is_none_or(|&s| w.seq > s) {
+                out.push(w.queue);
+            }
+        }
+        out.sort_unstable();
+        out.dedup();
+        out
+    }
+
+    /// One unentered queue fewer (`queue` entered, or it went): the last one takes the
+    /// tombstones with it.
+    fn one_unentered_fewer(inner: &mut Inner, queue: u64) {
+        inner.unentered.retain(|&q| q != queue);
+        if inner.unentered.is_empty() {
             inner.pieces.retain(|_, p| p.owner != TOMBSTONE);
         }
     }
@@ -205,13 +254,27 @@ pub(crate) struct Member {
     queue: u64,
     nsids: Vec<u32>,
     entered: bool,
+    /// Its writes in the map not known placed, as the filter counts them: (seq, nsid, start,
+    /// end), oldest first.
+    counted: VecDeque<(u64, u32, u64, u64)>,
+    /// Blind in the filter (kept out of the map, or its placement unknown) until a placement
+    /// through this post order.
+    blind_through: Option<u64>,
 }
 
 impl Drop for Member {
     fn drop(&mut self) {
+        for (_, nsid, s, e) in self.counted.drain(..) {
+            self.order.hot.remove(nsid, s, e);
+        }
+        if self.blind_through.take().is_some() {
+            self.order.hot.blind(false);
+        }
         self.order.members.fetch_sub(1, Ordering::SeqCst);
+        let mut inner = self.order.lock();
+        inner.placed.remove(&self.queue);
         if !self.entered {
-            ReplayOrder::one_unentered_fewer(&mut self.order.lock());
+            ReplayOrder::one_unentered_fewer(&mut inner, self.queue);
         }
     }
 }
@@ -220,13 +283,17 @@ impl Member {
     /// A new queue of the connection: it enters at once if another is alive (it holds no
     /// write yet), else it stays out until one comes.
     pub(crate) fn new(order: Arc<ReplayOrder>, nsids: Vec<u32>) -> Member {
-        order.lock().unentered += 1;
+        let queue = order.next_queue.fetch_add(1, Ordering::Relaxed);
+        order.lock().unentered.push(queue);
+        order.hot.blind(true);
         order.members.fetch_add(1, Ordering::SeqCst);
         let mut m = Member {
-            queue: order.next_queue.fetch_add(1, Ordering::Relaxed),
+            queue,
             order,
             nsids,
             entered: false,
+            counted: VecDeque::new(),
+            blind_through: Some(u64::MAX),
         };
         m.keep_order(Vec::new);
         m
@@ -244,13 +311,18 @@ impl Member {
         }
         let mut held = held();
         held.sort_unstable_by_key(|h| std::cmp::Reverse(h.3));
+        // What it held stays blind to the filter until placed; holding nothing, it sees.
+        match held.first() {
+            Some(h) => self.blind_through = Some(h.3),
+            None => self.see(),
+        }
         let mut inner = self.order.lock();
         for (ns, offset, len, seq) in held {
             if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
                 ReplayOrder::fill(&mut inner.pieces, nsid, s, e, w);
             }
         }
-        ReplayOrder::one_unentered_fewer(&mut inner);
+        ReplayOrder::one_unentered_fewer(&mut inner, self.queue);
         self.entered = true;
         true
     }
@@ -269,17 +341,86 @@ impl Member {
         Some((nsid, offset, offset + len as u64, w))
     }
 
+    /// This queue's number in the order.
+    pub(crate) fn id(&self) -> u64 {
+        self.queue
+    }
+
+    /// The queues (this one too) that may hold writes of `len` bytes at `offset` of namespace
+    /// index `ns` that are not known placed ([`ReplayOrder`]'s module doc). Empty for a
+    /// namespace the member does not know.
+    pub(crate) fn unplaced_writers(&self, ns: usize, offset: u64, len: usize) -> Vec<u64> {
+        match self.nsids.get(ns) {
+            Some(&nsid) => self.order.unplaced(nsid, offset, offset + len as u64),
+            None => Vec::new(),
+        }
+    }
+
+    /// Every write of this queue up to post order `seq` is placed (a Read or a probe posted
+    /// after them was answered).
+    pub(crate) fn placed_through(&mut self, seq: u64) {
+        // Nothing counted or blind that this places: the mark already says all that matters
+        // (no lock for every answered Read).
+        let pops = self.counted.front().is_some_and(|c| c.0 <= seq);
+        if !pops && self.blind_through.is_none_or(|b| b > seq) {
+            return;
+        }
+        {
+            let mut inner = self.order.lock();
+            let e = inner.placed.entry(self.queue).or_insert(seq);
+            *e = (*e).max(seq);
+        }
+        while let Some(&(w, nsid, s, e)) = self.counted.front() {
+            if w > seq {
+                break;
+            }
+            self.counted.pop_front();
+            self.order.hot.remove(nsid, s, e);
+        }
+        if self.blind_through.is_some_and(|b| b <= seq) {
+            self.see();
+        }
+    }
+
+    /// Nothing of this queue is known placed any more (it reconnected: what it re-issues is
+    /// on its way), until a placement through `last` (its newest post order now).
+    pub(crate) fn unplace(&mut self, last: u64) {
+        self.order.lock().placed.remove(&self.queue);
+        for (_, nsid, s, e) in self.counted.drain(..) {
+            self.order.hot.remove(nsid, s, e);
+        }
+        if self.blind_through.is_none() {
+            self.order.hot.blind(true);
+        }
+        self.blind_through = Some(last);
+    }
+
+    /// No longer blind to the filter.
+    fn see(&mut self) {
+        if self.blind_through.take().is_some() {
+            self.order.hot.blind(false);
+        }
+    }
+
     /// A new write of this queue, as it is posted (the queue entered).
-    pub(crate) fn register(&self, ns: usize, offset: u64, len: usize, seq: u64) {
+    pub(crate) fn register(&mut self, ns: usize, offset: u64, len: usize, seq: u64) {
         if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
             self.order.register(nsid, s, e, w);
+            if s < e {
+                self.order.hot.add(nsid, s, e);
+                self.counted.push_back((seq, nsid, s, e));
+            }
         }
     }
 
     /// A write of this queue that needs no replay any more (the queue entered).
-    pub(crate) fn release(&self, ns: usize, offset: u64, len: usize, seq: u64) {
+    pub(crate) fn release(&mut self, ns: usize, offset: u64, len: usize, seq: u64) {
         if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
             self.order.release(nsid, s, e, w);
+            if let Some(i) = self.counted.iter().position(|c| c.0 == seq) {
+                self.counted.remove(i);
+                self.order.hot.remove(nsid, s, e);
+            }
         }
     }
 
@@ -298,6 +439,16 @@ mod tests {
 
     const A: u64 = 0;
     const B: u64 = 1;
+
+    /// A seeded generator of numbers below its argument.
+    fn xorshift(mut x: u64) -> impl FnMut(u64) -> u64 {
+        move |n| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % n
+        }
+    }
 
     fn w(queue: u64, seq: u64) -> Writer {
         Writer { queue, seq }
@@ -352,7 +503,7 @@ mod tests {
         let o = Arc::new(ReplayOrder::default());
         o.register(1, 4096, 4096, w(A, 1));
         assert_eq!(o.len(), 0);
-        let m = Member::new(Arc::clone(&o), vec![1]);
+        let mut m = Member::new(Arc::clone(&o), vec![1]);
         m.register(5, 0, 4096, 1);
         assert_eq!(o.len(), 0);
         // A namespace the member does not know is replayed whole (nothing to compare with).
@@ -365,13 +516,7 @@ mod tests {
         let o = ReplayOrder::default();
         let mut model: Vec<Option<Writer>> = vec![None; 64];
         let mut live: Vec<(u64, u64, Writer)> = Vec::new();
-        let mut x: u64 = 0x2545_f491_4f6c_dd1d;
-        let mut next = |n: u64| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x % n
-        };
+        let mut next = xorshift(0x2545_f491_4f6c_dd1d);
         for seq in 1..1500 {
             if live.is_empty() || next(3) > 0 {
                 let start = next(60);
@@ -410,7 +555,7 @@ mod tests {
         // A holds two writes, the newer inside the older.
         let held = || vec![(0, 0, 20480, 1), (0, 4096, 4096, 2)];
         assert!(!a.keep_order(held), "alone: out of the map");
-        let b = Member::new(Arc::clone(&o), vec![1]);
+        let mut b = Member::new(Arc::clone(&o), vec![1]);
         assert!(b.entered(), "a second queue enters as it joins");
         // B writes twice over A's older write; one of them is done with before A enters: it
         // stays as a tombstone.
@@ -437,7 +582,7 @@ mod tests {
     fn tombstones_go_when_the_last_queue_kept_out_goes() {
         let o = Arc::new(ReplayOrder::default());
         let a = Member::new(Arc::clone(&o), vec![1]);
-        let b = Member::new(Arc::clone(&o), vec![1]);
+        let mut b = Member::new(Arc::clone(&o), vec![1]);
         b.register(0, 0, 4096, 1);
         b.release(0, 0, 4096, 1);
         assert_eq!(o.len(), 1, "a tombstone while A is out");
@@ -450,9 +595,131 @@ mod tests {
     }
 
     #[test]
+    fn writes_are_unplaced_until_their_queue_placed_them() {
+        let o = Arc::new(ReplayOrder::default());
+        let mut a = Member::new(Arc::clone(&o), vec![1]);
+        let mut b = Member::new(Arc::clone(&o), vec![1]);
+        assert!(a.keep_order(Vec::new));
+        a.register(0, 0, 8192, 1);
+        assert_eq!(b.unplaced_writers(0, 4096, 4096), [a.id()], "inside");
+        assert_eq!(b.unplaced_writers(0, 8000, 1000), [a.id()], "reaching in");
+        assert_eq!(a.unplaced_writers(0, 0, 8192), [a.id()], "for any queue");
+        assert!(b.unplaced_writers(0, 8192, 4096).is_empty(), "next to it");
+        assert!(
+            b.unplaced_writers(1, 0, 8192).is_empty(),
+            "an unknown index"
+        );
+        // Placed through seq 1: gone; a newer write of A is not.
+        a.placed_through(1);
+        assert!(b.unplaced_writers(0, 0, 8192).is_empty());
+        a.register(0, 4096, 4096, 2);
+        assert_eq!(b.unplaced_writers(0, 0, 8192), [a.id()]);
+        a.placed_through(2);
+        a.placed_through(1);
+        assert!(b.unplaced_writers(0, 0, 8192).is_empty(), "never goes back");
+        // A reconnected: nothing of it is known placed.
+        a.unplace(2);
+        assert_eq!(b.unplaced_writers(0, 0, 4096), [a.id()]);
+        // Both: each named once, sorted.
+        b.register(0, 2048, 4096, 1);
+        let mut both = vec![a.id(), b.id()];
+        both.sort_unstable();
+        assert_eq!(a.unplaced_writers(0, 0, 8192), both);
+        // B's newer write over all of it takes the bytes: they are B's alone now.
+        b.register(0, 0, 8192, 2);
+        assert_eq!(a.unplaced_writers(0, 0, 8192), [b.id()]);
+        // Released (durable) writes leave nothing unplaced, and nothing as tombstones here.
+        b.release(0, 0, 8192, 2);
+        b.release(0, 2048, 4096, 1);
+        assert!(a.unplaced_writers(0, 0, 8192).is_empty());
+        // A queue that goes takes its mark with it.
+        b.placed_through(5);
+        let id = b.id();
+        drop(b);
+        assert!(!o.lock().placed.contains_key(&id));
+    }
+
+    #[test]
+    fn a_queue_kept_out_of_the_map_is_named_for_any_bytes_until_it_enters() {
+        let o = Arc::new(ReplayOrder::default());
+        let mut a = Member::new(Arc::clone(&o), vec![1]);
+        assert!(!a.keep_order(Vec::new), "alone");
+        let b = Member::new(Arc::clone(&o), vec![1]);
+        // A may hold a write of anything: it kept its writes out.
+        assert_eq!(b.unplaced_writers(0, 1 << 30, 1), [a.id()]);
+        // It enters with what it holds: now only those bytes name it.
+        assert!(a.keep_order(|| vec![(0, 0, 4096, 1)]));
+        assert!(b.unplaced_writers(0, 1 << 30, 1).is_empty());
+        assert_eq!(b.unplaced_writers(0, 0, 1), [a.id()]);
+        // A tombstone (left while a queue is out) names no one.
+        let o = Arc::new(ReplayOrder::default());
+        let x = Member::new(Arc::clone(&o), vec![1]);
+        let mut y = Member::new(Arc::clone(&o), vec![1]);
+        y.register(0, 0, 4096, 1);
+        y.release(0, 0, 4096, 1);
+        assert_eq!(o.len(), 1, "a tombstone");
+        assert_eq!(
+            y.unplaced_writers(0, 0, 4096),
+            [x.id()],
+            "only the queue kept out"
+        );
+    }
+
+    /// Random writes, releases, placements and reconnects of three queues (one kept out at
+    /// first): the filter in front of the lock never hides a write the map calls unplaced.
+    #[test]
+    fn the_filter_never_hides_an_unplaced_write() {
+        let o = Arc::new(ReplayOrder::default());
+        let mut qs: Vec<Member> = (0..3)
+            .map(|_| Member::new(Arc::clone(&o), vec![1]))
+            .collect();
+        let mut next = xorshift(0x9e37_79b9_7f4a_7c15);
+        let mut live: Vec<(usize, u64, usize, u64)> = Vec::new();
+        let mut seqs = [0u64; 3];
+        let mut hidden_checked = 0;
+        for step in 0..3000 {
+            let q = next(3) as usize;
+            match next(10) {
+                0..=4 => {
+                    seqs[q] += 1;
+                    let off = next(64) << 14;
+                    let len = (1 + next(8) as usize) << 12;
+                    if qs[q].keep_order(|| {
+                        live.iter()
+                            .filter(|l| l.0 == q)
+                            .map(|l| (0, l.1, l.2, l.3))
+                            .collect()
+                    }) {
+                        qs[q].register(0, off, len, seqs[q]);
+                    }
+                    live.push((q, off, len, seqs[q]));
+                }
+                5 | 6 if !live.is_empty() => {
+                    let (q, off, len, seq) = live.swap_remove(next(live.len() as u64) as usize);
+                    if qs[q].entered() {
+                        qs[q].release(0, off, len, seq);
+                    }
+                }
+                7 | 8 => qs[q].placed_through(next(seqs[q] + 1)),
+                _ => qs[q].unplace(seqs[q]),
+            }
+            for _ in 0..4 {
+                let (s, e) = (next(1 << 20), next(1 << 20) + (1 << 12));
+                let exact = o.unplaced_exact(1, s, s + e);
+                assert_eq!(o.unplaced(1, s, s + e), exact, "step {step}");
+                hidden_checked += usize::from(!exact.is_empty());
+            }
+        }
+        assert!(
+            hidden_checked > 100,
+            "the walk found unplaced writes to hide"
+        );
+    }
+
+    #[test]
     fn members_of_one_order_get_their_own_numbers() {
         let o = Arc::new(ReplayOrder::default());
-        let (a, b) = (
+        let (mut a, mut b) = (
             Member::new(Arc::clone(&o), vec![1]),
             Member::new(Arc::clone(&o), vec![1]),
         );

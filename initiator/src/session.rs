@@ -45,6 +45,9 @@ pub struct Session {
     pub(crate) last_sent: Instant,
     pub(crate) last_heard: Instant,
     pub(crate) seq: u64,
+    /// The newest KeepAlive the target echoed (its `seq`): every request posted before that
+    /// KeepAlive was executed (placed) by then.
+    pub(crate) echoed: u64,
     pub(crate) next_token: u64,
     pub(crate) closed: Option<String>,
     /// Admitted by a ConnectResponse and not said goodbye to: dropping it sends a Disconnect.
@@ -141,6 +144,26 @@ impl Session {
         Ok(())
     }
 
+    /// Sends a KeepAlive now, due or not, and returns its `seq`: once the target echoed it
+    /// ([`echoed`](Self::echoed)), every request posted on the queue pair before it was
+    /// executed (a Send is delivered only after the Writes before it were placed). Its echo
+    /// is a receive: unlike a Read, it holds no later Write's completion back.
+    ///
+    /// # Errors
+    /// As [`tick`](Self::tick).
+    pub(crate) fn probe(&mut self) -> Result<u64> {
+        self.check_open()?;
+        self.seq += 1;
+        let ka = KeepAlive { seq: self.seq };
+        self.send_bytes(&ka.encode())?;
+        Ok(self.seq)
+    }
+
+    /// The newest KeepAlive `seq` the target echoed.
+    pub(crate) fn echoed(&self) -> u64 {
+        self.echoed
+    }
+
     fn check_open(&self) -> Result<()> {
         if let Some(reason) = &self.closed {
             return Err(Error::Disconnected {
@@ -209,7 +232,10 @@ impl Session {
         let _ = self.qp.post_recv(self.bufs.recv_wr(slot));
         self.last_heard = Instant::now();
         match Message::decode(&buf).map_err(Error::Decode)? {
-            Message::KeepAlive(_) => Ok(None),
+            Message::KeepAlive(k) => {
+                self.echoed = self.echoed.max(k.seq);
+                Ok(None)
+            }
             Message::Disconnect(Disconnect { reason }) => {
                 self.closed = Some(reason.clone());
                 Err(Error::Disconnected { reason })

@@ -205,6 +205,13 @@ impl Queue {
         self.reconnect.queue_id()
     }
 
+    /// This queue's number among the queues opened from its [`Connection`] (and its clones):
+    /// what [`Namespace::unplaced_writers`](crate::Namespace::unplaced_writers) names it
+    /// by. It stays across reconnects.
+    pub fn order_id(&self) -> u64 {
+        self.engine.pool().order_id().unwrap_or(u64::MAX)
+    }
+
     /// The controller id of the current connection.
     pub fn controller_id(&self) -> Option<u16> {
         self.engine.session_opt().map(|s| s.controller_id())
@@ -385,6 +392,16 @@ impl Queue {
         tail: Vec<SendWr>,
     ) -> Result<()> {
         self.engine.post_writes(&self.persister, idx, items, tail)
+    }
+
+    /// Has every Write this queue posted placed on the target (the engine's `place_writes`).
+    pub(crate) fn place_writes(&mut self, idx: usize) -> Result<()> {
+        self.run(OnLoss::Rerun, |q| q.engine.place_writes(idx))
+    }
+
+    /// The queues (this one too) that may hold writes of these bytes not known placed.
+    pub(crate) fn unplaced_writers(&mut self, idx: usize, offset: u64, len: usize) -> Vec<u64> {
+        self.engine.unplaced_writers(idx, offset, len)
     }
 
     /// Waits until no posted Write or Read is outstanding.

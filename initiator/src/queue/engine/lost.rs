@@ -36,6 +36,7 @@ impl Engine {
         &mut self,
     ) -> (Option<Session>, Vec<(usize, WriteRec)>) {
         let held = self.pool.on_connection_lost();
+        self.forget_placement();
         (self.session.take(), held)
     }
 

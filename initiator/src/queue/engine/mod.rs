@@ -43,6 +43,7 @@ use crate::session::Session;
 use crate::writebuf::Data;
 
 mod lost;
+mod place;
 mod started;
 
 /// How often the polling loops wake to run keep-alives when nothing completes.
@@ -95,6 +96,11 @@ pub(super) struct Engine {
     started_done: Vec<Completed>,
     next_waited: u64,
     next_token: u64,
+    /// The placement probe out ([`place`]): its KeepAlive seq and the post order it places
+    /// through.
+    probe: Option<(u64, u64)>,
+    /// The post order the last probe places through.
+    probe_mark: u64,
     writes_posted: u64,
     reads_posted: u64,
     doorbells: u64,
@@ -125,6 +131,8 @@ impl Engine {
             started_done: Vec::new(),
             next_waited: 0,
             next_token: 0,
+            probe: None,
+            probe_mark: 0,
             writes_posted: 0,
             reads_posted: 0,
             doorbells: 0,
@@ -373,10 +381,12 @@ impl Engine {
         timeout: Duration,
         input: Option<BorrowedFd<'_>>,
     ) -> Result<(usize, bool)> {
-        // Started requests go out before any wait for completions.
+        // Started requests go out before any wait for completions (and a placement probe
+        // behind them, when one is due).
         self.post_list(Vec::new())?;
         // An idle queue, too, enters the replay order soon after another queue came.
         self.pool.keep_order();
+        self.probe_if_due()?;
         let mut wcs = [Completion::EMPTY; 32];
         let s = self.session.as_mut().ok_or(Error::Broken)?;
         s.tick()?;
@@ -404,6 +414,7 @@ impl Engine {
                 self.completion_log.error(&mut first_err, e);
             }
         }
+        self.probe_answered();
         match first_err {
             Some(e) => Err(e),
             None => Ok((n, ready)),
@@ -425,7 +436,12 @@ impl Engine {
         match complete_slot(&mut self.pool, c) {
             Outcome::Done => {}
             Outcome::ReadDone(slot) => self.reads_done.push(slot),
-            Outcome::Started(done) => self.started_done.push(done),
+            Outcome::Started(done) => {
+                if let Completed::Read(t) = done {
+                    self.read_answered(t);
+                }
+                self.started_done.push(done);
+            }
             Outcome::Failed { ns, op } => return Err(self.completion_error(ns, op, c.status)),
             Outcome::Unmatched => {
                 self.completion_log.unmatched(c);
