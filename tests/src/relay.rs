@@ -11,7 +11,8 @@
 use std::io::{ErrorKind, Read, Write};
 use std::net::{Shutdown, TcpListener, TcpStream};
 use std::os::fd::AsFd;
-use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
+use std::os::fd::AsRawFd;
+use std::sync::atomic::{AtomicBool, AtomicI32, AtomicU64, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -52,6 +53,8 @@ struct LinkCtl {
     /// Turns of the link's loop so far (a change is seen once this moves on twice).
     turns: AtomicU64,
     done: AtomicBool,
+    /// The client side's socket (-1 until the link runs).
+    down_fd: AtomicI32,
 }
 
 impl LinkCtl {
@@ -62,6 +65,7 @@ impl LinkCtl {
             budget: AtomicU64::new(u64::MAX),
             turns: AtomicU64::new(0),
             done: AtomicBool::new(false),
+            down_fd: AtomicI32::new(-1),
         }
     }
 
@@ -268,6 +272,25 @@ impl Relay {
         settle(&links);
     }
 
+    /// Bytes the client sent on live link `n` (as [`inject_one`](Self::inject_one) counts)
+    /// that wait unread in the relay: on a stalled link, everything it sent since the stall.
+    pub fn waiting_from_client(&self, n: usize) -> usize {
+        let links = self.shared.live();
+        let Some(l) = links.get(n % links.len().max(1)) else {
+            return 0;
+        };
+        let fd = l.down_fd.load(Ordering::SeqCst);
+        if fd < 0 {
+            return 0;
+        }
+        let mut queued: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int; the link is live, so its socket is open.
+        match unsafe { libc::ioctl(fd, libc::FIONREAD, &mut queued) } {
+            0 => queued.max(0) as usize,
+            _ => 0,
+        }
+    }
+
     /// From now until the next [`cut`](Self::cut) or [`reset`](Self::reset), bytes from the
     /// client are read and thrown away instead of forwarded: what the client sent meanwhile
     /// never reaches the server (a link that dies with data in flight).
@@ -321,6 +344,7 @@ fn abort(s: &TcpStream) {
 /// Forwards between `down` (the client) and `up` (the server) until either side closes or a
 /// fault ends the link.
 fn run_link(down: TcpStream, up: TcpStream, ctl: &LinkCtl, sh: &Shared) {
+    ctl.down_fd.store(down.as_raw_fd(), Ordering::SeqCst);
     let _ = down.set_nodelay(true);
     let _ = up.set_nodelay(true);
     if down.set_nonblocking(true).is_err() || up.set_nonblocking(true).is_err() {

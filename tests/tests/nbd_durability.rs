@@ -166,6 +166,66 @@ fn a_reconnecting_queue_does_not_replay_a_block_another_connection_rewrote() {
     assert!(b.read(0, 8192).unwrap() == want);
 }
 
+/// Whether `s` has bytes to read now.
+fn readable(s: &std::os::unix::net::UnixStream) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags};
+    use std::os::fd::AsFd;
+    let mut fds = [PollFd::new(s.as_fd(), PollFlags::POLLIN)];
+    poll(&mut fds, 0u8).unwrap() > 0
+}
+
+/// A WRITE answered on one connection, then a WRITE (with `flags`) of the same block on
+/// another, while the first is still on its way to the target (its link holds it: the export
+/// answers a WRITE once TCP took it). The second must land after the first.
+fn a_second_write_lands_after_a_held_one(name: &str, flags: u16) {
+    let (_d, _shm, t) = start(name);
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, name, &[]);
+    let mut a = Raw::connect(&e.sock);
+    // A has the export's first queue, on the relay's only link so far: it stops forwarding.
+    assert_eq!(relay.stall_links(), 1, "{}", e.log());
+    assert_eq!(a.write(0, 0, &[1; 4096]), 0);
+    let held = relay.waiting_from_client(0);
+    assert!(held >= 4096, "A's WRITE waits in its link ({held} bytes)");
+    let mut b = Raw::connect(&e.sock);
+    let mut w = b.request(CMD_WRITE, flags, 20, 0, 4096);
+    w.extend_from_slice(&[2; 4096]);
+    b.send(&w);
+    // B's WRITE must go after A's: through A's queue (into A's link, behind A's WRITE), or
+    // once A's queue placed its writes (a Read that waits behind A's WRITE). Either way A's
+    // link gets more to carry; B answered with nothing more there is the order lost.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.waiting_from_client(0) <= held && !readable(&b.0) {
+        assert!(Instant::now() < deadline, "neither came: {}", e.log());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let behind_a = relay.waiting_from_client(0) > held;
+    relay.resume();
+    assert_eq!(b.reply(), (0, 20));
+    // A READ on A's own link comes after A's WRITE there: it sees what landed last.
+    assert!(
+        a.read(0, 4096).unwrap() == [2; 4096],
+        "A's older WRITE landed over B's (B's went behind A's: {behind_a})"
+    );
+    assert!(behind_a);
+    assert!(b.read(0, 4096).unwrap() == [2; 4096]);
+}
+
+/// A plain WRITE goes through the first connection's queue, behind the first WRITE. Without
+/// that it went out on its own queue and the first's older bytes landed over it when its link
+/// carried them (`CAN_MULTI_CONN`: the connections share one view).
+#[test]
+fn a_write_answered_on_one_connection_lands_before_a_later_one_on_another() {
+    a_second_write_lands_after_a_held_one("order", 0);
+}
+
+/// A FUA WRITE goes out on its own queue once the first connection's queue placed its writes
+/// (a Read answered behind the first WRITE): the answer waits for the held link.
+#[test]
+fn a_fua_write_waits_until_another_connections_answered_write_is_placed() {
+    a_second_write_lands_after_a_held_one("order-fua", FUA);
+}
+
 #[test]
 fn every_request_is_answered_while_the_target_stays_gone() {
     let (_d, _shm, mut t) = start("gone");

@@ -79,6 +79,8 @@ pub(crate) struct Cell {
     queue: Mutex<Option<Queue>>,
     /// The queue id it opens its queue with.
     qid: u16,
+    /// Its queue's [`Queue::order_id`] (u64::MAX while it has none).
+    order: AtomicU64,
     /// Writes were acknowledged on it and not yet made durable by a FLUSH.
     dirty: AtomicBool,
     /// Threads waiting for its lock.
@@ -90,6 +92,7 @@ pub(crate) struct Cell {
 impl Cell {
     fn new(qid: u16, q: Option<Queue>) -> Cell {
         Cell {
+            order: AtomicU64::new(q.as_ref().map_or(u64::MAX, Queue::order_id)),
             queue: Mutex::new(q),
             qid,
             dirty: AtomicBool::new(false),
@@ -121,6 +124,9 @@ pub(crate) struct Shared {
     cells: Mutex<Vec<Arc<Cell>>>,
     /// The queue id of the next queue opened.
     next_qid: AtomicU16,
+    /// More than one queue was opened: requests may have to wait for another queue's writes
+    /// to be placed ([`place_writes_of`](Self::place_writes_of)).
+    pub(crate) several: AtomicBool,
     pub(crate) opts: ExportOptions,
     pub(crate) desc: NamespaceDescriptor,
     pub(crate) info: ExportInfo,
@@ -153,6 +159,7 @@ impl Shared {
             sessions: RateLog::new("session line(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
             next_qid: AtomicU16::new(queue.queue_id().wrapping_add(1)),
             cells: Mutex::new(vec![Arc::new(Cell::new(queue.queue_id(), Some(queue)))]),
+            several: AtomicBool::new(false),
             conn,
             opts,
             desc,
@@ -193,6 +200,7 @@ impl Shared {
                 let c = Arc::new(Cell::new(qid, Some(q)));
                 c.taken.store(true, Ordering::SeqCst);
                 cells.push(Arc::clone(&c));
+                self.several.store(true, Ordering::SeqCst);
                 c
             }
             Err(e) => {
@@ -239,6 +247,7 @@ impl Shared {
     ) -> crate::Result<T> {
         if g.is_none() {
             let q = self.conn.open_queue_once(cell.qid)?;
+            cell.order.store(q.order_id(), Ordering::SeqCst);
             info!("nbd: reconnected to the target with a new queue");
             **g = Some(q);
         }
@@ -312,6 +321,37 @@ impl Shared {
             }
         }
         Ok(durable)
+    }
+
+    /// The cell other than `me` whose queue is `id` ([`Queue::order_id`]), if one is.
+    pub(crate) fn cell_of(&self, id: u64, me: &Cell) -> Option<Arc<Cell>> {
+        self.cells()
+            .into_iter()
+            .find(|c| !std::ptr::eq(&**c, me) && c.order.load(Ordering::SeqCst) == id)
+    }
+
+    /// Has the queues `ids` ([`Queue::order_id`]s) other than `me`'s place every write they
+    /// sent: before a request of `me`'s client on bytes those writes covered, which another
+    /// connection answered (NBD's `CAN_MULTI_CONN`: the connections share one view of the
+    /// export). Takes one cell at a time: the caller holds none. A queue that fails here lost
+    /// its connection: its writes are re-issued, or reported lost, as for any request.
+    pub(crate) fn place_writes_of(&self, ids: &[u64], me: &Cell) {
+        for cell in self.cells() {
+            let id = cell.order.load(Ordering::SeqCst);
+            if std::ptr::eq(&*cell, me) || !ids.contains(&id) {
+                continue;
+            }
+            let mut g = self.lock(&cell);
+            if g.is_none() {
+                continue;
+            }
+            if let Err(e) = self.with_ns(&cell, &mut g, |ns| ns.place_writes()) {
+                warn!(
+                    "nbd: placing another connection's writes failed: {}",
+                    rpma_common::error_chain(&e)
+                );
+            }
+        }
     }
 
     /// Runs every idle queue's keep-alive (a queue in use keeps itself alive: never wait

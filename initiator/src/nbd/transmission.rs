@@ -10,6 +10,7 @@
 use std::io::{ErrorKind, Read};
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use log::Level;
@@ -287,7 +288,12 @@ impl<'a> Client<'a> {
                     simple_reply(&mut self.out, e, it.req.handle);
                     self.answered(1);
                 }
-                Action::Read | Action::Write { fua: false } => self.start(it, a),
+                Action::Read | Action::Write { fua: false } => {
+                    match self.after_other_connections(&it.req, true)? {
+                        Some(other) => self.on_other(&other, it, a),
+                        None => self.start(it, a),
+                    }
+                }
                 Action::Flush => {
                     self.drain()?;
                     // flush_all takes every queue in turn: hold none meanwhile.
@@ -298,12 +304,109 @@ impl<'a> Client<'a> {
                 }
                 Action::Write { .. } | Action::Zeroes { .. } => {
                     self.drain()?;
+                    self.after_other_connections(&it.req, false)?;
                     self.writes(std::slice::from_ref(it), &[a]);
                 }
             }
         }
         self.stats.max_batch = self.stats.max_batch.max(self.pipe.len());
         Ok(false)
+    }
+
+    /// Where `req` goes so that it lands after (or reads) every WRITE of its bytes another
+    /// connection answered: a WRITE is answered once TCP took it, and may not be placed on
+    /// the target yet when this request comes. None: this connection's queue (no other
+    /// queue's write of these bytes is unplaced, or the others placed theirs now: each
+    /// answers a Read). Some: the one other queue that holds such writes, when `route` and this
+    /// queue holds none there (that queue's own order puts the request after them, without a
+    /// round trip). Costs nothing while the export has one queue, a question to the shared
+    /// replay order otherwise (its filter answers most without a lock); when another queue is
+    /// named, this connection's started requests complete first and it lets its queue go
+    /// (`CAN_MULTI_CONN`: every connection sees what any answered).
+    fn after_other_connections(
+        &mut self,
+        req: &proto::Request,
+        route: bool,
+    ) -> Result<Option<Arc<Cell>>, ConnError> {
+        let (shared, cell) = (self.shared, self.cell);
+        if !shared.several.load(Ordering::Relaxed) {
+            return Ok(None);
+        }
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
+        let Some(q) = g.as_mut() else {
+            return Ok(None);
+        };
+        let me = q.order_id();
+        let len = usize::try_from(req.len).unwrap_or(usize::MAX);
+        let mut writers = match q.namespace(shared.opts.nsid) {
+            Ok(mut ns) => ns.unplaced_writers(req.offset, len),
+            Err(_) => return Ok(None),
+        };
+        let mine = writers.contains(&me);
+        writers.retain(|&w| w != me);
+        if writers.is_empty() {
+            return Ok(None);
+        }
+        self.drain()?;
+        self.held = None;
+        if let ([one], true, false) = (writers.as_slice(), route, mine) {
+            if let Some(c) = shared.cell_of(*one, cell) {
+                return Ok(Some(c));
+            }
+        }
+        shared.place_writes_of(&writers, cell);
+        Ok(None)
+    }
+
+    /// A READ or a (non-FUA) WRITE through `other`'s queue (the one queue whose writes of its
+    /// bytes may not be placed yet: [`after_other_connections`](Self::after_other_connections)),
+    /// answered once it completed. This connection holds no queue meanwhile.
+    fn on_other(&mut self, other: &Cell, it: &Item, a: Action) {
+        let shared = self.shared;
+        let (off, len, handle) = (it.req.offset, it.req.len as usize, it.req.handle);
+        let mut g = shared.lock(other);
+        let (pipe, data) = (&mut self.pipe, &self.buf);
+        let mut taken = false;
+        let mut r = shared.with_ns(other, &mut g, |ns| {
+            taken = true;
+            let chunk = ns.chunk();
+            match a {
+                Action::Read => pipe.start_read(ns, chunk, handle, off, len),
+                _ => pipe.start_write(ns, chunk, handle, off, &data.bytes()[it.payload.clone()]),
+            }
+        });
+        // As `drain`: the pipeline deals with errors (fails, or restarts after a reconnect);
+        // a queue that gave up fails what is left.
+        while !pipe.is_empty() {
+            if g.is_none() {
+                pipe.fail_all(EIO);
+                break;
+            }
+            let c = shared.with_ns(other, &mut g, |ns| pipe.complete(ns));
+            if r.is_ok() {
+                r = c;
+            }
+        }
+        if pipe.take_written() > 0 {
+            other.mark_dirty();
+        }
+        drop(g);
+        if let Err(e) = r {
+            let what = if a == Action::Read { "READ" } else { "WRITE" };
+            self.shared.problems.log(
+                Level::Warn,
+                self.source,
+                format_args!(
+                    "nbd: {what} on another connection's queue failed: {}",
+                    rpma_common::error_chain(&e)
+                ),
+            );
+            if !taken {
+                simple_reply(&mut self.out, errno(&e, a != Action::Read), handle);
+                self.answered(1);
+            }
+        }
+        self.collect();
     }
 
     /// Starts a READ or a (non-FUA) WRITE.
