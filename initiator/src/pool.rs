@@ -499,9 +499,11 @@ impl Pool {
     }
 
     /// Whether this queue's writes are in the replay order (another queue of the connection
-    /// came): only then may another queue ask which of them are placed.
-    pub(crate) fn entered(&self) -> bool {
-        self.replay.as_ref().is_some_and(Member::entered)
+    /// came) and some of them are not known placed: only then is a probe worth sending.
+    pub(crate) fn unplaced(&self) -> bool {
+        self.replay
+            .as_ref()
+            .is_some_and(|m| m.entered() && m.unplaced())
     }
 
     /// This queue's writes up to post order `seq` are placed (recorded while it is in the

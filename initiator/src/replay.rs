@@ -395,6 +395,11 @@ impl Member {
         self.blind_through = Some(last);
     }
 
+    /// Whether this queue has writes in the map not known placed (or may have: blind).
+    pub(crate) fn unplaced(&self) -> bool {
+        !self.counted.is_empty() || self.blind_through.is_some()
+    }
+
     /// No longer blind to the filter.
     fn see(&mut self) {
         if self.blind_through.take().is_some() {
@@ -600,7 +605,9 @@ mod tests {
         let mut a = Member::new(Arc::clone(&o), vec![1]);
         let mut b = Member::new(Arc::clone(&o), vec![1]);
         assert!(a.keep_order(Vec::new));
+        assert!(!a.unplaced(), "nothing written: no probe to send");
         a.register(0, 0, 8192, 1);
+        assert!(a.unplaced());
         assert_eq!(b.unplaced_writers(0, 4096, 4096), [a.id()], "inside");
         assert_eq!(b.unplaced_writers(0, 8000, 1000), [a.id()], "reaching in");
         assert_eq!(a.unplaced_writers(0, 0, 8192), [a.id()], "for any queue");
@@ -617,6 +624,7 @@ mod tests {
         a.placed_through(2);
         a.placed_through(1);
         assert!(b.unplaced_writers(0, 0, 8192).is_empty(), "never goes back");
+        assert!(!a.unplaced());
         // A reconnected: nothing of it is known placed.
         a.unplace(2);
         assert_eq!(b.unplaced_writers(0, 0, 4096), [a.id()]);

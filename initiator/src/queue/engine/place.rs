@@ -23,11 +23,12 @@ use crate::queue::completion::Ticket;
 const PROBE_EVERY: u64 = 16;
 
 impl Engine {
-    /// Sends a probe if one is due (the queue is in the replay order, none is out, and
-    /// [`PROBE_EVERY`] requests were posted since the last): call after posting.
+    /// Sends a probe if one is due (the queue is in the replay order with writes not known
+    /// placed, none is out, and [`PROBE_EVERY`] requests were posted since the last): call
+    /// after posting. A queue that only reads sends none.
     pub(super) fn probe_if_due(&mut self) -> Result<()> {
         let seq = self.pool.last_seq();
-        if self.probe.is_some() || seq < self.probe_mark + PROBE_EVERY || !self.pool.entered() {
+        if self.probe.is_some() || seq < self.probe_mark + PROBE_EVERY || !self.pool.unplaced() {
             return Ok(());
         }
         let ka = self.session.as_mut().ok_or(Error::Broken)?.probe()?;
