@@ -34,13 +34,15 @@
 //! transport took it (iWARP's rule, the `tcp` transport's): the bytes may still be on their way
 //! to the target when a newer write of the same bytes, on another queue pair, lands. Within a
 //! queue pair the target executes requests in order; across queue pairs nothing orders them.
-//! So a queue records the newest write it knows placed (its post order when a Read it posted
-//! after them was answered: [`Member::placed_through`]), and a caller about to write or read
-//! bytes through one queue asks which queues hold writes of them not known placed
+//! So a queue records the newest write it knows placed (its post order when a Read or a probe
+//! it posted after them was answered: [`Member::placed_through`]), and a caller about to write
+//! or read bytes through one queue asks which queues hold writes of them not known placed
 //! ([`Member::unplaced_writers`]); it has the others place their writes first, or sends its
-//! request through the one queue that holds them (the NBD export does, for its connections). A queue kept out of the map may hold any bytes: it is
-//! named too, until it enters. After a reconnect a queue knows nothing placed again
-//! ([`Member::unplace`]): its re-issued writes are on their way.
+//! request through the one queue that holds them (the NBD export does, for its connections).
+//! A queue kept out of the map may hold any bytes: it is named too, until it enters. After a
+//! reconnect a queue knows nothing placed again ([`Member::unplace`]): its re-issued writes
+//! are on their way. A filter of atomic counters ([`hot`]) answers most questions without
+//! the lock.
 
 mod hot;
 
