@@ -335,6 +335,17 @@ impl<'q> Namespace<'q> {
         self.q.unplaced_writers(self.idx, offset, len)
     }
 
+    /// Asks the queues `ids` (by [`Queue::order_id`], as [`unplaced_writers`](Self::unplaced_writers)
+    /// names them) to learn soon whether their Writes are placed: each sends a probe (a
+    /// KeepAlive, whose echo follows its earlier Writes) the next time its owner posts or
+    /// waits for completions, instead of after its next 16 requests. For a caller that waits
+    /// for another queue's writes while that queue is busy with its own owner's requests (the
+    /// NBD export holds such a request back meanwhile); an idle queue sends nothing until its
+    /// owner uses it: have it [`place_writes`](Self::place_writes) then. Cheap; no error.
+    pub fn want_placed(&mut self, ids: &[u64]) {
+        self.q.want_placed(ids);
+    }
+
     /// Has every Write this queue sent (to any namespace) placed on the target: one Read of 8
     /// bytes, which the target answers only after executing every earlier request of this
     /// queue pair. Places, it does not persist: nothing becomes durable. Afterwards no queue

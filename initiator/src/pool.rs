@@ -506,6 +506,19 @@ impl Pool {
             .is_some_and(|m| m.entered() && m.unplaced())
     }
 
+    /// Asks the queues `ids` of the connection to learn soon whether their writes are placed
+    /// ([`crate::replay`]).
+    pub(crate) fn want_placed(&self, ids: &[u64]) {
+        if let Some(m) = &self.replay {
+            m.want_placed(ids);
+        }
+    }
+
+    /// Whether another queue asked this one to learn its placement soon; the ask is taken.
+    pub(crate) fn take_want(&self) -> bool {
+        self.replay.as_ref().is_some_and(Member::take_want)
+    }
+
     /// This queue's writes up to post order `seq` are placed (recorded while it is in the
     /// replay order: no one asks before).
     pub(crate) fn placed_through(&mut self, seq: u64) {

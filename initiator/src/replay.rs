@@ -80,6 +80,8 @@ struct Inner {
     unentered: Vec<u64>,
     /// Per queue, the post order of its newest write known placed (none: nothing known).
     placed: HashMap<u64, u64>,
+    /// Queues asked to learn their placement soon ([`ReplayOrder::want_placed`]).
+    wanted: Vec<u64>,
 }
 
 /// The shared map (one per [`Connection`](crate::Connection) and its clones).
@@ -91,6 +93,8 @@ pub(crate) struct ReplayOrder {
     inner: Mutex<Inner>,
     /// Where writes not known placed may be, without the lock ([`hot`]).
     hot: hot::Hot,
+    /// How many queues are in `Inner::wanted`: a queue looks without the lock.
+    wanting: AtomicUsize,
 }
 
 impl ReplayOrder {
@@ -229,6 +233,33 @@ impl ReplayOrder {
         out
     }
 
+    /// Asks the queues `ids` to learn soon whether their writes are placed (each sends a probe
+    /// with its next post or poll: [`Member::take_want`]) rather than after its next 16
+    /// requests: a caller whose request waits for their writes asks.
+    pub(crate) fn want_placed(&self, ids: &[u64]) {
+        let mut inner = self.lock();
+        for &id in ids {
+            if !inner.wanted.contains(&id) {
+                inner.wanted.push(id);
+                self.wanting.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+    }
+
+    /// Takes `queue` out of the queues asked to learn their placement: whether it was in.
+    fn unwant(&self, queue: u64) -> bool {
+        if self.wanting.load(Ordering::SeqCst) == 0 {
+            return false;
+        }
+        let mut inner = self.lock();
+        let Some(i) = inner.wanted.iter().position(|&q| q == queue) else {
+            return false;
+        };
+        inner.wanted.swap_remove(i);
+        self.wanting.fetch_sub(1, Ordering::SeqCst);
+        true
+    }
+
     /// One unentered queue fewer (`queue` entered, or it went): the last one takes the
     /// tombstones with it.
     fn one_unentered_fewer(inner: &mut Inner, queue: u64) {
@@ -273,6 +304,7 @@ impl Drop for Member {
             self.order.hot.blind(false);
         }
         self.order.members.fetch_sub(1, Ordering::SeqCst);
+        self.order.unwant(self.queue);
         let mut inner = self.order.lock();
         inner.placed.remove(&self.queue);
         if !self.entered {
@@ -400,6 +432,18 @@ impl Member {
     /// Whether this queue has writes in the map not known placed (or may have: blind).
     pub(crate) fn unplaced(&self) -> bool {
         !self.counted.is_empty() || self.blind_through.is_some()
+    }
+
+    /// Asks the queues `ids` to learn their placement soon ([`ReplayOrder::want_placed`]).
+    pub(crate) fn want_placed(&self, ids: &[u64]) {
+        self.order.want_placed(ids);
+    }
+
+    /// Whether another caller asked this queue to learn its placement soon
+    /// ([`ReplayOrder::want_placed`]); the ask is taken (one probe answers it). One atomic
+    /// load while no one asks.
+    pub(crate) fn take_want(&self) -> bool {
+        self.order.unwant(self.queue)
     }
 
     /// No longer blind to the filter.
@@ -647,6 +691,26 @@ mod tests {
         let id = b.id();
         drop(b);
         assert!(!o.lock().placed.contains_key(&id));
+    }
+
+    #[test]
+    fn an_ask_to_learn_placement_is_taken_once_by_the_queue_asked() {
+        let o = Arc::new(ReplayOrder::default());
+        let a = Member::new(Arc::clone(&o), vec![1]);
+        let b = Member::new(Arc::clone(&o), vec![1]);
+        let c = Member::new(Arc::clone(&o), vec![1]);
+        assert!(!a.take_want() && !b.take_want(), "no one asked");
+        // Asked twice before it looks: one probe answers both.
+        b.want_placed(&[a.id(), c.id()]);
+        b.want_placed(&[a.id()]);
+        assert_eq!(o.wanting.load(Ordering::SeqCst), 2);
+        assert!(!b.take_want(), "only the queues named");
+        assert!(a.take_want());
+        assert!(!a.take_want(), "taken");
+        // A queue that goes takes its ask with it: no one looks under the lock for it.
+        drop(c);
+        assert_eq!(o.wanting.load(Ordering::SeqCst), 0);
+        assert!(o.lock().wanted.is_empty());
     }
 
     #[test]

@@ -564,6 +564,23 @@ fn two_queues_through_a_relay(
     (t, relay, a, b)
 }
 
+/// [`two_queues_through_a_relay`], and a block of A's (`[1; BLOCK]` at `COUNTERS`) written
+/// and held in A's stalled link: B finds it not placed.
+fn a_write_held_in_its_link(
+    dir: &std::path::Path,
+) -> (Target, Relay, rpma_initiator::Queue, rpma_initiator::Queue) {
+    let (t, relay, mut a, mut b) = two_queues_through_a_relay(dir);
+    assert_ne!(a.order_id(), b.order_id());
+    assert!(relay.inject_one(Fault::Stall(Duration::MAX), 0), "A's link");
+    a.namespace(1)
+        .unwrap()
+        .write_at(COUNTERS, &[1; BLOCK])
+        .unwrap();
+    let writers = b.namespace(1).unwrap().unplaced_writers(COUNTERS, BLOCK);
+    assert_eq!(writers, [a.order_id()]);
+    (t, relay, a, b)
+}
+
 /// Two queues of one connection write the same bytes, the second after the first's
 /// acknowledgement; the first queue's link is reset and it re-issues the writes it holds (none
 /// durable yet). It replays only the bytes no newer write took: the second queue's block stays
@@ -641,14 +658,9 @@ fn a_replay_never_writes_over_a_newer_write_of_another_queue() {
 #[test]
 fn a_queue_finds_another_queues_unplaced_writes_and_lands_after_them_once_placed() {
     let d = scratch();
-    let (_t, relay, mut a, mut b) = two_queues_through_a_relay(d.path());
-    assert_ne!(a.order_id(), b.order_id());
-    let at = COUNTERS;
-    assert!(relay.inject_one(Fault::Stall(Duration::MAX), 0), "A's link");
-    a.namespace(1).unwrap().write_at(at, &[1; BLOCK]).unwrap();
-    let a_id = a.order_id();
+    let (_t, relay, mut a, mut b) = a_write_held_in_its_link(d.path());
+    let (at, a_id) = (COUNTERS, a.order_id());
     let mut nb = b.namespace(1).unwrap();
-    assert_eq!(nb.unplaced_writers(at, BLOCK), [a_id]);
     assert_eq!(nb.unplaced_writers(at + 100, 1), [a_id], "inside it");
     assert!(nb.unplaced_writers(at + BLOCK as u64, BLOCK).is_empty());
     assert_eq!(a.namespace(1).unwrap().unplaced_writers(at, BLOCK), [a_id]);
@@ -687,6 +699,39 @@ fn a_queue_finds_another_queues_unplaced_writes_and_lands_after_them_once_placed
     }
     assert_eq!(done, [rpma_initiator::Completed::Read(ticket)]);
     assert!(nb.unplaced_writers(next, BLOCK).is_empty());
+}
+
+/// A queue asked to learn its placement (another queue's caller waits for its writes) sends a
+/// probe the next time its owner polls, not after its next 16 requests: its one write is known
+/// placed once the echo came, without a placement Read.
+#[test]
+fn a_queue_asked_learns_its_placement_at_its_next_poll() {
+    let d = scratch();
+    let (_t, relay, mut a, mut b) = a_write_held_in_its_link(d.path());
+    let (at, a_id) = (COUNTERS, a.order_id());
+    let mut nb = b.namespace(1).unwrap();
+    let held = relay.waiting_from_client(0);
+    nb.want_placed(&[a_id]);
+    a.tick().unwrap();
+    // The probe goes behind A's write, into the stalled link.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.waiting_from_client(0) <= held {
+        assert!(Instant::now() < deadline, "no probe after the ask");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    relay.resume();
+    while !nb.unplaced_writers(at, BLOCK).is_empty() {
+        assert!(
+            Instant::now() < deadline,
+            "A never learned its write placed"
+        );
+        a.tick().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert!(nb.write_durable(at, &[2; BLOCK]).unwrap().is_durable());
+    let mut got = vec![0u8; BLOCK];
+    a.namespace(1).unwrap().read_at(at, &mut got).unwrap();
+    assert!(got == [2; BLOCK], "A's older write landed over B's");
 }
 
 /// A queue holding more writes than its send queue takes (512 slots; a send queue takes 256)

@@ -399,6 +399,11 @@ impl Queue {
         self.run(OnLoss::Rerun, |q| q.engine.place_writes(idx))
     }
 
+    /// Asks the queues `ids` to learn their placement soon.
+    pub(crate) fn want_placed(&mut self, ids: &[u64]) {
+        self.engine.pool().want_placed(ids);
+    }
+
     /// The queues (this one too) that may hold writes of these bytes not known placed.
     pub(crate) fn unplaced_writers(&mut self, idx: usize, offset: u64, len: usize) -> Vec<u64> {
         self.engine.unplaced_writers(idx, offset, len)

@@ -24,16 +24,27 @@ const PROBE_EVERY: u64 = 16;
 
 impl Engine {
     /// Sends a probe if one is due (the queue is in the replay order with writes not known
-    /// placed, none is out, and [`PROBE_EVERY`] requests were posted since the last): call
-    /// after posting. A queue that only reads sends none.
+    /// placed, none is out, and [`PROBE_EVERY`] requests were posted since the last, or
+    /// another queue's caller asked: [`Pool::want_placed`](crate::pool::Pool)): call after
+    /// posting and before waiting. A queue that only reads sends none.
     pub(super) fn probe_if_due(&mut self) -> Result<()> {
         let seq = self.pool.last_seq();
-        if self.probe.is_some() || seq < self.probe_mark + PROBE_EVERY || !self.pool.unplaced() {
+        if self.probe.is_some() {
+            return Ok(());
+        }
+        if !self.pool.unplaced() {
+            // Nothing to place: an ask is answered already.
+            self.pool.take_want();
+            return Ok(());
+        }
+        if seq < self.probe_mark + PROBE_EVERY && !self.pool.take_want() {
             return Ok(());
         }
         let ka = self.session.as_mut().ok_or(Error::Broken)?.probe()?;
         self.probe = Some((ka, seq));
         self.probe_mark = seq;
+        // Asked for or not, this probe answers an ask.
+        self.pool.take_want();
         Ok(())
     }
 
@@ -76,6 +87,7 @@ impl Engine {
         self.post_one(wr)?;
         self.wait_for_request(ns, "placement read", id)?;
         self.pool.placed_through(seq);
+        self.pool.take_want();
         Ok(())
     }
 
