@@ -177,7 +177,7 @@ fn readable(s: &std::os::unix::net::UnixStream) -> bool {
 /// A WRITE answered on one connection, then a WRITE (with `flags`) of the same block on
 /// another, while the first is still on its way to the target (its link holds it: the export
 /// answers a WRITE once TCP took it). The second must land after the first.
-fn a_second_write_lands_after_a_held_one(name: &str, flags: u16) {
+fn a_second_write_lands_after_a_held_one(name: &str, flags: u16, len: usize) {
     let (_d, _shm, t) = start(name);
     let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
     let e = Export::start_via(&t, &relay.url(), 1, name, &[]);
@@ -188,8 +188,8 @@ fn a_second_write_lands_after_a_held_one(name: &str, flags: u16) {
     let held = relay.waiting_from_client(0);
     assert!(held >= 4096, "A's WRITE waits in its link ({held} bytes)");
     let mut b = Raw::connect(&e.sock);
-    let mut w = b.request(CMD_WRITE, flags, 20, 0, 4096);
-    w.extend_from_slice(&[2; 4096]);
+    let mut w = b.request(CMD_WRITE, flags, 20, 0, len as u32);
+    w.extend(std::iter::repeat_n(2u8, len));
     b.send(&w);
     // B's WRITE must go after A's: through A's queue (into A's link, behind A's WRITE), or
     // once A's queue placed its writes (a Read that waits behind A's WRITE). Either way A's
@@ -216,14 +216,21 @@ fn a_second_write_lands_after_a_held_one(name: &str, flags: u16) {
 /// carried them (`CAN_MULTI_CONN`: the connections share one view).
 #[test]
 fn a_write_answered_on_one_connection_lands_before_a_later_one_on_another() {
-    a_second_write_lands_after_a_held_one("order", 0);
+    a_second_write_lands_after_a_held_one("order", 0, 4096);
+}
+
+/// A WRITE too large to be held back (its payload would be copied) goes through the first
+/// connection's queue, behind the first WRITE, in the first connection's order.
+#[test]
+fn a_large_write_answered_after_another_connections_write_goes_through_its_queue() {
+    a_second_write_lands_after_a_held_one("order-large", 0, 2 << 20);
 }
 
 /// A FUA WRITE goes out on its own queue once the first connection's queue placed its writes
 /// (a Read answered behind the first WRITE): the answer waits for the held link.
 #[test]
 fn a_fua_write_waits_until_another_connections_answered_write_is_placed() {
-    a_second_write_lands_after_a_held_one("order-fua", FUA);
+    a_second_write_lands_after_a_held_one("order-fua", FUA, 4096);
 }
 
 #[test]
@@ -283,6 +290,76 @@ fn volatile_flush_and_fua_fail_with_eio_unless_visible_ok() {
     let mut c = Raw::connect(&ok.sock);
     assert_eq!(c.write(FUA, 4096, &[3; 4096]), 0);
     assert_eq!(c.flush(), 0);
+}
+
+/// A READ or WRITE of a block another connection wrote (answered, but still on its way: its
+/// link holds it) while that connection is busy (its READ waits in the same link): the request
+/// is held back until that write is placed, and the requests after it on its own connection
+/// are answered meanwhile. Waiting for the other connection in line stalled them all.
+fn a_request_held_back_lets_the_next_go(name: &str, kind: u16) {
+    let (_d, _shm, t) = start(name);
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, name, &[]);
+    let mut a = Raw::connect(&e.sock);
+    // B's queue comes before A's WRITE: A's queue writes into the export's shared map of
+    // writes (a queue alone keeps out, and is waited for whatever the bytes).
+    let mut b = Raw::connect(&e.sock);
+    assert!(b.read(8192, 4096).is_ok());
+    assert_eq!(relay.live(), 2, "{}", e.log());
+    assert!(relay.inject_one(rpma_tests::Fault::Stall(Duration::MAX), 0));
+    assert_eq!(a.write(0, 0, &[1; 4096]), 0);
+    let held = relay.waiting_from_client(0);
+    // A busy: its READ waits in its link, its connection waits for it.
+    let r = a.request(CMD_READ, 0, 30, 1 << 20, 4096);
+    a.send(&r);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.waiting_from_client(0) <= held {
+        assert!(
+            Instant::now() < deadline,
+            "A's READ never went: {}",
+            e.log()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut both = b.request(kind, 0, 20, 0, 4096);
+    if kind == CMD_WRITE {
+        both.extend_from_slice(&[2; 4096]);
+    }
+    both.extend(b.request(CMD_WRITE, 0, 21, 8192, 4096));
+    both.extend_from_slice(&[3; 4096]);
+    b.send(&both);
+    assert_eq!(
+        b.reply(),
+        (0, 21),
+        "B's second request was answered first, while its first waits for A's WRITE: {}",
+        e.log()
+    );
+    relay.resume();
+    assert_eq!(b.reply(), (0, 20));
+    if kind == CMD_READ {
+        assert!(
+            b.take(4096) == [1; 4096],
+            "B's READ missed A's answered WRITE"
+        );
+    }
+    assert_eq!(a.reply(), (0, 30));
+    assert!(a.take(4096) == [0; 4096]);
+    let want = if kind == CMD_READ { 1 } else { 2 };
+    assert!(
+        a.read(0, 4096).unwrap() == [want; 4096],
+        "A's older WRITE landed over B's"
+    );
+    assert!(b.read(8192, 4096).unwrap() == [3; 4096]);
+}
+
+#[test]
+fn a_write_held_back_for_another_connections_write_lets_the_next_request_go() {
+    a_request_held_back_lets_the_next_go("held-write", CMD_WRITE);
+}
+
+#[test]
+fn a_read_held_back_for_another_connections_write_lets_the_next_request_go() {
+    a_request_held_back_lets_the_next_go("held-read", CMD_READ);
 }
 
 rpma_tests::rdma_runs!(

@@ -406,13 +406,19 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
         }
         Err(e) => format!("closed on error: {}", rpma_common::error_chain(e)),
     };
-    let line = format!(
+    let mut line = format!(
         "nbd: client {id} ({}) {how} after {} request(s), at most {} in flight; queue max in flight {}",
         peer.name,
         s.requests,
         s.max_batch,
         shared.max_in_flight()
     );
+    if s.held_back + s.waited > 0 {
+        line += &format!(
+            "; for another connection's writes: {} held back, {} waited in line",
+            s.held_back, s.waited
+        );
+    }
     match r {
         Ok(()) | Err(ConnError::Idle(_)) => {
             shared

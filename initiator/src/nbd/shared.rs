@@ -342,16 +342,40 @@ impl Shared {
                 continue;
             }
             let mut g = self.lock(&cell);
-            if g.is_none() {
+            self.place_held(&cell, &mut g);
+        }
+    }
+
+    /// Has a locked cell's queue (if it has one) place every write it sent.
+    fn place_held(&self, cell: &Cell, g: &mut Held<'_>) {
+        if g.is_none() {
+            return;
+        }
+        if let Err(e) = self.with_ns(cell, g, |ns| ns.place_writes()) {
+            warn!(
+                "nbd: placing another connection's writes failed: {}",
+                rpma_common::error_chain(&e)
+            );
+        }
+    }
+
+    /// Of the queues `ids` other than `me`'s: has each one no thread holds place every write
+    /// it sent now ([`place_writes_of`](Self::place_writes_of), without waiting for a lock);
+    /// returns the others (held: busy with their client's requests). The caller may hold
+    /// `me`.
+    pub(crate) fn place_if_idle(&self, ids: &[u64], me: &Cell) -> Vec<u64> {
+        let mut busy = Vec::new();
+        for &id in ids {
+            let Some(cell) = self.cell_of(id, me) else {
                 continue;
-            }
-            if let Err(e) = self.with_ns(&cell, &mut g, |ns| ns.place_writes()) {
-                warn!(
-                    "nbd: placing another connection's writes failed: {}",
-                    rpma_common::error_chain(&e)
-                );
+            };
+            let locked = cell.queue.try_lock();
+            match locked {
+                Ok(mut g) => self.place_held(&cell, &mut g),
+                Err(_) => busy.push(id),
             }
         }
+        busy
     }
 
     /// Runs every idle queue's keep-alive (a queue in use keeps itself alive: never wait

@@ -22,6 +22,7 @@ use super::slots::{Slot, Source};
 use super::stream::{write_all_vectored, Stream};
 use super::ConnError;
 use crate::Error;
+use held::{Data, Others, Parked};
 use inbuf::{InBuf, READ_CHUNK};
 use parse::{classify, split, Action, Item, Limits, Split};
 
@@ -42,6 +43,11 @@ pub(crate) struct Stats {
     pub(crate) max_batch: usize,
     /// FLUSH/FUA requests refused because the namespace is volatile.
     pub(crate) visible_only: u64,
+    /// READs and WRITEs held back for another connection's writes of their bytes ([`park`]).
+    pub(crate) held_back: u64,
+    /// Requests that waited in line for another connection's writes (this connection's
+    /// started requests completed first).
+    pub(crate) waited: u64,
 }
 
 /// One client in the transmission phase.
@@ -71,6 +77,9 @@ pub(crate) struct Client<'a> {
     stats: Stats,
     /// [`Shared::losses`] as of this client's start or last FLUSH.
     losses_seen: u64,
+    /// READs and WRITEs held back until another connection's writes of their bytes are
+    /// placed, in the order they came ([`park`]).
+    parked: Vec<Parked>,
 }
 
 impl<'a> Client<'a> {
@@ -109,6 +118,7 @@ impl<'a> Client<'a> {
             pipe: Pipeline::default(),
             stats: Stats::default(),
             losses_seen: shared.losses.load(Ordering::SeqCst),
+            parked: Vec::new(),
         }
     }
 
@@ -126,8 +136,8 @@ impl<'a> Client<'a> {
     /// executed).
     pub(crate) fn run(&mut self) -> Result<(), ConnError> {
         let r = self.serve();
-        if !self.pipe.is_empty() {
-            let _ = self.drain();
+        if !self.pipe.is_empty() || !self.parked.is_empty() {
+            let _ = self.settle();
             let _ = self.send();
         }
         self.held = None;
@@ -142,9 +152,9 @@ impl<'a> Client<'a> {
             if !self.eof {
                 self.read_ahead()?;
             }
-            // At most max_batch requests in flight.
+            // At most max_batch requests in flight (or held back).
             let room = self.shared.opts.max_batch.max(1);
-            let room = room.saturating_sub(self.pipe.len());
+            let room = room.saturating_sub(self.pipe.len() + self.parked.len());
             let s = if room > 0 {
                 split(self.buf.bytes(), room)
             } else {
@@ -154,6 +164,13 @@ impl<'a> Client<'a> {
                 if !self.pipe.is_empty() {
                     // Woken by the client's next bytes: the loop takes them in.
                     self.complete_or_input()?;
+                    self.retry_parked()?;
+                    self.send()?;
+                    continue;
+                }
+                if !self.parked.is_empty() {
+                    // Nothing in flight to wake this loop.
+                    self.wait_parked()?;
                     self.send()?;
                     continue;
                 }
@@ -187,7 +204,7 @@ impl<'a> Client<'a> {
             let disc = self.execute(&s.items)?;
             self.buf.consume(s.consumed);
             if disc || s.fatal.is_some() {
-                self.drain()?;
+                self.settle()?;
                 self.send()?;
                 return match s.fatal {
                     Some(f) if !disc => Err(f),
@@ -196,10 +213,11 @@ impl<'a> Client<'a> {
             }
             if self.cell.wanted() {
                 // Another thread waits for this queue: finish what was started and let go.
-                self.drain()?;
+                self.settle()?;
                 self.held = None;
             } else if !self.pipe.is_empty() {
                 self.complete_or_input()?;
+                self.retry_parked()?;
             }
             self.send()?;
         }
@@ -288,14 +306,9 @@ impl<'a> Client<'a> {
                     simple_reply(&mut self.out, e, it.req.handle);
                     self.answered(1);
                 }
-                Action::Read | Action::Write { fua: false } => {
-                    match self.after_other_connections(&it.req, true)? {
-                        Some(other) => self.on_other(&other, it, a),
-                        None => self.start(it, a),
-                    }
-                }
+                Action::Read | Action::Write { fua: false } => self.read_or_write(it, a)?,
                 Action::Flush => {
-                    self.drain()?;
+                    self.settle()?;
                     // flush_all takes every queue in turn: hold none meanwhile.
                     self.held = None;
                     let e = self.flush();
@@ -303,7 +316,7 @@ impl<'a> Client<'a> {
                     self.answered(1);
                 }
                 Action::Write { .. } | Action::Zeroes { .. } => {
-                    self.drain()?;
+                    self.settle()?;
                     self.after_other_connections(&it.req, false)?;
                     self.writes(std::slice::from_ref(it), &[a]);
                 }
@@ -328,25 +341,39 @@ impl<'a> Client<'a> {
         req: &proto::Request,
         route: bool,
     ) -> Result<Option<Arc<Cell>>, ConnError> {
+        match self.others_unplaced(req) {
+            Some(o) => self.wait_for_others(o, route),
+            None => Ok(None),
+        }
+    }
+
+    /// The other queues that hold writes of `req`'s bytes not known placed, and whether this
+    /// connection's queue holds some too; None when no other queue does.
+    fn others_unplaced(&mut self, req: &proto::Request) -> Option<Others> {
         let (shared, cell) = (self.shared, self.cell);
         if !shared.several.load(Ordering::Relaxed) {
-            return Ok(None);
+            return None;
         }
         let g = self.held.get_or_insert_with(|| shared.lock(cell));
-        let Some(q) = g.as_mut() else {
-            return Ok(None);
-        };
+        let q = g.as_mut()?;
         let me = q.order_id();
         let len = usize::try_from(req.len).unwrap_or(usize::MAX);
-        let mut writers = match q.namespace(shared.opts.nsid) {
-            Ok(mut ns) => ns.unplaced_writers(req.offset, len),
-            Err(_) => return Ok(None),
-        };
+        let mut writers = q
+            .namespace(shared.opts.nsid)
+            .ok()?
+            .unplaced_writers(req.offset, len);
         let mine = writers.contains(&me);
         writers.retain(|&w| w != me);
-        if writers.is_empty() {
-            return Ok(None);
-        }
+        (!writers.is_empty()).then_some(Others { writers, mine })
+    }
+
+    /// The rest of [`after_other_connections`](Self::after_other_connections), once `o` was
+    /// found: this connection's started requests complete and it lets its queue go; then the
+    /// one other queue to route through, or the others placed their writes.
+    fn wait_for_others(&mut self, o: Others, route: bool) -> Result<Option<Arc<Cell>>, ConnError> {
+        let (shared, cell) = (self.shared, self.cell);
+        let Others { writers, mine } = o;
+        self.stats.waited += 1;
         self.drain()?;
         self.held = None;
         if let ([one], true, false) = (writers.as_slice(), route, mine) {
@@ -361,18 +388,18 @@ impl<'a> Client<'a> {
     /// A READ or a (non-FUA) WRITE through `other`'s queue (the one queue whose writes of its
     /// bytes may not be placed yet: [`after_other_connections`](Self::after_other_connections)),
     /// answered once it completed. This connection holds no queue meanwhile.
-    fn on_other(&mut self, other: &Cell, it: &Item, a: Action) {
+    fn on_other(&mut self, other: &Cell, req: &proto::Request, a: Action, data: &Data) {
         let shared = self.shared;
-        let (off, len, handle) = (it.req.offset, it.req.len as usize, it.req.handle);
+        let (off, len, handle) = (req.offset, req.len as usize, req.handle);
         let mut g = shared.lock(other);
-        let (pipe, data) = (&mut self.pipe, &self.buf);
+        let (pipe, buf) = (&mut self.pipe, &self.buf);
         let mut taken = false;
         let mut r = shared.with_ns(other, &mut g, |ns| {
             taken = true;
             let chunk = ns.chunk();
             match a {
                 Action::Read => pipe.start_read(ns, chunk, handle, off, len),
-                _ => pipe.start_write(ns, chunk, handle, off, &data.bytes()[it.payload.clone()]),
+                _ => pipe.start_write(ns, chunk, handle, off, data.bytes(buf)),
             }
         });
         // As `drain`: the pipeline deals with errors (fails, or restarts after a reconnect);
@@ -410,11 +437,11 @@ impl<'a> Client<'a> {
     }
 
     /// Starts a READ or a (non-FUA) WRITE.
-    fn start(&mut self, it: &Item, a: Action) {
+    fn start(&mut self, req: &proto::Request, a: Action, data: &Data) {
         let (shared, cell) = (self.shared, self.cell);
-        let (off, len, handle) = (it.req.offset, it.req.len as usize, it.req.handle);
+        let (off, len, handle) = (req.offset, req.len as usize, req.handle);
         let g = self.held.get_or_insert_with(|| shared.lock(cell));
-        let (pipe, data) = (&mut self.pipe, &self.buf);
+        let (pipe, buf) = (&mut self.pipe, &self.buf);
         // Whether the pipeline took the request (then it answers it, error or not). A queue
         // that cannot be had (the one that gave up not replaced yet: the target is still
         // gone) fails before: the request is answered here, or the client would wait for it
@@ -425,7 +452,7 @@ impl<'a> Client<'a> {
             let chunk = ns.chunk();
             match a {
                 Action::Read => pipe.start_read(ns, chunk, handle, off, len),
-                _ => pipe.start_write(ns, chunk, handle, off, &data.bytes()[it.payload.clone()]),
+                _ => pipe.start_write(ns, chunk, handle, off, data.bytes(buf)),
             }
         });
         if let Err(e) = r {
@@ -675,7 +702,9 @@ impl<'a> Client<'a> {
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzz;
 
+mod held;
 mod inbuf;
+mod park;
 mod parse;
 #[cfg(test)]
 mod tests;

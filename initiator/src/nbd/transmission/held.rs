@@ -1,0 +1,83 @@
+//! What a connection holds back ([`park`](super::park)): the requests, and their payloads.
+
+use super::super::proto::Request;
+use super::inbuf::InBuf;
+use super::parse::Action;
+
+/// Other queues whose writes of a request's bytes may not be placed: their
+/// [`order_id`](crate::Queue::order_id)s, and whether this connection's queue has such writes
+/// too.
+pub(super) struct Others {
+    pub(super) writers: Vec<u64>,
+    pub(super) mine: bool,
+}
+
+/// A WRITE's payload: where it lies in the receive buffer, or a copy (held back).
+pub(super) enum Data {
+    Buf(std::ops::Range<usize>),
+    Own(Vec<u8>),
+}
+
+impl Data {
+    /// Bytes copied.
+    pub(super) fn len(&self) -> usize {
+        match self {
+            Data::Buf(_) => 0,
+            Data::Own(v) => v.len(),
+        }
+    }
+
+    pub(super) fn bytes<'b>(&'b self, buf: &'b InBuf) -> &'b [u8] {
+        match self {
+            Data::Buf(r) => &buf.bytes()[r.clone()],
+            Data::Own(v) => v,
+        }
+    }
+}
+
+/// A request held back.
+pub(super) struct Parked {
+    pub(super) req: Request,
+    pub(super) a: Action,
+    pub(super) data: Data,
+    /// Looks at it so far.
+    pub(super) tries: u32,
+}
+
+/// Whether two requests' bytes overlap.
+pub(super) fn overlap(a: &Request, b: &Request) -> bool {
+    let (a_end, b_end) = (
+        a.offset.saturating_add(u64::from(a.len)),
+        b.offset.saturating_add(u64::from(b.len)),
+    );
+    a.offset < b_end && b.offset < a_end
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn req(offset: u64, len: u32) -> Request {
+        Request {
+            flags: 0,
+            kind: 0,
+            handle: 0,
+            offset,
+            len,
+        }
+    }
+
+    #[test]
+    fn requests_overlap_when_they_share_a_byte() {
+        assert!(overlap(&req(0, 4096), &req(4095, 1)));
+        assert!(overlap(&req(4095, 1), &req(0, 4096)));
+        assert!(overlap(&req(100, 10), &req(0, 4096)), "inside");
+        assert!(!overlap(&req(0, 4096), &req(4096, 4096)), "next to it");
+        assert!(!overlap(&req(4096, 4096), &req(0, 4096)));
+        assert!(!overlap(&req(0, 0), &req(0, 4096)), "no bytes");
+        assert!(
+            overlap(&req(u64::MAX - 1, 4096), &req(u64::MAX - 1, 1)),
+            "at the end"
+        );
+    }
+}

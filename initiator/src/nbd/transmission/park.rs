@@ -1,0 +1,167 @@
+//! READs and WRITEs held back while another connection's writes of their bytes may not be
+//! placed yet, so that the connection's other requests go on meanwhile.
+//!
+//! A WRITE answered on one connection may still be on its way to the target when a request of
+//! another connection comes for the same bytes (`CAN_MULTI_CONN`: that request must land after
+//! it, or read it). Waiting for it in line (this connection's started requests complete, then
+//! it takes the other connection's queue, or has it place its writes) stalls the whole
+//! connection on a hand-off between two busy threads: 4 KiB random writes over four
+//! connections ran at 0.73x of the export without the ordering (docs/benchmarks.md). So such
+//! a request is held back instead (a WRITE's payload copied, up to [`MAX_COPY`] bytes a
+//! connection): the queues holding those writes are asked to learn their placement soon (a
+//! busy one sends a probe with its next post or wait; an idle one places them at once), and
+//! the connection looks again after each of its completions, or every [`LOOK`] while nothing
+//! of it is in flight (watching for its client's next bytes meanwhile). What is held back
+//! goes in the order it came; a later request on bytes it covers is held back behind it. It
+//! goes the waiting way before a FLUSH, a FUA write or WRITE_ZEROES (they wait for everything
+//! before them), when another thread wants this queue, at the client's end, and after
+//! [`TRIES`] looks (another connection may keep rewriting those bytes).
+
+use std::os::fd::AsFd;
+use std::time::Duration;
+
+use nix::poll::{ppoll, PollFd, PollFlags};
+use nix::sys::time::TimeSpec;
+
+use super::super::ConnError;
+use super::held::{overlap, Data, Parked};
+use super::parse::{Action, Item};
+use super::Client;
+
+/// Looks (completions of this connection) a request is held back for at most.
+const TRIES: u32 = 64;
+/// How long a connection with nothing in flight waits for its client's next bytes before it
+/// looks at what it holds back again.
+const LOOK: Duration = Duration::from_micros(20);
+/// A WRITE's payload is copied when it is held back: the copies of a connection's held-back
+/// WRITEs take this many bytes at most (a WRITE that does not fit waits in line).
+const MAX_COPY: usize = 1 << 20;
+
+impl Client<'_> {
+    /// A READ or a (non-FUA) WRITE: started, held back, or started once the other
+    /// connections' writes of its bytes are placed (the module doc).
+    pub(super) fn read_or_write(&mut self, it: &Item, a: Action) -> Result<(), ConnError> {
+        let behind = self.parked.iter().any(|p| overlap(&p.req, &it.req));
+        let others = if behind {
+            None
+        } else {
+            self.others_unplaced(&it.req)
+        };
+        // With nothing in flight yet, the rest of the batch may start something; if nothing
+        // does, the loop lets it go the waiting way before it waits for the client.
+        let copies: usize = self.parked.iter().map(|p| p.data.len()).sum();
+        let can_park = copies + it.payload.len() <= MAX_COPY;
+        if (behind || others.is_some()) && can_park {
+            if let Some(o) = &others {
+                self.nudge(&o.writers);
+            }
+            let data = match a {
+                Action::Read => Data::Own(Vec::new()),
+                _ => Data::Own(self.buf.bytes()[it.payload.clone()].to_vec()),
+            };
+            self.stats.held_back += 1;
+            self.parked.push(Parked {
+                req: it.req,
+                a,
+                data,
+                tries: 0,
+            });
+            return Ok(());
+        }
+        let others = match (behind, others) {
+            (true, _) => {
+                self.settle()?;
+                self.others_unplaced(&it.req)
+            }
+            (false, o) => o,
+        };
+        let data = Data::Buf(it.payload.clone());
+        match others {
+            Some(o) => match self.wait_for_others(o, true)? {
+                Some(other) => self.on_other(&other, &it.req, a, &data),
+                None => self.start(&it.req, a, &data),
+            },
+            None => self.start(&it.req, a, &data),
+        }
+        Ok(())
+    }
+
+    /// After completions: starts what was held back and need not wait any more (in order: one
+    /// behind an earlier held-back request on its bytes stays), asks again for the rest.
+    pub(super) fn retry_parked(&mut self) -> Result<(), ConnError> {
+        if self.parked.is_empty() {
+            return Ok(());
+        }
+        let mut i = 0;
+        while i < self.parked.len() {
+            let req = self.parked[i].req;
+            let behind = self.parked[..i].iter().any(|p| overlap(&p.req, &req));
+            if !behind {
+                match self.others_unplaced(&req) {
+                    None => {
+                        let p = self.parked.remove(i);
+                        self.start(&p.req, p.a, &p.data);
+                        continue;
+                    }
+                    Some(o) => self.nudge(&o.writers),
+                }
+            }
+            self.parked[i].tries += 1;
+            i += 1;
+        }
+        if self.parked.iter().any(|p| p.tries >= TRIES) {
+            self.settle()?;
+        }
+        Ok(())
+    }
+
+    /// Nothing in flight, and requests held back: looks at them again every [`LOOK`] until
+    /// one went (the loop waits for it), the client sent more (the loop takes it in) or
+    /// [`TRIES`] looks; the connection's queue is free for others meanwhile.
+    pub(super) fn wait_parked(&mut self) -> Result<(), ConnError> {
+        while !self.parked.is_empty() {
+            if self.eof {
+                return self.settle();
+            }
+            self.held = None;
+            let mut fds = [PollFd::new(self.stream.as_fd(), PollFlags::POLLIN)];
+            let input =
+                ppoll(&mut fds, Some(TimeSpec::from_duration(LOOK)), None).is_ok_and(|n| n > 0);
+            // A look either way: a socket that stays readable (the read-ahead full) must not
+            // keep this loop from counting its looks.
+            self.retry_parked()?;
+            if input || !self.pipe.is_empty() {
+                return Ok(());
+            }
+        }
+        Ok(())
+    }
+
+    /// Everything held back goes, in order, the waiting way; then every started request is
+    /// answered.
+    pub(super) fn settle(&mut self) -> Result<(), ConnError> {
+        for p in std::mem::take(&mut self.parked) {
+            match self.after_other_connections(&p.req, true)? {
+                Some(other) => self.on_other(&other, &p.req, p.a, &p.data),
+                None => self.start(&p.req, p.a, &p.data),
+            }
+        }
+        self.drain()
+    }
+
+    /// Has the idle ones of the queues `ids` place their writes now, and asks the busy ones to
+    /// learn their placement soon.
+    fn nudge(&mut self, ids: &[u64]) {
+        let (shared, cell) = (self.shared, self.cell);
+        let busy = shared.place_if_idle(ids, cell);
+        if busy.is_empty() {
+            return;
+        }
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
+        if let Some(q) = g.as_mut() {
+            if let Ok(mut ns) = q.namespace(shared.opts.nsid) {
+                ns.want_placed(&busy);
+            }
+        }
+    }
+}
