@@ -76,7 +76,9 @@ echo "# job: $job, ${runtime}s"
 for _ in $(seq "$reps"); do
     for v in "${!names[@]}"; do
         {
+            # group_reporting: with numjobs=N, fio's first job is all N jobs' sum.
             printf '[global]\nioengine=nbd\nuri=%s\nsize=64m\noffset=0\ntime_based=1\n' "${uris[$v]}"
+            printf 'group_reporting=1\n'
             printf 'runtime=%s\nramp_time=1\n[ab]\n' "$runtime"
             tr ' ' '\n' <<<"$job"
         } >"$SCRATCH/ab.fio"
