@@ -4,8 +4,10 @@
 //!
 //! Order: the pieces of READs and WRITEs go out on one queue pair in the order the requests
 //! came, so overlapping writes land in request order and a read sees every write that came
-//! before it. A FLUSH, a FUA write and WRITE_ZEROES wait until everything started before them
-//! was answered (a FLUSH covers every write answered before it arrived, on any connection).
+//! before it; a request held back for another connection's unplaced writes of its bytes
+//! ([`park`]) holds back the later requests on its bytes too. A FLUSH, a FUA write and
+//! WRITE_ZEROES wait until everything started (or held back) before them was answered (a
+//! FLUSH covers every write answered before it arrived, on any connection).
 
 use std::io::{ErrorKind, Read};
 use std::os::fd::AsFd;
