@@ -82,6 +82,8 @@ struct Inner {
     placed: HashMap<u64, u64>,
     /// Queues asked to learn their placement soon ([`ReplayOrder::want_placed`]).
     wanted: Vec<u64>,
+    /// Queues alive (members not dropped): only they can be asked.
+    alive: Vec<u64>,
 }
 
 /// The shared map (one per [`Connection`](crate::Connection) and its clones).
@@ -239,7 +241,9 @@ impl ReplayOrder {
     pub(crate) fn want_placed(&self, ids: &[u64]) {
         let mut inner = self.lock();
         for &id in ids {
-            if !inner.wanted.contains(&id) {
+            // A queue gone since the caller looked would never take its ask: every queue
+            // would look under the lock from then on.
+            if inner.alive.contains(&id) && !inner.wanted.contains(&id) {
                 inner.wanted.push(id);
                 self.wanting.fetch_add(1, Ordering::SeqCst);
             }
@@ -251,7 +255,11 @@ impl ReplayOrder {
         if self.wanting.load(Ordering::SeqCst) == 0 {
             return false;
         }
-        let mut inner = self.lock();
+        self.unwant_locked(&mut self.lock(), queue)
+    }
+
+    /// [`unwant`](Self::unwant) under the lock.
+    fn unwant_locked(&self, inner: &mut Inner, queue: u64) -> bool {
         let Some(i) = inner.wanted.iter().position(|&q| q == queue) else {
             return false;
         };
@@ -304,8 +312,9 @@ impl Drop for Member {
             self.order.hot.blind(false);
         }
         self.order.members.fetch_sub(1, Ordering::SeqCst);
-        self.order.unwant(self.queue);
         let mut inner = self.order.lock();
+        inner.alive.retain(|&q| q != self.queue);
+        self.order.unwant_locked(&mut inner, self.queue);
         inner.placed.remove(&self.queue);
         if !self.entered {
             ReplayOrder::one_unentered_fewer(&mut inner, self.queue);
@@ -318,7 +327,11 @@ impl Member {
     /// write yet), else it stays out until one comes.
     pub(crate) fn new(order: Arc<ReplayOrder>, nsids: Vec<u32>) -> Member {
         let queue = order.next_queue.fetch_add(1, Ordering::Relaxed);
-        order.lock().unentered.push(queue);
+        {
+            let mut inner = order.lock();
+            inner.unentered.push(queue);
+            inner.alive.push(queue);
+        }
         order.hot.blind(true);
         order.members.fetch_add(1, Ordering::SeqCst);
         let mut m = Member {
@@ -711,6 +724,13 @@ mod tests {
         drop(c);
         assert_eq!(o.wanting.load(Ordering::SeqCst), 0);
         assert!(o.lock().wanted.is_empty());
+        // Nor is a queue that went asked (the caller looked before it went).
+        let gone = {
+            let d = Member::new(Arc::clone(&o), vec![1]);
+            d.id()
+        };
+        b.want_placed(&[gone]);
+        assert_eq!(o.wanting.load(Ordering::SeqCst), 0);
     }
 
     #[test]
