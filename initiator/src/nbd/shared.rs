@@ -336,43 +336,42 @@ impl Shared {
     /// export). Takes one cell at a time: the caller holds none. A queue that fails here lost
     /// its connection: its writes are re-issued, or reported lost, as for any request.
     pub(crate) fn place_writes_of(&self, ids: &[u64], me: &Cell) {
+        self.place(ids, me, true);
+    }
+
+    /// [`place_writes_of`](Self::place_writes_of) for the queues no thread holds, without
+    /// waiting for a lock; returns the others (held: busy with their client's requests). The
+    /// caller may hold `me`.
+    pub(crate) fn place_if_idle(&self, ids: &[u64], me: &Cell) -> Vec<u64> {
+        self.place(ids, me, false)
+    }
+
+    /// Places the writes of the queues `ids` other than `me`'s, locking each cell in turn
+    /// (`wait`) or only the ones free now: the ids of the others.
+    fn place(&self, ids: &[u64], me: &Cell, wait: bool) -> Vec<u64> {
+        let mut busy = Vec::new();
         for cell in self.cells() {
             let id = cell.order.load(Ordering::SeqCst);
             if std::ptr::eq(&*cell, me) || !ids.contains(&id) {
                 continue;
             }
-            let mut g = self.lock(&cell);
-            self.place_held(&cell, &mut g);
-        }
-    }
-
-    /// Has a locked cell's queue (if it has one) place every write it sent.
-    fn place_held(&self, cell: &Cell, g: &mut Held<'_>) {
-        if g.is_none() {
-            return;
-        }
-        if let Err(e) = self.with_ns(cell, g, |ns| ns.place_writes()) {
-            warn!(
-                "nbd: placing another connection's writes failed: {}",
-                rpma_common::error_chain(&e)
-            );
-        }
-    }
-
-    /// Of the queues `ids` other than `me`'s: has each one no thread holds place every write
-    /// it sent now ([`place_writes_of`](Self::place_writes_of), without waiting for a lock);
-    /// returns the others (held: busy with their client's requests). The caller may hold
-    /// `me`.
-    pub(crate) fn place_if_idle(&self, ids: &[u64], me: &Cell) -> Vec<u64> {
-        let mut busy = Vec::new();
-        for &id in ids {
-            let Some(cell) = self.cell_of(id, me) else {
+            let g = if wait {
+                Some(self.lock(&cell))
+            } else {
+                cell.queue.try_lock().ok()
+            };
+            let Some(mut g) = g else {
+                busy.push(id);
                 continue;
             };
-            let locked = cell.queue.try_lock();
-            match locked {
-                Ok(mut g) => self.place_held(&cell, &mut g),
-                Err(_) => busy.push(id),
+            if g.is_none() {
+                continue;
+            }
+            if let Err(e) = self.with_ns(&cell, &mut g, |ns| ns.place_writes()) {
+                warn!(
+                    "nbd: placing another connection's writes failed: {}",
+                    rpma_common::error_chain(&e)
+                );
             }
         }
         busy

@@ -32,19 +32,14 @@ impl Engine {
         if self.probe.is_some() {
             return Ok(());
         }
-        if !self.pool.unplaced() {
-            // Nothing to place: an ask is answered already.
-            self.pool.take_want();
-            return Ok(());
-        }
-        if seq < self.probe_mark + PROBE_EVERY && !self.pool.take_want() {
+        // Taken either way: nothing unplaced answers an ask, and so does this probe.
+        let asked = self.pool.take_want();
+        if !self.pool.unplaced() || (seq < self.probe_mark + PROBE_EVERY && !asked) {
             return Ok(());
         }
         let ka = self.session.as_mut().ok_or(Error::Broken)?.probe()?;
         self.probe = Some((ka, seq));
         self.probe_mark = seq;
-        // Asked for or not, this probe answers an ask.
-        self.pool.take_want();
         Ok(())
     }
 
