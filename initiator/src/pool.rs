@@ -276,39 +276,11 @@ impl Pool {
         })
     }
 
-    /// Joins the replay order of the connection's queues: from now on each new write takes the
-    /// bytes it covers from every older one of any of them ([`crate::replay`]).
-    pub(crate) fn join(&mut self, m: Member) {
-        self.replay = Some(m);
-    }
-
     /// Whether `slot` still carries the write `w` (held or posted).
     pub(crate) fn carries(&self, slot: usize, w: &WriteRec) -> bool {
         self.get(slot)
             .and_then(|s| s.write())
             .is_some_and(|x| x.key() == w.key())
-    }
-
-    /// The pieces `[start, end)` of held write `w` that its re-issue may write: all of it,
-    /// unless a newer write of another queue (or of this one) took some.
-    pub(crate) fn replay_pieces(&mut self, w: &WriteRec) -> Vec<(u64, u64)> {
-        if self.keep_order() {
-            if let Some(m) = &self.replay {
-                return m.owned(w.ns, w.offset, w.len, w.seq);
-            }
-        }
-        vec![(w.offset, w.offset + w.len as u64)]
-    }
-
-    /// Whether this queue's writes go through the replay order: once the connection has
-    /// another queue, when the writes it holds enter it ([`Member::keep_order`]). Cheap when
-    /// alone (an atomic load): run at every poll, so that an idle queue enters soon.
-    pub(crate) fn keep_order(&mut self) -> bool {
-        let slots = &self.slots;
-        match self.replay.as_mut() {
-            Some(m) => m.keep_order(|| carried(slots)),
-            None => false,
-        }
     }
 
     /// Registers the same memory in `pd` (a new connection's domain); the slots keep their
@@ -479,60 +451,6 @@ impl Pool {
     /// The newest post-order number given out (0: none yet).
     pub(crate) fn last_seq(&self) -> u64 {
         self.next_seq
-    }
-
-    /// This queue's number in its connection's replay order.
-    pub(crate) fn order_id(&self) -> Option<u64> {
-        self.replay.as_ref().map(Member::id)
-    }
-
-    /// The queues of the connection (this one too) that may hold writes of `len` bytes at
-    /// `offset` of namespace `ns` not known placed ([`crate::replay`]): none while this queue
-    /// is alone.
-    pub(crate) fn unplaced_writers(&mut self, ns: usize, offset: u64, len: usize) -> Vec<u64> {
-        if !self.keep_order() {
-            return Vec::new();
-        }
-        self.replay
-            .as_ref()
-            .map_or_else(Vec::new, |m| m.unplaced_writers(ns, offset, len))
-    }
-
-    /// Whether this queue's writes are in the replay order (another queue of the connection
-    /// came) and some of them are not known placed: only then is a probe worth sending.
-    pub(crate) fn unplaced(&self) -> bool {
-        self.replay
-            .as_ref()
-            .is_some_and(|m| m.entered() && m.unplaced())
-    }
-
-    /// Asks the queues `ids` of the connection to learn soon whether their writes are placed
-    /// ([`crate::replay`]).
-    pub(crate) fn want_placed(&self, ids: &[u64]) {
-        if let Some(m) = &self.replay {
-            m.want_placed(ids);
-        }
-    }
-
-    /// Whether another queue asked this one to learn its placement soon; the ask is taken.
-    pub(crate) fn take_want(&self) -> bool {
-        self.replay.as_ref().is_some_and(Member::take_want)
-    }
-
-    /// This queue's writes up to post order `seq` are placed (recorded while it is in the
-    /// replay order: no one asks before).
-    pub(crate) fn placed_through(&mut self, seq: u64) {
-        if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
-            m.placed_through(seq);
-        }
-    }
-
-    /// None of this queue's writes is known placed any more (it reconnected).
-    pub(crate) fn unplace(&mut self) {
-        let last = self.next_seq;
-        if let Some(m) = &mut self.replay {
-            m.unplace(last);
-        }
     }
 
     /// The next post-order number.
@@ -745,5 +663,6 @@ impl Pool {
     }
 }
 
+mod order;
 #[cfg(test)]
 mod tests;

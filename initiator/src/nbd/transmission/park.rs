@@ -1,5 +1,6 @@
-//! READs and WRITEs held back while another connection's writes of their bytes may not be
-//! placed yet, so that the connection's other requests go on meanwhile.
+//! A client's requests and the other connections' writes of their bytes: which queues hold
+//! such writes not known placed yet, and the two ways a request lands after them: held back
+//! while the connection's other requests go on, or waited for in line.
 //!
 //! A WRITE answered on one connection may still be on its way to the target when a request of
 //! another connection comes for the same bytes (`CAN_MULTI_CONN`: that request must land after
@@ -18,13 +19,20 @@
 //! [`TRIES`] looks (another connection may keep rewriting those bytes).
 
 use std::os::fd::AsFd;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::Duration;
+
+use log::Level;
 
 use nix::poll::{ppoll, PollFd, PollFlags};
 use nix::sys::time::TimeSpec;
 
+use super::super::pipeline::errno;
+use super::super::proto::{self, simple_reply, EIO};
+use super::super::shared::Cell;
 use super::super::ConnError;
-use super::held::{overlap, Data, Parked};
+use super::held::{overlap, Data, Others, Parked};
 use super::parse::{Action, Item};
 use super::Client;
 
@@ -38,6 +46,120 @@ const LOOK: Duration = Duration::from_micros(20);
 const MAX_COPY: usize = 1 << 20;
 
 impl Client<'_> {
+    /// Where `req` goes so that it lands after (or reads) every WRITE of its bytes another
+    /// connection answered: a WRITE is answered once TCP took it, and may not be placed on
+    /// the target yet when this request comes. None: this connection's queue (no other
+    /// queue's write of these bytes is unplaced, or the others placed theirs now: each
+    /// answers a Read). Some: the one other queue that holds such writes, when `route` and this
+    /// queue holds none there (that queue's own order puts the request after them, without a
+    /// round trip). Costs nothing while the export has one queue, a question to the shared
+    /// replay order otherwise (its filter answers most without a lock); when another queue is
+    /// named, this connection's started requests complete first and it lets its queue go
+    /// (`CAN_MULTI_CONN`: every connection sees what any answered).
+    pub(super) fn after_other_connections(
+        &mut self,
+        req: &proto::Request,
+        route: bool,
+    ) -> Result<Option<Arc<Cell>>, ConnError> {
+        match self.others_unplaced(req) {
+            Some(o) => self.wait_for_others(o, route),
+            None => Ok(None),
+        }
+    }
+
+    /// The other queues that hold writes of `req`'s bytes not known placed, and whether this
+    /// connection's queue holds some too; None when no other queue does.
+    pub(super) fn others_unplaced(&mut self, req: &proto::Request) -> Option<Others> {
+        let (shared, cell) = (self.shared, self.cell);
+        if !shared.several.load(Ordering::Relaxed) {
+            return None;
+        }
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
+        let q = g.as_mut()?;
+        let me = q.order_id();
+        let len = usize::try_from(req.len).unwrap_or(usize::MAX);
+        let mut writers = q
+            .namespace(shared.opts.nsid)
+            .ok()?
+            .unplaced_writers(req.offset, len);
+        let mine = writers.contains(&me);
+        writers.retain(|&w| w != me);
+        (!writers.is_empty()).then_some(Others { writers, mine })
+    }
+
+    /// The rest of [`after_other_connections`](Self::after_other_connections), once `o` was
+    /// found: this connection's started requests complete and it lets its queue go; then the
+    /// one other queue to route through, or the others placed their writes.
+    pub(super) fn wait_for_others(
+        &mut self,
+        o: Others,
+        route: bool,
+    ) -> Result<Option<Arc<Cell>>, ConnError> {
+        let (shared, cell) = (self.shared, self.cell);
+        let Others { writers, mine } = o;
+        self.stats.waited += 1;
+        self.drain()?;
+        self.held = None;
+        if let ([one], true, false) = (writers.as_slice(), route, mine) {
+            if let Some(c) = shared.cell_of(*one, cell) {
+                return Ok(Some(c));
+            }
+        }
+        shared.place_writes_of(&writers, cell);
+        Ok(None)
+    }
+
+    /// A READ or a (non-FUA) WRITE through `other`'s queue (the one queue whose writes of its
+    /// bytes may not be placed yet: [`after_other_connections`](Self::after_other_connections)),
+    /// answered once it completed. This connection holds no queue meanwhile.
+    pub(super) fn on_other(&mut self, other: &Cell, req: &proto::Request, a: Action, data: &Data) {
+        let shared = self.shared;
+        let (off, len, handle) = (req.offset, req.len as usize, req.handle);
+        let mut g = shared.lock(other);
+        let (pipe, buf) = (&mut self.pipe, &self.buf);
+        let mut taken = false;
+        let mut r = shared.with_ns(other, &mut g, |ns| {
+            taken = true;
+            let chunk = ns.chunk();
+            match a {
+                Action::Read => pipe.start_read(ns, chunk, handle, off, len),
+                _ => pipe.start_write(ns, chunk, handle, off, data.bytes(buf)),
+            }
+        });
+        // As `drain`: the pipeline deals with errors (fails, or restarts after a reconnect);
+        // a queue that gave up fails what is left.
+        while !pipe.is_empty() {
+            if g.is_none() {
+                pipe.fail_all(EIO);
+                break;
+            }
+            let c = shared.with_ns(other, &mut g, |ns| pipe.complete(ns));
+            if r.is_ok() {
+                r = c;
+            }
+        }
+        if pipe.take_written() > 0 {
+            other.mark_dirty();
+        }
+        drop(g);
+        if let Err(e) = r {
+            let what = if a == Action::Read { "READ" } else { "WRITE" };
+            self.shared.problems.log(
+                Level::Warn,
+                self.source,
+                format_args!(
+                    "nbd: {what} on another connection's queue failed: {}",
+                    rpma_common::error_chain(&e)
+                ),
+            );
+            if !taken {
+                simple_reply(&mut self.out, errno(&e, a != Action::Read), handle);
+                self.answered(1);
+            }
+        }
+        self.collect();
+    }
+
     /// A READ or a (non-FUA) WRITE: started, held back, or started once the other
     /// connections' writes of its bytes are placed (the module doc).
     pub(super) fn read_or_write(&mut self, it: &Item, a: Action) -> Result<(), ConnError> {
