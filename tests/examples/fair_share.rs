@@ -29,6 +29,7 @@ use rpma_common::fabric::{
     Access, AlignedBuf, Completion, RemoteAddr, SendOp, SendWr, Sge, WcStatus,
 };
 use rpma_initiator::{ConnectOptions, Connection, HostIdentity, CONTROL_BIT};
+use rpma_tests::free_port;
 
 const SUB: &str = "nqn.2026-11.io.rpma:fair";
 
@@ -90,14 +91,6 @@ impl Drop for Daemon {
         let _ = self.child.kill();
         let _ = self.child.wait();
     }
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 fn start(bin: &Path, ns_size: usize) -> Daemon {

@@ -31,13 +31,48 @@ pub fn built(name: &str) -> PathBuf {
     p
 }
 
-/// An unused TCP port on 127.0.0.1 (bound, then released).
+/// An unused TCP port on 127.0.0.1, never the same twice in one process.
+///
+/// Taken from below the kernel's ephemeral range (`ip_local_port_range`), where neither a
+/// `bind` to port 0 nor an outgoing `connect` ever lands: a port asked for with port 0 and
+/// released could be handed to the next caller too (two of one target's listeners got the
+/// same port that way), or to a client's connection before the daemon binds it. Each port is
+/// checked free by binding it; the range's start depends on the process id, so test binaries
+/// run one after another do not walk the same ports. Falls back to port 0 (deduplicated) if
+/// the ephemeral range leaves no room below it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .expect("bind 127.0.0.1:0")
-        .local_addr()
-        .expect("local_addr")
-        .port()
+    use std::collections::HashSet;
+    use std::sync::Mutex;
+    static GIVEN: Mutex<Option<(u32, HashSet<u16>)>> = Mutex::new(None);
+    const FLOOR: u32 = 10_000;
+    let ceiling = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+        .ok()
+        .and_then(|s| s.split_whitespace().next()?.parse::<u32>().ok())
+        .unwrap_or(32_768);
+    let mut given = GIVEN.lock().unwrap_or_else(|e| e.into_inner());
+    let (next, seen) =
+        given.get_or_insert_with(|| (std::process::id().wrapping_mul(7919), HashSet::new()));
+    if ceiling > FLOOR + 1000 {
+        let span = ceiling - FLOOR;
+        for _ in 0..span {
+            let port = (FLOOR + *next % span) as u16;
+            *next = next.wrapping_add(1);
+            if !seen.contains(&port) && TcpListener::bind((Ipv4Addr::LOCALHOST, port)).is_ok() {
+                seen.insert(port);
+                return port;
+            }
+        }
+    }
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .expect("bind 127.0.0.1:0")
+            .local_addr()
+            .expect("local_addr")
+            .port();
+        if seen.insert(port) {
+            return port;
+        }
+    }
 }
 
 /// A TCP connection from `src` (another loopback address, 127.0.0.N: a peer of its own to the
@@ -93,4 +128,28 @@ impl Drop for Shm {
 /// A file of the repository, by its path from the repository's root.
 pub fn repo_file(rel: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("..").join(rel)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn free_ports_are_distinct_free_and_below_the_ephemeral_range() {
+        let low: u16 = std::fs::read_to_string("/proc/sys/net/ipv4/ip_local_port_range")
+            .unwrap()
+            .split_whitespace()
+            .next()
+            .unwrap()
+            .parse()
+            .unwrap();
+        let ports: Vec<u16> = (0..200).map(|_| free_port()).collect();
+        let distinct: std::collections::HashSet<_> = ports.iter().collect();
+        assert_eq!(distinct.len(), ports.len(), "a port handed out twice");
+        for p in &ports {
+            assert!(*p < low, "port {p} is in the ephemeral range (from {low})");
+        }
+        // Each is free: a listener can bind it.
+        let _l = TcpListener::bind((Ipv4Addr::LOCALHOST, ports[0])).expect("the port is free");
+    }
 }
