@@ -301,6 +301,9 @@ fn a_request_held_back_lets_the_next_go(name: &str, kind: u16) {
     let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
     let e = Export::start_via(&t, &relay.url(), 1, name, &[]);
     let mut a = Raw::connect(&e.sock);
+    // A takes its queue before B connects (a connection takes one after its handshake: B's
+    // could take the export's first one, on link 0, first): A's is link 0, B's link 1.
+    assert!(a.read(16384, 4096).is_ok());
     // B's queue comes before A's WRITE: A's queue writes into the export's shared map of
     // writes (a queue alone keeps out, and is waited for whatever the bytes).
     let mut b = Raw::connect(&e.sock);
