@@ -3,7 +3,8 @@
 # `rpma-initiator nbd` per variant (each its own binary, on nsid 1: dax forced on /dev/shm), with
 # nbdkit's file plugin on a /dev/shm file beside them as the peer; fio's nbd engine runs one job
 # section on each in turn (interleaved, REPS rounds). One line per run: "NAME IOPS MiB/s p50_us"
-# (p50 of the slower direction); then the medians. docs/benchmarks.md quotes its runs.
+# (p50 of the slower direction; with fsync=1 a write's p50 plus its FLUSH's, as bench/report.py
+# adds them); then the medians. docs/benchmarks.md quotes its runs.
 #
 #   bench/nbd-ab.sh [--reps N] [--job 'K=V ...'] [--runtime S] DIR...
 #     --reps N         rounds (default 5)
@@ -19,7 +20,7 @@ while [ $# -gt 0 ]; do
         --reps) reps=$2; shift 2 ;;
         --job) job=$2; shift 2 ;;
         --runtime) runtime=$2; shift 2 ;;
-        -h | --help) sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/nbd-ab.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -93,7 +94,11 @@ for k in ('read', 'write'):
     if x['io_bytes']:
         iops += x['iops']
         mib += x['bw'] / 1024
-        p50.append(x['clat_ns']['percentile']['50.000000'] / 1000)
+        p = x['clat_ns']['percentile']['50.000000']
+        # fsync=1: fio times each FLUSH apart (sync); a durable write is both (as report.py).
+        if k == 'write' and j.get('sync', {}).get('total_ios', 0) > 0:
+            p += j['sync']['lat_ns']['percentile']['50.000000']
+        p50.append(p / 1000)
 print(sys.argv[1], '%.0f' % iops, '%.1f' % mib, '%.1f' % max(p50))
 PY
     done

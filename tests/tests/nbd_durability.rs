@@ -371,3 +371,80 @@ rpma_tests::rdma_runs!(
     every_request_is_answered_while_the_target_stays_gone,
     volatile_flush_and_fua_fail_with_eio_unless_visible_ok,
 );
+
+/// A client that sends a FLUSH after each WRITE (fio's `fsync=1`, a journal) has each WRITE
+/// made durable before it is answered, so that its FLUSH finds nothing left to do: right
+/// after the answer, before any FLUSH, the bytes are in the file and no page under them is
+/// unsynced (cachestat). A plain WRITE is answered once the transport took it: placed later,
+/// and dirty until a FLUSH. Only small WRITEs (8 KiB at most); a client that sends two WRITEs
+/// in a row is no longer taken for one that flushes after each: its closing log line counts
+/// the WRITEs made durable early.
+#[test]
+fn a_write_of_a_client_that_flushes_after_each_is_durable_when_answered() {
+    let (_d, _shm, t) = start("early");
+    let file = t.dir().join("ns1");
+    let page_cache = rpma_tests::Transport::current().file_domain()
+        == rpma_common::proto::PersistenceDomain::PageCache;
+    let unsynced = |off: u64| {
+        page_cache
+            .then(|| rpma_tests::unsynced_pages(&file, off, 64 << 10))
+            .flatten()
+    };
+    if unsynced(0).is_none() {
+        eprintln!("skipped: the namespace is not page cache here, or no cachestat(2)");
+        return;
+    }
+    let in_file = |off: u64, len: usize| {
+        use std::os::unix::fs::FileExt;
+        let mut b = vec![0u8; len];
+        std::fs::File::open(&file)
+            .unwrap()
+            .read_exact_at(&mut b, off)
+            .unwrap();
+        b
+    };
+    let mut e = Export::start(&t, 1, "early", &[]);
+    let mut c = Raw::connect(&e.sock);
+    // The pattern: a WRITE, then a FLUSH.
+    assert_eq!(c.write(0, 0, &pattern(1, 64 << 10)), 0);
+    assert_eq!(c.flush(), 0);
+    for (i, off) in [64u64 << 10, 128 << 10].into_iter().enumerate() {
+        let data = pattern(2 + i as u64, 4096);
+        assert_eq!(c.write(0, off, &data), 0);
+        assert!(
+            in_file(off, data.len()) == data,
+            "the WRITE was answered before its bytes were placed"
+        );
+        assert_eq!(
+            unsynced(off),
+            Some(0),
+            "the WRITE was answered with its pages unsynced"
+        );
+        assert_eq!(c.flush(), 0);
+    }
+    // A larger WRITE goes the usual way (its transfer overlaps the client's turn-around).
+    assert_eq!(c.write(0, 256 << 10, &pattern(7, 64 << 10)), 0);
+    assert_eq!(c.flush(), 0);
+    // Two WRITEs in a row (sent together, so decided as they are read): the first is taken
+    // for one more of the pattern, the second ends it.
+    let mut two = Vec::new();
+    for (h, off) in [(21u64, 192u64 << 10), (22, 196 << 10)] {
+        two.extend(c.request(CMD_WRITE, 0, h, off, 4096));
+        two.extend(pattern(h, 4096));
+    }
+    c.send(&two);
+    let mut handles = [c.reply(), c.reply()];
+    handles.sort();
+    assert_eq!(handles, [(0, 21), (0, 22)]);
+    assert_eq!(c.flush(), 0);
+    for (h, off) in [(21u64, 192u64 << 10), (22, 196 << 10)] {
+        assert!(in_file(off, 4096) == pattern(h, 4096));
+    }
+    drop(c);
+    let line = e.log_line(") closed after");
+    assert!(
+        line.contains("; 3 WRITE(s) made durable before their FLUSH came"),
+        "{line}"
+    );
+    assert_eq!(e.term().code(), Some(0), "{}", e.log());
+}

@@ -413,6 +413,12 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
         s.max_batch,
         shared.max_in_flight()
     );
+    if s.early > 0 {
+        line += &format!(
+            "; {} WRITE(s) made durable before their FLUSH came",
+            s.early
+        );
+    }
     if s.held_back + s.waited > 0 {
         line += &format!(
             "; for another connection's writes: {} held back, {} waited in line",

@@ -111,6 +111,11 @@ impl Cell {
     pub(crate) fn mark_dirty(&self) {
         self.dirty.store(true, Ordering::SeqCst);
     }
+
+    /// Whether writes were acknowledged on it and not made durable yet.
+    pub(crate) fn is_dirty(&self) -> bool {
+        self.dirty.load(Ordering::SeqCst)
+    }
 }
 
 /// A locked cell: its queue (None after a loss, until the next use opens a new one).

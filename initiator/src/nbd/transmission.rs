@@ -15,6 +15,7 @@ use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use log::Level;
+use rpma_common::proto::PersistenceDomain;
 
 use super::pipeline::{errno, Answer, Pipeline};
 use super::proto::{self, simple_reply, Errno, EIO};
@@ -34,6 +35,13 @@ const READ_AHEAD: usize = 64 << 20;
 const KEEP_IDLE: Duration = Duration::from_millis(100);
 /// Bytes of zeroes written per piece of a WRITE_ZEROES.
 const ZERO_PIECE: usize = 1 << 20;
+/// The largest WRITE made durable before it is answered when the client flushes after each
+/// ([`Client::write_before_flush`]). A larger one is answered as soon as the transport took it,
+/// its transfer and placement overlapping the client's turn-around to its FLUSH: made
+/// durable first, fio's QD1 durable writes took 1.02x as long at 16 KiB, 1.19x at 32 KiB and
+/// 1.25x at 64 KiB, against 0.85x at 4 KiB (docs/benchmarks.md, "A WRITE made durable before
+/// its FLUSH").
+const EARLY_MAX: usize = 8 << 10;
 
 /// What a client did, for its log line.
 #[derive(Debug, Default, Clone, Copy)]
@@ -49,6 +57,9 @@ pub(crate) struct Stats {
     /// Requests that waited in line for another connection's writes (this connection's
     /// started requests completed first).
     pub(crate) waited: u64,
+    /// WRITEs made durable before they were answered, the client being one that sends a FLUSH
+    /// after each ([`Client::write_before_flush`]).
+    pub(crate) early: u64,
 }
 
 /// One client in the transmission phase.
@@ -81,6 +92,11 @@ pub(crate) struct Client<'a> {
     /// READs and WRITEs held back until another connection's writes of their bytes are
     /// placed, in the order they came ([`park`]).
     parked: Vec<Parked>,
+    /// The last request executed was a (non-FUA) WRITE.
+    after_write: bool,
+    /// The last request after a WRITE was a FLUSH: the client flushes after each write
+    /// ([`write_before_flush`](Self::write_before_flush)).
+    flushes_writes: bool,
 }
 
 impl<'a> Client<'a> {
@@ -120,6 +136,8 @@ impl<'a> Client<'a> {
             stats: Stats::default(),
             losses_seen: shared.losses.load(Ordering::SeqCst),
             parked: Vec::new(),
+            after_write: false,
+            flushes_writes: false,
         }
     }
 
@@ -301,11 +319,27 @@ impl<'a> Client<'a> {
     fn execute(&mut self, items: &[Item]) -> Result<bool, ConnError> {
         for it in items {
             let a = classify(&it.req, self.limits);
+            let first_write = !self.after_write;
+            if self.after_write {
+                self.flushes_writes = a == Action::Flush;
+            }
+            self.after_write = a == Action::Write { fua: false };
             match a {
                 Action::Disc => return Ok(true),
                 Action::Fail(e) => {
                     simple_reply(&mut self.out, e, it.req.handle);
                     self.answered(1);
+                }
+                Action::Write { fua: false }
+                    if first_write
+                        && it.req.len as usize <= EARLY_MAX
+                        && self.flushes_writes
+                        && self.shared.desc.domain != PersistenceDomain::Volatile
+                        && self.pipe.is_empty()
+                        && self.parked.is_empty()
+                        && !self.cell.is_dirty() =>
+                {
+                    self.write_before_flush(it)?;
                 }
                 Action::Read | Action::Write { fua: false } => self.read_or_write(it, a)?,
                 Action::Flush => {
@@ -460,6 +494,50 @@ impl<'a> Client<'a> {
     fn answered(&mut self, n: usize) {
         self.stats.requests += n as u64;
         self.shared.requests.fetch_add(n as u64, Ordering::Relaxed);
+    }
+
+    /// A small WRITE ([`EARLY_MAX`]) of a client that sends a FLUSH after each WRITE (fio's
+    /// `fsync=1`, a journal's commit), with nothing in flight and every earlier write of the
+    /// queue durable, on a namespace that can be made durable: written and made durable
+    /// before it is answered, the Write and the request that makes it durable going out
+    /// together (as a FUA write's). The FLUSH that follows then finds nothing to do on this
+    /// queue: the pair costs one round trip to the target, not two (a WRITE is otherwise
+    /// answered when the transport took it, and its FLUSH waits for a second). A failure is
+    /// the WRITE's answer (as for a FUA write) and leaves the queue dirty for the FLUSH. A
+    /// client that sends two WRITEs in a row is no longer taken for one that flushes after
+    /// each (at most one such WRITE per FLUSH).
+    fn write_before_flush(&mut self, it: &Item) -> Result<(), ConnError> {
+        self.after_other_connections(&it.req, false)?;
+        let (shared, cell) = (self.shared, self.cell);
+        let g = self.held.get_or_insert_with(|| shared.lock(cell));
+        let data = &self.buf.bytes()[it.payload.clone()];
+        let r = shared.with_ns(cell, g, |ns| ns.write_durable(it.req.offset, data));
+        let e = match r {
+            Ok(d) if d.is_durable() => {
+                self.stats.early += 1;
+                0
+            }
+            Ok(_) => {
+                cell.mark_dirty();
+                0
+            }
+            Err(e) => {
+                cell.mark_dirty();
+                self.shared.problems.log(
+                    Level::Warn,
+                    self.source,
+                    format_args!(
+                        "nbd: WRITE failed, answered {}: {}",
+                        Errno(errno(&e, true)),
+                        rpma_common::error_chain(&e)
+                    ),
+                );
+                errno(&e, true)
+            }
+        };
+        simple_reply(&mut self.out, e, it.req.handle);
+        self.answered(1);
+        Ok(())
     }
 
     /// A FLUSH: every write answered so far, on any connection, made durable. The caller
