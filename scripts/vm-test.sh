@@ -4,7 +4,8 @@
 # (scripts/vm-run.sh) and runs in each the device tests that are ignored on the host
 # (tests/vm/suite.sh): the Debian trixie-backports kernel (Soft-RoCE with ODP, fsdax, devdax,
 # nbd, md, nvme-tcp) runs all but the `no_odp` ones, Debian 12's 6.1 kernel (Soft-RoCE without
-# ODP) runs those. Fails if a guest cannot boot, if any test fails, or if any is not run.
+# ODP) runs those. Fails if a guest cannot boot (twice: one that does not reach its suite is
+# booted once more), if any test fails, or if any is not run.
 # Prints each guest's summary and the VM part's time. docs/testing.md says what runs where.
 #
 # Environment: CARGO, FEATURES (as the Makefile), RPMA_VM_KERNELS (default "odp stock"), and
@@ -39,15 +40,23 @@ for line in sys.stdin:
 
 export RPMA_VM_OUT="$OUT"
 status=0
+# Each guest's console (the guest lab's set-up, the suite's output) also goes to
+# $OUT/KERNEL.console[.N]. A guest that never reached its suite (suite.sh writes its summary file
+# first thing) failed to boot or to set the lab up: it is booted once more, and the summary
+# below repeats what its console said last, since a CI log may keep only its own tail.
 for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
   t0=$(date +%s)
-  echo "vm-test: booting the $kernel kernel" >&2
-  if ! bash scripts/vm-run.sh --kernel "$kernel" --timeout 2400 -- \
-    "$ROOT/tests/vm/suite.sh" "$kernel" "$LIST"; then
-    status=1
-    [ -s "$OUT/$kernel.summary" ] || echo "vm-test: the $kernel guest did not run its suite" \
-      "(boot or lab set-up failed: see above)" >&2
-  fi
+  for attempt in 1 2; do
+    console="$OUT/$kernel.console.$attempt"
+    echo "vm-test: booting the $kernel kernel (attempt $attempt)" >&2
+    if bash scripts/vm-run.sh --kernel "$kernel" --timeout 2400 -- \
+      "$ROOT/tests/vm/suite.sh" "$kernel" "$LIST" 2>&1 | tee "$console"; then
+      break
+    fi
+    [ -e "$OUT/$kernel.summary" ] && { status=1; break; }
+    echo "vm-test: the $kernel guest did not reach its suite (boot or lab set-up failed)" >&2
+    [ "$attempt" -eq 2 ] && status=1
+  done
   echo "vm-test: $kernel guest: $(($(date +%s) - t0)) s" >&2
 done
 
@@ -56,6 +65,17 @@ echo "=== VM lab summary (logs: $OUT/logs) ==="
 for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
   grep -E '^    (FAILED|.* did not finish)' "$OUT/$kernel.summary" 2>/dev/null || true
   tail -1 "$OUT/$kernel.summary" 2>/dev/null || echo "suite ($kernel kernel): did not run"
+done
+# Last, where a log's tail shows it: what each boot that did not reach its suite said last.
+for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
+  for attempt in 1 2; do
+    console="$OUT/$kernel.console.$attempt"
+    [ -e "$console" ] || continue
+    if { [ "$attempt" -eq 1 ] && [ -e "$OUT/$kernel.console.2" ]; } || [ ! -e "$OUT/$kernel.summary" ]; then
+      echo "the $kernel guest's boot $attempt did not reach its suite; its console's last lines:"
+      tail -8 "$console" | cut -c1-300 | sed 's/^/    | /'
+    fi
+  done
 done
 echo "vm-test: the VM part took $(($(date +%s) - start)) s"
 exit "$status"
