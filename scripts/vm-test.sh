@@ -49,12 +49,14 @@ for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
   for attempt in 1 2; do
     console="$OUT/$kernel.console.$attempt"
     echo "vm-test: booting the $kernel kernel (attempt $attempt)" >&2
-    if bash scripts/vm-run.sh --kernel "$kernel" --timeout 2400 -- \
-      "$ROOT/tests/vm/suite.sh" "$kernel" "$LIST" 2>&1 | tee "$console"; then
-      break
-    fi
+    a0=$(date +%s)
+    rc=0
+    bash scripts/vm-run.sh --kernel "$kernel" --timeout 2400 -- \
+      "$ROOT/tests/vm/suite.sh" "$kernel" "$LIST" 2>&1 | tee "$console" || rc=$?
+    [ "$rc" -eq 0 ] && break
     [ -e "$OUT/$kernel.summary" ] && { status=1; break; }
-    echo "vm-test: the $kernel guest did not reach its suite (boot or lab set-up failed)" >&2
+    echo "vm-test: the $kernel guest did not reach its suite (boot or lab set-up failed):" \
+      "exit $rc after $(($(date +%s) - a0)) s" | tee -a "$console" >&2
     [ "$attempt" -eq 2 ] && status=1
   done
   echo "vm-test: $kernel guest: $(($(date +%s) - t0)) s" >&2
