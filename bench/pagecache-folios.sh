@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The page cache's folio sizes and rpma-disk's 1 MiB writes (docs/benchmarks.md, "The page-cache
-# 1 MiB writes: the page cache's folio sizes"). A fresh rpma-target (scripts/local-target.sh),
+# 1 MiB writes outside the matrix"). A fresh rpma-target (scripts/local-target.sh),
 # then on its page-cache namespace (nsid 2) either
 #   large: 1 MiB sequential writes onto pages not yet cached (the kernel caches them in large
 #          folios, as bench/run.sh's matrix does when bw.fio is the first to write), or
