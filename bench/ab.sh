@@ -42,9 +42,7 @@ tdir=${tdir:-${1%%+*}}
 export RPMA_BENCH_BIN=$tdir
 . scripts/local-target.sh
 local_setup ab
-NQN=nqn.2026-11.io.rpma:bench
-HOSTNQN=nqn.2026-11.io.rpma:bench-host
-write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
+bench_config
 # Top-level settings go before the first table.
 for l in "${sets[@]}"; do sed -i "1i $l" "$SCRATCH/target.toml"; done
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"

@@ -25,9 +25,7 @@ if [ ! -x "$BIN/examples/fabric_bench" ]; then
     echo "bench: $BIN/examples/fabric_bench is missing (with --bin DIR: DIR/examples/fabric_bench)" >&2
     exit 1
 fi
-NQN=nqn.2026-11.io.rpma:bench
-HOSTNQN=nqn.2026-11.io.rpma:bench-host
-write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
+bench_config
 # 512-byte blocks on both namespaces, as nbdkit's file plugin: the NBD export refuses requests
 # not aligned to its block size (EINVAL), and lat.fio writes 512 B.
 sed -i 's/^size = "128MiB"$/&\nblock_size = 512/' "$SCRATCH/target.toml"

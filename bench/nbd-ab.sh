@@ -39,9 +39,7 @@ done
 export RPMA_BENCH_BIN=$1
 . scripts/local-target.sh
 local_setup nbdab
-NQN=nqn.2026-11.io.rpma:bench
-HOSTNQN=nqn.2026-11.io.rpma:bench-host
-write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
+bench_config
 # 512-byte blocks, as bench/matrix.sh (lat.fio-style 512 B requests stay valid).
 sed -i 's/^size = "128MiB"$/&\nblock_size = 512/' "$SCRATCH/target.toml"
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"

@@ -30,9 +30,7 @@ command -v perf >/dev/null || { echo "bench/pagecache-folios.sh: perf is missing
 # shellcheck source=scripts/local-target.sh
 . scripts/local-target.sh
 local_setup folios
-NQN=nqn.2026-11.io.rpma:bench
-HOSTNQN=nqn.2026-11.io.rpma:bench-host
-write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
+bench_config
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 ini() { "$BIN/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" --nsid 2 "$@"; }
 job() { printf '[global]\nsize=64m\noffset=0\ntime_based=1\nruntime=%s\n[j]\n' "$1"; tr ' ' '\n' <<<"$2"; }

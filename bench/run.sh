@@ -71,9 +71,7 @@ fi
 # shellcheck source=scripts/local-target.sh
 . scripts/local-target.sh
 local_setup bench
-NQN=nqn.2026-11.io.rpma:bench
-HOSTNQN=nqn.2026-11.io.rpma:bench-host
-write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
+bench_config
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 
 # The value of "key": in bench's pretty JSON (the first one: write_latency comes before

@@ -12,6 +12,8 @@
 #                                  -> $SCRATCH/target.toml: URL, control socket control.sock,
 #                                     subsystem NQN for HOSTNQN; nsid 1 on $shm (force_dax),
 #                                     nsid 2 on $SCRATCH/ns2.pmem
+#   bench_config                   -> the benchmarks' target: sets NQN and HOSTNQN (the bench
+#                                     pair) and writes their config, 128 MiB on each namespace
 #   BIN=<dir of the release binaries>; SCRATCH=<its scratch dir>   (set by local_setup)
 #   free_port                      -> sets URL (tcp://127.0.0.1:PORT, nothing listening there)
 #   start_target CONFIG SOCKET     -> starts rpma-target on CONFIG, sets target_pid, waits until
@@ -63,6 +65,12 @@ nsid = 2
 path = "$SCRATCH/ns2.pmem"
 size = "$ns2_size"
 TOML
+}
+
+bench_config() {
+    NQN=nqn.2026-11.io.rpma:bench
+    HOSTNQN=nqn.2026-11.io.rpma:bench-host
+    write_config "$NQN" "$HOSTNQN" 128MiB 128MiB
 }
 
 free_port() {
