@@ -260,7 +260,6 @@ fn a_pwrite_placed_write_is_synced_by_a_flush_of_its_range() {
                 .unwrap(),
         );
         assert_eq!(m.domain(), Domain::PageCache);
-        assert!(m.placement_file().is_some(), "placed with pwrite");
         let Some(_) = unsynced_pages(&path, 0, PAGES * 4096) else {
             eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
             return;
@@ -331,6 +330,121 @@ fn a_pwrite_placed_write_is_synced_by_a_flush_of_its_range() {
     }
 }
 
+/// Bytes the calling thread has written with write-like system calls so far (`wchar` of
+/// /proc/thread-self/io: `pwrite` and the sockets' `writev` count; stores into a mapping do
+/// not). None without the kernel's task I/O accounting.
+fn thread_wchar() -> Option<u64> {
+    let io = std::fs::read_to_string("/proc/thread-self/io").ok()?;
+    io.lines()
+        .find_map(|l| l.strip_prefix("wchar: "))
+        .and_then(|v| v.trim().parse().ok())
+}
+
+/// The first Write into a page-cache page after its write-back is placed with `pwrite`, the
+/// later ones with stores (no system call: the page is dirty and writable in the mapping), and
+/// a Flush Persistent of the range still writes the stored pages back, after which the next
+/// Write is a `pwrite` again. Seen in the bytes the placing thread wrote with system calls: a
+/// round placed with `pwrite` writes the payload once more than a round placed with stores.
+#[test]
+fn a_page_written_twice_since_its_write_back_is_stored_into_and_a_flush_syncs_it() {
+    use rpma_common::pmem::{Domain, OpenOptions};
+    const LEN: usize = 32 * 4096;
+    for crc in [true, false] {
+        let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = dir.path().join("ns");
+        let m = Arc::new(
+            OpenOptions::new(&path)
+                .size(LEN as u64)
+                .create(true)
+                .open()
+                .unwrap(),
+        );
+        assert_eq!(m.domain(), Domain::PageCache);
+        let Some(_) = thread_wchar() else {
+            eprintln!("SKIPPED: no /proc/thread-self/io (task I/O accounting) to see pwrites");
+            return;
+        };
+        let p = Pair::new(crc);
+        let mr =
+            p.pd.register(Arc::clone(&m), rw() | Access::FLUSH_PERSISTENT)
+                .unwrap();
+        let (src, smr) = p.init_buf(LEN, Access::LOCAL_WRITE);
+        // One Write of the whole range and a Read behind it (answered once it is placed);
+        // returns the bytes this thread wrote with system calls meanwhile. The test thread
+        // polls both completion queues: it runs the target's placement.
+        let round = |n: u64| {
+            src.write_at(0, &vec![0x40 + n as u8; LEN]).unwrap();
+            let before = thread_wchar().unwrap();
+            p.qp.post_send(SendWr::new(
+                10 * n + 1,
+                SendOp::Write {
+                    local: Sge::new(&smr, 0, LEN),
+                    remote: mr.remote(0),
+                },
+            ))
+            .unwrap();
+            p.qp.post_send(SendWr::new(
+                10 * n + 2,
+                SendOp::Read {
+                    local: Sge::new(&smr, 0, 8),
+                    remote: mr.remote(0),
+                },
+            ))
+            .unwrap();
+            let (_, c) = p.until_init(10 * n + 2);
+            assert_eq!(c.status, WcStatus::Success, "{c:?}");
+            thread_wchar().unwrap() - before
+        };
+        let first = round(1);
+        let second = round(2);
+        let third = round(3);
+        let pwritten = |d: u64| d >= third + LEN as u64 * 9 / 10;
+        assert!(
+            pwritten(first),
+            "crc {crc}: the first Write is pwritten: {first} bytes against {third} for the third"
+        );
+        assert!(
+            !pwritten(second),
+            "crc {crc}: the second Write is stored: {second} bytes, the third {third}"
+        );
+        if let Some(n) = unsynced_pages(&path, 0, LEN as u64) {
+            assert!(n > 0, "crc {crc}: the stored pages are dirty");
+        }
+        p.qp.post_send(SendWr::new(
+            100,
+            SendOp::Flush {
+                target: FlushTarget::Range {
+                    remote: mr.remote(0),
+                    len: LEN as u64,
+                },
+                kind: FlushType::Persistent,
+            },
+        ))
+        .unwrap();
+        let (_, c) = p.until_init(100);
+        assert_eq!(c.status, WcStatus::Success, "{c:?}");
+        if let Some(n) = unsynced_pages(&path, 0, LEN as u64) {
+            assert_eq!(n, 0, "crc {crc}: the Flush wrote the stored pages back");
+        }
+        let after_flush = round(4);
+        assert!(
+            pwritten(after_flush),
+            "crc {crc}: after the write-back a pwrite again: {after_flush} bytes, {third} stored"
+        );
+        let mut got = vec![0u8; LEN];
+        std::os::unix::fs::FileExt::read_exact_at(
+            &std::fs::File::open(&path).unwrap(),
+            &mut got,
+            0,
+        )
+        .unwrap();
+        assert!(
+            got.iter().all(|&b| b == 0x44),
+            "crc {crc}: the file holds round 4"
+        );
+    }
+}
+
 /// Page-cache memory whose placement file is open read-only: every pwrite into it fails.
 struct ReadOnlyFile {
     map: Arc<rpma_common::pmem::Mapping>,
@@ -349,7 +463,7 @@ unsafe impl RegisteredMemory for ReadOnlyFile {
     fn persist(&self) -> Option<&dyn rpma_common::pmem::Persist> {
         RegisteredMemory::persist(&*self.map)
     }
-    fn placement_file(&self) -> Option<std::os::fd::BorrowedFd<'_>> {
+    fn placement_file(&self, _: usize, _: usize) -> Option<std::os::fd::BorrowedFd<'_>> {
         use std::os::fd::AsFd;
         Some(self.file.as_fd())
     }

@@ -43,15 +43,20 @@ pub unsafe trait RegisteredMemory: Send + Sync + 'static {
     fn backing(&self) -> MemoryBacking {
         MemoryBacking::Ram
     }
-    /// A file whose page cache holds this memory's bytes at the same offsets (the memory is a
-    /// shared mapping of it from offset 0), into which a transport that copies received
-    /// payloads itself (`tcp`) places them with `pwrite(2)` instead of stores: a store into a
-    /// page the last write-back cleaned takes a write fault (the filesystem's `page_mkwrite`,
-    /// a journal handle on ext4), a `pwrite` none. Only where that is the same as a store for
-    /// every reader of the memory and for [`persist`](Self::persist): a page-cache file, not
-    /// the power-loss simulation (whose memory is not the file's page cache). The descriptor
-    /// stays open as long as the memory.
-    fn placement_file(&self) -> Option<BorrowedFd<'_>> {
+    /// For placing `len` bytes at `offset`: a file whose page cache holds this memory's bytes
+    /// at the same offsets (the memory is a shared mapping of it from offset 0), into which a
+    /// transport that copies received payloads itself (`tcp`) places them with `pwrite(2)`
+    /// instead of stores, or None to store them. A store into a page the last write-back
+    /// cleaned takes a write fault (the filesystem's `page_mkwrite`, a journal handle on
+    /// ext4), a `pwrite` none, but a `pwrite` pays a system call and the filesystem's work
+    /// per page every time, a store into a page already dirty here nothing: a page-cache
+    /// [`Mapping`](crate::pmem::Mapping) names its file for a range's first placement after
+    /// its write-back and None for the later ones. Only where a `pwrite` is the same as a
+    /// store for every reader of the memory and for [`persist`](Self::persist): a page-cache
+    /// file, not the power-loss simulation (whose memory is not the file's page cache). The
+    /// descriptor stays open as long as the memory. Called once per placement, at its start.
+    fn placement_file(&self, offset: usize, len: usize) -> Option<BorrowedFd<'_>> {
+        let _ = (offset, len);
         None
     }
 }
@@ -108,8 +113,8 @@ unsafe impl RegisteredMemory for crate::pmem::Mapping {
     fn persist(&self) -> Option<&dyn Persist> {
         Some(self)
     }
-    fn placement_file(&self) -> Option<BorrowedFd<'_>> {
-        crate::pmem::Mapping::placement_file(self)
+    fn placement_file(&self, offset: usize, len: usize) -> Option<BorrowedFd<'_>> {
+        crate::pmem::Mapping::placement_file(self, offset, len)
     }
     fn backing(&self) -> MemoryBacking {
         use crate::pmem::Domain;
@@ -328,12 +333,13 @@ impl Region {
         self.keep.as_ref().and_then(|m| m.persist())
     }
 
-    /// The file to place received payloads into with `pwrite(2)`, at the same offsets as in
-    /// the region ([`RegisteredMemory::placement_file`]); open as long as the region.
-    pub(crate) fn placement_file(&self) -> Option<RawFd> {
+    /// The file to place the `len` received bytes at `offset` into with `pwrite(2)`, at the
+    /// same offset as in the region, or None to store them
+    /// ([`RegisteredMemory::placement_file`]); open as long as the region.
+    pub(crate) fn placement_file(&self, offset: usize, len: usize) -> Option<RawFd> {
         self.keep
             .as_ref()
-            .and_then(|m| m.placement_file())
+            .and_then(|m| m.placement_file(offset, len))
             .map(|fd| fd.as_raw_fd())
     }
 

@@ -202,15 +202,21 @@ impl Mapping {
         self.media().drop_page_cache()
     }
 
-    /// The backing file, where writing into it with `pwrite(2)` at an offset is the same as a
-    /// store into the mapping at that offset, for every reader of the mapping and for
-    /// [`Persist`]: a `page-cache` mapping (the file's own page cache, from offset 0), not
-    /// under the power-loss simulation (whose memory is a working copy). None elsewhere: on dax
-    /// a placed byte must also leave the CPU cache, which a `pwrite` does not promise.
-    pub fn placement_file(&self) -> Option<BorrowedFd<'_>> {
+    /// For placing `len` bytes at `offset` (a peer's Write, by a transport that copies
+    /// received payloads itself): the backing file to write them into with `pwrite(2)` at that
+    /// offset, or None to store them into the mapping. A `pwrite` is the same as a store for
+    /// every reader of the mapping and for [`Persist`] only on a `page-cache` mapping (the
+    /// file's own page cache, from offset 0), not under the power-loss simulation (whose memory
+    /// is a working copy): None elsewhere (on dax a placed byte must also leave the CPU cache,
+    /// which a `pwrite` does not promise). On page-cache, the file when one of the pages the
+    /// range touches was not placed into since its last write-back started, None when all
+    /// were (a store into a page that is dirty and writable here costs only the copy; into a
+    /// page a write-back cleaned, a write fault): each call marks the range placed, and a
+    /// persist, flush or [`Persist::before_sync`] of a range forgets its pages.
+    pub fn placement_file(&self, offset: usize, len: usize) -> Option<BorrowedFd<'_>> {
         match &self.inner {
-            Inner::Real(m) if m.domain() == Domain::PageCache => self.backing_fd(),
-            _ => None,
+            Inner::Real(m) => m.placement_file(offset, len),
+            Inner::Simulated(_) => None,
         }
     }
 
@@ -395,6 +401,55 @@ mod tests {
         );
         m.record_failure(SyncFailure::new("msync", &io::Error::from_raw_os_error(5)));
         assert_eq!(seen.lock().unwrap().len(), 1, "only the first");
+    }
+
+    #[test]
+    fn a_page_cache_range_is_pwritten_first_and_stored_into_until_its_next_write_back() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let p = page_size();
+        let open = |name: &str, dax: bool, sim: bool| {
+            OpenOptions::new(d.path().join(name))
+                .size((16 * p) as u64)
+                .create(true)
+                .force_dax(dax)
+                .power_loss_simulation(sim.then(Default::default))
+                .open()
+                .unwrap()
+        };
+        let m = open("ns", false, false);
+        assert_eq!(m.domain(), Domain::PageCache);
+        let file = |off, len| m.placement_file(off, len).is_some();
+        // Each way a range is written back forgets its pages (and only those).
+        let write_backs: [(&str, &dyn Fn()); 4] = [
+            ("persist", &|| assert!(m.persist(p + 1, 10).is_ok())),
+            ("flush", &|| m.flush(p + 1, 10).unwrap()),
+            ("before_sync", &|| m.before_sync(p + 1, 10).unwrap()),
+            ("drop_page_cache", &|| m.drop_page_cache().unwrap()),
+        ];
+        for (name, write_back) in write_backs {
+            assert!(file(p, 2 * p), "{name}: the first placement is a pwrite");
+            assert!(!file(p + 100, 200), "{name}: the second a store");
+            assert!(!file(2 * p, p), "{name}: so is one into the other page");
+            assert!(
+                file(2 * p, p + 1),
+                "{name}: a range reaching an unplaced page"
+            );
+            write_back();
+            assert!(file(p, p), "{name}: written back, a pwrite again");
+            assert!(!file(p, p));
+            m.drain().unwrap();
+            m.persist(0, 16 * p).unwrap();
+        }
+        // Nowhere else is there a file to place into.
+        for (name, dax, sim) in [("dax", true, false), ("sim", false, true)] {
+            let o = open(name, dax, sim);
+            assert!(o.placement_file(0, p).is_none(), "{name}");
+            assert!(o.placement_file(0, p).is_none(), "{name}");
+        }
+        assert!(Mapping::anonymous(p)
+            .unwrap()
+            .placement_file(0, 1)
+            .is_none());
     }
 
     /// Pages of `m` resident in the page cache (mincore).

@@ -14,6 +14,7 @@ use super::domain::{Domain, Durability, SyncFailure};
 use super::error::{Error, Result};
 use super::flush::{sfence, writeback_range};
 use super::persist::Persist;
+use super::placed::PlacedPages;
 
 /// What [`Mapping::set_failure_hook`](super::Mapping::set_failure_hook) takes.
 pub type FailureHook = Box<dyn Fn(&SyncFailure) + Send + Sync>;
@@ -45,6 +46,9 @@ pub(super) struct Media {
     path: Option<PathBuf>,
     /// Page-aligned union of the ranges flushed (write-back started) but not yet drained.
     pending: Mutex<Option<(usize, usize)>>,
+    /// Page-cache files: the pages placed into since their last write-back started, which the
+    /// next placement stores into instead of writing with `pwrite` (placed.rs).
+    placed: Option<PlacedPages>,
     /// The first failed write-back: set once, cleared only by reopening (a new Mapping).
     failure: OnceLock<SyncFailure>,
     /// Called once, with the first failure, before the call that recorded it returns
@@ -111,6 +115,7 @@ impl Media {
             _ if cfg!(target_arch = "x86_64") => Method::CacheWriteBack,
             _ => Method::Msync,
         };
+        let placed = (domain == Domain::PageCache).then(|| PlacedPages::new(len, page_size()));
         Media {
             ptr,
             len,
@@ -121,6 +126,7 @@ impl Media {
             file: Some(file),
             path: Some(path),
             pending: Mutex::new(None),
+            placed,
             failure: OnceLock::new(),
             on_failure: OnceLock::new(),
         }
@@ -165,6 +171,7 @@ impl Media {
             file: None,
             path: None,
             pending: Mutex::new(None),
+            placed: None,
             failure: OnceLock::new(),
             on_failure: OnceLock::new(),
         })
@@ -217,6 +224,25 @@ impl Media {
         self.file.as_ref().map(|f| f.as_fd())
     }
 
+    /// For placing `len` bytes at `offset` of a page-cache file: the file to `pwrite` them
+    /// into when one of the pages they touch was not placed into since its last write-back
+    /// (marking them all placed now), None when every one was (a store then takes no fault:
+    /// placed.rs). None on every other domain.
+    pub(super) fn placement_file(&self, offset: usize, len: usize) -> Option<BorrowedFd<'_>> {
+        match &self.placed {
+            Some(p) if !p.placed_or_mark(offset, len) => self.backing_fd(),
+            _ => None,
+        }
+    }
+
+    /// The pages of `[offset, offset + len)` are about to be written back: their next
+    /// placement is a `pwrite` again.
+    fn forget_placed(&self, offset: usize, len: usize) {
+        if let Some(p) = &self.placed {
+            p.forget(offset, len);
+        }
+    }
+
     /// Sets what is called with the mapping's first write-back failure, in the thread that
     /// recorded it and before that call returns (so before any caller can report the failure
     /// onwards): the target remembers failures across restarts there. Only the first hook set
@@ -254,6 +280,9 @@ impl Media {
             op,
             source,
         };
+        if let Some(p) = &self.placed {
+            p.forget_all();
+        }
         let synced = file.sync_data().map_err(|e| {
             self.record_failure(SyncFailure::new("fdatasync", &e));
             self.sync_error("fdatasync", 0, self.len, e)
@@ -376,6 +405,7 @@ impl Persist for Media {
             }
             Method::Msync if len > 0 => {
                 let (start, end) = self.page_range(offset, len);
+                self.forget_placed(start, end - start);
                 self.msync(start, end)?;
             }
             Method::Msync => {}
@@ -394,6 +424,7 @@ impl Persist for Media {
             }
             Method::Msync if len > 0 => {
                 let (start, end) = self.page_range(offset, len);
+                self.forget_placed(start, end - start);
                 if let Some(file) = &self.file {
                     // Start write-back now so that drain() has less to wait for. Failure here is
                     // not final: drain()'s msync writes whatever is still dirty and reports its
@@ -451,7 +482,9 @@ impl Persist for Media {
 
     fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
-        self.check_healthy()
+        self.check_healthy()?;
+        self.forget_placed(offset, len);
+        Ok(())
     }
 }
 

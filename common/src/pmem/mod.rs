@@ -57,6 +57,7 @@ mod map;
 mod media;
 mod open;
 mod persist;
+mod placed;
 mod plan;
 mod sim;
 

@@ -492,8 +492,12 @@ impl Engine {
                         if !dax {
                             self.dirty.add(&t.region, t.offset, len);
                         }
-                        // A page-cache file: written with pwrite, no write fault.
-                        let file = t.region.placement_file().map(|fd| (fd, t.offset as u64));
+                        // A page-cache file: written with pwrite where a store would fault
+                        // (the first placement after a write-back), stored into elsewhere.
+                        let file = t
+                            .region
+                            .placement_file(t.offset, len)
+                            .map(|fd| (fd, t.offset as u64));
                         // Held until `on_data`: the receiver keeps only `ptr`, possibly across
                         // several polls, and the STag entry may be gone before then.
                         self.placing = Some(Placing {
