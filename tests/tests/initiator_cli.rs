@@ -494,13 +494,21 @@ fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
         return;
     };
     let dirty = |off: u64| rpma_tests::unsynced_pages(&file, off, 64 << 10).unwrap();
-    // Each range written by one connection (sent, not durable), flushed by another.
+    // Each range written by one connection (sent, not durable), flushed by another. Written
+    // once more first: the target places a page's first Write after its write-back with
+    // `pwrite` and the later ones with stores into its mapping (docs/fabric.md), which the
+    // flush must write back as well.
     for (off, method, want) in [
         (0u64, "--persist apm", Some(6)),
         (1 << 20, "--persist gpspm", Some(0)),
         (2 << 20, "--persist flush", Some(0)),
         (3 << 20, "", Some(0)),
     ] {
+        let (c, _, all) = cli(
+            &t,
+            &format!("write --offset {off} --pattern 89 --length 64k"),
+        );
+        assert_eq!(c, Some(0), "{all}");
         // The kernel's background write-back (another process's dirty data past the threshold)
         // may clean the pages before we look: write again until some are seen dirty.
         let mut seen_dirty = false;
