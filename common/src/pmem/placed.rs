@@ -73,15 +73,14 @@ impl PlacedPages {
         }
     }
 
-    /// The pages `first..=last` as (word, mask) pairs.
+    /// The pages `first..=last` (`first <= last`, as [`Self::pages`] gives them) as (word,
+    /// mask) pairs.
     fn masks(first: usize, last: usize) -> impl Iterator<Item = (usize, u64)> {
-        (first / 64..=last / 64)
-            .filter(move |_| first <= last)
-            .map(move |w| {
-                let lo = if w == first / 64 { first % 64 } else { 0 };
-                let hi = if w == last / 64 { last % 64 } else { 63 };
-                (w, (u64::MAX >> (63 - hi)) & (u64::MAX << lo))
-            })
+        (first / 64..=last / 64).map(move |w| {
+            let lo = if w == first / 64 { first % 64 } else { 0 };
+            let hi = if w == last / 64 { last % 64 } else { 63 };
+            (w, (u64::MAX >> (63 - hi)) & (u64::MAX << lo))
+        })
     }
 
     /// Whether every page of `[offset, offset + len)` was placed into (all of it) since its
