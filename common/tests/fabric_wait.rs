@@ -7,7 +7,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use fabric_util::Pair;
+use fabric_util::{rw, Pair};
 use nix::sys::eventfd::EventFd;
 use rpma_common::fabric::*;
 
@@ -123,4 +123,65 @@ fn watch_fd_refuses_a_second_watch_an_unpollable_fd_and_unwatching_a_stranger() 
     // Another queue may watch the same fd.
     let cq2 = ctx.create_cq(4).unwrap();
     cq2.watch_fd(efd.as_fd(), 1).unwrap();
+}
+
+#[test]
+fn a_wait_with_read_requests_still_buffered_answers_them_before_it_blocks() {
+    // The responder answers a burst of Read Requests by batches of eight, writing each batch
+    // before it handles the next; what it has not handled stays in its receive buffer, where
+    // epoll cannot see it. The target's wait has no spell here (it blocks as soon as a pass
+    // finds no completion): if it blocked with Read Requests still buffered, the last ones
+    // would be answered only when the initiator sent something else, which it never does.
+    let p = Pair::new(true);
+    const READS: usize = 16;
+    const LEN: usize = 4096;
+    let (tmem, tmr) = p.target_buf(READS * LEN, rw());
+    for i in 0..READS {
+        tmem.write_at(i * LEN, &[i as u8 + 1; LEN]).unwrap();
+    }
+    let (imem, imr) = p.init_buf(READS * LEN, Access::LOCAL_WRITE);
+    let stop = Arc::new(EventFd::new().unwrap());
+    p.tcq.watch_fd(stop.as_fd(), 1).unwrap();
+    let tcq = p.tcq.clone();
+    let target = std::thread::spawn(move || {
+        // One wait, with no time-out: it serves the Reads and returns only for the stop fd.
+        let mut wc = [Completion::EMPTY; 4];
+        let woke = tcq.wait_any_with_spin(&mut wc, None, Duration::ZERO);
+        assert_eq!(woke.unwrap(), Woken::Fd(1), "the target has no completions");
+    });
+    // One doorbell: the sixteen Read Requests leave in one writev and arrive together.
+    p.qp.post_send_list((0..READS).map(|i| {
+        SendWr::new(
+            i as u64,
+            SendOp::Read {
+                local: Sge::new(&imr, i * LEN, LEN),
+                remote: tmr.remote((i * LEN) as u64),
+            },
+        )
+    }))
+    .unwrap();
+    let mut done = Vec::new();
+    let mut wc = [Completion::EMPTY; READS];
+    while done.len() < READS {
+        let n = p.icq.wait(&mut wc, LONG).unwrap();
+        assert!(
+            n > 0,
+            "{} of {READS} Reads completed in 10 s: the target blocked with Read Requests \
+             buffered",
+            done.len()
+        );
+        done.extend(wc[..n].iter().map(|c| (c.wr_id, c.status)));
+    }
+    let want: Vec<_> = (0..READS as u64).map(|i| (i, WcStatus::Success)).collect();
+    assert_eq!(done, want);
+    for i in 0..READS {
+        let mut b = vec![0u8; LEN];
+        imem.read_at(i * LEN, &mut b).unwrap();
+        assert!(
+            b.iter().all(|&x| x == i as u8 + 1),
+            "Read {i} brought other bytes"
+        );
+    }
+    stop.write(1).unwrap();
+    target.join().unwrap();
 }

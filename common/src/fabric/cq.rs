@@ -291,9 +291,10 @@ impl CompletionQueue {
             }
             // Idle: block until a socket is ready (arming writability where output waits), or
             // the completion channel fires (rdma: armed, then polled once more, so that a
-            // completion that came just before the arming is not slept through).
-            self.inner.engine.arm()?;
-            if !self.inner.list.is_empty() {
+            // completion that came just before the arming is not slept through). Not while a
+            // queue pair holds input buffered that the last pass left (soft: a batch of answers
+            // went out first), which no fd would announce.
+            if self.inner.engine.arm()? || !self.inner.list.is_empty() {
                 continue;
             }
             let left = deadline.map(|d| d.saturating_duration_since(now));

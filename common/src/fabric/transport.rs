@@ -348,12 +348,14 @@ impl CqEngine {
         }
     }
 
-    /// Prepares the idle wait (arms what must wake it).
-    pub(crate) fn arm(&self) -> Result<()> {
+    /// Prepares the idle wait (arms what must wake it). Returns whether work is waiting that
+    /// nothing would wake the wait for (the soft engine's input buffered and not yet handled):
+    /// the caller drives the queue again instead of blocking.
+    pub(crate) fn arm(&self) -> Result<bool> {
         match self {
             CqEngine::Soft(c) => c.arm(),
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => c.arm(),
+            CqEngine::Rdma(c) => c.arm().map(|()| false),
         }
     }
 

@@ -73,11 +73,13 @@ impl SoftCq {
         self.busy.store(busy, Ordering::Relaxed);
     }
 
-    /// Arms the sockets for the idle wait (writability where output waits).
-    pub(crate) fn arm(&self) -> Result<()> {
+    /// Arms the sockets for the idle wait (writability where output waits). Returns whether a
+    /// queue pair holds buffered input (the wait must not block then).
+    pub(crate) fn arm(&self) -> Result<bool> {
+        let mut held = false;
         for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
-            qp.arm(&self.poller)?;
+            held |= qp.arm(&self.poller)?;
         }
-        Ok(())
+        Ok(held)
     }
 }

@@ -186,6 +186,11 @@ impl Tx {
         });
     }
 
+    /// Messages queued and not yet framed whole (a receive pass counts its answers by it).
+    pub(crate) fn queued_messages(&self) -> usize {
+        self.queue.len()
+    }
+
     /// Whether anything waits to be written.
     pub(crate) fn pending(&self) -> bool {
         !self.ready.is_empty() || !self.queue.is_empty()

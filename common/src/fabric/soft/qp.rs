@@ -98,6 +98,7 @@ impl SoftQp {
             refused_recv_status: None,
             counting: Counting::new(counters.clone()),
             rtr_pending: false,
+            rx_held: false,
         };
         Arc::new(SoftQp {
             num,
@@ -249,14 +250,17 @@ impl SoftQp {
         e.tx.pending()
     }
 
-    /// Registers the socket with `poller` and arms writability if output waits.
-    pub(crate) fn arm(&self, poller: &Poller) -> Result<()> {
+    /// Registers the socket with `poller` and arms writability if output waits. Returns whether
+    /// input is buffered that the last progress call left (`Engine::rx_held`): the socket will
+    /// not wake the wait for it, so the caller must not block.
+    pub(crate) fn arm(&self, poller: &Poller) -> Result<bool> {
         use std::os::fd::AsFd;
         let mut c = self.lock();
         let want_write = c.e.tx.pending();
+        let held = c.e.rx_held && c.e.state == QpState::Rts;
         let key = poller as *const Poller as usize;
         let Some(cn) = c.conn.as_mut() else {
-            return Ok(());
+            return Ok(false);
         };
         match cn.armed.iter_mut().find(|(k, _)| *k == key) {
             None => {
@@ -269,7 +273,7 @@ impl SoftQp {
             }
             Some(_) => {}
         }
-        Ok(())
+        Ok(held)
     }
 
     pub(crate) fn to_error(&self, why: QpFailure) {
