@@ -1,8 +1,10 @@
 //! Fair share of a completion queue's send capacity (issue 22, F8): raw peers that each keep
 //! large Reads outstanding and read their answers as fast as they can must not make one pass of
-//! the queue write more than its budget (4 MiB) in all, so that a small answer among them waits
-//! for little. Counted in bytes per pass, never timed: the test drives the queue itself and
-//! reads every peer's socket empty between passes (the fastest possible readers).
+//! the queue write more than its budget (1 MiB, `TURN_BYTES`) in all, so that a small answer
+//! among them waits for little. Counted in bytes per pass, never timed: the test drives the
+//! queue itself and reads every peer's socket empty between passes (the fastest possible
+//! readers). And the other way round: a pass answers at most eight requests before it writes
+//! ("Answers by eights" in docs/fabric.md), counted the same way.
 
 mod fabric_util;
 

@@ -1,4 +1,5 @@
-//! The completion queue's idle wait also wakes on caller-supplied fds (`watch_fd`).
+//! The completion queue's idle wait: it also wakes on caller-supplied fds (`watch_fd`), and it
+//! never blocks while a queue pair holds input its last pass left buffered.
 
 mod fabric_util;
 
