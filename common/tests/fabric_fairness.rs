@@ -129,16 +129,7 @@ fn a_burst_of_read_requests_is_answered_by_eights_one_batch_per_pass() {
     let (tmem, tmr) = p.target_buf(READS * LEN, rw());
     tmem.write_at(0, &[0x5A; READS * LEN]).unwrap();
     let (imem, imr) = p.init_buf(READS * LEN, Access::LOCAL_WRITE);
-    p.qp.post_send_list((0..READS).map(|i| {
-        SendWr::new(
-            i as u64,
-            SendOp::Read {
-                local: Sge::new(&imr, i * LEN, LEN),
-                remote: tmr.remote((i * LEN) as u64),
-            },
-        )
-    }))
-    .unwrap();
+    p.post_reads(&imr, &tmr, READS, LEN);
     let counters = p
         .tqp
         .responder_counters()

@@ -151,16 +151,7 @@ fn a_wait_with_read_requests_still_buffered_answers_them_before_it_blocks() {
         assert_eq!(woke.unwrap(), Woken::Fd(1), "the target has no completions");
     });
     // One doorbell: the sixteen Read Requests leave in one writev and arrive together.
-    p.qp.post_send_list((0..READS).map(|i| {
-        SendWr::new(
-            i as u64,
-            SendOp::Read {
-                local: Sge::new(&imr, i * LEN, LEN),
-                remote: tmr.remote((i * LEN) as u64),
-            },
-        )
-    }))
-    .unwrap();
+    p.post_reads(&imr, &tmr, READS, LEN);
     let mut done = Vec::new();
     let mut wc = [Completion::EMPTY; READS];
     while done.len() < READS {

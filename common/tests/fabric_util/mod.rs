@@ -103,6 +103,28 @@ impl Pair {
         self.target_buf(len, access)
     }
 
+    /// Posts `n` Reads of `len` bytes with one doorbell (one writev: they reach the target
+    /// together): Read `i` (wr_id `i`) brings `remote`'s bytes at `i * len` to `local`'s.
+    pub fn post_reads(
+        &self,
+        local: &Arc<MemoryRegion>,
+        remote: &Arc<MemoryRegion>,
+        n: usize,
+        len: usize,
+    ) {
+        self.qp
+            .post_send_list((0..n).map(|i| {
+                SendWr::new(
+                    i as u64,
+                    SendOp::Read {
+                        local: Sge::new(local, i * len, len),
+                        remote: remote.remote((i * len) as u64),
+                    },
+                )
+            }))
+            .unwrap();
+    }
+
     /// Polls both sides once, stashing their completions.
     pub fn pump(&self) {
         let mut wc = [Completion::EMPTY; 16];
