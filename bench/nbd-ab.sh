@@ -6,21 +6,28 @@
 # (p50 of the slower direction; with fsync=1 a write's p50 plus its FLUSH's, as bench/report.py
 # adds them); then the medians. docs/benchmarks.md quotes its runs.
 #
-#   bench/nbd-ab.sh [--reps N] [--job 'K=V ...'] [--runtime S] DIR...
+#   bench/nbd-ab.sh [--reps N] [--job 'K=V ...'] [--runtime S] [--proxy] DIR...
 #     --reps N         rounds (default 5)
 #     --job 'K=V ...'  the job section's options (default: rw=randread bs=4k iodepth=16)
 #     --runtime S      seconds per run after a 1 s ramp (default 3)
+#     --proxy          two more peers. nbdkit-proxy: nbdkit's nbd plugin on a unix socket,
+#                      relaying over loopback TCP to a second nbdkit file plugin on the same
+#                      file; the shape of the export's path (fio, a relay, TCP, the server
+#                      holding the memory) with third-party code in both places; and
+#                      socat-relay: socat relaying the unix socket's bytes to that TCP
+#                      server, a relay that does nothing but copy (scripts/install-deps.sh)
 #
 # Example: bench/nbd-ab.sh --reps 9 --job 'rw=randread bs=4k iodepth=1' /tmp/old /tmp/new
 set -euo pipefail
 cd "$(dirname "$0")/.."
-reps=5 job='rw=randread bs=4k iodepth=16' runtime=3
+reps=5 job='rw=randread bs=4k iodepth=16' runtime=3 proxy=0
 while [ $# -gt 0 ]; do
     case $1 in
         --reps) reps=$2; shift 2 ;;
         --job) job=$2; shift 2 ;;
         --runtime) runtime=$2; shift 2 ;;
-        -h | --help) sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --proxy) proxy=1; shift ;;
+        -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/nbd-ab.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -57,6 +64,28 @@ fallocate -l 128MiB "$peer"
 nbdkit --foreground --exit-with-parent --unix "$SCRATCH/nbdkit.sock" file "$peer" &
 pids+=($!)
 names=(nbdkit-shm) uris=("nbd+unix:///?socket=$SCRATCH/nbdkit.sock") i=0
+if [ "$proxy" = 1 ]; then
+    # The relay's upstream on a free loopback port (free_port probes 7420-7520; the target
+    # holds URL's, so the probe after it finds another).
+    target_url=$URL
+    free_port
+    port=${URL##*:}
+    URL=$target_url
+    nbdkit --foreground --exit-with-parent -i 127.0.0.1 -p "$port" file "$peer" &
+    pids+=($!)
+    nbdkit --foreground --exit-with-parent --unix "$SCRATCH/proxy.sock" \
+        nbd hostname=127.0.0.1 port="$port" &
+    pids+=($!)
+    names+=(nbdkit-proxy) uris+=("nbd+unix:///?socket=$SCRATCH/proxy.sock")
+    command -v socat >/dev/null || {
+        echo "bench/nbd-ab.sh: socat is missing (scripts/install-deps.sh installs it)" >&2
+        exit 1
+    }
+    # Its largest buffer (socat's default is 8 KiB a read), so 1 MiB requests move in big reads.
+    socat -b 1048576 UNIX-LISTEN:"$SCRATCH/relay.sock",fork TCP:127.0.0.1:"$port",nodelay &
+    pids+=($!)
+    names+=(socat-relay) uris+=("nbd+unix:///?socket=$SCRATCH/relay.sock")
+fi
 for d in "$@"; do
     i=$((i + 1))
     "$d/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \

@@ -19,6 +19,7 @@ PACKAGES=(
   # (tests/tests/link_faults.rs: iptables' statistic match on lo; ip comes with iproute2)
   iptables iproute2
   nbdkit  # make bench (bench/matrix.sh): the peer, nbdkit's file plugin, driven by fio's nbd engine
+  socat  # bench/nbd-ab.sh --proxy: a plain byte relay in the export's place (two hops, no NBD code)
   # tests/tests/metrics.rs: promtool checks the /metrics exposition, a real Prometheus scrapes it
   prometheus
 )
