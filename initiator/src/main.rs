@@ -73,6 +73,7 @@ fn main() -> ExitCode {
             listen,
             export,
             queue_depth,
+            replay_bytes,
             limits,
         } => cli::nbd::run(
             g,
@@ -81,6 +82,7 @@ fn main() -> ExitCode {
                 listen: listen.clone(),
                 export: export.clone(),
                 queue_depth: usize::from(*queue_depth),
+                replay_bytes: *replay_bytes as usize,
                 limits: limits.client_limits(),
             },
         ),

@@ -263,6 +263,14 @@ pub(crate) enum Command {
         #[arg(long, value_name = "N", default_value_t = 64,
               value_parser = clap::value_parser!(u16).range(1..=128))]
         queue_depth: u16,
+        /// Memory per target queue for written chunks kept until a durability acknowledgement
+        /// covers them (what a reconnect re-issues; a FLUSH frees them), as a disk's write
+        /// cache: when it is full, the export stops taking requests until the target made
+        /// them durable. 0: one 256 KiB chunk per request in flight. At most 1GiB. On tcp://
+        /// its pages are touched only as they are used (a 4 KiB write takes one page of its
+        /// chunk); rdma:// registers (pins) all of it, against RLIMIT_MEMLOCK.
+        #[arg(long, value_name = "SIZE", default_value = "64MiB", value_parser = parse_replay_bytes)]
+        replay_bytes: u64,
         #[command(flatten)]
         limits: NbdLimits,
     },
@@ -313,6 +321,13 @@ pub(crate) struct JobArgs {
 
 fn parse_size(s: &str) -> Result<u64, String> {
     rpma_common::units::parse_size(s).map_err(|e| e.to_string())
+}
+
+fn parse_replay_bytes(s: &str) -> Result<u64, String> {
+    match parse_size(s)? {
+        v if v <= 1 << 30 => Ok(v),
+        v => Err(format!("{s:?} is {v} bytes: at most 1GiB")),
+    }
 }
 
 fn parse_u64(s: &str) -> Result<u64, String> {

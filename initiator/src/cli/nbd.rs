@@ -9,6 +9,7 @@ use nix::sys::signal::{SigSet, Signal};
 use nix::sys::signalfd::{SfdFlags, SignalFd};
 use rpma_common::proto::PersistenceDomain;
 use rpma_initiator::nbd::{ClientLimits, ExportOptions, Listener, NbdError, Server};
+use rpma_initiator::QueueOptions;
 
 use super::args::Global;
 use super::failure::{usage, Failure};
@@ -22,6 +23,8 @@ pub(crate) struct Params {
     pub(crate) listen: Option<String>,
     pub(crate) export: String,
     pub(crate) queue_depth: usize,
+    /// The queues' replay memory ([`QueueOptions::replay_bytes`]).
+    pub(crate) replay_bytes: usize,
     pub(crate) limits: ClientLimits,
 }
 
@@ -69,7 +72,12 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         max_batch: p.queue_depth,
         limits: p.limits,
     };
-    let mut server = Server::new(g.connection(p.queue_depth)?, opts, listener).map_err(failure)?;
+    // Slots beyond those in flight hold written chunks until they are durable: with one slot
+    // per request in flight (16 MiB at depth 64), 4 KiB random writes at depth 64 stopped every
+    // 64 writes for the round trip that made them durable, 30% of the export's samples
+    // (docs/benchmarks.md, "Two hops: the export beside third-party relays").
+    let conn = g.connection_with(p.queue_depth, QueueOptions::default().chunk, p.replay_bytes)?;
+    let mut server = Server::new(conn, opts, listener).map_err(failure)?;
     let d = server.descriptor().clone();
     if d.domain == PersistenceDomain::Volatile {
         if g.visible_ok {
@@ -142,13 +150,42 @@ mod tests {
                 listen: Some(l),
                 export,
                 queue_depth: 64,
+                replay_bytes,
                 limits,
             } => {
                 assert_eq!((l.as_str(), export.as_str()), ("127.0.0.1:10809", "rpma"));
+                assert_eq!(replay_bytes, 64 << 20);
                 assert_eq!(limits.client_limits(), ClientLimits::default());
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    #[test]
+    fn nbd_replay_bytes_take_sizes_up_to_1_gib_and_0() {
+        let p = |v: &str| {
+            let c = Cli::try_parse_from([
+                "rpma-initiator",
+                "nbd",
+                "--socket",
+                "s",
+                "--replay-bytes",
+                v,
+            ])?;
+            match c.command {
+                Command::Nbd { replay_bytes, .. } => Ok::<u64, clap::Error>(replay_bytes),
+                other => panic!("{other:?}"),
+            }
+        };
+        assert_eq!(p("0").unwrap(), 0);
+        assert_eq!(p("256MiB").unwrap(), 256 << 20);
+        assert_eq!(p("1GiB").unwrap(), 1 << 30);
+        for bad in ["1GiB1", "2GiB", "1.5x", "lots", ""] {
+            let e = p(bad).expect_err(bad).to_string();
+            assert!(e.contains("--replay-bytes"), "{bad}: {e}");
+        }
+        let e = p("2GiB").unwrap_err().to_string();
+        assert!(e.contains("at most 1GiB"), "{e}");
     }
 
     #[test]
