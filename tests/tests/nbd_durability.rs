@@ -448,3 +448,51 @@ fn a_write_of_a_client_that_flushes_after_each_is_durable_when_answered() {
     );
     assert_eq!(e.term().code(), Some(0), "{}", e.log());
 }
+
+/// The export keeps the blocks it wrote for a replay in its queue's slots and makes them
+/// durable when those are full (or at a FLUSH), not before: `--replay-bytes` is that memory.
+/// With none beyond the requests in flight (`0`, four slots at `--queue-depth 4`), a burst of
+/// sixteen plain WRITEs found its first blocks synced to make room; with 16 MiB (64 slots),
+/// every block of the burst is still in the page cache unsynced once placed.
+#[test]
+fn held_writes_are_made_durable_when_the_replay_memory_is_full_not_before() {
+    let (_d, _shm, t) = start("replay");
+    let file = t.dir().join("ns1");
+    if rpma_tests::Transport::current().file_domain()
+        != rpma_common::proto::PersistenceDomain::PageCache
+        || rpma_tests::unsynced_pages(&file, 0, 4096).is_none()
+    {
+        eprintln!("SKIPPED: needs nsid 1 on page cache and cachestat(2) to see unsynced pages");
+        return;
+    }
+    // Sixteen 4 KiB WRITEs at `base`, each answered before the next; then, once all are
+    // placed, which of them still have unsynced pages.
+    let burst = |replay: &str, base: u64| -> Vec<bool> {
+        let args = ["--queue-depth", "4", "--replay-bytes", replay];
+        let e = Export::start(&t, 1, &format!("replay-{replay}"), &args);
+        let mut c = Raw::connect(&e.sock);
+        let blocks: Vec<(u64, Vec<u8>)> = (0..16u64)
+            .map(|i| (base + i * 4096, pattern(100 + i, 4096)))
+            .collect();
+        for (off, b) in &blocks {
+            assert_eq!(c.write(0, *off, b), 0);
+        }
+        for (off, b) in &blocks {
+            wait_placed(&file, *off, b);
+        }
+        blocks
+            .iter()
+            .map(|(off, _)| rpma_tests::unsynced_pages(&file, *off, 4096).unwrap() > 0)
+            .collect()
+    };
+    let roomy = burst("16MiB", 0);
+    assert!(
+        roomy.iter().all(|&d| d),
+        "with room for the burst, a block was synced before any FLUSH: {roomy:?}"
+    );
+    let tight = burst("0", 1 << 20);
+    assert!(
+        !tight[0] && tight.iter().filter(|&&d| !d).count() >= 8,
+        "with four slots, the burst's first blocks were not made durable to make room: {tight:?}"
+    );
+}
