@@ -325,7 +325,7 @@ fn parse_size(s: &str) -> Result<u64, String> {
 
 fn parse_replay_bytes(s: &str) -> Result<u64, String> {
     match parse_size(s)? {
-        v if v <= 1 << 30 => Ok(v),
+        v if v <= QueueOptions::MAX_REPLAY_BYTES as u64 => Ok(v),
         v => Err(format!("{s:?} is {v} bytes: at most 1GiB")),
     }
 }

@@ -190,6 +190,9 @@ impl Default for QueueOptions {
 }
 
 impl QueueOptions {
+    /// The most [`replay_bytes`](Self::replay_bytes) a queue takes: 1 GiB.
+    pub const MAX_REPLAY_BYTES: usize = 1 << 30;
+
     pub(super) fn check(&self) -> Result<()> {
         if !(1..=128).contains(&self.depth) {
             return Err(Error::InvalidArgument(format!(
@@ -203,7 +206,7 @@ impl QueueOptions {
                 self.chunk
             )));
         }
-        if self.replay_bytes > 1 << 30 {
+        if self.replay_bytes > Self::MAX_REPLAY_BYTES {
             return Err(Error::InvalidArgument(format!(
                 "replay_bytes {} is more than 1 GiB",
                 self.replay_bytes

@@ -10,6 +10,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rpma_initiator::QueueOptions;
 use serde_json::json;
 
 use crate::cli::{usage, Failure, Global, JobArgs};
@@ -33,7 +34,7 @@ fn pool_shape(jobs: &[job::Job]) -> (usize, usize, usize) {
     let deepest = jobs.iter().map(|j| j.iodepth).max().unwrap_or(1).max(1);
     let room = (POOL_BYTES / chunk) as usize;
     // The queue takes at most 1 GiB of replay slots (beyond those in flight).
-    let cap = ((1u64 << 30) / chunk) as usize;
+    let cap = (QueueOptions::MAX_REPLAY_BYTES as u64 / chunk) as usize;
     (
         deepest,
         (room + deepest).min(cap.max(deepest)),
