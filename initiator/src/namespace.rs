@@ -208,6 +208,24 @@ impl<'q> Namespace<'q> {
         self.start(offset, data, false)
     }
 
+    /// [`start_write`](Self::start_write) of `data` (copied, or from a write buffer), fenced
+    /// as [`start_write_fenced`](Self::start_write_fenced) when `fence`: the NBD export's
+    /// WRITEs, whose large payloads it receives straight into write buffers.
+    ///
+    /// # Errors
+    /// As [`start_write_from`](Self::start_write_from).
+    pub(crate) fn start_write_data(
+        &mut self,
+        offset: u64,
+        data: Data<'_>,
+        fence: bool,
+    ) -> Result<crate::Ticket> {
+        if let Data::Buf { buf, at, len } = data {
+            buf.check(at, len)?;
+        }
+        self.start(offset, data, fence)
+    }
+
     fn start(&mut self, offset: u64, data: Data<'_>, fence: bool) -> Result<crate::Ticket> {
         let d = self.descriptor();
         check_writable(d)?;

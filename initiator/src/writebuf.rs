@@ -197,19 +197,24 @@ impl Data<'_> {
         }
     }
 
+    /// Its `n` bytes from `at` (within it).
+    pub(crate) fn slice(self, at: usize, n: usize) -> Self {
+        match self {
+            Data::Bytes(b) => Data::Bytes(&b[at..at + n]),
+            Data::Buf { buf, at: a, .. } => Data::Buf {
+                buf,
+                at: a + at,
+                len: n,
+            },
+        }
+    }
+
     /// The pieces of at most `chunk` bytes it is posted as, in order.
     pub(crate) fn pieces(self, chunk: usize) -> impl Iterator<Item = Self> {
         let len = self.len();
         (0..len.div_ceil(chunk)).map(move |i| {
-            let (at, n) = (i * chunk, chunk.min(len - i * chunk));
-            match self {
-                Data::Bytes(b) => Data::Bytes(&b[at..at + n]),
-                Data::Buf { buf, at: a, .. } => Data::Buf {
-                    buf,
-                    at: a + at,
-                    len: n,
-                },
-            }
+            let at = i * chunk;
+            self.slice(at, chunk.min(len - at))
         })
     }
 }

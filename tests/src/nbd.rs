@@ -5,6 +5,7 @@
 //! A test whose client is not installed says SKIPPED (scripts/install-deps.sh installs them).
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::net::{UnixDatagram, UnixStream};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitStatus, Stdio};
@@ -238,6 +239,25 @@ impl Raw {
 
     pub fn send(&mut self, b: &[u8]) {
         self.0.write_all(b).unwrap();
+    }
+
+    /// Sends `b`, then waits until the server has read all of it (`SIOCOUTQ` down to 0): a
+    /// request whose header and first bytes were sent this way is found incomplete by the
+    /// server, its payload still coming.
+    pub fn send_read(&mut self, b: &[u8]) {
+        self.send(b);
+        let deadline = Instant::now() + WAIT;
+        loop {
+            let mut n: libc::c_int = 0;
+            // SAFETY: SIOCOUTQ writes one int through the pointer, which outlives the call.
+            let r = unsafe { libc::ioctl(self.0.as_raw_fd(), libc::TIOCOUTQ, &mut n) };
+            assert_eq!(r, 0, "SIOCOUTQ: {}", std::io::Error::last_os_error());
+            if n == 0 {
+                return;
+            }
+            assert!(Instant::now() < deadline, "the server stopped reading");
+            std::thread::sleep(Duration::from_millis(1));
+        }
     }
 
     pub fn take(&mut self, n: usize) -> Vec<u8> {

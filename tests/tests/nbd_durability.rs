@@ -233,6 +233,59 @@ fn a_fua_write_waits_until_another_connections_answered_write_is_placed() {
     a_second_write_lands_after_a_held_one("order-fua", FUA, 4096);
 }
 
+/// Large WRITEs received straight into payload buffers are held there until durable: sent
+/// while the link to the target throws away what it carries (answered: TCP took them; nothing
+/// reached the target), they are re-issued from their buffers once the link is reset and the
+/// export's queue reconnects, and READs and a FLUSH after that find every byte.
+#[test]
+fn large_writes_received_in_place_are_reissued_from_their_buffers_after_a_lost_link() {
+    const MIB: usize = 1 << 20;
+    let (_d, _shm, t) = start("inplace-lost");
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, "inplace-lost", &[]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(FUA, 0, &[1; 4096]), 0, "the queue is up");
+    relay.swallow();
+    let data: Vec<Vec<u8>> = (0..4).map(|i| pattern(60 + i, MIB)).collect();
+    for (i, d) in data.iter().enumerate() {
+        let mut w = c.request(CMD_WRITE, 0, 10, (i * MIB) as u64, MIB as u32);
+        w.extend_from_slice(d);
+        // Its header and first bytes read before the rest comes: received in place.
+        c.send_read(&w[..28 + 4096]);
+        c.send(&w[28 + 4096..]);
+        assert_eq!(c.reply(), (0, 10));
+    }
+    assert!(
+        cli_read(&t, 1, 0, 4 * MIB as u64)[4096..]
+            .iter()
+            .all(|&b| b == 0),
+        "a swallowed WRITE reached the target"
+    );
+    relay.reset();
+    for (i, d) in data.iter().enumerate() {
+        assert!(
+            c.read((i * MIB) as u64, MIB as u32).unwrap() == *d,
+            "WRITE {i} after the reconnect: {}",
+            e.log()
+        );
+    }
+    assert_eq!(c.flush(), 0);
+    for (i, d) in data.iter().enumerate() {
+        assert!(
+            cli_read(&t, 1, (i * MIB) as u64, MIB as u64) == *d,
+            "WRITE {i}"
+        );
+    }
+    let disc = c.request(CMD_DISC, 0, 1, 0, 0);
+    c.send(&disc);
+    assert!(c.closed());
+    let line = e.log_line(" closed after ");
+    assert!(
+        line.contains("; 4 WRITE payload(s) received in place"),
+        "{line}"
+    );
+}
+
 #[test]
 fn every_request_is_answered_while_the_target_stays_gone() {
     let (_d, _shm, mut t) = start("gone");

@@ -250,6 +250,89 @@ fn a_client_quiet_after_large_writes_is_served_on() {
     }
 }
 
+/// Large plain WRITEs are received straight into payload buffers: each is sent as its header
+/// and the start of its payload, read by the export (so it finds the payload still coming),
+/// then the rest. They land whole and in order with the requests around them, a payload buffer
+/// is not filled again while a write from it is held (the rewrites below would land another
+/// WRITE's bytes), a FUA one goes the copying way, and a client that goes away in the middle of
+/// one has nothing of it written.
+#[test]
+fn large_writes_are_received_in_place_whole_and_in_order() {
+    const MIB: usize = 1 << 20;
+    let (_d, _shm, t) = start("inplace");
+    let e = Export::start(&t, 1, "inplace", &[]);
+    let mut c = Raw::connect(&e.sock);
+    let mut expect = vec![0u8; NS1 as usize];
+    let mut handles = Vec::new();
+    // (bytes sent and read before the rest, the rest)
+    let mut write = |c: &mut Raw, flags: u16, off: usize, data: &[u8]| {
+        let h = 100 + handles.len() as u64;
+        let mut w = c.request(CMD_WRITE, flags, h, off as u64, data.len() as u32);
+        w.extend_from_slice(data);
+        expect[off..off + data.len()].copy_from_slice(data);
+        handles.push(h);
+        let split = 28 + data.len().min(64 << 10);
+        (w[..split].to_vec(), w[split..].to_vec())
+    };
+    // Ten 1 MiB WRITEs over six offsets (the first four rewritten while their older writes are
+    // held), a 4 KiB one into the middle of the second, one of 1 MiB + 4 KiB and a FUA one;
+    // then a READ of everything, sent right behind the last.
+    let mut parts = Vec::new();
+    for i in 0..10 {
+        parts.push(write(
+            &mut c,
+            0,
+            (i % 6) * MIB,
+            &pattern(40 + i as u64, MIB),
+        ));
+    }
+    parts.push(write(&mut c, 0, MIB + 8192, &pattern(51, 4096)));
+    parts.push(write(&mut c, 0, 6 * MIB, &pattern(52, MIB + 4096)));
+    parts.push(write(&mut c, FUA, 7 * MIB, &pattern(53, MIB / 2)));
+    for (head, rest) in parts {
+        c.send_read(&head);
+        c.send(&rest);
+    }
+    let read = c.request(CMD_READ, 0, 99, 0, NS1 as u32);
+    c.send(&read);
+    let mut answered = Vec::new();
+    loop {
+        match c.reply() {
+            (0, 99) => break,
+            (0, h) => answered.push(h),
+            (err, h) => panic!("handle {h} answered {err}"),
+        }
+    }
+    answered.sort_unstable();
+    assert_eq!(answered, handles, "every WRITE answered before the READ");
+    assert!(
+        c.take(NS1 as usize) == expect,
+        "the READ saw every WRITE before it, whole"
+    );
+
+    // A client that goes away in the middle of a large WRITE's payload: nothing of it lands.
+    let mut r = Raw::connect(&e.sock);
+    let mut w = r.request(CMD_WRITE, 0, 5, 0, MIB as u32);
+    w.extend_from_slice(&[0xcc; 600 << 10]);
+    r.send_read(&w);
+    drop(r);
+    e.log_line("went away in the middle of a request");
+    assert!(
+        c.read(0, NS1 as u32).unwrap() == expect,
+        "after the client gone mid-WRITE"
+    );
+
+    let disc = c.request(CMD_DISC, 0, 1, 0, 0);
+    c.send(&disc);
+    assert!(c.closed());
+    // The eleven plain WRITEs of 1 MiB or more; not the FUA one, nor the 4 KiB one.
+    let line = e.log_line("closed after 15 request(s)");
+    assert!(
+        line.contains("; 11 WRITE payload(s) received in place"),
+        "{line}"
+    );
+}
+
 #[test]
 fn pipelined_overlapping_requests_keep_their_order() {
     let (_d, _shm, t) = start("order");

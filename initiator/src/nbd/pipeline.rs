@@ -15,6 +15,7 @@ use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 
 use super::proto::{simple_reply_header, EINVAL, EIO, ENOSPC, EPERM, SIMPLE_REPLY_LEN};
+use crate::writebuf::Data;
 use crate::{Completed, Error, Namespace, Ticket};
 
 /// The NBD error for a library error.
@@ -124,15 +125,15 @@ impl Pipeline {
     }
 
     /// Starts a WRITE of `data` at `offset` (checked by the caller), answered with `handle`.
-    /// The bytes are in the queue's slots when this returns. Errors as for
-    /// [`start_read`](Self::start_read).
+    /// Copied bytes are in the queue's slots when this returns; a write buffer's are held by
+    /// the queue until they are durable. Errors as for [`start_read`](Self::start_read).
     pub(crate) fn start_write(
         &mut self,
         ns: &mut Namespace<'_>,
         chunk: usize,
         handle: u64,
         offset: u64,
-        data: &[u8],
+        data: Data<'_>,
     ) -> Result<(), Error> {
         self.start(ns, chunk, handle, offset, data.len(), None, Some(data))
     }
@@ -146,7 +147,7 @@ impl Pipeline {
         offset: u64,
         len: usize,
         reply: Option<Vec<u8>>,
-        data: Option<&[u8]>,
+        data: Option<Data<'_>>,
     ) -> Result<(), Error> {
         let id = self.next;
         self.next += 1;
@@ -188,8 +189,7 @@ impl Pipeline {
                     q.read && q.offset < p.offset + n as u64 && p.offset < q.offset + q.len as u64
                 });
             let start = |ns: &mut Namespace<'_>| match data {
-                Some(d) if fence => ns.start_write_fenced(p.offset, &d[at..at + n]),
-                Some(d) => ns.start_write(p.offset, &d[at..at + n]),
+                Some(d) => ns.start_write_data(p.offset, d.slice(at, n), fence),
                 None => ns.start_read(p.offset, n),
             };
             // A lost connection (the queue reconnected): what it voided is started again,

@@ -419,6 +419,9 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
             s.early
         );
     }
+    if s.direct > 0 {
+        line += &format!("; {} WRITE payload(s) received in place", s.direct);
+    }
     if s.held_back + s.waited > 0 {
         line += &format!(
             "; for another connection's writes: {} held back, {} waited in line",

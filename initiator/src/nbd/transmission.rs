@@ -18,12 +18,14 @@ use log::Level;
 use rpma_common::proto::PersistenceDomain;
 
 use super::pipeline::{errno, Answer, Pipeline};
-use super::proto::{self, simple_reply, Errno, EIO};
+use super::proto::{self, simple_reply, Errno, EIO, REQUEST_LEN};
 use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
 use super::stream::{write_all_vectored, Stream};
 use super::ConnError;
+use crate::writebuf::WriteBuf;
 use crate::Error;
+use direct::Fill;
 use held::{Data, Parked};
 use inbuf::{InBuf, READ_CHUNK};
 use parse::{classify, split, Action, Item, Limits, Split};
@@ -60,6 +62,8 @@ pub(crate) struct Stats {
     /// WRITEs made durable before they were answered, the client being one that sends a FLUSH
     /// after each ([`Client::write_before_flush`]).
     pub(crate) early: u64,
+    /// WRITEs whose payload was received straight into a payload buffer ([`direct`]).
+    pub(crate) direct: u64,
 }
 
 /// One client in the transmission phase.
@@ -97,6 +101,12 @@ pub(crate) struct Client<'a> {
     /// The last request after a WRITE was a FLUSH: the client flushes after each write
     /// ([`write_before_flush`](Self::write_before_flush)).
     flushes_writes: bool,
+    /// Payload buffers: large WRITEs' payloads are received into them ([`direct`]).
+    bufs: Vec<WriteBuf>,
+    /// The WRITE whose payload is being received into one.
+    fill: Option<Fill>,
+    /// The next read takes a request header alone (after a payload received in place).
+    header_next: bool,
 }
 
 impl<'a> Client<'a> {
@@ -138,6 +148,9 @@ impl<'a> Client<'a> {
             parked: Vec::new(),
             after_write: false,
             flushes_writes: false,
+            bufs: Vec::new(),
+            fill: None,
+            header_next: false,
         }
     }
 
@@ -168,18 +181,28 @@ impl<'a> Client<'a> {
 
     fn serve(&mut self) -> Result<(), ConnError> {
         loop {
-            if !self.eof {
+            if self.fill.is_some() {
+                self.fill_ahead()?;
+            } else if !self.eof {
                 self.read_ahead()?;
             }
             // At most max_batch requests in flight (or held back).
             let room = self.shared.opts.max_batch.max(1);
             let room = room.saturating_sub(self.pipe.len() + self.parked.len());
-            let s = if room > 0 {
+            let s = if let Some(it) = self.filled() {
+                Split {
+                    items: vec![it],
+                    ..Split::default()
+                }
+            } else if room > 0 && self.fill.is_none() {
                 split(self.buf.bytes(), room)
             } else {
                 Split::default()
             };
             if s.items.is_empty() {
+                if room > 0 && s.fatal.is_none() && !self.eof && self.begin_fill() {
+                    continue;
+                }
                 if !self.pipe.is_empty() {
                     // Woken by the client's next bytes: the loop takes them in.
                     self.complete_or_input()?;
@@ -203,7 +226,7 @@ impl<'a> Client<'a> {
                     return Err(f);
                 }
                 if self.eof {
-                    return match self.buf.bytes().len() {
+                    return match self.buf.bytes().len() + self.fill_came() {
                         0 => Ok(()),
                         n => Err(ConnError::Protocol(format!(
                             "the client went away in the middle of a request ({n} byte(s) of it \
@@ -245,17 +268,36 @@ impl<'a> Client<'a> {
     /// Takes in whatever the socket already has (without waiting).
     fn read_ahead(&mut self) -> Result<(), ConnError> {
         while self.buf.bytes().len() < READ_AHEAD {
+            let header = self.header_alone();
             let room = self.buf.room(READ_CHUNK);
+            let room = if header {
+                &mut room[..REQUEST_LEN]
+            } else {
+                room
+            };
             match self.stream.read_available(room)? {
                 Some(0) => {
                     self.eof = true;
                     return Ok(());
                 }
-                Some(n) => self.buf.filled(n),
+                Some(n) => {
+                    self.buf.filled(n);
+                    if header {
+                        self.header_next = false;
+                        return Ok(());
+                    }
+                }
                 None => return Ok(()),
             }
         }
         Ok(())
+    }
+
+    /// Whether the next read takes a request header alone: after a payload received in
+    /// place, with nothing else buffered (the next request's payload, if large too, goes
+    /// straight to its buffer: [`direct`]).
+    fn header_alone(&self) -> bool {
+        self.header_next && self.buf.bytes().is_empty()
     }
 
     /// Waits for more bytes: the next request needs `want` bytes in all. The client is idle
@@ -275,9 +317,11 @@ impl<'a> Client<'a> {
                 }
                 None => None,
             };
-            // A large buffer kept from a burst of large WRITEs goes back once the client has
-            // been quiet for KEEP_IDLE: an idle client holds no more than a fresh one.
-            let keeping = self.buf.bytes().is_empty() && self.buf.large();
+            // A large buffer kept from a burst of large WRITEs, and the payload buffers, go back
+            // once the client has been quiet for KEEP_IDLE: an idle client holds no more than
+            // a fresh one.
+            let keeping = self.buf.bytes().is_empty()
+                && (self.buf.large() || (self.fill.is_none() && !self.bufs.is_empty()));
             let timeout = match (keeping, left) {
                 (true, l) => Some(l.map_or(KEEP_IDLE, |l| l.min(KEEP_IDLE))),
                 (false, l) => l,
@@ -285,8 +329,18 @@ impl<'a> Client<'a> {
             if timeout.is_some() {
                 self.stream.set_read_timeout(timeout)?;
             }
-            let room = self.buf.room(need);
-            let r = self.stream.read(room);
+            let header = self.header_alone();
+            let r = if self.fill.is_some() {
+                self.fill_read()
+            } else {
+                let room = self.buf.room(need);
+                let room = if header {
+                    &mut room[..REQUEST_LEN]
+                } else {
+                    room
+                };
+                self.stream.read(room)
+            };
             if keeping && idle.is_none() {
                 // Back to no time-out, as the socket was.
                 self.stream.set_read_timeout(None)?;
@@ -297,13 +351,19 @@ impl<'a> Client<'a> {
                     return Ok(());
                 }
                 Ok(n) => {
-                    self.buf.filled(n);
+                    if self.fill.is_some() {
+                        self.fill_got(n);
+                    } else {
+                        self.buf.filled(n);
+                        self.header_next &= !header;
+                    }
                     return Ok(());
                 }
                 Err(e) if e.kind() == ErrorKind::Interrupted => {}
                 Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
                     if keeping {
                         self.buf.release();
+                        self.release_payload_bufs();
                     } else if idle.is_none() {
                         return Err(e.into());
                     }
@@ -366,7 +426,7 @@ impl<'a> Client<'a> {
         let (shared, cell) = (self.shared, self.cell);
         let (off, len, handle) = (req.offset, req.len as usize, req.handle);
         let g = self.held.get_or_insert_with(|| shared.lock(cell));
-        let (pipe, buf) = (&mut self.pipe, &self.buf);
+        let (pipe, buf, bufs) = (&mut self.pipe, &self.buf, &self.bufs);
         // Whether the pipeline took the request (then it answers it, error or not). A queue
         // that cannot be had (the one that gave up not replaced yet: the target is still
         // gone) fails before: the request is answered here, or the client would wait for it
@@ -377,7 +437,7 @@ impl<'a> Client<'a> {
             let chunk = ns.chunk();
             match a {
                 Action::Read => pipe.start_read(ns, chunk, handle, off, len),
-                _ => pipe.start_write(ns, chunk, handle, off, data.bytes(buf)),
+                _ => pipe.start_write(ns, chunk, handle, off, data.payload(buf, bufs)),
             }
         });
         if let Err(e) = r {
@@ -671,6 +731,7 @@ impl<'a> Client<'a> {
 #[cfg(feature = "fuzzing")]
 pub(crate) mod fuzz;
 
+mod direct;
 mod held;
 mod inbuf;
 mod park;

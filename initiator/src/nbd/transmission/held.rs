@@ -3,6 +3,7 @@
 use super::super::proto::Request;
 use super::inbuf::InBuf;
 use super::parse::Action;
+use crate::writebuf::{Data as WriteData, WriteBuf};
 
 /// Other queues whose writes of a request's bytes may not be placed: their
 /// [`order_id`](crate::Queue::order_id)s, and whether this connection's queue has such writes
@@ -12,25 +13,38 @@ pub(super) struct Others {
     pub(super) mine: bool,
 }
 
-/// A WRITE's payload: where it lies in the receive buffer, or a copy (held back).
+/// A WRITE's payload: where it lies in the receive buffer, a copy (held back), or a payload
+/// buffer it was received into ([`Client::fill`](super::Client)).
 pub(super) enum Data {
     Buf(std::ops::Range<usize>),
     Own(Vec<u8>),
+    /// `len` bytes at the start of payload buffer `idx`.
+    Direct {
+        idx: usize,
+        len: usize,
+    },
 }
 
 impl Data {
     /// Bytes copied.
     pub(super) fn len(&self) -> usize {
         match self {
-            Data::Buf(_) => 0,
+            Data::Buf(_) | Data::Direct { .. } => 0,
             Data::Own(v) => v.len(),
         }
     }
 
-    pub(super) fn bytes<'b>(&'b self, buf: &'b InBuf) -> &'b [u8] {
+    /// The bytes, as the queue takes them: copied from `buf` or a copy, or written from their
+    /// payload buffer in place.
+    pub(super) fn payload<'b>(&'b self, buf: &'b InBuf, bufs: &'b [WriteBuf]) -> WriteData<'b> {
         match self {
-            Data::Buf(r) => &buf.bytes()[r.clone()],
-            Data::Own(v) => v,
+            Data::Buf(r) => WriteData::Bytes(&buf.bytes()[r.clone()]),
+            Data::Own(v) => WriteData::Bytes(v),
+            Data::Direct { idx, len } => WriteData::Buf {
+                buf: &bufs[*idx],
+                at: 0,
+                len: *len,
+            },
         }
     }
 }

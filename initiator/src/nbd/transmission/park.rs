@@ -116,14 +116,14 @@ impl Client<'_> {
         let shared = self.shared;
         let (off, len, handle) = (req.offset, req.len as usize, req.handle);
         let mut g = shared.lock(other);
-        let (pipe, buf) = (&mut self.pipe, &self.buf);
+        let (pipe, buf, bufs) = (&mut self.pipe, &self.buf, &self.bufs);
         let mut taken = false;
         let mut r = shared.with_ns(other, &mut g, |ns| {
             taken = true;
             let chunk = ns.chunk();
             match a {
                 Action::Read => pipe.start_read(ns, chunk, handle, off, len),
-                _ => pipe.start_write(ns, chunk, handle, off, data.bytes(buf)),
+                _ => pipe.start_write(ns, chunk, handle, off, data.payload(buf, bufs)),
             }
         });
         // As `drain`: the pipeline deals with errors (fails, or restarts after a reconnect);
@@ -172,7 +172,8 @@ impl Client<'_> {
         // With nothing in flight yet, the rest of the batch may start something; if nothing
         // does, the loop lets it go the waiting way before it waits for the client.
         let copies: usize = self.parked.iter().map(|p| p.data.len()).sum();
-        let can_park = copies + it.payload.len() <= MAX_COPY;
+        // A payload received in place goes the waiting way (not copied again).
+        let can_park = it.from.is_none() && copies + it.payload.len() <= MAX_COPY;
         if (behind || others.is_some()) && can_park {
             if let Some(o) = &others {
                 self.nudge(&o.writers);
@@ -197,7 +198,13 @@ impl Client<'_> {
             }
             (false, o) => o,
         };
-        let data = Data::Buf(it.payload.clone());
+        let data = match it.from {
+            Some(idx) => Data::Direct {
+                idx,
+                len: it.req.len as usize,
+            },
+            None => Data::Buf(it.payload.clone()),
+        };
         match others {
             Some(o) => match self.wait_for_others(o, true)? {
                 Some(other) => self.on_other(&other, &it.req, a, &data),

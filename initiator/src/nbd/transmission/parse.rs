@@ -73,11 +73,13 @@ pub(super) fn classify(r: &Request, l: Limits) -> Action {
     }
 }
 
-/// A request and where its payload lies in the buffer.
+/// A request and where its payload lies: in the buffer, or (`from`) in a payload buffer it
+/// was received into ([`direct`](super::direct)).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(super) struct Item {
     pub(super) req: Request,
     pub(super) payload: Range<usize>,
+    pub(super) from: Option<usize>,
 }
 
 /// The complete requests at the front of a buffer.
@@ -115,6 +117,7 @@ pub(super) fn split(buf: &[u8], max_items: usize) -> Split {
             s.items.push(Item {
                 req,
                 payload: at..at,
+                from: None,
             });
             s.consumed = at;
             s.fatal = Some(ConnError::Protocol(format!(
@@ -138,6 +141,7 @@ pub(super) fn split(buf: &[u8], max_items: usize) -> Split {
         s.items.push(Item {
             req,
             payload: at..at + plen,
+            from: None,
         });
         s.consumed = at + plen;
     }
