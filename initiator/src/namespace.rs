@@ -287,6 +287,35 @@ impl<'q> Namespace<'q> {
         self.q.wait_started_or(out, input)
     }
 
+    /// [`start_read`](Self::start_read) into `range` of `buf` instead of a slot of the queue:
+    /// no copy when it completes. The queue holds the buffer until
+    /// [`finish_read`](Self::finish_read) (the NBD export's large READs, whose replies it sends
+    /// from such buffers). `&mut`: nothing reads the buffer while the Read may write it.
+    ///
+    /// # Errors
+    /// As [`start_read`](Self::start_read); [`Error::InvalidArgument`] also for a range outside
+    /// the buffer.
+    pub(crate) fn start_read_into(
+        &mut self,
+        offset: u64,
+        buf: &mut WriteBuf,
+        range: Range<usize>,
+    ) -> Result<crate::Ticket> {
+        let len = range.end.saturating_sub(range.start);
+        check_range(self.descriptor(), offset, len as u64)?;
+        self.q
+            .start_read_into(self.idx, offset, buf, range.start, len)
+    }
+
+    /// Frees a completed [`start_read_into`](Self::start_read_into): its bytes are in the
+    /// buffer.
+    ///
+    /// # Errors
+    /// As [`take_read`](Self::take_read).
+    pub(crate) fn finish_read(&mut self, ticket: crate::Ticket) -> Result<()> {
+        self.q.finish_read(ticket)
+    }
+
     /// [`Queue::take_read`]: the bytes of a completed started Read.
     ///
     /// # Errors

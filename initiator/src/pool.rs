@@ -514,14 +514,13 @@ impl Pool {
         }
     }
 
-    /// Copies the first `out.len()` bytes of `slot` out.
+    /// Copies the first `out.len()` bytes of `slot` out: of the slot, or of the caller's buffer
+    /// a Read into it went to.
     pub(crate) fn copy_out(&self, slot: usize, out: &mut [u8]) -> fabric::Result<()> {
-        self.mem.read_at(slot * self.chunk, out)
-    }
-
-    /// The local side of a request on `len` bytes of `slot`.
-    pub(crate) fn sge(&self, slot: usize, len: usize) -> Sge {
-        self.sge_at(slot, 0, len)
+        match self.ext.get(&slot) {
+            Some(e) => e.mem.read_at(e.at, out),
+            None => self.mem.read_at(slot * self.chunk, out),
+        }
     }
 
     /// The local side of a request on `len` bytes of `slot` from byte `at`.

@@ -97,6 +97,29 @@ impl WriteBuf {
         Some(unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr(), self.mem.len()) })
     }
 
+    /// Its bytes, to read; `None` while a queue holds a request on it (a Write from it not yet
+    /// durable, or a Read into it not yet finished).
+    pub(crate) fn bytes(&self) -> Option<&[u8]> {
+        if self.holds() != 0 {
+            return None;
+        }
+        // SAFETY: the mapping is valid for `len` bytes while `self.mem` lives. No queue holds a
+        // request on it, so no Read writes it; a Read into it is started only through
+        // `&mut self` (`Namespace::start_read_into`), which this borrow excludes; Writes from it
+        // only read it.
+        Some(unsafe { std::slice::from_raw_parts(self.mem.as_mut_ptr(), self.mem.len()) })
+    }
+
+    /// Copies `out.len()` bytes from `at` out, also while a queue holds it (the bytes a Read
+    /// placed before its connection was lost, its slot not freed yet).
+    pub(crate) fn copy_out(&self, at: usize, out: &mut [u8]) -> Result<()> {
+        self.check(at, out.len())?;
+        self.mem.read_at(at, out).map_err(|source| Error::Fabric {
+            op: "copying from a write buffer",
+            source,
+        })
+    }
+
     /// Copies `data` into it at `at`.
     ///
     /// # Errors

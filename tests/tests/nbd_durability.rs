@@ -286,6 +286,36 @@ fn large_writes_received_in_place_are_reissued_from_their_buffers_after_a_lost_l
     );
 }
 
+/// A large READ is read straight into its reply's buffer; when a lost link voids its pieces
+/// (their Read Requests wait in a stalled relay when the link is reset), the export's queue
+/// reconnects and reads them again into the same buffer: the answer carries the bytes.
+#[test]
+fn a_large_read_voided_by_a_lost_link_is_read_again_into_its_buffer() {
+    const MIB: usize = 1 << 20;
+    let (_d, _shm, t) = start("inplace-read");
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, "inplace-read", &[]);
+    let mut c = Raw::connect(&e.sock);
+    let data = pattern(70, 2 * MIB);
+    assert_eq!(c.write(FUA, 0, &data), 0);
+    assert_eq!(relay.stall_links(), 1, "{}", e.log());
+    let read = c.request(CMD_READ, 0, 7, 0, 2 * MIB as u32);
+    c.send(&read);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while relay.waiting_from_client(0) == 0 {
+        assert!(Instant::now() < deadline, "the READ never reached the link");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    relay.reset();
+    assert_eq!(c.reply(), (0, 7));
+    assert!(
+        c.take(2 * MIB) == data,
+        "the READ's bytes after the reconnect"
+    );
+    // The same buffer serves the next large READ.
+    assert!(c.read(MIB as u64, MIB as u32).unwrap() == data[MIB..]);
+}
+
 #[test]
 fn every_request_is_answered_while_the_target_stays_gone() {
     let (_d, _shm, mut t) = start("gone");

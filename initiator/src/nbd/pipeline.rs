@@ -15,8 +15,16 @@ use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 
 use super::proto::{simple_reply_header, EINVAL, EIO, ENOSPC, EPERM, SIMPLE_REPLY_LEN};
-use crate::writebuf::Data;
+use crate::writebuf::{Data, WriteBuf};
 use crate::{Completed, Error, Namespace, Ticket};
+
+/// READs of at least this many bytes are read straight into their reply's buffer (a
+/// [`WriteBuf`] the queue reads into), not into the queue's slots and copied from there: the
+/// copy was 20.7% of the export's samples on 1 MiB reads at depth 16 (docs/benchmarks.md,
+/// "Large READs read in place").
+const READ_IN_PLACE_MIN: usize = 256 << 10;
+/// Reply buffers of large READs kept for reuse take at most this many bytes.
+const SPARE_BUF_BYTES: usize = 64 << 20;
 
 /// The NBD error for a library error.
 pub(crate) fn errno(e: &Error, write: bool) -> u32 {
@@ -37,7 +45,27 @@ struct Request {
     /// The first error among its pieces (0: none).
     err: u32,
     /// A READ's reply (header and data), filled as its pieces complete; None for a WRITE.
-    reply: Option<Vec<u8>>,
+    reply: Option<Reply>,
+}
+
+/// A READ's reply: its header, then its data.
+#[derive(Debug)]
+pub(crate) enum Reply {
+    /// Copied out of the queue's slots as the pieces complete.
+    Vec(Vec<u8>),
+    /// The first `len` bytes of a buffer the pieces were read into ([`READ_IN_PLACE_MIN`]).
+    Buf { buf: WriteBuf, len: usize },
+}
+
+impl AsRef<[u8]> for Reply {
+    fn as_ref(&self) -> &[u8] {
+        match self {
+            Reply::Vec(v) => v,
+            // An answer's buffer is held by no queue (`piece_done` copies it out otherwise),
+            // and none starts anything on it once it left its request.
+            Reply::Buf { buf, len } => buf.bytes().map_or(&[][..], |b| &b[..*len]),
+        }
+    }
 }
 
 /// A started piece of a request.
@@ -60,7 +88,7 @@ pub(crate) enum Answer {
     /// A reply header alone (a WRITE, or a failed READ).
     Header([u8; SIMPLE_REPLY_LEN]),
     /// A READ's reply with its data (give the buffer back with [`Pipeline::recycle`]).
-    Data(Vec<u8>),
+    Data(Reply),
 }
 
 /// The started requests of one client.
@@ -71,6 +99,8 @@ pub(crate) struct Pipeline {
     next: u64,
     /// Reply buffers to reuse.
     spare: Vec<Vec<u8>>,
+    /// Buffers of large READs' replies to reuse.
+    spare_bufs: Vec<WriteBuf>,
     done: Vec<Completed>,
     /// READ pieces started again after a lost connection, by their first ticket: if that one
     /// still completes (it had, unreported, when the connection went), its bytes are taken
@@ -99,10 +129,48 @@ impl Pipeline {
     }
 
     /// A reply buffer back for reuse.
-    pub(crate) fn recycle(&mut self, buf: Vec<u8>) {
-        if self.spare.len() < 64 && buf.capacity() <= 4 << 20 {
-            self.spare.push(buf);
+    pub(crate) fn recycle(&mut self, reply: Reply) {
+        match reply {
+            Reply::Vec(buf) => {
+                if self.spare.len() < 64 && buf.capacity() <= 4 << 20 {
+                    self.spare.push(buf);
+                }
+            }
+            Reply::Buf { buf, .. } => {
+                let kept: usize = self.spare_bufs.iter().map(WriteBuf::len).sum();
+                if kept + buf.len() <= SPARE_BUF_BYTES {
+                    self.spare_bufs.push(buf);
+                }
+            }
         }
+    }
+
+    /// A reply for a READ of `len` bytes answered with `handle`, its header in place.
+    fn reply(&mut self, handle: u64, len: usize) -> Reply {
+        let header = simple_reply_header(0, handle);
+        let need = SIMPLE_REPLY_LEN + len;
+        if len >= READ_IN_PLACE_MIN {
+            let spare = self
+                .spare_bufs
+                .iter()
+                .position(|b| b.holds() == 0 && b.len() >= need);
+            let buf = match spare {
+                Some(i) => Some(self.spare_bufs.swap_remove(i)),
+                None => WriteBuf::new(need.next_power_of_two()).ok(),
+            };
+            if let Some(mut buf) = buf {
+                if let Some(b) = buf.bytes_mut() {
+                    b[..SIMPLE_REPLY_LEN].copy_from_slice(&header);
+                    return Reply::Buf { buf, len: need };
+                }
+            }
+        }
+        // A reused buffer is not zeroed first (a pass over every byte of a 1 MiB READ): the
+        // pieces overwrite all of its data, and a failed READ sends the header alone.
+        let mut reply = self.spare.pop().unwrap_or_default();
+        reply.resize(need, 0);
+        reply[..SIMPLE_REPLY_LEN].copy_from_slice(&header);
+        Reply::Vec(reply)
     }
 
     /// Starts a READ of `len` bytes at `offset` (checked by the caller), answered with
@@ -116,11 +184,7 @@ impl Pipeline {
         offset: u64,
         len: usize,
     ) -> Result<(), Error> {
-        // A reused buffer is not zeroed first (a pass over every byte of a 1 MiB READ): the
-        // pieces overwrite all of its data, and a failed READ sends the header alone.
-        let mut reply = self.spare.pop().unwrap_or_default();
-        reply.resize(SIMPLE_REPLY_LEN + len, 0);
-        reply[..SIMPLE_REPLY_LEN].copy_from_slice(&simple_reply_header(0, handle));
+        let reply = self.reply(handle, len);
         self.start(ns, chunk, handle, offset, len, Some(reply), None)
     }
 
@@ -146,7 +210,7 @@ impl Pipeline {
         handle: u64,
         offset: u64,
         len: usize,
-        reply: Option<Vec<u8>>,
+        reply: Option<Reply>,
         data: Option<Data<'_>>,
     ) -> Result<(), Error> {
         let id = self.next;
@@ -188,17 +252,17 @@ impl Pipeline {
                 && self.pieces.values().any(|q| {
                     q.read && q.offset < p.offset + n as u64 && p.offset < q.offset + q.len as u64
                 });
-            let start = |ns: &mut Namespace<'_>| match data {
+            let start = |me: &mut Self, ns: &mut Namespace<'_>| match data {
                 Some(d) => ns.start_write_data(p.offset, d.slice(at, n), fence),
-                None => ns.start_read(p.offset, n),
+                None => me.start_read_piece(ns, &p),
             };
             // A lost connection (the queue reconnected): what it voided is started again,
             // and so is this piece, once.
-            let r = match start(ns) {
+            let r = match start(self, ns) {
                 Err(e) if e.is_connection_loss() => {
                     self.on_error(ns, &e);
                     first_err.get_or_insert(e);
-                    start(ns)
+                    start(self, ns)
                 }
                 r => r,
             };
@@ -262,6 +326,21 @@ impl Pipeline {
         r.map(|_| false)
     }
 
+    /// Starts READ piece `p`: into its reply's buffer, or into a slot of the queue.
+    fn start_read_piece(&mut self, ns: &mut Namespace<'_>, p: &Piece) -> Result<Ticket, Error> {
+        let reply = self
+            .requests
+            .get_mut(&p.request)
+            .and_then(|r| r.reply.as_mut());
+        match reply {
+            Some(Reply::Buf { buf, .. }) => {
+                let at = SIMPLE_REPLY_LEN + p.at;
+                ns.start_read_into(p.offset, buf, at..at + p.len)
+            }
+            _ => ns.start_read(p.offset, p.len),
+        }
+    }
+
     fn read_done(&mut self, ns: &mut Namespace<'_>, t: Ticket) {
         let Some(p) = self.pieces.remove(&t) else {
             if let Some(len) = self.stale.remove(&t) {
@@ -275,13 +354,17 @@ impl Pipeline {
             .get_mut(&p.request)
             .and_then(|r| r.reply.as_mut())
         {
-            Some(reply) => {
+            Some(Reply::Vec(reply)) => {
                 let at = SIMPLE_REPLY_LEN + p.at;
                 match ns.take_read(t, &mut reply[at..at + p.len]) {
                     Ok(()) => 0,
                     Err(e) => errno(&e, false),
                 }
             }
+            Some(Reply::Buf { .. }) => match ns.finish_read(t) {
+                Ok(()) => 0,
+                Err(e) => errno(&e, false),
+            },
             None => 0,
         };
         self.piece_done(p, err);
@@ -302,6 +385,25 @@ impl Pipeline {
             return;
         };
         match r.reply {
+            Some(Reply::Buf { buf, len }) if r.err == 0 && buf.holds() != 0 => {
+                // A piece voided by a lost connection still holds the buffer (its slot is
+                // freed when its completion comes): the bytes are copied out.
+                let mut v = self.spare.pop().unwrap_or_default();
+                v.resize(len, 0);
+                let e = match buf.copy_out(0, &mut v) {
+                    Ok(()) => None,
+                    Err(_) => Some(EIO),
+                };
+                self.recycle(Reply::Buf { buf, len });
+                match e {
+                    None => self.answers.push(Answer::Data(Reply::Vec(v))),
+                    Some(e) => {
+                        self.recycle(Reply::Vec(v));
+                        self.answers
+                            .push(Answer::Header(simple_reply_header(e, r.handle)));
+                    }
+                }
+            }
             Some(reply) if r.err == 0 => self.answers.push(Answer::Data(reply)),
             reply => {
                 if let Some(b) = reply {
@@ -339,7 +441,7 @@ impl Pipeline {
                 self.piece_done(p, errno(e, false));
                 continue;
             }
-            match ns.start_read(p.offset, p.len) {
+            match self.start_read_piece(ns, &p) {
                 Ok(t2) => {
                     self.pieces.insert(t2, Piece { again: true, ..p });
                 }

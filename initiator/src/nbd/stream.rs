@@ -258,16 +258,16 @@ const MAX_IOVECS: usize = 512;
 /// Writes `out` with each buffer of `bufs` inserted where its position says (the length
 /// `out` had when the buffer was queued; positions never decrease), whole, with as few
 /// `writev` calls as the socket takes.
-pub(crate) fn write_all_vectored(
+pub(crate) fn write_all_vectored<B: AsRef<[u8]>>(
     w: &mut impl Write,
     out: &[u8],
-    bufs: &[(usize, Vec<u8>)],
+    bufs: &[(usize, B)],
 ) -> io::Result<()> {
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * bufs.len() + 1);
     let mut at = 0;
     for (pos, b) in bufs {
         slices.push(IoSlice::new(&out[at..*pos]));
-        slices.push(IoSlice::new(b));
+        slices.push(IoSlice::new(b.as_ref()));
         at = *pos;
     }
     slices.push(IoSlice::new(&out[at..]));

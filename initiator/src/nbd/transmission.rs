@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 use log::Level;
 use rpma_common::proto::PersistenceDomain;
 
-use super::pipeline::{errno, Answer, Pipeline};
+use super::pipeline::{errno, Answer, Pipeline, Reply};
 use super::proto::{self, simple_reply, Errno, EIO, REQUEST_LEN};
 use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
@@ -87,7 +87,7 @@ pub(crate) struct Client<'a> {
     /// READ replies (header and data), each in the buffer it was read into, with the length
     /// `out` had when it was answered: sent in that order with `out`'s bytes by one vectored
     /// write, not copied into `out` first.
-    replies: Vec<(usize, Vec<u8>)>,
+    replies: Vec<(usize, Reply)>,
     zeroes: Vec<u8>,
     pipe: Pipeline,
     stats: Stats,

@@ -290,7 +290,7 @@ fn connection_loss_holds_unfinished_writes_in_post_order_and_drops_reads() {
     assert_eq!(p.take_free(), Some(s[2]));
     let pd2 = Context::soft().alloc_pd().unwrap();
     p.rebind(&pd2).unwrap();
-    assert_eq!(p.sge(1, 8).offset, 512);
+    assert_eq!(p.write_sge(1, 0, 8).offset, 512);
     p.clear();
     assert_eq!(p.count(|s| *s == Slot::Free), 4);
 }

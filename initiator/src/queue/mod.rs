@@ -48,7 +48,7 @@ use crate::durability::{Choice, Durability, PersistMethod};
 use crate::error::{Error, Result};
 use crate::pool::Pool;
 use crate::replay::Member;
-use crate::writebuf::Data;
+use crate::writebuf::{Data, WriteBuf};
 
 mod completion;
 mod connection;
@@ -300,6 +300,15 @@ impl Queue {
         self.engine.take_read(ticket, buf)
     }
 
+    /// Frees a completed started Read into a caller's buffer
+    /// ([`start_read_into`](Self::start_read_into)): its bytes are there.
+    ///
+    /// # Errors
+    /// As [`take_read`](Self::take_read).
+    pub(crate) fn finish_read(&mut self, ticket: Ticket) -> Result<()> {
+        self.engine.finish_read(ticket)
+    }
+
     /// Runs `op`, reconnecting after a connection loss and then re-running it or failing with
     /// the loss, as `on_loss` says.
     pub(crate) fn run<T>(
@@ -376,6 +385,25 @@ impl Queue {
         self.engine.check_one_chunk(len)?;
         self.run(OnLoss::ReconnectAndFail, |q| {
             q.engine.start_read(&q.persister, idx, offset, len)
+        })
+    }
+
+    /// Starts a Read into `len` bytes from `at` of `buf` (the engine's `start_read_into`) under
+    /// the reconnect policy.
+    pub(crate) fn start_read_into(
+        &mut self,
+        idx: usize,
+        offset: u64,
+        buf: &mut WriteBuf,
+        at: usize,
+        len: usize,
+    ) -> Result<Ticket> {
+        self.engine.check_one_chunk(len)?;
+        buf.check(at, len)?;
+        let buf = &*buf;
+        self.run(OnLoss::ReconnectAndFail, |q| {
+            q.engine
+                .start_read_into(&q.persister, idx, offset, buf, at, len)
         })
     }
 

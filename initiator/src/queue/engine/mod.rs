@@ -296,7 +296,8 @@ impl Engine {
         SendWr::new(
             KIND_READ | slot as u64,
             SendOp::Read {
-                local: self.pool.sge(slot, len),
+                // The slot, or the caller's buffer a started Read goes into.
+                local: self.pool.write_sge(slot, 0, len),
                 remote,
             },
         )

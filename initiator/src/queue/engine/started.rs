@@ -22,7 +22,7 @@ use super::{Engine, MakeRoom};
 use crate::error::{Error, Result};
 use crate::pool::{Kind, Slot, WriteRec};
 use crate::queue::completion::{Completed, Ticket};
-use crate::writebuf::Data;
+use crate::writebuf::{Data, WriteBuf};
 
 impl Engine {
     /// A free slot for a started request: waits for completions, and makes held writes durable
@@ -96,6 +96,56 @@ impl Engine {
         self.reads_posted += 1;
         self.deferred.push(wr);
         Ok(Ticket(ticket))
+    }
+
+    /// [`start_read`](Self::start_read) into `len` bytes from `at` of `buf` (registered in
+    /// this queue's domain the first time) instead of a slot: the queue holds the buffer until
+    /// [`finish_read`](Self::finish_read) (or [`take_read`](Self::take_read)) frees the slot.
+    #[allow(clippy::too_many_arguments)]
+    pub(in crate::queue) fn start_read_into(
+        &mut self,
+        room: &(impl MakeRoom + ?Sized),
+        idx: usize,
+        offset: u64,
+        buf: &WriteBuf,
+        at: usize,
+        len: usize,
+    ) -> Result<Ticket> {
+        let slot = self.slot_for_start(room)?;
+        let data = Data::Buf { buf, at, len };
+        if let Err(source) = self.pool.load(slot, data) {
+            self.pool.untake(slot);
+            return Err(Error::Fabric {
+                op: data.load_op(),
+                source,
+            });
+        }
+        let ticket = self.pool.next_seq();
+        let wr = self.read_wr(slot, idx, offset, len);
+        self.pool.set(
+            slot,
+            Slot::Started {
+                ns: idx,
+                ticket,
+                len,
+            },
+        );
+        self.reads_posted += 1;
+        self.deferred.push(wr);
+        Ok(Ticket(ticket))
+    }
+
+    /// Frees the slot of the completed started Read `ticket` without copying its bytes (a
+    /// Read into the caller's buffer: they are there).
+    pub(in crate::queue) fn finish_read(&mut self, ticket: Ticket) -> Result<()> {
+        let Some((slot, _)) = self.pool.done_read(ticket.0) else {
+            return Err(Error::InvalidArgument(format!(
+                "ticket {} is not a completed read of this queue",
+                ticket.0
+            )));
+        };
+        self.pool.set(slot, Slot::Free);
+        Ok(())
     }
 
     /// Refuses a started request of `len` bytes unless it fits one slot.
