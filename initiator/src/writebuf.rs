@@ -73,7 +73,8 @@ impl WriteBuf {
         false
     }
 
-    /// How many writes from it a queue holds (posted, or completed and not yet durable).
+    /// How many requests on it a queue holds: Writes from it (posted, or completed and not yet
+    /// durable) and Reads into it (crate-internal; until their slot is freed).
     pub fn holds(&self) -> usize {
         self.holds.load(Ordering::Acquire)
     }
@@ -89,11 +90,11 @@ impl WriteBuf {
             return None;
         }
         // SAFETY: the mapping is valid for `len` bytes while `self.mem` lives, which the borrow
-        // of self outlasts. No write from it is held, so no posted request reads it (a queue
-        // takes a hold before it posts a Write from the buffer and gives it back only once its
-        // slot is freed: after the Write completed, or with its connection gone) and no new one
-        // can be posted while `&mut self` is borrowed (posting takes `&self`); the fabric
-        // never writes into it (registered for local access, used only as a Write's source).
+        // of self outlasts. No request on it is held, so no posted request reads or writes it
+        // (a queue takes a hold before it posts a Write from the buffer or a Read into it, and
+        // gives it back only once its slot is freed: after the request completed, or with its
+        // connection gone) and no new one can be posted while `&mut self` is borrowed (posting
+        // takes `&self` or, for a Read into it, `&mut self`).
         Some(unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr(), self.mem.len()) })
     }
 

@@ -25,8 +25,7 @@ use super::stream::{write_all_vectored, Stream};
 use super::ConnError;
 use crate::writebuf::WriteBuf;
 use crate::Error;
-use direct::Fill;
-use held::{Data, Parked};
+use held::{Data, Fill, Parked};
 use inbuf::{InBuf, READ_CHUNK};
 use parse::{classify, split, Action, Item, Limits, Split};
 

@@ -20,6 +20,7 @@ use std::io;
 
 use super::super::proto::{Request, CMD_WRITE, REQUEST_LEN};
 use super::super::ConnError;
+use super::held::Fill;
 use super::parse::{classify, Action, Item};
 use super::Client;
 use crate::writebuf::WriteBuf;
@@ -30,20 +31,6 @@ pub(super) const DIRECT_MIN: usize = 256 << 10;
 /// The payload buffers of one connection take at most this many bytes (as much as a queue's
 /// default replay memory, which bounds the writes it holds).
 pub(super) const DIRECT_BYTES: usize = 64 << 20;
-
-/// A WRITE whose payload is being received into payload buffer `idx`: `got` bytes of it so far.
-#[derive(Debug)]
-pub(super) struct Fill {
-    req: Request,
-    idx: usize,
-    got: usize,
-}
-
-impl Fill {
-    fn len(&self) -> usize {
-        self.req.len as usize
-    }
-}
 
 /// The rest of the room of `fill`'s payload in its buffer.
 fn fill_room<'b>(

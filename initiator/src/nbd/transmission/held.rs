@@ -1,4 +1,5 @@
-//! What a connection holds back ([`park`](super::park)): the requests, and their payloads.
+//! What a connection holds back ([`park`](super::park)): the requests, and their payloads;
+//! and the WRITE whose payload it is receiving in place ([`direct`](super::direct)).
 
 use super::super::proto::Request;
 use super::inbuf::InBuf;
@@ -46,6 +47,21 @@ impl Data {
                 len: *len,
             },
         }
+    }
+}
+
+/// A WRITE whose payload is being received into payload buffer `idx` of its connection
+/// ([`direct`](super::direct)): `got` bytes of it so far.
+#[derive(Debug)]
+pub(super) struct Fill {
+    pub(super) req: Request,
+    pub(super) idx: usize,
+    pub(super) got: usize,
+}
+
+impl Fill {
+    pub(super) fn len(&self) -> usize {
+        self.req.len as usize
     }
 }
 
