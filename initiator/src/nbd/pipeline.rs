@@ -111,9 +111,20 @@ pub(crate) struct Pipeline {
     pub(crate) answers: Vec<Answer>,
     /// WRITEs answered since the last look ([`Pipeline::take_written`]).
     written: usize,
+    /// Large READs are read into buffers of their own ([`READ_IN_PLACE_MIN`];
+    /// `Shared::in_place`).
+    in_place: bool,
 }
 
 impl Pipeline {
+    /// The pipeline of a client; `in_place`: large READs are read into buffers of their own.
+    pub(crate) fn new(in_place: bool) -> Pipeline {
+        Pipeline {
+            in_place,
+            ..Pipeline::default()
+        }
+    }
+
     /// Requests in flight.
     pub(crate) fn len(&self) -> usize {
         self.requests.len()
@@ -145,11 +156,21 @@ impl Pipeline {
         }
     }
 
+    /// Whether buffers of large READs' replies are kept for reuse.
+    pub(crate) fn keeps_bufs(&self) -> bool {
+        !self.spare_bufs.is_empty()
+    }
+
+    /// Gives the kept buffers of large READs' replies back (a quiet client).
+    pub(crate) fn release_bufs(&mut self) {
+        self.spare_bufs = Vec::new();
+    }
+
     /// A reply for a READ of `len` bytes answered with `handle`, its header in place.
     fn reply(&mut self, handle: u64, len: usize) -> Reply {
         let header = simple_reply_header(0, handle);
         let need = SIMPLE_REPLY_LEN + len;
-        if len >= READ_IN_PLACE_MIN {
+        if self.in_place && len >= READ_IN_PLACE_MIN {
             let spare = self
                 .spare_bufs
                 .iter()

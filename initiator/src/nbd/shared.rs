@@ -132,6 +132,11 @@ pub(crate) struct Shared {
     /// More than one queue was opened: requests may have to wait for another queue's writes
     /// to be placed ([`place_writes_of`](Self::place_writes_of)).
     pub(crate) several: AtomicBool,
+    /// Large READs and WRITEs go through buffers of the connection's own, which its queue
+    /// registers as it first uses each: on `tcp://`, where registering pins nothing. On
+    /// `rdma://` each registration would pin memory against RLIMIT_MEMLOCK and could fail a
+    /// request where the replay memory's registration did not: the copying way stays.
+    pub(crate) in_place: bool,
     pub(crate) opts: ExportOptions,
     pub(crate) desc: NamespaceDescriptor,
     pub(crate) info: ExportInfo,
@@ -165,6 +170,7 @@ impl Shared {
             next_qid: AtomicU16::new(queue.queue_id().wrapping_add(1)),
             cells: Mutex::new(vec![Arc::new(Cell::new(queue.queue_id(), Some(queue)))]),
             several: AtomicBool::new(false),
+            in_place: conn.registers_freely(),
             conn,
             opts,
             desc,

@@ -141,7 +141,7 @@ impl<'a> Client<'a> {
             out: Vec::new(),
             replies: Vec::new(),
             zeroes: Vec::new(),
-            pipe: Pipeline::default(),
+            pipe: Pipeline::new(shared.in_place),
             stats: Stats::default(),
             losses_seen: shared.losses.load(Ordering::SeqCst),
             parked: Vec::new(),
@@ -316,11 +316,13 @@ impl<'a> Client<'a> {
                 }
                 None => None,
             };
-            // A large buffer kept from a burst of large WRITEs, and the payload buffers, go back
-            // once the client has been quiet for KEEP_IDLE: an idle client holds no more than
-            // a fresh one.
+            // A large buffer kept from a burst of large WRITEs, the payload buffers and the
+            // buffers of large READs' replies go back once the client has been quiet for
+            // KEEP_IDLE: an idle client holds no more than a fresh one.
             let keeping = self.buf.bytes().is_empty()
-                && (self.buf.large() || (self.fill.is_none() && !self.bufs.is_empty()));
+                && (self.buf.large()
+                    || (self.fill.is_none() && !self.bufs.is_empty())
+                    || self.pipe.keeps_bufs());
             let timeout = match (keeping, left) {
                 (true, l) => Some(l.map_or(KEEP_IDLE, |l| l.min(KEEP_IDLE))),
                 (false, l) => l,
@@ -363,6 +365,7 @@ impl<'a> Client<'a> {
                     if keeping {
                         self.buf.release();
                         self.release_payload_bufs();
+                        self.pipe.release_bufs();
                     } else if idle.is_none() {
                         return Err(e.into());
                     }

@@ -239,6 +239,12 @@ pub struct Connection {
 }
 
 impl Connection {
+    /// Whether registering memory for it pins nothing (`tcp://`; `rdma://` pins against
+    /// RLIMIT_MEMLOCK).
+    pub(crate) fn registers_freely(&self) -> bool {
+        fabric::Url::parse(&self.url).is_ok_and(|u| u.scheme == fabric::Scheme::Tcp)
+    }
+
     /// A connection to `subsystem` at `url` as `host`, with default options.
     pub fn new(url: &str, subsystem: Nqn, host: HostIdentity) -> Connection {
         Connection {
@@ -445,5 +451,23 @@ mod tests {
             c.open_queue_once(1),
             Err(Error::InvalidArgument(_))
         ));
+    }
+
+    #[test]
+    fn only_tcp_registers_memory_without_pinning_it() {
+        let conn = |url: &str| {
+            Connection::new(
+                url,
+                "nqn.2026-11.io.rpma:x".parse().unwrap(),
+                HostIdentity::new("nqn.2026-11.io.rpma:h".parse().unwrap()),
+            )
+        };
+        assert!(conn("tcp://127.0.0.1:9").registers_freely());
+        assert!(!conn("rdma://127.0.0.1:9").registers_freely());
+        assert!(!conn("rdma://[::1]:9").registers_freely());
+        assert!(
+            !conn("tcp:/nowhere").registers_freely(),
+            "a URL that does not parse"
+        );
     }
 }

@@ -53,7 +53,7 @@ impl Client<'_> {
     /// request at the front of the receive buffer.
     pub(super) fn begin_fill(&mut self) -> bool {
         let b = self.buf.bytes();
-        if self.fill.is_some() || b.len() < REQUEST_LEN {
+        if !self.shared.in_place || self.fill.is_some() || b.len() < REQUEST_LEN {
             return false;
         }
         let Ok(req) = Request::parse(&b[..REQUEST_LEN]) else {
