@@ -9,16 +9,15 @@
 //! WRITE_ZEROES wait until everything started (or held back) before them was answered (a
 //! FLUSH covers every write answered before it arrived, on any connection).
 
-use std::io::{ErrorKind, Read};
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use log::Level;
 use rpma_common::proto::PersistenceDomain;
 
 use super::pipeline::{errno, Answer, Pipeline, Reply};
-use super::proto::{self, simple_reply, Errno, EIO, REQUEST_LEN};
+use super::proto::{self, simple_reply, Errno, EIO};
 use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
 use super::stream::{write_all_vectored, Stream};
@@ -261,117 +260,6 @@ impl<'a> Client<'a> {
                 self.retry_parked()?;
             }
             self.send()?;
-        }
-    }
-
-    /// Takes in whatever the socket already has (without waiting).
-    fn read_ahead(&mut self) -> Result<(), ConnError> {
-        while self.buf.bytes().len() < READ_AHEAD {
-            let header = self.header_alone();
-            let room = self.buf.room(READ_CHUNK);
-            let room = if header {
-                &mut room[..REQUEST_LEN]
-            } else {
-                room
-            };
-            match self.stream.read_available(room)? {
-                Some(0) => {
-                    self.eof = true;
-                    return Ok(());
-                }
-                Some(n) => {
-                    self.buf.filled(n);
-                    if header {
-                        self.header_next = false;
-                        return Ok(());
-                    }
-                }
-                None => return Ok(()),
-            }
-        }
-        Ok(())
-    }
-
-    /// Whether the next read takes a request header alone: after a payload received in
-    /// place, with nothing else buffered (the next request's payload, if large too, goes
-    /// straight to its buffer: [`direct`]).
-    fn header_alone(&self) -> bool {
-        self.header_next && self.buf.bytes().is_empty()
-    }
-
-    /// Waits for more bytes: the next request needs `want` bytes in all. The client is idle
-    /// meanwhile: past the idle time-out (counted from its last answered request, or its
-    /// handshake) without a complete request, it is closed.
-    fn read_more(&mut self, want: usize) -> Result<(), ConnError> {
-        let need = want.saturating_sub(self.buf.bytes().len()).max(READ_CHUNK);
-        let idle = self.shared.opts.limits.idle_timeout;
-        loop {
-            let left = match idle {
-                Some(d) => {
-                    let left = (self.slot.since() + d).saturating_duration_since(Instant::now());
-                    if left.is_zero() {
-                        return Err(ConnError::Idle(d));
-                    }
-                    Some(left)
-                }
-                None => None,
-            };
-            // A large buffer kept from a burst of large WRITEs, the payload buffers and the
-            // buffers of large READs' replies go back once the client has been quiet for
-            // KEEP_IDLE: an idle client holds no more than a fresh one.
-            let keeping = self.buf.bytes().is_empty()
-                && (self.buf.large()
-                    || (self.fill.is_none() && !self.bufs.is_empty())
-                    || self.pipe.keeps_bufs());
-            let timeout = match (keeping, left) {
-                (true, l) => Some(l.map_or(KEEP_IDLE, |l| l.min(KEEP_IDLE))),
-                (false, l) => l,
-            };
-            if timeout.is_some() {
-                self.stream.set_read_timeout(timeout)?;
-            }
-            let header = self.header_alone();
-            let r = if self.fill.is_some() {
-                self.fill_read()
-            } else {
-                let room = self.buf.room(need);
-                let room = if header {
-                    &mut room[..REQUEST_LEN]
-                } else {
-                    room
-                };
-                self.stream.read(room)
-            };
-            if keeping && idle.is_none() {
-                // Back to no time-out, as the socket was.
-                self.stream.set_read_timeout(None)?;
-            }
-            match r {
-                Ok(0) => {
-                    self.eof = true;
-                    return Ok(());
-                }
-                Ok(n) => {
-                    if self.fill.is_some() {
-                        self.fill_got(n);
-                    } else {
-                        self.buf.filled(n);
-                        self.header_next &= !header;
-                    }
-                    return Ok(());
-                }
-                Err(e) if e.kind() == ErrorKind::Interrupted => {}
-                Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
-                    if keeping {
-                        self.buf.release();
-                        self.release_payload_bufs();
-                        self.pipe.release_bufs();
-                    } else if idle.is_none() {
-                        return Err(e.into());
-                    }
-                }
-                Err(e) => return Err(e.into()),
-            }
         }
     }
 
@@ -736,6 +624,7 @@ pub(crate) mod fuzz;
 mod direct;
 mod held;
 mod inbuf;
+mod input;
 mod park;
 mod parse;
 #[cfg(test)]

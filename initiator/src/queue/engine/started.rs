@@ -49,13 +49,7 @@ impl Engine {
         fence: bool,
     ) -> Result<Ticket> {
         let slot = self.slot_for_start(room)?;
-        if let Err(source) = self.pool.load(slot, data) {
-            self.pool.untake(slot);
-            return Err(Error::Fabric {
-                op: data.load_op(),
-                source,
-            });
-        }
+        self.load(slot, data)?;
         let seq = self.pool.next_seq();
         let rec = WriteRec {
             ns: idx,
@@ -83,19 +77,7 @@ impl Engine {
         len: usize,
     ) -> Result<Ticket> {
         let slot = self.slot_for_start(room)?;
-        let ticket = self.pool.next_seq();
-        let wr = self.read_wr(slot, idx, offset, len);
-        self.pool.set(
-            slot,
-            Slot::Started {
-                ns: idx,
-                ticket,
-                len,
-            },
-        );
-        self.reads_posted += 1;
-        self.deferred.push(wr);
-        Ok(Ticket(ticket))
+        Ok(self.defer_read(slot, idx, offset, len))
     }
 
     /// [`start_read`](Self::start_read) into `len` bytes from `at` of `buf` (registered in
@@ -112,14 +94,25 @@ impl Engine {
         len: usize,
     ) -> Result<Ticket> {
         let slot = self.slot_for_start(room)?;
-        let data = Data::Buf { buf, at, len };
-        if let Err(source) = self.pool.load(slot, data) {
+        self.load(slot, Data::Buf { buf, at, len })?;
+        Ok(self.defer_read(slot, idx, offset, len))
+    }
+
+    /// Loads `data` into the taken `slot` (a copy, or the caller's buffer registered); gives
+    /// the slot back if that fails.
+    fn load(&mut self, slot: usize, data: Data<'_>) -> Result<()> {
+        self.pool.load(slot, data).map_err(|source| {
             self.pool.untake(slot);
-            return Err(Error::Fabric {
+            Error::Fabric {
                 op: data.load_op(),
                 source,
-            });
-        }
+            }
+        })
+    }
+
+    /// The started Read of `len` bytes at `offset` of namespace `idx` into the taken `slot`:
+    /// marked, and deferred to the next post or wait.
+    fn defer_read(&mut self, slot: usize, idx: usize, offset: u64, len: usize) -> Ticket {
         let ticket = self.pool.next_seq();
         let wr = self.read_wr(slot, idx, offset, len);
         self.pool.set(
@@ -132,18 +125,23 @@ impl Engine {
         );
         self.reads_posted += 1;
         self.deferred.push(wr);
-        Ok(Ticket(ticket))
+        Ticket(ticket)
+    }
+
+    /// The slot and length of the completed started Read `ticket`.
+    fn done_read(&self, ticket: Ticket) -> Result<(usize, usize)> {
+        self.pool.done_read(ticket.0).ok_or_else(|| {
+            Error::InvalidArgument(format!(
+                "ticket {} is not a completed read of this queue",
+                ticket.0
+            ))
+        })
     }
 
     /// Frees the slot of the completed started Read `ticket` without copying its bytes (a
     /// Read into the caller's buffer: they are there).
     pub(in crate::queue) fn finish_read(&mut self, ticket: Ticket) -> Result<()> {
-        let Some((slot, _)) = self.pool.done_read(ticket.0) else {
-            return Err(Error::InvalidArgument(format!(
-                "ticket {} is not a completed read of this queue",
-                ticket.0
-            )));
-        };
+        let (slot, _) = self.done_read(ticket)?;
         self.pool.set(slot, Slot::Free);
         Ok(())
     }
@@ -197,12 +195,7 @@ impl Engine {
     /// Copies the bytes of the completed started Read `ticket` into `buf` and frees its slot
     /// ([`Queue::take_read`](super::Queue::take_read)).
     pub(in crate::queue) fn take_read(&mut self, ticket: Ticket, buf: &mut [u8]) -> Result<()> {
-        let Some((slot, len)) = self.pool.done_read(ticket.0) else {
-            return Err(Error::InvalidArgument(format!(
-                "ticket {} is not a completed read of this queue",
-                ticket.0
-            )));
-        };
+        let (slot, len) = self.done_read(ticket)?;
         if buf.len() != len {
             return Err(Error::InvalidArgument(format!(
                 "ticket {} read {len} bytes, not {}",
