@@ -167,6 +167,8 @@ fn a_write_into_a_page_cache_namespace_takes_no_write_fault() {
     use rpma_common::pmem::{Domain, OpenOptions, Persist};
     use std::os::unix::fs::FileExt;
     const PAGES: usize = 64;
+    // What round `round` writes into `page`: different in every round and page.
+    let value = |round: u8, page: usize| 0x10 + 0x40 * round + (page % 16) as u8;
     for crc in [true, false] {
         let dir = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let path = dir.path().join("ns");
@@ -203,35 +205,46 @@ fn a_write_into_a_page_cache_namespace_takes_no_write_fault() {
             let (_, c) = p.until_init(wr_id + 1);
             assert_eq!(c.status, WcStatus::Success, "{c:?}");
         };
-        // Every page once (and the engine's own buffers warm), then the file synced: its pages
-        // are clean, mapped read-only until the next write to each.
+        // Every page once (and the engine's own buffers warm).
         for page in 0..PAGES {
             write(10 + 2 * page as u64, page, 1);
         }
-        Persist::persist(&*m, 0, PAGES * 4096).unwrap();
-        let mut b = [0u8; 1];
-        for page in 0..PAGES {
-            m.read_at(page * 4096, &mut b).unwrap();
+        // Rounds of: the file synced (its pages clean, mapped read-only until the next write to
+        // each), then every page written again, counting the test thread's minor faults (it
+        // polls both completion queues: it runs the target's placement). A store into each
+        // page would fault once per page in every round. Faults only add to what placement
+        // takes, so the fewest of three rounds is what it took: under ThreadSanitizer the
+        // runtime's periodic reset of its shadow memory lands in some round and refaults
+        // everything the thread touches (measured: 654 faults in one round of sixty, 0 in the
+        // others).
+        let mut faults = Vec::new();
+        for round in 0..3u8 {
+            Persist::persist(&*m, 0, PAGES * 4096).unwrap();
+            let mut b = [0u8; 1];
+            for page in 0..PAGES {
+                m.read_at(page * 4096, &mut b).unwrap();
+            }
+            let before = thread_minor_faults();
+            for page in 0..PAGES {
+                let wr_id = 1000 * (u64::from(round) + 1) + 2 * page as u64;
+                write(wr_id, page, value(round, page));
+            }
+            faults.push(thread_minor_faults() - before);
         }
-        // The test thread polls both completion queues: it runs the target's placement.
-        let before = thread_minor_faults();
-        for page in 0..PAGES {
-            write(1000 + 2 * page as u64, page, 0xA0 + (page % 16) as u8);
-        }
-        let faults = thread_minor_faults() - before;
         assert!(
-            faults < PAGES as i64 / 4,
-            "crc {crc}: {faults} page faults placing {PAGES} pages"
+            faults.iter().min().is_some_and(|&f| f < PAGES as i64 / 4),
+            "crc {crc}: {faults:?} page faults placing {PAGES} pages in each round"
         );
         let file = std::fs::File::open(&path).unwrap();
         for page in 0..PAGES {
-            let want = 0xA0 + (page % 16) as u8;
+            let want = value(2, page);
             let mut got = [0u8; 4096];
             file.read_exact_at(&mut got, (page * 4096) as u64).unwrap();
             assert!(
                 got.iter().all(|&x| x == want),
                 "crc {crc}: page {page} in the file"
             );
+            let mut b = [0u8; 1];
             m.read_at(page * 4096 + 4095, &mut b).unwrap();
             assert_eq!(b[0], want, "crc {crc}: page {page} in the mapping");
         }
