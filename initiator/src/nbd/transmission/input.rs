@@ -11,9 +11,11 @@ use super::inbuf::READ_CHUNK;
 use super::{Client, KEEP_IDLE, READ_AHEAD};
 
 impl Client<'_> {
-    /// Takes in whatever the socket already has (without waiting).
+    /// Takes in whatever the socket already has (without waiting), up to a large WRITE's
+    /// payload that goes straight to a buffer of its own ([`Client::stops_for_fill`]).
     pub(super) fn read_ahead(&mut self) -> Result<(), ConnError> {
-        while self.buf.bytes().len() < READ_AHEAD {
+        let mut scan = 0;
+        while self.buf.bytes().len() < READ_AHEAD && !self.stops_for_fill(&mut scan) {
             let header = self.header_alone();
             let room = self.buf.room(READ_CHUNK);
             let room = if header {

@@ -147,3 +147,30 @@ pub(super) fn split(buf: &[u8], max_items: usize) -> Split {
     }
     s
 }
+
+/// The request whose header is in `buf` but not all of its payload, if the buffer ends in one:
+/// the walk over its request headers goes on from `scan` (where an earlier walk of the same
+/// buffer, since grown, left off; 0 at first) and leaves it at that request's header. None when
+/// the buffer ends between requests or in a header, and from a header that does not parse on
+/// (`split` ends the connection there).
+pub(super) fn incomplete(buf: &[u8], scan: &mut usize) -> Option<Request> {
+    while let Some(rest) = buf.get(*scan..) {
+        if rest.len() < REQUEST_LEN {
+            return None;
+        }
+        let Ok(req) = Request::parse(&rest[..REQUEST_LEN]) else {
+            *scan = usize::MAX;
+            return None;
+        };
+        let plen = if req.has_payload() {
+            req.len as usize
+        } else {
+            0
+        };
+        if rest.len() < REQUEST_LEN + plen {
+            return Some(req);
+        }
+        *scan += REQUEST_LEN + plen;
+    }
+    None
+}

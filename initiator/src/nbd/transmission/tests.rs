@@ -132,6 +132,44 @@ fn split_takes_complete_requests_only() {
 }
 
 #[test]
+fn the_walk_finds_the_request_the_buffer_ends_in() {
+    use super::parse::incomplete;
+    let small = req(CMD_WRITE, 0, 0, 100);
+    let r = req(CMD_READ, 0, 0, 4096);
+    let large = req(CMD_WRITE, 0, 4096, 1 << 20);
+    let mut b = bytes(&small, REQUEST_MAGIC);
+    b.extend(bytes(&r, REQUEST_MAGIC));
+    let at = b.len();
+    b.extend(bytes(&large, REQUEST_MAGIC));
+    // Every length of the buffer, walked afresh and as one walk that goes on as it grows.
+    let mut scan = 0;
+    for n in 0..=b.len() {
+        let want = if (REQUEST_LEN..128).contains(&n) {
+            Some(small)
+        } else {
+            (n >= at + REQUEST_LEN && n < b.len()).then_some(large)
+        };
+        assert_eq!(incomplete(&b[..n], &mut 0), want, "{n} afresh");
+        assert_eq!(incomplete(&b[..n], &mut scan), want, "{n} going on");
+    }
+    assert_eq!(
+        scan,
+        b.len(),
+        "the walk ends past the last complete request"
+    );
+    // A bad magic ends the walk, for good.
+    let mut bad = bytes(&r, REQUEST_MAGIC);
+    bad.extend(bytes(&r, 0xdead_beef));
+    bad.extend(bytes(&large, REQUEST_MAGIC));
+    let mut scan = 0;
+    assert_eq!(incomplete(&bad[..bad.len() - 1], &mut scan), None);
+    assert_eq!(incomplete(&bad[..bad.len() - 1], &mut scan), None);
+    // An oversized WRITE's header: the request, whose checks are the caller's.
+    let big = req(CMD_WRITE, 0, 0, MAX_PAYLOAD + 1);
+    assert_eq!(incomplete(&bytes(&big, REQUEST_MAGIC), &mut 0), Some(big));
+}
+
+#[test]
 fn library_errors_map_to_nbd_errors() {
     let oor = Error::OutOfRange {
         nsid: 1,
