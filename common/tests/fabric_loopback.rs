@@ -394,6 +394,54 @@ fn fenced_and_ord_limited_requests_all_complete_in_order() {
 }
 
 #[test]
+fn writes_from_stably_registered_memory_carry_good_crcs() {
+    // The sender computes the CRC over such memory itself (no copy): a wrong one would have
+    // the target terminate the connection and the Write fail.
+    for ulpdu in [1454, 65535] {
+        let ip = ConnParams {
+            tcp: TcpParams {
+                max_ulpdu: ulpdu,
+                ..TcpParams::default()
+            },
+            ..params(true)
+        };
+        let p = Pair::with(ip, params(true), |_| {});
+        let len = 200_000;
+        let (tmem, tmr) = p.target_buf(len + 4096, rw());
+        let imem = AlignedBuf::new(len + 4096).unwrap();
+        let data: Vec<u8> = (0..len).map(|i| (i * 7 + i / 251) as u8).collect();
+        imem.write_at(13, &data).unwrap();
+        // SAFETY: nothing writes the source bytes while the Write is in flight (this thread
+        // waits for its completion before touching them again).
+        let imr = unsafe { p.pd.register_stable(Arc::clone(&imem), Access::LOCAL_WRITE) }.unwrap();
+        p.qp.post_send(SendWr::new(
+            1,
+            SendOp::Write {
+                local: Sge::new(&imr, 13, len),
+                remote: tmr.remote(100),
+            },
+        ))
+        .unwrap();
+        let (_, c) = p.until_init(1);
+        assert_eq!(c.status, WcStatus::Success, "ulpdu {ulpdu}: {c:?}");
+        // A Read behind it: answered only if the connection survived the Write's FPDUs.
+        p.qp.post_send(SendWr::new(
+            2,
+            SendOp::Read {
+                local: Sge::new(&imr, 0, 8),
+                remote: tmr.remote(0),
+            },
+        ))
+        .unwrap();
+        assert_eq!(p.until_init(2).1.status, WcStatus::Success, "ulpdu {ulpdu}");
+        let mut got = vec![0u8; len];
+        tmem.read_at(100, &mut got).unwrap();
+        assert!(got == data, "ulpdu {ulpdu}: the bytes landed");
+        assert_eq!(p.qp.state(), QpState::Rts);
+    }
+}
+
+#[test]
 fn messages_above_max_message_are_refused() {
     let ip = ConnParams {
         max_message: 4096,

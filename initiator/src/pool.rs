@@ -237,6 +237,18 @@ impl std::fmt::Debug for Pool {
     }
 }
 
+/// Registers memory the pool writes from: the slots, and the callers' buffers held writes are
+/// from.
+fn register(pd: &ProtectionDomain, mem: &Arc<AlignedBuf>) -> fabric::Result<Arc<MemoryRegion>> {
+    // SAFETY: nothing writes bytes of a slot or a WriteBuf while a Write reads them: a slot is
+    // loaded only while taken and not in flight, and written from until its write is done
+    // with (made durable, or dropped by a failed queue whose queue pair is gone); a Read into
+    // a slot or a WriteBuf takes one that no Write is from (a WriteBuf's holds are checked);
+    // the owner writes a WriteBuf only while nothing holds it (`WriteBuf::bytes_mut`); and
+    // neither is reachable by the target (local access only).
+    unsafe { pd.register_stable(Arc::clone(mem), Access::LOCAL_WRITE) }
+}
+
 impl Pool {
     /// Allocates `slots` chunks of `chunk` bytes and registers them in `pd` (local write only:
     /// the target cannot reach them); at most `depth` of them are handed out while that many
@@ -248,7 +260,7 @@ impl Pool {
         chunk: usize,
     ) -> fabric::Result<Pool> {
         let mem = AlignedBuf::new(slots * chunk)?;
-        let mr = pd.register(Arc::clone(&mem), Access::LOCAL_WRITE)?;
+        let mr = register(pd, &mem)?;
         let sink = AlignedBuf::new(64)?;
         let sink_mr = pd.register(Arc::clone(&sink), Access::LOCAL_WRITE)?;
         Ok(Pool {
@@ -286,7 +298,7 @@ impl Pool {
     /// Registers the same memory in `pd` (a new connection's domain); the slots keep their
     /// contents.
     pub(crate) fn rebind(&mut self, pd: &ProtectionDomain) -> fabric::Result<()> {
-        self.mr = pd.register(Arc::clone(&self.mem), Access::LOCAL_WRITE)?;
+        self.mr = register(pd, &self.mem)?;
         self.sink_mr = pd.register(Arc::clone(&self.sink), Access::LOCAL_WRITE)?;
         self.pd = pd.clone();
         // The callers' buffers held writes are from, once each, into the cache the next writes
@@ -296,7 +308,7 @@ impl Pool {
             e.mr = match self.ext_mrs.get(&e.id) {
                 Some((_, mr)) => Arc::clone(mr),
                 None => {
-                    let mr = pd.register(Arc::clone(&e.mem), Access::LOCAL_WRITE)?;
+                    let mr = register(pd, &e.mem)?;
                     self.ext_mrs.insert(e.id, (e.hold.alive(), Arc::clone(&mr)));
                     mr
                 }
@@ -497,9 +509,7 @@ impl Pool {
         }
         self.ext_mrs
             .retain(|_, (alive, _)| alive.strong_count() > 0);
-        let mr = self
-            .pd
-            .register(Arc::clone(buf.mem()), Access::LOCAL_WRITE)?;
+        let mr = register(&self.pd, buf.mem())?;
         self.ext_mrs
             .insert(buf.id(), (buf.alive(), Arc::clone(&mr)));
         Ok(mr)

@@ -274,6 +274,9 @@ pub(crate) struct Region {
     addr: *mut u8,
     len: usize,
     keep: Option<Arc<dyn RegisteredMemory>>,
+    /// Registered with [`ProtectionDomain::register_stable`](super::ProtectionDomain::register_stable):
+    /// nothing writes the bytes a work request reads while it is in flight.
+    pub(crate) stable: bool,
 }
 
 // SAFETY: the range is kept alive by `keep` (or by the register_raw contract) and is only ever
@@ -302,7 +305,12 @@ impl Region {
                 reason: "range wraps",
             });
         }
-        Ok(Region { addr, len, keep })
+        Ok(Region {
+            addr,
+            len,
+            keep,
+            stable: false,
+        })
     }
 
     #[cfg(test)]

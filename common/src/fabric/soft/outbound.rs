@@ -246,7 +246,16 @@ impl Tx {
                         let framing = Framing::new(&hdr, n, [&b[..]], crc);
                         (Payload::Inline(b), framing)
                     } else {
-                        let framing = Framing::for_volatile(&hdr, s, crc);
+                        let framing = if region.stable && crc {
+                            // SAFETY: registered with register_stable: nothing writes these
+                            // bytes while this work request, which reads them, is in flight
+                            // (until this FPDU is sent at least); `s` is inside the live
+                            // region; the reference ends with the CRC.
+                            let b = unsafe { std::slice::from_raw_parts(s.as_ptr(), s.len()) };
+                            Framing::new(&hdr, n, [b], crc)
+                        } else {
+                            Framing::for_volatile(&hdr, s, crc)
+                        };
                         // SAFETY: the bytes stay valid as long as `_keep`, which the payload
                         // holds beside the slice and drops with it; the slice is only used
                         // borrowed from the payload; registered memory is never covered by a
