@@ -65,6 +65,7 @@ mod checks;
 mod connect;
 pub mod durability;
 mod error;
+mod idmap;
 mod method;
 pub mod namespace;
 pub mod nbd;

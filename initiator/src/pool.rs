@@ -11,6 +11,8 @@
 //! pool's domain, and keeps a hold on it ([`crate::writebuf`]) instead of a copy.
 
 use std::collections::{BTreeMap, HashMap};
+
+use crate::idmap::IdMap;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 
@@ -177,7 +179,7 @@ pub(crate) struct Pool {
     /// write there may supersede ([`Pool::supersede`]).
     latest: HashMap<(usize, u64), usize>,
     /// Completed started Reads by ticket.
-    done_reads: HashMap<u64, usize>,
+    done_reads: IdMap<u64, usize>,
     /// (post order, slot) of every write that came into a slot, oldest first: what a persist
     /// walks instead of every slot (a pool may have thousands, a durable job holds a few). An
     /// entry whose slot no longer carries that write is stale: skipped, and dropped once the
@@ -186,10 +188,10 @@ pub(crate) struct Pool {
     /// Bytes copied into slots by [`Pool::load`].
     copied: u64,
     /// The slots whose write is from a caller's buffer.
-    ext: HashMap<usize, Ext>,
+    ext: IdMap<usize, Ext>,
     /// This pool's registrations of callers' buffers, by buffer id, while a buffer lives (its
     /// weak handle tells); made again in a new domain.
-    ext_mrs: HashMap<u64, (Weak<AtomicUsize>, Arc<MemoryRegion>)>,
+    ext_mrs: IdMap<u64, (Weak<AtomicUsize>, Arc<MemoryRegion>)>,
     /// The replay order this queue shares with the other queues of its connection.
     replay: Option<Member>,
 }
@@ -279,11 +281,11 @@ impl Pool {
             kinds: [slots, 0, 0, 0, 0, 0, 0],
             notify_writing: 0,
             latest: HashMap::new(),
-            done_reads: HashMap::new(),
+            done_reads: IdMap::default(),
             order: Vec::new(),
             copied: 0,
-            ext: HashMap::new(),
-            ext_mrs: HashMap::new(),
+            ext: IdMap::default(),
+            ext_mrs: IdMap::default(),
             replay: None,
         })
     }

@@ -11,10 +11,10 @@
 //! they are started again (once); WRITE pieces are re-issued by the queue and complete as
 //! usual. A queue that gave up fails every request in flight.
 
-use std::collections::HashMap;
 use std::os::fd::BorrowedFd;
 
 use super::proto::{simple_reply_header, EINVAL, EIO, ENOSPC, EPERM, SIMPLE_REPLY_LEN};
+use crate::idmap::IdMap;
 use crate::writebuf::{Data, WriteBuf};
 use crate::{Completed, Error, Namespace, Ticket};
 
@@ -94,8 +94,8 @@ pub(crate) enum Answer {
 /// The started requests of one client.
 #[derive(Debug, Default)]
 pub(crate) struct Pipeline {
-    requests: HashMap<u64, Request>,
-    pieces: HashMap<Ticket, Piece>,
+    requests: IdMap<u64, Request>,
+    pieces: IdMap<Ticket, Piece>,
     next: u64,
     /// Reply buffers to reuse.
     spare: Vec<Vec<u8>>,
@@ -105,7 +105,7 @@ pub(crate) struct Pipeline {
     /// READ pieces started again after a lost connection, by their first ticket: if that one
     /// still completes (it had, unreported, when the connection went), its bytes are taken
     /// and dropped, to free its slot.
-    stale: HashMap<Ticket, usize>,
+    stale: IdMap<Ticket, usize>,
     scratch: Vec<u8>,
     /// Answered requests not sent yet.
     pub(crate) answers: Vec<Answer>,
