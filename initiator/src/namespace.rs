@@ -290,7 +290,10 @@ impl<'q> Namespace<'q> {
     /// [`start_read`](Self::start_read) into `range` of `buf` instead of a slot of the queue:
     /// no copy when it completes. The queue holds the buffer until
     /// [`finish_read`](Self::finish_read) (the NBD export's large READs, whose replies it sends
-    /// from such buffers). `&mut`: nothing reads the buffer while the Read may write it.
+    /// from such buffers). `&mut`: nothing reads the buffer while the Read may write it. Never
+    /// into a buffer a Write is from while it may be in flight: the pool registers write
+    /// buffers with `register_stable`, whose contract that would break (the caller, the export,
+    /// reads into its reply buffers only and writes from its payload buffers only).
     ///
     /// # Errors
     /// As [`start_read`](Self::start_read); [`Error::InvalidArgument`] also for a range outside

@@ -11,13 +11,12 @@
 //! pool's domain, and keeps a hold on it ([`crate::writebuf`]) instead of a copy.
 
 use std::collections::{BTreeMap, HashMap};
-
-use crate::idmap::IdMap;
 use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
 
+use crate::idmap::IdMap;
 use crate::replay::{Carried, Member};
 use crate::writebuf::{Data, Hold, WriteBuf};
 
@@ -242,12 +241,14 @@ impl std::fmt::Debug for Pool {
 /// Registers memory the pool writes from: the slots, and the callers' buffers held writes are
 /// from.
 fn register(pd: &ProtectionDomain, mem: &Arc<AlignedBuf>) -> fabric::Result<Arc<MemoryRegion>> {
-    // SAFETY: nothing writes bytes of a slot or a WriteBuf while a Write reads them: a slot is
-    // loaded only while taken and not in flight, and written from until its write is done
-    // with (made durable, or dropped by a failed queue whose queue pair is gone); a Read into
-    // a slot or a WriteBuf takes one that no Write is from (a WriteBuf's holds are checked);
-    // the owner writes a WriteBuf only while nothing holds it (`WriteBuf::bytes_mut`); and
-    // neither is reachable by the target (local access only).
+    // SAFETY: nothing writes bytes of a slot or a WriteBuf while a Write reads them. A slot
+    // is loaded only while taken and not in flight, and written from until its write is done
+    // with (made durable, or dropped with a queue pair that is gone); a Read goes into a slot
+    // of its own. The owner writes a WriteBuf only while nothing holds it
+    // (`WriteBuf::bytes_mut`); Reads go into a WriteBuf only through the crate-internal
+    // `start_read_into`, whose one caller (the NBD export) reads into its reply buffers and
+    // writes from its payload buffers, never one buffer both ways. The target reaches neither
+    // (local access only).
     unsafe { pd.register_stable(Arc::clone(mem), Access::LOCAL_WRITE) }
 }
 
