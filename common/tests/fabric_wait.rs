@@ -72,6 +72,53 @@ fn a_watched_fd_ends_the_busy_poll_spell_without_waiting_it_out() {
 }
 
 #[test]
+fn wait_any_or_watches_its_fd_for_the_call_only() {
+    let p = Pair::new(false);
+    let efd = EventFd::new().unwrap();
+    let mut wc = [Completion::EMPTY; 4];
+    let short = Some(Duration::from_millis(20));
+    // Readable, no completion: woken by it.
+    efd.write(1).unwrap();
+    let woke = p.icq.wait_any_or(&mut wc, LONG, efd.as_fd(), 3).unwrap();
+    assert_eq!(woke, Woken::Fd(3));
+    // Not watched after the call: a plain wait is not woken by it.
+    assert_eq!(p.icq.wait_any(&mut wc, short).unwrap(), Woken::TimedOut);
+    // Drained: a completion ends the wait (whether it came before the first look or after).
+    efd.read().unwrap();
+    let (_imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+    p.qp.post_recv(RecvWr {
+        wr_id: 5,
+        local: Some(Sge::new(&imr, 0, 64)),
+    })
+    .unwrap();
+    let (tmem, tmr) = p.target_buf(4096, Access::LOCAL_WRITE);
+    tmem.write_at(0, b"first").unwrap();
+    p.tqp
+        .post_send(SendWr::new(
+            9,
+            SendOp::Send {
+                local: Sge::new(&tmr, 0, 5),
+            },
+        ))
+        .unwrap();
+    let woke = p.icq.wait_any_or(&mut wc, LONG, efd.as_fd(), 3).unwrap();
+    assert_eq!(woke, Woken::Completions(1));
+    assert_eq!(wc[0].wr_id, 5);
+    // Quiet: the time-out.
+    assert_eq!(
+        p.icq.wait_any_or(&mut wc, short, efd.as_fd(), 3).unwrap(),
+        Woken::TimedOut
+    );
+    // Left watched by no call: watching it now succeeds (a second watch is refused).
+    p.icq.watch_fd(efd.as_fd(), 4).unwrap();
+    assert!(matches!(
+        p.icq.wait_any_or(&mut wc, short, efd.as_fd(), 3),
+        Err(Error::Watch { .. })
+    ));
+    p.icq.unwatch_fd(efd.as_fd()).unwrap();
+}
+
+#[test]
 fn completions_still_end_a_wait_on_a_queue_with_watched_fds() {
     let p = Pair::new(false);
     let efd = EventFd::new().unwrap();

@@ -262,6 +262,43 @@ impl CompletionQueue {
         timeout: Option<Duration>,
         spin: Duration,
     ) -> Result<Woken> {
+        self.wait_watching(out, timeout, spin, &mut None)
+    }
+
+    /// [`wait_any`](Self::wait_any) that also returns [`Woken::Fd(token)`](Woken::Fd) once `fd`
+    /// is readable, watching it for this call only ([`watch_fd`](Self::watch_fd), then
+    /// [`unwatch_fd`](Self::unwatch_fd)): and only if no completion is there at once, so that a
+    /// caller busy with completions pays no `epoll_ctl` for it (two system calls per wait).
+    ///
+    /// # Errors
+    /// [`Error::Wait`](super::Error::Wait) if epoll fails; [`Error::Watch`](super::Error::Watch)
+    /// if `fd` is watched already or cannot be polled.
+    pub fn wait_any_or(
+        &self,
+        out: &mut [Completion],
+        timeout: Option<Duration>,
+        fd: BorrowedFd<'_>,
+        token: u64,
+    ) -> Result<Woken> {
+        let mut lazy = Some((fd, token));
+        let r = self.wait_watching(out, timeout, self.inner.spin.get(), &mut lazy);
+        if lazy.is_some() {
+            // Completions came at once: never watched.
+            return r;
+        }
+        let u = self.unwatch_fd(fd);
+        r.and_then(|w| u.map(|()| w))
+    }
+
+    /// The wait of [`wait_any_with_spin`](Self::wait_any_with_spin); `lazy`, an fd to watch
+    /// (with its token) from the first pass that finds no completion on, is taken once it is.
+    fn wait_watching(
+        &self,
+        out: &mut [Completion],
+        timeout: Option<Duration>,
+        spin: Duration,
+        lazy: &mut Option<(BorrowedFd<'_>, u64)>,
+    ) -> Result<Woken> {
         let start = Instant::now();
         let deadline = timeout.map(|t| start + t);
         let mut last_activity = start;
@@ -270,6 +307,10 @@ impl CompletionQueue {
             let n = self.poll(out)?;
             if n > 0 {
                 return Ok(Woken::Completions(n));
+            }
+            if let Some((fd, token)) = *lazy {
+                self.watch_fd(fd, token)?;
+                *lazy = None;
             }
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {

@@ -375,8 +375,9 @@ impl Engine {
 
     /// [`poll_completions`](Self::poll_completions) that also returns as soon as `input` is
     /// readable: how many completions, and whether `input` woke it (then none came). `input`
-    /// joins the completion queue's wait for this call only (watched, then unwatched: the
-    /// queue's session, and so its completion queue, may be another one the next time).
+    /// joins the completion queue's wait for this call only, and only when no completion is
+    /// there at once (`CompletionQueue::wait_any_or`: the queue's session, and so its
+    /// completion queue, may be another one the next time).
     fn poll_completions_or(
         &mut self,
         timeout: Duration,
@@ -394,11 +395,7 @@ impl Engine {
         let cq = s.cq();
         let woken = match input {
             None => cq.wait_any(&mut wcs, Some(timeout)),
-            Some(fd) => cq.watch_fd(fd, 0).and_then(|()| {
-                let w = cq.wait_any(&mut wcs, Some(timeout));
-                let u = cq.unwatch_fd(fd);
-                w.and_then(|w| u.map(|()| w))
-            }),
+            Some(fd) => cq.wait_any_or(&mut wcs, Some(timeout), fd, 0),
         }
         .map_err(|source| Error::Fabric {
             op: "waiting for completions",
