@@ -12,7 +12,9 @@ use super::{Client, KEEP_IDLE, READ_AHEAD};
 
 impl Client<'_> {
     /// Takes in whatever the socket already has (without waiting), up to a large WRITE's
-    /// payload that goes straight to a buffer of its own ([`Client::stops_for_fill`]).
+    /// payload that goes straight to a buffer of its own ([`Client::stops_for_fill`]). A read
+    /// that did not fill its room emptied the socket: no further read is tried for the
+    /// `EAGAIN` that would follow (bytes that came since wake the next wait for input).
     pub(super) fn read_ahead(&mut self) -> Result<(), ConnError> {
         let mut scan = 0;
         while self.buf.bytes().len() < READ_AHEAD && !self.stops_for_fill(&mut scan) {
@@ -23,6 +25,7 @@ impl Client<'_> {
             } else {
                 room
             };
+            let asked = room.len();
             match self.stream.read_available(room)? {
                 Some(0) => {
                     self.eof = true;
@@ -32,6 +35,9 @@ impl Client<'_> {
                     self.buf.filled(n);
                     if header {
                         self.header_next = false;
+                        return Ok(());
+                    }
+                    if n < asked {
                         return Ok(());
                     }
                 }
