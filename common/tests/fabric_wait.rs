@@ -14,6 +14,28 @@ use rpma_common::fabric::*;
 
 const LONG: Option<Duration> = Some(Duration::from_secs(10));
 
+/// A Receive (`wr_id`) posted on the initiator and a Send of `msg` from the target to it
+/// (it leaves at once: posting writes what the socket takes). The buffers, to keep.
+fn send_to_initiator(p: &Pair, wr_id: u64, msg: &[u8]) -> [Arc<MemoryRegion>; 2] {
+    let (_imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+    p.qp.post_recv(RecvWr {
+        wr_id,
+        local: Some(Sge::new(&imr, 0, 64)),
+    })
+    .unwrap();
+    let (tmem, tmr) = p.target_buf(4096, Access::LOCAL_WRITE);
+    tmem.write_at(0, msg).unwrap();
+    p.tqp
+        .post_send(SendWr::new(
+            9,
+            SendOp::Send {
+                local: Sge::new(&tmr, 0, msg.len()),
+            },
+        ))
+        .unwrap();
+    [imr, tmr]
+}
+
 #[test]
 fn an_idle_wait_wakes_on_a_watched_eventfd_written_by_another_thread() {
     let p = Pair::new(true);
@@ -85,22 +107,7 @@ fn wait_any_or_watches_its_fd_for_the_call_only() {
     assert_eq!(p.icq.wait_any(&mut wc, short).unwrap(), Woken::TimedOut);
     // Drained: a completion ends the wait (whether it came before the first look or after).
     efd.read().unwrap();
-    let (_imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
-    p.qp.post_recv(RecvWr {
-        wr_id: 5,
-        local: Some(Sge::new(&imr, 0, 64)),
-    })
-    .unwrap();
-    let (tmem, tmr) = p.target_buf(4096, Access::LOCAL_WRITE);
-    tmem.write_at(0, b"first").unwrap();
-    p.tqp
-        .post_send(SendWr::new(
-            9,
-            SendOp::Send {
-                local: Sge::new(&tmr, 0, 5),
-            },
-        ))
-        .unwrap();
+    let _bufs = send_to_initiator(&p, 5, b"first");
     let woke = p.icq.wait_any_or(&mut wc, LONG, efd.as_fd(), 3).unwrap();
     assert_eq!(woke, Woken::Completions(1));
     assert_eq!(wc[0].wr_id, 5);
@@ -123,23 +130,7 @@ fn completions_still_end_a_wait_on_a_queue_with_watched_fds() {
     let p = Pair::new(false);
     let efd = EventFd::new().unwrap();
     p.icq.watch_fd(efd.as_fd(), 7).unwrap();
-    let (_imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
-    p.qp.post_recv(RecvWr {
-        wr_id: 5,
-        local: Some(Sge::new(&imr, 0, 64)),
-    })
-    .unwrap();
-    let (tmem, tmr) = p.target_buf(4096, Access::LOCAL_WRITE);
-    tmem.write_at(0, b"wake up").unwrap();
-    // The target's Send leaves at once (posting writes what the socket takes).
-    p.tqp
-        .post_send(SendWr::new(
-            9,
-            SendOp::Send {
-                local: Sge::new(&tmr, 0, 7),
-            },
-        ))
-        .unwrap();
+    let _bufs = send_to_initiator(&p, 5, b"wake up");
     let mut wc = [Completion::EMPTY; 4];
     let woke = p.icq.wait_any(&mut wc, LONG).unwrap();
     assert_eq!(woke, Woken::Completions(1));

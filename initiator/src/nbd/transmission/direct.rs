@@ -105,8 +105,10 @@ impl Client<'_> {
     /// the walk over the buffer's request headers resumes ([`incomplete`]); the caller starts
     /// it at 0 and keeps it while the buffer only grows.
     pub(super) fn stops_for_fill(&self, scan: &mut usize) -> bool {
-        incomplete(self.buf.bytes(), scan)
-            .is_some_and(|req| req.len as usize >= STOP_MIN && self.fills(&req))
+        // No walk where nothing is received in place (rdma://).
+        self.shared.in_place
+            && incomplete(self.buf.bytes(), scan)
+                .is_some_and(|req| req.len as usize >= STOP_MIN && self.fills(&req))
     }
 
     /// A payload buffer of at least `len` bytes that no queue holds: a free one, or a new one

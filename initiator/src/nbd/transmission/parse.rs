@@ -95,6 +95,15 @@ pub(super) struct Split {
     pub(super) fatal: Option<ConnError>,
 }
 
+/// Bytes of payload that follow the request's header on the wire (a WRITE's; none otherwise).
+fn payload_len(req: &Request) -> usize {
+    if req.has_payload() {
+        req.len as usize
+    } else {
+        0
+    }
+}
+
 pub(super) fn split(buf: &[u8], max_items: usize) -> Split {
     let mut s = Split::default();
     let mut bytes = 0u64;
@@ -126,11 +135,7 @@ pub(super) fn split(buf: &[u8], max_items: usize) -> Split {
             )));
             break;
         }
-        let plen = if req.has_payload() {
-            req.len as usize
-        } else {
-            0
-        };
+        let plen = payload_len(&req);
         if rest.len() < REQUEST_LEN + plen {
             s.want = REQUEST_LEN + plen;
             break;
@@ -162,11 +167,7 @@ pub(super) fn incomplete(buf: &[u8], scan: &mut usize) -> Option<Request> {
             *scan = usize::MAX;
             return None;
         };
-        let plen = if req.has_payload() {
-            req.len as usize
-        } else {
-            0
-        };
+        let plen = payload_len(&req);
         if rest.len() < REQUEST_LEN + plen {
             return Some(req);
         }
