@@ -42,10 +42,11 @@ fn main() -> ExitCode {
         } => cli::cas(g, *offset, *expected, *new),
         Command::Faa { offset, add } => cli::faa(g, *offset, *add),
         Command::Bench { fio, .. }
-            if fio.job.is_none() && (fio.copy_writes || fio.output_format.is_some()) =>
+            if fio.job.is_none()
+                && (fio.copy_writes || fio.copy_reads || fio.output_format.is_some()) =>
         {
             Err(cli::usage(
-                "--copy-writes and --output-format go with --job FILE".into(),
+                "--copy-writes, --copy-reads and --output-format go with --job FILE".into(),
             ))
         }
         Command::Bench {

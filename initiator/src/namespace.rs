@@ -31,10 +31,16 @@ fn bufs<'a>(items: &[(u64, &'a WriteBuf, Range<usize>)]) -> Result<Vec<(u64, Dat
         .collect()
 }
 
-/// `range` of `buf`, checked.
+/// `range` of `buf`, checked: in it, and no Read into the buffer in flight.
 fn from_buf(buf: &WriteBuf, range: Range<usize>) -> Result<Data<'_>> {
     let len = range.end.saturating_sub(range.start);
     buf.check(range.start, len)?;
+    if buf.reads_held() != 0 {
+        return Err(Error::InvalidArgument(
+            "a Read into this buffer is not finished: finish it before writing from the buffer"
+                .into(),
+        ));
+    }
     Ok(Data::Buf {
         buf,
         at: range.start,
@@ -143,7 +149,8 @@ impl<'q> Namespace<'q> {
     ///
     /// # Errors
     /// As [`write_at`](Self::write_at); [`Error::InvalidArgument`] for a range outside the buffer
-    /// or empty.
+    /// or empty, or a buffer a Read goes into ([`start_read_into`](Self::start_read_into), not
+    /// freed yet).
     pub fn write_from(&mut self, offset: u64, buf: &WriteBuf, range: Range<usize>) -> Result<()> {
         let data = from_buf(buf, range)?;
         self.write_items(&[(offset, data)])
@@ -197,7 +204,8 @@ impl<'q> Namespace<'q> {
     ///
     /// # Errors
     /// As [`start_write`](Self::start_write); [`Error::InvalidArgument`] also for a range outside
-    /// the buffer.
+    /// the buffer, or a buffer a Read goes into ([`start_read_into`](Self::start_read_into),
+    /// not freed yet).
     pub fn start_write_from(
         &mut self,
         offset: u64,
@@ -221,7 +229,7 @@ impl<'q> Namespace<'q> {
         fence: bool,
     ) -> Result<crate::Ticket> {
         if let Data::Buf { buf, at, len } = data {
-            buf.check(at, len)?;
+            from_buf(buf, at..at + len)?;
         }
         self.start(offset, data, fence)
     }
@@ -288,17 +296,19 @@ impl<'q> Namespace<'q> {
     }
 
     /// [`start_read`](Self::start_read) into `range` of `buf` instead of a slot of the queue:
-    /// no copy when it completes. The queue holds the buffer until
-    /// [`finish_read`](Self::finish_read) (the NBD export's large READs, whose replies it sends
-    /// from such buffers). `&mut`: nothing reads the buffer while the Read may write it. Never
-    /// into a buffer a Write is from while it may be in flight: the pool registers write
-    /// buffers with `register_stable`, whose contract that would break (the caller, the export,
-    /// reads into its reply buffers only and writes from its payload buffers only).
+    /// the Read places its bytes in the buffer, and nothing copies them when it completes
+    /// (the NBD export's large READs, and `bench --job`'s reads, go this way). The queue holds
+    /// the buffer until [`finish_read`](Self::finish_read) (or [`take_read`](Self::take_read),
+    /// which copies them out as well) frees the Read; [`WriteBuf::bytes_mut`] then has them.
+    /// Several Reads may go into one buffer at once, each into its own range.
+    ///
+    /// Not into a buffer a write from it is held for (not durable yet: a reconnect re-issues
+    /// those bytes), and no write from a buffer while a Read into it is not finished.
     ///
     /// # Errors
     /// As [`start_read`](Self::start_read); [`Error::InvalidArgument`] also for a range outside
-    /// the buffer.
-    pub(crate) fn start_read_into(
+    /// the buffer, an empty one, or a buffer a write from it is held for.
+    pub fn start_read_into(
         &mut self,
         offset: u64,
         buf: &mut WriteBuf,
@@ -314,8 +324,10 @@ impl<'q> Namespace<'q> {
     /// buffer.
     ///
     /// # Errors
-    /// As [`take_read`](Self::take_read).
-    pub(crate) fn finish_read(&mut self, ticket: crate::Ticket) -> Result<()> {
+    /// As [`take_read`](Self::take_read); [`Error::InvalidArgument`] also for a
+    /// [`start_read`](Self::start_read) (its bytes are in a slot of the queue: `take_read`
+    /// them).
+    pub fn finish_read(&mut self, ticket: crate::Ticket) -> Result<()> {
         self.q.finish_read(ticket)
     }
 
@@ -458,7 +470,7 @@ impl<'q> Namespace<'q> {
     ///
     /// # Errors
     /// As [`write_durable`](Self::write_durable); [`Error::InvalidArgument`] for a range outside
-    /// the buffer or empty.
+    /// the buffer or empty, or a buffer a Read goes into (not freed yet).
     pub fn write_durable_from(
         &mut self,
         offset: u64,

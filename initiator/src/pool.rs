@@ -11,14 +11,13 @@
 //! pool's domain, and keeps a hold on it ([`crate::writebuf`]) instead of a copy.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::AtomicUsize;
 use std::sync::{Arc, Weak};
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
 
 use crate::idmap::IdMap;
 use crate::replay::{Carried, Member};
-use crate::writebuf::{Data, Hold, WriteBuf};
+use crate::writebuf::{Data, Hold, Holds, WriteBuf};
 
 /// What a slot holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -186,11 +185,13 @@ pub(crate) struct Pool {
     order: Vec<(u64, usize)>,
     /// Bytes copied into slots by [`Pool::load`].
     copied: u64,
+    /// Bytes copied out by [`Pool::copy_out`].
+    copied_out: u64,
     /// The slots whose write is from a caller's buffer.
     ext: IdMap<usize, Ext>,
     /// This pool's registrations of callers' buffers, by buffer id, while a buffer lives (its
     /// weak handle tells); made again in a new domain.
-    ext_mrs: IdMap<u64, (Weak<AtomicUsize>, Arc<MemoryRegion>)>,
+    ext_mrs: IdMap<u64, (Weak<Holds>, Arc<MemoryRegion>)>,
     /// The replay order this queue shares with the other queues of its connection.
     replay: Option<Member>,
 }
@@ -245,10 +246,11 @@ fn register(pd: &ProtectionDomain, mem: &Arc<AlignedBuf>) -> fabric::Result<Arc<
     // is loaded only while taken and not in flight, and written from until its write is done
     // with (made durable, or dropped with a queue pair that is gone); a Read goes into a slot
     // of its own. The owner writes a WriteBuf only while nothing holds it
-    // (`WriteBuf::bytes_mut`); Reads go into a WriteBuf only through the crate-internal
-    // `start_read_into`, whose one caller (the NBD export) reads into its reply buffers and
-    // writes from its payload buffers, never one buffer both ways. The target reaches neither
-    // (local access only).
+    // (`WriteBuf::bytes_mut`); a Read goes into a WriteBuf only while no write from it is held
+    // (`Queue::start_read_into` refuses), and no write goes out from one while a Read into it
+    // is held (`from_buf` in namespace.rs refuses; the NBD export, which builds its writes'
+    // data itself, reads into its reply buffers and writes from its payload buffers only:
+    // `load` asserts it in debug builds). The target reaches neither (local access only).
     unsafe { pd.register_stable(Arc::clone(mem), Access::LOCAL_WRITE) }
 }
 
@@ -285,6 +287,7 @@ impl Pool {
             done_reads: IdMap::default(),
             order: Vec::new(),
             copied: 0,
+            copied_out: 0,
             ext: IdMap::default(),
             ext_mrs: IdMap::default(),
             replay: None,
@@ -476,8 +479,9 @@ impl Pool {
 
     /// Puts a write's bytes (at most a chunk) in `slot`, taken and not set yet: copies them in,
     /// or makes the slot write from the caller's buffer (registered in this pool's domain the
-    /// first time) and holds it.
-    pub(crate) fn load(&mut self, slot: usize, data: Data<'_>) -> fabric::Result<()> {
+    /// first time) and holds it; with `read`, makes a Read's slot the caller's buffer instead
+    /// (and holds it as a Read into it).
+    pub(crate) fn load(&mut self, slot: usize, data: Data<'_>, read: bool) -> fabric::Result<()> {
         match data {
             Data::Bytes(b) => {
                 self.ext.remove(&slot);
@@ -486,13 +490,21 @@ impl Pool {
                 Ok(())
             }
             Data::Buf { buf, at, .. } => {
+                debug_assert!(
+                    if read {
+                        buf.writes_held() == 0
+                    } else {
+                        buf.reads_held() == 0
+                    },
+                    "a Read into a buffer a write from it is held for, or the reverse"
+                );
                 let mr = self.registered(buf)?;
                 let e = Ext {
                     id: buf.id(),
                     mem: Arc::clone(buf.mem()),
                     mr,
                     at,
-                    hold: buf.hold(),
+                    hold: buf.hold(read),
                 };
                 self.ext.insert(slot, e);
                 Ok(())
@@ -503,6 +515,12 @@ impl Pool {
     /// Bytes copied into slots by [`load`](Self::load) so far.
     pub(crate) fn bytes_copied(&self) -> u64 {
         self.copied
+    }
+
+    /// Bytes copied out of slots (or of the buffers Reads went into) by
+    /// [`copy_out`](Self::copy_out) so far.
+    pub(crate) fn bytes_copied_out(&self) -> u64 {
+        self.copied_out
     }
 
     /// `buf` registered in this pool's domain.
@@ -529,7 +547,8 @@ impl Pool {
 
     /// Copies the first `out.len()` bytes of `slot` out: of the slot, or of the caller's buffer
     /// a Read into it went to.
-    pub(crate) fn copy_out(&self, slot: usize, out: &mut [u8]) -> fabric::Result<()> {
+    pub(crate) fn copy_out(&mut self, slot: usize, out: &mut [u8]) -> fabric::Result<()> {
+        self.copied_out += out.len() as u64;
         match self.ext.get(&slot) {
             Some(e) => e.mem.read_at(e.at, out),
             None => self.mem.read_at(slot * self.chunk, out),
@@ -554,6 +573,11 @@ impl Pool {
     /// The value an atomic left in the sink (native endian, as the fabric stores it).
     pub(crate) fn sink_value(&self) -> fabric::Result<u64> {
         self.sink.read_u64(0)
+    }
+
+    /// Whether `slot`'s request is on a caller's buffer (a write from it, a Read into it).
+    pub(crate) fn is_ext(&self, slot: usize) -> bool {
+        self.ext.contains_key(&slot)
     }
 
     /// The registration a slot's write from a caller's buffer uses (tests).
@@ -641,13 +665,17 @@ impl Pool {
 
     /// After a lost connection: unfinished Writes are held for the replay, Reads in flight are
     /// dropped (their operation is re-run; a started Read's ticket is void). Returns the held
-    /// writes in post order.
-    pub(crate) fn on_connection_lost(&mut self) -> Vec<(usize, WriteRec)> {
+    /// writes in post order, and the holds of the dropped Reads that went into callers'
+    /// buffers: the old connection may still place their bytes until it is closed, so they are
+    /// to be let go only then.
+    pub(crate) fn on_connection_lost(&mut self) -> (Vec<(usize, WriteRec)>, Vec<Hold>) {
+        let mut voided = Vec::new();
         for i in 0..self.slots.len() {
             match self.slots[i] {
                 Slot::Writing(w) => self.set(i, Slot::Held(w)),
                 // A completed started Read keeps its bytes for take_read.
                 Slot::Reading { .. } | Slot::ReadDone { .. } | Slot::Started { .. } => {
+                    voided.extend(self.ext.remove(&i).map(|e| e.hold));
                     self.set(i, Slot::Free)
                 }
                 _ => {}
@@ -663,7 +691,7 @@ impl Pool {
             })
             .collect();
         held.sort_by_key(|(_, w)| w.seq);
-        held
+        (held, voided)
     }
 
     /// Drops every held write (a queue that gave up).

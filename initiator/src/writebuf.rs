@@ -1,4 +1,5 @@
-//! Write buffers: memory of the caller's that Writes go out from without the bounce copy.
+//! Write buffers: memory of the caller's that Writes go out from, and Reads come into, without
+//! the bounce copy.
 //!
 //! A plain write ([`Namespace::write_at`](crate::Namespace::write_at) and the rest) copies the
 //! caller's bytes into a bounce slot of the queue, registered once, and keeps that copy until a
@@ -15,6 +16,11 @@
 //! Each queue registers a buffer in its protection domain the first time it writes from it (and
 //! again after a reconnect), and keeps the registration while the buffer lives: reuse one buffer
 //! rather than making one per write.
+//!
+//! [`Namespace::start_read_into`](crate::Namespace::start_read_into) places a Read's bytes in
+//! a buffer instead of a bounce slot; the queue holds the buffer until the Read is freed. A
+//! buffer does one thing at a time: no Read into it while a write from it is held, no write
+//! from it while a Read into it is.
 
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -27,9 +33,28 @@ use crate::error::{Error, Result};
 pub struct WriteBuf {
     id: u64,
     mem: Arc<AlignedBuf>,
-    /// Holds on it: the writes from it a queue keeps for a replay. Its weak count tells a
-    /// queue's registration cache that the buffer is gone.
-    holds: Arc<AtomicUsize>,
+    /// Holds on it: the writes from it a queue keeps for a replay, the Reads into it in
+    /// flight. Its weak count tells a queue's registration cache that the buffer is gone.
+    holds: Arc<Holds>,
+}
+
+/// The holds queues have on one buffer, by kind.
+#[derive(Debug, Default)]
+pub(crate) struct Holds {
+    /// Writes from it: posted, or completed and not durable yet.
+    writes: AtomicUsize,
+    /// Reads into it whose slot is not freed yet.
+    reads: AtomicUsize,
+}
+
+impl Holds {
+    fn of(&self, read: bool) -> &AtomicUsize {
+        if read {
+            &self.reads
+        } else {
+            &self.writes
+        }
+    }
 }
 
 impl std::fmt::Debug for WriteBuf {
@@ -59,7 +84,7 @@ impl WriteBuf {
         Ok(WriteBuf {
             id: NEXT.fetch_add(1, Ordering::Relaxed),
             mem,
-            holds: Arc::new(AtomicUsize::new(0)),
+            holds: Arc::default(),
         })
     }
 
@@ -73,15 +98,29 @@ impl WriteBuf {
         false
     }
 
-    /// How many requests on it a queue holds: Writes from it (posted, or completed and not yet
-    /// durable) and Reads into it (crate-internal; until their slot is freed).
+    /// How many requests on it queues hold: Writes from it (posted, or completed and not yet
+    /// durable) and Reads into it (until [`Namespace::finish_read`] or
+    /// [`Namespace::take_read`] freed them).
+    ///
+    /// [`Namespace::finish_read`]: crate::Namespace::finish_read
+    /// [`Namespace::take_read`]: crate::Namespace::take_read
     pub fn holds(&self) -> usize {
-        self.holds.load(Ordering::Acquire)
+        self.writes_held() + self.reads_held()
     }
 
-    /// Its bytes, to fill; `None` while a queue holds a write from it (see [`holds`]): make
-    /// those durable first ([`Namespace::persist_own_writes`], or a durability call that
-    /// covers them), then fill it again.
+    /// Writes from it a queue holds (posted, or completed and not yet durable).
+    pub(crate) fn writes_held(&self) -> usize {
+        self.holds.writes.load(Ordering::Acquire)
+    }
+
+    /// Reads into it a queue holds (not freed yet).
+    pub(crate) fn reads_held(&self) -> usize {
+        self.holds.reads.load(Ordering::Acquire)
+    }
+
+    /// Its bytes, to fill or to look at; `None` while a queue holds a request on it (see
+    /// [`holds`]): make the writes from it durable first ([`Namespace::persist_own_writes`],
+    /// or a durability call that covers them), free the Reads into it, then look again.
     ///
     /// [`holds`]: Self::holds
     /// [`Namespace::persist_own_writes`]: crate::Namespace::persist_own_writes
@@ -94,18 +133,19 @@ impl WriteBuf {
         // (a queue takes a hold before it posts a Write from the buffer or a Read into it, and
         // gives it back only once its slot is freed: after the request completed, or with its
         // connection gone) and no new one can be posted while `&mut self` is borrowed (posting
-        // takes `&self` or, for a Read into it, `&mut self`).
+        // takes `&self` or, for a Read into it, `&mut self`). Each counter is read once and
+        // only goes up while a `&self` or `&mut self` is posting, which this borrow excludes.
         Some(unsafe { std::slice::from_raw_parts_mut(self.mem.as_mut_ptr(), self.mem.len()) })
     }
 
     /// Its bytes, to read; `None` while a queue holds a request on it (a Write from it not yet
     /// durable, or a Read into it not yet finished).
     pub(crate) fn bytes(&self) -> Option<&[u8]> {
-        if self.holds() != 0 {
+        if self.reads_held() != 0 {
             return None;
         }
         // SAFETY: the mapping is valid for `len` bytes while `self.mem` lives. No queue holds a
-        // request on it, so no Read writes it; a Read into it is started only through
+        // Read into it, so no Read writes it; a Read into it is started only through
         // `&mut self` (`Namespace::start_read_into`), which this borrow excludes; Writes from it
         // only read it.
         Some(unsafe { std::slice::from_raw_parts(self.mem.as_mut_ptr(), self.mem.len()) })
@@ -124,15 +164,19 @@ impl WriteBuf {
     /// Copies `data` into it at `at`.
     ///
     /// # Errors
-    /// [`Error::InvalidArgument`] if the range is outside the buffer, or while a write from it
+    /// [`Error::InvalidArgument`] if the range is outside the buffer, or while a request on it
     /// is held (see [`bytes_mut`](Self::bytes_mut)).
     pub fn fill(&mut self, at: usize, data: &[u8]) -> Result<()> {
         self.check(at, data.len())?;
+        let reading = self.reads_held() != 0;
         let bytes = self.bytes_mut().ok_or_else(|| {
-            Error::InvalidArgument(
+            Error::InvalidArgument(if reading {
+                "a Read into this buffer is not finished: finish it before filling the buffer"
+                    .into()
+            } else {
                 "a write from this buffer is not durable yet: persist it before filling it again"
-                    .into(),
-            )
+                    .into()
+            })
         })?;
         bytes[at..at + data.len()].copy_from_slice(data);
         Ok(())
@@ -157,33 +201,41 @@ impl WriteBuf {
         &self.mem
     }
 
-    /// A hold on the buffer, given back when dropped.
-    pub(crate) fn hold(&self) -> Hold {
-        self.holds.fetch_add(1, Ordering::AcqRel);
-        Hold(Arc::clone(&self.holds))
+    /// A hold on the buffer for a Read into it (`read`) or a Write from it, given back when
+    /// dropped.
+    pub(crate) fn hold(&self, read: bool) -> Hold {
+        self.holds.of(read).fetch_add(1, Ordering::AcqRel);
+        Hold {
+            holds: Arc::clone(&self.holds),
+            read,
+        }
     }
 
     /// What tells a registration cache whether the buffer (or a hold on it) is still alive.
-    pub(crate) fn alive(&self) -> std::sync::Weak<AtomicUsize> {
+    pub(crate) fn alive(&self) -> std::sync::Weak<Holds> {
         Arc::downgrade(&self.holds)
     }
 }
 
 /// A queue's hold on a [`WriteBuf`] (the module's doc).
 #[derive(Debug)]
-pub(crate) struct Hold(Arc<AtomicUsize>);
+pub(crate) struct Hold {
+    holds: Arc<Holds>,
+    /// For a Read into the buffer; else for a Write from it.
+    read: bool,
+}
 
 impl Hold {
     /// What tells a registration cache whether the buffer is still alive (as
     /// [`WriteBuf::alive`]).
-    pub(crate) fn alive(&self) -> std::sync::Weak<AtomicUsize> {
-        Arc::downgrade(&self.0)
+    pub(crate) fn alive(&self) -> std::sync::Weak<Holds> {
+        Arc::downgrade(&self.holds)
     }
 }
 
 impl Drop for Hold {
     fn drop(&mut self) {
-        self.0.fetch_sub(1, Ordering::AcqRel);
+        self.holds.of(self.read).fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -248,7 +300,7 @@ mod tests {
     use super::*;
 
     #[test]
-    fn a_buffer_is_filled_only_while_no_write_from_it_is_held() {
+    fn a_buffer_is_filled_only_while_no_request_on_it_is_held() {
         assert!(matches!(WriteBuf::new(0), Err(Error::InvalidArgument(_))));
         let mut b = WriteBuf::new(8192).unwrap();
         assert_eq!(b.len(), 8192);
@@ -262,20 +314,25 @@ mod tests {
             b.fill(usize::MAX, b"a"),
             Err(Error::InvalidArgument(_))
         ));
-        let h = b.hold();
-        let h2 = b.hold();
-        assert_eq!(b.holds(), 2);
+        let h = b.hold(false);
+        let h2 = b.hold(true);
+        assert_eq!((b.holds(), b.writes_held(), b.reads_held()), (2, 1, 1));
         assert!(b.bytes_mut().is_none());
+        assert!(b.bytes().is_none(), "a Read may be writing it");
+        assert!(
+            matches!(b.fill(0, b"x"), Err(Error::InvalidArgument(m)) if m.contains("not finished"))
+        );
+        drop(h2);
+        assert!(b.bytes_mut().is_none());
+        assert!(b.bytes().is_some(), "a write from it only reads it");
         assert!(
             matches!(b.fill(0, b"x"), Err(Error::InvalidArgument(m)) if m.contains("not durable"))
         );
         drop(h);
-        assert!(b.bytes_mut().is_none());
-        drop(h2);
         b.fill(0, b"x").unwrap();
         // A hold outlives the buffer; the cache's weak handle dies with the last of them.
         let alive = b.alive();
-        let h = b.hold();
+        let h = b.hold(true);
         drop(b);
         assert!(alive.upgrade().is_some());
         drop(h);

@@ -123,6 +123,78 @@ fn an_unknown_job_option_exits_2_and_names_it() {
     assert!(text(&o).contains("does not fit"), "{}", text(&o));
 }
 
+/// A job's started reads go into registered buffers (no copy out) unless `--copy-reads`: either
+/// way a verifying read job checks the bytes that landed (a block overwritten behind its back
+/// fails it, naming the offset); and the flag means nothing without --job.
+#[test]
+fn reads_go_into_registered_buffers_and_are_verified_there() {
+    let (d, _shm, t) = start();
+    let write = d.path().join("w.fio");
+    std::fs::write(
+        &write,
+        "[w]\nrw=write\nbs=16k\noffset=0\nsize=1m\niodepth=4\nverify=crc32c\n",
+    )
+    .unwrap();
+    let read = d.path().join("r.fio");
+    std::fs::write(
+        &read,
+        "[r]\nrw=randread\nbs=16k\noffset=0\nsize=1m\niodepth=4\nverify=crc32c\n\
+         time_based\nruntime=1\n",
+    )
+    .unwrap();
+    let conn = rpma_tests::conn_args(&t.url(), SUB, HOST, Some(4));
+    for extra in [&[][..], &["--copy-reads"][..]] {
+        let o = bench(&t, "4", &write, &[]);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        let o = bench(&t, "4", &read, extra);
+        assert!(o.status.success(), "{extra:?}: {}", text(&o));
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(out.contains("read: IOPS="), "{extra:?}: {out}");
+        assert!(out.contains("blocks match"), "{extra:?}: {out}");
+        // What went through the bounce buffers: nothing read, or every byte read.
+        let line = out
+            .lines()
+            .find(|l| l.contains("bounce copy"))
+            .unwrap_or_else(|| panic!("{out}"));
+        let out_bytes: u64 = line
+            .split_whitespace()
+            .rev()
+            .nth(2)
+            .and_then(|n| n.parse().ok())
+            .unwrap_or_else(|| panic!("{line}"));
+        if extra.is_empty() {
+            assert_eq!(out_bytes, 0, "read into registered buffers: {line}");
+        } else {
+            assert!(out_bytes >= 16384, "copied out of the bounce slots: {line}");
+        }
+        // One block's bytes changed behind the job's back: every read of it fails the check.
+        rpma_tests::cli_write_with(&conn, d.path(), 5 * 16384 + 100, &[0x5Au8; 7]);
+        let o = bench(&t, "4", &read, extra);
+        assert!(!o.status.success(), "{extra:?}: {}", text(&o));
+        assert!(
+            text(&o).contains(&format!("verify failed at offset {}", 5 * 16384 + 100)),
+            "{extra:?}: {}",
+            text(&o)
+        );
+    }
+    let url = t.url();
+    let o = initiator(&[
+        "--target",
+        &url,
+        "--nqn",
+        SUB,
+        "--hostnqn",
+        HOST,
+        "--nsid",
+        "4",
+        "bench",
+        "--copy-reads",
+        "--yes",
+    ]);
+    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
+    assert!(text(&o).contains("--job"), "{}", text(&o));
+}
+
 /// A job without verify writes from a registered buffer (no bounce copy): its bytes land, on
 /// the started path (fsync=0) and the durable batch path alike; `--copy-writes` writes the same
 /// bytes through the bounce buffers; and the flag means nothing without --job.

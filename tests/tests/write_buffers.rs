@@ -2,7 +2,8 @@
 //! land without a bounce copy (the queue's `bytes_copied` says so), the queue holds the buffer
 //! until a durability acknowledgement covers them (the caller cannot refill it before), every
 //! call refuses the ranges it promises to refuse, and a write from a buffer that a cut link
-//! swallowed is re-issued from the same buffer after the reconnect.
+//! swallowed is re-issued from the same buffer after the reconnect. Reads into such a buffer
+//! land in it without a copy out (the queue's `read_bytes_copied`).
 
 use std::time::Duration;
 
@@ -177,7 +178,8 @@ fn writes_from_a_buffer_land_without_a_copy_and_hold_it_until_durable() {
 
 /// Writes from a buffer that went into a link throwing them away are re-issued from the buffer
 /// after the reconnect (the queue held it, not a copy), and the buffer is let go once they are
-/// durable; a buffer the caller dropped meanwhile stays alive for the replay.
+/// durable; a buffer the caller dropped meanwhile stays alive for the replay; a Read into a
+/// buffer is void after the loss and lets its buffer go.
 #[test]
 fn writes_from_a_buffer_swallowed_by_a_cut_link_are_reissued_from_it() {
     let (_d, _shm, t) = four_namespace_target("wbufcut", Subsystem::new(SUB).any_host(), 512);
@@ -202,6 +204,9 @@ fn writes_from_a_buffer_swallowed_by_a_cut_link_are_reissued_from_it() {
     tickets.push(ns.start_write_from(65536, &dropped, 0..16384).unwrap());
     drop(dropped);
     let read = ns.start_read(0, 4096).unwrap();
+    let mut into = WriteBuf::new(4096).unwrap();
+    let read_into = ns.start_read_into(0, &mut into, 0..4096).unwrap();
+    assert_eq!(into.holds(), 1);
     let (err, seen) =
         rpma_tests::relay::wait_started_through_a_cut(&relay, Duration::from_millis(300), &mut ns);
     assert!(err.is_connection_loss(), "{err}");
@@ -209,6 +214,15 @@ fn writes_from_a_buffer_swallowed_by_a_cut_link_are_reissued_from_it() {
         assert!(seen.contains(&Completed::Write(*t)), "{t:?}: {seen:?}");
     }
     assert!(!seen.contains(&Completed::Read(read)));
+    // A Read into a buffer is void as well, and lets the buffer go once the old connection is
+    // closed: the caller may fill it again.
+    assert!(!seen.contains(&Completed::Read(read_into)));
+    assert_eq!(into.holds(), 0, "the voided Read's hold is let go");
+    assert!(matches!(
+        ns.finish_read(read_into),
+        Err(Error::InvalidArgument(_))
+    ));
+    into.fill(0, b"mine").unwrap();
     assert_eq!(kept.holds(), 4, "held through the reconnect");
     assert!(ns.persist_own_writes().unwrap().is_durable());
     assert_eq!(kept.holds(), 0);
@@ -223,4 +237,136 @@ fn writes_from_a_buffer_swallowed_by_a_cut_link_are_reissued_from_it() {
     assert!(q.reconnects() >= 1);
 }
 
-rpma_tests::rdma_runs!(writes_from_a_buffer_land_without_a_copy_and_hold_it_until_durable);
+/// Waits until each of `tickets` completed as a Read.
+fn wait_reads(ns: &mut rpma_initiator::Namespace<'_>, tickets: &[rpma_initiator::Ticket]) {
+    let mut seen = Vec::new();
+    while !tickets.iter().all(|t| seen.contains(&Completed::Read(*t))) {
+        let mut done = Vec::new();
+        ns.wait_started(&mut done).unwrap();
+        seen.extend(done);
+    }
+}
+
+/// Reads into a caller's buffer (`start_read_into`): the bytes land in it and nothing copies
+/// them out (a plain read's do get copied), several Reads go into one buffer at once, the
+/// queue holds it until `finish_read` (or `take_read`, which copies them out too); a buffer a
+/// write from it is held for takes no Read, a buffer with a Read into it gives no write; and
+/// the errors each call promises, nothing held after any of them.
+#[test]
+fn reads_into_a_buffer_land_without_a_copy() {
+    let (_d, _shm, t) = four_namespace_target("rbuf", Subsystem::new(SUB).any_host(), 512);
+    let mut q = conn(&t.url(), ReconnectPolicy::default())
+        .open_queue(0)
+        .unwrap();
+    let bad = |r: rpma_initiator::Result<()>| matches!(r, Err(Error::InvalidArgument(_)));
+    for nsid in [1u32, 4] {
+        let mut ns = q.namespace(nsid).unwrap();
+        let data = noise(60 + u64::from(nsid), 3 * 16384);
+        ns.write_durable(0, &data).unwrap();
+        let copied = ns.queue_stats().read_bytes_copied;
+
+        // Three chunk-sized Reads into one buffer at once.
+        let mut b = WriteBuf::new(3 * 16384).unwrap();
+        let tickets: Vec<_> = (0..3)
+            .map(|i| {
+                ns.start_read_into(i as u64 * 16384, &mut b, i * 16384..(i + 1) * 16384)
+                    .unwrap()
+            })
+            .collect();
+        assert_eq!(b.holds(), 3);
+        assert!(
+            b.bytes_mut().is_none(),
+            "nsid {nsid}: held while Reads may write it"
+        );
+        assert!(
+            bad(ns.write_from(0, &b, 0..10)),
+            "nsid {nsid}: no write from a buffer a Read goes into"
+        );
+        wait_reads(&mut ns, &tickets);
+        for &t in &tickets {
+            ns.finish_read(t).unwrap();
+        }
+        assert!(
+            bad(ns.finish_read(tickets[0])),
+            "nsid {nsid}: freed already"
+        );
+        assert_eq!(b.holds(), 0);
+        assert!(
+            b.bytes_mut().unwrap() == &data[..],
+            "nsid {nsid}: the bytes landed"
+        );
+        assert_eq!(
+            ns.queue_stats().read_bytes_copied,
+            copied,
+            "nsid {nsid}: nothing copied out"
+        );
+
+        // take_read of a Read into a buffer copies them out as well; a plain read copies.
+        let t = ns.start_read_into(100, &mut b, 5000..5050).unwrap();
+        wait_reads(&mut ns, &[t]);
+        let mut out = [0u8; 50];
+        ns.take_read(t, &mut out).unwrap();
+        assert!(out[..] == data[100..150]);
+        assert!(b.bytes_mut().unwrap()[5000..5050] == data[100..150]);
+        assert!(read_back(&mut ns, 0, 1000) == data[..1000]);
+        assert_eq!(ns.queue_stats().read_bytes_copied, copied + 1050);
+
+        // Not into a buffer a write from it is held for: its bytes may be re-issued.
+        let mut w = buf_of(&noise(70, 4096));
+        ns.write_from(200_000, &w, 0..4096).unwrap();
+        assert!(bad(ns.start_read_into(0, &mut w, 0..4096).map(|_| ())));
+        assert_eq!(w.holds(), 1);
+        ns.persist_own_writes().unwrap();
+        let t = ns.start_read_into(0, &mut w, 0..4096).unwrap();
+        wait_reads(&mut ns, &[t]);
+        ns.finish_read(t).unwrap();
+        assert!(w.bytes_mut().unwrap() == &data[..4096]);
+        assert!(read_back(&mut ns, 200_000, 4096) == noise(70, 4096));
+    }
+
+    // The errors.
+    let mut ns = q.namespace(4).unwrap();
+    let mut b = WriteBuf::new(16384).unwrap();
+    let start = |ns: &mut rpma_initiator::Namespace<'_>, off, b: &mut WriteBuf, r| {
+        ns.start_read_into(off, b, r).map(|_| ())
+    };
+    assert!(bad(start(&mut ns, 0, &mut b, 0..0)), "empty");
+    assert!(
+        bad(start(&mut ns, 0, &mut b, 16000..16385)),
+        "outside the buffer"
+    );
+    #[allow(clippy::reversed_empty_ranges)]
+    let backwards = 10..5;
+    assert!(bad(start(&mut ns, 0, &mut b, backwards)));
+    let mut big = WriteBuf::new(20_000).unwrap();
+    assert!(
+        bad(start(&mut ns, 0, &mut big, 0..20_000)),
+        "a started read moves at most a chunk"
+    );
+    let size = ns.descriptor().size;
+    assert!(matches!(
+        start(&mut ns, size - 100, &mut b, 0..4096),
+        Err(Error::OutOfRange { .. })
+    ));
+    let w = ns.start_write(0, b"abc").unwrap();
+    let mut done = Vec::new();
+    while !done.contains(&Completed::Write(w)) {
+        ns.wait_started(&mut done).unwrap();
+    }
+    assert!(bad(ns.finish_read(w)), "a write's ticket");
+    let r = ns.start_read(0, 3).unwrap();
+    wait_reads(&mut ns, &[r]);
+    assert!(
+        bad(ns.finish_read(r)),
+        "a read into a slot: its bytes are to be taken"
+    );
+    let mut out = [0u8; 3];
+    ns.take_read(r, &mut out).unwrap();
+    assert_eq!(&out, b"abc", "still there to take after the refusal");
+    assert_eq!((b.holds(), big.holds()), (0, 0));
+}
+
+rpma_tests::rdma_runs!(
+    writes_from_a_buffer_land_without_a_copy_and_hold_it_until_durable,
+    reads_into_a_buffer_land_without_a_copy,
+);

@@ -317,6 +317,11 @@ pub(crate) struct JobArgs {
     /// of writing from a registered buffer without a copy (the default where verify is off).
     #[arg(long, requires = "job")]
     pub(crate) copy_writes: bool,
+    /// With --job: copy each read's bytes out of the queue's bounce buffers, as `read_at` does,
+    /// instead of reading into registered buffers without a copy (the default for requests
+    /// of at most one chunk).
+    #[arg(long, requires = "job")]
+    pub(crate) copy_reads: bool,
 }
 
 fn parse_size(s: &str) -> Result<u64, String> {

@@ -97,7 +97,7 @@ fn an_acknowledged_write_under_an_older_held_one_stays_for_the_replay() {
     p.set(other, Slot::Held(rec(0, 1 << 20, 4096, 3)));
     assert_eq!(p.release_held(0, 4096, 8192, false), 0);
     assert_eq!(p.release_held(0, 1 << 20, (1 << 20) + 4096, false), 1);
-    let held = p.on_connection_lost();
+    let (held, _) = p.on_connection_lost();
     assert_eq!(
         held.iter()
             .map(|(_, w)| (w.offset, w.seq))
@@ -142,7 +142,7 @@ fn a_newer_write_of_the_same_block_frees_the_held_older_one() {
     assert!(!p.supersede(&rec(0, 16384, 8192, 9)), "still in flight");
     assert_eq!(p.number(Kind::Held), 3);
     // The replay has every write that is still needed, in post order.
-    let held = p.on_connection_lost();
+    let (held, _) = p.on_connection_lost();
     assert_eq!(
         held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
         vec![2, 3, 4, 8]
@@ -208,16 +208,16 @@ fn slots_cycle_and_held_writes_are_released_by_range() {
     assert_eq!(p.release_held(0, 8192, 8200, false), 0);
     assert_eq!(p.release_held(0, 0, 0, true), 1);
     assert_eq!(p.count(|s| *s == Slot::Free), 3);
-    p.load(c, Data::Bytes(b"abc")).unwrap();
+    p.load(c, Data::Bytes(b"abc"), false).unwrap();
     let mut out = [0u8; 3];
     p.copy_out(c, &mut out).unwrap();
     assert_eq!(&out, b"abc");
     assert!(
-        p.load(c, Data::Bytes(&[0u8; 4097])).is_ok(),
+        p.load(c, Data::Bytes(&[0u8; 4097]), false).is_ok(),
         "spills into the next slot's memory"
     );
     assert!(
-        p.load(3, Data::Bytes(&[0u8; 4097])).is_err(),
+        p.load(3, Data::Bytes(&[0u8; 4097]), false).is_err(),
         "but never past the pool"
     );
 }
@@ -255,7 +255,7 @@ fn connection_loss_voids_started_reads_in_flight_and_keeps_completed_ones() {
     w.notify = true;
     p.set(s[2], Slot::Writing(w));
     assert_eq!(p.in_flight(), 2);
-    let held = p.on_connection_lost();
+    let (held, _) = p.on_connection_lost();
     assert_eq!(p.get(s[0]), Some(Slot::Free), "in flight: void");
     assert_eq!(p.get(s[1]), Some(Slot::StartedDone { ticket: 2, len: 8 }));
     // The started Write is held for the replay and still to be reported.
@@ -280,7 +280,7 @@ fn connection_loss_holds_unfinished_writes_in_post_order_and_drops_reads() {
         },
     );
     assert_eq!((p.in_flight(), p.max_in_flight()), (2, 2));
-    let held = p.on_connection_lost();
+    let (held, _) = p.on_connection_lost();
     assert_eq!((p.in_flight(), p.max_in_flight()), (0, 2));
     assert_eq!(
         held.iter().map(|(_, w)| w.seq).collect::<Vec<_>>(),
@@ -378,6 +378,7 @@ fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
             at: 4096,
             len: 100,
         },
+        false,
     )
     .unwrap();
     assert_eq!((b.holds(), p.bytes_copied()), (1, 0));
@@ -404,6 +405,7 @@ fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
             at: 0,
             len: 10,
         },
+        false,
     )
     .unwrap();
     let seq = p.next_seq();
@@ -419,7 +421,7 @@ fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
     assert_eq!(p.write_sge(s, 0, 100).offset, 4096);
     // A new write from the buffer after the rebind finds that registration, not a new one.
     let v = p.take_free().unwrap();
-    p.load(v, buf_data(&b, 0, 10)).unwrap();
+    p.load(v, buf_data(&b, 0, 10), false).unwrap();
     assert_eq!(p.ext_mr(v).unwrap().lkey(), again.lkey());
     p.untake(v);
     p.set(s, Slot::Free);
@@ -427,13 +429,13 @@ fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
     assert_eq!(b.holds(), 0);
     // Handed back unused, and loaded with bytes: the slot's own memory again.
     let u = p.take_free().unwrap();
-    p.load(u, buf_data(&b, 0, 10)).unwrap();
+    p.load(u, buf_data(&b, 0, 10), false).unwrap();
     assert_eq!(b.holds(), 1);
     p.untake(u);
     assert_eq!(b.holds(), 0);
     let u = p.take_free().unwrap();
-    p.load(u, buf_data(&b, 0, 10)).unwrap();
-    p.load(u, Data::Bytes(b"abc")).unwrap();
+    p.load(u, buf_data(&b, 0, 10), false).unwrap();
+    p.load(u, Data::Bytes(b"abc"), false).unwrap();
     assert_eq!((b.holds(), p.bytes_copied()), (0, 3));
     assert!(p.ext_mr(u).is_none());
     assert_eq!(p.write_sge(u, 0, 3).offset, u * 4096);
@@ -442,4 +444,50 @@ fn a_slot_writes_from_a_callers_buffer_and_holds_it_until_free() {
 /// `len` bytes from `at` of `buf`, as a write from it.
 fn buf_data(buf: &WriteBuf, at: usize, len: usize) -> Data<'_> {
     Data::Buf { buf, at, len }
+}
+
+/// A Read into a caller's buffer that a lost connection voids frees its slot, but its hold on
+/// the buffer is handed back with the held writes, not let go: the old connection may still
+/// place the Read's bytes until it is closed. A completed one keeps its slot and hold.
+#[test]
+fn a_voided_read_into_a_buffer_keeps_its_hold_until_it_is_let_go() {
+    let ctx = Context::soft();
+    let pd = ctx.alloc_pd().unwrap();
+    let mut p = Pool::new(&pd, 4, 4, 4096).unwrap();
+    let b = WriteBuf::new(8192).unwrap();
+    let (s, t) = (p.take_free().unwrap(), p.take_free().unwrap());
+    for (slot, at) in [(s, 0), (t, 4096)] {
+        p.load(slot, buf_data(&b, at, 100), true).unwrap();
+        let ticket = p.next_seq();
+        p.set(
+            slot,
+            Slot::Started {
+                ns: 0,
+                ticket,
+                len: 100,
+            },
+        );
+    }
+    assert_eq!((b.reads_held(), b.writes_held()), (2, 0));
+    p.set(
+        t,
+        Slot::StartedDone {
+            ticket: 99,
+            len: 100,
+        },
+    );
+    let (held, voided) = p.on_connection_lost();
+    assert!(held.is_empty());
+    assert_eq!(voided.len(), 1, "the Read in flight");
+    assert_eq!(p.get(s), Some(Slot::Free));
+    assert!(p.ext_mr(s).is_none());
+    assert_eq!(
+        b.reads_held(),
+        2,
+        "the voided one's hold handed back, the done one's kept"
+    );
+    drop(voided);
+    assert_eq!(b.reads_held(), 1);
+    p.set(t, Slot::Free);
+    assert_eq!(b.holds(), 0);
 }

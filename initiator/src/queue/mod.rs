@@ -87,6 +87,11 @@ pub struct QueueStats {
     /// Bytes of writes copied into the bounce buffers: all of a plain write's, none of a write
     /// from a [`WriteBuf`](crate::WriteBuf) (re-issues copy nothing either).
     pub bytes_copied: u64,
+    /// Bytes of reads copied out of the bounce buffers into the caller's: all of a plain
+    /// read's ([`Namespace::read_at`](crate::Namespace::read_at),
+    /// [`take_read`](crate::Namespace::take_read)), none of a Read into a
+    /// [`WriteBuf`](crate::WriteBuf) freed with [`finish_read`](crate::Namespace::finish_read).
+    pub read_bytes_copied: u64,
 }
 
 /// One connected queue pair and its registered buffers. Not shared between threads: open one
@@ -197,6 +202,7 @@ impl Queue {
             unmatched_completions: c.unmatched_completions,
             errors_not_returned: c.errors_not_returned,
             bytes_copied: c.bytes_copied,
+            read_bytes_copied: c.read_bytes_copied,
         }
     }
 
@@ -400,6 +406,13 @@ impl Queue {
     ) -> Result<Ticket> {
         self.engine.check_one_chunk(len)?;
         buf.check(at, len)?;
+        if buf.writes_held() != 0 {
+            return Err(Error::InvalidArgument(
+                "a write from this buffer is not durable yet: persist it before reading into the \
+                 buffer"
+                    .into(),
+            ));
+        }
         let buf = &*buf;
         self.run(OnLoss::ReconnectAndFail, |q| {
             q.engine

@@ -18,7 +18,7 @@ use rpma_common::fabric::{Access, AlignedBuf, Completion, QpState, RemoteAddr, S
 use rpma_common::proto::{Disconnect, Message};
 
 use super::connection::Connection;
-use super::engine::Engine;
+use super::engine::{Engine, Lost};
 use super::persist::Persister;
 use crate::checks::check_healthy;
 use crate::error::{Error, LossReason, Result};
@@ -149,15 +149,18 @@ impl Reconnect {
         fence: bool,
     ) -> Result<()> {
         let started = Instant::now();
-        let (old, held) = e.lose_connection();
+        let Lost { old, held, voided } = e.lose_connection();
         if let Some(s) = old {
             if fence || !held.is_empty() {
                 if let Err(err) = retire(e, s, deadline) {
+                    drop(voided);
                     self.give_up(e);
                     return Err(err);
                 }
             }
         }
+        // The old connection is closed: nothing places into the dropped Reads' buffers now.
+        drop(voided);
         e.forget_owed();
         let policy = self.conn.queue.reconnect.clone();
         let mut last = None;

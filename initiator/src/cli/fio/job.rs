@@ -77,6 +77,9 @@ pub(crate) struct Job {
     /// Copy each write into the queue's bounce buffers (`bench --copy-writes`) rather than write
     /// from a registered buffer; a verifying job always copies (its bytes differ per block).
     pub(crate) copy_writes: bool,
+    /// Copy each read out of the queue's bounce buffers (`bench --copy-reads`) rather than
+    /// read into registered buffers.
+    pub(crate) copy_reads: bool,
     /// The options as written (global first), for the report's "job options".
     pub(crate) options: Vec<(String, String)>,
 }
@@ -98,6 +101,7 @@ impl Job {
             fsync: 0,
             verify: false,
             copy_writes: false,
+            copy_reads: false,
             options: Vec::new(),
         }
     }

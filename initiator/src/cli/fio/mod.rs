@@ -52,6 +52,7 @@ pub(crate) fn run(g: &Global, args: &JobArgs) -> Result<(), Failure> {
     let mut jobs = job::parse(&text).map_err(|e| usage(format!("{}: {e}", path.display())))?;
     for j in &mut jobs {
         j.copy_writes = args.copy_writes;
+        j.copy_reads = args.copy_reads;
     }
     let (depth, slots, chunk) = pool_shape(&jobs);
     let conn = g.connection_with(depth, chunk, slots * chunk)?;

@@ -196,6 +196,10 @@ pub(crate) fn text(jobs: &[(Job, Outcome)]) -> String {
         if o.verified > 0 {
             out.push_str(&format!("  verify       : {} blocks match\n", o.verified));
         }
+        out.push_str(&format!(
+            "  bounce copy  : writes {} bytes in, reads {} bytes out\n",
+            o.copied.0, o.copied.1
+        ));
         out.push('\n');
     }
     out.push_str("Run status (each job section its own group):\n");

@@ -75,6 +75,10 @@ pub(crate) struct Outcome {
     pub(crate) visible_only: bool,
     /// Blocks read back and compared (verify).
     pub(crate) verified: u64,
+    /// Bytes the job's requests (ramp included, verify pass not) copied through the queues'
+    /// bounce buffers: writes' in, reads' out (none for writes from a registered buffer,
+    /// reads into one).
+    pub(crate) copied: (u64, u64),
 }
 
 impl Outcome {
@@ -87,6 +91,7 @@ impl Outcome {
             sys: Duration::ZERO,
             visible_only: false,
             verified: 0,
+            copied: (0, 0),
         }
     }
 }
@@ -142,6 +147,8 @@ pub(crate) fn run(
                 total.runtime = total.runtime.max(o.runtime);
                 total.visible_only |= o.visible_only;
                 total.verified += o.verified;
+                total.copied.0 += o.copied.0;
+                total.copied.1 += o.copied.1;
             }
             Ok(Err(e)) => {
                 live.stop.store(true, Ordering::Relaxed);
@@ -358,6 +365,7 @@ fn worker(
         }
     }
     out.runtime = Instant::now().saturating_duration_since(measured_from);
+    out.copied = copied(&ns);
     if since_sync > 0 && ns.persist_own_writes()? == Durability::VisibleOnly {
         out.visible_only = true;
     }
@@ -395,6 +403,31 @@ struct InFlight {
     /// A read to check against what was written (decided when it starts: a write started
     /// after it may not have landed before it).
     check: bool,
+    /// The registered buffer of [`Rooms`] a read goes into (None: a bounce slot).
+    room: Option<usize>,
+}
+
+/// The registered buffers a job's started reads go into without a copy, one per request in
+/// flight (so that a finished read's bytes can be checked while others are in flight): None
+/// with --copy-reads, or for a job that does not read.
+struct Rooms {
+    bufs: Vec<WriteBuf>,
+    free: Vec<usize>,
+}
+
+impl Rooms {
+    fn new(job: &Job, reads: bool) -> Result<Option<Rooms>, Failure> {
+        if job.copy_reads || !reads {
+            return Ok(None);
+        }
+        let bufs = (0..job.iodepth)
+            .map(|_| WriteBuf::new(job.bs as usize))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Some(Rooms {
+            free: (0..bufs.len()).collect(),
+            bufs,
+        }))
+    }
 }
 
 /// One thread's queue kept full: `iodepth` started requests, a new one as each completes.
@@ -412,6 +445,7 @@ fn worker_started(
     let read_pct = pick.read_pct;
     let (mut wbuf, mut rbuf, mut want) = (vec![0xA5u8; bs], vec![0u8; bs], vec![0u8; bs]);
     let zbuf = in_place(job, &wbuf)?;
+    let mut rooms = Rooms::new(job, read_pct > 0)?;
     let mut written = vec![0u64; (blocks as usize).div_ceil(64)];
     let mut out = Outcome::empty();
     let start = Instant::now();
@@ -436,13 +470,23 @@ fn worker_started(
                 // A job that only reads checks every block (an earlier job wrote them with
                 // verify on); a mixed one the blocks it wrote itself.
                 let mine = written[(block / 64) as usize] & (1 << (block % 64)) != 0;
-                let ticket = ns.start_read(at(block), bs)?;
+                let (ticket, room) = match &mut rooms {
+                    Some(r) => {
+                        let i = r.free.pop().expect("a buffer per request in flight");
+                        (
+                            ns.start_read_into(at(block), &mut r.bufs[i], 0..bs)?,
+                            Some(i),
+                        )
+                    }
+                    None => (ns.start_read(at(block), bs)?, None),
+                };
                 reads.push(InFlight {
                     ticket,
                     since,
                     block,
                     measured,
                     check: job.verify && (read_pct == 100 || mine),
+                    room,
                 });
             } else {
                 if job.verify {
@@ -459,6 +503,7 @@ fn worker_started(
                     block,
                     measured,
                     check: false,
+                    room: None,
                 });
             }
         }
@@ -479,7 +524,17 @@ fn worker_started(
             let r = list.swap_remove(i);
             let took = now.saturating_duration_since(r.since);
             if matches!(c, Completed::Read(_)) {
-                ns.take_read(ticket, &mut rbuf)?;
+                let got: &[u8] = match (r.room, &mut rooms) {
+                    (Some(i), Some(rs)) => {
+                        ns.finish_read(ticket)?;
+                        rs.free.push(i);
+                        rs.bufs[i].bytes_mut().expect("its one read is finished")
+                    }
+                    _ => {
+                        ns.take_read(ticket, &mut rbuf)?;
+                        &rbuf
+                    }
+                };
                 live.read_bytes.fetch_add(job.bs, Ordering::Relaxed);
                 live.read_ios.fetch_add(1, Ordering::Relaxed);
                 if r.measured {
@@ -488,7 +543,7 @@ fn worker_started(
                 }
                 if r.check {
                     fill(at(r.block), &mut want);
-                    compare(job, at(r.block), &want, &rbuf)?;
+                    compare(job, at(r.block), &want, got)?;
                     out.verified += 1;
                 }
             } else {
@@ -502,6 +557,7 @@ fn worker_started(
         }
     }
     out.runtime = Instant::now().saturating_duration_since(measured_from);
+    out.copied = copied(ns);
     if job.verify {
         // fio's verify after a writing job: every block written is read back and checked.
         for b in (0..blocks).filter(|b| written[(b / 64) as usize] & (1 << (b % 64)) != 0) {
@@ -512,6 +568,12 @@ fn worker_started(
         }
     }
     Ok(out)
+}
+
+/// The bytes a job's queue copied through its bounce buffers so far ([`Outcome::copied`]).
+fn copied(ns: &Namespace<'_>) -> (u64, u64) {
+    let s = ns.queue_stats();
+    (s.bytes_copied, s.read_bytes_copied)
 }
 
 fn compare(job: &Job, off: u64, want: &[u8], got: &[u8]) -> Result<(), Failure> {

@@ -13,11 +13,23 @@ use crate::error::{Error, Result};
 use crate::pool::{Slot, WriteRec};
 use crate::queue::completion::{Completed, Ticket};
 use crate::session::Session;
+use crate::writebuf::Hold;
 
 /// Re-issued Writes posted at once, at most (a send queue takes 256: [`QpCaps`]).
 ///
 /// [`QpCaps`]: rpma_common::fabric::QpCaps
 const REISSUE_BATCH: usize = 128;
+
+/// What [`Engine::lose_connection`] hands the reconnect.
+pub(in crate::queue) struct Lost {
+    /// The old session, to retire or drop.
+    pub(in crate::queue) old: Option<Session>,
+    /// The held writes in post order, to re-issue.
+    pub(in crate::queue) held: Vec<(usize, WriteRec)>,
+    /// The holds of the dropped Reads into callers' buffers: let go once `old` is retired or
+    /// dropped, not before (a caller's other thread could write from the buffer meanwhile).
+    pub(in crate::queue) voided: Vec<Hold>,
+}
 
 impl Engine {
     /// Whether the connection is gone: no session, or its queue pair in Error.
@@ -30,14 +42,18 @@ impl Engine {
 
     /// The connection is lost (or given up): unfinished Writes become held, Reads in flight
     /// are dropped ([`Pool::on_connection_lost`](crate::pool::Pool::on_connection_lost)).
-    /// Returns the old session, to retire or drop, and the held writes in post order, to
-    /// re-issue on the next connection ([`reissue`](Self::reissue)).
-    pub(in crate::queue) fn lose_connection(
-        &mut self,
-    ) -> (Option<Session>, Vec<(usize, WriteRec)>) {
-        let held = self.pool.on_connection_lost();
+    /// Returns the old session, to retire or drop, the held writes in post order, to re-issue
+    /// on the next connection ([`reissue`](Self::reissue)), and the holds of the dropped Reads
+    /// into callers' buffers, to let go once the old session is retired or dropped (until then
+    /// it may still place their bytes).
+    pub(in crate::queue) fn lose_connection(&mut self) -> Lost {
+        let (held, voided) = self.pool.on_connection_lost();
         self.forget_placement();
-        (self.session.take(), held)
+        Lost {
+            old: self.session.take(),
+            held,
+            voided,
+        }
     }
 
     /// Namespace `idx` as the new connection addresses it.

@@ -46,6 +46,8 @@ mod lost;
 mod place;
 mod started;
 
+pub(in crate::queue) use lost::Lost;
+
 /// How often the polling loops wake to run keep-alives when nothing completes.
 const TICK: Duration = Duration::from_millis(100);
 
@@ -70,6 +72,7 @@ pub(super) struct Counters {
     pub(super) unmatched_completions: u64,
     pub(super) errors_not_returned: u64,
     pub(super) bytes_copied: u64,
+    pub(super) read_bytes_copied: u64,
 }
 
 /// One connection's data path (the module's doc).
@@ -149,6 +152,7 @@ impl Engine {
             unmatched_completions: self.completion_log.unmatched,
             errors_not_returned: self.completion_log.later_errors,
             bytes_copied: self.pool.bytes_copied(),
+            read_bytes_copied: self.pool.bytes_copied_out(),
         }
     }
 
@@ -583,7 +587,7 @@ impl Engine {
                         }
                     }
                 };
-                if let Err(source) = self.pool.load(slot, piece) {
+                if let Err(source) = self.pool.load(slot, piece, false) {
                     self.pool.untake(slot);
                     return Err(Error::Fabric {
                         op: piece.load_op(),

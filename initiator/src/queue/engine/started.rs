@@ -49,7 +49,7 @@ impl Engine {
         fence: bool,
     ) -> Result<Ticket> {
         let slot = self.slot_for_start(room)?;
-        self.load(slot, data)?;
+        self.load(slot, data, false)?;
         let seq = self.pool.next_seq();
         let rec = WriteRec {
             ns: idx,
@@ -94,14 +94,14 @@ impl Engine {
         len: usize,
     ) -> Result<Ticket> {
         let slot = self.slot_for_start(room)?;
-        self.load(slot, Data::Buf { buf, at, len })?;
+        self.load(slot, Data::Buf { buf, at, len }, true)?;
         Ok(self.defer_read(slot, idx, offset, len))
     }
 
     /// Loads `data` into the taken `slot` (a copy, or the caller's buffer registered); gives
     /// the slot back if that fails.
-    fn load(&mut self, slot: usize, data: Data<'_>) -> Result<()> {
-        self.pool.load(slot, data).map_err(|source| {
+    fn load(&mut self, slot: usize, data: Data<'_>, read: bool) -> Result<()> {
+        self.pool.load(slot, data, read).map_err(|source| {
             self.pool.untake(slot);
             Error::Fabric {
                 op: data.load_op(),
@@ -139,9 +139,17 @@ impl Engine {
     }
 
     /// Frees the slot of the completed started Read `ticket` without copying its bytes (a
-    /// Read into the caller's buffer: they are there).
+    /// Read into the caller's buffer: they are there). A Read into a slot of the queue is
+    /// refused: its bytes would be lost (`take_read` them).
     pub(in crate::queue) fn finish_read(&mut self, ticket: Ticket) -> Result<()> {
         let (slot, _) = self.done_read(ticket)?;
+        if !self.pool.is_ext(slot) {
+            return Err(Error::InvalidArgument(format!(
+                "ticket {} read into a slot of the queue, not a buffer: take its bytes with \
+                 take_read",
+                ticket.0
+            )));
+        }
         self.pool.set(slot, Slot::Free);
         Ok(())
     }
