@@ -13,7 +13,10 @@
 //!
 //! The floor, in the same run: a raw TCP ping-pong (4 KiB one way, 8 B back, both ends
 //! busy-polling non-blocking sockets with TCP_NODELAY) and a raw TCP stream (1 MiB writes, the
-//! reader busy-polling into a 1 MiB buffer).
+//! reader busy-polling into a 1 MiB buffer). Beside it, the same stream received straight into
+//! a dax (forced) region and written back (clwb + sfence) as it lands: what a receiver that
+//! does nothing but land the bytes durably in memory gets, the floor of the bandwidth cases on
+//! dax (its row has no latency).
 //!
 //! Both ends run in this process, on two threads (the initiator in the main thread, the target
 //! busy-polling its completion queue in another): on a 2-CPU machine that is one CPU each.
@@ -95,18 +98,24 @@ fn main() -> BoxResult<()> {
     // Each repetition measures the floor and then every case, so that a case is compared with
     // a floor measured moments before it (the machine is shared: its load drifts).
     let mut floor = Stats::default();
+    let mut placed = Stats::default();
+    let dax_region = || -> BoxResult<Arc<dyn Target>> {
+        let m = OpenOptions::new(shm.path())
+            .size(REGION as u64)
+            .force_dax(true)
+            .open()?;
+        assert!(m.domain().is_durable(), "{}", m.domain());
+        Ok(Arc::new(m))
+    };
     for rep in 0..a.reps {
         let (p50, p99) = raw_ping_pong(a.iters)?;
         let bw = raw_stream(a.gib)?;
         floor.push(p50, p99, bw, 1.0, 1.0);
+        let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
+        placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
         for c in cases.iter_mut() {
             let mem: Arc<dyn Target> = if c.dax {
-                let m = OpenOptions::new(shm.path())
-                    .size(REGION as u64)
-                    .force_dax(true)
-                    .open()?;
-                assert!(m.domain().is_durable(), "{}", m.domain());
-                Arc::new(m)
+                dax_region()?
             } else {
                 AlignedBuf::new(REGION)?
             };
@@ -123,6 +132,7 @@ fn main() -> BoxResult<()> {
     println!("| case | QD1 p50 us | QD1 p99 us | p50 / floor | bandwidth GB/s | bw / floor |");
     println!("|---|---:|---:|---:|---:|---:|");
     floor.print("raw TCP (floor)");
+    placed.print("raw TCP into a dax (forced) region, written back");
     for c in cases.iter_mut() {
         c.stats.print(&c.name);
     }
@@ -188,11 +198,26 @@ impl Stats {
     }
 
     fn print(&mut self, name: &str) {
+        // A row without latencies (NaN) shows "-" there.
+        let us = |v: f64| {
+            if v.is_nan() {
+                "-".into()
+            } else {
+                format!("{:.2}", v / 1e3)
+            }
+        };
+        let ratio = |v: f64| {
+            if v.is_nan() {
+                "-".into()
+            } else {
+                format!("{v:.2}")
+            }
+        };
         println!(
-            "| {name} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} |",
-            median(&mut self.p50) / 1e3,
-            median(&mut self.p99) / 1e3,
-            median(&mut self.lat_ratio),
+            "| {name} | {} | {} | {} | {:.2} | {:.2} |",
+            us(median(&mut self.p50)),
+            us(median(&mut self.p99)),
+            ratio(median(&mut self.lat_ratio)),
             median(&mut self.bw) / 1e9,
             median(&mut self.bw_ratio)
         );
@@ -482,6 +507,43 @@ fn raw_stream(gib: usize) -> BoxResult<f64> {
         match s.read(&mut buf) {
             Ok(0) => return Err("writer closed early".into()),
             Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let el = t.elapsed();
+    writer.join().map_err(|_| "writer panicked")??;
+    Ok(total as f64 / el.as_secs_f64())
+}
+
+/// [`raw_stream`] received straight into `mem` (a dax region), 1 MiB at a time round it, each
+/// read's bytes written back (clwb + sfence) as they land: bytes per second.
+fn raw_stream_placed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
+    let persist = mem.persist().ok_or("a dax region has a Persist")?;
+    let (base, len) = (mem.as_mut_ptr(), mem.len());
+    let (mut c, mut s) = pair()?;
+    let total = gib << 30;
+    let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        let buf = vec![3u8; MIB];
+        for _ in 0..total / MIB {
+            spin_write(&mut c, &buf)?;
+        }
+        Ok(())
+    });
+    let t = Instant::now();
+    let (mut got, mut at) = (0, 0);
+    while got < total {
+        let room = (len - at).min(MIB);
+        // SAFETY: `mem` is mapped for `len` bytes and `at + room <= len`; nothing else reads or
+        // writes it while this runs (a region of its own, not registered anywhere).
+        let dst = unsafe { std::slice::from_raw_parts_mut(base.add(at), room) };
+        match s.read(dst) {
+            Ok(0) => return Err("writer closed early".into()),
+            Ok(n) => {
+                persist.persist(at, n)?;
+                got += n;
+                at = (at + n) % len;
+            }
             Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
             Err(e) => return Err(e.into()),
         }
