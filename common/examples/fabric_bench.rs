@@ -1,6 +1,8 @@
 //! Benchmark (not a test): the `tcp` transport over loopback against raw TCP, in one run.
 //!
-//! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]`
+//! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]
+//! [--only TEXT] [--no-floor]` (`--only`: the cases whose name contains TEXT; `--no-floor`: the
+//! cases alone, no ratios: to profile a case without the floor's samples)
 //!
 //! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, one FPDU per segment of
 //! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a
@@ -45,6 +47,7 @@ struct Args {
     iters: usize,
     gib: usize,
     only: Option<String>,
+    no_floor: bool,
 }
 
 fn args() -> BoxResult<Args> {
@@ -53,9 +56,14 @@ fn args() -> BoxResult<Args> {
         iters: 20_000,
         gib: 1,
         only: None,
+        no_floor: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
+        if k == "--no-floor" {
+            a.no_floor = true;
+            continue;
+        }
         let v = it.next().ok_or("missing value")?;
         match k.as_str() {
             "--reps" => a.reps = v.parse()?,
@@ -108,11 +116,16 @@ fn main() -> BoxResult<()> {
         Ok(Arc::new(m))
     };
     for rep in 0..a.reps {
-        let (p50, p99) = raw_ping_pong(a.iters)?;
-        let bw = raw_stream(a.gib)?;
+        let (p50, p99, bw) = if a.no_floor {
+            (f64::NAN, f64::NAN, f64::NAN)
+        } else {
+            let (p50, p99) = raw_ping_pong(a.iters)?;
+            let bw = raw_stream(a.gib)?;
+            let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
+            placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
+            (p50, p99, bw)
+        };
         floor.push(p50, p99, bw, 1.0, 1.0);
-        let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
-        placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
         for c in cases.iter_mut() {
             let mem: Arc<dyn Target> = if c.dax {
                 dax_region()?
@@ -131,8 +144,10 @@ fn main() -> BoxResult<()> {
     println!();
     println!("| case | QD1 p50 us | QD1 p99 us | p50 / floor | bandwidth GB/s | bw / floor |");
     println!("|---|---:|---:|---:|---:|---:|");
-    floor.print("raw TCP (floor)");
-    placed.print("raw TCP into a dax (forced) region, written back");
+    if !a.no_floor {
+        floor.print("raw TCP (floor)");
+        placed.print("raw TCP into a dax (forced) region, written back");
+    }
     for c in cases.iter_mut() {
         c.stats.print(&c.name);
     }
@@ -214,12 +229,12 @@ impl Stats {
             }
         };
         println!(
-            "| {name} | {} | {} | {} | {:.2} | {:.2} |",
+            "| {name} | {} | {} | {} | {:.2} | {} |",
             us(median(&mut self.p50)),
             us(median(&mut self.p99)),
             ratio(median(&mut self.lat_ratio)),
             median(&mut self.bw) / 1e9,
-            median(&mut self.bw_ratio)
+            ratio(median(&mut self.bw_ratio))
         );
     }
 }
