@@ -504,10 +504,9 @@ fn raw_ping_pong(iters: usize) -> BoxResult<(f64, f64)> {
     Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
 }
 
-/// 1 MiB writes, the reader busy-polling: bytes per second.
-fn raw_stream(gib: usize) -> BoxResult<f64> {
-    let (mut c, mut s) = pair()?;
-    let total = gib << 30;
+/// A connected pair whose writer thread sends `total` bytes in 1 MiB writes; the reading end.
+fn stream_writer(total: usize) -> BoxResult<(JoinHandle<std::io::Result<()>>, TcpStream)> {
+    let (mut c, s) = pair()?;
     let writer = std::thread::spawn(move || -> std::io::Result<()> {
         let buf = vec![3u8; MIB];
         for _ in 0..total / MIB {
@@ -515,6 +514,13 @@ fn raw_stream(gib: usize) -> BoxResult<f64> {
         }
         Ok(())
     });
+    Ok((writer, s))
+}
+
+/// 1 MiB writes, the reader busy-polling: bytes per second.
+fn raw_stream(gib: usize) -> BoxResult<f64> {
+    let total = gib << 30;
+    let (writer, mut s) = stream_writer(total)?;
     let mut buf = vec![0u8; MIB];
     let t = Instant::now();
     let mut got = 0;
@@ -536,15 +542,8 @@ fn raw_stream(gib: usize) -> BoxResult<f64> {
 fn raw_stream_placed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
     let persist = mem.persist().ok_or("a dax region has a Persist")?;
     let (base, len) = (mem.as_mut_ptr(), mem.len());
-    let (mut c, mut s) = pair()?;
     let total = gib << 30;
-    let writer = std::thread::spawn(move || -> std::io::Result<()> {
-        let buf = vec![3u8; MIB];
-        for _ in 0..total / MIB {
-            spin_write(&mut c, &buf)?;
-        }
-        Ok(())
-    });
+    let (writer, mut s) = stream_writer(total)?;
     let t = Instant::now();
     let (mut got, mut at) = (0, 0);
     while got < total {

@@ -35,24 +35,25 @@ fn start() -> (tempfile::TempDir, Shm, Target) {
     four_namespace_target("benchjob", Subsystem::new(SUB).any_host(), 512)
 }
 
+/// `rpma-initiator --target ... --nsid NSID bench ARGS`.
+fn bench_cmd(t: &Target, nsid: u32, args: &[&str]) -> std::process::Output {
+    let mut all = rpma_tests::conn_args(&t.url(), SUB, HOST, Some(nsid));
+    all.push("bench".into());
+    all.extend(args.iter().map(|a| a.to_string()));
+    initiator(&all.iter().map(String::as_str).collect::<Vec<_>>())
+}
+
 fn bench(t: &Target, nsid: &str, job: &std::path::Path, extra: &[&str]) -> std::process::Output {
-    let url = t.url();
-    let job = job.to_str().unwrap();
-    let mut args = vec![
-        "--target",
-        &url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        nsid,
-        "bench",
-        "--job",
-        job,
-    ];
+    let mut args = vec!["--job", job.to_str().unwrap()];
     args.extend_from_slice(extra);
-    initiator(&args)
+    bench_cmd(t, nsid.parse().unwrap(), &args)
+}
+
+/// `bench FLAG` without --job: exit 2, naming --job.
+fn refused_without_a_job(t: &Target, flag: &str) {
+    let o = bench_cmd(t, 1, &[flag, "--yes"]);
+    assert_eq!(o.status.code(), Some(2), "{flag}: {}", text(&o));
+    assert!(text(&o).contains("--job"), "{flag}: {}", text(&o));
 }
 
 #[test]
@@ -177,22 +178,7 @@ fn reads_go_into_registered_buffers_and_are_verified_there() {
             text(&o)
         );
     }
-    let url = t.url();
-    let o = initiator(&[
-        "--target",
-        &url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        "4",
-        "bench",
-        "--copy-reads",
-        "--yes",
-    ]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("--job"), "{}", text(&o));
+    refused_without_a_job(&t, "--copy-reads");
 }
 
 /// A job without verify writes from a registered buffer (no bounce copy): its bytes land, on
@@ -232,22 +218,7 @@ fn writes_without_verify_go_from_a_registered_buffer_and_land() {
             "{extra:?}: every block whole"
         );
     }
-    let url = t.url();
-    let o = initiator(&[
-        "--target",
-        &url,
-        "--nqn",
-        SUB,
-        "--hostnqn",
-        HOST,
-        "--nsid",
-        "1",
-        "bench",
-        "--copy-writes",
-        "--yes",
-    ]);
-    assert_eq!(o.status.code(), Some(2), "{}", text(&o));
-    assert!(text(&o).contains("--job"), "{}", text(&o));
+    refused_without_a_job(&t, "--copy-writes");
 }
 
 rpma_tests::rdma_runs!(a_job_file_runs_verifies_and_reports_fio_json,);
