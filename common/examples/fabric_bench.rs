@@ -18,7 +18,9 @@
 //! reader busy-polling into a 1 MiB buffer). Beside it, the same stream received straight into
 //! a dax (forced) region and written back (clwb + sfence) as it lands: what a receiver that
 //! does nothing but land the bytes durably in memory gets, the floor of the bandwidth cases on
-//! dax (its row has no latency).
+//! dax (its row has no latency). And the stream sent with `MSG_ZEROCOPY`, with the share of
+//! its sends the kernel reports it copied after all: whether the socket allows a zero-copy send
+//! here.
 //!
 //! Both ends run in this process, on two threads (the initiator in the main thread, the target
 //! busy-polling its completion queue in another): on a 2-CPU machine that is one CPU each.
@@ -107,6 +109,8 @@ fn main() -> BoxResult<()> {
     // a floor measured moments before it (the machine is shared: its load drifts).
     let mut floor = Stats::default();
     let mut placed = Stats::default();
+    let mut zerocopy = Stats::default();
+    let mut zc_copied = Vec::new();
     let dax_region = || -> BoxResult<Arc<dyn Target>> {
         let m = OpenOptions::new(shm.path())
             .size(REGION as u64)
@@ -123,6 +127,9 @@ fn main() -> BoxResult<()> {
             let bw = raw_stream(a.gib)?;
             let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
             placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
+            let (zbw, copied) = raw_stream_zerocopy(a.gib)?;
+            zerocopy.push(f64::NAN, f64::NAN, zbw, f64::NAN, zbw / bw);
+            zc_copied.push(copied);
             (p50, p99, bw)
         };
         floor.push(p50, p99, bw, 1.0, 1.0);
@@ -147,6 +154,10 @@ fn main() -> BoxResult<()> {
     if !a.no_floor {
         floor.print("raw TCP (floor)");
         placed.print("raw TCP into a dax (forced) region, written back");
+        zerocopy.print(&format!(
+            "raw TCP sent with MSG_ZEROCOPY ({:.0}% of the sends copied by the kernel)",
+            100.0 * median(&mut zc_copied)
+        ));
     }
     for c in cases.iter_mut() {
         c.stats.print(&c.name);
@@ -565,4 +576,139 @@ fn raw_stream_placed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
     let el = t.elapsed();
     writer.join().map_err(|_| "writer panicked")??;
     Ok(total as f64 / el.as_secs_f64())
+}
+
+/// `SO_ZEROCOPY` (asm-generic/socket.h; not in the libc crate).
+const SO_ZEROCOPY: libc::c_int = 60;
+/// `SO_EE_ORIGIN_ZEROCOPY` and `SO_EE_CODE_ZEROCOPY_COPIED` (linux/errqueue.h).
+const SO_EE_ORIGIN_ZEROCOPY: u8 = 5;
+const SO_EE_CODE_ZEROCOPY_COPIED: u8 = 1;
+/// Buffers the zero-copy writer sends from in turn.
+const ZC_BUFS: usize = 16;
+
+/// [`raw_stream`] with the writer sending by `MSG_ZEROCOPY` from sixteen 1 MiB buffers in turn,
+/// each reused only once the kernel's completion notices cover its sends: bytes per second, and
+/// the share of the sends the kernel reported it copied after all.
+fn raw_stream_zerocopy(gib: usize) -> BoxResult<(f64, f64)> {
+    use std::os::fd::AsRawFd;
+    let (c, mut s) = pair()?;
+    let total = gib << 30;
+    let writer = std::thread::spawn(move || -> std::io::Result<(u64, u64)> {
+        let fd = c.as_raw_fd();
+        let one: libc::c_int = 1;
+        // SAFETY: a socket of ours and an int option of the size given.
+        let r = unsafe {
+            libc::setsockopt(
+                fd,
+                libc::SOL_SOCKET,
+                SO_ZEROCOPY,
+                (&one as *const libc::c_int).cast(),
+                std::mem::size_of::<libc::c_int>() as libc::socklen_t,
+            )
+        };
+        if r != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        let bufs: Vec<Vec<u8>> = (0..ZC_BUFS).map(|_| vec![3u8; MIB]).collect();
+        let mut last_send: [Option<u64>; ZC_BUFS] = [None; ZC_BUFS];
+        let (mut sends, mut done, mut copied) = (0u64, 0u64, 0u64);
+        for i in 0..total / MIB {
+            let b = i % ZC_BUFS;
+            while last_send[b].is_some_and(|n| n >= done) {
+                reap_zerocopy(fd, &mut done, &mut copied)?;
+            }
+            let mut off = 0;
+            while off < MIB {
+                let rest = &bufs[b][off..];
+                // SAFETY: `rest` is valid for its length, and its buffer is not written while
+                // the kernel may read it (never, here; reused only once the notices cover it).
+                let r = unsafe {
+                    libc::send(
+                        fd,
+                        rest.as_ptr().cast(),
+                        rest.len(),
+                        libc::MSG_ZEROCOPY | libc::MSG_DONTWAIT,
+                    )
+                };
+                if r < 0 {
+                    let e = std::io::Error::last_os_error();
+                    match e.raw_os_error() {
+                        Some(libc::EAGAIN) | Some(libc::ENOBUFS) => {
+                            reap_zerocopy(fd, &mut done, &mut copied)?;
+                            continue;
+                        }
+                        _ => return Err(e),
+                    }
+                }
+                last_send[b] = Some(sends);
+                sends += 1;
+                off += r as usize;
+            }
+        }
+        while done < sends {
+            reap_zerocopy(fd, &mut done, &mut copied)?;
+        }
+        Ok((sends, copied))
+    });
+    let mut buf = vec![0u8; MIB];
+    let t = Instant::now();
+    let mut got = 0;
+    while got < total {
+        match s.read(&mut buf) {
+            Ok(0) => return Err("writer closed early".into()),
+            Ok(n) => got += n,
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let el = t.elapsed();
+    let (sends, copied) = writer.join().map_err(|_| "writer panicked")??;
+    Ok((
+        total as f64 / el.as_secs_f64(),
+        copied as f64 / sends.max(1) as f64,
+    ))
+}
+
+/// Takes the zero-copy completion notices queued on `fd`'s error queue, if any: each covers a
+/// range of sends (in order, on TCP); `done` counts the sends covered, `copied` those the
+/// kernel copied after all.
+fn reap_zerocopy(fd: libc::c_int, done: &mut u64, copied: &mut u64) -> std::io::Result<()> {
+    loop {
+        let mut control = [0u64; 16];
+        // SAFETY: an all-zero msghdr is valid (no name, no iovec).
+        let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
+        msg.msg_control = control.as_mut_ptr().cast();
+        msg.msg_controllen = std::mem::size_of_val(&control) as _;
+        // SAFETY: `msg` and its control buffer are valid for the call.
+        let r = unsafe { libc::recvmsg(fd, &mut msg, libc::MSG_ERRQUEUE | libc::MSG_DONTWAIT) };
+        if r < 0 {
+            let e = std::io::Error::last_os_error();
+            if e.raw_os_error() == Some(libc::EAGAIN) {
+                std::hint::spin_loop();
+                return Ok(());
+            }
+            return Err(e);
+        }
+        // SAFETY: the kernel filled `msg`'s control buffer; the CMSG_* macros walk within it.
+        let mut cm = unsafe { libc::CMSG_FIRSTHDR(&msg) };
+        while !cm.is_null() {
+            // SAFETY: `cm` is a control message header inside `control`.
+            let h = unsafe { &*cm };
+            if h.cmsg_level == libc::SOL_IP && h.cmsg_type == libc::IP_RECVERR {
+                // SAFETY: an IP_RECVERR message carries a sock_extended_err.
+                let ee = unsafe {
+                    std::ptr::read_unaligned(libc::CMSG_DATA(cm).cast::<libc::sock_extended_err>())
+                };
+                if ee.ee_origin == SO_EE_ORIGIN_ZEROCOPY && ee.ee_errno == 0 {
+                    let n = u64::from(ee.ee_data.wrapping_sub(ee.ee_info)) + 1;
+                    *done += n;
+                    if ee.ee_code & SO_EE_CODE_ZEROCOPY_COPIED != 0 {
+                        *copied += n;
+                    }
+                }
+            }
+            // SAFETY: as above.
+            cm = unsafe { libc::CMSG_NXTHDR(&msg, cm) };
+        }
+    }
 }
