@@ -528,10 +528,8 @@ fn stream_writer(total: usize) -> BoxResult<(JoinHandle<std::io::Result<()>>, Tc
     Ok((writer, s))
 }
 
-/// 1 MiB writes, the reader busy-polling: bytes per second.
-fn raw_stream(gib: usize) -> BoxResult<f64> {
-    let total = gib << 30;
-    let (writer, mut s) = stream_writer(total)?;
+/// Reads `total` bytes from `s` into a 1 MiB buffer, busy-polling: how long it took.
+fn drain(s: &mut TcpStream, total: usize) -> BoxResult<std::time::Duration> {
     let mut buf = vec![0u8; MIB];
     let t = Instant::now();
     let mut got = 0;
@@ -543,7 +541,14 @@ fn raw_stream(gib: usize) -> BoxResult<f64> {
             Err(e) => return Err(e.into()),
         }
     }
-    let el = t.elapsed();
+    Ok(t.elapsed())
+}
+
+/// 1 MiB writes, the reader busy-polling: bytes per second.
+fn raw_stream(gib: usize) -> BoxResult<f64> {
+    let total = gib << 30;
+    let (writer, mut s) = stream_writer(total)?;
+    let el = drain(&mut s, total)?;
     writer.join().map_err(|_| "writer panicked")??;
     Ok(total as f64 / el.as_secs_f64())
 }
@@ -650,18 +655,7 @@ fn raw_stream_zerocopy(gib: usize) -> BoxResult<(f64, f64)> {
         }
         Ok((sends, copied))
     });
-    let mut buf = vec![0u8; MIB];
-    let t = Instant::now();
-    let mut got = 0;
-    while got < total {
-        match s.read(&mut buf) {
-            Ok(0) => return Err("writer closed early".into()),
-            Ok(n) => got += n,
-            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
-            Err(e) => return Err(e.into()),
-        }
-    }
-    let el = t.elapsed();
+    let el = drain(&mut s, total)?;
     let (sends, copied) = writer.join().map_err(|_| "writer panicked")??;
     Ok((
         total as f64 / el.as_secs_f64(),
