@@ -6,18 +6,22 @@
 //! durability acknowledgement covers it: that copy is what a reconnect re-issues. A read's slot
 //! is free again once its bytes are copied out.
 //!
-//! A write from a caller's [`WriteBuf`] takes a slot too (the count of writes in flight and held
-//! stays the pool's), but not its memory: the slot writes from the buffer, registered in the
-//! pool's domain, and keeps a hold on it ([`crate::writebuf`]) instead of a copy.
+//! A write from a caller's [`WriteBuf`](crate::writebuf::WriteBuf) takes a slot too (the count
+//! of writes in flight and held stays the pool's), but not its memory: the slot writes from the
+//! buffer, registered in the pool's domain, and keeps a hold on it ([`crate::writebuf`])
+//! instead of a copy; so does a Read into a caller's buffer. Which slot is on which buffer, and
+//! the buffers' registrations: `ext.rs`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
 
+use self::ext::Callers;
+use self::register::register;
 use crate::idmap::IdMap;
 use crate::replay::{Carried, Member};
-use crate::writebuf::{Data, Hold, Holds, WriteBuf};
+use crate::writebuf::{Data, Hold};
 
 /// What a slot holds.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -140,17 +144,6 @@ pub(crate) fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
     merged
 }
 
-/// Where the bytes of a slot's write are when they are not in the slot: a caller's
-/// [`WriteBuf`], from byte `at`.
-struct Ext {
-    id: u64,
-    mem: Arc<AlignedBuf>,
-    mr: Arc<MemoryRegion>,
-    at: usize,
-    /// Keeps the caller from refilling the buffer until the slot is free.
-    hold: Hold,
-}
-
 /// The bounce buffers of one queue.
 pub(crate) struct Pool {
     /// The domain the memory is registered in (the connection's).
@@ -187,11 +180,8 @@ pub(crate) struct Pool {
     copied: u64,
     /// Bytes copied out by [`Pool::copy_out`].
     copied_out: u64,
-    /// The slots whose write is from a caller's buffer.
-    ext: IdMap<usize, Ext>,
-    /// This pool's registrations of callers' buffers, by buffer id, while a buffer lives (its
-    /// weak handle tells); made again in a new domain.
-    ext_mrs: IdMap<u64, (Weak<Holds>, Arc<MemoryRegion>)>,
+    /// The slots whose request is on a caller's buffer.
+    ext: Callers,
     /// The replay order this queue shares with the other queues of its connection.
     replay: Option<Member>,
 }
@@ -239,21 +229,6 @@ impl std::fmt::Debug for Pool {
     }
 }
 
-/// Registers memory the pool writes from: the slots, and the callers' buffers held writes are
-/// from.
-fn register(pd: &ProtectionDomain, mem: &Arc<AlignedBuf>) -> fabric::Result<Arc<MemoryRegion>> {
-    // SAFETY: nothing writes bytes of a slot or a WriteBuf while a Write reads them. A slot
-    // is loaded only while taken and not in flight, and written from until its write is done
-    // with (made durable, or dropped with a queue pair that is gone); a Read goes into a slot
-    // of its own. The owner writes a WriteBuf only while nothing holds it
-    // (`WriteBuf::bytes_mut`); a Read goes into a WriteBuf only while no write from it is held
-    // (`Queue::start_read_into` refuses), and no write goes out from one while a Read into it
-    // is held (`from_buf` in namespace.rs refuses; the NBD export, which builds its writes'
-    // data itself, reads into its reply buffers and writes from its payload buffers only:
-    // `load` asserts it in debug builds). The target reaches neither (local access only).
-    unsafe { pd.register_stable(Arc::clone(mem), Access::LOCAL_WRITE) }
-}
-
 impl Pool {
     /// Allocates `slots` chunks of `chunk` bytes and registers them in `pd` (local write only:
     /// the target cannot reach them); at most `depth` of them are handed out while that many
@@ -288,8 +263,7 @@ impl Pool {
             order: Vec::new(),
             copied: 0,
             copied_out: 0,
-            ext: IdMap::default(),
-            ext_mrs: IdMap::default(),
+            ext: Callers::default(),
             replay: None,
         })
     }
@@ -307,20 +281,7 @@ impl Pool {
         self.mr = register(pd, &self.mem)?;
         self.sink_mr = pd.register(Arc::clone(&self.sink), Access::LOCAL_WRITE)?;
         self.pd = pd.clone();
-        // The callers' buffers held writes are from, once each, into the cache the next writes
-        // from them find; the others register again when next written from.
-        self.ext_mrs.clear();
-        for e in self.ext.values_mut() {
-            e.mr = match self.ext_mrs.get(&e.id) {
-                Some((_, mr)) => Arc::clone(mr),
-                None => {
-                    let mr = register(pd, &e.mem)?;
-                    self.ext_mrs.insert(e.id, (e.hold.alive(), Arc::clone(&mr)));
-                    mr
-                }
-            };
-        }
-        Ok(())
+        self.ext.rebind(pd)
     }
 
     pub(crate) fn chunk(&self) -> usize {
@@ -362,7 +323,7 @@ impl Pool {
                 .write()
                 .is_some_and(|o| s.write().map(WriteRec::key) != Some(o.key()))
         {
-            self.ext.remove(&slot);
+            self.ext.take(slot);
         }
         if let Some(w) = old.write() {
             if self.latest.get(&(w.ns, w.offset)) == Some(&slot) {
@@ -459,7 +420,7 @@ impl Pool {
     /// Gives back a slot from [`take_free`](Self::take_free) that was not used.
     pub(crate) fn untake(&mut self, slot: usize) {
         if self.slots.get(slot) == Some(&Slot::Free) {
-            self.ext.remove(&slot);
+            self.ext.take(slot);
             if !self.free.contains(&slot) {
                 self.free.push(slot);
             }
@@ -484,31 +445,12 @@ impl Pool {
     pub(crate) fn load(&mut self, slot: usize, data: Data<'_>, read: bool) -> fabric::Result<()> {
         match data {
             Data::Bytes(b) => {
-                self.ext.remove(&slot);
+                self.ext.take(slot);
                 self.mem.write_at(slot * self.chunk, b)?;
                 self.copied += b.len() as u64;
                 Ok(())
             }
-            Data::Buf { buf, at, .. } => {
-                debug_assert!(
-                    if read {
-                        buf.writes_held() == 0
-                    } else {
-                        buf.reads_held() == 0
-                    },
-                    "a Read into a buffer a write from it is held for, or the reverse"
-                );
-                let mr = self.registered(buf)?;
-                let e = Ext {
-                    id: buf.id(),
-                    mem: Arc::clone(buf.mem()),
-                    mr,
-                    at,
-                    hold: buf.hold(read),
-                };
-                self.ext.insert(slot, e);
-                Ok(())
-            }
+            Data::Buf { buf, at, .. } => self.ext.put(&self.pd, slot, buf, at, read),
         }
     }
 
@@ -523,34 +465,20 @@ impl Pool {
         self.copied_out
     }
 
-    /// `buf` registered in this pool's domain.
-    fn registered(&mut self, buf: &WriteBuf) -> fabric::Result<Arc<MemoryRegion>> {
-        if let Some((_, mr)) = self.ext_mrs.get(&buf.id()) {
-            return Ok(Arc::clone(mr));
-        }
-        self.ext_mrs
-            .retain(|_, (alive, _)| alive.strong_count() > 0);
-        let mr = register(&self.pd, buf.mem())?;
-        self.ext_mrs
-            .insert(buf.id(), (buf.alive(), Arc::clone(&mr)));
-        Ok(mr)
-    }
-
     /// The local side of a Write of `len` bytes from byte `at` of the write `slot` carries: the
     /// slot, or the caller's buffer it writes from.
     pub(crate) fn write_sge(&self, slot: usize, at: usize, len: usize) -> Sge {
-        match self.ext.get(&slot) {
-            Some(e) => Sge::new(&e.mr, e.at + at, len),
-            None => self.sge_at(slot, at, len),
-        }
+        self.ext
+            .sge(slot, at, len)
+            .unwrap_or_else(|| self.sge_at(slot, at, len))
     }
 
     /// Copies the first `out.len()` bytes of `slot` out: of the slot, or of the caller's buffer
     /// a Read into it went to.
     pub(crate) fn copy_out(&mut self, slot: usize, out: &mut [u8]) -> fabric::Result<()> {
         self.copied_out += out.len() as u64;
-        match self.ext.get(&slot) {
-            Some(e) => e.mem.read_at(e.at, out),
+        match self.ext.read(slot, out) {
+            Some(r) => r,
             None => self.mem.read_at(slot * self.chunk, out),
         }
     }
@@ -577,13 +505,13 @@ impl Pool {
 
     /// Whether `slot`'s request is on a caller's buffer (a write from it, a Read into it).
     pub(crate) fn is_ext(&self, slot: usize) -> bool {
-        self.ext.contains_key(&slot)
+        self.ext.contains(slot)
     }
 
     /// The registration a slot's write from a caller's buffer uses (tests).
     #[cfg(test)]
     pub(crate) fn ext_mr(&self, slot: usize) -> Option<Arc<MemoryRegion>> {
-        self.ext.get(&slot).map(|e| Arc::clone(&e.mr))
+        self.ext.mr(slot)
     }
 
     /// Slots in a state matching `f` (tests; the queue uses [`Pool::number`]).
@@ -675,7 +603,7 @@ impl Pool {
                 Slot::Writing(w) => self.set(i, Slot::Held(w)),
                 // A completed started Read keeps its bytes for take_read.
                 Slot::Reading { .. } | Slot::ReadDone { .. } | Slot::Started { .. } => {
-                    voided.extend(self.ext.remove(&i).map(|e| e.hold));
+                    voided.extend(self.ext.take(i));
                     self.set(i, Slot::Free)
                 }
                 _ => {}
@@ -703,6 +631,8 @@ impl Pool {
     }
 }
 
+mod ext;
 mod order;
+mod register;
 #[cfg(test)]
 mod tests;
