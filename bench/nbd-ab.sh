@@ -16,18 +16,22 @@
 #                      holding the memory) with third-party code in both places; and
 #                      socat-relay: socat relaying the unix socket's bytes to that TCP
 #                      server, a relay that does nothing but copy (scripts/install-deps.sh)
+#     --pin            the target alone on the last CPU, every export and fio on the others
+#                      (taskset; nbdkit and the relays left to the scheduler): the target with
+#                      a CPU of its own, as on a storage host, and the export beside its client
 #
 # Example: bench/nbd-ab.sh --reps 9 --job 'rw=randread bs=4k iodepth=1' /tmp/old /tmp/new
 set -euo pipefail
 cd "$(dirname "$0")/.."
-reps=5 job='rw=randread bs=4k iodepth=16' runtime=3 proxy=0
+reps=5 job='rw=randread bs=4k iodepth=16' runtime=3 proxy=0 pin=0
 while [ $# -gt 0 ]; do
     case $1 in
         --reps) reps=$2; shift 2 ;;
         --job) job=$2; shift 2 ;;
         --runtime) runtime=$2; shift 2 ;;
         --proxy) proxy=1; shift ;;
-        -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --pin) pin=1; shift ;;
+        -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/nbd-ab.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -50,6 +54,13 @@ bench_config
 # 512-byte blocks, as bench/matrix.sh (lat.fio-style 512 B requests stay valid).
 sed -i 's/^size = "128MiB"$/&\nblock_size = 512/' "$SCRATCH/target.toml"
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
+client=()
+if [ "$pin" = 1 ]; then
+    last=$(($(nproc) - 1))
+    [ "$last" -ge 1 ] || { echo "bench/nbd-ab.sh: --pin needs 2 CPUs or more" >&2; exit 2; }
+    taskset -a -p -c "$last" "$target_pid" >/dev/null
+    client=(taskset -c "0-$((last - 1))")
+fi
 peer=/dev/shm/rpma-nbdab-peer-$$.img
 pids=()
 nbdab_cleanup() {
@@ -88,7 +99,7 @@ if [ "$proxy" = 1 ]; then
 fi
 for d in "$@"; do
     i=$((i + 1))
-    "$d/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \
+    "${client[@]}" "$d/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \
         --nsid 1 nbd --socket "$SCRATCH/v$i.sock" --export dax >/dev/null 2>&1 &
     pids+=($!)
     names+=("$d") uris+=("nbd+unix:///dax?socket=$SCRATCH/v$i.sock")
@@ -99,7 +110,7 @@ for u in "${uris[@]}"; do
     [ -S "$s" ] || { echo "bench/nbd-ab.sh: $s did not appear" >&2; exit 1; }
 done
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "# job: $job, ${runtime}s"
+echo "# job: $job, ${runtime}s$([ "$pin" = 1 ] && echo ", pinned: target on CPU $last, exports and fio on the others")"
 : >"$SCRATCH/runs"
 for _ in $(seq "$reps"); do
     for v in "${!names[@]}"; do
@@ -110,7 +121,7 @@ for _ in $(seq "$reps"); do
             printf 'runtime=%s\nramp_time=1\n[ab]\n' "$runtime"
             tr ' ' '\n' <<<"$job"
         } >"$SCRATCH/ab.fio"
-        fio --output-format=json --output="$SCRATCH/out.json" "$SCRATCH/ab.fio" >/dev/null
+        "${client[@]}" fio --output-format=json --output="$SCRATCH/out.json" "$SCRATCH/ab.fio" >/dev/null
         python3 - "${names[$v]}" "$SCRATCH/out.json" <<'PY' | tee -a "$SCRATCH/runs"
 import json, sys
 j = json.load(open(sys.argv[2]))['jobs'][0]
