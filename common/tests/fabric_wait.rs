@@ -94,6 +94,31 @@ fn a_watched_fd_ends_the_busy_poll_spell_without_waiting_it_out() {
 }
 
 #[test]
+fn a_watched_fd_written_during_the_spell_ends_it() {
+    // The spell looks at its watched fds on its first turn and every few after it (not every
+    // turn): an fd that becomes readable once the spell is going is still seen in it, not
+    // after the hour-long spell (or the time-out) is over.
+    let p = Pair::new(false);
+    let efd = Arc::new(EventFd::new().unwrap());
+    p.icq.watch_fd(efd.as_fd(), 12).unwrap();
+    let written = Arc::new(AtomicBool::new(false));
+    let (e2, w2) = (Arc::clone(&efd), Arc::clone(&written));
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(20));
+        w2.store(true, Ordering::SeqCst);
+        e2.write(1).unwrap();
+    });
+    let mut wc = [Completion::EMPTY; 4];
+    let woke = p
+        .icq
+        .wait_any_with_spin(&mut wc, LONG, Duration::from_secs(3600))
+        .unwrap();
+    assert_eq!(woke, Woken::Fd(12));
+    assert!(written.load(Ordering::SeqCst), "woke before the write");
+    t.join().unwrap();
+}
+
+#[test]
 fn wait_any_or_watches_its_fd_for_the_call_only() {
     let p = Pair::new(false);
     let efd = EventFd::new().unwrap();

@@ -66,6 +66,13 @@ const YIELD_RAN_OTHERS: Duration = Duration::from_micros(3);
 /// At most this many spin turns between two yields.
 const MAX_YIELD_EVERY: u32 = 16;
 
+/// A busy-poll spell looks at its watched fds every this many turns (one `epoll_wait` each),
+/// not every turn: a target's loop watches two (its commands, its flusher's fdatasyncs), and a
+/// look each turn doubled the turn, and so the time an arriving request waited to be seen.
+/// What the fds announce (a command, a page-cache fdatasync done) takes far longer than the
+/// turns in between.
+const WATCHED_EVERY: u32 = 8;
+
 /// How often a busy-poll spell yields the CPU, fitted to what yielding does: every turn while a
 /// yield gives the CPU to someone (on 2 CPUs shared by a client, the NBD export and the target,
 /// the spinning loop would otherwise keep the one that answers it off the CPU), every second,
@@ -319,9 +326,11 @@ impl CompletionQueue {
             if now.duration_since(last_activity) < spin {
                 // A watched fd (a flusher's completion) is answered as it comes, not after
                 // the spell: a GPSPM flush on page-cache waited out the spell (up to
-                // MAX_IDLE_SPIN) on top of its fdatasync.
-                if let Some(token) = self.inner.engine.watched_ready()? {
-                    return Ok(Woken::Fd(token));
+                // MAX_IDLE_SPIN) on top of its fdatasync. Every WATCHED_EVERY turns.
+                if turn.is_multiple_of(WATCHED_EVERY) {
+                    if let Some(token) = self.inner.engine.watched_ready()? {
+                        return Ok(Woken::Fd(token));
+                    }
                 }
                 // The spell is the caller's to spend, not the machine's: a thread that is
                 // ready to run on this CPU (the client this loop serves, the process that
