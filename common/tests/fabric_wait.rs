@@ -36,18 +36,27 @@ fn send_to_initiator(p: &Pair, wr_id: u64, msg: &[u8]) -> [Arc<MemoryRegion>; 2]
     [imr, tmr]
 }
 
+/// Writes `efd` from another thread after `delay`; the flag is set just before the write.
+fn write_later(
+    efd: &Arc<EventFd>,
+    delay: Duration,
+) -> (std::thread::JoinHandle<()>, Arc<AtomicBool>) {
+    let written = Arc::new(AtomicBool::new(false));
+    let (e2, w2) = (Arc::clone(efd), Arc::clone(&written));
+    let t = std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        w2.store(true, Ordering::SeqCst);
+        e2.write(1).unwrap();
+    });
+    (t, written)
+}
+
 #[test]
 fn an_idle_wait_wakes_on_a_watched_eventfd_written_by_another_thread() {
     let p = Pair::new(true);
     let efd = Arc::new(EventFd::new().unwrap());
     p.icq.watch_fd(efd.as_fd(), 42).unwrap();
-    let written = Arc::new(AtomicBool::new(false));
-    let (e2, w2) = (Arc::clone(&efd), Arc::clone(&written));
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(50));
-        w2.store(true, Ordering::SeqCst);
-        e2.write(1).unwrap();
-    });
+    let (t, written) = write_later(&efd, Duration::from_millis(50));
     let mut wc = [Completion::EMPTY; 4];
     let woke = p.icq.wait_any(&mut wc, LONG).unwrap();
     assert_eq!(woke, Woken::Fd(42));
@@ -101,13 +110,7 @@ fn a_watched_fd_written_during_the_spell_ends_it() {
     let p = Pair::new(false);
     let efd = Arc::new(EventFd::new().unwrap());
     p.icq.watch_fd(efd.as_fd(), 12).unwrap();
-    let written = Arc::new(AtomicBool::new(false));
-    let (e2, w2) = (Arc::clone(&efd), Arc::clone(&written));
-    let t = std::thread::spawn(move || {
-        std::thread::sleep(Duration::from_millis(20));
-        w2.store(true, Ordering::SeqCst);
-        e2.write(1).unwrap();
-    });
+    let (t, written) = write_later(&efd, Duration::from_millis(20));
     let mut wc = [Completion::EMPTY; 4];
     let woke = p
         .icq
