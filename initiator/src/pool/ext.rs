@@ -48,15 +48,10 @@ impl Callers {
             },
             "a Read into a buffer a write from it is held for, or the reverse"
         );
-        let mr = match self.mrs.get(&buf.id()) {
-            Some((_, mr)) => Arc::clone(mr),
-            None => {
-                self.mrs.retain(|_, (alive, _)| alive.strong_count() > 0);
-                let mr = register(pd, buf.mem())?;
-                self.mrs.insert(buf.id(), (buf.alive(), Arc::clone(&mr)));
-                mr
-            }
-        };
+        if !self.mrs.contains_key(&buf.id()) {
+            self.mrs.retain(|_, (alive, _)| alive.strong_count() > 0);
+        }
+        let mr = registration(&mut self.mrs, pd, buf.id(), buf.mem(), || buf.alive())?;
         let e = Ext {
             id: buf.id(),
             mem: Arc::clone(buf.mem()),
@@ -104,15 +99,25 @@ impl Callers {
     pub(super) fn rebind(&mut self, pd: &ProtectionDomain) -> fabric::Result<()> {
         self.mrs.clear();
         for e in self.slots.values_mut() {
-            e.mr = match self.mrs.get(&e.id) {
-                Some((_, mr)) => Arc::clone(mr),
-                None => {
-                    let mr = register(pd, &e.mem)?;
-                    self.mrs.insert(e.id, (e.hold.alive(), Arc::clone(&mr)));
-                    mr
-                }
-            };
+            e.mr = registration(&mut self.mrs, pd, e.id, &e.mem, || e.hold.alive())?;
         }
         Ok(())
     }
+}
+
+/// Buffer `id`'s registration in `mrs`, registering `mem` in `pd` (and keeping it, with the
+/// buffer's weak handle) when there is none.
+fn registration(
+    mrs: &mut IdMap<u64, (Weak<Holds>, Arc<MemoryRegion>)>,
+    pd: &ProtectionDomain,
+    id: u64,
+    mem: &Arc<AlignedBuf>,
+    alive: impl FnOnce() -> Weak<Holds>,
+) -> fabric::Result<Arc<MemoryRegion>> {
+    if let Some((_, mr)) = mrs.get(&id) {
+        return Ok(Arc::clone(mr));
+    }
+    let mr = register(pd, mem)?;
+    mrs.insert(id, (alive(), Arc::clone(&mr)));
+    Ok(mr)
 }
