@@ -1,8 +1,9 @@
 //! Benchmark (not a test): the `tcp` transport over loopback against raw TCP, in one run.
 //!
 //! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]
-//! [--only TEXT] [--no-floor]` (`--only`: the cases whose name contains TEXT; `--no-floor`: the
-//! cases alone, no ratios: to profile a case without the floor's samples)
+//! [--only TEXT] [--no-floor]` (`--only`: the cases whose name contains TEXT, `--only floor` none
+//! of them: the floor alone; `--no-floor`: the cases alone, no ratios: to profile a case without
+//! the floor's samples)
 //!
 //! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, one FPDU per segment of
 //! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a
@@ -14,8 +15,10 @@
 //!   placement and, on dax, the write-back of everything written).
 //!
 //! The floor, in the same run: a raw TCP ping-pong (4 KiB one way, 8 B back, both ends
-//! busy-polling non-blocking sockets with TCP_NODELAY) and a raw TCP stream (1 MiB writes, the
-//! reader busy-polling into a 1 MiB buffer). Beside it, the same stream received straight into
+//! busy-polling non-blocking sockets with TCP_NODELAY), the same with each 4 KiB sent from a
+//! random place in a 64 MiB dax (forced) region (what data outside the sender's caches costs
+//! it, as a random read of a namespace larger than the L3 has), and a raw TCP stream (1 MiB
+//! writes, the reader busy-polling into a 1 MiB buffer). Beside it, the same stream received straight into
 //! a dax (forced) region and written back (clwb + sfence) as it lands: what a receiver that
 //! does nothing but land the bytes durably in memory gets, the floor of the bandwidth cases on
 //! dax (its row has no latency). And the stream sent with `MSG_ZEROCOPY`, with the share of
@@ -109,6 +112,7 @@ fn main() -> BoxResult<()> {
     // a floor measured moments before it (the machine is shared: its load drifts).
     let mut floor = Stats::default();
     let mut placed = Stats::default();
+    let mut cold = Stats::default();
     let mut zerocopy = Stats::default();
     let mut zc_copied = Vec::new();
     let dax_region = || -> BoxResult<Arc<dyn Target>> {
@@ -123,7 +127,9 @@ fn main() -> BoxResult<()> {
         let (p50, p99, bw) = if a.no_floor {
             (f64::NAN, f64::NAN, f64::NAN)
         } else {
-            let (p50, p99) = raw_ping_pong(a.iters)?;
+            let (p50, p99) = raw_ping_pong(a.iters, None)?;
+            let (c50, c99) = raw_ping_pong(a.iters, Some(ColdSource::new()?.bytes()))?;
+            cold.push(c50, c99, f64::NAN, c50 / p50, f64::NAN);
             let bw = raw_stream(a.gib)?;
             let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
             placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
@@ -153,6 +159,11 @@ fn main() -> BoxResult<()> {
     println!("|---|---:|---:|---:|---:|---:|");
     if !a.no_floor {
         floor.print("raw TCP (floor)");
+        cold.print(&format!(
+            "raw TCP, the 4 KiB sent from a random place in a {} MiB dax (forced) region \
+             (not in the sender's caches)",
+            COLD / MIB
+        ));
         placed.print("raw TCP into a dax (forced) region, written back");
         zerocopy.print(&format!(
             "raw TCP sent with MSG_ZEROCOPY ({:.0}% of the sends copied by the kernel)",
@@ -239,12 +250,19 @@ impl Stats {
                 format!("{v:.2}")
             }
         };
+        let gbs = |v: f64| {
+            if v.is_nan() {
+                "-".into()
+            } else {
+                format!("{:.2}", v / 1e9)
+            }
+        };
         println!(
-            "| {name} | {} | {} | {} | {:.2} | {} |",
+            "| {name} | {} | {} | {} | {} | {} |",
             us(median(&mut self.p50)),
             us(median(&mut self.p99)),
             ratio(median(&mut self.lat_ratio)),
-            median(&mut self.bw) / 1e9,
+            gbs(median(&mut self.bw)),
             ratio(median(&mut self.bw_ratio))
         );
     }
@@ -487,8 +505,42 @@ fn spin_read(s: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// 4 KiB one way, 8 B back, both ends busy-polling: (p50, p99) in ns.
-fn raw_ping_pong(iters: usize) -> BoxResult<(f64, f64)> {
+/// The cold floor's source: larger than the L3 of this project's machines (32 MiB), as the
+/// bench jobs' 64 MiB range of a namespace is.
+const COLD: usize = 64 * MIB;
+
+/// A [`COLD`]-byte /dev/shm file mapped as the dax rows' memory, every byte written once (so
+/// that every page exists before the floor reads it).
+struct ColdSource {
+    map: rpma_common::pmem::Mapping,
+    _file: tempfile::NamedTempFile,
+}
+
+impl ColdSource {
+    fn new() -> BoxResult<ColdSource> {
+        let file = tempfile::Builder::new()
+            .prefix("rpma-fabric-bench-cold-")
+            .tempfile_in("/dev/shm")?;
+        let map = OpenOptions::new(file.path())
+            .size(COLD as u64)
+            .force_dax(true)
+            .open()?;
+        // SAFETY: the mapping is COLD bytes, ours alone (a new file), alive while `map` is.
+        unsafe { std::ptr::write_bytes(map.as_mut_ptr(), 0x5A, map.len()) };
+        Ok(ColdSource { map, _file: file })
+    }
+
+    fn bytes(&self) -> &[u8] {
+        // SAFETY: as in `new`; nothing writes the mapping after it (the floor only sends from
+        // it), and the slice borrows `self`, which keeps it mapped.
+        unsafe { std::slice::from_raw_parts(self.map.as_mut_ptr(), self.map.len()) }
+    }
+}
+
+/// 4 KiB one way, 8 B back, both ends busy-polling: (p50, p99) in ns. With `from`, each 4 KiB
+/// is sent from a random 4 KiB-aligned place in it instead of one buffer: what a sender pays for
+/// data that is not in its caches (a random read of a namespace larger than the L3).
+fn raw_ping_pong(iters: usize, from: Option<&[u8]>) -> BoxResult<(f64, f64)> {
     let (mut c, mut s) = pair()?;
     let total = iters + iters / 10;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
@@ -500,11 +552,19 @@ fn raw_ping_pong(iters: usize) -> BoxResult<(f64, f64)> {
         Ok(())
     });
     let out = vec![7u8; SMALL];
+    let places = from.map_or(1, |f| f.len() / SMALL);
+    let mut x = 0x9E37_79B9_7F4A_7C15u64;
     let mut back = [0u8; 8];
     let mut lat = Vec::with_capacity(iters);
     for i in 0..total {
+        // xorshift64: a new place each time, the same sequence every run.
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let at = (x % places as u64) as usize * SMALL;
+        let src = from.map_or(&out[..], |f| &f[at..at + SMALL]);
         let t = Instant::now();
-        spin_write(&mut c, &out)?;
+        spin_write(&mut c, src)?;
         spin_read(&mut c, &mut back)?;
         if i >= iters / 10 {
             lat.push(t.elapsed().as_nanos() as u64);
