@@ -554,6 +554,57 @@ fn a_wait_for_started_requests_ends_when_the_callers_input_is_readable() {
     drop(tx);
 }
 
+/// A request that finds every bounce slot in flight waits for one, and no longer than the
+/// queue's time-out (the clock is read only once the request has to wait): with no answer
+/// coming, the wait ends in a time-out, which gives the connection up (never reconnecting
+/// here, the call fails at once with that). tcp only: the stopped target answers nothing (on
+/// rdma the NIC would answer the Reads without the target's process).
+#[test]
+fn a_request_waiting_for_a_slot_times_out_while_the_target_answers_nothing() {
+    use nix::sys::signal::Signal;
+    use std::time::Instant;
+    if Transport::current() != Transport::Tcp {
+        return;
+    }
+    let (_d, _shm, t) = start("slotwait");
+    // A keep-alive far longer than the time-out, so that the stopped target is not taken for a
+    // lost one before the wait times out.
+    let mut q = conn(&t.url())
+        .with_connect_options(ConnectOptions {
+            timeout: Duration::from_secs(1),
+            keep_alive: Duration::from_secs(600),
+            ..ConnectOptions::default()
+        })
+        .with_queue_options(QueueOptions {
+            depth: 2,
+            chunk: 4096,
+            replay_bytes: 2 * 4096,
+            reconnect: ReconnectPolicy::never(),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(4).unwrap();
+    t.stop();
+    for i in 0..2u64 {
+        ns.start_read(i * 4096, 4096).unwrap();
+    }
+    let waited = Instant::now();
+    let r = ns.start_read(8192, 4096);
+    let took = waited.elapsed();
+    t.signal(Signal::SIGCONT);
+    assert!(
+        matches!(
+            &r,
+            Err(Error::ReconnectFailed { attempts: 0, last, .. })
+                if matches!(**last, Error::Timeout { .. })
+        ),
+        "{r:?}"
+    );
+    // The time-out cannot end the wait early.
+    assert!(took >= Duration::from_secs(1), "{took:?}");
+}
+
 #[test]
 fn started_writes_survive_a_cut_link_and_started_reads_are_reported_void() {
     let (_d, _shm, t) = start("startcut");

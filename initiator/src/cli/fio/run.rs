@@ -457,15 +457,17 @@ fn worker_started(
     let mut writes: Vec<InFlight> = Vec::with_capacity(depth);
     let mut done: Vec<Completed> = Vec::with_capacity(depth);
     let mut stopping = false;
+    // The clock is read twice per request: when it is started and when its completion is seen;
+    // the stop checks use the latter (or the start, before the first).
+    let mut now = start;
     loop {
-        let now = Instant::now();
         stopping |= live.stop.load(Ordering::Relaxed)
             || end.is_some_and(|e| now >= e)
             || (!job.time_based && now >= measured_from && measured_bytes >= size);
         while !stopping && reads.len() + writes.len() < depth {
             let (block, is_read) = pick.next();
-            let measured = Instant::now() >= measured_from;
             let since = Instant::now();
+            let measured = since >= measured_from;
             if is_read {
                 // A job that only reads checks every block (an earlier job wrote them with
                 // verify on); a mixed one the blocks it wrote itself.
@@ -512,7 +514,7 @@ fn worker_started(
         }
         done.clear();
         ns.wait_started(&mut done)?;
-        let now = Instant::now();
+        now = Instant::now();
         for c in &done {
             let (list, ticket) = match c {
                 Completed::Read(t) => (&mut reads, *t),

@@ -315,7 +315,8 @@ impl Engine {
     /// [`Error::InvalidArgument`] when every slot holds a completed started Read nobody took;
     /// a time-out, or what the poll and `room` return.
     fn free_slot(&mut self, room: &(impl MakeRoom + ?Sized), batch: bool) -> Result<Option<usize>> {
-        let deadline = Instant::now() + self.timeout;
+        // The clock is read only when a slot is waited for (not per request).
+        let mut deadline = None;
         loop {
             if let Some(s) = self.pool.take_free() {
                 return Ok(Some(s));
@@ -334,6 +335,7 @@ impl Engine {
                 room.make_room(self)?;
                 continue;
             }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
             self.poll_or_time_out(deadline, "a free request slot")?;
         }
     }
