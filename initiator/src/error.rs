@@ -257,8 +257,12 @@ pub enum Error {
     },
     /// The connection was lost and could not be re-established within the reconnect policy:
     /// writes not yet acknowledged as durable may not be on the target.
-    #[error("the connection was lost and {attempts} reconnect attempt(s) over {elapsed:.1?} failed; writes not acknowledged as durable may be lost")]
+    #[error("{lost}; then {attempts} reconnect attempt(s) over {elapsed:.1?} failed; writes not acknowledged as durable may be lost")]
     ReconnectFailed {
+        /// What lost it: the error of the call that met the loss, with its causes (a time-out,
+        /// a keep-alive that went unanswered), or the queue pair's failure when the loss was
+        /// found between calls.
+        lost: String,
         /// Attempts made.
         attempts: u32,
         /// Time spent reconnecting.

@@ -557,7 +557,7 @@ fn a_wait_for_started_requests_ends_when_the_callers_input_is_readable() {
 /// A request that finds every bounce slot in flight waits for one, and no longer than the
 /// queue's time-out (the clock is read only once the request has to wait): with no answer
 /// coming, the wait ends in a time-out, which gives the connection up (never reconnecting
-/// here, the call fails at once with that). tcp only: the stopped target answers nothing (on
+/// here, the call fails at once, its error naming the time-out). tcp only: the stopped target answers nothing (on
 /// rdma the NIC would answer the Reads without the target's process).
 #[test]
 fn a_request_waiting_for_a_slot_times_out_while_the_target_answers_nothing() {
@@ -600,6 +600,12 @@ fn a_request_waiting_for_a_slot_times_out_while_the_target_answers_nothing() {
                 if matches!(**last, Error::Timeout { .. })
         ),
         "{r:?}"
+    );
+    // The error says what lost the connection: the wait for a slot that timed out.
+    let text = r.unwrap_err().to_string();
+    assert!(
+        text.starts_with("no completion to free a request slot from the target within 1s; then"),
+        "{text}"
     );
     // The time-out cannot end the wait early.
     assert!(took >= Duration::from_secs(1), "{took:?}");
@@ -1010,11 +1016,21 @@ fn reconnect_timeout_bounds_the_time_spent() {
     // The budget is spent on attempts, and none starts after it: the library's own count and
     // clock (an attempt may overrun the budget by its connect deadline, 5 s here, at most).
     let Error::ReconnectFailed {
-        attempts, elapsed, ..
+        lost,
+        attempts,
+        elapsed,
+        ..
     } = e
     else {
         panic!("{e}");
     };
+    // What lost the connection, before the attempts: on tcp, the kill closed the stream (on
+    // rdma the first cause depends on what the device reports first).
+    if Transport::current() == Transport::Tcp {
+        assert!(lost.contains("the peer closed the connection"), "{lost}");
+    } else {
+        assert!(!lost.is_empty());
+    }
     assert!(attempts >= 2, "{attempts} attempt(s) in a 2 s budget");
     assert!(elapsed <= Duration::from_secs(2 + 5), "{elapsed:?}");
     // And no reconnect at all: the loss fails the call at once.

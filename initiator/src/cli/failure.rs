@@ -91,6 +91,7 @@ mod tests {
 
     fn reconnect_failed(last: Error) -> Error {
         Error::ReconnectFailed {
+            lost: "no answer from the target".into(),
             attempts: 3,
             elapsed: Duration::from_secs(2),
             last: Box::new(last),

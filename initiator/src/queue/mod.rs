@@ -326,8 +326,9 @@ impl Queue {
         loop {
             if self.engine.needs_reconnect() {
                 let d = call.deadline();
+                let lost = self.engine.why_lost();
                 self.reconnect
-                    .reconnect(&mut self.engine, &mut self.persister, d, true)?;
+                    .reconnect(&mut self.engine, &mut self.persister, d, true, lost)?;
             }
             match op(self) {
                 Err(e) if retryable(&e) => {
@@ -335,8 +336,14 @@ impl Queue {
                     // An interrupted atomic must have executed, or never execute, by the time
                     // the call reports the loss: retire the connection it may still be on.
                     let fence = on_loss == OnLoss::ReconnectAndFail;
-                    self.reconnect
-                        .reconnect(&mut self.engine, &mut self.persister, d, fence)?;
+                    let lost = rpma_common::error_chain(&e);
+                    self.reconnect.reconnect(
+                        &mut self.engine,
+                        &mut self.persister,
+                        d,
+                        fence,
+                        lost,
+                    )?;
                     if !call.rerun(on_loss) {
                         return Err(e);
                     }

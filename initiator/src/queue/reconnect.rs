@@ -134,7 +134,8 @@ impl Reconnect {
 
     /// Reconnects `e` with the policy's backoff; no attempt starts after `deadline`. The old
     /// connection is retired first when writes are held for a re-issue or `fence` says a
-    /// request of the interrupted call may still be on it.
+    /// request of the interrupted call may still be on it. `lost` says what lost it (for the
+    /// error, when reconnecting fails).
     ///
     /// # Errors
     /// [`Error::ReconnectFailed`] when the budget or the attempts run out (or the old
@@ -147,12 +148,13 @@ impl Reconnect {
         p: &mut Persister,
         deadline: Instant,
         fence: bool,
+        lost: String,
     ) -> Result<()> {
         let started = Instant::now();
         let Lost { old, held, voided } = e.lose_connection();
         if let Some(s) = old {
             if fence || !held.is_empty() {
-                if let Err(err) = retire(e, s, deadline) {
+                if let Err(err) = retire(e, s, deadline, &lost) {
                     drop(voided);
                     self.give_up(e);
                     return Err(err);
@@ -200,6 +202,7 @@ impl Reconnect {
         }
         self.give_up(e);
         Err(Error::ReconnectFailed {
+            lost,
             attempts,
             elapsed: started.elapsed(),
             last: Box::new(last.unwrap_or(Error::ConnectionLost {
@@ -267,8 +270,8 @@ impl Reconnect {
 ///
 /// # Errors
 /// [`Error::ReconnectFailed`] if `deadline` (the reconnect budget) passes first: the held
-/// writes cannot be re-issued safely.
-fn retire(e: &mut Engine, mut old: Session, deadline: Instant) -> Result<()> {
+/// writes cannot be re-issued safely (`lost`: what lost the connection, for that error).
+fn retire(e: &mut Engine, mut old: Session, deadline: Instant, lost: &str) -> Result<()> {
     if old.closed.is_some() || old.qp().state() == QpState::Error {
         return Ok(());
     }
@@ -311,6 +314,7 @@ fn retire(e: &mut Engine, mut old: Session, deadline: Instant) -> Result<()> {
         }
         if now >= deadline {
             break Err(Error::ReconnectFailed {
+                lost: lost.to_owned(),
                 attempts: 0,
                 elapsed: started.elapsed(),
                 last: Box::new(Error::Timeout {

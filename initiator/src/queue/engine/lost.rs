@@ -40,6 +40,16 @@ impl Engine {
         }
     }
 
+    /// Why [`needs_reconnect`](Self::needs_reconnect) says so, for the error a failed reconnect
+    /// reports: the queue pair's failure, with its causes.
+    pub(in crate::queue) fn why_lost(&self) -> String {
+        match self.session.as_ref().map(|s| s.qp().error()) {
+            Some(Some(f)) => rpma_common::error_chain(&f),
+            Some(None) => "the queue pair failed".into(),
+            None => "an earlier call gave the connection up".into(),
+        }
+    }
+
     /// The connection is lost (or given up): unfinished Writes become held, Reads in flight
     /// are dropped ([`Pool::on_connection_lost`](crate::pool::Pool::on_connection_lost)).
     /// Returns the old session, to retire or drop, the held writes in post order, to re-issue

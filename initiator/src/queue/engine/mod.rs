@@ -336,7 +336,7 @@ impl Engine {
                 continue;
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
-            self.poll_or_time_out(deadline, "a free request slot")?;
+            self.poll_or_time_out(deadline, "completion to free a request slot")?;
         }
     }
 
