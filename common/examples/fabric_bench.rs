@@ -18,10 +18,10 @@
 //! busy-polling non-blocking sockets with TCP_NODELAY), the same with each 4 KiB sent from a
 //! random place in a 64 MiB dax (forced) region (what data outside the sender's caches costs
 //! it, as a random read of a namespace larger than the L3 has), and a raw TCP stream (1 MiB
-//! writes, the reader busy-polling into a 1 MiB buffer). Beside it, the same stream received straight into
-//! a dax (forced) region and written back (clwb + sfence) as it lands: what a receiver that
-//! does nothing but land the bytes durably in memory gets, the floor of the bandwidth cases on
-//! dax (its row has no latency). And the stream sent with `MSG_ZEROCOPY`, with the share of
+//! writes, the reader busy-polling into a 1 MiB buffer). Beside it, the same stream received
+//! straight into a dax (forced) region and written back (clwb + sfence) as it lands: what a
+//! receiver that does nothing but land the bytes durably in memory gets, the floor of the
+//! bandwidth cases on dax (its row has no latency). And the stream sent with `MSG_ZEROCOPY`, with the share of
 //! its sends the kernel reports it copied after all: whether the socket allows a zero-copy send
 //! here.
 //!

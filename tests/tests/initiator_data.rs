@@ -557,8 +557,8 @@ fn a_wait_for_started_requests_ends_when_the_callers_input_is_readable() {
 /// A request that finds every bounce slot in flight waits for one, and no longer than the
 /// queue's time-out (the clock is read only once the request has to wait): with no answer
 /// coming, the wait ends in a time-out, which gives the connection up (never reconnecting
-/// here, the call fails at once, its error naming the time-out). tcp only: the stopped target answers nothing (on
-/// rdma the NIC would answer the Reads without the target's process).
+/// here, the call fails at once, its error naming the time-out). tcp only: the stopped target
+/// answers nothing (on rdma the NIC would answer the Reads without the target's process).
 #[test]
 fn a_request_waiting_for_a_slot_times_out_while_the_target_answers_nothing() {
     use nix::sys::signal::Signal;
