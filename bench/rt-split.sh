@@ -61,7 +61,8 @@ record() {
 }
 
 # fabric WHAT ARGS...: fabric_bench in the background, recorded from 0.5 s in (its QD1
-# ping-pong comes first and outlasts the recording).
+# ping-pong comes first and outlasts the recording), then stopped; the /dev/shm files it had
+# open (its regions, which a stopped process leaves behind) are removed.
 fabric() {
     local name=$1
     shift
@@ -69,8 +70,11 @@ fabric() {
     local pid=$!
     sleep 0.5
     record "$name" "$pid"
+    local left
+    left=$(find "/proc/$pid/fd" -lname '/dev/shm/rpma-fabric-bench-*' -printf '%l\n' 2>/dev/null || true)
     kill "$pid" 2>/dev/null || true
     wait "$pid" 2>/dev/null || true
+    [ -z "$left" ] || xargs rm -f <<<"$left"
 }
 
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
