@@ -28,7 +28,7 @@ while [ $# -gt 0 ]; do
         --case) case=$2; shift 2 ;;
         --seconds) secs=$2; shift 2 ;;
         --top) top=$2; shift 2 ;;
-        -h | --help) sed -n '2,18p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        -h | --help) sed -n '2,19p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/rt-split.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
