@@ -13,11 +13,14 @@
 #     --nsid N         1: dax (forced) on /dev/shm (default); 2: a page-cache file
 #     --set 'K = V'    a top-level line of the target's configuration (repeatable),
 #                      e.g. --set 'crc = false' with variants DIR and DIR+--crc,off
+#     --pin            the target alone on the last CPU, the initiator on the others
+#                      (taskset), as on two machines: unpinned, the scheduler may leave both
+#                      busy-polling ends on one CPU for seconds (docs/benchmarks.md)
 #
 # Example: bench/ab.sh --job 'rw=write bs=1m iodepth=1' /tmp/bin /tmp/bin+--copy-writes
 set -euo pipefail
 cd "$(dirname "$0")/.."
-reps=5 job='rw=randwrite bs=4k iodepth=16' runtime=3 tdir= nsid=1
+reps=5 job='rw=randwrite bs=4k iodepth=16' runtime=3 tdir= nsid=1 pin=0
 sets=()
 while [ $# -gt 0 ]; do
     case $1 in
@@ -27,7 +30,8 @@ while [ $# -gt 0 ]; do
         --target) tdir=$2; shift 2 ;;
         --nsid) nsid=$2; shift 2 ;;
         --set) sets+=("$2"); shift 2 ;;
-        -h | --help) sed -n '2,17p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --pin) pin=1; shift ;;
+        -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/ab.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -46,20 +50,30 @@ bench_config
 # Top-level settings go before the first table.
 for l in "${sets[@]}"; do sed -i "1i $l" "$SCRATCH/target.toml"; done
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
+client=()
+if [ "$pin" = 1 ]; then
+    last=$(($(nproc) - 1))
+    [ "$last" -ge 1 ] || { echo "bench/ab.sh: --pin needs 2 CPUs or more" >&2; exit 2; }
+    taskset -a -p -c "$last" "$target_pid" >/dev/null
+    client=(taskset -c "0-$((last - 1))")
+fi
 {
     printf '[global]\nsize=64m\noffset=0\ntime_based=1\nruntime=%s\n[ab]\n' "$runtime"
     tr ' ' '\n' <<<"$job"
 } >"$SCRATCH/ab.fio"
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
-echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}"
+pinned=
+[ "$pin" = 1 ] && pinned=", pinned: target on CPU $last, initiator on the others"
+echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}$pinned"
 : >"$SCRATCH/runs"
 for _ in $(seq "$reps"); do
     for v in "$@"; do
         d=${v%%+*}
         extra=()
         [ "$v" = "$d" ] || IFS=, read -r -a extra <<<"${v#*+}"
-        "$d/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" --nsid "$nsid" \
-            bench --job "$SCRATCH/ab.fio" --output-format json "${extra[@]}" >"$SCRATCH/out.json"
+        "${client[@]}" "$d/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \
+            --nsid "$nsid" bench --job "$SCRATCH/ab.fio" --output-format json "${extra[@]}" \
+            >"$SCRATCH/out.json"
         python3 - "$v" "$SCRATCH/out.json" <<'EOF' | tee -a "$SCRATCH/runs"
 import json, sys
 j = json.load(open(sys.argv[2]))["jobs"][0]

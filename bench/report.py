@@ -325,8 +325,10 @@ def main():
     if os.path.exists(fp):
         parts.append("\nThe floor (common/examples/fabric_bench.rs over loopback: raw TCP, its "
                      "ping-pong also sent from random places in a 64 MiB dax (forced) region, its "
-                     "stream also landed in a dax (forced) region and written back, and sent with "
-                     "MSG_ZEROCOPY; and the tcp transport alone, a 4 KiB Write + an 8-byte APM "
+                     "stream also landed in dax (forced) regions of 16 and 64 MiB (written back "
+                     "as it lands, or streamed in from a small buffer with non-temporal stores), "
+                     "and sent with MSG_ZEROCOPY; and the tcp transport alone, a 4 KiB Write + an "
+                     "8-byte APM "
                      "Read at QD1, 1 MiB Writes, on a dax (forced) region):\n")
         parts.append(open(fp).read().strip())
     with open(os.path.join(root, "summary.md"), "w") as fh:

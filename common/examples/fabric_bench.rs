@@ -1,9 +1,11 @@
 //! Benchmark (not a test): the `tcp` transport over loopback against raw TCP, in one run.
 //!
 //! `cargo run --release -p rpma-common --example fabric_bench [-- --reps N --iters N --gib N]
-//! [--only TEXT] [--no-floor]` (`--only`: the cases whose name contains TEXT, `--only floor` none
-//! of them: the floor alone; `--no-floor`: the cases alone, no ratios: to profile a case without
-//! the floor's samples)
+//! [--only TEXT] [--no-floor] [--pin]` (`--only`: the cases whose name contains TEXT, `--only
+//! floor` none of them: the floor alone; `--no-floor`: the cases alone, no ratios: to profile a
+//! case without the floor's samples; `--pin`: each end of every pair on a CPU of its own, the
+//! first and the last this process may use, as two machines would be: unpinned, the scheduler
+//! may leave both busy-polling ends on one CPU for seconds, and a run then measures that)
 //!
 //! Measures, for each combination of CRC (on, off), maximum ULPDU (1454, one FPDU per segment of
 //! a 1500-byte MTU, and the default: 65535 cut to the connection's MSS) and target memory (a
@@ -18,15 +20,20 @@
 //! busy-polling non-blocking sockets with TCP_NODELAY), the same with each 4 KiB sent from a
 //! random place in a 64 MiB dax (forced) region (what data outside the sender's caches costs
 //! it, as a random read of a namespace larger than the L3 has), and a raw TCP stream (1 MiB
-//! writes, the reader busy-polling into a 1 MiB buffer). Beside it, the same stream received
-//! straight into a dax (forced) region and written back (clwb + sfence) as it lands: what a
-//! receiver that does nothing but land the bytes durably in memory gets, the floor of the
-//! bandwidth cases on dax (its row has no latency). And the stream sent with `MSG_ZEROCOPY`, with the share of
-//! its sends the kernel reports it copied after all: whether the socket allows a zero-copy send
-//! here.
+//! writes, the reader busy-polling into a 1 MiB buffer, which stays in its caches). Beside it,
+//! what a receiver that does nothing but land the stream durably in memory gets, the floor of
+//! the bandwidth cases on dax (these rows have no latency): received straight into a dax
+//! (forced) region and written back (clwb + sfence) as it lands, into a 16 MiB region (the
+//! cases' own, which the L3 may hold) and into a 64 MiB one (as large as the bench jobs' range
+//! of a namespace, where the product's 1 MiB writes land: twice the L3 of the AMD machines); and
+//! received into a 64 KiB buffer whose bytes are then streamed into the 64 MiB region with
+//! non-temporal stores, as the transport's target places a large checked payload. And the
+//! stream sent with `MSG_ZEROCOPY`, with the share of its sends the kernel reports it copied
+//! after all: whether the socket allows a zero-copy send here.
 //!
 //! Both ends run in this process, on two threads (the initiator in the main thread, the target
-//! busy-polling its completion queue in another): on a 2-CPU machine that is one CPU each.
+//! busy-polling its completion queue in another): on a 2-CPU machine one CPU each when the
+//! scheduler spreads them, and always with `--pin`.
 //! Every figure is the median over `--reps` repetitions; ratios are to the raw-TCP floor.
 
 use std::io::{ErrorKind, Read, Write};
@@ -53,6 +60,55 @@ struct Args {
     gib: usize,
     only: Option<String>,
     no_floor: bool,
+    pin: bool,
+}
+
+/// With `--pin`: the CPU the other end's threads run on (the last one; this process's main
+/// thread, one end of every pair, runs on the first).
+static PIN_OTHER: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(usize::MAX);
+
+/// Puts the calling thread on CPU `cpu` alone (`sched_setaffinity`).
+fn pin_to(cpu: usize) -> std::io::Result<()> {
+    // SAFETY: a zeroed cpu_set_t is an empty set; CPU_SET writes within it (cpu < CPU_SETSIZE,
+    // checked); sched_setaffinity(0, ..) reads it for the calling thread.
+    unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if cpu >= libc::CPU_SETSIZE as usize {
+            return Err(std::io::Error::from(ErrorKind::InvalidInput));
+        }
+        libc::CPU_SET(cpu, &mut set);
+        if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+    }
+    Ok(())
+}
+
+/// The first and the last CPU this process may run on.
+fn allowed_cpus() -> std::io::Result<(usize, usize)> {
+    // SAFETY: sched_getaffinity(0, ..) fills the set we own for the calling thread; CPU_ISSET
+    // reads within it (i < CPU_SETSIZE).
+    let cpus: Vec<usize> = unsafe {
+        let mut set: libc::cpu_set_t = std::mem::zeroed();
+        if libc::sched_getaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &mut set) != 0 {
+            return Err(std::io::Error::last_os_error());
+        }
+        (0..libc::CPU_SETSIZE as usize)
+            .filter(|&i| libc::CPU_ISSET(i, &set))
+            .collect()
+    };
+    match (cpus.first(), cpus.last()) {
+        (Some(&f), Some(&l)) => Ok((f, l)),
+        _ => Err(std::io::Error::from(ErrorKind::NotFound)),
+    }
+}
+
+/// Called first in every thread this program spawns: with `--pin`, on the other end's CPU.
+fn pin_other_end() {
+    let cpu = PIN_OTHER.load(Ordering::Relaxed);
+    if cpu != usize::MAX {
+        pin_to(cpu).expect("pin a thread to its CPU");
+    }
 }
 
 fn args() -> BoxResult<Args> {
@@ -62,11 +118,16 @@ fn args() -> BoxResult<Args> {
         gib: 1,
         only: None,
         no_floor: false,
+        pin: false,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
         if k == "--no-floor" {
             a.no_floor = true;
+            continue;
+        }
+        if k == "--pin" {
+            a.pin = true;
             continue;
         }
         let v = it.next().ok_or("missing value")?;
@@ -84,6 +145,15 @@ fn args() -> BoxResult<Args> {
 fn main() -> BoxResult<()> {
     let a = args()?;
     print_machine();
+    if a.pin {
+        let (first, last) = allowed_cpus()?;
+        if first == last {
+            return Err("--pin needs two CPUs".into());
+        }
+        pin_to(first)?;
+        PIN_OTHER.store(last, Ordering::Relaxed);
+        println!("pinned: one end of every pair on CPU {first}, the other on CPU {last}");
+    }
     println!(
         "reps {} (medians shown), QD1 iterations {} per rep, bandwidth {} GiB per rep",
         a.reps, a.iters, a.gib
@@ -115,14 +185,26 @@ fn main() -> BoxResult<()> {
     let mut cold = Stats::default();
     let mut zerocopy = Stats::default();
     let mut zc_copied = Vec::new();
-    let dax_region = || -> BoxResult<Arc<dyn Target>> {
-        let m = OpenOptions::new(shm.path())
-            .size(REGION as u64)
+    let mut placed_large = Stats::default();
+    let mut streamed_large = Stats::default();
+    // The large region has a file of its own: a file's size is fixed once made.
+    let shm_large = tempfile::Builder::new()
+        .prefix("rpma-fabric-bench-")
+        .tempfile_in("/dev/shm")?;
+    let dax_region_of = |size: usize| -> BoxResult<Arc<dyn Target>> {
+        let path = if size == REGION {
+            shm.path()
+        } else {
+            shm_large.path()
+        };
+        let m = OpenOptions::new(path)
+            .size(size as u64)
             .force_dax(true)
             .open()?;
         assert!(m.domain().is_durable(), "{}", m.domain());
         Ok(Arc::new(m))
     };
+    let dax_region = || dax_region_of(REGION);
     for rep in 0..a.reps {
         let (p50, p99, bw) = if a.no_floor {
             (f64::NAN, f64::NAN, f64::NAN)
@@ -133,6 +215,14 @@ fn main() -> BoxResult<()> {
             let bw = raw_stream(a.gib)?;
             let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
             placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
+            let large = dax_region_of(COLD)?;
+            let lbw = raw_stream_placed(a.gib, &*large)?;
+            placed_large.push(f64::NAN, f64::NAN, lbw, f64::NAN, lbw / bw);
+            #[cfg(target_arch = "x86_64")]
+            let sbw = raw_stream_streamed(a.gib, &*large)?;
+            #[cfg(not(target_arch = "x86_64"))]
+            let sbw = f64::NAN;
+            streamed_large.push(f64::NAN, f64::NAN, sbw, f64::NAN, sbw / bw);
             let (zbw, copied) = raw_stream_zerocopy(a.gib)?;
             zerocopy.push(f64::NAN, f64::NAN, zbw, f64::NAN, zbw / bw);
             zc_copied.push(copied);
@@ -164,7 +254,19 @@ fn main() -> BoxResult<()> {
              (not in the sender's caches)",
             COLD / MIB
         ));
-        placed.print("raw TCP into a dax (forced) region, written back");
+        placed.print(&format!(
+            "raw TCP into a {} MiB dax (forced) region, written back",
+            REGION / MIB
+        ));
+        placed_large.print(&format!(
+            "raw TCP into a {} MiB dax (forced) region (the jobs' range), written back",
+            COLD / MIB
+        ));
+        streamed_large.print(&format!(
+            "raw TCP into a 64 KiB buffer, then streamed (non-temporal stores) into a {} MiB dax \
+             (forced) region",
+            COLD / MIB
+        ));
         zerocopy.print(&format!(
             "raw TCP sent with MSG_ZEROCOPY ({:.0}% of the sends copied by the kernel)",
             100.0 * median(&mut zc_copied)
@@ -326,6 +428,7 @@ impl Setup {
         let stop = Arc::new(AtomicBool::new(false));
         let (pd2, p2, stop2) = (pd.clone(), params.clone(), Arc::clone(&stop));
         let target = std::thread::spawn(move || -> Result<QueuePair> {
+            pin_other_end();
             let req = listener.accept(&p2)?;
             let qp = pd2.create_qp(&tcq, &tcq, QpCaps::default())?;
             let qp = req.accept(qp, &p2, b"")?;
@@ -505,8 +608,8 @@ fn spin_read(s: &mut TcpStream, mut buf: &mut [u8]) -> std::io::Result<()> {
     Ok(())
 }
 
-/// The cold floor's source: larger than the L3 of this project's machines (32 MiB), as the
-/// bench jobs' 64 MiB range of a namespace is.
+/// The cold floor's source and the large landing region: larger than the L3 of this project's
+/// AMD machines (32 MiB), as the bench jobs' 64 MiB range of a namespace is.
 const COLD: usize = 64 * MIB;
 
 /// A [`COLD`]-byte /dev/shm file mapped as the dax rows' memory, every byte written once (so
@@ -544,6 +647,7 @@ fn raw_ping_pong(iters: usize, from: Option<&[u8]>) -> BoxResult<(f64, f64)> {
     let (mut c, mut s) = pair()?;
     let total = iters + iters / 10;
     let server = std::thread::spawn(move || -> std::io::Result<()> {
+        pin_other_end();
         let mut buf = vec![0u8; SMALL];
         for _ in 0..total {
             spin_read(&mut s, &mut buf)?;
@@ -579,6 +683,7 @@ fn raw_ping_pong(iters: usize, from: Option<&[u8]>) -> BoxResult<(f64, f64)> {
 fn stream_writer(total: usize) -> BoxResult<(JoinHandle<std::io::Result<()>>, TcpStream)> {
     let (mut c, s) = pair()?;
     let writer = std::thread::spawn(move || -> std::io::Result<()> {
+        pin_other_end();
         let buf = vec![3u8; MIB];
         for _ in 0..total / MIB {
             spin_write(&mut c, &buf)?;
@@ -643,6 +748,70 @@ fn raw_stream_placed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
     Ok(total as f64 / el.as_secs_f64())
 }
 
+/// [`raw_stream`] received into a 64 KiB buffer of the reader's (which stays in its caches), each
+/// read's whole cache lines then streamed into `mem` (a dax region) with non-temporal stores and
+/// an `sfence`, round it: bytes per second. The way the transport's target places a large
+/// checked payload (without the CRC), as against [`raw_stream_placed`]'s `recv` straight into
+/// place, whose stores first read every line they write when the region is not cached.
+#[cfg(target_arch = "x86_64")]
+fn raw_stream_streamed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
+    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
+    const BUF: usize = 64 << 10;
+    let (base, len) = (mem.as_mut_ptr(), mem.len());
+    assert!(
+        len.is_multiple_of(64) && len >= BUF,
+        "whole lines, room for a buffer's worth"
+    );
+    let total = gib << 30;
+    let (writer, mut s) = stream_writer(total)?;
+    let mut buf = vec![0u8; BUF];
+    let t = Instant::now();
+    let (mut got, mut at, mut fill) = (0, 0, 0);
+    while got < total {
+        match s.read(&mut buf[fill..]) {
+            Ok(0) => return Err("writer closed early".into()),
+            Ok(n) => {
+                got += n;
+                fill += n;
+                // Whole lines only (a partial line would leave the write-combining buffer as a
+                // partial write); the rest waits for the next read.
+                let whole = fill & !63;
+                let mut done = 0;
+                while done < whole {
+                    let run = (whole - done).min(len - at);
+                    // SAFETY: `buf[done..done + run]` is ours and initialised; `mem` is mapped
+                    // for `len` bytes, `at + run <= len`, and `at` is a multiple of 64 (it only
+                    // moves by whole lines), so every 16-byte store is aligned; nothing else
+                    // reads or writes the region while this runs.
+                    unsafe {
+                        let (src, dst) = (buf.as_ptr().add(done), base.add(at));
+                        let mut i = 0;
+                        while i < run {
+                            let s = src.add(i).cast::<__m128i>();
+                            let d = dst.add(i).cast::<__m128i>();
+                            _mm_stream_si128(d, _mm_loadu_si128(s));
+                            _mm_stream_si128(d.add(1), _mm_loadu_si128(s.add(1)));
+                            _mm_stream_si128(d.add(2), _mm_loadu_si128(s.add(2)));
+                            _mm_stream_si128(d.add(3), _mm_loadu_si128(s.add(3)));
+                            i += 64;
+                        }
+                    }
+                    done += run;
+                    at = (at + run) % len;
+                }
+                rpma_common::pmem::sfence();
+                buf.copy_within(whole..fill, 0);
+                fill -= whole;
+            }
+            Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
+            Err(e) => return Err(e.into()),
+        }
+    }
+    let el = t.elapsed();
+    writer.join().map_err(|_| "writer panicked")??;
+    Ok(total as f64 / el.as_secs_f64())
+}
+
 /// `SO_ZEROCOPY` (asm-generic/socket.h; not in the libc crate).
 const SO_ZEROCOPY: libc::c_int = 60;
 /// `SO_EE_ORIGIN_ZEROCOPY` and `SO_EE_CODE_ZEROCOPY_COPIED` (linux/errqueue.h).
@@ -659,6 +828,7 @@ fn raw_stream_zerocopy(gib: usize) -> BoxResult<(f64, f64)> {
     let (c, mut s) = pair()?;
     let total = gib << 30;
     let writer = std::thread::spawn(move || -> std::io::Result<(u64, u64)> {
+        pin_other_end();
         let fd = c.as_raw_fd();
         let one: libc::c_int = 1;
         // SAFETY: a socket of ours and an int option of the size given.
