@@ -51,12 +51,7 @@ bench_config
 for l in "${sets[@]}"; do sed -i "1i $l" "$SCRATCH/target.toml"; done
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 client=()
-if [ "$pin" = 1 ]; then
-    last=$(($(nproc) - 1))
-    [ "$last" -ge 1 ] || { echo "bench/ab.sh: --pin needs 2 CPUs or more" >&2; exit 2; }
-    taskset -a -p -c "$last" "$target_pid" >/dev/null
-    client=(taskset -c "0-$((last - 1))")
-fi
+[ "$pin" = 1 ] && pin_target bench/ab.sh
 {
     printf '[global]\nsize=64m\noffset=0\ntime_based=1\nruntime=%s\n[ab]\n' "$runtime"
     tr ' ' '\n' <<<"$job"

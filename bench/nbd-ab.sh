@@ -55,12 +55,7 @@ bench_config
 sed -i 's/^size = "128MiB"$/&\nblock_size = 512/' "$SCRATCH/target.toml"
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 client=()
-if [ "$pin" = 1 ]; then
-    last=$(($(nproc) - 1))
-    [ "$last" -ge 1 ] || { echo "bench/nbd-ab.sh: --pin needs 2 CPUs or more" >&2; exit 2; }
-    taskset -a -p -c "$last" "$target_pid" >/dev/null
-    client=(taskset -c "0-$((last - 1))")
-fi
+[ "$pin" = 1 ] && pin_target bench/nbd-ab.sh
 peer=/dev/shm/rpma-nbdab-peer-$$.img
 pids=()
 nbdab_cleanup() {

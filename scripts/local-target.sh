@@ -19,6 +19,10 @@
 #   start_target CONFIG SOCKET     -> starts rpma-target on CONFIG, sets target_pid, waits until
 #                                     its control SOCKET answers (fails if it exits first)
 #   stop_target                    -> SIGTERM, wait; prints nothing; safe to call twice
+#   pin_target WHO                 -> the started target alone on the last CPU (taskset, every
+#                                     thread); sets last (that CPU) and client (a taskset
+#                                     prefix putting a client on the others); exits 2 naming
+#                                     WHO on a machine with one CPU
 #
 # The caller's EXIT trap should call stop_target (local_setup's does), so that a failure or ^C
 # never leaves a target behind.
@@ -101,6 +105,13 @@ start_target() {
     done
     echo "rpma-target was not ready within 30 s" >&2
     return 1
+}
+
+pin_target() {
+    last=$(($(nproc) - 1))
+    [ "$last" -ge 1 ] || { echo "$1: --pin needs 2 CPUs or more" >&2; exit 2; }
+    taskset -a -p -c "$last" "$target_pid" >/dev/null
+    client=(taskset -c "0-$((last - 1))")
 }
 
 stop_target() {
