@@ -43,6 +43,8 @@ use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::Instant;
 
+use rpma_common::fabric::soft::placer::write_payload;
+use rpma_common::fabric::soft::wire::rx::DirectTarget;
 use rpma_common::fabric::*;
 use rpma_common::pmem::OpenOptions;
 
@@ -191,20 +193,16 @@ fn main() -> BoxResult<()> {
     let shm_large = tempfile::Builder::new()
         .prefix("rpma-fabric-bench-")
         .tempfile_in("/dev/shm")?;
-    let dax_region_of = |size: usize| -> BoxResult<Arc<dyn Target>> {
-        let path = if size == REGION {
-            shm.path()
-        } else {
-            shm_large.path()
+    let dax_region_in =
+        |file: &tempfile::NamedTempFile, size: usize| -> BoxResult<Arc<dyn Target>> {
+            let m = OpenOptions::new(file.path())
+                .size(size as u64)
+                .force_dax(true)
+                .open()?;
+            assert!(m.domain().is_durable(), "{}", m.domain());
+            Ok(Arc::new(m))
         };
-        let m = OpenOptions::new(path)
-            .size(size as u64)
-            .force_dax(true)
-            .open()?;
-        assert!(m.domain().is_durable(), "{}", m.domain());
-        Ok(Arc::new(m))
-    };
-    let dax_region = || dax_region_of(REGION);
+    let dax_region = || dax_region_in(&shm, REGION);
     for rep in 0..a.reps {
         let (p50, p99, bw) = if a.no_floor {
             (f64::NAN, f64::NAN, f64::NAN)
@@ -215,13 +213,10 @@ fn main() -> BoxResult<()> {
             let bw = raw_stream(a.gib)?;
             let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
             placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
-            let large = dax_region_of(COLD)?;
+            let large = dax_region_in(&shm_large, COLD)?;
             let lbw = raw_stream_placed(a.gib, &*large)?;
             placed_large.push(f64::NAN, f64::NAN, lbw, f64::NAN, lbw / bw);
-            #[cfg(target_arch = "x86_64")]
             let sbw = raw_stream_streamed(a.gib, &*large)?;
-            #[cfg(not(target_arch = "x86_64"))]
-            let sbw = f64::NAN;
             streamed_large.push(f64::NAN, f64::NAN, sbw, f64::NAN, sbw / bw);
             let (zbw, copied) = raw_stream_zerocopy(a.gib)?;
             zerocopy.push(f64::NAN, f64::NAN, zbw, f64::NAN, zbw / bw);
@@ -748,60 +743,42 @@ fn raw_stream_placed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
     Ok(total as f64 / el.as_secs_f64())
 }
 
-/// [`raw_stream`] received into a 64 KiB buffer of the reader's (which stays in its caches), each
-/// read's whole cache lines then streamed into `mem` (a dax region) with non-temporal stores and
-/// an `sfence`, round it: bytes per second. The way the transport's target places a large
-/// checked payload (without the CRC), as against [`raw_stream_placed`]'s `recv` straight into
-/// place, whose stores first read every line they write when the region is not cached.
-#[cfg(target_arch = "x86_64")]
+/// [`raw_stream`] received into a 64 KiB buffer of the reader's (which stays in its caches),
+/// each read's bytes then placed into `mem` (a dax region), round it, by the transport's own
+/// placement of a checked payload into memory that asks for the cache write-back
+/// (`placer::write_payload`: non-temporal stores, the partial lines at either end written back)
+/// and an `sfence`: bytes per second. Against [`raw_stream_placed`]'s `recv` straight into place,
+/// whose stores first read every line they write when the region is not cached.
 fn raw_stream_streamed(gib: usize, mem: &dyn Target) -> BoxResult<f64> {
-    use std::arch::x86_64::{__m128i, _mm_loadu_si128, _mm_stream_si128};
-    const BUF: usize = 64 << 10;
+    let persist = mem.persist().ok_or("a dax region has a Persist")?;
     let (base, len) = (mem.as_mut_ptr(), mem.len());
-    assert!(
-        len.is_multiple_of(64) && len >= BUF,
-        "whole lines, room for a buffer's worth"
-    );
     let total = gib << 30;
     let (writer, mut s) = stream_writer(total)?;
-    let mut buf = vec![0u8; BUF];
+    let mut buf = vec![0u8; 64 << 10];
     let t = Instant::now();
-    let (mut got, mut at, mut fill) = (0, 0, 0);
+    let (mut got, mut at) = (0, 0);
     while got < total {
-        match s.read(&mut buf[fill..]) {
+        match s.read(&mut buf) {
             Ok(0) => return Err("writer closed early".into()),
             Ok(n) => {
                 got += n;
-                fill += n;
-                // Whole lines only (a partial line would leave the write-combining buffer as a
-                // partial write); the rest waits for the next read.
-                let whole = fill & !63;
                 let mut done = 0;
-                while done < whole {
-                    let run = (whole - done).min(len - at);
-                    // SAFETY: `buf[done..done + run]` is ours and initialised; `mem` is mapped
-                    // for `len` bytes, `at + run <= len`, and `at` is a multiple of 64 (it only
-                    // moves by whole lines), so every 16-byte store is aligned; nothing else
-                    // reads or writes the region while this runs.
-                    unsafe {
-                        let (src, dst) = (buf.as_ptr().add(done), base.add(at));
-                        let mut i = 0;
-                        while i < run {
-                            let s = src.add(i).cast::<__m128i>();
-                            let d = dst.add(i).cast::<__m128i>();
-                            _mm_stream_si128(d, _mm_loadu_si128(s));
-                            _mm_stream_si128(d.add(1), _mm_loadu_si128(s.add(1)));
-                            _mm_stream_si128(d.add(2), _mm_loadu_si128(s.add(2)));
-                            _mm_stream_si128(d.add(3), _mm_loadu_si128(s.add(3)));
-                            i += 64;
-                        }
+                while done < n {
+                    let run = (n - done).min(len - at);
+                    // SAFETY: `mem` is mapped for `len` bytes and `at + run <= len`; nothing
+                    // else reads or writes it while this runs (a region of its own, not
+                    // registered anywhere), and the target is dropped by the call below.
+                    let dst = unsafe { DirectTarget::new(base.add(at), run) };
+                    let chunk = &buf[done..done + run];
+                    // Not streamed (too short, or no write-back instruction): written back
+                    // as the target's durability contract would.
+                    if !write_payload(dst.with_cache_writeback(), chunk)? {
+                        persist.persist(at, run)?;
                     }
                     done += run;
                     at = (at + run) % len;
                 }
                 rpma_common::pmem::sfence();
-                buf.copy_within(whole..fill, 0);
-                fill -= whole;
             }
             Err(e) if e.kind() == ErrorKind::WouldBlock => std::hint::spin_loop(),
             Err(e) => return Err(e.into()),
