@@ -6,9 +6,9 @@ mod fabric_util;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
-use fabric_util::{rw, Pair};
+use fabric_util::{post_read, rw, Pair};
 use nix::sys::eventfd::EventFd;
 use rpma_common::fabric::*;
 
@@ -242,4 +242,59 @@ fn a_wait_with_read_requests_still_buffered_answers_them_before_it_blocks() {
     }
     stop.write(1).unwrap();
     target.join().unwrap();
+}
+
+#[test]
+fn a_target_serving_one_sided_requests_stays_awake_while_they_come() {
+    // A target placing Writes and answering Reads completes nothing itself. Its spell counts
+    // from the last FPDU that arrived: counted from the wait's start, it ran out in the middle
+    // of the client's stream and blocked, once per spell, and the next request paid the
+    // wake-up (one request in four at depth 1 on AMD: docs/benchmarks.md, "A spell counted
+    // from the last message"). Reads one after another for two spells and more; the target
+    // must never block. A run in which the client itself stalled for a good part of a spell
+    // (a loaded machine) proves nothing either way, and is done again.
+    const SPELL: Duration = Duration::from_secs(1);
+    for attempt in 1..=5 {
+        let p = Pair::new(true);
+        let (tmem, tmr) = p.target_buf(4096, rw());
+        tmem.write_at(0, &[0x5A; 8]).unwrap();
+        let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
+        let stop = Arc::new(EventFd::new().unwrap());
+        p.tcq.watch_fd(stop.as_fd(), 1).unwrap();
+        let tcq = p.tcq.clone();
+        let target = std::thread::spawn(move || {
+            let mut wc = [Completion::EMPTY; 4];
+            let woke = tcq.wait_any_with_spin(&mut wc, None, SPELL);
+            assert_eq!(woke.unwrap(), Woken::Fd(1), "the target has no completions");
+        });
+        let start = Instant::now();
+        let (mut reads, mut last, mut longest) = (0u64, start, Duration::ZERO);
+        let mut wc = [Completion::EMPTY; 4];
+        while start.elapsed() < 2 * SPELL + SPELL / 4 {
+            post_read(&p.qp, reads, Sge::new(&imr, 0, 8), tmr.remote(0));
+            let n = p.icq.wait(&mut wc, LONG).unwrap();
+            assert_eq!(n, 1, "the Read completed");
+            assert_eq!((wc[0].wr_id, wc[0].status), (reads, WcStatus::Success));
+            reads += 1;
+            longest = longest.max(last.elapsed());
+            last = Instant::now();
+        }
+        stop.write(1).unwrap();
+        target.join().unwrap();
+        let mut got = [0u8; 8];
+        imem.read_at(0, &mut got).unwrap();
+        assert_eq!(got, [0x5A; 8]);
+        if longest >= SPELL / 4 {
+            eprintln!("attempt {attempt}: the client stalled {longest:?} between two Reads");
+            continue;
+        }
+        assert_eq!(
+            p.tcq.blocked_waits(),
+            0,
+            "the target blocked while {reads} Reads came one after another over {:?}",
+            start.elapsed()
+        );
+        return;
+    }
+    panic!("the client stalled in every attempt: the machine is too loaded to judge");
 }

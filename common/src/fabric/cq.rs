@@ -11,8 +11,8 @@ use super::error::Result;
 use super::transport::CqEngine;
 use super::types::Completion;
 
-/// How long [`CompletionQueue::wait`] busy-polls after the last completion before it blocks in
-/// epoll, at least (the spell grows toward [`MAX_IDLE_SPIN`] while the waits it blocks in end
+/// How long [`CompletionQueue::wait`] busy-polls after the last completion (or, on the soft
+/// transport, the last FPDU that arrived) before it blocks in epoll, at least (the spell grows toward [`MAX_IDLE_SPIN`] while the waits it blocks in end
 /// soon: docs/fabric.md).
 pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_micros(50);
 
@@ -139,6 +139,8 @@ pub(crate) struct CqInner {
     spin: IdleSpin,
     /// How often the spell yields.
     yielder: SpinYield,
+    /// Waits that blocked (`blocked_waits`).
+    blocked: AtomicU64,
 }
 
 impl std::fmt::Debug for CompletionQueue {
@@ -168,6 +170,7 @@ impl CompletionQueue {
                 engine,
                 spin: IdleSpin::new(),
                 yielder: SpinYield::new(),
+                blocked: AtomicU64::new(0),
             }),
         })
     }
@@ -175,6 +178,13 @@ impl CompletionQueue {
     /// The device it belongs to.
     pub fn context(&self) -> &Context {
         &self.inner.ctx
+    }
+
+    /// How many times a wait on this queue ended its busy-poll spell and blocked (in epoll, or
+    /// on the device's completion channel): a statistic. Each block is a wake-up for whatever
+    /// ends it; under steady traffic a queue should block about never.
+    pub fn blocked_waits(&self) -> u64 {
+        self.inner.blocked.load(Ordering::Relaxed)
     }
 
     /// The transport's part.
@@ -189,11 +199,17 @@ impl CompletionQueue {
     /// None on the soft transport; on `rdma`, [`Error::Verbs`](super::Error::Verbs) when the
     /// device fails to poll its completion queue (the device is gone or broken).
     pub fn poll(&self, out: &mut [Completion]) -> Result<usize> {
+        Ok(self.poll_traffic(out)?.0)
+    }
+
+    /// [`poll`](Self::poll), and whether traffic arrived that completed nothing here (see
+    /// `CqEngine::progress`).
+    fn poll_traffic(&self, out: &mut [Completion]) -> Result<(usize, bool)> {
         if out.is_empty() {
-            return Ok(0);
+            return Ok((0, false));
         }
-        self.inner.engine.progress()?;
-        Ok(self.inner.list.take_into(out))
+        let arrived = self.inner.engine.progress()?;
+        Ok((self.inner.list.take_into(out), arrived))
     }
 
     /// Like [`poll`](Self::poll), but waits up to `timeout` (None: forever) for at least one
@@ -311,7 +327,7 @@ impl CompletionQueue {
         let mut last_activity = start;
         let mut turn = 0u32;
         loop {
-            let n = self.poll(out)?;
+            let (n, arrived) = self.poll_traffic(out)?;
             if n > 0 {
                 return Ok(Woken::Completions(n));
             }
@@ -322,6 +338,13 @@ impl CompletionQueue {
             let now = Instant::now();
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(Woken::TimedOut);
+            }
+            // Traffic that completed nothing here is activity too: a target serving one-sided
+            // requests (placing Writes, answering Reads and Flushes) completes nothing, and a
+            // spell counted from the wait's start went to sleep in the middle of its client's
+            // stream, every spell (docs/benchmarks.md, "A spell counted from the last message").
+            if arrived {
+                last_activity = now;
             }
             if now.duration_since(last_activity) < spin {
                 // A watched fd (a flusher's completion) is answered as it comes, not after
@@ -348,6 +371,7 @@ impl CompletionQueue {
                 continue;
             }
             let left = deadline.map(|d| d.saturating_duration_since(now));
+            self.inner.blocked.fetch_add(1, Ordering::Relaxed);
             let ready = self.inner.engine.block(left)?;
             if let Some(token) = ready.user {
                 return Ok(Woken::Fd(token));

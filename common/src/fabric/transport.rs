@@ -336,15 +336,15 @@ pub(crate) enum CqEngine {
 
 impl CqEngine {
     /// Drives the bound queue pairs once (soft: they push their completions), or polls the
-    /// device's queue into the completion list (rdma).
-    pub(crate) fn progress(&self) -> Result<()> {
+    /// device's queue into the completion list (rdma). Returns whether traffic arrived: on the
+    /// soft transport an FPDU, which may complete nothing here (a Write placed, a Read or a
+    /// Flush answered, all in this call); on rdma always false (the device serves those
+    /// without the CPU).
+    pub(crate) fn progress(&self) -> Result<bool> {
         match self {
-            CqEngine::Soft(c) => {
-                c.progress();
-                Ok(())
-            }
+            CqEngine::Soft(c) => Ok(c.progress()),
             #[cfg(feature = "rdma")]
-            CqEngine::Rdma(c) => c.progress(),
+            CqEngine::Rdma(c) => c.progress().map(|()| false),
         }
     }
 

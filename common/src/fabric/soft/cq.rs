@@ -64,13 +64,17 @@ impl SoftCq {
 
     /// Drives the bound queue pairs once, round-robin: each writes at most its share of the
     /// pass's send budget, split between those that had output waiting after the last pass.
-    pub(crate) fn progress(&self) {
+    /// Returns whether an FPDU arrived on any of them.
+    pub(crate) fn progress(&self) -> bool {
         let share = quantum(self.busy.load(Ordering::Relaxed));
-        let mut busy = 0;
+        let (mut busy, mut arrived) = (0, false);
         for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
-            busy += usize::from(qp.progress(share));
+            let pass = qp.progress(share);
+            busy += usize::from(pass.busy);
+            arrived |= pass.arrived;
         }
         self.busy.store(busy, Ordering::Relaxed);
+        arrived
     }
 
     /// Arms the sockets for the idle wait (writability where output waits). Returns whether a

@@ -302,15 +302,21 @@ impl Engine {
         self.enter_error(why, None);
     }
 
-    pub(super) fn receive(&mut self, conn: &mut Conn) {
+    /// Reads the socket and handles what arrived, up to `RX_BUDGET` FPDUs. Returns whether an
+    /// FPDU arrived: traffic, which keeps the completion queue's busy-poll spell going even
+    /// when it completes nothing locally (a target placing Writes, answering Reads and
+    /// Flushes).
+    pub(super) fn receive(&mut self, conn: &mut Conn) -> bool {
         self.rx_held = false;
         let answers = self.tx.queued_messages() + ANSWER_BATCH;
+        let mut arrived = false;
         for _ in 0..RX_BUDGET {
             if self.state != QpState::Rts {
-                return;
+                return arrived;
             }
             match conn.rx.poll(&mut conn.sock, self) {
                 Ok(Some(r)) => {
+                    arrived = true;
                     self.rtr_pending = false;
                     let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
                     match r.data {
@@ -324,19 +330,19 @@ impl Engine {
                     // Nothing more buffered: let the caller write the answers and report the
                     // completions now rather than after one more read that would likely block.
                     if conn.rx.is_idle() {
-                        return;
+                        return arrived;
                     }
                     // A batch of answers is ready: written now, the peer works on them while
                     // the next pass prepares the rest (ANSWER_BATCH).
                     if self.tx.queued_messages() >= answers {
                         self.rx_held = true;
-                        return;
+                        return arrived;
                     }
                 }
-                Ok(None) => return,
+                Ok(None) => return arrived,
                 Err(WireError::Closed { .. }) => {
                     self.enter_error(QpFailure::PeerClosed, None);
-                    return;
+                    return arrived;
                 }
                 Err(WireError::Io { source, .. }) => {
                     let source = Arc::new(source);
@@ -347,7 +353,7 @@ impl Engine {
                         },
                         None,
                     );
-                    return;
+                    return arrived;
                 }
                 Err(e) => {
                     let offending = conn.rx.offending_segment().map(|(l, h)| (l, h.to_vec()));
@@ -359,12 +365,13 @@ impl Engine {
                         rreq: None,
                         persist: None,
                     });
-                    return;
+                    return arrived;
                 }
             }
         }
         // The budget is spent: what is still buffered waits for the next pass.
         self.rx_held = !conn.rx.is_idle();
+        arrived
     }
 
     /// A completion of this queue pair, as a receive (callers change the opcode for sends).

@@ -45,6 +45,15 @@ struct Core {
     e: Engine,
 }
 
+/// What one [`SoftQp::progress`] pass did.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub(crate) struct Pass {
+    /// Output is still waiting to be written.
+    pub(crate) busy: bool,
+    /// An FPDU arrived from the peer (whether or not it completed anything here).
+    pub(crate) arrived: bool,
+}
+
 /// A soft queue pair. Shared by its handle and (weakly) by its completion queues.
 pub(crate) struct SoftQp {
     pub(crate) num: u32,
@@ -231,15 +240,15 @@ impl SoftQp {
     }
 
     /// One round of progress: receive, answer, issue, send (at most `share` bytes), complete.
-    /// Returns whether output is still waiting.
-    pub(crate) fn progress(&self, share: usize) -> bool {
+    pub(crate) fn progress(&self, share: usize) -> Pass {
         let mut c = self.lock();
         let Core { conn, e } = &mut *c;
         let Some(cn) = conn.as_mut() else {
-            return false;
+            return Pass::default();
         };
+        let mut arrived = false;
         if e.state == QpState::Rts {
-            e.receive(cn);
+            arrived = e.receive(cn);
             e.issue();
         }
         e.write(cn, share);
@@ -247,7 +256,10 @@ impl SoftQp {
         if e.state == QpState::Error && (!e.tx.pending() || !e.closing) && drain(cn) {
             *conn = None;
         }
-        e.tx.pending()
+        Pass {
+            busy: e.tx.pending(),
+            arrived,
+        }
     }
 
     /// Registers the socket with `poller` and arms writability if output waits. Returns whether
