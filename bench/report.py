@@ -327,7 +327,9 @@ def main():
                      "ping-pong also sent from random places in a 64 MiB dax (forced) region, its "
                      "stream also landed in dax (forced) regions of 16 and 64 MiB (written back "
                      "as it lands, or streamed in from a small buffer with non-temporal stores), "
-                     "and sent with MSG_ZEROCOPY; and the tcp transport alone, a 4 KiB Write + an "
+                     "and sent with MSG_ZEROCOPY; the wire's own work alone (a Read, and a durable "
+                     "Write with its Flush, framed, CRC'd and checked by the transport's wire code "
+                     "over raw sockets, with no engine); and the tcp transport alone, a 4 KiB Write + an "
                      "8-byte APM "
                      "Read at QD1, 1 MiB Writes, on a dax (forced) region):\n")
         parts.append(open(fp).read().strip())

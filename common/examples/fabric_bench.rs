@@ -19,7 +19,12 @@
 //! The floor, in the same run: a raw TCP ping-pong (4 KiB one way, 8 B back, both ends
 //! busy-polling non-blocking sockets with TCP_NODELAY), the same with each 4 KiB sent from a
 //! random place in a 64 MiB dax (forced) region (what data outside the sender's caches costs
-//! it, as a random read of a namespace larger than the L3 has), and a raw TCP stream (1 MiB
+//! it, as a random read of a namespace larger than the L3 has), the same ping-pong carrying the
+//! iWARP wire's own work and nothing else (a Read Request answered by a 4 KiB Read Response from
+//! a random place in the 64 MiB region; a 4 KiB Write and a Flush Request, placed at a random
+//! place and written back, the Flush answered; each FPDU built, CRC'd and checked by the
+//! transport's own wire code, CRC on and off, with no engine: no queue, completion or
+//! bookkeeping; what any implementation of the protocol pays), and a raw TCP stream (1 MiB
 //! writes, the reader busy-polling into a 1 MiB buffer, which stays in its caches). Beside it,
 //! what a receiver that does nothing but land the stream durably in memory gets, the floor of
 //! the bandwidth cases on dax (these rows have no latency): received straight into a dax
@@ -189,6 +194,9 @@ fn main() -> BoxResult<()> {
     let mut zc_copied = Vec::new();
     let mut placed_large = Stats::default();
     let mut streamed_large = Stats::default();
+    // The wire's own work, CRC on and off.
+    let mut wire_read = [Stats::default(), Stats::default()];
+    let mut wire_write = [Stats::default(), Stats::default()];
     // The large region has a file of its own: a file's size is fixed once made.
     let shm_large = tempfile::Builder::new()
         .prefix("rpma-fabric-bench-")
@@ -208,8 +216,14 @@ fn main() -> BoxResult<()> {
             (f64::NAN, f64::NAN, f64::NAN)
         } else {
             let (p50, p99) = raw_ping_pong(a.iters, None)?;
-            let (c50, c99) = raw_ping_pong(a.iters, Some(ColdSource::new()?.bytes()))?;
+            let cold_src = ColdSource::new()?;
+            let (c50, c99) = raw_ping_pong(a.iters, Some(cold_src.bytes()))?;
             cold.push(c50, c99, f64::NAN, c50 / p50, f64::NAN);
+            for (st, crc) in wire_read.iter_mut().zip([true, false]) {
+                let (r50, r99) = wire_floor::read(a.iters, &cold_src.map, crc)?;
+                st.push(r50, r99, f64::NAN, r50 / p50, f64::NAN);
+            }
+            drop(cold_src);
             let bw = raw_stream(a.gib)?;
             let pbw = raw_stream_placed(a.gib, &*dax_region()?)?;
             placed.push(f64::NAN, f64::NAN, pbw, f64::NAN, pbw / bw);
@@ -218,6 +232,10 @@ fn main() -> BoxResult<()> {
             placed_large.push(f64::NAN, f64::NAN, lbw, f64::NAN, lbw / bw);
             let sbw = raw_stream_streamed(a.gib, &*large)?;
             streamed_large.push(f64::NAN, f64::NAN, sbw, f64::NAN, sbw / bw);
+            for (st, crc) in wire_write.iter_mut().zip([true, false]) {
+                let (w50, w99) = wire_floor::durable_write(a.iters, &*large, crc)?;
+                st.push(w50, w99, f64::NAN, w50 / p50, f64::NAN);
+            }
             let (zbw, copied) = raw_stream_zerocopy(a.gib)?;
             zerocopy.push(f64::NAN, f64::NAN, zbw, f64::NAN, zbw / bw);
             zc_copied.push(copied);
@@ -249,6 +267,22 @@ fn main() -> BoxResult<()> {
              (not in the sender's caches)",
             COLD / MIB
         ));
+        for (crc, on) in [(0, "made and checked"), (1, "off")] {
+            wire_read[crc].print(&format!(
+                "raw TCP carrying an iWARP Read and nothing else: a Read Request, its 4 KiB \
+                 Response from a random place in a {} MiB dax (forced) region, CRCs {on}, no \
+                 engine",
+                COLD / MIB
+            ));
+        }
+        for (crc, on) in [(0, "made and checked"), (1, "off")] {
+            wire_write[crc].print(&format!(
+                "raw TCP carrying a durable iWARP Write and nothing else: a 4 KiB Write and a \
+                 Flush Request in one writev, CRCs {on}, placed at a random place in a {} MiB \
+                 dax (forced) region and written back, the Flush answered, no engine",
+                COLD / MIB
+            ));
+        }
         placed.print(&format!(
             "raw TCP into a {} MiB dax (forced) region, written back",
             REGION / MIB
@@ -911,5 +945,309 @@ fn reap_zerocopy(fd: libc::c_int, done: &mut u64, copied: &mut u64) -> std::io::
             // SAFETY: as above.
             cm = unsafe { libc::CMSG_NXTHDR(&msg, cm) };
         }
+    }
+}
+
+/// The work of the iWARP wire itself, on both ends, beside the raw ping-pong: what any
+/// implementation of the protocol (MPA framing with CRC32c, DDP/RDMAP headers) pays per round
+/// trip whatever its engine does around it. Every byte is built and checked by the transport's
+/// own wire code (`Framing`, `encode_fpdu`, `Header::decode`, the body codecs, the CRC and the
+/// placement of `placer::write_payload`); nothing else runs: no queue, no completion, no
+/// ordering, no bookkeeping of any kind.
+mod wire_floor {
+    use super::*;
+    use rpma_common::fabric::soft::wire::rdmap::{
+        FlushPlacement, FlushRequest, FlushSelectivity, PrivateResponse, ReadRequest,
+    };
+    use rpma_common::fabric::soft::wire::tx::{encode_fpdu, Framing};
+    use rpma_common::fabric::soft::wire::{crc32c, Header, Opcode};
+    use rpma_common::volatile::VolatileSlice;
+    use std::os::fd::AsRawFd;
+
+    /// The servers' result: their errors cross the thread.
+    type SResult<T> = std::result::Result<T, Box<dyn std::error::Error + Send + Sync>>;
+
+    /// The FPDU `buf`: its CRC checked (when `crc`), its header decoded; the header and the
+    /// bytes after it.
+    fn check(buf: &[u8], crc: bool) -> SResult<(Header, &[u8])> {
+        let (body, trailer) = buf.split_at(buf.len() - 4);
+        if crc && crc32c(body) != u32::from_le_bytes(trailer.try_into()?) {
+            return Err("CRC mismatch".into());
+        }
+        let ulpdu_len = u16::from_be_bytes([buf[0], buf[1]]) as usize;
+        let (h, hlen) = Header::decode(&buf[2..2 + ulpdu_len])?;
+        Ok((h, &buf[2 + hlen..2 + ulpdu_len]))
+    }
+
+    fn tagged_to(h: &Header) -> u64 {
+        match h.kind {
+            rpma_common::fabric::soft::wire::HeaderKind::Tagged { to, .. } => to,
+            _ => u64::MAX,
+        }
+    }
+
+    /// `writev` of `iov` in full, busy-polling a non-blocking socket.
+    fn spin_writev(fd: libc::c_int, iov: &mut [libc::iovec]) -> std::io::Result<()> {
+        let mut first = 0;
+        while first < iov.len() {
+            let rest = &iov[first..];
+            // SAFETY: every iovec names memory valid for reads for the call (the caller's
+            // buffers, or a mapping the caller keeps alive); the kernel only reads them.
+            let n = unsafe { libc::writev(fd, rest.as_ptr(), rest.len() as libc::c_int) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() == ErrorKind::WouldBlock {
+                    std::hint::spin_loop();
+                    continue;
+                }
+                return Err(e);
+            }
+            let mut n = n as usize;
+            while first < iov.len() && n >= iov[first].iov_len {
+                n -= iov[first].iov_len;
+                first += 1;
+            }
+            if n > 0 {
+                // SAFETY: n < this iovec's length, so the advanced base stays inside it.
+                iov[first].iov_base = unsafe { iov[first].iov_base.cast::<u8>().add(n) }.cast();
+                iov[first].iov_len -= n;
+            }
+        }
+        Ok(())
+    }
+
+    fn iov(p: *const u8, len: usize) -> libc::iovec {
+        libc::iovec {
+            iov_base: p as *mut libc::c_void,
+            iov_len: len,
+        }
+    }
+
+    fn next_place(x: &mut u64, places: usize) -> usize {
+        *x ^= *x << 13;
+        *x ^= *x >> 7;
+        *x ^= *x << 17;
+        (*x % places as u64) as usize * SMALL
+    }
+
+    /// A Read Request (its FPDU built and CRC'd by the requester, checked and decoded by the
+    /// responder), answered by a 4 KiB Read Response from a random place in `src` (a dax
+    /// region larger than the L3, as the bench jobs' range): its CRC over a copy of the bytes
+    /// (`Framing::for_volatile`, as the target's), sent with one `writev` straight from the
+    /// region, checked by the requester. (p50, p99) in ns.
+    pub fn read(iters: usize, src: &dyn Target, crc: bool) -> BoxResult<(f64, f64)> {
+        let (mut c, mut s) = pair()?;
+        let total = iters + iters / 10;
+        let req_len = encode_fpdu(
+            &Header::untagged(Opcode::ReadRequest, 1, true),
+            &[0u8; ReadRequest::LEN],
+            crc,
+            &mut Vec::new(),
+        )?;
+        let resp_len = {
+            let f = Framing::new(
+                &Header::tagged(Opcode::ReadResponse, 0, 0, true),
+                SMALL,
+                [],
+                crc,
+            );
+            f.overhead() + SMALL
+        };
+        let places = src.len() / SMALL;
+        std::thread::scope(|scope| -> BoxResult<(f64, f64)> {
+            let server = scope.spawn(move || -> SResult<()> {
+                pin_other_end();
+                let fd = s.as_raw_fd();
+                let mut buf = vec![0u8; req_len];
+                for _ in 0..total {
+                    spin_read(&mut s, &mut buf)?;
+                    let (_, body) = check(&buf, crc)?;
+                    let r = ReadRequest::decode(body)?;
+                    let at = r.src_to as usize;
+                    if at + r.size as usize > src.len() {
+                        return Err("read out of range".into());
+                    }
+                    // SAFETY: the region is mapped for its length, alive while `src` is, and
+                    // at + size <= len; nothing holds a reference to its bytes.
+                    let payload =
+                        unsafe { VolatileSlice::new(src.as_mut_ptr().add(at), r.size as usize) };
+                    let f = Framing::for_volatile(
+                        &Header::tagged(Opcode::ReadResponse, r.sink_stag, r.sink_to, true),
+                        payload,
+                        crc,
+                    );
+                    let mut v = [
+                        iov(f.head().as_ptr(), f.head().len()),
+                        iov(payload.as_ptr(), payload.len()),
+                        iov(f.trailer().as_ptr(), f.trailer().len()),
+                    ];
+                    spin_writev(fd, &mut v)?;
+                }
+                Ok(())
+            });
+            let mut x = 0x9E37_79B9_7F4A_7C15u64;
+            let mut req = Vec::with_capacity(req_len);
+            let mut resp = vec![0u8; resp_len];
+            let mut lat = Vec::with_capacity(iters);
+            for i in 0..total {
+                let at = next_place(&mut x, places);
+                let t = Instant::now();
+                req.clear();
+                let body = ReadRequest {
+                    sink_stag: 7,
+                    sink_to: 0,
+                    size: SMALL as u32,
+                    src_stag: 9,
+                    src_to: at as u64,
+                };
+                encode_fpdu(
+                    &Header::untagged(Opcode::ReadRequest, i as u32 + 1, true),
+                    &body.encode(),
+                    crc,
+                    &mut req,
+                )?;
+                spin_write(&mut c, &req)?;
+                spin_read(&mut c, &mut resp)?;
+                let (h, payload) = check(&resp, crc).map_err(|e| e.to_string())?;
+                if h.opcode != Opcode::ReadResponse || payload.len() != SMALL || tagged_to(&h) != 0
+                {
+                    return Err("not the Read Response asked for".into());
+                }
+                if i >= iters / 10 {
+                    lat.push(t.elapsed().as_nanos() as u64);
+                }
+            }
+            server
+                .join()
+                .map_err(|_| "server panicked")?
+                .map_err(|e| e.to_string())?;
+            lat.sort_unstable();
+            Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+        })
+    }
+
+    /// A 4 KiB Write and a Flush Request of its range, sent in one `writev` (the Write's CRC
+    /// over its source, as the initiator's); the responder checks both CRCs, places the
+    /// payload at a random place in `dst` (a dax region as large as the bench jobs' range)
+    /// as the target does (`placer::write_payload`: non-temporal stores, then the fence), and
+    /// answers the Flush. (p50, p99) in ns.
+    pub fn durable_write(iters: usize, dst: &dyn Target, crc: bool) -> BoxResult<(f64, f64)> {
+        if dst.persist().is_none() {
+            return Err("a dax region has a Persist".into());
+        }
+        let (mut c, mut s) = pair()?;
+        let total = iters + iters / 10;
+        let write_len = Framing::new(&Header::tagged(Opcode::Write, 0, 0, true), SMALL, [], crc)
+            .overhead()
+            + SMALL;
+        let flush_body = |req_id: u32, to: u64| FlushRequest {
+            req_id,
+            placement: FlushPlacement::Persistent,
+            selectivity: FlushSelectivity::Range {
+                stag: 9,
+                to,
+                len: SMALL as u64,
+            },
+        };
+        let flush_len = encode_fpdu(
+            &Header::untagged(Opcode::FlushRequest, 1, true),
+            &flush_body(0, 0).encode(),
+            crc,
+            &mut Vec::new(),
+        )?;
+        let answer_len = encode_fpdu(
+            &Header::untagged(Opcode::PrivateResponse, 1, true),
+            &[0u8; PrivateResponse::LEN],
+            crc,
+            &mut Vec::new(),
+        )?;
+        let places = dst.len() / SMALL;
+        std::thread::scope(|scope| -> BoxResult<(f64, f64)> {
+            let server = scope.spawn(move || -> SResult<()> {
+                pin_other_end();
+                let persist = dst.persist().ok_or("a dax region has a Persist")?;
+                let mut buf = vec![0u8; write_len + flush_len];
+                let mut answer = Vec::with_capacity(answer_len);
+                for i in 0..total {
+                    spin_read(&mut s, &mut buf)?;
+                    let (h, payload) = check(&buf[..write_len], crc)?;
+                    let at = tagged_to(&h) as usize;
+                    if h.opcode != Opcode::Write || at + payload.len() > dst.len() {
+                        return Err("not a Write in range".into());
+                    }
+                    // SAFETY: the region is mapped for its length and alive while `dst` is;
+                    // at + len <= its length; nothing else reads or writes it meanwhile.
+                    let place =
+                        unsafe { DirectTarget::new(dst.as_mut_ptr().add(at), payload.len()) };
+                    if !write_payload(place.with_cache_writeback(), payload)? {
+                        persist.persist(at, payload.len())?;
+                    }
+                    rpma_common::pmem::sfence();
+                    let (h, body) = check(&buf[write_len..], crc)?;
+                    let f = FlushRequest::decode(body)?;
+                    if h.opcode != Opcode::FlushRequest {
+                        return Err("not a Flush".into());
+                    }
+                    answer.clear();
+                    let r = PrivateResponse {
+                        req_id: f.req_id,
+                        request: Opcode::FlushRequest,
+                    };
+                    encode_fpdu(
+                        &Header::untagged(Opcode::PrivateResponse, i as u32 + 1, true),
+                        &r.encode(),
+                        crc,
+                        &mut answer,
+                    )?;
+                    spin_write(&mut s, &answer)?;
+                }
+                Ok(())
+            });
+            let fd = c.as_raw_fd();
+            let src = vec![7u8; SMALL];
+            let mut x = 0x9E37_79B9_7F4A_7C15u64;
+            let mut flush = Vec::with_capacity(flush_len);
+            let mut back = vec![0u8; answer_len];
+            let mut lat = Vec::with_capacity(iters);
+            for i in 0..total {
+                let at = next_place(&mut x, places) as u64;
+                let t = Instant::now();
+                let f = Framing::new(
+                    &Header::tagged(Opcode::Write, 9, at, true),
+                    SMALL,
+                    [&src[..]],
+                    crc,
+                );
+                flush.clear();
+                encode_fpdu(
+                    &Header::untagged(Opcode::FlushRequest, i as u32 + 1, true),
+                    &flush_body(i as u32, at).encode(),
+                    crc,
+                    &mut flush,
+                )?;
+                let mut v = [
+                    iov(f.head().as_ptr(), f.head().len()),
+                    iov(src.as_ptr(), src.len()),
+                    iov(f.trailer().as_ptr(), f.trailer().len()),
+                    iov(flush.as_ptr(), flush.len()),
+                ];
+                spin_writev(fd, &mut v)?;
+                spin_read(&mut c, &mut back)?;
+                let (h, body) = check(&back, crc).map_err(|e| e.to_string())?;
+                let r = PrivateResponse::decode(body)?;
+                if h.opcode != Opcode::PrivateResponse || r.req_id != i as u32 {
+                    return Err("not the Flush's answer".into());
+                }
+                if i >= iters / 10 {
+                    lat.push(t.elapsed().as_nanos() as u64);
+                }
+            }
+            server
+                .join()
+                .map_err(|_| "server panicked")?
+                .map_err(|e| e.to_string())?;
+            lat.sort_unstable();
+            Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+        })
     }
 }
