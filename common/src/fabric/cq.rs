@@ -12,8 +12,8 @@ use super::transport::CqEngine;
 use super::types::Completion;
 
 /// How long [`CompletionQueue::wait`] busy-polls after the last completion (or, on the soft
-/// transport, the last FPDU that arrived) before it blocks in epoll, at least (the spell grows toward [`MAX_IDLE_SPIN`] while the waits it blocks in end
-/// soon: docs/fabric.md).
+/// transport, the last request of a peer it answered) before it blocks in epoll, at least (the
+/// spell grows toward [`MAX_IDLE_SPIN`] while the waits it blocks in end soon: docs/fabric.md).
 pub const DEFAULT_IDLE_SPIN: Duration = Duration::from_micros(50);
 
 /// The longest busy-poll spell [`CompletionQueue::wait`] grows to.
@@ -202,14 +202,14 @@ impl CompletionQueue {
         Ok(self.poll_traffic(out)?.0)
     }
 
-    /// [`poll`](Self::poll), and whether traffic arrived that completed nothing here (see
-    /// `CqEngine::progress`).
+    /// [`poll`](Self::poll), and whether a peer's request was answered that completes nothing
+    /// here (see `CqEngine::progress`).
     fn poll_traffic(&self, out: &mut [Completion]) -> Result<(usize, bool)> {
         if out.is_empty() {
             return Ok((0, false));
         }
-        let arrived = self.inner.engine.progress()?;
-        Ok((self.inner.list.take_into(out), arrived))
+        let answered = self.inner.engine.progress()?;
+        Ok((self.inner.list.take_into(out), answered))
     }
 
     /// Like [`poll`](Self::poll), but waits up to `timeout` (None: forever) for at least one
@@ -327,7 +327,7 @@ impl CompletionQueue {
         let mut last_activity = start;
         let mut turn = 0u32;
         loop {
-            let (n, arrived) = self.poll_traffic(out)?;
+            let (n, answered) = self.poll_traffic(out)?;
             if n > 0 {
                 return Ok(Woken::Completions(n));
             }
@@ -339,11 +339,11 @@ impl CompletionQueue {
             if deadline.is_some_and(|d| now >= d) {
                 return Ok(Woken::TimedOut);
             }
-            // Traffic that completed nothing here is activity too: a target serving one-sided
-            // requests (placing Writes, answering Reads and Flushes) completes nothing, and a
-            // spell counted from the wait's start went to sleep in the middle of its client's
-            // stream, every spell (docs/benchmarks.md, "A spell counted from the last message").
-            if arrived {
+            // A peer's request answered here is activity too: a target answering Reads and
+            // Flushes completes nothing, and a spell counted from the wait's start went to sleep
+            // in the middle of its client's stream, every spell (docs/benchmarks.md, "A spell
+            // counted from the last message"). Writes alone are not: nobody waits on them.
+            if answered {
                 last_activity = now;
             }
             if now.duration_since(last_activity) < spin {

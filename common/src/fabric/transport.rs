@@ -336,10 +336,10 @@ pub(crate) enum CqEngine {
 
 impl CqEngine {
     /// Drives the bound queue pairs once (soft: they push their completions), or polls the
-    /// device's queue into the completion list (rdma). Returns whether traffic arrived: on the
-    /// soft transport an FPDU, which may complete nothing here (a Write placed, a Read or a
-    /// Flush answered, all in this call); on rdma always false (the device serves those
-    /// without the CPU).
+    /// device's queue into the completion list (rdma). Returns whether a peer's request was
+    /// answered that completes nothing here: on the soft transport a Read, a Flush or an
+    /// atomic served in this call; on rdma always false (the device serves those without the
+    /// CPU).
     pub(crate) fn progress(&self) -> Result<bool> {
         match self {
             CqEngine::Soft(c) => Ok(c.progress()),

@@ -64,17 +64,17 @@ impl SoftCq {
 
     /// Drives the bound queue pairs once, round-robin: each writes at most its share of the
     /// pass's send budget, split between those that had output waiting after the last pass.
-    /// Returns whether an FPDU arrived on any of them.
+    /// Returns whether what arrived on any of them queued an answer (`Engine::receive`).
     pub(crate) fn progress(&self) -> bool {
         let share = quantum(self.busy.load(Ordering::Relaxed));
-        let (mut busy, mut arrived) = (0, false);
+        let (mut busy, mut answered) = (0, false);
         for qp in self.live_qps().iter().filter_map(Weak::upgrade) {
             let pass = qp.progress(share);
             busy += usize::from(pass.busy);
-            arrived |= pass.arrived;
+            answered |= pass.answered;
         }
         self.busy.store(busy, Ordering::Relaxed);
-        arrived
+        answered
     }
 
     /// Arms the sockets for the idle wait (writability where output waits). Returns whether a

@@ -302,21 +302,27 @@ impl Engine {
         self.enter_error(why, None);
     }
 
-    /// Reads the socket and handles what arrived, up to `RX_BUDGET` FPDUs. Returns whether an
-    /// FPDU arrived: traffic, which keeps the completion queue's busy-poll spell going even
-    /// when it completes nothing locally (a target placing Writes, answering Reads and
-    /// Flushes).
+    /// Reads the socket and handles what arrived, up to `RX_BUDGET` FPDUs. Returns whether
+    /// that queued an answer (a Read Response, a Flush's or an atomic's response, a
+    /// Terminate): a peer waiting on us, which keeps the completion queue's busy-poll spell
+    /// going although nothing completes here. One-sided Writes alone do not: their sender waits
+    /// for nothing, and a target that slept between them left the CPU to the processes that
+    /// produce them (measured in docs/benchmarks.md, "A spell counted from the last message").
     pub(super) fn receive(&mut self, conn: &mut Conn) -> bool {
+        let queued = self.tx.queued_messages();
+        self.receive_fpdus(conn);
+        self.tx.queued_messages() > queued
+    }
+
+    fn receive_fpdus(&mut self, conn: &mut Conn) {
         self.rx_held = false;
         let answers = self.tx.queued_messages() + ANSWER_BATCH;
-        let mut arrived = false;
         for _ in 0..RX_BUDGET {
             if self.state != QpState::Rts {
-                return arrived;
+                return;
             }
             match conn.rx.poll(&mut conn.sock, self) {
                 Ok(Some(r)) => {
-                    arrived = true;
                     self.rtr_pending = false;
                     let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
                     match r.data {
@@ -330,19 +336,19 @@ impl Engine {
                     // Nothing more buffered: let the caller write the answers and report the
                     // completions now rather than after one more read that would likely block.
                     if conn.rx.is_idle() {
-                        return arrived;
+                        return;
                     }
                     // A batch of answers is ready: written now, the peer works on them while
                     // the next pass prepares the rest (ANSWER_BATCH).
                     if self.tx.queued_messages() >= answers {
                         self.rx_held = true;
-                        return arrived;
+                        return;
                     }
                 }
-                Ok(None) => return arrived,
+                Ok(None) => return,
                 Err(WireError::Closed { .. }) => {
                     self.enter_error(QpFailure::PeerClosed, None);
-                    return arrived;
+                    return;
                 }
                 Err(WireError::Io { source, .. }) => {
                     let source = Arc::new(source);
@@ -353,7 +359,7 @@ impl Engine {
                         },
                         None,
                     );
-                    return arrived;
+                    return;
                 }
                 Err(e) => {
                     let offending = conn.rx.offending_segment().map(|(l, h)| (l, h.to_vec()));
@@ -365,13 +371,12 @@ impl Engine {
                         rreq: None,
                         persist: None,
                     });
-                    return arrived;
+                    return;
                 }
             }
         }
         // The budget is spent: what is still buffered waits for the next pass.
         self.rx_held = !conn.rx.is_idle();
-        arrived
     }
 
     /// A completion of this queue pair, as a receive (callers change the opcode for sends).

@@ -50,8 +50,8 @@ struct Core {
 pub(crate) struct Pass {
     /// Output is still waiting to be written.
     pub(crate) busy: bool,
-    /// An FPDU arrived from the peer (whether or not it completed anything here).
-    pub(crate) arrived: bool,
+    /// What arrived queued an answer (`Engine::receive`): the peer waits on us.
+    pub(crate) answered: bool,
 }
 
 /// A soft queue pair. Shared by its handle and (weakly) by its completion queues.
@@ -246,9 +246,9 @@ impl SoftQp {
         let Some(cn) = conn.as_mut() else {
             return Pass::default();
         };
-        let mut arrived = false;
+        let mut answered = false;
         if e.state == QpState::Rts {
-            arrived = e.receive(cn);
+            answered = e.receive(cn);
             e.issue();
         }
         e.write(cn, share);
@@ -258,7 +258,7 @@ impl SoftQp {
         }
         Pass {
             busy: e.tx.pending(),
-            arrived,
+            answered,
         }
     }
 
