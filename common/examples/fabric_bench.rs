@@ -1016,6 +1016,19 @@ mod wire_floor {
         Ok(())
     }
 
+    /// Joins the responder; (p50, p99) of the requester's round trips, in ns.
+    fn finish(
+        server: std::thread::ScopedJoinHandle<'_, SResult<()>>,
+        mut lat: Vec<u64>,
+    ) -> BoxResult<(f64, f64)> {
+        server
+            .join()
+            .map_err(|_| "server panicked")?
+            .map_err(|e| e.to_string())?;
+        lat.sort_unstable();
+        Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+    }
+
     fn iov(p: *const u8, len: usize) -> libc::iovec {
         libc::iovec {
             iov_base: p as *mut libc::c_void,
@@ -1117,12 +1130,7 @@ mod wire_floor {
                     lat.push(t.elapsed().as_nanos() as u64);
                 }
             }
-            server
-                .join()
-                .map_err(|_| "server panicked")?
-                .map_err(|e| e.to_string())?;
-            lat.sort_unstable();
-            Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+            finish(server, lat)
         })
     }
 
@@ -1242,12 +1250,7 @@ mod wire_floor {
                     lat.push(t.elapsed().as_nanos() as u64);
                 }
             }
-            server
-                .join()
-                .map_err(|_| "server panicked")?
-                .map_err(|e| e.to_string())?;
-            lat.sort_unstable();
-            Ok((percentile(&lat, 0.5), percentile(&lat, 0.99)))
+            finish(server, lat)
         })
     }
 }

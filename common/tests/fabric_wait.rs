@@ -244,6 +244,21 @@ fn a_wait_with_read_requests_still_buffered_answers_them_before_it_blocks() {
     target.join().unwrap();
 }
 
+/// The target's side of `p` served in one wait with busy-poll spell `spell` and no time-out,
+/// in a thread of its own, until the returned eventfd is written (it has no completions of its
+/// own to end the wait).
+fn serve_until_stopped(p: &Pair, spell: Duration) -> (std::thread::JoinHandle<()>, EventFd) {
+    let stop = EventFd::new().unwrap();
+    p.tcq.watch_fd(stop.as_fd(), 1).unwrap();
+    let tcq = p.tcq.clone();
+    let target = std::thread::spawn(move || {
+        let mut wc = [Completion::EMPTY; 4];
+        let woke = tcq.wait_any_with_spin(&mut wc, None, spell);
+        assert_eq!(woke.unwrap(), Woken::Fd(1), "the target has no completions");
+    });
+    (target, stop)
+}
+
 #[test]
 fn a_target_answering_requests_stays_awake_while_they_come() {
     // A target answering Reads (and Flushes) completes nothing itself. Its spell counts from
@@ -259,14 +274,7 @@ fn a_target_answering_requests_stays_awake_while_they_come() {
         let (tmem, tmr) = p.target_buf(4096, rw());
         tmem.write_at(0, &[0x5A; 8]).unwrap();
         let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
-        let stop = Arc::new(EventFd::new().unwrap());
-        p.tcq.watch_fd(stop.as_fd(), 1).unwrap();
-        let tcq = p.tcq.clone();
-        let target = std::thread::spawn(move || {
-            let mut wc = [Completion::EMPTY; 4];
-            let woke = tcq.wait_any_with_spin(&mut wc, None, SPELL);
-            assert_eq!(woke.unwrap(), Woken::Fd(1), "the target has no completions");
-        });
+        let (target, stop) = serve_until_stopped(&p, SPELL);
         let start = Instant::now();
         let (mut reads, mut last, mut longest) = (0u64, start, Duration::ZERO);
         let mut wc = [Completion::EMPTY; 4];
@@ -310,14 +318,7 @@ fn a_stream_of_writes_alone_does_not_keep_the_target_spinning() {
     let p = Pair::new(true);
     let (tmem, tmr) = p.target_buf(4096, rw());
     let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
-    let stop = Arc::new(EventFd::new().unwrap());
-    p.tcq.watch_fd(stop.as_fd(), 1).unwrap();
-    let tcq = p.tcq.clone();
-    let target = std::thread::spawn(move || {
-        let mut wc = [Completion::EMPTY; 4];
-        let woke = tcq.wait_any_with_spin(&mut wc, None, SPELL);
-        assert_eq!(woke.unwrap(), Woken::Fd(1), "the target has no completions");
-    });
+    let (target, stop) = serve_until_stopped(&p, SPELL);
     let start = Instant::now();
     let mut writes = 0u64;
     let mut wc = [Completion::EMPTY; 4];
