@@ -960,7 +960,7 @@ mod wire_floor {
         FlushPlacement, FlushRequest, FlushSelectivity, PrivateResponse, ReadRequest,
     };
     use rpma_common::fabric::soft::wire::tx::{encode_fpdu, Framing};
-    use rpma_common::fabric::soft::wire::{crc32c, Header, Opcode};
+    use rpma_common::fabric::soft::wire::{crc32c, fpdu_len, Header, Opcode};
     use rpma_common::volatile::VolatileSlice;
     use std::os::fd::AsRawFd;
 
@@ -1016,6 +1016,12 @@ mod wire_floor {
         Ok(())
     }
 
+    /// Bytes on the wire of one FPDU of `header` and `body` bytes after it (with or without
+    /// the CRC: its four bytes are there either way).
+    fn wire_len(header: Header, body: usize) -> usize {
+        fpdu_len(header.len() + body)
+    }
+
     /// Joins the responder; (p50, p99) of the requester's round trips, in ns.
     fn finish(
         server: std::thread::ScopedJoinHandle<'_, SResult<()>>,
@@ -1051,21 +1057,11 @@ mod wire_floor {
     pub fn read(iters: usize, src: &dyn Target, crc: bool) -> BoxResult<(f64, f64)> {
         let (mut c, mut s) = pair()?;
         let total = iters + iters / 10;
-        let req_len = encode_fpdu(
-            &Header::untagged(Opcode::ReadRequest, 1, true),
-            &[0u8; ReadRequest::LEN],
-            crc,
-            &mut Vec::new(),
-        )?;
-        let resp_len = {
-            let f = Framing::new(
-                &Header::tagged(Opcode::ReadResponse, 0, 0, true),
-                SMALL,
-                [],
-                crc,
-            );
-            f.overhead() + SMALL
-        };
+        let req_len = wire_len(
+            Header::untagged(Opcode::ReadRequest, 1, true),
+            ReadRequest::LEN,
+        );
+        let resp_len = wire_len(Header::tagged(Opcode::ReadResponse, 0, 0, true), SMALL);
         let places = src.len() / SMALL;
         std::thread::scope(|scope| -> BoxResult<(f64, f64)> {
             let server = scope.spawn(move || -> SResult<()> {
@@ -1145,9 +1141,7 @@ mod wire_floor {
         }
         let (mut c, mut s) = pair()?;
         let total = iters + iters / 10;
-        let write_len = Framing::new(&Header::tagged(Opcode::Write, 0, 0, true), SMALL, [], crc)
-            .overhead()
-            + SMALL;
+        let write_len = wire_len(Header::tagged(Opcode::Write, 0, 0, true), SMALL);
         let flush_body = |req_id: u32, to: u64| FlushRequest {
             req_id,
             placement: FlushPlacement::Persistent,
@@ -1157,18 +1151,14 @@ mod wire_floor {
                 len: SMALL as u64,
             },
         };
-        let flush_len = encode_fpdu(
-            &Header::untagged(Opcode::FlushRequest, 1, true),
-            &flush_body(0, 0).encode(),
-            crc,
-            &mut Vec::new(),
-        )?;
-        let answer_len = encode_fpdu(
-            &Header::untagged(Opcode::PrivateResponse, 1, true),
-            &[0u8; PrivateResponse::LEN],
-            crc,
-            &mut Vec::new(),
-        )?;
+        let flush_len = wire_len(
+            Header::untagged(Opcode::FlushRequest, 1, true),
+            FlushRequest::LEN,
+        );
+        let answer_len = wire_len(
+            Header::untagged(Opcode::PrivateResponse, 1, true),
+            PrivateResponse::LEN,
+        );
         let places = dst.len() / SMALL;
         std::thread::scope(|scope| -> BoxResult<(f64, f64)> {
             let server = scope.spawn(move || -> SResult<()> {
