@@ -10,9 +10,11 @@
 //! - [`volatile`]: views of memory that peers, other threads or processes write concurrently
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
 //! - [`sync`]: locking that ThreadSanitizer can follow (`make tsan`).
+//! - [`steps`]: step timing of a round trip, for measurements (feature `step-timing`).
 //!
 //! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm) and builds the `rdma` transport on
-//! it (docs/rdma.md). `wire-testing` (tests only) makes the soft transport's wire formats public
+//! it (docs/rdma.md). `step-timing` (measurements only) times the steps of each round trip
+//! ([`steps`]). `wire-testing` (tests only) makes the soft transport's wire formats public
 //! and adds `fuzz`, the fuzz targets' entry points.
 
 #![warn(missing_docs)]
@@ -25,6 +27,7 @@ pub mod notify;
 pub mod pmem;
 pub mod proto;
 pub mod stats;
+pub mod steps;
 pub mod sync;
 pub mod units;
 pub mod volatile;

@@ -284,6 +284,7 @@ impl Persister {
         for &(what, id) in requests {
             e.wait_for_request(ns, what, id)?;
         }
+        rpma_common::steps::step("waited requests completed");
         let mut out = match choice {
             Choice::Method(m) => crate::Durability::Durable(m),
             Choice::VisibleOnly => crate::Durability::VisibleOnly,
@@ -291,6 +292,7 @@ impl Persister {
         for &(lo, hi) in ranges {
             out = Self::persisted(e, ns, lo, hi - lo, choice);
         }
+        rpma_common::steps::step("held writes released");
         Ok(out)
     }
 

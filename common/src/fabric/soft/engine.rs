@@ -323,6 +323,7 @@ impl Engine {
             }
             match conn.rx.poll(&mut conn.sock, self) {
                 Ok(Some(r)) => {
+                    crate::steps::nth(&crate::steps::FPDU_TAKEN);
                     self.rtr_pending = false;
                     let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
                     match r.data {
@@ -333,6 +334,7 @@ impl Engine {
                         }
                         _ => self.on_data(hdr, len, r.written_back),
                     }
+                    crate::steps::nth(&crate::steps::FPDU_HANDLED);
                     // Nothing more buffered: let the caller write the answers and report the
                     // completions now rather than after one more read that would likely block.
                     if conn.rx.is_idle() {

@@ -334,6 +334,7 @@ impl Tx {
                     skip = 0;
                 }
             }
+            crate::steps::sending();
             // SAFETY: every iovec describes bytes valid for reads for the whole call: framing
             // and inline bodies owned by `self.ready` (borrowed here), registered memory kept
             // alive by the `Arc` of each FPDU in it; `writev` only reads them, and no Rust

@@ -249,7 +249,9 @@ impl SoftQp {
         let mut answered = false;
         if e.state == QpState::Rts {
             answered = e.receive(cn);
+            crate::steps::step("receive pass done");
             e.issue();
+            crate::steps::step("issued");
         }
         e.write(cn, share);
         e.complete_in_order();

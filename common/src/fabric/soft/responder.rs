@@ -320,10 +320,12 @@ impl Engine {
                         stag
                     }
                 };
+                crate::steps::step("Flush: looked up, IRD taken");
                 if let Err(f) = self.persist_dirty(hdr, ulpdu_len) {
                     self.counting.flush(stag, false);
                     return Err(f);
                 }
+                crate::steps::step("Flush: earlier Writes made durable");
                 if fr.placement == FlushPlacement::Persistent {
                     if let Some(p) = t.0.region.persist() {
                         if t.1 > 0 {
@@ -346,6 +348,7 @@ impl Engine {
                         }
                     }
                 }
+                crate::steps::step("Flush: its range written back");
                 let resp = PrivateResponse {
                     req_id: fr.req_id,
                     request: Opcode::FlushRequest,

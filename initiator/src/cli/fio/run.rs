@@ -320,8 +320,10 @@ fn worker(
                 }
             }
             let t = Instant::now();
+            rpma_common::steps::step("caller starts the next write");
             let durable = write(&mut ns, job, &wr, &wbufs, zbuf.as_ref(), &mut since_sync)?;
             let took = t.elapsed();
+            rpma_common::steps::step("caller has the write's result");
             if durable == Some(Durability::VisibleOnly) {
                 out.visible_only = true;
             }

@@ -251,6 +251,7 @@ impl Engine {
         };
         self.doorbells += 1;
         let s = self.session()?;
+        rpma_common::steps::step("send list posted");
         let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
         if let Err(e) = &r {
             if !e.is_connection_loss() {
@@ -407,6 +408,7 @@ impl Engine {
             op: "waiting for completions",
             source,
         })?;
+        rpma_common::steps::step("completions out of the wait");
         let (n, ready) = match woken {
             Woken::Completions(n) => (n, false),
             Woken::Fd(_) => (0, true),
@@ -418,6 +420,7 @@ impl Engine {
                 self.completion_log.error(&mut first_err, e);
             }
         }
+        rpma_common::steps::step("completions dispatched");
         self.probe_answered();
         match first_err {
             Some(e) => Err(e),

@@ -103,7 +103,10 @@ impl Inbox {
                         during: "FPDU receive",
                     })
                 }
-                Ok(n) => self.end += n,
+                Ok(n) => {
+                    crate::steps::arrived();
+                    self.end += n;
+                }
                 Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
                 Err(e) if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
                 Err(e) => return Err(WireError::io("FPDU receive", e)),
