@@ -14,12 +14,15 @@
 //! Without the feature (every build but a measurement's) the functions are empty and inline to
 //! nothing; with it and without the variable, each costs a load of a cached flag.
 
-/// Round trips per printed summary.
+/// Round trips per printed summary; also the most times one step is kept between two
+/// summaries (a thread that receives without answering, a Write-only stream's target, ends no
+/// round trip: its steps stop being kept there, not its memory growing).
 pub const ROUND_TRIPS: usize = 200_000;
 
 /// The `n`th FPDU of a receive pass taken (its CRC checked, a Write's payload placed), counted
-/// from the arrival; the fourth and later share a name.
-pub const FPDU_TAKEN: [&str; 4] = [
+/// from the arrival; the fourth and later share a name. A static: [`nth`] tells its lists apart
+/// by address.
+pub static FPDU_TAKEN: [&str; 4] = [
     "1st FPDU taken",
     "2nd FPDU taken",
     "3rd FPDU taken",
@@ -27,7 +30,7 @@ pub const FPDU_TAKEN: [&str; 4] = [
 ];
 
 /// The `n`th FPDU of a receive pass handled (reported, or its request answered).
-pub const FPDU_HANDLED: [&str; 4] = [
+pub static FPDU_HANDLED: [&str; 4] = [
     "1st FPDU handled",
     "2nd FPDU handled",
     "3rd FPDU handled",
@@ -148,7 +151,8 @@ impl Recorder {
         let Some(start) = self.start else { return };
         let ns = u32::try_from(now.duration_since(start).as_nanos()).unwrap_or(u32::MAX);
         match self.steps.iter_mut().find(|(n, _)| *n == name) {
-            Some((_, v)) => v.push(ns),
+            Some((_, v)) if v.len() < ROUND_TRIPS => v.push(ns),
+            Some(_) => {}
             None => self.steps.push((name, vec![ns])),
         }
     }
@@ -235,6 +239,21 @@ mod tests {
         // A fresh start: the next summary holds only what came after.
         assert_eq!(r.sending(t0), 0);
         assert_eq!(r.summary(), "");
+    }
+
+    #[test]
+    fn a_thread_that_never_sends_keeps_at_most_a_summary_s_worth_of_each_step() {
+        let mut r = Recorder::default();
+        let t0 = Instant::now();
+        r.arrived(t0);
+        for _ in 0..ROUND_TRIPS + 10 {
+            r.step("placed", t0 + US);
+        }
+        assert_eq!(r.steps[0].1.len(), ROUND_TRIPS);
+        assert_eq!(r.sending(t0 + 2 * US), 1);
+        assert!(r
+            .summary()
+            .starts_with(&format!("placed 1000 ns ({ROUND_TRIPS})")));
     }
 
     #[test]
