@@ -80,9 +80,9 @@ mod imp {
                         .name()
                         .map_or_else(|| "a thread".to_owned(), str::to_owned);
                     eprintln!(
-                        "step timing, {who} ({} pid {}): {}",
-                        ROUND_TRIPS,
+                        "step timing, {who} of pid {}, medians of {} round trips: {}",
                         std::process::id(),
+                        ROUND_TRIPS,
                         r.summary()
                     );
                 }
