@@ -128,8 +128,8 @@ pub fn sending() {
 
 /// One thread's timings: per step, the nanoseconds since the arrival, for the round trips
 /// since the last summary.
+#[cfg(any(feature = "step-timing", test))]
 #[derive(Debug, Default)]
-#[cfg_attr(not(feature = "step-timing"), allow(dead_code))]
 struct Recorder {
     start: Option<std::time::Instant>,
     /// Calls of `nth` since the arrival, per list of names (by address).
@@ -138,7 +138,7 @@ struct Recorder {
     round_trips: usize,
 }
 
-#[cfg_attr(not(feature = "step-timing"), allow(dead_code))]
+#[cfg(any(feature = "step-timing", test))]
 impl Recorder {
     fn arrived(&mut self, now: std::time::Instant) {
         if self.start.is_none() {
