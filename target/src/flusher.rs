@@ -1,5 +1,5 @@
-//! The GPSPM flush service's backend: makes namespace ranges durable without ever blocking the
-//! poll loop that serves the connections.
+//! The GPSPM flush service's backend: makes namespace ranges durable without blocking the poll
+//! loop that serves the connections, unless the loop asks it to (below).
 //!
 //! - `dax` / `dax (forced)` ranges: the pmem layer's persist (cache write-back + sfence), inline;
 //!   it costs about as much as the Writes it follows and never waits for a device.
@@ -8,6 +8,14 @@
 //!   Why not `sync_file_range`: it neither writes the metadata that the first write into a
 //!   fallocated (unwritten) extent needs, nor flushes the device's write cache, so it cannot make a
 //!   range durable; a ranged fdatasync does both and writes back only the range asked for.
+//!   A poll loop with nothing else to do (one connection, whose one request this is) asks for
+//!   the sync inline instead ([`Flusher::submit_inline`]): the mapping's own ranged
+//!   `msync(MS_SYNC)` in the loop's thread, with no hand-off to a kernel worker and back,
+//!   which took a sixth to a third of a durable write's time at queue depth 1 on two CPUs
+//!   (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). A sync that
+//!   took over [`INLINE_SLOW`] (a slow or failing disk) turns that off for [`INLINE_BACKOFF`],
+//!   so that a disk in trouble blocks a loop for one sync at most before its flushes are back
+//!   on the workers.
 //! - `volatile` ranges: answered [`FlushStatus::VisibleOnly`] at once.
 //!
 //! A failed write-back is never forgotten: Linux reports it once per open file and then marks
@@ -34,6 +42,7 @@
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{mpsc, Arc, Once};
+use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
 use rpma_common::pmem::{Domain, Durability, Mapping, Persist, SyncFailure};
@@ -42,6 +51,14 @@ use rpma_common::stats::Stopwatch;
 
 use crate::eventfd::EventFd;
 use crate::metrics::LoopStats;
+
+/// An inline sync that takes longer than this turns inline syncs off for [`INLINE_BACKOFF`]: a
+/// disk's sync takes tens of microseconds (an SSD) to a few milliseconds (a spike of a virtual
+/// disk, a spinning one); one that takes longer holds its loop's keep-alives and next requests
+/// back for as long, which the kernel's workers would not.
+pub const INLINE_SLOW: Duration = Duration::from_millis(10);
+/// How long inline syncs stay off after a slow one.
+pub const INLINE_BACKOFF: Duration = Duration::from_secs(10);
 
 /// Errors of the flush service.
 #[derive(Debug, thiserror::Error)]
@@ -139,6 +156,11 @@ impl FlushTarget {
         }
     }
 
+    /// Whether a flush of it waits for a device (page-cache: an fdatasync), not done inline.
+    pub fn waits_for_device(&self) -> bool {
+        matches!(self.kind, Kind::PageCache(..))
+    }
+
     /// Nothing can make it durable.
     pub fn volatile(len: u64) -> Self {
         FlushTarget {
@@ -189,6 +211,10 @@ pub struct Flusher {
     free: Vec<usize>,
     ready: VecDeque<FlushCompletion>,
     stats: Arc<LoopStats>,
+    /// Inline syncs are off until then (a slow one was seen).
+    inline_off_until: Option<Instant>,
+    /// [`INLINE_SLOW`], or a test's.
+    inline_slow: Duration,
 }
 
 impl std::fmt::Debug for Flusher {
@@ -285,6 +311,8 @@ impl Flusher {
             free: (0..depth as usize).rev().collect(),
             ready: VecDeque::new(),
             stats: Arc::default(),
+            inline_off_until: None,
+            inline_slow: INLINE_SLOW,
         }
     }
 
@@ -325,6 +353,55 @@ impl Flusher {
         offset: u64,
         length: u64,
     ) -> Result<()> {
+        self.submit_inner(token, target, offset, length, false)
+    }
+
+    /// As [`submit`](Self::submit), but a page-cache flush is made durable before this
+    /// returns, in this thread, by the store's own persist (`msync(MS_SYNC)` of the range's
+    /// pages: a ranged fdatasync, as an RDMA Flush on page-cache is served), unless inline
+    /// syncs are off after a slow one ([`INLINE_SLOW`], [`INLINE_BACKOFF`]): then it is
+    /// submitted as by `submit`. Its completion is returned by the next [`poll`](Self::poll)
+    /// either way. It blocks the caller for the length of a disk flush: for a poll loop that
+    /// has nothing else to do meanwhile.
+    ///
+    /// # Errors
+    /// As [`submit`](Self::submit).
+    pub fn submit_inline(
+        &mut self,
+        token: u64,
+        target: &FlushTarget,
+        offset: u64,
+        length: u64,
+    ) -> Result<()> {
+        self.submit_inner(token, target, offset, length, true)
+    }
+
+    /// Whether [`submit_inline`](Self::submit_inline) syncs inline now (not off after a slow
+    /// sync).
+    pub fn inline_on(&mut self) -> bool {
+        match self.inline_off_until {
+            Some(t) if Instant::now() < t => false,
+            Some(_) => {
+                self.inline_off_until = None;
+                true
+            }
+            None => true,
+        }
+    }
+
+    #[cfg(test)]
+    fn set_inline_slow(&mut self, d: Duration) {
+        self.inline_slow = d;
+    }
+
+    fn submit_inner(
+        &mut self,
+        token: u64,
+        target: &FlushTarget,
+        offset: u64,
+        length: u64,
+        inline: bool,
+    ) -> Result<()> {
         let (offset, length) = if length == 0 {
             (0, target.len)
         } else {
@@ -360,13 +437,29 @@ impl Flusher {
                 let sw = Stopwatch::start();
                 let done = p.persist(offset as usize, length as usize);
                 self.stats.gpspm_writeback.record_since(sw);
-                let status = match done {
-                    Ok(Durability::Durable) => FlushStatus::Durable,
-                    Ok(Durability::VisibleOnly) => FlushStatus::VisibleOnly,
-                    // Failed meanwhile (checked above): the store has the errno.
-                    Err(rpma_common::pmem::Error::Failed { .. }) => FlushStatus::NamespaceFailed,
-                    Err(_) => FlushStatus::IoError,
-                };
+                let status = persist_status(done);
+                self.ready.push_back(FlushCompletion { token, status });
+                return Ok(());
+            }
+            Kind::PageCache(_, store) if inline && self.inline_on() => {
+                // The store's own persist: msync(MS_SYNC) of the range's pages, which the
+                // kernel runs as a ranged fdatasync (vfs_fsync_range) in this thread; a failure
+                // is recorded in the store as the worker's would be.
+                let sw = Stopwatch::start();
+                let t0 = Instant::now();
+                let done = store.persist(offset as usize, length as usize);
+                let took = t0.elapsed();
+                self.stats.gpspm_fdatasync.record_since(sw);
+                if took > self.inline_slow {
+                    log::info!(
+                        "an inline page-cache sync took {} us: flushes go to the kernel's \
+                         workers for the next {} s",
+                        took.as_micros(),
+                        INLINE_BACKOFF.as_secs()
+                    );
+                    self.inline_off_until = Some(Instant::now() + INLINE_BACKOFF);
+                }
+                let status = persist_status(done);
                 self.ready.push_back(FlushCompletion { token, status });
                 return Ok(());
             }
@@ -474,17 +567,7 @@ impl Flusher {
             };
             self.free.push(slot);
             self.stats.gpspm_fdatasync.record_since(f.started);
-            let status = if res < 0 {
-                let e = std::io::Error::from_raw_os_error(-res);
-                f.store.record_failure(SyncFailure::new("fdatasync", &e));
-                FlushStatus::IoError
-            } else if f.store.failure().is_some() {
-                // Another sync of the file failed meanwhile and took the error report: this
-                // one's 0 proves nothing about the lost pages.
-                FlushStatus::NamespaceFailed
-            } else {
-                FlushStatus::Durable
-            };
+            let status = sync_status(res, &*f.store);
             out.push(FlushCompletion {
                 token: f.token,
                 status,
@@ -509,6 +592,33 @@ impl Flusher {
             // SAFETY: one live pollfd; a 100 ms timeout bounds the wait even if a wake-up is lost.
             unsafe { libc::poll(&mut pfd, 1, 100) };
         }
+    }
+}
+
+/// The answer to a flush made by the store's own persist.
+fn persist_status(done: rpma_common::pmem::Result<Durability>) -> FlushStatus {
+    match done {
+        Ok(Durability::Durable) => FlushStatus::Durable,
+        Ok(Durability::VisibleOnly) => FlushStatus::VisibleOnly,
+        // Failed before (the store has the errno).
+        Err(rpma_common::pmem::Error::Failed { .. }) => FlushStatus::NamespaceFailed,
+        Err(_) => FlushStatus::IoError,
+    }
+}
+
+/// The answer to a flush whose fdatasync returned `res` (0, or -errno), a failure recorded in
+/// `store`.
+fn sync_status(res: i32, store: &dyn Persist) -> FlushStatus {
+    if res < 0 {
+        let e = std::io::Error::from_raw_os_error(-res);
+        store.record_failure(SyncFailure::new("fdatasync", &e));
+        FlushStatus::IoError
+    } else if store.failure().is_some() {
+        // Another sync of the file failed meanwhile and took the error report: this one's 0
+        // proves nothing about the lost pages.
+        FlushStatus::NamespaceFailed
+    } else {
+        FlushStatus::Durable
     }
 }
 

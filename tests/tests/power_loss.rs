@@ -154,6 +154,43 @@ fn a_sigkill_loses_exactly_what_was_not_persisted() {
     }
 }
 
+/// GPSPM on page-cache from a target's only connection, one request at a time: its poll loop
+/// syncs the range itself (`Flusher::submit_inline`: the mapping's msync) instead of handing
+/// it to the kernel's workers. What it acknowledged survives the power loss; with a broken
+/// persist it does not (so this test sees a sync that does nothing).
+#[test]
+fn a_lone_connections_gpspm_writes_survive_the_power_loss() {
+    assert!(methods(1).contains(&PersistMethod::Gpspm));
+    for broken in [false, true] {
+        let settings = format!("eviction_percent = 0, broken_persist = {broken}");
+        let (_d, _shm, mut t) = start(&format!("lone-{broken}"), &settings);
+        let mut q = queue(&t);
+        let blocks: Vec<Vec<u8>> = (0..8).map(|i| noise(4200 + i, 4096)).collect();
+        {
+            let mut ns = q.namespace(1).unwrap();
+            ns.set_method(Some(PersistMethod::Gpspm)).unwrap();
+            for (i, b) in blocks.iter().enumerate() {
+                assert_eq!(
+                    ns.write_durable(8192 * i as u64, b).unwrap(),
+                    Durability::Durable(PersistMethod::Gpspm)
+                );
+            }
+        }
+        t.kill9();
+        drop(q);
+        t.restart();
+        let mut q = queue(&t);
+        for (i, b) in blocks.iter().enumerate() {
+            let got = read(&mut q, 1, 8192 * i as u64, 4096);
+            if broken {
+                assert!(got == [0; 4096], "block {i}: kept with a broken persist");
+            } else {
+                assert!(got == *b, "block {i}: acknowledged durable, and lost");
+            }
+        }
+    }
+}
+
 #[test]
 fn a_clean_stop_is_not_a_power_loss() {
     // SIGTERM: the daemon closes its namespaces, and the simulation writes its working copy
@@ -350,6 +387,7 @@ fn what_the_simulation_cannot_simulate_is_refused() {
 rpma_tests::rdma_runs!(
     a_sigkill_loses_exactly_what_was_not_persisted,
     a_clean_stop_is_not_a_power_loss,
+    a_lone_connections_gpspm_writes_survive_the_power_loss,
     with_a_broken_persist_the_acknowledged_writes_are_lost,
     the_simulated_domain_is_labelled_wherever_it_is_shown,
 );

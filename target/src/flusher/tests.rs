@@ -3,6 +3,7 @@ use std::os::unix::fs::OpenOptionsExt;
 
 use super::*;
 use rpma_common::pmem::OpenOptions;
+use std::time::{Duration, Instant};
 
 fn page_cache_file(dir: &std::path::Path, len: u64) -> FlushTarget {
     let p = dir.join("f");
@@ -286,23 +287,169 @@ fn gpspm_flushes_reach_the_simulations_media() {
             assert!(format!("{t:?}").contains(kind), "{t:?}");
             m.write_at(8192, b"flushed").unwrap();
             m.write_at(65536, b"not flushed").unwrap();
+            m.write_at(16384, b"flushed inline").unwrap();
             let mut fl = Flusher::new(4).unwrap();
             fl.submit(1, &t, 8192, 7).unwrap();
+            // As a poll loop with nothing else to do asks (an inline msync on page-cache).
+            fl.submit_inline(2, &t, 16384, 14).unwrap();
             let mut out = Vec::new();
             fl.drain(&mut out);
+            out.sort_by_key(|c| c.token);
             assert_eq!(
                 out,
-                [FlushCompletion {
-                    token: 1,
+                [1, 2].map(|token| FlushCompletion {
+                    token,
                     status: FlushStatus::Durable
-                }]
+                })
             );
             let media = std::fs::read(&path).unwrap();
             let want: &[u8] = if broken_persist { &[0; 7] } else { b"flushed" };
             assert_eq!(&media[8192..8199], want, "{kind}, broken {broken_persist}");
+            let want: &[u8] = if broken_persist {
+                &[0; 14]
+            } else {
+                b"flushed inline"
+            };
+            assert_eq!(
+                &media[16384..16398],
+                want,
+                "{kind}, broken {broken_persist}"
+            );
             assert_eq!(&media[65536..65547], &[0; 11], "{kind}");
             drop(t);
             Arc::into_inner(m).unwrap().simulate_power_loss();
         }
     }
+}
+
+/// A page-cache namespace's mapping of a file on a disk (not tmpfs: that is volatile).
+fn page_cache_mapping(dir: &std::path::Path, len: u64) -> Arc<Mapping> {
+    let m = OpenOptions::new(dir.join("pc"))
+        .size(len)
+        .create(true)
+        .open()
+        .unwrap();
+    assert_eq!(m.domain(), rpma_common::pmem::Domain::PageCache);
+    Arc::new(m)
+}
+
+#[test]
+fn an_inline_flush_is_done_when_submit_returns_and_timed_as_a_sync() {
+    let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let m = page_cache_mapping(d.path(), 1 << 16);
+    let t = FlushTarget::for_mapping(&m).unwrap();
+    assert!(t.waits_for_device());
+    assert!(!FlushTarget::dax(store(4096), 4096).waits_for_device());
+    let stats = Arc::new(LoopStats::default());
+    for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+        fl.set_stats(Arc::clone(&stats));
+        m.write_at(4096, b"inline").unwrap();
+        fl.submit_inline(5, &t, 4096, 6).unwrap();
+        assert_eq!(fl.in_flight(), 0, "nothing left to a worker");
+        let mut out = Vec::new();
+        assert_eq!(fl.poll(&mut out), 1);
+        assert_eq!(
+            out,
+            [FlushCompletion {
+                token: 5,
+                status: FlushStatus::Durable
+            }]
+        );
+        // A bad range is refused before any sync, inline or not.
+        fl.submit_inline(6, &t, 1 << 16, 1).unwrap();
+        out.clear();
+        fl.poll(&mut out);
+        assert_eq!(out[0].status, FlushStatus::OutOfRange);
+    }
+    assert_eq!(stats.gpspm_fdatasync.snapshot().count(), 2);
+    assert_eq!(stats.gpspm_writeback.snapshot().count(), 0);
+}
+
+#[test]
+fn a_slow_inline_sync_sends_the_next_flushes_to_the_worker() {
+    let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let m = page_cache_mapping(d.path(), 1 << 16);
+    let t = FlushTarget::for_mapping(&m).unwrap();
+    let mut fl = Flusher::new(4).unwrap();
+    assert!(fl.inline_on());
+    // Every sync is "slow" for this flusher.
+    fl.set_inline_slow(Duration::ZERO);
+    fl.submit_inline(1, &t, 0, 4096).unwrap();
+    assert_eq!(fl.in_flight(), 0, "the first one still inline");
+    assert!(!fl.inline_on(), "off for INLINE_BACKOFF after a slow one");
+    fl.submit_inline(2, &t, 0, 4096).unwrap();
+    assert_eq!(fl.in_flight(), 1, "the next one on the worker");
+    let mut out = Vec::new();
+    fl.drain(&mut out);
+    assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2]);
+    assert!(
+        out.iter().all(|c| c.status == FlushStatus::Durable),
+        "{out:?}"
+    );
+    // The backoff ends.
+    fl.inline_off_until = Some(Instant::now());
+    assert!(fl.inline_on());
+    assert_eq!(fl.inline_off_until, None);
+}
+
+/// A page-cache store whose msync fails the way a lost write-back does, once; then it is failed.
+struct FailingMsync(Mapping);
+
+impl Persist for FailingMsync {
+    fn domain(&self) -> rpma_common::pmem::Domain {
+        rpma_common::pmem::Domain::PageCache
+    }
+    fn persist(&self, offset: usize, len: usize) -> rpma_common::pmem::Result<Durability> {
+        if let Some(failure) = self.0.failure() {
+            return Err(rpma_common::pmem::Error::Failed {
+                path: "f".into(),
+                failure,
+            });
+        }
+        let e = std::io::Error::from_raw_os_error(libc::EIO);
+        self.0.record_failure(SyncFailure::new("msync", &e));
+        Err(rpma_common::pmem::Error::Sync {
+            path: "f".into(),
+            op: "msync",
+            offset,
+            len,
+            source: e,
+        })
+    }
+    fn flush(&self, _: usize, _: usize) -> rpma_common::pmem::Result<()> {
+        Ok(())
+    }
+    fn drain(&self) -> rpma_common::pmem::Result<Durability> {
+        Ok(Durability::Durable)
+    }
+    fn failure(&self) -> Option<SyncFailure> {
+        self.0.failure()
+    }
+    fn record_failure(&self, failure: SyncFailure) -> bool {
+        self.0.record_failure(failure)
+    }
+}
+
+#[test]
+fn a_failed_inline_sync_is_an_io_error_then_the_namespace_has_failed() {
+    let d = tempfile::tempdir().unwrap();
+    let st: Arc<dyn Persist> = Arc::new(FailingMsync(Mapping::anonymous(4096).unwrap()));
+    let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
+    let mut fl = Flusher::new(4).unwrap();
+    fl.submit_inline(1, &t, 0, 4096).unwrap();
+    let mut out = Vec::new();
+    fl.poll(&mut out);
+    assert_eq!(out[0].status, FlushStatus::IoError);
+    let f = st.failure().expect("recorded");
+    assert_eq!((f.op, f.errno), ("msync", libc::EIO));
+    // Every later flush fails without I/O, inline or on the worker.
+    fl.submit_inline(2, &t, 0, 4096).unwrap();
+    fl.submit(3, &t, 0, 4096).unwrap();
+    assert_eq!(fl.in_flight(), 0);
+    out.clear();
+    fl.poll(&mut out);
+    assert!(
+        out.iter().all(|c| c.status == FlushStatus::NamespaceFailed),
+        "{out:?}"
+    );
 }

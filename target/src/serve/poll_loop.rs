@@ -331,7 +331,12 @@ impl PollLoop {
                 continue;
             };
             let target = p.ns.flush_target.clone();
-            match self.flusher.submit(token, &target, p.offset, p.len) {
+            let submitted = if self.alone_with(token) {
+                self.flusher.submit_inline(token, &target, p.offset, p.len)
+            } else {
+                self.flusher.submit(token, &target, p.offset, p.len)
+            };
+            match submitted {
                 Ok(()) => {
                     self.waiting.pop_front();
                 }
@@ -346,6 +351,18 @@ impl PollLoop {
                 }
             }
         }
+    }
+
+    /// Whether flush `token` is all the loop has to do: the one request of its one
+    /// connection, no other flush in flight or waiting. Then a page-cache flush is synced in
+    /// this thread ([`Flusher::submit_inline`]): its host waits for nothing else, and the
+    /// hand-off to a kernel worker and back would cost more than the loop's own sync.
+    fn alone_with(&self, token: u64) -> bool {
+        self.conns.len() == 1
+            && self.pending.len() == 1
+            && self.pending.contains_key(&token)
+            && self.waiting.len() == 1
+            && self.flusher.in_flight() == 0
     }
 
     fn reap_flushes(&mut self) {
