@@ -11,7 +11,7 @@
 //!   A poll loop with nothing else to do (one connection, whose one request this is) asks for
 //!   the sync inline instead ([`Flusher::submit_inline`]): the mapping's own ranged
 //!   `msync(MS_SYNC)` in the loop's thread, with no hand-off to a kernel worker and back,
-//!   which took a sixth to a third of a durable write's time at queue depth 1 on two CPUs
+//!   which took a tenth to a third of a durable write's time at queue depth 1 on two CPUs
 //!   (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). A sync that
 //!   took over [`INLINE_SLOW`] (a slow or failing disk) turns that off for [`INLINE_BACKOFF`],
 //!   so that a disk in trouble blocks a loop for one sync at most before its flushes are back
@@ -21,20 +21,21 @@
 //! A failed write-back is never forgotten: Linux reports it once per open file and then marks
 //! the pages clean, so a later fdatasync "succeeds" over lost data. The first failure (its call
 //! and errno) is recorded in the namespace's store ([`Persist::record_failure`]), whichever
-//! path saw it (this service's fdatasync, or the placement engine's msync for APM and FLUSH);
-//! from then on every flush of that namespace is answered [`FlushStatus::NamespaceFailed`]
-//! without touching the file, until the namespace is reopened.
+//! path saw it (this service's fdatasync or inline msync, or the placement engine's msync for
+//! APM and FLUSH); from then on every flush of that namespace is answered
+//! [`FlushStatus::NamespaceFailed`] without touching the file, until the namespace is reopened.
 //!
 //! If io_uring is unavailable (an old kernel, `kernel.io_uring_disabled`, a seccomp filter), a
 //! single worker thread runs whole-file `fdatasync` calls instead, and that is logged once.
 //!
 //! Completions are reaped with [`Flusher::poll`], which never blocks; [`Flusher::wait_fd`] is an
 //! eventfd that becomes readable when a device flush completes, for the poll loop's idle wait.
-//! Inline completions (dax, volatile, bad ranges) do not signal it: poll after submitting.
+//! Inline completions (dax, volatile, bad ranges, inline syncs) do not signal it: poll after
+//! submitting.
 //!
-//! Timings: the inline write-back and each fdatasync (submission to completion) are recorded
-//! in the histograms of the loop's [`LoopStats`] ([`Flusher::set_stats`]); the flusher is their
-//! only writer.
+//! Timings: the inline write-back and each page-cache sync (an fdatasync from submission to
+//! completion, an inline sync its own length) are recorded in the histograms of the loop's
+//! [`LoopStats`] ([`Flusher::set_stats`]); the flusher is their only writer.
 //!
 //! Threads: a [`Flusher`] belongs to one poll loop (`Send`, not shared). Cleanup: every file a
 //! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
@@ -154,11 +155,6 @@ impl FlushTarget {
             Kind::Dax(p) | Kind::PageCache(_, p) => p.failure(),
             Kind::Volatile => None,
         }
-    }
-
-    /// Whether a flush of it waits for a device (page-cache: an fdatasync), not done inline.
-    pub fn waits_for_device(&self) -> bool {
-        matches!(self.kind, Kind::PageCache(..))
     }
 
     /// Nothing can make it durable.
@@ -445,11 +441,12 @@ impl Flusher {
                 // The store's own persist: msync(MS_SYNC) of the range's pages, which the
                 // kernel runs as a ranged fdatasync (vfs_fsync_range) in this thread; a failure
                 // is recorded in the store as the worker's would be.
-                let sw = Stopwatch::start();
                 let t0 = Instant::now();
                 let done = store.persist(offset as usize, length as usize);
                 let took = t0.elapsed();
-                self.stats.gpspm_fdatasync.record_since(sw);
+                self.stats
+                    .gpspm_fdatasync
+                    .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
                 if took > self.inline_slow {
                     log::info!(
                         "an inline page-cache sync took {} us: flushes go to the kernel's \

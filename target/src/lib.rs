@@ -25,7 +25,8 @@
 //! - [`subsystem`], [`handshake`]: admission, discovery and the connection handshake (pure /
 //!   sans-I/O, for the sessions on the fabric).
 //! - [`failures`]: the state file that remembers failed namespaces across restarts.
-//! - [`flusher`]: the GPSPM flush service (io_uring, never blocks the poll loop).
+//! - [`flusher`]: the GPSPM flush service (io_uring; inline only for a loop with nothing else
+//!   to do).
 //! - [`reload`]: the SIGHUP configuration diff.
 //! - [`control`]: the control socket and `status`.
 //! - [`metrics`]: what is counted and how: the data-path counters' aggregation, latency

@@ -154,10 +154,11 @@ fn a_sigkill_loses_exactly_what_was_not_persisted() {
     }
 }
 
-/// GPSPM on page-cache from a target's only connection, one request at a time: its poll loop
-/// syncs the range itself (`Flusher::submit_inline`: the mapping's msync) instead of handing
-/// it to the kernel's workers. What it acknowledged survives the power loss; with a broken
-/// persist it does not (so this test sees a sync that does nothing).
+/// GPSPM from a target's only connection, one request at a time, on nsid 1: on page cache its
+/// poll loop syncs each range itself (`Flusher::submit_inline`: the mapping's msync) instead
+/// of handing it to the kernel's workers (over rdma the suite's files are pinned, forced dax).
+/// What it acknowledged survives the power loss; with a broken persist it does not (so this
+/// test sees a sync that does nothing).
 #[test]
 fn a_lone_connections_gpspm_writes_survive_the_power_loss() {
     assert!(methods(1).contains(&PersistMethod::Gpspm));

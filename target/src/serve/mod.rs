@@ -22,11 +22,11 @@
 //!   then blocking in epoll), runs each connection's control exchange and the GPSPM
 //!   flush service of its own [`Flusher`](crate::flusher::Flusher) (io_uring: a slow disk
 //!   stalls no other connection for a GPSPM flush; a loop whose one connection's one request is
-//!   the flush syncs it itself, unless a sync took over 10 ms lately). Polling also drives the transport's placement engine,
-//!   which serves the hosts' Writes, Reads and Flushes inline: on a page-cache namespace an RDMA
-//!   Flush, or the Read/Atomic that ends an APM sequence, waits for msync of the dirty range in
-//!   this thread, and stalls the loop's other connections meanwhile (docs/architecture.md,
-//!   "Durability and the poll loop").
+//!   the flush syncs it itself, unless a sync took over 10 ms lately). Polling also drives the
+//!   transport's placement engine, which serves the hosts' Writes, Reads and Flushes inline:
+//!   on a page-cache namespace an RDMA Flush, or the Read/Atomic that ends an APM sequence,
+//!   waits for msync of the dirty range in this thread, and stalls the loop's other
+//!   connections meanwhile (docs/architecture.md, "Durability and the poll loop").
 //! - Every accept thread and poll loop bumps a heartbeat each turn; the daemon's watchdog
 //!   check ([`Serve::check_progress`]) wakes them all and pings systemd only while every one
 //!   has moved since the previous check.

@@ -353,10 +353,12 @@ impl PollLoop {
         }
     }
 
-    /// Whether flush `token` is all the loop has to do: the one request of its one
-    /// connection, no other flush in flight or waiting. Then a page-cache flush is synced in
-    /// this thread ([`Flusher::submit_inline`]): its host waits for nothing else, and the
-    /// hand-off to a kernel worker and back would cost more than the loop's own sync.
+    /// Whether flush `token` is all the loop has to do: the loop has one connection, and this
+    /// is the only flush in flight or waiting. Then a page-cache flush is synced in this thread
+    /// ([`Flusher::submit_inline`]): the hand-off to a kernel worker and back costs more than
+    /// the loop's own sync, and only that host can be kept waiting by it (a one-sided Read or
+    /// Write it sends meanwhile is served after the sync, 10 ms at most before the flusher's
+    /// backoff; docs/operations.md).
     fn alone_with(&self, token: u64) -> bool {
         self.conns.len() == 1
             && self.pending.len() == 1
