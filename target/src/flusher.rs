@@ -8,7 +8,7 @@
 //!   Why not `sync_file_range`: it neither writes the metadata that the first write into a
 //!   fallocated (unwritten) extent needs, nor flushes the device's write cache, so it cannot make a
 //!   range durable; a ranged fdatasync does both and writes back only the range asked for.
-//!   A poll loop with nothing else to do (one connection, whose one request this is) asks for
+//!   A poll loop with nothing else to do (one connection, no other flush in flight) asks for
 //!   the sync inline instead ([`Flusher::submit_inline`]): the mapping's own ranged
 //!   `msync(MS_SYNC)` in the loop's thread, with no hand-off to a kernel worker and back,
 //!   which took a tenth to a third of a durable write's time at queue depth 1 on two CPUs
