@@ -373,8 +373,8 @@ impl Flusher {
     }
 
     /// Whether [`submit_inline`](Self::submit_inline) syncs inline now (not off after a slow
-    /// sync).
-    pub fn inline_on(&mut self) -> bool {
+    /// sync); clears an ended backoff.
+    fn inline_on(&mut self) -> bool {
         match self.inline_off_until {
             Some(t) if Instant::now() < t => false,
             Some(_) => {
