@@ -249,3 +249,38 @@ fn failed_persists_are_counted_as_failed_durability_and_persist_terminates() {
         assert_eq!(s.terminates_for(TerminateCause::Persist), 1, "{s:?}");
     }
 }
+
+#[test]
+fn messages_received_counts_every_message_the_peer_sent_one_sided_ones_too() {
+    let p = Pair::new(true);
+    let (_tmem, tmr) = p.target_buf(1 << 16, rw());
+    let (imem, imr) = p.init_buf(1 << 16, Access::LOCAL_WRITE);
+    imem.write_at(0, &[0x42; 512]).unwrap();
+    let before = p.tqp.messages_received().expect("tcp counts");
+    let init_before = p.qp.messages_received().expect("tcp counts");
+    // A one-sided Write of 512 bytes (one FPDU) and a Read behind it (a Read Request): the
+    // Read's completion means the target took both.
+    post_write(
+        &p.qp,
+        1,
+        Sge::new(&imr, 0, 512),
+        tmr.remote(0),
+        SendFlags::empty(),
+    );
+    p.qp.post_send(SendWr::new(
+        2,
+        SendOp::Read {
+            local: Sge::new(&imr, 4096, 8),
+            remote: tmr.remote(0),
+        },
+    ))
+    .unwrap();
+    p.expect_init(2, WcStatus::Success);
+    let after = p.tqp.messages_received().unwrap();
+    assert_eq!(after.wrapping_sub(before), 2, "{before} -> {after}");
+    // The initiator took the Read Response.
+    let init_after = p.qp.messages_received().unwrap();
+    assert_eq!(init_after.wrapping_sub(init_before), 1);
+    // Nothing sent, nothing counted.
+    assert_eq!(p.tqp.messages_received().unwrap(), after);
+}

@@ -261,6 +261,15 @@ impl QueuePair {
     pub fn responder_counters(&self) -> Option<ResponderCounters> {
         self.inner.engine.responder_counters()
     }
+
+    /// How many messages the transport has taken from the peer so far, every one-sided Write
+    /// and Read Request included, where software serves them in the thread that polls this
+    /// queue pair's completion queue (`tcp`: a count that only grows, wrapping at `u64::MAX`).
+    /// `rdma` gives None: an RNIC serves one-sided operations without software, so they wait
+    /// on no thread of ours. A poll loop uses it to tell a quiet connection from a busy one.
+    pub fn messages_received(&self) -> Option<u64> {
+        self.inner.engine.messages_received()
+    }
 }
 
 impl Drop for QueuePair {

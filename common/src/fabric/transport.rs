@@ -458,6 +458,17 @@ impl QpEngine {
         }
     }
 
+    /// Messages taken from the peer so far, where software takes them (the soft engine: every
+    /// FPDU, one-sided ones too); an RNIC serves one-sided operations without software, so
+    /// `rdma` has none.
+    pub(crate) fn messages_received(&self) -> Option<u64> {
+        match self {
+            QpEngine::Soft { qp, .. } => Some(qp.fpdus_received()),
+            #[cfg(feature = "rdma")]
+            QpEngine::Rdma(_) => None,
+        }
+    }
+
     /// Connects actively (Init to RTS).
     pub(crate) fn connect(
         &self,

@@ -155,6 +155,9 @@ pub(crate) struct Engine {
     /// out first, or its budget was spent): the socket will not say so, so the idle wait must
     /// not block before the next pass.
     pub(super) rx_held: bool,
+    /// FPDUs taken from the peer so far (Writes, Read Requests, Sends, responses): what
+    /// [`SoftQp::fpdus_received`](super::qp::SoftQp::fpdus_received) reports.
+    pub(super) fpdus_in: u64,
 }
 
 /// A Write FPDU in placement (see `Engine::placing`).
@@ -324,6 +327,7 @@ impl Engine {
             match conn.rx.poll(&mut conn.sock, self) {
                 Ok(Some(r)) => {
                     crate::steps::nth(&crate::steps::FPDU_TAKEN);
+                    self.fpdus_in = self.fpdus_in.wrapping_add(1);
                     self.rtr_pending = false;
                     let (hdr, ulpdu_len, len) = (r.header, r.ulpdu_len, r.payload_len);
                     match r.data {

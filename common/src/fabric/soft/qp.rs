@@ -108,6 +108,7 @@ impl SoftQp {
             counting: Counting::new(counters.clone()),
             rtr_pending: false,
             rx_held: false,
+            fpdus_in: 0,
         };
         Arc::new(SoftQp {
             num,
@@ -288,6 +289,12 @@ impl SoftQp {
             Some(_) => {}
         }
         Ok(held)
+    }
+
+    /// FPDUs taken from the peer so far (every message: one-sided Writes and Read Requests
+    /// too, which this engine serves in the thread that polls it).
+    pub(crate) fn fpdus_received(&self) -> u64 {
+        self.lock().e.fpdus_in
     }
 
     pub(crate) fn to_error(&self, why: QpFailure) {
