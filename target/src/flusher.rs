@@ -8,8 +8,8 @@
 //!   Why not `sync_file_range`: it neither writes the metadata that the first write into a
 //!   fallocated (unwritten) extent needs, nor flushes the device's write cache, so it cannot make a
 //!   range durable; a ranged fdatasync does both and writes back only the range asked for.
-//!   A poll loop with nothing else to do (one connection, no other flush in flight) asks for
-//!   the sync inline instead ([`Flusher::submit_inline`]): the mapping's own ranged
+//!   A poll loop with nothing else to do (no other flush in flight, and one connection or
+//!   only quiet others: `serve/poll_loop.rs`) asks for the sync inline instead ([`Flusher::submit_inline`]): the mapping's own ranged
 //!   `msync(MS_SYNC)` in the loop's thread, with no hand-off to a kernel worker and back,
 //!   which took a tenth to a third of a durable write's time at queue depth 1 on two CPUs
 //!   (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). A sync that
@@ -34,8 +34,8 @@
 //! submitting.
 //!
 //! Timings: the inline write-back and each page-cache sync (an fdatasync from submission to
-//! completion, an inline sync its own length) are recorded in the histograms of the loop's
-//! [`LoopStats`] ([`Flusher::set_stats`]); the flusher is their only writer.
+//! completion; an inline sync, its own length, apart) are recorded in the histograms of the
+//! loop's [`LoopStats`] ([`Flusher::set_stats`]); the flusher is their only writer.
 //!
 //! Threads: a [`Flusher`] belongs to one poll loop (`Send`, not shared). Cleanup: every file a
 //! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
@@ -147,6 +147,12 @@ impl FlushTarget {
             kind: Kind::PageCache(Arc::new(fd), store),
             len,
         }
+    }
+
+    /// Whether a flush of it syncs a page-cache file (the one kind of flush that waits for a
+    /// device, and that [`Flusher::submit_inline`] may run in the caller's thread).
+    pub fn syncs_a_file(&self) -> bool {
+        matches!(self.kind, Kind::PageCache(..))
     }
 
     /// The store's first write-back failure, if the namespace has failed.
@@ -445,7 +451,7 @@ impl Flusher {
                 let done = store.persist(offset as usize, length as usize);
                 let took = t0.elapsed();
                 self.stats
-                    .gpspm_fdatasync
+                    .gpspm_msync
                     .record(u64::try_from(took.as_nanos()).unwrap_or(u64::MAX));
                 if took > self.inline_slow {
                     log::info!(

@@ -192,9 +192,10 @@ fn a_writeback_error_fails_the_namespace_for_every_host_until_an_operator_clears
     fs.fill();
     // nsid 1 fails through GPSPM (the flush service's fdatasync through io_uring), nsid 2
     // through FLUSH (the placement engine's msync): both report the error, neither says
-    // durable. An idle second connection on the target's one poll loop keeps nsid 1's flush
-    // on io_uring: a loop's lone connection's flush is synced inline, by msync, as nsid 2's
-    // (target/src/flusher.rs; tests/tests/power_loss.rs tests that path).
+    // durable. A second connection on the target's one poll loop and a range over 256 KiB keep
+    // nsid 1's flush on io_uring: a loop syncs a lone connection's flush, or a short one beside
+    // quiet connections, itself, by msync, as nsid 2's (target/src/serve/poll_loop.rs;
+    // tests/tests/power_loss.rs tests that path).
     let idle = Connection::new(
         &t.url(),
         Nqn::new(SUB).unwrap(),

@@ -192,6 +192,118 @@ fn a_lone_connections_gpspm_writes_survive_the_power_loss() {
     }
 }
 
+/// The GPSPM syncs the target counted so far: (the kernel worker's fdatasyncs, the poll loop's
+/// own msyncs), from `status --json`.
+fn gpspm_syncs(t: &Target) -> (u64, u64) {
+    let v = t.status();
+    let count = |kind: &str| -> u64 {
+        let l = v["metrics"]["latency"]
+            .as_array()
+            .and_then(|a| a.iter().find(|l| l["kind"] == kind && l["path"] == "gpspm"))
+            .unwrap_or_else(|| panic!("no {kind} gpspm latency: {v:#}"));
+        l["histogram"]["counts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|c| c.as_u64().unwrap())
+            .sum()
+    };
+    (count("fdatasync"), count("msync"))
+}
+
+/// Writes `blocks` durably through GPSPM on nsid 1 at 8 KiB strides from `q`, calling
+/// `before` ahead of each.
+fn gpspm_blocks(q: &mut rpma_initiator::Queue, blocks: &[Vec<u8>], mut before: impl FnMut()) {
+    let mut ns = q.namespace(1).unwrap();
+    ns.set_method(Some(PersistMethod::Gpspm)).unwrap();
+    for (i, b) in blocks.iter().enumerate() {
+        before();
+        assert_eq!(
+            ns.write_durable(8192 * i as u64, b).unwrap(),
+            Durability::Durable(PersistMethod::Gpspm)
+        );
+    }
+}
+
+/// Reads the blocks back after a SIGKILL and restart: every one survived, or (a broken
+/// persist) none did.
+fn blocks_after_the_power_loss(t: &mut Target, blocks: &[Vec<u8>], broken: bool) {
+    t.kill9();
+    t.restart();
+    let mut q = queue(t);
+    for (i, b) in blocks.iter().enumerate() {
+        let got = read(&mut q, 1, 8192 * i as u64, b.len());
+        if broken {
+            assert!(
+                got.iter().all(|x| *x == 0),
+                "block {i}: kept with a broken persist"
+            );
+        } else {
+            assert!(got == *b, "block {i}: acknowledged durable, and lost");
+        }
+    }
+}
+
+/// GPSPM beside a second connection that sends nothing (tcp: page-cache GPSPM): with the other
+/// connection quiet for a while before each request, the poll loop syncs the range itself
+/// (its own msync) as for a lone connection, and what it acknowledged survives the power loss
+/// (a broken persist loses it: the test sees a sync that does nothing).
+#[test]
+fn gpspm_writes_beside_a_quiet_connection_are_synced_by_the_loop_and_survive_the_power_loss() {
+    for broken in [false, true] {
+        let settings = format!("eviction_percent = 0, broken_persist = {broken}");
+        let (_d, _shm, mut t) = start(&format!("quiet-{broken}"), &settings);
+        let (mut q, idle) = (queue(&t), queue(&t));
+        let blocks: Vec<Vec<u8>> = (0..6).map(|i| noise(4300 + i, 4096)).collect();
+        // Quiet: nothing from the other connection for longer than the loop asks (1 ms).
+        gpspm_blocks(&mut q, &blocks, || {
+            std::thread::sleep(Duration::from_millis(5))
+        });
+        let (fdatasyncs, msyncs) = gpspm_syncs(&t);
+        assert_eq!(fdatasyncs + msyncs, blocks.len() as u64);
+        // The first request may see the other connection's set-up as recent traffic.
+        assert!(
+            msyncs >= 1,
+            "no GPSPM request was synced by the loop: {msyncs}"
+        );
+        drop(idle);
+        blocks_after_the_power_loss(&mut t, &blocks, broken);
+    }
+}
+
+/// GPSPM beside a connection that has just been served a one-sided Read: the poll loop leaves
+/// every sync to the kernel's workers (no host whose traffic flows waits for another's sync),
+/// as it does for a range over 256 KiB whoever is quiet; the writes survive the power loss.
+#[test]
+fn a_busy_neighbour_keeps_gpspm_on_the_kernels_workers_and_the_writes_survive_the_power_loss() {
+    let (_d, _shm, mut t) = start("busy", "eviction_percent = 0");
+    let (mut q, mut busy) = (queue(&t), queue(&t));
+    let blocks: Vec<Vec<u8>> = (0..6).map(|i| noise(4400 + i, 4096)).collect();
+    // Each durable write right after the other connection's Read was answered.
+    gpspm_blocks(&mut q, &blocks, || {
+        read(&mut busy, 3, 0, 8);
+    });
+    assert_eq!(gpspm_syncs(&t), (blocks.len() as u64, 0));
+    // A range over 256 KiB with the other connection quiet: still the workers'.
+    std::thread::sleep(Duration::from_millis(5));
+    let big = noise(4499, 512 << 10);
+    {
+        let mut ns = q.namespace(1).unwrap();
+        assert_eq!(
+            ns.write_durable(512 << 10, &big).unwrap(),
+            Durability::Durable(PersistMethod::Gpspm)
+        );
+    }
+    assert_eq!(gpspm_syncs(&t), (blocks.len() as u64 + 1, 0));
+    drop((q, busy));
+    blocks_after_the_power_loss(&mut t, &blocks, false);
+    let mut q = queue(&t);
+    assert!(
+        read(&mut q, 1, 512 << 10, big.len()) == big,
+        "the 512 KiB write was lost"
+    );
+}
+
 #[test]
 fn a_clean_stop_is_not_a_power_loss() {
     // SIGTERM: the daemon closes its namespaces, and the simulation writes its working copy

@@ -179,6 +179,8 @@ fn dax_and_mapped_targets() {
     );
     let t = FlushTarget::for_mapping(&m).unwrap();
     assert!(format!("{t:?}").contains("dax"));
+    assert!(!t.syncs_a_file());
+    assert!(!FlushTarget::volatile(4096).syncs_a_file());
     let mut fl = Flusher::new(4).unwrap();
     m.write_at(10, b"x").unwrap();
     fl.submit(5, &t, 0, 0).unwrap();
@@ -198,6 +200,7 @@ fn dax_and_mapped_targets() {
     let t = FlushTarget::for_mapping(&pc).unwrap();
     if pc.domain() == Domain::PageCache {
         assert!(format!("{t:?}").contains("page-cache"));
+        assert!(t.syncs_a_file());
         pc.write_at(0, b"y").unwrap();
         fl.submit(8, &t, 0, 4096).unwrap();
         let mut out = Vec::new();
@@ -249,6 +252,7 @@ fn flushes_are_timed_in_the_loops_histograms() {
     let fds = stats.gpspm_fdatasync.snapshot();
     assert_eq!(fds.count(), 2, "{fds:?}");
     assert!(fds.sum_ns > 0);
+    assert_eq!(stats.gpspm_msync.snapshot().count(), 0);
     assert_eq!(stats.gpspm_writeback.snapshot().count(), 1);
     assert_eq!(
         stats.gpspm_request.snapshot().count(),
@@ -359,7 +363,9 @@ fn an_inline_flush_is_done_when_submit_returns_and_timed_as_a_sync() {
         fl.poll(&mut out);
         assert_eq!(out[0].status, FlushStatus::OutOfRange);
     }
-    assert_eq!(stats.gpspm_fdatasync.snapshot().count(), 2);
+    // Timed as the loop's own syncs, apart from the worker's fdatasyncs.
+    assert_eq!(stats.gpspm_msync.snapshot().count(), 2);
+    assert_eq!(stats.gpspm_fdatasync.snapshot().count(), 0);
     assert_eq!(stats.gpspm_writeback.snapshot().count(), 0);
 }
 

@@ -336,6 +336,9 @@ pub struct LoopStats {
     pub gpspm_writeback: HistogramCell,
     /// The flusher's fdatasync (page-cache), submission to completion.
     pub gpspm_fdatasync: HistogramCell,
+    /// The loop's own sync of a page-cache range (the mapping's msync, when the loop had
+    /// nothing else to do: `Flusher::submit_inline`), its length.
+    pub gpspm_msync: HistogramCell,
     /// Terminates sent by the loop's connections that ended, by cause.
     terminates: [Counter; 5],
 }

@@ -113,6 +113,10 @@ pub(crate) struct Conn {
     peer_flush: bool,
     pub(crate) phase: Phase,
     last_seen: Instant,
+    /// The transport's count of messages taken from the peer when the loop last looked, and
+    /// when the loop first saw it at that value ([`Conn::last_heard`]).
+    rx_seen: u64,
+    rx_changed: Instant,
     /// Its place in the unadmitted or the discovery pool; None once admitted.
     ticket: Option<Ticket>,
     /// Its poll loop (woken when a pool evicts it).
@@ -165,11 +169,28 @@ impl Conn {
                 deadline,
             },
             last_seen: now,
+            rx_seen: 0,
+            rx_changed: now,
             ticket: Some(ticket),
             owner,
             queue_depth,
             stats,
         }
+    }
+
+    /// When the peer was last heard from, as far as the loop can tell at `now`: its last control
+    /// message, or the first look at which the transport had taken more messages (one-sided
+    /// Writes and Reads included) than at the look before, where the transport takes them in
+    /// this thread (`tcp`; an RNIC serves them without the loop). Never earlier than the truth:
+    /// a count that moved between two looks is dated at the second.
+    pub(crate) fn last_heard(&mut self, now: Instant) -> Instant {
+        if let Some(n) = self.qp.messages_received() {
+            if n != self.rx_seen {
+                self.rx_seen = n;
+                self.rx_changed = now;
+            }
+        }
+        self.rx_changed.max(self.last_seen)
     }
 
     /// Counts the end of the session, if this connection is one.

@@ -21,9 +21,11 @@
 //! - A poll loop waits on its completion queue (busy-polling while traffic flows,
 //!   then blocking in epoll), runs each connection's control exchange and the GPSPM
 //!   flush service of its own [`Flusher`](crate::flusher::Flusher) (io_uring: a slow disk
-//!   stalls no other connection for a GPSPM flush; a loop with one connection and no other
-//!   flush syncs it itself, unless a sync took over 10 ms lately). Polling also drives the
-//!   transport's placement engine, which serves the hosts' Writes, Reads and Flushes inline:
+//!   stalls no busy connection for a GPSPM flush; a loop with no other flush syncs a
+//!   page-cache range itself when it has one connection, or a range of up to 256 KiB beside
+//!   at most four others none of which was heard from within 1 ms, unless a sync took over
+//!   10 ms lately: such a host waits for one sync at most; poll_loop.rs). Polling also drives
+//!   the transport's placement engine, which serves the hosts' Writes, Reads and Flushes inline:
 //!   on a page-cache namespace an RDMA Flush, or the Read/Atomic that ends an APM sequence,
 //!   waits for msync of the dirty range in this thread, and stalls the loop's other
 //!   connections meanwhile (docs/architecture.md, "Durability and the poll loop").

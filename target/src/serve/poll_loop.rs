@@ -43,6 +43,29 @@ const WAKE_FLUSH: u64 = 2;
 const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(20);
 /// How long a stopping loop waits for its goodbyes to leave.
 const STOP_GRACE: Duration = Duration::from_secs(1);
+/// A page-cache flush is synced in the loop's own thread beside other connections only if each
+/// was last heard from at least this long ago ([`inline_may_hold`]): a host whose traffic flows
+/// is never kept waiting by another host's sync, one that was quiet waits for one sync at most.
+const INLINE_QUIET: Duration = Duration::from_millis(1);
+/// ... and only if the loop has at most this many other connections (each is looked at per
+/// flush) ...
+const INLINE_MAX_OTHERS: usize = 4;
+/// ... and only for a range of at most this many bytes (a sync's time grows with the dirty
+/// pages in its range; a whole-namespace flush, length 0, never qualifies). A lone connection's
+/// flushes qualify at any length: only that host waits for them.
+const INLINE_SHARED_MAX_LEN: u64 = 256 << 10;
+
+/// Whether a page-cache flush of `len` bytes (0: the whole namespace) may be synced in the
+/// loop's thread, where the loop has `others` other connections, the most recently heard from
+/// `quiet` ago (the flush being the only one in flight or waiting).
+fn inline_may_hold(len: u64, others: usize, quiet: Duration) -> bool {
+    others == 0
+        || (others <= INLINE_MAX_OTHERS
+            && len != 0
+            && len <= INLINE_SHARED_MAX_LEN
+            && quiet >= INLINE_QUIET)
+}
+
 /// Test hook (never set in production): a loop that takes a reload command sleeps this many
 /// milliseconds first, so that a test can see the watchdog notice a stuck loop.
 pub const TEST_STALL_ON_RELOAD_ENV: &str = "RPMA_TARGET_TEST_STALL_ON_RELOAD_MS";
@@ -330,11 +353,11 @@ impl PollLoop {
                 self.waiting.pop_front();
                 continue;
             };
-            let target = p.ns.flush_target.clone();
-            let submitted = if self.alone_with(token) {
-                self.flusher.submit_inline(token, &target, p.offset, p.len)
+            let (target, offset, len) = (p.ns.flush_target.clone(), p.offset, p.len);
+            let submitted = if target.syncs_a_file() && self.may_sync_inline(token) {
+                self.flusher.submit_inline(token, &target, offset, len)
             } else {
-                self.flusher.submit(token, &target, p.offset, p.len)
+                self.flusher.submit(token, &target, offset, len)
             };
             match submitted {
                 Ok(()) => {
@@ -353,18 +376,39 @@ impl PollLoop {
         }
     }
 
-    /// Whether flush `token` is all the loop has to do: the loop has one connection, and this
-    /// is the only flush in flight or waiting. Then a page-cache flush is synced in this thread
-    /// ([`Flusher::submit_inline`]): the hand-off to a kernel worker and back costs more than
-    /// the loop's own sync, and only that host can be kept waiting by it (a one-sided Read or
-    /// Write it sends meanwhile is served after the sync, 10 ms at most before the flusher's
-    /// backoff; docs/operations.md).
-    fn alone_with(&self, token: u64) -> bool {
-        self.conns.len() == 1
-            && self.pending.len() == 1
-            && self.pending.contains_key(&token)
-            && self.waiting.len() == 1
-            && self.flusher.in_flight() == 0
+    /// Whether flush `token` may be synced in this thread ([`Flusher::submit_inline`]): the
+    /// hand-off of a page-cache sync to a kernel worker and back costs more than the loop's own
+    /// sync (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). It must
+    /// be the only flush in flight or waiting, and any other connection of the loop quiet:
+    /// [`inline_may_hold`] of its length and how long since each other peer was last heard
+    /// from. A host that sends meanwhile waits for this one sync (10 ms at most before the
+    /// flusher's backoff; docs/operations.md); a host heard from within [`INLINE_QUIET`] never
+    /// does.
+    fn may_sync_inline(&mut self, token: u64) -> bool {
+        if self.pending.len() != 1 || self.waiting.len() != 1 || self.flusher.in_flight() != 0 {
+            return false;
+        }
+        let Some(p) = self.pending.get(&token) else {
+            return false;
+        };
+        let (own, len) = (p.qp_num, p.len);
+        let others = self.conns.len().saturating_sub(1);
+        if others == 0 {
+            return true;
+        }
+        if !inline_may_hold(len, others, Duration::MAX) {
+            return false;
+        }
+        // Every other connection is looked at (none skipped once one is busy), so that each
+        // one's record of when it was last heard from stays recent.
+        let now = Instant::now();
+        let mut quiet = Duration::MAX;
+        for (num, c) in &mut self.conns {
+            if *num != own {
+                quiet = quiet.min(now.saturating_duration_since(c.last_heard(now)));
+            }
+        }
+        inline_may_hold(len, others, quiet)
     }
 
     fn reap_flushes(&mut self) {
@@ -467,5 +511,39 @@ impl PollLoop {
         self.conns.clear();
         self.load.fetch_sub(n, Ordering::Relaxed);
         log::debug!("poll loop {} stopped", self.index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_lone_connections_flush_is_synced_inline_at_any_length() {
+        for len in [0, 4096, INLINE_SHARED_MAX_LEN + 1, u64::MAX] {
+            assert!(inline_may_hold(len, 0, Duration::ZERO), "{len}");
+        }
+    }
+
+    #[test]
+    fn beside_other_connections_only_a_short_range_while_they_are_quiet() {
+        let q = INLINE_QUIET;
+        assert!(inline_may_hold(4096, 1, q));
+        assert!(inline_may_hold(
+            INLINE_SHARED_MAX_LEN,
+            INLINE_MAX_OTHERS,
+            Duration::MAX
+        ));
+        // A peer heard from just now keeps the flush on the kernel's workers.
+        assert!(!inline_may_hold(4096, 1, q - Duration::from_nanos(1)));
+        assert!(!inline_may_hold(4096, 1, Duration::ZERO));
+        // Too long a range, the whole namespace, too many others.
+        assert!(!inline_may_hold(
+            INLINE_SHARED_MAX_LEN + 1,
+            1,
+            Duration::MAX
+        ));
+        assert!(!inline_may_hold(0, 1, Duration::MAX));
+        assert!(!inline_may_hold(4096, INLINE_MAX_OTHERS + 1, Duration::MAX));
     }
 }

@@ -280,7 +280,8 @@ impl Shared {
             })
             .collect();
         let mut terminates = [0u64; 5];
-        let (mut req, mut gwb, mut fds) = (
+        let (mut req, mut gwb, mut fds, mut gms) = (
+            Histogram::default(),
             Histogram::default(),
             Histogram::default(),
             Histogram::default(),
@@ -292,6 +293,7 @@ impl Shared {
             Histogram::merge(&mut req, &l.gpspm_request.snapshot());
             Histogram::merge(&mut gwb, &l.gpspm_writeback.snapshot());
             Histogram::merge(&mut fds, &l.gpspm_fdatasync.snapshot());
+            Histogram::merge(&mut gms, &l.gpspm_msync.snapshot());
         }
         // The NVMe/TCP loops: their C2HTermReqs, their per-Write write-backs (dax) and their
         // flushes' fdatasyncs (page-cache), kept in the same cells.
@@ -314,6 +316,7 @@ impl Shared {
             lat("msync", "placement", ms),
             lat("writeback", "gpspm", gwb),
             lat("fdatasync", "gpspm", fds),
+            lat("msync", "gpspm", gms),
             lat("gpspm_request", "gpspm", req),
         ];
         if !self.nvme_loop_stats.is_empty() {
