@@ -16,11 +16,14 @@
 #     --pin            the target alone on the last CPU, the initiator on the others
 #                      (taskset), as on two machines: unpinned, the scheduler may leave both
 #                      busy-polling ends on one CPU for seconds (docs/benchmarks.md)
+#     --beside-export  keep an NBD export (rpma-initiator nbd, nsid 1) connected, idle, for
+#                      the whole sitting, as bench/run.sh's matrix does: the target's loop then
+#                      serves two connections
 #
 # Example: bench/ab.sh --job 'rw=write bs=1m iodepth=1' /tmp/bin /tmp/bin+--copy-writes
 set -euo pipefail
 cd "$(dirname "$0")/.."
-reps=5 job='rw=randwrite bs=4k iodepth=16' runtime=3 tdir= nsid=1 pin=0
+reps=5 job='rw=randwrite bs=4k iodepth=16' runtime=3 tdir= nsid=1 pin=0 beside=0
 sets=()
 while [ $# -gt 0 ]; do
     case $1 in
@@ -31,7 +34,8 @@ while [ $# -gt 0 ]; do
         --nsid) nsid=$2; shift 2 ;;
         --set) sets+=("$2"); shift 2 ;;
         --pin) pin=1; shift ;;
-        -h | --help) sed -n '2,20p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
+        --beside-export) beside=1; shift ;;
+        -h | --help) sed -n '2,23p' "$0" | sed 's/^# \{0,1\}//'; exit 0 ;;
         -*) echo "bench/ab.sh: unknown option $1" >&2; exit 2 ;;
         *) break ;;
     esac
@@ -52,6 +56,15 @@ for l in "${sets[@]}"; do sed -i "1i $l" "$SCRATCH/target.toml"; done
 start_target "$SCRATCH/target.toml" "$SCRATCH/control.sock"
 client=()
 [ "$pin" = 1 ] && pin_target bench/ab.sh
+if [ "$beside" = 1 ]; then
+    # Started directly (not in a subshell), so that the EXIT trap's kill reaches the export.
+    "${client[@]}" "$tdir/rpma-initiator" --target "$URL" --nqn "$NQN" --hostnqn "$HOSTNQN" \
+        --nsid 1 nbd --socket "$SCRATCH/beside.sock" --export beside >/dev/null &
+    beside_pid=$!
+    trap 'kill "$beside_pid" 2>/dev/null; wait "$beside_pid" 2>/dev/null; local_cleanup' EXIT
+    for _ in $(seq 100); do [ -S "$SCRATCH/beside.sock" ] && break; sleep 0.1; done
+    [ -S "$SCRATCH/beside.sock" ] || { echo "bench/ab.sh: the export did not start" >&2; exit 1; }
+fi
 {
     printf '[global]\nsize=64m\noffset=0\ntime_based=1\nruntime=%s\n[ab]\n' "$runtime"
     tr ' ' '\n' <<<"$job"
@@ -59,7 +72,9 @@ client=()
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 pinned=
 [ "$pin" = 1 ] && pinned=", pinned: target on CPU $last, initiator on the others"
-echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}$pinned"
+beside_note=
+[ "$beside" = 1 ] && beside_note=", an idle NBD export's connection beside"
+echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}$pinned$beside_note"
 : >"$SCRATCH/runs"
 for _ in $(seq "$reps"); do
     for v in "$@"; do
