@@ -381,9 +381,10 @@ impl PollLoop {
     /// sync (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). It must
     /// be the only flush in flight or waiting, and any other connection of the loop quiet:
     /// [`inline_may_hold`] of its length and how long since each other peer was last heard
-    /// from. A host that sends meanwhile waits for this one sync (10 ms at most before the
-    /// flusher's backoff; docs/operations.md); a host heard from within [`INLINE_QUIET`] never
-    /// does.
+    /// from. A host that sends meanwhile waits for this one sync, and is then heard from, which
+    /// sends the next flush to the workers (a sync over 10 ms turns this loop's inline syncs
+    /// off for 10 s: the flusher's backoff; docs/operations.md); a host heard from within
+    /// [`INLINE_QUIET`] never waits for one.
     fn may_sync_inline(&mut self, token: u64) -> bool {
         if self.pending.len() != 1 || self.waiting.len() != 1 || self.flusher.in_flight() != 0 {
             return false;
