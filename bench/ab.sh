@@ -72,9 +72,8 @@ fi
 echo "# $(date -u +%FT%TZ), $(nproc) CPUs, $(grep -m1 'model name' /proc/cpuinfo | cut -d: -f2 | xargs)"
 pinned=
 [ "$pin" = 1 ] && pinned=", pinned: target on CPU $last, initiator on the others"
-beside_note=
-[ "$beside" = 1 ] && beside_note=", an idle NBD export's connection beside"
-echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}$pinned$beside_note"
+[ "$beside" = 1 ] && pinned="$pinned, an idle NBD export's connection beside"
+echo "# job: $job, ${runtime}s, nsid $nsid; target: $tdir${sets[*]:+ (${sets[*]})}$pinned"
 : >"$SCRATCH/runs"
 for _ in $(seq "$reps"); do
     for v in "$@"; do

@@ -9,10 +9,10 @@
 //!   fallocated (unwritten) extent needs, nor flushes the device's write cache, so it cannot make a
 //!   range durable; a ranged fdatasync does both and writes back only the range asked for.
 //!   A poll loop with nothing else to do (no other flush in flight, and one connection or
-//!   only quiet others: `serve/poll_loop.rs`) asks for the sync inline instead ([`Flusher::submit_inline`]): the mapping's own ranged
-//!   `msync(MS_SYNC)` in the loop's thread, with no hand-off to a kernel worker and back,
-//!   which took a tenth to a third of a durable write's time at queue depth 1 on two CPUs
-//!   (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). A sync that
+//!   only quiet others: `serve/poll_loop.rs`) asks for the sync inline instead
+//!   ([`Flusher::submit_inline`]): the mapping's own ranged `msync(MS_SYNC)` in the loop's
+//!   thread, with no hand-off to a kernel worker and back, which took a tenth to a third of a
+//!   durable write's time at queue depth 1 on two CPUs (docs/benchmarks.md, "The loop's own sync when it has nothing else to do"). A sync that
 //!   took over [`INLINE_SLOW`] (a slow or failing disk) turns that off for [`INLINE_BACKOFF`],
 //!   so that a disk in trouble blocks a loop for one sync at most before its flushes are back
 //!   on the workers.
