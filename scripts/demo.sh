@@ -38,7 +38,7 @@ echo "== identify"
 ini identify
 echo
 echo "== list (the durability method this host uses on each namespace: FLUSH on dax,"
-echo "   GPSPM on page-cache, where the target's msync runs off its poll loop)"
+echo "   GPSPM on page-cache, whose sync keeps the target's other busy connections running)"
 ini list
 echo
 echo "== write 8 MiB of 0x5a at 1 MiB, durably"
