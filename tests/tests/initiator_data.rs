@@ -93,7 +93,7 @@ fn reads_writes_methods_atomics_and_checks() {
     let t = Transport::current();
     let domain = t.file_domain();
     assert_eq!(ns.descriptor().domain, domain);
-    // page-cache: GPSPM first (the target's flush service syncs the range: no busy connection waits).
+    // page-cache: GPSPM first (the flush service syncs the range: no busy connection waits).
     let best = t.methods(domain)[0];
     assert_eq!(ns.method().unwrap(), Choice::Method(best));
     // Larger than a chunk and unaligned: split into several requests.
