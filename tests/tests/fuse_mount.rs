@@ -81,6 +81,43 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
     m.assert_gone();
 }
 
+#[test]
+fn umount_refuses_a_loop_device_with_a_mounted_filesystem_and_pulls_nothing_from_under_it() {
+    require_fuse!("umount_refuses_a_loop_device_with_a_mounted_filesystem");
+    let (_d, root, _shm, t) = start("fuse-busy");
+    let mnt = root.join("mnt");
+    let ext = root.join("ext");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    let lo = m.lo.clone().expect("a loop device");
+    mkfs_ext4(&lo);
+    let fs = FsMount::new(&lo, &ext, false);
+    std::fs::write(ext.join("kept.txt"), b"still here").unwrap();
+    let mut a = conn_args(&t.url(), 1);
+    a.extend(["umount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    let args: Vec<&str> = a.iter().map(String::as_str).collect();
+    // Refused (after its bounded wait for the device to be released), naming the device.
+    let o = initiator(&args);
+    assert_eq!(o.status.code(), Some(1), "{}", text(&o));
+    assert!(
+        text(&o).contains(&format!("{} is in use", lo.display()))
+            && text(&o).contains("unmount it first"),
+        "{}",
+        text(&o)
+    );
+    // Nothing was detached or unmounted: the filesystem still reads and writes.
+    assert!(losetup_j(&m.file).contains(&*lo.to_string_lossy()));
+    assert_eq!(std::fs::read(ext.join("kept.txt")).unwrap(), b"still here");
+    std::fs::write(ext.join("after.txt"), b"after the refusal").unwrap();
+    sh_ok(Command::new("sync").arg("-f").arg(&ext));
+    // Once the filesystem is unmounted, umount goes through.
+    fs.unmount();
+    let o = initiator(&args);
+    assert!(o.status.success(), "umount: {}", text(&o));
+    let st = m.wait_exit();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+}
+
 /// Writes `data` through the FUSE file at one offset and fsyncs, at another and closes, then
 /// SIGKILLs the target, restarts it and reads both ranges back with `rpma-initiator read`.
 fn fsync_survives_sigkill(nsid: u32) {
@@ -362,6 +399,7 @@ fn sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused
 
 rpma_tests::rdma_runs!(
     ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing,
+    umount_refuses_a_loop_device_with_a_mounted_filesystem_and_pulls_nothing_from_under_it,
     fsynced_and_closed_writes_survive_a_sigkill_of_the_target_page_cache,
     fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax,
     bytes_cross_between_the_fuse_file_and_the_cli_both_ways,

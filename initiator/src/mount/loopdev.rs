@@ -220,6 +220,25 @@ pub(crate) fn detach(dev: &Path) -> Result<(), DetachError> {
     Ok(())
 }
 
+/// [`detach`], waiting up to `settle` for a Busy device to be released: a filesystem unmounted
+/// a moment ago may let go of its device only after its `umount` returned (the kernel can drop
+/// the last reference to it from a worker), so a script's `umount` followed at once by ours
+/// would otherwise be refused. Still Busy after `settle`: Busy.
+///
+/// # Errors
+/// [`DetachError`].
+pub(crate) fn detach_settled(dev: &Path, settle: std::time::Duration) -> Result<(), DetachError> {
+    let until = std::time::Instant::now() + settle;
+    loop {
+        match detach(dev) {
+            Err(DetachError::Busy(_)) if std::time::Instant::now() < until => {
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// Detaches `dev` once its last user closes it (the kernel's autoclear): for a device that
 /// [`detach`] found busy, so that unmounting the filesystem on it also releases the file.
 ///

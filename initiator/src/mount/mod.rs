@@ -288,6 +288,10 @@ fn stop(dir: &Path) {
     }
 }
 
+/// How long `umount` waits for a busy loop device to be released before it refuses: a
+/// filesystem on it unmounted just before may release it a moment after its own `umount`.
+const DETACH_SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// `rpma-initiator umount DIR`: detaches the loop devices over the file, then unmounts. The
 /// mount process then persists, disconnects and exits 0.
 pub(crate) fn umount(g: &Global, dir: &Path) -> Result<(), Failure> {
@@ -300,7 +304,7 @@ pub(crate) fn umount(g: &Global, dir: &Path) -> Result<(), Failure> {
     }
     let mut detached = Vec::new();
     for dev in loopdev::backed_under(&dir) {
-        loopdev::detach(&dev).map_err(|e| failure(1, e.into()))?;
+        loopdev::detach_settled(&dev, DETACH_SETTLE).map_err(|e| failure(1, e.into()))?;
         detached.push(dev);
     }
     kmount::unmount(&dir, false).map_err(|e| {
