@@ -289,7 +289,9 @@ pub(crate) enum Command {
         file_name: Option<String>,
     },
     /// Undo `mount`: detach the loop devices over its file, unmount DIR (the mount process then
-    /// persists, disconnects and exits).
+    /// persists, disconnects and exits). Refuses (exit 1) while a filesystem on one of those
+    /// loop devices is mounted: unmount it first (one unmounted just before is waited for, 2 s
+    /// at most).
     Umount {
         /// The mount point.
         dir: PathBuf,
