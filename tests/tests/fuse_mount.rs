@@ -84,7 +84,7 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
 #[test]
 fn umount_refuses_a_loop_device_with_a_mounted_filesystem_and_pulls_nothing_from_under_it() {
     require_fuse!("umount_refuses_a_loop_device_with_a_mounted_filesystem");
-    let (_d, root, _shm, t) = start("fuse-busy");
+    let (_d, root, _shm, t) = start("fuse-refused");
     let mnt = root.join("mnt");
     let ext = root.join("ext");
     let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
