@@ -112,7 +112,10 @@ fn devices_of(subnqn: &str) -> Vec<String> {
 }
 
 /// Waits for `subnqn`'s namespace `nsid` to appear as a block device. Its name does not say
-/// its nsid (the kernel numbers them in the order it finds them): sysfs does.
+/// its nsid (the kernel numbers them in the order it finds them): sysfs does. The kernel makes
+/// the device node and its nsid attribute before it registers the disk's queue, so this also
+/// waits for the queue's attributes (a read of `queue/write_cache` right after the node showed
+/// up found none once, under the lab's slow emulation).
 fn device(subnqn: &str, nsid: u32) -> String {
     let deadline = Instant::now() + Duration::from_secs(60);
     loop {
@@ -121,7 +124,13 @@ fn device(subnqn: &str, nsid: u32) -> String {
             std::fs::read_to_string(format!("/sys/class/block/{name}/nsid"))
                 .is_ok_and(|n| n.trim() == nsid.to_string())
         });
-        if let Some(d) = found.filter(|d| Path::new(d).exists()) {
+        let registered = |d: &String| {
+            let name = d.trim_start_matches("/dev/");
+            Path::new(d).exists()
+                && Path::new(&format!("/sys/class/block/{name}/queue/write_cache")).exists()
+                && Path::new(&format!("/sys/class/block/{name}/queue/fua")).exists()
+        };
+        if let Some(d) = found.filter(registered) {
             return d;
         }
         assert!(
