@@ -323,6 +323,25 @@ pub fn start(tag: &str) -> (tempfile::TempDir, PathBuf, Shm, Target) {
     (d, root, shm, t)
 }
 
+/// `rpma-initiator mount --loop` of `t`'s namespace 1 at `root/mnt`, an ext4 filesystem made
+/// on its loop device ([`mkfs_ext4`]) and mounted at `root/ext`: the mount, its loop device and
+/// the filesystem. Bind them in this order, so that the filesystem is unmounted before the
+/// mount stops.
+pub fn ext4_on_loop(t: &Target, root: &Path) -> (Mounted, PathBuf, FsMount) {
+    let m = Mounted::start(&conn_args(&t.url(), 1), &root.join("mnt"), &["--loop"]);
+    let lo = m.lo.clone().expect("a loop device");
+    mkfs_ext4(&lo);
+    let fs = FsMount::new(&lo, &root.join("ext"), false);
+    (m, lo, fs)
+}
+
+/// The arguments of `rpma-initiator umount MNT` for `t`'s namespace 1.
+pub fn umount_args(t: &Target, mnt: &Path) -> Vec<String> {
+    let mut a = conn_args(&t.url(), 1);
+    a.extend(["umount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    a
+}
+
 /// An ext4 filesystem on `dev` (quiet, forced, no discard: a loop device over the FUSE file).
 pub fn mkfs_ext4(dev: &Path) {
     sh_ok(

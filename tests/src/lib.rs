@@ -4,6 +4,7 @@
 //!   [`Namespace`]);
 //! - [`target`]: the real `rpma-target` ([`Target`] on a config of the test's own, or the bare
 //!   [`Daemon`] process), READY on the test's NOTIFY_SOCKET, killed on drop;
+//! - [`fragile_fs`]: ext4 on a loop device over a small tmpfs, whose write-back fails on demand;
 //! - [`fuse`]: what the FUSE mount tests share: a running `rpma-initiator mount`, cleanup guards;
 //! - [`initiator`](mod@initiator): running `rpma-initiator` (or any command) with a deadline;
 //! - [`metrics`]: HTTP to the target's metrics listener, promtool, a real Prometheus server;
@@ -27,6 +28,7 @@ pub mod bins;
 pub mod cachestat;
 pub mod config;
 pub mod crash;
+pub mod fragile_fs;
 pub mod fuse;
 pub mod initiator;
 pub mod metrics;

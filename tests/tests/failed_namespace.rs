@@ -10,110 +10,16 @@
 //!
 //! Needs root, loop devices and mkfs.ext4; without them it says why and skips.
 
-use std::path::{Path, PathBuf};
 use std::process::Command;
 
 use rpma_common::proto::nqn::Nqn;
 use rpma_initiator::{Connection, HostIdentity};
+use rpma_tests::fragile_fs::FragileFs;
 use rpma_tests::{conn_args, initiator, text, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:failed-ns";
 const HOST: &str = "nqn.2026-11.io.rpma:failed-ns-host";
 const HOST2: &str = "nqn.2026-11.io.rpma:failed-ns-other";
-
-fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let o = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if !o.status.success() {
-        return Err(format!(
-            "{cmd} {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
-}
-
-/// A 48 MiB tmpfs holding a sparse 256 MiB image, formatted ext4, on a loop device, mounted.
-/// Unmounted and detached on drop.
-struct FragileFs {
-    tmpfs: PathBuf,
-    mnt: PathBuf,
-    loopdev: String,
-}
-
-impl FragileFs {
-    fn new(dir: &Path) -> Result<FragileFs, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("needs root (mount, losetup)".into());
-        }
-        let tmpfs = dir.join("t");
-        let mnt = dir.join("m");
-        std::fs::create_dir_all(&tmpfs).map_err(|e| e.to_string())?;
-        std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
-        let t = tmpfs.to_str().unwrap();
-        sh("mount", &["-t", "tmpfs", "-o", "size=48M", "tmpfs", t])?;
-        let mut fs = FragileFs {
-            tmpfs: tmpfs.clone(),
-            mnt: mnt.clone(),
-            loopdev: String::new(),
-        };
-        let img = tmpfs.join("img");
-        let img = img.to_str().unwrap();
-        sh("truncate", &["-s", "256M", img])?;
-        sh("mkfs.ext4", &["-q", "-F", img])?;
-        fs.loopdev = sh("losetup", &["--find", "--show", img])?;
-        // noinit_itable: no background zeroing that would fill the tmpfs on its own.
-        sh(
-            "mount",
-            &["-o", "noinit_itable", &fs.loopdev, mnt.to_str().unwrap()],
-        )?;
-        Ok(fs)
-    }
-
-    /// Fills the tmpfs under the image: the next write-back to the loop device fails.
-    fn fill(&self) {
-        let _ = std::fs::write(self.tmpfs.join("fill"), vec![0u8; 64 << 20]);
-        let st = nix_statvfs(&self.tmpfs);
-        assert_eq!(st, 0, "the tmpfs is full");
-    }
-
-    fn free(&self) {
-        std::fs::remove_file(self.tmpfs.join("fill")).unwrap();
-    }
-
-    /// Unmounts the ext4 filesystem, drops the loop device's buffers and mounts it again: what
-    /// the files then hold is what reached the media (the tmpfs under the loop device).
-    fn remount(&self) {
-        let m = self.mnt.to_str().unwrap();
-        sh("umount", &[m]).unwrap();
-        sh("blockdev", &["--flushbufs", &self.loopdev]).unwrap();
-        sh("mount", &["-o", "noinit_itable", &self.loopdev, m]).unwrap();
-    }
-}
-
-/// Free blocks of the filesystem at `p`.
-fn nix_statvfs(p: &Path) -> u64 {
-    let c = std::ffi::CString::new(p.to_str().unwrap()).unwrap();
-    let mut st = std::mem::MaybeUninit::<libc::statvfs>::zeroed();
-    // SAFETY: a valid C string and a buffer of the right type, written by statvfs.
-    let rc = unsafe { libc::statvfs(c.as_ptr(), st.as_mut_ptr()) };
-    assert_eq!(rc, 0);
-    // SAFETY: statvfs succeeded, so it filled the buffer.
-    unsafe { st.assume_init() }.f_bavail
-}
-
-impl Drop for FragileFs {
-    fn drop(&mut self) {
-        let _ = sh("umount", &["-l", self.mnt.to_str().unwrap()]);
-        if !self.loopdev.is_empty() {
-            let _ = sh("losetup", &["-d", &self.loopdev]);
-        }
-        let _ = sh("umount", &["-l", self.tmpfs.to_str().unwrap()]);
-    }
-}
 
 fn cli(t: &Target, host: &str, line: &str) -> (Option<i32>, String) {
     let conn = conn_args(&t.url(), SUB, host, None);

@@ -38,12 +38,9 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
     let ext = root.join("ext");
     let big = noise(1 << 20, 7);
 
-    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    let (mut m, lo, fs) = ext4_on_loop(&t, &root);
     assert_eq!(m.file, mnt.join("ns1"));
-    let lo = m.lo.clone().expect("a loop device");
     assert!(losetup_j(&m.file).contains(&*lo.to_string_lossy()));
-    mkfs_ext4(&lo);
-    let fs = FsMount::new(&lo, &ext, false);
     std::fs::write(ext.join("hello.txt"), b"hello, remote pmem\n").unwrap();
     std::fs::create_dir(ext.join("d")).unwrap();
     std::fs::write(ext.join("d/big.bin"), &big).unwrap();
@@ -53,8 +50,7 @@ fn ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing
     sh_ok(Command::new("sync").arg("-f").arg(&ext));
     fs.unmount();
     // umount: detaches the loop device, unmounts; the mount process persists and exits 0.
-    let mut a = conn_args(&t.url(), 1);
-    a.extend(["umount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    let a = umount_args(&t, &mnt);
     let o = initiator(&a.iter().map(String::as_str).collect::<Vec<_>>());
     assert!(o.status.success(), "umount: {}", text(&o));
     assert!(text(&o).contains(&*lo.to_string_lossy()), "{}", text(&o));
@@ -87,13 +83,9 @@ fn umount_refuses_a_loop_device_with_a_mounted_filesystem_and_pulls_nothing_from
     let (_d, root, _shm, t) = start("fuse-refused");
     let mnt = root.join("mnt");
     let ext = root.join("ext");
-    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
-    let lo = m.lo.clone().expect("a loop device");
-    mkfs_ext4(&lo);
-    let fs = FsMount::new(&lo, &ext, false);
+    let (mut m, lo, fs) = ext4_on_loop(&t, &root);
     std::fs::write(ext.join("kept.txt"), b"still here").unwrap();
-    let mut a = conn_args(&t.url(), 1);
-    a.extend(["umount".to_owned(), mnt.to_string_lossy().into_owned()]);
+    let a = umount_args(&t, &mnt);
     let args: Vec<&str> = a.iter().map(String::as_str).collect();
     // Refused (after its bounded wait for the device to be released), naming the device.
     let o = initiator(&args);
@@ -335,10 +327,7 @@ fn sigterm_while_a_filesystem_on_the_loop_device_is_mounted_waits_for_its_unmoun
     let (_d, root, _shm, t) = start("fuse-busy");
     let mnt = root.join("mnt");
     let ext = root.join("ext");
-    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
-    let lo = m.lo.clone().expect("a loop device");
-    mkfs_ext4(&lo);
-    let fs = FsMount::new(&lo, &ext, false);
+    let (mut m, _lo, fs) = ext4_on_loop(&t, &root);
     let pid = m.child.as_ref().unwrap().id();
     // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
     assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGTERM) }, 0);

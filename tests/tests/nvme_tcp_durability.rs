@@ -9,9 +9,7 @@
 //! - a namespace whose write-back failed answers Flush, FUA and Write with Write Fault
 //!   (needs root, loop devices and mkfs.ext4 for a real failing filesystem; says why it skips).
 
-use std::path::{Path, PathBuf};
-use std::process::Command;
-
+use rpma_tests::fragile_fs::FragileFs;
 use rpma_tests::nvme::{sc, Controller, Host};
 use rpma_tests::{Config, Namespace, Subsystem, Target};
 
@@ -122,80 +120,6 @@ impl Vwc for Controller {
         let id = c.identify(1, 0);
         assert!(id.ok());
         id.data[525] & 1 == 1
-    }
-}
-
-fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let o = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if !o.status.success() {
-        return Err(format!(
-            "{cmd} {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
-}
-
-/// ext4 on a loop device whose 256 MiB sparse image lies on a 48 MiB tmpfs: once the tmpfs is
-/// full, the next write-back fails (as in failed_namespace.rs).
-struct FragileFs {
-    tmpfs: PathBuf,
-    mnt: PathBuf,
-    loopdev: String,
-}
-
-impl FragileFs {
-    fn new(dir: &Path) -> Result<FragileFs, String> {
-        // SAFETY: geteuid has no preconditions.
-        if unsafe { libc::geteuid() } != 0 {
-            return Err("needs root (mount, losetup)".into());
-        }
-        let (tmpfs, mnt) = (dir.join("t"), dir.join("m"));
-        std::fs::create_dir_all(&tmpfs).map_err(|e| e.to_string())?;
-        std::fs::create_dir_all(&mnt).map_err(|e| e.to_string())?;
-        sh(
-            "mount",
-            &[
-                "-t",
-                "tmpfs",
-                "-o",
-                "size=48M",
-                "tmpfs",
-                tmpfs.to_str().unwrap(),
-            ],
-        )?;
-        let mut fs = FragileFs {
-            tmpfs: tmpfs.clone(),
-            mnt: mnt.clone(),
-            loopdev: String::new(),
-        };
-        let img = tmpfs.join("img");
-        let img = img.to_str().unwrap();
-        sh("truncate", &["-s", "256M", img])?;
-        sh("mkfs.ext4", &["-q", "-F", img])?;
-        fs.loopdev = sh("losetup", &["--find", "--show", img])?;
-        sh(
-            "mount",
-            &["-o", "noinit_itable", &fs.loopdev, mnt.to_str().unwrap()],
-        )?;
-        Ok(fs)
-    }
-
-    fn fill(&self) {
-        let _ = std::fs::write(self.tmpfs.join("fill"), vec![0u8; 64 << 20]);
-    }
-}
-
-impl Drop for FragileFs {
-    fn drop(&mut self) {
-        let _ = sh("umount", &["-l", self.mnt.to_str().unwrap()]);
-        if !self.loopdev.is_empty() {
-            let _ = sh("losetup", &["-d", &self.loopdev]);
-        }
-        let _ = sh("umount", &["-l", self.tmpfs.to_str().unwrap()]);
     }
 }
 
