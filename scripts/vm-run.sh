@@ -13,7 +13,9 @@
 #   --timeout S     kill the guest after S seconds (default 1800) and fail
 # Environment: RPMA_VM_ACCEL=kvm|tcg overrides the accelerator choice; RPMA_VMLAB_DIR the lab's
 # directory (default build/vmlab); RPMA_VM_CPUS (2) and RPMA_VM_MEMORY (6G); RPMA_VM_OUT, a host
-# directory the guest may write (mounted read-write at the same path), default $LAB/out.
+# directory the guest may write (mounted read-write at the same path), default $LAB/out;
+# RPMA_VM_BOOT_WAIT (300): a guest that has not started the command within that many seconds
+# hung in its boot (seen under TCG: qemu busy, nothing printed) and is killed (exit 125).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
@@ -71,7 +73,8 @@ mkdir -p "$OUT"
 
 # The command travels as a script in the lab's directory (the guest sees it over 9p).
 RUN_DIR="$(mktemp -d "$LAB/run.XXXXXX")"
-trap 'rm -rf "$RUN_DIR"' EXIT
+MARK="$OUT/.booted.$(basename "$RUN_DIR")"
+trap 'rm -rf "$RUN_DIR"; rm -f "$MARK"' EXIT
 {
   echo "#!/bin/bash"
   echo "cd $(printf '%q' "$PWD")"
@@ -79,6 +82,8 @@ trap 'rm -rf "$RUN_DIR"' EXIT
   env | grep -E '^(RPMA_|RUST_LOG=|RUST_BACKTRACE=)' | grep -v -E '^RPMA_VM(_ACCEL|LAB_DIR)=' |
     while IFS='=' read -r k v; do echo "export $k=$(printf '%q' "$v")"; done
   echo "export RPMA_VM_KERNEL=$KERNEL RPMA_VM_OUT=$(printf '%q' "$OUT")"
+  # The guest's first act: the mark that it booted (OUT is the one directory it may write).
+  echo ": >$(printf '%q' "$MARK")"
   printf 'exec %q' "$ROOT/tests/vm/guest-lab.sh"
   printf ' %q' "$@"
   echo
@@ -93,7 +98,27 @@ status=0
 timeout --kill-after=10 "$TIMEOUT" "$VNG" --run "$IMAGE" "${accel_args[@]}" \
   --cpus "${RPMA_VM_CPUS:-2}" --memory "${RPMA_VM_MEMORY:-6G}" \
   --append 'memmap=512M!1G' --append 'memmap=256M!1536M' \
-  --rwdir="$OUT" --exec "$RUN_DIR/cmd.sh" </dev/null || status=$?
+  --rwdir="$OUT" --exec "$RUN_DIR/cmd.sh" </dev/null &
+vm=$!
+# Until the guest has left its mark, a boot that takes longer than BOOT_WAIT is one that hung:
+# timeout's process group (vng, qemu) is killed, and the caller may boot again (vm-test.sh
+# does, once) instead of waiting out --timeout. A boot takes ~20 s here, a minute when loaded.
+BOOT_WAIT="${RPMA_VM_BOOT_WAIT:-300}"
+t0=$(date +%s)
+hung=0
+while [ ! -e "$MARK" ] && kill -0 "$vm" 2>/dev/null; do
+  if [ $(($(date +%s) - t0)) -ge "$BOOT_WAIT" ]; then
+    echo "vm-run: the guest did not start its command within $BOOT_WAIT s (its boot hung): killed" >&2
+    hung=1
+    kill -TERM -- "-$vm" 2>/dev/null || kill -TERM "$vm" 2>/dev/null || true
+    break
+  fi
+  sleep 1
+done
+wait "$vm" || status=$?
+if [ "$hung" -eq 1 ]; then
+  exit 125
+fi
 if [ "$status" -eq 124 ] || [ "$status" -eq 137 ]; then
   echo "vm-run: the guest did not finish within $TIMEOUT s: killed" >&2
 fi
