@@ -102,7 +102,7 @@ timeout --kill-after=10 "$TIMEOUT" "$VNG" --run "$IMAGE" "${accel_args[@]}" \
 vm=$!
 # Until the guest has left its mark, a boot that takes longer than BOOT_WAIT is one that hung:
 # timeout's process group (vng, qemu) is killed, and the caller may boot again (vm-test.sh
-# does, once) instead of waiting out --timeout. A boot takes ~20 s here, a minute when loaded.
+# boots a guest up to three times) instead of waiting out --timeout. A boot takes ~20 s here, a minute when loaded.
 BOOT_WAIT="${RPMA_VM_BOOT_WAIT:-300}"
 t0=$(date +%s)
 hung=0
