@@ -162,6 +162,10 @@ pub(crate) struct Pool {
     busy: usize,
     /// The most `busy` ever was.
     max_busy: usize,
+    /// Bytes of the posted Reads among them ([`Pool::read_bytes_in_flight`]), and the most
+    /// they ever were.
+    reading: usize,
+    max_reading: usize,
     /// Slots per variant ([`Slot::kind`]), and posted started Writes (`notify`): so that the
     /// queue's waits never scan the slots (a pool may have thousands).
     kinds: [usize; 7],
@@ -189,6 +193,14 @@ pub(crate) struct Pool {
 /// Whether `slots[i]` still carries the write of post order `seq`.
 fn live(slots: &[Slot], seq: u64, i: usize) -> bool {
     slots[i].write().is_some_and(|w| w.seq == seq)
+}
+
+/// The bytes of a posted Read that has not completed yet (0 for any other slot).
+fn reading(s: &Slot) -> usize {
+    match s {
+        Slot::Reading { len, .. } | Slot::Started { len, .. } => *len,
+        _ => 0,
+    }
 }
 
 /// A posted request that has not completed yet.
@@ -256,6 +268,8 @@ impl Pool {
             next_seq: 0,
             busy: 0,
             max_busy: 0,
+            reading: 0,
+            max_reading: 0,
             kinds: [slots, 0, 0, 0, 0, 0, 0],
             notify_writing: 0,
             latest: HashMap::new(),
@@ -307,6 +321,8 @@ impl Pool {
             (true, false) => self.busy -= 1,
             _ => {}
         }
+        self.reading = self.reading + reading(&s) - reading(&old);
+        self.max_reading = self.max_reading.max(self.reading);
         self.kinds[old.kind()] -= 1;
         self.kinds[s.kind()] += 1;
         let notify = |x: &Slot| matches!(x, Slot::Writing(WriteRec { notify: true, .. }));
@@ -401,6 +417,16 @@ impl Pool {
     /// Requests posted and not completed yet.
     pub(crate) fn in_flight(&self) -> usize {
         self.busy
+    }
+
+    /// Bytes of the Reads posted and not completed yet.
+    pub(crate) fn read_bytes_in_flight(&self) -> usize {
+        self.reading
+    }
+
+    /// The most bytes of Reads that were ever in flight at once.
+    pub(crate) fn max_read_bytes_in_flight(&self) -> usize {
+        self.max_reading
     }
 
     /// The most requests that were ever in flight at once.

@@ -779,6 +779,62 @@ fn queue_depth_32_with_many_outstanding_writes() {
     }
 }
 
+/// Started Reads wait while the Reads in flight and they would exceed
+/// `QueueOptions::read_bytes_in_flight`, 8 MiB by default (over tcp with CRC what the target
+/// sends beyond what the initiator keeps up with piles up in the kernel's socket buffers:
+/// docs/benchmarks.md): sixteen 1 MiB Reads started on a queue of depth 16 keep 8 MiB in
+/// flight at most and each brings its bytes; sixteen of 256 KiB (4 MiB) all go at once, and
+/// so do sixteen of 1 MiB with the bound off (0).
+#[test]
+fn started_reads_keep_at_most_8_mib_in_flight() {
+    let (_d, _shm, t) = start("rbytes");
+    let queue = |chunk: usize, bound: usize| {
+        conn(&t.url())
+            .with_queue_options(QueueOptions {
+                depth: 16,
+                chunk,
+                read_bytes_in_flight: bound,
+                ..QueueOptions::default()
+            })
+            .open_queue(0)
+            .unwrap()
+    };
+    assert_eq!(QueueOptions::default().read_bytes_in_flight, 8 << 20);
+    let data = pattern(91, 8 << 20);
+    for (len, bound, in_flight, bytes) in [
+        (1usize << 20, 8usize << 20, 8, 8usize << 20),
+        (256 << 10, 8 << 20, 16, 4 << 20),
+        (1 << 20, 0, 16, 16 << 20),
+    ] {
+        let mut q = queue(len, bound);
+        let mut ns = q.namespace(1).unwrap();
+        // Durable, so that no slot stays held for the writes.
+        assert!(ns.write_durable(0, &data).unwrap().is_durable());
+        let at = |i: usize| (i * len) % data.len();
+        let tickets: Vec<_> = (0..16)
+            .map(|i| ns.start_read(at(i) as u64, len).unwrap())
+            .collect();
+        let mut seen = Vec::new();
+        while seen.len() < tickets.len() {
+            let mut done = Vec::new();
+            ns.wait_started(&mut done).unwrap();
+            seen.extend(done);
+        }
+        for (i, &tk) in tickets.iter().enumerate() {
+            assert!(seen.contains(&Completed::Read(tk)), "{len}: read {i}");
+            let mut b = vec![0u8; len];
+            ns.take_read(tk, &mut b).unwrap();
+            assert!(b == data[at(i)..at(i) + len], "{len}: read {i}'s bytes");
+        }
+        let st = ns.queue_stats();
+        assert_eq!(
+            (st.max_in_flight, st.max_read_bytes_in_flight),
+            (in_flight, bytes),
+            "{len}: {st:?}"
+        );
+    }
+}
+
 #[test]
 fn two_initiators_on_separate_namespaces_do_not_interfere() {
     let (_d, _shm, t) = start("two");

@@ -407,6 +407,7 @@ impl Global {
                     replay_bytes,
                     persist: self.persist_method(),
                     reconnect: self.reconnect_policy()?,
+                    ..QueueOptions::default()
                 }),
         )
     }

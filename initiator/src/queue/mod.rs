@@ -73,6 +73,9 @@ pub struct QueueStats {
     /// The most data requests (Writes and Reads) that were posted and not yet completed at
     /// once: 1 for a queue that never had more than one request in flight.
     pub max_in_flight: usize,
+    /// The most bytes of Reads that were posted and not yet completed at once (started Reads
+    /// are bounded by [`QueueOptions::read_bytes_in_flight`]).
+    pub max_read_bytes_in_flight: usize,
     /// Send-queue posts of the data path (each rings the doorbell once): a `write_durable`
     /// of one chunk with APM or FLUSH takes one (the Write and the Read or Flush together).
     pub doorbells: u64,
@@ -165,7 +168,8 @@ impl Connection {
             source,
         })?;
         pool.join(Member::new(Arc::clone(&self.replay), nsids));
-        let engine = Engine::new(session, pool, self.options.timeout);
+        let engine = Engine::new(session, pool, self.options.timeout)
+            .with_read_bound(self.queue.read_bytes_in_flight);
         let persister = Persister::new(
             engine.descriptors(),
             engine.peer_has(|i| i.peer_flush),
@@ -197,6 +201,7 @@ impl Queue {
             writes_posted: c.writes_posted,
             reads_posted: c.reads_posted,
             max_in_flight: c.max_in_flight,
+            max_read_bytes_in_flight: c.max_read_bytes_in_flight,
             doorbells: c.doorbells,
             reconnects: self.reconnect.reconnects(),
             unmatched_completions: c.unmatched_completions,

@@ -68,6 +68,7 @@ pub(super) struct Counters {
     pub(super) writes_posted: u64,
     pub(super) reads_posted: u64,
     pub(super) max_in_flight: usize,
+    pub(super) max_read_bytes_in_flight: usize,
     pub(super) doorbells: u64,
     pub(super) unmatched_completions: u64,
     pub(super) errors_not_returned: u64,
@@ -85,6 +86,8 @@ pub(super) struct Engine {
     descs: Vec<NamespaceDescriptor>,
     /// The deadline of every wait: the connect time-out.
     timeout: Duration,
+    /// [`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight).
+    read_bound: usize,
     /// GPSPM answers (token, status), until their waiter looks.
     flush_answers: Vec<(u64, FlushStatus)>,
     /// Slots of batch Reads that completed, until [`read_into`](Self::read_into) copies them
@@ -127,6 +130,7 @@ impl Engine {
             session: Some(session),
             pool,
             timeout,
+            read_bound: 0,
             flush_answers: Vec::new(),
             reads_done: Vec::new(),
             waited_done: Vec::new(),
@@ -143,11 +147,18 @@ impl Engine {
         }
     }
 
+    /// The same with started Reads bounded to `bytes` in flight (0: no bound).
+    pub(super) fn with_read_bound(mut self, bytes: usize) -> Engine {
+        self.read_bound = bytes;
+        self
+    }
+
     pub(super) fn counters(&self) -> Counters {
         Counters {
             writes_posted: self.writes_posted,
             reads_posted: self.reads_posted,
             max_in_flight: self.pool.max_in_flight(),
+            max_read_bytes_in_flight: self.pool.max_read_bytes_in_flight(),
             doorbells: self.doorbells,
             unmatched_completions: self.completion_log.unmatched,
             errors_not_returned: self.completion_log.later_errors,

@@ -27,6 +27,24 @@ use crate::writebuf::{Data, WriteBuf};
 impl Engine {
     /// A free slot for a started request: waits for completions, and makes held writes durable
     /// (`room`) when every slot holds one.
+    /// Waits until a started Read of `len` bytes fits beside the Reads in flight
+    /// ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight);
+    /// one Read always goes, whatever its length; 0: no bound).
+    ///
+    /// # Errors
+    /// A time-out, or what the poll returns.
+    fn room_for_read(&mut self, len: usize) -> Result<()> {
+        let mut deadline = None;
+        loop {
+            let reading = self.pool.read_bytes_in_flight();
+            if self.read_bound == 0 || reading == 0 || reading + len <= self.read_bound {
+                return Ok(());
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+            self.poll_or_time_out(deadline, "completions of the Reads in flight")?;
+        }
+    }
+
     fn slot_for_start(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<usize> {
         // Not a batch: free_slot does not stop for a batch's completed Reads, so it returns a
         // slot or an error.
@@ -76,6 +94,7 @@ impl Engine {
         offset: u64,
         len: usize,
     ) -> Result<Ticket> {
+        self.room_for_read(len)?;
         let slot = self.slot_for_start(room)?;
         Ok(self.defer_read(slot, idx, offset, len))
     }
@@ -93,6 +112,7 @@ impl Engine {
         at: usize,
         len: usize,
     ) -> Result<Ticket> {
+        self.room_for_read(len)?;
         let slot = self.slot_for_start(room)?;
         self.load(slot, Data::Buf { buf, at, len }, true)?;
         Ok(self.defer_read(slot, idx, offset, len))
