@@ -25,8 +25,6 @@ use crate::queue::completion::{Completed, Ticket};
 use crate::writebuf::{Data, WriteBuf};
 
 impl Engine {
-    /// A free slot for a started request: waits for completions, and makes held writes durable
-    /// (`room`) when every slot holds one.
     /// Waits until a started Read of `len` bytes fits beside the Reads in flight
     /// ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight);
     /// one Read always goes, whatever its length; 0: no bound).
@@ -45,6 +43,8 @@ impl Engine {
         }
     }
 
+    /// A free slot for a started request: waits for completions, and makes held writes durable
+    /// (`room`) when every slot holds one.
     fn slot_for_start(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<usize> {
         // Not a batch: free_slot does not stop for a batch's completed Reads, so it returns a
         // slot or an error.
