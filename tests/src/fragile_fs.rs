@@ -4,22 +4,8 @@
 //! namespace file on the ext4 sees that as an error of its `fdatasync`.
 
 use std::path::{Path, PathBuf};
-use std::process::Command;
 
-/// Runs `cmd args`, returns its trimmed stdout, or its stderr as the error.
-pub fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
-    let o = Command::new(cmd)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{cmd}: {e}"))?;
-    if !o.status.success() {
-        return Err(format!(
-            "{cmd} {args:?}: {}",
-            String::from_utf8_lossy(&o.stderr).trim()
-        ));
-    }
-    Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
-}
+use crate::run_tool as sh;
 
 /// The ext4 filesystem, mounted at [`FragileFs::mnt`]; unmounted, detached and its tmpfs
 /// unmounted on drop.

@@ -64,6 +64,23 @@ pub fn cli_write_with(conn: &[String], scratch: &Path, offset: u64, data: &[u8])
     let _ = std::fs::remove_file(&f);
 }
 
+/// Runs a system tool to its end (no deadline: for quick tools like mount, losetup, mkfs);
+/// its trimmed stdout, or Err with its stderr if it is missing or fails.
+pub fn run_tool(tool: &str, args: &[&str]) -> Result<String, String> {
+    let o = Command::new(tool)
+        .args(args)
+        .output()
+        .map_err(|e| format!("{tool}: {e}"))?;
+    if !o.status.success() {
+        return Err(format!(
+            "{tool} {}: {}",
+            args.join(" "),
+            String::from_utf8_lossy(&o.stderr).trim()
+        ));
+    }
+    Ok(String::from_utf8_lossy(&o.stdout).trim().to_owned())
+}
+
 /// Runs a command, killing it if it outlives `timeout` (the test then fails on its output).
 pub fn run_with_deadline(cmd: &mut Command, timeout: Duration) -> Output {
     let mut child = cmd

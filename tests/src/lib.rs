@@ -44,7 +44,8 @@ pub use bins::{bin, bin_dir, built, free_port, repo_file, tcp_from, write_psk, S
 pub use cachestat::unsynced_pages;
 pub use config::{four_namespaces, without_namespace, Config, Namespace, Subsystem};
 pub use initiator::{
-    cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_with_deadline, text,
+    cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_tool, run_with_deadline,
+    text,
 };
 pub use relay::{Fault, Relay};
 pub use target::{check_config, status, status_json, target_bin, Daemon, Target, READY_WITHIN};

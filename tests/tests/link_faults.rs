@@ -24,7 +24,7 @@ use rpma_initiator::{
     ConnectOptions, Connection, Error, HostIdentity, PersistMethod, QueueOptions, ReconnectPolicy,
 };
 use rpma_tests::stress::{self, block, parse_block, Footprint, Rng};
-use rpma_tests::{scratch, Config, Fault, Namespace, Relay, Subsystem, Target};
+use rpma_tests::{run_tool, scratch, Config, Fault, Namespace, Relay, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:faults";
 const HOST: &str = "nqn.2026-11.io.rpma:faults-host";
@@ -869,22 +869,6 @@ fn enter_fresh_netns() -> Result<(), String> {
     run_tool("ip", &["link", "set", "lo", "up"])?;
     run_tool("iptables", &["-w", "5", "-L", "INPUT", "-n"])
         .map_err(|e| format!("{e} (scripts/install-deps.sh installs iptables)"))?;
-    Ok(())
-}
-
-/// Runs a system tool; Err with its output if it is missing or fails.
-fn run_tool(tool: &str, args: &[&str]) -> Result<(), String> {
-    let out = std::process::Command::new(tool)
-        .args(args)
-        .output()
-        .map_err(|e| format!("{tool}: {e}"))?;
-    if !out.status.success() {
-        return Err(format!(
-            "{tool} {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        ));
-    }
     Ok(())
 }
 

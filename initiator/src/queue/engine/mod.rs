@@ -23,16 +23,18 @@
 //! completion, which leaves the queue pair in Error (verbs), so that the next call reconnects
 //! first.
 //!
-//! Started requests (their own slot states, never in `reads_done`) are in `started`.
+//! Started requests (their own slot states, never in `reads_done`) are in `started`; single
+//! requests outside the slots that the caller waits for (APM Reads, atomics, Flushes, GPSPM
+//! FlushRequests) in `waited`.
 
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Completion, ConnInfo, QpState, RemoteAddr, SendOp, SendWr, Sge, WcStatus, Woken,
+    Completion, ConnInfo, QpState, RemoteAddr, SendOp, SendWr, WcStatus, Woken,
 };
 use rpma_common::proto::msgbuf::CONTROL_BIT;
-use rpma_common::proto::{FlushRequest, FlushStatus, Message, NamespaceDescriptor};
+use rpma_common::proto::{FlushStatus, Message, NamespaceDescriptor};
 
 use super::completion::{
     complete_slot, Completed, CompletionLog, Outcome, KIND_MASK, KIND_READ, KIND_WAITED, KIND_WRITE,
@@ -45,6 +47,7 @@ use crate::writebuf::Data;
 mod lost;
 mod place;
 mod started;
+mod waited;
 
 pub(in crate::queue) use lost::Lost;
 
@@ -484,95 +487,6 @@ impl Engine {
             op,
             status,
         }
-    }
-
-    /// Posts a request outside the bounce slots (APM Read, atomic, Atomic Write, Flush) and
-    /// waits for its completion.
-    pub(super) fn post_and_wait(
-        &mut self,
-        ns: usize,
-        what: &'static str,
-        op: SendOp,
-    ) -> Result<()> {
-        let wr = self.waited_wr(op);
-        let wr_id = wr.wr_id;
-        self.post_one(wr)?;
-        self.wait_for_request(ns, what, wr_id)
-    }
-
-    /// A request outside the bounce slots with a fresh wr_id (post it, then
-    /// [`wait_for_request`](Self::wait_for_request)).
-    pub(super) fn waited_wr(&mut self, op: SendOp) -> SendWr {
-        self.next_waited += 1;
-        let wr_id = KIND_WAITED | (self.next_waited & !KIND_MASK & !CONTROL_BIT);
-        SendWr::new(wr_id, op)
-    }
-
-    /// Waits for the request `wr_id` of [`waited_wr`](Self::waited_wr) to complete. Several may
-    /// be in flight: wait for them in the order they were made (the completions of earlier ones,
-    /// waited for or abandoned, are dropped once a later one is found).
-    pub(super) fn wait_for_request(
-        &mut self,
-        ns: usize,
-        what: &'static str,
-        wr_id: u64,
-    ) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            if let Some(&(_, status)) = self.waited_done.iter().find(|d| d.0 == wr_id) {
-                // wr_ids of waited requests grow (within the kind's bits): older entries
-                // belong to requests nobody waits for any longer.
-                self.waited_done.retain(|d| d.0 > wr_id);
-                if status == WcStatus::Success {
-                    return Ok(());
-                }
-                return Err(self.completion_error(ns, what, status));
-            }
-            self.poll_or_time_out(deadline, what)?;
-        }
-    }
-
-    /// Sends a GPSPM FlushRequest for `[offset, offset + len)` of namespace `ns` (0, 0: the
-    /// whole namespace) and waits for its answer.
-    pub(super) fn flush_request(
-        &mut self,
-        ns: usize,
-        offset: u64,
-        len: u64,
-    ) -> Result<FlushStatus> {
-        self.next_token += 1;
-        let token = self.next_token;
-        let req = FlushRequest {
-            nsid: self.descs[ns].nsid,
-            offset,
-            length: len,
-            token,
-        };
-        self.doorbells += 1;
-        self.session
-            .as_mut()
-            .ok_or(Error::Broken)?
-            .send_message(&Message::FlushRequest(req))?;
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            if let Some(i) = self.flush_answers.iter().position(|a| a.0 == token) {
-                return Ok(self.flush_answers.swap_remove(i).1);
-            }
-            self.poll_or_time_out(deadline, "flush response")?;
-        }
-    }
-
-    /// The value the last atomic left in the sink.
-    pub(super) fn sink_value(&self) -> Result<u64> {
-        self.pool.sink_value().map_err(|source| Error::Fabric {
-            op: "reading an atomic result",
-            source,
-        })
-    }
-
-    /// The 8-byte sink for APM Reads and atomic results.
-    pub(super) fn sink(&self) -> Sge {
-        self.pool.sink_sge()
     }
 
     /// Posts the Writes of `items` through the bounce slots, as many per doorbell as there are
