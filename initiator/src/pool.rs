@@ -158,14 +158,11 @@ pub(crate) struct Pool {
     slots: Vec<Slot>,
     free: Vec<usize>,
     next_seq: u64,
-    /// Slots with a posted request whose completion was not reaped yet.
+    /// Slots with a request posted, or started and to be posted, whose completion was not
+    /// reaped yet.
     busy: usize,
-    /// The most `busy` ever was.
-    max_busy: usize,
-    /// Bytes of the posted Reads among them ([`Pool::read_bytes_in_flight`]), and the most
-    /// they ever were.
+    /// Bytes of the Reads among them ([`Pool::read_bytes_in_flight`]).
     reading: usize,
-    max_reading: usize,
     /// Slots per variant ([`Slot::kind`]), and posted started Writes (`notify`): so that the
     /// queue's waits never scan the slots (a pool may have thousands).
     kinds: [usize; 7],
@@ -195,7 +192,7 @@ fn live(slots: &[Slot], seq: u64, i: usize) -> bool {
     slots[i].write().is_some_and(|w| w.seq == seq)
 }
 
-/// The bytes of a posted Read that has not completed yet (0 for any other slot).
+/// The bytes of a posted (or started) Read that has not completed yet (0 for any other slot).
 fn reading(s: &Slot) -> usize {
     match s {
         Slot::Reading { len, .. } | Slot::Started { len, .. } => *len,
@@ -203,7 +200,7 @@ fn reading(s: &Slot) -> usize {
     }
 }
 
-/// A posted request that has not completed yet.
+/// A posted (or started) request that has not completed yet.
 fn in_flight(s: &Slot) -> bool {
     matches!(
         s,
@@ -267,9 +264,7 @@ impl Pool {
             free: (0..slots).rev().collect(),
             next_seq: 0,
             busy: 0,
-            max_busy: 0,
             reading: 0,
-            max_reading: 0,
             kinds: [slots, 0, 0, 0, 0, 0, 0],
             notify_writing: 0,
             latest: HashMap::new(),
@@ -314,15 +309,11 @@ impl Pool {
             self.free.push(slot);
         }
         match (in_flight(&old), in_flight(&s)) {
-            (false, true) => {
-                self.busy += 1;
-                self.max_busy = self.max_busy.max(self.busy);
-            }
+            (false, true) => self.busy += 1,
             (true, false) => self.busy -= 1,
             _ => {}
         }
         self.reading = self.reading + reading(&s) - reading(&old);
-        self.max_reading = self.max_reading.max(self.reading);
         self.kinds[old.kind()] -= 1;
         self.kinds[s.kind()] += 1;
         let notify = |x: &Slot| matches!(x, Slot::Writing(WriteRec { notify: true, .. }));
@@ -414,24 +405,14 @@ impl Pool {
         }
     }
 
-    /// Requests posted and not completed yet.
+    /// Requests posted (or started, to be posted) and not completed yet.
     pub(crate) fn in_flight(&self) -> usize {
         self.busy
     }
 
-    /// Bytes of the Reads posted and not completed yet.
+    /// Bytes of the Reads posted (or started, to be posted) and not completed yet.
     pub(crate) fn read_bytes_in_flight(&self) -> usize {
         self.reading
-    }
-
-    /// The most bytes of Reads that were ever in flight at once.
-    pub(crate) fn max_read_bytes_in_flight(&self) -> usize {
-        self.max_reading
-    }
-
-    /// The most requests that were ever in flight at once.
-    pub(crate) fn max_in_flight(&self) -> usize {
-        self.max_busy
     }
 
     /// A free slot, now owned by the caller (set it to something other than Free); None also

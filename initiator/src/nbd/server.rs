@@ -84,9 +84,6 @@ impl Server {
     /// [`Error::NoSuchNamespace`](crate::Error::NoSuchNamespace),
     /// [`Error::MethodNotValid`](crate::Error::MethodNotValid).
     pub fn new(conn: Connection, opts: ExportOptions, listener: Listener) -> Result<Server> {
-        // A client's replies go out between its requests' starts: a start that waited for the
-        // Reads in flight would hold back the replies of those that completed.
-        let conn = conn.without_read_bound();
         let mut q = conn.open_queue(0)?;
         let ns = q.namespace(opts.nsid)?;
         let desc = ns.descriptor().clone();

@@ -172,13 +172,14 @@ pub struct QueueOptions {
     /// 0 (the default): `depth` slots. At most 1 GiB.
     pub replay_bytes: usize,
     /// The most bytes of started Reads ([`Namespace::start_read`](crate::Namespace::start_read),
-    /// [`start_read_into`](crate::Namespace::start_read_into)) in flight at once: a start
-    /// waits, polling completions, while the Reads in flight and it would exceed this (a Read
-    /// alone always goes). Over `tcp` with CRC the receiving end is the slower one, and what
-    /// the target sends beyond what it keeps up with piles up in the kernel's socket buffers:
-    /// 1 MiB reads at depth 16 ran 1.31x faster with the default (docs/benchmarks.md, "A
-    /// bound on a queue's Read bytes in flight"). 0: no bound. Default 8 MiB. The NBD export
-    /// sets 0 on its queues: a start that waits would stop its client's replies meanwhile.
+    /// [`start_read_into`](crate::Namespace::start_read_into)) in flight at once: a Read that
+    /// would take them beyond this is held back, with what was started after it, until
+    /// completions make room (a Read alone always goes; anything else posted, a waited request
+    /// or a durability request, takes them all along). The start itself never waits. Over
+    /// `tcp` with CRC the receiving end is the slower one, and what the target sends beyond
+    /// what it keeps up with piles up in the kernel's socket buffers: 1 MiB reads at depth 16
+    /// ran 1.31x faster with the default (docs/benchmarks.md, "A bound on a queue's Read bytes
+    /// in flight"). 0: no bound. Default 8 MiB.
     pub read_bytes_in_flight: usize,
     /// Force a durability method on every namespace (None: the best one offered).
     pub persist: Option<PersistMethod>,
@@ -276,13 +277,6 @@ impl Connection {
     /// The same with these queue options.
     pub fn with_queue_options(mut self, q: QueueOptions) -> Connection {
         self.queue = q;
-        self
-    }
-
-    /// The same with no bound on started Reads' bytes in flight
-    /// ([`QueueOptions::read_bytes_in_flight`] 0), the NBD export's.
-    pub(crate) fn without_read_bound(mut self) -> Connection {
-        self.queue.read_bytes_in_flight = 0;
         self
     }
 

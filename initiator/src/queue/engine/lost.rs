@@ -148,6 +148,7 @@ impl Engine {
             self.pool.set(slot, Slot::Writing(w));
             self.writes_posted += 1;
         }
+        self.note_posted();
         Ok(())
     }
 

@@ -99,8 +99,12 @@ pub(super) struct Engine {
     reads_done: Vec<usize>,
     /// Completions of requests outside the slots (wr_id, status), until their waiter looks.
     waited_done: Vec<(u64, WcStatus)>,
-    /// Started requests, made but not posted yet: they go out with the next post or wait.
+    /// Started requests, made but not posted yet: they go out with the next post or wait, but
+    /// for started Reads beyond the read bound and what follows them
+    /// ([`deferred_that_fit`](Self::deferred_that_fit)).
     deferred: Vec<SendWr>,
+    /// Bytes of the started Reads in `deferred`.
+    deferred_read_bytes: usize,
     /// Started requests that completed, until the caller asks.
     started_done: Vec<Completed>,
     next_waited: u64,
@@ -112,6 +116,9 @@ pub(super) struct Engine {
     probe_mark: u64,
     writes_posted: u64,
     reads_posted: u64,
+    /// The most requests, and bytes of Reads, posted and not completed at once.
+    max_posted: usize,
+    max_posted_read_bytes: usize,
     doorbells: u64,
     completion_log: CompletionLog,
 }
@@ -138,6 +145,7 @@ impl Engine {
             reads_done: Vec::new(),
             waited_done: Vec::new(),
             deferred: Vec::new(),
+            deferred_read_bytes: 0,
             started_done: Vec::new(),
             next_waited: 0,
             next_token: 0,
@@ -145,6 +153,8 @@ impl Engine {
             probe_mark: 0,
             writes_posted: 0,
             reads_posted: 0,
+            max_posted: 0,
+            max_posted_read_bytes: 0,
             doorbells: 0,
             completion_log: CompletionLog::default(),
         }
@@ -160,8 +170,8 @@ impl Engine {
         Counters {
             writes_posted: self.writes_posted,
             reads_posted: self.reads_posted,
-            max_in_flight: self.pool.max_in_flight(),
-            max_read_bytes_in_flight: self.pool.max_read_bytes_in_flight(),
+            max_in_flight: self.max_posted,
+            max_read_bytes_in_flight: self.max_posted_read_bytes,
             doorbells: self.doorbells,
             unmatched_completions: self.completion_log.unmatched,
             errors_not_returned: self.completion_log.later_errors,
@@ -243,11 +253,23 @@ impl Engine {
     }
 
     /// Posts `wrs` with one doorbell (nothing when empty), after the started requests not
-    /// posted yet. If the post is refused for another reason than a lost connection, the slots
-    /// of its Writes are freed (nothing was posted).
+    /// posted yet: all of them when `wrs` has any (a request the caller waits for, a Flush
+    /// that covers them, must not pass them), else those that fit the read bound
+    /// ([`deferred_that_fit`](Self::deferred_that_fit)). If the post is refused for another
+    /// reason than a lost connection, the slots of its Writes are freed (nothing was posted).
     fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
         if !self.deferred.is_empty() {
-            let mut all = std::mem::take(&mut self.deferred);
+            let go = if wrs.is_empty() {
+                self.deferred_that_fit()
+            } else {
+                self.deferred.len()
+            };
+            let mut all: Vec<SendWr> = if go == self.deferred.len() {
+                std::mem::take(&mut self.deferred)
+            } else {
+                self.deferred.drain(..go).collect()
+            };
+            self.deferred_read_bytes -= all.iter().map(read_len).sum::<usize>();
             all.append(&mut wrs);
             wrs = all;
         }
@@ -267,14 +289,49 @@ impl Engine {
         let s = self.session()?;
         rpma_common::steps::step("send list posted");
         let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
-        if let Err(e) = &r {
-            if !e.is_connection_loss() {
+        match &r {
+            Ok(()) => self.note_posted(),
+            Err(e) if !e.is_connection_loss() => {
                 for slot in writes {
                     self.pool.set(slot, Slot::Free);
                 }
             }
+            Err(_) => {}
         }
         r
+    }
+
+    /// How many of the deferred requests, in order, may go now: all of them but for the first
+    /// started Read that would take the Reads in flight beyond the read bound
+    /// ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight); a
+    /// Read alone always goes) and everything behind it (a fenced Write must not pass it, nor
+    /// a Write a later Read's answer says is placed). They go as completions make room: every
+    /// poll posts what fits, so the caller goes on starting and answering meanwhile.
+    fn deferred_that_fit(&self) -> usize {
+        if self.read_bound == 0 || self.deferred_read_bytes == 0 {
+            return self.deferred.len();
+        }
+        let mut reading = self.pool.read_bytes_in_flight() - self.deferred_read_bytes;
+        for (i, wr) in self.deferred.iter().enumerate() {
+            let len = read_len(wr);
+            if len > 0 && reading > 0 && reading + len > self.read_bound {
+                return i;
+            }
+            reading += len;
+        }
+        self.deferred.len()
+    }
+
+    /// After a post: the most requests, and bytes of Reads, in flight (what the pool counts
+    /// less what is still deferred).
+    fn note_posted(&mut self) {
+        let posted = self.pool.in_flight().saturating_sub(self.deferred.len());
+        let reading = self
+            .pool
+            .read_bytes_in_flight()
+            .saturating_sub(self.deferred_read_bytes);
+        self.max_posted = self.max_posted.max(posted);
+        self.max_posted_read_bytes = self.max_posted_read_bytes.max(reading);
     }
 
     /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
@@ -285,7 +342,9 @@ impl Engine {
         }
         self.doorbells += 1;
         let s = self.session()?;
-        s.qp().post_send(wr).map_err(|e| post_error(s, e))
+        s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
+        self.note_posted();
+        Ok(())
     }
 
     /// Posts a Read of `len` bytes at `offset` of namespace `ns` into `slot`.
@@ -599,6 +658,15 @@ impl Engine {
         self.reads_done.clear();
         self.waited_done.clear();
         self.deferred.clear();
+        self.deferred_read_bytes = 0;
+    }
+}
+
+/// The bytes a request reads (0: not a Read).
+fn read_len(wr: &SendWr) -> usize {
+    match &wr.op {
+        SendOp::Read { local, .. } => local.len,
+        _ => 0,
     }
 }
 

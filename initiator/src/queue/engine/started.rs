@@ -4,10 +4,12 @@
 //!
 //! A started request takes a bounce slot like any other. It is not posted at once: started
 //! requests collect and go out together, behind one doorbell, when the caller waits
-//! ([`Queue::wait_started`](crate::Queue::wait_started)) or anything else is posted. A started
-//! Write's slot is held until a durability acknowledgement covers it, as every write's; a
-//! started Read's slot is free again once its bytes are taken
-//! ([`Queue::take_read`](crate::Queue::take_read)).
+//! ([`Queue::wait_started`](crate::Queue::wait_started)) or anything else is posted. Started
+//! Reads beyond [`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight),
+//! and what was started after them, wait for completions to make room (the engine's
+//! `deferred_that_fit`): a start never waits for the bound. A started Write's slot is held
+//! until a durability acknowledgement covers it, as every write's; a started Read's slot is
+//! free again once its bytes are taken ([`Queue::take_read`](crate::Queue::take_read)).
 //!
 //! Here the engine makes them and hands back their completions; what a caller knows them by
 //! ([`Ticket`], [`Completed`]) is plain data in completion.rs, and the
@@ -25,24 +27,6 @@ use crate::queue::completion::{Completed, Ticket};
 use crate::writebuf::{Data, WriteBuf};
 
 impl Engine {
-    /// Waits until a started Read of `len` bytes fits beside the Reads in flight
-    /// ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight);
-    /// one Read always goes, whatever its length; 0: no bound).
-    ///
-    /// # Errors
-    /// A time-out, or what the poll returns.
-    fn room_for_read(&mut self, len: usize) -> Result<()> {
-        let mut deadline = None;
-        loop {
-            let reading = self.pool.read_bytes_in_flight();
-            if self.read_bound == 0 || reading == 0 || reading + len <= self.read_bound {
-                return Ok(());
-            }
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
-            self.poll_or_time_out(deadline, "completions of the Reads in flight")?;
-        }
-    }
-
     /// A free slot for a started request: waits for completions, and makes held writes durable
     /// (`room`) when every slot holds one.
     fn slot_for_start(&mut self, room: &(impl MakeRoom + ?Sized)) -> Result<usize> {
@@ -94,7 +78,6 @@ impl Engine {
         offset: u64,
         len: usize,
     ) -> Result<Ticket> {
-        self.room_for_read(len)?;
         let slot = self.slot_for_start(room)?;
         Ok(self.defer_read(slot, idx, offset, len))
     }
@@ -112,7 +95,6 @@ impl Engine {
         at: usize,
         len: usize,
     ) -> Result<Ticket> {
-        self.room_for_read(len)?;
         let slot = self.slot_for_start(room)?;
         self.load(slot, Data::Buf { buf, at, len }, true)?;
         Ok(self.defer_read(slot, idx, offset, len))
@@ -145,6 +127,7 @@ impl Engine {
         );
         self.reads_posted += 1;
         self.deferred.push(wr);
+        self.deferred_read_bytes += len;
         Ticket(ticket)
     }
 
