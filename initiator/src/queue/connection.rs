@@ -174,8 +174,8 @@ pub struct QueueOptions {
     /// The most bytes of started Reads ([`Namespace::start_read`](crate::Namespace::start_read),
     /// [`start_read_into`](crate::Namespace::start_read_into)) in flight at once: a Read that
     /// would take them beyond this is held back, with what was started after it, until
-    /// completions make room (a Read alone always goes; anything else posted, a waited request
-    /// or a durability request, takes them all along). The start itself never waits. Over
+    /// completions make room (a Read alone always goes; anything else the queue posts goes
+    /// behind them). The start itself never waits for this. Over
     /// `tcp` with CRC the receiving end is the slower one, and what the target sends beyond
     /// what it keeps up with piles up in the kernel's socket buffers: 1 MiB reads at depth 16
     /// ran 1.31x faster with the default (docs/benchmarks.md, "A bound on a queue's Read bytes

@@ -462,7 +462,7 @@ impl Queue {
         self.engine.unplaced_writers(idx, offset, len)
     }
 
-    /// Waits until no posted Write or Read is outstanding.
+    /// Waits until no Write or Read is outstanding (posted, or started and held back).
     pub(crate) fn drain(&mut self) -> Result<()> {
         self.engine.drain()
     }

@@ -157,9 +157,10 @@ impl Engine {
         self.session = None;
     }
 
-    /// The queue gave up: no connection, every held write dropped.
+    /// The queue gave up: no connection, every held write dropped, nothing left to post.
     pub(in crate::queue) fn give_up(&mut self) {
         self.session = None;
         self.pool.clear();
+        self.forget_owed();
     }
 }

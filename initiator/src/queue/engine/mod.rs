@@ -230,7 +230,6 @@ impl Engine {
     fn write_wr(&mut self, slot: usize, w: WriteRec) -> SendWr {
         let wr = self.piece_wr(slot, w, w.offset, w.offset + w.len as u64);
         self.pool.set(slot, Slot::Writing(w));
-        self.writes_posted += 1;
         wr
     }
 
@@ -269,31 +268,48 @@ impl Engine {
             } else {
                 self.deferred.drain(..go).collect()
             };
-            self.deferred_read_bytes -= all.iter().map(read_len).sum::<usize>();
+            self.deferred_read_bytes = self
+                .deferred_read_bytes
+                .saturating_sub(all.iter().map(read_len).sum::<usize>());
             all.append(&mut wrs);
             wrs = all;
         }
         if wrs.is_empty() {
             return Ok(());
         }
-        // The slots of its Writes, to free if the post is refused (no allocation without any).
-        let writes: Vec<usize> = if wrs.iter().any(|w| w.wr_id & KIND_MASK == KIND_WRITE) {
-            wrs.iter()
-                .filter(|w| w.wr_id & KIND_MASK == KIND_WRITE)
-                .map(|w| (w.wr_id & !KIND_MASK) as usize)
-                .collect()
-        } else {
-            Vec::new()
+        // The slots of its Writes and Reads, to count, or to free if the post is refused (no
+        // allocation without any).
+        let slots = |kind: u64| -> Vec<usize> {
+            if wrs.iter().any(|w| w.wr_id & KIND_MASK == kind) {
+                wrs.iter()
+                    .filter(|w| w.wr_id & KIND_MASK == kind)
+                    .map(|w| (w.wr_id & !KIND_MASK) as usize)
+                    .collect()
+            } else {
+                Vec::new()
+            }
         };
+        let (writes, reads) = (slots(KIND_WRITE), slots(KIND_READ));
         self.doorbells += 1;
         let s = self.session()?;
         rpma_common::steps::step("send list posted");
         let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
         match &r {
-            Ok(()) => self.note_posted(),
+            Ok(()) => {
+                self.writes_posted += writes.len() as u64;
+                self.reads_posted += reads.len() as u64;
+                self.note_posted();
+            }
             Err(e) if !e.is_connection_loss() => {
+                // Nothing was posted: no slot may stay in flight. A started Read's ticket is
+                // then void, as after a lost connection (the error says so to the caller).
                 for slot in writes {
                     self.pool.set(slot, Slot::Free);
+                }
+                for slot in reads {
+                    if matches!(self.pool.get(slot), Some(Slot::Started { .. })) {
+                        self.pool.set(slot, Slot::Free);
+                    }
                 }
             }
             Err(_) => {}
@@ -311,7 +327,13 @@ impl Engine {
         if self.read_bound == 0 || self.deferred_read_bytes == 0 {
             return self.deferred.len();
         }
-        let mut reading = self.pool.read_bytes_in_flight() - self.deferred_read_bytes;
+        // give_up and forget_owed empty `deferred` with the pool's slots; saturating all the
+        // same: a count gone wrong must not hold every Read back for good.
+        debug_assert!(self.pool.read_bytes_in_flight() >= self.deferred_read_bytes);
+        let mut reading = self
+            .pool
+            .read_bytes_in_flight()
+            .saturating_sub(self.deferred_read_bytes);
         for (i, wr) in self.deferred.iter().enumerate() {
             let len = read_len(wr);
             if len > 0 && reading > 0 && reading + len > self.read_bound {
@@ -340,9 +362,11 @@ impl Engine {
         if !self.deferred.is_empty() {
             return self.post_list(vec![wr]);
         }
+        let read = wr.wr_id & KIND_MASK == KIND_READ;
         self.doorbells += 1;
         let s = self.session()?;
         s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
+        self.reads_posted += u64::from(read);
         self.note_posted();
         Ok(())
     }
@@ -359,7 +383,6 @@ impl Engine {
     ) -> Result<()> {
         let wr = self.read_wr(slot, ns, offset, len);
         self.pool.set(slot, Slot::Reading { ns, item, at, len });
-        self.reads_posted += 1;
         self.post_one(wr)
     }
 
@@ -414,7 +437,7 @@ impl Engine {
         }
     }
 
-    /// Waits until no posted Write or Read is outstanding.
+    /// Waits until no Write or Read is outstanding (posted, or started and held back).
     pub(super) fn drain(&mut self) -> Result<()> {
         let deadline = Instant::now() + self.timeout;
         while self.pool.in_flight() > 0 {
@@ -578,6 +601,10 @@ impl Engine {
                 };
                 if let Err(source) = self.pool.load(slot, piece, false) {
                     self.pool.untake(slot);
+                    // The Writes made so far are marked in flight with their post orders: they
+                    // go out, so that none stays in flight unposted (a drain would wait for it,
+                    // a placement answer count it placed, a reconnect re-issue it).
+                    self.post_list(pending)?;
                     return Err(Error::Fabric {
                         op: piece.load_op(),
                         source,

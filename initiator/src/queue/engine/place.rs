@@ -24,9 +24,10 @@ const PROBE_EVERY: u64 = 16;
 
 impl Engine {
     /// Sends a probe if one is due (the queue is in the replay order with writes not known
-    /// placed, none is out, no started request waits to be posted, and [`PROBE_EVERY`] requests were posted since the last, or
-    /// another queue's caller asked: [`Pool::want_placed`](crate::pool::Pool)): call after
-    /// posting and before waiting. A queue that only reads sends none.
+    /// placed, none is out, no started request waits to be posted, and [`PROBE_EVERY`]
+    /// requests were posted since the last, or another queue's caller asked:
+    /// [`Pool::want_placed`](crate::pool::Pool)): call after posting and before waiting. A
+    /// queue that only reads sends none.
     pub(super) fn probe_if_due(&mut self) -> Result<()> {
         let seq = self.pool.last_seq();
         // Started requests held back by the read bound are not posted: a probe now would

@@ -125,7 +125,6 @@ impl Engine {
                 len,
             },
         );
-        self.reads_posted += 1;
         self.deferred.push(wr);
         self.deferred_read_bytes += len;
         Ticket(ticket)
