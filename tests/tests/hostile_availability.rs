@@ -416,6 +416,15 @@ fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
         logged <= periods * 20 && logged >= 2,
         "{logged} session lines in {periods} period(s)"
     );
+    // Session lines alone are counted at their own level: no warning for sessions.
+    let summaries: Vec<&str> = new
+        .lines()
+        .filter(|l| l.contains("suppressed in the last"))
+        .collect();
+    assert!(
+        !summaries.is_empty() && summaries.iter().all(|l| l.contains(" INFO ")),
+        "{summaries:?}"
+    );
     // At most the budgets' lines (each well under 512 bytes) and a summary per period.
     assert!(
         new.len() <= (logged + 2 * periods) * 512,

@@ -315,6 +315,19 @@ fn a_flood_of_failing_and_churning_clients_writes_a_bounded_log_and_counts_the_r
         std::thread::sleep(Duration::from_millis(100));
     };
     let added = log.len() - before;
+    // A summary has the level of what it held back: the failed handshakes' WARN, the
+    // sessions' INFO (clients coming and going are no warning).
+    for (what, level) in [
+        (" warning(s) about ", " WARN "),
+        (" session line(s) about ", " INFO "),
+    ] {
+        assert!(
+            log.lines()
+                .filter(|l| l.contains(what))
+                .all(|l| l.contains(level)),
+            "{what} not at{level}: {log}"
+        );
+    }
     // Per period at most 5 lines about one source (for warnings and for sessions each) and
     // a summary of each; one more period for the summaries after the flood.
     let periods = flood.as_secs() / PERIOD_S + 2;

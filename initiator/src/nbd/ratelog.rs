@@ -4,9 +4,11 @@
 //!
 //! Each [`RateLog`] lets through, per period (`--log-period`, a minute by default), at most
 //! `per_source` lines about one [`Source`] and `global` lines in all; the rest go to DEBUG and
-//! are counted. Once a period after the first line it held back, it logs one WARN line saying
-//! how many it held back, about how many sources, and which source had the most
-//! ([`RateLog::tick`], called by the accept loop on its timer and by every line). The export
+//! are counted. Once a period after the first line it held back, it logs one line saying how
+//! many it held back, about how many sources, and which source had the most
+//! ([`RateLog::tick`], called by the accept loop on its timer and by every line), at the level
+//! of the most severe line it held back: held-back INFO lines of healthy clients coming and
+//! going (a benchmark's jobs) say so at INFO, not as a warning an operator is paged for. The export
 //! keeps two: one for problems (failed handshakes, evictions, refusals, failed requests) and
 //! one for the INFO lines of clients coming and going, so that a busy but healthy source
 //! cannot use up the budget that would report its failures.
@@ -54,6 +56,8 @@ struct Inner {
     held_other: u64,
     /// When the first line since the last summary was held back.
     since: Option<Instant>,
+    /// The most severe level among them.
+    worst: Option<Level>,
     /// Held back in all, ever.
     total: u64,
 }
@@ -61,6 +65,7 @@ struct Inner {
 /// A summary line that is due.
 #[derive(Debug, PartialEq, Eq)]
 struct Summary {
+    level: Level,
     count: u64,
     sources: usize,
     top: Option<(Source, u64)>,
@@ -86,7 +91,7 @@ impl RateLog {
     /// Logs `msg` about `source` at `level` if the budgets allow, else at DEBUG (counted).
     pub(crate) fn log(&self, level: Level, source: Source, msg: Arguments<'_>) {
         let now = Instant::now();
-        if self.allow(source, now) {
+        if self.allow(source, now, level) {
             log::log!(level, "{msg}");
         } else {
             log::debug!("{msg}");
@@ -105,7 +110,8 @@ impl RateLog {
                 Some((src, n)) => format!(" (most about {src}: {n})"),
                 None => String::new(),
             };
-            log::warn!(
+            log::log!(
+                s.level,
                 "nbd: {} {} about {} client source(s) suppressed in the last {} s{top}",
                 s.count,
                 self.what,
@@ -121,8 +127,9 @@ impl RateLog {
         self.lock().total
     }
 
-    /// Whether a line about `source` at `now` may go out (and counts it either way).
-    fn allow(&self, source: Source, now: Instant) -> bool {
+    /// Whether a line at `level` about `source` at `now` may go out (and counts it either
+    /// way).
+    fn allow(&self, source: Source, now: Instant, level: Level) -> bool {
         let mut g = self.lock();
         match g.window {
             Some(w) if now.saturating_duration_since(w) < self.period => {}
@@ -140,6 +147,8 @@ impl RateLog {
         }
         g.total += 1;
         g.since.get_or_insert(now);
+        // log::Level orders the most severe first.
+        g.worst = Some(g.worst.map_or(level, |w| w.min(level)));
         if let Some(n) = g.held.get_mut(&source) {
             *n += 1;
         } else if g.held.len() < MAX_SOURCES {
@@ -164,6 +173,7 @@ impl RateLog {
         g.held_other = 0;
         g.since = None;
         Some(Summary {
+            level: g.worst.take().unwrap_or(Level::Warn),
             count,
             sources,
             top,
@@ -233,14 +243,14 @@ mod tests {
     fn a_source_gets_its_budget_per_period_and_all_share_a_cap() {
         let l = RateLog::new("warning(s)", 2, 3, PERIOD);
         let t0 = Instant::now();
-        assert!(l.allow(src(1), t0));
-        assert!(l.allow(src(1), t0));
-        assert!(!l.allow(src(1), t0), "its budget is spent");
-        assert!(l.allow(src(2), t0), "another source");
-        assert!(!l.allow(src(3), t0), "the global cap is spent");
+        assert!(l.allow(src(1), t0, Level::Warn));
+        assert!(l.allow(src(1), t0, Level::Warn));
+        assert!(!l.allow(src(1), t0, Level::Warn), "its budget is spent");
+        assert!(l.allow(src(2), t0, Level::Warn), "another source");
+        assert!(!l.allow(src(3), t0, Level::Warn), "the global cap is spent");
         let t1 = t0 + PERIOD;
-        assert!(l.allow(src(1), t1), "a new period");
-        assert!(l.allow(src(3), t1));
+        assert!(l.allow(src(1), t1, Level::Warn), "a new period");
+        assert!(l.allow(src(3), t1, Level::Warn));
         assert_eq!(l.suppressed(), 2);
     }
 
@@ -248,17 +258,18 @@ mod tests {
     fn a_summary_counts_what_was_held_back_once_a_period() {
         let l = RateLog::new("warning(s)", 1, 100, PERIOD);
         let t0 = Instant::now();
-        assert!(l.allow(src(1), t0));
+        assert!(l.allow(src(1), t0, Level::Warn));
         assert_eq!(l.take_summary(t0 + PERIOD * 2), None, "nothing held back");
         for _ in 0..5 {
-            assert!(!l.allow(src(1), t0));
+            assert!(!l.allow(src(1), t0, Level::Warn));
         }
-        assert!(l.allow(src(2), t0));
-        assert!(!l.allow(src(2), t0 + Duration::from_secs(1)));
+        assert!(l.allow(src(2), t0, Level::Warn));
+        assert!(!l.allow(src(2), t0 + Duration::from_secs(1), Level::Warn));
         assert_eq!(l.take_summary(t0 + PERIOD - Duration::from_millis(1)), None);
         assert_eq!(
             l.take_summary(t0 + PERIOD),
             Some(Summary {
+                level: Level::Warn,
                 count: 6,
                 sources: 2,
                 top: Some((src(1), 5)),
@@ -269,11 +280,32 @@ mod tests {
     }
 
     #[test]
+    fn a_summary_has_the_level_of_the_most_severe_line_it_held_back() {
+        let l = RateLog::new("session line(s)", 1, 100, PERIOD);
+        let t0 = Instant::now();
+        assert!(l.allow(src(1), t0, Level::Info));
+        assert!(!l.allow(src(1), t0, Level::Info));
+        assert!(!l.allow(src(1), t0, Level::Info));
+        let s = l.take_summary(t0 + PERIOD).unwrap();
+        assert_eq!(
+            (s.level, s.count),
+            (Level::Info, 2),
+            "clients coming and going"
+        );
+        assert!(l.allow(src(1), t0 + PERIOD, Level::Info), "a new period");
+        assert!(!l.allow(src(1), t0 + PERIOD, Level::Info));
+        assert!(!l.allow(src(1), t0 + PERIOD, Level::Warn));
+        assert!(!l.allow(src(1), t0 + PERIOD, Level::Info));
+        let s = l.take_summary(t0 + PERIOD * 2).unwrap();
+        assert_eq!((s.level, s.count), (Level::Warn, 3), "a warning among them");
+    }
+
+    #[test]
     fn the_maps_stay_bounded_under_many_sources() {
         let l = RateLog::new("warning(s)", 1, 10, PERIOD);
         let t0 = Instant::now();
         for i in 0..(MAX_SOURCES as u32 + 100) {
-            l.allow(Source::Uid(i), t0);
+            l.allow(Source::Uid(i), t0, Level::Warn);
         }
         let g = l.lock();
         assert_eq!(g.used.len(), 10);

@@ -11,9 +11,11 @@
 //!
 //! On top of both, at most [`GLOBAL_LINES`] such lines are logged per period from all peers
 //! together, so that any number of addresses adds a bounded volume. A line over a budget goes to
-//! DEBUG instead and is counted; once a period after the first of them, one WARN line says how
-//! many were suppressed, about how many addresses, and which address had the most
-//! ([`PeerLog::summarize`], called by the accept threads on a timer and by every line).
+//! DEBUG instead and is counted; once a period after the first of them, one line says how many
+//! were suppressed, about how many addresses, and which address had the most
+//! ([`PeerLog::summarize`], called by the accept threads on a timer and by every line), at the
+//! level of the most severe line it counts: WARN once a warning is among them, INFO when only
+//! session lines were (a host opening many queues is no warning).
 //!
 //! Peer-supplied text can never start a line of its own: every message is escaped
 //! ([`escape`]: control characters, line breaks included, are written as `\n`, `\u{1b}`...) and
@@ -77,6 +79,8 @@ struct Inner {
     suppressed_other: u64,
     /// When the first line since the last summary was suppressed.
     since: Option<Instant>,
+    /// The most severe level among them.
+    worst: Option<log::Level>,
     /// Suppressed in all, ever.
     total: u64,
 }
@@ -84,6 +88,7 @@ struct Inner {
 /// A summary line that is due.
 #[derive(Debug, PartialEq, Eq)]
 struct Summary {
+    level: log::Level,
     count: u64,
     peers: usize,
     top: Option<(IpAddr, u64)>,
@@ -150,7 +155,7 @@ impl PeerLog {
     /// DEBUG (counted for the summary).
     pub(crate) fn log(&self, peer: IpAddr, class: Class, level: log::Level, msg: Arguments<'_>) {
         let now = Instant::now();
-        let allowed = self.allow(peer, class, now);
+        let allowed = self.allow(peer, class, level, now);
         let level = if allowed { level } else { log::Level::Debug };
         if log::log_enabled!(target: module_path!(), level) {
             let text = escape(&msg.to_string());
@@ -166,7 +171,8 @@ impl PeerLog {
                 Some((ip, n)) => format!(" (most from {ip}: {n})"),
                 None => String::new(),
             };
-            log::warn!(
+            log::log!(
+                s.level,
                 "{} log line(s) about {} peer address(es) suppressed in the last {} s{top}",
                 s.count,
                 s.peers,
@@ -204,6 +210,7 @@ impl PeerLog {
         g.suppressed_other = 0;
         g.since = None;
         Some(Summary {
+            level: g.worst.take().unwrap_or(log::Level::Warn),
             count,
             peers,
             top,
@@ -211,9 +218,9 @@ impl PeerLog {
         })
     }
 
-    /// Whether a `class` line about `peer` at `now` may be logged at its level (and takes it
-    /// from the budgets if so; counts it as suppressed if not).
-    fn allow(&self, peer: IpAddr, class: Class, now: Instant) -> bool {
+    /// Whether a `class` line at `level` about `peer` at `now` may be logged at its level (and
+    /// takes it from the budgets if so; counts it as suppressed if not).
+    fn allow(&self, peer: IpAddr, class: Class, level: log::Level, now: Instant) -> bool {
         let period = self.period();
         let mut g = self.lock();
         let recent = |t: Instant| now.saturating_duration_since(t) < period;
@@ -255,6 +262,8 @@ impl PeerLog {
         } else {
             g.total += 1;
             g.since.get_or_insert(now);
+            // log::Level orders the most severe first.
+            g.worst = Some(g.worst.map_or(level, |w| w.min(level)));
             if let Some(n) = g.suppressed.get_mut(&peer) {
                 *n += 1;
             } else if g.suppressed.len() < MAX_PEERS {
@@ -283,14 +292,32 @@ mod tests {
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let b: IpAddr = "192.0.2.2".parse().unwrap();
         let t0 = Instant::now();
-        assert!(l.allow(a, Class::Warning, t0));
-        assert!(!l.allow(a, Class::Warning, t0 + Duration::from_secs(1)));
-        assert!(!l.allow(a, Class::Warning, t0 + EVERY - Duration::from_millis(1)));
+        assert!(l.allow(a, Class::Warning, log::Level::Warn, t0));
+        assert!(!l.allow(
+            a,
+            Class::Warning,
+            log::Level::Warn,
+            t0 + Duration::from_secs(1)
+        ));
+        assert!(!l.allow(
+            a,
+            Class::Warning,
+            log::Level::Warn,
+            t0 + EVERY - Duration::from_millis(1)
+        ));
         assert!(
-            l.allow(b, Class::Warning, t0 + Duration::from_secs(1)),
+            l.allow(
+                b,
+                Class::Warning,
+                log::Level::Warn,
+                t0 + Duration::from_secs(1)
+            ),
             "another address"
         );
-        assert!(l.allow(a, Class::Warning, t0 + EVERY), "a new period");
+        assert!(
+            l.allow(a, Class::Warning, log::Level::Warn, t0 + EVERY),
+            "a new period"
+        );
         assert_eq!(l.suppressed(), 2);
     }
 
@@ -299,12 +326,18 @@ mod tests {
         let l = PeerLog::new(EVERY);
         let a: IpAddr = "192.0.2.1".parse().unwrap();
         let t0 = Instant::now();
-        assert!(l.allow(a, Class::Warning, t0));
+        assert!(l.allow(a, Class::Warning, log::Level::Warn, t0));
         for i in 0..SESSION_LINES {
-            assert!(l.allow(a, Class::Session, t0), "session line {i}");
+            assert!(
+                l.allow(a, Class::Session, log::Level::Info, t0),
+                "session line {i}"
+            );
         }
-        assert!(!l.allow(a, Class::Session, t0));
-        assert!(l.allow(a, Class::Session, t0 + EVERY), "a new period");
+        assert!(!l.allow(a, Class::Session, log::Level::Info, t0));
+        assert!(
+            l.allow(a, Class::Session, log::Level::Info, t0 + EVERY),
+            "a new period"
+        );
     }
 
     #[test]
@@ -312,11 +345,11 @@ mod tests {
         let l = PeerLog::new(EVERY);
         let t0 = Instant::now();
         let allowed = (0..1000)
-            .filter(|&i| l.allow(ip(i), Class::Warning, t0))
+            .filter(|&i| l.allow(ip(i), Class::Warning, log::Level::Warn, t0))
             .count();
         assert_eq!(allowed, GLOBAL_LINES as usize);
         assert!(
-            l.allow(ip(5000), Class::Warning, t0 + EVERY),
+            l.allow(ip(5000), Class::Warning, log::Level::Warn, t0 + EVERY),
             "the next period"
         );
     }
@@ -326,11 +359,14 @@ mod tests {
         let l = PeerLog::new(EVERY);
         let t0 = Instant::now();
         for i in 0..(MAX_PEERS as u32 + 10) {
-            l.allow(ip(i), Class::Session, t0);
+            l.allow(ip(i), Class::Session, log::Level::Info, t0);
         }
         assert!(l.lock().peers.len() <= MAX_PEERS);
         let new: IpAddr = "198.51.100.1".parse().unwrap();
-        assert!(l.allow(new, Class::Warning, t0 + EVERY), "old entries go");
+        assert!(
+            l.allow(new, Class::Warning, log::Level::Warn, t0 + EVERY),
+            "old entries go"
+        );
         assert!(l.lock().peers.len() <= MAX_PEERS);
     }
 
@@ -341,19 +377,25 @@ mod tests {
         let b: IpAddr = "192.0.2.2".parse().unwrap();
         let t0 = Instant::now();
         assert_eq!(l.next_summary(), None);
-        assert!(l.allow(a, Class::Warning, t0));
-        assert!(l.allow(b, Class::Warning, t0));
+        assert!(l.allow(a, Class::Warning, log::Level::Warn, t0));
+        assert!(l.allow(b, Class::Warning, log::Level::Warn, t0));
         assert_eq!(l.take_summary(t0 + EVERY * 2), None, "nothing suppressed");
         let t1 = t0 + Duration::from_secs(1);
         for _ in 0..5 {
-            assert!(!l.allow(a, Class::Warning, t1));
+            assert!(!l.allow(a, Class::Warning, log::Level::Warn, t1));
         }
-        assert!(!l.allow(b, Class::Warning, t1 + Duration::from_secs(1)));
+        assert!(!l.allow(
+            b,
+            Class::Warning,
+            log::Level::Warn,
+            t1 + Duration::from_secs(1)
+        ));
         assert_eq!(l.next_summary(), Some(t1 + EVERY));
         assert_eq!(l.take_summary(t1 + EVERY - Duration::from_millis(1)), None);
         assert_eq!(
             l.take_summary(t1 + EVERY),
             Some(Summary {
+                level: log::Level::Warn,
                 count: 6,
                 peers: 2,
                 top: Some((a, 5)),
@@ -363,6 +405,34 @@ mod tests {
         assert_eq!(l.take_summary(t1 + EVERY * 3), None, "counted once");
         assert_eq!(l.next_summary(), None);
         assert_eq!(l.suppressed(), 6);
+    }
+
+    #[test]
+    fn a_summary_has_the_level_of_the_most_severe_line_it_counts() {
+        let l = PeerLog::new(EVERY);
+        let a: IpAddr = "192.0.2.1".parse().unwrap();
+        let t0 = Instant::now();
+        for _ in 0..SESSION_LINES + 3 {
+            l.allow(a, Class::Session, log::Level::Info, t0);
+        }
+        let s = l.take_summary(t0 + EVERY).unwrap();
+        assert_eq!(
+            (s.level, s.count),
+            (log::Level::Info, 3),
+            "session lines only"
+        );
+        let t1 = t0 + EVERY * 2;
+        assert!(l.allow(a, Class::Warning, log::Level::Warn, t1));
+        assert!(!l.allow(a, Class::Warning, log::Level::Warn, t1));
+        for _ in 0..SESSION_LINES + 1 {
+            l.allow(a, Class::Session, log::Level::Info, t1);
+        }
+        let s = l.take_summary(t1 + EVERY).unwrap();
+        assert_eq!(
+            (s.level, s.count),
+            (log::Level::Warn, 2),
+            "a warning among them"
+        );
     }
 
     #[test]
