@@ -255,7 +255,8 @@ impl Engine {
     /// posted yet: all of them when `wrs` has any (a request the caller waits for, a Flush
     /// that covers them, must not pass them), else those that fit the read bound
     /// ([`deferred_that_fit`](Self::deferred_that_fit)). If the post is refused for another
-    /// reason than a lost connection, the slots of its Writes are freed (nothing was posted).
+    /// reason than a lost connection, the slots of its Writes and started Reads are freed
+    /// (nothing was posted).
     fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
         if !self.deferred.is_empty() {
             let go = if wrs.is_empty() {
