@@ -324,6 +324,31 @@ impl Session {
         }
     }
 
+    /// Sends a GPSPM FlushRequest for `length` bytes at `offset` of `nsid` (length 0: the whole
+    /// namespace) and returns its token, which its FlushResponse carries: the caller waits for
+    /// it, in [`flush`](Self::flush) or on the data path's completion queue.
+    ///
+    /// # Errors
+    /// Those of [`send_message`](Self::send_message).
+    pub(crate) fn send_flush_request(
+        &mut self,
+        nsid: u32,
+        offset: u64,
+        length: u64,
+    ) -> Result<u64> {
+        self.next_token += 1;
+        let token = self.next_token;
+        let req = FlushRequest {
+            nsid,
+            offset,
+            length,
+            token,
+        };
+        self.check_open()?;
+        self.send_bytes(&req.encode())?;
+        Ok(token)
+    }
+
     /// GPSPM: asks the target to make `length` bytes at `offset` of `nsid` durable (length 0:
     /// the whole namespace) and waits for its answer. The Writes to make durable must have been
     /// posted on [`qp`](Self::qp) before.
@@ -339,16 +364,7 @@ impl Session {
         length: u64,
         timeout: Duration,
     ) -> Result<FlushStatus> {
-        self.next_token += 1;
-        let token = self.next_token;
-        let req = FlushRequest {
-            nsid,
-            offset,
-            length,
-            token,
-        };
-        self.check_open()?;
-        self.send_bytes(&req.encode())?;
+        let token = self.send_flush_request(nsid, offset, length)?;
         loop {
             match self.wait_message(timeout, "flush response")? {
                 Message::FlushResponse(r) if r.token == token => return Ok(r.status),

@@ -143,7 +143,7 @@ impl Engine {
         let s = self.session()?;
         s.qp()
             .post_send_list(wrs)
-            .map_err(|e| super::post_error(s, e))?;
+            .map_err(|e| super::post::post_error(s, e))?;
         for (slot, w, _) in batch {
             self.pool.set(slot, Slot::Writing(w));
             self.writes_posted += 1;

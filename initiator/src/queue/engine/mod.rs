@@ -30,9 +30,7 @@
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
 
-use rpma_common::fabric::{
-    Completion, ConnInfo, QpState, RemoteAddr, SendOp, SendWr, WcStatus, Woken,
-};
+use rpma_common::fabric::{Completion, ConnInfo, RemoteAddr, SendOp, SendWr, WcStatus, Woken};
 use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::{FlushStatus, Message, NamespaceDescriptor};
 
@@ -46,6 +44,7 @@ use crate::writebuf::Data;
 
 mod lost;
 mod place;
+mod post;
 mod started;
 mod waited;
 
@@ -103,12 +102,9 @@ pub(super) struct Engine {
     /// for started Reads beyond the read bound and what follows them
     /// ([`deferred_that_fit`](Self::deferred_that_fit)).
     deferred: Vec<SendWr>,
-    /// Bytes of the started Reads in `deferred`.
-    deferred_read_bytes: usize,
     /// Started requests that completed, until the caller asks.
     started_done: Vec<Completed>,
     next_waited: u64,
-    next_token: u64,
     /// The placement probe out ([`place`]): its KeepAlive seq and the post order it places
     /// through.
     probe: Option<(u64, u64)>,
@@ -145,10 +141,8 @@ impl Engine {
             reads_done: Vec::new(),
             waited_done: Vec::new(),
             deferred: Vec::new(),
-            deferred_read_bytes: 0,
             started_done: Vec::new(),
             next_waited: 0,
-            next_token: 0,
             probe: None,
             probe_mark: 0,
             writes_posted: 0,
@@ -249,127 +243,6 @@ impl Engine {
                 remote,
             },
         )
-    }
-
-    /// Posts `wrs` with one doorbell (nothing when empty), after the started requests not
-    /// posted yet: all of them when `wrs` has any (a request the caller waits for, a Flush
-    /// that covers them, must not pass them), else those that fit the read bound
-    /// ([`deferred_that_fit`](Self::deferred_that_fit)). If the post is refused for another
-    /// reason than a lost connection, the slots of its Writes and started Reads are freed
-    /// (nothing was posted).
-    fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
-        if !self.deferred.is_empty() {
-            let go = if wrs.is_empty() {
-                self.deferred_that_fit()
-            } else {
-                self.deferred.len()
-            };
-            let mut all: Vec<SendWr> = if go == self.deferred.len() {
-                std::mem::take(&mut self.deferred)
-            } else {
-                self.deferred.drain(..go).collect()
-            };
-            self.deferred_read_bytes = self
-                .deferred_read_bytes
-                .saturating_sub(all.iter().map(read_len).sum::<usize>());
-            all.append(&mut wrs);
-            wrs = all;
-        }
-        if wrs.is_empty() {
-            return Ok(());
-        }
-        // The slots of its Writes and Reads, to count, or to free if the post is refused (no
-        // allocation without any).
-        let slots = |kind: u64| -> Vec<usize> {
-            if wrs.iter().any(|w| w.wr_id & KIND_MASK == kind) {
-                wrs.iter()
-                    .filter(|w| w.wr_id & KIND_MASK == kind)
-                    .map(|w| (w.wr_id & !KIND_MASK) as usize)
-                    .collect()
-            } else {
-                Vec::new()
-            }
-        };
-        let (writes, reads) = (slots(KIND_WRITE), slots(KIND_READ));
-        self.doorbells += 1;
-        let s = self.session()?;
-        rpma_common::steps::step("send list posted");
-        let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
-        match &r {
-            Ok(()) => {
-                self.writes_posted += writes.len() as u64;
-                self.reads_posted += reads.len() as u64;
-                self.note_posted();
-            }
-            Err(e) if !e.is_connection_loss() => {
-                // Nothing was posted: no slot may stay in flight. A started Read's ticket is
-                // then void, as after a lost connection (the error says so to the caller).
-                for slot in writes {
-                    self.pool.set(slot, Slot::Free);
-                }
-                for slot in reads {
-                    if matches!(self.pool.get(slot), Some(Slot::Started { .. })) {
-                        self.pool.set(slot, Slot::Free);
-                    }
-                }
-            }
-            Err(_) => {}
-        }
-        r
-    }
-
-    /// How many of the deferred requests, in order, may go now: all of them but for the first
-    /// started Read that would take the Reads in flight beyond the read bound
-    /// ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight); a
-    /// Read alone always goes) and everything behind it (a fenced Write must not pass it, nor
-    /// a Write a later Read's answer says is placed). They go as completions make room: every
-    /// poll posts what fits, so the caller goes on starting and answering meanwhile.
-    fn deferred_that_fit(&self) -> usize {
-        if self.read_bound == 0 || self.deferred_read_bytes == 0 {
-            return self.deferred.len();
-        }
-        // give_up and forget_owed empty `deferred` with the pool's slots; saturating all the
-        // same: a count gone wrong must not hold every Read back for good.
-        debug_assert!(self.pool.read_bytes_in_flight() >= self.deferred_read_bytes);
-        let mut reading = self
-            .pool
-            .read_bytes_in_flight()
-            .saturating_sub(self.deferred_read_bytes);
-        for (i, wr) in self.deferred.iter().enumerate() {
-            let len = read_len(wr);
-            if len > 0 && reading > 0 && reading + len > self.read_bound {
-                return i;
-            }
-            reading += len;
-        }
-        self.deferred.len()
-    }
-
-    /// After a post: the most requests, and bytes of Reads, in flight (what the pool counts
-    /// less what is still deferred).
-    fn note_posted(&mut self) {
-        let posted = self.pool.in_flight().saturating_sub(self.deferred.len());
-        let reading = self
-            .pool
-            .read_bytes_in_flight()
-            .saturating_sub(self.deferred_read_bytes);
-        self.max_posted = self.max_posted.max(posted);
-        self.max_posted_read_bytes = self.max_posted_read_bytes.max(reading);
-    }
-
-    /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
-    /// Flush): directly when no started request waits to go first, else behind them.
-    fn post_one(&mut self, wr: SendWr) -> Result<()> {
-        if !self.deferred.is_empty() {
-            return self.post_list(vec![wr]);
-        }
-        let read = wr.wr_id & KIND_MASK == KIND_READ;
-        self.doorbells += 1;
-        let s = self.session()?;
-        s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
-        self.reads_posted += u64::from(read);
-        self.note_posted();
-        Ok(())
     }
 
     /// Posts a Read of `len` bytes at `offset` of namespace `ns` into `slot`.
@@ -686,32 +559,5 @@ impl Engine {
         self.reads_done.clear();
         self.waited_done.clear();
         self.deferred.clear();
-        self.deferred_read_bytes = 0;
-    }
-}
-
-/// The bytes a request reads (0: not a Read).
-fn read_len(wr: &SendWr) -> usize {
-    match &wr.op {
-        SendOp::Read { local, .. } => local.len,
-        _ => 0,
-    }
-}
-
-/// Posting fails locally; a queue pair in Error means the connection is gone.
-fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
-    if s.qp().state() == QpState::Error {
-        return Error::ConnectionLost {
-            reason: LossReason::of(s.qp()),
-        };
-    }
-    match e {
-        rpma_common::fabric::Error::PeerUnsupported { .. } => Error::Unsupported {
-            op: "this operation (the peer did not advertise it)",
-        },
-        source => Error::Fabric {
-            op: "posting a request",
-            source,
-        },
     }
 }

@@ -126,7 +126,6 @@ impl Engine {
             },
         );
         self.deferred.push(wr);
-        self.deferred_read_bytes += len;
         Ticket(ticket)
     }
 

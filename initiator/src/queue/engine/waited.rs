@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use rpma_common::fabric::{SendOp, SendWr, Sge, WcStatus};
 use rpma_common::proto::msgbuf::CONTROL_BIT;
-use rpma_common::proto::{FlushRequest, FlushStatus, Message};
+use rpma_common::proto::FlushStatus;
 
 use super::Engine;
 use crate::error::{Error, Result};
@@ -68,19 +68,13 @@ impl Engine {
         offset: u64,
         len: u64,
     ) -> Result<FlushStatus> {
-        self.next_token += 1;
-        let token = self.next_token;
-        let req = FlushRequest {
-            nsid: self.descs[ns].nsid,
-            offset,
-            length: len,
-            token,
-        };
+        let nsid = self.descs[ns].nsid;
         self.doorbells += 1;
-        self.session
+        let token = self
+            .session
             .as_mut()
             .ok_or(Error::Broken)?
-            .send_message(&Message::FlushRequest(req))?;
+            .send_flush_request(nsid, offset, len)?;
         let deadline = Instant::now() + self.timeout;
         loop {
             if let Some(i) = self.flush_answers.iter().position(|a| a.0 == token) {

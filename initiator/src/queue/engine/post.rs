@@ -1,0 +1,160 @@
+//! Posting: the one place the engine's data requests reach the send queue. Started requests
+//! wait in `deferred` until the next post or wait, and go out in order ahead of anything else;
+//! started Reads that would take the Reads in flight beyond the read bound
+//! ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight)) stay
+//! there, with what was started after them, until completions make room. Each post counts
+//! what it sent ([`Counters`](super::Counters)).
+
+use rpma_common::fabric::{QpState, SendOp, SendWr};
+
+use super::{Engine, KIND_MASK, KIND_READ, KIND_WRITE};
+use crate::error::{Error, LossReason, Result};
+use crate::pool::Slot;
+use crate::session::Session;
+
+impl Engine {
+    /// Posts `wrs` with one doorbell (nothing when empty), after the started requests not
+    /// posted yet: all of them when `wrs` has any (a request the caller waits for, a Flush
+    /// that covers them, must not pass them), else those that fit the read bound
+    /// ([`deferred_that_fit`](Self::deferred_that_fit)). If the post is refused for another
+    /// reason than a lost connection, the slots of its Writes and started Reads are freed
+    /// (nothing was posted).
+    pub(super) fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
+        if !self.deferred.is_empty() {
+            let go = if wrs.is_empty() {
+                self.deferred_that_fit()
+            } else {
+                self.deferred.len()
+            };
+            let mut all: Vec<SendWr> = if go == self.deferred.len() {
+                std::mem::take(&mut self.deferred)
+            } else {
+                self.deferred.drain(..go).collect()
+            };
+            all.append(&mut wrs);
+            wrs = all;
+        }
+        if wrs.is_empty() {
+            return Ok(());
+        }
+        // The slots of its Writes and Reads, to free if the post is refused, and how many of
+        // each, to count (no allocation without any).
+        let (mut slots, mut writes, mut reads) = (Vec::new(), 0, 0);
+        for w in &wrs {
+            match w.wr_id & KIND_MASK {
+                KIND_WRITE => writes += 1,
+                KIND_READ => reads += 1,
+                _ => continue,
+            }
+            slots.push((w.wr_id & !KIND_MASK) as usize);
+        }
+        self.doorbells += 1;
+        let s = self.session()?;
+        rpma_common::steps::step("send list posted");
+        let r = s.qp().post_send_list(wrs).map_err(|e| post_error(s, e));
+        match &r {
+            Ok(()) => {
+                self.writes_posted += writes;
+                self.reads_posted += reads;
+                self.note_posted();
+            }
+            Err(e) if !e.is_connection_loss() => {
+                // Nothing was posted: no slot may stay in flight. A started Read's ticket is
+                // then void, as after a lost connection (the error says so to the caller).
+                for slot in slots {
+                    if matches!(
+                        self.pool.get(slot),
+                        Some(Slot::Writing(_) | Slot::Started { .. })
+                    ) {
+                        self.pool.set(slot, Slot::Free);
+                    }
+                }
+            }
+            Err(_) => {}
+        }
+        r
+    }
+
+    /// Bytes of the started Reads not posted yet.
+    fn deferred_read_bytes(&self) -> usize {
+        self.deferred.iter().map(read_len).sum()
+    }
+
+    /// How many of the deferred requests, in order, may go now: all of them but for the first
+    /// started Read that would take the Reads in flight beyond the read bound
+    /// ([`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight); a
+    /// Read alone always goes) and everything behind it (a fenced Write must not pass it, nor
+    /// a Write a later Read's answer says is placed). They go as completions make room: every
+    /// poll posts what fits, so the caller goes on starting and answering meanwhile.
+    fn deferred_that_fit(&self) -> usize {
+        if self.read_bound == 0 {
+            return self.deferred.len();
+        }
+        // The pool counts the deferred Reads among its Reads in flight.
+        let mut reading = self
+            .pool
+            .read_bytes_in_flight()
+            .saturating_sub(self.deferred_read_bytes());
+        for (i, wr) in self.deferred.iter().enumerate() {
+            let len = read_len(wr);
+            if len > 0 && reading > 0 && reading + len > self.read_bound {
+                return i;
+            }
+            reading += len;
+        }
+        self.deferred.len()
+    }
+
+    /// After a post: the most requests, and bytes of Reads, in flight (what the pool counts
+    /// less what is still deferred).
+    pub(super) fn note_posted(&mut self) {
+        let posted = self.pool.in_flight().saturating_sub(self.deferred.len());
+        let reading = self
+            .pool
+            .read_bytes_in_flight()
+            .saturating_sub(self.deferred_read_bytes());
+        self.max_posted = self.max_posted.max(posted);
+        self.max_posted_read_bytes = self.max_posted_read_bytes.max(reading);
+    }
+
+    /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
+    /// Flush): directly when no started request waits to go first, else behind them.
+    pub(super) fn post_one(&mut self, wr: SendWr) -> Result<()> {
+        if !self.deferred.is_empty() {
+            return self.post_list(vec![wr]);
+        }
+        let read = wr.wr_id & KIND_MASK == KIND_READ;
+        self.doorbells += 1;
+        let s = self.session()?;
+        s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
+        self.reads_posted += u64::from(read);
+        self.note_posted();
+        Ok(())
+    }
+}
+
+/// The bytes a request reads (0: not a Read).
+fn read_len(wr: &SendWr) -> usize {
+    match &wr.op {
+        SendOp::Read { local, .. } => local.len,
+        _ => 0,
+    }
+}
+
+/// Posting fails locally; a queue pair in Error means the connection is gone.
+pub(super) fn post_error(s: &Session, e: rpma_common::fabric::Error) -> Error {
+    if s.qp().state() == QpState::Error {
+        return Error::ConnectionLost {
+            reason: LossReason::of(s.qp()),
+        };
+    }
+    match e {
+        rpma_common::fabric::Error::PeerUnsupported { .. } => Error::Unsupported {
+            op: "this operation (the peer did not advertise it)",
+        },
+        source => Error::Fabric {
+            op: "posting a request",
+            source,
+        },
+    }
+}
