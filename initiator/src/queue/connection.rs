@@ -175,11 +175,11 @@ pub struct QueueOptions {
     /// [`start_read_into`](crate::Namespace::start_read_into)) in flight at once: a Read that
     /// would take them beyond this is held back, with what was started after it, until
     /// completions make room (a Read alone always goes; anything else the queue posts goes
-    /// behind them). The start itself never waits for this. Over
-    /// `tcp` with CRC the receiving end is the slower one, and what the target sends beyond
-    /// what it keeps up with piles up in the kernel's socket buffers: 1 MiB reads at depth 16
-    /// ran 1.31x faster with the default (docs/benchmarks.md, "A bound on a queue's Read bytes
-    /// in flight"). 0: no bound. Default 8 MiB.
+    /// behind them). The start itself never waits for this. Over `tcp` with CRC the receiving
+    /// end is the slower one, and what the target sends beyond what it keeps up with piles up
+    /// in the kernel's socket buffers: 1 MiB reads at depth 16 ran 1.31x faster with the
+    /// default (docs/benchmarks.md, "A bound on a queue's Read bytes in flight"). 0: no bound.
+    /// Default 8 MiB.
     pub read_bytes_in_flight: usize,
     /// Force a durability method on every namespace (None: the best one offered).
     pub persist: Option<PersistMethod>,

@@ -25,7 +25,8 @@
 //!
 //! Started requests (their own slot states, never in `reads_done`) are in `started`; single
 //! requests outside the slots that the caller waits for (APM Reads, atomics, Flushes, GPSPM
-//! FlushRequests) in `waited`.
+//! FlushRequests) in `waited`; the posts themselves, and the started Reads held back by the
+//! read bound, in `post`.
 
 use std::os::fd::BorrowedFd;
 use std::time::{Duration, Instant};
