@@ -11,6 +11,8 @@
 //!   (registered memory, shared mappings), reached only through copies and iovecs.
 //! - [`sync`]: locking that ThreadSanitizer can follow (`make tsan`).
 //! - [`steps`]: step timing of a round trip, for measurements (feature `step-timing`).
+//! - [`logline`]: log lines a peer can cause: its strings escaped, and the tally of lines a
+//!   rate limit held back (the target's and the NBD export's).
 //!
 //! Features: `rdma` pulls in rdma-sys (libibverbs/librdmacm) and builds the `rdma` transport on
 //! it (docs/rdma.md). `step-timing` (measurements only) times the steps of each round trip
@@ -23,6 +25,7 @@ pub mod fabric;
 // Test-only: the fuzz targets' entry points and seeds (fuzz/, tests/tests/fuzz_corpus.rs).
 #[cfg(feature = "wire-testing")]
 pub mod fuzz;
+pub mod logline;
 pub mod notify;
 pub mod pmem;
 pub mod proto;

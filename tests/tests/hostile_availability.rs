@@ -381,7 +381,7 @@ fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
             other => panic!("{other:?}"),
         }
         p.message(&Message::Disconnect(rpma_common::proto::Disconnect {
-            reason: format!("bye\n{forged}\r\n\x1b[2J"),
+            reason: format!("bye\n{forged}\r\n\x1b[2J\" accepted \"\u{202e}"),
         }));
     }
     // Every session has ended, and every line about it is either in the log or counted in a
@@ -437,6 +437,14 @@ fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
         "a forged line or an unescaped reason"
     );
     assert!(!log.contains('\x1b'), "a terminal escape reached the log");
+    assert!(
+        !log.contains('\u{202e}'),
+        "a bidirectional override reached the log"
+    );
+    assert!(
+        log.contains("[2J\\\" accepted \\\"\\u{202e}\""),
+        "the reason's own quotes and its override are escaped, and it ends in our quote"
+    );
     assert!(
         log.contains("closed by the host: \"bye\\n[2026-12-01T00:00:00Z ERROR rpma_target] FORGED"),
         "the reason is logged escaped"

@@ -351,9 +351,7 @@ fn a_flood_of_failing_and_churning_clients_writes_a_bounded_log_and_counts_the_r
         "{log}"
     );
     assert!(
-        log.contains(
-            r#"no export named "x\u{a}[2026-12-01T00:00:00Z WARN  forged] injected\u{d}""#
-        ),
+        log.contains(r#"no export named "x\n[2026-12-01T00:00:00Z WARN  forged] injected\r""#),
         "{log}"
     );
     assert!(

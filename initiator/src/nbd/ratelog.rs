@@ -13,19 +13,18 @@
 //! one for the INFO lines of clients coming and going, so that a busy but healthy source
 //! cannot use up the budget that would report its failures.
 //!
-//! Strings a client sent (an export name) go into a line only through [`escape`].
+//! Strings a client sent (an export name) go into a line only through [`escape`]. The escaping
+//! and the tally of held-back lines are [`rpma_common::logline`]'s, as the target's.
 
 use std::collections::HashMap;
-use std::fmt::{self, Arguments, Write as _};
+use std::fmt::{self, Arguments};
 use std::sync::{Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use log::Level;
+use rpma_common::logline::{self, HeldBack, Summary};
 
 use super::slots::Source;
-
-/// Sources whose held-back lines are counted one by one; past that they are counted together.
-const MAX_SOURCES: usize = 4096;
 
 /// Characters of a client's string shown at most.
 const MAX_SHOWN: usize = 128;
@@ -50,26 +49,8 @@ struct Inner {
     used: HashMap<Source, u32>,
     /// ...and in all.
     used_all: u32,
-    /// Held back since the last summary, per source (at most MAX_SOURCES)...
-    held: HashMap<Source, u64>,
-    /// ...and about sources past that.
-    held_other: u64,
-    /// When the first line since the last summary was held back.
-    since: Option<Instant>,
-    /// The most severe level among them.
-    worst: Option<Level>,
-    /// Held back in all, ever.
-    total: u64,
-}
-
-/// A summary line that is due.
-#[derive(Debug, PartialEq, Eq)]
-struct Summary {
-    level: Level,
-    count: u64,
-    sources: usize,
-    top: Option<(Source, u64)>,
-    over: Duration,
+    /// Held back since the last summary.
+    held: HeldBack<Source>,
 }
 
 impl RateLog {
@@ -124,7 +105,7 @@ impl RateLog {
     /// Lines held back so far.
     #[cfg(test)]
     fn suppressed(&self) -> u64 {
-        self.lock().total
+        self.lock().held.total()
     }
 
     /// Whether a line at `level` about `source` at `now` may go out (and counts it either
@@ -145,78 +126,19 @@ impl RateLog {
             g.used_all += 1;
             return true;
         }
-        g.total += 1;
-        g.since.get_or_insert(now);
-        // log::Level orders the most severe first.
-        g.worst = Some(g.worst.map_or(level, |w| w.min(level)));
-        if let Some(n) = g.held.get_mut(&source) {
-            *n += 1;
-        } else if g.held.len() < MAX_SOURCES {
-            g.held.insert(source, 1);
-        } else {
-            g.held_other += 1;
-        }
+        g.held.note(source, level, now);
         false
     }
 
-    fn take_summary(&self, now: Instant) -> Option<Summary> {
-        let mut g = self.lock();
-        let since = g.since?;
-        let over = now.saturating_duration_since(since);
-        if over < self.period {
-            return None;
-        }
-        let top = g.held.iter().max_by_key(|(_, &n)| n).map(|(&s, &n)| (s, n));
-        let count = g.held.values().sum::<u64>() + g.held_other;
-        let sources = g.held.len() + usize::from(g.held_other > 0);
-        g.held.clear();
-        g.held_other = 0;
-        g.since = None;
-        Some(Summary {
-            level: g.worst.take().unwrap_or(Level::Warn),
-            count,
-            sources,
-            top,
-            over,
-        })
+    fn take_summary(&self, now: Instant) -> Option<Summary<Source>> {
+        self.lock().held.take(now, self.period)
     }
 }
 
-/// `s` as it may appear in a log line: quoted, with every character that could end the line,
-/// move the cursor or reorder text (controls, line and paragraph separators, bidirectional
-/// overrides and other format characters), and the quote and backslash themselves, escaped as
-/// `\u{..}`/`\"`/`\\`; cut after 128 characters (with the length said).
+/// A client's string as it may appear in a log line: quoted, escaped, cut after 128
+/// characters ([`logline::quote`]).
 pub(crate) fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len().min(MAX_SHOWN) + 2);
-    out.push('"');
-    for (i, c) in s.chars().enumerate() {
-        if i == MAX_SHOWN {
-            let _ = write!(out, "\"... ({} bytes in all)", s.len());
-            return out;
-        }
-        match c {
-            '"' => out.push_str("\\\""),
-            '\\' => out.push_str("\\\\"),
-            c if hidden(c) => {
-                let _ = write!(out, "\\u{{{:x}}}", c as u32);
-            }
-            c => out.push(c),
-        }
-    }
-    out.push('"');
-    out
-}
-
-/// Characters a log line must not carry raw.
-fn hidden(c: char) -> bool {
-    c.is_control()
-        || matches!(c,
-            '\u{ad}'                     // soft hyphen
-            | '\u{200b}'..='\u{200f}'    // zero-width, LRM/RLM
-            | '\u{2028}'..='\u{202e}'    // line/paragraph separators, bidi embeddings/overrides
-            | '\u{2060}'..='\u{206f}'    // word joiner, bidi isolates, invisible operators
-            | '\u{feff}'                 // byte order mark
-            | '\u{fff9}'..='\u{fffb}') // interlinear annotations
+    logline::quote(s, MAX_SHOWN)
 }
 
 /// `escape` as a `Display` (for format arguments).
@@ -304,13 +226,17 @@ mod tests {
     fn the_maps_stay_bounded_under_many_sources() {
         let l = RateLog::new("warning(s)", 1, 10, PERIOD);
         let t0 = Instant::now();
-        for i in 0..(MAX_SOURCES as u32 + 100) {
+        let max = HeldBack::<Source>::MAX_SOURCES;
+        for i in 0..(max as u32 + 100) {
             l.allow(Source::Uid(i), t0, Level::Warn);
         }
-        let g = l.lock();
-        assert_eq!(g.used.len(), 10);
-        assert_eq!(g.held.len(), MAX_SOURCES);
-        assert_eq!(g.held_other, 90);
+        {
+            let g = l.lock();
+            assert_eq!(g.used.len(), 10);
+            assert_eq!(g.held.sources(), max);
+        }
+        let s = l.take_summary(t0 + PERIOD).unwrap();
+        assert_eq!((s.count, s.sources), (max as u64 + 90, max + 1));
     }
 
     #[test]
@@ -318,7 +244,7 @@ mod tests {
         assert_eq!(escape("disk1"), "\"disk1\"");
         assert_eq!(
             escape("a\nWARN forged\r\u{1b}[2J"),
-            "\"a\\u{a}WARN forged\\u{d}\\u{1b}[2J\""
+            "\"a\\nWARN forged\\r\\u{1b}[2J\""
         );
         assert_eq!(escape("x\u{2028}y\u{202e}z"), "\"x\\u{2028}y\\u{202e}z\"");
         assert_eq!(escape("q\"b\\"), "\"q\\\"b\\\\\"");

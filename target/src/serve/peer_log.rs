@@ -17,17 +17,22 @@
 //! level of the most severe line it counts: WARN once a warning is among them, INFO when only
 //! session lines were (a host opening many queues is no warning).
 //!
-//! Peer-supplied text can never start a line of its own: every message is escaped
-//! ([`escape`]: control characters, line breaks included, are written as `\n`, `\u{1b}`...) and
-//! a peer's strings are cut to [`PEER_TEXT`] characters ([`peer_text`]). The period is
-//! `refusal_log_period_ms` (a minute by default).
+//! Peer-supplied text can never start a line of its own nor reorder or hide the text around it:
+//! every message is escaped ([`logline::escape`]: control characters, line breaks included,
+//! bidirectional overrides and other format characters are written as `\n`, `\u{1b}`,
+//! `\u{202e}`...), and a peer's strings are quoted, their own quotes escaped, and cut to
+//! [`PEER_TEXT`] characters ([`peer_text`]). The tally of suppressed lines is
+//! [`logline::HeldBack`], as the NBD export's. The period is `refusal_log_period_ms` (a minute
+//! by default).
 
 use std::collections::HashMap;
-use std::fmt::{Arguments, Write as _};
+use std::fmt::Arguments;
 use std::net::IpAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
+
+use rpma_common::logline::{self, HeldBack, Summary};
 
 /// Addresses remembered at most; when full, entries older than the period are forgotten,
 /// and if none is, lines about new addresses are suppressed (the map stays bounded).
@@ -73,53 +78,14 @@ struct Inner {
     /// The global budget's period and use.
     global_since: Option<Instant>,
     global_used: u32,
-    /// Suppressed since the last summary, per address (at most MAX_PEERS of them)...
-    suppressed: HashMap<IpAddr, u64>,
-    /// ...and about addresses past that.
-    suppressed_other: u64,
-    /// When the first line since the last summary was suppressed.
-    since: Option<Instant>,
-    /// The most severe level among them.
-    worst: Option<log::Level>,
-    /// Suppressed in all, ever.
-    total: u64,
+    /// Suppressed since the last summary.
+    held: HeldBack<IpAddr>,
 }
 
-/// A summary line that is due.
-#[derive(Debug, PartialEq, Eq)]
-struct Summary {
-    level: log::Level,
-    count: u64,
-    peers: usize,
-    top: Option<(IpAddr, u64)>,
-    over: Duration,
-}
-
-/// `s` with every control character (and the Unicode line and paragraph separators) escaped
-/// as Rust writes it in a string (`\n`, `\r`, `\t`, `\u{1b}`, ...), so that it stays on one
-/// line and a terminal shows it as text. Escaping twice changes nothing more.
-pub(crate) fn escape(s: &str) -> String {
-    let mut out = String::with_capacity(s.len());
-    for c in s.chars() {
-        if c.is_control() || c == '\u{2028}' || c == '\u{2029}' {
-            let _ = write!(out, "{}", c.escape_debug());
-        } else {
-            out.push(c);
-        }
-    }
-    out
-}
-
-/// A peer-supplied string for a log line: escaped, at most [`PEER_TEXT`] characters of it,
-/// quoted, with its full length when it was cut.
+/// A peer-supplied string for a log line: quoted, escaped, at most [`PEER_TEXT`] characters
+/// of it, with its full length when it was cut ([`logline::quote`]).
 pub(crate) fn peer_text(s: &str) -> String {
-    let n = s.chars().count();
-    if n <= PEER_TEXT {
-        format!("\"{}\"", escape(s))
-    } else {
-        let head: String = s.chars().take(PEER_TEXT).collect();
-        format!("\"{}\"... ({n} characters)", escape(&head))
-    }
+    logline::quote(s, PEER_TEXT)
 }
 
 impl PeerLog {
@@ -158,7 +124,7 @@ impl PeerLog {
         let allowed = self.allow(peer, class, level, now);
         let level = if allowed { level } else { log::Level::Debug };
         if log::log_enabled!(target: module_path!(), level) {
-            let text = escape(&msg.to_string());
+            let text = logline::escape(&msg.to_string());
             log::log!(level, "{text}");
         }
         self.summarize(now);
@@ -175,7 +141,7 @@ impl PeerLog {
                 s.level,
                 "{} log line(s) about {} peer address(es) suppressed in the last {} s{top}",
                 s.count,
-                s.peers,
+                s.sources,
                 s.over.as_secs()
             );
         }
@@ -183,39 +149,18 @@ impl PeerLog {
 
     /// When [`summarize`](Self::summarize) has a line to log, if lines were suppressed.
     pub(crate) fn next_summary(&self) -> Option<Instant> {
-        self.lock().since.map(|t| t + self.period())
+        self.lock().held.since().map(|t| t + self.period())
     }
 
     /// Lines sent to DEBUG instead of their level so far.
     #[cfg(test)]
     pub(crate) fn suppressed(&self) -> u64 {
-        self.lock().total
+        self.lock().held.total()
     }
 
-    fn take_summary(&self, now: Instant) -> Option<Summary> {
-        let mut g = self.lock();
-        let since = g.since?;
-        let over = now.saturating_duration_since(since);
-        if over < self.period() {
-            return None;
-        }
-        let top = g
-            .suppressed
-            .iter()
-            .max_by_key(|(_, &n)| n)
-            .map(|(&ip, &n)| (ip, n));
-        let count = g.suppressed.values().sum::<u64>() + g.suppressed_other;
-        let peers = g.suppressed.len() + usize::from(g.suppressed_other > 0);
-        g.suppressed.clear();
-        g.suppressed_other = 0;
-        g.since = None;
-        Some(Summary {
-            level: g.worst.take().unwrap_or(log::Level::Warn),
-            count,
-            peers,
-            top,
-            over,
-        })
+    fn take_summary(&self, now: Instant) -> Option<Summary<IpAddr>> {
+        let period = self.period();
+        self.lock().held.take(now, period)
     }
 
     /// Whether a `class` line at `level` about `peer` at `now` may be logged at its level (and
@@ -260,17 +205,7 @@ impl PeerLog {
         if ok {
             g.global_used += 1;
         } else {
-            g.total += 1;
-            g.since.get_or_insert(now);
-            // log::Level orders the most severe first.
-            g.worst = Some(g.worst.map_or(level, |w| w.min(level)));
-            if let Some(n) = g.suppressed.get_mut(&peer) {
-                *n += 1;
-            } else if g.suppressed.len() < MAX_PEERS {
-                g.suppressed.insert(peer, 1);
-            } else {
-                g.suppressed_other += 1;
-            }
+            g.held.note(peer, level, now);
         }
         ok
     }
@@ -397,7 +332,7 @@ mod tests {
             Some(Summary {
                 level: log::Level::Warn,
                 count: 6,
-                peers: 2,
+                sources: 2,
                 top: Some((a, 5)),
                 over: EVERY
             })
@@ -436,18 +371,16 @@ mod tests {
     }
 
     #[test]
-    fn peer_text_never_breaks_a_line() {
-        assert_eq!(
-            escape("a\nERROR forged\r\x1b[31m"),
-            "a\\nERROR forged\\r\\u{1b}[31m"
-        );
-        assert_eq!(escape(&escape("a\nb")), escape("a\nb"), "idempotent");
-        assert_eq!(escape("plain text, ünïcode"), "plain text, ünïcode");
-        assert_eq!(escape("\u{2028}"), "\\u{2028}");
+    fn peer_text_never_breaks_a_line_ends_its_quotes_or_reorders_text() {
         assert_eq!(peer_text("bye"), "\"bye\"");
+        assert_eq!(
+            peer_text("bye\" accepted \"x\u{202e}"),
+            "\"bye\\\" accepted \\\"x\\u{202e}\""
+        );
         let long = "x\n".repeat(500);
         let t = peer_text(&long);
         assert!(!t.contains('\n'), "{t}");
-        assert!(t.ends_with("... (1000 characters)"), "{t}");
+        assert!(t.ends_with("... (1000 bytes in all)"), "{t}");
+        assert_eq!(t.matches('x').count(), PEER_TEXT / 2);
     }
 }
