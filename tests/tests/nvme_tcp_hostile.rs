@@ -381,3 +381,71 @@ fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
     let evicted = t.status()["admission"]["unadmitted"]["evicted"].as_u64();
     assert!(evicted >= Some(2), "{}", t.status()["admission"]);
 }
+
+/// The lines of `log` that the summaries in it say were suppressed.
+fn counted_in_summaries(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("suppressed in the last"))
+        .map(|l| {
+            let (_, tail) = l.split_once("] ").expect("an env_logger line");
+            tail.split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .sum()
+}
+
+/// One address cycling controllers as fast as it can: their lines (admitted, ended) are the
+/// target's session lines, within the per-address budget each period, the rest counted by
+/// summary lines at INFO, as on the native wire (before: two INFO lines per controller, as
+/// many as the peer made).
+#[test]
+fn cycling_controllers_writes_a_bounded_log() {
+    let period = Duration::from_secs(2);
+    let (_d, t, addr) = start(&format!("refusal_log_period_ms = {}", period.as_millis()));
+    let log0 = t.log().len();
+    let n: u64 = 300;
+    let started = Instant::now();
+    for _ in 0..n {
+        let c = Controller::connect(&addr, SUB, HOST, (false, false)).expect("admitted");
+        drop(c);
+    }
+    let is_session_line = |l: &&str| {
+        l.contains("nvme-tcp controller") && (l.contains(" admitted: ") || l.contains(" ended: "))
+    };
+    // Every controller's two lines are logged or counted (a summary comes a period after the
+    // first line it counts).
+    let deadline = Instant::now() + Duration::from_secs(60) + period;
+    let log = loop {
+        let log = t.log();
+        let new = &log[log0..];
+        let logged = new.lines().filter(is_session_line).count() as u64;
+        if logged + counted_in_summaries(new) == 2 * n {
+            break log;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "logged {logged} + counted {} of {}",
+            counted_in_summaries(new),
+            2 * n
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let new = &log[log0..];
+    let periods = (started.elapsed().as_millis() / period.as_millis()) as usize + 1;
+    let logged = new.lines().filter(is_session_line).count();
+    assert!(
+        logged <= periods * 20 && logged >= 2,
+        "{logged} controller lines in {periods} period(s)"
+    );
+    let summaries: Vec<&str> = new
+        .lines()
+        .filter(|l| l.contains("suppressed in the last"))
+        .collect();
+    assert!(
+        !summaries.is_empty() && summaries.iter().all(|l| l.contains(" INFO ")),
+        "{summaries:?}"
+    );
+}

@@ -43,8 +43,10 @@ pub enum NqnError {
     /// No `:name` after the domain, or an empty name.
     #[error("NQN {0:?}: expected \":name\" after the reverse domain")]
     MissingName(String),
-    /// Whitespace or a control character.
-    #[error("NQN {0:?} contains whitespace or a control character")]
+    /// Whitespace, a control character, or a character that hides or reorders text (a
+    /// bidirectional override, a zero-width or other format character:
+    /// [`logline::hidden`](crate::logline::hidden)): an NQN is shown in logs and listings.
+    #[error("NQN {0:?} contains whitespace, a control character or an invisible one")]
     BadChar(String),
     /// The UUID form with a malformed UUID.
     #[error("NQN {0:?}: malformed UUID after \"{UUID_PREFIX}\"")]
@@ -192,7 +194,9 @@ fn validate(s: &str) -> Result<()> {
     if s.len() > MAX_NQN_LEN {
         return Err(NqnError::TooLong { len: s.len() });
     }
-    if s.chars().any(|c| c.is_whitespace() || c.is_control()) {
+    if s.chars()
+        .any(|c| c.is_whitespace() || crate::logline::hidden(c))
+    {
         return Err(NqnError::BadChar(s.to_owned()));
     }
     let Some(rest) = s.strip_prefix("nqn.") else {
@@ -485,10 +489,15 @@ mod tests {
             Nqn::new("nqn.2026-11.io.rpma:a b"),
             Err(NqnError::BadChar(_))
         ));
-        assert!(matches!(
-            Nqn::new("nqn.2026-11.io.rpma:a\n"),
-            Err(NqnError::BadChar(_))
-        ));
+        for bad in [
+            "nqn.2026-11.io.rpma:a\n",
+            "nqn.2026-11.io.rpma:a\u{202e}b",
+            "nqn.2026-11.io.rpma:a\u{200b}b",
+            "nqn.2026-11.io.rpma:\u{2066}a",
+        ] {
+            assert!(matches!(Nqn::new(bad), Err(NqnError::BadChar(_))), "{bad}");
+        }
+        assert!(Nqn::new("nqn.2026-11.io.rpma:ünïcode").is_ok());
         for bad in [
             "nqn.2014-08.org.nvmexpress:uuid:",
             "nqn.2014-08.org.nvmexpress:uuid:0f8fad5b-d9cb-469f-a165-70867728950",

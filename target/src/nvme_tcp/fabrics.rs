@@ -29,7 +29,7 @@ use super::reply::Reply;
 use super::state::{AdminQueue, DiscoveryQueue, Input, IoQueue, Phase, Registration, Then};
 use crate::namespace::OpenNamespace;
 use crate::serve::budget::Pool;
-use crate::serve::{SessionInfo, MIN_KEEP_ALIVE};
+use crate::serve::{LogClass, SessionInfo, MIN_KEEP_ALIVE};
 use crate::subsystem::{admit, Admission};
 
 /// Bytes of Connect data.
@@ -364,16 +364,21 @@ impl Queue {
         };
         reg.hold(namespaces);
         ctx.serve.events.admitted(false);
-        log::info!(
-            "nvme-tcp controller {} admitted: host {} from {} on {}, keep-alive {} ms, {} \
-             namespace(s), volatile write cache {}",
-            ctrl.cntlid,
-            c.host_nqn,
-            self.peer,
-            c.subsystem_nqn,
-            kato.as_millis(),
-            reg.held.len(),
-            if ctrl.vwc { "reported" } else { "none" }
+        env.ctx.serve.peer_log.log(
+            self.peer.ip(),
+            LogClass::Session,
+            log::Level::Info,
+            format_args!(
+                "nvme-tcp controller {} admitted: host {} from {} on {}, keep-alive {} ms, {} \
+                 namespace(s), volatile write cache {}",
+                ctrl.cntlid,
+                c.host_nqn,
+                self.peer,
+                c.subsystem_nqn,
+                kato.as_millis(),
+                reg.held.len(),
+                if ctrl.vwc { "reported" } else { "none" }
+            ),
         );
         // Out of the unadmitted pool: it counts against max_connections now.
         self.ticket = None;

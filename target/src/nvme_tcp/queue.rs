@@ -32,7 +32,7 @@ use super::state::{Input, Phase, Then, Transfer, Wait};
 use super::Ctx;
 use crate::flusher::FlushTarget;
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
-use crate::serve::{budget::Ticket, LoopTx};
+use crate::serve::{budget::Ticket, LogClass, LoopTx};
 
 /// MAXH2CDATA offered in the ICResp: the most data per H2CData PDU, so the most a queue buffers.
 pub const MAXH2CDATA: u32 = 64 * 1024;
@@ -338,12 +338,15 @@ impl Queue {
                     .info
                     .expired
                     .store(true, std::sync::atomic::Ordering::Relaxed);
-                log::warn!(
-                    "nvme-tcp controller {} (host {} from {}): keep-alive expired ({kato} ms \
-                     without a Keep Alive): closing its queues",
-                    a.ctrl.cntlid,
-                    a.ctrl.host,
-                    self.peer
+                env.ctx.serve.peer_log.log(
+                    self.peer.ip(),
+                    LogClass::Session,
+                    log::Level::Warn,
+                    format_args!(
+                        "nvme-tcp controller {} (host {} from {}): keep-alive expired ({kato} \
+                         ms without a Keep Alive): closing its queues",
+                        a.ctrl.cntlid, a.ctrl.host, self.peer
+                    ),
                 );
                 self.end(EndReason::KeepAlive, env);
                 self.close(env);
@@ -409,13 +412,18 @@ impl Queue {
             return;
         }
         env.ctx.serve.events.ended(why);
-        log::info!(
-            "nvme-tcp controller {} (host {} from {}) on {} ended: {}",
-            a.ctrl.cntlid,
-            a.ctrl.host,
-            self.peer,
-            a.ctrl.subsystem,
-            why.name()
+        env.ctx.serve.peer_log.log(
+            self.peer.ip(),
+            LogClass::Session,
+            log::Level::Info,
+            format_args!(
+                "nvme-tcp controller {} (host {} from {}) on {} ended: {}",
+                a.ctrl.cntlid,
+                a.ctrl.host,
+                self.peer,
+                a.ctrl.subsystem,
+                why.name()
+            ),
         );
     }
 

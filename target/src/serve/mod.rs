@@ -55,6 +55,7 @@ mod shared;
 
 pub use crate::seam::{Error, Result};
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
+pub(crate) use peer_log::Class as LogClass;
 pub(crate) use session_info::{SessionCounts, SessionInfo};
 pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, Shared};
 pub use shared::{LINGER, MIN_KEEP_ALIVE};
