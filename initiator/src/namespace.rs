@@ -9,6 +9,8 @@
 
 use std::ops::Range;
 
+use smallvec::SmallVec;
+
 use rpma_common::fabric::{RemoteAddr, SendOp};
 use rpma_common::proto::NamespaceDescriptor;
 
@@ -19,12 +21,16 @@ use crate::queue::{OnLoss, Queue};
 use crate::writebuf::{Data, WriteBuf};
 
 /// The items of a batch call, to be copied into bounce slots.
-fn copied<'a>(items: &[(u64, &'a [u8])]) -> Vec<(u64, Data<'a>)> {
+/// A batch call's items as the queue takes them: inline for a few (a QD1 call allocates
+/// nothing).
+type Items<'a> = SmallVec<[(u64, Data<'a>); 4]>;
+
+fn copied<'a>(items: &[(u64, &'a [u8])]) -> Items<'a> {
     items.iter().map(|&(o, b)| (o, Data::Bytes(b))).collect()
 }
 
 /// The items of a batch call from write buffers, checked.
-fn bufs<'a>(items: &[(u64, &'a WriteBuf, Range<usize>)]) -> Result<Vec<(u64, Data<'a>)>> {
+fn bufs<'a>(items: &[(u64, &'a WriteBuf, Range<usize>)]) -> Result<Items<'a>> {
     items
         .iter()
         .map(|(o, b, r)| Ok((*o, from_buf(b, r.clone())?)))
@@ -173,7 +179,7 @@ impl<'q> Namespace<'q> {
         }
         let idx = self.idx;
         self.q.run(OnLoss::Rerun, |q| {
-            q.post_writes(idx, items, Vec::new())?;
+            q.post_writes(idx, items, [])?;
             q.drain()
         })
     }
@@ -505,7 +511,7 @@ impl<'q> Namespace<'q> {
             items
                 .iter()
                 .map(|(off, b)| (*off, off + b.len() as u64))
-                .collect(),
+                .collect::<crate::pool::Ranges>(),
         );
         let idx = self.idx;
         self.q.run(OnLoss::Rerun, |q| {

@@ -16,6 +16,7 @@ use std::collections::{BTreeMap, HashMap};
 use std::sync::Arc;
 
 use rpma_common::fabric::{self, Access, AlignedBuf, MemoryRegion, ProtectionDomain, Sge};
+use smallvec::SmallVec;
 
 use self::ext::Callers;
 use self::register::register;
@@ -129,19 +130,28 @@ impl WriteRec {
     }
 }
 
+/// A few `[start, end)` ranges, inline (a durable call's own: no allocation).
+pub(crate) type Ranges = SmallVec<[(u64, u64); 4]>;
+
 /// `ranges` (`[start, end)` each) sorted, overlapping and adjacent ones merged; empty ones
 /// dropped.
-pub(crate) fn merge_ranges(mut ranges: Vec<(u64, u64)>) -> Vec<(u64, u64)> {
+pub(crate) fn merge_ranges(mut ranges: Ranges) -> Ranges {
     ranges.retain(|r| r.0 < r.1);
     ranges.sort_unstable();
-    let mut merged: Vec<(u64, u64)> = Vec::with_capacity(ranges.len());
-    for (lo, hi) in ranges {
-        match merged.last_mut() {
+    // Merged in place: `kept` ranges so far, each next one joins the last or follows it.
+    let mut kept = 0usize;
+    for i in 0..ranges.len() {
+        let (lo, hi) = ranges[i];
+        match kept.checked_sub(1).map(|k| &mut ranges[k]) {
             Some(last) if lo <= last.1 => last.1 = last.1.max(hi),
-            _ => merged.push((lo, hi)),
+            _ => {
+                ranges[kept] = (lo, hi);
+                kept += 1;
+            }
         }
     }
-    merged
+    ranges.truncate(kept);
+    ranges
 }
 
 /// The bounce buffers of one queue.
@@ -529,8 +539,8 @@ impl Pool {
 
     /// The ranges `[start, end)` of namespace `ns` that held or writing writes cover, sorted,
     /// overlapping and adjacent ones merged.
-    pub(crate) fn held_ranges(&self, ns: usize) -> Vec<(u64, u64)> {
-        let all: Vec<(u64, u64)> = self
+    pub(crate) fn held_ranges(&self, ns: usize) -> Ranges {
+        let all: Ranges = self
             .writes()
             .filter(|(w, _)| w.ns == ns)
             .map(|(w, _)| (w.offset, w.offset + w.len as u64))
@@ -567,7 +577,7 @@ impl Pool {
     pub(crate) fn release_held(&mut self, ns: usize, start: u64, end: u64, all: bool) -> usize {
         // The namespace's writes in post order; each one is judged after every older one, so
         // one pass settles it (keeping one write may keep a newer one over it).
-        let mut mine: Vec<(WriteRec, usize, bool)> = self
+        let mut mine: SmallVec<[(WriteRec, usize, bool); 8]> = self
             .writes()
             .filter(|(w, _)| w.ns == ns)
             .map(|(w, i)| {

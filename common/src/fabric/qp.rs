@@ -205,7 +205,8 @@ impl QueuePair {
     /// Those of [`post_send`](Self::post_send), for the first request refused;
     /// [`Error::QueueFull`] if the send queue has no room for all of them.
     pub fn post_send_list(&self, wrs: impl IntoIterator<Item = SendWr>) -> Result<()> {
-        let mut list: Vec<Option<SendWr>> = wrs.into_iter().map(Some).collect();
+        // Inline for the short lists of the data path (a request and its Flush): no allocation.
+        let mut list: smallvec::SmallVec<[Option<SendWr>; 4]> = wrs.into_iter().map(Some).collect();
         self.inner.engine.post_sends(&mut list)
     }
 

@@ -198,8 +198,8 @@ fn slots_cycle_and_held_writes_are_released_by_range() {
     assert_eq!(p.count(|s| matches!(s, Slot::Held(_))), 3);
     assert_eq!(p.in_flight(), 0, "held writes are not in flight");
     // The ranges a persist of the held writes covers, per namespace: apart, not their span.
-    assert_eq!(p.held_ranges(0), vec![(0, 4096), (8192, 12288)]);
-    assert_eq!(p.held_ranges(1), vec![(0, 4096)]);
+    assert_eq!(p.held_ranges(0).to_vec(), vec![(0, 4096), (8192, 12288)]);
+    assert_eq!(p.held_ranges(1).to_vec(), vec![(0, 4096)]);
     assert!(p.held_ranges(2).is_empty());
     // Only namespace 0's write inside [0, 4096).
     assert_eq!(p.release_held(0, 0, 4096, false), 1);
@@ -225,16 +225,29 @@ fn slots_cycle_and_held_writes_are_released_by_range() {
 #[test]
 fn ranges_merge_when_they_overlap_or_touch_and_stay_apart_otherwise() {
     assert_eq!(
-        merge_ranges(vec![
+        merge_ranges(Ranges::from_vec(vec![
             (8192, 12288),
             (0, 4096),
             (4096, 4608),
             (100, 200),
             (9000, 9000)
-        ]),
+        ]))
+        .to_vec(),
         vec![(0, 4608), (8192, 12288)]
     );
-    assert!(merge_ranges(vec![(5, 5)]).is_empty());
+    assert!(merge_ranges(Ranges::from_vec(vec![(5, 5)])).is_empty());
+    assert_eq!(
+        merge_ranges(Ranges::from_vec(vec![
+            (0, 10),
+            (2, 3),
+            (10, 12),
+            (20, 30),
+            (25, 40)
+        ]))
+        .to_vec(),
+        vec![(0, 12), (20, 40)],
+        "one inside another, touching, overlapping"
+    );
 }
 
 #[test]

@@ -442,7 +442,7 @@ impl Queue {
         &mut self,
         idx: usize,
         items: &[(u64, Data<'_>)],
-        tail: Vec<SendWr>,
+        tail: impl IntoIterator<Item = SendWr>,
     ) -> Result<()> {
         self.engine.post_writes(&self.persister, idx, items, tail)
     }

@@ -6,6 +6,7 @@
 
 use rpma_common::fabric::{SendOp, SendWr};
 use rpma_common::proto::{DurabilityMethods, FlushStatus, NamespaceDescriptor, PersistenceDomain};
+use smallvec::SmallVec;
 
 use super::engine::{Engine, MakeRoom};
 use crate::checks::check_healthy;
@@ -255,12 +256,12 @@ impl Persister {
         ns: usize,
         ranges: &[(u64, u64)],
         choice: Choice,
-    ) -> Vec<(&'static str, SendWr)> {
+    ) -> SmallVec<[(&'static str, SendWr); 2]> {
         let one = matches!(
             choice,
             Choice::VisibleOnly | Choice::Method(PersistMethod::Apm)
         );
-        let mut out = Vec::new();
+        let mut out = SmallVec::new();
         for &(lo, hi) in ranges {
             if let Some((what, op)) = Self::persist_request(e, ns, lo, hi - lo, choice) {
                 out.push((what, e.waited_wr(op)));
@@ -323,13 +324,14 @@ impl Persister {
         choice: Choice,
     ) -> Result<crate::Durability> {
         if choice == Choice::Method(PersistMethod::Gpspm) {
-            e.post_writes(self, ns, items, Vec::new())?;
+            e.post_writes(self, ns, items, [])?;
             e.drain()?;
             return self.gpspm_ranges(e, ns, ranges);
         }
         let reqs = Self::persist_requests(e, ns, ranges, choice);
-        let ids: Vec<(&'static str, u64)> = reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
-        e.post_writes(self, ns, items, reqs.into_iter().map(|(_, r)| r).collect())?;
+        let ids: SmallVec<[(&'static str, u64); 2]> =
+            reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
+        e.post_writes(self, ns, items, reqs.into_iter().map(|(_, r)| r))?;
         Self::await_persisted(e, ns, ranges, choice, &ids)
     }
 

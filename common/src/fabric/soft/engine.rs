@@ -194,7 +194,7 @@ impl Engine {
     /// Writes what is queued, at most `budget` bytes: the rest waits for the next progress
     /// call, after the other queue pairs of the completion queue had their turn.
     pub(super) fn write(&mut self, conn: &mut Conn, budget: usize) {
-        let mut done: Vec<OnSent> = Vec::new();
+        let mut done: smallvec::SmallVec<[OnSent; 8]> = smallvec::SmallVec::new();
         let r = self.tx.flush(&mut conn.sock, budget, |o| done.push(o));
         for o in done {
             match o {
@@ -288,7 +288,7 @@ impl Engine {
             .terminated(status::terminate_cause(f.cause, f.persist.is_some()));
         let hdr = Header::untagged(Opcode::Terminate, 1, true);
         let body = t.encode();
-        self.tx.push_inline(hdr, body, OnSent::Nothing);
+        self.tx.push_inline(hdr, &body, OnSent::Nothing);
         self.closing = true;
         if let (Some(st), Some(cur)) = (f.recv_status, self.cur_recv.take()) {
             let c = self.recv_completion(cur.entry.wr_id, st, 0);

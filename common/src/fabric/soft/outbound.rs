@@ -37,8 +37,12 @@ pub(crate) enum Src {
     /// `len` bytes of registered memory at `offset` (kept alive by the Arc).
     Mem { region: Arc<Region>, offset: usize },
     /// A control body (one segment).
-    Inline(Vec<u8>),
+    Inline(InlineBody),
 }
+
+/// A control message's body (a Read or Flush Request, a Flush's answer, a Terminate): inline
+/// up to 32 bytes, so that a request's own messages allocate nothing.
+pub(crate) type InlineBody = smallvec::SmallVec<[u8; 32]>;
 
 /// What to do when a message has been fully written.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -94,7 +98,7 @@ enum Payload {
         slice: VolatileSlice<'static>,
         _keep: Arc<Region>,
     },
-    Inline(Vec<u8>),
+    Inline(InlineBody),
 }
 
 /// One FPDU ready to go: framing, and its payload from memory or inline.
@@ -176,11 +180,11 @@ impl Tx {
     }
 
     /// Queues a control message (`body` in one FPDU).
-    pub(crate) fn push_inline(&mut self, hdr: Header, body: Vec<u8>, on_sent: OnSent) {
+    pub(crate) fn push_inline(&mut self, hdr: Header, body: &[u8], on_sent: OnSent) {
         let len = body.len();
         self.push(TxMsg {
             hdr,
-            src: Src::Inline(body),
+            src: Src::Inline(InlineBody::from_slice(body)),
             len,
             on_sent,
         });
@@ -241,7 +245,7 @@ impl Tx {
                         // Under ThreadSanitizer the kernel's read of registered memory (writev)
                         // would be a plain access: the payload is copied out atomically here
                         // instead (rpma_common::volatile, "Under ThreadSanitizer").
-                        let mut b = vec![0u8; s.len()];
+                        let mut b = InlineBody::from_elem(0, s.len());
                         s.read_at(0, &mut b).expect("inside the slice");
                         let framing = Framing::new(&hdr, n, [&b[..]], crc);
                         (Payload::Inline(b), framing)
@@ -408,7 +412,7 @@ mod tests {
                 on_sent: OnSent::Complete(1),
             });
             let send = Header::untagged(Opcode::Send, 1, true);
-            tx.push_inline(send, b"hello".to_vec(), OnSent::Complete(2));
+            tx.push_inline(send, b"hello", OnSent::Complete(2));
             let (mut a, mut b) = socket_pair();
             let mut done = Vec::new();
             assert!(tx.flush(&mut a, usize::MAX, |o| done.push(o)).unwrap());
@@ -438,7 +442,7 @@ mod tests {
         let mut tx = Tx::new(true, 128);
         for i in 0..3 {
             let h = Header::untagged(Opcode::Send, i + 1, true);
-            tx.push_inline(h, vec![i as u8; 40], OnSent::Complete(i as u64));
+            tx.push_inline(h, &[i as u8; 40], OnSent::Complete(i as u64));
         }
         tx.cut();
         assert_eq!(tx.ready.len(), 3);

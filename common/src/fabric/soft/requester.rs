@@ -192,8 +192,8 @@ impl Engine {
                 } else {
                     Opcode::ImmediateData
                 });
-                let body = (imm as u64).to_be_bytes().to_vec();
-                self.tx.push_inline(hdr, body, OnSent::Complete(seq));
+                let body = (imm as u64).to_be_bytes();
+                self.tx.push_inline(hdr, &body, OnSent::Complete(seq));
                 Pending::Sending
             }
             SendOp::Send { local } => {
@@ -231,8 +231,8 @@ impl Engine {
                     src_to: remote.addr,
                 };
                 let hdr = self.untagged(Opcode::ReadRequest);
-                let body = rr.encode().to_vec();
-                self.tx.push_inline(hdr, body, OnSent::Nothing);
+                let body = rr.encode();
+                self.tx.push_inline(hdr, &body, OnSent::Nothing);
                 self.in_flight.push_back(seq);
                 Pending::Read {
                     sink: local,
@@ -247,7 +247,7 @@ impl Engine {
             } => {
                 let id = self.req_id();
                 let ar = AtomicRequest::compare_swap(id, remote.rkey, remote.addr, compare, swap);
-                self.push_request(Opcode::AtomicRequest, ar.encode().to_vec(), seq);
+                self.push_request(Opcode::AtomicRequest, &ar.encode(), seq);
                 Pending::Atomic {
                     req_id: id,
                     result: local,
@@ -256,7 +256,7 @@ impl Engine {
             SendOp::FetchAdd { local, remote, add } => {
                 let id = self.req_id();
                 let ar = AtomicRequest::fetch_add(id, remote.rkey, remote.addr, add);
-                self.push_request(Opcode::AtomicRequest, ar.encode().to_vec(), seq);
+                self.push_request(Opcode::AtomicRequest, &ar.encode(), seq);
                 Pending::Atomic {
                     req_id: id,
                     result: local,
@@ -270,7 +270,7 @@ impl Engine {
                     to: remote.addr,
                     data: value.to_ne_bytes(),
                 };
-                self.push_request(Opcode::AtomicWriteRequest, aw.encode().to_vec(), seq);
+                self.push_request(Opcode::AtomicWriteRequest, &aw.encode(), seq);
                 Pending::Private {
                     req_id: id,
                     request: Opcode::AtomicWriteRequest,
@@ -295,7 +295,7 @@ impl Engine {
                     placement,
                     selectivity,
                 };
-                self.push_request(Opcode::FlushRequest, fr.encode().to_vec(), seq);
+                self.push_request(Opcode::FlushRequest, &fr.encode(), seq);
                 Pending::Private {
                     req_id: id,
                     request: Opcode::FlushRequest,
@@ -307,7 +307,7 @@ impl Engine {
         }
     }
 
-    pub(super) fn push_request(&mut self, opcode: Opcode, body: Vec<u8>, seq: u64) {
+    pub(super) fn push_request(&mut self, opcode: Opcode, body: &[u8], seq: u64) {
         let hdr = self.untagged(opcode);
         self.tx.push_inline(hdr, body, OnSent::Nothing);
         self.in_flight.push_back(seq);

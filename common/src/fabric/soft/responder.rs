@@ -186,7 +186,7 @@ impl Engine {
         self.in_flight.pop_front();
     }
 
-    pub(super) fn respond(&mut self, opcode: Opcode, body: Vec<u8>) {
+    pub(super) fn respond(&mut self, opcode: Opcode, body: &[u8]) {
         let hdr = Header::untagged(opcode, self.resp_msn, true);
         self.resp_msn = self.resp_msn.wrapping_add(1);
         self.tx.push_inline(hdr, body, OnSent::ResponseDone);
@@ -271,7 +271,7 @@ impl Engine {
                     req_id: ar.req_id,
                     original,
                 };
-                self.respond(Opcode::AtomicResponse, resp.encode().to_vec());
+                self.respond(Opcode::AtomicResponse, &resp.encode());
                 self.counting.atomic(ar.stag);
             }
             Body::AtomicWriteRequest(aw) => {
@@ -294,7 +294,7 @@ impl Engine {
                     req_id: aw.req_id,
                     request: Opcode::AtomicWriteRequest,
                 };
-                self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
+                self.respond(Opcode::PrivateResponse, &resp.encode());
                 self.counting.atomic(aw.stag);
             }
             Body::FlushRequest(fr) => {
@@ -353,7 +353,7 @@ impl Engine {
                     req_id: fr.req_id,
                     request: Opcode::FlushRequest,
                 };
-                self.respond(Opcode::PrivateResponse, resp.encode().to_vec());
+                self.respond(Opcode::PrivateResponse, &resp.encode());
                 self.counting.flush(stag, true);
             }
             Body::AtomicResponse(ar) => {

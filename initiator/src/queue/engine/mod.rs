@@ -43,6 +43,10 @@ use crate::pool::{Kind, Pool, Slot, WriteRec};
 use crate::session::Session;
 use crate::writebuf::Data;
 
+/// Requests posted behind one doorbell: inline for a few (a durable write and its Flush
+/// allocate nothing).
+pub(super) type SendList = smallvec::SmallVec<[SendWr; 4]>;
+
 mod lost;
 mod place;
 mod post;
@@ -210,7 +214,7 @@ impl Engine {
     }
 
     /// The sorted, merged ranges of namespace `ns` that held or posted writes cover.
-    pub(super) fn held_ranges(&self, ns: usize) -> Vec<(u64, u64)> {
+    pub(super) fn held_ranges(&self, ns: usize) -> crate::pool::Ranges {
         self.pool.held_ranges(ns)
     }
 
@@ -363,7 +367,7 @@ impl Engine {
     ) -> Result<(usize, bool)> {
         // Started requests go out before any wait for completions (and a placement probe
         // behind them, when one is due).
-        self.post_list(Vec::new())?;
+        self.post_list(SendList::new())?;
         // An idle queue, too, enters the replay order soon after another queue came.
         self.pool.keep_order();
         self.probe_if_due()?;
@@ -454,10 +458,10 @@ impl Engine {
         room: &(impl MakeRoom + ?Sized),
         idx: usize,
         items: &[(u64, Data<'_>)],
-        tail: Vec<SendWr>,
+        tail: impl IntoIterator<Item = SendWr>,
     ) -> Result<()> {
         let chunk = self.pool.chunk();
-        let mut pending = Vec::new();
+        let mut pending = SendList::new();
         for (off, data) in items {
             for (i, piece) in data.pieces(chunk).enumerate() {
                 let slot = match self.pool.take_free() {

@@ -7,7 +7,9 @@
 
 use rpma_common::fabric::{QpState, SendOp, SendWr};
 
-use super::{Engine, KIND_MASK, KIND_READ, KIND_WRITE};
+use smallvec::SmallVec;
+
+use super::{Engine, SendList, KIND_MASK, KIND_READ, KIND_WRITE};
 use crate::error::{Error, LossReason, Result};
 use crate::pool::Slot;
 use crate::session::Session;
@@ -19,18 +21,14 @@ impl Engine {
     /// ([`deferred_that_fit`](Self::deferred_that_fit)). If the post is refused for another
     /// reason than a lost connection, the slots of its Writes and started Reads are freed
     /// (nothing was posted).
-    pub(super) fn post_list(&mut self, mut wrs: Vec<SendWr>) -> Result<()> {
+    pub(super) fn post_list(&mut self, mut wrs: SendList) -> Result<()> {
         if !self.deferred.is_empty() {
             let go = if wrs.is_empty() {
                 self.deferred_that_fit()
             } else {
                 self.deferred.len()
             };
-            let mut all: Vec<SendWr> = if go == self.deferred.len() {
-                std::mem::take(&mut self.deferred)
-            } else {
-                self.deferred.drain(..go).collect()
-            };
+            let mut all: SendList = self.deferred.drain(..go).collect();
             all.append(&mut wrs);
             wrs = all;
         }
@@ -39,7 +37,7 @@ impl Engine {
         }
         // The slots of its Writes and Reads, to free if the post is refused, and how many of
         // each, to count (no allocation without any).
-        let (mut slots, mut writes, mut reads) = (Vec::new(), 0, 0);
+        let (mut slots, mut writes, mut reads) = (SmallVec::<[usize; 4]>::new(), 0, 0);
         for w in &wrs {
             match w.wr_id & KIND_MASK {
                 KIND_WRITE => writes += 1,
@@ -121,7 +119,7 @@ impl Engine {
     /// Flush): directly when no started request waits to go first, else behind them.
     pub(super) fn post_one(&mut self, wr: SendWr) -> Result<()> {
         if !self.deferred.is_empty() {
-            return self.post_list(vec![wr]);
+            return self.post_list(smallvec::smallvec![wr]);
         }
         let read = wr.wr_id & KIND_MASK == KIND_READ;
         self.doorbells += 1;

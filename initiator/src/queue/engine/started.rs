@@ -187,7 +187,7 @@ impl Engine {
         loop {
             if !self.started_done.is_empty() {
                 out.append(&mut self.started_done);
-                self.post_list(Vec::new())?;
+                self.post_list(super::SendList::new())?;
                 return Ok(false);
             }
             if self.pool.number(Kind::StartedOutstanding) == 0 {
