@@ -495,3 +495,52 @@ fn refusals_from_many_addresses_add_a_bounded_volume() {
     s.unchanged("refusals from many addresses");
     s.finish();
 }
+
+/// TCP port probes and health checks (connect, close without a byte), many of them from one
+/// address: counted as abandoned handshakes, never a warning (before: "bad MPA Request:
+/// connection closed during MPA Request" at WARN once a minute per checker, an alarm for a
+/// load balancer's check); a peer that sends part of a Request and closes is still one.
+#[test]
+fn port_probes_are_counted_not_warned_about() {
+    let mut s = Suite::start("");
+    let src = Ipv4Addr::new(127, 0, 4, 1);
+    let abandoned = |s: &Suite| {
+        s.t.status()["metrics"]["handshakes_failed"]["abandoned"]
+            .as_u64()
+            .unwrap()
+    };
+    let before = abandoned(&s);
+    let log0 = s.t.log().len();
+    let n = 50;
+    for _ in 0..n {
+        drop(rpma_tests::tcp_from(s.port(), src, WAIT));
+    }
+    let deadline = Instant::now() + WAIT;
+    while abandoned(&s) < before + n {
+        assert!(Instant::now() < deadline, "not every probe counted");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let log = s.t.log();
+    let warned: Vec<&str> = log[log0..]
+        .lines()
+        .filter(|l| l.contains("127.0.4.1") && !l.contains(" DEBUG "))
+        .collect();
+    assert!(warned.is_empty(), "{warned:?}");
+    // A peer that starts a Request and breaks off is not a probe: one warning for it.
+    let bad = Ipv4Addr::new(127, 0, 4, 2);
+    {
+        use std::io::Write;
+        let mut t = rpma_tests::tcp_from(s.port(), bad, WAIT);
+        t.write_all(b"MPA ID Req").unwrap();
+    }
+    let deadline = Instant::now() + WAIT;
+    while !s.t.log()[log0..]
+        .lines()
+        .any(|l| l.contains("127.0.4.2") && l.contains(" WARN "))
+    {
+        assert!(Instant::now() < deadline, "no warning for a broken Request");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    s.unchanged("port probes");
+    s.finish();
+}

@@ -72,6 +72,13 @@ pub enum Error {
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
+    /// The peer closed the connection before sending a byte of its MPA Request: a TCP port
+    /// probe or health check (`nc -z`, a load balancer's check), not a failed handshake.
+    #[error("{peer} closed the connection before sending anything")]
+    ClosedBeforeRequest {
+        /// The peer address.
+        peer: String,
+    },
     /// The peer rejected the connection (MPA Reply with the reject flag).
     #[error("connection rejected by {peer}")]
     Rejected {

@@ -237,6 +237,15 @@ impl AcceptLoop {
                 );
                 None
             }
+            Err(e @ fabric::Error::ClosedBeforeRequest { .. }) => {
+                // A port probe or health check: counted as a handshake the peer broke off (as
+                // the NVMe/TCP listener counts one that closes before its ICReq), not a warning.
+                self.shared
+                    .events
+                    .handshake_failed(crate::metrics::HandshakeFailure::Abandoned);
+                log::debug!("{}", rpma_common::error_chain(&e));
+                None
+            }
             Err(e) => {
                 log::debug!("{peer}: {}", rpma_common::error_chain(&e));
                 None

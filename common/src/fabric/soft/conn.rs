@@ -306,6 +306,11 @@ impl Incoming {
             }
             let want = (total - self.got).min(tmp.len());
             match self.stream.read(&mut tmp[..want]) {
+                Ok(0) if self.got == 0 => {
+                    return Err(Error::ClosedBeforeRequest {
+                        peer: self.peer.to_string(),
+                    })
+                }
                 Ok(0) => {
                     return Err(handshake_err(
                         self.peer,
@@ -525,16 +530,46 @@ mod tests {
         assert!(chain(&e).contains("bad MPA key"), "{}", chain(&e));
     }
 
+    /// Polls `inc` until its peer's Request is whole or the poll fails (the peer's bytes and
+    /// its close arrive when they do: no fixed wait).
+    fn poll_until_done(mut inc: Incoming) -> Result<Progress> {
+        loop {
+            match inc.poll_request() {
+                Ok(Progress::Incomplete(i)) => {
+                    inc = i;
+                    std::thread::yield_now();
+                }
+                done => return done,
+            }
+        }
+    }
+
     #[test]
-    fn incoming_from_a_peer_that_closes_is_an_error() {
+    fn a_peer_that_closes_before_sending_anything_is_a_probe() {
         let (l, addr) = listen();
         drop(TcpStream::connect(addr).unwrap());
         let inc = l.accept_incoming().unwrap().unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        let e = match inc.poll_request() {
+        let e = match poll_until_done(inc) {
             Err(e) => e,
             Ok(_) => panic!("a closed peer is not a request"),
         };
+        assert!(matches!(e, Error::ClosedBeforeRequest { .. }), "{e:?}");
+        assert!(chain(&e).contains("before sending anything"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_that_closes_within_its_request_is_a_failed_handshake() {
+        let (l, addr) = listen();
+        {
+            let mut s = TcpStream::connect(addr).unwrap();
+            s.write_all(b"MPA ID Req").unwrap();
+        }
+        let inc = l.accept_incoming().unwrap().unwrap();
+        let e = match poll_until_done(inc) {
+            Err(e) => e,
+            Ok(_) => panic!("a closed peer is not a request"),
+        };
+        assert!(matches!(e, Error::Handshake { .. }), "{e:?}");
         assert!(
             chain(&e).contains("connection closed during MPA Request"),
             "{e}"
