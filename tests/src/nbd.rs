@@ -59,6 +59,18 @@ impl Export {
 
     /// [`start`](Self::start) with the target at `url` (a relay's, say).
     pub fn start_via(t: &Target, url: &str, nsid: u32, tag: &str, args: &[&str]) -> Export {
+        Export::start_logging(t, url, nsid, tag, args, "info")
+    }
+
+    /// [`start_via`](Self::start_via) logging at `level` (`RUST_LOG`).
+    pub fn start_logging(
+        t: &Target,
+        url: &str,
+        nsid: u32,
+        tag: &str,
+        args: &[&str],
+        level: &str,
+    ) -> Export {
         let dir = t.dir();
         let sock = dir.join(format!("{tag}.sock"));
         let log = dir.join(format!("{tag}.log"));
@@ -80,7 +92,7 @@ impl Export {
         let child = Command::new(built("rpma-initiator"))
             .args(&a)
             .env("NOTIFY_SOCKET", &notify_path)
-            .env("RUST_LOG", "info")
+            .env("RUST_LOG", level)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())

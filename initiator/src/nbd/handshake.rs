@@ -61,6 +61,9 @@ pub(crate) enum Outcome {
     Transmission { strict: bool },
     /// The client aborted.
     Aborted,
+    /// The client closed before sending a byte (its greeting may not even have been
+    /// delivered): a TCP port probe or health check, not a failed handshake.
+    Probe,
 }
 
 /// Greets the client and answers its options until it enters the transmission phase, which
@@ -76,9 +79,23 @@ pub(crate) fn negotiate<S: ClientStream>(
     within: Duration,
 ) -> Result<Outcome, ConnError> {
     let deadline = Instant::now() + within;
-    s.write_all(&greeting())?;
+    let gone = |e: &std::io::Error| {
+        matches!(
+            e.kind(),
+            ErrorKind::BrokenPipe | ErrorKind::ConnectionReset | ErrorKind::UnexpectedEof
+        )
+    };
     let mut f = [0u8; 4];
-    read_by(s, &mut f, deadline, within)?;
+    // A peer gone before its first byte (the greeting refused, or its flags never begun).
+    match s.write_all(&greeting()) {
+        Err(e) if gone(&e) => return Ok(Outcome::Probe),
+        r => r?,
+    }
+    match read_by(s, &mut f[..1], deadline, within) {
+        Err(ConnError::Io(e)) if gone(&e) => return Ok(Outcome::Probe),
+        r => r?,
+    }
+    read_by(s, &mut f[1..], deadline, within)?;
     let client = u32::from_be_bytes(f);
     if client & !(FLAG_C_FIXED_NEWSTYLE | FLAG_C_NO_ZEROES) != 0 {
         return Err(ConnError::Protocol(format!(
@@ -383,6 +400,27 @@ mod tests {
         a.read_exact(&mut g).unwrap();
         a.write_all(&4u32.to_be_bytes()).unwrap();
         assert!(matches!(t.join().unwrap(), Err(ConnError::Protocol(_))));
+        // A client gone before its first byte (a port probe), whether or not the greeting
+        // reached it: no failed handshake.
+        let (a, mut b) = pair();
+        drop(a);
+        assert_eq!(
+            negotiate(&mut b, &export(), within).unwrap(),
+            Outcome::Probe
+        );
+        let (mut a, mut b) = pair();
+        let t = std::thread::spawn(move || negotiate(&mut b, &export(), within));
+        a.read_exact(&mut g).unwrap();
+        drop(a);
+        assert_eq!(t.join().unwrap().unwrap(), Outcome::Probe);
+        // One that closes within its flags broke the handshake.
+        let (mut a, mut b) = pair();
+        let t = std::thread::spawn(move || negotiate(&mut b, &export(), within));
+        a.read_exact(&mut g).unwrap();
+        a.write_all(&[0, 0]).unwrap();
+        drop(a);
+        let r = t.join().unwrap();
+        assert!(matches!(&r, Err(ConnError::Io(_))), "{r:?}");
         // A client that dribbles: the whole handshake has a deadline, not each read.
         let (mut a, mut b) = pair();
         let start = Instant::now();

@@ -376,6 +376,13 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
             debug!("nbd: client {id} aborted the handshake");
             return;
         }
+        Outcome::Probe => {
+            debug!(
+                "nbd: client {id} ({}) closed before its handshake (a port probe)",
+                peer.name
+            );
+            return;
+        }
         Outcome::Transmission { strict } => strict,
     };
     if !slot.entered_transmission() {

@@ -72,6 +72,8 @@ pub fn handshake(data: &[u8]) {
     }
     match outcome {
         Ok(Outcome::Aborted) => assert_eq!((last, rest.len()), (Some((OPT_ABORT, REP_ACK)), 0)),
+        // Only a client that sent nothing is a probe.
+        Ok(Outcome::Probe) => assert!(data.is_empty() && last.is_none()),
         Ok(Outcome::Transmission { .. }) if rest.is_empty() => {
             assert_eq!(last, Some((OPT_GO, REP_ACK)));
         }
