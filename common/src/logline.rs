@@ -21,16 +21,30 @@ use std::time::{Duration, Instant};
 use log::Level;
 
 /// Characters a log line must not carry raw: they end the line, drive a terminal, or reorder,
-/// join or hide the text around them.
+/// join or hide the text around them. Controls, the line and paragraph separators and
+/// interlinear annotations, and every default-ignorable code point of Unicode (its
+/// DerivedCoreProperties: the bidirectional marks, embeddings, overrides and isolates,
+/// zero-width characters, joiners, variation selectors, fillers, tag characters...).
 pub fn hidden(c: char) -> bool {
     c.is_control()
         || matches!(c,
-            '\u{ad}'                     // soft hyphen
-            | '\u{200b}'..='\u{200f}'    // zero-width, LRM/RLM
-            | '\u{2028}'..='\u{202e}'    // line/paragraph separators, bidi embeddings/overrides
-            | '\u{2060}'..='\u{206f}'    // word joiner, bidi isolates, invisible operators
-            | '\u{feff}'                 // byte order mark
-            | '\u{fff9}'..='\u{fffb}') // interlinear annotations
+            '\u{ad}'                         // soft hyphen
+            | '\u{34f}'                      // combining grapheme joiner
+            | '\u{61c}'                      // Arabic letter mark (a bidi mark)
+            | '\u{115f}'..='\u{1160}'        // Hangul fillers
+            | '\u{17b4}'..='\u{17b5}'        // Khmer inherent vowels
+            | '\u{180b}'..='\u{180f}'        // Mongolian selectors, vowel separator
+            | '\u{200b}'..='\u{200f}'        // zero-width, joiners, LRM/RLM
+            | '\u{2028}'..='\u{202e}'        // line/paragraph separators, bidi embeddings/overrides
+            | '\u{2060}'..='\u{206f}'        // word joiner, bidi isolates, invisible operators
+            | '\u{3164}'                     // Hangul filler
+            | '\u{fe00}'..='\u{fe0f}'        // variation selectors
+            | '\u{feff}'                     // byte order mark
+            | '\u{ffa0}'                     // halfwidth Hangul filler
+            | '\u{fff0}'..='\u{fffb}'        // unassigned specials, interlinear annotations
+            | '\u{1bca0}'..='\u{1bca3}'      // shorthand format controls
+            | '\u{1d173}'..='\u{1d17a}'      // musical format controls
+            | '\u{e0000}'..='\u{e0fff}') // tags, variation selectors supplement
 }
 
 /// `c` written as an escape (as Rust writes it in a string: `\n`, `\t`, `\u{1b}`, `\u{202e}`).
@@ -205,6 +219,15 @@ mod tests {
             escape("x\u{2028}y\u{202e}z\u{2066}\u{200b}\u{feff}"),
             "x\\u{2028}y\\u{202e}z\\u{2066}\\u{200b}\\u{feff}"
         );
+        // The rest of Unicode's default-ignorable code points: an Arabic letter mark, a tag
+        // character, a variation selector, a Hangul filler.
+        for c in ['\u{61c}', '\u{e0041}', '\u{fe0f}', '\u{3164}', '\u{1d173}'] {
+            assert!(hidden(c), "{c:?}");
+            assert_eq!(escape(&c.to_string()), format!("\\u{{{:x}}}", c as u32));
+        }
+        for c in ['a', 'é', 'ß', 'д', '中', '🙂', ':', '.'] {
+            assert!(!hidden(c), "{c:?}");
+        }
     }
 
     #[test]

@@ -168,6 +168,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
         echoed: 0,
         next_token: 0,
         closed: None,
+        rx: Vec::new(),
         admitted: false,
     })
 }

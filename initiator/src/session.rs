@@ -52,6 +52,9 @@ pub struct Session {
     pub(crate) closed: Option<String>,
     /// Admitted by a ConnectResponse and not said goodbye to: dropping it sends a Disconnect.
     pub(crate) admitted: bool,
+    /// The last received message's bytes, kept for the next (a GPSPM answer per durable write
+    /// allocates nothing).
+    pub(crate) rx: Vec<u8>,
 }
 
 impl std::fmt::Debug for Session {
@@ -225,13 +228,16 @@ impl Session {
                 status: c.status,
             }));
         }
-        let mut buf = Vec::new();
-        let Some(slot) = self.bufs.take(c, &mut buf) else {
+        let mut buf = std::mem::take(&mut self.rx);
+        let slot = self.bufs.take(c, &mut buf);
+        let decoded = slot.map(|_| Message::decode(&buf));
+        self.rx = buf;
+        let (Some(slot), Some(decoded)) = (slot, decoded) else {
             return Ok(None);
         };
         let _ = self.qp.post_recv(self.bufs.recv_wr(slot));
         self.last_heard = Instant::now();
-        match Message::decode(&buf).map_err(Error::Decode)? {
+        match decoded.map_err(Error::Decode)? {
             Message::KeepAlive(k) => {
                 self.echoed = self.echoed.max(k.seq);
                 Ok(None)

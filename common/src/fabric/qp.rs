@@ -399,8 +399,10 @@ impl Incoming {
     /// dropping the [`Incoming`].
     ///
     /// # Errors
-    /// [`Error::Handshake`]: the peer closed, or sent a malformed Request (answered with a
-    /// reject Reply, as [`Listener::accept`] does); [`Error::Socket`].
+    /// [`Error::ClosedBeforeRequest`]: the peer closed (or reset) the connection before
+    /// sending a byte (a port probe or health check); [`Error::Handshake`]: the peer closed
+    /// within its Request, or sent a malformed one (answered with a reject Reply, as
+    /// [`Listener::accept`] does); [`Error::Socket`].
     pub fn poll_request(self) -> Result<RequestProgress> {
         let ctx = self.ctx;
         Ok(match self.inner.poll_request()? {

@@ -376,6 +376,8 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
             debug!("nbd: client {id} aborted the handshake");
             return;
         }
+        // Evicted for a newcomer, or the server stopping, before its first byte: said elsewhere.
+        Outcome::Probe if slot.evicted() => return,
         Outcome::Probe => {
             debug!(
                 "nbd: client {id} ({}) closed before its handshake (a port probe)",

@@ -330,6 +330,12 @@ impl Incoming {
                     return Ok(Progress::Incomplete(self))
                 }
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
+                // A checker that closes with a reset (SO_LINGER 0) rather than a FIN.
+                Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset && self.got == 0 => {
+                    return Err(Error::ClosedBeforeRequest {
+                        peer: self.peer.to_string(),
+                    })
+                }
                 Err(e) => {
                     return Err(handshake_err(
                         self.peer,
@@ -555,6 +561,29 @@ mod tests {
         };
         assert!(matches!(e, Error::ClosedBeforeRequest { .. }), "{e:?}");
         assert!(chain(&e).contains("before sending anything"), "{e}");
+    }
+
+    #[test]
+    fn a_peer_that_resets_before_sending_anything_is_a_probe() {
+        let (l, addr) = listen();
+        let s = TcpStream::connect(addr).unwrap();
+        // SO_LINGER 0: the close sends a reset, as some load balancers' checks do.
+        nix::sys::socket::setsockopt(
+            &s,
+            nix::sys::socket::sockopt::Linger,
+            &nix::libc::linger {
+                l_onoff: 1,
+                l_linger: 0,
+            },
+        )
+        .unwrap();
+        drop(s);
+        let inc = l.accept_incoming().unwrap().unwrap();
+        let e = match poll_until_done(inc) {
+            Err(e) => e,
+            Ok(_) => panic!("a reset peer is not a request"),
+        };
+        assert!(matches!(e, Error::ClosedBeforeRequest { .. }), "{e:?}");
     }
 
     #[test]
