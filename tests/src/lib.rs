@@ -118,6 +118,22 @@ pub fn host(nqn: &str) -> rpma_initiator::HostIdentity {
     rpma_initiator::HostIdentity::new(crate::nqn(nqn))
 }
 
+/// The lines a log's rate-limit summaries ("N ... suppressed in the last ...") say were held
+/// back, summed (env_logger lines).
+pub fn counted_in_summaries(log: &str) -> u64 {
+    log.lines()
+        .filter(|l| l.contains("suppressed in the last"))
+        .map(|l| {
+            let (_, tail) = l.split_once("] ").expect("an env_logger line");
+            tail.split_whitespace()
+                .next()
+                .unwrap()
+                .parse::<u64>()
+                .unwrap()
+        })
+        .sum()
+}
+
 /// The initiator library's options with a 10 s deadline on every wait.
 pub fn opts() -> rpma_initiator::ConnectOptions {
     rpma_initiator::ConnectOptions {

@@ -7,16 +7,10 @@
 //! allocations and a read 2
 //! (docs/benchmarks.md, "Allocation-free requests").
 
+use rpma_initiator::{Completed, Connection, Durability, PersistMethod, QueueOptions, WriteBuf};
+use rpma_tests::{four_namespace_target, host, noise, nqn, opts, Subsystem};
 use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
-use std::time::Duration;
-
-use rpma_common::proto::nqn::Nqn;
-use rpma_initiator::{
-    Completed, ConnectOptions, Connection, Durability, HostIdentity, PersistMethod, QueueOptions,
-    WriteBuf,
-};
-use rpma_tests::{four_namespace_target, noise, Subsystem};
 
 const SUB: &str = "nqn.2026-11.io.rpma:alloc";
 const HOST: &str = "nqn.2026-11.io.rpma:alloc-host";
@@ -73,19 +67,12 @@ fn allocations(f: impl FnOnce()) -> u64 {
 }
 
 fn conn(url: &str) -> Connection {
-    Connection::new(
-        url,
-        Nqn::new(SUB).unwrap(),
-        HostIdentity::new(Nqn::new(HOST).unwrap()),
-    )
-    .with_connect_options(ConnectOptions {
-        timeout: Duration::from_secs(5),
-        ..ConnectOptions::default()
-    })
-    .with_queue_options(QueueOptions {
-        depth: 8,
-        ..QueueOptions::default()
-    })
+    Connection::new(url, nqn(SUB), host(HOST))
+        .with_connect_options(opts())
+        .with_queue_options(QueueOptions {
+            depth: 8,
+            ..QueueOptions::default()
+        })
 }
 
 #[test]

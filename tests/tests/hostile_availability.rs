@@ -16,7 +16,7 @@ use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{FlushStatus, KeepAlive, Message};
 use rpma_initiator::{connect, discover};
 use rpma_tests::sessions::{OPEN, PLAIN, SUB, WAIT};
-use rpma_tests::{host, nqn, opts};
+use rpma_tests::{counted_in_summaries, host, nqn, opts};
 
 /// The allowed host's own address: the initiator library connects to 127.0.0.1 from it.
 const HOST_ADDR: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -329,21 +329,6 @@ fn made_up_host_nqns_add_no_series_and_push_out_no_configured_host() {
 /// Lines of `log` that contain `what`.
 fn lines_with(log: &str, what: &str) -> usize {
     log.lines().filter(|l| l.contains(what)).count()
-}
-
-/// The lines the summaries of `log` say were suppressed.
-fn counted_in_summaries(log: &str) -> u64 {
-    log.lines()
-        .filter(|l| l.contains("suppressed in the last"))
-        .map(|l| {
-            let (_, tail) = l.split_once("] ").expect("an env_logger line");
-            tail.split_whitespace()
-                .next()
-                .unwrap()
-                .parse::<u64>()
-                .unwrap()
-        })
-        .sum()
 }
 
 /// F6: one address cycling sessions as fast as it can on an `allow_any_host` subsystem, each

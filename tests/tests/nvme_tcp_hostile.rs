@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 use rpma_tests::nvme::{
     connect_data, connect_sqe, h2c_header, icreq_pdu, pdu, sc, Controller, Error, Host, Sqe, Term,
 };
-use rpma_tests::{tcp_from, Config, Namespace, Subsystem, Target};
+use rpma_tests::{counted_in_summaries, tcp_from, Config, Namespace, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:hostile-nvme";
 const HOST: &str = "nqn.2026-11.io.rpma:hostile-nvme-host";
@@ -380,21 +380,6 @@ fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
     // The source past its cap and the 17th each evicted one.
     let evicted = t.status()["admission"]["unadmitted"]["evicted"].as_u64();
     assert!(evicted >= Some(2), "{}", t.status()["admission"]);
-}
-
-/// The lines of `log` that the summaries in it say were suppressed.
-fn counted_in_summaries(log: &str) -> u64 {
-    log.lines()
-        .filter(|l| l.contains("suppressed in the last"))
-        .map(|l| {
-            let (_, tail) = l.split_once("] ").expect("an env_logger line");
-            tail.split_whitespace()
-                .next()
-                .unwrap()
-                .parse::<u64>()
-                .unwrap()
-        })
-        .sum()
 }
 
 /// One address cycling controllers as fast as it can: their lines (admitted, ended) are the
