@@ -20,11 +20,11 @@ use crate::error::{Error, Result};
 use crate::queue::{OnLoss, Queue};
 use crate::writebuf::{Data, WriteBuf};
 
-/// The items of a batch call, to be copied into bounce slots.
 /// A batch call's items as the queue takes them: inline for a few (a QD1 call allocates
 /// nothing).
 type Items<'a> = SmallVec<[(u64, Data<'a>); 4]>;
 
+/// The items of a batch call, to be copied into bounce slots.
 fn copied<'a>(items: &[(u64, &'a [u8])]) -> Items<'a> {
     items.iter().map(|&(o, b)| (o, Data::Bytes(b))).collect()
 }
