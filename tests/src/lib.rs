@@ -118,11 +118,14 @@ pub fn host(nqn: &str) -> rpma_initiator::HostIdentity {
     rpma_initiator::HostIdentity::new(crate::nqn(nqn))
 }
 
-/// The lines a log's rate-limit summaries ("N ... suppressed in the last ...") say were held
-/// back, summed (env_logger lines).
+/// A log's rate-limit summary lines ("N ... suppressed in the last ...").
+pub fn summary_lines(log: &str) -> impl Iterator<Item = &str> {
+    log.lines().filter(|l| l.contains("suppressed in the last"))
+}
+
+/// The lines a log's rate-limit summaries say were held back, summed (env_logger lines).
 pub fn counted_in_summaries(log: &str) -> u64 {
-    log.lines()
-        .filter(|l| l.contains("suppressed in the last"))
+    summary_lines(log)
         .map(|l| {
             let (_, tail) = l.split_once("] ").expect("an env_logger line");
             tail.split_whitespace()

@@ -15,7 +15,7 @@ use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{Connect, FlushStatus, HostId, KeepAlive, Message};
 use rpma_initiator::{connect, discover, Error, HostIdentity};
 use rpma_tests::sessions::{start, KEY, KEYED, OPEN, PLAIN, SUB, WAIT};
-use rpma_tests::{host, nqn, opts, scratch, tcp_from, Target};
+use rpma_tests::{counted_in_summaries, host, nqn, opts, scratch, summary_lines, tcp_from, Target};
 
 /// The daemon's resident memory (VmRSS), in KiB.
 fn rss_kib(t: &Target) -> u64 {
@@ -330,7 +330,7 @@ fn refusals_of_one_peer_are_logged_rate_limited_with_a_count() {
     let deadline = Instant::now() + WAIT;
     let summary = loop {
         let log = t.log();
-        if let Some(l) = log.lines().find(|l| l.contains("suppressed in the last")) {
+        if let Some(l) = summary_lines(&log).next() {
             break l.to_owned();
         }
         assert!(Instant::now() < deadline, "no summary line:\n{log}");
@@ -342,18 +342,7 @@ fn refusals_of_one_peer_are_logged_rate_limited_with_a_count() {
     );
     // Every refusal is either a WARN line or counted in a summary line (the last period's
     // comes a period after its first suppressed one).
-    let counted = |log: &str| -> usize {
-        log.lines()
-            .filter(|l| l.contains("suppressed in the last"))
-            .map(|l| {
-                l.split_whitespace()
-                    .nth(3)
-                    .unwrap()
-                    .parse::<usize>()
-                    .unwrap()
-            })
-            .sum()
-    };
+    let counted = |log: &str| counted_in_summaries(log) as usize;
     let deadline = Instant::now() + WAIT;
     while warns.len() + counted(&t.log()) < n && Instant::now() < deadline {
         std::thread::sleep(Duration::from_millis(100));

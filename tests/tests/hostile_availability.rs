@@ -16,7 +16,7 @@ use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{FlushStatus, KeepAlive, Message};
 use rpma_initiator::{connect, discover};
 use rpma_tests::sessions::{OPEN, PLAIN, SUB, WAIT};
-use rpma_tests::{counted_in_summaries, host, nqn, opts};
+use rpma_tests::{counted_in_summaries, host, nqn, opts, summary_lines};
 
 /// The allowed host's own address: the initiator library connects to 127.0.0.1 from it.
 const HOST_ADDR: Ipv4Addr = Ipv4Addr::LOCALHOST;
@@ -402,10 +402,7 @@ fn cycling_sessions_cannot_fill_the_log_or_forge_a_line() {
         "{logged} session lines in {periods} period(s)"
     );
     // Session lines alone are counted at their own level: no warning for sessions.
-    let summaries: Vec<&str> = new
-        .lines()
-        .filter(|l| l.contains("suppressed in the last"))
-        .collect();
+    let summaries: Vec<&str> = summary_lines(new).collect();
     assert!(
         !summaries.is_empty() && summaries.iter().all(|l| l.contains(" INFO ")),
         "{summaries:?}"

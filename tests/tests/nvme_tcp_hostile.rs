@@ -10,7 +10,9 @@ use std::time::{Duration, Instant};
 use rpma_tests::nvme::{
     connect_data, connect_sqe, h2c_header, icreq_pdu, pdu, sc, Controller, Error, Host, Sqe, Term,
 };
-use rpma_tests::{counted_in_summaries, tcp_from, Config, Namespace, Subsystem, Target};
+use rpma_tests::{
+    counted_in_summaries, summary_lines, tcp_from, Config, Namespace, Subsystem, Target,
+};
 
 const SUB: &str = "nqn.2026-11.io.rpma:hostile-nvme";
 const HOST: &str = "nqn.2026-11.io.rpma:hostile-nvme-host";
@@ -425,10 +427,7 @@ fn cycling_controllers_writes_a_bounded_log() {
         logged <= periods * 20 && logged >= 2,
         "{logged} controller lines in {periods} period(s)"
     );
-    let summaries: Vec<&str> = new
-        .lines()
-        .filter(|l| l.contains("suppressed in the last"))
-        .collect();
+    let summaries: Vec<&str> = summary_lines(new).collect();
     assert!(
         !summaries.is_empty() && summaries.iter().all(|l| l.contains(" INFO ")),
         "{summaries:?}"
