@@ -9,62 +9,16 @@
 
 use rpma_initiator::{Completed, Connection, Durability, PersistMethod, QueueOptions, WriteBuf};
 use rpma_tests::{four_namespace_target, host, noise, nqn, opts, Subsystem};
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::cell::Cell;
+#[path = "../../common/tests/counting_alloc/mod.rs"]
+mod counting_alloc;
+
+use counting_alloc::allocations;
 
 const SUB: &str = "nqn.2026-11.io.rpma:alloc";
 const HOST: &str = "nqn.2026-11.io.rpma:alloc-host";
 
 /// nsid 4 of `four_namespaces`: dax (forced), 2 MiB.
 const DAX: u32 = 4;
-
-struct Counting;
-
-thread_local! {
-    static CALLS: Cell<u64> = const { Cell::new(0) };
-}
-
-fn count() {
-    // try_with: the allocator also runs while a thread's locals are torn down.
-    let _ = CALLS.try_with(|c| c.set(c.get() + 1));
-}
-
-// SAFETY: every call is passed on to the system allocator unchanged; counting touches only a
-// const-initialised thread-local Cell, which never allocates.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: the caller's contract for `alloc`, passed on.
-        unsafe { System.alloc(layout) }
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        count();
-        // SAFETY: as `alloc`.
-        unsafe { System.alloc_zeroed(layout) }
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        // SAFETY: `ptr` came from this allocator, that is from System, with `layout`.
-        unsafe { System.dealloc(ptr, layout) }
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        count();
-        // SAFETY: as `dealloc`, and the caller's contract for `realloc`.
-        unsafe { System.realloc(ptr, layout, new_size) }
-    }
-}
-
-#[global_allocator]
-static ALLOC: Counting = Counting;
-
-/// Allocations `f` made on this thread.
-fn allocations(f: impl FnOnce()) -> u64 {
-    let before = CALLS.with(Cell::get);
-    f();
-    CALLS.with(Cell::get) - before
-}
 
 fn conn(url: &str) -> Connection {
     Connection::new(url, nqn(SUB), host(HOST))
@@ -115,7 +69,7 @@ fn a_warm_queue_allocates_nothing_per_durable_write_or_read() {
         for i in 0..200 {
             round(&mut ns, i);
         }
-        let made = allocations(|| {
+        let (made, ()) = allocations(|| {
             for i in 0..n {
                 round(&mut ns, i);
             }

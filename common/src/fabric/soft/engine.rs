@@ -177,8 +177,10 @@ pub(super) struct Placing {
 pub(super) struct Conn {
     pub(super) sock: TcpStream,
     pub(super) rx: FpduReceiver,
-    /// Pollers this socket is registered with, and whether writability is armed there.
-    pub(super) armed: Vec<(usize, bool)>,
+    /// Pollers this socket is registered with, and whether writability is armed there: a
+    /// queue pair's send and receive completion queues', in place (the first idle wait of a
+    /// connection allocated here, on its data path).
+    pub(super) armed: smallvec::SmallVec<[(usize, bool); 2]>,
     /// In Error, after our last bytes went out: our side is shut and we read (and drop) what
     /// the peer still sends until it closes or this deadline passes. Closing with unread
     /// input would reset the connection and could destroy our Terminate before the peer reads it.

@@ -180,7 +180,7 @@ impl SoftQp {
             draining: None,
             rx: FpduReceiver::new(neg.rx),
             sock,
-            armed: Vec::new(),
+            armed: smallvec::SmallVec::new(),
         });
         Ok(())
     }
