@@ -269,10 +269,12 @@ impl Sim {
             .spawn(move || loop {
                 std::thread::sleep(every);
                 let Some(s) = weak.upgrade() else { return };
-                if s.lost.load(Ordering::SeqCst) {
+                // Under the state lock, which `lose_power` takes to set `lost`: a power loss
+                // while this waited for the lock stops it here, not after a copy to the media.
+                let mut st = s.lock();
+                if s.powered().is_err() {
                     return;
                 }
-                let mut st = s.lock();
                 st.stats.events += 1;
                 // A failed pwrite here is reported by the next persist, which meets it too.
                 let _ = s.evict(&mut st);
