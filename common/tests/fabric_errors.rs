@@ -499,6 +499,10 @@ fn an_idle_target_blocks_in_epoll_and_wakes_on_traffic() {
         let n = tcq.wait(&mut wc, Some(Duration::from_secs(20))).unwrap();
         (n, wc[0], t.elapsed(), thread_cpu() - cpu)
     });
+    // Once it blocked (not a wall-clock guess at when the waiter started), 200 ms more.
+    while p.tcq.blocked_waits() == 0 {
+        std::thread::yield_now();
+    }
     std::thread::sleep(Duration::from_millis(200));
     let (imem, imr) = p.init_buf(64, Access::LOCAL_WRITE);
     imem.write_at(0, b"wake up").unwrap();

@@ -274,8 +274,9 @@ fn a_target_answering_requests_stays_awake_while_they_come() {
         let (tmem, tmr) = p.target_buf(4096, rw());
         tmem.write_at(0, &[0x5A; 8]).unwrap();
         let (imem, imr) = p.init_buf(4096, Access::LOCAL_WRITE);
-        let (target, stop) = serve_until_stopped(&p, SPELL);
+        // From before the target's wait starts: a stall before the first Read counts too.
         let start = Instant::now();
+        let (target, stop) = serve_until_stopped(&p, SPELL);
         let (mut reads, mut last, mut longest) = (0u64, start, Duration::ZERO);
         let mut wc = [Completion::EMPTY; 4];
         while start.elapsed() < 2 * SPELL + SPELL / 4 {

@@ -981,8 +981,13 @@ fn a_vanished_host_is_expired_by_the_target() {
     q.namespace(1).unwrap().write_at(COUNTERS, &v).unwrap();
     assert!(relay.inject_one(Fault::Orphan, 0));
     let orphaned = Instant::now();
-    // The target holds the session until its keep-alive lapses (it hears nothing more).
-    assert_eq!(Footprint::of(&t).sessions, 1);
+    // The target holds the session until its keep-alive lapses (it hears nothing more): seen
+    // when the status call came back within the keep-alive (on a loaded machine it may not;
+    // the lapse's log line below shows the hold either way).
+    let held = Footprint::of(&t).sessions;
+    if orphaned.elapsed() < Duration::from_millis(500) {
+        assert_eq!(held, 1);
+    }
     assert!(q
         .namespace(1)
         .unwrap()

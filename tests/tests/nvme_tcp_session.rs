@@ -384,14 +384,16 @@ fn a_lapsed_keep_alive_ends_the_controller_and_its_io_queues() {
     let mut admin = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
     let data = rpma_tests::nvme::connect_data([3; 16], 0xffff, SUB, HOST);
     let c = ok(admin
-        .command(rpma_tests::nvme::connect_sqe(0, 31, 300), &data, 0)
+        .command(rpma_tests::nvme::connect_sqe(0, 31, 1500), &data, 0)
         .unwrap());
     let cntlid = c.dw0 as u16;
     let mut q = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
     let data = rpma_tests::nvme::connect_data([3; 16], cntlid, SUB, HOST);
     ok(q.command(rpma_tests::nvme::connect_sqe(1, 31, 0), &data, 0)
         .unwrap());
-    // No Keep Alive: both connections are closed by the target.
+    // No Keep Alive: both connections are closed by the target (1.5 s: the I/O queue's
+    // Connect has that long to come before the controller is gone; 300 ms was short on a
+    // loaded machine).
     assert!(matches!(
         admin.recv(),
         Err(rpma_tests::nvme::Error::Closed(_))

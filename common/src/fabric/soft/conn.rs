@@ -527,8 +527,8 @@ mod tests {
             panic!("half a header completed a request");
         };
         c.write_all(&[0u8; 10]).unwrap();
-        std::thread::sleep(std::time::Duration::from_millis(20));
-        let e = match inc.poll_request() {
+        // Until the second piece is in (a sleep was a guess at when it arrives).
+        let e = match poll_until_done(inc) {
             Err(e) => e,
             Ok(_) => panic!("garbage accepted as a request"),
         };
