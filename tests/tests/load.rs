@@ -72,6 +72,10 @@ fn conn(url: &str) -> Connection {
     )
     .with_connect_options(ConnectOptions {
         timeout: Duration::from_secs(10),
+        // A worker waits at the gates for the slowest of 32 (seconds on a loaded machine)
+        // and says nothing meanwhile (a queue has no thread of its own): its session must not
+        // lapse there.
+        keep_alive: Duration::from_secs(120),
         ..ConnectOptions::default()
     })
     .with_queue_options(QueueOptions {
