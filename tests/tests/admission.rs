@@ -172,8 +172,10 @@ fn an_allowed_host_gets_in_while_attackers_fill_the_other_pools() {
     assert_eq!(names, [OPEN, SUB]);
     let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
     assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    // At once, not after the attackers' handshake deadline (60 s): 20 s leaves a loaded
+    // machine its slowness.
     assert!(
-        started.elapsed() < Duration::from_secs(3),
+        started.elapsed() < Duration::from_secs(20),
         "the host took {:?}",
         started.elapsed()
     );

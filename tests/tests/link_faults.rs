@@ -497,9 +497,10 @@ fn a_stalled_link_delivering_late_overwrites_no_acknowledged_write() {
     let d = scratch();
     // The target's keep-alive outlasts the queue's time-out: the target still holds the old
     // session when the queue gives it up.
+    // 2.5 s, not 1: any call slower than the time-out on a loaded machine reconnects once more.
     let t = start(d.path(), 2, "keep_alive_ms = 4000");
     let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
-    let mut q = conn(&relay.url(), Duration::from_secs(1))
+    let mut q = conn(&relay.url(), Duration::from_millis(2500))
         .open_queue(0)
         .unwrap();
     let mut ns = q.namespace(1).unwrap();
@@ -543,7 +544,7 @@ fn a_stalled_link_delivering_late_overwrites_no_acknowledged_write() {
         "stalled-link",
         &[
             ("target_keep_alive_ms", "4000".to_owned()),
-            ("queue_timeout_ms", "1000".to_owned()),
+            ("queue_timeout_ms", "2500".to_owned()),
             ("persist_took_ms", persisted_after.as_millis().to_string()),
             ("lost", "0".to_owned()),
         ],
@@ -819,10 +820,8 @@ fn faults_during_the_handshake_leave_nothing_behind() {
                 "{f:?}: {e}"
             ),
         }
-        assert!(
-            started.elapsed() < Duration::from_secs(5),
-            "{f:?}: too slow"
-        );
+        // Bounded as every call is (a loaded machine's handshakes may need retries).
+        assert!(started.elapsed() < CALL_BOUND, "{f:?}: too slow");
         // A queue whose reconnect meets it: the call still succeeds.
         relay.arm_next(*f);
         relay.cut();

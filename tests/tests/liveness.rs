@@ -92,24 +92,29 @@ fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
     };
     let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &idle).unwrap();
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    // Not behind them: in before their deadline (a host that waited for their places would
+    // get in only after it).
+    let got_in = opened.elapsed();
     assert!(
-        opened.elapsed() < Duration::from_secs(3),
-        "the host waited {:?} behind silent peers",
-        opened.elapsed()
+        got_in < rpma_target::serve::MPA_TIMEOUT,
+        "the host waited {got_in:?} behind silent peers"
     );
-    // The silent ones are still open before their deadline...
+    // The silent ones are still open before their deadline (judged when the machine left time
+    // to: a loaded one may be past it already)...
     let mut byte = [0u8; 1];
-    silent[0]
-        .set_read_timeout(Some(Duration::from_millis(200)))
-        .unwrap();
-    let early = silent[0].read(&mut byte);
-    assert!(
-        early.as_ref().is_err_and(|e| matches!(
-            e.kind(),
-            std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
-        )),
-        "closed before its deadline: {early:?}"
-    );
+    if got_in + Duration::from_millis(1200) < rpma_target::serve::MPA_TIMEOUT {
+        silent[0]
+            .set_read_timeout(Some(Duration::from_millis(200)))
+            .unwrap();
+        let early = silent[0].read(&mut byte);
+        assert!(
+            early.as_ref().is_err_and(|e| matches!(
+                e.kind(),
+                std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+            )),
+            "closed before its deadline: {early:?}"
+        );
+    }
     // ...and closed (EOF, nothing sent) once it passed.
     let deadline = opened + rpma_target::serve::MPA_TIMEOUT + Duration::from_secs(5);
     for c in &mut silent {

@@ -283,7 +283,7 @@ fn the_connection_setup_is_checked_before_anything_else() {
 #[test]
 fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
     let (_d, t, addr) =
-        start("max_unadmitted = 16\nmax_unadmitted_per_source = 2\nhandshake_timeout_ms = 1500");
+        start("max_unadmitted = 16\nmax_unadmitted_per_source = 2\nhandshake_timeout_ms = 3000");
     let port = t.port();
     // A source past its cap makes room by closing its own oldest (issue 22: a host's own
     // address cannot be locked out by its neighbours): the newcomer is served.
@@ -320,6 +320,7 @@ fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
             * 1024
     };
     let before = rss();
+    let first = Instant::now();
     let mut held = Vec::new();
     for i in 0..16u8 {
         let mut h = Host::raw(tcp_from(
@@ -334,11 +335,13 @@ fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
         held.push(h);
     }
     let st = t.status();
-    assert_eq!(
-        st["admission"]["unadmitted"]["held"], 16,
-        "{}",
-        st["admission"]
-    );
+    // All 16 are held, when the status came back before the first one's handshake deadline
+    // (on a loaded machine the first may already be closed; never more than 16).
+    let held_now = st["admission"]["unadmitted"]["held"].as_u64().unwrap();
+    if first.elapsed() < Duration::from_secs(3) {
+        assert_eq!(held_now, 16, "{}", st["admission"]);
+    }
+    assert!(held_now <= 16, "{}", st["admission"]);
     let grown = rss().saturating_sub(before);
     assert!(
         grown < 16 * 48 * 1024,
