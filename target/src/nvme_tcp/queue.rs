@@ -411,10 +411,9 @@ impl Queue {
         if std::mem::replace(&mut self.ended, true) {
             return;
         }
-        env.ctx.serve.events.ended(why);
-        env.ctx.serve.peer_log.log(
+        env.ctx.serve.session_ended(
+            why,
             self.peer.ip(),
-            LogClass::Session,
             log::Level::Info,
             format_args!(
                 "nvme-tcp controller {} (host {} from {}) on {} ended: {}",

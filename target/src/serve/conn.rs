@@ -349,10 +349,9 @@ impl Conn {
                     },
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
                     Ok(Message::Disconnect(d)) => {
-                        shared.events.ended(EndReason::Host);
-                        shared.peer_log.log(
+                        shared.session_ended(
+                            EndReason::Host,
                             self.peer.ip(),
-                            Class::Session,
                             log::Level::Info,
                             format_args!(
                                 "session ctrl {} (host {} from {}) closed by the host: {}",
@@ -620,10 +619,9 @@ impl Conn {
             }
             Phase::Session(s) if lapsed(s.keep_alive) => {
                 s.info.expired.store(true, Ordering::Relaxed);
-                self.shared.events.ended(EndReason::KeepAlive);
-                self.shared.peer_log.log(
+                self.shared.session_ended(
+                    EndReason::KeepAlive,
                     self.peer.ip(),
-                    Class::Session,
                     log::Level::Warn,
                     format_args!(
                         "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys \

@@ -198,6 +198,20 @@ impl Shared {
     }
 
     /// Lists a discovery connection in `status` until the returned key is unregistered.
+    /// A session ended for `why`: counted, and its line logged about `peer` (a session line,
+    /// under the peer log's budgets) — the count and the line always go together.
+    pub(crate) fn session_ended(
+        &self,
+        why: crate::metrics::EndReason,
+        peer: std::net::IpAddr,
+        level: log::Level,
+        msg: std::fmt::Arguments<'_>,
+    ) {
+        self.events.ended(why);
+        self.peer_log
+            .log(peer, peer_log::Class::Session, level, msg);
+    }
+
     pub(crate) fn register_discovery(&self, info: Arc<SessionInfo>) -> u64 {
         let key = self.next_discovery.fetch_add(1, Ordering::Relaxed);
         self.discovery
