@@ -432,28 +432,49 @@ fn hostile_scrapers_are_refused_and_the_daemon_keeps_serving() {
     let grown = rss().saturating_sub(before);
     assert!(grown < 16 << 20, "RSS grew by {grown} bytes");
 
-    // Slow scrapers (a byte every 400 ms, for 4 s) hold every place of this address: a scrape
-    // from it takes the place of the oldest, which is closed without an answer; the data path
-    // is untouched; each other slow one is cut off at the request deadline (5 s from its
-    // connect), however it trickles.
+    // Slow scrapers (a byte every 400 ms, for as long as they are let) hold every place of
+    // this address: a scrape from it takes the place of the oldest, which is closed without
+    // an answer; the data path is untouched; each other slow one is cut off at the request
+    // deadline (5 s from its connect) while it still trickles, which an idle time-out would
+    // never do. Each waits for an answer between its bytes, so it sees the cut-off the moment
+    // it comes, not after a write into a closed socket.
     served_by_none(&t);
+    let spawned = Instant::now();
     let slow: Vec<_> = (0..4)
         .map(|_| {
             let addr = addr.clone();
             std::thread::spawn(move || {
                 let start = Instant::now();
                 let mut s = TcpStream::connect(&addr).unwrap();
-                s.set_read_timeout(Some(Duration::from_secs(15))).unwrap();
+                s.set_read_timeout(Some(Duration::from_millis(400)))
+                    .unwrap();
                 s.write_all(b"GET /metrics HTTP/1.1\r\n").unwrap();
-                while start.elapsed() < Duration::from_secs(4) {
-                    std::thread::sleep(Duration::from_millis(400));
-                    if s.write_all(b"X").is_err() {
-                        break;
+                let (mut out, mut buf) = (Vec::new(), [0u8; 256]);
+                let mut trickling = true;
+                loop {
+                    match s.read(&mut buf) {
+                        Ok(0) => break,
+                        Ok(n) => out.extend_from_slice(&buf[..n]),
+                        Err(e)
+                            if out.is_empty()
+                                && matches!(
+                                    e.kind(),
+                                    std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                                ) =>
+                        {
+                            // Nothing yet: one more byte, for a minute at most.
+                            if start.elapsed() > Duration::from_secs(60) {
+                                trickling = false;
+                                break;
+                            }
+                            if s.write_all(b"X").is_err() {
+                                break;
+                            }
+                        }
+                        Err(_) => break,
                     }
                 }
-                let mut out = String::new();
-                let _ = s.read_to_string(&mut out);
-                (out, start.elapsed())
+                (String::from_utf8_lossy(&out).into_owned(), trickling)
             })
         })
         .collect();
@@ -465,20 +486,28 @@ fn hostile_scrapers_are_refused_and_the_daemon_keeps_serving() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+    // Each slow one was accepted after `spawned`: a scrape that connects within the request
+    // deadline of it finds all four still sending their requests, and so evicts one; later (a
+    // loaded machine), the oldest may have been cut off already and left a place free.
+    let in_time = spawned.elapsed() < Duration::from_secs(5);
     let m = scrape(&addr);
     assert!(m.contains("rpma_target_build_info"), "{m}");
     let mut q = queue(&t);
     workload(&mut q, 1, 0, Duration::ZERO);
     assert_eq!(namespace_counts(&t.status(), PC), expected(PC, 1, 1));
-    let outcomes: Vec<(String, Duration)> = slow.into_iter().map(|h| h.join().unwrap()).collect();
-    assert_eq!(
-        outcomes.iter().filter(|(o, _)| o.is_empty()).count(),
-        1,
-        "one was closed for the scrape: {outcomes:?}"
-    );
-    for (out, took) in outcomes.iter().filter(|(o, _)| !o.is_empty()) {
+    let outcomes: Vec<(String, bool)> = slow.into_iter().map(|h| h.join().unwrap()).collect();
+    let evicted = outcomes.iter().filter(|(o, _)| o.is_empty()).count();
+    if in_time {
+        assert_eq!(evicted, 1, "one was closed for the scrape: {outcomes:?}");
+    } else {
+        assert!(
+            evicted <= 1,
+            "at most one was closed for the scrape: {outcomes:?}"
+        );
+    }
+    for (out, trickling) in outcomes.iter().filter(|(o, _)| !o.is_empty()) {
         assert!(out.starts_with("HTTP/1.1 408 "), "{out}");
-        assert!(*took < Duration::from_secs(8), "cut off late: {took:?}");
+        assert!(trickling, "not cut off while it trickled: {out}");
     }
     // The slots are free again.
     let m = scrape(&addr);
