@@ -780,6 +780,56 @@ fn a_queue_holding_more_writes_than_its_send_queue_reissues_them_all() {
         .is_durable());
 }
 
+/// A reconnect attempt that breaks while it re-issues (its first batch of Writes posted, the
+/// link reset under it) leaves the next attempt everything to re-issue: the Writes of that
+/// batch are held again, not left in flight on a connection that is gone. (They were left in
+/// flight: every later attempt waited for their completions until it timed out, and the queue
+/// gave up, dropping all 300 writes.)
+#[test]
+fn a_reconnect_attempt_broken_while_it_reissues_leaves_the_writes_to_the_next() {
+    let d = scratch();
+    let t = start(d.path(), 20, "");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let c = conn(&relay.url(), Duration::from_secs(2)).with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: BLOCK,
+        replay_bytes: 512 * BLOCK,
+        reconnect: ReconnectPolicy::within(RECONNECT_BUDGET),
+        ..QueueOptions::default()
+    });
+    let mut q = c.open_queue(0).unwrap();
+    // More than one re-issue batch (128 Writes), none of them on the target.
+    let n = 300u64;
+    relay.swallow();
+    for i in 0..n {
+        let b = block(7, i, 1, BLOCK);
+        q.namespace(1)
+            .unwrap()
+            .write_at(COUNTERS + i * BLOCK as u64, &b)
+            .unwrap();
+    }
+    // The first attempt's link is reset 64 KiB in: after its handshake, inside the first
+    // batch of re-issued Writes (about 520 KiB).
+    relay.arm_next(Fault::ResetAfter(64 << 10));
+    relay.reset();
+    let mut got = vec![0u8; BLOCK];
+    for i in 0..n {
+        q.namespace(1)
+            .unwrap()
+            .read_at(COUNTERS + i * BLOCK as u64, &mut got)
+            .unwrap();
+        assert_eq!(parse_block(&got), Some((7, i, 1)), "block {i}");
+    }
+    assert_eq!(q.reconnects(), 1);
+    assert!(relay.counts().resets >= 2, "{:?}", relay.counts());
+    assert!(q
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+}
+
 /// Faults at chosen points of the handshake (a reset after n bytes of MPA and Connect, a stall
 /// longer than the time-out, a cut at once), on a fresh queue and on a queue's reconnect: each
 /// attempt fails or succeeds within its deadline, the next one succeeds, and the target keeps

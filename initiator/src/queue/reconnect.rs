@@ -195,7 +195,21 @@ impl Reconnect {
                 }
                 Err(err) => {
                     log::debug!("reconnect attempt {attempt} failed: {err}");
-                    e.drop_session();
+                    // The attempt's session may carry some of the re-issued Writes (a batch
+                    // posted before it broke or went silent): they are held again for the next
+                    // attempt, not left in flight on a connection that is gone, and a session
+                    // still up is retired as the lost one was, so that none of them lands
+                    // after the next attempt's copies.
+                    let Lost { old, voided, .. } = e.lose_connection();
+                    if let Some(s) = old {
+                        if let Err(err) = retire(e, s, deadline, &lost) {
+                            drop(voided);
+                            self.give_up(e);
+                            return Err(err);
+                        }
+                    }
+                    drop(voided);
+                    e.forget_owed();
                     last = Some(telling(last, err));
                 }
             }

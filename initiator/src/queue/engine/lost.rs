@@ -152,11 +152,6 @@ impl Engine {
         Ok(())
     }
 
-    /// Drops the session of a failed reconnect attempt.
-    pub(in crate::queue) fn drop_session(&mut self) {
-        self.session = None;
-    }
-
     /// The queue gave up: no connection, every held write dropped, nothing left to post.
     pub(in crate::queue) fn give_up(&mut self) {
         self.session = None;
