@@ -244,6 +244,11 @@ impl Relay {
         *self.shared.armed.lock().unwrap() = Some(f);
     }
 
+    /// Takes back a fault [`arm_next`](Self::arm_next) set that no connection took yet.
+    pub fn disarm(&self) {
+        *self.shared.armed.lock().unwrap() = None;
+    }
+
     /// Drops every live link with a FIN both ways (and ends [`swallow`](Self::swallow)).
     pub fn cut(&self) {
         self.inject_all(Fault::Cut);

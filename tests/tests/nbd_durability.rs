@@ -120,7 +120,7 @@ fn fua_and_flush_answers_mean_durable_across_a_target_sigkill() {
 #[test]
 fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
     let (_d, _shm, mut t) = start("lost");
-    let e = Export::start(&t, 1, "lost", &["--reconnect-timeout", "1"]);
+    let mut e = Export::start(&t, 1, "lost", &["--reconnect-timeout", "1"]);
     let mut c = Raw::connect(&e.sock);
     assert_eq!(c.write(0, 0, &[7; 4096]), 0);
     t.kill9();
@@ -135,6 +135,59 @@ fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
     // A connection opened after the loss had no write on the old queue.
     let mut c2 = Raw::connect(&e.sock);
     assert_eq!(c2.flush(), 0);
+    // Stopped, the export cannot vouch for the lost queue's writes either: its final flush
+    // made the others durable, and it exits 1 saying so (it exited 0).
+    drop((c, c2));
+    assert_eq!(e.term().code(), Some(1), "{}", e.log());
+    assert!(e.log().contains("gave up during this run"), "{}", e.log());
+}
+
+/// Two FLUSHes at once on two connections: the second, which covers the first connection's
+/// write too (`CAN_MULTI_CONN`), is answered only after the first made that write durable,
+/// whose persist waits here in the first connection's stalled link. (The first FLUSH marked
+/// its queue clean before its persist: the second skipped that queue and answered success
+/// while the write was still on its way.)
+#[test]
+fn a_flush_waits_for_another_connections_flush_of_the_same_writes() {
+    let (_d, _shm, t) = start("flushes");
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, "flushes", &[]);
+    let mut a = Raw::connect(&e.sock);
+    assert_eq!(a.write(0, 0, &[5; 4096]), 0);
+    // B's queue is its own (the relay's second link), and has written nothing.
+    let mut b = Raw::connect(&e.sock);
+    assert!(b.read(1 << 20, 4096).is_ok());
+    assert_eq!(relay.live(), 2, "{}", e.log());
+    assert!(relay.inject_one(rpma_tests::Fault::Stall(Duration::MAX), 0));
+    let before = relay.waiting_from_client(0);
+    let f = a.request(CMD_FLUSH, 0, 31, 0, 0);
+    a.send(&f);
+    // A's FLUSH is under way: its persist waits in A's link.
+    let deadline = Instant::now() + WAIT;
+    while relay.waiting_from_client(0) <= before {
+        assert!(
+            Instant::now() < deadline,
+            "A's FLUSH sent nothing: {}",
+            e.log()
+        );
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let f = b.request(CMD_FLUSH, 0, 32, 0, 0);
+    b.send(&f);
+    // While the link holds A's persist, B's FLUSH cannot be answered. (A slower machine only
+    // gives a wrong answer more time to come.)
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        assert!(
+            !readable(&b.0),
+            "B's FLUSH answered {:?} while A's write was held in its link",
+            b.reply()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    relay.resume();
+    assert_eq!(a.reply(), (0, 31));
+    assert_eq!(b.reply(), (0, 32));
 }
 
 /// Two connections, two queues to the target: a block written on the first and then
@@ -224,6 +277,67 @@ fn a_write_answered_on_one_connection_lands_before_a_later_one_on_another() {
 #[test]
 fn a_large_write_answered_after_another_connections_write_goes_through_its_queue() {
     a_second_write_lands_after_a_held_one("order-large", 0, 2 << 20);
+}
+
+/// A connection whose queue gave up (its reconnect budget spent while its target link kept
+/// failing) gets a new queue for its next request, and that request still comes after the
+/// WRITE another connection answered on the same bytes, held here in that connection's stalled
+/// link. (Without a queue it asked no one, went out on the new queue at once, and the held
+/// WRITE, answered earlier, landed over it.)
+#[test]
+fn a_connection_whose_queue_gave_up_still_waits_for_another_connections_write() {
+    let (_d, _shm, t) = start("gave-up-order");
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(
+        &t,
+        &relay.url(),
+        1,
+        "gave-up-order",
+        &["--reconnect-timeout", "1"],
+    );
+    let mut a = Raw::connect(&e.sock);
+    assert_eq!(a.write(0, 8192, &[1; 4096]), 0);
+    let mut b = Raw::connect(&e.sock);
+    assert!(b.read(1 << 20, 4096).is_ok());
+    assert_eq!(relay.live(), 2, "{}", e.log());
+    // A's link is reset, and every connection its queue tries next, until it gives up.
+    let stop = std::sync::atomic::AtomicBool::new(false);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            while !stop.load(std::sync::atomic::Ordering::SeqCst) {
+                relay.arm_next(rpma_tests::Fault::Reset);
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            relay.disarm();
+        });
+        assert!(relay.inject_one(rpma_tests::Fault::Reset, 0));
+        e.log_line("the queue to the target failed");
+        stop.store(true, std::sync::atomic::Ordering::SeqCst);
+    });
+    // B's link, the only one left, holds what B sends next: a WRITE of block 0, answered.
+    assert_eq!(relay.live(), 1, "{}", e.log());
+    assert!(relay.inject_one(rpma_tests::Fault::Stall(Duration::MAX), 0));
+    assert_eq!(b.write(0, 0, &[2; 4096]), 0);
+    assert!(relay.waiting_from_client(0) >= 4096);
+    // A FUA WRITE of the same block on A: it must wait until B's is placed.
+    let mut w = a.request(CMD_WRITE, FUA, 41, 0, 4096);
+    w.extend_from_slice(&[3; 4096]);
+    a.send(&w);
+    let until = Instant::now() + Duration::from_secs(2);
+    while Instant::now() < until {
+        assert!(
+            !readable(&a.0),
+            "A's FUA WRITE answered {:?} while B's earlier WRITE was held in its link",
+            a.reply()
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    relay.resume();
+    assert_eq!(a.reply(), (0, 41), "{}", e.log());
+    assert!(
+        b.read(0, 4096).unwrap() == [3; 4096],
+        "B's older WRITE landed over A's"
+    );
 }
 
 /// A FUA WRITE goes out on its own queue once the first connection's queue placed its writes

@@ -88,6 +88,20 @@ pub enum NbdError {
         #[source]
         source: crate::Error,
     },
+    /// A queue to the target was given up during the run (its reconnect budget spent): writes
+    /// acknowledged before that and not made durable yet may be lost, and the final flush,
+    /// which made the others durable, cannot vouch for them.
+    #[error(
+        "{losses} queue(s) to the target of namespace {nsid} gave up during this run: writes \
+         acknowledged before that and not yet durable may be lost (each connection open then \
+         had its next FLUSH answered EIO)"
+    )]
+    WritesLost {
+        /// Namespace.
+        nsid: u32,
+        /// How many queues gave up.
+        losses: u64,
+    },
 }
 
 /// Result of the NBD server's calls.

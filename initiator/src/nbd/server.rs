@@ -264,7 +264,8 @@ impl Server {
     /// whether the writes are durable (false: a volatile namespace, visible only).
     ///
     /// # Errors
-    /// [`NbdError::FinalFlush`].
+    /// [`NbdError::FinalFlush`]; [`NbdError::WritesLost`] when a queue gave up during the run
+    /// (the writes it held may be lost: no final flush can vouch for them).
     pub fn shutdown(mut self) -> Result<bool> {
         self.shared.stopping.store(true, Ordering::SeqCst);
         for c in &self.clients {
@@ -294,6 +295,11 @@ impl Server {
                 .flush_all()
                 .map_err(|source| NbdError::FinalFlush { nsid, source })?
         };
+        let losses = self.shared.losses.load(Ordering::SeqCst);
+        if losses > 0 {
+            self.shared.close_all();
+            return Err(NbdError::WritesLost { nsid, losses });
+        }
         info!(
             "nbd: stopped after {} request(s); writes {}",
             self.shared.requests.load(Ordering::Relaxed),

@@ -112,6 +112,11 @@ impl Cell {
         self.dirty.store(true, Ordering::SeqCst);
     }
 
+    /// Its writes were made durable (under its lock: see [`Shared::flush_all`]).
+    fn mark_clean(&self) {
+        self.dirty.store(false, Ordering::SeqCst);
+    }
+
     /// Whether writes were acknowledged on it and not made durable yet.
     pub(crate) fn is_dirty(&self) -> bool {
         self.dirty.load(Ordering::SeqCst)
@@ -308,27 +313,31 @@ impl Shared {
     /// (one APM Read on dax, a Flush per written range, or GPSPM). Takes one cell at a time:
     /// the caller holds none. Ok(false) when the namespace is volatile (visible only): unless
     /// visible_ok, those writes stay pending, so that no later FLUSH claims them.
+    ///
+    /// A cell is marked clean only once its writes are durable, under its lock: a FLUSH of
+    /// another connection meanwhile finds it still dirty and waits for the lock, and so
+    /// answers after this one's persist, never before it (a flag cleared before the persist
+    /// let that FLUSH skip the cell and answer success while the writes were still on their
+    /// way: `a_flush_waits_for_another_connections_flush_of_the_same_writes`).
     pub(crate) fn flush_all(&self) -> crate::Result<bool> {
         let mut durable = true;
         for cell in self.cells() {
-            if !cell.dirty.swap(false, Ordering::SeqCst) {
+            if !cell.is_dirty() {
                 continue;
             }
             let mut g = self.lock(&cell);
+            // Another FLUSH may have made them durable while this one waited for the lock.
+            if !cell.is_dirty() {
+                continue;
+            }
             let r = self
                 .with_ns(&cell, &mut g, |ns| ns.persist_own_writes())
                 .map(|d| matches!(d, Durability::Durable(_)));
             match r {
-                Ok(true) => {}
-                Ok(false) if self.opts.visible_ok => {}
-                Ok(false) => {
-                    cell.mark_dirty();
-                    durable = false;
-                }
-                Err(e) => {
-                    cell.mark_dirty();
-                    return Err(e);
-                }
+                Ok(true) => cell.mark_clean(),
+                Ok(false) if self.opts.visible_ok => cell.mark_clean(),
+                Ok(false) => durable = false,
+                Err(e) => return Err(e),
             }
         }
         Ok(durable)

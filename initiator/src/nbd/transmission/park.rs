@@ -75,13 +75,15 @@ impl Client<'_> {
             return None;
         }
         let g = self.held.get_or_insert_with(|| shared.lock(cell));
-        let q = g.as_mut()?;
-        let me = q.order_id();
         let len = usize::try_from(req.len).unwrap_or(usize::MAX);
-        let mut writers = q
-            .namespace(shared.opts.nsid)
-            .ok()?
-            .unplaced_writers(req.offset, len);
+        // A queue that gave up is replaced first, as for any request: asked without one, no
+        // other queue seemed to hold these bytes, and the request went out on the new queue
+        // ahead of writes other connections had answered. If it cannot be opened, the request
+        // fails the same way where it is sent.
+        let mut writers = shared
+            .with_ns(cell, g, |ns| Ok(ns.unplaced_writers(req.offset, len)))
+            .ok()?;
+        let me = g.as_ref()?.order_id();
         let mine = writers.contains(&me);
         writers.retain(|&w| w != me);
         (!writers.is_empty()).then_some(Others { writers, mine })
