@@ -1202,3 +1202,51 @@ rpma_tests::rdma_runs!(
     several_queues_of_one_connection_on_their_own_threads,
     open_queue_once_makes_one_attempt_whatever_the_reconnect_budget,
 );
+
+/// A durable batch of more disjoint ranges than a send queue takes (a send queue takes 256):
+/// with FLUSH, one request per range, which go out a batch at a time; and as many held writes
+/// made durable by the queue itself. (They were posted with the Writes as one list, which the
+/// send queue refused whole: each call failed with QueueFull.)
+#[test]
+fn a_durable_batch_of_more_ranges_than_a_send_queue_takes() {
+    let (_d, _shm, t) = start("manyranges");
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 16,
+            chunk: 4096,
+            replay_bytes: 512 * 4096,
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let mut dax = q.namespace(4).unwrap();
+    let offered = Transport::current().methods(PersistenceDomain::DaxForced);
+    let bufs: Vec<Vec<u8>> = (0..300).map(|i| pattern(600 + i, 512)).collect();
+    // 300 ranges of 512 bytes, 4 KiB apart: none touches another.
+    let items: Vec<(u64, &[u8])> = bufs
+        .iter()
+        .enumerate()
+        .map(|(i, b)| (i as u64 * 4096, b.as_slice()))
+        .collect();
+    assert!(offered.contains(&PersistMethod::Flush), "{offered:?}");
+    dax.set_method(Some(PersistMethod::Flush)).unwrap();
+    let check = |dax: &mut rpma_initiator::Namespace<'_>| {
+        for (o, b) in &items {
+            let mut back = vec![0u8; b.len()];
+            dax.read_at(*o, &mut back).unwrap();
+            assert!(back == *b, "offset {o}");
+        }
+    };
+    assert_eq!(
+        dax.write_batch_durable(&items).unwrap(),
+        Durability::Durable(PersistMethod::Flush)
+    );
+    check(&mut dax);
+    // The same 300 ranges written and held (300 slots), then made durable by the queue.
+    dax.write_batch(&items).unwrap();
+    assert_eq!(
+        dax.persist_own_writes().unwrap(),
+        Durability::Durable(PersistMethod::Flush)
+    );
+    check(&mut dax);
+}

@@ -14,6 +14,12 @@ use crate::durability::{choose_method, Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
 use crate::writebuf::Data;
 
+/// Requests that make ranges durable (FLUSH: one per range) posted at once, at most: the
+/// Writes in flight (at most the queue depth, 128) and a batch stay within what a send queue
+/// takes (256: [`QpCaps`](rpma_common::fabric::QpCaps)); each further batch goes out once the
+/// one before it completed.
+const PERSIST_BATCH: usize = 64;
+
 /// The durability method of one namespace, as a queue knows it.
 #[derive(Debug, Clone)]
 struct NsState {
@@ -328,10 +334,27 @@ impl Persister {
             e.drain()?;
             return self.gpspm_ranges(e, ns, ranges);
         }
-        let reqs = Self::persist_requests(e, ns, ranges, choice);
-        let ids: SmallVec<[(&'static str, u64); 2]> =
-            reqs.iter().map(|(w, r)| (*w, r.wr_id)).collect();
-        e.post_writes(self, ns, items, reqs.into_iter().map(|(_, r)| r))?;
+        // The first batch of requests goes out with the last Writes (one doorbell); more than
+        // a send queue takes were refused whole, and the call failed every time
+        // (`a_durable_batch_of_more_ranges_than_a_send_queue_takes`).
+        let mut reqs = Self::persist_requests(e, ns, ranges, choice).into_iter();
+        let ids_of = |b: &[(&'static str, SendWr)]| -> SmallVec<[(&'static str, u64); 2]> {
+            b.iter().map(|(w, r)| (*w, r.wr_id)).collect()
+        };
+        let batch: SmallVec<[_; 2]> = reqs.by_ref().take(PERSIST_BATCH).collect();
+        let mut ids = ids_of(&batch);
+        e.post_writes(self, ns, items, batch.into_iter().map(|(_, r)| r))?;
+        loop {
+            let batch: SmallVec<[_; 2]> = reqs.by_ref().take(PERSIST_BATCH).collect();
+            if batch.is_empty() {
+                break;
+            }
+            for &(what, id) in &ids {
+                e.wait_for_request(ns, what, id)?;
+            }
+            ids = ids_of(&batch);
+            e.post_writes(self, ns, &[], batch.into_iter().map(|(_, r)| r))?;
+        }
         Self::await_persisted(e, ns, ranges, choice, &ids)
     }
 
