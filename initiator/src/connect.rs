@@ -170,6 +170,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
         closed: None,
         rx: Vec::new(),
         admitted: false,
+        violated: None,
     })
 }
 

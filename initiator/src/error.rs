@@ -352,6 +352,10 @@ pub enum LossReason {
     /// The reconnect policy allowed no attempt (its time-out is zero).
     #[error("the reconnect policy allowed no attempt")]
     NoReconnectAttempt,
+    /// The target sent a control message this host cannot decode: the connection cannot be
+    /// trusted on (what the decoder said).
+    #[error("the target broke the protocol: {0}")]
+    Protocol(String),
 }
 
 impl LossReason {

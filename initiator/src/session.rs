@@ -52,6 +52,9 @@ pub struct Session {
     pub(crate) closed: Option<String>,
     /// Admitted by a ConnectResponse and not said goodbye to: dropping it sends a Disconnect.
     pub(crate) admitted: bool,
+    /// The target broke the protocol on the data path (a control message this host cannot
+    /// decode): the connection is given up, and retired first (the target did not close it).
+    pub(crate) violated: Option<String>,
     /// The last received message's bytes, kept for the next (a GPSPM answer per durable write
     /// allocates nothing).
     pub(crate) rx: Vec<u8>,

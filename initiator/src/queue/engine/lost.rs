@@ -32,10 +32,11 @@ pub(in crate::queue) struct Lost {
 }
 
 impl Engine {
-    /// Whether the connection is gone: no session, or its queue pair in Error.
+    /// Whether the connection is gone: no session, its queue pair in Error, or the target
+    /// broke the protocol on it.
     pub(in crate::queue) fn needs_reconnect(&self) -> bool {
         match &self.session {
-            Some(s) => s.qp().state() == QpState::Error,
+            Some(s) => s.qp().state() == QpState::Error || s.violated.is_some(),
             None => true,
         }
     }
@@ -43,6 +44,9 @@ impl Engine {
     /// Why [`needs_reconnect`](Self::needs_reconnect) says so, for the error a failed reconnect
     /// reports: the queue pair's failure, with its causes.
     pub(in crate::queue) fn why_lost(&self) -> String {
+        if let Some(what) = self.session.as_ref().and_then(|s| s.violated.clone()) {
+            return format!("the target broke the protocol: {what}");
+        }
         match self.session.as_ref().map(|s| s.qp().error()) {
             Some(Some(f)) => rpma_common::error_chain(&f),
             Some(None) => "the queue pair failed".into(),

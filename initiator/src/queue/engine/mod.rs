@@ -406,8 +406,21 @@ impl Engine {
     fn dispatch(&mut self, c: &Completion) -> Result<()> {
         if c.wr_id & CONTROL_BIT != 0 {
             let s = self.session.as_mut().ok_or(Error::Broken)?;
-            if let Some(Message::FlushResponse(r)) = s.handle(c)? {
-                self.flush_answers.push((r.token, r.status));
+            match s.handle(c) {
+                Ok(Some(Message::FlushResponse(r))) => self.flush_answers.push((r.token, r.status)),
+                Ok(_) => {}
+                // A target that sends what this host cannot decode is not trusted with the
+                // rest of the connection: it is lost, for this call and the next (which
+                // reconnects, retiring it first), so that nothing a call left behind (a batch's
+                // Reads in flight) is taken for the next call's.
+                Err(Error::Decode(e)) => {
+                    let what = rpma_common::error_chain(&e);
+                    s.violated = Some(what.clone());
+                    return Err(Error::ConnectionLost {
+                        reason: LossReason::Protocol(what),
+                    });
+                }
+                Err(e) => return Err(e),
             }
             return Ok(());
         }

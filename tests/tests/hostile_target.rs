@@ -1,0 +1,252 @@
+//! The initiator library against a target that breaks the protocol: a small target of this
+//! file's own on the soft fabric admits the host to one namespace (its memory served by the
+//! fabric, as a real target's), answers KeepAlives, and, when told, sends a control message
+//! no target may send.
+
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use rpma_common::fabric::{
+    Access, AlignedBuf, Completion, ConnParams, Context, Listener, MemoryRegion, QpCaps, QueuePair,
+};
+use rpma_common::proto::msgbuf::{MsgBufs, CONTROL_BIT, SEND_BIT};
+use rpma_common::proto::nqn::Nqn;
+use rpma_common::proto::{
+    ConnectResponse, DurabilityMethods, Message, NamespaceDescriptor, PersistenceDomain,
+    PROTO_VERSION,
+};
+use rpma_initiator::{ConnectOptions, Connection, HostIdentity, QueueOptions, ReconnectPolicy};
+use rpma_tests::noise as pattern;
+
+const SUB: &str = "nqn.2026-11.io.rpma:hostile-target";
+const HOST: &str = "nqn.2026-11.io.rpma:hostile-target-host";
+const SIZE: usize = 1 << 20;
+
+/// The fake target: every connection on a thread of its own, the namespace shared.
+struct FakeTarget {
+    url: String,
+    /// Set: a connection sends the garbage (once), then sets `sent`.
+    garbage: Arc<AtomicBool>,
+    /// The garbage is in the host's socket: a soft queue pair writes at its post.
+    sent: Arc<AtomicBool>,
+    admitted: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+    thread: Option<JoinHandle<()>>,
+}
+
+impl FakeTarget {
+    fn start() -> FakeTarget {
+        let ctx = Context::soft();
+        let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+        let url = format!("tcp://127.0.0.1:{}", listener.url().unwrap().port);
+        let mem = AlignedBuf::new(SIZE).unwrap();
+        mem.write_at(0, &pattern(77, SIZE)).unwrap();
+        let (garbage, sent, admitted, stop) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicUsize::new(0)),
+            Arc::new(AtomicBool::new(false)),
+        );
+        let flags = Flags {
+            garbage: garbage.clone(),
+            sent: sent.clone(),
+            admitted: admitted.clone(),
+            stop: stop.clone(),
+        };
+        let st = stop.clone();
+        let thread = std::thread::spawn(move || {
+            let mut conns = Vec::new();
+            while !st.load(Ordering::SeqCst) {
+                let Ok(req) = listener.accept(&ConnParams::default()) else {
+                    continue;
+                };
+                let (ctx, mem, f) = (ctx.clone(), Arc::clone(&mem), flags.clone());
+                conns.push(std::thread::spawn(move || {
+                    let pd = ctx.alloc_pd().unwrap();
+                    let cq = ctx.create_cq(64).unwrap();
+                    let mr = pd
+                        .register(
+                            mem,
+                            Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_READ,
+                        )
+                        .unwrap();
+                    let prepared = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+                    let mut bufs = MsgBufs::new(&pd, 16, 8).unwrap();
+                    for slot in 0..bufs.recv_slots() {
+                        prepared.post_recv(bufs.recv_wr(slot)).unwrap();
+                    }
+                    let Ok(qp) = req.accept(prepared, &ConnParams::default(), &[]) else {
+                        return;
+                    };
+                    serve(&qp, &cq, &mut bufs, &mr, &f);
+                }));
+            }
+            for c in conns {
+                let _ = c.join();
+            }
+        });
+        FakeTarget {
+            url,
+            garbage,
+            sent,
+            admitted,
+            stop,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for FakeTarget {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        // The accept loop waits for a connection: give it one to notice the stop.
+        let _ = std::net::TcpStream::connect(self.url.trim_start_matches("tcp://"));
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// What the connections share with the test.
+#[derive(Clone)]
+struct Flags {
+    garbage: Arc<AtomicBool>,
+    sent: Arc<AtomicBool>,
+    admitted: Arc<AtomicUsize>,
+    stop: Arc<AtomicBool>,
+}
+
+/// One connection: the Connect answered with the namespace, KeepAlives echoed, the garbage sent
+/// when asked, until the host's Disconnect, the connection's end or the stop.
+fn serve(
+    qp: &QueuePair,
+    cq: &rpma_common::fabric::CompletionQueue,
+    bufs: &mut MsgBufs,
+    mr: &MemoryRegion,
+    f: &Flags,
+) {
+    let mut wcs = [Completion::EMPTY; 16];
+    let mut buf = Vec::new();
+    let mut open = false;
+    while !f.stop.load(Ordering::SeqCst) {
+        if open && f.garbage.swap(false, Ordering::SeqCst) {
+            // A well-formed header of a message type no target sends (nor any version knows).
+            bufs.send(qp, &[PROTO_VERSION, 0xEE, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8])
+                .unwrap();
+            f.sent.store(true, Ordering::SeqCst);
+        }
+        let Ok(n) = cq.wait(&mut wcs, Some(Duration::from_millis(20))) else {
+            return;
+        };
+        for c in &wcs[..n] {
+            if c.wr_id & CONTROL_BIT == 0 {
+                continue;
+            }
+            if c.wr_id & SEND_BIT != 0 {
+                let _ = bufs.on_send_done(qp, c.wr_id);
+                continue;
+            }
+            let Some(slot) = bufs.take(c, &mut buf) else {
+                return;
+            };
+            let _ = qp.post_recv(bufs.recv_wr(slot));
+            let answer = match Message::decode(&buf) {
+                Ok(Message::Connect(_)) => {
+                    open = true;
+                    f.admitted.fetch_add(1, Ordering::SeqCst);
+                    Message::ConnectResponse(ConnectResponse {
+                        controller_id: 1,
+                        keep_alive_ms: 60_000,
+                        namespaces: vec![descriptor(mr)],
+                        queue_depth: 8,
+                    })
+                }
+                Ok(Message::KeepAlive(k)) => Message::KeepAlive(k),
+                _ => return,
+            };
+            let _ = bufs.send(qp, &answer.encode().unwrap());
+        }
+    }
+}
+
+fn descriptor(mr: &MemoryRegion) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        nsid: 1,
+        size: SIZE as u64,
+        block_size: 512,
+        remote_addr: mr.addr(),
+        rkey: mr.rkey(),
+        domain: PersistenceDomain::Volatile,
+        durability: DurabilityMethods::NONE,
+        atomic_write_unit: 0,
+        read_only: false,
+        failure: None,
+        simulation: None,
+        unavailable: None,
+    }
+}
+
+/// A control message this host cannot decode arrives while a batch of Reads is in flight: the
+/// call gives the connection up as lost (and retires it: the target did not close it),
+/// reconnects and reads again; the next calls read what they asked for. (The call failed with
+/// the decode error and left its Reads behind, in flight or done: the next batch took their
+/// bytes for its own, from the wrong offsets, or panicked on an index out of its range, and a
+/// write that needed a slot spun for ever.)
+#[test]
+fn a_control_message_the_host_cannot_decode_loses_the_connection_and_nothing_else() {
+    let t = FakeTarget::start();
+    let c = Connection::new(
+        &t.url,
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .with_connect_options(ConnectOptions {
+        timeout: Duration::from_secs(5),
+        ..ConnectOptions::default()
+    })
+    .with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: 4096,
+        reconnect: ReconnectPolicy::within(Duration::from_secs(20)),
+        ..QueueOptions::default()
+    });
+    let mut q = c.open_queue(0).unwrap();
+    let want = pattern(77, SIZE);
+    // In the host's socket now, taken in by its next poll: the batch's.
+    t.garbage.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.sent.load(Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "the garbage was not sent");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut ns = q.namespace(1).unwrap();
+    let mut bufs = vec![vec![0u8; 4096]; 6];
+    let at = [0u64, 65536, 131072, 196608, 262144, 327680];
+    {
+        let mut items: Vec<(u64, &mut [u8])> = at
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(o, b)| (*o, b.as_mut_slice()))
+            .collect();
+        ns.read_batch(&mut items).unwrap();
+    }
+    for (o, b) in at.iter().zip(&bufs) {
+        assert!(b[..] == want[*o as usize..*o as usize + 4096], "offset {o}");
+    }
+    assert_eq!(t.admitted.load(Ordering::SeqCst), 2, "reconnected once");
+    // The next batches read their own offsets.
+    for round in 0..20u64 {
+        let mut one = vec![0u8; 512];
+        let o = 4096 * (100 + round);
+        ns.read_at(o, &mut one).unwrap();
+        assert!(one[..] == want[o as usize..o as usize + 512], "offset {o}");
+    }
+    // And writes find slots.
+    let data = pattern(5, 16 * 4096);
+    ns.write_at(512 << 10, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    ns.read_at(512 << 10, &mut back).unwrap();
+    assert!(back == data);
+}
