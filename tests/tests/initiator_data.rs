@@ -1250,3 +1250,45 @@ fn a_durable_batch_of_more_ranges_than_a_send_queue_takes() {
     );
     check(&mut dax);
 }
+
+/// Held writes let go with a visibility Read only (the pool was full and the forced method not
+/// valid on their namespace: nothing could make them durable then) are still covered by a later
+/// `persist_own_writes` with a valid method: on page-cache, none of their pages is left unsynced
+/// when it says durable. (It covered only the writes still held, and said durable.)
+#[test]
+fn persist_own_writes_covers_the_writes_a_full_pool_let_go_unpersisted() {
+    let (d, _shm, t) = start("unvouched");
+    let file = d.path().join("ns1");
+    if rpma_tests::unsynced_pages(&file, 0, 4096).is_none() {
+        eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+        return;
+    }
+    let mut q = conn(&t.url())
+        .with_queue_options(QueueOptions {
+            depth: 2,
+            chunk: 4096,
+            persist: Some(PersistMethod::Apm),
+            ..QueueOptions::default()
+        })
+        .open_queue(0)
+        .unwrap();
+    let mut ns1 = q.namespace(1).unwrap();
+    if Transport::current()
+        .methods(ns1.descriptor().domain)
+        .contains(&PersistMethod::Apm)
+    {
+        eprintln!("SKIPPED: APM is valid on this namespace here (the forced method must not be)");
+        return;
+    }
+    // Ten chunks through two slots: eight are let go after a visibility Read.
+    let at = 1 << 20;
+    let v = pattern(9, 10 * 4096);
+    ns1.write_at(at, &v).unwrap();
+    ns1.set_method(None).unwrap();
+    assert!(ns1.persist_own_writes().unwrap().is_durable());
+    assert_eq!(
+        rpma_tests::unsynced_pages(&file, at, v.len() as u64),
+        Some(0),
+        "pages of the queue's writes not synced, though said durable"
+    );
+}

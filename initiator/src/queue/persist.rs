@@ -6,6 +6,8 @@
 
 use rpma_common::fabric::{SendOp, SendWr};
 use rpma_common::proto::{DurabilityMethods, FlushStatus, NamespaceDescriptor, PersistenceDomain};
+use std::sync::atomic::{AtomicBool, Ordering};
+
 use smallvec::SmallVec;
 
 use super::engine::{Engine, MakeRoom};
@@ -21,12 +23,17 @@ use crate::writebuf::Data;
 const PERSIST_BATCH: usize = 64;
 
 /// The durability method of one namespace, as a queue knows it.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 struct NsState {
     /// The method for durable calls, or the refusal of a forced one (made into
     /// [`Error::MethodNotValid`] on each durable call: Error is not Clone).
     choice: std::result::Result<Choice, MethodNotValid>,
     forced: Option<PersistMethod>,
+    /// Held writes were let go after a visibility Read only, to free their slots, while no
+    /// valid method could make them durable (a forced method that is not valid): the next
+    /// [`persist_own`](Persister::persist_own) covers the whole namespace, not only the writes
+    /// still held, and clears it once that succeeded.
+    let_go: AtomicBool,
 }
 
 /// The durability side of a queue: a method per namespace (by the queue's namespace index, as
@@ -51,6 +58,7 @@ impl Persister {
                 .map(|d| NsState {
                     choice: choice_of(d, peer_flush, forced),
                     forced,
+                    let_go: AtomicBool::new(false),
                 })
                 .collect(),
         }
@@ -220,7 +228,13 @@ impl Persister {
             if ranges.is_empty() {
                 continue;
             }
-            let choice = self.held_choice(e, idx).unwrap_or(Choice::VisibleOnly);
+            let choice = match self.held_choice(e, idx) {
+                Ok(c) => c,
+                Err(_) => {
+                    self.ns[idx].let_go.store(true, Ordering::SeqCst);
+                    Choice::VisibleOnly
+                }
+            };
             self.persist_ranges(e, idx, &ranges, choice)?;
         }
         Ok(())
@@ -228,10 +242,21 @@ impl Persister {
 
     /// Makes durable every write this queue posted to namespace `idx` that is not durable yet
     /// (the ones it holds for a replay), with [`held_choice`](Self::held_choice).
+    /// Writes it let go unpersisted to free their slots are covered too (the whole namespace:
+    /// which bytes they were is not kept).
     pub(super) fn persist_own(&self, e: &mut Engine, idx: usize) -> Result<crate::Durability> {
         let choice = self.held_choice(e, idx)?;
-        let ranges = e.held_ranges(idx);
-        self.persist_ranges(e, idx, &ranges, choice)
+        let let_go = self.ns[idx].let_go.load(Ordering::SeqCst);
+        let ranges = if let_go {
+            smallvec::smallvec![(0, e.descriptor(idx).size)]
+        } else {
+            e.held_ranges(idx)
+        };
+        let d = self.persist_ranges(e, idx, &ranges, choice)?;
+        if let_go && d.is_durable() {
+            self.ns[idx].let_go.store(false, Ordering::SeqCst);
+        }
+        Ok(d)
     }
 
     /// The method for this queue's own held writes of namespace `idx`: the namespace's, except
