@@ -790,7 +790,7 @@ fn a_reconnect_attempt_broken_while_it_reissues_leaves_the_writes_to_the_next() 
     let d = scratch();
     let t = start(d.path(), 20, "");
     let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
-    let c = conn(&relay.url(), Duration::from_secs(2)).with_queue_options(QueueOptions {
+    let c = conn(&relay.url(), Duration::from_secs(5)).with_queue_options(QueueOptions {
         depth: 8,
         chunk: BLOCK,
         replay_bytes: 512 * BLOCK,
@@ -820,7 +820,8 @@ fn a_reconnect_attempt_broken_while_it_reissues_leaves_the_writes_to_the_next() 
             .unwrap();
         assert_eq!(parse_block(&got), Some((7, i, 1)), "block {i}");
     }
-    assert_eq!(q.reconnects(), 1);
+    // (A loaded machine may lose a later link to a time-out too: at least one reconnect.)
+    assert!(q.reconnects() >= 1);
     assert!(relay.counts().resets >= 2, "{:?}", relay.counts());
     assert!(q
         .namespace(1)
