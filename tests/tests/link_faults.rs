@@ -831,6 +831,59 @@ fn a_reconnect_attempt_broken_while_it_reissues_leaves_the_writes_to_the_next() 
         .is_durable());
 }
 
+/// A held write whose bytes another queue of the connection rewrote in many small places since
+/// is re-issued in more pieces than a send queue takes (301 here; a send queue takes 256): they
+/// go out a batch at a time, and every byte ends up as the newest write left it. (Posted as one
+/// list they were refused, every reconnect attempt failed the same way, and the queue gave up
+/// with its writes.)
+#[test]
+fn a_held_write_in_more_pieces_than_a_send_queue_takes_is_reissued() {
+    let d = scratch();
+    let t = start(d.path(), 20, "");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let c = conn(&relay.url(), Duration::from_secs(5)).with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: 256 << 10,
+        reconnect: ReconnectPolicy::within(RECONNECT_BUDGET),
+        ..QueueOptions::default()
+    });
+    let mut a = c.open_queue(0).unwrap();
+    let mut b = c.open_queue(1).unwrap();
+    assert_eq!(relay.live(), 2);
+    let at = COUNTERS;
+    let mut want = rpma_tests::noise(31, 256 << 10);
+    a.namespace(1).unwrap().write_at(at, &want).unwrap();
+    // 300 single bytes of it rewritten through B, newer than A's write, which A still holds.
+    for k in 0..300u64 {
+        let off = 1 + k * 800;
+        want[off as usize] = !want[off as usize];
+        b.namespace(1)
+            .unwrap()
+            .write_at(at + off, &want[off as usize..off as usize + 1])
+            .unwrap();
+    }
+    assert!(b
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+    // A's link is reset: its next call reconnects and re-issues its write, around B's bytes.
+    assert!(relay.inject_one(Fault::Reset, 0));
+    let mut got = vec![0u8; want.len()];
+    a.namespace(1).unwrap().read_at(at, &mut got).unwrap();
+    assert!(a.reconnects() >= 1);
+    assert!(a
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+    b.namespace(1).unwrap().read_at(at, &mut got).unwrap();
+    let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
+    assert_eq!(wrong, 0, "bytes not as the newest write left them");
+}
+
 /// Faults at chosen points of the handshake (a reset after n bytes of MPA and Connect, a stall
 /// longer than the time-out, a cut at once), on a fresh queue and on a queue's reconnect: each
 /// attempt fails or succeeds within its deadline, the next one succeeds, and the target keeps

@@ -118,6 +118,19 @@ impl Engine {
                 self.pool.set(slot, Slot::Free);
                 continue;
             };
+            // A write in more pieces than a batch takes (another queue rewrote many small
+            // places of it since): all but its last batch of pieces go out first, a batch at a
+            // time (`post_pieces`); posted as one list they were refused.
+            let mut rest = rest;
+            if rest.len() >= REISSUE_BATCH {
+                self.post_reissued(std::mem::take(&mut batch))?;
+                wrs = 0;
+                while rest.len() >= REISSUE_BATCH {
+                    let (group, more) = rest.split_at(REISSUE_BATCH);
+                    self.post_pieces(slot, w, group)?;
+                    rest = more;
+                }
+            }
             let mut these: Vec<SendWr> = rest
                 .iter()
                 .map(|&(s, e)| self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()))
@@ -131,6 +144,30 @@ impl Engine {
             batch.push((slot, w, these));
         }
         self.post_reissued(batch)
+    }
+
+    /// Posts `pieces` of the held write `w` in `slot` behind one doorbell once nothing is in
+    /// flight, and waits until they completed: all unsignaled but the last, which completes
+    /// under a waited id of its own (the slot's completion is its last piece's, posted later).
+    fn post_pieces(&mut self, slot: usize, w: WriteRec, pieces: &[(u64, u64)]) -> Result<()> {
+        let Some((&(s, e), rest)) = pieces.split_last() else {
+            return Ok(());
+        };
+        self.drain()?;
+        let mut wrs: Vec<SendWr> = rest
+            .iter()
+            .map(|&(s, e)| self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()))
+            .collect();
+        let last = self.piece_wr(slot, w, s, e);
+        let last = self.waited_wr(last.op);
+        let id = last.wr_id;
+        wrs.push(last);
+        self.doorbells += 1;
+        let sess = self.session()?;
+        sess.qp()
+            .post_send_list(wrs)
+            .map_err(|e| super::post::post_error(sess, e))?;
+        self.wait_for_request(w.ns, "re-issued write", id)
     }
 
     /// Posts re-issued Writes, behind one doorbell, once nothing is in flight.
