@@ -71,9 +71,9 @@ pub enum FlusherError {
     /// The worker thread (fallback) could not be started.
     #[error("cannot start the flusher's worker thread")]
     Thread(#[source] std::io::Error),
-    /// The backing file descriptor could not be duplicated.
-    #[error("cannot duplicate the namespace's file descriptor")]
-    Dup(#[source] std::io::Error),
+    /// The backing file could not be opened again for the flush service.
+    #[error("cannot open the namespace's file again for its flushes")]
+    Reopen(#[source] std::io::Error),
     /// A page-cache mapping without a backing file.
     #[error("a page-cache namespace has no backing file to flush")]
     NoBackingFile,
@@ -118,15 +118,22 @@ impl FlushTarget {
     /// The target for a mapped namespace, chosen by its domain.
     ///
     /// # Errors
-    /// [`FlusherError::NoBackingFile`], [`FlusherError::Dup`].
+    /// [`FlusherError::NoBackingFile`], [`FlusherError::Reopen`].
     pub fn for_mapping(m: &Arc<Mapping>) -> Result<Self> {
         let len = m.len() as u64;
         Ok(match m.domain() {
             Domain::Dax | Domain::DaxForced => Self::dax(m.clone(), len),
             Domain::PageCache => {
                 let fd = m.backing_fd().ok_or(FlusherError::NoBackingFile)?;
-                let fd = fd.try_clone_to_owned().map_err(FlusherError::Dup)?;
-                Self::page_cache(fd, m.clone(), len)
+                // An open file of its own (the same inode, through /proc, whatever its path
+                // is now), not a dup: Linux reports a write-back error once to each open file,
+                // and a dup shares the mapping's, whose msync (a FLUSH) then returned 0 after
+                // this fdatasync took the report, before the poll loop had reaped it
+                // (tests/tests/failed_namespace.rs
+                // `the_flush_service_and_the_mapping_each_hear_of_a_writeback_error`).
+                let own = std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                    .map_err(FlusherError::Reopen)?;
+                Self::page_cache(own.into(), m.clone(), len)
             }
             _ => Self::volatile(len),
         })
@@ -563,6 +570,15 @@ impl Flusher {
                 }
             }
             Backend::Thread { done, .. } => finished.extend(done.try_iter()),
+        }
+        // Every failure of the batch is recorded before any answer is decided: of two syncs of
+        // one open file, the one that returned 0 beside the one that took the error report
+        // must not be answered durable for being reaped first.
+        for &(slot, res) in &finished {
+            if let (true, Some(Some(f))) = (res < 0, self.slots.get(slot)) {
+                let e = std::io::Error::from_raw_os_error(-res);
+                f.store.record_failure(SyncFailure::new("fdatasync", &e));
+            }
         }
         for (slot, res) in finished {
             let Some(f) = self.slots.get_mut(slot).and_then(Option::take) else {

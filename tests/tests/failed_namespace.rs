@@ -408,3 +408,73 @@ fn a_failed_namespace_stays_failed_across_a_sigkill_and_restart_and_serves_only_
 // No rdma:: twins: a write-back error needs a page-cache namespace, which the VM lab's
 // Soft-RoCE cannot register (docs/rdma.md, "Soft-RoCE and ODP"); the failure handling is the
 // target's, the same on both transports.
+
+/// The flush service's fdatasync and the placement engine's msync of one file each hear of a
+/// write-back error themselves: the kernel reports one to each open file once, and the flush
+/// service's descriptor is an open file of its own. (It was a dup of the mapping's, one open
+/// file: its fdatasync took the report, and an msync in the moment before the poll loop reaped
+/// that fdatasync's failure returned 0, and the FLUSH it served said durable.)
+#[test]
+fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
+    use std::sync::Arc;
+
+    use rpma_common::pmem::{OpenOptions, Persist};
+    use rpma_target::flusher::{FlushTarget, Flusher};
+
+    let d = rpma_tests::scratch();
+    let fs = match FragileFs::new(d.path()) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
+            return;
+        }
+    };
+    let m = Arc::new(
+        OpenOptions::new(fs.mnt.join("ns"))
+            .size(4 << 20)
+            .create(true)
+            .open()
+            .unwrap(),
+    );
+    assert_eq!(m.domain(), rpma_common::pmem::Domain::PageCache);
+    let t = FlushTarget::for_mapping(&m).unwrap();
+    let mut fl = Flusher::new(4).unwrap();
+    // The file's blocks allocated (not written) and the filesystem's metadata on the media
+    // first: the error is then the data's alone, and the filesystem stays as it was (a failed
+    // journal would fail every later sync of every file, and prove nothing).
+    let f = std::fs::File::open(fs.mnt.join("ns")).unwrap();
+    // SAFETY: syncfs only reads the descriptor.
+    assert_eq!(
+        unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)) },
+        0
+    );
+    fs.fill();
+    m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
+    fl.submit(1, &t, 0, 0).unwrap();
+    // The fdatasync completed (its completion waits to be reaped: the poll loop's turn).
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        use nix::poll::{poll, PollFd, PollFlags};
+        let mut fds = [PollFd::new(fl.wait_fd(), PollFlags::POLLIN)];
+        if poll(&mut fds, 10u8).unwrap() > 0 {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the fdatasync never completed"
+        );
+    }
+    let r = m.persist(0, 4096);
+    assert!(
+        r.is_err(),
+        "a FLUSH's msync said {r:?} after the write-back error"
+    );
+    let mut out = Vec::new();
+    fl.drain(&mut out);
+    assert_eq!(out.len(), 1);
+    assert_ne!(
+        out[0].status,
+        rpma_common::proto::FlushStatus::Durable,
+        "{out:?}"
+    );
+}

@@ -46,6 +46,10 @@ pub(super) struct Media {
     path: Option<PathBuf>,
     /// Page-aligned union of the ranges flushed (write-back started) but not yet drained.
     pending: Mutex<Option<(usize, usize)>>,
+    /// Held across an msync and the record of its failure: Linux reports a write-back error
+    /// once to each open file, so of two msyncs at once (two poll loops' FLUSHes) one gets it
+    /// and the other 0; the second, after the first, then finds the failure recorded.
+    syncing: Mutex<()>,
     /// Page-cache files: the pages placed into since their last write-back started, which the
     /// next placement stores into instead of writing with `pwrite` (placed.rs).
     placed: Option<PlacedPages>,
@@ -126,6 +130,7 @@ impl Media {
             file: Some(file),
             path: Some(path),
             pending: Mutex::new(None),
+            syncing: Mutex::new(()),
             placed,
             failure: OnceLock::new(),
             on_failure: OnceLock::new(),
@@ -171,6 +176,7 @@ impl Media {
             file: None,
             path: None,
             pending: Mutex::new(None),
+            syncing: Mutex::new(()),
             placed: None,
             failure: OnceLock::new(),
             on_failure: OnceLock::new(),
@@ -334,6 +340,7 @@ impl Media {
     }
 
     fn msync(&self, start: usize, end: usize) -> Result<()> {
+        let _one_at_a_time = self.syncing.lock().unwrap_or_else(|e| e.into_inner());
         // SAFETY: start is page-aligned and [start, end) lies within the pages of the file's
         // mapping.
         let rc = unsafe {
@@ -348,7 +355,8 @@ impl Media {
             self.record_failure(SyncFailure::new("msync", &e));
             return Err(self.sync_error("msync", start, end - start, e));
         }
-        Ok(())
+        // A 0 after another sync of this open file took the error report proves nothing.
+        self.check_healthy()
     }
 
     /// [`Error::Failed`] once the store has failed: checked before every persist, flush and
