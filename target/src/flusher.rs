@@ -595,6 +595,21 @@ impl Flusher {
         out.len() - before
     }
 
+    /// Blocks until every sync in flight completed and was reaped, dropping the answers (their
+    /// connections are gone), and returns how many there were: before a loop ends. A write-back
+    /// error one of them reports is recorded as it is reaped (and so written to the state
+    /// file); a sync left unreaped took the file's one report of it with it, and the next start
+    /// served the lost pages as healthy.
+    pub fn finish_all(&mut self) -> usize {
+        let n = self.in_flight();
+        if n > 0 {
+            log::info!("waiting for {n} sync(s) of connections gone: a write-back error they report is remembered");
+            let mut out = Vec::new();
+            self.drain(&mut out);
+        }
+        n
+    }
+
     /// Blocks until every submitted flush has completed, appending them to `out` (shutdown:
     /// answer what is in flight before exiting).
     pub fn drain(&mut self, out: &mut Vec<FlushCompletion>) {

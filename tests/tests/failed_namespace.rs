@@ -443,11 +443,10 @@ fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
     // first: the error is then the data's alone, and the filesystem stays as it was (a failed
     // journal would fail every later sync of every file, and prove nothing).
     let f = std::fs::File::open(fs.mnt.join("ns")).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
     // SAFETY: syncfs only reads the descriptor.
-    assert_eq!(
-        unsafe { libc::syncfs(std::os::fd::AsRawFd::as_raw_fd(&f)) },
-        0
-    );
+    let rc = unsafe { libc::syncfs(fd) };
+    assert_eq!(rc, 0);
     fs.fill();
     m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
     fl.submit(1, &t, 0, 0).unwrap();

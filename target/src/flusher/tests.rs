@@ -506,3 +506,19 @@ fn a_sync_reaped_beside_a_failed_one_is_not_answered_durable() {
         ]
     );
 }
+
+/// Before a loop ends, the syncs still in flight (their connections gone) are reaped, so that a
+/// write-back error one of them reports is recorded: dropped unreaped, it was lost with them.
+#[test]
+fn finish_all_reaps_the_syncs_in_flight_and_records_their_failure() {
+    for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+        let d = tempfile::tempdir().unwrap();
+        let st = store(4096);
+        let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
+        fl.submit(3, &t, 0, 4096).unwrap();
+        assert_eq!(fl.finish_all(), 1, "{}", fl.backend_name());
+        assert_eq!(fl.in_flight(), 0);
+        assert!(st.failure().is_some(), "{}", fl.backend_name());
+        assert_eq!(fl.finish_all(), 0);
+    }
+}

@@ -416,6 +416,7 @@ impl Loop {
             self.flusher.clear_wake();
             self.reap_flushes();
         }
+        self.flusher.finish_all();
         let deadline = Instant::now() + Duration::from_secs(1);
         while Instant::now() < deadline {
             self.finish_turn();

@@ -493,6 +493,7 @@ impl PollLoop {
             }
             self.turn(Some(Some(deadline - now)));
         }
+        self.flusher.finish_all();
         for c in self.conns.values_mut() {
             match c.phase {
                 Phase::Session(_) | Phase::Discovery { .. } => {
