@@ -549,6 +549,12 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
                      `rpma-target clear-failure {sub} {nsid}`"
                 );
             }
+            for (sub, nsid) in st.namespaces.reopen_replaced(&mut d) {
+                log::warn!(
+                    "reload: subsystem {sub} namespace {nsid}: its path names another file now: \
+                     mapping that one and closing the sessions of the old"
+                );
+            }
             st.namespaces
                 .apply(&d, &new)
                 .map_err(|e| rpma_common::error_chain(&e))?;

@@ -249,3 +249,39 @@ rpma_tests::rdma_runs!(
     a_reload_that_changes_a_namespace_disconnects_its_sessions_with_the_reason,
     a_reload_that_would_grow_without_grow_changes_nothing,
 );
+
+/// A reload after a file was moved over a namespace's path (a restore, a provisioning tool):
+/// the target maps the file the path names, and what hosts write durably after the reload is
+/// in that file at the next start. (It kept serving the old file, unlinked: the writes and
+/// their "durable" answers went there and were gone after a restart.)
+#[test]
+fn a_reload_after_the_file_was_replaced_serves_the_new_file() {
+    use rpma_initiator::{Connection, HostIdentity};
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let conn = |t: &rpma_tests::Target| {
+        Connection::new(&t.url(), nqn(SUB), HostIdentity::new(nqn(PLAIN)))
+            .open_queue(0)
+            .unwrap()
+    };
+    let restored = d.path().join("ns1.restored");
+    std::fs::write(&restored, vec![0xaa; 2 << 20]).unwrap();
+    std::fs::rename(&restored, d.path().join("ns1")).unwrap();
+    t.reload();
+    let mut q = conn(&t);
+    let mut ns = q.namespace(1).unwrap();
+    let mut got = vec![0u8; 4096];
+    ns.read_at(8192, &mut got).unwrap();
+    assert!(got == [0xaa; 4096], "the restored file is served");
+    assert!(ns.write_durable(0, &[0x5b; 4096]).unwrap().is_durable());
+    drop(ns);
+    q.close().unwrap();
+    t.restart();
+    let mut q = conn(&t);
+    let mut ns = q.namespace(1).unwrap();
+    ns.read_at(0, &mut got).unwrap();
+    assert!(
+        got == [0x5b; 4096],
+        "a durable write after the reload is there after a restart"
+    );
+}

@@ -143,6 +143,34 @@ impl NamespaceTable {
         reopened
     }
 
+    /// Adds every namespace that the new configuration keeps unchanged but whose path now
+    /// names another file (a restore or a provisioning tool moved one there) to `diff`'s
+    /// [`namespaces_changed`](ConfigDiff::namespaces_changed), so that the reload maps the
+    /// file the path names and closes the sessions of the old one: kept, every write and
+    /// "durable" answer after the reload went to the old file, which the path no longer names,
+    /// and was gone at the next start. Returns them, for the log. A path that names no file now
+    /// is left alone (reopening it would create an empty file in place of the data hosts see).
+    pub fn reopen_replaced(&self, diff: &mut ConfigDiff) -> Vec<NsKey> {
+        let mut reopened = Vec::new();
+        for (key, ns) in self.iter() {
+            if diff.namespaces_removed.contains(key) || diff.namespaces_changed.contains(key) {
+                continue;
+            }
+            let (Some(fd), Ok(now)) = (ns.mapping.backing_fd(), std::fs::metadata(&ns.key)) else {
+                continue;
+            };
+            let Ok(open) = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)) else {
+                continue;
+            };
+            use std::os::unix::fs::MetadataExt;
+            if (open.st_dev, open.st_ino) != (now.dev(), now.ino()) {
+                diff.namespaces_changed.push(key.clone());
+                reopened.push(key.clone());
+            }
+        }
+        reopened
+    }
+
     /// Applies a reload: opens the added and changed namespaces of `new` first, as
     /// [`OpenNamespace::open`] does at start-up (a file is grown only with `grow = true`; if
     /// any open fails the table is left exactly as it was), then swaps them in and drops the
