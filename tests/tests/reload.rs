@@ -274,7 +274,6 @@ fn a_reload_after_the_file_was_replaced_serves_the_new_file() {
     ns.read_at(8192, &mut got).unwrap();
     assert!(got == [0xaa; 4096], "the restored file is served");
     assert!(ns.write_durable(0, &[0x5b; 4096]).unwrap().is_durable());
-    drop(ns);
     q.close().unwrap();
     t.restart();
     let mut q = conn(&t);
