@@ -182,4 +182,23 @@ fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
         .log()
         .lines()
         .any(|l| l.contains("has FAILED") && l.contains("No space left")));
+    // The operator frees the space and clears the failure: the controller's next FUA write is
+    // durable again (it kept the failed opening, and answered Write Fault until the host
+    // reconnected).
+    fs.free();
+    let sock = t.dir().join("ctl.sock");
+    let o = rpma_tests::run_with_deadline(
+        std::process::Command::new(rpma_tests::target_bin()).args([
+            "clear-failure",
+            "--socket",
+            sock.to_str().unwrap(),
+            SUB,
+            "1",
+        ]),
+        std::time::Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "{}", rpma_tests::text(&o));
+    let w = q.write(1, 0, 4096, &[2; 4096], true).unwrap();
+    assert!(w.ok(), "a FUA write after the failure was cleared: {w:?}");
+    assert!(q.flush(1).unwrap().ok());
 }

@@ -363,11 +363,14 @@ impl Queue {
             self.end(crate::metrics::EndReason::Reload, env);
             return self.close(env);
         }
+        // A namespace whose failure an operator cleared is a new opening too: kept, the
+        // controller answered Write Fault with the failed one until its host reconnected.
         let mut changed: Vec<u32> = diff
             .namespaces_added
             .iter()
             .chain(&diff.namespaces_removed)
             .chain(&diff.namespaces_changed)
+            .chain(&diff.namespaces_cleared)
             .filter(|(s, _)| *s == ctrl.subsystem)
             .map(|(_, n)| *n)
             .collect();
