@@ -22,6 +22,11 @@ impl Queue {
     /// else into a small buffer.
     pub(super) fn fetch(&mut self, sqe: Sqe, len: u32, env: &mut Env<'_>) {
         let cid = sqe.cid();
+        // As `execute` refuses a command of a controller that is gone or not enabled: a Write
+        // whose data comes with R2T was let through, and completed successfully.
+        if self.controller_gone() {
+            return self.complete(cid, 0, Status::SEQUENCE_ERROR);
+        }
         let sink = if sqe.opcode() == command::io::WRITE && matches!(self.phase, Phase::Io(_)) {
             match self.prepare_write(&sqe, len) {
                 Ok(s) => s,
@@ -134,6 +139,11 @@ impl Queue {
         Ok(())
     }
 
+    /// Whether this is an I/O queue whose controller is gone or not enabled.
+    fn controller_gone(&self) -> bool {
+        matches!(&self.phase, Phase::Io(q) if q.ctrl.is_dead() || !q.ctrl.ready())
+    }
+
     pub(super) fn on_h2c_data(
         &mut self,
         h: H2cData,
@@ -145,11 +155,15 @@ impl Queue {
         if let Err(f) = self.check_h2c(&h) {
             return self.fatal(f, header, env);
         }
+        // Nothing lands for a controller that is gone (its keep-alive lapsed, its host
+        // disconnected on the admin queue): its host may have reconnected and written these
+        // blocks again. The command fails when its data is in.
+        let gone = self.controller_gone();
         let Some(t) = self.transfers.get_mut(&h.cccid) else {
             return;
         };
         t.received += h.datal;
-        if !data_ok {
+        if !data_ok || gone {
             // Integrity before placement: data that failed its digest never lands.
             t.corrupt = true;
         } else if !t.corrupt {
@@ -170,6 +184,9 @@ impl Queue {
             return;
         };
         let cid = t.sqe.cid();
+        if gone {
+            return self.complete(cid, 0, Status::SEQUENCE_ERROR);
+        }
         if t.corrupt {
             return self.complete(cid, 0, Status::TRANSIENT_TRANSPORT);
         }

@@ -512,3 +512,48 @@ fn a_host_that_does_not_read_stops_being_read() {
     io.sent(n);
     assert!(io.wants_read());
 }
+
+/// A Write whose data comes by R2T on an I/O queue whose controller is no longer enabled is a
+/// Sequence Error, as a Write in the capsule is (it got an R2T and completed); data of one
+/// under way when the controller goes never lands, and the Write fails.
+#[test]
+fn a_write_by_r2t_of_a_controller_not_enabled_fails_and_lands_nothing() {
+    let mut h = H::new("");
+    let (mut a, mut io, _) = connected(&mut h);
+    let r2t_write = |cid: u16, slba: u32| {
+        let mut s = sqe(command::io::WRITE, cid, 1);
+        set_sgl(&mut s, command::sgl::TRANSPORT, 4096);
+        cdw(&mut s, 10, slba);
+        cdw(&mut s, 12, 7);
+        capsule(&s, &[])
+    };
+    // One under way: its R2T came, its data has not.
+    let out = h.send(&mut io, &r2t_write(8, 8));
+    assert_eq!(types(&out), [kind::R2T]);
+    let ttag = u16::from_le_bytes([out[10], out[11]]);
+    // The host disables the controller (CC.EN = 0).
+    let mut set = sqe(command::FABRICS, 3, 0);
+    set[4] = command::fctype::PROPERTY_SET;
+    set[44..48].copy_from_slice(&0x14u32.to_le_bytes());
+    set[48..52].copy_from_slice(&0u32.to_le_bytes());
+    assert_eq!(completions(&h.send(&mut a, &capsule(&set, &[])))[0].2, 0);
+    // A new Write by R2T: refused at once.
+    let out = h.send(&mut io, &r2t_write(9, 24));
+    assert_eq!(completions(&out), [(9, 0, status(Status::SEQUENCE_ERROR))]);
+    // The data of the one under way: refused, nothing placed.
+    let mut b = vec![kind::H2C_DATA, 4, 24, 24];
+    b.extend_from_slice(&(24 + 4096u32).to_le_bytes());
+    b.extend_from_slice(&8u16.to_le_bytes());
+    b.extend_from_slice(&ttag.to_le_bytes());
+    b.extend_from_slice(&0u32.to_le_bytes());
+    b.extend_from_slice(&4096u32.to_le_bytes());
+    b.extend_from_slice(&[0; 4]);
+    b.extend_from_slice(&[0x77; 4096]);
+    let out = h.send(&mut io, &b);
+    assert_eq!(completions(&out), [(8, 0, status(Status::SEQUENCE_ERROR))]);
+    let file = std::fs::read(h._dir.path().join("n1")).unwrap();
+    assert!(
+        file[8 * 512..8 * 512 + 4096].iter().all(|&b| b == 0),
+        "nothing landed"
+    );
+}
