@@ -23,11 +23,13 @@ enum Call {
     Drain { seq: u64 },
 }
 
-/// Registered memory in `domain` that records how it is made durable (never by the copy that
-/// places the bytes: on dax as under the power-loss simulation, every placed range is
-/// persisted); with `fail` set, every persist fails as an msync that returned EIO would.
+/// Registered memory in `domain` that records how it is made durable: by a persist of every
+/// placed range (as under the power-loss simulation), or, with `writeback`, by the copy that
+/// places the bytes and the fence (`drain`) a response owes after it, as on real dax; with
+/// `fail` set, every persist and drain fails as a sync that returned EIO would.
 struct Recording {
     domain: Domain,
+    writeback: bool,
     buf: Arc<AlignedBuf>,
     seq: Arc<AtomicU64>,
     calls: Mutex<Vec<Call>>,
@@ -54,7 +56,7 @@ impl Persist for Recording {
         self.domain
     }
     fn durable_by_writeback(&self) -> bool {
-        false
+        self.writeback
     }
     fn persist(&self, offset: usize, len: usize) -> pmem::Result<Durability> {
         if self.fail.load(Ordering::SeqCst) {
@@ -84,6 +86,14 @@ impl Persist for Recording {
         Ok(())
     }
     fn drain(&self) -> pmem::Result<Durability> {
+        if self.fail.load(Ordering::SeqCst) {
+            let e = std::io::Error::from_raw_os_error(libc::EIO);
+            self.record_failure(SyncFailure::new("drain", &e));
+            return Err(pmem::Error::Failed {
+                path: "recording".into(),
+                failure: SyncFailure::new("drain", &e),
+            });
+        }
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         self.calls.lock().unwrap().push(Call::Drain { seq });
         Ok(Durability::Durable)
@@ -116,10 +126,15 @@ fn rig() -> Rig {
 }
 
 fn rig_in(domain: Domain) -> Rig {
+    rig_with(domain, false)
+}
+
+fn rig_with(domain: Domain, writeback: bool) -> Rig {
     let p = Pair::new(true);
     let seq = Arc::new(AtomicU64::new(1));
     let mem = Arc::new(Recording {
         domain,
+        writeback,
         buf: AlignedBuf::new(SIZE).unwrap(),
         seq: Arc::clone(&seq),
         calls: Mutex::new(Vec::new()),
@@ -390,5 +405,70 @@ fn a_failed_persist_fails_the_response_and_the_queue_pairs_error_keeps_the_errno
             "the store remembers"
         );
         assert!(r.calls().iter().all(|c| !matches!(c, Call::Persist { .. })));
+    }
+}
+
+/// Real dax: large Writes are placed with stores that write the cache lines back as they go,
+/// which makes them durable once a store fence ran; the Read (APM), Flush or atomic after them
+/// owes that fence, and is answered only after it (`drain`), and not at all when it fails (a
+/// namespace failed meanwhile). The other tests' memory records a persist of every placed range
+/// instead, as the power-loss simulation does: without this one, a placement that left the
+/// fence out, or a response that did not wait for it, passed every end-to-end test.
+#[test]
+fn on_dax_a_response_after_writes_placed_by_writeback_waits_for_the_fence() {
+    for op in ["read", "flush", "atomic"] {
+        let r = rig_with(Domain::DaxForced, true);
+        r.write(1, 0, 40_000);
+        let before = r.seq.load(Ordering::SeqCst);
+        r.p.qp
+            .post_send(SendWr::new(2, response_op(&r, op)))
+            .unwrap();
+        let seen = r.complete(2);
+        let fenced = r
+            .calls()
+            .iter()
+            .any(|c| matches!(c, Call::Drain { seq } if (before..seen).contains(seq)));
+        assert!(
+            fenced,
+            "{op}: no fence before the answer; calls {:?}",
+            r.calls()
+        );
+    }
+    for op in ["read", "flush", "atomic"] {
+        let r = rig_with(Domain::DaxForced, true);
+        r.mem.fail.store(true, Ordering::SeqCst);
+        r.write(1, 0, 40_000);
+        r.p.qp
+            .post_send(SendWr::new(2, response_op(&r, op)))
+            .unwrap();
+        let (_, c) = r.p.until_init(2);
+        assert_ne!(
+            c.status,
+            WcStatus::Success,
+            "{op}: answered over a failed fence: {c:?}"
+        );
+    }
+}
+
+/// The request that owes the Writes before it their durability: an 8-byte Read, a Flush of
+/// their range, or a fetch-and-add.
+fn response_op(r: &Rig, op: &str) -> SendOp {
+    match op {
+        "read" => SendOp::Read {
+            local: Sge::new(&r.imr, 0, 8),
+            remote: r.mr.remote(0),
+        },
+        "flush" => SendOp::Flush {
+            target: FlushTarget::Range {
+                remote: r.mr.remote(0),
+                len: 40_000,
+            },
+            kind: FlushType::Persistent,
+        },
+        _ => SendOp::FetchAdd {
+            local: Sge::new(&r.imr, 0, 8),
+            remote: r.mr.remote(60_000),
+            add: 1,
+        },
     }
 }
