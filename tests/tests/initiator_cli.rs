@@ -488,6 +488,80 @@ fn two_initiator_processes_on_separate_namespaces_do_not_interfere() {
     }
 }
 
+/// The flush service's own path (an fdatasync through io_uring, not the poll loop's inline
+/// msync: a second connection on the loop and a range over 256 KiB send it there) syncs every
+/// page of the range it answers durable (cachestat). Without this only the inline msync was
+/// checked against the page cache: a wrong range or a skipped fdatasync there passed
+/// everything.
+#[test]
+fn a_gpspm_flush_through_the_flush_service_syncs_its_range() {
+    let (d, _shm, t) = start("uring");
+    let file = d.path().join("ns1");
+    let Some(_) = rpma_tests::unsynced_pages(&file, 0, 1 << 20) else {
+        eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+        return;
+    };
+    let syncs = |t: &Target| -> u64 {
+        let v = t.status();
+        v["metrics"]["latency"]
+            .as_array()
+            .and_then(|a| {
+                a.iter()
+                    .find(|l| l["kind"] == "fdatasync" && l["path"] == "gpspm")
+            })
+            .map(|l| {
+                l["histogram"]["counts"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .map(|c| c.as_u64().unwrap())
+                    .sum()
+            })
+            .unwrap_or_else(|| panic!("no fdatasync gpspm latency: {v:#}"))
+    };
+    let idle = rpma_initiator::Connection::new(
+        &t.url(),
+        rpma_tests::nqn(SUB),
+        rpma_initiator::HostIdentity::new(rpma_tests::nqn(HOST)),
+    )
+    .open_queue(0)
+    .unwrap();
+    let (off, len) = (2u64 << 20, 1u64 << 20);
+    let mut seen_dirty = false;
+    for pattern in 0x61..0x66 {
+        let (c, _, all) = cli(
+            &t,
+            &format!("write --offset {off} --pattern {pattern} --length {len}"),
+        );
+        assert_eq!(c, Some(0), "{all}");
+        if rpma_tests::unsynced_pages(&file, off, len).unwrap() > 0 {
+            seen_dirty = true;
+            break;
+        }
+    }
+    assert!(
+        seen_dirty,
+        "five writes in a row were written back before they could be checked"
+    );
+    let before = syncs(&t);
+    let (c, out, all) = cli(
+        &t,
+        &format!("--persist gpspm flush --offset {off} --length {len}"),
+    );
+    assert_eq!(c, Some(0), "{all}");
+    assert!(out.contains("durable ("), "{out}");
+    assert!(
+        syncs(&t) > before,
+        "the flush was not the flush service's fdatasync"
+    );
+    assert_eq!(
+        rpma_tests::unsynced_pages(&file, off, len),
+        Some(0),
+        "answered durable with pages unsynced"
+    );
+    drop(idle);
+}
+
 #[test]
 fn a_flush_of_a_range_makes_it_durable_whoever_wrote_it_or_refuses() {
     let (d, _shm, t) = start("whoever");
