@@ -88,6 +88,10 @@ pub enum FlusherError {
 /// Result of the flush service.
 pub type Result<T> = std::result::Result<T, FlusherError>;
 
+/// Open files of a page-cache namespace's file its flush service syncs through: one per
+/// flusher (poll loop), up to this many; more flushers share them in turn.
+pub const OPEN_FILES: usize = 4;
+
 /// What a flush applies to: one namespace, prepared once when the namespace is opened.
 #[derive(Clone)]
 pub struct FlushTarget {
@@ -98,8 +102,9 @@ pub struct FlushTarget {
 #[derive(Clone)]
 enum Kind {
     Dax(Arc<dyn Persist>),
-    /// The descriptor to fdatasync, and the store that remembers a failure of it.
-    PageCache(Arc<OwnedFd>, Arc<dyn Persist>),
+    /// The descriptors to fdatasync (open files of their own: one per flusher, up to
+    /// [`OPEN_FILES`]), and the store that remembers a failure of them.
+    PageCache(Arc<[Arc<OwnedFd>]>, Arc<dyn Persist>),
     Volatile,
 }
 
@@ -107,7 +112,10 @@ impl std::fmt::Debug for FlushTarget {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let kind = match &self.kind {
             Kind::Dax(_) => "dax".to_owned(),
-            Kind::PageCache(fd, _) => format!("page-cache fd {}", fd.as_raw_fd()),
+            Kind::PageCache(fds, _) => format!(
+                "page-cache fds {:?}",
+                fds.iter().map(|f| f.as_raw_fd()).collect::<Vec<_>>()
+            ),
             Kind::Volatile => "volatile".to_owned(),
         };
         write!(f, "FlushTarget({kind}, {} bytes)", self.len)
@@ -125,15 +133,25 @@ impl FlushTarget {
             Domain::Dax | Domain::DaxForced => Self::dax(m.clone(), len),
             Domain::PageCache => {
                 let fd = m.backing_fd().ok_or(FlusherError::NoBackingFile)?;
-                // An open file of its own (the same inode, through /proc, whatever its path
-                // is now), not a dup: Linux reports a write-back error once to each open file,
-                // and a dup shares the mapping's, whose msync (a FLUSH) then returned 0 after
-                // this fdatasync took the report, before the poll loop had reaped it
-                // (tests/tests/failed_namespace.rs
-                // `the_flush_service_and_the_mapping_each_hear_of_a_writeback_error`).
-                let own = std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                // Open files of their own (the same inode, through /proc, whatever its path is
+                // now), not dups, opened now, before any sync: Linux reports a write-back error
+                // once to each open file. A dup shares the mapping's, whose msync (a FLUSH) then
+                // returned 0 after an fdatasync took the report, before the poll loop had
+                // reaped it; one file for every poll loop's flusher let one loop answer its 0
+                // durable while another held the report (tests/tests/failed_namespace.rs,
+                // `the_flush_service_and_the_mapping_each_hear_of_a_writeback_error`,
+                // `two_flushers_each_hear_of_a_writeback_error`).
+                let fds = (0..OPEN_FILES)
+                    .map(|_| {
+                        std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+                            .map(|f| Arc::new(OwnedFd::from(f)))
+                    })
+                    .collect::<std::io::Result<Vec<_>>>()
                     .map_err(FlusherError::Reopen)?;
-                Self::page_cache(own.into(), m.clone(), len)
+                FlushTarget {
+                    kind: Kind::PageCache(fds.into(), m.clone()),
+                    len,
+                }
             }
             _ => Self::volatile(len),
         })
@@ -151,7 +169,7 @@ impl FlushTarget {
     /// `store` (the mapping of the same file), which then fails every later flush.
     pub fn page_cache(fd: OwnedFd, store: Arc<dyn Persist>, len: u64) -> Self {
         FlushTarget {
-            kind: Kind::PageCache(Arc::new(fd), store),
+            kind: Kind::PageCache(Arc::from([Arc::new(fd)]), store),
             len,
         }
     }
@@ -214,6 +232,9 @@ enum Backend {
 
 /// The flush service of one poll loop.
 pub struct Flusher {
+    /// Which of a page-cache target's open files its syncs use (this number modulo
+    /// [`OPEN_FILES`]): flushers of different loops, numbered in turn, use different ones.
+    id: usize,
     backend: Backend,
     eventfd: Arc<EventFd>,
     slots: Vec<Option<InFlight>>,
@@ -313,7 +334,9 @@ impl Flusher {
     }
 
     fn with_backend(backend: Backend, eventfd: Arc<EventFd>, depth: u32) -> Self {
+        static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
         Flusher {
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             backend,
             eventfd,
             slots: (0..depth).map(|_| None).collect(),
@@ -473,7 +496,7 @@ impl Flusher {
                 self.ready.push_back(FlushCompletion { token, status });
                 return Ok(());
             }
-            Kind::PageCache(fd, store) => (fd.clone(), store.clone()),
+            Kind::PageCache(fds, store) => (fds[self.id % fds.len()].clone(), store.clone()),
         };
         // The store's own part first (the power-loss simulation copies the range to its
         // media, which the fdatasync then writes); nothing for real media.

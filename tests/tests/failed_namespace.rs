@@ -477,3 +477,69 @@ fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
         "{out:?}"
     );
 }
+
+/// Two poll loops' flush services sync one namespace at the moment of a write-back error: each
+/// hears of it, whichever reaps its sync first. (They shared one open file of it: the first
+/// fdatasync took the report, and the second loop answered its own 0 durable before the first
+/// had reaped and recorded the failure.)
+#[test]
+fn two_flushers_each_hear_of_a_writeback_error() {
+    use std::sync::Arc;
+
+    use rpma_common::pmem::OpenOptions;
+    use rpma_common::proto::FlushStatus;
+    use rpma_target::flusher::{FlushTarget, Flusher};
+
+    let d = rpma_tests::scratch();
+    let fs = match FragileFs::new(d.path()) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
+            return;
+        }
+    };
+    let m = Arc::new(
+        OpenOptions::new(fs.mnt.join("ns"))
+            .size(4 << 20)
+            .create(true)
+            .open()
+            .unwrap(),
+    );
+    let t = FlushTarget::for_mapping(&m).unwrap();
+    let (mut a, mut b) = (Flusher::new(4).unwrap(), Flusher::new(4).unwrap());
+    // As in the test above: the error is the data's alone.
+    let f = std::fs::File::open(fs.mnt.join("ns")).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    // SAFETY: syncfs only reads the descriptor.
+    let rc = unsafe { libc::syncfs(fd) };
+    assert_eq!(rc, 0);
+    fs.fill();
+    m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
+    let completed = |fl: &Flusher| {
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        loop {
+            use nix::poll::{poll, PollFd, PollFlags};
+            let mut fds = [PollFd::new(fl.wait_fd(), PollFlags::POLLIN)];
+            if poll(&mut fds, 10u8).unwrap() > 0 {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "a sync never completed"
+            );
+        }
+    };
+    a.submit(1, &t, 0, 0).unwrap();
+    completed(&a);
+    b.submit(2, &t, 0, 0).unwrap();
+    completed(&b);
+    // The second loop reaps first.
+    let mut out = Vec::new();
+    b.drain(&mut out);
+    a.drain(&mut out);
+    assert_eq!(out.len(), 2);
+    assert!(
+        out.iter().all(|c| c.status != FlushStatus::Durable),
+        "a sync said durable after the write-back error: {out:?}"
+    );
+}
