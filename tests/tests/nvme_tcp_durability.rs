@@ -10,7 +10,7 @@
 //!   (needs root, loop devices and mkfs.ext4 for a real failing filesystem; says why it skips).
 
 use rpma_tests::fragile_fs::FragileFs;
-use rpma_tests::nvme::{sc, Controller, Host};
+use rpma_tests::nvme::{sc, Controller, Host, Sqe};
 use rpma_tests::{Config, Namespace, Subsystem, Target};
 
 const SUB: &str = "nqn.2026-11.io.rpma:nvme-durable";
@@ -68,6 +68,36 @@ fn on_page_cache_what_flush_or_fua_acknowledged_survives_a_sigkill_and_nothing_e
         q.read(1, 32, 4096, 2).unwrap().data,
         vec![0; 8192],
         "never made durable: lost, as a power loss loses it (the control)"
+    );
+}
+
+/// With the volatile write cache turned off (Set Features 06h), a deallocate (Dataset
+/// Management, AD) is durable at its completion as a write is: the blocks read as zeros after a
+/// power loss. (The zeros were left in the page cache, and the old data came back.)
+#[test]
+fn with_the_write_cache_off_a_deallocate_is_durable_at_its_completion() {
+    let (_d, mut t) =
+        start(Namespace::new(1, "ns1", "4MiB").power_loss_simulation("eviction_percent = 0"));
+    let a = rpma_tests::noise(5, 8192);
+    {
+        let (mut c, mut q) = queue(&t);
+        assert!(q.write(1, 0, 4096, &a, false).unwrap().ok());
+        assert!(q.flush(1).unwrap().ok(), "A is durable");
+        assert!(c.set_features(0x06, 0).ok(), "the write cache off");
+        // One range: 2 blocks at block 0.
+        let mut range = vec![0u8; 16];
+        range[4..8].copy_from_slice(&2u32.to_le_bytes());
+        let dsm = Sqe::new(0x09, 1).cdw(10, 0).cdw(11, 1 << 2);
+        assert!(q.command(dsm, &range, 0).unwrap().ok());
+        assert!(q.read(1, 0, 4096, 2).unwrap().data == [0; 8192]);
+    }
+    t.restart();
+    let (_c, mut q) = queue(&t);
+    let back = q.read(1, 0, 4096, 2).unwrap().data;
+    assert!(
+        back == [0; 8192],
+        "the deallocate was answered with the cache off, yet {} bytes came back",
+        back.iter().filter(|&&b| b != 0).count()
     );
 }
 

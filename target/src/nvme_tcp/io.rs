@@ -136,7 +136,7 @@ impl Queue {
             io::WRITE => self.write_in_capsule(sqe, input.data(), env),
             io::FLUSH => self.flush(sqe, env),
             io::WRITE_ZEROES => self.write_zeroes(sqe, env),
-            io::DSM => self.deallocate(sqe, input.data()),
+            io::DSM => self.deallocate(sqe, input.data(), env),
             _ => Err(Status::INVALID_OPCODE),
         };
         r.unwrap_or_else(Reply::status)
@@ -291,7 +291,7 @@ impl Queue {
         Ok(self.after_write(sqe.cid(), e.ns, e.counts, offset, len, fua, env))
     }
 
-    fn deallocate(&mut self, sqe: &Sqe, data: &[u8]) -> Result<Reply, Status> {
+    fn deallocate(&mut self, sqe: &Sqe, data: &[u8], env: &mut Env<'_>) -> Result<Reply, Status> {
         let (_, e) = self.io_namespace(sqe.nsid())?;
         let ranges = (sqe.cdw(10) & 0xff) as usize + 1;
         if data.len() < ranges * 16 {
@@ -310,7 +310,8 @@ impl Queue {
                 todo.push(lba_range(&e.ns, slba, blocks)?);
             }
         }
-        for (offset, len) in todo {
+        let mut span: Option<(u64, u64)> = None;
+        for &(offset, len) in &todo {
             zero_range(&e.ns, offset, len)?;
             if e.ns.domain().is_dax()
                 && e.ns.mapping.persist(offset as usize, len as usize).is_err()
@@ -318,8 +319,19 @@ impl Queue {
                 e.ns.note_failure();
                 return Err(Status::WRITE_FAULT);
             }
+            span = Some(span.map_or((offset, offset + len), |(lo, hi)| {
+                (lo.min(offset), hi.max(offset + len))
+            }));
         }
-        Ok(Reply::ok())
+        // On page-cache with the write cache off, the zeros are durable at the completion, as
+        // a write's are (`after_write`: a sync of their span); they were left in the page
+        // cache, and the old data came back after a power loss.
+        match span {
+            Some((lo, hi)) if e.ns.domain() == Domain::PageCache => {
+                Ok(self.after_write(sqe.cid(), e.ns, e.counts, lo, hi - lo, false, env))
+            }
+            _ => Ok(Reply::ok()),
+        }
     }
 
     /// What a shutdown notification makes durable: every page-cache namespace of this admin
