@@ -17,6 +17,10 @@ use rpma_initiator::{Connection, HostIdentity};
 use rpma_tests::fragile_fs::FragileFs;
 use rpma_tests::{conn_args, initiator, text, Target};
 
+use rpma_common::pmem::{Mapping, OpenOptions, Persist};
+use rpma_common::proto::FlushStatus;
+use rpma_target::flusher::{FlushTarget, Flusher};
+
 const SUB: &str = "nqn.2026-11.io.rpma:failed-ns";
 const HOST: &str = "nqn.2026-11.io.rpma:failed-ns-host";
 const HOST2: &str = "nqn.2026-11.io.rpma:failed-ns-other";
@@ -409,6 +413,50 @@ fn a_failed_namespace_stays_failed_across_a_sigkill_and_restart_and_serves_only_
 // Soft-RoCE cannot register (docs/rdma.md, "Soft-RoCE and ODP"); the failure handling is the
 // target's, the same on both transports.
 
+/// A page-cache mapping of a new 4 MiB file on a [`FragileFs`], its blocks allocated (not
+/// written) and the filesystem's metadata on the media: once the tmpfs below is full, a
+/// write-back error is then the data's alone, and the filesystem stays as it was (a failed
+/// journal would fail every later sync of every file, and prove nothing). None, said why,
+/// where the filesystem cannot be built.
+fn fragile_mapping(dir: &std::path::Path) -> Option<(FragileFs, std::sync::Arc<Mapping>)> {
+    let fs = match FragileFs::new(dir) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
+            return None;
+        }
+    };
+    let m = OpenOptions::new(fs.mnt.join("ns"))
+        .size(4 << 20)
+        .create(true)
+        .open()
+        .unwrap();
+    assert_eq!(m.domain(), rpma_common::pmem::Domain::PageCache);
+    let f = std::fs::File::open(fs.mnt.join("ns")).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    // SAFETY: syncfs only reads the descriptor.
+    let rc = unsafe { libc::syncfs(fd) };
+    assert_eq!(rc, 0);
+    Some((fs, std::sync::Arc::new(m)))
+}
+
+/// Waits until a sync of `fl` completed (its completion waits to be reaped: the poll loop's
+/// turn).
+fn until_completed(fl: &Flusher) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        use nix::poll::{poll, PollFd, PollFlags};
+        let mut fds = [PollFd::new(fl.wait_fd(), PollFlags::POLLIN)];
+        if poll(&mut fds, 10u8).unwrap() > 0 {
+            return;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "a sync never completed"
+        );
+    }
+}
+
 /// The flush service's fdatasync and the placement engine's msync of one file each hear of a
 /// write-back error themselves: the kernel reports one to each open file once, and the flush
 /// service's descriptor is an open file of its own. (It was a dup of the mapping's, one open
@@ -416,53 +464,16 @@ fn a_failed_namespace_stays_failed_across_a_sigkill_and_restart_and_serves_only_
 /// that fdatasync's failure returned 0, and the FLUSH it served said durable.)
 #[test]
 fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
-    use std::sync::Arc;
-
-    use rpma_common::pmem::{OpenOptions, Persist};
-    use rpma_target::flusher::{FlushTarget, Flusher};
-
     let d = rpma_tests::scratch();
-    let fs = match FragileFs::new(d.path()) {
-        Ok(fs) => fs,
-        Err(why) => {
-            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
-            return;
-        }
+    let Some((fs, m)) = fragile_mapping(d.path()) else {
+        return;
     };
-    let m = Arc::new(
-        OpenOptions::new(fs.mnt.join("ns"))
-            .size(4 << 20)
-            .create(true)
-            .open()
-            .unwrap(),
-    );
-    assert_eq!(m.domain(), rpma_common::pmem::Domain::PageCache);
     let t = FlushTarget::for_mapping(&m).unwrap();
     let mut fl = Flusher::new(4).unwrap();
-    // The file's blocks allocated (not written) and the filesystem's metadata on the media
-    // first: the error is then the data's alone, and the filesystem stays as it was (a failed
-    // journal would fail every later sync of every file, and prove nothing).
-    let f = std::fs::File::open(fs.mnt.join("ns")).unwrap();
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
-    // SAFETY: syncfs only reads the descriptor.
-    let rc = unsafe { libc::syncfs(fd) };
-    assert_eq!(rc, 0);
     fs.fill();
     m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
     fl.submit(1, &t, 0, 0).unwrap();
-    // The fdatasync completed (its completion waits to be reaped: the poll loop's turn).
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-    loop {
-        use nix::poll::{poll, PollFd, PollFlags};
-        let mut fds = [PollFd::new(fl.wait_fd(), PollFlags::POLLIN)];
-        if poll(&mut fds, 10u8).unwrap() > 0 {
-            break;
-        }
-        assert!(
-            std::time::Instant::now() < deadline,
-            "the fdatasync never completed"
-        );
-    }
+    until_completed(&fl);
     let r = m.persist(0, 4096);
     assert!(
         r.is_err(),
@@ -471,11 +482,7 @@ fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
     let mut out = Vec::new();
     fl.drain(&mut out);
     assert_eq!(out.len(), 1);
-    assert_ne!(
-        out[0].status,
-        rpma_common::proto::FlushStatus::Durable,
-        "{out:?}"
-    );
+    assert_ne!(out[0].status, FlushStatus::Durable, "{out:?}");
 }
 
 /// Two poll loops' flush services sync one namespace at the moment of a write-back error: each
@@ -484,55 +491,18 @@ fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
 /// had reaped and recorded the failure.)
 #[test]
 fn two_flushers_each_hear_of_a_writeback_error() {
-    use std::sync::Arc;
-
-    use rpma_common::pmem::OpenOptions;
-    use rpma_common::proto::FlushStatus;
-    use rpma_target::flusher::{FlushTarget, Flusher};
-
     let d = rpma_tests::scratch();
-    let fs = match FragileFs::new(d.path()) {
-        Ok(fs) => fs,
-        Err(why) => {
-            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
-            return;
-        }
+    let Some((fs, m)) = fragile_mapping(d.path()) else {
+        return;
     };
-    let m = Arc::new(
-        OpenOptions::new(fs.mnt.join("ns"))
-            .size(4 << 20)
-            .create(true)
-            .open()
-            .unwrap(),
-    );
     let t = FlushTarget::for_mapping(&m).unwrap();
     let (mut a, mut b) = (Flusher::new(4).unwrap(), Flusher::new(4).unwrap());
-    // As in the test above: the error is the data's alone.
-    let f = std::fs::File::open(fs.mnt.join("ns")).unwrap();
-    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
-    // SAFETY: syncfs only reads the descriptor.
-    let rc = unsafe { libc::syncfs(fd) };
-    assert_eq!(rc, 0);
     fs.fill();
     m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
-    let completed = |fl: &Flusher| {
-        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
-        loop {
-            use nix::poll::{poll, PollFd, PollFlags};
-            let mut fds = [PollFd::new(fl.wait_fd(), PollFlags::POLLIN)];
-            if poll(&mut fds, 10u8).unwrap() > 0 {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < deadline,
-                "a sync never completed"
-            );
-        }
-    };
     a.submit(1, &t, 0, 0).unwrap();
-    completed(&a);
+    until_completed(&a);
     b.submit(2, &t, 0, 0).unwrap();
-    completed(&b);
+    until_completed(&b);
     // The second loop reaps first.
     let mut out = Vec::new();
     b.drain(&mut out);

@@ -24,6 +24,7 @@ use crate::checks::check_healthy;
 use crate::error::{Error, LossReason, Result};
 use crate::pool::WriteRec;
 use crate::session::Session;
+use crate::writebuf::Hold;
 
 /// How long past a retired connection's keep-alive period (at least) the queue waits for the
 /// target to have expired it: the target checks lapses in its poll loop's turns.
@@ -152,18 +153,8 @@ impl Reconnect {
     ) -> Result<()> {
         let started = Instant::now();
         let Lost { old, held, voided } = e.lose_connection();
-        if let Some(s) = old {
-            if fence || !held.is_empty() {
-                if let Err(err) = retire(e, s, deadline, &lost) {
-                    drop(voided);
-                    self.give_up(e);
-                    return Err(err);
-                }
-            }
-        }
-        // The old connection is closed: nothing places into the dropped Reads' buffers now.
-        drop(voided);
-        e.forget_owed();
+        let retiring = fence || !held.is_empty();
+        self.let_go(e, old.filter(|_| retiring), voided, deadline, &lost)?;
         let policy = self.conn.queue.reconnect.clone();
         let mut last = None;
         let mut attempts = 0;
@@ -201,15 +192,7 @@ impl Reconnect {
                     // still up is retired as the lost one was, so that none of them lands
                     // after the next attempt's copies.
                     let Lost { old, voided, .. } = e.lose_connection();
-                    if let Some(s) = old {
-                        if let Err(err) = retire(e, s, deadline, &lost) {
-                            drop(voided);
-                            self.give_up(e);
-                            return Err(err);
-                        }
-                    }
-                    drop(voided);
-                    e.forget_owed();
+                    self.let_go(e, old, voided, deadline, &lost)?;
                     last = Some(telling(last, err));
                 }
             }
@@ -223,6 +206,29 @@ impl Reconnect {
                 reason: LossReason::NoReconnectAttempt,
             })),
         })
+    }
+
+    /// Retires `old` (when given: a connection that may still carry requests) and then lets
+    /// the dropped Reads' buffers go and forgets what the connection owed: nothing places into
+    /// those buffers once it is closed. The queue gives up if it cannot be retired in time.
+    fn let_go(
+        &mut self,
+        e: &mut Engine,
+        old: Option<Session>,
+        voided: Vec<Hold>,
+        deadline: Instant,
+        lost: &str,
+    ) -> Result<()> {
+        if let Some(s) = old {
+            if let Err(err) = retire(e, s, deadline, lost) {
+                drop(voided);
+                self.give_up(e);
+                return Err(err);
+            }
+        }
+        drop(voided);
+        e.forget_owed();
+        Ok(())
     }
 
     fn give_up(&mut self, e: &mut Engine) {
