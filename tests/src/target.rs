@@ -387,6 +387,25 @@ impl Target {
         status_json(&self.dir.join("ctl.sock"))
     }
 
+    /// The GPSPM syncs the target counted so far: (the flush service's fdatasyncs, the poll
+    /// loops' own msyncs), from `status --json`.
+    pub fn gpspm_syncs(&self) -> (u64, u64) {
+        let v = self.status();
+        let count = |kind: &str| -> u64 {
+            let l = v["metrics"]["latency"]
+                .as_array()
+                .and_then(|a| a.iter().find(|l| l["kind"] == kind && l["path"] == "gpspm"))
+                .unwrap_or_else(|| panic!("no {kind} gpspm latency: {v:#}"));
+            l["histogram"]["counts"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .map(|c| c.as_u64().unwrap())
+                .sum()
+        };
+        (count("fdatasync"), count("msync"))
+    }
+
     /// Starts the target again on the same config and port (after [`kill9`](Self::kill9)).
     pub fn restart(&mut self) {
         self.kill9();

@@ -501,24 +501,6 @@ fn a_gpspm_flush_through_the_flush_service_syncs_its_range() {
         eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
         return;
     };
-    let syncs = |t: &Target| -> u64 {
-        let v = t.status();
-        v["metrics"]["latency"]
-            .as_array()
-            .and_then(|a| {
-                a.iter()
-                    .find(|l| l["kind"] == "fdatasync" && l["path"] == "gpspm")
-            })
-            .map(|l| {
-                l["histogram"]["counts"]
-                    .as_array()
-                    .unwrap()
-                    .iter()
-                    .map(|c| c.as_u64().unwrap())
-                    .sum()
-            })
-            .unwrap_or_else(|| panic!("no fdatasync gpspm latency: {v:#}"))
-    };
     let idle = rpma_initiator::Connection::new(
         &t.url(),
         rpma_tests::nqn(SUB),
@@ -543,7 +525,7 @@ fn a_gpspm_flush_through_the_flush_service_syncs_its_range() {
         seen_dirty,
         "five writes in a row were written back before they could be checked"
     );
-    let before = syncs(&t);
+    let before = t.gpspm_syncs().0;
     let (c, out, all) = cli(
         &t,
         &format!("--persist gpspm flush --offset {off} --length {len}"),
@@ -551,7 +533,7 @@ fn a_gpspm_flush_through_the_flush_service_syncs_its_range() {
     assert_eq!(c, Some(0), "{all}");
     assert!(out.contains("durable ("), "{out}");
     assert!(
-        syncs(&t) > before,
+        t.gpspm_syncs().0 > before,
         "the flush was not the flush service's fdatasync"
     );
     assert_eq!(

@@ -192,25 +192,6 @@ fn a_lone_connections_gpspm_writes_survive_the_power_loss() {
     }
 }
 
-/// The GPSPM syncs the target counted so far: (the kernel worker's fdatasyncs, the poll loop's
-/// own msyncs), from `status --json`.
-fn gpspm_syncs(t: &Target) -> (u64, u64) {
-    let v = t.status();
-    let count = |kind: &str| -> u64 {
-        let l = v["metrics"]["latency"]
-            .as_array()
-            .and_then(|a| a.iter().find(|l| l["kind"] == kind && l["path"] == "gpspm"))
-            .unwrap_or_else(|| panic!("no {kind} gpspm latency: {v:#}"));
-        l["histogram"]["counts"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|c| c.as_u64().unwrap())
-            .sum()
-    };
-    (count("fdatasync"), count("msync"))
-}
-
 /// Writes `blocks` durably through GPSPM on nsid 1 at 8 KiB strides from `q`, calling
 /// `before` ahead of each.
 fn gpspm_blocks(q: &mut rpma_initiator::Queue, blocks: &[Vec<u8>], mut before: impl FnMut()) {
@@ -259,7 +240,7 @@ fn gpspm_writes_beside_a_quiet_connection_are_synced_by_the_loop_and_survive_the
         gpspm_blocks(&mut q, &blocks, || {
             std::thread::sleep(Duration::from_millis(5))
         });
-        let (fdatasyncs, msyncs) = gpspm_syncs(&t);
+        let (fdatasyncs, msyncs) = t.gpspm_syncs();
         assert_eq!(fdatasyncs + msyncs, blocks.len() as u64);
         // The first request may see the other connection's set-up as recent traffic.
         assert!(
@@ -283,7 +264,7 @@ fn a_busy_neighbour_keeps_gpspm_on_the_kernels_workers_and_the_writes_survive_th
     gpspm_blocks(&mut q, &blocks, || {
         read(&mut busy, 3, 0, 8);
     });
-    assert_eq!(gpspm_syncs(&t), (blocks.len() as u64, 0));
+    assert_eq!(t.gpspm_syncs(), (blocks.len() as u64, 0));
     // A range over 256 KiB with the other connection quiet: still the workers'.
     std::thread::sleep(Duration::from_millis(5));
     let big = noise(4499, 512 << 10);
@@ -294,7 +275,7 @@ fn a_busy_neighbour_keeps_gpspm_on_the_kernels_workers_and_the_writes_survive_th
             Durability::Durable(PersistMethod::Gpspm)
         );
     }
-    assert_eq!(gpspm_syncs(&t), (blocks.len() as u64 + 1, 0));
+    assert_eq!(t.gpspm_syncs(), (blocks.len() as u64 + 1, 0));
     drop((q, busy));
     blocks_after_the_power_loss(&mut t, &blocks, false);
     let mut q = queue(&t);
