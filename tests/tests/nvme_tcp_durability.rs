@@ -212,6 +212,30 @@ fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
         .log()
         .lines()
         .any(|l| l.contains("has FAILED") && l.contains("No space left")));
+    // A host that shuts a controller down now is told its data is not safe: shutdown
+    // processing completes with Controller Fatal Status (it completed as if all were durable).
+    {
+        let (mut c2, _q2) = queue(&t);
+        let cc = c2.property_get(0x14, false);
+        assert!(cc.ok());
+        assert!(
+            c2.property_set(0x14, cc.dw0 | (1 << 14)).ok(),
+            "CC.SHN: normal shutdown"
+        );
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+        let csts = loop {
+            let v = c2.property_get(0x1c, false).dw0;
+            if v & (3 << 2) == 2 << 2 {
+                break v;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "shutdown never completed: {v:#x}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        };
+        assert_eq!(csts & (1 << 1), 1 << 1, "CSTS {csts:#x}: CFS");
+    }
     // The operator frees the space and clears the failure: the controller's next FUA write is
     // durable again (it kept the failed opening, and answered Write Fault until the host
     // reconnected).

@@ -456,13 +456,26 @@ impl Controller {
         change
     }
 
-    /// Everything written before the shutdown notification is durable (or the namespaces
-    /// failed): shutdown processing is complete.
-    pub fn shutdown_done(&self) {
+    /// Shutdown processing is complete: everything written before the notification is
+    /// durable when `durable`; otherwise (a flush failed, or a namespace of the controller had
+    /// failed: its writes cannot be made durable) Controller Fatal Status is set with it, so
+    /// that a host does not take the completed shutdown for its data being safe.
+    pub fn shutdown_done(&self, durable: bool) {
         let mut st = self.state();
         if st.csts & csts::SHST_MASK == csts::SHST_OCCURRING {
             st.csts = (st.csts & !csts::SHST_MASK) | csts::SHST_COMPLETE;
+            if !durable {
+                st.csts |= csts::CFS;
+            }
         }
+    }
+
+    /// Whether a namespace of this controller has failed (a write-back error).
+    pub fn any_failed(&self) -> bool {
+        self.namespaces()
+            .1
+            .values()
+            .any(|e| e.ns.failure().is_some())
     }
 
     /// Whether the host shut the controller down (CC.SHN written) before it went away.
@@ -583,7 +596,7 @@ mod tests {
         assert_eq!(c.set_cc(GOOD_CC | (1 << 14)), CcChange::Shutdown);
         assert_eq!(c.csts() & csts::SHST_MASK, csts::SHST_OCCURRING);
         assert!(c.was_shut_down());
-        c.shutdown_done();
+        c.shutdown_done(true);
         assert_eq!(c.csts() & csts::SHST_MASK, csts::SHST_COMPLETE);
         assert_eq!(c.set_cc(0), CcChange::Disabled);
         assert!(!c.ready());

@@ -154,7 +154,7 @@ impl Queue {
                 // complete (the host polls CSTS meanwhile).
                 let (targets, namespaces) = self.flush_everything();
                 if targets.is_empty() {
-                    c.shutdown_done();
+                    c.shutdown_done(!c.any_failed());
                 } else {
                     let _ = self.wait_for(Then::ShutdownDone, targets, Vec::new(), namespaces, env);
                 }

@@ -214,15 +214,16 @@ impl Queue {
         match w.then {
             // Answered even while closing: the target's stop answers what it took in.
             Then::Complete(cid) => self.complete(cid, 0, w.status),
-            Then::ShutdownDone => self.shutdown_flushed(),
+            Then::ShutdownDone => self.shutdown_flushed(ok),
         }
         let _ = env;
     }
 
-    pub(super) fn shutdown_flushed(&mut self) {
+    /// The shutdown's flushes are done (`ok`: all succeeded).
+    pub(super) fn shutdown_flushed(&mut self, ok: bool) {
         match &self.phase {
-            Phase::Admin(a) => a.ctrl.shutdown_done(),
-            Phase::Discovery(d) => d.ctrl.shutdown_done(),
+            Phase::Admin(a) => a.ctrl.shutdown_done(ok && !a.ctrl.any_failed()),
+            Phase::Discovery(d) => d.ctrl.shutdown_done(ok),
             _ => {}
         }
     }
