@@ -74,6 +74,20 @@ pub enum NamespaceError {
         /// Namespace id.
         nsid: u32,
     },
+    /// The namespace failed again while its failure was being cleared (the space or the
+    /// device still failing): it stays failed.
+    #[error(
+        "subsystem {subsystem} namespace {nsid} failed again while its failure was being \
+         cleared ({failure}): it stays FAILED; fix the cause first"
+    )]
+    FailedAgain {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// The new failure.
+        failure: SyncFailure,
+    },
     /// The namespace to clear has not failed.
     #[error("subsystem {subsystem} namespace {nsid} has not failed: nothing to clear")]
     NotFailed {

@@ -260,9 +260,18 @@ impl NamespaceTable {
                 rpma_common::error_chain(&e)
             );
         }
-        // Opened without the ledger first: it still remembers the failure, and must until the
-        // new opening exists.
+        // Opened without the ledger (it still remembers the failure, and must until the new
+        // opening exists: opened with it, the new opening would start failed), then given it
+        // before any sync of the new opening, so that a failure of that sync is written there
+        // too; kept, old sessions still writing could make the new opening fail before it
+        // listened, and the clear left it failed in memory but healthy in the state file,
+        // which a restart then believed (a helper's review).
         let fresh = OpenNamespace::open_remembering(&key.0, ns, None, None)?;
+        let fresh = OpenNamespace {
+            ledger: self.ledger.clone(),
+            ..fresh
+        };
+        fresh.remember_failures();
         if let Err(e) = fresh.mapping.drop_page_cache() {
             log::warn!(
                 "subsystem {} namespace {}: {}",
@@ -278,11 +287,19 @@ impl NamespaceTable {
                 source,
             })?;
         }
-        let fresh = OpenNamespace {
-            ledger: self.ledger.clone(),
-            ..fresh
-        };
-        fresh.remember_failures();
+        // Failed again meanwhile (its hook wrote that to the state file, perhaps before the
+        // clear above took it out): the clear is void, the state file says so again, and the
+        // old opening stays.
+        if let Some(again) = fresh.failure() {
+            if let Some(l) = &self.ledger {
+                let _ = l.record(key.0.as_str(), key.1, &fresh.key, &again);
+            }
+            return Err(NamespaceError::FailedAgain {
+                subsystem: key.0.clone(),
+                nsid: key.1,
+                failure: again,
+            });
+        }
         let path = old.config.path.clone();
         self.map.insert(key.clone(), Arc::new(fresh));
         Ok(Cleared {
