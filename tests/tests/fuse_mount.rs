@@ -166,6 +166,40 @@ fn fsynced_and_closed_writes_survive_a_sigkill_of_the_target_forced_dax() {
     fsync_survives_sigkill(4);
 }
 
+/// A write to the file opened with O_DSYNC (or O_SYNC) is durable when it returns, as POSIX
+/// says: on page-cache, no page of it is left unsynced on the target (cachestat), without an
+/// fsync or a close. (The file's direct I/O passes the flag to the mount with each write, which
+/// ignored it: the write came back sent, not durable.)
+#[test]
+fn o_dsync_and_o_sync_writes_are_durable_when_they_return() {
+    use std::os::unix::fs::OpenOptionsExt;
+    let (_d, root, _shm, t) = start("fuse-dsync");
+    let Some(_) = rpma_tests::unsynced_pages(&root.join("ns1"), 0, 4096) else {
+        eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+        return;
+    };
+    let mnt = root.join("mnt");
+    let m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &[]);
+    for (i, flag) in [libc::O_DSYNC, libc::O_SYNC].into_iter().enumerate() {
+        let data = noise(768 << 10, 40 + i as u64);
+        let off = (1 + 2 * i as u64) << 20;
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .write(true)
+            .custom_flags(flag)
+            .open(&m.file)
+            .unwrap();
+        f.write_all_at(&data, off).unwrap();
+        assert_eq!(
+            rpma_tests::unsynced_pages(&root.join("ns1"), off, data.len() as u64),
+            Some(0),
+            "flag {flag:#x}: pages of the write left unsynced when it returned"
+        );
+        drop(f);
+    }
+    drop(m);
+}
+
 #[test]
 fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
     require_fuse!("bytes_cross_between_the_fuse_file_and_the_cli_both_ways");

@@ -267,7 +267,7 @@ impl Filesystem for RpmaFs {
         offset: u64,
         data: &[u8],
         _write_flags: WriteFlags,
-        _flags: OpenFlags,
+        flags: OpenFlags,
         _lock_owner: Option<LockOwner>,
         reply: ReplyWrite,
     ) {
@@ -284,9 +284,14 @@ impl Filesystem for RpmaFs {
             m.mtime = SystemTime::now();
             m.ctime = m.mtime;
         }
+        // O_DSYNC or O_SYNC (the open's, or a pwritev2 RWF_DSYNC's): the file's direct I/O
+        // passes the flag to us with each write, and the write must be durable when it
+        // returns (the kernel syncs nothing after a direct write).
+        let sync = flags.0 & libc::O_DSYNC != 0;
         self.send(Job::Write {
             offset,
             data: data[..n as usize].to_vec(),
+            sync,
             reply,
         });
     }

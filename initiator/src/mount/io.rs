@@ -30,10 +30,12 @@ pub(crate) enum Job {
         size: usize,
         reply: ReplyData,
     },
-    /// Write `data` at `offset` (sent; dirty until the next persist).
+    /// Write `data` at `offset` (sent; dirty until the next persist), or, with `sync` (an
+    /// O_DSYNC or O_SYNC write), made durable before the reply.
     Write {
         offset: u64,
         data: Vec<u8>,
+        sync: bool,
         reply: ReplyWrite,
     },
     /// Zeroes `len` bytes at `offset` (fallocate ZERO_RANGE).
@@ -174,15 +176,20 @@ impl Worker {
             Job::Write {
                 offset,
                 data,
+                sync,
                 reply,
             } => {
-                let r = self
-                    .q
-                    .namespace(self.nsid)
-                    .and_then(|mut ns| ns.write_at(offset, &data));
-                match self.note("write", r) {
+                let r = if sync {
+                    self.write_durable(offset, &data)
+                } else {
+                    let r = self
+                        .q
+                        .namespace(self.nsid)
+                        .and_then(|mut ns| ns.write_at(offset, &data));
+                    self.note("write", r).map(|()| self.dirty = true)
+                };
+                match r {
                     Ok(()) => {
-                        self.dirty = true;
                         self.writes += 1;
                         reply.written(data.len() as u32);
                     }
@@ -240,6 +247,32 @@ impl Worker {
         // Visible is all a volatile namespace can give: nothing is left to retry.
         self.dirty = false;
         Ok(d)
+    }
+
+    /// An O_DSYNC write: durable when this returns, or EIO as an fsync would be (a volatile
+    /// namespace without `--visible-ok` included: the bytes are written, visible only).
+    fn write_durable(&mut self, offset: u64, data: &[u8]) -> Result<(), Errno> {
+        let r = self
+            .q
+            .namespace(self.nsid)
+            .and_then(|mut ns| ns.write_durable(offset, data));
+        let d = match self.note("write", r) {
+            Ok(d) => d,
+            Err(e) => {
+                // It may have been sent, and is held until durable: the next fsync tries again.
+                self.dirty = true;
+                return Err(e);
+            }
+        };
+        match d {
+            Durability::Durable(_) => Ok(()),
+            Durability::VisibleOnly if self.visible_ok => Ok(()),
+            Durability::VisibleOnly => {
+                // Written and visible, like any write: the next fsync answers the same.
+                self.dirty = true;
+                Err(Errno::EIO)
+            }
+        }
     }
 
     /// fsync: durable, or EIO (a volatile namespace without `--visible-ok` included).
