@@ -200,6 +200,42 @@ fn o_dsync_and_o_sync_writes_are_durable_when_they_return() {
     drop(m);
 }
 
+/// SIGHUP (the terminal or SSH session of a mount started as a background job closed) stops the
+/// mount as SIGTERM does: unmounted, and the writes not yet fsynced made durable (cachestat),
+/// exit 0. (It killed the process: the mount was left answering ENOTCONN and the writes
+/// unpersisted.)
+#[test]
+fn sighup_stops_the_mount_as_sigterm_does() {
+    let (_d, root, _shm, t) = start("fuse-hup");
+    let Some(_) = rpma_tests::unsynced_pages(&root.join("ns1"), 0, 4096) else {
+        eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+        return;
+    };
+    let mnt = root.join("mnt");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &[]);
+    let data = noise(768 << 10, 77);
+    let off = 2 << 20;
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    f.write_all_at(&data, off).unwrap();
+    // While the file is open: the stop unmounts lazily and serves it until it is closed (a
+    // process killed by the signal serves nothing more).
+    let pid = m.child.as_ref().unwrap().id();
+    // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
+    assert_eq!(unsafe { libc::kill(pid as libc::pid_t, libc::SIGHUP) }, 0);
+    drop(f);
+    let st = m.wait_exit();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+    assert_eq!(
+        rpma_tests::unsynced_pages(&root.join("ns1"), off, data.len() as u64),
+        Some(0),
+        "the writes were not made durable at the stop"
+    );
+}
+
 #[test]
 fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
     require_fuse!("bytes_cross_between_the_fuse_file_and_the_cli_both_ways");

@@ -275,7 +275,7 @@ pub(crate) enum Command {
         limits: NbdLimits,
     },
     /// Show the namespace as one regular file (DIR/nsN) in a FUSE filesystem, in the foreground
-    /// until SIGTERM or `umount`; prints the file's path (and the loop device's) once ready.
+    /// until SIGTERM, SIGINT, SIGHUP or `umount`; prints the file's path (and the loop device's) once ready.
     /// Needs root. fsync makes every acknowledged write durable (docs/mount.md, "FUSE file and
     /// loop device").
     Mount {

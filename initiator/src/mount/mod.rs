@@ -84,9 +84,13 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
         )));
     }
     // Every thread started from here on inherits the mask: only the signal thread sees them.
+    // SIGHUP too: a mount started as a shell's background job gets it when the terminal or
+    // the SSH session closes, and its default action killed the process, leaving the mount
+    // answering ENOTCONN and the writes not yet fsynced unpersisted.
     let mut signals = SigSet::empty();
     signals.add(Signal::SIGTERM);
     signals.add(Signal::SIGINT);
+    signals.add(Signal::SIGHUP);
     signals
         .thread_block()
         .map_err(|e| io_failure("blocking SIGTERM".into(), e.into()))?;
