@@ -275,8 +275,8 @@ pub(crate) enum Command {
         limits: NbdLimits,
     },
     /// Show the namespace as one regular file (DIR/nsN) in a FUSE filesystem, in the foreground
-    /// until SIGTERM, SIGINT, SIGHUP or `umount`; prints the file's path (and the loop device's) once ready.
-    /// Needs root. fsync makes every acknowledged write durable (docs/mount.md, "FUSE file and
+    /// until SIGTERM, SIGINT, SIGHUP or `umount`; prints the file's path (and the loop
+    /// device's) once ready. Needs root. fsync makes every acknowledged write durable (docs/mount.md, "FUSE file and
     /// loop device").
     Mount {
         /// The mount point (an existing directory).
