@@ -236,6 +236,36 @@ fn sighup_stops_the_mount_as_sigterm_does() {
     );
 }
 
+/// Once the mount's queue gave up (the target gone longer than --reconnect-timeout), fsync
+/// fails with EIO, as on a dead disk, even when nothing was written since the last one. (It
+/// returned 0: with nothing marked dirty it only looked at the method it had chosen.)
+#[test]
+fn fsync_after_the_queue_gave_up_is_eio() {
+    let (_d, root, _shm, mut t) = start("fuse-gone");
+    let mnt = root.join("mnt");
+    let mut args = conn_args(&t.url(), 1);
+    args.extend(["--reconnect-timeout".to_owned(), "1".to_owned()]);
+    let mut m = Mounted::start(&args, &mnt, &[]);
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    f.write_all_at(&[7; 4096], 0).unwrap();
+    f.sync_all().unwrap();
+    t.kill9();
+    // The next request spends the reconnect budget and fails: the queue gives up.
+    let mut b = [0u8; 4096];
+    assert!(
+        f.read_exact_at(&mut b, 0).is_err(),
+        "a read with the target gone"
+    );
+    let r = f.sync_all();
+    assert!(r.is_err(), "fsync after the queue gave up: {r:?}");
+    drop(f);
+    let _ = m.sigterm();
+}
+
 #[test]
 fn bytes_cross_between_the_fuse_file_and_the_cli_both_ways() {
     require_fuse!("bytes_cross_between_the_fuse_file_and_the_cli_both_ways");

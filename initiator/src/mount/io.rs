@@ -234,16 +234,13 @@ impl Worker {
     /// Makes the pending writes durable; Durable or, with `--visible-ok`, VisibleOnly is
     /// success.
     fn persist(&mut self) -> Result<Durability, Error> {
-        let d = if self.dirty {
-            self.q
-                .namespace(self.nsid)
-                .and_then(|mut ns| ns.persist_own_writes())?
-        } else {
-            match self.q.namespace(self.nsid)?.method()? {
-                rpma_initiator::Choice::VisibleOnly => Durability::VisibleOnly,
-                rpma_initiator::Choice::Method(m) => Durability::Durable(m),
-            }
-        };
+        // Through the queue even when nothing is dirty (with nothing held it sends nothing): a
+        // queue that gave up answers Broken, EIO, as a dead disk would; the method chosen at
+        // the start said durable for ever.
+        let d = self
+            .q
+            .namespace(self.nsid)
+            .and_then(|mut ns| ns.persist_own_writes())?;
         // Visible is all a volatile namespace can give: nothing is left to retry.
         self.dirty = false;
         Ok(d)
