@@ -853,6 +853,9 @@ fn a_held_write_in_more_pieces_than_a_send_queue_takes_is_reissued() {
     let at = COUNTERS;
     let mut want = rpma_tests::noise(31, 256 << 10);
     a.namespace(1).unwrap().write_at(at, &want).unwrap();
+    // Placed before B writes (a Write completes when TCP took it: across queues, a later one
+    // may land first unless the earlier is placed), and still held: not durable.
+    a.namespace(1).unwrap().place_writes().unwrap();
     // 300 single bytes of it rewritten through B, newer than A's write, which A still holds.
     for k in 0..300u64 {
         let off = 1 + k * 800;
