@@ -295,9 +295,9 @@ impl Server {
                 .flush_all()
                 .map_err(|source| NbdError::FinalFlush { nsid, source })?
         };
+        self.shared.close_all();
         let losses = self.shared.losses.load(Ordering::SeqCst);
         if losses > 0 {
-            self.shared.close_all();
             return Err(NbdError::WritesLost { nsid, losses });
         }
         info!(
@@ -309,7 +309,6 @@ impl Server {
                 "visible only (volatile)"
             }
         );
-        self.shared.close_all();
         Ok(durable)
     }
 }

@@ -131,10 +131,7 @@ impl Engine {
                     rest = more;
                 }
             }
-            let mut these: Vec<SendWr> = rest
-                .iter()
-                .map(|&(s, e)| self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()))
-                .collect();
+            let mut these = self.unsignaled_pieces(slot, w, rest);
             these.push(self.piece_wr(slot, w, start, end));
             if wrs + these.len() > REISSUE_BATCH && !batch.is_empty() {
                 self.post_reissued(std::mem::take(&mut batch))?;
@@ -153,21 +150,31 @@ impl Engine {
         let Some((&(s, e), rest)) = pieces.split_last() else {
             return Ok(());
         };
-        self.drain()?;
-        let mut wrs: Vec<SendWr> = rest
-            .iter()
-            .map(|&(s, e)| self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()))
-            .collect();
+        let mut wrs = self.unsignaled_pieces(slot, w, rest);
         let last = self.piece_wr(slot, w, s, e);
         let last = self.waited_wr(last.op);
         let id = last.wr_id;
         wrs.push(last);
-        self.doorbells += 1;
-        let sess = self.session()?;
-        sess.qp()
-            .post_send_list(wrs)
-            .map_err(|e| super::post::post_error(sess, e))?;
+        self.post_when_drained(wrs)?;
         self.wait_for_request(w.ns, "re-issued write", id)
+    }
+
+    /// Writes of `pieces` of the held write `w` in `slot`, none signaled.
+    fn unsignaled_pieces(&self, slot: usize, w: WriteRec, pieces: &[(u64, u64)]) -> Vec<SendWr> {
+        pieces
+            .iter()
+            .map(|&(s, e)| self.piece_wr(slot, w, s, e).with_flags(SendFlags::empty()))
+            .collect()
+    }
+
+    /// Posts `wrs` behind one doorbell once nothing is in flight.
+    fn post_when_drained(&mut self, wrs: Vec<SendWr>) -> Result<()> {
+        self.drain()?;
+        self.doorbells += 1;
+        let s = self.session()?;
+        s.qp()
+            .post_send_list(wrs)
+            .map_err(|e| super::post::post_error(s, e))
     }
 
     /// Posts re-issued Writes, behind one doorbell, once nothing is in flight.
@@ -175,16 +182,11 @@ impl Engine {
         if batch.is_empty() {
             return Ok(());
         }
-        self.drain()?;
         let mut wrs = Vec::with_capacity(batch.len());
         for (_, _, w) in &mut batch {
             wrs.append(w);
         }
-        self.doorbells += 1;
-        let s = self.session()?;
-        s.qp()
-            .post_send_list(wrs)
-            .map_err(|e| super::post::post_error(s, e))?;
+        self.post_when_drained(wrs)?;
         for (slot, w, _) in batch {
             self.pool.set(slot, Slot::Writing(w));
             self.writes_posted += 1;
