@@ -15,7 +15,7 @@ use rpma_common::fabric::soft::wire::{Header, Opcode, TermCause};
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{
-    AuthResponse, Connect, FlushRequest, FlushStatus, HostId, Message, RefusalReason,
+    AuthResponse, Connect, FlushRequest, FlushStatus, HostId, KeepAlive, Message, RefusalReason,
 };
 use rpma_tests::nqn;
 use rpma_tests::sessions::{KEY, KEYED, OPEN_HOST, PLAIN, SUB, WAIT};
@@ -291,5 +291,127 @@ fn floods_of_zero_length_fpdus_cost_nothing_and_change_nothing() {
         "a flood of zero-length Sends was not terminated"
     );
     s.unchanged("a flood of zero-length Sends");
+    s.finish();
+}
+
+/// The `messages` count of the session whose peer address is `peer`, None once it is gone.
+fn messages_of(s: &Suite, peer: &str) -> Option<u64> {
+    s.t.status()["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|x| x["peer"] == peer)
+        .map(|x| x["messages"].as_u64().unwrap())
+}
+
+#[test]
+fn a_session_that_never_reads_its_answers_is_closed_with_bounded_memory() {
+    // Receive slots enough for big bursts: each is sent only once the target took in the one
+    // before it (status' message count), so that none finds its receives all in use.
+    let mut s = Suite::start("max_queue_depth = 1020");
+    let (mut p, _, _) = s.admitted();
+    let peer = p.s.local_addr().unwrap().to_string();
+    // The peer never reads: once the sockets' buffers are full, each echo of the target waits
+    // in its memory. A small receive buffer on our side gets there sooner.
+    nix::sys::socket::setsockopt(&p.s, nix::sys::socket::sockopt::RcvBuf, &4096).unwrap();
+    let before = rpma_tests::stress::memory(s.t.pid());
+    const BURST: u64 = 1000;
+    // Far more echoes than both socket buffers hold (each is about 40 bytes on the wire).
+    const MOST: u64 = 2_000_000;
+    let (mut sent, mut seq) = (messages_of(&s, &peer).unwrap(), 0u64);
+    let deadline = Instant::now() + WAIT * 6;
+    let closed = 'flood: loop {
+        let mut burst = Vec::new();
+        for _ in 0..BURST {
+            seq += 1;
+            let body = Message::KeepAlive(KeepAlive { seq }).encode().unwrap();
+            let h = Header::untagged(Opcode::Send, p.msn, true);
+            p.msn += 1;
+            burst.extend(p.fpdu(h, &body));
+        }
+        if p.s.write_all(&burst).is_err() {
+            break true;
+        }
+        sent += BURST;
+        loop {
+            match messages_of(&s, &peer) {
+                None => break 'flood true,
+                Some(n) if n >= sent => break,
+                Some(_) => {}
+            }
+            assert!(
+                Instant::now() < deadline,
+                "the target stopped taking in keep-alives"
+            );
+            std::thread::sleep(Duration::from_millis(2));
+        }
+        if seq >= MOST || Instant::now() >= deadline {
+            break false;
+        }
+    };
+    let after = rpma_tests::stress::memory(s.t.pid());
+    let grew = after.anon_kib.saturating_sub(before.anon_kib);
+    assert!(
+        closed,
+        "a session that sent {seq} keep-alives and read none of the echoes was not closed \
+         (anonymous memory grew {grew} KiB)"
+    );
+    // Its slots and its backlog are freed with it; what the target held meanwhile was bounded.
+    assert!(
+        grew < 16 << 10,
+        "the target's anonymous memory grew {grew} KiB"
+    );
+    eprintln!("closed after {seq} keep-alives read by nobody; anonymous memory grew {grew} KiB");
+    s.unchanged("a session that never reads its answers");
+    s.finish();
+}
+
+#[test]
+fn flush_requests_beyond_the_queue_depth_end_the_session() {
+    let mut s = Suite::start("max_queue_depth = 2");
+    let mut p = s.peer();
+    let r = p.admit();
+    assert_eq!(r.queue_depth, 2);
+    // Four at once (the target has 2 + 4 receives posted): the third is one too many while
+    // the first two are not answered yet.
+    let mut burst = Vec::new();
+    for token in 1..=4 {
+        let body = Message::FlushRequest(FlushRequest {
+            nsid: 1,
+            offset: 0,
+            length: 4096,
+            token,
+        })
+        .encode()
+        .unwrap();
+        let h = Header::untagged(Opcode::Send, p.msn, true);
+        p.msn += 1;
+        burst.extend(p.fpdu(h, &body));
+    }
+    p.raw(&burst);
+    let (mut answers, mut goodbye) = (Vec::new(), None);
+    loop {
+        match p.next(WAIT) {
+            Some(FromTarget::Message(Ok(Message::FlushResponse(f)))) => {
+                answers.push((f.token, f.status))
+            }
+            Some(FromTarget::Message(Ok(Message::Disconnect(d)))) => goodbye = Some(d.reason),
+            Some(FromTarget::Closed) => break,
+            other => panic!("after {answers:?}, {goodbye:?}: {other:?}"),
+        }
+    }
+    let why = goodbye.expect("no Disconnect");
+    assert!(why.contains("beyond the queue depth"), "{why}");
+    answers.sort_by_key(|a| a.0);
+    // The two within the depth are served, the one after the goodbye is told it was not.
+    assert_eq!(
+        answers,
+        [
+            (1, FlushStatus::Durable),
+            (2, FlushStatus::Durable),
+            (4, FlushStatus::Unavailable)
+        ]
+    );
+    s.unchanged("FlushRequests beyond the queue depth");
     s.finish();
 }

@@ -154,6 +154,11 @@ impl MsgBufs {
         self.recv_slots
     }
 
+    /// How many send slots there are (more messages wait in the backlog).
+    pub fn send_slots(&self) -> usize {
+        self.send_slots
+    }
+
     /// Sends posted and not completed, plus the backlog.
     pub fn unsent(&self) -> usize {
         self.backlog.len() + (self.send_slots - self.free.len())

@@ -123,6 +123,16 @@ pub(crate) struct Conn {
     owner: LoopTx,
     /// FlushRequests the host may have outstanding (receives posted beyond it: slack).
     queue_depth: u32,
+    /// FlushRequests handed to the loop's flusher and not answered yet: one more than
+    /// `queue_depth` is a protocol error (the host sends before it has its answers).
+    flushes_out: u32,
+    /// More answers wait to be sent than the connection has message slots at the target: the
+    /// peer does not take them (its socket is not read). The loop drops the connection at its
+    /// next tick; nothing more is sent or taken in.
+    overrun: bool,
+    /// Which of the loop's connections this is (a queue pair number may be reused once a
+    /// connection is gone; a flush of the old one must not be answered on the new one).
+    pub(crate) serial: u64,
     /// Its poll loop's counts (the Terminates it sent are added when it is dropped).
     stats: Arc<LoopStats>,
 }
@@ -152,6 +162,7 @@ impl Conn {
         ticket: Ticket,
         owner: LoopTx,
         queue_depth: u32,
+        serial: u64,
         deadline: Instant,
         stats: Arc<LoopStats>,
     ) -> Conn {
@@ -174,6 +185,9 @@ impl Conn {
             ticket: Some(ticket),
             owner,
             queue_depth,
+            flushes_out: 0,
+            overrun: false,
+            serial,
             stats,
         }
     }
@@ -202,14 +216,47 @@ impl Conn {
 
     fn send(&mut self, m: &Message) {
         match m.encode() {
-            Ok(bytes) => {
-                if let Err(e) = self.bufs.send(&self.qp, &bytes) {
-                    // The queue pair is in Error: the loop drops the connection on its next tick.
-                    log::debug!("{}: cannot send {:?}: {e}", self.peer, m.message_type());
-                }
-            }
+            Ok(bytes) => self.send_raw(&bytes),
             Err(e) => log::error!("{}: cannot encode {:?}: {e}", self.peer, m.message_type()),
         }
+    }
+
+    /// Sends an already encoded message (or drops it, once the peer has stopped taking them).
+    pub(crate) fn send_raw(&mut self, bytes: &[u8]) {
+        if self.overrun {
+            return;
+        }
+        if let Err(e) = self.bufs.send(&self.qp, bytes) {
+            // The queue pair is in Error: the loop drops the connection on its next tick.
+            log::debug!("{}: cannot send: {e}", self.peer);
+        }
+        // A host that keeps its FlushRequests within its queue depth and sends a KeepAlive
+        // every half period never has more answers waiting than it has slots here; one that
+        // sends without reading would have the backlog grow without end.
+        let slots = self.bufs.recv_slots() + self.bufs.send_slots();
+        let waiting = self.bufs.unsent();
+        if waiting > slots {
+            self.overrun = true;
+            self.shared.peer_log.warn(
+                self.peer.ip(),
+                format_args!(
+                    "{}: closed: it does not take the target's answers ({waiting} waiting to \
+                     be sent)",
+                    self.peer
+                ),
+            );
+        }
+    }
+
+    /// Whether the connection is to be dropped now: its peer does not take its answers.
+    pub(crate) fn overrun(&self) -> bool {
+        self.overrun
+    }
+
+    /// Answers a FlushRequest the loop's flusher completed.
+    pub(crate) fn flush_answered(&mut self, resp: &FlushResponse) {
+        self.flushes_out = self.flushes_out.saturating_sub(1);
+        self.send_raw(&resp.encode());
     }
 
     fn refuse(&mut self, reason: RefusalReason, message: String, host: Option<&Nqn>) {
@@ -250,6 +297,9 @@ impl Conn {
 
     /// Handles one received message; flush requests for the loop's flusher go to `jobs`.
     pub(crate) fn on_message(&mut self, buf: &[u8], jobs: &mut Vec<FlushJob>) {
+        if self.overrun {
+            return;
+        }
         let shared = Arc::clone(&self.shared);
         let now = Instant::now();
         match &mut self.phase {
@@ -332,12 +382,21 @@ impl Conn {
                 self.last_seen = now;
                 seen(&s.info, now);
                 match Message::decode(buf) {
+                    Ok(Message::FlushRequest(_)) if self.flushes_out >= self.queue_depth => {
+                        let d = self.queue_depth;
+                        self.protocol_error(format!(
+                            "a FlushRequest beyond the queue depth ({d} unanswered before it)"
+                        ));
+                    }
                     Ok(Message::FlushRequest(req)) => match s.grants.get(&req.nsid) {
-                        Some(g) => jobs.push(FlushJob {
-                            ns: Arc::clone(&g.ns),
-                            req,
-                            arrived: Stopwatch::start(),
-                        }),
+                        Some(g) => {
+                            self.flushes_out += 1;
+                            jobs.push(FlushJob {
+                                ns: Arc::clone(&g.ns),
+                                req,
+                                arrived: Stopwatch::start(),
+                            });
+                        }
                         None => {
                             s.info.flushes.fetch_add(1, Ordering::Relaxed);
                             let resp = FlushResponse {
@@ -372,13 +431,6 @@ impl Conn {
                     Err(e) => self.protocol_error(e.to_string()),
                 }
             }
-        }
-    }
-
-    /// Sends an already encoded hot-path message.
-    pub(crate) fn send_raw(&mut self, bytes: &[u8]) {
-        if let Err(e) = self.bufs.send(&self.qp, bytes) {
-            log::debug!("{}: cannot send: {e}", self.peer);
         }
     }
 
@@ -574,14 +626,21 @@ impl Conn {
     /// Timers: handshake deadline, keep-alive, linger. Returns false when the connection is to
     /// be dropped.
     pub(crate) fn tick(&mut self, now: Instant) -> bool {
-        if self.qp.state() == QpState::Error {
-            self.session_ended(EndReason::ConnectionLost);
+        let lost = self.qp.state() == QpState::Error;
+        if lost || self.overrun {
+            self.session_ended(if self.overrun {
+                EndReason::ProtocolError
+            } else {
+                EndReason::ConnectionLost
+            });
             if let Phase::Session(s) = &self.phase {
                 // A persist that failed in the placement engine (APM, FLUSH) ends here.
                 for g in s.grants.values() {
                     g.ns.note_failure();
                 }
-                self.shared.peer_log.log(
+            }
+            match &self.phase {
+                Phase::Session(s) if !self.overrun => self.shared.peer_log.log(
                     self.peer.ip(),
                     Class::Session,
                     log::Level::Info,
@@ -595,7 +654,8 @@ impl Conn {
                             .map(|e| rpma_common::error_chain(&e))
                             .unwrap_or_default()
                     ),
-                );
+                ),
+                _ => {}
             }
             return false;
         }

@@ -72,6 +72,8 @@ pub const TEST_STALL_ON_RELOAD_ENV: &str = "RPMA_TARGET_TEST_STALL_ON_RELOAD_MS"
 
 struct PendingFlush {
     qp_num: u32,
+    /// Its connection's [`Conn::serial`].
+    serial: u64,
     host_token: u64,
     ns: Arc<OpenNamespace>,
     offset: u64,
@@ -100,7 +102,10 @@ pub(crate) struct PollLoop {
     /// Flushes waiting for a free flusher slot, in arrival order.
     waiting: VecDeque<u64>,
     next_token: u64,
-    jobs: Vec<(u32, FlushJob)>,
+    /// The next connection's [`Conn::serial`].
+    next_serial: u64,
+    /// Flush requests taken in this turn: their connection's queue pair number and serial.
+    jobs: Vec<(u32, u64, FlushJob)>,
     scratch: Vec<u8>,
     /// This loop's counts (it is their only writer; its flusher writes the flush timings).
     stats: Arc<LoopStats>,
@@ -141,6 +146,7 @@ impl PollLoop {
             pending: HashMap::new(),
             waiting: VecDeque::new(),
             next_token: 1,
+            next_serial: 1,
             jobs: Vec::new(),
             scratch: Vec::with_capacity(rpma_common::proto::MAX_MESSAGE_SIZE),
             stats,
@@ -207,6 +213,8 @@ impl PollLoop {
         let granted = cfg.max_queue_depth;
         let depth = granted as usize + RECV_SLACK;
         let handshake = Duration::from_millis(u64::from(cfg.admission.handshake_timeout_ms));
+        let serial = self.next_serial;
+        self.next_serial += 1;
         let params = ConnParams {
             timeout: handshake,
             tcp: TcpParams {
@@ -237,6 +245,7 @@ impl PollLoop {
                 ticket,
                 self.own.clone(),
                 granted,
+                serial,
                 Instant::now() + handshake,
                 Arc::clone(&self.stats),
             ))
@@ -326,19 +335,24 @@ impl PollLoop {
             }
             let mut jobs = Vec::new();
             conn.on_message(&buf, &mut jobs);
-            self.jobs.extend(jobs.into_iter().map(|j| (c.qp_num, j)));
+            let serial = conn.serial;
+            self.jobs
+                .extend(jobs.into_iter().map(|j| (c.qp_num, serial, j)));
+            // A peer that does not take its answers is dropped this turn.
+            self.failed |= conn.overrun();
         }
         self.scratch = buf;
     }
 
     fn submit_jobs(&mut self) {
-        for (qp_num, job) in std::mem::take(&mut self.jobs) {
+        for (qp_num, serial, job) in std::mem::take(&mut self.jobs) {
             let token = self.next_token;
             self.next_token += 1;
             self.pending.insert(
                 token,
                 PendingFlush {
                     qp_num,
+                    serial,
                     host_token: job.req.token,
                     ns: job.ns,
                     offset: job.req.offset,
@@ -359,6 +373,17 @@ impl PollLoop {
                 self.waiting.pop_front();
                 continue;
             };
+            // Its connection is gone (its host has no one to hear the answer, and replays what
+            // it did not hear): dropped, not synced.
+            if self
+                .conns
+                .get(&p.qp_num)
+                .is_none_or(|c| c.serial != p.serial)
+            {
+                self.pending.remove(&token);
+                self.waiting.pop_front();
+                continue;
+            }
             let (target, offset, len) = (p.ns.flush_target.clone(), p.offset, p.len);
             let submitted = if target.syncs_a_file() && self.may_sync_inline(token) {
                 self.flusher.submit_inline(token, &target, offset, len)
@@ -449,18 +474,23 @@ impl PollLoop {
             counters.flush_errors.fetch_add(1, Ordering::Relaxed);
             p.ns.note_failure();
         }
-        if let Some(conn) = self.conns.get_mut(&p.qp_num) {
+        if let Some(conn) = self.conn_of(p.qp_num, p.serial) {
             if let Phase::Session(s) = &conn.phase {
                 s.info.flushes.fetch_add(1, Ordering::Relaxed);
                 s.info.gpspm_answered(p.ns.config.nsid, ok);
             }
-            let resp = FlushResponse {
+            conn.flush_answered(&FlushResponse {
                 token: p.host_token,
                 status: c.status,
-            };
-            conn.send_raw(&resp.encode());
+            });
+            self.failed |= conn.overrun();
         }
         self.stats.gpspm_request.record_since(p.arrived);
+    }
+
+    /// The connection a flush came from, if it is still there.
+    fn conn_of(&mut self, qp_num: u32, serial: u64) -> Option<&mut Conn> {
+        self.conns.get_mut(&qp_num).filter(|c| c.serial == serial)
     }
 
     fn tick(&mut self, now: Instant) {
