@@ -203,6 +203,13 @@ impl Session {
     pub fn send_message(&mut self, m: &Message) -> Result<()> {
         self.check_open()?;
         let bytes = m.encode().map_err(Error::Encode)?;
+        // A caller's own tokens and sequence numbers count as sent: their answers and echoes
+        // are the protocol's (`handle`), and the session's own go on above them.
+        match m {
+            Message::FlushRequest(r) => self.next_token = self.next_token.max(r.token),
+            Message::KeepAlive(k) => self.seq = self.seq.max(k.seq),
+            _ => {}
+        }
         self.send_bytes(&bytes)
     }
 
@@ -241,6 +248,17 @@ impl Session {
         let _ = self.qp.post_recv(self.bufs.recv_wr(slot));
         self.last_heard = Instant::now();
         match decoded.map_err(Error::Decode)? {
+            // Only echoes of this host's own: an echo of one it never sent would mark requests
+            // as executed that were not (`echoed`), an answer to a FlushRequest it never sent
+            // would be taken for the next one's.
+            Message::KeepAlive(k) if k.seq > self.seq => Err(self.broke(format!(
+                "an echo of KeepAlive {} (this host sent {} so far)",
+                k.seq, self.seq
+            ))),
+            Message::FlushResponse(r) if r.token > self.next_token => Err(self.broke(format!(
+                "an answer to FlushRequest {} (this host sent {} so far)",
+                r.token, self.next_token
+            ))),
             Message::KeepAlive(k) => {
                 self.echoed = self.echoed.max(k.seq);
                 Ok(None)
@@ -250,6 +268,15 @@ impl Session {
                 Err(Error::Disconnected { reason })
             }
             m => Ok(Some(m)),
+        }
+    }
+
+    /// The target broke the protocol (`what`): the connection is not trusted on; a data path's
+    /// queue gives it up and reconnects.
+    fn broke(&mut self, what: String) -> Error {
+        self.violated = Some(what.clone());
+        Error::ConnectionLost {
+            reason: LossReason::Protocol(what),
         }
     }
 
@@ -319,7 +346,12 @@ impl Session {
                 match self.handle(c) {
                     Ok(Some(m)) => self.inbox.push_back(m),
                     Ok(None) => {}
-                    Err(e @ Error::Decode(_)) => return Err(e),
+                    Err(
+                        e @ (Error::Decode(_)
+                        | Error::ConnectionLost {
+                            reason: LossReason::Protocol(_),
+                        }),
+                    ) => return Err(e),
                     Err(e) => {
                         deferred.get_or_insert(e);
                     }
@@ -374,10 +406,23 @@ impl Session {
         timeout: Duration,
     ) -> Result<FlushStatus> {
         let token = self.send_flush_request(nsid, offset, length)?;
+        // One deadline for the whole wait, however many other messages come meanwhile.
+        let deadline = Instant::now() + timeout;
         loop {
-            match self.wait_message(timeout, "flush response")? {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let m = self
+                .wait_message(left, "flush response")
+                .map_err(|e| match e {
+                    Error::Timeout { what, .. } => Error::Timeout {
+                        what,
+                        after: timeout,
+                    },
+                    e => e,
+                })?;
+            match m {
                 Message::FlushResponse(r) if r.token == token => return Ok(r.status),
-                // An answer to an earlier request someone else is waiting for.
+                // An answer to an earlier request (one that timed out): dropped. (One to a
+                // later request, never sent, broke the protocol: `handle`.)
                 Message::FlushResponse(_) => continue,
                 other => {
                     return Err(Error::Unexpected {

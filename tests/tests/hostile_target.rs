@@ -1,9 +1,11 @@
 //! The initiator library against a target that breaks the protocol: a small target of this
 //! file's own on the soft fabric admits the host to one namespace (its memory served by the
-//! fabric, as a real target's), answers KeepAlives, and, when told, sends a control message
-//! no target may send.
+//! fabric, as a real target's; GPSPM offered), echoes KeepAlives, answers FlushRequests
+//! Durable, and, when told, sends a control message no target may send: one the host cannot
+//! decode, an answer to a FlushRequest or an echo of a KeepAlive the host never sent, or stray
+//! answers while it leaves the host's request unanswered.
 
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -14,20 +16,39 @@ use rpma_common::fabric::{
 use rpma_common::proto::msgbuf::{MsgBufs, CONTROL_BIT, SEND_BIT};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    ConnectResponse, DurabilityMethods, Message, NamespaceDescriptor, PersistenceDomain,
-    PROTO_VERSION,
+    ConnectResponse, DurabilityMethods, FlushResponse, FlushStatus, KeepAlive, Message,
+    NamespaceDescriptor, PersistenceDomain, PROTO_VERSION,
 };
-use rpma_initiator::{ConnectOptions, Connection, HostIdentity, QueueOptions, ReconnectPolicy};
+use rpma_initiator::{
+    connect, ConnectOptions, Connection, Durability, Error, HostIdentity, QueueOptions,
+    ReconnectPolicy,
+};
 use rpma_tests::noise as pattern;
 
 const SUB: &str = "nqn.2026-11.io.rpma:hostile-target";
 const HOST: &str = "nqn.2026-11.io.rpma:hostile-target-host";
 const SIZE: usize = 1 << 20;
 
+/// What the first admitted connection does besides serving (the later ones only serve), and
+/// what it sends when told ([`FakeTarget::garbage`]).
+/// Sends a message of a type no target sends.
+const HONEST: u8 = 0;
+/// Sends an answer (Durable) to FlushRequest 1, before the host sent it; leaves the host's
+/// FlushRequests unanswered.
+const FORGED_ANSWER: u8 = 1;
+/// Sends an echo of KeepAlive u64::MAX, never sent.
+const FORGED_ECHO: u8 = 2;
+/// The host's FlushRequests unanswered; every 20 ms an answer to FlushRequest 0 (none has that
+/// token: an old request's, as far as the host can tell).
+const STRAY_ANSWERS: u8 = 3;
+
 /// The fake target: every connection on a thread of its own, the namespace shared.
 struct FakeTarget {
     url: String,
-    /// Set: a connection sends the garbage (once), then sets `sent`.
+    /// What the first admitted connection does ([`HONEST`] ...), set before the host connects.
+    first: Arc<AtomicU8>,
+    /// Set: a connection sends the garbage (once; what [`FakeTarget::first`] says), then sets
+    /// `sent`.
     garbage: Arc<AtomicBool>,
     /// The garbage is in the host's socket: a soft queue pair writes at its post.
     sent: Arc<AtomicBool>,
@@ -43,6 +64,7 @@ impl FakeTarget {
         let url = format!("tcp://127.0.0.1:{}", listener.url().unwrap().port);
         let mem = AlignedBuf::new(SIZE).unwrap();
         mem.write_at(0, &pattern(77, SIZE)).unwrap();
+        let first = Arc::new(AtomicU8::new(HONEST));
         let (garbage, sent, admitted, stop) = (
             Arc::new(AtomicBool::new(false)),
             Arc::new(AtomicBool::new(false)),
@@ -50,6 +72,7 @@ impl FakeTarget {
             Arc::new(AtomicBool::new(false)),
         );
         let flags = Flags {
+            first: first.clone(),
             garbage: garbage.clone(),
             sent: sent.clone(),
             admitted: admitted.clone(),
@@ -89,6 +112,7 @@ impl FakeTarget {
         });
         FakeTarget {
             url,
+            first,
             garbage,
             sent,
             admitted,
@@ -112,6 +136,7 @@ impl Drop for FakeTarget {
 /// What the connections share with the test.
 #[derive(Clone)]
 struct Flags {
+    first: Arc<AtomicU8>,
     garbage: Arc<AtomicBool>,
     sent: Arc<AtomicBool>,
     admitted: Arc<AtomicUsize>,
@@ -130,11 +155,33 @@ fn serve(
     let mut wcs = [Completion::EMPTY; 16];
     let mut buf = Vec::new();
     let mut open = false;
+    let mut mode = HONEST;
+    let mut last_stray = Instant::now();
     while !f.stop.load(Ordering::SeqCst) {
+        if mode == STRAY_ANSWERS && last_stray.elapsed() >= Duration::from_millis(20) {
+            last_stray = Instant::now();
+            let stray = FlushResponse {
+                token: 0,
+                status: FlushStatus::Durable,
+            };
+            let _ = bufs.send(qp, &stray.encode());
+        }
         if open && f.garbage.swap(false, Ordering::SeqCst) {
-            // A well-formed header of a message type no target sends (nor any version knows).
-            bufs.send(qp, &[PROTO_VERSION, 0xEE, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8])
-                .unwrap();
+            let garbage = match mode {
+                FORGED_ANSWER => Message::FlushResponse(FlushResponse {
+                    token: 1,
+                    status: FlushStatus::Durable,
+                })
+                .encode()
+                .unwrap(),
+                FORGED_ECHO => Message::KeepAlive(KeepAlive { seq: u64::MAX })
+                    .encode()
+                    .unwrap(),
+                // A well-formed header of a message type no target sends (nor any version
+                // knows).
+                _ => vec![PROTO_VERSION, 0xEE, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8],
+            };
+            bufs.send(qp, &garbage).unwrap();
             f.sent.store(true, Ordering::SeqCst);
         }
         let Ok(n) = cq.wait(&mut wcs, Some(Duration::from_millis(20))) else {
@@ -155,7 +202,9 @@ fn serve(
             let answer = match Message::decode(&buf) {
                 Ok(Message::Connect(_)) => {
                     open = true;
-                    f.admitted.fetch_add(1, Ordering::SeqCst);
+                    if f.admitted.fetch_add(1, Ordering::SeqCst) == 0 {
+                        mode = f.first.load(Ordering::SeqCst);
+                    }
                     Message::ConnectResponse(ConnectResponse {
                         controller_id: 1,
                         keep_alive_ms: 60_000,
@@ -164,6 +213,13 @@ fn serve(
                     })
                 }
                 Ok(Message::KeepAlive(k)) => Message::KeepAlive(k),
+                Ok(Message::FlushRequest(r)) if mode == HONEST || mode == FORGED_ECHO => {
+                    Message::FlushResponse(FlushResponse {
+                        token: r.token,
+                        status: FlushStatus::Durable,
+                    })
+                }
+                Ok(Message::FlushRequest(_)) => continue,
                 _ => return,
             };
             let _ = bufs.send(qp, &answer.encode().unwrap());
@@ -178,8 +234,9 @@ fn descriptor(mr: &MemoryRegion) -> NamespaceDescriptor {
         block_size: 512,
         remote_addr: mr.addr(),
         rkey: mr.rkey(),
-        domain: PersistenceDomain::Volatile,
-        durability: DurabilityMethods::NONE,
+        // Served from memory: "durable" here is what the fake target says, which is the point.
+        domain: PersistenceDomain::PageCache,
+        durability: DurabilityMethods::GPSPM,
         atomic_write_unit: 0,
         read_only: false,
         failure: None,
@@ -249,4 +306,117 @@ fn a_control_message_the_host_cannot_decode_loses_the_connection_and_nothing_els
     let mut back = vec![0u8; data.len()];
     ns.read_at(512 << 10, &mut back).unwrap();
     assert!(back == data);
+}
+
+/// A queue on the fake target (nothing retried for long: the tests wait for one reconnect).
+fn queue(t: &FakeTarget) -> rpma_initiator::Queue {
+    Connection::new(
+        &t.url,
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .with_connect_options(ConnectOptions {
+        timeout: Duration::from_secs(5),
+        ..ConnectOptions::default()
+    })
+    .with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: 4096,
+        reconnect: ReconnectPolicy::within(Duration::from_secs(20)),
+        ..QueueOptions::default()
+    })
+    .open_queue(0)
+    .unwrap()
+}
+
+/// Tells the first connection to send its garbage, and waits until it is in the host's socket.
+fn send_garbage(t: &FakeTarget) {
+    t.garbage.store(true, Ordering::SeqCst);
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while !t.sent.load(Ordering::SeqCst) {
+        assert!(Instant::now() < deadline, "the garbage was not sent");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// An answer to a FlushRequest the host has not sent yet (the tokens are 1, 2, 3...) is a
+/// broken protocol, not an answer kept for later: the durable write it would have acknowledged
+/// is made durable on the next connection, by an answer to a request the target received.
+/// (Before, the forged answer waited in the queue and acknowledged the first GPSPM write as
+/// durable though the target had never seen its request.)
+#[test]
+fn an_answer_to_a_flush_request_never_sent_loses_the_connection_and_acknowledges_nothing() {
+    let t = FakeTarget::start();
+    t.first.store(FORGED_ANSWER, Ordering::SeqCst);
+    let mut q = queue(&t);
+    let mut ns = q.namespace(1).unwrap();
+    send_garbage(&t);
+    // Taken in by a Read (the answer arrives before the Read Response).
+    let want = pattern(77, SIZE);
+    let mut one = vec![0u8; 512];
+    ns.read_at(0, &mut one).unwrap();
+    assert!(one[..] == want[..512]);
+    let data = pattern(9, 4096);
+    let d = ns.write_durable(8192, &data).unwrap();
+    assert!(matches!(d, Durability::Durable(_)), "{d:?}");
+    assert_eq!(
+        t.admitted.load(Ordering::SeqCst),
+        2,
+        "the write was acknowledged on the connection that forged an answer"
+    );
+    let mut back = vec![0u8; 4096];
+    ns.read_at(8192, &mut back).unwrap();
+    assert!(back == data);
+}
+
+/// An echo of a KeepAlive the host never sent (which would mark every Write posted so far as
+/// placed, for the ordering across queues) loses the connection; the call reconnects and is
+/// served.
+#[test]
+fn an_echo_of_a_keep_alive_never_sent_loses_the_connection() {
+    let t = FakeTarget::start();
+    t.first.store(FORGED_ECHO, Ordering::SeqCst);
+    let mut q = queue(&t);
+    let mut ns = q.namespace(1).unwrap();
+    send_garbage(&t);
+    let want = pattern(77, SIZE);
+    let mut one = vec![0u8; 512];
+    ns.read_at(4096, &mut one).unwrap();
+    assert!(one[..] == want[4096..4096 + 512]);
+    let data = pattern(3, 4096);
+    ns.write_durable(SIZE as u64 / 2, &data).unwrap();
+    assert_eq!(
+        t.admitted.load(Ordering::SeqCst),
+        2,
+        "the forged echo was taken as an answer"
+    );
+}
+/// `Session::flush` waits at most its time-out in all, however many answers to other requests
+/// the target sends meanwhile. (Before, each one started the wait again: a target answering old
+/// tokens every 20 ms kept the call waiting for ever.)
+#[test]
+fn stray_answers_do_not_extend_a_flush_beyond_its_time_out() {
+    let t = FakeTarget::start();
+    t.first.store(STRAY_ANSWERS, Ordering::SeqCst);
+    let mut s = connect(
+        &t.url,
+        &Nqn::new(SUB).unwrap(),
+        &HostIdentity::new(Nqn::new(HOST).unwrap()),
+        &ConnectOptions {
+            timeout: Duration::from_secs(5),
+            ..ConnectOptions::default()
+        },
+    )
+    .unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    let waiter = std::thread::spawn(move || {
+        let r = s.flush(1, 0, 4096, Duration::from_millis(300));
+        let _ = tx.send(r);
+        s
+    });
+    let r = rx
+        .recv_timeout(Duration::from_secs(20))
+        .expect("Session::flush did not return within 20 s (its time-out: 300 ms)");
+    assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
+    drop(waiter.join().unwrap());
 }

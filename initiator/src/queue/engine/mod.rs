@@ -95,8 +95,10 @@ pub(super) struct Engine {
     timeout: Duration,
     /// [`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight).
     read_bound: usize,
-    /// GPSPM answers (token, status), until their waiter looks.
-    flush_answers: Vec<(u64, FlushStatus)>,
+    /// The answer (token, status) to the GPSPM FlushRequest sent last, until its waiter looks
+    /// (a queue has at most one outstanding; answers to earlier ones, which timed out, are
+    /// dropped).
+    flush_answer: Option<(u64, FlushStatus)>,
     /// Slots of batch Reads that completed, until [`read_into`](Self::read_into) copies them
     /// out. Non-empty only while a batch Read runs (the module's doc: no wait without
     /// progress).
@@ -142,7 +144,7 @@ impl Engine {
             pool,
             timeout,
             read_bound: 0,
-            flush_answers: Vec::new(),
+            flush_answer: None,
             reads_done: Vec::new(),
             waited_done: Vec::new(),
             deferred: Vec::new(),
@@ -407,12 +409,17 @@ impl Engine {
         if c.wr_id & CONTROL_BIT != 0 {
             let s = self.session.as_mut().ok_or(Error::Broken)?;
             match s.handle(c) {
-                Ok(Some(Message::FlushResponse(r))) => self.flush_answers.push((r.token, r.status)),
+                Ok(Some(Message::FlushResponse(r))) => {
+                    if r.token == s.next_token {
+                        self.flush_answer = Some((r.token, r.status));
+                    }
+                }
                 Ok(_) => {}
                 // A target that sends what this host cannot decode is not trusted with the
                 // rest of the connection: it is lost, for this call and the next (which
                 // reconnects, retiring it first), so that nothing a call left behind (a batch's
                 // Reads in flight) is taken for the next call's.
+                // (`handle` marked the session for the other violations it found.)
                 Err(Error::Decode(e)) => {
                     let what = rpma_common::error_chain(&e);
                     s.violated = Some(what.clone());
@@ -573,7 +580,7 @@ impl Engine {
     /// and started Reads in flight dropped (their tickets void); the completions already
     /// collected stay, completed Reads with their bytes.
     pub(super) fn forget_owed(&mut self) {
-        self.flush_answers.clear();
+        self.flush_answer = None;
         self.reads_done.clear();
         self.waited_done.clear();
         self.deferred.clear();

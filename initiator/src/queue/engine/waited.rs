@@ -1,6 +1,6 @@
 //! Single requests the caller waits for, outside the bounce slots: APM Reads, atomics, Atomic
 //! Writes and Flushes (a fresh wr_id each, their completions kept in `waited_done` by the
-//! poll), and GPSPM FlushRequests (their answers kept in `flush_answers`), with the 8-byte
+//! poll), and GPSPM FlushRequests (the last one's answer kept in `flush_answer`), with the 8-byte
 //! sink that APM Reads and atomic results land in.
 
 use std::time::Instant;
@@ -77,8 +77,8 @@ impl Engine {
             .send_flush_request(nsid, offset, len)?;
         let deadline = Instant::now() + self.timeout;
         loop {
-            if let Some(i) = self.flush_answers.iter().position(|a| a.0 == token) {
-                return Ok(self.flush_answers.swap_remove(i).1);
+            if let Some((_, status)) = self.flush_answer.take_if(|a| a.0 == token) {
+                return Ok(status);
             }
             self.poll_or_time_out(deadline, "flush response")?;
         }
