@@ -142,6 +142,30 @@ fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
     assert!(e.log().contains("gave up during this run"), "{}", e.log());
 }
 
+/// A loss that no FLUSH reported, its connection closed first (as a kernel client reconnecting
+/// with `nbd-client -persist` does), is reported by the first FLUSH of the next connection:
+/// `CAN_MULTI_CONN` has a FLUSH cover the writes answered on every connection. Once reported,
+/// later connections' FLUSHes answer 0. (The next connection's FLUSH answered 0: the write
+/// answered before the loss, and never made durable, looked durable.)
+#[test]
+fn a_loss_no_flush_reported_is_reported_to_the_next_connection() {
+    let (_d, _shm, mut t) = start("unreported");
+    let mut e = Export::start(&t, 1, "unreported", &["--reconnect-timeout", "1"]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    drop(c);
+    t.kill9();
+    e.log_line("the queue to the target failed");
+    t.restart();
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.flush(), EIO, "the lost write looked durable");
+    assert_eq!(c2.flush(), 0, "reported once");
+    let mut c3 = Raw::connect(&e.sock);
+    assert_eq!(c3.flush(), 0, "reported already, to c2");
+    drop((c2, c3));
+    assert_eq!(e.term().code(), Some(1), "{}", e.log());
+}
+
 /// Two FLUSHes at once on two connections: the second, which covers the first connection's
 /// write too (`CAN_MULTI_CONN`), is answered only after the first made that write durable,
 /// whose persist waits here in the first connection's stalled link. (The first FLUSH marked
@@ -570,6 +594,7 @@ fn a_read_held_back_for_another_connections_write_lets_the_next_request_go() {
 rpma_tests::rdma_runs!(
     fua_and_flush_answers_mean_durable_across_a_target_sigkill,
     a_flush_after_the_queue_gave_up_answers_eio_once_per_connection,
+    a_loss_no_flush_reported_is_reported_to_the_next_connection,
     every_request_is_answered_while_the_target_stays_gone,
     volatile_flush_and_fua_fail_with_eio_unless_visible_ok,
 );

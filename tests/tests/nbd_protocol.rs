@@ -407,6 +407,18 @@ fn pipelined_overlapping_requests_keep_their_order() {
 
 #[test]
 fn sigterm_answers_what_was_sent_flushes_and_exits_0() {
+    a_signal_answers_what_was_sent_flushes_and_exits_0(libc::SIGTERM);
+}
+
+/// SIGHUP (a terminal or SSH session closing on an export started as a background job) stops
+/// the export as SIGTERM does. (Its default action killed it: no answers, no final flush, the
+/// socket file left behind.)
+#[test]
+fn sighup_answers_what_was_sent_flushes_and_exits_0() {
+    a_signal_answers_what_was_sent_flushes_and_exits_0(libc::SIGHUP);
+}
+
+fn a_signal_answers_what_was_sent_flushes_and_exits_0(sig: libc::c_int) {
     let (_d, _shm, t) = start("term");
     let file = t.dir().join("ns1");
     let mut e = Export::start(&t, 1, "term", &[]);
@@ -419,7 +431,7 @@ fn sigterm_answers_what_was_sent_flushes_and_exits_0() {
     }
     c.send(&b);
     // SAFETY: kill has no memory-safety preconditions; the pid is our live child's.
-    assert_eq!(unsafe { libc::kill(e.pid(), libc::SIGTERM) }, 0);
+    assert_eq!(unsafe { libc::kill(e.pid(), sig) }, 0);
     for i in 0..8u64 {
         assert_eq!(c.reply(), (0, 200 + i));
     }

@@ -242,7 +242,8 @@ pub(crate) enum Command {
         #[command(flatten)]
         fio: JobArgs,
     },
-    /// Serve the namespace as an NBD export (fixed newstyle) until SIGTERM/SIGINT; prints the
+    /// Serve the namespace as an NBD export (fixed newstyle) until SIGTERM, SIGINT or SIGHUP
+    /// (each answers what clients sent, flushes and exits); prints the
     /// export's URL once clients can connect (READY=1 to systemd).
     Nbd {
         /// Listen on this Unix socket (clients: nbd+unix:///NAME?socket=PATH).

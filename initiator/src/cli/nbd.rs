@@ -49,9 +49,13 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     let mut mask = SigSet::empty();
     mask.add(Signal::SIGTERM);
     mask.add(Signal::SIGINT);
+    // SIGHUP too, as the mount does: an export started as a shell's background job gets it
+    // when the terminal or the SSH session closes, and its default action killed the process
+    // with requests unanswered, no final flush, and the socket file left behind.
+    mask.add(Signal::SIGHUP);
     // Blocked before the server starts its threads: only the signalfd sees them.
     mask.thread_block()
-        .map_err(|e| os_failure("blocking SIGTERM/SIGINT", e))?;
+        .map_err(|e| os_failure("blocking SIGTERM/SIGINT/SIGHUP", e))?;
     let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(|e| os_failure("creating a signalfd", e))?;
     let notifier = Notifier::from_env().map_err(|e| os_failure("NOTIFY_SOCKET", e))?;

@@ -151,6 +151,12 @@ pub(crate) struct Shared {
     /// Queues given up (reconnect budget spent): each may have taken acknowledged writes that
     /// were not durable yet with it. Every connection's next FLUSH answers EIO once per loss.
     pub(crate) losses: AtomicU64,
+    /// The most losses a FLUSH has answered EIO for (or failed after, some client told): a
+    /// connection starts from here, so that a loss no FLUSH reported yet (the connections open
+    /// at the time closed first) is reported by the first FLUSH of a later connection (a
+    /// `nbd-client -persist` that reconnected): `CAN_MULTI_CONN` has a FLUSH cover the writes
+    /// answered on every connection, the closed ones' too.
+    pub(crate) losses_reported: AtomicU64,
     /// Client-caused WARN and ERROR lines (failed handshakes, evictions, refusals, failed
     /// requests), rate-limited.
     pub(crate) problems: RateLog,
@@ -183,6 +189,7 @@ impl Shared {
             stopping: AtomicBool::new(false),
             requests: AtomicU64::new(0),
             losses: AtomicU64::new(0),
+            losses_reported: AtomicU64::new(0),
         }
     }
 

@@ -89,7 +89,8 @@ pub(crate) struct Client<'a> {
     zeroes: Vec<u8>,
     pipe: Pipeline,
     stats: Stats,
-    /// [`Shared::losses`] as of this client's start or last FLUSH.
+    /// [`Shared::losses`] as of this client's last FLUSH, or [`Shared::losses_reported`] as of
+    /// its start.
     losses_seen: u64,
     /// READs and WRITEs held back until another connection's writes of their bytes are
     /// placed, in the order they came ([`park`]).
@@ -142,7 +143,7 @@ impl<'a> Client<'a> {
             zeroes: Vec::new(),
             pipe: Pipeline::new(shared.in_place),
             stats: Stats::default(),
-            losses_seen: shared.losses.load(Ordering::SeqCst),
+            losses_seen: shared.losses_reported.load(Ordering::SeqCst),
             parked: Vec::new(),
             after_write: false,
             flushes_writes: false,
@@ -497,11 +498,15 @@ impl<'a> Client<'a> {
             return 0;
         }
         let e = self.durable(self.shared.flush_all(), 1, "FLUSH");
-        // A queue given up since this client's last FLUSH may have lost writes it had
-        // answered: that FLUSH cannot vouch for them.
+        // A queue given up since this client's last FLUSH (or, for its first, one that no
+        // FLUSH reported yet) may have lost writes answered on some connection: this FLUSH
+        // cannot vouch for them.
         let losses = self.shared.losses.load(Ordering::SeqCst);
         if losses != self.losses_seen {
             self.losses_seen = losses;
+            self.shared
+                .losses_reported
+                .fetch_max(losses, Ordering::SeqCst);
             if e == 0 {
                 return EIO;
             }
