@@ -25,6 +25,13 @@ use crate::{Completed, Error, Namespace, Ticket};
 const READ_IN_PLACE_MIN: usize = 256 << 10;
 /// Reply buffers of large READs kept for reuse take at most this many bytes.
 const SPARE_BUF_BYTES: usize = 64 << 20;
+/// Copied replies ([`Reply::Vec`]) kept for reuse take at most this many bytes (at most 64 of
+/// them, each at most 4 MiB) ...
+const SPARE_VEC_BYTES: usize = 64 << 20;
+/// ... and when they take more than this, they are given back after the client's quiet spell
+/// as the large READs' buffers are (a few small ones are kept for good: watching for the quiet
+/// spell costs each request's read two system calls).
+const SPARE_VEC_KEPT: usize = 1 << 20;
 
 /// The NBD error for a library error.
 pub(crate) fn errno(e: &Error, write: bool) -> u32 {
@@ -97,8 +104,10 @@ pub(crate) struct Pipeline {
     requests: IdMap<u64, Request>,
     pieces: IdMap<Ticket, Piece>,
     next: u64,
-    /// Reply buffers to reuse.
+    /// Reply buffers to reuse ...
     spare: Vec<Vec<u8>>,
+    /// ... and their capacities' sum.
+    spare_bytes: usize,
     /// Buffers of large READs' replies to reuse.
     spare_bufs: Vec<WriteBuf>,
     done: Vec<Completed>,
@@ -143,7 +152,10 @@ impl Pipeline {
     pub(crate) fn recycle(&mut self, reply: Reply) {
         match reply {
             Reply::Vec(buf) => {
-                if self.spare.len() < 64 && buf.capacity() <= 4 << 20 {
+                let c = buf.capacity();
+                if self.spare.len() < 64 && c <= 4 << 20 && self.spare_bytes + c <= SPARE_VEC_BYTES
+                {
+                    self.spare_bytes += c;
                     self.spare.push(buf);
                 }
             }
@@ -158,12 +170,23 @@ impl Pipeline {
 
     /// Whether buffers of large READs' replies are kept for reuse.
     pub(crate) fn keeps_bufs(&self) -> bool {
-        !self.spare_bufs.is_empty()
+        !self.spare_bufs.is_empty() || self.spare_bytes > SPARE_VEC_KEPT
     }
 
     /// Gives the kept buffers of large READs' replies back (a quiet client).
     pub(crate) fn release_bufs(&mut self) {
         self.spare_bufs = Vec::new();
+        if self.spare_bytes > SPARE_VEC_KEPT {
+            self.spare = Vec::new();
+            self.spare_bytes = 0;
+        }
+    }
+
+    /// A copied reply's buffer to reuse, or a new one.
+    fn spare_vec(&mut self) -> Vec<u8> {
+        let v = self.spare.pop().unwrap_or_default();
+        self.spare_bytes -= v.capacity();
+        v
     }
 
     /// A reply for a READ of `len` bytes answered with `handle`, its header in place.
@@ -188,7 +211,7 @@ impl Pipeline {
         }
         // A reused buffer is not zeroed first (a pass over every byte of a 1 MiB READ): the
         // pieces overwrite all of its data, and a failed READ sends the header alone.
-        let mut reply = self.spare.pop().unwrap_or_default();
+        let mut reply = self.spare_vec();
         reply.resize(need, 0);
         reply[..SIMPLE_REPLY_LEN].copy_from_slice(&header);
         Reply::Vec(reply)
@@ -409,7 +432,7 @@ impl Pipeline {
             Some(Reply::Buf { buf, len }) if r.err == 0 && buf.holds() != 0 => {
                 // A piece voided by a lost connection still holds the buffer (its slot is
                 // freed when its completion comes): the bytes are copied out.
-                let mut v = self.spare.pop().unwrap_or_default();
+                let mut v = self.spare_vec();
                 v.resize(len, 0);
                 let e = match buf.copy_out(0, &mut v) {
                     Ok(()) => None,
@@ -477,5 +500,44 @@ impl Pipeline {
         for (_, p) in std::mem::take(&mut self.pieces) {
             self.piece_done(p, err);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kept(p: &Pipeline) -> usize {
+        p.spare.iter().map(Vec::capacity).sum::<usize>()
+            + p.spare_bufs.iter().map(WriteBuf::len).sum::<usize>()
+    }
+
+    /// Copied replies of up to 4 MiB (every READ on `rdma://`) are kept within a byte budget,
+    /// and given back after a quiet spell. (64 of 4 MiB stayed with an idle client for good:
+    /// 256 MiB, where the docs promise it holds no more than a fresh one.)
+    #[test]
+    fn copied_replies_kept_for_reuse_are_bounded_and_given_back() {
+        let mut p = Pipeline::new(false);
+        for _ in 0..64 {
+            p.recycle(Reply::Vec(Vec::with_capacity(4 << 20)));
+        }
+        assert!(kept(&p) <= SPARE_VEC_BYTES, "{} bytes kept", kept(&p));
+        assert!(p.keeps_bufs());
+        p.release_bufs();
+        assert_eq!(kept(&p), 0);
+        assert!(!p.keeps_bufs());
+        // A few small ones stay (no quiet spell watched for them), and reuse keeps the count.
+        for _ in 0..8 {
+            p.recycle(Reply::Vec(Vec::with_capacity(4096)));
+        }
+        assert!(!p.keeps_bufs());
+        let Reply::Vec(v) = p.reply(1, 100) else {
+            panic!("a copied reply");
+        };
+        assert_eq!(p.spare_bytes, 7 * 4096);
+        p.recycle(Reply::Vec(v));
+        assert_eq!(p.spare_bytes, kept(&p));
+        p.release_bufs();
+        assert_eq!(kept(&p), 8 * 4096);
     }
 }
