@@ -454,3 +454,45 @@ fn port_probes_are_not_failed_handshakes() {
         std::thread::sleep(Duration::from_millis(20));
     }
 }
+
+/// A client that does not read its replies (its socket full) holds up no other client's FLUSH:
+/// while it waits for room, its thread finishes what it started and lets its queue go to the
+/// FLUSH that wants it, and the client is still served when it reads at last. (Its thread
+/// held the queue while blocked on the socket: B's FLUSH, which must make A's write durable
+/// too, waited until A's reply timed out (30 s) and A was closed.)
+#[test]
+fn a_client_that_does_not_read_its_replies_holds_up_no_other_clients_flush() {
+    let (_d, _shm, t) = start("unread");
+    let e = Export::start(&t, 1, "unread", &[]);
+    let mut a = Raw::connect(&e.sock);
+    // A's queue holds a write no FLUSH made durable yet.
+    assert_eq!(a.write(0, 0, &[3; 4096]), 0);
+    // 32 MiB of READ replies, far more than A's socket holds; A reads none of them yet.
+    let mut reads = Vec::new();
+    for h in 0..4u64 {
+        reads.extend(a.request(CMD_READ, 0, 100 + h, 0, NS1 as u32));
+    }
+    a.send(&reads);
+    // Wait until the replies fill A's socket (the export is writing them).
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let mut n: libc::c_int = 0;
+        // SAFETY: FIONREAD writes one int through the pointer, which outlives the call.
+        let r = unsafe { libc::ioctl(a.0.as_raw_fd(), libc::FIONREAD, &mut n) };
+        assert_eq!(r, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+        if n > 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "no reply reached A");
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let mut b = Raw::connect(&e.sock);
+    assert_eq!(b.flush(), 0);
+    // A was not given up on: it reads every reply now.
+    for h in 0..4u64 {
+        assert_eq!(a.reply(), (0, 100 + h));
+        let data = a.take(NS1 as usize);
+        assert!(data[..4096].iter().all(|&v| v == 3), "READ {h}");
+    }
+    assert_eq!(a.flush(), 0);
+}

@@ -19,13 +19,11 @@ use super::proto::{
 };
 use super::shared::{ExportOptions, Shared};
 use super::slots::{self, Caps, Decision, Held, Slot, State};
-use super::stream::{Listener, Peer, Stream};
+use super::stream::{Listener, Peer, Stream, WRITE_TIMEOUT};
 use super::transmission::Client;
 use super::{ConnError, NbdError, Result, MAX_PAYLOAD};
 use crate::Connection;
 
-/// How long a reply may wait for a client that does not read.
-const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
 /// How often an idle queue is ticked (keep-alive: well under half the target's period).
 const TICK: Duration = Duration::from_millis(500);
 /// How long shutdown waits for the client threads.

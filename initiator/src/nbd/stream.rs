@@ -193,6 +193,17 @@ impl Stream {
         }
     }
 
+    /// Waits until the socket has room to write, or `timeout` passed.
+    pub(crate) fn wait_writable(&self, timeout: Duration) -> io::Result<()> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        let mut fds = [PollFd::new(self.as_fd(), PollFlags::POLLOUT)];
+        let ms = u16::try_from(timeout.as_millis()).unwrap_or(u16::MAX);
+        match poll(&mut fds, PollTimeout::from(ms)) {
+            Ok(_) | Err(nix::errno::Errno::EINTR) => Ok(()),
+            Err(e) => Err(io::Error::from(e)),
+        }
+    }
+
     /// Reads what is already there without waiting: `Ok(None)` when nothing is.
     pub(crate) fn read_available(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
         use nix::sys::socket::{recv, MsgFlags};
@@ -252,17 +263,25 @@ impl Write for Stream {
     }
 }
 
+/// How long a reply may wait for a client that does not read (in the transmission phase, plus
+/// a second per MiB of replies).
+pub(crate) const WRITE_TIMEOUT: Duration = Duration::from_secs(30);
+
 /// The iovecs of one vectored write, at most (Linux's IOV_MAX is 1024).
 const MAX_IOVECS: usize = 512;
 
 /// Writes `out` with each buffer of `bufs` inserted where its position says (the length
-/// `out` had when the buffer was queued; positions never decrease), whole, with as few
-/// `writev` calls as the socket takes.
-pub(crate) fn write_all_vectored<B: AsRef<[u8]>>(
+/// `out` had when the buffer was queued; positions never decrease), from byte `done` of the
+/// whole on (at most its length), with as few `writev` calls as the socket takes, until all of
+/// it is written or `w` takes no more for now (`WouldBlock`): the bytes of the whole written
+/// by then. Buffers added at the end (to `out`, or to `bufs` at `out`'s length) between two
+/// calls go after what was there.
+pub(crate) fn write_vectored_from<B: AsRef<[u8]>>(
     w: &mut impl Write,
     out: &[u8],
     bufs: &[(usize, B)],
-) -> io::Result<()> {
+    done: usize,
+) -> io::Result<usize> {
     let mut slices: Vec<IoSlice<'_>> = Vec::with_capacity(2 * bufs.len() + 1);
     let mut at = 0;
     for (pos, b) in bufs {
@@ -273,6 +292,8 @@ pub(crate) fn write_all_vectored<B: AsRef<[u8]>>(
     slices.push(IoSlice::new(&out[at..]));
     slices.retain(|s| !s.is_empty());
     let mut left = &mut slices[..];
+    IoSlice::advance_slices(&mut left, done);
+    let mut written = done;
     while !left.is_empty() {
         let take = left.len().min(MAX_IOVECS);
         match w.write_vectored(&left[..take]) {
@@ -282,12 +303,36 @@ pub(crate) fn write_all_vectored<B: AsRef<[u8]>>(
                     "the client's socket took no more bytes",
                 ))
             }
-            Ok(n) => IoSlice::advance_slices(&mut left, n),
+            Ok(n) => {
+                IoSlice::advance_slices(&mut left, n);
+                written += n;
+            }
             Err(e) if e.kind() == io::ErrorKind::Interrupted => {}
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
             Err(e) => return Err(e),
         }
     }
-    Ok(())
+    Ok(written)
+}
+
+/// A client stream written without waiting: a write the socket has no room for fails with
+/// `WouldBlock` ([`Stream::wait_writable`] waits for room).
+pub(crate) struct NoWait<'a>(pub(crate) &'a Stream);
+
+impl Write for NoWait<'_> {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.write_vectored(&[IoSlice::new(buf)])
+    }
+
+    fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> io::Result<usize> {
+        use nix::sys::socket::{sendmsg, MsgFlags};
+        let flags = MsgFlags::MSG_DONTWAIT | MsgFlags::MSG_NOSIGNAL;
+        sendmsg::<()>(self.0.as_raw_fd(), bufs, &[], flags, None).map_err(io::Error::from)
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
 }
 
 #[cfg(test)]
@@ -354,8 +399,12 @@ mod tests {
                 cap: usize::MAX,
                 calls: 0,
             };
-            write_all_vectored(&mut w, &out, &bufs).unwrap();
-            assert_eq!(w.got, want, "{per_call} byte(s) per call");
+            let n = write_vectored_from(&mut w, &out, &bufs, 0).unwrap();
+            assert_eq!(
+                (n, &w.got),
+                (want.len(), &want),
+                "{per_call} byte(s) per call"
+            );
         }
         // Nothing at all: no write.
         let mut w = Stingy {
@@ -364,8 +413,59 @@ mod tests {
             cap: 0,
             calls: 0,
         };
-        write_all_vectored(&mut w, &[], &[(0, Vec::new())]).unwrap();
+        assert_eq!(
+            write_vectored_from(&mut w, &[], &[(0, Vec::new())], 0).unwrap(),
+            0
+        );
         assert_eq!(w.calls, 0);
+    }
+
+    /// A socket with `room` bytes of room left, `WouldBlock` once it is used up.
+    struct Gated {
+        got: Vec<u8>,
+        room: usize,
+    }
+
+    impl Write for Gated {
+        fn write(&mut self, buf: &[u8]) -> std::io::Result<usize> {
+            self.write_vectored(&[IoSlice::new(buf)])
+        }
+
+        fn write_vectored(&mut self, bufs: &[IoSlice<'_>]) -> std::io::Result<usize> {
+            if self.room == 0 {
+                return Err(ErrorKind::WouldBlock.into());
+            }
+            let mut n = 0;
+            for b in bufs {
+                let k = b.len().min(self.room - n);
+                self.got.extend_from_slice(&b[..k]);
+                n += k;
+            }
+            self.room -= n;
+            Ok(n)
+        }
+
+        fn flush(&mut self) -> std::io::Result<()> {
+            Ok(())
+        }
+    }
+
+    #[test]
+    fn a_full_socket_ends_the_call_and_the_next_goes_on_where_it_stopped() {
+        let mut out = b"0123".to_vec();
+        let mut bufs = vec![(2, b"ab".to_vec())];
+        let mut w = Gated {
+            got: Vec::new(),
+            room: 3,
+        };
+        let done = write_vectored_from(&mut w, &out, &bufs, 0).unwrap();
+        assert_eq!((done, &w.got[..]), (3, &b"01a"[..]));
+        // Answers added meanwhile go after the rest.
+        bufs.push((out.len(), b"cd".to_vec()));
+        out.extend_from_slice(b"56");
+        w.room = usize::MAX / 2;
+        let done = write_vectored_from(&mut w, &out, &bufs, done).unwrap();
+        assert_eq!((done, &w.got[..]), (10, &b"01ab23cd56"[..]));
     }
 
     #[test]
@@ -376,7 +476,8 @@ mod tests {
             cap: 10,
             calls: 0,
         };
-        let e = write_all_vectored(&mut w, b"0123456", &[(7, b"789abcdef".to_vec())]).unwrap_err();
+        let e =
+            write_vectored_from(&mut w, b"0123456", &[(7, b"789abcdef".to_vec())], 0).unwrap_err();
         assert_eq!(e.kind(), ErrorKind::WriteZero);
         assert_eq!(w.got, b"0123456789");
     }

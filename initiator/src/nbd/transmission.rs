@@ -11,7 +11,7 @@
 
 use std::os::fd::AsFd;
 use std::sync::atomic::Ordering;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::Level;
 use rpma_common::proto::PersistenceDomain;
@@ -20,7 +20,7 @@ use super::pipeline::{errno, Answer, Pipeline, Reply};
 use super::proto::{self, simple_reply, Errno, EIO};
 use super::shared::{Cell, Held, Shared};
 use super::slots::{Slot, Source};
-use super::stream::{write_all_vectored, Stream};
+use super::stream::{write_vectored_from, NoWait, Stream, WRITE_TIMEOUT};
 use super::ConnError;
 use crate::writebuf::WriteBuf;
 use crate::Error;
@@ -42,6 +42,9 @@ const ZERO_PIECE: usize = 1 << 20;
 /// 1.25x at 64 KiB, against 0.85x at 4 KiB (docs/benchmarks.md, "A WRITE made durable before
 /// its FLUSH").
 const EARLY_MAX: usize = 8 << 10;
+/// While its client's socket is full, a thread looks this often whether another thread
+/// wants its queue ([`Client::send`]).
+const WANTED_EVERY: Duration = Duration::from_millis(10);
 
 /// What a client did, for its log line.
 #[derive(Debug, Default, Clone, Copy)]
@@ -426,12 +429,64 @@ impl<'a> Client<'a> {
     /// Sends the answers in the order they were made, with one vectored write (the READ
     /// replies are not copied into one buffer first: for a 1 MiB READ that copy was a pass
     /// over every byte).
+    ///
+    /// The socket is written without waiting; when the client's socket is full, this thread
+    /// waits for room, but does not keep the queue meanwhile from a thread that wants it (a
+    /// FLUSH, a shutdown, a connection sharing the queue): it finishes what it started and lets
+    /// the queue go, as between requests. (Holding it, one client that read its replies
+    /// slowly or not at all held every FLUSH of the export up, for up to 30 s a write while
+    /// it read nothing, and as long as it liked while it trickled.) A client must take its
+    /// replies within [`WRITE_TIMEOUT`] plus a second per MiB, or its connection is closed.
     fn send(&mut self) -> Result<(), ConnError> {
         self.collect();
         if self.out.is_empty() && self.replies.is_empty() {
             return Ok(());
         }
-        let r = write_all_vectored(&mut self.stream, &self.out, &self.replies);
+        let mut done = 0;
+        // Since when the socket has been full, and until when the client may take to read.
+        let mut blocked = None;
+        let r = loop {
+            match write_vectored_from(&mut NoWait(&self.stream), &self.out, &self.replies, done) {
+                Ok(n) => done = n,
+                Err(e) => break Err(ConnError::from(e)),
+            }
+            let all = self.out.len()
+                + self
+                    .replies
+                    .iter()
+                    .map(|(_, b)| b.as_ref().len())
+                    .sum::<usize>();
+            if done == all {
+                break Ok(());
+            }
+            let now = Instant::now();
+            let (since, until) = *blocked.get_or_insert_with(|| {
+                (
+                    now,
+                    now + WRITE_TIMEOUT + Duration::from_secs((all >> 20) as u64),
+                )
+            });
+            if now >= until {
+                break Err(ConnError::from(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "the client took {done} of {all} bytes of replies in {} s",
+                        (now - since).as_secs()
+                    ),
+                )));
+            }
+            if self.held.is_some() && self.cell.wanted() {
+                if let Err(e) = self.settle() {
+                    break Err(e);
+                }
+                self.held = None;
+                // What settling answered goes after the rest.
+                self.collect();
+            }
+            if let Err(e) = self.stream.wait_writable((until - now).min(WANTED_EVERY)) {
+                break Err(e.into());
+            }
+        };
         self.out.clear();
         if self.out.capacity() > 4 * READ_CHUNK {
             self.out = Vec::new();
@@ -439,7 +494,7 @@ impl<'a> Client<'a> {
         for (_, b) in self.replies.drain(..) {
             self.pipe.recycle(b);
         }
-        r.map_err(Into::into)
+        r
     }
 
     fn answered(&mut self, n: usize) {
