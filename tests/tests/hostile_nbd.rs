@@ -496,3 +496,83 @@ fn a_client_that_does_not_read_its_replies_holds_up_no_other_clients_flush() {
     }
     assert_eq!(a.flush(), 0);
 }
+
+/// A client that enters transmission while every queue is taken and the target has no room
+/// for another connection shares a queue at once: one connection attempt, not the reconnect
+/// budget's retries. (It waited up to `--reconnect-timeout`, an hour here, before its first
+/// request was read, its thread and sockets held all along; evicted meanwhile by the next
+/// newcomer, which did the same, such threads piled up.)
+#[test]
+fn a_newcomer_the_target_has_no_room_for_shares_a_queue_at_once() {
+    let d = rpma_tests::scratch();
+    let shm = rpma_tests::Shm::new("noroom");
+    // The export's first queue is the target's only session.
+    let config = rpma_tests::Config::new()
+        .set("max_connections = 1")
+        .subsystem(
+            rpma_tests::Subsystem::new(SUB)
+                .any_host()
+                .namespaces(rpma_tests::four_namespaces(&shm, 512)),
+        );
+    let t = rpma_tests::Target::start(d.path(), &config.to_string());
+    let e = Export::start(&t, 1, "noroom", &["--reconnect-timeout", "3600"]);
+    let mut a = Raw::connect(&e.sock);
+    assert_eq!(a.write(0, 0, &[6; 4096]), 0);
+    // A holds the one queue; B's would be a second session.
+    let mut b = Raw::connect(&e.sock);
+    let got = b.read(0, 4096).expect("B's READ");
+    assert!(got.iter().all(|&v| v == 6));
+    e.log_line("this client shares one");
+    assert_eq!(b.flush(), 0);
+    assert!(a.read(0, 4096).is_ok());
+}
+
+/// Out of file descriptors, the export pauses its accepts instead of spinning on the listener
+/// (which stays readable): one warning per log period, and the accepts go on once there are
+/// descriptors again. (It retried at once, at full CPU, a warning each time: thousands of lines a second.)
+#[test]
+fn running_out_of_file_descriptors_pauses_accepts_instead_of_spinning() {
+    let (_d, _shm, t) = start("emfile");
+    let e = Export::start(&t, 1, "emfile", &[]);
+    let pid = e.pid();
+    // No descriptor to spare: the next accept fails (a new descriptor takes the lowest free
+    // number, and must be below the limit).
+    let numbers: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|f| f.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    let lowest_free = (0..).find(|n| !numbers.contains(n)).unwrap();
+    let set = |lim: Option<libc::rlimit>| {
+        let mut old = libc::rlimit {
+            rlim_cur: 0,
+            rlim_max: 0,
+        };
+        let new = lim
+            .as_ref()
+            .map_or(std::ptr::null(), |l| l as *const libc::rlimit);
+        // SAFETY: prlimit reads `new` (or nothing, null) and writes the old limit into `old`;
+        // both outlive the call.
+        let r = unsafe { libc::prlimit(pid, libc::RLIMIT_NOFILE, new, &mut old) };
+        assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+        old
+    };
+    let was = set(None);
+    set(Some(libc::rlimit {
+        rlim_cur: lowest_free,
+        rlim_max: was.rlim_max,
+    }));
+    let _holder = UnixStream::connect(&e.sock).unwrap();
+    e.log_line("accepting a connection failed");
+    // Ten pauses' worth.
+    std::thread::sleep(Duration::from_secs(1));
+    let lines = e
+        .log()
+        .lines()
+        .filter(|l| l.contains("accepting a connection failed"))
+        .count();
+    assert_eq!(lines, 1, "{}", e.log());
+    // Descriptors to spare again: the accepts go on.
+    set(Some(was));
+    let mut c = Raw::connect(&e.sock);
+    assert!(c.read(0, 4096).is_ok());
+}

@@ -24,6 +24,8 @@ use super::transmission::Client;
 use super::{ConnError, NbdError, Result, MAX_PAYLOAD};
 use crate::Connection;
 
+/// How long accepts pause after one failed (out of file descriptors: until a client leaves).
+const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 /// How often an idle queue is ticked (keep-alive: well under half the target's period).
 const TICK: Duration = Duration::from_millis(500);
 /// How long shutdown waits for the client threads.
@@ -60,6 +62,12 @@ pub struct Server {
     ticker: Option<JoinHandle<()>>,
     /// The clock of the clients' slots.
     epoch: Instant,
+    /// An accept failed (out of file descriptors, most likely): the listener is not watched
+    /// until then (it stays readable, and the loop spun on it).
+    accept_paused: Option<Instant>,
+    /// Accepts failed since the last line said so, and when that line was.
+    accept_failures: u64,
+    accept_said: Option<Instant>,
 }
 
 impl std::fmt::Debug for Server {
@@ -102,6 +110,9 @@ impl Server {
             next_id: 1,
             ticker: Some(ticker),
             epoch: Instant::now(),
+            accept_paused: None,
+            accept_failures: 0,
+            accept_said: None,
         })
     }
 
@@ -121,18 +132,25 @@ impl Server {
     /// [`NbdError::Poll`].
     pub fn serve(&mut self, stop: BorrowedFd<'_>) -> Result<()> {
         loop {
+            let now = Instant::now();
+            let paused = self.accept_paused.filter(|&t| t > now);
             let (accept, stopped) = {
+                let watch = match paused {
+                    Some(_) => PollFlags::empty(),
+                    None => PollFlags::POLLIN,
+                };
                 let mut fds = [
-                    PollFd::new(self.listener.as_fd(), PollFlags::POLLIN),
+                    PollFd::new(self.listener.as_fd(), watch),
                     PollFd::new(stop, PollFlags::POLLIN),
                 ];
-                match poll(&mut fds, PollTimeout::from(TICK.as_millis() as u16)) {
+                let wait = paused.map_or(TICK, |t| (t - now).min(TICK));
+                match poll(&mut fds, PollTimeout::from(wait.as_millis() as u16)) {
                     Ok(_) => {}
                     Err(nix::errno::Errno::EINTR) => continue,
                     Err(e) => return Err(NbdError::Poll(e.into())),
                 }
                 let ready = |f: &PollFd<'_>| f.revents().is_some_and(|r| !r.is_empty());
-                (ready(&fds[0]), ready(&fds[1]))
+                (paused.is_none() && ready(&fds[0]), ready(&fds[1]))
             };
             if stopped {
                 return Ok(());
@@ -161,8 +179,21 @@ impl Server {
                 Ok(Some(s)) => s,
                 Ok(None) => return,
                 Err(e) => {
-                    // EMFILE and the like: the next poll retries.
-                    warn!("nbd: accepting a connection failed: {e}");
+                    // EMFILE and the like: retried after a pause, said once per log period.
+                    let now = Instant::now();
+                    self.accept_paused = Some(now + ACCEPT_PAUSE);
+                    self.accept_failures += 1;
+                    let period = self.shared.opts.limits.log_period;
+                    if self.accept_said.is_none_or(|t| now - t >= period) {
+                        warn!(
+                            "nbd: accepting a connection failed: {e} ({} time(s) since the last \
+                             such line); accepts pause {} ms after each failure",
+                            self.accept_failures,
+                            ACCEPT_PAUSE.as_millis()
+                        );
+                        self.accept_said = Some(now);
+                        self.accept_failures = 0;
+                    }
                     return;
                 }
             };

@@ -197,8 +197,11 @@ impl Shared {
         self.cells.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// A cell for a client entering transmission: a free one, else a new queue (opened now),
-    /// else (the target refused another connection) the least busy one, shared.
+    /// A cell for a client entering transmission: a free one, else a new queue (opened now, one
+    /// connection attempt), else (the target refused another connection, or is gone) the least
+    /// busy one, shared. (With the reconnect budget's retries, a newcomer the target had no
+    /// room for waited up to `--reconnect-timeout` before it was served, its thread and
+    /// sockets held all along, and evicted meanwhile by the next newcomer, which did the same.)
     pub(crate) fn take(&self) -> Arc<Cell> {
         let free = self
             .cells
@@ -215,8 +218,8 @@ impl Shared {
             return c;
         }
         let qid = self.next_qid.fetch_add(1, Ordering::SeqCst);
-        // Not under the list's lock: a first connection may be retried for seconds.
-        let opened = self.conn.open_queue(qid);
+        // Not under the list's lock: an attempt may take up to the connect time-out.
+        let opened = self.conn.open_queue_once(qid);
         let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
         match opened {
             Ok(q) => {
