@@ -153,9 +153,13 @@ pub(crate) fn seeds() -> Vec<Vec<u8>> {
     ]
 }
 
-// The in-memory stream of rpma-common's fuzz entries, with no read time-out to set.
+// The in-memory stream of rpma-common's fuzz entries, with no time-out to set.
 impl ClientStream for Pipe<'_> {
     fn set_read_timeout(&mut self, _: Option<Duration>) -> io::Result<()> {
+        Ok(())
+    }
+
+    fn set_write_timeout(&mut self, _: Option<Duration>) -> io::Result<()> {
         Ok(())
     }
 }
