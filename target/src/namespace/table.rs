@@ -156,7 +156,10 @@ impl NamespaceTable {
             if diff.namespaces_removed.contains(key) || diff.namespaces_changed.contains(key) {
                 continue;
             }
-            let (Some(fd), Ok(now)) = (ns.mapping.backing_fd(), std::fs::metadata(&ns.key)) else {
+            // The configured path, followed as opening it would (not the canonical path it
+            // resolved to then: a symlink retargeted since names another file now).
+            let now = std::fs::metadata(&ns.config.path);
+            let (Some(fd), Ok(now)) = (ns.mapping.backing_fd(), now) else {
                 continue;
             };
             let Ok(open) = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)) else {
