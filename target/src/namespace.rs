@@ -439,6 +439,13 @@ impl OpenNamespace {
         self.mapping.domain()
     }
 
+    /// The file this opening maps (device and inode), if it maps one.
+    pub fn file_id(&self) -> Option<(u64, u64)> {
+        let fd = self.mapping.backing_fd()?;
+        let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
+        Some((st.st_dev, st.st_ino))
+    }
+
     /// The domain as every interface shows it, with the power-loss simulation's label when
     /// it is on ("page-cache, power-loss simulation (test only)").
     pub fn domain_label(&self) -> String {

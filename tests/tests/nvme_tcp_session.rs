@@ -666,3 +666,38 @@ fn a_keep_alive_timeout_of_zero_is_the_targets_keep_alive() {
         .unwrap());
     assert_eq!(get(&mut admin), 3_600_000, "at most an hour");
 }
+
+/// A reload that puts another file in place of a page-cache namespace's (an operator's restore
+/// of an older copy) leaves the controller up with the new file, but its next Flush of that
+/// namespace answers Write Fault, once: the writes it answered before went to the old file's
+/// page cache, which no sync of the new file covers. A reload that leaves the file alone
+/// changes nothing. (The Flush succeeded on the new file: a write the namespace no longer had
+/// looked durable.)
+#[test]
+fn a_flush_after_a_reload_replaced_the_namespace_file_is_a_write_fault() {
+    let (d, _s, mut t, addr) = start("nvme-replaced");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 0));
+    let mut q = c.io_queue(1).unwrap();
+    let ns1 = d.path().join("ns1");
+    let before = ok(q.read(1, 16, 512, 8).unwrap()).data;
+    std::fs::copy(&ns1, d.path().join("ns1.old")).unwrap();
+    let a = noise(2, 4096);
+    ok(q.write(1, 16, 512, &a, false).unwrap());
+    // Nothing changed: the Flush is the usual one.
+    t.reload();
+    ok(q.flush(1).unwrap());
+    // Another write, then the older copy renamed over the file, and a reload.
+    let b = noise(3, 4096);
+    ok(q.write(1, 16, 512, &b, false).unwrap());
+    std::fs::rename(d.path().join("ns1.old"), &ns1).unwrap();
+    t.reload();
+    let f = q.flush(1).unwrap();
+    assert_eq!(f.code(), sc::WRITE_FAULT, "{f:?}");
+    // The fault was honest: the namespace is the older copy now, without either write.
+    assert_eq!(ok(q.read(1, 16, 512, 8).unwrap()).data, before);
+    // Said once: the writes after it are the new file's.
+    ok(q.write(1, 16, 512, &b, false).unwrap());
+    ok(q.flush(1).unwrap());
+    ok(q.flush(0xffff_ffff).unwrap());
+}

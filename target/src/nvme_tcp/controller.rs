@@ -225,6 +225,10 @@ struct State {
     last_keep_alive: Instant,
     /// Namespaces changed since the Changed Namespace List was last read.
     changed: BTreeSet<u32>,
+    /// Page-cache namespaces whose file a reload replaced (or removed) under this controller:
+    /// writes it answered without FUA may be in the old file's page cache only, which no sync
+    /// of the new file covers. Their next Flush answers Write Fault, once.
+    replaced: BTreeSet<u32>,
     /// Events waiting for an Asynchronous Event Request.
     events: VecDeque<u32>,
     /// Event types reported and not yet cleared by reading their log page.
@@ -305,6 +309,7 @@ impl Controller {
                 kato,
                 last_keep_alive: now,
                 changed: BTreeSet::new(),
+                replaced: BTreeSet::new(),
                 events: VecDeque::new(),
                 masked: BTreeSet::new(),
             }),
@@ -352,14 +357,36 @@ impl Controller {
     /// reported to the host as a namespace attribute notice, if it asked for those.
     pub fn set_namespaces(&self, namespaces: Vec<Arc<OpenNamespace>>, changed: &[u32]) {
         let map = Self::map_of(&self.subsystem, namespaces, &self.counts);
-        *self.namespaces.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(map);
+        let old = std::mem::replace(
+            &mut *self.namespaces.write().unwrap_or_else(|p| p.into_inner()),
+            Arc::new(map.clone()),
+        );
         self.ns_generation.fetch_add(1, Ordering::AcqRel);
         if changed.is_empty() {
             return;
         }
         let mut st = self.state();
+        for (nsid, e) in old.iter() {
+            let same_file = map
+                .get(nsid)
+                .is_some_and(|n| n.ns.file_id().is_some() && n.ns.file_id() == e.ns.file_id());
+            if e.ns.domain() == Domain::PageCache && !same_file {
+                st.replaced.insert(*nsid);
+            }
+        }
         st.changed.extend(changed.iter().copied());
         Self::raise(&mut st, aen::NS_CHANGED, aen::AEC_NS_ATTR);
+    }
+
+    /// Whether a Flush of `nsid` (None: every namespace) must answer Write Fault, because a
+    /// reload replaced a page-cache namespace's file under this controller since its last
+    /// Flush of it (see `State::replaced`). Said once per replacement.
+    pub fn take_replaced(&self, nsid: Option<u32>) -> bool {
+        let mut st = self.state();
+        match nsid {
+            Some(n) => st.replaced.remove(&n),
+            None => !std::mem::take(&mut st.replaced).is_empty(),
+        }
     }
 
     /// Reports a discovery log page change (discovery controllers), if the host asked for it.

@@ -254,14 +254,26 @@ impl Queue {
     }
 
     fn flush(&mut self, sqe: &Sqe, env: &mut Env<'_>) -> Result<Reply, Status> {
-        let entries: Vec<NsEntry> = if sqe.nsid() == NSID_ALL {
+        let all = sqe.nsid() == NSID_ALL;
+        let (ctrl, entries): (_, Vec<NsEntry>) = if all {
             let Phase::Io(q) = &self.phase else {
                 return Err(Status::INVALID_OPCODE);
             };
-            q.ctrl.namespaces().1.values().cloned().collect()
+            let c = Arc::clone(&q.ctrl);
+            let m = c.namespaces().1.values().cloned().collect();
+            (c, m)
         } else {
-            vec![self.io_namespace(sqe.nsid())?.1]
+            let (c, e) = self.io_namespace(sqe.nsid())?;
+            (c, vec![e])
         };
+        // A file a reload put in place of the one this controller wrote into: no sync now can
+        // vouch for the writes answered before (they may be in the old file only).
+        if ctrl.take_replaced((!all).then(|| sqe.nsid())) {
+            for e in &entries {
+                e.counts.durability(false);
+            }
+            return Err(Status::WRITE_FAULT);
+        }
         let mut flushes = Vec::new();
         let mut counted = Vec::new();
         let mut namespaces = Vec::new();
