@@ -65,6 +65,16 @@ pub enum LedgerError {
         /// What is wrong.
         why: String,
     },
+    /// Another process (another rpma-target) holds the state file's lock.
+    #[error(
+        "state file {} is in use by a running daemon (another rpma-target holds its lock): \
+         give each daemon a state_file of its own",
+        path.display()
+    )]
+    InUse {
+        /// The file.
+        path: PathBuf,
+    },
     /// The list does not fit in a slot.
     #[error("state file {}: {len} bytes of failures do not fit in {SLOT}", path.display())]
     TooLarge {
@@ -148,7 +158,9 @@ struct Contents {
 
 #[derive(Debug)]
 struct Inner {
-    file: File,
+    /// Locked (flock) as long as the ledger is open: two daemons writing one state file would
+    /// each write its own list over the other's, and forget the other's failures.
+    file: nix::fcntl::Flock<File>,
     seq: u64,
     /// The slot holding the newest copy.
     slot: usize,
@@ -258,11 +270,11 @@ pub fn peek(path: &Path) -> Result<Option<Vec<Failed>>> {
 
 impl FailureLedger {
     /// Opens the state file at `path`, creating it (and allocating both slots) if missing, and
-    /// reads what it remembers. Fails if the file cannot be written: a daemon that could not
-    /// remember a failure must not start.
+    /// reads what it remembers, holding its lock until dropped. Fails if the file cannot be
+    /// written: a daemon that could not remember a failure must not start.
     ///
     /// # Errors
-    /// [`LedgerError::Io`], [`LedgerError::Damaged`].
+    /// [`LedgerError::Io`], [`LedgerError::Damaged`], [`LedgerError::InUse`].
     pub fn open(path: &Path) -> Result<FailureLedger> {
         let io = |op| {
             move |source| LedgerError::Io {
@@ -271,13 +283,23 @@ impl FailureLedger {
                 source,
             }
         };
-        let mut file = std::fs::OpenOptions::new()
+        let file = std::fs::OpenOptions::new()
             .read(true)
             .write(true)
             .create(true)
             .truncate(false)
             .open(path)
             .map_err(io("open for writing"))?;
+        use nix::fcntl::{Flock, FlockArg};
+        let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
+            Ok(f) => f,
+            Err((_, nix::errno::Errno::EWOULDBLOCK)) => {
+                return Err(LedgerError::InUse {
+                    path: path.to_owned(),
+                })
+            }
+            Err((_, e)) => return Err(io("lock")(std::io::Error::from(e))),
+        };
         let mut buf = Vec::new();
         file.read_to_end(&mut buf).map_err(io("read"))?;
         let best = newest(path, &buf)?;
@@ -451,6 +473,21 @@ mod tests {
         assert_eq!(l.clear(&ns).unwrap(), None);
         drop(l);
         assert!(FailureLedger::open(&state).unwrap().all().is_empty());
+    }
+
+    /// A second opening while the first holds the file (a second daemon on the same state
+    /// file) is refused: each would write its own list over the other's. (Both opened it, and
+    /// one's failure was gone at the next start.)
+    #[test]
+    fn a_state_file_in_use_is_refused_until_let_go() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let first = FailureLedger::open(&state).unwrap();
+        let e = FailureLedger::open(&state).unwrap_err();
+        assert!(matches!(e, LedgerError::InUse { .. }), "{e}");
+        assert!(e.to_string().contains("in use by a running daemon"), "{e}");
+        drop(first);
+        FailureLedger::open(&state).unwrap();
     }
 
     #[test]

@@ -185,13 +185,66 @@ fn second_daemon_on_the_same_socket_is_refused() {
     let cfg = write_config(d.path(), None);
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
+    // A state file of its own, so that the control socket is what stops it.
+    let other = d.path().join("other.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    std::fs::write(&other, format!("state_file = \"other.state\"\n{text}")).unwrap();
     let out = Command::new(target_bin())
         .arg("--config")
-        .arg(&cfg)
+        .arg(&other)
         .output()
         .unwrap();
     assert!(!out.status.success());
-    assert!(String::from_utf8_lossy(&out.stderr).contains("in use by a running daemon"));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("in use by a running daemon"), "{err}");
+    assert!(err.contains("control.sock"), "{err}");
+    stop_cleanly(&mut first, Signal::SIGTERM);
+}
+
+/// A second daemon on the same state file (a copied configuration, with its own control
+/// socket) is refused before it maps anything: the two would each write their list of failed
+/// namespaces over the other's, and one's failures would be forgotten at the next start.
+#[test]
+fn second_daemon_on_the_same_state_file_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), None);
+    let mut first = start(&cfg, d.path(), &[]);
+    first.expect("READY=1");
+    // Its own control socket and listener port: only the state file is shared.
+    let other = d.path().join("other.toml");
+    let text = std::fs::read_to_string(&cfg).unwrap();
+    let port = text.lines().next().unwrap().split('"').nth(1).unwrap();
+    let port = port.rsplit(':').next().unwrap().to_owned();
+    let text = text
+        .replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
+        .replace("run/control.sock", "run/other.sock");
+    std::fs::write(&other, text).unwrap();
+    let mut second = Command::new(target_bin())
+        .arg("--config")
+        .arg(&other)
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let status = loop {
+        if let Some(st) = second.try_wait().unwrap() {
+            break st;
+        }
+        if Instant::now() >= deadline {
+            let _ = second.kill();
+            panic!("a second daemon on the same state file started");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(!status.success());
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut second.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(
+        err.lines()
+            .any(|l| l.contains("error") && l.contains("state file") && l.contains("in use")),
+        "{err}"
+    );
     stop_cleanly(&mut first, Signal::SIGTERM);
 }
 

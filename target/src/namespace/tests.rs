@@ -221,6 +221,7 @@ fn a_failure_is_remembered_across_openings_until_cleared() {
     let r = ledger.get(&ns1.config.path).expect("recorded");
     assert_eq!((r.nsid, r.sync_failure()), (1, f));
     drop(table);
+    drop(ledger);
 
     // A restart: opened failed, nothing durable; the other namespace is healthy.
     let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
