@@ -105,6 +105,18 @@ pub struct Failed {
     pub failure: String,
     /// When it failed, in ms since the Unix epoch.
     pub since_unix_ms: u64,
+    /// The file's device and inode then (None in state files written before they were kept):
+    /// the same file under another path (moved, linked, and the configuration edited) is the
+    /// same failed namespace.
+    #[serde(default)]
+    pub file: Option<(u64, u64)>,
+}
+
+impl Failed {
+    /// Whether this is the failure of the file at `path` (canonical `key`, file `id`).
+    fn is_of(&self, key: &Path, id: Option<(u64, u64)>) -> bool {
+        self.path == key || (self.file.is_some() && self.file == id)
+    }
 }
 
 impl Failed {
@@ -179,6 +191,12 @@ pub struct FailureLedger {
 /// resolved).
 pub fn key_of(path: &Path) -> PathBuf {
     path.canonicalize().unwrap_or_else(|_| path.to_owned())
+}
+
+/// The device and inode of the file at `path` (followed as opening it would), if it names one.
+pub fn file_id_of(path: &Path) -> Option<(u64, u64)> {
+    use std::os::unix::fs::MetadataExt;
+    std::fs::metadata(path).ok().map(|m| (m.dev(), m.ino()))
 }
 
 fn now_ms() -> u64 {
@@ -337,10 +355,15 @@ impl FailureLedger {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// What is remembered about the file at `path`, if it failed.
+    /// What is remembered about the file at `path` (by its path, or as the same file under
+    /// another path), if it failed.
     pub fn get(&self, path: &Path) -> Option<Failed> {
-        let key = key_of(path);
-        self.lock().failed.iter().find(|f| f.path == key).cloned()
+        let (key, id) = (key_of(path), file_id_of(path));
+        self.lock()
+            .failed
+            .iter()
+            .find(|f| f.is_of(&key, id))
+            .cloned()
     }
 
     /// Every failed namespace remembered.
@@ -362,9 +385,9 @@ impl FailureLedger {
         path: &Path,
         failure: &SyncFailure,
     ) -> Result<Failed> {
-        let key = key_of(path);
+        let (key, id) = (key_of(path), file_id_of(path));
         let mut g = self.lock();
-        if let Some(f) = g.failed.iter().find(|f| f.path == key) {
+        if let Some(f) = g.failed.iter().find(|f| f.is_of(&key, id)) {
             return Ok(f.clone());
         }
         let entry = Failed {
@@ -375,6 +398,7 @@ impl FailureLedger {
             errno: failure.errno,
             failure: failure.to_string(),
             since_unix_ms: now_ms(),
+            file: id,
         };
         let mut next = g.failed.clone();
         next.push(entry.clone());
@@ -388,9 +412,9 @@ impl FailureLedger {
     /// # Errors
     /// [`LedgerError::Io`]: nothing is forgotten then.
     pub fn clear(&self, path: &Path) -> Result<Option<Failed>> {
-        let key = key_of(path);
+        let (key, id) = (key_of(path), file_id_of(path));
         let mut g = self.lock();
-        let Some(at) = g.failed.iter().position(|f| f.path == key) else {
+        let Some(at) = g.failed.iter().position(|f| f.is_of(&key, id)) else {
             return Ok(None);
         };
         let mut next = g.failed.clone();
@@ -488,6 +512,33 @@ mod tests {
         assert!(e.to_string().contains("in use by a running daemon"), "{e}");
         drop(first);
         FailureLedger::open(&state).unwrap();
+    }
+
+    /// The same file under another path (moved, and the configuration edited) is the same
+    /// failed namespace, to get and to clear; an entry of a state file written before the
+    /// file's identity was kept still reads, known by its path alone.
+    #[test]
+    fn a_failure_follows_its_file_to_another_path() {
+        let d = tempfile::tempdir().unwrap();
+        let (ns, moved) = (d.path().join("ns1"), d.path().join("moved"));
+        std::fs::write(&ns, b"x").unwrap();
+        let l = FailureLedger::open(&d.path().join("state")).unwrap();
+        let f = l
+            .record("nqn.2026-11.io.rpma:t", 1, &ns, &enospc())
+            .unwrap();
+        assert!(f.file.is_some());
+        std::fs::rename(&ns, &moved).unwrap();
+        assert_eq!(l.get(&moved), Some(f.clone()));
+        // Another file at the old path is still taken for the failed one (as before).
+        std::fs::write(&ns, b"y").unwrap();
+        assert_eq!(l.get(&ns), Some(f.clone()));
+        assert_eq!(l.clear(&moved).unwrap(), Some(f));
+        assert!(l.get(&moved).is_none() && l.get(&ns).is_none());
+        let old = r#"{"path":"/x","subsystem":"s","nsid":1,"op":"msync","errno":5,
+            "failure":"msync failed","since_unix_ms":1}"#;
+        let f: Failed = serde_json::from_str(old).unwrap();
+        assert_eq!(f.file, None);
+        assert!(f.is_of(Path::new("/x"), None) && !f.is_of(Path::new("/y"), Some((1, 2))));
     }
 
     #[test]

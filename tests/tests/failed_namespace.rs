@@ -513,3 +513,58 @@ fn two_flushers_each_hear_of_a_writeback_error() {
         "a sync said durable after the write-back error: {out:?}"
     );
 }
+
+/// A failed namespace's file moved to another path, and the configuration edited to name it
+/// there, is still the failed namespace: after the reload and after a restart (the state file
+/// knows the file by its device and inode too). (It opened healthy under its new path: hosts
+/// read the lost bytes still in its page cache, and a flush answered Durable.)
+#[test]
+fn a_failed_namespace_moved_to_another_path_stays_failed() {
+    let d = rpma_tests::scratch();
+    let fs = match FragileFs::new(d.path()) {
+        Ok(fs) => fs,
+        Err(why) => {
+            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
+            return;
+        }
+    };
+    let m = fs.mnt.display();
+    let t_dir = d.path().join("target");
+    std::fs::create_dir(&t_dir).unwrap();
+    let config = |name: &str| {
+        format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
+             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/{name}\"\nsize = \"8MiB\"\n"
+        )
+    };
+    let mut t = Target::start(&t_dir, &config("ns1"));
+    fs.fill();
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm write --offset 2M --pattern 0x22 --length 1M --durable",
+    );
+    assert_eq!(c, Some(1), "the write-back fails: {all}");
+    fs.free();
+    std::fs::rename(fs.mnt.join("ns1"), fs.mnt.join("moved")).unwrap();
+    t.rewrite(&config("moved"));
+    t.reload();
+    assert!(
+        failed_of(&t, 1).is_string(),
+        "after the reload: {}",
+        ns_status(&t, 1)
+    );
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm flush --offset 2M --length 1M",
+    );
+    assert_eq!(c, Some(1), "a flush after the move: {all}");
+    t.restart();
+    assert!(
+        failed_of(&t, 1).is_string(),
+        "after a restart: {}",
+        ns_status(&t, 1)
+    );
+    drop(t);
+}

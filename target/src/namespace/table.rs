@@ -194,8 +194,13 @@ impl NamespaceTable {
                 .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
             if let Some(ns) = ns {
                 let old = self.map.get(key);
+                // The same file, under its path or another (moved, and the path edited).
                 let carried = old
-                    .filter(|o| o.key == failures::key_of(&ns.path))
+                    .filter(|o| {
+                        o.key == failures::key_of(&ns.path)
+                            || o.file_id()
+                                .is_some_and(|id| failures::file_id_of(&ns.path) == Some(id))
+                    })
                     .and_then(|o| o.failure());
                 if let (Some(o), Some(_)) = (old, carried) {
                     if let Err(e) = o.mapping.drop_page_cache() {
