@@ -300,7 +300,16 @@ impl NamespaceTable {
         // old opening stays.
         if let Some(again) = fresh.failure() {
             if let Some(l) = &self.ledger {
-                let _ = l.record(key.0.as_str(), key.1, &fresh.key, &again);
+                if let Err(e) = l.record(key.0.as_str(), key.1, &fresh.key, &again) {
+                    // In memory it stays failed; the state file says otherwise.
+                    log::error!(
+                        "subsystem {} namespace {} failed again during clear-failure, and \
+                         the state file could not record it ({}): a restart would forget it",
+                        key.0,
+                        key.1,
+                        rpma_common::error_chain(&e)
+                    );
+                }
             }
             return Err(NamespaceError::FailedAgain {
                 subsystem: key.0.clone(),
