@@ -166,6 +166,27 @@ fn a_loss_no_flush_reported_is_reported_to_the_next_connection() {
     assert_eq!(e.term().code(), Some(1), "{}", e.log());
 }
 
+/// A loss its client was told of (a WRITE after it answered EIO, as md sees when a leg's
+/// target goes: it fails the leg) is not reported again to the next connection: md re-adds the
+/// leg over a new connection and resyncs it, and its superblock write's FLUSH must succeed.
+/// (Answered EIO, the re-added leg failed again: kernel_clients
+/// `md_raid1_across_two_targets_survives_one_and_resyncs` in the VM lab.)
+#[test]
+fn a_loss_its_client_was_told_of_is_not_reported_to_the_next_connection() {
+    let (_d, _shm, mut t) = start("told");
+    let mut e = Export::start(&t, 1, "told", &["--reconnect-timeout", "1"]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    t.kill9();
+    assert_eq!(c.write(0, 4096, &[8; 4096]), EIO, "the target is gone");
+    drop(c);
+    t.restart();
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.flush(), 0, "told already, by the WRITE's EIO");
+    drop(c2);
+    assert_eq!(e.term().code(), Some(1), "{}", e.log());
+}
+
 /// Two FLUSHes at once on two connections: the second, which covers the first connection's
 /// write too (`CAN_MULTI_CONN`), is answered only after the first made that write durable,
 /// whose persist waits here in the first connection's stalled link. (The first FLUSH marked
@@ -595,6 +616,7 @@ rpma_tests::rdma_runs!(
     fua_and_flush_answers_mean_durable_across_a_target_sigkill,
     a_flush_after_the_queue_gave_up_answers_eio_once_per_connection,
     a_loss_no_flush_reported_is_reported_to_the_next_connection,
+    a_loss_its_client_was_told_of_is_not_reported_to_the_next_connection,
     every_request_is_answered_while_the_target_stays_gone,
     volatile_flush_and_fua_fail_with_eio_unless_visible_ok,
 );
