@@ -260,6 +260,18 @@ pub fn connect(
                 s.queue_depth = r.queue_depth;
                 s.namespaces = r.namespaces;
                 s.namespaces.sort_by_key(|n| n.nsid);
+                // A namespace described past the end of the address space cannot be
+                // addressed (its offsets would overflow): unavailable, said why, rather than a
+                // request to a wrapped address (or a panic in a debug build).
+                for d in &mut s.namespaces {
+                    if d.unavailable.is_none() && d.remote_addr.checked_add(d.size).is_none() {
+                        d.unavailable = Some(format!(
+                            "the target described it at address {:#x} with {} bytes, past the \
+                             end of the address space",
+                            d.remote_addr, d.size
+                        ));
+                    }
+                }
                 return Ok(s);
             }
             other => return Err(unexpected("ConnectResponse", &other)),

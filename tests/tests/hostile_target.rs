@@ -38,6 +38,8 @@ const HONEST: u8 = 0;
 const FORGED_ANSWER: u8 = 1;
 /// Sends an echo of KeepAlive u64::MAX, never sent.
 const FORGED_ECHO: u8 = 2;
+/// Describes its namespace at an address whose end is past the address space.
+const BAD_ADDRESS: u8 = 4;
 /// The host's FlushRequests unanswered; every 20 ms an answer to FlushRequest 0 (none has that
 /// token: an old request's, as far as the host can tell).
 const STRAY_ANSWERS: u8 = 3;
@@ -208,7 +210,13 @@ fn serve(
                     Message::ConnectResponse(ConnectResponse {
                         controller_id: 1,
                         keep_alive_ms: 60_000,
-                        namespaces: vec![descriptor(mr)],
+                        namespaces: vec![match mode {
+                            BAD_ADDRESS => NamespaceDescriptor {
+                                remote_addr: u64::MAX - 4095,
+                                ..descriptor(mr)
+                            },
+                            _ => descriptor(mr),
+                        }],
                         queue_depth: 8,
                     })
                 }
@@ -419,4 +427,27 @@ fn stray_answers_do_not_extend_a_flush_beyond_its_time_out() {
         .expect("Session::flush did not return within 20 s (its time-out: 300 ms)");
     assert!(matches!(r, Err(Error::Timeout { .. })), "{r:?}");
     drop(waiter.join().unwrap());
+}
+
+/// A namespace described past the end of the address space (an address and a size whose sum
+/// overflows) is unavailable, said why: no request goes to a wrapped address. (A write to it
+/// panicked "attempt to add with overflow" in a debug build.)
+#[test]
+fn a_namespace_described_past_the_end_of_the_address_space_is_unavailable() {
+    let t = FakeTarget::start();
+    t.first.store(BAD_ADDRESS, Ordering::SeqCst);
+    let mut q = queue(&t);
+    match q.namespace(1) {
+        Err(Error::NamespaceUnavailable { nsid: 1, reason }) => {
+            assert!(
+                reason.contains("past the end of the address space"),
+                "{reason}"
+            )
+        }
+        Err(e) => panic!("another error: {e}"),
+        Ok(mut ns) => {
+            let r = ns.write_at(8192, &[1; 4096]);
+            panic!("the namespace was served: {r:?}");
+        }
+    }
 }
