@@ -165,3 +165,76 @@ fn a_burst_of_read_requests_is_answered_by_eights_one_batch_per_pass() {
     imem.read_at(0, &mut b).unwrap();
     assert!(b.iter().all(|&x| x == 0x5A));
 }
+
+#[test]
+fn a_pass_places_at_most_its_byte_budget_of_large_writes() {
+    // A peer that sends Write FPDUs of 64 KiB (the largest ULPDU the target takes) as fast as
+    // its socket allows: one pass of the queue places at most 1 MiB of them (and the one
+    // FPDU that crossed the line), as an honest initiator's 1.4 KiB FPDUs come to within
+    // the FPDU budget, so that the loop's other connections wait for little.
+    const SIZE: usize = 16 << 20;
+    const FPDU: usize = 64000;
+    const COUNT: usize = 200;
+    let ctx = Context::soft();
+    let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = listener.url().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let mr = pd.register(AlignedBuf::new(SIZE).unwrap(), rw()).unwrap();
+    let params = ConnParams {
+        tcp: TcpParams {
+            crc: false,
+            ..TcpParams::default()
+        },
+        ..ConnParams::default()
+    };
+    let u = url.clone();
+    let h = std::thread::spawn(move || raw_peer(&u, CapFlags::ALL, 1));
+    let req = listener.accept(&params).unwrap();
+    let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+    let qp = req.accept(qp, &params, b"").unwrap();
+    let mut s = h.join().unwrap().0;
+    let counters = qp.responder_counters().expect("the tcp transport counts");
+    let placed = || -> u64 {
+        counters
+            .snapshot()
+            .regions
+            .iter()
+            .map(|r| r.write_bytes)
+            .sum()
+    };
+    let (stag, to) = (mr.rkey(), mr.addr());
+    let writer = std::thread::spawn(move || {
+        let body = vec![0x5Au8; FPDU];
+        for i in 0..COUNT {
+            let at = to + ((i * FPDU) % (SIZE - FPDU)) as u64;
+            s.write_all(&fpdu(Header::tagged(Opcode::Write, stag, at, true), &body))
+                .unwrap();
+        }
+        s
+    });
+    let want = (COUNT * FPDU) as u64;
+    let mut per_pass = Vec::new();
+    let mut wcs = [Completion::EMPTY; 16];
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    while placed() < want {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{} of {want} placed",
+            placed()
+        );
+        let before = placed();
+        cq.poll(&mut wcs).unwrap();
+        per_pass.push(placed() - before);
+    }
+    let _s = writer.join().unwrap();
+    let most = per_pass.iter().max().copied().unwrap_or(0);
+    eprintln!(
+        "{} passes, at most {most} bytes placed in one",
+        per_pass.len()
+    );
+    assert!(
+        most <= (1 << 20) + FPDU as u64,
+        "{most} bytes placed in one pass"
+    );
+}

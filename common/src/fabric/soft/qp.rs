@@ -108,6 +108,7 @@ impl SoftQp {
             counting: Counting::new(counters.clone()),
             rtr_pending: false,
             rx_held: false,
+            rx_bytes: 0,
             fpdus_in: 0,
         };
         Arc::new(SoftQp {

@@ -331,6 +331,8 @@ impl Engine {
                         if t.1 > 0 {
                             let sw = Stopwatch::start();
                             let done = p.persist(t.0.offset, t.1);
+                            // Counted against the pass's byte budget (RX_BYTES).
+                            self.rx_bytes += t.1;
                             match p.domain() {
                                 Domain::PageCache => {
                                     self.counting.persisted(PersistKind::Msync, sw)
