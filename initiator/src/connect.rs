@@ -13,7 +13,7 @@ use rpma_common::proto::{
 use sha2::{Digest, Sha256};
 
 use crate::error::{Error, Result};
-use crate::session::Session;
+use crate::session::{target_text, Session};
 use rpma_common::proto::msgbuf::MsgBufs;
 
 /// Receive slots a session keeps posted: the most control messages (flush responses and the
@@ -175,7 +175,7 @@ fn open(url: &str, opts: &ConnectOptions) -> Result<Session> {
 }
 
 fn refused(r: Refusal) -> Error {
-    Error::from_refusal(r.reason, r.message)
+    Error::from_refusal(r.reason, target_text(&r.message))
 }
 
 fn unexpected(expected: &'static str, m: &Message) -> Error {
@@ -260,6 +260,10 @@ pub fn connect(
                 s.queue_depth = r.queue_depth;
                 s.namespaces = r.namespaces;
                 s.namespaces.sort_by_key(|n| n.nsid);
+                for d in &mut s.namespaces {
+                    d.failure = d.failure.as_deref().map(target_text);
+                    d.unavailable = d.unavailable.as_deref().map(target_text);
+                }
                 // A namespace described past the end of the address space cannot be
                 // addressed (its offsets would overflow): unavailable, said why, rather than a
                 // request to a wrapped address (or a panic in a debug build).

@@ -60,6 +60,14 @@ pub struct Session {
     pub(crate) rx: Vec<u8>,
 }
 
+/// Text the target wrote (a refusal's message, a Disconnect's reason, a namespace's failure or
+/// why it is unavailable), as this host shows it: every character that would break a line, move
+/// the cursor or hide text escaped (`\n`, `\u{1b}`), so that it cannot forge a line of the
+/// caller's log or drive its terminal.
+pub(crate) fn target_text(s: &str) -> String {
+    rpma_common::logline::escape(s)
+}
+
 impl std::fmt::Debug for Session {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Session")
@@ -264,6 +272,7 @@ impl Session {
                 Ok(None)
             }
             Message::Disconnect(Disconnect { reason }) => {
+                let reason = target_text(&reason);
                 self.closed = Some(reason.clone());
                 Err(Error::Disconnected { reason })
             }

@@ -40,6 +40,15 @@ const FORGED_ANSWER: u8 = 1;
 const FORGED_ECHO: u8 = 2;
 /// Describes its namespace at an address whose end is past the address space.
 const BAD_ADDRESS: u8 = 4;
+/// Writes text meant to forge a line and drive a terminal ([`HOSTILE_TEXT`]) where a target
+/// writes text: the namespace's reason to be unavailable, and a Disconnect's reason as the
+/// answer to the first FlushRequest.
+const BAD_TEXT: u8 = 5;
+/// Refuses the Connect with [`HOSTILE_TEXT`] as the message.
+const BAD_REFUSAL: u8 = 6;
+
+/// A line break, a forged log line, a terminal escape (red), a right-to-left override.
+const HOSTILE_TEXT: &str = "bye\n[2026-12-06T00:00:00Z ERROR rpma] forged\u{1b}[31m red\u{202e}";
 /// The host's FlushRequests unanswered; every 20 ms an answer to FlushRequest 0 (none has that
 /// token: an old request's, as far as the host can tell).
 const STRAY_ANSWERS: u8 = 3;
@@ -202,6 +211,12 @@ fn serve(
             };
             let _ = qp.post_recv(bufs.recv_wr(slot));
             let answer = match Message::decode(&buf) {
+                Ok(Message::Connect(_)) if f.first.load(Ordering::SeqCst) == BAD_REFUSAL => {
+                    Message::Refusal(rpma_common::proto::Refusal {
+                        reason: rpma_common::proto::RefusalReason::HostNotAllowed,
+                        message: HOSTILE_TEXT.into(),
+                    })
+                }
                 Ok(Message::Connect(_)) => {
                     open = true;
                     if f.admitted.fetch_add(1, Ordering::SeqCst) == 0 {
@@ -215,6 +230,11 @@ fn serve(
                                 remote_addr: u64::MAX - 4095,
                                 ..descriptor(mr)
                             },
+                            BAD_TEXT => NamespaceDescriptor {
+                                nsid: 2,
+                                unavailable: Some(HOSTILE_TEXT.into()),
+                                ..descriptor(mr)
+                            },
                             _ => descriptor(mr),
                         }],
                         queue_depth: 8,
@@ -225,6 +245,11 @@ fn serve(
                     Message::FlushResponse(FlushResponse {
                         token: r.token,
                         status: FlushStatus::Durable,
+                    })
+                }
+                Ok(Message::FlushRequest(_)) if mode == BAD_TEXT => {
+                    Message::Disconnect(rpma_common::proto::Disconnect {
+                        reason: HOSTILE_TEXT.into(),
                     })
                 }
                 Ok(Message::FlushRequest(_)) => continue,
@@ -450,4 +475,47 @@ fn a_namespace_described_past_the_end_of_the_address_space_is_unavailable() {
             panic!("the namespace was served: {r:?}");
         }
     }
+}
+
+/// Text a target writes (a refusal's message, a Disconnect's reason, why a namespace is
+/// unavailable) reaches the caller's errors escaped: no line break, no terminal escape, no
+/// reordering character, so that it can neither forge a line of the caller's log nor drive its
+/// terminal. (It was shown as the target wrote it.)
+#[test]
+fn text_a_target_writes_is_shown_escaped() {
+    let clean = |what: &str, shown: String| {
+        assert!(
+            !shown.contains(['\n', '\u{1b}', '\u{202e}']),
+            "{what}: {shown:?}"
+        );
+        assert!(shown.contains("forged"), "{what}: {shown:?}");
+    };
+    let opts = ConnectOptions {
+        timeout: Duration::from_secs(5),
+        ..ConnectOptions::default()
+    };
+    let (sub, host) = (
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    );
+    let t = FakeTarget::start();
+    t.first.store(BAD_REFUSAL, Ordering::SeqCst);
+    let e = connect(&t.url, &sub, &host, &opts).unwrap_err();
+    assert!(matches!(e, Error::HostNotAllowed { .. }), "{e:?}");
+    clean("the refusal", e.to_string());
+    drop(t);
+
+    let t = FakeTarget::start();
+    t.first.store(BAD_TEXT, Ordering::SeqCst);
+    let mut s = connect(&t.url, &sub, &host, &opts).unwrap();
+    let why = s
+        .namespaces()
+        .iter()
+        .find(|d| d.nsid == 2)
+        .and_then(|d| d.unavailable.clone())
+        .expect("namespace 2 is unavailable");
+    clean("why namespace 2 is unavailable", why);
+    let e = s.flush(2, 0, 4096, Duration::from_secs(5)).unwrap_err();
+    assert!(matches!(e, Error::Disconnected { .. }), "{e:?}");
+    clean("the Disconnect", e.to_string());
 }
