@@ -50,6 +50,14 @@ impl FragileFs {
         Ok(fs)
     }
 
+    /// As [`FragileFs::new`], or None where it cannot be built, with a line saying the test is
+    /// skipped and why.
+    pub fn or_skip(dir: &Path) -> Option<FragileFs> {
+        FragileFs::new(dir)
+            .map_err(|why| eprintln!("SKIPPED: cannot build the failing filesystem here: {why}"))
+            .ok()
+    }
+
     /// Fills the tmpfs under the image: the next write-back to the loop device fails.
     pub fn fill(&self) {
         let _ = std::fs::write(self.tmpfs.join("fill"), vec![0u8; 64 << 20]);

@@ -41,7 +41,7 @@ pub mod target;
 pub mod transport;
 
 pub use bins::{bin, bin_dir, built, free_port, repo_file, tcp_from, write_psk, Shm};
-pub use cachestat::unsynced_pages;
+pub use cachestat::{sees_unsynced_pages, unsynced_pages};
 pub use config::{four_namespaces, without_namespace, Config, Namespace, Subsystem};
 pub use initiator::{
     cli_read_with, cli_with, cli_write_with, conn_args, initiator, run_tool, run_with_deadline,

@@ -77,12 +77,8 @@ fn first_difference(served: &[u8], media: &[u8]) -> String {
 #[test]
 fn a_writeback_error_fails_the_namespace_for_every_host_until_an_operator_clears_it() {
     let d = rpma_tests::scratch();
-    let fs = match FragileFs::new(d.path()) {
-        Ok(fs) => fs,
-        Err(why) => {
-            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
-            return;
-        }
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
     };
     let m = fs.mnt.display();
     let t_dir = d.path().join("target");
@@ -235,12 +231,8 @@ fn a_writeback_error_fails_the_namespace_for_every_host_until_an_operator_clears
 /// FLUSH on nsid 2), space freed, then a reload or a SIGKILL and restart.
 fn stays_failed_and_serves_only_the_media(restart: bool) {
     let d = rpma_tests::scratch();
-    let fs = match FragileFs::new(d.path()) {
-        Ok(fs) => fs,
-        Err(why) => {
-            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
-            return;
-        }
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
     };
     let m = fs.mnt.display();
     let t_dir = d.path().join("target");
@@ -419,13 +411,7 @@ fn a_failed_namespace_stays_failed_across_a_sigkill_and_restart_and_serves_only_
 /// journal would fail every later sync of every file, and prove nothing). None, said why,
 /// where the filesystem cannot be built.
 fn fragile_mapping(dir: &std::path::Path) -> Option<(FragileFs, std::sync::Arc<Mapping>)> {
-    let fs = match FragileFs::new(dir) {
-        Ok(fs) => fs,
-        Err(why) => {
-            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
-            return None;
-        }
-    };
+    let fs = FragileFs::or_skip(dir)?;
     let m = OpenOptions::new(fs.mnt.join("ns"))
         .size(4 << 20)
         .create(true)
@@ -521,12 +507,8 @@ fn two_flushers_each_hear_of_a_writeback_error() {
 #[test]
 fn a_failed_namespace_moved_to_another_path_stays_failed() {
     let d = rpma_tests::scratch();
-    let fs = match FragileFs::new(d.path()) {
-        Ok(fs) => fs,
-        Err(why) => {
-            eprintln!("SKIPPED: cannot build the failing filesystem here: {why}");
-            return;
-        }
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
     };
     let m = fs.mnt.display();
     let t_dir = d.path().join("target");

@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use hostile::{FromTarget, Suite};
 use rpma_common::fabric::soft::wire::mpa::RtrTypes;
-use rpma_common::fabric::soft::wire::{Header, Opcode, TermCause};
+use rpma_common::fabric::soft::wire::TermCause;
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{
@@ -269,8 +269,8 @@ fn floods_of_zero_length_fpdus_cost_nothing_and_change_nothing() {
     // and the rest find no posted receive.
     let mut p = s.peer();
     let mut burst = Vec::new();
-    for msn in 1..=64 {
-        burst.extend(p.fpdu(Header::untagged(Opcode::Send, msn, true), &[]));
+    for _ in 0..64 {
+        burst.extend(p.send_fpdu(&[]));
     }
     p.raw(&burst);
     let mut terminated = false;
@@ -325,9 +325,7 @@ fn a_session_that_never_reads_its_answers_is_closed_with_bounded_memory() {
         for _ in 0..BURST {
             seq += 1;
             let body = Message::KeepAlive(KeepAlive { seq }).encode().unwrap();
-            let h = Header::untagged(Opcode::Send, p.msn, true);
-            p.msn += 1;
-            burst.extend(p.fpdu(h, &body));
+            burst.extend(p.send_fpdu(&body));
         }
         if p.s.write_all(&burst).is_err() {
             break true;
@@ -384,9 +382,7 @@ fn flush_requests_beyond_the_queue_depth_end_the_session() {
         })
         .encode()
         .unwrap();
-        let h = Header::untagged(Opcode::Send, p.msn, true);
-        p.msn += 1;
-        burst.extend(p.fpdu(h, &body));
+        burst.extend(p.send_fpdu(&body));
     }
     p.raw(&burst);
     let (mut answers, mut goodbye) = (Vec::new(), None);

@@ -278,69 +278,6 @@ fn descriptor(mr: &MemoryRegion) -> NamespaceDescriptor {
     }
 }
 
-/// A control message this host cannot decode arrives while a batch of Reads is in flight: the
-/// call gives the connection up as lost (and retires it: the target did not close it),
-/// reconnects and reads again; the next calls read what they asked for. (The call failed with
-/// the decode error and left its Reads behind, in flight or done: the next batch took their
-/// bytes for its own, from the wrong offsets, or panicked on an index out of its range, and a
-/// write that needed a slot spun for ever.)
-#[test]
-fn a_control_message_the_host_cannot_decode_loses_the_connection_and_nothing_else() {
-    let t = FakeTarget::start();
-    let c = Connection::new(
-        &t.url,
-        Nqn::new(SUB).unwrap(),
-        HostIdentity::new(Nqn::new(HOST).unwrap()),
-    )
-    .with_connect_options(ConnectOptions {
-        timeout: Duration::from_secs(5),
-        ..ConnectOptions::default()
-    })
-    .with_queue_options(QueueOptions {
-        depth: 8,
-        chunk: 4096,
-        reconnect: ReconnectPolicy::within(Duration::from_secs(20)),
-        ..QueueOptions::default()
-    });
-    let mut q = c.open_queue(0).unwrap();
-    let want = pattern(77, SIZE);
-    // In the host's socket now, taken in by its next poll: the batch's.
-    t.garbage.store(true, Ordering::SeqCst);
-    let deadline = Instant::now() + Duration::from_secs(20);
-    while !t.sent.load(Ordering::SeqCst) {
-        assert!(Instant::now() < deadline, "the garbage was not sent");
-        std::thread::sleep(Duration::from_millis(1));
-    }
-    let mut ns = q.namespace(1).unwrap();
-    let mut bufs = vec![vec![0u8; 4096]; 6];
-    let at = [0u64, 65536, 131072, 196608, 262144, 327680];
-    {
-        let mut items: Vec<(u64, &mut [u8])> = at
-            .iter()
-            .zip(bufs.iter_mut())
-            .map(|(o, b)| (*o, b.as_mut_slice()))
-            .collect();
-        ns.read_batch(&mut items).unwrap();
-    }
-    for (o, b) in at.iter().zip(&bufs) {
-        assert!(b[..] == want[*o as usize..*o as usize + 4096], "offset {o}");
-    }
-    assert_eq!(t.admitted.load(Ordering::SeqCst), 2, "reconnected once");
-    // The next batches read their own offsets.
-    for round in 0..20u64 {
-        let mut one = vec![0u8; 512];
-        let o = 4096 * (100 + round);
-        ns.read_at(o, &mut one).unwrap();
-        assert!(one[..] == want[o as usize..o as usize + 512], "offset {o}");
-    }
-    // And writes find slots.
-    let data = pattern(5, 16 * 4096);
-    ns.write_at(512 << 10, &data).unwrap();
-    let mut back = vec![0u8; data.len()];
-    ns.read_at(512 << 10, &mut back).unwrap();
-    assert!(back == data);
-}
-
 /// A queue on the fake target (nothing retried for long: the tests wait for one reconnect).
 fn queue(t: &FakeTarget) -> rpma_initiator::Queue {
     Connection::new(
@@ -370,6 +307,59 @@ fn send_garbage(t: &FakeTarget) {
         assert!(Instant::now() < deadline, "the garbage was not sent");
         std::thread::sleep(Duration::from_millis(1));
     }
+}
+
+/// A session with the fake target (its Connect answered, or refused).
+fn session(t: &FakeTarget) -> rpma_initiator::Result<rpma_initiator::Session> {
+    let opts = ConnectOptions {
+        timeout: Duration::from_secs(5),
+        ..ConnectOptions::default()
+    };
+    let host = HostIdentity::new(Nqn::new(HOST).unwrap());
+    connect(&t.url, &Nqn::new(SUB).unwrap(), &host, &opts)
+}
+
+/// A control message this host cannot decode arrives while a batch of Reads is in flight: the
+/// call gives the connection up as lost (and retires it: the target did not close it),
+/// reconnects and reads again; the next calls read what they asked for. (The call failed with
+/// the decode error and left its Reads behind, in flight or done: the next batch took their
+/// bytes for its own, from the wrong offsets, or panicked on an index out of its range, and a
+/// write that needed a slot spun for ever.)
+#[test]
+fn a_control_message_the_host_cannot_decode_loses_the_connection_and_nothing_else() {
+    let t = FakeTarget::start();
+    let mut q = queue(&t);
+    let want = pattern(77, SIZE);
+    // In the host's socket now, taken in by its next poll: the batch's.
+    send_garbage(&t);
+    let mut ns = q.namespace(1).unwrap();
+    let mut bufs = vec![vec![0u8; 4096]; 6];
+    let at = [0u64, 65536, 131072, 196608, 262144, 327680];
+    {
+        let mut items: Vec<(u64, &mut [u8])> = at
+            .iter()
+            .zip(bufs.iter_mut())
+            .map(|(o, b)| (*o, b.as_mut_slice()))
+            .collect();
+        ns.read_batch(&mut items).unwrap();
+    }
+    for (o, b) in at.iter().zip(&bufs) {
+        assert!(b[..] == want[*o as usize..*o as usize + 4096], "offset {o}");
+    }
+    assert_eq!(t.admitted.load(Ordering::SeqCst), 2, "reconnected once");
+    // The next batches read their own offsets.
+    for round in 0..20u64 {
+        let mut one = vec![0u8; 512];
+        let o = 4096 * (100 + round);
+        ns.read_at(o, &mut one).unwrap();
+        assert!(one[..] == want[o as usize..o as usize + 512], "offset {o}");
+    }
+    // And writes find slots.
+    let data = pattern(5, 16 * 4096);
+    ns.write_at(512 << 10, &data).unwrap();
+    let mut back = vec![0u8; data.len()];
+    ns.read_at(512 << 10, &mut back).unwrap();
+    assert!(back == data);
 }
 
 /// An answer to a FlushRequest the host has not sent yet (the tokens are 1, 2, 3...) is a
@@ -424,6 +414,7 @@ fn an_echo_of_a_keep_alive_never_sent_loses_the_connection() {
         "the forged echo was taken as an answer"
     );
 }
+
 /// `Session::flush` waits at most its time-out in all, however many answers to other requests
 /// the target sends meanwhile. (Before, each one started the wait again: a target answering old
 /// tokens every 20 ms kept the call waiting for ever.)
@@ -431,16 +422,7 @@ fn an_echo_of_a_keep_alive_never_sent_loses_the_connection() {
 fn stray_answers_do_not_extend_a_flush_beyond_its_time_out() {
     let t = FakeTarget::start();
     t.first.store(STRAY_ANSWERS, Ordering::SeqCst);
-    let mut s = connect(
-        &t.url,
-        &Nqn::new(SUB).unwrap(),
-        &HostIdentity::new(Nqn::new(HOST).unwrap()),
-        &ConnectOptions {
-            timeout: Duration::from_secs(5),
-            ..ConnectOptions::default()
-        },
-    )
-    .unwrap();
+    let mut s = session(&t).unwrap();
     let (tx, rx) = std::sync::mpsc::channel();
     let waiter = std::thread::spawn(move || {
         let r = s.flush(1, 0, 4096, Duration::from_millis(300));
@@ -490,24 +472,16 @@ fn text_a_target_writes_is_shown_escaped() {
         );
         assert!(shown.contains("forged"), "{what}: {shown:?}");
     };
-    let opts = ConnectOptions {
-        timeout: Duration::from_secs(5),
-        ..ConnectOptions::default()
-    };
-    let (sub, host) = (
-        Nqn::new(SUB).unwrap(),
-        HostIdentity::new(Nqn::new(HOST).unwrap()),
-    );
     let t = FakeTarget::start();
     t.first.store(BAD_REFUSAL, Ordering::SeqCst);
-    let e = connect(&t.url, &sub, &host, &opts).unwrap_err();
+    let e = session(&t).unwrap_err();
     assert!(matches!(e, Error::HostNotAllowed { .. }), "{e:?}");
     clean("the refusal", e.to_string());
     drop(t);
 
     let t = FakeTarget::start();
     t.first.store(BAD_TEXT, Ordering::SeqCst);
-    let mut s = connect(&t.url, &sub, &host, &opts).unwrap();
+    let mut s = session(&t).unwrap();
     let why = s
         .namespaces()
         .iter()

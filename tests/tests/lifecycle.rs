@@ -7,7 +7,8 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use rpma_tests::{
-    free_port, status, status_json, target_bin, Config, Daemon, Namespace, Subsystem, Transport,
+    free_port, run_with_deadline, status, status_json, target_bin, Config, Daemon, Namespace,
+    Subsystem, Transport,
 };
 
 /// The daemon on `config`, notifying `dir/notify.sock`, its stderr the test's.
@@ -179,6 +180,19 @@ fn startup_failure_exits_nonzero_without_ready() {
     assert_eq!(got, None, "no READY=1 when a namespace cannot be mapped");
 }
 
+/// Starts a second daemon beside `first` (running on `cfg`), on a copy of its configuration
+/// that `edit` changed: it must not start. What it wrote on stderr.
+fn second_daemon_refused(cfg: &Path, edit: impl FnOnce(String) -> String) -> String {
+    let other = cfg.with_file_name("other.toml");
+    std::fs::write(&other, edit(std::fs::read_to_string(cfg).unwrap())).unwrap();
+    let out = run_with_deadline(
+        Command::new(target_bin()).arg("--config").arg(&other),
+        Duration::from_secs(20),
+    );
+    assert!(!out.status.success());
+    String::from_utf8_lossy(&out.stderr).into_owned()
+}
+
 #[test]
 fn second_daemon_on_the_same_socket_is_refused() {
     let d = tempfile::tempdir().unwrap();
@@ -186,16 +200,7 @@ fn second_daemon_on_the_same_socket_is_refused() {
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
     // A state file of its own, so that the control socket is what stops it.
-    let other = d.path().join("other.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    std::fs::write(&other, format!("state_file = \"other.state\"\n{text}")).unwrap();
-    let out = Command::new(target_bin())
-        .arg("--config")
-        .arg(&other)
-        .output()
-        .unwrap();
-    assert!(!out.status.success());
-    let err = String::from_utf8_lossy(&out.stderr);
+    let err = second_daemon_refused(&cfg, |text| format!("state_file = \"other.state\"\n{text}"));
     assert!(err.contains("in use by a running daemon"), "{err}");
     assert!(err.contains("control.sock"), "{err}");
     stop_cleanly(&mut first, Signal::SIGTERM);
@@ -211,35 +216,12 @@ fn second_daemon_on_the_same_state_file_is_refused() {
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
     // Its own control socket and listener port: only the state file is shared.
-    let other = d.path().join("other.toml");
-    let text = std::fs::read_to_string(&cfg).unwrap();
-    let port = text.lines().next().unwrap().split('"').nth(1).unwrap();
-    let port = port.rsplit(':').next().unwrap().to_owned();
-    let text = text
-        .replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
-        .replace("run/control.sock", "run/other.sock");
-    std::fs::write(&other, text).unwrap();
-    let mut second = Command::new(target_bin())
-        .arg("--config")
-        .arg(&other)
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let deadline = Instant::now() + Duration::from_secs(20);
-    let status = loop {
-        if let Some(st) = second.try_wait().unwrap() {
-            break st;
-        }
-        if Instant::now() >= deadline {
-            let _ = second.kill();
-            panic!("a second daemon on the same state file started");
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    };
-    assert!(!status.success());
-    let mut err = String::new();
-    std::io::Read::read_to_string(&mut second.stderr.take().unwrap(), &mut err).unwrap();
+    let err = second_daemon_refused(&cfg, |text| {
+        let url = text.lines().next().unwrap().split('"').nth(1).unwrap();
+        let port = url.rsplit(':').next().unwrap().to_owned();
+        text.replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
+            .replace("run/control.sock", "run/other.sock")
+    });
     assert!(
         err.lines()
             .any(|l| l.contains("error") && l.contains("state file") && l.contains("in use")),

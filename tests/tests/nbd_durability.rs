@@ -117,12 +117,27 @@ fn fua_and_flush_answers_mean_durable_across_a_target_sigkill() {
     assert_eq!(e.term().code(), Some(0), "{}", e.log());
 }
 
-#[test]
-fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
-    let (_d, _shm, mut t) = start("lost");
-    let mut e = Export::start(&t, 1, "lost", &["--reconnect-timeout", "1"]);
+/// A target, an export whose queue gives up after 1 s of reconnecting, and a client that
+/// wrote 4 KiB of 7s at offset 0 (answered, not yet durable).
+fn written_through_a_short_budget(
+    tag: &str,
+) -> (
+    tempfile::TempDir,
+    rpma_tests::Shm,
+    rpma_tests::Target,
+    Export,
+    Raw,
+) {
+    let (d, shm, t) = start(tag);
+    let e = Export::start(&t, 1, tag, &["--reconnect-timeout", "1"]);
     let mut c = Raw::connect(&e.sock);
     assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    (d, shm, t, e, c)
+}
+
+#[test]
+fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
+    let (_d, _shm, mut t, mut e, mut c) = written_through_a_short_budget("lost");
     t.kill9();
     // The keep-alive finds the target gone and gives up after 1 s of reconnecting.
     e.log_line("the queue to the target failed");
@@ -149,10 +164,7 @@ fn a_flush_after_the_queue_gave_up_answers_eio_once_per_connection() {
 /// answered before the loss, and never made durable, looked durable.)
 #[test]
 fn a_loss_no_flush_reported_is_reported_to_the_next_connection() {
-    let (_d, _shm, mut t) = start("unreported");
-    let mut e = Export::start(&t, 1, "unreported", &["--reconnect-timeout", "1"]);
-    let mut c = Raw::connect(&e.sock);
-    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    let (_d, _shm, mut t, mut e, c) = written_through_a_short_budget("unreported");
     drop(c);
     t.kill9();
     e.log_line("the queue to the target failed");
@@ -173,10 +185,7 @@ fn a_loss_no_flush_reported_is_reported_to_the_next_connection() {
 /// `md_raid1_across_two_targets_survives_one_and_resyncs` in the VM lab.)
 #[test]
 fn a_loss_its_client_was_told_of_is_not_reported_to_the_next_connection() {
-    let (_d, _shm, mut t) = start("told");
-    let mut e = Export::start(&t, 1, "told", &["--reconnect-timeout", "1"]);
-    let mut c = Raw::connect(&e.sock);
-    assert_eq!(c.write(0, 0, &[7; 4096]), 0);
+    let (_d, _shm, mut t, mut e, mut c) = written_through_a_short_budget("told");
     t.kill9();
     assert_eq!(c.write(0, 4096, &[8; 4096]), EIO, "the target is gone");
     drop(c);

@@ -250,33 +250,25 @@ rpma_tests::rdma_runs!(
     a_reload_that_would_grow_without_grow_changes_nothing,
 );
 
-/// A reload after a file was moved over a namespace's path (a restore, a provisioning tool):
-/// the target maps the file the path names, and what hosts write durably after the reload is
-/// in that file at the next start. (It kept serving the old file, unlinked: the writes and
-/// their "durable" answers went there and were gone after a restart.)
-#[test]
-fn a_reload_after_the_file_was_replaced_serves_the_new_file() {
+/// After a reload that followed the file at ns1's path being replaced by one filled with 0xaa:
+/// the new file is served, and a durable write after the reload is there after a restart.
+fn serves_the_new_file_across_a_restart(t: &mut rpma_tests::Target, what: &str) {
     use rpma_initiator::{Connection, HostIdentity};
-    let d = scratch();
-    let mut t = start(d.path(), "");
     let conn = |t: &rpma_tests::Target| {
         Connection::new(&t.url(), nqn(SUB), HostIdentity::new(nqn(PLAIN)))
             .open_queue(0)
             .unwrap()
     };
-    let restored = d.path().join("ns1.restored");
-    std::fs::write(&restored, vec![0xaa; 2 << 20]).unwrap();
-    std::fs::rename(&restored, d.path().join("ns1")).unwrap();
     t.reload();
-    let mut q = conn(&t);
+    let mut q = conn(t);
     let mut ns = q.namespace(1).unwrap();
     let mut got = vec![0u8; 4096];
     ns.read_at(8192, &mut got).unwrap();
-    assert!(got == [0xaa; 4096], "the restored file is served");
+    assert!(got == [0xaa; 4096], "{what} is served");
     assert!(ns.write_durable(0, &[0x5b; 4096]).unwrap().is_durable());
     q.close().unwrap();
     t.restart();
-    let mut q = conn(&t);
+    let mut q = conn(t);
     let mut ns = q.namespace(1).unwrap();
     ns.read_at(0, &mut got).unwrap();
     assert!(
@@ -285,39 +277,32 @@ fn a_reload_after_the_file_was_replaced_serves_the_new_file() {
     );
 }
 
+/// A reload after a file was moved over a namespace's path (a restore, a provisioning tool):
+/// the target maps the file the path names, and what hosts write durably after the reload is
+/// in that file at the next start. (It kept serving the old file, unlinked: the writes and
+/// their "durable" answers went there and were gone after a restart.)
+#[test]
+fn a_reload_after_the_file_was_replaced_serves_the_new_file() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let restored = d.path().join("ns1.restored");
+    std::fs::write(&restored, vec![0xaa; 2 << 20]).unwrap();
+    std::fs::rename(&restored, d.path().join("ns1")).unwrap();
+    serves_the_new_file_across_a_restart(&mut t, "the restored file");
+}
+
 /// The same through a symlink: the namespace's path is a link, retargeted to another file
 /// (`current -> v2`), and a reload maps the file it names now. (The target compared the file
 /// it had opened with the path it had resolved the link to then, which still named the old
 /// file: it went on serving that one, and a restart served the other.)
 #[test]
 fn a_reload_after_the_namespace_symlink_was_retargeted_serves_the_new_file() {
-    use rpma_initiator::{Connection, HostIdentity};
     let d = scratch();
     std::fs::write(d.path().join("v1.img"), vec![0x11; 2 << 20]).unwrap();
     std::os::unix::fs::symlink("v1.img", d.path().join("ns1")).unwrap();
     let mut t = start(d.path(), "");
-    let conn = |t: &rpma_tests::Target| {
-        Connection::new(&t.url(), nqn(SUB), HostIdentity::new(nqn(PLAIN)))
-            .open_queue(0)
-            .unwrap()
-    };
     std::fs::write(d.path().join("v2.img"), vec![0xaa; 2 << 20]).unwrap();
     std::os::unix::fs::symlink("v2.img", d.path().join("ns1.new")).unwrap();
     std::fs::rename(d.path().join("ns1.new"), d.path().join("ns1")).unwrap();
-    t.reload();
-    let mut q = conn(&t);
-    let mut ns = q.namespace(1).unwrap();
-    let mut got = vec![0u8; 4096];
-    ns.read_at(8192, &mut got).unwrap();
-    assert!(got == [0xaa; 4096], "the file the link names now is served");
-    assert!(ns.write_durable(0, &[0x5b; 4096]).unwrap().is_durable());
-    q.close().unwrap();
-    t.restart();
-    let mut q = conn(&t);
-    let mut ns = q.namespace(1).unwrap();
-    ns.read_at(0, &mut got).unwrap();
-    assert!(
-        got == [0x5b; 4096],
-        "a durable write after the reload is there after a restart"
-    );
+    serves_the_new_file_across_a_restart(&mut t, "the file the link names now");
 }

@@ -119,11 +119,17 @@ impl Peer {
         self.s.write_all(bytes).unwrap();
     }
 
-    /// One Send FPDU carrying `body` (the next MSN), sent.
-    pub fn send(&mut self, body: &[u8]) {
+    /// The bytes of one Send FPDU carrying `body`, with the next MSN (for a burst written at
+    /// once).
+    pub fn send_fpdu(&mut self, body: &[u8]) -> Vec<u8> {
         let h = Header::untagged(Opcode::Send, self.msn, true);
         self.msn += 1;
-        let f = self.fpdu(h, body);
+        self.fpdu(h, body)
+    }
+
+    /// One Send FPDU carrying `body` (the next MSN), sent.
+    pub fn send(&mut self, body: &[u8]) {
+        let f = self.send_fpdu(body);
         self.raw(&f);
     }
 
