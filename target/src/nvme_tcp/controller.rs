@@ -356,10 +356,10 @@ impl Controller {
     /// Swaps in the namespaces of a reload; `changed` (added, removed or replaced nsids) are
     /// reported to the host as a namespace attribute notice, if it asked for those.
     pub fn set_namespaces(&self, namespaces: Vec<Arc<OpenNamespace>>, changed: &[u32]) {
-        let map = Self::map_of(&self.subsystem, namespaces, &self.counts);
+        let map = Arc::new(Self::map_of(&self.subsystem, namespaces, &self.counts));
         let old = std::mem::replace(
             &mut *self.namespaces.write().unwrap_or_else(|p| p.into_inner()),
-            Arc::new(map.clone()),
+            Arc::clone(&map),
         );
         self.ns_generation.fetch_add(1, Ordering::AcqRel);
         if changed.is_empty() {

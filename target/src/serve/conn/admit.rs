@@ -1,0 +1,205 @@
+//! Admission: a connection whose host the handshake let in becomes a session (its namespaces
+//! registered for it, its message slots grown, its ConnectResponse sent) or a discovery
+//! session (moved to the discovery pool); or it is refused.
+
+use std::collections::BTreeMap;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use rpma_common::fabric;
+use rpma_common::proto::auth::Psk;
+use rpma_common::proto::{Connect, ConnectResponse, Message, RefusalReason};
+
+use super::super::budget::Pool;
+use super::super::peer_log::Class;
+use super::super::session::{grant, unavailable, Listed, Session};
+use super::super::{SessionInfo, MIN_KEEP_ALIVE};
+use super::{Conn, Phase, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
+use crate::config::{Config, Transport};
+
+/// Longest keep-alive period a host may ask for (the configuration's own limit).
+const MAX_KEEP_ALIVE: Duration = Duration::from_secs(3600);
+
+fn keep_alive_of(c: &Connect, cfg: &Config, max: Duration) -> Duration {
+    match c.keep_alive_ms {
+        0 => Duration::from_millis(u64::from(cfg.keep_alive_ms)).min(max),
+        ms => Duration::from_millis(u64::from(ms)).clamp(MIN_KEEP_ALIVE, max),
+    }
+}
+
+impl Conn {
+    pub(super) fn admit_discovery(&mut self, cfg: &Config, c: Connect, key: Option<Psk>) {
+        let shared = Arc::clone(&self.shared);
+        if shared.stopping.load(Ordering::SeqCst) {
+            let m = "the target is shutting down".to_owned();
+            return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
+        }
+        // From the unadmitted pool to the discovery pool.
+        let limits = shared.limits(Pool::Discovery);
+        // A source at its cap, or a full pool, makes room by evicting its oldest session.
+        self.ticket = Some(shared.budgets.take(
+            Pool::Discovery,
+            self.peer.ip(),
+            limits,
+            self.owner.clone(),
+        ));
+        let a = &cfg.admission;
+        let max = Duration::from_millis(u64::from(a.discovery_max_keep_alive_ms));
+        let keep_alive = keep_alive_of(&c, cfg, max);
+        let deadline = Instant::now() + Duration::from_millis(u64::from(a.discovery_timeout_ms));
+        self.send(&Message::ConnectResponse(ConnectResponse {
+            controller_id: 0,
+            keep_alive_ms: keep_alive.as_millis() as u32,
+            namespaces: Vec::new(),
+            queue_depth: 0,
+        }));
+        log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
+        shared.events.admitted(true);
+        let info = Arc::new(SessionInfo::new("discovery", 0, &c, self.peer, keep_alive));
+        let listed = shared.register_discovery(Arc::clone(&info));
+        self.phase = Phase::Discovery {
+            host: c.host_nqn,
+            key,
+            keep_alive,
+            deadline,
+            listed: Listed {
+                shared: Arc::clone(&shared),
+                key: listed,
+                info,
+            },
+        };
+    }
+
+    pub(super) fn admit(&mut self, cfg: &Config, c: Connect) {
+        let shared = Arc::clone(&self.shared);
+        if shared.stopping.load(Ordering::SeqCst) {
+            let m = "the target is shutting down".to_owned();
+            return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
+        }
+        let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
+        let table = shared.namespaces();
+        let mut grants = BTreeMap::new();
+        let mut descriptors = Vec::new();
+        for ((_, nsid), ns) in
+            table.range((c.subsystem_nqn.clone(), 0)..=(c.subsystem_nqn.clone(), u32::MAX))
+        {
+            match grant(&self.pd, ns, self.served_by(), self.peer_flush) {
+                Ok((g, d)) => {
+                    grants.insert(*nsid, g);
+                    descriptors.push(d);
+                }
+                // Out of keys or room: the target is full, the host may try again later.
+                Err(e @ fabric::Error::Exhausted { .. }) => {
+                    shared.peer_log.log(
+                        self.peer.ip(),
+                        Class::Session,
+                        log::Level::Error,
+                        format_args!(
+                            "cannot register namespace {nsid} of {} for {}: {e}",
+                            c.subsystem_nqn, self.peer
+                        ),
+                    );
+                    let m = format!("the target cannot register namespace {nsid}: {e}");
+                    return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+                }
+                // This namespace cannot be registered on this transport (no ODP for page
+                // cache, ...): it is listed with the reason and the others are served.
+                Err(e) => {
+                    let why = rpma_common::error_chain(&e);
+                    ns.note_unregistrable(&why);
+                    descriptors.push(unavailable(ns, why));
+                }
+            }
+        }
+        let responder = self.qp.responder_counters();
+        let rkeys: Vec<(u32, u32)> = grants.iter().map(|(n, g)| (*n, g.mr.rkey())).collect();
+        let info = shared.register_session(|controller_id| {
+            SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
+                .with_data(responder, rkeys)
+        });
+        let Some(info) = info else {
+            let m = format!(
+                "the target serves at most {} sessions",
+                cfg.max_connections.min(0xFFFE)
+            );
+            return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+        };
+        // The session's message slots, posted before the host may use them.
+        let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
+        let more_send = SEND_SLOTS.saturating_sub(CONTROL_SEND_SLOTS);
+        if let Err(e) = self.bufs.grow(&self.pd, &self.qp, more_recv, more_send) {
+            shared.unregister_session(info.controller_id);
+            let m = format!("the target cannot allocate the session's buffers: {e}");
+            return self.refuse(RefusalReason::Other(1000), m, Some(&c.host_nqn));
+        }
+        // Admitted: out of the unadmitted pool.
+        self.ticket = None;
+        let resp = Message::ConnectResponse(ConnectResponse {
+            controller_id: info.controller_id,
+            keep_alive_ms: info.keep_alive_ms,
+            namespaces: descriptors,
+            queue_depth: self.queue_depth,
+        });
+        let session = Session {
+            shared: Arc::clone(&shared),
+            info,
+            subsystem: c.subsystem_nqn,
+            host: c.host_nqn,
+            keep_alive,
+            grants,
+        };
+        match resp.encode() {
+            Ok(bytes) => {
+                shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "session ctrl {}: host {} on {} from {} (queue {}, {} namespace(s), \
+                         keep-alive {} ms)",
+                        session.info.controller_id,
+                        session.host,
+                        session.subsystem,
+                        self.peer,
+                        c.queue_id,
+                        session.grants.len(),
+                        session.info.keep_alive_ms
+                    ),
+                );
+                self.phase = Phase::Session(Box::new(session));
+                shared.events.admitted(false);
+                self.send_raw(&bytes);
+            }
+            Err(e) => {
+                let host = session.host.clone();
+                drop(session);
+                self.refuse(RefusalReason::Other(1000), format!("{e}"), Some(&host));
+            }
+        }
+    }
+
+    /// The transport this connection came in on, and (rdma) its listener's operator
+    /// declaration `direct_write_to_pmem`, which decides whether APM is offered. The listener
+    /// is the rdma one on the connection's local port (and address, unless it listens on the
+    /// wildcard); none found declares nothing, which offers GPSPM only.
+    fn served_by(&self) -> (Transport, bool) {
+        let info = self.qp.info();
+        if info.tcp.is_some() {
+            return (Transport::Tcp, false);
+        }
+        let local = info.local_addr;
+        let cfg = self.shared.config();
+        let dwp = cfg
+            .listeners
+            .iter()
+            .filter(|l| l.url.transport == Transport::Rdma && l.url.port == local.port())
+            .find(|l| {
+                l.url.host.parse::<std::net::IpAddr>().map_or(true, |ip| {
+                    ip.is_unspecified() || ip == local.ip().to_canonical()
+                })
+            })
+            .is_some_and(|l| l.direct_write_to_pmem);
+        (Transport::Rdma, dwp)
+    }
+}
