@@ -692,6 +692,17 @@ fn a_flush_after_a_reload_replaced_the_namespace_file_is_a_write_fault() {
     ok(q.write(1, 16, 512, &b, false).unwrap());
     std::fs::rename(d.path().join("ns1.old"), &ns1).unwrap();
     t.reload();
+    // The controller hears of the reload in its own loop's turn: its changed namespace list
+    // names nsid 1 once it has.
+    let deadline = Instant::now() + Duration::from_secs(20);
+    loop {
+        let changed = ok(c.get_log(0x04, 4096, 0)).data;
+        if u32::from_le_bytes(changed[0..4].try_into().unwrap()) == 1 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "the controller never heard of the reload");
+        std::thread::sleep(Duration::from_millis(5));
+    }
     let f = q.flush(1).unwrap();
     assert_eq!(f.code(), sc::WRITE_FAULT, "{f:?}");
     // The fault was honest: the namespace is the older copy now, without either write.
