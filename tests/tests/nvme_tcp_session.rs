@@ -700,7 +700,10 @@ fn a_flush_after_a_reload_replaced_the_namespace_file_is_a_write_fault() {
         if u32::from_le_bytes(changed[0..4].try_into().unwrap()) == 1 {
             break;
         }
-        assert!(Instant::now() < deadline, "the controller never heard of the reload");
+        assert!(
+            Instant::now() < deadline,
+            "the controller never heard of the reload"
+        );
         std::thread::sleep(Duration::from_millis(5));
     }
     let f = q.flush(1).unwrap();
