@@ -408,6 +408,36 @@ fn a_failed_persist_fails_the_response_and_the_queue_pairs_error_keeps_the_errno
     }
 }
 
+/// A Persistent Flush of an empty range writes nothing back, but it is still a durability
+/// answer: on a store that has failed it must not succeed (it did, as no persist was called).
+#[test]
+fn a_persistent_flush_of_nothing_on_a_failed_store_fails() {
+    let r = rig();
+    r.mem.fail.store(true, Ordering::SeqCst);
+    let eio = std::io::Error::from_raw_os_error(libc::EIO);
+    r.mem.record_failure(SyncFailure::new("fdatasync", &eio));
+    r.p.qp
+        .post_send(SendWr::new(
+            1,
+            SendOp::Flush {
+                target: FlushTarget::Range {
+                    remote: r.mr.remote(4096),
+                    len: 0,
+                },
+                kind: FlushType::Persistent,
+            },
+        ))
+        .unwrap();
+    let (_, c) = r.p.until_init(1);
+    assert_ne!(c.status, WcStatus::Success, "{c:?}");
+    r.p.assert_both_error();
+    let failure = r.p.tqp.error();
+    assert!(
+        matches!(failure, Some(QpFailure::PersistFailed { .. })),
+        "{failure:?}"
+    );
+}
+
 /// Real dax: large Writes are placed with stores that write the cache lines back as they go,
 /// which makes them durable once a store fence ran; the Read (APM), Flush or atomic after them
 /// owes that fence, and is answered only after it (`drain`), and not at all when it fails (a

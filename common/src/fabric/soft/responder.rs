@@ -328,9 +328,11 @@ impl Engine {
                 crate::steps::step("Flush: earlier Writes made durable");
                 if fr.placement == FlushPlacement::Persistent {
                     if let Some(p) = t.0.region.persist() {
+                        // Called for an empty range too: it writes nothing back, but a failed
+                        // store refuses it, and its answer would say durable.
+                        let sw = Stopwatch::start();
+                        let done = p.persist(t.0.offset, t.1);
                         if t.1 > 0 {
-                            let sw = Stopwatch::start();
-                            let done = p.persist(t.0.offset, t.1);
                             // Counted against the pass's byte budget (RX_BYTES).
                             self.rx_bytes += t.1;
                             match p.domain() {
@@ -342,11 +344,11 @@ impl Engine {
                                 }
                                 _ => {}
                             }
-                            if let Err(e) = done {
-                                self.counting.flush(stag, false);
-                                let f = fault(TermCause::RDMAP_CATASTROPHIC_STREAM);
-                                return Err(f.with_persist(e));
-                            }
+                        }
+                        if let Err(e) = done {
+                            self.counting.flush(stag, false);
+                            let f = fault(TermCause::RDMAP_CATASTROPHIC_STREAM);
+                            return Err(f.with_persist(e));
                         }
                     }
                 }
