@@ -14,8 +14,10 @@
 //! methods and rights per domain and transport); the table of them, which opens, reloads and
 //! clears them together, is in table.rs, over it.
 
+mod claim;
 mod table;
 
+pub use claim::ClaimError;
 pub use table::{ApplyReport, Cleared, NamespaceTable};
 
 use std::path::PathBuf;
@@ -106,6 +108,19 @@ pub enum NamespaceError {
         /// What went wrong.
         #[source]
         source: LedgerError,
+    },
+    /// The file could not be claimed for this daemon (another process serves it).
+    #[error("subsystem {subsystem} namespace {nsid} ({path}): not served")]
+    Claim {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// Backing store.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: ClaimError,
     },
     /// The flush target could not be prepared.
     #[error("subsystem {subsystem} namespace {nsid}: cannot prepare flushing")]
@@ -240,6 +255,8 @@ pub struct OpenNamespace {
     key: PathBuf,
     /// Where its failure is remembered (None: only in memory, as in unit tests).
     ledger: Option<Arc<FailureLedger>>,
+    /// The claim every opening of its file in this process shares (None for no file).
+    claim: Option<Arc<claim::Claim>>,
 }
 
 impl OpenNamespace {
@@ -256,17 +273,32 @@ impl OpenNamespace {
         Self::open_remembering(subsystem, ns, None, None)
     }
 
-    /// [`OpenNamespace::open`], failed from the start if `failed` says so or `ledger`
-    /// remembers a failure of its file: its page cache is then dropped first (what hosts read
-    /// is what the media holds) and no durability request on it succeeds. With a `ledger`, its
-    /// first failure from now on is recorded there before the failing call returns.
+    /// [`OpenNamespace::open`], failed from the start if `failed` says so, `ledger`
+    /// remembers a failure of its file, or another live opening of the file in this process
+    /// has failed: its page cache is then dropped first (what hosts read is what the media
+    /// holds) and no durability request on it succeeds. With a `ledger`, its first failure
+    /// from now on is recorded there before the failing call returns.
     ///
     /// # Errors
-    /// As [`OpenNamespace::open`].
+    /// As [`OpenNamespace::open`], and [`NamespaceError::Claim`] when another process serves
+    /// the file.
     pub fn open_remembering(
         subsystem: &Nqn,
         ns: &config::Namespace,
         ledger: Option<&Arc<FailureLedger>>,
+        failed: Option<SyncFailure>,
+    ) -> Result<Self> {
+        Self::open_with(subsystem, ns, ledger, ledger, failed)
+    }
+
+    /// [`OpenNamespace::open_remembering`], with the ledger it starts failed from (`from`)
+    /// apart from the one its failures are recorded in (`into`): clearing a failure opens the
+    /// file anew with the first None and the second Some.
+    fn open_with(
+        subsystem: &Nqn,
+        ns: &config::Namespace,
+        from: Option<&Arc<FailureLedger>>,
+        into: Option<&Arc<FailureLedger>>,
         failed: Option<SyncFailure>,
     ) -> Result<Self> {
         let opts = Self::options(ns);
@@ -287,6 +319,13 @@ impl OpenNamespace {
                 },
             }
         })?);
+        let (claim, live_failure) =
+            claim::join(&mapping).map_err(|source| NamespaceError::Claim {
+                subsystem: subsystem.clone(),
+                nsid: ns.nsid,
+                path: ns.path.clone(),
+                source,
+            })?;
         if ns.prefault && matches!(mapping.domain(), Domain::Dax | Domain::DaxForced) {
             // The first Write to each page would otherwise pay a page fault in the poll loop
             // (about half the speed of a first pass over a fresh namespace).
@@ -321,8 +360,12 @@ impl OpenNamespace {
                 source,
             })?;
         let key = failures::key_of(&ns.path);
-        let remembered = ledger.and_then(|l| l.get(&key));
-        let failed = remembered.as_ref().map(Failed::sync_failure).or(failed);
+        let remembered = from.and_then(|l| l.get(&key));
+        let failed = remembered
+            .as_ref()
+            .map(Failed::sync_failure)
+            .or(failed)
+            .or(live_failure);
         let opened = OpenNamespace {
             subsystem: subsystem.clone(),
             config: ns.clone(),
@@ -332,7 +375,8 @@ impl OpenNamespace {
             failure_logged: AtomicBool::new(failed.is_some()),
             unregistrable_logged: AtomicBool::new(false),
             key,
-            ledger: ledger.cloned(),
+            ledger: into.cloned(),
+            claim,
         };
         if let Some(f) = failed {
             opened.reopen_failed(f, remembered);
@@ -342,22 +386,27 @@ impl OpenNamespace {
     }
 
     /// From now on the mapping's first failure is recorded in the ledger (if there is one)
-    /// before the call that met it returns.
+    /// and in every other live opening of its file before the call that met it returns.
     fn remember_failures(&self) {
-        let Some(l) = &self.ledger else { return };
-        let (l, sub, nsid, path) = (
-            Arc::clone(l),
+        let (l, claim, sub, nsid, path) = (
+            self.ledger.clone(),
+            self.claim.clone(),
             self.subsystem.to_string(),
             self.config.nsid,
             self.key.clone(),
         );
         self.mapping.set_failure_hook(Box::new(move |f| {
-            if let Err(e) = l.record(&sub, nsid, &path, f) {
-                log::error!(
-                    "subsystem {sub} namespace {nsid} failed ({f}) and the failure could not be \
-                     remembered: {}; a restart would forget it",
-                    rpma_common::error_chain(&e)
-                );
+            if let Some(l) = &l {
+                if let Err(e) = l.record(&sub, nsid, &path, f) {
+                    log::error!(
+                        "subsystem {sub} namespace {nsid} failed ({f}) and the failure could \
+                         not be remembered: {}; a restart would forget it",
+                        rpma_common::error_chain(&e)
+                    );
+                }
+            }
+            if let Some(c) = &claim {
+                c.spread(f);
             }
         }));
     }

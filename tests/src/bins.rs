@@ -108,9 +108,16 @@ pub fn write_psk(path: &Path, byte: &str) {
 pub struct Shm(String);
 
 impl Shm {
-    /// The path for `tag` (nothing is created: the target makes the file).
+    /// A path of its own for `tag` (nothing is created: the target makes the file). Tests of
+    /// one binary run at once and often share a tag: each gets a file of its own (two targets
+    /// on one file are refused, and would have shared the namespace's bytes).
     pub fn new(tag: &str) -> Shm {
-        Shm(format!("/dev/shm/rpma-test-{}-{tag}", std::process::id()))
+        static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+        let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Shm(format!(
+            "/dev/shm/rpma-test-{}-{n}-{tag}",
+            std::process::id()
+        ))
     }
 
     /// The file's path.

@@ -79,7 +79,7 @@ pub fn scratch() -> tempfile::TempDir {
 }
 
 /// A target in a scratch directory of its own serving `subsystem` with [`four_namespaces`]
-/// (nsid 2 of `ns2_block_size` blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`): the directory,
+/// (nsid 2 of `ns2_block_size` blocks, nsid 3 on `/dev/shm/rpma-test-PID-N-TAG`): the directory,
 /// the /dev/shm file and the target, each removed or killed on drop.
 pub fn four_namespace_target(
     tag: &str,

@@ -9,7 +9,7 @@ const SUB: &str = "nqn.2026-11.io.rpma:cli-data";
 const HOST: &str = "nqn.2026-11.io.rpma:cli-data-host";
 
 /// A target in a scratch dir of its own serving SUB to HOST: [`four_namespaces`], nsid 2 of
-/// 4096-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`.
+/// 4096-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-N-TAG`.
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
     four_namespace_target(tag, Subsystem::new(SUB).host(HOST), 4096)
 }

@@ -18,7 +18,7 @@ const SUB: &str = "nqn.2026-11.io.rpma:data";
 const HOST: &str = "nqn.2026-11.io.rpma:data-host";
 
 /// A target in a scratch dir of its own serving SUB to any host: [`four_namespaces`], nsid 2 of
-/// 512-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-TAG`.
+/// 512-byte blocks, nsid 3 on `/dev/shm/rpma-test-PID-N-TAG`.
 fn start(tag: &str) -> (tempfile::TempDir, Shm, Target) {
     four_namespace_target(tag, Subsystem::new(SUB).any_host(), 512)
 }

@@ -199,8 +199,12 @@ fn second_daemon_on_the_same_socket_is_refused() {
     let cfg = write_config(d.path(), None);
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
-    // A state file of its own, so that the control socket is what stops it.
-    let err = second_daemon_refused(&cfg, |text| format!("state_file = \"other.state\"\n{text}"));
+    // A state file and a namespace file of its own, so that the control socket is what stops
+    // it.
+    let err = second_daemon_refused(&cfg, |text| {
+        let text = text.replace("path = \"ns1\"", "path = \"other-ns1\"");
+        format!("state_file = \"other.state\"\n{text}")
+    });
     assert!(err.contains("in use by a running daemon"), "{err}");
     assert!(err.contains("control.sock"), "{err}");
     stop_cleanly(&mut first, Signal::SIGTERM);
@@ -227,6 +231,34 @@ fn second_daemon_on_the_same_state_file_is_refused() {
             .any(|l| l.contains("error") && l.contains("state file") && l.contains("in use")),
         "{err}"
     );
+    stop_cleanly(&mut first, Signal::SIGTERM);
+}
+
+/// A second daemon on the same namespace file (its own state file, control socket and port:
+/// only the file is shared) is refused: each would miss the write-back failures the other's
+/// syncs took the report of, and call lost data durable.
+#[test]
+fn second_daemon_on_the_same_namespace_file_is_refused() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), None);
+    let mut first = start(&cfg, d.path(), &[]);
+    first.expect("READY=1");
+    let err = second_daemon_refused(&cfg, |text| {
+        let url = text.lines().next().unwrap().split('"').nth(1).unwrap();
+        let port = url.rsplit(':').next().unwrap().to_owned();
+        let text = text
+            .replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
+            .replace("run/control.sock", "run/other.sock");
+        format!("state_file = \"other.state\"\n{text}")
+    });
+    assert!(
+        err.lines().any(|l| l.contains("error")
+            && l.contains("namespace 1")
+            && l.contains("in use by another process")),
+        "{err}"
+    );
+    // The first still serves it.
+    assert!(first.exited().is_none(), "the first daemon still runs");
     stop_cleanly(&mut first, Signal::SIGTERM);
 }
 

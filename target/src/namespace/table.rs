@@ -268,18 +268,18 @@ impl NamespaceTable {
                 rpma_common::error_chain(&e)
             );
         }
-        // Opened without the ledger (it still remembers the failure, and must until the new
-        // opening exists: opened with it, the new opening would start failed), then given it
-        // before any sync of the new opening, so that a failure of that sync is written there
-        // too; kept, old sessions still writing could make the new opening fail before it
-        // listened, and the clear left it failed in memory but healthy in the state file,
-        // which a restart then believed (a helper's review).
-        let fresh = OpenNamespace::open_remembering(&key.0, ns, None, None)?;
-        let fresh = OpenNamespace {
-            ledger: self.ledger.clone(),
-            ..fresh
-        };
-        fresh.remember_failures();
+        // Opened without reading the ledger (it still remembers the failure, and must until
+        // the new opening exists: read, the new opening would start failed) but recording into
+        // it from before any sync of the new opening, so that a failure of that sync is
+        // written there too; without that, old sessions still writing could make the new
+        // opening fail before it listened, and the clear left it failed in memory but healthy
+        // in the state file, which a restart then believed (a helper's review). For the same
+        // reason the file's failed openings no longer make a new one start failed; one that
+        // fails from now on makes the new one fail too (FailedAgain below).
+        if let Some(c) = &old.claim {
+            c.forget_failed();
+        }
+        let fresh = OpenNamespace::open_with(&key.0, ns, None, self.ledger.as_ref(), None)?;
         if let Err(e) = fresh.mapping.drop_page_cache() {
             log::warn!(
                 "subsystem {} namespace {}: {}",

@@ -283,3 +283,66 @@ fn a_failure_the_state_file_missed_is_carried_by_a_reload() {
     table.apply(&diff, &moved).unwrap();
     assert!(table.get(&nqn, 2).unwrap().failure().is_none());
 }
+
+/// A reload reopened the namespace while a session still held the old opening, whose sync then
+/// failed (the kernel reports a write-back error to the descriptions that were open, once): the
+/// new opening fails with it at once, not at the next restart.
+#[test]
+fn a_failure_of_an_opening_a_reload_replaced_reaches_the_new_one() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+    let mut table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+    let held = Arc::clone(table.get(&nqn, 1).unwrap());
+    let mut diff = crate::reload::diff(&cfg, &cfg);
+    diff.namespaces_changed.push((nqn.clone(), 1));
+    table.apply(&diff, &cfg).unwrap();
+    let fresh = Arc::clone(table.get(&nqn, 1).unwrap());
+    assert!(!Arc::ptr_eq(&held, &fresh), "reopened");
+    assert!(fresh.failure().is_none());
+    let f = SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(libc::EIO));
+    held.mapping.record_failure(f);
+    assert_eq!(fresh.failure(), Some(f), "the live opening fails with it");
+    assert!(fresh.mapping.persist(0, 4096).is_err());
+    assert!(ledger.get(&fresh.config.path).is_some());
+    assert!(
+        table.get(&nqn, 2).unwrap().failure().is_none(),
+        "another file"
+    );
+    // Cleared, the file is healthy in the new opening, while the failed one is still held.
+    table.clear_failure(&(nqn.clone(), 1), &cfg).unwrap();
+    let cleared = table.get(&nqn, 1).unwrap();
+    assert!(cleared.failure().is_none());
+    assert!(cleared.mapping.persist(0, 4096).is_ok());
+    drop(held);
+}
+
+/// Two tables on one file, as two daemons would have: the second is refused.
+#[test]
+fn a_file_another_process_serves_is_not_opened() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    // Creates the files, and lets them go.
+    drop(NamespaceTable::open_all(&cfg).unwrap());
+    // Another open file description holding the lock, as another daemon's registry would.
+    let f = std::fs::File::open(&cfg.subsystems[0].namespaces[0].path).unwrap();
+    let fd = std::os::fd::AsRawFd::as_raw_fd(&f);
+    // SAFETY: flock only reads the descriptor, kept open by `f`.
+    let locked = unsafe { libc::flock(fd, libc::LOCK_EX | libc::LOCK_NB) };
+    assert_eq!(locked, 0);
+    let err = NamespaceTable::open_all(&cfg).unwrap_err();
+    assert!(
+        matches!(
+            err,
+            NamespaceError::Claim {
+                nsid: 1,
+                source: ClaimError::InUse,
+                ..
+            }
+        ),
+        "{err:?}"
+    );
+    drop(f);
+    assert!(NamespaceTable::open_all(&cfg).is_ok());
+}
