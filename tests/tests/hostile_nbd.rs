@@ -527,6 +527,62 @@ fn a_newcomer_the_target_has_no_room_for_shares_a_queue_at_once() {
     assert!(a.read(0, 4096).is_ok());
 }
 
+/// The target's sessions the export holds, once `ok` says their count is right.
+fn sessions_until(t: &rpma_tests::Target, what: &str, ok: impl Fn(usize) -> bool) -> usize {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let n = t.status()["sessions"].as_array().unwrap().len();
+        if ok(n) {
+            return n;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "{what}: {n} sessions on the target"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A burst of clients leaves at most two spare queues (target sessions) behind once they are
+/// gone: each counts against the target's connection budget and the host's. (The export kept
+/// every queue it ever opened: after 64 clients at once, 64 sessions for good.) A queue whose
+/// writes wait for a FLUSH stays until one made them durable.
+#[test]
+fn a_burst_of_clients_leaves_at_most_two_spare_sessions_behind() {
+    let (_d, _shm, t) = start("spare");
+    let e = Export::start(&t, 1, "spare", &[]);
+    let mut clients: Vec<Raw> = (0..6).map(|_| Raw::connect(&e.sock)).collect();
+    for (i, c) in clients.iter_mut().enumerate() {
+        // In transmission, each on a queue of its own; the last one's writes wait for a FLUSH.
+        assert!(c.read(0, 4096).is_ok(), "client {i}");
+    }
+    assert_eq!(clients[5].write(0, 8192, &[9; 4096]), 0);
+    sessions_until(&t, "one per client", |n| n == 6);
+    drop(clients);
+    sessions_until(&t, "the spare ones closed", |n| n <= 2);
+    // The one holding a write no FLUSH covered yet is among those left (the others only
+    // read): a FLUSH covers it, on its session.
+    let flushed = || {
+        t.status()["sessions"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|s| s["flushes"].as_u64().unwrap())
+            .sum::<u64>()
+    };
+    assert_eq!(flushed(), 0);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.flush(), 0);
+    assert!(
+        flushed() > 0,
+        "the FLUSH found no queue with writes to make durable"
+    );
+    let got = c.read(8192, 4096).expect("READ");
+    assert!(got.iter().all(|&v| v == 9));
+    assert_eq!(c.write(0, 0, &[4; 4096]), 0);
+    assert_eq!(c.flush(), 0);
+}
+
 /// Out of file descriptors, the export pauses its accepts instead of spinning on the listener
 /// (which stays readable): one warning per log period, and the accepts go on once there are
 /// descriptors again. (It retried at once, at full CPU, a warning each time: thousands of lines a second.)

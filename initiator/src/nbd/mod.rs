@@ -17,7 +17,8 @@
 //! (with the writes it holds) when it leaves, so that a client with several connections
 //! (`NBD_FLAG_CAN_MULTI_CONN`, which is set) has as many queue pairs to the target, served by
 //! as many of its poll loops. Where the target refuses another connection, a client shares an
-//! existing queue. A FLUSH on any connection makes durable every write any connection had
+//! existing queue. Queues no client has are closed beyond two kept for the next clients (each
+//! is a session on the target), once no write of theirs waits for a FLUSH. A FLUSH on any connection makes durable every write any connection had
 //! acknowledged: it persists each queue's own held writes (`persist_own_writes`: the writes
 //! that queue acknowledged and did not make durable yet, rather than the whole namespace or
 //! the span between them, whose write-back can take milliseconds on dax), one queue after the

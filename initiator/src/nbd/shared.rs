@@ -60,6 +60,10 @@ impl Default for ClientLimits {
     }
 }
 
+/// Queues no client has that the export keeps open for the next clients
+/// ([`Shared::close_spare`]).
+pub(crate) const FREE_KEPT: usize = 2;
+
 /// Lines about one source per log period, for problems and for sessions each.
 const LINES_PER_SOURCE: u32 = 5;
 /// Lines about all sources per log period, for problems and for sessions each.
@@ -85,8 +89,9 @@ pub(crate) struct Cell {
     dirty: AtomicBool,
     /// Threads waiting for its lock.
     waiters: AtomicUsize,
-    /// A client has it.
-    taken: AtomicBool,
+    /// The clients that have it (more than one only when a newcomer had to share it), or 1
+    /// while [`Shared::close_spare`] looks at it.
+    users: AtomicUsize,
 }
 
 impl Cell {
@@ -97,7 +102,7 @@ impl Cell {
             qid,
             dirty: AtomicBool::new(false),
             waiters: AtomicUsize::new(0),
-            taken: AtomicBool::new(false),
+            users: AtomicUsize::new(0),
         }
     }
 
@@ -211,8 +216,8 @@ impl Shared {
             .unwrap_or_else(|p| p.into_inner())
             .iter()
             .find(|c| {
-                c.taken
-                    .compare_exchange(false, true, Ordering::SeqCst, Ordering::SeqCst)
+                c.users
+                    .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
             })
             .cloned();
@@ -226,7 +231,7 @@ impl Shared {
         match opened {
             Ok(q) => {
                 let c = Arc::new(Cell::new(qid, Some(q)));
-                c.taken.store(true, Ordering::SeqCst);
+                c.users.store(1, Ordering::SeqCst);
                 cells.push(Arc::clone(&c));
                 self.several.store(true, Ordering::SeqCst);
                 c
@@ -240,6 +245,7 @@ impl Shared {
                     .iter()
                     .min_by_key(|c| c.waiters.load(Ordering::SeqCst))
                     .expect("the export's first queue is never removed");
+                c.users.fetch_add(1, Ordering::SeqCst);
                 Arc::clone(c)
             }
         }
@@ -248,7 +254,58 @@ impl Shared {
     /// Gives a cell back when its client leaves (its held writes stay with it for the next
     /// FLUSH, of any connection).
     pub(crate) fn give_back(&self, cell: &Cell) {
-        cell.taken.store(false, Ordering::SeqCst);
+        cell.users.fetch_sub(1, Ordering::SeqCst);
+    }
+
+    /// Closes the queues no client has beyond [`FREE_KEPT`] (the first queue is kept): each
+    /// holds a session on the target, which counts against its connection budget and the
+    /// host's, and a burst of clients left as many behind for good. A queue whose writes no
+    /// FLUSH made durable yet stays until one did (it holds them for it), and so does one that
+    /// some thread holds (a FLUSH or a placement, at work on it). Returns how many it closed.
+    pub(crate) fn close_spare(&self) -> usize {
+        let mut closing = Vec::new();
+        {
+            let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
+            let mut free = cells
+                .iter()
+                .filter(|c| c.users.load(Ordering::SeqCst) == 0)
+                .count();
+            let mut i = cells.len();
+            while free > FREE_KEPT && i > 1 {
+                i -= 1;
+                let c = &cells[i];
+                // Claimed as a client would, so that no newcomer takes it meanwhile.
+                if c.users
+                    .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
+                    .is_err()
+                {
+                    continue;
+                }
+                let q = match c.queue.try_lock() {
+                    Ok(mut g) if !c.is_dirty() => Some(g.take()),
+                    _ => None,
+                };
+                match q {
+                    Some(q) => {
+                        // Nobody can find it now (its list entry is gone under the list's
+                        // lock, and its order id matches no queue's).
+                        c.order.store(u64::MAX, Ordering::SeqCst);
+                        cells.remove(i);
+                        closing.extend(q);
+                        free -= 1;
+                    }
+                    None => {
+                        c.users.store(0, Ordering::SeqCst);
+                    }
+                }
+            }
+        }
+        let n = closing.len();
+        for q in closing {
+            // Not under the list's lock: a goodbye may take up to the connect time-out.
+            let _ = q.close();
+        }
+        n
     }
 
     /// Locks `cell`'s queue, telling its holder that someone waits.
@@ -424,9 +481,13 @@ impl Shared {
         busy
     }
 
-    /// Runs every idle queue's keep-alive (a queue in use keeps itself alive: never wait
-    /// for it here).
+    /// Closes the spare queues ([`close_spare`](Self::close_spare)), then runs every idle
+    /// queue's keep-alive (a queue in use keeps itself alive: never wait for it here).
     pub(super) fn tick(&self) {
+        let closed = self.close_spare();
+        if closed > 0 {
+            log::debug!("nbd: closed {closed} queue(s) to the target no client had");
+        }
         for cell in self.cells() {
             let Ok(mut g) = cell.queue.try_lock() else {
                 continue;
