@@ -168,6 +168,23 @@ pub(crate) struct Engine {
     /// FPDUs taken from the peer so far (Writes, Read Requests, Sends, responses): what
     /// [`SoftQp::fpdus_received`](super::qp::SoftQp::fpdus_received) reports.
     pub(super) fpdus_in: u64,
+    /// A Persistent Flush of more than [`RX_BYTES`] being made durable, a step per receive
+    /// pass; nothing after it is taken from the peer until it is answered.
+    pub(super) flushing: Option<Flushing>,
+}
+
+/// A large Persistent Flush in progress (see `Engine::flushing`).
+pub(super) struct Flushing {
+    /// The region flushed, kept alive until the answer.
+    pub(super) region: Arc<Region>,
+    /// The next byte to make durable, and the end.
+    pub(super) at: usize,
+    pub(super) end: usize,
+    pub(super) req_id: u32,
+    pub(super) stag: u32,
+    /// The request's header and length, for a Terminate if a step fails.
+    pub(super) hdr: Header,
+    pub(super) ulpdu_len: usize,
 }
 
 /// A Write FPDU in placement (see `Engine::placing`).
@@ -332,6 +349,11 @@ impl Engine {
     fn receive_fpdus(&mut self, conn: &mut Conn) {
         self.rx_held = false;
         self.rx_bytes = 0;
+        if !self.flush_step() {
+            // This pass's step of a large Flush is done: the other queue pairs' turn.
+            self.rx_held = true;
+            return;
+        }
         let answers = self.tx.queued_messages() + ANSWER_BATCH;
         for _ in 0..RX_BUDGET {
             if self.state != QpState::Rts {
@@ -352,6 +374,12 @@ impl Engine {
                         _ => self.on_data(hdr, len, r.written_back),
                     }
                     crate::steps::nth(&crate::steps::FPDU_HANDLED);
+                    // A large Flush started: it goes on in the next passes, and nothing after
+                    // it is taken before its answer.
+                    if self.flushing.is_some() {
+                        self.rx_held = true;
+                        return;
+                    }
                     // A peer's Writes (Read Responses answer this side's own Reads, which
                     // it sized and bounded itself: not counted, their passes stay long).
                     if hdr.opcode == Opcode::Write {

@@ -110,6 +110,7 @@ impl SoftQp {
             rx_held: false,
             rx_bytes: 0,
             fpdus_in: 0,
+            flushing: None,
         };
         Arc::new(SoftQp {
             num,

@@ -110,6 +110,52 @@ impl Engine {
         }
     }
 
+    /// One step ([`RX_BYTES`]) of the large Persistent Flush in progress, if one is: answered
+    /// after its last step, the queue pair terminated if a step fails. Returns whether no Flush
+    /// is in progress any more.
+    pub(super) fn flush_step(&mut self) -> bool {
+        let Some(f) = self.flushing.as_mut() else {
+            return true;
+        };
+        let region = std::sync::Arc::clone(&f.region);
+        let Some(p) = region.persist() else {
+            // Checked when the Flush started; a region's store does not go away.
+            self.flushing = None;
+            return true;
+        };
+        let (at, step) = (f.at, (f.end - f.at).min(RX_BYTES));
+        let sw = Stopwatch::start();
+        let done = p.persist(at, step);
+        self.rx_bytes += step;
+        match p.domain() {
+            Domain::PageCache => self.counting.persisted(PersistKind::Msync, sw),
+            Domain::Dax | Domain::DaxForced => self.counting.persisted(PersistKind::Writeback, sw),
+            _ => {}
+        }
+        let f = self.flushing.as_mut().expect("in progress");
+        if let Err(e) = done {
+            let (hdr, ulpdu_len, stag) = (f.hdr, f.ulpdu_len, f.stag);
+            self.flushing = None;
+            self.counting.flush(stag, false);
+            let fault = Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, hdr, ulpdu_len);
+            self.terminate(fault.with_persist(e));
+            return true;
+        }
+        f.at += step;
+        if f.at < f.end {
+            return false;
+        }
+        let (req_id, stag) = (f.req_id, f.stag);
+        self.flushing = None;
+        let resp = PrivateResponse {
+            req_id,
+            request: Opcode::FlushRequest,
+        };
+        self.respond(Opcode::PrivateResponse, &resp.encode());
+        self.counting.flush(stag, true);
+        true
+    }
+
     /// Makes every Write placed so far durable: called before any response leaves. Returns
     /// whether there was durable work to do (dax or page-cache ranges, or a fence), timed in
     /// the persist histograms.
@@ -326,6 +372,24 @@ impl Engine {
                     return Err(f);
                 }
                 crate::steps::step("Flush: earlier Writes made durable");
+                if fr.placement == FlushPlacement::Persistent
+                    && t.1 > RX_BYTES
+                    && t.0.region.persist().is_some()
+                {
+                    // Made durable a step per receive pass (`flush_step`): in one go, a whole
+                    // large region's write-back held every other queue pair of the loop up
+                    // (about 0.1 s per GiB on dax, an msync's I/O on page-cache).
+                    self.flushing = Some(Flushing {
+                        region: std::sync::Arc::clone(&t.0.region),
+                        at: t.0.offset,
+                        end: t.0.offset + t.1,
+                        req_id: fr.req_id,
+                        stag,
+                        hdr,
+                        ulpdu_len,
+                    });
+                    return Ok(());
+                }
                 if fr.placement == FlushPlacement::Persistent {
                     if let Some(p) = t.0.region.persist() {
                         // Called for an empty range too: it writes nothing back, but a failed
