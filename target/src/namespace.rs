@@ -388,9 +388,10 @@ impl OpenNamespace {
     /// From now on the mapping's first failure is recorded in the ledger (if there is one)
     /// and in every other live opening of its file before the call that met it returns.
     fn remember_failures(&self) {
-        let (l, claim, sub, nsid, path) = (
+        let (l, claim, me, sub, nsid, path) = (
             self.ledger.clone(),
             self.claim.clone(),
+            Arc::downgrade(&self.mapping),
             self.subsystem.to_string(),
             self.config.nsid,
             self.key.clone(),
@@ -406,7 +407,7 @@ impl OpenNamespace {
                 }
             }
             if let Some(c) = &claim {
-                c.spread(f);
+                c.spread(&me, f);
             }
         }));
     }

@@ -35,10 +35,11 @@ static CLAIMS: Mutex<BTreeMap<FileId, Entry>> = Mutex::new(BTreeMap::new());
 
 struct Entry {
     claim: Weak<Claim>,
-    /// Holds the file's flock. Kept here, not in the claim: a claim that is being dropped
-    /// while a new opening joins leaves the lock to the new claim instead of taking it with
-    /// it (the new claim would find its own process holding the lock).
-    _lock: OwnedFd,
+    /// Holds the file's flock (None where the file takes no flock: see [`join`]). Kept here,
+    /// not in the claim: a claim that is being dropped while a new opening joins leaves the
+    /// lock to the new claim instead of taking it with it (the new claim would find its own
+    /// process holding the lock).
+    _lock: Option<OwnedFd>,
 }
 
 /// The live openings of one file.
@@ -76,7 +77,9 @@ pub(super) fn file_id(fd: BorrowedFd<'_>) -> std::io::Result<FileId> {
 
 /// Adds `mapping` to the claim on its file, making the claim (and taking the file's lock) if
 /// no live opening has one. Returns the claim (None for a mapping of no file), and the failure
-/// a live opening of the same file has met, which the new opening must start with.
+/// a live opening of the same file has met, which the new opening must start with. A file that
+/// cannot be locked (no `/proc`, a filesystem without flock) is claimed without the lock, with
+/// a warning: the daemon's own openings still share their failures.
 ///
 /// # Errors
 /// [`ClaimError::InUse`] when another process holds the lock, [`ClaimError::Io`].
@@ -97,13 +100,19 @@ pub(super) fn join(
             // A last claim being dropped left its entry, and the lock is still ours.
             let lock = match reg.contains_key(&id) {
                 true => None,
-                false => {
-                    // An open file description of its own (a dup would share the mapping's,
-                    // and the lock would live as long as that mapping's descriptor).
-                    let own = std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-                        .map_err(ClaimError::Io)?;
-                    Some(lock_exclusive(OwnedFd::from(own))?)
-                }
+                false => Some(match lock_own(fd) {
+                    Ok(lock) => Some(lock),
+                    Err(ClaimError::Io(e)) => {
+                        log::warn!(
+                            "namespace file (device {}, inode {}): not locked against other \
+                             processes ({e}): a second daemon on it would not be refused",
+                            id.0,
+                            id.1
+                        );
+                        None
+                    }
+                    Err(e) => return Err(e),
+                }),
             };
             let claim = Arc::new(Claim {
                 id,
@@ -142,6 +151,14 @@ pub(super) fn join(
     Ok((Some(claim), failed))
 }
 
+/// The file behind `fd` opened again (an open file description of its own: a dup would share
+/// the mapping's, and the lock would live as long as that mapping's descriptor), locked.
+fn lock_own(fd: BorrowedFd<'_>) -> Result<OwnedFd, ClaimError> {
+    let own =
+        std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd())).map_err(ClaimError::Io)?;
+    lock_exclusive(OwnedFd::from(own))
+}
+
 fn lock_exclusive(fd: OwnedFd) -> Result<OwnedFd, ClaimError> {
     // SAFETY: flock only reads the descriptor, which `fd` keeps open for the call.
     let r = unsafe { libc::flock(fd.as_fd().as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
@@ -161,10 +178,19 @@ impl Claim {
         self.openings.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Records `failure` in every live opening of the file (each one's own failure hook then
-    /// runs: the state file, and this again for the others, which have it by then).
-    pub(super) fn spread(&self, failure: &SyncFailure) {
-        let live: Vec<Arc<Mapping>> = self.lock().iter().filter_map(Weak::upgrade).collect();
+    /// Records `failure`, met by the opening `from`, in every live opening of the file (each
+    /// one's own failure hook then runs: the state file, and this again for the others, which
+    /// have it by then). Nothing if `from` is no longer one of them: the operator cleared its
+    /// failure meanwhile ([`forget_failed`](Self::forget_failed)), and the opening that
+    /// replaced it must not fail with the failure that was cleared.
+    pub(super) fn spread(&self, from: &Weak<Mapping>, failure: &SyncFailure) {
+        let live: Vec<Arc<Mapping>> = {
+            let openings = self.lock();
+            if !openings.iter().any(|w| w.ptr_eq(from)) {
+                return;
+            }
+            openings.iter().filter_map(Weak::upgrade).collect()
+        };
         for m in live {
             m.record_failure(*failure);
         }
@@ -260,7 +286,7 @@ mod tests {
         let ca = ca.unwrap();
         // What the namespace's failure hook does: the failing opening records, then spreads.
         assert!(a.record_failure(eio()));
-        ca.spread(&eio());
+        ca.spread(&Arc::downgrade(&a), &eio());
         assert_eq!(b.failure().map(|f| f.errno), Some(libc::EIO));
         // An opening made now starts failed; another file's does not.
         let c = open(&path);
@@ -268,10 +294,14 @@ mod tests {
         assert_eq!(fc.map(|f| f.errno), Some(libc::EIO));
         let (_cd, fd) = join(&open(&dir.path().join("other"))).unwrap();
         assert_eq!(fd, None);
-        // Once the operator cleared it, the failed openings no longer count.
+        // Once the operator cleared it, the failed openings no longer count, and the hook of
+        // one of them that was still spreading the failure reaches no opening made since.
         ca.forget_failed();
-        let (_ce, fe) = join(&open(&path)).unwrap();
+        let e = open(&path);
+        let (_ce, fe) = join(&e).unwrap();
         assert_eq!(fe, None);
+        ca.spread(&Arc::downgrade(&a), &eio());
+        assert_eq!(e.failure(), None);
         drop(cb);
     }
 }
