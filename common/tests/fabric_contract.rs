@@ -447,10 +447,10 @@ fn a_persistent_flush_of_nothing_on_a_failed_store_fails() {
     );
 }
 
-/// A Persistent Flush of a whole large region is made durable a step of at most 1 MiB per
-/// receive pass (each pass lets the loop's other queue pairs in), all of it before its answer,
-/// and a Read after it is served only after it. (In one go, a region of a GiB held the loop
-/// for a tenth of a second on dax.) A step that fails fails the Flush.
+/// On dax, a Persistent Flush of a whole large region is written back a step of at most 1 MiB
+/// per receive pass (each pass lets the loop's other queue pairs in), all of it before its
+/// answer, and nothing after it (a Read) is taken before its last step. (In one go, a region
+/// of a GiB held the loop for a tenth of a second.) A step that fails fails the Flush.
 #[test]
 fn a_large_flush_is_made_durable_in_steps_all_before_its_answer() {
     const BIG: usize = 5 << 20;
@@ -486,6 +486,31 @@ fn a_large_flush_is_made_durable_in_steps_all_before_its_answer() {
             assert_eq!(r.calls().len(), 3, "{:?}", r.calls());
             continue;
         }
+        // Driven pass by pass: while the steps go on, nothing after the Flush (the Read
+        // Request) is taken from the peer.
+        let persists = || {
+            r.calls()
+                .iter()
+                .filter(|c| matches!(c, Call::Persist { .. }))
+                .count()
+        };
+        let taken = || r.p.tqp.messages_received().unwrap();
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        while persists() < 2 {
+            assert!(std::time::Instant::now() < deadline, "{:?}", r.calls());
+            r.p.pump();
+        }
+        let at_first_step = taken();
+        // The sixth step answers the Flush, and its pass goes on to the Read.
+        while persists() < 6 {
+            assert!(std::time::Instant::now() < deadline, "{:?}", r.calls());
+            r.p.pump();
+            assert_eq!(
+                taken(),
+                at_first_step,
+                "an FPDU taken amid the Flush's steps"
+            );
+        }
         let seen = r.complete(2);
         assert_persisted(&r, &[(0, BIG + 4096)], seen);
         let steps: Vec<usize> = r
@@ -499,6 +524,11 @@ fn a_large_flush_is_made_durable_in_steps_all_before_its_answer() {
         assert!(steps.len() >= 6, "{steps:?}");
         assert!(steps.iter().all(|&l| l <= 1 << 20), "{steps:?}");
         r.complete(3);
+        assert_eq!(
+            taken(),
+            at_first_step + 1,
+            "the Read was taken with the Flush"
+        );
     }
 }
 

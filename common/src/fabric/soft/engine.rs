@@ -278,6 +278,8 @@ impl Engine {
         }
         self.state = QpState::Error;
         self.error = Some(why);
+        // A large Flush in progress is not answered (nor its region kept alive) any more.
+        self.flushing = None;
         // The oldest unfinished request gets the error; every later one (also those done but
         // waiting behind it, whose effect at the peer is now uncertain) is flushed.
         let mut head = head_status;

@@ -119,8 +119,11 @@ impl Engine {
         };
         let region = std::sync::Arc::clone(&f.region);
         let Some(p) = region.persist() else {
-            // Checked when the Flush started; a region's store does not go away.
-            self.flushing = None;
+            // Checked when the Flush started (a region's store does not go away): never
+            // answered as if durable.
+            let f = self.flushing.take().expect("in progress");
+            let fault = Fault::at(TermCause::RDMAP_CATASTROPHIC_STREAM, f.hdr, f.ulpdu_len);
+            self.terminate(fault);
             return true;
         };
         let (at, step) = (f.at, (f.end - f.at).min(RX_BYTES));
@@ -374,11 +377,12 @@ impl Engine {
                 crate::steps::step("Flush: earlier Writes made durable");
                 if fr.placement == FlushPlacement::Persistent
                     && t.1 > RX_BYTES
-                    && t.0.region.persist().is_some()
+                    && t.0.region.persist().is_some_and(|p| p.domain().is_dax())
                 {
-                    // Made durable a step per receive pass (`flush_step`): in one go, a whole
+                    // Written back a step per receive pass (`flush_step`): in one go, a whole
                     // large region's write-back held every other queue pair of the loop up
-                    // (about 0.1 s per GiB on dax, an msync's I/O on page-cache).
+                    // (about 0.1 s per GiB). Not on page-cache, where each step's msync would
+                    // be a whole fsync of the file (and a cache flush of its device).
                     self.flushing = Some(Flushing {
                         region: std::sync::Arc::clone(&t.0.region),
                         at: t.0.offset,
