@@ -64,6 +64,9 @@ impl Default for ClientLimits {
 /// ([`Shared::close_spare`]).
 pub(crate) const FREE_KEPT: usize = 2;
 
+/// Spare queues closed per tick at most ([`Shared::close_spare`]).
+const CLOSE_PER_TICK: usize = 4;
+
 /// Lines about one source per log period, for problems and for sessions each.
 const LINES_PER_SOURCE: u32 = 5;
 /// Lines about all sources per log period, for problems and for sessions each.
@@ -271,7 +274,9 @@ impl Shared {
                 .filter(|c| c.users.load(Ordering::SeqCst) == 0)
                 .count();
             let mut i = cells.len();
-            while free > FREE_KEPT && i > 1 {
+            // A few per tick: each goodbye may wait up to the connect time-out, and the
+            // ticker runs the keep-alives of the queues in use too.
+            while free > FREE_KEPT && i > 1 && closing.len() < CLOSE_PER_TICK {
                 i -= 1;
                 let c = &cells[i];
                 // Claimed as a client would, so that no newcomer takes it meanwhile.
