@@ -24,7 +24,14 @@ pub enum Step {
         host_nqn: Option<Nqn>,
     },
     /// The host is admitted to a subsystem: send the ConnectResponse.
-    Admitted(Connect),
+    Admitted {
+        /// The Connect.
+        connect: Connect,
+        /// Whether the host proved its key (else it was admitted by its NQN alone, or as any
+        /// host): a proven host may take the place of an unproven session when the target
+        /// is full.
+        proven: bool,
+    },
     /// A discovery connection: answer DiscoveryRequests with [`crate::subsystem::discovery`].
     Discovery {
         /// The Connect.
@@ -124,7 +131,10 @@ impl TargetHandshake {
                     connect: c,
                     key: None,
                 }],
-                Admission::Accept { .. } => vec![Step::Admitted(c)],
+                Admission::Accept { .. } => vec![Step::Admitted {
+                    connect: c,
+                    proven: false,
+                }],
                 Admission::Authenticate { psk, ctx, .. }
                 | Admission::DiscoveryAuthenticate { psk, ctx } => {
                     match TargetAuth::start(psk.clone(), ctx) {
@@ -150,7 +160,10 @@ impl TargetHandshake {
                                 key: Some(psk),
                             }
                         } else {
-                            Step::Admitted(c)
+                            Step::Admitted {
+                                connect: c,
+                                proven: true,
+                            }
                         };
                         vec![Step::Send(Message::AuthConfirm(confirm)), next]
                     }
@@ -260,7 +273,10 @@ mod tests {
             &c,
             &bytes(Message::Connect(connect("nqn.2026-11.io.rpma:plain", SUB))),
         );
-        assert!(matches!(&steps[..], [Step::Admitted(c)] if c.subsystem_nqn.as_str() == SUB));
+        assert!(matches!(
+            &steps[..],
+            [Step::Admitted { connect: c, proven: false }] if c.subsystem_nqn.as_str() == SUB
+        ));
         assert!(h.is_done());
         // Anything after the handshake is a protocol error, not a second admission.
         let steps = h.on_message(
@@ -340,7 +356,10 @@ mod tests {
     fn keyed_host_authenticates_mutually() {
         let (steps, confirm, host) = run_auth(0x42);
         assert!(
-            matches!(&steps[..], [Step::Send(_), Step::Admitted(_)]),
+            matches!(
+                &steps[..],
+                [Step::Send(_), Step::Admitted { proven: true, .. }]
+            ),
             "{steps:?}"
         );
         host.on_confirm(&confirm.unwrap()).unwrap();

@@ -6,7 +6,7 @@
 use std::process::Command;
 
 use rpma_common::proto::auth::Psk;
-use rpma_common::proto::{Message, RefusalReason, PROTO_VERSION};
+use rpma_common::proto::{FlushStatus, Message, RefusalReason, PROTO_VERSION};
 use rpma_initiator::{connect, identify, Error};
 use rpma_tests::sessions::*;
 use rpma_tests::{host, nqn, opts, scratch, target_bin};
@@ -105,6 +105,52 @@ fn connection_limit_refuses_the_next() {
     let d = scratch();
     let t = start(d.path(), "max_connections = 1");
     let _a = session(&t);
+    let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(
+            e,
+            Err(Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+}
+
+/// A host that proved its key gets in when the target is full of sessions whose hosts proved
+/// nothing (a subsystem open to any host, a host listed without a key): the oldest of those is
+/// closed and told why. A newcomer that proves nothing is still refused. (Peers that proved
+/// nothing, from any address, held every place and locked keyed hosts out.)
+#[test]
+fn a_keyed_host_takes_the_place_of_an_unproven_session_in_a_full_target() {
+    let d = scratch();
+    let t = start(d.path(), "max_connections = 2");
+    let mut oldest = session(&t);
+    let mut open = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    let e = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts());
+    assert!(
+        matches!(
+            e,
+            Err(Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    let keyed = host(KEYED).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
+    let mut k = connect(&t.url(), &nqn(SUB), &keyed, &opts()).expect("the keyed host gets in");
+    let end = oldest.wait_message(WAIT, "the goodbye");
+    assert!(
+        matches!(end, Err(Error::Disconnected { ref reason }) if reason.contains("proved its key")),
+        "{end:?}"
+    );
+    // The keyed session works; the other unproven one is untouched.
+    assert_eq!(k.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(open.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(t.status()["admission"]["sessions"]["evicted"], 1);
+    // Full again (the keyed session and the other): nothing that proves no key gets in.
     let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
     assert!(
         matches!(

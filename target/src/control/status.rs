@@ -63,7 +63,8 @@ pub struct AdmissionStatus {
     pub unadmitted: PoolStatus,
     /// Discovery sessions.
     pub discovery: PoolStatus,
-    /// Admitted I/O sessions (`max_connections`; no per-source cap, nothing evicted).
+    /// Admitted I/O sessions (`max_connections`; no per-source cap; evicted: sessions whose
+    /// host proved no key, closed for a host that proved its key when the target was full).
     pub sessions: PoolStatus,
 }
 

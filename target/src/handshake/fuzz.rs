@@ -71,7 +71,7 @@ pub fn connect_sequence(data: &[u8]) {
         }
         for step in &steps {
             match step {
-                Step::Admitted(c) => {
+                Step::Admitted { connect: c, .. } => {
                     assert_eq!(c.subsystem_nqn.as_str(), SUB, "{c:?} admitted");
                     assert_eq!(c.host_nqn.as_str(), PLAIN, "{c:?} admitted");
                     assert_eq!(Some(c), connect.as_ref());

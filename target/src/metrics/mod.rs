@@ -201,19 +201,23 @@ pub enum EndReason {
     ProtocolError,
     /// The target stopped.
     Shutdown,
+    /// A host that proved its key took its place in the full target (this one proved none).
+    Evicted,
 }
 
 impl EndReason {
-    const ALL: [EndReason; 6] = [
+    const ALL: [EndReason; 7] = [
         EndReason::Host,
         EndReason::KeepAlive,
         EndReason::ConnectionLost,
         EndReason::Reload,
         EndReason::ProtocolError,
         EndReason::Shutdown,
+        EndReason::Evicted,
     ];
 
-    /// "host", "keep_alive", "connection_lost", "reload", "protocol_error", "shutdown".
+    /// "host", "keep_alive", "connection_lost", "reload", "protocol_error", "shutdown",
+    /// "evicted".
     pub fn name(self) -> &'static str {
         match self {
             EndReason::Host => "host",
@@ -222,6 +226,7 @@ impl EndReason {
             EndReason::Reload => "reload",
             EndReason::ProtocolError => "protocol_error",
             EndReason::Shutdown => "shutdown",
+            EndReason::Evicted => "evicted",
         }
     }
 }
@@ -270,7 +275,7 @@ const HANDSHAKE_FAILURES: [&str; 3] = ["timeout", "abandoned", "bad_mpa_request"
 pub struct Events {
     sessions_admitted: AtomicU64,
     discovery_admitted: AtomicU64,
-    ended: [AtomicU64; 6],
+    ended: [AtomicU64; EndReason::ALL.len()],
     refusals: [AtomicU64; 8],
     handshakes: [AtomicU64; 3],
 }
@@ -425,7 +430,8 @@ mod tests {
         assert_eq!((m.sessions_admitted, m.discovery_admitted), (2, 1));
         assert_eq!(m.sessions_ended["keep_alive"], 1);
         assert_eq!(m.sessions_ended["host"], 0);
-        assert_eq!(m.sessions_ended.len(), 6);
+        assert_eq!(m.sessions_ended.len(), 7);
+        assert_eq!(m.sessions_ended["evicted"], 0);
         assert_eq!(m.refusals["auth_failed"], 1);
         assert_eq!(m.refusals["other"], 1);
         assert_eq!(m.refusals["host_not_allowed"], 0);

@@ -325,7 +325,8 @@ impl Queue {
         let entries = ctx.queue_entries();
         let mut made = None;
         let peer = self.peer;
-        let info = ctx.serve.register_session(|id| {
+        // No key is proven on nvme-tcp:// (no in-band authentication).
+        let info = ctx.serve.register_session(false, |id| {
             let ctrl = Arc::new(Controller::new(
                 id,
                 CtrlKind::Io,
@@ -380,8 +381,13 @@ impl Queue {
                 if ctrl.vwc { "reported" } else { "none" }
             ),
         );
-        // Out of the unadmitted pool: it counts against max_connections now.
-        self.ticket = None;
+        // Out of the unadmitted pool: it counts against max_connections now, and a host that
+        // proves its key on another listener may take its place when the target is full.
+        self.ticket = Some(env.ctx.serve.budgets.enlist(
+            Pool::Unproven,
+            self.peer.ip(),
+            env.owner.clone(),
+        ));
         let id = ctrl.cntlid;
         self.phase = Phase::Admin(Box::new(AdminQueue {
             ctrl,

@@ -14,6 +14,12 @@
 //!
 //! Before admission a connection holds only what the control exchange needs (a few receive
 //! slots, see the poll loop), so the pool bounds the memory of unadmitted connections too.
+//!
+//! Admitted sessions whose host proved no key (a subsystem open to any host, a host listed
+//! without a key, every `nvme-tcp://` controller) are listed in a third pool, [`Pool::Unproven`],
+//! which has no limits of its own (`max_connections` bounds every session): when the target is
+//! full, a host that proved its key takes the place of the oldest of them
+//! ([`Budgets::evict_oldest`]), so that peers who proved nothing cannot lock keyed hosts out.
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -34,6 +40,8 @@ pub(crate) enum Pool {
     Unadmitted,
     /// Discovery sessions.
     Discovery,
+    /// Admitted sessions whose host proved no key.
+    Unproven,
 }
 
 impl Pool {
@@ -42,6 +50,7 @@ impl Pool {
         match self {
             Pool::Unadmitted => "unadmitted",
             Pool::Discovery => "discovery",
+            Pool::Unproven => "unproven sessions",
         }
     }
 }
@@ -98,6 +107,7 @@ impl PoolState {
 pub(crate) struct Budgets {
     unadmitted: Mutex<PoolState>,
     discovery: Mutex<PoolState>,
+    unproven: Mutex<PoolState>,
 }
 
 /// A connection's place in a pool, given back on drop.
@@ -140,6 +150,7 @@ impl Budgets {
         let m = match pool {
             Pool::Unadmitted => &self.unadmitted,
             Pool::Discovery => &self.discovery,
+            Pool::Unproven => &self.unproven,
         };
         m.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -175,12 +186,34 @@ impl Budgets {
             };
             st.evict(oldest);
         }
+        self.insert(&mut st, pool, source, Box::new(owner))
+    }
+
+    /// A place in `pool` (one without limits of its own: [`Pool::Unproven`]) for a connection
+    /// from `source` owned by the loop `owner`, evicting nobody.
+    pub(crate) fn enlist(
+        self: &Arc<Self>,
+        pool: Pool,
+        source: IpAddr,
+        owner: impl Owner + 'static,
+    ) -> Ticket {
+        let mut st = self.state(pool);
+        self.insert(&mut st, pool, source.to_canonical(), Box::new(owner))
+    }
+
+    fn insert(
+        self: &Arc<Self>,
+        st: &mut PoolState,
+        pool: Pool,
+        source: IpAddr,
+        owner: Box<dyn Owner>,
+    ) -> Ticket {
         let serial = st.next;
         st.next += 1;
         let held = Arc::new(Held {
             source,
             evicted: AtomicBool::new(false),
-            owner: Box::new(owner),
+            owner,
         });
         st.held.insert(serial, Arc::clone(&held));
         *st.per_source.entry(source).or_insert(0) += 1;
@@ -190,6 +223,17 @@ impl Budgets {
             serial,
             held,
         }
+    }
+
+    /// Takes the place of `pool`'s oldest holder back (its loop closes its connection).
+    /// Returns whether there was one.
+    pub(crate) fn evict_oldest(&self, pool: Pool) -> bool {
+        let mut st = self.state(pool);
+        let Some(&oldest) = st.held.keys().next() else {
+            return false;
+        };
+        st.evict(oldest);
+        true
     }
 
     /// What `pool` holds now.

@@ -320,7 +320,7 @@ impl Conn {
                                 deadline: now + LINGER,
                             };
                         }
-                        Step::Admitted(c) => self.admit(&cfg, c),
+                        Step::Admitted { connect, proven } => self.admit(&cfg, connect, proven),
                         Step::Discovery { connect, key } => {
                             self.admit_discovery(&cfg, connect, key)
                         }
@@ -477,6 +477,29 @@ impl Conn {
             return false;
         }
         if let Some(t) = self.ticket.as_ref().filter(|t| t.evicted()) {
+            if let Phase::Session(s) = &self.phase {
+                // A host that proved its key took its place in the full target.
+                let (ctrl, host) = (s.info.controller_id, s.host.clone());
+                self.ticket = None;
+                self.session_ended(EndReason::Evicted);
+                let max = self.shared.config().max_connections;
+                self.shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "session ctrl {ctrl} (host {host} from {}) closed: a host that proved \
+                         its key took its place (max_connections {max}, and this host proved \
+                         none)",
+                        self.peer
+                    ),
+                );
+                self.goodbye(&format!(
+                    "the target is full (max_connections {max}) and a host that proved its \
+                     key took this session's place"
+                ));
+                return true;
+            }
             log::debug!(
                 "{}: closed: a newer connection took its place in the full {} pool",
                 self.peer,

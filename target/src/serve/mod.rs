@@ -335,7 +335,8 @@ impl Serve for FabricServe {
                 limit: cfg.max_connections,
                 per_source_limit: 0,
                 sources: 0,
-                evicted: 0,
+                // Taken back for hosts that proved their key.
+                evicted: shared.budgets.usage(budget::Pool::Unproven).evicted,
             },
         })
     }

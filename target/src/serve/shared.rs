@@ -168,6 +168,12 @@ impl Shared {
         let (total, per_source) = match pool {
             budget::Pool::Unadmitted => (a.max_unadmitted, a.max_unadmitted_per_source),
             budget::Pool::Discovery => (a.max_discovery, a.max_discovery_per_source),
+            // Bounded by max_connections with every session; nobody is evicted for its own
+            // kind (see register_session).
+            budget::Pool::Unproven => {
+                let m = self.config().max_connections;
+                (m, m)
+            }
         };
         budget::Limits {
             total: total as usize,
@@ -176,14 +182,19 @@ impl Shared {
     }
 
     /// Registers an admitted session under a controller id not in use (1..=0xFFFE): None if
-    /// `max_connections` sessions are admitted already or every id is in use.
+    /// `max_connections` sessions are admitted already or every id is in use. A host that
+    /// proved its key (`proven`) finding the target full takes the place of the oldest session
+    /// whose host proved none (its loop closes it; until then the target holds one session
+    /// over its limit): peers that proved nothing, from any address, cannot lock keyed hosts
+    /// out. Without such a session it is refused too.
     pub(crate) fn register_session(
         &self,
+        proven: bool,
         make: impl FnOnce(u16) -> SessionInfo,
     ) -> Option<Arc<SessionInfo>> {
         let limit = self.config().max_connections as usize;
         let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        if s.len() >= limit {
+        if s.len() >= limit && !(proven && self.budgets.evict_oldest(budget::Pool::Unproven)) {
             return None;
         }
         for _ in 0..0xFFFE {

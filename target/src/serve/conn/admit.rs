@@ -71,7 +71,9 @@ impl Conn {
         };
     }
 
-    pub(super) fn admit(&mut self, cfg: &Config, c: Connect) {
+    /// Admits the host of `c` as a session; `proven`: it proved its key (see
+    /// [`register_session`](super::super::Shared::register_session)).
+    pub(super) fn admit(&mut self, cfg: &Config, c: Connect, proven: bool) {
         let shared = Arc::clone(&self.shared);
         if shared.stopping.load(Ordering::SeqCst) {
             let m = "the target is shutting down".to_owned();
@@ -114,7 +116,7 @@ impl Conn {
         }
         let responder = self.qp.responder_counters();
         let rkeys: Vec<(u32, u32)> = grants.iter().map(|(n, g)| (*n, g.mr.rkey())).collect();
-        let info = shared.register_session(|controller_id| {
+        let info = shared.register_session(proven, |controller_id| {
             SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
                 .with_data(responder, rkeys)
         });
@@ -133,8 +135,13 @@ impl Conn {
             let m = format!("the target cannot allocate the session's buffers: {e}");
             return self.refuse(RefusalReason::Other(1000), m, Some(&c.host_nqn));
         }
-        // Admitted: out of the unadmitted pool.
-        self.ticket = None;
+        // Admitted: out of the unadmitted pool; listed among the sessions a keyed host may take
+        // the place of, if it proved no key.
+        self.ticket = (!proven).then(|| {
+            shared
+                .budgets
+                .enlist(Pool::Unproven, self.peer.ip(), self.owner.clone())
+        });
         let resp = Message::ConnectResponse(ConnectResponse {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
