@@ -280,6 +280,36 @@ fn the_connection_setup_is_checked_before_anything_else() {
     assert!(q.write(1, 0, 512, &[5; 512], false).unwrap().ok());
 }
 
+/// Before its Connect a peer gets one command answered: a Connect that is not accepted for any
+/// reason (here a PRP data pointer, PSDT 0) is answered and the connection closed, so that a
+/// peer that never reads cannot have answer after answer piled up for it (before: every such
+/// Connect was answered, the connection left open).
+#[test]
+fn a_connect_that_is_not_accepted_closes_the_connection_after_its_answer() {
+    let (_d, _t, addr) = start("");
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let d = connect_data([1; 16], 0xffff, SUB, HOST);
+    let mut two = Vec::new();
+    for cid in [1u16, 2] {
+        let mut s = connect_sqe(0, 31, 0).byte(1, 0).u16(2, cid);
+        s.0[32..36].copy_from_slice(&(d.len() as u32).to_le_bytes());
+        s.0[39] = 0x01;
+        two.extend_from_slice(&h.frame(pdu::CMD, 0, &s.0, &d));
+    }
+    h.send_raw(&two);
+    let r = h.recv().expect("the first Connect is answered");
+    assert_eq!(r.kind, pdu::RESP, "{r:?}");
+    let status = r.u16(22) >> 1;
+    assert_eq!(status & 0x7ff, sc::INVALID_FIELD, "{r:?}");
+    match h.recv() {
+        Err(Error::Closed(_)) => {}
+        other => panic!("closed after the first answer, got {other:?}"),
+    }
+    // The daemon keeps serving.
+    let (_c, mut q) = io(&addr, (false, false));
+    assert!(q.write(1, 0, 512, &[5; 512], false).unwrap().ok());
+}
+
 #[test]
 fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
     let (_d, t, addr) =

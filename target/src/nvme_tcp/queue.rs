@@ -14,7 +14,8 @@
 //! Before its Connect a connection holds its place in the unadmitted pool, a receive buffer of
 //! at most one admin command capsule (8 KiB of in-capsule data, [`IN_CAPSULE_DATA`]) and a few
 //! bytes to send; it may send exactly one ICReq and one command, which must be a Connect (anything
-//! else is a sequence error, answered and closed), before [`Queue::deadline`]. An H2CData PDU is
+//! else is a sequence error, answered and closed; a Connect not accepted, whatever the reason,
+//! is answered and closed too), before [`Queue::deadline`]. An H2CData PDU is
 //! checked against the R2T it answers from its header alone, before its data is buffered. After
 //! its Connect a queue buffers at most one PDU ([`MAXH2CDATA`] of data) and stops reading while
 //! more than [`TX_HIGH`] bytes wait to be sent: a host that does not read its completions stops
@@ -485,12 +486,35 @@ impl Queue {
                 self.close(env);
             }
             Pdu::CapsuleCmd { sqe, data, data_ok } => {
-                self.on_command(Sqe::new(*sqe), data, data_ok, env)
+                self.on_command(Sqe::new(*sqe), data, data_ok, env);
+                self.close_unadmitted(env);
             }
             Pdu::H2cData { hdr, data, data_ok } => {
-                self.on_h2c_data(hdr, data, data_ok, header, env)
+                self.on_h2c_data(hdr, data, data_ok, header, env);
+                self.close_unadmitted(env);
             }
         }
+    }
+
+    /// Before its Connect a peer may send one command, the Connect: once that is answered
+    /// without an admission (any error, whatever its cause), the connection closes, so that a
+    /// peer that never reads cannot have command after command answered into its send buffer.
+    fn close_unadmitted(&mut self, env: &mut Env<'_>) {
+        if !matches!(self.phase, Phase::AwaitConnect)
+            || !self.transfers.is_empty()
+            || self.closing.is_some()
+        {
+            return;
+        }
+        log::debug!(
+            "{}: nvme-tcp: its Connect was not accepted: closing",
+            self.peer
+        );
+        env.ctx
+            .serve
+            .events
+            .handshake_failed(HandshakeFailure::Abandoned);
+        self.close(env);
     }
 
     pub(super) fn on_icreq(&mut self, r: pdu::IcReq, env: &mut Env<'_>) {

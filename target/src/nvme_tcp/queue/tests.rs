@@ -476,6 +476,14 @@ fn a_data_digest_error_fails_the_command_not_the_connection() {
     c2[1] |= pdu::flag::DDGSTF;
     c2[4..8].copy_from_slice(&plen.to_le_bytes());
     c2.extend_from_slice(&(d ^ 1).to_le_bytes());
+    let out = h.send(&mut a, &c2);
+    assert_eq!(
+        completions(&out),
+        [(1, 0, status(Status::TRANSIENT_TRANSPORT))]
+    );
+    assert!(a.wants_read(), "the admitted connection goes on");
+    // Before its Connect, a Connect that is not accepted (here: its data failed) is the one
+    // command the peer had: answered, then closed.
     let mut b = h.queue();
     h.send(&mut b, &icreq(2));
     let out = h.send(&mut b, &c2);
@@ -483,7 +491,7 @@ fn a_data_digest_error_fails_the_command_not_the_connection() {
         completions(&out),
         [(1, 0, status(Status::TRANSIENT_TRANSPORT))]
     );
-    assert!(b.wants_read(), "the connection goes on");
+    assert!(!b.wants_read(), "an unadmitted connection closes");
 }
 
 #[test]
