@@ -328,6 +328,16 @@ fn discovery_lists_what_the_host_may_reach() {
     // An offset inside the page, and one past it.
     assert_eq!(ok(d.get_log(0x70, 1024, 1024)).data, all[1024..2048]);
     assert_eq!(d.get_log(0x70, 1024, 1 << 20).code(), sc::INVALID_FIELD);
+    // Past the page's end, zeros, up to 128 KiB; a longer read is refused (16 MiB was answered,
+    // a buffer that size held per discovery connection until the host read it).
+    let big = ok(d.get_log(0x70, 128 << 10, 0)).data;
+    assert_eq!(big[..all.len()], all[..]);
+    assert!(big[all.len()..].iter().all(|&b| b == 0));
+    assert_eq!(d.get_log(0x70, 16 << 20, 0).code(), sc::INVALID_FIELD);
+    assert_eq!(
+        d.get_log(0x70, (128 << 10) + 4, 0).code(),
+        sc::INVALID_FIELD
+    );
     // A discovery controller answers nothing an I/O controller does.
     assert_eq!(d.identify(0, 1).code(), sc::INVALID_FIELD);
     assert_eq!(d.get_log(0x02, 512, 0).code(), 0x109, "Invalid Log Page");

@@ -9,7 +9,9 @@
 //!   critical warning "reliability degraded" while one of its namespaces has failed), firmware
 //!   slot, changed namespace list (read with RAE 0 re-arms its notice); on a discovery
 //!   controller only the discovery log. The length asked for must be what the SGL describes,
-//!   offsets (LPO) are dword aligned and within the page.
+//!   at most 128 KiB (a discovery log larger than that may be read whole: its size rounded up
+//!   to 4 KiB); offsets (LPO) are dword aligned and within the page; bytes past the end of the
+//!   page read as zeros.
 //! - Features: number of queues (granted up to [`MAX_IO_QUEUES`]), keep-alive timer,
 //!   asynchronous event configuration, volatile write cache (only where one is reported).
 //!   Nothing is saveable.
@@ -47,9 +49,18 @@ const AER_LIMIT: Status = Status {
     sc: 0x05,
     dnr: true,
 };
-/// The largest log page transfer of a discovery controller (its MDTS is 0: no limit, but a
-/// host's buffer is bounded here all the same).
-const MAX_DISCOVERY_LOG: u32 = 16 << 20;
+/// The most a discovery controller's Get Log Page may ask for, its log being `log_len` bytes:
+/// the log rounded up to 4 KiB pages, and at least an I/O controller's largest transfer. Its
+/// MDTS is 0 (no limit), so a host may read past the end (zeros), but a read is answered from
+/// a buffer of its size, held until the host takes it: any host may open a discovery
+/// controller, and a length of up to 16 MiB, held for the session's time limit by a peer that
+/// never reads, is not a cost to let it choose. `nvme discover` reads the header, then the
+/// whole log (at most the log's size).
+fn discovery_read_limit(log_len: usize) -> u64 {
+    (log_len as u64)
+        .next_multiple_of(4096)
+        .max(u64::from(super::queue::MAX_TRANSFER))
+}
 /// Bytes of the error information log (one entry).
 const ERROR_LOG_LEN: usize = 64;
 
@@ -196,22 +207,22 @@ impl Queue {
         if len != u64::from(room) {
             return Reply::status(Status::SGL_LENGTH_INVALID);
         }
-        let max = if ctrl.kind == CtrlKind::Io {
-            u64::from(super::queue::MAX_TRANSFER)
-        } else {
-            u64::from(MAX_DISCOVERY_LOG)
-        };
-        if len > max || offset % 4 != 0 {
+        let io_max = u64::from(super::queue::MAX_TRANSFER);
+        if (ctrl.kind == CtrlKind::Io && len > io_max) || offset % 4 != 0 {
             return Reply::status(Status::INVALID_FIELD);
         }
         let log = match (ctrl.kind, page) {
             (CtrlKind::Discovery, lid::DISCOVERY) => {
                 let cfg = env.ctx.serve.config();
                 let entries = discovery::entries(&cfg, &ctrl.host, Some(self.local));
+                let log = discovery::log_page(env.ctx.discovery_generation(), &entries);
+                if len > discovery_read_limit(log.len()) {
+                    return Reply::status(Status::INVALID_FIELD);
+                }
                 if !rae {
                     ctrl.discovery_log_read();
                 }
-                discovery::log_page(env.ctx.discovery_generation(), &entries)
+                log
             }
             (CtrlKind::Io, lid::ERROR) => vec![0; ERROR_LOG_LEN],
             (CtrlKind::Io, lid::SMART) => identify::smart(&health(ctrl)),
