@@ -725,3 +725,91 @@ fn a_flush_after_a_reload_replaced_the_namespace_file_is_a_write_fault() {
     ok(q.flush(1).unwrap());
     ok(q.flush(0xffff_ffff).unwrap());
 }
+
+/// Waits until controller `c` heard of a reload that changed nsid 1 (its changed namespace
+/// list names it; read with RAE 0, which empties it for the next reload).
+fn wait_changed(c: &mut Controller) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    loop {
+        let changed = ok(c.get_log(0x04, 4096, 0)).data;
+        if u32::from_le_bytes(changed[0..4].try_into().unwrap()) == 1 {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the controller never heard of the reload"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// A Write whose data comes by R2T, started before a reload that put another file in place of
+/// its namespace's and finished after it, is a Write Fault: its data landed in the old file,
+/// which the host no longer reads (before: answered success after the Flush that faulted for
+/// the replacement, so the next Flush vouched for a write the namespace did not have). And a
+/// shutdown after a replacement no Flush reported sets Controller Fatal Status (before: a
+/// clean shutdown).
+#[test]
+fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
+    use rpma_tests::nvme::{h2c_header, pdu};
+    let (d, _s, mut t, addr) = start("nvme-replaced-r2t");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 0));
+    let mut q = c.io_queue(1).unwrap();
+    let ns1 = d.path().join("ns1");
+    std::fs::copy(&ns1, d.path().join("ns1.old")).unwrap();
+    // A 16 KiB Write (more than the capsule holds): its R2T comes, its data is held back.
+    let data = noise(5, 16384);
+    let cid = q.cid();
+    let mut s = Sqe::new(0x01, 1).cdw(10, 64).cdw(12, 31).u16(2, cid);
+    s.0[32..36].copy_from_slice(&16384u32.to_le_bytes());
+    s.0[39] = 0x5a;
+    let p = q.frame(pdu::CMD, 0, &s.0, &[]);
+    q.send_raw(&p);
+    let r2t = q.recv().unwrap();
+    assert_eq!((r2t.kind, r2t.u16(8)), (pdu::R2T, cid), "{r2t:?}");
+    let ttag = r2t.u16(10);
+    // The older copy renamed over the file, a reload, heard by the controller; its Flush
+    // faults for the replacement.
+    std::fs::rename(d.path().join("ns1.old"), &ns1).unwrap();
+    t.reload();
+    wait_changed(&mut c);
+    assert_eq!(q.flush(1).unwrap().code(), sc::WRITE_FAULT);
+    // Now the data: it went to the old file, so the Write is not answered success.
+    let mut at = 0;
+    while at < data.len() {
+        let n = (data.len() - at).min(q.maxh2cdata as usize);
+        let last = at + n == data.len();
+        let h = h2c_header(cid, ttag, at as u32, n as u32);
+        let p = q.frame(
+            pdu::H2C_DATA,
+            if last { 4 } else { 0 },
+            &h,
+            &data[at..at + n],
+        );
+        q.send_raw(&p);
+        at += n;
+    }
+    let w = q.complete(cid, &[]).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT, "{w:?}");
+    assert_ne!(ok(q.read(1, 64, 512, 32).unwrap()).data, data);
+    // Writes to the new file go on as usual.
+    ok(q.write(1, 64, 512, &data, false).unwrap());
+    ok(q.flush(1).unwrap());
+    // Another replacement that no Flush reported: the shutdown says the data is not safe.
+    std::fs::copy(&ns1, d.path().join("ns1.old")).unwrap();
+    std::fs::rename(d.path().join("ns1.old"), &ns1).unwrap();
+    t.reload();
+    wait_changed(&mut c);
+    ok(c.property_set(0x14, rpma_tests::nvme::CC_ENABLE | (1 << 14)));
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let csts = loop {
+        let csts = c.property_get(0x1c, false).dw0;
+        if (csts >> 2) & 3 == 2 {
+            break csts;
+        }
+        assert!(Instant::now() < deadline, "CSTS {csts:#x}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_ne!(csts & 2, 0, "CFS with the completed shutdown: {csts:#x}");
+}

@@ -227,7 +227,8 @@ struct State {
     changed: BTreeSet<u32>,
     /// Page-cache namespaces whose file a reload replaced (or removed) under this controller:
     /// writes it answered without FUA may be in the old file's page cache only, which no sync
-    /// of the new file covers. Their next Flush answers Write Fault, once.
+    /// of the new file covers. Their next Flush answers Write Fault, once; a shutdown while
+    /// any is listed sets CFS.
     replaced: BTreeSet<u32>,
     /// Events waiting for an Asynchronous Event Request.
     events: VecDeque<u32>,
@@ -484,14 +485,16 @@ impl Controller {
     }
 
     /// Shutdown processing is complete: everything written before the notification is
-    /// durable when `durable`; otherwise (a flush failed, or a namespace of the controller had
-    /// failed: its writes cannot be made durable) Controller Fatal Status is set with it, so
-    /// that a host does not take the completed shutdown for its data being safe.
+    /// durable when `durable` and no reload replaced a namespace's file since the host last
+    /// heard so from a Flush (`State::replaced`: writes it answered may be in the old file
+    /// only, which the shutdown's syncs do not cover); otherwise (a flush failed, a namespace
+    /// of the controller had failed, or a file was replaced) Controller Fatal Status is set
+    /// with it, so that a host does not take the completed shutdown for its data being safe.
     pub fn shutdown_done(&self, durable: bool) {
         let mut st = self.state();
         if st.csts & csts::SHST_MASK == csts::SHST_OCCURRING {
             st.csts = (st.csts & !csts::SHST_MASK) | csts::SHST_COMPLETE;
-            if !durable {
+            if !durable || !st.replaced.is_empty() {
                 st.csts |= csts::CFS;
             }
         }

@@ -178,6 +178,29 @@ impl Queue {
         })
     }
 
+    /// Checks, once a Write's data fetched by R2T is all in, that `ns` (where its data landed,
+    /// PDU by PDU) is still namespace `nsid` of this controller and has not failed meanwhile: a
+    /// reload may have put another file in its place while the data came (the bytes are then
+    /// in a file the host no longer reads, and the Flush that faulted for the replacement may
+    /// have come and gone: answered success, the write would look durable and be lost).
+    pub(crate) fn still_the_namespace(
+        &mut self,
+        nsid: u32,
+        ns: &Arc<OpenNamespace>,
+    ) -> Result<(), Status> {
+        let now = self
+            .io_namespace(nsid)
+            .map_err(|_| Status::WRITE_FAULT)?
+            .1
+            .ns;
+        let same =
+            Arc::ptr_eq(&now, ns) || (ns.file_id().is_some() && now.file_id() == ns.file_id());
+        if !same || ns.note_failure() || now.note_failure() {
+            return Err(Status::WRITE_FAULT);
+        }
+        Ok(())
+    }
+
     fn write_in_capsule(
         &mut self,
         sqe: &Sqe,

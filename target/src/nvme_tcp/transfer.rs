@@ -197,6 +197,12 @@ impl Queue {
                 offset,
                 fua,
             } => {
+                if let Err(st) = self.still_the_namespace(t.sqe.nsid(), &ns) {
+                    if fua {
+                        counts.durability(false);
+                    }
+                    return self.complete(cid, 0, st);
+                }
                 counts.wrote(u64::from(t.len));
                 let r = self.after_write(cid, ns, counts, offset, u64::from(t.len), fua, env);
                 self.reply(cid, r, env);
