@@ -813,3 +813,82 @@ fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
     };
     assert_ne!(csts & 2, 0, "CFS with the completed shutdown: {csts:#x}");
 }
+
+/// The zeroing commands have limits, reported in the NVM command set's Identify Controller so
+/// that a host splits its requests (the Linux host takes DMRSL as its discard size and WZSL as
+/// its Write Zeroes size), and larger ones are refused: a Write Zeroes of at most 1 MiB, a
+/// deallocation of at most 2048 blocks in all. (Before: nothing reported, and a Dataset
+/// Management of 256 ranges each the whole namespace was zeroed in one go, holding up every
+/// host of the poll loop.)
+#[test]
+fn write_zeroes_and_deallocation_are_bounded_and_say_so() {
+    let (_d, _s, _t, addr) = start("nvme-zero-limits");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 0));
+    let id = ok(c.identify(0x06, 0)).data;
+    assert_eq!(id[1], 8, "WZSL: 2^8 pages of 4 KiB");
+    assert_eq!(id[3], 0, "DMRL: no limit but the command's 256 ranges");
+    assert_eq!(
+        u32::from_le_bytes(id[4..8].try_into().unwrap()),
+        2048,
+        "DMRSL"
+    );
+    assert_eq!(
+        u64::from_le_bytes(id[8..16].try_into().unwrap()),
+        2048,
+        "DMSL"
+    );
+    let mut q = c.io_queue(1).unwrap();
+    let a = noise(9, 4096);
+    ok(q.write(1, 0, 512, &a, false).unwrap());
+    // Write Zeroes: 1 MiB (2048 blocks of 512) is taken, one block more is refused.
+    let wz = |blocks: u32| Sqe::new(0x08, 1).cdw(10, 2048).cdw(12, blocks - 1);
+    ok(q.command(wz(2048), &[], 0).unwrap());
+    assert_eq!(
+        q.command(wz(2049), &[], 0).unwrap().code(),
+        sc::INVALID_FIELD
+    );
+    // Deallocation: a range past DMRSL, or ranges past DMSL in all, are refused, and nothing
+    // of them is zeroed.
+    let ranges = |list: &[(u32, u64)]| -> (Sqe, Vec<u8>) {
+        let mut d = Vec::new();
+        for &(blocks, slba) in list {
+            let mut r = vec![0u8; 16];
+            r[4..8].copy_from_slice(&blocks.to_le_bytes());
+            r[8..16].copy_from_slice(&slba.to_le_bytes());
+            d.extend_from_slice(&r);
+        }
+        let n = list.len() as u32 - 1;
+        (Sqe::new(0x09, 1).cdw(10, n).cdw(11, 1 << 2), d)
+    };
+    let (s, d) = ranges(&[(2049, 0)]);
+    assert_eq!(q.command(s, &d, 0).unwrap().code(), sc::INVALID_FIELD);
+    let (s, d) = ranges(&[(2048, 4096), (8, 0)]);
+    assert_eq!(q.command(s, &d, 0).unwrap().code(), sc::INVALID_FIELD);
+    let full = vec![(16384u32, 0u64); 256];
+    let (s, d) = ranges(&full);
+    assert_eq!(q.command(s, &d, 0).unwrap().code(), sc::INVALID_FIELD);
+    assert_eq!(ok(q.read(1, 0, 512, 8).unwrap()).data, a, "nothing zeroed");
+    // Within the limits: zeroed.
+    let (s, d) = ranges(&[(2040, 4096), (8, 0)]);
+    ok(q.command(s, &d, 0).unwrap());
+    assert_eq!(ok(q.read(1, 0, 512, 8).unwrap()).data, vec![0; 4096]);
+    // A burst of 24 permitted deallocations of 1 MiB sent at once: more than a turn's zeroing
+    // budget (8 MiB), so the loop takes them over several turns; every one is answered.
+    let (s, d) = ranges(&[(2048, 0)]);
+    let mut burst = Vec::new();
+    let cids: Vec<u16> = (0..24).map(|_| q.cid()).collect();
+    for &cid in &cids {
+        let mut s = s.u16(2, cid);
+        s.0[32..36].copy_from_slice(&16u32.to_le_bytes());
+        s.0[39] = 0x01;
+        burst.extend_from_slice(&q.frame(rpma_tests::nvme::pdu::CMD, 0, &s.0, &d));
+    }
+    q.stream()
+        .set_read_timeout(Some(Duration::from_secs(30)))
+        .unwrap();
+    q.send_raw(&burst);
+    for &cid in &cids {
+        ok(q.complete(cid, &[]).unwrap());
+    }
+}

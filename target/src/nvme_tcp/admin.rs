@@ -3,8 +3,9 @@
 //! command by the queue it came on.
 //!
 //! - Identify: controller, namespace, active namespace list, namespace identification
-//!   descriptors, and the NVM command set's own controller and namespace structures (all zero:
-//!   no limits beyond the common ones). A discovery controller answers Identify Controller only.
+//!   descriptors, and the NVM command set's own controller structure (the limits of Write
+//!   Zeroes and Dataset Management) and namespace structure (all zero). A discovery controller
+//!   answers Identify Controller only.
 //! - Get Log Page: error information (no entries), SMART / health (what this controller served;
 //!   critical warning "reliability degraded" while one of its namespaces has failed), firmware
 //!   slot, changed namespace list (read with RAE 0 re-arms its notice); on a discovery
@@ -188,7 +189,10 @@ impl Queue {
                 Some(e) => Reply::Data(identify::ns_descriptors(&e.nguid, &e.uuid)),
                 None => Reply::status(Status::INVALID_NS),
             },
-            cns::CS_CONTROLLER if csi == 0 => Reply::Data(vec![0; identify::IDENTIFY_LEN]),
+            cns::CS_CONTROLLER if csi == 0 => Reply::Data(identify::nvm_controller(
+                super::io::WZSL,
+                super::io::DM_MAX_BLOCKS,
+            )),
             cns::CS_NAMESPACE if csi == 0 && map.contains_key(&nsid) => {
                 Reply::Data(vec![0; identify::IDENTIFY_LEN])
             }

@@ -282,6 +282,18 @@ pub fn smart(h: &Health) -> Vec<u8> {
     b
 }
 
+/// The NVM command set's Identify Controller structure (CNS 06h, CSI 0): the limits of the
+/// zeroing commands. `wzsl`: the largest Write Zeroes, 2^wzsl pages of 4 KiB; `dm_blocks`: the
+/// most logical blocks one Dataset Management deallocation may cover, in a range (DMRSL) and
+/// in all (DMSL). No limit on the number of ranges (DMRL 0: the command's own 256).
+pub fn nvm_controller(wzsl: u8, dm_blocks: u32) -> Vec<u8> {
+    let mut b = vec![0u8; IDENTIFY_LEN];
+    b[1] = wzsl;
+    b[4..8].copy_from_slice(&dm_blocks.to_le_bytes());
+    b[8..16].copy_from_slice(&u64::from(dm_blocks).to_le_bytes());
+    b
+}
+
 /// The Firmware Slot Information log page (512 bytes): slot 1 active, running `firmware`.
 pub fn firmware_slots(firmware: &str) -> Vec<u8> {
     let mut b = vec![0u8; 512];

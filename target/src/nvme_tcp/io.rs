@@ -34,6 +34,14 @@
 //! allocated so that a store into its mapping can never meet a full filesystem (SIGBUS), and a
 //! hole would undo that. Where the filesystem cannot, and on dax, volatile and simulated
 //! namespaces, zeros are written through the mapping.
+//!
+//! The work is bounded: a Write Zeroes covers at most 1 MiB ([`WZSL`]), a deallocation at most
+//! [`DM_MAX_BLOCKS`] blocks in all (both reported in the NVM command set's Identify Controller,
+//! so that hosts split their requests; more is refused), and a queue zeroes at most
+//! [`ZERO_BUDGET`](super::queue::ZERO_BUDGET) bytes per turn of its loop: the rest of what it
+//! received waits for the next turn, after the other connections' (a burst of permitted
+//! commands held the loop, every host on it and its watchdog heartbeat up for as long as it
+//! took).
 
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
@@ -50,6 +58,16 @@ use crate::namespace::OpenNamespace;
 
 /// Zeros written through a mapping at a time.
 static ZEROS: [u8; 64 * 1024] = [0; 64 * 1024];
+
+/// Write Zeroes Size Limit (WZSL, in the NVM command set's Identify Controller): 2^8 pages of
+/// 4 KiB, 1 MiB per command. Larger is refused (Invalid Field).
+pub const WZSL: u8 = 8;
+/// The largest Write Zeroes in bytes.
+pub const MAX_WRITE_ZEROES: u64 = 4096 << WZSL;
+/// The most logical blocks a deallocation covers, in one range (DMRSL) and in all its ranges
+/// (DMSL): 8 MiB at 4 KiB blocks, 1 MiB at 512. More is refused (Invalid Field); the Linux host
+/// splits its discards to DMRSL.
+pub const DM_MAX_BLOCKS: u32 = 2048;
 
 /// A command's LBA range as bytes: (offset, length).
 fn lba_range(ns: &OpenNamespace, slba: u64, blocks: u64) -> Result<(u64, u64), Status> {
@@ -319,7 +337,11 @@ impl Queue {
         let cdw12 = sqe.cdw(12);
         let slba = u64::from(sqe.cdw(10)) | (u64::from(sqe.cdw(11)) << 32);
         let (offset, len) = lba_range(&e.ns, slba, u64::from(cdw12 & 0xffff) + 1)?;
+        if len > MAX_WRITE_ZEROES {
+            return Err(Status::INVALID_FIELD);
+        }
         writable(&e.ns)?;
+        self.zeroed += len;
         zero_range(&e.ns, offset, len)?;
         e.counts.wrote(len);
         let fua = cdw12 & (1 << 30) != 0;
@@ -336,17 +358,23 @@ impl Queue {
             // Only hints (integral read/write): nothing to do.
             return Ok(Reply::ok());
         }
-        writable(&e.ns)?;
         let mut todo = Vec::with_capacity(ranges);
+        let mut total = 0u64;
         for r in data[..ranges * 16].chunks_exact(16) {
             let blocks = u64::from(u32::from_le_bytes([r[4], r[5], r[6], r[7]]));
             let slba = u64::from_le_bytes([r[8], r[9], r[10], r[11], r[12], r[13], r[14], r[15]]);
+            total += blocks;
+            if blocks > u64::from(DM_MAX_BLOCKS) || total > u64::from(DM_MAX_BLOCKS) {
+                return Err(Status::INVALID_FIELD);
+            }
             if blocks > 0 {
                 todo.push(lba_range(&e.ns, slba, blocks)?);
             }
         }
+        writable(&e.ns)?;
         let mut span: Option<(u64, u64)> = None;
         for &(offset, len) in &todo {
+            self.zeroed += len;
             zero_range(&e.ns, offset, len)?;
             if e.ns.domain().is_dax()
                 && e.ns.mapping.persist(offset as usize, len as usize).is_err()

@@ -5,7 +5,9 @@
 //! writes out what the queue has to send, submits the flushes it asks for to its [`Flusher`] and
 //! hands back their completions, and runs the queues' timers. It blocks in epoll until a socket,
 //! a flush, a command or the earliest timer needs it: an idle loop uses no CPU. A queue that
-//! stops reading (too much to send) is left out of the read interest until it drained.
+//! stops reading (too much to send) is left out of the read interest until it drained; one that
+//! spent its zeroing budget for the turn ([`super::queue::ZERO_BUDGET`]) is left out until the
+//! next turn, which then starts without waiting.
 
 use std::collections::{HashMap, VecDeque};
 use std::io::{Read, Write};
@@ -122,6 +124,8 @@ impl Loop {
         let mut events = vec![EpollEvent::empty(); 64];
         loop {
             self.beat.tick();
+            // Queues that spent their zeroing budget last turn take in what waited.
+            self.each(|q, env| q.new_turn(env));
             loop {
                 match self.rx.try_recv() {
                     Ok(Cmd::Accept(s, t)) => self.accept(s, *t),
@@ -139,7 +143,9 @@ impl Loop {
             self.finish_turn();
             let now = Instant::now();
             let next = self.conns.values().map(|c| c.queue.next_timer()).min();
+            let spent = self.conns.values().any(|c| c.queue.spent());
             let timeout = match next {
+                _ if spent => EpollTimeout::ZERO,
                 None => EpollTimeout::NONE,
                 Some(t) => {
                     let ms = t

@@ -46,6 +46,11 @@ pub const MDTS: u8 = 5;
 pub const MAX_TRANSFER: u32 = 4096 << MDTS;
 /// Above this many bytes waiting to be sent, a queue stops taking in commands.
 pub const TX_HIGH: usize = 256 * 1024;
+/// Bytes a queue may zero (Write Zeroes, deallocations) in one turn of its loop: past it, what
+/// it received waits for the loop's next turn (which comes at once), after the other
+/// connections' turn, as the tcp fabric's receive budget does (docs/fabric.md, "Fair share of
+/// the receive side"). At least the largest single command (8 MiB of deallocation).
+pub const ZERO_BUDGET: u64 = 8 << 20;
 /// How long a connection lingers after its last message (a refusal, a TermReq) so the host
 /// reads it.
 pub const LINGER: Duration = Duration::from_secs(2);
@@ -139,6 +144,8 @@ pub(crate) struct Queue {
     pub(crate) ticket: Option<Ticket>,
     /// The session's end was counted.
     pub(super) ended: bool,
+    /// Bytes zeroed in this turn of the loop (see [`ZERO_BUDGET`]).
+    pub(super) zeroed: u64,
 }
 
 impl Queue {
@@ -178,6 +185,7 @@ impl Queue {
             closing: None,
             ticket: Some(ticket),
             ended: false,
+            zeroed: 0,
         }
     }
 
@@ -189,9 +197,27 @@ impl Queue {
         )
     }
 
-    /// Whether it still reads from its socket: not closing, and not too much to send.
+    /// Whether it still reads from its socket: not closing, not too much to send, and its
+    /// zeroing budget for this turn not spent.
     pub(crate) fn wants_read(&self) -> bool {
-        self.closing.is_none() && self.tx.len() - self.tx_sent < TX_HIGH
+        self.closing.is_none()
+            && self.tx.len() - self.tx_sent < TX_HIGH
+            && self.zeroed < ZERO_BUDGET
+    }
+
+    /// Whether it spent its zeroing budget in this turn: what it received waits, and the loop
+    /// starts its next turn at once (without waiting in epoll, which does not see those bytes).
+    pub(crate) fn spent(&self) -> bool {
+        self.closing.is_none() && self.zeroed >= ZERO_BUDGET
+    }
+
+    /// A new turn of its loop: the budget is back, and what waited for it is handled.
+    pub(crate) fn new_turn(&mut self, env: &mut Env<'_>) {
+        let waited = self.spent();
+        self.zeroed = 0;
+        if waited {
+            self.process(env);
+        }
     }
 
     /// Whether it is closing and has nothing left to send or wait for (drop it), or its linger

@@ -565,3 +565,35 @@ fn a_write_by_r2t_of_a_controller_not_enabled_fails_and_lands_nothing() {
         "nothing landed"
     );
 }
+
+/// A burst of deallocations, each within the limits, is zeroed at most `ZERO_BUDGET` bytes per
+/// turn of the loop: what is left waits in the receive buffer, the queue reads nothing more,
+/// and the next turn takes it (before: the whole burst in one go, holding up every queue of the
+/// loop for as long as it took).
+#[test]
+fn zeroing_is_bounded_per_turn_of_the_loop() {
+    let mut h = H::new("");
+    let (_a, mut io, _) = connected(&mut h);
+    // 12 deallocations of the whole 1 MiB namespace (2048 blocks of 512, DMRSL).
+    let mut burst = Vec::new();
+    for cid in 10..22u16 {
+        let mut s = sqe(command::io::DSM, cid, 1);
+        set_sgl(&mut s, command::sgl::IN_CAPSULE, 16);
+        cdw(&mut s, 11, 1 << 2);
+        let mut r = [0u8; 16];
+        r[4..8].copy_from_slice(&2048u32.to_le_bytes());
+        burst.extend_from_slice(&capsule(&s, &r));
+    }
+    let per_turn = (ZERO_BUDGET / (1 << 20)) as usize;
+    let first = completions(&h.send(&mut io, &burst));
+    assert_eq!(first.len(), per_turn, "{first:?}");
+    assert!(first.iter().all(|c| c.2 == 0));
+    assert!(io.spent() && !io.wants_read(), "the rest waits");
+    let mut env = h.env();
+    io.new_turn(&mut env);
+    let out = io.pending_tx().to_vec();
+    io.sent(out.len());
+    let next = completions(&out);
+    assert_eq!(next.len(), 12 - per_turn, "{next:?}");
+    assert!(io.wants_read() && !io.spent());
+}
