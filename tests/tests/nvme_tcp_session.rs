@@ -892,3 +892,50 @@ fn write_zeroes_and_deallocation_are_bounded_and_say_so() {
         ok(q.complete(cid, &[]).unwrap());
     }
 }
+
+/// An `nvme-tcp://` controller proves no key (no in-band authentication): in a full target
+/// (`max_connections`), a host that proved its key on the `tcp://` listener takes its place;
+/// the controller's connection is closed.
+#[test]
+fn a_keyed_host_takes_the_place_of_an_nvme_controller_in_a_full_target() {
+    const KEYED_SUB: &str = "nqn.2026-11.io.rpma:nvme-keyed";
+    const KEYED: &str = "nqn.2026-11.io.rpma:nvme-keyed-host";
+    let dir = rpma_tests::scratch();
+    rpma_tests::write_psk(&dir.path().join("keyed.psk"), "5a");
+    let config = Config::new()
+        .set("max_connections = 1")
+        .subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .namespace(Namespace::new(1, "ns1", "1MiB")),
+        )
+        .subsystem(
+            Subsystem::new(KEYED_SUB)
+                .keyed_host(KEYED, "keyed.psk")
+                .namespace(Namespace::new(1, "k1", "1MiB")),
+        );
+    // Two listeners: the tcp:// one on a port of its own, then the nvme-tcp:// one.
+    let tcp = format!("tcp://127.0.0.1:{}", rpma_tests::free_port());
+    let t = Target::start_on(
+        dir.path(),
+        &format!("{tcp}\", \"nvme-tcp://127.0.0.1"),
+        &config.to_string(),
+        &[],
+    );
+    let addr = format!("127.0.0.1:{}", t.port());
+    let mut ctrl = Controller::connect(&addr, SUB, HOST, (false, false)).expect("admitted");
+    let keyed = rpma_tests::host(KEYED)
+        .with_psk(rpma_common::proto::auth::Psk::from_hex(&"5a".repeat(32)).unwrap());
+    let _s = rpma_initiator::connect(
+        &tcp,
+        &rpma_tests::nqn(KEYED_SUB),
+        &keyed,
+        &rpma_tests::opts(),
+    )
+    .expect("the keyed host gets in");
+    assert!(matches!(
+        ctrl.admin.recv(),
+        Err(rpma_tests::nvme::Error::Closed(_))
+    ));
+    assert_eq!(t.status()["admission"]["sessions"]["evicted"], 1);
+}
