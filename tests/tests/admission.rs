@@ -295,6 +295,39 @@ fn half_open_connections_hold_little_memory_and_the_pool_bounds_it() {
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
+/// New connections queued for a poll loop that is busy (here, stalled by a test hook) whose
+/// places newer ones of their source took meanwhile are rejected when the loop comes to them:
+/// nothing is made for them. (A flood of requests got a queue pair, its buffers and an MPA
+/// Reply each, all closed again at the loop's next tick; the loop took every queued request in
+/// one pass, its sessions and watchdog heartbeat waiting.)
+#[test]
+fn requests_whose_place_was_taken_while_they_waited_are_not_accepted() {
+    let d = scratch();
+    let t = rpma_tests::sessions::start_with_env(
+        d.path(),
+        "poll_loops = 1\nmax_unadmitted_per_source = 2\nhandshake_timeout_ms = 60000",
+        &[("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "8000")],
+    );
+    t.signal(nix::sys::signal::Signal::SIGHUP);
+    t.expect("STATUS=test hook: stalling", WAIT);
+    // Ten MPA Requests from one source while the loop stalls, each waiting for its answer.
+    let port = t.port();
+    let tries: Vec<_> = (0..10)
+        .map(|_| std::thread::spawn(move || raw_mpa(port, source(9)).1))
+        .collect();
+    // The acceptor took a place for each in turn, evicting the source's older ones.
+    wait_admission(&t, "eight places taken back", |a| {
+        a["unadmitted"]["evicted"].as_u64() >= Some(8)
+    });
+    t.expect("STATUS=test hook: stall over", WAIT);
+    let accepted = tries
+        .into_iter()
+        .map(|h| h.join().unwrap())
+        .filter(|a| matches!(a, Answer::Accepted(_)))
+        .count();
+    assert_eq!(accepted, 2, "the source's cap is 2");
+}
+
 /// Point 8: one peer's flood of refused Connects makes one WARN line per period, and a line
 /// per period counts the ones suppressed.
 #[test]

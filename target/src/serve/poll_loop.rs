@@ -70,6 +70,9 @@ fn inline_may_hold(len: u64, others: usize, quiet: Duration) -> bool {
 /// milliseconds first, so that a test can see the watchdog notice a stuck loop.
 pub const TEST_STALL_ON_RELOAD_ENV: &str = "RPMA_TARGET_TEST_STALL_ON_RELOAD_MS";
 
+/// New connections a loop accepts per pass at most; the rest wait for the next pass.
+const ACCEPTS_PER_PASS: usize = 16;
+
 struct PendingFlush {
     qp_num: u32,
     /// Its connection's [`Conn::serial`].
@@ -161,9 +164,21 @@ impl PollLoop {
         );
         loop {
             self.beat.tick();
+            // Commands left for the next pass: new connections beyond a pass's share.
+            let mut more = false;
+            let mut accepted = 0;
             loop {
                 match self.rx.try_recv() {
-                    Ok(LoopCmd::Accept(req, ticket)) => self.accept(req, *ticket),
+                    Ok(LoopCmd::Accept(req, ticket)) => {
+                        self.accept(req, *ticket);
+                        accepted += 1;
+                        // A flood of new connections waits for the next pass: the loop's
+                        // sessions, its timers and its watchdog heartbeat go first.
+                        if accepted >= ACCEPTS_PER_PASS {
+                            more = true;
+                            break;
+                        }
+                    }
                     // The timers run this turn and drop the evicted connections.
                     Ok(LoopCmd::Evicted) => self.failed = true,
                     Ok(LoopCmd::Reload(diff)) => {
@@ -185,8 +200,9 @@ impl PollLoop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
-            // An eviction (already flagged as failed) is handled this turn: no wait.
-            let next = if self.failed {
+            // An eviction (already flagged as failed) is handled this turn, and commands left
+            // for the next pass are taken after it: no wait.
+            let next = if self.failed || more {
                 Some(Instant::now())
             } else {
                 self.next_timer()
@@ -207,6 +223,18 @@ impl PollLoop {
     }
 
     fn accept(&mut self, req: ConnRequest, ticket: Ticket) {
+        if ticket.evicted() {
+            // Its place went to a newer connection while it waited for this loop: nothing is
+            // made for it (a flood of requests made a queue pair, its buffers and an accept
+            // each, all closed again at the next tick).
+            log::debug!(
+                "loop {}: a connection request whose place was taken meanwhile: rejected",
+                self.index
+            );
+            req.reject(b"");
+            self.load.fetch_sub(1, Ordering::Relaxed);
+            return;
+        }
         let cfg = self.shared.config();
         let peer = req.peer_addr();
         // The depth granted now stays this connection's, whatever a reload changes later.
