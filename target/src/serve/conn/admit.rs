@@ -79,6 +79,19 @@ impl Conn {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
         }
+        // A full target refuses a host that proved no key before its namespaces are registered
+        // (on rdma://, pinned) for nothing; `register_session` decides for the others.
+        let full = || {
+            let m = format!(
+                "the target serves at most {} sessions",
+                cfg.max_connections.min(0xFFFE)
+            );
+            (RefusalReason::TooManyConnections, m)
+        };
+        if !proven && shared.session_count() >= cfg.max_connections as usize {
+            let (reason, m) = full();
+            return self.refuse(reason, m, Some(&c.host_nqn));
+        }
         let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
         let table = shared.namespaces();
         let mut grants = BTreeMap::new();
@@ -121,11 +134,8 @@ impl Conn {
                 .with_data(responder, rkeys)
         });
         let Some(info) = info else {
-            let m = format!(
-                "the target serves at most {} sessions",
-                cfg.max_connections.min(0xFFFE)
-            );
-            return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+            let (reason, m) = full();
+            return self.refuse(reason, m, Some(&c.host_nqn));
         };
         // The session's message slots, posted before the host may use them.
         let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
