@@ -43,6 +43,12 @@
 //! reconnect a queue knows nothing placed again ([`Member::unplace`]): its re-issued writes
 //! are on their way. A filter of atomic counters ([`hot`]) answers most questions without
 //! the lock.
+//!
+//! And it fences the connection's writes after a queue gave up a connection it could not
+//! retire ([`ReplayOrder::fence_until`]): that connection may still deliver its writes until
+//! the target expires the silent session, over newer writes of any queue (a replacement queue
+//! the NBD export opened at once, or another client's), so no Write of the connection is
+//! posted before then.
 
 mod hot;
 
@@ -97,11 +103,40 @@ pub(crate) struct ReplayOrder {
     hot: hot::Hot,
     /// How many queues are in `Inner::wanted`: a queue looks without the lock.
     wanting: AtomicUsize,
+    /// No Write of the connection is posted before this many nanoseconds after [`epoch`]
+    /// (0: none): [`ReplayOrder::fence_until`].
+    fence: AtomicU64,
+}
+
+/// The origin of [`ReplayOrder::fence`]'s instants.
+fn epoch() -> std::time::Instant {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    *EPOCH.get_or_init(std::time::Instant::now)
 }
 
 impl ReplayOrder {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// A queue gave up a connection that may still deliver Writes until `until` (the target
+    /// expires the silent session by then): no Write of the connection is posted before.
+    pub(crate) fn fence_until(&self, until: std::time::Instant) {
+        let at = u64::try_from(until.saturating_duration_since(epoch()).as_nanos())
+            .unwrap_or(u64::MAX)
+            .max(1);
+        self.fence.fetch_max(at, Ordering::SeqCst);
+    }
+
+    /// How long Writes must still wait for the fence, if they must.
+    pub(crate) fn fence_left(&self) -> Option<std::time::Duration> {
+        let at = self.fence.load(Ordering::Relaxed);
+        if at == 0 {
+            return None;
+        }
+        let until = epoch() + std::time::Duration::from_nanos(at);
+        let left = until.saturating_duration_since(std::time::Instant::now());
+        (!left.is_zero()).then_some(left)
     }
 
     /// `owner` writes `[start, end)` of `nsid` (a new write, as it is posted): it owns those
@@ -344,6 +379,11 @@ impl Member {
         };
         m.keep_order(Vec::new);
         m
+    }
+
+    /// The connection's order (its fence: [`ReplayOrder::fence_left`]).
+    pub(crate) fn order(&self) -> &ReplayOrder {
+        &self.order
     }
 
     /// Whether this queue's writes go through the map: once another queue of the connection

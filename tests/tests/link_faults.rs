@@ -551,6 +551,65 @@ fn a_stalled_link_delivering_late_overwrites_no_acknowledged_write() {
     );
 }
 
+/// A queue that gives up a connection it could not retire (its link silent, its reconnect
+/// budget shorter than the target's keep-alive) leaves that connection able to deliver its
+/// Writes late, until the target expires it: a queue opened in its place from the same
+/// connection (the NBD export opens one at once) must not write before then, or its
+/// acknowledged, durable write is overwritten by the late one. (It wrote at once, and the late
+/// Write landed over it.)
+#[test]
+fn a_queue_opened_in_place_of_one_given_up_writes_after_the_old_connection_expired() {
+    let d = scratch();
+    let t = start(d.path(), 2, "keep_alive_ms = 4000");
+    let relay = Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let c = conn(&relay.url(), Duration::from_millis(1000)).with_queue_options(QueueOptions {
+        depth: 8,
+        chunk: 16 << 10,
+        reconnect: ReconnectPolicy::never(),
+        ..QueueOptions::default()
+    });
+    let mut q = c.open_queue(0).unwrap();
+    let (a, b, cc) = (
+        block(0, 0, 1, BLOCK),
+        block(0, 0, 2, BLOCK),
+        block(0, 0, 3, BLOCK),
+    );
+    {
+        let mut ns = q.namespace(1).unwrap();
+        assert!(ns.write_durable(COUNTERS, &a).unwrap().is_durable());
+        assert_eq!(relay.stall_links(), 1);
+        // B goes into the silent link; its persist times out and the queue gives up.
+        ns.write_at(COUNTERS, &b).unwrap();
+        assert!(ns.persist_written(COUNTERS, BLOCK as u64).is_err());
+    }
+    // A queue in its place writes C durably.
+    let mut q2 = c.open_queue(1).unwrap();
+    assert!(q2
+        .namespace(1)
+        .unwrap()
+        .write_durable(COUNTERS, &cc)
+        .unwrap()
+        .is_durable());
+    // The old link wakes up and delivers B.
+    relay.resume();
+    let deadline = Instant::now() + CLEANUP_WITHIN;
+    while Footprint::of(&t).sessions > 1 {
+        assert!(Instant::now() < deadline, "the old session stays");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let mut got = vec![0u8; BLOCK];
+    q2.namespace(1)
+        .unwrap()
+        .read_at(COUNTERS, &mut got)
+        .unwrap();
+    assert_eq!(
+        parse_block(&got).map(|b| b.2),
+        Some(3),
+        "the given-up connection's late Write overwrote the durable one"
+    );
+    drop(q);
+}
+
 /// A target, a relay to it, and two queues of one connection through the relay: A on the
 /// relay's first link, B on its second.
 fn two_queues_through_a_relay(

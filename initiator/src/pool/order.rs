@@ -11,6 +11,12 @@ impl Pool {
         self.replay = Some(m);
     }
 
+    /// How long the connection's Writes must still wait for its fence
+    /// ([`ReplayOrder::fence_until`](crate::replay::ReplayOrder::fence_until)), if they must.
+    pub(crate) fn fence_left(&self) -> Option<std::time::Duration> {
+        self.replay.as_ref()?.order().fence_left()
+    }
+
     /// The pieces `[start, end)` of held write `w` that its re-issue may write: all of it,
     /// unless a newer write of another queue (or of this one) took some.
     pub(crate) fn replay_pieces(&mut self, w: &WriteRec) -> Vec<(u64, u64)> {

@@ -220,7 +220,21 @@ impl Reconnect {
         lost: &str,
     ) -> Result<()> {
         if let Some(s) = old {
+            let expires = expiry_of(&s);
             if let Err(err) = retire(e, s, deadline, lost) {
+                // Still up, it may deliver its Writes until the target expires it: over newer
+                // writes of the connection's other queues, and of one opened in this one's
+                // place (the NBD export opens one at once). The connection's Writes wait.
+                self.conn.replay.fence_until(expires);
+                log::warn!(
+                    "queue {} gave up a connection to {} that may still deliver writes: the \
+                     connection's writes wait {} ms, until the target has expired it",
+                    self.queue_id,
+                    self.conn.url,
+                    expires
+                        .saturating_duration_since(Instant::now())
+                        .as_millis()
+                );
                 drop(voided);
                 self.give_up(e);
                 return Err(err);
@@ -279,6 +293,12 @@ impl Reconnect {
     }
 }
 
+/// When the target has expired `s` if it stays silent from now: its keep-alive period (plus a
+/// grace) after the last message sent on it.
+fn expiry_of(s: &Session) -> Instant {
+    s.last_sent + s.keep_alive + EXPIRY_GRACE.max(s.keep_alive / 4)
+}
+
 /// Retires `old` so that nothing it carries lands after this returns. A connection that
 /// broke (queue pair in Error) or that the target closed (its Disconnect: the target revoked
 /// the session's rkeys before sending it) carries nothing more. One that is still up may
@@ -296,7 +316,7 @@ fn retire(e: &mut Engine, mut old: Session, deadline: Instant, lost: &str) -> Re
         return Ok(());
     }
     let started = Instant::now();
-    let expired_by = old.last_sent + old.keep_alive + EXPIRY_GRACE.max(old.keep_alive / 4);
+    let expired_by = expiry_of(&old);
     // The fence's sink lives in the old protection domain, apart from the queue's buffers.
     let sink = AlignedBuf::new(64).ok();
     let sink_mr = sink

@@ -46,6 +46,9 @@ impl Engine {
             }
             slots.push((w.wr_id & !KIND_MASK) as usize);
         }
+        if writes > 0 {
+            self.wait_fence();
+        }
         self.doorbells += 1;
         let s = self.session()?;
         rpma_common::steps::step("send list posted");
@@ -113,6 +116,16 @@ impl Engine {
             .saturating_sub(self.deferred_read_bytes());
         self.max_posted = self.max_posted.max(posted);
         self.max_posted_read_bytes = self.max_posted_read_bytes.max(reading);
+    }
+
+    /// Waits out the connection's fence, if another queue of it gave up a connection that may
+    /// still deliver older Writes until the target expires it
+    /// ([`ReplayOrder::fence_until`](crate::replay::ReplayOrder::fence_until)): called before
+    /// every post with Writes.
+    pub(super) fn wait_fence(&self) {
+        while let Some(left) = self.pool.fence_left() {
+            std::thread::sleep(left);
+        }
     }
 
     /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
