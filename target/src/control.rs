@@ -2,15 +2,25 @@
 //! state and `rpma-target clear-failure` clears a failed namespace. One request line
 //! (`status`, `clear-failure SUBSYSTEM NSID`), one JSON answer, then the daemon closes the
 //! connection.
+//!
+//! One client cannot hold the socket or the daemon's shutdown: each connection is served on a
+//! thread of its own, at most [`MAX_CLIENTS`] at once; the whole request line must arrive
+//! within [`REQUEST_DEADLINE`] of the accept (however it trickles) and the answer must leave
+//! within [`WRITE_DEADLINE`]. When all places are taken, a newcomer takes the place of the
+//! oldest connection still sending its request (closed without an answer); only when every
+//! place is being answered is it turned away (`busy`). Dropping the server shuts every
+//! connection it serves and waits only for requests already being answered.
 
-use std::io::{BufRead, BufReader, Read, Write};
+use std::collections::BTreeMap;
+use std::io::{ErrorKind, Read, Write};
+use std::net::Shutdown;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 /// Errors of the control socket, server and client side.
 #[derive(Debug, thiserror::Error)]
@@ -64,6 +74,7 @@ pub type Handler = Arc<dyn Fn(&str) -> std::result::Result<String, String> + Sen
 pub struct ControlServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
+    clients: Arc<Clients>,
     thread: Option<JoinHandle<()>>,
 }
 
@@ -75,12 +86,20 @@ impl std::fmt::Debug for ControlServer {
     }
 }
 
-const MAX_REQUEST: u64 = 4096;
+const MAX_REQUEST: usize = 4096;
+/// Connections served at once.
+pub const MAX_CLIENTS: usize = 8;
+/// Threads (served connections and those ending after an eviction) at most.
+const MAX_THREADS: usize = 2 * MAX_CLIENTS;
+/// How long a client has to send its whole request line.
+pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
+/// How long the answer may take to leave.
+pub const WRITE_DEADLINE: Duration = Duration::from_secs(5);
 
 impl ControlServer {
     /// Binds `path` (creating its directory; replacing a stale socket, refusing one a live daemon
-    /// answers on), mode 0660, and serves `handler` on a thread of its own. When this returns,
-    /// the socket accepts.
+    /// answers on), mode 0660, and serves `handler`, each connection on a thread of its own.
+    /// When this returns, the socket accepts.
     ///
     /// # Errors
     /// [`ControlError::InUse`], [`ControlError::Bind`], [`ControlError::Thread`].
@@ -104,6 +123,8 @@ impl ControlServer {
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(bind_err)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
+        let clients = Arc::new(Clients::default());
+        let clients2 = clients.clone();
         let thread = std::thread::Builder::new()
             .name("rpma-control".into())
             .spawn(move || {
@@ -112,8 +133,12 @@ impl ControlServer {
                         break;
                     }
                     match conn {
-                        Ok(c) => serve_one(c, &handler),
-                        Err(e) => log::warn!("control socket: accept failed: {e}"),
+                        Ok(c) => admit(&clients2, c, &handler),
+                        Err(e) => {
+                            // EMFILE and the like: do not spin on it.
+                            log::warn!("control socket: accept failed: {e}");
+                            std::thread::sleep(Duration::from_millis(100));
+                        }
                     }
                 }
             })
@@ -121,6 +146,7 @@ impl ControlServer {
         Ok(ControlServer {
             path: path.to_owned(),
             stop,
+            clients,
             thread: Some(thread),
         })
     }
@@ -140,26 +166,214 @@ impl Drop for ControlServer {
             let _ = t.join();
         }
         let _ = std::fs::remove_file(&self.path);
+        // No new connection comes now. A client still sending its request or slow to read the
+        // answer must not hold the daemon's exit: its connection is shut, its thread sees that
+        // at once. Only requests being answered (the daemon's own work) are waited for.
+        let mut p = self.clients.lock();
+        for h in p.held.values() {
+            let _ = h.sock.shutdown(Shutdown::Both);
+        }
+        while p.threads > 0 {
+            p = self.clients.done.wait(p).unwrap_or_else(|e| e.into_inner());
+        }
     }
 }
 
-fn serve_one(conn: UnixStream, handler: &Handler) {
-    let _ = conn.set_read_timeout(Some(Duration::from_secs(5)));
-    let _ = conn.set_write_timeout(Some(Duration::from_secs(5)));
-    let mut line = String::new();
-    let read = BufReader::new((&conn).take(MAX_REQUEST)).read_line(&mut line);
+/// One served connection.
+#[derive(Debug)]
+struct Held {
+    /// Still sending its request: a newcomer may take its place.
+    reading: bool,
+    /// To shut it from another thread.
+    sock: UnixStream,
+}
+
+#[derive(Debug, Default)]
+struct Places {
+    /// By serial: the first is the oldest.
+    held: BTreeMap<u64, Held>,
+    next: u64,
+    /// Client threads running (evicted ones included, until they end).
+    threads: usize,
+}
+
+/// The connections being served, and their threads.
+#[derive(Debug, Default)]
+struct Clients {
+    places: Mutex<Places>,
+    /// Notified when a client thread ends.
+    done: Condvar,
+}
+
+impl Clients {
+    fn lock(&self) -> std::sync::MutexGuard<'_, Places> {
+        self.places.lock().unwrap_or_else(|p| p.into_inner())
+    }
+}
+
+/// A client thread's place, given back when it ends.
+struct Slot {
+    clients: Arc<Clients>,
+    serial: u64,
+}
+
+impl Slot {
+    /// Its request is read: no newcomer takes its place now. False if it was evicted.
+    fn answering(&self) -> bool {
+        match self.clients.lock().held.get_mut(&self.serial) {
+            Some(h) => {
+                h.reading = false;
+                true
+            }
+            None => false,
+        }
+    }
+}
+
+impl Drop for Slot {
+    fn drop(&mut self) {
+        let mut p = self.clients.lock();
+        p.held.remove(&self.serial);
+        p.threads -= 1;
+        self.clients.done.notify_all();
+    }
+}
+
+/// Gives `conn` a place and a thread, taking the place of the oldest connection still sending
+/// its request if all are taken, or turns it away.
+fn admit(clients: &Arc<Clients>, conn: UnixStream, handler: &Handler) {
+    let Ok(sock) = conn.try_clone() else {
+        return busy(conn);
+    };
+    let serial = {
+        let mut p = clients.lock();
+        if p.threads >= MAX_THREADS {
+            drop(p);
+            return busy(conn);
+        }
+        if p.held.len() >= MAX_CLIENTS {
+            let Some(victim) = p.held.iter().find(|(_, h)| h.reading).map(|(&k, _)| k) else {
+                drop(p);
+                return busy(conn);
+            };
+            if let Some(h) = p.held.remove(&victim) {
+                // Its thread's read fails now; it gives up and ends.
+                let _ = h.sock.shutdown(Shutdown::Both);
+            }
+        }
+        let serial = p.next;
+        p.next += 1;
+        p.held.insert(
+            serial,
+            Held {
+                reading: true,
+                sock,
+            },
+        );
+        p.threads += 1;
+        serial
+    };
+    let slot = Slot {
+        clients: clients.clone(),
+        serial,
+    };
+    let handler = handler.clone();
+    let spawned = std::thread::Builder::new()
+        .name("rpma-control-client".into())
+        .spawn(move || serve_one(conn, &handler, &slot));
+    if let Err(e) = spawned {
+        // The closure (and its slot) was dropped with the error.
+        log::warn!("control socket: cannot start a thread: {e}");
+    }
+}
+
+/// Every place is being answered: say so if the socket takes it at once, then close.
+fn busy(conn: UnixStream) {
+    let _ = conn.set_nonblocking(true);
+    let answer = serde_json::json!({
+        "error": format!("busy: {MAX_CLIENTS} requests are being answered; try again")
+    });
+    let _ = (&conn).write_all(format!("{answer}\n").as_bytes());
+}
+
+/// Reads one request line by `deadline`: None if the client left without sending one, an
+/// error to answer if it is late, too long or not text.
+fn read_request(
+    conn: &UnixStream,
+    deadline: Instant,
+) -> Option<std::result::Result<String, String>> {
+    let mut buf = Vec::with_capacity(128);
+    let mut chunk = [0u8; 512];
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Some(Err(format!(
+                "bad request: no whole request line within {} s",
+                REQUEST_DEADLINE.as_secs()
+            )));
+        }
+        if conn.set_read_timeout(Some(left)).is_err() {
+            return None;
+        }
+        match (&*conn).read(&mut chunk) {
+            Ok(0) if buf.is_empty() => return None,
+            Ok(0) => break,
+            Ok(n) => {
+                buf.extend_from_slice(&chunk[..n]);
+                if let Some(end) = buf.iter().position(|&b| b == b'\n') {
+                    buf.truncate(end);
+                    break;
+                }
+                if buf.len() > MAX_REQUEST {
+                    return Some(Err(format!("bad request: longer than {MAX_REQUEST} bytes")));
+                }
+            }
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            // The deadline passed; the next turn says so.
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {}
+            Err(_) => return None,
+        }
+    }
+    Some(String::from_utf8(buf).map_err(|_| "bad request: not UTF-8".to_owned()))
+}
+
+/// Writes all of `buf` within `deadline`, or fails: a socket's write timeout bounds each send
+/// only, so a client reading a byte now and then would hold its thread as long as it likes.
+fn write_within(conn: &UnixStream, buf: &[u8], deadline: Duration) -> std::io::Result<()> {
+    let until = Instant::now() + deadline;
+    let mut at = 0;
+    while at < buf.len() {
+        let left = until.saturating_duration_since(Instant::now());
+        if left.is_zero() {
+            return Err(ErrorKind::TimedOut.into());
+        }
+        conn.set_write_timeout(Some(left))?;
+        match (&*conn).write(&buf[at..]) {
+            Ok(0) => return Err(ErrorKind::WriteZero.into()),
+            Ok(n) => at += n,
+            Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+fn serve_one(conn: UnixStream, handler: &Handler, slot: &Slot) {
+    let Some(read) = read_request(&conn, Instant::now() + REQUEST_DEADLINE) else {
+        return;
+    };
+    // Evicted while it read (its socket was shut): nothing to answer.
+    if !slot.answering() {
+        return;
+    }
     let answer = match read {
-        Ok(0) => return,
-        Ok(_) => match handler(line.trim()) {
+        Ok(line) => match handler(line.trim()) {
             Ok(a) => a,
             Err(e) => serde_json::json!({ "error": e }).to_string(),
         },
-        Err(e) => serde_json::json!({ "error": format!("bad request: {e}") }).to_string(),
+        Err(e) => serde_json::json!({ "error": e }).to_string(),
     };
-    let mut w = &conn;
-    let _ = w
-        .write_all(answer.as_bytes())
-        .and_then(|_| w.write_all(b"\n"));
+    let _ = write_within(&conn, format!("{answer}\n").as_bytes(), WRITE_DEADLINE);
 }
 
 /// Sends one request and returns the raw answer.
@@ -353,6 +567,69 @@ mod tests {
             query_status(&p),
             Err(ControlError::Connect { .. })
         ));
+    }
+
+    /// Clients that trickle a request a byte at a time (and reconnect when cut off), more of
+    /// them than there are places, neither keep `status` from being answered nor the server
+    /// from stopping (before, one such client held the only serving thread for hours, and
+    /// dropping the server waited for it).
+    #[test]
+    fn trickling_clients_hold_neither_the_socket_nor_the_shutdown() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("ctl.sock");
+        let json = serde_json::to_string(&sample()).unwrap();
+        let handler: Handler = Arc::new(move |req| match req {
+            "status" => Ok(json.clone()),
+            other => Err(format!("unknown request {other:?}")),
+        });
+        // Not dropped if the test fails: that would wait for the tricklers (before, for hours).
+        let server = std::mem::ManuallyDrop::new(ControlServer::bind(&p, handler).unwrap());
+        let stop = Arc::new(AtomicBool::new(false));
+        let (started, on_air) = std::sync::mpsc::channel();
+        let tricklers: Vec<_> = (0..10)
+            .map(|_| {
+                let (p, stop, started) = (p.clone(), stop.clone(), started.clone());
+                std::thread::spawn(move || {
+                    while !stop.load(Ordering::Acquire) {
+                        let Ok(mut s) = UnixStream::connect(&p) else {
+                            return;
+                        };
+                        let mut first = true;
+                        // Never a newline: the request never ends.
+                        while !stop.load(Ordering::Acquire) && s.write_all(b"s").is_ok() {
+                            if std::mem::take(&mut first) {
+                                let _ = started.send(());
+                            }
+                            std::thread::sleep(Duration::from_millis(500));
+                        }
+                    }
+                })
+            })
+            .collect();
+        for _ in 0..10 {
+            on_air
+                .recv_timeout(Duration::from_secs(30))
+                .expect("every trickler connected");
+        }
+        for i in 0..10 {
+            let (got, _) = query_status(&p)
+                .unwrap_or_else(|e| panic!("status {i} not answered beside the tricklers: {e}"));
+            assert_eq!(got, sample());
+        }
+        let (dropped, on_drop) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(std::mem::ManuallyDrop::into_inner(server));
+            let _ = dropped.send(());
+        });
+        // Before, it waited for the trickler being served: hours.
+        on_drop
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the server stopped while tricklers were connected");
+        assert!(!p.exists(), "socket removed on drop");
+        stop.store(true, Ordering::Release);
+        for t in tricklers {
+            t.join().unwrap();
+        }
     }
 
     #[test]
