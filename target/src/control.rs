@@ -10,6 +10,11 @@
 //! oldest connection still sending its request (closed without an answer); only when every
 //! place is being answered is it turned away (`busy`). Dropping the server shuts every
 //! connection it serves and waits only for requests already being answered.
+//!
+//! The socket is mode 0660: the daemon's group may connect, to read `status`. A request that
+//! changes the daemon's state (`clear-failure`) is taken only from root or the daemon's own
+//! user, by the credentials the kernel took at the connect (SO_PEERCRED): the handler gets
+//! them as a [`Peer`] and asks [`Peer::may_change_state`].
 
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
@@ -67,8 +72,52 @@ mod status;
 pub use render::render;
 pub use status::*;
 
-/// Answers one request line.
-pub type Handler = Arc<dyn Fn(&str) -> std::result::Result<String, String> + Send + Sync>;
+/// Answers one request line from a [`Peer`].
+pub type Handler = Arc<dyn Fn(&str, Peer) -> std::result::Result<String, String> + Send + Sync>;
+
+/// Who sent a request: the credentials the kernel took at its connect (SO_PEERCRED), which the
+/// client cannot choose.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Peer {
+    /// Its user id; None if the kernel could not say.
+    pub uid: Option<u32>,
+}
+
+impl Peer {
+    /// The credentials of the process at the other end of `conn`.
+    pub fn of(conn: &UnixStream) -> Peer {
+        use nix::sys::socket::{getsockopt, sockopt::PeerCredentials};
+        Peer {
+            uid: getsockopt(conn, PeerCredentials).ok().map(|c| c.uid()),
+        }
+    }
+
+    /// Whether this peer may make `request`, one that changes the daemon's state: only root and
+    /// the daemon's own user (`daemon_uid`, its effective uid) may. The socket's group, given to
+    /// operators and monitoring so that they can read `status`, may not: clearing a failure
+    /// before anyone checked the media would make lost writes look durable.
+    ///
+    /// # Errors
+    /// The refusal to answer with, naming who may.
+    pub fn may_change_state(
+        &self,
+        request: &str,
+        daemon_uid: u32,
+    ) -> std::result::Result<(), String> {
+        match self.uid {
+            Some(uid) if uid == 0 || uid == daemon_uid => Ok(()),
+            who => Err(format!(
+                "{request} changes the daemon's state: only root or the daemon's user (uid \
+                 {daemon_uid}) may ask for it, not {}; members of the socket's group may read \
+                 status only",
+                who.map_or_else(
+                    || "a peer of unknown uid".to_owned(),
+                    |u| format!("uid {u}")
+                )
+            )),
+        }
+    }
+}
 
 /// The control socket server: a thread accepting connections until dropped.
 pub struct ControlServer {
@@ -359,6 +408,7 @@ fn write_within(conn: &UnixStream, buf: &[u8], deadline: Duration) -> std::io::R
 }
 
 fn serve_one(conn: UnixStream, handler: &Handler, slot: &Slot) {
+    let peer = Peer::of(&conn);
     let Some(read) = read_request(&conn, Instant::now() + REQUEST_DEADLINE) else {
         return;
     };
@@ -367,7 +417,7 @@ fn serve_one(conn: UnixStream, handler: &Handler, slot: &Slot) {
         return;
     }
     let answer = match read {
-        Ok(line) => match handler(line.trim()) {
+        Ok(line) => match handler(line.trim(), peer) {
             Ok(a) => a,
             Err(e) => serde_json::json!({ "error": e }).to_string(),
         },
@@ -412,8 +462,8 @@ pub fn query_status(path: &Path) -> Result<(Status, String)> {
 /// clear-failure`). Returns what the daemon logged: what may have been lost.
 ///
 /// # Errors
-/// [`ControlError::Connect`], [`ControlError::Refused`] (not failed, not configured, the
-/// state file could not be updated), [`ControlError::BadAnswer`].
+/// [`ControlError::Connect`], [`ControlError::Refused`] (not root or the daemon's user, not
+/// failed, not configured, the state file could not be updated), [`ControlError::BadAnswer`].
 pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> {
     let raw = request(path, &format!("clear-failure {subsystem} {nsid}"))?;
     let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
@@ -546,7 +596,7 @@ mod tests {
         let p = d.path().join("sub/ctl.sock");
         let st = sample();
         let json = serde_json::to_string(&st).unwrap();
-        let handler: Handler = Arc::new(move |req| match req {
+        let handler: Handler = Arc::new(move |req, _| match req {
             "status" => Ok(json.clone()),
             other => Err(format!("unknown request {other:?}")),
         });
@@ -578,7 +628,7 @@ mod tests {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("ctl.sock");
         let json = serde_json::to_string(&sample()).unwrap();
-        let handler: Handler = Arc::new(move |req| match req {
+        let handler: Handler = Arc::new(move |req, _| match req {
             "status" => Ok(json.clone()),
             other => Err(format!("unknown request {other:?}")),
         });
@@ -632,13 +682,50 @@ mod tests {
         }
     }
 
+    /// The handler hears who connected, as the kernel says (the tests run as one user: the
+    /// refusal of another is checked on [`Peer::may_change_state`] below).
+    #[test]
+    fn the_handler_gets_the_peers_credentials() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("ctl.sock");
+        let handler: Handler = Arc::new(|_, peer| Ok(format!("{{\"uid\": {:?}}}", peer.uid)));
+        let _s = ControlServer::bind(&p, handler).unwrap();
+        let me = nix::unistd::geteuid().as_raw();
+        assert_eq!(
+            request(&p, "status").unwrap().trim(),
+            format!("{{\"uid\": Some({me})}}")
+        );
+    }
+
+    #[test]
+    fn only_root_or_the_daemons_user_may_change_state() {
+        let daemon = 991;
+        for uid in [0, daemon] {
+            Peer { uid: Some(uid) }
+                .may_change_state("clear-failure", daemon)
+                .unwrap_or_else(|e| panic!("uid {uid} refused: {e}"));
+        }
+        let e = Peer { uid: Some(1000) }
+            .may_change_state("clear-failure", daemon)
+            .unwrap_err();
+        assert_eq!(
+            e,
+            "clear-failure changes the daemon's state: only root or the daemon's user (uid 991) \
+             may ask for it, not uid 1000; members of the socket's group may read status only"
+        );
+        let e = Peer { uid: None }
+            .may_change_state("clear-failure", daemon)
+            .unwrap_err();
+        assert!(e.contains("not a peer of unknown uid"), "{e}");
+    }
+
     #[test]
     fn stale_socket_is_replaced() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("ctl.sock");
         drop(UnixListener::bind(&p).unwrap());
         assert!(p.exists());
-        let handler: Handler = Arc::new(|_| Err("x".into()));
+        let handler: Handler = Arc::new(|_, _| Err("x".into()));
         let _s = ControlServer::bind(&p, handler).unwrap();
         assert!(matches!(query_status(&p), Err(ControlError::Refused(e)) if e == "x"));
     }
@@ -647,7 +734,7 @@ mod tests {
     fn bad_answer_is_an_error() {
         let d = tempfile::tempdir().unwrap();
         let p = d.path().join("ctl.sock");
-        let handler: Handler = Arc::new(|_| Ok("{\"not\": \"status\"}".into()));
+        let handler: Handler = Arc::new(|_, _| Ok("{\"not\": \"status\"}".into()));
         let _s = ControlServer::bind(&p, handler).unwrap();
         assert!(matches!(query_status(&p), Err(ControlError::BadAnswer(_))));
     }

@@ -371,11 +371,15 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }),
     });
     let weak = Arc::downgrade(&shared);
-    let handler: control::Handler = Arc::new(move |req| {
+    let me = nix::unistd::geteuid().as_raw();
+    let handler: control::Handler = Arc::new(move |req, peer| {
         let verb = req.split_whitespace().next().unwrap_or("");
         match (verb, weak.upgrade()) {
             ("status", Some(sh)) => serde_json::to_string(&status(&sh)).map_err(|e| e.to_string()),
-            ("clear-failure", Some(sh)) => clear_failure(&sh, req),
+            // Status is the group's; a change is root's or the daemon's user's.
+            ("clear-failure", Some(sh)) => peer
+                .may_change_state(verb, me)
+                .and_then(|()| clear_failure(&sh, req)),
             ("status" | "clear-failure", None) => Err("the daemon is stopping".into()),
             (other, _) => Err(format!(
                 "unknown request {other:?} (try \"status\" or \"clear-failure SUBSYSTEM NSID\")"

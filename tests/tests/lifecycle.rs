@@ -280,3 +280,66 @@ rpma_tests::rdma_runs!(
     watchdog_pings_at_half_the_period,
     second_daemon_on_the_same_socket_is_refused,
 );
+
+/// A member of the control socket's group (here uid 65534 with the socket's group, root's, as
+/// a supplementary group; run through setpriv) reads `status`, but may not clear a failure:
+/// only root and the daemon's own user may change its state. Before, anyone who could connect
+/// could (the daemon answered that the namespace had not failed, and would have cleared it).
+#[test]
+fn a_status_reader_may_not_clear_a_failure() {
+    if !nix::unistd::geteuid().is_root() {
+        eprintln!("skipped: needs root, to run the client as another user");
+        return;
+    }
+    if Command::new("setpriv").arg("--version").output().is_err() {
+        eprintln!("skipped: needs setpriv (util-linux), to run the client as another user");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    let d = tempfile::tempdir().unwrap();
+    let cfg = write_config(d.path(), None);
+    let socket = d.path().join("run/control.sock");
+    let mut daemon = start(&cfg, d.path(), &[]);
+    daemon.expect("READY=1");
+    for dir in [d.path(), &d.path().join("run")] {
+        std::fs::set_permissions(dir, std::fs::Permissions::from_mode(0o711)).unwrap();
+    }
+    let sock = socket.to_str().unwrap();
+    let as_reader = |args: &[&str]| {
+        run_with_deadline(
+            Command::new("setpriv")
+                .args(["--reuid=65534", "--regid=65534", "--groups=0", "--"])
+                .arg(target_bin())
+                .args(args),
+            Duration::from_secs(30),
+        )
+    };
+    let out = as_reader(&["status", "--socket", sock, "--json"]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(out.status.success(), "the group reads status: {said}");
+    let clear = [
+        "clear-failure",
+        "--socket",
+        sock,
+        "nqn.2026-11.io.rpma:demo",
+        "1",
+    ];
+    let out = as_reader(&clear);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains(
+            "clear-failure changes the daemon's state: only root or the daemon's user (uid 0) \
+             may ask for it, not uid 65534"
+        ),
+        "{said}"
+    );
+    // Root passes that check (and is told there is nothing to clear).
+    let out = run_with_deadline(
+        Command::new(target_bin()).args(clear),
+        Duration::from_secs(30),
+    );
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(said.contains("has not failed"), "{said}");
+    stop_cleanly(&mut daemon, Signal::SIGTERM);
+}
