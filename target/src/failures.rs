@@ -17,10 +17,14 @@
 //! `rpma-target state v1 seq=N len=L crc32c=XXXXXXXX`, then `L` bytes of JSON, then zeros;
 //! the valid slot with the highest `seq` wins. A file whose slots are both damaged is refused
 //! (the daemon does not start): nobody could tell which namespaces had failed.
+//!
+//! It is created mode 0600, and one that group or others may write is refused (the daemon does
+//! not start; `chmod 600` it), as key files with such bits are: whoever can write it can make
+//! the next start forget a failure (a copy with a higher `seq` and an empty list).
 
 use std::fs::File;
 use std::io::{Read, Seek, SeekFrom, Write};
-use std::os::unix::fs::FileExt;
+use std::os::unix::fs::{FileExt, OpenOptionsExt, PermissionsExt};
 use std::path::{Path, PathBuf};
 use std::sync::Mutex;
 use std::time::{SystemTime, UNIX_EPOCH};
@@ -74,6 +78,18 @@ pub enum LedgerError {
     InUse {
         /// The file.
         path: PathBuf,
+    },
+    /// Group or others may write the file.
+    #[error(
+        "state file {} has mode {mode:04o}: group or others may write it, and a rewritten file \
+         would make the daemon forget failed namespaces (chmod 600)",
+        path.display()
+    )]
+    Permissions {
+        /// The file.
+        path: PathBuf,
+        /// Its mode bits.
+        mode: u32,
     },
     /// The list does not fit in a slot.
     #[error("state file {}: {len} bytes of failures do not fit in {SLOT}", path.display())]
@@ -267,16 +283,36 @@ fn newest(path: &Path, buf: &[u8]) -> Result<Option<(u64, usize, Contents)>> {
     Ok(best)
 }
 
+/// Refuses a state file that group or others may write.
+fn check_mode(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
+    let mode = meta.permissions().mode() & 0o7777;
+    if mode & 0o022 != 0 {
+        return Err(LedgerError::Permissions {
+            path: path.to_owned(),
+            mode,
+        });
+    }
+    Ok(())
+}
+
 /// What the state file at `path` remembers, read without creating or changing anything
 /// (`check-config`): None if there is no file yet.
 ///
 /// # Errors
-/// [`LedgerError::Io`] (unreadable), [`LedgerError::Damaged`].
+/// [`LedgerError::Io`] (unreadable), [`LedgerError::Permissions`], [`LedgerError::Damaged`].
 pub fn peek(path: &Path) -> Result<Option<Vec<Failed>>> {
     match std::fs::read(path) {
-        Ok(buf) => Ok(Some(
-            newest(path, &buf)?.map(|b| b.2.failed).unwrap_or_default(),
-        )),
+        Ok(buf) => {
+            let meta = std::fs::metadata(path).map_err(|source| LedgerError::Io {
+                path: path.to_owned(),
+                op: "read",
+                source,
+            })?;
+            check_mode(path, &meta)?;
+            Ok(Some(
+                newest(path, &buf)?.map(|b| b.2.failed).unwrap_or_default(),
+            ))
+        }
         Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(None),
         Err(source) => Err(LedgerError::Io {
             path: path.to_owned(),
@@ -289,10 +325,12 @@ pub fn peek(path: &Path) -> Result<Option<Vec<Failed>>> {
 impl FailureLedger {
     /// Opens the state file at `path`, creating it (and allocating both slots) if missing, and
     /// reads what it remembers, holding its lock until dropped. Fails if the file cannot be
-    /// written: a daemon that could not remember a failure must not start.
+    /// written: a daemon that could not remember a failure must not start. Created mode 0600;
+    /// one that group or others may write is refused.
     ///
     /// # Errors
-    /// [`LedgerError::Io`], [`LedgerError::Damaged`], [`LedgerError::InUse`].
+    /// [`LedgerError::Io`], [`LedgerError::Permissions`], [`LedgerError::Damaged`],
+    /// [`LedgerError::InUse`].
     pub fn open(path: &Path) -> Result<FailureLedger> {
         let io = |op| {
             move |source| LedgerError::Io {
@@ -306,8 +344,10 @@ impl FailureLedger {
             .write(true)
             .create(true)
             .truncate(false)
+            .mode(0o600)
             .open(path)
             .map_err(io("open for writing"))?;
+        check_mode(path, &file.metadata().map_err(io("read"))?)?;
         use nix::fcntl::{Flock, FlockArg};
         let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(f) => f,
@@ -468,6 +508,34 @@ mod tests {
 
     fn enospc() -> SyncFailure {
         SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(28))
+    }
+
+    /// Whoever could write the state file could make the next start forget a failure: it is
+    /// created for the daemon's user only (before, with the umask's mode: 0660 under the
+    /// unit's UMask=0007, the group's to rewrite), and one the group may write is refused.
+    #[test]
+    fn the_state_file_is_the_daemons_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
+        drop(FailureLedger::open(&state).unwrap());
+        assert_eq!(mode(&state), 0o600);
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o660)).unwrap();
+        let want = format!(
+            "state file {} has mode 0660: group or others may write it, and a rewritten file \
+             would make the daemon forget failed namespaces (chmod 600)",
+            state.display()
+        );
+        let Err(e) = FailureLedger::open(&state) else {
+            panic!("a group-writable file is refused");
+        };
+        assert_eq!(e.to_string(), want);
+        assert_eq!(peek(&state).unwrap_err().to_string(), want);
+        // Readable by the group is fine.
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o640)).unwrap();
+        assert!(FailureLedger::open(&state).is_ok());
+        assert_eq!(peek(&state).unwrap(), Some(vec![]));
     }
 
     #[test]
