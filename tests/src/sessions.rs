@@ -51,8 +51,14 @@ pub fn start(dir: &Path, top: &str) -> Target {
 
 /// As [`start`], with extra environment variables for the daemon.
 pub fn start_with_env(dir: &Path, top: &str, env: &[(&str, &str)]) -> Target {
+    start_with_extra(dir, top, "", env)
+}
+
+/// As [`start_with_env`], on [`demo_config`]`(top, extra)`: more of SUB's namespaces, or
+/// more subsystems after it.
+pub fn start_with_extra(dir: &Path, top: &str, extra: &str, env: &[(&str, &str)]) -> Target {
     write_psk(&dir.join("keyed.psk"), KEY);
-    let t = Target::start_with_env(dir, &demo_config(top, ""), env);
+    let t = Target::start_with_env(dir, &demo_config(top, extra), env);
     assert!(
         t.ready().contains("1 of 1 listener(s) bound"),
         "{}",

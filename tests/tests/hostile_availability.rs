@@ -233,6 +233,118 @@ fn trickling_scrapers_cannot_blind_the_monitoring() {
     s.finish();
 }
 
+/// Scrapers that ask for the page and never read it, from `src`: each connection with a tiny
+/// receive buffer and segment size (set before the connect, so that the window it offers stays
+/// tiny and the target's send queue for it small), a whole
+/// `GET /metrics`, then nothing. The thread keeps one such connection being answered, and
+/// reopens it all the time: every 300 ms it opens another, and once that one is answered (its
+/// status line came) drops the older; turned away (503) or closed unanswered, it tries again
+/// at once. Until stopped; returns how many it opened.
+fn non_reader(port: u16, src: Ipv4Addr, stop: Arc<AtomicBool>) -> std::thread::JoinHandle<usize> {
+    use nix::sys::socket::{
+        bind, connect, setsockopt, socket,
+        sockopt::{RcvBuf, TcpMaxSeg},
+        AddressFamily, SockFlag, SockType, SockaddrIn,
+    };
+    use std::io::Write;
+    use std::net::{SocketAddrV4, TcpStream};
+    use std::os::fd::AsRawFd;
+    std::thread::spawn(move || {
+        let mut opened = 0;
+        let mut _held = None;
+        while !stop.load(Ordering::SeqCst) {
+            let fd = socket(
+                AddressFamily::Inet,
+                SockType::Stream,
+                SockFlag::SOCK_CLOEXEC,
+                None,
+            )
+            .unwrap();
+            setsockopt(&fd, RcvBuf, &1024).unwrap();
+            // A small segment size too: the target's send queue for the connection is sized by
+            // it (on loopback's 64 KiB segments it would take the whole page).
+            setsockopt(&fd, TcpMaxSeg, &536).unwrap();
+            bind(fd.as_raw_fd(), &SockaddrIn::from(SocketAddrV4::new(src, 0))).unwrap();
+            let to = SockaddrIn::from(SocketAddrV4::new(Ipv4Addr::LOCALHOST, port));
+            connect(fd.as_raw_fd(), &to).unwrap();
+            let mut s = TcpStream::from(fd);
+            s.set_read_timeout(Some(WAIT)).unwrap();
+            opened += 1;
+            if s.write_all(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+                .is_err()
+            {
+                continue;
+            }
+            // A look at the status line, without taking it off the socket.
+            let mut head = [0u8; 12];
+            if !matches!(s.peek(&mut head), Ok(12)) || &head != b"HTTP/1.1 200" {
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+            // The older one goes (a reset: its answer is unread).
+            _held = Some(s);
+            let until = Instant::now() + Duration::from_millis(300);
+            while !stop.load(Ordering::SeqCst) && Instant::now() < until {
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        }
+        opened
+    })
+}
+
+/// Scrapers from the scraper's own address that ask for the page and never read it, as many
+/// as its cap (4), reopened all the time: their answers cannot leave, but every scrape is
+/// answered 200, because an answer being written gives its place up to a newcomer, first of
+/// all one whose write makes no progress (before: they stayed being answered until the 5 s
+/// write deadline, so the scraper found its address's places all taken: 503).
+#[test]
+fn scrapers_that_never_read_cannot_blind_the_monitoring() {
+    let mport = rpma_tests::free_port();
+    // The page of a target with 160 more namespaces (~170 KB): more than the target's send
+    // queue takes for a connection offering a tiny window, so that an answer not read stays
+    // stuck (the fixture's own 23 KB page would go into the queue at once).
+    let many: String = (0..4)
+        .map(|k| {
+            let sub =
+                rpma_tests::Subsystem::new(&format!("nqn.2026-11.io.rpma:many-{k}")).any_host();
+            (1..=40)
+                .fold(sub, |sub, n| {
+                    sub.namespace(rpma_tests::Namespace::new(n, &format!("m{k}-{n}"), "64KiB"))
+                })
+                .to_string()
+        })
+        .collect();
+    let mut s = Suite::start_with(
+        &format!("metrics_listen = \"127.0.0.1:{mport}\""),
+        &many.to_string(),
+    );
+    let stop = Arc::new(AtomicBool::new(false));
+    let attackers: Vec<_> = (0..4)
+        .map(|_| non_reader(mport, HOST_ADDR, Arc::clone(&stop)))
+        .collect();
+    // Every place of the scraper's address is held by a non-reader before the first scrape.
+    let deadline = Instant::now() + WAIT;
+    while s.t.status()["metrics_listener"]["serving"] != 4 {
+        assert!(
+            Instant::now() < deadline,
+            "the non-readers are not all served"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let addr = format!("127.0.0.1:{mport}");
+    for i in 0..20 {
+        let page = rpma_tests::metrics::scrape(&addr);
+        assert!(page.contains("rpma_target_build_info"), "scrape {i}");
+        // Spread over the attackers' reopening.
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    stop.store(true, Ordering::SeqCst);
+    let opened: usize = attackers.into_iter().map(|h| h.join().unwrap()).sum();
+    eprintln!("the non-readers opened {opened} connections; 20 of 20 scrapes answered");
+    s.unchanged("scrapers that never read, from the scraper's address");
+    s.finish();
+}
+
 /// One session on OPEN (allow_any_host) as `host`, from `src`: admitted, one GPSPM flush (so
 /// that it has something to count), a Disconnect.
 fn made_up_host_session(port: u16, src: Ipv4Addr, host: &str) {

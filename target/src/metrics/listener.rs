@@ -5,12 +5,15 @@
 //! - at most [`MAX_SCRAPERS`] connections are served at once, each on a thread of its own, and
 //!   at most [`MAX_PER_SOURCE`] of them from one source address;
 //! - a newcomer takes the place of an unfinished one the way the target's admission pools do:
-//!   if its address holds its cap, that address's oldest connection still sending its request
-//!   (or done, lingering to close) is closed for it; if all places are taken, the oldest such
-//!   connection of any address is. Only when every place it could take is answering a request
-//!   is it turned away (503), and answers are bounded by [`WRITE_DEADLINE`]. So trickling
-//!   connections, from any address or the scraper's own, cannot keep a real scrape out: its
-//!   request arrives in one packet and is answered long before it becomes the oldest;
+//!   if its address holds its cap, one of that address's connections is closed for it; if all
+//!   places are taken, one of any address. First the oldest that is done (lingering to close)
+//!   or whose answer's write has made no progress for [`WRITE_STALL`] (a client that asked and
+//!   does not read); failing those, the oldest still sending its request or being written to.
+//!   Only when every place it could take is rendering an answer, or holds a whole request its
+//!   thread has yet to read, is it turned away (503), and answers are bounded by
+//!   [`WRITE_DEADLINE`]. So trickling or non-reading connections, from
+//!   any address or the scraper's own, cannot keep a real scrape out: its request arrives in
+//!   one packet, its answer leaves at once (into the socket's buffers), and it is the newest;
 //! - the whole request has one deadline: its head must arrive within [`REQUEST_DEADLINE`] of
 //!   the accept (a slowloris is cut off there with a 408, however it trickles), and may be at
 //!   most [`MAX_REQUEST`] bytes (431 past it); nothing after the head is read;
@@ -42,6 +45,9 @@ pub const MAX_REQUEST: usize = 8192;
 pub const REQUEST_DEADLINE: Duration = Duration::from_secs(5);
 /// How long the answer may take to leave.
 pub const WRITE_DEADLINE: Duration = Duration::from_secs(5);
+/// How long an answer's write may make no progress before its place is the first a newcomer
+/// takes.
+pub const WRITE_STALL: Duration = Duration::from_millis(200);
 
 /// Errors of the metrics listener.
 #[derive(Debug, thiserror::Error)]
@@ -141,8 +147,12 @@ impl Drop for MetricsServer {
 enum Phase {
     /// Its request head is being read: a newcomer may take its place.
     Reading,
-    /// The answer is being rendered and written (bounded by [`WRITE_DEADLINE`]).
+    /// The answer is being rendered: not evictable.
     Answering,
+    /// The answer is being written (bounded by [`WRITE_DEADLINE`]): evictable, with those
+    /// reading; first of all once its write has made no progress for [`WRITE_STALL`]
+    /// (`stalled`), so that clients that ask and never read cannot keep the places.
+    Writing { stalled: bool },
     /// The answer is out; the connection lingers to close cleanly: evictable.
     Closing,
 }
@@ -185,18 +195,31 @@ impl Slots {
             return None;
         }
         let mut p = self.lock();
-        let evictable = |h: &Held| h.phase != Phase::Answering;
+        // First the oldest done (closing) or not read (its answer's write stalled); failing
+        // those, the oldest still sending its request or being written to; never one whose
+        // answer is being rendered, or whose whole request waits to be read (its thread has
+        // not run yet: a real scrape on a busy machine). A newcomer is the newest: it goes last.
+        let idle = |h: &Held| match h.phase {
+            Phase::Closing | Phase::Writing { stalled: true } => true,
+            Phase::Reading | Phase::Answering | Phase::Writing { stalled: false } => false,
+        };
+        let busy = |h: &Held| match h.phase {
+            Phase::Reading => !h.sock.as_ref().is_some_and(head_waits),
+            Phase::Writing { .. } => true,
+            Phase::Answering | Phase::Closing => false,
+        };
+        let oldest = |p: &Places, of: &dyn Fn(&Held) -> bool| {
+            let find = |f: &dyn Fn(&Held) -> bool| {
+                p.held.iter().find(|(_, h)| of(h) && f(h)).map(|(&k, _)| k)
+            };
+            find(&idle).or_else(|| find(&busy))
+        };
         let mine = p.held.values().filter(|h| h.source == source).count();
         let mut victim = None;
         if mine >= MAX_PER_SOURCE {
-            victim = Some(
-                p.held
-                    .iter()
-                    .find(|(_, h)| h.source == source && evictable(h))
-                    .map(|(&k, _)| k)?,
-            );
+            victim = Some(oldest(&p, &|h| h.source == source)?);
         } else if p.held.len() >= MAX_SCRAPERS {
-            victim = Some(p.held.iter().find(|(_, h)| evictable(h)).map(|(&k, _)| k)?);
+            victim = Some(oldest(&p, &|_| true)?);
         }
         if let Some(v) = victim {
             if let Some(h) = p.held.remove(&v) {
@@ -389,6 +412,20 @@ fn head_end(buf: &[u8]) -> Option<usize> {
     buf.windows(4).position(|w| w == b"\r\n\r\n").map(|i| i + 4)
 }
 
+/// Whether the end of a request head waits, unread, in `sock` (looked at without taking it off
+/// the socket, and without blocking: the socket's own mode is its serving thread's).
+fn head_waits(sock: &TcpStream) -> bool {
+    use nix::sys::socket::{recv, MsgFlags};
+    use std::os::fd::AsRawFd;
+    let mut buf = [0u8; MAX_REQUEST];
+    recv(
+        sock.as_raw_fd(),
+        &mut buf,
+        MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT,
+    )
+    .is_ok_and(|n| head_end(&buf[..n]).is_some())
+}
+
 /// Why no request head was read.
 #[derive(Debug, PartialEq, Eq)]
 enum NoHead {
@@ -437,20 +474,37 @@ fn read_head(
 
 /// Writes all of `buf` within `deadline`, or fails: a socket's write timeout bounds each send
 /// only, so a client that reads a little now and then would hold a scrape slot for as long as
-/// it likes.
-fn write_within(conn: &mut TcpStream, buf: &[u8], deadline: Duration) -> std::io::Result<()> {
+/// it likes. Tells `stalled` when the write has made no progress for [`WRITE_STALL`] (true)
+/// and when it moves again (false); gives up if that returns false (the place was taken).
+fn write_within(
+    conn: &mut TcpStream,
+    buf: &[u8],
+    deadline: Duration,
+    mut stalled: impl FnMut(bool) -> bool,
+) -> std::io::Result<()> {
     let until = Instant::now() + deadline;
     let mut at = 0;
+    let mut stuck = false;
     while at < buf.len() {
         let left = until.saturating_duration_since(Instant::now());
         if left.is_zero() {
             return Err(ErrorKind::TimedOut.into());
         }
-        conn.set_write_timeout(Some(left))?;
+        conn.set_write_timeout(Some(left.min(WRITE_STALL)))?;
         match conn.write(&buf[at..]) {
             Ok(0) => return Err(ErrorKind::WriteZero.into()),
-            Ok(n) => at += n,
+            Ok(n) => {
+                at += n;
+                if std::mem::take(&mut stuck) && !stalled(false) {
+                    return Err(ErrorKind::ConnectionAborted.into());
+                }
+            }
             Err(e) if e.kind() == ErrorKind::Interrupted => {}
+            Err(e) if matches!(e.kind(), ErrorKind::WouldBlock | ErrorKind::TimedOut) => {
+                if !std::mem::replace(&mut stuck, true) && !stalled(true) {
+                    return Err(ErrorKind::ConnectionAborted.into());
+                }
+            }
             Err(e) => return Err(e),
         }
     }
@@ -487,8 +541,13 @@ fn serve(mut conn: TcpStream, page: &PageFn, slot: &Slot, accepted: Instant) {
             Request::Bad => response("400 Bad Request", &[], b"not an HTTP/1.x request\n"),
         },
     };
-    let written = write_within(&mut conn, &answer, WRITE_DEADLINE);
-    // Done: from now on a newcomer may take this place.
+    let writing = |stalled| slot.slots.set(slot.serial, Phase::Writing { stalled });
+    // From here, a newcomer may take this place, first if the client does not read.
+    if !writing(false) {
+        return;
+    }
+    let written = write_within(&mut conn, &answer, WRITE_DEADLINE, writing);
+    // Done: from now on this place is among the first a newcomer takes.
     if written.is_err() || !slot.slots.set(slot.serial, Phase::Closing) {
         return;
     }

@@ -24,7 +24,7 @@ use rpma_common::fabric::soft::wire::tx::encode_fpdu;
 use rpma_common::fabric::soft::wire::{crc32c, fpdu_len, Header, Opcode, TermCause, Terminate};
 use rpma_common::proto::{Connect, ConnectResponse, HostId, Message, NamespaceDescriptor};
 use rpma_initiator::{Connection, HostIdentity};
-use rpma_tests::sessions::{start, OPEN, PLAIN, SUB, WAIT};
+use rpma_tests::sessions::{start_with_extra, OPEN, PLAIN, SUB, WAIT};
 use rpma_tests::{noise, nqn, opts, scratch, tcp_from, Target};
 
 /// What one read from a peer that sends nothing more may wait.
@@ -376,12 +376,17 @@ pub struct Suite {
 }
 
 impl Suite {
-    /// `top`: settings before the subsystems (as [`start`]'s).
+    /// `top`: settings before the subsystems (as [`rpma_tests::sessions::start`]'s).
     pub fn start(top: &str) -> Suite {
+        Suite::start_with(top, "")
+    }
+
+    /// As [`Suite::start`], with `extra` after SUB's namespaces (as [`start_with_extra`]'s).
+    pub fn start_with(top: &str, extra: &str) -> Suite {
         let dir = scratch();
         std::fs::write(dir.path().join("ns1"), noise(1, 2 << 20)).unwrap();
         std::fs::write(dir.path().join("ns3"), noise(3, 1 << 20)).unwrap();
-        let t = start(dir.path(), top);
+        let t = start_with_extra(dir.path(), top, extra, &[]);
         let legit = Legit::start(&t.url());
         let mut s = Suite {
             t,

@@ -162,6 +162,101 @@ fn places_taken_by_answers_are_not_evicted() {
     assert_eq!(slots.lock().evicted, 2);
 }
 
+/// An answer being written gives its place up to a newcomer, first of all once its write has
+/// stalled (a client that asks and never reads held its place until WRITE_DEADLINE: with its
+/// address's places so held, the scraper got 503); a moving one goes by age, with those
+/// still sending their request.
+#[test]
+fn places_of_answers_being_written_are_taken_stalled_first() {
+    let slots = Slots::default();
+    let a: IpAddr = "192.0.2.1".parse().unwrap();
+    let writing = |stalled| Phase::Writing { stalled };
+    let mine: Vec<u64> = (0..MAX_PER_SOURCE)
+        .map(|_| slots.take(a, None).unwrap())
+        .collect();
+    assert!(slots.set(mine[0], writing(false)));
+    assert!(slots.set(mine[2], writing(true)));
+    assert!(slots.set(mine[3], writing(false)));
+    let n = slots.take(a, None).unwrap();
+    assert!(
+        !slots.set(mine[2], Phase::Answering),
+        "the stalled one went first"
+    );
+    let m = slots.take(a, None).unwrap();
+    assert!(
+        !slots.set(mine[0], Phase::Answering),
+        "then the oldest, writing"
+    );
+    slots.take(a, None).unwrap();
+    assert!(
+        !slots.set(mine[1], Phase::Answering),
+        "then the oldest, reading"
+    );
+    assert!(slots.set(mine[3], writing(false)));
+    assert!(slots.set(n, Phase::Answering) && slots.set(m, Phase::Answering));
+}
+
+/// A connection whose whole request waits to be read (its thread has not run yet) keeps its
+/// place: a real scrape on a busy machine is not closed for a newcomer; a trickle is.
+#[test]
+fn a_request_that_arrived_whole_keeps_its_place() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let slots = Slots::default();
+    let a: IpAddr = "192.0.2.1".parse().unwrap();
+    let mut clients = Vec::new();
+    let mut mine = Vec::new();
+    for i in 0..MAX_PER_SOURCE {
+        let mut c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+        let (conn, _) = l.accept().unwrap();
+        let sent: &[u8] = match i {
+            0 | 2 => b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n",
+            _ => b"GET /metrics HTTP/1.1\r\nHo",
+        };
+        c.write_all(sent).unwrap();
+        clients.push(c);
+        mine.push(slots.take(a, Some(conn)).unwrap());
+    }
+    // The bytes are there before they are looked at.
+    let until = Instant::now() + Duration::from_secs(30);
+    while !slots
+        .lock()
+        .held
+        .values()
+        .filter_map(|h| h.sock.as_ref())
+        .filter(|s| head_waits(s))
+        .count()
+        .eq(&2)
+    {
+        assert!(Instant::now() < until, "the requests arrived");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    slots.take(a, None).unwrap();
+    assert!(slots.set(mine[0], Phase::Reading), "whole: kept");
+    assert!(
+        !slots.set(mine[1], Phase::Reading),
+        "the oldest trickle went"
+    );
+    slots.take(a, None).unwrap();
+    assert!(!slots.set(mine[3], Phase::Reading), "then the next");
+}
+
+/// The write says when it stalls and when it moves again, and gives up when told to.
+#[test]
+fn a_write_that_makes_no_progress_says_so() {
+    let l = TcpListener::bind("127.0.0.1:0").unwrap();
+    let c = TcpStream::connect(l.local_addr().unwrap()).unwrap();
+    let (mut conn, _) = l.accept().unwrap();
+    let mut said = Vec::new();
+    // Nobody reads: it stalls, is told its place is gone, and gives up.
+    let r = write_within(&mut conn, &vec![7u8; 64 << 20], WRITE_DEADLINE, |s| {
+        said.push(s);
+        false
+    });
+    assert_eq!(r.map_err(|e| e.kind()), Err(ErrorKind::ConnectionAborted));
+    assert_eq!(said, [true]);
+    drop(c);
+}
+
 #[test]
 fn dropping_the_server_closes_the_port() {
     let s = server();
@@ -200,7 +295,12 @@ fn a_slow_reader_does_not_stretch_an_answer_past_the_deadline() {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         let t = Instant::now();
-        let r = write_within(&mut conn, &vec![7u8; 256 << 20], Duration::from_millis(500));
+        let r = write_within(
+            &mut conn,
+            &vec![7u8; 256 << 20],
+            Duration::from_millis(500),
+            |_| true,
+        );
         let _ = tx.send((r.map_err(|e| e.kind()), t.elapsed()));
     });
     let (r, took) = rx
