@@ -111,6 +111,7 @@ mod tests {
             failure: None,
             simulation: None,
             unavailable: None,
+            identity: 1,
         }
     }
 

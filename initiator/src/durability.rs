@@ -224,6 +224,7 @@ mod tests {
             failure: None,
             simulation: None,
             unavailable: None,
+            identity: 1,
         }
     }
 

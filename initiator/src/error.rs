@@ -273,7 +273,9 @@ pub enum Error {
         #[source]
         last: Box<Error>,
     },
-    /// After a reconnect the namespace is gone or has another size or mode.
+    /// After a reconnect the namespace is gone, maps another file (a restored file moved over
+    /// its path) or has another size or mode: the queue gives up, and the writes it held are
+    /// not re-issued.
     #[error("namespace {nsid} changed across a reconnect: {what}")]
     NamespaceChanged {
         /// Namespace.

@@ -234,6 +234,39 @@ pub struct CountersSnapshot {
     pub sessions: u64,
 }
 
+/// The identity of namespace `nsid` of `subsystem` mapping `mapping`'s file, for the wire's
+/// [`NamespaceDescriptor::identity`](rpma_common::proto::NamespaceDescriptor::identity): the
+/// first 8 bytes of a SHA-256 over them and the file's device and inode (a devdax device's
+/// device number: its node's inode is new at every boot), so that hosts learn whether a
+/// reconnect found the same file without learning where it lives. A reopening of the same
+/// file (a reload, a cleared failure, a restart) keeps it; a file moved over the path, or a
+/// symlink retargeted, changes it. Memory of no file (unit tests) hashes zeros.
+pub fn identity_of(subsystem: &Nqn, nsid: u32, mapping: &Mapping) -> u64 {
+    use sha2::{Digest, Sha256};
+    let file = mapping
+        .backing_fd()
+        .and_then(|fd| nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok())
+        .map_or((0, 0, 0), |st| {
+            if st.st_mode & libc::S_IFMT == libc::S_IFCHR {
+                (1, st.st_rdev, 0)
+            } else {
+                (2, st.st_dev, st.st_ino)
+            }
+        });
+    let mut h = Sha256::new();
+    h.update(b"rpma namespace identity v1\0");
+    h.update(subsystem.as_str().as_bytes());
+    h.update([0]);
+    h.update(nsid.to_le_bytes());
+    h.update([file.0]);
+    h.update(file.1.to_le_bytes());
+    h.update(file.2.to_le_bytes());
+    let d = h.finalize();
+    let mut first = [0u8; 8];
+    first.copy_from_slice(&d[..8]);
+    u64::from_le_bytes(first)
+}
+
 /// A mapped namespace.
 #[derive(Debug)]
 pub struct OpenNamespace {
@@ -257,6 +290,8 @@ pub struct OpenNamespace {
     ledger: Option<Arc<FailureLedger>>,
     /// The claim every opening of its file in this process shares (None for no file).
     claim: Option<Arc<claim::Claim>>,
+    /// Which file it maps, as hosts are told ([`identity_of`]).
+    identity: u64,
 }
 
 impl OpenNamespace {
@@ -366,7 +401,9 @@ impl OpenNamespace {
             .map(Failed::sync_failure)
             .or(failed)
             .or(live_failure);
+        let identity = identity_of(subsystem, ns.nsid, &mapping);
         let opened = OpenNamespace {
+            identity,
             subsystem: subsystem.clone(),
             config: ns.clone(),
             mapping,
@@ -494,6 +531,11 @@ impl OpenNamespace {
         let fd = self.mapping.backing_fd()?;
         let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
         Some((st.st_dev, st.st_ino))
+    }
+
+    /// Which file it maps, as its descriptor tells hosts ([`identity_of`]).
+    pub fn identity(&self) -> u64 {
+        self.identity
     }
 
     /// The domain as every interface shows it, with the power-loss simulation's label when

@@ -275,6 +275,8 @@ fn descriptor(mr: &MemoryRegion) -> NamespaceDescriptor {
         failure: None,
         simulation: None,
         unavailable: None,
+        // The same file across the reconnects the tests wait for.
+        identity: 1,
     }
 }
 

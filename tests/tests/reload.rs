@@ -306,3 +306,79 @@ fn a_reload_after_the_namespace_symlink_was_retargeted_serves_the_new_file() {
     std::fs::rename(d.path().join("ns1.new"), d.path().join("ns1")).unwrap();
     serves_the_new_file_across_a_restart(&mut t, "the file the link names now");
 }
+
+/// A queue of PLAIN on SUB (the library's, which reconnects and re-issues what it holds), with
+/// 4 KiB of 0x11 made durable at 0 and 4 KiB of 0x22 written at 4096: acknowledged, held by
+/// the queue, not durable yet.
+fn queue_holding_a_write(t: &rpma_tests::Target) -> rpma_initiator::Queue {
+    use rpma_initiator::{Connection, HostIdentity};
+    let mut q = Connection::new(&t.url(), nqn(SUB), HostIdentity::new(nqn(PLAIN)))
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(1).unwrap();
+    assert!(ns.write_durable(0, &[0x11; 4096]).unwrap().is_durable());
+    ns.write_at(4096, &[0x22; 4096]).unwrap();
+    q
+}
+
+/// Reloads `t` and waits until its poll loop closed the sessions of the changed namespace (it
+/// hears of the reload after READY=1): a request sent before then is served by the old
+/// opening, as any before the reload.
+fn reload_closing_sessions(t: &mut rpma_tests::Target) {
+    t.reload();
+    let closed = t.log_lines(&["changed by reload: closing"], Duration::from_secs(30));
+    assert!(!closed.is_empty(), "no session closed: {}", t.log());
+}
+
+/// A queue holding a write (acknowledged, not durable) when a reload maps a restored file at
+/// its namespace's path gives up with `NamespaceChanged`: the held write is not re-issued into
+/// the restored file, and no persist answers durable (the durable 0x11 is not in that file).
+/// (The queue compared size and mode only: it re-issued the write into the restored file and
+/// the persist answered durable, vouching for bytes the namespace no longer held.)
+#[test]
+fn a_queue_holding_writes_gives_up_when_a_reload_replaced_its_file() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let mut q = queue_holding_a_write(&t);
+    let restored = d.path().join("ns1.restored");
+    std::fs::write(&restored, vec![0u8; 2 << 20]).unwrap();
+    std::fs::rename(&restored, d.path().join("ns1")).unwrap();
+    reload_closing_sessions(&mut t);
+    match q.namespace(1).unwrap().persist(0, 8192) {
+        Err(Error::NamespaceChanged { nsid: 1, what }) => {
+            assert!(what.contains("another file"), "{what}")
+        }
+        other => panic!("expected NamespaceChanged, got {other:?}"),
+    }
+    assert!(matches!(
+        q.namespace(1).unwrap().persist(0, 8192),
+        Err(Error::Broken)
+    ));
+    let now = std::fs::read(d.path().join("ns1")).unwrap();
+    assert!(
+        now[..8192].iter().all(|&b| b == 0),
+        "the held write was re-issued into the restored file"
+    );
+}
+
+/// A reload that reopens the same file (a changed block size) keeps the namespace's identity:
+/// the queue reconnects, re-issues the write it held and makes it durable.
+#[test]
+fn a_queue_holding_writes_reissues_them_across_a_reload_of_the_same_file() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let mut q = queue_holding_a_write(&t);
+    let changed = demo_config("", "").replacen(
+        "path = \"ns1\"\nsize = \"2MiB\"",
+        "path = \"ns1\"\nsize = \"2MiB\"\nblock_size = 512",
+        1,
+    );
+    assert!(changed.contains("block_size = 512"));
+    t.rewrite(&changed);
+    reload_closing_sessions(&mut t);
+    let out = q.namespace(1).unwrap().persist(0, 8192).unwrap();
+    assert!(out.is_durable(), "{out:?}");
+    assert_eq!(q.reconnects(), 1);
+    let now = std::fs::read(d.path().join("ns1")).unwrap();
+    assert!(now[..4096] == [0x11; 4096] && now[4096..8192] == [0x22; 4096]);
+}

@@ -274,6 +274,7 @@ fn control_message() -> Vec<Vec<u8>> {
         failure: Some("EIO from msync".into()),
         simulation: Some("power-loss simulation (test only)".into()),
         unavailable: Some("cannot register: no ODP".into()),
+        identity: 0x0123_4567_89ab_cdef,
     };
     let msgs = vec![
         Message::Connect(connect),

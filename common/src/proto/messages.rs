@@ -173,6 +173,14 @@ pub struct NamespaceDescriptor {
     /// rkey (`remote_addr` and `rkey` are 0): nothing may be posted to it. The subsystem's
     /// other namespaces are served as usual. Since protocol version 5.
     pub unavailable: Option<String>,
+    /// Which file the target maps as this namespace: a hash of the subsystem, the nsid and
+    /// the file (its device and inode; a devdax device's device number), the same across
+    /// reloads that reopen that file and across restarts, another one once the path names
+    /// another file (a restored file moved into place, a retargeted symlink). A host that
+    /// reconnects compares it: writes it holds for a re-issue belong to the old file, and a
+    /// durability answer from the new one cannot vouch for what the old one was given.
+    /// Since protocol version 6.
+    pub identity: u64,
 }
 
 impl NamespaceDescriptor {

@@ -41,6 +41,7 @@ fn samples() -> Vec<Message> {
                     failure: None,
                     simulation: None,
                     unavailable: None,
+                    identity: 0x5eed_0000_0000_0001,
                 },
                 NamespaceDescriptor {
                     nsid: 2,
@@ -55,6 +56,7 @@ fn samples() -> Vec<Message> {
                     failure: Some("fdatasync failed: Input/output error (os error 5)".into()),
                     simulation: Some(crate::pmem::SIMULATION_LABEL.into()),
                     unavailable: Some("cannot register 1048576 bytes: no ODP".into()),
+                    identity: u64::MAX,
                 },
             ],
             queue_depth: 128,
@@ -108,7 +110,7 @@ fn fixed_layouts_are_exact() {
     };
     let b = r.encode();
     assert_eq!(b.len(), 32);
-    assert_eq!(&b[..4], &[5, 0x10, 0, 0]);
+    assert_eq!(&b[..4], &[6, 0x10, 0, 0]);
     assert_eq!(&b[4..8], &[1, 2, 3, 4]);
     assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
     assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
@@ -119,7 +121,7 @@ fn fixed_layouts_are_exact() {
         status: FlushStatus::IoError,
     }
     .encode();
-    assert_eq!(s, [5, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(s, [6, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
     let f = FlushResponse {
         token: 1,
         status: FlushStatus::NamespaceFailed,
@@ -132,7 +134,7 @@ fn fixed_layouts_are_exact() {
     );
     assert_eq!(
         KeepAlive { seq: 1 }.encode(),
-        [5, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+        [6, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     );
 }
 

@@ -250,8 +250,8 @@ impl Reconnect {
         e.give_up();
     }
 
-    /// One attempt: a new session whose namespaces still match the queue's (same size and
-    /// mode; healthy where writes are held), installed in `e` with the methods chosen again in
+    /// One attempt: a new session whose namespaces still match the queue's (the same file,
+    /// size and mode; healthy where writes are held), installed in `e` with the methods chosen again in
     /// `p`, and the held writes re-issued on it.
     fn try_reconnect(
         &self,
@@ -271,6 +271,18 @@ impl Reconnect {
                     what: "it is gone".into(),
                 });
             };
+            // Another file at the namespace's path (a restored one moved into place): the
+            // held writes belong to the old file, and a durability answer from this one
+            // cannot vouch for what that one was given.
+            if d.identity != old.identity {
+                return Err(Error::NamespaceChanged {
+                    nsid,
+                    what: format!(
+                        "the target maps another file as it now (identity {:016x} -> {:016x})",
+                        old.identity, d.identity
+                    ),
+                });
+            }
             if d.size != old.size || d.read_only != old.read_only {
                 return Err(Error::NamespaceChanged {
                     nsid,

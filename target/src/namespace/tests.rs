@@ -111,6 +111,37 @@ fn open_errors_name_the_namespace() {
     assert!(e.to_string().contains("namespace 3"), "{e}");
 }
 
+#[test]
+fn the_identity_follows_the_file_not_its_opening() {
+    let d = tempfile::tempdir().unwrap();
+    let ns = |nsid: u32| config::Namespace {
+        nsid,
+        path: d.path().join("n"),
+        size: Some(64 << 10),
+        block_size: 4096,
+        read_only: false,
+        force_dax: false,
+        grow: false,
+        prefault: false,
+        power_loss_simulation: None,
+    };
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let other = Nqn::new("nqn.2026-11.io.rpma:u").unwrap();
+    let first = OpenNamespace::open(&nqn, &ns(1)).unwrap().identity();
+    // Reopened (a reload, a restart): the same file, the same identity.
+    assert_eq!(OpenNamespace::open(&nqn, &ns(1)).unwrap().identity(), first);
+    // The same file as another namespace is not the same namespace.
+    assert_ne!(OpenNamespace::open(&nqn, &ns(2)).unwrap().identity(), first);
+    assert_ne!(
+        OpenNamespace::open(&other, &ns(1)).unwrap().identity(),
+        first
+    );
+    // A restored file moved over the path: another identity.
+    std::fs::write(d.path().join("restored"), vec![0u8; 64 << 10]).unwrap();
+    std::fs::rename(d.path().join("restored"), d.path().join("n")).unwrap();
+    assert_ne!(OpenNamespace::open(&nqn, &ns(1)).unwrap().identity(), first);
+}
+
 fn cfg(dir: &std::path::Path, extra: &str) -> config::Config {
     let text = format!(
         "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:t\"\nallow_any_host = true\n\

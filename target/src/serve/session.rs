@@ -172,6 +172,7 @@ pub(super) fn grant(
         failure: ns.failure().map(|f| f.to_string()),
         simulation: ns.mapping.simulation().map(|s| s.label()),
         unavailable: None,
+        identity: ns.identity(),
     };
     ns.counters.sessions.fetch_add(1, Ordering::Relaxed);
     Ok((
@@ -201,6 +202,7 @@ pub(super) fn unavailable(ns: &OpenNamespace, why: String) -> NamespaceDescripto
         unavailable: Some(format!(
             "the target cannot register it on this transport: {why}"
         )),
+        identity: ns.identity(),
     }
 }
 
