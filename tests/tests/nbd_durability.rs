@@ -196,6 +196,141 @@ fn a_loss_its_client_was_told_of_is_not_reported_to_the_next_connection() {
     assert_eq!(e.term().code(), Some(1), "{}", e.log());
 }
 
+/// Moves a zero-filled file of ns1's size over ns1 (an operator restoring a file).
+fn replace_ns1(t: &rpma_tests::Target) {
+    let restored = t.dir().join("ns1.restored");
+    std::fs::write(&restored, vec![0u8; NS1 as usize]).unwrap();
+    std::fs::rename(&restored, t.dir().join("ns1")).unwrap();
+}
+
+/// [`replace_ns1`], then a reload, waiting until the target's poll loop closed the sessions of
+/// the old file (it hears of the reload just after READY=1) and the export's idle queue heard
+/// of it (its keep-alive tick finds the connection closed and reconnects, or gives up): a
+/// FLUSH before then finds nothing to learn it from when no write is held.
+fn reload_replacing_ns1(t: &mut rpma_tests::Target, e: &Export) {
+    replace_ns1(t);
+    t.reload();
+    let closed = t.log_lines(&["changed by reload: closing"], WAIT);
+    assert!(!closed.is_empty(), "no session closed: {}", t.log());
+    let deadline = Instant::now() + WAIT;
+    let heard = |l: &str| {
+        [
+            "reconnected to",
+            "queue to the target failed",
+            "keep-alive with the target failed",
+        ]
+        .iter()
+        .any(|w| l.contains(w))
+    };
+    while !e.log().lines().any(heard) {
+        assert!(
+            Instant::now() < deadline,
+            "the export never heard: {}",
+            e.log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A reload that maps a restored file at the namespace's path, while the export's queue holds
+/// a write answered and not yet durable: the next FLUSH answers EIO (the earlier FLUSH's write
+/// is not in the namespace any more, and the held one is not re-issued into the new file),
+/// once; the export then serves the new file. (The queue re-issued the held write into the
+/// restored file and the FLUSH answered 0, vouching for a write the namespace did not hold.)
+#[test]
+fn a_flush_after_a_reload_replaced_the_namespace_file_answers_eio_once() {
+    let (_d, _shm, mut t) = start("replaced");
+    let mut e = Export::start(&t, 1, "replaced", &[]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[0x11; 4096]), 0);
+    assert_eq!(c.flush(), 0);
+    assert_eq!(c.write(0, 4096, &[0x22; 4096]), 0);
+    reload_replacing_ns1(&mut t, &e);
+    assert_eq!(c.flush(), EIO, "{}", e.log());
+    assert_eq!(c.flush(), 0, "reported once: {}", e.log());
+    assert!(c.read(0, 8192).unwrap() == [0; 8192], "{}", e.log());
+    assert_eq!(c.write(FUA, 0, &[0x33; 4096]), 0);
+    assert_eq!(cli_read(&t, 1, 0, 4096), [0x33; 4096]);
+    drop(c);
+    assert_eq!(e.term().code(), Some(1), "{}", e.log());
+}
+
+/// A reload that makes the exported namespace read-only (the clients were told it is
+/// writable): the queue gives up (counted as a loss: the next FLUSH answers EIO, once), and
+/// queues opened to it are refused, each request failing, rather than served with another
+/// mode than the export advertised. (The queue's give-up was not counted: that FLUSH answered
+/// 0.)
+#[test]
+fn a_namespace_a_reload_made_read_only_is_refused_by_the_export() {
+    let (_d, shm, mut t) = start("made-ro");
+    let e = Export::start(&t, 1, "made-ro", &[]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[0x11; 4096]), 0);
+    assert_eq!(c.flush(), 0);
+    let [n1, n2, n3, n4] = rpma_tests::four_namespaces(&shm, 512);
+    let sub = rpma_tests::Subsystem::new(SUB)
+        .any_host()
+        .namespaces([n1.read_only(), n2, n3, n4]);
+    t.rewrite(&rpma_tests::Config::new().subsystem(sub).to_string());
+    t.reload();
+    let closed = t.log_lines(&["changed by reload: closing"], WAIT);
+    assert!(!closed.is_empty(), "no session closed: {}", t.log());
+    e.log_line("the queue to the target failed");
+    assert_eq!(c.flush(), EIO, "{}", e.log());
+    assert_eq!(c.read(0, 4096), Err(EIO), "{}", e.log());
+    assert_eq!(c.read(0, 4096), Err(EIO), "{}", e.log());
+    assert_eq!(c.flush(), 0, "reported once: {}", e.log());
+}
+
+/// An export whose queue gave up (1 s of reconnecting) while the target was down, with the
+/// loss reported to connection `c` (its FLUSH answered EIO, once), and the target back with a
+/// restored file at ns1's path (a zero-filled one).
+fn restored_after_the_queue_gave_up(
+    tag: &str,
+) -> (
+    tempfile::TempDir,
+    rpma_tests::Shm,
+    rpma_tests::Target,
+    Export,
+    Raw,
+) {
+    let (d, shm, mut t) = start(tag);
+    let e = Export::start(&t, 1, tag, &["--reconnect-timeout", "1"]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[0x11; 4096]), 0);
+    assert_eq!(c.flush(), 0);
+    t.kill9();
+    e.log_line("the queue to the target failed");
+    assert_eq!(c.flush(), EIO, "the queue gave up");
+    assert_eq!(c.flush(), 0, "reported once");
+    replace_ns1(&t);
+    t.restart();
+    (d, shm, t, e, c)
+}
+
+/// The queue that replaces the one that gave up finds another file: a loss of its own,
+/// reported by the next FLUSH (after the one that reported the queue); the export serves the
+/// new file. (The replacement was served as if nothing had happened: that FLUSH answered 0.)
+#[test]
+fn a_replacement_queue_to_a_restored_file_is_reported_as_a_loss() {
+    let (_d, _shm, _t, e, mut c) = restored_after_the_queue_gave_up("restored");
+    assert!(c.read(0, 4096).unwrap() == [0; 4096], "{}", e.log());
+    assert_eq!(c.flush(), EIO, "another file: {}", e.log());
+    assert_eq!(c.flush(), 0, "reported once");
+}
+
+/// A client that connects then gets a queue of its own (the first connection holds the
+/// export's cell), to the new file: a loss, so the first connection's FLUSH answers EIO (its
+/// durable write is not in the namespace any more). (The new client's queue was served as if
+/// nothing had happened, and that FLUSH answered 0.)
+#[test]
+fn a_new_clients_queue_to_a_restored_file_is_reported_as_a_loss() {
+    let (_d, _shm, _t, e, mut a) = restored_after_the_queue_gave_up("restored-new");
+    let mut b = Raw::connect(&e.sock);
+    assert!(b.read(0, 4096).unwrap() == [0; 4096], "{}", e.log());
+    assert_eq!(a.flush(), EIO, "another file: {}", e.log());
+}
+
 /// Two FLUSHes at once on two connections: the second, which covers the first connection's
 /// write too (`CAN_MULTI_CONN`), is answered only after the first made that write durable,
 /// whose persist waits here in the first connection's stalled link. (The first FLUSH marked

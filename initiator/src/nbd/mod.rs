@@ -89,18 +89,19 @@ pub enum NbdError {
         #[source]
         source: crate::Error,
     },
-    /// A queue to the target was given up during the run (its reconnect budget spent): writes
+    /// A queue to the target was given up during the run (its reconnect budget spent, or the
+    /// namespace changed), or the target mapped another file as the namespace: writes
     /// acknowledged before that and not made durable yet may be lost, and the final flush,
     /// which made the others durable, cannot vouch for them.
     #[error(
-        "{losses} queue(s) to the target of namespace {nsid} gave up during this run: writes \
-         acknowledged before that and not yet durable may be lost (each connection open then \
-         had its next FLUSH answered EIO)"
+        "{losses} queue(s) to the target of namespace {nsid} gave up during this run, or found \
+         another file in its place: writes acknowledged before that and not yet durable may be \
+         lost (each connection open then had its next FLUSH answered EIO)"
     )]
     WritesLost {
         /// Namespace.
         nsid: u32,
-        /// How many queues gave up.
+        /// How many queues gave up or found another file.
         losses: u64,
     },
 }

@@ -151,7 +151,19 @@ pub(crate) struct Shared {
     /// request where the replay memory's registration did not: the copying way stays.
     pub(crate) in_place: bool,
     pub(crate) opts: ExportOptions,
+    /// The namespace as the export found it at start-up: what its clients were told (size,
+    /// block size, read-only). Its `identity` is the first file's: [`Shared::identity`] is
+    /// the file served now.
     pub(crate) desc: NamespaceDescriptor,
+    /// The identity of the file the export serves ([`NamespaceDescriptor::identity`]): the
+    /// first queue's, then that of the file a later queue found in its place.
+    identity: AtomicU64,
+    /// A loss was counted for a queue that gave up on finding the namespace changed, and no
+    /// queue opened since was checked: the change the next one finds is reported already.
+    change_counted: AtomicBool,
+    /// Queues are refused because the namespace no longer matches `desc` (the loss is
+    /// counted once, not per refused queue).
+    refusing: AtomicBool,
     pub(crate) info: ExportInfo,
     pub(crate) stopping: AtomicBool,
     /// Requests answered, over all clients.
@@ -194,6 +206,9 @@ impl Shared {
             in_place: conn.registers_freely(),
             conn,
             opts,
+            identity: AtomicU64::new(desc.identity),
+            change_counted: AtomicBool::new(false),
+            refusing: AtomicBool::new(false),
             desc,
             info,
             stopping: AtomicBool::new(false),
@@ -229,7 +244,7 @@ impl Shared {
         }
         let qid = self.next_qid.fetch_add(1, Ordering::SeqCst);
         // Not under the list's lock: an attempt may take up to the connect time-out.
-        let opened = self.conn.open_queue_once(qid);
+        let opened = self.conn.open_queue_once(qid).and_then(|q| self.checked(q));
         let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
         match opened {
             Ok(q) => {
@@ -351,7 +366,7 @@ impl Shared {
         f: impl FnOnce(&mut Namespace<'_>) -> crate::Result<T>,
     ) -> crate::Result<T> {
         if g.is_none() {
-            let q = self.conn.open_queue_once(cell.qid)?;
+            let q = self.checked(self.conn.open_queue_once(cell.qid)?)?;
             cell.order.store(q.order_id(), Ordering::SeqCst);
             info!("nbd: reconnected to the target with a new queue");
             **g = Some(q);
@@ -366,11 +381,94 @@ impl Shared {
         r
     }
 
-    /// After an error of a locked cell's queue: drops a queue that gave up; the next request
-    /// opens a new one.
+    /// A queue opened after the export started (a replacement after a loss, a new client's),
+    /// checked against what the export serves. Another file in the namespace's place (a
+    /// restored file a reload or restart mapped: another identity) is a loss, counted as a
+    /// queue that gave up is (the writes answered before, durable ones too, are not in it: the
+    /// next FLUSH of every connection answers EIO once), and the export serves that file from
+    /// then on. Another size, block size or mode than the clients were told, or no such
+    /// namespace, is refused: the queue is closed and the request fails (a loss, counted
+    /// once while the refusals last).
+    ///
+    /// # Errors
+    /// [`Error::NamespaceChanged`] for a refused queue.
+    fn checked(&self, q: Queue) -> crate::Result<Queue> {
+        let nsid = self.opts.nsid;
+        let found = q.namespaces().into_iter().find(|d| d.nsid == nsid);
+        let want = &self.desc;
+        let d = match found {
+            Some(d)
+                if d.size == want.size
+                    && d.block_size == want.block_size
+                    && d.read_only == want.read_only =>
+            {
+                d
+            }
+            other => {
+                let what = other.map_or_else(
+                    || "it is gone".to_owned(),
+                    |d| {
+                        format!(
+                            "size {} -> {}, block size {} -> {}, read-only {} -> {}",
+                            want.size,
+                            d.size,
+                            want.block_size,
+                            d.block_size,
+                            want.read_only,
+                            d.read_only
+                        )
+                    },
+                );
+                let reported = self.change_counted.swap(false, Ordering::SeqCst);
+                if !self.refusing.swap(true, Ordering::SeqCst) {
+                    error!(
+                        "nbd: namespace {nsid} is not what the export told its clients any more \
+                         ({what}): refusing it, every request fails with EIO until it matches \
+                         again or the export is restarted"
+                    );
+                    if !reported {
+                        self.losses.fetch_add(1, Ordering::SeqCst);
+                    }
+                }
+                let _ = q.close();
+                return Err(Error::NamespaceChanged { nsid, what });
+            }
+        };
+        self.refusing.store(false, Ordering::SeqCst);
+        let reported = self.change_counted.swap(false, Ordering::SeqCst);
+        let was = self.identity.swap(d.identity, Ordering::SeqCst);
+        if was != d.identity {
+            error!(
+                "nbd: the target maps another file as namespace {nsid} now (identity {was:016x} \
+                 -> {:016x}: a restored file moved into place?): writes answered before may not \
+                 be in it, so the next FLUSH of every connection answers EIO; serving that file \
+                 from now on",
+                d.identity
+            );
+            if !reported {
+                self.losses.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        Ok(q)
+    }
+
+    /// Whether `e` from a locked cell's queue means that the queue gave up: its reconnect
+    /// budget spent, or a reconnect found the namespace changed (another file, size or mode)
+    /// or failed while it held writes. (A NamespaceFailed answer to a persist leaves the
+    /// queue up: it still reads and writes.)
+    fn gave_up(g: &Held<'_>, e: &Error) -> bool {
+        matches!(e, Error::Broken | Error::ReconnectFailed { .. })
+            || g.as_ref().is_some_and(Queue::is_broken)
+    }
+
+    /// After an error of a locked cell's queue: drops a queue that gave up, counting the loss;
+    /// the next request opens a new one.
     pub(crate) fn check_lost(&self, g: &mut Held<'_>, e: &Error) {
-        if !matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
+        if !Self::gave_up(g, e) {
             return;
+        }
+        if matches!(e, Error::NamespaceChanged { .. }) {
+            self.change_counted.store(true, Ordering::SeqCst);
         }
         error!(
             "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable \
@@ -499,7 +597,7 @@ impl Shared {
             };
             if let Some(q) = g.as_mut() {
                 if let Err(e) = q.tick() {
-                    if matches!(e, Error::Broken | Error::ReconnectFailed { .. }) {
+                    if Self::gave_up(&g, &e) {
                         self.check_lost(&mut g, &e);
                     } else {
                         warn!("nbd: keep-alive with the target failed: {e}");

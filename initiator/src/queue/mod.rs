@@ -194,6 +194,13 @@ impl Queue {
         self.reconnect.reconnects()
     }
 
+    /// Whether the queue gave up (its reconnect budget spent, or a reconnect found its
+    /// namespaces changed, or failed where it held writes): every call now fails with
+    /// [`Error::Broken`](crate::Error::Broken).
+    pub fn is_broken(&self) -> bool {
+        self.reconnect.is_broken()
+    }
+
     /// Counters: requests posted, the most in flight at once, reconnects.
     pub fn stats(&self) -> QueueStats {
         let c = self.engine.counters();

@@ -117,6 +117,11 @@ impl Reconnect {
         self.reconnects
     }
 
+    /// Whether the queue gave up.
+    pub(super) fn is_broken(&self) -> bool {
+        self.broken
+    }
+
     /// The budget of a new call.
     ///
     /// # Errors
@@ -278,7 +283,8 @@ impl Reconnect {
                 return Err(Error::NamespaceChanged {
                     nsid,
                     what: format!(
-                        "the target maps another file as it now (identity {:016x} -> {:016x})",
+                        "the target maps another file as the namespace now (identity \
+                         {:016x} -> {:016x})",
                         old.identity, d.identity
                     ),
                 });
