@@ -236,23 +236,14 @@ pub struct CountersSnapshot {
 
 /// The identity of namespace `nsid` of `subsystem` mapping `mapping`'s file, for the wire's
 /// [`NamespaceDescriptor::identity`](rpma_common::proto::NamespaceDescriptor::identity): the
-/// first 8 bytes of a SHA-256 over them and the file's device and inode (a devdax device's
-/// device number: its node's inode is new at every boot), so that hosts learn whether a
-/// reconnect found the same file without learning where it lives. A reopening of the same
-/// file (a reload, a cleared failure, a restart) keeps it; a file moved over the path, or a
-/// symlink retargeted, changes it. Memory of no file (unit tests) hashes zeros.
+/// first 8 bytes of a SHA-256 over them and what tells the file apart ([`file_key`]), so that
+/// hosts learn whether a reconnect found the same file without learning where it lives. A
+/// reopening of the same file (a reload, a cleared failure, a restart, a reboot) keeps it; a
+/// file moved over the path, or a symlink retargeted, changes it. Memory of no file (unit
+/// tests) hashes zeros.
 pub fn identity_of(subsystem: &Nqn, nsid: u32, mapping: &Mapping) -> u64 {
     use sha2::{Digest, Sha256};
-    let file = mapping
-        .backing_fd()
-        .and_then(|fd| nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok())
-        .map_or((0, 0, 0), |st| {
-            if st.st_mode & libc::S_IFMT == libc::S_IFCHR {
-                (1, st.st_rdev, 0)
-            } else {
-                (2, st.st_dev, st.st_ino)
-            }
-        });
+    let file = mapping.backing_fd().map_or((0, 0, 0, 0), file_key);
     let mut h = Sha256::new();
     h.update(b"rpma namespace identity v1\0");
     h.update(subsystem.as_str().as_bytes());
@@ -261,10 +252,43 @@ pub fn identity_of(subsystem: &Nqn, nsid: u32, mapping: &Mapping) -> u64 {
     h.update([file.0]);
     h.update(file.1.to_le_bytes());
     h.update(file.2.to_le_bytes());
+    h.update(file.3.to_le_bytes());
     let d = h.finalize();
     let mut first = [0u8; 8];
     first.copy_from_slice(&d[..8]);
     u64::from_le_bytes(first)
+}
+
+/// What tells the file behind `fd` apart from any other, as stable as the file itself: a file's
+/// inode and birth time (both on disk: the device number is not, a reboot may renumber the
+/// filesystem's device), else (no birth time from this filesystem) its device and inode; a
+/// devdax device's device number (its node's inode is new at every boot). A kind byte first.
+fn file_key(fd: std::os::fd::BorrowedFd<'_>) -> (u8, u64, u64, u64) {
+    // SAFETY: a plain C struct of integers: all zeros is a valid value.
+    let mut stx: libc::statx = unsafe { std::mem::zeroed() };
+    // SAFETY: statx writes one such struct through the pointer, which outlives the call; the
+    // empty path with AT_EMPTY_PATH names the descriptor itself, kept open by `fd`.
+    let r = unsafe {
+        libc::statx(
+            std::os::fd::AsRawFd::as_raw_fd(&fd),
+            c"".as_ptr(),
+            libc::AT_EMPTY_PATH,
+            libc::STATX_TYPE | libc::STATX_INO | libc::STATX_BTIME,
+            &mut stx,
+        )
+    };
+    if r != 0 {
+        return (0, 0, 0, 0);
+    }
+    let dev = |major: u32, minor: u32| (u64::from(major) << 32) | u64::from(minor);
+    if u32::from(stx.stx_mode) & libc::S_IFMT == libc::S_IFCHR {
+        (1, dev(stx.stx_rdev_major, stx.stx_rdev_minor), 0, 0)
+    } else if stx.stx_mask & libc::STATX_BTIME != 0 {
+        let born = (stx.stx_btime.tv_sec as u64) << 32 | u64::from(stx.stx_btime.tv_nsec);
+        (3, stx.stx_ino, born, 0)
+    } else {
+        (2, dev(stx.stx_dev_major, stx.stx_dev_minor), stx.stx_ino, 0)
+    }
 }
 
 /// A mapped namespace.
