@@ -170,7 +170,7 @@ impl Engine {
     /// Posts `wrs` behind one doorbell once nothing is in flight.
     fn post_when_drained(&mut self, wrs: Vec<SendWr>) -> Result<()> {
         self.drain()?;
-        self.wait_fence();
+        self.wait_fence()?;
         self.doorbells += 1;
         let s = self.session()?;
         s.qp()

@@ -5,6 +5,8 @@
 //! there, with what was started after them, until completions make room. Each post counts
 //! what it sent ([`Counters`](super::Counters)).
 
+use std::time::Duration;
+
 use rpma_common::fabric::{QpState, SendOp, SendWr};
 
 use smallvec::SmallVec;
@@ -46,8 +48,8 @@ impl Engine {
             }
             slots.push((w.wr_id & !KIND_MASK) as usize);
         }
-        if writes > 0 {
-            self.wait_fence();
+        if writes > 0 || wrs.iter().any(is_atomic) {
+            self.wait_fence()?;
         }
         self.doorbells += 1;
         let s = self.session()?;
@@ -121,11 +123,20 @@ impl Engine {
     /// Waits out the connection's fence, if another queue of it gave up a connection that may
     /// still deliver older Writes until the target expires it
     /// ([`ReplayOrder::fence_until`](crate::replay::ReplayOrder::fence_until)): called before
-    /// every post with Writes.
-    pub(super) fn wait_fence(&self) {
+    /// every post with Writes or an atomic. Its own session's keep-alives go on meanwhile
+    /// (silent for the whole fence, the target would expire it too).
+    pub(super) fn wait_fence(&mut self) -> Result<()> {
         while let Some(left) = self.pool.fence_left() {
-            std::thread::sleep(left);
+            let s = self.session.as_mut().ok_or(Error::Broken)?;
+            // Its echoes are not read meanwhile: the silence is this wait's, not the target's.
+            match s.tick() {
+                Err(Error::KeepAliveLost { .. }) | Ok(()) => {}
+                Err(e) => return Err(e),
+            }
+            let nap = left.min(s.keep_alive() / 4).max(Duration::from_millis(1));
+            std::thread::sleep(nap);
         }
+        Ok(())
     }
 
     /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
@@ -135,6 +146,9 @@ impl Engine {
             return self.post_list(smallvec::smallvec![wr]);
         }
         let read = wr.wr_id & KIND_MASK == KIND_READ;
+        if is_atomic(&wr) {
+            self.wait_fence()?;
+        }
         self.doorbells += 1;
         let s = self.session()?;
         s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
@@ -142,6 +156,15 @@ impl Engine {
         self.note_posted();
         Ok(())
     }
+}
+
+/// Whether `wr` is an atomic (fenced as Writes are: a connection given up may still execute
+/// an older one).
+fn is_atomic(wr: &SendWr) -> bool {
+    matches!(
+        wr.op,
+        SendOp::CompareSwap { .. } | SendOp::FetchAdd { .. } | SendOp::AtomicWrite { .. }
+    )
 }
 
 /// The bytes a request reads (0: not a Read).
