@@ -937,5 +937,7 @@ fn a_keyed_host_takes_the_place_of_an_nvme_controller_in_a_full_target() {
         ctrl.admin.recv(),
         Err(rpma_tests::nvme::Error::Closed(_))
     ));
-    assert_eq!(t.status()["admission"]["sessions"]["evicted"], 1);
+    let st = t.status();
+    assert_eq!(st["admission"]["sessions"]["evicted"], 1);
+    assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 1, "{st}");
 }

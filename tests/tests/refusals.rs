@@ -149,7 +149,9 @@ fn a_keyed_host_takes_the_place_of_an_unproven_session_in_a_full_target() {
     // The keyed session works; the other unproven one is untouched.
     assert_eq!(k.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
     assert_eq!(open.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
-    assert_eq!(t.status()["admission"]["sessions"]["evicted"], 1);
+    let st = t.status();
+    assert_eq!(st["admission"]["sessions"]["evicted"], 1);
+    assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 1, "{st}");
     // Full again (the keyed session and the other): nothing that proves no key gets in.
     let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
     assert!(

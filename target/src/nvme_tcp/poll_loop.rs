@@ -357,10 +357,16 @@ impl Loop {
         for (key, c) in conns.iter_mut() {
             env.conn = *key;
             if c.queue.ticket.as_ref().is_some_and(Ticket::evicted) {
-                log::debug!(
-                    "{}: closed for a newer connection (the pool was full)",
-                    c.queue.peer
-                );
+                // An admitted controller's place went to a host that proved its key (the
+                // target was full); the others' to a newer connection of their pool.
+                if c.queue.is_admin() {
+                    c.queue.end(crate::metrics::EndReason::Evicted, &mut env);
+                } else {
+                    log::debug!(
+                        "{}: closed for a newer connection (the pool was full)",
+                        c.queue.peer
+                    );
+                }
                 c.queue.ticket = None;
                 c.queue.close(&mut env);
             }

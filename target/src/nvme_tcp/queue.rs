@@ -433,6 +433,11 @@ impl Queue {
     }
 
     /// Counts and logs the end of an I/O controller's session (once).
+    /// Whether it is an admitted controller's admin queue.
+    pub(crate) fn is_admin(&self) -> bool {
+        matches!(self.phase, Phase::Admin(_))
+    }
+
     pub(crate) fn end(&mut self, why: EndReason, env: &mut Env<'_>) {
         let Phase::Admin(a) = &self.phase else { return };
         if std::mem::replace(&mut self.ended, true) {
@@ -464,6 +469,9 @@ impl Queue {
         if let Phase::Admin(a) = &self.phase {
             a.ctrl.kill();
             env.effect(Effect::WakeAll);
+            // No session any more: its place in the unproven pool goes now, not after the
+            // linger (a keyed host evicting it would free nothing).
+            self.ticket = None;
         }
         if let Phase::Io(q) = &self.phase {
             q.ctrl.detach_io_queue(q.qid);

@@ -38,7 +38,7 @@ use rpma_common::proto::{
 };
 use rpma_common::stats::Stopwatch;
 
-use super::budget::Ticket;
+use super::budget::{Pool, Ticket};
 use super::peer_log::{peer_text, Class};
 use super::session::{Listed, Session};
 use super::{LoopTx, SessionInfo, Shared, LINGER};
@@ -268,6 +268,15 @@ impl Conn {
 
     /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
     pub(crate) fn goodbye(&mut self, reason: &str) {
+        // No session any more: not one a keyed host may take the place of (its place in the
+        // unproven pool goes with it, not after the linger).
+        if self
+            .ticket
+            .as_ref()
+            .is_some_and(|t| t.pool() == Pool::Unproven)
+        {
+            self.ticket = None;
+        }
         // Dropping the session deregisters its regions before the Disconnect is sent.
         self.phase = Phase::Closing {
             deadline: Instant::now() + LINGER,
