@@ -79,10 +79,11 @@ pub enum LedgerError {
         /// The file.
         path: PathBuf,
     },
-    /// Group or others may write the file.
+    /// Others may write the file, or another user owns it.
     #[error(
-        "state file {} has mode {mode:04o}: group or others may write it, and a rewritten file \
-         would make the daemon forget failed namespaces (chmod 600)",
+        "state file {} has mode {mode:04o} and owner uid {owner}: others may write it, or \
+         another user owns it, and a rewritten file would make the daemon forget failed \
+         namespaces (chown it to the daemon's user and chmod 600)",
         path.display()
     )]
     Permissions {
@@ -90,6 +91,8 @@ pub enum LedgerError {
         path: PathBuf,
         /// Its mode bits.
         mode: u32,
+        /// Its owner.
+        owner: u32,
     },
     /// The list does not fit in a slot.
     #[error("state file {}: {len} bytes of failures do not fit in {SLOT}", path.display())]
@@ -283,16 +286,21 @@ fn newest(path: &Path, buf: &[u8]) -> Result<Option<(u64, usize, Contents)>> {
     Ok(best)
 }
 
-/// Refuses a state file that group or others may write.
-fn check_mode(path: &Path, meta: &std::fs::Metadata) -> Result<()> {
+/// Refuses a state file that others may write or that another user owns. Returns whether
+/// its group may write it: the daemon's own file, as the unit's `UMask=0007` made it before
+/// the daemon created it 0600, which opening tightens (with a warning) rather than refusing
+/// to start after an upgrade.
+fn check_mode(path: &Path, meta: &std::fs::Metadata) -> Result<bool> {
+    use std::os::unix::fs::MetadataExt;
     let mode = meta.permissions().mode() & 0o7777;
-    if mode & 0o022 != 0 {
+    if mode & 0o002 != 0 || meta.uid() != nix::unistd::geteuid().as_raw() {
         return Err(LedgerError::Permissions {
             path: path.to_owned(),
             mode,
+            owner: meta.uid(),
         });
     }
-    Ok(())
+    Ok(mode & 0o020 != 0)
 }
 
 /// What the state file at `path` remembers, read without creating or changing anything
@@ -347,7 +355,20 @@ impl FailureLedger {
             .mode(0o600)
             .open(path)
             .map_err(io("open for writing"))?;
-        check_mode(path, &file.metadata().map_err(io("read"))?)?;
+        let meta = file.metadata().map_err(io("read"))?;
+        if check_mode(path, &meta)? {
+            let mode = meta.permissions().mode() & 0o7777;
+            file.set_permissions(std::fs::Permissions::from_mode(mode & !0o020))
+                .map_err(io("chmod g-w"))?;
+            log::warn!(
+                "state file {}: had mode {mode:04o}, which the daemon's group could write (as \
+                 the unit's UMask made it before this version): made {:04o}; if members of \
+                 that group you do not trust could have rewritten it, check the failed \
+                 namespaces it lists (`rpma-target check-config`) against your records",
+                path.display(),
+                mode & !0o020
+            );
+        }
         use nix::fcntl::{Flock, FlockArg};
         let mut file = match Flock::lock(file, FlockArg::LockExclusiveNonblock) {
             Ok(f) => f,
@@ -521,19 +542,25 @@ mod tests {
         let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o7777;
         drop(FailureLedger::open(&state).unwrap());
         assert_eq!(mode(&state), 0o600);
-        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o660)).unwrap();
+        // Others may write it: refused.
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o662)).unwrap();
         let want = format!(
-            "state file {} has mode 0660: group or others may write it, and a rewritten file \
-             would make the daemon forget failed namespaces (chmod 600)",
-            state.display()
+            "state file {} has mode 0662 and owner uid {}: others may write it, or another user \
+             owns it, and a rewritten file would make the daemon forget failed namespaces \
+             (chown it to the daemon's user and chmod 600)",
+            state.display(),
+            nix::unistd::geteuid().as_raw()
         );
         let Err(e) = FailureLedger::open(&state) else {
-            panic!("a group-writable file is refused");
+            panic!("a file others may write is refused");
         };
         assert_eq!(e.to_string(), want);
         assert_eq!(peek(&state).unwrap_err().to_string(), want);
+        // The daemon's own, its group may write (the unit's umask before): made 0640.
+        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o660)).unwrap();
+        assert!(FailureLedger::open(&state).is_ok());
+        assert_eq!(mode(&state), 0o640);
         // Readable by the group is fine.
-        std::fs::set_permissions(&state, std::fs::Permissions::from_mode(0o640)).unwrap();
         assert!(FailureLedger::open(&state).is_ok());
         assert_eq!(peek(&state).unwrap(), Some(vec![]));
     }
