@@ -196,23 +196,26 @@ impl Slots {
         }
         let mut p = self.lock();
         // First the oldest done (closing) or not read (its answer's write stalled); failing
-        // those, the oldest still sending its request or being written to; never one whose
-        // answer is being rendered, or whose whole request waits to be read (its thread has
-        // not run yet: a real scrape on a busy machine). A newcomer is the newest: it goes last.
+        // those, the oldest still sending its request; then the oldest being written to (a
+        // real scrape over a slow link goes last); never one whose answer is being rendered,
+        // or whose whole request waits to be read (its thread has not run yet: a real scrape
+        // on a busy machine). A newcomer is the newest: it goes last.
         let idle = |h: &Held| match h.phase {
             Phase::Closing | Phase::Writing { stalled: true } => true,
             Phase::Reading | Phase::Answering | Phase::Writing { stalled: false } => false,
         };
-        let busy = |h: &Held| match h.phase {
+        let sending = |h: &Held| match h.phase {
             Phase::Reading => !h.sock.as_ref().is_some_and(head_waits),
-            Phase::Writing { .. } => true,
-            Phase::Answering | Phase::Closing => false,
+            Phase::Writing { .. } | Phase::Answering | Phase::Closing => false,
         };
+        let written = |h: &Held| matches!(h.phase, Phase::Writing { .. });
         let oldest = |p: &Places, of: &dyn Fn(&Held) -> bool| {
             let find = |f: &dyn Fn(&Held) -> bool| {
                 p.held.iter().find(|(_, h)| of(h) && f(h)).map(|(&k, _)| k)
             };
-            find(&idle).or_else(|| find(&busy))
+            find(&idle)
+                .or_else(|| find(&sending))
+                .or_else(|| find(&written))
         };
         let mine = p.held.values().filter(|h| h.source == source).count();
         let mut victim = None;

@@ -164,8 +164,8 @@ fn places_taken_by_answers_are_not_evicted() {
 
 /// An answer being written gives its place up to a newcomer, first of all once its write has
 /// stalled (a client that asks and never reads held its place until WRITE_DEADLINE: with its
-/// address's places so held, the scraper got 503); a moving one goes by age, with those
-/// still sending their request.
+/// address's places so held, the scraper got 503); a moving one goes after those still
+/// sending their request (a real scrape over a slow link is the last to go).
 #[test]
 fn places_of_answers_being_written_are_taken_stalled_first() {
     let slots = Slots::default();
@@ -182,15 +182,17 @@ fn places_of_answers_being_written_are_taken_stalled_first() {
         !slots.set(mine[2], Phase::Answering),
         "the stalled one went first"
     );
+    assert!(slots.set(n, Phase::Answering));
     let m = slots.take(a, None).unwrap();
     assert!(
-        !slots.set(mine[0], Phase::Answering),
-        "then the oldest, writing"
+        !slots.set(mine[1], Phase::Answering),
+        "then the oldest still sending its request"
     );
+    assert!(slots.set(m, Phase::Answering));
     slots.take(a, None).unwrap();
     assert!(
-        !slots.set(mine[1], Phase::Answering),
-        "then the oldest, reading"
+        !slots.set(mine[0], Phase::Answering),
+        "then the oldest being written to"
     );
     assert!(slots.set(mine[3], writing(false)));
     assert!(slots.set(n, Phase::Answering) && slots.set(m, Phase::Answering));
