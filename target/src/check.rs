@@ -280,10 +280,10 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         pinned_per_subsystem.push(pinned);
     }
     if rdma {
-        let per_session =
-            pinned_per_subsystem.into_iter().max().unwrap_or(0) + memlock::SESSION_OVERHEAD;
+        let slots = crate::serve::slots(&cfg);
+        let per_session = pinned_per_subsystem.into_iter().max().unwrap_or(0) + slots.session;
         let limit = memlock::current_limit();
-        match memlock::judge(limit, per_session, cfg.max_connections) {
+        match memlock::judge(limit, per_session, cfg.max_connections, slots.pools) {
             memlock::Verdict::Fine => writeln!(
                 out,
                 "memlock: {limit}: enough for max_connections {} rdma sessions of {} each",

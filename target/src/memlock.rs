@@ -14,9 +14,18 @@ use rpma_common::units::format_size;
 use crate::config::{Config, Transport};
 use crate::namespace::NamespaceTable;
 
-/// Pinned memory a session needs beside its namespaces: its registered message slots (a few
-/// KiB each), rounded up generously.
-pub const SESSION_OVERHEAD: u64 = 1 << 20;
+/// Pinned memory beside the namespaces: message slots (registered, so pinned on `rdma://`),
+/// as the serving side sizes them (`crate::serve::slots`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Slots {
+    /// What a session registers: a receive slot per request of `max_queue_depth` and a few
+    /// more, and its send slots (1.16 MiB at the default depth: the 1 MiB counted before was
+    /// short of it).
+    pub session: u64,
+    /// What the connections that are not sessions register at most: the unadmitted and
+    /// discovery pools full, each connection with its handshake's slots.
+    pub pools: u64,
+}
 
 /// The limit the process runs under.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -51,15 +60,16 @@ pub enum Verdict {
 pub const ADVICE: &str = "set LimitMEMLOCK=infinity in the service (systemd/rpma-target.service \
                           has it), run under `ulimit -l unlimited`, or grant CAP_IPC_LOCK";
 
-/// The check, from the limit, what one session pins, and how many sessions may be admitted.
-pub fn judge(limit: Limit, per_session: u64, max_connections: u32) -> Verdict {
+/// The check, from the limit, what one session pins, how many sessions may be admitted and
+/// what the connections that are not sessions pin at most (`pools`).
+pub fn judge(limit: Limit, per_session: u64, max_connections: u32, pools: u64) -> Verdict {
     let Limit::Bytes(bytes) = limit else {
         return Verdict::Fine;
     };
     if per_session == 0 {
         return Verdict::Fine;
     }
-    let fits = bytes / per_session;
+    let fits = bytes.saturating_sub(pools) / per_session;
     if fits == 0 {
         return Verdict::TooLow(format!(
             "RLIMIT_MEMLOCK is {} and one rdma session pins up to {} (its namespaces' \
@@ -118,7 +128,7 @@ fn cap_eff(status: &str) -> Option<u64> {
 }
 
 /// What one session pins at most: the largest subsystem's pinned namespaces, and its slots.
-pub fn per_session(cfg: &Config, namespaces: &NamespaceTable) -> u64 {
+pub fn per_session(cfg: &Config, namespaces: &NamespaceTable, slots: Slots) -> u64 {
     let pinned = cfg
         .subsystems
         .iter()
@@ -136,11 +146,11 @@ pub fn per_session(cfg: &Config, namespaces: &NamespaceTable) -> u64 {
         })
         .max()
         .unwrap_or(0);
-    pinned + SESSION_OVERHEAD
+    pinned + slots.session
 }
 
 /// The check at start: only when a listener is `rdma://`.
-pub fn check(cfg: &Config, namespaces: &NamespaceTable) -> Verdict {
+pub fn check(cfg: &Config, namespaces: &NamespaceTable, slots: Slots) -> Verdict {
     if !cfg
         .listeners
         .iter()
@@ -150,8 +160,9 @@ pub fn check(cfg: &Config, namespaces: &NamespaceTable) -> Verdict {
     }
     judge(
         current_limit(),
-        per_session(cfg, namespaces),
+        per_session(cfg, namespaces, slots),
         cfg.max_connections,
+        slots.pools,
     )
 }
 
@@ -163,14 +174,17 @@ mod tests {
 
     #[test]
     fn unlimited_or_nothing_pinned_is_fine() {
-        assert_eq!(judge(Limit::Unlimited, 64 * MIB, 128), Verdict::Fine);
-        assert_eq!(judge(Limit::Bytes(8 * MIB), 0, 128), Verdict::Fine);
-        assert_eq!(judge(Limit::Bytes(1024 * MIB), 8 * MIB, 128), Verdict::Fine);
+        assert_eq!(judge(Limit::Unlimited, 64 * MIB, 128, MIB), Verdict::Fine);
+        assert_eq!(judge(Limit::Bytes(8 * MIB), 0, 128, MIB), Verdict::Fine);
+        assert_eq!(
+            judge(Limit::Bytes(1024 * MIB), 8 * MIB, 128, 0),
+            Verdict::Fine
+        );
     }
 
     #[test]
     fn the_default_limit_is_too_low_for_a_namespace() {
-        let Verdict::TooLow(m) = judge(Limit::Bytes(8 * MIB), 65 * MIB, 128) else {
+        let Verdict::TooLow(m) = judge(Limit::Bytes(8 * MIB), 65 * MIB, 128, 0) else {
             panic!("8 MiB cannot hold a 64 MiB namespace")
         };
         assert!(m.contains("RLIMIT_MEMLOCK is 8 MiB"), "{m}");
@@ -181,11 +195,16 @@ mod tests {
 
     #[test]
     fn a_limit_for_some_sessions_says_how_many() {
-        let Verdict::Short(m) = judge(Limit::Bytes(100 * MIB), 33 * MIB, 128) else {
+        let Verdict::Short(m) = judge(Limit::Bytes(100 * MIB), 33 * MIB, 128, 0) else {
             panic!("100 MiB holds 3 sessions of 33 MiB, not 128")
         };
         assert!(m.contains("enough for 3 rdma session(s)"), "{m}");
         assert!(m.contains("max_connections 128"), "{m}");
+        // What the pools pin comes first: 100 MiB less 4 MiB holds 2 sessions of 33 MiB.
+        let Verdict::Short(m) = judge(Limit::Bytes(100 * MIB), 33 * MIB, 128, 4 * MIB) else {
+            panic!("96 MiB holds 2 sessions of 33 MiB")
+        };
+        assert!(m.contains("enough for 2 rdma session(s)"), "{m}");
     }
 
     #[test]

@@ -60,6 +60,20 @@ pub(crate) use session_info::{SessionCounts, SessionInfo};
 pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, Shared};
 pub use shared::{LINGER, MIN_KEEP_ALIVE};
 
+/// The message slots `cfg`'s connections register (pinned on `rdma://`), for the memlock
+/// check: a session's (a receive slot per request of `max_queue_depth` and a few more, and its
+/// send slots), and the full unadmitted and discovery pools' (each the control exchange's).
+pub(crate) fn slots(cfg: &Config) -> crate::memlock::Slots {
+    let slot = rpma_common::proto::MAX_MESSAGE_SIZE as u64;
+    let session = cfg.max_queue_depth as usize + conn::RECV_SLACK + conn::SEND_SLOTS;
+    let handshake = conn::CONTROL_RECV_SLOTS + conn::CONTROL_SEND_SLOTS;
+    let a = &cfg.admission;
+    crate::memlock::Slots {
+        session: session as u64 * slot,
+        pools: u64::from(a.max_unadmitted + a.max_discovery) * handshake as u64 * slot,
+    }
+}
+
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
@@ -174,7 +188,7 @@ impl FabricServe {
                 source,
             })?;
         }
-        match crate::memlock::check(cfg, namespaces) {
+        match crate::memlock::check(cfg, namespaces, slots(cfg)) {
             crate::memlock::Verdict::TooLow(message) => return Err(Error::Memlock { message }),
             crate::memlock::Verdict::Short(message) => log::warn!("{message}"),
             crate::memlock::Verdict::Fine => {}
@@ -370,5 +384,28 @@ impl Drop for FabricServe {
         if !self.loops.is_empty() || !self.acceptors.is_empty() || self.nvme.is_some() {
             self.stop();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The memlock check counts the slots connections register: at the default depth (128) a
+    /// session's 132 receive and 16 send slots of 8 KiB, more than the 1 MiB it once counted;
+    /// the full pools' handshake slots besides.
+    #[test]
+    fn the_slots_counted_are_the_slots_registered() {
+        let cfg = Config::from_toml(
+            "listen = [\"tcp://127.0.0.1:1\"]",
+            std::path::Path::new("/"),
+        )
+        .unwrap();
+        let slot = rpma_common::proto::MAX_MESSAGE_SIZE as u64;
+        assert_eq!(cfg.max_queue_depth, 128);
+        let s = slots(&cfg);
+        assert_eq!(s.session, (128 + 4 + 16) * slot);
+        assert!(s.session > 1 << 20);
+        assert_eq!(s.pools, (64 + 16) * (4 + 2) * slot);
     }
 }
