@@ -236,7 +236,7 @@ pub struct CountersSnapshot {
 
 /// The identity of namespace `nsid` of `subsystem` mapping `mapping`'s file, for the wire's
 /// [`NamespaceDescriptor::identity`](rpma_common::proto::NamespaceDescriptor::identity): the
-/// first 8 bytes of a SHA-256 over them and what tells the file apart ([`file_key`]), so that
+/// first 8 bytes of a SHA-256 over them and what tells the file apart (`file_key`), so that
 /// hosts learn whether a reconnect found the same file without learning where it lives. A
 /// reopening of the same file (a reload, a cleared failure, a restart, a reboot) keeps it; a
 /// file moved over the path, or a symlink retargeted, changes it. Memory of no file (unit

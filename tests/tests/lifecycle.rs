@@ -193,6 +193,14 @@ fn second_daemon_refused(cfg: &Path, edit: impl FnOnce(String) -> String) -> Str
     String::from_utf8_lossy(&out.stderr).into_owned()
 }
 
+/// A copy of configuration `text` with a listener port and a control socket of its own.
+fn own_port_and_socket(text: String) -> String {
+    let url = text.lines().next().unwrap().split('"').nth(1).unwrap();
+    let port = url.rsplit(':').next().unwrap().to_owned();
+    text.replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
+        .replace("run/control.sock", "run/other.sock")
+}
+
 #[test]
 fn second_daemon_on_the_same_socket_is_refused() {
     let d = tempfile::tempdir().unwrap();
@@ -220,12 +228,7 @@ fn second_daemon_on_the_same_state_file_is_refused() {
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
     // Its own control socket and listener port: only the state file is shared.
-    let err = second_daemon_refused(&cfg, |text| {
-        let url = text.lines().next().unwrap().split('"').nth(1).unwrap();
-        let port = url.rsplit(':').next().unwrap().to_owned();
-        text.replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
-            .replace("run/control.sock", "run/other.sock")
-    });
+    let err = second_daemon_refused(&cfg, own_port_and_socket);
     assert!(
         err.lines()
             .any(|l| l.contains("error") && l.contains("state file") && l.contains("in use")),
@@ -244,12 +247,10 @@ fn second_daemon_on_the_same_namespace_file_is_refused() {
     let mut first = start(&cfg, d.path(), &[]);
     first.expect("READY=1");
     let err = second_daemon_refused(&cfg, |text| {
-        let url = text.lines().next().unwrap().split('"').nth(1).unwrap();
-        let port = url.rsplit(':').next().unwrap().to_owned();
-        let text = text
-            .replacen(&format!(":{port}\""), &format!(":{}\"", free_port()), 1)
-            .replace("run/control.sock", "run/other.sock");
-        format!("state_file = \"other.state\"\n{text}")
+        format!(
+            "state_file = \"other.state\"\n{}",
+            own_port_and_socket(text)
+        )
     });
     assert!(
         err.lines().any(|l| l.contains("error")

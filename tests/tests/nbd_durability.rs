@@ -117,17 +117,18 @@ fn fua_and_flush_answers_mean_durable_across_a_target_sigkill() {
     assert_eq!(e.term().code(), Some(0), "{}", e.log());
 }
 
-/// A target, an export whose queue gives up after 1 s of reconnecting, and a client that
-/// wrote 4 KiB of 7s at offset 0 (answered, not yet durable).
-fn written_through_a_short_budget(
-    tag: &str,
-) -> (
+/// What a test keeps alive: its directory, shm file, target, export and client.
+type Rig = (
     tempfile::TempDir,
     rpma_tests::Shm,
     rpma_tests::Target,
     Export,
     Raw,
-) {
+);
+
+/// A target, an export whose queue gives up after 1 s of reconnecting, and a client that
+/// wrote 4 KiB of 7s at offset 0 (answered, not yet durable).
+fn written_through_a_short_budget(tag: &str) -> Rig {
     let (d, shm, t) = start(tag);
     let e = Export::start(&t, 1, tag, &["--reconnect-timeout", "1"]);
     let mut c = Raw::connect(&e.sock);
@@ -285,15 +286,7 @@ fn a_namespace_a_reload_made_read_only_is_refused_by_the_export() {
 /// An export whose queue gave up (1 s of reconnecting) while the target was down, with the
 /// loss reported to connection `c` (its FLUSH answered EIO, once), and the target back with a
 /// restored file at ns1's path (a zero-filled one).
-fn restored_after_the_queue_gave_up(
-    tag: &str,
-) -> (
-    tempfile::TempDir,
-    rpma_tests::Shm,
-    rpma_tests::Target,
-    Export,
-    Raw,
-) {
+fn restored_after_the_queue_gave_up(tag: &str) -> Rig {
     let (d, shm, mut t) = start(tag);
     let e = Export::start(&t, 1, tag, &["--reconnect-timeout", "1"]);
     let mut c = Raw::connect(&e.sock);
