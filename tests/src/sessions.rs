@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Access, AlignedBuf, Completion, ConnParams, Context, QpCaps, RecvWr, RemoteAddr, SendOp,
-    SendWr, Sge, Url, WcStatus,
+    Access, AlignedBuf, Completion, CompletionQueue, ConnParams, Context, QpCaps, QueuePair,
+    RecvWr, RemoteAddr, SendOp, SendWr, Sge, Url, WcStatus,
 };
 use rpma_common::proto::{Connect, FlushRequest, HostId, Message, MAX_MESSAGE_SIZE};
 use rpma_initiator::{connect, Session, CONTROL_BIT};
@@ -178,6 +178,31 @@ pub fn read8(s: &mut Session, remote: RemoteAddr) -> WcStatus {
         return WcStatus::WrFlush;
     }
     *await_own(s, 5).last().unwrap()
+}
+
+/// A connection that finished the transport's handshake (MPA, or rdma_cm's exchange) and sends
+/// nothing more: what a peer holds that the target has not admitted. Closed on drop.
+#[derive(Debug)]
+pub struct HalfOpen {
+    pub qp: QueuePair,
+    _cq: CompletionQueue,
+}
+
+/// Connects a bare queue pair to `url` and sends nothing on it.
+pub fn half_open(url: &str) -> HalfOpen {
+    let url = Url::parse(url).unwrap();
+    let ctx = Context::for_url(&url).unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(4).unwrap();
+    let caps = QpCaps {
+        max_send_wr: 1,
+        max_recv_wr: 1,
+    };
+    let prepared = pd.create_qp(&cq, &cq, caps).unwrap();
+    let qp = prepared
+        .connect(&url, &ConnParams::default(), &[])
+        .unwrap_or_else(|e| panic!("a connection that sends nothing, to {url}: {e}"));
+    HalfOpen { qp, _cq: cq }
 }
 
 /// Connects a bare queue pair, sends `craft(encoded Connect)`, returns the target's answer.

@@ -153,6 +153,35 @@ fn a_keyed_host_takes_the_place_of_an_unproven_session_in_a_full_target() {
     assert_too_many(&e);
 }
 
+/// Connections that never Connect hold only what the Connect exchange needs until they are
+/// admitted, however deep the sessions the target grants: at a queue depth where eight queue
+/// pairs at full depth would need more completion queue entries than a Soft-RoCE device's
+/// completion queue holds (max_cqe 32,767; one poll loop, so one completion queue), seven
+/// half-open connections from the host's own address leave the host room for its session.
+/// (Each reserved the session's depth at accept: the eighth queue pair, the host's, could not
+/// be made, and no host got in while they were held.)
+#[test]
+fn half_open_connections_hold_no_session_depth() {
+    let d = scratch();
+    let t = start(d.path(), "max_queue_depth = 4400\npoll_loops = 1");
+    let held: Vec<HalfOpen> = (0..7).map(|_| half_open(&t.url())).collect();
+    let deadline = std::time::Instant::now() + WAIT;
+    while t.status()["admission"]["unadmitted"]["held"] != 7 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the seven are not held: {}",
+            t.status()["admission"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts())
+        .expect("the host's session beside seven half-open connections");
+    assert_eq!(s.queue_depth(), 4400);
+    assert_eq!(s.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(t.status()["admission"]["unadmitted"]["held"], 7);
+    drop(held);
+}
+
 #[test]
 fn rdma_listener_is_refused_at_start() {
     let d = scratch();
@@ -183,4 +212,8 @@ fn rdma_listener_is_refused_at_start() {
     assert!(err.contains(want), "{err}");
 }
 
-rpma_tests::rdma_runs!(each_refusal, connection_limit_refuses_the_next,);
+rpma_tests::rdma_runs!(
+    each_refusal,
+    connection_limit_refuses_the_next,
+    half_open_connections_hold_no_session_depth,
+);

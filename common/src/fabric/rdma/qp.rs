@@ -107,6 +107,11 @@ pub(super) struct Core {
     pub(super) unsignaled: u32,
     pub(super) rq: VecDeque<RecvSlot>,
     pub(super) next_recv: u32,
+    /// The receive completion queue's entries reserved for this queue pair's receives (the
+    /// drain marker's included): grown as receives are posted, up to `hw_depth(max_recv_wr)`,
+    /// so that a queue pair made for a deep session but holding only a few receives (a
+    /// connection not yet admitted) takes only as many entries as it may complete.
+    pub(super) recv_reserved: u32,
     /// Completed binds (sequence number and status) until their binder takes them.
     pub(super) bind_results: Vec<(u32, WcStatus)>,
     /// Closing posted its drain markers.
@@ -131,6 +136,7 @@ impl Core {
             unsignaled: 0,
             rq: VecDeque::new(),
             next_recv: 0,
+            recv_reserved: RECV_RESERVED_FIRST,
             bind_results: Vec::new(),
             drain_posted: false,
             held_sends: Vec::new(),
@@ -143,6 +149,10 @@ impl Core {
 pub(super) fn hw_depth(n: usize) -> u32 {
     n as u32 + 1
 }
+
+/// The receive completion entries a new queue pair reserves (its drain marker and a few
+/// receives); posting more grows the reservation (`Qp::post_recv`).
+const RECV_RESERVED_FIRST: u32 = 8;
 
 /// An rdma queue pair. Shared by its handle and (weakly) by the device's registry, through
 /// which its completion queues find it.
@@ -189,7 +199,9 @@ impl Device {
                 what: "queue pair depth (the device's max_qp_wr, less one for the drain marker)",
             });
         }
-        let (s, r) = (hw_depth(caps.max_send_wr), hw_depth(caps.max_recv_wr));
+        // The send queue's entries at once; the receive queue's as receives are posted.
+        let s = hw_depth(caps.max_send_wr);
+        let r = RECV_RESERVED_FIRST.min(hw_depth(caps.max_recv_wr));
         if Arc::ptr_eq(scq, rcq) {
             scq.reserve(s + r)?;
         } else {
@@ -207,7 +219,9 @@ impl Device {
                 rcq.release(r);
             }
         };
-        let (raw, ex) = match post::create_raw(self, &rpd, scq.raw(), rcq.raw(), s, r) {
+        let depths = (s, hw_depth(caps.max_recv_wr));
+        let (raw, ex) = match post::create_raw(self, &rpd, scq.raw(), rcq.raw(), depths.0, depths.1)
+        {
             Ok(made) => made,
             Err(e) => {
                 unreserve();
@@ -227,7 +241,10 @@ impl Device {
             recv_cq: Arc::clone(recv_cq),
             caps,
             _rpd: rpd,
-            core: Mutex::new(Core::new()),
+            core: Mutex::new(Core {
+                recv_reserved: r,
+                ..Core::new()
+            }),
         });
         // From here on the queue pair's Drop destroys it and gives the reservations back.
         qp.to_init()?;
@@ -475,10 +492,12 @@ impl Drop for Qp {
         // handed to it; the tables' buffers, and those closing held, are released after it is
         // gone (`core` drops after this body).
         unsafe { rdma_sys::ibv_destroy_qp(self.raw.as_ptr()) };
-        let (s, r) = (
-            hw_depth(self.caps.max_send_wr),
-            hw_depth(self.caps.max_recv_wr),
-        );
+        let s = hw_depth(self.caps.max_send_wr);
+        let r = self
+            .core
+            .get_mut()
+            .unwrap_or_else(|p| p.into_inner())
+            .recv_reserved;
         if Arc::ptr_eq(&self.send_cq, &self.recv_cq) {
             self.send_cq.release(s + r);
         } else {

@@ -10,7 +10,7 @@ use rdma_sys::{ibv_recv_wr, ibv_sge, ibv_wr_opcode};
 
 use super::mr::{Mr, Mw};
 use super::post;
-use super::qp::{Core, Qp, RecvSlot, SendSlot, SlotKind, BIND_TIME, RECV_BIT, SEQ_MASK};
+use super::qp::{hw_depth, Core, Qp, RecvSlot, SendSlot, SlotKind, BIND_TIME, RECV_BIT, SEQ_MASK};
 use super::sys;
 use super::translate::{self, caps};
 use crate::fabric::error::{Error, QpFailure, Result};
@@ -43,6 +43,7 @@ impl Qp {
         if let Some(s) = &wr.local {
             self.check_sge(s, Access::LOCAL_WRITE)?;
         }
+        self.reserve_recv(&mut c)?;
         let seq = c.next_recv;
         let mut sge = match &wr.local {
             Some(s) => ibv_sge {
@@ -81,6 +82,29 @@ impl Qp {
             drain: false,
             _local: wr.local,
         });
+        Ok(())
+    }
+
+    /// Makes sure the receive completion queue has an entry for one more receive and the
+    /// drain marker (every receive still outstanding, those closing holds included, may
+    /// complete): the reservation grows by doubling, up to the queue's own depth, and fails
+    /// with [`Error::Exhausted`] where the device's largest completion queue is full.
+    fn reserve_recv(&self, c: &mut Core) -> Result<()> {
+        let need = (c.rq.len() + c.held_recvs.len()) as u32 + 2;
+        if need <= c.recv_reserved {
+            return Ok(());
+        }
+        let full = hw_depth(self.caps.max_recv_wr);
+        let grown = need.max(c.recv_reserved.saturating_mul(2)).min(full);
+        let more = grown.saturating_sub(c.recv_reserved);
+        // Asked for a little more than needed first; exactly what is needed if that fails.
+        if more > 0 && self.recv_cq.reserve(more).is_ok() {
+            c.recv_reserved = grown;
+            return Ok(());
+        }
+        let more = need.min(full).saturating_sub(c.recv_reserved);
+        self.recv_cq.reserve(more)?;
+        c.recv_reserved += more;
         Ok(())
     }
 
