@@ -53,6 +53,14 @@ pub struct Daemon {
     notify: UnixDatagram,
 }
 
+/// In a daemon's `env`: start it without CAP_IPC_LOCK (dropped from the bounding set before
+/// the exec, so a root daemon's pins count against its RLIMIT_MEMLOCK as an unprivileged
+/// one's do).
+pub const WITHOUT_IPC_LOCK: (&str, &str) = ("RPMA_TEST_WITHOUT_CAP_IPC_LOCK", "1");
+
+/// Linux's CAP_IPC_LOCK (linux/capability.h).
+pub const CAP_IPC_LOCK: u32 = 14;
+
 impl Daemon {
     /// Starts the daemon on `config` with NOTIFY_SOCKET at `dir/notify.sock`, no watchdog
     /// unless `env` (added to its environment) asks for one, and its stderr to `stderr`.
@@ -71,6 +79,25 @@ impl Daemon {
             .stderr(stderr);
         for (k, v) in env {
             cmd.env(k, v);
+        }
+        if env.contains(&WITHOUT_IPC_LOCK) {
+            use std::os::unix::process::CommandExt;
+            // SAFETY: prctl is async-signal-safe and touches only the child's own state.
+            unsafe {
+                cmd.pre_exec(|| {
+                    if libc::prctl(
+                        libc::PR_CAPBSET_DROP,
+                        CAP_IPC_LOCK as libc::c_ulong,
+                        0,
+                        0,
+                        0,
+                    ) != 0
+                    {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    Ok(())
+                });
+            }
         }
         Daemon {
             child: cmd.spawn().expect("spawn rpma-target"),

@@ -324,6 +324,100 @@ fn no_odp_a_namespace_the_device_cannot_register_is_refused_alone() {
     assert!(lines[0].contains("ERROR"), "{}", lines[0]);
 }
 
+/// Locked memory that other sessions hold is a refusal the host may retry, not a namespace
+/// listed unavailable: a target without CAP_IPC_LOCK whose RLIMIT_MEMLOCK has room for one
+/// session (its /dev/shm namespace pinned, its message slots) refuses a second host's Connect
+/// as full, logs no namespace as unregistrable, and admits a host again once the first
+/// session is gone. (The second session was admitted with the namespace listed unavailable,
+/// "RLIMIT_MEMLOCK is too low", and the namespace logged at ERROR as one this transport cannot
+/// register.)
+#[test]
+#[ignore = "requires an RDMA device (RPMA_TEST_RDMA_DEVICE, RPMA_TEST_RDMA_ADDR)"]
+fn locked_memory_held_by_other_sessions_is_a_retryable_refusal() {
+    use rpma_common::proto::RefusalReason;
+    use rpma_tests::target::{CAP_IPC_LOCK, WITHOUT_IPC_LOCK};
+
+    let d = scratch();
+    let shm = Shm::new("memlock");
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB)
+            .host(HOST)
+            .namespace(Namespace::new(1, shm.path(), "4MiB").force_dax()),
+    );
+    let listen = Transport::rdma().listen();
+    let t = Target::start_on(d.path(), &listen, &config.to_string(), &[WITHOUT_IPC_LOCK]);
+    let field = |name: &str| -> String {
+        let st = std::fs::read_to_string(format!("/proc/{}/status", t.pid())).unwrap();
+        let line = st.lines().find(|l| l.starts_with(name)).unwrap().to_owned();
+        line[name.len()..].trim().to_owned()
+    };
+    let eff = u64::from_str_radix(&field("CapEff:"), 16).unwrap();
+    assert_eq!(eff & (1 << CAP_IPC_LOCK), 0, "the target kept CAP_IPC_LOCK");
+    // Room for what is pinned now and one session: its namespace (4 MiB), its message slots
+    // (1.16 MiB at the default depth) and a handshake's; not for a second namespace.
+    let pinned_kib: u64 = field("VmPin:")
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .unwrap();
+    let limit = (pinned_kib + 4096 + 2048) << 10;
+    let lim = libc::rlimit {
+        rlim_cur: limit,
+        rlim_max: limit,
+    };
+    // SAFETY: prlimit reads the struct it is given; the pid is the target's, a child.
+    let r = unsafe {
+        libc::prlimit(
+            t.pid() as libc::pid_t,
+            libc::RLIMIT_MEMLOCK,
+            &lim,
+            std::ptr::null_mut(),
+        )
+    };
+    assert_eq!(r, 0, "prlimit: {}", std::io::Error::last_os_error());
+
+    let first = connect(&t.url(), &nqn(SUB), &host(HOST), &opts()).expect("the first session");
+    let e = connect(&t.url(), &nqn(SUB), &host(HOST), &opts()).map(|_| ());
+    assert!(
+        matches!(
+            e,
+            Err(rpma_initiator::Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{e:?}"
+    );
+    drop(first);
+    // The first session's registrations go with it: a host gets in again.
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    let mut again = loop {
+        match connect(&t.url(), &nqn(SUB), &host(HOST), &opts()) {
+            Ok(s) => break s,
+            Err(rpma_initiator::Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            }) if std::time::Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(50))
+            }
+            Err(e) => panic!("after the first session left: {e:?}"),
+        }
+    };
+    assert_eq!(
+        again.flush(1, 0, 4096, Duration::from_secs(20)).unwrap(),
+        rpma_common::proto::FlushStatus::Durable
+    );
+    let log = t.log();
+    assert!(
+        !log.contains("cannot be registered on this transport"),
+        "{log}"
+    );
+    assert!(
+        log.contains("RLIMIT_MEMLOCK, held by other registrations"),
+        "{log}"
+    );
+}
+
 /// On Soft-RoCE with on-demand paging (the VM lab's odp kernel), `check-config` says how each
 /// kind of namespace is registered: /dev/shm and devdax pinned; page cache and fsdax refused,
 /// because rxe's ODP misplaces data (docs/rdma.md), unless `RPMA_TRUST_RXE_ODP=trust` says to

@@ -127,6 +127,19 @@ pub(crate) fn plan(
     }
 }
 
+/// Whether `len` bytes alone are more than the process's RLIMIT_MEMLOCK (soft) allows.
+fn exceeds_memlock(len: u64) -> bool {
+    let mut r = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
+        return true;
+    }
+    r.rlim_cur != libc::RLIM_INFINITY && len > r.rlim_cur
+}
+
 impl super::device::Device {
     /// How memory of `backing` would be registered for `access` on this device, or why it
     /// cannot be.
@@ -165,6 +178,19 @@ impl super::device::Device {
         let Some(mr) = NonNull::new(mr) else {
             let e = std::io::Error::last_os_error();
             if e.raw_os_error() == Some(libc::ENOMEM) || e.raw_os_error() == Some(libc::EPERM) {
+                // The limit counts every pin of the process: one this range alone exceeds never
+                // fits; one that fits alone was refused for what other registrations hold,
+                // and fits again when they are gone.
+                if odp_on {
+                    return Err(Error::Exhausted {
+                        what: "kernel memory for an on-demand paging registration",
+                    });
+                }
+                if !exceeds_memlock(g.len) {
+                    return Err(Error::Exhausted {
+                        what: "locked memory (RLIMIT_MEMLOCK, held by other registrations)",
+                    });
+                }
                 return Err(refuse(
                     "the kernel refused to pin it (ENOMEM/EPERM): RLIMIT_MEMLOCK is too low; \
                      raise LimitMEMLOCK (systemd) or `ulimit -l`, or grant CAP_IPC_LOCK",

@@ -143,7 +143,13 @@ impl Conn {
         if let Err(e) = self.bufs.grow(&self.pd, &self.qp, more_recv, more_send) {
             shared.unregister_session(info.controller_id);
             let m = format!("the target cannot allocate the session's buffers: {e}");
-            return self.refuse(RefusalReason::Other(1000), m, Some(&c.host_nqn));
+            // Out of room the other sessions hold (completion queue entries, locked memory):
+            // full for now, as for a namespace's registration above.
+            let reason = match e {
+                fabric::Error::Exhausted { .. } => RefusalReason::TooManyConnections,
+                _ => RefusalReason::Other(1000),
+            };
+            return self.refuse(reason, m, Some(&c.host_nqn));
         }
         // Admitted: out of the unadmitted pool; listed among the sessions a keyed host may take
         // the place of, if it proved no key.
