@@ -18,10 +18,11 @@
 //! slot: it would spin forever if `reads_done` were not empty outside a batch. Everything that
 //! touches `reads_done` is in this file: the poll fills it (a batch Read completed), `read_into`
 //! empties it and returns only once every Read of its batch is copied out, and
-//! [`Engine::forget_owed`] clears it with a lost connection. A `read_into` that fails early may
-//! leave some behind only with a connection loss (the reconnect forgets them) or a failed
-//! completion, which leaves the queue pair in Error (verbs), so that the next call reconnects
-//! first.
+//! [`Engine::forget_owed`] clears it with a lost connection. A `read_into` that fails early
+//! (a Read the fabric refused to post) still waits for the Reads it posted and frees their
+//! slots; it may leave some behind only with a connection loss (the reconnect forgets them) or
+//! a failed completion, which leaves the queue pair in Error (verbs), so that the next call
+//! reconnects first.
 //!
 //! Started requests (their own slot states, never in `reads_done`) are in `started`; single
 //! requests outside the slots that the caller waits for (APM Reads, atomics, Flushes, GPSPM
@@ -51,6 +52,8 @@ mod lost;
 mod place;
 mod post;
 mod started;
+#[cfg(test)]
+mod tests;
 mod waited;
 
 pub(in crate::queue) use lost::Lost;
@@ -524,26 +527,55 @@ impl Engine {
         self.post_list(pending)
     }
 
-    /// Copies the completed Reads out of their slots into `items` and frees the slots.
+    /// Copies the completed Reads out of their slots into `items` and frees the slots (a
+    /// failed copy's too).
     fn collect_reads(&mut self, items: &mut [(u64, &mut [u8])]) -> Result<()> {
         while let Some(slot) = self.reads_done.pop() {
             if let Some(Slot::ReadDone { item, at, len }) = self.pool.get(slot) {
                 let out = &mut items[item].1[at..at + len];
-                self.pool
-                    .copy_out(slot, out)
-                    .map_err(|source| Error::Fabric {
-                        op: "copying a read out",
-                        source,
-                    })?;
+                let copied = self.pool.copy_out(slot, out);
                 self.pool.set(slot, Slot::Free);
+                copied.map_err(|source| Error::Fabric {
+                    op: "copying a read out",
+                    source,
+                })?;
             }
         }
         Ok(())
     }
 
     /// Reads `items` (each range into its buffer) of namespace `idx` through the bounce slots,
-    /// up to the queue depth in flight, and returns when every byte is copied out.
+    /// up to the queue depth in flight, and returns when every byte is copied out. When it
+    /// fails with the connection still up (a refused post), it returns only once the Reads it
+    /// posted completed and their slots are free (the module's doc).
     pub(super) fn read_into(
+        &mut self,
+        room: &(impl MakeRoom + ?Sized),
+        idx: usize,
+        items: &mut [(u64, &mut [u8])],
+    ) -> Result<()> {
+        let posted = self.post_reads(room, idx, items);
+        // A lost connection drops the Reads posted (the reconnect frees their slots and
+        // `reads_done`).
+        if posted
+            .as_ref()
+            .is_err_and(|e| e.is_connection_loss() || self.needs_reconnect())
+        {
+            return posted;
+        }
+        let deadline = Instant::now() + self.timeout;
+        loop {
+            self.collect_reads(items)?;
+            if self.pool.number(Kind::Reading) == 0 {
+                return posted;
+            }
+            self.poll_or_time_out(deadline, "read completions")?;
+        }
+    }
+
+    /// Posts the Reads of [`read_into`](Self::read_into), copying out those that completed
+    /// meanwhile.
+    fn post_reads(
         &mut self,
         room: &(impl MakeRoom + ?Sized),
         idx: usize,
@@ -565,14 +597,7 @@ impl Engine {
                 at += len;
             }
         }
-        let deadline = Instant::now() + self.timeout;
-        loop {
-            self.collect_reads(items)?;
-            if self.pool.number(Kind::Reading) == 0 {
-                return Ok(());
-            }
-            self.poll_or_time_out(deadline, "read completions")?;
-        }
+        Ok(())
     }
 
     /// Forgets what the lost connection owed: flush answers, completed batch Reads, waited

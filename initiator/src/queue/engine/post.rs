@@ -21,8 +21,8 @@ impl Engine {
     /// posted yet: all of them when `wrs` has any (a request the caller waits for, a Flush
     /// that covers them, must not pass them), else those that fit the read bound
     /// ([`deferred_that_fit`](Self::deferred_that_fit)). If the post is refused for another
-    /// reason than a lost connection, the slots of its Writes and started Reads are freed
-    /// (nothing was posted).
+    /// reason than a lost connection, the slots of its Writes and Reads are freed
+    /// ([`unpost`](Self::unpost)).
     pub(super) fn post_list(&mut self, mut wrs: SendList) -> Result<()> {
         if !self.deferred.is_empty() {
             let go = if wrs.is_empty() {
@@ -61,21 +61,26 @@ impl Engine {
                 self.reads_posted += reads;
                 self.note_posted();
             }
-            Err(e) if !e.is_connection_loss() => {
-                // Nothing was posted: no slot may stay in flight. A started Read's ticket is
-                // then void, as after a lost connection (the error says so to the caller).
-                for slot in slots {
-                    if matches!(
-                        self.pool.get(slot),
-                        Some(Slot::Writing(_) | Slot::Started { .. })
-                    ) {
-                        self.pool.set(slot, Slot::Free);
-                    }
-                }
-            }
+            Err(e) if !e.is_connection_loss() => self.unpost(slots),
             Err(_) => {}
         }
         r
+    }
+
+    /// After a post refused for another reason than a lost connection (nothing was posted):
+    /// the slots of its Writes and Reads are free again, so that none stays in flight with no
+    /// request to complete it (until the next time-out or reconnect, a batch Read's slot did).
+    /// A started Read's ticket is then void, as after a lost connection (the error says so to
+    /// the caller).
+    fn unpost(&mut self, slots: impl IntoIterator<Item = usize>) {
+        for slot in slots {
+            if matches!(
+                self.pool.get(slot),
+                Some(Slot::Writing(_) | Slot::Reading { .. } | Slot::Started { .. })
+            ) {
+                self.pool.set(slot, Slot::Free);
+            }
+        }
     }
 
     /// Bytes of the started Reads not posted yet.
@@ -140,19 +145,25 @@ impl Engine {
     }
 
     /// Posts one request that is not a Write through a slot (a Read, an APM Read, an atomic, a
-    /// Flush): directly when no started request waits to go first, else behind them.
+    /// Flush): directly when no started request waits to go first, else behind them. A Read
+    /// through a slot that is refused frees its slot, as [`post_list`](Self::post_list) does.
     pub(super) fn post_one(&mut self, wr: SendWr) -> Result<()> {
         if !self.deferred.is_empty() {
             return self.post_list(smallvec::smallvec![wr]);
         }
-        let read = wr.wr_id & KIND_MASK == KIND_READ;
+        let read = (wr.wr_id & KIND_MASK == KIND_READ).then_some((wr.wr_id & !KIND_MASK) as usize);
         if is_atomic(&wr) {
             self.wait_fence()?;
         }
         self.doorbells += 1;
         let s = self.session()?;
-        s.qp().post_send(wr).map_err(|e| post_error(s, e))?;
-        self.reads_posted += u64::from(read);
+        if let Err(e) = s.qp().post_send(wr).map_err(|e| post_error(s, e)) {
+            if !e.is_connection_loss() {
+                self.unpost(read);
+            }
+            return Err(e);
+        }
+        self.reads_posted += u64::from(read.is_some());
         self.note_posted();
         Ok(())
     }
