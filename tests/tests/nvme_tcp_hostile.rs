@@ -310,6 +310,77 @@ fn a_connect_that_is_not_accepted_closes_the_connection_after_its_answer() {
     assert!(q.write(1, 0, 512, &[5; 512], false).unwrap().ok());
 }
 
+/// A Connect the target answers with an error is a refusal, whatever the error: a refused host
+/// or subsystem by its reason, a malformed Connect (a PRP data pointer, data that failed its
+/// digest) or a command other than the Connect before it as `protocol_error`, as on the native
+/// listeners. Only a peer that goes away (or times out) before its Connect is answered is an
+/// abandoned handshake (before: the malformed ones and the command before the Connect were
+/// counted as abandoned, not as refusals).
+#[test]
+fn a_connect_answered_with_an_error_is_a_refusal_not_an_abandoned_handshake() {
+    let (_d, t, addr) = start("");
+    let counts = || {
+        let m = t.status()["metrics"].clone();
+        (m["refusals"].clone(), m["handshakes_failed"].clone())
+    };
+    // The target counts before it answers: each count is in once its answer came back.
+    let answered_and_closed = |h: &mut Host, cid: u16, code: u16| {
+        let c = h.complete(cid, &[]).expect("answered");
+        assert_eq!(c.code(), code, "{c:?}");
+        assert!(matches!(h.recv(), Err(Error::Closed(_))), "then closed");
+    };
+    // Refused by admission: a subsystem that is not there.
+    let d = connect_data([1; 16], 0xffff, "nqn.2026-11.io.rpma:unknown", HOST);
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let s = in_capsule(connect_sqe(0, 31, 0), 1, d.len());
+    let p = h.frame(pdu::CMD, 0, &s.0, &d);
+    h.send_raw(&p);
+    answered_and_closed(&mut h, 1, sc::CONNECT_INVALID_PARAM);
+    // A PRP data pointer (PSDT 0).
+    let d = connect_data([1; 16], 0xffff, SUB, HOST);
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let s = in_capsule(connect_sqe(0, 31, 0).byte(1, 0), 2, d.len());
+    let p = h.frame(pdu::CMD, 0, &s.0, &d);
+    h.send_raw(&p);
+    answered_and_closed(&mut h, 2, sc::INVALID_FIELD);
+    // Connect data that fails its digest.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, true).unwrap();
+    let s = in_capsule(connect_sqe(0, 31, 0), 3, d.len());
+    let mut p = h.frame(pdu::CMD, 0, &s.0, &d);
+    let last = p.len() - 1;
+    p[last] ^= 0xff;
+    h.send_raw(&p);
+    answered_and_closed(&mut h, 3, sc::TRANSIENT);
+    // An Identify before the Connect.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let p = h.frame(pdu::CMD, 0, &Sqe::new(0x06, 0).cdw(10, 1).u16(2, 4).0, &[]);
+    h.send_raw(&p);
+    answered_and_closed(&mut h, 4, sc::SEQUENCE);
+    let (refusals, handshakes) = counts();
+    assert_eq!(refusals["unknown_subsystem"], 1, "{refusals}");
+    assert_eq!(refusals["protocol_error"], 3, "{refusals}");
+    assert_eq!(handshakes["abandoned"], 0, "{handshakes}");
+    // A peer that goes away after its ICReq did abandon its handshake.
+    drop(Host::icreq(Host::connect_tcp(&addr), false, false).unwrap());
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while counts().1["abandoned"] == 0 {
+        assert!(Instant::now() < deadline, "never counted: {}", counts().1);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (refusals, handshakes) = counts();
+    assert_eq!(handshakes["abandoned"], 1, "{handshakes}");
+    assert_eq!(handshakes["timeout"], 0, "{handshakes}");
+    assert_eq!(refusals["protocol_error"], 3, "{refusals}");
+}
+
+/// `sqe` with command id `cid` and `len` bytes of data in its capsule.
+fn in_capsule(sqe: Sqe, cid: u16, len: usize) -> Sqe {
+    let mut s = sqe.u16(2, cid);
+    s.0[32..36].copy_from_slice(&(len as u32).to_le_bytes());
+    s.0[39] = 0x01;
+    s
+}
+
 #[test]
 fn before_its_connect_a_peer_costs_a_bounded_place_buffer_time_and_log() {
     let (_d, t, addr) =

@@ -261,7 +261,9 @@ const REFUSALS: [&str; 8] = [
 pub enum HandshakeFailure {
     /// No complete Connect (and auth) within `handshake_timeout_ms`.
     Timeout,
-    /// The peer broke off or broke the exchange.
+    /// The peer went away (closed, or sent a Disconnect) before its Connect was admitted or
+    /// refused. A Connect the target answers with an error, or a message other than the
+    /// Connect before it, is a refusal, not this.
     Abandoned,
     /// The MPA Request was malformed (not an rpma client).
     BadMpaRequest,

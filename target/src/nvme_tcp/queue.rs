@@ -27,6 +27,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use rpma_common::proto::RefusalReason;
+
 use super::command::{self, DataIn, Sqe, Status};
 use super::pdu::{self, C2hFraming, Fatal, Fes, Framed, Limits, Pdu};
 use super::state::{Input, Phase, Then, Transfer, Wait};
@@ -533,6 +535,9 @@ impl Queue {
     /// Before its Connect a peer may send one command, the Connect: once that is answered
     /// without an admission (any error, whatever its cause), the connection closes, so that a
     /// peer that never reads cannot have command after command answered into its send buffer.
+    /// A Connect refused by [`Queue::fabrics`] is counted and closed there; one answered with
+    /// an error before it got there (its data pointer, its length, its data digest) is a
+    /// refusal too, `protocol_error`: the target decided it, the peer did not go away.
     fn close_unadmitted(&mut self, env: &mut Env<'_>) {
         if !matches!(self.phase, Phase::AwaitConnect)
             || !self.transfers.is_empty()
@@ -540,14 +545,15 @@ impl Queue {
         {
             return;
         }
-        log::debug!(
-            "{}: nvme-tcp: its Connect was not accepted: closing",
-            self.peer
+        env.ctx.serve.events.refused(RefusalReason::ProtocolError);
+        env.ctx.serve.peer_log.warn(
+            self.peer.ip(),
+            format_args!(
+                "{}: nvme-tcp Connect refused: malformed (its data pointer, length or data \
+                 digest): closing",
+                self.peer
+            ),
         );
-        env.ctx
-            .serve
-            .events
-            .handshake_failed(HandshakeFailure::Abandoned);
         self.close(env);
     }
 
@@ -611,10 +617,8 @@ impl Queue {
                     self.peer, sqe
                 ),
             );
-            env.ctx
-                .serve
-                .events
-                .handshake_failed(HandshakeFailure::Abandoned);
+            // As on the native listeners: a refusal, not a handshake the peer abandoned.
+            env.ctx.serve.events.refused(RefusalReason::ProtocolError);
             self.complete(cid, 0, Status::SEQUENCE_ERROR);
             return self.close(env);
         }

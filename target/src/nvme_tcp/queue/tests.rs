@@ -244,6 +244,13 @@ fn a_command_before_the_connect_is_a_sequence_error_and_closes() {
     assert!(!q.wants_read(), "closing");
     // What comes after is not even read.
     assert!(q.recv_space().is_empty());
+    let mut m = crate::metrics::MetricsStatus::default();
+    h.ctx.serve.events.fill(&mut m);
+    assert_eq!(m.refusals["protocol_error"], 1, "a refusal");
+    assert_eq!(
+        m.handshakes_failed["abandoned"], 0,
+        "not an abandoned handshake"
+    );
 }
 
 #[test]
