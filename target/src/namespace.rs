@@ -15,6 +15,7 @@
 //! clears them together, is in table.rs, over it.
 
 mod claim;
+mod mark;
 mod table;
 
 pub use claim::ClaimError;
@@ -97,6 +98,19 @@ pub enum NamespaceError {
         subsystem: Nqn,
         /// Namespace id.
         nsid: u32,
+    },
+    /// The file's failure mark (`user.rpma.failed`) could not be read or removed.
+    #[error("subsystem {subsystem} namespace {nsid} ({path}): its failure mark")]
+    Mark {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// Backing path.
+        path: PathBuf,
+        /// What went wrong.
+        #[source]
+        source: std::io::Error,
     },
     /// The state file could not be updated.
     #[error("subsystem {subsystem} namespace {nsid}: the state file was not updated")]
@@ -420,11 +434,30 @@ impl OpenNamespace {
             })?;
         let key = failures::key_of(&ns.path);
         let remembered = from.and_then(|l| l.get(&key));
+        // The file's own mark, read with the ledger (not by the opening that clears it).
+        let marked = match (from, mapping.backing_fd()) {
+            (Some(_), Some(fd)) => mark::get(fd).map_err(|source| NamespaceError::Mark {
+                subsystem: subsystem.clone(),
+                nsid: ns.nsid,
+                path: ns.path.clone(),
+                source,
+            })?,
+            _ => None,
+        };
+        if let (Some(m), None) = (&marked, &remembered) {
+            log::warn!(
+                "subsystem {subsystem} namespace {} ({}): the file is marked failed ({m}, its                  attribute {}) and the state file does not list it (another state_file, or                  one removed): it stays failed",
+                ns.nsid,
+                ns.path.display(),
+                mark::NAME.to_string_lossy()
+            );
+        }
         let failed = remembered
             .as_ref()
             .map(Failed::sync_failure)
             .or(failed)
-            .or(live_failure);
+            .or(live_failure)
+            .or(marked);
         let identity = identity_of(subsystem, ns.nsid, &mapping);
         let opened = OpenNamespace {
             identity,
@@ -457,7 +490,17 @@ impl OpenNamespace {
             self.config.nsid,
             self.key.clone(),
         );
+        // The file's own descriptor: the mark goes on the file that failed, whatever its path
+        // names by then.
+        let file = self
+            .mapping
+            .backing_fd()
+            .and_then(|fd| fd.try_clone_to_owned().ok());
         self.mapping.set_failure_hook(Box::new(move |f| {
+            if let Some(fd) = &file {
+                use std::os::fd::AsFd;
+                mark_file(fd.as_fd(), &sub, nsid, f);
+            }
             if let Some(l) = &l {
                 if let Err(e) = l.record(&sub, nsid, &path, f) {
                     log::error!(
@@ -479,6 +522,9 @@ impl OpenNamespace {
     fn reopen_failed(&self, f: SyncFailure, remembered: Option<Failed>) {
         let dropped = self.mapping.drop_page_cache();
         self.mapping.record_failure(f);
+        if let Some(fd) = self.mapping.backing_fd() {
+            mark_file(fd, self.subsystem.as_str(), self.config.nsid, &f);
+        }
         let entry = match (remembered, &self.ledger) {
             (Some(e), _) => Some(e),
             (None, Some(l)) => {
@@ -625,6 +671,17 @@ impl OpenNamespace {
                 self.config.nsid
             );
         }
+    }
+}
+
+/// Marks the file of `fd` failed with `f` ([`mark`]); a mark that cannot be written is
+/// logged (the state file still remembers).
+fn mark_file(fd: std::os::fd::BorrowedFd<'_>, subsystem: &str, nsid: u32, f: &SyncFailure) {
+    if let Err(e) = mark::set(fd, f) {
+        log::warn!(
+            "subsystem {subsystem} namespace {nsid}: the file could not be marked failed ({e}); \
+             the state file alone remembers the failure"
+        );
     }
 }
 

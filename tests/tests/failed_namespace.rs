@@ -550,3 +550,65 @@ fn a_failed_namespace_moved_to_another_path_stays_failed() {
     );
     drop(t);
 }
+
+/// The file's own failure mark (`user.rpma.failed`) remembers a failure that the state file in
+/// use never saw: restarted with another `state_file` (as the daemon's own message suggests
+/// when its state file's filesystem fails), the namespace comes back failed, and clear-failure
+/// removes the mark, so that a third state file finds it healthy. (The new state file forgot
+/// the failure: the namespace came back healthy, and a flush of the range the failed
+/// write-back lost was answered durable.)
+#[test]
+fn a_failure_survives_a_restart_with_another_state_file() {
+    let d = rpma_tests::scratch();
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
+    };
+    let m = fs.mnt.display();
+    let t_dir = d.path().join("target");
+    std::fs::create_dir(&t_dir).unwrap();
+    let config = |state: &str| {
+        format!(
+            "state_file = \"{state}\"\n\
+             [[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
+             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/ns1\"\nsize = \"8MiB\"\n"
+        )
+    };
+    let mut t = Target::start(&t_dir, &config("first.state"));
+    fs.fill();
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm write --offset 2M --pattern 0x22 --length 1M --durable",
+    );
+    assert_eq!(c, Some(1), "the write-back fails: {all}");
+    fs.free();
+    t.rewrite(&config("second.state"));
+    t.restart();
+    assert!(
+        failed_of(&t, 1).is_string(),
+        "after a restart with another state file: {}",
+        ns_status(&t, 1)
+    );
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm flush --offset 2M --length 1M",
+    );
+    assert_eq!(c, Some(1), "a flush of the lost range: {all}");
+    let (c, all) = clear_failure(&t, 1);
+    assert_eq!(c, Some(0), "{all}");
+    t.rewrite(&config("third.state"));
+    t.restart();
+    assert!(
+        failed_of(&t, 1).is_null(),
+        "cleared, under a third state file: {}",
+        ns_status(&t, 1)
+    );
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm flush --offset 2M --length 1M",
+    );
+    assert_eq!(c, Some(0), "a flush after the clear: {all}");
+    drop(t);
+}

@@ -595,11 +595,10 @@ fn running_out_of_file_descriptors_pauses_accepts_instead_of_spinning() {
     // number, and must be below the limit; a limit of 0 would fail the export's poll, which
     // needs one at least as high as its number of fds).
     let lowest_free = || {
-        let numbers: std::collections::BTreeSet<u64> =
-            std::fs::read_dir(format!("/proc/{pid}/fd"))
-                .unwrap()
-                .filter_map(|f| f.ok()?.file_name().to_str()?.parse().ok())
-                .collect();
+        let numbers: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+            .unwrap()
+            .filter_map(|f| f.ok()?.file_name().to_str()?.parse().ok())
+            .collect();
         (0..).find(|n| !numbers.contains(n)).unwrap()
     };
     let set = |lim: Option<libc::rlimit>| {

@@ -288,6 +288,16 @@ impl NamespaceTable {
                 rpma_common::error_chain(&e)
             );
         }
+        // The file's own mark goes first: one that stays would make the next start fail it
+        // again (safe, but not what the operator asked).
+        if let Some(fd) = fresh.mapping.backing_fd() {
+            super::mark::remove(fd).map_err(|source| NamespaceError::Mark {
+                subsystem: key.0.clone(),
+                nsid: key.1,
+                path: ns.path.clone(),
+                source,
+            })?;
+        }
         if let Some(l) = &self.ledger {
             l.clear(&old.key).map_err(|source| NamespaceError::Ledger {
                 subsystem: key.0.clone(),
@@ -299,6 +309,9 @@ impl NamespaceTable {
         // clear above took it out): the clear is void, the state file says so again, and the
         // old opening stays.
         if let Some(again) = fresh.failure() {
+            if let Some(fd) = fresh.mapping.backing_fd() {
+                super::mark_file(fd, key.0.as_str(), key.1, &again);
+            }
             if let Some(l) = &self.ledger {
                 if let Err(e) = l.record(key.0.as_str(), key.1, &fresh.key, &again) {
                     // In memory it stays failed; the state file says otherwise.

@@ -291,6 +291,53 @@ fn a_failure_is_remembered_across_openings_until_cleared() {
     assert!(ledger.get(&ns1.config.path).is_some());
 }
 
+/// The file's own mark remembers a failure the state file in use does not list (a daemon
+/// started with another `state_file`, or one removed by hand): the namespace opens failed and
+/// that state file learns it; clearing removes the mark. (A new state file forgot it: the
+/// namespace opened healthy and its persists succeeded over pages the media did not hold.)
+#[test]
+fn a_failure_marks_the_file_for_a_state_file_that_never_saw_it() {
+    use std::os::fd::AsFd;
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let first = Arc::new(FailureLedger::open(&d.path().join("state-a")).unwrap());
+    let table = NamespaceTable::open_all_remembering(&cfg, Some(first)).unwrap();
+    let f = SyncFailure::new(
+        "fdatasync",
+        &std::io::Error::from_raw_os_error(libc::ENOSPC),
+    );
+    table.get(&nqn, 1).unwrap().mapping.record_failure(f);
+    drop(table);
+    let file = std::fs::File::open(d.path().join("n1")).unwrap();
+    let marked = mark::get(file.as_fd()).unwrap();
+    if marked.is_none() && !mark::set(file.as_fd(), &f).unwrap() {
+        eprintln!("skipped: this filesystem has no user attributes");
+        return;
+    }
+    assert_eq!(marked, Some(f), "the failure marked the file");
+
+    // Started with another state file: failed all the same, and that file learns it.
+    let other = Arc::new(FailureLedger::open(&d.path().join("state-b")).unwrap());
+    let mut table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&other))).unwrap();
+    let ns1 = table.get(&nqn, 1).unwrap();
+    assert_eq!(ns1.failure(), Some(f));
+    assert!(ns1.mapping.persist(0, 4096).is_err());
+    assert_eq!(
+        other.get(&ns1.config.path).map(|e| e.sync_failure()),
+        Some(f)
+    );
+    assert!(table.get(&nqn, 2).unwrap().failure().is_none());
+
+    // Cleared: the mark goes, and a third state file finds the file healthy.
+    table.clear_failure(&(nqn.clone(), 1), &cfg).unwrap();
+    assert_eq!(mark::get(file.as_fd()).unwrap(), None);
+    drop(table);
+    let third = Arc::new(FailureLedger::open(&d.path().join("state-c")).unwrap());
+    let table = NamespaceTable::open_all_remembering(&cfg, Some(third)).unwrap();
+    assert!(table.get(&nqn, 1).unwrap().failure().is_none());
+}
+
 #[test]
 fn a_failure_the_state_file_missed_is_carried_by_a_reload() {
     let d = tempfile::tempdir().unwrap();
