@@ -446,7 +446,23 @@ impl FailureLedger {
         path: &Path,
         failure: &SyncFailure,
     ) -> Result<Failed> {
-        let (key, id) = (key_of(path), file_id_of(path));
+        self.record_file(subsystem, nsid, path, file_id_of(path), failure)
+    }
+
+    /// [`record`](Self::record) for the file `id` (device and inode) that failed, whatever
+    /// `path` names by now (a file moved over it before a reload).
+    ///
+    /// # Errors
+    /// As [`record`](Self::record).
+    pub fn record_file(
+        &self,
+        subsystem: &str,
+        nsid: u32,
+        path: &Path,
+        id: Option<(u64, u64)>,
+        failure: &SyncFailure,
+    ) -> Result<Failed> {
+        let key = key_of(path);
         let mut g = self.lock();
         if let Some(f) = g.failed.iter().find(|f| f.is_of(&key, id)) {
             return Ok(f.clone());

@@ -497,12 +497,17 @@ impl OpenNamespace {
             .backing_fd()
             .and_then(|fd| fd.try_clone_to_owned().ok());
         self.mapping.set_failure_hook(Box::new(move |f| {
+            use std::os::fd::AsFd;
             if let Some(fd) = &file {
-                use std::os::fd::AsFd;
                 mark_file(fd.as_fd(), &sub, nsid, f);
             }
             if let Some(l) = &l {
-                if let Err(e) = l.record(&sub, nsid, &path, f) {
+                // The file that failed, not whatever its path names by now.
+                let id = match &file {
+                    Some(fd) => file_id_of_fd(fd.as_fd()),
+                    None => failures::file_id_of(&path),
+                };
+                if let Err(e) = l.record_file(&sub, nsid, &path, id, f) {
                     log::error!(
                         "subsystem {sub} namespace {nsid} failed ({f}) and the failure could \
                          not be remembered: {}; a restart would forget it",
@@ -528,7 +533,8 @@ impl OpenNamespace {
         let entry = match (remembered, &self.ledger) {
             (Some(e), _) => Some(e),
             (None, Some(l)) => {
-                match l.record(self.subsystem.as_str(), self.config.nsid, &self.key, &f) {
+                let id = self.file_id().or_else(|| failures::file_id_of(&self.key));
+                match l.record_file(self.subsystem.as_str(), self.config.nsid, &self.key, id, &f) {
                     Ok(e) => Some(e),
                     Err(e) => {
                         log::error!(
@@ -598,9 +604,7 @@ impl OpenNamespace {
 
     /// The file this opening maps (device and inode), if it maps one.
     pub fn file_id(&self) -> Option<(u64, u64)> {
-        let fd = self.mapping.backing_fd()?;
-        let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
-        Some((st.st_dev, st.st_ino))
+        file_id_of_fd(self.mapping.backing_fd()?)
     }
 
     /// Which file it maps, as its descriptor tells hosts ([`identity_of`]).
@@ -672,6 +676,12 @@ impl OpenNamespace {
             );
         }
     }
+}
+
+/// The device and inode of the file of `fd`.
+fn file_id_of_fd(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
+    let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
+    Some((st.st_dev, st.st_ino))
 }
 
 /// Marks the file of `fd` failed with `f` ([`mark`]); a mark that cannot be written is

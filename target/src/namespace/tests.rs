@@ -338,6 +338,30 @@ fn a_failure_marks_the_file_for_a_state_file_that_never_saw_it() {
     assert!(table.get(&nqn, 1).unwrap().failure().is_none());
 }
 
+/// A file moved over the namespace's path while the old file is still mapped, and the old
+/// file's sync then fails: the state file records the file that failed (its device and
+/// inode), not the one the path names by then. (It recorded the newcomer's: the failed file,
+/// configured elsewhere later, matched neither its path nor its inode and opened healthy.)
+#[test]
+fn the_state_file_records_the_file_that_failed_not_what_its_path_names_now() {
+    use std::os::unix::fs::MetadataExt;
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+    let table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+    let ns1 = table.get(&nqn, 1).unwrap();
+    let failed_file = ns1.file_id().unwrap();
+    std::fs::write(d.path().join("restored"), vec![0u8; 64 << 10]).unwrap();
+    std::fs::rename(d.path().join("restored"), d.path().join("n1")).unwrap();
+    let newcomer = std::fs::metadata(d.path().join("n1")).unwrap();
+    assert_ne!((newcomer.dev(), newcomer.ino()), failed_file);
+    let f = SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(libc::EIO));
+    ns1.mapping.record_failure(f);
+    let entry = ledger.get(&ns1.config.path).expect("recorded");
+    assert_eq!(entry.file, Some(failed_file));
+}
+
 #[test]
 fn a_failure_the_state_file_missed_is_carried_by_a_reload() {
     let d = tempfile::tempdir().unwrap();
