@@ -612,3 +612,49 @@ fn a_failure_survives_a_restart_with_another_state_file() {
     assert_eq!(c, Some(0), "a flush after the clear: {all}");
     drop(t);
 }
+
+/// clear-failure while the cause is still there: the old opening's write-back (of what was
+/// written to the file since the failure) fails again, and the clear is refused, the namespace
+/// still failed; once the cause is gone the clear succeeds. (A new opening does not hear of a
+/// write-back error from before it was opened, so the clear succeeded and the bytes that
+/// write-back lost were then served and synced as if they were on the media.)
+#[test]
+fn clear_failure_is_refused_while_the_write_back_still_fails() {
+    use std::os::unix::fs::FileExt;
+    let d = rpma_tests::scratch();
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
+    };
+    let m = fs.mnt.display();
+    let t_dir = d.path().join("target");
+    std::fs::create_dir(&t_dir).unwrap();
+    let t = Target::start(
+        &t_dir,
+        &format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
+             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/ns1\"\nsize = \"8MiB\"\n"
+        ),
+    );
+    fs.fill();
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm write --offset 2M --pattern 0x22 --length 1M --durable",
+    );
+    assert_eq!(c, Some(1), "the write-back fails: {all}");
+    // Written since (another writer of the file), while the filesystem still fails.
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(fs.mnt.join("ns1"))
+        .unwrap();
+    f.write_all_at(&[0x33; 1 << 20], 4 << 20).unwrap();
+    let (c, all) = clear_failure(&t, 1);
+    assert_eq!(c, Some(1), "cleared while the write-back fails: {all}");
+    assert!(all.contains("failed again"), "{all}");
+    assert!(failed_of(&t, 1).is_string(), "{}", ns_status(&t, 1));
+    fs.free();
+    let (c, all) = clear_failure(&t, 1);
+    assert_eq!(c, Some(0), "{all}");
+    assert!(failed_of(&t, 1).is_null(), "{}", ns_status(&t, 1));
+    drop(t);
+}

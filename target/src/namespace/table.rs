@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use rpma_common::pmem::SyncFailure;
+use rpma_common::pmem::{self, SyncFailure};
 use rpma_common::proto::nqn::Nqn;
 
 use super::{NamespaceError, OpenNamespace, Result};
@@ -260,13 +260,24 @@ impl NamespaceTable {
             .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1))
             .ok_or_else(not_found)?;
         let remembered = old.remembered();
-        if let Err(e) = old.mapping.drop_page_cache() {
-            log::warn!(
+        match old.mapping.drop_page_cache() {
+            Ok(()) => {}
+            // Its write-back failed again (the cause is still there, and what was written
+            // since is lost): a new opening would not hear of it (the kernel reports an error
+            // to the descriptions open when it happened), so the clear is refused here.
+            Err(pmem::Error::Sync { op, source, .. }) => {
+                return Err(NamespaceError::FailedAgain {
+                    subsystem: key.0.clone(),
+                    nsid: key.1,
+                    failure: SyncFailure::new(op, &source),
+                });
+            }
+            Err(e) => log::warn!(
                 "subsystem {} namespace {}: {}",
                 key.0,
                 key.1,
                 rpma_common::error_chain(&e)
-            );
+            ),
         }
         // Opened without reading the ledger (it still remembers the failure, and must until
         // the new opening exists: read, the new opening would start failed) but recording into
