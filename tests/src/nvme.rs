@@ -636,6 +636,26 @@ impl Controller {
         self.admin.command(sqe, &[], len).expect("Get Log Page")
     }
 
+    /// Waits until the controller heard of a reload (or a cleared failure) that changed
+    /// `nsid`: its Changed Namespace List names it (read with RAE 0, which empties it for the
+    /// next change). A reload reaches each controller in its own loop's turn.
+    pub fn wait_changed(&mut self, nsid: u32) {
+        let deadline = std::time::Instant::now() + REPLY_WITHIN;
+        loop {
+            let c = self.get_log(0x04, 4096, 0);
+            assert!(c.ok(), "Changed Namespace List: {c:?}");
+            if c.data.chunks_exact(4).any(|id| id == nsid.to_le_bytes()) {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "controller {} never heard that namespace {nsid} changed",
+                self.cntlid
+            );
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+
     /// Connects I/O queue `qid` on a connection of its own.
     pub fn io_queue(&self, qid: u16) -> Result<Host, Completion> {
         let mut q = Host::icreq(

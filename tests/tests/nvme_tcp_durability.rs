@@ -6,8 +6,9 @@
 //! - page-cache: a Write is durable once a Flush of its namespace (or the Write itself, with
 //!   FUA) completed;
 //! - dax: every Write is durable at its completion (no volatile write cache is reported);
-//! - a namespace whose write-back failed answers Flush, FUA and Write with Write Fault
-//!   (needs root, loop devices and mkfs.ext4 for a real failing filesystem; says why it skips).
+//! - a namespace whose write-back failed answers Flush, FUA and Write with Write Fault, and
+//!   keeps doing so after the operator's clear to the controllers it failed under (needs root,
+//!   loop devices and mkfs.ext4 for a real failing filesystem; says why it skips).
 
 use rpma_tests::fragile_fs::FragileFs;
 use rpma_tests::nvme::{sc, Controller, Host, Sqe};
@@ -153,22 +154,53 @@ impl Vwc for Controller {
     }
 }
 
+/// A target serving one 8 MiB page-cache namespace on a filesystem whose write-back fails on
+/// demand (fields drop in order: the target before the filesystem under it).
+struct Fragile {
+    t: Target,
+    fs: FragileFs,
+}
+
+impl Fragile {
+    /// Under `dir`, or None (the test skips, and says why) where the filesystem cannot be built.
+    fn start(dir: &std::path::Path) -> Option<Fragile> {
+        let fs = FragileFs::or_skip(dir)?;
+        let t_dir = dir.join("target");
+        std::fs::create_dir(&t_dir).unwrap();
+        let cfg = Config::new()
+            .subsystem(Subsystem::new(SUB).host(HOST).namespace(Namespace::new(
+                1,
+                &format!("{}/ns1", fs.mnt.display()),
+                "8MiB",
+            )))
+            .to_string();
+        let t = Target::start_on(&t_dir, "nvme-tcp://127.0.0.1", &cfg, &[]);
+        Some(Fragile { t, fs })
+    }
+}
+
+/// `rpma-target clear-failure SUB 1`, which must succeed.
+fn clear_failure(t: &Target) {
+    let sock = t.dir().join("ctl.sock");
+    let o = rpma_tests::run_with_deadline(
+        std::process::Command::new(rpma_tests::target_bin()).args([
+            "clear-failure",
+            "--socket",
+            sock.to_str().unwrap(),
+            SUB,
+            "1",
+        ]),
+        std::time::Duration::from_secs(30),
+    );
+    assert!(o.status.success(), "{}", rpma_tests::text(&o));
+}
+
 #[test]
 fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
     let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
-    let Some(fs) = FragileFs::or_skip(d.path()) else {
+    let Some(Fragile { t, fs }) = Fragile::start(d.path()) else {
         return;
     };
-    let t_dir = d.path().join("target");
-    std::fs::create_dir(&t_dir).unwrap();
-    let cfg = Config::new()
-        .subsystem(Subsystem::new(SUB).host(HOST).namespace(Namespace::new(
-            1,
-            &format!("{}/ns1", fs.mnt.display()),
-            "8MiB",
-        )))
-        .to_string();
-    let t = Target::start_on(&t_dir, "nvme-tcp://127.0.0.1", &cfg, &[]);
     let (mut c, mut q) = queue(&t);
     assert_eq!(
         c.get_log(0x02, 512, 0).data[0],
@@ -232,23 +264,98 @@ fn a_failed_namespace_answers_flush_fua_and_writes_with_write_fault() {
         };
         assert_eq!(csts & (1 << 1), 1 << 1, "CSTS {csts:#x}: CFS");
     }
-    // The operator frees the space and clears the failure: the controller's next FUA write is
-    // durable again (it kept the failed opening, and answered Write Fault until the host
-    // reconnected).
+    // The operator frees the space and clears the failure. This controller's 1 MiB was lost
+    // in the failed write-back, so once it has heard of the clear it still answers Write Fault
+    // (no Flush of it may vouch for those writes: the test below); a controller connected
+    // after the clear is served as usual.
     fs.free();
-    let sock = t.dir().join("ctl.sock");
-    let o = rpma_tests::run_with_deadline(
-        std::process::Command::new(rpma_tests::target_bin()).args([
-            "clear-failure",
-            "--socket",
-            sock.to_str().unwrap(),
-            SUB,
-            "1",
-        ]),
-        std::time::Duration::from_secs(30),
-    );
-    assert!(o.status.success(), "{}", rpma_tests::text(&o));
+    clear_failure(&t);
+    c.wait_changed(1);
     let w = q.write(1, 0, 4096, &[2; 4096], true).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT, "FUA after the clear: {w:?}");
+    assert_eq!(q.flush(1).unwrap().code(), sc::WRITE_FAULT);
+    let (_c3, mut q3) = queue(&t);
+    let w = q3.write(1, 0, 4096, &[2; 4096], true).unwrap();
     assert!(w.ok(), "a FUA write after the failure was cleared: {w:?}");
-    assert!(q.flush(1).unwrap().ok());
+    assert!(q3.flush(1).unwrap().ok());
+}
+
+/// A controller attached to a page-cache namespace when its write-back failed may have
+/// completed writes that only the page cache held, and that are gone; an NVMe host keeps no
+/// copy to write again. So after an operator cleared the failure, such a controller still
+/// answers Write Fault to every Flush and FUA write of the namespace (and to writes, as the
+/// failed namespace did) until its host reconnects: no Flush may vouch for the lost writes.
+/// Controllers connected while it was failed, or after the clear, are served as usual.
+/// (Before: controller A, whose 1 MiB controller B's Flush had failed to write back, was
+/// answered success by its first Flush after the clear, over data the media did not hold.)
+#[test]
+fn after_a_cleared_failure_no_flush_vouches_for_writes_lost_in_it() {
+    let d = tempfile::tempdir_in(env!("CARGO_TARGET_TMPDIR")).unwrap();
+    let Some(Fragile { t, fs }) = Fragile::start(d.path()) else {
+        return;
+    };
+    let (mut ca, mut qa) = queue(&t);
+    let (mut cb, mut qb) = queue(&t);
+    fs.fill();
+    // A: 1 MiB without FUA, completed (in the page cache), never flushed by A.
+    let lost = vec![0x5a; 128 << 10];
+    for i in 0..8u64 {
+        assert!(qa.write(1, i * 32, 4096, &lost, false).unwrap().ok());
+    }
+    let f = qb.flush(1).unwrap();
+    assert_eq!(
+        f.code(),
+        sc::WRITE_FAULT,
+        "B's Flush met the failure: {f:?}"
+    );
+    // Connected while the namespace is failed: nothing it writes completes, nothing is lost.
+    let (mut cc, mut qc) = queue(&t);
+    let w = qc.write(1, 512, 4096, &[3; 4096], false).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT);
+    fs.free();
+    clear_failure(&t);
+    for c in [&mut ca, &mut cb, &mut cc] {
+        c.wait_changed(1);
+    }
+    let f = qa.flush(1).unwrap();
+    assert_eq!(
+        f.code(),
+        sc::WRITE_FAULT,
+        "A's first Flush after the clear would vouch for its lost writes: {f:?}"
+    );
+    assert!(f.dnr());
+    assert_eq!(qa.flush(1).unwrap().code(), sc::WRITE_FAULT, "said again");
+    assert_eq!(qa.flush(0xffff_ffff).unwrap().code(), sc::WRITE_FAULT);
+    let w = qa.write(1, 0, 4096, &[1; 4096], true).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT, "FUA");
+    assert_eq!(
+        qb.flush(1).unwrap().code(),
+        sc::WRITE_FAULT,
+        "B was attached when it failed too"
+    );
+    assert_eq!(
+        ca.get_log(0x02, 512, 0).data[0] & (1 << 2),
+        1 << 2,
+        "A's SMART: reliability degraded"
+    );
+    // The faults are honest: the media (read by a new controller: the clear dropped the page
+    // cache) does not hold A's writes.
+    let (mut cn, mut qn) = queue(&t);
+    let back = qn.read(1, 0, 4096, 32).unwrap();
+    assert!(back.ok());
+    assert_ne!(
+        back.data, lost,
+        "A's first 128 KiB reached the media after all"
+    );
+    assert_eq!(
+        cn.get_log(0x02, 512, 0).data[0],
+        0,
+        "a new controller: healthy"
+    );
+    let w = qn.write(1, 0, 4096, &[2; 4096], true).unwrap();
+    assert!(w.ok(), "a controller connected after the clear: {w:?}");
+    assert!(qn.flush(1).unwrap().ok());
+    let w = qc.write(1, 512, 4096, &[3; 4096], false).unwrap();
+    assert!(w.ok(), "a controller connected while it was failed: {w:?}");
+    assert!(qc.flush(1).unwrap().ok());
 }

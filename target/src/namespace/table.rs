@@ -43,7 +43,10 @@ impl Cleared {
             "subsystem {} namespace {} ({}) failed{since} ({}): any write to it that was not \
              acknowledged as durable before then may be lost (the media holds whatever the \
              failed write-back left), and no write since was acknowledged as durable; hosts \
-             now read what the media holds, and durability requests succeed again",
+             now read what the media holds, and durability requests succeed again (not on the \
+             NVMe/TCP controllers connected when it failed: writes they completed may be lost \
+             and their hosts keep no copy, so they answer Write Fault until their host \
+             reconnects)",
             key.0,
             key.1,
             self.path.display(),

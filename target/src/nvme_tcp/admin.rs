@@ -7,12 +7,12 @@
 //!   Zeroes and Dataset Management) and namespace structure (all zero). A discovery controller
 //!   answers Identify Controller only.
 //! - Get Log Page: error information (no entries), SMART / health (what this controller served;
-//!   critical warning "reliability degraded" while one of its namespaces has failed), firmware
-//!   slot, changed namespace list (read with RAE 0 re-arms its notice); on a discovery
-//!   controller only the discovery log. The length asked for must be what the SGL describes,
-//!   at most 128 KiB (a discovery log larger than that may be read whole: its size rounded up
-//!   to 4 KiB); offsets (LPO) are dword aligned and within the page; bytes past the end of the
-//!   page read as zeros.
+//!   critical warning "reliability degraded" while one of its namespaces has failed, or failed
+//!   under it and was cleared since), firmware slot, changed namespace list (read with RAE 0
+//!   re-arms its notice); on a discovery controller only the discovery log. The length asked
+//!   for must be what the SGL describes, at most 128 KiB (a discovery log larger than that may
+//!   be read whole: its size rounded up to 4 KiB); offsets (LPO) are dword aligned and within
+//!   the page; bytes past the end of the page read as zeros.
 //! - Features: number of queues (granted up to [`MAX_IO_QUEUES`]), keep-alive timer,
 //!   asynchronous event configuration, volatile write cache (only where one is reported).
 //!   Nothing is saveable.
@@ -26,7 +26,7 @@ use std::time::Duration;
 use rpma_common::proto::nqn::Nqn;
 
 use super::command::{self, admin, Sqe, Status, NSID_ALL};
-use super::controller::{aen, Controller, MAX_IO_QUEUES};
+use super::controller::{aen, Controller, NsEntry, MAX_IO_QUEUES};
 use super::discovery;
 use super::identify::{self, cns, lid, CtrlFacts, CtrlKind, Health, NsFacts};
 use super::queue::{Env, Queue, IN_CAPSULE_DATA, MDTS};
@@ -253,7 +253,7 @@ fn health(ctrl: &Controller) -> Health {
     let t = ctrl.counts.total();
     let (_, map) = ctrl.namespaces();
     Health {
-        degraded: map.values().any(|e| e.ns.failure().is_some()),
+        degraded: map.values().any(NsEntry::failed),
         read_bytes: t.read_bytes,
         write_bytes: t.write_bytes,
         reads: t.reads,
@@ -378,8 +378,8 @@ impl Queue {
             self.end(crate::metrics::EndReason::Reload, env);
             return self.close(env);
         }
-        // A namespace whose failure an operator cleared is a new opening too: kept, the
-        // controller answered Write Fault with the failed one until its host reconnected.
+        // A namespace whose failure an operator cleared is a new opening too (to a controller
+        // it failed under, it stays failed: `Controller::set_namespaces`).
         let mut changed: Vec<u32> = diff
             .namespaces_added
             .iter()
@@ -415,7 +415,16 @@ impl Queue {
             ctrl.cntlid,
             ctrl.host
         );
-        ctrl.set_namespaces(now.clone(), &changed);
+        for nsid in ctrl.set_namespaces(now.clone(), &changed) {
+            log::warn!(
+                "nvme-tcp controller {} (host {}): namespace {nsid} failed while it was \
+                 connected: writes it completed before may be lost (the host keeps no copy), so \
+                 to this controller the namespace stays failed (Write Fault to writes, FUA and \
+                 Flush) even once cleared; its host must reconnect to use it again",
+                ctrl.cntlid,
+                ctrl.host
+            );
+        }
         if let Phase::Admin(a) = &mut self.phase {
             a.reg.hold(now);
         }

@@ -13,6 +13,17 @@
 //!   (a reload swaps it; an I/O queue takes the new one at its next command);
 //! - what it served, per namespace ([`Counts`]), for `status` and the metrics.
 //!
+//! # A namespace that failed under it
+//!
+//! A page-cache namespace whose write-back fails while the controller is attached may take
+//! with it writes the controller completed without FUA: they were only in the page cache, and
+//! an NVMe host keeps no copy to write again (the native protocol's hosts hold their writes and
+//! re-issue them). An operator's clear-failure makes the namespace healthy for everyone else,
+//! but to this controller it stays failed ([`NsEntry::lost`]) for the rest of its life: a
+//! Flush that succeeded now would vouch for the lost writes. A controller connected while the
+//! namespace was failed completed no write to it, and one connected after the clear gets the
+//! healthy opening.
+//!
 //! # Durability
 //!
 //! [`Controller::vwc`] is decided when it is created, from its namespaces' domains: a volatile
@@ -198,6 +209,27 @@ pub struct NsEntry {
     pub nguid: [u8; 16],
     /// Its UUID.
     pub uuid: [u8; 16],
+    /// This controller was served this file while it was healthy (it may have completed writes
+    /// that only the page cache held); kept across reopenings of the same file.
+    pub served_healthy: bool,
+    /// It failed while this controller was attached and had been served it healthy: writes the
+    /// controller completed may be lost, so to this controller it answers as failed for good,
+    /// whatever opening it is now served (see the module docs).
+    pub lost: bool,
+}
+
+impl NsEntry {
+    /// Whether it answers as failed to this controller: its opening failed, or it is
+    /// [`NsEntry::lost`].
+    pub fn failed(&self) -> bool {
+        self.lost || self.ns.failure().is_some()
+    }
+
+    /// As [`NsEntry::failed`], logging a failure of the opening the first time it is seen
+    /// ([`OpenNamespace::note_failure`]): for the durability requests it refuses.
+    pub fn note_failed(&self) -> bool {
+        self.lost || self.ns.note_failure()
+    }
 }
 
 /// Namespaces by nsid.
@@ -230,6 +262,9 @@ struct State {
     /// of the new file covers. Their next Flush answers Write Fault, once; a shutdown while
     /// any is listed sets CFS.
     replaced: BTreeSet<u32>,
+    /// Namespaces that failed while this controller was attached and had been served them
+    /// healthy ([`NsEntry::lost`]); kept when a reload removes one, should it come back.
+    lost: BTreeSet<u32>,
     /// Events waiting for an Asynchronous Event Request.
     events: VecDeque<u32>,
     /// Event types reported and not yet cleared by reading their log page.
@@ -291,7 +326,13 @@ impl Controller {
     ) -> Controller {
         let counts = Arc::new(Counts::default());
         let vwc = kind == CtrlKind::Io && namespaces.iter().any(|n| needs_vwc(n.domain()));
-        let map = Self::map_of(&subsystem, namespaces, &counts);
+        let map = Self::map_of(
+            &subsystem,
+            namespaces,
+            &counts,
+            &NsMap::new(),
+            &BTreeSet::new(),
+        );
         Controller {
             cntlid,
             kind,
@@ -311,6 +352,7 @@ impl Controller {
                 last_keep_alive: now,
                 changed: BTreeSet::new(),
                 replaced: BTreeSet::new(),
+                lost: BTreeSet::new(),
                 events: VecDeque::new(),
                 masked: BTreeSet::new(),
             }),
@@ -321,14 +363,27 @@ impl Controller {
         }
     }
 
-    fn map_of(subsystem: &Nqn, namespaces: Vec<Arc<OpenNamespace>>, counts: &Counts) -> NsMap {
+    /// The entries of `namespaces`, carrying over from `old` (the map they replace) whether
+    /// the same file was served healthy, and marking those in `lost`.
+    fn map_of(
+        subsystem: &Nqn,
+        namespaces: Vec<Arc<OpenNamespace>>,
+        counts: &Counts,
+        old: &NsMap,
+        lost: &BTreeSet<u32>,
+    ) -> NsMap {
         namespaces
             .into_iter()
             .map(|ns| {
                 let nsid = ns.config.nsid;
                 let (nguid, uuid) = namespace_ids(subsystem, nsid, Path::new(&ns.config.path));
+                let served_before = old.get(&nsid).is_some_and(|p| {
+                    p.served_healthy && p.ns.file_id().is_some() && p.ns.file_id() == ns.file_id()
+                });
                 let e = NsEntry {
                     counts: counts.of(nsid),
+                    served_healthy: served_before || ns.failure().is_none(),
+                    lost: lost.contains(&nsid),
                     ns,
                     nguid,
                     uuid,
@@ -354,19 +409,28 @@ impl Controller {
         self.ns_generation.load(Ordering::Acquire)
     }
 
-    /// Swaps in the namespaces of a reload; `changed` (added, removed or replaced nsids) are
-    /// reported to the host as a namespace attribute notice, if it asked for those.
-    pub fn set_namespaces(&self, namespaces: Vec<Arc<OpenNamespace>>, changed: &[u32]) {
-        let map = Arc::new(Self::map_of(&self.subsystem, namespaces, &self.counts));
-        let old = std::mem::replace(
-            &mut *self.namespaces.write().unwrap_or_else(|p| p.into_inner()),
-            Arc::clone(&map),
-        );
+    /// Swaps in the namespaces of a reload (or of a cleared failure); `changed` (added,
+    /// removed or replaced nsids) are reported to the host as a namespace attribute notice, if
+    /// it asked for those. Returns the nsids that became [`NsEntry::lost`] to this controller:
+    /// their opening failed while it was attached and had been served them healthy.
+    pub fn set_namespaces(&self, namespaces: Vec<Arc<OpenNamespace>>, changed: &[u32]) -> Vec<u32> {
+        let mut st = self.state();
+        let mut newly_lost = Vec::new();
+        let old = self.namespaces().1;
+        for (nsid, e) in old.iter() {
+            // The old opening stays failed (a clear makes a new one), so this is seen here
+            // whether the failure was cleared or not.
+            if e.served_healthy && e.ns.failure().is_some() && st.lost.insert(*nsid) {
+                newly_lost.push(*nsid);
+            }
+        }
+        let map = Self::map_of(&self.subsystem, namespaces, &self.counts, &old, &st.lost);
+        let map = Arc::new(map);
+        *self.namespaces.write().unwrap_or_else(|p| p.into_inner()) = Arc::clone(&map);
         self.ns_generation.fetch_add(1, Ordering::AcqRel);
         if changed.is_empty() {
-            return;
+            return newly_lost;
         }
-        let mut st = self.state();
         for (nsid, e) in old.iter() {
             let same_file = map
                 .get(nsid)
@@ -377,6 +441,7 @@ impl Controller {
         }
         st.changed.extend(changed.iter().copied());
         Self::raise(&mut st, aen::NS_CHANGED, aen::AEC_NS_ATTR);
+        newly_lost
     }
 
     /// Whether a Flush of `nsid` (None: every namespace) must answer Write Fault, because a
@@ -500,12 +565,10 @@ impl Controller {
         }
     }
 
-    /// Whether a namespace of this controller has failed (a write-back error).
+    /// Whether a namespace of this controller has failed (a write-back error), or is
+    /// [`NsEntry::lost`] to it.
     pub fn any_failed(&self) -> bool {
-        self.namespaces()
-            .1
-            .values()
-            .any(|e| e.ns.failure().is_some())
+        self.namespaces().1.values().any(NsEntry::failed)
     }
 
     /// Whether the host shut the controller down (CC.SHN written) before it went away.
@@ -670,6 +733,65 @@ mod tests {
             Some(aen::NS_CHANGED),
             "unmasked by the read"
         );
+    }
+
+    /// A namespace that fails under a controller stays failed to it after the clear, through a
+    /// reload that reopened it failed in between; a controller connected while it was failed
+    /// gets the cleared one.
+    #[test]
+    fn a_namespace_that_failed_under_a_controller_stays_lost_to_it() {
+        use crate::namespace::NamespaceTable;
+        use rpma_common::pmem::{Persist, SyncFailure};
+        let d = tempfile::tempdir().unwrap();
+        let text = "listen = [\"nvme-tcp://127.0.0.1:4420\"]\n[[subsystem]]\n\
+                    nqn = \"nqn.2026-11.io.rpma:s\"\nallow_any_host = true\n\
+                    [[subsystem.namespace]]\nnsid = 1\npath = \"n1\"\nsize = \"1MiB\"\n";
+        let cfg = crate::config::Config::from_toml(text, d.path()).unwrap();
+        let mut table = NamespaceTable::open_all(&cfg).unwrap();
+        let sub = Nqn::new("nqn.2026-11.io.rpma:s").unwrap();
+        let ns = |t: &NamespaceTable| vec![Arc::clone(t.get(&sub, 1).unwrap())];
+        let new = |nss| {
+            let host = Nqn::new("nqn.2026-11.io.rpma:h").unwrap();
+            let t = Instant::now();
+            let s = sub.clone();
+            Controller::new(1, CtrlKind::Io, s, host, [0; 16], nss, Duration::ZERO, 8, t)
+        };
+        let entry = |c: &Controller| c.namespaces().1[&1].clone();
+        let attached = new(ns(&table));
+        assert!(!entry(&attached).failed());
+        let f = SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(libc::EIO));
+        table.get(&sub, 1).unwrap().mapping.record_failure(f);
+        let late = new(ns(&table));
+        assert!(entry(&attached).failed() && entry(&late).failed());
+        // A reload reopens it, still failed.
+        let mut diff = crate::reload::diff(&cfg, &cfg);
+        assert_eq!(table.reopen_failed(&mut diff).len(), 1);
+        table.apply(&diff, &cfg).unwrap();
+        assert_eq!(
+            attached.set_namespaces(ns(&table), &[1]),
+            [1],
+            "lost from now on"
+        );
+        assert!(late.set_namespaces(ns(&table), &[1]).is_empty());
+        // The clear: a new, healthy opening.
+        table.clear_failure(&(sub.clone(), 1), &cfg).unwrap();
+        assert!(
+            attached.set_namespaces(ns(&table), &[1]).is_empty(),
+            "said once"
+        );
+        assert!(late.set_namespaces(ns(&table), &[1]).is_empty());
+        let (a, l) = (entry(&attached), entry(&late));
+        assert!(a.ns.failure().is_none() && a.lost && a.failed());
+        assert!(attached.any_failed());
+        assert!(!l.failed() && !late.any_failed());
+        assert!(
+            !entry(&new(ns(&table))).failed(),
+            "connected after the clear"
+        );
+        // Removed by a reload and added back: still lost.
+        attached.set_namespaces(Vec::new(), &[1]);
+        attached.set_namespaces(ns(&table), &[1]);
+        assert!(entry(&attached).lost);
     }
 
     #[test]

@@ -24,7 +24,9 @@
 //!   native FlushResponse VisibleOnly does (docs/nvme-tcp.md says so).
 //! - A namespace that failed (a write-back error, on any path) answers every Write, Write
 //!   Zeroes, deallocation, FUA and Flush with Write Fault (DNR): nothing written to it can be
-//!   made durable until an operator reopens it. Reads still work.
+//!   made durable until an operator reopens it. Reads still work. To a controller that was
+//!   attached when it failed it stays so after the operator's clear ([`NsEntry::lost`]): writes
+//!   it completed may be lost, and a Flush must not vouch for them.
 //!
 //! # Zeroing
 //!
@@ -90,12 +92,12 @@ fn rw_range(ns: &OpenNamespace, sqe: &Sqe) -> Result<(u64, u64), Status> {
     lba_range(ns, slba, u64::from(cdw12 & 0xffff) + 1)
 }
 
-/// Checks a write to `ns`: not read-only, not failed.
-fn writable(ns: &OpenNamespace) -> Result<(), Status> {
-    if ns.config.read_only {
+/// Checks a write to `e`: not read-only, not failed (to this controller).
+fn writable(e: &NsEntry) -> Result<(), Status> {
+    if e.ns.config.read_only {
         return Err(Status::WRITE_PROTECTED);
     }
-    if ns.note_failure() {
+    if e.note_failed() {
         return Err(Status::WRITE_FAULT);
     }
     Ok(())
@@ -187,7 +189,7 @@ impl Queue {
         if bytes != u64::from(len) {
             return Err(Status::SGL_LENGTH_INVALID);
         }
-        writable(&e.ns)?;
+        writable(&e)?;
         Ok(Sink::Namespace {
             ns: e.ns,
             counts: e.counts,
@@ -206,14 +208,10 @@ impl Queue {
         nsid: u32,
         ns: &Arc<OpenNamespace>,
     ) -> Result<(), Status> {
-        let now = self
-            .io_namespace(nsid)
-            .map_err(|_| Status::WRITE_FAULT)?
-            .1
-            .ns;
-        let same =
-            Arc::ptr_eq(&now, ns) || (ns.file_id().is_some() && now.file_id() == ns.file_id());
-        if !same || ns.note_failure() || now.note_failure() {
+        let now = self.io_namespace(nsid).map_err(|_| Status::WRITE_FAULT)?.1;
+        let same = Arc::ptr_eq(&now.ns, ns)
+            || (ns.file_id().is_some() && now.ns.file_id() == ns.file_id());
+        if !same || ns.note_failure() || now.note_failed() {
             return Err(Status::WRITE_FAULT);
         }
         Ok(())
@@ -319,7 +317,7 @@ impl Queue {
         let mut counted = Vec::new();
         let mut namespaces = Vec::new();
         for e in entries {
-            if e.ns.note_failure() {
+            if e.note_failed() {
                 e.counts.durability(false);
                 return Err(Status::WRITE_FAULT);
             }
@@ -340,7 +338,7 @@ impl Queue {
         if len > MAX_WRITE_ZEROES {
             return Err(Status::INVALID_FIELD);
         }
-        writable(&e.ns)?;
+        writable(&e)?;
         self.zeroed += len;
         zero_range(&e.ns, offset, len)?;
         e.counts.wrote(len);
@@ -371,7 +369,7 @@ impl Queue {
                 todo.push(lba_range(&e.ns, slba, blocks)?);
             }
         }
-        writable(&e.ns)?;
+        writable(&e)?;
         let mut span: Option<(u64, u64)> = None;
         for &(offset, len) in &todo {
             self.zeroed += len;
@@ -405,7 +403,7 @@ impl Queue {
         };
         let (_, map) = a.ctrl.namespaces();
         map.values()
-            .filter(|e| e.ns.domain() == Domain::PageCache && e.ns.failure().is_none())
+            .filter(|e| e.ns.domain() == Domain::PageCache && !e.failed())
             .map(|e| ((e.ns.flush_target.clone(), 0, 0), Arc::clone(&e.ns)))
             .unzip()
     }
