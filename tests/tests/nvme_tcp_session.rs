@@ -190,6 +190,53 @@ fn identify_reports_the_controller_and_its_namespaces() {
     assert_eq!(&ok(c.identify(1, 0)).data[4..24], &serial[..]);
 }
 
+/// What a host knows a namespace by: the NGUID of Identify Namespace and the Namespace
+/// Identification Descriptor list (NGUID, UUID, command set), read on a new controller.
+fn namespace_ids(addr: &str) -> (Vec<u8>, Vec<u8>) {
+    let mut c = Controller::connect(addr, SUB, HOST, (false, false)).unwrap();
+    let nguid = ok(c.identify(0, 1)).data[104..120].to_vec();
+    let desc = ok(c.identify(3, 1)).data;
+    assert_eq!(
+        (desc[0], desc[1], &desc[4..20]),
+        (2, 16, &nguid[..]),
+        "NGUID"
+    );
+    assert_eq!((desc[20], desc[21]), (3, 16), "UUID");
+    (nguid, desc)
+}
+
+/// A namespace's NGUID and UUID follow its file, not its path: a restart on the same file
+/// keeps them (a reconnecting host keeps its block device), another file moved into place at
+/// the path (a restored copy: another inode) gets others, across a restart or a reload, so
+/// the host takes it for another namespace and none of its Flushes of the new file vouches
+/// for writes that went to the old one. (Before: hashed from the path, they stayed the same.)
+#[test]
+fn another_file_at_the_namespace_path_is_another_namespace_to_the_host() {
+    use std::os::unix::fs::MetadataExt;
+    let (d, _s, mut t, addr) = start("nvme-ids");
+    let ns1 = d.path().join("ns1");
+    let first = namespace_ids(&addr);
+    t.restart();
+    assert_eq!(namespace_ids(&addr), first, "a restart on the same file");
+    // Stopped, a copy of the file moved over it, started again.
+    t.kill9();
+    let ino = std::fs::metadata(&ns1).unwrap().ino();
+    std::fs::copy(&ns1, d.path().join("ns1.copy")).unwrap();
+    std::fs::rename(d.path().join("ns1.copy"), &ns1).unwrap();
+    assert_ne!(std::fs::metadata(&ns1).unwrap().ino(), ino, "another inode");
+    t.restart();
+    let second = namespace_ids(&addr);
+    assert_ne!(second.0, first.0, "another file, another NGUID");
+    assert_ne!(second.1[24..40], first.1[24..40], "and another UUID");
+    // The same while running: a reload that finds another file there.
+    std::fs::copy(&ns1, d.path().join("ns1.copy")).unwrap();
+    std::fs::rename(d.path().join("ns1.copy"), &ns1).unwrap();
+    t.reload();
+    let third = namespace_ids(&addr);
+    assert_ne!(third.0, second.0, "a reload that mapped another file");
+    assert_ne!(third.0, first.0);
+}
+
 #[test]
 fn reads_writes_and_every_durability_command() {
     let (_d, _s, t, addr) = start("nvme-io");

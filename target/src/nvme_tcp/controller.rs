@@ -33,7 +33,6 @@
 //! host reconnects to one that reports it.
 
 use std::collections::{BTreeMap, BTreeSet, VecDeque};
-use std::path::Path;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::{Duration, Instant};
@@ -205,9 +204,9 @@ pub struct NsEntry {
     pub ns: Arc<OpenNamespace>,
     /// Its counts on this controller.
     pub counts: Arc<NsCounts>,
-    /// Its NGUID.
+    /// Its NGUID (from the namespace's identity: [`namespace_ids`]).
     pub nguid: [u8; 16],
-    /// Its UUID.
+    /// Its UUID (likewise).
     pub uuid: [u8; 16],
     /// This controller was served this file while it was healthy (it may have completed writes
     /// that only the page cache held); kept across reopenings of the same file.
@@ -376,7 +375,7 @@ impl Controller {
             .into_iter()
             .map(|ns| {
                 let nsid = ns.config.nsid;
-                let (nguid, uuid) = namespace_ids(subsystem, nsid, Path::new(&ns.config.path));
+                let (nguid, uuid) = namespace_ids(subsystem, nsid, ns.identity());
                 let served_before = old.get(&nsid).is_some_and(|p| {
                     p.served_healthy && p.ns.file_id().is_some() && p.ns.file_id() == ns.file_id()
                 });

@@ -4,10 +4,11 @@
 //! Every structure is built into a zeroed buffer of its size at the offsets of the NVM Express
 //! Base Specification; unsupported fields stay 0.
 //!
-//! Identifiers are stable: a namespace's NGUID and UUID are derived from its subsystem NQN, its
-//! nsid and its backing path (so the same namespace keeps them across restarts and reloads, and
-//! a namespace pointed at another file is another namespace to the host), a subsystem's serial
-//! number from its NQN.
+//! Identifiers are stable: a namespace's NGUID and UUID are derived from its identity, the one
+//! the native protocol's descriptor carries ([`crate::namespace::identity_of`]: the subsystem
+//! NQN, the nsid and the file's inode and birth time), so the same file keeps them across
+//! restarts, reloads and reboots, and another file at the same path (a restored copy moved into
+//! place) is another namespace to the host; a subsystem's serial number is derived from its NQN.
 
 use sha2::{Digest, Sha256};
 
@@ -126,14 +127,19 @@ pub fn serial_of(subsystem: &str) -> String {
     h.iter().take(10).map(|b| format!("{b:02x}")).collect()
 }
 
-/// The NGUID and the (version 4 shaped) UUID of a namespace.
-pub fn namespace_ids(subsystem: &Nqn, nsid: u32, path: &std::path::Path) -> ([u8; 16], [u8; 16]) {
+/// The NGUID and the (version 4 shaped) UUID of namespace `nsid` of `subsystem` whose
+/// identity ([`OpenNamespace::identity`](crate::namespace::OpenNamespace::identity)) is
+/// `identity`: which file it maps, not where. A host that reconnects to the same IDs takes the
+/// namespace for the one it had (the Linux host keeps its block device, and its next Flush
+/// stands for the writes it made before); to other IDs, for another one (it drops the block
+/// device and adds a new one).
+pub fn namespace_ids(subsystem: &Nqn, nsid: u32, identity: u64) -> ([u8; 16], [u8; 16]) {
     let mut h = Sha256::new();
-    h.update(b"rpma nvme namespace v1\0");
+    h.update(b"rpma nvme namespace v2\0");
     h.update(subsystem.as_str().as_bytes());
     h.update(b"\0");
     h.update(nsid.to_le_bytes());
-    h.update(path.as_os_str().as_encoded_bytes());
+    h.update(identity.to_le_bytes());
     let d = h.finalize();
     let mut nguid = [0u8; 16];
     nguid.copy_from_slice(&d[..16]);
@@ -392,15 +398,12 @@ mod tests {
     #[test]
     fn namespace_ids_are_stable_and_distinct() {
         let s = Nqn::new("nqn.2026-11.io.rpma:a").unwrap();
-        let p = std::path::Path::new("/var/lib/rpma/ns1");
-        let (g1, u1) = namespace_ids(&s, 1, p);
-        assert_eq!((g1, u1), namespace_ids(&s, 1, p), "stable");
-        assert_ne!(g1, namespace_ids(&s, 2, p).0, "per nsid");
-        assert_ne!(
-            g1,
-            namespace_ids(&s, 1, std::path::Path::new("/other")).0,
-            "per backing file"
-        );
+        let (g1, u1) = namespace_ids(&s, 1, 7);
+        assert_eq!((g1, u1), namespace_ids(&s, 1, 7), "stable");
+        assert_ne!(g1, namespace_ids(&s, 2, 7).0, "per nsid");
+        assert_ne!(g1, namespace_ids(&s, 1, 8).0, "per backing file");
+        let other = Nqn::new("nqn.2026-11.io.rpma:b").unwrap();
+        assert_ne!(g1, namespace_ids(&other, 1, 7).0, "per subsystem");
         assert_eq!(u1[6] >> 4, 4, "UUID version 4");
         assert_eq!(u1[8] >> 6, 2, "UUID variant");
     }
