@@ -5,7 +5,7 @@ use std::collections::BTreeMap;
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use rpma_common::pmem::{self, SyncFailure};
+use rpma_common::pmem::SyncFailure;
 use rpma_common::proto::nqn::Nqn;
 
 use super::{NamespaceError, OpenNamespace, Result};
@@ -263,25 +263,6 @@ impl NamespaceTable {
             .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1))
             .ok_or_else(not_found)?;
         let remembered = old.remembered();
-        match old.mapping.drop_page_cache() {
-            Ok(()) => {}
-            // Its write-back failed again (the cause is still there, and what was written
-            // since is lost): a new opening would not hear of it (the kernel reports an error
-            // to the descriptions open when it happened), so the clear is refused here.
-            Err(pmem::Error::Sync { op, source, .. }) => {
-                return Err(NamespaceError::FailedAgain {
-                    subsystem: key.0.clone(),
-                    nsid: key.1,
-                    failure: SyncFailure::new(op, &source),
-                });
-            }
-            Err(e) => log::warn!(
-                "subsystem {} namespace {}: {}",
-                key.0,
-                key.1,
-                rpma_common::error_chain(&e)
-            ),
-        }
         // Opened without reading the ledger (it still remembers the failure, and must until
         // the new opening exists: read, the new opening would start failed) but recording into
         // it from before any sync of the new opening, so that a failure of that sync is
@@ -294,17 +275,25 @@ impl NamespaceTable {
             c.forget_failed();
         }
         let fresh = OpenNamespace::open_with(&key.0, ns, None, self.ledger.as_ref(), None)?;
-        if let Err(e) = fresh.mapping.drop_page_cache() {
-            log::warn!(
-                "subsystem {} namespace {}: {}",
-                key.0,
-                key.1,
-                rpma_common::error_chain(&e)
-            );
+        // The old opening's page cache is dropped only now that the new one is open: the
+        // kernel reports a write-back error to the descriptions open when it happens, so a
+        // failure of this write-back (of whatever was written since the failure, the cause
+        // still there) reaches the new opening's own sync below, which fails it (FailedAgain).
+        // Opened after it, the new one never heard of it and the clear succeeded. What the old
+        // opening's sync reports itself may be the failure being cleared, reported to it late.
+        for (which, m) in [("old", &old.mapping), ("new", &fresh.mapping)] {
+            if let Err(e) = m.drop_page_cache() {
+                log::warn!(
+                    "subsystem {} namespace {}: the {which} opening: {}",
+                    key.0,
+                    key.1,
+                    rpma_common::error_chain(&e)
+                );
+            }
         }
         // The file's own mark goes first: one that stays would make the next start fail it
-        // again (safe, but not what the operator asked).
-        if let Some(fd) = fresh.mapping.backing_fd() {
+        // again (safe, but not what the operator asked). Failed again, it stays.
+        if let (None, Some(fd)) = (fresh.failure(), fresh.mapping.backing_fd()) {
             super::mark::remove(fd).map_err(|source| NamespaceError::Mark {
                 subsystem: key.0.clone(),
                 nsid: key.1,
