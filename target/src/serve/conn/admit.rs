@@ -3,6 +3,7 @@
 //! session (moved to the discovery pool); or it is refused.
 
 use std::collections::BTreeMap;
+use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -203,26 +204,89 @@ impl Conn {
     }
 
     /// The transport this connection came in on, and (rdma) its listener's operator
-    /// declaration `direct_write_to_pmem`, which decides whether APM is offered. The listener
-    /// is the rdma one on the connection's local port (and address, unless it listens on the
-    /// wildcard); none found declares nothing, which offers GPSPM only.
+    /// declaration `direct_write_to_pmem`, which decides whether APM is offered
+    /// ([`declares_direct_write`]).
     fn served_by(&self) -> (Transport, bool) {
         let info = self.qp.info();
         if info.tcp.is_some() {
             return (Transport::Tcp, false);
         }
-        let local = info.local_addr;
         let cfg = self.shared.config();
-        let dwp = cfg
-            .listeners
-            .iter()
-            .filter(|l| l.url.transport == Transport::Rdma && l.url.port == local.port())
-            .find(|l| {
-                l.url.host.parse::<std::net::IpAddr>().map_or(true, |ip| {
-                    ip.is_unspecified() || ip == local.ip().to_canonical()
-                })
+        (
+            Transport::Rdma,
+            declares_direct_write(&cfg.listeners, info.local_addr),
+        )
+    }
+}
+
+/// Whether the rdma listeners that may have taken a connection to `local` declare
+/// `direct_write_to_pmem`: those on its port whose host is its address, the wildcard, or a
+/// name (not resolved here); all of them must declare it (a declaration that one of two
+/// listeners contradicts offers nothing: APM where Writes are not durable would be a lie, its
+/// absence only slower). None found declares nothing, which offers GPSPM only. (The first one
+/// found decided: a listener named by host name, listed first, declared it for every address.)
+fn declares_direct_write(listeners: &[crate::config::Listener], local: SocketAddr) -> bool {
+    let mut candidates = listeners
+        .iter()
+        .filter(|l| l.url.transport == Transport::Rdma && l.url.port == local.port())
+        .filter(|l| {
+            l.url.host.parse::<std::net::IpAddr>().map_or(true, |ip| {
+                ip.is_unspecified() || ip == local.ip().to_canonical()
             })
-            .is_some_and(|l| l.direct_write_to_pmem);
-        (Transport::Rdma, dwp)
+        })
+        .peekable();
+    candidates.peek().is_some() && candidates.all(|l| l.direct_write_to_pmem)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::{ListenUrl, Listener};
+
+    fn rdma(url: &str, dwp: bool) -> Listener {
+        Listener {
+            url: ListenUrl::parse(url).unwrap(),
+            direct_write_to_pmem: dwp,
+        }
+    }
+
+    #[test]
+    fn a_declaration_holds_only_where_no_listener_of_the_address_contradicts_it() {
+        let local: SocketAddr = "10.0.1.1:7420".parse().unwrap();
+        // One listener of the address: its declaration.
+        assert!(declares_direct_write(
+            &[rdma("rdma://10.0.1.1:7420", true)],
+            local
+        ));
+        assert!(!declares_direct_write(
+            &[rdma("rdma://10.0.1.1:7420", false)],
+            local
+        ));
+        assert!(declares_direct_write(
+            &[rdma("rdma://0.0.0.0:7420", true)],
+            local
+        ));
+        // Another address or port, or none: nothing declared.
+        assert!(!declares_direct_write(
+            &[rdma("rdma://10.0.1.2:7420", true)],
+            local
+        ));
+        assert!(!declares_direct_write(
+            &[rdma("rdma://10.0.1.1:7421", true)],
+            local
+        ));
+        assert!(!declares_direct_write(&[], local));
+        // A name listed first that declares it, and the address itself that does not.
+        let both = [
+            rdma("rdma://pmem-a.lan:7420", true),
+            rdma("rdma://10.0.1.1:7420", false),
+        ];
+        assert!(!declares_direct_write(&both, local));
+        // Both declare it: it holds.
+        let agree = [
+            rdma("rdma://pmem-a.lan:7420", true),
+            rdma("rdma://10.0.1.1:7420", true),
+        ];
+        assert!(declares_direct_write(&agree, local));
     }
 }
