@@ -30,7 +30,7 @@ use crate::control::{
 use crate::failures::FailureLedger;
 use crate::metrics::listener::{ListenerError, MetricsServer, PageFn};
 use crate::metrics::DataCounters;
-use crate::namespace::{durability_methods, NamespaceError, NamespaceTable};
+use crate::namespace::{NamespaceError, NamespaceTable};
 use crate::notify::{Notifier, NotifyError};
 use crate::reload::{self, ConfigDiff};
 pub use crate::seam::Serve;
@@ -201,7 +201,8 @@ fn status(shared: &Shared) -> Status {
                             .iter()
                             .map(|&(t, dwp)| TransportMethods {
                                 transport: transport_name(t, dwp),
-                                methods: durability_methods(ns.domain(), t, dwp)
+                                methods: ns
+                                    .methods(t, dwp)
                                     .names()
                                     .into_iter()
                                     .map(String::from)

@@ -196,6 +196,17 @@ pub fn durability_methods(
     }
 }
 
+impl OpenNamespace {
+    /// The durability methods this namespace offers on `transport` ([`durability_methods`]),
+    /// with no `direct_write_to_pmem` under the power-loss simulation: its media learns of a
+    /// byte only when the target's CPU persists it, and an APM Read never involves the
+    /// target's CPU (the simulation would report as lost what real hardware kept).
+    pub fn methods(&self, transport: Transport, direct_write_to_pmem: bool) -> DurabilityMethods {
+        let dwp = direct_write_to_pmem && self.mapping.simulation().is_none();
+        durability_methods(self.domain(), transport, dwp)
+    }
+}
+
 /// The rights a connection's registration of a namespace carries: reads and visibility
 /// flushes always, writes and atomics unless it is read-only, persistent flushes where its
 /// domain is durable.

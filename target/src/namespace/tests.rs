@@ -69,6 +69,42 @@ fn first_touch_faults(ns: &OpenNamespace) -> i64 {
     faults() - before
 }
 
+/// Under the power-loss simulation rdma offers no APM, whatever the operator declares: the
+/// simulated media learns of a byte only when the target's CPU persists it.
+#[test]
+fn a_simulated_namespace_takes_no_direct_write_declaration() {
+    let d = tempfile::tempdir_in("/dev/shm").unwrap();
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ns = |name: &str, sim: bool| config::Namespace {
+        nsid: 1,
+        path: d.path().join(name),
+        size: Some(1 << 20),
+        block_size: 4096,
+        read_only: false,
+        force_dax: true,
+        grow: false,
+        prefault: false,
+        power_loss_simulation: sim.then_some(rpma_common::pmem::Simulation {
+            seed: 1,
+            eviction_percent: 0,
+            eviction_interval_ms: 0,
+            broken_persist: false,
+        }),
+    };
+    let real = OpenNamespace::open(&nqn, &ns("real", false)).unwrap();
+    let simulated = OpenNamespace::open(&nqn, &ns("sim", true)).unwrap();
+    assert!(real
+        .methods(Transport::Rdma, true)
+        .contains(DurabilityMethods::APM));
+    let m = simulated.methods(Transport::Rdma, true);
+    assert!(!m.contains(DurabilityMethods::APM), "{m:?}");
+    assert!(m.contains(DurabilityMethods::GPSPM));
+    // On tcp the placement engine persists what APM covers: offered as before.
+    assert!(simulated
+        .methods(Transport::Tcp, false)
+        .contains(DurabilityMethods::APM));
+}
+
 #[test]
 fn a_dax_namespace_is_mapped_in_ahead_unless_the_config_says_not_to() {
     let d = tempfile::tempdir_in("/dev/shm").unwrap();

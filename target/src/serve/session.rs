@@ -30,7 +30,7 @@ use rpma_common::proto::{DurabilityMethods, NamespaceDescriptor};
 
 use super::{SessionInfo, Shared};
 use crate::config::Transport;
-use crate::namespace::{access_for, durability_methods, wire_domain, NsKey, OpenNamespace};
+use crate::namespace::{access_for, wire_domain, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
 /// The largest write the placement engine executes as one indivisible store (Atomic Write).
@@ -155,7 +155,7 @@ pub(super) fn grant(
     let access = access_for(ns.config.read_only, ns.domain());
     let mr = pd.register(Arc::clone(&ns.mapping), access)?;
     let (transport, direct_write_to_pmem) = served_by;
-    let mut methods = durability_methods(ns.domain(), transport, direct_write_to_pmem);
+    let mut methods = ns.methods(transport, direct_write_to_pmem);
     if !peer_flush {
         methods = DurabilityMethods(methods.0 & !DurabilityMethods::FLUSH.0);
     }
