@@ -8,6 +8,7 @@ use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{self, Connect, Message, Refusal, RefusalReason};
 
 use crate::config::Config;
+use crate::serve::peer_log::peer_text;
 use crate::subsystem::{admit, Admission};
 
 /// What the session must do next.
@@ -55,6 +56,16 @@ enum State {
     /// The key is kept for a discovery connection, whose listing depends on it.
     AwaitAuth(Box<(TargetAwaitingResponse, Connect, Psk)>),
     Done,
+}
+
+/// Whether the configuration `cfg` asks the host of `c` to prove `psk` (it may have been
+/// reloaded since the challenge was sent).
+fn still_asks(cfg: &Config, c: &Connect, psk: &Psk) -> bool {
+    match admit(cfg, c) {
+        Admission::Authenticate { psk: now, .. }
+        | Admission::DiscoveryAuthenticate { psk: now, .. } => now.same_key(psk),
+        _ => false,
+    }
 }
 
 /// The target's handshake for one connection.
@@ -153,6 +164,15 @@ impl TargetHandshake {
             (State::AwaitAuth(b), Message::AuthResponse(r)) => {
                 let (auth, c, psk) = *b;
                 match auth.on_response(&r) {
+                    // Proved with the key of the configuration of its Connect: the one in
+                    // force now must still ask that key of it (a reload that removed the host
+                    // or changed its key while it answered let it in with the old one).
+                    Ok(_) if !still_asks(cfg, &c, &psk) => vec![refuse(
+                        RefusalReason::AuthFailed,
+                        "the host's key or its access changed while it authenticated: \
+                         connect again",
+                        Some(c.host_nqn),
+                    )],
                     Ok(confirm) => {
                         let next = if c.subsystem_nqn.is_discovery() {
                             Step::Discovery {
@@ -175,16 +195,18 @@ impl TargetHandshake {
                 }
             }
             // The initiator library answers a challenge it has no key for with a Disconnect.
+            // The reason is the peer's text: quoted and cut, as every peer text in the log.
             (State::AwaitAuth(b), Message::Disconnect(d)) => vec![Step::Abandoned {
                 why: format!(
                     "authentication required: the host has no key for {} (it disconnected at \
                      the challenge: {})",
-                    b.1.subsystem_nqn, d.reason
+                    b.1.subsystem_nqn,
+                    peer_text(&d.reason)
                 ),
                 host_nqn: Some(b.1.host_nqn),
             }],
             (State::AwaitConnect, Message::Disconnect(d)) => vec![Step::Abandoned {
-                why: format!("disconnected before its Connect: {}", d.reason),
+                why: format!("disconnected before its Connect: {}", peer_text(&d.reason)),
                 host_nqn: None,
             }],
             (State::AwaitAuth(b), other) => vec![refuse(
@@ -363,6 +385,87 @@ mod tests {
             "{steps:?}"
         );
         host.on_confirm(&confirm.unwrap()).unwrap();
+    }
+
+    /// A reload while the host answers the challenge: the proof of the key it was asked is
+    /// not enough when the configuration in force now asks another key, or no longer lists
+    /// the host (it was admitted as proven with the old key, and never checked again).
+    #[test]
+    fn a_key_revoked_while_the_host_answers_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let old = cfg(d.path());
+        let rotated = tempfile::tempdir().unwrap();
+        let k = rotated.path().join("k.psk");
+        std::fs::write(&k, "43".repeat(32)).unwrap();
+        std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let new = Config::from_toml(
+            &format!(
+                "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{KEYED}\", psk_file = \"k.psk\" }}]\n"
+            ),
+            rotated.path(),
+        )
+        .unwrap();
+        let removed = Config::from_toml(
+            &format!(
+                "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"nqn.2026-11.io.rpma:plain\" }}]\n"
+            ),
+            rotated.path(),
+        )
+        .unwrap();
+        for (now, what) in [(&new, "the key rotated"), (&removed, "the host removed")] {
+            let mut h = TargetHandshake::new();
+            let conn = connect(KEYED, SUB);
+            let steps = h.on_message(&old, &bytes(Message::Connect(conn.clone())));
+            let [Step::Send(Message::AuthChallenge(ch))] = &steps[..] else {
+                panic!("{steps:?}")
+            };
+            let ctx = AuthContext {
+                host_nqn: conn.host_nqn,
+                subsystem_nqn: conn.subsystem_nqn,
+                host_id: conn.host_id,
+            };
+            let (_, resp) = HostAuth::new(Psk::new(&[0x42; 32]).unwrap(), ctx)
+                .on_challenge(ch)
+                .unwrap();
+            let steps = h.on_message(now, &bytes(Message::AuthResponse(resp)));
+            assert_eq!(
+                refusal(&steps),
+                Some(RefusalReason::AuthFailed),
+                "{what}: {steps:?}"
+            );
+            assert!(h.is_done());
+        }
+        // The same key in a reloaded configuration: admitted.
+        let (steps, _, _) = run_auth(0x42);
+        assert!(matches!(
+            &steps[..],
+            [Step::Send(_), Step::Admitted { proven: true, .. }]
+        ));
+    }
+
+    /// What a peer says when it disconnects before it is admitted is its own text: quoted and
+    /// cut like every peer text in the log (it went in whole, 8 KiB lines that could pass for
+    /// the target's own words).
+    #[test]
+    fn a_disconnect_reason_before_admission_is_quoted_and_cut() {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        let long = format!("\") accepted: host {KEYED} proven {}", "x".repeat(7000));
+        for connect_first in [false, true] {
+            let mut h = TargetHandshake::new();
+            if connect_first {
+                h.on_message(&c, &bytes(Message::Connect(connect(KEYED, SUB))));
+            }
+            let bye = Message::Disconnect(rpma_common::proto::Disconnect {
+                reason: long.clone(),
+            });
+            let steps = h.on_message(&c, &bytes(bye));
+            let [Step::Abandoned { why, .. }] = &steps[..] else {
+                panic!("{steps:?}")
+            };
+            assert!(why.len() < 500, "{} bytes", why.len());
+            assert!(why.contains("\"\\\") accepted"), "{why}");
+        }
     }
 
     #[test]

@@ -119,6 +119,17 @@ impl Psk {
         Ok(Psk(bytes.to_vec()))
     }
 
+    /// Whether `other` is the same key (in time that does not depend on where they differ).
+    pub fn same_key(&self, other: &Psk) -> bool {
+        self.0.len() == other.0.len()
+            && self
+                .0
+                .iter()
+                .zip(&other.0)
+                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
+                == 0
+    }
+
     /// A key from hex digits (surrounding whitespace ignored), as `openssl rand -hex 32` prints.
     ///
     /// # Errors

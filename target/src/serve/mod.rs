@@ -47,7 +47,7 @@
 mod acceptor;
 pub(crate) mod budget;
 mod conn;
-mod peer_log;
+pub(crate) mod peer_log;
 mod poll_loop;
 mod session;
 mod session_info;
