@@ -273,9 +273,9 @@ pub enum Error {
         #[source]
         last: Box<Error>,
     },
-    /// After a reconnect the namespace is gone, maps another file (a restored file moved over
-    /// its path) or has another size or mode: the queue gives up, and the writes it held are
-    /// not re-issued.
+    /// After a reconnect a namespace the queue uses (a handle was taken on it, or it holds
+    /// writes for it) is gone, maps another file (a restored file moved over its path) or has
+    /// another size or mode: the queue gives up, and the writes it held are not re-issued.
     #[error("namespace {nsid} changed across a reconnect: {what}")]
     NamespaceChanged {
         /// Namespace.

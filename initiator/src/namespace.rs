@@ -62,13 +62,18 @@ pub struct Namespace<'q> {
 }
 
 impl Queue {
-    /// A handle on namespace `nsid` for reads, writes, persists and atomics.
+    /// A handle on namespace `nsid` for reads, writes, persists and atomics. The queue uses
+    /// the namespace from then on: a reconnect that finds it changed (another file, size or
+    /// mode) or gone gives the queue up ([`Error::NamespaceChanged`]); a change of a namespace
+    /// the queue never took a handle on does not, and a handle taken after it sees the new
+    /// descriptor.
     ///
     /// # Errors
-    /// [`Error::NoSuchNamespace`], [`Error::NamespaceUnavailable`] (the target lists it but
-    /// cannot serve it on this transport).
+    /// [`Error::NoSuchNamespace`] (one a reload removed too, once a reconnect found it gone),
+    /// [`Error::NamespaceUnavailable`] (the target lists it but cannot serve it on this
+    /// transport).
     pub fn namespace(&mut self, nsid: u32) -> Result<Namespace<'_>> {
-        let idx = self.namespace_index(nsid)?;
+        let idx = self.open_namespace(nsid)?;
         Ok(Namespace { q: self, idx })
     }
 }

@@ -308,14 +308,19 @@ fn a_reload_after_the_namespace_symlink_was_retargeted_serves_the_new_file() {
 }
 
 /// A queue of PLAIN on SUB (the library's, which reconnects and re-issues what it holds), with
-/// 4 KiB of 0x11 made durable at 0 and 4 KiB of 0x22 written at 4096: acknowledged, held by
-/// the queue, not durable yet.
+/// 4 KiB of 0x11 made durable at 0 and 4 KiB of 0x22 written at 4096 of nsid 1: acknowledged,
+/// held by the queue, not durable yet.
 fn queue_holding_a_write(t: &rpma_tests::Target) -> rpma_initiator::Queue {
+    queue_holding_a_write_on(t, 1)
+}
+
+/// [`queue_holding_a_write`] on namespace `nsid`.
+fn queue_holding_a_write_on(t: &rpma_tests::Target, nsid: u32) -> rpma_initiator::Queue {
     use rpma_initiator::{Connection, HostIdentity};
     let mut q = Connection::new(&t.url(), nqn(SUB), HostIdentity::new(nqn(PLAIN)))
         .open_queue(0)
         .unwrap();
-    let mut ns = q.namespace(1).unwrap();
+    let mut ns = q.namespace(nsid).unwrap();
     assert!(ns.write_durable(0, &[0x11; 4096]).unwrap().is_durable());
     ns.write_at(4096, &[0x22; 4096]).unwrap();
     q
@@ -381,4 +386,151 @@ fn a_queue_holding_writes_reissues_them_across_a_reload_of_the_same_file() {
     assert_eq!(q.reconnects(), 1);
     let now = std::fs::read(d.path().join("ns1")).unwrap();
     assert!(now[..4096] == [0x11; 4096] && now[4096..8192] == [0x22; 4096]);
+}
+
+/// [`queue_holding_a_write_on`] `nsid` of `t`, whose file is `file`, then a reload to
+/// `config` that closes the queue's session (it was granted every namespace of SUB) without
+/// touching that file: the bytes of the held write are taken out of the file once the session
+/// is closed (nothing more of it lands), so that only a re-issue puts them back. Returns the
+/// queue after a persist of `nsid` that the reconnect had to go through.
+fn queue_after_a_reload_of_another_namespace(
+    t: &mut rpma_tests::Target,
+    file: &std::path::Path,
+    nsid: u32,
+    config: &str,
+) -> rpma_initiator::Queue {
+    let mut q = queue_holding_a_write_on(t, nsid);
+    t.rewrite(config);
+    reload_closing_sessions(t);
+    let f = std::fs::OpenOptions::new().write(true).open(file).unwrap();
+    std::os::unix::fs::FileExt::write_all_at(&f, &[0u8; 4096], 4096).unwrap();
+    drop(f);
+    let out = q.namespace(nsid).unwrap().persist(0, 8192);
+    assert!(
+        out.as_ref().is_ok_and(|o| o.is_durable()),
+        "the queue gave up for a namespace it never opened: {out:?}"
+    );
+    assert_eq!(q.reconnects(), 1);
+    assert!(!q.is_broken());
+    let now = std::fs::read(file).unwrap();
+    assert!(
+        now[..4096] == [0x11; 4096] && now[4096..8192] == [0x22; 4096],
+        "the held write was not re-issued"
+    );
+    q
+}
+
+/// A reload that changes a namespace the queue never opened (nsid 3 made writable) closes the
+/// queue's session, and the queue goes on: it re-issues the write it held on nsid 1 and makes
+/// it durable, and a later handle on nsid 3 sees its new descriptor. (Any namespace that
+/// changed gave the queue up with `NamespaceChanged`: the write held on nsid 1, which had not
+/// changed, was dropped and every later call failed with `Broken`.)
+#[test]
+fn a_queue_holding_writes_reissues_them_when_a_reload_changed_a_namespace_it_does_not_use() {
+    let writable = demo_config("", "").replacen("read_only = true\n", "", 1);
+    assert!(!writable.contains("read_only"), "{writable}");
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let mut q =
+        queue_after_a_reload_of_another_namespace(&mut t, &d.path().join("ns1"), 1, &writable);
+    assert!(!q.namespace(3).unwrap().descriptor().read_only);
+    let mut ns3 = q.namespace(3).unwrap();
+    ns3.write_at(0, &[0x33; 8]).unwrap();
+    assert!(ns3.persist(0, 8).unwrap().is_durable());
+}
+
+/// The same when the reload grows the namespace the queue never opened: the queue goes on,
+/// and sees the new size.
+#[test]
+fn a_queue_holding_writes_reissues_them_when_a_reload_grew_a_namespace_it_does_not_use() {
+    let grown = demo_config("", "").replacen(
+        "path = \"ns3\"\nsize = \"1MiB\"",
+        "path = \"ns3\"\nsize = \"2MiB\"\ngrow = true",
+        1,
+    );
+    assert!(grown.contains("grow = true"), "{grown}");
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let mut q = queue_after_a_reload_of_another_namespace(&mut t, &d.path().join("ns1"), 1, &grown);
+    assert_eq!(q.namespace(3).unwrap().descriptor().size, 2 << 20);
+}
+
+/// The same when the reload removes the namespace the queue never opened (and reopens nsid 1's
+/// file with another block size, which closes the session): the queue goes on, and no longer
+/// lists nsid 3. The indexes the queue addresses its namespaces by stay: nsid 1's held write
+/// is re-issued to nsid 1.
+#[test]
+fn a_queue_holding_writes_reissues_them_when_a_reload_removed_a_namespace_it_does_not_use() {
+    let config = rpma_tests::without_namespace(&demo_config("", ""), 3).replacen(
+        "path = \"ns1\"\nsize = \"2MiB\"",
+        "path = \"ns1\"\nsize = \"2MiB\"\nblock_size = 512",
+        1,
+    );
+    assert!(!config.contains("nsid = 3") && config.contains("block_size = 512"));
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let mut q =
+        queue_after_a_reload_of_another_namespace(&mut t, &d.path().join("ns1"), 1, &config);
+    assert!(
+        matches!(q.namespace(3), Err(Error::NoSuchNamespace { nsid: 3 })),
+        "{:?}",
+        q.namespace(3).map(|ns| ns.descriptor().clone())
+    );
+    let listed: Vec<u32> = q.namespaces().iter().map(|d| d.nsid).collect();
+    assert_eq!(listed, [1]);
+}
+
+/// The same with the removed namespace before the one holding the write in the target's list
+/// (nsid 1 removed; the write held on nsid 5, after nsid 3): the queue addresses its
+/// namespaces by their places in the first connection's list, and the write goes to nsid 5,
+/// not to what comes at its place in the new list, and nothing to nsid 1's file.
+#[test]
+fn a_write_held_on_a_later_namespace_is_reissued_to_it_when_a_reload_removed_an_earlier_one() {
+    let ns5 = "[[subsystem.namespace]]\nnsid = 5\npath = \"ns5\"\nsize = \"1MiB\"\n";
+    let d = scratch();
+    let mut t = start_with_extra(d.path(), "", ns5, &[]);
+    // SUB's nsid 1 (OPEN has an nsid 1 too).
+    let config = demo_config("", ns5)
+        .replacen(
+            "[[subsystem.namespace]]\nnsid = 1\npath = \"ns1\"\nsize = \"2MiB\"\n",
+            "",
+            1,
+        )
+        .replacen(
+            "path = \"ns5\"\nsize = \"1MiB\"",
+            "path = \"ns5\"\nsize = \"1MiB\"\nblock_size = 512",
+            1,
+        );
+    assert!(config.contains("block_size = 512") && !config.contains("path = \"ns1\""));
+    let mut q =
+        queue_after_a_reload_of_another_namespace(&mut t, &d.path().join("ns5"), 5, &config);
+    assert!(matches!(
+        q.namespace(1),
+        Err(Error::NoSuchNamespace { nsid: 1 })
+    ));
+    let listed: Vec<u32> = q.namespaces().iter().map(|d| d.nsid).collect();
+    assert_eq!(listed, [3, 5]);
+    let ns1 = std::fs::read(d.path().join("ns1")).unwrap();
+    assert!(ns1.iter().all(|&b| b == 0), "a write went to nsid 1's file");
+}
+
+/// A namespace the queue opened is one it uses, whether or not it holds writes there: a
+/// reload that changes it gives the queue up with `NamespaceChanged` naming it, as for the
+/// namespace holding its writes (what the queue checked and chose there was for the old one).
+#[test]
+fn a_queue_gives_up_when_a_reload_changed_a_namespace_it_opened() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let mut q = queue_holding_a_write(&t);
+    let mut b = [0u8; 8];
+    q.namespace(3).unwrap().read_at(0, &mut b).unwrap();
+    t.rewrite(&demo_config("", "").replacen("read_only = true\n", "", 1));
+    reload_closing_sessions(&mut t);
+    match q.namespace(1).unwrap().persist(0, 8192) {
+        Err(Error::NamespaceChanged { nsid: 3, what }) => {
+            assert!(what.contains("read-only true -> false"), "{what}")
+        }
+        other => panic!("expected NamespaceChanged for nsid 3, got {other:?}"),
+    }
+    assert!(q.is_broken());
 }

@@ -184,9 +184,14 @@ impl Connection {
 }
 
 impl Queue {
-    /// The namespaces this host may reach, by nsid.
+    /// The namespaces this host may reach: those of the queue's first connection that the
+    /// current one still lists (one a reload added since is seen by queues opened after it).
     pub fn namespaces(&self) -> Vec<NamespaceDescriptor> {
-        self.engine.descriptors().to_vec()
+        let e = &self.engine;
+        (0..e.descriptors().len())
+            .filter(|&i| e.listed(i))
+            .map(|i| e.descriptor(i).clone())
+            .collect()
     }
 
     /// How many times this queue reconnected.
@@ -194,8 +199,8 @@ impl Queue {
         self.reconnect.reconnects()
     }
 
-    /// Whether the queue gave up (its reconnect budget spent, or a reconnect found its
-    /// namespaces changed, or failed where it held writes): every call now fails with
+    /// Whether the queue gave up (its reconnect budget spent, or a reconnect found a namespace
+    /// it uses changed, or failed where it held writes): every call now fails with
     /// [`Error::Broken`](crate::Error::Broken).
     pub fn is_broken(&self) -> bool {
         self.reconnect.is_broken()
@@ -365,17 +370,18 @@ impl Queue {
         }
     }
 
-    /// The index of namespace `nsid` among this queue's namespaces.
+    /// The index of namespace `nsid` among this queue's namespaces, which the queue uses from
+    /// then on: a reconnect that finds it changed gives the queue up (reconnect.rs).
     ///
     /// # Errors
     /// [`Error::NoSuchNamespace`], [`Error::NamespaceUnavailable`].
-    pub(crate) fn namespace_index(&self, nsid: u32) -> Result<usize> {
-        let descs = self.engine.descriptors();
-        let idx = descs
-            .iter()
-            .position(|d| d.nsid == nsid)
+    pub(crate) fn open_namespace(&mut self, nsid: u32) -> Result<usize> {
+        let idx = self
+            .engine
+            .index_of(nsid)
             .ok_or(Error::NoSuchNamespace { nsid })?;
-        crate::checks::check_reachable(&descs[idx])?;
+        crate::checks::check_reachable(self.engine.descriptor(idx))?;
+        self.engine.mark_used(idx);
         Ok(idx)
     }
 

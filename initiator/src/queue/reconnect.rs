@@ -15,7 +15,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{Access, AlignedBuf, Completion, QpState, RemoteAddr, SendOp, Sge};
-use rpma_common::proto::{Disconnect, Message};
+use rpma_common::proto::{Disconnect, Message, NamespaceDescriptor};
 
 use super::connection::Connection;
 use super::engine::{Engine, Lost};
@@ -145,9 +145,10 @@ impl Reconnect {
     ///
     /// # Errors
     /// [`Error::ReconnectFailed`] when the budget or the attempts run out (or the old
-    /// connection could not be retired in time), [`Error::NamespaceChanged`] and
-    /// [`Error::NamespaceFailed`] when the new connection's namespaces cannot take the held
-    /// writes; in every case the queue gives up.
+    /// connection could not be retired in time), [`Error::NamespaceChanged`] when a namespace
+    /// the queue uses changed ([`try_reconnect`](Self::try_reconnect)) and
+    /// [`Error::NamespaceFailed`] when one it holds writes for failed; in every case the queue
+    /// gives up.
     pub(super) fn reconnect(
         &mut self,
         e: &mut Engine,
@@ -255,9 +256,17 @@ impl Reconnect {
         e.give_up();
     }
 
-    /// One attempt: a new session whose namespaces still match the queue's (the same file,
-    /// size and mode; healthy where writes are held), installed in `e` with the methods chosen again in
-    /// `p`, and the held writes re-issued on it.
+    /// One attempt: a new session on which every namespace the queue uses (a handle was taken
+    /// on it, or it holds writes for it) is still there and maps the same file, with the same
+    /// size and mode, and is healthy where writes are held; installed in `e` with every
+    /// namespace's new descriptor (a namespace it no longer lists keeps its index, gone) and
+    /// the methods chosen again in `p`, and the held writes re-issued on it. A namespace the
+    /// queue does not use may change or go: nothing the queue holds or checked refers to it
+    /// (a reload that changes one closes every session it was granted to).
+    ///
+    /// # Errors
+    /// What connecting returns; [`Error::NamespaceChanged`], [`Error::NamespaceFailed`]
+    /// before anything of the queue changed.
     fn try_reconnect(
         &self,
         e: &mut Engine,
@@ -268,47 +277,71 @@ impl Reconnect {
         let s = self.conn.connect_session_within(self.queue_id, timeout)?;
         let peer_flush = s.qp().info().peer_flush;
         for idx in 0..e.descriptors().len() {
-            let old = e.descriptor(idx);
-            let nsid = old.nsid;
-            let Some(d) = s.namespace(nsid) else {
-                return Err(Error::NamespaceChanged {
-                    nsid,
-                    what: "it is gone".into(),
-                });
-            };
-            // Another file at the namespace's path (a restored one moved into place): the
-            // held writes belong to the old file, and a durability answer from this one
-            // cannot vouch for what that one was given.
-            if d.identity != old.identity {
-                return Err(Error::NamespaceChanged {
-                    nsid,
-                    what: format!(
-                        "the target maps another file as the namespace now (identity \
-                         {:016x} -> {:016x})",
-                        old.identity, d.identity
-                    ),
-                });
+            let holds = held.iter().any(|(_, w)| w.ns == idx);
+            if !(e.uses(idx) || holds) {
+                continue;
             }
-            if d.size != old.size || d.read_only != old.read_only {
+            let old = e.descriptor(idx);
+            let new = s.namespace(old.nsid);
+            if let Some(what) = change(old, new) {
                 return Err(Error::NamespaceChanged {
-                    nsid,
-                    what: format!(
-                        "size {} -> {}, read-only {} -> {}",
-                        old.size, d.size, old.read_only, d.read_only
-                    ),
+                    nsid: old.nsid,
+                    what,
                 });
             }
             // Held writes on a namespace that failed meanwhile can never be made durable:
             // re-issuing them would only be refused.
-            if held.iter().any(|(_, w)| w.ns == idx) {
+            if let (true, Some(d)) = (holds, new) {
                 check_healthy(d)?;
             }
-            e.set_descriptor(idx, d.clone());
-            p.refresh(idx, d, peer_flush);
+        }
+        for idx in 0..e.descriptors().len() {
+            let old = e.descriptor(idx);
+            let nsid = old.nsid;
+            let new = s.namespace(nsid);
+            if e.listed(idx) && !e.uses(idx) {
+                if let Some(what) = change(old, new) {
+                    log::info!(
+                        "queue {}: namespace {nsid} changed across the reconnect ({what}); the \
+                         queue does not use it and goes on",
+                        self.queue_id
+                    );
+                }
+            }
+            match new {
+                Some(d) => {
+                    e.set_descriptor(idx, d.clone());
+                    p.refresh(idx, d, peer_flush);
+                }
+                None => e.set_gone(idx),
+            }
         }
         e.install(s)?;
         e.reissue(held)
     }
+}
+
+/// How namespace `new` (None: the target no longer lists it) differs from `old` in what the
+/// queue's held writes and checks rely on, if it does. Another file at the namespace's path (a
+/// restored one moved into place): the held writes belong to the old file, and a durability
+/// answer from this one cannot vouch for what that one was given.
+fn change(old: &NamespaceDescriptor, new: Option<&NamespaceDescriptor>) -> Option<String> {
+    let Some(d) = new else {
+        return Some("it is gone".into());
+    };
+    if d.identity != old.identity {
+        return Some(format!(
+            "the target maps another file as the namespace now (identity {:016x} -> {:016x})",
+            old.identity, d.identity
+        ));
+    }
+    if d.size != old.size || d.read_only != old.read_only {
+        return Some(format!(
+            "size {} -> {}, read-only {} -> {}",
+            old.size, d.size, old.read_only, d.read_only
+        ));
+    }
+    None
 }
 
 /// When the target has expired `s` if it stays silent from now: its keep-alive period (plus a
@@ -340,7 +373,9 @@ fn retire(e: &mut Engine, mut old: Session, deadline: Instant, lost: &str) -> Re
     let sink_mr = sink
         .as_ref()
         .and_then(|b| old.pd().register(Arc::clone(b), Access::LOCAL_WRITE).ok());
-    let fence = match (&sink_mr, e.descriptors().first()) {
+    // Any namespace the connection serves (not one the target no longer lists: no rkey).
+    let reachable = e.descriptors().iter().find(|d| d.unavailable.is_none());
+    let fence = match (&sink_mr, reachable) {
         (Some(mr), Some(d)) => {
             let remote = RemoteAddr {
                 addr: d.remote_addr,
@@ -442,5 +477,45 @@ mod tests {
             Error::Broken
         ));
         assert!(matches!(telling(None, timed_out()), Error::Timeout { .. }));
+    }
+
+    #[test]
+    fn a_namespace_changed_is_another_file_size_or_mode_or_gone_not_a_new_address() {
+        use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
+        let old = NamespaceDescriptor {
+            nsid: 3,
+            size: 1 << 20,
+            block_size: 4096,
+            remote_addr: 0x1000,
+            rkey: 7,
+            domain: PersistenceDomain::PageCache,
+            durability: DurabilityMethods::NONE,
+            atomic_write_unit: 8,
+            read_only: true,
+            failure: None,
+            simulation: None,
+            unavailable: None,
+            identity: 42,
+        };
+        let with = |f: fn(&mut NamespaceDescriptor)| {
+            let mut d = old.clone();
+            f(&mut d);
+            change(&old, Some(&d))
+        };
+        // A new connection's address and rkey, block size or methods: the same namespace.
+        assert_eq!(
+            with(|d| {
+                d.remote_addr = 0x2000;
+                d.rkey = 9;
+                d.block_size = 512;
+            }),
+            None
+        );
+        assert!(change(&old, None).is_some_and(|w| w == "it is gone"));
+        assert!(with(|d| d.identity = 43).is_some_and(|w| w.contains("another file")));
+        assert!(with(|d| d.size = 2 << 20).is_some_and(|w| w.contains("size 1048576 -> 2097152")));
+        assert!(
+            with(|d| d.read_only = false).is_some_and(|w| w.contains("read-only true -> false"))
+        );
     }
 }

@@ -73,6 +73,18 @@ impl Engine {
     /// Namespace `idx` as the new connection addresses it.
     pub(in crate::queue) fn set_descriptor(&mut self, idx: usize, d: NamespaceDescriptor) {
         self.descs[idx] = d;
+        self.gone[idx] = false;
+    }
+
+    /// The new connection does not list namespace `idx` (a reload removed it). It keeps its
+    /// index (the others' do not shift), without an address or rkey: nothing is posted to it,
+    /// and no handle is given out for it ([`index_of`](Self::index_of)).
+    pub(in crate::queue) fn set_gone(&mut self, idx: usize) {
+        let d = &mut self.descs[idx];
+        d.remote_addr = 0;
+        d.rkey = 0;
+        d.unavailable = Some("the target no longer lists it".into());
+        self.gone[idx] = true;
     }
 
     /// Makes `session` the engine's connection: registers the bounce buffers in its

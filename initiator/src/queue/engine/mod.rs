@@ -92,8 +92,14 @@ pub(super) struct Engine {
     session: Option<Session>,
     pool: Pool,
     /// The queue's namespaces by index, as the current connection addresses them (a reconnect
-    /// replaces them: new rkey and address).
+    /// replaces them: new rkey and address). The indexes are the first connection's and never
+    /// shift: a namespace a later connection no longer lists keeps its place (`gone`).
     descs: Vec<NamespaceDescriptor>,
+    /// By index: the queue uses the namespace (a handle was taken on it), so a reconnect that
+    /// finds it changed gives the queue up.
+    used: Vec<bool>,
+    /// By index: the current connection does not list the namespace (a reload removed it).
+    gone: Vec<bool>,
     /// The deadline of every wait: the connect time-out.
     timeout: Duration,
     /// [`QueueOptions::read_bytes_in_flight`](crate::QueueOptions::read_bytes_in_flight).
@@ -141,8 +147,11 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// The engine of a new connection: `session`'s namespaces, in its order, are the queue's.
     pub(super) fn new(session: Session, pool: Pool, timeout: Duration) -> Engine {
+        let n = session.namespaces().len();
         Engine {
             descs: session.namespaces().to_vec(),
+            used: vec![false; n],
+            gone: vec![false; n],
             session: Some(session),
             pool,
             timeout,
@@ -208,7 +217,8 @@ impl Engine {
         self.session.as_ref().is_some_and(|s| f(&s.qp().info()))
     }
 
-    /// The queue's namespaces, by index.
+    /// The queue's namespaces, by index (those the current connection no longer lists too:
+    /// [`listed`](Self::listed)).
     pub(super) fn descriptors(&self) -> &[NamespaceDescriptor] {
         &self.descs
     }
@@ -216,6 +226,27 @@ impl Engine {
     /// The descriptor of namespace `idx`.
     pub(super) fn descriptor(&self, idx: usize) -> &NamespaceDescriptor {
         &self.descs[idx]
+    }
+
+    /// The index of namespace `nsid`, if the current connection lists it.
+    pub(super) fn index_of(&self, nsid: u32) -> Option<usize> {
+        (0..self.descs.len()).find(|&i| self.descs[i].nsid == nsid && !self.gone[i])
+    }
+
+    /// Whether the current connection lists namespace `idx`.
+    pub(super) fn listed(&self, idx: usize) -> bool {
+        !self.gone[idx]
+    }
+
+    /// The queue uses namespace `idx` from now on (a handle was taken on it).
+    pub(super) fn mark_used(&mut self, idx: usize) {
+        self.used[idx] = true;
+    }
+
+    /// Whether the queue uses namespace `idx`: a handle was taken on it, on this connection or
+    /// an earlier one.
+    pub(super) fn uses(&self, idx: usize) -> bool {
+        self.used[idx]
     }
 
     /// The sorted, merged ranges of namespace `ns` that held or posted writes cover.
