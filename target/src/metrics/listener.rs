@@ -8,7 +8,9 @@
 //!   if its address holds its cap, one of that address's connections is closed for it; if all
 //!   places are taken, one of any address. First the oldest that is done (lingering to close)
 //!   or whose answer's write has made no progress for [`WRITE_STALL`] (a client that asked and
-//!   does not read); failing those, the oldest still sending its request or being written to.
+//!   does not read); failing those, the oldest still sending its request after
+//!   [`WRITE_STALL`], then the oldest being written to, then the oldest still sending its
+//!   request that connected within [`WRITE_STALL`] (a real scrape whose request is on its way).
 //!   Only when every place it could take is rendering an answer, or holds a whole request its
 //!   thread has yet to read, is it turned away (503), and answers are bounded by
 //!   [`WRITE_DEADLINE`]. So trickling or non-reading connections, from
@@ -162,6 +164,9 @@ enum Phase {
 struct Held {
     source: IpAddr,
     phase: Phase,
+    /// When it was accepted: one still sending its request after [`WRITE_STALL`] is slow or
+    /// silent; before, it is a real scrape as likely as not (its request is on the way).
+    since: Instant,
     /// To close it from the accept thread (its own thread then sees its socket end).
     sock: Option<TcpStream>,
 }
@@ -196,10 +201,14 @@ impl Slots {
         }
         let mut p = self.lock();
         // First the oldest done (closing) or not read (its answer's write stalled); failing
-        // those, the oldest still sending its request; then the oldest being written to (a
-        // real scrape over a slow link goes last); never one whose answer is being rendered,
+        // those, the oldest still sending its request for WRITE_STALL or more (slow or
+        // silent); then the oldest being written to (a real scrape over a slow link); then the
+        // oldest that connected within WRITE_STALL and is still sending (a real scrape whose
+        // request is on its way: evicted before those being written, it lost its place to a
+        // non-reader's reconnect on a busy machine); never one whose answer is being rendered,
         // or whose whole request waits to be read (its thread has not run yet: a real scrape
         // on a busy machine). A newcomer is the newest: it goes last.
+        let now = Instant::now();
         let idle = |h: &Held| match h.phase {
             Phase::Closing | Phase::Writing { stalled: true } => true,
             Phase::Reading | Phase::Answering | Phase::Writing { stalled: false } => false,
@@ -208,14 +217,16 @@ impl Slots {
             Phase::Reading => !h.sock.as_ref().is_some_and(head_waits),
             Phase::Writing { .. } | Phase::Answering | Phase::Closing => false,
         };
+        let slow = |h: &Held| sending(h) && now.duration_since(h.since) >= WRITE_STALL;
         let written = |h: &Held| matches!(h.phase, Phase::Writing { .. });
         let oldest = |p: &Places, of: &dyn Fn(&Held) -> bool| {
             let find = |f: &dyn Fn(&Held) -> bool| {
                 p.held.iter().find(|(_, h)| of(h) && f(h)).map(|(&k, _)| k)
             };
             find(&idle)
-                .or_else(|| find(&sending))
+                .or_else(|| find(&slow))
                 .or_else(|| find(&written))
+                .or_else(|| find(&sending))
         };
         let mine = p.held.values().filter(|h| h.source == source).count();
         let mut victim = None;
@@ -241,6 +252,7 @@ impl Slots {
                 source,
                 phase: Phase::Reading,
                 sock,
+                since: now,
             },
         );
         Some(serial)

@@ -183,19 +183,49 @@ fn places_of_answers_being_written_are_taken_stalled_first() {
         "the stalled one went first"
     );
     assert!(slots.set(n, Phase::Answering));
+    // mine[1] has been sending its request for longer than a real scrape's takes.
+    slots.lock().held.get_mut(&mine[1]).unwrap().since -= WRITE_STALL;
     let m = slots.take(a, None).unwrap();
     assert!(
         !slots.set(mine[1], Phase::Answering),
-        "then the oldest still sending its request"
+        "then the oldest still sending its request for WRITE_STALL"
     );
     assert!(slots.set(m, Phase::Answering));
-    slots.take(a, None).unwrap();
+    // A newcomer that is still sending (its request on its way) keeps its place over one
+    // being written to.
+    let fresh = slots.take(a, None).unwrap();
     assert!(
         !slots.set(mine[0], Phase::Answering),
         "then the oldest being written to"
     );
-    assert!(slots.set(mine[3], writing(false)));
+    slots.take(a, None).unwrap();
+    assert!(!slots.set(mine[3], Phase::Answering), "and the next one");
+    assert!(slots.set(fresh, Phase::Reading), "the fresh sender stays");
     assert!(slots.set(n, Phase::Answering) && slots.set(m, Phase::Answering));
+}
+
+/// A scrape that has connected and whose request is on its way keeps its place over answers
+/// being written to non-readers whose writes have not stalled yet: on a busy machine such a
+/// scrape was closed for a non-reader's reconnect (the scrape got no answer at all).
+#[test]
+fn a_scrape_whose_request_is_on_its_way_outlasts_answers_being_written() {
+    let slots = Slots::default();
+    let a: IpAddr = "192.0.2.1".parse().unwrap();
+    let writers: Vec<u64> = (0..MAX_PER_SOURCE - 1)
+        .map(|_| slots.take(a, None).unwrap())
+        .collect();
+    for &w in &writers {
+        assert!(slots.set(w, Phase::Writing { stalled: false }));
+    }
+    let scrape = slots.take(a, None).unwrap();
+    for i in 0..3 {
+        let newcomer = slots.take(a, None).unwrap();
+        assert!(
+            slots.set(scrape, Phase::Reading),
+            "round {i}: the scrape stays"
+        );
+        assert!(slots.set(newcomer, Phase::Writing { stalled: false }));
+    }
 }
 
 /// A connection whose whole request waits to be read (its thread has not run yet) keeps its
