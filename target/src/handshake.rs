@@ -5,7 +5,7 @@
 
 use rpma_common::proto::auth::{Psk, TargetAuth, TargetAwaitingResponse};
 use rpma_common::proto::nqn::Nqn;
-use rpma_common::proto::{self, Connect, Message, Refusal, RefusalReason};
+use rpma_common::proto::{self, AuthConfirm, Connect, Message, Refusal, RefusalReason};
 
 use crate::config::Config;
 use crate::serve::peer_log::peer_text;
@@ -60,12 +60,46 @@ enum State {
 
 /// Whether the configuration `cfg` asks the host of `c` to prove `psk` (it may have been
 /// reloaded since the challenge was sent).
-fn still_asks(cfg: &Config, c: &Connect, psk: &Psk) -> bool {
-    match admit(cfg, c) {
-        Admission::Authenticate { psk: now, .. }
-        | Admission::DiscoveryAuthenticate { psk: now, .. } => now.same_key(psk),
-        _ => false,
-    }
+/// What a host that proved `psk` (the key the configuration of its Connect asked) gets under
+/// `cfg`, the configuration in force now: admitted as proven where it still asks that key;
+/// admitted as any host it would admit without one where it asks none now (a reload removed
+/// the key); refused as it would refuse the Connect now (the host removed, the subsystem
+/// gone); refused AuthFailed where it asks another key (rotated: the host needs the new one).
+fn after_proof(cfg: &Config, c: Connect, psk: Psk, confirm: AuthConfirm) -> Vec<Step> {
+    let next = match admit(cfg, &c) {
+        Admission::Authenticate { psk: now, .. } if now.same_key(&psk) => Step::Admitted {
+            connect: c,
+            proven: true,
+        },
+        Admission::DiscoveryAuthenticate { psk: now, .. } if now.same_key(&psk) => {
+            Step::Discovery {
+                connect: c,
+                key: Some(psk),
+            }
+        }
+        Admission::Accept { .. } => Step::Admitted {
+            connect: c,
+            proven: false,
+        },
+        Admission::Discovery => Step::Discovery {
+            connect: c,
+            key: None,
+        },
+        Admission::Refuse(r) => {
+            return vec![Step::Refuse {
+                refusal: r,
+                host_nqn: Some(c.host_nqn),
+            }]
+        }
+        Admission::Authenticate { .. } | Admission::DiscoveryAuthenticate { .. } => {
+            return vec![refuse(
+                RefusalReason::AuthFailed,
+                "the host's key was changed while it authenticated: it needs the new one",
+                Some(c.host_nqn),
+            )]
+        }
+    };
+    vec![Step::Send(Message::AuthConfirm(confirm)), next]
 }
 
 /// The target's handshake for one connection.
@@ -165,28 +199,9 @@ impl TargetHandshake {
                 let (auth, c, psk) = *b;
                 match auth.on_response(&r) {
                     // Proved with the key of the configuration of its Connect: the one in
-                    // force now must still ask that key of it (a reload that removed the host
-                    // or changed its key while it answered let it in with the old one).
-                    Ok(_) if !still_asks(cfg, &c, &psk) => vec![refuse(
-                        RefusalReason::AuthFailed,
-                        "the host's key or its access changed while it authenticated: \
-                         connect again",
-                        Some(c.host_nqn),
-                    )],
-                    Ok(confirm) => {
-                        let next = if c.subsystem_nqn.is_discovery() {
-                            Step::Discovery {
-                                connect: c,
-                                key: Some(psk),
-                            }
-                        } else {
-                            Step::Admitted {
-                                connect: c,
-                                proven: true,
-                            }
-                        };
-                        vec![Step::Send(Message::AuthConfirm(confirm)), next]
-                    }
+                    // force now decides (a reload that removed the host or changed its key
+                    // while it answered let it in with the old one, as proven).
+                    Ok(confirm) => after_proof(cfg, c, psk, confirm),
                     Err(e) => vec![refuse(
                         RefusalReason::AuthFailed,
                         e.to_string(),
@@ -387,32 +402,30 @@ mod tests {
         host.on_confirm(&confirm.unwrap()).unwrap();
     }
 
-    /// A reload while the host answers the challenge: the proof of the key it was asked is
-    /// not enough when the configuration in force now asks another key, or no longer lists
-    /// the host (it was admitted as proven with the old key, and never checked again).
+    /// A reload while the host answers the challenge: the configuration in force when the
+    /// proof arrives decides, not the one of its Connect. A rotated key refuses it
+    /// (AuthFailed), a removed host is refused as not allowed, a key taken off the host admits
+    /// it as a host without one (not proven); the same key admits it proven. (Before, any
+    /// proof of the old key was admitted as proven, and never checked again.)
     #[test]
-    fn a_key_revoked_while_the_host_answers_is_refused() {
+    fn the_configuration_in_force_when_the_proof_arrives_decides() {
         let d = tempfile::tempdir().unwrap();
         let old = cfg(d.path());
         let rotated = tempfile::tempdir().unwrap();
         let k = rotated.path().join("k.psk");
         std::fs::write(&k, "43".repeat(32)).unwrap();
         std::fs::set_permissions(&k, std::fs::Permissions::from_mode(0o600)).unwrap();
-        let new = Config::from_toml(
-            &format!(
-                "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{KEYED}\", psk_file = \"k.psk\" }}]\n"
-            ),
-            rotated.path(),
-        )
-        .unwrap();
-        let removed = Config::from_toml(
-            &format!(
-                "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"nqn.2026-11.io.rpma:plain\" }}]\n"
-            ),
-            rotated.path(),
-        )
-        .unwrap();
-        for (now, what) in [(&new, "the key rotated"), (&removed, "the host removed")] {
+        let with_hosts = |hosts: &str| {
+            Config::from_toml(
+                &format!("[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{hosts}]\n"),
+                rotated.path(),
+            )
+            .unwrap()
+        };
+        let new_key = with_hosts(&format!("{{ nqn = \"{KEYED}\", psk_file = \"k.psk\" }}"));
+        let removed = with_hosts("{ nqn = \"nqn.2026-11.io.rpma:plain\" }");
+        let keyless = with_hosts(&format!("{{ nqn = \"{KEYED}\" }}"));
+        let answer = |now: &Config| {
             let mut h = TargetHandshake::new();
             let conn = connect(KEYED, SUB);
             let steps = h.on_message(&old, &bytes(Message::Connect(conn.clone())));
@@ -428,19 +441,30 @@ mod tests {
                 .on_challenge(ch)
                 .unwrap();
             let steps = h.on_message(now, &bytes(Message::AuthResponse(resp)));
-            assert_eq!(
-                refusal(&steps),
-                Some(RefusalReason::AuthFailed),
-                "{what}: {steps:?}"
-            );
             assert!(h.is_done());
-        }
-        // The same key in a reloaded configuration: admitted.
-        let (steps, _, _) = run_auth(0x42);
-        assert!(matches!(
-            &steps[..],
-            [Step::Send(_), Step::Admitted { proven: true, .. }]
-        ));
+            steps
+        };
+        assert_eq!(refusal(&answer(&new_key)), Some(RefusalReason::AuthFailed));
+        assert_eq!(
+            refusal(&answer(&removed)),
+            Some(RefusalReason::HostNotAllowed)
+        );
+        let steps = answer(&keyless);
+        assert!(
+            matches!(
+                &steps[..],
+                [Step::Send(_), Step::Admitted { proven: false, .. }]
+            ),
+            "{steps:?}"
+        );
+        let steps = answer(&old);
+        assert!(
+            matches!(
+                &steps[..],
+                [Step::Send(_), Step::Admitted { proven: true, .. }]
+            ),
+            "{steps:?}"
+        );
     }
 
     /// What a peer says when it disconnects before it is admitted is its own text: quoted and
