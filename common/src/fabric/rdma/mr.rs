@@ -127,8 +127,9 @@ pub(crate) fn plan(
     }
 }
 
-/// Whether `len` bytes alone are more than the process's RLIMIT_MEMLOCK (soft) allows.
-fn exceeds_memlock(len: u64) -> bool {
+/// Whether the pages of `len` bytes at `addr` alone are more than the process's
+/// RLIMIT_MEMLOCK (soft) allows (the kernel counts whole pages).
+fn exceeds_memlock(addr: usize, len: u64) -> bool {
     let mut r = libc::rlimit {
         rlim_cur: 0,
         rlim_max: 0,
@@ -137,7 +138,12 @@ fn exceeds_memlock(len: u64) -> bool {
     if unsafe { libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) } != 0 {
         return true;
     }
-    r.rlim_cur != libc::RLIM_INFINITY && len > r.rlim_cur
+    // SAFETY: sysconf has no preconditions.
+    let page = (unsafe { libc::sysconf(libc::_SC_PAGESIZE) }).max(4096) as u64;
+    let first = addr as u64 / page;
+    let last = (addr as u64).saturating_add(len.max(1)).div_ceil(page);
+    let pinned = (last - first).saturating_mul(page);
+    r.rlim_cur != libc::RLIM_INFINITY && pinned > r.rlim_cur
 }
 
 impl super::device::Device {
@@ -177,16 +183,14 @@ impl super::device::Device {
             unsafe { rdma_sys::ibv_reg_mr(pd.raw(), addr.cast(), g.len as usize, flags as i32) };
         let Some(mr) = NonNull::new(mr) else {
             let e = std::io::Error::last_os_error();
-            if e.raw_os_error() == Some(libc::ENOMEM) || e.raw_os_error() == Some(libc::EPERM) {
+            // An on-demand paging registration pins nothing: its ENOMEM is the kernel's own
+            // memory, said as such (the namespace is listed unavailable with it).
+            let pinned = !odp_on;
+            if pinned && matches!(e.raw_os_error(), Some(libc::ENOMEM | libc::EPERM)) {
                 // The limit counts every pin of the process: one this range alone exceeds never
                 // fits; one that fits alone was refused for what other registrations hold,
                 // and fits again when they are gone.
-                if odp_on {
-                    return Err(Error::Exhausted {
-                        what: "kernel memory for an on-demand paging registration",
-                    });
-                }
-                if !exceeds_memlock(g.len) {
+                if !exceeds_memlock(addr as usize, g.len) {
                     return Err(Error::Exhausted {
                         what: "locked memory (RLIMIT_MEMLOCK, held by other registrations)",
                     });
