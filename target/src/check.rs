@@ -12,11 +12,11 @@ use rpma_common::units::format_size;
 
 use crate::config::{Config, ListenUrl, Transport};
 use crate::memlock;
-use crate::namespace::{access_for, durability_methods, OpenNamespace};
+use crate::namespace::{access_for, offered_methods, OpenNamespace};
 
 use rpma_common::error_chain as chain;
 
-fn methods_line(cfg: &Config, domain: Domain) -> String {
+fn methods_line(cfg: &Config, domain: Domain, simulated: bool) -> String {
     let mut seen = Vec::new();
     for l in &cfg.listeners {
         let key = (l.url.transport, l.direct_write_to_pmem);
@@ -33,7 +33,7 @@ fn methods_line(cfg: &Config, domain: Domain) -> String {
                 (Transport::Rdma, true) => "rdma(direct_write_to_pmem)",
                 (Transport::NvmeTcp, _) => "nvme-tcp",
             };
-            let m = durability_methods(domain, t, dwp);
+            let m = offered_methods(domain, t, dwp, simulated);
             if m.is_empty() {
                 format!("{name}: none durable (visible only)")
             } else {
@@ -239,7 +239,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                             Some(s) => format!("{}, {}", plan.domain, s.label()),
                             None => plan.domain.to_string(),
                         },
-                        methods_line(&cfg, plan.domain)
+                        methods_line(&cfg, plan.domain, ns.power_loss_simulation.is_some())
                     )?;
                     // Whether each rdma device can register it, and how.
                     let access = access_for(ns.read_only, plan.domain);

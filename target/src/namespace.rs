@@ -202,9 +202,20 @@ impl OpenNamespace {
     /// byte only when the target's CPU persists it, and an APM Read never involves the
     /// target's CPU (the simulation would report as lost what real hardware kept).
     pub fn methods(&self, transport: Transport, direct_write_to_pmem: bool) -> DurabilityMethods {
-        let dwp = direct_write_to_pmem && self.mapping.simulation().is_none();
-        durability_methods(self.domain(), transport, dwp)
+        let simulated = self.mapping.simulation().is_some();
+        offered_methods(self.domain(), transport, direct_write_to_pmem, simulated)
     }
+}
+
+/// [`durability_methods`] for a namespace that runs under the power-loss simulation or not
+/// ([`OpenNamespace::methods`]; `check-config` plans with it).
+pub fn offered_methods(
+    domain: Domain,
+    transport: Transport,
+    direct_write_to_pmem: bool,
+    simulated: bool,
+) -> DurabilityMethods {
+    durability_methods(domain, transport, direct_write_to_pmem && !simulated)
 }
 
 /// The rights a connection's registration of a namespace carries: reads and visibility
@@ -431,7 +442,8 @@ impl OpenNamespace {
         }
         if mapping.simulation().is_some() {
             log::warn!(
-                "subsystem {subsystem} nsid {} ({}): domain {}: only what was persisted survives                  a SIGKILL of this daemon; NOT for production",
+                "subsystem {subsystem} nsid {} ({}): domain {}: only what was persisted survives \
+                 a SIGKILL of this daemon; NOT for production",
                 ns.nsid,
                 ns.path.display(),
                 mapping.domain_label()
@@ -446,18 +458,28 @@ impl OpenNamespace {
         let key = failures::key_of(&ns.path);
         let remembered = from.and_then(|l| l.get(&key));
         // The file's own mark, read with the ledger (not by the opening that clears it).
+        // A mark that cannot be read (EIO from a failing device) counts as one: the namespace
+        // opens failed, the others are served.
         let marked = match (from, mapping.backing_fd()) {
-            (Some(_), Some(fd)) => mark::get(fd).map_err(|source| NamespaceError::Mark {
-                subsystem: subsystem.clone(),
-                nsid: ns.nsid,
-                path: ns.path.clone(),
-                source,
-            })?,
+            (Some(_), Some(fd)) => mark::get(fd).unwrap_or_else(|e| {
+                log::warn!(
+                    "subsystem {subsystem} namespace {} ({}): its failure mark cannot be read \
+                     ({e}): it is taken as failed",
+                    ns.nsid,
+                    ns.path.display()
+                );
+                Some(SyncFailure {
+                    op: "write-back",
+                    errno: e.raw_os_error().unwrap_or(libc::EIO),
+                })
+            }),
             _ => None,
         };
         if let (Some(m), None) = (&marked, &remembered) {
             log::warn!(
-                "subsystem {subsystem} namespace {} ({}): the file is marked failed ({m}, its                  attribute {}) and the state file does not list it (another state_file, or                  one removed): it stays failed",
+                "subsystem {subsystem} namespace {} ({}): the file is marked failed ({m}, its \
+                 attribute {}) and the state file does not list it (another state_file, or \
+                 one removed): it stays failed",
                 ns.nsid,
                 ns.path.display(),
                 mark::NAME.to_string_lossy()

@@ -241,11 +241,13 @@ impl NamespaceTable {
     /// healthy, with its page cache dropped (hosts read what the media holds), forgets the
     /// failure in the state file, and swaps the new opening in. The caller closes the sessions
     /// that hold the old one (they reconnect and see a healthy descriptor). If anything fails
-    /// the table and the state file are left as they were.
+    /// the table and the state file are left as they were (the file's failure mark may be
+    /// gone when the state file could not be written; the state file still lists the failure).
     ///
     /// # Errors
     /// [`NamespaceError::NotFound`], [`NamespaceError::NotFailed`], those of
-    /// [`OpenNamespace::open`], [`NamespaceError::Ledger`].
+    /// [`OpenNamespace::open`], [`NamespaceError::Mark`], [`NamespaceError::Ledger`],
+    /// [`NamespaceError::FailedAgain`].
     pub fn clear_failure(&mut self, key: &NsKey, cfg: &config::Config) -> Result<Cleared> {
         let not_found = || NamespaceError::NotFound {
             subsystem: key.0.clone(),
@@ -316,7 +318,8 @@ impl NamespaceTable {
                 super::mark_file(fd, key.0.as_str(), key.1, &again);
             }
             if let Some(l) = &self.ledger {
-                if let Err(e) = l.record(key.0.as_str(), key.1, &fresh.key, &again) {
+                let id = fresh.file_id().or_else(|| failures::file_id_of(&fresh.key));
+                if let Err(e) = l.record_file(key.0.as_str(), key.1, &fresh.key, id, &again) {
                     // In memory it stays failed; the state file says otherwise.
                     log::error!(
                         "subsystem {} namespace {} failed again during clear-failure, and \

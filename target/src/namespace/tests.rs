@@ -99,6 +99,11 @@ fn a_simulated_namespace_takes_no_direct_write_declaration() {
     let m = simulated.methods(Transport::Rdma, true);
     assert!(!m.contains(DurabilityMethods::APM), "{m:?}");
     assert!(m.contains(DurabilityMethods::GPSPM));
+    // check-config plans with the same rule.
+    assert!(
+        !offered_methods(simulated.domain(), Transport::Rdma, true, true)
+            .contains(DurabilityMethods::APM)
+    );
     // On tcp the placement engine persists what APM covers: offered as before.
     assert!(simulated
         .methods(Transport::Tcp, false)
