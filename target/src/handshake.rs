@@ -67,16 +67,14 @@ enum State {
 /// gone); refused AuthFailed where it asks another key (rotated: the host needs the new one).
 fn after_proof(cfg: &Config, c: Connect, psk: Psk, confirm: AuthConfirm) -> Vec<Step> {
     let next = match admit(cfg, &c) {
-        Admission::Authenticate { psk: now, .. } if now.same_key(&psk) => Step::Admitted {
+        Admission::Authenticate { psk: now, .. } if now == psk => Step::Admitted {
             connect: c,
             proven: true,
         },
-        Admission::DiscoveryAuthenticate { psk: now, .. } if now.same_key(&psk) => {
-            Step::Discovery {
-                connect: c,
-                key: Some(psk),
-            }
-        }
+        Admission::DiscoveryAuthenticate { psk: now, .. } if now == psk => Step::Discovery {
+            connect: c,
+            key: Some(psk),
+        },
         Admission::Accept { .. } => Step::Admitted {
             connect: c,
             proven: false,

@@ -100,6 +100,9 @@ pub enum AuthError {
 /// Result of authentication.
 pub type Result<T> = std::result::Result<T, AuthError>;
 
+/// The most bytes a key file may hold: a key's hex digits and room for whitespace.
+const KEY_FILE_MAX: usize = 4 * MAX_PSK_LEN;
+
 /// A pre-shared key. Its bytes are never printed and are zeroed on drop.
 #[derive(Clone)]
 pub struct Psk(Vec<u8>);
@@ -117,17 +120,6 @@ impl Psk {
             });
         }
         Ok(Psk(bytes.to_vec()))
-    }
-
-    /// Whether `other` is the same key (in time that does not depend on where they differ).
-    pub fn same_key(&self, other: &Psk) -> bool {
-        self.0.len() == other.0.len()
-            && self
-                .0
-                .iter()
-                .zip(&other.0)
-                .fold(0u8, |acc, (a, b)| acc | (a ^ b))
-                == 0
     }
 
     /// A key from hex digits (surrounding whitespace ignored), as `openssl rand -hex 32` prints.
@@ -150,10 +142,14 @@ impl Psk {
             .step_by(2)
             .map(|i| u8::from_str_radix(&s[i..i + 2], 16).map_err(|_| not_hex()))
             .collect::<Result<_>>()?;
-        Psk::new(&bytes).map_err(|_| AuthError::KeyLength {
+        let mut bytes = bytes;
+        let key = Psk::new(&bytes).map_err(|_| AuthError::KeyLength {
             origin: origin.to_owned(),
             len: bytes.len(),
-        })
+        });
+        bytes.iter_mut().for_each(|b| *b = 0);
+        std::hint::black_box(&bytes);
+        key
     }
 
     /// Loads a key file: hex digits, readable by its owner only (no group or other bits).
@@ -166,16 +162,40 @@ impl Psk {
             path: path.to_owned(),
             source,
         };
-        let meta = std::fs::metadata(path).map_err(read_err)?;
-        let mode = meta.permissions().mode() & 0o7777;
+        // One opening, checked and read: the file whose mode was checked is the file read
+        // (a path checked, then read again, could name another file by then).
+        let mut f = std::fs::File::open(path).map_err(read_err)?;
+        let mode = f.metadata().map_err(read_err)?.permissions().mode() & 0o7777;
         if mode & 0o077 != 0 {
             return Err(AuthError::KeyPermissions {
                 path: path.to_owned(),
                 mode,
             });
         }
-        let text = std::fs::read_to_string(path).map_err(read_err)?;
-        Self::parse_hex(&text, &path.display().to_string())
+        // A key is at most 2 * MAX_PSK_LEN hex digits and some whitespace: more is not a key
+        // (and is not read whole).
+        let mut text = Vec::with_capacity(KEY_FILE_MAX + 1);
+        std::io::Read::read_to_end(
+            &mut std::io::Read::take(&mut f, KEY_FILE_MAX as u64 + 1),
+            &mut text,
+        )
+        .map_err(read_err)?;
+        let origin = path.display().to_string();
+        let parsed = if text.len() > KEY_FILE_MAX {
+            Err(AuthError::KeyLength {
+                origin,
+                len: text.len() / 2,
+            })
+        } else {
+            match std::str::from_utf8(&text) {
+                Ok(t) => Self::parse_hex(t, &origin),
+                Err(_) => Err(AuthError::KeyNotHex { origin }),
+            }
+        };
+        // The key's text is not left in freed memory.
+        text.iter_mut().for_each(|b| *b = 0);
+        std::hint::black_box(&text);
+        parsed
     }
 
     fn mac(&self, label: &[u8], t: &Transcript<'_>) -> HmacSha256 {
@@ -583,5 +603,15 @@ mod tests {
             Psk::from_file(&d.path().join("missing")),
             Err(AuthError::ReadKey { .. })
         ));
+        // A file far longer than any key is not read whole: refused by its length, not by
+        // what it holds (it was read to its end, then found not to be hex).
+        std::fs::write(&p, "x".repeat(64 << 10)).unwrap();
+        assert!(matches!(
+            Psk::from_file(&p),
+            Err(AuthError::KeyLength { len, .. }) if len > MAX_PSK_LEN
+        ));
+        // Whitespace around the longest key is fine.
+        std::fs::write(&p, format!("  {}\n\n", "cd".repeat(MAX_PSK_LEN))).unwrap();
+        assert!(Psk::from_file(&p).is_ok());
     }
 }
