@@ -111,6 +111,11 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         }
     };
     let mut problems = 0usize;
+    // As the daemon refuses at its start (the unit runs this first, as its guard).
+    if let Err(e) = crate::serve::one_transport(&cfg) {
+        writeln!(out, "problem: {e}")?;
+        problems += 1;
+    }
     // The rdma listeners' devices: each namespace is checked against each.
     let mut devices: Vec<(String, Context)> = Vec::new();
     for l in &cfg.listeners {

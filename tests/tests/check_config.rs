@@ -156,6 +156,26 @@ fn each_bad_config_fails_with_its_key() {
     }
 }
 
+/// Listeners of both transports: check-config says so, as the daemon refuses to start on them
+/// (the unit runs check-config first, as its guard: it passed them).
+#[test]
+fn listeners_of_both_transports_fail() {
+    let d = tempfile::tempdir().unwrap();
+    let mixed = good().replace(
+        "listen = [\"tcp://127.0.0.1:7420\"]",
+        "listen = [\"tcp://127.0.0.1:7420\", \"rdma://127.0.0.1:7421\"]",
+    );
+    assert_ne!(mixed, good());
+    let (ok, out) = run(d.path(), &mixed);
+    assert!(!ok, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("problem:")
+                && l.contains("one configuration serves one transport")),
+        "{out}"
+    );
+}
+
 #[test]
 fn psk_with_open_permissions_fails() {
     let d = tempfile::tempdir().unwrap();

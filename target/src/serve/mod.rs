@@ -137,7 +137,7 @@ fn fabric_url(l: &crate::config::Listener) -> Result<Url> {
 
 /// Refuses a configuration whose fabric listeners mix transports (one device serves every loop;
 /// `nvme-tcp://` listeners have loops of their own).
-fn one_transport(cfg: &Config) -> Result<()> {
+pub(crate) fn one_transport(cfg: &Config) -> Result<()> {
     let of = |t| cfg.listeners.iter().find(|l| l.url.transport == t);
     match (of(Transport::Tcp), of(Transport::Rdma)) {
         (Some(t), Some(r)) => Err(Error::MixedTransports {
