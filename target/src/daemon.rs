@@ -573,10 +573,19 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
             new.listeners = st.config.listeners.clone();
             new.control_socket = st.config.control_socket.clone();
             new.poll_loops = st.config.poll_loops;
+            new.state_file = st.config.state_file.clone();
             let State {
                 serve, namespaces, ..
             } = &mut *st;
             serve.reloaded(&d, &new, namespaces);
+            // New connections of the tcp listeners offer the reloaded CRC setting.
+            for l in st
+                .listeners
+                .iter_mut()
+                .filter(|l| l.url.starts_with("tcp://"))
+            {
+                l.crc = new.crc;
+            }
             st.config = new;
             st.reloads += 1;
             Ok(d.summary())

@@ -534,3 +534,40 @@ fn a_queue_gives_up_when_a_reload_changed_a_namespace_it_opened() {
     }
     assert!(q.is_broken());
 }
+
+/// A setting that needs a restart is said to be ignored by every reload until the restart, not
+/// only the first: `state_file` was taken from the new configuration by the first reload, so
+/// the second saw no change and no longer said so (the daemon still wrote the old file).
+#[test]
+fn a_state_file_change_is_ignored_until_restart_by_every_reload() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    t.rewrite(&demo_config("state_file = \"moved.state\"", ""));
+    for i in 0..2 {
+        t.reload();
+        let last = t.status()["last_reload"].clone();
+        assert!(
+            last.as_str()
+                .is_some_and(|l| l.contains("ignored until restart: state_file")),
+            "reload {i}: {last}"
+        );
+    }
+    assert!(!d.path().join("moved.state").exists());
+}
+
+/// `crc`, which a reload applies to new connections, is what `status` shows for the listener
+/// after the reload (it kept the value of the start).
+#[test]
+fn a_reloaded_crc_setting_is_what_status_shows() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    assert_eq!(t.status()["listeners"][0]["crc"], true);
+    t.rewrite(&demo_config("crc = false", ""));
+    t.reload();
+    assert_eq!(
+        t.status()["listeners"][0]["crc"],
+        false,
+        "{}",
+        t.status()["listeners"]
+    );
+}
