@@ -65,7 +65,8 @@ struct ClearArgs {
     subsystem: String,
     /// Its namespace id.
     nsid: u32,
-    /// The daemon's control socket.
+    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
+    /// the one the configuration names].
     #[arg(long, value_name = "PATH", conflicts_with = "config")]
     socket: Option<PathBuf>,
     /// Take the control socket from this configuration file.
@@ -75,7 +76,8 @@ struct ClearArgs {
 
 #[derive(Debug, Args)]
 struct StatusArgs {
-    /// The daemon's control socket.
+    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
+    /// the one the configuration names].
     #[arg(long, value_name = "PATH", conflicts_with = "config")]
     socket: Option<PathBuf>,
     /// Take the control socket from this configuration file.

@@ -27,13 +27,15 @@ pub(crate) struct Cli {
 /// Options every subcommand takes, before or after its name.
 #[derive(Debug, Args)]
 pub(crate) struct Global {
-    /// The target, e.g. tcp://192.0.2.7:7420.
+    /// The target, e.g. tcp://192.0.2.7:7420 (the port is required; every command but
+    /// completions and umount needs this).
     #[arg(long, global = true, value_name = "URL")]
     pub(crate) target: Option<String>,
-    /// The subsystem NQN (every command but discover).
+    /// The subsystem NQN (every command but discover, completions and umount).
     #[arg(long, global = true, value_name = "NQN")]
     pub(crate) nqn: Option<String>,
-    /// This host's NQN [default: /etc/nvme/hostnqn, else derived from /etc/machine-id].
+    /// This host's NQN [default: /etc/nvme/hostnqn, else derived from /etc/machine-id, else
+    /// one made up once and kept in /etc/nvme/hostnqn or $XDG_STATE_HOME/rpma/hostnqn].
     #[arg(long, global = true, value_name = "NQN")]
     pub(crate) hostnqn: Option<String>,
     /// This host's pre-shared key (hex, 32-64 bytes; mode 0600), when the target requires one.
@@ -74,13 +76,13 @@ pub(crate) struct Global {
 /// The NBD export's limits on its clients (docs/mount.md, "Limits").
 #[derive(Debug, Args, Clone, Copy, PartialEq)]
 pub(crate) struct NbdLimits {
-    /// Client connections served at once. A newcomer past it takes the place of a client still
+    /// Client connections served at once (1-4096). A newcomer past it takes the place of a client still
     /// in its handshake, else of the one idle the longest, of the source holding the most
     /// (refused only if all are executing requests).
     #[arg(long, value_name = "N", default_value_t = 64,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) max_clients: u32,
-    /// Client connections from one source at once (a TCP client's address, a Unix-socket
+    /// Client connections from one source at once (1-4096; a TCP client's address, a Unix-socket
     /// client's user id); a newcomer past it takes the place of one of its own source's.
     #[arg(long, value_name = "N", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
@@ -260,7 +262,8 @@ pub(crate) enum Command {
         /// The export's name (the empty name, the default export, selects it too).
         #[arg(long, value_name = "NAME", default_value = "rpma")]
         export: String,
-        /// Requests in flight on the target at once (and requests of a client issued together).
+        /// Requests in flight on the target at once, 1-128 (and requests of a client issued
+        /// together).
         #[arg(long, value_name = "N", default_value_t = 64,
               value_parser = clap::value_parser!(u16).range(1..=128))]
         queue_depth: u16,

@@ -119,7 +119,8 @@ fn data_families(o: &mut Out, series: &[Series<'_>]) {
     let plain: [(&str, &str, Get); 5] = [
         (
             "rpma_target_writes_total",
-            "RDMA Write messages placed into the namespace by the host.",
+            "RDMA Write messages placed into the namespace by the host; on nvme-tcp, Write and \
+             Write Zeroes commands.",
             |d| d.writes,
         ),
         (
@@ -245,7 +246,7 @@ fn metrics_families(o: &mut Out, m: &MetricsStatus) {
         "histogram",
         "Persist work on the target by kind (writeback: cache write-back and fence; msync; \
          fdatasync) and path (placement: before an APM, FLUSH or atomic response; gpspm: the \
-         flush service).",
+         flush service; nvme-tcp: an NVMe/TCP Write on dax, Flush or FUA).",
     );
     for l in persist {
         o.histogram(
@@ -438,7 +439,7 @@ pub fn render(s: &Status, p: &Process) -> String {
     o.family(
         "rpma_target_sessions",
         "gauge",
-        "Sessions open now, by kind (io, discovery) and subsystem.",
+        "Sessions open now, by kind (io, discovery, nvme-tcp, nvme-discovery) and subsystem.",
     );
     for ((kind, sub), n) in &open {
         o.sample(
