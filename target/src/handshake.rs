@@ -356,18 +356,20 @@ mod tests {
         ));
     }
 
-    fn run_auth(
+    /// A keyed host's Connect under `at_connect`, its answer (proving `key`) under
+    /// `at_answer`: what the target did with the answer, its confirmation, the host's side.
+    fn auth_between(
+        at_connect: &Config,
+        at_answer: &Config,
         key: u8,
     ) -> (
         Vec<Step>,
         Option<AuthConfirm>,
         rpma_common::proto::auth::HostAwaitingConfirm,
     ) {
-        let d = tempfile::tempdir().unwrap();
-        let c = cfg(d.path());
         let mut h = TargetHandshake::new();
         let conn = connect(KEYED, SUB);
-        let steps = h.on_message(&c, &bytes(Message::Connect(conn.clone())));
+        let steps = h.on_message(at_connect, &bytes(Message::Connect(conn.clone())));
         let [Step::Send(Message::AuthChallenge(ch))] = &steps[..] else {
             panic!("{steps:?}")
         };
@@ -379,12 +381,25 @@ mod tests {
         let (host, resp) = HostAuth::new(Psk::new(&[key; 32]).unwrap(), ctx)
             .on_challenge(ch)
             .unwrap();
-        let steps = h.on_message(&c, &bytes(Message::AuthResponse(resp)));
+        let steps = h.on_message(at_answer, &bytes(Message::AuthResponse(resp)));
+        assert!(h.is_done());
         let confirm = match steps.first() {
             Some(Step::Send(Message::AuthConfirm(cf))) => Some(cf.clone()),
             _ => None,
         };
         (steps, confirm, host)
+    }
+
+    fn run_auth(
+        key: u8,
+    ) -> (
+        Vec<Step>,
+        Option<AuthConfirm>,
+        rpma_common::proto::auth::HostAwaitingConfirm,
+    ) {
+        let d = tempfile::tempdir().unwrap();
+        let c = cfg(d.path());
+        auth_between(&c, &c, key)
     }
 
     #[test]
@@ -423,25 +438,7 @@ mod tests {
         let new_key = with_hosts(&format!("{{ nqn = \"{KEYED}\", psk_file = \"k.psk\" }}"));
         let removed = with_hosts("{ nqn = \"nqn.2026-11.io.rpma:plain\" }");
         let keyless = with_hosts(&format!("{{ nqn = \"{KEYED}\" }}"));
-        let answer = |now: &Config| {
-            let mut h = TargetHandshake::new();
-            let conn = connect(KEYED, SUB);
-            let steps = h.on_message(&old, &bytes(Message::Connect(conn.clone())));
-            let [Step::Send(Message::AuthChallenge(ch))] = &steps[..] else {
-                panic!("{steps:?}")
-            };
-            let ctx = AuthContext {
-                host_nqn: conn.host_nqn,
-                subsystem_nqn: conn.subsystem_nqn,
-                host_id: conn.host_id,
-            };
-            let (_, resp) = HostAuth::new(Psk::new(&[0x42; 32]).unwrap(), ctx)
-                .on_challenge(ch)
-                .unwrap();
-            let steps = h.on_message(now, &bytes(Message::AuthResponse(resp)));
-            assert!(h.is_done());
-            steps
-        };
+        let answer = |now: &Config| auth_between(&old, now, 0x42).0;
         assert_eq!(refusal(&answer(&new_key)), Some(RefusalReason::AuthFailed));
         assert_eq!(
             refusal(&answer(&removed)),

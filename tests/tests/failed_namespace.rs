@@ -504,22 +504,21 @@ fn two_flushers_each_hear_of_a_writeback_error() {
 /// there, is still the failed namespace: after the reload and after a restart (the state file
 /// knows the file by its device and inode too). (It opened healthy under its new path: hosts
 /// read the lost bytes still in its page cache, and a flush answered Durable.)
-#[test]
-fn a_failed_namespace_moved_to_another_path_stays_failed() {
-    let d = rpma_tests::scratch();
-    let Some(fs) = FragileFs::or_skip(d.path()) else {
-        return;
-    };
+/// A configuration serving nsid 1 at `name` on `fs` to HOST, after the top-level lines `top`.
+fn fragile_config(fs: &FragileFs, top: &str, name: &str) -> String {
     let m = fs.mnt.display();
-    let t_dir = d.path().join("target");
+    format!(
+        "{top}[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
+         [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/{name}\"\nsize = \"8MiB\"\n"
+    )
+}
+
+/// A target on `config` in `d/target` whose nsid 1 has failed: `fs` filled, a durable write
+/// refused by the failed write-back (the filesystem stays full).
+fn failed_target(d: &std::path::Path, fs: &FragileFs, config: &str) -> Target {
+    let t_dir = d.join("target");
     std::fs::create_dir(&t_dir).unwrap();
-    let config = |name: &str| {
-        format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
-             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/{name}\"\nsize = \"8MiB\"\n"
-        )
-    };
-    let mut t = Target::start(&t_dir, &config("ns1"));
+    let t = Target::start(&t_dir, config);
     fs.fill();
     let (c, all) = cli(
         &t,
@@ -527,6 +526,17 @@ fn a_failed_namespace_moved_to_another_path_stays_failed() {
         "--nsid 1 --persist gpspm write --offset 2M --pattern 0x22 --length 1M --durable",
     );
     assert_eq!(c, Some(1), "the write-back fails: {all}");
+    t
+}
+
+#[test]
+fn a_failed_namespace_moved_to_another_path_stays_failed() {
+    let d = rpma_tests::scratch();
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
+    };
+    let config = |name: &str| fragile_config(&fs, "", name);
+    let mut t = failed_target(d.path(), &fs, &config("ns1"));
     fs.free();
     std::fs::rename(fs.mnt.join("ns1"), fs.mnt.join("moved")).unwrap();
     t.rewrite(&config("moved"));
@@ -563,24 +573,8 @@ fn a_failure_survives_a_restart_with_another_state_file() {
     let Some(fs) = FragileFs::or_skip(d.path()) else {
         return;
     };
-    let m = fs.mnt.display();
-    let t_dir = d.path().join("target");
-    std::fs::create_dir(&t_dir).unwrap();
-    let config = |state: &str| {
-        format!(
-            "state_file = \"{state}\"\n\
-             [[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
-             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/ns1\"\nsize = \"8MiB\"\n"
-        )
-    };
-    let mut t = Target::start(&t_dir, &config("first.state"));
-    fs.fill();
-    let (c, all) = cli(
-        &t,
-        HOST,
-        "--nsid 1 --persist gpspm write --offset 2M --pattern 0x22 --length 1M --durable",
-    );
-    assert_eq!(c, Some(1), "the write-back fails: {all}");
+    let config = |state: &str| fragile_config(&fs, &format!("state_file = \"{state}\"\n"), "ns1");
+    let mut t = failed_target(d.path(), &fs, &config("first.state"));
     fs.free();
     t.rewrite(&config("second.state"));
     t.restart();
@@ -625,23 +619,7 @@ fn clear_failure_is_refused_while_the_write_back_still_fails() {
     let Some(fs) = FragileFs::or_skip(d.path()) else {
         return;
     };
-    let m = fs.mnt.display();
-    let t_dir = d.path().join("target");
-    std::fs::create_dir(&t_dir).unwrap();
-    let t = Target::start(
-        &t_dir,
-        &format!(
-            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
-             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/ns1\"\nsize = \"8MiB\"\n"
-        ),
-    );
-    fs.fill();
-    let (c, all) = cli(
-        &t,
-        HOST,
-        "--nsid 1 --persist gpspm write --offset 2M --pattern 0x22 --length 1M --durable",
-    );
-    assert_eq!(c, Some(1), "the write-back fails: {all}");
+    let t = failed_target(d.path(), &fs, &fragile_config(&fs, "", "ns1"));
     // Written since (another writer of the file), while the filesystem still fails.
     let f = std::fs::OpenOptions::new()
         .write(true)
