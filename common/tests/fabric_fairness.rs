@@ -117,6 +117,95 @@ fn a_pass_writes_its_budget_however_many_queue_pairs_have_output() {
     );
 }
 
+/// Peers that asked for large Reads and stopped reading hold output their sockets no longer
+/// take: that output is no share of a pass, so the one peer that reads gets the pass's whole
+/// budget (1 MiB), not a ninth of it. Counted in bytes per pass, never timed. (Before: every
+/// queue pair with output waiting counted as busy, and the reader got 116 KiB a pass.)
+#[test]
+fn peers_that_stopped_reading_take_no_share_of_a_pass() {
+    use nix::sys::socket::{setsockopt, sockopt::RcvBuf};
+    const STALLED: usize = 8;
+    const READS: u32 = 4;
+    const SIZE: u32 = 8 << 20;
+    let ctx = Context::soft();
+    let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
+    let url = listener.url().unwrap();
+    let pd = ctx.alloc_pd().unwrap();
+    let cq = ctx.create_cq(64).unwrap();
+    let mr = pd
+        .register(AlignedBuf::new(SIZE as usize).unwrap(), rw())
+        .unwrap();
+    let params = ConnParams {
+        ird: READS as u16,
+        tcp: TcpParams {
+            crc: false,
+            ..TcpParams::default()
+        },
+        ..ConnParams::default()
+    };
+    let mut qps = Vec::new();
+    let mut peers = Vec::new();
+    for _ in 0..=STALLED {
+        let u = url.clone();
+        let h = std::thread::spawn(move || raw_peer(&u, CapFlags::ALL, READS as u16));
+        let req = listener.accept(&params).unwrap();
+        let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+        qps.push(req.accept(qp, &params, b"").unwrap());
+        peers.push(h.join().unwrap().0);
+    }
+    for s in &mut peers[..STALLED] {
+        setsockopt(&*s, RcvBuf, &4096).unwrap();
+    }
+    for s in &mut peers {
+        let mut batch = Vec::new();
+        for msn in 1..=READS {
+            let rr = wire::rdmap::ReadRequest {
+                sink_stag: 0x100,
+                sink_to: 0,
+                size: SIZE,
+                src_stag: mr.rkey(),
+                src_to: mr.addr(),
+            };
+            batch.extend(fpdu(
+                Header::untagged(Opcode::ReadRequest, msn, true),
+                &rr.encode(),
+            ));
+        }
+        s.write_all(&batch).unwrap();
+        s.set_nonblocking(true).unwrap();
+    }
+    // The last peer reads everything after every pass; the others never read.
+    let want = (READS * SIZE) as usize;
+    let reader = peers.last_mut().unwrap();
+    let (mut got, mut per_pass) = (0usize, Vec::new());
+    let mut buf = vec![0u8; 1 << 20];
+    let mut wcs = [Completion::EMPTY; 16];
+    while got < want {
+        assert!(per_pass.len() < 100_000, "no progress: {got} of {want}");
+        cq.poll(&mut wcs).unwrap();
+        let n = drain(reader, &mut buf);
+        got += n;
+        per_pass.push(n);
+    }
+    // Once the stalled peers' sockets are full (their output then waits on them alone), the
+    // reader's passes carry the whole budget: the median of its last half of passes.
+    let mut late = per_pass[per_pass.len() / 2..per_pass.len() - 1].to_vec();
+    late.sort_unstable();
+    let median = late.get(late.len() / 2).copied().unwrap_or(0);
+    eprintln!(
+        "{} passes for the reader's {} MiB; median of the last half {median} bytes",
+        per_pass.len(),
+        want >> 20
+    );
+    assert!(
+        median >= 768 << 10,
+        "the reader got {median} bytes a pass beside {STALLED} stalled peers"
+    );
+    for q in &qps {
+        assert_eq!(q.state(), QpState::Rts);
+    }
+}
+
 #[test]
 fn a_burst_of_read_requests_is_answered_by_eights_one_batch_per_pass() {
     // Sixteen Read Requests posted with one doorbell leave in one writev and reach the

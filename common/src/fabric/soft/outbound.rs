@@ -157,6 +157,9 @@ pub(crate) struct Tx {
     ready_bytes: usize,
     /// Bytes of `ready`'s front FPDU already written.
     written: usize,
+    /// The last flush stopped because the socket took no more (its peer is not reading as
+    /// fast): output waits, but it does not compete for the pass's budget.
+    blocked: bool,
     cfg: TxConfig,
 }
 
@@ -171,6 +174,7 @@ impl Tx {
             ready: VecDeque::new(),
             ready_bytes: 0,
             written: 0,
+            blocked: false,
             cfg: TxConfig::new(crc, max).expect("max ULPDU clamped to the wire's limits"),
         }
     }
@@ -193,6 +197,11 @@ impl Tx {
     /// Messages queued and not yet framed whole (a receive pass counts its answers by it).
     pub(crate) fn queued_messages(&self) -> usize {
         self.queue.len()
+    }
+
+    /// Whether the last [`flush`](Self::flush) stopped on a socket that took no more.
+    pub(crate) fn blocked(&self) -> bool {
+        self.blocked
     }
 
     /// Whether anything waits to be written.
@@ -295,6 +304,7 @@ impl Tx {
         mut sent: impl FnMut(OnSent),
     ) -> io::Result<bool> {
         let mut spent = 0usize;
+        self.blocked = false;
         loop {
             if spent >= budget {
                 return Ok(!self.pending());
@@ -348,7 +358,10 @@ impl Tx {
                 0 => return Err(io::Error::from(io::ErrorKind::WriteZero)),
                 n if n > 0 => n as usize,
                 _ => match io::Error::last_os_error() {
-                    e if e.kind() == io::ErrorKind::WouldBlock => return Ok(false),
+                    e if e.kind() == io::ErrorKind::WouldBlock => {
+                        self.blocked = true;
+                        return Ok(false);
+                    }
                     e if e.kind() == io::ErrorKind::Interrupted => continue,
                     e => return Err(e),
                 },

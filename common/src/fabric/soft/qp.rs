@@ -48,7 +48,8 @@ struct Core {
 /// What one [`SoftQp::progress`] pass did.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub(crate) struct Pass {
-    /// Output is still waiting to be written.
+    /// Output is still waiting to be written, and the socket took all it was offered (one
+    /// that took no more is not counted: its peer is not reading as fast).
     pub(crate) busy: bool,
     /// What arrived queued an answer (`Engine::receive`): the peer waits on us.
     pub(crate) answered: bool,
@@ -261,8 +262,11 @@ impl SoftQp {
         if e.state == QpState::Error && (!e.tx.pending() || !e.closing) && drain(cn) {
             *conn = None;
         }
+        // Output its socket would not take (a peer that stopped reading) is not a share of
+        // the next pass: counted, a few such peers shrank every other queue pair's share to
+        // MIN_QUANTUM.
         Pass {
-            busy: e.tx.pending(),
+            busy: e.tx.pending() && !e.tx.blocked(),
             answered,
         }
     }
