@@ -245,6 +245,12 @@ pub struct Flusher {
     inline_off_until: Option<Instant>,
     /// [`INLINE_SLOW`], or a test's.
     inline_slow: Duration,
+    /// Syncs are in the ring's submission queue that `io_uring_enter` did not take (it failed:
+    /// -EAGAIN, -EBUSY): they stay in flight, and the next [`poll`](Self::poll) submits them.
+    unsubmitted: bool,
+    /// Tests: the next submit fails after its push, as `io_uring_enter` may.
+    #[cfg(test)]
+    fail_next_submit: bool,
 }
 
 impl std::fmt::Debug for Flusher {
@@ -345,6 +351,9 @@ impl Flusher {
             stats: Arc::default(),
             inline_off_until: None,
             inline_slow: INLINE_SLOW,
+            unsubmitted: false,
+            #[cfg(test)]
+            fail_next_submit: false,
         }
     }
 
@@ -529,7 +538,27 @@ impl Flusher {
                 // keeps open (below) until this entry's completion is reaped in `poll`.
                 let pushed = unsafe { ring.submission().push(&sqe) }.is_ok();
                 if pushed {
-                    ring.submit().map(|_| ()).map_err(FlusherError::Submit)
+                    #[cfg(test)]
+                    let failed = std::mem::take(&mut self.fail_next_submit);
+                    #[cfg(not(test))]
+                    let failed = false;
+                    let r = match failed {
+                        true => Err(std::io::Error::from_raw_os_error(libc::EAGAIN)),
+                        false => ring.submit().map(|_| ()),
+                    };
+                    // Pushed, the sync is in the ring whether or not the kernel took it now:
+                    // it stays in flight (its file kept open, its slot not handed out again)
+                    // and the next poll submits it. Freed, the slot was given to the next
+                    // flush, which then got this sync's completion: a Durable for a range
+                    // nothing synced, or a write-back error recorded on another namespace.
+                    if let Err(e) = r {
+                        log::warn!(
+                            "flusher: io_uring did not take a sync now ({e}); submitted again \
+                             at the next poll"
+                        );
+                        self.unsubmitted = true;
+                    }
+                    Ok(())
                 } else {
                     // Cannot happen while in-flight <= ring size; report it rather than panic.
                     Err(FlusherError::Full(self.slots.len()))
@@ -588,6 +617,9 @@ impl Flusher {
         let mut finished = Vec::new();
         match &mut self.backend {
             Backend::Uring(ring) => {
+                if self.unsubmitted && ring.submit().is_ok() {
+                    self.unsubmitted = false;
+                }
                 for cqe in ring.completion() {
                     finished.push((cqe.user_data() as usize, cqe.result()));
                 }

@@ -522,3 +522,45 @@ fn finish_all_reaps_the_syncs_in_flight_and_records_their_failure() {
         assert_eq!(fl.finish_all(), 0);
     }
 }
+
+/// A sync pushed into the ring whose `io_uring_enter` failed (-EAGAIN) stays in flight and is
+/// submitted by the next poll: its flush is answered for itself, and the next flush gets its
+/// own slot. (Its slot was freed and handed to the next flush, whose answer was then this
+/// sync's: here the unflushable file's error, recorded on the good file's store, and the
+/// unflushable one's store left healthy.)
+#[test]
+fn a_sync_the_kernel_did_not_take_is_submitted_again_and_answered_for_itself() {
+    let mut fl = Flusher::new(4).unwrap();
+    if fl.backend_name() != "io_uring" {
+        eprintln!("skipped: no io_uring here");
+        return;
+    }
+    let d = tempfile::tempdir().unwrap();
+    let (st1, st2) = (store(4096), store(4096));
+    let bad = FlushTarget::page_cache(unflushable_fd(d.path()), st1.clone(), 4096);
+    let good = File::create(d.path().join("h")).unwrap();
+    let good = FlushTarget::page_cache(good.into(), st2.clone(), 4096);
+    fl.fail_next_submit = true;
+    fl.submit(1, &bad, 0, 4096)
+        .expect("in the ring: answered later");
+    assert_eq!(fl.in_flight(), 1, "it keeps its slot");
+    fl.submit(2, &good, 0, 4096).unwrap();
+    let mut out = Vec::new();
+    fl.drain(&mut out);
+    out.sort_by_key(|c| c.token);
+    assert_eq!(
+        out,
+        [
+            FlushCompletion {
+                token: 1,
+                status: FlushStatus::IoError
+            },
+            FlushCompletion {
+                token: 2,
+                status: FlushStatus::Durable
+            }
+        ]
+    );
+    assert!(bad.failure().is_some(), "the failure is the bad file's");
+    assert_eq!(good.failure(), None, "the good file's store is healthy");
+}
