@@ -42,9 +42,11 @@ export RPMA_VM_OUT="$OUT"
 status=0
 # Each guest's console (the guest lab's set-up, the suite's output) also goes to
 # $OUT/KERNEL.console[.N]. A guest that never reached its suite (suite.sh writes its summary file
-# first thing) failed to boot or to set the lab up: it is booted again, up to three boots in all
-# (a bad boot has come right after another one that was killed: docs/testing.md), and the
-# summary below repeats what its console said last, since a CI log may keep only its own tail.
+# first thing) failed to boot or to set the lab up, and one whose summary has no last line died
+# in its suite: either is booted again, up to three boots in all (a bad boot has come right after
+# another one that was killed, and a guest has vanished seconds into its tests: docs/testing.md),
+# and the summary below repeats what its console said last, since a CI log may keep only its
+# own tail.
 BOOTS=3
 for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
   t0=$(date +%s)
@@ -56,9 +58,22 @@ for kernel in ${RPMA_VM_KERNELS:-odp stock}; do
     bash scripts/vm-run.sh --kernel "$kernel" --timeout 2400 -- \
       "$ROOT/tests/vm/suite.sh" "$kernel" "$LIST" 2>&1 | tee "$console" || rc=$?
     [ "$rc" -eq 0 ] && break
-    [ -e "$OUT/$kernel.summary" ] && { status=1; break; }
-    echo "vm-test: the $kernel guest did not reach its suite (boot or lab set-up failed):" \
-      "exit $rc after $(($(date +%s) - a0)) s" | tee -a "$console" >&2
+    # A suite that ran to its end (its last line says how many passed and failed) failed:
+    # that is the answer. One whose guest died before that (its summary has no last line: the
+    # guest vanished seconds into its tests once, its console silent) is booted again, as a
+    # guest that never reached its suite is.
+    if grep -q '^suite (' "$OUT/$kernel.summary" 2>/dev/null; then
+      status=1
+      break
+    fi
+    if [ -e "$OUT/$kernel.summary" ]; then
+      echo "vm-test: the $kernel guest died before its suite finished: exit $rc after" \
+        "$(($(date +%s) - a0)) s; its summary so far:" | tee -a "$console" >&2
+      sed 's/^/    | /' "$OUT/$kernel.summary" | tee -a "$console" >&2
+    else
+      echo "vm-test: the $kernel guest did not reach its suite (boot or lab set-up failed):" \
+        "exit $rc after $(($(date +%s) - a0)) s" | tee -a "$console" >&2
+    fi
     [ "$attempt" -eq "$BOOTS" ] && status=1
   done
   echo "vm-test: $kernel guest: $(($(date +%s) - t0)) s" >&2
