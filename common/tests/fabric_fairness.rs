@@ -10,6 +10,7 @@ mod fabric_util;
 
 use std::io::{ErrorKind, Read, Write};
 use std::net::TcpStream;
+use std::sync::Arc;
 
 use fabric_util::*;
 use rpma_common::fabric::soft::wire::{self, CapFlags, Header, Opcode};
@@ -29,21 +30,33 @@ fn drain(s: &mut TcpStream, buf: &mut [u8]) -> usize {
     }
 }
 
-#[test]
-fn a_pass_writes_its_budget_however_many_queue_pairs_have_output() {
-    const PEERS: usize = 8;
-    const READS: u32 = 4;
-    const SIZE: u32 = 8 << 20;
+/// A soft target with a completion queue of its own, a region of `size` bytes, and `peers` raw
+/// peers connected to it (each allowing `reads` Reads outstanding), every one of which has
+/// asked for `reads` Reads of the whole region at once; their sockets are non-blocking.
+struct Hogs {
+    cq: CompletionQueue,
+    qps: Vec<QueuePair>,
+    peers: Vec<TcpStream>,
+    /// Kept for as long as the peers read: the region they read, and what serves it.
+    _held: (Arc<MemoryRegion>, ProtectionDomain, Listener, Context),
+}
+
+fn read_hogs(
+    peers: usize,
+    reads: u32,
+    size: u32,
+    before_asking: impl Fn(usize, &TcpStream),
+) -> Hogs {
     let ctx = Context::soft();
     let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
     let url = listener.url().unwrap();
     let pd = ctx.alloc_pd().unwrap();
     let cq = ctx.create_cq(64).unwrap();
     let mr = pd
-        .register(AlignedBuf::new(SIZE as usize).unwrap(), rw())
+        .register(AlignedBuf::new(size as usize).unwrap(), rw())
         .unwrap();
     let params = ConnParams {
-        ird: READS as u16,
+        ird: reads as u16,
         tcp: TcpParams {
             crc: false,
             ..TcpParams::default()
@@ -51,23 +64,23 @@ fn a_pass_writes_its_budget_however_many_queue_pairs_have_output() {
         ..ConnParams::default()
     };
     let mut qps = Vec::new();
-    let mut peers = Vec::new();
-    for _ in 0..PEERS {
+    let mut socks = Vec::new();
+    for _ in 0..peers {
         let u = url.clone();
-        let h = std::thread::spawn(move || raw_peer(&u, CapFlags::ALL, READS as u16));
+        let h = std::thread::spawn(move || raw_peer(&u, CapFlags::ALL, reads as u16));
         let req = listener.accept(&params).unwrap();
         let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
         qps.push(req.accept(qp, &params, b"").unwrap());
-        peers.push(h.join().unwrap().0);
+        socks.push(h.join().unwrap().0);
     }
-    // Every peer asks for READS Reads of SIZE bytes at once.
-    for s in &mut peers {
+    for (i, s) in socks.iter_mut().enumerate() {
+        before_asking(i, s);
         let mut batch = Vec::new();
-        for msn in 1..=READS {
+        for msn in 1..=reads {
             let rr = wire::rdmap::ReadRequest {
                 sink_stag: 0x100,
                 sink_to: 0,
-                size: SIZE,
+                size,
                 src_stag: mr.rkey(),
                 src_to: mr.addr(),
             };
@@ -79,6 +92,25 @@ fn a_pass_writes_its_budget_however_many_queue_pairs_have_output() {
         s.write_all(&batch).unwrap();
         s.set_nonblocking(true).unwrap();
     }
+    Hogs {
+        cq,
+        qps,
+        peers: socks,
+        _held: (mr, pd, listener, ctx),
+    }
+}
+
+#[test]
+fn a_pass_writes_its_budget_however_many_queue_pairs_have_output() {
+    const PEERS: usize = 8;
+    const READS: u32 = 4;
+    const SIZE: u32 = 8 << 20;
+    let Hogs {
+        cq,
+        qps,
+        mut peers,
+        _held,
+    } = read_hogs(PEERS, READS, SIZE, |_, _| {});
     // Pass by pass; after each, every peer reads what it was sent.
     let want = (READS * SIZE) as usize;
     let mut got = vec![0usize; PEERS];
@@ -127,53 +159,16 @@ fn peers_that_stopped_reading_take_no_share_of_a_pass() {
     const STALLED: usize = 8;
     const READS: u32 = 4;
     const SIZE: u32 = 8 << 20;
-    let ctx = Context::soft();
-    let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
-    let url = listener.url().unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(64).unwrap();
-    let mr = pd
-        .register(AlignedBuf::new(SIZE as usize).unwrap(), rw())
-        .unwrap();
-    let params = ConnParams {
-        ird: READS as u16,
-        tcp: TcpParams {
-            crc: false,
-            ..TcpParams::default()
-        },
-        ..ConnParams::default()
-    };
-    let mut qps = Vec::new();
-    let mut peers = Vec::new();
-    for _ in 0..=STALLED {
-        let u = url.clone();
-        let h = std::thread::spawn(move || raw_peer(&u, CapFlags::ALL, READS as u16));
-        let req = listener.accept(&params).unwrap();
-        let qp = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-        qps.push(req.accept(qp, &params, b"").unwrap());
-        peers.push(h.join().unwrap().0);
-    }
-    for s in &mut peers[..STALLED] {
-        setsockopt(&*s, RcvBuf, &4096).unwrap();
-    }
-    for s in &mut peers {
-        let mut batch = Vec::new();
-        for msn in 1..=READS {
-            let rr = wire::rdmap::ReadRequest {
-                sink_stag: 0x100,
-                sink_to: 0,
-                size: SIZE,
-                src_stag: mr.rkey(),
-                src_to: mr.addr(),
-            };
-            batch.extend(fpdu(
-                Header::untagged(Opcode::ReadRequest, msn, true),
-                &rr.encode(),
-            ));
+    let Hogs {
+        cq,
+        qps,
+        mut peers,
+        _held,
+    } = read_hogs(STALLED + 1, READS, SIZE, |i, s| {
+        if i < STALLED {
+            setsockopt(s, RcvBuf, &4096).unwrap();
         }
-        s.write_all(&batch).unwrap();
-        s.set_nonblocking(true).unwrap();
-    }
+    });
     // The last peer reads everything after every pass; the others never read.
     let want = (READS * SIZE) as usize;
     let reader = peers.last_mut().unwrap();

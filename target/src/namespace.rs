@@ -16,22 +16,22 @@
 
 mod claim;
 mod mark;
+mod methods;
 mod table;
 
 pub use claim::ClaimError;
+pub use methods::{access_for, durability_methods, offered_methods, wire_domain};
 pub use table::{ApplyReport, Cleared, NamespaceTable};
 
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::Arc;
 
-use rpma_common::fabric::Access;
 use rpma_common::pmem::{self, Domain, Mapping, OpenOptions, Persist, Resize, SyncFailure};
 use rpma_common::proto::nqn::Nqn;
-use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 
+use crate::config;
 pub use crate::config::NsKey;
-use crate::config::{self, Transport};
 use crate::failures::{self, Failed, FailureLedger, LedgerError};
 use crate::flusher::{FlushTarget, FlusherError};
 
@@ -99,7 +99,7 @@ pub enum NamespaceError {
         /// Namespace id.
         nsid: u32,
     },
-    /// The file's failure mark (`user.rpma.failed`) could not be read or removed.
+    /// The file's failure mark (`user.rpma.failed`) could not be removed (clear-failure).
     #[error("subsystem {subsystem} namespace {nsid} ({path}): its failure mark")]
     Mark {
         /// Subsystem.
@@ -151,86 +151,6 @@ pub enum NamespaceError {
 
 /// Result of namespace operations.
 pub type Result<T> = std::result::Result<T, NamespaceError>;
-
-/// The wire's name for a pmem domain.
-pub fn wire_domain(d: Domain) -> PersistenceDomain {
-    match d {
-        Domain::Dax => PersistenceDomain::Dax,
-        Domain::DaxForced => PersistenceDomain::DaxForced,
-        Domain::PageCache => PersistenceDomain::PageCache,
-        _ => PersistenceDomain::Volatile,
-    }
-}
-
-/// The durability methods a namespace in `domain` offers on `transport` (DESIGN.md, Persistence).
-///
-/// - volatile: none (acknowledgements mean "visible only").
-/// - tcp: APM, GPSPM and FLUSH on dax and dax (forced): the placement engine makes every
-///   earlier Write durable before it answers a Read, Atomic or Flush on that QP. GPSPM and
-///   FLUSH on page-cache: there a Read or Atomic response only orders the earlier Writes (an
-///   msync before every Read response after a Write, in the poll loop, cost a mixed load nine
-///   tenths of its rate), so APM is not offered.
-/// - rdma: GPSPM always; APM only on dax with the operator's `direct_write_to_pmem` declaration
-///   (DDIO off or eADR), never on page-cache where the NIC's writes land in DRAM; FLUSH is left
-///   to the transport, which knows whether the provider implements it.
-/// - nvme-tcp: FLUSH, meaning NVMe's Flush command and Write with FUA (docs/nvme-tcp.md): there
-///   is no other way to ask an NVMe controller for durability.
-pub fn durability_methods(
-    domain: Domain,
-    transport: Transport,
-    direct_write_to_pmem: bool,
-) -> DurabilityMethods {
-    if !domain.is_durable() {
-        return DurabilityMethods::NONE;
-    }
-    match transport {
-        Transport::Tcp if domain.is_dax() => {
-            DurabilityMethods::APM | DurabilityMethods::GPSPM | DurabilityMethods::FLUSH
-        }
-        Transport::Tcp => DurabilityMethods::GPSPM | DurabilityMethods::FLUSH,
-        Transport::Rdma if domain.is_dax() && direct_write_to_pmem => {
-            DurabilityMethods::APM | DurabilityMethods::GPSPM
-        }
-        Transport::Rdma => DurabilityMethods::GPSPM,
-        Transport::NvmeTcp => DurabilityMethods::FLUSH,
-    }
-}
-
-impl OpenNamespace {
-    /// The durability methods this namespace offers on `transport` ([`durability_methods`]),
-    /// with no `direct_write_to_pmem` under the power-loss simulation: its media learns of a
-    /// byte only when the target's CPU persists it, and an APM Read never involves the
-    /// target's CPU (the simulation would report as lost what real hardware kept).
-    pub fn methods(&self, transport: Transport, direct_write_to_pmem: bool) -> DurabilityMethods {
-        let simulated = self.mapping.simulation().is_some();
-        offered_methods(self.domain(), transport, direct_write_to_pmem, simulated)
-    }
-}
-
-/// [`durability_methods`] for a namespace that runs under the power-loss simulation or not
-/// ([`OpenNamespace::methods`]; `check-config` plans with it).
-pub fn offered_methods(
-    domain: Domain,
-    transport: Transport,
-    direct_write_to_pmem: bool,
-    simulated: bool,
-) -> DurabilityMethods {
-    durability_methods(domain, transport, direct_write_to_pmem && !simulated)
-}
-
-/// The rights a connection's registration of a namespace carries: reads and visibility
-/// flushes always, writes and atomics unless it is read-only, persistent flushes where its
-/// domain is durable.
-pub fn access_for(read_only: bool, domain: Domain) -> Access {
-    let mut access = Access::REMOTE_READ | Access::FLUSH_VISIBILITY;
-    if !read_only {
-        access |= Access::LOCAL_WRITE | Access::REMOTE_WRITE | Access::REMOTE_ATOMIC;
-    }
-    if domain.is_durable() {
-        access |= Access::FLUSH_PERSISTENT;
-    }
-    access
-}
 
 /// Per-namespace counters, updated by the sessions and the flush service.
 #[derive(Debug, Default)]
@@ -532,12 +452,12 @@ impl OpenNamespace {
         self.mapping.set_failure_hook(Box::new(move |f| {
             use std::os::fd::AsFd;
             if let Some(fd) = &file {
-                mark_file(fd.as_fd(), &sub, nsid, f);
+                mark::mark_file(fd.as_fd(), &sub, nsid, f);
             }
             if let Some(l) = &l {
                 // The file that failed, not whatever its path names by now.
                 let id = match &file {
-                    Some(fd) => file_id_of_fd(fd.as_fd()),
+                    Some(fd) => mark::file_id_of(fd.as_fd()),
                     None => failures::file_id_of(&path),
                 };
                 if let Err(e) = l.record_file(&sub, nsid, &path, id, f) {
@@ -561,7 +481,7 @@ impl OpenNamespace {
         let dropped = self.mapping.drop_page_cache();
         self.mapping.record_failure(f);
         if let Some(fd) = self.mapping.backing_fd() {
-            mark_file(fd, self.subsystem.as_str(), self.config.nsid, &f);
+            mark::mark_file(fd, self.subsystem.as_str(), self.config.nsid, &f);
         }
         let entry = match (remembered, &self.ledger) {
             (Some(e), _) => Some(e),
@@ -637,7 +557,7 @@ impl OpenNamespace {
 
     /// The file this opening maps (device and inode), if it maps one.
     pub fn file_id(&self) -> Option<(u64, u64)> {
-        file_id_of_fd(self.mapping.backing_fd()?)
+        mark::file_id_of(self.mapping.backing_fd()?)
     }
 
     /// Which file it maps, as its descriptor tells hosts ([`identity_of`]).
@@ -708,23 +628,6 @@ impl OpenNamespace {
                 self.config.nsid
             );
         }
-    }
-}
-
-/// The device and inode of the file of `fd`.
-fn file_id_of_fd(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
-    let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
-    Some((st.st_dev, st.st_ino))
-}
-
-/// Marks the file of `fd` failed with `f` ([`mark`]); a mark that cannot be written is
-/// logged (the state file still remembers).
-fn mark_file(fd: std::os::fd::BorrowedFd<'_>, subsystem: &str, nsid: u32, f: &SyncFailure) {
-    if let Err(e) = mark::set(fd, f) {
-        log::warn!(
-            "subsystem {subsystem} namespace {nsid}: the file could not be marked failed ({e}); \
-             the state file alone remembers the failure"
-        );
     }
 }
 

@@ -119,6 +119,28 @@ fn parse(value: &[u8]) -> SyncFailure {
     SyncFailure { op, errno }
 }
 
+/// The device and inode of the file of `fd`.
+pub(super) fn file_id_of(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
+    let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
+    Some((st.st_dev, st.st_ino))
+}
+
+/// Marks the file of `fd` failed with `f` ([`set`]); a mark that cannot be written is
+/// logged (the state file still remembers).
+pub(super) fn mark_file(
+    fd: std::os::fd::BorrowedFd<'_>,
+    subsystem: &str,
+    nsid: u32,
+    f: &SyncFailure,
+) {
+    if let Err(e) = set(fd, f) {
+        log::warn!(
+            "subsystem {subsystem} namespace {nsid}: the file could not be marked failed ({e}); \
+             the state file alone remembers the failure"
+        );
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -315,7 +315,7 @@ impl NamespaceTable {
         // old opening stays.
         if let Some(again) = fresh.failure() {
             if let Some(fd) = fresh.mapping.backing_fd() {
-                super::mark_file(fd, key.0.as_str(), key.1, &again);
+                super::mark::mark_file(fd, key.0.as_str(), key.1, &again);
             }
             if let Some(l) = &self.ledger {
                 let id = fresh.file_id().or_else(|| failures::file_id_of(&fresh.key));

@@ -1,4 +1,6 @@
 use super::*;
+use crate::config::Transport;
+use rpma_common::proto::{DurabilityMethods, PersistenceDomain};
 
 #[test]
 fn methods_per_domain_and_transport() {
