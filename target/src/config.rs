@@ -278,6 +278,27 @@ pub fn control_socket_of(path: &Path) -> Result<PathBuf> {
 }
 
 impl Config {
+    /// The poll loops of the native listeners (`tcp://`, `rdma://`): `poll_loops`, started
+    /// whatever the listeners.
+    pub fn native_loops(&self) -> usize {
+        self.poll_loops.max(1) as usize
+    }
+
+    /// The poll loops of the `nvme-tcp://` listeners: `poll_loops` more when there is one.
+    pub fn nvme_loops(&self) -> usize {
+        match self.listeners.iter().any(|l| !l.url.transport.is_fabric()) {
+            true => self.native_loops(),
+            false => 0,
+        }
+    }
+
+    /// The daemon's flush services, one per poll loop, numbered native loops first: a
+    /// page-cache namespace opens its file once for each (target/src/flusher.rs). Both counts
+    /// need a restart to change, so the namespaces a reload opens use the start's number.
+    pub fn flush_services(&self) -> usize {
+        self.native_loops() + self.nvme_loops()
+    }
+
     /// Reads and validates a configuration file.
     ///
     /// # Errors

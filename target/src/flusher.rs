@@ -46,12 +46,18 @@ use std::sync::{mpsc, Arc, Once};
 use std::time::{Duration, Instant};
 
 use io_uring::{opcode, types, IoUring};
-use rpma_common::pmem::{Domain, Durability, Mapping, Persist, SyncFailure};
+use rpma_common::pmem::{Durability, Persist, SyncFailure};
 use rpma_common::proto::FlushStatus;
 use rpma_common::stats::Stopwatch;
 
 use crate::eventfd::EventFd;
 use crate::metrics::LoopStats;
+
+mod error;
+mod flush_target;
+pub use error::{FlusherError, Result};
+pub use flush_target::FlushTarget;
+use flush_target::Kind;
 
 /// An inline sync that takes longer than this turns inline syncs off for [`INLINE_BACKOFF`]: a
 /// disk's sync takes tens of microseconds (an SSD) to a few milliseconds (a spike of a virtual
@@ -60,142 +66,6 @@ use crate::metrics::LoopStats;
 pub const INLINE_SLOW: Duration = Duration::from_millis(10);
 /// How long inline syncs stay off after a slow one.
 pub const INLINE_BACKOFF: Duration = Duration::from_secs(10);
-
-/// Errors of the flush service.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FlusherError {
-    /// The eventfd could not be created.
-    #[error("cannot create the flusher's eventfd")]
-    EventFd(#[source] std::io::Error),
-    /// The worker thread (fallback) could not be started.
-    #[error("cannot start the flusher's worker thread")]
-    Thread(#[source] std::io::Error),
-    /// The backing file could not be opened again for the flush service.
-    #[error("cannot open the namespace's file again for its flushes")]
-    Reopen(#[source] std::io::Error),
-    /// A page-cache mapping without a backing file.
-    #[error("a page-cache namespace has no backing file to flush")]
-    NoBackingFile,
-    /// As many flushes are in flight as the flusher was sized for.
-    #[error("{0} flushes in flight: the flusher is full")]
-    Full(usize),
-    /// io_uring refused the submission.
-    #[error("io_uring submission failed")]
-    Submit(#[source] std::io::Error),
-}
-
-/// Result of the flush service.
-pub type Result<T> = std::result::Result<T, FlusherError>;
-
-/// Open files of a page-cache namespace's file its flush service syncs through: one per
-/// flusher (poll loop), up to this many; more flushers share them in turn.
-pub const OPEN_FILES: usize = 4;
-
-/// What a flush applies to: one namespace, prepared once when the namespace is opened.
-#[derive(Clone)]
-pub struct FlushTarget {
-    kind: Kind,
-    len: u64,
-}
-
-#[derive(Clone)]
-enum Kind {
-    Dax(Arc<dyn Persist>),
-    /// The descriptors to fdatasync (open files of their own: one per flusher, up to
-    /// [`OPEN_FILES`]), and the store that remembers a failure of them.
-    PageCache(Arc<[Arc<OwnedFd>]>, Arc<dyn Persist>),
-    Volatile,
-}
-
-impl std::fmt::Debug for FlushTarget {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let kind = match &self.kind {
-            Kind::Dax(_) => "dax".to_owned(),
-            Kind::PageCache(fds, _) => format!(
-                "page-cache fds {:?}",
-                fds.iter().map(|f| f.as_raw_fd()).collect::<Vec<_>>()
-            ),
-            Kind::Volatile => "volatile".to_owned(),
-        };
-        write!(f, "FlushTarget({kind}, {} bytes)", self.len)
-    }
-}
-
-impl FlushTarget {
-    /// The target for a mapped namespace, chosen by its domain.
-    ///
-    /// # Errors
-    /// [`FlusherError::NoBackingFile`], [`FlusherError::Reopen`].
-    pub fn for_mapping(m: &Arc<Mapping>) -> Result<Self> {
-        let len = m.len() as u64;
-        Ok(match m.domain() {
-            Domain::Dax | Domain::DaxForced => Self::dax(m.clone(), len),
-            Domain::PageCache => {
-                let fd = m.backing_fd().ok_or(FlusherError::NoBackingFile)?;
-                // Open files of their own (the same inode, through /proc, whatever its path is
-                // now), not dups, opened now, before any sync: Linux reports a write-back error
-                // once to each open file. A dup shares the mapping's, whose msync (a FLUSH) then
-                // returned 0 after an fdatasync took the report, before the poll loop had
-                // reaped it; one file for every poll loop's flusher let one loop answer its 0
-                // durable while another held the report (tests/tests/failed_namespace.rs,
-                // `the_flush_service_and_the_mapping_each_hear_of_a_writeback_error`,
-                // `two_flushers_each_hear_of_a_writeback_error`).
-                let fds = (0..OPEN_FILES)
-                    .map(|_| {
-                        std::fs::File::open(format!("/proc/self/fd/{}", fd.as_raw_fd()))
-                            .map(|f| Arc::new(OwnedFd::from(f)))
-                    })
-                    .collect::<std::io::Result<Vec<_>>>()
-                    .map_err(FlusherError::Reopen)?;
-                FlushTarget {
-                    kind: Kind::PageCache(fds.into(), m.clone()),
-                    len,
-                }
-            }
-            _ => Self::volatile(len),
-        })
-    }
-
-    /// Inline persist through the pmem layer.
-    pub fn dax(p: Arc<dyn Persist>, len: u64) -> Self {
-        FlushTarget {
-            kind: Kind::Dax(p),
-            len,
-        }
-    }
-
-    /// fdatasync of `fd` through io_uring (or the worker thread); a failure is recorded in
-    /// `store` (the mapping of the same file), which then fails every later flush.
-    pub fn page_cache(fd: OwnedFd, store: Arc<dyn Persist>, len: u64) -> Self {
-        FlushTarget {
-            kind: Kind::PageCache(Arc::from([Arc::new(fd)]), store),
-            len,
-        }
-    }
-
-    /// Whether a flush of it syncs a page-cache file (the one kind of flush that waits for a
-    /// device, and that [`Flusher::submit_inline`] may run in the caller's thread).
-    pub fn syncs_a_file(&self) -> bool {
-        matches!(self.kind, Kind::PageCache(..))
-    }
-
-    /// The store's first write-back failure, if the namespace has failed.
-    pub fn failure(&self) -> Option<SyncFailure> {
-        match &self.kind {
-            Kind::Dax(p) | Kind::PageCache(_, p) => p.failure(),
-            Kind::Volatile => None,
-        }
-    }
-
-    /// Nothing can make it durable.
-    pub fn volatile(len: u64) -> Self {
-        FlushTarget {
-            kind: Kind::Volatile,
-            len,
-        }
-    }
-}
 
 /// A finished flush.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -208,12 +78,26 @@ pub struct FlushCompletion {
 
 struct InFlight {
     token: u64,
-    /// Keeps the file open until the kernel (or the worker) is done with it.
-    _fd: Arc<OwnedFd>,
+    /// Keeps the file open until the kernel (or the worker) is done with it; syncs of one open
+    /// file are told apart from others' by it.
+    fd: Arc<OwnedFd>,
     /// Where a failure of this fdatasync is recorded.
     store: Arc<dyn Persist>,
     /// When it was submitted.
     started: Stopwatch,
+    /// This flusher's submission number: a slot reused by a later sync is another sync.
+    seq: u64,
+}
+
+/// A sync that returned 0 while other syncs of the same open file were in flight: Linux gives
+/// a write-back error's report to one sync of an open file, and the one that took it may post
+/// its completion after this 0 was reaped. It is answered once those syncs are reaped (their
+/// failures recorded in the store first), as failed if one of them failed.
+struct Held {
+    token: u64,
+    store: Arc<dyn Persist>,
+    /// The syncs it waits for: (slot, seq).
+    waits: Vec<(usize, u64)>,
 }
 
 struct Job {
@@ -232,13 +116,18 @@ enum Backend {
 
 /// The flush service of one poll loop.
 pub struct Flusher {
-    /// Which of a page-cache target's open files its syncs use (this number modulo
-    /// [`OPEN_FILES`]): flushers of different loops, numbered in turn, use different ones.
-    id: usize,
+    /// Which of a page-cache target's open files its syncs use: the daemon numbers its flush
+    /// services 0, 1, ... and opens each page-cache namespace's file once for each
+    /// ([`FlushTarget::for_mapping`]), so that no two loops sync through one open file.
+    service: usize,
     backend: Backend,
     eventfd: Arc<EventFd>,
     slots: Vec<Option<InFlight>>,
     free: Vec<usize>,
+    /// The next sync's [`InFlight::seq`].
+    next_seq: u64,
+    /// Syncs that returned 0 and wait for others of their file ([`Held`]).
+    held: Vec<Held>,
     ready: VecDeque<FlushCompletion>,
     stats: Arc<LoopStats>,
     /// Inline syncs are off until then (a slow one was seen).
@@ -266,11 +155,12 @@ static FALLBACK_LOGGED: Once = Once::new();
 
 impl Flusher {
     /// A flusher for up to `depth` concurrent device flushes: io_uring if the kernel allows it,
-    /// else the worker thread (logged once per process).
+    /// else the worker thread (logged once per process). `service` is its number among the
+    /// daemon's flush services: it syncs a page-cache namespace through that open file of it.
     ///
     /// # Errors
     /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
-    pub fn new(depth: u32) -> Result<Self> {
+    pub fn new(depth: u32, service: usize) -> Result<Self> {
         let depth = depth.clamp(1, 4096);
         let eventfd = Arc::new(EventFd::new().map_err(FlusherError::EventFd)?);
         let ring = IoUring::new(depth.next_power_of_two()).and_then(|ring| {
@@ -283,6 +173,7 @@ impl Flusher {
                 Backend::Uring(Box::new(ring)),
                 eventfd,
                 depth,
+                service,
             )),
             Err(e) => {
                 FALLBACK_LOGGED.call_once(|| {
@@ -290,7 +181,7 @@ impl Flusher {
                         "io_uring unavailable ({e}); page-cache flushes use a worker thread instead"
                     )
                 });
-                Self::with_thread(depth, eventfd)
+                Self::with_thread(depth, eventfd, service)
             }
         }
     }
@@ -299,12 +190,12 @@ impl Flusher {
     ///
     /// # Errors
     /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
-    pub fn new_threaded(depth: u32) -> Result<Self> {
+    pub fn new_threaded(depth: u32, service: usize) -> Result<Self> {
         let eventfd = Arc::new(EventFd::new().map_err(FlusherError::EventFd)?);
-        Self::with_thread(depth.clamp(1, 4096), eventfd)
+        Self::with_thread(depth.clamp(1, 4096), eventfd, service)
     }
 
-    fn with_thread(depth: u32, eventfd: Arc<EventFd>) -> Result<Self> {
+    fn with_thread(depth: u32, eventfd: Arc<EventFd>, service: usize) -> Result<Self> {
         let (jobs, job_rx) = mpsc::channel::<Job>();
         let (done_tx, done) = mpsc::channel();
         let efd = eventfd.clone();
@@ -336,17 +227,19 @@ impl Flusher {
             },
             eventfd,
             depth,
+            service,
         ))
     }
 
-    fn with_backend(backend: Backend, eventfd: Arc<EventFd>, depth: u32) -> Self {
-        static NEXT_ID: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+    fn with_backend(backend: Backend, eventfd: Arc<EventFd>, depth: u32, service: usize) -> Self {
         Flusher {
-            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            service,
             backend,
             eventfd,
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth as usize).rev().collect(),
+            next_seq: 0,
+            held: Vec::new(),
             ready: VecDeque::new(),
             stats: Arc::default(),
             inline_off_until: None,
@@ -505,7 +398,17 @@ impl Flusher {
                 self.ready.push_back(FlushCompletion { token, status });
                 return Ok(());
             }
-            Kind::PageCache(fds, store) => (fds[self.id % fds.len()].clone(), store.clone()),
+            Kind::PageCache(fds, store) => {
+                // Prepared for the daemon's flush services (every one of its flushers has a
+                // file of its own); a target prepared for fewer (a test's) is shared in turn.
+                debug_assert!(
+                    fds.len() == 1 || self.service < fds.len(),
+                    "flush service {} of a target prepared for {}",
+                    self.service,
+                    fds.len()
+                );
+                (fds[self.service % fds.len()].clone(), store.clone())
+            }
         };
         // The store's own part first (the power-loss simulation copies the range to its
         // media, which the fdatasync then writes); nothing for real media.
@@ -583,10 +486,12 @@ impl Flusher {
             Ok(()) => {
                 self.slots[slot] = Some(InFlight {
                     token,
-                    _fd: fd,
+                    fd,
                     store,
                     started,
+                    seq: self.next_seq,
                 });
+                self.next_seq += 1;
                 Ok(())
             }
             Err(e) => {
@@ -635,19 +540,74 @@ impl Flusher {
                 f.store.record_failure(SyncFailure::new("fdatasync", &e));
             }
         }
+        let mut reaped = Vec::with_capacity(finished.len());
         for (slot, res) in finished {
             let Some(f) = self.slots.get_mut(slot).and_then(Option::take) else {
                 continue;
             };
             self.free.push(slot);
             self.stats.gpspm_fdatasync.record_since(f.started);
-            let status = sync_status(res, &*f.store);
-            out.push(FlushCompletion {
-                token: f.token,
-                status,
-            });
+            reaped.push((f, res));
         }
+        for (f, res) in reaped {
+            // A 0 beside syncs of the same open file still in flight waits for them: the one
+            // that took a write-back error's report may be reaped in a later poll.
+            let waits: Vec<(usize, u64)> = match res < 0 {
+                true => Vec::new(),
+                false => self.in_flight_on(&f.fd),
+            };
+            if waits.is_empty() {
+                out.push(FlushCompletion {
+                    token: f.token,
+                    status: sync_status(res, &*f.store),
+                });
+            } else {
+                self.held.push(Held {
+                    token: f.token,
+                    store: f.store,
+                    waits,
+                });
+            }
+        }
+        self.release_held(out);
         out.len() - before
+    }
+
+    /// The syncs in flight through the open file `fd`: (slot, seq).
+    fn in_flight_on(&self, fd: &Arc<OwnedFd>) -> Vec<(usize, u64)> {
+        self.slots
+            .iter()
+            .enumerate()
+            .filter_map(|(slot, f)| {
+                f.as_ref()
+                    .filter(|f| Arc::ptr_eq(&f.fd, fd))
+                    .map(|f| (slot, f.seq))
+            })
+            .collect()
+    }
+
+    /// Answers the held syncs whose waits were all reaped: durable unless a failure was
+    /// recorded meanwhile.
+    fn release_held(&mut self, out: &mut Vec<FlushCompletion>) {
+        if self.held.is_empty() {
+            return;
+        }
+        let slots = &self.slots;
+        let still =
+            |&(slot, seq): &(usize, u64)| slots[slot].as_ref().is_some_and(|f| f.seq == seq);
+        let mut i = 0;
+        while i < self.held.len() {
+            self.held[i].waits.retain(still);
+            if self.held[i].waits.is_empty() {
+                let h = self.held.swap_remove(i);
+                out.push(FlushCompletion {
+                    token: h.token,
+                    status: sync_status(0, &*h.store),
+                });
+            } else {
+                i += 1;
+            }
+        }
     }
 
     /// Blocks until every sync in flight completed and was reaped, dropping the answers (their

@@ -285,14 +285,16 @@ impl OpenNamespace {
     /// # Errors
     /// [`NamespaceError::WouldGrow`], [`NamespaceError::Open`], [`NamespaceError::Flush`].
     pub fn open(subsystem: &Nqn, ns: &config::Namespace) -> Result<Self> {
-        Self::open_remembering(subsystem, ns, None, None)
+        Self::open_remembering(subsystem, ns, None, None, 1)
     }
 
     /// [`OpenNamespace::open`], failed from the start if `failed` says so, `ledger`
     /// remembers a failure of its file, or another live opening of the file in this process
     /// has failed: its page cache is then dropped first (what hosts read is what the media
     /// holds) and no durability request on it succeeds. With a `ledger`, its first failure
-    /// from now on is recorded there before the failing call returns.
+    /// from now on is recorded there before the failing call returns. A page-cache file is
+    /// opened once more for each of the daemon's `services` flush services
+    /// ([`config::Config::flush_services`]; [`OpenNamespace::open`]: one).
     ///
     /// # Errors
     /// As [`OpenNamespace::open`], and [`NamespaceError::Claim`] when another process serves
@@ -302,8 +304,9 @@ impl OpenNamespace {
         ns: &config::Namespace,
         ledger: Option<&Arc<FailureLedger>>,
         failed: Option<SyncFailure>,
+        services: usize,
     ) -> Result<Self> {
-        Self::open_with(subsystem, ns, ledger, ledger, failed)
+        Self::open_with(subsystem, ns, ledger, ledger, failed, services)
     }
 
     /// [`OpenNamespace::open_remembering`], with the ledger it starts failed from (`from`)
@@ -315,6 +318,7 @@ impl OpenNamespace {
         from: Option<&Arc<FailureLedger>>,
         into: Option<&Arc<FailureLedger>>,
         failed: Option<SyncFailure>,
+        services: usize,
     ) -> Result<Self> {
         let opts = Self::options(ns);
         let mapping = Arc::new(opts.open().map_err(|source| {
@@ -369,12 +373,13 @@ impl OpenNamespace {
                 mapping.domain_label()
             );
         }
-        let flush_target =
-            FlushTarget::for_mapping(&mapping).map_err(|source| NamespaceError::Flush {
+        let flush_target = FlushTarget::for_mapping(&mapping, services).map_err(|source| {
+            NamespaceError::Flush {
                 subsystem: subsystem.clone(),
                 nsid: ns.nsid,
                 source,
-            })?;
+            }
+        })?;
         let key = failures::key_of(&ns.path);
         let remembered = from.and_then(|l| l.get(&key));
         // The file's own mark, read with the ledger (not by the opening that clears it).

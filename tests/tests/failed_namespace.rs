@@ -454,8 +454,8 @@ fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
     let Some((fs, m)) = fragile_mapping(d.path()) else {
         return;
     };
-    let t = FlushTarget::for_mapping(&m).unwrap();
-    let mut fl = Flusher::new(4).unwrap();
+    let t = FlushTarget::for_mapping(&m, 1).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     fs.fill();
     m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
     fl.submit(1, &t, 0, 0).unwrap();
@@ -471,29 +471,33 @@ fn the_flush_service_and_the_mapping_each_hear_of_a_writeback_error() {
     assert_ne!(out[0].status, FlushStatus::Durable, "{out:?}");
 }
 
-/// Two poll loops' flush services sync one namespace at the moment of a write-back error: each
-/// hears of it, whichever reaps its sync first. (They shared one open file of it: the first
-/// fdatasync took the report, and the second loop answered its own 0 durable before the first
-/// had reaped and recorded the failure.)
+/// Every flush service of a daemon with poll_loops 3 and both kinds of listener (six: three
+/// native loops, three nvme-tcp loops) syncs one namespace at the moment of a write-back error:
+/// each hears of it, whichever reaps its sync first. (Two loops shared one open file of it,
+/// from the fifth loop on: the first's fdatasync took the report, and the other loop answered
+/// its own 0 durable before the first had reaped and recorded the failure.)
 #[test]
-fn two_flushers_each_hear_of_a_writeback_error() {
+fn every_flush_service_hears_of_a_writeback_error() {
     let d = rpma_tests::scratch();
     let Some((fs, m)) = fragile_mapping(d.path()) else {
         return;
     };
-    let t = FlushTarget::for_mapping(&m).unwrap();
-    let (mut a, mut b) = (Flusher::new(4).unwrap(), Flusher::new(4).unwrap());
+    const SERVICES: usize = 6;
+    let t = FlushTarget::for_mapping(&m, SERVICES).unwrap();
+    assert_eq!(t.open_files(), SERVICES);
+    let mut loops: Vec<Flusher> = (0..SERVICES).map(|i| Flusher::new(4, i).unwrap()).collect();
     fs.fill();
     m.write_at(0, &vec![0x5a; 1 << 20]).unwrap();
-    a.submit(1, &t, 0, 0).unwrap();
-    until_completed(&a);
-    b.submit(2, &t, 0, 0).unwrap();
-    until_completed(&b);
-    // The second loop reaps first.
+    for (i, fl) in loops.iter_mut().enumerate() {
+        fl.submit(i as u64, &t, 0, 0).unwrap();
+        until_completed(fl);
+    }
+    // The later loops reap first.
     let mut out = Vec::new();
-    b.drain(&mut out);
-    a.drain(&mut out);
-    assert_eq!(out.len(), 2);
+    for fl in loops.iter_mut().rev() {
+        fl.drain(&mut out);
+    }
+    assert_eq!(out.len(), SERVICES);
     assert!(
         out.iter().all(|c| c.status != FlushStatus::Durable),
         "a sync said durable after the write-back error: {out:?}"

@@ -2,7 +2,7 @@ use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
 
 use super::*;
-use rpma_common::pmem::OpenOptions;
+use rpma_common::pmem::{Domain, Mapping, OpenOptions};
 use std::time::{Duration, Instant};
 
 fn page_cache_file(dir: &std::path::Path, len: u64) -> FlushTarget {
@@ -51,14 +51,14 @@ fn run_many(mut fl: Flusher) {
 
 #[test]
 fn many_concurrent_flushes_complete_with_their_tokens() {
-    let fl = Flusher::new(32).unwrap();
+    let fl = Flusher::new(32, 0).unwrap();
     eprintln!("flusher backend: {}", fl.backend_name());
     run_many(fl);
 }
 
 #[test]
 fn many_concurrent_flushes_on_the_worker_thread() {
-    let fl = Flusher::new_threaded(8).unwrap();
+    let fl = Flusher::new_threaded(8, 0).unwrap();
     assert_eq!(fl.backend_name(), "thread");
     run_many(fl);
 }
@@ -67,7 +67,7 @@ fn many_concurrent_flushes_on_the_worker_thread() {
 fn wait_fd_becomes_readable() {
     let d = tempfile::tempdir().unwrap();
     let t = page_cache_file(d.path(), 8192);
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     fl.submit(7, &t, 0, 8192).unwrap();
     let mut pfd = libc::pollfd {
         fd: fl.wait_fd().as_raw_fd(),
@@ -103,7 +103,10 @@ fn unflushable_fd(dir: &std::path::Path) -> OwnedFd {
 
 #[test]
 fn a_failed_fdatasync_is_remembered_with_its_errno_and_fails_every_later_flush() {
-    for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+    for mut fl in [
+        Flusher::new(4, 0).unwrap(),
+        Flusher::new_threaded(4, 0).unwrap(),
+    ] {
         let d = tempfile::tempdir().unwrap();
         let st = store(4096);
         let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
@@ -140,7 +143,7 @@ fn a_failed_fdatasync_is_remembered_with_its_errno_and_fails_every_later_flush()
 
 #[test]
 fn out_of_range_and_volatile_complete_inline() {
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     let v = FlushTarget::volatile(4096);
     fl.submit(1, &v, 0, 4096).unwrap();
     fl.submit(2, &v, 4000, 200).unwrap();
@@ -177,11 +180,11 @@ fn dax_and_mapped_targets() {
             .open()
             .unwrap(),
     );
-    let t = FlushTarget::for_mapping(&m).unwrap();
+    let t = FlushTarget::for_mapping(&m, 1).unwrap();
     assert!(format!("{t:?}").contains("dax"));
     assert!(!t.syncs_a_file());
     assert!(!FlushTarget::volatile(4096).syncs_a_file());
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     m.write_at(10, b"x").unwrap();
     fl.submit(5, &t, 0, 0).unwrap();
     fl.submit(6, &t, 4096, 4096).unwrap();
@@ -197,7 +200,7 @@ fn dax_and_mapped_targets() {
             .open()
             .unwrap(),
     );
-    let t = FlushTarget::for_mapping(&pc).unwrap();
+    let t = FlushTarget::for_mapping(&pc, 1).unwrap();
     if pc.domain() == Domain::PageCache {
         assert!(format!("{t:?}").contains("page-cache"));
         assert!(t.syncs_a_file());
@@ -219,7 +222,7 @@ fn dax_and_mapped_targets() {
 fn full_is_an_error_not_a_panic() {
     let d = tempfile::tempdir().unwrap();
     let t = page_cache_file(d.path(), 4096);
-    let mut fl = Flusher::new_threaded(1).unwrap();
+    let mut fl = Flusher::new_threaded(1, 0).unwrap();
     fl.submit(1, &t, 0, 4096).unwrap();
     // The single slot is taken until the first completion is reaped.
     assert!(matches!(
@@ -239,7 +242,7 @@ fn flushes_are_timed_in_the_loops_histograms() {
     let pc = page_cache_file(d.path(), 1 << 16);
     let dax = FlushTarget::dax(store(1 << 16), 1 << 16);
     let stats = Arc::new(LoopStats::default());
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     fl.set_stats(Arc::clone(&stats));
     fl.submit(1, &pc, 0, 4096).unwrap();
     fl.submit(2, &pc, 4096, 4096).unwrap();
@@ -286,13 +289,13 @@ fn gpspm_flushes_reach_the_simulations_media() {
                     .open()
                     .unwrap(),
             );
-            let t = FlushTarget::for_mapping(&m).unwrap();
+            let t = FlushTarget::for_mapping(&m, 1).unwrap();
             let kind = if force_dax { "dax" } else { "page-cache" };
             assert!(format!("{t:?}").contains(kind), "{t:?}");
             m.write_at(8192, b"flushed").unwrap();
             m.write_at(65536, b"not flushed").unwrap();
             m.write_at(16384, b"flushed inline").unwrap();
-            let mut fl = Flusher::new(4).unwrap();
+            let mut fl = Flusher::new(4, 0).unwrap();
             fl.submit(1, &t, 8192, 7).unwrap();
             // As a poll loop with nothing else to do asks (an inline msync on page-cache).
             fl.submit_inline(2, &t, 16384, 14).unwrap();
@@ -341,9 +344,12 @@ fn page_cache_mapping(dir: &std::path::Path, len: u64) -> Arc<Mapping> {
 fn an_inline_flush_is_done_when_submit_returns_and_timed_as_a_sync() {
     let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
     let m = page_cache_mapping(d.path(), 1 << 16);
-    let t = FlushTarget::for_mapping(&m).unwrap();
+    let t = FlushTarget::for_mapping(&m, 1).unwrap();
     let stats = Arc::new(LoopStats::default());
-    for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+    for mut fl in [
+        Flusher::new(4, 0).unwrap(),
+        Flusher::new_threaded(4, 0).unwrap(),
+    ] {
         fl.set_stats(Arc::clone(&stats));
         m.write_at(4096, b"inline").unwrap();
         fl.submit_inline(5, &t, 4096, 6).unwrap();
@@ -373,8 +379,8 @@ fn an_inline_flush_is_done_when_submit_returns_and_timed_as_a_sync() {
 fn a_slow_inline_sync_sends_the_next_flushes_to_the_worker() {
     let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
     let m = page_cache_mapping(d.path(), 1 << 16);
-    let t = FlushTarget::for_mapping(&m).unwrap();
-    let mut fl = Flusher::new(4).unwrap();
+    let t = FlushTarget::for_mapping(&m, 1).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     assert!(fl.inline_on());
     // Every sync is "slow" for this flusher.
     fl.set_inline_slow(Duration::ZERO);
@@ -439,7 +445,7 @@ fn a_failed_inline_sync_is_an_io_error_then_the_namespace_has_failed() {
     let d = tempfile::tempdir().unwrap();
     let st: Arc<dyn Persist> = Arc::new(FailingMsync(Mapping::anonymous(4096).unwrap()));
     let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     fl.submit_inline(1, &t, 0, 4096).unwrap();
     let mut out = Vec::new();
     fl.poll(&mut out);
@@ -464,7 +470,7 @@ fn a_failed_inline_sync_is_an_io_error_then_the_namespace_has_failed() {
 /// when its own completion came up.
 #[test]
 fn a_sync_reaped_beside_a_failed_one_is_not_answered_durable() {
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     if !matches!(fl.backend, Backend::Uring(_)) {
         eprintln!("SKIPPED: io_uring is not available here");
         return;
@@ -511,7 +517,10 @@ fn a_sync_reaped_beside_a_failed_one_is_not_answered_durable() {
 /// write-back error one of them reports is recorded: dropped unreaped, it was lost with them.
 #[test]
 fn finish_all_reaps_the_syncs_in_flight_and_records_their_failure() {
-    for mut fl in [Flusher::new(4).unwrap(), Flusher::new_threaded(4).unwrap()] {
+    for mut fl in [
+        Flusher::new(4, 0).unwrap(),
+        Flusher::new_threaded(4, 0).unwrap(),
+    ] {
         let d = tempfile::tempdir().unwrap();
         let st = store(4096);
         let t = FlushTarget::page_cache(unflushable_fd(d.path()), st.clone(), 4096);
@@ -530,7 +539,7 @@ fn finish_all_reaps_the_syncs_in_flight_and_records_their_failure() {
 /// unflushable one's store left healthy.)
 #[test]
 fn a_sync_the_kernel_did_not_take_is_submitted_again_and_answered_for_itself() {
-    let mut fl = Flusher::new(4).unwrap();
+    let mut fl = Flusher::new(4, 0).unwrap();
     if fl.backend_name() != "io_uring" {
         eprintln!("skipped: no io_uring here");
         return;
@@ -563,4 +572,112 @@ fn a_sync_the_kernel_did_not_take_is_submitted_again_and_answered_for_itself() {
     );
     assert!(bad.failure().is_some(), "the failure is the bad file's");
     assert_eq!(good.failure(), None, "the good file's store is healthy");
+}
+
+/// A flusher whose syncs the test answers itself: (flusher, the jobs it sent, where to answer
+/// them). The worker thread's backend without its thread.
+fn by_hand(depth: u32) -> (Flusher, mpsc::Receiver<Job>, mpsc::Sender<(usize, i32)>) {
+    let (jobs, job_rx) = mpsc::channel();
+    let (done_tx, done) = mpsc::channel();
+    let eventfd = Arc::new(EventFd::new().unwrap());
+    let backend = Backend::Thread {
+        jobs: Some(jobs),
+        done,
+        worker: None,
+    };
+    (
+        Flusher::with_backend(backend, eventfd, depth, 0),
+        job_rx,
+        done_tx,
+    )
+}
+
+/// Two syncs of one open file in flight, the second returning 0 before the first posts the
+/// write-back error it took the report of (its kernel worker preempted between the two): the
+/// 0 is not answered durable until the first is reaped, and then as failed. A 0 of another
+/// file meanwhile is answered at once. (The 0 was answered durable in the earlier poll.)
+#[test]
+fn a_zero_beside_a_sync_of_the_same_file_in_flight_waits_for_it() {
+    let d = tempfile::tempdir().unwrap();
+    let st = store(1 << 20);
+    let p = d.path().join("f");
+    std::fs::write(&p, vec![0u8; 1 << 20]).unwrap();
+    let t = FlushTarget::page_cache(File::open(&p).unwrap().into(), st.clone(), 1 << 20);
+    let other = page_cache_file(d.path(), 4096);
+    let (mut fl, jobs, done) = by_hand(4);
+    fl.submit(1, &t, 0, 4096).unwrap();
+    fl.submit(2, &t, 4096, 4096).unwrap();
+    fl.submit(3, &other, 0, 4096).unwrap();
+    let slots: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+    assert_eq!(slots.len(), 3);
+    let mut out = Vec::new();
+    done.send((slots[1], 0)).unwrap();
+    done.send((slots[2], 0)).unwrap();
+    fl.poll(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 3,
+            status: FlushStatus::Durable
+        }],
+        "token 2 answered while token 1, of its file, was in flight"
+    );
+    assert_eq!(fl.in_flight(), 1);
+    done.send((slots[0], -libc::EIO)).unwrap();
+    out.clear();
+    fl.poll(&mut out);
+    out.sort_by_key(|c| c.token);
+    assert_eq!(
+        out,
+        [
+            FlushCompletion {
+                token: 1,
+                status: FlushStatus::IoError
+            },
+            FlushCompletion {
+                token: 2,
+                status: FlushStatus::NamespaceFailed
+            }
+        ]
+    );
+    assert!(st.failure().is_some());
+}
+
+/// A held 0 waits only for the syncs of its file in flight when it was reaped: it is answered
+/// durable once they succeed, though newer syncs of the file are still in flight (which hold
+/// a 0 reaped beside them in turn).
+#[test]
+fn a_held_zero_does_not_wait_for_newer_syncs() {
+    let d = tempfile::tempdir().unwrap();
+    let t = page_cache_file(d.path(), 1 << 20);
+    let (mut fl, jobs, done) = by_hand(4);
+    fl.submit(1, &t, 0, 4096).unwrap();
+    fl.submit(2, &t, 4096, 4096).unwrap();
+    let first: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+    let mut out = Vec::new();
+    done.send((first[1], 0)).unwrap();
+    fl.poll(&mut out);
+    assert!(out.is_empty(), "{out:?}");
+    fl.submit(3, &t, 8192, 4096).unwrap();
+    let third = jobs.try_iter().next().unwrap().slot;
+    done.send((first[0], 0)).unwrap();
+    fl.poll(&mut out);
+    // 2 waited for 1 alone; 1 waits for 3, in flight beside it.
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 2,
+            status: FlushStatus::Durable
+        }]
+    );
+    done.send((third, 0)).unwrap();
+    out.clear();
+    fl.drain(&mut out);
+    out.sort_by_key(|c| c.token);
+    let tokens: Vec<(u64, FlushStatus)> = out.iter().map(|c| (c.token, c.status)).collect();
+    assert_eq!(
+        tokens,
+        [(1, FlushStatus::Durable), (3, FlushStatus::Durable)]
+    );
+    assert_eq!(fl.in_flight(), 0);
 }

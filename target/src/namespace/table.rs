@@ -19,6 +19,9 @@ pub struct NamespaceTable {
     map: BTreeMap<NsKey, Arc<OpenNamespace>>,
     /// Where failures are remembered (None: in memory only).
     ledger: Option<Arc<FailureLedger>>,
+    /// The daemon's flush services ([`config::Config::flush_services`] at the start, which a
+    /// reload does not change): a page-cache namespace opens its file once for each.
+    services: usize,
 }
 
 /// What [`NamespaceTable::clear_failure`] cleared.
@@ -82,14 +85,20 @@ impl NamespaceTable {
         cfg: &config::Config,
         ledger: Option<Arc<FailureLedger>>,
     ) -> Result<Self> {
+        let services = cfg.flush_services();
         let mut map = BTreeMap::new();
         for s in &cfg.subsystems {
             for ns in &s.namespaces {
-                let opened = OpenNamespace::open_remembering(&s.nqn, ns, ledger.as_ref(), None)?;
+                let opened =
+                    OpenNamespace::open_remembering(&s.nqn, ns, ledger.as_ref(), None, services)?;
                 map.insert((s.nqn.clone(), ns.nsid), Arc::new(opened));
             }
         }
-        Ok(NamespaceTable { map, ledger })
+        Ok(NamespaceTable {
+            map,
+            ledger,
+            services,
+        })
     }
 
     /// The state file's ledger, if failures are remembered.
@@ -215,8 +224,13 @@ impl NamespaceTable {
                         );
                     }
                 }
-                let opened_ns =
-                    OpenNamespace::open_remembering(&key.0, ns, self.ledger.as_ref(), carried)?;
+                let opened_ns = OpenNamespace::open_remembering(
+                    &key.0,
+                    ns,
+                    self.ledger.as_ref(),
+                    carried,
+                    self.services,
+                )?;
                 opened.push((key.clone(), Arc::new(opened_ns)));
             }
         }
@@ -276,7 +290,8 @@ impl NamespaceTable {
         if let Some(c) = &old.claim {
             c.forget_failed();
         }
-        let fresh = OpenNamespace::open_with(&key.0, ns, None, self.ledger.as_ref(), None)?;
+        let fresh =
+            OpenNamespace::open_with(&key.0, ns, None, self.ledger.as_ref(), None, self.services)?;
         // The old opening's page cache is dropped only now that the new one is open: the
         // kernel reports a write-back error to the descriptions open when it happens, so a
         // failure of this write-back (of whatever was written since the failure, the cause

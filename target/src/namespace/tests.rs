@@ -491,3 +491,52 @@ fn a_file_another_process_serves_is_not_opened() {
     drop(f);
     assert!(NamespaceTable::open_all(&cfg).is_ok());
 }
+
+/// A page-cache namespace is opened once more for each of the daemon's flush services (one per
+/// poll loop of each kind of listener), whatever a reload says: no two loops sync it through
+/// one open file, where one loop's sync could take a write-back error's report and another's 0
+/// be answered durable first. (Four files were opened and a fifth loop shared the first's.)
+#[test]
+fn a_page_cache_namespace_has_an_open_file_per_flush_service() {
+    let d = tempfile::tempdir().unwrap();
+    let body = "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:t\"\nallow_any_host = true\n\
+                [[subsystem.namespace]]\nnsid = 1\npath = \"n1\"\nsize = \"64KiB\"\n";
+    let top = |loops: u32| {
+        format!(
+            "listen = [\"tcp://127.0.0.1:7420\", \"nvme-tcp://127.0.0.1:4420\"]\n\
+             poll_loops = {loops}\n"
+        )
+    };
+    let old = config::Config::from_toml(&format!("{}{body}", top(3)), d.path()).unwrap();
+    assert_eq!(old.flush_services(), 6);
+    let mut table = NamespaceTable::open_all(&old).unwrap();
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ns1 = table.get(&nqn, 1).unwrap().clone();
+    assert_eq!(ns1.domain(), Domain::PageCache, "{:?}", d.path());
+    assert_eq!(ns1.flush_target.open_files(), 6);
+
+    // A reload's new namespace: the start's six (poll_loops needs a restart).
+    let new = config::Config::from_toml(
+        &format!(
+            "{}{body}[[subsystem.namespace]]\nnsid = 2\npath = \"n2\"\nsize = \"64KiB\"\n",
+            top(7)
+        ),
+        d.path(),
+    )
+    .unwrap();
+    let diff = crate::reload::diff(&old, &new);
+    table.apply(&diff, &new).unwrap();
+    let ns2 = table.get(&nqn, 2).unwrap();
+    assert_eq!(ns2.flush_target.open_files(), 6);
+
+    // Without an nvme-tcp listener: the native loops alone.
+    let native = config::Config::from_toml(
+        &format!("listen = [\"tcp://127.0.0.1:7420\"]\npoll_loops = 5\n{body}"),
+        d.path(),
+    )
+    .unwrap();
+    assert_eq!(native.flush_services(), 5);
+    drop((table, ns1));
+    let table = NamespaceTable::open_all(&native).unwrap();
+    assert_eq!(table.get(&nqn, 1).unwrap().flush_target.open_files(), 5);
+}

@@ -91,8 +91,9 @@ impl Loop {
         load: Arc<AtomicUsize>,
         stats: Arc<LoopStats>,
     ) -> std::result::Result<Loop, Box<dyn std::error::Error + Send + Sync>> {
-        let depth = ctx.serve.config().max_queue_depth;
-        let mut flusher = Flusher::new(depth)?;
+        let cfg = ctx.serve.config();
+        // The flush services after the native loops' (Config::flush_services).
+        let mut flusher = Flusher::new(cfg.max_queue_depth, cfg.native_loops() + index)?;
         flusher.set_stats(Arc::clone(&stats));
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
         epoll.add(beat.wake_fd(), EpollEvent::new(EpollFlags::EPOLLIN, WAKE))?;

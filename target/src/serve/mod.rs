@@ -170,11 +170,7 @@ impl FabricServe {
             .filter(|l| l.url.transport.is_fabric())
             .map(fabric_url)
             .collect::<Result<_>>()?;
-        let nvme_loops = if cfg.listeners.iter().any(|l| !l.url.transport.is_fabric()) {
-            cfg.poll_loops.max(1) as usize
-        } else {
-            0
-        };
+        let nvme_loops = cfg.nvme_loops();
         let nvme_loop_stats: Vec<Arc<LoopStats>> = (0..nvme_loops)
             .map(|_| Arc::new(LoopStats::default()))
             .collect();
@@ -193,7 +189,7 @@ impl FabricServe {
             crate::memlock::Verdict::Short(message) => log::warn!("{message}"),
             crate::memlock::Verdict::Fine => {}
         }
-        let loop_stats: Vec<Arc<LoopStats>> = (0..cfg.poll_loops.max(1))
+        let loop_stats: Vec<Arc<LoopStats>> = (0..cfg.native_loops())
             .map(|_| Arc::new(LoopStats::default()))
             .collect();
         let shared = Arc::new(Shared::new(

@@ -126,7 +126,8 @@ impl PollLoop {
     ) -> Result<PollLoop, Box<dyn std::error::Error + Send + Sync>> {
         let cfg = shared.config();
         let cq = shared.ctx.create_cq(1024)?;
-        let mut flusher = Flusher::new(cfg.max_queue_depth)?;
+        // Native loops are the flush services numbered first (Config::flush_services).
+        let mut flusher = Flusher::new(cfg.max_queue_depth, index)?;
         flusher.set_stats(Arc::clone(&stats));
         // Both fds live as long as the loop (the flusher and `wake` are fields beside `cq`).
         cq.watch_fd(beat.wake_fd(), WAKE_CMD)?;
