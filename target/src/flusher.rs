@@ -66,6 +66,12 @@ use flush_target::Kind;
 pub const INLINE_SLOW: Duration = Duration::from_millis(10);
 /// How long inline syncs stay off after a slow one.
 pub const INLINE_BACKOFF: Duration = Duration::from_secs(10);
+/// A dax write-back longer than this is done this much per [`Flusher::poll`] (all such
+/// write-backs together, in turn), not in one go: a host's flush of a whole namespace of some
+/// GiB (about 0.1 s per GiB) held its poll loop, its other hosts' requests and keep-alives, and
+/// the watchdog's heartbeat for as long (a helper's review). The fabric's own RDMA Flush takes
+/// the same steps.
+pub const DAX_STEP: u64 = 1 << 20;
 
 /// A finished flush.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -87,6 +93,19 @@ struct InFlight {
     started: Stopwatch,
     /// This flusher's submission number: a slot reused by a later sync is another sync.
     seq: u64,
+}
+
+/// A dax write-back longer than [`DAX_STEP`], done a step per poll.
+struct DaxWork {
+    token: u64,
+    store: Arc<dyn Persist>,
+    /// What is left: `[next, end)`.
+    next: u64,
+    end: u64,
+    /// Whether a step was visible only (the store cannot make it durable).
+    visible_only: bool,
+    /// The steps' time so far (ns).
+    spent: u64,
 }
 
 /// A sync that returned 0 while other syncs of the same open file were in flight: Linux gives
@@ -128,6 +147,8 @@ pub struct Flusher {
     next_seq: u64,
     /// Syncs that returned 0 and wait for others of their file ([`Held`]).
     held: Vec<Held>,
+    /// Dax write-backs longer than [`DAX_STEP`], served in turn.
+    dax: VecDeque<DaxWork>,
     ready: VecDeque<FlushCompletion>,
     stats: Arc<LoopStats>,
     /// Inline syncs are off until then (a slow one was seen).
@@ -240,6 +261,7 @@ impl Flusher {
             free: (0..depth as usize).rev().collect(),
             next_seq: 0,
             held: Vec::new(),
+            dax: VecDeque::new(),
             ready: VecDeque::new(),
             stats: Arc::default(),
             inline_off_until: None,
@@ -263,9 +285,19 @@ impl Flusher {
         }
     }
 
-    /// Device flushes submitted and not yet reaped.
+    /// Flushes submitted and not yet reaped: device flushes, and dax write-backs taken in
+    /// steps ([`DAX_STEP`]).
     pub fn in_flight(&self) -> usize {
-        self.slots.len() - self.free.len()
+        self.slots.len() - self.free.len() + self.dax.len()
+    }
+
+    /// Drops the dax write-backs taken in steps whose token `keep` refuses (their connection
+    /// is gone: its host hears no answer, and replays what it did not hear): a host that asks
+    /// for whole-namespace flushes and reconnects leaves no work behind. Returns how many.
+    pub fn cancel_dax(&mut self, mut keep: impl FnMut(u64) -> bool) -> usize {
+        let before = self.dax.len();
+        self.dax.retain(|w| keep(w.token));
+        before - self.dax.len()
     }
 
     /// Readable when a device flush may have completed; wait on it, then call [`Flusher::poll`].
@@ -364,6 +396,19 @@ impl Flusher {
                     token,
                     status: FlushStatus::VisibleOnly,
                 });
+                return Ok(());
+            }
+            Kind::Dax(p) if length > DAX_STEP => {
+                self.dax.push_back(DaxWork {
+                    token,
+                    store: p.clone(),
+                    next: offset,
+                    end: offset + length,
+                    visible_only: false,
+                    spent: 0,
+                });
+                // The loop's wait wakes at once, and its poll takes the first step.
+                self.eventfd.signal();
                 return Ok(());
             }
             Kind::Dax(p) => {
@@ -519,6 +564,13 @@ impl Flusher {
         }
         // Clear the eventfd before reaping so that a completion arriving meanwhile re-arms it.
         self.eventfd.clear();
+        if !self.dax.is_empty() {
+            self.dax_steps(out);
+            if !self.dax.is_empty() {
+                // More steps: the loop's wait must not sleep on them.
+                self.eventfd.signal();
+            }
+        }
         let mut finished = Vec::new();
         match &mut self.backend {
             Backend::Uring(ring) => {
@@ -571,6 +623,47 @@ impl Flusher {
         }
         self.release_held(out);
         out.len() - before
+    }
+
+    /// Takes [`DAX_STEP`] bytes of the dax write-backs in turn, answering those done.
+    fn dax_steps(&mut self, out: &mut Vec<FlushCompletion>) {
+        let mut budget = DAX_STEP;
+        while budget > 0 {
+            let Some(mut w) = self.dax.pop_front() else {
+                return;
+            };
+            let n = (w.end - w.next).min(budget);
+            let t0 = Instant::now();
+            // Within the namespace's length (checked at submit), which fits usize.
+            let done = w.store.persist(w.next as usize, n as usize);
+            w.spent = w
+                .spent
+                .saturating_add(u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX));
+            budget -= n;
+            w.next += n;
+            let status = match done {
+                Ok(Durability::VisibleOnly) => {
+                    w.visible_only = true;
+                    None
+                }
+                Ok(Durability::Durable) => None,
+                Err(e) => Some(persist_status(Err(e))),
+            };
+            let status = match (status, w.next == w.end) {
+                (Some(failed), _) => failed,
+                (None, false) => {
+                    self.dax.push_back(w);
+                    continue;
+                }
+                (None, true) if w.visible_only => FlushStatus::VisibleOnly,
+                (None, true) => FlushStatus::Durable,
+            };
+            self.stats.gpspm_writeback.record(w.spent);
+            out.push(FlushCompletion {
+                token: w.token,
+                status,
+            });
+        }
     }
 
     /// The syncs in flight through the open file `fd`: (slot, seq).

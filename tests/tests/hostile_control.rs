@@ -411,3 +411,58 @@ fn flush_requests_beyond_the_queue_depth_end_the_session() {
     s.unchanged("FlushRequests beyond the queue depth");
     s.finish();
 }
+
+/// A host that asks for whole-namespace GPSPM flushes of a dax namespace, as many as its
+/// queue depth, is answered durable for each (the write-back taken a step at a time, between
+/// the loop's other work), and one that asks and drops its connection leaves nothing behind:
+/// the legitimate host on the same (single) loop is served throughout. (The write-back of each
+/// was done in one go inside the loop's turn: 0.1 s per GiB, a loop held for seconds by a
+/// depth of flushes of a namespace of some GiB; the flusher's
+/// a_long_dax_write_back_is_taken_a_step_per_poll shows the steps.)
+#[test]
+fn whole_namespace_flushes_of_a_dax_namespace_leave_the_loop_to_its_other_hosts() {
+    let shm = rpma_tests::Shm::new("whole-flush");
+    let big = rpma_tests::Namespace::new(4, shm.path(), "64MiB").force_dax();
+    let mut s = Suite::start_with("poll_loops = 1", &big.to_string());
+    let flushes = |p: &mut hostile::Peer, depth: u64| {
+        let mut burst = Vec::new();
+        for token in 1..=depth {
+            let body = Message::FlushRequest(FlushRequest {
+                nsid: 4,
+                offset: 0,
+                length: 0,
+                token,
+            })
+            .encode()
+            .unwrap();
+            burst.extend(p.send_fpdu(&body));
+        }
+        p.raw(&burst);
+    };
+    let mut p = s.peer();
+    let depth = u64::from(p.admit().queue_depth.min(16));
+    flushes(&mut p, depth);
+    let mut answered = Vec::new();
+    while answered.len() < depth as usize {
+        match p.next_message() {
+            Message::FlushResponse(f) => answered.push((f.token, f.status)),
+            other => panic!("after {answered:?}: {other:?}"),
+        }
+    }
+    answered.sort_by_key(|a| a.0);
+    assert!(
+        answered
+            .iter()
+            .enumerate()
+            .all(|(i, a)| *a == (i as u64 + 1, FlushStatus::Durable)),
+        "{answered:?}"
+    );
+    s.unchanged("a queue depth of whole-namespace flushes of a dax namespace");
+    let mut gone = s.peer();
+    let depth = u64::from(gone.admit().queue_depth.min(16));
+    flushes(&mut gone, depth);
+    drop(gone);
+    s.unchanged("whole-namespace flushes of a host that left");
+    drop(p);
+    s.finish();
+}

@@ -681,3 +681,124 @@ fn a_held_zero_does_not_wait_for_newer_syncs() {
     );
     assert_eq!(fl.in_flight(), 0);
 }
+
+/// A dax store that records the ranges it was asked to persist.
+struct Recording(Mapping, std::sync::Mutex<Vec<(usize, usize)>>);
+
+impl Persist for Recording {
+    fn domain(&self) -> Domain {
+        Domain::DaxForced
+    }
+    fn persist(&self, offset: usize, len: usize) -> rpma_common::pmem::Result<Durability> {
+        self.1.lock().unwrap().push((offset, len));
+        Ok(Durability::Durable)
+    }
+    fn flush(&self, _: usize, _: usize) -> rpma_common::pmem::Result<()> {
+        Ok(())
+    }
+    fn drain(&self) -> rpma_common::pmem::Result<Durability> {
+        Ok(Durability::Durable)
+    }
+    fn failure(&self) -> Option<SyncFailure> {
+        self.0.failure()
+    }
+    fn record_failure(&self, failure: SyncFailure) -> bool {
+        self.0.record_failure(failure)
+    }
+}
+
+/// A dax flush of a whole namespace is written back a step ([`DAX_STEP`]) per poll, the
+/// flusher's eventfd readable while steps are left, and a small flush submitted meanwhile is
+/// answered at the next poll: the poll loop takes its turns (its other hosts' requests, its
+/// keep-alives, the watchdog's heartbeat) between the steps. (The whole namespace was written
+/// back inside submit: a host's flushes of a namespace of some GiB held its loop for seconds.)
+#[test]
+fn a_long_dax_write_back_is_taken_a_step_per_poll() {
+    const LEN: u64 = 8 * DAX_STEP + 4096;
+    let rec = Arc::new(Recording(
+        Mapping::anonymous(4096).unwrap(),
+        std::sync::Mutex::new(Vec::new()),
+    ));
+    let t = FlushTarget::dax(rec.clone(), LEN);
+    let mut fl = Flusher::new(4, 0).unwrap();
+    fl.submit(1, &t, 0, 0).unwrap();
+    assert_eq!(fl.in_flight(), 1);
+    let mut out = Vec::new();
+    let mut polls = 0;
+    while out.is_empty() {
+        let mut pfd = libc::pollfd {
+            fd: fl.wait_fd().as_raw_fd(),
+            events: libc::POLLIN,
+            revents: 0,
+        };
+        // SAFETY: one live pollfd.
+        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
+        assert_eq!(ready, 1, "steps left, no wake-up");
+        fl.poll(&mut out);
+        polls += 1;
+        if polls == 2 {
+            fl.submit(2, &t, 4096, 4096).unwrap();
+            fl.poll(&mut out);
+            assert_eq!(
+                out,
+                [FlushCompletion {
+                    token: 2,
+                    status: FlushStatus::Durable
+                }],
+                "the small flush waited for the long one"
+            );
+            out.clear();
+        }
+    }
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 1,
+            status: FlushStatus::Durable
+        }]
+    );
+    assert_eq!(fl.in_flight(), 0);
+    let calls = rec.1.lock().unwrap().clone();
+    let long: Vec<(usize, usize)> = calls.into_iter().filter(|c| *c != (4096, 4096)).collect();
+    let mut next = 0;
+    for (off, len) in &long {
+        assert_eq!(*off, next, "{long:?}");
+        assert!(*len as u64 <= DAX_STEP, "{long:?}");
+        next += len;
+    }
+    assert_eq!(next as u64, LEN, "the whole namespace written back");
+    assert_eq!(
+        long.len(),
+        9,
+        "8 steps of DAX_STEP and one of 4 KiB: {long:?}"
+    );
+}
+
+/// Dax write-backs taken in steps that the caller drops (their connection is gone) are not
+/// finished and not answered.
+#[test]
+fn dropped_dax_write_backs_leave_no_work() {
+    let rec = Arc::new(Recording(
+        Mapping::anonymous(4096).unwrap(),
+        std::sync::Mutex::new(Vec::new()),
+    ));
+    let t = FlushTarget::dax(rec.clone(), 64 * DAX_STEP);
+    let mut fl = Flusher::new(4, 0).unwrap();
+    for token in 1..=3 {
+        fl.submit(token, &t, 0, 0).unwrap();
+    }
+    let mut out = Vec::new();
+    fl.poll(&mut out);
+    assert!(out.is_empty());
+    assert_eq!(fl.cancel_dax(|token| token == 2), 2);
+    fl.drain(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 2,
+            status: FlushStatus::Durable
+        }]
+    );
+    let written: usize = rec.1.lock().unwrap().iter().map(|c| c.1).sum();
+    assert!(written < 2 * 64 * DAX_STEP as usize, "{written}");
+}

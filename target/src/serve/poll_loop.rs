@@ -473,6 +473,18 @@ impl PollLoop {
     }
 
     fn reap_flushes(&mut self) {
+        // Dax write-backs taken in steps whose connection is gone are dropped, not finished:
+        // a host that asks for whole-namespace flushes and reconnects leaves no work behind.
+        let (pending, conns) = (&mut self.pending, &self.conns);
+        self.flusher.cancel_dax(|token| {
+            let alive = pending
+                .get(&token)
+                .is_some_and(|p| conns.get(&p.qp_num).is_some_and(|c| c.serial == p.serial));
+            if !alive {
+                pending.remove(&token);
+            }
+            alive
+        });
         let mut done = Vec::new();
         self.flusher.poll(&mut done);
         for c in done {
