@@ -236,15 +236,19 @@ impl Queue {
             .write_at(offset as usize, data)
             .map_err(|_| Status::LBA_OUT_OF_RANGE)?;
         counts.wrote(data.len() as u64);
-        Ok(self.after_write(sqe.cid(), ns, counts, offset, data.len() as u64, fua, env))
+        let len = data.len() as u64;
+        Ok(self.after_write(sqe, ns, counts, offset, len, fua, env))
     }
 
-    /// What follows bytes placed in `ns`: persisted at once on dax, flushed first when FUA (or
-    /// with the write cache off) on page-cache, nothing more on volatile.
+    /// What follows bytes placed in `ns` by write-type command `sqe`: persisted at once on
+    /// dax, flushed first when FUA (or with the write cache off) on page-cache, nothing more on
+    /// volatile; and, before it completes with success, `ns` checked to be still its
+    /// namespace ([`still_the_namespace`](Self::still_the_namespace): a reload may have put
+    /// another file in its place since the command looked it up).
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn after_write(
         &mut self,
-        cid: u16,
+        sqe: &Sqe,
         ns: Arc<OpenNamespace>,
         counts: Arc<NsCounts>,
         offset: u64,
@@ -252,44 +256,42 @@ impl Queue {
         fua: bool,
         env: &mut Env<'_>,
     ) -> Reply {
+        let (cid, nsid) = (sqe.cid(), sqe.nsid());
         let wce = match &self.phase {
             Phase::Io(q) => q.ctrl.wce(),
             _ => false,
         };
-        match ns.domain() {
+        let ok = match ns.domain() {
             d if d.is_dax() => {
                 let sw = Stopwatch::start();
                 let done = ns.mapping.persist(offset as usize, len as usize);
                 env.stats.gpspm_writeback.record_since(sw);
-                let ok = done.is_ok();
-                if fua {
-                    counts.durability(ok);
-                }
-                if ok {
-                    Reply::ok()
-                } else {
+                if done.is_err() {
                     ns.note_failure();
-                    Reply::status(Status::WRITE_FAULT)
                 }
+                done.is_ok()
             }
             Domain::PageCache if fua || !wce => {
                 let target = ns.flush_target.clone();
                 let counted = if fua { vec![counts] } else { Vec::new() };
-                self.wait_for(
-                    Then::Complete(cid),
+                return self.wait_for(
+                    Then::Write { cid, nsid },
                     vec![(target, offset, len)],
                     counted,
                     vec![ns],
                     env,
-                )
+                );
             }
-            _ => {
-                if fua {
-                    counts.durability(true);
-                }
-                Reply::ok()
-            }
+            _ => true,
+        };
+        let st = match ok {
+            true => self.still_the_namespace(nsid, &ns).err(),
+            false => Some(Status::WRITE_FAULT),
+        };
+        if fua {
+            counts.durability(st.is_none());
         }
+        st.map_or_else(Reply::ok, Reply::status)
     }
 
     fn flush(&mut self, sqe: &Sqe, env: &mut Env<'_>) -> Result<Reply, Status> {
@@ -343,7 +345,7 @@ impl Queue {
         zero_range(&e.ns, offset, len)?;
         e.counts.wrote(len);
         let fua = cdw12 & (1 << 30) != 0;
-        Ok(self.after_write(sqe.cid(), e.ns, e.counts, offset, len, fua, env))
+        Ok(self.after_write(sqe, e.ns, e.counts, offset, len, fua, env))
     }
 
     fn deallocate(&mut self, sqe: &Sqe, data: &[u8], env: &mut Env<'_>) -> Result<Reply, Status> {
@@ -389,9 +391,13 @@ impl Queue {
         // cache, and the old data came back after a power loss.
         match span {
             Some((lo, hi)) if e.ns.domain() == Domain::PageCache => {
-                Ok(self.after_write(sqe.cid(), e.ns, e.counts, lo, hi - lo, false, env))
+                Ok(self.after_write(sqe, e.ns, e.counts, lo, hi - lo, false, env))
             }
-            _ => Ok(Reply::ok()),
+            // Zeroed in the file it looked up: still the namespace's (as `after_write` checks).
+            Some(_) => self
+                .still_the_namespace(sqe.nsid(), &e.ns)
+                .map(|()| Reply::ok()),
+            None => Ok(Reply::ok()),
         }
     }
 

@@ -31,7 +31,7 @@ use rpma_common::proto::RefusalReason;
 
 use super::command::{self, DataIn, Sqe, Status};
 use super::pdu::{self, C2hFraming, Fatal, Fes, Framed, Limits, Pdu};
-use super::state::{Input, Phase, Then, Transfer, Wait};
+use super::state::{Input, Phase, Transfer, Wait};
 use super::Ctx;
 use crate::flusher::FlushTarget;
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
@@ -638,7 +638,7 @@ impl Queue {
     }
 
     pub(super) fn pending_cid(&self, cid: u16) -> bool {
-        self.waits.values().any(|w| w.then == Then::Complete(cid))
+        self.waits.values().any(|w| w.then.cid() == Some(cid))
     }
 
     /// Runs a command whose data is in hand.

@@ -147,7 +147,7 @@ impl Queue {
                 c.durability(true);
             }
             return match then {
-                Then::Complete(_) => Reply::ok(),
+                Then::Complete(_) | Then::Write { .. } => Reply::ok(),
                 Then::ShutdownDone => Reply::Later,
             };
         }
@@ -199,9 +199,17 @@ impl Queue {
         if w.remaining > 0 {
             return;
         }
-        let Some(w) = self.waits.remove(&id) else {
+        let Some(mut w) = self.waits.remove(&id) else {
             return;
         };
+        if let (Then::Write { nsid, .. }, true, Some(ns)) =
+            (w.then, w.status.is_success(), w.namespaces.first())
+        {
+            let ns = Arc::clone(ns);
+            if let Err(st) = self.still_the_namespace(nsid, &ns) {
+                w.status = st;
+            }
+        }
         let ok = w.status.is_success();
         for c in &w.counted {
             c.durability(ok);
@@ -213,7 +221,7 @@ impl Queue {
         }
         match w.then {
             // Answered even while closing: the target's stop answers what it took in.
-            Then::Complete(cid) => self.complete(cid, 0, w.status),
+            Then::Complete(cid) | Then::Write { cid, .. } => self.complete(cid, 0, w.status),
             Then::ShutdownDone => self.shutdown_flushed(ok),
         }
         let _ = env;

@@ -121,8 +121,24 @@ pub(crate) struct Transfer {
 pub(crate) enum Then {
     /// Complete the command.
     Complete(u16),
+    /// Complete the write-type command `cid` (a FUA Write, any write with the write cache off,
+    /// Write Zeroes, a deallocation) into namespace `nsid`, with a Write Fault if a reload
+    /// put another file in place of the one its bytes went into meanwhile (they are in a file
+    /// the host no longer reads, and the Flush that said so for the replacement may have come
+    /// and gone).
+    Write { cid: u16, nsid: u32 },
     /// The shutdown notification's flushes: shutdown processing is complete.
     ShutdownDone,
+}
+
+impl Then {
+    /// The command it completes, if any.
+    pub(crate) fn cid(self) -> Option<u16> {
+        match self {
+            Then::Complete(cid) | Then::Write { cid, .. } => Some(cid),
+            Then::ShutdownDone => None,
+        }
+    }
 }
 
 /// Flushes a command (or a shutdown) waits for.

@@ -204,7 +204,7 @@ impl Queue {
                     return self.complete(cid, 0, st);
                 }
                 counts.wrote(u64::from(t.len));
-                let r = self.after_write(cid, ns, counts, offset, u64::from(t.len), fua, env);
+                let r = self.after_write(&t.sqe, ns, counts, offset, u64::from(t.len), fua, env);
                 self.reply(cid, r, env);
             }
             Sink::Buffer(b) => self.run(t.sqe, Input::Data(&b), env),

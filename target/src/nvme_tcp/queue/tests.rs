@@ -604,3 +604,47 @@ fn zeroing_is_bounded_per_turn_of_the_loop() {
     assert_eq!(next.len(), 12 - per_turn, "{next:?}");
     assert!(io.wants_read() && !io.spent());
 }
+
+/// A FUA Write on page-cache whose sync was in flight when a reload put another file in place
+/// of its namespace's: the Flush that the replacement fails once (on any queue of the
+/// controller) came before the Write completed, so it does not cover it; the Write itself
+/// completes with a Write Fault, not success (its bytes are in a file the host no longer
+/// reads). (The Write completed with success, and the next Flush too: its bytes were lost
+/// with no error ever said.)
+#[test]
+fn a_write_whose_file_a_reload_replaced_before_it_completed_is_a_write_fault() {
+    let mut h = H::new("");
+    let (_a, mut io, _) = connected(&mut h);
+    let out = h.send(&mut io, &write_cmd(3, 0, 1, &[5; 512], true));
+    assert!(completions(&out).is_empty(), "held until durable");
+    let t = h.flushes();
+    assert_eq!(t.len(), 1);
+    // The reload: another file at nsid 1.
+    let d = tempfile::tempdir().unwrap();
+    let text = format!(
+        "listen = [\"nvme-tcp://127.0.0.1:4420\"]\n[[subsystem]]\nnqn = \"{SUB}\"\n\
+         hosts = [{{ nqn = \"{HOST}\" }}]\n[[subsystem.namespace]]\nnsid = 1\npath = \"other\"\n\
+         size = \"1MiB\"\nblock_size = 512\n"
+    );
+    let cfg = Config::from_toml(&text, d.path()).unwrap();
+    let table = NamespaceTable::open_all(&cfg).unwrap();
+    let sub = rpma_common::proto::nqn::Nqn::new(SUB).unwrap();
+    let other = Arc::clone(table.get(&sub, 1).unwrap());
+    let Phase::Io(q) = &io.phase else {
+        panic!("not an I/O queue")
+    };
+    let ctrl = Arc::clone(&q.ctrl);
+    ctrl.set_namespaces(vec![other], &[1]);
+    // The Flush the replacement fails, before the Write completed.
+    let out = h.send(&mut io, &capsule(&sqe(command::io::FLUSH, 4, 1), &[]));
+    assert_eq!(completions(&out), [(4, 0, status(Status::WRITE_FAULT))]);
+    let out = h.flush_done(&mut io, t[0], FlushStatus::Durable);
+    assert_eq!(
+        completions(&out),
+        [(3, 0, status(Status::WRITE_FAULT))],
+        "the Write's bytes are in the old file"
+    );
+    // Written from now on: the new file, and answered.
+    let out = h.send(&mut io, &write_cmd(5, 0, 1, &[6; 512], false));
+    assert_eq!(completions(&out), [(5, 0, 0)]);
+}
