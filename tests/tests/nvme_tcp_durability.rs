@@ -102,6 +102,30 @@ fn with_the_write_cache_off_a_deallocate_is_durable_at_its_completion() {
     );
 }
 
+/// Turning the volatile write cache off (Set Features 06h, WCE 0) makes what it holds durable
+/// before the Set Features completes: from then on the host takes every completed write as
+/// durable, the ones completed before too. (They stayed in the page cache, and a power loss
+/// lost writes the host had every reason to think durable.)
+#[test]
+fn turning_the_write_cache_off_makes_what_it_holds_durable() {
+    let (_d, mut t) =
+        start(Namespace::new(1, "ns1", "4MiB").power_loss_simulation("eviction_percent = 0"));
+    let a = rpma_tests::noise(6, 8192);
+    {
+        let (mut c, mut q) = queue(&t);
+        assert!(q.write(1, 8, 4096, &a, false).unwrap().ok(), "cached");
+        assert!(c.set_features(0x06, 0).ok(), "the write cache off");
+    }
+    t.restart();
+    let (_c, mut q) = queue(&t);
+    let back = q.read(1, 8, 4096, 2).unwrap().data;
+    assert!(
+        back == a,
+        "completed before the cache was turned off, yet {} of its bytes were lost",
+        back.iter().zip(&a).filter(|(x, y)| x != y).count()
+    );
+}
+
 #[test]
 fn on_dax_every_write_is_durable_at_its_completion() {
     let (_d, mut t) = start(

@@ -31,7 +31,7 @@ use super::discovery;
 use super::identify::{self, cns, lid, CtrlFacts, CtrlKind, Health, NsFacts};
 use super::queue::{Env, Queue, IN_CAPSULE_DATA, MDTS};
 use super::reply::Reply;
-use super::state::{Input, Phase};
+use super::state::{Input, Phase, Then};
 use crate::namespace::OpenNamespace;
 
 /// Feature identifiers answered.
@@ -99,7 +99,27 @@ impl Queue {
         match sqe.opcode() {
             admin::IDENTIFY => self.identify(ctrl, sqe, input.room(), env),
             admin::GET_LOG_PAGE => self.get_log_page(ctrl, sqe, input.room(), env),
-            admin::SET_FEATURES => set_features(ctrl, sqe, env),
+            admin::SET_FEATURES => {
+                let cached = ctrl.wce();
+                let r = set_features(ctrl, sqe, env);
+                // The write cache turned off: what it holds is made durable before the
+                // completion, as every write's will be from now on (the writes completed
+                // before were in the page cache only, and the host now takes every completed
+                // write as durable).
+                if cached && !ctrl.wce() {
+                    let (targets, namespaces) = self.flush_everything();
+                    if !targets.is_empty() {
+                        return self.wait_for(
+                            Then::Complete(sqe.cid()),
+                            targets,
+                            Vec::new(),
+                            namespaces,
+                            env,
+                        );
+                    }
+                }
+                r
+            }
             admin::GET_FEATURES => get_features(ctrl, sqe),
             admin::KEEP_ALIVE => {
                 ctrl.keep_alive(env.now);

@@ -401,8 +401,9 @@ impl Queue {
         }
     }
 
-    /// What a shutdown notification makes durable: every page-cache namespace of this admin
-    /// queue's controller (dax ones are durable already, volatile ones cannot be).
+    /// What a shutdown notification (or the write cache turned off) makes durable: every
+    /// page-cache namespace of this admin queue's controller (dax ones are durable already,
+    /// volatile ones cannot be).
     pub(crate) fn flush_everything(&self) -> (Flushes, Vec<Arc<OpenNamespace>>) {
         let Phase::Admin(a) = &self.phase else {
             return (Vec::new(), Vec::new());
