@@ -26,7 +26,7 @@ use std::time::Duration;
 use rpma_common::proto::nqn::Nqn;
 
 use super::command::{self, admin, Sqe, Status, NSID_ALL};
-use super::controller::{aen, Controller, NsEntry, MAX_IO_QUEUES};
+use super::controller::{aen, Controller, MAX_IO_QUEUES};
 use super::discovery;
 use super::identify::{self, cns, lid, CtrlFacts, CtrlKind, Health, NsFacts};
 use super::queue::{Env, Queue, IN_CAPSULE_DATA, MDTS};
@@ -271,9 +271,8 @@ impl Queue {
 /// What the SMART log reports for `ctrl`.
 fn health(ctrl: &Controller) -> Health {
     let t = ctrl.counts.total();
-    let (_, map) = ctrl.namespaces();
     Health {
-        degraded: map.values().any(NsEntry::failed),
+        degraded: ctrl.any_failed(),
         read_bytes: t.read_bytes,
         write_bytes: t.write_bytes,
         reads: t.reads,

@@ -565,9 +565,11 @@ impl Controller {
     }
 
     /// Whether a namespace of this controller has failed (a write-back error), or is
-    /// [`NsEntry::lost`] to it.
+    /// [`NsEntry::lost`] to it, served or not: one a reload removed since still lost writes
+    /// this controller completed (SMART's "reliability degraded", CSTS.CFS at a shutdown).
     pub fn any_failed(&self) -> bool {
-        self.namespaces().1.values().any(NsEntry::failed)
+        let lost = !self.state().lost.is_empty();
+        lost || self.namespaces().1.values().any(NsEntry::failed)
     }
 
     /// Whether the host shut the controller down (CC.SHN written) before it went away.
@@ -787,8 +789,13 @@ mod tests {
             !entry(&new(ns(&table))).failed(),
             "connected after the clear"
         );
-        // Removed by a reload and added back: still lost.
+        // Removed by a reload: still failed to it (its writes there may be lost); added
+        // back: still lost.
         attached.set_namespaces(Vec::new(), &[1]);
+        assert!(
+            attached.any_failed(),
+            "removed, its lost writes still count"
+        );
         attached.set_namespaces(ns(&table), &[1]);
         assert!(entry(&attached).lost);
     }
