@@ -306,12 +306,14 @@ impl OpenNamespace {
         failed: Option<SyncFailure>,
         services: usize,
     ) -> Result<Self> {
-        Self::open_with(subsystem, ns, ledger, ledger, failed, services)
+        Self::open_with(subsystem, ns, ledger, ledger, failed, services, false)
     }
 
     /// [`OpenNamespace::open_remembering`], with the ledger it starts failed from (`from`)
-    /// apart from the one its failures are recorded in (`into`): clearing a failure opens the
-    /// file anew with the first None and the second Some.
+    /// apart from the one its failures are recorded in (`into`), and `clearing`: the opening
+    /// that clears the file's failure, which the file's failed openings (still live until the
+    /// clear succeeds) do not make start failed. Clearing a failure opens the file anew with
+    /// the first None, the second Some and `clearing`.
     fn open_with(
         subsystem: &Nqn,
         ns: &config::Namespace,
@@ -319,6 +321,7 @@ impl OpenNamespace {
         into: Option<&Arc<FailureLedger>>,
         failed: Option<SyncFailure>,
         services: usize,
+        clearing: bool,
     ) -> Result<Self> {
         let opts = Self::options(ns);
         let mapping = Arc::new(opts.open().map_err(|source| {
@@ -414,7 +417,7 @@ impl OpenNamespace {
             .as_ref()
             .map(Failed::sync_failure)
             .or(failed)
-            .or(live_failure)
+            .or(live_failure.filter(|_| !clearing))
             .or(marked);
         let identity = identity_of(subsystem, ns.nsid, &mapping);
         let opened = OpenNamespace {

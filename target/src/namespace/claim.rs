@@ -196,12 +196,13 @@ impl Claim {
         }
     }
 
-    /// Forgets the openings that have failed (the operator cleared the file's failure: the
-    /// opening that replaces them must not start failed from them). An opening that fails
-    /// after this still spreads its failure.
-    pub(super) fn forget_failed(&self) {
+    /// Forgets the openings that have failed, but `clearing` (the operator cleared the file's
+    /// failure through it: no opening may start failed from the others). An opening that
+    /// fails after this still spreads its failure.
+    pub(super) fn forget_failed(&self, clearing: &Arc<Mapping>) {
+        let keep = Arc::downgrade(clearing);
         self.lock()
-            .retain(|w| w.upgrade().is_some_and(|m| m.failure().is_none()));
+            .retain(|w| w.ptr_eq(&keep) || w.upgrade().is_some_and(|m| m.failure().is_none()));
     }
 }
 
@@ -294,9 +295,9 @@ mod tests {
         assert_eq!(fc.map(|f| f.errno), Some(libc::EIO));
         let (_cd, fd) = join(&open(&dir.path().join("other"))).unwrap();
         assert_eq!(fd, None);
-        // Once the operator cleared it, the failed openings no longer count, and the hook of
-        // one of them that was still spreading the failure reaches no opening made since.
-        ca.forget_failed();
+        // Once the operator cleared it (through c), the failed openings no longer count, and the
+        // hook of one of them that was still spreading the failure reaches no opening made since.
+        ca.forget_failed(&c);
         let e = open(&path);
         let (_ce, fe) = join(&e).unwrap();
         assert_eq!(fe, None);

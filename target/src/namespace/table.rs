@@ -285,13 +285,20 @@ impl NamespaceTable {
         // written there too; without that, old sessions still writing could make the new
         // opening fail before it listened, and the clear left it failed in memory but healthy
         // in the state file, which a restart then believed (a helper's review). For the same
-        // reason the file's failed openings no longer make a new one start failed; one that
-        // fails from now on makes the new one fail too (FailedAgain below).
-        if let Some(c) = &old.claim {
-            c.forget_failed();
-        }
-        let fresh =
-            OpenNamespace::open_with(&key.0, ns, None, self.ledger.as_ref(), None, self.services)?;
+        // reason the file's failed openings do not make this one start failed (`clearing`);
+        // one that fails from now on makes it fail too (FailedAgain below). They still count
+        // for any other opening of the file until the clear has succeeded (forgotten before,
+        // a clear that then failed left a reload free to map the file healthy under another
+        // key, where no state file or mark remembered it).
+        let fresh = OpenNamespace::open_with(
+            &key.0,
+            ns,
+            None,
+            self.ledger.as_ref(),
+            None,
+            self.services,
+            true,
+        )?;
         // The old opening's page cache is dropped only now that the new one is open: the
         // kernel reports a write-back error to the descriptions open when it happens, so a
         // failure of this write-back (of whatever was written since the failure, the cause
@@ -350,6 +357,11 @@ impl NamespaceTable {
                 nsid: key.1,
                 failure: again,
             });
+        }
+        // Cleared: the failed openings no longer make a new opening of the file start failed,
+        // and the hook of one still spreading the failure reaches none made since.
+        if let Some(c) = &old.claim {
+            c.forget_failed(&fresh.mapping);
         }
         let path = old.config.path.clone();
         self.map.insert(key.clone(), Arc::new(fresh));

@@ -540,3 +540,35 @@ fn a_page_cache_namespace_has_an_open_file_per_flush_service() {
     let table = NamespaceTable::open_all(&native).unwrap();
     assert_eq!(table.get(&nqn, 1).unwrap().flush_target.open_files(), 5);
 }
+
+/// A clear-failure that fails (here the configuration it reopens with asks a larger file,
+/// without `grow`) leaves the file's failed openings counting: a reload that maps the file
+/// under another key starts that namespace failed. (They were forgotten before anything of
+/// the clear could fail: without a state file or a mark, nsid 2 on the same file opened
+/// healthy, and its persists succeeded over pages the media did not hold.)
+#[test]
+fn a_failed_clear_leaves_the_file_failed_for_its_next_opening() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let mut table = NamespaceTable::open_all(&cfg).unwrap();
+    let f = SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(libc::EIO));
+    table.get(&nqn, 1).unwrap().mapping.record_failure(f);
+    let mut bigger = cfg.clone();
+    bigger.subsystems[0].namespaces[0].size = Some(128 << 10);
+    let e = table.clear_failure(&(nqn.clone(), 1), &bigger).unwrap_err();
+    assert!(
+        matches!(e, NamespaceError::WouldGrow { nsid: 1, .. }),
+        "{e:?}"
+    );
+    assert_eq!(table.get(&nqn, 1).unwrap().failure(), Some(f));
+    // nsid 1 removed, and nsid 2 moved onto its file.
+    let mut moved = cfg.clone();
+    moved.subsystems[0].namespaces.remove(0);
+    moved.subsystems[0].namespaces[0].path = cfg.subsystems[0].namespaces[0].path.clone();
+    let diff = crate::reload::diff(&cfg, &moved);
+    table.apply(&diff, &moved).unwrap();
+    let ns2 = table.get(&nqn, 2).unwrap();
+    assert_eq!(ns2.failure(), Some(f), "the same file, failed");
+    assert!(ns2.mapping.persist(0, 4096).is_err());
+}
