@@ -613,9 +613,12 @@ fn a_failure_survives_a_restart_with_another_state_file() {
 
 /// clear-failure while the cause is still there: the old opening's write-back (of what was
 /// written to the file since the failure) fails again, and the clear is refused, the namespace
-/// still failed; once the cause is gone the clear succeeds. (A new opening does not hear of a
-/// write-back error from before it was opened, so the clear succeeded and the bytes that
-/// write-back lost were then served and synced as if they were on the media.)
+/// still failed, its state file untouched (the first failure and its time stand); once the
+/// cause is gone the clear succeeds. (A new opening does not hear of a write-back error from
+/// before it was opened, so the clear succeeded and the bytes that write-back lost were then
+/// served and synced as if they were on the media. Then the refused clear still took the
+/// failure out of the state file before it wrote the new one in, where a state file that could
+/// not take the second write forgot the namespace had failed.)
 #[test]
 fn clear_failure_is_refused_while_the_write_back_still_fails() {
     use std::os::unix::fs::FileExt;
@@ -630,10 +633,20 @@ fn clear_failure_is_refused_while_the_write_back_still_fails() {
         .open(fs.mnt.join("ns1"))
         .unwrap();
     f.write_all_at(&[0x33; 1 << 20], 4 << 20).unwrap();
+    let state = t.dir().join("rpma-target.state");
+    let remembered = std::fs::read(&state).unwrap();
+    assert!(
+        String::from_utf8_lossy(&remembered).contains("\"nsid\":1"),
+        "the state file lists the failure"
+    );
     let (c, all) = clear_failure(&t, 1);
     assert_eq!(c, Some(1), "cleared while the write-back fails: {all}");
     assert!(all.contains("failed again"), "{all}");
     assert!(failed_of(&t, 1).is_string(), "{}", ns_status(&t, 1));
+    assert!(
+        std::fs::read(&state).unwrap() == remembered,
+        "the refused clear rewrote the state file"
+    );
     fs.free();
     let (c, all) = clear_failure(&t, 1);
     assert_eq!(c, Some(0), "{all}");

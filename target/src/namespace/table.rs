@@ -315,9 +315,18 @@ impl NamespaceTable {
                 );
             }
         }
+        // Failed again already (the usual way: that write-back): refused before the mark or
+        // the state file is touched, so both keep the failure as it was first met.
+        if let Some(again) = fresh.failure() {
+            return Err(NamespaceError::FailedAgain {
+                subsystem: key.0.clone(),
+                nsid: key.1,
+                failure: again,
+            });
+        }
         // The file's own mark goes first: one that stays would make the next start fail it
-        // again (safe, but not what the operator asked). Failed again, it stays.
-        if let (None, Some(fd)) = (fresh.failure(), fresh.mapping.backing_fd()) {
+        // again (safe, but not what the operator asked).
+        if let Some(fd) = fresh.mapping.backing_fd() {
             super::mark::remove(fd).map_err(|source| NamespaceError::Mark {
                 subsystem: key.0.clone(),
                 nsid: key.1,
@@ -332,9 +341,9 @@ impl NamespaceTable {
                 source,
             })?;
         }
-        // Failed again meanwhile (its hook wrote that to the state file, perhaps before the
-        // clear above took it out): the clear is void, the state file says so again, and the
-        // old opening stays.
+        // Failed again since the check above (its hook wrote that to the state file, perhaps
+        // before the clear above took it out): the clear is void, the file and the state file
+        // say so again, and the old opening stays.
         if let Some(again) = fresh.failure() {
             if let Some(fd) = fresh.mapping.backing_fd() {
                 super::mark::mark_file(fd, key.0.as_str(), key.1, &again);
