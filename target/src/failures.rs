@@ -18,6 +18,10 @@
 //! the valid slot with the highest `seq` wins. A file whose slots are both damaged is refused
 //! (the daemon does not start): nobody could tell which namespaces had failed.
 //!
+//! The list in memory is what the daemon goes by: a failure is listed there before it is
+//! written, and a write that fails uses up its `seq` and leaves the list to the next write
+//! (the next failure, or a reload, which records every failed namespace again).
+//!
 //! It is created mode 0600, and one that group or others may write is refused (the daemon does
 //! not start; `chmod 600` it), as key files with such bits are: whoever can write it can make
 //! the next start forget a failure (a copy with a higher `seq` and an empty list).
@@ -195,7 +199,24 @@ struct Inner {
     seq: u64,
     /// The slot holding the newest copy.
     slot: usize,
+    /// Every failure remembered, whether or not its write succeeded: what the daemon goes by,
+    /// and what every write takes whole.
     failed: Vec<Failed>,
+    /// A write failed since the last that succeeded: the file may lack some of `failed`.
+    dirty: bool,
+    /// Tests: how the next write of a slot fails.
+    #[cfg(test)]
+    fail_next: Option<FailAt>,
+}
+
+/// Tests: where a write of a slot fails.
+#[cfg(test)]
+#[derive(Debug, Clone, Copy)]
+enum FailAt {
+    /// Before anything is written (ENOSPC, say).
+    Write,
+    /// In the sync: the copy is in the page cache, and a restart would read it.
+    Sync,
 }
 
 /// The failed namespaces and the file that remembers them. Shared by the namespaces (each
@@ -403,6 +424,9 @@ impl FailureLedger {
                 seq,
                 slot,
                 failed: c.failed,
+                dirty: false,
+                #[cfg(test)]
+                fail_next: None,
             }),
         })
     }
@@ -434,11 +458,14 @@ impl FailureLedger {
 
     /// Remembers that the namespace backed by `path` failed with `failure` (kept as it is if
     /// the file is remembered already: the first failure and its time stand). Written to the
-    /// file before this returns.
+    /// file before this returns (the whole list, with any failure an earlier write could not
+    /// write).
     ///
     /// # Errors
     /// [`LedgerError::Io`], [`LedgerError::TooLarge`]: the failure is then not remembered
-    /// across a restart (it still holds in memory).
+    /// across a restart yet; it is listed here all the same ([`get`](Self::get)), and the next
+    /// write of the file takes it (another record, even of a failure already listed, as a
+    /// reload reopening the failed namespace makes).
     pub fn record(
         &self,
         subsystem: &str,
@@ -464,8 +491,11 @@ impl FailureLedger {
     ) -> Result<Failed> {
         let key = key_of(path);
         let mut g = self.lock();
-        if let Some(f) = g.failed.iter().find(|f| f.is_of(&key, id)) {
-            return Ok(f.clone());
+        if let Some(f) = g.failed.iter().find(|f| f.is_of(&key, id)).cloned() {
+            if g.dirty {
+                self.write_listed(&mut g)?;
+            }
+            return Ok(f);
         }
         let entry = Failed {
             path: key,
@@ -477,9 +507,11 @@ impl FailureLedger {
             since_unix_ms: now_ms(),
             file: id,
         };
-        let mut next = g.failed.clone();
-        next.push(entry.clone());
-        self.write(&mut g, next)?;
+        // Listed before it is written: a write that fails leaves it to the next write, which
+        // takes the whole list (written after, it was gone once a later failure's write
+        // succeeded).
+        g.failed.push(entry.clone());
+        self.write_listed(&mut g)?;
         Ok(entry)
     }
 
@@ -496,14 +528,41 @@ impl FailureLedger {
         };
         let mut next = g.failed.clone();
         let gone = next.remove(at);
-        self.write(&mut g, next)?;
+        if let Err(e) = self.write(&mut g, &next) {
+            // The copy that failed (the newest, without the failure) may be in the page cache,
+            // which a restart reads: the list as it stands goes over it, with a higher seq.
+            let _ = self.write_listed(&mut g);
+            return Err(e);
+        }
+        g.failed = next;
         Ok(Some(gone))
     }
 
+    /// Tests: the next write of the file fails before anything is written.
+    #[cfg(test)]
+    pub(crate) fn fail_next_write(&self) {
+        self.lock().fail_next = Some(FailAt::Write);
+    }
+
+    /// Writes the list as it stands ([`write`](Self::write)).
+    fn write_listed(&self, g: &mut Inner) -> Result<()> {
+        let failed = std::mem::take(&mut g.failed);
+        let written = self.write(g, &failed);
+        g.failed = failed;
+        written
+    }
+
     /// Writes `failed` into the slot not holding the newest copy, then makes it the newest.
-    fn write(&self, g: &mut Inner, failed: Vec<Failed>) -> Result<()> {
-        let c = Contents { failed };
-        let body = serde_json::to_vec(&c).expect("the ledger serializes");
+    /// A write that fails uses up its seq (its copy may be in the page cache, or reach the
+    /// media, and must never outrank a later one) and leaves the ledger dirty: the next
+    /// record writes the list again even if it adds nothing.
+    fn write(&self, g: &mut Inner, failed: &[Failed]) -> Result<()> {
+        #[derive(Serialize)]
+        struct Borrowed<'a> {
+            failed: &'a [Failed],
+        }
+        g.dirty = true;
+        let body = serde_json::to_vec(&Borrowed { failed }).expect("the ledger serializes");
         let seq = g.seq + 1;
         let head = format!(
             "{MAGIC} seq={seq} len={} crc32c={:08x}\n",
@@ -520,6 +579,8 @@ impl FailureLedger {
             });
         }
         slot.resize(SLOT, 0);
+        // Never the slot of the newest copy that is known durable: a failed write leaves that
+        // one for a restart, and the next write goes over the failed one's.
         let to = 1 - g.slot;
         let io = |op| {
             move |source| LedgerError::Io {
@@ -528,13 +589,23 @@ impl FailureLedger {
                 source,
             }
         };
+        g.seq = seq;
+        #[cfg(test)]
+        let fail = g.fail_next.take();
+        #[cfg(test)]
+        if matches!(fail, Some(FailAt::Write)) {
+            return Err(io("write")(std::io::Error::from_raw_os_error(libc::EIO)));
+        }
         g.file
             .write_all_at(&slot, (to * SLOT) as u64)
             .map_err(io("write"))?;
+        #[cfg(test)]
+        if matches!(fail, Some(FailAt::Sync)) {
+            return Err(io("sync")(std::io::Error::from_raw_os_error(libc::EIO)));
+        }
         g.file.sync_data().map_err(io("sync"))?;
-        g.seq = seq;
         g.slot = to;
-        g.failed = c.failed;
+        g.dirty = false;
         Ok(())
     }
 }
@@ -650,6 +721,53 @@ mod tests {
         let f: Failed = serde_json::from_str(old).unwrap();
         assert_eq!(f.file, None);
         assert!(f.is_of(Path::new("/x"), None) && !f.is_of(Path::new("/y"), Some((1, 2))));
+    }
+
+    /// A failure whose write failed is still listed once a later one's write succeeds: that
+    /// write takes the whole list as the daemon holds it. (It wrote the list the file held, and
+    /// the first failure was gone at the next start.)
+    #[test]
+    fn a_failure_whose_write_failed_is_written_with_the_next() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let (a, b) = (d.path().join("a"), d.path().join("b"));
+        let l = FailureLedger::open(&state).unwrap();
+        l.lock().fail_next = Some(FailAt::Write);
+        let e = l
+            .record("nqn.2026-11.io.rpma:t", 1, &a, &enospc())
+            .unwrap_err();
+        assert!(matches!(e, LedgerError::Io { op: "write", .. }), "{e}");
+        assert!(l.get(&a).is_some(), "held in memory");
+        l.record("nqn.2026-11.io.rpma:t", 2, &b, &enospc()).unwrap();
+        drop(l);
+        let l = FailureLedger::open(&state).unwrap();
+        assert!(l.get(&a).is_some() && l.get(&b).is_some(), "{:?}", l.all());
+    }
+
+    /// A clear whose sync failed left its copy (without the failure, and the newest) in the
+    /// page cache: the list as it stands is written over it, so a restart still lists the
+    /// failure; and every write after a failed one carries a higher seq than the copy that
+    /// failed. (A restart read the failed clear's copy and forgot the failure.)
+    #[test]
+    fn a_clear_whose_sync_failed_leaves_the_failure_listed() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let a = d.path().join("a");
+        let l = FailureLedger::open(&state).unwrap();
+        l.record("nqn.2026-11.io.rpma:t", 1, &a, &enospc()).unwrap();
+        let seq = l.lock().seq;
+        l.lock().fail_next = Some(FailAt::Sync);
+        let e = l.clear(&a).unwrap_err();
+        assert!(matches!(e, LedgerError::Io { op: "sync", .. }), "{e}");
+        assert!(l.get(&a).is_some(), "nothing is forgotten");
+        assert!(
+            l.lock().seq > seq + 1,
+            "the failed copy's seq is not used again"
+        );
+        drop(l);
+        // A restart (no reboot: the page cache is what it reads).
+        let l = FailureLedger::open(&state).unwrap();
+        assert!(l.get(&a).is_some(), "{:?}", l.all());
     }
 
     #[test]

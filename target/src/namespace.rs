@@ -491,25 +491,26 @@ impl OpenNamespace {
         if let Some(fd) = self.mapping.backing_fd() {
             mark::mark_file(fd, self.subsystem.as_str(), self.config.nsid, &f);
         }
-        let entry = match (remembered, &self.ledger) {
-            (Some(e), _) => Some(e),
-            (None, Some(l)) => {
+        // Recorded even when remembered: nothing to do then, unless a write of the state file
+        // failed since, which this writes again (a reload reopens every failed namespace).
+        let entry = match &self.ledger {
+            Some(l) => {
                 let id = self.file_id().or_else(|| failures::file_id_of(&self.key));
                 match l.record_file(self.subsystem.as_str(), self.config.nsid, &self.key, id, &f) {
                     Ok(e) => Some(e),
                     Err(e) => {
                         log::error!(
-                        "subsystem {} namespace {}: the failure could not be remembered: {}; a \
-                         restart would forget it",
-                        self.subsystem,
-                        self.config.nsid,
-                        rpma_common::error_chain(&e)
-                    );
-                        None
+                            "subsystem {} namespace {}: the failure could not be remembered: \
+                             {}; a restart would forget it",
+                            self.subsystem,
+                            self.config.nsid,
+                            rpma_common::error_chain(&e)
+                        );
+                        remembered
                     }
                 }
             }
-            (None, None) => None,
+            None => remembered,
         };
         let since = entry.map_or_else(String::new, |e| format!(" since {}", e.since()));
         let cache = match dropped {

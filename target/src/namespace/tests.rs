@@ -572,3 +572,26 @@ fn a_failed_clear_leaves_the_file_failed_for_its_next_opening() {
     assert_eq!(ns2.failure(), Some(f), "the same file, failed");
     assert!(ns2.mapping.persist(0, 4096).is_err());
 }
+
+/// A failure the state file could not take is written by the next reload (which reopens the
+/// failed namespace), not only by the next failure. (It waited for another failure, and a
+/// restart before one forgot it.)
+#[test]
+fn a_reload_writes_a_failure_the_state_file_could_not_take() {
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let state = d.path().join("state");
+    let ledger = Arc::new(FailureLedger::open(&state).unwrap());
+    let mut table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+    ledger.fail_next_write();
+    let f = SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(libc::EIO));
+    table.get(&nqn, 1).unwrap().mapping.record_failure(f);
+    assert_eq!(crate::failures::peek(&state).unwrap(), Some(vec![]));
+    let mut diff = crate::reload::diff(&cfg, &cfg);
+    table.reopen_failed(&mut diff);
+    table.apply(&diff, &cfg).unwrap();
+    let listed = crate::failures::peek(&state).unwrap().unwrap();
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0].sync_failure(), f);
+}
