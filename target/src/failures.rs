@@ -14,7 +14,8 @@
 //! so recording a failure allocates no block of the filesystem (a full filesystem, the usual
 //! reason for a failed write-back, can still take it) and a crash in the middle of an update
 //! leaves the other slot intact. A slot is a text line
-//! `rpma-target state v1 seq=N len=L crc32c=XXXXXXXX`, then `L` bytes of JSON, then zeros;
+//! `rpma-target state v1 seq=N len=L crc32c=XXXXXXXX`, then `L` bytes of JSON, then zeros
+//! (a path is a JSON string, or the array of its bytes where it is not UTF-8);
 //! the valid slot with the highest `seq` wins. A file whose slots are both damaged is refused
 //! (the daemon does not start): nobody could tell which namespaces had failed.
 //!
@@ -115,6 +116,7 @@ pub type Result<T> = std::result::Result<T, LedgerError>;
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Failed {
     /// The backing file (as configured when it failed, canonicalized).
+    #[serde(with = "path_text")]
     pub path: PathBuf,
     /// Its subsystem then.
     pub subsystem: String,
@@ -133,6 +135,38 @@ pub struct Failed {
     /// same failed namespace.
     #[serde(default)]
     pub file: Option<(u64, u64)>,
+}
+
+/// A path in the state file: a JSON string when it is UTF-8 (as in every state file written
+/// before), else its bytes as an array of numbers. Serde refuses a path that is not UTF-8 (the
+/// ledger panicked on one), and a JSON string cannot hold bytes that are not.
+mod path_text {
+    use std::ffi::OsString;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::{Path, PathBuf};
+
+    use serde::{Deserialize, Deserializer, Serializer};
+
+    pub fn serialize<S: Serializer>(path: &Path, s: S) -> Result<S::Ok, S::Error> {
+        match path.to_str() {
+            Some(text) => s.serialize_str(text),
+            None => s.collect_seq(path.as_os_str().as_bytes()),
+        }
+    }
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Repr {
+        Text(String),
+        Bytes(Vec<u8>),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        Ok(match Repr::deserialize(d)? {
+            Repr::Text(text) => PathBuf::from(text),
+            Repr::Bytes(bytes) => PathBuf::from(OsString::from_vec(bytes)),
+        })
+    }
 }
 
 impl Failed {
@@ -562,7 +596,11 @@ impl FailureLedger {
             failed: &'a [Failed],
         }
         g.dirty = true;
-        let body = serde_json::to_vec(&Borrowed { failed }).expect("the ledger serializes");
+        let body = serde_json::to_vec(&Borrowed { failed }).map_err(|e| LedgerError::Io {
+            path: self.path.clone(),
+            op: "serialize",
+            source: std::io::Error::other(e),
+        })?;
         let seq = g.seq + 1;
         let head = format!(
             "{MAGIC} seq={seq} len={} crc32c={:08x}\n",
@@ -768,6 +806,37 @@ mod tests {
         // A restart (no reboot: the page cache is what it reads).
         let l = FailureLedger::open(&state).unwrap();
         assert!(l.get(&a).is_some(), "{:?}", l.all());
+    }
+
+    /// A namespace path that is not UTF-8 is recorded and read back as it is, and a state file
+    /// written before such paths were kept (every path a JSON string) still reads. (Recording
+    /// one panicked: serde refuses a path that is not UTF-8, in a poll loop's failure hook, and
+    /// at start-up the daemon could not start.)
+    #[test]
+    fn a_path_that_is_not_utf8_is_remembered() {
+        use std::os::unix::ffi::OsStrExt;
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        let ns = d.path().join(std::ffi::OsStr::from_bytes(b"ns-\xff\xfe"));
+        std::fs::write(&ns, b"x").unwrap();
+        let l = FailureLedger::open(&state).unwrap();
+        let f = l
+            .record("nqn.2026-11.io.rpma:t", 1, &ns, &enospc())
+            .unwrap();
+        assert_eq!(f.path, key_of(&ns));
+        drop(l);
+        let l = FailureLedger::open(&state).unwrap();
+        assert_eq!(l.get(&ns), Some(f.clone()));
+        assert_eq!(peek(&state).unwrap(), Some(vec![f]));
+        let old = r#"{"failed":[{"path":"/x/\u00e9","subsystem":"s","nsid":1,"op":"msync",
+            "errno":5,"failure":"msync failed","since_unix_ms":1,"file":[1,2]}]}"#;
+        let c: Contents = serde_json::from_str(old).unwrap();
+        assert_eq!(c.failed[0].path, Path::new("/x/\u{e9}"));
+        assert_eq!(
+            serde_json::to_string(&c).unwrap(),
+            old.replace("\n            ", "")
+                .replace("\\u00e9", "\u{e9}")
+        );
     }
 
     #[test]
