@@ -17,7 +17,10 @@
 //! `rpma-target state v1 seq=N len=L crc32c=XXXXXXXX`, then `L` bytes of JSON, then zeros
 //! (a path is a JSON string, or the array of its bytes where it is not UTF-8);
 //! the valid slot with the highest `seq` wins. A file whose slots are both damaged is refused
-//! (the daemon does not start): nobody could tell which namespaces had failed.
+//! (the daemon does not start): nobody could tell which namespaces had failed. So is one that
+//! holds no copy at all but the two slots of zeros an earlier version left until a namespace
+//! first failed (empty, or cut short): the daemon writes a first copy (seq 1, nothing failed)
+//! into the file it creates, and into such an earlier one.
 //!
 //! The list in memory is what the daemon goes by: a failure is listed there before it is
 //! written, and a write that fails uses up its `seq` and leaves the list to the next write
@@ -62,7 +65,7 @@ pub enum LedgerError {
         #[source]
         source: std::io::Error,
     },
-    /// Neither slot holds a valid copy.
+    /// Neither slot holds a valid copy, or the file holds none at all (empty, cut short).
     #[error(
         "state file {}: damaged ({why}); it says which namespaces failed, so the daemon will \
          not guess: restore it, or remove it once you have checked every namespace's data",
@@ -338,6 +341,19 @@ fn newest(path: &Path, buf: &[u8]) -> Result<Option<(u64, usize, Contents)>> {
             why: damaged.join("; "),
         });
     }
+    // No copy, and not the two slots of zeros an earlier version allocated and left until a
+    // namespace first failed: emptied or cut short (the daemon writes a first copy into the
+    // file it creates), so nobody can say that nothing failed.
+    if best.is_none() && buf.len() != 2 * SLOT {
+        let what = match buf.len() {
+            0 => "empty".to_owned(),
+            n => format!("{n} bytes of zeros, not {}", 2 * SLOT),
+        };
+        return Err(LedgerError::Damaged {
+            path: path.to_owned(),
+            why: format!("{what}: it holds no copy, and one the daemon made always does"),
+        });
+    }
     Ok(best)
 }
 
@@ -386,8 +402,8 @@ pub fn peek(path: &Path) -> Result<Option<Vec<Failed>>> {
 }
 
 impl FailureLedger {
-    /// Opens the state file at `path`, creating it (and allocating both slots) if missing, and
-    /// reads what it remembers, holding its lock until dropped. Fails if the file cannot be
+    /// Opens the state file at `path`, creating it (allocating both slots, with a first copy:
+    /// nothing failed) if missing, and reads what it remembers, holding its lock until dropped. Fails if the file cannot be
     /// written: a daemon that could not remember a failure must not start. Created mode 0600;
     /// one that group or others may write is refused.
     ///
@@ -402,14 +418,20 @@ impl FailureLedger {
                 source,
             }
         };
-        let file = std::fs::OpenOptions::new()
-            .read(true)
-            .write(true)
-            .create(true)
-            .truncate(false)
-            .mode(0o600)
-            .open(path)
-            .map_err(io("open for writing"))?;
+        let options = || {
+            let mut o = std::fs::OpenOptions::new();
+            o.read(true).write(true).mode(0o600);
+            o
+        };
+        // Created here, or found: a file found that holds no copy was emptied or cut short
+        // (one created here gets its first copy below), unless an earlier version left it.
+        let (file, created) = match options().create_new(true).open(path) {
+            Ok(f) => (f, true),
+            Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+                (options().open(path).map_err(io("open for writing"))?, false)
+            }
+            Err(e) => return Err(io("open for writing")(e)),
+        };
         let meta = file.metadata().map_err(io("read"))?;
         if check_mode(path, &meta)? {
             let mode = meta.permissions().mode() & 0o7777;
@@ -436,7 +458,10 @@ impl FailureLedger {
         };
         let mut buf = Vec::new();
         file.read_to_end(&mut buf).map_err(io("read"))?;
-        let best = newest(path, &buf)?;
+        let best = match created {
+            true => None,
+            false => newest(path, &buf)?,
+        };
         // Allocated up front: an update then needs no new block.
         if buf.len() < 2 * SLOT {
             file.seek(SeekFrom::Start(buf.len() as u64))
@@ -450,8 +475,9 @@ impl FailureLedger {
                 let _ = d.sync_all();
             }
         }
+        let first = best.is_none();
         let (seq, slot, c) = best.unwrap_or((0, 1, Contents::default()));
-        Ok(FailureLedger {
+        let ledger = FailureLedger {
             path: path.to_owned(),
             inner: Mutex::new(Inner {
                 file,
@@ -462,7 +488,18 @@ impl FailureLedger {
                 #[cfg(test)]
                 fail_next: None,
             }),
-        })
+        };
+        if first {
+            if !created {
+                log::warn!(
+                    "state file {}: holds no copy yet (all zeros, as versions before this one                      left it until a namespace first failed): taken as no namespace having                      failed",
+                    path.display()
+                );
+            }
+            // From now on it always holds one: a file that holds none was emptied or cut short.
+            ledger.write_listed(&mut ledger.lock())?;
+        }
+        Ok(ledger)
     }
 
     /// The state file.
@@ -837,6 +874,48 @@ mod tests {
             old.replace("\n            ", "")
                 .replace("\\u00e9", "\u{e9}")
         );
+    }
+
+    /// A state file the daemon creates holds a copy (seq 1, nothing failed) from the start, so
+    /// that one emptied or cut short since is not taken for one that never had any.
+    #[test]
+    fn a_new_state_file_holds_a_copy_from_the_start() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        drop(FailureLedger::open(&state).unwrap());
+        let buf = std::fs::read(&state).unwrap();
+        assert_eq!(buf.len(), 2 * SLOT);
+        let head = format!("{MAGIC} seq=1 ");
+        assert!(buf.starts_with(head.as_bytes()), "{:?}", &buf[..40]);
+        assert_eq!(newest(&state, &buf).unwrap().map(|b| b.0), Some(1));
+        assert_eq!(peek(&state).unwrap(), Some(vec![]));
+    }
+
+    /// A state file that is empty, or zeros shorter than the two slots, holds no copy, and the
+    /// daemon's own always does: refused, naming the file, as one whose slots are both damaged
+    /// is. (Taken as "nothing failed".) One of the two slots' full size, all zeros, is what an
+    /// earlier version left until a namespace first failed: it reads as nothing failed, and
+    /// gets its first copy.
+    #[test]
+    fn an_empty_or_short_state_file_is_refused() {
+        let d = tempfile::tempdir().unwrap();
+        let state = d.path().join("state");
+        for (bytes, why) in [(0, "empty"), (4096, "4096 bytes of zeros")] {
+            std::fs::write(&state, vec![0u8; bytes]).unwrap();
+            let e = FailureLedger::open(&state).unwrap_err();
+            assert!(matches!(e, LedgerError::Damaged { .. }), "{e}");
+            let text = e.to_string();
+            assert!(text.contains(&*state.to_string_lossy()), "{text}");
+            assert!(text.contains(why), "{text}");
+            assert_eq!(peek(&state).unwrap_err().to_string(), text);
+            assert_eq!(std::fs::metadata(&state).unwrap().len(), bytes as u64);
+        }
+        // An earlier version's file.
+        std::fs::write(&state, vec![0u8; 2 * SLOT]).unwrap();
+        assert_eq!(peek(&state).unwrap(), Some(vec![]));
+        assert!(FailureLedger::open(&state).unwrap().all().is_empty());
+        let buf = std::fs::read(&state).unwrap();
+        assert_eq!(newest(&state, &buf).unwrap().map(|b| b.0), Some(1));
     }
 
     #[test]
