@@ -255,8 +255,9 @@ impl NamespaceTable {
     /// healthy, with its page cache dropped (hosts read what the media holds), forgets the
     /// failure in the state file, and swaps the new opening in. The caller closes the sessions
     /// that hold the old one (they reconnect and see a healthy descriptor). If anything fails
-    /// the table and the state file are left as they were (the file's failure mark may be
-    /// gone when the state file could not be written; the state file still lists the failure).
+    /// the table, the state file and the file's failure mark are left as they were (the mark,
+    /// removed before the state file is written, is put back if that fails; a mark that cannot
+    /// be put back is logged).
     ///
     /// # Errors
     /// [`NamespaceError::NotFound`], [`NamespaceError::NotFailed`], those of
@@ -335,11 +336,18 @@ impl NamespaceTable {
             })?;
         }
         if let Some(l) = &self.ledger {
-            l.clear(&old.key).map_err(|source| NamespaceError::Ledger {
-                subsystem: key.0.clone(),
-                nsid: key.1,
-                source,
-            })?;
+            if let Err(source) = l.clear(&old.key) {
+                // Nothing changes: the mark goes back (gone, a daemon started with another
+                // state file would find the file healthy).
+                if let Some(fd) = fresh.mapping.backing_fd() {
+                    super::mark::mark_file(fd, key.0.as_str(), key.1, &failure);
+                }
+                return Err(NamespaceError::Ledger {
+                    subsystem: key.0.clone(),
+                    nsid: key.1,
+                    source,
+                });
+            }
         }
         // Failed again since the check above (its hook wrote that to the state file, perhaps
         // before the clear above took it out): the clear is void, the file and the state file

@@ -595,3 +595,30 @@ fn a_reload_writes_a_failure_the_state_file_could_not_take() {
     assert_eq!(listed.len(), 1, "{listed:?}");
     assert_eq!(listed[0].sync_failure(), f);
 }
+
+/// A clear-failure whose state file could not be written leaves the file's mark as it was
+/// (removed before the state file is written, it is put back): the namespace stays failed in
+/// memory, in the state file and on its file. (The mark was gone, so a daemon started with
+/// another state file found the file healthy.)
+#[test]
+fn a_clear_the_state_file_refused_leaves_the_mark() {
+    use std::os::fd::AsFd;
+    let d = tempfile::tempdir().unwrap();
+    let cfg = cfg(d.path(), "");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let ledger = Arc::new(FailureLedger::open(&d.path().join("state")).unwrap());
+    let mut table = NamespaceTable::open_all_remembering(&cfg, Some(Arc::clone(&ledger))).unwrap();
+    let f = SyncFailure::new("fdatasync", &std::io::Error::from_raw_os_error(libc::EIO));
+    table.get(&nqn, 1).unwrap().mapping.record_failure(f);
+    let file = std::fs::File::open(d.path().join("n1")).unwrap();
+    if mark::get(file.as_fd()).unwrap().is_none() {
+        eprintln!("skipped: this filesystem has no user attributes");
+        return;
+    }
+    ledger.fail_next_write();
+    let e = table.clear_failure(&(nqn.clone(), 1), &cfg).unwrap_err();
+    assert!(matches!(e, NamespaceError::Ledger { nsid: 1, .. }), "{e:?}");
+    assert_eq!(mark::get(file.as_fd()).unwrap(), Some(f), "the mark");
+    assert_eq!(table.get(&nqn, 1).unwrap().failure(), Some(f));
+    assert!(ledger.get(&d.path().join("n1")).is_some());
+}
