@@ -255,6 +255,39 @@ pub enum Error {
         /// The target's status.
         status: proto::FlushStatus,
     },
+    /// [`Namespace::persist_own_writes`](crate::Namespace::persist_own_writes) cannot say
+    /// durable yet: a reconnect of this queue let go writes of it whose bytes newer writes of
+    /// other queues of the connection had taken, and those are not known placed on the target
+    /// since (a target that restarted keeps nothing unpersisted). The queues named were asked
+    /// to learn their placement (each sends a probe the next time its owner polls it): call
+    /// again once they did, or have them `place_writes` or persist their own writes first.
+    #[error(
+        "writes of this queue to namespace {nsid} were rewritten by newer writes of queues \
+         {queues:?} of the connection that are not known placed since this queue reconnected: \
+         not durable yet (those queues were asked to learn their placement; call again once \
+         they polled)"
+    )]
+    RewritesNotPlaced {
+        /// Namespace.
+        nsid: u32,
+        /// The queues ([`Queue::order_id`](crate::Queue::order_id)) whose writes wait.
+        queues: Vec<u64>,
+    },
+    /// [`Namespace::persist_own_writes`](crate::Namespace::persist_own_writes): a reconnect of
+    /// this queue let go writes of it whose bytes newer writes of other queues of the
+    /// connection had taken, and those newer writes were let go unpersisted (their queue gave
+    /// up or was dropped, or freed them after a visibility Read only): the bytes may hold
+    /// neither. Reported once; the queue's other writes are still covered by later calls.
+    #[error(
+        "writes of this queue to namespace {nsid} were rewritten by newer writes of another \
+         queue of the connection that were let go unpersisted: {ranges:x?} may hold neither"
+    )]
+    RewritesLost {
+        /// Namespace.
+        nsid: u32,
+        /// The byte ranges `[start, end)`, sorted.
+        ranges: Vec<(u64, u64)>,
+    },
     /// The connection was lost and could not be re-established within the reconnect policy:
     /// writes not yet acknowledged as durable may not be on the target.
     #[error("{lost}; then {attempts} reconnect attempt(s) over {elapsed:.1?} failed; writes not acknowledged as durable may be lost")]

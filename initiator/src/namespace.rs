@@ -383,9 +383,18 @@ impl<'q> Namespace<'q> {
     /// APM on a dax namespace and no method was forced, with one APM Read (the target then writes
     /// back only the lines those writes placed; a FLUSH would take one request per scattered
     /// range). Writes of other queues or hosts are not covered: use [`persist`](Self::persist).
+    /// A write of this queue that a reconnect let go because newer writes of other queues of
+    /// the [`Connection`](crate::Connection) took its bytes is covered through those bytes:
+    /// they are made durable here (with a FLUSH or GPSPM of them, never APM) once the newer
+    /// writes are known placed since the reconnect (docs/initiator.md, "Which writes a method
+    /// covers").
     ///
     /// # Errors
-    /// As [`persist_written`](Self::persist_written).
+    /// As [`persist_written`](Self::persist_written); [`Error::RewritesNotPlaced`] while such
+    /// newer writes are not known placed (call again once their queues polled),
+    /// [`Error::RewritesLost`] (once) when they were let go unpersisted, and
+    /// [`Error::ApmNotForRanges`] when such bytes are owed and APM is forced (or the only
+    /// method offered).
     pub fn persist_own_writes(&mut self) -> Result<Durability> {
         check_writable(&self.desc())?;
         self.q.held_choice(self.idx)?;

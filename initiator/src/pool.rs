@@ -219,8 +219,9 @@ fn in_flight(s: &Slot) -> bool {
 }
 
 impl Drop for Pool {
-    /// The queue is gone: its writes leave the replay order.
+    /// The queue is gone: its writes leave the replay order, let go unpersisted.
     fn drop(&mut self) {
+        self.lose_writes(None);
         if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
             for w in self.slots.iter().filter_map(Slot::write) {
                 m.release(w.ns, w.offset, w.len, w.seq);
@@ -364,6 +365,11 @@ impl Pool {
         if let Some(w) = n.filter(|w| o.map(WriteRec::key) != Some(w.key())) {
             self.order.push((w.seq, slot));
             self.compact();
+        }
+        if o.is_some() && n.is_none() && self.kinds[1] + self.kinds[2] == 0 {
+            if let Some(m) = &mut self.replay {
+                m.emptied();
+            }
         }
         if let Some(w) = s.write() {
             let newer = |p: &usize| {
@@ -639,8 +645,9 @@ impl Pool {
         (held, voided)
     }
 
-    /// Drops every held write (a queue that gave up).
+    /// Drops every held write (a queue that gave up): let go unpersisted.
     pub(crate) fn clear(&mut self) {
+        self.lose_writes(None);
         for i in 0..self.slots.len() {
             self.set(i, Slot::Free);
         }

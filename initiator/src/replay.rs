@@ -49,8 +49,15 @@
 //! the target expires the silent session, over newer writes of any queue (a replacement queue
 //! the NBD export opened at once, or another client's), so no Write of the connection is
 //! posted before then.
+//!
+//! A write a re-issue lets go because newer writes of other queues took its bytes is not
+//! durable: its queue's persist of its own writes makes those bytes durable once the newer
+//! writes are placed, or says they may be lost ([`heirs`]).
 
+mod heirs;
 mod hot;
+
+pub(crate) use heirs::Handed;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -90,6 +97,11 @@ struct Inner {
     wanted: Vec<u64>,
     /// Queues alive (members not dropped): only they can be asked.
     alive: Vec<u64>,
+    /// Per queue, the bytes it let go to newer writes at a reconnect ([`heirs`]).
+    heirs: HashMap<u64, heirs::Heir>,
+    /// Per queue, the post order of its newest write known placed by a request sent when the
+    /// clock read the second number ([`Member::placed_fresh`]): kept while a queue is an heir.
+    fresh: HashMap<u64, (u64, u64)>,
 }
 
 /// The shared map (one per [`Connection`](crate::Connection) and its clones).
@@ -106,6 +118,12 @@ pub(crate) struct ReplayOrder {
     /// No Write of the connection is posted before this many nanoseconds after [`epoch`]
     /// (0: none): [`ReplayOrder::fence_until`].
     fence: AtomicU64,
+    /// Orders reconnects, placements and losses ([`heirs`]).
+    clock: AtomicU64,
+    /// How many queues are in `Inner::heirs`: the others look without the lock.
+    heirs: AtomicUsize,
+    /// The clock when a write was last let go unpersisted ([`Member::lose`]).
+    last_loss: AtomicU64,
 }
 
 /// The origin of [`ReplayOrder::fence`]'s instants.
@@ -336,6 +354,11 @@ pub(crate) struct Member {
     /// Blind in the filter (kept out of the map, or its placement unknown) until a placement
     /// through this post order.
     blind_through: Option<u64>,
+    /// The clock when it last held nothing, or began a re-issue that then ended: a write let
+    /// go unpersisted before could not have taken bytes of what it holds ([`heirs`]).
+    settled: u64,
+    /// The clock when its re-issue under way began.
+    reissue_from: u64,
 }
 
 impl Drop for Member {
@@ -351,6 +374,8 @@ impl Drop for Member {
         inner.alive.retain(|&q| q != self.queue);
         self.order.unwant_locked(&mut inner, self.queue);
         inner.placed.remove(&self.queue);
+        inner.fresh.remove(&self.queue);
+        self.order.drop_heir(&mut inner.heirs, self.queue);
         if !self.entered {
             ReplayOrder::one_unentered_fewer(&mut inner, self.queue);
         }
@@ -369,6 +394,7 @@ impl Member {
         }
         order.hot.blind(true);
         order.members.fetch_add(1, Ordering::SeqCst);
+        let settled = order.now();
         let mut m = Member {
             queue,
             order,
@@ -376,6 +402,8 @@ impl Member {
             entered: false,
             counted: VecDeque::new(),
             blind_through: Some(u64::MAX),
+            settled,
+            reissue_from: settled,
         };
         m.keep_order(Vec::new);
         m
@@ -472,7 +500,11 @@ impl Member {
     /// Nothing of this queue is known placed any more (it reconnected: what it re-issues is
     /// on its way), until a placement through `last` (its newest post order now).
     pub(crate) fn unplace(&mut self, last: u64) {
-        self.order.lock().placed.remove(&self.queue);
+        {
+            let mut inner = self.order.lock();
+            inner.placed.remove(&self.queue);
+            inner.fresh.remove(&self.queue);
+        }
         for (_, nsid, s, e) in self.counted.drain(..) {
             self.order.hot.remove(nsid, s, e);
         }

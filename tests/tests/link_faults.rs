@@ -709,6 +709,125 @@ fn a_replay_never_writes_over_a_newer_write_of_another_queue() {
     assert!(file[at as usize..at as usize + 4 * BLOCK] == want[..]);
 }
 
+/// [`two_queues_through_a_relay`], a block written by A (placed) and rewritten whole by B
+/// (placed), neither durable, and A's link reset: A reconnects, and its re-issue lets its write
+/// go (B's bytes are the newest). Returns the block's offset and how many of its pages the
+/// page cache holds unsynced, or None where cachestat cannot tell (the test skips).
+fn a_write_rewritten_by_another_queue_before_a_reconnect(
+    t: &Target,
+    relay: &Relay,
+    a: &mut rpma_initiator::Queue,
+    b: &mut rpma_initiator::Queue,
+) -> Option<(u64, impl Fn() -> u64)> {
+    let file = t.dir().join("ns1");
+    if !rpma_tests::sees_unsynced_pages(&file) {
+        return None;
+    }
+    let at = COUNTERS;
+    let mut na = a.namespace(1).unwrap();
+    na.write_at(at, &[1; BLOCK]).unwrap();
+    na.place_writes().unwrap();
+    let mut nb = b.namespace(1).unwrap();
+    nb.write_at(at, &[2; BLOCK]).unwrap();
+    nb.place_writes().unwrap();
+    assert!(relay.inject_one(Fault::Reset, 0), "A's link");
+    while a.reconnects() == 0 {
+        a.tick().unwrap();
+    }
+    let unsynced = move || rpma_tests::unsynced_pages(&file, at, BLOCK as u64).unwrap();
+    assert!(unsynced() > 0, "nothing made the block durable yet");
+    Some((at, unsynced))
+}
+
+/// A write of queue A that a newer write of queue B (same connection) rewrote whole, neither
+/// durable when A's link was reset: A's re-issue lets it go, and A's `persist_own_writes`
+/// does not say durable until the block's bytes (B's) are. While B's write is not known placed
+/// since A reconnected (a target restart could have taken it) it fails, naming B, and asks B
+/// to learn its placement; once B polled, A's persist makes the block durable (cachestat sees
+/// no unsynced page). (It said durable at once, covering nothing: the block stayed unsynced.)
+#[test]
+fn persist_own_writes_covers_its_writes_another_queue_rewrote_before_a_reconnect() {
+    let d = scratch();
+    let (t, relay, mut a, mut b) = two_queues_through_a_relay(d.path());
+    let Some((at, unsynced)) =
+        a_write_rewritten_by_another_queue_before_a_reconnect(&t, &relay, &mut a, &mut b)
+    else {
+        return;
+    };
+    let first = a.namespace(1).unwrap().persist_own_writes();
+    if let Ok(d) = &first {
+        assert!(
+            !d.is_durable() || unsynced() == 0,
+            "A's persist said {d:?} with the block's pages unsynced"
+        );
+    }
+    assert!(
+        matches!(&first, Err(Error::RewritesNotPlaced { nsid: 1, queues }) if *queues == [b.order_id()]),
+        "{first:?}"
+    );
+    assert!(unsynced() > 0);
+    // B sends a probe at its next poll (asked), and learns its write placed from the echo.
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let durable = loop {
+        b.tick().unwrap();
+        match a.namespace(1).unwrap().persist_own_writes() {
+            Ok(d) => break d,
+            Err(Error::RewritesNotPlaced { .. }) if Instant::now() < deadline => {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+            Err(e) => panic!("A's persist after B polled: {e}"),
+        }
+    };
+    assert!(durable.is_durable(), "{durable:?}");
+    assert_eq!(
+        unsynced(),
+        0,
+        "A's persist said durable with the block's pages unsynced"
+    );
+    let mut got = vec![0u8; BLOCK];
+    a.namespace(1).unwrap().read_at(at, &mut got).unwrap();
+    assert!(got == [2; BLOCK], "the block is not B's newer write");
+    // B's write is still B's to persist; A owes nothing more.
+    assert!(b
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+    assert!(a
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+}
+
+/// The same, but B is dropped with its newer write held (never durable) before A's persist:
+/// the block may hold neither write, and A's persist says so once (`RewritesLost`) instead of
+/// durable; its next persist covers what it still holds. (It said durable.)
+#[test]
+fn persist_own_writes_reports_its_writes_lost_with_the_newer_write_that_took_them() {
+    let d = scratch();
+    let (t, relay, mut a, mut b) = two_queues_through_a_relay(d.path());
+    let Some((at, _)) =
+        a_write_rewritten_by_another_queue_before_a_reconnect(&t, &relay, &mut a, &mut b)
+    else {
+        return;
+    };
+    drop(b);
+    let first = a.namespace(1).unwrap().persist_own_writes();
+    assert!(
+        matches!(&first, Err(Error::RewritesLost { nsid: 1, ranges }) if *ranges == [(at, at + BLOCK as u64)]),
+        "{first:?}"
+    );
+    assert!(a
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable());
+}
+
 /// A Write completes when the transport took it (on `tcp`, as in iWARP): one queue's write
 /// may still be on its way when another queue of the connection writes the same bytes, and
 /// land after it. Either queue finds it in `unplaced_writers` (only where it wrote); once the

@@ -401,6 +401,43 @@ fn a_reconnecting_queue_does_not_replay_a_block_another_connection_rewrote() {
     assert!(b.read(0, 8192).unwrap() == want);
 }
 
+/// The same, but B's rewrite is a plain WRITE (held, not durable) when A's link is reset: A's
+/// queue lets that block go, and its persist owes it (the block's bytes are B's, placed by B's
+/// queue before A reconnected, which a restarted target would not have kept). A FLUSH on A
+/// persists A's queue first: it has B's queue place its writes, makes the block durable, and
+/// answers 0 with no page of the two blocks unsynced (the library's "not placed since the
+/// reconnect" is handled there, not answered EIO).
+#[test]
+fn a_flush_after_a_reconnect_covers_a_block_another_connection_rewrote_unflushed() {
+    let (_d, _shm, t) = start("replayflush");
+    let file = t.dir().join("ns1");
+    let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
+    let e = Export::start_via(&t, &relay.url(), 1, "replayflush", &[]);
+    let (old, new) = (pattern(1, 8192), pattern(2, 4096));
+    let mut want = old.clone();
+    want[4096..].copy_from_slice(&new);
+    let mut a = Raw::connect(&e.sock);
+    assert_eq!(a.write(0, 0, &old), 0);
+    wait_placed(&file, 0, &old);
+    let mut b = Raw::connect(&e.sock);
+    assert_eq!(b.write(0, 4096, &new), 0);
+    wait_placed(&file, 0, &want);
+    assert_eq!(relay.live(), 2, "{}", e.log());
+    assert!(relay.inject_one(rpma_tests::Fault::Reset, 0));
+    assert!(a.read(0, 8192).unwrap() == want, "A's read: {}", e.log());
+    assert!(e.log().contains("reconnected"), "{}", e.log());
+    assert_eq!(a.flush(), 0, "{}", e.log());
+    let page_cache = rpma_tests::Transport::current().file_domain()
+        == rpma_common::proto::PersistenceDomain::PageCache;
+    if let Some(n) = page_cache
+        .then(|| rpma_tests::unsynced_pages(&file, 0, 8192))
+        .flatten()
+    {
+        assert_eq!(n, 0, "FLUSH answered with pages unsynced");
+    }
+    assert!(b.read(0, 8192).unwrap() == want);
+}
+
 /// Whether `s` has bytes to read now.
 fn readable(s: &std::os::unix::net::UnixStream) -> bool {
     use nix::poll::{poll, PollFd, PollFlags};

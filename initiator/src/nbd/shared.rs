@@ -501,6 +501,9 @@ impl Shared {
     /// the caller holds none. Ok(false) when the namespace is volatile (visible only): unless
     /// visible_ok, those writes stay pending, so that no later FLUSH claims them.
     ///
+    /// A queue that reconnected may owe bytes newer writes of other queues hold
+    /// ([`Error::RewritesNotPlaced`]): those queues place their writes, and it persists again.
+    ///
     /// A cell is marked clean only once its writes are durable, under its lock: a FLUSH of
     /// another connection meanwhile finds it still dirty and waits for the lock, and so
     /// answers after this one's persist, never before it (a flag cleared before the persist
@@ -517,9 +520,21 @@ impl Shared {
             if !cell.is_dirty() {
                 continue;
             }
-            let r = self
-                .with_ns(&cell, &mut g, |ns| ns.persist_own_writes())
-                .map(|d| matches!(d, Durability::Durable(_)));
+            let mut r = self.with_ns(&cell, &mut g, |ns| ns.persist_own_writes());
+            // Its queue reconnected and let writes go whose bytes newer writes of other
+            // connections' queues hold: durable once those are placed (their cells taken one
+            // at a time, this one let go first).
+            if let Err(Error::RewritesNotPlaced { queues, .. }) = &r {
+                let queues = queues.clone();
+                drop(g);
+                self.place_writes_of(&queues, &cell);
+                g = self.lock(&cell);
+                if !cell.is_dirty() {
+                    continue;
+                }
+                r = self.with_ns(&cell, &mut g, |ns| ns.persist_own_writes());
+            }
+            let r = r.map(|d| matches!(d, Durability::Durable(_)));
             match r {
                 Ok(true) => cell.mark_clean(),
                 Ok(false) if self.opts.visible_ok => cell.mark_clean(),

@@ -1,8 +1,8 @@
 //! A pool's membership in the replay order of its connection's queues ([`crate::replay`]):
 //! which bytes its held writes may still replay, and which of its writes are known placed.
 
-use super::{carried, Pool, WriteRec};
-use crate::replay::Member;
+use super::{carried, Pool, Slot, WriteRec};
+use crate::replay::{Handed, Member};
 
 impl Pool {
     /// Joins the replay order of the connection's queues: from now on each new write takes the
@@ -82,6 +82,83 @@ impl Pool {
     pub(crate) fn placed_through(&mut self, seq: u64) {
         if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
             m.placed_through(seq);
+        }
+    }
+
+    /// This queue's writes up to post order `seq` are placed, told by a request sent when the
+    /// replay order's clock read `sent` ([`order_now`](Self::order_now)).
+    pub(crate) fn placed_fresh(&mut self, seq: u64, sent: u64) {
+        if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
+            m.placed_fresh(seq, sent);
+        }
+    }
+
+    /// The replay order's clock, for a request that will tell this queue's writes placed.
+    pub(crate) fn order_now(&self) -> u64 {
+        self.replay.as_ref().map_or(0, |m| m.order().now())
+    }
+
+    /// A re-issue of the held writes begins (on a new connection).
+    pub(crate) fn reissuing(&mut self) {
+        if let Some(m) = &mut self.replay {
+            m.reissuing();
+        }
+    }
+
+    /// The re-issue of every held write ended.
+    pub(crate) fn reissued(&mut self) {
+        if let Some(m) = &mut self.replay {
+            m.reissued();
+        }
+    }
+
+    /// The re-issue lets the held write `w` go, or writes only the `pieces` of it no newer
+    /// write took: the bytes newer writes took are this queue's to vouch for
+    /// ([`Member::hand_over`]). Call before its slot is freed.
+    pub(crate) fn hand_over(&mut self, w: &WriteRec, pieces: &[(u64, u64)]) {
+        let whole = pieces.iter().map(|(s, e)| e - s).sum::<u64>() == w.len as u64;
+        if whole {
+            return;
+        }
+        if let Some(m) = self.replay.as_mut().filter(|m| m.entered()) {
+            m.hand_over(w.ns, w.offset, w.len, w.seq);
+        }
+    }
+
+    /// What the persist of this queue's own writes of namespace `ns` owes for the bytes it
+    /// let go to newer writes ([`Handed`]).
+    pub(crate) fn handed(&self, ns: usize) -> Handed {
+        match self.replay.as_ref().filter(|m| m.entered()) {
+            Some(m) => m.handed(ns),
+            None => Handed::Persist(Vec::new()),
+        }
+    }
+
+    /// A persist of this queue's own writes of namespace `ns` covered what it owed.
+    pub(crate) fn settle_handed(&mut self, ns: usize) {
+        if let Some(m) = &mut self.replay {
+            m.settle_handed(ns);
+        }
+    }
+
+    /// The loss of bytes this queue let go on namespace `ns` was reported.
+    pub(crate) fn lost_reported(&mut self, ns: usize) {
+        if let Some(m) = &mut self.replay {
+            m.lost_reported(ns);
+        }
+    }
+
+    /// The writes of namespace `ns` (every namespace: None) this queue carries are let go
+    /// unpersisted: the queues that let their bytes go to them lose them. Call before they
+    /// are released.
+    pub(crate) fn lose_writes(&mut self, ns: Option<usize>) {
+        let Some(m) = self.replay.as_ref().filter(|m| m.entered()) else {
+            return;
+        };
+        for w in self.slots.iter().filter_map(Slot::write) {
+            if ns.is_none_or(|n| n == w.ns) {
+                m.lose(w.ns, w.offset, w.len, w.seq);
+            }
         }
     }
 

@@ -14,6 +14,7 @@ use super::engine::{Engine, MakeRoom};
 use crate::checks::check_healthy;
 use crate::durability::{choose_method, Choice, MethodNotValid, PersistMethod};
 use crate::error::{Error, Result};
+use crate::replay::Handed;
 use crate::writebuf::Data;
 
 /// Requests that make ranges durable (FLUSH: one per range) posted at once, at most: the
@@ -232,6 +233,9 @@ impl Persister {
                 Ok(c) => c,
                 Err(_) => {
                     self.ns[idx].let_go.store(true, Ordering::SeqCst);
+                    // Not durable, and no longer held: a queue that let their bytes go to
+                    // them cannot count on them.
+                    e.lose_writes(idx);
                     Choice::VisibleOnly
                 }
             };
@@ -243,9 +247,19 @@ impl Persister {
     /// Makes durable every write this queue posted to namespace `idx` that is not durable yet
     /// (the ones it holds for a replay), with [`held_choice`](Self::held_choice).
     /// Writes it let go unpersisted to free their slots are covered too (the whole namespace:
-    /// which bytes they were is not kept).
+    /// which bytes they were is not kept), and so are the writes its re-issues let go because
+    /// newer writes of other queues took their bytes ([`handed`](Self::handed)).
+    ///
+    /// # Errors
+    /// As [`handed`](Self::handed); [`Error::ApmNotForRanges`] when it owes bytes of other
+    /// queues' writes and APM is forced or the only method; what the requests return.
     pub(super) fn persist_own(&self, e: &mut Engine, idx: usize) -> Result<crate::Durability> {
         let choice = self.held_choice(e, idx)?;
+        if choice == Choice::VisibleOnly {
+            // Nothing is durable here, nor owed.
+            e.settle_handed(idx);
+        }
+        let handed = self.handed(e, idx)?;
         let let_go = self.ns[idx].let_go.load(Ordering::SeqCst);
         let ranges = if let_go {
             smallvec::smallvec![(0, e.descriptor(idx).size)]
@@ -256,7 +270,43 @@ impl Persister {
         if let_go && d.is_durable() {
             self.ns[idx].let_go.store(false, Ordering::SeqCst);
         }
+        if !d.is_durable() {
+            return Ok(d);
+        }
+        if !handed.is_empty() {
+            // Bytes other queues wrote: a method that names the range (never APM).
+            let c = self.range_choice(e, idx)?;
+            let h = self.persist_ranges(e, idx, &handed, c)?;
+            if !h.is_durable() {
+                return Ok(h);
+            }
+        }
+        e.settle_handed(idx);
         Ok(d)
+    }
+
+    /// The bytes of namespace `idx` that this queue's re-issues let go to newer writes of
+    /// other queues and that its persist of its own writes must make durable itself: those
+    /// that newer writes still held hold, placed since this queue reconnected
+    /// ([`crate::replay`]'s heirs; often none).
+    ///
+    /// # Errors
+    /// [`Error::RewritesNotPlaced`] while a newer write is not known placed since (its queue
+    /// is asked to learn its placement: call again once it polled);
+    /// [`Error::RewritesLost`] when a newer write was let go unpersisted (reported once).
+    fn handed(&self, e: &mut Engine, idx: usize) -> Result<Vec<(u64, u64)>> {
+        let nsid = e.descriptor(idx).nsid;
+        match e.handed(idx) {
+            Handed::Persist(ranges) => Ok(ranges),
+            Handed::Unplaced(queues) => {
+                e.want_placed(&queues);
+                Err(Error::RewritesNotPlaced { nsid, queues })
+            }
+            Handed::Lost(ranges) => {
+                e.lost_reported(idx);
+                Err(Error::RewritesLost { nsid, ranges })
+            }
+        }
     }
 
     /// The method for this queue's own held writes of namespace `idx`: the namespace's, except

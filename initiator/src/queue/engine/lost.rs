@@ -12,6 +12,7 @@ use super::Engine;
 use crate::error::{Error, Result};
 use crate::pool::{Slot, WriteRec};
 use crate::queue::completion::{Completed, Ticket};
+use crate::replay::Handed;
 use crate::session::Session;
 use crate::writebuf::Hold;
 
@@ -108,13 +109,17 @@ impl Engine {
     /// connection wrote since ([`crate::replay`]). A write split in pieces completes once, with
     /// its last piece (the others are unsignaled; one queue pair completes in order). One with
     /// no piece left is not re-issued: its slot is free again, and a started Write the caller
-    /// waits to hear of completes now.
+    /// waits to hear of completes now. The bytes newer writes of other queues took are this
+    /// queue's to vouch for in its next persist of its own writes ([`Pool::hand_over`]).
     ///
     /// They go out [`REISSUE_BATCH`] Writes at a time, each batch once the one before it
     /// completed: a queue may hold far more writes than its send queue takes (the job runner's
     /// holds 64 MiB), and a post of all of them at once was refused. A refused post leaves the
     /// slots as they were, for the next attempt (never freed: those writes are not durable).
+    ///
+    /// [`Pool::hand_over`]: crate::pool::Pool::hand_over
     pub(in crate::queue) fn reissue(&mut self, held: &[(usize, WriteRec)]) -> Result<()> {
+        self.pool.reissuing();
         let mut batch: Vec<(usize, WriteRec, Vec<SendWr>)> = Vec::new();
         let mut wrs = 0;
         for &(slot, w) in held {
@@ -123,6 +128,7 @@ impl Engine {
                 continue;
             }
             let pieces = self.pool.replay_pieces(&w);
+            self.pool.hand_over(&w, &pieces);
             let Some((&(start, end), rest)) = pieces.split_last() else {
                 if w.notify {
                     self.started_done.push(Completed::Write(Ticket(w.seq)));
@@ -152,7 +158,36 @@ impl Engine {
             wrs += these.len();
             batch.push((slot, w, these));
         }
-        self.post_reissued(batch)
+        self.post_reissued(batch)?;
+        self.pool.reissued();
+        Ok(())
+    }
+
+    /// What the persist of this queue's own writes of namespace `ns` owes for the bytes its
+    /// re-issues let go to newer writes of other queues ([`Handed`]).
+    pub(in crate::queue) fn handed(&self, ns: usize) -> Handed {
+        self.pool.handed(ns)
+    }
+
+    /// A persist of this queue's own writes of namespace `ns` covered what it owed.
+    pub(in crate::queue) fn settle_handed(&mut self, ns: usize) {
+        self.pool.settle_handed(ns);
+    }
+
+    /// The loss of bytes this queue let go on namespace `ns` was reported.
+    pub(in crate::queue) fn lost_reported(&mut self, ns: usize) {
+        self.pool.lost_reported(ns);
+    }
+
+    /// The writes of namespace `ns` this queue carries are let go unpersisted (their slots
+    /// freed after a visibility Read only): call before they are released.
+    pub(in crate::queue) fn lose_writes(&mut self, ns: usize) {
+        self.pool.lose_writes(Some(ns));
+    }
+
+    /// Asks the queues `ids` of the connection to learn their placement soon.
+    pub(in crate::queue) fn want_placed(&self, ids: &[u64]) {
+        self.pool.want_placed(ids);
     }
 
     /// Posts `pieces` of the held write `w` in `slot` behind one doorbell once nothing is in

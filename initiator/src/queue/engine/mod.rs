@@ -121,9 +121,9 @@ pub(super) struct Engine {
     /// Started requests that completed, until the caller asks.
     started_done: Vec<Completed>,
     next_waited: u64,
-    /// The placement probe out ([`place`]): its KeepAlive seq and the post order it places
-    /// through.
-    probe: Option<(u64, u64)>,
+    /// The placement probe out ([`place`]): its KeepAlive seq, the post order it places
+    /// through, and the replay order's clock when it was sent.
+    probe: Option<(u64, u64, u64)>,
     /// The post order the last probe places through.
     probe_mark: u64,
     writes_posted: u64,

@@ -23,11 +23,12 @@ use crate::queue::completion::Ticket;
 const PROBE_EVERY: u64 = 16;
 
 impl Engine {
-    /// Sends a probe if one is due (the queue is in the replay order with writes not known
-    /// placed, none is out, no started request waits to be posted, and [`PROBE_EVERY`]
-    /// requests were posted since the last, or another queue's caller asked:
-    /// [`Pool::want_placed`](crate::pool::Pool)): call after posting and before waiting. A
-    /// queue that only reads sends none.
+    /// Sends a probe if one is due (none is out, no started request waits to be posted, and
+    /// another queue's caller asked, [`Pool::want_placed`](crate::pool::Pool), or the queue is
+    /// in the replay order with writes not known placed and [`PROBE_EVERY`] requests were
+    /// posted since the last): call after posting and before waiting. An ask is answered even
+    /// when every write is known placed: a queue that reconnected since may need it known
+    /// again ([`crate::replay`]'s heirs). A queue that only reads, unasked, sends none.
     pub(super) fn probe_if_due(&mut self) -> Result<()> {
         let seq = self.pool.last_seq();
         // Started requests held back by the read bound are not posted: a probe now would
@@ -37,23 +38,24 @@ impl Engine {
         }
         // Taken either way: nothing unplaced answers an ask, and so does this probe.
         let asked = self.pool.take_want();
-        if !self.pool.unplaced() || (seq < self.probe_mark + PROBE_EVERY && !asked) {
+        if !asked && (!self.pool.unplaced() || seq < self.probe_mark + PROBE_EVERY) {
             return Ok(());
         }
+        let sent = self.pool.order_now();
         let ka = self.session.as_mut().ok_or(Error::Broken)?.probe()?;
-        self.probe = Some((ka, seq));
+        self.probe = Some((ka, seq, sent));
         self.probe_mark = seq;
         Ok(())
     }
 
     /// After a poll: the probe out was echoed, so the writes it follows are placed.
     pub(super) fn probe_answered(&mut self) {
-        let Some((ka, seq)) = self.probe else {
+        let Some((ka, seq, sent)) = self.probe else {
             return;
         };
         if self.session.as_ref().is_some_and(|s| s.echoed() >= ka) {
             self.probe = None;
-            self.pool.placed_through(seq);
+            self.pool.placed_fresh(seq, sent);
         }
     }
 
@@ -80,11 +82,12 @@ impl Engine {
     /// `ns` posted behind them (started ones not posted yet go first), waited for.
     pub(in crate::queue) fn place_writes(&mut self, ns: usize) -> Result<()> {
         let seq = self.pool.last_seq();
+        let sent = self.pool.order_now();
         let wr = self.placement_read(ns);
         let id = wr.wr_id;
         self.post_one(wr)?;
         self.wait_for_request(ns, "placement read", id)?;
-        self.pool.placed_through(seq);
+        self.pool.placed_fresh(seq, sent);
         self.pool.take_want();
         Ok(())
     }

@@ -1,0 +1,474 @@
+//! What a queue's persist of its own writes still owes for the writes it let go at a
+//! reconnect because newer writes of other queues of the connection had taken their bytes
+//! (its re-issue writes only the pieces a write still owns: [`super`]).
+//!
+//! Such a write is not durable, and its queue no longer holds it: the bytes are the newer
+//! writes' now, and those are durable only once their own queues persist them, or on the
+//! target at all only once those queues placed them (a target restarted under the
+//! power-loss simulation, or a real one, kept nothing unpersisted). So the queue that let it
+//! go is their heir ([`Heir`]): it keeps those bytes, and its `persist_own_writes` says
+//! durable only once every one of them is ([`Member::handed`]):
+//! - bytes a newer write of another queue still holds are made durable by the heir itself
+//!   (a FLUSH or GPSPM of them), but only once that write is known placed through a request
+//!   its queue sent after the heir's last reconnect ([`Member::placed_fresh`]): a placement
+//!   learned before says nothing of a target that restarted since. Until then the persist
+//!   fails, naming those queues, and asks them to learn their placement;
+//! - bytes whose newer write was let go unpersisted (its queue gave up or was dropped while
+//!   holding it, or freed its slot after a visibility Read only: [`Member::lose`]) may hold
+//!   neither write: the persist fails with that, once. A loss before the heir let its write
+//!   go leaves no trace of its bytes in the map (a durable release leaves none either), so
+//!   there it counts every byte whose newer write is gone as lost if any write of the
+//!   connection was let go unpersisted since the heir last held nothing or re-issued
+//!   ([`Member::hand_over`]): a loss reported that a durable write would not have needed,
+//!   never a durable said over a lost one;
+//! - bytes whose newer write was made durable and released need nothing more (nor bytes this
+//!   queue wrote again: its own persist covers them).
+
+use std::collections::HashMap;
+use std::sync::atomic::Ordering;
+
+use super::{Inner, Member, ReplayOrder, Writer, TOMBSTONE};
+
+/// `[start, end)` pieces of namespace `nsid`.
+type Spans = Vec<(u32, u64, u64)>;
+
+/// The bytes a queue let go to newer writes of other queues ([`Member::hand_over`]).
+#[derive(Debug, Default)]
+pub(super) struct Heir {
+    /// The order's clock when the queue last re-issued ([`ReplayOrder::tick`]): a placement
+    /// of another queue vouches for its bytes only if learned from a request sent since.
+    since: u64,
+    /// The bytes it let go that newer writes of other queues held then.
+    ranges: Spans,
+    /// The parts of them whose newest write was let go unpersisted.
+    lost: Spans,
+}
+
+/// What the persist of a queue's own writes of a namespace owes for the bytes it let go
+/// ([`Member::handed`]).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Handed {
+    /// Also make these ranges durable (sorted, disjoint; often none): bytes newer writes of
+    /// other queues hold, known placed since this queue reconnected.
+    Persist(Vec<(u64, u64)>),
+    /// Newer writes of these queues (sorted, each once) are not known placed since this queue
+    /// reconnected.
+    Unplaced(Vec<u64>),
+    /// The newest writes of these ranges (sorted, disjoint) were let go unpersisted.
+    Lost(Vec<(u64, u64)>),
+}
+
+/// The spans of `nsid` in `spans`, sorted, overlapping and adjacent ones merged.
+fn merged(spans: &Spans, nsid: u32) -> Vec<(u64, u64)> {
+    let mut r: Vec<(u64, u64)> = spans
+        .iter()
+        .filter(|s| s.0 == nsid)
+        .map(|s| (s.1, s.2))
+        .collect();
+    r.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(r.len());
+    for (s, e) in r {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// `ranges` (of one namespace) without the bytes of `cut` (sorted, disjoint).
+fn without(ranges: &[(u64, u64)], cut: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(s, e) in ranges {
+        let mut at = s;
+        for &(cs, ce) in cut.iter().filter(|c| c.1 > s && c.0 < e) {
+            if cs > at {
+                out.push((at, cs));
+            }
+            at = at.max(ce);
+        }
+        if at < e {
+            out.push((at, e));
+        }
+    }
+    out
+}
+
+impl ReplayOrder {
+    /// The clock's reading, for a request about to be sent that will tell its queue's writes
+    /// placed ([`Member::placed_fresh`]).
+    pub(crate) fn now(&self) -> u64 {
+        self.clock.load(Ordering::SeqCst)
+    }
+
+    /// A new reading of the clock, after every reading [`now`](Self::now) gave so far.
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// The pieces of `[start, end)` of `nsid` that `owner` still owns are let go unpersisted:
+    /// every other queue that let those bytes go to them loses them, and a queue that lets
+    /// released bytes go later may have lost them ([`Member::hand_over`]).
+    fn mark_lost(&self, nsid: u32, start: u64, end: u64, owner: Writer) {
+        let mut inner = self.lock();
+        let Inner { pieces, heirs, .. } = &mut *inner;
+        let owned: Vec<(u64, u64)> = pieces
+            .range((nsid, start)..(nsid, end))
+            .filter(|(_, p)| p.owner == owner)
+            .map(|(&(_, s), p)| (s, p.end))
+            .collect();
+        if owned.is_empty() {
+            return;
+        }
+        self.last_loss.fetch_max(self.tick(), Ordering::SeqCst);
+        for (_, h) in heirs.iter_mut().filter(|(&q, _)| q != owner.queue) {
+            let mut lost = Vec::new();
+            for &(n, s, e) in h.ranges.iter().filter(|r| r.0 == nsid) {
+                for &(ps, pe) in &owned {
+                    let (lo, hi) = (s.max(ps), e.min(pe));
+                    if lo < hi {
+                        lost.push((n, lo, hi));
+                    }
+                }
+            }
+            h.lost.append(&mut lost);
+        }
+    }
+
+    /// Drops `queue`'s entry once it holds nothing.
+    fn drop_heir_if_empty(&self, heirs: &mut HashMap<u64, Heir>, queue: u64) {
+        if heirs
+            .get(&queue)
+            .is_some_and(|h| h.ranges.is_empty() && h.lost.is_empty())
+        {
+            self.drop_heir(heirs, queue);
+        }
+    }
+
+    /// Drops `queue`'s entry (it is gone, or holds nothing).
+    pub(super) fn drop_heir(&self, heirs: &mut HashMap<u64, Heir>, queue: u64) {
+        if heirs.remove(&queue).is_some() {
+            self.heirs.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+impl Member {
+    /// This queue re-issues its held writes on a new connection: placements other queues
+    /// learned before vouch for none of the bytes it let go ([`Heir::since`]).
+    pub(crate) fn reissuing(&mut self) {
+        self.reissue_from = self.order.now();
+        if self.order.heirs.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let since = self.order.tick();
+        if let Some(h) = self.order.lock().heirs.get_mut(&self.queue) {
+            h.since = since;
+        }
+    }
+
+    /// This queue re-issued (or let go) every write it held: the bytes of a write it still
+    /// holds were its own when the re-issue began, so only a write let go unpersisted since
+    /// could have been newer ([`hand_over`](Self::hand_over)).
+    pub(crate) fn reissued(&mut self) {
+        self.settled = self.settled.max(self.reissue_from);
+    }
+
+    /// This queue holds no write any more: every write it holds from now on is newer than
+    /// the writes let go unpersisted so far.
+    pub(crate) fn emptied(&mut self) {
+        self.settled = self.settled.max(self.order.now());
+    }
+
+    /// This queue's re-issue lets the held write of `len` bytes at `offset` of namespace
+    /// index `ns` (post order `seq`) go, or re-issues only part of it, because newer writes
+    /// took the rest (call before its slot is freed). Of those bytes, the ones a newer write
+    /// of another queue holds are this queue's to vouch for ([`handed`](Self::handed)); the
+    /// ones whose newer write is gone were made durable, or were let go unpersisted: lost,
+    /// if any write of the connection was let go unpersisted since this queue last held
+    /// nothing or re-issued (the map keeps no trace of how a write went).
+    pub(crate) fn hand_over(&mut self, ns: usize, offset: u64, len: usize, seq: u64) {
+        let Some((nsid, start, end, _)) = self.at(ns, offset, len, seq) else {
+            return;
+        };
+        let since = self.order.tick();
+        let mut inner = self.order.lock();
+        // Under the lock: a loss marks before its release, so a gap seen here is counted.
+        let may_be_lost = self.order.last_loss.load(Ordering::SeqCst) > self.settled;
+        let Inner { pieces, heirs, .. } = &mut *inner;
+        let before = pieces
+            .range((nsid, 0)..(nsid, start))
+            .next_back()
+            .filter(|(_, p)| p.end > start);
+        let inside = pieces.range((nsid, start)..(nsid, end));
+        let (mut held, mut gone) = (Vec::new(), Vec::new());
+        let mut at = start;
+        for (&(_, s), p) in before.into_iter().chain(inside) {
+            let (s, e) = (s.max(start), p.end.min(end));
+            if s > at {
+                gone.push((nsid, at, s));
+            }
+            at = at.max(e);
+            if p.owner == TOMBSTONE {
+                gone.push((nsid, s, e));
+            } else if p.owner.queue != self.queue {
+                held.push((nsid, s, e));
+            }
+        }
+        if at < end {
+            gone.push((nsid, at, end));
+        }
+        if !may_be_lost {
+            gone.clear();
+        }
+        if held.is_empty() && gone.is_empty() {
+            return;
+        }
+        let h = heirs.entry(self.queue).or_insert_with(|| {
+            self.order.heirs.fetch_add(1, Ordering::SeqCst);
+            Heir::default()
+        });
+        h.since = h.since.max(since);
+        h.ranges.append(&mut held);
+        h.lost.append(&mut gone);
+    }
+
+    /// What this queue's persist of its own writes of namespace index `ns` owes for the bytes
+    /// it let go to newer writes ([`Handed`]; the module's doc).
+    pub(crate) fn handed(&self, ns: usize) -> Handed {
+        let nothing = Handed::Persist(Vec::new());
+        let Some(&nsid) = self.nsids.get(ns) else {
+            return nothing;
+        };
+        if self.order.heirs.load(Ordering::SeqCst) == 0 {
+            return nothing;
+        }
+        let inner = self.order.lock();
+        let Some(h) = inner.heirs.get(&self.queue) else {
+            return nothing;
+        };
+        let lost = merged(&h.lost, nsid);
+        if !lost.is_empty() {
+            return Handed::Lost(lost);
+        }
+        let mut unplaced = Vec::new();
+        let mut persist = Vec::new();
+        for (s, e) in merged(&h.ranges, nsid) {
+            let before = inner
+                .pieces
+                .range((nsid, 0)..(nsid, s))
+                .next_back()
+                .filter(|(_, p)| p.end > s);
+            let inside = inner.pieces.range((nsid, s)..(nsid, e));
+            for (&(_, ps), p) in before.into_iter().chain(inside) {
+                let w = p.owner;
+                // Released since (durable: a loss is marked) or this queue's own: nothing to
+                // do.
+                if w == TOMBSTONE || w.queue == self.queue {
+                    continue;
+                }
+                let placed = inner
+                    .fresh
+                    .get(&w.queue)
+                    .is_some_and(|&(seq, sent)| seq >= w.seq && sent >= h.since);
+                if placed {
+                    persist.push((nsid, ps.max(s), p.end.min(e)));
+                } else {
+                    unplaced.push(w.queue);
+                }
+            }
+        }
+        if !unplaced.is_empty() {
+            unplaced.sort_unstable();
+            unplaced.dedup();
+            return Handed::Unplaced(unplaced);
+        }
+        Handed::Persist(merged(&persist, nsid))
+    }
+
+    /// A persist of this queue's own writes of namespace index `ns` covered everything
+    /// [`handed`](Self::handed) named: the bytes it let go there need nothing more. (A loss
+    /// marked meanwhile is of a write found placed, whose bytes that persist covered.)
+    pub(crate) fn settle_handed(&mut self, ns: usize) {
+        self.forget_handed(ns, |_, _| Vec::new());
+    }
+
+    /// The loss [`handed`](Self::handed) found on namespace index `ns` was reported: those
+    /// bytes are forgotten, the others still owed.
+    pub(crate) fn lost_reported(&mut self, ns: usize) {
+        self.forget_handed(ns, without);
+    }
+
+    /// Replaces this queue's ranges of namespace index `ns` by what `keep` makes of them and
+    /// their losses, and forgets those losses.
+    fn forget_handed(
+        &mut self,
+        ns: usize,
+        keep: impl FnOnce(&[(u64, u64)], &[(u64, u64)]) -> Vec<(u64, u64)>,
+    ) {
+        let Some(&nsid) = self.nsids.get(ns) else {
+            return;
+        };
+        if self.order.heirs.load(Ordering::SeqCst) == 0 {
+            return;
+        }
+        let mut inner = self.order.lock();
+        let Some(h) = inner.heirs.get_mut(&self.queue) else {
+            return;
+        };
+        let kept = keep(&merged(&h.ranges, nsid), &merged(&h.lost, nsid));
+        h.ranges.retain(|r| r.0 != nsid);
+        h.lost.retain(|r| r.0 != nsid);
+        h.ranges.extend(kept.into_iter().map(|(s, e)| (nsid, s, e)));
+        self.order.drop_heir_if_empty(&mut inner.heirs, self.queue);
+    }
+
+    /// A write of this queue is let go unpersisted (the queue gave up or goes, or it freed
+    /// the slot after a visibility Read only): the queues that let its bytes go to it lose
+    /// them. Call before it is released (the queue entered).
+    pub(crate) fn lose(&self, ns: usize, offset: u64, len: usize, seq: u64) {
+        if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
+            self.order.mark_lost(nsid, s, e, w);
+        }
+    }
+
+    /// Every write of this queue up to post order `seq` is placed, told by a request sent
+    /// when the order's clock read `sent` ([`ReplayOrder::now`]): it vouches for them to the
+    /// queues that reconnected before ([`handed`](Self::handed)).
+    pub(crate) fn placed_fresh(&mut self, seq: u64, sent: u64) {
+        // No queue owes anything: nothing to vouch for (one that became an heir since the
+        // request was sent, in that instant, only asks again).
+        if self.order.heirs.load(Ordering::SeqCst) > 0 {
+            let mut inner = self.order.lock();
+            let f = inner.fresh.entry(self.queue).or_insert((seq, sent));
+            // Both grow with the time a request was sent.
+            *f = (f.0.max(seq), f.1.max(sent));
+        }
+        self.placed_through(seq);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use super::*;
+
+    /// An order with two queues in it: A and B.
+    fn two() -> (Arc<ReplayOrder>, Member, Member) {
+        let o = Arc::new(ReplayOrder::default());
+        let mut a = Member::new(Arc::clone(&o), vec![1]);
+        let b = Member::new(Arc::clone(&o), vec![1]);
+        assert!(a.keep_order(Vec::new));
+        (o, a, b)
+    }
+
+    /// A re-issues its write (ns 0, `offset`, `len`, seq 1) after a reconnect.
+    fn reissue(a: &mut Member, offset: u64, len: usize) {
+        a.reissuing();
+        a.hand_over(0, offset, len, 1);
+        a.reissued();
+    }
+
+    #[test]
+    fn bytes_let_go_to_a_held_write_are_owed_once_it_is_placed_since_the_reconnect() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 8192, 1);
+        b.register(0, 4096, 4096, 1);
+        let before = o.now();
+        reissue(&mut a, 0, 8192);
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        // Told by a request sent before A reconnected: a target restarted since kept nothing.
+        b.placed_fresh(1, before);
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        b.placed_fresh(1, o.now());
+        assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 8192)]));
+        // A newer write of B there is owed in its turn; one of A's own is A's anyway.
+        b.register(0, 6144, 2048, 2);
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        a.register(0, 6144, 2048, 2);
+        assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 6144)]));
+        // B reconnected: what it re-issues is on its way again.
+        b.unplace(2);
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        b.placed_fresh(2, o.now());
+        // Made durable: nothing owed, and nothing kept.
+        a.settle_handed(0);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
+        assert!(o.lock().heirs.is_empty());
+    }
+
+    #[test]
+    fn bytes_whose_newer_write_is_let_go_unpersisted_are_reported_lost_once() {
+        let (_o, mut a, mut b) = two();
+        a.register(0, 0, 12288, 1);
+        b.register(0, 0, 4096, 1);
+        b.register(0, 8192, 4096, 2);
+        reissue(&mut a, 0, 12288);
+        // B goes with both writes: one was made durable before, the other is lost.
+        b.release(0, 8192, 4096, 2);
+        b.lose(0, 0, 4096, 1);
+        b.release(0, 0, 4096, 1);
+        assert_eq!(a.handed(0), Handed::Lost(vec![(0, 4096)]));
+        a.lost_reported(0);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+    }
+
+    #[test]
+    fn bytes_a_write_let_go_unpersisted_had_taken_before_the_reconnect_are_lost() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        b.lose(0, 0, 4096, 1);
+        b.release(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
+        assert_eq!(a.handed(0), Handed::Lost(vec![(0, 4096)]));
+        a.lost_reported(0);
+        // Made durable before: nothing owed. And a loss before A last held nothing is of
+        // older bytes than any A holds now.
+        a.release(0, 0, 4096, 1);
+        a.emptied();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 2);
+        b.release(0, 0, 4096, 2);
+        reissue(&mut a, 0, 4096);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn bytes_a_newer_write_of_the_same_queue_took_are_not_handed_over() {
+        let (o, mut a, _b) = two();
+        a.register(0, 0, 8192, 1);
+        a.register(0, 4096, 4096, 2);
+        reissue(&mut a, 0, 8192);
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+    }
+
+    #[test]
+    fn a_queue_that_goes_takes_what_it_owed_and_its_placement_with_it() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
+        b.placed_fresh(1, o.now());
+        assert_eq!(o.lock().fresh.len(), 1);
+        drop(a);
+        drop(b);
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
+        assert!(o.lock().heirs.is_empty() && o.lock().fresh.is_empty());
+    }
+
+    #[test]
+    fn ranges_without_a_cut_keep_what_is_outside_it() {
+        assert_eq!(without(&[(0, 100)], &[]), [(0, 100)]);
+        assert_eq!(without(&[(0, 100)], &[(0, 100)]), []);
+        assert_eq!(
+            without(&[(0, 100), (200, 300)], &[(50, 60), (90, 250)]),
+            [(0, 50), (60, 90), (250, 300)]
+        );
+        assert_eq!(merged(&vec![(1, 5, 9), (2, 0, 4), (1, 0, 5)], 1), [(0, 9)]);
+    }
+}
