@@ -54,10 +54,11 @@
 //! durable: its queue's persist of its own writes makes those bytes durable once the newer
 //! writes are placed, or says they may be lost ([`heirs`]).
 
+mod heir;
 mod heirs;
 mod hot;
 
-pub(crate) use heirs::Handed;
+pub(crate) use heir::Handed;
 
 use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -98,7 +99,7 @@ struct Inner {
     /// Queues alive (members not dropped): only they can be asked.
     alive: Vec<u64>,
     /// Per queue, the bytes it let go to newer writes at a reconnect ([`heirs`]).
-    heirs: HashMap<u64, heirs::Heir>,
+    heirs: HashMap<u64, heir::Heir>,
     /// Per queue, the post order of its newest write known placed by a request sent when the
     /// clock read the second number ([`Member::placed_fresh`]): kept while a queue is an heir.
     fresh: HashMap<u64, (u64, u64)>,

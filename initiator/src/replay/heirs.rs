@@ -27,72 +27,8 @@
 use std::collections::HashMap;
 use std::sync::atomic::Ordering;
 
+use super::heir::{merged, without, Handed, Heir};
 use super::{Inner, Member, ReplayOrder, Writer, TOMBSTONE};
-
-/// `[start, end)` pieces of namespace `nsid`.
-type Spans = Vec<(u32, u64, u64)>;
-
-/// The bytes a queue let go to newer writes of other queues ([`Member::hand_over`]).
-#[derive(Debug, Default)]
-pub(super) struct Heir {
-    /// The order's clock when the queue last re-issued ([`ReplayOrder::tick`]): a placement
-    /// of another queue vouches for its bytes only if learned from a request sent since.
-    since: u64,
-    /// The bytes it let go that newer writes of other queues held then.
-    ranges: Spans,
-    /// The parts of them whose newest write was let go unpersisted.
-    lost: Spans,
-}
-
-/// What the persist of a queue's own writes of a namespace owes for the bytes it let go
-/// ([`Member::handed`]).
-#[derive(Debug, PartialEq, Eq)]
-pub(crate) enum Handed {
-    /// Also make these ranges durable (sorted, disjoint; often none): bytes newer writes of
-    /// other queues hold, known placed since this queue reconnected.
-    Persist(Vec<(u64, u64)>),
-    /// Newer writes of these queues (sorted, each once) are not known placed since this queue
-    /// reconnected.
-    Unplaced(Vec<u64>),
-    /// The newest writes of these ranges (sorted, disjoint) were let go unpersisted.
-    Lost(Vec<(u64, u64)>),
-}
-
-/// The spans of `nsid` in `spans`, sorted, overlapping and adjacent ones merged.
-fn merged(spans: &Spans, nsid: u32) -> Vec<(u64, u64)> {
-    let mut r: Vec<(u64, u64)> = spans
-        .iter()
-        .filter(|s| s.0 == nsid)
-        .map(|s| (s.1, s.2))
-        .collect();
-    r.sort_unstable();
-    let mut out: Vec<(u64, u64)> = Vec::with_capacity(r.len());
-    for (s, e) in r {
-        match out.last_mut() {
-            Some(last) if s <= last.1 => last.1 = last.1.max(e),
-            _ => out.push((s, e)),
-        }
-    }
-    out
-}
-
-/// `ranges` (of one namespace) without the bytes of `cut` (sorted, disjoint).
-fn without(ranges: &[(u64, u64)], cut: &[(u64, u64)]) -> Vec<(u64, u64)> {
-    let mut out = Vec::new();
-    for &(s, e) in ranges {
-        let mut at = s;
-        for &(cs, ce) in cut.iter().filter(|c| c.1 > s && c.0 < e) {
-            if cs > at {
-                out.push((at, cs));
-            }
-            at = at.max(ce);
-        }
-        if at < e {
-            out.push((at, e));
-        }
-    }
-    out
-}
 
 impl ReplayOrder {
     /// The clock's reading, for a request about to be sent that will tell its queue's writes

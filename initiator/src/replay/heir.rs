@@ -1,0 +1,67 @@
+//! The data of what a queue let go at a reconnect to newer writes of other queues, and what
+//! its persist owes for it ([`super::heirs`] keeps it up to date).
+
+/// `[start, end)` pieces of namespace `nsid`.
+pub(super) type Spans = Vec<(u32, u64, u64)>;
+
+/// The bytes a queue let go to newer writes of other queues ([`Member::hand_over`](super::Member::hand_over)).
+#[derive(Debug, Default)]
+pub(super) struct Heir {
+    /// The order's clock when the queue last re-issued ([`ReplayOrder::tick`](super::ReplayOrder::tick)): a placement
+    /// of another queue vouches for its bytes only if learned from a request sent since.
+    pub(super) since: u64,
+    /// The bytes it let go that newer writes of other queues held then.
+    pub(super) ranges: Spans,
+    /// The parts of them whose newest write was let go unpersisted.
+    pub(super) lost: Spans,
+}
+
+/// What the persist of a queue's own writes of a namespace owes for the bytes it let go
+/// ([`Member::handed`](super::Member::handed)).
+#[derive(Debug, PartialEq, Eq)]
+pub(crate) enum Handed {
+    /// Also make these ranges durable (sorted, disjoint; often none): bytes newer writes of
+    /// other queues hold, known placed since this queue reconnected.
+    Persist(Vec<(u64, u64)>),
+    /// Newer writes of these queues (sorted, each once) are not known placed since this queue
+    /// reconnected.
+    Unplaced(Vec<u64>),
+    /// The newest writes of these ranges (sorted, disjoint) were let go unpersisted.
+    Lost(Vec<(u64, u64)>),
+}
+
+/// The spans of `nsid` in `spans`, sorted, overlapping and adjacent ones merged.
+pub(super) fn merged(spans: &Spans, nsid: u32) -> Vec<(u64, u64)> {
+    let mut r: Vec<(u64, u64)> = spans
+        .iter()
+        .filter(|s| s.0 == nsid)
+        .map(|s| (s.1, s.2))
+        .collect();
+    r.sort_unstable();
+    let mut out: Vec<(u64, u64)> = Vec::with_capacity(r.len());
+    for (s, e) in r {
+        match out.last_mut() {
+            Some(last) if s <= last.1 => last.1 = last.1.max(e),
+            _ => out.push((s, e)),
+        }
+    }
+    out
+}
+
+/// `ranges` (of one namespace) without the bytes of `cut` (sorted, disjoint).
+pub(super) fn without(ranges: &[(u64, u64)], cut: &[(u64, u64)]) -> Vec<(u64, u64)> {
+    let mut out = Vec::new();
+    for &(s, e) in ranges {
+        let mut at = s;
+        for &(cs, ce) in cut.iter().filter(|c| c.1 > s && c.0 < e) {
+            if cs > at {
+                out.push((at, cs));
+            }
+            at = at.max(ce);
+        }
+        if at < e {
+            out.push((at, e));
+        }
+    }
+    out
+}
