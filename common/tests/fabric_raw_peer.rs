@@ -1,6 +1,7 @@
 //! The `tcp` transport against a raw peer that speaks the wire itself: a Read Request past the
-//! IRD, a refused Read quoted in the Terminate, private opcodes without the peer's caps, a short
-//! Read Response, and a peer flooding after the Terminate.
+//! IRD, a refused Read quoted in the Terminate, a Read whose region is deregistered while the
+//! peer is not reading, private opcodes without the peer's caps, a short Read Response, and a
+//! peer flooding after the Terminate.
 
 mod fabric_util;
 
@@ -11,19 +12,24 @@ use fabric_util::*;
 use rpma_common::fabric::soft::wire::{self, CapFlags, Caps, Header, Opcode, TermCause};
 use rpma_common::fabric::*;
 
-fn target(
+type Served = (QueuePair, CompletionQueue, std::sync::Arc<MemoryRegion>);
+
+fn target(ird: u16) -> (Url, std::thread::JoinHandle<Served>) {
+    target_over(ird, AlignedBuf::new(4096).unwrap())
+}
+
+/// A target queue pair (IRD `ird`, CRC off) with `mem` registered, accepting the raw peer.
+fn target_over(
     ird: u16,
-) -> (
-    Url,
-    std::thread::JoinHandle<(QueuePair, CompletionQueue, std::sync::Arc<MemoryRegion>)>,
-) {
+    mem: std::sync::Arc<AlignedBuf>,
+) -> (Url, std::thread::JoinHandle<Served>) {
     let ctx = Context::soft();
     let listener = Listener::bind(&ctx, &"tcp://127.0.0.1:0".parse().unwrap()).unwrap();
     let url = listener.url().unwrap();
     let h = std::thread::spawn(move || {
         let pd = ctx.alloc_pd().unwrap();
         let cq = ctx.create_cq(16).unwrap();
-        let mr = pd.register(AlignedBuf::new(4096).unwrap(), rw()).unwrap();
+        let mr = pd.register(mem, rw()).unwrap();
         let params = ConnParams {
             ird,
             tcp: TcpParams {
@@ -126,6 +132,60 @@ fn a_refused_read_request_is_quoted_in_the_terminate() {
     assert_eq!(&t.encode()[2..4], &[0xE0, 0x00], "M, D and R set");
     let d = t.ddp.expect("the offending DDP header");
     assert_eq!(d.header, hdr.encode().as_slice());
+}
+
+/// A peer's large Read, answered while the peer does not read, and the region deregistered
+/// meanwhile (a reload removed the namespace): what the socket had not taken by then never
+/// leaves. The peer gets an RDMAP Invalid STag Terminate, and no byte the region held after
+/// its deregistration (the memory lives on: the file it maps may serve someone else).
+#[test]
+fn a_read_response_stops_at_the_deregistration_of_its_region() {
+    const LEN: usize = 64 << 20;
+    let mem = AlignedBuf::new(LEN).unwrap();
+    mem.write_at(0, &vec![0xAA; LEN]).unwrap();
+    let (url, h) = target_over(4, std::sync::Arc::clone(&mem));
+    let (mut s, _n) = raw_peer(&url, CapFlags::ALL, 4);
+    let (tqp, cq, mr) = h.join().unwrap();
+    let rr = wire::rdmap::ReadRequest {
+        sink_stag: 0x1234,
+        sink_to: 0,
+        size: LEN as u32,
+        src_stag: mr.rkey(),
+        src_to: mr.addr(),
+    };
+    s.write_all(&fpdu(
+        Header::untagged(Opcode::ReadRequest, 1, true),
+        &rr.encode(),
+    ))
+    .unwrap();
+    // The target answers until the socket takes no more: the peer reads nothing yet.
+    let mut wc = [Completion::EMPTY; 4];
+    let end = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < end {
+        cq.poll(&mut wc).unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    assert_eq!(tqp.state(), QpState::Rts);
+    drop(mr);
+    mem.write_at(0, &vec![0xBB; LEN]).unwrap();
+    let got = read_while(&mut s, || {
+        cq.poll(&mut wc).unwrap();
+        tqp.state() == QpState::Error
+    });
+    let mut answered = 0;
+    for (h, payload) in fpdus(&got) {
+        if h.opcode == Opcode::ReadResponse {
+            assert!(
+                !payload.contains(&0xBB),
+                "bytes written after the deregistration were sent, {answered} bytes in"
+            );
+            answered += payload.len();
+        }
+    }
+    assert!(answered < LEN, "the whole Read was answered");
+    let t = terminate_in(&got).expect("a Terminate");
+    assert_eq!(t.cause, TermCause::RDMAP_INVALID_STAG);
+    assert_eq!(tqp.state(), QpState::Error);
 }
 
 #[test]

@@ -3,6 +3,8 @@
 //! The real `rpma-target` process and the rpma-initiator library in-process (the fixture of
 //! [`rpma_tests::sessions`]); every wait has a deadline.
 
+mod hostile;
+
 use std::time::Duration;
 
 use nix::sys::signal::Signal;
@@ -131,6 +133,96 @@ fn sighup_removing_a_namespace_revokes_it_only() {
         .unwrap()
         .iter()
         .any(|x| x["host_nqn"] == OPEN_HOST));
+}
+
+/// A host that asked for Reads of a namespace and stopped reading its socket, when a reload
+/// removes that namespace and its file is written afterwards (given to someone else): the rest
+/// of its Reads never leaves. It gets an RDMAP Invalid STag Terminate, and not one byte
+/// written after the reload. (The answers were read from the mapping when the socket took
+/// them: the host got the file's new contents.)
+#[test]
+fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
+    use hostile::{ns, Peer};
+    use rpma_common::fabric::soft::wire::rdmap::ReadRequest;
+    use rpma_common::fabric::soft::wire::{fpdu_len, Header, Opcode, TermCause, Terminate};
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
+        eprintln!("skipped: a raw iWARP peer needs the tcp transport");
+        return;
+    }
+    const LEN: usize = 64 << 20;
+    let d = scratch();
+    let ns2 = d.path().join("ns2");
+    std::fs::write(&ns2, vec![0xAA; LEN]).unwrap();
+    let extra = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"64MiB\"\n";
+    let t = start_with_extra(d.path(), "", extra, &[]);
+    let mut p = Peer::open(t.port(), std::net::Ipv4Addr::new(127, 0, 0, 2));
+    let n2 = ns(&p.admit(), 2).clone();
+    let mut reads = Vec::new();
+    for _ in 0..p.n.ord {
+        let rr = ReadRequest {
+            sink_stag: 0x4242,
+            sink_to: 0,
+            size: LEN as u32,
+            src_stag: n2.rkey,
+            src_to: n2.remote_addr,
+        };
+        reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
+    }
+    p.raw(&reads);
+    // The target answers until the socket takes no more: the host reads nothing yet.
+    std::thread::sleep(Duration::from_secs(1));
+    t.rewrite(&rpma_tests::without_namespace(&demo_config("", extra), 2));
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    // The poll loop hears of the reload after READY=1.
+    let revoked = t.log_lines(&["namespace 2 removed by reload"], WAIT);
+    assert!(!revoked.is_empty(), "{}", t.log());
+    let f = std::fs::OpenOptions::new().write(true).open(&ns2).unwrap();
+    f.write_all_at(&vec![0xBB; LEN], 0).unwrap();
+    // The host reads again: FPDU by FPDU (the CRC of an FPDU cut short by the revocation no
+    // longer matches: not checked).
+    let deadline = std::time::Instant::now() + WAIT;
+    let (mut buf, mut answered, mut term) = (Vec::new(), 0usize, None::<Terminate>);
+    let mut b = vec![0u8; 1 << 20];
+    p.s.set_read_timeout(Some(Duration::from_millis(100)))
+        .unwrap();
+    while term.is_none() && std::time::Instant::now() < deadline {
+        match p.s.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => buf.extend_from_slice(&b[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(_) => continue,
+        }
+        let mut at = 0;
+        while buf.len() - at >= 2 {
+            let len = usize::from(u16::from_be_bytes([buf[at], buf[at + 1]]));
+            if buf.len() - at < fpdu_len(len) {
+                break;
+            }
+            let ulpdu = &buf[at + 2..at + 2 + len];
+            let (h, hl) = Header::decode(ulpdu).unwrap();
+            match h.opcode {
+                Opcode::ReadResponse => {
+                    assert!(
+                        !ulpdu[hl..].contains(&0xBB),
+                        "bytes written after the reload were sent, {answered} bytes in"
+                    );
+                    answered += len - hl;
+                }
+                Opcode::Terminate => term = Some(Terminate::decode(&ulpdu[hl..]).unwrap()),
+                _ => {}
+            }
+            at += fpdu_len(len);
+        }
+        buf.drain(..at);
+    }
+    let term = term.unwrap_or_else(|| panic!("no Terminate, {answered} bytes answered"));
+    assert_eq!(term.cause, TermCause::RDMAP_INVALID_STAG);
+    assert!(answered < LEN * usize::from(p.n.ord));
+    assert!(p.closed(), "the connection stayed open");
 }
 
 /// Removing a host from a subsystem closes that host's session with a reason and refuses it

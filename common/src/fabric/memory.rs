@@ -7,6 +7,7 @@
 use std::num::NonZeroUsize;
 use std::os::fd::{AsRawFd, BorrowedFd, RawFd};
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 
 use super::error::{Error, Result};
@@ -277,6 +278,11 @@ pub(crate) struct Region {
     /// Registered with [`ProtectionDomain::register_stable`](super::ProtectionDomain::register_stable):
     /// nothing writes the bytes a work request reads while it is in flight.
     pub(crate) stable: bool,
+    /// Its registration is gone (set by the soft device when the region's STag is removed):
+    /// what a peer reaches through its rkey, a Read Response still waiting to be sent or a
+    /// Write still being placed, must not touch the memory any more, although the `Arc`s that
+    /// keep it alive for them remain.
+    revoked: AtomicBool,
 }
 
 // SAFETY: the range is kept alive by `keep` (or by the register_raw contract) and is only ever
@@ -310,7 +316,19 @@ impl Region {
             len,
             keep,
             stable: false,
+            revoked: AtomicBool::new(false),
         })
+    }
+
+    /// Marks the registration gone.
+    pub(crate) fn revoke(&self) {
+        self.revoked.store(true, Ordering::Release);
+    }
+
+    /// Whether the registration is gone: a peer's access through it, queued or in progress,
+    /// must stop before it reads or writes another byte.
+    pub(crate) fn revoked(&self) -> bool {
+        self.revoked.load(Ordering::Acquire)
     }
 
     #[cfg(test)]

@@ -259,6 +259,8 @@ impl StagTable {
     /// also invalidates every window bound to it (the RAII analogue of verbs refusing to
     /// deregister a region with bound windows): a window's rkey must not outlive the memory it
     /// reaches. The windows keep their slots, so they can be bound again to another region.
+    /// The region is marked revoked ([`Region::revoke`]): a Read Response queued from it stops
+    /// before its next byte leaves, a Write being placed into it before its next byte lands.
     pub(crate) fn remove(&self, stag: u32) {
         let Some((idx, key)) = split(stag) else {
             return;
@@ -273,6 +275,7 @@ impl StagTable {
         let Some(removed) = removed.filter(|e| e.kind == StagKind::Mr) else {
             return;
         };
+        removed.region.revoke();
         // A scan of the table: deregistration is control path, and this keeps lookups free of
         // any per-region bookkeeping.
         for slot in &mut t.slots {
@@ -408,8 +411,18 @@ mod tests {
         let w3 = t
             .rebind(t.reserve().unwrap(), window_on(&other_region))
             .unwrap();
+        t.remove(w3);
+        assert!(
+            !other_region.revoked(),
+            "removing a window revokes no region"
+        );
+        let w3 = t
+            .rebind(t.reserve().unwrap(), window_on(&other_region))
+            .unwrap();
         t.remove(mr);
         assert!(t.lookup(mr).is_none());
+        assert!(region.revoked(), "what is queued from it stops");
+        assert!(!other_region.revoked());
         assert!(t.lookup(w1).is_none(), "window 1 outlived its region");
         assert!(t.lookup(w2).is_none(), "window 2 outlived its region");
         assert!(t.lookup(other).is_some());

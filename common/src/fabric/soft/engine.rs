@@ -221,8 +221,31 @@ impl Engine {
     }
 
     /// Writes what is queued, at most `budget` bytes: the rest waits for the next progress
-    /// call, after the other queue pairs of the completion queue had their turn.
+    /// call, after the other queue pairs of the completion queue had their turn. A Read
+    /// Response whose region was deregistered while it waited (a reload removed the namespace
+    /// while the peer was not reading) is not sent: the stream is terminated with an RDMAP
+    /// Invalid STag (the peer's Read fails with a remote access error), as a Read Request for
+    /// that rkey would be from then on.
     pub(super) fn write(&mut self, conn: &mut Conn, budget: usize) {
+        self.write_some(conn, budget);
+        if !self.tx.revoked() {
+            return;
+        }
+        if self.state == QpState::Rts {
+            self.terminate(Fault {
+                cause: TermCause::RDMAP_INVALID_STAG,
+                offending: None,
+                recv_status: None,
+                rreq: None,
+                persist: None,
+            });
+        } else {
+            self.tx.drop_revoked();
+        }
+        self.write_some(conn, budget);
+    }
+
+    fn write_some(&mut self, conn: &mut Conn, budget: usize) {
         let mut done: smallvec::SmallVec<[OnSent; 8]> = smallvec::SmallVec::new();
         let r = self.tx.flush(&mut conn.sock, budget, |o| done.push(o));
         for o in done {

@@ -12,6 +12,14 @@
 //! Messages go out whole and in order: requests as posted, responses in the order their
 //! requests came in, which is what RC ordering asks of a single TCP stream.
 //!
+//! Revocation: a Read Response is read from the memory when the socket takes it, which may be
+//! long after the Read Request was checked (a peer that stops reading holds its answers
+//! here). Once the region it reads from is deregistered, no byte of it leaves: before each
+//! `writev` the FPDUs it would carry are checked, and [`Tx::revoked`] tells the engine to
+//! terminate the stream instead. What the kernel's socket buffer already holds was read
+//! before the deregistration. A deregistration on another thread than the one that drives
+//! progress can still race one `writev` already past its check.
+//!
 //! Fair share: one [`Tx::flush`] writes at most the budget its caller gives, so a queue pair
 //! with a gigabyte of Read Responses queued and a peer that reads as fast as the loopback goes
 //! takes its share and lets the other queue pairs of its completion queue have theirs:
@@ -34,8 +42,14 @@ use crate::volatile::VolatileSlice;
 
 /// Where a message's payload comes from.
 pub(crate) enum Src {
-    /// `len` bytes of registered memory at `offset` (kept alive by the Arc).
-    Mem { region: Arc<Region>, offset: usize },
+    /// `len` bytes of registered memory at `offset` (kept alive by the Arc). `revocable`: a Read
+    /// Response, which a peer may have only while the region stays registered (a local Write's
+    /// or Send's source stays the poster's to send, whatever becomes of its registration).
+    Mem {
+        region: Arc<Region>,
+        offset: usize,
+        revocable: bool,
+    },
     /// A control body (one segment).
     Inline(InlineBody),
 }
@@ -60,6 +74,13 @@ pub(crate) struct TxMsg {
     pub(crate) src: Src,
     pub(crate) len: usize,
     pub(crate) on_sent: OnSent,
+}
+
+impl TxMsg {
+    /// Whether it is a Read Response from a region deregistered since it was queued.
+    fn revoked(&self) -> bool {
+        matches!(&self.src, Src::Mem { region, revocable: true, .. } if region.revoked())
+    }
 }
 
 /// What one pass of a completion queue over its queue pairs writes at most, all of them
@@ -94,9 +115,11 @@ enum Payload {
     /// Registered memory, kept alive by the Arc while the FPDU waits.
     Mem {
         /// Only ever handed out borrowed from the payload ([`Payload::iovec`] and the framing),
-        /// so it never outlives `_keep`.
+        /// so it never outlives `keep`.
         slice: VolatileSlice<'static>,
-        _keep: Arc<Region>,
+        keep: Arc<Region>,
+        /// As [`Src::Mem`]'s.
+        revocable: bool,
     },
     Inline(InlineBody),
 }
@@ -109,7 +132,7 @@ struct Fpdu {
     on_sent: OnSent,
 }
 
-// SAFETY: `Payload::Mem::slice` points into memory kept alive by `_keep`, valid from any
+// SAFETY: `Payload::Mem::slice` points into memory kept alive by `keep`, valid from any
 // thread; it is only copied from and handed to `writev`, by whichever thread owns the
 // connection at the time.
 unsafe impl Send for Fpdu {}
@@ -146,6 +169,11 @@ impl Fpdu {
     fn total(&self) -> usize {
         self.framing.overhead() + self.payload.len()
     }
+
+    /// Whether its payload is a Read Response's from a region deregistered since.
+    fn revoked(&self) -> bool {
+        matches!(&self.payload, Payload::Mem { keep, revocable: true, .. } if keep.revoked())
+    }
 }
 
 pub(crate) struct Tx {
@@ -160,6 +188,9 @@ pub(crate) struct Tx {
     /// The last flush stopped because the socket took no more (its peer is not reading as
     /// fast): output waits, but it does not compete for the pass's budget.
     blocked: bool,
+    /// A message waiting here reads from a region deregistered since it was queued: nothing
+    /// more is written until the engine terminates the stream ([`Tx::revoked`]).
+    revoked: bool,
     cfg: TxConfig,
 }
 
@@ -175,6 +206,7 @@ impl Tx {
             ready_bytes: 0,
             written: 0,
             blocked: false,
+            revoked: false,
             cfg: TxConfig::new(crc, max).expect("max ULPDU clamped to the wire's limits"),
         }
     }
@@ -204,25 +236,63 @@ impl Tx {
         self.blocked
     }
 
+    /// Whether the last [`flush`](Self::flush) stopped because a Read Response it was to write
+    /// reads from a region deregistered since: the stream must be terminated
+    /// ([`abort_queued`](Self::abort_queued) drops it), or, once it is, the revoked bytes
+    /// dropped ([`drop_revoked`](Self::drop_revoked)).
+    pub(crate) fn revoked(&self) -> bool {
+        self.revoked
+    }
+
     /// Whether anything waits to be written.
     pub(crate) fn pending(&self) -> bool {
         !self.ready.is_empty() || !self.queue.is_empty()
     }
 
     /// Drops every message not started, keeping a partly written FPDU so that the stream stays
-    /// framed (used before a Terminate).
+    /// framed (used before a Terminate); if that FPDU's region was revoked, the rest of it
+    /// goes out as zeros.
     pub(crate) fn abort_queued(&mut self) {
         if self.written > 0 {
             self.ready.truncate(1);
         } else {
             self.ready.clear();
         }
-        self.ready_bytes = self.ready.iter().map(Fpdu::total).sum();
         if let Some(f) = self.ready.front_mut() {
             f.on_sent = OnSent::Nothing;
         }
         self.queue.clear();
         self.front = None;
+        self.drop_revoked();
+    }
+
+    /// After the stream was terminated: drops what reads from a revoked region (see
+    /// [`Tx::revoked`]), but for a partly written FPDU, the rest of which goes out as zeros so
+    /// that the stream stays framed up to the Terminate (with CRC, the FPDU's CRC no longer
+    /// matches; the peer fails the stream either way, and has not a byte of the region from
+    /// after its deregistration).
+    pub(crate) fn drop_revoked(&mut self) {
+        let partial = self.written > 0;
+        let mut i = 0;
+        self.ready.retain_mut(|f| {
+            let first = i == 0;
+            i += 1;
+            if !f.revoked() {
+                return true;
+            }
+            if first && partial {
+                f.payload = Payload::Inline(InlineBody::from_elem(0, f.payload.len()));
+                return true;
+            }
+            false
+        });
+        self.ready_bytes = self.ready.iter().map(Fpdu::total).sum();
+        let front_revoked = self.queue.front().is_some_and(TxMsg::revoked);
+        if front_revoked {
+            self.front = None;
+        }
+        self.queue.retain(|m| !m.revoked());
+        self.revoked = false;
     }
 
     fn cut(&mut self) {
@@ -230,6 +300,11 @@ impl Tx {
             let Some(m) = self.queue.front_mut() else {
                 return;
             };
+            if m.revoked() {
+                // Not even its CRC is computed: that would be read from the revoked bytes.
+                self.revoked = true;
+                return;
+            }
             let cuts = self
                 .front
                 .get_or_insert_with(|| Cuts::new(m.hdr, m.len, &self.cfg));
@@ -246,7 +321,11 @@ impl Tx {
                     let framing = Framing::new(&hdr, n, [&b[..]], crc);
                     (Payload::Inline(b), framing)
                 }
-                Src::Mem { region, offset } => {
+                Src::Mem {
+                    region,
+                    offset,
+                    revocable,
+                } => {
                     let s = region
                         .slice(*offset + at, n)
                         .expect("checked against the region when the request was accepted");
@@ -269,13 +348,21 @@ impl Tx {
                         } else {
                             Framing::for_volatile(&hdr, s, crc)
                         };
-                        // SAFETY: the bytes stay valid as long as `_keep`, which the payload
+                        // SAFETY: the bytes stay valid as long as `keep`, which the payload
                         // holds beside the slice and drops with it; the slice is only used
                         // borrowed from the payload; registered memory is never covered by a
                         // reference.
                         let slice = unsafe { VolatileSlice::new(s.as_ptr(), s.len()) };
                         let keep = Arc::clone(region);
-                        (Payload::Mem { slice, _keep: keep }, framing)
+                        let revocable = *revocable;
+                        (
+                            Payload::Mem {
+                                slice,
+                                keep,
+                                revocable,
+                            },
+                            framing,
+                        )
                     }
                 }
             };
@@ -310,6 +397,12 @@ impl Tx {
                 return Ok(!self.pending());
             }
             self.cut();
+            // Checked before every writev: a region deregistered since the last one sends
+            // nothing more (the writev reads the memory itself, not a copy).
+            if self.revoked || self.ready.iter().any(Fpdu::revoked) {
+                self.revoked = true;
+                return Ok(false);
+            }
             if self.ready.is_empty() {
                 return Ok(true);
             }
@@ -420,6 +513,7 @@ mod tests {
                 src: Src::Mem {
                     region: Arc::clone(mr.region()),
                     offset: 100,
+                    revocable: false,
                 },
                 len: 1000,
                 on_sent: OnSent::Complete(1),
@@ -469,6 +563,66 @@ mod tests {
     }
 
     #[test]
+    fn a_read_response_from_a_revoked_region_is_not_sent_and_a_partial_fpdu_ends_in_zeros() {
+        use crate::fabric::soft::wire::fpdu_len;
+        let ctx = Context::soft();
+        let pd = ctx.alloc_pd().unwrap();
+        let region = || {
+            let mem = AlignedBuf::new(4096).unwrap();
+            mem.write_at(0, &[0xAA; 4096]).unwrap();
+            pd.register(mem, Access::LOCAL_WRITE).unwrap()
+        };
+        let msg = |mr: &Arc<crate::fabric::MemoryRegion>, revocable| TxMsg {
+            hdr: Header::tagged(Opcode::ReadResponse, 9, 0, true),
+            src: Src::Mem {
+                region: Arc::clone(mr.region()),
+                offset: 0,
+                revocable,
+            },
+            len: 1000,
+            on_sent: OnSent::ResponseDone,
+        };
+        let sent = |mut tx: Tx| {
+            let (mut a, mut b) = socket_pair();
+            assert!(tx.flush(&mut a, usize::MAX, |_| {}).unwrap());
+            drop(a);
+            let mut got = Vec::new();
+            b.read_to_end(&mut got).unwrap();
+            got
+        };
+        // A local Write's source goes out whatever became of its registration.
+        let mr = region();
+        mr.region().revoke();
+        let mut tx = Tx::new(false, 128);
+        tx.push(msg(&mr, false));
+        assert!(sent(tx).contains(&0xAA));
+        // A Read Response's does not, not even framed.
+        let mut tx = Tx::new(false, 128);
+        tx.push(msg(&mr, true));
+        let (mut a, _b) = socket_pair();
+        assert!(!tx.flush(&mut a, usize::MAX, |_| {}).unwrap());
+        assert!(tx.revoked() && tx.ready.is_empty());
+        tx.abort_queued();
+        assert!(!tx.revoked() && !tx.pending());
+        // Revoked after it was framed and part of an FPDU left: the rest of that FPDU goes out
+        // as zeros, nothing after it.
+        let mr = region();
+        let mut tx = Tx::new(false, 128);
+        tx.push(msg(&mr, true));
+        tx.cut();
+        assert!(tx.ready.len() > 1);
+        tx.written = 20;
+        mr.region().revoke();
+        assert!(!tx.flush(&mut a, usize::MAX, |_| {}).unwrap());
+        assert!(tx.revoked());
+        tx.abort_queued();
+        assert_eq!(tx.ready.len(), 1);
+        let rest = sent(tx);
+        assert_eq!(rest.len(), fpdu_len(128) - 20);
+        assert!(!rest.contains(&0xAA));
+    }
+
+    #[test]
     fn framing_stops_at_about_ready_bytes_and_counts_what_is_ready() {
         let ctx = Context::soft();
         let pd = ctx.alloc_pd().unwrap();
@@ -484,6 +638,7 @@ mod tests {
                 src: Src::Mem {
                     region: Arc::clone(mr.region()),
                     offset: 0,
+                    revocable: false,
                 },
                 len: 1 << 20,
                 on_sent: OnSent::Complete(i),
@@ -539,6 +694,7 @@ mod tests {
             src: Src::Mem {
                 region: Arc::clone(mr.region()),
                 offset: 0,
+                revocable: false,
             },
             len: 1 << 20,
             on_sent: OnSent::Complete(1),

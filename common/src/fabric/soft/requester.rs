@@ -155,6 +155,7 @@ impl Engine {
             src: Src::Mem {
                 region: Arc::clone(s.region()),
                 offset: s.offset,
+                revocable: false,
             },
             len: s.len,
             on_sent,

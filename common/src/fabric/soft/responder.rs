@@ -273,6 +273,7 @@ impl Engine {
                     src: Src::Mem {
                         region: t.region,
                         offset: t.offset,
+                        revocable: true,
                     },
                     len: rr.size as usize,
                     on_sent: OnSent::ResponseDone,
