@@ -1,5 +1,6 @@
 //! Placement on the responder: the memory a Write FPDU is placed into stays alive for the whole
-//! FPDU, and what an out-of-bounds multi-FPDU Write may and may not change.
+//! FPDU, nothing more of it lands once its region is deregistered, and what an out-of-bounds
+//! multi-FPDU Write may and may not change.
 
 mod fabric_util;
 
@@ -46,8 +47,11 @@ fn drive(cq: &CompletionQueue, d: Duration) {
     }
 }
 
+/// The receiver holds only a raw pointer into the region while a payload streams into place:
+/// the region stays alive after its MR is dropped until the receiver lets the FPDU go (at its
+/// next poll, which finds the registration revoked).
 #[test]
-fn dropping_the_mr_mid_fpdu_keeps_its_memory_alive_until_the_fpdu_is_in() {
+fn dropping_the_mr_mid_fpdu_keeps_its_memory_alive_until_the_receiver_lets_it_go() {
     let (qp, cq, pd, mut s, n) = raw_pair();
     assert!(!n.crc, "CRC off: the payload is read straight into place");
     let buf = AlignedBuf::new(1 << 16).unwrap();
@@ -73,22 +77,59 @@ fn dropping_the_mr_mid_fpdu_keeps_its_memory_alive_until_the_fpdu_is_in() {
         weak.upgrade().is_some(),
         "the FPDU in placement keeps the memory alive after its MR is dropped"
     );
-    drive(&cq, Duration::from_millis(50));
-    assert!(weak.upgrade().is_some(), "still: the FPDU is not complete");
-    s.write_all(&frame[split..]).unwrap();
     let end = Instant::now() + Duration::from_secs(10);
     while weak.upgrade().is_some() && Instant::now() < end {
         drive(&cq, Duration::from_millis(10));
     }
     assert!(
         weak.upgrade().is_none(),
-        "released once the FPDU is reported"
+        "released once the receiver let the FPDU go"
     );
-    assert_eq!(
-        qp.state(),
-        QpState::Rts,
-        "the Write was valid when it began"
-    );
+    // Its rest is refused: the region's registration was revoked.
+    assert_eq!(qp.state(), QpState::Error);
+}
+
+/// A Write whose region is deregistered between its header and the rest of its payload (CRC
+/// off, where the header is judged as soon as it is in): nothing more of it lands, whether the
+/// payload is read straight into place or gathered first; the peer gets a DDP Invalid STag
+/// Terminate, as a Write with that rkey would from then on. (A reload removing a namespace
+/// while a host's Write to it was arriving let its rest into the file.)
+#[test]
+fn a_write_whose_region_is_deregistered_mid_fpdu_places_nothing_more() {
+    // (payload, bytes of it sent before the deregistration): read into place, gathered.
+    for (len, first) in [(30_000, 3000), (4000, 1000)] {
+        let (qp, cq, pd, mut s, _) = raw_pair();
+        let buf = AlignedBuf::new(1 << 16).unwrap();
+        let mr = pd.register(Arc::clone(&buf), rw()).unwrap();
+        let frame = fpdu(
+            Header::tagged(Opcode::Write, mr.rkey(), mr.addr() + 100, true),
+            &vec![0x5Au8; len],
+        );
+        let split = 2 + 14 + first;
+        s.write_all(&frame[..split]).unwrap();
+        // Until the header was judged and the first bytes taken.
+        drive(&cq, Duration::from_millis(100));
+        let placed = |buf: &AlignedBuf| buf.to_vec().iter().filter(|&&b| b == 0x5A).count();
+        let before = placed(&buf);
+        assert!(before <= first);
+        drop(mr);
+        s.write_all(&frame[split..]).unwrap();
+        let got = read_while(&mut s, || {
+            drive(&cq, Duration::from_millis(1));
+            qp.state() == QpState::Error
+        });
+        assert_eq!(
+            placed(&buf),
+            before,
+            "payload {len}: bytes landed after the deregistration"
+        );
+        let t = terminate_in(&got).expect("a Terminate");
+        assert_eq!(
+            t.cause,
+            rpma_common::fabric::soft::wire::TermCause::DDP_TAGGED_INVALID_STAG,
+            "payload {len}"
+        );
+    }
 }
 
 #[test]

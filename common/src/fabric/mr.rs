@@ -91,7 +91,8 @@ impl ProtectionDomain {
     /// gone (the fabric keeps an `Arc` of the region per outstanding request). Dropping the
     /// region's last `Arc` revokes its rkey and the rkeys of every memory window bound to it
     /// (they are refused with a remote access error from then on); a peer's Write FPDU already
-    /// being placed when it is dropped holds the region until that FPDU is in, so the memory
+    /// being placed when it is dropped holds the region until that FPDU is in or refused (on
+    /// `tcp` with CRC off, the rest of it is refused at the queue pair's next poll), so the memory
     /// must also stay valid until the queue pairs that could be placing into it have made
     /// progress past that FPDU (or are gone). Peers with the rkey write into it at any time
     /// from the thread that drives progress: no Rust reference that assumes exclusive or

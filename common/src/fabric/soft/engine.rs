@@ -303,6 +303,8 @@ impl Engine {
         self.error = Some(why);
         // A large Flush in progress is not answered (nor its region kept alive) any more.
         self.flushing = None;
+        // Nor is the receiver polled again: the region of a Write it was placing is let go.
+        self.placing = None;
         // The oldest unfinished request gets the error; every later one (also those done but
         // waiting behind it, whose effect at the peer is now uncertain) is flushed.
         let mut head = head_status;

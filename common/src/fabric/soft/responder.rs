@@ -535,6 +535,16 @@ impl rx::Placer for Engine {
     fn write(&mut self, target: DirectTarget, payload: &[u8]) -> super::wire::Result<bool> {
         write_payload(target, payload)
     }
+
+    /// A Write's region deregistered while its payload was still arriving (CRC off): the rest
+    /// is refused as its STag would be now, so that nothing lands in the memory (a namespace
+    /// a reload removed, its file perhaps another subsystem's) after the revocation.
+    fn recheck(&mut self, _: &Header) -> std::result::Result<(), TermCause> {
+        match &self.placing {
+            Some(p) if p.region.revoked() => Err(TermCause::DDP_TAGGED_INVALID_STAG),
+            _ => Ok(()),
+        }
+    }
 }
 
 /// Where to place (and whether to write the bytes back from the cache as they are copied), or

@@ -24,8 +24,13 @@
 //! the same bytes and the memory's owner may read them meanwhile (racing bytes may come out
 //! torn, as on any RDMA NIC; nothing worse).
 //!
-//! Any error leaves nothing placed for the offending FPDU (with CRC off, an I/O error or EOF
-//! in the middle of a direct payload can leave a prefix of it written, as on any RDMA NIC) and
+//! With CRC off the placer is asked again ([`Placer::recheck`]) before each further piece of a
+//! direct payload that arrives over several polls is placed: a registration revoked between
+//! the header and the rest of the payload stops the FPDU there.
+//!
+//! Any error leaves nothing placed for the offending FPDU (with CRC off, an I/O error, EOF or a
+//! revocation in the middle of a direct payload can leave a prefix of it written, as on any
+//! RDMA NIC) and
 //! poisons the receiver: the caller answers with a Terminate for
 //! [`WireError::terminate_cause`], quoting [`FpduReceiver::offending_segment`], and closes.
 
@@ -227,7 +232,7 @@ impl FpduReceiver {
                 }
                 State::Idle => idle(&mut self.inbox, src, placer)?,
                 State::Gathering(g) => g.step(&mut self.inbox, src, placer)?,
-                State::Streaming(s) => s.step(&mut self.inbox, src)?,
+                State::Streaming(s) => s.step(&mut self.inbox, src, placer)?,
                 State::Trailer(t) => t.step(&mut self.inbox, src)?,
             };
             match next {
@@ -351,6 +356,9 @@ impl Gathering {
     ) -> Result<Next> {
         let total = fpdu_len(self.ulpdu_len);
         if inbox.avail() >= total {
+            if matches!(self.kind, Kind::Direct(_)) {
+                recheck(&self.header, placer)?;
+            }
             let Gathering {
                 header,
                 hl,
@@ -368,9 +376,26 @@ impl Gathering {
     }
 }
 
+/// [`Placer::recheck`], its refusal as `poll`'s error.
+fn recheck<P: Placer>(header: &Header, placer: &mut P) -> Result<()> {
+    placer.recheck(header).map_err(|cause| WireError::Refused {
+        opcode: header.opcode,
+        cause,
+    })
+}
+
 impl Streaming {
-    fn step<R: ReadVolatile>(mut self, inbox: &mut Inbox, src: &mut R) -> Result<Next> {
+    fn step<R: ReadVolatile, P: Placer>(
+        mut self,
+        inbox: &mut Inbox,
+        src: &mut R,
+        placer: &mut P,
+    ) -> Result<Next> {
         let payload_len = self.ulpdu_len - self.header.len();
+        if self.done < payload_len {
+            // Before each piece is placed (the receiver comes back here after every read).
+            recheck(&self.header, placer)?;
+        }
         let n = inbox.avail().min(payload_len - self.done);
         // dst.len() >= payload_len was checked in `decide`.
         let rest = self

@@ -124,6 +124,19 @@ pub trait Placer {
     /// What `poll` then fails with: [`WireError::PlacementTooShort`] for a target shorter than
     /// the payload, [`WireError::PlacementFailed`] when writing into a page-cache file failed.
     fn write(&mut self, target: DirectTarget, payload: &[u8]) -> Result<bool>;
+
+    /// With CRC off, where a direct payload arrives over several polls: called before each
+    /// further piece of it is read into place, and before a gathered one is handed to
+    /// [`Placer::write`]. `Err(cause)`: the target [`Placer::place`] chose may not be written
+    /// any more (its registration was revoked since); the FPDU stops there, what was placed
+    /// of it before stays, and `poll` fails with [`WireError::Refused`]. The default allows.
+    ///
+    /// # Errors
+    /// The Terminate cause that the refusal calls for.
+    fn recheck(&mut self, header: &Header) -> std::result::Result<(), TermCause> {
+        let _ = header;
+        Ok(())
+    }
 }
 
 /// The error of a direct placement of `dst` for a payload of `need` bytes.
