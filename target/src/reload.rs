@@ -29,6 +29,10 @@ pub struct ConfigDiff {
     pub namespaces_cleared: Vec<NsKey>,
     /// Allowed hosts added: (subsystem, host).
     pub hosts_added: Vec<(Nqn, Nqn)>,
+    /// Of the hosts added to a subsystem that was there before, those listed with a key: they
+    /// must authenticate from now on, even under `allow_any_host`, which may have admitted them
+    /// without one.
+    pub hosts_added_with_key: Vec<(Nqn, Nqn)>,
     /// Allowed hosts removed: (subsystem, host).
     pub hosts_removed: Vec<(Nqn, Nqn)>,
     /// Hosts whose key (file or contents) changed: (subsystem, host).
@@ -46,13 +50,16 @@ impl ConfigDiff {
     }
 
     /// Whether a session of `host` on `subsystem` is affected (its subsystem or host entry was
-    /// removed or changed). Namespace changes are handled per namespace by the caller.
+    /// removed or changed, or an entry with a key was added for it: a session `allow_any_host`
+    /// admitted without a key would keep rights its host must now prove). Namespace changes are
+    /// handled per namespace by the caller.
     pub fn touches_session(&self, subsystem: &Nqn, host: &Nqn) -> bool {
         let pair = (subsystem.clone(), host.clone());
         self.subsystems_removed.contains(subsystem)
             || self.subsystems_changed.contains(subsystem)
             || self.hosts_removed.contains(&pair)
             || self.hosts_changed.contains(&pair)
+            || self.hosts_added_with_key.contains(&pair)
     }
 
     /// A one-line summary for the log.
@@ -147,7 +154,13 @@ pub fn diff(old: &Config, new: &Config) -> ConfigDiff {
                 let (oh, nh) = (hosts(os), hosts(ns));
                 for (h, x) in &nh {
                     match oh.get(h) {
-                        None => d.hosts_added.push(((*nqn).clone(), (*h).clone())),
+                        None => {
+                            let pair = ((*nqn).clone(), (*h).clone());
+                            if x.psk_file.is_some() || x.psk.is_some() {
+                                d.hosts_added_with_key.push(pair.clone());
+                            }
+                            d.hosts_added.push(pair);
+                        }
                         Some(y) if y != x => d.hosts_changed.push(((*nqn).clone(), (*h).clone())),
                         Some(_) => {}
                     }
@@ -309,6 +322,37 @@ size = "1MiB"
         assert!(d.hosts_changed.is_empty());
         assert!(d.touches_session(&nqn("a"), &nqn("h1")));
         assert!(!d.touches_session(&nqn("a"), &nqn("h2")));
+    }
+
+    #[test]
+    fn a_host_added_with_a_key_touches_its_sessions_one_without_does_not() {
+        let open = BASE.replace(
+            "allow_any_host = true",
+            "allow_any_host = true\nhosts = [{ nqn = \"nqn.2026-11.io.rpma:h8\" }]",
+        );
+        let old = cfg(&open);
+        // h9, admitted by allow_any_host without a key, is listed with one: it must now
+        // authenticate, so its session is closed.
+        let mut new = old.clone();
+        let mut h9 = new.subsystems[1].hosts[0].clone();
+        h9.nqn = nqn("h9");
+        h9.psk_file = Some("/etc/rpma/h9.psk".into());
+        new.subsystems[1].hosts.push(h9);
+        let d = diff(&old, &new);
+        assert_eq!(d.hosts_added, [(nqn("b"), nqn("h9"))]);
+        assert_eq!(d.hosts_added_with_key, [(nqn("b"), nqn("h9"))]);
+        assert!(d.touches_session(&nqn("b"), &nqn("h9")));
+        assert!(!d.touches_session(&nqn("b"), &nqn("h8")));
+        assert!(!d.touches_session(&nqn("a"), &nqn("h9")));
+        // Listed without a key, it has the rights allow_any_host gave it: untouched.
+        let mut new = old.clone();
+        let mut h9 = new.subsystems[1].hosts[0].clone();
+        h9.nqn = nqn("h9");
+        new.subsystems[1].hosts.push(h9);
+        let d = diff(&old, &new);
+        assert_eq!(d.hosts_added, [(nqn("b"), nqn("h9"))]);
+        assert!(d.hosts_added_with_key.is_empty());
+        assert!(!d.touches_session(&nqn("b"), &nqn("h9")));
     }
 
     #[test]

@@ -9,6 +9,7 @@ use std::time::Duration;
 
 use nix::sys::signal::Signal;
 use rpma_common::fabric::{RemoteAddr, WcStatus};
+use rpma_common::proto::auth::Psk;
 use rpma_common::proto::FlushStatus;
 use rpma_initiator::{connect, identify, Error, Session};
 use rpma_tests::sessions::*;
@@ -268,6 +269,43 @@ fn sighup_removing_a_host_closes_its_session_only() {
         [WcStatus::Success, WcStatus::Success]
     );
     assert_eq!(other.flush(1, 0, 11, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+/// A host that `allow_any_host` admitted without a key, listed with a key by a reload: it must
+/// now authenticate, so the session it holds without having done so is closed, and it gets in
+/// again only with the key. (The added entry was not looked at: the session kept its rights.)
+#[test]
+fn a_reload_listing_a_host_with_a_key_closes_the_session_it_holds_without_one() {
+    let d = scratch();
+    let top = "keep_alive_ms = 10000";
+    let t = start(d.path(), top);
+    let mut s = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    let keyed = demo_config(top, "").replacen(
+        "allow_any_host = true\n",
+        &format!(
+            "allow_any_host = true\nhosts = [{{ nqn = \"{OPEN_HOST}\", psk_file = \"keyed.psk\" }}]\n"
+        ),
+        1,
+    );
+    assert!(
+        keyed.contains(&format!("\"{OPEN_HOST}\", psk_file")),
+        "{keyed}"
+    );
+    t.rewrite(&keyed);
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    let end = s.wait_message(WAIT, "the goodbye");
+    assert!(
+        matches!(end, Err(Error::Disconnected { ref reason }) if reason.contains("configuration")),
+        "{end:?}"
+    );
+    let again = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts());
+    assert!(matches!(again, Err(Error::KeyRequired)), "{again:?}");
+    let with_key = host(OPEN_HOST).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
+    let mut s = connect(&t.url(), &nqn(OPEN), &with_key, &opts()).unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
 #[test]
