@@ -42,10 +42,9 @@
 
 use std::collections::VecDeque;
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
-use std::sync::{mpsc, Arc, Once};
+use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
-use io_uring::{opcode, types, IoUring};
 use rpma_common::pmem::{Durability, Persist, SyncFailure};
 use rpma_common::proto::FlushStatus;
 use rpma_common::stats::Stopwatch;
@@ -53,8 +52,10 @@ use rpma_common::stats::Stopwatch;
 use crate::eventfd::EventFd;
 use crate::metrics::LoopStats;
 
+mod backend;
 mod error;
 mod flush_target;
+use backend::Backend;
 pub use error::{FlusherError, Result};
 pub use flush_target::FlushTarget;
 use flush_target::Kind;
@@ -119,20 +120,6 @@ struct Held {
     waits: Vec<(usize, u64)>,
 }
 
-struct Job {
-    slot: usize,
-    fd: Arc<OwnedFd>,
-}
-
-enum Backend {
-    Uring(Box<IoUring>),
-    Thread {
-        jobs: Option<mpsc::Sender<Job>>,
-        done: mpsc::Receiver<(usize, i32)>,
-        worker: Option<std::thread::JoinHandle<()>>,
-    },
-}
-
 /// The flush service of one poll loop.
 pub struct Flusher {
     /// Which of a page-cache target's open files its syncs use: the daemon numbers its flush
@@ -184,27 +171,18 @@ impl Flusher {
     pub fn new(depth: u32, service: usize) -> Result<Self> {
         let depth = depth.clamp(1, 4096);
         let eventfd = Arc::new(EventFd::new().map_err(FlusherError::EventFd)?);
-        let ring = IoUring::new(depth.next_power_of_two()).and_then(|ring| {
-            ring.submitter()
-                .register_eventfd(eventfd.as_fd().as_raw_fd())?;
-            Ok(ring)
-        });
-        match ring {
-            Ok(ring) => Ok(Self::with_backend(
-                Backend::Uring(Box::new(ring)),
-                eventfd,
-                depth,
-                service,
-            )),
+        let backend = match Backend::uring(depth, &eventfd) {
+            Ok(ring) => ring,
             Err(e) => {
                 FALLBACK_LOGGED.call_once(|| {
                     log::warn!(
                         "io_uring unavailable ({e}); page-cache flushes use a worker thread instead"
                     )
                 });
-                Self::with_thread(depth, eventfd, service)
+                Backend::thread(Arc::clone(&eventfd))?
             }
-        }
+        };
+        Ok(Self::with_backend(backend, eventfd, depth, service))
     }
 
     /// A flusher that uses the worker thread even where io_uring works.
@@ -213,41 +191,11 @@ impl Flusher {
     /// [`FlusherError::EventFd`], [`FlusherError::Thread`].
     pub fn new_threaded(depth: u32, service: usize) -> Result<Self> {
         let eventfd = Arc::new(EventFd::new().map_err(FlusherError::EventFd)?);
-        Self::with_thread(depth.clamp(1, 4096), eventfd, service)
-    }
-
-    fn with_thread(depth: u32, eventfd: Arc<EventFd>, service: usize) -> Result<Self> {
-        let (jobs, job_rx) = mpsc::channel::<Job>();
-        let (done_tx, done) = mpsc::channel();
-        let efd = eventfd.clone();
-        let worker = std::thread::Builder::new()
-            .name("rpma-flusher".into())
-            .spawn(move || {
-                for job in job_rx {
-                    // SAFETY: fdatasync on a descriptor kept open by `job.fd`.
-                    let rc = unsafe { libc::fdatasync(job.fd.as_raw_fd()) };
-                    let res = if rc == 0 {
-                        0
-                    } else {
-                        -std::io::Error::last_os_error()
-                            .raw_os_error()
-                            .unwrap_or(libc::EIO)
-                    };
-                    if done_tx.send((job.slot, res)).is_err() {
-                        break;
-                    }
-                    efd.signal();
-                }
-            })
-            .map_err(FlusherError::Thread)?;
+        let backend = Backend::thread(Arc::clone(&eventfd))?;
         Ok(Self::with_backend(
-            Backend::Thread {
-                jobs: Some(jobs),
-                done,
-                worker: Some(worker),
-            },
+            backend,
             eventfd,
-            depth,
+            depth.clamp(1, 4096),
             service,
         ))
     }
@@ -279,10 +227,7 @@ impl Flusher {
 
     /// "io_uring" or "thread".
     pub fn backend_name(&self) -> &'static str {
-        match self.backend {
-            Backend::Uring(_) => "io_uring",
-            Backend::Thread { .. } => "thread",
-        }
+        self.backend.name()
     }
 
     /// Flushes submitted and not yet reaped: device flushes, and dax write-backs taken in
@@ -469,64 +414,15 @@ impl Flusher {
             return Err(FlusherError::Full(self.slots.len()));
         };
         let started = Stopwatch::start();
-        let submitted = match &mut self.backend {
-            Backend::Uring(ring) => {
-                // A range longer than u32 syncs the whole file (offset 0, length 0), a superset.
-                let (off, len) = match u32::try_from(length) {
-                    Ok(len) => (offset, len),
-                    Err(_) => (0, 0),
-                };
-                let sqe = opcode::Fsync::new(types::Fd(fd.as_raw_fd()))
-                    .offset(off)
-                    .len(len)
-                    .flags(types::FsyncFlags::DATASYNC)
-                    .build()
-                    .user_data(slot as u64);
-                // SAFETY: the SQE refers to no memory, only to `fd`, which the in-flight table
-                // keeps open (below) until this entry's completion is reaped in `poll`.
-                let pushed = unsafe { ring.submission().push(&sqe) }.is_ok();
-                if pushed {
-                    #[cfg(test)]
-                    let failed = std::mem::take(&mut self.fail_next_submit);
-                    #[cfg(not(test))]
-                    let failed = false;
-                    let r = match failed {
-                        true => Err(std::io::Error::from_raw_os_error(libc::EAGAIN)),
-                        false => ring.submit().map(|_| ()),
-                    };
-                    // Pushed, the sync is in the ring whether or not the kernel took it now:
-                    // it stays in flight (its file kept open, its slot not handed out again)
-                    // and the next poll submits it. Freed, the slot was given to the next
-                    // flush, which then got this sync's completion: a Durable for a range
-                    // nothing synced, or a write-back error recorded on another namespace.
-                    if let Err(e) = r {
-                        log::warn!(
-                            "flusher: io_uring did not take a sync now ({e}); submitted again \
-                             at the next poll"
-                        );
-                        self.unsubmitted = true;
-                    }
-                    Ok(())
-                } else {
-                    // Cannot happen while in-flight <= ring size; report it rather than panic.
-                    Err(FlusherError::Full(self.slots.len()))
-                }
-            }
-            Backend::Thread { jobs, .. } => {
-                let sent = jobs.as_ref().map(|j| {
-                    j.send(Job {
-                        slot,
-                        fd: fd.clone(),
-                    })
-                });
-                match sent {
-                    Some(Ok(())) => Ok(()),
-                    _ => Err(FlusherError::Submit(std::io::Error::other(
-                        "flusher worker is gone",
-                    ))),
-                }
-            }
-        };
+        #[cfg(test)]
+        let fail = std::mem::take(&mut self.fail_next_submit);
+        #[cfg(not(test))]
+        let fail = false;
+        let depth = self.slots.len();
+        let submitted = self
+            .backend
+            .push(slot, &fd, (offset, length), depth, fail)
+            .map(|taken| self.unsubmitted |= !taken);
         match submitted {
             Ok(()) => {
                 self.slots[slot] = Some(InFlight {
@@ -572,17 +468,7 @@ impl Flusher {
             }
         }
         let mut finished = Vec::new();
-        match &mut self.backend {
-            Backend::Uring(ring) => {
-                if self.unsubmitted && ring.submit().is_ok() {
-                    self.unsubmitted = false;
-                }
-                for cqe in ring.completion() {
-                    finished.push((cqe.user_data() as usize, cqe.result()));
-                }
-            }
-            Backend::Thread { done, .. } => finished.extend(done.try_iter()),
-        }
+        self.unsubmitted = self.backend.reap(self.unsubmitted, &mut finished);
         // Every failure of the batch is recorded before any answer is decided: of two syncs of
         // one open file, the one that returned 0 beside the one that took the error report
         // must not be answered durable for being reaped first.
@@ -761,20 +647,6 @@ fn sync_status(res: i32, store: &dyn Persist) -> FlushStatus {
         FlushStatus::NamespaceFailed
     } else {
         FlushStatus::Durable
-    }
-}
-
-impl Drop for Flusher {
-    fn drop(&mut self) {
-        if let Backend::Thread { jobs, worker, .. } = &mut self.backend {
-            // Closing the channel ends the worker after its current fdatasync.
-            jobs.take();
-            if let Some(w) = worker.take() {
-                let _ = w.join();
-            }
-        }
-        // io_uring: fsync entries hold no user memory and the kernel holds its own file
-        // references, so dropping the ring with entries in flight is safe.
     }
 }
 

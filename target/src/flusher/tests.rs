@@ -1,9 +1,13 @@
 use std::fs::File;
 use std::os::unix::fs::OpenOptionsExt;
 
+use std::os::fd::AsRawFd;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use super::backend::Job;
 use super::*;
 use rpma_common::pmem::{Domain, Mapping, OpenOptions};
-use std::time::{Duration, Instant};
 
 fn page_cache_file(dir: &std::path::Path, len: u64) -> FlushTarget {
     let p = dir.join("f");
