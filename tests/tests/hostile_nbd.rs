@@ -649,3 +649,100 @@ fn running_out_of_file_descriptors_pauses_accepts_instead_of_spinning() {
     let mut c = Raw::connect(&e.sock);
     assert!(c.read(0, 4096).is_ok());
 }
+
+/// A client in transmission on the Unix socket `sock`, or why not (a newcomer the export
+/// turned away is closed before its greeting).
+fn try_connect(sock: &std::path::Path) -> std::io::Result<Raw> {
+    let s = UnixStream::connect(sock)?;
+    s.set_read_timeout(Some(WAIT))?;
+    idle_client(s).map(Raw)
+}
+
+/// `len` bytes at `offset` read through `r`, or why not (its connection closed).
+fn try_read(r: &mut Raw, offset: u64, len: u32) -> std::io::Result<Vec<u8>> {
+    let req = r.request(CMD_READ, 0, 77, offset, len);
+    r.0.write_all(&req)?;
+    let mut h = [0u8; 16];
+    r.0.read_exact(&mut h)?;
+    if h[4..8] != [0; 4] {
+        return Err(std::io::Error::other(format!(
+            "READ answered {:?}",
+            &h[4..8]
+        )));
+    }
+    let mut b = vec![0u8; len as usize];
+    r.0.read_exact(&mut b)?;
+    Ok(b)
+}
+
+/// Bytes waiting to be read on `fd`.
+fn unread(fd: &impl AsRawFd) -> libc::c_int {
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int through the pointer, which outlives the call.
+    let r = unsafe { libc::ioctl(fd.as_raw_fd(), libc::FIONREAD, &mut n) };
+    assert_eq!(r, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+    n
+}
+
+/// Connections of the well-behaved client's own user that each send a request, then large
+/// READs whose replies they never read, keep neither that client nor a newcomer out: a
+/// connection whose replies wait unread for a second may be evicted (after those that sent no
+/// request, before idle ones), and among connections that sent requests the newest go first.
+/// (Before: the sixteenth connection evicted the well-behaved client, idle the longest, and
+/// every newcomer was refused, "all executing requests", until the replies' time-out, 30 s and
+/// more, while the attackers could send the next READs.)
+#[test]
+fn connections_that_never_read_their_replies_do_not_keep_the_clients_own_user_out() {
+    let (_d, _shm, t) = start("nbd-unread-squat");
+    let e = Export::start(&t, 1, "unread-squat", &[]);
+    let mut legit = Raw::connect(&e.sock);
+    assert_eq!(legit.write(0, 0, &[0x5a; 4096]), 0);
+    assert_eq!(legit.flush(), 0);
+    // 16 from the same user, each with one request answered: the sixteenth is past the
+    // source's cap and evicts one of the others.
+    let mut attackers: Vec<Raw> = (0..16)
+        .map(|i| {
+            let mut a = Raw::connect(&e.sock);
+            assert!(try_read(&mut a, 0, 4096).is_ok(), "attacker {i}");
+            a
+        })
+        .collect();
+    attackers.retain(|a| !gone(&a.0));
+    // Then 2 MiB of READ replies each, far more than its socket holds, never read.
+    for a in &mut attackers {
+        let r = a.request(CMD_READ, 0, 5, 0, 2 << 20);
+        a.0.write_all(&r).unwrap();
+    }
+    let deadline = Instant::now() + WAIT;
+    for a in &attackers {
+        while unread(&a.0) == 0 {
+            assert!(Instant::now() < deadline, "no reply reached an attacker");
+            std::thread::sleep(Duration::from_millis(5));
+        }
+    }
+    // Their replies have waited a second (a newcomer before that would find every attacker
+    // executing requests, and the idle client the only one to evict: it gets back in below).
+    std::thread::sleep(Duration::from_millis(1500));
+    // Well within the replies' time-out (30 s and more), which freed the slots before.
+    let deadline = Instant::now() + Duration::from_secs(10);
+    let get_in = |what: &str| loop {
+        match try_connect(&e.sock).and_then(|mut c| try_read(&mut c, 0, 4096).map(|b| (c, b))) {
+            Ok(got) => break got,
+            Err(err) => assert!(
+                Instant::now() < deadline,
+                "{what} kept out: {err}\nthe export's log:\n{}",
+                e.log()
+            ),
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let (_newcomer, got) = get_in("a newcomer");
+    assert!(got.iter().all(|&v| v == 0x5a));
+    let stayed = match try_read(&mut legit, 0, 4096) {
+        Ok(got) => got,
+        Err(_) => get_in("the well-behaved client, reconnecting").1,
+    };
+    assert!(stayed.iter().all(|&v| v == 0x5a));
+    e.log_line("its replies unread");
+    drop(attackers);
+}

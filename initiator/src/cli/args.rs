@@ -76,9 +76,10 @@ pub(crate) struct Global {
 /// The NBD export's limits on its clients (docs/mount.md, "Limits").
 #[derive(Debug, Args, Clone, Copy, PartialEq)]
 pub(crate) struct NbdLimits {
-    /// Client connections served at once (1-4096). A newcomer past it takes the place of a client still
-    /// in its handshake, else of the one idle the longest, of the source holding the most
-    /// (refused only if all are executing requests).
+    /// Client connections served at once (1-4096). A newcomer past it takes the place of a
+    /// client of the source holding the most: one that sent no request yet (the oldest), else
+    /// one whose replies have waited unread for a second, else an idle one (the newest of
+    /// either); refused only if all are executing requests and taking their replies.
     #[arg(long, value_name = "N", default_value_t = 64,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) max_clients: u32,

@@ -263,6 +263,7 @@ impl Server {
                     let what = match h.state {
                         State::Handshake => "in its handshake",
                         State::Unused => "idle, no request sent,",
+                        State::Stalled => "executing requests, its replies unread",
                         _ => "idle",
                     };
                     // Charged to the newcomer's source: the cause, whose flood of newcomers
@@ -285,6 +286,15 @@ impl Server {
                 }
             }
         }
+        self.shared.problems.log(
+            Level::Warn,
+            peer.source,
+            format_args!(
+                "nbd: refused a connection from {}: each client chosen to make room for it \
+                 began executing requests first",
+                peer.name
+            ),
+        );
         false
     }
 

@@ -5,19 +5,24 @@
 //! is never turned away while someone holds a slot without using it: a source at its cap makes
 //! room from its own connections, a full export from those of the source that holds the most.
 //! The one evicted is the oldest connection that has not sent a request yet (in its handshake
-//! or past it), else the one idle the longest (in the transmission phase, no request being
-//! executed). Only when every candidate is busy executing requests is the newcomer refused.
+//! or past it), else one stalled on its replies (executing requests, its replies unread for
+//! [`STALL`] or more), else one idle (in the transmission phase, no request being executed);
+//! among those that sent requests, the newest first, so that a client established on a
+//! source outlives the connections opened after it. Only when every candidate is busy
+//! executing requests (and taking its replies) is the newcomer refused.
 //! So clients that merely hold slots, from one address or from many, delay a well-behaved
 //! client by nothing but its own handshake: a newcomer outlives as many newer connections of
 //! its source as the cap allows, and once it has sent a request it goes only after every
-//! holder that never did. What they can still do is push out a client of the source they
-//! share (or of the largest sources, when the export is full) by opening connections faster
-//! than it sends requests (docs/mount.md, "Limits").
+//! holder that never did and every one that does not read its replies. What they can still do
+//! is push out a client of the source they share (or of the largest sources, when the export
+//! is full) by opening connections faster than it sends requests, or, once it sent requests,
+//! by being older than it and sending requests of their own (docs/mount.md, "Limits").
 //!
 //! Each client's thread and the accept loop share a [`Slot`]: the client moves it between
-//! handshake, idle and busy; the accept loop takes an idle or unfinished one away
-//! ([`Slot::evict`]) in one compare-and-swap, so an evicted client never starts a request it
-//! read after the eviction, and a busy one is never evicted.
+//! handshake, idle, busy and stalled; the accept loop takes an idle, unfinished or stalled one
+//! away ([`Slot::evict`]) in one compare-and-swap, so an evicted client never starts a request
+//! it read after the eviction, and a busy one is never evicted (a stalled one goes back to
+//! busy only if it was not: [`Slot::unstall`]).
 
 use std::fmt;
 use std::net::IpAddr;
@@ -49,6 +54,10 @@ const HANDSHAKE: u8 = 0;
 const IDLE: u8 = 1;
 const BUSY: u8 = 2;
 const GONE: u8 = 3;
+const STALLED: u8 = 4;
+
+/// How long a client's replies may wait unread before its slot may be taken for a newcomer.
+pub(crate) const STALL: Duration = Duration::from_secs(1);
 
 /// One client's place in the export.
 #[derive(Debug)]
@@ -56,9 +65,9 @@ pub(crate) struct Slot {
     phase: AtomicU8,
     /// It has begun executing requests at least once.
     used: AtomicBool,
-    /// When it connected: its age, for the eviction of clients that sent no request yet.
+    /// When it connected: its age, for the order of eviction.
     born: Instant,
-    /// Milliseconds after `epoch` when it connected or last became idle.
+    /// Milliseconds after `epoch` when it connected, last became idle or stalled.
     since_ms: AtomicU64,
     epoch: Instant,
 }
@@ -117,9 +126,31 @@ impl Slot {
             .compare_exchange(BUSY, IDLE, Ordering::SeqCst, Ordering::SeqCst);
     }
 
-    /// Takes the slot from a client in its handshake or idle; false if it is busy or gone.
+    /// Its replies have waited unread for [`STALL`]: it may be evicted until
+    /// [`unstall`](Self::unstall).
+    pub(crate) fn stall(&self) {
+        self.touch();
+        let _ = self
+            .phase
+            .compare_exchange(BUSY, STALLED, Ordering::SeqCst, Ordering::SeqCst);
+    }
+
+    /// Its replies were taken: busy again. False if it was evicted while stalled (nothing
+    /// more may be executed).
+    pub(crate) fn unstall(&self) -> bool {
+        match self
+            .phase
+            .compare_exchange(STALLED, BUSY, Ordering::SeqCst, Ordering::SeqCst)
+        {
+            Ok(_) => true,
+            Err(now) => now != GONE,
+        }
+    }
+
+    /// Takes the slot from a client in its handshake, idle or stalled; false if it is busy or
+    /// gone.
     pub(crate) fn evict(&self) -> bool {
-        [HANDSHAKE, IDLE].into_iter().any(|from| {
+        [HANDSHAKE, IDLE, STALLED].into_iter().any(|from| {
             self.phase
                 .compare_exchange(from, GONE, Ordering::SeqCst, Ordering::SeqCst)
                 .is_ok()
@@ -137,18 +168,21 @@ impl Slot {
             IDLE if self.used.load(Ordering::SeqCst) => State::Idle,
             IDLE => State::Unused,
             BUSY => State::Busy,
+            STALLED => State::Stalled,
             _ => State::Gone,
         }
     }
 }
 
 /// A slot's state as the accept loop sees it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum State {
     /// In its handshake.
     Handshake,
     /// Past its handshake, no request yet.
     Unused,
+    /// Executing requests, its replies unread for [`STALL`] or more.
+    Stalled,
     /// Waiting for its next request.
     Idle,
     /// Executing requests: never evicted.
@@ -169,8 +203,10 @@ pub(crate) struct Caps {
 pub(crate) struct Held {
     pub(crate) source: Source,
     pub(crate) state: State,
-    /// When it connected, for a client that sent no request yet; when it last became idle,
-    /// for one that did.
+    /// When it connected.
+    pub(crate) born: Instant,
+    /// How long it has been in its state from: when it connected (in its handshake or
+    /// unused), last became idle or stalled.
     pub(crate) since: Instant,
 }
 
@@ -181,12 +217,38 @@ impl Held {
         Held {
             source,
             state,
+            born: slot.born,
             since: match state {
-                State::Idle => slot.since(),
+                State::Idle | State::Stalled => slot.since(),
                 _ => slot.born,
             },
         }
     }
+
+    /// Whether a newcomer may take its slot.
+    fn evictable(&self) -> bool {
+        !matches!(self.state, State::Busy | State::Gone)
+    }
+
+    /// Its place in the order of eviction among slots of the same rank: those that sent no
+    /// request yet go first, then those stalled on their replies, then the idle ones.
+    fn class(&self) -> u8 {
+        match self.state {
+            State::Handshake | State::Unused => 0,
+            State::Stalled => 1,
+            _ => 2,
+        }
+    }
+}
+
+/// Which of two evictable slots goes first, by [`Held::class`]: of those that sent no request
+/// yet, the oldest (a newcomer, in its handshake, is the youngest of all); of the others, the
+/// newest (a client established on its source outlives the connections opened after it).
+fn first_to_go(a: &Held, b: &Held) -> std::cmp::Ordering {
+    a.class().cmp(&b.class()).then_with(|| match a.class() {
+        0 => a.born.cmp(&b.born),
+        _ => b.born.cmp(&a.born),
+    })
 }
 
 /// Why a newcomer was turned away.
@@ -234,18 +296,15 @@ pub(crate) fn decide(held: &[Held], source: Source, caps: Caps) -> Decision {
     let count = |s: Source| live().filter(|(_, h)| h.source == s).count();
     let total = live().count();
     let mine = count(source);
-    // The victim: the largest source's; one that sent no request yet before one that did;
-    // the oldest (a newcomer, in its handshake, is the youngest of all).
+    // The victim: the largest source's; then by first_to_go.
     let victim = |only: Option<Source>| {
         live()
-            .filter(|(_, h)| h.state < State::Busy)
+            .filter(|(_, h)| h.evictable())
             .filter(|(_, h)| only.is_none_or(|s| h.source == s))
-            .min_by_key(|(_, h)| {
-                (
-                    std::cmp::Reverse(count(h.source)),
-                    h.state == State::Idle,
-                    h.since,
-                )
+            .min_by(|(_, a), (_, b)| {
+                count(b.source)
+                    .cmp(&count(a.source))
+                    .then_with(|| first_to_go(a, b))
             })
             .map(|(i, _)| i)
     };
@@ -275,10 +334,12 @@ mod tests {
         Source::Addr(IpAddr::from([192, 0, 2, n]))
     }
 
+    /// A slot that connected `at` seconds after `t0`.
     fn held(source: Source, state: State, at: u64, t0: Instant) -> Held {
         Held {
             source,
             state,
+            born: t0 + Duration::from_secs(at),
             since: t0 + Duration::from_secs(at),
         }
     }
@@ -316,11 +377,13 @@ mod tests {
     }
 
     #[test]
-    fn idle_clients_go_longest_idle_first_and_busy_ones_never() {
+    fn idle_clients_go_newest_first_and_busy_ones_never() {
         let t0 = Instant::now();
+        // The client established first outlives those opened after it, however long idle
+        // (a kernel client under a quiet filesystem, connections opened to push it out).
         let h = [
-            held(addr(1), State::Idle, 3, t0),
             held(addr(1), State::Idle, 2, t0),
+            held(addr(1), State::Idle, 3, t0),
         ];
         assert_eq!(decide(&h, addr(1), CAPS), Decision::Evict(1));
         // One that never sent a request goes before one that did, however long idle.
@@ -346,13 +409,46 @@ mod tests {
     }
 
     #[test]
+    fn stalled_clients_go_after_those_that_sent_nothing_and_before_idle_ones() {
+        let t0 = Instant::now();
+        let caps = Caps {
+            total: 8,
+            per_source: 4,
+        };
+        // An idle client established first; connections opened after it that sent requests
+        // and do not read the replies (stalled), the newest first; one in its handshake.
+        let mut h = vec![
+            held(addr(1), State::Idle, 0, t0),
+            held(addr(1), State::Stalled, 1, t0),
+            held(addr(1), State::Stalled, 2, t0),
+            held(addr(1), State::Handshake, 3, t0),
+        ];
+        assert_eq!(decide(&h, addr(1), caps), Decision::Evict(3));
+        h[3].state = State::Gone;
+        h.push(held(addr(1), State::Busy, 4, t0));
+        assert_eq!(decide(&h, addr(1), caps), Decision::Evict(2));
+        h[2].state = State::Gone;
+        h.push(held(addr(1), State::Busy, 5, t0));
+        assert_eq!(decide(&h, addr(1), caps), Decision::Evict(1));
+        h[1].state = State::Gone;
+        h.push(held(addr(1), State::Busy, 6, t0));
+        // Only the idle one is left to evict: the others take their replies.
+        assert_eq!(decide(&h, addr(1), caps), Decision::Evict(0));
+        h[0].state = State::Busy;
+        assert_eq!(
+            decide(&h, addr(1), caps),
+            Decision::Refuse(Refusal::SourceBusy { held: 4, cap: 4 })
+        );
+    }
+
+    #[test]
     fn a_full_export_evicts_from_the_source_holding_the_most() {
         let t0 = Instant::now();
-        // The well-behaved addr(1) is idle the longest, but addr(2) holds more slots.
+        // addr(2) holds more slots than the others: its newest goes.
         let h = [
-            held(addr(1), State::Idle, 0, t0),
-            held(addr(2), State::Idle, 5, t0),
+            held(addr(1), State::Idle, 6, t0),
             held(addr(2), State::Idle, 4, t0),
+            held(addr(2), State::Idle, 5, t0),
             held(addr(3), State::Handshake, 1, t0),
         ];
         assert_eq!(decide(&h, addr(4), CAPS), Decision::Evict(2));
@@ -395,5 +491,23 @@ mod tests {
         assert!(s.evict(), "idle again");
         assert!(!s.begin(), "nothing starts after an eviction");
         assert!(!s.evict(), "once");
+        // Stalled on its replies: evictable until it took them.
+        let s = Slot::new(Instant::now());
+        assert!(s.entered_transmission());
+        assert!(s.begin());
+        s.stall();
+        assert_eq!(s.state(), State::Stalled);
+        assert!(s.unstall(), "its replies taken");
+        assert_eq!(s.state(), State::Busy);
+        assert!(!s.evict(), "busy again");
+        s.stall();
+        assert!(s.evict(), "stalled");
+        assert!(
+            !s.unstall(),
+            "evicted while stalled: nothing more is executed"
+        );
+        assert!(s.evicted());
+        s.end();
+        assert!(s.evicted(), "the end of its requests does not make it idle");
     }
 }

@@ -19,7 +19,7 @@ use rpma_common::proto::PersistenceDomain;
 use super::pipeline::{errno, Answer, Pipeline, Reply};
 use super::proto::{self, simple_reply, Errno, EIO};
 use super::shared::{Cell, Held, Shared};
-use super::slots::{Slot, Source};
+use super::slots::{Slot, Source, STALL};
 use super::stream::{write_vectored_from, NoWait, Stream, WRITE_TIMEOUT};
 use super::ConnError;
 use crate::writebuf::WriteBuf;
@@ -437,7 +437,21 @@ impl<'a> Client<'a> {
     /// slowly or not at all held every FLUSH of the export up, for up to 30 s a write while
     /// it read nothing, and as long as it liked while it trickled.) A client must take its
     /// replies within [`WRITE_TIMEOUT`] plus a second per MiB, or its connection is closed.
+    ///
+    /// Replies left unread for [`STALL`] stall the client: its slot may be taken for a
+    /// newcomer until they were taken ([`Slot::stall`]; before, connections that sent large
+    /// READs and read nothing held their slots as busy, so that every newcomer of their source
+    /// was refused). Evicted meanwhile, it executes nothing more ([`ConnError::Evicted`]).
     fn send(&mut self) -> Result<(), ConnError> {
+        let mut stalled = false;
+        let r = self.send_inner(&mut stalled);
+        if stalled && !self.slot.unstall() {
+            return Err(ConnError::Evicted);
+        }
+        r
+    }
+
+    fn send_inner(&mut self, stalled: &mut bool) -> Result<(), ConnError> {
         self.collect();
         if self.out.is_empty() && self.replies.is_empty() {
             return Ok(());
@@ -474,6 +488,10 @@ impl<'a> Client<'a> {
                         (now - since).as_secs()
                     ),
                 )));
+            }
+            if !*stalled && now - since >= STALL {
+                self.slot.stall();
+                *stalled = true;
             }
             if self.held.is_some() && self.cell.wanted() {
                 if let Err(e) = self.settle() {
