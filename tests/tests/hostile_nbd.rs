@@ -746,3 +746,36 @@ fn connections_that_never_read_their_replies_do_not_keep_the_clients_own_user_ou
     e.log_line("its replies unread");
     drop(attackers);
 }
+
+/// A client that leaves its replies unread for longer than the target's keep-alive (5 s here)
+/// does not let its queue's session lapse: its thread lets the queue go once the replies have
+/// waited a second, and the keep-alive ticks it. (Its thread held the queue, which the
+/// keep-alive does not wait for, until the client read: the target revoked the session's keys
+/// and dropped it.)
+#[test]
+fn replies_left_unread_past_the_targets_keep_alive_do_not_lapse_the_session() {
+    let (_d, _shm, t) = start("nbd-unread-keepalive");
+    let e = Export::start(&t, 1, "unread-keepalive", &[]);
+    let mut a = Raw::connect(&e.sock);
+    assert_eq!(a.write(0, 0, &[8; 4096]), 0);
+    let r = a.request(CMD_READ, 0, 100, 0, 4 << 20);
+    a.send(&r);
+    let deadline = Instant::now() + WAIT;
+    while unread(&a.0) == 0 {
+        assert!(Instant::now() < deadline, "no reply reached A");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // Past the keep-alive (5 s) and the target's check of it, within the replies' time-out.
+    std::thread::sleep(Duration::from_secs(8));
+    assert_eq!(a.reply(), (0, 100));
+    assert!(a.take(4 << 20)[..4096].iter().all(|&v| v == 8));
+    assert_eq!(a.flush(), 0);
+    assert!(a.read(0, 4096).is_ok_and(|b| b.iter().all(|&v| v == 8)));
+    let log = t.log();
+    assert!(!log.contains("lapsed"), "{log}\nthe export's:\n{}", e.log());
+    assert!(
+        !e.log().contains("queue to the target failed"),
+        "{}",
+        e.log()
+    );
+}

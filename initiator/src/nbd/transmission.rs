@@ -442,6 +442,9 @@ impl<'a> Client<'a> {
     /// newcomer until they were taken ([`Slot::stall`]; before, connections that sent large
     /// READs and read nothing held their slots as busy, so that every newcomer of their source
     /// was refused). Evicted meanwhile, it executes nothing more ([`ConnError::Evicted`]).
+    /// Its queue goes then too, wanted or not: the keep-alive ticks only a queue no thread
+    /// holds (held while the client read nothing, the target's keep-alive lapsed, and the
+    /// queue had to reconnect and re-issue its writes).
     fn send(&mut self) -> Result<(), ConnError> {
         let mut stalled = false;
         let r = self.send_inner(&mut stalled);
@@ -493,7 +496,7 @@ impl<'a> Client<'a> {
                 self.slot.stall();
                 *stalled = true;
             }
-            if self.held.is_some() && self.cell.wanted() {
+            if self.held.is_some() && (*stalled || self.cell.wanted()) {
                 if let Err(e) = self.settle() {
                     break Err(e);
                 }
