@@ -779,3 +779,66 @@ fn replies_left_unread_past_the_targets_keep_alive_do_not_lapse_the_session() {
         e.log()
     );
 }
+
+/// NBD_CMD_WRITE_ZEROES.
+const CMD_WRITE_ZEROES: u16 = 6;
+
+/// The bytes the target placed, all sessions together.
+fn placed(t: &rpma_tests::Target) -> u64 {
+    t.status()["sessions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|s| s["data"]["write_bytes"].as_u64().unwrap_or(0))
+        .sum()
+}
+
+/// Large WRITE_ZEROES on one connection hold up no other connection's FLUSH (which must make
+/// the first connection's write durable too, on its queue): one of a whole 256 MiB namespace is
+/// written a 64 MiB step at a time, the queue let go between steps to a FLUSH that wants it,
+/// and many smaller ones count toward a batch's 64 MiB as WRITEs do, the queue let go between
+/// batches. Checked by order: the FLUSH is answered before the zeroes are. (Each WRITE_ZEROES
+/// was one write under the queue's lock whatever its length, up to 4 GiB, and a batch of them
+/// counted no bytes: one WRITE and 64 WRITE_ZEROES held every FLUSH of the export for
+/// minutes.)
+#[test]
+fn large_write_zeroes_hold_up_no_other_connections_flush() {
+    const BIG: u64 = 256 << 20;
+    let d = rpma_tests::scratch();
+    let config = rpma_tests::Config::new().subsystem(
+        rpma_tests::Subsystem::new(SUB)
+            .any_host()
+            .namespaces([rpma_tests::Namespace::new(1, "big", "256MiB")]),
+    );
+    let t = rpma_tests::Target::start(d.path(), &config.to_string());
+    let e = Export::start(&t, 1, "zeroes", &[]);
+    let mut a = Raw::connect(&e.sock);
+    let mut b = Raw::connect(&e.sock);
+    for (round, (n, len)) in [(1u64, BIG), (64, BIG / 64)].into_iter().enumerate() {
+        // A's queue holds a write no FLUSH made durable yet.
+        assert_eq!(a.write(0, 0, &[7; 4096]), 0);
+        let before = placed(&t);
+        let mut reqs = Vec::new();
+        for h in 0..n {
+            reqs.extend(a.request(CMD_WRITE_ZEROES, 0, 200 + h, h * len, len as u32));
+        }
+        a.send(&reqs);
+        // The zeroes are being written.
+        let deadline = Instant::now() + WAIT;
+        while placed(&t) < before + (16 << 20) {
+            assert!(Instant::now() < deadline, "round {round}: no zeroes placed");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert_eq!(b.flush(), 0, "round {round}");
+        let replies = unread(&a.0) as u64 / 16;
+        assert!(
+            replies < n,
+            "round {round}: B's FLUSH was answered after all {n} of A's WRITE_ZEROES"
+        );
+        for h in 0..n {
+            assert_eq!(a.reply(), (0, 200 + h), "round {round}");
+        }
+        println!("round {round}: B's FLUSH answered with {replies} of {n} zeroes answered");
+    }
+    assert!(a.read(0, 4096).is_ok_and(|b| b.iter().all(|&v| v == 0)));
+}

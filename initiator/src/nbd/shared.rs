@@ -4,7 +4,7 @@
 
 use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 use log::{error, info, warn};
 use rpma_common::proto::NamespaceDescriptor;
@@ -67,6 +67,10 @@ pub(crate) const FREE_KEPT: usize = 2;
 /// Spare queues closed per tick at most ([`Shared::close_spare`]).
 const CLOSE_PER_TICK: usize = 4;
 
+/// How long a thread that lets a queue go to the threads waiting for it waits for one of them
+/// to take it ([`Cell::hand_over`]).
+const HAND_OVER: Duration = Duration::from_millis(5);
+
 /// Lines about one source per log period, for problems and for sessions each.
 const LINES_PER_SOURCE: u32 = 5;
 /// Lines about all sources per log period, for problems and for sessions each.
@@ -113,6 +117,23 @@ impl Cell {
     /// and let go.
     pub(crate) fn wanted(&self) -> bool {
         self.waiters.load(Ordering::SeqCst) > 0
+    }
+
+    /// Lets `g`, its lock, go to the threads waiting for it, and waits until one of them took
+    /// it (at most [`HAND_OVER`]): the lock is not fair, and a holder that locks it again at
+    /// once (the next step of a long WRITE_ZEROES, its client's next batch) would take it back
+    /// before a waiter woke, for as long as it had work.
+    pub(crate) fn hand_over(&self, g: Held<'_>) {
+        let waiting = self.waiters.load(Ordering::SeqCst);
+        drop(g);
+        if waiting == 0 {
+            return;
+        }
+        // A waiter leaves the count once it holds the lock.
+        let until = Instant::now() + HAND_OVER;
+        while self.waiters.load(Ordering::SeqCst) >= waiting && Instant::now() < until {
+            std::thread::sleep(Duration::from_micros(20));
+        }
     }
 
     /// Records that writes were acknowledged on it, for the next FLUSH.

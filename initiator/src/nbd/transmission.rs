@@ -33,8 +33,6 @@ const READ_AHEAD: usize = 64 << 20;
 /// How long a client may be quiet before the large receive buffer a burst of large WRITEs
 /// left it is given back.
 const KEEP_IDLE: Duration = Duration::from_millis(100);
-/// Bytes of zeroes written per piece of a WRITE_ZEROES.
-const ZERO_PIECE: usize = 1 << 20;
 /// The largest WRITE made durable before it is answered when the client flushes after each
 /// ([`Client::write_before_flush`]). A larger one is answered as soon as the transport took it,
 /// its transfer and placement overlapping the client's turn-around to its FLUSH: made
@@ -258,7 +256,7 @@ impl<'a> Client<'a> {
             if self.cell.wanted() {
                 // Another thread waits for this queue: finish what was started and let go.
                 self.settle()?;
-                self.held = None;
+                self.let_go();
             } else if !self.pipe.is_empty() {
                 self.complete_or_input()?;
                 self.retry_parked()?;
@@ -304,10 +302,15 @@ impl<'a> Client<'a> {
                     simple_reply(&mut self.out, e, it.req.handle);
                     self.answered(1);
                 }
-                Action::Write { .. } | Action::Zeroes { .. } => {
+                Action::Write { .. } => {
                     self.settle()?;
                     self.after_other_connections(&it.req, false)?;
                     self.writes(std::slice::from_ref(it), &[a]);
+                }
+                Action::Zeroes { fua } => {
+                    self.settle()?;
+                    self.after_other_connections(&it.req, false)?;
+                    self.write_zeroes(it, fua);
                 }
             }
         }
@@ -590,34 +593,21 @@ impl<'a> Client<'a> {
         e
     }
 
-    /// A FUA write or WRITE_ZEROES (nothing else in flight): written, made durable if FUA,
-    /// answered.
-    fn writes(&mut self, run: &[Item], actions: &[Action]) {
-        if self.zeroes.is_empty() && actions.iter().any(|a| matches!(a, Action::Zeroes { .. })) {
-            self.zeroes = vec![0u8; ZERO_PIECE];
+    /// Lets the queue go to the threads that want it ([`Cell::hand_over`]).
+    fn let_go(&mut self) {
+        if let Some(g) = self.held.take() {
+            self.cell.hand_over(g);
         }
+    }
+
+    /// A FUA write (nothing else in flight): written, made durable, answered.
+    fn writes(&mut self, run: &[Item], actions: &[Action]) {
         let data = self.buf.bytes();
         let mut v: Vec<(u64, &[u8])> = Vec::with_capacity(run.len());
         let mut fua = false;
         for (it, a) in run.iter().zip(actions) {
-            let (off, len) = (it.req.offset, u64::from(it.req.len));
-            match a {
-                Action::Zeroes { .. } => {
-                    let mut at = 0;
-                    while at < len {
-                        let n = (len - at).min(ZERO_PIECE as u64) as usize;
-                        v.push((off + at, &self.zeroes[..n]));
-                        at += n as u64;
-                    }
-                }
-                _ => v.push((off, &data[it.payload.clone()])),
-            }
-            if matches!(
-                a,
-                Action::Write { fua: true } | Action::Zeroes { fua: true }
-            ) {
-                fua = true;
-            }
+            v.push((it.req.offset, &data[it.payload.clone()]));
+            fua |= *a == Action::Write { fua: true };
         }
         let (shared, cell) = (self.shared, self.cell);
         let g = self.held.get_or_insert_with(|| shared.lock(cell));
@@ -654,19 +644,14 @@ impl<'a> Client<'a> {
             Ok(Some(durable)) => {
                 let n = actions
                     .iter()
-                    .filter(|a| {
-                        matches!(
-                            a,
-                            Action::Write { fua: true } | Action::Zeroes { fua: true }
-                        )
-                    })
+                    .filter(|a| **a == Action::Write { fua: true })
                     .count();
                 (0, self.durable(Ok(durable), n, "FUA write"))
             }
         };
         for (it, a) in run.iter().zip(actions) {
             let e = match a {
-                Action::Write { fua: true } | Action::Zeroes { fua: true } => fua_err,
+                Action::Write { fua: true } => fua_err,
                 _ => ok,
             };
             simple_reply(&mut self.out, e, it.req.handle);
@@ -675,7 +660,7 @@ impl<'a> Client<'a> {
     }
 
     /// The error for `n` requests whose durability call returned `r`.
-    fn durable(&mut self, r: crate::Result<bool>, n: usize, what: &str) -> u32 {
+    pub(super) fn durable(&mut self, r: crate::Result<bool>, n: usize, what: &str) -> u32 {
         match r {
             Ok(true) => 0,
             Ok(false) if self.shared.opts.visible_ok => 0,
@@ -710,3 +695,4 @@ mod park;
 mod parse;
 #[cfg(test)]
 mod tests;
+mod zeroes;

@@ -1,7 +1,7 @@
 //! Splitting and judging transmission requests under arbitrary client bytes (fuzz target
 //! `nbd_requests`).
 
-use super::parse::{classify, split, Action, Limits, BATCH_BYTES};
+use super::parse::{batch_bytes, classify, split, Action, Limits, BATCH_BYTES};
 use crate::nbd::proto::{
     Request, CMD_DISC, CMD_FLAG_FUA, CMD_FLUSH, CMD_READ, CMD_WRITE, CMD_WRITE_ZEROES, EPERM,
     REQUEST_LEN, REQUEST_MAGIC,
@@ -54,9 +54,7 @@ pub fn requests(data: &[u8]) {
         }
         assert!(it.payload.end <= buf.len());
         at = it.payload.end;
-        if matches!(it.req.kind, CMD_READ | CMD_WRITE) {
-            bytes += u64::from(it.req.len);
-        }
+        bytes += batch_bytes(&it.req);
         check_action(&it.req, classify(&it.req, l), l);
     }
     assert_eq!(s.consumed, at);

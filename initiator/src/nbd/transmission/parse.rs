@@ -9,7 +9,9 @@ use super::super::proto::{
 };
 use super::super::{ConnError, MAX_PAYLOAD};
 
-/// Payload bytes (reads and writes) of one batch, at most (one request may exceed it).
+/// Bytes read, written or zeroed by one batch, at most (one request may exceed it): the
+/// requests of a batch run without a pause for the other threads that want the client's queue
+/// (a FLUSH of another connection).
 pub(super) const BATCH_BYTES: u64 = 64 << 20;
 
 /// What to do with a request.
@@ -95,6 +97,15 @@ pub(super) struct Split {
     pub(super) fatal: Option<ConnError>,
 }
 
+/// Bytes `req` reads, writes or zeroes, toward its batch's [`BATCH_BYTES`]. (WRITE_ZEROES
+/// counted nothing: a batch of 64 of up to 4 GiB each held the queue for minutes.)
+pub(super) fn batch_bytes(req: &Request) -> u64 {
+    match req.kind {
+        CMD_READ | CMD_WRITE | CMD_WRITE_ZEROES => u64::from(req.len),
+        _ => 0,
+    }
+}
+
 /// Bytes of payload that follow the request's header on the wire (a WRITE's; none otherwise).
 fn payload_len(req: &Request) -> usize {
     if req.has_payload() {
@@ -140,9 +151,7 @@ pub(super) fn split(buf: &[u8], max_items: usize) -> Split {
             s.want = REQUEST_LEN + plen;
             break;
         }
-        if matches!(req.kind, CMD_READ | CMD_WRITE) {
-            bytes += u64::from(req.len);
-        }
+        bytes += batch_bytes(&req);
         s.items.push(Item {
             req,
             payload: at..at + plen,

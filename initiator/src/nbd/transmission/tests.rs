@@ -132,6 +132,22 @@ fn split_takes_complete_requests_only() {
 }
 
 #[test]
+fn write_zeroes_count_toward_a_batchs_bytes() {
+    // Three of 48 MiB: the second takes the batch past 64 MiB, the third waits for the next.
+    let z = req(CMD_WRITE_ZEROES, 0, 0, 48 << 20);
+    let b: Vec<u8> = (0..3).flat_map(|_| bytes(&z, REQUEST_MAGIC)).collect();
+    let s = split(&b, 32);
+    assert_eq!(s.items.len(), 2);
+    assert_eq!(s.consumed, 2 * REQUEST_LEN);
+    // Nor do zeroes and READs together go past it.
+    let r = req(CMD_READ, 0, 0, 32 << 20);
+    let mut b = bytes(&z, REQUEST_MAGIC);
+    b.extend(bytes(&r, REQUEST_MAGIC));
+    b.extend(bytes(&r, REQUEST_MAGIC));
+    assert_eq!(split(&b, 32).items.len(), 2);
+}
+
+#[test]
 fn the_walk_finds_the_request_the_buffer_ends_in() {
     use super::parse::incomplete;
     let small = req(CMD_WRITE, 0, 0, 100);
