@@ -2,6 +2,10 @@
 
 /// Bytes asked of each socket read.
 pub(super) const READ_CHUNK: usize = 256 << 10;
+/// Bytes the buffer grows by at most ahead of the bytes received, while a request is
+/// incomplete (`Client::read_more`): what the client sent, not what it announced, is what it
+/// costs.
+pub(super) const GROW_STEP: usize = 1 << 20;
 
 /// Bytes received and not yet consumed: `data[start..end]`.
 #[derive(Debug, Default)]

@@ -7,7 +7,7 @@ use std::time::Instant;
 
 use super::super::proto::REQUEST_LEN;
 use super::super::ConnError;
-use super::inbuf::READ_CHUNK;
+use super::inbuf::{GROW_STEP, READ_CHUNK};
 use super::{Client, KEEP_IDLE, READ_AHEAD};
 
 impl Client<'_> {
@@ -58,7 +58,12 @@ impl Client<'_> {
     /// meanwhile: past the idle time-out (counted from its last answered request, or its
     /// handshake) without a complete request, it is closed.
     pub(super) fn read_more(&mut self, want: usize) -> Result<(), ConnError> {
-        let need = want.saturating_sub(self.buf.bytes().len()).max(READ_CHUNK);
+        // The buffer grows as the bytes come, GROW_STEP at most ahead of them: a header alone
+        // (28 bytes) committed the whole payload it announced (32 MiB, zeroed) until the idle
+        // time-out.
+        let need = want
+            .saturating_sub(self.buf.bytes().len())
+            .clamp(READ_CHUNK, GROW_STEP);
         let idle = self.shared.opts.limits.idle_timeout;
         loop {
             let left = match idle {
