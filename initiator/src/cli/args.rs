@@ -76,15 +76,16 @@ pub(crate) struct Global {
 /// The NBD export's limits on its clients (docs/mount.md, "Limits").
 #[derive(Debug, Args, Clone, Copy, PartialEq)]
 pub(crate) struct NbdLimits {
-    /// Client connections served at once (1-4096). A newcomer past it takes the place of a
-    /// client of the source holding the most: one that sent no request yet (the oldest), else
-    /// one whose replies have waited unread for a second, else an idle one (the newest of
-    /// either); refused only if all are executing requests and taking their replies.
+    /// Client connections served at once (1-4096). A newcomer past it takes the place of one
+    /// that sent no request yet (the oldest), else of one whose replies have waited unread for
+    /// a second, else of an idle one (the newest of either), of the source holding the most
+    /// such; refused only if all are executing requests and taking their replies.
     #[arg(long, value_name = "N", default_value_t = 64,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) max_clients: u32,
-    /// Client connections from one source at once (1-4096; a TCP client's address, a Unix-socket
-    /// client's user id); a newcomer past it takes the place of one of its own source's.
+    /// Client connections from one source at once (1-4096; a TCP client's IPv4 address or IPv6
+    /// /64, a Unix-socket client's user id); a newcomer past it takes the place of one of its
+    /// own source's.
     #[arg(long, value_name = "N", default_value_t = 16,
           value_parser = clap::value_parser!(u32).range(1..=4096))]
     pub(crate) max_clients_per_source: u32,

@@ -1,22 +1,24 @@
 //! Who holds the export's connections, and whom a newcomer may push out.
 //!
 //! The export serves at most `max_clients` connections, at most `max_clients_per_source` of
-//! them from one source (a TCP client's address, a Unix-socket client's user id). A newcomer
-//! is never turned away while someone holds a slot without using it: a source at its cap makes
-//! room from its own connections, a full export from those of the source that holds the most.
-//! The one evicted is the oldest connection that has not sent a request yet (in its handshake
-//! or past it), else one stalled on its replies (executing requests, its replies unread for
-//! [`STALL`] or more), else one idle (in the transmission phase, no request being executed);
-//! among those that sent requests, the newest first, so that a client established on a
-//! source outlives the connections opened after it. Only when every candidate is busy
-//! executing requests (and taking its replies) is the newcomer refused.
+//! them from one source (a TCP client's IPv4 address or IPv6 /64, a Unix-socket client's user
+//! id). A newcomer is never turned away while someone holds a slot without using it: a source
+//! at its cap makes room from its own connections, a full export from all of them. The one
+//! evicted is the oldest connection that has not sent a request yet (in its handshake or past
+//! it), else one stalled on its replies (executing requests, its replies unread for [`STALL`]
+//! or more), else one idle (in the transmission phase, no request being executed); in a full
+//! export, of those of a kind, one of the source that holds the most; among those that sent
+//! requests, the newest first, so that a client established on a source outlives the
+//! connections opened after it. Only when every candidate is busy executing requests (and
+//! taking its replies) is the newcomer refused.
 //! So clients that merely hold slots, from one address or from many, delay a well-behaved
 //! client by nothing but its own handshake: a newcomer outlives as many newer connections of
 //! its source as the cap allows, and once it has sent a request it goes only after every
 //! holder that never did and every one that does not read its replies. What they can still do
-//! is push out a client of the source they share (or of the largest sources, when the export
-//! is full) by opening connections faster than it sends requests, or, once it sent requests,
-//! by being older than it and sending requests of their own (docs/mount.md, "Limits").
+//! is push out a client of the source they share (or, when the export is full and they hold
+//! no slot that goes first, of the largest sources) by opening connections faster than it
+//! sends requests, or, once it sent requests, by being older than it and sending requests of
+//! their own (docs/mount.md, "Limits").
 //!
 //! Each client's thread and the accept loop share a [`Slot`]: the client moves it between
 //! handshake, idle, busy and stalled; the accept loop takes an idle, unfinished or stalled one
@@ -25,25 +27,39 @@
 //! busy only if it was not: [`Slot::unstall`]).
 
 use std::fmt;
-use std::net::IpAddr;
+use std::net::{IpAddr, Ipv6Addr};
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicU8, Ordering};
 use std::time::{Duration, Instant};
 
 /// Where a client connection comes from: the unit of the per-source cap and of the log limits.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub(crate) enum Source {
-    /// A TCP client's address (an IPv4 address mapped into IPv6 counts as the IPv4 one).
+    /// A TCP client's IPv4 address (an IPv4 address mapped into IPv6 counts as the IPv4 one).
     Addr(IpAddr),
+    /// A TCP client's IPv6 /64 (the address with its last 64 bits cleared): a host is usually
+    /// given a whole /64 and may pick any address in it, one per connection.
+    Net64(Ipv6Addr),
     /// A Unix-socket client's user id (SO_PEERCRED): processes of one user are one source.
     Uid(u32),
     /// A Unix-socket client whose credentials could not be read.
     Unknown,
 }
 
+impl Source {
+    /// The source of a TCP client at `ip`.
+    pub(crate) fn of_ip(ip: IpAddr) -> Source {
+        match ip.to_canonical() {
+            IpAddr::V6(a) => Source::Net64(Ipv6Addr::from(u128::from(a) & !u128::from(u64::MAX))),
+            v4 => Source::Addr(v4),
+        }
+    }
+}
+
 impl fmt::Display for Source {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
             Source::Addr(a) => write!(f, "{a}"),
+            Source::Net64(a) => write!(f, "{a}/64"),
             Source::Uid(u) => write!(f, "uid {u}"),
             Source::Unknown => f.write_str("an unknown Unix peer"),
         }
@@ -230,8 +246,8 @@ impl Held {
         !matches!(self.state, State::Busy | State::Gone)
     }
 
-    /// Its place in the order of eviction among slots of the same rank: those that sent no
-    /// request yet go first, then those stalled on their replies, then the idle ones.
+    /// Its kind, the first key of the order of eviction: those that sent no request yet go
+    /// first, then those stalled on their replies, then the idle ones.
     fn class(&self) -> u8 {
         match self.state {
             State::Handshake | State::Unused => 0,
@@ -296,14 +312,17 @@ pub(crate) fn decide(held: &[Held], source: Source, caps: Caps) -> Decision {
     let count = |s: Source| live().filter(|(_, h)| h.source == s).count();
     let total = live().count();
     let mine = count(source);
-    // The victim: the largest source's; then by first_to_go.
+    // The victim: by class (one that sent no request yet, of any source, before a client that
+    // did: attackers spread over many sources hold one slot each); within one, the largest
+    // source's; then by age (first_to_go).
     let victim = |only: Option<Source>| {
         live()
             .filter(|(_, h)| h.evictable())
             .filter(|(_, h)| only.is_none_or(|s| h.source == s))
             .min_by(|(_, a), (_, b)| {
-                count(b.source)
-                    .cmp(&count(a.source))
+                a.class()
+                    .cmp(&b.class())
+                    .then_with(|| count(b.source).cmp(&count(a.source)))
                     .then_with(|| first_to_go(a, b))
             })
             .map(|(i, _)| i)
@@ -442,6 +461,55 @@ mod tests {
     }
 
     #[test]
+    fn a_full_export_evicts_a_connection_that_sent_nothing_before_the_largest_sources_clients() {
+        let t0 = Instant::now();
+        // addr(1) holds the most, all of them clients that sent requests; addr(2) and addr(3)
+        // one connection each that sent none yet (attackers spread over many addresses).
+        let h = [
+            held(addr(1), State::Idle, 0, t0),
+            held(addr(1), State::Idle, 1, t0),
+            held(addr(2), State::Unused, 2, t0),
+            held(addr(3), State::Handshake, 3, t0),
+        ];
+        assert_eq!(decide(&h, addr(4), CAPS), Decision::Evict(2));
+        // Stalled ones go before idle ones too, whatever their source's size.
+        let h = [
+            held(addr(1), State::Idle, 0, t0),
+            held(addr(1), State::Idle, 1, t0),
+            held(addr(2), State::Stalled, 2, t0),
+            held(addr(3), State::Busy, 3, t0),
+        ];
+        assert_eq!(decide(&h, addr(4), CAPS), Decision::Evict(2));
+    }
+
+    #[test]
+    fn an_ipv6_source_is_its_64_and_a_mapped_ipv4_address_the_ipv4_one() {
+        let a: IpAddr = "2001:db8:1:2:aaaa::1".parse().unwrap();
+        let b: IpAddr = "2001:db8:1:2:ffff:1:2:3".parse().unwrap();
+        let other: IpAddr = "2001:db8:1:3::1".parse().unwrap();
+        assert_eq!(Source::of_ip(a), Source::of_ip(b));
+        assert_ne!(Source::of_ip(a), Source::of_ip(other));
+        assert_eq!(Source::of_ip(a).to_string(), "2001:db8:1:2::/64");
+        let mapped: IpAddr = "::ffff:192.0.2.7".parse().unwrap();
+        assert_eq!(Source::of_ip(mapped), addr(7));
+        assert_eq!(addr(7).to_string(), "192.0.2.7");
+        // 64 connections from one /64, each from an address of its own, are one source.
+        let caps = Caps {
+            total: 64,
+            per_source: 16,
+        };
+        let t0 = Instant::now();
+        let h: Vec<Held> = (0..16u16)
+            .map(|i| {
+                let ip = IpAddr::from([0x2001, 0xdb8, 1, 2, 0, 0, 0, i + 1]);
+                held(Source::of_ip(ip), State::Unused, u64::from(i), t0)
+            })
+            .collect();
+        let next = Source::of_ip(IpAddr::from([0x2001, 0xdb8, 1, 2, 0, 0, 0, 99]));
+        assert_eq!(decide(&h, next, caps), Decision::Evict(0));
+    }
+
+    #[test]
     fn a_full_export_evicts_from_the_source_holding_the_most() {
         let t0 = Instant::now();
         // addr(2) holds more slots than the others: its newest goes.
@@ -449,7 +517,7 @@ mod tests {
             held(addr(1), State::Idle, 6, t0),
             held(addr(2), State::Idle, 4, t0),
             held(addr(2), State::Idle, 5, t0),
-            held(addr(3), State::Handshake, 1, t0),
+            held(addr(3), State::Busy, 1, t0),
         ];
         assert_eq!(decide(&h, addr(4), CAPS), Decision::Evict(2));
         // Within equally large sources, unfinished before idle, then the oldest.

@@ -115,7 +115,7 @@ impl Listener {
                     .and_then(|()| setsockopt(&s, sockopt::TcpKeepInterval, &KEEPALIVE_INTERVAL_S))
                     .and_then(|()| setsockopt(&s, sockopt::TcpKeepCount, &KEEPALIVE_PROBES));
                 let peer = Peer {
-                    source: Source::Addr(a.ip().to_canonical()),
+                    source: Source::of_ip(a.ip()),
                     name: a.to_string(),
                 };
                 (Stream::Tcp(s), peer)
