@@ -886,3 +886,41 @@ fn a_write_header_whose_payload_never_comes_costs_no_more_than_what_came() {
         grown >> 20
     );
 }
+
+/// The target's sessions now.
+fn sessions(t: &rpma_tests::Target) -> usize {
+    t.status()["sessions"].as_array().unwrap().len()
+}
+
+/// Connections that finish their handshake and send nothing hold no queue (no session on the
+/// target, no replay memory), and the export opens at most `--max-queues` queues: the
+/// connections past it share them. (Each connection opened a queue of its own as it entered
+/// transmission: 64 idle connections took 64 of the target's sessions, its max_connections
+/// by default, and up to 64 MiB of replay memory each.)
+#[test]
+fn idle_connections_hold_no_queue_and_the_queues_are_capped() {
+    const CONNS: usize = 12;
+    let (_d, _shm, t) = start("nbd-queues");
+    let e = Export::start(&t, 1, "queues", &["--max-queues", "4"]);
+    // The export's own queue, opened at its start.
+    assert_eq!(sessions(&t), 1);
+    let mut conns: Vec<Raw> = (0..CONNS).map(|_| Raw::connect(&e.sock)).collect();
+    // (Each took its queue within milliseconds of its handshake.)
+    std::thread::sleep(Duration::from_secs(1));
+    assert_eq!(sessions(&t), 1, "idle connections opened queues");
+    for (i, c) in conns.iter_mut().enumerate() {
+        assert_eq!(c.write(0, i as u64 * 4096, &[i as u8 + 1; 4096]), 0, "{i}");
+    }
+    let open = sessions(&t);
+    assert!(
+        open <= 4,
+        "{open} sessions for {CONNS} connections, at most 4 queues"
+    );
+    for (i, c) in conns.iter_mut().enumerate() {
+        assert_eq!(c.flush(), 0, "{i}");
+        let got = c.read((CONNS - 1 - i) as u64 * 4096, 4096).unwrap();
+        assert!(got.iter().all(|&v| v == (CONNS - i) as u8), "{i}");
+    }
+    let log = e.log();
+    assert!(!log.contains("cannot open another queue"), "{log}");
+}

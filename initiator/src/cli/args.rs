@@ -96,6 +96,12 @@ pub(crate) struct NbdLimits {
     /// keep-alive: a quiet kernel client is closed too (nbd-client -persist reconnects).
     #[arg(long, value_name = "SECONDS", default_value_t = 600.0, value_parser = parse_secs_or_0)]
     pub(crate) idle_timeout: f64,
+    /// Queues to the target the export opens at most (1-4096; each a session on the target with
+    /// its --replay-bytes of memory). A client connection takes one at its first request (none
+    /// while it sends nothing); connections past it share the queues.
+    #[arg(long, value_name = "N", default_value_t = 16,
+          value_parser = clap::value_parser!(u32).range(1..=4096))]
+    pub(crate) max_queues: u32,
     /// Seconds per period of the log limits: per period at most 5 lines about one client
     /// source and 50 in all (each for warnings and for clients coming and going), then one
     /// line counting what was held back.
@@ -128,6 +134,7 @@ impl NbdLimits {
             handshake_timeout: Duration::from_secs_f64(self.handshake_timeout),
             idle_timeout: (self.idle_timeout > 0.0)
                 .then(|| Duration::from_secs_f64(self.idle_timeout)),
+            max_queues: self.max_queues as usize,
             log_period: Duration::from_secs_f64(self.log_period),
         }
     }

@@ -13,11 +13,12 @@
 //! # A queue per client connection
 //!
 //! Each client connection issues its requests through a library [`Queue`](crate::Queue) of
-//! its own (one queue pair; `shared::Cell`), taken when it enters transmission and given back
-//! (with the writes it holds) when it leaves, so that a client with several connections
-//! (`NBD_FLAG_CAN_MULTI_CONN`, which is set) has as many queue pairs to the target, served by
-//! as many of its poll loops. Where the target refuses another connection, a client shares an
-//! existing queue. Queues no client has are closed beyond two kept for the next clients (each
+//! its own (one queue pair; `shared::Cell`), taken at its first request (a connection that
+//! sends nothing holds none) and given back (with the writes it holds) when it leaves, so
+//! that a client with several connections (`NBD_FLAG_CAN_MULTI_CONN`, which is set) has as
+//! many queue pairs to the target, served by as many of its poll loops. Past
+//! [`ClientLimits::max_queues`], or where the target refuses another connection, a client
+//! shares an existing queue. Queues no client has are closed beyond two kept for the next clients (each
 //! is a session on the target), once no write of theirs waits for a FLUSH. A FLUSH on any connection makes durable every write any connection had
 //! acknowledged: it persists each queue's own held writes (`persist_own_writes`: the writes
 //! that queue acknowledged and did not make durable yet, rather than the whole namespace or

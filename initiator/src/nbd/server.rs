@@ -20,7 +20,7 @@ use super::proto::{
 use super::shared::{ExportOptions, Shared};
 use super::slots::{self, Caps, Decision, Held, Slot, State};
 use super::stream::{Listener, Peer, Stream, WRITE_TIMEOUT};
-use super::transmission::Client;
+use super::transmission::{Client, Stats};
 use super::{ConnError, NbdError, Result, MAX_PAYLOAD};
 use crate::Connection;
 
@@ -442,12 +442,30 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
         src,
         format_args!("nbd: client {id} ({}) entered transmission", peer.name),
     );
-    let cell = shared.take();
-    let mut c = Client::new(shared, &cell, stream, strict, slot, src);
-    let r = c.run();
-    let s = c.stats();
-    drop(c);
-    shared.give_back(&cell);
+    // No queue until the first request: a connection that sends nothing costs the target no
+    // session and the export no replay memory.
+    let idle = shared.opts.limits.idle_timeout;
+    let first = stream.wait_first_byte(
+        idle.map(|d| (slot.since() + d).saturating_duration_since(Instant::now())),
+    );
+    let (r, s) = match first {
+        Ok(true) => {
+            let Some(cell) = shared.take(slot) else {
+                return;
+            };
+            let mut c = Client::new(shared, &cell, stream, strict, slot, src);
+            let r = c.run();
+            let s = c.stats();
+            drop(c);
+            shared.give_back(&cell);
+            (r, s)
+        }
+        Ok(false) => (Ok(()), Stats::default()),
+        Err(e) => match (e.kind(), idle) {
+            (std::io::ErrorKind::TimedOut, Some(d)) => (Err(ConnError::Idle(d)), Stats::default()),
+            _ => (Err(e.into()), Stats::default()),
+        },
+    };
     if slot.evicted() || matches!(r, Err(ConnError::Evicted)) {
         // The accept loop said why.
         return;

@@ -11,6 +11,7 @@ use rpma_common::proto::NamespaceDescriptor;
 
 use super::handshake::ExportInfo;
 use super::ratelog::RateLog;
+use super::slots::Slot;
 use crate::{Connection, Durability, Error, Namespace, Queue};
 
 /// What to export and how.
@@ -43,6 +44,10 @@ pub struct ClientLimits {
     pub handshake_timeout: Duration,
     /// A client that sends no request for this long is closed; `None`: never.
     pub idle_timeout: Option<Duration>,
+    /// Queues to the target the export opens at most (each a session on the target, with its
+    /// replay memory), its first one included. A connection takes one at its first request
+    /// (none while it sends nothing); past this it shares one.
+    pub max_queues: usize,
     /// The period of the log limits: per period, a few lines about one source and a few
     /// dozen in all, then one line counting what was held back.
     pub log_period: Duration,
@@ -55,6 +60,7 @@ impl Default for ClientLimits {
             max_per_source: 16,
             handshake_timeout: Duration::from_secs(10),
             idle_timeout: Some(Duration::from_secs(600)),
+            max_queues: 16,
             log_period: Duration::from_secs(60),
         }
     }
@@ -78,7 +84,7 @@ const LINES_IN_ALL: u32 = 50;
 
 /// One queue of the export (one queue pair to the target) and what it holds.
 ///
-/// A client connection takes a cell of its own when it enters transmission ([`Shared::take`])
+/// A client connection takes a cell of its own at its first request ([`Shared::take`])
 /// and gives it back when it leaves, so that the requests of several connections go to the
 /// target on several queue pairs (and several target poll loops) at once. A cell's queue is
 /// locked for a client's round of requests; the client releases it only once every request it
@@ -163,6 +169,9 @@ pub(crate) struct Shared {
     cells: Mutex<Vec<Arc<Cell>>>,
     /// The queue id of the next queue opened.
     next_qid: AtomicU16,
+    /// Queues being opened for a client now (outside the list's lock): they count toward
+    /// `max_queues` already.
+    opening: AtomicUsize,
     /// More than one queue was opened: requests may have to wait for another queue's writes
     /// to be placed ([`place_writes_of`](Self::place_writes_of)).
     pub(crate) several: AtomicBool,
@@ -222,6 +231,7 @@ impl Shared {
             problems: RateLog::new("warning(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
             sessions: RateLog::new("session line(s)", LINES_PER_SOURCE, LINES_IN_ALL, period),
             next_qid: AtomicU16::new(queue.queue_id().wrapping_add(1)),
+            opening: AtomicUsize::new(0),
             cells: Mutex::new(vec![Arc::new(Cell::new(queue.queue_id(), Some(queue)))]),
             several: AtomicBool::new(false),
             in_place: conn.registers_freely(),
@@ -243,51 +253,69 @@ impl Shared {
         self.cells.lock().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// A cell for a client entering transmission: a free one, else a new queue (opened now, one
-    /// connection attempt), else (the target refused another connection, or is gone) the least
-    /// busy one, shared. (With the reconnect budget's retries, a newcomer the target had no
-    /// room for waited up to `--reconnect-timeout` before it was served, its thread and
-    /// sockets held all along, and evicted meanwhile by the next newcomer, which did the same.)
-    pub(crate) fn take(&self) -> Arc<Cell> {
-        let free = self
-            .cells
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-            .find(|c| {
+    /// A cell for a client at its first request: a free one, else a new queue (opened now, one
+    /// connection attempt) while the export has fewer than `max_queues`, else (at the cap, or
+    /// the target refused another connection, or is gone) the least busy one, shared. None if
+    /// `slot` was evicted meanwhile: no queue is opened for a connection being closed. (With
+    /// the reconnect budget's retries, a newcomer the target had no room for waited up to
+    /// `--reconnect-timeout` before it was served, its thread and sockets held all along, and
+    /// evicted meanwhile by the next newcomer, which did the same.)
+    pub(crate) fn take(&self, slot: &Slot) -> Option<Arc<Cell>> {
+        {
+            let cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
+            let free = cells.iter().find(|c| {
                 c.users
                     .compare_exchange(0, 1, Ordering::SeqCst, Ordering::SeqCst)
                     .is_ok()
-            })
-            .cloned();
-        if let Some(c) = free {
-            return c;
+            });
+            if let Some(c) = free {
+                return Some(Arc::clone(c));
+            }
+            if slot.evicted() {
+                return None;
+            }
+            let max = self.opts.limits.max_queues.max(1);
+            if cells.len() + self.opening.load(Ordering::SeqCst) >= max {
+                return Some(Self::share(&cells));
+            }
+            self.opening.fetch_add(1, Ordering::SeqCst);
         }
         let qid = self.next_qid.fetch_add(1, Ordering::SeqCst);
         // Not under the list's lock: an attempt may take up to the connect time-out.
         let opened = self.conn.open_queue_once(qid).and_then(|q| self.checked(q));
         let mut cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
+        self.opening.fetch_sub(1, Ordering::SeqCst);
         match opened {
             Ok(q) => {
                 let c = Arc::new(Cell::new(qid, Some(q)));
                 c.users.store(1, Ordering::SeqCst);
                 cells.push(Arc::clone(&c));
                 self.several.store(true, Ordering::SeqCst);
-                c
+                Some(c)
             }
             Err(e) => {
                 warn!(
                     "nbd: cannot open another queue to the target ({}): this client shares one",
                     rpma_common::error_chain(&e)
                 );
-                let c = cells
-                    .iter()
-                    .min_by_key(|c| c.waiters.load(Ordering::SeqCst))
-                    .expect("the export's first queue is never removed");
-                c.users.fetch_add(1, Ordering::SeqCst);
-                Arc::clone(c)
+                Some(Self::share(&cells))
             }
         }
+    }
+
+    /// The least busy of `cells`, for one more client.
+    fn share(cells: &[Arc<Cell>]) -> Arc<Cell> {
+        let c = cells
+            .iter()
+            .min_by_key(|c| {
+                (
+                    c.users.load(Ordering::SeqCst),
+                    c.waiters.load(Ordering::SeqCst),
+                )
+            })
+            .expect("the export's first queue is never removed");
+        c.users.fetch_add(1, Ordering::SeqCst);
+        Arc::clone(c)
     }
 
     /// Gives a cell back when its client leaves (its held writes stay with it for the next

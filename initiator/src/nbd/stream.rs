@@ -204,6 +204,42 @@ impl Stream {
         }
     }
 
+    /// Waits until the client sent a byte (true) or closed its side (false), at most
+    /// `timeout` (`None`: without end); a `TimedOut` error past it. The byte stays in the
+    /// socket.
+    pub(crate) fn wait_first_byte(&self, timeout: Option<Duration>) -> io::Result<bool> {
+        use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+        use nix::sys::socket::{recv, MsgFlags};
+        let until = timeout.map(|t| std::time::Instant::now() + t);
+        loop {
+            let wait = match until {
+                Some(u) => {
+                    let left = u.saturating_duration_since(std::time::Instant::now());
+                    if left.is_zero() {
+                        return Err(io::ErrorKind::TimedOut.into());
+                    }
+                    // poll's time-out is at most 65 s here: waited in turns.
+                    PollTimeout::from(u16::try_from(left.as_millis() + 1).unwrap_or(u16::MAX))
+                }
+                None => PollTimeout::NONE,
+            };
+            let mut fds = [PollFd::new(self.as_fd(), PollFlags::POLLIN)];
+            match poll(&mut fds, wait) {
+                Ok(0) | Err(nix::errno::Errno::EINTR) => continue,
+                Ok(_) => {}
+                Err(e) => return Err(io::Error::from(e)),
+            }
+            let mut b = [0u8; 1];
+            let flags = MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT;
+            match recv(self.as_raw_fd(), &mut b, flags) {
+                Ok(0) => return Ok(false),
+                Ok(_) => return Ok(true),
+                Err(nix::errno::Errno::EAGAIN | nix::errno::Errno::EINTR) => {}
+                Err(e) => return Err(io::Error::from(e)),
+            }
+        }
+    }
+
     /// Reads what is already there without waiting: `Ok(None)` when nothing is.
     pub(crate) fn read_available(&mut self, buf: &mut [u8]) -> io::Result<Option<usize>> {
         use nix::sys::socket::{recv, MsgFlags};
