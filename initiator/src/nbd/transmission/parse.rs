@@ -40,6 +40,12 @@ pub(super) struct Limits {
 }
 
 pub(super) fn classify(r: &Request, l: Limits) -> Action {
+    // "There is no reply to an NBD_CMD_DISC", and the client sends nothing after it: whatever
+    // its flags, offset and length (which must be 0), it ends the connection (as qemu-nbd's).
+    // An EINVAL answer left the connection, its slot and thread, to the idle time-out.
+    if r.kind == CMD_DISC {
+        return Action::Disc;
+    }
     if r.flags & !(CMD_FLAG_FUA | CMD_FLAG_NO_HOLE) != 0
         || (r.flags & CMD_FLAG_NO_HOLE != 0 && r.kind != CMD_WRITE_ZEROES)
     {
@@ -68,7 +74,6 @@ pub(super) fn classify(r: &Request, l: Limits) -> Action {
         CMD_WRITE => write(Action::Write { fua }, u64::from(MAX_PAYLOAD)),
         CMD_WRITE_ZEROES => write(Action::Zeroes { fua }, u64::MAX),
         CMD_FLUSH => Action::Flush,
-        CMD_DISC => Action::Disc,
         // TRIM is not advertised (remote memory has nothing to deallocate), nor CACHE or
         // BLOCK_STATUS (no structured replies).
         _ => Action::Fail(EINVAL),

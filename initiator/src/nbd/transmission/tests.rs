@@ -132,6 +132,28 @@ fn split_takes_complete_requests_only() {
 }
 
 #[test]
+fn a_disc_disconnects_whatever_its_flags_offset_and_length() {
+    // NBD's spec: "There is no reply to an NBD_CMD_DISC", and the client sends nothing after
+    // it (qemu-nbd disconnects "whether or not flags, from, or len are bogus").
+    for flags in [CMD_FLAG_FUA, CMD_FLAG_NO_HOLE, 1 << 5, 0xffff] {
+        assert_eq!(
+            classify(&req(CMD_DISC, flags, 0, 0), RW),
+            Action::Disc,
+            "{flags:#x}"
+        );
+    }
+    assert_eq!(classify(&req(CMD_DISC, 0, 4096, 512), RW), Action::Disc);
+    let ro = Limits {
+        read_only: true,
+        ..RW
+    };
+    assert_eq!(
+        classify(&req(CMD_DISC, 1 << 7, u64::MAX, 1), ro),
+        Action::Disc
+    );
+}
+
+#[test]
 fn write_zeroes_count_toward_a_batchs_bytes() {
     // Three of 48 MiB: the second takes the batch past 64 MiB, the third waits for the next.
     let z = req(CMD_WRITE_ZEROES, 0, 0, 48 << 20);
