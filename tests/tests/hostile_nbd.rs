@@ -924,3 +924,49 @@ fn idle_connections_hold_no_queue_and_the_queues_are_capped() {
     let log = e.log();
     assert!(!log.contains("cannot open another queue"), "{log}");
 }
+
+/// Connections whose first request finds the target refusing another queue each share one,
+/// and say so within the log limits: at most 5 lines a period about their source, the rest
+/// counted. (Each said it at WARN, unlimited: a line per connection.)
+#[test]
+fn newcomers_the_target_has_no_room_for_are_logged_within_the_limits() {
+    // A source's cap.
+    const CONNS: usize = 16;
+    let d = rpma_tests::scratch();
+    let shm = rpma_tests::Shm::new("noroom-flood");
+    // The export's first queue is the target's only session.
+    let config = rpma_tests::Config::new()
+        .set("max_connections = 1")
+        .subsystem(
+            rpma_tests::Subsystem::new(SUB)
+                .any_host()
+                .namespaces(rpma_tests::four_namespaces(&shm, 512)),
+        );
+    let t = rpma_tests::Target::start(d.path(), &config.to_string());
+    let e = Export::start(&t, 1, "noroom-flood", &["--log-period", "2"]);
+    let mut conns: Vec<Raw> = (0..CONNS).map(|_| Raw::connect(&e.sock)).collect();
+    for (i, c) in conns.iter_mut().enumerate() {
+        assert!(c.read(0, 4096).is_ok(), "{i}");
+    }
+    let what = "cannot open another queue to the target";
+    // All but the first tried to open one; the rest of the lines are counted once the
+    // period is over.
+    let deadline = Instant::now() + WAIT;
+    let log = loop {
+        let log = e.log();
+        let lines = log
+            .lines()
+            .filter(|l| l.contains(what) && l.contains(" WARN "))
+            .count();
+        if lines as u64 + summarized(&log, "warning(s)") >= CONNS as u64 - 1 {
+            break log;
+        }
+        assert!(Instant::now() < deadline, "{log}");
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let lines = log
+        .lines()
+        .filter(|l| l.contains(what) && l.contains(" WARN "))
+        .count();
+    assert!(lines <= 5, "{lines} lines: {log}");
+}

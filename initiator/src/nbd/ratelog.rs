@@ -9,7 +9,8 @@
 //! ([`RateLog::tick`], called by the accept loop on its timer and by every line), at the level
 //! of the most severe line it held back: held-back INFO lines of healthy clients coming and
 //! going (a benchmark's jobs) say so at INFO, not as a warning an operator is paged for. The export
-//! keeps two: one for problems (failed handshakes, evictions, refusals, failed requests) and
+//! keeps two: one for problems (failed handshakes, evictions, refusals, failed requests, a
+//! newcomer sharing a queue the target had no room for) and
 //! one for the INFO lines of clients coming and going, so that a busy but healthy source
 //! cannot use up the budget that would report its failures.
 //!

@@ -18,7 +18,7 @@ use super::proto::{
     TF_SEND_WRITE_ZEROES,
 };
 use super::shared::{ExportOptions, Shared};
-use super::slots::{self, Caps, Decision, Held, Slot, State};
+use super::slots::{self, Caps, Decision, Held, Slot, Source, State};
 use super::stream::{Listener, Peer, Stream, WRITE_TIMEOUT};
 use super::transmission::{Client, Stats};
 use super::{ConnError, NbdError, Result, MAX_PAYLOAD};
@@ -204,9 +204,13 @@ impl Server {
             let id = self.next_id;
             self.next_id += 1;
             let Ok(kill) = stream.try_clone() else {
-                warn!(
-                    "nbd: cannot duplicate the socket of {}: closing it",
-                    peer.name
+                self.shared.problems.log(
+                    Level::Warn,
+                    peer.source,
+                    format_args!(
+                        "nbd: cannot duplicate the socket of {}: closing it",
+                        peer.name
+                    ),
                 );
                 continue;
             };
@@ -223,7 +227,11 @@ impl Server {
                     stream: kill,
                     thread,
                 }),
-                Err(e) => warn!("nbd: cannot start a thread for client {id}: {e}"),
+                Err(e) => self.shared.problems.log(
+                    Level::Warn,
+                    peer.source,
+                    format_args!("nbd: cannot start a thread for client {id}: {e}"),
+                ),
             }
         }
     }
@@ -330,8 +338,9 @@ impl Server {
         let durable = if self.shared.desc.read_only {
             true
         } else {
+            // No client's: the export's own last FLUSH, its lines under no client's source.
             self.shared
-                .flush_all()
+                .flush_all(Source::Unknown)
                 .map_err(|source| NbdError::FinalFlush { nsid, source })?
         };
         self.shared.close_all();
@@ -450,7 +459,7 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
     );
     let (r, s) = match first {
         Ok(true) => {
-            let Some(cell) = shared.take(slot) else {
+            let Some(cell) = shared.take(slot, src) else {
                 return;
             };
             let mut c = Client::new(shared, &cell, stream, strict, slot, src);

@@ -6,12 +6,12 @@ use std::sync::atomic::{AtomicBool, AtomicU16, AtomicU64, AtomicUsize, Ordering}
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
-use log::{error, info, warn};
+use log::{error, info, warn, Level};
 use rpma_common::proto::NamespaceDescriptor;
 
 use super::handshake::ExportInfo;
 use super::ratelog::RateLog;
-use super::slots::Slot;
+use super::slots::{Slot, Source};
 use crate::{Connection, Durability, Error, Namespace, Queue};
 
 /// What to export and how.
@@ -260,7 +260,7 @@ impl Shared {
     /// the reconnect budget's retries, a newcomer the target had no room for waited up to
     /// `--reconnect-timeout` before it was served, its thread and sockets held all along, and
     /// evicted meanwhile by the next newcomer, which did the same.)
-    pub(crate) fn take(&self, slot: &Slot) -> Option<Arc<Cell>> {
+    pub(crate) fn take(&self, slot: &Slot, source: Source) -> Option<Arc<Cell>> {
         {
             let cells = self.cells.lock().unwrap_or_else(|p| p.into_inner());
             let free = cells.iter().find(|c| {
@@ -294,11 +294,19 @@ impl Shared {
                 Some(c)
             }
             Err(e) => {
-                warn!(
-                    "nbd: cannot open another queue to the target ({}): this client shares one",
-                    rpma_common::error_chain(&e)
+                let c = Self::share(&cells);
+                drop(cells);
+                // Once per such newcomer: within the log limits of its source.
+                self.problems.log(
+                    Level::Warn,
+                    source,
+                    format_args!(
+                        "nbd: cannot open another queue to the target ({}): this client shares \
+                         one",
+                        rpma_common::error_chain(&e)
+                    ),
                 );
-                Some(Self::share(&cells))
+                Some(c)
             }
         }
     }
@@ -551,14 +559,15 @@ impl Shared {
     /// visible_ok, those writes stay pending, so that no later FLUSH claims them.
     ///
     /// A queue that reconnected may owe bytes newer writes of other queues hold
-    /// ([`Error::RewritesNotPlaced`]): those queues place their writes, and it persists again.
+    /// ([`Error::RewritesNotPlaced`]): those queues place their writes (a failure said within
+    /// the log limits of `source`, the client whose FLUSH it is), and it persists again.
     ///
     /// A cell is marked clean only once its writes are durable, under its lock: a FLUSH of
     /// another connection meanwhile finds it still dirty and waits for the lock, and so
     /// answers after this one's persist, never before it (a flag cleared before the persist
     /// let that FLUSH skip the cell and answer success while the writes were still on their
     /// way: `a_flush_waits_for_another_connections_flush_of_the_same_writes`).
-    pub(crate) fn flush_all(&self) -> crate::Result<bool> {
+    pub(crate) fn flush_all(&self, source: Source) -> crate::Result<bool> {
         let mut durable = true;
         for cell in self.cells() {
             if !cell.is_dirty() {
@@ -576,7 +585,7 @@ impl Shared {
             if let Err(Error::RewritesNotPlaced { queues, .. }) = &r {
                 let queues = queues.clone();
                 drop(g);
-                self.place_writes_of(&queues, &cell);
+                self.place_writes_of(&queues, &cell, source);
                 g = self.lock(&cell);
                 if !cell.is_dirty() {
                     continue;
@@ -606,20 +615,21 @@ impl Shared {
     /// connection answered (NBD's `CAN_MULTI_CONN`: the connections share one view of the
     /// export). Takes one cell at a time: the caller holds none. A queue that fails here lost
     /// its connection: its writes are re-issued, or reported lost, as for any request.
-    pub(crate) fn place_writes_of(&self, ids: &[u64], me: &Cell) {
-        self.place(ids, me, true);
+    pub(crate) fn place_writes_of(&self, ids: &[u64], me: &Cell, source: Source) {
+        self.place(ids, me, true, source);
     }
 
     /// [`place_writes_of`](Self::place_writes_of) for the queues no thread holds, without
     /// waiting for a lock; returns the others (held: busy with their client's requests). The
     /// caller may hold `me`.
-    pub(crate) fn place_if_idle(&self, ids: &[u64], me: &Cell) -> Vec<u64> {
-        self.place(ids, me, false)
+    pub(crate) fn place_if_idle(&self, ids: &[u64], me: &Cell, source: Source) -> Vec<u64> {
+        self.place(ids, me, false, source)
     }
 
     /// Places the writes of the queues `ids` other than `me`'s, locking each cell in turn
-    /// (`wait`) or only the ones free now: the ids of the others.
-    fn place(&self, ids: &[u64], me: &Cell, wait: bool) -> Vec<u64> {
+    /// (`wait`) or only the ones free now: the ids of the others. A failure is said within
+    /// the log limits of `source`, whose request asked for the placement.
+    fn place(&self, ids: &[u64], me: &Cell, wait: bool, source: Source) -> Vec<u64> {
         let mut busy = Vec::new();
         for cell in self.cells() {
             let id = cell.order.load(Ordering::SeqCst);
@@ -639,9 +649,13 @@ impl Shared {
                 continue;
             }
             if let Err(e) = self.with_ns(&cell, &mut g, |ns| ns.place_writes()) {
-                warn!(
-                    "nbd: placing another connection's writes failed: {}",
-                    rpma_common::error_chain(&e)
+                self.problems.log(
+                    Level::Warn,
+                    source,
+                    format_args!(
+                        "nbd: placing another connection's writes failed: {}",
+                        rpma_common::error_chain(&e)
+                    ),
                 );
             }
         }

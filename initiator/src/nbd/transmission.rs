@@ -576,7 +576,7 @@ impl<'a> Client<'a> {
         if self.limits.read_only {
             return 0;
         }
-        let e = self.durable(self.shared.flush_all(), 1, "FLUSH");
+        let e = self.durable(self.shared.flush_all(self.source), 1, "FLUSH");
         // A queue given up since this client's last FLUSH (or, for its first, one that no
         // FLUSH reported yet) may have lost writes answered on some connection: this FLUSH
         // cannot vouch for them.

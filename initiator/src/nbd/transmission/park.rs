@@ -107,7 +107,7 @@ impl Client<'_> {
                 return Ok(Some(c));
             }
         }
-        shared.place_writes_of(&writers, cell);
+        shared.place_writes_of(&writers, cell, self.source);
         Ok(None)
     }
 
@@ -284,7 +284,7 @@ impl Client<'_> {
     /// learn their placement soon.
     fn nudge(&mut self, ids: &[u64]) {
         let (shared, cell) = (self.shared, self.cell);
-        let busy = shared.place_if_idle(ids, cell);
+        let busy = shared.place_if_idle(ids, cell, self.source);
         if busy.is_empty() {
             return;
         }
