@@ -617,7 +617,10 @@ fn running_out_of_file_descriptors_pauses_accepts_instead_of_spinning() {
     };
     let was = set(None);
     // A descriptor the export closed after the count (seen on a loaded machine) lets the
-    // accept succeed: its greeting then comes, and the count is taken again.
+    // accept succeed: its greeting then comes, or the connection is closed (the accept took
+    // the one descriptor free, and what the export opens next for it failed), and the count
+    // is taken again. (Only a greeting was looked for: a closed connection read end of file
+    // until the deadline, a flake beside builds.)
     let deadline = std::time::Instant::now() + Duration::from_secs(20);
     let _holder = 'counted: loop {
         set(Some(libc::rlimit {
@@ -631,7 +634,7 @@ fn running_out_of_file_descriptors_pauses_accepts_instead_of_spinning() {
                 break 'counted h;
             }
             assert!(std::time::Instant::now() < deadline, "{}", e.log());
-            if matches!(std::io::Read::read(&mut h, &mut [0u8; 1]), Ok(1)) {
+            if std::io::Read::read(&mut h, &mut [0u8; 1]).is_ok() {
                 continue 'counted;
             }
         }
