@@ -492,7 +492,9 @@ impl FailureLedger {
         if first {
             if !created {
                 log::warn!(
-                    "state file {}: holds no copy yet (all zeros, as versions before this one                      left it until a namespace first failed): taken as no namespace having                      failed",
+                    "state file {}: holds no copy yet (all zeros, as versions before this one \
+                     left it until a namespace first failed): taken as no namespace having \
+                     failed",
                     path.display()
                 );
             }

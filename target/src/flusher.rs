@@ -40,7 +40,7 @@
 //! Threads: a [`Flusher`] belongs to one poll loop (`Send`, not shared). Cleanup: every file a
 //! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
@@ -116,8 +116,17 @@ struct DaxWork {
 struct Held {
     token: u64,
     store: Arc<dyn Persist>,
-    /// The syncs it waits for: (slot, seq).
-    waits: Vec<(usize, u64)>,
+    /// It waits for every sync of its file submitted before it was reaped (seq below this).
+    until: u64,
+}
+
+/// The syncs of one open file in flight in a flusher, and the 0s held for them.
+#[derive(Default)]
+struct FileSyncs {
+    /// Their submission numbers ([`InFlight::seq`]).
+    in_flight: BTreeSet<u64>,
+    /// In the order reaped (so by `until`, which only grows).
+    held: VecDeque<Held>,
 }
 
 /// The flush service of one poll loop.
@@ -132,8 +141,11 @@ pub struct Flusher {
     free: Vec<usize>,
     /// The next sync's [`InFlight::seq`].
     next_seq: u64,
-    /// Syncs that returned 0 and wait for others of their file ([`Held`]).
-    held: Vec<Held>,
+    /// Per open file in use (keyed by its address, kept alive by its syncs in flight): the
+    /// syncs in flight and the 0s held for them ([`Held`]).
+    files: HashMap<usize, FileSyncs>,
+    /// The last poll's completions, reused.
+    finished: Vec<(usize, i32)>,
     /// Dax write-backs longer than [`DAX_STEP`], served in turn.
     dax: VecDeque<DaxWork>,
     ready: VecDeque<FlushCompletion>,
@@ -148,6 +160,9 @@ pub struct Flusher {
     /// Tests: the next submit fails after its push, as `io_uring_enter` may.
     #[cfg(test)]
     fail_next_submit: bool,
+    /// Tests: a worker thread answered by hand stands for io_uring's concurrent workers.
+    #[cfg(test)]
+    concurrent: bool,
 }
 
 impl std::fmt::Debug for Flusher {
@@ -208,7 +223,8 @@ impl Flusher {
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth as usize).rev().collect(),
             next_seq: 0,
-            held: Vec::new(),
+            files: HashMap::new(),
+            finished: Vec::new(),
             dax: VecDeque::new(),
             ready: VecDeque::new(),
             stats: Arc::default(),
@@ -217,6 +233,8 @@ impl Flusher {
             unsubmitted: false,
             #[cfg(test)]
             fail_next_submit: false,
+            #[cfg(test)]
+            concurrent: false,
         }
     }
 
@@ -425,14 +443,20 @@ impl Flusher {
             .map(|taken| self.unsubmitted |= !taken);
         match submitted {
             Ok(()) => {
+                let seq = self.next_seq;
+                self.next_seq += 1;
+                self.files
+                    .entry(file_key(&fd))
+                    .or_default()
+                    .in_flight
+                    .insert(seq);
                 self.slots[slot] = Some(InFlight {
                     token,
                     fd,
                     store,
                     started,
-                    seq: self.next_seq,
+                    seq,
                 });
-                self.next_seq += 1;
                 Ok(())
             }
             Err(e) => {
@@ -467,7 +491,7 @@ impl Flusher {
                 self.eventfd.signal();
             }
         }
-        let mut finished = Vec::new();
+        let mut finished = std::mem::take(&mut self.finished);
         self.unsubmitted = self.backend.reap(self.unsubmitted, &mut finished);
         // Every failure of the batch is recorded before any answer is decided: of two syncs of
         // one open file, the one that returned 0 beside the one that took the error report
@@ -478,36 +502,48 @@ impl Flusher {
                 f.store.record_failure(SyncFailure::new("fdatasync", &e));
             }
         }
-        let mut reaped = Vec::with_capacity(finished.len());
-        for (slot, res) in finished {
+        // Out of flight first, the whole batch, then answered or held: two syncs reaped
+        // together hold nothing for each other.
+        for &(slot, _) in &finished {
+            if let Some(Some(f)) = self.slots.get(slot) {
+                if let Some(file) = self.files.get_mut(&file_key(&f.fd)) {
+                    file.in_flight.remove(&f.seq);
+                }
+            }
+        }
+        // The worker thread runs its syncs one at a time, in order: a sync after this one
+        // started after its check, and cannot have taken its report.
+        #[cfg(not(test))]
+        let concurrent = !self.backend.sequential();
+        #[cfg(test)]
+        let concurrent = !self.backend.sequential() || self.concurrent;
+        for (slot, res) in finished.drain(..) {
             let Some(f) = self.slots.get_mut(slot).and_then(Option::take) else {
                 continue;
             };
             self.free.push(slot);
             self.stats.gpspm_fdatasync.record_since(f.started);
-            reaped.push((f, res));
-        }
-        for (f, res) in reaped {
+            let file = self.files.entry(file_key(&f.fd)).or_default();
             // A 0 beside syncs of the same open file still in flight waits for them: the one
             // that took a write-back error's report may be reaped in a later poll.
-            let waits: Vec<(usize, u64)> = match res < 0 {
-                true => Vec::new(),
-                false => self.in_flight_on(&f.fd),
-            };
-            if waits.is_empty() {
+            if res >= 0 && concurrent && !file.in_flight.is_empty() {
+                file.held.push_back(Held {
+                    token: f.token,
+                    store: f.store,
+                    until: self.next_seq,
+                });
+            } else {
                 out.push(FlushCompletion {
                     token: f.token,
                     status: sync_status(res, &*f.store),
                 });
-            } else {
-                self.held.push(Held {
-                    token: f.token,
-                    store: f.store,
-                    waits,
-                });
             }
+            // The older held ones whose syncs are all reaped now (this one was among them).
+            release_held(file, out);
         }
-        self.release_held(out);
+        self.files
+            .retain(|_, f| !f.in_flight.is_empty() || !f.held.is_empty());
+        self.finished = finished;
         out.len() - before
     }
 
@@ -552,49 +588,15 @@ impl Flusher {
         }
     }
 
-    /// The syncs in flight through the open file `fd`: (slot, seq).
-    fn in_flight_on(&self, fd: &Arc<OwnedFd>) -> Vec<(usize, u64)> {
-        self.slots
-            .iter()
-            .enumerate()
-            .filter_map(|(slot, f)| {
-                f.as_ref()
-                    .filter(|f| Arc::ptr_eq(&f.fd, fd))
-                    .map(|f| (slot, f.seq))
-            })
-            .collect()
-    }
-
-    /// Answers the held syncs whose waits were all reaped: durable unless a failure was
-    /// recorded meanwhile.
-    fn release_held(&mut self, out: &mut Vec<FlushCompletion>) {
-        if self.held.is_empty() {
-            return;
-        }
-        let slots = &self.slots;
-        let still =
-            |&(slot, seq): &(usize, u64)| slots[slot].as_ref().is_some_and(|f| f.seq == seq);
-        let mut i = 0;
-        while i < self.held.len() {
-            self.held[i].waits.retain(still);
-            if self.held[i].waits.is_empty() {
-                let h = self.held.swap_remove(i);
-                out.push(FlushCompletion {
-                    token: h.token,
-                    status: sync_status(0, &*h.store),
-                });
-            } else {
-                i += 1;
-            }
-        }
-    }
-
     /// Blocks until every sync in flight completed and was reaped, dropping the answers (their
     /// connections are gone), and returns how many there were: before a loop ends. A write-back
     /// error one of them reports is recorded as it is reaped (and so written to the state
     /// file); a sync left unreaped took the file's one report of it with it, and the next start
     /// served the lost pages as healthy.
     pub fn finish_all(&mut self) -> usize {
+        // A dax write-back taken in steps reports nothing the kernel would not tell again:
+        // dropped, not finished, for connections gone.
+        self.cancel_dax(|_| false);
         let n = self.in_flight();
         if n > 0 {
             log::info!("waiting for {n} sync(s) of connections gone: a write-back error they report is remembered");
@@ -620,6 +622,26 @@ impl Flusher {
             // SAFETY: one live pollfd; a 100 ms timeout bounds the wait even if a wake-up is lost.
             unsafe { libc::poll(&mut pfd, 1, 100) };
         }
+    }
+}
+
+/// The key of an open file in [`Flusher::files`]: its address, which its syncs in flight keep.
+fn file_key(fd: &Arc<OwnedFd>) -> usize {
+    Arc::as_ptr(fd) as usize
+}
+
+/// Answers `file`'s held 0s whose syncs were all reaped (every sync submitted before each was
+/// reaped): durable unless a failure was recorded meanwhile.
+fn release_held(file: &mut FileSyncs, out: &mut Vec<FlushCompletion>) {
+    let oldest = file.in_flight.first().copied().unwrap_or(u64::MAX);
+    while file.held.front().is_some_and(|h| h.until <= oldest) {
+        let Some(h) = file.held.pop_front() else {
+            break;
+        };
+        out.push(FlushCompletion {
+            token: h.token,
+            status: sync_status(0, &*h.store),
+        });
     }
 }
 
