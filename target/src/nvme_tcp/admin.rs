@@ -107,16 +107,31 @@ impl Queue {
                 // before were in the page cache only, and the host now takes every completed
                 // write as durable).
                 if cached && !ctrl.wce() {
+                    // As a Flush of every namespace would answer: a Write Fault where a reload
+                    // replaced a file under the controller, or a namespace failed (or is lost
+                    // to it), after the healthy ones are synced: with the cache off the host
+                    // sends no Flush that could say so later.
+                    let fault = ctrl.take_replaced(None) | ctrl.any_failed();
                     let (targets, namespaces) = self.flush_everything();
-                    if !targets.is_empty() {
-                        return self.wait_for(
-                            Then::Complete(sqe.cid()),
-                            targets,
-                            Vec::new(),
-                            namespaces,
-                            env,
-                        );
+                    if targets.is_empty() {
+                        return match fault {
+                            true => Reply::status(Status::WRITE_FAULT),
+                            false => r,
+                        };
                     }
+                    let reply = self.wait_for(
+                        Then::Complete(sqe.cid()),
+                        targets,
+                        Vec::new(),
+                        namespaces,
+                        env,
+                    );
+                    if fault {
+                        if let Some(w) = self.waits.get_mut(&self.next_wait) {
+                            w.status = Status::WRITE_FAULT;
+                        }
+                    }
+                    return reply;
                 }
                 r
             }

@@ -648,3 +648,38 @@ fn a_write_whose_file_a_reload_replaced_before_it_completed_is_a_write_fault() {
     let out = h.send(&mut io, &write_cmd(5, 0, 1, &[6; 512], false));
     assert_eq!(completions(&out), [(5, 0, 0)]);
 }
+
+/// Turning the write cache off (Set Features 06h, WCE 0) after a reload put another file in
+/// place of a page-cache namespace: what the cache held went to the old file, and with the
+/// cache off the host sends no Flush that could say so later: the Set Features answers Write
+/// Fault (after the new file is synced), as a Flush would. (It answered success.)
+#[test]
+fn turning_the_write_cache_off_over_a_replaced_file_is_a_write_fault() {
+    let mut h = H::new("");
+    let (mut a, mut io, _) = connected(&mut h);
+    let out = h.send(&mut io, &write_cmd(3, 0, 1, &[5; 512], false));
+    assert_eq!(completions(&out), [(3, 0, 0)], "cached");
+    let d = tempfile::tempdir().unwrap();
+    let text = format!(
+        "listen = [\"nvme-tcp://127.0.0.1:4420\"]\n[[subsystem]]\nnqn = \"{SUB}\"\n\
+         hosts = [{{ nqn = \"{HOST}\" }}]\n[[subsystem.namespace]]\nnsid = 1\npath = \"other\"\n\
+         size = \"1MiB\"\nblock_size = 512\n"
+    );
+    let cfg = Config::from_toml(&text, d.path()).unwrap();
+    let table = NamespaceTable::open_all(&cfg).unwrap();
+    let sub = rpma_common::proto::nqn::Nqn::new(SUB).unwrap();
+    let Phase::Io(q) = &io.phase else {
+        panic!("not an I/O queue")
+    };
+    q.ctrl
+        .set_namespaces(vec![Arc::clone(table.get(&sub, 1).unwrap())], &[1]);
+    let mut set = sqe(command::admin::SET_FEATURES, 7, 0);
+    cdw(&mut set, 10, 0x06);
+    cdw(&mut set, 11, 0);
+    let out = h.send(&mut a, &capsule(&set, &[]));
+    assert!(completions(&out).is_empty(), "the new file is synced first");
+    let t = h.flushes();
+    assert_eq!(t.len(), 1);
+    let out = h.flush_done(&mut a, t[0], FlushStatus::Durable);
+    assert_eq!(completions(&out), [(7, 0, status(Status::WRITE_FAULT))]);
+}
