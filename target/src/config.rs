@@ -292,11 +292,21 @@ impl Config {
         }
     }
 
-    /// The daemon's flush services, one per poll loop, numbered native loops first: a
-    /// page-cache namespace opens its file once for each (target/src/flusher.rs). Both counts
-    /// need a restart to change, so the namespaces a reload opens use the start's number.
+    /// The flush services of the native loops: one each with a native listener, none
+    /// without (the loops start, and never sync).
+    pub fn native_flush_services(&self) -> usize {
+        match self.listeners.iter().any(|l| l.url.transport.is_fabric()) {
+            true => self.native_loops(),
+            false => 0,
+        }
+    }
+
+    /// The daemon's flush services, one per poll loop that may sync, numbered native loops
+    /// first: a page-cache namespace opens its file once for each (target/src/flusher.rs).
+    /// Both counts need a restart to change, so the namespaces a reload opens use the start's
+    /// number.
     pub fn flush_services(&self) -> usize {
-        self.native_loops() + self.nvme_loops()
+        self.native_flush_services() + self.nvme_loops()
     }
 
     /// Reads and validates a configuration file.

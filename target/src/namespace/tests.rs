@@ -539,6 +539,17 @@ fn a_page_cache_namespace_has_an_open_file_per_flush_service() {
     drop((table, ns1));
     let table = NamespaceTable::open_all(&native).unwrap();
     assert_eq!(table.get(&nqn, 1).unwrap().flush_target.open_files(), 5);
+    drop(table);
+
+    // An nvme-tcp listener alone: its loops' (the native loops start, and never sync).
+    let nvme = config::Config::from_toml(
+        &format!("listen = [\"nvme-tcp://127.0.0.1:4420\"]\npoll_loops = 2\n{body}"),
+        d.path(),
+    )
+    .unwrap();
+    assert_eq!(nvme.flush_services(), 2);
+    let table = NamespaceTable::open_all(&nvme).unwrap();
+    assert_eq!(table.get(&nqn, 1).unwrap().flush_target.open_files(), 2);
 }
 
 /// A clear-failure that fails (here the configuration it reopens with asks a larger file,

@@ -93,7 +93,7 @@ impl Loop {
     ) -> std::result::Result<Loop, Box<dyn std::error::Error + Send + Sync>> {
         let cfg = ctx.serve.config();
         // The flush services after the native loops' (Config::flush_services).
-        let mut flusher = Flusher::new(cfg.max_queue_depth, cfg.native_loops() + index)?;
+        let mut flusher = Flusher::new(cfg.max_queue_depth, cfg.native_flush_services() + index)?;
         flusher.set_stats(Arc::clone(&stats));
         let epoll = Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC)?;
         epoll.add(beat.wake_fd(), EpollEvent::new(EpollFlags::EPOLLIN, WAKE))?;
