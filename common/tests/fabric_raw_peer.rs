@@ -1,6 +1,6 @@
 //! The `tcp` transport against a raw peer that speaks the wire itself: a Read Request past the
-//! IRD, a refused Read quoted in the Terminate, a Read whose region is deregistered while the
-//! peer is not reading, private opcodes without the peer's caps, a short Read Response, and a
+//! IRD, a refused Read quoted in the Terminate, a Read whose region is revoked (or only
+//! deregistered) while the peer is not reading, private opcodes without the peer's caps, a short Read Response, and a
 //! peer flooding after the Terminate.
 
 mod fabric_util;
@@ -134,22 +134,24 @@ fn a_refused_read_request_is_quoted_in_the_terminate() {
     assert_eq!(d.header, hdr.encode().as_slice());
 }
 
-/// A peer's large Read, answered while the peer does not read, and the region deregistered
-/// meanwhile (a reload removed the namespace): what the socket had not taken by then never
-/// leaves. The peer gets an RDMAP Invalid STag Terminate, and no byte the region held after
-/// its deregistration (the memory lives on: the file it maps may serve someone else).
-#[test]
-fn a_read_response_stops_at_the_deregistration_of_its_region() {
-    const LEN: usize = 64 << 20;
-    let mem = AlignedBuf::new(LEN).unwrap();
-    mem.write_at(0, &vec![0xAA; LEN]).unwrap();
+/// A target answering a peer's `LEN`-byte Read of `mem` while the peer does not read, until
+/// the socket takes no more; then `end` is done to the region, 0xBB written over the memory,
+/// and what the peer gets from then on returned: until the stream ends, `enough` says so
+/// when nothing more comes, or 10 s.
+fn a_read_held_by_a_peer_then(
+    len: usize,
+    end: impl FnOnce(std::sync::Arc<MemoryRegion>),
+    enough: impl Fn(&[u8]) -> bool,
+) -> (Vec<u8>, QueuePair) {
+    let mem = AlignedBuf::new(len).unwrap();
+    mem.write_at(0, &vec![0xAA; len]).unwrap();
     let (url, h) = target_over(4, std::sync::Arc::clone(&mem));
     let (mut s, _n) = raw_peer(&url, CapFlags::ALL, 4);
     let (tqp, cq, mr) = h.join().unwrap();
     let rr = wire::rdmap::ReadRequest {
         sink_stag: 0x1234,
         sink_to: 0,
-        size: LEN as u32,
+        size: len as u32,
         src_stag: mr.rkey(),
         src_to: mr.addr(),
     };
@@ -160,32 +162,88 @@ fn a_read_response_stops_at_the_deregistration_of_its_region() {
     .unwrap();
     // The target answers until the socket takes no more: the peer reads nothing yet.
     let mut wc = [Completion::EMPTY; 4];
-    let end = Instant::now() + Duration::from_millis(500);
-    while Instant::now() < end {
+    let until = Instant::now() + Duration::from_millis(500);
+    while Instant::now() < until {
         cq.poll(&mut wc).unwrap();
         std::thread::sleep(Duration::from_millis(1));
     }
     assert_eq!(tqp.state(), QpState::Rts);
-    drop(mr);
-    mem.write_at(0, &vec![0xBB; LEN]).unwrap();
-    let got = read_while(&mut s, || {
+    end(mr);
+    mem.write_at(0, &vec![0xBB; len]).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
+    let mut got = Vec::new();
+    let mut b = vec![0u8; 1 << 16];
+    let until = Instant::now() + Duration::from_secs(10);
+    while Instant::now() < until {
         cq.poll(&mut wc).unwrap();
-        tqp.state() == QpState::Error
-    });
+        match s.read(&mut b) {
+            Ok(0) => break,
+            Ok(n) => got.extend_from_slice(&b[..n]),
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            // Asked only when nothing came for a while: it may parse all of `got`.
+            Err(_) if enough(&got) => break,
+            Err(_) => {}
+        }
+    }
+    (got, tqp)
+}
+
+/// A peer's large Read, answered while the peer does not read, and the region revoked
+/// meanwhile (a reload removed the namespace): what the socket had not taken by then never
+/// leaves. The peer gets an RDMAP Invalid STag Terminate, or, if an FPDU was partly sent, its
+/// stream ends in the middle of that FPDU; never a byte the region held after its revocation
+/// (the memory lives on: the file it maps may serve someone else).
+#[test]
+fn a_read_response_stops_at_the_revocation_of_its_region() {
+    const LEN: usize = 64 << 20;
+    let (got, tqp) = a_read_held_by_a_peer_then(
+        LEN,
+        |mr| {
+            mr.revoke();
+            drop(mr);
+        },
+        |_| false,
+    );
     let mut answered = 0;
+    let mut framed = 0;
     for (h, payload) in fpdus(&got) {
         if h.opcode == Opcode::ReadResponse {
             assert!(
                 !payload.contains(&0xBB),
-                "bytes written after the deregistration were sent, {answered} bytes in"
+                "bytes written after the revocation were sent, {answered} bytes in"
             );
             answered += payload.len();
         }
+        framed += wire::fpdu_len(payload.len() + h.len());
     }
     assert!(answered < LEN, "the whole Read was answered");
-    let t = terminate_in(&got).expect("a Terminate");
-    assert_eq!(t.cause, TermCause::RDMAP_INVALID_STAG);
+    match terminate_in(&got) {
+        Some(t) => assert_eq!(t.cause, TermCause::RDMAP_INVALID_STAG),
+        None => assert!(
+            framed < got.len() && !got[framed..].contains(&0xBB),
+            "neither a Terminate nor a stream cut in the middle of an FPDU"
+        ),
+    }
     assert_eq!(tqp.state(), QpState::Error);
+}
+
+/// The same Read, its region only deregistered (a daemon drops a departing host's regions
+/// before its Disconnect): new access is refused, but the Read accepted before goes out whole,
+/// with no Terminate (its host would take a remote access error for a graceful goodbye).
+#[test]
+fn a_read_response_outlives_the_deregistration_of_its_region() {
+    const LEN: usize = 16 << 20;
+    let answered = |got: &[u8]| -> usize {
+        fpdus(got)
+            .iter()
+            .filter(|(h, _)| h.opcode == Opcode::ReadResponse)
+            .map(|(_, p)| p.len())
+            .sum()
+    };
+    let (got, tqp) = a_read_held_by_a_peer_then(LEN, drop, |got| answered(got) >= LEN);
+    assert!(terminate_in(&got).is_none(), "a Terminate");
+    assert_eq!(answered(&got), LEN, "the Read was not answered whole");
+    assert_eq!(tqp.state(), QpState::Rts, "{:?}", tqp.error());
 }
 
 #[test]

@@ -138,8 +138,8 @@ fn sighup_removing_a_namespace_revokes_it_only() {
 
 /// A host that asked for Reads of a namespace and stopped reading its socket, when a reload
 /// removes that namespace and its file is written afterwards (given to someone else): the rest
-/// of its Reads never leaves. It gets an RDMAP Invalid STag Terminate, and not one byte
-/// written after the reload. (The answers were read from the mapping when the socket took
+/// of its Reads never leaves. It gets an RDMAP Invalid STag Terminate, or its stream ends in
+/// the middle of the FPDU the target was sending, and not one byte written after the reload. (The answers were read from the mapping when the socket took
 /// them: the host got the file's new contents.)
 #[test]
 fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
@@ -183,19 +183,23 @@ fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
     assert!(!revoked.is_empty(), "{}", t.log());
     let f = std::fs::OpenOptions::new().write(true).open(&ns2).unwrap();
     f.write_all_at(&vec![0xBB; LEN], 0).unwrap();
-    // The host reads again: FPDU by FPDU (the CRC of an FPDU cut short by the revocation no
-    // longer matches: not checked).
+    // The host reads again: FPDU by FPDU, until a Terminate or the end of the stream (which
+    // the target cuts in the middle of an FPDU that was partly sent when it was revoked).
     let deadline = std::time::Instant::now() + WAIT;
     let (mut buf, mut answered, mut term) = (Vec::new(), 0usize, None::<Terminate>);
+    let mut ended = false;
     let mut b = vec![0u8; 1 << 20];
     p.s.set_read_timeout(Some(Duration::from_millis(100)))
         .unwrap();
     while term.is_none() && std::time::Instant::now() < deadline {
         match p.s.read(&mut b) {
-            Ok(0) => break,
+            Ok(0) => ended = true,
             Ok(n) => buf.extend_from_slice(&b[..n]),
-            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => break,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => ended = true,
             Err(_) => continue,
+        }
+        if ended {
+            break;
         }
         let mut at = 0;
         while buf.len() - at >= 2 {
@@ -220,10 +224,87 @@ fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
         }
         buf.drain(..at);
     }
-    let term = term.unwrap_or_else(|| panic!("no Terminate, {answered} bytes answered"));
-    assert_eq!(term.cause, TermCause::RDMAP_INVALID_STAG);
+    match term {
+        Some(term) => {
+            assert_eq!(term.cause, TermCause::RDMAP_INVALID_STAG);
+            assert!(p.closed(), "the connection stayed open");
+        }
+        None => {
+            assert!(
+                ended,
+                "neither a Terminate nor the end, {answered} bytes answered"
+            );
+            assert!(
+                !buf.is_empty(),
+                "the stream ended between FPDUs, without a Terminate"
+            );
+            assert!(
+                !buf.contains(&0xBB),
+                "bytes written after the reload were sent"
+            );
+        }
+    }
     assert!(answered < LEN * usize::from(p.n.ord));
-    assert!(p.closed(), "the connection stayed open");
+}
+
+/// A reload that closes a session (its host was removed) while Reads the host asked for wait
+/// for it to read its socket: the target deregisters the session's regions before its
+/// Disconnect, and that must not fail those Reads. The host gets their answers and then the
+/// Disconnect, never a Terminate (a RemoteAccess, which the initiator does not retry: EIO for
+/// an NBD client across a graceful goodbye).
+#[test]
+fn a_goodbye_answers_the_reads_a_host_had_not_taken_before_its_disconnect() {
+    use hostile::{ns, FromTarget, Peer};
+    use rpma_common::fabric::soft::wire::rdmap::ReadRequest;
+    use rpma_common::fabric::soft::wire::Opcode;
+    use rpma_common::proto::Message;
+    if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
+        eprintln!("skipped: a raw iWARP peer needs the tcp transport");
+        return;
+    }
+    const LEN: usize = 8 << 20;
+    let d = scratch();
+    std::fs::write(d.path().join("ns2"), vec![0xAA; LEN]).unwrap();
+    let extra = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"8MiB\"\n";
+    let t = start_with_extra(d.path(), "", extra, &[]);
+    let mut p = Peer::open(t.port(), std::net::Ipv4Addr::new(127, 0, 0, 2));
+    let n2 = ns(&p.admit(), 2).clone();
+    let mut reads = Vec::new();
+    for _ in 0..p.n.ord {
+        let rr = ReadRequest {
+            sink_stag: 0x4242,
+            sink_to: 0,
+            size: LEN as u32,
+            src_stag: n2.rkey,
+            src_to: n2.remote_addr,
+        };
+        reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
+    }
+    p.raw(&reads);
+    // The target answers until the socket takes no more: the host reads nothing yet.
+    std::thread::sleep(Duration::from_secs(1));
+    let without_plain = demo_config("", extra).replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
+    assert!(!without_plain.contains(PLAIN), "{without_plain}");
+    t.rewrite(&without_plain);
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    let closing = t.log_lines(&["its subsystem or host entry changed: closing"], WAIT);
+    assert!(!closing.is_empty(), "{}", t.log());
+    // The host reads again: its answers, then the Disconnect.
+    let mut answers = 0;
+    loop {
+        match p.next(WAIT) {
+            Some(FromTarget::Other(Opcode::ReadResponse)) => answers += 1,
+            Some(FromTarget::Message(Ok(Message::Disconnect(d)))) => {
+                assert!(d.reason.contains("configuration"), "{d:?}");
+                break;
+            }
+            Some(FromTarget::Message(_)) | Some(FromTarget::Other(_)) => {}
+            other => panic!("no Disconnect after {answers} Read Response FPDUs: {other:?}"),
+        }
+    }
+    assert!(answers > 0);
 }
 
 /// Removing a host from a subsystem closes that host's session with a reason and refuses it

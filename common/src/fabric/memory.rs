@@ -278,10 +278,11 @@ pub(crate) struct Region {
     /// Registered with [`ProtectionDomain::register_stable`](super::ProtectionDomain::register_stable):
     /// nothing writes the bytes a work request reads while it is in flight.
     pub(crate) stable: bool,
-    /// Its registration is gone (set by the soft device when the region's STag is removed):
-    /// what a peer reaches through its rkey, a Read Response still waiting to be sent or a
+    /// Revoked by its owner ([`MemoryRegion::revoke`](super::MemoryRegion::revoke)): what a
+    /// peer already reached through its rkey, a Read Response still waiting to be sent or a
     /// Write still being placed, must not touch the memory any more, although the `Arc`s that
-    /// keep it alive for them remain.
+    /// keep it alive for them remain. A deregistration alone does not set it: it refuses new
+    /// access only, and lets what was accepted finish.
     revoked: AtomicBool,
 }
 
@@ -320,13 +321,13 @@ impl Region {
         })
     }
 
-    /// Marks the registration gone.
+    /// Marks the registration revoked for what is in flight too.
     pub(crate) fn revoke(&self) {
         self.revoked.store(true, Ordering::Release);
     }
 
-    /// Whether the registration is gone: a peer's access through it, queued or in progress,
-    /// must stop before it reads or writes another byte.
+    /// Whether the registration was revoked: a peer's access through it, queued or in
+    /// progress, must stop before it reads or writes another byte.
     pub(crate) fn revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)
     }

@@ -91,9 +91,9 @@ impl ProtectionDomain {
     /// gone (the fabric keeps an `Arc` of the region per outstanding request). Dropping the
     /// region's last `Arc` revokes its rkey and the rkeys of every memory window bound to it
     /// (they are refused with a remote access error from then on); a peer's Write FPDU already
-    /// being placed when it is dropped holds the region until that FPDU is in or refused (on
-    /// `tcp` with CRC off, the rest of it is refused at the queue pair's next poll), so the memory
-    /// must also stay valid until the queue pairs that could be placing into it have made
+    /// being placed when it is dropped holds the region until that FPDU is in (or refused: on
+    /// `tcp` with CRC off, the rest of a region [revoked](MemoryRegion::revoke) first is refused
+    /// at the queue pair's next poll), so the memory must also stay valid until the queue pairs that could be placing into it have made
     /// progress past that FPDU (or are gone). Peers with the rkey write into it at any time
     /// from the thread that drives progress: no Rust reference that assumes exclusive or
     /// unchanging access may exist to it meanwhile.
@@ -199,6 +199,17 @@ impl MemoryRegion {
     /// The protection domain.
     pub fn pd(&self) -> &ProtectionDomain {
         &self.pd
+    }
+
+    /// Revokes what peers already reached through this region, not only new access: on `tcp`,
+    /// a Read Response from it still queued sends no further byte (the queue pair sends an
+    /// RDMAP Invalid STag Terminate, or, in the middle of an FPDU, ends the connection there)
+    /// and a Write being placed into it places no further byte (CRC off). For memory that is
+    /// about to serve someone else (a namespace a reload removed): revoke, then drop the
+    /// region. Dropping it alone deregisters it (new access refused) and lets what was
+    /// accepted finish. On `rdma` it does nothing: the device stops at the deregistration.
+    pub fn revoke(&self) {
+        self.region.revoke();
     }
 
     /// What to hand a peer so it can reach `offset` of this region.

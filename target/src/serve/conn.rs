@@ -277,7 +277,11 @@ impl Conn {
         {
             self.ticket = None;
         }
-        // Dropping the session deregisters its regions before the Disconnect is sent.
+        // Dropping the session deregisters its regions before the Disconnect is sent: a late
+        // Write is refused, but the Reads the host asked for before are still answered (a
+        // deregistration does not revoke what was accepted; a reload that removed a namespace
+        // revoked its region already), so that its requests end with the Disconnect, retried,
+        // not with a RemoteAccess.
         self.phase = Phase::Closing {
             deadline: Instant::now() + LINGER,
         };

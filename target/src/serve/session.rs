@@ -9,7 +9,12 @@
 //! may reach is registered in it as a memory region over the namespace's mapping, with the
 //! rights the namespace allows (no remote write on a read-only one). Its rkey is therefore
 //! usable by this connection's queue pair only; deregistering it (dropping the [`Grant`]) is the
-//! revocation, after which a Write with the old rkey is answered with RemoteAccess.
+//! revocation, after which a Write with the old rkey is answered with RemoteAccess. What the host
+//! asked for before (Read Responses still queued for a host that stopped reading) still goes
+//! out, unless the namespace was removed or changed by a reload: then its region is revoked
+//! first ([`MemoryRegion::revoke`]), and nothing more of the file leaves (it may be another
+//! subsystem's now). A session's end (a goodbye, before its Disconnect) only deregisters: the
+//! host's last Reads are answered, not failed with RemoteAccess.
 //!
 //! Why not one region per namespace in a shared domain plus a memory window per connection: on
 //! this fabric a window may only carry remote rights its region has, so the shared region would
@@ -75,6 +80,17 @@ impl Session {
     /// sees the new descriptor instead of a RemoteAccess later); else None, once the rkeys of its
     /// namespaces that were removed are revoked. `peer` is the host's address, for the log.
     pub(super) fn reloaded(&mut self, diff: &ConfigDiff, peer: SocketAddr) -> Option<String> {
+        let in_diff = |list: &[NsKey], nsid: u32| {
+            list.iter()
+                .any(|(sub, n)| *n == nsid && *sub == self.subsystem)
+        };
+        // Whether the session stays or goes: what is queued from a namespace whose file may
+        // serve someone else now sends no further byte.
+        for (&nsid, g) in &self.grants {
+            if in_diff(&diff.namespaces_removed, nsid) || in_diff(&diff.namespaces_changed, nsid) {
+                g.mr.revoke();
+            }
+        }
         if diff.touches_session(&self.subsystem, &self.host) {
             log::info!(
                 "session ctrl {} (host {} from {}): its subsystem or host entry changed: closing",
@@ -84,10 +100,6 @@ impl Session {
             );
             return Some("the target's configuration for this host changed".to_owned());
         }
-        let in_diff = |list: &[NsKey], nsid: u32| {
-            list.iter()
-                .any(|(sub, n)| *n == nsid && *sub == self.subsystem)
-        };
         let cleared: Vec<String> = self
             .grants
             .keys()

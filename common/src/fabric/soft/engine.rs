@@ -222,27 +222,42 @@ impl Engine {
 
     /// Writes what is queued, at most `budget` bytes: the rest waits for the next progress
     /// call, after the other queue pairs of the completion queue had their turn. A Read
-    /// Response whose region was deregistered while it waited (a reload removed the namespace
+    /// Response whose region was revoked while it waited (a reload removed the namespace
     /// while the peer was not reading) is not sent: the stream is terminated with an RDMAP
     /// Invalid STag (the peer's Read fails with a remote access error), as a Read Request for
-    /// that rkey would be from then on.
+    /// that rkey would be from then on; or, if an FPDU of it was partly written, the connection
+    /// ends there (the peer's Read fails as on a connection loss, never with a success).
     pub(super) fn write(&mut self, conn: &mut Conn, budget: usize) {
         self.write_some(conn, budget);
-        if !self.tx.revoked() {
-            return;
+        if self.tx.revoked() {
+            if self.state == QpState::Rts && !self.tx.partial_revoked() {
+                self.terminate(Fault {
+                    cause: TermCause::RDMAP_INVALID_STAG,
+                    offending: None,
+                    recv_status: None,
+                    rreq: None,
+                    persist: None,
+                });
+            } else {
+                self.tx.drop_revoked();
+            }
+            self.write_some(conn, budget);
         }
-        if self.state == QpState::Rts {
-            self.terminate(Fault {
-                cause: TermCause::RDMAP_INVALID_STAG,
-                offending: None,
-                recv_status: None,
-                rreq: None,
-                persist: None,
-            });
-        } else {
-            self.tx.drop_revoked();
+        if self.tx.cut_short() {
+            // Nothing more to send: the queue pair closes its connection at once (after its
+            // drain), with its stream ended in the middle of the FPDU.
+            self.closing = false;
+            self.enter_error(
+                QpFailure::Link {
+                    op: "sending",
+                    source: Arc::new(std::io::Error::other(
+                        "a Read Response's region was revoked in the middle of an FPDU: the \
+                         stream ends there",
+                    )),
+                },
+                None,
+            );
         }
-        self.write_some(conn, budget);
     }
 
     fn write_some(&mut self, conn: &mut Conn, budget: usize) {

@@ -14,10 +14,11 @@
 //!
 //! Revocation: a Read Response is read from the memory when the socket takes it, which may be
 //! long after the Read Request was checked (a peer that stops reading holds its answers
-//! here). Once the region it reads from is deregistered, no byte of it leaves: before each
-//! `writev` the FPDUs it would carry are checked, and [`Tx::revoked`] tells the engine to
-//! terminate the stream instead. What the kernel's socket buffer already holds was read
-//! before the deregistration. A deregistration on another thread than the one that drives
+//! here). Once the region it reads from is revoked (`MemoryRegion::revoke`; a deregistration
+//! alone lets it finish), no byte of it leaves: before each `writev` the FPDUs it would carry
+//! are checked, and [`Tx::revoked`] tells the engine to terminate the stream instead, or, if
+//! the FPDU partly written is one of them, to end the connection there ([`Tx::cut_short`]).
+//! What the kernel's socket buffer already holds was read before the revocation. A deregistration on another thread than the one that drives
 //! progress can still race one `writev` already past its check.
 //!
 //! Fair share: one [`Tx::flush`] writes at most the budget its caller gives, so a queue pair
@@ -188,9 +189,12 @@ pub(crate) struct Tx {
     /// The last flush stopped because the socket took no more (its peer is not reading as
     /// fast): output waits, but it does not compete for the pass's budget.
     blocked: bool,
-    /// A message waiting here reads from a region deregistered since it was queued: nothing
+    /// A message waiting here reads from a region revoked since it was queued: nothing
     /// more is written until the engine terminates the stream ([`Tx::revoked`]).
     revoked: bool,
+    /// The FPDU partly written read from a revoked region: everything was dropped, nothing is
+    /// written or queued any more ([`Tx::cut_short`]).
+    cut_short: bool,
     cfg: TxConfig,
 }
 
@@ -207,11 +211,16 @@ impl Tx {
             written: 0,
             blocked: false,
             revoked: false,
+            cut_short: false,
             cfg: TxConfig::new(crc, max).expect("max ULPDU clamped to the wire's limits"),
         }
     }
 
     pub(crate) fn push(&mut self, m: TxMsg) {
+        if self.cut_short {
+            // Not a byte more: the stream ends in the middle of an FPDU.
+            return;
+        }
         self.queue.push_back(m);
     }
 
@@ -237,11 +246,28 @@ impl Tx {
     }
 
     /// Whether the last [`flush`](Self::flush) stopped because a Read Response it was to write
-    /// reads from a region deregistered since: the stream must be terminated
+    /// reads from a region revoked since: the stream must be terminated
     /// ([`abort_queued`](Self::abort_queued) drops it), or, once it is, the revoked bytes
-    /// dropped ([`drop_revoked`](Self::drop_revoked)).
+    /// dropped ([`drop_revoked`](Self::drop_revoked)). If the FPDU partly written is one of
+    /// them ([`partial_revoked`](Self::partial_revoked)), either ends the stream there
+    /// ([`cut_short`](Self::cut_short)).
     pub(crate) fn revoked(&self) -> bool {
         self.revoked
+    }
+
+    /// Whether the FPDU partly written reads from a revoked region: its rest can be neither
+    /// sent nor replaced, so no Terminate can follow it.
+    pub(crate) fn partial_revoked(&self) -> bool {
+        self.written > 0 && self.ready.front().is_some_and(Fpdu::revoked)
+    }
+
+    /// Whether an FPDU was cut short by a revocation: everything was dropped, and the
+    /// connection must be closed without another byte (the peer sees its stream end in the
+    /// middle of that FPDU, a connection loss). Zeros for the rest would keep the stream
+    /// framed, but with CRC off nothing tells the peer they are not the data: an FPDU with the
+    /// L bit would complete its Read as a success with a zero tail.
+    pub(crate) fn cut_short(&self) -> bool {
+        self.cut_short
     }
 
     /// Whether anything waits to be written.
@@ -250,8 +276,8 @@ impl Tx {
     }
 
     /// Drops every message not started, keeping a partly written FPDU so that the stream stays
-    /// framed (used before a Terminate); if that FPDU's region was revoked, the rest of it
-    /// goes out as zeros.
+    /// framed (used before a Terminate); if that FPDU's region was revoked, everything goes
+    /// ([`Tx::cut_short`]).
     pub(crate) fn abort_queued(&mut self) {
         if self.written > 0 {
             self.ready.truncate(1);
@@ -267,25 +293,20 @@ impl Tx {
     }
 
     /// After the stream was terminated: drops what reads from a revoked region (see
-    /// [`Tx::revoked`]), but for a partly written FPDU, the rest of which goes out as zeros so
-    /// that the stream stays framed up to the Terminate (with CRC, the FPDU's CRC no longer
-    /// matches; the peer fails the stream either way, and has not a byte of the region from
-    /// after its deregistration).
+    /// [`Tx::revoked`]); if the FPDU partly written is one of them, drops everything and
+    /// writes nothing more ([`Tx::cut_short`]).
     pub(crate) fn drop_revoked(&mut self) {
-        let partial = self.written > 0;
-        let mut i = 0;
-        self.ready.retain_mut(|f| {
-            let first = i == 0;
-            i += 1;
-            if !f.revoked() {
-                return true;
-            }
-            if first && partial {
-                f.payload = Payload::Inline(InlineBody::from_elem(0, f.payload.len()));
-                return true;
-            }
-            false
-        });
+        if self.partial_revoked() {
+            self.ready.clear();
+            self.queue.clear();
+            self.front = None;
+            self.written = 0;
+            self.ready_bytes = 0;
+            self.revoked = false;
+            self.cut_short = true;
+            return;
+        }
+        self.ready.retain(|f| !f.revoked());
         self.ready_bytes = self.ready.iter().map(Fpdu::total).sum();
         let front_revoked = self.queue.front().is_some_and(TxMsg::revoked);
         if front_revoked {

@@ -536,9 +536,10 @@ impl rx::Placer for Engine {
         write_payload(target, payload)
     }
 
-    /// A Write's region deregistered while its payload was still arriving (CRC off): the rest
-    /// is refused as its STag would be now, so that nothing lands in the memory (a namespace
-    /// a reload removed, its file perhaps another subsystem's) after the revocation.
+    /// A Write's region revoked while its payload was still arriving (CRC off): the rest is
+    /// refused as its STag would be now, so that nothing lands in the memory (a namespace a
+    /// reload removed, its file perhaps another subsystem's) after the revocation. A
+    /// deregistration alone lets the FPDU finish (a departing host's last Write).
     fn recheck(&mut self, _: &Header) -> std::result::Result<(), TermCause> {
         match &self.placing {
             Some(p) if p.region.revoked() => Err(TermCause::DDP_TAGGED_INVALID_STAG),

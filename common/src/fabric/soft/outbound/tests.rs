@@ -79,8 +79,7 @@ fn abort_keeps_a_partly_written_fpdu_and_drops_the_rest() {
 }
 
 #[test]
-fn a_read_response_from_a_revoked_region_is_not_sent_and_a_partial_fpdu_ends_in_zeros() {
-    use crate::fabric::soft::wire::fpdu_len;
+fn a_read_response_from_a_revoked_region_is_not_sent_and_a_partial_fpdu_cuts_the_stream() {
     let ctx = Context::soft();
     let pd = ctx.alloc_pd().unwrap();
     let region = || {
@@ -120,22 +119,30 @@ fn a_read_response_from_a_revoked_region_is_not_sent_and_a_partial_fpdu_ends_in_
     assert!(tx.revoked() && tx.ready.is_empty());
     tx.abort_queued();
     assert!(!tx.revoked() && !tx.pending());
-    // Revoked after it was framed and part of an FPDU left: the rest of that FPDU goes out
-    // as zeros, nothing after it.
-    let mr = region();
-    let mut tx = Tx::new(false, 128);
-    tx.push(msg(&mr, true));
-    tx.cut();
-    assert!(tx.ready.len() > 1);
-    tx.written = 20;
-    mr.region().revoke();
-    assert!(!tx.flush(&mut a, usize::MAX, |_| {}).unwrap());
-    assert!(tx.revoked());
-    tx.abort_queued();
-    assert_eq!(tx.ready.len(), 1);
-    let rest = sent(tx);
-    assert_eq!(rest.len(), fpdu_len(128) - 20);
-    assert!(!rest.contains(&0xAA));
+    // Revoked after it was framed and part of an FPDU left, with CRC off or on: nothing of it
+    // or after it goes out, not even a Terminate pushed after (zeros for its rest would end a
+    // Read with the L bit as a success at the peer, with CRC off); the engine ends the
+    // connection there.
+    for crc in [false, true] {
+        let mr = region();
+        let mut tx = Tx::new(crc, 128);
+        tx.push(msg(&mr, true));
+        tx.cut();
+        assert!(tx.ready.len() > 1);
+        tx.written = 20;
+        mr.region().revoke();
+        assert!(!tx.flush(&mut a, usize::MAX, |_| {}).unwrap());
+        assert!(tx.revoked() && tx.partial_revoked());
+        tx.abort_queued();
+        assert!(tx.cut_short() && !tx.pending());
+        tx.push_inline(
+            Header::untagged(Opcode::Terminate, 1, true),
+            &[0; 28],
+            OnSent::Nothing,
+        );
+        assert!(!tx.pending(), "crc {crc}");
+        assert!(sent(tx).is_empty(), "crc {crc}");
+    }
 }
 
 #[test]
