@@ -40,7 +40,7 @@
 //! Threads: a [`Flusher`] belongs to one poll loop (`Send`, not shared). Cleanup: every file a
 //! submitted flush refers to is kept open by the in-flight table until its completion is reaped.
 
-use std::collections::{BTreeSet, HashMap, VecDeque};
+use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
@@ -84,16 +84,14 @@ pub struct FlushCompletion {
 }
 
 struct InFlight {
-    token: u64,
-    /// Keeps the file open until the kernel (or the worker) is done with it; syncs of one open
-    /// file are told apart from others' by it.
+    /// The flushes it answers: one, or those that waited for the file's last sync (merged).
+    tokens: Vec<u64>,
+    /// Keeps the file open until the kernel (or the worker) is done with it.
     fd: Arc<OwnedFd>,
     /// Where a failure of this fdatasync is recorded.
     store: Arc<dyn Persist>,
     /// When it was submitted.
     started: Stopwatch,
-    /// This flusher's submission number: a slot reused by a later sync is another sync.
-    seq: u64,
 }
 
 /// A dax write-back longer than [`DAX_STEP`], done a step per poll.
@@ -109,24 +107,25 @@ struct DaxWork {
     spent: u64,
 }
 
-/// A sync that returned 0 while other syncs of the same open file were in flight: Linux gives
-/// a write-back error's report to one sync of an open file, and the one that took it may post
-/// its completion after this 0 was reaped. It is answered once those syncs are reaped (their
-/// failures recorded in the store first), as failed if one of them failed.
-struct Held {
+/// A flush of a file whose sync is in flight in this flusher, waiting for it.
+struct Waiting {
     token: u64,
     store: Arc<dyn Persist>,
-    /// It waits for every sync of its file submitted before it was reaped (seq below this).
-    until: u64,
+    /// Its range: `[start, end)`.
+    start: u64,
+    end: u64,
 }
 
-/// The syncs of one open file in flight in a flusher, and the 0s held for them.
+/// A flusher's syncs of one open file: at most one in flight at a time, and the flushes that
+/// came meanwhile waiting to be synced together by the next. Linux reports a write-back error
+/// once per open file, to whichever sync of it looks first: of two syncs of one file at once,
+/// the one that returned 0 could be reaped and answered durable before the one that took the
+/// report was reaped and its failure recorded (a kernel worker preempted between its check and
+/// its completion). One at a time, the next starts only once the last one's answer is known.
 #[derive(Default)]
 struct FileSyncs {
-    /// Their submission numbers ([`InFlight::seq`]).
-    in_flight: BTreeSet<u64>,
-    /// In the order reaped (so by `until`, which only grows).
-    held: VecDeque<Held>,
+    busy: bool,
+    waiting: Vec<Waiting>,
 }
 
 /// The flush service of one poll loop.
@@ -139,11 +138,11 @@ pub struct Flusher {
     eventfd: Arc<EventFd>,
     slots: Vec<Option<InFlight>>,
     free: Vec<usize>,
-    /// The next sync's [`InFlight::seq`].
-    next_seq: u64,
-    /// Per open file in use (keyed by its address, kept alive by its syncs in flight): the
-    /// syncs in flight and the 0s held for them ([`Held`]).
+    /// Per open file with a sync in flight (keyed by its address, kept alive by that sync):
+    /// the flushes waiting for it ([`FileSyncs`]).
     files: HashMap<usize, FileSyncs>,
+    /// How many flushes wait there.
+    waiting: usize,
     /// The last poll's completions, reused.
     finished: Vec<(usize, i32)>,
     /// Dax write-backs longer than [`DAX_STEP`], served in turn.
@@ -160,9 +159,6 @@ pub struct Flusher {
     /// Tests: the next submit fails after its push, as `io_uring_enter` may.
     #[cfg(test)]
     fail_next_submit: bool,
-    /// Tests: a worker thread answered by hand stands for io_uring's concurrent workers.
-    #[cfg(test)]
-    concurrent: bool,
 }
 
 impl std::fmt::Debug for Flusher {
@@ -222,8 +218,8 @@ impl Flusher {
             eventfd,
             slots: (0..depth).map(|_| None).collect(),
             free: (0..depth as usize).rev().collect(),
-            next_seq: 0,
             files: HashMap::new(),
+            waiting: 0,
             finished: Vec::new(),
             dax: VecDeque::new(),
             ready: VecDeque::new(),
@@ -233,8 +229,6 @@ impl Flusher {
             unsubmitted: false,
             #[cfg(test)]
             fail_next_submit: false,
-            #[cfg(test)]
-            concurrent: false,
         }
     }
 
@@ -251,7 +245,7 @@ impl Flusher {
     /// Flushes submitted and not yet reaped: device flushes, and dax write-backs taken in
     /// steps ([`DAX_STEP`]).
     pub fn in_flight(&self) -> usize {
-        self.slots.len() - self.free.len() + self.dax.len()
+        self.slots.len() - self.free.len() + self.dax.len() + self.waiting
     }
 
     /// Drops the dax write-backs taken in steps whose token `keep` refuses (their connection
@@ -428,6 +422,32 @@ impl Flusher {
             self.ready.push_back(FlushCompletion { token, status });
             return Ok(());
         }
+        let file = self.files.entry(file_key(&fd)).or_default();
+        if file.busy {
+            // Synced with the others that wait, by the next sync of the file.
+            file.waiting.push(Waiting {
+                token,
+                store,
+                start: offset,
+                end: offset + length,
+            });
+            self.waiting += 1;
+            return Ok(());
+        }
+        self.start_sync(vec![token], fd, store, (offset, length))
+    }
+
+    /// Hands the sync of `range` of `fd` answering `tokens` to the backend.
+    ///
+    /// # Errors
+    /// [`FlusherError::Full`] with no slot free; those of the backend's push.
+    fn start_sync(
+        &mut self,
+        tokens: Vec<u64>,
+        fd: Arc<OwnedFd>,
+        store: Arc<dyn Persist>,
+        range: (u64, u64),
+    ) -> Result<()> {
         let Some(slot) = self.free.pop() else {
             return Err(FlusherError::Full(self.slots.len()));
         };
@@ -439,28 +459,29 @@ impl Flusher {
         let depth = self.slots.len();
         let submitted = self
             .backend
-            .push(slot, &fd, (offset, length), depth, fail)
+            .push(slot, &fd, range, depth, fail)
             .map(|taken| self.unsubmitted |= !taken);
         match submitted {
             Ok(()) => {
-                let seq = self.next_seq;
-                self.next_seq += 1;
-                self.files
-                    .entry(file_key(&fd))
-                    .or_default()
-                    .in_flight
-                    .insert(seq);
+                self.files.entry(file_key(&fd)).or_default().busy = true;
                 self.slots[slot] = Some(InFlight {
-                    token,
+                    tokens,
                     fd,
                     store,
                     started,
-                    seq,
                 });
                 Ok(())
             }
             Err(e) => {
                 self.free.push(slot);
+                let key = file_key(&fd);
+                if self
+                    .files
+                    .get(&key)
+                    .is_some_and(|f| !f.busy && f.waiting.is_empty())
+                {
+                    self.files.remove(&key);
+                }
                 Err(e)
             }
         }
@@ -494,57 +515,67 @@ impl Flusher {
         let mut finished = std::mem::take(&mut self.finished);
         self.unsubmitted = self.backend.reap(self.unsubmitted, &mut finished);
         // Every failure of the batch is recorded before any answer is decided: of two syncs of
-        // one open file, the one that returned 0 beside the one that took the error report
-        // must not be answered durable for being reaped first.
+        // one file (two openings of it, a reload's old and new), the one that returned 0 beside
+        // the one that took the error report must not be answered durable for being reaped
+        // first.
         for &(slot, res) in &finished {
             if let (true, Some(Some(f))) = (res < 0, self.slots.get(slot)) {
                 let e = std::io::Error::from_raw_os_error(-res);
                 f.store.record_failure(SyncFailure::new("fdatasync", &e));
             }
         }
-        // Out of flight first, the whole batch, then answered or held: two syncs reaped
-        // together hold nothing for each other.
-        for &(slot, _) in &finished {
-            if let Some(Some(f)) = self.slots.get(slot) {
-                if let Some(file) = self.files.get_mut(&file_key(&f.fd)) {
-                    file.in_flight.remove(&f.seq);
-                }
-            }
-        }
-        // The worker thread runs its syncs one at a time, in order: a sync after this one
-        // started after its check, and cannot have taken its report.
-        #[cfg(not(test))]
-        let concurrent = !self.backend.sequential();
-        #[cfg(test)]
-        let concurrent = !self.backend.sequential() || self.concurrent;
         for (slot, res) in finished.drain(..) {
             let Some(f) = self.slots.get_mut(slot).and_then(Option::take) else {
                 continue;
             };
             self.free.push(slot);
             self.stats.gpspm_fdatasync.record_since(f.started);
-            let file = self.files.entry(file_key(&f.fd)).or_default();
-            // A 0 beside syncs of the same open file still in flight waits for them: the one
-            // that took a write-back error's report may be reaped in a later poll.
-            if res >= 0 && concurrent && !file.in_flight.is_empty() {
-                file.held.push_back(Held {
-                    token: f.token,
-                    store: f.store,
-                    until: self.next_seq,
-                });
-            } else {
-                out.push(FlushCompletion {
-                    token: f.token,
-                    status: sync_status(res, &*f.store),
-                });
-            }
-            // The older held ones whose syncs are all reaped now (this one was among them).
-            release_held(file, out);
+            let status = sync_status(res, &*f.store);
+            out.extend(
+                f.tokens
+                    .iter()
+                    .map(|&token| FlushCompletion { token, status }),
+            );
+            self.next_sync(f.fd, out);
         }
-        self.files
-            .retain(|_, f| !f.in_flight.is_empty() || !f.held.is_empty());
         self.finished = finished;
         out.len() - before
+    }
+
+    /// The sync of `fd` was reaped: the flushes that waited for it are synced together by one
+    /// sync of the span of their ranges (answered at once as failed if the namespace has
+    /// failed meanwhile: no sync can vouch for them).
+    fn next_sync(&mut self, fd: Arc<OwnedFd>, out: &mut Vec<FlushCompletion>) {
+        let key = file_key(&fd);
+        let Some(file) = self.files.get_mut(&key) else {
+            return;
+        };
+        file.busy = false;
+        let waiting = std::mem::take(&mut file.waiting);
+        self.files.remove(&key);
+        let Some(first) = waiting.first() else {
+            return;
+        };
+        self.waiting -= waiting.len();
+        let store = Arc::clone(&first.store);
+        let tokens: Vec<u64> = waiting.iter().map(|w| w.token).collect();
+        if store.failure().is_some() {
+            out.extend(tokens.iter().map(|&token| FlushCompletion {
+                token,
+                status: FlushStatus::NamespaceFailed,
+            }));
+            return;
+        }
+        let start = waiting.iter().map(|w| w.start).min().unwrap_or(0);
+        let end = waiting.iter().map(|w| w.end).max().unwrap_or(0);
+        // A slot is free: the reaped sync's.
+        if let Err(e) = self.start_sync(tokens.clone(), fd, store, (start, end - start)) {
+            log::error!("flusher: the sync of flushes that waited could not start: {e}");
+            out.extend(tokens.iter().map(|&token| FlushCompletion {
+                token,
+                status: FlushStatus::Unavailable,
+            }));
+        }
     }
 
     /// Takes [`DAX_STEP`] bytes of the dax write-backs in turn, answering those done.
@@ -625,24 +656,9 @@ impl Flusher {
     }
 }
 
-/// The key of an open file in [`Flusher::files`]: its address, which its syncs in flight keep.
+/// The key of an open file in [`Flusher::files`]: its address, which its sync in flight keeps.
 fn file_key(fd: &Arc<OwnedFd>) -> usize {
     Arc::as_ptr(fd) as usize
-}
-
-/// Answers `file`'s held 0s whose syncs were all reaped (every sync submitted before each was
-/// reaped): durable unless a failure was recorded meanwhile.
-fn release_held(file: &mut FileSyncs, out: &mut Vec<FlushCompletion>) {
-    let oldest = file.in_flight.first().copied().unwrap_or(u64::MAX);
-    while file.held.front().is_some_and(|h| h.until <= oldest) {
-        let Some(h) = file.held.pop_front() else {
-            break;
-        };
-        out.push(FlushCompletion {
-            token: h.token,
-            status: sync_status(0, &*h.store),
-        });
-    }
 }
 
 /// The answer to a flush made by the store's own persist.

@@ -74,11 +74,6 @@ impl Backend {
         })
     }
 
-    /// Whether its syncs run one at a time, in the order pushed (the worker thread).
-    pub(super) fn sequential(&self) -> bool {
-        matches!(self, Backend::Thread { .. })
-    }
-
     /// "io_uring" or "thread".
     pub(super) fn name(&self) -> &'static str {
         match self {

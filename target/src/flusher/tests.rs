@@ -226,16 +226,19 @@ fn dax_and_mapped_targets() {
 fn full_is_an_error_not_a_panic() {
     let d = tempfile::tempdir().unwrap();
     let t = page_cache_file(d.path(), 4096);
+    let d2 = tempfile::tempdir().unwrap();
+    let other = page_cache_file(d2.path(), 4096);
     let mut fl = Flusher::new_threaded(1, 0).unwrap();
     fl.submit(1, &t, 0, 4096).unwrap();
-    // The single slot is taken until the first completion is reaped.
+    // The single slot is taken until the first completion is reaped (a flush of the same
+    // file waits for it without one).
     assert!(matches!(
-        fl.submit(2, &t, 0, 4096),
+        fl.submit(2, &other, 0, 4096),
         Err(FlusherError::Full(1))
     ));
     let mut out = Vec::new();
     fl.drain(&mut out);
-    fl.submit(2, &t, 0, 4096).unwrap();
+    fl.submit(2, &other, 0, 4096).unwrap();
     fl.drain(&mut out);
     assert_eq!(out.iter().map(|c| c.token).collect::<Vec<_>>(), [1, 2]);
 }
@@ -590,44 +593,81 @@ fn by_hand(depth: u32) -> (Flusher, mpsc::Receiver<Job>, mpsc::Sender<(usize, i3
         done,
         worker: None,
     };
-    let mut fl = Flusher::with_backend(backend, eventfd, depth, 0);
-    fl.concurrent = true;
-    (fl, job_rx, done_tx)
+    (
+        Flusher::with_backend(backend, eventfd, depth, 0),
+        job_rx,
+        done_tx,
+    )
 }
 
-/// Two syncs of one open file in flight, the second returning 0 before the first posts the
-/// write-back error it took the report of (its kernel worker preempted between the two): the
-/// 0 is not answered durable until the first is reaped, and then as failed. A 0 of another
-/// file meanwhile is answered at once. (The 0 was answered durable in the earlier poll.)
+/// A flush of a file whose sync is in flight waits for it, and the flushes that waited are
+/// synced together by the next sync of the file: never two syncs of one open file at once,
+/// where the one that took a write-back error's report could post its completion after the
+/// other's 0 was reaped and answered durable (a kernel worker preempted between its check and
+/// its completion). A flush of another file is synced beside it. (Each flush had a sync of its
+/// own, all at once.)
 #[test]
-fn a_zero_beside_a_sync_of_the_same_file_in_flight_waits_for_it() {
+fn a_flush_of_a_file_whose_sync_is_in_flight_waits_and_is_synced_with_the_others() {
+    let d = tempfile::tempdir().unwrap();
+    let t = page_cache_file(d.path(), 1 << 20);
+    let d2 = tempfile::tempdir().unwrap();
+    let other = page_cache_file(d2.path(), 4096);
+    let (mut fl, jobs, done) = by_hand(4);
+    fl.submit(1, &t, 0, 4096).unwrap();
+    fl.submit(2, &t, 8192, 4096).unwrap();
+    fl.submit(3, &t, 4096, 4096).unwrap();
+    fl.submit(4, &other, 0, 4096).unwrap();
+    let first: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+    assert_eq!(first.len(), 2, "one sync per file at a time");
+    assert_eq!(fl.in_flight(), 4);
+    let mut out = Vec::new();
+    done.send((first[1], 0)).unwrap();
+    fl.poll(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 4,
+            status: FlushStatus::Durable
+        }]
+    );
+    assert!(jobs.try_iter().next().is_none());
+    out.clear();
+    done.send((first[0], 0)).unwrap();
+    fl.poll(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 1,
+            status: FlushStatus::Durable
+        }]
+    );
+    let merged: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+    assert_eq!(merged.len(), 1, "the two that waited, synced together");
+    out.clear();
+    done.send((merged[0], 0)).unwrap();
+    fl.drain(&mut out);
+    out.sort_by_key(|c| c.token);
+    let got: Vec<(u64, FlushStatus)> = out.iter().map(|c| (c.token, c.status)).collect();
+    assert_eq!(got, [(2, FlushStatus::Durable), (3, FlushStatus::Durable)]);
+    assert_eq!(fl.in_flight(), 0);
+}
+
+/// A sync of a file that fails fails the flushes that waited for it too, without another sync
+/// (none can vouch for them now).
+#[test]
+fn a_failed_sync_fails_the_flushes_that_waited_for_it() {
     let d = tempfile::tempdir().unwrap();
     let st = store(1 << 20);
     let p = d.path().join("f");
     std::fs::write(&p, vec![0u8; 1 << 20]).unwrap();
     let t = FlushTarget::page_cache(File::open(&p).unwrap().into(), st.clone(), 1 << 20);
-    let other = page_cache_file(d.path(), 4096);
     let (mut fl, jobs, done) = by_hand(4);
     fl.submit(1, &t, 0, 4096).unwrap();
     fl.submit(2, &t, 4096, 4096).unwrap();
-    fl.submit(3, &other, 0, 4096).unwrap();
     let slots: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
-    assert_eq!(slots.len(), 3);
-    let mut out = Vec::new();
-    done.send((slots[1], 0)).unwrap();
-    done.send((slots[2], 0)).unwrap();
-    fl.poll(&mut out);
-    assert_eq!(
-        out,
-        [FlushCompletion {
-            token: 3,
-            status: FlushStatus::Durable
-        }],
-        "token 2 answered while token 1, of its file, was in flight"
-    );
-    assert_eq!(fl.in_flight(), 1);
+    assert_eq!(slots.len(), 1);
     done.send((slots[0], -libc::EIO)).unwrap();
-    out.clear();
+    let mut out = Vec::new();
     fl.poll(&mut out);
     out.sort_by_key(|c| c.token);
     assert_eq!(
@@ -643,228 +683,48 @@ fn a_zero_beside_a_sync_of_the_same_file_in_flight_waits_for_it() {
             }
         ]
     );
+    assert!(
+        jobs.try_iter().next().is_none(),
+        "no sync after the failure"
+    );
+    assert_eq!(fl.in_flight(), 0);
     assert!(st.failure().is_some());
 }
 
-/// A held 0 waits only for the syncs of its file in flight when it was reaped: it is answered
-/// durable once they succeed, though newer syncs of the file are still in flight (which hold
-/// a 0 reaped beside them in turn).
+/// Under a steady stream of flushes of one file (two new ones whenever the sync in flight is
+/// answered), every flush is answered, one sync of the file at a time, the flushes that came
+/// meanwhile synced together.
 #[test]
-fn a_held_zero_does_not_wait_for_newer_syncs() {
-    let d = tempfile::tempdir().unwrap();
-    let t = page_cache_file(d.path(), 1 << 20);
-    let (mut fl, jobs, done) = by_hand(4);
-    fl.submit(1, &t, 0, 4096).unwrap();
-    fl.submit(2, &t, 4096, 4096).unwrap();
-    let first: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
-    let mut out = Vec::new();
-    done.send((first[1], 0)).unwrap();
-    fl.poll(&mut out);
-    assert!(out.is_empty(), "{out:?}");
-    fl.submit(3, &t, 8192, 4096).unwrap();
-    let third = jobs.try_iter().next().unwrap().slot;
-    done.send((first[0], 0)).unwrap();
-    fl.poll(&mut out);
-    // 2 waited for 1 alone; 1 waits for 3, in flight beside it.
-    assert_eq!(
-        out,
-        [FlushCompletion {
-            token: 2,
-            status: FlushStatus::Durable
-        }]
-    );
-    done.send((third, 0)).unwrap();
-    out.clear();
-    fl.drain(&mut out);
-    out.sort_by_key(|c| c.token);
-    let tokens: Vec<(u64, FlushStatus)> = out.iter().map(|c| (c.token, c.status)).collect();
-    assert_eq!(
-        tokens,
-        [(1, FlushStatus::Durable), (3, FlushStatus::Durable)]
-    );
-    assert_eq!(fl.in_flight(), 0);
-}
-
-/// A dax store that records the ranges it was asked to persist.
-struct Recording(Mapping, std::sync::Mutex<Vec<(usize, usize)>>);
-
-impl Persist for Recording {
-    fn domain(&self) -> Domain {
-        Domain::DaxForced
-    }
-    fn persist(&self, offset: usize, len: usize) -> rpma_common::pmem::Result<Durability> {
-        self.1.lock().unwrap().push((offset, len));
-        Ok(Durability::Durable)
-    }
-    fn flush(&self, _: usize, _: usize) -> rpma_common::pmem::Result<()> {
-        Ok(())
-    }
-    fn drain(&self) -> rpma_common::pmem::Result<Durability> {
-        Ok(Durability::Durable)
-    }
-    fn failure(&self) -> Option<SyncFailure> {
-        self.0.failure()
-    }
-    fn record_failure(&self, failure: SyncFailure) -> bool {
-        self.0.record_failure(failure)
-    }
-}
-
-/// A dax flush of a whole namespace is written back a step ([`DAX_STEP`]) per poll, the
-/// flusher's eventfd readable while steps are left, and a small flush submitted meanwhile is
-/// answered at the next poll: the poll loop takes its turns (its other hosts' requests, its
-/// keep-alives, the watchdog's heartbeat) between the steps. (The whole namespace was written
-/// back inside submit: a host's flushes of a namespace of some GiB held its loop for seconds.)
-#[test]
-fn a_long_dax_write_back_is_taken_a_step_per_poll() {
-    const LEN: u64 = 8 * DAX_STEP + 4096;
-    let rec = Arc::new(Recording(
-        Mapping::anonymous(4096).unwrap(),
-        std::sync::Mutex::new(Vec::new()),
-    ));
-    let t = FlushTarget::dax(rec.clone(), LEN);
-    let mut fl = Flusher::new(4, 0).unwrap();
-    fl.submit(1, &t, 0, 0).unwrap();
-    assert_eq!(fl.in_flight(), 1);
-    let mut out = Vec::new();
-    let mut polls = 0;
-    while out.is_empty() {
-        let mut pfd = libc::pollfd {
-            fd: fl.wait_fd().as_raw_fd(),
-            events: libc::POLLIN,
-            revents: 0,
-        };
-        // SAFETY: one live pollfd.
-        let ready = unsafe { libc::poll(&mut pfd, 1, 0) };
-        assert_eq!(ready, 1, "steps left, no wake-up");
-        fl.poll(&mut out);
-        polls += 1;
-        if polls == 2 {
-            fl.submit(2, &t, 4096, 4096).unwrap();
-            fl.poll(&mut out);
-            assert_eq!(
-                out,
-                [FlushCompletion {
-                    token: 2,
-                    status: FlushStatus::Durable
-                }],
-                "the small flush waited for the long one"
-            );
-            out.clear();
-        }
-    }
-    assert_eq!(
-        out,
-        [FlushCompletion {
-            token: 1,
-            status: FlushStatus::Durable
-        }]
-    );
-    assert_eq!(fl.in_flight(), 0);
-    let calls = rec.1.lock().unwrap().clone();
-    let long: Vec<(usize, usize)> = calls.into_iter().filter(|c| *c != (4096, 4096)).collect();
-    let mut next = 0;
-    for (off, len) in &long {
-        assert_eq!(*off, next, "{long:?}");
-        assert!(*len as u64 <= DAX_STEP, "{long:?}");
-        next += len;
-    }
-    assert_eq!(next as u64, LEN, "the whole namespace written back");
-    assert_eq!(
-        long.len(),
-        9,
-        "8 steps of DAX_STEP and one of 4 KiB: {long:?}"
-    );
-}
-
-/// Dax write-backs taken in steps that the caller drops (their connection is gone) are not
-/// finished and not answered.
-#[test]
-fn dropped_dax_write_backs_leave_no_work() {
-    let rec = Arc::new(Recording(
-        Mapping::anonymous(4096).unwrap(),
-        std::sync::Mutex::new(Vec::new()),
-    ));
-    let t = FlushTarget::dax(rec.clone(), 64 * DAX_STEP);
-    let mut fl = Flusher::new(4, 0).unwrap();
-    for token in 1..=3 {
-        fl.submit(token, &t, 0, 0).unwrap();
-    }
-    let mut out = Vec::new();
-    fl.poll(&mut out);
-    assert!(out.is_empty());
-    assert_eq!(fl.cancel_dax(|token| token == 2), 2);
-    fl.drain(&mut out);
-    assert_eq!(
-        out,
-        [FlushCompletion {
-            token: 2,
-            status: FlushStatus::Durable
-        }]
-    );
-    let written: usize = rec.1.lock().unwrap().iter().map(|c| c.1).sum();
-    assert!(written < 2 * 64 * DAX_STEP as usize, "{written}");
-}
-
-/// Under a steady stream of syncs of one open file (two always in flight, each answered 0 in
-/// the order sent), every held 0 is answered once the syncs in flight when it was reaped are:
-/// none waits for the stream to stop, and at most the ones in flight are held at a time. (A
-/// held 0 was looked at again only when a sync of its file was answered outright, which under
-/// a steady stream never happens: they waited until the stream stopped.)
-#[test]
-fn held_zeros_are_answered_under_a_steady_stream_of_syncs() {
+fn a_steady_stream_of_flushes_of_one_file_is_answered_one_sync_at_a_time() {
     let d = tempfile::tempdir().unwrap();
     let t = page_cache_file(d.path(), 1 << 20);
     let (mut fl, jobs, done) = by_hand(8);
-    let mut in_flight = std::collections::VecDeque::new();
-    for token in 0..2u64 {
-        fl.submit(token, &t, 0, 4096).unwrap();
-        in_flight.push_back(jobs.try_iter().next().unwrap().slot);
-    }
     let mut answered = Vec::new();
-    for token in 2..50u64 {
-        done.send((in_flight.pop_front().unwrap(), 0)).unwrap();
+    let mut syncs = 0;
+    let mut next = 0u64;
+    let two_more = |fl: &mut Flusher, next: &mut u64| {
+        for _ in 0..2 {
+            fl.submit(*next, &t, *next * 4096 % (1 << 20), 4096)
+                .unwrap();
+            *next += 1;
+        }
+    };
+    two_more(&mut fl, &mut next);
+    while next < 100 || fl.in_flight() > 0 {
+        let pushed: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+        assert!(pushed.len() <= 1, "one sync of the file at a time");
+        for slot in pushed {
+            syncs += 1;
+            done.send((slot, 0)).unwrap();
+        }
         fl.poll(&mut answered);
-        fl.submit(token, &t, 0, 4096).unwrap();
-        in_flight.push_back(jobs.try_iter().next().unwrap().slot);
-        let held = token as usize - 1 - answered.len();
-        assert!(held <= 2, "{held} held after {token} syncs");
+        if next < 100 {
+            two_more(&mut fl, &mut next);
+        }
     }
-    assert!(answered.len() >= 46, "{}", answered.len());
-    assert!(answered.iter().all(|c| c.status == FlushStatus::Durable));
-    for slot in in_flight {
-        done.send((slot, 0)).unwrap();
-    }
-    fl.drain(&mut answered);
-    assert_eq!(answered.len(), 50);
+    assert!(syncs <= 52, "{syncs} syncs for 100 flushes");
     let mut tokens: Vec<u64> = answered.iter().map(|c| c.token).collect();
     tokens.sort_unstable();
-    assert_eq!(tokens, (0..50).collect::<Vec<_>>());
-}
-
-/// The worker thread runs its syncs one at a time, in order: a 0 it returns is answered at
-/// once, whatever is queued behind it (a sync after it started after its check and cannot
-/// have taken its report).
-#[test]
-fn the_worker_threads_zeros_are_not_held() {
-    let d = tempfile::tempdir().unwrap();
-    let t = page_cache_file(d.path(), 1 << 20);
-    let (mut fl, jobs, done) = by_hand(4);
-    fl.concurrent = false;
-    fl.submit(1, &t, 0, 4096).unwrap();
-    fl.submit(2, &t, 4096, 4096).unwrap();
-    let slots: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
-    done.send((slots[0], 0)).unwrap();
-    let mut out = Vec::new();
-    fl.poll(&mut out);
-    assert_eq!(
-        out,
-        [FlushCompletion {
-            token: 1,
-            status: FlushStatus::Durable
-        }]
-    );
-    done.send((slots[1], 0)).unwrap();
-    fl.drain(&mut out);
-    assert_eq!(out.len(), 2);
+    assert_eq!(tokens, (0..100).collect::<Vec<_>>());
+    assert!(answered.iter().all(|c| c.status == FlushStatus::Durable));
 }
