@@ -83,6 +83,20 @@ const TOMBSTONE: Writer = Writer {
 struct Piece {
     end: u64,
     owner: Writer,
+    /// Its write was let go unpersisted and is not released yet ([`Member::lose`]): a queue
+    /// that lets its bytes go before the release loses them ([`Member::hand_over`]).
+    lost: bool,
+}
+
+impl Piece {
+    /// A piece of a write just posted (or entered).
+    fn new(end: u64, owner: Writer) -> Piece {
+        Piece {
+            end,
+            owner,
+            lost: false,
+        }
+    }
 }
 
 /// What the lock guards.
@@ -181,7 +195,7 @@ impl ReplayOrder {
         if let Some(p) = map.get_mut(&(nsid, start)) {
             if p.end >= end {
                 let rest = (p.end > end).then_some(*p);
-                *p = Piece { end, owner };
+                *p = Piece::new(end, owner);
                 if let Some(r) = rest {
                     map.insert((nsid, end), r);
                 }
@@ -194,7 +208,7 @@ impl ReplayOrder {
                 map.insert((nsid, end), p);
             }
         }
-        map.insert((nsid, start), Piece { end, owner });
+        map.insert((nsid, start), Piece::new(end, owner));
     }
 
     /// `owner`'s write of `[start, end)` needs no replay any more (durable, superseded in its
@@ -249,12 +263,12 @@ impl ReplayOrder {
             .collect();
         for (s, e) in inside {
             if s > at {
-                map.insert((nsid, at), Piece { end: s, owner });
+                map.insert((nsid, at), Piece::new(s, owner));
             }
             at = at.max(e);
         }
         if at < end {
-            map.insert((nsid, at), Piece { end, owner });
+            map.insert((nsid, at), Piece::new(end, owner));
         }
     }
 

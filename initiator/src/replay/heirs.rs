@@ -15,8 +15,10 @@
 //!   fails, naming those queues, and asks them to learn their placement;
 //! - bytes whose newer write was let go unpersisted (its queue gave up or was dropped while
 //!   holding it, or freed its slot after a visibility Read only: [`Member::lose`]) may hold
-//!   neither write: the persist fails with that, once. A loss before the heir let its write
-//!   go leaves no trace of its bytes in the map (a durable release leaves none either), so
+//!   neither write: the persist fails with that, once. Such a write's pieces are marked lost
+//!   until its release (which may come a visibility Read later), so a hand-over in between
+//!   counts them lost. A released loss before the heir let its write go leaves no trace of
+//!   its bytes in the map (a durable release leaves none either), so
 //!   there it counts every byte whose newer write is gone as lost if any write of the
 //!   connection was let go unpersisted since the heir last held nothing or re-issued
 //!   ([`Member::hand_over`]): a loss reported that a durable write would not have needed,
@@ -48,10 +50,16 @@ impl ReplayOrder {
     fn mark_lost(&self, nsid: u32, start: u64, end: u64, owner: Writer) {
         let mut inner = self.lock();
         let Inner { pieces, heirs, .. } = &mut *inner;
+        // Marked in the pieces too: the release comes later (after a visibility Read, or in
+        // a loop of its own), and a queue that lets these bytes go meanwhile must not count
+        // them as held, nor, once released, as a gap a durable write left.
         let owned: Vec<(u64, u64)> = pieces
-            .range((nsid, start)..(nsid, end))
+            .range_mut((nsid, start)..(nsid, end))
             .filter(|(_, p)| p.owner == owner)
-            .map(|(&(_, s), p)| (s, p.end))
+            .map(|(&(_, s), p)| {
+                p.lost = true;
+                (s, p.end)
+            })
             .collect();
         if owned.is_empty() {
             return;
@@ -120,9 +128,10 @@ impl Member {
     /// index `ns` (post order `seq`) go, or re-issues only part of it, because newer writes
     /// took the rest (call before its slot is freed). Of those bytes, the ones a newer write
     /// of another queue holds are this queue's to vouch for ([`handed`](Self::handed)); the
-    /// ones whose newer write is gone were made durable, or were let go unpersisted: lost,
-    /// if any write of the connection was let go unpersisted since this queue last held
-    /// nothing or re-issued (the map keeps no trace of how a write went).
+    /// ones whose newer write is let go unpersisted and not yet released are lost; the ones
+    /// whose newer write is gone were made durable, or were let go unpersisted: lost, if any
+    /// write of the connection was let go unpersisted since this queue last held nothing or
+    /// re-issued (the map keeps no trace of how a released write went).
     pub(crate) fn hand_over(&mut self, ns: usize, offset: u64, len: usize, seq: u64) {
         let Some((nsid, start, end, _)) = self.at(ns, offset, len, seq) else {
             return;
@@ -137,7 +146,7 @@ impl Member {
             .next_back()
             .filter(|(_, p)| p.end > start);
         let inside = pieces.range((nsid, start)..(nsid, end));
-        let (mut held, mut gone) = (Vec::new(), Vec::new());
+        let (mut held, mut gone, mut lost) = (Vec::new(), Vec::new(), Vec::new());
         let mut at = start;
         for (&(_, s), p) in before.into_iter().chain(inside) {
             let (s, e) = (s.max(start), p.end.min(end));
@@ -145,7 +154,9 @@ impl Member {
                 gone.push((nsid, at, s));
             }
             at = at.max(e);
-            if p.owner == TOMBSTONE {
+            if p.lost && p.owner.queue != self.queue {
+                lost.push((nsid, s, e));
+            } else if p.owner == TOMBSTONE {
                 gone.push((nsid, s, e));
             } else if p.owner.queue != self.queue {
                 held.push((nsid, s, e));
@@ -154,10 +165,10 @@ impl Member {
         if at < end {
             gone.push((nsid, at, end));
         }
-        if !may_be_lost {
-            gone.clear();
+        if may_be_lost {
+            lost.append(&mut gone);
         }
-        if held.is_empty() && gone.is_empty() {
+        if held.is_empty() && lost.is_empty() {
             return;
         }
         let h = heirs.entry(self.queue).or_insert_with(|| {
@@ -166,7 +177,7 @@ impl Member {
         });
         h.since = h.since.max(since);
         h.ranges.append(&mut held);
-        h.lost.append(&mut gone);
+        h.lost.append(&mut lost);
     }
 
     /// What this queue's persist of its own writes of namespace index `ns` owes for the bytes
@@ -345,6 +356,21 @@ mod tests {
         // B goes with both writes: one was made durable before, the other is lost.
         b.release(0, 8192, 4096, 2);
         b.lose(0, 0, 4096, 1);
+        b.release(0, 0, 4096, 1);
+        assert_eq!(a.handed(0), Handed::Lost(vec![(0, 4096)]));
+        a.lost_reported(0);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+    }
+
+    #[test]
+    fn bytes_let_go_between_a_loss_and_its_release_are_lost() {
+        let (_o, mut a, mut b) = two();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        // B's queue lets its write go unpersisted, and releases it only after a visibility
+        // Read (or in a loop of its own): A's re-issue lets its write go in between.
+        b.lose(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
         b.release(0, 0, 4096, 1);
         assert_eq!(a.handed(0), Handed::Lost(vec![(0, 4096)]));
         a.lost_reported(0);
