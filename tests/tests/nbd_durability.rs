@@ -409,10 +409,26 @@ fn a_reconnecting_queue_does_not_replay_a_block_another_connection_rewrote() {
 /// reconnect" is handled there, not answered EIO).
 #[test]
 fn a_flush_after_a_reconnect_covers_a_block_another_connection_rewrote_unflushed() {
-    let (_d, _shm, t) = start("replayflush");
-    let file = t.dir().join("ns1");
+    a_flush_after_a_reconnect_covers_a_rewritten_block("replayflush", 1, &[]);
+}
+
+/// The same with APM forced on the dax namespace: A's queue cannot make B's block durable
+/// itself (APM names no range), so its FLUSH persists B's queue first, which releases B's
+/// write, and then A owes nothing for it. (A's cell came first and its error ended the
+/// FLUSH: every FLUSH of A answered EIO while B's client was idle.)
+#[test]
+fn a_flush_with_apm_forced_after_a_reconnect_covers_a_block_another_connection_rewrote() {
+    a_flush_after_a_reconnect_covers_a_rewritten_block("replayflush-apm", 4, &["--persist", "apm"]);
+}
+
+/// Connection A writes two blocks of namespace `nsid`, B rewrites the second (a plain WRITE),
+/// A's link is reset (its queue reconnects and lets the second block go to B's write), and a
+/// FLUSH on A answers 0 with no page of the blocks unsynced.
+fn a_flush_after_a_reconnect_covers_a_rewritten_block(tag: &str, nsid: u32, args: &[&str]) {
+    let (_d, _shm, t) = start(tag);
+    let file = t.dir().join(format!("ns{nsid}"));
     let relay = rpma_tests::Relay::start(&format!("127.0.0.1:{}", t.port()));
-    let e = Export::start_via(&t, &relay.url(), 1, "replayflush", &[]);
+    let e = Export::start_via(&t, &relay.url(), nsid, tag, args);
     let (old, new) = (pattern(1, 8192), pattern(2, 4096));
     let mut want = old.clone();
     want[4096..].copy_from_slice(&new);
@@ -427,8 +443,10 @@ fn a_flush_after_a_reconnect_covers_a_block_another_connection_rewrote_unflushed
     assert!(a.read(0, 8192).unwrap() == want, "A's read: {}", e.log());
     assert!(e.log().contains("reconnected"), "{}", e.log());
     assert_eq!(a.flush(), 0, "{}", e.log());
-    let page_cache = rpma_tests::Transport::current().file_domain()
-        == rpma_common::proto::PersistenceDomain::PageCache;
+    // Namespace 1 only: the forced-dax one's writes are durable on placement.
+    let page_cache = nsid == 1
+        && rpma_tests::Transport::current().file_domain()
+            == rpma_common::proto::PersistenceDomain::PageCache;
     if let Some(n) = page_cache
         .then(|| rpma_tests::unsynced_pages(&file, 0, 8192))
         .flatten()

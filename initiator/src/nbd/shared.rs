@@ -12,7 +12,7 @@ use rpma_common::proto::NamespaceDescriptor;
 use super::handshake::ExportInfo;
 use super::ratelog::RateLog;
 use super::slots::{Slot, Source};
-use crate::{Connection, Durability, Error, Namespace, Queue};
+use crate::{Connection, Error, Namespace, Queue};
 
 /// What to export and how.
 #[derive(Debug, Clone)]
@@ -76,6 +76,22 @@ const CLOSE_PER_TICK: usize = 4;
 /// How long a thread that lets a queue go to the threads waiting for it waits for one of them
 /// to take it ([`Cell::hand_over`]).
 const HAND_OVER: Duration = Duration::from_millis(5);
+
+/// Persists a FLUSH tries at most for a queue that owes bytes of other queues' writes
+/// ([`Shared::flush_all`]). A round that names the same queues is progress too where their
+/// clients rewrote the bytes since the last one (their newer writes are what is named now),
+/// which cannot be told from none: the rounds are counted instead, each one request's round
+/// trip per queue named.
+const PLACE_ROUNDS: usize = 8;
+
+/// Whether `e`, from a persist of a queue's own writes, is for bytes of other queues' writes
+/// it owes: their own persists, or their placement, may settle it.
+fn owes_others(e: &Error) -> bool {
+    matches!(
+        e,
+        Error::RewritesNotPlaced { .. } | Error::ApmNotForRanges { .. }
+    )
+}
 
 /// Lines about one source per log period, for problems and for sessions each.
 const LINES_PER_SOURCE: u32 = 5;
@@ -559,8 +575,11 @@ impl Shared {
     /// visible_ok, those writes stay pending, so that no later FLUSH claims them.
     ///
     /// A queue that reconnected may owe bytes newer writes of other queues hold
-    /// ([`Error::RewritesNotPlaced`]): those queues place their writes (a failure said within
-    /// the log limits of `source`, the client whose FLUSH it is), and it persists again.
+    /// ([`Error::RewritesNotPlaced`], or [`Error::ApmNotForRanges`] where only APM may make
+    /// them durable): its cell goes after every other one, whose own persists release those
+    /// writes (after which it owes nothing for them), and then has the queues named place
+    /// their writes (a failure said within the log limits of `source`, the client whose FLUSH
+    /// it is) and persists again, for a few rounds ([`PLACE_ROUNDS`]).
     ///
     /// A cell is marked clean only once its writes are durable, under its lock: a FLUSH of
     /// another connection meanwhile finds it still dirty and waits for the lock, and so
@@ -568,39 +587,79 @@ impl Shared {
     /// let that FLUSH skip the cell and answer success while the writes were still on their
     /// way: `a_flush_waits_for_another_connections_flush_of_the_same_writes`).
     pub(crate) fn flush_all(&self, source: Source) -> crate::Result<bool> {
+        let r = self.flush_all_inner(source);
+        if r.is_err() {
+            // Answered with an error: its client hears that something failed (a cell's error
+            // that a later round got past is not an answer: [`with_ns`](Self::with_ns)).
+            let losses = self.losses.load(Ordering::SeqCst);
+            self.losses_reported.fetch_max(losses, Ordering::SeqCst);
+        }
+        r
+    }
+
+    fn flush_all_inner(&self, source: Source) -> crate::Result<bool> {
         let mut durable = true;
+        let mut owing = Vec::new();
         for cell in self.cells() {
-            if !cell.is_dirty() {
-                continue;
-            }
-            let mut g = self.lock(&cell);
-            // Another FLUSH may have made them durable while this one waited for the lock.
-            if !cell.is_dirty() {
-                continue;
-            }
-            let mut r = self.with_ns(&cell, &mut g, |ns| ns.persist_own_writes());
-            // Its queue reconnected and let writes go whose bytes newer writes of other
-            // connections' queues hold: durable once those are placed (their cells taken one
-            // at a time, this one let go first).
-            if let Err(Error::RewritesNotPlaced { queues, .. }) = &r {
-                let queues = queues.clone();
-                drop(g);
-                self.place_writes_of(&queues, &cell, source);
-                g = self.lock(&cell);
-                if !cell.is_dirty() {
-                    continue;
-                }
-                r = self.with_ns(&cell, &mut g, |ns| ns.persist_own_writes());
-            }
-            let r = r.map(|d| matches!(d, Durability::Durable(_)));
-            match r {
-                Ok(true) => cell.mark_clean(),
-                Ok(false) if self.opts.visible_ok => cell.mark_clean(),
-                Ok(false) => durable = false,
+            match self.flush_cell(&cell) {
+                Ok(d) => durable &= d,
+                Err(e) if owes_others(&e) => owing.push(cell),
                 Err(e) => return Err(e),
             }
         }
+        for cell in owing {
+            durable &= self.flush_owing(&cell, source)?;
+        }
         Ok(durable)
+    }
+
+    /// Persists the writes of `cell`'s queue if it has some that no FLUSH made durable yet:
+    /// whether they are durable now (or visible, with `visible_ok`).
+    fn flush_cell(&self, cell: &Cell) -> crate::Result<bool> {
+        if !cell.is_dirty() {
+            return Ok(true);
+        }
+        let mut g = self.lock(cell);
+        // Another FLUSH may have made them durable while this one waited for the lock.
+        if !cell.is_dirty() {
+            return Ok(true);
+        }
+        let d = self.with_ns_inner(cell, &mut g, |ns| ns.persist_own_writes())?;
+        if d.is_durable() || self.opts.visible_ok {
+            cell.mark_clean();
+            return Ok(true);
+        }
+        Ok(false)
+    }
+
+    /// [`flush_cell`](Self::flush_cell) for a cell that owed bytes of other queues' writes,
+    /// after the other cells: each round has the queues it names place their writes, or, for
+    /// APM, the other cells persist theirs again (their clients wrote since), and persists
+    /// again.
+    fn flush_owing(&self, cell: &Cell, source: Source) -> crate::Result<bool> {
+        let mut round = 1;
+        loop {
+            let e = match self.flush_cell(cell) {
+                Err(e) if owes_others(&e) && round < PLACE_ROUNDS => e,
+                r => return r,
+            };
+            round += 1;
+            if let Error::RewritesNotPlaced { queues, .. } = &e {
+                self.place_writes_of(queues, cell, source);
+                continue;
+            }
+            for other in self.cells() {
+                if std::ptr::eq(&*other, cell) {
+                    continue;
+                }
+                // One that owes in its turn has its own round to come.
+                if let Err(e) = self.flush_cell(&other) {
+                    if !owes_others(&e) {
+                        return Err(e);
+                    }
+                }
+            }
+        }
     }
 
     /// The cell other than `me` whose queue is `id` ([`Queue::order_id`]), if one is.
