@@ -91,18 +91,22 @@ pub enum NbdError {
         source: crate::Error,
     },
     /// A queue to the target was given up during the run (its reconnect budget spent, or the
-    /// namespace changed), or the target mapped another file as the namespace: writes
-    /// acknowledged before that and not made durable yet may be lost, and the final flush,
-    /// which made the others durable, cannot vouch for them.
+    /// namespace changed), the target mapped another file as the namespace, or a queue's
+    /// persist found bytes it let go at a reconnect lost with the newer write that took them
+    /// ([`crate::Error::RewritesLost`]): writes acknowledged before that and not made durable
+    /// yet may be lost, and the final flush, which made the others durable, cannot vouch for
+    /// them.
     #[error(
-        "{losses} queue(s) to the target of namespace {nsid} gave up during this run, or found \
-         another file in its place: writes acknowledged before that and not yet durable may be \
+        "{losses} queue(s) to the target of namespace {nsid} gave up during this run, found \
+         another file in its place, or found the writes they let go at a reconnect lost with the \
+         newer writes that took them: writes acknowledged before that and not yet durable may be \
          lost (each connection open then had its next FLUSH answered EIO)"
     )]
     WritesLost {
         /// Namespace.
         nsid: u32,
-        /// How many queues gave up or found another file.
+        /// How many losses: queues that gave up or found another file, persists that found
+        /// rewritten bytes lost.
         losses: u64,
     },
 }

@@ -588,6 +588,11 @@ impl Shared {
     /// way: `a_flush_waits_for_another_connections_flush_of_the_same_writes`).
     pub(crate) fn flush_all(&self, source: Source) -> crate::Result<bool> {
         let r = self.flush_all_inner(source);
+        if let Err(Error::RewritesLost { .. }) = &r {
+            // Reported once by the library: counted as a queue that gave up is, so that every
+            // connection's next FLUSH answers EIO, not only this one.
+            self.losses.fetch_add(1, Ordering::SeqCst);
+        }
         if r.is_err() {
             // Answered with an error: its client hears that something failed (a cell's error
             // that a later round got past is not an answer: [`with_ns`](Self::with_ns)).
