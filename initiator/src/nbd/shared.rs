@@ -118,6 +118,8 @@ pub(crate) struct Cell {
     dirty: AtomicBool,
     /// Threads waiting for its lock.
     waiters: AtomicUsize,
+    /// How many times a thread that waited for its lock got it ([`Cell::hand_over`]).
+    taken: AtomicU64,
     /// The clients that have it (more than one only when a newcomer had to share it), or 1
     /// while [`Shared::close_spare`] looks at it.
     users: AtomicUsize,
@@ -131,6 +133,7 @@ impl Cell {
             qid,
             dirty: AtomicBool::new(false),
             waiters: AtomicUsize::new(0),
+            taken: AtomicU64::new(0),
             users: AtomicUsize::new(0),
         }
     }
@@ -145,15 +148,19 @@ impl Cell {
     /// it (at most [`HAND_OVER`]): the lock is not fair, and a holder that locks it again at
     /// once (the next step of a long WRITE_ZEROES, its client's next batch) would take it back
     /// before a waiter woke, for as long as it had work.
+    ///
+    /// It watches the waiters' acquisitions, not their count: a thread whose `try_lock`
+    /// barged in never counts as a waiter, and a newcomer that starts waiting meanwhile would
+    /// keep the count up, so the count may not fall although a waiter got the lock.
     pub(crate) fn hand_over(&self, g: Held<'_>) {
+        let taken = self.taken.load(Ordering::SeqCst);
         let waiting = self.waiters.load(Ordering::SeqCst);
         drop(g);
         if waiting == 0 {
             return;
         }
-        // A waiter leaves the count once it holds the lock.
         let until = Instant::now() + HAND_OVER;
-        while self.waiters.load(Ordering::SeqCst) >= waiting && Instant::now() < until {
+        while self.taken.load(Ordering::SeqCst) == taken && Instant::now() < until {
             std::thread::sleep(Duration::from_micros(20));
         }
     }
@@ -408,6 +415,7 @@ impl Shared {
         }
         cell.waiters.fetch_add(1, Ordering::SeqCst);
         let g = cell.queue.lock().unwrap_or_else(|p| p.into_inner());
+        cell.taken.fetch_add(1, Ordering::SeqCst);
         cell.waiters.fetch_sub(1, Ordering::SeqCst);
         g
     }

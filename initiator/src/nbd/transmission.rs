@@ -254,8 +254,12 @@ impl<'a> Client<'a> {
                 };
             }
             if self.cell.wanted() {
-                // Another thread waits for this queue: finish what was started and let go.
+                // Another thread waits for this queue: finish what was started and let go,
+                // the replies settled sent first (letting go waits until a waiter has the
+                // queue, up to 5 ms; send lets the queue go itself if the client reads
+                // nothing).
                 self.settle()?;
+                self.send()?;
                 self.let_go();
             } else if !self.pipe.is_empty() {
                 self.complete_or_input()?;
