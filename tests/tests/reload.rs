@@ -136,15 +136,47 @@ fn sighup_removing_a_namespace_revokes_it_only() {
         .any(|x| x["host_nqn"] == OPEN_HOST));
 }
 
+/// A target on the demo configuration plus nsid 2 (`len` bytes of 0xAA in `ns2`; `extra`,
+/// returned, is its lines) and a raw peer admitted as PLAIN that asked for as many Reads of all
+/// of nsid 2 as its ORD allows and reads nothing yet: the target answers until the socket
+/// takes no more.
+fn reads_not_taken(len: usize) -> (tempfile::TempDir, rpma_tests::Target, hostile::Peer, String) {
+    use rpma_common::fabric::soft::wire::rdmap::ReadRequest;
+    use rpma_common::fabric::soft::wire::Opcode;
+    let d = scratch();
+    std::fs::write(d.path().join("ns2"), vec![0xAA; len]).unwrap();
+    let extra = format!(
+        "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"{}MiB\"\n",
+        len >> 20
+    );
+    let t = start_with_extra(d.path(), "", &extra, &[]);
+    let mut p = hostile::Peer::open(t.port(), std::net::Ipv4Addr::new(127, 0, 0, 2));
+    let n2 = hostile::ns(&p.admit(), 2).clone();
+    let mut reads = Vec::new();
+    for _ in 0..p.n.ord {
+        let rr = ReadRequest {
+            sink_stag: 0x4242,
+            sink_to: 0,
+            size: len as u32,
+            src_stag: n2.rkey,
+            src_to: n2.remote_addr,
+        };
+        reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
+    }
+    p.raw(&reads);
+    // Not a margin: the tests' checks hold whatever the target sent by then.
+    std::thread::sleep(Duration::from_secs(1));
+    (d, t, p, extra)
+}
+
 /// A host that asked for Reads of a namespace and stopped reading its socket, when a reload
 /// removes that namespace and its file is written afterwards (given to someone else): the rest
 /// of its Reads never leaves. It gets an RDMAP Invalid STag Terminate, or its stream ends in
-/// the middle of the FPDU the target was sending, and not one byte written after the reload. (The answers were read from the mapping when the socket took
-/// them: the host got the file's new contents.)
+/// the middle of the FPDU the target was sending, and not one byte written after the reload.
+/// (The answers were read from the mapping when the socket took them: the host got the file's
+/// new contents.)
 #[test]
 fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
-    use hostile::{ns, Peer};
-    use rpma_common::fabric::soft::wire::rdmap::ReadRequest;
     use rpma_common::fabric::soft::wire::{fpdu_len, Header, Opcode, TermCause, Terminate};
     use std::io::Read;
     use std::os::unix::fs::FileExt;
@@ -153,28 +185,9 @@ fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
         return;
     }
     const LEN: usize = 64 << 20;
-    let d = scratch();
+    let (d, t, mut p, extra) = reads_not_taken(LEN);
     let ns2 = d.path().join("ns2");
-    std::fs::write(&ns2, vec![0xAA; LEN]).unwrap();
-    let extra = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"64MiB\"\n";
-    let t = start_with_extra(d.path(), "", extra, &[]);
-    let mut p = Peer::open(t.port(), std::net::Ipv4Addr::new(127, 0, 0, 2));
-    let n2 = ns(&p.admit(), 2).clone();
-    let mut reads = Vec::new();
-    for _ in 0..p.n.ord {
-        let rr = ReadRequest {
-            sink_stag: 0x4242,
-            sink_to: 0,
-            size: LEN as u32,
-            src_stag: n2.rkey,
-            src_to: n2.remote_addr,
-        };
-        reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
-    }
-    p.raw(&reads);
-    // The target answers until the socket takes no more: the host reads nothing yet.
-    std::thread::sleep(Duration::from_secs(1));
-    t.rewrite(&rpma_tests::without_namespace(&demo_config("", extra), 2));
+    t.rewrite(&rpma_tests::without_namespace(&demo_config("", &extra), 2));
     t.signal(Signal::SIGHUP);
     t.expect("RELOADING=1", WAIT);
     t.expect("READY=1", WAIT);
@@ -254,8 +267,7 @@ fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
 /// an NBD client across a graceful goodbye).
 #[test]
 fn a_goodbye_answers_the_reads_a_host_had_not_taken_before_its_disconnect() {
-    use hostile::{ns, FromTarget, Peer};
-    use rpma_common::fabric::soft::wire::rdmap::ReadRequest;
+    use hostile::FromTarget;
     use rpma_common::fabric::soft::wire::Opcode;
     use rpma_common::proto::Message;
     if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
@@ -263,27 +275,8 @@ fn a_goodbye_answers_the_reads_a_host_had_not_taken_before_its_disconnect() {
         return;
     }
     const LEN: usize = 8 << 20;
-    let d = scratch();
-    std::fs::write(d.path().join("ns2"), vec![0xAA; LEN]).unwrap();
-    let extra = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"8MiB\"\n";
-    let t = start_with_extra(d.path(), "", extra, &[]);
-    let mut p = Peer::open(t.port(), std::net::Ipv4Addr::new(127, 0, 0, 2));
-    let n2 = ns(&p.admit(), 2).clone();
-    let mut reads = Vec::new();
-    for _ in 0..p.n.ord {
-        let rr = ReadRequest {
-            sink_stag: 0x4242,
-            sink_to: 0,
-            size: LEN as u32,
-            src_stag: n2.rkey,
-            src_to: n2.remote_addr,
-        };
-        reads.extend(p.request_fpdu(Opcode::ReadRequest, &rr.encode()));
-    }
-    p.raw(&reads);
-    // The target answers until the socket takes no more: the host reads nothing yet.
-    std::thread::sleep(Duration::from_secs(1));
-    let without_plain = demo_config("", extra).replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
+    let (_d, t, mut p, extra) = reads_not_taken(LEN);
+    let without_plain = demo_config("", &extra).replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
     assert!(!without_plain.contains(PLAIN), "{without_plain}");
     t.rewrite(&without_plain);
     t.signal(Signal::SIGHUP);

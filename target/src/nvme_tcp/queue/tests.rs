@@ -605,6 +605,26 @@ fn zeroing_is_bounded_per_turn_of_the_loop() {
     assert!(io.wants_read() && !io.spent());
 }
 
+/// What a reload that puts another file at nsid 1 does to `io`'s controller: the new opening
+/// is its nsid 1 from now on (kept open by the table returned, in a directory of its own).
+fn another_file_at_nsid_1(io: &Queue) -> (tempfile::TempDir, NamespaceTable) {
+    let d = tempfile::tempdir().unwrap();
+    let text = format!(
+        "listen = [\"nvme-tcp://127.0.0.1:4420\"]\n[[subsystem]]\nnqn = \"{SUB}\"\n\
+         hosts = [{{ nqn = \"{HOST}\" }}]\n[[subsystem.namespace]]\nnsid = 1\npath = \"other\"\n\
+         size = \"1MiB\"\nblock_size = 512\n"
+    );
+    let cfg = Config::from_toml(&text, d.path()).unwrap();
+    let table = NamespaceTable::open_all(&cfg).unwrap();
+    let sub = rpma_common::proto::nqn::Nqn::new(SUB).unwrap();
+    let Phase::Io(q) = &io.phase else {
+        panic!("not an I/O queue")
+    };
+    q.ctrl
+        .set_namespaces(vec![Arc::clone(table.get(&sub, 1).unwrap())], &[1]);
+    (d, table)
+}
+
 /// A FUA Write on page-cache whose sync was in flight when a reload put another file in place
 /// of its namespace's: the Flush that the replacement fails once (on any queue of the
 /// controller) came before the Write completed, so it does not cover it; the Write itself
@@ -620,21 +640,7 @@ fn a_write_whose_file_a_reload_replaced_before_it_completed_is_a_write_fault() {
     let t = h.flushes();
     assert_eq!(t.len(), 1);
     // The reload: another file at nsid 1.
-    let d = tempfile::tempdir().unwrap();
-    let text = format!(
-        "listen = [\"nvme-tcp://127.0.0.1:4420\"]\n[[subsystem]]\nnqn = \"{SUB}\"\n\
-         hosts = [{{ nqn = \"{HOST}\" }}]\n[[subsystem.namespace]]\nnsid = 1\npath = \"other\"\n\
-         size = \"1MiB\"\nblock_size = 512\n"
-    );
-    let cfg = Config::from_toml(&text, d.path()).unwrap();
-    let table = NamespaceTable::open_all(&cfg).unwrap();
-    let sub = rpma_common::proto::nqn::Nqn::new(SUB).unwrap();
-    let other = Arc::clone(table.get(&sub, 1).unwrap());
-    let Phase::Io(q) = &io.phase else {
-        panic!("not an I/O queue")
-    };
-    let ctrl = Arc::clone(&q.ctrl);
-    ctrl.set_namespaces(vec![other], &[1]);
+    let _other = another_file_at_nsid_1(&io);
     // The Flush the replacement fails, before the Write completed.
     let out = h.send(&mut io, &capsule(&sqe(command::io::FLUSH, 4, 1), &[]));
     assert_eq!(completions(&out), [(4, 0, status(Status::WRITE_FAULT))]);
@@ -659,20 +665,7 @@ fn turning_the_write_cache_off_over_a_replaced_file_is_a_write_fault() {
     let (mut a, mut io, _) = connected(&mut h);
     let out = h.send(&mut io, &write_cmd(3, 0, 1, &[5; 512], false));
     assert_eq!(completions(&out), [(3, 0, 0)], "cached");
-    let d = tempfile::tempdir().unwrap();
-    let text = format!(
-        "listen = [\"nvme-tcp://127.0.0.1:4420\"]\n[[subsystem]]\nnqn = \"{SUB}\"\n\
-         hosts = [{{ nqn = \"{HOST}\" }}]\n[[subsystem.namespace]]\nnsid = 1\npath = \"other\"\n\
-         size = \"1MiB\"\nblock_size = 512\n"
-    );
-    let cfg = Config::from_toml(&text, d.path()).unwrap();
-    let table = NamespaceTable::open_all(&cfg).unwrap();
-    let sub = rpma_common::proto::nqn::Nqn::new(SUB).unwrap();
-    let Phase::Io(q) = &io.phase else {
-        panic!("not an I/O queue")
-    };
-    q.ctrl
-        .set_namespaces(vec![Arc::clone(table.get(&sub, 1).unwrap())], &[1]);
+    let _other = another_file_at_nsid_1(&io);
     let mut set = sqe(command::admin::SET_FEATURES, 7, 0);
     cdw(&mut set, 10, 0x06);
     cdw(&mut set, 11, 0);
