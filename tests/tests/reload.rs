@@ -267,14 +267,11 @@ fn a_read_a_host_stopped_taking_ends_when_a_reload_removes_its_namespace() {
 /// an NBD client across a graceful goodbye).
 #[test]
 fn a_goodbye_answers_the_reads_a_host_had_not_taken_before_its_disconnect() {
-    use hostile::FromTarget;
-    use rpma_common::fabric::soft::wire::Opcode;
-    use rpma_common::proto::Message;
     if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
         eprintln!("skipped: a raw iWARP peer needs the tcp transport");
         return;
     }
-    const LEN: usize = 8 << 20;
+    const LEN: usize = 2 << 20;
     let (_d, t, mut p, extra) = reads_not_taken(LEN);
     let without_plain = demo_config("", &extra).replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
     assert!(!without_plain.contains(PLAIN), "{without_plain}");
@@ -284,13 +281,21 @@ fn a_goodbye_answers_the_reads_a_host_had_not_taken_before_its_disconnect() {
     t.expect("READY=1", WAIT);
     let closing = t.log_lines(&["its subsystem or host entry changed: closing"], WAIT);
     assert!(!closing.is_empty(), "{}", t.log());
-    // The host reads again: its answers, then the Disconnect.
+    answers_then_disconnect(&mut p, "configuration");
+}
+
+/// What a host that stopped reading gets once it reads again after its session was closed:
+/// Read Responses, then the Disconnect (its reason naming `why`), never a Terminate.
+fn answers_then_disconnect(p: &mut hostile::Peer, why: &str) {
+    use hostile::FromTarget;
+    use rpma_common::fabric::soft::wire::Opcode;
+    use rpma_common::proto::Message;
     let mut answers = 0;
     loop {
         match p.next(WAIT) {
             Some(FromTarget::Other(Opcode::ReadResponse)) => answers += 1,
             Some(FromTarget::Message(Ok(Message::Disconnect(d)))) => {
-                assert!(d.reason.contains("configuration"), "{d:?}");
+                assert!(d.reason.contains(why), "{d:?}");
                 break;
             }
             Some(FromTarget::Message(_)) | Some(FromTarget::Other(_)) => {}
@@ -298,6 +303,30 @@ fn a_goodbye_answers_the_reads_a_host_had_not_taken_before_its_disconnect() {
         }
     }
     assert!(answers > 0);
+}
+
+/// A reload that changes a namespace in place (its size grown, the same file) closes the
+/// sessions that hold it, but the Reads their hosts asked for before are still answered, then
+/// the Disconnect: only a namespace removed, or another file in its place, has its queued
+/// answers stopped. (Every changed namespace was revoked: the hosts' Reads failed with
+/// RemoteAccess, which the initiator does not retry, a helper's review.)
+#[test]
+fn a_namespace_changed_in_place_still_answers_the_reads_before_the_disconnect() {
+    if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
+        eprintln!("skipped: a raw iWARP peer needs the tcp transport");
+        return;
+    }
+    const LEN: usize = 2 << 20;
+    let (_d, t, mut p, extra) = reads_not_taken(LEN);
+    let grown = extra.replace("size = \"2MiB\"", "size = \"4MiB\"\ngrow = true");
+    assert_ne!(grown, extra);
+    t.rewrite(&demo_config("", &grown));
+    t.signal(Signal::SIGHUP);
+    t.expect("RELOADING=1", WAIT);
+    t.expect("READY=1", WAIT);
+    let closing = t.log_lines(&["namespace 2 changed by reload: closing"], WAIT);
+    assert!(!closing.is_empty(), "{}", t.log());
+    answers_then_disconnect(&mut p, "changed by reload");
 }
 
 /// Removing a host from a subsystem closes that host's session with a reason and refuses it
@@ -774,4 +803,60 @@ fn a_reloaded_crc_setting_is_what_status_shows() {
         "{}",
         t.status()["listeners"]
     );
+}
+
+/// A host whose session ended (a reload removed its host entry) while Reads it had asked for
+/// waited for it to read its socket: the connection lingers to let the Disconnect out, and a
+/// second reload that removes the namespace, whose file then serves someone else, closes it
+/// at once: not one byte written after that reload reaches the old host. (The lingering
+/// connection had no grant left to revoke and went on sending from the file for its 2 s: the
+/// new contents, a helper's review.)
+#[test]
+fn a_lingering_connection_sends_nothing_of_a_namespace_a_reload_removed() {
+    use std::io::Read;
+    use std::os::unix::fs::FileExt;
+    if rpma_tests::Transport::current() != rpma_tests::Transport::Tcp {
+        eprintln!("skipped: a raw iWARP peer needs the tcp transport");
+        return;
+    }
+    const LEN: usize = 64 << 20;
+    let (d, t, mut p, extra) = reads_not_taken(LEN);
+    let reload = |config: &str| {
+        t.rewrite(config);
+        t.signal(Signal::SIGHUP);
+        t.expect("RELOADING=1", WAIT);
+        t.expect("READY=1", WAIT);
+    };
+    let without_plain = demo_config("", &extra).replace(&format!("{{ nqn = \"{PLAIN}\" }}, "), "");
+    assert!(!without_plain.contains(PLAIN), "{without_plain}");
+    reload(&without_plain);
+    reload(&rpma_tests::without_namespace(&without_plain, 2));
+    // The second reload reached the loop (it hears of one after its READY=1).
+    let cut = t.log_lines(&["closed now, not at the end of its linger"], WAIT);
+    assert!(!cut.is_empty(), "{}", t.log());
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(d.path().join("ns2"))
+        .unwrap();
+    f.write_all_at(&vec![0xBB; LEN], 0).unwrap();
+    drop(f);
+    let (mut got, mut b) = (0usize, vec![0u8; 1 << 20]);
+    let mut run = 0usize;
+    p.s.set_read_timeout(Some(WAIT)).unwrap();
+    loop {
+        match p.s.read(&mut b) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                for &x in &b[..n] {
+                    run = if x == 0xBB { run + 1 } else { 0 };
+                    assert!(
+                        run < 64,
+                        "bytes written after the reload were sent, {got} bytes in"
+                    );
+                }
+                got += n;
+            }
+        }
+    }
+    eprintln!("the lingering connection closed after {got} bytes");
 }

@@ -567,6 +567,21 @@ impl Conn {
     /// descriptor instead of a RemoteAccess later), else revoke the rkeys of its namespaces that
     /// were removed.
     pub(crate) fn reloaded(&mut self, diff: &crate::reload::ConfigDiff) {
+        // A connection whose session already ended, lingering, may still have Reads of a
+        // namespace queued (a host that stopped reading), and no grant left to revoke: if the
+        // reload removed or changed a namespace (whose file may serve someone else now), it
+        // closes now rather than send them from that file (its host sees a lost connection).
+        if let Phase::Closing { deadline } = &mut self.phase {
+            if !diff.namespaces_removed.is_empty() || !diff.namespaces_changed.is_empty() {
+                *deadline = Instant::now();
+                log::info!(
+                    "connection from {}: closed now, not at the end of its linger: the reload \
+                     removed or changed a namespace",
+                    self.peer
+                );
+            }
+            return;
+        }
         let Phase::Session(s) = &mut self.phase else {
             return;
         };

@@ -303,6 +303,8 @@ impl PollLoop {
         for c in self.conns.values_mut() {
             c.reloaded(diff);
         }
+        // Lingering connections the reload cut short go now, before another send of theirs.
+        self.tick(Instant::now());
     }
 
     /// One wait on the completion queue (`None`: poll only; `Some(None)`: no time-out) and

@@ -85,9 +85,17 @@ impl Session {
                 .any(|(sub, n)| *n == nsid && *sub == self.subsystem)
         };
         // Whether the session stays or goes: what is queued from a namespace whose file may
-        // serve someone else now sends no further byte.
+        // serve someone else now (removed, or another file in its place) sends no further
+        // byte. One changed in place (its size, say) still answers what was asked before the
+        // session's Disconnect: a revoked Read fails the host's request for good (RemoteAccess),
+        // where one answered and then closed is retried.
+        let now = self.shared.namespaces();
         for (&nsid, g) in &self.grants {
-            if in_diff(&diff.namespaces_removed, nsid) || in_diff(&diff.namespaces_changed, nsid) {
+            let another_file = in_diff(&diff.namespaces_changed, nsid)
+                && now
+                    .get(&(self.subsystem.clone(), nsid))
+                    .is_none_or(|n| n.file_id().is_none() || n.file_id() != g.ns.file_id());
+            if in_diff(&diff.namespaces_removed, nsid) || another_file {
                 g.mr.revoke();
             }
         }
