@@ -720,7 +720,9 @@ impl Shared {
             if g.is_none() {
                 continue;
             }
-            if let Err(e) = self.with_ns(&cell, &mut g, |ns| ns.place_writes()) {
+            // Not an answer to a client (the request that asked is answered as its own
+            // queue says): a loss this reveals is still owed to every connection's FLUSH.
+            if let Err(e) = self.with_ns_inner(&cell, &mut g, |ns| ns.place_writes()) {
                 self.problems.log(
                     Level::Warn,
                     source,
