@@ -457,10 +457,17 @@ impl Flusher {
         #[cfg(not(test))]
         let fail = false;
         let depth = self.slots.len();
+        let eventfd = &self.eventfd;
         let submitted = self
             .backend
             .push(slot, &fd, range, depth, fail)
-            .map(|taken| self.unsubmitted |= !taken);
+            .map(|taken| {
+                if !taken {
+                    // The next poll submits it: the loop's wait must not sleep before it.
+                    self.unsubmitted = true;
+                    eventfd.signal();
+                }
+            });
         match submitted {
             Ok(()) => {
                 self.files.entry(file_key(&fd)).or_default().busy = true;
