@@ -699,12 +699,7 @@ fn a_replay_never_writes_over_a_newer_write_of_another_queue() {
         "A's replay wrote over B's newer blocks: {old:?}"
     );
     // Durable as read: A's persist covers its own replayed bytes.
-    assert!(a
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut a));
     let file = std::fs::read(t.dir().join("ns1")).unwrap();
     assert!(file[at as usize..at as usize + 4 * BLOCK] == want[..]);
 }
@@ -790,18 +785,8 @@ fn persist_own_writes_covers_its_writes_another_queue_rewrote_before_a_reconnect
     a.namespace(1).unwrap().read_at(at, &mut got).unwrap();
     assert!(got == [2; BLOCK], "the block is not B's newer write");
     // B's write is still B's to persist; A owes nothing more.
-    assert!(b
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
-    assert!(a
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut b));
+    assert!(persisted(&mut a));
 }
 
 /// The same, but B is dropped with its newer write held (never durable) before A's persist:
@@ -819,12 +804,7 @@ fn persist_own_writes_reports_its_writes_lost_with_the_newer_write_that_took_the
         matches!(&first, Err(Error::RewritesLost { nsid: 1, ranges }) if *ranges == [(at, at + BLOCK as u64)]),
         "{first:?}"
     );
-    assert!(a
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut a));
 }
 
 /// A Write completes when the transport took it (on `tcp`, as in iWARP): one queue's write
@@ -949,12 +929,7 @@ fn a_queue_holding_more_writes_than_its_send_queue_reissues_them_all() {
         assert_eq!(parse_block(&got), Some((9, i, 1)), "block {i}");
     }
     assert_eq!(q.reconnects(), 1);
-    assert!(q
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut q));
 }
 
 /// A reconnect attempt that breaks while it re-issues (its first batch of Writes posted, the
@@ -1000,12 +975,7 @@ fn a_reconnect_attempt_broken_while_it_reissues_leaves_the_writes_to_the_next() 
     // (A loaded machine may lose a later link to a time-out too: at least one reconnect.)
     assert!(q.reconnects() >= 1);
     assert!(relay.counts().resets >= 2, "{:?}", relay.counts());
-    assert!(q
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut q));
 }
 
 /// A held write whose bytes another queue of the connection rewrote in many small places since
@@ -1042,23 +1012,13 @@ fn a_held_write_in_more_pieces_than_a_send_queue_takes_is_reissued() {
             .write_at(at + off, &want[off as usize..off as usize + 1])
             .unwrap();
     }
-    assert!(b
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut b));
     // A's link is reset: its next call reconnects and re-issues its write, around B's bytes.
     assert!(relay.inject_one(Fault::Reset, 0));
     let mut got = vec![0u8; want.len()];
     a.namespace(1).unwrap().read_at(at, &mut got).unwrap();
     assert!(a.reconnects() >= 1);
-    assert!(a
-        .namespace(1)
-        .unwrap()
-        .persist_own_writes()
-        .unwrap()
-        .is_durable());
+    assert!(persisted(&mut a));
     b.namespace(1).unwrap().read_at(at, &mut got).unwrap();
     let wrong = got.iter().zip(&want).filter(|(g, w)| g != w).count();
     assert_eq!(wrong, 0, "bytes not as the newest write left them");
@@ -1293,4 +1253,13 @@ fn a_vanished_host_is_expired_by_the_target() {
     let file = std::fs::read(t.dir().join("ns1")).unwrap();
     assert!(file[4096..8192] == v[..], "the held write was re-issued");
     drop(relay);
+}
+
+/// Whether `q`'s persist of its own writes of nsid 1 says durable (panics on an error).
+fn persisted(q: &mut rpma_initiator::Queue) -> bool {
+    q.namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .unwrap()
+        .is_durable()
 }
