@@ -29,6 +29,7 @@ pub mod logline;
 pub mod notify;
 pub mod pmem;
 pub mod proto;
+mod sigbus;
 pub mod stats;
 pub mod steps;
 pub mod sync;

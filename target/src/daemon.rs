@@ -419,20 +419,22 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         notifier.watchdog()?;
     }
     loop {
-        let timeout = match watchdog {
-            Some(w) => {
-                let left = w
-                    .saturating_sub(last_ping.elapsed())
-                    .max(Duration::from_millis(1));
-                PollTimeout::try_from(left).unwrap_or(PollTimeout::MAX)
-            }
-            None => PollTimeout::NONE,
+        let left = match watchdog {
+            Some(w) => w
+                .saturating_sub(last_ping.elapsed())
+                .max(Duration::from_millis(1)),
+            None => UNREADABLE_CHECK,
         };
+        let timeout = PollTimeout::try_from(left.min(UNREADABLE_CHECK)).unwrap_or(PollTimeout::MAX);
         let mut fds = [PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, timeout) {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(DaemonError::Signals(e)),
         }
+        // A page a Read met that the kernel could not give back fails its namespace (the
+        // transports already serve nothing more of it): recorded and logged here, so that a
+        // restart remembers it even if no host asks for durability on it again.
+        shared.lock().namespaces.note_unreadable();
         if let Some(w) = watchdog {
             if last_ping.elapsed() >= w {
                 let stuck = shared.lock().serve.check_progress();
@@ -475,6 +477,10 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }
     }
 }
+
+/// How often the daemon looks for namespaces with a page that could not be read or written
+/// ([`NamespaceTable::note_unreadable`]).
+const UNREADABLE_CHECK: Duration = Duration::from_secs(1);
 
 /// Warns when the state file lies on the filesystem of a page-cache namespace: a full
 /// filesystem there (the usual cause of a failed write-back) could keep the failure from being

@@ -188,6 +188,7 @@ impl Failed {
             "msync" => "msync",
             "fdatasync" => "fdatasync",
             "pwrite" => "pwrite",
+            "load/store" => "load/store",
             _ => "write-back",
         };
         SyncFailure {

@@ -52,7 +52,8 @@ enum Command {
     },
     /// Show a running daemon's listeners, subsystems, namespaces and sessions.
     Status(StatusArgs),
-    /// Make a FAILED namespace (a write-back of its file failed) durable again, once you have
+    /// Make a FAILED namespace (a write-back of its file failed, or a page of it could not be
+    /// read back: a media error, its file truncated) durable again, once you have
     /// fixed the cause: the daemon reopens it, closes its sessions, forgets the failure in its
     /// state file and logs what may have been lost. Until then reloads and restarts keep it
     /// failed.

@@ -264,6 +264,8 @@ pub struct OpenNamespace {
     failure_logged: AtomicBool,
     /// Whether a transport's refusal to register it was logged (once per opening).
     unregistrable_logged: AtomicBool,
+    /// Whether a page of it that could not be read or written was logged (once per opening).
+    unreadable_logged: AtomicBool,
     /// The backing file's canonical path (the state file's key).
     key: PathBuf,
     /// Where its failure is remembered (None: only in memory, as in unit tests).
@@ -429,6 +431,7 @@ impl OpenNamespace {
             counters: Counters::default(),
             failure_logged: AtomicBool::new(failed.is_some()),
             unregistrable_logged: AtomicBool::new(false),
+            unreadable_logged: AtomicBool::new(false),
             key,
             ledger: into.cloned(),
             claim,
@@ -591,6 +594,33 @@ impl OpenNamespace {
     /// a reload or restart reopens it failed.
     pub fn failure(&self) -> Option<SyncFailure> {
         self.mapping.failure()
+    }
+
+    /// Whether a page of the namespace could not be read or written since it was opened (a
+    /// media error, poisoned pmem, or its file truncated by another process: the SIGBUS the
+    /// pmem layer takes instead of the daemon, docs/persistence.md). Such a namespace has
+    /// failed: this records it as for a failed write-back (across reloads and restarts) and
+    /// logs it, once; the transports serve nothing more of it.
+    pub fn note_unreadable(&self) -> bool {
+        let Some(at) = self.mapping.fail_if_unreadable() else {
+            return false;
+        };
+        if !self.unreadable_logged.swap(true, Ordering::Relaxed) {
+            self.failure_logged.store(true, Ordering::Relaxed);
+            log::error!(
+                "subsystem {} namespace {} ({}) has FAILED: the page at offset {at} could not be \
+                 read or written (a media error, poisoned pmem, or the file truncated by another \
+                 process); no host reads or writes it any more and every durability request on \
+                 it is refused, across reloads and restarts, until an operator repairs the file \
+                 and clears it with `rpma-target clear-failure {} {}`",
+                self.subsystem,
+                self.config.nsid,
+                self.config.path.display(),
+                self.subsystem,
+                self.config.nsid
+            );
+        }
+        true
     }
 
     /// Logs the namespace's failure at error level the first time it is seen; call it wherever

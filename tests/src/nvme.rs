@@ -165,6 +165,8 @@ pub mod sc {
     pub const AUTH_REQUIRED: u16 = 0x191;
     /// Write Fault.
     pub const WRITE_FAULT: u16 = 0x280;
+    /// Unrecovered Read Error.
+    pub const UNRECOVERED_READ: u16 = 0x281;
 }
 
 /// A 64-byte submission queue entry under construction.

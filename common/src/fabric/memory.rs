@@ -327,9 +327,22 @@ impl Region {
     }
 
     /// Whether the registration was revoked: a peer's access through it, queued or in
-    /// progress, must stop before it reads or writes another byte.
+    /// progress, must stop before it reads or writes another byte. A region over a file
+    /// mapping a page of which the kernel could not give back (SIGBUS: a media error, the
+    /// file truncated) counts as revoked too: the handler put zeros in that page's place
+    /// (crate::sigbus), which must never leave as data.
     pub(crate) fn revoked(&self) -> bool {
         self.revoked.load(Ordering::Acquire)
+            || crate::sigbus::poisoned(self.addr as usize, self.len)
+    }
+
+    /// After a system call could not read the region's bytes (EFAULT: the kernel's copy meets
+    /// a page it cannot give back, and sends no signal): reads a byte of each page of
+    /// `[offset, offset + len)` so that such a page faults in user space, where it is taken
+    /// as in [`revoked`](Self::revoked), which this returns then.
+    pub(crate) fn probe(&self, offset: usize, len: usize) -> bool {
+        let len = len.min(self.len.saturating_sub(offset));
+        crate::sigbus::probe(self.addr as usize + offset.min(self.len), len) || self.revoked()
     }
 
     #[cfg(test)]

@@ -101,6 +101,15 @@ impl SyncFailure {
         }
     }
 
+    /// What a mapping whose page the kernel could not give back (SIGBUS) records: its
+    /// bytes there are not the file's any more ([`Error::Unreadable`](super::Error::Unreadable)).
+    pub fn unreadable() -> SyncFailure {
+        SyncFailure {
+            op: "load/store",
+            errno: libc::EIO,
+        }
+    }
+
     /// The errno as an io::Error, for its text.
     pub fn io_error(&self) -> std::io::Error {
         std::io::Error::from_raw_os_error(self.errno)

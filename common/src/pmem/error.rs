@@ -213,6 +213,20 @@ pub enum Error {
         /// The first failure.
         failure: SyncFailure,
     },
+    /// A page of the mapping could not be read or written (SIGBUS: a media error, poisoned
+    /// pmem, or the file truncated by another process), so the bytes of the copy are not the
+    /// file's. The namespace has failed from then on ([`SyncFailure::unreadable`]).
+    #[error(
+        "{}: the page at offset {offset} could not be read or written (a media error, or the file \
+         was truncated by another process); the namespace has failed",
+        path.display()
+    )]
+    Unreadable {
+        /// The backing file.
+        path: PathBuf,
+        /// The first page that faulted, as an offset into the mapping.
+        offset: usize,
+    },
     /// A cache flush instruction that this CPU does not have was asked for.
     #[error("this CPU does not support the {instruction} instruction")]
     UnsupportedInstruction {

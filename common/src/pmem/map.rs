@@ -230,21 +230,57 @@ impl Mapping {
     /// Copies `data` into the mapping at `offset`. Not durable until persisted. Others reading
     /// the range meanwhile may see a mix of old and new bytes.
     ///
-    /// Errors: [`Error::OutOfRange`].
+    /// Errors: [`Error::OutOfRange`]; [`Error::Unreadable`] when a page of the mapping could
+    /// not be written (or read) since it was opened (SIGBUS: the bytes went to a page that is
+    /// not the file's, and the namespace has failed).
     pub fn write_at(&self, offset: usize, data: &[u8]) -> Result<()> {
         self.volatile()
             .write_at(offset, data)
-            .map_err(|_| self.media().out_of_range(offset, data.len()))
+            .map_err(|_| self.media().out_of_range(offset, data.len()))?;
+        self.check_readable()
     }
 
     /// Copies bytes at `offset` out of the mapping into `buf`. Bytes written meanwhile by others
     /// (a peer's Write being placed) may come out torn.
     ///
-    /// Errors: [`Error::OutOfRange`].
+    /// Errors: [`Error::OutOfRange`]; [`Error::Unreadable`] when a page of the mapping could
+    /// not be read (or written) since it was opened: a media error, poisoned pmem or the file
+    /// truncated by another process is a SIGBUS, which the pmem layer takes instead of the
+    /// process (the page is replaced by zeros, `buf` may hold some of them, and the namespace
+    /// has failed: docs/persistence.md).
     pub fn read_at(&self, offset: usize, buf: &mut [u8]) -> Result<()> {
         self.volatile()
             .read_at(offset, buf)
-            .map_err(|_| self.media().out_of_range(offset, buf.len()))
+            .map_err(|_| self.media().out_of_range(offset, buf.len()))?;
+        self.check_readable()
+    }
+
+    /// The offset of the first page the kernel could not give back (SIGBUS) since the mapping
+    /// was made, if any: from then on its bytes are not the file's and the mapping has failed
+    /// ([`Persist::failure`] says [`SyncFailure::unreadable`]). Always None under the
+    /// power-loss simulation, whose memory is a working copy.
+    pub fn unreadable_at(&self) -> Option<usize> {
+        match &self.inner {
+            Inner::Real(m) => m.unreadable_at(),
+            Inner::Simulated(_) => None,
+        }
+    }
+
+    /// [`unreadable_at`](Self::unreadable_at), having recorded the failure (calling the
+    /// failure hook) if nothing failed the mapping before: what a caller that learns of it
+    /// outside a copy or a persist calls (the target, every second).
+    pub fn fail_if_unreadable(&self) -> Option<usize> {
+        match &self.inner {
+            Inner::Real(m) => m.note_unreadable(),
+            Inner::Simulated(_) => None,
+        }
+    }
+
+    fn check_readable(&self) -> Result<()> {
+        match &self.inner {
+            Inner::Real(m) => m.check_readable(),
+            Inner::Simulated(_) => Ok(()),
+        }
     }
 }
 
@@ -378,6 +414,69 @@ mod tests {
         let m = open();
         assert_eq!(m.failure(), None, "reopening clears it");
         assert_eq!(m.persist(0, 4096).unwrap(), Durability::Durable);
+    }
+
+    #[test]
+    fn a_page_truncated_behind_the_mapping_fails_it_instead_of_killing_the_process() {
+        for dax in [false, true] {
+            let d = if dax {
+                tempfile::tempdir_in("/dev/shm").unwrap()
+            } else {
+                tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap()
+            };
+            let path = d.path().join("ns");
+            let p = page_size();
+            let m = OpenOptions::new(&path)
+                .size(8 * p as u64)
+                .create(true)
+                .force_dax(dax)
+                .open()
+                .unwrap();
+            let seen = Arc::new(Mutex::new(Vec::new()));
+            let s2 = Arc::clone(&seen);
+            assert!(m.set_failure_hook(Box::new(move |f| s2.lock().unwrap().push(*f))));
+            m.write_at(0, &[0x5a; 100]).unwrap();
+            m.write_at(6 * p, &[0x5a; 100]).unwrap();
+            assert!(m.persist(0, 8 * p).is_ok());
+            // Another process (here: another descriptor) cuts the file to four pages.
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(4 * p as u64)
+                .unwrap();
+            let mut b = [0u8; 100];
+            m.read_at(0, &mut b).unwrap();
+            assert_eq!(b, [0x5a; 100], "dax {dax}: a page still in the file reads");
+            assert_eq!(m.failure(), None);
+            // A SIGBUS without the pmem layer's handler: the test process would end here.
+            let e = m.read_at(6 * p + 10, &mut b).unwrap_err();
+            assert!(
+                matches!(e, Error::Unreadable { offset, .. } if offset == 6 * p + 10),
+                "dax {dax}: {e:?}"
+            );
+            assert!(e.to_string().contains("truncated"), "{e}");
+            assert_eq!(m.unreadable_at(), Some(6 * p + 10));
+            assert_eq!(m.failure(), Some(SyncFailure::unreadable()));
+            assert_eq!(
+                *seen.lock().unwrap(),
+                [SyncFailure::unreadable()],
+                "dax {dax}"
+            );
+            // From then on nothing of it reads, writes or persists, the pages still in the
+            // file included.
+            assert!(matches!(
+                m.read_at(0, &mut b),
+                Err(Error::Unreadable { .. })
+            ));
+            assert!(matches!(
+                m.write_at(7 * p, &b),
+                Err(Error::Unreadable { .. })
+            ));
+            assert!(matches!(m.persist(0, p), Err(Error::Failed { .. })));
+            assert_eq!(m.fail_if_unreadable(), Some(6 * p + 10));
+            assert_eq!(seen.lock().unwrap().len(), 1, "dax {dax}: recorded once");
+        }
     }
 
     #[test]

@@ -15,6 +15,7 @@ use super::error::{Error, Result};
 use super::flush::{sfence, writeback_range};
 use super::persist::Persist;
 use super::placed::PlacedPages;
+use crate::sigbus::Watch;
 
 /// What [`Mapping::set_failure_hook`](super::Mapping::set_failure_hook) takes.
 pub type FailureHook = Box<dyn Fn(&SyncFailure) + Send + Sync>;
@@ -58,6 +59,9 @@ pub(super) struct Media {
     /// Called once, with the first failure, before the call that recorded it returns
     /// ([`Media::set_failure_hook`]).
     on_failure: OnceLock<FailureHook>,
+    /// A file mapping's pages that the kernel could not give back (SIGBUS), replaced by
+    /// anonymous ones (sigbus.rs); None for anonymous memory, or when no slot was free.
+    watch: Option<Watch>,
 }
 
 // SAFETY: Media owns its mapping (unmapped only in Drop) and exposes the memory only through raw
@@ -83,6 +87,8 @@ impl std::fmt::Debug for Media {
 
 impl Drop for Media {
     fn drop(&mut self) {
+        // Unwatched first: once unmapped, the range may be reused by anyone.
+        self.watch = None;
         // SAFETY: ptr/len are exactly the region this Media mapped and still owns; nothing
         // borrows from it past the Mapping's lifetime (only raw pointers, whose use is the
         // caller's contract).
@@ -120,6 +126,7 @@ impl Media {
             _ => Method::Msync,
         };
         let placed = (domain == Domain::PageCache).then(|| PlacedPages::new(len, page_size()));
+        let watch = Watch::new(ptr.as_ptr(), len);
         Media {
             ptr,
             len,
@@ -134,6 +141,7 @@ impl Media {
             placed,
             failure: OnceLock::new(),
             on_failure: OnceLock::new(),
+            watch,
         }
     }
 
@@ -180,6 +188,7 @@ impl Media {
             placed: None,
             failure: OnceLock::new(),
             on_failure: OnceLock::new(),
+            watch: None,
         })
     }
 
@@ -361,7 +370,36 @@ impl Media {
 
     /// [`Error::Failed`] once the store has failed: checked before every persist, flush and
     /// drain, because the kernel reports a write-back error only once.
+    /// The offset of the first page that the kernel could not give back (SIGBUS), if one did
+    /// not: its bytes, and those of any page that faulted after it, are zeros of anonymous
+    /// memory now, not the file's.
+    pub(super) fn unreadable_at(&self) -> Option<usize> {
+        self.watch.as_ref()?.first_fault()
+    }
+
+    /// Fails the mapping (records [`SyncFailure::unreadable`], calling the hook) if a page of
+    /// it faulted and nothing failed it before; returns the offset of that page.
+    pub(super) fn note_unreadable(&self) -> Option<usize> {
+        let at = self.unreadable_at()?;
+        if self.failure.get().is_none() {
+            self.record_failure(SyncFailure::unreadable());
+        }
+        Some(at)
+    }
+
+    /// [`Error::Unreadable`] when a page of the mapping faulted (failing the mapping then).
+    pub(super) fn check_readable(&self) -> Result<()> {
+        match self.note_unreadable() {
+            Some(offset) => Err(Error::Unreadable {
+                path: self.path.clone().unwrap_or_default(),
+                offset,
+            }),
+            None => Ok(()),
+        }
+    }
+
     pub(super) fn check_healthy(&self) -> Result<()> {
+        self.note_unreadable();
         match self.failure.get() {
             Some(&failure) => Err(Error::Failed {
                 path: self.path.clone().unwrap_or_default(),
@@ -475,7 +513,12 @@ impl Persist for Media {
     }
 
     fn failure(&self) -> Option<SyncFailure> {
-        self.failure.get().copied()
+        // A fault is reported at once but recorded (the hook called) only by the calls that
+        // record write-back failures: this one is called with the callers' locks held.
+        self.failure
+            .get()
+            .copied()
+            .or_else(|| self.unreadable_at().map(|_| SyncFailure::unreadable()))
     }
 
     fn record_failure(&self, failure: SyncFailure) -> bool {

@@ -65,6 +65,14 @@ fn a_recorded_failure_survives_reopening_until_cleared() {
     assert_eq!(l.clear(&ns).unwrap(), None);
     drop(l);
     assert!(FailureLedger::open(&state).unwrap().all().is_empty());
+
+    // A page that could not be read or written reads back as such.
+    let l = FailureLedger::open(&state).unwrap();
+    let u = SyncFailure::unreadable();
+    l.record("nqn.2026-11.io.rpma:t", 1, &ns, &u).unwrap();
+    drop(l);
+    let l = FailureLedger::open(&state).unwrap();
+    assert_eq!(l.get(&ns).map(|f| f.sync_failure()), Some(u));
 }
 
 /// A second opening while the first holds the file (a second daemon on the same state

@@ -109,6 +109,7 @@ fn parse(value: &[u8]) -> SyncFailure {
         Some("msync") => "msync",
         Some("fdatasync") => "fdatasync",
         Some("pwrite") => "pwrite",
+        Some("load/store") => "load/store",
         _ => "write-back",
     };
     let errno = words
@@ -177,6 +178,7 @@ mod tests {
                 errno: 5
             }
         );
+        assert_eq!(parse(b"load/store 5"), SyncFailure::unreadable());
         assert_eq!(
             parse(b"flushed-by-a-newer-build x"),
             SyncFailure {

@@ -127,6 +127,12 @@ impl NamespaceTable {
         self.map.iter()
     }
 
+    /// Fails and logs each namespace a page of which could not be read or written
+    /// ([`OpenNamespace::note_unreadable`]); returns how many have such a page.
+    pub fn note_unreadable(&self) -> usize {
+        self.map.values().filter(|ns| ns.note_unreadable()).count()
+    }
+
     /// How many namespaces are open.
     pub fn len(&self) -> usize {
         self.map.len()

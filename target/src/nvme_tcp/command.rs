@@ -237,6 +237,9 @@ impl Status {
     /// Write Fault: the namespace failed (its write-back failed) and nothing written to it
     /// can be made durable until an operator reopens it.
     pub const WRITE_FAULT: Status = Status::new(2, 0x80, true);
+    /// Media and Data Integrity Errors: Unrecovered Read Error (a page of the namespace the
+    /// kernel could not give back: a media error, or its file truncated).
+    pub const UNRECOVERED_READ_ERROR: Status = Status::new(2, 0x81, true);
 
     /// The 16-bit status field of a completion (phase tag 0).
     pub fn field(self) -> u16 {

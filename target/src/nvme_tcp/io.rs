@@ -127,11 +127,20 @@ fn zero_range(ns: &OpenNamespace, offset: u64, len: u64) -> Result<(), Status> {
     let end = offset + len;
     while at < end {
         let n = (end - at).min(ZEROS.len() as u64) as usize;
-        m.write_at(at as usize, &ZEROS[..n])
-            .map_err(|_| Status::LBA_OUT_OF_RANGE)?;
+        m.write_at(at as usize, &ZEROS[..n]).map_err(write_status)?;
         at += n as u64;
     }
     Ok(())
+}
+
+/// A write-type command's status for the pmem layer's refusal to place its bytes: Write Fault
+/// for a namespace with a page the kernel could not give back (the bytes went to a page that
+/// is not the file's), LBA Out of Range otherwise (the command's range was checked before).
+pub(crate) fn write_status(e: rpma_common::pmem::Error) -> Status {
+    match e {
+        rpma_common::pmem::Error::Unreadable { .. } => Status::WRITE_FAULT,
+        _ => Status::LBA_OUT_OF_RANGE,
+    }
 }
 
 impl Queue {
@@ -234,7 +243,7 @@ impl Queue {
         };
         ns.mapping
             .write_at(offset as usize, data)
-            .map_err(|_| Status::LBA_OUT_OF_RANGE)?;
+            .map_err(write_status)?;
         counts.wrote(data.len() as u64);
         let len = data.len() as u64;
         Ok(self.after_write(sqe, ns, counts, offset, len, fua, env))

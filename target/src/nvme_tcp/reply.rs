@@ -88,6 +88,11 @@ impl Queue {
                             self.complete(cid, 0, Status::SUCCESS);
                         }
                     }
+                    // The copy met a page the kernel could not give back (the namespace
+                    // has failed): the zeros put in its place were taken back above.
+                    Err(rpma_common::pmem::Error::Unreadable { .. }) => {
+                        self.complete(cid, 0, Status::UNRECOVERED_READ_ERROR)
+                    }
                     Err(_) => self.complete(cid, 0, Status::LBA_OUT_OF_RANGE),
                 }
             }

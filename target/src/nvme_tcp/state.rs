@@ -113,6 +113,9 @@ pub(crate) struct Transfer {
     pub(super) received: u32,
     /// A data digest failed: the command completes with a transient transport error.
     pub(super) corrupt: bool,
+    /// The namespace refused a chunk ([`write_status`](super::io::write_status)): the command
+    /// completes with that status, nothing more of it is placed.
+    pub(super) refused: Option<super::command::Status>,
     pub(super) sink: Sink,
 }
 

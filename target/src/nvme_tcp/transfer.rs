@@ -47,6 +47,7 @@ impl Queue {
                 len,
                 received: 0,
                 corrupt: false,
+                refused: None,
                 sink,
             },
         );
@@ -166,12 +167,12 @@ impl Queue {
         if !data_ok || gone {
             // Integrity before placement: data that failed its digest never lands.
             t.corrupt = true;
-        } else if !t.corrupt {
+        } else if !t.corrupt && t.refused.is_none() {
             match &mut t.sink {
                 Sink::Namespace { ns, offset, .. } => {
                     let at = *offset + u64::from(h.datao);
-                    if ns.mapping.write_at(at as usize, data).is_err() {
-                        t.corrupt = true;
+                    if let Err(e) = ns.mapping.write_at(at as usize, data) {
+                        t.refused = Some(super::io::write_status(e));
                     }
                 }
                 Sink::Buffer(b) => b.extend_from_slice(data),
@@ -189,6 +190,9 @@ impl Queue {
         }
         if t.corrupt {
             return self.complete(cid, 0, Status::TRANSIENT_TRANSPORT);
+        }
+        if let Some(st) = t.refused {
+            return self.complete(cid, 0, st);
         }
         match t.sink {
             Sink::Namespace {

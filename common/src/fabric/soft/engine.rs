@@ -251,8 +251,8 @@ impl Engine {
                 QpFailure::Link {
                     op: "sending",
                     source: Arc::new(std::io::Error::other(
-                        "a Read Response's region was revoked in the middle of an FPDU: the \
-                         stream ends there",
+                        "a Read Response's region was revoked (or a page of it could not be \
+                         read) in the middle of an FPDU: the stream ends there",
                     )),
                 },
                 None,

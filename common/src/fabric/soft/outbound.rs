@@ -18,7 +18,10 @@
 //! alone lets it finish), no byte of it leaves: before each `writev` the FPDUs it would carry
 //! are checked, and [`Tx::revoked`] tells the engine to terminate the stream instead, or, if
 //! the FPDU partly written is one of them, to end the connection there ([`Tx::cut_short`]).
-//! What the kernel's socket buffer already holds was read before the revocation. A deregistration on another thread than the one that drives
+//! What the kernel's socket buffer already holds was read before the revocation. A region
+//! over a file mapping a page of which the kernel could not give back counts as revoked
+//! (`crate::sigbus`), found by the CRC's read of it or, with CRC off, after the `writev`'s
+//! EFAULT. A deregistration on another thread than the one that drives
 //! progress can still race one `writev` already past its check.
 //!
 //! Fair share: one [`Tx::flush`] writes at most the budget its caller gives, so a queue pair
@@ -174,6 +177,19 @@ impl Fpdu {
     /// Whether its payload is a Read Response's from a region deregistered since.
     fn revoked(&self) -> bool {
         matches!(&self.payload, Payload::Mem { keep, revocable: true, .. } if keep.revoked())
+    }
+
+    /// After a `writev` failed with EFAULT: whether its payload is a Read Response's from a
+    /// page of a file mapping that the kernel cannot give back ([`Region::probe`]).
+    fn unreadable(&self) -> bool {
+        match &self.payload {
+            Payload::Mem {
+                slice,
+                keep,
+                revocable: true,
+            } => keep.probe(slice.as_ptr() as usize - keep.addr() as usize, slice.len()),
+            _ => false,
+        }
     }
 }
 
@@ -477,6 +493,16 @@ impl Tx {
                         return Ok(false);
                     }
                     e if e.kind() == io::ErrorKind::Interrupted => continue,
+                    // The kernel met a page of a Read Response's region that it cannot give
+                    // back (a media error, a truncated file): revoked, as the CRC's own read
+                    // of it would have found (crate::sigbus), instead of a connection lost
+                    // that the peer's next Read of the block would meet again.
+                    e if e.raw_os_error() == Some(libc::EFAULT)
+                        && self.ready.iter().any(Fpdu::unreadable) =>
+                    {
+                        self.revoked = true;
+                        return Ok(false);
+                    }
                     e => return Err(e),
                 },
             };

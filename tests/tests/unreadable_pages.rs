@@ -1,0 +1,234 @@
+//! A page of a namespace that the kernel cannot give back to the daemon: here its file cut
+//! short by another process (the same SIGBUS as a media error under page-cache or poisoned
+//! pmem). The daemon must not die at the first Read of that block: the Read fails (never zeros
+//! as data), the namespace fails (remembered as a failed write-back is, logged once, refused
+//! for durability), and the daemon goes on serving its other namespaces.
+//!
+//! Over the tcp transport, with CRC (the CRC's own read of the page meets it) and without (the
+//! socket's copy fails with EFAULT first), and over NVMe/TCP (the daemon's copy of a Read's
+//! data).
+
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use rpma_tests::nvme::{sc, Controller};
+use rpma_tests::{conn_args, initiator, text, Target};
+
+const SUB: &str = "nqn.2026-12.io.rpma:unreadable";
+const HOST: &str = "nqn.2026-12.io.rpma:unreadable-host";
+
+fn config(dir: &Path, top: &str) -> String {
+    let d = dir.display();
+    format!(
+        "{top}[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
+         [[subsystem.namespace]]\nnsid = 1\npath = \"{d}/ns1\"\nsize = \"4MiB\"\n\
+         [[subsystem.namespace]]\nnsid = 2\npath = \"{d}/ns2\"\nsize = \"4MiB\"\n"
+    )
+}
+
+fn cli(t: &Target, line: &str) -> (Option<i32>, String) {
+    let conn = conn_args(&t.url(), SUB, HOST, None);
+    let mut a: Vec<&str> = conn.iter().map(String::as_str).collect();
+    a.extend(["--reconnect-timeout", "5"]);
+    a.extend(line.split_whitespace());
+    let o = initiator(&a);
+    (o.status.code(), text(&o))
+}
+
+/// `status --json`'s `failed` of namespace `nsid`.
+fn failed_of(t: &Target, nsid: u64) -> serde_json::Value {
+    t.status()["subsystems"][0]["namespaces"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|n| n["nsid"] == nsid)
+        .unwrap()["failed"]
+        .clone()
+}
+
+/// The failure mark on the file itself (`user.rpma.failed`), if any.
+fn mark_of(path: &Path) -> Option<String> {
+    let p = std::ffi::CString::new(path.as_os_str().as_encoded_bytes()).unwrap();
+    let mut buf = [0u8; 256];
+    // SAFETY: both strings are NUL-terminated and live; getxattr writes at most buf.len().
+    let n = unsafe {
+        libc::getxattr(
+            p.as_ptr(),
+            c"user.rpma.failed".as_ptr(),
+            buf.as_mut_ptr().cast(),
+            buf.len(),
+        )
+    };
+    (n >= 0).then(|| String::from_utf8_lossy(&buf[..n as usize]).into_owned())
+}
+
+/// Cuts nsid 1's file to 1 MiB, as another process could.
+fn cut_short(dir: &Path) {
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(dir.join("ns1"))
+        .unwrap()
+        .set_len(1 << 20)
+        .unwrap();
+}
+
+/// Waits until `cond` holds, or panics with `what` after 30 s.
+fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(30);
+    while !cond() {
+        assert!(Instant::now() < deadline, "{what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// After the Read of a cut-off page: the daemon is alive, nsid 1 failed (status, log, the
+/// mark on its file) and serves nothing more, nsid 2 serves as before.
+fn check_after(t: &Target, dir: &Path) {
+    // (`status` answers: the daemon is alive.)
+    wait_until("nsid 1 is shown failed", || {
+        failed_of(t, 1)
+            .as_str()
+            .is_some_and(|s| s.contains("load/store"))
+    });
+    assert!(failed_of(t, 2).is_null(), "{}", failed_of(t, 2));
+    let lines = t.log_lines(
+        &["namespace 1", "could not be", "truncated"],
+        Duration::from_secs(10),
+    );
+    assert_eq!(lines.len(), 1, "{}", t.log());
+    wait_until("the failure is marked on the file", || {
+        mark_of(&dir.join("ns1")).is_some_and(|m| m.starts_with("load/store"))
+    });
+    // Nothing of nsid 1 reads any more, the part still in the file included.
+    let (c, all) = cli(t, "read --offset 0 --length 4k --json");
+    assert_ne!(c, Some(0), "{all}");
+    let (c, all) = cli(t, "write --offset 0 --pattern 7 --length 4k --durable");
+    assert_ne!(c, Some(0), "{all}");
+    // nsid 2 reads and writes as before.
+    let (c, all) = cli(t, "--nsid 2 read --offset 3M --length 16 --json");
+    assert_eq!(c, Some(0), "{all}");
+    assert!(all.contains("5a5a5a5a"), "{all}");
+    let (c, all) = cli(
+        t,
+        "--nsid 2 write --offset 0 --pattern 7 --length 64k --durable",
+    );
+    assert_eq!(c, Some(0), "{all}");
+}
+
+fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon(
+    top: &str,
+) -> (tempfile::TempDir, Target) {
+    let d = rpma_tests::scratch();
+    let t = Target::start(d.path(), &config(d.path(), top));
+    for nsid in [1, 2] {
+        let (c, all) = cli(
+            &t,
+            &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
+        );
+        assert_eq!(c, Some(0), "{all}");
+    }
+    cut_short(d.path());
+    // A Read across the end of what is left: its first half is in the file, its second not.
+    let (c, all) = cli(&t, "read --offset 768k --length 512k --json");
+    assert_ne!(c, Some(0), "the Read succeeded: {all}");
+    // What it printed of the first half is the data; the zeros put in the place of the pages
+    // cut off never leave the daemon.
+    assert!(!all.contains("00000000"), "{all}");
+    check_after(&t, d.path());
+    (d, t)
+}
+
+#[test]
+fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_with_crc() {
+    let (_d, t) = a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon("");
+    // The operator gives the file its size back and clears the failure: what was cut off
+    // reads as the zeros it is now, the rest as before, and durability is back.
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(t.dir().join("ns1"))
+        .unwrap()
+        .set_len(4 << 20)
+        .unwrap();
+    let sock = t.dir().join("ctl.sock");
+    let o = rpma_tests::run_with_deadline(
+        std::process::Command::new(rpma_tests::target_bin()).args([
+            "clear-failure",
+            "--socket",
+            sock.to_str().unwrap(),
+            SUB,
+            "1",
+        ]),
+        Duration::from_secs(30),
+    );
+    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    assert!(failed_of(&t, 1).is_null(), "{}", failed_of(&t, 1));
+    let (c, all) = cli(&t, "read --offset 1020k --length 8k --json");
+    assert_eq!(c, Some(0), "{all}");
+    let hex = format!("{}{}", "5a".repeat(4096), "00".repeat(4096));
+    assert!(all.contains(&hex), "{all}");
+    let (c, all) = cli(&t, "write --offset 2M --pattern 7 --length 64k --durable");
+    assert_eq!(c, Some(0), "{all}");
+}
+
+#[test]
+fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_without_crc() {
+    a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon("crc = false\n");
+}
+
+#[test]
+fn an_nvme_read_of_a_cut_off_page_is_an_unrecovered_read_error_not_the_daemons_end() {
+    let d = rpma_tests::scratch();
+    let t = Target::start_on(d.path(), "nvme-tcp://127.0.0.1", &config(d.path(), ""), &[]);
+    let addr = format!("127.0.0.1:{}", t.port());
+    let c = Controller::connect(&addr, SUB, HOST, (false, false)).expect("admitted");
+    let mut q = c.io_queue(1).expect("an I/O queue");
+    let data = rpma_tests::noise(7, 128 << 10);
+    for nsid in [1, 2] {
+        for slba in (0..1024u64).step_by(32) {
+            let w = q.write(nsid, slba, 4096, &data, false).unwrap();
+            assert!(w.ok(), "{w:?}");
+        }
+    }
+    cut_short(d.path());
+    let r = q.read(1, 0, 4096, 32).unwrap();
+    assert!(
+        r.ok() && r.data == data,
+        "the part still in the file reads: {r:?}"
+    );
+    // Blocks 256.. (of 4 KiB) are past the end of the file now: 960 KiB to 1088 KiB.
+    let r = q.read(1, 240, 4096, 32).unwrap();
+    assert_eq!(r.code(), sc::UNRECOVERED_READ, "{r:?}");
+    assert!(r.dnr());
+    assert!(
+        r.data.is_empty(),
+        "no data of it was sent: {} bytes",
+        r.data.len()
+    );
+    // From then on the namespace has failed: reads and writes of it are refused, the other
+    // namespace serves on the same queue.
+    let r = q.read(1, 0, 4096, 1).unwrap();
+    assert_eq!(r.code(), sc::UNRECOVERED_READ, "{r:?}");
+    // In the command capsule, and by R2T.
+    for len in [4096, data.len()] {
+        let w = q.write(1, 0, 4096, &data[..len], false).unwrap();
+        assert_eq!(w.code(), sc::WRITE_FAULT, "{len}: {w:?}");
+    }
+    let r = q.read(2, 768, 4096, 32).unwrap();
+    assert!(r.ok() && r.data == data, "nsid 2: {r:?}");
+    wait_until("nsid 1 is shown failed", || {
+        failed_of(&t, 1)
+            .as_str()
+            .is_some_and(|s| s.contains("load/store"))
+    });
+    assert!(failed_of(&t, 2).is_null());
+    wait_until("the failure is marked on the file", || {
+        mark_of(&d.path().join("ns1")).is_some_and(|m| m.starts_with("load/store"))
+    });
+    assert_eq!(
+        t.log_lines(&["namespace 1", "truncated"], Duration::from_secs(10))
+            .len(),
+        1,
+        "{}",
+        t.log()
+    );
+}
