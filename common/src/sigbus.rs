@@ -14,25 +14,32 @@
 //! anywhere else goes to the handler that was there before (Rust's own, for stack overflows,
 //! or the default action).
 //!
-//! The handler touches nothing but this module's atomics and calls `mmap` (a plain system
-//! call): no lock, no allocation.
+//! The handler records the fault before it maps the page, so that a thread that reads the
+//! zeros (another poll loop's copy of the same page) finds the fault recorded when it checks
+//! after its copy. It touches nothing but this module's atomics and calls `mmap` (a plain
+//! system call): no lock, no allocation; it keeps `errno` as it found it. A SIGBUS another
+//! process sent (`kill -BUS`: no fault) is not taken as one.
 
-use std::sync::atomic::{AtomicU8, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// How many mappings can be watched at once; a mapping made while all are taken is not
 /// watched (a SIGBUS in it is fatal, as without this module).
 const SLOTS: usize = 256;
 
-const FREE: u8 = 0;
-const CLAIMED: u8 = 1;
-const LIVE: u8 = 2;
+// A slot's state, in the low two bits of its state word; the bits above count its claims, so
+// that a reader that loaded the range between a drop and the next claim sees the word change.
+const FREE: usize = 0;
+const CLAIMED: usize = 1;
+const LIVE: usize = 2;
+const KIND: usize = 3;
+const CLAIM: usize = 4;
 
 /// No fault recorded yet.
 const NONE: usize = usize::MAX;
 
 struct Slot {
-    state: AtomicU8,
+    state: AtomicUsize,
     start: AtomicUsize,
     len: AtomicUsize,
     /// Pages (or larger units) replaced so far.
@@ -44,7 +51,7 @@ struct Slot {
 impl Slot {
     const fn new() -> Slot {
         Slot {
-            state: AtomicU8::new(FREE),
+            state: AtomicUsize::new(FREE),
             start: AtomicUsize::new(0),
             len: AtomicUsize::new(0),
             faults: AtomicUsize::new(0),
@@ -52,24 +59,33 @@ impl Slot {
         }
     }
 
-    /// The slot's range when it is live and holds `addr`.
-    fn holding(&self, addr: usize) -> Option<(usize, usize)> {
-        if self.state.load(Ordering::Acquire) != LIVE {
+    /// The slot's range and its first fault, when it is live (read consistently: the state
+    /// word is the same before and after).
+    fn live(&self) -> Option<(usize, usize, usize)> {
+        let word = self.state.load(Ordering::Acquire);
+        if word & KIND != LIVE {
             return None;
         }
-        let (start, len) = (
-            self.start.load(Ordering::Relaxed),
-            self.len.load(Ordering::Relaxed),
+        let got = (
+            self.start.load(Ordering::Acquire),
+            self.len.load(Ordering::Acquire),
+            self.first.load(Ordering::Acquire),
         );
+        (self.state.load(Ordering::Acquire) == word).then_some(got)
+    }
+
+    /// The slot's range when it is live and holds `addr`.
+    fn holding(&self, addr: usize) -> Option<(usize, usize)> {
+        let (start, len, _) = self.live()?;
         (addr >= start && addr - start < len).then_some((start, len))
     }
 }
 
 static TABLE: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
 
-/// Faults recorded in any slot since the process started: a data path's check of [`poisoned`]
-/// costs one load while it is 0.
-static FAULTS: AtomicUsize = AtomicUsize::new(0);
+/// Live slots with a fault recorded: a data path's check of [`poisoned`] costs one load while
+/// it is 0 (again once the faulted mappings are gone: clear-failure reopens them).
+static FAULTED: AtomicUsize = AtomicUsize::new(0);
 
 /// The page size, for the handler (set before it is installed).
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
@@ -96,15 +112,20 @@ impl Watch {
             return None;
         }
         for (i, s) in TABLE.iter().enumerate() {
+            let word = s.state.load(Ordering::Relaxed);
+            if word & KIND != FREE {
+                continue;
+            }
+            let claimed = (word & !KIND).wrapping_add(CLAIM);
             if s.state
-                .compare_exchange(FREE, CLAIMED, Ordering::Acquire, Ordering::Relaxed)
+                .compare_exchange(word, claimed | CLAIMED, Ordering::AcqRel, Ordering::Relaxed)
                 .is_ok()
             {
-                s.start.store(start as usize, Ordering::Relaxed);
-                s.len.store(len, Ordering::Relaxed);
-                s.faults.store(0, Ordering::Relaxed);
-                s.first.store(NONE, Ordering::Relaxed);
-                s.state.store(LIVE, Ordering::Release);
+                s.start.store(start as usize, Ordering::Release);
+                s.len.store(len, Ordering::Release);
+                s.faults.store(0, Ordering::Release);
+                s.first.store(NONE, Ordering::Release);
+                s.state.store(claimed | LIVE, Ordering::Release);
                 return Some(Watch { slot: i });
             }
         }
@@ -123,9 +144,13 @@ impl Watch {
 impl Drop for Watch {
     fn drop(&mut self) {
         let s = &TABLE[self.slot];
-        s.state.store(CLAIMED, Ordering::Release);
-        s.len.store(0, Ordering::Relaxed);
-        s.state.store(FREE, Ordering::Release);
+        let claim = s.state.load(Ordering::Relaxed) & !KIND;
+        s.state.store(claim | CLAIMED, Ordering::Release);
+        if s.first.load(Ordering::Acquire) != NONE {
+            FAULTED.fetch_sub(1, Ordering::AcqRel);
+        }
+        s.len.store(0, Ordering::Release);
+        s.state.store(claim | FREE, Ordering::Release);
     }
 }
 
@@ -133,17 +158,15 @@ impl Drop for Watch {
 /// are not the file's any more (the whole mapping counts, as the pmem layer fails the whole
 /// namespace).
 pub(crate) fn poisoned(addr: usize, len: usize) -> bool {
-    if FAULTS.load(Ordering::Acquire) == 0 {
+    if FAULTED.load(Ordering::Acquire) == 0 {
         return false;
     }
     let end = addr.saturating_add(len);
-    TABLE.iter().any(|s| {
-        if s.state.load(Ordering::Acquire) != LIVE || s.first.load(Ordering::Acquire) == NONE {
-            return false;
+    TABLE.iter().any(|s| match s.live() {
+        Some((start, s_len, first)) if first != NONE => {
+            start < end && addr < start.saturating_add(s_len)
         }
-        let start = s.start.load(Ordering::Relaxed);
-        let s_end = start.saturating_add(s.len.load(Ordering::Relaxed));
-        start < end && addr < s_end
+        _ => false,
     })
 }
 
@@ -200,21 +223,37 @@ fn install() -> bool {
 }
 
 extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void) {
-    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler.
-    let addr = unsafe { (*info).si_addr() } as usize;
-    for s in &TABLE {
-        let Some((start, len)) = s.holding(addr) else {
-            continue;
-        };
+    // SAFETY: the kernel passes a valid siginfo for an SA_SIGINFO handler; errno is this
+    // thread's own.
+    let (code, addr, errno) = unsafe {
+        (
+            (*info).si_code,
+            (*info).si_addr() as usize,
+            *libc::__errno_location(),
+        )
+    };
+    // A fault has a positive code (BUS_ADRERR, BUS_OBJERR, BUS_MCEERR_AR/AO); a signal sent
+    // by a process (SI_USER, SI_QUEUE, SI_TKILL) has none, and its si_addr is not an address.
+    let slot = if code > 0 {
+        TABLE.iter().find_map(|s| s.holding(addr).map(|r| (s, r)))
+    } else {
+        None
+    };
+    if let Some((s, (start, len))) = slot {
+        // Recorded before the page is replaced: whoever reads the zeros after the mmap finds
+        // the fault recorded.
+        if s.first
+            .compare_exchange(NONE, addr - start, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            FAULTED.fetch_add(1, Ordering::AcqRel);
+        }
+        s.faults.fetch_add(1, Ordering::AcqRel);
         if replace(addr, start, len) {
-            let _ =
-                s.first
-                    .compare_exchange(NONE, addr - start, Ordering::AcqRel, Ordering::Relaxed);
-            s.faults.fetch_add(1, Ordering::AcqRel);
-            FAULTS.fetch_add(1, Ordering::AcqRel);
+            // SAFETY: as above.
+            unsafe { *libc::__errno_location() = errno };
             return;
         }
-        break;
     }
     previous(sig, info, ctx);
 }

@@ -11,6 +11,8 @@
 use std::path::Path;
 use std::time::{Duration, Instant};
 
+use rpma_common::proto::nqn::Nqn;
+use rpma_initiator::{Connection, HostIdentity};
 use rpma_tests::nvme::{sc, Controller};
 use rpma_tests::{conn_args, initiator, text, Target};
 
@@ -173,6 +175,38 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_with_crc() {
 #[test]
 fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_without_crc() {
     a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon("crc = false\n");
+}
+
+#[test]
+fn an_atomic_on_a_cut_off_page_fails_and_answers_no_zeros() {
+    let d = rpma_tests::scratch();
+    let t = Target::start(d.path(), &config(d.path(), ""));
+    for nsid in [1, 2] {
+        let (c, all) = cli(
+            &t,
+            &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
+        );
+        assert_eq!(c, Some(0), "{all}");
+    }
+    let mut q = Connection::new(
+        &t.url(),
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .open_queue(0)
+    .unwrap();
+    let mut ns = q.namespace(1).unwrap();
+    assert_eq!(ns.fetch_add(0, 1).unwrap(), 0x5a5a_5a5a_5a5a_5a5a);
+    cut_short(d.path());
+    // The atomic is the first touch of the page: its original value would be the zeros put
+    // in the page's place.
+    let r = ns.fetch_add(2 << 20, 1);
+    assert!(r.is_err(), "{r:?}");
+    // And none runs on the namespace any more, on the part still in the file either.
+    let mut ns = q.namespace(1).unwrap();
+    let r = ns.compare_and_swap(8, 0x5a5a_5a5a_5a5a_5a5a, 1);
+    assert!(r.is_err(), "{r:?}");
+    check_after(&t, d.path());
 }
 
 #[test]

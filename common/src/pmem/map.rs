@@ -480,6 +480,38 @@ mod tests {
     }
 
     #[test]
+    fn a_dax_persist_whose_write_back_met_a_truncated_page_is_not_durable() {
+        let d = tempfile::tempdir_in("/dev/shm").unwrap();
+        let path = d.path().join("ns");
+        let p = page_size();
+        for how in ["persist", "flush"] {
+            let m = OpenOptions::new(&path)
+                .size(8 * p as u64)
+                .create(true)
+                .resize(crate::pmem::Resize::Grow)
+                .force_dax(true)
+                .open()
+                .unwrap();
+            m.write_at(6 * p, &[0x5a; 100]).unwrap();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(4 * p as u64)
+                .unwrap();
+            // The cache write-back is the first touch of the page since the truncation.
+            let r = match how {
+                "persist" => m.persist(6 * p, 100).map(|_| ()),
+                _ => m.flush(6 * p, 100),
+            };
+            assert!(matches!(r, Err(Error::Failed { .. })), "{how}: {r:?}");
+            assert_eq!(m.unreadable_at(), Some(6 * p), "{how}");
+            drop(m);
+            std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    #[test]
     fn the_failure_hook_sees_the_first_failure_before_the_call_returns() {
         let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
         let m = OpenOptions::new(d.path().join("ns"))

@@ -368,8 +368,6 @@ impl Media {
         self.check_healthy()
     }
 
-    /// [`Error::Failed`] once the store has failed: checked before every persist, flush and
-    /// drain, because the kernel reports a write-back error only once.
     /// The offset of the first page that the kernel could not give back (SIGBUS), if one did
     /// not: its bytes, and those of any page that faulted after it, are zeros of anonymous
     /// memory now, not the file's.
@@ -398,6 +396,9 @@ impl Media {
         }
     }
 
+    /// [`Error::Failed`] once the store has failed: checked before every persist, flush and
+    /// drain, because the kernel reports a write-back error only once (and after a cache
+    /// write-back, which faults on a page the kernel cannot give back).
     pub(super) fn check_healthy(&self) -> Result<()> {
         self.note_unreadable();
         match self.failure.get() {
@@ -448,6 +449,9 @@ impl Persist for Media {
                 // SAFETY: the range is inside the live file mapping (checked above).
                 unsafe { writeback_range(self.ptr.as_ptr().add(offset), len) };
                 sfence();
+                // A line of a page the kernel could not give back faults in the write-back
+                // (the page is zeros now): not durable.
+                self.check_healthy()?;
             }
             Method::Msync if len > 0 => {
                 let (start, end) = self.page_range(offset, len);
@@ -467,6 +471,7 @@ impl Persist for Media {
             Method::CacheWriteBack => {
                 // SAFETY: the range is inside the live file mapping (checked above).
                 unsafe { writeback_range(self.ptr.as_ptr().add(offset), len) };
+                self.check_healthy()?;
             }
             Method::Msync if len > 0 => {
                 let (start, end) = self.page_range(offset, len);
@@ -500,7 +505,11 @@ impl Persist for Media {
         self.check_healthy()?;
         match self.method {
             Method::Nothing => {}
-            Method::CacheWriteBack => sfence(),
+            Method::CacheWriteBack => {
+                sfence();
+                // A flush since the check above may have faulted (its own check too).
+                self.check_healthy()?;
+            }
             Method::Msync => {
                 let mut pending = self.pending.lock().unwrap_or_else(|e| e.into_inner());
                 if let Some((start, end)) = *pending {

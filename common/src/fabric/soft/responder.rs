@@ -194,7 +194,13 @@ impl Engine {
         need: Access,
     ) -> std::result::Result<crate::fabric::soft::device::Target, AccessFault> {
         let entry = self.stags.lookup(stag).ok_or(AccessFault::InvalidStag)?;
-        entry.check(self.domain.pd, self.qp_num, to, len, need)
+        let t = entry.check(self.domain.pd, self.qp_num, to, len, need)?;
+        // A region still registered but revoked: over a file mapping with a page the kernel
+        // could not give back (crate::sigbus), which serves nothing more.
+        if t.region.revoked() {
+            return Err(AccessFault::InvalidStag);
+        }
+        Ok(t)
     }
 
     pub(super) fn take_ird(
@@ -315,6 +321,11 @@ impl Engine {
                         ar.add_swap_mask,
                     ),
                 };
+                // The operation met a page the kernel could not give back (crate::sigbus): its
+                // original value is the zeros put in the page's place, not the memory's.
+                if t.region.revoked() {
+                    return Err(fault(status::rdmap_cause(AccessFault::InvalidStag)));
+                }
                 self.dirty.add(&t.region, t.offset, 8);
                 self.persist_dirty(hdr, ulpdu_len)?;
                 let resp = AtomicResponse {
@@ -338,6 +349,11 @@ impl Engine {
                 // by other queue pairs is the racy RDMA-style access the verbs model allows.
                 let cell = unsafe { AtomicU64::from_ptr(ptr as *mut u64) };
                 cell.store(u64::from_ne_bytes(aw.data), Ordering::Release);
+                // As for the atomics above: the store went to a page put in place of one the
+                // kernel could not give back.
+                if t.region.revoked() {
+                    return Err(fault(status::rdmap_cause(AccessFault::InvalidStag)));
+                }
                 self.dirty.add(&t.region, t.offset, 8);
                 self.persist_dirty(hdr, ulpdu_len)?;
                 let resp = PrivateResponse {
