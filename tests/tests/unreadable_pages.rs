@@ -101,9 +101,14 @@ fn check_after(t: &Target, dir: &Path) {
     wait_until("the failure is marked on the file", || {
         mark_of(&dir.join("ns1")).is_some_and(|m| m.starts_with("load/store"))
     });
-    // Nothing of nsid 1 reads any more, the part still in the file included.
+    // Nothing of nsid 1 reads any more, the part still in the file included: a new session
+    // lists it unavailable, saying why.
     let (c, all) = cli(t, "read --offset 0 --length 4k --json");
     assert_ne!(c, Some(0), "{all}");
+    assert!(
+        all.contains("could not read back the page at offset"),
+        "{all}"
+    );
     let (c, all) = cli(t, "write --offset 0 --pattern 7 --length 4k --durable");
     assert_ne!(c, Some(0), "{all}");
     // nsid 2 reads and writes as before.
@@ -202,9 +207,11 @@ fn an_atomic_on_a_cut_off_page_fails_and_answers_no_zeros() {
     // in the page's place.
     let r = ns.fetch_add(2 << 20, 1);
     assert!(r.is_err(), "{r:?}");
-    // And none runs on the namespace any more, on the part still in the file either.
-    let mut ns = q.namespace(1).unwrap();
-    let r = ns.compare_and_swap(8, 0x5a5a_5a5a_5a5a_5a5a, 1);
+    // And none runs on the namespace any more, on the part still in the file either: the
+    // queue's new session lists it unavailable.
+    let r = q
+        .namespace(1)
+        .and_then(|mut ns| ns.compare_and_swap(8, 0x5a5a_5a5a_5a5a_5a5a, 1));
     assert!(r.is_err(), "{r:?}");
     check_after(&t, d.path());
 }

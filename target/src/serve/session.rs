@@ -204,9 +204,9 @@ pub(super) fn grant(
     ))
 }
 
-/// The descriptor of a namespace a connection cannot be given: listed with the reason, no rkey,
-/// nothing durable.
-pub(super) fn unavailable(ns: &OpenNamespace, why: String) -> NamespaceDescriptor {
+/// The descriptor of a namespace a connection cannot be given: listed with the reason (what
+/// the host is told), no rkey, nothing durable.
+pub(super) fn unavailable(ns: &OpenNamespace, reason: String) -> NamespaceDescriptor {
     NamespaceDescriptor {
         nsid: ns.config.nsid,
         size: ns.size(),
@@ -219,9 +219,7 @@ pub(super) fn unavailable(ns: &OpenNamespace, why: String) -> NamespaceDescripto
         read_only: ns.config.read_only,
         failure: ns.failure().map(|f| f.to_string()),
         simulation: ns.mapping.simulation().map(|s| s.label()),
-        unavailable: Some(format!(
-            "the target cannot register it on this transport: {why}"
-        )),
+        unavailable: Some(reason),
         identity: ns.identity(),
     }
 }

@@ -100,6 +100,19 @@ impl Conn {
         for ((_, nsid), ns) in
             table.range((c.subsystem_nqn.clone(), 0)..=(c.subsystem_nqn.clone(), u32::MAX))
         {
+            // A page of it could not be read back (docs/persistence.md): its mapping serves
+            // nothing more, so it is listed unavailable instead of registered, and the host
+            // does not send Reads that would each end its connection.
+            if let Some(at) = ns.mapping.unreadable_at() {
+                descriptors.push(unavailable(
+                    ns,
+                    format!(
+                        "the target could not read back the page at offset {at} (a media error, \
+                         or its file truncated by another process) until it is reopened"
+                    ),
+                ));
+                continue;
+            }
             match grant(&self.pd, ns, self.served_by(), self.peer_flush) {
                 Ok((g, d)) => {
                     grants.insert(*nsid, g);
@@ -124,7 +137,8 @@ impl Conn {
                 Err(e) => {
                     let why = rpma_common::error_chain(&e);
                     ns.note_unregistrable(&why);
-                    descriptors.push(unavailable(ns, why));
+                    let m = format!("the target cannot register it on this transport: {why}");
+                    descriptors.push(unavailable(ns, m));
                 }
             }
         }
