@@ -83,6 +83,15 @@ impl Slot {
 
 static TABLE: [Slot; SLOTS] = [const { Slot::new() }; SLOTS];
 
+/// One past the highest slot ever claimed: the scans stop there (a daemon uses a slot per
+/// opening of a namespace file, a handful).
+static USED: AtomicUsize = AtomicUsize::new(0);
+
+/// The slots that may be live.
+fn slots() -> &'static [Slot] {
+    &TABLE[..USED.load(Ordering::Acquire).min(SLOTS)]
+}
+
 /// Live slots with a fault recorded: a data path's check of [`poisoned`] costs one load while
 /// it is 0 (again once the faulted mappings are gone: clear-failure reopens them).
 static FAULTED: AtomicUsize = AtomicUsize::new(0);
@@ -125,6 +134,7 @@ impl Watch {
                 s.len.store(len, Ordering::Release);
                 s.faults.store(0, Ordering::Release);
                 s.first.store(NONE, Ordering::Release);
+                USED.fetch_max(i + 1, Ordering::AcqRel);
                 s.state.store(claimed | LIVE, Ordering::Release);
                 return Some(Watch { slot: i });
             }
@@ -162,11 +172,11 @@ pub(crate) fn poisoned(addr: usize, len: usize) -> bool {
         return false;
     }
     let end = addr.saturating_add(len);
-    TABLE.iter().any(|s| match s.live() {
-        Some((start, s_len, first)) if first != NONE => {
-            start < end && addr < start.saturating_add(s_len)
-        }
-        _ => false,
+    // A faulted slot is rare: its `first` is looked at before anything else.
+    slots().iter().any(|s| {
+        s.first.load(Ordering::Acquire) != NONE
+            && matches!(s.live(), Some((start, s_len, first))
+                if first != NONE && start < end && addr < start.saturating_add(s_len))
     })
 }
 
@@ -178,7 +188,7 @@ pub(crate) fn probe(addr: usize, len: usize) -> bool {
     let end = addr.saturating_add(len);
     let mut at = addr;
     while at < end {
-        if TABLE.iter().any(|s| s.holding(at).is_some()) {
+        if slots().iter().any(|s| s.holding(at).is_some()) {
             // SAFETY: `at` lies in a live watched mapping, which its owner keeps mapped while
             // it is watched (and the caller keeps the region alive around this call); a read
             // of it either succeeds or faults into the handler, which maps a page there.
@@ -235,7 +245,7 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     // A fault has a positive code (BUS_ADRERR, BUS_OBJERR, BUS_MCEERR_AR/AO); a signal sent
     // by a process (SI_USER, SI_QUEUE, SI_TKILL) has none, and its si_addr is not an address.
     let slot = if code > 0 {
-        TABLE.iter().find_map(|s| s.holding(addr).map(|r| (s, r)))
+        slots().iter().find_map(|s| s.holding(addr).map(|r| (s, r)))
     } else {
         None
     };
