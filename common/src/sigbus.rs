@@ -9,16 +9,19 @@
 //! where the mapping cannot be split at a page, as devdax), counts the fault in the mapping's
 //! slot and returns: the instruction is retried on the new page and the copy goes on, with
 //! zeros. The caller finds out before any of those bytes leave: [`Watch::first_fault`] (the
-//! pmem layer fails the namespace with it) and [`poisoned`] (a transport revokes every access
-//! to a region over such a mapping: a Read Response framed from it is never sent). A SIGBUS
-//! anywhere else goes to the handler that was there before (Rust's own, for stack overflows,
-//! or the default action).
+//! pmem layer fails the namespace with it, and a transport revokes every access to a region
+//! over such a mapping: a Read Response framed from it is never sent). A SIGBUS anywhere else
+//! goes to the handler that was there before (Rust's own, for stack overflows, or the default
+//! action).
 //!
 //! The handler records the fault before it maps the page, so that a thread that reads the
 //! zeros (another poll loop's copy of the same page) finds the fault recorded when it checks
 //! after its copy. It touches nothing but this module's atomics and calls `mmap` (a plain
-//! system call): no lock, no allocation; it keeps `errno` as it found it. A SIGBUS another
-//! process sent (`kill -BUS`: no fault) is not taken as one.
+//! system call): no lock, no allocation; it keeps `errno` as it found it. It takes only the
+//! faults of an access (BUS_ADRERR, BUS_OBJERR, BUS_MCEERR_AR: the faulting thread holds the
+//! mapping, so it cannot be unwatched meanwhile); a memory error reported ahead of any access
+//! (BUS_MCEERR_AO, with early kill) is left for the access to meet, and a SIGBUS another
+//! process sent (`kill -BUS`) or an alignment fault goes to the previous handler.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
@@ -92,10 +95,6 @@ fn slots() -> &'static [Slot] {
     &TABLE[..USED.load(Ordering::Acquire).min(SLOTS)]
 }
 
-/// Live slots with a fault recorded: a data path's check of [`poisoned`] costs one load while
-/// it is 0 (again once the faulted mappings are gone: clear-failure reopens them).
-static FAULTED: AtomicUsize = AtomicUsize::new(0);
-
 /// The page size, for the handler (set before it is installed).
 static PAGE: AtomicUsize = AtomicUsize::new(4096);
 
@@ -142,6 +141,17 @@ impl Watch {
         None
     }
 
+    /// Records that the bytes from `offset` on are not the file's any more, found otherwise
+    /// than by a fault (the file is shorter than the mapping now): as a fault there would.
+    pub(crate) fn mark(&self, offset: usize) {
+        let _ = TABLE[self.slot].first.compare_exchange(
+            NONE,
+            offset,
+            Ordering::AcqRel,
+            Ordering::Acquire,
+        );
+    }
+
     /// The offset (from the start of the mapping) of the first page that faulted, if any did.
     pub(crate) fn first_fault(&self) -> Option<usize> {
         match TABLE[self.slot].first.load(Ordering::Acquire) {
@@ -156,34 +166,15 @@ impl Drop for Watch {
         let s = &TABLE[self.slot];
         let claim = s.state.load(Ordering::Relaxed) & !KIND;
         s.state.store(claim | CLAIMED, Ordering::Release);
-        if s.first.load(Ordering::Acquire) != NONE {
-            FAULTED.fetch_sub(1, Ordering::AcqRel);
-        }
         s.len.store(0, Ordering::Release);
         s.state.store(claim | FREE, Ordering::Release);
     }
 }
 
-/// Whether a page of a watched mapping overlapping `[addr, addr + len)` has faulted: its bytes
-/// are not the file's any more (the whole mapping counts, as the pmem layer fails the whole
-/// namespace).
-pub(crate) fn poisoned(addr: usize, len: usize) -> bool {
-    if FAULTED.load(Ordering::Acquire) == 0 {
-        return false;
-    }
-    let end = addr.saturating_add(len);
-    // A faulted slot is rare: its `first` is looked at before anything else.
-    slots().iter().any(|s| {
-        s.first.load(Ordering::Acquire) != NONE
-            && matches!(s.live(), Some((start, s_len, first))
-                if first != NONE && start < end && addr < start.saturating_add(s_len))
-    })
-}
-
 /// Reads a byte of every page of `[addr, addr + len)` that lies in a watched mapping, so that
 /// a page the kernel could not give to a system call (which then fails with EFAULT instead of
-/// a signal) faults here and is counted. Returns [`poisoned`] of the range after.
-pub(crate) fn probe(addr: usize, len: usize) -> bool {
+/// a signal) faults here and is counted in its watch.
+pub(crate) fn probe(addr: usize, len: usize) {
     let page = PAGE.load(Ordering::Relaxed);
     let end = addr.saturating_add(len);
     let mut at = addr;
@@ -196,7 +187,6 @@ pub(crate) fn probe(addr: usize, len: usize) -> bool {
         }
         at = (at & !(page - 1)) + page;
     }
-    poisoned(addr, len)
 }
 
 /// Installs the handler once; whether it is installed.
@@ -242,22 +232,23 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
             *libc::__errno_location(),
         )
     };
-    // A fault has a positive code (BUS_ADRERR, BUS_OBJERR, BUS_MCEERR_AR/AO); a signal sent
-    // by a process (SI_USER, SI_QUEUE, SI_TKILL) has none, and its si_addr is not an address.
-    let slot = if code > 0 {
-        slots().iter().find_map(|s| s.holding(addr).map(|r| (s, r)))
-    } else {
-        None
+    // The faults of an access (the thread that met it holds the mapping: no watch is dropped
+    // meanwhile). A signal sent by a process (SI_USER, SI_QUEUE, SI_TKILL) has a code of 0 or
+    // less and no address; an alignment fault is no page the kernel could not give.
+    let slot = match code {
+        libc::BUS_ADRERR | libc::BUS_OBJERR | libc::BUS_MCEERR_AR => {
+            slots().iter().find_map(|s| s.holding(addr).map(|r| (s, r)))
+        }
+        // A memory error found ahead of any access (early kill): the access will meet it.
+        libc::BUS_MCEERR_AO if slots().iter().any(|s| s.holding(addr).is_some()) => return,
+        _ => None,
     };
     if let Some((s, (start, len))) = slot {
         // Recorded before the page is replaced: whoever reads the zeros after the mmap finds
         // the fault recorded.
-        if s.first
-            .compare_exchange(NONE, addr - start, Ordering::AcqRel, Ordering::Acquire)
-            .is_ok()
-        {
-            FAULTED.fetch_add(1, Ordering::AcqRel);
-        }
+        let _ = s
+            .first
+            .compare_exchange(NONE, addr - start, Ordering::AcqRel, Ordering::Acquire);
         s.faults.fetch_add(1, Ordering::AcqRel);
         if replace(addr, start, len) {
             // SAFETY: as above.
@@ -368,29 +359,28 @@ mod tests {
         unsafe { p.write_bytes(0x5a, len) };
         let w = Watch::new(p, len).expect("a free slot");
         assert_eq!(w.first_fault(), None);
-        assert!(!poisoned(p as usize, len));
         f.set_len(2 * PAGE_FOR_TEST as u64).unwrap();
         // The first two pages are still the file's.
         // SAFETY: inside the live mapping and the file.
         assert_eq!(unsafe { std::ptr::read_volatile(p.add(100)) }, 0x5a);
-        assert!(!poisoned(p as usize, len));
+        assert_eq!(w.first_fault(), None);
         // The third is beyond the end of the file now: SIGBUS without the watch.
         // SAFETY: inside the live mapping; the handler maps a page over it.
         let b = unsafe { std::ptr::read_volatile(p.add(2 * PAGE_FOR_TEST + 10)) };
         assert_eq!(b, 0, "the page put in its place reads as zeros");
         assert_eq!(w.first_fault(), Some(2 * PAGE_FOR_TEST + 10));
-        assert!(poisoned(p as usize + len - 1, 1));
-        assert!(poisoned(p as usize, 1), "the whole mapping counts");
         // A store into the last page faults too, and the first fault stays the first.
         // SAFETY: as above.
         unsafe { std::ptr::write_volatile(p.add(3 * PAGE_FOR_TEST), 1) };
         assert_eq!(w.first_fault(), Some(2 * PAGE_FOR_TEST + 10));
         assert_eq!(TABLE[w.slot].faults.load(Ordering::Relaxed), 2);
+        // A claim (of this slot again, most likely) starts with no fault.
         drop(w);
-        assert!(
-            !poisoned(p as usize, len),
-            "an unwatched range is not poisoned"
-        );
+        let w = Watch::new(p, len).expect("a free slot");
+        assert_eq!(w.first_fault(), None);
+        w.mark(len - 1);
+        assert_eq!(w.first_fault(), Some(len - 1), "marked as a fault would");
+        drop(w);
         // SAFETY: the mapping made above.
         unsafe { libc::munmap(p.cast(), len) };
     }
@@ -412,8 +402,9 @@ mod tests {
             Some(libc::EFAULT)
         );
         assert_eq!(w.first_fault(), None, "no signal came");
-        assert!(!probe(p as usize, PAGE_FOR_TEST), "the first page is fine");
-        assert!(probe(p as usize + PAGE_FOR_TEST, 2 * PAGE_FOR_TEST));
+        probe(p as usize, PAGE_FOR_TEST);
+        assert_eq!(w.first_fault(), None, "the first page is fine");
+        probe(p as usize + PAGE_FOR_TEST, 2 * PAGE_FOR_TEST);
         assert_eq!(w.first_fault(), Some(PAGE_FOR_TEST));
         // SAFETY: the pipe's own descriptors and the mapping made above.
         unsafe {
@@ -427,7 +418,8 @@ mod tests {
 
     #[test]
     fn probe_leaves_memory_that_is_not_watched_alone() {
-        // An address in no watched mapping is not read (an unmapped one would be SIGSEGV).
-        assert!(!probe(8, 4096));
+        // An address in no watched mapping is not read (an unmapped one would be SIGSEGV: the
+        // test process would end here).
+        probe(8, 4096);
     }
 }

@@ -207,12 +207,14 @@ pub enum Error {
     /// The namespace has failed on the target: a write-back of it failed, so the target makes
     /// nothing on it durable, and this library writes nothing to it, until the target's operator
     /// clears the failure (`rpma-target clear-failure`; reloads and restarts keep it). Reads
-    /// still work and return what the target's media holds, but for a page the target cannot
-    /// read back (a `load/store` failure: a media error, its file truncated), whose Read fails.
+    /// still work and return what the target's media holds, unless the failure is a page the
+    /// target could not read back (`load/store`: a media error, its file truncated): then
+    /// nothing of it is served until the target reopens it.
     #[error(
         "namespace {nsid} has FAILED on the target ({reason}): nothing on it can be made durable \
          and writes are refused until the target's operator clears it (rpma-target \
-         clear-failure); reads still work, but for a page the target cannot read back"
+         clear-failure); reads still work, unless the target could not read a page of it back \
+         (load/store)"
     )]
     NamespaceFailed {
         /// Namespace.

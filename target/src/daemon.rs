@@ -431,10 +431,26 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             Ok(_) | Err(nix::errno::Errno::EINTR) => {}
             Err(e) => return Err(DaemonError::Signals(e)),
         }
-        // A page a Read met that the kernel could not give back fails its namespace (the
-        // transports already serve nothing more of it): recorded and logged here, so that a
-        // restart remembers it even if no host asks for durability on it again.
-        shared.lock().namespaces.note_unreadable();
+        // A page a Read met that the kernel could not give back (or a file found cut short)
+        // fails its namespace: recorded and logged here, so that a restart remembers it even
+        // if no host asks for durability on it again, and its sessions closed (the tcp
+        // transport already serves nothing more of it; a NIC would reach its memory).
+        let mut st = shared.lock();
+        let unreadable = st.namespaces.note_unreadable();
+        if !unreadable.is_empty() {
+            let State {
+                config,
+                namespaces,
+                serve,
+                ..
+            } = &mut *st;
+            let diff = ConfigDiff {
+                namespaces_unreadable: unreadable,
+                ..ConfigDiff::default()
+            };
+            serve.reloaded(&diff, config, namespaces);
+        }
+        drop(st);
         if let Some(w) = watchdog {
             if last_ping.elapsed() >= w {
                 let stuck = shared.lock().serve.check_progress();

@@ -266,6 +266,8 @@ pub struct OpenNamespace {
     unregistrable_logged: AtomicBool,
     /// Whether a page of it that could not be read or written was logged (once per opening).
     unreadable_logged: AtomicBool,
+    /// Whether its sessions were closed for it (once per opening).
+    unreadable_closed: AtomicBool,
     /// The backing file's canonical path (the state file's key).
     key: PathBuf,
     /// Where its failure is remembered (None: only in memory, as in unit tests).
@@ -432,6 +434,7 @@ impl OpenNamespace {
             failure_logged: AtomicBool::new(failed.is_some()),
             unregistrable_logged: AtomicBool::new(false),
             unreadable_logged: AtomicBool::new(false),
+            unreadable_closed: AtomicBool::new(false),
             key,
             ledger: into.cloned(),
             claim,
@@ -623,9 +626,19 @@ impl OpenNamespace {
         true
     }
 
+    /// [`note_unreadable`](Self::note_unreadable), and whether this is the first call that
+    /// found it so (its sessions are to be closed then).
+    pub fn newly_unreadable(&self) -> bool {
+        self.note_unreadable() && !self.unreadable_closed.swap(true, Ordering::Relaxed)
+    }
+
     /// Logs the namespace's failure at error level the first time it is seen; call it wherever
     /// a durability request on it failed. Returns whether it has failed.
     pub fn note_failure(&self) -> bool {
+        // A page that could not be read back is logged as such (once, whichever path saw it).
+        if self.note_unreadable() {
+            return true;
+        }
         let Some(f) = self.failure() else {
             return false;
         };

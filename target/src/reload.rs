@@ -27,6 +27,11 @@ pub struct ConfigDiff {
     /// Failed namespaces an operator cleared (`rpma-target clear-failure`, never a reload):
     /// reopened healthy, their sessions closed so that the hosts see the new descriptor.
     pub namespaces_cleared: Vec<NsKey>,
+    /// Namespaces a page of which the daemon found it could not read back since (never a
+    /// reload: docs/persistence.md): their sessions are closed, so that their hosts see them
+    /// unavailable and no NIC reaches their memory any more (on rdma, with on-demand paging, it
+    /// would reach the zeros put in the page's place).
+    pub namespaces_unreadable: Vec<NsKey>,
     /// Allowed hosts added: (subsystem, host).
     pub hosts_added: Vec<(Nqn, Nqn)>,
     /// Of the hosts added to a subsystem that was there before, those listed with a key: they

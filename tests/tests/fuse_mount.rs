@@ -101,9 +101,22 @@ fn umount_refuses_a_loop_device_with_a_mounted_filesystem_and_pulls_nothing_from
     assert_eq!(std::fs::read(ext.join("kept.txt")).unwrap(), b"still here");
     std::fs::write(ext.join("after.txt"), b"after the refusal").unwrap();
     sh_ok(Command::new("sync").arg("-f").arg(&ext));
-    // Once the filesystem is unmounted, umount goes through.
+    // Once the filesystem is unmounted, umount goes through. The kernel may let go of the
+    // device some time after the filesystem's umount returned (a worker, a udev probe): longer
+    // than umount's own wait on a loaded machine (the VM lab under TCG), so it is tried again
+    // while it says the device is in use, until a deadline that is no margin.
     fs.unmount();
-    let o = initiator(&args);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    let o = loop {
+        let o = initiator(&args);
+        if o.status.success()
+            || !text(&o).contains("is in use")
+            || std::time::Instant::now() > deadline
+        {
+            break o;
+        }
+        std::thread::sleep(std::time::Duration::from_millis(200));
+    };
     assert!(o.status.success(), "umount: {}", text(&o));
     let st = m.wait_exit();
     assert!(st.success(), "mount exited {st}:\n{}", m.log());

@@ -134,6 +134,15 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon(
         );
         assert_eq!(c, Some(0), "{all}");
     }
+    // A session that only holds the namespace: closed once the daemon finds the page (on
+    // rdma its NIC could otherwise reach the zeros put in the page's place).
+    let idle = Connection::new(
+        &t.url(),
+        Nqn::new(SUB).unwrap(),
+        HostIdentity::new(Nqn::new(HOST).unwrap()),
+    )
+    .open_queue(0)
+    .unwrap();
     cut_short(d.path());
     // A Read across the end of what is left: its first half is in the file, its second not.
     let (c, all) = cli(&t, "read --offset 768k --length 512k --json");
@@ -142,6 +151,12 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon(
     // cut off never leave the daemon.
     assert!(!all.contains("00000000"), "{all}");
     check_after(&t, d.path());
+    let closed = t.log_lines(
+        &["could not be read back: closing"],
+        Duration::from_secs(30),
+    );
+    assert!(!closed.is_empty(), "{}", t.log());
+    drop(idle);
     (d, t)
 }
 
@@ -180,6 +195,35 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_with_crc() {
 #[test]
 fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_without_crc() {
     a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon("crc = false\n");
+}
+
+/// A Write placed past the end of a file cut short (page-cache places a range's first Write
+/// after a sync with `pwrite`) grows it back, with zeros between, and no page ever faults:
+/// that durable write must not be answered durable, and the zeros must not be served. (The
+/// daemon's own check every second may fail the namespace before the write arrives; the
+/// syncs' own checks are map.rs's a_sync_over_a_file_cut_short_is_not_durable.)
+#[test]
+fn a_durable_write_past_the_end_of_a_file_cut_short_is_not_durable() {
+    // (APM is not offered on page-cache over tcp.)
+    for persist in ["gpspm", "flush"] {
+        let d = rpma_tests::scratch();
+        let t = Target::start(d.path(), &config(d.path(), ""));
+        for nsid in [1, 2] {
+            let (c, all) = cli(
+                &t,
+                &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
+            );
+            assert_eq!(c, Some(0), "{all}");
+        }
+        cut_short(d.path());
+        let (c, all) = cli(
+            &t,
+            &format!("write --offset 3M --pattern 7 --length 4k --durable --persist {persist}"),
+        );
+        assert_ne!(c, Some(0), "{persist}: answered durable: {all}");
+        assert!(all.contains("has FAILED"), "{persist}: {all}");
+        check_after(&t, d.path());
+    }
 }
 
 #[test]

@@ -60,6 +60,14 @@ pub unsafe trait RegisteredMemory: Send + Sync + 'static {
         let _ = (offset, len);
         None
     }
+    /// Whether its bytes are not all its backing store's any more: a page of a file mapping
+    /// that the kernel could not give back (a media error, the file truncated) was replaced
+    /// by zeros (docs/persistence.md). A region over such memory counts as revoked: nothing
+    /// more is read from it or placed into it for a peer. Called on the data path (per FPDU
+    /// of a Read Response, per STag lookup): a load or two.
+    fn unreadable(&self) -> bool {
+        false
+    }
 }
 
 /// What backs registered memory, as far as pinning it for a NIC goes.
@@ -116,6 +124,9 @@ unsafe impl RegisteredMemory for crate::pmem::Mapping {
     }
     fn placement_file(&self, offset: usize, len: usize) -> Option<BorrowedFd<'_>> {
         crate::pmem::Mapping::placement_file(self, offset, len)
+    }
+    fn unreadable(&self) -> bool {
+        self.unreadable_at().is_some()
     }
     fn backing(&self) -> MemoryBacking {
         use crate::pmem::Domain;
@@ -329,11 +340,10 @@ impl Region {
     /// Whether the registration was revoked: a peer's access through it, queued or in
     /// progress, must stop before it reads or writes another byte. A region over a file
     /// mapping a page of which the kernel could not give back (SIGBUS: a media error, the
-    /// file truncated) counts as revoked too: the handler put zeros in that page's place
-    /// (crate::sigbus), which must never leave as data.
+    /// file truncated) counts as revoked too ([`RegisteredMemory::unreadable`]): the handler
+    /// put zeros in that page's place (crate::sigbus), which must never leave as data.
     pub(crate) fn revoked(&self) -> bool {
-        self.revoked.load(Ordering::Acquire)
-            || crate::sigbus::poisoned(self.addr as usize, self.len)
+        self.revoked.load(Ordering::Acquire) || self.keep.as_ref().is_some_and(|m| m.unreadable())
     }
 
     /// After a system call could not read the region's bytes (EFAULT: the kernel's copy meets
@@ -342,7 +352,8 @@ impl Region {
     /// as in [`revoked`](Self::revoked), which this returns then.
     pub(crate) fn probe(&self, offset: usize, len: usize) -> bool {
         let len = len.min(self.len.saturating_sub(offset));
-        crate::sigbus::probe(self.addr as usize + offset.min(self.len), len) || self.revoked()
+        crate::sigbus::probe(self.addr as usize + offset.min(self.len), len);
+        self.revoked()
     }
 
     #[cfg(test)]

@@ -268,10 +268,14 @@ impl Mapping {
 
     /// [`unreadable_at`](Self::unreadable_at), having recorded the failure (calling the
     /// failure hook) if nothing failed the mapping before: what a caller that learns of it
-    /// outside a copy or a persist calls (the target, every second).
+    /// outside a copy or a persist calls (the target, every second). It also finds a backing
+    /// file shorter than the mapping (truncated by another process), as a fault at its new end.
     pub fn fail_if_unreadable(&self) -> Option<usize> {
         match &self.inner {
-            Inner::Real(m) => m.note_unreadable(),
+            Inner::Real(m) => {
+                m.check_size();
+                m.note_unreadable()
+            }
             Inner::Simulated(_) => None,
         }
     }
@@ -508,6 +512,45 @@ mod tests {
             assert_eq!(m.unreadable_at(), Some(6 * p), "{how}");
             drop(m);
             std::fs::remove_file(&path).unwrap();
+        }
+    }
+
+    #[test]
+    fn a_sync_over_a_file_cut_short_is_not_durable() {
+        let p = page_size();
+        for how in ["persist", "flush+drain", "before_sync"] {
+            let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+            let path = d.path().join("ns");
+            let m = OpenOptions::new(&path)
+                .size(8 * p as u64)
+                .create(true)
+                .open()
+                .unwrap();
+            assert_eq!(m.domain(), Domain::PageCache);
+            m.write_at(0, &[0x5a; 100]).unwrap();
+            m.persist(0, 8 * p).unwrap();
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open(&path)
+                .unwrap()
+                .set_len(2 * p as u64)
+                .unwrap();
+            // The transport's placement of a Write after the sync: a pwrite into the file,
+            // which grows it back to 7 pages with a hole between; no page of the mapping faults.
+            let fd = m
+                .placement_file(6 * p, 100)
+                .expect("placed by pwrite after a sync");
+            let n = nix::sys::uio::pwrite(fd, &[7u8; 100], (6 * p) as i64).unwrap();
+            assert_eq!(n, 100);
+            let r = match how {
+                "persist" => m.persist(6 * p, 100).map(|_| ()),
+                "flush+drain" => m.flush(6 * p, 100).and_then(|()| m.drain().map(|_| ())),
+                _ => m.before_sync(6 * p, 100),
+            };
+            assert!(matches!(r, Err(Error::Failed { .. })), "{how}: {r:?}");
+            assert_eq!(m.failure(), Some(SyncFailure::unreadable()), "{how}");
+            // Where the file ends now (the pwrite grew it back to 6 pages and 100 bytes).
+            assert_eq!(m.unreadable_at(), Some(6 * p + 100), "{how}");
         }
     }
 

@@ -364,7 +364,9 @@ impl Media {
             self.record_failure(SyncFailure::new("msync", &e));
             return Err(self.sync_error("msync", start, end - start, e));
         }
-        // A 0 after another sync of this open file took the error report proves nothing.
+        // A 0 after another sync of this open file took the error report proves nothing; nor
+        // does one over a file cut short behind the mapping.
+        self.check_size();
         self.check_healthy()
     }
 
@@ -373,6 +375,25 @@ impl Media {
     /// memory now, not the file's.
     pub(super) fn unreadable_at(&self) -> Option<usize> {
         self.watch.as_ref()?.first_fault()
+    }
+
+    /// Whether the backing file is shorter than the mapping now (another process truncated
+    /// it): its bytes from the new end on are gone, and a `pwrite` placement past that end
+    /// would grow it back with zeros between, which no fault would ever show. Marks the watch
+    /// there as a fault would ([`unreadable_at`](Self::unreadable_at) says where). One
+    /// `fstat`: called by the page-cache syncs (msync, and before the flush service's
+    /// fdatasync) and by the target every second, not on the dax path.
+    pub(super) fn check_size(&self) -> Option<usize> {
+        let (Some(file), Some(watch)) = (&self.file, &self.watch) else {
+            return None;
+        };
+        let meta = file.metadata().ok()?;
+        // A devdax device has no size to shrink.
+        if !meta.file_type().is_file() || meta.len() >= self.len as u64 {
+            return None;
+        }
+        watch.mark(meta.len() as usize);
+        Some(meta.len() as usize)
     }
 
     /// Fails the mapping (records [`SyncFailure::unreadable`], calling the hook) if a page of
@@ -387,6 +408,9 @@ impl Media {
 
     /// [`Error::Unreadable`] when a page of the mapping faulted (failing the mapping then).
     pub(super) fn check_readable(&self) -> Result<()> {
+        // The copy's loads before the fault record's (weakly ordered CPUs): a page another
+        // thread replaced while this one copied from it is seen recorded here.
+        std::sync::atomic::fence(std::sync::atomic::Ordering::Acquire);
         match self.note_unreadable() {
             Some(offset) => Err(Error::Unreadable {
                 path: self.path.clone().unwrap_or_default(),
@@ -542,6 +566,10 @@ impl Persist for Media {
 
     fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
         self.check_range(offset, len)?;
+        if self.method == Method::Msync {
+            // The flush service's fdatasync would return 0 over a file cut short.
+            self.check_size();
+        }
         self.check_healthy()?;
         self.forget_placed(offset, len);
         Ok(())

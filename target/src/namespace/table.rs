@@ -128,9 +128,14 @@ impl NamespaceTable {
     }
 
     /// Fails and logs each namespace a page of which could not be read or written
-    /// ([`OpenNamespace::note_unreadable`]); returns how many have such a page.
-    pub fn note_unreadable(&self) -> usize {
-        self.map.values().filter(|ns| ns.note_unreadable()).count()
+    /// ([`OpenNamespace::note_unreadable`]); returns those found so for the first time, whose
+    /// sessions are to be closed.
+    pub fn note_unreadable(&self) -> Vec<NsKey> {
+        self.map
+            .iter()
+            .filter(|(_, ns)| ns.newly_unreadable())
+            .map(|(k, _)| k.clone())
+            .collect()
     }
 
     /// How many namespaces are open.

@@ -127,6 +127,25 @@ impl Session {
                 "namespace(s) {ids} reopened: an operator cleared the failure"
             ));
         }
+        let unreadable: Vec<String> = self
+            .grants
+            .keys()
+            .filter(|&&nsid| in_diff(&diff.namespaces_unreadable, nsid))
+            .map(u32::to_string)
+            .collect();
+        if !unreadable.is_empty() {
+            let ids = unreadable.join(", ");
+            log::info!(
+                "session ctrl {} (host {} from {}): a page of namespace(s) {ids} could not be \
+                 read back: closing",
+                self.info.controller_id,
+                self.host,
+                peer
+            );
+            return Some(format!(
+                "namespace(s) {ids} failed: a page could not be read back"
+            ));
+        }
         let changed: Vec<String> = self
             .grants
             .keys()

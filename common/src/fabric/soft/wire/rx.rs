@@ -445,7 +445,17 @@ impl Streaming {
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
                 return Ok(Next::Wait(State::Streaming(self)))
             }
-            Err(e) => return Err(WireError::io("FPDU payload", e)),
+            Err(e) => {
+                if e.raw_os_error() == Some(libc::EFAULT) {
+                    // The kernel could not write into a page of the destination (a file
+                    // truncated behind its mapping: no signal for a system call's copy). Read
+                    // here, such a page faults and is recorded (crate::sigbus), so that its
+                    // namespace fails and is not served again, instead of every retry of the
+                    // peer's Write ending its connection here.
+                    crate::sigbus::probe(bufs[0].as_ptr() as usize, bufs[0].len());
+                }
+                return Err(WireError::io("FPDU payload", e));
+            }
         }
         Ok(Next::Go(State::Streaming(self)))
     }
