@@ -54,6 +54,14 @@ impl ConfigDiff {
         *self == ConfigDiff::default()
     }
 
+    /// Whether anything but [`namespaces_unreadable`](Self::namespaces_unreadable) changed:
+    /// what a discovery log shows (subsystems and their listeners) can have changed.
+    pub fn changes_configuration(&self) -> bool {
+        let mut d = self.clone();
+        d.namespaces_unreadable.clear();
+        !d.is_empty()
+    }
+
     /// Whether a session of `host` on `subsystem` is affected (its subsystem or host entry was
     /// removed or changed, or an entry with a key was added for it: a session `allow_any_host`
     /// admitted without a key would keep rights its host must now prove). Namespace changes are
@@ -256,6 +264,22 @@ size = "1MiB"
 
     fn nqn(s: &str) -> Nqn {
         Nqn::new(format!("nqn.2026-11.io.rpma:{s}")).unwrap()
+    }
+
+    #[test]
+    fn a_namespace_found_unreadable_changes_no_configuration() {
+        let key = (Nqn::new("nqn.2026-12.io.rpma:x").unwrap(), 1);
+        let d = ConfigDiff {
+            namespaces_unreadable: vec![key.clone()],
+            ..ConfigDiff::default()
+        };
+        assert!(!d.is_empty() && !d.changes_configuration());
+        let d = ConfigDiff {
+            namespaces_unreadable: vec![key.clone()],
+            namespaces_cleared: vec![key],
+            ..ConfigDiff::default()
+        };
+        assert!(d.changes_configuration());
     }
 
     #[test]

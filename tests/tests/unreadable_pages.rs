@@ -221,7 +221,12 @@ fn a_durable_write_past_the_end_of_a_file_cut_short_is_not_durable() {
             &format!("write --offset 3M --pattern 7 --length 4k --durable --persist {persist}"),
         );
         assert_ne!(c, Some(0), "{persist}: answered durable: {all}");
-        assert!(all.contains("has FAILED"), "{persist}: {all}");
+        // Refused by the sync's own check, or, when the daemon's check every second found the
+        // file short first, listed unavailable to this new session.
+        assert!(
+            all.contains("has FAILED") || all.contains("could not read back"),
+            "{persist}: {all}"
+        );
         check_after(&t, d.path());
     }
 }

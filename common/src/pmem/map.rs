@@ -268,14 +268,21 @@ impl Mapping {
 
     /// [`unreadable_at`](Self::unreadable_at), having recorded the failure (calling the
     /// failure hook) if nothing failed the mapping before: what a caller that learns of it
-    /// outside a copy or a persist calls (the target, every second). It also finds a backing
-    /// file shorter than the mapping (truncated by another process), as a fault at its new end.
+    /// outside a copy or a persist calls. A load or two.
     pub fn fail_if_unreadable(&self) -> Option<usize> {
         match &self.inner {
-            Inner::Real(m) => {
-                m.check_size();
-                m.note_unreadable()
-            }
+            Inner::Real(m) => m.note_unreadable(),
+            Inner::Simulated(_) => None,
+        }
+    }
+
+    /// Whether the backing file is shorter than the mapping now (truncated by another
+    /// process): if so the mapping fails as for a page that faulted at the file's end (see
+    /// [`unreadable_at`](Self::unreadable_at)), and this returns that end. One `fstat`: the
+    /// page-cache syncs call it themselves; the target calls it every second.
+    pub fn check_size(&self) -> Option<usize> {
+        match &self.inner {
+            Inner::Real(m) => m.check_size(),
             Inner::Simulated(_) => None,
         }
     }

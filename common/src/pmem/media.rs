@@ -384,15 +384,18 @@ impl Media {
     /// `fstat`: called by the page-cache syncs (msync, and before the flush service's
     /// fdatasync) and by the target every second, not on the dax path.
     pub(super) fn check_size(&self) -> Option<usize> {
-        let (Some(file), Some(watch)) = (&self.file, &self.watch) else {
-            return None;
-        };
-        let meta = file.metadata().ok()?;
+        let meta = self.file.as_ref()?.metadata().ok()?;
         // A devdax device has no size to shrink.
         if !meta.file_type().is_file() || meta.len() >= self.len as u64 {
             return None;
         }
-        watch.mark(meta.len() as usize);
+        match &self.watch {
+            Some(watch) => watch.mark(meta.len() as usize),
+            // Unwatched (no slot was free): failed all the same.
+            None => {
+                self.record_failure(SyncFailure::unreadable());
+            }
+        }
         Some(meta.len() as usize)
     }
 

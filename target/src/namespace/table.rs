@@ -127,13 +127,17 @@ impl NamespaceTable {
         self.map.iter()
     }
 
-    /// Fails and logs each namespace a page of which could not be read or written
-    /// ([`OpenNamespace::note_unreadable`]); returns those found so for the first time, whose
-    /// sessions are to be closed.
+    /// Fails and logs each namespace a page of which could not be read or written, or whose
+    /// file is shorter than it now ([`OpenNamespace::note_unreadable`]); returns those found
+    /// so for the first time, whose sessions are to be closed. An `fstat` per namespace.
     pub fn note_unreadable(&self) -> Vec<NsKey> {
         self.map
             .iter()
-            .filter(|(_, ns)| ns.newly_unreadable())
+            .filter(|(_, ns)| {
+                // A file cut short shows no fault until a page of it is touched.
+                ns.mapping.check_size();
+                ns.newly_unreadable()
+            })
             .map(|(k, _)| k.clone())
             .collect()
     }

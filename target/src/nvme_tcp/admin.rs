@@ -394,7 +394,7 @@ impl Queue {
         let ctrl = match &self.phase {
             Phase::Admin(a) => Arc::clone(&a.ctrl),
             Phase::Discovery(d) => {
-                if !diff.is_empty() {
+                if diff.changes_configuration() {
                     d.ctrl.discovery_changed();
                     self.deliver_events();
                 }
