@@ -414,6 +414,21 @@ impl Target {
         status_json(&self.dir.join("ctl.sock"))
     }
 
+    /// `rpma-target clear-failure SUBSYSTEM NSID` through its control socket: the exit code
+    /// and what it printed.
+    pub fn clear_failure(&self, subsystem: &str, nsid: u32) -> (Option<i32>, String) {
+        let sock = self.dir.join("ctl.sock");
+        let o = run_with_deadline(
+            Command::new(crate::target_bin())
+                .args(["clear-failure", "--socket"])
+                .arg(&sock)
+                .arg(subsystem)
+                .arg(nsid.to_string()),
+            Duration::from_secs(30),
+        );
+        (o.status.code(), text(&o))
+    }
+
     /// The GPSPM syncs the target counted so far: (the flush service's fdatasyncs, the poll
     /// loops' own msyncs), from `status --json`.
     pub fn gpspm_syncs(&self) -> (u64, u64) {

@@ -205,18 +205,8 @@ impl Fragile {
 
 /// `rpma-target clear-failure SUB 1`, which must succeed.
 fn clear_failure(t: &Target) {
-    let sock = t.dir().join("ctl.sock");
-    let o = rpma_tests::run_with_deadline(
-        std::process::Command::new(rpma_tests::target_bin()).args([
-            "clear-failure",
-            "--socket",
-            sock.to_str().unwrap(),
-            SUB,
-            "1",
-        ]),
-        std::time::Duration::from_secs(30),
-    );
-    assert!(o.status.success(), "{}", rpma_tests::text(&o));
+    let (c, all) = t.clear_failure(SUB, 1);
+    assert_eq!(c, Some(0), "{all}");
 }
 
 #[test]

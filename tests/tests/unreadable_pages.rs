@@ -64,6 +64,20 @@ fn mark_of(path: &Path) -> Option<String> {
     (n >= 0).then(|| String::from_utf8_lossy(&buf[..n as usize]).into_owned())
 }
 
+/// A target (with `top`'s settings) whose two namespaces hold 0x5a throughout, durably.
+fn filled(top: &str) -> (tempfile::TempDir, Target) {
+    let d = rpma_tests::scratch();
+    let t = Target::start(d.path(), &config(d.path(), top));
+    for nsid in [1, 2] {
+        let (c, all) = cli(
+            &t,
+            &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
+        );
+        assert_eq!(c, Some(0), "{all}");
+    }
+    (d, t)
+}
+
 /// Cuts nsid 1's file to 1 MiB, as another process could.
 fn cut_short(dir: &Path) {
     std::fs::OpenOptions::new()
@@ -125,15 +139,7 @@ fn check_after(t: &Target, dir: &Path) {
 fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon(
     top: &str,
 ) -> (tempfile::TempDir, Target) {
-    let d = rpma_tests::scratch();
-    let t = Target::start(d.path(), &config(d.path(), top));
-    for nsid in [1, 2] {
-        let (c, all) = cli(
-            &t,
-            &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
-        );
-        assert_eq!(c, Some(0), "{all}");
-    }
+    let (d, t) = filled(top);
     // A session that only holds the namespace: closed once the daemon finds the page (on
     // rdma its NIC could otherwise reach the zeros put in the page's place).
     let idle = Connection::new(
@@ -171,18 +177,8 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_with_crc() {
         .unwrap()
         .set_len(4 << 20)
         .unwrap();
-    let sock = t.dir().join("ctl.sock");
-    let o = rpma_tests::run_with_deadline(
-        std::process::Command::new(rpma_tests::target_bin()).args([
-            "clear-failure",
-            "--socket",
-            sock.to_str().unwrap(),
-            SUB,
-            "1",
-        ]),
-        Duration::from_secs(30),
-    );
-    assert_eq!(o.status.code(), Some(0), "{}", text(&o));
+    let (c, all) = t.clear_failure(SUB, 1);
+    assert_eq!(c, Some(0), "{all}");
     assert!(failed_of(&t, 1).is_null(), "{}", failed_of(&t, 1));
     let (c, all) = cli(&t, "read --offset 1020k --length 8k --json");
     assert_eq!(c, Some(0), "{all}");
@@ -206,15 +202,7 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_without_crc() {
 fn a_durable_write_past_the_end_of_a_file_cut_short_is_not_durable() {
     // (APM is not offered on page-cache over tcp.)
     for persist in ["gpspm", "flush"] {
-        let d = rpma_tests::scratch();
-        let t = Target::start(d.path(), &config(d.path(), ""));
-        for nsid in [1, 2] {
-            let (c, all) = cli(
-                &t,
-                &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
-            );
-            assert_eq!(c, Some(0), "{all}");
-        }
+        let (d, t) = filled("");
         cut_short(d.path());
         let (c, all) = cli(
             &t,
@@ -233,15 +221,7 @@ fn a_durable_write_past_the_end_of_a_file_cut_short_is_not_durable() {
 
 #[test]
 fn an_atomic_on_a_cut_off_page_fails_and_answers_no_zeros() {
-    let d = rpma_tests::scratch();
-    let t = Target::start(d.path(), &config(d.path(), ""));
-    for nsid in [1, 2] {
-        let (c, all) = cli(
-            &t,
-            &format!("--nsid {nsid} write --offset 0 --pattern 0x5a --length 4M --durable"),
-        );
-        assert_eq!(c, Some(0), "{all}");
-    }
+    let (d, t) = filled("");
     let mut q = Connection::new(
         &t.url(),
         Nqn::new(SUB).unwrap(),

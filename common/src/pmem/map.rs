@@ -427,6 +427,16 @@ mod tests {
         assert_eq!(m.persist(0, 4096).unwrap(), Durability::Durable);
     }
 
+    /// Cuts the file at `path` to `len` bytes, as another process could behind a mapping.
+    fn cut(path: &std::path::Path, len: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path)
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
     #[test]
     fn a_page_truncated_behind_the_mapping_fails_it_instead_of_killing_the_process() {
         for dax in [false, true] {
@@ -450,12 +460,7 @@ mod tests {
             m.write_at(6 * p, &[0x5a; 100]).unwrap();
             assert!(m.persist(0, 8 * p).is_ok());
             // Another process (here: another descriptor) cuts the file to four pages.
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .unwrap()
-                .set_len(4 * p as u64)
-                .unwrap();
+            cut(&path, 4 * p as u64);
             let mut b = [0u8; 100];
             m.read_at(0, &mut b).unwrap();
             assert_eq!(b, [0x5a; 100], "dax {dax}: a page still in the file reads");
@@ -504,12 +509,7 @@ mod tests {
                 .open()
                 .unwrap();
             m.write_at(6 * p, &[0x5a; 100]).unwrap();
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .unwrap()
-                .set_len(4 * p as u64)
-                .unwrap();
+            cut(&path, 4 * p as u64);
             // The cache write-back is the first touch of the page since the truncation.
             let r = match how {
                 "persist" => m.persist(6 * p, 100).map(|_| ()),
@@ -536,12 +536,7 @@ mod tests {
             assert_eq!(m.domain(), Domain::PageCache);
             m.write_at(0, &[0x5a; 100]).unwrap();
             m.persist(0, 8 * p).unwrap();
-            std::fs::OpenOptions::new()
-                .write(true)
-                .open(&path)
-                .unwrap()
-                .set_len(2 * p as u64)
-                .unwrap();
+            cut(&path, 2 * p as u64);
             // The transport's placement of a Write after the sync: a pwrite into the file,
             // which grows it back to 7 pages with a hole between; no page of the mapping faults.
             let fd = m
