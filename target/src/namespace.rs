@@ -603,7 +603,7 @@ impl OpenNamespace {
     /// media error, poisoned pmem, or its file truncated by another process: the SIGBUS the
     /// pmem layer takes instead of the daemon, docs/persistence.md). Such a namespace has
     /// failed: this records it as for a failed write-back (across reloads and restarts) and
-    /// logs it, once; the transports serve nothing more of it.
+    /// logs it, once; the transports serve nothing more of this opening.
     pub fn note_unreadable(&self) -> bool {
         let Some(at) = self.mapping.fail_if_unreadable() else {
             return false;
@@ -613,9 +613,10 @@ impl OpenNamespace {
             log::error!(
                 "subsystem {} namespace {} ({}) has FAILED: the page at offset {at} could not be \
                  read or written (a media error, poisoned pmem, or the file truncated by another \
-                 process); no host reads or writes it any more and every durability request on \
-                 it is refused, across reloads and restarts, until an operator repairs the file \
-                 and clears it with `rpma-target clear-failure {} {}`",
+                 process); its sessions are closed and no host reads or writes it until it is \
+                 reopened (a reload, a restart: then it serves what the file holds), and every \
+                 durability request on it is refused, across reloads and restarts, until an \
+                 operator repairs the file and clears it with `rpma-target clear-failure {} {}`",
                 self.subsystem,
                 self.config.nsid,
                 self.config.path.display(),

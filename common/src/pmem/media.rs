@@ -370,9 +370,9 @@ impl Media {
         self.check_healthy()
     }
 
-    /// The offset of the first page that the kernel could not give back (SIGBUS), if one did
-    /// not: its bytes, and those of any page that faulted after it, are zeros of anonymous
-    /// memory now, not the file's.
+    /// The offset of the first page that the kernel could not give back (SIGBUS), if there was
+    /// one, or of the end of a file found shorter than the mapping: the bytes of every page
+    /// that faulted are zeros of anonymous memory now, not the file's.
     pub(super) fn unreadable_at(&self) -> Option<usize> {
         self.watch.as_ref()?.first_fault()
     }
