@@ -202,3 +202,79 @@ fn a_devdax_namespace_is_served_and_keeps_durable_bytes_across_sigkill() {
 // lab's Soft-RoCE has none usable (docs/rdma.md, "Soft-RoCE and ODP"; transport_rdma.rs tests
 // the refusal). devdax is pinned, and is served over rdma too.
 rpma_tests::rdma_runs!(a_devdax_namespace_is_served_and_keeps_durable_bytes_across_sigkill);
+
+/// A namespace file on the DAX filesystem cut short by another process: the target's read of a
+/// page past the new end is a SIGBUS on a MAP_SYNC mapping of real (emulated) pmem, which the
+/// pmem layer takes (docs/persistence.md, "A page the kernel cannot give back"): the host's
+/// Read fails, the namespace fails, the daemon and its other namespace go on.
+#[test]
+#[ignore = "requires the VM lab: a DAX filesystem (RPMA_TEST_DAX_DIR; make vm-test)"]
+fn a_real_dax_file_cut_short_fails_its_namespace_not_the_daemon() {
+    let dax_dir = lab_path("RPMA_TEST_DAX_DIR");
+    let d = scratch();
+    let on_dax = tempfile::Builder::new()
+        .prefix("rpma-real-dax-cut-")
+        .tempdir_in(&dax_dir)
+        .unwrap();
+    let dax_ns = on_dax.path().join("ns.pmem");
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB)
+            .host(HOST)
+            .namespace(Namespace::new(1, dax_ns.to_str().unwrap(), "8MiB"))
+            .namespace(Namespace::new(2, "page-cache.ns", "8MiB")),
+    );
+    let t = Target::start(d.path(), &config.to_string());
+    let data = noise(5, 1 << 20);
+    {
+        let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
+            .with_connect_options(opts())
+            .open_queue(0)
+            .unwrap();
+        let mut ns = q.namespace(1).unwrap();
+        assert_eq!(ns.descriptor().domain, PersistenceDomain::Dax);
+        let r = ns.write_durable(6 << 20, &data).unwrap();
+        assert!(matches!(r, Durability::Durable(_)), "{r:?}");
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&dax_ns)
+        .unwrap()
+        .set_len(4 << 20)
+        .unwrap();
+    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
+        .with_connect_options(opts())
+        .open_queue(0)
+        .unwrap();
+    let mut back = vec![0u8; data.len()];
+    let r = q
+        .namespace(1)
+        .and_then(|mut ns| ns.read_at(6 << 20, &mut back));
+    assert!(r.is_err(), "the Read past the end succeeded: {r:?}");
+    // The daemon lives (status answers) and says why; nsid 2 serves.
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
+    loop {
+        let v = t.status();
+        let ns1 = v["subsystems"][0]["namespaces"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .find(|n| n["nsid"] == 1)
+            .unwrap()["failed"]
+            .clone();
+        if ns1.as_str().is_some_and(|s| s.contains("load/store")) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "nsid 1 not failed: {v}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    }
+    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
+        .with_connect_options(opts())
+        .open_queue(0)
+        .unwrap();
+    let mut ns = q.namespace(2).unwrap();
+    let r = ns.write_durable(0, &data).unwrap();
+    assert!(matches!(r, Durability::Durable(_)), "{r:?}");
+}
