@@ -414,6 +414,19 @@ impl Target {
         status_json(&self.dir.join("ctl.sock"))
     }
 
+    /// Namespace `nsid` of its first subsystem in [`status`](Self::status)'s JSON (`failed`,
+    /// `failed_since`, counts).
+    pub fn namespace_status(&self, nsid: u64) -> serde_json::Value {
+        let v = self.status();
+        v["subsystems"][0]["namespaces"]
+            .as_array()
+            .expect("status lists the first subsystem's namespaces")
+            .iter()
+            .find(|n| n["nsid"] == nsid)
+            .cloned()
+            .unwrap_or_else(|| panic!("no namespace {nsid} in {v}"))
+    }
+
     /// `rpma-target clear-failure SUBSYSTEM NSID` through its control socket: the exit code
     /// and what it printed.
     pub fn clear_failure(&self, subsystem: &str, nsid: u32) -> (Option<i32>, String) {

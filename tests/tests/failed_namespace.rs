@@ -10,8 +10,6 @@
 //!
 //! Needs root, loop devices and mkfs.ext4; without them it says why and skips.
 
-use std::process::Command;
-
 use rpma_common::proto::nqn::Nqn;
 use rpma_initiator::{Connection, HostIdentity};
 use rpma_tests::fragile_fs::FragileFs;
@@ -35,14 +33,7 @@ fn cli(t: &Target, host: &str, line: &str) -> (Option<i32>, String) {
 }
 
 fn ns_status(t: &Target, nsid: u64) -> serde_json::Value {
-    let v = t.status();
-    v["subsystems"][0]["namespaces"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["nsid"] == nsid)
-        .cloned()
-        .unwrap()
+    t.namespace_status(nsid)
 }
 
 fn failed_of(t: &Target, nsid: u64) -> serde_json::Value {
@@ -51,14 +42,7 @@ fn failed_of(t: &Target, nsid: u64) -> serde_json::Value {
 
 /// `rpma-target clear-failure SUB NSID` through the target's control socket.
 fn clear_failure(t: &Target, nsid: u32) -> (Option<i32>, String) {
-    let sock = t.dir().join("ctl.sock");
-    let o = rpma_tests::run_with_deadline(
-        Command::new(rpma_tests::target_bin())
-            .args(["clear-failure", "--socket", sock.to_str().unwrap(), SUB])
-            .arg(nsid.to_string()),
-        std::time::Duration::from_secs(30),
-    );
-    (o.status.code(), text(&o))
+    t.clear_failure(SUB, nsid)
 }
 
 /// Where `served` and `media` differ, for a failure message.

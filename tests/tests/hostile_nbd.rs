@@ -497,16 +497,11 @@ fn a_client_that_does_not_read_its_replies_holds_up_no_other_clients_flush() {
     assert_eq!(a.flush(), 0);
 }
 
-/// A client that enters transmission while every queue is taken and the target has no room
-/// for another connection shares a queue at once: one connection attempt, not the reconnect
-/// budget's retries. (It waited up to `--reconnect-timeout`, an hour here, before its first
-/// request was read, its thread and sockets held all along; evicted meanwhile by the next
-/// newcomer, which did the same, such threads piled up.)
-#[test]
-fn a_newcomer_the_target_has_no_room_for_shares_a_queue_at_once() {
+/// A target with room for one session only (the export's first queue): its scratch directory,
+/// its /dev/shm namespace (tagged `tag`) and the target.
+fn one_session_target(tag: &str) -> (tempfile::TempDir, rpma_tests::Shm, rpma_tests::Target) {
     let d = rpma_tests::scratch();
-    let shm = rpma_tests::Shm::new("noroom");
-    // The export's first queue is the target's only session.
+    let shm = rpma_tests::Shm::new(tag);
     let config = rpma_tests::Config::new()
         .set("max_connections = 1")
         .subsystem(
@@ -515,6 +510,17 @@ fn a_newcomer_the_target_has_no_room_for_shares_a_queue_at_once() {
                 .namespaces(rpma_tests::four_namespaces(&shm, 512)),
         );
     let t = rpma_tests::Target::start(d.path(), &config.to_string());
+    (d, shm, t)
+}
+
+/// A client that enters transmission while every queue is taken and the target has no room
+/// for another connection shares a queue at once: one connection attempt, not the reconnect
+/// budget's retries. (It waited up to `--reconnect-timeout`, an hour here, before its first
+/// request was read, its thread and sockets held all along; evicted meanwhile by the next
+/// newcomer, which did the same, such threads piled up.)
+#[test]
+fn a_newcomer_the_target_has_no_room_for_shares_a_queue_at_once() {
+    let (_d, _shm, t) = one_session_target("noroom");
     let e = Export::start(&t, 1, "noroom", &["--reconnect-timeout", "3600"]);
     let mut a = Raw::connect(&e.sock);
     assert_eq!(a.write(0, 0, &[6; 4096]), 0);
@@ -935,17 +941,7 @@ fn idle_connections_hold_no_queue_and_the_queues_are_capped() {
 fn newcomers_the_target_has_no_room_for_are_logged_within_the_limits() {
     // A source's cap.
     const CONNS: usize = 16;
-    let d = rpma_tests::scratch();
-    let shm = rpma_tests::Shm::new("noroom-flood");
-    // The export's first queue is the target's only session.
-    let config = rpma_tests::Config::new()
-        .set("max_connections = 1")
-        .subsystem(
-            rpma_tests::Subsystem::new(SUB)
-                .any_host()
-                .namespaces(rpma_tests::four_namespaces(&shm, 512)),
-        );
-    let t = rpma_tests::Target::start(d.path(), &config.to_string());
+    let (_d, _shm, t) = one_session_target("noroom-flood");
     let e = Export::start(&t, 1, "noroom-flood", &["--log-period", "2"]);
     let mut conns: Vec<Raw> = (0..CONNS).map(|_| Raw::connect(&e.sock)).collect();
     for (i, c) in conns.iter_mut().enumerate() {

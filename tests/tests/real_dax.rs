@@ -83,13 +83,39 @@ impl SyncCalls {
     }
 }
 
+/// A queue of `t` for HOST on SUB.
+fn queue(t: &Target) -> rpma_initiator::Queue {
+    Connection::new(&t.url(), nqn(SUB), host(HOST))
+        .with_connect_options(opts())
+        .open_queue(0)
+        .unwrap()
+}
+
+/// A target serving nsid 1 on a file of the VM lab's DAX filesystem, in a directory named
+/// `prefix`..., and nsid 2 on page cache, 8 MiB each: its scratch directory, the directory on
+/// DAX, the file there, the target.
+fn dax_and_page_cache(prefix: &str) -> (tempfile::TempDir, tempfile::TempDir, PathBuf, Target) {
+    let dax_dir = lab_path("RPMA_TEST_DAX_DIR");
+    let d = scratch();
+    let on_dax = tempfile::Builder::new()
+        .prefix(prefix)
+        .tempdir_in(&dax_dir)
+        .unwrap();
+    let dax_ns = on_dax.path().join("ns.pmem");
+    let config = Config::new().subsystem(
+        Subsystem::new(SUB)
+            .host(HOST)
+            .namespace(Namespace::new(1, dax_ns.to_str().unwrap(), "8MiB"))
+            .namespace(Namespace::new(2, "page-cache.ns", "8MiB")),
+    );
+    let t = Target::start(d.path(), &config.to_string());
+    (d, on_dax, dax_ns, t)
+}
+
 /// Durable writes on namespace `nsid` with every method the target offers on it, with the
 /// target's sync calls recorded meanwhile; returns them.
 fn durable_writes_traced(t: &Target, nsid: u32, trace: PathBuf) -> Vec<String> {
-    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
-        .with_connect_options(opts())
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue(t);
     let mut ns = q.namespace(nsid).unwrap();
     let offered = ns.descriptor().durability;
     let methods: Vec<PersistMethod> = [
@@ -131,20 +157,7 @@ fn durable_writes_traced(t: &Target, nsid: u32, trace: PathBuf) -> Vec<String> {
 #[test]
 #[ignore = "requires the VM lab: a DAX filesystem (RPMA_TEST_DAX_DIR; make vm-test)"]
 fn a_durable_write_on_real_dax_is_cache_write_back_with_no_sync_call() {
-    let dax_dir = lab_path("RPMA_TEST_DAX_DIR");
-    let d = scratch();
-    let on_dax = tempfile::Builder::new()
-        .prefix("rpma-real-dax-")
-        .tempdir_in(&dax_dir)
-        .unwrap();
-    let dax_ns = on_dax.path().join("ns.pmem");
-    let config = Config::new().subsystem(
-        Subsystem::new(SUB)
-            .host(HOST)
-            .namespace(Namespace::new(1, dax_ns.to_str().unwrap(), "8MiB"))
-            .namespace(Namespace::new(2, "page-cache.ns", "8MiB")),
-    );
-    let t = Target::start(d.path(), &config.to_string());
+    let (d, _on_dax, _, t) = dax_and_page_cache("rpma-real-dax-");
     let id = rpma_initiator::identify(&t.url(), &nqn(SUB), &host(HOST), &opts()).unwrap();
     let domain = |n: u32| id.namespaces.iter().find(|d| d.nsid == n).unwrap().domain;
     assert_eq!(domain(1), PersistenceDomain::Dax, "probed dax, not forced");
@@ -178,10 +191,7 @@ fn a_devdax_namespace_is_served_and_keeps_durable_bytes_across_sigkill() {
     // Far from the start: the pmem_dax test writes the device's first 4 KiB.
     let at = 8 << 20;
     {
-        let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
-            .with_connect_options(opts())
-            .open_queue(0)
-            .unwrap();
+        let mut q = queue(&t);
         let mut ns = q.namespace(1).unwrap();
         assert_eq!(ns.descriptor().domain, PersistenceDomain::Dax);
         let r = ns.write_durable(at, &data).unwrap();
@@ -189,10 +199,7 @@ fn a_devdax_namespace_is_served_and_keeps_durable_bytes_across_sigkill() {
     }
     t.kill9();
     t.restart();
-    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
-        .with_connect_options(opts())
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue(&t);
     let mut back = vec![0u8; data.len()];
     q.namespace(1).unwrap().read_at(at, &mut back).unwrap();
     assert!(back == data, "the durable bytes on devdax after SIGKILL");
@@ -210,26 +217,10 @@ rpma_tests::rdma_runs!(a_devdax_namespace_is_served_and_keeps_durable_bytes_acro
 #[test]
 #[ignore = "requires the VM lab: a DAX filesystem (RPMA_TEST_DAX_DIR; make vm-test)"]
 fn a_real_dax_file_cut_short_fails_its_namespace_not_the_daemon() {
-    let dax_dir = lab_path("RPMA_TEST_DAX_DIR");
-    let d = scratch();
-    let on_dax = tempfile::Builder::new()
-        .prefix("rpma-real-dax-cut-")
-        .tempdir_in(&dax_dir)
-        .unwrap();
-    let dax_ns = on_dax.path().join("ns.pmem");
-    let config = Config::new().subsystem(
-        Subsystem::new(SUB)
-            .host(HOST)
-            .namespace(Namespace::new(1, dax_ns.to_str().unwrap(), "8MiB"))
-            .namespace(Namespace::new(2, "page-cache.ns", "8MiB")),
-    );
-    let t = Target::start(d.path(), &config.to_string());
+    let (_d, _on_dax, dax_ns, t) = dax_and_page_cache("rpma-real-dax-cut-");
     let data = noise(5, 1 << 20);
     {
-        let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
-            .with_connect_options(opts())
-            .open_queue(0)
-            .unwrap();
+        let mut q = queue(&t);
         let mut ns = q.namespace(1).unwrap();
         assert_eq!(ns.descriptor().domain, PersistenceDomain::Dax);
         let r = ns.write_durable(6 << 20, &data).unwrap();
@@ -241,10 +232,7 @@ fn a_real_dax_file_cut_short_fails_its_namespace_not_the_daemon() {
         .unwrap()
         .set_len(4 << 20)
         .unwrap();
-    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
-        .with_connect_options(opts())
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue(&t);
     let mut back = vec![0u8; data.len()];
     let r = q
         .namespace(1)
@@ -253,15 +241,11 @@ fn a_real_dax_file_cut_short_fails_its_namespace_not_the_daemon() {
     // The daemon lives (status answers) and says why; nsid 2 serves.
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     loop {
-        let v = t.status();
-        let ns1 = v["subsystems"][0]["namespaces"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .find(|n| n["nsid"] == 1)
-            .unwrap()["failed"]
-            .clone();
-        if ns1.as_str().is_some_and(|s| s.contains("load/store")) {
+        let v = t.namespace_status(1);
+        if v["failed"]
+            .as_str()
+            .is_some_and(|s| s.contains("load/store"))
+        {
             break;
         }
         assert!(
@@ -270,10 +254,7 @@ fn a_real_dax_file_cut_short_fails_its_namespace_not_the_daemon() {
         );
         std::thread::sleep(std::time::Duration::from_millis(50));
     }
-    let mut q = Connection::new(&t.url(), nqn(SUB), host(HOST))
-        .with_connect_options(opts())
-        .open_queue(0)
-        .unwrap();
+    let mut q = queue(&t);
     let mut ns = q.namespace(2).unwrap();
     let r = ns.write_durable(0, &data).unwrap();
     assert!(matches!(r, Durability::Durable(_)), "{r:?}");

@@ -39,13 +39,7 @@ fn cli(t: &Target, line: &str) -> (Option<i32>, String) {
 
 /// `status --json`'s `failed` of namespace `nsid`.
 fn failed_of(t: &Target, nsid: u64) -> serde_json::Value {
-    t.status()["subsystems"][0]["namespaces"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|n| n["nsid"] == nsid)
-        .unwrap()["failed"]
-        .clone()
+    t.namespace_status(nsid)["failed"].clone()
 }
 
 /// The failure mark on the file itself (`user.rpma.failed`), if any.

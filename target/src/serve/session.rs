@@ -108,12 +108,15 @@ impl Session {
             );
             return Some("the target's configuration for this host changed".to_owned());
         }
-        let cleared: Vec<String> = self
-            .grants
-            .keys()
-            .filter(|&&nsid| in_diff(&diff.namespaces_cleared, nsid))
-            .map(u32::to_string)
-            .collect();
+        // The session's namespaces in one of the diff's lists.
+        let held = |list: &[NsKey]| -> Vec<String> {
+            self.grants
+                .keys()
+                .filter(|&&nsid| in_diff(list, nsid))
+                .map(u32::to_string)
+                .collect()
+        };
+        let cleared = held(&diff.namespaces_cleared);
         if !cleared.is_empty() {
             let ids = cleared.join(", ");
             log::info!(
@@ -127,12 +130,7 @@ impl Session {
                 "namespace(s) {ids} reopened: an operator cleared the failure"
             ));
         }
-        let unreadable: Vec<String> = self
-            .grants
-            .keys()
-            .filter(|&&nsid| in_diff(&diff.namespaces_unreadable, nsid))
-            .map(u32::to_string)
-            .collect();
+        let unreadable = held(&diff.namespaces_unreadable);
         if !unreadable.is_empty() {
             let ids = unreadable.join(", ");
             log::info!(
@@ -146,12 +144,7 @@ impl Session {
                 "namespace(s) {ids} failed: a page could not be read back"
             ));
         }
-        let changed: Vec<String> = self
-            .grants
-            .keys()
-            .filter(|&&nsid| in_diff(&diff.namespaces_changed, nsid))
-            .map(u32::to_string)
-            .collect();
+        let changed = held(&diff.namespaces_changed);
         if !changed.is_empty() {
             let (what, ids) = match changed.len() {
                 1 => ("namespace", changed[0].clone()),
