@@ -407,14 +407,23 @@ fn md_raid1_across_two_targets_survives_one_and_resyncs() {
     assert!(std::fs::read(&path).unwrap() == during, "degraded");
 
     // B comes back. Its leg is removed from the array and its nbd device connected anew: the
-    // export answers EIO to the first flush of a client connection that saw writes fail (it
-    // cannot say what became of them: docs/mount.md), so md's superblock write over the old
-    // connection would fail the leg again. Then re-added through the bitmap, resynced.
+    // export answers EIO to the first flush after writes it gave up on (it cannot say what
+    // became of them: docs/mount.md), so md's superblock write over the old connection would
+    // fail the leg again. Whether that flush is the old connection's or the new one's depends
+    // on timing: when no request of the old connection failed after the give-up (md sends none
+    // to a faulty leg), the loss is reported to the next flush of any connection, here the new
+    // one's. So one flush (fsync of the device) is sent first, its result ignored: md's
+    // superblock write at --re-add must not be the one that hears of the old loss. Then
+    // re-added through the bitmap, resynced.
     tb.restart();
     cmd("mdadm", &[md, "--remove", &b.0]);
     let a_name = a.0.trim_start_matches("/dev/").to_owned();
     drop(b);
     let b = NbdDev::connect(&eb, 1, &[a_name]);
+    let _ = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&b.0)
+        .and_then(|f| f.sync_all());
     let readd = run_with_deadline(Command::new("mdadm").args([md, "--re-add", &b.0]), WAIT);
     assert!(
         readd.status.success(),
