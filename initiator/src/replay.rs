@@ -179,7 +179,11 @@ impl ReplayOrder {
         if start >= end {
             return;
         }
-        let map = &mut self.lock().pieces;
+        let mut inner = self.lock();
+        if self.heirs.load(Ordering::SeqCst) > 0 {
+            Self::taken_from_heirs(&mut inner, nsid, start, end);
+        }
+        let map = &mut inner.pieces;
         // Pieces are disjoint: only the last one starting before `start` can reach into it.
         let before = map
             .range((nsid, 0)..(nsid, start))
@@ -390,6 +394,7 @@ impl Drop for Member {
         self.order.unwant_locked(&mut inner, self.queue);
         inner.placed.remove(&self.queue);
         inner.fresh.remove(&self.queue);
+        ReplayOrder::unvouch(&mut inner, self.queue);
         self.order.drop_heir(&mut inner.heirs, self.queue);
         if !self.entered {
             ReplayOrder::one_unentered_fewer(&mut inner, self.queue);
@@ -519,6 +524,7 @@ impl Member {
             let mut inner = self.order.lock();
             inner.placed.remove(&self.queue);
             inner.fresh.remove(&self.queue);
+            ReplayOrder::unvouch(&mut inner, self.queue);
         }
         for (_, nsid, s, e) in self.counted.drain(..) {
             self.order.hot.remove(nsid, s, e);

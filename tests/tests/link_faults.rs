@@ -789,6 +789,37 @@ fn persist_own_writes_covers_its_writes_another_queue_rewrote_before_a_reconnect
     assert!(persisted(&mut a));
 }
 
+/// The same, but B's client writes the block again after B's write was placed (learned since
+/// A reconnected) and before A's persist: any write of the block newer than A's will do, and
+/// A's persist makes the block durable at once, without waiting for the placement of B's
+/// newest write. (It named B again: a client that rewrites a block faster than a placement's
+/// round trip kept every persist waiting, and the NBD export's FLUSH answered EIO after its
+/// rounds.)
+#[test]
+fn persist_own_writes_does_not_wait_for_a_rewrite_after_a_placement() {
+    let d = scratch();
+    let (t, relay, mut a, mut b) = two_queues_through_a_relay(d.path());
+    let (at, _) = a_write_rewritten_by_another_queue_before_a_reconnect(&t, &relay, &mut a, &mut b);
+    b.namespace(1).unwrap().place_writes().unwrap();
+    b.namespace(1).unwrap().write_at(at, &[3; BLOCK]).unwrap();
+    assert_eq!(
+        a.namespace(1).unwrap().unplaced_writers(at, BLOCK),
+        [b.order_id()],
+        "B's rewrite is not known placed"
+    );
+    let durable = a
+        .namespace(1)
+        .unwrap()
+        .persist_own_writes()
+        .expect("A's persist with B's rewrite not yet placed");
+    assert!(durable.is_durable(), "{durable:?}");
+    let mut got = vec![0u8; BLOCK];
+    a.namespace(1).unwrap().read_at(at, &mut got).unwrap();
+    assert!(got == [3; BLOCK], "the block is not B's newest write");
+    assert!(persisted(&mut b));
+    assert!(persisted(&mut a));
+}
+
 /// The same, but B is dropped with its newer write held (never durable) before A's persist:
 /// the block may hold neither write, and A's persist says so once (`RewritesLost`) instead of
 /// durable; its next persist covers what it still holds. (It said durable.)

@@ -14,6 +14,23 @@ pub(super) struct Heir {
     pub(super) ranges: Spans,
     /// The parts of them whose newest write was let go unpersisted.
     pub(super) lost: Spans,
+    /// Bytes taken out of `ranges` by a newer write while the write that held them was known
+    /// placed since the reconnect (the queue that vouched for it, last): made durable by the
+    /// heir's persist without waiting for the newer write's placement
+    /// ([`ReplayOrder::taken_from_heirs`](super::ReplayOrder::taken_from_heirs)).
+    pub(super) vouched: Vec<(u32, u64, u64, u64)>,
+}
+
+impl Heir {
+    /// Whether it owes nothing.
+    pub(super) fn is_empty(&self) -> bool {
+        self.ranges.is_empty() && self.lost.is_empty() && self.vouched.is_empty()
+    }
+
+    /// The spans of `vouched`, without the queue that vouched for them.
+    pub(super) fn vouched_spans(&self) -> Spans {
+        self.vouched.iter().map(|&(n, s, e, _)| (n, s, e)).collect()
+    }
 }
 
 /// What the persist of a queue's own writes of a namespace owes for the bytes it let go

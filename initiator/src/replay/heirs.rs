@@ -12,7 +12,10 @@
 //!   (a FLUSH or GPSPM of them), but only once that write is known placed through a request
 //!   its queue sent after the heir's last reconnect ([`Member::placed_fresh`]): a placement
 //!   learned before says nothing of a target that restarted since. Until then the persist
-//!   fails, naming those queues, and asks them to learn their placement;
+//!   fails, naming those queues, and asks them to learn their placement. Once such a write is
+//!   known placed, a yet newer write of the bytes does not put that off again: they are
+//!   vouched for ([`Heir::vouched`]) until the vouching queue or the heir reconnects (a
+//!   client rewriting them faster than a placement's round trip kept every persist waiting);
 //! - bytes whose newer write was let go unpersisted (its queue gave up or was dropped while
 //!   holding it, or freed its slot after a visibility Read only: [`Member::lose`]) may hold
 //!   neither write: the persist fails with that, once. Such a write's pieces are marked lost
@@ -67,7 +70,11 @@ impl ReplayOrder {
         self.last_loss.fetch_max(self.tick(), Ordering::SeqCst);
         for (_, h) in heirs.iter_mut().filter(|(&q, _)| q != owner.queue) {
             let mut lost = Vec::new();
-            for &(n, s, e) in h.ranges.iter().filter(|r| r.0 == nsid) {
+            // Vouched bytes too: the placement that vouched for them says nothing once the
+            // write that took them is let go (its queue may have given up on a target that
+            // restarted and kept neither).
+            let vouched = h.vouched_spans();
+            for &(n, s, e) in h.ranges.iter().chain(&vouched).filter(|r| r.0 == nsid) {
                 for &(ps, pe) in &owned {
                     let (lo, hi) = (s.max(ps), e.min(pe));
                     if lo < hi {
@@ -81,11 +88,94 @@ impl ReplayOrder {
 
     /// Drops `queue`'s entry once it holds nothing.
     fn drop_heir_if_empty(&self, heirs: &mut HashMap<u64, Heir>, queue: u64) {
-        if heirs
-            .get(&queue)
-            .is_some_and(|h| h.ranges.is_empty() && h.lost.is_empty())
-        {
+        if heirs.get(&queue).is_some_and(Heir::is_empty) {
             self.drop_heir(heirs, queue);
+        }
+    }
+
+    /// `[start, end)` of `nsid` is taken by a write being registered: of the bytes an heir
+    /// still owes there, those whose write is released (made durable, or marked lost first: a
+    /// gap or a tombstone) or is the heir's own (its own persist covers it) need nothing more
+    /// from it, and those whose write is known placed since its reconnect it makes durable as
+    /// they are ([`Heir::vouched`]): any write of them newer than the one it let go will do,
+    /// and waiting for the newest one's placement would wait for ever on a client that
+    /// rewrites the bytes faster than a placement's round trip (the NBD export's FLUSH gave up
+    /// after its rounds and answered EIO). A piece of a write let go unpersisted stays owed:
+    /// its loss is counted ([`mark_lost`](Self::mark_lost)).
+    pub(super) fn taken_from_heirs(inner: &mut Inner, nsid: u32, start: u64, end: u64) {
+        let Inner {
+            pieces,
+            heirs,
+            fresh,
+            ..
+        } = inner;
+        for (&q, h) in heirs.iter_mut() {
+            // Most writes touch nothing an heir owes: a scan, without sorting or allocating.
+            if !h
+                .ranges
+                .iter()
+                .any(|r| r.0 == nsid && r.1 < end && start < r.2)
+            {
+                continue;
+            }
+            let mut cut = Vec::new();
+            let mut vouched = Vec::new();
+            for (s, e) in merged(&h.ranges, nsid) {
+                let (s, e) = (s.max(start), e.min(end));
+                if s >= e {
+                    continue;
+                }
+                let before = pieces
+                    .range((nsid, 0)..(nsid, s))
+                    .next_back()
+                    .filter(|(_, p)| p.end > s);
+                let mut at = s;
+                for (&(_, ps), p) in before.into_iter().chain(pieces.range((nsid, s)..(nsid, e))) {
+                    let (ps, pe) = (ps.max(s), p.end.min(e));
+                    if ps > at {
+                        cut.push((at, ps));
+                    }
+                    at = at.max(pe);
+                    let w = p.owner;
+                    if p.lost {
+                        continue;
+                    }
+                    if w == TOMBSTONE || w.queue == q {
+                        cut.push((ps, pe));
+                    } else if fresh
+                        .get(&w.queue)
+                        .is_some_and(|&(seq, sent)| seq >= w.seq && sent >= h.since)
+                    {
+                        cut.push((ps, pe));
+                        vouched.push((nsid, ps, pe, w.queue));
+                    }
+                }
+                if at < e {
+                    cut.push((at, e));
+                }
+            }
+            if cut.is_empty() {
+                continue;
+            }
+            cut.sort_unstable();
+            let kept = without(&merged(&h.ranges, nsid), &cut);
+            h.ranges.retain(|r| r.0 != nsid);
+            h.ranges.extend(kept.into_iter().map(|(s, e)| (nsid, s, e)));
+            h.vouched.append(&mut vouched);
+        }
+    }
+
+    /// `queue` no longer knows its writes placed (it reconnected, or went): the bytes it
+    /// vouched for are owed as before, until a placement vouches again.
+    pub(super) fn unvouch(inner: &mut Inner, queue: u64) {
+        for h in inner.heirs.values_mut() {
+            let ranges = &mut h.ranges;
+            h.vouched.retain(|&(n, s, e, by)| {
+                if by == queue {
+                    ranges.push((n, s, e));
+                }
+                by != queue
+            });
         }
     }
 
@@ -108,6 +198,10 @@ impl Member {
         let since = self.order.tick();
         if let Some(h) = self.order.lock().heirs.get_mut(&self.queue) {
             h.since = since;
+            // Placements learned before vouch for nothing now.
+            let vouched = h.vouched_spans();
+            h.vouched.clear();
+            h.ranges.extend(vouched);
         }
     }
 
@@ -230,6 +324,7 @@ impl Member {
             unplaced.dedup();
             return Handed::Unplaced(unplaced);
         }
+        persist.extend(h.vouched_spans());
         Handed::Persist(merged(&persist, nsid))
     }
 
@@ -251,7 +346,7 @@ impl Member {
     fn forget_handed(
         &mut self,
         ns: usize,
-        keep: impl FnOnce(&[(u64, u64)], &[(u64, u64)]) -> Vec<(u64, u64)>,
+        keep: impl Fn(&[(u64, u64)], &[(u64, u64)]) -> Vec<(u64, u64)>,
     ) {
         let Some(&nsid) = self.nsids.get(ns) else {
             return;
@@ -263,10 +358,21 @@ impl Member {
         let Some(h) = inner.heirs.get_mut(&self.queue) else {
             return;
         };
-        let kept = keep(&merged(&h.ranges, nsid), &merged(&h.lost, nsid));
+        let lost = merged(&h.lost, nsid);
+        let kept = keep(&merged(&h.ranges, nsid), &lost);
+        let mut vouched = Vec::new();
+        for &(n, s, e, by) in h.vouched.iter().filter(|v| v.0 == nsid) {
+            vouched.extend(
+                keep(&[(s, e)], &lost)
+                    .into_iter()
+                    .map(|(s, e)| (n, s, e, by)),
+            );
+        }
         h.ranges.retain(|r| r.0 != nsid);
         h.lost.retain(|r| r.0 != nsid);
+        h.vouched.retain(|v| v.0 != nsid);
         h.ranges.extend(kept.into_iter().map(|(s, e)| (nsid, s, e)));
+        h.vouched.append(&mut vouched);
         self.order.drop_heir_if_empty(&mut inner.heirs, self.queue);
     }
 
@@ -330,11 +436,12 @@ mod tests {
         assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
         b.placed_fresh(1, o.now());
         assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 8192)]));
-        // A newer write of B there is owed in its turn; one of A's own is A's anyway.
+        // A newer write of B there does not put it off again: the bytes of the placed one are
+        // vouched for (any write newer than A's will do); one of A's own is A's anyway.
         b.register(0, 6144, 2048, 2);
-        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 8192)]));
         a.register(0, 6144, 2048, 2);
-        assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 6144)]));
+        assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 8192)]));
         // B reconnected: what it re-issues is on its way again.
         b.unplace(2);
         assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
@@ -344,6 +451,74 @@ mod tests {
         assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
         assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
         assert!(o.lock().heirs.is_empty());
+    }
+
+    #[test]
+    fn a_client_rewriting_the_bytes_after_each_placement_does_not_keep_the_heir_waiting() {
+        // The NBD export's FLUSH has the queues named place their writes and asks again, for
+        // a few rounds: B's client rewrote the bytes after each placement, so every round
+        // named B again, and the FLUSH answered EIO.
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        for seq in 1..=8 {
+            b.placed_fresh(seq, o.now());
+            b.register(0, 0, 4096, seq + 1);
+            assert_eq!(a.handed(0), Handed::Persist(vec![(0, 4096)]), "round {seq}");
+        }
+        // A reconnects again: what was placed before vouches for nothing now.
+        a.reissuing();
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+        b.placed_fresh(9, o.now());
+        assert_eq!(a.handed(0), Handed::Persist(vec![(0, 4096)]));
+        a.settle_handed(0);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn vouched_bytes_are_owed_again_when_the_vouching_queue_reconnects() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
+        b.placed_fresh(1, o.now());
+        b.register(0, 0, 4096, 2);
+        assert_eq!(a.handed(0), Handed::Persist(vec![(0, 4096)]));
+        b.unplace(2);
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
+    }
+
+    #[test]
+    fn vouched_bytes_whose_newer_write_is_let_go_unpersisted_are_lost() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
+        b.placed_fresh(1, o.now());
+        b.register(0, 0, 4096, 2);
+        b.lose(0, 0, 4096, 2);
+        b.release(0, 0, 4096, 2);
+        assert_eq!(a.handed(0), Handed::Lost(vec![(0, 4096)]));
+        a.lost_reported(0);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+    }
+
+    #[test]
+    fn bytes_whose_newer_write_was_made_durable_need_nothing_when_written_again() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 8192, 1);
+        b.register(0, 0, 8192, 1);
+        reissue(&mut a, 0, 8192);
+        // B's write is made durable and released; B's client writes half the bytes again.
+        b.release(0, 0, 8192, 1);
+        b.register(0, 4096, 4096, 2);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 1);
+        a.settle_handed(0);
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
     }
 
     #[test]
