@@ -69,6 +69,22 @@ pub enum NamespaceError {
         #[source]
         source: pmem::Error,
     },
+    /// A reload turns the power-loss simulation on or off for the file a namespace maps: the
+    /// simulated opening and the real one would each write their own copy over the other's
+    /// durable writes (the simulation's clean close writes its working copy to the file, and
+    /// a new simulation's persists write whole pages of what it read at its opening).
+    #[error(
+        "subsystem {subsystem} namespace {nsid} ({path}): a reload cannot turn the power-loss \
+         simulation on or off for the file it serves; restart the target to change it"
+    )]
+    SimulationChanged {
+        /// Subsystem.
+        subsystem: Nqn,
+        /// Namespace id.
+        nsid: u32,
+        /// Backing store.
+        path: PathBuf,
+    },
     /// The namespace to clear is not configured.
     #[error("subsystem {subsystem} has no namespace {nsid}")]
     NotFound {

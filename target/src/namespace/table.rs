@@ -220,15 +220,22 @@ impl NamespaceTable {
                 .find(|s| s.nqn == key.0)
                 .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
             if let Some(ns) = ns {
-                let old = self.map.get(key);
                 // The same file, under its path or another (moved, and the path edited).
-                let carried = old
-                    .filter(|o| {
-                        o.key == failures::key_of(&ns.path)
-                            || o.file_id()
-                                .is_some_and(|id| failures::file_id_of(&ns.path) == Some(id))
-                    })
-                    .and_then(|o| o.failure());
+                let old = self.map.get(key).filter(|o| {
+                    o.key == failures::key_of(&ns.path)
+                        || o.file_id()
+                            .is_some_and(|id| failures::file_id_of(&ns.path) == Some(id))
+                });
+                if old.is_some_and(|o| {
+                    o.config.power_loss_simulation.is_some() != ns.power_loss_simulation.is_some()
+                }) {
+                    return Err(NamespaceError::SimulationChanged {
+                        subsystem: key.0.clone(),
+                        nsid: key.1,
+                        path: ns.path.clone(),
+                    });
+                }
+                let carried = old.and_then(|o| o.failure());
                 if let (Some(o), Some(_)) = (old, carried) {
                     if let Err(e) = o.mapping.drop_page_cache() {
                         log::warn!(

@@ -262,6 +262,44 @@ fn growing_needs_grow_at_start_and_on_reload_alike() {
 }
 
 #[test]
+fn a_reload_cannot_turn_the_power_loss_simulation_on_or_off() {
+    let d = tempfile::tempdir().unwrap();
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let real = cfg(d.path(), "");
+    let mut simulated = real.clone();
+    simulated.subsystems[0].namespaces[0].power_loss_simulation =
+        Some(rpma_common::pmem::Simulation {
+            seed: 1,
+            eviction_percent: 0,
+            eviction_interval_ms: 0,
+            broken_persist: false,
+        });
+    for (from, to) in [(&real, &simulated), (&simulated, &real)] {
+        let mut table = NamespaceTable::open_all(from).unwrap();
+        let before = Arc::clone(table.get(&nqn, 1).unwrap());
+        let diff = crate::reload::diff(from, to);
+        assert_eq!(diff.namespaces_changed, [(nqn.clone(), 1)]);
+        let e = table.apply(&diff, to).unwrap_err();
+        assert!(
+            matches!(&e, NamespaceError::SimulationChanged { nsid: 1, .. }),
+            "{e:?}"
+        );
+        assert!(e.to_string().contains("restart the target"), "{e}");
+        assert!(
+            Arc::ptr_eq(table.get(&nqn, 1).unwrap(), &before),
+            "unchanged"
+        );
+        // Another file under the same nsid is a new namespace: the simulation may differ.
+        let mut moved = to.clone();
+        moved.subsystems[0].namespaces[0].path = d.path().join("other");
+        let diff = crate::reload::diff(from, &moved);
+        table.apply(&diff, &moved).unwrap();
+        drop(table);
+        std::fs::remove_file(d.path().join("other")).unwrap();
+    }
+}
+
+#[test]
 fn failed_apply_leaves_the_table_as_it_was() {
     let d = tempfile::tempdir().unwrap();
     let old = cfg(d.path(), "");
