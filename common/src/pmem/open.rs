@@ -8,7 +8,7 @@ use std::fs::{self, File};
 use std::io;
 use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::ptr::NonNull;
 
 use super::devdax;
@@ -283,6 +283,19 @@ impl OpenOptions {
         let mapping = self.finish(file, len, probed, map_sync, ptr);
         if mapping.is_err() && created {
             let _ = fs::remove_file(&self.path);
+        }
+        if created && mapping.is_ok() {
+            // The new name is durable only once its directory is synced (fsync(2)): most
+            // journalling filesystems commit it with the file's first sync, but not all
+            // (ext2). Best effort, as for the state file: a directory that cannot be opened
+            // or synced leaves what the filesystem does by itself.
+            let dir = match self.path.parent() {
+                Some(d) if !d.as_os_str().is_empty() => d,
+                _ => Path::new("."),
+            };
+            if let Ok(d) = File::open(dir) {
+                let _ = d.sync_all();
+            }
         }
         mapping
     }
