@@ -63,7 +63,7 @@ impl Report {
             Domain::PageCache => "msync(MS_SYNC) of the written page-aligned range (or fdatasync \
                  of the file): the kernel writes it from the page cache to the storage device"
                 .to_owned(),
-            _ => "nothing: this is RAM (tmpfs, ramfs or anonymous memory) and every byte is lost \
+            _ => "nothing: this is RAM (tmpfs, ramfs, an overlay over one, or anonymous memory) and every byte is lost \
                   on reboot or power loss; acknowledgements mean \"visible only\", never durable"
                 .to_owned(),
         };

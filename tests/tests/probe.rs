@@ -154,3 +154,43 @@ fn bad_input_fails_with_a_clear_message() {
     }
     assert!(!ns.exists());
 }
+
+/// `rpma-target probe` of a file on an overlay mounted (in a mount namespace of its own) with
+/// its upper directory on `upper_on` and its lower one under `dir`: what it printed.
+fn probe_on_an_overlay(dir: &Path, upper_on: &str) -> String {
+    let script = format!(
+        "set -e; d={d}; mkdir -p $d/lower $d/merged $d/upperfs; {mount_upper} \
+         mkdir -p $d/upperfs/up $d/upperfs/work; \
+         mount -t overlay overlay -o lowerdir=$d/lower,upperdir=$d/upperfs/up,workdir=$d/upperfs/work $d/merged; \
+         {bin} probe --size 1MiB $d/merged/ns.pmem",
+        d = dir.display(),
+        mount_upper = match upper_on {
+            "tmpfs" => "mount -t tmpfs tmpfs $d/upperfs;",
+            _ => "",
+        },
+        bin = target_bin().display(),
+    );
+    let out = Command::new("unshare")
+        .args(["-m", "--", "sh", "-c", &script])
+        .env("RUST_LOG", "off")
+        .output()
+        .unwrap();
+    let text = stdout(&out);
+    assert!(out.status.success(), "{text}{}", stderr(&out));
+    text
+}
+
+/// An overlay's syncs are its upper layer's: over tmpfs they keep nothing, so a file there is
+/// volatile (visible only), not page-cache (it was: every acknowledgement said durable for
+/// bytes held in RAM, as on a live system's root). Over a disk's filesystem it is page-cache.
+#[test]
+fn a_file_on_an_overlay_over_tmpfs_is_volatile() {
+    let dir = scratch();
+    let text = probe_on_an_overlay(dir.path(), "tmpfs");
+    assert!(text.contains("domain:      volatile\n"), "{text}");
+    assert!(text.contains("acks mean:   visible only\n"), "{text}");
+    let dir = scratch();
+    let text = probe_on_an_overlay(dir.path(), "disk");
+    assert!(text.contains("domain:      page-cache\n"), "{text}");
+    assert!(text.contains("acks mean:   durable\n"), "{text}");
+}

@@ -16,7 +16,7 @@ pub enum Domain {
     DaxForced,
     /// A regular file on a filesystem without DAX: msync/fdatasync writes a range to storage.
     PageCache,
-    /// RAM (tmpfs, ramfs, hugetlbfs, anonymous memory): nothing makes a byte durable; a persist
+    /// RAM (tmpfs, ramfs, hugetlbfs, an overlay over one, anonymous memory): nothing makes a byte durable; a persist
     /// only makes it visible.
     Volatile,
 }

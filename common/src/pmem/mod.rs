@@ -28,7 +28,7 @@
 //! | `dax` | MAP_SHARED_VALIDATE \| MAP_SYNC accepted, or a devdax device | cache write-back ([`flush_instruction`]) + sfence |
 //! | `dax (forced)` | `force_dax` asked for | the same instructions; the media is whatever it is |
 //! | `page-cache` | any other regular file | msync(MS_SYNC) of the page-aligned range |
-//! | `volatile` | tmpfs/ramfs/hugetlbfs (statfs magic) or anonymous | never: [`Durability::VisibleOnly`] |
+//! | `volatile` | tmpfs/ramfs/hugetlbfs (statfs magic), an overlay over one, or anonymous | never: [`Durability::VisibleOnly`] |
 //!
 //! # Promises
 //!

@@ -22,6 +22,7 @@ use super::sim::{self, Sim, Simulated, Simulation};
 const TMPFS_MAGIC: u32 = 0x0102_1994;
 const RAMFS_MAGIC: u32 = 0x8584_58f6;
 const HUGETLBFS_MAGIC: u32 = 0x9584_58f6;
+const OVERLAYFS_MAGIC: u32 = 0x794c_7630;
 
 /// What to do when an existing file's size differs from the size asked for.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -343,7 +344,7 @@ impl OpenOptions {
         let (ptr, map_sync) = self.map_shared(file, len)?;
         let probed = if map_sync {
             Domain::Dax
-        } else if is_ram_fs(file).map_err(|e| io_err("statfs", e))? {
+        } else if is_ram_fs(file, &self.path).map_err(|e| io_err("statfs", e))? {
             Domain::Volatile
         } else {
             Domain::PageCache
@@ -482,11 +483,94 @@ pub(super) fn unsupported_kind(ft: fs::FileType) -> &'static str {
 }
 
 /// Whether a statfs magic number is a RAM filesystem's (tmpfs, ramfs, hugetlbfs).
-pub(super) fn is_ram_magic(magic: u32) -> bool {
+fn is_ram_magic(magic: u32) -> bool {
     matches!(magic, TMPFS_MAGIC | RAMFS_MAGIC | HUGETLBFS_MAGIC)
 }
 
-/// Whether the file lives on a RAM filesystem (tmpfs, ramfs, hugetlbfs).
+/// Whether what is stored at `path`, on a filesystem of statfs type `magic`, is held in RAM
+/// only: a RAM filesystem (tmpfs, ramfs, hugetlbfs), or an overlay whose upper layer (where
+/// its writes go) is one. An overlay's syncs are its upper layer's: over tmpfs they return 0
+/// and keep nothing (a live system's root, a container's layer in memory), so the store was
+/// probed `page-cache` and every acknowledgement said durable. An overlay whose upper layer
+/// this process cannot find or reach (another mount namespace's path) counts as RAM too:
+/// `volatile` claims nothing it could not keep.
+pub(super) fn ram_backed(path: &Path, magic: u32) -> bool {
+    if is_ram_magic(magic) {
+        return true;
+    }
+    if magic != OVERLAYFS_MAGIC {
+        return false;
+    }
+    let upper = std::fs::canonicalize(path).ok().and_then(|p| {
+        let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
+        overlay_upper(&text, &p)
+    });
+    match upper {
+        Some(upper) if upper.is_absolute() => match nix::sys::statfs::statfs(&upper) {
+            Ok(st) => ram_backed(&upper, st.filesystem_type().0 as u32),
+            Err(_) => true,
+        },
+        _ => true,
+    }
+}
+
+/// The upper directory of the overlay mounted where `path` (canonical) lies, from the text
+/// of /proc/self/mountinfo: the mount whose mount point is the longest prefix of `path`, if
+/// it is an overlay with an `upperdir` (None for another filesystem, or a read-only overlay).
+fn overlay_upper(mountinfo: &str, path: &Path) -> Option<PathBuf> {
+    // "id parent maj:min root mountpoint options [optional...] - fstype source super-options"
+    let mut best: Option<(usize, &str, &str)> = None;
+    for line in mountinfo.lines() {
+        let Some((mount, rest)) = line.split_once(" - ") else {
+            continue;
+        };
+        let Some(point) = mount.split(' ').nth(4).map(unescape) else {
+            continue;
+        };
+        if !path.starts_with(&point) {
+            continue;
+        }
+        let depth = Path::new(&point).components().count();
+        if best.is_none_or(|(d, _, _)| depth >= d) {
+            let mut fields = rest.split(' ');
+            let fstype = fields.next().unwrap_or("");
+            let options = fields.nth(1).unwrap_or("");
+            best = Some((depth, fstype, options));
+        }
+    }
+    let (_, fstype, options) = best?;
+    if fstype != "overlay" {
+        return None;
+    }
+    options
+        .split(',')
+        .find_map(|o| o.strip_prefix("upperdir="))
+        .map(|u| PathBuf::from(unescape(u)))
+}
+
+/// A mountinfo field with its octal escapes (`\040` for a space) undone.
+fn unescape(field: &str) -> String {
+    let b = field.as_bytes();
+    let mut out = Vec::with_capacity(b.len());
+    let mut i = 0;
+    while i < b.len() {
+        let octal = b
+            .get(i + 1..i + 4)
+            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
+        match octal {
+            Some(d) => {
+                out.push((d[0] - b'0') << 6 | (d[1] - b'0') << 3 | (d[2] - b'0'));
+                i += 4;
+            }
+            None => {
+                out.push(b[i]);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
 impl OpenOptions {
     /// The domain every interface reports for a store probed as `probed`: `dax (forced)` when
     /// asked to force it.
@@ -499,9 +583,10 @@ impl OpenOptions {
     }
 }
 
-fn is_ram_fs(file: &File) -> io::Result<bool> {
+/// Whether the file (at `path`) is held in RAM only ([`ram_backed`]).
+fn is_ram_fs(file: &File, path: &Path) -> io::Result<bool> {
     let st = nix::sys::statfs::fstatfs(file)?;
-    Ok(is_ram_magic(st.filesystem_type().0 as u32))
+    Ok(ram_backed(path, st.filesystem_type().0 as u32))
 }
 
 #[cfg(test)]
@@ -509,11 +594,31 @@ mod tests {
     use super::*;
 
     #[test]
+    fn an_overlays_upper_directory_is_found_from_the_mount_over_the_path() {
+        let text = "22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw\n\
+            30 22 0:40 / /run rw shared:5 - tmpfs tmpfs rw,size=100k\n\
+            40 22 0:50 / /srv/live\\040root rw - overlay overlay \
+            rw,lowerdir=/ro,upperdir=/run/up\\040per,workdir=/run/work\n\
+            41 40 8:1 /data /srv/live\\040root/data rw - ext4 /dev/sda1 rw\n\
+            50 22 0:60 / /srv/ro rw - overlay overlay ro,lowerdir=/a:/b\n";
+        let up = |p: &str| overlay_upper(text, Path::new(p));
+        assert_eq!(up("/srv/live root/ns1"), Some(PathBuf::from("/run/up per")));
+        // A mount over the overlay, another filesystem, a read-only overlay.
+        assert_eq!(up("/srv/live root/data/ns1"), None);
+        assert_eq!(up("/srv/other/ns1"), None);
+        assert_eq!(up("/run/ns1"), None);
+        assert_eq!(up("/srv/ro/ns1"), None);
+        // Path components, not string prefixes.
+        assert_eq!(up("/srv/live rootless/ns1"), None);
+        assert_eq!(unescape("a\\040b\\134c\\9"), "a b\\c\\9");
+    }
+
+    #[test]
     fn ram_filesystems_are_recognised() {
         let shm = tempfile::tempfile_in("/dev/shm").unwrap();
-        assert!(is_ram_fs(&shm).unwrap());
+        assert!(is_ram_fs(&shm, Path::new("/dev/shm")).unwrap());
         let disk = tempfile::tempfile_in(env!("CARGO_MANIFEST_DIR")).unwrap();
-        let disk_is_ram = is_ram_fs(&disk).unwrap();
+        let disk_is_ram = is_ram_fs(&disk, Path::new(env!("CARGO_MANIFEST_DIR"))).unwrap();
         let df = nix::sys::statfs::fstatfs(&disk).unwrap();
         assert_eq!(
             disk_is_ram,

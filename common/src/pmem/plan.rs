@@ -14,7 +14,7 @@ use nix::unistd::AccessFlags;
 use super::devdax;
 use super::domain::Domain;
 use super::error::{Error, Result};
-use super::open::{is_ram_magic, OpenOptions, Store};
+use super::open::{ram_backed, OpenOptions, Store};
 
 /// What [`OpenOptions::open`] would do to the backing store.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -64,7 +64,7 @@ impl OpenOptions {
     ///
     /// The domain is found without mapping: `dax` for a devdax device or a file with the DAX
     /// attribute (statx), or, for a file not yet created, on a filesystem mounted `dax` or
-    /// `dax=always`; `volatile` on tmpfs, ramfs and hugetlbfs; `page-cache` otherwise. Open can
+    /// `dax=always`; `volatile` on tmpfs, ramfs and hugetlbfs (and an overlay over one); `page-cache` otherwise. Open can
     /// find another domain in two cases: a dax file on a device that refuses MAP_SYNC
     /// (virtio-pmem) is mapped as `page-cache`, and a file created under a `dax=inode` directory
     /// flagged for DAX is `dax`.
@@ -171,7 +171,7 @@ impl OpenOptions {
 
     fn on_ram_fs(&self, path: &Path) -> Result<bool> {
         let st = nix::sys::statfs::statfs(path).map_err(|e| self.io("statfs", e.into()))?;
-        Ok(is_ram_magic(st.filesystem_type().0 as u32))
+        Ok(ram_backed(path, st.filesystem_type().0 as u32))
     }
 
     fn io(&self, op: &'static str, source: io::Error) -> Error {
