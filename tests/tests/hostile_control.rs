@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use hostile::{FromTarget, Suite};
 use rpma_common::fabric::soft::wire::mpa::RtrTypes;
-use rpma_common::fabric::soft::wire::TermCause;
+use rpma_common::fabric::soft::wire::{Header, Opcode, TermCause};
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::{
@@ -152,6 +152,28 @@ fn messages_out_of_place_end_their_connection() {
     p.send(&[]);
     refused(&mut p, RefusalReason::ProtocolError, "an empty Send");
     s.unchanged("an empty Send");
+
+    // Immediate Data (RFC 7306; an RDMA Write with immediate on rdma) takes a receive and
+    // writes no message into it, before and in a session: the receive's slot held an earlier
+    // message, which the target decoded again (over rdma, where the completion's length is
+    // the Write's: a replay of the peer's own earlier Flush Request or Connect).
+    let mut p = s.peer();
+    p.admit();
+    let h = Header::untagged(Opcode::ImmediateData, p.msn, true);
+    let f = p.fpdu(h, &[0x5a; 8]);
+    p.raw(&f);
+    match p.next_message() {
+        Message::Disconnect(d) => assert!(d.reason.contains("RecvRdmaWithImm"), "{d:?}"),
+        other => panic!("expected a Disconnect, got {other:?}"),
+    }
+    assert!(p.closed(), "Immediate Data: the connection stayed open");
+    s.unchanged("Immediate Data in a session");
+    let mut p = s.peer();
+    let h = Header::untagged(Opcode::ImmediateData, p.msn, true);
+    let f = p.fpdu(h, &[0x5a; 8]);
+    p.raw(&f);
+    refused(&mut p, RefusalReason::ProtocolError, "Immediate Data");
+    s.unchanged("Immediate Data before Connect");
     s.finish();
 }
 

@@ -299,6 +299,19 @@ impl Conn {
         self.goodbye(&format!("protocol error: {what}"));
     }
 
+    /// A receive that brought no message (a Write with immediate data): a protocol error.
+    pub(crate) fn unexpected_receive(&mut self, opcode: rpma_common::fabric::WcOpcode) {
+        let what = format!(
+            "a receive completed as {opcode:?}: only Send messages are part of the protocol"
+        );
+        match self.phase {
+            Phase::Closing { .. } => {}
+            // Before a session, as any message out of place there: refused.
+            Phase::Handshake { .. } => self.refuse(RefusalReason::ProtocolError, what, None),
+            _ => self.protocol_error(what),
+        }
+    }
+
     /// Handles one received message; flush requests for the loop's flusher go to `jobs`.
     pub(crate) fn on_message(&mut self, buf: &[u8], jobs: &mut Vec<FlushJob>) {
         if self.overrun {

@@ -18,8 +18,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, QpState, TcpParams, WcStatus,
-    Woken,
+    Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, QpState, TcpParams, WcOpcode,
+    WcStatus, Woken,
 };
 use rpma_common::proto::{FlushResponse, FlushStatus};
 use rpma_common::stats::Stopwatch;
@@ -356,6 +356,13 @@ impl PollLoop {
                     .peer_log
                     .warn(p.ip(), format_args!("{p}: receive failed: {:?}", c.status));
             }
+            return;
+        }
+        if c.opcode != WcOpcode::Recv {
+            // A Write with immediate data consumed the receive: it writes no message into
+            // the slot, which still holds an earlier one (decoded, it replayed the peer's own
+            // earlier Flush Request or Connect). Not part of the protocol.
+            conn.unexpected_receive(c.opcode);
             return;
         }
         let mut buf = std::mem::take(&mut self.scratch);
