@@ -19,9 +19,42 @@ pub(super) struct Heir {
     /// heir's persist without waiting for the newer write's placement
     /// ([`ReplayOrder::taken_from_heirs`](super::ReplayOrder::taken_from_heirs)).
     pub(super) vouched: Vec<(u32, u64, u64, u64)>,
+    /// `ranges` is sorted by namespace and start, overlapping and adjacent spans merged
+    /// ([`Heir::sort`]): a write looks up what it takes from them by a binary search. Whatever
+    /// changes `ranges` but [`ReplayOrder::taken_from_heirs`](super::ReplayOrder::taken_from_heirs)
+    /// clears it.
+    pub(super) sorted: bool,
 }
 
 impl Heir {
+    /// Sorts and merges `ranges` (see [`Heir::sorted`]).
+    pub(super) fn sort(&mut self) {
+        if self.sorted {
+            return;
+        }
+        self.ranges.sort_unstable();
+        let mut out: Spans = Vec::with_capacity(self.ranges.len());
+        for &(n, s, e) in &self.ranges {
+            match out.last_mut() {
+                Some(last) if last.0 == n && s <= last.2 => last.2 = last.2.max(e),
+                _ => out.push((n, s, e)),
+            }
+        }
+        self.ranges = out;
+        self.sorted = true;
+    }
+
+    /// The span of `ranges` (sorted) that overlaps `[start, end)` of `nsid`: its indices.
+    pub(super) fn overlapping(&self, nsid: u32, start: u64, end: u64) -> std::ops::Range<usize> {
+        debug_assert!(self.sorted);
+        let lo = self.ranges.partition_point(|r| (r.0, r.2) <= (nsid, start));
+        let n = self.ranges[lo..]
+            .iter()
+            .take_while(|r| r.0 == nsid && r.1 < end)
+            .count();
+        lo..lo + n
+    }
+
     /// Whether it owes nothing.
     pub(super) fn is_empty(&self) -> bool {
         self.ranges.is_empty() && self.lost.is_empty() && self.vouched.is_empty()

@@ -110,17 +110,15 @@ impl ReplayOrder {
             ..
         } = inner;
         for (&q, h) in heirs.iter_mut() {
-            // Most writes touch nothing an heir owes: a scan, without sorting or allocating.
-            if !h
-                .ranges
-                .iter()
-                .any(|r| r.0 == nsid && r.1 < end && start < r.2)
-            {
+            // Most writes touch nothing an heir owes: a binary search, no allocation.
+            h.sort();
+            let window = h.overlapping(nsid, start, end);
+            if window.is_empty() {
                 continue;
             }
             let mut cut = Vec::new();
             let mut vouched = Vec::new();
-            for (s, e) in merged(&h.ranges, nsid) {
+            for &(_, s, e) in &h.ranges[window.clone()] {
                 let (s, e) = (s.max(start), e.min(end));
                 if s >= e {
                     continue;
@@ -158,9 +156,14 @@ impl ReplayOrder {
                 continue;
             }
             cut.sort_unstable();
-            let kept = without(&merged(&h.ranges, nsid), &cut);
-            h.ranges.retain(|r| r.0 != nsid);
-            h.ranges.extend(kept.into_iter().map(|(s, e)| (nsid, s, e)));
+            let owed: Vec<(u64, u64)> = h.ranges[window.clone()]
+                .iter()
+                .map(|&(_, s, e)| (s, e))
+                .collect();
+            let kept = without(&owed, &cut);
+            // Still sorted and merged: the window's spans, cut, in their place.
+            h.ranges
+                .splice(window, kept.into_iter().map(|(s, e)| (nsid, s, e)));
             h.vouched.append(&mut vouched);
         }
     }
@@ -170,12 +173,15 @@ impl ReplayOrder {
     pub(super) fn unvouch(inner: &mut Inner, queue: u64) {
         for h in inner.heirs.values_mut() {
             let ranges = &mut h.ranges;
+            let mut moved = false;
             h.vouched.retain(|&(n, s, e, by)| {
                 if by == queue {
                     ranges.push((n, s, e));
+                    moved = true;
                 }
                 by != queue
             });
+            h.sorted &= !moved;
         }
     }
 
@@ -201,6 +207,7 @@ impl Member {
             // Placements learned before vouch for nothing now.
             let vouched = h.vouched_spans();
             h.vouched.clear();
+            h.sorted &= vouched.is_empty();
             h.ranges.extend(vouched);
         }
     }
@@ -270,6 +277,7 @@ impl Member {
             Heir::default()
         });
         h.since = h.since.max(since);
+        h.sorted &= held.is_empty();
         h.ranges.append(&mut held);
         h.lost.append(&mut lost);
     }
@@ -372,6 +380,7 @@ impl Member {
         h.lost.retain(|r| r.0 != nsid);
         h.vouched.retain(|v| v.0 != nsid);
         h.ranges.extend(kept.into_iter().map(|(s, e)| (nsid, s, e)));
+        h.sorted = false;
         h.vouched.append(&mut vouched);
         self.order.drop_heir_if_empty(&mut inner.heirs, self.queue);
     }
@@ -446,6 +455,8 @@ mod tests {
         b.unplace(2);
         assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
         b.placed_fresh(2, o.now());
+        // A's own bytes are A's persist's anyway.
+        assert_eq!(a.handed(0), Handed::Persist(vec![(4096, 6144)]));
         // Made durable: nothing owed, and nothing kept.
         a.settle_handed(0);
         assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
@@ -476,6 +487,78 @@ mod tests {
         a.settle_handed(0);
         assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
         assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
+    }
+
+    #[test]
+    fn bytes_the_heirs_own_write_held_need_nothing_when_a_third_queue_takes_them() {
+        let (o, mut a, mut b) = two();
+        let mut c = Member::new(Arc::clone(&o), vec![1]);
+        a.register(0, 0, 4096, 1);
+        b.register(0, 0, 4096, 1);
+        reissue(&mut a, 0, 4096);
+        // A writes the bytes again (held: its own persist covers the write's whole range),
+        // then C takes them: A owes nothing for them.
+        a.register(0, 0, 4096, 2);
+        c.register(0, 0, 4096, 1);
+        assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
+        // A reconnects again and lets its second write go to C's: owed until C's is placed.
+        a.reissuing();
+        a.hand_over(0, 0, 4096, 2);
+        a.reissued();
+        assert_eq!(a.handed(0), Handed::Unplaced(vec![c.id()]));
+        c.placed_fresh(1, o.now());
+        assert_eq!(a.handed(0), Handed::Persist(vec![(0, 4096)]));
+    }
+
+    #[test]
+    fn what_a_write_takes_from_an_heir_is_found_among_many_spans_and_namespaces() {
+        let o = Arc::new(ReplayOrder::default());
+        let mut a = Member::new(Arc::clone(&o), vec![1, 2]);
+        let mut b = Member::new(Arc::clone(&o), vec![1, 2]);
+        assert!(a.keep_order(Vec::new));
+        // A's writes, every other 4 KiB of 1 MiB of both namespaces, each rewritten by B.
+        let mut seq = 0;
+        for ns in 0..2 {
+            for i in (0..256u64).step_by(2) {
+                seq += 1;
+                a.register(ns, i * 4096, 4096, seq);
+                b.register(ns, i * 4096, 4096, seq);
+            }
+        }
+        a.reissuing();
+        let mut seq = 0;
+        for ns in 0..2 {
+            for i in (0..256u64).step_by(2) {
+                seq += 1;
+                a.hand_over(ns, i * 4096, 4096, seq);
+            }
+        }
+        a.reissued();
+        b.placed_fresh(seq, o.now());
+        // B writes namespace 2's blocks again, and a run across namespace 1's gaps.
+        for i in (0..256u64).step_by(2) {
+            seq += 1;
+            b.register(1, i * 4096, 4096, seq);
+        }
+        seq += 1;
+        b.register(0, 8192, 3 * 4096, seq);
+        let every_other = |from: u64| -> Vec<(u64, u64)> {
+            (from..256)
+                .step_by(2)
+                .map(|i| (i * 4096, i * 4096 + 4096))
+                .collect()
+        };
+        assert_eq!(a.handed(0), Handed::Persist(every_other(0)));
+        assert_eq!(a.handed(1), Handed::Persist(every_other(0)));
+        // Namespace 2's bytes are vouched for; namespace 1's run (8 KiB-20 KiB) too, and its
+        // gap (12-16 KiB) was never owed.
+        let inner = o.lock();
+        let h = &inner.heirs[&a.id()];
+        assert_eq!(h.vouched.iter().filter(|v| v.0 == 2).count(), 128);
+        assert_eq!(
+            merged(&h.vouched_spans(), 1),
+            [(8192, 12288), (16384, 20480)]
+        );
     }
 
     #[test]

@@ -13,9 +13,9 @@ use crate::Error;
 /// Persists a FLUSH tries at most for a queue that owes bytes of other queues' writes
 /// ([`Shared::flush_all`]). A queue named is named again only while no write of those bytes
 /// is known placed since the reconnect (its client's rewrites after a placement do not count:
-/// the placed write vouches for the bytes), so a round that names it again found it unable to
-/// place (reconnecting in its turn, or its link slow): the rounds are counted, each one
-/// request's round trip per queue named.
+/// the placed write vouches for the bytes, until it or the owing queue reconnects), so a
+/// round that names it again found it unable to place (reconnecting in its turn, or its link
+/// slow): the rounds are counted, each one request's round trip per queue named.
 const PLACE_ROUNDS: usize = 8;
 
 /// Whether `e`, from a persist of a queue's own writes, is for bytes of other queues' writes
