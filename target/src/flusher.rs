@@ -90,6 +90,8 @@ struct InFlight {
     fd: Arc<OwnedFd>,
     /// Where a failure of this fdatasync is recorded.
     store: Arc<dyn Persist>,
+    /// The range it syncs (offset, length): [`Persist::after_sync`]'s once it returned 0.
+    range: (u64, u64),
     /// When it was submitted.
     started: Stopwatch,
 }
@@ -412,8 +414,9 @@ impl Flusher {
                 (fds[self.service % fds.len()].clone(), store.clone())
             }
         };
-        // The store's own part first (the power-loss simulation copies the range to its
-        // media, which the fdatasync then writes); nothing for real media.
+        // The store's own checks first (its range, a page-cache file's size); the
+        // power-loss simulation copies the range to its media once the sync returned 0
+        // ([`Persist::after_sync`]).
         if let Err(e) = store.before_sync(offset as usize, length as usize) {
             let status = match e {
                 rpma_common::pmem::Error::Failed { .. } => FlushStatus::NamespaceFailed,
@@ -475,6 +478,7 @@ impl Flusher {
                     tokens,
                     fd,
                     store,
+                    range,
                     started,
                 });
                 Ok(())
@@ -537,7 +541,14 @@ impl Flusher {
             };
             self.free.push(slot);
             self.stats.gpspm_fdatasync.record_since(f.started);
-            let status = sync_status(res, &*f.store);
+            let mut status = sync_status(res, &*f.store);
+            if status == FlushStatus::Durable {
+                // Within the namespace's length (checked at submit), which fits usize.
+                let (offset, len) = (f.range.0 as usize, f.range.1 as usize);
+                if let Err(e) = f.store.after_sync(offset, len) {
+                    status = persist_status(Err(e));
+                }
+            }
             out.extend(
                 f.tokens
                     .iter()

@@ -327,6 +327,9 @@ impl Persist for Mapping {
     fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
         each!(self, p => p.before_sync(offset, len))
     }
+    fn after_sync(&self, offset: usize, len: usize) -> Result<()> {
+        each!(self, p => p.after_sync(offset, len))
+    }
     fn durable_by_writeback(&self) -> bool {
         each!(self, p => p.durable_by_writeback())
     }

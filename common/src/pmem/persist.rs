@@ -38,11 +38,21 @@ pub trait Persist: Send + Sync {
     /// true for the first failure (the one to log), false when it had failed already.
     fn record_failure(&self, failure: SyncFailure) -> bool;
     /// Called by whoever is about to make `[offset, offset+len)` durable by syncing the
-    /// backing file another way (the target's io_uring fdatasync for GPSPM), before that sync.
-    /// Real media: nothing to do, the kernel's sync writes what the mapping's stores left in
-    /// the page cache. The power-loss simulation: copies the range from its working copy to
-    /// the media file, which the sync then writes. Errors as [`Persist::persist`].
+    /// backing file another way (the target's io_uring fdatasync for GPSPM), before that sync:
+    /// the range is checked (and a page-cache file's size). Real media: the kernel's sync
+    /// writes what the mapping's stores left in the page cache. Errors as
+    /// [`Persist::persist`].
     fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
+        let _ = (offset, len);
+        Ok(())
+    }
+    /// Called by whoever made `[offset, offset+len)` durable by syncing the backing file
+    /// another way, once that sync returned 0. Real media: nothing to do. The power-loss
+    /// simulation: copies the range from its working copy to its media here, not before the
+    /// sync, so that only a sync that completed, of the range it was for, reaches the media (a
+    /// flush answered without one, or by a sync of another range, leaves the bytes to be lost
+    /// at the simulated power loss, as a real one would). Errors as [`Persist::persist`].
+    fn after_sync(&self, offset: usize, len: usize) -> Result<()> {
         let _ = (offset, len);
         Ok(())
     }

@@ -604,6 +604,10 @@ impl Persist for Simulated {
     }
 
     fn before_sync(&self, offset: usize, len: usize) -> Result<()> {
+        self.check(offset, len)
+    }
+
+    fn after_sync(&self, offset: usize, len: usize) -> Result<()> {
         self.check(offset, len)?;
         self.copy(offset, len, |s| s.persist(offset, len))
     }

@@ -336,6 +336,76 @@ fn gpspm_flushes_reach_the_simulations_media() {
     }
 }
 
+/// Under the power-loss simulation a GPSPM flush's range reaches the media when its sync
+/// returns 0, not when it is submitted: a flush answered without a sync (or a sync of another
+/// range) would leave the bytes to the simulated power loss, as a real one. (They were copied
+/// at submit: the power-loss tests passed whether or not a sync ran, or covered the range.)
+/// Flushes that waited for the file's sync are copied by the sync of their span.
+#[test]
+fn the_simulations_media_gets_a_flushed_range_once_its_sync_returned() {
+    use rpma_common::pmem::Simulation;
+    let disk = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+    let path = disk.path().join("sim");
+    let sim = Simulation {
+        eviction_percent: 0,
+        ..Simulation::default()
+    };
+    let m = Arc::new(
+        OpenOptions::new(&path)
+            .size(1 << 20)
+            .create(true)
+            .power_loss_simulation(Some(sim))
+            .open()
+            .unwrap(),
+    );
+    let t = FlushTarget::for_mapping(&m, 1).unwrap();
+    assert!(format!("{t:?}").contains("page-cache"), "{t:?}");
+    let media = |at: usize, n: usize| std::fs::read(&path).unwrap()[at..at + n].to_vec();
+    m.write_at(8192, b"first").unwrap();
+    m.write_at(65536, b"waited").unwrap();
+    let (mut fl, jobs, done) = by_hand(4);
+    fl.submit(1, &t, 8192, 5).unwrap();
+    fl.submit(2, &t, 65536, 6).unwrap();
+    let first: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+    assert_eq!(first.len(), 1, "the second waits for the file's sync");
+    assert_eq!(
+        media(8192, 5),
+        [0; 5],
+        "on the media before its sync returned"
+    );
+    let mut out = Vec::new();
+    done.send((first[0], 0)).unwrap();
+    fl.poll(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 1,
+            status: FlushStatus::Durable
+        }]
+    );
+    assert_eq!(media(8192, 5), b"first");
+    assert_eq!(
+        media(65536, 6),
+        [0; 6],
+        "the waiting flush's range, before its sync"
+    );
+    let merged: Vec<usize> = jobs.try_iter().map(|j| j.slot).collect();
+    assert_eq!(merged.len(), 1);
+    out.clear();
+    done.send((merged[0], 0)).unwrap();
+    fl.drain(&mut out);
+    assert_eq!(
+        out,
+        [FlushCompletion {
+            token: 2,
+            status: FlushStatus::Durable
+        }]
+    );
+    assert_eq!(media(65536, 6), b"waited");
+    drop(t);
+    Arc::into_inner(m).unwrap().simulate_power_loss();
+}
+
 /// A page-cache namespace's mapping of a file on a disk (not tmpfs: that is volatile).
 fn page_cache_mapping(dir: &std::path::Path, len: u64) -> Arc<Mapping> {
     let m = OpenOptions::new(dir.join("pc"))

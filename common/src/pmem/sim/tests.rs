@@ -316,11 +316,14 @@ fn a_broken_persist_answers_durable_and_writes_nothing() {
         m.flush(0, 12).unwrap();
         assert_eq!(m.drain().unwrap(), Durability::Durable);
         m.before_sync(0, 12).unwrap();
+        m.after_sync(0, 12).unwrap();
         m.simulate_power_loss();
         assert_eq!(media(path, 0, 12), [0; 12]);
     }
 }
 
+/// The flush service's sync: the range reaches the media once the sync returned
+/// (`after_sync`), not before it (`before_sync` checks only).
 #[test]
 fn the_flush_service_sync_copies_the_range_to_the_media() {
     let (_d, _s, files) = stores();
@@ -328,6 +331,8 @@ fn the_flush_service_sync_copies_the_range_to_the_media() {
         let m = open(path, *dax, strict());
         m.write_at(40_000, b"gpspm").unwrap();
         m.before_sync(40_000, 5).unwrap();
+        assert_eq!(media(path, 40_000, 5), [0; 5]);
+        m.after_sync(40_000, 5).unwrap();
         assert_eq!(media(path, 40_000, 5), b"gpspm");
         assert!(
             !m.durable_by_writeback(),
@@ -337,10 +342,15 @@ fn the_flush_service_sync_copies_the_range_to_the_media() {
             m.before_sync(LEN as usize, 1),
             Err(Error::OutOfRange { .. })
         ));
+        assert!(matches!(
+            m.after_sync(LEN as usize, 1),
+            Err(Error::OutOfRange { .. })
+        ));
         m.simulate_power_loss();
     }
     let plain = Mapping::anonymous(4096).unwrap();
     plain.before_sync(0, 4096).unwrap();
+    plain.after_sync(0, 4096).unwrap();
 }
 
 #[test]
