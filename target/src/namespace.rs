@@ -343,7 +343,17 @@ impl OpenNamespace {
         services: usize,
         clearing: bool,
     ) -> Result<Self> {
-        let opts = Self::options(ns);
+        // A file known failed (remembered, carried by a reload, or marked) that is shorter
+        // than its size now (cut short under the daemon: the failure it was remembered for)
+        // opens failed, as it is, rather than stop the start or the reload of everything else.
+        let key = failures::key_of(&ns.path);
+        let known_failed = !clearing
+            && (failed.is_some()
+                || from.is_some_and(|l| l.get(&key).is_some())
+                || std::fs::File::open(&ns.path).ok().is_some_and(|f| {
+                    mark::get(std::os::fd::AsFd::as_fd(&f)).is_ok_and(|m| m.is_some())
+                }));
+        let opts = Self::options(ns).short_ok(known_failed);
         let mapping = Arc::new(opts.open().map_err(|source| {
             let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());
             match source {
@@ -403,7 +413,6 @@ impl OpenNamespace {
                 source,
             }
         })?;
-        let key = failures::key_of(&ns.path);
         let remembered = from.and_then(|l| l.get(&key));
         // The file's own mark, read with the ledger (not by the opening that clears it).
         // A mark that cannot be read (EIO from a failing device) counts as one: the namespace
@@ -459,6 +468,20 @@ impl OpenNamespace {
             opened.reopen_failed(f, remembered);
         }
         opened.remember_failures();
+        if let Some(end) = opened.mapping.unreadable_at() {
+            opened.unreadable_logged.store(true, Ordering::Relaxed);
+            log::error!(
+                "subsystem {subsystem} namespace {} ({}) opened FAILED: the file is {end} bytes, \
+                 shorter than its size {}; nothing of it is read or written, and every \
+                 durability request on it is refused, until the file has its size back and an \
+                 operator clears the failure with `rpma-target clear-failure {subsystem} {}` (the \
+                 other namespaces are served)",
+                ns.nsid,
+                ns.path.display(),
+                opened.mapping.len(),
+                ns.nsid
+            );
+        }
         Ok(opened)
     }
 

@@ -187,6 +187,60 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon_without_crc() {
     a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon("crc = false\n");
 }
 
+/// A restart with nsid 1's file still cut short, its failure found under the running daemon
+/// and remembered (by the mark on the file; with a state file, there too): the daemon starts,
+/// nsid 1 opens failed (shown, logged once, listed unavailable) and nsid 2 serves; a reload
+/// goes through. Once the file has its size back, clear-failure serves nsid 1 again. (The
+/// start was refused, every namespace down, and so was every reload, until the file had its
+/// size back.)
+#[test]
+fn a_restart_with_a_file_still_cut_short_serves_the_other_namespaces() {
+    for top in ["", "state_file = \"state\"\n"] {
+        let (_d, mut t) = a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon(top);
+        t.restart();
+        assert!(
+            failed_of(&t, 1)
+                .as_str()
+                .is_some_and(|s| s.contains("load/store")),
+            "{top:?}: {}",
+            failed_of(&t, 1)
+        );
+        assert!(failed_of(&t, 2).is_null(), "{}", failed_of(&t, 2));
+        let lines = t.log_lines(
+            &["namespace 1", "opened FAILED", "shorter than its size"],
+            Duration::from_secs(10),
+        );
+        assert_eq!(lines.len(), 1, "{}", t.log());
+        let (c, all) = cli(&t, "read --offset 0 --length 4k --json");
+        assert_ne!(c, Some(0), "{all}");
+        let (c, all) = cli(&t, "--nsid 2 read --offset 3M --length 16 --json");
+        assert_eq!(c, Some(0), "{all}");
+        assert!(all.contains("5a5a5a5a"), "{all}");
+        t.reload();
+        assert!(failed_of(&t, 1).is_string());
+        let (c, all) = cli(
+            &t,
+            "--nsid 2 write --offset 0 --pattern 7 --length 64k --durable",
+        );
+        assert_eq!(c, Some(0), "{all}");
+        // Cleared only once the file has its size back.
+        let (c, all) = t.clear_failure(SUB, 1);
+        assert_ne!(c, Some(0), "{all}");
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(t.dir().join("ns1"))
+            .unwrap()
+            .set_len(4 << 20)
+            .unwrap();
+        let (c, all) = t.clear_failure(SUB, 1);
+        assert_eq!(c, Some(0), "{all}");
+        let (c, all) = cli(&t, "read --offset 1020k --length 8k --json");
+        assert_eq!(c, Some(0), "{all}");
+        let hex = format!("{}{}", "5a".repeat(4096), "00".repeat(4096));
+        assert!(all.contains(&hex), "{all}");
+    }
+}
+
 /// A Write placed past the end of a file cut short (page-cache places a range's first Write
 /// after a sync with `pwrite`) grows it back, with zeros between, and no page ever faults:
 /// that durable write must not be answered durable, and the zeros must not be served. (The

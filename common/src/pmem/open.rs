@@ -58,6 +58,7 @@ pub struct OpenOptions {
     pub(super) resize: Resize,
     pub(super) create: bool,
     pub(super) simulation: Option<Simulation>,
+    pub(super) short_ok: bool,
 }
 
 impl OpenOptions {
@@ -72,6 +73,7 @@ impl OpenOptions {
             resize: Resize::Refuse,
             create: false,
             simulation: None,
+            short_ok: false,
         }
     }
 
@@ -99,6 +101,18 @@ impl OpenOptions {
     /// Whether an existing file may be grown or shrunk to the size asked for.
     pub fn resize(mut self, resize: Resize) -> OpenOptions {
         self.resize = resize;
+        self
+    }
+
+    /// Open an existing file shorter than [`size`](Self::size), which the resize choice does
+    /// not grow, as it is instead of refusing it ([`Error::WouldGrow`]): mapped at `size`,
+    /// nothing grown or allocated past its end, and failed at once as for a page the kernel
+    /// cannot give back, at the file's end ([`Mapping::unreadable_at`]): its bytes are read
+    /// and written no more. For a store known failed already (a file cut short under a
+    /// running daemon), so that it is served failed rather than stop everything else.
+    /// Not with the power-loss simulation.
+    pub fn short_ok(mut self, short_ok: bool) -> OpenOptions {
+        self.short_ok = short_ok;
         self
     }
 
@@ -285,6 +299,10 @@ impl OpenOptions {
         if mapping.is_err() && created {
             let _ = fs::remove_file(&self.path);
         }
+        if let (true, Ok(m)) = (self.short_ok, &mapping) {
+            // Opened short: failed at the file's end now, before any access meets it.
+            m.check_size();
+        }
         if created && mapping.is_ok() {
             // The new name is durable only once its directory is synced (fsync(2)): most
             // journalling filesystems commit it with the file's first sync, but not all
@@ -313,7 +331,17 @@ impl OpenOptions {
             source,
         };
         let existing = file.metadata().map_err(|e| io_err("stat", e))?.len();
-        let size = self.settle_size(existing)?;
+        // Opened short (`short_ok`): mapped at its size, nothing grown or allocated past the
+        // file's end.
+        let short = self.short_ok
+            && self.simulation.is_none()
+            && self.resize == Resize::Refuse
+            && existing > 0
+            && self.size.is_some_and(|s| s > existing);
+        let size = match self.size {
+            Some(size) if short => size,
+            _ => self.settle_size(existing)?,
+        };
         if let Some(sim) = self.simulation {
             // Before anything is resized: a live simulation of this file keeps its own size.
             Sim::check_live(file, size as usize, sim).map_err(|e| self.sim_error(e))?;
@@ -322,9 +350,11 @@ impl OpenOptions {
             file.set_len(size).map_err(|e| io_err("shrink", e))?;
         }
         // Allocate every block now, holes included, so that no store into the mapping ever needs
-        // the filesystem to find space (which would be SIGBUS on a full filesystem).
+        // the filesystem to find space (which would be SIGBUS on a full filesystem); of a file
+        // opened short, only what it holds.
+        let allocate = if short { existing } else { size };
         // SAFETY: posix_fallocate only reads the descriptor and the integer arguments.
-        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, size as libc::off_t) };
+        let rc = unsafe { libc::posix_fallocate(file.as_raw_fd(), 0, allocate as libc::off_t) };
         if rc != 0 {
             let source = io::Error::from_raw_os_error(rc);
             if size > existing && !created {
@@ -592,6 +622,7 @@ fn is_ram_fs(file: &File, path: &Path) -> io::Result<bool> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::pmem::Persist;
 
     #[test]
     fn an_overlays_upper_directory_is_found_from_the_mount_over_the_path() {
@@ -611,6 +642,46 @@ mod tests {
         // Path components, not string prefixes.
         assert_eq!(up("/srv/live rootless/ns1"), None);
         assert_eq!(unescape("a\\040b\\134c\\9"), "a b\\c\\9");
+    }
+
+    /// A file shorter than its size opens only with `short_ok`: as it is (not grown, nothing
+    /// allocated past its end), mapped at its size, failed at its end; without it, and under
+    /// the simulation, the refusal as before.
+    #[test]
+    fn a_short_file_opens_failed_only_when_asked() {
+        let d = tempfile::tempdir_in(env!("CARGO_MANIFEST_DIR")).unwrap();
+        let path = d.path().join("ns");
+        std::fs::write(&path, vec![7u8; 8192]).unwrap();
+        let opts = || OpenOptions::new(&path).size(1 << 20).create(true);
+        assert!(matches!(opts().open(), Err(Error::WouldGrow { .. })));
+        let sim = Some(Simulation::default());
+        assert!(matches!(
+            opts().short_ok(true).power_loss_simulation(sim).open(),
+            Err(Error::WouldGrow { .. })
+        ));
+        let m = opts().short_ok(true).open().unwrap();
+        assert_eq!(m.len(), 1 << 20);
+        assert_eq!(std::fs::metadata(&path).unwrap().len(), 8192, "not grown");
+        assert_eq!(m.unreadable_at(), Some(8192));
+        assert!(m.failure().is_some());
+        let mut b = [0u8; 8];
+        assert!(matches!(
+            m.read_at(0, &mut b),
+            Err(Error::Unreadable { .. })
+        ));
+        drop(m);
+        // A file of its size opens healthy with it too.
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(&path)
+            .unwrap()
+            .set_len(1 << 20)
+            .unwrap();
+        let m = opts().short_ok(true).open().unwrap();
+        assert_eq!(m.unreadable_at(), None);
+        assert!(m.failure().is_none());
+        m.read_at(0, &mut b).unwrap();
+        assert_eq!(b, [7; 8]);
     }
 
     #[test]
