@@ -678,3 +678,63 @@ fn crc_is_on_when_either_side_asks_for_it() {
         assert!(all.contains("on") && all.contains("off"), "{all}");
     }
 }
+
+/// A read whose `--out` names something that was there (here a device that fails every
+/// write, as /dev/full does) fails and leaves it: only a file the read created is removed.
+/// (A failed read removed whatever the path named, a device node included: a read into
+/// /dev/sdX that met a link error took the node with it.)
+#[test]
+fn a_failed_read_leaves_an_out_path_it_did_not_create() {
+    let (d, _shm, t) = start("out");
+    let full = d.path().join("full");
+    nix::sys::stat::mknod(
+        &full,
+        nix::sys::stat::SFlag::S_IFCHR,
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+        nix::sys::stat::makedev(1, 7),
+    )
+    .unwrap();
+    let (c, _, all) = cli_path(&t, "read --offset 0 --length 64k --out", &full);
+    assert_ne!(c, Some(0), "{all}");
+    assert!(all.contains("writing"), "{all}");
+    let kind = std::fs::symlink_metadata(&full)
+        .unwrap_or_else(|e| panic!("{} is gone ({e}): {all}", full.display()))
+        .file_type();
+    assert!(
+        std::os::unix::fs::FileTypeExt::is_char_device(&kind),
+        "{kind:?}"
+    );
+    // A file it creates gets the bytes.
+    let out = d.path().join("out");
+    let (c, _, all) = cli_path(&t, "read --offset 0 --length 64k --out", &out);
+    assert_eq!(c, Some(0), "{all}");
+    assert_eq!(std::fs::metadata(&out).unwrap().len(), 64 << 10);
+}
+
+/// `write --in` and `verify --in` from a FIFO (a pipe: `zcat img | ... --in /dev/stdin`) are
+/// refused as bad input, saying why: there is no length to check the range with first. (Its
+/// metadata's length, 0, was taken: 0 bytes written, exit 0.)
+#[test]
+fn write_and_verify_from_a_pipe_are_refused_not_empty() {
+    let (d, _shm, t) = start("pipe");
+    let fifo = d.path().join("fifo");
+    nix::unistd::mkfifo(&fifo, nix::sys::stat::Mode::from_bits_truncate(0o600)).unwrap();
+    for line in ["write --offset 0 --durable --in", "verify --offset 0 --in"] {
+        // The writer's end, so that the initiator's open of the FIFO returns.
+        let writer = {
+            let fifo = fifo.clone();
+            std::thread::spawn(move || {
+                use std::io::Write;
+                let mut f = std::fs::OpenOptions::new().write(true).open(&fifo).unwrap();
+                let _ = f.write_all(b"hello");
+            })
+        };
+        let (c, _, all) = cli_path(&t, line, &fifo);
+        assert_eq!(c, Some(2), "{line}: {all}");
+        assert!(
+            all.contains("not a regular file or a block device"),
+            "{all}"
+        );
+        writer.join().unwrap();
+    }
+}

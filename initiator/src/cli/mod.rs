@@ -109,12 +109,29 @@ impl Bytes {
                 if length.is_some() {
                     return Err(usage("--length goes with --pattern, not --in".into()));
                 }
-                let f = std::fs::File::open(path)
-                    .map_err(|e| io_failure(format!("reading {}", path.display()), e))?;
-                let len = f
-                    .metadata()
-                    .map_err(|e| io_failure(format!("reading {}", path.display()), e))?
-                    .len();
+                use std::io::{Seek, SeekFrom};
+                use std::os::unix::fs::FileTypeExt;
+                let failed = |e| io_failure(format!("reading {}", path.display()), e);
+                let mut f = std::fs::File::open(path).map_err(failed)?;
+                let kind = f.metadata().map_err(failed)?.file_type();
+                // The length first, so that the whole range is checked before anything is
+                // written: a regular file's, or a block device's (its end). A pipe, FIFO or
+                // character device has none (its metadata said 0: it wrote 0 bytes and
+                // succeeded).
+                let len = if kind.is_file() {
+                    f.metadata().map_err(failed)?.len()
+                } else if kind.is_block_device() {
+                    let len = f.seek(SeekFrom::End(0)).map_err(failed)?;
+                    f.seek(SeekFrom::Start(0)).map_err(failed)?;
+                    len
+                } else {
+                    return Err(usage(format!(
+                        "--in {}: not a regular file or a block device (a pipe or a FIFO has \
+                         no length to check against the namespace before writing); write it to \
+                         a file first",
+                        path.display()
+                    )));
+                };
                 Ok(Bytes::File(f, len, path.clone()))
             }
             (None, Some(b)) => Ok(Bytes::Pattern(
@@ -220,8 +237,9 @@ pub(crate) fn list(g: &Global) -> Result<(), Failure> {
 
 /// Where `read` puts the bytes.
 enum ReadSink<'a> {
-    /// `--out FILE` (created once the range was checked, removed again if the read fails).
-    File(std::fs::File, &'a Path),
+    /// `--out FILE`, opened once the range was checked; whether this read created it (then
+    /// removed again if the read fails; a file or device that was there is left).
+    File(std::fs::File, &'a Path, bool),
     /// Raw bytes on stdout (a pipe or file).
     Raw,
     /// A hex dump on stdout (a terminal).
@@ -234,6 +252,31 @@ fn stdout_failure(e: std::io::Error) -> Failure {
     io_failure("writing stdout".into(), e)
 }
 
+/// Opens `--out PATH` for a read: created if missing (whether it was: the read removes only
+/// what it created), an existing regular file truncated, anything else (a block device, a
+/// FIFO, /dev/null) written as it is. (A failed read removed whatever PATH named, a device
+/// node included.)
+fn open_out(p: &Path) -> Result<(std::fs::File, bool), Failure> {
+    let failed = |e| io_failure(format!("creating {}", p.display()), e);
+    match std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .open(p)
+    {
+        Ok(f) => Ok((f, true)),
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
+            let regular = std::fs::metadata(p).map_err(failed)?.is_file();
+            let f = std::fs::OpenOptions::new()
+                .write(true)
+                .truncate(regular)
+                .open(p)
+                .map_err(failed)?;
+            Ok((f, false))
+        }
+        Err(e) => Err(failed(e)),
+    }
+}
+
 pub(crate) fn read(
     g: &Global,
     offset: u64,
@@ -244,18 +287,17 @@ pub(crate) fn read(
     // The whole range first: nothing is created or printed for a request that cannot fit.
     check_range(q.namespace(g.nsid)?.descriptor(), offset, length)?;
     let mut sink = match out {
-        Some(p) => ReadSink::File(
-            std::fs::File::create(p)
-                .map_err(|e| io_failure(format!("creating {}", p.display()), e))?,
-            p,
-        ),
+        Some(p) => {
+            let (f, created) = open_out(p)?;
+            ReadSink::File(f, p, created)
+        }
         None if g.json => ReadSink::JsonHex,
         None if std::io::stdout().is_terminal() => ReadSink::Hexdump,
         None => ReadSink::Raw,
     };
     let r = read_into(g, &mut q, offset, length, &mut sink);
     close(q);
-    if let (Err(_), ReadSink::File(_, p)) = (&r, &sink) {
+    if let (Err(_), ReadSink::File(_, p, true)) = (&r, &sink) {
         let _ = std::fs::remove_file(p);
     }
     r?;
@@ -316,7 +358,7 @@ fn read_into(
         buf.resize(n, 0);
         q.namespace(g.nsid)?.read_at(offset + at, &mut buf)?;
         match sink {
-            ReadSink::File(f, p) => f
+            ReadSink::File(f, p, _) => f
                 .write_all(&buf)
                 .map_err(|e| io_failure(format!("writing {}", p.display()), e))?,
             ReadSink::Raw => w.write_all(&buf).map_err(stdout_failure)?,
