@@ -36,7 +36,8 @@ enum Command {
         /// for testing and benchmarking on DRAM. The domain then reads `dax (forced)`.
         #[arg(long)]
         force_dax: bool,
-        /// Allow growing an existing file to --size.
+        /// Allow growing an existing file to --size (refused for a file a running rpma-target
+        /// serves: grow that through its configuration).
         #[arg(long)]
         grow: bool,
         /// Print JSON instead of text.

@@ -145,6 +145,9 @@ impl Report {
 /// Errors: a size string that does not parse, and every [`rpma_common::pmem::Error`] of
 /// [`OpenOptions::open`].
 pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
+    if args.grow {
+        refuse_if_served(&args.path)?;
+    }
     let mut opts = OpenOptions::new(&args.path)
         .block_size(args.block_size)
         .force_dax(args.force_dax)
@@ -170,6 +173,32 @@ pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
         }
     })?;
     Ok(Report::new(&mapping, args.block_size))
+}
+
+/// Refuses to grow a file a running daemon serves: the daemon holds an exclusive `flock` on
+/// every namespace file it maps (namespace/claim.rs), and a file grown under it changes the
+/// size its hosts were told, and its next start refuses the file. (`probe --grow` grew it.)
+fn refuse_if_served(path: &std::path::Path) -> anyhow::Result<()> {
+    use std::os::fd::AsRawFd;
+    let Ok(f) = std::fs::File::open(path) else {
+        // Nothing there (or not readable): open reports what it finds.
+        return Ok(());
+    };
+    if !f.metadata().is_ok_and(|m| m.is_file()) {
+        return Ok(());
+    }
+    // SAFETY: flock only takes the descriptor, open for the call, and the flags.
+    let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
+    if rc != 0 && std::io::Error::last_os_error().raw_os_error() == Some(libc::EWOULDBLOCK) {
+        anyhow::bail!(
+            "{}: in use by another process (a running rpma-target serves it): growing it \
+             under the daemon would change the size its hosts were told; grow it through the \
+             daemon's configuration instead (its `size`, with `grow = true`, then a reload)",
+            path.display()
+        );
+    }
+    // The lock (if taken) goes with the descriptor.
+    Ok(())
 }
 
 /// Runs `rpma-target probe`: prints the report (text or JSON) on stdout.

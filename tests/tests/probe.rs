@@ -194,3 +194,41 @@ fn a_file_on_an_overlay_over_tmpfs_is_volatile() {
     assert!(text.contains("domain:      page-cache\n"), "{text}");
     assert!(text.contains("acks mean:   durable\n"), "{text}");
 }
+
+/// `probe --grow` of a file a running rpma-target serves is refused, the file untouched: the
+/// daemon's hosts were told its size, and its next start would refuse the file. (It grew the
+/// file: the daemon's `check-config` then said it would refuse it.) Without --grow the probe
+/// only reports.
+#[test]
+fn grow_of_a_file_a_running_target_serves_is_refused() {
+    let dir = scratch();
+    let path = dir.path().join("ns1");
+    let t = rpma_tests::Target::start(
+        dir.path(),
+        &format!(
+            "[[subsystem]]\nnqn = \"nqn.2026-12.io.rpma:probe\"\nallow_any_host = true\n\
+             [[subsystem.namespace]]\nnsid = 1\npath = \"{}\"\nsize = \"4MiB\"\n",
+            path.display()
+        ),
+    );
+    let out = rpma_target(&["probe", p(&path), "--size", "16MiB", "--grow"]);
+    assert!(!out.status.success(), "{}", stdout(&out));
+    assert!(
+        stderr(&out).contains("in use by another process"),
+        "{}",
+        stderr(&out)
+    );
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 4 << 20, "grown");
+    let out = rpma_target(&["probe", p(&path)]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert!(
+        stdout(&out).contains("size:        4194304 bytes"),
+        "{}",
+        stdout(&out)
+    );
+    drop(t);
+    // The daemon gone, the file may grow.
+    let out = rpma_target(&["probe", p(&path), "--size", "16MiB", "--grow"]);
+    assert!(out.status.success(), "{}", stderr(&out));
+    assert_eq!(std::fs::metadata(&path).unwrap().len(), 16 << 20);
+}
