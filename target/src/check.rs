@@ -171,7 +171,13 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     )?;
     let remembered = match crate::failures::peek(&cfg.state_file) {
         Ok(f) => {
-            let dir = cfg.state_file.parent().unwrap_or(Path::new("."));
+            // A bare file name's parent is "" (a configuration named without a directory):
+            // the current one.
+            let dir = cfg
+                .state_file
+                .parent()
+                .filter(|d| !d.as_os_str().is_empty())
+                .unwrap_or(Path::new("."));
             let writable = match &f {
                 Some(_) => nix::unistd::access(&cfg.state_file, nix::unistd::AccessFlags::W_OK),
                 None => nix::unistd::access(dir, nix::unistd::AccessFlags::W_OK),

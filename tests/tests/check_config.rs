@@ -397,3 +397,21 @@ size = "1MiB"
     );
     assert!(out.contains("FAILED: 3 problem(s)"), "{out}");
 }
+
+/// Run from the configuration's own directory with its bare file name (`rpma-target
+/// check-config c.toml`), as the daemon accepts it: the state file's directory is the current
+/// one. (It said the state file was not writable, ENOENT from `access("")`, and FAILED.)
+#[test]
+fn a_bare_file_name_checks_as_the_daemon_starts() {
+    let d = tempfile::tempdir().unwrap();
+    run(d.path(), &good());
+    let out = rpma_tests::run_with_deadline(
+        std::process::Command::new(rpma_tests::target_bin())
+            .current_dir(d.path())
+            .args(["check-config", "c.toml"]),
+        std::time::Duration::from_secs(30),
+    );
+    let text = rpma_tests::text(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(!text.contains("problem"), "{text}");
+}
