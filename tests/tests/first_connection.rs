@@ -201,6 +201,13 @@ fn what_cannot_pass_fails_at_once_and_help_says_what_is_retried() {
             "{}",
             text(&o)
         );
+        // Said once (the warning repeated the error's own "cannot connect to URL").
+        if let Some(warn) = text(&o)
+            .lines()
+            .find(|l| l.contains("retrying with backoff"))
+        {
+            assert_eq!(warn.matches("cannot connect to").count(), 1, "{warn}");
+        }
     }
 }
 

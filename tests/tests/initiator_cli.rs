@@ -738,3 +738,40 @@ fn write_and_verify_from_a_pipe_are_refused_not_empty() {
         writer.join().unwrap();
     }
 }
+
+/// A `tcp://` URL naming a port where something else answers (an nvme-tcp:// port, another
+/// service): exit 3 at once, saying so, not a minute of retries of "bad MPA key".
+#[test]
+fn a_port_that_does_not_speak_mpa_fails_at_once_saying_so() {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("tcp://{}", l.local_addr().unwrap());
+    let server = std::thread::spawn(move || {
+        use std::io::{Read, Write};
+        // Every connection made (one, unless retried) gets an answer that is no MPA Reply.
+        l.set_nonblocking(false).unwrap();
+        let (mut s, _) = l.accept().unwrap();
+        let mut req = [0u8; 16];
+        let _ = s.read(&mut req);
+        let _ = s.write_all(b"HTTP/1.0 400 Bad Request\r\n\r\n");
+        // Until the initiator closes: a close with its bytes unread would reset the
+        // connection before it read the answer.
+        let _ = s.shutdown(std::net::Shutdown::Write);
+        let _ = std::io::copy(&mut s, &mut std::io::sink());
+    });
+    let o = initiator(&[
+        "--target",
+        &url,
+        "--nqn",
+        SUB,
+        "--hostnqn",
+        HOST,
+        "--reconnect-timeout",
+        "30",
+        "list",
+    ]);
+    let all = text(&o);
+    assert_eq!(o.status.code(), Some(3), "{all}");
+    assert!(all.contains("does not speak MPA"), "{all}");
+    assert!(!all.contains("retrying"), "{all}");
+    server.join().unwrap();
+}

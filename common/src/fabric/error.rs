@@ -72,6 +72,17 @@ pub enum Error {
         #[source]
         source: Option<Box<dyn std::error::Error + Send + Sync>>,
     },
+    /// The peer answered the MPA Request with something that is no MPA Reply: a service that
+    /// is not an iWARP (rpma `tcp://`) listener, such as an NVMe/TCP port. Making the
+    /// connection again cannot help.
+    #[error(
+        "{peer} does not speak MPA: not an rpma tcp:// listener (is it an nvme-tcp:// port, or \
+         another service?)"
+    )]
+    NotMpa {
+        /// The peer address.
+        peer: String,
+    },
     /// The peer closed the connection before sending a byte of its MPA Request: a TCP port
     /// probe or health check (`nc -z`, a load balancer's check), not a failed handshake.
     #[error("{peer} closed the connection before sending anything")]

@@ -73,8 +73,8 @@ impl ReconnectPolicy {
     /// Makes a first connection, retrying within this policy while it fails in a way that may
     /// pass (`may_pass`): a target that is not there yet (refused, unreachable, reset, timed
     /// out), or that refuses for lack of room or because it is shutting down. A refusal of
-    /// the host, the subsystem, the key or the version, a bad URL or a missing device fails at
-    /// once. `attempt` gets each attempt's connect deadline: `timeout`, cut to what is left of
+    /// the host, the subsystem, the key or the version, a bad URL, a peer that does not speak
+    /// MPA (another service on that port) or a missing device fails at once. `attempt` gets each attempt's connect deadline: `timeout`, cut to what is left of
     /// the policy's time after the first. The first failure that is retried is logged
     /// (WARN), with how long the policy keeps trying.
     ///
@@ -103,9 +103,13 @@ impl ReconnectPolicy {
                 return Err(e);
             }
             if retries == 1 {
+                // A Connect error names the URL itself.
+                let why = match &e {
+                    Error::Connect { .. } => rpma_common::error_chain(&e),
+                    e => format!("cannot connect to {url}: {}", rpma_common::error_chain(e)),
+                };
                 log::warn!(
-                    "cannot connect to {url}: {}; retrying with backoff for up to {:.0?}",
-                    rpma_common::error_chain(&e),
+                    "{why}; retrying with backoff for up to {:.0?}",
                     self.timeout
                 );
             } else {
@@ -143,6 +147,7 @@ pub(crate) fn may_pass(e: &Error) -> bool {
         Error::Connect { source, .. } => !matches!(
             source,
             fabric::Error::BadUrl { .. }
+                | fabric::Error::NotMpa { .. }
                 | fabric::Error::TransportUnavailable { .. }
                 | fabric::Error::NoDevice
                 | fabric::Error::NoSuchDevice { .. }

@@ -163,6 +163,11 @@ pub(crate) fn connect(
                             private_data,
                         })
                     }
+                    Err(WireError::BadMpaKey { .. }) => {
+                        return Err(Error::NotMpa {
+                            peer: addr.to_string(),
+                        })
+                    }
                     Err(e) => return Err(handshake_err(addr, e)),
                 };
                 s.set_read_timeout(None)
