@@ -33,7 +33,9 @@
 //! # Promises
 //!
 //! - Threads: [`Mapping`] is `Send + Sync`; persist/flush/drain may be called from any thread.
-//!   `drain` waits for every flush made before it, from any thread.
+//!   `drain` waits for every flush made before it by the same thread; on page-cache by any
+//!   thread too, but not on dax, where the fence orders only its own CPU's write-backs: a
+//!   thread drains what it flushed itself (as the placement engine does).
 //! - Cleanup: dropping a [`Mapping`] unmaps it and closes the file; a file created by a failed
 //!   [`OpenOptions::open`] is removed.
 //! - A file is allocated in full before it is mapped, so a full filesystem is an error at open,

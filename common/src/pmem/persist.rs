@@ -26,10 +26,12 @@ pub trait Persist: Send + Sync {
     /// `Ok(Durability::VisibleOnly)`). Unaligned ranges allowed; out-of-range -> `Err`.
     fn persist(&self, offset: usize, len: usize) -> Result<Durability>;
     /// Starts write-back of a range without waiting (dax: clwb/clflushopt without the fence;
-    /// page-cache: sync_file_range start); [`Persist::drain`] then waits for everything flushed
-    /// so far. Out-of-range -> `Err`.
+    /// page-cache: sync_file_range start); [`Persist::drain`] on the same thread then waits for
+    /// it (on dax the fence orders only the write-backs of the CPU that runs it: drain on the
+    /// thread that flushed). Out-of-range -> `Err`.
     fn flush(&self, offset: usize, len: usize) -> Result<()>;
-    /// Waits until every range flushed so far is durable (or, on volatile memory, visible).
+    /// Waits until every range this thread flushed so far is durable (or, on volatile memory,
+    /// visible); page-cache waits for those of every thread.
     fn drain(&self) -> Result<Durability>;
     /// The first write-back failure of this store, if it has failed.
     fn failure(&self) -> Option<SyncFailure>;
