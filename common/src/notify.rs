@@ -3,6 +3,7 @@
 //! variable is unset every call is a no-op, so the daemon runs the same outside systemd.
 
 use std::ffi::OsStr;
+use std::os::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use std::os::linux::net::SocketAddrExt;
 use std::os::unix::ffi::OsStrExt;
 use std::os::unix::net::{SocketAddr, UnixDatagram};
@@ -189,6 +190,91 @@ impl Notifier {
     pub fn watchdog(&self) -> Result<()> {
         self.send("WATCHDOG=1")
     }
+
+    /// Hands `fd` to the service manager's file descriptor store under `name` (FDSTORE=1,
+    /// FDNAME=, and FDPOLL=0: a regular file is never polled): it is given back to the
+    /// service's next start ([`listen_fds`]), while the unit allows it
+    /// (`FileDescriptorStoreMax=`). Nothing without a service manager.
+    ///
+    /// # Errors
+    /// [`NotifyError::Socket`], [`NotifyError::Send`].
+    pub fn store_fd(&self, name: &str, fd: BorrowedFd<'_>) -> Result<()> {
+        use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
+        let Some((_, addr, shown)) = &self.target else {
+            return Ok(());
+        };
+        let sock_err = |source| NotifyError::Socket {
+            addr: shown.clone(),
+            source,
+        };
+        // Connected, so that the message needs no address of nix's own kind.
+        let sock = UnixDatagram::unbound().map_err(sock_err)?;
+        sock.connect_addr(addr).map_err(sock_err)?;
+        let msg = format!("FDSTORE=1\nFDNAME={name}\nFDPOLL=0");
+        let iov = [std::io::IoSlice::new(msg.as_bytes())];
+        let fds = [fd.as_raw_fd()];
+        sendmsg::<()>(
+            sock.as_raw_fd(),
+            &iov,
+            &[ControlMessage::ScmRights(&fds)],
+            MsgFlags::empty(),
+            None,
+        )
+        .map(|_| ())
+        .map_err(|e| NotifyError::Send {
+            what: "FDSTORE=1".into(),
+            source: e.into(),
+        })
+    }
+
+    /// Takes the descriptors stored under `name` out of the service manager's store
+    /// (FDSTOREREMOVE=1).
+    ///
+    /// # Errors
+    /// [`NotifyError::Send`].
+    pub fn remove_fds(&self, name: &str) -> Result<()> {
+        self.send(&format!("FDSTOREREMOVE=1\nFDNAME={name}"))
+    }
+}
+
+/// The descriptors the service manager passed to this process (`$LISTEN_FDS` from fd 3, for
+/// this process only: `$LISTEN_PID`), with their names (`$LISTEN_FDNAMES`), as
+/// sd_listen_fds_with_names(3) reads them: taken once (the variables are removed, the
+/// descriptors made close-on-exec). None passed: empty.
+pub fn listen_fds() -> Vec<(String, OwnedFd)> {
+    let ours = std::env::var("LISTEN_PID")
+        .ok()
+        .and_then(|p| p.trim().parse::<u32>().ok())
+        == Some(std::process::id());
+    let n = std::env::var("LISTEN_FDS")
+        .ok()
+        .and_then(|n| n.trim().parse::<i32>().ok())
+        .unwrap_or(0);
+    let names = std::env::var("LISTEN_FDNAMES").unwrap_or_default();
+    for v in ["LISTEN_PID", "LISTEN_FDS", "LISTEN_FDNAMES"] {
+        // Read once at start-up, before the daemon starts its threads (the environment is not
+        // safe to change beside them).
+        std::env::remove_var(v);
+    }
+    if !ours || !(1..=4096).contains(&n) {
+        return Vec::new();
+    }
+    let mut names = names.split(':');
+    (0..n)
+        .filter_map(|i| {
+            let raw = 3 + i;
+            let name = names.next().unwrap_or("unknown").to_owned();
+            // Only a descriptor that is open (the manager passed it).
+            let flags = nix::fcntl::fcntl(raw, nix::fcntl::FcntlArg::F_GETFD).ok()?;
+            let flags =
+                nix::fcntl::FdFlag::from_bits_truncate(flags) | nix::fcntl::FdFlag::FD_CLOEXEC;
+            let _ = nix::fcntl::fcntl(raw, nix::fcntl::FcntlArg::F_SETFD(flags));
+            // SAFETY: the service manager passed fd `raw` to this process alone ($LISTEN_PID),
+            // it is open (F_GETFD succeeded), and nothing else in the process owns it: it is
+            // taken once, here.
+            Some((name, unsafe { OwnedFd::from_raw_fd(raw) }))
+        })
+        .collect()
 }
 
 fn one_line(s: &str) -> String {
@@ -285,6 +371,52 @@ mod tests {
             Notifier::from_vars(None, Some("0"), None, 1),
             Err(NotifyError::BadWatchdog(_))
         ));
+    }
+
+    #[test]
+    fn a_stored_descriptor_reaches_the_manager_with_its_name() {
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        use std::os::fd::AsFd;
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("notify");
+        let server = UnixDatagram::bind(&p).unwrap();
+        let n = Notifier::from_vars(Some(p.as_os_str()), None, None, 1).unwrap();
+        let file = tempfile::tempfile().unwrap();
+        n.store_fd("rpma-ns-1-2", file.as_fd()).unwrap();
+        let mut buf = [0u8; 256];
+        let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+        let mut space = nix::cmsg_space!([std::os::fd::RawFd; 1]);
+        let m = recvmsg::<()>(
+            server.as_raw_fd(),
+            &mut iov,
+            Some(&mut space),
+            MsgFlags::empty(),
+        )
+        .unwrap();
+        let fds: Vec<_> = m
+            .cmsgs()
+            .unwrap()
+            .filter_map(|c| match c {
+                ControlMessageOwned::ScmRights(f) => Some(f),
+                _ => None,
+            })
+            .flatten()
+            .collect();
+        let len = m.bytes;
+        assert_eq!(fds.len(), 1);
+        // The same file: another descriptor of it.
+        let st = |fd| nix::sys::stat::fstat(fd).unwrap();
+        assert_eq!(st(fds[0]).st_ino, st(file.as_raw_fd()).st_ino);
+        let _ = nix::unistd::close(fds[0]);
+        assert_eq!(
+            std::str::from_utf8(&buf[..len]).unwrap(),
+            "FDSTORE=1\nFDNAME=rpma-ns-1-2\nFDPOLL=0"
+        );
+        n.remove_fds("rpma-ns-1-2").unwrap();
+        assert_eq!(recv(&server), "FDSTOREREMOVE=1\nFDNAME=rpma-ns-1-2");
+        // Without a manager: nothing.
+        let none = Notifier::from_vars(None, None, None, 1).unwrap();
+        none.store_fd("x", file.as_fd()).unwrap();
     }
 
     #[test]

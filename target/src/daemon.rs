@@ -28,6 +28,7 @@ use crate::control::{
     NamespaceStatus, SessionStatus, Status, SubsystemStatus, TransportMethods,
 };
 use crate::failures::FailureLedger;
+use crate::fdstore::FdStore;
 use crate::metrics::listener::{ListenerError, MetricsServer, PageFn};
 use crate::metrics::DataCounters;
 use crate::namespace::{NamespaceError, NamespaceTable};
@@ -111,6 +112,8 @@ struct State {
     serve: Box<dyn Serve>,
     metrics: Option<MetricsServer>,
     metrics_status: Option<MetricsListenerStatus>,
+    /// The page-cache namespace files' descriptors kept with the service manager.
+    fdstore: FdStore,
 }
 
 struct Shared {
@@ -341,6 +344,8 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     let sfd = SignalFd::with_flags(&mask, SfdFlags::SFD_CLOEXEC | SfdFlags::SFD_NONBLOCK)
         .map_err(DaemonError::Signals)?;
     let notifier = Notifier::from_env()?;
+    // Taken before any thread starts (it removes $LISTEN_FDS and the rest).
+    let mut fdstore = FdStore::from_env();
 
     // Absolute, so that status and reloads name the same file whatever the working directory.
     let config_path =
@@ -356,6 +361,18 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     warn_if_state_shares_a_filesystem(&config);
     let namespaces = NamespaceTable::open_all_remembering(&config, Some(ledger))?;
     log::info!("{} namespace(s) mapped", namespaces.len());
+    // Before anything is served: a write-back failure the last run's sync took the report of
+    // as it died fails its namespace now (crate::fdstore).
+    if !fdstore.is_empty() {
+        let failed = fdstore.check(&namespaces, &notifier);
+        log::info!(
+            "{} namespace file descriptor(s) kept from the last run checked: {failed} \
+             namespace(s) failed by a write-back error it did not record",
+            fdstore.len()
+        );
+    } else {
+        fdstore.keep(&namespaces, &notifier);
+    }
     let socket = config.control_socket.clone();
     let shared = Arc::new(Shared {
         config_path: config_path.to_owned(),
@@ -369,6 +386,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             serve,
             metrics: None,
             metrics_status: None,
+            fdstore,
         }),
     });
     let weak = Arc::downgrade(&shared);
@@ -545,11 +563,15 @@ fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, Stri
         config,
         namespaces,
         serve,
+        fdstore,
         ..
     } = &mut *st;
     let cleared = namespaces
         .clear_failure(&key, config)
         .map_err(|e| rpma_common::error_chain(&e))?;
+    if let Some(id) = namespaces.get(&key.0, key.1).and_then(|ns| ns.file_id()) {
+        fdstore.cleared(id);
+    }
     let said = cleared.what_may_be_lost(&key);
     log::warn!("clear-failure (operator, through the control socket): {said}");
     let diff = ConfigDiff {
@@ -597,9 +619,13 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
             new.poll_loops = st.config.poll_loops;
             new.state_file = st.config.state_file.clone();
             let State {
-                serve, namespaces, ..
+                serve,
+                namespaces,
+                fdstore,
+                ..
             } = &mut *st;
             serve.reloaded(&d, &new, namespaces);
+            fdstore.keep(namespaces, notifier);
             // New connections of the tcp listeners offer the reloaded CRC setting.
             for l in st
                 .listeners

@@ -54,6 +54,7 @@ pub mod control;
 pub mod daemon;
 mod eventfd;
 pub mod failures;
+pub mod fdstore;
 pub mod flusher;
 pub mod handshake;
 pub mod memlock;

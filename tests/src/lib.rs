@@ -48,7 +48,9 @@ pub use initiator::{
     text,
 };
 pub use relay::{Fault, Relay};
-pub use target::{check_config, status, status_json, target_bin, Daemon, Target, READY_WITHIN};
+pub use target::{
+    check_config, status, status_json, target_bin, Daemon, FdStore, Target, READY_WITHIN,
+};
 pub use transport::Transport;
 
 /// Names the directory scratch files go under instead of the build directory: the VM lab sets

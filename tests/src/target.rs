@@ -46,11 +46,104 @@ pub fn status_json(socket: &Path) -> serde_json::Value {
 }
 
 /// A running `rpma-target --config CONFIG` that tells `DIR/notify.sock` what it does.
-/// Killed (SIGKILL) on drop.
+/// Killed (SIGKILL) on drop. The descriptors it stores with its service manager
+/// (`FDSTORE=1`) are kept in its [`FdStore`], not returned as notifications.
 #[derive(Debug)]
 pub struct Daemon {
     child: Child,
     notify: UnixDatagram,
+    store: FdStore,
+}
+
+/// A service manager's file descriptor store, as systemd keeps one across restarts of a
+/// service: what a daemon stored (`FDSTORE=1`, `FDNAME=`; `FDSTOREREMOVE=1` takes a name's
+/// out), passed to the next daemon started with it (`$LISTEN_FDS` from fd 3, `$LISTEN_PID`,
+/// `$LISTEN_FDNAMES`).
+#[derive(Debug, Clone, Default)]
+pub struct FdStore(std::sync::Arc<std::sync::Mutex<Vec<(String, std::os::fd::OwnedFd)>>>);
+
+impl FdStore {
+    /// Closes what it holds.
+    pub fn clear(&self) {
+        self.0.lock().unwrap().clear();
+    }
+
+    /// The names stored, in order.
+    pub fn names(&self) -> Vec<String> {
+        self.0
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
+    }
+
+    /// Takes in a notification: whether it was one for the store (kept, not a message).
+    fn take(&self, msg: &str, fds: Vec<std::os::fd::OwnedFd>) -> bool {
+        let name = msg
+            .lines()
+            .find_map(|l| l.strip_prefix("FDNAME="))
+            .unwrap_or("stored")
+            .to_owned();
+        let mut held = self.0.lock().unwrap();
+        if msg.lines().any(|l| l == "FDSTORE=1") {
+            held.extend(fds.into_iter().map(|fd| (name.clone(), fd)));
+            true
+        } else if msg.lines().any(|l| l == "FDSTOREREMOVE=1") {
+            held.retain(|(n, _)| *n != name);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// Passes the stored descriptors to `cmd` (whose program is then run through `sh`, for
+    /// `$LISTEN_PID` to name the daemon's process).
+    fn pass_to(&self, cmd: Command) -> Command {
+        use std::os::fd::AsRawFd;
+        use std::os::unix::process::CommandExt;
+        let held = self.0.lock().unwrap();
+        if held.is_empty() {
+            return cmd;
+        }
+        let raw: Vec<i32> = held.iter().map(|(_, fd)| fd.as_raw_fd()).collect();
+        let names: Vec<&str> = held.iter().map(|(n, _)| n.as_str()).collect();
+        let mut sh = Command::new("sh");
+        sh.arg("-c")
+            .arg("LISTEN_PID=$$ exec \"$0\" \"$@\"")
+            .arg(cmd.get_program())
+            .args(cmd.get_args());
+        for (k, v) in cmd.get_envs() {
+            match v {
+                Some(v) => sh.env(k, v),
+                None => sh.env_remove(k),
+            };
+        }
+        sh.env("LISTEN_FDS", raw.len().to_string())
+            .env("LISTEN_FDNAMES", names.join(":"));
+        // SAFETY: only dup/fcntl calls (async-signal-safe) on the child's own descriptors.
+        unsafe {
+            sh.pre_exec(move || {
+                // Out of the way first: a descriptor may sit where another is to go.
+                let mut high = Vec::with_capacity(raw.len());
+                for &fd in &raw {
+                    let h = libc::fcntl(fd, libc::F_DUPFD_CLOEXEC, 1000);
+                    if h < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                    high.push(h);
+                }
+                for (i, &h) in high.iter().enumerate() {
+                    // dup2 leaves the new descriptor without close-on-exec.
+                    if libc::dup2(h, 3 + i as i32) < 0 {
+                        return Err(std::io::Error::last_os_error());
+                    }
+                }
+                Ok(())
+            });
+        }
+        sh
+    }
 }
 
 /// In a daemon's `env`: start it without CAP_IPC_LOCK (dropped from the bounding set before
@@ -65,6 +158,18 @@ impl Daemon {
     /// Starts the daemon on `config` with NOTIFY_SOCKET at `dir/notify.sock`, no watchdog
     /// unless `env` (added to its environment) asks for one, and its stderr to `stderr`.
     pub fn start(config: &Path, dir: &Path, env: &[(&str, &str)], stderr: Stdio) -> Daemon {
+        Daemon::start_with(config, dir, env, stderr, FdStore::default())
+    }
+
+    /// As [`Daemon::start`], passing what `store` holds and keeping what the daemon stores
+    /// there (a restart under systemd).
+    pub fn start_with(
+        config: &Path,
+        dir: &Path,
+        env: &[(&str, &str)],
+        stderr: Stdio,
+        store: FdStore,
+    ) -> Daemon {
         let sock = dir.join("notify.sock");
         let _ = std::fs::remove_file(&sock);
         let notify = UnixDatagram::bind(&sock).expect("bind notify socket");
@@ -73,13 +178,15 @@ impl Daemon {
             .arg(config)
             .env("NOTIFY_SOCKET", &sock)
             .env_remove("WATCHDOG_USEC")
-            .env_remove("WATCHDOG_PID")
-            .stdin(Stdio::null())
-            .stdout(Stdio::null())
-            .stderr(stderr);
+            .env_remove("WATCHDOG_PID");
         for (k, v) in env {
             cmd.env(k, v);
         }
+        // Program, arguments and environment only: what the store's wrapping carries over.
+        let mut cmd = store.pass_to(cmd);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(stderr);
         if env.contains(&WITHOUT_IPC_LOCK) {
             use std::os::unix::process::CommandExt;
             // SAFETY: prctl is async-signal-safe and touches only the child's own state.
@@ -102,6 +209,7 @@ impl Daemon {
         Daemon {
             child: cmd.spawn().expect("spawn rpma-target"),
             notify,
+            store,
         }
     }
 
@@ -110,16 +218,53 @@ impl Daemon {
         self.child.id()
     }
 
-    /// The next notification, or None after `within`.
+    /// The next notification, or None after `within`. Descriptors stored with it go to its
+    /// [`FdStore`].
     pub fn next(&self, within: Duration) -> Option<String> {
-        self.notify
-            .set_read_timeout(Some(within.max(Duration::from_millis(1))))
-            .unwrap();
-        let mut buf = [0u8; 4096];
-        match self.notify.recv(&mut buf) {
-            Ok(n) => Some(String::from_utf8_lossy(&buf[..n]).into_owned()),
-            Err(_) => None,
+        use nix::sys::socket::{recvmsg, ControlMessageOwned, MsgFlags};
+        use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+        let deadline = Instant::now() + within;
+        loop {
+            let left = deadline.saturating_duration_since(Instant::now());
+            self.notify
+                .set_read_timeout(Some(left.max(Duration::from_millis(1))))
+                .unwrap();
+            let mut buf = [0u8; 4096];
+            let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+            let mut space = nix::cmsg_space!([std::os::fd::RawFd; 16]);
+            let (n, fds) = match recvmsg::<()>(
+                self.notify.as_raw_fd(),
+                &mut iov,
+                Some(&mut space),
+                MsgFlags::MSG_CMSG_CLOEXEC,
+            ) {
+                Ok(m) => {
+                    let fds: Vec<OwnedFd> = m
+                        .cmsgs()
+                        .into_iter()
+                        .flatten()
+                        .filter_map(|c| match c {
+                            ControlMessageOwned::ScmRights(f) => Some(f),
+                            _ => None,
+                        })
+                        .flatten()
+                        // SAFETY: received with this message: this process owns them now.
+                        .map(|fd| unsafe { OwnedFd::from_raw_fd(fd) })
+                        .collect();
+                    (m.bytes, fds)
+                }
+                Err(_) => return None,
+            };
+            let msg = String::from_utf8_lossy(&buf[..n]).into_owned();
+            if !self.store.take(&msg, fds) {
+                return Some(msg);
+            }
         }
+    }
+
+    /// What it stored with its service manager (and what it was given).
+    pub fn store(&self) -> &FdStore {
+        &self.store
     }
 
     /// The next notification but watchdog pings, which must start with `prefix`; panics if
@@ -203,6 +348,8 @@ pub struct Target {
     env: Vec<(String, String)>,
     daemon: Option<Daemon>,
     ready: String,
+    /// Its service manager's descriptor store, kept across [`restart`](Self::restart)s.
+    store: FdStore,
 }
 
 impl Target {
@@ -250,6 +397,7 @@ impl Target {
                 .collect(),
             daemon: None,
             ready: String::new(),
+            store: FdStore::default(),
         };
         t.spawn();
         t
@@ -265,11 +413,12 @@ impl Target {
         let level = std::env::var("RPMA_TEST_TARGET_LOG").unwrap_or_else(|_| "info".to_owned());
         let mut env = vec![("RUST_LOG", level.as_str())];
         env.extend(self.env.iter().map(|(k, v)| (k.as_str(), v.as_str())));
-        self.daemon = Some(Daemon::start(
+        self.daemon = Some(Daemon::start_with(
             &self.dir.join("target.toml"),
             &self.dir,
             &env,
             Stdio::from(log),
+            self.store.clone(),
         ));
         self.wait_ready();
     }
@@ -461,10 +610,30 @@ impl Target {
         (count("fdatasync"), count("msync"))
     }
 
-    /// Starts the target again on the same config and port (after [`kill9`](Self::kill9)).
+    /// Starts the target again on the same config and port (after [`kill9`](Self::kill9)),
+    /// with the descriptors it stored with its service manager, as systemd restarts it.
     pub fn restart(&mut self) {
         self.kill9();
         self.spawn();
+    }
+
+    /// Starts it again after [`kill9`](Self::kill9) (a restart done in two steps, for what
+    /// happens while it is down).
+    pub fn start_again(&mut self) {
+        assert!(self.daemon.is_none(), "the target is running");
+        self.spawn();
+    }
+
+    /// Its service manager's descriptor store.
+    pub fn fd_store(&self) -> &FdStore {
+        &self.store
+    }
+
+    /// [`kill9`](Self::kill9), and its service manager's descriptor store released, as
+    /// `systemctl stop` releases it: the files it held may be unmounted.
+    pub fn stop_service(&mut self) {
+        self.kill9();
+        self.store.clear();
     }
 }
 

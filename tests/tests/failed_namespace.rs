@@ -302,7 +302,7 @@ fn stays_failed_and_serves_only_the_media(restart: bool) {
     );
 
     // What hosts were served is what the media holds: no byte of the failed writes.
-    t.kill9();
+    t.stop_service();
     fs.remount();
     for nsid in [1u32, 2] {
         let media = std::fs::read(fs.mnt.join(format!("ns{nsid}"))).unwrap();
@@ -365,7 +365,7 @@ fn stays_failed_and_serves_only_the_media(restart: bool) {
     assert_eq!(c, Some(1), "nsid 2 was not cleared: {all}");
 
     // The cleared one stays cleared across a restart; the other stays failed.
-    t.kill9();
+    t.stop_service();
     fs.remount();
     let media = std::fs::read(fs.mnt.join("ns1")).unwrap();
     assert!(media[2 << 20..3 << 20].iter().all(|&b| b == 0x33));
@@ -636,4 +636,86 @@ fn clear_failure_is_refused_while_the_write_back_still_fails() {
     assert_eq!(c, Some(0), "{all}");
     assert!(failed_of(&t, 1).is_null(), "{}", ns_status(&t, 1));
     drop(t);
+}
+
+/// A write-back error whose one report a sync the daemon did not live to record took (it was
+/// killed while its sync ran: the kernel finishes the sync, and the process is gone; here
+/// another process's sync after the SIGKILL plays that part): the next start hears of it
+/// through the description of the file the daemon kept in its service manager's descriptor
+/// store, and nsid 1 comes back failed; nsid 2, on another filesystem, healthy. After an operator's clear-failure a restart does not hear it again. (It came back
+/// healthy: no description opened by the new run hears of the error, and a retried flush of
+/// those pages was answered durable.)
+#[test]
+fn a_writeback_error_a_killed_daemons_sync_took_is_heard_at_the_next_start() {
+    let d = rpma_tests::scratch();
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
+    };
+    let m = fs.mnt.display();
+    let t_dir = d.path().join("target");
+    std::fs::create_dir(&t_dir).unwrap();
+    let mut t = Target::start(
+        &t_dir,
+        &format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n\
+             [[subsystem.namespace]]\nnsid = 1\npath = \"{m}/ns1\"\nsize = \"8MiB\"\n\
+             [[subsystem.namespace]]\nnsid = 2\npath = \"{}/ns2\"\nsize = \"8MiB\"\n",
+            t_dir.display()
+        ),
+    );
+    let names = t.fd_store().names();
+    assert_eq!(
+        names.len(),
+        2,
+        "one description per page-cache file: {names:?}"
+    );
+    // Written, placed, not durable: dirty pages only the page cache holds.
+    {
+        let mut q = Connection::new(
+            &t.url(),
+            Nqn::new(SUB).unwrap(),
+            HostIdentity::new(Nqn::new(HOST).unwrap()),
+        )
+        .open_queue(0)
+        .unwrap();
+        let mut ns = q.namespace(1).unwrap();
+        ns.write_at(0, &[0x5a; 1 << 20]).unwrap();
+        ns.place_writes().unwrap();
+    }
+    fs.fill();
+    t.kill9();
+    let synced = std::fs::File::open(fs.mnt.join("ns1")).unwrap().sync_data();
+    assert!(synced.is_err(), "the write-back fails: {synced:?}");
+    t.start_again();
+    let failed = failed_of(&t, 1);
+    assert!(
+        failed.as_str().is_some_and(|f| f.contains("fdatasync")),
+        "{}",
+        ns_status(&t, 1)
+    );
+    assert!(failed_of(&t, 2).is_null(), "{}", ns_status(&t, 2));
+    let lines = t.log_lines(
+        &["namespace 1", "previous run ended before it recorded it"],
+        std::time::Duration::from_secs(10),
+    );
+    assert_eq!(lines.len(), 1, "{}", t.log());
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm flush --offset 0 --length 1M",
+    );
+    assert_eq!(c, Some(1), "{all}");
+    assert!(all.contains("FAILED"), "{all}");
+    // Cleared (the filesystem has room again): a restart does not hear the old report.
+    fs.free();
+    let (c, all) = clear_failure(&t, 1);
+    assert_eq!(c, Some(0), "{all}");
+    t.restart();
+    assert!(failed_of(&t, 1).is_null(), "{}", ns_status(&t, 1));
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm flush --offset 0 --length 1M",
+    );
+    assert_eq!(c, Some(0), "{all}");
 }
