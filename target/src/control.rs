@@ -304,6 +304,13 @@ mod tests {
                     sources: 0,
                     evicted: 0,
                 },
+                unlisted: PoolStatus {
+                    held: 2,
+                    limit: 64,
+                    per_source_limit: 0,
+                    sources: 1,
+                    evicted: 5,
+                },
             }),
             metrics: Some(MetricsStatus {
                 counting: true,
@@ -343,6 +350,11 @@ mod tests {
         let (got, raw) = query_status(&p).unwrap();
         assert_eq!(got, st);
         assert!(raw.contains("nqn.2026-11.io.rpma:demo"));
+        // The status of a daemon from before the unlisted pool still reads.
+        let mut v = serde_json::to_value(&st).unwrap();
+        v["admission"].as_object_mut().unwrap().remove("unlisted");
+        let old: Status = serde_json::from_value(v).unwrap();
+        assert_eq!(old.admission.unwrap().unlisted, PoolStatus::default());
         let e = request(&p, "frobnicate").unwrap();
         assert!(e.contains("unknown request"), "{e}");
         // A second daemon must not steal the socket.
@@ -520,6 +532,10 @@ mod tests {
         );
         assert!(
             t.contains("unadmitted     3 of 64    per source 8     sources 2     evicted 7"),
+            "{t}"
+        );
+        assert!(
+            t.contains("unlisted       2 of 64    per source 0     sources 1     evicted 5"),
             "{t}"
         );
         let mut empty = sample();

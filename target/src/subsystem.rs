@@ -99,6 +99,17 @@ pub fn admit<'a>(cfg: &'a Config, c: &Connect) -> Admission<'a> {
     }
 }
 
+/// Whether the subsystem `c` asks for lists its host, with a key or without. A host admitted
+/// to a subsystem that does not list it got in only because the subsystem allows any host
+/// (under any NQN it made up): in a full target such a session is the first a listed host's
+/// takes the place of.
+pub fn lists_host(cfg: &Config, c: &Connect) -> bool {
+    cfg.subsystems
+        .iter()
+        .find(|s| s.nqn == c.subsystem_nqn)
+        .is_some_and(|s| s.hosts.iter().any(|h| h.nqn == c.host_nqn))
+}
+
 /// `url` with a wildcard host replaced by `local`'s address (see [`discovery`]).
 pub(crate) fn advertised(url: &ListenUrl, local: Option<SocketAddr>) -> ListenUrl {
     let (Ok(bound), Some(local)) = (url.host.parse::<IpAddr>(), local) else {
@@ -257,6 +268,17 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
         assert!(matches!(
             admit(&c, &connect("nqn.2026-11.io.rpma:stranger", DISCOVERY_NQN)),
             Admission::Discovery
+        ));
+        // Listed or not: by the subsystem asked for, whatever the others list.
+        assert!(lists_host(
+            &c,
+            &connect("nqn.2026-11.io.rpma:plain", CLOSED)
+        ));
+        assert!(lists_host(&c, &connect("nqn.2026-11.io.rpma:keyed", OPEN)));
+        assert!(!lists_host(&c, &connect("nqn.2026-11.io.rpma:plain", OPEN)));
+        assert!(!lists_host(
+            &c,
+            &connect("nqn.2026-11.io.rpma:stranger", OPEN)
         ));
         let off = cfg(d.path(), false);
         assert_eq!(

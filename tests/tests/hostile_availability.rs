@@ -13,19 +13,19 @@ use std::time::{Duration, Instant};
 
 use hostile::{Peer, Suite};
 use rpma_common::proto::nqn::DISCOVERY_NQN;
-use rpma_common::proto::{FlushStatus, KeepAlive, Message};
+use rpma_common::proto::{FlushStatus, KeepAlive, Message, RefusalReason};
 use rpma_initiator::{connect, discover};
 use rpma_tests::sessions::{OPEN, PLAIN, SUB, WAIT};
-use rpma_tests::{counted_in_summaries, host, nqn, opts, summary_lines};
+use rpma_tests::{counted_in_summaries, host, nqn, opts, summary_lines, Target};
 
 /// The allowed host's own address: the initiator library connects to 127.0.0.1 from it.
 const HOST_ADDR: Ipv4Addr = Ipv4Addr::LOCALHOST;
 
 /// Waits until `pred` holds on the status' `admission` object.
-fn wait_admission(s: &Suite, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
+fn wait_admission(t: &Target, what: &str, pred: impl Fn(&serde_json::Value) -> bool) {
     let deadline = Instant::now() + WAIT;
     loop {
-        let st = s.t.status();
+        let st = t.status();
         if pred(&st["admission"]) {
             return;
         }
@@ -95,7 +95,7 @@ fn discovery_session(p: &mut Peer) {
 fn half_open_connections_from_the_hosts_own_address_cannot_keep_it_out() {
     let mut s = Suite::start("handshake_timeout_ms = 60000");
     let mut held: Vec<Peer> = (0..8).map(|_| Peer::open(s.port(), HOST_ADDR)).collect();
-    wait_admission(&s, "the attackers hold the address's cap", |a| {
+    wait_admission(&s.t, "the attackers hold the address's cap", |a| {
         a["unadmitted"]["held"] == 8 && a["unadmitted"]["sources"] == 1
     });
     let mut sess = connect(&s.t.url(), &nqn(SUB), &host(PLAIN), &opts())
@@ -137,7 +137,7 @@ fn discovery_sessions_from_the_hosts_own_address_cannot_keep_it_out() {
     for p in &mut held {
         p.message(&Message::KeepAlive(KeepAlive { seq: 1 }));
     }
-    wait_admission(&s, "the attackers hold the address's cap", |a| {
+    wait_admission(&s.t, "the attackers hold the address's cap", |a| {
         a["discovery"]["held"] == 4
     });
     let names = |v: Vec<rpma_common::proto::DiscoveryEntry>| -> Vec<String> {
@@ -639,4 +639,109 @@ fn port_probes_are_counted_not_warned_about() {
     }
     s.unchanged("port probes");
     s.finish();
+}
+
+/// A session on OPEN (allow_any_host) as a made-up `host` from `src`: Some(the admitted peer),
+/// None if the target refused it as full (anything else fails the test).
+fn unlisted_session(port: u16, src: Ipv4Addr, host: &str) -> Option<Peer> {
+    let mut p = Peer::open(port, src);
+    p.connect(host, OPEN);
+    match p.next_message() {
+        Message::ConnectResponse(_) => Some(p),
+        Message::Refusal(r) if r.reason == RefusalReason::TooManyConnections => None,
+        other => panic!("{host}: {other:?}"),
+    }
+}
+
+/// `p`, an unlisted session, is told that a listed host took its place.
+fn displaced_by_a_listed_host(p: &mut Peer, which: &str) {
+    match p.next_message() {
+        Message::Disconnect(d) => {
+            assert!(d.reason.contains("its subsystem lists"), "{which}: {d:?}")
+        }
+        other => panic!("{which}: {other:?}"),
+    }
+}
+
+/// Sessions of made-up host NQNs on an `allow_any_host` subsystem, from one address, holding
+/// every place (`max_connections`): a host that SUB lists (without a key) still gets in, each
+/// time in the place of the oldest of them, which is told why and closed; the last unlisted
+/// one goes for the last listed one. Full of listed hosts, the target refuses an unlisted
+/// newcomer, and a listed one too (a listed host never takes another's place). (Before, the
+/// listed host was refused TooManyConnections: only a host that proved its key got in.)
+#[test]
+fn unlisted_sessions_from_one_address_cannot_keep_a_listed_host_out() {
+    const MAX: usize = 4;
+    let d = rpma_tests::scratch();
+    let t = rpma_tests::sessions::start(d.path(), &format!("max_connections = {MAX}"));
+    let src = Ipv4Addr::new(127, 0, 0, 2);
+    let evil = |i: usize| format!("nqn.2026-11.io.evil:h{i}");
+    let mut held: Vec<Peer> = (0..MAX)
+        .map(|i| unlisted_session(t.port(), src, &evil(i)).expect("a place for an unlisted host"))
+        .collect();
+    wait_admission(&t, "the unlisted sessions hold every place", |a| {
+        a["sessions"]["held"] == MAX
+    });
+    assert!(
+        unlisted_session(t.port(), src, &evil(MAX)).is_none(),
+        "an unlisted host takes nobody's place"
+    );
+
+    // Keep-alives the test need not send while it waits for the others.
+    let opts = rpma_initiator::ConnectOptions {
+        keep_alive: Duration::from_secs(60),
+        ..opts()
+    };
+    let mut listed = Vec::new();
+    for i in 0..MAX {
+        let mut sess = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts)
+            .unwrap_or_else(|e| panic!("listed host {i} in a target full of unlisted ones: {e}"));
+        assert_eq!(sess.flush(1, 0, 4096, WAIT).unwrap(), FlushStatus::Durable);
+        listed.push(sess);
+        displaced_by_a_listed_host(&mut held[i], &format!("unlisted session {i}"));
+        if i == 0 {
+            assert!(
+                held[0].closed(),
+                "the displaced session's connection stayed open"
+            );
+            wait_admission(&t, "the unlisted pool shows the others", |a| {
+                a["unlisted"]["held"] == MAX - 1 && a["unlisted"]["sources"] == 1
+            });
+        }
+        if let Some(next) = held.get_mut(i + 1) {
+            assert!(next.still_open(), "only the oldest unlisted session went");
+        }
+    }
+    wait_admission(&t, "the listed hosts hold every place", |a| {
+        a["sessions"]["held"] == MAX && a["unlisted"]["held"] == 0
+    });
+    let st = t.status();
+    assert_eq!(st["admission"]["unlisted"]["evicted"], MAX, "{st}");
+    assert_eq!(st["admission"]["sessions"]["evicted"], MAX, "{st}");
+    assert_eq!(st["metrics"]["sessions_ended"]["evicted"], MAX, "{st}");
+
+    // Full of listed hosts: an unlisted newcomer is refused, and so is a listed one.
+    assert!(
+        unlisted_session(t.port(), src, &evil(MAX + 1)).is_none(),
+        "an unlisted host took a listed host's place"
+    );
+    let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts);
+    assert!(
+        matches!(
+            e,
+            Err(rpma_initiator::Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "a listed host took another's place: {e:?}"
+    );
+    for (i, sess) in listed.iter_mut().enumerate() {
+        assert_eq!(
+            sess.flush(1, 0, 8, WAIT).unwrap(),
+            FlushStatus::Durable,
+            "listed session {i}"
+        );
+    }
+    assert_eq!(t.status()["admission"]["sessions"]["evicted"], MAX);
 }

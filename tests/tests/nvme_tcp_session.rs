@@ -988,3 +988,41 @@ fn a_keyed_host_takes_the_place_of_an_nvme_controller_in_a_full_target() {
     assert_eq!(st["admission"]["sessions"]["evicted"], 1);
     assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 1, "{st}");
 }
+
+/// On an `allow_any_host` subsystem, a controller of a host the subsystem does not list gives
+/// its place in a full target (`max_connections`) to a listed host's, which is admitted; the
+/// unlisted one's connection is closed. Full of a listed host's controller, the target refuses
+/// an unlisted newcomer and a listed one alike (busy). (Before, the listed host was refused
+/// busy: only a host that proved its key on a `tcp://` listener took a place.)
+#[test]
+fn a_listed_host_takes_the_place_of_an_unlisted_controller_in_a_full_target() {
+    let dir = rpma_tests::scratch();
+    let config = Config::new().set("max_connections = 1").subsystem(
+        Subsystem::new(SUB)
+            .any_host()
+            .host(HOST)
+            .namespace(Namespace::new(1, "ns1", "1MiB")),
+    );
+    let t = Target::start_on(dir.path(), "nvme-tcp://127.0.0.1", &config.to_string(), &[]);
+    let addr = format!("127.0.0.1:{}", t.port());
+    let busy = |host: &str| {
+        let e = Controller::connect(&addr, SUB, host, (false, false)).expect_err("full");
+        assert_eq!(e.code(), sc::CONNECT_BUSY, "{host}: {e:?}");
+    };
+    let mut unlisted =
+        Controller::connect(&addr, SUB, OTHER, (false, false)).expect("an unlisted host admitted");
+    busy("nqn.2026-11.io.rpma:nvme-stranger-2");
+    let mut listed =
+        Controller::connect(&addr, SUB, HOST, (false, false)).expect("the listed host gets in");
+    assert!(matches!(
+        unlisted.admin.recv(),
+        Err(rpma_tests::nvme::Error::Closed(_))
+    ));
+    ok(listed.identify(1, 0));
+    busy(OTHER);
+    busy(HOST);
+    let st = t.status();
+    assert_eq!(st["admission"]["unlisted"]["evicted"], 1, "{st}");
+    assert_eq!(st["admission"]["sessions"]["evicted"], 1, "{st}");
+    assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 1, "{st}");
+}

@@ -124,9 +124,11 @@ fn connection_limit_refuses_the_next() {
 }
 
 /// A host that proved its key gets in when the target is full of sessions whose hosts proved
-/// nothing (a subsystem open to any host, a host listed without a key): the oldest of those is
-/// closed and told why. A newcomer that proves nothing is still refused. (Peers that proved
-/// nothing, from any address, held every place and locked keyed hosts out.)
+/// nothing: in the place of the oldest session of a host its subsystem does not list (a
+/// subsystem open to any host) first, although a listed host's is older, then of the oldest of
+/// a host listed without a key; each is closed and told why. A newcomer that proves nothing is
+/// still refused. (Peers that proved nothing, from any address, held every place and locked
+/// keyed hosts out; until the unlisted pool, the listed host's older session went first.)
 #[test]
 fn a_keyed_host_takes_the_place_of_an_unproven_session_in_a_full_target() {
     let d = scratch();
@@ -137,20 +139,32 @@ fn a_keyed_host_takes_the_place_of_an_unproven_session_in_a_full_target() {
     assert_too_many(&e);
     let keyed = host(KEYED).with_psk(Psk::from_hex(&KEY.repeat(32)).unwrap());
     let mut k = connect(&t.url(), &nqn(SUB), &keyed, &opts()).expect("the keyed host gets in");
+    let end = open.wait_message(WAIT, "the goodbye");
+    assert!(
+        matches!(end, Err(Error::Disconnected { ref reason }) if reason.contains("proved its key")),
+        "{end:?}"
+    );
+    // The keyed session works; the listed host's unproven one is untouched.
+    assert_eq!(k.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(oldest.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    // No unlisted session left: the next keyed host takes the listed host's place.
+    let mut k2 = connect(&t.url(), &nqn(SUB), &keyed, &opts()).expect("a second keyed session");
     let end = oldest.wait_message(WAIT, "the goodbye");
     assert!(
         matches!(end, Err(Error::Disconnected { ref reason }) if reason.contains("proved its key")),
         "{end:?}"
     );
-    // The keyed session works; the other unproven one is untouched.
-    assert_eq!(k.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
-    assert_eq!(open.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(k2.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
     let st = t.status();
-    assert_eq!(st["admission"]["sessions"]["evicted"], 1);
-    assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 1, "{st}");
-    // Full again (the keyed session and the other): nothing that proves no key gets in.
+    assert_eq!(st["admission"]["sessions"]["evicted"], 2, "{st}");
+    assert_eq!(st["admission"]["unlisted"]["evicted"], 1, "{st}");
+    assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 2, "{st}");
+    // Full again (two keyed sessions): nothing that proves no key gets in.
     let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
     assert_too_many(&e);
+    let e = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts());
+    assert_too_many(&e);
+    assert_eq!(k.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
 /// Connections that never Connect hold only what the Connect exchange needs until they are

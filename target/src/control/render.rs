@@ -107,6 +107,7 @@ pub fn render(s: &Status) -> String {
             ("unadmitted", &a.unadmitted),
             ("discovery", &a.discovery),
             ("sessions", &a.sessions),
+            ("unlisted", &a.unlisted),
         ] {
             let _ = writeln!(
                 o,

@@ -64,12 +64,19 @@ pub struct AdmissionStatus {
     /// Discovery sessions.
     pub discovery: PoolStatus,
     /// Admitted I/O sessions (`max_connections`; no per-source cap; evicted: sessions whose
-    /// host proved no key, closed for a host that proved its key when the target was full).
+    /// host proved no key, closed for a host of a higher standing when the target was full,
+    /// the unlisted ones' included).
     pub sessions: PoolStatus,
+    /// Of the admitted sessions, those of hosts their subsystem does not list (let in by
+    /// `allow_any_host`): the first closed for a listed host when the target is full (limit:
+    /// `max_connections`; no per-source cap; evicted: closed so). Absent from the status of a
+    /// daemon before it.
+    #[serde(default)]
+    pub unlisted: PoolStatus,
 }
 
 /// One pool.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolStatus {
     /// Held now.
     pub held: usize,

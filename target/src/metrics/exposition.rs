@@ -454,6 +454,7 @@ pub fn render(s: &Status, p: &Process) -> String {
             ("unadmitted", &a.unadmitted),
             ("discovery", &a.discovery),
             ("sessions", &a.sessions),
+            ("unlisted", &a.unlisted),
         ];
         o.each(
             "rpma_target_admission_held",

@@ -201,7 +201,8 @@ pub enum EndReason {
     ProtocolError,
     /// The target stopped.
     Shutdown,
-    /// A host that proved its key took its place in the full target (this one proved none).
+    /// A host of a higher standing took its place in the full target: one that proved its key
+    /// (this one proved none), or one its subsystem lists (this one's does not list it).
     Evicted,
 }
 

@@ -28,9 +28,9 @@ use super::queue::{Env, Queue, IN_CAPSULE_DATA};
 use super::reply::Reply;
 use super::state::{AdminQueue, DiscoveryQueue, Input, IoQueue, Phase, Registration, Then};
 use crate::namespace::OpenNamespace;
-use crate::serve::budget::Pool;
+use crate::serve::budget::{Pool, Standing};
 use crate::serve::{LogClass, SessionInfo, MIN_KEEP_ALIVE};
-use crate::subsystem::{admit, Admission};
+use crate::subsystem::{admit, lists_host, Admission};
 
 /// Bytes of Connect data.
 const CONNECT_DATA_LEN: usize = 1024;
@@ -300,7 +300,9 @@ impl Queue {
                         .filter(|((s, _), _)| *s == subsystem.nqn)
                         .map(|(_, ns)| Arc::clone(ns))
                         .collect();
-                    self.connect_admin(&connect, kato, namespaces, env)?
+                    // No key is proven on nvme-tcp:// (no in-band authentication).
+                    let standing = Standing::of(false, lists_host(&cfg, &connect));
+                    self.connect_admin(&connect, kato, namespaces, standing, env)?
                 }
             }
         };
@@ -317,6 +319,7 @@ impl Queue {
         c: &proto::Connect,
         kato: Duration,
         namespaces: Vec<Arc<OpenNamespace>>,
+        standing: Standing,
         env: &mut Env<'_>,
     ) -> Result<u16, Refusal> {
         let kato = io_kato(kato, &env.ctx.serve.config());
@@ -325,8 +328,7 @@ impl Queue {
         let entries = ctx.queue_entries();
         let mut made = None;
         let peer = self.peer;
-        // No key is proven on nvme-tcp:// (no in-band authentication).
-        let info = ctx.serve.register_session(false, |id| {
+        let info = ctx.serve.register_session(standing, |id| {
             let ctrl = Arc::new(Controller::new(
                 id,
                 CtrlKind::Io,
@@ -381,13 +383,15 @@ impl Queue {
                 if ctrl.vwc { "reported" } else { "none" }
             ),
         );
-        // Out of the unadmitted pool: it counts against max_connections now, and a host that
-        // proves its key on another listener may take its place when the target is full.
-        self.ticket = Some(env.ctx.serve.budgets.enlist(
-            Pool::Unproven,
-            self.peer.ip(),
-            env.owner.clone(),
-        ));
+        // Out of the unadmitted pool: it counts against max_connections now, and when the
+        // target is full a host that proves its key on another listener may take its place,
+        // or (if its subsystem does not list it) a listed host.
+        self.ticket = standing.pool().map(|p| {
+            env.ctx
+                .serve
+                .budgets
+                .enlist(p, self.peer.ip(), env.owner.clone())
+        });
         let id = ctrl.cntlid;
         self.phase = Phase::Admin(Box::new(AdminQueue {
             ctrl,

@@ -358,8 +358,10 @@ impl Loop {
         for (key, c) in conns.iter_mut() {
             env.conn = *key;
             if c.queue.ticket.as_ref().is_some_and(Ticket::evicted) {
-                // An admitted controller's place went to a host that proved its key (the
-                // target was full); the others' to a newer connection of their pool.
+                // An admitted controller's place went to a host of a higher standing (the
+                // target was full: a host that proved its key, or a listed one for a
+                // controller of an unlisted host); the others' to a newer connection of their
+                // pool.
                 if c.queue.is_admin() {
                     c.queue.end(crate::metrics::EndReason::Evicted, &mut env);
                 } else {

@@ -471,8 +471,8 @@ impl Queue {
         if let Phase::Admin(a) = &self.phase {
             a.ctrl.kill();
             env.effect(Effect::WakeAll);
-            // No session any more: its place in the unproven pool goes now, not after the
-            // linger (a keyed host evicting it would free nothing).
+            // No session any more: its place in the unproven or unlisted pool goes now, not
+            // after the linger (a host evicting it would free nothing).
             self.ticket = None;
         }
         if let Phase::Io(q) = &self.phase {

@@ -15,11 +15,18 @@
 //! Before admission a connection holds only what the control exchange needs (a few receive
 //! slots, see the poll loop), so the pool bounds the memory of unadmitted connections too.
 //!
-//! Admitted sessions whose host proved no key (a subsystem open to any host, a host listed
-//! without a key, every `nvme-tcp://` controller) are listed in a third pool, [`Pool::Unproven`],
-//! which has no limits of its own (`max_connections` bounds every session): when the target is
-//! full, a host that proved its key takes the place of the oldest of them
-//! ([`Budgets::evict_oldest`]), so that peers who proved nothing cannot lock keyed hosts out.
+//! Admitted sessions whose host proved no key are listed in two more pools, which have no
+//! limits of their own (`max_connections` bounds every session), by their [`Standing`]: those
+//! whose host the subsystem does not list (admitted only because it allows any host: a made-up
+//! NQN, anyone on earth) in [`Pool::Unlisted`], the lowest class; those of a host the subsystem
+//! lists without a key (every `nvme-tcp://` controller of a listed host too) in
+//! [`Pool::Unproven`]. When the target is full a newcomer takes the place of the oldest of the
+//! classes below its own ([`Budgets::make_room`]): a host that proved its key that of the oldest
+//! unlisted session, else of the oldest unproven one; a listed host without a key that of the
+//! oldest unlisted session, never another listed host's; an unlisted host nobody's. So peers
+//! that are not listed, from any address, cannot lock listed hosts out, and peers that proved
+//! nothing cannot lock keyed hosts out. (A listed host without a key is only as safe as its
+//! NQN is secret: whoever claims it is that host here.)
 
 use std::collections::{BTreeMap, HashMap};
 use std::net::IpAddr;
@@ -40,8 +47,10 @@ pub(crate) enum Pool {
     Unadmitted,
     /// Discovery sessions.
     Discovery,
-    /// Admitted sessions whose host proved no key.
+    /// Admitted sessions of a host its subsystem lists without a key (it proved none).
     Unproven,
+    /// Admitted sessions of a host its subsystem does not list (let in by `allow_any_host`).
+    Unlisted,
 }
 
 impl Pool {
@@ -51,6 +60,55 @@ impl Pool {
             Pool::Unadmitted => "unadmitted",
             Pool::Discovery => "discovery",
             Pool::Unproven => "unproven sessions",
+            Pool::Unlisted => "unlisted sessions",
+        }
+    }
+
+    /// Whether its tickets are held by admitted sessions (given up with the session, not
+    /// after the connection's linger: a newcomer evicting one would free nothing).
+    pub(crate) fn holds_sessions(self) -> bool {
+        matches!(self, Pool::Unproven | Pool::Unlisted)
+    }
+}
+
+/// What an admitted session's host showed, which decides the pool it is listed in and whose
+/// place it may take in a full target.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Standing {
+    /// It proved the key its subsystem lists it with.
+    Proven,
+    /// Its subsystem lists it without a key.
+    Listed,
+    /// Its subsystem does not list it: admitted because the subsystem allows any host.
+    Unlisted,
+}
+
+impl Standing {
+    /// The standing of a host that proved its key (`proven`) or, if not, is listed or not by
+    /// the subsystem it connected to.
+    pub(crate) fn of(proven: bool, listed: bool) -> Standing {
+        match (proven, listed) {
+            (true, _) => Standing::Proven,
+            (false, true) => Standing::Listed,
+            (false, false) => Standing::Unlisted,
+        }
+    }
+
+    /// The pool its session is listed in (none for a proven host: nobody takes its place).
+    pub(crate) fn pool(self) -> Option<Pool> {
+        match self {
+            Standing::Proven => None,
+            Standing::Listed => Some(Pool::Unproven),
+            Standing::Unlisted => Some(Pool::Unlisted),
+        }
+    }
+
+    /// The pools whose oldest session it may take the place of in a full target, lowest first.
+    fn displaces(self) -> &'static [Pool] {
+        match self {
+            Standing::Proven => &[Pool::Unlisted, Pool::Unproven],
+            Standing::Listed => &[Pool::Unlisted],
+            Standing::Unlisted => &[],
         }
     }
 }
@@ -102,12 +160,13 @@ impl PoolState {
     }
 }
 
-/// The two pools.
+/// The pools.
 #[derive(Debug, Default)]
 pub(crate) struct Budgets {
     unadmitted: Mutex<PoolState>,
     discovery: Mutex<PoolState>,
     unproven: Mutex<PoolState>,
+    unlisted: Mutex<PoolState>,
 }
 
 /// A connection's place in a pool, given back on drop.
@@ -151,6 +210,7 @@ impl Budgets {
             Pool::Unadmitted => &self.unadmitted,
             Pool::Discovery => &self.discovery,
             Pool::Unproven => &self.unproven,
+            Pool::Unlisted => &self.unlisted,
         };
         m.lock().unwrap_or_else(|p| p.into_inner())
     }
@@ -189,7 +249,8 @@ impl Budgets {
         self.insert(&mut st, pool, source, Box::new(owner))
     }
 
-    /// A place in `pool` (one without limits of its own: [`Pool::Unproven`]) for a connection
+    /// A place in `pool` (one without limits of its own: [`Pool::Unproven`],
+    /// [`Pool::Unlisted`]) for a connection
     /// from `source` owned by the loop `owner`, evicting nobody.
     pub(crate) fn enlist(
         self: &Arc<Self>,
@@ -227,13 +288,33 @@ impl Budgets {
 
     /// Takes the place of `pool`'s oldest holder back (its loop closes its connection).
     /// Returns whether there was one.
-    pub(crate) fn evict_oldest(&self, pool: Pool) -> bool {
+    fn evict_oldest(&self, pool: Pool) -> bool {
         let mut st = self.state(pool);
         let Some(&oldest) = st.held.keys().next() else {
             return false;
         };
         st.evict(oldest);
         true
+    }
+
+    /// Makes room in the full target for a session of a host of `standing`: takes back the
+    /// place of the oldest session of the lowest class below it that holds one (its loop
+    /// closes it). Returns the pool it was taken from; None if there was nobody below it.
+    pub(crate) fn make_room(&self, standing: Standing) -> Option<Pool> {
+        standing
+            .displaces()
+            .iter()
+            .copied()
+            .find(|&p| self.evict_oldest(p))
+    }
+
+    /// Whether [`make_room`](Self::make_room) would find a session to take the place of now
+    /// (the answer may be stale by the time it is acted on).
+    pub(crate) fn could_make_room(&self, standing: Standing) -> bool {
+        standing
+            .displaces()
+            .iter()
+            .any(|&p| !self.state(p).held.is_empty())
     }
 
     /// What `pool` holds now.
@@ -321,6 +402,51 @@ mod tests {
         assert_eq!(evicted, [true, true, true, false]);
         assert!(!new.evicted());
         assert_eq!(b.usage(Pool::Discovery).held, 2);
+    }
+
+    /// In a full target a proven host takes the place of the oldest unlisted session first,
+    /// then of the oldest unproven one; a listed host only of an unlisted one; an unlisted
+    /// host of nobody's. (Before, unlisted sessions were unproven ones like a listed host's,
+    /// and a listed host without a key displaced nobody: 64 sessions of made-up NQNs kept it
+    /// out.)
+    #[test]
+    fn each_standing_takes_the_place_of_the_oldest_below_it_lowest_class_first() {
+        let b = Arc::new(Budgets::default());
+        let (tx, rx) = owner();
+        let enlist = |s: Standing, src| b.enlist(s.pool().unwrap(), src, tx.clone());
+        let listed = [enlist(Standing::Listed, A), enlist(Standing::Listed, B)];
+        let unlisted = [enlist(Standing::Unlisted, A), enlist(Standing::Unlisted, B)];
+        assert_eq!(
+            Standing::Proven.pool(),
+            None,
+            "nobody takes a proven host's place"
+        );
+        assert!(b.could_make_room(Standing::Listed));
+        assert!(!b.could_make_room(Standing::Unlisted));
+        assert_eq!(b.make_room(Standing::Unlisted), None);
+        // A listed host: the oldest unlisted session, although listed ones are older.
+        assert_eq!(b.make_room(Standing::Listed), Some(Pool::Unlisted));
+        assert!(unlisted[0].evicted() && !unlisted[1].evicted());
+        assert!(listed.iter().all(|t| !t.evicted()));
+        assert!(matches!(rx.try_recv(), Ok(LoopCmd::Evicted)));
+        // A proven host: the other unlisted one first.
+        assert_eq!(b.make_room(Standing::Proven), Some(Pool::Unlisted));
+        assert!(unlisted[1].evicted() && listed.iter().all(|t| !t.evicted()));
+        // No unlisted session left: a listed host finds nobody, a proven host the oldest
+        // unproven one.
+        assert!(!b.could_make_room(Standing::Listed));
+        assert_eq!(b.make_room(Standing::Listed), None);
+        assert!(b.could_make_room(Standing::Proven));
+        assert_eq!(b.make_room(Standing::Proven), Some(Pool::Unproven));
+        assert!(listed[0].evicted() && !listed[1].evicted());
+        assert_eq!(b.usage(Pool::Unlisted).evicted, 2);
+        assert_eq!(b.usage(Pool::Unproven).evicted, 1);
+        assert_eq!(b.usage(Pool::Unlisted).held, 0);
+        assert_eq!(b.usage(Pool::Unproven).held, 1);
+        // A newer unlisted session goes before the older listed one.
+        let newer = enlist(Standing::Unlisted, A);
+        assert_eq!(b.make_room(Standing::Proven), Some(Pool::Unlisted));
+        assert!(newer.evicted() && !listed[1].evicted());
     }
 
     #[test]

@@ -93,6 +93,18 @@ fn seen(info: &SessionInfo, now: Instant) {
     );
 }
 
+/// Who took the place of a session evicted from `pool` in the full target, and why this one
+/// gave way (for its log line and its Disconnect).
+fn evicted_by(pool: Pool) -> (&'static str, &'static str) {
+    match pool {
+        Pool::Unlisted => (
+            "a host its subsystem lists (or one that proved its key)",
+            "this host is not listed on its subsystem",
+        ),
+        _ => ("a host that proved its key", "this host proved none"),
+    }
+}
+
 /// A flush the connection asks the loop's flusher for.
 pub(crate) struct FlushJob {
     pub(crate) ns: Arc<OpenNamespace>,
@@ -268,12 +280,12 @@ impl Conn {
 
     /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
     pub(crate) fn goodbye(&mut self, reason: &str) {
-        // No session any more: not one a keyed host may take the place of (its place in the
-        // unproven pool goes with it, not after the linger).
+        // No session any more: not one another host may take the place of (its place in the
+        // unproven or unlisted pool goes with it, not after the linger).
         if self
             .ticket
             .as_ref()
-            .is_some_and(|t| t.pool() == Pool::Unproven)
+            .is_some_and(|t| t.pool().holds_sessions())
         {
             self.ticket = None;
         }
@@ -504,8 +516,9 @@ impl Conn {
         }
         if let Some(t) = self.ticket.as_ref().filter(|t| t.evicted()) {
             if let Phase::Session(s) = &self.phase {
-                // A host that proved its key took its place in the full target.
+                // A host of a higher standing took its place in the full target.
                 let (ctrl, host) = (s.info.controller_id, s.host.clone());
+                let (who, this) = evicted_by(t.pool());
                 self.ticket = None;
                 self.session_ended(EndReason::Evicted);
                 let max = self.shared.config().max_connections;
@@ -514,15 +527,14 @@ impl Conn {
                     Class::Session,
                     log::Level::Info,
                     format_args!(
-                        "session ctrl {ctrl} (host {host} from {}) closed: a host that proved \
-                         its key took its place (max_connections {max}, and this host proved \
-                         none)",
+                        "session ctrl {ctrl} (host {host} from {}) closed: {who} took its \
+                         place (max_connections {max}, and {this})",
                         self.peer
                     ),
                 );
                 self.goodbye(&format!(
-                    "the target is full (max_connections {max}) and a host that proved its \
-                     key took this session's place"
+                    "the target is full (max_connections {max}) and {who} took this \
+                     session's place"
                 ));
                 return true;
             }

@@ -337,6 +337,7 @@ impl Serve for FabricServe {
             }
         };
         let sessions = shared.session_count();
+        let unlisted = shared.budgets.usage(budget::Pool::Unlisted);
         Some(AdmissionStatus {
             unadmitted: pool(budget::Pool::Unadmitted),
             discovery: pool(budget::Pool::Discovery),
@@ -345,8 +346,17 @@ impl Serve for FabricServe {
                 limit: cfg.max_connections,
                 per_source_limit: 0,
                 sources: 0,
-                // Taken back for hosts that proved their key.
-                evicted: shared.budgets.usage(budget::Pool::Unproven).evicted,
+                // Taken back for hosts of a higher standing, from either pool of sessions.
+                evicted: shared.budgets.usage(budget::Pool::Unproven).evicted + unlisted.evicted,
+            },
+            // Bounded by max_connections with every session, no cap per source of its own:
+            // shown as the sessions are, with the addresses that hold its places.
+            unlisted: PoolStatus {
+                held: unlisted.held,
+                limit: cfg.max_connections,
+                per_source_limit: 0,
+                sources: unlisted.sources,
+                evicted: unlisted.evicted,
             },
         })
     }

@@ -77,7 +77,8 @@ pub(crate) struct Shared {
     config: RwLock<Arc<Config>>,
     namespaces: RwLock<Arc<BTreeMap<NsKey, Arc<OpenNamespace>>>>,
     pub(crate) stopping: AtomicBool,
-    /// The pools of unadmitted connections and discovery sessions.
+    /// The pools of unadmitted connections, discovery sessions, and admitted sessions whose
+    /// host proved no key (unproven, unlisted).
     pub(crate) budgets: Arc<budget::Budgets>,
     next_controller: AtomicU32,
     sessions: Mutex<BTreeMap<u16, Arc<SessionInfo>>>,
@@ -170,7 +171,7 @@ impl Shared {
             budget::Pool::Discovery => (a.max_discovery, a.max_discovery_per_source),
             // Bounded by max_connections with every session; nobody is evicted for its own
             // kind (see register_session).
-            budget::Pool::Unproven => {
+            budget::Pool::Unproven | budget::Pool::Unlisted => {
                 let m = self.config().max_connections;
                 (m, m)
             }
@@ -182,19 +183,21 @@ impl Shared {
     }
 
     /// Registers an admitted session under a controller id not in use (1..=0xFFFE): None if
-    /// `max_connections` sessions are admitted already or every id is in use. A host that
-    /// proved its key (`proven`) finding the target full takes the place of the oldest session
-    /// whose host proved none (its loop closes it; until then the target holds one session
-    /// over its limit): peers that proved nothing, from any address, cannot lock keyed hosts
-    /// out. Without such a session it is refused too.
+    /// `max_connections` sessions are admitted already or every id is in use. A host finding
+    /// the target full takes the place of the oldest session of a class below its `standing`
+    /// ([`budget::Budgets::make_room`]: a proven host that of an unlisted session, else of an
+    /// unproven one; a listed host that of an unlisted one); its loop closes that one (until
+    /// then the target holds it over its limit). So peers a subsystem does not
+    /// list, from any address, cannot lock listed hosts out, nor peers that proved nothing
+    /// keyed hosts. Without such a session it is refused too.
     pub(crate) fn register_session(
         &self,
-        proven: bool,
+        standing: budget::Standing,
         make: impl FnOnce(u16) -> SessionInfo,
     ) -> Option<Arc<SessionInfo>> {
         let limit = self.config().max_connections as usize;
         let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
-        if s.len() >= limit && !(proven && self.budgets.evict_oldest(budget::Pool::Unproven)) {
+        if s.len() >= limit && self.budgets.make_room(standing).is_none() {
             return None;
         }
         for _ in 0..0xFFFE {

@@ -12,7 +12,7 @@ use rpma_common::fabric;
 use rpma_common::proto::auth::Psk;
 use rpma_common::proto::{Connect, ConnectResponse, Message, RefusalReason};
 
-use super::super::budget::Pool;
+use super::super::budget::{Pool, Standing};
 use super::super::peer_log::Class;
 use super::super::session::{grant, unavailable, Listed, Session};
 use super::super::{SessionInfo, MIN_KEEP_ALIVE};
@@ -72,16 +72,19 @@ impl Conn {
         };
     }
 
-    /// Admits the host of `c` as a session; `proven`: it proved its key (see
+    /// Admits the host of `c` as a session; `proven`: it proved its key. Whether its subsystem
+    /// lists it decides the rest of its standing (see
     /// [`register_session`](super::super::Shared::register_session)).
     pub(super) fn admit(&mut self, cfg: &Config, c: Connect, proven: bool) {
+        let standing = Standing::of(proven, crate::subsystem::lists_host(cfg, &c));
         let shared = Arc::clone(&self.shared);
         if shared.stopping.load(Ordering::SeqCst) {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
         }
-        // A full target refuses a host that proved no key before its namespaces are registered
-        // (on rdma://, pinned) for nothing; `register_session` decides for the others.
+        // A full target refuses a host that could take nobody's place before its namespaces are
+        // registered (on rdma://, pinned) for nothing; `register_session` decides for the
+        // others.
         let full = || {
             let m = format!(
                 "the target serves at most {} sessions",
@@ -89,7 +92,9 @@ impl Conn {
             );
             (RefusalReason::TooManyConnections, m)
         };
-        if !proven && shared.session_count() >= cfg.max_connections as usize {
+        if shared.session_count() >= cfg.max_connections as usize
+            && !shared.budgets.could_make_room(standing)
+        {
             let (reason, m) = full();
             return self.refuse(reason, m, Some(&c.host_nqn));
         }
@@ -144,7 +149,7 @@ impl Conn {
         }
         let responder = self.qp.responder_counters();
         let rkeys: Vec<(u32, u32)> = grants.iter().map(|(n, g)| (*n, g.mr.rkey())).collect();
-        let info = shared.register_session(proven, |controller_id| {
+        let info = shared.register_session(standing, |controller_id| {
             SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
                 .with_data(responder, rkeys)
         });
@@ -166,13 +171,11 @@ impl Conn {
             };
             return self.refuse(reason, m, Some(&c.host_nqn));
         }
-        // Admitted: out of the unadmitted pool; listed among the sessions a keyed host may take
-        // the place of, if it proved no key.
-        self.ticket = (!proven).then(|| {
-            shared
-                .budgets
-                .enlist(Pool::Unproven, self.peer.ip(), self.owner.clone())
-        });
+        // Admitted: out of the unadmitted pool; listed among the sessions a host of a higher
+        // standing may take the place of, if it proved no key.
+        self.ticket = standing
+            .pool()
+            .map(|p| shared.budgets.enlist(p, self.peer.ip(), self.owner.clone()));
         let resp = Message::ConnectResponse(ConnectResponse {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
