@@ -39,7 +39,8 @@
 //! - Cleanup: dropping a [`Mapping`] unmaps it and closes the file; a file created by a failed
 //!   [`OpenOptions::open`] is removed.
 //! - A file is allocated in full before it is mapped, so a full filesystem is an error at open,
-//!   never a SIGBUS on a later store.
+//!   never a SIGBUS on a later store (except on a copy-on-write filesystem, where an overwrite
+//!   needs new blocks: docs/persistence.md, "Allocation up front").
 //! - [`OpenOptions::plan`] says what `open` would do (create, grow, refuse, the domain) and
 //!   changes nothing: no file is created, opened for writing, resized, allocated or mapped.
 //! - No logging: this layer sits on the data path.
