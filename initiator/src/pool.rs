@@ -399,16 +399,27 @@ impl Pool {
     /// a persist: rewriting a block frees its older copy. A held write whose completion the
     /// caller still waits to hear of (a started Write to be re-issued) stays. Returns whether
     /// one was freed.
+    /// (The engine frees the slot itself once the new write is registered:
+    /// [`superseded`](Self::superseded).)
+    #[cfg(test)]
     pub(crate) fn supersede(&mut self, w: &WriteRec) -> bool {
-        let Some(&p) = self.latest.get(&(w.ns, w.offset)) else {
-            return false;
-        };
-        match self.slots[p] {
-            Slot::Held(o) if !o.notify && o.len <= w.len && o.seq < w.seq => {
+        match self.superseded(w) {
+            Some(p) => {
                 self.set(p, Slot::Free);
                 true
             }
-            _ => false,
+            None => false,
+        }
+    }
+
+    /// The slot of the held write that `w` supersedes ([`supersede`](Self::supersede)), left
+    /// as it is: for a caller that frees it once `w` is registered, so that the replay order
+    /// never sees the bytes owned by neither (an heir would take that moment for a release).
+    pub(crate) fn superseded(&self, w: &WriteRec) -> Option<usize> {
+        let &p = self.latest.get(&(w.ns, w.offset))?;
+        match self.slots[p] {
+            Slot::Held(o) if !o.notify && o.len <= w.len && o.seq < w.seq => Some(p),
+            _ => None,
         }
     }
 

@@ -820,6 +820,32 @@ fn persist_own_writes_does_not_wait_for_a_rewrite_after_a_placement() {
     assert!(persisted(&mut a));
 }
 
+/// The same, but B's client writes the block again before A's persist, with no placement of
+/// B's learned since A reconnected: A's persist must not say durable while the block's pages
+/// are unsynced. (It did, after the vouching change: the rewrite freed B's older write before
+/// registering the new one, and the heir took the moment no write held the bytes for a
+/// durable release.)
+#[test]
+fn persist_own_writes_is_not_durable_over_a_rewrite_nothing_placed() {
+    let d = scratch();
+    let (t, relay, mut a, mut b) = two_queues_through_a_relay(d.path());
+    let (at, Some(unsynced)) =
+        a_write_rewritten_by_another_queue_before_a_reconnect(&t, &relay, &mut a, &mut b)
+    else {
+        eprintln!("SKIPPED: this kernel has no cachestat(2) to see unsynced pages");
+        return;
+    };
+    b.namespace(1).unwrap().write_at(at, &[3; BLOCK]).unwrap();
+    match a.namespace(1).unwrap().persist_own_writes() {
+        Ok(d) => assert!(
+            !d.is_durable() || unsynced() == 0,
+            "A's persist said {d:?} with the block's pages unsynced"
+        ),
+        Err(Error::RewritesNotPlaced { queues, .. }) => assert_eq!(queues, [b.order_id()]),
+        Err(e) => panic!("A's persist: {e}"),
+    }
+}
+
 /// The same, but B is dropped with its newer write held (never durable) before A's persist:
 /// the block may hold neither write, and A's persist says so once (`RewritesLost`) instead of
 /// durable; its next persist covers what it still holds. (It said durable.)

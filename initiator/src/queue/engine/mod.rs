@@ -268,6 +268,19 @@ impl Engine {
         wr
     }
 
+    /// [`write_wr`](Self::write_wr) of a new write, freeing the older held write it supersedes
+    /// ([`Pool::supersede`]) once the new one is registered in the replay order: freed first,
+    /// the bytes were owned by neither for a moment, which an heir's bookkeeping took for a
+    /// durable release of the bytes it owes (and let its persist say durable over them).
+    fn write_wr_superseding(&mut self, slot: usize, w: WriteRec) -> SendWr {
+        let old = self.pool.superseded(&w);
+        let wr = self.write_wr(slot, w);
+        if let Some(p) = old {
+            self.pool.set(p, Slot::Free);
+        }
+        wr
+    }
+
     /// A Write of the piece `[start, end)` of the write `w` in `slot` (signaled, with the
     /// slot's wr_id); the slot is left as it is.
     fn piece_wr(&self, slot: usize, w: WriteRec, start: u64, end: u64) -> SendWr {
@@ -550,8 +563,7 @@ impl Engine {
                     seq: self.pool.next_seq(),
                     notify: false,
                 };
-                self.pool.supersede(&rec);
-                pending.push(self.write_wr(slot, rec));
+                pending.push(self.write_wr_superseding(slot, rec));
             }
         }
         pending.extend(tail);

@@ -60,8 +60,7 @@ impl Engine {
             seq,
             notify: true,
         };
-        self.pool.supersede(&rec);
-        let mut wr = self.write_wr(slot, rec);
+        let mut wr = self.write_wr_superseding(slot, rec);
         if fence {
             wr = wr.with_flags(SendFlags::SIGNALED | SendFlags::FENCE);
         }
