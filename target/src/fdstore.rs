@@ -102,6 +102,16 @@ impl FdStore {
             for (key, ns) in table.iter().filter(|(_, ns)| ns.file_id() == Some(*id)) {
                 if ns.mapping.record_failure(f) {
                     failed += 1;
+                    // The pages whose write-back failed are clean in the page cache: dropped,
+                    // so that hosts read what the media holds, as a failed reopening does.
+                    if let Err(e) = ns.mapping.drop_page_cache() {
+                        log::warn!(
+                            "subsystem {} namespace {}: {}",
+                            key.0,
+                            key.1,
+                            rpma_common::error_chain(&e)
+                        );
+                    }
                     log::error!(
                         "subsystem {} namespace {} ({}) has FAILED: a write-back of it failed \
                          ({f}) and this daemon's previous run ended before it recorded it (its \
