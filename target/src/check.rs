@@ -270,6 +270,25 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                         }
                     }
                 }
+                // A file cut short under the daemon, whose failure is known: the daemon opens
+                // it failed, as it is, and serves the others (not a problem of the
+                // configuration; ExecStartPre must not keep the daemon from starting).
+                Err(rpma_common::pmem::Error::WouldGrow {
+                    existing,
+                    requested,
+                    ..
+                }) if remembered
+                    .iter()
+                    .any(|f| f.path == crate::failures::key_of(&ns.path))
+                    || crate::namespace::marked_failed(&ns.path) =>
+                {
+                    writeln!(
+                        out,
+                        "{head}: opens FAILED as it is: the file is {existing} bytes, shorter \
+                         than its size {requested}, and its failure is known; nothing of it is \
+                         served until the file has its size back and the failure is cleared"
+                    )?;
+                }
                 Err(e) => {
                     writeln!(out, "{head}: problem: would refuse: {}", refusal(&e))?;
                     problems += 1;

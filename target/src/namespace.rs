@@ -168,6 +168,22 @@ pub enum NamespaceError {
 /// Result of namespace operations.
 pub type Result<T> = std::result::Result<T, NamespaceError>;
 
+/// Whether the regular file at `path` carries the failure mark (`user.rpma.failed`), or one
+/// that cannot be read (taken as failed, as an opening does). Anything else at the path (none,
+/// a FIFO, a device) says no: opened without blocking, and only a regular file. For a file
+/// that may open short ([`OpenNamespace::open_remembering`], check-config).
+pub fn marked_failed(path: &std::path::Path) -> bool {
+    use std::os::unix::fs::OpenOptionsExt;
+    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        return false;
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .is_ok_and(|f| !matches!(mark::get(std::os::fd::AsFd::as_fd(&f)), Ok(None)))
+}
+
 /// Per-namespace counters, updated by the sessions and the flush service.
 #[derive(Debug, Default)]
 pub struct Counters {
@@ -350,9 +366,7 @@ impl OpenNamespace {
         let known_failed = !clearing
             && (failed.is_some()
                 || from.is_some_and(|l| l.get(&key).is_some())
-                || std::fs::File::open(&ns.path).ok().is_some_and(|f| {
-                    mark::get(std::os::fd::AsFd::as_fd(&f)).is_ok_and(|m| m.is_some())
-                }));
+                || marked_failed(&ns.path));
         let opts = Self::options(ns).short_ok(known_failed);
         let mapping = Arc::new(opts.open().map_err(|source| {
             let (subsystem, nsid, path) = (subsystem.clone(), ns.nsid, ns.path.clone());

@@ -211,6 +211,10 @@ fn a_restart_with_a_file_still_cut_short_serves_the_other_namespaces() {
             Duration::from_secs(10),
         );
         assert_eq!(lines.len(), 1, "{}", t.log());
+        // The unit's ExecStartPre (check-config) lets it start too (it refused the file).
+        let o = rpma_tests::check_config(&t.dir().join("target.toml"));
+        assert!(o.status.success(), "{}", text(&o));
+        assert!(text(&o).contains("opens FAILED as it is"), "{}", text(&o));
         let (c, all) = cli(&t, "read --offset 0 --length 4k --json");
         assert_ne!(c, Some(0), "{all}");
         let (c, all) = cli(&t, "--nsid 2 read --offset 3M --length 16 --json");

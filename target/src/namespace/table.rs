@@ -221,13 +221,18 @@ impl NamespaceTable {
                 .and_then(|s| s.namespaces.iter().find(|n| n.nsid == key.1));
             if let Some(ns) = ns {
                 // The same file, under its path or another (moved, and the path edited).
-                let old = self.map.get(key).filter(|o| {
+                let same_file = |o: &OpenNamespace| {
                     o.key == failures::key_of(&ns.path)
                         || o.file_id()
                             .is_some_and(|id| failures::file_id_of(&ns.path) == Some(id))
-                });
-                if old.is_some_and(|o| {
-                    o.config.power_loss_simulation.is_some() != ns.power_loss_simulation.is_some()
+                };
+                let old = self.map.get(key).filter(|o| same_file(o));
+                // Any opening of the file, under any nsid (one this reload removes included:
+                // its sessions hold it until they are closed).
+                if self.map.values().any(|o| {
+                    same_file(o)
+                        && o.config.power_loss_simulation.is_some()
+                            != ns.power_loss_simulation.is_some()
                 }) {
                     return Err(NamespaceError::SimulationChanged {
                         subsystem: key.0.clone(),

@@ -296,7 +296,46 @@ fn a_reload_cannot_turn_the_power_loss_simulation_on_or_off() {
         table.apply(&diff, &moved).unwrap();
         drop(table);
         std::fs::remove_file(d.path().join("other")).unwrap();
+        // The same file under another nsid (nsid 1 removed, nsid 3 added on its file): the
+        // old opening lives on in its sessions, so refused too.
+        let mut table = NamespaceTable::open_all(from).unwrap();
+        let mut renumbered = to.clone();
+        renumbered.subsystems[0].namespaces[0].nsid = 3;
+        let diff = crate::reload::diff(from, &renumbered);
+        assert_eq!(diff.namespaces_added, [(nqn.clone(), 3)]);
+        let e = table.apply(&diff, &renumbered).unwrap_err();
+        assert!(
+            matches!(&e, NamespaceError::SimulationChanged { nsid: 3, .. }),
+            "{e:?}"
+        );
     }
+}
+
+/// A namespace path that names a FIFO is refused, at once: looking for a failure mark on it
+/// (for a file that may open short) must not open it blocking (a start, or a reload under the
+/// daemon's lock, waited for a writer for ever).
+#[test]
+fn a_fifo_for_a_path_is_refused_without_waiting_for_a_writer() {
+    let d = tempfile::tempdir().unwrap();
+    nix::unistd::mkfifo(
+        &d.path().join("n1"),
+        nix::sys::stat::Mode::from_bits_truncate(0o600),
+    )
+    .unwrap();
+    let c = cfg(d.path(), "");
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = tx.send(
+            NamespaceTable::open_all(&c)
+                .map(|_| ())
+                .map_err(|e| e.to_string()),
+        );
+    });
+    let r = rx
+        .recv_timeout(std::time::Duration::from_secs(30))
+        .expect("open_all returned");
+    let e = r.unwrap_err();
+    assert!(e.contains("namespace 1"), "{e}");
 }
 
 #[test]
