@@ -158,10 +158,15 @@ fn bad_input_fails_with_a_clear_message() {
 /// `rpma-target probe` of a file on an overlay mounted (in a mount namespace of its own) with
 /// its upper directory on `upper_on` and its lower one under `dir`: what it printed.
 fn probe_on_an_overlay(dir: &Path, upper_on: &str) -> String {
+    probe_on_an_overlay_with(dir, upper_on, "")
+}
+
+/// [`probe_on_an_overlay`] with more mount options (`,volatile`).
+fn probe_on_an_overlay_with(dir: &Path, upper_on: &str, more: &str) -> String {
     let script = format!(
         "set -e; d={d}; mkdir -p $d/lower $d/merged $d/upperfs; {mount_upper} \
          mkdir -p $d/upperfs/up $d/upperfs/work; \
-         mount -t overlay overlay -o lowerdir=$d/lower,upperdir=$d/upperfs/up,workdir=$d/upperfs/work $d/merged; \
+         mount -t overlay overlay -o lowerdir=$d/lower,upperdir=$d/upperfs/up,workdir=$d/upperfs/work{more} $d/merged; \
          {bin} probe --size 1MiB $d/merged/ns.pmem",
         d = dir.display(),
         mount_upper = match upper_on {
@@ -193,6 +198,10 @@ fn a_file_on_an_overlay_over_tmpfs_is_volatile() {
     let text = probe_on_an_overlay(dir.path(), "disk");
     assert!(text.contains("domain:      page-cache\n"), "{text}");
     assert!(text.contains("acks mean:   durable\n"), "{text}");
+    // Mounted `volatile`, an overlay skips every sync whatever lies under it.
+    let dir = scratch();
+    let text = probe_on_an_overlay_with(dir.path(), "disk", ",volatile");
+    assert!(text.contains("domain:      volatile\n"), "{text}");
 }
 
 /// `probe --grow` of a file a running rpma-target serves is refused, the file untouched: the

@@ -521,15 +521,25 @@ fn is_ram_magic(magic: u32) -> bool {
 /// only: a RAM filesystem (tmpfs, ramfs, hugetlbfs), or an overlay whose upper layer (where
 /// its writes go) is one. An overlay's syncs are its upper layer's: over tmpfs they return 0
 /// and keep nothing (a live system's root, a container's layer in memory), so the store was
-/// probed `page-cache` and every acknowledgement said durable. An overlay whose upper layer
-/// this process cannot find or reach (another mount namespace's path) counts as RAM too:
+/// probed `page-cache` and every acknowledgement said durable. An overlay mounted `volatile`
+/// (its syncs skipped), or whose upper layer this process cannot find or reach (another mount
+/// namespace's path, an overlay whose upper directory lies under itself), counts as RAM too:
 /// `volatile` claims nothing it could not keep.
 pub(super) fn ram_backed(path: &Path, magic: u32) -> bool {
+    ram_backed_within(path, magic, 8)
+}
+
+/// [`ram_backed`], following at most `depth` overlays down (an overlay whose upper directory
+/// resolves into itself would never end).
+fn ram_backed_within(path: &Path, magic: u32, depth: u32) -> bool {
     if is_ram_magic(magic) {
         return true;
     }
     if magic != OVERLAYFS_MAGIC {
         return false;
+    }
+    if depth == 0 {
+        return true;
     }
     let upper = std::fs::canonicalize(path).ok().and_then(|p| {
         let text = std::fs::read_to_string("/proc/self/mountinfo").ok()?;
@@ -537,7 +547,7 @@ pub(super) fn ram_backed(path: &Path, magic: u32) -> bool {
     });
     match upper {
         Some(upper) if upper.is_absolute() => match nix::sys::statfs::statfs(&upper) {
-            Ok(st) => ram_backed(&upper, st.filesystem_type().0 as u32),
+            Ok(st) => ram_backed_within(&upper, st.filesystem_type().0 as u32, depth - 1),
             Err(_) => true,
         },
         _ => true,
@@ -546,7 +556,8 @@ pub(super) fn ram_backed(path: &Path, magic: u32) -> bool {
 
 /// The upper directory of the overlay mounted where `path` (canonical) lies, from the text
 /// of /proc/self/mountinfo: the mount whose mount point is the longest prefix of `path`, if
-/// it is an overlay with an `upperdir` (None for another filesystem, or a read-only overlay).
+/// it is an overlay with an `upperdir` and not mounted `volatile` (None for another
+/// filesystem, a read-only overlay, or a volatile one: its syncs are skipped).
 fn overlay_upper(mountinfo: &str, path: &Path) -> Option<PathBuf> {
     // "id parent maj:min root mountpoint options [optional...] - fstype source super-options"
     let mut best: Option<(usize, &str, &str)> = None;
@@ -569,7 +580,11 @@ fn overlay_upper(mountinfo: &str, path: &Path) -> Option<PathBuf> {
         }
     }
     let (_, fstype, options) = best?;
-    if fstype != "overlay" {
+    if fstype != "overlay"
+        || options
+            .split(',')
+            .any(|o| o == "volatile" || o == "fsync=volatile")
+    {
         return None;
     }
     options
@@ -639,6 +654,12 @@ mod tests {
         assert_eq!(up("/srv/other/ns1"), None);
         assert_eq!(up("/run/ns1"), None);
         assert_eq!(up("/srv/ro/ns1"), None);
+        let volatile = "40 22 0:50 / /srv/v rw - overlay overlay rw,lowerdir=/l,upperdir=/u,\
+            workdir=/w,volatile\n\
+            41 22 0:51 / /srv/f rw - overlay overlay rw,lowerdir=/l,upperdir=/u,workdir=/w,\
+            fsync=volatile\n";
+        assert_eq!(overlay_upper(volatile, Path::new("/srv/v/ns1")), None);
+        assert_eq!(overlay_upper(volatile, Path::new("/srv/f/ns1")), None);
         // Path components, not string prefixes.
         assert_eq!(up("/srv/live rootless/ns1"), None);
         assert_eq!(unescape("a\\040b\\134c\\9"), "a b\\c\\9");
