@@ -488,3 +488,44 @@ fn whole_namespace_flushes_of_a_dax_namespace_leave_the_loop_to_its_other_hosts(
     drop(p);
     s.finish();
 }
+
+/// A host that says Disconnect and keeps its connection open (the target lingers on it) gives
+/// its session's place in the pools back at once, with the session: a newcomer in a full
+/// target must not take the place of a session that no longer is (the target would run over
+/// `max_connections`). The sessions and the unlisted pool go down together. (The pool held it
+/// until the linger ended.)
+#[test]
+fn a_session_its_host_disconnected_leaves_the_pools_with_it() {
+    let mut s = Suite::start("");
+    let held = |s: &Suite| {
+        let v = s.t.status();
+        let n = |pool: &str| v["admission"][pool]["held"].as_u64().unwrap() as i64;
+        (n("sessions"), n("unlisted"))
+    };
+    let mut p = s.peer();
+    p.connect(OPEN_HOST, rpma_tests::sessions::OPEN);
+    assert!(matches!(p.next_message(), Message::ConnectResponse(_)));
+    let (sessions, unlisted) = held(&s);
+    assert!(unlisted >= 1, "the open subsystem's host is unlisted");
+    p.message(&Message::Disconnect(rpma_common::proto::Disconnect {
+        reason: "done".into(),
+    }));
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let (now_sessions, now_unlisted) = held(&s);
+        if now_sessions < sessions {
+            // Both counts move together whatever else comes and goes (the legitimate host's
+            // sessions are unlisted ones too).
+            assert_eq!(
+                now_sessions - now_unlisted,
+                sessions - unlisted,
+                "the session is gone and its place is still held"
+            );
+            break;
+        }
+        assert!(Instant::now() < deadline, "the Disconnect ended no session");
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(p.still_open(), "the target lingers on the connection");
+    s.finish();
+}

@@ -449,6 +449,15 @@ impl Conn {
                                 peer_text(&d.reason)
                             ),
                         );
+                        // No session any more: its place goes now, not after the linger (a
+                        // newcomer in a full target would take the place of none).
+                        if self
+                            .ticket
+                            .as_ref()
+                            .is_some_and(|t| t.pool().holds_sessions())
+                        {
+                            self.ticket = None;
+                        }
                         self.phase = Phase::Closing {
                             deadline: now + LINGER,
                         };
