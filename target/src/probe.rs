@@ -145,9 +145,12 @@ impl Report {
 /// Errors: a size string that does not parse, and every [`rpma_common::pmem::Error`] of
 /// [`OpenOptions::open`].
 pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
-    if args.grow {
-        refuse_if_served(&args.path)?;
-    }
+    // Held until the probe is done: a daemon starting meanwhile finds the file locked.
+    let _lock = if args.grow {
+        refuse_if_served(&args.path)?
+    } else {
+        None
+    };
     let mut opts = OpenOptions::new(&args.path)
         .block_size(args.block_size)
         .force_dax(args.force_dax)
@@ -178,14 +181,15 @@ pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
 /// Refuses to grow a file a running daemon serves: the daemon holds an exclusive `flock` on
 /// every namespace file it maps (namespace/claim.rs), and a file grown under it changes the
 /// size its hosts were told, and its next start refuses the file. (`probe --grow` grew it.)
-fn refuse_if_served(path: &std::path::Path) -> anyhow::Result<()> {
+/// Returns the descriptor holding the lock it took (the grow happens under it).
+fn refuse_if_served(path: &std::path::Path) -> anyhow::Result<Option<std::fs::File>> {
     use std::os::fd::AsRawFd;
     let Ok(f) = std::fs::File::open(path) else {
         // Nothing there (or not readable): open reports what it finds.
-        return Ok(());
+        return Ok(None);
     };
     if !f.metadata().is_ok_and(|m| m.is_file()) {
-        return Ok(());
+        return Ok(None);
     }
     // SAFETY: flock only takes the descriptor, open for the call, and the flags.
     let rc = unsafe { libc::flock(f.as_raw_fd(), libc::LOCK_EX | libc::LOCK_NB) };
@@ -198,7 +202,7 @@ fn refuse_if_served(path: &std::path::Path) -> anyhow::Result<()> {
         );
     }
     // The lock (if taken) goes with the descriptor.
-    Ok(())
+    Ok(Some(f))
 }
 
 /// Runs `rpma-target probe`: prints the report (text or JSON) on stdout.

@@ -704,11 +704,19 @@ fn a_failed_read_leaves_an_out_path_it_did_not_create() {
         std::os::unix::fs::FileTypeExt::is_char_device(&kind),
         "{kind:?}"
     );
-    // A file it creates gets the bytes.
+    // A file it creates gets the bytes; so does the file a symbolic link to nothing names.
     let out = d.path().join("out");
     let (c, _, all) = cli_path(&t, "read --offset 0 --length 64k --out", &out);
     assert_eq!(c, Some(0), "{all}");
     assert_eq!(std::fs::metadata(&out).unwrap().len(), 64 << 10);
+    let link = d.path().join("link");
+    std::os::unix::fs::symlink(d.path().join("linked"), &link).unwrap();
+    let (c, _, all) = cli_path(&t, "read --offset 0 --length 64k --out", &link);
+    assert_eq!(c, Some(0), "{all}");
+    assert_eq!(
+        std::fs::metadata(d.path().join("linked")).unwrap().len(),
+        64 << 10
+    );
 }
 
 /// `write --in` and `verify --in` from a FIFO (a pipe: `zcat img | ... --in /dev/stdin`) are

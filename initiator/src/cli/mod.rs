@@ -265,9 +265,15 @@ fn open_out(p: &Path) -> Result<(std::fs::File, bool), Failure> {
     {
         Ok(f) => Ok((f, true)),
         Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {
-            let regular = std::fs::metadata(p).map_err(failed)?.is_file();
+            // A symbolic link to nothing yet: its target is made, as creating the path would.
+            let regular = match std::fs::metadata(p) {
+                Ok(m) => m.is_file(),
+                Err(e) if e.kind() == std::io::ErrorKind::NotFound => true,
+                Err(e) => return Err(failed(e)),
+            };
             let f = std::fs::OpenOptions::new()
                 .write(true)
+                .create(true)
                 .truncate(regular)
                 .open(p)
                 .map_err(failed)?;
