@@ -195,6 +195,12 @@ pub(crate) struct Pool {
     ext: Callers,
     /// The replay order this queue shares with the other queues of its connection.
     replay: Option<Member>,
+    /// Held writes superseded by new writes not known posted yet: (the new write's slot and
+    /// post order, the held write's slot and post order). The held one is freed once the new
+    /// one is posted ([`settle_superseded`](Pool::settle_superseded)), never before: a post
+    /// refused after it was freed left the bytes held by neither write, and a persist (this
+    /// queue's, or an heir's) said durable without them.
+    superseding: Vec<(usize, u64, usize, u64)>,
 }
 
 /// Whether `slots[i]` still carries the write of post order `seq`.
@@ -285,6 +291,7 @@ impl Pool {
             copied_out: 0,
             ext: Callers::default(),
             replay: None,
+            superseding: Vec::new(),
         })
     }
 
@@ -413,13 +420,51 @@ impl Pool {
     }
 
     /// The slot of the held write that `w` supersedes ([`supersede`](Self::supersede)), left
-    /// as it is: for a caller that frees it once `w` is registered, so that the replay order
-    /// never sees the bytes owned by neither (an heir would take that moment for a release).
+    /// as it is: for a caller that frees it once `w` is registered and posted, so that the
+    /// bytes are never held by neither (an heir would take that for a release, and a post
+    /// refused would leave them to nobody).
     pub(crate) fn superseded(&self, w: &WriteRec) -> Option<usize> {
         let &p = self.latest.get(&(w.ns, w.offset))?;
         match self.slots[p] {
             Slot::Held(o) if !o.notify && o.len <= w.len && o.seq < w.seq => Some(p),
             _ => None,
+        }
+    }
+
+    /// The write `w` in `slot` supersedes the held write in `old` ([`superseded`]): `old` is
+    /// freed once `w` is posted ([`settle_superseded`](Self::settle_superseded)).
+    pub(crate) fn supersede_when_posted(&mut self, slot: usize, w: &WriteRec, old: usize) {
+        if let Some(o) = self.slots[old].write() {
+            self.superseding.push((slot, w.seq, old, o.seq));
+        }
+    }
+
+    /// The writes in `posted` were posted: the held writes they supersede are freed (and
+    /// those of new writes that completed, so were posted). Those of new writes no slot
+    /// carries any more (a refused post freed them) are forgotten: the held writes stay.
+    pub(crate) fn settle_superseded(&mut self, posted: &[usize]) {
+        if self.superseding.is_empty() {
+            return;
+        }
+        let mut free = SmallVec::<[usize; 4]>::new();
+        let slots = &self.slots;
+        self.superseding.retain(|&(new, new_seq, old, old_seq)| {
+            let went = match slots[new] {
+                // Completed: it was posted.
+                Slot::Held(w) => w.seq == new_seq,
+                // Not posted yet: kept for a later post.
+                Slot::Writing(w) if w.seq == new_seq && !posted.contains(&new) => return true,
+                Slot::Writing(w) => w.seq == new_seq,
+                // The new write is gone without being posted: the held one stays.
+                _ => false,
+            };
+            if went && matches!(slots[old], Slot::Held(o) if o.seq == old_seq) {
+                free.push(old);
+            }
+            false
+        });
+        for old in free {
+            self.set(old, Slot::Free);
         }
     }
 

@@ -94,16 +94,17 @@ impl ReplayOrder {
     }
 
     /// `[start, end)` of `nsid` is taken by a write being registered: of the bytes an heir
-    /// still owes there, those the heir's own write holds need nothing more from it (its own
-    /// persist covers that write's whole range), and those whose write is known placed since
-    /// its reconnect it makes durable as they are ([`Heir::vouched`]): any write of them newer
-    /// than the one it let go will do, and waiting for the newest one's placement would wait
-    /// for ever on a client that rewrites the bytes faster than a placement's round trip (the
-    /// NBD export's FLUSH gave up after its rounds and answered EIO). Bytes no write holds (a
-    /// gap or a tombstone) stay owed: a release says nothing of durability here (a write its
-    /// queue superseded is released too), and [`handed`](Member::handed) judges them as
-    /// before. A piece of a write let go unpersisted stays owed: its loss is counted
-    /// ([`mark_lost`](Self::mark_lost)).
+    /// still owes there, those no write holds (a gap or a tombstone: their write was made
+    /// durable and released, or let go unpersisted and marked lost first) or the heir's own
+    /// write holds (its own persist covers that write's whole range) need nothing more from
+    /// it, and those whose write is known placed since its reconnect it makes durable as they
+    /// are ([`Heir::vouched`]): any write of them newer than the one it let go will do, and
+    /// waiting for the newest one's placement would wait for ever on a client that rewrites
+    /// the bytes faster than a placement's round trip (the NBD export's FLUSH gave up after
+    /// its rounds and answered EIO). A gap never stands for a write its queue superseded: the
+    /// queue frees that one only once the new one is registered and posted
+    /// ([`Pool::settle_superseded`](crate::pool::Pool::settle_superseded)). A piece of a write
+    /// let go unpersisted stays owed: its loss is counted ([`mark_lost`](Self::mark_lost)).
     pub(super) fn taken_from_heirs(inner: &mut Inner, nsid: u32, start: u64, end: u64) {
         let Inner {
             pieces,
@@ -129,13 +130,18 @@ impl ReplayOrder {
                     .range((nsid, 0)..(nsid, s))
                     .next_back()
                     .filter(|(_, p)| p.end > s);
+                let mut at = s;
                 for (&(_, ps), p) in before.into_iter().chain(pieces.range((nsid, s)..(nsid, e))) {
                     let (ps, pe) = (ps.max(s), p.end.min(e));
+                    if ps > at {
+                        cut.push((at, ps));
+                    }
+                    at = at.max(pe);
                     let w = p.owner;
-                    if p.lost || w == TOMBSTONE {
+                    if p.lost {
                         continue;
                     }
-                    if w.queue == q {
+                    if w == TOMBSTONE || w.queue == q {
                         cut.push((ps, pe));
                     } else if fresh
                         .get(&w.queue)
@@ -144,6 +150,9 @@ impl ReplayOrder {
                         cut.push((ps, pe));
                         vouched.push((nsid, ps, pe, w.queue));
                     }
+                }
+                if at < e {
+                    cut.push((at, e));
                 }
             }
             if cut.is_empty() {
@@ -591,23 +600,25 @@ mod tests {
         assert_eq!(a.handed(0), Handed::Persist(Vec::new()));
     }
 
-    /// Bytes no write holds when a new write takes them (its queue released the one before
-    /// it: made durable, or superseded by the new one) stay owed: a release says nothing of
-    /// durability. (They were cut from what the heir owed: a rewrite posted as the queue's
-    /// pool frees the write it supersedes first let the heir's persist say durable over bytes
-    /// neither write had made durable, and a loss of the new write never reached it.)
+    /// Bytes whose newer write was made durable and released need nothing when a client
+    /// writes them again, each time: a writer that makes its block durable before rewriting
+    /// it (FUA, a flush between rewrites: a journal) does not keep the heir waiting for the
+    /// placement of each new write.
     #[test]
-    fn bytes_a_new_write_takes_while_no_write_holds_them_stay_owed() {
-        let (_o, mut a, mut b) = two();
-        a.register(0, 0, 4096, 1);
-        b.register(0, 0, 4096, 1);
-        reissue(&mut a, 0, 4096);
-        b.release(0, 0, 4096, 1);
-        b.register(0, 0, 4096, 2);
-        assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
-        b.lose(0, 0, 4096, 2);
-        b.release(0, 0, 4096, 2);
-        assert_eq!(a.handed(0), Handed::Lost(vec![(0, 4096)]));
+    fn bytes_whose_newer_write_was_made_durable_need_nothing_when_written_again() {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, 8192, 1);
+        b.register(0, 0, 8192, 1);
+        reissue(&mut a, 0, 8192);
+        b.placed_fresh(1, o.now());
+        b.release(0, 0, 8192, 1);
+        for seq in 2..=9 {
+            b.register(0, 0, 4096, seq);
+            assert_eq!(a.handed(0), Handed::Persist(Vec::new()), "write {seq}");
+            b.release(0, 0, 4096, seq);
+        }
+        a.settle_handed(0);
+        assert_eq!(o.heirs.load(Ordering::SeqCst), 0);
     }
 
     /// Vouched bytes whose writes were made durable and released since need nothing more:

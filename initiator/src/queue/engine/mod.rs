@@ -268,15 +268,16 @@ impl Engine {
         wr
     }
 
-    /// [`write_wr`](Self::write_wr) of a new write, freeing the older held write it supersedes
-    /// ([`Pool::supersede`]) once the new one is registered in the replay order: freed first,
-    /// the bytes were owned by neither for a moment, which an heir's bookkeeping took for a
-    /// durable release of the bytes it owes (and let its persist say durable over them).
+    /// [`write_wr`](Self::write_wr) of a new write; the older held write it supersedes
+    /// ([`Pool::superseded`]) is freed once the new one is posted
+    /// ([`Pool::settle_superseded`]): freed first, the bytes were held by neither for a
+    /// moment, which an heir's bookkeeping took for a durable release of the bytes it owes,
+    /// and a post refused then left them to nobody (a persist said durable without them).
     fn write_wr_superseding(&mut self, slot: usize, w: WriteRec) -> SendWr {
         let old = self.pool.superseded(&w);
         let wr = self.write_wr(slot, w);
         if let Some(p) = old {
-            self.pool.set(p, Slot::Free);
+            self.pool.supersede_when_posted(slot, &w, p);
         }
         wr
     }

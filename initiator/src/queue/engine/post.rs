@@ -60,6 +60,7 @@ impl Engine {
                 self.writes_posted += writes;
                 self.reads_posted += reads;
                 self.note_posted();
+                self.pool.settle_superseded(&slots);
             }
             Err(e) if !e.is_connection_loss() => self.unpost(slots),
             Err(_) => {}
@@ -81,6 +82,8 @@ impl Engine {
                 self.pool.set(slot, Slot::Free);
             }
         }
+        // The held writes the freed ones superseded stay held.
+        self.pool.settle_superseded(&[]);
     }
 
     /// Bytes of the started Reads not posted yet.

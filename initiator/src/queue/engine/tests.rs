@@ -61,7 +61,10 @@ fn engine(depth: usize, chunk: usize, len: usize, max_message: usize) -> (Engine
     let bytes: Vec<u8> = (0..len).map(byte).collect();
     mem.write_at(0, &bytes).unwrap();
     let mr = ppd
-        .register(Arc::clone(&mem), Access::LOCAL_WRITE | Access::REMOTE_READ)
+        .register(
+            Arc::clone(&mem),
+            Access::LOCAL_WRITE | Access::REMOTE_READ | Access::REMOTE_WRITE,
+        )
         .unwrap();
     let (remote_addr, rkey) = (mr.addr(), mr.rkey());
     let stop = Arc::new(AtomicBool::new(false));
@@ -196,4 +199,44 @@ fn a_refused_read_gives_back_its_slot_and_its_batchs() {
         assert!(*b == want, "item {i}: another Read's bytes");
     }
     assert_eq!(e.pool.in_flight(), 0);
+}
+
+/// A held write that a new write of the same bytes supersedes stays held until the new one is
+/// posted: a post refused for another reason than a lost connection (here a Read too long for
+/// the queue pair, posted with the new write) frees the new write, and the older one's bytes
+/// stay held for the queue's persist. (The older one was freed first: the bytes were held by
+/// neither, and a persist, the queue's own or an heir's, said durable without them.)
+#[test]
+fn a_superseded_write_stays_held_when_the_new_ones_post_is_refused() {
+    const CHUNK: usize = 8192;
+    let (mut e, _peer) = engine(4, CHUNK, 8 * CHUNK, CHUNK / 2);
+    e.start_write(
+        &NoRoom,
+        0,
+        0,
+        crate::writebuf::Data::Bytes(&[7; 4096]),
+        false,
+    )
+    .unwrap();
+    let mut done = Vec::new();
+    while done.is_empty() {
+        e.wait_started(&mut done).unwrap();
+    }
+    assert_eq!(e.held_ranges(0).as_slice(), &[(0, 4096)]);
+    e.start_write(
+        &NoRoom,
+        0,
+        0,
+        crate::writebuf::Data::Bytes(&[8; 4096]),
+        false,
+    )
+    .unwrap();
+    let mut b = vec![0u8; CHUNK];
+    let r = e.read_into(&NoRoom, 0, &mut [(CHUNK as u64, &mut b[..])]);
+    assert!(matches!(r, Err(Error::Fabric { .. })), "{r:?}");
+    assert_eq!(
+        e.held_ranges(0).as_slice(),
+        &[(0, 4096)],
+        "the first write's bytes are held by no write"
+    );
 }
