@@ -272,15 +272,17 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                 }
                 // A file cut short under the daemon, whose failure is known: the daemon opens
                 // it failed, as it is, and serves the others (not a problem of the
-                // configuration; ExecStartPre must not keep the daemon from starting).
+                // configuration; ExecStartPre must not keep the daemon from starting). Not under
+                // the power-loss simulation: the daemon refuses it there.
                 Err(rpma_common::pmem::Error::WouldGrow {
                     existing,
                     requested,
                     ..
-                }) if remembered
-                    .iter()
-                    .any(|f| f.path == crate::failures::key_of(&ns.path))
-                    || crate::namespace::marked_failed(&ns.path) =>
+                }) if ns.power_loss_simulation.is_none()
+                    && (remembered
+                        .iter()
+                        .any(|f| f.path == crate::failures::key_of(&ns.path))
+                        || crate::namespace::marked_failed(&ns.path)) =>
                 {
                     writeln!(
                         out,

@@ -710,3 +710,41 @@ fn a_clear_the_state_file_refused_leaves_the_mark() {
     assert_eq!(table.get(&nqn, 1).unwrap().failure(), Some(f));
     assert!(ledger.get(&d.path().join("n1")).is_some());
 }
+
+/// check-config and the daemon agree on a short file whose failure is known: opened failed
+/// (check-config passes), except under the power-loss simulation, which the daemon refuses
+/// (check-config said it would open failed, and the unit's ExecStartPre let through a start
+/// that then failed).
+#[test]
+fn check_config_and_the_daemon_agree_on_a_known_failed_short_file() {
+    for sim in ["", "power_loss_simulation = { eviction_percent = 0 }\n"] {
+        let d = tempfile::tempdir().unwrap();
+        std::fs::write(d.path().join("n1"), vec![0u8; 8192]).unwrap();
+        let f = std::fs::File::open(d.path().join("n1")).unwrap();
+        super::mark::set(
+            std::os::fd::AsFd::as_fd(&f),
+            &SyncFailure {
+                op: "load/store",
+                errno: libc::EIO,
+            },
+        )
+        .unwrap();
+        let text = format!(
+            "state_file = \"state\"\n[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:t\"\n\
+             allow_any_host = true\n[[subsystem.namespace]]\nnsid = 1\npath = \"n1\"\n\
+             size = \"64KiB\"\n{sim}"
+        );
+        let path = d.path().join("c.toml");
+        std::fs::write(&path, &text).unwrap();
+        let mut out = Vec::new();
+        let checked = crate::check::check_config(&path, &mut out).unwrap();
+        let cfg = config::Config::from_toml(&text, d.path()).unwrap();
+        let opened = NamespaceTable::open_all(&cfg).map(|_| ());
+        assert_eq!(
+            checked,
+            opened.is_ok(),
+            "{sim:?}: check-config {checked}, the daemon {opened:?}: {}",
+            String::from_utf8_lossy(&out)
+        );
+    }
+}
