@@ -441,12 +441,17 @@ impl Pool {
 
     /// The writes in `posted` were posted: the held writes they supersede are freed (and
     /// those of new writes that completed, so were posted). Those of new writes no slot
-    /// carries any more (a refused post freed them) are forgotten: the held writes stay.
+    /// carries any more (a refused post freed them: [`unpost_write`](Self::unpost_write)) stay
+    /// held, and take back the bytes of the replay order no write owns now, which the new
+    /// write took and gave up.
     pub(crate) fn settle_superseded(&mut self, posted: &[usize]) {
         if self.superseding.is_empty() {
             return;
         }
-        let mut free = SmallVec::<[usize; 4]>::new();
+        let (mut free, mut kept) = (
+            SmallVec::<[usize; 4]>::new(),
+            SmallVec::<[WriteRec; 4]>::new(),
+        );
         let slots = &self.slots;
         self.superseding.retain(|&(new, new_seq, old, old_seq)| {
             let went = match slots[new] {
@@ -458,14 +463,36 @@ impl Pool {
                 // The new write is gone without being posted: the held one stays.
                 _ => false,
             };
-            if went && matches!(slots[old], Slot::Held(o) if o.seq == old_seq) {
-                free.push(old);
+            match slots[old] {
+                Slot::Held(o) if o.seq == old_seq && went => free.push(old),
+                Slot::Held(o) if o.seq == old_seq => kept.push(o),
+                _ => {}
             }
             false
         });
         for old in free {
             self.set(old, Slot::Free);
         }
+        if let Some(m) = &mut self.replay {
+            for o in kept {
+                m.reclaim(o.ns, o.offset, o.len, o.seq);
+            }
+        }
+    }
+
+    /// Frees the slot of a write whose post was refused (another reason than a lost
+    /// connection): never posted, never acknowledged. In the replay order it had taken its
+    /// bytes from the writes that held them, which cannot all be told now: it is let go as
+    /// lost first ([`Member::lose`]), so that a queue that let those bytes go to it hears of
+    /// a loss rather than a durable release; a write of this queue it superseded takes its
+    /// bytes back ([`settle_superseded`](Self::settle_superseded)).
+    pub(crate) fn unpost_write(&mut self, slot: usize) {
+        if let Slot::Writing(w) = self.slots[slot] {
+            if let Some(m) = &mut self.replay {
+                m.lose(w.ns, w.offset, w.len, w.seq);
+            }
+        }
+        self.set(slot, Slot::Free);
     }
 
     /// The slot of the completed started Read `ticket`, and its length.

@@ -504,3 +504,55 @@ fn a_voided_read_into_a_buffer_keeps_its_hold_until_it_is_let_go() {
     p.set(t, Slot::Free);
     assert_eq!(b.holds(), 0);
 }
+
+/// A new write whose post is refused (another reason than a lost connection) after it was
+/// registered over a held write of the same bytes it supersedes: the held write stays held
+/// and owns its bytes again in the replay order (its re-issue writes them), and another
+/// queue's write of those bytes is told of a loss, never of a durable release. (The held
+/// write owned nothing any more: a reconnect dropped it without a re-issue, and the other
+/// queue's heir said durable over it.)
+#[test]
+fn a_refused_rewrite_gives_the_bytes_back_to_the_write_it_superseded() {
+    let pd = Context::soft().alloc_pd().unwrap();
+    let order = Arc::new(crate::replay::ReplayOrder::default());
+    let (mut a, mut b) = (
+        Pool::new(&pd, 4, 4, 16384).unwrap(),
+        Pool::new(&pd, 4, 4, 16384).unwrap(),
+    );
+    a.join(Member::new(Arc::clone(&order), vec![1]));
+    b.join(Member::new(Arc::clone(&order), vec![1]));
+    assert!(a.keep_order() && b.keep_order());
+    // B's write, then A's newer one of the same bytes, both held; B re-issues after a
+    // reconnect and lets its write go to A's.
+    let (sb, seq) = (b.take_free().unwrap(), b.next_seq());
+    let wb = rec(0, 0, 4096, seq);
+    b.set(sb, Slot::Held(wb));
+    let (sa, seq) = (a.take_free().unwrap(), a.next_seq());
+    let old = rec(0, 0, 4096, seq);
+    a.set(sa, Slot::Held(old));
+    b.replay.as_mut().unwrap().reissuing();
+    b.replay.as_mut().unwrap().hand_over(0, 0, 4096, wb.seq);
+    b.replay.as_mut().unwrap().reissued();
+    b.set(sb, Slot::Free);
+    // A's client rewrites the block; the post is refused.
+    let (s2, seq) = (a.take_free().unwrap(), a.next_seq());
+    let new = rec(0, 0, 4096, seq);
+    let p = a.superseded(&new).expect("the held write is superseded");
+    a.set(s2, Slot::Writing(new));
+    a.supersede_when_posted(s2, &new, p);
+    a.unpost_write(s2);
+    a.settle_superseded(&[]);
+    assert_eq!(a.held_ranges(0).as_slice(), &[(0, 4096)]);
+    assert_eq!(
+        a.replay_pieces(&old),
+        [(0, 4096)],
+        "its re-issue writes nothing"
+    );
+    assert!(
+        !matches!(
+            b.replay.as_mut().unwrap().handed(0),
+            crate::replay::Handed::Persist(ref r) if r.is_empty()
+        ),
+        "B's persist would say durable over A's unpersisted write"
+    );
+}

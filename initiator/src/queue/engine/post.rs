@@ -75,11 +75,12 @@ impl Engine {
     /// the caller).
     fn unpost(&mut self, slots: impl IntoIterator<Item = usize>) {
         for slot in slots {
-            if matches!(
-                self.pool.get(slot),
-                Some(Slot::Writing(_) | Slot::Reading { .. } | Slot::Started { .. })
-            ) {
-                self.pool.set(slot, Slot::Free);
+            match self.pool.get(slot) {
+                Some(Slot::Writing(_)) => self.pool.unpost_write(slot),
+                Some(Slot::Reading { .. } | Slot::Started { .. }) => {
+                    self.pool.set(slot, Slot::Free)
+                }
+                _ => {}
             }
         }
         // The held writes the freed ones superseded stay held.
