@@ -433,6 +433,16 @@ mod tests {
         (o, a, b)
     }
 
+    /// [`two`], A's write of `len` bytes at 0 rewritten whole by B's, and A re-issued after a
+    /// reconnect: A is B's heir for them.
+    fn heir_of_b(len: usize) -> (Arc<ReplayOrder>, Member, Member) {
+        let (o, mut a, mut b) = two();
+        a.register(0, 0, len, 1);
+        b.register(0, 0, len, 1);
+        reissue(&mut a, 0, len);
+        (o, a, b)
+    }
+
     /// A re-issues its write (ns 0, `offset`, `len`, seq 1) after a reconnect.
     fn reissue(a: &mut Member, offset: u64, len: usize) {
         a.reissuing();
@@ -477,10 +487,7 @@ mod tests {
         // The NBD export's FLUSH has the queues named place their writes and asks again, for
         // a few rounds: B's client rewrote the bytes after each placement, so every round
         // named B again, and the FLUSH answered EIO.
-        let (o, mut a, mut b) = two();
-        a.register(0, 0, 4096, 1);
-        b.register(0, 0, 4096, 1);
-        reissue(&mut a, 0, 4096);
+        let (o, mut a, mut b) = heir_of_b(4096);
         assert_eq!(a.handed(0), Handed::Unplaced(vec![b.id()]));
         for seq in 1..=8 {
             b.placed_fresh(seq, o.now());
@@ -574,10 +581,7 @@ mod tests {
 
     #[test]
     fn vouched_bytes_are_owed_again_when_the_vouching_queue_reconnects() {
-        let (o, mut a, mut b) = two();
-        a.register(0, 0, 4096, 1);
-        b.register(0, 0, 4096, 1);
-        reissue(&mut a, 0, 4096);
+        let (o, a, mut b) = heir_of_b(4096);
         b.placed_fresh(1, o.now());
         b.register(0, 0, 4096, 2);
         assert_eq!(a.handed(0), Handed::Persist(vec![(0, 4096)]));
@@ -587,10 +591,7 @@ mod tests {
 
     #[test]
     fn vouched_bytes_whose_newer_write_is_let_go_unpersisted_are_lost() {
-        let (o, mut a, mut b) = two();
-        a.register(0, 0, 4096, 1);
-        b.register(0, 0, 4096, 1);
-        reissue(&mut a, 0, 4096);
+        let (o, mut a, mut b) = heir_of_b(4096);
         b.placed_fresh(1, o.now());
         b.register(0, 0, 4096, 2);
         b.lose(0, 0, 4096, 2);
@@ -606,10 +607,7 @@ mod tests {
     /// placement of each new write.
     #[test]
     fn bytes_whose_newer_write_was_made_durable_need_nothing_when_written_again() {
-        let (o, mut a, mut b) = two();
-        a.register(0, 0, 8192, 1);
-        b.register(0, 0, 8192, 1);
-        reissue(&mut a, 0, 8192);
+        let (o, mut a, mut b) = heir_of_b(8192);
         b.placed_fresh(1, o.now());
         b.release(0, 0, 8192, 1);
         for seq in 2..=9 {
@@ -704,10 +702,7 @@ mod tests {
 
     #[test]
     fn a_queue_that_goes_takes_what_it_owed_and_its_placement_with_it() {
-        let (o, mut a, mut b) = two();
-        a.register(0, 0, 4096, 1);
-        b.register(0, 0, 4096, 1);
-        reissue(&mut a, 0, 4096);
+        let (o, a, mut b) = heir_of_b(4096);
         b.placed_fresh(1, o.now());
         assert_eq!(o.lock().fresh.len(), 1);
         drop(a);
