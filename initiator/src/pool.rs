@@ -442,16 +442,12 @@ impl Pool {
     /// The writes in `posted` were posted: the held writes they supersede are freed (and
     /// those of new writes that completed, so were posted). Those of new writes no slot
     /// carries any more (a refused post freed them: [`unpost_write`](Self::unpost_write)) stay
-    /// held, and take back the bytes of the replay order no write owns now, which the new
-    /// write took and gave up.
+    /// held: this queue's persist covers them.
     pub(crate) fn settle_superseded(&mut self, posted: &[usize]) {
         if self.superseding.is_empty() {
             return;
         }
-        let (mut free, mut kept) = (
-            SmallVec::<[usize; 4]>::new(),
-            SmallVec::<[WriteRec; 4]>::new(),
-        );
+        let mut free = SmallVec::<[usize; 4]>::new();
         let slots = &self.slots;
         self.superseding.retain(|&(new, new_seq, old, old_seq)| {
             let went = match slots[new] {
@@ -463,29 +459,25 @@ impl Pool {
                 // The new write is gone without being posted: the held one stays.
                 _ => false,
             };
-            match slots[old] {
-                Slot::Held(o) if o.seq == old_seq && went => free.push(old),
-                Slot::Held(o) if o.seq == old_seq => kept.push(o),
-                _ => {}
+            if went && matches!(slots[old], Slot::Held(o) if o.seq == old_seq) {
+                free.push(old);
             }
             false
         });
         for old in free {
             self.set(old, Slot::Free);
         }
-        if let Some(m) = &mut self.replay {
-            for o in kept {
-                m.reclaim(o.ns, o.offset, o.len, o.seq);
-            }
-        }
     }
 
     /// Frees the slot of a write whose post was refused (another reason than a lost
     /// connection): never posted, never acknowledged. In the replay order it had taken its
-    /// bytes from the writes that held them, which cannot all be told now: it is let go as
-    /// lost first ([`Member::lose`]), so that a queue that let those bytes go to it hears of
-    /// a loss rather than a durable release; a write of this queue it superseded takes its
-    /// bytes back ([`settle_superseded`](Self::settle_superseded)).
+    /// bytes from the writes that held them (of any queue), which cannot be told now (a gap
+    /// is no proof a write gave them up: a newer write of another queue may have taken them
+    /// before and been released since): it is let go as lost first ([`Member::lose`]), so that
+    /// a queue that let those bytes go hears of a loss rather than a durable release, and a
+    /// write that no longer owns its bytes counts them lost at its queue's next re-issue. A
+    /// loss reported that a durable write would not have needed, on this rare path; never a
+    /// durable over a lost write.
     pub(crate) fn unpost_write(&mut self, slot: usize) {
         if let Slot::Writing(w) = self.slots[slot] {
             if let Some(m) = &mut self.replay {

@@ -581,20 +581,6 @@ impl Member {
         }
     }
 
-    /// A write of this queue (`seq`, still held) takes back the bytes of its range that no
-    /// write owns (a newer write of this queue took them and its post was refused):
-    /// [`Pool::settle_superseded`](crate::pool::Pool::settle_superseded). Nothing while the
-    /// queue is out of the map.
-    pub(crate) fn reclaim(&mut self, ns: usize, offset: u64, len: usize, seq: u64) {
-        if !self.entered {
-            return;
-        }
-        if let Some((nsid, s, e, w)) = self.at(ns, offset, len, seq) {
-            let mut inner = self.order.lock();
-            ReplayOrder::fill(&mut inner.pieces, nsid, s, e, w);
-        }
-    }
-
     /// The pieces of a write of this queue that its re-issue may write (the queue entered).
     pub(crate) fn owned(&self, ns: usize, offset: u64, len: usize, seq: u64) -> Vec<(u64, u64)> {
         match self.at(ns, offset, len, seq) {

@@ -507,12 +507,12 @@ fn a_voided_read_into_a_buffer_keeps_its_hold_until_it_is_let_go() {
 
 /// A new write whose post is refused (another reason than a lost connection) after it was
 /// registered over a held write of the same bytes it supersedes: the held write stays held
-/// and owns its bytes again in the replay order (its re-issue writes them), and another
-/// queue's write of those bytes is told of a loss, never of a durable release. (The held
-/// write owned nothing any more: a reconnect dropped it without a re-issue, and the other
-/// queue's heir said durable over it.)
+/// (this queue's persist covers it), and a queue that let those bytes go is told of a loss,
+/// never of a durable release; the held write, owning no bytes in the replay order any more,
+/// counts them lost at its own re-issue. (The other queue's heir found a gap and said
+/// durable over the held write.)
 #[test]
-fn a_refused_rewrite_gives_the_bytes_back_to_the_write_it_superseded() {
+fn a_refused_rewrite_is_told_as_a_loss_never_as_durable() {
     let pd = Context::soft().alloc_pd().unwrap();
     let order = Arc::new(crate::replay::ReplayOrder::default());
     let (mut a, mut b) = (
@@ -544,15 +544,14 @@ fn a_refused_rewrite_gives_the_bytes_back_to_the_write_it_superseded() {
     a.settle_superseded(&[]);
     assert_eq!(a.held_ranges(0).as_slice(), &[(0, 4096)]);
     assert_eq!(
-        a.replay_pieces(&old),
-        [(0, 4096)],
-        "its re-issue writes nothing"
-    );
-    assert!(
-        !matches!(
-            b.replay.as_mut().unwrap().handed(0),
-            crate::replay::Handed::Persist(ref r) if r.is_empty()
-        ),
+        b.replay.as_mut().unwrap().handed(0),
+        crate::replay::Handed::Lost(vec![(0, 4096)]),
         "B's persist would say durable over A's unpersisted write"
     );
+    // A's re-issue: its held write owns nothing; the bytes are counted lost (A owes them).
+    let m = a.replay.as_mut().unwrap();
+    m.reissuing();
+    m.hand_over(0, 0, 4096, old.seq);
+    m.reissued();
+    assert_eq!(m.handed(0), crate::replay::Handed::Lost(vec![(0, 4096)]));
 }
