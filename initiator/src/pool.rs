@@ -406,8 +406,8 @@ impl Pool {
     /// a persist: rewriting a block frees its older copy. A held write whose completion the
     /// caller still waits to hear of (a started Write to be re-issued) stays. Returns whether
     /// one was freed.
-    /// (The engine frees the slot itself once the new write is registered:
-    /// [`superseded`](Self::superseded).)
+    /// (For the tests: the engine frees that slot only once the new write is posted:
+    /// [`superseded`](Self::superseded), [`supersede_when_posted`](Self::supersede_when_posted).)
     #[cfg(test)]
     pub(crate) fn supersede(&mut self, w: &WriteRec) -> bool {
         match self.superseded(w) {
