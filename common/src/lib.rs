@@ -26,6 +26,7 @@ pub mod fabric;
 #[cfg(feature = "wire-testing")]
 pub mod fuzz;
 pub mod logline;
+pub mod mountinfo;
 pub mod notify;
 pub mod pmem;
 pub mod proto;

@@ -559,27 +559,7 @@ fn ram_backed_within(path: &Path, magic: u32, depth: u32) -> bool {
 /// it is an overlay with an `upperdir` and not mounted `volatile` (None for another
 /// filesystem, a read-only overlay, or a volatile one: its syncs are skipped).
 fn overlay_upper(mountinfo: &str, path: &Path) -> Option<PathBuf> {
-    // "id parent maj:min root mountpoint options [optional...] - fstype source super-options"
-    let mut best: Option<(usize, &str, &str)> = None;
-    for line in mountinfo.lines() {
-        let Some((mount, rest)) = line.split_once(" - ") else {
-            continue;
-        };
-        let Some(point) = mount.split(' ').nth(4).map(unescape) else {
-            continue;
-        };
-        if !path.starts_with(&point) {
-            continue;
-        }
-        let depth = Path::new(&point).components().count();
-        if best.is_none_or(|(d, _, _)| depth >= d) {
-            let mut fields = rest.split(' ');
-            let fstype = fields.next().unwrap_or("");
-            let options = fields.nth(1).unwrap_or("");
-            best = Some((depth, fstype, options));
-        }
-    }
-    let (_, fstype, options) = best?;
+    let (fstype, options) = crate::mountinfo::mount_over(mountinfo, path)?;
     if fstype != "overlay"
         || options
             .split(',')
@@ -590,30 +570,7 @@ fn overlay_upper(mountinfo: &str, path: &Path) -> Option<PathBuf> {
     options
         .split(',')
         .find_map(|o| o.strip_prefix("upperdir="))
-        .map(|u| PathBuf::from(unescape(u)))
-}
-
-/// A mountinfo field with its octal escapes (`\040` for a space) undone.
-fn unescape(field: &str) -> String {
-    let b = field.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let octal = b
-            .get(i + 1..i + 4)
-            .filter(|d| b[i] == b'\\' && d.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match octal {
-            Some(d) => {
-                out.push((d[0] - b'0') << 6 | (d[1] - b'0') << 3 | (d[2] - b'0'));
-                i += 4;
-            }
-            None => {
-                out.push(b[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
+        .map(|u| PathBuf::from(crate::mountinfo::unescape(u)))
 }
 
 impl OpenOptions {
@@ -662,7 +619,6 @@ mod tests {
         assert_eq!(overlay_upper(volatile, Path::new("/srv/f/ns1")), None);
         // Path components, not string prefixes.
         assert_eq!(up("/srv/live rootless/ns1"), None);
-        assert_eq!(unescape("a\\040b\\134c\\9"), "a b\\c\\9");
     }
 
     /// A file shorter than its size opens only with `short_ok`: as it is (not grown, nothing

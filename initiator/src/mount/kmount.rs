@@ -85,30 +85,6 @@ pub(crate) struct MountEntry {
     pub(crate) fstype: String,
 }
 
-/// /proc/mounts' octal escapes (`\040` for a space) undone.
-fn unescape(s: &str) -> String {
-    let b = s.as_bytes();
-    let mut out = Vec::with_capacity(b.len());
-    let mut i = 0;
-    while i < b.len() {
-        let oct = b
-            .get(i + 1..i + 4)
-            .filter(|o| o.iter().all(|c| (b'0'..=b'7').contains(c)));
-        match oct {
-            Some(o) if b[i] == b'\\' => {
-                let v = o.iter().fold(0u32, |v, c| v * 8 + u32::from(c - b'0'));
-                out.push(v as u8);
-                i += 4;
-            }
-            _ => {
-                out.push(b[i]);
-                i += 1;
-            }
-        }
-    }
-    String::from_utf8_lossy(&out).into_owned()
-}
-
 /// Parses /proc/mounts text.
 pub(crate) fn parse_mounts(text: &str) -> Vec<MountEntry> {
     text.lines()
@@ -116,7 +92,7 @@ pub(crate) fn parse_mounts(text: &str) -> Vec<MountEntry> {
             let mut f = l.split(' ');
             let (_source, dir, fstype) = (f.next()?, f.next()?, f.next()?);
             Some(MountEntry {
-                dir: PathBuf::from(unescape(dir)),
+                dir: PathBuf::from(rpma_common::mountinfo::unescape(dir)),
                 fstype: fstype.to_owned(),
             })
         })
@@ -156,7 +132,6 @@ mod tests {
         assert_eq!(m.len(), 2);
         assert_eq!(m[1].dir, PathBuf::from("/mnt/a b"));
         assert_eq!(m[1].fstype, FSTYPE);
-        assert_eq!(unescape("a\\134b\\04"), "a\\b\\04");
     }
 
     #[test]
