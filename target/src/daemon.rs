@@ -363,15 +363,13 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     log::info!("{} namespace(s) mapped", namespaces.len());
     // Before anything is served: a write-back failure the last run's sync took the report of
     // as it died fails its namespace now (crate::fdstore).
-    if !fdstore.is_empty() {
-        let failed = fdstore.check(&namespaces, &notifier);
+    let kept = fdstore.len();
+    let failed = fdstore.check(&namespaces, &notifier);
+    if kept > 0 {
         log::info!(
-            "{} namespace file descriptor(s) kept from the last run checked: {failed} \
-             namespace(s) failed by a write-back error it did not record",
-            fdstore.len()
+            "{kept} namespace file descriptor(s) kept from the last run checked: {failed} \
+             namespace(s) failed by a write-back error it did not record"
         );
-    } else {
-        fdstore.keep(&namespaces, &notifier);
     }
     let socket = config.control_socket.clone();
     let shared = Arc::new(Shared {

@@ -46,11 +46,6 @@ fn name_of(id: FileId) -> String {
     format!("{PREFIX}{}-{}", id.0, id.1)
 }
 
-fn file_id(fd: &OwnedFd) -> Option<FileId> {
-    let st = nix::sys::stat::fstat(fd.as_raw_fd()).ok()?;
-    Some((st.st_dev, st.st_ino))
-}
-
 /// The files of the page-cache namespaces `table` serves, each with a descriptor of it.
 fn served(table: &NamespaceTable) -> BTreeMap<FileId, std::os::fd::RawFd> {
     table
@@ -70,7 +65,7 @@ impl FdStore {
                 log::warn!("a descriptor named {name:?} passed by the service manager: closed");
                 continue;
             }
-            if let Some(id) = file_id(&fd) {
+            if let Some(id) = crate::namespace::file_id_of(fd.as_fd()) {
                 held.insert(id, fd);
             }
         }

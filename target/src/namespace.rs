@@ -20,6 +20,7 @@ mod methods;
 mod table;
 
 pub use claim::ClaimError;
+pub use mark::{file_id_of, marked_failed, open_regular};
 pub use methods::{access_for, durability_methods, offered_methods, wire_domain};
 pub use table::{ApplyReport, Cleared, NamespaceTable};
 
@@ -167,22 +168,6 @@ pub enum NamespaceError {
 
 /// Result of namespace operations.
 pub type Result<T> = std::result::Result<T, NamespaceError>;
-
-/// Whether the regular file at `path` carries the failure mark (`user.rpma.failed`), or one
-/// that cannot be read (taken as failed, as an opening does). Anything else at the path (none,
-/// a FIFO, a device) says no: opened without blocking, and only a regular file. For a file
-/// that may open short ([`OpenNamespace::open_remembering`], check-config).
-pub fn marked_failed(path: &std::path::Path) -> bool {
-    use std::os::unix::fs::OpenOptionsExt;
-    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
-        return false;
-    }
-    std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-        .is_ok_and(|f| !matches!(mark::get(std::os::fd::AsFd::as_fd(&f)), Ok(None)))
-}
 
 /// Per-namespace counters, updated by the sessions and the flush service.
 #[derive(Debug, Default)]

@@ -184,17 +184,8 @@ pub fn probe(args: &ProbeArgs) -> anyhow::Result<Report> {
 /// Returns the descriptor holding the lock it took (the grow happens under it).
 fn refuse_if_served(path: &std::path::Path) -> anyhow::Result<Option<std::fs::File>> {
     use std::os::fd::AsRawFd;
-    use std::os::unix::fs::OpenOptionsExt;
-    // Only a regular file, opened without blocking (a FIFO would wait for a writer).
-    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
-        return Ok(None);
-    }
-    let Ok(f) = std::fs::OpenOptions::new()
-        .read(true)
-        .custom_flags(libc::O_NONBLOCK)
-        .open(path)
-    else {
-        // Not readable: open reports what it finds.
+    // Only a regular file (nothing there, or not readable: open reports what it finds).
+    let Some(f) = crate::namespace::open_regular(path) else {
         return Ok(None);
     };
     // SAFETY: flock only takes the descriptor, open for the call, and the flags.

@@ -121,7 +121,7 @@ fn parse(value: &[u8]) -> SyncFailure {
 }
 
 /// The device and inode of the file of `fd`.
-pub(super) fn file_id_of(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
+pub fn file_id_of(fd: std::os::fd::BorrowedFd<'_>) -> Option<(u64, u64)> {
     let st = nix::sys::stat::fstat(std::os::fd::AsRawFd::as_raw_fd(&fd)).ok()?;
     Some((st.st_dev, st.st_ino))
 }
@@ -140,6 +140,29 @@ pub(super) fn mark_file(
              the state file alone remembers the failure"
         );
     }
+}
+
+/// The regular file at `path`, opened read-only without blocking; None for anything else (none,
+/// a FIFO, whose open would wait for a writer, a device) or an open that fails. For looking at
+/// a file before (or instead of) serving it: its mark, its lock.
+pub fn open_regular(path: &std::path::Path) -> Option<std::fs::File> {
+    use std::os::unix::fs::OpenOptionsExt;
+    if !std::fs::metadata(path).is_ok_and(|m| m.is_file()) {
+        return None;
+    }
+    std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .ok()
+}
+
+/// Whether the regular file at `path` carries the failure mark, or one that cannot be read
+/// (taken as failed, as an opening does); anything else at the path says no
+/// ([`open_regular`]). For a file that may open short
+/// ([`OpenNamespace::open_remembering`](super::OpenNamespace::open_remembering), check-config).
+pub fn marked_failed(path: &std::path::Path) -> bool {
+    open_regular(path).is_some_and(|f| !matches!(get(std::os::fd::AsFd::as_fd(&f)), Ok(None)))
 }
 
 #[cfg(test)]
