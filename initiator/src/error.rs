@@ -394,6 +394,25 @@ pub enum LossReason {
     /// trusted on (what the decoder said).
     #[error("the target broke the protocol: {0}")]
     Protocol(String),
+    /// This host's RDMA device failed or was removed (its name): nothing made on it works
+    /// again; a reconnect opens the device anew once it is back.
+    #[error("the RDMA device {0} failed or was removed")]
+    DeviceLost(String),
+}
+
+/// The error of a wait on a completion queue: a lost device is a lost connection (the device
+/// carries nothing more, so the queue reconnects, on the device when it is back), anything else
+/// the fabric's error.
+pub(crate) fn wait_error(source: fabric::Error) -> Error {
+    match source {
+        fabric::Error::DeviceLost { device } => Error::ConnectionLost {
+            reason: LossReason::DeviceLost(device),
+        },
+        source => Error::Fabric {
+            op: "waiting for completions",
+            source,
+        },
+    }
 }
 
 impl LossReason {
@@ -412,6 +431,18 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+
+    #[test]
+    fn a_wait_on_a_lost_device_is_a_lost_connection() {
+        let e = wait_error(fabric::Error::DeviceLost {
+            device: "rxe0".into(),
+        });
+        assert!(e.is_connection_loss(), "{e:?}");
+        assert!(e.to_string().contains("rxe0 failed or was removed"), "{e}");
+        let e = wait_error(fabric::Error::NoDevice);
+        assert!(!e.is_connection_loss(), "{e:?}");
+        assert!(matches!(e, Error::Fabric { .. }), "{e:?}");
+    }
 
     #[test]
     fn a_lost_connection_keeps_the_fabrics_reason_typed_and_in_its_text() {

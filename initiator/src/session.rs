@@ -335,10 +335,7 @@ impl Session {
             } else {
                 self.cq.wait(&mut wcs, Some(deadline - now))
             }
-            .map_err(|source| Error::Fabric {
-                op: "waiting for completions",
-                source,
-            })?;
+            .map_err(crate::error::wait_error)?;
             if n == 0 {
                 open?;
                 continue;

@@ -175,7 +175,20 @@ fn status(shared: &Shared) -> Status {
         config: shared.config_path.clone(),
         reloads: st.reloads,
         last_reload: st.last_reload.clone(),
-        listeners: st.listeners.clone(),
+        listeners: {
+            let down = st.serve.listeners_down();
+            st.listeners
+                .iter()
+                .map(|l| match down.iter().find(|(url, _)| *url == l.url) {
+                    Some((_, why)) => ListenerStatus {
+                        bound: false,
+                        note: Some(why.clone()),
+                        ..l.clone()
+                    },
+                    None => l.clone(),
+                })
+                .collect()
+        },
         subsystems: cfg
             .subsystems
             .iter()

@@ -104,6 +104,12 @@ pub trait Serve: Send {
     /// The sessions, for `status`.
     fn sessions(&self) -> Vec<SessionStatus>;
 
+    /// The listeners [`bind`](Self::bind) bound that are down now (an `rdma://` listener whose
+    /// device was lost, until it is back): each one's URL as `bind` gave it, and why.
+    fn listeners_down(&self) -> Vec<(String, String)> {
+        Vec::new()
+    }
+
     /// The admission budgets in use, for `status` (None before [`Serve::bind`]).
     fn admission(&self) -> Option<AdmissionStatus> {
         None

@@ -54,12 +54,15 @@ run_one() {
 # Two binaries at a time (the guest's tests mostly wait: on a disk, a device, a peer), the
 # longest first. They share no device: nbd and md are kernel_clients', loop devices
 # fuse_mount's, nvme nvme_tcp_vm's, network namespaces roce_tshark's.
+# ALONE: binaries that take the whole lab (rdma_device_loss deletes the RDMA device and adds
+# it back), run last, one at a time, with nothing beside them.
 LANES=${RPMA_VM_LANES:-2}
 LONG="kernel_clients initiator_cli nvme_tcp_vm crash_consistency fuse_mount roce_tshark"
+ALONE="rdma_device_loss"
 start=$(date +%s)
 {
   for n in $LONG; do grep "^$n " "$LIST"; done
-  grep -v -E "^($(tr ' ' '|' <<<"$LONG")) " "$LIST"
+  grep -v -E "^($(tr ' ' '|' <<<"$LONG $ALONE")) " "$LIST"
 } | {
   while read -r name exe dir; do
     [ -n "$name" ] || continue
@@ -68,6 +71,9 @@ start=$(date +%s)
   done
   wait
 }
+for n in $ALONE; do
+  grep "^$n " "$LIST" | while read -r name exe dir; do run_one "$name" "$exe" "$dir"; done
+done
 end=$(date +%s)
 
 total_passed=0

@@ -114,6 +114,14 @@ impl Context {
             .map_err(str::to_owned)
     }
 
+    /// Whether the device failed or was removed (`rdma`: IBV_EVENT_DEVICE_FATAL, rdma_cm's
+    /// device removal, or a completion queue that no longer answers; never on `tcp`). Nothing
+    /// made on a lost device works again: a device that comes back is opened anew with
+    /// [`Context::for_url`], which refuses one that is still lost.
+    pub fn is_lost(&self) -> bool {
+        self.inner.device.is_lost()
+    }
+
     pub(crate) fn device(&self) -> &Device {
         &self.inner.device
     }

@@ -40,6 +40,16 @@ pub enum Error {
         /// Why none fits (the devices there are, the address's route).
         reason: String,
     },
+    /// `rdma://`: the device failed or was removed ([`Context::is_lost`]): nothing made on it
+    /// works again. Reported once by the completion queue that saw it; a listener on it
+    /// reports it from `accept_incoming`.
+    ///
+    /// [`Context::is_lost`]: super::Context::is_lost
+    #[error("the RDMA device {device} failed or was removed")]
+    DeviceLost {
+        /// The device's name.
+        device: String,
+    },
     /// A verbs or rdma_cm call failed. (The OS error is the source, not repeated in the text.)
     #[error("{op}")]
     Verbs {

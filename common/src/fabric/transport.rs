@@ -121,6 +121,15 @@ impl Device {
         Ok(Device::Rdma(rdma::Device::by_name(name)?))
     }
 
+    /// Whether the device failed or was removed (never, for the soft device).
+    pub(crate) fn is_lost(&self) -> bool {
+        match self {
+            Device::Soft(_) => false,
+            #[cfg(feature = "rdma")]
+            Device::Rdma(d) => d.is_lost(),
+        }
+    }
+
     /// The transport's name, for `Debug`.
     pub(crate) fn transport(&self) -> &'static str {
         match self {

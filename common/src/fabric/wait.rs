@@ -63,6 +63,12 @@ impl Poller {
             .map_err(io)
     }
 
+    /// Stops watching the transport's `fd`.
+    #[cfg_attr(not(feature = "rdma"), allow(dead_code))]
+    pub(crate) fn unwatch_transport(&self, fd: BorrowedFd<'_>) -> Result<()> {
+        self.epoll.delete(fd).map_err(io)
+    }
+
     /// Changes whether the transport's `fd` is watched for writability.
     pub(crate) fn set_write(&self, fd: BorrowedFd<'_>, token: u64, write: bool) -> Result<()> {
         let mut ev = EpollEvent::new(Self::flags(write), token);

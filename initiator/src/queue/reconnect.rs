@@ -423,6 +423,8 @@ fn retire(e: &mut Engine, mut old: Session, deadline: Instant, lost: &str) -> Re
         {
             Ok(n) if wcs[..n].iter().any(|c| Some(c.wr_id) == fence) => break Ok(()),
             Ok(_) => {}
+            // A lost device delivers nothing more.
+            Err(rpma_common::fabric::Error::DeviceLost { .. }) => break Ok(()),
             Err(source) => {
                 break Err(Error::Fabric {
                     op: "waiting for completions",

@@ -12,6 +12,13 @@
 //! handed over; a source at its cap makes room by evicting its own oldest connection.
 //! The thread also logs the periodic count of suppressed warnings ([`super::peer_log`]).
 //!
+//! An `rdma://` listener whose device fails or is removed (a NIC reset, a driver reload, `rdma
+//! link delete`) ends: the thread says so once, then tries every [`RELISTEN_EVERY`] to open the
+//! device that serves its address again and listen on it (the first listener back replaces the
+//! server's device and tells the poll loops, [`Shared::revive_device`]); hosts reconnect as
+//! they do after a restart. It also looks at its device every [`RELISTEN_EVERY`], for a device
+//! that failed without telling the listener.
+//!
 //! The thread is woken through an eventfd: to stop (with its flag set), and by the watchdog
 //! check, which reads its heartbeat (a counter bumped every turn) to tell a live thread from a
 //! stuck one.
@@ -19,7 +26,7 @@
 use std::collections::VecDeque;
 use std::os::fd::AsFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
@@ -43,9 +50,19 @@ const ACCEPTS_PER_TURN: usize = 64;
 /// How long the thread pauses after accept itself failed (EMFILE and the like).
 const ACCEPT_FAILED_PAUSE: Duration = Duration::from_millis(100);
 
+/// How often an `rdma://` listener whose device was lost tries to listen again, and how often
+/// one that listens looks at whether its device is lost.
+pub(crate) const RELISTEN_EVERY: Duration = Duration::from_secs(1);
+
+/// Why a listener is down (its device was lost), while it is; shared with its status.
+type Down = Arc<Mutex<Option<String>>>;
+
 /// A running accept thread.
 pub(crate) struct Acceptor {
     url: Url,
+    /// The listener's URL as the configuration gives it (its status's).
+    config_url: String,
+    down: Down,
     stop: Arc<AtomicBool>,
     beat: Heartbeat,
     thread: Option<JoinHandle<()>>,
@@ -58,7 +75,17 @@ struct Waiting {
 }
 
 struct AcceptLoop {
-    listener: Listener,
+    /// None while its RDMA device is lost.
+    listener: Option<Listener>,
+    /// The bound URL: where it listens again once a lost device is back.
+    url: Url,
+    /// `rdma://`: the device can be lost.
+    rdma: bool,
+    /// When to try listening again, or to look at the device.
+    next_look: Instant,
+    /// Tries to listen again since the device was lost.
+    relisten_tries: u64,
+    down: Down,
     shared: Arc<Shared>,
     stop: Arc<AtomicBool>,
     beat: Heartbeat,
@@ -73,13 +100,14 @@ impl Acceptor {
     pub(crate) fn start(
         shared: &Arc<Shared>,
         url: &Url,
+        config_url: String,
         loops: Vec<(LoopTx, Arc<AtomicUsize>)>,
     ) -> Result<Acceptor> {
         let listen_err = |source| Error::Listen {
             url: url.to_string(),
             source,
         };
-        let listener = Listener::bind(&shared.ctx, url).map_err(listen_err)?;
+        let listener = Listener::bind(&shared.ctx(), url).map_err(listen_err)?;
         let bound = listener.url().map_err(listen_err)?;
         listener.set_nonblocking(true).map_err(listen_err)?;
         let name = format!("rpma-accept-{}", bound.port);
@@ -91,8 +119,14 @@ impl Acceptor {
             })?;
         let beat = Heartbeat::new(name.clone(), wake);
         let stop = Arc::new(AtomicBool::new(false));
+        let down: Down = Arc::default();
         let lp = AcceptLoop {
-            listener,
+            down: Arc::clone(&down),
+            listener: Some(listener),
+            url: bound.clone(),
+            rdma: bound.scheme == fabric::Scheme::Rdma,
+            next_look: Instant::now() + RELISTEN_EVERY,
+            relisten_tries: 0,
             shared: Arc::clone(shared),
             stop: Arc::clone(&stop),
             beat: beat.clone(),
@@ -105,6 +139,8 @@ impl Acceptor {
             .map_err(|source| Error::Thread { name, source })?;
         Ok(Acceptor {
             url: bound,
+            config_url,
+            down,
             stop,
             beat,
             thread: Some(thread),
@@ -114,6 +150,16 @@ impl Acceptor {
     /// The bound URL (with the real port).
     pub(crate) fn url(&self) -> &Url {
         &self.url
+    }
+
+    /// The listener's configured URL and why it is down, if it is (its device was lost).
+    pub(crate) fn down(&self) -> Option<(String, String)> {
+        let why = self
+            .down
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()?;
+        Some((self.config_url.clone(), why))
     }
 
     /// The thread's heartbeat, for the watchdog check.
@@ -161,6 +207,9 @@ impl AcceptLoop {
             if listen {
                 self.accept_new();
             }
+            if self.rdma && Instant::now() >= self.next_look {
+                self.look_at_device();
+            }
             self.shared.peer_log.summarize(Instant::now());
         }
         log::debug!("accept thread {} stopped", self.beat.name());
@@ -175,6 +224,7 @@ impl AcceptLoop {
             .map(|w| w.deadline)
             .into_iter()
             .chain(self.shared.peer_log.next_summary())
+            .chain(self.rdma.then_some(self.next_look))
             .min();
         let timeout = match next {
             None => PollTimeout::NONE,
@@ -187,7 +237,11 @@ impl AcceptLoop {
         };
         let mut fds = Vec::with_capacity(2 + self.pending.len());
         fds.push(PollFd::new(self.beat.wake_fd(), PollFlags::POLLIN));
-        fds.push(PollFd::new(self.listener.as_fd(), PollFlags::POLLIN));
+        // Without a listener (its device lost) a placeholder that is never ready.
+        fds.push(match &self.listener {
+            Some(l) => PollFd::new(l.as_fd(), PollFlags::POLLIN),
+            None => PollFd::new(self.beat.wake_fd(), PollFlags::empty()),
+        });
         fds.extend(
             self.pending
                 .iter()
@@ -283,13 +337,96 @@ impl AcceptLoop {
         }
     }
 
+    /// `rdma://`, every [`RELISTEN_EVERY`]: a listener whose device is lost ends; one that
+    /// ended tries to listen again.
+    fn look_at_device(&mut self) {
+        self.next_look = Instant::now() + RELISTEN_EVERY;
+        match &self.listener {
+            Some(_) => {
+                let ctx = self.shared.ctx();
+                if ctx.is_lost() {
+                    self.listener_lost(&fabric::Error::DeviceLost {
+                        device: ctx.device_name().to_owned(),
+                    });
+                }
+            }
+            None => self.relisten(),
+        }
+    }
+
+    /// The listener's RDMA device failed or was removed: the listener ends (dropping it
+    /// destroys its rdma_cm id, as rdma_cm asks), and so do the requests it was reading.
+    fn listener_lost(&mut self, e: &fabric::Error) {
+        log::warn!(
+            "{}: {e}: not accepting connections; listening again once the device is back \
+             (tried every {} s)",
+            self.url,
+            RELISTEN_EVERY.as_secs()
+        );
+        *self.down.lock().unwrap_or_else(|p| p.into_inner()) =
+            Some(format!("{e}; listening again once it is back"));
+        self.listener = None;
+        self.pending.clear();
+        self.relisten_tries = 0;
+        self.next_look = Instant::now() + RELISTEN_EVERY;
+    }
+
+    /// Opens the device that serves the listener's address again, if it is back, and listens
+    /// on it (the first listener back tells the loops of the new device).
+    fn relisten(&mut self) {
+        self.relisten_tries += 1;
+        let loops = &self.loops;
+        let made = self
+            .shared
+            .revive_device(&self.url, |ctx| {
+                for (tx, _) in loops {
+                    // A loop that is gone is stopping with the rest.
+                    let _ = tx.send(LoopCmd::Device(ctx.clone()));
+                }
+            })
+            .and_then(|ctx| {
+                let l = Listener::bind(&ctx, &self.url)?;
+                l.set_nonblocking(true)?;
+                Ok((l, ctx))
+            });
+        match made {
+            Ok((l, ctx)) => {
+                self.listener = Some(l);
+                *self.down.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                log::info!(
+                    "{}: listening again: the RDMA device {} is back",
+                    self.url,
+                    ctx.device_name()
+                );
+            }
+            // Said once, at the first try: the device is usually just not back yet.
+            Err(e) if self.relisten_tries == 1 => log::info!(
+                "{}: cannot listen yet: {}",
+                self.url,
+                rpma_common::error_chain(&e)
+            ),
+            Err(e) => log::debug!(
+                "{}: cannot listen yet: {}",
+                self.url,
+                rpma_common::error_chain(&e)
+            ),
+        }
+    }
+
     /// Takes the connections the kernel queued (up to [`ACCEPTS_PER_TURN`]) and starts reading
     /// their Requests at once (a real initiator's is usually there already).
     fn accept_new(&mut self) {
         for _ in 0..ACCEPTS_PER_TURN {
-            let inc = match self.listener.accept_incoming() {
+            let Some(listener) = &self.listener else {
+                return;
+            };
+            let inc = match listener.accept_incoming() {
                 Ok(Some(inc)) => inc,
                 Ok(None) => return,
+                Err(e @ fabric::Error::DeviceLost { .. }) => {
+                    self.listener_lost(&e);
+                    return;
+                }
                 Err(e) => {
                     // EMFILE and the like: say so, and do not spin on it.
                     // Peers can cause it (by holding descriptors): rate-limited too.

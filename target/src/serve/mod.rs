@@ -98,7 +98,6 @@ struct LoopHandle {
 
 /// The fabric-backed [`Serve`]: see the module docs.
 pub struct FabricServe {
-    ctx: Context,
     shared: Option<Arc<Shared>>,
     loops: Vec<LoopHandle>,
     acceptors: Vec<acceptor::Acceptor>,
@@ -114,7 +113,6 @@ impl std::fmt::Debug for FabricServe {
             .field("loops", &self.loops.len())
             .field("listeners", &self.acceptors.len())
             .field("shared", &self.shared)
-            .field("ctx", &self.ctx)
             .finish()
     }
 }
@@ -153,7 +151,6 @@ impl FabricServe {
     /// URLs name.
     pub fn new() -> FabricServe {
         FabricServe {
-            ctx: Context::soft(),
             shared: None,
             loops: Vec::new(),
             acceptors: Vec::new(),
@@ -178,12 +175,14 @@ impl FabricServe {
         // The device is the listeners' transport's (they share one: a config has one
         // transport). On rdma it is the device of the first listener's address; without one
         // this fails with "no RDMA device found; use tcp://".
-        if let Some(url) = urls.first() {
-            self.ctx = Context::for_url(url).map_err(|source| Error::Listen {
+        // (Kept by the shared state only: a device that is lost and back replaces it there.)
+        let ctx = match urls.first() {
+            Some(url) => Context::for_url(url).map_err(|source| Error::Listen {
                 url: url.to_string(),
                 source,
-            })?;
-        }
+            })?,
+            None => Context::soft(),
+        };
         match crate::memlock::check(cfg, namespaces, slots(cfg)) {
             crate::memlock::Verdict::TooLow(message) => return Err(Error::Memlock { message }),
             crate::memlock::Verdict::Short(message) => log::warn!("{message}"),
@@ -193,7 +192,7 @@ impl FabricServe {
             .map(|_| Arc::new(LoopStats::default()))
             .collect();
         let shared = Arc::new(Shared::new(
-            self.ctx.clone(),
+            ctx,
             cfg,
             loop_stats.clone(),
             nvme_loop_stats.clone(),
@@ -255,7 +254,7 @@ impl FabricServe {
                 continue;
             }
             let Some(url) = urls.next() else { continue };
-            let a = acceptor::Acceptor::start(&shared, &url, targets.clone())?;
+            let a = acceptor::Acceptor::start(&shared, &url, l.url.to_string(), targets.clone())?;
             log::info!("listening on {}", a.url());
             self.acceptors.push(a);
             out.push(ListenerStatus {
@@ -290,6 +289,10 @@ impl Serve for FabricServe {
         for l in &self.loops {
             let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));
         }
+    }
+
+    fn listeners_down(&self) -> Vec<(String, String)> {
+        self.acceptors.iter().filter_map(|a| a.down()).collect()
     }
 
     fn check_progress(&mut self) -> Vec<String> {

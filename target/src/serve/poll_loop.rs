@@ -18,8 +18,8 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Completion, CompletionQueue, ConnParams, ConnRequest, QpCaps, QpState, TcpParams, WcOpcode,
-    WcStatus, Woken,
+    Completion, CompletionQueue, ConnParams, ConnRequest, Context, QpCaps, QpState, TcpParams,
+    WcOpcode, WcStatus, Woken,
 };
 use rpma_common::proto::{FlushResponse, FlushStatus};
 use rpma_common::stats::Stopwatch;
@@ -41,6 +41,10 @@ const WAKE_CMD: u64 = 1;
 const WAKE_FLUSH: u64 = 2;
 /// How long a loop pauses after its completion queue's wait failed (so as not to spin on it).
 const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(20);
+/// A wait that keeps failing is logged once per this period (with the count), not per try.
+const WAIT_FAILED_LOG_PERIOD: Duration = Duration::from_secs(60);
+/// The size a loop's completion queue starts at (it grows with the queue pairs bound to it).
+const CQ_DEPTH: usize = 1024;
 /// How long a stopping loop waits for its goodbyes to leave.
 const STOP_GRACE: Duration = Duration::from_secs(1);
 /// A page-cache flush is synced in the loop's own thread beside other connections only if each
@@ -64,6 +68,19 @@ fn inline_may_hold(len: u64, others: usize, quiet: Duration) -> bool {
             && len != 0
             && len <= INLINE_SHARED_MAX_LEN
             && quiet >= INLINE_QUIET)
+}
+
+/// A loop's completion queue on `ctx`, watching the loop's command eventfd and its flusher's
+/// (both live as long as the loop: they are fields beside the queue).
+fn loop_cq(
+    ctx: &Context,
+    beat: &Heartbeat,
+    flusher: &Flusher,
+) -> Result<CompletionQueue, rpma_common::fabric::Error> {
+    let cq = ctx.create_cq(CQ_DEPTH)?;
+    cq.watch_fd(beat.wake_fd(), WAKE_CMD)?;
+    cq.watch_fd(flusher.wait_fd(), WAKE_FLUSH)?;
+    Ok(cq)
 }
 
 /// Test hook (never set in production): a loop that takes a reload command sleeps this many
@@ -112,6 +129,9 @@ pub(crate) struct PollLoop {
     scratch: Vec<u8>,
     /// This loop's counts (it is their only writer; its flusher writes the flush timings).
     stats: Arc<LoopStats>,
+    /// Waits on the completion queue that failed in a row, and when that was last logged.
+    wait_failures: u64,
+    wait_failure_said: Option<Instant>,
 }
 
 impl PollLoop {
@@ -125,13 +145,10 @@ impl PollLoop {
         stats: Arc<LoopStats>,
     ) -> Result<PollLoop, Box<dyn std::error::Error + Send + Sync>> {
         let cfg = shared.config();
-        let cq = shared.ctx.create_cq(1024)?;
         // Native loops are the flush services numbered first (Config::flush_services).
         let mut flusher = Flusher::new(cfg.max_queue_depth, index)?;
         flusher.set_stats(Arc::clone(&stats));
-        // Both fds live as long as the loop (the flusher and `wake` are fields beside `cq`).
-        cq.watch_fd(beat.wake_fd(), WAKE_CMD)?;
-        cq.watch_fd(flusher.wait_fd(), WAKE_FLUSH)?;
+        let cq = loop_cq(&shared.ctx(), &beat, &flusher)?;
         Ok(PollLoop {
             index,
             shared,
@@ -154,6 +171,8 @@ impl PollLoop {
             jobs: Vec::new(),
             scratch: Vec::with_capacity(rpma_common::proto::MAX_MESSAGE_SIZE),
             stats,
+            wait_failures: 0,
+            wait_failure_said: None,
         })
     }
 
@@ -182,6 +201,7 @@ impl PollLoop {
                     }
                     // The timers run this turn and drop the evicted connections.
                     Ok(LoopCmd::Evicted) => self.failed = true,
+                    Ok(LoopCmd::Device(ctx)) => self.new_device(&ctx),
                     Ok(LoopCmd::Reload(diff)) => {
                         if let Some(d) = self.stall_on_reload {
                             log::warn!("loop {}: test hook: stalling {d:?}", self.index);
@@ -253,7 +273,7 @@ impl PollLoop {
             ..ConnParams::default()
         };
         let made = (|| {
-            let pd = self.shared.ctx.alloc_pd()?;
+            let pd = self.shared.ctx().alloc_pd()?;
             let caps = QpCaps {
                 max_send_wr: SEND_SLOTS,
                 max_recv_wr: depth.max(CONTROL_RECV_SLOTS),
@@ -315,6 +335,9 @@ impl PollLoop {
             Some(t) => self.cq.wait_any(&mut wcs, t),
             None => self.cq.poll(&mut wcs).map(Woken::Completions),
         };
+        if woken.is_ok() {
+            self.wait_failures = 0;
+        }
         match woken {
             Ok(Woken::Completions(n)) => {
                 for c in &wcs[..n] {
@@ -325,13 +348,67 @@ impl PollLoop {
             Ok(Woken::Fd(WAKE_CMD)) => self.beat.clear(),
             Ok(Woken::Fd(WAKE_FLUSH)) => self.flusher.clear_wake(),
             Ok(_) => {}
-            Err(e) => {
-                log::error!("loop {}: waiting for completions failed: {e}", self.index);
-                std::thread::sleep(WAIT_FAILED_PAUSE);
-            }
+            Err(e) => self.wait_failed(&e),
         }
         self.submit_jobs();
         self.reap_flushes();
+    }
+
+    /// The completion queue's wait failed: said once per [`WAIT_FAILED_LOG_PERIOD`] while it
+    /// keeps failing (a broken queue must not fill the journal), a lost device once.
+    fn wait_failed(&mut self, e: &rpma_common::fabric::Error) {
+        self.wait_failures += 1;
+        let now = Instant::now();
+        if let rpma_common::fabric::Error::DeviceLost { .. } = e {
+            // Reported once by the queue, which waits quietly from here on.
+            log::error!(
+                "loop {}: {e}: its sessions are over; the listeners listen again once the \
+                 device is back",
+                self.index
+            );
+            return;
+        }
+        let due = self
+            .wait_failure_said
+            .is_none_or(|t| now.saturating_duration_since(t) >= WAIT_FAILED_LOG_PERIOD);
+        if due {
+            self.wait_failure_said = Some(now);
+            log::error!(
+                "loop {}: waiting for completions failed ({} in a row): {e}",
+                self.index,
+                self.wait_failures
+            );
+        }
+        std::thread::sleep(WAIT_FAILED_PAUSE);
+    }
+
+    /// The RDMA device failed or was removed and is back as `ctx`: the loop's completion
+    /// queue is made anew on it. The connections on the lost device are over (their queue
+    /// pairs are in Error, or moved there now): the next tick drops them, and the old queue
+    /// goes with the last of them.
+    fn new_device(&mut self, ctx: &Context) {
+        match loop_cq(ctx, &self.beat, &self.flusher) {
+            Ok(cq) => {
+                for c in self.conns.values() {
+                    if c.qp.state() != QpState::Error {
+                        c.qp.to_error();
+                    }
+                }
+                self.failed = true;
+                self.cq = cq;
+                log::info!(
+                    "loop {}: serving on the RDMA device {} again",
+                    self.index,
+                    ctx.device_name()
+                );
+            }
+            Err(e) => log::error!(
+                "loop {}: cannot make a completion queue on the RDMA device {} that is back: \
+                 {e}; this loop cannot take connections",
+                self.index,
+                ctx.device_name()
+            ),
+        }
     }
 
     fn on_completion(&mut self, c: &Completion) {

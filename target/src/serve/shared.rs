@@ -73,7 +73,9 @@ impl Heartbeat {
 
 /// What every thread of the serving machinery shares.
 pub(crate) struct Shared {
-    pub(crate) ctx: Context,
+    /// The device the loops and listeners use; replaced when an RDMA device that failed or was
+    /// removed is back ([`Shared::revive_device`]).
+    ctx: RwLock<Context>,
     config: RwLock<Arc<Config>>,
     namespaces: RwLock<Arc<BTreeMap<NsKey, Arc<OpenNamespace>>>>,
     pub(crate) stopping: AtomicBool,
@@ -115,7 +117,7 @@ impl Shared {
         nvme_loop_stats: Vec<Arc<LoopStats>>,
     ) -> Shared {
         Shared {
-            ctx,
+            ctx: RwLock::new(ctx),
             config: RwLock::new(Arc::new(cfg.clone())),
             namespaces: RwLock::new(Arc::new(BTreeMap::new())),
             stopping: AtomicBool::new(false),
@@ -145,6 +147,32 @@ impl Shared {
 
     pub(crate) fn config(&self) -> Arc<Config> {
         Arc::clone(&self.config.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// The device the loops and listeners use now.
+    pub(crate) fn ctx(&self) -> Context {
+        self.ctx.read().unwrap_or_else(|p| p.into_inner()).clone()
+    }
+
+    /// The device to listen on for `url`: the one in use while it works; once it is lost
+    /// ([`Context::is_lost`]), the device that serves `url` now, opened anew, put in its place
+    /// and handed to `tell` (which tells the loops) before anyone else can see it: a listener
+    /// hands a loop a connection on the new device only after the loop heard of it. Several
+    /// listeners of one lost device open it once: the first to come back replaces it, the
+    /// others find it working.
+    pub(crate) fn revive_device(
+        &self,
+        url: &rpma_common::fabric::Url,
+        tell: impl FnOnce(&Context),
+    ) -> Result<Context, rpma_common::fabric::Error> {
+        let mut ctx = self.ctx.write().unwrap_or_else(|p| p.into_inner());
+        if !ctx.is_lost() {
+            return Ok(ctx.clone());
+        }
+        let new = Context::for_url(url)?;
+        tell(&new);
+        *ctx = new.clone();
+        Ok(new)
     }
 
     pub(crate) fn namespaces(&self) -> Arc<BTreeMap<NsKey, Arc<OpenNamespace>>> {
@@ -397,6 +425,9 @@ impl LoopTx {
 
 /// A command to a poll loop.
 pub(crate) enum LoopCmd {
+    /// The RDMA device failed or was removed and is back as this context: make the loop's
+    /// completion queue on it (the connections on the old one are over).
+    Device(Context),
     /// A new connection to accept and own, with its place in the unadmitted pool.
     Accept(ConnRequest, Box<budget::Ticket>),
     /// A connection of this loop lost its place in a pool to a newer one: close it.

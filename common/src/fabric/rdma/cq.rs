@@ -20,7 +20,7 @@
 
 use std::os::fd::{AsFd, BorrowedFd};
 use std::ptr::NonNull;
-use std::sync::atomic::{AtomicU32, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -64,6 +64,9 @@ pub(crate) struct Cq {
     poller: Poller,
     events: Epoll,
     turns: AtomicU32,
+    /// The device is lost and the queue no longer polled, armed or waited on
+    /// ([`Cq::device_lost`]).
+    quiet: AtomicBool,
 }
 
 // SAFETY: libibverbs completion queues and channels may be used from any thread (polling takes
@@ -125,6 +128,7 @@ impl Cq {
             poller,
             events,
             turns: AtomicU32::new(0),
+            quiet: AtomicBool::new(false),
         };
         let poller = match Poller::new() {
             Ok(p) => p,
@@ -229,16 +233,22 @@ impl Cq {
     }
 
     fn reap(&self) -> Result<()> {
+        if self.dev.is_lost() {
+            return self.device_lost();
+        }
         // SAFETY: ibv_wc is plain C data; ibv_poll_cq overwrites the entries it reports.
         let mut wcs: [ibv_wc; BATCH] = unsafe { std::mem::zeroed() };
         for _ in 0..ROUNDS {
             // SAFETY: the CQ is live; `wcs` has room for BATCH completions.
             let n = unsafe { rdma_sys::ibv_poll_cq(self.raw(), BATCH as i32, wcs.as_mut_ptr()) };
             if n < 0 {
-                return Err(Error::Verbs {
-                    op: "ibv_poll_cq",
-                    source: std::io::Error::from_raw_os_error(if -n > 1 { -n } else { libc::EIO }),
-                });
+                // The device is gone or broken: nothing will complete here again.
+                log::debug!(
+                    "{}: ibv_poll_cq failed: {}",
+                    self.dev.inner.name,
+                    std::io::Error::from_raw_os_error(if -n > 1 { -n } else { libc::EIO })
+                );
+                return self.device_lost();
             }
             for wc in &wcs[..n as usize] {
                 // A completion of a queue pair that is gone (its number is no longer in the
@@ -276,13 +286,48 @@ impl Cq {
         Ok(())
     }
 
+    /// The device is lost (it failed, was removed, or its queue stopped answering): marks it
+    /// so, and stops polling, arming and waiting on this queue. Its completion channel and the
+    /// device's async fd leave the waits: on a disassociated device both stay readable for
+    /// ever, and a wait on them would spin. What is left to wait on are the rdma_cm events of
+    /// the bound queue pairs and the user's fds. [`Error::DeviceLost`] the first time, Ok after.
+    fn device_lost(&self) -> Result<()> {
+        self.dev.mark_lost();
+        if self.quiet.swap(true, Ordering::AcqRel) {
+            return Ok(());
+        }
+        // SAFETY: the channel lives as long as self; the async fd as long as the context,
+        // which `dev` keeps open.
+        let (chfd, afd) = unsafe {
+            (
+                sys::borrow_fd((*self.channel.as_ptr()).fd),
+                sys::borrow_fd(self.dev.async_fd()),
+            )
+        };
+        let _ = self.poller.unwatch_transport(chfd);
+        let _ = self.events.delete(afd);
+        Err(Error::DeviceLost {
+            device: self.dev.inner.name.clone(),
+        })
+    }
+
     /// Arms the completion channel and reaps once more (see the module docs).
     pub(crate) fn arm(&self) -> Result<()> {
+        if self.dev.is_lost() {
+            self.device_lost()?;
+            // Nothing to arm: the rdma_cm events are still looked at.
+            return self.check_events();
+        }
         // SAFETY: the CQ is live; the next completion of any kind raises one event. Arming an
         // armed queue is allowed and changes nothing.
         let r = unsafe { rdma_sys::ibv_req_notify_cq(self.raw(), 0) };
         if r != 0 {
-            return Err(sys::returned("ibv_req_notify_cq", r));
+            log::debug!(
+                "{}: {}",
+                self.dev.inner.name,
+                sys::returned("ibv_req_notify_cq", r)
+            );
+            return self.device_lost();
         }
         self.reap()?;
         self.check_events()

@@ -13,6 +13,7 @@
 use std::collections::HashMap;
 use std::os::raw::c_int;
 use std::ptr::NonNull;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, RwLock, Weak};
 use std::time::{Duration, Instant};
 
@@ -187,6 +188,10 @@ pub(crate) struct DeviceInner {
     pub(crate) caps: Caps,
     /// The live queue pairs by number: completions and async events name them so.
     qps: RwLock<HashMap<u32, Weak<dyn QpEvents>>>,
+    /// The device failed or was removed (IBV_EVENT_DEVICE_FATAL, rdma_cm's DEVICE_REMOVAL, or
+    /// its completion queue no longer answers): nothing made on it works again, and a device
+    /// that comes back is another context ([`Device::is_lost`]).
+    lost: AtomicBool,
     /// Last: keeps `ctx` open.
     _contexts: CmContexts,
 }
@@ -299,7 +304,25 @@ impl Device {
     fn open(contexts: CmContexts, ctx: *mut ibv_context) -> Result<Device> {
         let ctx = NonNull::new(ctx).ok_or(Error::NoDevice)?;
         let inner = shared(&OPEN, ctx.as_ptr() as usize, || Device::make(contexts, ctx))?;
-        Ok(Device { inner })
+        let dev = Device { inner };
+        if dev.is_lost() {
+            // librdmacm still lists the context of a device that is gone (or not back yet).
+            return Err(Error::NoSuchDevice {
+                wanted: dev.inner.name.clone(),
+                reason: "the device failed or was removed, and is not back".into(),
+            });
+        }
+        Ok(dev)
+    }
+
+    /// Whether the device failed or was removed: see [`DeviceInner::lost`].
+    pub(crate) fn is_lost(&self) -> bool {
+        self.inner.lost.load(Ordering::Acquire)
+    }
+
+    /// Notes that the device failed or was removed; true the first time.
+    pub(crate) fn mark_lost(&self) -> bool {
+        !self.inner.lost.swap(true, Ordering::AcqRel)
     }
 
     fn make(contexts: CmContexts, ctx: NonNull<ibv_context>) -> Result<Arc<DeviceInner>> {
@@ -327,6 +350,7 @@ impl Device {
             name: context_name(ctx.as_ptr()),
             caps,
             qps: RwLock::new(HashMap::new()),
+            lost: AtomicBool::new(false),
             _contexts: contexts,
         }))
     }
@@ -421,6 +445,7 @@ impl Device {
                 }
                 (AsyncAction::Established, Some(qp)) => qp.notify_established(),
                 (AsyncAction::DeviceFatal, _) => {
+                    self.mark_lost();
                     let all: Vec<Arc<dyn QpEvents>> = self
                         .inner
                         .qps

@@ -299,6 +299,11 @@ impl Qp {
             let CmAction::Fail { why, answer } = cm_action(&e) else {
                 continue;
             };
+            if matches!(why, QpFailure::DeviceRemoved) {
+                // The whole device is gone, not only this connection: its completion queues
+                // stop waiting on it, its listeners end (Device::is_lost).
+                self.dev.mark_lost();
+            }
             self.enter_error(&mut c, why);
             if answer {
                 if let Some(cm) = c.cm.as_ref() {

@@ -19,7 +19,7 @@ pub(crate) struct Listen {
     conn: Conn,
     url: Url,
     /// The parent: keeps the context open while the listener is.
-    _dev: Device,
+    dev: Device,
     blocking: AtomicBool,
 }
 
@@ -59,7 +59,7 @@ impl Listen {
         Ok(Listen {
             conn: Conn { id, channel },
             url,
-            _dev: dev.clone(),
+            dev: dev.clone(),
             blocking: AtomicBool::new(true),
         })
     }
@@ -93,11 +93,23 @@ impl Listen {
     }
 
     /// The next connection request, None if the listener is non-blocking and none waits.
-    /// Other events of the listening id (an address change, the device's removal) are read and
-    /// dropped: they end no connection of this id's.
+    /// Other events of the listening id (an address change) are read and dropped: they end
+    /// no connection of this id's. The device's removal (or its failure, seen elsewhere) ends
+    /// the listener: [`Error::DeviceLost`], for good (the owner drops it, which destroys the
+    /// id as rdma_cm asks, and listens again on the device when it is back).
     pub(crate) fn accept_incoming(&self) -> Result<Option<Pending>> {
+        let lost = || Error::DeviceLost {
+            device: self.dev.inner.name.clone(),
+        };
         loop {
+            if self.dev.is_lost() {
+                return Err(lost());
+            }
             match next_event(&self.conn.channel)? {
+                Some(e) if e.kind == ev::RDMA_CM_EVENT_DEVICE_REMOVAL => {
+                    self.dev.mark_lost();
+                    return Err(lost());
+                }
                 Some(mut e) if e.kind == ev::RDMA_CM_EVENT_CONNECT_REQUEST => {
                     let Some(req) = e.request.take() else {
                         continue;

@@ -196,7 +196,15 @@ impl Qp {
         };
         let n = match posted {
             Ok(()) => specs.len(),
-            Err((0, e)) => return Err(e),
+            Err((0, e)) => {
+                if gone(&e) {
+                    // The kernel disassociated the context: the device is lost, and the
+                    // queue pair with it (its owner sees a lost connection, not a bad post).
+                    self.dev.mark_lost();
+                    self.enter_error(&mut c, QpFailure::DeviceRemoved);
+                }
+                return Err(e);
+            }
             Err((k, e)) => {
                 // Some went to the device: they complete (flushed, now) and must be tracked.
                 self.push_slots(&mut c, &mut wrs[..k]);
@@ -358,4 +366,12 @@ impl Qp {
             std::thread::yield_now();
         }
     }
+}
+
+/// Whether a refused post says the device is gone: EIO, which the kernel answers every call on
+/// a context it disassociated (the device was removed or failed) with. A provider that posts
+/// without the kernel (a doorbell in mapped memory) never sees it; its requests just never
+/// complete, and the owner's time-out finds the loss.
+fn gone(e: &Error) -> bool {
+    matches!(e, Error::Verbs { source, .. } if source.raw_os_error() == Some(libc::EIO))
 }

@@ -429,10 +429,7 @@ impl Engine {
             None => cq.wait_any(&mut wcs, Some(timeout)),
             Some(fd) => cq.wait_any_or(&mut wcs, Some(timeout), fd, 0),
         }
-        .map_err(|source| Error::Fabric {
-            op: "waiting for completions",
-            source,
-        })?;
+        .map_err(crate::error::wait_error)?;
         rpma_common::steps::step("completions out of the wait");
         let (n, ready) = match woken {
             Woken::Completions(n) => (n, false),
