@@ -134,7 +134,8 @@ impl Context {
         self.inner.next_qp.fetch_add(1, Ordering::Relaxed)
     }
 
-    pub(crate) fn same(&self, other: &Context) -> bool {
+    /// Whether `other` is this context (a clone of it), not merely one of the same device.
+    pub fn same(&self, other: &Context) -> bool {
         Arc::ptr_eq(&self.inner, &other.inner)
     }
 }

@@ -339,7 +339,9 @@ impl Listener {
     /// is waiting.
     ///
     /// # Errors
-    /// [`Error::Socket`] (EMFILE and the like; the listener stays usable).
+    /// [`Error::Socket`] (EMFILE and the like; the listener stays usable);
+    /// [`Error::DeviceLost`] (`rdma`) once its device failed or was removed: the listener is
+    /// over (drop it; bind again on the device when it is back).
     pub fn accept_incoming(&self) -> Result<Option<Incoming>> {
         Ok(self.inner.accept_incoming()?.map(|inner| Incoming {
             ctx: self.ctx.clone(),
@@ -354,6 +356,16 @@ impl Listener {
     /// [`Error::Socket`].
     pub fn set_nonblocking(&self, on: bool) -> Result<()> {
         self.inner.set_nonblocking(on)
+    }
+
+    /// Whether its device failed or was removed ([`Context::is_lost`]; never on `tcp`).
+    pub fn is_lost(&self) -> bool {
+        self.ctx.is_lost()
+    }
+
+    /// Its device's name ([`Context::device_name`]).
+    pub fn device_name(&self) -> &str {
+        self.ctx.device_name()
     }
 }
 

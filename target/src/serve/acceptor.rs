@@ -107,7 +107,13 @@ impl Acceptor {
             url: url.to_string(),
             source,
         };
-        let listener = Listener::bind(&shared.ctx(), url).map_err(listen_err)?;
+        let ctx = shared
+            .ctx()
+            .ok_or_else(|| fabric::Error::DeviceLost {
+                device: url.to_string(),
+            })
+            .map_err(listen_err)?;
+        let listener = Listener::bind(&ctx, url).map_err(listen_err)?;
         let bound = listener.url().map_err(listen_err)?;
         listener.set_nonblocking(true).map_err(listen_err)?;
         let name = format!("rpma-accept-{}", bound.port);
@@ -342,14 +348,13 @@ impl AcceptLoop {
     fn look_at_device(&mut self) {
         self.next_look = Instant::now() + RELISTEN_EVERY;
         match &self.listener {
-            Some(_) => {
-                let ctx = self.shared.ctx();
-                if ctx.is_lost() {
-                    self.listener_lost(&fabric::Error::DeviceLost {
-                        device: ctx.device_name().to_owned(),
-                    });
-                }
+            Some(l) if l.is_lost() => {
+                let e = fabric::Error::DeviceLost {
+                    device: l.device_name().to_owned(),
+                };
+                self.listener_lost(&e);
             }
+            Some(_) => {}
             None => self.relisten(),
         }
     }
@@ -367,6 +372,12 @@ impl AcceptLoop {
             Some(format!("{e}; listening again once it is back"));
         self.listener = None;
         self.pending.clear();
+        // Nothing of this thread's is on the lost device now: the server lets it go too, and
+        // so do the loops (one without connections might not hear of it by itself).
+        self.shared.release_lost_device();
+        for (tx, _) in &self.loops {
+            let _ = tx.send(LoopCmd::Lost);
+        }
         self.relisten_tries = 0;
         self.next_look = Instant::now() + RELISTEN_EVERY;
     }

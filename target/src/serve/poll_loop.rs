@@ -113,6 +113,9 @@ pub(crate) struct PollLoop {
     /// [`TEST_STALL_ON_RELOAD_ENV`].
     stall_on_reload: Option<Duration>,
     cq: CompletionQueue,
+    /// The device `cq` is on: the server's, or (its RDMA device lost) a soft placeholder that
+    /// only waits on the loop's fds.
+    cq_ctx: Context,
     flusher: Flusher,
     /// A connection failed (a receive or send completed in error): run the timers now, which
     /// drop it.
@@ -148,7 +151,10 @@ impl PollLoop {
         // Native loops are the flush services numbered first (Config::flush_services).
         let mut flusher = Flusher::new(cfg.max_queue_depth, index)?;
         flusher.set_stats(Arc::clone(&stats));
-        let cq = loop_cq(&shared.ctx(), &beat, &flusher)?;
+        let cq_ctx = shared
+            .ctx()
+            .ok_or("the RDMA device was lost before the loop started")?;
+        let cq = loop_cq(&cq_ctx, &beat, &flusher)?;
         Ok(PollLoop {
             index,
             shared,
@@ -161,6 +167,7 @@ impl PollLoop {
                 .and_then(|v| v.parse().ok())
                 .map(Duration::from_millis),
             cq,
+            cq_ctx,
             flusher,
             failed: false,
             conns: HashMap::new(),
@@ -201,7 +208,16 @@ impl PollLoop {
                     }
                     // The timers run this turn and drop the evicted connections.
                     Ok(LoopCmd::Evicted) => self.failed = true,
-                    Ok(LoopCmd::Device(ctx)) => self.new_device(&ctx),
+                    Ok(LoopCmd::Lost) => {
+                        if self.cq_ctx.is_lost() {
+                            self.device_lost();
+                        }
+                    }
+                    Ok(LoopCmd::Device(ctx)) => {
+                        if !ctx.same(&self.cq_ctx) {
+                            self.new_device(&ctx)
+                        }
+                    }
                     Ok(LoopCmd::Reload(diff)) => {
                         if let Some(d) = self.stall_on_reload {
                             log::warn!("loop {}: test hook: stalling {d:?}", self.index);
@@ -256,6 +272,17 @@ impl PollLoop {
             self.load.fetch_sub(1, Ordering::Relaxed);
             return;
         }
+        let Some(ctx) = self.device() else {
+            // Its device was lost meanwhile (or a completion queue cannot be made on the one
+            // that is back).
+            log::debug!(
+                "loop {}: a connection request while the device is lost: rejected",
+                self.index
+            );
+            req.reject(b"");
+            self.load.fetch_sub(1, Ordering::Relaxed);
+            return;
+        };
         let cfg = self.shared.config();
         let peer = req.peer_addr();
         // The depth granted now stays this connection's, whatever a reload changes later.
@@ -273,7 +300,7 @@ impl PollLoop {
             ..ConnParams::default()
         };
         let made = (|| {
-            let pd = self.shared.ctx().alloc_pd()?;
+            let pd = ctx.alloc_pd()?;
             let caps = QpCaps {
                 max_send_wr: SEND_SLOTS,
                 max_recv_wr: depth.max(CONTROL_RECV_SLOTS),
@@ -360,12 +387,7 @@ impl PollLoop {
         self.wait_failures += 1;
         let now = Instant::now();
         if let rpma_common::fabric::Error::DeviceLost { .. } = e {
-            // Reported once by the queue, which waits quietly from here on.
-            log::error!(
-                "loop {}: {e}: its sessions are over; the listeners listen again once the \
-                 device is back",
-                self.index
-            );
+            self.device_lost();
             return;
         }
         let due = self
@@ -382,6 +404,47 @@ impl PollLoop {
         std::thread::sleep(WAIT_FAILED_PAUSE);
     }
 
+    /// The device the loop's completion queue is on, if it is the server's now: a device that
+    /// is back (and that no command told this loop of yet, or whose queue could not be made
+    /// then) gets its queue now.
+    fn device(&mut self) -> Option<Context> {
+        let ctx = self.shared.ctx()?;
+        if !ctx.same(&self.cq_ctx) {
+            self.new_device(&ctx);
+        }
+        ctx.same(&self.cq_ctx).then_some(ctx)
+    }
+
+    /// The RDMA device under the loop's completion queue is lost: its connections are over
+    /// (every queue pair on it is in Error: this turn's tick drops them, and the queue goes
+    /// with the last of them), the loop waits on a soft placeholder queue (its own fds and
+    /// timers only), and the server lets the device go, so that the kernel can finish
+    /// removing it.
+    fn device_lost(&mut self) {
+        if !self.cq_ctx.is_lost() {
+            return;
+        }
+        log::error!(
+            "loop {}: the RDMA device {} failed or was removed: its sessions are over; the \
+             listeners listen again once the device is back",
+            self.index,
+            self.cq_ctx.device_name()
+        );
+        self.failed = true;
+        match loop_cq(&Context::soft(), &self.beat, &self.flusher) {
+            Ok(cq) => {
+                self.cq = cq;
+                self.cq_ctx = Context::soft();
+            }
+            // Kept: it waits quietly now (fabric::Error::DeviceLost is said once).
+            Err(e) => log::error!(
+                "loop {}: cannot make a placeholder completion queue: {e}",
+                self.index
+            ),
+        }
+        self.shared.release_lost_device();
+    }
+
     /// The RDMA device failed or was removed and is back as `ctx`: the loop's completion
     /// queue is made anew on it. The connections on the lost device are over (their queue
     /// pairs are in Error, or moved there now): the next tick drops them, and the old queue
@@ -396,15 +459,17 @@ impl PollLoop {
                 }
                 self.failed = true;
                 self.cq = cq;
+                self.cq_ctx = ctx.clone();
                 log::info!(
                     "loop {}: serving on the RDMA device {} again",
                     self.index,
                     ctx.device_name()
                 );
             }
+            // Tried again at the next connection request.
             Err(e) => log::error!(
                 "loop {}: cannot make a completion queue on the RDMA device {} that is back: \
-                 {e}; this loop cannot take connections",
+                 {e}",
                 self.index,
                 ctx.device_name()
             ),

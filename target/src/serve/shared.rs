@@ -75,7 +75,7 @@ impl Heartbeat {
 pub(crate) struct Shared {
     /// The device the loops and listeners use; replaced when an RDMA device that failed or was
     /// removed is back ([`Shared::revive_device`]).
-    ctx: RwLock<Context>,
+    ctx: RwLock<Option<Context>>,
     config: RwLock<Arc<Config>>,
     namespaces: RwLock<Arc<BTreeMap<NsKey, Arc<OpenNamespace>>>>,
     pub(crate) stopping: AtomicBool,
@@ -117,7 +117,7 @@ impl Shared {
         nvme_loop_stats: Vec<Arc<LoopStats>>,
     ) -> Shared {
         Shared {
-            ctx: RwLock::new(ctx),
+            ctx: RwLock::new(Some(ctx)),
             config: RwLock::new(Arc::new(cfg.clone())),
             namespaces: RwLock::new(Arc::new(BTreeMap::new())),
             stopping: AtomicBool::new(false),
@@ -149,29 +149,45 @@ impl Shared {
         Arc::clone(&self.config.read().unwrap_or_else(|p| p.into_inner()))
     }
 
-    /// The device the loops and listeners use now.
-    pub(crate) fn ctx(&self) -> Context {
+    /// The device the loops and listeners use now; None while it is lost (released so that
+    /// the kernel can finish removing it: a driver that cannot disassociate a context waits for
+    /// every process to close it).
+    pub(crate) fn ctx(&self) -> Option<Context> {
         self.ctx.read().unwrap_or_else(|p| p.into_inner()).clone()
     }
 
-    /// The device to listen on for `url`: the one in use while it works; once it is lost
-    /// ([`Context::is_lost`]), the device that serves `url` now, opened anew, put in its place
-    /// and handed to `tell` (which tells the loops) before anyone else can see it: a listener
-    /// hands a loop a connection on the new device only after the loop heard of it. Several
-    /// listeners of one lost device open it once: the first to come back replaces it, the
-    /// others find it working.
+    /// The device in use is lost: let it go ([`revive_device`](Self::revive_device) opens it
+    /// again). Called by the loops and listeners that saw it, which drop their own objects on
+    /// it.
+    pub(crate) fn release_lost_device(&self) {
+        let mut ctx = self.ctx.write().unwrap_or_else(|p| p.into_inner());
+        if ctx.as_ref().is_some_and(Context::is_lost) {
+            *ctx = None;
+        }
+    }
+
+    /// The device to listen on for `url`: the one in use while it works; once it is lost, the
+    /// device that serves `url` now, opened anew (outside the lock: resolving may take a
+    /// moment), put in its place and handed to `tell` (which tells the loops) before anyone
+    /// else can see it, so that a listener hands a loop a connection on the new device only
+    /// after the loop heard of it. Several listeners of one lost device open it once: the
+    /// first back replaces it, the others find it working.
     pub(crate) fn revive_device(
         &self,
         url: &rpma_common::fabric::Url,
         tell: impl FnOnce(&Context),
     ) -> Result<Context, rpma_common::fabric::Error> {
-        let mut ctx = self.ctx.write().unwrap_or_else(|p| p.into_inner());
-        if !ctx.is_lost() {
-            return Ok(ctx.clone());
+        let working = |c: &Option<Context>| c.as_ref().filter(|c| !c.is_lost()).cloned();
+        if let Some(c) = working(&self.ctx.read().unwrap_or_else(|p| p.into_inner())) {
+            return Ok(c);
         }
         let new = Context::for_url(url)?;
+        let mut ctx = self.ctx.write().unwrap_or_else(|p| p.into_inner());
+        if let Some(c) = working(&ctx) {
+            return Ok(c);
+        }
         tell(&new);
-        *ctx = new.clone();
+        *ctx = Some(new.clone());
         Ok(new)
     }
 
@@ -428,6 +444,9 @@ pub(crate) enum LoopCmd {
     /// The RDMA device failed or was removed and is back as this context: make the loop's
     /// completion queue on it (the connections on the old one are over).
     Device(Context),
+    /// The RDMA device is lost (a listener saw it): let go of the completion queue on it, if
+    /// the loop has not already.
+    Lost,
     /// A new connection to accept and own, with its place in the unadmitted pool.
     Accept(ConnRequest, Box<budget::Ticket>),
     /// A connection of this loop lost its place in a pool to a newer one: close it.

@@ -30,7 +30,7 @@ use rdma_sys::{ibv_comp_channel, ibv_cq, ibv_wc};
 use super::device::Device;
 use super::sys;
 use crate::fabric::completions::Completions;
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{Error, QpFailure, Result};
 use crate::fabric::types::Completion;
 use crate::fabric::wait::{Poller, Ready};
 
@@ -242,13 +242,17 @@ impl Cq {
             // SAFETY: the CQ is live; `wcs` has room for BATCH completions.
             let n = unsafe { rdma_sys::ibv_poll_cq(self.raw(), BATCH as i32, wcs.as_mut_ptr()) };
             if n < 0 {
-                // The device is gone or broken: nothing will complete here again.
-                log::debug!(
-                    "{}: ibv_poll_cq failed: {}",
-                    self.dev.inner.name,
-                    std::io::Error::from_raw_os_error(if -n > 1 { -n } else { libc::EIO })
-                );
-                return self.device_lost();
+                let source = std::io::Error::from_raw_os_error(if -n > 1 { -n } else { libc::EIO });
+                // A device that no longer answers is gone: nothing completes here again. One
+                // that answers reports this poll's error, as before.
+                if !self.dev.answers() {
+                    log::debug!("{}: ibv_poll_cq failed: {source}", self.dev.inner.name);
+                    return self.device_lost();
+                }
+                return Err(Error::Verbs {
+                    op: "ibv_poll_cq",
+                    source,
+                });
             }
             for wc in &wcs[..n as usize] {
                 // A completion of a queue pair that is gone (its number is no longer in the
@@ -292,7 +296,7 @@ impl Cq {
     /// ever, and a wait on them would spin. What is left to wait on are the rdma_cm events of
     /// the bound queue pairs and the user's fds. [`Error::DeviceLost`] the first time, Ok after.
     fn device_lost(&self) -> Result<()> {
-        self.dev.mark_lost();
+        self.dev.lose(QpFailure::DeviceRemoved);
         if self.quiet.swap(true, Ordering::AcqRel) {
             return Ok(());
         }
@@ -322,12 +326,12 @@ impl Cq {
         // armed queue is allowed and changes nothing.
         let r = unsafe { rdma_sys::ibv_req_notify_cq(self.raw(), 0) };
         if r != 0 {
-            log::debug!(
-                "{}: {}",
-                self.dev.inner.name,
-                sys::returned("ibv_req_notify_cq", r)
-            );
-            return self.device_lost();
+            let e = sys::returned("ibv_req_notify_cq", r);
+            if !self.dev.answers() {
+                log::debug!("{}: {e}", self.dev.inner.name);
+                return self.device_lost();
+            }
+            return Err(e);
         }
         self.reap()?;
         self.check_events()

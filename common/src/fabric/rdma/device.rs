@@ -320,9 +320,36 @@ impl Device {
         self.inner.lost.load(Ordering::Acquire)
     }
 
-    /// Notes that the device failed or was removed; true the first time.
-    pub(crate) fn mark_lost(&self) -> bool {
-        !self.inner.lost.swap(true, Ordering::AcqRel)
+    /// The device failed or was removed: marks it lost and, the first time, moves every queue
+    /// pair on it to Error for `why` (their owners see a lost connection: nothing made on the
+    /// device works again). Never called with a queue pair's lock held.
+    pub(crate) fn lose(&self, why: QpFailure) {
+        if self.inner.lost.swap(true, Ordering::AcqRel) {
+            return;
+        }
+        log::debug!("{}: the device is lost ({why})", self.inner.name);
+        let all: Vec<Arc<dyn QpEvents>> = self
+            .inner
+            .qps
+            .read()
+            .unwrap_or_else(|p| p.into_inner())
+            .values()
+            .filter_map(Weak::upgrade)
+            .collect();
+        for qp in all {
+            qp.to_error(why.clone());
+        }
+    }
+
+    /// Whether the device still answers a query: false when its context was disassociated
+    /// (EIO: removed, or failed). A call that failed for another reason on a device that
+    /// answers is that call's error, not the device's loss.
+    pub(crate) fn answers(&self) -> bool {
+        // SAFETY: ibv_port_attr is plain C data that ibv_query_port fills; the context is open
+        // while self lives.
+        let mut attr: rdma_sys::ibv_port_attr = unsafe { std::mem::zeroed() };
+        // SAFETY: as above; port 1 exists on every device (ports are numbered from 1).
+        unsafe { super::ext::query_port(self.ctx(), 1, &mut attr) == 0 }
     }
 
     fn make(contexts: CmContexts, ctx: NonNull<ibv_context>) -> Result<Arc<DeviceInner>> {
@@ -444,20 +471,7 @@ impl Device {
                     qp.to_error(QpFailure::DeviceEvent { event })
                 }
                 (AsyncAction::Established, Some(qp)) => qp.notify_established(),
-                (AsyncAction::DeviceFatal, _) => {
-                    self.mark_lost();
-                    let all: Vec<Arc<dyn QpEvents>> = self
-                        .inner
-                        .qps
-                        .read()
-                        .unwrap_or_else(|p| p.into_inner())
-                        .values()
-                        .filter_map(Weak::upgrade)
-                        .collect();
-                    for qp in all {
-                        qp.to_error(QpFailure::DeviceFatal);
-                    }
-                }
+                (AsyncAction::DeviceFatal, _) => self.lose(QpFailure::DeviceFatal),
                 _ => {}
             }
         }

@@ -289,27 +289,30 @@ impl Qp {
     /// Reads this connection's rdma_cm events (non-blocking): a disconnect (answered), or a
     /// connection that failed after the accept, moves the queue pair to Error.
     pub(crate) fn handle_cm_events(&self) {
+        let mut removed = false;
         let mut c = self.lock();
         loop {
             let Some(cm) = c.cm.as_ref() else { return };
             let e = match cm::next_event(&cm.channel) {
                 Ok(Some(e)) => e,
-                Ok(None) | Err(_) => return,
+                Ok(None) | Err(_) => break,
             };
             let CmAction::Fail { why, answer } = cm_action(&e) else {
                 continue;
             };
-            if matches!(why, QpFailure::DeviceRemoved) {
-                // The whole device is gone, not only this connection: its completion queues
-                // stop waiting on it, its listeners end (Device::is_lost).
-                self.dev.mark_lost();
-            }
+            removed |= matches!(why, QpFailure::DeviceRemoved);
             self.enter_error(&mut c, why);
             if answer {
                 if let Some(cm) = c.cm.as_ref() {
                     cm.id.disconnect();
                 }
             }
+        }
+        drop(c);
+        if removed {
+            // The whole device is gone, not only this connection: its other queue pairs, its
+            // completion queues and its listeners too (Device::lose, after this lock).
+            self.dev.lose(QpFailure::DeviceRemoved);
         }
     }
 }

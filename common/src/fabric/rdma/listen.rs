@@ -11,7 +11,7 @@ use rdma_sys::rdma_cm_event_type as ev;
 use super::cm::{next_event, wait_readable, CmId, Conn, Event, EventChannel};
 use super::device::Device;
 use super::translate::caps;
-use crate::fabric::error::{Error, Result};
+use crate::fabric::error::{Error, QpFailure, Result};
 use crate::fabric::url::{Scheme, Url};
 
 /// A listening rdma_cm id.
@@ -107,7 +107,7 @@ impl Listen {
             }
             match next_event(&self.conn.channel)? {
                 Some(e) if e.kind == ev::RDMA_CM_EVENT_DEVICE_REMOVAL => {
-                    self.dev.mark_lost();
+                    self.dev.lose(QpFailure::DeviceRemoved);
                     return Err(lost());
                 }
                 Some(mut e) if e.kind == ev::RDMA_CM_EVENT_CONNECT_REQUEST => {

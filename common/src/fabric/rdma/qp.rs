@@ -366,7 +366,13 @@ impl Qp {
     pub(crate) fn close(&self) {
         self.to_error(QpFailure::Dropped);
         self.post_drain_markers();
-        let deadline = Instant::now() + DRAIN_TIME;
+        // A lost device completes nothing more: what is left is reported flushed at once
+        // (a poll loop dropping every session of a removed device must not wait for each).
+        let deadline = if self.dev.is_lost() {
+            Instant::now()
+        } else {
+            Instant::now() + DRAIN_TIME
+        };
         loop {
             {
                 let c = self.lock();

@@ -197,11 +197,13 @@ impl Qp {
         let n = match posted {
             Ok(()) => specs.len(),
             Err((0, e)) => {
-                if gone(&e) {
+                if gone(&e) && !self.dev.answers() {
                     // The kernel disassociated the context: the device is lost, and the
-                    // queue pair with it (its owner sees a lost connection, not a bad post).
-                    self.dev.mark_lost();
+                    // queue pair with it (its owner sees a lost connection, not a bad post),
+                    // and every other one on it (after this lock).
                     self.enter_error(&mut c, QpFailure::DeviceRemoved);
+                    drop(c);
+                    self.dev.lose(QpFailure::DeviceRemoved);
                 }
                 return Err(e);
             }
