@@ -292,8 +292,11 @@ pub enum Error {
         ranges: Vec<(u64, u64)>,
     },
     /// The connection was lost and could not be re-established within the reconnect policy:
-    /// writes not yet acknowledged as durable may not be on the target.
-    #[error("{lost}; then {attempts} reconnect attempt(s) over {elapsed:.1?} failed; writes not acknowledged as durable may be lost")]
+    /// writes not yet acknowledged as durable (`held` of them) may not be on the target.
+    #[error(
+        "{lost}; then {attempts} reconnect attempt(s) over {elapsed:.1?} failed{}",
+        held_note(*held)
+    )]
     ReconnectFailed {
         /// What lost it: the error of the call that met the loss, with its causes (a time-out,
         /// a keep-alive that went unanswered), or the queue pair's failure when the loss was
@@ -303,6 +306,10 @@ pub enum Error {
         attempts: u32,
         /// Time spent reconnecting.
         elapsed: Duration,
+        /// Writes the queue held for a replay (not acknowledged as durable) when it gave up:
+        /// these may be lost. 0: the loss cost no write (a queue that only read, or whose
+        /// writes were all durable).
+        held: usize,
         /// The last attempt's error; or the target's refusal of an earlier attempt when no
         /// later one got an answer from the target ([`Error::is_refusal`]): that refusal is
         /// what there is to act on, not a last attempt cut short by the budget.
@@ -400,6 +407,14 @@ pub enum LossReason {
     DeviceLost(String),
 }
 
+/// What a failed reconnect says of the writes it could not re-issue.
+fn held_note(held: usize) -> String {
+    match held {
+        0 => String::new(),
+        n => format!("; {n} write(s) not acknowledged as durable may be lost"),
+    }
+}
+
 /// The error of a wait on a completion queue: a lost device is a lost connection (the device
 /// carries nothing more, so the queue reconnects, on the device when it is back), anything else
 /// the fabric's error.
@@ -431,6 +446,25 @@ mod tests {
     use std::sync::Arc;
 
     use super::*;
+
+    #[test]
+    fn a_failed_reconnect_speaks_of_lost_writes_only_when_it_held_some() {
+        let failed = |held| Error::ReconnectFailed {
+            lost: "no answer from the target".into(),
+            attempts: 2,
+            elapsed: Duration::from_secs(1),
+            held,
+            last: Box::new(Error::Broken),
+        };
+        let reads = failed(0).to_string();
+        assert!(!reads.contains("write"), "{reads}");
+        assert!(reads.contains("2 reconnect attempt(s)"), "{reads}");
+        let writes = failed(3).to_string();
+        assert!(
+            writes.ends_with("; 3 write(s) not acknowledged as durable may be lost"),
+            "{writes}"
+        );
+    }
 
     #[test]
     fn a_wait_on_a_lost_device_is_a_lost_connection() {

@@ -94,6 +94,7 @@ mod tests {
             lost: "no answer from the target".into(),
             attempts: 3,
             elapsed: Duration::from_secs(2),
+            held: 0,
             last: Box::new(last),
         }
     }

@@ -160,7 +160,15 @@ impl Reconnect {
         let started = Instant::now();
         let Lost { old, held, voided } = e.lose_connection();
         let retiring = fence || !held.is_empty();
-        self.let_go(e, old.filter(|_| retiring), voided, deadline, &lost)?;
+        let at_stake = held.len();
+        self.let_go(
+            e,
+            old.filter(|_| retiring),
+            voided,
+            deadline,
+            &lost,
+            at_stake,
+        )?;
         let policy = self.conn.queue.reconnect.clone();
         let mut last = None;
         let mut attempts = 0;
@@ -198,7 +206,7 @@ impl Reconnect {
                     // still up is retired as the lost one was, so that none of them lands
                     // after the next attempt's copies.
                     let Lost { old, voided, .. } = e.lose_connection();
-                    self.let_go(e, old, voided, deadline, &lost)?;
+                    self.let_go(e, old, voided, deadline, &lost, at_stake)?;
                     last = Some(telling(last, err));
                 }
             }
@@ -208,6 +216,7 @@ impl Reconnect {
             lost,
             attempts,
             elapsed: started.elapsed(),
+            held: at_stake,
             last: Box::new(last.unwrap_or(Error::ConnectionLost {
                 reason: LossReason::NoReconnectAttempt,
             })),
@@ -224,10 +233,11 @@ impl Reconnect {
         voided: Vec<Hold>,
         deadline: Instant,
         lost: &str,
+        held: usize,
     ) -> Result<()> {
         if let Some(s) = old {
             let expires = expiry_of(&s);
-            if let Err(err) = retire(e, s, deadline, lost) {
+            if let Err(err) = retire(e, s, deadline, lost, held) {
                 // Still up, it may deliver its Writes until the target expires it: over newer
                 // writes of the connection's other queues, and of one opened in this one's
                 // place (the NBD export opens one at once). The connection's Writes wait.
@@ -362,7 +372,13 @@ fn expiry_of(s: &Session) -> Instant {
 /// # Errors
 /// [`Error::ReconnectFailed`] if `deadline` (the reconnect budget) passes first: the held
 /// writes cannot be re-issued safely (`lost`: what lost the connection, for that error).
-fn retire(e: &mut Engine, mut old: Session, deadline: Instant, lost: &str) -> Result<()> {
+fn retire(
+    e: &mut Engine,
+    mut old: Session,
+    deadline: Instant,
+    lost: &str,
+    held: usize,
+) -> Result<()> {
     if old.closed.is_some() || old.qp().state() == QpState::Error {
         return Ok(());
     }
@@ -410,6 +426,7 @@ fn retire(e: &mut Engine, mut old: Session, deadline: Instant, lost: &str) -> Re
                 lost: lost.to_owned(),
                 attempts: 0,
                 elapsed: started.elapsed(),
+                held,
                 last: Box::new(Error::Timeout {
                     what: "the end of the connection given up",
                     after: started.elapsed(),
