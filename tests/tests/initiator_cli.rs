@@ -417,6 +417,13 @@ fn each_error_has_its_exit_code() {
     assert_eq!(c, Some(2));
     let o = initiator(&["--target", &url, "list"]);
     assert_eq!(o.status.code(), Some(2), "missing --nqn: {}", text(&o));
+    // An NBD --listen that is not HOST:PORT is a usage error, said before any connection; one
+    // that cannot be bound (not this machine's address) is the environment's.
+    let (c, _, all) = cli(&t, "nbd --listen not-an-address");
+    assert_eq!(c, Some(2), "{all}");
+    assert!(all.contains("not HOST:PORT"), "{all}");
+    let (c, _, all) = cli(&t, "nbd --listen 192.0.2.1:10809");
+    assert_eq!(c, Some(1), "{all}");
 
     // Every admitted session above ended in an error, and said goodbye: the target saw its
     // Disconnect. (11 admitted sessions, 10 of them failed.) The CLI's close right behind the

@@ -61,7 +61,14 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
     let notifier = Notifier::from_env().map_err(|e| os_failure("NOTIFY_SOCKET", e))?;
     let listener = match (&p.socket, &p.listen) {
         (Some(path), None) => Listener::unix(path),
-        (None, Some(addr)) => Listener::tcp(addr),
+        (None, Some(addr)) => {
+            // Not an address at all is a usage error (exit 2); one that cannot be bound (in
+            // use, not this machine's) is the environment's (exit 1).
+            if let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()) {
+                return Err(usage(format!("--listen {addr:?}: not HOST:PORT: {e}")));
+            }
+            Listener::tcp(addr)
+        }
         _ => {
             return Err(usage(
                 "give one of --socket PATH or --listen HOST:PORT".into(),
