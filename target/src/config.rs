@@ -324,7 +324,12 @@ impl Config {
                 path: path.to_owned(),
                 source,
             },
-            e => e,
+            // An operator with several configurations (a check-config of another file, a
+            // reload) is told which file says it.
+            e => ConfigError::InFile {
+                path: path.to_owned(),
+                source: Box::new(e),
+            },
         })
     }
 

@@ -29,6 +29,16 @@ pub enum ConfigError {
         #[source]
         source: toml::de::Error,
     },
+    /// What a file's configuration breaks ([`Config::load`](super::Config::load)): the file,
+    /// and the error of its content as its source (an invalid value, NQN or key file).
+    #[error("{path}")]
+    InFile {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong in it.
+        #[source]
+        source: Box<ConfigError>,
+    },
     /// A value that breaks a rule.
     #[error("{key}: {problem}")]
     Invalid {

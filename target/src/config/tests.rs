@@ -441,6 +441,22 @@ fn load_reports_the_path() {
         .map_err(|e| rpma_common::error_chain(&e))
         .unwrap_err();
     assert!(e.contains("bad.toml") && e.contains("bogus"), "{e}");
+    // A value that breaks a rule names the file too.
+    let dp = dir_with_psk();
+    let p = dp.path().join("invalid.toml");
+    std::fs::write(
+        &p,
+        good_with("max_queue_depth = 64", "max_queue_depth = 70000"),
+    )
+    .unwrap();
+    let e = Config::load(&p)
+        .map(|_| ())
+        .map_err(|e| rpma_common::error_chain(&e))
+        .unwrap_err();
+    assert!(
+        e.contains("invalid.toml") && e.contains("max_queue_depth"),
+        "{e}"
+    );
 }
 
 #[test]
