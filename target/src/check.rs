@@ -329,6 +329,14 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             }
         }
     }
+    if cfg.subsystems.is_empty() {
+        // Valid (a reload can add subsystems), but seldom what was meant: an empty file, or the
+        // wrong one.
+        writeln!(
+            out,
+            "warning: no subsystem: the daemon would serve no namespace until a reload adds one"
+        )?;
+    }
     if problems == 0 {
         writeln!(
             out,

@@ -207,6 +207,26 @@ fn namespace_problems_found_by_probing() {
 }
 
 #[test]
+fn an_empty_config_passes_with_a_warning_that_it_serves_nothing() {
+    let d = tempfile::tempdir().unwrap();
+    let (ok, out) = run(d.path(), "");
+    assert!(ok, "{out}");
+    assert!(
+        out.lines()
+            .any(|l| l.starts_with("warning: no subsystem: the daemon would serve no namespace")),
+        "{out}"
+    );
+    assert!(
+        out.contains("OK: 0 namespace(s) in 0 subsystem(s)"),
+        "{out}"
+    );
+    // A configuration with a subsystem has no such warning.
+    let (ok, out) = run(d.path(), &good());
+    assert!(ok, "{out}");
+    assert!(!out.contains("no subsystem"), "{out}");
+}
+
+#[test]
 fn missing_file_fails() {
     let out = rpma_tests::check_config(Path::new("/nonexistent/c.toml"));
     assert!(!out.status.success());
