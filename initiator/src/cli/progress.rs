@@ -51,7 +51,24 @@ impl Progress {
     }
 
     pub(crate) fn finish(&mut self) {
-        if self.enabled && self.last.is_some() {
+        if self.take_open_line() {
+            eprintln!();
+        }
+    }
+
+    /// Whether a bar was drawn and its line not ended yet; ended from now on.
+    fn take_open_line(&mut self) -> bool {
+        let open = self.enabled && self.last.is_some();
+        self.last = None;
+        open
+    }
+}
+
+impl Drop for Progress {
+    /// A transfer that failed part-way ends the bar's line, so that the error message the
+    /// command prints next starts on a line of its own.
+    fn drop(&mut self) {
+        if self.take_open_line() {
             eprintln!();
         }
     }
@@ -92,6 +109,13 @@ mod tests {
         assert!(l.contains(&"#".repeat(30)), "{l}");
         let l = line("read", 0, 0, Duration::ZERO);
         assert!(l.contains(&"#".repeat(30)), "{l}");
+        // The line a drawn bar is on is ended once: by finish, else when dropped (a failure).
+        let mut p = Progress::new("x", 1 << 30, false);
+        p.enabled = true;
+        assert!(!p.take_open_line(), "nothing drawn yet");
+        p.last = Some(Instant::now());
+        assert!(p.take_open_line());
+        assert!(!p.take_open_line(), "ended once");
         // Small or scripted transfers get none.
         assert!(!Progress::new("x", 1 << 20, false).enabled);
         assert!(!Progress::new("x", 1 << 30, true).enabled);
