@@ -122,7 +122,7 @@ fn a_target_listens_again_once_its_lost_rdma_device_is_back() {
         assert_eq!(lost.len(), 1, "the listener says so once: {}", target.log());
         // A try to listen again has come and gone (said once, at the first try) ...
         let tried = target.log_lines(&["cannot listen yet"], Duration::from_secs(60));
-        assert_eq!(tried.len(), 1, "{}", target.log());
+        assert!(!tried.is_empty(), "{}", target.log());
         // ... and the loop said that its device is lost (counted again at the end: once).
         let loops = target.log_lines(
             &["loop 0:", "failed or was removed"],
@@ -192,13 +192,18 @@ fn a_target_listens_again_once_its_lost_rdma_device_is_back() {
         // Each said once in all (a loss told again and again filled the journal before), and
         // no wait failed.
         let log = target.log();
+        // (At info level: the later tries to listen are said at debug level.)
         for said in [
             "not accepting connections",
             "cannot listen yet",
             "listening again: the RDMA device",
             "loop 0: serving on the RDMA device",
         ] {
-            assert_eq!(log.matches(said).count(), 1, "{said}: {log}");
+            let n = log
+                .lines()
+                .filter(|l| !l.contains(" DEBUG ") && l.contains(said))
+                .count();
+            assert_eq!(n, 1, "{said}: {log}");
         }
         let loops = log
             .lines()

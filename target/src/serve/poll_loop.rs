@@ -132,6 +132,8 @@ pub(crate) struct PollLoop {
     scratch: Vec<u8>,
     /// This loop's counts (it is their only writer; its flusher writes the flush timings).
     stats: Arc<LoopStats>,
+    /// The device that is back on which a completion queue could not be made (said once).
+    cq_failed_on: Option<Context>,
     /// Waits on the completion queue that failed in a row, and when that was last logged.
     wait_failures: u64,
     wait_failure_said: Option<Instant>,
@@ -178,6 +180,7 @@ impl PollLoop {
             jobs: Vec::new(),
             scratch: Vec::with_capacity(rpma_common::proto::MAX_MESSAGE_SIZE),
             stats,
+            cq_failed_on: None,
             wait_failures: 0,
             wait_failure_said: None,
         })
@@ -214,7 +217,9 @@ impl PollLoop {
                         }
                     }
                     Ok(LoopCmd::Device(ctx)) => {
-                        if !ctx.same(&self.cq_ctx) {
+                        // (Stale when the device flapped again meanwhile: a later command
+                        // tells of the next one.)
+                        if !ctx.same(&self.cq_ctx) && !ctx.is_lost() {
                             self.new_device(&ctx)
                         }
                     }
@@ -246,6 +251,11 @@ impl PollLoop {
             };
             let now = Instant::now();
             self.turn(Some(next.map(|t| t.saturating_duration_since(now))));
+            // The queue says a lost device once, to whoever polls it first (a dropped queue
+            // pair's drain, say): the loop looks at the device itself too.
+            if self.cq_ctx.is_lost() {
+                self.device_lost();
+            }
             let now = Instant::now();
             if self.failed || next.is_some_and(|t| now >= t) {
                 self.failed = false;
@@ -408,7 +418,10 @@ impl PollLoop {
     /// is back (and that no command told this loop of yet, or whose queue could not be made
     /// then) gets its queue now.
     fn device(&mut self) -> Option<Context> {
-        let ctx = self.shared.ctx()?;
+        if self.cq_ctx.is_lost() {
+            self.device_lost();
+        }
+        let ctx = self.shared.ctx().filter(|c| !c.is_lost())?;
         if !ctx.same(&self.cq_ctx) {
             self.new_device(&ctx);
         }
@@ -431,10 +444,11 @@ impl PollLoop {
             self.cq_ctx.device_name()
         );
         self.failed = true;
-        match loop_cq(&Context::soft(), &self.beat, &self.flusher) {
+        let soft = Context::soft();
+        match loop_cq(&soft, &self.beat, &self.flusher) {
             Ok(cq) => {
                 self.cq = cq;
-                self.cq_ctx = Context::soft();
+                self.cq_ctx = soft;
             }
             // Kept: it waits quietly now (fabric::Error::DeviceLost is said once).
             Err(e) => log::error!(
@@ -466,13 +480,22 @@ impl PollLoop {
                     ctx.device_name()
                 );
             }
-            // Tried again at the next connection request.
-            Err(e) => log::error!(
-                "loop {}: cannot make a completion queue on the RDMA device {} that is back: \
-                 {e}",
-                self.index,
-                ctx.device_name()
-            ),
+            // Tried again at the next connection request: said once per device.
+            Err(e) => {
+                let level = if self.cq_failed_on.as_ref().is_some_and(|c| c.same(ctx)) {
+                    log::Level::Debug
+                } else {
+                    log::Level::Error
+                };
+                self.cq_failed_on = Some(ctx.clone());
+                log::log!(
+                    level,
+                    "loop {}: cannot make a completion queue on the RDMA device {} that is \
+                     back: {e}",
+                    self.index,
+                    ctx.device_name()
+                );
+            }
         }
     }
 
