@@ -574,12 +574,24 @@ impl Controller {
         host: &str,
         digests: (bool, bool),
     ) -> Result<Controller, Completion> {
+        Controller::connect_kato(addr, subsystem, host, digests, 5000)
+    }
+
+    /// [`connect`](Self::connect) with a keep-alive of `kato_ms` (a test that sends none and
+    /// must not see its controller expire on a loaded machine asks for a long one).
+    pub fn connect_kato(
+        addr: &str,
+        subsystem: &str,
+        host: &str,
+        digests: (bool, bool),
+        kato_ms: u32,
+    ) -> Result<Controller, Completion> {
         let mut admin =
             Host::icreq(Host::connect_tcp(addr), digests.0, digests.1).expect("ICReq/ICResp");
         let host_id = [0x5a; 16];
         let c = admin
             .command(
-                connect_sqe(0, 31, 5000),
+                connect_sqe(0, 31, kato_ms),
                 &connect_data(host_id, 0xffff, subsystem, host),
                 0,
             )

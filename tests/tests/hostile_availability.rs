@@ -745,3 +745,49 @@ fn unlisted_sessions_from_one_address_cannot_keep_a_listed_host_out() {
     }
     assert_eq!(t.status()["admission"]["sessions"]["evicted"], MAX);
 }
+
+/// A session let in by `allow_any_host` whose host a reload then lists (without a key) is a
+/// listed host's session from then on: in a full target, another listed newcomer is refused
+/// rather than given its place. (Before, it stayed in the lowest class and the newcomer took
+/// its place, as if the operator had never listed it.)
+#[test]
+fn a_session_whose_host_a_reload_lists_is_no_longer_unlisted() {
+    use rpma_tests::sessions::demo_config;
+    const LATE: &str = "nqn.2026-11.io.rpma:listed-later";
+    let d = rpma_tests::scratch();
+    let mut t = rpma_tests::sessions::start(d.path(), "max_connections = 1");
+    let src = Ipv4Addr::new(127, 0, 0, 3);
+    let mut late = unlisted_session(t.port(), src, LATE).expect("a place for the unlisted host");
+    wait_admission(&t, "the unlisted session holds the place", |a| {
+        a["sessions"]["held"] == 1 && a["unlisted"]["held"] == 1
+    });
+    // OPEN lists LATE now, without a key (it still lets any host in).
+    let config = demo_config("max_connections = 1", "").replacen(
+        "allow_any_host = true",
+        &format!("allow_any_host = true\nhosts = [{{ nqn = \"{LATE}\" }}]"),
+        1,
+    );
+    assert!(config.contains(LATE), "{config}");
+    t.rewrite(&config);
+    t.reload();
+    wait_admission(&t, "the session left the unlisted class", |a| {
+        a["sessions"]["held"] == 1 && a["unlisted"]["held"] == 0
+    });
+    // A listed newcomer finds the target full, and takes nobody's place.
+    let e = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(
+            e,
+            Err(rpma_initiator::Error::Refused {
+                reason: RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "a listed host took the place of a host listed by the reload: {e:?}"
+    );
+    assert!(
+        late.still_open(),
+        "the session of the host listed later was closed"
+    );
+    assert_eq!(t.status()["admission"]["sessions"]["evicted"], 0);
+}

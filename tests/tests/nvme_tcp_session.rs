@@ -1026,3 +1026,46 @@ fn a_listed_host_takes_the_place_of_an_unlisted_controller_in_a_full_target() {
     assert_eq!(st["admission"]["sessions"]["evicted"], 1, "{st}");
     assert_eq!(st["metrics"]["sessions_ended"]["evicted"], 1, "{st}");
 }
+
+/// A controller let in by `allow_any_host` whose host a reload then lists (without a key) is a
+/// listed host's from then on: in a full target a listed newcomer is refused busy rather than
+/// given its place. (Before, it stayed in the lowest class and was closed for the newcomer.)
+#[test]
+fn a_controller_whose_host_a_reload_lists_is_no_longer_unlisted() {
+    let dir = rpma_tests::scratch();
+    let config = |listed: &[&str]| {
+        let mut s = Subsystem::new(SUB)
+            .any_host()
+            .host(HOST)
+            .namespace(Namespace::new(1, "ns1", "1MiB"));
+        for h in listed {
+            s = s.host(h);
+        }
+        Config::new()
+            .set("max_connections = 1")
+            .subsystem(s)
+            .to_string()
+    };
+    let mut t = Target::start_on(dir.path(), "nvme-tcp://127.0.0.1", &config(&[]), &[]);
+    let addr = format!("127.0.0.1:{}", t.port());
+    // A keep-alive the test need not send meanwhile (it is not what is tested).
+    let mut late = Controller::connect_kato(&addr, SUB, OTHER, (false, false), 120_000)
+        .expect("an unlisted host admitted");
+    let unlisted_held = |t: &Target| t.status()["admission"]["unlisted"]["held"].as_u64();
+    assert_eq!(unlisted_held(&t), Some(1));
+    t.rewrite(&config(&[OTHER]));
+    t.reload();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(20);
+    while unlisted_held(&t) != Some(0) {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the controller stayed unlisted: {}",
+            t.status()["admission"]
+        );
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    let e = Controller::connect(&addr, SUB, HOST, (false, false)).expect_err("full");
+    assert_eq!(e.code(), sc::CONNECT_BUSY, "{e:?}");
+    ok(late.identify(1, 0));
+    assert_eq!(t.status()["admission"]["sessions"]["evicted"], 0);
+}

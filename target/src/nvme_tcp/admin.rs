@@ -33,6 +33,7 @@ use super::queue::{Env, Queue, IN_CAPSULE_DATA, MDTS};
 use super::reply::Reply;
 use super::state::{Input, Phase, Then};
 use crate::namespace::OpenNamespace;
+use crate::serve::budget::Pool;
 
 /// Feature identifiers answered.
 mod fid {
@@ -411,6 +412,23 @@ impl Queue {
             );
             self.end(crate::metrics::EndReason::Reload, env);
             return self.close(env);
+        }
+        // A host the reload lists now (without a key) leaves the lowest class, as the native
+        // sessions do (serve::conn::Conn::reloaded).
+        let listed_now = diff
+            .hosts_added
+            .iter()
+            .any(|(sub, host)| *sub == ctrl.subsystem && *host == ctrl.host);
+        let unlisted = self
+            .ticket
+            .as_ref()
+            .is_some_and(|t| t.pool() == Pool::Unlisted && !t.evicted());
+        if listed_now && unlisted {
+            self.ticket = Some(env.ctx.serve.budgets.enlist(
+                Pool::Unproven,
+                self.peer.ip(),
+                env.owner.clone(),
+            ));
         }
         // A namespace whose failure an operator cleared is a new opening too (to a controller
         // it failed under, it stays failed: `Controller::set_namespaces`).

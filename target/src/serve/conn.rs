@@ -622,6 +622,32 @@ impl Conn {
         if let Some(why) = s.reloaded(diff, self.peer) {
             self.session_ended(EndReason::Reload);
             self.goodbye(&why);
+            return;
+        }
+        // A host the reload lists now (without a key: one with a key must prove it, and its
+        // session was closed above) is a listed host from now on: its session leaves the
+        // lowest class, where a listed newcomer to a full target would take its place.
+        let listed_now = diff
+            .hosts_added
+            .iter()
+            .any(|(sub, host)| *sub == s.subsystem && *host == s.host);
+        let unlisted = self
+            .ticket
+            .as_ref()
+            .is_some_and(|t| t.pool() == Pool::Unlisted && !t.evicted());
+        if listed_now && unlisted {
+            let ticket =
+                self.shared
+                    .budgets
+                    .enlist(Pool::Unproven, self.peer.ip(), self.owner.clone());
+            // The unlisted place is given back as the old ticket drops.
+            self.ticket = Some(ticket);
+            log::info!(
+                "session ctrl {} (host {} from {}): its subsystem lists the host now",
+                s.info.controller_id,
+                s.host,
+                self.peer
+            );
         }
     }
 }
