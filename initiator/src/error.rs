@@ -306,9 +306,10 @@ pub enum Error {
         attempts: u32,
         /// Time spent reconnecting.
         elapsed: Duration,
-        /// Writes the queue held for a replay (not acknowledged as durable) when it gave up:
-        /// these may be lost. 0: the loss cost no write (a queue that only read, or whose
-        /// writes were all durable).
+        /// Writes (requests) the queue held for a replay (not acknowledged as durable) when it
+        /// gave up: these may be lost. 0: no write was held (a queue that only read, or whose
+        /// writes were all durable); atomics are never held, so one not made durable since
+        /// may be lost all the same, as after any loss of the target.
         held: usize,
         /// The last attempt's error; or the target's refusal of an earlier attempt when no
         /// later one got an answer from the target ([`Error::is_refusal`]): that refusal is

@@ -64,8 +64,12 @@ pub(crate) fn run(g: &Global, p: &Params) -> Result<(), Failure> {
         (None, Some(addr)) => {
             // Not an address at all is a usage error (exit 2); one that cannot be bound (in
             // use, not this machine's) is the environment's (exit 1).
-            if let Err(e) = std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()) {
-                return Err(usage(format!("--listen {addr:?}: not HOST:PORT: {e}")));
+            // (A name that does not resolve is the environment's too: DNS down at boot.)
+            match std::net::ToSocketAddrs::to_socket_addrs(addr.as_str()) {
+                Err(e) if e.kind() == std::io::ErrorKind::InvalidInput => {
+                    return Err(usage(format!("--listen {addr:?}: not HOST:PORT: {e}")));
+                }
+                _ => {}
             }
             Listener::tcp(addr)
         }

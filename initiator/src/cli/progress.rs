@@ -52,7 +52,7 @@ impl Progress {
 
     pub(crate) fn finish(&mut self) {
         if self.take_open_line() {
-            eprintln!();
+            let _ = writeln!(std::io::stderr());
         }
     }
 
@@ -68,8 +68,9 @@ impl Drop for Progress {
     /// A transfer that failed part-way ends the bar's line, so that the error message the
     /// command prints next starts on a line of its own.
     fn drop(&mut self) {
+        // (Never a panic here: a broken stderr while unwinding would abort.)
         if self.take_open_line() {
-            eprintln!();
+            let _ = writeln!(std::io::stderr());
         }
     }
 }

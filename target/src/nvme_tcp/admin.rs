@@ -419,16 +419,18 @@ impl Queue {
             .hosts_added
             .iter()
             .any(|(sub, host)| *sub == ctrl.subsystem && *host == ctrl.host);
-        let unlisted = self
-            .ticket
-            .as_ref()
-            .is_some_and(|t| t.pool() == Pool::Unlisted && !t.evicted());
-        if listed_now && unlisted {
-            self.ticket = Some(env.ctx.serve.budgets.enlist(
-                Pool::Unproven,
-                self.peer.ip(),
-                env.owner.clone(),
-            ));
+        let promoted = match self.ticket.as_mut() {
+            Some(t) if listed_now && t.pool() == Pool::Unlisted => {
+                env.ctx.serve.budgets.promote(t, Pool::Unproven)
+            }
+            _ => false,
+        };
+        if promoted {
+            log::info!(
+                "nvme-tcp controller {} (host {}): its subsystem lists the host now",
+                ctrl.cntlid,
+                ctrl.host
+            );
         }
         // A namespace whose failure an operator cleared is a new opening too (to a controller
         // it failed under, it stays failed: `Controller::set_namespaces`).

@@ -286,6 +286,32 @@ impl Budgets {
         }
     }
 
+    /// Moves `ticket`'s place to `to` (its host's standing rose: a reload listed it), as the
+    /// newest holder there; false, and the ticket is left as it is, if its pool took the place
+    /// back already (the connection is closed as evicted). Checked and released under the old
+    /// pool's lock: a newcomer cannot take the old place after the check and find the session
+    /// still there, over the limit.
+    pub(crate) fn promote(&self, ticket: &mut Ticket, to: Pool) -> bool {
+        let held = {
+            let mut st = self.state(ticket.pool);
+            if ticket.held.evicted.load(Ordering::SeqCst) {
+                return false;
+            }
+            match st.release(ticket.serial) {
+                Some(h) => h,
+                None => return false,
+            }
+        };
+        let mut st = self.state(to);
+        let serial = st.next;
+        st.next += 1;
+        *st.per_source.entry(held.source).or_insert(0) += 1;
+        st.held.insert(serial, held);
+        ticket.pool = to;
+        ticket.serial = serial;
+        true
+    }
+
     /// Takes the place of `pool`'s oldest holder back (its loop closes its connection).
     /// Returns whether there was one.
     fn evict_oldest(&self, pool: Pool) -> bool {
@@ -402,6 +428,39 @@ mod tests {
         assert_eq!(evicted, [true, true, true, false]);
         assert!(!new.evicted());
         assert_eq!(b.usage(Pool::Discovery).held, 2);
+    }
+
+    /// A ticket promoted from the unlisted pool holds a place in the unproven one instead (the
+    /// newest there): a listed newcomer no longer finds it below; an evicted one is not moved.
+    #[test]
+    fn a_promoted_ticket_moves_to_the_higher_pool_unless_it_was_evicted() {
+        let b = Arc::new(Budgets::default());
+        let (tx, _rx) = owner();
+        let mut t = b.enlist(Pool::Unlisted, A, tx.clone());
+        let older = b.enlist(Pool::Unproven, B, tx.clone());
+        assert!(b.promote(&mut t, Pool::Unproven));
+        assert_eq!(t.pool(), Pool::Unproven);
+        assert_eq!(b.usage(Pool::Unlisted).held, 0);
+        assert_eq!(b.usage(Pool::Unproven).held, 2);
+        assert!(
+            !b.could_make_room(Standing::Listed),
+            "nothing below a listed host now"
+        );
+        // The newest of the unproven: a proven newcomer takes the older one's place first.
+        assert_eq!(b.make_room(Standing::Proven), Some(Pool::Unproven));
+        assert!(older.evicted() && !t.evicted());
+        drop(t);
+        assert_eq!(
+            b.usage(Pool::Unproven).held,
+            0,
+            "the moved place is given back once"
+        );
+        // An evicted ticket stays where it was (its connection is closed as evicted).
+        let mut gone = b.enlist(Pool::Unlisted, A, tx.clone());
+        assert_eq!(b.make_room(Standing::Listed), Some(Pool::Unlisted));
+        assert!(!b.promote(&mut gone, Pool::Unproven));
+        assert_eq!(gone.pool(), Pool::Unlisted);
+        assert_eq!(b.usage(Pool::Unproven).held, 0);
     }
 
     /// In a full target a proven host takes the place of the oldest unlisted session first,

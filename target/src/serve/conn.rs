@@ -631,17 +631,13 @@ impl Conn {
             .hosts_added
             .iter()
             .any(|(sub, host)| *sub == s.subsystem && *host == s.host);
-        let unlisted = self
-            .ticket
-            .as_ref()
-            .is_some_and(|t| t.pool() == Pool::Unlisted && !t.evicted());
-        if listed_now && unlisted {
-            let ticket =
-                self.shared
-                    .budgets
-                    .enlist(Pool::Unproven, self.peer.ip(), self.owner.clone());
-            // The unlisted place is given back as the old ticket drops.
-            self.ticket = Some(ticket);
+        let promoted = match self.ticket.as_mut() {
+            Some(t) if listed_now && t.pool() == Pool::Unlisted => {
+                self.shared.budgets.promote(t, Pool::Unproven)
+            }
+            _ => false,
+        };
+        if promoted {
             log::info!(
                 "session ctrl {} (host {} from {}): its subsystem lists the host now",
                 s.info.controller_id,
