@@ -156,6 +156,12 @@ fn a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon(
         Duration::from_secs(30),
     );
     assert!(!closed.is_empty(), "{}", t.log());
+    // Counted as a failed namespace's, not as a reload's (there was none).
+    wait_until("the closed session is counted", || {
+        t.status()["metrics"]["sessions_ended"]["namespace_failed"].as_u64() >= Some(1)
+    });
+    let ended = &t.status()["metrics"]["sessions_ended"];
+    assert_eq!(ended["reload"], 0, "{ended}");
     drop(idle);
     (d, t)
 }

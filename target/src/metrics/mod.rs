@@ -204,10 +204,13 @@ pub enum EndReason {
     /// A host of a higher standing took its place in the full target: one that proved its key
     /// (this one proved none), or one its subsystem lists (this one's does not list it).
     Evicted,
+    /// A page of one of its namespaces could not be read or written (the namespace failed:
+    /// docs/persistence.md, "A page the kernel cannot give back").
+    NamespaceFailed,
 }
 
 impl EndReason {
-    const ALL: [EndReason; 7] = [
+    const ALL: [EndReason; 8] = [
         EndReason::Host,
         EndReason::KeepAlive,
         EndReason::ConnectionLost,
@@ -215,10 +218,11 @@ impl EndReason {
         EndReason::ProtocolError,
         EndReason::Shutdown,
         EndReason::Evicted,
+        EndReason::NamespaceFailed,
     ];
 
     /// "host", "keep_alive", "connection_lost", "reload", "protocol_error", "shutdown",
-    /// "evicted".
+    /// "evicted", "namespace_failed".
     pub fn name(self) -> &'static str {
         match self {
             EndReason::Host => "host",
@@ -228,6 +232,7 @@ impl EndReason {
             EndReason::ProtocolError => "protocol_error",
             EndReason::Shutdown => "shutdown",
             EndReason::Evicted => "evicted",
+            EndReason::NamespaceFailed => "namespace_failed",
         }
     }
 }

@@ -619,8 +619,8 @@ impl Conn {
         let Phase::Session(s) = &mut self.phase else {
             return;
         };
-        if let Some(why) = s.reloaded(diff, self.peer) {
-            self.session_ended(EndReason::Reload);
+        if let Some((reason, why)) = s.reloaded(diff, self.peer) {
+            self.session_ended(reason);
             self.goodbye(&why);
             return;
         }

@@ -35,6 +35,7 @@ use rpma_common::proto::{DurabilityMethods, NamespaceDescriptor};
 
 use super::{SessionInfo, Shared};
 use crate::config::Transport;
+use crate::metrics::EndReason;
 use crate::namespace::{access_for, wire_domain, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
 
@@ -79,7 +80,13 @@ impl Session {
     /// close it, for its Disconnect (which names the namespace, so that the host reconnects and
     /// sees the new descriptor instead of a RemoteAccess later); else None, once the rkeys of its
     /// namespaces that were removed are revoked. `peer` is the host's address, for the log.
-    pub(super) fn reloaded(&mut self, diff: &ConfigDiff, peer: SocketAddr) -> Option<String> {
+    /// With the reason, what the session's end is counted as: a reload, or a namespace that
+    /// failed (a page that could not be read back: no reload of the operator's).
+    pub(super) fn reloaded(
+        &mut self,
+        diff: &ConfigDiff,
+        peer: SocketAddr,
+    ) -> Option<(EndReason, String)> {
         let in_diff = |list: &[NsKey], nsid: u32| {
             list.iter()
                 .any(|(sub, n)| *n == nsid && *sub == self.subsystem)
@@ -106,7 +113,10 @@ impl Session {
                 self.host,
                 peer
             );
-            return Some("the target's configuration for this host changed".to_owned());
+            return Some((
+                EndReason::Reload,
+                "the target's configuration for this host changed".to_owned(),
+            ));
         }
         // The session's namespaces in one of the diff's lists.
         let held = |list: &[NsKey]| -> Vec<String> {
@@ -126,8 +136,9 @@ impl Session {
                 self.host,
                 peer
             );
-            return Some(format!(
-                "namespace(s) {ids} reopened: an operator cleared the failure"
+            return Some((
+                EndReason::Reload,
+                format!("namespace(s) {ids} reopened: an operator cleared the failure"),
             ));
         }
         let unreadable = held(&diff.namespaces_unreadable);
@@ -140,8 +151,9 @@ impl Session {
                 self.host,
                 peer
             );
-            return Some(format!(
-                "namespace(s) {ids} failed: a page could not be read back"
+            return Some((
+                EndReason::NamespaceFailed,
+                format!("namespace(s) {ids} failed: a page could not be read back"),
             ));
         }
         let changed = held(&diff.namespaces_changed);
@@ -156,7 +168,7 @@ impl Session {
                 self.host,
                 peer
             );
-            return Some(format!("{what} {ids} changed by reload"));
+            return Some((EndReason::Reload, format!("{what} {ids} changed by reload")));
         }
         let gone: Vec<u32> = self
             .grants
