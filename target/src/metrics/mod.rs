@@ -438,7 +438,8 @@ mod tests {
         assert_eq!((m.sessions_admitted, m.discovery_admitted), (2, 1));
         assert_eq!(m.sessions_ended["keep_alive"], 1);
         assert_eq!(m.sessions_ended["host"], 0);
-        assert_eq!(m.sessions_ended.len(), 7);
+        assert_eq!(m.sessions_ended.len(), 8);
+        assert_eq!(m.sessions_ended["namespace_failed"], 0);
         assert_eq!(m.sessions_ended["evicted"], 0);
         assert_eq!(m.refusals["auth_failed"], 1);
         assert_eq!(m.refusals["other"], 1);
