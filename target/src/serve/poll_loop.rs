@@ -446,16 +446,15 @@ impl PollLoop {
         self.failed = true;
         let soft = Context::soft();
         match loop_cq(&soft, &self.beat, &self.flusher) {
-            Ok(cq) => {
-                self.cq = cq;
-                self.cq_ctx = soft;
-            }
-            // Kept: it waits quietly now (fabric::Error::DeviceLost is said once).
+            Ok(cq) => self.cq = cq,
+            // The lost device's queue is kept: it waits quietly now (fabric::Error::DeviceLost
+            // is said once), and the loop counts it lost all the same (said once here).
             Err(e) => log::error!(
                 "loop {}: cannot make a placeholder completion queue: {e}",
                 self.index
             ),
         }
+        self.cq_ctx = soft;
         self.shared.release_lost_device();
     }
 
