@@ -27,8 +27,11 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Mutex, OnceLock};
 
 /// How many mappings can be watched at once; a mapping made while all are taken is not
-/// watched (a SIGBUS in it is fatal, as without this module).
-const SLOTS: usize = 256;
+/// watched (a SIGBUS in it is fatal, as without this module; the pmem layer logs it). A
+/// daemon holds one per opening of a namespace file (two for a moment across a reload that
+/// reopens it), so this covers some 2,000 namespaces; 160 KiB of static memory, and the
+/// scans stop at the highest slot ever used.
+pub(crate) const SLOTS: usize = 4096;
 
 // A slot's state, in the low two bits of its state word; the bits above count its claims, so
 // that a reader that loaded the range between a drop and the next claim sees the word change.
@@ -322,6 +325,18 @@ fn previous(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut libc::c_void
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A daemon with hundreds of namespaces watches every mapping: 300 at once (256 was the
+    /// table's size, and the 257th mapping went unwatched, a SIGBUS in it fatal). Not filled
+    /// up: the other tests of this process need slots of their own meanwhile.
+    #[test]
+    fn hundreds_of_mappings_are_watched_at_once() {
+        let buf = vec![0u8; 300 * 64];
+        let watches: Vec<Option<Watch>> = (0..300)
+            .map(|i| Watch::new(buf.as_ptr().wrapping_add(i * 64).cast_mut(), 64))
+            .collect();
+        assert!(watches.iter().all(Option::is_some), "some went unwatched");
+    }
 
     /// A file of `pages` pages mapped shared, and the file.
     fn mapped(pages: usize) -> (tempfile::TempDir, std::fs::File, *mut u8, usize) {

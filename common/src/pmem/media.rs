@@ -127,6 +127,15 @@ impl Media {
         };
         let placed = (domain == Domain::PageCache).then(|| PlacedPages::new(len, page_size()));
         let watch = Watch::new(ptr.as_ptr(), len);
+        if watch.is_none() {
+            log::warn!(
+                "{}: mapped without a SIGBUS guard (more than {} file mappings at once, or the \
+                 handler could not be installed): a page the kernel cannot give back takes the \
+                 process down",
+                path.display(),
+                crate::sigbus::SLOTS
+            );
+        }
         Media {
             ptr,
             len,
