@@ -860,3 +860,40 @@ fn a_lingering_connection_sends_nothing_of_a_namespace_a_reload_removed() {
     }
     eprintln!("the lingering connection closed after {got} bytes");
 }
+
+/// A reload that removes a namespace says READY only once every poll loop has applied it (a
+/// loop's sessions reach the old file until then: on rdma its NIC does, until the loop
+/// deregisters their regions). A loop held up by the test hook delays READY until it goes on.
+/// (Before, READY came at once, while the loops still stalled.)
+#[test]
+fn a_reload_that_removes_a_namespace_is_ready_only_once_every_loop_applied_it() {
+    let d = scratch();
+    let top = "poll_loops = 2";
+    let t = start_with_env(
+        d.path(),
+        top,
+        &[("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300")],
+    );
+    let until_ready = |t: &rpma_tests::Target| {
+        let mut seen: Vec<String> = Vec::new();
+        while !seen.iter().any(|m| m.starts_with("READY=1")) {
+            let m = t.next(WAIT);
+            seen.push(m.unwrap_or_else(|| panic!("no notification in {WAIT:?}: {seen:?}")));
+        }
+        seen
+    };
+    // SUB's nsid 3 removed: READY comes after both loops applied it.
+    let without_3 = rpma_tests::without_namespace(&demo_config(top, ""), 3);
+    t.rewrite(&without_3);
+    t.signal(Signal::SIGHUP);
+    let seen = until_ready(&t);
+    let ready = seen.iter().position(|m| m.starts_with("READY=1")).unwrap();
+    let overs = seen[..ready]
+        .iter()
+        .filter(|m| *m == "STATUS=test hook: stall over")
+        .count();
+    assert_eq!(
+        overs, 2,
+        "READY before every loop applied the reload: {seen:?}"
+    );
+}

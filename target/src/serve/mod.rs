@@ -57,7 +57,7 @@ pub use crate::seam::{Error, Result};
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
 pub(crate) use peer_log::Class as LogClass;
 pub(crate) use session_info::{SessionCounts, SessionInfo};
-pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, Shared};
+pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, ReloadAck, Shared};
 pub use shared::{LINGER, MIN_KEEP_ALIVE};
 
 /// The message slots `cfg`'s connections register (pinned on `rdma://`), for the memlock
@@ -88,6 +88,10 @@ use crate::metrics::{LoopStats, MetricsStatus};
 use crate::namespace::NamespaceTable;
 use crate::reload::ConfigDiff;
 use crate::seam::Serve;
+
+/// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
+/// (a loop applies it at the top of its next pass: at once, unless a sync of its own holds it).
+const RELOAD_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
 struct LoopHandle {
     tx: LoopTx,
@@ -285,9 +289,36 @@ impl Serve for FabricServe {
         if let Some(nvme) = &self.nvme {
             nvme.reloaded(diff);
         }
+        // A reload that removes or replaces namespaces is done only once every loop has
+        // applied it: until then a loop's sessions still reach the old file (on rdma the NIC
+        // does, until the loop deregisters their regions), and an operator who reuses the file
+        // after `systemctl reload` returned would find their writes in it.
+        let touches_files = !diff.namespaces_removed.is_empty()
+            || !diff.namespaces_changed.is_empty()
+            || !diff.namespaces_cleared.is_empty();
+        let ack = touches_files.then(|| Arc::new(ReloadAck::new(self.loops.len())));
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
-            let _ = l.tx.send(LoopCmd::Reload(Arc::clone(&diff)));
+            if l.tx
+                .send(LoopCmd::Reload(Arc::clone(&diff), ack.clone()))
+                .is_err()
+            {
+                // A loop that is gone serves nothing.
+                if let Some(a) = &ack {
+                    a.applied();
+                }
+            }
+        }
+        if let Some(ack) = ack {
+            let left = ack.wait(RELOAD_APPLY_WAIT);
+            if left > 0 {
+                log::warn!(
+                    "reload: {left} poll loop(s) did not apply it within {} s (busy with a \
+                     long sync?): their sessions reach the removed or replaced namespace files \
+                     until they do",
+                    RELOAD_APPLY_WAIT.as_secs()
+                );
+            }
         }
     }
 

@@ -223,7 +223,7 @@ impl PollLoop {
                             self.new_device(&ctx)
                         }
                     }
-                    Ok(LoopCmd::Reload(diff)) => {
+                    Ok(LoopCmd::Reload(diff, ack)) => {
                         if let Some(d) = self.stall_on_reload {
                             log::warn!("loop {}: test hook: stalling {d:?}", self.index);
                             // Told to the service manager too: a test sees when it starts and
@@ -234,7 +234,10 @@ impl PollLoop {
                             std::thread::sleep(d);
                             say("test hook: stall over");
                         }
-                        self.reload(&diff)
+                        self.reload(&diff);
+                        if let Some(ack) = ack {
+                            ack.applied();
+                        }
                     }
                     Ok(LoopCmd::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                         return self.shutdown();
