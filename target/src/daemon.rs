@@ -94,7 +94,14 @@ impl Serve for NoTransport {
             .collect())
     }
 
-    fn reloaded(&mut self, _: &ConfigDiff, _: &Config, _: &NamespaceTable) {}
+    fn reloaded(
+        &mut self,
+        _: &ConfigDiff,
+        _: &Config,
+        _: &NamespaceTable,
+    ) -> Option<std::sync::Arc<crate::seam::ReloadAck>> {
+        None
+    }
 
     fn sessions(&self) -> Vec<SessionStatus> {
         Vec::new()
@@ -477,7 +484,8 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
                 namespaces_unreadable: unreadable,
                 ..ConfigDiff::default()
             };
-            serve.reloaded(&diff, config, namespaces);
+            // (Nothing removed or replaced: nothing to wait for.)
+            let _ = serve.reloaded(&diff, config, namespaces);
         }
         drop(st);
         if let Some(w) = watchdog {
@@ -589,7 +597,8 @@ fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, Stri
         namespaces_cleared: vec![key.clone()],
         ..ConfigDiff::default()
     };
-    serve.reloaded(&diff, config, namespaces);
+    // (The same file reopened: nothing to wait for.)
+    let _ = serve.reloaded(&diff, config, namespaces);
     Ok(serde_json::json!({
         "cleared": { "subsystem": key.0.to_string(), "nsid": key.1,
                      "path": cleared.path, "failure": cleared.failure.to_string(),
@@ -599,8 +608,26 @@ fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, Stri
     .to_string())
 }
 
+/// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
+/// before it says READY (a loop applies it at the top of its next pass: at once, unless a sync
+/// of its own holds it). [`TEST_RELOAD_APPLY_WAIT_ENV`] sets another (tests).
+fn reload_apply_wait() -> Duration {
+    std::env::var(TEST_RELOAD_APPLY_WAIT_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(Duration::from_secs(5), Duration::from_millis)
+}
+
+/// Test hook (never set in production): how long, in milliseconds, a reload waits for the
+/// poll loops to apply it ([`reload_apply_wait`]): a test that holds a loop up gives it more
+/// time than the hold, whatever the machine's load.
+pub const TEST_RELOAD_APPLY_WAIT_ENV: &str = "RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS";
+
 fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
     let _ = notifier.reloading();
+    // What the serving threads still apply in their own time (a reload that removes or
+    // replaces namespace files): waited for below, with no lock held, before READY.
+    let mut pending = None;
     let outcome = Config::load(&shared.config_path)
         .map_err(|e| rpma_common::error_chain(&e))
         .and_then(|new| {
@@ -635,7 +662,7 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
                 fdstore,
                 ..
             } = &mut *st;
-            serve.reloaded(&d, &new, namespaces);
+            pending = serve.reloaded(&d, &new, namespaces);
             fdstore.keep(namespaces, notifier);
             // New connections of the tcp listeners offer the reloaded CRC setting.
             for l in st
@@ -646,7 +673,6 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
                 l.crc = new.crc;
             }
             st.config = new;
-            st.reloads += 1;
             Ok(d.summary())
         });
     // Outside the state lock: a scrape in progress needs it to finish, and closing the old
@@ -664,10 +690,24 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
         st.metrics = current;
         st.metrics_status = status;
     }
+    if let Some(ack) = pending {
+        let within = reload_apply_wait();
+        let left = ack.wait(within);
+        if left > 0 {
+            log::warn!(
+                "reload: {left} poll loop(s) did not apply it within {} s (busy with a long \
+                 sync?): their sessions reach the removed or replaced namespace files until \
+                 they do",
+                within.as_secs()
+            );
+        }
+    }
     let mut st = shared.lock();
     match outcome {
         Ok(summary) => {
             log::info!("reloaded {}: {summary}", shared.config_path.display());
+            // Counted once done (the loops applied it): what an operator waits for.
+            st.reloads += 1;
             st.last_reload = Some(summary);
         }
         Err(e) => {

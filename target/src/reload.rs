@@ -75,6 +75,15 @@ impl ConfigDiff {
             || self.hosts_added_with_key.contains(&pair)
     }
 
+    /// Whether this reload added an entry for `host` on `subsystem` (a session of it let in by
+    /// `allow_any_host` is a listed host's from now on; an entry with a key closes the session
+    /// instead: [`touches_session`](Self::touches_session)).
+    pub fn lists_now(&self, subsystem: &Nqn, host: &Nqn) -> bool {
+        self.hosts_added
+            .iter()
+            .any(|(s, h)| s == subsystem && h == host)
+    }
+
     /// A one-line summary for the log.
     pub fn summary(&self) -> String {
         if self.is_empty() {

@@ -3,6 +3,9 @@
 //! the fabric-backed one ([`crate::serve`], with [`crate::nvme_tcp`]) implements it. Both build on
 //! this file and neither names the other, so the daemon's imports run one way.
 
+use std::sync::{Arc, Condvar, Mutex};
+use std::time::Duration;
+
 use rpma_common::fabric;
 
 use crate::config::Config;
@@ -85,6 +88,52 @@ pub enum Error {
 /// Result of the serving machinery.
 pub type Result<T> = std::result::Result<T, Error>;
 
+/// The threads that have yet to apply a reload, which the reload waits for before it says
+/// READY ([`Serve::reloaded`]).
+#[derive(Debug)]
+pub struct ReloadAck {
+    left: Mutex<usize>,
+    done: Condvar,
+}
+
+impl ReloadAck {
+    /// `threads` to wait for; each gets an [`Applied`] token ([`ReloadAck::token`]).
+    pub(crate) fn new(threads: usize) -> Arc<ReloadAck> {
+        Arc::new(ReloadAck {
+            left: Mutex::new(threads),
+            done: Condvar::new(),
+        })
+    }
+
+    /// A thread's token: it counts as having applied the reload when the token drops (after
+    /// applying it, when it panics, or when its command is never taken).
+    pub(crate) fn token(self: &Arc<Self>) -> Applied {
+        Applied(Arc::clone(self))
+    }
+
+    /// Waits until every thread applied it, or `within` passed: how many have not.
+    pub fn wait(&self, within: Duration) -> usize {
+        let left = self.left.lock().unwrap_or_else(|p| p.into_inner());
+        let (left, _) = self
+            .done
+            .wait_timeout_while(left, within, |l| *l > 0)
+            .unwrap_or_else(|p| p.into_inner());
+        *left
+    }
+}
+
+/// One thread's part of a [`ReloadAck`]: applied when dropped.
+#[derive(Debug)]
+pub struct Applied(Arc<ReloadAck>);
+
+impl Drop for Applied {
+    fn drop(&mut self) {
+        let mut left = self.0.left.lock().unwrap_or_else(|p| p.into_inner());
+        *left = left.saturating_sub(1);
+        self.0.done.notify_all();
+    }
+}
+
 /// The seam where listeners and sessions plug in: [`crate::serve::FabricServe`] serves them on
 /// the fabric; [`NoTransport`](crate::daemon::NoTransport) binds nothing (a daemon without listeners, for tests of its own
 /// machinery).
@@ -98,8 +147,15 @@ pub trait Serve: Send {
 
     /// A reload was applied: `namespaces` is the new table. Close the sessions that
     /// [`ConfigDiff::touches_session`] names and revoke rkeys of removed or changed namespaces;
-    /// leave every other session alone.
-    fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable);
+    /// leave every other session alone. Returns what to wait for before the reload is done
+    /// (READY=1), when the serving threads apply it in their own time: the caller waits with
+    /// no lock held ([`ReloadAck::wait`]).
+    fn reloaded(
+        &mut self,
+        diff: &ConfigDiff,
+        cfg: &Config,
+        namespaces: &NamespaceTable,
+    ) -> Option<Arc<ReloadAck>>;
 
     /// The sessions, for `status`.
     fn sessions(&self) -> Vec<SessionStatus>;

@@ -56,8 +56,9 @@ impl Deleted {
         }
     }
 
-    fn add_back(&mut self) {
-        let (ok, said) = rdma(&[
+    /// `rdma link add DEVICE type rxe netdev NETDEV`.
+    fn add(&self) -> (bool, String) {
+        rdma(&[
             "link",
             "add",
             &self.device,
@@ -65,7 +66,11 @@ impl Deleted {
             "rxe",
             "netdev",
             &self.netdev,
-        ]);
+        ])
+    }
+
+    fn add_back(&mut self) {
+        let (ok, said) = self.add();
         assert!(ok, "rdma link add {}: {said}", self.device);
         self.back = true;
     }
@@ -74,15 +79,7 @@ impl Deleted {
 impl Drop for Deleted {
     fn drop(&mut self) {
         if !self.back {
-            let _ = rdma(&[
-                "link",
-                "add",
-                &self.device,
-                "type",
-                "rxe",
-                "netdev",
-                &self.netdev,
-            ]);
+            let _ = self.add();
         }
     }
 }

@@ -872,7 +872,11 @@ fn a_reload_that_removes_a_namespace_is_ready_only_once_every_loop_applied_it() 
     let t = start_with_env(
         d.path(),
         top,
-        &[("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300")],
+        &[
+            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300"),
+            // More time than the hold, whatever the load: no margin to miss.
+            ("RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS", "600000"),
+        ],
     );
     let until_ready = |t: &rpma_tests::Target| {
         let mut seen: Vec<String> = Vec::new();

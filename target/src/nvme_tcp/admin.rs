@@ -415,10 +415,7 @@ impl Queue {
         }
         // A host the reload lists now (without a key) leaves the lowest class, as the native
         // sessions do (serve::conn::Conn::reloaded).
-        let listed_now = diff
-            .hosts_added
-            .iter()
-            .any(|(sub, host)| *sub == ctrl.subsystem && *host == ctrl.host);
+        let listed_now = diff.lists_now(&ctrl.subsystem, &ctrl.host);
         let promoted = match self.ticket.as_mut() {
             Some(t) if listed_now && t.pool() == Pool::Unlisted => {
                 env.ctx.serve.budgets.promote(t, Pool::Unproven)

@@ -627,10 +627,7 @@ impl Conn {
         // A host the reload lists now (without a key: one with a key must prove it, and its
         // session was closed above) is a listed host from now on: its session leaves the
         // lowest class, where a listed newcomer to a full target would take its place.
-        let listed_now = diff
-            .hosts_added
-            .iter()
-            .any(|(sub, host)| *sub == s.subsystem && *host == s.host);
+        let listed_now = diff.lists_now(&s.subsystem, &s.host);
         let promoted = match self.ticket.as_mut() {
             Some(t) if listed_now && t.pool() == Pool::Unlisted => {
                 self.shared.budgets.promote(t, Pool::Unproven)

@@ -57,7 +57,7 @@ pub use crate::seam::{Error, Result};
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
 pub(crate) use peer_log::Class as LogClass;
 pub(crate) use session_info::{SessionCounts, SessionInfo};
-pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, ReloadAck, Shared};
+pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, Shared};
 pub use shared::{LINGER, MIN_KEEP_ALIVE};
 
 /// The message slots `cfg`'s connections register (pinned on `rdma://`), for the memlock
@@ -87,11 +87,7 @@ use crate::eventfd::EventFd;
 use crate::metrics::{LoopStats, MetricsStatus};
 use crate::namespace::NamespaceTable;
 use crate::reload::ConfigDiff;
-use crate::seam::Serve;
-
-/// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
-/// (a loop applies it at the top of its next pass: at once, unless a sync of its own holds it).
-const RELOAD_APPLY_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
+use crate::seam::{ReloadAck, Serve};
 
 struct LoopHandle {
     tx: LoopTx,
@@ -282,8 +278,13 @@ impl Serve for FabricServe {
         started
     }
 
-    fn reloaded(&mut self, diff: &ConfigDiff, cfg: &Config, namespaces: &NamespaceTable) {
-        let Some(shared) = &self.shared else { return };
+    fn reloaded(
+        &mut self,
+        diff: &ConfigDiff,
+        cfg: &Config,
+        namespaces: &NamespaceTable,
+    ) -> Option<Arc<ReloadAck>> {
+        let shared = self.shared.as_ref()?;
         shared.set(cfg, namespaces);
         shared.forget_removed(namespaces, cfg);
         if let Some(nvme) = &self.nvme {
@@ -291,35 +292,20 @@ impl Serve for FabricServe {
         }
         // A reload that removes or replaces namespaces is done only once every loop has
         // applied it: until then a loop's sessions still reach the old file (on rdma the NIC
-        // does, until the loop deregisters their regions), and an operator who reuses the file
-        // after `systemctl reload` returned would find their writes in it.
-        let touches_files = !diff.namespaces_removed.is_empty()
-            || !diff.namespaces_changed.is_empty()
-            || !diff.namespaces_cleared.is_empty();
-        let ack = touches_files.then(|| Arc::new(ReloadAck::new(self.loops.len())));
+        // does, until the loop deregisters their regions). The daemon waits for it, with no
+        // lock held, before it says READY.
+        let touches_files =
+            !diff.namespaces_removed.is_empty() || !diff.namespaces_changed.is_empty();
+        let ack = touches_files.then(|| ReloadAck::new(self.loops.len()));
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
-            if l.tx
-                .send(LoopCmd::Reload(Arc::clone(&diff), ack.clone()))
-                .is_err()
-            {
-                // A loop that is gone serves nothing.
-                if let Some(a) = &ack {
-                    a.applied();
-                }
-            }
+            // (A loop that is gone serves nothing: its token drops with the refused command.)
+            let _ = l.tx.send(LoopCmd::Reload(
+                Arc::clone(&diff),
+                ack.as_ref().map(ReloadAck::token),
+            ));
         }
-        if let Some(ack) = ack {
-            let left = ack.wait(RELOAD_APPLY_WAIT);
-            if left > 0 {
-                log::warn!(
-                    "reload: {left} poll loop(s) did not apply it within {} s (busy with a \
-                     long sync?): their sessions reach the removed or replaced namespace files \
-                     until they do",
-                    RELOAD_APPLY_WAIT.as_secs()
-                );
-            }
-        }
+        ack
     }
 
     fn listeners_down(&self) -> Vec<(String, String)> {

@@ -235,9 +235,8 @@ impl PollLoop {
                             say("test hook: stall over");
                         }
                         self.reload(&diff);
-                        if let Some(ack) = ack {
-                            ack.applied();
-                        }
+                        // Applied: the daemon may say READY once every loop's token is gone.
+                        drop(ack);
                     }
                     Ok(LoopCmd::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                         return self.shutdown();

@@ -439,40 +439,6 @@ impl LoopTx {
     }
 }
 
-/// The loops that have yet to apply a reload, which the reload waits for
-/// ([`ReloadAck::wait`]).
-#[derive(Debug)]
-pub(crate) struct ReloadAck {
-    left: std::sync::Mutex<usize>,
-    done: std::sync::Condvar,
-}
-
-impl ReloadAck {
-    pub(crate) fn new(loops: usize) -> ReloadAck {
-        ReloadAck {
-            left: std::sync::Mutex::new(loops),
-            done: std::sync::Condvar::new(),
-        }
-    }
-
-    /// A loop applied the reload.
-    pub(crate) fn applied(&self) {
-        let mut left = self.left.lock().unwrap_or_else(|p| p.into_inner());
-        *left = left.saturating_sub(1);
-        self.done.notify_all();
-    }
-
-    /// Waits until every loop applied it, or `within` passed: how many have not.
-    pub(crate) fn wait(&self, within: Duration) -> usize {
-        let left = self.left.lock().unwrap_or_else(|p| p.into_inner());
-        let (left, _) = self
-            .done
-            .wait_timeout_while(left, within, |l| *l > 0)
-            .unwrap_or_else(|p| p.into_inner());
-        *left
-    }
-}
-
 /// A command to a poll loop.
 pub(crate) enum LoopCmd {
     /// The RDMA device failed or was removed and is back as this context: make the loop's
@@ -486,8 +452,9 @@ pub(crate) enum LoopCmd {
     /// A connection of this loop lost its place in a pool to a newer one: close it.
     Evicted,
     /// The configuration was reloaded with this diff (shared config already updated); the
-    /// loop confirms it has applied it through the ack, when there is one.
-    Reload(Arc<ConfigDiff>, Option<Arc<ReloadAck>>),
+    /// loop confirms it has applied it by dropping the token, when there is one (also if it
+    /// panics, or the command is never taken).
+    Reload(Arc<ConfigDiff>, Option<crate::seam::Applied>),
     /// Finish in-flight flushes, say goodbye to every session, exit.
     Stop,
 }
