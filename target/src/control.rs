@@ -1,7 +1,8 @@
 //! The control socket: a Unix stream socket where `rpma-target status` asks for the daemon's
-//! state and `rpma-target clear-failure` clears a failed namespace. One request line
-//! (`status`, `clear-failure SUBSYSTEM NSID`), one JSON answer, then the daemon closes the
-//! connection.
+//! state, `rpma-target reload` reloads the configuration and waits for the outcome, and
+//! `rpma-target clear-failure` clears a failed namespace. One request line (`status`,
+//! `reload`, `clear-failure SUBSYSTEM NSID`), one JSON answer, then the daemon closes the
+//! connection (a `reload`'s answer comes once the reload is done).
 //!
 //! One client cannot hold the socket or the daemon's shutdown: each connection is served on a
 //! thread of its own, at most [`MAX_CLIENTS`] at once; the whole request line must arrive
@@ -12,7 +13,7 @@
 //! connection it serves and waits only for requests already being answered.
 //!
 //! The socket is mode 0660: the daemon's group may connect, to read `status`. A request that
-//! changes the daemon's state (`clear-failure`) is taken only from root or the daemon's own
+//! changes the daemon's state (`reload`, `clear-failure`) is taken only from root or the daemon's own
 //! user, by the credentials the kernel took at the connect (SO_PEERCRED): the handler gets
 //! them as a [`Peer`] and asks [`Peer::may_change_state`].
 
@@ -170,13 +171,17 @@ impl Drop for ControlServer {
 /// # Errors
 /// [`ControlError::Connect`].
 pub fn request(path: &Path, line: &str) -> Result<String> {
+    request_within(path, line, Duration::from_secs(10))
+}
+
+/// [`request`], waiting up to `within` for the answer.
+fn request_within(path: &Path, line: &str, within: Duration) -> Result<String> {
     let err = |source| ControlError::Connect {
         path: path.to_owned(),
         source,
     };
     let mut s = UnixStream::connect(path).map_err(err)?;
-    s.set_read_timeout(Some(Duration::from_secs(10)))
-        .map_err(err)?;
+    s.set_read_timeout(Some(within)).map_err(err)?;
     s.write_all(format!("{line}\n").as_bytes()).map_err(err)?;
     let mut out = String::new();
     s.read_to_string(&mut out).map_err(err)?;
@@ -210,6 +215,26 @@ pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> 
         return Err(ControlError::Refused(e.to_owned()));
     }
     Ok(v["message"].as_str().unwrap_or_default().to_owned())
+}
+
+/// Asks for a reload and waits until it is done (the daemon says READY; a reload that removes
+/// or replaces namespace files once every poll loop applied it): whether it succeeded, and
+/// its summary or why it failed (the running configuration is kept then).
+///
+/// # Errors
+/// [`ControlError::Connect`] (no answer within two minutes included),
+/// [`ControlError::Refused`] (not root or the daemon's user, the daemon stopping),
+/// [`ControlError::BadAnswer`].
+pub fn reload(path: &Path) -> Result<(bool, String)> {
+    let raw = request_within(path, "reload", Duration::from_secs(120))?;
+    let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
+    if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
+        return Err(ControlError::Refused(e.to_owned()));
+    }
+    Ok((
+        v["reloaded"].as_bool().unwrap_or(false),
+        v["message"].as_str().unwrap_or_default().to_owned(),
+    ))
 }
 
 #[cfg(test)]

@@ -116,6 +116,8 @@ struct State {
     listeners: Vec<ListenerStatus>,
     reloads: u64,
     last_reload: Option<String>,
+    /// Reloads finished, failed ones too (what a `reload` request waits for).
+    reload_attempts: u64,
     serve: Box<dyn Serve>,
     metrics: Option<MetricsServer>,
     metrics_status: Option<MetricsListenerStatus>,
@@ -401,6 +403,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             listeners: Vec::new(),
             reloads: 0,
             last_reload: None,
+            reload_attempts: 0,
             serve,
             metrics: None,
             metrics_status: None,
@@ -417,9 +420,13 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             ("clear-failure", Some(sh)) => peer
                 .may_change_state(verb, me)
                 .and_then(|()| clear_failure(&sh, req)),
-            ("status" | "clear-failure", None) => Err("the daemon is stopping".into()),
+            ("reload", Some(sh)) => peer
+                .may_change_state(verb, me)
+                .and_then(|()| reload_request(&sh)),
+            ("status" | "clear-failure" | "reload", None) => Err("the daemon is stopping".into()),
             (other, _) => Err(format!(
-                "unknown request {other:?} (try \"status\" or \"clear-failure SUBSYSTEM NSID\")"
+                "unknown request {other:?} (try \"status\", \"reload\" or \"clear-failure \
+                 SUBSYSTEM NSID\")"
             )),
         }
     });
@@ -608,6 +615,38 @@ fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, Stri
     .to_string())
 }
 
+/// How long a `reload` request waits for the reload it asked for to be done.
+const RELOAD_REQUEST_WAIT: Duration = Duration::from_secs(100);
+
+/// A `reload` request (`rpma-target reload`, the unit's ExecReload): the reload SIGHUP asks
+/// for, answered once it is done (READY, every poll loop applied it), with its outcome, so
+/// that `systemctl reload` returns when the reload took effect and fails when it failed.
+fn reload_request(shared: &Shared) -> std::result::Result<String, String> {
+    let before = shared.lock().reload_attempts;
+    // The main thread takes it as any SIGHUP (one pending already serves this request too:
+    // it starts after it).
+    nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGHUP)
+        .map_err(|e| format!("cannot ask for the reload: {e}"))?;
+    let deadline = Instant::now() + RELOAD_REQUEST_WAIT;
+    loop {
+        {
+            let st = shared.lock();
+            if st.reload_attempts > before {
+                let said = st.last_reload.clone().unwrap_or_default();
+                let ok = !said.starts_with("failed");
+                return Ok(serde_json::json!({ "reloaded": ok, "message": said }).to_string());
+            }
+        }
+        if Instant::now() >= deadline {
+            return Err(format!(
+                "the reload did not finish within {} s (see the daemon's log)",
+                RELOAD_REQUEST_WAIT.as_secs()
+            ));
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
 /// before it says READY (a loop applies it at the top of its next pass: at once, unless a sync
 /// of its own holds it). [`TEST_RELOAD_APPLY_WAIT_ENV`] sets another (tests).
@@ -703,6 +742,7 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
         }
     }
     let mut st = shared.lock();
+    st.reload_attempts += 1;
     match outcome {
         Ok(summary) => {
             log::info!("reloaded {}: {summary}", shared.config_path.display());

@@ -59,6 +59,25 @@ enum Command {
     /// state file and logs what may have been lost. Until then reloads and restarts keep it
     /// failed.
     ClearFailure(ClearArgs),
+    /// Reload a running daemon's configuration (as SIGHUP does) and wait until the reload is
+    /// done: exit 0 with what changed, or 1 with why it failed (the running configuration is
+    /// kept). The unit's ExecReload, so that `systemctl reload` reports the outcome. Root or
+    /// the daemon's user.
+    Reload(ReloadArgs),
+}
+
+#[derive(Debug, Args)]
+struct ReloadArgs {
+    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
+    /// the one the configuration names].
+    #[arg(long, value_name = "PATH", conflicts_with = "config")]
+    socket: Option<PathBuf>,
+    /// Take the control socket from this configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Print the outcome as JSON ({"reloaded": bool, "message": ...}).
+    #[arg(long)]
+    json: bool,
 }
 
 #[derive(Debug, Args)]
@@ -105,6 +124,21 @@ fn clear_failure(args: ClearArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
+fn reload(args: ReloadArgs) -> anyhow::Result<()> {
+    let socket = socket_of(args.socket, args.config)?;
+    let (ok, said) = rpma_target::control::reload(&socket)?;
+    if args.json {
+        println!("{}", serde_json::json!({ "reloaded": ok, "message": said }));
+    } else if ok {
+        println!("reloaded: {said}");
+    }
+    anyhow::ensure!(
+        ok,
+        "the reload failed, the running configuration is kept: {said}"
+    );
+    Ok(())
+}
+
 fn status(args: StatusArgs) -> anyhow::Result<()> {
     let socket = socket_of(args.socket, args.config)?;
     let (st, raw) = rpma_target::control::query_status(&socket)?;
@@ -136,6 +170,7 @@ fn main() -> ExitCode {
             };
         }
         (None, Some(Command::Status(args))) => status(args),
+        (None, Some(Command::Reload(args))) => reload(args),
         (None, Some(Command::ClearFailure(args))) => clear_failure(args),
         (
             None,

@@ -901,3 +901,64 @@ fn a_reload_that_removes_a_namespace_is_ready_only_once_every_loop_applied_it() 
         "READY before every loop applied the reload: {seen:?}"
     );
 }
+
+/// `rpma-target reload` (the unit's ExecReload) asks for the reload and answers once it is
+/// done, with its outcome: exit 0 and what changed, the loops having applied a removal (one
+/// held up by the test hook included) and `status` counting it; exit 1 and why for a
+/// configuration the daemon refuses, which changes nothing. (Before, ExecReload was `kill
+/// -HUP`: `systemctl reload` returned at once, and succeeded whatever the reload did.)
+#[test]
+fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
+    let d = scratch();
+    let top = "poll_loops = 2";
+    let t = start_with_env(
+        d.path(),
+        top,
+        &[
+            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300"),
+            ("RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS", "600000"),
+        ],
+    );
+    let sock = d.path().join("ctl.sock");
+    let reload = || {
+        let o = std::process::Command::new(rpma_tests::target_bin())
+            .args(["reload", "--socket", sock.to_str().unwrap()])
+            .output()
+            .unwrap();
+        (o.status.code(), rpma_tests::text(&o))
+    };
+    assert_eq!(t.status()["reloads"], 0);
+    let without_3 = rpma_tests::without_namespace(&demo_config(top, ""), 3);
+    t.rewrite(&without_3);
+    let (code, said) = reload();
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("reloaded: ") && said.contains("namespaces removed"),
+        "{said}"
+    );
+    // Done when it answered: counted, and both loops applied it (each said its stall was over
+    // before the reload said READY).
+    assert_eq!(t.status()["reloads"], 1);
+    let mut seen: Vec<String> = Vec::new();
+    while !seen.iter().any(|m| m.starts_with("READY=1")) {
+        seen.push(t.next(WAIT).unwrap_or_else(|| panic!("no READY: {seen:?}")));
+    }
+    let overs = seen
+        .iter()
+        .filter(|m| *m == "STATUS=test hook: stall over")
+        .count();
+    assert_eq!(overs, 2, "{seen:?}");
+    // A configuration the daemon refuses: exit 1 with why; nothing changes.
+    t.rewrite("this is not toml [");
+    let (code, said) = reload();
+    assert_eq!(code, Some(1), "{said}");
+    assert!(said.contains("the reload failed"), "{said}");
+    let st = t.status();
+    assert_eq!(st["reloads"], 1, "{st}");
+    assert!(
+        st["last_reload"]
+            .as_str()
+            .is_some_and(|s| s.starts_with("failed")),
+        "{st}"
+    );
+}
