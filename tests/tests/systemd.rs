@@ -46,6 +46,8 @@ fn unit_passes_systemd_analyze_verify() {
         "AmbientCapabilities=CAP_IPC_LOCK",
         // The page-cache namespace files' descriptors kept across restarts (fdstore.rs).
         "FileDescriptorStoreMax=",
+        // `systemctl reload` waits for the reload's outcome (a bare SIGHUP would not).
+        "ExecReload=/usr/bin/rpma-target reload --config",
     ] {
         assert!(unit.contains(key), "unit lacks {key}");
     }
