@@ -222,11 +222,12 @@ pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> 
 /// its summary or why it failed (the running configuration is kept then).
 ///
 /// # Errors
-/// [`ControlError::Connect`] (no answer within two minutes included),
+/// [`ControlError::Connect`] (no answer within 285 s included),
 /// [`ControlError::Refused`] (not root or the daemon's user, the daemon stopping),
 /// [`ControlError::BadAnswer`].
 pub fn reload(path: &Path) -> Result<(bool, String)> {
-    let raw = request_within(path, "reload", Duration::from_secs(120))?;
+    // (Longer than the daemon's own wait for the reload, 270 s, which it answers within.)
+    let raw = request_within(path, "reload", Duration::from_secs(285))?;
     let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
     if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
         return Err(ControlError::Refused(e.to_owned()));

@@ -116,8 +116,11 @@ struct State {
     listeners: Vec<ListenerStatus>,
     reloads: u64,
     last_reload: Option<String>,
-    /// Reloads finished, failed ones too (what a `reload` request waits for).
+    /// Reloads started, and finished (failed ones too): what a `reload` request waits for.
+    reload_started: u64,
     reload_attempts: u64,
+    /// Whether the last reload succeeded ([`last_reload`](Self::last_reload) says what).
+    last_reload_ok: bool,
     serve: Box<dyn Serve>,
     metrics: Option<MetricsServer>,
     metrics_status: Option<MetricsListenerStatus>,
@@ -129,6 +132,19 @@ struct Shared {
     config_path: PathBuf,
     started: Instant,
     state: Mutex<State>,
+    /// The daemon stops (or failed to start): no reload will run, a `reload` request waiting
+    /// for one is answered so.
+    stopping: std::sync::atomic::AtomicBool,
+}
+
+/// Sets [`Shared::stopping`] when dropped: on every way out of [`run`], before the control
+/// server (declared before it) waits for the requests it is answering.
+struct Stopping<'a>(&'a std::sync::atomic::AtomicBool);
+
+impl Drop for Stopping<'_> {
+    fn drop(&mut self) {
+        self.0.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
 }
 
 impl Shared {
@@ -396,6 +412,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     let socket = config.control_socket.clone();
     let shared = Arc::new(Shared {
         config_path: config_path.to_owned(),
+        stopping: std::sync::atomic::AtomicBool::new(false),
         started: Instant::now(),
         state: Mutex::new(State {
             config,
@@ -403,7 +420,9 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             listeners: Vec::new(),
             reloads: 0,
             last_reload: None,
+            reload_started: 0,
             reload_attempts: 0,
+            last_reload_ok: false,
             serve,
             metrics: None,
             metrics_status: None,
@@ -431,6 +450,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }
     });
     let control = ControlServer::bind(&socket, handler)?;
+    let _stopping = Stopping(&shared.stopping);
     log::info!("control socket {}", control.path().display());
     let page = metrics_page(Arc::downgrade(&shared));
     {
@@ -526,6 +546,9 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
                 Ok(sig @ (Signal::SIGTERM | Signal::SIGINT)) => {
                     log::info!("{sig}: stopping");
                     let _ = notifier.stopping();
+                    shared
+                        .stopping
+                        .store(true, std::sync::atomic::Ordering::SeqCst);
                     shared.lock().serve.stop();
                     drop(control);
                     let metrics = shared.lock().metrics.take();
@@ -615,14 +638,19 @@ fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, Stri
     .to_string())
 }
 
-/// How long a `reload` request waits for the reload it asked for to be done.
-const RELOAD_REQUEST_WAIT: Duration = Duration::from_secs(100);
+/// How long a `reload` request waits for the reload it asked for to be done (a reload that
+/// maps big namespaces ahead of use takes a while): below the client's wait, and the unit's
+/// `TimeoutStartSec=`, which bounds its ExecReload.
+const RELOAD_REQUEST_WAIT: Duration = Duration::from_secs(270);
 
 /// A `reload` request (`rpma-target reload`, the unit's ExecReload): the reload SIGHUP asks
 /// for, answered once it is done (READY, every poll loop applied it), with its outcome, so
 /// that `systemctl reload` returns when the reload took effect and fails when it failed.
 fn reload_request(shared: &Shared) -> std::result::Result<String, String> {
-    let before = shared.lock().reload_attempts;
+    // The first reload to start from now on reads the configuration as the operator left it
+    // before asking; one under way may have read it before the edit. Reloads run one after the
+    // other, so once that many have finished, that one has.
+    let wanted = shared.lock().reload_started + 1;
     // The main thread takes it as any SIGHUP (one pending already serves this request too:
     // it starts after it).
     nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGHUP)
@@ -631,11 +659,14 @@ fn reload_request(shared: &Shared) -> std::result::Result<String, String> {
     loop {
         {
             let st = shared.lock();
-            if st.reload_attempts > before {
+            if st.reload_attempts >= wanted {
                 let said = st.last_reload.clone().unwrap_or_default();
-                let ok = !said.starts_with("failed");
+                let ok = st.last_reload_ok;
                 return Ok(serde_json::json!({ "reloaded": ok, "message": said }).to_string());
             }
+        }
+        if shared.stopping.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err("the daemon is stopping: no reload".into());
         }
         if Instant::now() >= deadline {
             return Err(format!(
@@ -664,6 +695,7 @@ pub const TEST_RELOAD_APPLY_WAIT_ENV: &str = "RPMA_TARGET_TEST_RELOAD_APPLY_WAIT
 
 fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
     let _ = notifier.reloading();
+    shared.lock().reload_started += 1;
     // What the serving threads still apply in their own time (a reload that removes or
     // replaces namespace files): waited for below, with no lock held, before READY.
     let mut pending = None;
@@ -749,6 +781,7 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
             // Counted once done (the loops applied it): what an operator waits for.
             st.reloads += 1;
             st.last_reload = Some(summary);
+            st.last_reload_ok = true;
         }
         Err(e) => {
             log::error!(
@@ -756,6 +789,7 @@ fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
                 shared.config_path.display()
             );
             st.last_reload = Some(format!("failed: {e}"));
+            st.last_reload_ok = false;
         }
     }
     let line = ready_line(&st);

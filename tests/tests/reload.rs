@@ -961,4 +961,16 @@ fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
             .is_some_and(|s| s.starts_with("failed")),
         "{st}"
     );
+    // No daemon at the socket: exit 1, saying so.
+    let o = std::process::Command::new(rpma_tests::target_bin())
+        .args(["reload", "--socket"])
+        .arg(d.path().join("no.sock"))
+        .output()
+        .unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", rpma_tests::text(&o));
+    assert!(
+        rpma_tests::text(&o).contains("no.sock"),
+        "{}",
+        rpma_tests::text(&o)
+    );
 }

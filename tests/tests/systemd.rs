@@ -47,7 +47,8 @@ fn unit_passes_systemd_analyze_verify() {
         // The page-cache namespace files' descriptors kept across restarts (fdstore.rs).
         "FileDescriptorStoreMax=",
         // `systemctl reload` waits for the reload's outcome (a bare SIGHUP would not).
-        "ExecReload=/usr/bin/rpma-target reload --config",
+        "ExecReload=/usr/bin/rpma-target reload --socket /run/rpma-target/control.sock",
+        "TimeoutStartSec=300s",
     ] {
         assert!(unit.contains(key), "unit lacks {key}");
     }
