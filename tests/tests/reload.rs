@@ -974,3 +974,41 @@ fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
         rpma_tests::text(&o)
     );
 }
+
+/// `reload` and `clear-failure` change the daemon's state: a member of the control socket's
+/// group who is neither root nor the daemon's user may read `status` but is refused them,
+/// with who may (SO_PEERCRED), and nothing is reloaded.
+#[test]
+fn reload_and_clear_failure_are_refused_to_the_sockets_other_users() {
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    const NOBODY: u32 = 65534;
+    let d = scratch();
+    let t = start(d.path(), "");
+    let sock = d.path().join("ctl.sock");
+    // The group's way to the socket: through the directory, and the socket's group.
+    std::fs::set_permissions(d.path(), std::fs::Permissions::from_mode(0o711)).unwrap();
+    std::os::unix::fs::chown(&sock, None, Some(NOBODY)).unwrap();
+    let as_nobody = |args: &[&str]| {
+        let o = std::process::Command::new(rpma_tests::target_bin())
+            .args(args)
+            .arg("--socket")
+            .arg(&sock)
+            .uid(NOBODY)
+            .gid(NOBODY)
+            .output()
+            .unwrap();
+        (o.status.code(), rpma_tests::text(&o))
+    };
+    let (code, said) = as_nobody(&["status", "--json"]);
+    assert_eq!(code, Some(0), "the group reads status: {said}");
+    for args in [&["reload"][..], &["clear-failure", SUB, "1"][..]] {
+        let (code, said) = as_nobody(args);
+        assert_eq!(code, Some(1), "{args:?}: {said}");
+        assert!(
+            said.contains("changes the daemon's state: only root or the daemon's user"),
+            "{args:?}: {said}"
+        );
+    }
+    assert_eq!(t.status()["reloads"], 0, "nothing was reloaded");
+}
