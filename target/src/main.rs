@@ -68,13 +68,8 @@ enum Command {
 
 #[derive(Debug, Args)]
 struct ReloadArgs {
-    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
-    /// the one the configuration names].
-    #[arg(long, value_name = "PATH", conflicts_with = "config")]
-    socket: Option<PathBuf>,
-    /// Take the control socket from this configuration file.
-    #[arg(long, value_name = "FILE")]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    socket: SocketArgs,
     /// Print the outcome as JSON ({"reloaded": bool, "message": ...}).
     #[arg(long)]
     json: bool,
@@ -86,46 +81,50 @@ struct ClearArgs {
     subsystem: String,
     /// Its namespace id.
     nsid: u32,
-    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
-    /// the one the configuration names].
-    #[arg(long, value_name = "PATH", conflicts_with = "config")]
-    socket: Option<PathBuf>,
-    /// Take the control socket from this configuration file.
-    #[arg(long, value_name = "FILE")]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    socket: SocketArgs,
 }
 
 #[derive(Debug, Args)]
 struct StatusArgs {
-    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
-    /// the one the configuration names].
-    #[arg(long, value_name = "PATH", conflicts_with = "config")]
-    socket: Option<PathBuf>,
-    /// Take the control socket from this configuration file.
-    #[arg(long, value_name = "FILE")]
-    config: Option<PathBuf>,
+    #[command(flatten)]
+    socket: SocketArgs,
     /// Print the daemon's JSON instead of a table.
     #[arg(long)]
     json: bool,
 }
 
-fn socket_of(socket: Option<PathBuf>, config: Option<PathBuf>) -> anyhow::Result<PathBuf> {
-    Ok(match (socket, config) {
-        (Some(s), _) => s,
-        (None, Some(c)) => rpma_target::config::control_socket_of(&c)?,
-        (None, None) => PathBuf::from(rpma_target::config::DEFAULT_CONTROL_SOCKET),
-    })
+/// Where a running daemon's control socket is (status, reload, clear-failure).
+#[derive(Debug, Args)]
+struct SocketArgs {
+    /// The daemon's control socket [default: /run/rpma-target/control.sock; with --config,
+    /// the one the configuration names].
+    #[arg(long, value_name = "PATH", conflicts_with = "config")]
+    socket: Option<PathBuf>,
+    /// Take the control socket from this configuration file.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+}
+
+impl SocketArgs {
+    fn path(self) -> anyhow::Result<PathBuf> {
+        Ok(match (self.socket, self.config) {
+            (Some(s), _) => s,
+            (None, Some(c)) => rpma_target::config::control_socket_of(&c)?,
+            (None, None) => PathBuf::from(rpma_target::config::DEFAULT_CONTROL_SOCKET),
+        })
+    }
 }
 
 fn clear_failure(args: ClearArgs) -> anyhow::Result<()> {
-    let socket = socket_of(args.socket, args.config)?;
+    let socket = args.socket.path()?;
     let said = rpma_target::control::clear_failure(&socket, &args.subsystem, args.nsid)?;
     println!("cleared: {said}");
     Ok(())
 }
 
 fn reload(args: ReloadArgs) -> anyhow::Result<()> {
-    let socket = socket_of(args.socket, args.config)?;
+    let socket = args.socket.path()?;
     let (ok, said) = rpma_target::control::reload(&socket)?;
     if args.json {
         println!("{}", serde_json::json!({ "reloaded": ok, "message": said }));
@@ -140,7 +139,7 @@ fn reload(args: ReloadArgs) -> anyhow::Result<()> {
 }
 
 fn status(args: StatusArgs) -> anyhow::Result<()> {
-    let socket = socket_of(args.socket, args.config)?;
+    let socket = args.socket.path()?;
     let (st, raw) = rpma_target::control::query_status(&socket)?;
     if args.json {
         println!("{}", raw.trim_end());

@@ -861,6 +861,36 @@ fn a_lingering_connection_sends_nothing_of_a_namespace_a_reload_removed() {
     eprintln!("the lingering connection closed after {got} bytes");
 }
 
+/// A target on [`demo_config`]`(HELD_UP_TOP, "")` whose two poll loops the test hook holds up
+/// 300 ms at each reload, a reload waiting for them as long as need be (no margin to miss,
+/// whatever the load).
+const HELD_UP_TOP: &str = "poll_loops = 2";
+
+fn with_held_up_loops(d: &std::path::Path) -> rpma_tests::Target {
+    start_with_env(
+        d,
+        HELD_UP_TOP,
+        &[
+            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300"),
+            ("RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS", "600000"),
+        ],
+    )
+}
+
+/// How many loops said their hold was over among `t`'s notifications before its next READY=1
+/// (and those notifications).
+fn holds_over_before_ready(t: &rpma_tests::Target) -> (usize, Vec<String>) {
+    let mut seen: Vec<String> = Vec::new();
+    while !seen.iter().any(|m| m.starts_with("READY=1")) {
+        seen.push(t.next(WAIT).unwrap_or_else(|| panic!("no READY: {seen:?}")));
+    }
+    let overs = seen
+        .iter()
+        .filter(|m| *m == "STATUS=test hook: stall over")
+        .count();
+    (overs, seen)
+}
+
 /// A reload that removes a namespace says READY only once every poll loop has applied it (a
 /// loop's sessions reach the old file until then: on rdma its NIC does, until the loop
 /// deregisters their regions). A loop held up by the test hook delays READY until it goes on.
@@ -868,34 +898,12 @@ fn a_lingering_connection_sends_nothing_of_a_namespace_a_reload_removed() {
 #[test]
 fn a_reload_that_removes_a_namespace_is_ready_only_once_every_loop_applied_it() {
     let d = scratch();
-    let top = "poll_loops = 2";
-    let t = start_with_env(
-        d.path(),
-        top,
-        &[
-            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300"),
-            // More time than the hold, whatever the load: no margin to miss.
-            ("RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS", "600000"),
-        ],
-    );
-    let until_ready = |t: &rpma_tests::Target| {
-        let mut seen: Vec<String> = Vec::new();
-        while !seen.iter().any(|m| m.starts_with("READY=1")) {
-            let m = t.next(WAIT);
-            seen.push(m.unwrap_or_else(|| panic!("no notification in {WAIT:?}: {seen:?}")));
-        }
-        seen
-    };
+    let t = with_held_up_loops(d.path());
     // SUB's nsid 3 removed: READY comes after both loops applied it.
-    let without_3 = rpma_tests::without_namespace(&demo_config(top, ""), 3);
+    let without_3 = rpma_tests::without_namespace(&demo_config(HELD_UP_TOP, ""), 3);
     t.rewrite(&without_3);
     t.signal(Signal::SIGHUP);
-    let seen = until_ready(&t);
-    let ready = seen.iter().position(|m| m.starts_with("READY=1")).unwrap();
-    let overs = seen[..ready]
-        .iter()
-        .filter(|m| *m == "STATUS=test hook: stall over")
-        .count();
+    let (overs, seen) = holds_over_before_ready(&t);
     assert_eq!(
         overs, 2,
         "READY before every loop applied the reload: {seen:?}"
@@ -910,15 +918,7 @@ fn a_reload_that_removes_a_namespace_is_ready_only_once_every_loop_applied_it() 
 #[test]
 fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
     let d = scratch();
-    let top = "poll_loops = 2";
-    let t = start_with_env(
-        d.path(),
-        top,
-        &[
-            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "300"),
-            ("RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS", "600000"),
-        ],
-    );
+    let t = with_held_up_loops(d.path());
     let sock = d.path().join("ctl.sock");
     let reload = || {
         let o = std::process::Command::new(rpma_tests::target_bin())
@@ -928,7 +928,7 @@ fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
         (o.status.code(), rpma_tests::text(&o))
     };
     assert_eq!(t.status()["reloads"], 0);
-    let without_3 = rpma_tests::without_namespace(&demo_config(top, ""), 3);
+    let without_3 = rpma_tests::without_namespace(&demo_config(HELD_UP_TOP, ""), 3);
     t.rewrite(&without_3);
     let (code, said) = reload();
     assert_eq!(code, Some(0), "{said}");
@@ -939,14 +939,7 @@ fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
     // Done when it answered: counted, and both loops applied it (each said its stall was over
     // before the reload said READY).
     assert_eq!(t.status()["reloads"], 1);
-    let mut seen: Vec<String> = Vec::new();
-    while !seen.iter().any(|m| m.starts_with("READY=1")) {
-        seen.push(t.next(WAIT).unwrap_or_else(|| panic!("no READY: {seen:?}")));
-    }
-    let overs = seen
-        .iter()
-        .filter(|m| *m == "STATUS=test hook: stall over")
-        .count();
+    let (overs, seen) = holds_over_before_ready(&t);
     assert_eq!(overs, 2, "{seen:?}");
     // A configuration the daemon refuses: exit 1 with why; nothing changes.
     t.rewrite("this is not toml [");

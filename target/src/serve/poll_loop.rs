@@ -33,6 +33,8 @@ use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::metrics::{EndReason, LoopStats};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
+
+mod device;
 use rpma_common::proto::msgbuf::{MsgBufs, SEND_BIT};
 
 /// The watched-fd token of the loop's command eventfd.
@@ -43,8 +45,6 @@ const WAKE_FLUSH: u64 = 2;
 const WAIT_FAILED_PAUSE: Duration = Duration::from_millis(20);
 /// A wait that keeps failing is logged once per this period (with the count), not per try.
 const WAIT_FAILED_LOG_PERIOD: Duration = Duration::from_secs(60);
-/// The size a loop's completion queue starts at (it grows with the queue pairs bound to it).
-const CQ_DEPTH: usize = 1024;
 /// How long a stopping loop waits for its goodbyes to leave.
 const STOP_GRACE: Duration = Duration::from_secs(1);
 /// A page-cache flush is synced in the loop's own thread beside other connections only if each
@@ -68,19 +68,6 @@ fn inline_may_hold(len: u64, others: usize, quiet: Duration) -> bool {
             && len != 0
             && len <= INLINE_SHARED_MAX_LEN
             && quiet >= INLINE_QUIET)
-}
-
-/// A loop's completion queue on `ctx`, watching the loop's command eventfd and its flusher's
-/// (both live as long as the loop: they are fields beside the queue).
-fn loop_cq(
-    ctx: &Context,
-    beat: &Heartbeat,
-    flusher: &Flusher,
-) -> Result<CompletionQueue, rpma_common::fabric::Error> {
-    let cq = ctx.create_cq(CQ_DEPTH)?;
-    cq.watch_fd(beat.wake_fd(), WAKE_CMD)?;
-    cq.watch_fd(flusher.wait_fd(), WAKE_FLUSH)?;
-    Ok(cq)
 }
 
 /// Test hook (never set in production): a loop that takes a reload command sleeps this many
@@ -156,7 +143,7 @@ impl PollLoop {
         let cq_ctx = shared
             .ctx()
             .ok_or("the RDMA device was lost before the loop started")?;
-        let cq = loop_cq(&cq_ctx, &beat, &flusher)?;
+        let cq = PollLoop::loop_cq(&cq_ctx, &beat, &flusher)?;
         Ok(PollLoop {
             index,
             shared,
@@ -271,29 +258,24 @@ impl PollLoop {
         self.conns.values().map(Conn::next_timer).min()
     }
 
+    /// A connection request rejected before anything was made for it (`why`, for the log).
+    fn reject(&mut self, req: ConnRequest, why: &str) {
+        log::debug!("loop {}: a connection request {why}: rejected", self.index);
+        req.reject(b"");
+        self.load.fetch_sub(1, Ordering::Relaxed);
+    }
+
     fn accept(&mut self, req: ConnRequest, ticket: Ticket) {
         if ticket.evicted() {
             // Its place went to a newer connection while it waited for this loop: nothing is
             // made for it (a flood of requests made a queue pair, its buffers and an accept
             // each, all closed again at the next tick).
-            log::debug!(
-                "loop {}: a connection request whose place was taken meanwhile: rejected",
-                self.index
-            );
-            req.reject(b"");
-            self.load.fetch_sub(1, Ordering::Relaxed);
-            return;
+            return self.reject(req, "whose place was taken meanwhile");
         }
         let Some(ctx) = self.device() else {
             // Its device was lost meanwhile (or a completion queue cannot be made on the one
             // that is back).
-            log::debug!(
-                "loop {}: a connection request while the device is lost: rejected",
-                self.index
-            );
-            req.reject(b"");
-            self.load.fetch_sub(1, Ordering::Relaxed);
-            return;
+            return self.reject(req, "while the device is lost");
         };
         let cfg = self.shared.config();
         let peer = req.peer_addr();
@@ -414,90 +396,6 @@ impl PollLoop {
             );
         }
         std::thread::sleep(WAIT_FAILED_PAUSE);
-    }
-
-    /// The device the loop's completion queue is on, if it is the server's now: a device that
-    /// is back (and that no command told this loop of yet, or whose queue could not be made
-    /// then) gets its queue now.
-    fn device(&mut self) -> Option<Context> {
-        if self.cq_ctx.is_lost() {
-            self.device_lost();
-        }
-        let ctx = self.shared.ctx().filter(|c| !c.is_lost())?;
-        if !ctx.same(&self.cq_ctx) {
-            self.new_device(&ctx);
-        }
-        ctx.same(&self.cq_ctx).then_some(ctx)
-    }
-
-    /// The RDMA device under the loop's completion queue is lost: its connections are over
-    /// (every queue pair on it is in Error: this turn's tick drops them, and the queue goes
-    /// with the last of them), the loop waits on a soft placeholder queue (its own fds and
-    /// timers only), and the server lets the device go, so that the kernel can finish
-    /// removing it.
-    fn device_lost(&mut self) {
-        if !self.cq_ctx.is_lost() {
-            return;
-        }
-        log::error!(
-            "loop {}: the RDMA device {} failed or was removed: its sessions are over; the \
-             listeners listen again once the device is back",
-            self.index,
-            self.cq_ctx.device_name()
-        );
-        self.failed = true;
-        let soft = Context::soft();
-        match loop_cq(&soft, &self.beat, &self.flusher) {
-            Ok(cq) => self.cq = cq,
-            // The lost device's queue is kept: it waits quietly now (fabric::Error::DeviceLost
-            // is said once), and the loop counts it lost all the same (said once here).
-            Err(e) => log::error!(
-                "loop {}: cannot make a placeholder completion queue: {e}",
-                self.index
-            ),
-        }
-        self.cq_ctx = soft;
-        self.shared.release_lost_device();
-    }
-
-    /// The RDMA device failed or was removed and is back as `ctx`: the loop's completion
-    /// queue is made anew on it. The connections on the lost device are over (their queue
-    /// pairs are in Error, or moved there now): the next tick drops them, and the old queue
-    /// goes with the last of them.
-    fn new_device(&mut self, ctx: &Context) {
-        match loop_cq(ctx, &self.beat, &self.flusher) {
-            Ok(cq) => {
-                for c in self.conns.values() {
-                    if c.qp.state() != QpState::Error {
-                        c.qp.to_error();
-                    }
-                }
-                self.failed = true;
-                self.cq = cq;
-                self.cq_ctx = ctx.clone();
-                log::info!(
-                    "loop {}: serving on the RDMA device {} again",
-                    self.index,
-                    ctx.device_name()
-                );
-            }
-            // Tried again at the next connection request: said once per device.
-            Err(e) => {
-                let level = if self.cq_failed_on.as_ref().is_some_and(|c| c.same(ctx)) {
-                    log::Level::Debug
-                } else {
-                    log::Level::Error
-                };
-                self.cq_failed_on = Some(ctx.clone());
-                log::log!(
-                    level,
-                    "loop {}: cannot make a completion queue on the RDMA device {} that is \
-                     back: {e}",
-                    self.index,
-                    ctx.device_name()
-                );
-            }
-        }
     }
 
     fn on_completion(&mut self, c: &Completion) {
