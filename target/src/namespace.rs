@@ -293,6 +293,8 @@ pub struct OpenNamespace {
     claim: Option<Arc<claim::Claim>>,
     /// Which file it maps, as hosts are told ([`identity_of`]).
     identity: u64,
+    /// Whether a reload took it out of service ([`OpenNamespace::retire`]).
+    retired: AtomicBool,
 }
 
 impl OpenNamespace {
@@ -450,6 +452,7 @@ impl OpenNamespace {
         let identity = identity_of(subsystem, ns.nsid, &mapping);
         let opened = OpenNamespace {
             identity,
+            retired: AtomicBool::new(false),
             subsystem: subsystem.clone(),
             config: ns.clone(),
             mapping,
@@ -616,6 +619,18 @@ impl OpenNamespace {
     /// Which file it maps, as its descriptor tells hosts ([`identity_of`]).
     pub fn identity(&self) -> u64 {
         self.identity
+    }
+
+    /// A reload took it out of service: its namespace was removed, or now maps another file.
+    /// Nothing is written into it after this (a transfer under way is refused: its file is
+    /// the operator's again once the reload is reported done).
+    pub fn retire(&self) {
+        self.retired.store(true, Ordering::Release);
+    }
+
+    /// Whether a reload took it out of service ([`OpenNamespace::retire`]).
+    pub fn is_retired(&self) -> bool {
+        self.retired.load(Ordering::Acquire)
     }
 
     /// The domain as every interface shows it, with the power-loss simulation's label when

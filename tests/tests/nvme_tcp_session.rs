@@ -861,6 +861,78 @@ fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
     assert_ne!(csts & 2, 0, "CFS with the completed shutdown: {csts:#x}");
 }
 
+/// A Write whose data comes by R2T, started before a reload that removed its namespace, puts
+/// none of the data that comes after the reload is done into the removed namespace's file: the
+/// operator may reuse or delete the file once `rpma-target reload` (or READY) said the reload
+/// took effect. (Before: the data went on landing in the old file, PDU by PDU, after the
+/// reload was reported done; only the completion said Write Fault.)
+#[test]
+fn a_write_by_r2t_across_a_reload_that_removed_its_namespace_puts_nothing_in_the_file() {
+    use rpma_tests::nvme::{h2c_header, pdu};
+    let (d, shm, mut t, addr) = start("nvme-removed-r2t");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 0));
+    let mut q = c.io_queue(1).unwrap();
+    let ns1 = d.path().join("ns1");
+    // A 16 KiB Write at block 64 (more than the capsule holds): its R2T comes, its data is
+    // held back.
+    let data = noise(7, 16384);
+    let cid = q.cid();
+    let mut s = Sqe::new(0x01, 1).cdw(10, 64).cdw(12, 31).u16(2, cid);
+    s.0[32..36].copy_from_slice(&16384u32.to_le_bytes());
+    s.0[39] = 0x5a;
+    let p = q.frame(pdu::CMD, 0, &s.0, &[]);
+    q.send_raw(&p);
+    let r2t = q.recv().unwrap();
+    assert_eq!((r2t.kind, r2t.u16(8)), (pdu::R2T, cid), "{r2t:?}");
+    let ttag = r2t.u16(10);
+    // Namespace 1 removed from the configuration; the reload is done (READY) before the data.
+    let without_ns1 = Config::new()
+        .subsystem(Subsystem::new(SUB).host(HOST).namespaces([
+            Namespace::new(2, "ns2", "1MiB").read_only(),
+            Namespace::new(3, shm.path(), "1MiB"),
+        ]))
+        .subsystem(
+            Subsystem::new(DAX)
+                .host(HOST)
+                .namespace(Namespace::new(1, "dax1", "2MiB").force_dax()),
+        );
+    t.rewrite(&without_ns1.to_string());
+    t.reload();
+    let mut at = 0;
+    while at < data.len() {
+        let n = (data.len() - at).min(q.maxh2cdata as usize);
+        let last = at + n == data.len();
+        let h = h2c_header(cid, ttag, at as u32, n as u32);
+        let p = q.frame(
+            pdu::H2C_DATA,
+            if last { 4 } else { 0 },
+            &h,
+            &data[at..at + n],
+        );
+        q.send_raw(&p);
+        at += n;
+    }
+    let w = q.complete(cid, &[]).unwrap();
+    assert_eq!(w.code(), sc::WRITE_FAULT, "{w:?}");
+    // The file the operator took back holds none of it (the daemon's page cache is the
+    // file's: a read sees what its mapping got).
+    let file = std::fs::read(&ns1).unwrap();
+    let block = &file[64 * 512..64 * 512 + data.len()];
+    let landed = block
+        .chunks(512)
+        .zip(data.chunks(512))
+        .filter(|(f, d)| f == d)
+        .count();
+    assert_eq!(
+        landed, 0,
+        "blocks of the Write in the removed namespace's file"
+    );
+    // The connection goes on: the namespaces left are served.
+    assert_eq!(q.read(1, 0, 512, 1).unwrap().code(), sc::INVALID_NS);
+    ok(q.read(2, 0, 4096, 1).unwrap());
+}
+
 /// The zeroing commands have limits, reported in the NVM command set's Identify Controller so
 /// that a host splits its requests (the Linux host takes DMRSL as its discard size and WZSL as
 /// its Write Zeroes size), and larger ones are refused: a Write Zeroes of at most 1 MiB, a

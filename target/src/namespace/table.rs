@@ -267,7 +267,16 @@ impl NamespaceTable {
             .iter()
             .chain(&diff.namespaces_changed)
         {
-            if self.map.remove(key).is_some() {
+            if let Some(old) = self.map.remove(key) {
+                // Out of service unless the namespace maps the same file again (a transfer
+                // into the old opening still lands where the namespace's readers look).
+                let same_file = old.file_id().is_some()
+                    && opened
+                        .iter()
+                        .any(|(k, n)| k == key && n.file_id() == old.file_id());
+                if !same_file {
+                    old.retire();
+                }
                 report.closed.push(key.clone());
             }
         }

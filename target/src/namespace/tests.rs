@@ -224,6 +224,40 @@ fn apply_touches_only_what_the_diff_names() {
     assert_eq!(table.of_subsystem(&nqn).count(), 3);
 }
 
+/// A reload retires the openings it takes out of service (the namespace removed, or mapping
+/// another file), and only those: a namespace reopened on the same file (grown) or left alone
+/// is not (a transfer into it lands where its readers look).
+#[test]
+fn apply_retires_what_leaves_service_and_only_that() {
+    let d = tempfile::tempdir().unwrap();
+    let old = cfg(
+        d.path(),
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"n3\"\nsize = \"64KiB\"\n",
+    );
+    let mut table = NamespaceTable::open_all(&old).unwrap();
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    let [ns1, ns2, ns3] = [1, 2, 3].map(|n| table.get(&nqn, n).unwrap().clone());
+    // nsid 1 removed, 2 grown on its file, 3 moved to another file.
+    let mut new = cfg(
+        d.path(),
+        "[[subsystem.namespace]]\nnsid = 3\npath = \"n3b\"\nsize = \"64KiB\"\n",
+    );
+    new.subsystems[0].namespaces.remove(0);
+    new.subsystems[0].namespaces[0].size = Some(128 << 10);
+    new.subsystems[0].namespaces[0].grow = true;
+    let diff = crate::reload::diff(&old, &new);
+    table.apply(&diff, &new).unwrap();
+    assert!(ns1.is_retired(), "removed");
+    assert!(!ns2.is_retired(), "the same file, reopened");
+    assert!(ns3.is_retired(), "another file in its place");
+    assert!(
+        [2, 3]
+            .iter()
+            .all(|&n| !table.get(&nqn, n).unwrap().is_retired()),
+        "the new openings serve"
+    );
+}
+
 #[test]
 fn growing_needs_grow_at_start_and_on_reload_alike() {
     let d = tempfile::tempdir().unwrap();

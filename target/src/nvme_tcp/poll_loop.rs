@@ -26,6 +26,7 @@ use super::Ctx;
 use crate::flusher::{FlushCompletion, FlushTarget, Flusher, FlusherError};
 use crate::metrics::LoopStats;
 use crate::reload::ConfigDiff;
+use crate::seam::Applied;
 use crate::serve::budget::Ticket;
 use crate::serve::{Heartbeat, LoopCmd, LoopTx};
 
@@ -44,7 +45,9 @@ const TCP_KEEPCNT: u32 = 6;
 /// A command to a loop.
 pub(super) enum Cmd {
     Accept(TcpStream, Box<Ticket>),
-    Reload(Arc<ConfigDiff>),
+    /// A reload, and the token that says this loop applied it (dropped once every queue
+    /// heard of it: no transfer of this loop writes into a retired namespace after that).
+    Reload(Arc<ConfigDiff>, Option<Applied>),
     Stop,
 }
 
@@ -130,7 +133,10 @@ impl Loop {
             loop {
                 match self.rx.try_recv() {
                     Ok(Cmd::Accept(s, t)) => self.accept(s, *t),
-                    Ok(Cmd::Reload(d)) => self.each(|q, env| q.reloaded(&d, env)),
+                    Ok(Cmd::Reload(d, applied)) => {
+                        self.each(|q, env| q.reloaded(&d, env));
+                        drop(applied);
+                    }
                     Ok(Cmd::Stop) | Err(mpsc::TryRecvError::Disconnected) => {
                         return self.shutdown();
                     }

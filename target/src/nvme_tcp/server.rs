@@ -21,6 +21,7 @@ use crate::config::ListenUrl;
 use crate::eventfd::EventFd;
 use crate::metrics::LoopStats;
 use crate::reload::ConfigDiff;
+use crate::seam::ReloadAck;
 use crate::serve::budget::Pool;
 use crate::serve::{Error, Heartbeat, LoopTx, Result, Shared};
 
@@ -127,12 +128,19 @@ impl Server {
             .collect()
     }
 
-    /// A reload was applied (the shared configuration and namespaces are the new ones).
-    pub(crate) fn reloaded(&self, diff: &ConfigDiff) {
+    /// How many poll loops it runs (each applies a reload in its own time).
+    pub(crate) fn loop_count(&self) -> usize {
+        self.loops.len()
+    }
+
+    /// A reload was applied (the shared configuration and namespaces are the new ones). Each
+    /// loop takes a token of `ack`, dropped once it applied the reload.
+    pub(crate) fn reloaded(&self, diff: &ConfigDiff, ack: Option<&Arc<ReloadAck>>) {
         self.ctx.bump_generation();
         let diff = Arc::new(diff.clone());
         for l in self.loops.iter() {
-            let _ = l.send(Cmd::Reload(Arc::clone(&diff)));
+            // (A loop that is gone serves nothing: its token drops with the refused command.)
+            let _ = l.send(Cmd::Reload(Arc::clone(&diff), ack.map(ReloadAck::token)));
         }
     }
 

@@ -171,7 +171,11 @@ impl Queue {
             match &mut t.sink {
                 Sink::Namespace { ns, offset, .. } => {
                     let at = *offset + u64::from(h.datao);
-                    if let Err(e) = ns.mapping.write_at(at as usize, data) {
+                    if ns.is_retired() {
+                        // A reload took its namespace away while the data came: the file is
+                        // the operator's again once the reload is done (the loops applied it).
+                        t.refused = Some(Status::WRITE_FAULT);
+                    } else if let Err(e) = ns.mapping.write_at(at as usize, data) {
                         t.refused = Some(super::io::write_status(e));
                     }
                 }

@@ -287,16 +287,17 @@ impl Serve for FabricServe {
         let shared = self.shared.as_ref()?;
         shared.set(cfg, namespaces);
         shared.forget_removed(namespaces, cfg);
-        if let Some(nvme) = &self.nvme {
-            nvme.reloaded(diff);
-        }
         // A reload that removes or replaces namespaces is done only once every loop has
         // applied it: until then a loop's sessions still reach the old file (on rdma the NIC
-        // does, until the loop deregisters their regions). The daemon waits for it, with no
-        // lock held, before it says READY.
+        // does, until the loop deregisters their regions; an NVMe/TCP transfer lands its data
+        // PDU by PDU). The daemon waits for it, with no lock held, before it says READY.
         let touches_files =
             !diff.namespaces_removed.is_empty() || !diff.namespaces_changed.is_empty();
-        let ack = touches_files.then(|| ReloadAck::new(self.loops.len()));
+        let nvme_loops = self.nvme.as_ref().map_or(0, |n| n.loop_count());
+        let ack = touches_files.then(|| ReloadAck::new(self.loops.len() + nvme_loops));
+        if let Some(nvme) = &self.nvme {
+            nvme.reloaded(diff, ack.as_ref());
+        }
         let diff = Arc::new(diff.clone());
         for l in &self.loops {
             // (A loop that is gone serves nothing: its token drops with the refused command.)
