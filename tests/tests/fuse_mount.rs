@@ -613,6 +613,48 @@ fn sigterm_detaches_a_loop_device_attached_by_hand_and_a_second_mount_is_refused
     m.assert_gone();
 }
 
+/// `umount` that detached a loop device waits, bounded and saying so, for the file to be let
+/// go of, rather than failing at once: the kernel releases a detached device's file in a
+/// worker, after the detach returned (the VM lab under TCG met it). Stood in for here by the
+/// test holding the file open until umount says it waits. (Before: EBUSY "the file is open"
+/// at once.)
+#[test]
+fn umount_waits_for_the_file_to_be_released_after_detaching_its_loop_device() {
+    use std::io::BufRead;
+    require_fuse!("umount_waits_for_the_file_to_be_released_after_detaching_its_loop_device");
+    let (_d, root, _shm, t) = start("fuse-release");
+    let mnt = root.join("mnt");
+    let mut m = Mounted::start(&conn_args(&t.url(), 1), &mnt, &["--loop"]);
+    let lo = m.lo.clone().expect("a loop device");
+    let held = std::fs::File::open(&m.file).unwrap();
+    let mut c = Command::new(rpma_tests::built("rpma-initiator"))
+        .args(umount_args(&t, &mnt))
+        .env_remove("RUST_LOG")
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut said = String::new();
+    let mut err = std::io::BufReader::new(c.stderr.take().unwrap());
+    while !said.contains("waiting up to") {
+        let n = err.read_line(&mut said).unwrap();
+        assert!(n > 0, "umount ended without waiting for the file: {said}");
+    }
+    // The file let go of: the wait ends in the unmount.
+    drop(held);
+    let o = c.wait_with_output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "umount: {said}{out}");
+    assert!(
+        out.contains(&format!("detached {}", lo.display())) && out.contains("unmounted"),
+        "{out}"
+    );
+    let st = m.wait_exit();
+    assert!(st.success(), "mount exited {st}:\n{}", m.log());
+    m.assert_gone();
+}
+
 rpma_tests::rdma_runs!(
     ext4_on_the_loop_device_survives_a_new_initiator_and_both_stops_leave_nothing,
     umount_refuses_a_loop_device_with_a_mounted_filesystem_and_pulls_nothing_from_under_it,

@@ -304,7 +304,8 @@ pub(crate) enum Command {
     /// Undo `mount`: detach the loop devices over its file, unmount DIR (the mount process then
     /// persists, disconnects and exits). Refuses (exit 1) while a filesystem on one of those
     /// loop devices is mounted: unmount it first (one unmounted just before is waited for, 2 s
-    /// at most).
+    /// at most); fails (exit 1) while the file is open elsewhere (after a detach, its release
+    /// is waited for, 10 s at most).
     Umount {
         /// The mount point.
         dir: PathBuf,

@@ -296,6 +296,39 @@ fn stop(dir: &Path) {
 /// filesystem on it unmounted just before may release it a moment after its own `umount`.
 const DETACH_SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
 
+/// How long `umount` waits, once it detached loop devices, for the kernel to let go of the file
+/// (a detached device's file is released by a worker, after the detach returned).
+const RELEASE_SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Unmounts `dir`; after loop devices were detached from its file (`detached`), an EBUSY (the
+/// file still open) is tried again for up to [`RELEASE_SETTLE`], saying so once.
+fn unmount_released(dir: &Path, detached: bool) -> std::io::Result<()> {
+    let until = std::time::Instant::now() + RELEASE_SETTLE;
+    let mut said = false;
+    loop {
+        match kmount::unmount(dir, false) {
+            Err(e)
+                if detached
+                    && e.raw_os_error() == Some(libc::EBUSY)
+                    && std::time::Instant::now() < until =>
+            {
+                if !said {
+                    eprintln!(
+                        "rpma-initiator: waiting up to {} s for the file under {} to be \
+                         released (the kernel lets go of a detached loop device's file a \
+                         moment later; or something else has it open)",
+                        RELEASE_SETTLE.as_secs(),
+                        dir.display()
+                    );
+                    said = true;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(20));
+            }
+            r => return r,
+        }
+    }
+}
+
 /// `rpma-initiator umount DIR`: detaches the loop devices over the file, then unmounts. The
 /// mount process then persists, disconnects and exits 0.
 pub(crate) fn umount(g: &Global, dir: &Path) -> Result<(), Failure> {
@@ -311,7 +344,7 @@ pub(crate) fn umount(g: &Global, dir: &Path) -> Result<(), Failure> {
         loopdev::detach_settled(&dev, DETACH_SETTLE).map_err(|e| failure(1, e.into()))?;
         detached.push(dev);
     }
-    kmount::unmount(&dir, false).map_err(|e| {
+    unmount_released(&dir, !detached.is_empty()).map_err(|e| {
         let hint = if e.raw_os_error() == Some(libc::EBUSY) {
             " (the file is open: close it, or `umount -l` and the mount process ends when it is closed)"
         } else {
