@@ -33,8 +33,10 @@ use crate::metrics::listener::{ListenerError, MetricsServer, PageFn};
 use crate::metrics::DataCounters;
 use crate::namespace::{NamespaceError, NamespaceTable};
 use crate::notify::{Notifier, NotifyError};
-use crate::reload::{self, ConfigDiff};
+use crate::reload::ConfigDiff;
 pub use crate::seam::Serve;
+
+mod reloading;
 
 /// Errors that stop the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -438,10 +440,10 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             // Status is the group's; a change is root's or the daemon's user's.
             ("clear-failure", Some(sh)) => peer
                 .may_change_state(verb, me)
-                .and_then(|()| clear_failure(&sh, req)),
+                .and_then(|()| sh.clear_failure(req)),
             ("reload", Some(sh)) => peer
                 .may_change_state(verb, me)
-                .and_then(|()| reload_request(&sh)),
+                .and_then(|()| sh.reload_request()),
             ("status" | "clear-failure" | "reload", None) => Err("the daemon is stopping".into()),
             (other, _) => Err(format!(
                 "unknown request {other:?} (try \"status\", \"reload\" or \"clear-failure \
@@ -542,7 +544,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         }
         while let Ok(Some(info)) = sfd.read_signal() {
             match Signal::try_from(info.ssi_signo as i32) {
-                Ok(Signal::SIGHUP) => reload_now(&shared, &notifier, &page),
+                Ok(Signal::SIGHUP) => shared.reload_now(&notifier, &page),
                 Ok(sig @ (Signal::SIGTERM | Signal::SIGINT)) => {
                     log::info!("{sig}: stopping");
                     let _ = notifier.stopping();
@@ -593,205 +595,7 @@ fn warn_if_state_shares_a_filesystem(cfg: &Config) {
     }
 }
 
-/// `clear-failure SUBSYSTEM NSID` from the control socket: the operator's explicit act that
-/// makes a failed namespace durable again. Logged with what may have been lost, which is also
-/// the answer.
-fn clear_failure(shared: &Shared, req: &str) -> std::result::Result<String, String> {
-    let mut words = req.split_whitespace().skip(1);
-    let (Some(sub), Some(nsid), None) = (words.next(), words.next(), words.next()) else {
-        return Err("usage: clear-failure SUBSYSTEM NSID".into());
-    };
-    let sub = rpma_common::proto::nqn::Nqn::new(sub.to_owned())
-        .map_err(|e| rpma_common::error_chain(&e))?;
-    let nsid: u32 = nsid
-        .parse()
-        .map_err(|_| format!("{nsid:?} is not a namespace id"))?;
-    let key = (sub, nsid);
-    let mut st = shared.lock();
-    let State {
-        config,
-        namespaces,
-        serve,
-        fdstore,
-        ..
-    } = &mut *st;
-    let cleared = namespaces
-        .clear_failure(&key, config)
-        .map_err(|e| rpma_common::error_chain(&e))?;
-    if let Some(id) = namespaces.get(&key.0, key.1).and_then(|ns| ns.file_id()) {
-        fdstore.cleared(id);
-    }
-    let said = cleared.what_may_be_lost(&key);
-    log::warn!("clear-failure (operator, through the control socket): {said}");
-    let diff = ConfigDiff {
-        namespaces_cleared: vec![key.clone()],
-        ..ConfigDiff::default()
-    };
-    // (The same file reopened: nothing to wait for.)
-    let _ = serve.reloaded(&diff, config, namespaces);
-    Ok(serde_json::json!({
-        "cleared": { "subsystem": key.0.to_string(), "nsid": key.1,
-                     "path": cleared.path, "failure": cleared.failure.to_string(),
-                     "since": cleared.remembered.as_ref().map(|r| r.since()) },
-        "message": said,
-    })
-    .to_string())
-}
-
-/// How long a `reload` request waits for the reload it asked for to be done (a reload that
-/// maps big namespaces ahead of use takes a while): below the client's wait, and the unit's
-/// `TimeoutStartSec=`, which bounds its ExecReload.
-const RELOAD_REQUEST_WAIT: Duration = Duration::from_secs(270);
-
-/// A `reload` request (`rpma-target reload`, the unit's ExecReload): the reload SIGHUP asks
-/// for, answered once it is done (READY, every poll loop applied it), with its outcome, so
-/// that `systemctl reload` returns when the reload took effect and fails when it failed.
-fn reload_request(shared: &Shared) -> std::result::Result<String, String> {
-    // The first reload to start from now on reads the configuration as the operator left it
-    // before asking; one under way may have read it before the edit. Reloads run one after the
-    // other, so once that many have finished, that one has.
-    let wanted = shared.lock().reload_started + 1;
-    // The main thread takes it as any SIGHUP (one pending already serves this request too:
-    // it starts after it).
-    nix::sys::signal::kill(nix::unistd::Pid::this(), nix::sys::signal::Signal::SIGHUP)
-        .map_err(|e| format!("cannot ask for the reload: {e}"))?;
-    let deadline = Instant::now() + RELOAD_REQUEST_WAIT;
-    loop {
-        {
-            let st = shared.lock();
-            if st.reload_attempts >= wanted {
-                let said = st.last_reload.clone().unwrap_or_default();
-                let ok = st.last_reload_ok;
-                return Ok(serde_json::json!({ "reloaded": ok, "message": said }).to_string());
-            }
-        }
-        if shared.stopping.load(std::sync::atomic::Ordering::SeqCst) {
-            return Err("the daemon is stopping: no reload".into());
-        }
-        if Instant::now() >= deadline {
-            return Err(format!(
-                "the reload did not finish within {} s (see the daemon's log)",
-                RELOAD_REQUEST_WAIT.as_secs()
-            ));
-        }
-        std::thread::sleep(Duration::from_millis(20));
-    }
-}
-
-/// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
-/// before it says READY (a loop applies it at the top of its next pass: at once, unless a sync
-/// of its own holds it). [`TEST_RELOAD_APPLY_WAIT_ENV`] sets another (tests).
-fn reload_apply_wait() -> Duration {
-    std::env::var(TEST_RELOAD_APPLY_WAIT_ENV)
-        .ok()
-        .and_then(|v| v.parse().ok())
-        .map_or(Duration::from_secs(5), Duration::from_millis)
-}
-
 /// Test hook (never set in production): how long, in milliseconds, a reload waits for the
-/// poll loops to apply it ([`reload_apply_wait`]): a test that holds a loop up gives it more
+/// poll loops to apply it (`reloading::reload_apply_wait`): a test that holds a loop up gives it more
 /// time than the hold, whatever the machine's load.
 pub const TEST_RELOAD_APPLY_WAIT_ENV: &str = "RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS";
-
-fn reload_now(shared: &Shared, notifier: &Notifier, page: &PageFn) {
-    let _ = notifier.reloading();
-    shared.lock().reload_started += 1;
-    // What the serving threads still apply in their own time (a reload that removes or
-    // replaces namespace files): waited for below, with no lock held, before READY.
-    let mut pending = None;
-    let outcome = Config::load(&shared.config_path)
-        .map_err(|e| rpma_common::error_chain(&e))
-        .and_then(|new| {
-            let mut st = shared.lock();
-            let mut d = reload::diff(&st.config, &new);
-            for ((sub, nsid), f) in st.namespaces.reopen_failed(&mut d) {
-                log::warn!(
-                    "reload: reopening subsystem {sub} namespace {nsid}, failed by {f}: its \
-                     sessions are closed and its page cache is dropped, so that hosts read what \
-                     the media holds; it stays FAILED (no durability) until an operator runs \
-                     `rpma-target clear-failure {sub} {nsid}`"
-                );
-            }
-            for (sub, nsid) in st.namespaces.reopen_replaced(&mut d) {
-                log::warn!(
-                    "reload: subsystem {sub} namespace {nsid}: its path names another file now: \
-                     mapping that one and closing the sessions of the old"
-                );
-            }
-            st.namespaces
-                .apply(&d, &new)
-                .map_err(|e| rpma_common::error_chain(&e))?;
-            // Settings that need a restart keep their running values.
-            let mut new = new;
-            new.listeners = st.config.listeners.clone();
-            new.control_socket = st.config.control_socket.clone();
-            new.poll_loops = st.config.poll_loops;
-            new.state_file = st.config.state_file.clone();
-            let State {
-                serve,
-                namespaces,
-                fdstore,
-                ..
-            } = &mut *st;
-            pending = serve.reloaded(&d, &new, namespaces);
-            fdstore.keep(namespaces, notifier);
-            // New connections of the tcp listeners offer the reloaded CRC setting.
-            for l in st
-                .listeners
-                .iter_mut()
-                .filter(|l| l.url.starts_with("tcp://"))
-            {
-                l.crc = new.crc;
-            }
-            st.config = new;
-            Ok(d.summary())
-        });
-    // Outside the state lock: a scrape in progress needs it to finish, and closing the old
-    // listener waits for its accept thread.
-    if outcome.is_ok() {
-        let (mut current, mut status, want) = {
-            let mut st = shared.lock();
-            let want = st.config.metrics_listen;
-            (st.metrics.take(), st.metrics_status.take(), want)
-        };
-        if let Err(e) = apply_metrics_listen(&mut current, &mut status, want, page) {
-            log::error!("reload: {}", rpma_common::error_chain(&e));
-        }
-        let mut st = shared.lock();
-        st.metrics = current;
-        st.metrics_status = status;
-    }
-    if let Some(ack) = pending {
-        let within = reload_apply_wait();
-        let left = ack.wait(within);
-        if left > 0 {
-            log::warn!(
-                "reload: {left} poll loop(s) did not apply it within {} s (busy with a long \
-                 sync?): their sessions reach the removed or replaced namespace files until \
-                 they do",
-                within.as_secs()
-            );
-        }
-    }
-    let mut st = shared.lock();
-    st.reload_attempts += 1;
-    match outcome {
-        Ok(summary) => {
-            log::info!("reloaded {}: {summary}", shared.config_path.display());
-            // Counted once done (the loops applied it): what an operator waits for.
-            st.reloads += 1;
-            st.last_reload = Some(summary);
-            st.last_reload_ok = true;
-        }
-        Err(e) => {
-            log::error!(
-                "reload of {} failed, keeping the running configuration: {e}",
-                shared.config_path.display()
-            );
-            st.last_reload = Some(format!("failed: {e}"));
-            st.last_reload_ok = false;
-        }
-    }
-    let line = ready_line(&st);
-    let _ = notifier.ready(&line);
-}
