@@ -596,6 +596,6 @@ fn warn_if_state_shares_a_filesystem(cfg: &Config) {
 }
 
 /// Test hook (never set in production): how long, in milliseconds, a reload waits for the
-/// poll loops to apply it (`reloading::reload_apply_wait`): a test that holds a loop up gives it more
-/// time than the hold, whatever the machine's load.
+/// poll loops to apply it (`reloading::reload_apply_wait`): a test that holds a loop up gives
+/// it more time than the hold, whatever the machine's load.
 pub const TEST_RELOAD_APPLY_WAIT_ENV: &str = "RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS";
