@@ -256,6 +256,19 @@ fn apply_retires_what_leaves_service_and_only_that() {
             .all(|&n| !table.get(&nqn, n).unwrap().is_retired()),
         "the new openings serve"
     );
+    // A reload with the configuration unchanged: nsid 2's path names another file now (moved
+    // over it), nsid 3 failed (reopened on its own file, failed still).
+    let [ns2, ns3] = [2, 3].map(|n| table.get(&nqn, n).unwrap().clone());
+    std::fs::write(d.path().join("moved"), vec![0u8; 128 << 10]).unwrap();
+    std::fs::rename(d.path().join("moved"), d.path().join("n2")).unwrap();
+    let f = SyncFailure::new("msync", &std::io::Error::from_raw_os_error(libc::EIO));
+    ns3.mapping.record_failure(f);
+    let mut diff = crate::reload::diff(&new, &new);
+    assert_eq!(table.reopen_failed(&mut diff).len(), 1);
+    assert_eq!(table.reopen_replaced(&mut diff).len(), 1);
+    table.apply(&diff, &new).unwrap();
+    assert!(ns2.is_retired(), "another file at its path");
+    assert!(!ns3.is_retired(), "reopened failed on the same file");
 }
 
 #[test]
@@ -389,6 +402,13 @@ fn failed_apply_leaves_the_table_as_it_was() {
     assert!(!diff.namespaces_removed.is_empty());
     assert!(table.apply(&diff, &new2).is_err());
     assert_eq!(table.len(), 2, "nothing removed when an open failed");
+    let nqn = Nqn::new("nqn.2026-11.io.rpma:t").unwrap();
+    assert!(
+        [1, 2]
+            .iter()
+            .all(|&n| !table.get(&nqn, n).unwrap().is_retired()),
+        "nothing retired when an open failed"
+    );
 }
 
 #[test]

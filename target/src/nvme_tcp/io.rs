@@ -92,12 +92,16 @@ fn rw_range(ns: &OpenNamespace, sqe: &Sqe) -> Result<(u64, u64), Status> {
     lba_range(ns, slba, u64::from(cdw12 & 0xffff) + 1)
 }
 
-/// Checks a write to `e`: not read-only, not failed (to this controller).
+/// Checks a write to `e`: not read-only, not failed (to this controller), not taken out of
+/// service by a reload that this controller's map has not heard of yet (the admin queue's loop
+/// applies it in its own turn: [`OpenNamespace::retire`](crate::namespace::OpenNamespace::retire)
+/// is set before any loop hears of the reload, and the reload is reported done only once every
+/// loop has, so a write that passes this check lands before then).
 fn writable(e: &NsEntry) -> Result<(), Status> {
     if e.ns.config.read_only {
         return Err(Status::WRITE_PROTECTED);
     }
-    if e.note_failed() {
+    if e.note_failed() || e.ns.is_retired() {
         return Err(Status::WRITE_FAULT);
     }
     Ok(())

@@ -605,6 +605,47 @@ fn zeroing_is_bounded_per_turn_of_the_loop() {
     assert!(io.wants_read() && !io.spent());
 }
 
+/// An opening a reload retired (its namespace removed, or another file in its place) before
+/// this controller's map heard of it (the admin queue's loop applies the reload in its own
+/// turn, and may be later than this queue's) takes no more writes: an in-capsule Write, a
+/// Write Zeroes and a deallocation answer Write Fault and leave the file as it was: it is the
+/// operator's again once the reload is reported done. (They landed, then answered Write
+/// Fault: a reused file took the bytes, or the zeros.)
+#[test]
+fn a_retired_opening_takes_no_write_of_any_kind() {
+    let mut h = H::new("");
+    let (_a, mut io, _) = connected(&mut h);
+    let out = h.send(&mut io, &write_cmd(3, 0, 1, &[5; 512], false));
+    assert_eq!(completions(&out), [(3, 0, 0)]);
+    let Phase::Io(q) = &io.phase else {
+        panic!("not an I/O queue")
+    };
+    let ns = Arc::clone(&q.ctrl.namespaces().1.get(&1).unwrap().ns);
+    ns.retire();
+    let fault = status(Status::WRITE_FAULT);
+    let out = h.send(&mut io, &write_cmd(4, 1, 1, &[6; 512], false));
+    assert_eq!(completions(&out), [(4, 0, fault)], "Write");
+    let mut wz = sqe(command::io::WRITE_ZEROES, 5, 1);
+    cdw(&mut wz, 12, 0);
+    let out = h.send(&mut io, &capsule(&wz, &[]));
+    assert_eq!(completions(&out), [(5, 0, fault)], "Write Zeroes");
+    let mut dsm = sqe(command::io::DSM, 6, 1);
+    set_sgl(&mut dsm, command::sgl::IN_CAPSULE, 16);
+    cdw(&mut dsm, 11, 1 << 2);
+    let mut r = [0u8; 16];
+    r[4..8].copy_from_slice(&2u32.to_le_bytes());
+    let out = h.send(&mut io, &capsule(&dsm, &r));
+    assert_eq!(completions(&out), [(6, 0, fault)], "deallocation");
+    let mut file = vec![0u8; 1024];
+    ns.mapping.read_at(0, &mut file).unwrap();
+    assert_eq!(
+        &file[..512],
+        &[5; 512][..],
+        "block 0 neither zeroed nor deallocated"
+    );
+    assert_eq!(&file[512..], &[0; 512][..], "block 1 not written");
+}
+
 /// What a reload that puts another file at nsid 1 does to `io`'s controller: the new opening
 /// is its nsid 1 from now on (kept open by the table returned, in a directory of its own).
 fn another_file_at_nsid_1(io: &Queue) -> (tempfile::TempDir, NamespaceTable) {
