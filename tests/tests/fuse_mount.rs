@@ -630,6 +630,8 @@ fn umount_waits_for_the_file_to_be_released_after_detaching_its_loop_device() {
     let mut c = Command::new(rpma_tests::built("rpma-initiator"))
         .args(umount_args(&t, &mnt))
         .env_remove("RUST_LOG")
+        // Its wait longer than any stall of this test (10 s in production).
+        .env("RPMA_INITIATOR_TEST_RELEASE_SETTLE_MS", "600000")
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -643,6 +645,7 @@ fn umount_waits_for_the_file_to_be_released_after_detaching_its_loop_device() {
     }
     // The file let go of: the wait ends in the unmount.
     drop(held);
+    std::io::Read::read_to_string(&mut err, &mut said).unwrap();
     let o = c.wait_with_output().unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
     assert!(o.status.success(), "umount: {said}{out}");

@@ -300,10 +300,19 @@ const DETACH_SETTLE: std::time::Duration = std::time::Duration::from_secs(2);
 /// (a detached device's file is released by a worker, after the detach returned).
 const RELEASE_SETTLE: std::time::Duration = std::time::Duration::from_secs(10);
 
+/// Test hook (never set in production): [`RELEASE_SETTLE`] in milliseconds, so that a test
+/// that holds the file open until umount says it waits needs no margin against the machine's
+/// load.
+const TEST_RELEASE_SETTLE_ENV: &str = "RPMA_INITIATOR_TEST_RELEASE_SETTLE_MS";
+
 /// Unmounts `dir`; after loop devices were detached from its file (`detached`), an EBUSY (the
 /// file still open) is tried again for up to [`RELEASE_SETTLE`], saying so once.
 fn unmount_released(dir: &Path, detached: bool) -> std::io::Result<()> {
-    let until = std::time::Instant::now() + RELEASE_SETTLE;
+    let settle = std::env::var(TEST_RELEASE_SETTLE_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .map_or(RELEASE_SETTLE, std::time::Duration::from_millis);
+    let until = std::time::Instant::now() + settle;
     let mut said = false;
     loop {
         match kmount::unmount(dir, false) {
@@ -317,7 +326,7 @@ fn unmount_released(dir: &Path, detached: bool) -> std::io::Result<()> {
                         "rpma-initiator: waiting up to {} s for the file under {} to be \
                          released (the kernel lets go of a detached loop device's file a \
                          moment later; or something else has it open)",
-                        RELEASE_SETTLE.as_secs(),
+                        settle.as_secs(),
                         dir.display()
                     );
                     said = true;
