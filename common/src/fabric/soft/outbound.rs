@@ -39,7 +39,7 @@ use std::net::TcpStream;
 use std::os::fd::AsRawFd;
 use std::sync::Arc;
 
-use crate::fabric::mr::Region;
+use crate::fabric::memory::Region;
 use crate::fabric::soft::wire::tx::{Cuts, Framing, TxConfig, MIN_MAX_ULPDU};
 use crate::fabric::soft::wire::{Header, MAX_ULPDU_LIMIT};
 use crate::volatile::VolatileSlice;

@@ -12,7 +12,7 @@
 use std::sync::Arc;
 
 use crate::fabric::counters::PersistKind;
-use crate::fabric::mr::Region;
+use crate::fabric::memory::Region;
 use crate::pmem::Domain;
 
 /// Beyond this many separate ranges the list is cut down: the recorded ranges are made durable
