@@ -43,7 +43,7 @@ use rpma_common::proto::nqn::Nqn;
 use super::identify::{namespace_ids, CtrlKind, NVME_VERSION};
 use crate::metrics::{DataCounters, Outcomes};
 use crate::namespace::OpenNamespace;
-use crate::serve::SessionCounts;
+use crate::serve::session_info::SessionCounts;
 
 /// The most I/O queues a controller grants (the Linux host asks for one per CPU).
 pub const MAX_IO_QUEUES: u16 = 16;

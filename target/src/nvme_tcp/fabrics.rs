@@ -29,7 +29,8 @@ use super::reply::Reply;
 use super::state::{AdminQueue, DiscoveryQueue, Input, IoQueue, Phase, Registration, Then};
 use crate::namespace::OpenNamespace;
 use crate::serve::budget::{Pool, Standing};
-use crate::serve::{LogClass, SessionInfo, MIN_KEEP_ALIVE};
+use crate::serve::session_info::SessionInfo;
+use crate::serve::{LogClass, MIN_KEEP_ALIVE};
 use crate::subsystem::{admit, lists_host, Admission};
 
 /// Bytes of Connect data.

@@ -65,7 +65,7 @@ use std::sync::{Arc, Mutex};
 use controller::Controller;
 
 use crate::eventfd::EventFd;
-use crate::serve::Shared;
+use crate::serve::shared::Shared;
 
 /// What every NVMe/TCP thread shares.
 pub(crate) struct Ctx {

@@ -13,7 +13,7 @@ use super::command::{Sqe, Status};
 use super::controller::{Controller, NsCounts, NsMap};
 use super::Ctx;
 use crate::namespace::OpenNamespace;
-use crate::serve::SessionInfo;
+use crate::serve::session_info::SessionInfo;
 
 /// The admin queue of an I/O controller: it owns the controller.
 pub(crate) struct AdminQueue {

@@ -50,8 +50,8 @@ mod conn;
 pub(crate) mod peer_log;
 mod poll_loop;
 mod session;
-mod session_info;
-mod shared;
+pub(crate) mod session_info;
+pub(crate) mod shared;
 
 pub use crate::seam::{Error, Result};
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
