@@ -140,6 +140,85 @@ fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
+/// A target with one poll loop whose registrations wait while `go` is not there (the test
+/// hook), started with `go` there; SUB has `extra` namespaces after its own.
+fn start_held(dir: &std::path::Path, extra: &str, go: &std::path::Path) -> rpma_tests::Target {
+    std::fs::write(go, b"").unwrap();
+    let hook = rpma_target::serve::TEST_REGISTER_HOLD_ENV;
+    start_with_extra(
+        dir,
+        "poll_loops = 1",
+        extra,
+        &[(hook, go.to_str().unwrap())],
+    )
+}
+
+/// Takes `go` away and connects `host` to `sub` in a thread of its own (a deadline far beyond
+/// the test's), once the target said that its registration waits.
+fn held_newcomer(
+    t: &rpma_tests::Target,
+    go: &std::path::Path,
+    sub: &'static str,
+    host_nqn: &'static str,
+) -> std::thread::JoinHandle<Result<rpma_initiator::Session, rpma_initiator::Error>> {
+    std::fs::remove_file(go).unwrap();
+    let url = t.url();
+    let newcomer = std::thread::spawn(move || {
+        let patient = ConnectOptions {
+            timeout: Duration::from_secs(600),
+            ..opts()
+        };
+        connect(&url, &nqn(sub), &host(host_nqn), &patient)
+    });
+    t.log_lines(&["test hook: a registration waits"], WAIT);
+    newcomer
+}
+
+/// A reload that removes a namespace while a newcomer's registrations are under way: the
+/// newcomer is admitted with the namespaces as they are after the reload (registered again),
+/// never with the removed one, whose file may serve someone else once the reload is done.
+#[test]
+fn a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it() {
+    let ns2 = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\n";
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    let mut t = start_held(d.path(), ns2, &go);
+    let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
+    // nsid 2 removed; the reload is done (READY) while the registrations wait.
+    t.rewrite(&demo_config("poll_loops = 1", ""));
+    t.reload();
+    std::fs::write(&go, b"").unwrap();
+    let n = newcomer.join().unwrap().expect("admitted once registered");
+    let nsids: Vec<u32> = n.namespaces().iter().map(|d| d.nsid).collect();
+    assert_eq!(nsids, [1, 3], "the namespaces after the reload");
+}
+
+/// A host whose namespaces take long to register (pinning a big namespace on `rdma://`; held
+/// here by the target's test hook until the test lets it go) delays no session of the poll
+/// loop it lands on: a session's durability requests are answered while the newcomer waits,
+/// and the newcomer gets in once its registrations are done. (Before: the loop registered
+/// them itself, and every session of the loop waited as long: the request below timed out.)
+#[test]
+fn a_host_whose_namespaces_take_long_to_register_delays_no_other_session() {
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    let t = start_held(d.path(), "", &go);
+    let mut s = session(&t);
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    let newcomer = held_newcomer(&t, &go, OPEN, OPEN_HOST);
+    // The session on the same (only) loop is served meanwhile.
+    for _ in 0..3 {
+        assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    }
+    s.tick().unwrap();
+    assert!(!newcomer.is_finished(), "the newcomer got in while held");
+    // Let go: the newcomer is admitted, with its namespaces.
+    std::fs::write(&go, b"").unwrap();
+    let n = newcomer.join().unwrap().expect("admitted once registered");
+    assert!(!n.namespaces().is_empty());
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
 #[test]
 fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
     let d = scratch();
@@ -197,4 +276,6 @@ fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
 rpma_tests::rdma_runs!(
     idle_daemon_with_a_session_uses_no_cpu,
     watchdog_pings_stop_while_a_poll_loop_is_stuck,
+    a_host_whose_namespaces_take_long_to_register_delays_no_other_session,
+    a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it,
 );

@@ -2,7 +2,8 @@
 //! becomes, and its end.
 //!
 //! ```text
-//! Handshake --Admitted--> Session   --Disconnect / keep-alive lapse / reload / stop--> Closing
+//! Handshake --Admitted--> Registering --registered--> Session --Disconnect / keep-alive lapse /
+//!                                                                reload / stop------> Closing
 //!           --Discovery-> Discovery --Disconnect / keep-alive lapse / time limit-----> Closing
 //!           --Refuse----------------------------------------------------------------> Closing
 //! ```
@@ -20,7 +21,8 @@
 //! and in all ([`super::peer_log`]), its peer-supplied strings escaped.
 //!
 //! Admission itself (a session's namespaces registered and its slots grown, or the move to the
-//! discovery pool) is in [`admit`]. An admitted session, the namespaces granted to it (its
+//! discovery pool) is in [`admit`]; the registrations are made off the loop, by its
+//! [`super::registrar`], while the connection waits in [`Phase::Registering`]. An admitted session, the namespaces granted to it (its
 //! rkeys) and what a reload does to them are in [`super::session`], with a discovery
 //! connection's entry in `status`.
 
@@ -40,6 +42,7 @@ use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
 use super::peer_log::{peer_text, Class};
+use super::registrar::Request;
 use super::session::{Listed, Session};
 use super::{LoopTx, SessionInfo, Shared, LINGER};
 use crate::handshake::{Step, TargetHandshake};
@@ -76,12 +79,24 @@ pub(crate) enum Phase {
         deadline: Instant,
         listed: Listed,
     },
+    /// Admitted; its namespaces are being registered by the loop's registrar
+    /// ([`Conn::take_registration`], [`Conn::registered`]).
+    Registering(Box<Registering>),
     Session(Box<Session>),
     /// The last message is out (or going): drop the connection when the peer closes or at
     /// `deadline`.
     Closing {
         deadline: Instant,
     },
+}
+
+/// An admitted host whose namespaces are being registered: what finishing its admission needs.
+pub(crate) struct Registering {
+    pub(super) connect: rpma_common::proto::Connect,
+    pub(super) standing: super::budget::Standing,
+    pub(super) keep_alive: Duration,
+    /// The namespaces asked for (those of its subsystem when it was admitted), in nsid order.
+    pub(super) namespaces: Vec<Arc<OpenNamespace>>,
 }
 
 /// Counts a message from the host in a connection's status.
@@ -145,6 +160,8 @@ pub(crate) struct Conn {
     pub(crate) serial: u64,
     /// Its poll loop's counts (the Terminates it sent are added when it is dropped).
     stats: Arc<LoopStats>,
+    /// Registrations for its loop's registrar to make ([`Conn::take_registration`]).
+    to_register: Option<Request>,
 }
 
 impl Drop for Conn {
@@ -192,7 +209,13 @@ impl Conn {
             overrun: false,
             serial,
             stats,
+            to_register: None,
         }
+    }
+
+    /// What the connection asks its loop's registrar to register, if anything (once).
+    pub(crate) fn take_registration(&mut self) -> Option<Request> {
+        self.to_register.take()
     }
 
     /// When the peer was last heard from, as far as the loop can tell at `now`: its last control
@@ -319,7 +342,9 @@ impl Conn {
         match self.phase {
             Phase::Closing { .. } => {}
             // Before a session, as any message out of place there: refused.
-            Phase::Handshake { .. } => self.refuse(RefusalReason::ProtocolError, what, None),
+            Phase::Handshake { .. } | Phase::Registering(_) => {
+                self.refuse(RefusalReason::ProtocolError, what, None)
+            }
             _ => self.protocol_error(what),
         }
     }
@@ -365,6 +390,30 @@ impl Conn {
                     }
                 }
                 self.last_seen = now;
+            }
+            Phase::Registering(r) => {
+                // Nothing is due from the host before its ConnectResponse but a Disconnect (it
+                // gave up waiting): any other message is out of place, as in the handshake.
+                let host = r.connect.host_nqn.clone();
+                match Message::decode(buf) {
+                    Ok(Message::Disconnect(d)) => {
+                        log::debug!(
+                            "{}: host {host} disconnected while its namespaces were being \
+                             registered: {}",
+                            self.peer,
+                            peer_text(&d.reason)
+                        );
+                        self.phase = Phase::Closing {
+                            deadline: now + LINGER,
+                        };
+                    }
+                    Ok(other) => self.refuse(
+                        RefusalReason::ProtocolError,
+                        format!("{:?} before the ConnectResponse", other.message_type()),
+                        Some(&host),
+                    ),
+                    Err(e) => self.refuse(RefusalReason::ProtocolError, e.to_string(), Some(&host)),
+                }
             }
             Phase::Closing { .. } => {
                 // Flush requests that crossed our goodbye are answered, never silently dropped.
@@ -478,6 +527,8 @@ impl Conn {
         let lapse = |ka: Duration| self.last_seen + ka + Duration::from_millis(1);
         match &self.phase {
             Phase::Handshake { deadline, .. } | Phase::Closing { deadline } => *deadline,
+            // Until its registrations come back (which wakes the loop): no timer of its own.
+            Phase::Registering(_) => self.last_seen + Duration::from_secs(3600),
             Phase::Session(s) => lapse(s.keep_alive),
             Phase::Discovery {
                 keep_alive,

@@ -28,12 +28,14 @@ use super::budget::Ticket;
 use super::conn::{
     Conn, FlushJob, Phase, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS,
 };
+use super::registrar::Registrar;
 use super::{Heartbeat, LoopCmd, LoopTx, Shared};
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
 use crate::metrics::{EndReason, LoopStats};
 use crate::namespace::OpenNamespace;
 use crate::reload::ConfigDiff;
 
+mod admission;
 mod device;
 use rpma_common::proto::msgbuf::{MsgBufs, SEND_BIT};
 
@@ -121,6 +123,8 @@ pub(crate) struct PollLoop {
     stats: Arc<LoopStats>,
     /// The device that is back on which a completion queue could not be made (said once).
     cq_failed_on: Option<Context>,
+    /// Registers its connections' namespaces off the loop ([`crate::serve::registrar`]).
+    registrar: Registrar,
     /// Waits on the completion queue that failed in a row, and when that was last logged.
     wait_failures: u64,
     wait_failure_said: Option<Instant>,
@@ -147,6 +151,7 @@ impl PollLoop {
         Ok(PollLoop {
             index,
             shared,
+            registrar: Registrar::new(index, own.clone()),
             own,
             rx,
             beat,
@@ -231,6 +236,7 @@ impl PollLoop {
                     Err(mpsc::TryRecvError::Empty) => break,
                 }
             }
+            self.take_registrations();
             // An eviction (already flagged as failed) is handled this turn, and commands left
             // for the next pass are taken after it: no wait.
             let next = if self.failed || more {
@@ -437,6 +443,7 @@ impl PollLoop {
             }
             let mut jobs = Vec::new();
             conn.on_message(&buf, &mut jobs);
+            Self::ask_registrar(&mut self.registrar, conn, c.qp_num);
             let serial = conn.serial;
             self.jobs
                 .extend(jobs.into_iter().map(|j| (c.qp_num, serial, j)));
@@ -644,7 +651,7 @@ impl PollLoop {
                     c.session_ended(EndReason::Shutdown);
                     c.goodbye("the target is shutting down")
                 }
-                Phase::Handshake { .. } | Phase::Closing { .. } => {}
+                Phase::Handshake { .. } | Phase::Registering(_) | Phase::Closing { .. } => {}
             }
         }
         let deadline = Instant::now() + STOP_GRACE;

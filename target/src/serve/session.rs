@@ -187,6 +187,27 @@ impl Session {
     }
 }
 
+/// Test hook (never set in production): a path; each registration waits until a file is
+/// there, having logged that it waits (a registration that takes long, as pinning a big
+/// namespace does, without a big namespace).
+pub const TEST_REGISTER_HOLD_ENV: &str = "RPMA_TARGET_TEST_REGISTER_HOLD";
+
+fn test_hold() {
+    let Some(path) = std::env::var_os(TEST_REGISTER_HOLD_ENV) else {
+        return;
+    };
+    let path = std::path::PathBuf::from(path);
+    if !path.exists() {
+        log::info!(
+            "test hook: a registration waits until {} exists",
+            path.display()
+        );
+        while !path.exists() {
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
 /// Registers `ns` in a connection's domain `pd` with the rights it allows; the durability
 /// methods offered are those of the transport the connection `served_by` (and its listener's
 /// `direct_write_to_pmem`), without RDMA Flush unless the peer can send it (`peer_flush`).
@@ -196,6 +217,7 @@ pub(super) fn grant(
     served_by: (Transport, bool),
     peer_flush: bool,
 ) -> fabric::Result<(Grant, NamespaceDescriptor)> {
+    test_hold();
     let access = access_for(ns.config.read_only, ns.domain());
     let mr = pd.register(Arc::clone(&ns.mapping), access)?;
     let (transport, direct_write_to_pmem) = served_by;

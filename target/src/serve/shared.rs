@@ -431,6 +431,11 @@ impl LoopTx {
         LoopTx { tx, wake }
     }
 
+    /// Wakes the loop (something for it waits elsewhere: its registrar's results).
+    pub(crate) fn wake(&self) {
+        self.wake.signal();
+    }
+
     /// Queues `cmd` and wakes the loop; gives `cmd` back if the loop is gone.
     pub(crate) fn send(&self, cmd: LoopCmd) -> std::result::Result<(), LoopCmd> {
         self.tx.send(cmd).map_err(|e| e.0)?;

@@ -10,14 +10,19 @@ use std::time::{Duration, Instant};
 
 use rpma_common::fabric;
 use rpma_common::proto::auth::Psk;
+use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{Connect, ConnectResponse, Message, RefusalReason};
 
 use super::super::budget::{Pool, Standing};
 use super::super::peer_log::Class;
-use super::super::session::{grant, unavailable, Listed, Session};
+use super::super::registrar::{Outcome, Registrar, Request};
+use super::super::session::{unavailable, Grant, Listed, Session};
 use super::super::{SessionInfo, MIN_KEEP_ALIVE};
-use super::{Conn, Phase, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
+use super::{
+    Conn, Phase, Registering, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS,
+};
 use crate::config::{Config, Transport};
+use crate::namespace::OpenNamespace;
 
 /// Longest keep-alive period a host may ask for (the configuration's own limit).
 const MAX_KEEP_ALIVE: Duration = Duration::from_secs(3600);
@@ -99,32 +104,112 @@ impl Conn {
             return self.refuse(reason, m, Some(&c.host_nqn));
         }
         let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
-        let table = shared.namespaces();
+        // Its namespaces are registered by the loop's registrar (pinning a big one takes long:
+        // the loop serves its other connections meanwhile); `registered` goes on from there.
+        let namespaces = self.namespaces_of(&c.subsystem_nqn);
+        self.ask_registration(namespaces.clone());
+        self.phase = Phase::Registering(Box::new(Registering {
+            connect: c,
+            standing,
+            keep_alive,
+            namespaces,
+        }));
+    }
+
+    /// The namespaces of `subsystem` now, in nsid order.
+    fn namespaces_of(&self, subsystem: &Nqn) -> Vec<Arc<OpenNamespace>> {
+        self.shared
+            .namespaces()
+            .range((subsystem.clone(), 0)..=(subsystem.clone(), u32::MAX))
+            .map(|(_, ns)| Arc::clone(ns))
+            .collect()
+    }
+
+    fn ask_registration(&mut self, namespaces: Vec<Arc<OpenNamespace>>) {
+        self.to_register = Some(Request {
+            pd: self.pd.clone(),
+            namespaces,
+            served_by: self.served_by(),
+            peer_flush: self.peer_flush,
+        });
+    }
+
+    /// The registrations asked for by [`admit`](Self::admit) are back: finishes the admission
+    /// (or refuses). Returns the registrations it did not keep, for the registrar to drop (a
+    /// deregistration of a pinned namespace takes long too).
+    pub(crate) fn registered(
+        &mut self,
+        outcomes: Vec<(Arc<OpenNamespace>, Outcome)>,
+    ) -> Vec<Grant> {
+        let unused = Registrar::granted;
+        let Phase::Registering(r) = &self.phase else {
+            // The connection ended meanwhile (its host disconnected, it was evicted).
+            return unused(outcomes);
+        };
+        // A reload that removed, added or replaced one of its subsystem's namespaces
+        // meanwhile: registered again, as the namespaces are now.
+        let now = self.namespaces_of(&r.connect.subsystem_nqn);
+        let same = now.len() == outcomes.len()
+            && now
+                .iter()
+                .zip(&outcomes)
+                .all(|(n, (o, _))| Arc::ptr_eq(n, o));
+        if !same {
+            if let Phase::Registering(r) = &mut self.phase {
+                r.namespaces = now.clone();
+            }
+            self.ask_registration(now);
+            return unused(outcomes);
+        }
+        let shared = Arc::clone(&self.shared);
+        let Phase::Registering(r) = std::mem::replace(
+            &mut self.phase,
+            Phase::Closing {
+                deadline: Instant::now() + super::LINGER,
+            },
+        ) else {
+            unreachable!("matched above")
+        };
+        let Registering {
+            connect: c,
+            standing,
+            keep_alive,
+            ..
+        } = *r;
+        if shared.stopping.load(Ordering::SeqCst) {
+            let m = "the target is shutting down".to_owned();
+            self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
+            return unused(outcomes);
+        }
+        let full = || {
+            let m = format!(
+                "the target serves at most {} sessions",
+                shared.config().max_connections.min(0xFFFE)
+            );
+            (RefusalReason::TooManyConnections, m)
+        };
         let mut grants = BTreeMap::new();
         let mut descriptors = Vec::new();
-        for ((_, nsid), ns) in
-            table.range((c.subsystem_nqn.clone(), 0)..=(c.subsystem_nqn.clone(), u32::MAX))
-        {
-            // A page of it could not be read back (docs/persistence.md): its mapping serves
-            // nothing more, so it is listed unavailable instead of registered, and the host
-            // does not send Reads that would each end its connection.
-            if let Some(at) = ns.mapping.unreadable_at() {
-                descriptors.push(unavailable(
-                    ns,
+        let mut outcomes = outcomes.into_iter();
+        while let Some((ns, outcome)) = outcomes.next() {
+            let nsid = ns.config.nsid;
+            match outcome {
+                // A page of it could not be read back (docs/persistence.md): its mapping
+                // serves nothing more, so it is listed unavailable instead of registered, and
+                // the host does not send Reads that would each end its connection.
+                Outcome::Unreadable(at) => descriptors.push(unavailable(
+                    &ns,
                     format!(
-                        "the target could not read back the page at offset {at} (a media error, \
-                         or its file truncated by another process) until it is reopened"
+                        "the target could not read back the page at offset {at} (a media \
+                         error, or its file truncated by another process) until it is reopened"
                     ),
-                ));
-                continue;
-            }
-            match grant(&self.pd, ns, self.served_by(), self.peer_flush) {
-                Ok((g, d)) => {
-                    grants.insert(*nsid, g);
+                )),
+                Outcome::Registered(Ok((g, d))) => {
+                    grants.insert(nsid, g);
                     descriptors.push(d);
                 }
                 // Out of keys or room: the target is full, the host may try again later.
-                Err(e @ fabric::Error::Exhausted { .. }) => {
+                Outcome::Registered(Err(e @ fabric::Error::Exhausted { .. })) => {
                     shared.peer_log.log(
                         self.peer.ip(),
                         Class::Session,
@@ -135,15 +220,18 @@ impl Conn {
                         ),
                     );
                     let m = format!("the target cannot register namespace {nsid}: {e}");
-                    return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+                    self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
+                    let mut left: Vec<Grant> = grants.into_values().collect();
+                    left.extend(unused(outcomes.collect()));
+                    return left;
                 }
                 // This namespace cannot be registered on this transport (no ODP for page
                 // cache, ...): it is listed with the reason and the others are served.
-                Err(e) => {
+                Outcome::Registered(Err(e)) => {
                     let why = rpma_common::error_chain(&e);
                     ns.note_unregistrable(&why);
                     let m = format!("the target cannot register it on this transport: {why}");
-                    descriptors.push(unavailable(ns, m));
+                    descriptors.push(unavailable(&ns, m));
                 }
             }
         }
@@ -155,7 +243,8 @@ impl Conn {
         });
         let Some(info) = info else {
             let (reason, m) = full();
-            return self.refuse(reason, m, Some(&c.host_nqn));
+            self.refuse(reason, m, Some(&c.host_nqn));
+            return grants.into_values().collect();
         };
         // The session's message slots, posted before the host may use them.
         let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
@@ -169,7 +258,8 @@ impl Conn {
                 fabric::Error::Exhausted { .. } => RefusalReason::TooManyConnections,
                 _ => RefusalReason::Other(1000),
             };
-            return self.refuse(reason, m, Some(&c.host_nqn));
+            self.refuse(reason, m, Some(&c.host_nqn));
+            return grants.into_values().collect();
         }
         // Admitted: out of the unadmitted pool; listed among the sessions a host of a higher
         // standing may take the place of, if it proved no key.
@@ -218,6 +308,7 @@ impl Conn {
                 self.refuse(RefusalReason::Other(1000), format!("{e}"), Some(&host));
             }
         }
+        Vec::new()
     }
 
     /// The transport this connection came in on, and (rdma) its listener's operator

@@ -1,0 +1,191 @@
+//! Registering an admitted host's namespaces off its poll loop.
+//!
+//! A registration is an `ibv_reg_mr` per namespace on `rdma://`: on devdax and tmpfs it pins
+//! every page of the namespace, which takes long for a big one (and as long again at each
+//! connect: each connection has a protection domain of its own, docs/architecture.md). Run by
+//! the poll loop, it held every other session of the loop for that long: their requests, their
+//! keep-alives. So each poll loop has a registrar thread (started at its first admission) that
+//! registers a session's namespaces while the loop serves the others; the connection waits in
+//! [`Phase::Registering`](super::conn::Phase) and the loop finishes its admission when the
+//! registrations come back ([`Conn::registered`](super::conn::Conn)). Registrations the loop
+//! cannot use (the connection went away, a reload changed the namespaces meanwhile, the target
+//! filled up) are sent back here to be dropped, so that their deregistration does not hold the
+//! loop either.
+
+use std::sync::{mpsc, Arc};
+
+use rpma_common::fabric::{self, ProtectionDomain};
+use rpma_common::proto::NamespaceDescriptor;
+
+use super::session::{grant, Grant};
+use super::LoopTx;
+use crate::config::Transport;
+use crate::namespace::OpenNamespace;
+
+/// What a connection asks to have registered: its subsystem's namespaces, in nsid order.
+pub(crate) struct Request {
+    pub(crate) pd: ProtectionDomain,
+    pub(crate) namespaces: Vec<Arc<OpenNamespace>>,
+    /// The transport the connection came in on and its listener's `direct_write_to_pmem`.
+    pub(crate) served_by: (Transport, bool),
+    /// Whether the peer can send RDMA Flush.
+    pub(crate) peer_flush: bool,
+}
+
+/// One namespace of a [`Registration`].
+pub(crate) enum Outcome {
+    /// A page of it could not be read back (docs/persistence.md): listed unavailable, not
+    /// registered.
+    Unreadable(usize),
+    /// Registered, or why not.
+    Registered(fabric::Result<(Grant, NamespaceDescriptor)>),
+}
+
+/// The registrations of one connection's namespaces, back to its loop.
+pub(crate) struct Registration {
+    /// The connection (its queue pair number and its serial in the loop).
+    pub(crate) qp_num: u32,
+    pub(crate) serial: u64,
+    /// The namespaces asked for, in order, each with its outcome.
+    pub(crate) outcomes: Vec<(Arc<OpenNamespace>, Outcome)>,
+}
+
+enum Work {
+    Register(Request, u32, u64),
+    /// Registrations to drop (deregister) here.
+    Drop(Vec<Grant>),
+}
+
+/// A poll loop's registrar thread: registers what its connections ask for and hands the
+/// results to the loop ([`Registrar::take`]), waking it.
+pub(crate) struct Registrar {
+    index: usize,
+    /// To the thread, once it is started.
+    work: Option<mpsc::Sender<Work>>,
+    done_tx: mpsc::Sender<Registration>,
+    done: mpsc::Receiver<Registration>,
+    wake: LoopTx,
+}
+
+impl Registrar {
+    /// The registrar of poll loop `index`, which `wake` wakes (no thread until it is needed).
+    pub(crate) fn new(index: usize, wake: LoopTx) -> Registrar {
+        let (done_tx, done) = mpsc::channel();
+        Registrar {
+            index,
+            work: None,
+            done_tx,
+            done,
+            wake,
+        }
+    }
+
+    /// Registers `req` for connection (`qp_num`, `serial`) in the registrar's thread; the
+    /// result comes back through [`take`](Self::take). If the thread cannot be started, it
+    /// is done here, in the loop (as before there was a registrar).
+    pub(crate) fn register(&mut self, req: Request, qp_num: u32, serial: u64) {
+        match self.thread() {
+            Some(tx) => {
+                if let Err(mpsc::SendError(Work::Register(req, ..))) =
+                    tx.send(Work::Register(req, qp_num, serial))
+                {
+                    self.work = None;
+                    let r = register(req, qp_num, serial);
+                    let _ = self.done_tx.send(r);
+                }
+            }
+            None => {
+                let r = register(req, qp_num, serial);
+                let _ = self.done_tx.send(r);
+            }
+        }
+    }
+
+    /// Registrations that are done, for the loop to hand to their connections.
+    pub(crate) fn take(&self) -> mpsc::TryIter<'_, Registration> {
+        self.done.try_iter()
+    }
+
+    /// Drops `grants` (deregistering their regions) in the registrar's thread.
+    pub(crate) fn discard(&mut self, grants: Vec<Grant>) {
+        if grants.is_empty() {
+            return;
+        }
+        if let Some(tx) = self.thread() {
+            // (If the thread is gone they are dropped here, with the error.)
+            let _ = tx.send(Work::Drop(grants));
+        }
+    }
+
+    /// The thread's way in, started at the first use; None if it cannot be started.
+    fn thread(&mut self) -> Option<mpsc::Sender<Work>> {
+        if let Some(tx) = &self.work {
+            return Some(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel::<Work>();
+        let done = self.done_tx.clone();
+        let wake = self.wake.clone();
+        let spawned = std::thread::Builder::new()
+            .name(format!("rpma-reg-{}", self.index))
+            .spawn(move || {
+                for w in rx {
+                    match w {
+                        Work::Register(req, qp_num, serial) => {
+                            // (A loop that is gone takes nothing: dropped here.)
+                            if done.send(register(req, qp_num, serial)).is_ok() {
+                                wake.wake();
+                            }
+                        }
+                        Work::Drop(grants) => drop(grants),
+                    }
+                }
+            });
+        match spawned {
+            Ok(_) => {
+                self.work = Some(tx.clone());
+                Some(tx)
+            }
+            Err(e) => {
+                log::error!(
+                    "poll loop {}: cannot start its registrar thread ({e}): registering in the \
+                     loop",
+                    self.index
+                );
+                None
+            }
+        }
+    }
+}
+
+impl Registrar {
+    /// The registrations among `outcomes` (to drop).
+    pub(crate) fn granted(outcomes: Vec<(Arc<OpenNamespace>, Outcome)>) -> Vec<Grant> {
+        outcomes
+            .into_iter()
+            .filter_map(|(_, o)| match o {
+                Outcome::Registered(Ok((g, _))) => Some(g),
+                _ => None,
+            })
+            .collect()
+    }
+}
+
+/// Registers every namespace of `req` that can be read.
+fn register(req: Request, qp_num: u32, serial: u64) -> Registration {
+    let outcomes = req
+        .namespaces
+        .into_iter()
+        .map(|ns| {
+            let outcome = match ns.mapping.unreadable_at() {
+                Some(at) => Outcome::Unreadable(at),
+                None => Outcome::Registered(grant(&req.pd, &ns, req.served_by, req.peer_flush)),
+            };
+            (ns, outcome)
+        })
+        .collect();
+    Registration {
+        qp_num,
+        serial,
+        outcomes,
+    }
+}
