@@ -174,9 +174,12 @@ fn held_newcomer(
     newcomer
 }
 
-/// A reload that removes a namespace while a newcomer's registrations are under way: the
-/// newcomer is admitted with the namespaces as they are after the reload (registered again),
-/// never with the removed one, whose file may serve someone else once the reload is done.
+/// A reload that removes a namespace of its subsystem while a newcomer's registrations are
+/// under way closes the newcomer's connection at once (its queue pair in Error: nothing
+/// registered for it, a region over the removed file included, is reachable after the reload
+/// is done), and it connects again to the namespaces as they are; one that adds a namespace
+/// has the registrations made again, and the newcomer is admitted with it. (Before: admitted
+/// with the namespaces as they were, the removed one included.)
 #[test]
 fn a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it() {
     let ns2 = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\n";
@@ -187,10 +190,113 @@ fn a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it() {
     // nsid 2 removed; the reload is done (READY) while the registrations wait.
     t.rewrite(&demo_config("poll_loops = 1", ""));
     t.reload();
+    t.log_lines(&["closed while its namespaces were being registered"], WAIT);
+    std::fs::write(&go, b"").unwrap();
+    let e = newcomer
+        .join()
+        .unwrap()
+        .map(|s| s.namespaces().len())
+        .expect_err("not admitted");
+    let again = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    let nsids: Vec<u32> = again.namespaces().iter().map(|d| d.nsid).collect();
+    assert_eq!(nsids, [1, 3], "the namespaces after the reload ({e})");
+    // nsid 2 added back while another newcomer waits: admitted with it.
+    let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
+    t.rewrite(&demo_config("poll_loops = 1", ns2));
+    t.reload();
     std::fs::write(&go, b"").unwrap();
     let n = newcomer.join().unwrap().expect("admitted once registered");
     let nsids: Vec<u32> = n.namespaces().iter().map(|d| d.nsid).collect();
-    assert_eq!(nsids, [1, 3], "the namespaces after the reload");
+    assert_eq!(nsids, [1, 2, 3]);
+}
+
+/// A reload that takes the host off its subsystem while its registrations are under way: it is
+/// not admitted (a helper's review: it was, after READY).
+#[test]
+fn a_host_a_reload_removed_while_its_namespaces_were_registered_is_not_admitted() {
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    let mut t = start_held(d.path(), "", &go);
+    let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
+    let text = demo_config("poll_loops = 1", "").replace(
+        &format!("\"{PLAIN}\""),
+        "\"nqn.2026-11.io.rpma:someone-else\"",
+    );
+    assert!(!text.contains(PLAIN), "{text}");
+    t.rewrite(&text);
+    t.reload();
+    std::fs::write(&go, b"").unwrap();
+    let r = newcomer.join().unwrap();
+    assert!(
+        r.is_err(),
+        "admitted after the reload that removed it: {:?}",
+        r.map(|s| s.namespaces().len())
+    );
+}
+
+/// A host whose registrations are under way has left the unadmitted pool: unadmitted
+/// connections from its own address, up to the pool's cap for it, take nothing from it (a
+/// helper's review: the oldest of that source's places was its own, and it was evicted).
+#[test]
+fn unadmitted_connections_from_its_address_do_not_evict_a_host_being_registered() {
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    let t = start_held(d.path(), "", &go);
+    let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
+    let cap = t.status()["admission"]["unadmitted"]["per_source_limit"]
+        .as_u64()
+        .unwrap() as usize;
+    let _flood: Vec<_> = (0..cap).map(|_| half_open(&t.url())).collect();
+    let deadline = Instant::now() + WAIT;
+    let pool = loop {
+        let p = t.status()["admission"]["unadmitted"].clone();
+        if p["held"].as_u64() == Some(cap as u64) {
+            break p;
+        }
+        assert!(Instant::now() < deadline, "the flood never got in: {p}");
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(pool["evicted"], 0, "a place taken back: {pool}");
+    std::fs::write(&go, b"").unwrap();
+    let n = newcomer.join().unwrap().expect("admitted once registered");
+    assert!(!n.namespaces().is_empty());
+}
+
+/// Hosts whose registrations are under way count against `max_connections` as sessions do:
+/// with one place, held by a newcomer whose registrations wait, a second host that could take
+/// no one's place is refused at once as the target is full (a helper's review: any number of
+/// hosts could wait for registrations, each pinning its namespaces).
+#[test]
+fn hosts_being_registered_count_against_max_connections() {
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    std::fs::write(&go, b"").unwrap();
+    let hook = rpma_target::serve::TEST_REGISTER_HOLD_ENV;
+    let t = start_with_env(
+        d.path(),
+        "poll_loops = 1\nmax_connections = 1",
+        &[(hook, go.to_str().unwrap())],
+    );
+    let newcomer = held_newcomer(&t, &go, OPEN, OPEN_HOST);
+    let second = connect(
+        &t.url(),
+        &nqn(OPEN),
+        &host("nqn.2026-11.io.rpma:another-any-host"),
+        &opts(),
+    );
+    assert!(
+        matches!(
+            second,
+            Err(rpma_initiator::Error::Refused {
+                reason: rpma_common::proto::RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{:?}",
+        second.map(|s| s.namespaces().len())
+    );
+    std::fs::write(&go, b"").unwrap();
+    newcomer.join().unwrap().expect("admitted once registered");
 }
 
 /// A host whose namespaces take long to register (pinning a big namespace on `rdma://`; held
@@ -278,4 +384,7 @@ rpma_tests::rdma_runs!(
     watchdog_pings_stop_while_a_poll_loop_is_stuck,
     a_host_whose_namespaces_take_long_to_register_delays_no_other_session,
     a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it,
+    a_host_a_reload_removed_while_its_namespaces_were_registered_is_not_admitted,
+    unadmitted_connections_from_its_address_do_not_evict_a_host_being_registered,
+    hosts_being_registered_count_against_max_connections,
 );

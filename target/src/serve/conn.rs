@@ -95,9 +95,17 @@ pub(crate) struct Registering {
     pub(super) connect: rpma_common::proto::Connect,
     pub(super) standing: super::budget::Standing,
     pub(super) keep_alive: Duration,
-    /// The namespaces asked for (those of its subsystem when it was admitted), in nsid order.
-    pub(super) namespaces: Vec<Arc<OpenNamespace>>,
+    /// Refused if its registrations are not back by then ([`REGISTRATION_LIMIT`]).
+    pub(super) deadline: Instant,
+    /// Its place among the hosts waiting for registrations (counted against
+    /// `max_connections`); given back, and what is not registered yet called off, when it
+    /// drops.
+    pub(super) slot: super::shared::RegisteringSlot,
 }
+
+/// How long an admitted host's registrations may take (pinning a big namespace on `rdma://`
+/// takes a while; its host's own connect timeout is usually shorter).
+pub(crate) const REGISTRATION_LIMIT: Duration = Duration::from_secs(600);
 
 /// Counts a message from the host in a connection's status.
 fn seen(info: &SessionInfo, now: Instant) {
@@ -527,8 +535,7 @@ impl Conn {
         let lapse = |ka: Duration| self.last_seen + ka + Duration::from_millis(1);
         match &self.phase {
             Phase::Handshake { deadline, .. } | Phase::Closing { deadline } => *deadline,
-            // Until its registrations come back (which wakes the loop): no timer of its own.
-            Phase::Registering(_) => self.last_seen + Duration::from_secs(3600),
+            Phase::Registering(r) => r.deadline,
             Phase::Session(s) => lapse(s.keep_alive),
             Phase::Discovery {
                 keep_alive,
@@ -642,6 +649,15 @@ impl Conn {
                 self.goodbye("the discovery session's time limit passed");
                 true
             }
+            Phase::Registering(r) if now >= r.deadline => {
+                let host = r.connect.host_nqn.clone();
+                let m = format!(
+                    "the target could not register the namespaces within {} s",
+                    REGISTRATION_LIMIT.as_secs()
+                );
+                self.refuse(RefusalReason::TooManyConnections, m, Some(&host));
+                true
+            }
             Phase::Closing { deadline } => now < *deadline,
             _ => true,
         }
@@ -664,6 +680,36 @@ impl Conn {
                      removed or changed a namespace",
                     self.peer
                 );
+            }
+            return;
+        }
+        if let Phase::Registering(r) = &self.phase {
+            // Its namespaces are being registered as they were before: if the reload changes
+            // its subsystem's namespaces or its own entry, its queue pair goes to Error now, so
+            // that nothing registered for it (a region over a file the reload took away may be
+            // made after this) is ever reachable, and the host connects again.
+            let sub = &r.connect.subsystem_nqn;
+            let touched = diff.touches_session(sub, &r.connect.host_nqn)
+                || diff
+                    .namespaces_removed
+                    .iter()
+                    .chain(&diff.namespaces_changed)
+                    .any(|(s, _)| s == sub);
+            if touched {
+                self.shared.peer_log.log(
+                    self.peer.ip(),
+                    Class::Session,
+                    log::Level::Info,
+                    format_args!(
+                        "host {} from {}: closed while its namespaces were being registered: \
+                         the reload changed its subsystem or its entry (it may connect again)",
+                        r.connect.host_nqn, self.peer
+                    ),
+                );
+                self.qp.to_error();
+                self.phase = Phase::Closing {
+                    deadline: Instant::now(),
+                };
             }
             return;
         }

@@ -12,6 +12,7 @@
 //! filled up) are sent back here to be dropped, so that their deregistration does not hold the
 //! loop either.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
 
 use rpma_common::fabric::{self, ProtectionDomain};
@@ -30,6 +31,8 @@ pub(crate) struct Request {
     pub(crate) served_by: (Transport, bool),
     /// Whether the peer can send RDMA Flush.
     pub(crate) peer_flush: bool,
+    /// Set when the connection no longer waits for it: what is not registered yet is not.
+    pub(crate) cancel: Arc<AtomicBool>,
 }
 
 /// One namespace of a [`Registration`].
@@ -39,6 +42,8 @@ pub(crate) enum Outcome {
     Unreadable(usize),
     /// Registered, or why not.
     Registered(fabric::Result<(Grant, NamespaceDescriptor)>),
+    /// Not registered: the connection called it off.
+    Cancelled,
 }
 
 /// The registrations of one connection's namespaces, back to its loop.
@@ -92,11 +97,14 @@ impl Registrar {
                     self.work = None;
                     let r = register(req, qp_num, serial);
                     let _ = self.done_tx.send(r);
+                    self.wake.wake();
                 }
             }
             None => {
                 let r = register(req, qp_num, serial);
                 let _ = self.done_tx.send(r);
+                // (Possibly called while the loop takes results in: it turns again.)
+                self.wake.wake();
             }
         }
     }
@@ -170,15 +178,19 @@ impl Registrar {
     }
 }
 
-/// Registers every namespace of `req` that can be read.
+/// Registers every namespace of `req` that can be read, until the connection calls it off.
 fn register(req: Request, qp_num: u32, serial: u64) -> Registration {
     let outcomes = req
         .namespaces
         .into_iter()
         .map(|ns| {
-            let outcome = match ns.mapping.unreadable_at() {
-                Some(at) => Outcome::Unreadable(at),
-                None => Outcome::Registered(grant(&req.pd, &ns, req.served_by, req.peer_flush)),
+            let outcome = if req.cancel.load(Ordering::Relaxed) {
+                Outcome::Cancelled
+            } else {
+                match ns.mapping.unreadable_at() {
+                    Some(at) => Outcome::Unreadable(at),
+                    None => Outcome::Registered(grant(&req.pd, &ns, req.served_by, req.peer_flush)),
+                }
             };
             (ns, outcome)
         })

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -87,6 +87,8 @@ pub(crate) struct Shared {
     /// Discovery connections (controller id 0 on the wire), by a serial of their own.
     discovery: Mutex<BTreeMap<u64, Arc<SessionInfo>>>,
     next_discovery: AtomicU64,
+    /// Admitted hosts whose namespaces are being registered ([`Shared::registering`]).
+    registering: AtomicUsize,
     /// Warnings about unauthenticated peers, rate-limited per address.
     pub(crate) peer_log: peer_log::PeerLog,
     /// Control-plane events.
@@ -126,6 +128,7 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             discovery: Mutex::new(BTreeMap::new()),
             next_discovery: AtomicU64::new(0),
+            registering: AtomicUsize::new(0),
             peer_log: peer_log::PeerLog::new(Duration::from_millis(u64::from(
                 cfg.admission.refusal_log_period_ms,
             ))),
@@ -308,6 +311,22 @@ impl Shared {
         out
     }
 
+    /// How many admitted hosts wait for their namespaces' registrations (sessions to be: they
+    /// count against `max_connections` with the sessions). The slot is given back when the
+    /// returned guard drops.
+    pub(super) fn registering(self: &Arc<Self>) -> RegisteringSlot {
+        self.registering.fetch_add(1, Ordering::Relaxed);
+        RegisteringSlot {
+            shared: Arc::clone(self),
+            cancel: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// How many admitted hosts wait for their registrations.
+    pub(super) fn registering_count(&self) -> usize {
+        self.registering.load(Ordering::Relaxed)
+    }
+
     /// How many sessions are admitted.
     pub(super) fn session_count(&self) -> usize {
         self.sessions
@@ -410,6 +429,28 @@ impl Shared {
                 && (host == crate::metrics::ANY_HOST
                     || crate::metrics::host_label(cfg, sub, host) == *host)
         });
+    }
+}
+
+/// An admitted host's place among those whose namespaces are being registered
+/// ([`Shared::registering`]); when it drops (the session is made, or the connection ended
+/// first), the place is given back and a registration not started yet is called off.
+pub(crate) struct RegisteringSlot {
+    shared: Arc<Shared>,
+    cancel: Arc<AtomicBool>,
+}
+
+impl RegisteringSlot {
+    /// Set once the slot is given back: the registrar skips what it has not registered yet.
+    pub(crate) fn cancel(&self) -> Arc<AtomicBool> {
+        Arc::clone(&self.cancel)
+    }
+}
+
+impl Drop for RegisteringSlot {
+    fn drop(&mut self) {
+        self.cancel.store(true, Ordering::Relaxed);
+        self.shared.registering.fetch_sub(1, Ordering::Relaxed);
     }
 }
 

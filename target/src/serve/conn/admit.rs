@@ -17,9 +17,11 @@ use super::super::budget::{Pool, Standing};
 use super::super::peer_log::Class;
 use super::super::registrar::{Outcome, Registrar, Request};
 use super::super::session::{unavailable, Grant, Listed, Session};
+use super::super::shared::RegisteringSlot;
 use super::super::{SessionInfo, MIN_KEEP_ALIVE};
 use super::{
-    Conn, Phase, Registering, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS,
+    Conn, Phase, Registering, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK,
+    REGISTRATION_LIMIT, SEND_SLOTS,
 };
 use crate::config::{Config, Transport};
 use crate::namespace::OpenNamespace;
@@ -89,7 +91,7 @@ impl Conn {
         }
         // A full target refuses a host that could take nobody's place before its namespaces are
         // registered (on rdma://, pinned) for nothing; `register_session` decides for the
-        // others.
+        // others. Hosts whose registrations are under way count as sessions here.
         let full = || {
             let m = format!(
                 "the target serves at most {} sessions",
@@ -97,7 +99,7 @@ impl Conn {
             );
             (RefusalReason::TooManyConnections, m)
         };
-        if shared.session_count() >= cfg.max_connections as usize
+        if shared.session_count() + shared.registering_count() >= cfg.max_connections as usize
             && !shared.budgets.could_make_room(standing)
         {
             let (reason, m) = full();
@@ -106,13 +108,19 @@ impl Conn {
         let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
         // Its namespaces are registered by the loop's registrar (pinning a big one takes long:
         // the loop serves its other connections meanwhile); `registered` goes on from there.
+        // Out of the unadmitted pool now (newer unadmitted connections from its address must
+        // not take its place while its registrations take their time): counted among the
+        // registering hosts instead, against max_connections.
+        self.ticket = None;
+        let slot = shared.registering();
         let namespaces = self.namespaces_of(&c.subsystem_nqn);
-        self.ask_registration(namespaces.clone());
+        self.ask_registration(namespaces, &slot);
         self.phase = Phase::Registering(Box::new(Registering {
             connect: c,
             standing,
             keep_alive,
-            namespaces,
+            deadline: Instant::now() + REGISTRATION_LIMIT,
+            slot,
         }));
     }
 
@@ -125,12 +133,13 @@ impl Conn {
             .collect()
     }
 
-    fn ask_registration(&mut self, namespaces: Vec<Arc<OpenNamespace>>) {
+    fn ask_registration(&mut self, namespaces: Vec<Arc<OpenNamespace>>, slot: &RegisteringSlot) {
         self.to_register = Some(Request {
             pd: self.pd.clone(),
             namespaces,
             served_by: self.served_by(),
             peer_flush: self.peer_flush,
+            cancel: slot.cancel(),
         });
     }
 
@@ -146,19 +155,24 @@ impl Conn {
             // The connection ended meanwhile (its host disconnected, it was evicted).
             return unused(outcomes);
         };
-        // A reload that removed, added or replaced one of its subsystem's namespaces
-        // meanwhile: registered again, as the namespaces are now.
+        // A reload that added one of its subsystem's namespaces meanwhile (one that removed
+        // or replaced one closed the connection: `reloaded`): registered again, as the
+        // namespaces are now.
         let now = self.namespaces_of(&r.connect.subsystem_nqn);
         let same = now.len() == outcomes.len()
             && now
                 .iter()
                 .zip(&outcomes)
-                .all(|(n, (o, _))| Arc::ptr_eq(n, o));
+                .all(|(n, (o, out))| Arc::ptr_eq(n, o) && !matches!(out, Outcome::Cancelled));
         if !same {
-            if let Phase::Registering(r) = &mut self.phase {
-                r.namespaces = now.clone();
-            }
-            self.ask_registration(now);
+            let cancel = r.slot.cancel();
+            self.to_register = Some(Request {
+                pd: self.pd.clone(),
+                namespaces: now,
+                served_by: self.served_by(),
+                peer_flush: self.peer_flush,
+                cancel,
+            });
             return unused(outcomes);
         }
         let shared = Arc::clone(&self.shared);
@@ -174,6 +188,7 @@ impl Conn {
             connect: c,
             standing,
             keep_alive,
+            slot,
             ..
         } = *r;
         if shared.stopping.load(Ordering::SeqCst) {
@@ -190,6 +205,8 @@ impl Conn {
         };
         let mut grants = BTreeMap::new();
         let mut descriptors = Vec::new();
+        // Registrations not kept (to drop in the registrar).
+        let mut left = Vec::new();
         let mut outcomes = outcomes.into_iter();
         while let Some((ns, outcome)) = outcomes.next() {
             let nsid = ns.config.nsid;
@@ -204,10 +221,24 @@ impl Conn {
                          error, or its file truncated by another process) until it is reopened"
                     ),
                 )),
+                // A page of it that could not be read back since it was registered: as above.
+                Outcome::Registered(Ok((g, _))) if ns.mapping.unreadable_at().is_some() => {
+                    let at = ns.mapping.unreadable_at().unwrap_or_default();
+                    left.push(g);
+                    descriptors.push(unavailable(
+                        &ns,
+                        format!(
+                            "the target could not read back the page at offset {at} (a media \
+                             error, or its file truncated by another process) until it is \
+                             reopened"
+                        ),
+                    ));
+                }
                 Outcome::Registered(Ok((g, d))) => {
                     grants.insert(nsid, g);
                     descriptors.push(d);
                 }
+                Outcome::Cancelled => unreachable!("checked above"),
                 // Out of keys or room: the target is full, the host may try again later.
                 Outcome::Registered(Err(e @ fabric::Error::Exhausted { .. })) => {
                     shared.peer_log.log(
@@ -221,7 +252,7 @@ impl Conn {
                     );
                     let m = format!("the target cannot register namespace {nsid}: {e}");
                     self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
-                    let mut left: Vec<Grant> = grants.into_values().collect();
+                    left.extend(grants.into_values());
                     left.extend(unused(outcomes.collect()));
                     return left;
                 }
@@ -241,10 +272,13 @@ impl Conn {
             SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
                 .with_data(responder, rkeys)
         });
+        // A session now (or refused): no longer among the registering hosts.
+        drop(slot);
         let Some(info) = info else {
             let (reason, m) = full();
             self.refuse(reason, m, Some(&c.host_nqn));
-            return grants.into_values().collect();
+            left.extend(grants.into_values());
+            return left;
         };
         // The session's message slots, posted before the host may use them.
         let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
@@ -259,7 +293,8 @@ impl Conn {
                 _ => RefusalReason::Other(1000),
             };
             self.refuse(reason, m, Some(&c.host_nqn));
-            return grants.into_values().collect();
+            left.extend(grants.into_values());
+            return left;
         }
         // Admitted: out of the unadmitted pool; listed among the sessions a host of a higher
         // standing may take the place of, if it proved no key.
@@ -308,7 +343,7 @@ impl Conn {
                 self.refuse(RefusalReason::Other(1000), format!("{e}"), Some(&host));
             }
         }
-        Vec::new()
+        left
     }
 
     /// The transport this connection came in on, and (rdma) its listener's operator

@@ -29,9 +29,11 @@ impl PollLoop {
                 self.registrar.discard(grants);
                 continue;
             };
+            // What it does not keep is dropped first: a registration asked for again (the
+            // namespaces changed meanwhile) comes after it in the registrar's queue.
             let left = conn.registered(r.outcomes);
-            Self::ask_registrar(&mut self.registrar, conn, r.qp_num);
             self.registrar.discard(left);
+            Self::ask_registrar(&mut self.registrar, conn, r.qp_num);
             // A refusal is sent; an admission too: the connection may have more to do.
             self.failed |= conn.overrun();
         }
