@@ -29,8 +29,9 @@ use std::sync::{Mutex, OnceLock};
 /// How many mappings can be watched at once; a mapping made while all are taken is not
 /// watched (a SIGBUS in it is fatal, as without this module; the pmem layer logs it). A
 /// daemon holds one per opening of a namespace file (two for a moment across a reload that
-/// reopens it), so this covers some 2,000 namespaces; 160 KiB of static memory, and the
-/// scans stop at the highest slot ever used.
+/// reopens it), so this covers some 2,000 namespaces; 160 KiB of zeroed static memory
+/// (`.bss`: no room in the binary, a page only once touched), and the scans stop at the
+/// highest slot ever used.
 pub(crate) const SLOTS: usize = 4096;
 
 // A slot's state, in the low two bits of its state word; the bits above count its claims, so
@@ -41,8 +42,9 @@ const LIVE: usize = 2;
 const KIND: usize = 3;
 const CLAIM: usize = 4;
 
-/// No fault recorded yet.
-const NONE: usize = usize::MAX;
+/// No fault recorded yet (a recorded one is its offset + 1: a table of zeros is one that
+/// takes no room in the binary, `.bss`).
+const NONE: usize = 0;
 
 struct Slot {
     state: AtomicUsize,
@@ -50,7 +52,7 @@ struct Slot {
     len: AtomicUsize,
     /// Pages (or larger units) replaced so far.
     faults: AtomicUsize,
-    /// The offset of the first fault from `start`, or [`NONE`].
+    /// The offset of the first fault from `start`, plus one; or [`NONE`].
     first: AtomicUsize,
 }
 
@@ -149,7 +151,7 @@ impl Watch {
     pub(crate) fn mark(&self, offset: usize) {
         let _ = TABLE[self.slot].first.compare_exchange(
             NONE,
-            offset,
+            offset + 1,
             Ordering::AcqRel,
             Ordering::Acquire,
         );
@@ -159,7 +161,7 @@ impl Watch {
     pub(crate) fn first_fault(&self) -> Option<usize> {
         match TABLE[self.slot].first.load(Ordering::Acquire) {
             NONE => None,
-            at => Some(at),
+            at => Some(at - 1),
         }
     }
 }
@@ -249,9 +251,9 @@ extern "C" fn on_sigbus(sig: libc::c_int, info: *mut libc::siginfo_t, ctx: *mut 
     if let Some((s, (start, len))) = slot {
         // Recorded before the page is replaced: whoever reads the zeros after the mmap finds
         // the fault recorded.
-        let _ = s
-            .first
-            .compare_exchange(NONE, addr - start, Ordering::AcqRel, Ordering::Acquire);
+        let _ =
+            s.first
+                .compare_exchange(NONE, addr - start + 1, Ordering::AcqRel, Ordering::Acquire);
         s.faults.fetch_add(1, Ordering::AcqRel);
         if replace(addr, start, len) {
             // SAFETY: as above.
