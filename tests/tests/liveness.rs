@@ -140,17 +140,16 @@ fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
-/// A target with one poll loop whose registrations wait while `go` is not there (the test
+/// The top of [`start_held`]'s configuration: one poll loop, and unadmitted connections kept
+/// for a minute (a test's own connections wait in the pool for no deadline of the machine's).
+const HELD_TOP: &str = "poll_loops = 1\nhandshake_timeout_ms = 60000";
+
+/// A target with [`HELD_TOP`] whose registrations wait while `go` is not there (the test
 /// hook), started with `go` there; SUB has `extra` namespaces after its own.
 fn start_held(dir: &std::path::Path, extra: &str, go: &std::path::Path) -> rpma_tests::Target {
     std::fs::write(go, b"").unwrap();
     let hook = rpma_target::serve::TEST_REGISTER_HOLD_ENV;
-    start_with_extra(
-        dir,
-        "poll_loops = 1",
-        extra,
-        &[(hook, go.to_str().unwrap())],
-    )
+    start_with_extra(dir, HELD_TOP, extra, &[(hook, go.to_str().unwrap())])
 }
 
 /// Takes `go` away and connects `host` to `sub` in a thread of its own (a deadline far beyond
@@ -170,7 +169,11 @@ fn held_newcomer(
         };
         connect(&url, &nqn(sub), &host(host_nqn), &patient)
     });
-    t.log_lines(&["test hook: a registration waits"], WAIT);
+    assert!(
+        !t.log_lines(&["test hook: a registration waits"], WAIT)
+            .is_empty(),
+        "no registration waits"
+    );
     newcomer
 }
 
@@ -188,9 +191,10 @@ fn a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it() {
     let mut t = start_held(d.path(), ns2, &go);
     let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
     // nsid 2 removed; the reload is done (READY) while the registrations wait.
-    t.rewrite(&demo_config("poll_loops = 1", ""));
+    t.rewrite(&demo_config(HELD_TOP, ""));
     t.reload();
-    t.log_lines(&["closed while its namespaces were being registered"], WAIT);
+    let closed = t.log_lines(&["closed while its namespaces were being registered"], WAIT);
+    assert!(!closed.is_empty(), "the reload left the newcomer alone");
     std::fs::write(&go, b"").unwrap();
     let e = newcomer
         .join()
@@ -202,7 +206,7 @@ fn a_host_admitted_across_a_reload_gets_the_namespaces_as_they_are_after_it() {
     assert_eq!(nsids, [1, 3], "the namespaces after the reload ({e})");
     // nsid 2 added back while another newcomer waits: admitted with it.
     let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
-    t.rewrite(&demo_config("poll_loops = 1", ns2));
+    t.rewrite(&demo_config(HELD_TOP, ns2));
     t.reload();
     std::fs::write(&go, b"").unwrap();
     let n = newcomer.join().unwrap().expect("admitted once registered");
@@ -218,13 +222,15 @@ fn a_host_a_reload_removed_while_its_namespaces_were_registered_is_not_admitted(
     let go = d.path().join("registrations-go");
     let mut t = start_held(d.path(), "", &go);
     let newcomer = held_newcomer(&t, &go, SUB, PLAIN);
-    let text = demo_config("poll_loops = 1", "").replace(
+    let text = demo_config(HELD_TOP, "").replace(
         &format!("\"{PLAIN}\""),
         "\"nqn.2026-11.io.rpma:someone-else\"",
     );
     assert!(!text.contains(PLAIN), "{text}");
     t.rewrite(&text);
     t.reload();
+    let closed = t.log_lines(&["closed while its namespaces were being registered"], WAIT);
+    assert!(!closed.is_empty(), "the reload left the newcomer alone");
     std::fs::write(&go, b"").unwrap();
     let r = newcomer.join().unwrap();
     assert!(
@@ -262,10 +268,11 @@ fn unadmitted_connections_from_its_address_do_not_evict_a_host_being_registered(
     assert!(!n.namespaces().is_empty());
 }
 
-/// Hosts whose registrations are under way count against `max_connections` as sessions do:
-/// with one place, held by a newcomer whose registrations wait, a second host that could take
-/// no one's place is refused at once as the target is full (a helper's review: any number of
-/// hosts could wait for registrations, each pinning its namespaces).
+/// Hosts whose registrations are under way hold a session's place, as sessions do: with one
+/// place, held by an unlisted newcomer whose registrations wait, a second unlisted host is
+/// refused at once as the target is full (a helper's review: any number of hosts could wait
+/// for registrations, each pinning its namespaces), and a listed host takes the newcomer's
+/// place.
 #[test]
 fn hosts_being_registered_count_against_max_connections() {
     let d = scratch();
@@ -294,6 +301,64 @@ fn hosts_being_registered_count_against_max_connections() {
         ),
         "{:?}",
         second.map(|s| s.namespaces().len())
+    );
+    // A host its subsystem lists takes the unlisted newcomer's place, as it would a
+    // session's (a helper's review: it was refused while the newcomer's registrations were
+    // under way, so that unlisted hosts kept the listed ones out by registering in turn).
+    let url = t.url();
+    let listed = std::thread::spawn(move || {
+        let patient = ConnectOptions {
+            timeout: Duration::from_secs(600),
+            ..opts()
+        };
+        connect(&url, &nqn(SUB), &host(PLAIN), &patient)
+    });
+    let deadline = Instant::now() + WAIT;
+    while !newcomer.is_finished() && !listed.is_finished() {
+        assert!(Instant::now() < deadline, "neither host was told anything");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(!listed.is_finished(), "the listed host was not let in");
+    let lost = newcomer.join().unwrap();
+    assert!(lost.is_err(), "the unlisted newcomer kept its place");
+    std::fs::write(&go, b"").unwrap();
+    let s = listed.join().unwrap().expect("admitted once registered");
+    assert_eq!(s.namespaces().len(), 2);
+}
+
+/// A reload that lists a host (without a key) while its registrations are under way, on a
+/// subsystem that let it in by `allow_any_host`: it is a listed host from then on, as a
+/// session would be, so a listed newcomer to the full target does not take its place (a
+/// helper's review: it stayed in the lowest class and was evicted).
+#[test]
+fn a_host_a_reload_lists_while_its_namespaces_are_registered_is_a_listed_host() {
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    std::fs::write(&go, b"").unwrap();
+    let hook = rpma_target::serve::TEST_REGISTER_HOLD_ENV;
+    let top = format!("{HELD_TOP}\nmax_connections = 1");
+    let mut t = start_with_env(d.path(), &top, &[(hook, go.to_str().unwrap())]);
+    let newcomer = held_newcomer(&t, &go, OPEN, OPEN_HOST);
+    let any = "allow_any_host = true\n";
+    let text = demo_config(&top, "").replacen(
+        any,
+        &format!("{any}hosts = [{{ nqn = \"{OPEN_HOST}\" }}]\n"),
+        1,
+    );
+    assert!(text.contains(&format!("nqn = \"{OPEN_HOST}\"")), "{text}");
+    t.rewrite(&text);
+    t.reload();
+    let listed = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
+    assert!(
+        matches!(
+            listed,
+            Err(rpma_initiator::Error::Refused {
+                reason: rpma_common::proto::RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "a listed host took the place of a host listed by the reload: {:?}",
+        listed.map(|s| s.namespaces().len())
     );
     std::fs::write(&go, b"").unwrap();
     newcomer.join().unwrap().expect("admitted once registered");
@@ -387,4 +452,5 @@ rpma_tests::rdma_runs!(
     a_host_a_reload_removed_while_its_namespaces_were_registered_is_not_admitted,
     unadmitted_connections_from_its_address_do_not_evict_a_host_being_registered,
     hosts_being_registered_count_against_max_connections,
+    a_host_a_reload_lists_while_its_namespaces_are_registered_is_a_listed_host,
 );

@@ -335,7 +335,8 @@ impl Budgets {
     }
 
     /// Whether [`make_room`](Self::make_room) would find a session to take the place of now
-    /// (the answer may be stale by the time it is acted on).
+    /// (the answer may be stale by the time it is acted on; the tests look with it).
+    #[cfg(test)]
     pub(crate) fn could_make_room(&self, standing: Standing) -> bool {
         standing
             .displaces()

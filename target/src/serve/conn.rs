@@ -93,14 +93,13 @@ pub(crate) enum Phase {
 /// An admitted host whose namespaces are being registered: what finishing its admission needs.
 pub(crate) struct Registering {
     pub(super) connect: rpma_common::proto::Connect,
-    pub(super) standing: super::budget::Standing,
     pub(super) keep_alive: Duration,
     /// Refused if its registrations are not back by then ([`REGISTRATION_LIMIT`]).
     pub(super) deadline: Instant,
-    /// Its place among the hosts waiting for registrations (counted against
-    /// `max_connections`); given back, and what is not registered yet called off, when it
-    /// drops.
-    pub(super) slot: super::shared::RegisteringSlot,
+    /// Its session's place, taken at admission (it counts against `max_connections`, and a
+    /// host of a higher standing may take it: its ticket); given back, and what is not
+    /// registered yet called off, when it drops.
+    pub(super) place: super::shared::Reserved,
 }
 
 /// How long an admitted host's registrations may take (pinning a big namespace on `rdma://`
@@ -695,22 +694,30 @@ impl Conn {
                     .iter()
                     .chain(&diff.namespaces_changed)
                     .any(|(s, _)| s == sub);
-            if touched {
-                self.shared.peer_log.log(
-                    self.peer.ip(),
-                    Class::Session,
-                    log::Level::Info,
-                    format_args!(
-                        "host {} from {}: closed while its namespaces were being registered: \
-                         the reload changed its subsystem or its entry (it may connect again)",
-                        r.connect.host_nqn, self.peer
-                    ),
-                );
-                self.qp.to_error();
-                self.phase = Phase::Closing {
-                    deadline: Instant::now(),
-                };
+            if !touched {
+                // A host the reload lists now leaves the lowest class, as a session does.
+                let listed_now = diff.lists_now(sub, &r.connect.host_nqn);
+                if let Some(t) = self.ticket.as_mut() {
+                    if listed_now && t.pool() == Pool::Unlisted {
+                        self.shared.budgets.promote(t, Pool::Unproven);
+                    }
+                }
+                return;
             }
+            self.shared.peer_log.log(
+                self.peer.ip(),
+                Class::Session,
+                log::Level::Info,
+                format_args!(
+                    "host {} from {}: closed while its namespaces were being registered: the \
+                     reload changed its subsystem or its entry (it may connect again)",
+                    r.connect.host_nqn, self.peer
+                ),
+            );
+            self.qp.to_error();
+            self.phase = Phase::Closing {
+                deadline: Instant::now(),
+            };
             return;
         }
         let Phase::Session(s) = &mut self.phase else {

@@ -6,7 +6,7 @@
 
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, BorrowedFd};
-use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Duration;
 
@@ -87,8 +87,6 @@ pub(crate) struct Shared {
     /// Discovery connections (controller id 0 on the wire), by a serial of their own.
     discovery: Mutex<BTreeMap<u64, Arc<SessionInfo>>>,
     next_discovery: AtomicU64,
-    /// Admitted hosts whose namespaces are being registered ([`Shared::registering`]).
-    registering: AtomicUsize,
     /// Warnings about unauthenticated peers, rate-limited per address.
     pub(crate) peer_log: peer_log::PeerLog,
     /// Control-plane events.
@@ -128,7 +126,6 @@ impl Shared {
             sessions: Mutex::new(BTreeMap::new()),
             discovery: Mutex::new(BTreeMap::new()),
             next_discovery: AtomicU64::new(0),
-            registering: AtomicUsize::new(0),
             peer_log: peer_log::PeerLog::new(Duration::from_millis(u64::from(
                 cfg.admission.refusal_log_period_ms,
             ))),
@@ -311,20 +308,32 @@ impl Shared {
         out
     }
 
-    /// How many admitted hosts wait for their namespaces' registrations (sessions to be: they
-    /// count against `max_connections` with the sessions). The slot is given back when the
-    /// returned guard drops.
-    pub(super) fn registering(self: &Arc<Self>) -> RegisteringSlot {
-        self.registering.fetch_add(1, Ordering::Relaxed);
-        RegisteringSlot {
+    /// Takes a session's place for an admitted host whose namespaces are still to be
+    /// registered, as [`register_session`](Self::register_session) does (a full target makes
+    /// room for a host of a higher standing, or refuses: None); the host is a session in every
+    /// count from now on. The place is given back when the returned [`Reserved`] drops, unless
+    /// the session took it over ([`Reserved::keep`]).
+    pub(crate) fn reserve_session(
+        self: &Arc<Self>,
+        standing: budget::Standing,
+        make: impl FnOnce(u16) -> SessionInfo,
+    ) -> Option<Reserved> {
+        let info = self.register_session(standing, make)?;
+        Some(Reserved {
             shared: Arc::clone(self),
+            controller_id: info.controller_id,
             cancel: Arc::new(AtomicBool::new(false)),
-        }
+            kept: false,
+        })
     }
 
-    /// How many admitted hosts wait for their registrations.
-    pub(super) fn registering_count(&self) -> usize {
-        self.registering.load(Ordering::Relaxed)
+    /// Puts `info` in place of the session entry with its controller id (a session whose
+    /// place was [reserved](Self::reserve_session), with its data now).
+    pub(crate) fn replace_session(&self, info: Arc<SessionInfo>) {
+        let mut s = self.sessions.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = s.get_mut(&info.controller_id) {
+            *e = info;
+        }
     }
 
     /// How many sessions are admitted.
@@ -432,25 +441,36 @@ impl Shared {
     }
 }
 
-/// An admitted host's place among those whose namespaces are being registered
-/// ([`Shared::registering`]); when it drops (the session is made, or the connection ended
-/// first), the place is given back and a registration not started yet is called off.
-pub(crate) struct RegisteringSlot {
+/// A session's place taken for an admitted host whose namespaces are being registered
+/// ([`Shared::reserve_session`]). When it drops, a registration not started yet is called off
+/// and, unless the session took the place over, the place is given back.
+pub(crate) struct Reserved {
     shared: Arc<Shared>,
+    /// The session's controller id.
+    pub(crate) controller_id: u16,
     cancel: Arc<AtomicBool>,
+    kept: bool,
 }
 
-impl RegisteringSlot {
-    /// Set once the slot is given back: the registrar skips what it has not registered yet.
+impl Reserved {
+    /// Set once the place is given back or kept: the registrar skips what it has not
+    /// registered yet.
     pub(crate) fn cancel(&self) -> Arc<AtomicBool> {
         Arc::clone(&self.cancel)
     }
+
+    /// The session takes the place over (and gives it back itself, when it ends).
+    pub(crate) fn keep(mut self) {
+        self.kept = true;
+    }
 }
 
-impl Drop for RegisteringSlot {
+impl Drop for Reserved {
     fn drop(&mut self) {
         self.cancel.store(true, Ordering::Relaxed);
-        self.shared.registering.fetch_sub(1, Ordering::Relaxed);
+        if !self.kept {
+            self.shared.unregister_session(self.controller_id);
+        }
     }
 }
 

@@ -17,7 +17,7 @@ use super::super::budget::{Pool, Standing};
 use super::super::peer_log::Class;
 use super::super::registrar::{Outcome, Registrar, Request};
 use super::super::session::{unavailable, Grant, Listed, Session};
-use super::super::shared::RegisteringSlot;
+use super::super::shared::Reserved;
 use super::super::{SessionInfo, MIN_KEEP_ALIVE};
 use super::{
     Conn, Phase, Registering, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK,
@@ -89,38 +89,34 @@ impl Conn {
             let m = "the target is shutting down".to_owned();
             return self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
         }
-        // A full target refuses a host that could take nobody's place before its namespaces are
-        // registered (on rdma://, pinned) for nothing; `register_session` decides for the
-        // others. Hosts whose registrations are under way count as sessions here.
-        let full = || {
+        let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
+        // Its session's place now, before its namespaces are registered (on rdma://, pinned:
+        // a while, by the loop's registrar; `registered` goes on from there): a full target
+        // refuses a host that could take nobody's place then, not after pinning for nothing,
+        // and makes room for one of a higher standing.
+        let place = shared.reserve_session(standing, |controller_id| {
+            SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
+        });
+        let Some(place) = place else {
             let m = format!(
                 "the target serves at most {} sessions",
                 cfg.max_connections.min(0xFFFE)
             );
-            (RefusalReason::TooManyConnections, m)
+            return self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
         };
-        if shared.session_count() + shared.registering_count() >= cfg.max_connections as usize
-            && !shared.budgets.could_make_room(standing)
-        {
-            let (reason, m) = full();
-            return self.refuse(reason, m, Some(&c.host_nqn));
-        }
-        let keep_alive = keep_alive_of(&c, cfg, MAX_KEEP_ALIVE);
-        // Its namespaces are registered by the loop's registrar (pinning a big one takes long:
-        // the loop serves its other connections meanwhile); `registered` goes on from there.
-        // Out of the unadmitted pool now (newer unadmitted connections from its address must
-        // not take its place while its registrations take their time): counted among the
-        // registering hosts instead, against max_connections.
-        self.ticket = None;
-        let slot = shared.registering();
+        // Out of the unadmitted pool (newer unadmitted connections from its address must not
+        // take its place while its registrations take their time); listed among the sessions
+        // a host of a higher standing may take the place of, if it proved no key.
+        self.ticket = standing
+            .pool()
+            .map(|p| shared.budgets.enlist(p, self.peer.ip(), self.owner.clone()));
         let namespaces = self.namespaces_of(&c.subsystem_nqn);
-        self.ask_registration(namespaces, &slot);
+        self.ask_registration(namespaces, &place);
         self.phase = Phase::Registering(Box::new(Registering {
             connect: c,
-            standing,
             keep_alive,
             deadline: Instant::now() + REGISTRATION_LIMIT,
-            slot,
+            place,
         }));
     }
 
@@ -133,13 +129,13 @@ impl Conn {
             .collect()
     }
 
-    fn ask_registration(&mut self, namespaces: Vec<Arc<OpenNamespace>>, slot: &RegisteringSlot) {
+    fn ask_registration(&mut self, namespaces: Vec<Arc<OpenNamespace>>, place: &Reserved) {
         self.to_register = Some(Request {
             pd: self.pd.clone(),
             namespaces,
             served_by: self.served_by(),
             peer_flush: self.peer_flush,
-            cancel: slot.cancel(),
+            cancel: place.cancel(),
         });
     }
 
@@ -165,7 +161,7 @@ impl Conn {
                 .zip(&outcomes)
                 .all(|(n, (o, out))| Arc::ptr_eq(n, o) && !matches!(out, Outcome::Cancelled));
         if !same {
-            let cancel = r.slot.cancel();
+            let cancel = r.place.cancel();
             self.to_register = Some(Request {
                 pd: self.pd.clone(),
                 namespaces: now,
@@ -186,9 +182,8 @@ impl Conn {
         };
         let Registering {
             connect: c,
-            standing,
             keep_alive,
-            slot,
+            place,
             ..
         } = *r;
         if shared.stopping.load(Ordering::SeqCst) {
@@ -196,13 +191,6 @@ impl Conn {
             self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
             return unused(outcomes);
         }
-        let full = || {
-            let m = format!(
-                "the target serves at most {} sessions",
-                shared.config().max_connections.min(0xFFFE)
-            );
-            (RefusalReason::TooManyConnections, m)
-        };
         let mut grants = BTreeMap::new();
         let mut descriptors = Vec::new();
         // Registrations not kept (to drop in the registrar).
@@ -268,23 +256,11 @@ impl Conn {
         }
         let responder = self.qp.responder_counters();
         let rkeys: Vec<(u32, u32)> = grants.iter().map(|(n, g)| (*n, g.mr.rkey())).collect();
-        let info = shared.register_session(standing, |controller_id| {
-            SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
-                .with_data(responder, rkeys)
-        });
-        // A session now (or refused): no longer among the registering hosts.
-        drop(slot);
-        let Some(info) = info else {
-            let (reason, m) = full();
-            self.refuse(reason, m, Some(&c.host_nqn));
-            left.extend(grants.into_values());
-            return left;
-        };
         // The session's message slots, posted before the host may use them.
         let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
         let more_send = SEND_SLOTS.saturating_sub(CONTROL_SEND_SLOTS);
         if let Err(e) = self.bufs.grow(&self.pd, &self.qp, more_recv, more_send) {
-            shared.unregister_session(info.controller_id);
+            // (Its place is given back with `place`.)
             let m = format!("the target cannot allocate the session's buffers: {e}");
             // Out of room the other sessions hold (completion queue entries, locked memory):
             // full for now, as for a namespace's registration above.
@@ -296,11 +272,14 @@ impl Conn {
             left.extend(grants.into_values());
             return left;
         }
-        // Admitted: out of the unadmitted pool; listed among the sessions a host of a higher
-        // standing may take the place of, if it proved no key.
-        self.ticket = standing
-            .pool()
-            .map(|p| shared.budgets.enlist(p, self.peer.ip(), self.owner.clone()));
+        // Its entry in the place it took at admission, with what it was granted; the session
+        // gives the place back when it ends.
+        let info = Arc::new(
+            SessionInfo::new("io", place.controller_id, &c, self.peer, keep_alive)
+                .with_data(responder, rkeys),
+        );
+        shared.replace_session(Arc::clone(&info));
+        place.keep();
         let resp = Message::ConnectResponse(ConnectResponse {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
