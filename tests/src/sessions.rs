@@ -207,20 +207,7 @@ pub fn half_open(url: &str) -> HalfOpen {
 
 /// Connects a bare queue pair, sends `craft(encoded Connect)`, returns the target's answer.
 pub fn raw_exchange(url: &str, craft: impl FnOnce(Vec<u8>) -> Vec<u8>) -> Message {
-    let url = Url::parse(url).unwrap();
-    let ctx = Context::for_url(&url).unwrap();
-    let pd = ctx.alloc_pd().unwrap();
-    let cq = ctx.create_cq(16).unwrap();
-    let rmem = AlignedBuf::new(MAX_MESSAGE_SIZE).unwrap();
-    let rmr = pd.register(Arc::clone(&rmem), Access::LOCAL_WRITE).unwrap();
-    let prepared = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
-    prepared
-        .post_recv(RecvWr {
-            wr_id: 7,
-            local: Some(Sge::whole(&rmr)),
-        })
-        .unwrap();
-    let qp = prepared.connect(&url, &ConnParams::default(), &[]).unwrap();
+    let mut h = RawHost::connect(url);
     let connect = Message::Connect(Connect {
         host_nqn: nqn(PLAIN),
         subsystem_nqn: nqn(SUB),
@@ -228,29 +215,107 @@ pub fn raw_exchange(url: &str, craft: impl FnOnce(Vec<u8>) -> Vec<u8>) -> Messag
         queue_id: 0,
         keep_alive_ms: 0,
     });
-    let bytes = craft(connect.encode().unwrap());
-    let smem = AlignedBuf::new(bytes.len()).unwrap();
-    smem.write_at(0, &bytes).unwrap();
-    let smr = pd.register(Arc::clone(&smem), Access::empty()).unwrap();
-    qp.post_send(SendWr::new(
-        1,
-        SendOp::Send {
-            local: Sge::whole(&smr),
-        },
-    ))
-    .unwrap();
-    let deadline = Instant::now() + WAIT;
-    let mut wcs = [Completion::EMPTY; 4];
-    while Instant::now() < deadline {
-        let n = cq.wait(&mut wcs, Some(Duration::from_millis(50))).unwrap();
-        for c in &wcs[..n] {
-            if c.wr_id == 7 {
-                assert_eq!(c.status, WcStatus::Success);
-                let mut b = vec![0; c.byte_len as usize];
-                rmem.read_at(0, &mut b).unwrap();
-                return Message::decode(&b).unwrap();
-            }
+    h.send_bytes(&craft(connect.encode().unwrap()));
+    h.recv()
+}
+
+/// A host that speaks the control protocol by hand over a bare queue pair: one receive slot
+/// (posted again after each message taken), each sent message's buffer kept until the host
+/// is dropped.
+pub struct RawHost {
+    qp: QueuePair,
+    cq: CompletionQueue,
+    pd: rpma_common::fabric::ProtectionDomain,
+    rmem: Arc<AlignedBuf>,
+    rmr: Arc<rpma_common::fabric::MemoryRegion>,
+    sent: Vec<Arc<rpma_common::fabric::MemoryRegion>>,
+}
+
+impl std::fmt::Debug for RawHost {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RawHost")
+            .field("qp", &self.qp.qp_num())
+            .field("sent", &self.sent.len())
+            .finish()
+    }
+}
+
+impl RawHost {
+    /// Connected to `url`, nothing sent.
+    pub fn connect(url: &str) -> RawHost {
+        let url = Url::parse(url).unwrap();
+        let ctx = Context::for_url(&url).unwrap();
+        let pd = ctx.alloc_pd().unwrap();
+        let cq = ctx.create_cq(16).unwrap();
+        let rmem = AlignedBuf::new(MAX_MESSAGE_SIZE).unwrap();
+        let rmr = pd.register(Arc::clone(&rmem), Access::LOCAL_WRITE).unwrap();
+        let prepared = pd.create_qp(&cq, &cq, QpCaps::default()).unwrap();
+        prepared
+            .post_recv(RecvWr {
+                wr_id: 7,
+                local: Some(Sge::whole(&rmr)),
+            })
+            .unwrap();
+        let qp = prepared.connect(&url, &ConnParams::default(), &[]).unwrap();
+        RawHost {
+            qp,
+            cq,
+            pd,
+            rmem,
+            rmr,
+            sent: Vec::new(),
         }
     }
-    panic!("no answer within {WAIT:?}");
+
+    /// Sends `m`.
+    pub fn send(&mut self, m: &Message) {
+        self.send_bytes(&m.encode().unwrap());
+    }
+
+    /// Sends `bytes` as one message.
+    pub fn send_bytes(&mut self, bytes: &[u8]) {
+        let smem = AlignedBuf::new(bytes.len()).unwrap();
+        smem.write_at(0, bytes).unwrap();
+        let smr = self
+            .pd
+            .register(Arc::clone(&smem), Access::empty())
+            .unwrap();
+        let id = self.sent.len() as u64 + 100;
+        self.qp
+            .post_send(SendWr::new(
+                id,
+                SendOp::Send {
+                    local: Sge::whole(&smr),
+                },
+            ))
+            .unwrap();
+        self.sent.push(smr);
+    }
+
+    /// The next message from the target (within [`WAIT`]).
+    pub fn recv(&mut self) -> Message {
+        let deadline = Instant::now() + WAIT;
+        let mut wcs = [Completion::EMPTY; 4];
+        while Instant::now() < deadline {
+            let n = self
+                .cq
+                .wait(&mut wcs, Some(Duration::from_millis(50)))
+                .unwrap();
+            for c in &wcs[..n] {
+                if c.wr_id == 7 {
+                    assert_eq!(c.status, WcStatus::Success);
+                    let mut b = vec![0; c.byte_len as usize];
+                    self.rmem.read_at(0, &mut b).unwrap();
+                    self.qp
+                        .post_recv(RecvWr {
+                            wr_id: 7,
+                            local: Some(Sge::whole(&self.rmr)),
+                        })
+                        .unwrap();
+                    return Message::decode(&b).unwrap();
+                }
+            }
+        }
+        panic!("no answer within {WAIT:?}");
+    }
 }

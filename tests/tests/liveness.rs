@@ -319,8 +319,19 @@ fn hosts_being_registered_count_against_max_connections() {
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(!listed.is_finished(), "the listed host was not let in");
+    // Refused as the full target it is now (it lost its connection without a word before).
     let lost = newcomer.join().unwrap();
-    assert!(lost.is_err(), "the unlisted newcomer kept its place");
+    assert!(
+        matches!(
+            lost,
+            Err(rpma_initiator::Error::Refused {
+                reason: rpma_common::proto::RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "the unlisted newcomer: {:?}",
+        lost.map(|s| s.namespaces().len())
+    );
     std::fs::write(&go, b"").unwrap();
     let s = listed.join().unwrap().expect("admitted once registered");
     assert_eq!(s.namespaces().len(), 2);
@@ -362,6 +373,43 @@ fn a_host_a_reload_lists_while_its_namespaces_are_registered_is_a_listed_host() 
     );
     std::fs::write(&go, b"").unwrap();
     newcomer.join().unwrap().expect("admitted once registered");
+}
+
+/// A host refused while its namespaces are being registered (here: a message out of place)
+/// gives its session's place back whole: its place among the sessions a host of a higher
+/// standing may take goes with it at once, not at the end of its linger (a helper's review: it
+/// stayed there, so a listed newcomer's room-making took that stale place, freed nothing, and
+/// was let in past max_connections).
+#[test]
+fn a_host_refused_while_being_registered_leaves_no_place_behind() {
+    use rpma_common::proto::{Connect, HostId, KeepAlive, Message};
+    let d = scratch();
+    let go = d.path().join("registrations-go");
+    let t = start_held(d.path(), "", &go);
+    std::fs::remove_file(&go).unwrap();
+    let mut raw = RawHost::connect(&t.url());
+    raw.send(&Message::Connect(Connect {
+        host_nqn: nqn(OPEN_HOST),
+        subsystem_nqn: nqn(OPEN),
+        host_id: HostId([3; 16]),
+        queue_id: 0,
+        keep_alive_ms: 0,
+    }));
+    assert!(
+        !t.log_lines(&["test hook: a registration waits"], WAIT)
+            .is_empty(),
+        "no registration waits"
+    );
+    let pools = t.status()["admission"].clone();
+    assert_eq!(pools["unlisted"]["held"], 1, "its place: {pools}");
+    raw.send(&Message::KeepAlive(KeepAlive { seq: 1 }));
+    let m = raw.recv();
+    assert!(matches!(m, Message::Refusal(_)), "{m:?}");
+    // Refused (and lingering, its queue pair open): nothing of it is held any more.
+    let pools = t.status()["admission"].clone();
+    assert_eq!(pools["unlisted"]["held"], 0, "a place left behind: {pools}");
+    assert_eq!(pools["sessions"]["held"], 0, "a place left behind: {pools}");
+    std::fs::write(&go, b"").unwrap();
 }
 
 /// A host whose namespaces take long to register (pinning a big namespace on `rdma://`; held
@@ -453,4 +501,5 @@ rpma_tests::rdma_runs!(
     unadmitted_connections_from_its_address_do_not_evict_a_host_being_registered,
     hosts_being_registered_count_against_max_connections,
     a_host_a_reload_lists_while_its_namespaces_are_registered_is_a_listed_host,
+    a_host_refused_while_being_registered_leaves_no_place_behind,
 );

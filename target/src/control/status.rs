@@ -185,7 +185,8 @@ pub struct SessionNamespaceStatus {
 /// A connection: an I/O session, or a discovery connection.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct SessionStatus {
-    /// "io" (a session on a subsystem) or "discovery".
+    /// "io" (a session on a subsystem), "registering" (an admitted host whose namespaces are
+    /// being registered), or "discovery".
     pub kind: String,
     /// Controller id (0 on a discovery connection, as the host was told).
     pub controller_id: u16,

@@ -439,7 +439,8 @@ pub fn render(s: &Status, p: &Process) -> String {
     o.family(
         "rpma_target_sessions",
         "gauge",
-        "Sessions open now, by kind (io, discovery, nvme-tcp, nvme-discovery) and subsystem.",
+        "Sessions open now, by kind (io, registering, discovery, nvme-tcp, nvme-discovery) and \
+         subsystem.",
     );
     for ((kind, sub), n) in &open {
         o.sample(

@@ -303,15 +303,16 @@ impl Conn {
             ),
         );
         self.send(&Message::Refusal(Refusal { reason, message }));
+        self.leave_session_pool();
         self.phase = Phase::Closing {
             deadline: Instant::now() + LINGER,
         };
     }
 
-    /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
-    pub(crate) fn goodbye(&mut self, reason: &str) {
-        // No session any more: not one another host may take the place of (its place in the
-        // unproven or unlisted pool goes with it, not after the linger).
+    /// Gives back its place in the unproven or unlisted pool, if it holds one (a session, or a
+    /// host whose namespaces were being registered): at once, not after the linger (a host
+    /// evicting it then would free nothing).
+    fn leave_session_pool(&mut self) {
         if self
             .ticket
             .as_ref()
@@ -319,6 +320,12 @@ impl Conn {
         {
             self.ticket = None;
         }
+    }
+
+    /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
+    pub(crate) fn goodbye(&mut self, reason: &str) {
+        // No session any more: not one another host may take the place of.
+        self.leave_session_pool();
         // Dropping the session deregisters its regions before the Disconnect is sent: a late
         // Write is refused, but the Reads the host asked for before are still answered (a
         // deregistration does not revoke what was accepted; a reload that removed a namespace
@@ -410,6 +417,7 @@ impl Conn {
                             self.peer,
                             peer_text(&d.reason)
                         );
+                        self.leave_session_pool();
                         self.phase = Phase::Closing {
                             deadline: now + LINGER,
                         };
@@ -604,6 +612,18 @@ impl Conn {
                 ));
                 return true;
             }
+            if let Phase::Registering(r) = &self.phase {
+                // Its namespaces were being registered: refused as the full target it is now.
+                let host = r.connect.host_nqn.clone();
+                let (who, this) = evicted_by(t.pool());
+                let max = self.shared.config().max_connections;
+                let m = format!(
+                    "the target is full (max_connections {max}) and {who} took this host's \
+                     place ({this})"
+                );
+                self.refuse(RefusalReason::TooManyConnections, m, Some(&host));
+                return true;
+            }
             log::debug!(
                 "{}: closed: a newer connection took its place in the full {} pool",
                 self.peer,
@@ -715,6 +735,7 @@ impl Conn {
                 ),
             );
             self.qp.to_error();
+            self.leave_session_pool();
             self.phase = Phase::Closing {
                 deadline: Instant::now(),
             };

@@ -24,7 +24,8 @@ pub(crate) trait SessionCounts: Send + Sync + std::fmt::Debug {
 /// A connection's live counters and identity, shared between its poll loop and `status`.
 #[derive(Debug)]
 pub(crate) struct SessionInfo {
-    /// "io" or "discovery".
+    /// "io", "discovery", or "registering" (an admitted host whose namespaces are being
+    /// registered: its session's place, taken at admission).
     pub(crate) kind: &'static str,
     /// 0 on a discovery connection.
     pub(crate) controller_id: u16,

@@ -95,7 +95,7 @@ impl Conn {
         // refuses a host that could take nobody's place then, not after pinning for nothing,
         // and makes room for one of a higher standing.
         let place = shared.reserve_session(standing, |controller_id| {
-            SessionInfo::new("io", controller_id, &c, self.peer, keep_alive)
+            SessionInfo::new("registering", controller_id, &c, self.peer, keep_alive)
         });
         let Some(place) = place else {
             let m = format!(
@@ -148,9 +148,13 @@ impl Conn {
     ) -> Vec<Grant> {
         let unused = Registrar::granted;
         let Phase::Registering(r) = &self.phase else {
-            // The connection ended meanwhile (its host disconnected, it was evicted).
+            // The connection ended meanwhile (its host disconnected, it was refused).
             return unused(outcomes);
         };
+        if self.ticket.as_ref().is_some_and(|t| t.evicted()) {
+            // A host of a higher standing took its place: its tick refuses it.
+            return unused(outcomes);
+        }
         // A reload that added one of its subsystem's namespaces meanwhile (one that removed
         // or replaced one closed the connection: `reloaded`): registered again, as the
         // namespaces are now.
