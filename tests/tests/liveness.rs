@@ -152,6 +152,22 @@ fn start_held(dir: &std::path::Path, extra: &str, go: &std::path::Path) -> rpma_
     start_with_extra(dir, HELD_TOP, extra, &[(hook, go.to_str().unwrap())])
 }
 
+/// Connects `host_nqn` to `sub` in a thread of its own, with a deadline far beyond the test's.
+fn patient_connect(
+    t: &rpma_tests::Target,
+    sub: &'static str,
+    host_nqn: &'static str,
+) -> std::thread::JoinHandle<Result<rpma_initiator::Session, rpma_initiator::Error>> {
+    let url = t.url();
+    std::thread::spawn(move || {
+        let patient = ConnectOptions {
+            timeout: Duration::from_secs(600),
+            ..opts()
+        };
+        connect(&url, &nqn(sub), &host(host_nqn), &patient)
+    })
+}
+
 /// Takes `go` away and connects `host` to `sub` in a thread of its own (a deadline far beyond
 /// the test's), once the target said that its registration waits.
 fn held_newcomer(
@@ -161,14 +177,7 @@ fn held_newcomer(
     host_nqn: &'static str,
 ) -> std::thread::JoinHandle<Result<rpma_initiator::Session, rpma_initiator::Error>> {
     std::fs::remove_file(go).unwrap();
-    let url = t.url();
-    let newcomer = std::thread::spawn(move || {
-        let patient = ConnectOptions {
-            timeout: Duration::from_secs(600),
-            ..opts()
-        };
-        connect(&url, &nqn(sub), &host(host_nqn), &patient)
-    });
+    let newcomer = patient_connect(t, sub, host_nqn);
     assert!(
         !t.log_lines(&["test hook: a registration waits"], WAIT)
             .is_empty(),
@@ -305,14 +314,7 @@ fn hosts_being_registered_count_against_max_connections() {
     // A host its subsystem lists takes the unlisted newcomer's place, as it would a
     // session's (a helper's review: it was refused while the newcomer's registrations were
     // under way, so that unlisted hosts kept the listed ones out by registering in turn).
-    let url = t.url();
-    let listed = std::thread::spawn(move || {
-        let patient = ConnectOptions {
-            timeout: Duration::from_secs(600),
-            ..opts()
-        };
-        connect(&url, &nqn(SUB), &host(PLAIN), &patient)
-    });
+    let listed = patient_connect(&t, SUB, PLAIN);
     let deadline = Instant::now() + WAIT;
     while !newcomer.is_finished() && !listed.is_finished() {
         assert!(Instant::now() < deadline, "neither host was told anything");

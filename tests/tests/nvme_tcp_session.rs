@@ -790,39 +790,29 @@ fn wait_changed(c: &mut Controller) {
     }
 }
 
-/// A Write whose data comes by R2T, started before a reload that put another file in place of
-/// its namespace's and finished after it, is a Write Fault: its data landed in the old file,
-/// which the host no longer reads (before: answered success after the Flush that faulted for
-/// the replacement, so the next Flush vouched for a write the namespace did not have). And a
-/// shutdown after a replacement no Flush reported sets Controller Fatal Status (before: a
-/// clean shutdown).
-#[test]
-fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
-    use rpma_tests::nvme::{h2c_header, pdu};
-    let (d, _s, mut t, addr) = start("nvme-replaced-r2t");
-    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
-    ok(c.set_features(0x07, 0));
-    let mut q = c.io_queue(1).unwrap();
-    let ns1 = d.path().join("ns1");
-    std::fs::copy(&ns1, d.path().join("ns1.old")).unwrap();
-    // A 16 KiB Write (more than the capsule holds): its R2T comes, its data is held back.
-    let data = noise(5, 16384);
+/// Sends a Write of `len` bytes (more than the capsule holds: by R2T) to nsid 1 at block 64
+/// (512-byte blocks) and takes its R2T: the command id and the transfer tag; the data is held
+/// back ([`send_h2c_data`]).
+fn r2t_write_at_block_64(q: &mut rpma_tests::nvme::Host, len: usize) -> (u16, u16) {
+    use rpma_tests::nvme::pdu;
     let cid = q.cid();
-    let mut s = Sqe::new(0x01, 1).cdw(10, 64).cdw(12, 31).u16(2, cid);
-    s.0[32..36].copy_from_slice(&16384u32.to_le_bytes());
+    let blocks = (len / 512) as u32;
+    let mut s = Sqe::new(0x01, 1)
+        .cdw(10, 64)
+        .cdw(12, blocks - 1)
+        .u16(2, cid);
+    s.0[32..36].copy_from_slice(&(len as u32).to_le_bytes());
     s.0[39] = 0x5a;
     let p = q.frame(pdu::CMD, 0, &s.0, &[]);
     q.send_raw(&p);
     let r2t = q.recv().unwrap();
     assert_eq!((r2t.kind, r2t.u16(8)), (pdu::R2T, cid), "{r2t:?}");
-    let ttag = r2t.u16(10);
-    // The older copy renamed over the file, a reload, heard by the controller; its Flush
-    // faults for the replacement.
-    std::fs::rename(d.path().join("ns1.old"), &ns1).unwrap();
-    t.reload();
-    wait_changed(&mut c);
-    assert_eq!(q.flush(1).unwrap().code(), sc::WRITE_FAULT);
-    // Now the data: it went to the old file, so the Write is not answered success.
+    (cid, r2t.u16(10))
+}
+
+/// Sends `data` for the R2T (`cid`, `ttag`) in H2CData PDUs of at most the host's MAXH2CDATA.
+fn send_h2c_data(q: &mut rpma_tests::nvme::Host, cid: u16, ttag: u16, data: &[u8]) {
+    use rpma_tests::nvme::{h2c_header, pdu};
     let mut at = 0;
     while at < data.len() {
         let n = (data.len() - at).min(q.maxh2cdata as usize);
@@ -837,6 +827,33 @@ fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
         q.send_raw(&p);
         at += n;
     }
+}
+
+/// A Write whose data comes by R2T, started before a reload that put another file in place of
+/// its namespace's and finished after it, is a Write Fault: its data landed in the old file,
+/// which the host no longer reads (before: answered success after the Flush that faulted for
+/// the replacement, so the next Flush vouched for a write the namespace did not have). And a
+/// shutdown after a replacement no Flush reported sets Controller Fatal Status (before: a
+/// clean shutdown).
+#[test]
+fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
+    let (d, _s, mut t, addr) = start("nvme-replaced-r2t");
+    let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
+    ok(c.set_features(0x07, 0));
+    let mut q = c.io_queue(1).unwrap();
+    let ns1 = d.path().join("ns1");
+    std::fs::copy(&ns1, d.path().join("ns1.old")).unwrap();
+    // A 16 KiB Write (more than the capsule holds): its R2T comes, its data is held back.
+    let data = noise(5, 16384);
+    let (cid, ttag) = r2t_write_at_block_64(&mut q, data.len());
+    // The older copy renamed over the file, a reload, heard by the controller; its Flush
+    // faults for the replacement.
+    std::fs::rename(d.path().join("ns1.old"), &ns1).unwrap();
+    t.reload();
+    wait_changed(&mut c);
+    assert_eq!(q.flush(1).unwrap().code(), sc::WRITE_FAULT);
+    // Now the data: it went to the old file, so the Write is not answered success.
+    send_h2c_data(&mut q, cid, ttag, &data);
     let w = q.complete(cid, &[]).unwrap();
     assert_eq!(w.code(), sc::WRITE_FAULT, "{w:?}");
     assert_ne!(ok(q.read(1, 64, 512, 32).unwrap()).data, data);
@@ -868,7 +885,6 @@ fn a_write_by_r2t_across_a_reload_that_replaced_its_file_is_a_write_fault() {
 /// reload was reported done; only the completion said Write Fault.)
 #[test]
 fn a_write_by_r2t_across_a_reload_that_removed_its_namespace_puts_nothing_in_the_file() {
-    use rpma_tests::nvme::{h2c_header, pdu};
     let (d, shm, mut t, addr) = start("nvme-removed-r2t");
     let mut c = Controller::connect(&addr, SUB, HOST, (false, false)).unwrap();
     ok(c.set_features(0x07, 0));
@@ -877,15 +893,7 @@ fn a_write_by_r2t_across_a_reload_that_removed_its_namespace_puts_nothing_in_the
     // A 16 KiB Write at block 64 (more than the capsule holds): its R2T comes, its data is
     // held back.
     let data = noise(7, 16384);
-    let cid = q.cid();
-    let mut s = Sqe::new(0x01, 1).cdw(10, 64).cdw(12, 31).u16(2, cid);
-    s.0[32..36].copy_from_slice(&16384u32.to_le_bytes());
-    s.0[39] = 0x5a;
-    let p = q.frame(pdu::CMD, 0, &s.0, &[]);
-    q.send_raw(&p);
-    let r2t = q.recv().unwrap();
-    assert_eq!((r2t.kind, r2t.u16(8)), (pdu::R2T, cid), "{r2t:?}");
-    let ttag = r2t.u16(10);
+    let (cid, ttag) = r2t_write_at_block_64(&mut q, data.len());
     // Namespace 1 removed from the configuration; the reload is done (READY) before the data.
     let without_ns1 = Config::new()
         .subsystem(Subsystem::new(SUB).host(HOST).namespaces([
@@ -899,20 +907,7 @@ fn a_write_by_r2t_across_a_reload_that_removed_its_namespace_puts_nothing_in_the
         );
     t.rewrite(&without_ns1.to_string());
     t.reload();
-    let mut at = 0;
-    while at < data.len() {
-        let n = (data.len() - at).min(q.maxh2cdata as usize);
-        let last = at + n == data.len();
-        let h = h2c_header(cid, ttag, at as u32, n as u32);
-        let p = q.frame(
-            pdu::H2C_DATA,
-            if last { 4 } else { 0 },
-            &h,
-            &data[at..at + n],
-        );
-        q.send_raw(&p);
-        at += n;
-    }
+    send_h2c_data(&mut q, cid, ttag, &data);
     let w = q.complete(cid, &[]).unwrap();
     assert_eq!(w.code(), sc::WRITE_FAULT, "{w:?}");
     // The file the operator took back holds none of it (the daemon's page cache is the

@@ -109,6 +109,17 @@ impl Registrar {
         }
     }
 
+    /// The registrations among `outcomes` (to drop).
+    pub(crate) fn granted(outcomes: Vec<(Arc<OpenNamespace>, Outcome)>) -> Vec<Grant> {
+        outcomes
+            .into_iter()
+            .filter_map(|(_, o)| match o {
+                Outcome::Registered(Ok((g, _))) => Some(g),
+                _ => None,
+            })
+            .collect()
+    }
+
     /// Registrations that are done, for the loop to hand to their connections.
     pub(crate) fn take(&self) -> mpsc::TryIter<'_, Registration> {
         self.done.try_iter()
@@ -162,19 +173,6 @@ impl Registrar {
                 None
             }
         }
-    }
-}
-
-impl Registrar {
-    /// The registrations among `outcomes` (to drop).
-    pub(crate) fn granted(outcomes: Vec<(Arc<OpenNamespace>, Outcome)>) -> Vec<Grant> {
-        outcomes
-            .into_iter()
-            .filter_map(|(_, o)| match o {
-                Outcome::Registered(Ok((g, _))) => Some(g),
-                _ => None,
-            })
-            .collect()
     }
 }
 
