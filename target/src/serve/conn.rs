@@ -302,11 +302,22 @@ impl Conn {
                 self.peer
             ),
         );
-        self.send(&Message::Refusal(Refusal { reason, message }));
+        // Its places (a pool's, a session's reserved for it) are given back before the host
+        // hears of the refusal.
         self.leave_session_pool();
         self.phase = Phase::Closing {
             deadline: Instant::now() + LINGER,
         };
+        self.send(&Message::Refusal(Refusal { reason, message }));
+    }
+
+    /// The target stops: a host whose namespaces are being registered is refused so.
+    pub(crate) fn refuse_registering_at_stop(&mut self) {
+        if let Phase::Registering(r) = &self.phase {
+            let host = r.connect.host_nqn.clone();
+            let m = "the target is shutting down".to_owned();
+            self.refuse(RefusalReason::ShuttingDown, m, Some(&host));
+        }
     }
 
     /// Gives back its place in the unproven or unlisted pool, if it holds one (a session, or a

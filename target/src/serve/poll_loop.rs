@@ -651,7 +651,8 @@ impl PollLoop {
                     c.session_ended(EndReason::Shutdown);
                     c.goodbye("the target is shutting down")
                 }
-                Phase::Handshake { .. } | Phase::Registering(_) | Phase::Closing { .. } => {}
+                Phase::Registering(_) => c.refuse_registering_at_stop(),
+                Phase::Handshake { .. } | Phase::Closing { .. } => {}
             }
         }
         let deadline = Instant::now() + STOP_GRACE;

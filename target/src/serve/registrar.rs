@@ -70,6 +70,8 @@ pub(crate) struct Registrar {
     done_tx: mpsc::Sender<Registration>,
     done: mpsc::Receiver<Registration>,
     wake: LoopTx,
+    /// The thread could not be started (said once; the loop registers itself from then on).
+    no_thread: bool,
 }
 
 impl Registrar {
@@ -82,6 +84,7 @@ impl Registrar {
             done_tx,
             done,
             wake,
+            no_thread: false,
         }
     }
 
@@ -141,6 +144,9 @@ impl Registrar {
         if let Some(tx) = &self.work {
             return Some(tx.clone());
         }
+        if self.no_thread {
+            return None;
+        }
         let (tx, rx) = mpsc::channel::<Work>();
         let done = self.done_tx.clone();
         let wake = self.wake.clone();
@@ -165,6 +171,7 @@ impl Registrar {
                 Some(tx)
             }
             Err(e) => {
+                self.no_thread = true;
                 log::error!(
                     "poll loop {}: cannot start its registrar thread ({e}): registering in the \
                      loop",

@@ -191,6 +191,7 @@ impl Conn {
             ..
         } = *r;
         if shared.stopping.load(Ordering::SeqCst) {
+            drop(place);
             let m = "the target is shutting down".to_owned();
             self.refuse(RefusalReason::ShuttingDown, m, Some(&c.host_nqn));
             return unused(outcomes);
@@ -243,6 +244,8 @@ impl Conn {
                         ),
                     );
                     let m = format!("the target cannot register namespace {nsid}: {e}");
+                    // (The place is given back before the host hears of it.)
+                    drop(place);
                     self.refuse(RefusalReason::TooManyConnections, m, Some(&c.host_nqn));
                     left.extend(grants.into_values());
                     left.extend(unused(outcomes.collect()));
@@ -264,7 +267,7 @@ impl Conn {
         let more_recv = (self.queue_depth as usize + RECV_SLACK).saturating_sub(CONTROL_RECV_SLOTS);
         let more_send = SEND_SLOTS.saturating_sub(CONTROL_SEND_SLOTS);
         if let Err(e) = self.bufs.grow(&self.pd, &self.qp, more_recv, more_send) {
-            // (Its place is given back with `place`.)
+            drop(place);
             let m = format!("the target cannot allocate the session's buffers: {e}");
             // Out of room the other sessions hold (completion queue entries, locked memory):
             // full for now, as for a namespace's registration above.
@@ -317,6 +320,9 @@ impl Conn {
                     ),
                 );
                 self.phase = Phase::Session(Box::new(session));
+                // Its keep-alive period runs from now, not from its Connect: its registrations
+                // may have taken longer than the period.
+                self.last_seen = Instant::now();
                 shared.events.admitted(false);
                 self.send_raw(&bytes);
             }
