@@ -22,9 +22,9 @@
 //!
 //! Admission itself (a session's namespaces registered and its slots grown, or the move to the
 //! discovery pool) is in [`admit`]; the registrations are made off the loop, by its
-//! [`super::registrar`], while the connection waits in [`Phase::Registering`]. An admitted session, the namespaces granted to it (its
-//! rkeys) and what a reload does to them are in [`super::session`], with a discovery
-//! connection's entry in `status`.
+//! [`super::registrar`], while the connection waits in [`Phase::Registering`]. An admitted
+//! session, the namespaces granted to it (its rkeys) and what a reload does to them are in
+//! [`super::session`], with a discovery connection's entry in `status`.
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
