@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
-use std::sync::atomic::Ordering;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -17,7 +17,6 @@ use super::super::budget::{Pool, Standing};
 use super::super::peer_log::Class;
 use super::super::registrar::{Outcome, Registrar, Request};
 use super::super::session::{unavailable, Grant, Listed, Session};
-use super::super::shared::Reserved;
 use super::super::{SessionInfo, MIN_KEEP_ALIVE};
 use super::{
     Conn, Phase, Registering, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK,
@@ -111,7 +110,7 @@ impl Conn {
             .pool()
             .map(|p| shared.budgets.enlist(p, self.peer.ip(), self.owner.clone()));
         let namespaces = self.namespaces_of(&c.subsystem_nqn);
-        self.ask_registration(namespaces, &place);
+        self.to_register = Some(self.request(namespaces, place.cancel()));
         self.phase = Phase::Registering(Box::new(Registering {
             connect: c,
             keep_alive,
@@ -129,14 +128,15 @@ impl Conn {
             .collect()
     }
 
-    fn ask_registration(&mut self, namespaces: Vec<Arc<OpenNamespace>>, place: &Reserved) {
-        self.to_register = Some(Request {
+    /// What the registrar is to register for this connection: `namespaces`, until `cancel`.
+    fn request(&self, namespaces: Vec<Arc<OpenNamespace>>, cancel: Arc<AtomicBool>) -> Request {
+        Request {
             pd: self.pd.clone(),
             namespaces,
             served_by: self.served_by(),
             peer_flush: self.peer_flush,
-            cancel: place.cancel(),
-        });
+            cancel,
+        }
     }
 
     /// The registrations asked for by [`admit`](Self::admit) are back: finishes the admission
@@ -166,13 +166,7 @@ impl Conn {
                 .all(|(n, (o, out))| Arc::ptr_eq(n, o) && !matches!(out, Outcome::Cancelled));
         if !same {
             let cancel = r.place.cancel();
-            self.to_register = Some(Request {
-                pd: self.pd.clone(),
-                namespaces: now,
-                served_by: self.served_by(),
-                peer_flush: self.peer_flush,
-                cancel,
-            });
+            self.to_register = Some(self.request(now, cancel));
             return unused(outcomes);
         }
         let shared = Arc::clone(&self.shared);
