@@ -140,6 +140,22 @@ fn silent_peers_delay_no_one_and_are_closed_after_their_deadline() {
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
+/// Asserts that a connect was refused as the target being full (`what` and the namespaces'
+/// count of a session that got in say otherwise).
+fn assert_refused_as_full(r: &Result<rpma_initiator::Session, rpma_initiator::Error>, what: &str) {
+    assert!(
+        matches!(
+            r,
+            Err(rpma_initiator::Error::Refused {
+                reason: rpma_common::proto::RefusalReason::TooManyConnections,
+                ..
+            })
+        ),
+        "{what}: {:?}",
+        r.as_ref().map(|s| s.namespaces().len())
+    );
+}
+
 /// The top of [`start_held`]'s configuration: one poll loop, and unadmitted connections kept
 /// for a minute (a test's own connections wait in the pool for no deadline of the machine's).
 const HELD_TOP: &str = "poll_loops = 1\nhandshake_timeout_ms = 60000";
@@ -312,17 +328,7 @@ fn hosts_being_registered_count_against_max_connections() {
         &host("nqn.2026-11.io.rpma:another-any-host"),
         &opts(),
     );
-    assert!(
-        matches!(
-            second,
-            Err(rpma_initiator::Error::Refused {
-                reason: rpma_common::proto::RefusalReason::TooManyConnections,
-                ..
-            })
-        ),
-        "{:?}",
-        second.map(|s| s.namespaces().len())
-    );
+    assert_refused_as_full(&second, "a second unlisted host");
     // A host its subsystem lists takes the unlisted newcomer's place, as it would a
     // session's (a helper's review: it was refused while the newcomer's registrations were
     // under way, so that unlisted hosts kept the listed ones out by registering in turn).
@@ -335,17 +341,7 @@ fn hosts_being_registered_count_against_max_connections() {
     assert!(!listed.is_finished(), "the listed host was not let in");
     // Refused as the full target it is now (it lost its connection without a word before).
     let lost = newcomer.join().unwrap();
-    assert!(
-        matches!(
-            lost,
-            Err(rpma_initiator::Error::Refused {
-                reason: rpma_common::proto::RefusalReason::TooManyConnections,
-                ..
-            })
-        ),
-        "the unlisted newcomer: {:?}",
-        lost.map(|s| s.namespaces().len())
-    );
+    assert_refused_as_full(&lost, "the unlisted newcomer");
     std::fs::write(&go, b"").unwrap();
     let s = listed.join().unwrap().expect("admitted once registered");
     assert_eq!(s.namespaces().len(), 2);
@@ -374,16 +370,9 @@ fn a_host_a_reload_lists_while_its_namespaces_are_registered_is_a_listed_host() 
     t.rewrite(&text);
     t.reload();
     let listed = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts());
-    assert!(
-        matches!(
-            listed,
-            Err(rpma_initiator::Error::Refused {
-                reason: rpma_common::proto::RefusalReason::TooManyConnections,
-                ..
-            })
-        ),
-        "a listed host took the place of a host listed by the reload: {:?}",
-        listed.map(|s| s.namespaces().len())
+    assert_refused_as_full(
+        &listed,
+        "a listed host took the place of a host listed by the reload",
     );
     std::fs::write(&go, b"").unwrap();
     newcomer.join().unwrap().expect("admitted once registered");

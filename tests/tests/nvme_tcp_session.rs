@@ -16,12 +16,21 @@ const OTHER: &str = "nqn.2026-11.io.rpma:nvme-stranger";
 /// nsid 1 page-cache 8 MiB (512-byte blocks), 2 read-only 1 MiB, 3 volatile 1 MiB; and an
 /// all-dax (forced) subsystem.
 fn config(shm: &Shm) -> Config {
+    config_of(shm, Some(Namespace::new(1, "ns1", "8MiB").block_size(512)))
+}
+
+/// [`config`], with `ns1` as SUB's nsid 1 (None: SUB has no nsid 1).
+fn config_of(shm: &Shm, ns1: Option<Namespace>) -> Config {
+    let rest = [
+        Namespace::new(2, "ns2", "1MiB").read_only(),
+        Namespace::new(3, shm.path(), "1MiB"),
+    ];
     Config::new()
-        .subsystem(Subsystem::new(SUB).host(HOST).namespaces([
-            Namespace::new(1, "ns1", "8MiB").block_size(512),
-            Namespace::new(2, "ns2", "1MiB").read_only(),
-            Namespace::new(3, shm.path(), "1MiB"),
-        ]))
+        .subsystem(
+            Subsystem::new(SUB)
+                .host(HOST)
+                .namespaces(ns1.into_iter().chain(rest)),
+        )
         .subsystem(
             Subsystem::new(DAX)
                 .host(HOST)
@@ -895,17 +904,7 @@ fn a_write_by_r2t_across_a_reload_that_removed_its_namespace_puts_nothing_in_the
     let data = noise(7, 16384);
     let (cid, ttag) = r2t_write_at_block_64(&mut q, data.len());
     // Namespace 1 removed from the configuration; the reload is done (READY) before the data.
-    let without_ns1 = Config::new()
-        .subsystem(Subsystem::new(SUB).host(HOST).namespaces([
-            Namespace::new(2, "ns2", "1MiB").read_only(),
-            Namespace::new(3, shm.path(), "1MiB"),
-        ]))
-        .subsystem(
-            Subsystem::new(DAX)
-                .host(HOST)
-                .namespace(Namespace::new(1, "dax1", "2MiB").force_dax()),
-        );
-    t.rewrite(&without_ns1.to_string());
+    t.rewrite(&config_of(&shm, None).to_string());
     t.reload();
     send_h2c_data(&mut q, cid, ttag, &data);
     let w = q.complete(cid, &[]).unwrap();

@@ -54,6 +54,19 @@ pub(crate) enum Pool {
 }
 
 impl Pool {
+    /// Who took the place of a session (or a host being registered) evicted from this pool in
+    /// the full target, and why that one gave way (for its log line and its Disconnect or
+    /// refusal).
+    pub(crate) fn evicted_by(self) -> (&'static str, &'static str) {
+        match self {
+            Pool::Unlisted => (
+                "a host its subsystem lists (or one that proved its key)",
+                "this host is not listed on its subsystem",
+            ),
+            _ => ("a host that proved its key", "this host proved none"),
+        }
+    }
+
     /// The pool's name in logs and status.
     pub(crate) fn name(self) -> &'static str {
         match self {

@@ -115,18 +115,6 @@ fn seen(info: &SessionInfo, now: Instant) {
     );
 }
 
-/// Who took the place of a session evicted from `pool` in the full target, and why this one
-/// gave way (for its log line and its Disconnect).
-fn evicted_by(pool: Pool) -> (&'static str, &'static str) {
-    match pool {
-        Pool::Unlisted => (
-            "a host its subsystem lists (or one that proved its key)",
-            "this host is not listed on its subsystem",
-        ),
-        _ => ("a host that proved its key", "this host proved none"),
-    }
-}
-
 /// A flush the connection asks the loop's flusher for.
 pub(crate) struct FlushJob {
     pub(crate) ns: Arc<OpenNamespace>,
@@ -311,15 +299,6 @@ impl Conn {
         self.send(&Message::Refusal(Refusal { reason, message }));
     }
 
-    /// The target stops: a host whose namespaces are being registered is refused so.
-    pub(crate) fn refuse_registering_at_stop(&mut self) {
-        if let Phase::Registering(r) = &self.phase {
-            let host = r.connect.host_nqn.clone();
-            let m = "the target is shutting down".to_owned();
-            self.refuse(RefusalReason::ShuttingDown, m, Some(&host));
-        }
-    }
-
     /// Gives back its place in the unproven or unlisted pool, if it holds one (a session, or a
     /// host whose namespaces were being registered): at once, not after the linger (a host
     /// evicting it then would free nothing).
@@ -416,31 +395,7 @@ impl Conn {
                 }
                 self.last_seen = now;
             }
-            Phase::Registering(r) => {
-                // Nothing is due from the host before its ConnectResponse but a Disconnect (it
-                // gave up waiting): any other message is out of place, as in the handshake.
-                let host = r.connect.host_nqn.clone();
-                match Message::decode(buf) {
-                    Ok(Message::Disconnect(d)) => {
-                        log::debug!(
-                            "{}: host {host} disconnected while its namespaces were being \
-                             registered: {}",
-                            self.peer,
-                            peer_text(&d.reason)
-                        );
-                        self.leave_session_pool();
-                        self.phase = Phase::Closing {
-                            deadline: now + LINGER,
-                        };
-                    }
-                    Ok(other) => self.refuse(
-                        RefusalReason::ProtocolError,
-                        format!("{:?} before the ConnectResponse", other.message_type()),
-                        Some(&host),
-                    ),
-                    Err(e) => self.refuse(RefusalReason::ProtocolError, e.to_string(), Some(&host)),
-                }
-            }
+            Phase::Registering(_) => self.registering_message(buf, now),
             Phase::Closing { .. } => {
                 // Flush requests that crossed our goodbye are answered, never silently dropped.
                 if let Ok(Message::FlushRequest(r)) = Message::decode(buf) {
@@ -603,7 +558,7 @@ impl Conn {
             if let Phase::Session(s) = &self.phase {
                 // A host of a higher standing took its place in the full target.
                 let (ctrl, host) = (s.info.controller_id, s.host.clone());
-                let (who, this) = evicted_by(t.pool());
+                let (who, this) = t.pool().evicted_by();
                 self.ticket = None;
                 self.session_ended(EndReason::Evicted);
                 let max = self.shared.config().max_connections;
@@ -623,16 +578,9 @@ impl Conn {
                 ));
                 return true;
             }
-            if let Phase::Registering(r) = &self.phase {
-                // Its namespaces were being registered: refused as the full target it is now.
-                let host = r.connect.host_nqn.clone();
-                let (who, this) = evicted_by(t.pool());
-                let max = self.shared.config().max_connections;
-                let m = format!(
-                    "the target is full (max_connections {max}) and {who} took this host's \
-                     place ({this})"
-                );
-                self.refuse(RefusalReason::TooManyConnections, m, Some(&host));
+            if matches!(self.phase, Phase::Registering(_)) {
+                let pool = t.pool();
+                self.registering_evicted(pool);
                 return true;
             }
             log::debug!(
@@ -680,12 +628,7 @@ impl Conn {
                 true
             }
             Phase::Registering(r) if now >= r.deadline => {
-                let host = r.connect.host_nqn.clone();
-                let m = format!(
-                    "the target could not register the namespaces within {} s",
-                    REGISTRATION_LIMIT.as_secs()
-                );
-                self.refuse(RefusalReason::TooManyConnections, m, Some(&host));
+                self.registering_expired();
                 true
             }
             Phase::Closing { deadline } => now < *deadline,
@@ -713,44 +656,8 @@ impl Conn {
             }
             return;
         }
-        if let Phase::Registering(r) = &self.phase {
-            // Its namespaces are being registered as they were before: if the reload changes
-            // its subsystem's namespaces or its own entry, its queue pair goes to Error now, so
-            // that nothing registered for it (a region over a file the reload took away may be
-            // made after this) is ever reachable, and the host connects again.
-            let sub = &r.connect.subsystem_nqn;
-            let touched = diff.touches_session(sub, &r.connect.host_nqn)
-                || diff
-                    .namespaces_removed
-                    .iter()
-                    .chain(&diff.namespaces_changed)
-                    .any(|(s, _)| s == sub);
-            if !touched {
-                // A host the reload lists now leaves the lowest class, as a session does.
-                let listed_now = diff.lists_now(sub, &r.connect.host_nqn);
-                if let Some(t) = self.ticket.as_mut() {
-                    if listed_now && t.pool() == Pool::Unlisted {
-                        self.shared.budgets.promote(t, Pool::Unproven);
-                    }
-                }
-                return;
-            }
-            self.shared.peer_log.log(
-                self.peer.ip(),
-                Class::Session,
-                log::Level::Info,
-                format_args!(
-                    "host {} from {}: closed while its namespaces were being registered: the \
-                     reload changed its subsystem or its entry (it may connect again)",
-                    r.connect.host_nqn, self.peer
-                ),
-            );
-            self.qp.to_error();
-            self.leave_session_pool();
-            self.phase = Phase::Closing {
-                deadline: Instant::now(),
-            };
-            return;
+        if matches!(self.phase, Phase::Registering(_)) {
+            return self.registering_reloaded(diff);
         }
         let Phase::Session(s) = &mut self.phase else {
             return;
@@ -763,20 +670,24 @@ impl Conn {
         // A host the reload lists now (without a key: one with a key must prove it, and its
         // session was closed above) is a listed host from now on: its session leaves the
         // lowest class, where a listed newcomer to a full target would take its place.
+        let (ctrl, host) = (s.info.controller_id, s.host.clone());
         let listed_now = diff.lists_now(&s.subsystem, &s.host);
-        let promoted = match self.ticket.as_mut() {
+        if self.promote_if(listed_now) {
+            log::info!(
+                "session ctrl {ctrl} (host {host} from {}): its subsystem lists the host now",
+                self.peer
+            );
+        }
+    }
+
+    /// A host the reload lists now (`listed_now`) leaves the lowest class: from the unlisted
+    /// pool to the unproven one. Whether it moved.
+    fn promote_if(&mut self, listed_now: bool) -> bool {
+        match self.ticket.as_mut() {
             Some(t) if listed_now && t.pool() == Pool::Unlisted => {
                 self.shared.budgets.promote(t, Pool::Unproven)
             }
             _ => false,
-        };
-        if promoted {
-            log::info!(
-                "session ctrl {} (host {} from {}): its subsystem lists the host now",
-                s.info.controller_id,
-                s.host,
-                self.peer
-            );
         }
     }
 }

@@ -18,16 +18,12 @@ use std::sync::{mpsc, Arc};
 use std::time::{Duration, Instant};
 
 use rpma_common::fabric::{
-    Completion, CompletionQueue, ConnParams, ConnRequest, Context, QpCaps, QpState, TcpParams,
-    WcOpcode, WcStatus, Woken,
+    Completion, CompletionQueue, Context, QpState, WcOpcode, WcStatus, Woken,
 };
 use rpma_common::proto::{FlushResponse, FlushStatus};
 use rpma_common::stats::Stopwatch;
 
-use super::budget::Ticket;
-use super::conn::{
-    Conn, FlushJob, Phase, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS,
-};
+use super::conn::{Conn, FlushJob, Phase};
 use super::registrar::Registrar;
 use super::{Heartbeat, LoopCmd, LoopTx, Shared};
 use crate::flusher::{FlushCompletion, Flusher, FlusherError};
@@ -37,7 +33,7 @@ use crate::reload::ConfigDiff;
 
 mod admission;
 mod device;
-use rpma_common::proto::msgbuf::{MsgBufs, SEND_BIT};
+use rpma_common::proto::msgbuf::SEND_BIT;
 
 /// The watched-fd token of the loop's command eventfd.
 const WAKE_CMD: u64 = 1;
@@ -262,88 +258,6 @@ impl PollLoop {
     /// The earliest timer of the loop's connections; None without connections.
     fn next_timer(&self) -> Option<Instant> {
         self.conns.values().map(Conn::next_timer).min()
-    }
-
-    /// A connection request rejected before anything was made for it (`why`, for the log).
-    fn reject(&mut self, req: ConnRequest, why: &str) {
-        log::debug!("loop {}: a connection request {why}: rejected", self.index);
-        req.reject(b"");
-        self.load.fetch_sub(1, Ordering::Relaxed);
-    }
-
-    fn accept(&mut self, req: ConnRequest, ticket: Ticket) {
-        if ticket.evicted() {
-            // Its place went to a newer connection while it waited for this loop: nothing is
-            // made for it (a flood of requests made a queue pair, its buffers and an accept
-            // each, all closed again at the next tick).
-            return self.reject(req, "whose place was taken meanwhile");
-        }
-        let Some(ctx) = self.device() else {
-            // Its device was lost meanwhile (or a completion queue cannot be made on the one
-            // that is back).
-            return self.reject(req, "while the device is lost");
-        };
-        let cfg = self.shared.config();
-        let peer = req.peer_addr();
-        // The depth granted now stays this connection's, whatever a reload changes later.
-        let granted = cfg.max_queue_depth;
-        let depth = granted as usize + RECV_SLACK;
-        let handshake = Duration::from_millis(u64::from(cfg.admission.handshake_timeout_ms));
-        let serial = self.next_serial;
-        self.next_serial += 1;
-        let params = ConnParams {
-            timeout: handshake,
-            tcp: TcpParams {
-                crc: cfg.crc,
-                ..TcpParams::default()
-            },
-            ..ConnParams::default()
-        };
-        let made = (|| {
-            let pd = ctx.alloc_pd()?;
-            let caps = QpCaps {
-                max_send_wr: SEND_SLOTS,
-                max_recv_wr: depth.max(CONTROL_RECV_SLOTS),
-            };
-            let prepared = pd.create_qp(&self.cq, &self.cq, caps)?;
-            // Only what the control exchange needs until admission (docs/operations.md,
-            // "Memory"); the session's slots come with its ConnectResponse.
-            let bufs = MsgBufs::new(&pd, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS)?;
-            for slot in 0..bufs.recv_slots() {
-                prepared.post_recv(bufs.recv_wr(slot))?;
-            }
-            let qp = req.accept(prepared, &params, &[])?;
-            Ok::<_, rpma_common::fabric::Error>(Conn::new(
-                &self.shared,
-                qp,
-                pd,
-                bufs,
-                ticket,
-                self.own.clone(),
-                granted,
-                serial,
-                Instant::now() + handshake,
-                Arc::clone(&self.stats),
-            ))
-        })();
-        match made {
-            Ok(conn) => {
-                log::debug!("loop {}: connection from {}", self.index, conn.peer);
-                self.conns.insert(conn.qp.qp_num(), conn);
-            }
-            Err(e) => {
-                // Mostly a bad MPA Request (unauthenticated): rate-limited per address.
-                let text = rpma_common::error_chain(&e);
-                match peer {
-                    Some(p) => self.shared.peer_log.warn(
-                        p.ip(),
-                        format_args!("cannot accept the connection from {p}: {text}"),
-                    ),
-                    None => log::warn!("cannot accept a connection: {text}"),
-                }
-                self.load.fetch_sub(1, Ordering::Relaxed);
-            }
-        }
     }
 
     fn reload(&mut self, diff: &ConfigDiff) {

@@ -329,6 +329,111 @@ impl Conn {
         left
     }
 
+    /// A message from a host whose namespaces are being registered: nothing is due from it
+    /// before its ConnectResponse but a Disconnect (it gave up waiting); any other message is
+    /// out of place, as in the handshake.
+    pub(super) fn registering_message(&mut self, buf: &[u8], now: Instant) {
+        let Phase::Registering(r) = &self.phase else {
+            return;
+        };
+        let host = r.connect.host_nqn.clone();
+        match Message::decode(buf) {
+            Ok(Message::Disconnect(d)) => {
+                log::debug!(
+                    "{}: host {host} disconnected while its namespaces were being registered: \
+                     {}",
+                    self.peer,
+                    super::super::peer_log::peer_text(&d.reason)
+                );
+                self.leave_session_pool();
+                self.phase = Phase::Closing {
+                    deadline: now + super::LINGER,
+                };
+            }
+            Ok(other) => self.refuse(
+                RefusalReason::ProtocolError,
+                format!("{:?} before the ConnectResponse", other.message_type()),
+                Some(&host),
+            ),
+            Err(e) => self.refuse(RefusalReason::ProtocolError, e.to_string(), Some(&host)),
+        }
+    }
+
+    /// A host whose namespaces were being registered lost its place in `pool` to a host of a
+    /// higher standing: refused as the full target it is now.
+    pub(super) fn registering_evicted(&mut self, pool: Pool) {
+        let Phase::Registering(r) = &self.phase else {
+            return;
+        };
+        let host = r.connect.host_nqn.clone();
+        let (who, this) = pool.evicted_by();
+        let max = self.shared.config().max_connections;
+        let m = format!(
+            "the target is full (max_connections {max}) and {who} took this host's place \
+             ({this})"
+        );
+        self.refuse(RefusalReason::TooManyConnections, m, Some(&host));
+    }
+
+    /// Its registrations did not come back within [`REGISTRATION_LIMIT`]: refused.
+    pub(super) fn registering_expired(&mut self) {
+        let Phase::Registering(r) = &self.phase else {
+            return;
+        };
+        let host = r.connect.host_nqn.clone();
+        let m = format!(
+            "the target could not register the namespaces within {} s",
+            REGISTRATION_LIMIT.as_secs()
+        );
+        self.refuse(RefusalReason::TooManyConnections, m, Some(&host));
+    }
+
+    /// The target stops: a host whose namespaces are being registered is refused so.
+    pub(crate) fn refuse_registering_at_stop(&mut self) {
+        if let Phase::Registering(r) = &self.phase {
+            let host = r.connect.host_nqn.clone();
+            let m = "the target is shutting down".to_owned();
+            self.refuse(RefusalReason::ShuttingDown, m, Some(&host));
+        }
+    }
+
+    /// A reload while its namespaces are being registered (as they were before it): if the
+    /// reload changes its subsystem's namespaces or its own entry, its queue pair goes to
+    /// Error now, so that nothing registered for it (a region over a file the reload took
+    /// away may be made after this) is ever reachable, and the host connects again; a host
+    /// the reload lists now leaves the lowest class, as a session does.
+    pub(super) fn registering_reloaded(&mut self, diff: &crate::reload::ConfigDiff) {
+        let Phase::Registering(r) = &self.phase else {
+            return;
+        };
+        let (sub, host) = (r.connect.subsystem_nqn.clone(), r.connect.host_nqn.clone());
+        let touched = diff.touches_session(&sub, &host)
+            || diff
+                .namespaces_removed
+                .iter()
+                .chain(&diff.namespaces_changed)
+                .any(|(s, _)| *s == sub);
+        if !touched {
+            self.promote_if(diff.lists_now(&sub, &host));
+            return;
+        }
+        self.shared.peer_log.log(
+            self.peer.ip(),
+            Class::Session,
+            log::Level::Info,
+            format_args!(
+                "host {host} from {}: closed while its namespaces were being registered: the \
+                 reload changed its subsystem or its entry (it may connect again)",
+                self.peer
+            ),
+        );
+        self.qp.to_error();
+        self.leave_session_pool();
+        self.phase = Phase::Closing {
+            deadline: Instant::now(),
+        };
+    }
+
     /// The transport this connection came in on, and (rdma) its listener's operator
     /// declaration `direct_write_to_pmem`, which decides whether APM is offered
     /// ([`declares_direct_write`]).
