@@ -208,10 +208,43 @@ fn held_newcomer(
 
 /// How many times the target said a registration waits (the test hook).
 fn waits(t: &rpma_tests::Target) -> usize {
-    t.log()
-        .lines()
-        .filter(|l| l.contains("test hook: a registration waits"))
-        .count()
+    said(t, "test hook: a registration waits")
+}
+
+/// How many lines of the target's log say `what`.
+fn said(t: &rpma_tests::Target, what: &str) -> usize {
+    t.log().lines().filter(|l| l.contains(what)).count()
+}
+
+/// A target with [`HELD_TOP`] whose deregistrations (a session's end) wait while `go` is not
+/// there (the test hook), started with `go` there.
+fn start_held_release(dir: &std::path::Path, go: &std::path::Path) -> rpma_tests::Target {
+    std::fs::write(go, b"").unwrap();
+    let hook = rpma_target::serve::TEST_DEREGISTER_HOLD_ENV;
+    start_with_extra(dir, HELD_TOP, "", &[(hook, go.to_str().unwrap())])
+}
+
+/// Waits until the target said that a deregistration waits (the test hook).
+fn wait_for_held_release(t: &rpma_tests::Target) {
+    let deadline = Instant::now() + Duration::from_secs(60);
+    while said(t, "test hook: a deregistration waits") == 0 {
+        assert!(Instant::now() < deadline, "no deregistration waits");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Waits until OPEN's namespace is held by no session's registration (status).
+fn wait_for_open_released(t: &rpma_tests::Target) {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        let v = t.status();
+        let holders = &v["subsystems"][0]["namespaces"][0]["counters"]["sessions"];
+        if holders == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "not deregistered: {v}");
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// A reload that removes a namespace of its subsystem while a newcomer's registrations are
@@ -478,6 +511,69 @@ fn a_host_whose_namespaces_take_long_to_register_delays_no_other_session() {
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
+/// A session whose namespaces take long to deregister as it ends (unpinning a big namespace on
+/// `rdma://`; held here by the target's test hook until the test lets it go) delays no session
+/// of its poll loop: the loop's registrar drops them. (Before: the loop dropped them itself,
+/// and every session of the loop waited as long: the request below timed out.)
+#[test]
+fn a_session_whose_namespaces_take_long_to_deregister_delays_no_other_session() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let t = start_held_release(d.path(), &go);
+    let mut s = session(&t);
+    let leaving = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    std::fs::remove_file(&go).unwrap();
+    // Its host closes it; its deregistration waits.
+    let _ = leaving.disconnect(WAIT);
+    wait_for_held_release(&t);
+    // The session on the same (only) loop is served meanwhile.
+    for _ in 0..3 {
+        assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    }
+    s.tick().unwrap();
+    std::fs::write(&go, b"").unwrap();
+    wait_for_open_released(&t);
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+/// A session the target ends (here: its keep-alive lapsed) hears why, its Disconnect, only once
+/// its namespaces are deregistered (a Write it sends after the Disconnect is refused:
+/// rkeys.rs), and its deregistration, done off the loop, delays no other session. (Before: the
+/// loop deregistered them itself: the request below timed out.)
+#[test]
+fn a_goodbye_waits_for_its_deregistration_and_delays_no_other_session() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let t = start_held_release(d.path(), &go);
+    let mut s = session(&t);
+    let short = ConnectOptions {
+        keep_alive: Duration::from_millis(500),
+        ..opts()
+    };
+    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short).unwrap();
+    std::fs::remove_file(&go).unwrap();
+    // It does not tick: its keep-alive lapses, and its deregistration waits.
+    wait_for_held_release(&t);
+    for _ in 0..3 {
+        assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    }
+    s.tick().unwrap();
+    // No Disconnect while its regions are registered (a wait that can only miss a wrong one).
+    match lapsing.wait_message(Duration::from_millis(300), "nothing") {
+        Err(rpma_initiator::Error::Timeout { .. }) => {}
+        other => panic!("{other:?}"),
+    }
+    std::fs::write(&go, b"").unwrap();
+    match lapsing.wait_message(Duration::from_secs(30), "Disconnect") {
+        Err(rpma_initiator::Error::Disconnected { reason }) => {
+            assert!(reason.contains("keep-alive"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    wait_for_open_released(&t);
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
 #[test]
 fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
     let d = scratch();
@@ -543,4 +639,6 @@ rpma_tests::rdma_runs!(
     a_host_a_reload_lists_while_its_namespaces_are_registered_is_a_listed_host,
     a_host_refused_while_being_registered_leaves_no_place_behind,
     a_host_whose_registrations_outlast_its_keep_alive_gets_a_working_session,
+    a_session_whose_namespaces_take_long_to_deregister_delays_no_other_session,
+    a_goodbye_waits_for_its_deregistration_and_delays_no_other_session,
 );

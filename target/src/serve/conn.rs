@@ -36,14 +36,14 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    Disconnect, FlushRequest, FlushResponse, FlushStatus, Message, Refusal, RefusalReason,
+    FlushRequest, FlushResponse, FlushStatus, Message, Refusal, RefusalReason,
 };
 use rpma_common::stats::Stopwatch;
 
 use super::budget::{Pool, Ticket};
 use super::peer_log::{peer_text, Class};
 use super::registrar::Request;
-use super::session::{Listed, Session};
+use super::session::{Grant, Listed, Session};
 use super::{LoopTx, SessionInfo, Shared, LINGER};
 use crate::handshake::{Step, TargetHandshake};
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
@@ -51,6 +51,7 @@ use crate::namespace::OpenNamespace;
 use crate::subsystem::discovery;
 
 mod admit;
+mod close;
 
 /// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
 pub(crate) const RECV_SLACK: usize = 4;
@@ -157,6 +158,11 @@ pub(crate) struct Conn {
     stats: Arc<LoopStats>,
     /// Registrations for its loop's registrar to make ([`Conn::take_registration`]).
     to_register: Option<Request>,
+    /// Its ended session's registrations, for its loop's registrar to drop
+    /// ([`Conn::take_release`]).
+    to_release: Vec<Grant>,
+    /// The Disconnect to send once they are dropped ([`Conn::released`]).
+    disconnect_after_release: Option<String>,
 }
 
 impl Drop for Conn {
@@ -205,6 +211,8 @@ impl Conn {
             serial,
             stats,
             to_register: None,
+            to_release: Vec::new(),
+            disconnect_after_release: None,
         }
     }
 
@@ -316,17 +324,12 @@ impl Conn {
     pub(crate) fn goodbye(&mut self, reason: &str) {
         // No session any more: not one another host may take the place of.
         self.leave_session_pool();
-        // Dropping the session deregisters its regions before the Disconnect is sent: a late
-        // Write is refused, but the Reads the host asked for before are still answered (a
-        // deregistration does not revoke what was accepted; a reload that removed a namespace
-        // revoked its region already), so that its requests end with the Disconnect, retried,
-        // not with a RemoteAccess.
-        self.phase = Phase::Closing {
-            deadline: Instant::now() + LINGER,
-        };
-        self.send(&Message::Disconnect(Disconnect {
-            reason: reason.to_owned(),
-        }));
+        // The session's regions are deregistered (by the loop's registrar) before the
+        // Disconnect is sent: a late Write is refused, but the Reads the host asked for before
+        // are still answered (a deregistration does not revoke what was accepted; a reload
+        // that removed a namespace revoked its region already), so that its requests end with
+        // the Disconnect, retried, not with a RemoteAccess.
+        self.close_with_disconnect(reason);
     }
 
     fn protocol_error(&mut self, what: String) {
@@ -488,9 +491,8 @@ impl Conn {
                         {
                             self.ticket = None;
                         }
-                        self.phase = Phase::Closing {
-                            deadline: now + LINGER,
-                        };
+                        // Its registrations are dropped by the loop's registrar.
+                        self.close(now + LINGER);
                     }
                     Ok(other) => {
                         let t = other.message_type();
@@ -665,6 +667,8 @@ impl Conn {
         if let Some((reason, why)) = s.reloaded(diff, self.peer) {
             self.session_ended(reason);
             self.goodbye(&why);
+            // Unreachable once the reload is done: dropped here, not by the registrar.
+            self.release_here();
             return;
         }
         // A host the reload lists now (without a key: one with a key must prove it, and its

@@ -57,7 +57,7 @@ pub(crate) mod shared;
 pub use crate::seam::{Error, Result};
 pub use acceptor::{MAX_PENDING, MPA_TIMEOUT};
 pub(crate) use peer_log::Class as LogClass;
-pub use session::TEST_REGISTER_HOLD_ENV;
+pub use session::{TEST_DEREGISTER_HOLD_ENV, TEST_REGISTER_HOLD_ENV};
 pub(crate) use session_info::{SessionCounts, SessionInfo};
 pub(crate) use shared::{Heartbeat, LoopCmd, LoopTx, Shared};
 pub use shared::{LINGER, MIN_KEEP_ALIVE};

@@ -347,6 +347,7 @@ impl PollLoop {
             // the slot, which still holds an earlier one (decoded, it replayed the peer's own
             // earlier Flush Request or Connect). Not part of the protocol.
             conn.unexpected_receive(c.opcode);
+            Self::ask_registrar(&mut self.registrar, conn, c.qp_num);
             return;
         }
         let mut buf = std::mem::take(&mut self.scratch);
@@ -529,13 +530,23 @@ impl PollLoop {
     }
 
     fn tick(&mut self, now: Instant) {
-        let dead: Vec<u32> = self
-            .conns
-            .iter_mut()
-            .filter_map(|(&n, c)| (!c.tick(now)).then_some(n))
-            .collect();
+        let mut dead = Vec::new();
+        for (&n, c) in self.conns.iter_mut() {
+            if c.tick(now) {
+                // A session its timers ended (a keep-alive lapse, an eviction) has its
+                // registrations dropped by the registrar before its Disconnect goes out.
+                Self::ask_registrar(&mut self.registrar, c, n);
+            } else {
+                dead.push(n);
+            }
+        }
         for n in dead {
-            self.conns.remove(&n);
+            if let Some(c) = self.conns.remove(&n) {
+                // Its queue pair is gone with it: what it had registered is unreachable, and
+                // dropped off the loop.
+                let left = c.into_release();
+                self.registrar.discard(left);
+            }
             self.load.fetch_sub(1, Ordering::Relaxed);
         }
     }
@@ -569,6 +580,9 @@ impl PollLoop {
                 Phase::Handshake { .. } | Phase::Closing { .. } => {}
             }
         }
+        for (&n, c) in self.conns.iter_mut() {
+            Self::ask_registrar(&mut self.registrar, c, n);
+        }
         let deadline = Instant::now() + STOP_GRACE;
         loop {
             // Until the host closes, its queue pair stays out of Error: sends still go out.
@@ -579,6 +593,8 @@ impl PollLoop {
             if !lingering || now >= deadline {
                 break;
             }
+            // (Goodbyes go out once their sessions' registrations are dropped.)
+            self.take_registrations();
             self.turn(Some(Some(deadline - now)));
         }
         let n = self.conns.len();

@@ -10,7 +10,9 @@
 //! registrations come back ([`Conn::registered`](super::conn::Conn)). Registrations the loop
 //! cannot use (the connection went away, a reload changed the namespaces meanwhile, the target
 //! filled up) are sent back here to be dropped, so that their deregistration does not hold the
-//! loop either.
+//! loop either; so are a session's when it ends ([`Registrar::release`]): its goodbye
+//! (the Disconnect that says why) goes out once they are dropped, so that a Write the host sends
+//! after it is refused as before.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -59,6 +61,15 @@ enum Work {
     Register(Request, u32, u64),
     /// Registrations to drop (deregister) here.
     Drop(Vec<Grant>),
+    /// A session's registrations to drop, then to tell its connection (`qp_num`, `serial`).
+    Release(Vec<Grant>, u32, u64),
+}
+
+/// A connection whose session's registrations were dropped ([`Registrar::release`]): its
+/// queue pair number and its serial in the loop.
+pub(crate) struct Released {
+    pub(crate) qp_num: u32,
+    pub(crate) serial: u64,
 }
 
 /// A poll loop's registrar thread: registers what its connections ask for and hands the
@@ -69,6 +80,8 @@ pub(crate) struct Registrar {
     work: Option<mpsc::Sender<Work>>,
     done_tx: mpsc::Sender<Registration>,
     done: mpsc::Receiver<Registration>,
+    released_tx: mpsc::Sender<Released>,
+    released: mpsc::Receiver<Released>,
     wake: LoopTx,
     /// The thread could not be started (said once; the loop registers itself from then on).
     no_thread: bool,
@@ -78,11 +91,14 @@ impl Registrar {
     /// The registrar of poll loop `index`, which `wake` wakes (no thread until it is needed).
     pub(crate) fn new(index: usize, wake: LoopTx) -> Registrar {
         let (done_tx, done) = mpsc::channel();
+        let (released_tx, released) = mpsc::channel();
         Registrar {
             index,
             work: None,
             done_tx,
             done,
+            released_tx,
+            released,
             wake,
             no_thread: false,
         }
@@ -139,6 +155,36 @@ impl Registrar {
         }
     }
 
+    /// Drops a session's registrations `grants` in the registrar's thread (a pinned
+    /// namespace's deregistration takes as long as its registration), then says so through
+    /// [`take_released`](Self::take_released) and wakes the loop. Done here if the thread
+    /// cannot be started.
+    pub(crate) fn release(&mut self, grants: Vec<Grant>, qp_num: u32, serial: u64) {
+        match self.thread() {
+            Some(tx) => {
+                if let Err(mpsc::SendError(Work::Release(grants, ..))) =
+                    tx.send(Work::Release(grants, qp_num, serial))
+                {
+                    self.work = None;
+                    self.release_here(grants, qp_num, serial);
+                }
+            }
+            None => self.release_here(grants, qp_num, serial),
+        }
+    }
+
+    fn release_here(&self, grants: Vec<Grant>, qp_num: u32, serial: u64) {
+        drop(grants);
+        let _ = self.released_tx.send(Released { qp_num, serial });
+        // (Possibly called while the loop takes results in: it turns again.)
+        self.wake.wake();
+    }
+
+    /// Sessions whose registrations [`release`](Self::release) dropped.
+    pub(crate) fn take_released(&self) -> mpsc::TryIter<'_, Released> {
+        self.released.try_iter()
+    }
+
     /// The thread's way in, started at the first use; None if it cannot be started.
     fn thread(&mut self) -> Option<mpsc::Sender<Work>> {
         if let Some(tx) = &self.work {
@@ -149,6 +195,7 @@ impl Registrar {
         }
         let (tx, rx) = mpsc::channel::<Work>();
         let done = self.done_tx.clone();
+        let released = self.released_tx.clone();
         let wake = self.wake.clone();
         let spawned = std::thread::Builder::new()
             .name(format!("rpma-reg-{}", self.index))
@@ -162,6 +209,12 @@ impl Registrar {
                             }
                         }
                         Work::Drop(grants) => drop(grants),
+                        Work::Release(grants, qp_num, serial) => {
+                            drop(grants);
+                            if released.send(Released { qp_num, serial }).is_ok() {
+                                wake.wake();
+                            }
+                        }
                     }
                 }
             });

@@ -51,6 +51,7 @@ pub(crate) struct Grant {
 
 impl Drop for Grant {
     fn drop(&mut self) {
+        test_hold(TEST_DEREGISTER_HOLD_ENV, "deregistration");
         self.ns.counters.sessions.fetch_sub(1, Ordering::Relaxed);
     }
 }
@@ -192,16 +193,18 @@ impl Session {
 /// namespace does, without a big namespace).
 pub const TEST_REGISTER_HOLD_ENV: &str = "RPMA_TARGET_TEST_REGISTER_HOLD";
 
-fn test_hold() {
-    let Some(path) = std::env::var_os(TEST_REGISTER_HOLD_ENV) else {
+/// Test hook (never set in production): as [`TEST_REGISTER_HOLD_ENV`], for the drop of each
+/// registration (a deregistration that takes long, as unpinning a big namespace does).
+pub const TEST_DEREGISTER_HOLD_ENV: &str = "RPMA_TARGET_TEST_DEREGISTER_HOLD";
+
+/// What the test hook `env` asks: wait, having said so, while its path is not there.
+fn test_hold(env: &str, what: &str) {
+    let Some(path) = std::env::var_os(env) else {
         return;
     };
     let path = std::path::PathBuf::from(path);
     if !path.exists() {
-        log::info!(
-            "test hook: a registration waits until {} exists",
-            path.display()
-        );
+        log::info!("test hook: a {what} waits until {} exists", path.display());
         while !path.exists() {
             std::thread::sleep(Duration::from_millis(10));
         }
@@ -217,7 +220,7 @@ pub(super) fn grant(
     served_by: (Transport, bool),
     peer_flush: bool,
 ) -> fabric::Result<(Grant, NamespaceDescriptor)> {
-    test_hold();
+    test_hold(TEST_REGISTER_HOLD_ENV, "registration");
     let access = access_for(ns.config.read_only, ns.domain());
     let mr = pd.register(Arc::clone(&ns.mapping), access)?;
     let (transport, direct_write_to_pmem) = served_by;

@@ -13,7 +13,7 @@ use rpma_common::proto::msgbuf::MsgBufs;
 use super::PollLoop;
 use crate::serve::budget::Ticket;
 use crate::serve::conn::{Conn, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
-use crate::serve::registrar::{Registrar, Registration};
+use crate::serve::registrar::{Registrar, Registration, Released};
 
 impl PollLoop {
     /// A connection request rejected before anything was made for it (`why`, for the log).
@@ -100,17 +100,33 @@ impl PollLoop {
         }
     }
 
-    /// Sends what connection `conn` (queue pair `qp_num`) asks to have registered, if
-    /// anything, to the loop's registrar.
+    /// Sends what connection `conn` (queue pair `qp_num`) asks to have registered, and its
+    /// ended session's registrations to drop, if any, to the loop's registrar.
     pub(super) fn ask_registrar(registrar: &mut Registrar, conn: &mut Conn, qp_num: u32) {
         if let Some(req) = conn.take_registration() {
             registrar.register(req, qp_num, conn.serial);
         }
+        let ended = conn.take_release();
+        if !ended.is_empty() {
+            registrar.release(ended, qp_num, conn.serial);
+        }
     }
 
-    /// Hands the registrations that are done to their connections; those no connection takes
-    /// go back to the registrar to be dropped.
+    /// Hands the registrations that are done to their connections (those no connection takes
+    /// go back to the registrar to be dropped), and tells those whose ended session's
+    /// registrations were dropped (their Disconnect goes out).
     pub(super) fn take_registrations(&mut self) {
+        let released: Vec<Released> = self.registrar.take_released().collect();
+        for r in released {
+            if let Some(conn) = self
+                .conns
+                .get_mut(&r.qp_num)
+                .filter(|c| c.serial == r.serial)
+            {
+                conn.released();
+                self.failed |= conn.overrun();
+            }
+        }
         let done: Vec<Registration> = self.registrar.take().collect();
         for r in done {
             let Some(conn) = self

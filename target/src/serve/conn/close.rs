@@ -1,0 +1,74 @@
+//! A connection's end: its session's registrations are dropped (deregistered) by the loop's
+//! registrar, not in the loop (unpinning a big namespace on `rdma://` takes as long as pinning
+//! it, and every other session of the loop would wait), and a goodbye's Disconnect waits until
+//! they are: a Write the host sends after it is refused (RemoteAccess), as when the loop
+//! dropped them itself.
+//!
+//! A reload's goodbye does not wait for the registrar: what it closes must be unreachable when
+//! the reload is reported done, so its registrations are dropped in the loop, as before.
+
+use std::time::Instant;
+
+use rpma_common::proto::{Disconnect, Message};
+
+use super::super::session::Grant;
+use super::{Conn, Phase, LINGER};
+
+/// How long a goodbye waits for its session's registrations to be dropped before the
+/// connection is closed without its Disconnect (as long as a registration may take).
+const RELEASE_LIMIT: std::time::Duration = super::REGISTRATION_LIMIT;
+
+impl Conn {
+    /// Ends the connection's phase for Closing until `deadline`: a session's registrations
+    /// are kept for the loop's registrar to drop ([`Conn::take_release`]).
+    pub(super) fn close(&mut self, deadline: Instant) {
+        let was = std::mem::replace(&mut self.phase, Phase::Closing { deadline });
+        if let Phase::Session(mut s) = was {
+            self.to_release
+                .extend(std::mem::take(&mut s.grants).into_values());
+        }
+    }
+
+    /// Closes the session (if any) with a Disconnect that says `reason`, sent once its
+    /// registrations are dropped ([`Conn::released`]), at once if it has none.
+    pub(super) fn close_with_disconnect(&mut self, reason: &str) {
+        let now = Instant::now();
+        self.close(now + RELEASE_LIMIT);
+        self.disconnect_after_release = Some(reason.to_owned());
+        if self.to_release.is_empty() {
+            self.released();
+        }
+    }
+
+    /// A session's registrations to drop, for the loop's registrar, which calls
+    /// [`Conn::released`] when it has (empty: nothing to drop).
+    pub(crate) fn take_release(&mut self) -> Vec<Grant> {
+        std::mem::take(&mut self.to_release)
+    }
+
+    /// The registrations of a connection the loop drops (its queue pair goes with it: they are
+    /// unreachable), for the registrar to drop.
+    pub(crate) fn into_release(mut self) -> Vec<Grant> {
+        self.close(Instant::now());
+        self.take_release()
+    }
+
+    /// Drops the session's registrations here, in the loop (a reload's goodbye), and sends the
+    /// Disconnect that waited for them.
+    pub(super) fn release_here(&mut self) {
+        drop(self.take_release());
+        self.released();
+    }
+
+    /// What [`Conn::take_release`] gave is dropped: the Disconnect that waited for it goes
+    /// out, and the linger starts.
+    pub(crate) fn released(&mut self) {
+        let Some(reason) = self.disconnect_after_release.take() else {
+            return;
+        };
+        if let Phase::Closing { deadline } = &mut self.phase {
+            *deadline = Instant::now() + LINGER;
+        }
+        self.send(&Message::Disconnect(Disconnect { reason }));
+    }
+}
