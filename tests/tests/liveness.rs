@@ -6,6 +6,7 @@
 use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
+use rpma_common::fabric::WcStatus;
 use rpma_common::proto::nqn::DISCOVERY_NQN;
 use rpma_common::proto::FlushStatus;
 use rpma_initiator::{connect, identify, ConnectOptions};
@@ -230,6 +231,25 @@ fn wait_for_held_release(t: &rpma_tests::Target) {
     while said(t, "test hook: a deregistration waits") == 0 {
         assert!(Instant::now() < deadline, "no deregistration waits");
         std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// A session of PLAIN with SUB whose keep-alive outlasts the test (it sends nothing while the
+/// test waits for the target's log).
+fn patient_session(t: &rpma_tests::Target) -> rpma_initiator::Session {
+    let o = ConnectOptions {
+        keep_alive: Duration::from_secs(600),
+        ..opts()
+    };
+    connect(&t.url(), &nqn(SUB), &host(PLAIN), &o).unwrap()
+}
+
+/// OPEN's namespace 1 in `s`, as a remote address.
+fn open_ns1(s: &rpma_initiator::Session) -> rpma_common::fabric::RemoteAddr {
+    let n = s.namespace(1).unwrap();
+    rpma_common::fabric::RemoteAddr {
+        addr: n.remote_addr,
+        rkey: n.rkey,
     }
 }
 
@@ -520,7 +540,7 @@ fn a_session_whose_namespaces_take_long_to_deregister_delays_no_other_session() 
     let d = scratch();
     let go = d.path().join("deregistrations-go");
     let t = start_held_release(d.path(), &go);
-    let mut s = session(&t);
+    let mut s = patient_session(&t);
     let leaving = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
     std::fs::remove_file(&go).unwrap();
     // Its host closes it; its deregistration waits.
@@ -545,13 +565,10 @@ fn a_goodbye_waits_for_its_deregistration_and_delays_no_other_session() {
     let d = scratch();
     let go = d.path().join("deregistrations-go");
     let t = start_held_release(d.path(), &go);
-    let mut s = session(&t);
-    let short = ConnectOptions {
-        keep_alive: Duration::from_millis(500),
-        ..opts()
-    };
-    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short).unwrap();
+    let mut s = patient_session(&t);
+    // (Held from here: nothing else drops a registration before the lapse.)
     std::fs::remove_file(&go).unwrap();
+    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
     // It does not tick: its keep-alive lapses, and its deregistration waits.
     wait_for_held_release(&t);
     for _ in 0..3 {
@@ -572,6 +589,72 @@ fn a_goodbye_waits_for_its_deregistration_and_delays_no_other_session() {
     }
     wait_for_open_released(&t);
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
+/// A keep-alive that lapses within the test, when the host stops ticking.
+fn short() -> ConnectOptions {
+    ConnectOptions {
+        keep_alive: Duration::from_millis(500),
+        ..opts()
+    }
+}
+
+/// A reload while a closed session's deregistration waits (its Disconnect with it) closes its
+/// connection at once: the reload takes its host away, and once the reload is done a Write
+/// with its rkey places nothing. (Before: the connection lingered with its regions registered
+/// until the registrar dropped them, and the Write landed in the namespace.)
+#[test]
+fn a_reload_closes_a_connection_whose_deregistration_waits() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let mut t = start_held_release(d.path(), &go);
+    std::fs::remove_file(&go).unwrap();
+    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
+    let remote = open_ns1(&lapsing);
+    wait_for_held_release(&t);
+    // OPEN lets only PLAIN in now; the reload is done (READY) while the deregistration still
+    // waits.
+    let config = demo_config(HELD_TOP, "");
+    let closed = config.replacen(
+        "allow_any_host = true\n",
+        &format!("hosts = [{{ nqn = \"{PLAIN}\" }}]\n"),
+        1,
+    );
+    assert_ne!(config, closed);
+    t.rewrite(&closed);
+    t.reload();
+    let st = write_then_read(&mut lapsing, remote, b"after the reload");
+    // (A Write completes at the host once sent; its Read after it says whether it arrived.)
+    assert_ne!(st.last(), Some(&WcStatus::Success), "{st:?}");
+    std::fs::write(&go, b"").unwrap();
+    wait_for_open_released(&t);
+    let file = std::fs::read(d.path().join("open1")).unwrap();
+    assert!(file[..16].iter().all(|&b| b == 0), "the Write landed");
+}
+
+/// The stop says goodbye to a session whose deregistration takes long (held past the stop's
+/// grace of a second): its Disconnect goes out once the regions are dropped, and the target
+/// exits. (Before: the goodbye waited for the registrar, the grace ran out, and the host saw
+/// its connection lost without a word.)
+#[test]
+fn the_stop_says_goodbye_to_a_session_whose_deregistration_takes_long() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let mut t = start_held_release(d.path(), &go);
+    let mut s = patient_session(&t);
+    std::fs::remove_file(&go).unwrap();
+    t.signal(Signal::SIGTERM);
+    wait_for_held_release(&t);
+    // Past the stop's grace (a wait that can only miss the bug, never fail a correct target).
+    std::thread::sleep(Duration::from_millis(1500));
+    std::fs::write(&go, b"").unwrap();
+    match s.wait_message(WAIT, "Disconnect") {
+        Err(rpma_initiator::Error::Disconnected { reason }) => {
+            assert!(reason.contains("shutting down"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.wait_exit(WAIT).success());
 }
 
 #[test]
@@ -641,4 +724,6 @@ rpma_tests::rdma_runs!(
     a_host_whose_registrations_outlast_its_keep_alive_gets_a_working_session,
     a_session_whose_namespaces_take_long_to_deregister_delays_no_other_session,
     a_goodbye_waits_for_its_deregistration_and_delays_no_other_session,
+    a_reload_closes_a_connection_whose_deregistration_waits,
+    the_stop_says_goodbye_to_a_session_whose_deregistration_takes_long,
 );

@@ -163,6 +163,8 @@ pub(crate) struct Conn {
     to_release: Vec<Grant>,
     /// The Disconnect to send once they are dropped ([`Conn::released`]).
     disconnect_after_release: Option<String>,
+    /// Its registrations are with the registrar, not dropped yet.
+    releasing: bool,
 }
 
 impl Drop for Conn {
@@ -213,6 +215,7 @@ impl Conn {
             to_register: None,
             to_release: Vec::new(),
             disconnect_after_release: None,
+            releasing: false,
         }
     }
 
@@ -399,16 +402,18 @@ impl Conn {
                 self.last_seen = now;
             }
             Phase::Registering(_) => self.registering_message(buf, now),
-            Phase::Closing { .. } => {
+            Phase::Closing { .. } => match Message::decode(buf) {
                 // Flush requests that crossed our goodbye are answered, never silently dropped.
-                if let Ok(Message::FlushRequest(r)) = Message::decode(buf) {
+                Ok(Message::FlushRequest(r)) => {
                     let resp = FlushResponse {
                         token: r.token,
                         status: FlushStatus::Unavailable,
                     };
                     self.send_raw(&resp.encode());
                 }
-            }
+                Ok(Message::KeepAlive(k)) if self.owes_disconnect() => self.send_raw(&k.encode()),
+                _ => {}
+            },
             Phase::Discovery {
                 host, key, listed, ..
             } => {
@@ -609,8 +614,8 @@ impl Conn {
                     self.peer.ip(),
                     log::Level::Warn,
                     format_args!(
-                        "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; rkeys \
-                         revoked",
+                        "session ctrl {} (host {} from {}): keep-alive of {} ms lapsed; its \
+                         rkeys are revoked before its Disconnect",
                         s.info.controller_id,
                         s.host,
                         self.peer,
@@ -633,7 +638,10 @@ impl Conn {
                 self.registering_expired();
                 true
             }
-            Phase::Closing { deadline } => now < *deadline,
+            Phase::Closing { deadline } if now >= *deadline => {
+                self.say_release_expired();
+                false
+            }
             _ => true,
         }
     }
@@ -647,6 +655,9 @@ impl Conn {
         // namespace queued (a host that stopped reading), and no grant left to revoke: if the
         // reload removed or changed a namespace (whose file may serve someone else now), it
         // closes now rather than send them from that file (its host sees a lost connection).
+        if self.close_if_releasing() {
+            return;
+        }
         if let Phase::Closing { deadline } = &mut self.phase {
             if !diff.namespaces_removed.is_empty() || !diff.namespaces_changed.is_empty() {
                 *deadline = Instant::now();

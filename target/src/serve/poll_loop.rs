@@ -574,14 +574,14 @@ impl PollLoop {
             match c.phase {
                 Phase::Session(_) | Phase::Discovery { .. } => {
                     c.session_ended(EndReason::Shutdown);
-                    c.goodbye("the target is shutting down")
+                    c.goodbye("the target is shutting down");
+                    // Dropped here: every session ends, and no goodbye waits behind the
+                    // registrar's other work past the stop's grace.
+                    c.release_here();
                 }
                 Phase::Registering(_) => c.refuse_registering_at_stop(),
                 Phase::Handshake { .. } | Phase::Closing { .. } => {}
             }
-        }
-        for (&n, c) in self.conns.iter_mut() {
-            Self::ask_registrar(&mut self.registrar, c, n);
         }
         let deadline = Instant::now() + STOP_GRACE;
         loop {
@@ -593,8 +593,6 @@ impl PollLoop {
             if !lingering || now >= deadline {
                 break;
             }
-            // (Goodbyes go out once their sessions' registrations are dropped.)
-            self.take_registrations();
             self.turn(Some(Some(deadline - now)));
         }
         let n = self.conns.len();

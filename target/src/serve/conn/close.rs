@@ -5,7 +5,11 @@
 //! dropped them itself.
 //!
 //! A reload's goodbye does not wait for the registrar: what it closes must be unreachable when
-//! the reload is reported done, so its registrations are dropped in the loop, as before.
+//! the reload is reported done, so its registrations are dropped in the loop, as before; and a
+//! reload while a closed session's registrations are still with the registrar closes its
+//! connection at once (its queue pair in Error: nothing it had registered is reachable then).
+//! So does the stop, which ends every session anyway: the loop drops their registrations
+//! itself, so that no goodbye waits behind the registrar's other work past the stop's grace.
 
 use std::time::Instant;
 
@@ -43,7 +47,49 @@ impl Conn {
     /// A session's registrations to drop, for the loop's registrar, which calls
     /// [`Conn::released`] when it has (empty: nothing to drop).
     pub(crate) fn take_release(&mut self) -> Vec<Grant> {
-        std::mem::take(&mut self.to_release)
+        let grants = std::mem::take(&mut self.to_release);
+        self.releasing |= !grants.is_empty();
+        grants
+    }
+
+    /// A reload while its ended session's registrations are with the registrar: the
+    /// connection closes now, its queue pair in Error first (the reload may have taken its
+    /// host or namespaces away, and the reload is reported done before the registrar is).
+    /// Whether it did.
+    pub(super) fn close_if_releasing(&mut self) -> bool {
+        if !self.releasing {
+            return false;
+        }
+        self.qp.to_error();
+        self.disconnect_after_release = None;
+        if let Phase::Closing { deadline } = &mut self.phase {
+            *deadline = Instant::now();
+        }
+        log::info!(
+            "connection from {}: closed now, without its Disconnect: a reload came while its \
+             session's registrations were being dropped",
+            self.peer
+        );
+        true
+    }
+
+    /// Whether a Disconnect waits for the registrar (the host's KeepAlives are still echoed
+    /// meanwhile: a slow deregistration must not look like a dead target).
+    pub(super) fn owes_disconnect(&self) -> bool {
+        self.disconnect_after_release.is_some()
+    }
+
+    /// A connection whose Disconnect waited for the registrar past [`RELEASE_LIMIT`]: said
+    /// before it is dropped without it.
+    pub(super) fn say_release_expired(&self) {
+        if self.owes_disconnect() {
+            log::warn!(
+                "connection from {}: closed without its Disconnect: its session's \
+                 registrations were not dropped within {} s",
+                self.peer,
+                RELEASE_LIMIT.as_secs()
+            );
+        }
     }
 
     /// The registrations of a connection the loop drops (its queue pair goes with it: they are
@@ -55,7 +101,7 @@ impl Conn {
 
     /// Drops the session's registrations here, in the loop (a reload's goodbye), and sends the
     /// Disconnect that waited for them.
-    pub(super) fn release_here(&mut self) {
+    pub(crate) fn release_here(&mut self) {
         drop(self.take_release());
         self.released();
     }
@@ -63,6 +109,7 @@ impl Conn {
     /// What [`Conn::take_release`] gave is dropped: the Disconnect that waited for it goes
     /// out, and the linger starts.
     pub(crate) fn released(&mut self) {
+        self.releasing = false;
         let Some(reason) = self.disconnect_after_release.take() else {
             return;
         };
