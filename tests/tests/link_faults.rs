@@ -1298,7 +1298,10 @@ fn a_vanished_host_is_expired_by_the_target() {
     q.close().unwrap();
     Footprint::wait_back_to(&t, &base, CLEANUP_WITHIN);
     let back_after = orphaned.elapsed();
-    let lines = t.log_lines(&["ctrl 2", "lapsed; rkeys revoked"], Duration::from_secs(1));
+    let lines = t.log_lines(
+        &["ctrl 2", "lapsed; its rkeys are revoked"],
+        Duration::from_secs(1),
+    );
     assert_eq!(lines.len(), 1, "{}", t.log());
     stress::figures(
         "vanished-host",

@@ -657,6 +657,54 @@ fn the_stop_says_goodbye_to_a_session_whose_deregistration_takes_long() {
     assert!(t.wait_exit(WAIT).success());
 }
 
+/// A goodbye that waits for its session's deregistration when the stop comes still goes out
+/// once the deregistration is done (within the stop's grace). (Before: the stop's wait did not
+/// look at the registrar; the host saw its connection lost.)
+#[test]
+fn a_goodbye_that_waits_for_its_deregistration_at_the_stop_goes_out() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let mut t = start_held_release(d.path(), &go);
+    std::fs::remove_file(&go).unwrap();
+    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
+    wait_for_held_release(&t);
+    t.signal(Signal::SIGTERM);
+    // The stop began (a deregistration let go before it would be answered before it: that can
+    // only miss the bug).
+    t.log_lines(&["SIGTERM: stopping"], WAIT);
+    std::fs::write(&go, b"").unwrap();
+    match lapsing.wait_message(WAIT, "Disconnect") {
+        Err(rpma_initiator::Error::Disconnected { reason }) => {
+            assert!(reason.contains("keep-alive"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(t.wait_exit(WAIT).success());
+}
+
+/// A reload that does not touch a closed session whose deregistration waits (another
+/// subsystem gains a namespace) leaves it alone: its Disconnect goes out once the
+/// deregistration is done. (Before: any reload closed it without a word.)
+#[test]
+fn a_reload_elsewhere_leaves_a_goodbye_that_waits_for_its_deregistration() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let mut t = start_held_release(d.path(), &go);
+    std::fs::remove_file(&go).unwrap();
+    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
+    wait_for_held_release(&t);
+    let ns2 = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\n";
+    t.rewrite(&demo_config(HELD_TOP, ns2));
+    t.reload();
+    std::fs::write(&go, b"").unwrap();
+    match lapsing.wait_message(WAIT, "Disconnect") {
+        Err(rpma_initiator::Error::Disconnected { reason }) => {
+            assert!(reason.contains("keep-alive"), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 #[test]
 fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
     let d = scratch();
@@ -726,4 +774,6 @@ rpma_tests::rdma_runs!(
     a_goodbye_waits_for_its_deregistration_and_delays_no_other_session,
     a_reload_closes_a_connection_whose_deregistration_waits,
     the_stop_says_goodbye_to_a_session_whose_deregistration_takes_long,
+    a_goodbye_that_waits_for_its_deregistration_at_the_stop_goes_out,
+    a_reload_elsewhere_leaves_a_goodbye_that_waits_for_its_deregistration,
 );

@@ -165,6 +165,8 @@ pub(crate) struct Conn {
     disconnect_after_release: Option<String>,
     /// Its registrations are with the registrar, not dropped yet.
     releasing: bool,
+    /// The subsystem and host of its session, once ended (what a reload may touch).
+    ended: Option<(Nqn, Nqn)>,
 }
 
 impl Drop for Conn {
@@ -216,6 +218,7 @@ impl Conn {
             to_release: Vec::new(),
             disconnect_after_release: None,
             releasing: false,
+            ended: None,
         }
     }
 
@@ -655,7 +658,7 @@ impl Conn {
         // namespace queued (a host that stopped reading), and no grant left to revoke: if the
         // reload removed or changed a namespace (whose file may serve someone else now), it
         // closes now rather than send them from that file (its host sees a lost connection).
-        if self.close_if_releasing() {
+        if self.close_if_releasing(diff) {
             return;
         }
         if let Phase::Closing { deadline } = &mut self.phase {

@@ -222,6 +222,9 @@ impl PollLoop {
                             std::thread::sleep(d);
                             say("test hook: stall over");
                         }
+                        // Goodbyes whose registrations are dropped go first (a reload that
+                        // touches a session still releasing closes it without one).
+                        self.take_registrations();
                         self.reload(&diff);
                         // Applied: the daemon may say READY once every loop's token is gone.
                         drop(ack);
@@ -593,6 +596,8 @@ impl PollLoop {
             if !lingering || now >= deadline {
                 break;
             }
+            // (Goodbyes that waited for the registrar before the stop go out when it is done.)
+            self.take_registrations();
             self.turn(Some(Some(deadline - now)));
         }
         let n = self.conns.len();

@@ -6,8 +6,10 @@
 //!
 //! A reload's goodbye does not wait for the registrar: what it closes must be unreachable when
 //! the reload is reported done, so its registrations are dropped in the loop, as before; and a
-//! reload while a closed session's registrations are still with the registrar closes its
-//! connection at once (its queue pair in Error: nothing it had registered is reachable then).
+//! reload that touches a closed session (its subsystem, its host's entry, a namespace of its
+//! subsystem removed or replaced) while its registrations are still with the registrar closes
+//! its connection at once (its queue pair in Error: nothing it had registered is reachable
+//! then).
 //! So does the stop, which ends every session anyway: the loop drops their registrations
 //! itself, so that no goodbye waits behind the registrar's other work past the stop's grace.
 
@@ -17,6 +19,7 @@ use rpma_common::proto::{Disconnect, Message};
 
 use super::super::session::Grant;
 use super::{Conn, Phase, LINGER};
+use crate::reload::ConfigDiff;
 
 /// How long a goodbye waits for its session's registrations to be dropped before the
 /// connection is closed without its Disconnect (as long as a registration may take).
@@ -30,6 +33,7 @@ impl Conn {
         if let Phase::Session(mut s) = was {
             self.to_release
                 .extend(std::mem::take(&mut s.grants).into_values());
+            self.ended = Some((s.subsystem.clone(), s.host.clone()));
         }
     }
 
@@ -52,24 +56,36 @@ impl Conn {
         grants
     }
 
-    /// A reload while its ended session's registrations are with the registrar: the
-    /// connection closes now, its queue pair in Error first (the reload may have taken its
-    /// host or namespaces away, and the reload is reported done before the registrar is).
-    /// Whether it did.
-    pub(super) fn close_if_releasing(&mut self) -> bool {
+    /// A reload that touches its ended session (its subsystem, its host's entry, a namespace of
+    /// its subsystem removed or replaced) while the session's registrations are with the
+    /// registrar: the connection closes now, its queue pair in Error first (the reload is
+    /// reported done before the registrar is). Whether it did.
+    pub(super) fn close_if_releasing(&mut self, diff: &ConfigDiff) -> bool {
         if !self.releasing {
             return false;
         }
+        let touched = self.ended.as_ref().is_none_or(|(sub, host)| {
+            diff.touches_session(sub, host)
+                || diff
+                    .namespaces_removed
+                    .iter()
+                    .chain(&diff.namespaces_changed)
+                    .any(|(s, _)| s == sub)
+        });
+        if !touched {
+            return false;
+        }
         self.qp.to_error();
-        self.disconnect_after_release = None;
         if let Phase::Closing { deadline } = &mut self.phase {
             *deadline = Instant::now();
         }
-        log::info!(
-            "connection from {}: closed now, without its Disconnect: a reload came while its \
-             session's registrations were being dropped",
-            self.peer
-        );
+        if self.disconnect_after_release.take().is_some() {
+            log::info!(
+                "connection from {}: closed now, without its Disconnect: a reload touched its \
+                 session while the session's registrations were being dropped",
+                self.peer
+            );
+        }
         true
     }
 
