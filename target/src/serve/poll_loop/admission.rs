@@ -83,7 +83,13 @@ impl PollLoop {
         match made {
             Ok(conn) => {
                 log::debug!("loop {}: connection from {}", self.index, conn.peer);
-                self.conns.insert(conn.qp.qp_num(), conn);
+                if let Some(old) = self.conns.insert(conn.qp.qp_num(), conn) {
+                    // A connection on a device that went away, whose queue pair number the
+                    // device back in its place gave again before a tick dropped it: over, and
+                    // gone as a tick would drop it.
+                    self.registrar.discard(old.into_release());
+                    self.load.fetch_sub(1, Ordering::Relaxed);
+                }
             }
             Err(e) => {
                 // Mostly a bad MPA Request (unauthenticated): rate-limited per address.
