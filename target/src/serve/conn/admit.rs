@@ -287,7 +287,7 @@ impl Conn {
             namespaces: descriptors,
             queue_depth: self.queue_depth,
         });
-        let session = Session {
+        let mut session = Session {
             shared: Arc::clone(&shared),
             info,
             subsystem: c.subsystem_nqn,
@@ -322,6 +322,8 @@ impl Conn {
             }
             Err(e) => {
                 let host = session.host.clone();
+                // Its registrations are dropped by the registrar too.
+                left.extend(std::mem::take(&mut session.grants).into_values());
                 drop(session);
                 self.refuse(RefusalReason::Other(1000), format!("{e}"), Some(&host));
             }
