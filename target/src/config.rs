@@ -14,6 +14,7 @@ use rpma_common::units::parse_size;
 
 mod admission;
 mod error;
+mod limits;
 mod raw;
 mod simulation;
 
@@ -546,6 +547,16 @@ impl Config {
                 });
             }
             namespaces.sort_by_key(|n| n.nsid);
+            // (NVMe/TCP lists namespaces a page at a time: only rpma's own fabrics are bound.)
+            if listeners.iter().any(|l| l.url.transport.is_fabric()) {
+                limits::connect_response_fits(
+                    &format!("{skey}.namespace"),
+                    namespaces.iter().map(|n| {
+                        let label = n.power_loss_simulation.as_ref().map(|s| s.label());
+                        (n.nsid, n.block_size, label)
+                    }),
+                )?;
+            }
             subsystems.push(Subsystem {
                 nqn,
                 allow_any_host: rs.allow_any_host,

@@ -154,6 +154,52 @@ impl Message {
     }
 }
 
+/// The longest a namespace's failure or unavailability text is sent at first, then shorter
+/// ones in turn while the ConnectResponse would not fit ([`ConnectResponse::fit`]).
+const TEXT_BUDGETS: [usize; 3] = [256, 32, 0];
+
+impl ConnectResponse {
+    /// Shortens its namespaces' failure and unavailability texts (each to 256 bytes, then 32,
+    /// then none) until the message fits in [`MAX_MESSAGE_SIZE`]: a
+    /// failure's text names its path and errno, and a few long ones would otherwise make the
+    /// subsystem's ConnectResponse too large for any host to be admitted, its healthy
+    /// namespaces too. Whether a namespace failed or is unavailable is kept (the text is cut,
+    /// never taken away). The target's configuration check makes sure a subsystem's response
+    /// fits with every text empty.
+    pub fn fit(&mut self) {
+        for budget in TEXT_BUDGETS {
+            if self.encoded_len() <= MAX_MESSAGE_SIZE {
+                return;
+            }
+            for d in &mut self.namespaces {
+                for text in [&mut d.failure, &mut d.unavailable].into_iter().flatten() {
+                    shorten(text, budget);
+                }
+            }
+        }
+    }
+
+    /// Its encoded length, header included.
+    pub fn encoded_len(&self) -> usize {
+        serde_body(MessageType::ConnectResponse, self).map_or(usize::MAX, |b| b.len())
+    }
+}
+
+/// Cuts `text` to at most `max` bytes at a character boundary, ending it with "..." when cut.
+fn shorten(text: &mut String, max: usize) {
+    if text.len() <= max {
+        return;
+    }
+    let mut end = max.saturating_sub(3);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    text.truncate(end);
+    if max >= 3 {
+        text.push_str("...");
+    }
+}
+
 fn serde_body<T: serde::Serialize>(ty: MessageType, m: &T) -> Result<Vec<u8>> {
     let mut out = header(ty).to_vec();
     let body = postcard::to_allocvec(m).map_err(|source| Error::Encode { ty, source })?;

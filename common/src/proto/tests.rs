@@ -343,3 +343,75 @@ proptest! {
         let _ = Message::decode(&b);
     }
 }
+
+/// A descriptor with a failure and an unavailability text `text` long.
+fn failed_descriptor(nsid: u32, text: &str) -> NamespaceDescriptor {
+    NamespaceDescriptor {
+        nsid,
+        size: 1 << 30,
+        block_size: 4096,
+        remote_addr: 0x7f00_0000_0000,
+        rkey: 9,
+        domain: PersistenceDomain::PageCache,
+        durability: DurabilityMethods::GPSPM,
+        atomic_write_unit: 8,
+        read_only: false,
+        failure: Some(text.to_owned()),
+        simulation: None,
+        unavailable: Some(text.to_owned()),
+        identity: 3,
+    }
+}
+
+fn response_of(namespaces: Vec<NamespaceDescriptor>) -> ConnectResponse {
+    ConnectResponse {
+        controller_id: 1,
+        keep_alive_ms: 5000,
+        namespaces,
+        queue_depth: 128,
+    }
+}
+
+#[test]
+fn a_connect_response_that_fits_is_left_as_it_is() {
+    let mut r = response_of(vec![failed_descriptor(1, &"x".repeat(1000))]);
+    let before = r.clone();
+    r.fit();
+    assert_eq!(r, before);
+    assert!(Message::ConnectResponse(r).encode().is_ok());
+}
+
+/// Long failure texts (a path and an errno each) on a few namespaces would make the response
+/// too large for any host to be admitted: they are cut until it fits, each still there.
+#[test]
+fn long_texts_are_cut_until_the_connect_response_fits() {
+    // "é" is two bytes: cuts land on character boundaries.
+    let long = "é".repeat(3000);
+    let mut r = response_of((1..=4).map(|n| failed_descriptor(n, &long)).collect());
+    assert!(matches!(
+        Message::ConnectResponse(r.clone()).encode(),
+        Err(Error::TooLarge { .. })
+    ));
+    r.fit();
+    assert!(r.encoded_len() <= MAX_MESSAGE_SIZE);
+    let bytes = Message::ConnectResponse(r.clone()).encode().unwrap();
+    assert_eq!(
+        Message::decode(&bytes).unwrap(),
+        Message::ConnectResponse(r.clone())
+    );
+    for d in &r.namespaces {
+        for t in [&d.failure, &d.unavailable] {
+            let t = t.as_deref().expect("still failed and unavailable");
+            assert!(t.len() <= 256 && t.ends_with("..."), "{t}");
+            assert!(t.starts_with("éé"), "{t}");
+        }
+    }
+    // Many namespaces: cut to nothing, still marked.
+    let mut r = response_of((1..=150).map(|n| failed_descriptor(n, &long)).collect());
+    r.fit();
+    assert!(r.encoded_len() <= MAX_MESSAGE_SIZE, "{}", r.encoded_len());
+    assert!(r
+        .namespaces
+        .iter()
+        .all(|d| d.failure.is_some() && d.unavailable.is_some()));
+}

@@ -281,12 +281,15 @@ impl Conn {
         );
         shared.replace_session(Arc::clone(&info));
         place.keep();
-        let resp = Message::ConnectResponse(ConnectResponse {
+        let mut resp = ConnectResponse {
             controller_id: info.controller_id,
             keep_alive_ms: info.keep_alive_ms,
             namespaces: descriptors,
             queue_depth: self.queue_depth,
-        });
+        };
+        // Long failure texts are cut: they must not keep the host out.
+        resp.fit();
+        let resp = Message::ConnectResponse(resp);
         let mut session = Session {
             shared: Arc::clone(&shared),
             info,
