@@ -329,6 +329,19 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             }
         }
     }
+    let widest = crate::subsystem::widest_discovery_len(&cfg);
+    if cfg.discovery && widest > rpma_common::proto::MAX_MESSAGE_SIZE {
+        // Valid (a host sees only the subsystems that let it in), but a host that may see
+        // them all gets no listing.
+        writeln!(
+            out,
+            "warning: discovery: a host that may connect to all {} subsystems would not be \
+             given their list (it may take {widest} bytes, and a message holds {}): it is told \
+             so and must connect by NQN",
+            cfg.subsystems.len(),
+            rpma_common::proto::MAX_MESSAGE_SIZE
+        )?;
+    }
     if cfg.subsystems.is_empty() {
         // Valid (a reload can add subsystems), but seldom what was meant: an empty file, or the
         // wrong one.

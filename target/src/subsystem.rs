@@ -4,7 +4,9 @@
 
 use rpma_common::proto::auth::{AuthContext, Psk};
 use rpma_common::proto::nqn::Nqn;
-use rpma_common::proto::{Connect, DiscoveryEntry, DiscoveryResponse, Refusal, RefusalReason};
+use rpma_common::proto::{
+    Connect, DiscoveryEntry, DiscoveryResponse, Message, Refusal, RefusalReason,
+};
 
 use std::net::{IpAddr, SocketAddr};
 
@@ -185,6 +187,42 @@ pub fn discovery(
             })
             .collect(),
     }
+}
+
+/// The longest discovery answer the configuration can make: every subsystem listed (a host
+/// that may connect to all of them), a wildcard listener advertised with the longest address
+/// text. Over [`MAX_MESSAGE_SIZE`](rpma_common::proto::MAX_MESSAGE_SIZE) such a host is told
+/// so instead of answered (`rpma-target check-config` warns of it).
+pub fn widest_discovery_len(cfg: &Config) -> usize {
+    let widest = SocketAddr::from((
+        std::net::Ipv6Addr::from([
+            0xffff_u16, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff,
+        ]),
+        u16::MAX,
+    ));
+    let listen: Vec<String> = cfg
+        .listeners
+        .iter()
+        .filter(|l| l.url.transport.is_fabric())
+        .map(|l| advertised(&l.url, Some(widest)).to_string())
+        .collect();
+    let all = DiscoveryResponse {
+        entries: cfg
+            .subsystems
+            .iter()
+            .map(|s| DiscoveryEntry {
+                subsystem_nqn: s.nqn.clone(),
+                listen: listen.clone(),
+            })
+            .collect(),
+    };
+    Message::DiscoveryResponse(all).encode().map_or_else(
+        |e| match e {
+            rpma_common::proto::Error::TooLarge { len, .. } => len,
+            _ => usize::MAX,
+        },
+        |b| b.len(),
+    )
 }
 
 #[cfg(test)]

@@ -415,3 +415,38 @@ fn discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key() {
 }
 
 rpma_tests::rdma_runs!(discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key,);
+
+/// A discovery answer that would not fit in one message (a host that may connect to 250
+/// subsystems) is refused at once with a Disconnect that says so and what to do, and
+/// `check-config` warns of it. (Before: nothing was sent, and the host waited until its time
+/// ran out; check-config said nothing.)
+#[test]
+fn a_discovery_answer_too_large_for_one_message_is_refused_with_the_reason() {
+    let d = scratch();
+    let mut config = rpma_tests::Config::new();
+    for i in 0..250 {
+        config = config.subsystem(
+            rpma_tests::Subsystem::new(&format!("nqn.2026-11.io.rpma:s{i}"))
+                .any_host()
+                .namespace(rpma_tests::Namespace::new(1, &format!("s{i}"), "64KiB")),
+        );
+    }
+    let t = Target::start(d.path(), &config.to_string());
+    match discover(&t.url(), &host(PLAIN), &opts()) {
+        Err(Error::Disconnected { reason }) => {
+            assert!(reason.contains("would list 250 subsystems"), "{reason}");
+            assert!(
+                reason.contains("connect to a subsystem by its NQN"),
+                "{reason}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    let out = rpma_tests::check_config(&d.path().join("target.toml"));
+    let text = rpma_tests::text(&out);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("warning: discovery: a host that may connect to all 250 subsystems"),
+        "{text}"
+    );
+}

@@ -428,7 +428,22 @@ impl Conn {
                     Ok(Message::DiscoveryRequest(_)) => {
                         let local = self.qp.info().local_addr;
                         let resp = discovery(&shared.config(), &host, key.as_ref(), Some(local));
-                        self.send(&Message::DiscoveryResponse(resp));
+                        let n = resp.entries.len();
+                        match Message::DiscoveryResponse(resp).encode() {
+                            Ok(bytes) => self.send_raw(&bytes),
+                            // Told at once, not left to wait for an answer that never comes.
+                            Err(e) => {
+                                let why = format!(
+                                    "the discovery answer would list {n} subsystems, more than \
+                                     one message holds ({e}): connect to a subsystem by its NQN"
+                                );
+                                self.shared.peer_log.warn(
+                                    self.peer.ip(),
+                                    format_args!("discovery host {host} from {}: {why}", self.peer),
+                                );
+                                self.goodbye(&why);
+                            }
+                        }
                     }
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
                     Ok(Message::Disconnect(d)) => {
