@@ -329,6 +329,9 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             }
         }
     }
+    for w in cfg.message_warnings() {
+        writeln!(out, "warning: {w}")?;
+    }
     let widest = crate::subsystem::widest_discovery_len(&cfg);
     if cfg.discovery && widest > rpma_common::proto::MAX_MESSAGE_SIZE {
         // Valid (a host sees only the subsystems that let it in), but a host that may see

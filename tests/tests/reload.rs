@@ -1005,3 +1005,35 @@ fn reload_and_clear_failure_are_refused_to_the_sockets_other_users() {
     }
     assert_eq!(t.status()["reloads"], 0, "nothing was reloaded");
 }
+
+/// A reload keeps the running listeners, so it checks the new subsystems against them: a file
+/// that lists only an NVMe/TCP listener (where many namespaces are fine) and more namespaces
+/// than one message can list to an rpma host is refused while the target serves rpma hosts,
+/// and the running configuration is kept. (Before: taken, and every host of that subsystem was
+/// then refused "message of N bytes exceeds the maximum".)
+#[test]
+fn a_reload_checks_its_subsystems_against_the_running_listeners() {
+    let d = scratch();
+    let mut t = start(d.path(), "");
+    let extra: String = (10..810)
+        .map(|i| {
+            format!("[[subsystem.namespace]]\nnsid = {i}\npath = \"many{i}\"\nsize = \"4KiB\"\n")
+        })
+        .collect();
+    let port = rpma_tests::free_port();
+    let text = format!(
+        "listen = [\"nvme-tcp://127.0.0.1:{port}\"]\ncontrol_socket = \"ctl.sock\"\n{}",
+        demo_config("", &extra)
+    );
+    std::fs::write(t.dir().join("target.toml"), text).unwrap();
+    t.reload();
+    let said = t.log_lines(
+        &["reload of", "failed", "split them between subsystems"],
+        WAIT,
+    );
+    assert_eq!(said.len(), 1, "{}", t.log());
+    // Still served as before.
+    let mut s = session(&t);
+    assert_eq!(s.namespaces().len(), 2);
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
