@@ -332,16 +332,14 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     for w in cfg.message_warnings() {
         writeln!(out, "warning: {w}")?;
     }
-    let widest = crate::subsystem::widest_discovery_len(&cfg);
+    let (widest, seen) = crate::subsystem::widest_discovery(&cfg);
     if cfg.discovery && widest > rpma_common::proto::MAX_MESSAGE_SIZE {
-        // Valid (a host sees only the subsystems that let it in), but a host that may see
-        // them all gets no listing.
+        // Valid, but the host that may see that many gets no listing.
         writeln!(
             out,
-            "warning: discovery: a host that may connect to all {} subsystems would not be \
+            "warning: discovery: a host that may connect to {seen} subsystems would not be \
              given their list (it may take {widest} bytes, and a message holds {}): it is told \
              so and must connect by NQN",
-            cfg.subsystems.len(),
             rpma_common::proto::MAX_MESSAGE_SIZE
         )?;
     }

@@ -189,40 +189,64 @@ pub fn discovery(
     }
 }
 
-/// The longest discovery answer the configuration can make: every subsystem listed (a host
-/// that may connect to all of them), a wildcard listener advertised with the longest address
-/// text. Over [`MAX_MESSAGE_SIZE`](rpma_common::proto::MAX_MESSAGE_SIZE) such a host is told
-/// so instead of answered (`rpma-target check-config` warns of it).
-pub fn widest_discovery_len(cfg: &Config) -> usize {
-    let widest = SocketAddr::from((
-        std::net::Ipv6Addr::from([
-            0xffff_u16, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff, 0xffff,
-        ]),
-        u16::MAX,
-    ));
+/// The longest discovery answer the configuration can make, and how many subsystems it lists:
+/// for the host that may connect to the most of them (a listed host, having proved any key it
+/// holds, or any other host), each wildcard listener advertised with the longest address text
+/// of the families it takes. Over [`MAX_MESSAGE_SIZE`](rpma_common::proto::MAX_MESSAGE_SIZE)
+/// such a host is told so instead of answered (`rpma-target check-config` warns of it).
+pub fn widest_discovery(cfg: &Config) -> (usize, usize) {
+    let v4 = SocketAddr::from(([255, 255, 255, 255], u16::MAX));
+    let v6 = SocketAddr::from((std::net::Ipv6Addr::from([u16::MAX; 8]), u16::MAX));
     let listen: Vec<String> = cfg
         .listeners
         .iter()
         .filter(|l| l.url.transport.is_fabric())
-        .map(|l| advertised(&l.url, Some(widest)).to_string())
+        .map(|l| {
+            let (a, b) = (
+                advertised(&l.url, Some(v4)).to_string(),
+                advertised(&l.url, Some(v6)).to_string(),
+            );
+            if a.len() >= b.len() {
+                a
+            } else {
+                b
+            }
+        })
         .collect();
-    let all = DiscoveryResponse {
-        entries: cfg
-            .subsystems
-            .iter()
-            .map(|s| DiscoveryEntry {
-                subsystem_nqn: s.nqn.clone(),
-                listen: listen.clone(),
-            })
-            .collect(),
+    let listed: std::collections::BTreeSet<&Nqn> = cfg
+        .subsystems
+        .iter()
+        .flat_map(|s| s.hosts.iter().map(|h| &h.nqn))
+        .collect();
+    let sees = |s: &Subsystem, host: Option<&Nqn>| {
+        s.allow_any_host || host.is_some_and(|h| s.hosts.iter().any(|e| &e.nqn == h))
     };
-    Message::DiscoveryResponse(all).encode().map_or_else(
-        |e| match e {
-            rpma_common::proto::Error::TooLarge { len, .. } => len,
-            _ => usize::MAX,
-        },
-        |b| b.len(),
-    )
+    std::iter::once(None)
+        .chain(listed.into_iter().map(Some))
+        .map(|host| {
+            let entries: Vec<DiscoveryEntry> = cfg
+                .subsystems
+                .iter()
+                .filter(|s| sees(s, host))
+                .map(|s| DiscoveryEntry {
+                    subsystem_nqn: s.nqn.clone(),
+                    listen: listen.clone(),
+                })
+                .collect();
+            let n = entries.len();
+            let len = Message::DiscoveryResponse(DiscoveryResponse { entries })
+                .encode()
+                .map_or_else(
+                    |e| match e {
+                        rpma_common::proto::Error::TooLarge { len, .. } => len,
+                        _ => usize::MAX,
+                    },
+                    |b| b.len(),
+                );
+            (len, n)
+        })
+        .max()
+        .unwrap_or((0, 0))
 }
 
 #[cfg(test)]
@@ -233,6 +257,45 @@ mod tests {
     use rpma_common::proto::HostId;
 
     use super::*;
+
+    /// `n` subsystems on a `0.0.0.0` listener, each letting in any host or a host of its own.
+    fn many(dir: &std::path::Path, n: usize, any_host: bool) -> Config {
+        let mut text = String::from("listen = [\"tcp://0.0.0.0:7420\"]\n");
+        for i in 0..n {
+            text += &format!("[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:s{i}\"\n");
+            text += &if any_host {
+                "allow_any_host = true\n".to_owned()
+            } else {
+                format!("hosts = [{{ nqn = \"nqn.2026-11.io.rpma:h{i}\" }}]\n")
+            };
+        }
+        Config::from_toml(&text, dir).unwrap()
+    }
+
+    #[test]
+    fn the_widest_discovery_is_that_of_the_host_that_sees_the_most() {
+        let d = tempfile::tempdir().unwrap();
+        let (len, seen) = widest_discovery(&many(d.path(), 300, true));
+        assert_eq!(seen, 300);
+        assert!(len > rpma_common::proto::MAX_MESSAGE_SIZE, "{len}");
+        // Each host sees one: no host's listing comes near the limit.
+        let (len, seen) = widest_discovery(&many(d.path(), 300, false));
+        assert_eq!(seen, 1);
+        assert!(len < 200, "{len}");
+        // A 0.0.0.0 listener counts as its longest IPv4 form (255.255.255.255:65535).
+        let one = many(d.path(), 1, true);
+        let local = SocketAddr::from(([255, 255, 255, 255], 7420));
+        let real = Message::DiscoveryResponse(discovery(
+            &one,
+            &Nqn::new("nqn.2026-11.io.rpma:x".to_owned()).unwrap(),
+            None,
+            Some(local),
+        ))
+        .encode()
+        .unwrap()
+        .len();
+        assert!(widest_discovery(&one).0 >= real);
+    }
 
     fn cfg(dir: &std::path::Path, discovery: bool) -> Config {
         let k = dir.join("k.psk");
