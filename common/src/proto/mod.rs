@@ -160,12 +160,12 @@ const TEXT_BUDGETS: [usize; 3] = [256, 32, 0];
 
 impl ConnectResponse {
     /// Shortens its namespaces' failure and unavailability texts (each to 256 bytes, then 32,
-    /// then none) until the message fits in [`MAX_MESSAGE_SIZE`]: a
-    /// failure's text names its path and errno, and a few long ones would otherwise make the
-    /// subsystem's ConnectResponse too large for any host to be admitted, its healthy
-    /// namespaces too. Whether a namespace failed or is unavailable is kept (the text is cut,
-    /// never taken away). The target's configuration check makes sure a subsystem's response
-    /// fits with every text empty.
+    /// then none) until the message fits in [`MAX_MESSAGE_SIZE`]: a failure's text names its
+    /// path and errno, and a few long ones would otherwise make the subsystem's
+    /// ConnectResponse too large for any host to be admitted, its healthy namespaces too.
+    /// Whether a namespace failed or is unavailable is kept (the text is cut, never taken
+    /// away). The target's configuration check warns of a subsystem whose response may not
+    /// fit even with every text empty.
     pub fn fit(&mut self) {
         for budget in TEXT_BUDGETS {
             if self.encoded_len() <= MAX_MESSAGE_SIZE {

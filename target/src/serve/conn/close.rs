@@ -9,9 +9,9 @@
 //! reload that touches a closed session (its subsystem, its host's entry, a namespace of its
 //! subsystem removed or replaced) while its registrations are still with the registrar closes
 //! its connection at once (its queue pair in Error: nothing it had registered is reachable
-//! then).
-//! So does the stop, which ends every session anyway: the loop drops their registrations
-//! itself, so that no goodbye waits behind the registrar's other work past the stop's grace.
+//! then). The stop's goodbyes do not wait either: every session ends, and the loop drops their
+//! registrations itself, so that none waits behind the registrar's other work past the stop's
+//! grace.
 
 use std::time::Instant;
 
