@@ -566,11 +566,8 @@ fn a_goodbye_waits_for_its_deregistration_and_delays_no_other_session() {
     let go = d.path().join("deregistrations-go");
     let t = start_held_release(d.path(), &go);
     let mut s = patient_session(&t);
-    // (Held from here: nothing else drops a registration before the lapse.)
-    std::fs::remove_file(&go).unwrap();
-    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
-    // It does not tick: its keep-alive lapses, and its deregistration waits.
-    wait_for_held_release(&t);
+    // (Held from before it connects: nothing else drops a registration before the lapse.)
+    let mut lapsing = lapsed_and_held(&t, &go);
     for _ in 0..3 {
         assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
     }
@@ -581,12 +578,7 @@ fn a_goodbye_waits_for_its_deregistration_and_delays_no_other_session() {
         other => panic!("{other:?}"),
     }
     std::fs::write(&go, b"").unwrap();
-    match lapsing.wait_message(Duration::from_secs(30), "Disconnect") {
-        Err(rpma_initiator::Error::Disconnected { reason }) => {
-            assert!(reason.contains("keep-alive"), "{reason}")
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_disconnected(&mut lapsing, "keep-alive");
     wait_for_open_released(&t);
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
@@ -599,6 +591,26 @@ fn short() -> ConnectOptions {
     }
 }
 
+/// A host of OPEN with a [`short`] keep-alive, connected once `t`'s deregistrations are held
+/// (`go` taken away): it does not tick, and it is returned once its keep-alive lapsed and its
+/// deregistration waits.
+fn lapsed_and_held(t: &rpma_tests::Target, go: &std::path::Path) -> rpma_initiator::Session {
+    std::fs::remove_file(go).unwrap();
+    let lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
+    wait_for_held_release(t);
+    lapsing
+}
+
+/// Waits for `s`'s Disconnect and asserts that its reason says `says`.
+fn assert_disconnected(s: &mut rpma_initiator::Session, says: &str) {
+    match s.wait_message(WAIT, "Disconnect") {
+        Err(rpma_initiator::Error::Disconnected { reason }) => {
+            assert!(reason.contains(says), "{reason}")
+        }
+        other => panic!("{other:?}"),
+    }
+}
+
 /// A reload while a closed session's deregistration waits (its Disconnect with it) closes its
 /// connection at once: the reload takes its host away, and once the reload is done a Write
 /// with its rkey places nothing. (Before: the connection lingered with its regions registered
@@ -608,10 +620,8 @@ fn a_reload_closes_a_connection_whose_deregistration_waits() {
     let d = scratch();
     let go = d.path().join("deregistrations-go");
     let mut t = start_held_release(d.path(), &go);
-    std::fs::remove_file(&go).unwrap();
-    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
+    let mut lapsing = lapsed_and_held(&t, &go);
     let remote = open_ns1(&lapsing);
-    wait_for_held_release(&t);
     // OPEN lets only PLAIN in now; the reload is done (READY) while the deregistration still
     // waits.
     let config = demo_config(HELD_TOP, "");
@@ -648,12 +658,7 @@ fn the_stop_says_goodbye_to_a_session_whose_deregistration_takes_long() {
     // Past the stop's grace (a wait that can only miss the bug, never fail a correct target).
     std::thread::sleep(Duration::from_millis(1500));
     std::fs::write(&go, b"").unwrap();
-    match s.wait_message(WAIT, "Disconnect") {
-        Err(rpma_initiator::Error::Disconnected { reason }) => {
-            assert!(reason.contains("shutting down"), "{reason}")
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_disconnected(&mut s, "shutting down");
     assert!(t.wait_exit(WAIT).success());
 }
 
@@ -665,20 +670,13 @@ fn a_goodbye_that_waits_for_its_deregistration_at_the_stop_goes_out() {
     let d = scratch();
     let go = d.path().join("deregistrations-go");
     let mut t = start_held_release(d.path(), &go);
-    std::fs::remove_file(&go).unwrap();
-    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
-    wait_for_held_release(&t);
+    let mut lapsing = lapsed_and_held(&t, &go);
     t.signal(Signal::SIGTERM);
     // The stop began (a deregistration let go before it would be answered before it: that can
     // only miss the bug).
     t.log_lines(&["SIGTERM: stopping"], WAIT);
     std::fs::write(&go, b"").unwrap();
-    match lapsing.wait_message(WAIT, "Disconnect") {
-        Err(rpma_initiator::Error::Disconnected { reason }) => {
-            assert!(reason.contains("keep-alive"), "{reason}")
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_disconnected(&mut lapsing, "keep-alive");
     assert!(t.wait_exit(WAIT).success());
 }
 
@@ -690,19 +688,12 @@ fn a_reload_elsewhere_leaves_a_goodbye_that_waits_for_its_deregistration() {
     let d = scratch();
     let go = d.path().join("deregistrations-go");
     let mut t = start_held_release(d.path(), &go);
-    std::fs::remove_file(&go).unwrap();
-    let mut lapsing = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &short()).unwrap();
-    wait_for_held_release(&t);
+    let mut lapsing = lapsed_and_held(&t, &go);
     let ns2 = "[[subsystem.namespace]]\nnsid = 2\npath = \"ns2\"\nsize = \"1MiB\"\n";
     t.rewrite(&demo_config(HELD_TOP, ns2));
     t.reload();
     std::fs::write(&go, b"").unwrap();
-    match lapsing.wait_message(WAIT, "Disconnect") {
-        Err(rpma_initiator::Error::Disconnected { reason }) => {
-            assert!(reason.contains("keep-alive"), "{reason}")
-        }
-        other => panic!("{other:?}"),
-    }
+    assert_disconnected(&mut lapsing, "keep-alive");
 }
 
 #[test]
