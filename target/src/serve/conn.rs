@@ -24,7 +24,8 @@
 //! discovery pool) is in [`admit`]; the registrations are made off the loop, by its
 //! [`super::registrar`], while the connection waits in [`Phase::Registering`]. An admitted
 //! session, the namespaces granted to it (its rkeys) and what a reload does to them are in
-//! [`super::session`], with a discovery connection's entry in `status`.
+//! [`super::session`], with a discovery connection's entry in `status`. A connection's end (the
+//! goodbye, and the session's registrations handed to the registrar to drop) is in [`close`].
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -313,40 +314,6 @@ impl Conn {
         self.send(&Message::Refusal(Refusal { reason, message }));
     }
 
-    /// Gives back its place in the unproven or unlisted pool, if it holds one (a session, or a
-    /// host whose namespaces were being registered): at once, not after the linger (a host
-    /// evicting it then would free nothing).
-    fn leave_session_pool(&mut self) {
-        if self
-            .ticket
-            .as_ref()
-            .is_some_and(|t| t.pool().holds_sessions())
-        {
-            self.ticket = None;
-        }
-    }
-
-    /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
-    pub(crate) fn goodbye(&mut self, reason: &str) {
-        // No session any more: not one another host may take the place of.
-        self.leave_session_pool();
-        // The session's regions are deregistered (by the loop's registrar) before the
-        // Disconnect is sent: a late Write is refused, but the Reads the host asked for before
-        // are still answered (a deregistration does not revoke what was accepted; a reload
-        // that removed a namespace revoked its region already), so that its requests end with
-        // the Disconnect, retried, not with a RemoteAccess.
-        self.close_with_disconnect(reason);
-    }
-
-    fn protocol_error(&mut self, what: String) {
-        self.session_ended(EndReason::ProtocolError);
-        self.shared.peer_log.warn(
-            self.peer.ip(),
-            format_args!("{}: protocol error, closing: {what}", self.peer),
-        );
-        self.goodbye(&format!("protocol error: {what}"));
-    }
-
     /// A receive that brought no message (a Write with immediate data): a protocol error.
     pub(crate) fn unexpected_receive(&mut self, opcode: rpma_common::fabric::WcOpcode) {
         let what = format!(
@@ -507,13 +474,7 @@ impl Conn {
                         );
                         // No session any more: its place goes now, not after the linger (a
                         // newcomer in a full target would take the place of none).
-                        if self
-                            .ticket
-                            .as_ref()
-                            .is_some_and(|t| t.pool().holds_sessions())
-                        {
-                            self.ticket = None;
-                        }
+                        self.leave_session_pool();
                         // Its registrations are dropped by the loop's registrar.
                         self.close(now + LINGER);
                     }

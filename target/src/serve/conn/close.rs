@@ -19,6 +19,7 @@ use rpma_common::proto::{Disconnect, Message};
 
 use super::super::session::Grant;
 use super::{Conn, Phase, LINGER};
+use crate::metrics::EndReason;
 use crate::reload::ConfigDiff;
 
 /// How long a goodbye waits for its session's registrations to be dropped before the
@@ -26,6 +27,41 @@ use crate::reload::ConfigDiff;
 const RELEASE_LIMIT: std::time::Duration = super::REGISTRATION_LIMIT;
 
 impl Conn {
+    /// Gives back its place in the unproven or unlisted pool, if it holds one (a session, or a
+    /// host whose namespaces were being registered): at once, not after the linger (a host
+    /// evicting it then would free nothing).
+    pub(super) fn leave_session_pool(&mut self) {
+        if self
+            .ticket
+            .as_ref()
+            .is_some_and(|t| t.pool().holds_sessions())
+        {
+            self.ticket = None;
+        }
+    }
+
+    /// Revokes every rkey, tells the host why, and lingers so that it reads the message.
+    pub(crate) fn goodbye(&mut self, reason: &str) {
+        // No session any more: not one another host may take the place of.
+        self.leave_session_pool();
+        // The session's regions are deregistered (by the loop's registrar) before the
+        // Disconnect is sent: a late Write is refused, but the Reads the host asked for before
+        // are still answered (a deregistration does not revoke what was accepted; a reload
+        // that removed a namespace revoked its region already), so that its requests end with
+        // the Disconnect, retried, not with a RemoteAccess.
+        self.close_with_disconnect(reason);
+    }
+
+    /// Ends the session for a protocol error `what`: counted, logged (rate-limited), said.
+    pub(super) fn protocol_error(&mut self, what: String) {
+        self.session_ended(EndReason::ProtocolError);
+        self.shared.peer_log.warn(
+            self.peer.ip(),
+            format_args!("{}: protocol error, closing: {what}", self.peer),
+        );
+        self.goodbye(&format!("protocol error: {what}"));
+    }
+
     /// Ends the connection's phase for Closing until `deadline`: a session's registrations
     /// are kept for the loop's registrar to drop ([`Conn::take_release`]).
     pub(super) fn close(&mut self, deadline: Instant) {
