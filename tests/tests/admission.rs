@@ -418,8 +418,8 @@ rpma_tests::rdma_runs!(discovery_shows_a_keyed_subsystem_only_to_the_holder_of_t
 
 /// A discovery answer that would not fit in one message (a host that may connect to 250
 /// subsystems) is refused at once with a Disconnect that says so and what to do, and
-/// `check-config` warns of it. (Before: nothing was sent, and the host waited until its time
-/// ran out; check-config said nothing.)
+/// `check-config` warns of it. (Before: nothing was sent, and the host heard only "keep-alive
+/// expired" once its discovery session lapsed; check-config said nothing.)
 #[test]
 fn a_discovery_answer_too_large_for_one_message_is_refused_with_the_reason() {
     let d = scratch();
