@@ -656,9 +656,8 @@ impl Conn {
         };
         if let Some((reason, why)) = s.reloaded(diff, self.peer) {
             self.session_ended(reason);
-            self.goodbye(&why);
             // Unreachable once the reload is done: dropped here, not by the registrar.
-            self.release_here();
+            self.goodbye_here(&why);
             return;
         }
         // A host the reload lists now (without a key: one with a key must prove it, and its

@@ -577,10 +577,9 @@ impl PollLoop {
             match c.phase {
                 Phase::Session(_) | Phase::Discovery { .. } => {
                     c.session_ended(EndReason::Shutdown);
-                    c.goodbye("the target is shutting down");
                     // Dropped here: every session ends, and no goodbye waits behind the
                     // registrar's other work past the stop's grace.
-                    c.release_here();
+                    c.goodbye_here("the target is shutting down");
                 }
                 Phase::Registering(_) => c.refuse_registering_at_stop(),
                 Phase::Handshake { .. } | Phase::Closing { .. } => {}

@@ -151,9 +151,10 @@ impl Conn {
         self.take_release()
     }
 
-    /// Drops the session's registrations here, in the loop (a reload's goodbye), and sends the
-    /// Disconnect that waited for them.
-    pub(crate) fn release_here(&mut self) {
+    /// A [`goodbye`](Self::goodbye) whose registrations are dropped here, in the loop (a
+    /// reload's, the stop's), its Disconnect sent at once.
+    pub(crate) fn goodbye_here(&mut self, reason: &str) {
+        self.goodbye(reason);
         drop(self.take_release());
         self.released();
     }
