@@ -170,20 +170,33 @@ pub fn discovery(
     key: Option<&Psk>,
     local: Option<SocketAddr>,
 ) -> DiscoveryResponse {
-    let listen: Vec<String> = cfg
-        .listeners
+    let listen = listen_urls(cfg, |url| advertised(url, local).to_string());
+    listing(cfg, &listen, |s| visible_to(s, host, key))
+}
+
+/// The listen URLs of rpma's own transports, each as `advertise` writes it.
+fn listen_urls(cfg: &Config, advertise: impl Fn(&ListenUrl) -> String) -> Vec<String> {
+    cfg.listeners
         .iter()
         .filter(|l| l.url.transport.is_fabric())
-        .map(|l| advertised(&l.url, local).to_string())
-        .collect();
+        .map(|l| advertise(&l.url))
+        .collect()
+}
+
+/// The discovery listing of the subsystems `sees` takes, each with `listen`.
+fn listing(
+    cfg: &Config,
+    listen: &[String],
+    sees: impl Fn(&Subsystem) -> bool,
+) -> DiscoveryResponse {
     DiscoveryResponse {
         entries: cfg
             .subsystems
             .iter()
-            .filter(|s| visible_to(s, host, key))
+            .filter(|s| sees(s))
             .map(|s| DiscoveryEntry {
                 subsystem_nqn: s.nqn.clone(),
-                listen: listen.clone(),
+                listen: listen.to_vec(),
             })
             .collect(),
     }
@@ -197,52 +210,36 @@ pub fn discovery(
 pub fn widest_discovery(cfg: &Config) -> (usize, usize) {
     let v4 = SocketAddr::from(([255, 255, 255, 255], u16::MAX));
     let v6 = SocketAddr::from((std::net::Ipv6Addr::from([u16::MAX; 8]), u16::MAX));
-    let listen: Vec<String> = cfg
-        .listeners
-        .iter()
-        .filter(|l| l.url.transport.is_fabric())
-        .map(|l| {
-            let (a, b) = (
-                advertised(&l.url, Some(v4)).to_string(),
-                advertised(&l.url, Some(v6)).to_string(),
-            );
-            if a.len() >= b.len() {
-                a
-            } else {
-                b
-            }
-        })
-        .collect();
+    let listen = listen_urls(cfg, |url| {
+        let (a, b) = (
+            advertised(url, Some(v4)).to_string(),
+            advertised(url, Some(v6)).to_string(),
+        );
+        if a.len() >= b.len() {
+            a
+        } else {
+            b
+        }
+    });
     let listed: std::collections::BTreeSet<&Nqn> = cfg
         .subsystems
         .iter()
         .flat_map(|s| s.hosts.iter().map(|h| &h.nqn))
         .collect();
-    let sees = |s: &Subsystem, host: Option<&Nqn>| {
-        s.allow_any_host || host.is_some_and(|h| s.hosts.iter().any(|e| &e.nqn == h))
-    };
     std::iter::once(None)
         .chain(listed.into_iter().map(Some))
         .map(|host| {
-            let entries: Vec<DiscoveryEntry> = cfg
-                .subsystems
-                .iter()
-                .filter(|s| sees(s, host))
-                .map(|s| DiscoveryEntry {
-                    subsystem_nqn: s.nqn.clone(),
-                    listen: listen.clone(),
-                })
-                .collect();
-            let n = entries.len();
-            let len = Message::DiscoveryResponse(DiscoveryResponse { entries })
-                .encode()
-                .map_or_else(
-                    |e| match e {
-                        rpma_common::proto::Error::TooLarge { len, .. } => len,
-                        _ => usize::MAX,
-                    },
-                    |b| b.len(),
-                );
+            let resp = listing(cfg, &listen, |s| {
+                s.allow_any_host || host.is_some_and(|h| s.hosts.iter().any(|e| &e.nqn == h))
+            });
+            let n = resp.entries.len();
+            let len = Message::DiscoveryResponse(resp).encode().map_or_else(
+                |e| match e {
+                    rpma_common::proto::Error::TooLarge { len, .. } => len,
+                    _ => usize::MAX,
+                },
+                |b| b.len(),
+            );
             (len, n)
         })
         .max()
