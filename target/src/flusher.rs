@@ -45,7 +45,7 @@ use std::os::fd::{AsFd, AsRawFd, BorrowedFd, OwnedFd};
 use std::sync::{Arc, Once};
 use std::time::{Duration, Instant};
 
-use rpma_common::pmem::{Durability, Persist, SyncFailure};
+use rpma_common::pmem::{Persist, SyncFailure};
 use rpma_common::proto::FlushStatus;
 use rpma_common::stats::Stopwatch;
 
@@ -53,9 +53,11 @@ use crate::eventfd::EventFd;
 use crate::metrics::LoopStats;
 
 mod backend;
+mod dax;
 mod error;
 mod flush_target;
 use backend::Backend;
+use dax::{persist_status, DaxQueue};
 pub use error::{FlusherError, Result};
 pub use flush_target::FlushTarget;
 use flush_target::Kind;
@@ -94,19 +96,6 @@ struct InFlight {
     range: (u64, u64),
     /// When it was submitted.
     started: Stopwatch,
-}
-
-/// A dax write-back longer than [`DAX_STEP`], done a step per poll.
-struct DaxWork {
-    token: u64,
-    store: Arc<dyn Persist>,
-    /// What is left: `[next, end)`.
-    next: u64,
-    end: u64,
-    /// Whether a step was visible only (the store cannot make it durable).
-    visible_only: bool,
-    /// The steps' time so far (ns).
-    spent: u64,
 }
 
 /// A flush of a file whose sync is in flight in this flusher, waiting for it.
@@ -148,7 +137,7 @@ pub struct Flusher {
     /// The last poll's completions, reused.
     finished: Vec<(usize, i32)>,
     /// Dax write-backs longer than [`DAX_STEP`], served in turn.
-    dax: VecDeque<DaxWork>,
+    dax: DaxQueue,
     ready: VecDeque<FlushCompletion>,
     stats: Arc<LoopStats>,
     /// Inline syncs are off until then (a slow one was seen).
@@ -223,7 +212,7 @@ impl Flusher {
             files: HashMap::new(),
             waiting: 0,
             finished: Vec::new(),
-            dax: VecDeque::new(),
+            dax: DaxQueue::default(),
             ready: VecDeque::new(),
             stats: Arc::default(),
             inline_off_until: None,
@@ -254,9 +243,7 @@ impl Flusher {
     /// is gone: its host hears no answer, and replays what it did not hear): a host that asks
     /// for whole-namespace flushes and reconnects leaves no work behind. Returns how many.
     pub fn cancel_dax(&mut self, mut keep: impl FnMut(u64) -> bool) -> usize {
-        let before = self.dax.len();
-        self.dax.retain(|w| keep(w.token));
-        before - self.dax.len()
+        self.dax.cancel(&mut keep)
     }
 
     /// Readable when a device flush may have completed; wait on it, then call [`Flusher::poll`].
@@ -358,14 +345,7 @@ impl Flusher {
                 return Ok(());
             }
             Kind::Dax(p) if length > DAX_STEP => {
-                self.dax.push_back(DaxWork {
-                    token,
-                    store: p.clone(),
-                    next: offset,
-                    end: offset + length,
-                    visible_only: false,
-                    spent: 0,
-                });
+                self.dax.start(token, p.clone(), offset, length);
                 // The loop's wait wakes at once, and its poll takes the first step.
                 self.eventfd.signal();
                 return Ok(());
@@ -598,43 +578,10 @@ impl Flusher {
 
     /// Takes [`DAX_STEP`] bytes of the dax write-backs in turn, answering those done.
     fn dax_steps(&mut self, out: &mut Vec<FlushCompletion>) {
-        let mut budget = DAX_STEP;
-        while budget > 0 {
-            let Some(mut w) = self.dax.pop_front() else {
-                return;
-            };
-            let n = (w.end - w.next).min(budget);
-            let t0 = Instant::now();
-            // Within the namespace's length (checked at submit), which fits usize.
-            let done = w.store.persist(w.next as usize, n as usize);
-            w.spent = w
-                .spent
-                .saturating_add(u64::try_from(t0.elapsed().as_nanos()).unwrap_or(u64::MAX));
-            budget -= n;
-            w.next += n;
-            let status = match done {
-                Ok(Durability::VisibleOnly) => {
-                    w.visible_only = true;
-                    None
-                }
-                Ok(Durability::Durable) => None,
-                Err(e) => Some(persist_status(Err(e))),
-            };
-            let status = match (status, w.next == w.end) {
-                (Some(failed), _) => failed,
-                (None, false) => {
-                    self.dax.push_back(w);
-                    continue;
-                }
-                (None, true) if w.visible_only => FlushStatus::VisibleOnly,
-                (None, true) => FlushStatus::Durable,
-            };
-            self.stats.gpspm_writeback.record(w.spent);
-            out.push(FlushCompletion {
-                token: w.token,
-                status,
-            });
-        }
+        self.dax.steps(DAX_STEP, |token, status, spent| {
+            self.stats.gpspm_writeback.record(spent);
+            out.push(FlushCompletion { token, status });
+        });
     }
 
     /// Blocks until every sync in flight completed and was reaped, dropping the answers (their
@@ -677,17 +624,6 @@ impl Flusher {
 /// The key of an open file in [`Flusher::files`]: its address, which its sync in flight keeps.
 fn file_key(fd: &Arc<OwnedFd>) -> usize {
     Arc::as_ptr(fd) as usize
-}
-
-/// The answer to a flush made by the store's own persist.
-fn persist_status(done: rpma_common::pmem::Result<Durability>) -> FlushStatus {
-    match done {
-        Ok(Durability::Durable) => FlushStatus::Durable,
-        Ok(Durability::VisibleOnly) => FlushStatus::VisibleOnly,
-        // Failed before (the store has the errno).
-        Err(rpma_common::pmem::Error::Failed { .. }) => FlushStatus::NamespaceFailed,
-        Err(_) => FlushStatus::IoError,
-    }
 }
 
 /// The answer to a flush whose fdatasync returned `res` (0, or -errno), a failure recorded in

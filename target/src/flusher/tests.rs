@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use super::backend::Job;
 use super::*;
-use rpma_common::pmem::{Domain, Mapping, OpenOptions};
+use rpma_common::pmem::{Domain, Durability, Mapping, OpenOptions};
 
 fn page_cache_file(dir: &std::path::Path, len: u64) -> FlushTarget {
     let p = dir.join("f");
