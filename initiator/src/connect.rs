@@ -8,7 +8,8 @@ use rpma_common::fabric::{ConnParams, Context, QpCaps, TcpParams, Url};
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::{self, Nqn, DISCOVERY_NQN, UUID_PREFIX};
 use rpma_common::proto::{
-    Connect, DiscoveryEntry, DiscoveryRequest, HostId, Message, NamespaceDescriptor, Refusal,
+    Connect, DiscoveryEntry, DiscoveryRequest, DiscoveryResponse, HostId, Message,
+    NamespaceDescriptor, Refusal,
 };
 use sha2::{Digest, Sha256};
 
@@ -284,12 +285,13 @@ pub fn connect(
 }
 
 /// Lists the subsystems the target at `url` lets `host` see, with their listen URLs, through
-/// its discovery subsystem.
+/// its discovery subsystem. A listing longer than one message comes in pages, read in turn;
+/// one that changes between them (a reload) is read again from the start.
 ///
 /// # Errors
 /// As [`connect`] (a target with discovery disabled refuses with
-/// [`Error::UnknownSubsystem`]), and [`Error::Unexpected`] for an answer that is not a
-/// DiscoveryResponse.
+/// [`Error::UnknownSubsystem`]), [`Error::Unexpected`] for an answer that is not a
+/// DiscoveryResponse, and [`Error::Listing`] for pages that do not add up.
 pub fn discover(
     url: &str,
     host: &HostIdentity,
@@ -297,13 +299,68 @@ pub fn discover(
 ) -> Result<Vec<DiscoveryEntry>> {
     let disc = Nqn::new(DISCOVERY_NQN).map_err(Error::HostNqn)?;
     let mut s = connect(url, &disc, host, opts)?;
-    s.send_message(&Message::DiscoveryRequest(DiscoveryRequest {}))?;
-    let m = s.wait_message(opts.timeout, "DiscoveryResponse")?;
+    let listing = whole_listing(|start| {
+        s.send_message(&Message::DiscoveryRequest(DiscoveryRequest { start }))?;
+        match s.wait_message(opts.timeout, "DiscoveryResponse")? {
+            Message::DiscoveryResponse(r) => Ok(r),
+            other => Err(unexpected("DiscoveryResponse", &other)),
+        }
+    });
     let _ = s.disconnect(Duration::from_secs(1));
-    match m {
-        Message::DiscoveryResponse(r) => Ok(r.entries),
-        other => Err(unexpected("DiscoveryResponse", &other)),
+    listing
+}
+
+/// The most entries a listing may have: past it a host stops reading (a target that says it
+/// has 4 billion would otherwise keep it reading for ever).
+pub const MAX_LISTING: u32 = 1 << 16;
+
+/// How many times a listing that changed while it was read is read again.
+const LISTING_READS: usize = 4;
+
+/// The whole discovery listing, from the pages `page(start)` brings: in turn from 0, each
+/// starting where the entries so far end, until the listing's total; from the start again
+/// when a page is of another generation (the listing changed between two reads).
+fn whole_listing(
+    mut page: impl FnMut(u32) -> Result<DiscoveryResponse>,
+) -> Result<Vec<DiscoveryEntry>> {
+    let bad = |why: String| Error::Listing {
+        what: "discovery",
+        why,
+    };
+    'read: for _ in 0..LISTING_READS {
+        let first = page(0)?;
+        let (total, generation) = (first.total, first.generation);
+        if total > MAX_LISTING {
+            return Err(bad(format!(
+                "it has {total} entries, more than the {MAX_LISTING} a host reads"
+            )));
+        }
+        let mut entries = first.entries;
+        loop {
+            let have = entries.len();
+            if have > total as usize {
+                return Err(bad(format!(
+                    "its pages brought {have} entries, more than its total of {total}"
+                )));
+            }
+            if have == total as usize {
+                return Ok(entries);
+            }
+            let next = page(have as u32)?;
+            if next.generation != generation || next.total != total {
+                continue 'read;
+            }
+            if next.entries.is_empty() {
+                return Err(bad(format!(
+                    "the page from entry {have} of {total} brought none"
+                )));
+            }
+            entries.extend(next.entries);
+        }
     }
+    Err(bad(format!(
+        "it changed while it was read, {LISTING_READS} times in a row"
+    )))
 }
 
 /// What [`identify`] learns.
@@ -346,6 +403,122 @@ pub fn identify(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `n` discovery entries.
+    fn entries(n: usize) -> Vec<DiscoveryEntry> {
+        (0..n)
+            .map(|i| DiscoveryEntry {
+                subsystem_nqn: Nqn::new(format!("nqn.2026-11.io.rpma:s{i}")).unwrap(),
+                listen: vec!["tcp://127.0.0.1:7420".into()],
+            })
+            .collect()
+    }
+
+    /// A target's pages of `all` (`per` entries each, generation `generation(read)` on the
+    /// read-th request), recording the starts asked for.
+    fn pages<'a>(
+        all: &'a [DiscoveryEntry],
+        per: usize,
+        asked: &'a mut Vec<u32>,
+        generation: impl Fn(usize) -> u64 + 'a,
+    ) -> impl FnMut(u32) -> Result<DiscoveryResponse> + 'a {
+        move |start| {
+            asked.push(start);
+            let from = (start as usize).min(all.len());
+            Ok(DiscoveryResponse {
+                entries: all[from..(from + per).min(all.len())].to_vec(),
+                total: all.len() as u32,
+                generation: generation(asked.len()),
+            })
+        }
+    }
+
+    #[test]
+    fn a_listing_is_read_page_by_page_to_its_total() {
+        let all = entries(10);
+        let mut asked = Vec::new();
+        let got = whole_listing(pages(&all, 4, &mut asked, |_| 9)).unwrap();
+        assert_eq!(got, all);
+        assert_eq!(asked, [0, 4, 8]);
+        // One page, and an empty listing: one read each.
+        let mut asked = Vec::new();
+        assert_eq!(
+            whole_listing(pages(&all, 10, &mut asked, |_| 9)).unwrap(),
+            all
+        );
+        assert_eq!(asked, [0]);
+        let mut asked = Vec::new();
+        assert!(whole_listing(pages(&[], 4, &mut asked, |_| 9))
+            .unwrap()
+            .is_empty());
+        assert_eq!(asked, [0]);
+    }
+
+    #[test]
+    fn a_listing_that_changes_between_pages_is_read_again_from_the_start() {
+        let all = entries(10);
+        // The generation changes at the second request only: read again, then whole.
+        let mut asked = Vec::new();
+        let got = whole_listing(pages(&all, 4, &mut asked, |n| u64::from(n == 2))).unwrap();
+        assert_eq!(got, all);
+        assert_eq!(asked, [0, 4, 0, 4, 8]);
+        // Changing at every request: given up after LISTING_READS reads, said why.
+        let mut asked = Vec::new();
+        let e = whole_listing(pages(&all, 4, &mut asked, |n| n as u64)).unwrap_err();
+        assert!(
+            matches!(&e, Error::Listing { why, .. } if why.contains("changed while it was read")),
+            "{e}"
+        );
+        assert_eq!(asked.len(), 2 * LISTING_READS);
+    }
+
+    #[test]
+    fn pages_that_do_not_add_up_are_refused() {
+        let all = entries(10);
+        let why = |r: Result<Vec<DiscoveryEntry>>| match r {
+            Err(Error::Listing { what, why }) => {
+                assert_eq!(what, "discovery");
+                why
+            }
+            other => panic!("{other:?}"),
+        };
+        // A page that brings nothing before the end.
+        let mut asked = Vec::new();
+        let w = why(whole_listing(pages(&all, 0, &mut asked, |_| 1)));
+        assert!(
+            w.contains("the page from entry 0 of 10 brought none"),
+            "{w}"
+        );
+        // More entries than its total.
+        let over = |_start: u32| {
+            Ok(DiscoveryResponse {
+                entries: entries(3),
+                total: 2,
+                generation: 1,
+            })
+        };
+        let w = why(whole_listing(over));
+        assert!(
+            w.contains("brought 3 entries, more than its total of 2"),
+            "{w}"
+        );
+        // A total past what a host reads: refused before any further read.
+        let mut n = 0;
+        let huge = |_start: u32| {
+            n += 1;
+            Ok(DiscoveryResponse {
+                entries: entries(1),
+                total: u32::MAX,
+                generation: 1,
+            })
+        };
+        let w = why(whole_listing(huge));
+        assert!(w.contains("more than the 65536 a host reads"), "{w}");
+        assert_eq!(n, 1);
+        // An error from a read is the listing's error.
+        let lost = |_start: u32| Err(Error::KeyRequired);
+        assert!(matches!(whole_listing(lost), Err(Error::KeyRequired)));
+    }
 
     #[test]
     fn host_id_is_the_uuid_of_a_uuid_nqn_and_stable_otherwise() {

@@ -109,6 +109,16 @@ pub enum Error {
         /// What came.
         got: MessageType,
     },
+    /// The target's listing, sent a page at a time, did not add up: a page that brought
+    /// nothing before the end, one that went past it, a listing that changed at every read, or
+    /// more entries than a host takes ([`crate::MAX_LISTING`]).
+    #[error("the target's {what} listing cannot be read: {why}")]
+    Listing {
+        /// Which listing ("discovery").
+        what: &'static str,
+        /// What did not add up.
+        why: String,
+    },
     /// The target closed the session with a Disconnect.
     #[error("the target closed the session: {reason}")]
     Disconnected {

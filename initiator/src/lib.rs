@@ -76,7 +76,8 @@ mod session;
 pub mod writebuf;
 
 pub use connect::{
-    connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, RECV_DEPTH,
+    connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, MAX_LISTING,
+    RECV_DEPTH,
 };
 pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, LossReason, Result};

@@ -158,8 +158,9 @@ pub fn visible_to(s: &Subsystem, host: &Nqn, key: Option<&Psk>) -> bool {
 
 /// The discovery listing for `host`, which proved `key` (if it has one): the subsystems it may
 /// connect to, with every listen URL of rpma's own transports (`nvme-tcp://` listeners are for
-/// NVMe hosts, which discover them through their own discovery log page). A subsystem that lists the host with a key shows only if
-/// that is the key it proved ([`visible_to`]).
+/// NVMe hosts, which discover them through their own discovery log page). A subsystem that
+/// lists the host with a key shows only if that is the key it proved ([`visible_to`]). The
+/// host is given it a page at a time ([`DiscoveryResponse::page`]).
 ///
 /// A wildcard listener (`0.0.0.0`, `::`) is advertised with `local`'s address, the one the
 /// discovery connection arrived on (an address the host can reach), when `local` is of a family
@@ -169,7 +170,7 @@ pub fn discovery(
     host: &Nqn,
     key: Option<&Psk>,
     local: Option<SocketAddr>,
-) -> DiscoveryResponse {
+) -> Vec<DiscoveryEntry> {
     let listen = listen_urls(cfg, |url| advertised(url, local).to_string());
     listing(cfg, &listen, |s| visible_to(s, host, key))
 }
@@ -188,26 +189,24 @@ fn listing(
     cfg: &Config,
     listen: &[String],
     sees: impl Fn(&Subsystem) -> bool,
-) -> DiscoveryResponse {
-    DiscoveryResponse {
-        entries: cfg
-            .subsystems
-            .iter()
-            .filter(|s| sees(s))
-            .map(|s| DiscoveryEntry {
-                subsystem_nqn: s.nqn.clone(),
-                listen: listen.to_vec(),
-            })
-            .collect(),
-    }
+) -> Vec<DiscoveryEntry> {
+    cfg.subsystems
+        .iter()
+        .filter(|s| sees(s))
+        .map(|s| DiscoveryEntry {
+            subsystem_nqn: s.nqn.clone(),
+            listen: listen.to_vec(),
+        })
+        .collect()
 }
 
-/// The longest discovery answer the configuration can make, and how many subsystems it lists:
-/// for the host that may connect to the most of them (a listed host, having proved any key it
-/// holds, or any other host), each wildcard listener advertised with the longest address text
-/// of the families it takes. Over [`MAX_MESSAGE_SIZE`](rpma_common::proto::MAX_MESSAGE_SIZE)
-/// such a host is told so instead of answered (`rpma-target check-config` warns of it).
-pub fn widest_discovery(cfg: &Config) -> (usize, usize) {
+/// A discovery entry too long for one message, if the configuration has one: the subsystem
+/// with the longest NQN, with every listen URL at its widest (each wildcard listener
+/// advertised with the longest address text of the families it takes). Only a configuration
+/// with some hundreds of listeners makes one; a host whose listing reaches it is told so
+/// instead of given the rest (`rpma-target check-config` warns of it). Returns its NQN and
+/// the length of a page of it alone.
+pub fn discovery_entry_too_long(cfg: &Config) -> Option<(Nqn, usize)> {
     let v4 = SocketAddr::from(([255, 255, 255, 255], u16::MAX));
     let v6 = SocketAddr::from((std::net::Ipv6Addr::from([u16::MAX; 8]), u16::MAX));
     let listen = listen_urls(cfg, |url| {
@@ -221,29 +220,26 @@ pub fn widest_discovery(cfg: &Config) -> (usize, usize) {
             b
         }
     });
-    let listed: std::collections::BTreeSet<&Nqn> = cfg
-        .subsystems
-        .iter()
-        .flat_map(|s| s.hosts.iter().map(|h| &h.nqn))
-        .collect();
-    std::iter::once(None)
-        .chain(listed.into_iter().map(Some))
-        .map(|host| {
-            let resp = listing(cfg, &listen, |s| {
-                s.allow_any_host || host.is_some_and(|h| s.hosts.iter().any(|e| &e.nqn == h))
-            });
-            let n = resp.entries.len();
-            let len = Message::DiscoveryResponse(resp).encode().map_or_else(
+    let longest = cfg.subsystems.iter().max_by_key(|s| s.nqn.as_str().len())?;
+    let entry = listing(cfg, &listen, |s| std::ptr::eq(s, longest));
+    match DiscoveryResponse::page(&entry, 0, 0) {
+        Some(_) => None,
+        None => {
+            let page = DiscoveryResponse {
+                entries: entry,
+                total: 1,
+                generation: u64::MAX,
+            };
+            let len = Message::DiscoveryResponse(page).encode().map_or_else(
                 |e| match e {
                     rpma_common::proto::Error::TooLarge { len, .. } => len,
                     _ => usize::MAX,
                 },
                 |b| b.len(),
             );
-            (len, n)
-        })
-        .max()
-        .unwrap_or((0, 0))
+            Some((longest.nqn.clone(), len))
+        }
+    }
 }
 
 #[cfg(test)]
@@ -270,28 +266,47 @@ mod tests {
     }
 
     #[test]
-    fn the_widest_discovery_is_that_of_the_host_that_sees_the_most() {
+    fn a_long_listing_comes_in_pages_and_only_an_entry_too_long_for_any_is_reported() {
         let d = tempfile::tempdir().unwrap();
-        let (len, seen) = widest_discovery(&many(d.path(), 300, true));
-        assert_eq!(seen, 300);
+        let host = Nqn::new("nqn.2026-11.io.rpma:x".to_owned()).unwrap();
+        // 300 subsystems any host may see: more than one message holds, each page fits.
+        let wide = many(d.path(), 300, true);
+        assert_eq!(discovery_entry_too_long(&wide), None);
+        let all = discovery(&wide, &host, None, None);
+        assert_eq!(all.len(), 300);
+        let gen = DiscoveryResponse::generation_of(&all);
+        let (mut got, mut pages) = (Vec::new(), 0);
+        while got.len() < all.len() {
+            let page = DiscoveryResponse::page(&all, got.len() as u32, gen).unwrap();
+            assert_eq!((page.total, page.generation), (300, gen));
+            assert!(!page.entries.is_empty());
+            let len = Message::DiscoveryResponse(page.clone())
+                .encode()
+                .unwrap()
+                .len();
+            assert!(len <= rpma_common::proto::MAX_MESSAGE_SIZE, "{len}");
+            got.extend(page.entries);
+            pages += 1;
+        }
+        assert_eq!(got, all);
+        assert!(pages > 1, "{pages}");
+        // Past the end: an empty page with the total.
+        let end = DiscoveryResponse::page(&all, 300, gen).unwrap();
+        assert!(end.entries.is_empty() && end.total == 300);
+        // Another listing, another generation.
+        assert_ne!(DiscoveryResponse::generation_of(&all[1..]), gen);
+        // One entry too long for a message: 500 listeners, each URL in it.
+        let mut text = String::from("listen = [");
+        for port in 0..500 {
+            text += &format!("\"tcp://0.0.0.0:{}\", ", 10000 + port);
+        }
+        text += "]\n[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:s\"\nallow_any_host = true\n";
+        let long = Config::from_toml(&text, d.path()).unwrap();
+        let (nqn, len) = discovery_entry_too_long(&long).expect("too long");
+        assert_eq!(nqn.as_str(), "nqn.2026-11.io.rpma:s");
         assert!(len > rpma_common::proto::MAX_MESSAGE_SIZE, "{len}");
-        // Each host sees one: no host's listing comes near the limit.
-        let (len, seen) = widest_discovery(&many(d.path(), 300, false));
-        assert_eq!(seen, 1);
-        assert!(len < 200, "{len}");
-        // A 0.0.0.0 listener counts as its longest IPv4 form (255.255.255.255:65535).
-        let one = many(d.path(), 1, true);
-        let local = SocketAddr::from(([255, 255, 255, 255], 7420));
-        let real = Message::DiscoveryResponse(discovery(
-            &one,
-            &Nqn::new("nqn.2026-11.io.rpma:x".to_owned()).unwrap(),
-            None,
-            Some(local),
-        ))
-        .encode()
-        .unwrap()
-        .len();
-        assert!(widest_discovery(&one).0 >= real);
+        let listing = discovery(&long, &host, None, None);
+        assert_eq!(DiscoveryResponse::page(&listing, 0, 0), None);
     }
 
     fn cfg(dir: &std::path::Path, discovery: bool) -> Config {
@@ -398,10 +413,10 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
             None,
             Some("127.0.0.1:7420".parse().unwrap()),
         );
-        assert_eq!(stranger.entries.len(), 1);
-        assert_eq!(stranger.entries[0].subsystem_nqn.as_str(), OPEN);
+        assert_eq!(stranger.len(), 1);
+        assert_eq!(stranger[0].subsystem_nqn.as_str(), OPEN);
         assert_eq!(
-            stranger.entries[0].listen,
+            stranger[0].listen,
             ["tcp://127.0.0.1:7420", "tcp://[::1]:7420"]
         );
         let plain = discovery(
@@ -410,7 +425,7 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
             None,
             None,
         );
-        assert_eq!(plain.entries.len(), 2);
+        assert_eq!(plain.len(), 2);
     }
 
     #[test]
@@ -427,7 +442,6 @@ hosts = [{{ nqn = "nqn.2026-11.io.rpma:keyed", psk_file = "k.psk" }}]
         }
         let names = |key: Option<&Psk>| -> Vec<String> {
             discovery(&c, &keyed, key, None)
-                .entries
                 .iter()
                 .map(|e| e.subsystem_nqn.to_string())
                 .collect()
@@ -450,7 +464,7 @@ allow_any_host = true
         let c = Config::from_toml(text, d.path()).unwrap();
         let host = Nqn::new("nqn.2026-11.io.rpma:h").unwrap();
         let listen = |local: Option<&str>| {
-            discovery(&c, &host, None, local.map(|l| l.parse().unwrap())).entries[0]
+            discovery(&c, &host, None, local.map(|l| l.parse().unwrap()))[0]
                 .listen
                 .clone()
         };

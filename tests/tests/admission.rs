@@ -12,7 +12,9 @@ use rpma_common::fabric::soft::wire::tx::encode_fpdu;
 use rpma_common::fabric::soft::wire::{Header, Opcode};
 use rpma_common::proto::auth::Psk;
 use rpma_common::proto::nqn::DISCOVERY_NQN;
-use rpma_common::proto::{Connect, FlushStatus, HostId, KeepAlive, Message};
+use rpma_common::proto::{
+    Connect, DiscoveryRequest, DiscoveryResponse, FlushStatus, HostId, KeepAlive, Message,
+};
 use rpma_initiator::{connect, discover, Error, HostIdentity};
 use rpma_tests::sessions::{start, KEY, KEYED, OPEN, PLAIN, SUB, WAIT};
 use rpma_tests::{counted_in_summaries, host, nqn, opts, scratch, summary_lines, tcp_from, Target};
@@ -414,39 +416,69 @@ fn discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key() {
     );
 }
 
-rpma_tests::rdma_runs!(discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key,);
+rpma_tests::rdma_runs!(
+    discovery_shows_a_keyed_subsystem_only_to_the_holder_of_the_key,
+    a_discovery_listing_longer_than_one_message_comes_in_pages,
+);
 
-/// A discovery answer that would not fit in one message (a host that may connect to 250
-/// subsystems) is refused at once with a Disconnect that says so and what to do, and
-/// `check-config` warns of it. (Before: nothing was sent, and the host heard only "keep-alive
-/// expired" once its discovery session lapsed; check-config said nothing.)
-#[test]
-fn a_discovery_answer_too_large_for_one_message_is_refused_with_the_reason() {
-    let d = scratch();
+/// `n` subsystems any host may connect to, s0 to s(n-1), each with a namespace.
+fn subsystems(n: usize) -> String {
     let mut config = rpma_tests::Config::new();
-    for i in 0..250 {
+    for i in 0..n {
         config = config.subsystem(
             rpma_tests::Subsystem::new(&format!("nqn.2026-11.io.rpma:s{i}"))
                 .any_host()
                 .namespace(rpma_tests::Namespace::new(1, &format!("s{i}"), "64KiB")),
         );
     }
-    let t = Target::start(d.path(), &config.to_string());
-    match discover(&t.url(), &host(PLAIN), &opts()) {
-        Err(Error::Disconnected { reason }) => {
-            assert!(reason.contains("would list 250 subsystems"), "{reason}");
-            assert!(
-                reason.contains("connect to a subsystem by its NQN"),
-                "{reason}"
-            );
-        }
+    config.to_string()
+}
+
+/// Page `start` of a discovery session's listing.
+fn discovery_page(s: &mut rpma_initiator::Session, start: u32) -> DiscoveryResponse {
+    s.send_message(&Message::DiscoveryRequest(DiscoveryRequest { start }))
+        .unwrap();
+    match s.wait_message(WAIT, "DiscoveryResponse").unwrap() {
+        Message::DiscoveryResponse(r) => r,
         other => panic!("{other:?}"),
     }
+}
+
+/// A discovery listing longer than one message (a host that may connect to 250 subsystems)
+/// comes in pages: the host gets all of it, in order, and `check-config` has nothing to warn
+/// of. A reload between two pages changes the listing's generation, which tells a host that
+/// reads them to start again. (Before protocol version 7 such a host was refused with a
+/// Disconnect, "would list 250 subsystems", and check-config warned of it.)
+#[test]
+fn a_discovery_listing_longer_than_one_message_comes_in_pages() {
+    let d = scratch();
+    let mut t = Target::start(d.path(), &subsystems(250));
+    let names: Vec<String> = discover(&t.url(), &host(PLAIN), &opts())
+        .unwrap()
+        .iter()
+        .map(|e| e.subsystem_nqn.to_string())
+        .collect();
+    let all: Vec<String> = (0..250)
+        .map(|i| format!("nqn.2026-11.io.rpma:s{i}"))
+        .collect();
+    assert_eq!(names, all);
     let out = rpma_tests::check_config(&d.path().join("target.toml"));
     let text = rpma_tests::text(&out);
     assert!(out.status.success(), "{text}");
-    assert!(
-        text.contains("warning: discovery: a host that may connect to 250 subsystems"),
-        "{text}"
-    );
+    assert!(!text.contains("warning"), "{text}");
+
+    // Page by page on one discovery session, with a reload between two pages.
+    let mut s = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
+    let first = discovery_page(&mut s, 0);
+    let n = first.entries.len();
+    assert_eq!(first.total, 250);
+    assert!(n > 0 && n < 250, "{n}");
+    let second = discovery_page(&mut s, n as u32);
+    assert_eq!((second.total, second.generation), (250, first.generation));
+    assert_eq!(second.entries[0].subsystem_nqn.as_str(), all[n]);
+    std::fs::write(d.path().join("target.toml"), subsystems(249)).unwrap();
+    t.reload();
+    let third = discovery_page(&mut s, n as u32);
+    assert_eq!(third.total, 249);
+    assert_ne!(third.generation, first.generation);
 }

@@ -468,3 +468,44 @@ fn a_subsystem_with_more_namespaces_than_a_connect_response_holds_is_refused() {
     let (ok, out) = run(d.path(), &nvme);
     assert!(ok && !out.contains("warning: subsystem"), "{out}");
 }
+
+/// Discovery lists a host's subsystems a page at a time, so only one subsystem whose entry
+/// alone is longer than a message (its every listen URL: here 500 listeners) makes a listing
+/// that cannot be sent whole: check-config warns of that, naming the subsystem, and of nothing
+/// for many subsystems.
+#[test]
+fn check_config_warns_of_a_discovery_entry_longer_than_a_message() {
+    let d = tempfile::tempdir().unwrap();
+    let listeners = |n: u16| {
+        let urls: Vec<String> = (0..n)
+            .map(|i| format!("\"tcp://0.0.0.0:{}\"", 20000 + i))
+            .collect();
+        good().replace(
+            "listen = [\"tcp://127.0.0.1:7420\"]",
+            &format!("listen = [{}]", urls.join(", ")),
+        )
+    };
+    let (ok, out) = run(d.path(), &listeners(500));
+    assert!(ok, "{out}");
+    assert!(
+        out.contains(
+            "warning: discovery: subsystem nqn.2026-11.io.rpma:demo's entry, with every listen URL"
+        ),
+        "{out}"
+    );
+    let (ok, out) = run(d.path(), &listeners(2));
+    assert!(ok && !out.contains("warning"), "{out}");
+    // 300 subsystems: paged, no warning.
+    let mut many = Config::new()
+        .set("listen = [\"tcp://127.0.0.1:7420\"]")
+        .set("control_socket = \"ctl.sock\"");
+    for i in 0..300 {
+        many = many.subsystem(
+            Subsystem::new(&format!("nqn.2026-11.io.rpma:s{i}"))
+                .any_host()
+                .namespace(Namespace::new(1, &format!("s{i}"), "4KiB")),
+        );
+    }
+    let (ok, out) = run(d.path(), &many.to_string());
+    assert!(ok && !out.contains("warning"), "{out}");
+}

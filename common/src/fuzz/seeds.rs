@@ -298,12 +298,15 @@ fn control_message() -> Vec<Vec<u8>> {
             reason: RefusalReason::HostNotAllowed,
             message: "not on the list".into(),
         }),
-        Message::DiscoveryRequest(DiscoveryRequest {}),
+        Message::DiscoveryRequest(DiscoveryRequest { start: 0 }),
+        Message::DiscoveryRequest(DiscoveryRequest { start: 2 }),
         Message::DiscoveryResponse(DiscoveryResponse {
             entries: vec![DiscoveryEntry {
                 subsystem_nqn: nqn("nqn.2026-11.io.rpma:demo"),
                 listen: vec!["tcp://127.0.0.1:7420".into()],
             }],
+            total: 3,
+            generation: 0x0123_4567_89ab_cdef,
         }),
         Message::Disconnect(Disconnect {
             reason: "bye".into(),

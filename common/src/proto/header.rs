@@ -9,14 +9,18 @@
 /// `failure` and [`FlushStatus`] `NamespaceFailed`; 4, [`NamespaceDescriptor`] gained
 /// `simulation` (the power-loss simulation's label); 5, [`NamespaceDescriptor`] gained
 /// `unavailable` (a namespace the target cannot register for this connection); 6,
-/// [`NamespaceDescriptor`] gained `identity` (which file the target maps). A peer of another
+/// [`NamespaceDescriptor`] gained `identity` (which file the target maps); 7, the discovery
+/// listing comes in pages ([`DiscoveryRequest`] `start`, [`DiscoveryResponse`] `total` and
+/// `generation`). A peer of another
 /// version gets [`Error::UnsupportedVersion`] naming both; a target answers such a Connect with
 /// a Refusal `VersionUnsupported`.
 ///
 /// [`ConnectResponse`]: super::ConnectResponse
 /// [`NamespaceDescriptor`]: super::NamespaceDescriptor
+/// [`DiscoveryRequest`]: super::DiscoveryRequest
+/// [`DiscoveryResponse`]: super::DiscoveryResponse
 /// [`FlushStatus`]: super::FlushStatus
-pub const PROTO_VERSION: u8 = 6;
+pub const PROTO_VERSION: u8 = 7;
 
 /// The largest control-plane message, header included. Receive buffers of this size always suffice.
 pub const MAX_MESSAGE_SIZE: usize = 8192;

@@ -274,12 +274,15 @@ pub struct Refusal {
     pub message: String,
 }
 
-/// Host -> target on a discovery connection.
+/// Host -> target on a discovery connection: the listing from entry `start` on.
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
-pub struct DiscoveryRequest {}
+pub struct DiscoveryRequest {
+    /// The first entry wanted (0 for the start of the listing). Since protocol version 7.
+    pub start: u32,
+}
 
 /// One subsystem in a discovery response.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize)]
 pub struct DiscoveryEntry {
     /// The subsystem.
     pub subsystem_nqn: Nqn,
@@ -287,11 +290,18 @@ pub struct DiscoveryEntry {
     pub listen: Vec<String>,
 }
 
-/// Target -> host: the subsystems this host may see.
+/// Target -> host: one page of the subsystems this host may see, as many entries from the
+/// request's `start` as one message holds ([`DiscoveryResponse::page`]).
 #[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub struct DiscoveryResponse {
-    /// The entries.
+    /// The entries, from the request's `start` on.
     pub entries: Vec<DiscoveryEntry>,
+    /// How many entries the whole listing has. Since protocol version 7.
+    pub total: u32,
+    /// Which listing the page is of: the same for every page of one listing, another value
+    /// once the listing changed (a reload): a host reading several pages starts again when it
+    /// changes between them. Since protocol version 7.
+    pub generation: u64,
 }
 
 /// Either way: the sender closes the connection.

@@ -185,6 +185,50 @@ impl ConnectResponse {
     }
 }
 
+/// Room for a page's items: a message less its header and the varints around the items (their
+/// count, and the largest the fields after them take: a u32 and a u64).
+const PAGE_ROOM: usize = MAX_MESSAGE_SIZE - HEADER_LEN - 5 - 5 - 10;
+
+/// How many of `items`, from the first, fit in one page (at most [`PAGE_ROOM`] bytes encoded).
+fn fitting<T: serde::Serialize>(items: &[T]) -> usize {
+    let mut used = 0;
+    items
+        .iter()
+        .take_while(|item| {
+            used += postcard::to_allocvec(item).map_or(usize::MAX / 2, |b| b.len());
+            used <= PAGE_ROOM
+        })
+        .count()
+}
+
+impl DiscoveryResponse {
+    /// The page of `listing` that starts at entry `start`: as many entries from there as one
+    /// message holds, with the listing's `total` and `generation`; an empty page past its end.
+    /// None when the entry at `start` alone does not fit in a message (it would list more
+    /// listen URLs than one holds), so that no page could make progress.
+    pub fn page(listing: &[DiscoveryEntry], start: u32, generation: u64) -> Option<Self> {
+        let rest = listing.get(start as usize..).unwrap_or(&[]);
+        let n = fitting(rest);
+        if n == 0 && !rest.is_empty() {
+            return None;
+        }
+        Some(DiscoveryResponse {
+            entries: rest[..n].to_vec(),
+            total: u32::try_from(listing.len()).unwrap_or(u32::MAX),
+            generation,
+        })
+    }
+
+    /// The generation of `listing` ([`DiscoveryResponse::generation`]): a hash of its
+    /// entries, so that any change to them changes it (but for a collision, 2^-64).
+    pub fn generation_of(listing: &[DiscoveryEntry]) -> u64 {
+        use std::hash::{Hash, Hasher};
+        let mut h = std::hash::DefaultHasher::new();
+        listing.hash(&mut h);
+        h.finish()
+    }
+}
+
 /// Cuts `text` to at most `max` bytes at a character boundary, ending it with "..." when cut.
 fn shorten(text: &mut String, max: usize) {
     if text.len() <= max {

@@ -65,12 +65,14 @@ fn samples() -> Vec<Message> {
             reason: RefusalReason::HostNotAllowed,
             message: "host nqn.x is not allowed".into(),
         }),
-        Message::DiscoveryRequest(DiscoveryRequest {}),
+        Message::DiscoveryRequest(DiscoveryRequest { start: 300 }),
         Message::DiscoveryResponse(DiscoveryResponse {
             entries: vec![DiscoveryEntry {
                 subsystem_nqn: nqn("nqn.2026-11.io.rpma:demo"),
                 listen: vec!["tcp://127.0.0.1:7420".into()],
             }],
+            total: 301,
+            generation: u64::MAX - 5,
         }),
         Message::Disconnect(Disconnect {
             reason: "bye".into(),
@@ -110,7 +112,7 @@ fn fixed_layouts_are_exact() {
     };
     let b = r.encode();
     assert_eq!(b.len(), 32);
-    assert_eq!(&b[..4], &[6, 0x10, 0, 0]);
+    assert_eq!(&b[..4], &[7, 0x10, 0, 0]);
     assert_eq!(&b[4..8], &[1, 2, 3, 4]);
     assert_eq!(&b[8..16], &0x1122_3344_5566_7788u64.to_le_bytes());
     assert_eq!(&b[16..24], &0x10u64.to_le_bytes());
@@ -121,7 +123,7 @@ fn fixed_layouts_are_exact() {
         status: FlushStatus::IoError,
     }
     .encode();
-    assert_eq!(s, [6, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(s, [7, 0x11, 0, 0, 4, 0, 0, 0, 2, 1, 0, 0, 0, 0, 0, 0]);
     let f = FlushResponse {
         token: 1,
         status: FlushStatus::NamespaceFailed,
@@ -134,7 +136,7 @@ fn fixed_layouts_are_exact() {
     );
     assert_eq!(
         KeepAlive { seq: 1 }.encode(),
-        [6, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
+        [7, 0x12, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0]
     );
 }
 
@@ -288,12 +290,8 @@ fn invalid_nqn_in_body_is_an_error() {
 #[test]
 fn oversize_is_refused_both_ways() {
     let big = Message::DiscoveryResponse(DiscoveryResponse {
-        entries: (0..200)
-            .map(|i| DiscoveryEntry {
-                subsystem_nqn: nqn(&format!("nqn.2026-11.io.rpma:subsystem-number-{i}")),
-                listen: vec!["tcp://127.0.0.1:7420".into()],
-            })
-            .collect(),
+        entries: listing(200),
+        ..Default::default()
     });
     assert!(matches!(big.encode(), Err(Error::TooLarge { .. })));
     let mut b = vec![0u8; MAX_MESSAGE_SIZE + 1];
@@ -414,4 +412,57 @@ fn long_texts_are_cut_until_the_connect_response_fits() {
         .namespaces
         .iter()
         .all(|d| d.failure.is_some() && d.unavailable.is_some()));
+}
+
+/// `n` discovery entries with NQNs of growing length.
+fn listing(n: usize) -> Vec<DiscoveryEntry> {
+    (0..n)
+        .map(|i| DiscoveryEntry {
+            subsystem_nqn: nqn(&format!("nqn.2026-11.io.rpma:subsystem-number-{i}")),
+            listen: vec!["tcp://127.0.0.1:7420".into()],
+        })
+        .collect()
+}
+
+#[test]
+fn a_discovery_listing_is_paged_into_messages_that_fit() {
+    let all = listing(1000);
+    // The largest total and generation a page can carry: every page still fits.
+    let (mut got, mut start) = (Vec::new(), 0u32);
+    while (start as usize) < all.len() {
+        let mut page = DiscoveryResponse::page(&all, start, u64::MAX).unwrap();
+        assert_eq!(page.total, 1000);
+        page.total = u32::MAX;
+        let n = page.entries.len();
+        assert!(n > 0);
+        let bytes = Message::DiscoveryResponse(page.clone()).encode().unwrap();
+        assert!(bytes.len() <= MAX_MESSAGE_SIZE);
+        // Full: one more entry would not have fitted in the room a page keeps.
+        if (start as usize) + n < all.len() {
+            let mut more = page.clone();
+            more.entries.push(all[start as usize + n].clone());
+            let len = Message::DiscoveryResponse(more)
+                .encode()
+                .map_or(usize::MAX, |b| b.len());
+            assert!(len > MAX_MESSAGE_SIZE - 20, "{len}");
+        }
+        got.extend(page.entries);
+        start += n as u32;
+    }
+    assert_eq!(got, all);
+    // At and past the end: empty pages that still say the total.
+    for start in [1000, 1001, u32::MAX] {
+        let p = DiscoveryResponse::page(&all, start, 7).unwrap();
+        assert_eq!((p.entries.len(), p.total, p.generation), (0, 1000, 7));
+    }
+    // An entry longer than a message: no page can hold it.
+    let mut long = listing(3);
+    long[1].listen = (0..600).map(|i| format!("tcp://127.0.0.1:{i}")).collect();
+    assert!(DiscoveryResponse::page(&long, 0, 0).unwrap().entries.len() == 1);
+    assert_eq!(DiscoveryResponse::page(&long, 1, 0), None);
+    // The generation follows the listing.
+    let g = DiscoveryResponse::generation_of(&all);
+    assert_eq!(g, DiscoveryResponse::generation_of(&listing(1000)));
+    assert_ne!(g, DiscoveryResponse::generation_of(&all[..999]));
+    assert_ne!(g, DiscoveryResponse::generation_of(&long));
 }

@@ -148,7 +148,7 @@ pub fn seeds(name: &str) -> Vec<(String, Vec<u8>)> {
         talk(&[connect(KEYED, SUB), bye.clone()]),
         talk(&[
             connect(PLAIN, DISCOVERY_NQN),
-            Message::DiscoveryRequest(DiscoveryRequest {}),
+            Message::DiscoveryRequest(DiscoveryRequest { start: 0 }),
         ]),
         talk(&[connect(KEYED, DISCOVERY_NQN), forged]),
         talk(&[connect("nqn.2026-11.io.rpma:stranger", SUB)]),

@@ -37,7 +37,7 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    FlushRequest, FlushResponse, FlushStatus, Message, Refusal, RefusalReason,
+    DiscoveryResponse, FlushRequest, FlushResponse, FlushStatus, Message, Refusal, RefusalReason,
 };
 use rpma_common::stats::Stopwatch;
 
@@ -392,17 +392,25 @@ impl Conn {
                 let host = host.clone();
                 let key = key.clone();
                 match Message::decode(buf) {
-                    Ok(Message::DiscoveryRequest(_)) => {
+                    Ok(Message::DiscoveryRequest(r)) => {
                         let local = self.qp.info().local_addr;
-                        let resp = discovery(&shared.config(), &host, key.as_ref(), Some(local));
-                        let n = resp.entries.len();
-                        match Message::DiscoveryResponse(resp).encode() {
+                        let listing = discovery(&shared.config(), &host, key.as_ref(), Some(local));
+                        let generation = DiscoveryResponse::generation_of(&listing);
+                        let page = DiscoveryResponse::page(&listing, r.start, generation)
+                            .ok_or_else(|| "it alone is longer than a message".to_owned())
+                            .and_then(|p| {
+                                Message::DiscoveryResponse(p)
+                                    .encode()
+                                    .map_err(|e| e.to_string())
+                            });
+                        match page {
                             Ok(bytes) => self.send_raw(&bytes),
                             // Told at once, not left to wait for an answer that never comes.
                             Err(e) => {
                                 let why = format!(
-                                    "the discovery answer would list {n} subsystems, more than \
-                                     one message holds ({e}): connect to a subsystem by its NQN"
+                                    "the discovery listing's entry {} cannot be sent ({e}): \
+                                     connect to a subsystem by its NQN",
+                                    r.start
                                 );
                                 self.shared.peer_log.warn(
                                     self.peer.ip(),
