@@ -8,8 +8,8 @@ use rpma_common::fabric::{ConnParams, Context, QpCaps, TcpParams, Url};
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::{self, Nqn, DISCOVERY_NQN, UUID_PREFIX};
 use rpma_common::proto::{
-    Connect, DiscoveryEntry, DiscoveryRequest, DiscoveryResponse, HostId, Message,
-    NamespaceDescriptor, Refusal,
+    Connect, DiscoveryEntry, DiscoveryRequest, HostId, Message, NamespaceDescriptor,
+    NamespacesRequest, Refusal,
 };
 use sha2::{Digest, Sha256};
 
@@ -259,7 +259,26 @@ pub fn connect(
                     s.keep_alive = Duration::from_millis(u64::from(r.keep_alive_ms));
                 }
                 s.queue_depth = r.queue_depth;
-                s.namespaces = r.namespaces;
+                let mut first = Some(Page {
+                    items: r.namespaces,
+                    total: r.namespace_count,
+                    generation: 0,
+                });
+                // Those its ConnectResponse had no room for, a page at a time.
+                s.namespaces = whole_listing("namespace", |start| {
+                    if let Some(first) = first.take().filter(|_| start == 0) {
+                        return Ok(first);
+                    }
+                    s.send_message(&Message::NamespacesRequest(NamespacesRequest { start }))?;
+                    match s.wait_message(opts.timeout, "NamespacesResponse")? {
+                        Message::NamespacesResponse(r) => Ok(Page {
+                            items: r.namespaces,
+                            total: r.total,
+                            generation: 0,
+                        }),
+                        other => Err(unexpected("NamespacesResponse", &other)),
+                    }
+                })?;
                 s.namespaces.sort_by_key(|n| n.nsid);
                 for d in &mut s.namespaces {
                     d.failure = d.failure.as_deref().map(target_text);
@@ -299,10 +318,14 @@ pub fn discover(
 ) -> Result<Vec<DiscoveryEntry>> {
     let disc = Nqn::new(DISCOVERY_NQN).map_err(Error::HostNqn)?;
     let mut s = connect(url, &disc, host, opts)?;
-    let listing = whole_listing(|start| {
+    let listing = whole_listing("discovery", |start| {
         s.send_message(&Message::DiscoveryRequest(DiscoveryRequest { start }))?;
         match s.wait_message(opts.timeout, "DiscoveryResponse")? {
-            Message::DiscoveryResponse(r) => Ok(r),
+            Message::DiscoveryResponse(r) => Ok(Page {
+                items: r.entries,
+                total: r.total,
+                generation: r.generation,
+            }),
             other => Err(unexpected("DiscoveryResponse", &other)),
         }
     });
@@ -317,16 +340,22 @@ pub const MAX_LISTING: u32 = 1 << 16;
 /// How many times a listing that changed while it was read is read again.
 const LISTING_READS: usize = 4;
 
-/// The whole discovery listing, from the pages `page(start)` brings: in turn from 0, each
+/// One page of a listing the target sends a page at a time: its entries, how many the whole
+/// listing has, and which listing it is of (a session's namespaces: always the same).
+struct Page<T> {
+    items: Vec<T>,
+    total: u32,
+    generation: u64,
+}
+
+/// The whole `what` listing, from the pages `page(start)` brings: in turn from 0, each
 /// starting where the entries so far end, until the listing's total; from the start again
-/// when a page is of another generation (the listing changed between two reads).
-fn whole_listing(
-    mut page: impl FnMut(u32) -> Result<DiscoveryResponse>,
-) -> Result<Vec<DiscoveryEntry>> {
-    let bad = |why: String| Error::Listing {
-        what: "discovery",
-        why,
-    };
+/// when a page is of another generation or total (the listing changed between two reads).
+fn whole_listing<T>(
+    what: &'static str,
+    mut page: impl FnMut(u32) -> Result<Page<T>>,
+) -> Result<Vec<T>> {
+    let bad = |why: String| Error::Listing { what, why };
     'read: for _ in 0..LISTING_READS {
         let first = page(0)?;
         let (total, generation) = (first.total, first.generation);
@@ -335,7 +364,7 @@ fn whole_listing(
                 "it has {total} entries, more than the {MAX_LISTING} a host reads"
             )));
         }
-        let mut entries = first.entries;
+        let mut entries = first.items;
         loop {
             let have = entries.len();
             if have > total as usize {
@@ -350,12 +379,12 @@ fn whole_listing(
             if next.generation != generation || next.total != total {
                 continue 'read;
             }
-            if next.entries.is_empty() {
+            if next.items.is_empty() {
                 return Err(bad(format!(
                     "the page from entry {have} of {total} brought none"
                 )));
             }
-            entries.extend(next.entries);
+            entries.extend(next.items);
         }
     }
     Err(bad(format!(
@@ -421,36 +450,36 @@ mod tests {
         per: usize,
         asked: &'a mut Vec<u32>,
         generation: impl Fn(usize) -> u64 + 'a,
-    ) -> impl FnMut(u32) -> Result<DiscoveryResponse> + 'a {
+    ) -> impl FnMut(u32) -> Result<Page<DiscoveryEntry>> + 'a {
         move |start| {
             asked.push(start);
             let from = (start as usize).min(all.len());
-            Ok(DiscoveryResponse {
-                entries: all[from..(from + per).min(all.len())].to_vec(),
+            Ok(Page {
+                items: all[from..(from + per).min(all.len())].to_vec(),
                 total: all.len() as u32,
                 generation: generation(asked.len()),
             })
         }
     }
 
+    /// [`whole_listing`] of the discovery listing.
+    fn whole(page: impl FnMut(u32) -> Result<Page<DiscoveryEntry>>) -> Result<Vec<DiscoveryEntry>> {
+        whole_listing("discovery", page)
+    }
+
     #[test]
     fn a_listing_is_read_page_by_page_to_its_total() {
         let all = entries(10);
         let mut asked = Vec::new();
-        let got = whole_listing(pages(&all, 4, &mut asked, |_| 9)).unwrap();
+        let got = whole(pages(&all, 4, &mut asked, |_| 9)).unwrap();
         assert_eq!(got, all);
         assert_eq!(asked, [0, 4, 8]);
         // One page, and an empty listing: one read each.
         let mut asked = Vec::new();
-        assert_eq!(
-            whole_listing(pages(&all, 10, &mut asked, |_| 9)).unwrap(),
-            all
-        );
+        assert_eq!(whole(pages(&all, 10, &mut asked, |_| 9)).unwrap(), all);
         assert_eq!(asked, [0]);
         let mut asked = Vec::new();
-        assert!(whole_listing(pages(&[], 4, &mut asked, |_| 9))
-            .unwrap()
-            .is_empty());
+        assert!(whole(pages(&[], 4, &mut asked, |_| 9)).unwrap().is_empty());
         assert_eq!(asked, [0]);
     }
 
@@ -459,12 +488,12 @@ mod tests {
         let all = entries(10);
         // The generation changes at the second request only: read again, then whole.
         let mut asked = Vec::new();
-        let got = whole_listing(pages(&all, 4, &mut asked, |n| u64::from(n == 2))).unwrap();
+        let got = whole(pages(&all, 4, &mut asked, |n| u64::from(n == 2))).unwrap();
         assert_eq!(got, all);
         assert_eq!(asked, [0, 4, 0, 4, 8]);
         // Changing at every request: given up after LISTING_READS reads, said why.
         let mut asked = Vec::new();
-        let e = whole_listing(pages(&all, 4, &mut asked, |n| n as u64)).unwrap_err();
+        let e = whole(pages(&all, 4, &mut asked, |n| n as u64)).unwrap_err();
         assert!(
             matches!(&e, Error::Listing { why, .. } if why.contains("changed while it was read")),
             "{e}"
@@ -484,20 +513,20 @@ mod tests {
         };
         // A page that brings nothing before the end.
         let mut asked = Vec::new();
-        let w = why(whole_listing(pages(&all, 0, &mut asked, |_| 1)));
+        let w = why(whole(pages(&all, 0, &mut asked, |_| 1)));
         assert!(
             w.contains("the page from entry 0 of 10 brought none"),
             "{w}"
         );
         // More entries than its total.
         let over = |_start: u32| {
-            Ok(DiscoveryResponse {
-                entries: entries(3),
+            Ok(Page {
+                items: entries(3),
                 total: 2,
                 generation: 1,
             })
         };
-        let w = why(whole_listing(over));
+        let w = why(whole(over));
         assert!(
             w.contains("brought 3 entries, more than its total of 2"),
             "{w}"
@@ -506,18 +535,18 @@ mod tests {
         let mut n = 0;
         let huge = |_start: u32| {
             n += 1;
-            Ok(DiscoveryResponse {
-                entries: entries(1),
+            Ok(Page {
+                items: entries(1),
                 total: u32::MAX,
                 generation: 1,
             })
         };
-        let w = why(whole_listing(huge));
+        let w = why(whole(huge));
         assert!(w.contains("more than the 65536 a host reads"), "{w}");
         assert_eq!(n, 1);
         // An error from a read is the listing's error.
         let lost = |_start: u32| Err(Error::KeyRequired);
-        assert!(matches!(whole_listing(lost), Err(Error::KeyRequired)));
+        assert!(matches!(whole(lost), Err(Error::KeyRequired)));
     }
 
     #[test]

@@ -329,9 +329,6 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             }
         }
     }
-    for w in cfg.message_warnings() {
-        writeln!(out, "warning: {w}")?;
-    }
     if let Some((nqn, len)) = crate::subsystem::discovery_entry_too_long(&cfg) {
         if cfg.discovery {
             // Valid, but a host whose listing reaches it gets no more of its listing.

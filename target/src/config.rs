@@ -14,7 +14,6 @@ use rpma_common::units::parse_size;
 
 mod admission;
 mod error;
-mod limits;
 mod raw;
 mod simulation;
 
@@ -584,51 +583,7 @@ impl Config {
             metrics_listen,
             subsystems,
         };
-        config.check_message_limits(&config.listeners)?;
         Ok(config)
-    }
-
-    /// Refuses a configuration one of whose subsystems no host could be admitted to through
-    /// `listeners`: its ConnectResponse, which lists every namespace of the subsystem in one
-    /// message, would be too long whatever a connection sets (config/limits.rs). Only rpma's
-    /// own fabrics count (NVMe/TCP lists namespaces a page at a time). A reload checks the new
-    /// subsystems against the running listeners, which it keeps.
-    ///
-    /// # Errors
-    /// [`ConfigError::Invalid`] at `subsystem[i].namespace`.
-    pub fn check_message_limits(&self, listeners: &[Listener]) -> Result<()> {
-        if !listeners.iter().any(|l| l.url.transport.is_fabric()) {
-            return Ok(());
-        }
-        for (i, s) in self.subsystems.iter().enumerate() {
-            limits::refuse_if_never_fits(&format!("subsystem[{i}].namespace"), &s.listed())?;
-        }
-        Ok(())
-    }
-
-    /// Warnings for the subsystems a host may be refused from over rpma's own fabrics: their
-    /// ConnectResponse may be too long with what a connection sets at its widest.
-    pub fn message_warnings(&self) -> Vec<String> {
-        if !self.listeners.iter().any(|l| l.url.transport.is_fabric()) {
-            return Vec::new();
-        }
-        self.subsystems
-            .iter()
-            .filter_map(|s| limits::warning_if_may_not_fit(s.nqn.as_str(), &s.listed()))
-            .collect()
-    }
-}
-
-impl Subsystem {
-    /// Its namespaces as the message-size checks take them (config/limits.rs).
-    fn listed(&self) -> Vec<limits::Listed> {
-        self.namespaces
-            .iter()
-            .map(|n| {
-                let label = n.power_loss_simulation.as_ref().map(|s| s.label());
-                (n.nsid, n.size, n.block_size, label)
-            })
-            .collect()
     }
 }
 

@@ -391,9 +391,6 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
     let config_path =
         &std::fs::canonicalize(config_path).unwrap_or_else(|_| config_path.to_owned());
     let config = Config::load(config_path)?;
-    for w in config.message_warnings() {
-        log::warn!("{w}");
-    }
     let ledger = Arc::new(FailureLedger::open(&config.state_file)?);
     let remembered = ledger.all();
     log::info!(

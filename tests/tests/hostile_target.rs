@@ -17,7 +17,7 @@ use rpma_common::proto::msgbuf::{MsgBufs, CONTROL_BIT, SEND_BIT};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
     ConnectResponse, DurabilityMethods, FlushResponse, FlushStatus, KeepAlive, Message,
-    NamespaceDescriptor, PersistenceDomain, PROTO_VERSION,
+    NamespaceDescriptor, NamespacesResponse, PersistenceDomain, PROTO_VERSION,
 };
 use rpma_initiator::{
     connect, ConnectOptions, Connection, Durability, Error, HostIdentity, QueueOptions,
@@ -46,6 +46,15 @@ const BAD_ADDRESS: u8 = 4;
 const BAD_TEXT: u8 = 5;
 /// Refuses the Connect with [`HOSTILE_TEXT`] as the message.
 const BAD_REFUSAL: u8 = 6;
+
+/// Says it has 3 namespaces, lists 1 in its ConnectResponse, and answers every
+/// NamespacesRequest with a page that brings none.
+const EMPTY_PAGES: u8 = 7;
+/// Says it has u32::MAX namespaces (and lists 1).
+const COUNTLESS: u8 = 8;
+/// Says it has 2 namespaces, lists 1, and answers the NamespacesRequest honestly with the
+/// second (nsid 2, the same memory).
+const PAGED: u8 = 9;
 
 /// A line break, a forged log line, a terminal escape (red), a right-to-left override.
 const HOSTILE_TEXT: &str = "bye\n[2026-12-06T00:00:00Z ERROR rpma] forged\u{1b}[31m red\u{202e}";
@@ -238,8 +247,27 @@ fn serve(
                             _ => descriptor(mr),
                         }],
                         queue_depth: 8,
+                        namespace_count: match mode {
+                            EMPTY_PAGES => 3,
+                            COUNTLESS => u32::MAX,
+                            PAGED => 2,
+                            _ => 1,
+                        },
                     })
                 }
+                Ok(Message::NamespacesRequest(r)) => Message::NamespacesResponse(match mode {
+                    PAGED if r.start == 1 => NamespacesResponse {
+                        namespaces: vec![NamespaceDescriptor {
+                            nsid: 2,
+                            ..descriptor(mr)
+                        }],
+                        total: 2,
+                    },
+                    _ => NamespacesResponse {
+                        namespaces: Vec::new(),
+                        total: if mode == COUNTLESS { u32::MAX } else { 3 },
+                    },
+                }),
                 Ok(Message::KeepAlive(k)) => Message::KeepAlive(k),
                 Ok(Message::FlushRequest(r)) if mode == HONEST || mode == FORGED_ECHO => {
                     Message::FlushResponse(FlushResponse {
@@ -457,6 +485,40 @@ fn a_namespace_described_past_the_end_of_the_address_space_is_unavailable() {
         Ok(mut ns) => {
             let r = ns.write_at(8192, &[1; 4096]);
             panic!("the namespace was served: {r:?}");
+        }
+    }
+}
+
+/// A ConnectResponse that lists fewer namespaces than it says the session has: the host asks
+/// for the rest and is given them (a page with nsid 2); a target whose
+/// pages bring none, or that says it has more than a host reads, fails the connect with a
+/// Listing error that says why, instead of leaving the host asking for ever or serving a
+/// listing that does not add up.
+#[test]
+fn a_namespace_listing_in_pages_is_read_whole_or_refused() {
+    let t = FakeTarget::start();
+    t.first.store(PAGED, Ordering::SeqCst);
+    let s = session(&t).unwrap();
+    let nsids: Vec<u32> = s.namespaces().iter().map(|d| d.nsid).collect();
+    assert_eq!(nsids, [1, 2]);
+    drop(s);
+
+    for (mode, said) in [
+        (EMPTY_PAGES, "the page from entry 1 of 3 brought none"),
+        (
+            COUNTLESS,
+            "it has 4294967295 entries, more than the 65536 a host reads",
+        ),
+    ] {
+        let t = FakeTarget::start();
+        t.first.store(mode, Ordering::SeqCst);
+        match session(&t) {
+            Err(Error::Listing { what, why }) => {
+                assert_eq!(what, "namespace");
+                assert!(why.contains(said), "{why}");
+            }
+            // (A target left unanswered would end in Error::Timeout instead.)
+            other => panic!("{other:?}"),
         }
     }
 }

@@ -15,8 +15,8 @@ use crate::proto::nqn::Nqn;
 use crate::proto::{
     AuthChallenge, AuthConfirm, AuthResponse, Connect, ConnectResponse, Disconnect, DiscoveryEntry,
     DiscoveryRequest, DiscoveryResponse, DurabilityMethods, FlushRequest as Gpspm, FlushResponse,
-    FlushStatus, HostId, KeepAlive, Message, NamespaceDescriptor, PersistenceDomain, Refusal,
-    RefusalReason,
+    FlushStatus, HostId, KeepAlive, Message, NamespaceDescriptor, NamespacesRequest,
+    NamespacesResponse, PersistenceDomain, Refusal, RefusalReason,
 };
 
 use super::rx::WRITE_STAG;
@@ -291,8 +291,14 @@ fn control_message() -> Vec<Vec<u8>> {
         Message::ConnectResponse(ConnectResponse {
             controller_id: 1,
             keep_alive_ms: 5000,
-            namespaces: vec![ns],
+            namespaces: vec![ns.clone()],
             queue_depth: 32,
+            namespace_count: 3,
+        }),
+        Message::NamespacesRequest(NamespacesRequest { start: 1 }),
+        Message::NamespacesResponse(NamespacesResponse {
+            namespaces: vec![ns],
+            total: 3,
         }),
         Message::Refusal(Refusal {
             reason: RefusalReason::HostNotAllowed,

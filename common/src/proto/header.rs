@@ -10,8 +10,9 @@
 /// `simulation` (the power-loss simulation's label); 5, [`NamespaceDescriptor`] gained
 /// `unavailable` (a namespace the target cannot register for this connection); 6,
 /// [`NamespaceDescriptor`] gained `identity` (which file the target maps); 7, the discovery
-/// listing comes in pages ([`DiscoveryRequest`] `start`, [`DiscoveryResponse`] `total` and
-/// `generation`). A peer of another
+/// listing and a session's namespaces come in pages ([`DiscoveryRequest`] `start`,
+/// [`DiscoveryResponse`] `total` and `generation`; [`ConnectResponse`] `namespace_count`, the
+/// NamespacesRequest and NamespacesResponse). A peer of another
 /// version gets [`Error::UnsupportedVersion`] naming both; a target answers such a Connect with
 /// a Refusal `VersionUnsupported`.
 ///
@@ -148,6 +149,11 @@ message_types! {
     DiscoveryResponse = 0x08,
     /// Either way: the sender is closing the connection.
     Disconnect = 0x09,
+    /// Host -> target: the session's namespaces from one on (those its ConnectResponse had no
+    /// room for).
+    NamespacesRequest = 0x0A,
+    /// Target -> host: a page of the session's namespaces.
+    NamespacesResponse = 0x0B,
     /// Host -> target (hot path): make a range durable (GPSPM).
     FlushRequest = 0x10,
     /// Target -> host (hot path): the flush is done.

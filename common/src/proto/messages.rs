@@ -209,6 +209,30 @@ pub struct ConnectResponse {
     /// retry, so a host that sends more breaks its connection. 0 on a discovery connection
     /// (one DiscoveryRequest at a time). Since protocol version 2.
     pub queue_depth: u32,
+    /// How many namespaces the host may reach: more than `namespaces` lists when they do not
+    /// all fit in one message, and the host asks for the rest with [`NamespacesRequest`]s
+    /// ([`ConnectResponse::paged`]). Since protocol version 7.
+    pub namespace_count: u32,
+}
+
+/// Host -> target on an admitted connection whose ConnectResponse listed fewer namespaces than
+/// its `namespace_count`: the session's namespaces from index `start` (in the order of the
+/// listing, nsid order) on. One at a time, each after the last one's answer.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NamespacesRequest {
+    /// The first namespace wanted (an index into the listing, not an nsid).
+    pub start: u32,
+}
+
+/// Target -> host: a page of the session's namespaces, as many from the request's `start` as
+/// one message holds ([`NamespacesResponse::page`]). They are the ones the session was admitted
+/// with (their rkeys are this connection's), fixed for its life.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+pub struct NamespacesResponse {
+    /// The namespaces, from the request's `start` on.
+    pub namespaces: Vec<NamespaceDescriptor>,
+    /// How many the whole listing has (the ConnectResponse's `namespace_count`).
+    pub total: u32,
 }
 
 /// Why a connection was refused. Unknown codes decode as [`RefusalReason::Other`], so an older host

@@ -45,7 +45,7 @@ pub use header::{
 pub use messages::{
     AuthChallenge, AuthConfirm, AuthResponse, Connect, ConnectResponse, Disconnect, DiscoveryEntry,
     DiscoveryRequest, DiscoveryResponse, DurabilityMethods, HostId, NamespaceDescriptor,
-    PersistenceDomain, Refusal, RefusalReason,
+    NamespacesRequest, NamespacesResponse, PersistenceDomain, Refusal, RefusalReason,
 };
 pub use nqn::Nqn;
 
@@ -71,6 +71,10 @@ pub enum Message {
     DiscoveryResponse(DiscoveryResponse),
     /// See [`Disconnect`].
     Disconnect(Disconnect),
+    /// See [`NamespacesRequest`].
+    NamespacesRequest(NamespacesRequest),
+    /// See [`NamespacesResponse`].
+    NamespacesResponse(NamespacesResponse),
     /// See [`FlushRequest`].
     FlushRequest(FlushRequest),
     /// See [`FlushResponse`].
@@ -92,6 +96,8 @@ impl Message {
             Message::DiscoveryRequest(_) => MessageType::DiscoveryRequest,
             Message::DiscoveryResponse(_) => MessageType::DiscoveryResponse,
             Message::Disconnect(_) => MessageType::Disconnect,
+            Message::NamespacesRequest(_) => MessageType::NamespacesRequest,
+            Message::NamespacesResponse(_) => MessageType::NamespacesResponse,
             Message::FlushRequest(_) => MessageType::FlushRequest,
             Message::FlushResponse(_) => MessageType::FlushResponse,
             Message::KeepAlive(_) => MessageType::KeepAlive,
@@ -118,6 +124,8 @@ impl Message {
             Message::DiscoveryRequest(m) => serde_body(ty, m)?,
             Message::DiscoveryResponse(m) => serde_body(ty, m)?,
             Message::Disconnect(m) => serde_body(ty, m)?,
+            Message::NamespacesRequest(m) => serde_body(ty, m)?,
+            Message::NamespacesResponse(m) => serde_body(ty, m)?,
         };
         if out.len() > MAX_MESSAGE_SIZE {
             return Err(Error::TooLarge {
@@ -150,55 +158,75 @@ impl Message {
             MessageType::DiscoveryRequest => Message::DiscoveryRequest(serde_decode(ty, body)?),
             MessageType::DiscoveryResponse => Message::DiscoveryResponse(serde_decode(ty, body)?),
             MessageType::Disconnect => Message::Disconnect(serde_decode(ty, body)?),
+            MessageType::NamespacesRequest => Message::NamespacesRequest(serde_decode(ty, body)?),
+            MessageType::NamespacesResponse => Message::NamespacesResponse(serde_decode(ty, body)?),
         })
     }
 }
 
-/// The longest a namespace's failure or unavailability text is sent at first, then shorter
-/// ones in turn while the ConnectResponse would not fit ([`ConnectResponse::fit`]).
-const TEXT_BUDGETS: [usize; 3] = [256, 32, 0];
+/// The longest a namespace's failure or unavailability text is sent (longer ones are cut,
+/// ending in "..."): a failure's text names its path and errno, and a page holds at least one
+/// descriptor whatever its texts.
+const TEXT_MAX: usize = 256;
 
-impl ConnectResponse {
-    /// Shortens its namespaces' failure and unavailability texts (each to 256 bytes, then 32,
-    /// then none) until the message fits in [`MAX_MESSAGE_SIZE`]: a failure's text names its
-    /// path and errno, and a few long ones would otherwise make the subsystem's
-    /// ConnectResponse too large for any host to be admitted, its healthy namespaces too.
-    /// Whether a namespace failed or is unavailable is kept (the text is cut, never taken
-    /// away). The target's configuration check warns of a subsystem whose response may not
-    /// fit even with every text empty.
-    pub fn fit(&mut self) {
-        for budget in TEXT_BUDGETS {
-            if self.encoded_len() <= MAX_MESSAGE_SIZE {
-                return;
-            }
-            for d in &mut self.namespaces {
-                for text in [&mut d.failure, &mut d.unavailable].into_iter().flatten() {
-                    shorten(text, budget);
-                }
-            }
-        }
-    }
-
-    /// Its encoded length, header included.
-    pub fn encoded_len(&self) -> usize {
-        serde_body(MessageType::ConnectResponse, self).map_or(usize::MAX, |b| b.len())
-    }
-}
-
-/// Room for a page's items: a message less its header and the varints around the items (their
-/// count, and the largest the fields after them take: a u32 and a u64).
-const PAGE_ROOM: usize = MAX_MESSAGE_SIZE - HEADER_LEN - 5 - 5 - 10;
-
-/// How many of `items`, from the first, fit in one page (at most [`PAGE_ROOM`] bytes encoded).
-fn fitting<T: serde::Serialize>(items: &[T]) -> usize {
+/// How many of `items`, from the first, fit in `room` bytes encoded.
+fn fitting<T: serde::Serialize>(items: &[T], room: usize) -> usize {
     let mut used = 0;
     items
         .iter()
         .take_while(|item| {
             used += postcard::to_allocvec(item).map_or(usize::MAX / 2, |b| b.len());
-            used <= PAGE_ROOM
+            used <= room
         })
         .count()
+}
+
+/// The most bytes postcard's varint of a u16 takes.
+const VARINT_U16: usize = 3;
+/// Of a u32 (and of a length).
+const VARINT_U32: usize = 5;
+/// Of a u64.
+const VARINT_U64: usize = 10;
+
+impl ConnectResponse {
+    /// Makes the response fit in one message: cuts its namespaces' failure and unavailability
+    /// texts to 256 bytes, sets `namespace_count` to how many namespaces there are, and keeps
+    /// in `namespaces` as many of them as one message holds beside the other fields. Returns
+    /// the whole listing when some did not fit (the host asks for them with
+    /// [`NamespacesRequest`]s, answered from it by [`NamespacesResponse::page`]), None when all
+    /// did. Whether a namespace failed or is unavailable is kept (a text is cut, never taken
+    /// away).
+    pub fn paged(&mut self) -> Option<Vec<NamespaceDescriptor>> {
+        for d in &mut self.namespaces {
+            for text in [&mut d.failure, &mut d.unavailable].into_iter().flatten() {
+                shorten(text, TEXT_MAX);
+            }
+        }
+        self.namespace_count = u32::try_from(self.namespaces.len()).unwrap_or(u32::MAX);
+        let room = MAX_MESSAGE_SIZE - HEADER_LEN - VARINT_U16 - 3 * VARINT_U32 - VARINT_U32;
+        let n = fitting(&self.namespaces, room);
+        if n == self.namespaces.len() {
+            return None;
+        }
+        let all = self.namespaces.clone();
+        self.namespaces.truncate(n);
+        Some(all)
+    }
+}
+
+impl NamespacesResponse {
+    /// The page of `listing` (a session's namespaces, texts cut by [`ConnectResponse::paged`])
+    /// that starts at index `start`: as many from there as one message holds (at least one:
+    /// a descriptor with its texts cut is well under a message), with the listing's `total`;
+    /// an empty page past its end.
+    pub fn page(listing: &[NamespaceDescriptor], start: u32) -> Self {
+        let rest = listing.get(start as usize..).unwrap_or(&[]);
+        let n = fitting(rest, MAX_MESSAGE_SIZE - HEADER_LEN - 2 * VARINT_U32);
+        NamespacesResponse {
+            namespaces: rest[..n].to_vec(),
+            total: u32::try_from(listing.len()).unwrap_or(u32::MAX),
+        }
+    }
 }
 
 impl DiscoveryResponse {
@@ -208,7 +236,10 @@ impl DiscoveryResponse {
     /// listen URLs than one holds), so that no page could make progress.
     pub fn page(listing: &[DiscoveryEntry], start: u32, generation: u64) -> Option<Self> {
         let rest = listing.get(start as usize..).unwrap_or(&[]);
-        let n = fitting(rest);
+        let n = fitting(
+            rest,
+            MAX_MESSAGE_SIZE - HEADER_LEN - 2 * VARINT_U32 - VARINT_U64,
+        );
         if n == 0 && !rest.is_empty() {
             return None;
         }

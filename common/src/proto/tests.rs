@@ -60,6 +60,12 @@ fn samples() -> Vec<Message> {
                 },
             ],
             queue_depth: 128,
+            namespace_count: 9,
+        }),
+        Message::NamespacesRequest(NamespacesRequest { start: 2 }),
+        Message::NamespacesResponse(NamespacesResponse {
+            namespaces: Vec::new(),
+            total: 9,
         }),
         Message::Refusal(Refusal {
             reason: RefusalReason::HostNotAllowed,
@@ -167,6 +173,7 @@ fn a_version_1_connect_response_is_refused_not_misread() {
         keep_alive_ms: 5000,
         namespaces: Vec::new(),
         queue_depth: 0,
+        namespace_count: 0,
     })
     .encode()
     .unwrap();
@@ -367,51 +374,81 @@ fn response_of(namespaces: Vec<NamespaceDescriptor>) -> ConnectResponse {
         keep_alive_ms: 5000,
         namespaces,
         queue_depth: 128,
+        namespace_count: 0,
     }
 }
 
 #[test]
-fn a_connect_response_that_fits_is_left_as_it_is() {
-    let mut r = response_of(vec![failed_descriptor(1, &"x".repeat(1000))]);
+fn a_connect_response_that_fits_is_left_as_it_is_but_for_its_count() {
+    let mut r = response_of(
+        (1..=3)
+            .map(|n| failed_descriptor(n, "EIO from msync"))
+            .collect(),
+    );
     let before = r.clone();
-    r.fit();
-    assert_eq!(r, before);
+    assert_eq!(r.paged(), None);
+    assert_eq!(r.namespace_count, 3);
+    assert_eq!(r.namespaces, before.namespaces);
     assert!(Message::ConnectResponse(r).encode().is_ok());
 }
 
-/// Long failure texts (a path and an errno each) on a few namespaces would make the response
-/// too large for any host to be admitted: they are cut until it fits, each still there.
+/// Long failure texts (a path and an errno each) are cut to 256 bytes, each still there; the
+/// namespaces that do not fit in the ConnectResponse beside the others come in pages, each
+/// page a message, together the whole listing.
 #[test]
-fn long_texts_are_cut_until_the_connect_response_fits() {
+fn long_texts_are_cut_and_namespaces_past_one_message_come_in_pages() {
     // "é" is two bytes: cuts land on character boundaries.
     let long = "é".repeat(3000);
+    let cut = |r: &[NamespaceDescriptor]| {
+        for d in r {
+            for t in [&d.failure, &d.unavailable] {
+                let t = t.as_deref().expect("still failed and unavailable");
+                assert!(t.len() <= 256 && t.ends_with("..."), "{t}");
+                assert!(t.starts_with("éé"), "{t}");
+            }
+        }
+    };
     let mut r = response_of((1..=4).map(|n| failed_descriptor(n, &long)).collect());
     assert!(matches!(
         Message::ConnectResponse(r.clone()).encode(),
         Err(Error::TooLarge { .. })
     ));
-    r.fit();
-    assert!(r.encoded_len() <= MAX_MESSAGE_SIZE);
+    assert_eq!(r.paged(), None);
+    cut(&r.namespaces);
+    assert_eq!((r.namespaces.len(), r.namespace_count), (4, 4));
     let bytes = Message::ConnectResponse(r.clone()).encode().unwrap();
     assert_eq!(
         Message::decode(&bytes).unwrap(),
-        Message::ConnectResponse(r.clone())
+        Message::ConnectResponse(r)
     );
-    for d in &r.namespaces {
-        for t in [&d.failure, &d.unavailable] {
-            let t = t.as_deref().expect("still failed and unavailable");
-            assert!(t.len() <= 256 && t.ends_with("..."), "{t}");
-            assert!(t.starts_with("éé"), "{t}");
-        }
-    }
-    // Many namespaces: cut to nothing, still marked.
+
+    // 150 of them: the first that fit, then pages.
     let mut r = response_of((1..=150).map(|n| failed_descriptor(n, &long)).collect());
-    r.fit();
-    assert!(r.encoded_len() <= MAX_MESSAGE_SIZE, "{}", r.encoded_len());
-    assert!(r
-        .namespaces
-        .iter()
-        .all(|d| d.failure.is_some() && d.unavailable.is_some()));
+    // The largest values the other fields take.
+    (r.controller_id, r.keep_alive_ms, r.queue_depth) = (u16::MAX, u32::MAX, u32::MAX);
+    let all = r.paged().expect("not all fit");
+    assert_eq!((all.len(), r.namespace_count), (150, 150));
+    cut(&all);
+    let n = r.namespaces.len();
+    assert!(n > 0 && n < 150, "{n}");
+    assert_eq!(r.namespaces[..], all[..n]);
+    assert!(Message::ConnectResponse(r).encode().is_ok());
+    let mut got = all[..n].to_vec();
+    while got.len() < all.len() {
+        let page = NamespacesResponse::page(&all, got.len() as u32);
+        assert_eq!(page.total, 150);
+        assert!(!page.namespaces.is_empty());
+        let bytes = Message::NamespacesResponse(page.clone()).encode().unwrap();
+        assert_eq!(
+            Message::decode(&bytes).unwrap(),
+            Message::NamespacesResponse(page.clone())
+        );
+        got.extend(page.namespaces);
+    }
+    assert_eq!(got, all);
+    // Past the end: empty, with the total.
+    let end = NamespacesResponse::page(&all, u32::MAX);
+    assert_eq!((end.namespaces.len(), end.total), (0, 150));
 }
 
 /// `n` discovery entries with NQNs of growing length.

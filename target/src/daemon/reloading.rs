@@ -116,9 +116,6 @@ impl Shared {
             .map_err(|e| rpma_common::error_chain(&e))
             .and_then(|new| {
                 let mut st = self.lock();
-                // Its subsystems are served on the running listeners, which it keeps.
-                new.check_message_limits(&st.config.listeners)
-                    .map_err(|e| rpma_common::error_chain(&e))?;
                 let mut d = reload::diff(&st.config, &new);
                 for ((sub, nsid), f) in st.namespaces.reopen_failed(&mut d) {
                     log::warn!(
@@ -158,9 +155,6 @@ impl Shared {
                     .filter(|l| l.url.starts_with("tcp://"))
                 {
                     l.crc = new.crc;
-                }
-                for w in new.message_warnings() {
-                    log::warn!("reload: {w}");
                 }
                 st.config = new;
                 Ok(d.summary())

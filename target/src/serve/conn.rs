@@ -37,7 +37,8 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    DiscoveryResponse, FlushRequest, FlushResponse, FlushStatus, Message, Refusal, RefusalReason,
+    DiscoveryResponse, FlushRequest, FlushResponse, FlushStatus, Message, NamespacesResponse,
+    Refusal, RefusalReason,
 };
 use rpma_common::stats::Stopwatch;
 
@@ -467,6 +468,23 @@ impl Conn {
                         }
                     },
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
+                    // The namespaces its ConnectResponse had no room for, a page at a time.
+                    Ok(Message::NamespacesRequest(r)) => match s.listing.as_deref() {
+                        Some(all) => {
+                            let page = NamespacesResponse::page(all, r.start);
+                            match Message::NamespacesResponse(page).encode() {
+                                Ok(bytes) => self.send_raw(&bytes),
+                                Err(e) => self.goodbye(&format!(
+                                    "the namespaces from index {} cannot be sent: {e}",
+                                    r.start
+                                )),
+                            }
+                        }
+                        None => self.protocol_error(
+                            "a NamespacesRequest, but the ConnectResponse listed every namespace"
+                                .into(),
+                        ),
+                    },
                     Ok(Message::Disconnect(d)) => {
                         shared.session_ended(
                             EndReason::Host,

@@ -66,6 +66,9 @@ pub(crate) struct Session {
     /// The keep-alive period agreed at admission.
     pub(super) keep_alive: Duration,
     pub(crate) grants: BTreeMap<u32, Grant>,
+    /// Its namespaces as its ConnectResponse described them, when they did not all fit in it:
+    /// the host asks for the rest with NamespacesRequests (`ConnectResponse::paged`).
+    pub(crate) listing: Option<Box<[NamespaceDescriptor]>>,
 }
 
 impl Drop for Session {

@@ -60,6 +60,7 @@ impl Conn {
             keep_alive_ms: keep_alive.as_millis() as u32,
             namespaces: Vec::new(),
             queue_depth: 0,
+            namespace_count: 0,
         }));
         log::debug!("{}: discovery connection of host {}", self.peer, c.host_nqn);
         shared.events.admitted(true);
@@ -286,9 +287,10 @@ impl Conn {
             keep_alive_ms: info.keep_alive_ms,
             namespaces: descriptors,
             queue_depth: self.queue_depth,
+            namespace_count: 0,
         };
-        // Long failure texts are cut: they must not keep the host out.
-        resp.fit();
+        // As many namespaces as fit, the rest a page at a time; long failure texts are cut.
+        let listing = resp.paged().map(Vec::into_boxed_slice);
         let resp = Message::ConnectResponse(resp);
         let mut session = Session {
             shared: Arc::clone(&shared),
@@ -297,6 +299,7 @@ impl Conn {
             host: c.host_nqn,
             keep_alive,
             grants,
+            listing,
         };
         match resp.encode() {
             Ok(bytes) => {
