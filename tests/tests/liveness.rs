@@ -556,6 +556,29 @@ fn a_session_whose_namespaces_take_long_to_deregister_delays_no_other_session() 
     assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
 }
 
+/// A host that connects while a closed session's deregistration takes long (unpinning a big
+/// namespace on `rdma://`; held here by the target's test hook) is registered and admitted
+/// meanwhile: a poll loop's deregistrations have a thread of their own. (Before: one registrar
+/// thread took both in turn, and the newcomer's registration waited behind the release: its
+/// connect timed out.)
+#[test]
+fn a_long_deregistration_delays_no_registration() {
+    let d = scratch();
+    let go = d.path().join("deregistrations-go");
+    let t = start_held_release(d.path(), &go);
+    let leaving = connect(&t.url(), &nqn(OPEN), &host(OPEN_HOST), &opts()).unwrap();
+    std::fs::remove_file(&go).unwrap();
+    let _ = leaving.disconnect(WAIT);
+    wait_for_held_release(&t);
+    // Admitted, and served, while the release still waits (`go` is written only after).
+    let mut s = connect(&t.url(), &nqn(SUB), &host(PLAIN), &opts()).unwrap();
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+    assert_eq!(said(&t, "test hook: a deregistration waits"), 1);
+    std::fs::write(&go, b"").unwrap();
+    wait_for_open_released(&t);
+    assert_eq!(s.flush(1, 0, 8, WAIT).unwrap(), FlushStatus::Durable);
+}
+
 /// A session the target ends (here: its keep-alive lapsed) hears why, its Disconnect, only once
 /// its namespaces are deregistered (a Write it sends after the Disconnect is refused:
 /// rkeys.rs), and its deregistration, done off the loop, delays no other session. (Before: the
@@ -762,6 +785,7 @@ rpma_tests::rdma_runs!(
     a_host_refused_while_being_registered_leaves_no_place_behind,
     a_host_whose_registrations_outlast_its_keep_alive_gets_a_working_session,
     a_session_whose_namespaces_take_long_to_deregister_delays_no_other_session,
+    a_long_deregistration_delays_no_registration,
     a_goodbye_waits_for_its_deregistration_and_delays_no_other_session,
     a_reload_closes_a_connection_whose_deregistration_waits,
     the_stop_says_goodbye_to_a_session_whose_deregistration_takes_long,

@@ -13,6 +13,13 @@
 //! loop either; so are a session's when it ends ([`Registrar::release`]): its goodbye
 //! (the Disconnect that says why) goes out once they are dropped, so that a Write the host sends
 //! after it is refused as before.
+//!
+//! Registering and dropping have a thread each (`rpma-reg-N`, `rpma-dereg-N`, each started at
+//! its first use), so that a long deregistration (the hosts of a reconnect storm closing their
+//! old sessions) does not hold the registrations of the hosts coming back, nor the other way
+//! round. A session's regions may then still be pinned while a newcomer's are pinned: the
+//! memory-lock check at start (target/src/memlock.rs) counts `max_connections` sessions, and a
+//! registration refused for want of locked memory is said to the host, which connects again.
 
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{mpsc, Arc};
@@ -72,19 +79,52 @@ pub(crate) struct Released {
     pub(crate) serial: u64,
 }
 
-/// A poll loop's registrar thread: registers what its connections ask for and hands the
-/// results to the loop ([`Registrar::take`]), waking it.
+/// Which of a registrar's threads a [`Work`] goes to.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Kind {
+    /// Registrations.
+    Register,
+    /// Drops and releases (deregistrations).
+    Deregister,
+}
+
+impl Kind {
+    fn of(work: &Work) -> Kind {
+        match work {
+            Work::Register(..) => Kind::Register,
+            Work::Drop(_) | Work::Release(..) => Kind::Deregister,
+        }
+    }
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Register => "reg",
+            Kind::Deregister => "dereg",
+        }
+    }
+}
+
+/// One of a registrar's threads, started at its first use.
+#[derive(Default)]
+struct Worker {
+    /// To the thread, once it is started.
+    tx: Option<mpsc::Sender<Work>>,
+    /// The thread could not be started (said once; the loop does its work from then on).
+    failed: bool,
+}
+
+/// A poll loop's registrar: its threads register what its connections ask for, and drop what
+/// they no longer need, and hand the results to the loop ([`Registrar::take`],
+/// [`Registrar::take_released`]), waking it.
 pub(crate) struct Registrar {
     index: usize,
-    /// To the thread, once it is started.
-    work: Option<mpsc::Sender<Work>>,
+    registering: Worker,
+    deregistering: Worker,
     done_tx: mpsc::Sender<Registration>,
     done: mpsc::Receiver<Registration>,
     released_tx: mpsc::Sender<Released>,
     released: mpsc::Receiver<Released>,
     wake: LoopTx,
-    /// The thread could not be started (said once; the loop registers itself from then on).
-    no_thread: bool,
 }
 
 impl Registrar {
@@ -94,26 +134,26 @@ impl Registrar {
         let (released_tx, released) = mpsc::channel();
         Registrar {
             index,
-            work: None,
+            registering: Worker::default(),
+            deregistering: Worker::default(),
             done_tx,
             done,
             released_tx,
             released,
             wake,
-            no_thread: false,
         }
     }
 
-    /// Registers `req` for connection (`qp_num`, `serial`) in the registrar's thread; the
+    /// Registers `req` for connection (`qp_num`, `serial`) in the registering thread; the
     /// result comes back through [`take`](Self::take). If the thread cannot be started, it
     /// is done here, in the loop (as before there was a registrar).
     pub(crate) fn register(&mut self, req: Request, qp_num: u32, serial: u64) {
-        match self.thread() {
+        match self.thread(Kind::Register) {
             Some(tx) => {
                 if let Err(mpsc::SendError(Work::Register(req, ..))) =
                     tx.send(Work::Register(req, qp_num, serial))
                 {
-                    self.work = None;
+                    self.registering.tx = None;
                     let r = register(req, qp_num, serial);
                     let _ = self.done_tx.send(r);
                     self.wake.wake();
@@ -144,28 +184,28 @@ impl Registrar {
         self.done.try_iter()
     }
 
-    /// Drops `grants` (deregistering their regions) in the registrar's thread.
+    /// Drops `grants` (deregistering their regions) in the deregistering thread.
     pub(crate) fn discard(&mut self, grants: Vec<Grant>) {
         if grants.is_empty() {
             return;
         }
-        if let Some(tx) = self.thread() {
+        if let Some(tx) = self.thread(Kind::Deregister) {
             // (If the thread is gone they are dropped here, with the error.)
             let _ = tx.send(Work::Drop(grants));
         }
     }
 
-    /// Drops a session's registrations `grants` in the registrar's thread (a pinned
+    /// Drops a session's registrations `grants` in the deregistering thread (a pinned
     /// namespace's deregistration takes as long as its registration), then says so through
     /// [`take_released`](Self::take_released) and wakes the loop. Done here if the thread
     /// cannot be started.
     pub(crate) fn release(&mut self, grants: Vec<Grant>, qp_num: u32, serial: u64) {
-        match self.thread() {
+        match self.thread(Kind::Deregister) {
             Some(tx) => {
                 if let Err(mpsc::SendError(Work::Release(grants, ..))) =
                     tx.send(Work::Release(grants, qp_num, serial))
                 {
-                    self.work = None;
+                    self.deregistering.tx = None;
                     self.release_here(grants, qp_num, serial);
                 }
             }
@@ -185,12 +225,17 @@ impl Registrar {
         self.released.try_iter()
     }
 
-    /// The thread's way in, started at the first use; None if it cannot be started.
-    fn thread(&mut self) -> Option<mpsc::Sender<Work>> {
-        if let Some(tx) = &self.work {
+    /// The way in to the thread of `kind`, started at its first use; None if it cannot be
+    /// started.
+    fn thread(&mut self, kind: Kind) -> Option<mpsc::Sender<Work>> {
+        let worker = match kind {
+            Kind::Register => &mut self.registering,
+            Kind::Deregister => &mut self.deregistering,
+        };
+        if let Some(tx) = &worker.tx {
             return Some(tx.clone());
         }
-        if self.no_thread {
+        if worker.failed {
             return None;
         }
         let (tx, rx) = mpsc::channel::<Work>();
@@ -198,9 +243,10 @@ impl Registrar {
         let released = self.released_tx.clone();
         let wake = self.wake.clone();
         let spawned = std::thread::Builder::new()
-            .name(format!("rpma-reg-{}", self.index))
+            .name(format!("rpma-{}-{}", kind.name(), self.index))
             .spawn(move || {
                 for w in rx {
+                    debug_assert!(Kind::of(&w) == kind);
                     match w {
                         Work::Register(req, qp_num, serial) => {
                             // (A loop that is gone takes nothing: dropped here.)
@@ -220,15 +266,16 @@ impl Registrar {
             });
         match spawned {
             Ok(_) => {
-                self.work = Some(tx.clone());
+                worker.tx = Some(tx.clone());
                 Some(tx)
             }
             Err(e) => {
-                self.no_thread = true;
+                worker.failed = true;
                 log::error!(
-                    "poll loop {}: cannot start its registrar thread ({e}): registering in the \
-                     loop",
-                    self.index
+                    "poll loop {}: cannot start its {}istration thread ({e}): doing that work \
+                     in the loop",
+                    self.index,
+                    kind.name()
                 );
                 None
             }

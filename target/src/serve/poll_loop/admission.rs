@@ -144,8 +144,8 @@ impl PollLoop {
                 self.registrar.discard(grants);
                 continue;
             };
-            // What it does not keep is dropped first: a registration asked for again (the
-            // namespaces changed meanwhile) comes after it in the registrar's queue.
+            // What it does not keep is dropped (by the deregistering thread, while a
+            // registration asked for again, the namespaces changed meanwhile, is made).
             let left = conn.registered(r.outcomes);
             self.registrar.discard(left);
             Self::ask_registrar(&mut self.registrar, conn, r.qp_num);
