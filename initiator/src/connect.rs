@@ -8,8 +8,8 @@ use rpma_common::fabric::{ConnParams, Context, QpCaps, TcpParams, Url};
 use rpma_common::proto::auth::{AuthContext, HostAuth, Psk};
 use rpma_common::proto::nqn::{self, Nqn, DISCOVERY_NQN, UUID_PREFIX};
 use rpma_common::proto::{
-    Connect, DiscoveryEntry, DiscoveryRequest, HostId, Message, NamespaceDescriptor,
-    NamespacesRequest, Refusal,
+    Connect, DiscoveryEntry, DiscoveryRequest, HostId, ListingEntry, Message, NamespaceDescriptor,
+    NamespacesRequest, Refusal, MAX_LISTING, MAX_LISTING_BYTES,
 };
 use sha2::{Digest, Sha256};
 
@@ -333,10 +333,6 @@ pub fn discover(
     listing
 }
 
-/// The most entries a listing may have: past it a host stops reading (a target that says it
-/// has 4 billion would otherwise keep it reading for ever).
-pub const MAX_LISTING: u32 = 1 << 16;
-
 /// How many times a listing that changed while it was read is read again.
 const LISTING_READS: usize = 4;
 
@@ -351,7 +347,7 @@ struct Page<T> {
 /// The whole `what` listing, from the pages `page(start)` brings: in turn from 0, each
 /// starting where the entries so far end, until the listing's total; from the start again
 /// when a page is of another generation or total (the listing changed between two reads).
-fn whole_listing<T>(
+fn whole_listing<T: ListingEntry>(
     what: &'static str,
     mut page: impl FnMut(u32) -> Result<Page<T>>,
 ) -> Result<Vec<T>> {
@@ -365,7 +361,14 @@ fn whole_listing<T>(
             )));
         }
         let mut entries = first.items;
+        let mut cost: usize = entries.iter().map(T::cost).sum();
         loop {
+            if cost > MAX_LISTING_BYTES {
+                return Err(bad(format!(
+                    "its entries take more than the {} MiB a host gives a listing",
+                    MAX_LISTING_BYTES >> 20
+                )));
+            }
             let have = entries.len();
             if have > total as usize {
                 return Err(bad(format!(
@@ -384,6 +387,7 @@ fn whole_listing<T>(
                     "the page from entry {have} of {total} brought none"
                 )));
             }
+            cost += next.items.iter().map(T::cost).sum::<usize>();
             entries.extend(next.items);
         }
     }
@@ -544,6 +548,25 @@ mod tests {
         let w = why(whole(huge));
         assert!(w.contains("more than the 65536 a host reads"), "{w}");
         assert_eq!(n, 1);
+        // Entries that take more memory than a host gives a listing (each page one entry of
+        // 8,000 empty URLs: 8 KiB on the wire, ~190 KiB decoded): refused once over 16 MiB.
+        let mut n = 0;
+        let heavy = |_start: u32| {
+            n += 1;
+            let mut e = entries(1);
+            e[0].listen = vec![String::new(); 8000];
+            Ok(Page {
+                items: e,
+                total: MAX_LISTING,
+                generation: 1,
+            })
+        };
+        let w = why(whole(heavy));
+        assert!(
+            w.contains("its entries take more than the 16 MiB a host gives a listing"),
+            "{w}"
+        );
+        assert!(n > 50 && n < 100, "{n} pages read");
         // An error from a read is the listing's error.
         let lost = |_start: u32| Err(Error::KeyRequired);
         assert!(matches!(whole(lost), Err(Error::KeyRequired)));

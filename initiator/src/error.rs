@@ -111,7 +111,8 @@ pub enum Error {
     },
     /// The target's listing, sent a page at a time, did not add up: a page that brought
     /// nothing before the end, one that went past it, a listing that changed at every read, or
-    /// more entries than a host takes ([`crate::MAX_LISTING`]).
+    /// more entries, or more memory, than a host gives one ([`crate::MAX_LISTING`],
+    /// [`rpma_common::proto::MAX_LISTING_BYTES`]).
     #[error("the target's {what} listing cannot be read: {why}")]
     Listing {
         /// Which listing ("discovery").

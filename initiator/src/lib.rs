@@ -76,13 +76,13 @@ mod session;
 pub mod writebuf;
 
 pub use connect::{
-    connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, MAX_LISTING,
-    RECV_DEPTH,
+    connect, discover, host_id_of, identify, ConnectOptions, HostIdentity, Identity, RECV_DEPTH,
 };
 pub use durability::{Choice, Durability, PersistMethod};
 pub use error::{Error, LossReason, Result};
 pub use namespace::Namespace;
 pub use queue::{Completed, Connection, Queue, QueueOptions, QueueStats, ReconnectPolicy, Ticket};
 pub use rpma_common::proto::msgbuf::CONTROL_BIT;
+pub use rpma_common::proto::MAX_LISTING;
 pub use session::{Session, DROP_GOODBYE};
 pub use writebuf::WriteBuf;

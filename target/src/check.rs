@@ -329,6 +329,10 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
             }
         }
     }
+    let max = rpma_common::proto::MAX_LISTING as usize;
+    for w in crate::subsystem::listing_warnings(&cfg, max) {
+        writeln!(out, "warning: {w}")?;
+    }
     if let Some((nqn, len)) = crate::subsystem::discovery_entry_too_long(&cfg) {
         if cfg.discovery {
             // Valid, but a host whose listing reaches it gets no more of its listing.

@@ -242,6 +242,39 @@ pub fn discovery_entry_too_long(cfg: &Config) -> Option<(Nqn, usize)> {
     }
 }
 
+/// Warnings for listings longer than an rpma host reads (`max`: [`MAX_LISTING`] entries): a
+/// subsystem of more namespaces (its hosts are refused by their own library; NVMe/TCP hosts
+/// are not limited), and more subsystems than a host's discovery listing may list. Only with a
+/// listener of rpma's own transports.
+///
+/// [`MAX_LISTING`]: rpma_common::proto::MAX_LISTING
+pub fn listing_warnings(cfg: &Config, max: usize) -> Vec<String> {
+    if !cfg.listeners.iter().any(|l| l.url.transport.is_fabric()) {
+        return Vec::new();
+    }
+    let mut out: Vec<String> = cfg
+        .subsystems
+        .iter()
+        .filter(|s| s.namespaces.len() > max)
+        .map(|s| {
+            format!(
+                "subsystem {}: {} namespaces, more than the {max} an rpma host reads: its rpma \
+                 hosts cannot connect (NVMe/TCP hosts can)",
+                s.nqn,
+                s.namespaces.len()
+            )
+        })
+        .collect();
+    if cfg.discovery && cfg.subsystems.len() > max {
+        out.push(format!(
+            "discovery: {} subsystems, more than the {max} an rpma host reads: a host that may \
+             see more than that gets no listing and must connect by NQN",
+            cfg.subsystems.len()
+        ));
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use std::os::unix::fs::PermissionsExt;
@@ -307,6 +340,39 @@ mod tests {
         assert!(len > rpma_common::proto::MAX_MESSAGE_SIZE, "{len}");
         let listing = discovery(&long, &host, None, None);
         assert_eq!(DiscoveryResponse::page(&listing, 0, 0), None);
+    }
+
+    #[test]
+    fn listings_longer_than_a_host_reads_are_warned_of() {
+        let d = tempfile::tempdir().unwrap();
+        let c = many(d.path(), 3, true);
+        assert!(listing_warnings(&c, 3).is_empty());
+        let w = listing_warnings(&c, 2);
+        assert_eq!(w.len(), 1);
+        assert!(
+            w[0].starts_with("discovery: 3 subsystems, more than the 2"),
+            "{w:?}"
+        );
+        let mut text = String::from("listen = [\"tcp://127.0.0.1:7420\"]\n");
+        text += "[[subsystem]]\nnqn = \"nqn.2026-11.io.rpma:big\"\nallow_any_host = true\n";
+        for i in 1..=3 {
+            text +=
+                &format!("[[subsystem.namespace]]\nnsid = {i}\npath = \"n{i}\"\nsize = \"4KiB\"\n");
+        }
+        let big = Config::from_toml(&text, d.path()).unwrap();
+        let w = listing_warnings(&big, 2);
+        assert_eq!(w.len(), 1);
+        assert!(
+            w[0].starts_with("subsystem nqn.2026-11.io.rpma:big: 3 namespaces, more than the 2"),
+            "{w:?}"
+        );
+        // NVMe/TCP alone: no rpma host, nothing to warn of.
+        let nvme = Config::from_toml(
+            &text.replace("tcp://127.0.0.1:7420", "nvme-tcp://127.0.0.1:4420"),
+            d.path(),
+        )
+        .unwrap();
+        assert!(listing_warnings(&nvme, 2).is_empty());
     }
 
     fn cfg(dir: &std::path::Path, discovery: bool) -> Config {

@@ -421,9 +421,12 @@ rpma_tests::rdma_runs!(
     a_discovery_listing_longer_than_one_message_comes_in_pages,
 );
 
-/// `n` subsystems any host may connect to, s0 to s(n-1), each with a namespace.
+/// `n` subsystems any host may connect to, s0 to s(n-1), each with a namespace; discovery
+/// sessions that may last an hour.
 fn subsystems(n: usize) -> String {
-    let mut config = rpma_tests::Config::new();
+    let mut config = rpma_tests::Config::new()
+        .set("discovery_max_keep_alive_ms = 3600000")
+        .set("discovery_timeout_ms = 3600000");
     for i in 0..n {
         config = config.subsystem(
             rpma_tests::Subsystem::new(&format!("nqn.2026-11.io.rpma:s{i}"))
@@ -467,8 +470,13 @@ fn a_discovery_listing_longer_than_one_message_comes_in_pages() {
     assert!(out.status.success(), "{text}");
     assert!(!text.contains("warning"), "{text}");
 
-    // Page by page on one discovery session, with a reload between two pages.
-    let mut s = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &opts()).unwrap();
+    // Page by page on one discovery session, with a reload between two pages (its keep-alive
+    // and time limit outlast the test).
+    let patient = rpma_initiator::ConnectOptions {
+        keep_alive: Duration::from_secs(3600),
+        ..opts()
+    };
+    let mut s = connect(&t.url(), &nqn(DISCOVERY_NQN), &host(PLAIN), &patient).unwrap();
     let first = discovery_page(&mut s, 0);
     let n = first.entries.len();
     assert_eq!(first.total, 250);

@@ -436,11 +436,6 @@ fn a_bare_file_name_checks_as_the_daemon_starts() {
     assert!(!text.contains("problem"), "{text}");
 }
 
-/// A subsystem with more namespaces than the message that lists them to a host can ever hold
-/// is refused, naming how many fit; one whose message may be too long with what connections
-/// set (rkeys, addresses, failures at their widest) is taken with a warning; NVMe/TCP alone
-/// has no such limit. (Before: check-config said OK, and the daemon then refused every host
-/// "message of N bytes exceeds the maximum".)
 /// A subsystem of more namespaces than one message lists to a host is taken without a
 /// warning: a host reads them a page at a time. (Before protocol version 7: 800 were refused,
 /// "split them between subsystems", and 300 warned of.)

@@ -1009,7 +1009,8 @@ fn reload_and_clear_failure_are_refused_to_the_sockets_other_users() {
 /// A reload that gives a subsystem more namespaces than one message lists (800 more) is
 /// taken, and a host reaches every one of them: its ConnectResponse lists the first and it
 /// reads the rest a page at a time, each with this connection's rkey, so a durable write to
-/// the last one works and is read back. (Before protocol version 7 such a reload was refused,
+/// the last one works and is read back; the target keeps the descriptors for the session only
+/// until the host has read them. (Before protocol version 7 such a reload was refused,
 /// "split them between subsystems", and before that check every host of the subsystem was
 /// refused "message of N bytes exceeds the maximum".)
 #[test]
@@ -1024,11 +1025,22 @@ fn a_reload_to_more_namespaces_than_one_message_lists_serves_them_all() {
         .collect();
     t.rewrite(&demo_config("", &extra));
     t.reload();
-    let s = session(&t);
+    let mut s = session(&t);
     let nsids: Vec<u32> = s.namespaces().iter().map(|d| d.nsid).collect();
     let mut want = vec![1, 3];
     want.extend(10..810);
     assert_eq!(nsids, want);
+    // Read whole, the session's listing is gone from the target: asking again is an error.
+    s.send_message(&rpma_common::proto::Message::NamespacesRequest(
+        rpma_common::proto::NamespacesRequest { start: 0 },
+    ))
+    .unwrap();
+    match s.wait_message(WAIT, "Disconnect") {
+        Err(Error::Disconnected { reason }) => {
+            assert!(reason.contains("no listing left to page"), "{reason}")
+        }
+        other => panic!("{:?}", other.map(|m| m.message_type())),
+    }
     drop(s);
     let mut q = Connection::new(&t.url(), nqn(SUB), HostIdentity::new(nqn(PLAIN)))
         .open_queue(0)

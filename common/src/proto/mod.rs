@@ -164,6 +164,42 @@ impl Message {
     }
 }
 
+/// The most entries a listing sent in pages (a discovery listing, a session's namespaces) may
+/// have: a host reads no more (a target that says it has 4 billion would otherwise keep it
+/// reading for ever), and the target's configuration check warns of a configuration that
+/// makes a longer one.
+pub const MAX_LISTING: u32 = 1 << 16;
+
+/// The most memory a host gives one listing's entries once decoded ([`ListingEntry::cost`]):
+/// the number of entries alone does not bound it (an entry of thousands of empty URLs takes
+/// 24 bytes of memory for each byte on the wire).
+pub const MAX_LISTING_BYTES: usize = 16 << 20;
+
+/// An entry of a listing sent in pages, with the memory it takes once decoded.
+pub trait ListingEntry {
+    /// Bytes of memory it takes, its strings included (an upper bound, near enough).
+    fn cost(&self) -> usize;
+}
+
+impl ListingEntry for DiscoveryEntry {
+    fn cost(&self) -> usize {
+        let strings: usize = self.listen.iter().map(|u| u.len() + 24).sum();
+        std::mem::size_of::<Self>() + self.subsystem_nqn.as_str().len() + strings
+    }
+}
+
+impl ListingEntry for NamespaceDescriptor {
+    fn cost(&self) -> usize {
+        let texts = [&self.failure, &self.simulation, &self.unavailable];
+        std::mem::size_of::<Self>()
+            + texts
+                .iter()
+                .flat_map(|t| t.as_deref())
+                .map(str::len)
+                .sum::<usize>()
+    }
+}
+
 /// The longest a namespace's failure or unavailability text is sent (longer ones are cut,
 /// ending in "..."): a failure's text names its path and errno, and a page holds at least one
 /// descriptor whatever its texts.

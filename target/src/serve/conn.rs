@@ -37,8 +37,8 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    DiscoveryResponse, FlushRequest, FlushResponse, FlushStatus, Message, NamespacesResponse,
-    Refusal, RefusalReason,
+    DiscoveryEntry, DiscoveryResponse, FlushRequest, FlushResponse, FlushStatus, Message,
+    NamespacesResponse, Refusal, RefusalReason,
 };
 use rpma_common::stats::Stopwatch;
 
@@ -47,6 +47,7 @@ use super::peer_log::{peer_text, Class};
 use super::registrar::Request;
 use super::session::{Grant, Listed, Session};
 use super::{LoopTx, SessionInfo, Shared, LINGER};
+use crate::config::Config;
 use crate::handshake::{Step, TargetHandshake};
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
 use crate::namespace::OpenNamespace;
@@ -81,6 +82,9 @@ pub(crate) enum Phase {
         /// The session's time limit (`discovery_timeout_ms`).
         deadline: Instant,
         listed: Listed,
+        /// Its listing, made at its first DiscoveryRequest and again only after a reload: each
+        /// page is cut from it.
+        listing: Option<Box<DiscoveryListing>>,
     },
     /// Admitted; its namespaces are being registered by the loop's registrar
     /// ([`Conn::take_registration`], [`Conn::registered`]).
@@ -91,6 +95,14 @@ pub(crate) enum Phase {
     Closing {
         deadline: Instant,
     },
+}
+
+/// A discovery connection's listing ([`Phase::Discovery`]), with the configuration it was made
+/// from: a reload puts another one in place, and the next request makes it again.
+pub(crate) struct DiscoveryListing {
+    config: Arc<Config>,
+    entries: Vec<DiscoveryEntry>,
+    generation: u64,
 }
 
 /// An admitted host whose namespaces are being registered: what finishing its admission needs.
@@ -386,18 +398,32 @@ impl Conn {
                 _ => {}
             },
             Phase::Discovery {
-                host, key, listed, ..
+                host,
+                key,
+                listed,
+                listing,
+                ..
             } => {
                 self.last_seen = now;
                 seen(&listed.info, now);
                 let host = host.clone();
-                let key = key.clone();
                 match Message::decode(buf) {
                     Ok(Message::DiscoveryRequest(r)) => {
-                        let local = self.qp.info().local_addr;
-                        let listing = discovery(&shared.config(), &host, key.as_ref(), Some(local));
-                        let generation = DiscoveryResponse::generation_of(&listing);
-                        let page = DiscoveryResponse::page(&listing, r.start, generation)
+                        let cfg = shared.config();
+                        if !listing
+                            .as_ref()
+                            .is_some_and(|l| Arc::ptr_eq(&l.config, &cfg))
+                        {
+                            let local = self.qp.info().local_addr;
+                            let entries = discovery(&cfg, &host, key.as_ref(), Some(local));
+                            *listing = Some(Box::new(DiscoveryListing {
+                                generation: DiscoveryResponse::generation_of(&entries),
+                                entries,
+                                config: cfg,
+                            }));
+                        }
+                        let l = listing.as_deref().expect("made above");
+                        let page = DiscoveryResponse::page(&l.entries, r.start, l.generation)
                             .ok_or_else(|| "it alone is longer than a message".to_owned())
                             .and_then(|p| {
                                 Message::DiscoveryResponse(p)
@@ -449,29 +475,37 @@ impl Conn {
                             "a FlushRequest beyond the queue depth ({d} unanswered before it)"
                         ));
                     }
-                    Ok(Message::FlushRequest(req)) => match s.grants.get(&req.nsid) {
-                        Some(g) => {
-                            self.flushes_out += 1;
-                            jobs.push(FlushJob {
-                                ns: Arc::clone(&g.ns),
-                                req,
-                                arrived: Stopwatch::start(),
-                            });
+                    Ok(Message::FlushRequest(req)) => {
+                        // Past reading its namespaces (if they came in pages): their listing goes.
+                        s.listing = None;
+                        match s.grants.get(&req.nsid) {
+                            Some(g) => {
+                                self.flushes_out += 1;
+                                jobs.push(FlushJob {
+                                    ns: Arc::clone(&g.ns),
+                                    req,
+                                    arrived: Stopwatch::start(),
+                                });
+                            }
+                            None => {
+                                s.info.flushes.fetch_add(1, Ordering::Relaxed);
+                                let resp = FlushResponse {
+                                    token: req.token,
+                                    status: FlushStatus::InvalidNamespace,
+                                };
+                                self.send_raw(&resp.encode());
+                            }
                         }
-                        None => {
-                            s.info.flushes.fetch_add(1, Ordering::Relaxed);
-                            let resp = FlushResponse {
-                                token: req.token,
-                                status: FlushStatus::InvalidNamespace,
-                            };
-                            self.send_raw(&resp.encode());
-                        }
-                    },
+                    }
                     Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
                     // The namespaces its ConnectResponse had no room for, a page at a time.
                     Ok(Message::NamespacesRequest(r)) => match s.listing.as_deref() {
                         Some(all) => {
                             let page = NamespacesResponse::page(all, r.start);
+                            // Kept until the host has read it all (or sends a FlushRequest).
+                            if r.start as usize + page.namespaces.len() >= all.len() {
+                                s.listing = None;
+                            }
                             match Message::NamespacesResponse(page).encode() {
                                 Ok(bytes) => self.send_raw(&bytes),
                                 Err(e) => self.goodbye(&format!(
@@ -481,7 +515,9 @@ impl Conn {
                             }
                         }
                         None => self.protocol_error(
-                            "a NamespacesRequest, but the ConnectResponse listed every namespace"
+                            "a NamespacesRequest with no listing left to page (the \
+                             ConnectResponse listed every namespace, or the host read them all \
+                             or sent a FlushRequest)"
                                 .into(),
                         ),
                     },

@@ -76,6 +76,7 @@ impl Conn {
                 key: listed,
                 info,
             },
+            listing: None,
         };
     }
 
