@@ -24,8 +24,10 @@
 //! discovery pool) is in [`admit`]; the registrations are made off the loop, by its
 //! [`super::registrar`], while the connection waits in [`Phase::Registering`]. An admitted
 //! session, the namespaces granted to it (its rkeys) and what a reload does to them are in
-//! [`super::session`], with a discovery connection's entry in `status`. A connection's end (the
-//! goodbye, and the session's registrations handed to the registrar to drop) is in [`close`].
+//! [`super::session`], with a discovery connection's entry in `status`. A discovery
+//! connection's messages (its listing, a page at a time) are in [`discovery`]. A connection's
+//! end (the goodbye, and the session's registrations handed to the registrar to drop) is in
+//! [`close`].
 
 use std::net::SocketAddr;
 use std::sync::atomic::Ordering;
@@ -37,8 +39,8 @@ use rpma_common::proto::auth::Psk;
 use rpma_common::proto::msgbuf::MsgBufs;
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    DiscoveryEntry, DiscoveryResponse, FlushRequest, FlushResponse, FlushStatus, Message,
-    NamespacesResponse, Refusal, RefusalReason,
+    DiscoveryEntry, FlushRequest, FlushResponse, FlushStatus, Message, NamespacesResponse, Refusal,
+    RefusalReason,
 };
 use rpma_common::stats::Stopwatch;
 
@@ -51,10 +53,10 @@ use crate::config::Config;
 use crate::handshake::{Step, TargetHandshake};
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
 use crate::namespace::OpenNamespace;
-use crate::subsystem::discovery;
 
 mod admit;
 mod close;
+mod discovery;
 
 /// Receive slots beyond the queue depth: room for keep-alives and a Disconnect.
 pub(crate) const RECV_SLACK: usize = 4;
@@ -397,74 +399,7 @@ impl Conn {
                 Ok(Message::KeepAlive(k)) if self.owes_disconnect() => self.send_raw(&k.encode()),
                 _ => {}
             },
-            Phase::Discovery {
-                host,
-                key,
-                listed,
-                listing,
-                ..
-            } => {
-                self.last_seen = now;
-                seen(&listed.info, now);
-                let host = host.clone();
-                match Message::decode(buf) {
-                    Ok(Message::DiscoveryRequest(r)) => {
-                        let cfg = shared.config();
-                        if !listing
-                            .as_ref()
-                            .is_some_and(|l| Arc::ptr_eq(&l.config, &cfg))
-                        {
-                            let local = self.qp.info().local_addr;
-                            let entries = discovery(&cfg, &host, key.as_ref(), Some(local));
-                            *listing = Some(Box::new(DiscoveryListing {
-                                generation: DiscoveryResponse::generation_of(&entries),
-                                entries,
-                                config: cfg,
-                            }));
-                        }
-                        let l = listing.as_deref().expect("made above");
-                        let page = DiscoveryResponse::page(&l.entries, r.start, l.generation)
-                            .ok_or_else(|| "it alone is longer than a message".to_owned())
-                            .and_then(|p| {
-                                Message::DiscoveryResponse(p)
-                                    .encode()
-                                    .map_err(|e| e.to_string())
-                            });
-                        match page {
-                            Ok(bytes) => self.send_raw(&bytes),
-                            // Told at once, not left to wait for an answer that never comes.
-                            Err(e) => {
-                                let why = format!(
-                                    "the discovery listing's entry {} cannot be sent ({e}): \
-                                     connect to a subsystem by its NQN",
-                                    r.start
-                                );
-                                self.shared.peer_log.warn(
-                                    self.peer.ip(),
-                                    format_args!("discovery host {host} from {}: {why}", self.peer),
-                                );
-                                self.goodbye(&why);
-                            }
-                        }
-                    }
-                    Ok(Message::KeepAlive(k)) => self.send_raw(&k.encode()),
-                    Ok(Message::Disconnect(d)) => {
-                        log::debug!(
-                            "{}: discovery host {host} disconnected: {}",
-                            self.peer,
-                            peer_text(&d.reason)
-                        );
-                        self.phase = Phase::Closing {
-                            deadline: now + LINGER,
-                        };
-                    }
-                    Ok(other) => self.protocol_error(format!(
-                        "{:?} on a discovery connection",
-                        other.message_type()
-                    )),
-                    Err(e) => self.protocol_error(e.to_string()),
-                }
-            }
+            Phase::Discovery { .. } => self.discovery_message(buf, now),
             Phase::Session(s) => {
                 self.last_seen = now;
                 seen(&s.info, now);
