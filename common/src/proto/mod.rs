@@ -200,9 +200,10 @@ impl ListingEntry for NamespaceDescriptor {
     }
 }
 
-/// The longest a namespace's failure or unavailability text is sent (longer ones are cut,
-/// ending in "..."): a failure's text names its path and errno, and a page holds at least one
-/// descriptor whatever its texts.
+/// The longest a namespace's failure or unavailability text is sent when a session's
+/// descriptors do not all fit in its ConnectResponse (longer ones are cut, ending in "..."): a
+/// failure's text names its path and errno, and a page holds at least one descriptor whatever
+/// its texts.
 const TEXT_MAX: usize = 256;
 
 /// How many of `items`, from the first, fit in `room` bytes encoded.
@@ -225,21 +226,26 @@ const VARINT_U32: usize = 5;
 const VARINT_U64: usize = 10;
 
 impl ConnectResponse {
-    /// Makes the response fit in one message: cuts its namespaces' failure and unavailability
-    /// texts to 256 bytes, sets `namespace_count` to how many namespaces there are, and keeps
-    /// in `namespaces` as many of them as one message holds beside the other fields. Returns
+    /// Makes the response fit in one message: sets `namespace_count` to how many namespaces
+    /// there are and, when they do not all fit, cuts their failure and unavailability texts to
+    /// 256 bytes and keeps in `namespaces` as many of them as one message holds beside the
+    /// other fields. Returns
     /// the whole listing when some did not fit (the host asks for them with
     /// [`NamespacesRequest`]s, answered from it by [`NamespacesResponse::page`]), None when all
     /// did. Whether a namespace failed or is unavailable is kept (a text is cut, never taken
     /// away).
     pub fn paged(&mut self) -> Option<Vec<NamespaceDescriptor>> {
+        self.namespace_count = u32::try_from(self.namespaces.len()).unwrap_or(u32::MAX);
+        let room = MAX_MESSAGE_SIZE - HEADER_LEN - VARINT_U16 - 3 * VARINT_U32 - VARINT_U32;
+        // Whole texts when everything fits in one message.
+        if fitting(&self.namespaces, room) == self.namespaces.len() {
+            return None;
+        }
         for d in &mut self.namespaces {
             for text in [&mut d.failure, &mut d.unavailable].into_iter().flatten() {
                 shorten(text, TEXT_MAX);
             }
         }
-        self.namespace_count = u32::try_from(self.namespaces.len()).unwrap_or(u32::MAX);
-        let room = MAX_MESSAGE_SIZE - HEADER_LEN - VARINT_U16 - 3 * VARINT_U32 - VARINT_U32;
         let n = fitting(&self.namespaces, room);
         if n == self.namespaces.len() {
             return None;

@@ -380,11 +380,9 @@ fn response_of(namespaces: Vec<NamespaceDescriptor>) -> ConnectResponse {
 
 #[test]
 fn a_connect_response_that_fits_is_left_as_it_is_but_for_its_count() {
-    let mut r = response_of(
-        (1..=3)
-            .map(|n| failed_descriptor(n, "EIO from msync"))
-            .collect(),
-    );
+    // Texts longer than a page's cut, on namespaces that all fit: kept whole.
+    let text = "x".repeat(1000);
+    let mut r = response_of((1..=3).map(|n| failed_descriptor(n, &text)).collect());
     let before = r.clone();
     assert_eq!(r.paged(), None);
     assert_eq!(r.namespace_count, 3);
