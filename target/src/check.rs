@@ -330,7 +330,8 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
         }
     }
     let max = rpma_common::proto::MAX_LISTING as usize;
-    for w in crate::subsystem::listing_warnings(&cfg, max) {
+    let max_bytes = rpma_common::proto::MAX_LISTING_BYTES;
+    for w in crate::subsystem::listing_warnings(&cfg, max, max_bytes) {
         writeln!(out, "warning: {w}")?;
     }
     if let Some((nqn, len)) = crate::subsystem::discovery_entry_too_long(&cfg) {

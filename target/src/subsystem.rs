@@ -5,7 +5,7 @@
 use rpma_common::proto::auth::{AuthContext, Psk};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
-    Connect, DiscoveryEntry, DiscoveryResponse, Message, Refusal, RefusalReason,
+    Connect, DiscoveryEntry, DiscoveryResponse, ListingEntry, Message, Refusal, RefusalReason,
 };
 
 use std::net::{IpAddr, SocketAddr};
@@ -207,26 +207,12 @@ fn listing(
 /// instead of given the rest (`rpma-target check-config` warns of it). Returns its NQN and
 /// the length of a page of it alone.
 pub fn discovery_entry_too_long(cfg: &Config) -> Option<(Nqn, usize)> {
-    let v4 = SocketAddr::from(([255, 255, 255, 255], u16::MAX));
-    let v6 = SocketAddr::from((std::net::Ipv6Addr::from([u16::MAX; 8]), u16::MAX));
-    let listen = listen_urls(cfg, |url| {
-        let (a, b) = (
-            advertised(url, Some(v4)).to_string(),
-            advertised(url, Some(v6)).to_string(),
-        );
-        if a.len() >= b.len() {
-            a
-        } else {
-            b
-        }
-    });
-    let longest = cfg.subsystems.iter().max_by_key(|s| s.nqn.as_str().len())?;
-    let entry = listing(cfg, &listen, |s| std::ptr::eq(s, longest));
-    match DiscoveryResponse::page(&entry, 0, 0) {
+    let (longest, entry) = widest_entry(cfg)?;
+    match DiscoveryResponse::page(std::slice::from_ref(&entry), 0, 0) {
         Some(_) => None,
         None => {
             let page = DiscoveryResponse {
-                entries: entry,
+                entries: vec![entry],
                 total: 1,
                 generation: u64::MAX,
             };
@@ -242,13 +228,39 @@ pub fn discovery_entry_too_long(cfg: &Config) -> Option<(Nqn, usize)> {
     }
 }
 
-/// Warnings for listings longer than an rpma host reads (`max`: [`MAX_LISTING`] entries): a
-/// subsystem of more namespaces (its hosts are refused by their own library; NVMe/TCP hosts
-/// are not limited), and more subsystems than a host's discovery listing may list. Only with a
-/// listener of rpma's own transports.
+/// The widest discovery entry the configuration can make, with its subsystem: the one with
+/// the longest NQN, every listen URL at its widest (each wildcard listener advertised with the
+/// longest address text of the families it takes). None without subsystems.
+fn widest_entry(cfg: &Config) -> Option<(&Subsystem, DiscoveryEntry)> {
+    let v4 = SocketAddr::from(([255, 255, 255, 255], u16::MAX));
+    let v6 = SocketAddr::from((std::net::Ipv6Addr::from([u16::MAX; 8]), u16::MAX));
+    let listen = listen_urls(cfg, |url| {
+        let (a, b) = (
+            advertised(url, Some(v4)).to_string(),
+            advertised(url, Some(v6)).to_string(),
+        );
+        if a.len() >= b.len() {
+            a
+        } else {
+            b
+        }
+    });
+    let longest = cfg.subsystems.iter().max_by_key(|s| s.nqn.as_str().len())?;
+    let entry = listing(cfg, &listen, |s| std::ptr::eq(s, longest)).pop()?;
+    Some((longest, entry))
+}
+
+/// Warnings for listings longer than an rpma host reads (`max`: [`MAX_LISTING`] entries,
+/// `max_bytes`: [`MAX_LISTING_BYTES`] of them once decoded): a subsystem of more namespaces
+/// (its hosts are refused by their own library; NVMe/TCP hosts are not limited), and more
+/// subsystems, or subsystems whose entries together may take more memory, than a host's
+/// discovery listing may list (counting every subsystem at the widest entry's cost). Only with
+/// a listener of rpma's own transports. (A session's namespaces cannot exceed `max_bytes`
+/// below `max` of them: a descriptor with its texts cut takes under a kilobyte.)
 ///
 /// [`MAX_LISTING`]: rpma_common::proto::MAX_LISTING
-pub fn listing_warnings(cfg: &Config, max: usize) -> Vec<String> {
+/// [`MAX_LISTING_BYTES`]: rpma_common::proto::MAX_LISTING_BYTES
+pub fn listing_warnings(cfg: &Config, max: usize, max_bytes: usize) -> Vec<String> {
     if !cfg.listeners.iter().any(|l| l.url.transport.is_fabric()) {
         return Vec::new();
     }
@@ -271,6 +283,19 @@ pub fn listing_warnings(cfg: &Config, max: usize) -> Vec<String> {
              see more than that gets no listing and must connect by NQN",
             cfg.subsystems.len()
         ));
+    } else if let Some((_, widest)) = widest_entry(cfg).filter(|_| cfg.discovery) {
+        let bytes = cfg.subsystems.len().saturating_mul(widest.cost());
+        if bytes > max_bytes {
+            out.push(format!(
+                "discovery: {} subsystems with {} listen URLs each may take {} MiB in a host's \
+                 memory, more than the {} MiB an rpma host gives a listing: a host that may see \
+                 most of them gets no listing and must connect by NQN",
+                cfg.subsystems.len(),
+                widest.listen.len(),
+                bytes >> 20,
+                max_bytes >> 20
+            ));
+        }
     }
     out
 }
@@ -346,8 +371,15 @@ mod tests {
     fn listings_longer_than_a_host_reads_are_warned_of() {
         let d = tempfile::tempdir().unwrap();
         let c = many(d.path(), 3, true);
-        assert!(listing_warnings(&c, 3).is_empty());
-        let w = listing_warnings(&c, 2);
+        assert!(listing_warnings(&c, 3, 1 << 20).is_empty());
+        // Their entries' memory: 3 of about 130 bytes each.
+        let w = listing_warnings(&c, 3, 300);
+        assert_eq!(w.len(), 1);
+        assert!(
+            w[0].starts_with("discovery: 3 subsystems with 1 listen URLs each may take 0 MiB"),
+            "{w:?}"
+        );
+        let w = listing_warnings(&c, 2, 1 << 20);
         assert_eq!(w.len(), 1);
         assert!(
             w[0].starts_with("discovery: 3 subsystems, more than the 2"),
@@ -360,7 +392,7 @@ mod tests {
                 &format!("[[subsystem.namespace]]\nnsid = {i}\npath = \"n{i}\"\nsize = \"4KiB\"\n");
         }
         let big = Config::from_toml(&text, d.path()).unwrap();
-        let w = listing_warnings(&big, 2);
+        let w = listing_warnings(&big, 2, 1 << 20);
         assert_eq!(w.len(), 1);
         assert!(
             w[0].starts_with("subsystem nqn.2026-11.io.rpma:big: 3 namespaces, more than the 2"),
@@ -372,7 +404,7 @@ mod tests {
             d.path(),
         )
         .unwrap();
-        assert!(listing_warnings(&nvme, 2).is_empty());
+        assert!(listing_warnings(&nvme, 2, 0).is_empty());
     }
 
     fn cfg(dir: &std::path::Path, discovery: bool) -> Config {

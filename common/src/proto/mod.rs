@@ -172,8 +172,11 @@ pub const MAX_LISTING: u32 = 1 << 16;
 
 /// The most memory a host gives one listing's entries once decoded ([`ListingEntry::cost`]):
 /// the number of entries alone does not bound it (an entry of thousands of empty URLs takes
-/// 24 bytes of memory for each byte on the wire).
-pub const MAX_LISTING_BYTES: usize = 16 << 20;
+/// 24 bytes of memory for each byte on the wire). Enough for [`MAX_LISTING`] namespace
+/// descriptors with their texts cut (under a kilobyte each) and for a discovery listing of
+/// as many entries with a few listen URLs each (the target's configuration check warns of a
+/// wider one).
+pub const MAX_LISTING_BYTES: usize = 64 << 20;
 
 /// An entry of a listing sent in pages, with the memory it takes once decoded.
 pub trait ListingEntry {

@@ -350,7 +350,7 @@ impl PollLoop {
             // the slot, which still holds an earlier one (decoded, it replayed the peer's own
             // earlier Flush Request or Connect). Not part of the protocol.
             conn.unexpected_receive(c.opcode);
-            Self::ask_registrar(&mut self.registrar, conn, c.qp_num);
+            Self::ask_registrar(&mut self.registrar, conn, c.qp_num, Vec::new());
             return;
         }
         let mut buf = std::mem::take(&mut self.scratch);
@@ -361,7 +361,7 @@ impl PollLoop {
             }
             let mut jobs = Vec::new();
             conn.on_message(&buf, &mut jobs);
-            Self::ask_registrar(&mut self.registrar, conn, c.qp_num);
+            Self::ask_registrar(&mut self.registrar, conn, c.qp_num, Vec::new());
             let serial = conn.serial;
             self.jobs
                 .extend(jobs.into_iter().map(|j| (c.qp_num, serial, j)));
@@ -538,7 +538,7 @@ impl PollLoop {
             if c.tick(now) {
                 // A session its timers ended (a keep-alive lapse, an eviction) has its
                 // registrations dropped by the registrar before its Disconnect goes out.
-                Self::ask_registrar(&mut self.registrar, c, n);
+                Self::ask_registrar(&mut self.registrar, c, n, Vec::new());
             } else {
                 dead.push(n);
             }

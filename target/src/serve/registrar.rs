@@ -4,8 +4,8 @@
 //! every page of the namespace, which takes long for a big one (and as long again at each
 //! connect: each connection has a protection domain of its own, docs/architecture.md). Run by
 //! the poll loop, it held every other session of the loop for that long: their requests, their
-//! keep-alives. So each poll loop has a registrar thread (started at its first admission) that
-//! registers a session's namespaces while the loop serves the others; the connection waits in
+//! keep-alives. So each poll loop has a registrar whose registering thread registers a
+//! session's namespaces while the loop serves the others; the connection waits in
 //! [`Phase::Registering`](super::conn::Phase) and the loop finishes its admission when the
 //! registrations come back ([`Conn::registered`](super::conn::Conn)). Registrations the loop
 //! cannot use (the connection went away, a reload changed the namespaces meanwhile, the target
@@ -42,6 +42,10 @@ pub(crate) struct Request {
     pub(crate) peer_flush: bool,
     /// Set when the connection no longer waits for it: what is not registered yet is not.
     pub(crate) cancel: Arc<AtomicBool>,
+    /// The connection's registrations this one replaces (a reload changed its namespaces while
+    /// they were made): dropped first, in the registering thread, so that one connection never
+    /// has the same pages pinned twice (against RLIMIT_MEMLOCK).
+    pub(crate) replaced: Vec<Grant>,
 }
 
 /// One namespace of a [`Registration`].
@@ -283,8 +287,10 @@ impl Registrar {
     }
 }
 
-/// Registers every namespace of `req` that can be read, until the connection calls it off.
+/// Registers every namespace of `req` that can be read, until the connection calls it off,
+/// having dropped what it replaces.
 fn register(req: Request, qp_num: u32, serial: u64) -> Registration {
+    drop(req.replaced);
     let outcomes = req
         .namespaces
         .into_iter()

@@ -138,6 +138,7 @@ impl Conn {
             served_by: self.served_by(),
             peer_flush: self.peer_flush,
             cancel,
+            replaced: Vec::new(),
         }
     }
 

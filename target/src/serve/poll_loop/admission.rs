@@ -1,5 +1,5 @@
 //! A poll loop's part in admitting hosts: taking in a new connection, and the registrations
-//! its connections ask for, which go to its registrar thread ([`crate::serve::registrar`])
+//! its connections ask for, which go to its registrar's threads ([`crate::serve::registrar`])
 //! and come back to them, so that pinning a big namespace for one host does not hold the
 //! loop's other sessions.
 
@@ -14,6 +14,7 @@ use super::PollLoop;
 use crate::serve::budget::Ticket;
 use crate::serve::conn::{Conn, CONTROL_RECV_SLOTS, CONTROL_SEND_SLOTS, RECV_SLACK, SEND_SLOTS};
 use crate::serve::registrar::{Registrar, Registration, Released};
+use crate::serve::session::Grant;
 
 impl PollLoop {
     /// A connection request rejected before anything was made for it (`why`, for the log).
@@ -107,10 +108,21 @@ impl PollLoop {
     }
 
     /// Sends what connection `conn` (queue pair `qp_num`) asks to have registered, and its
-    /// ended session's registrations to drop, if any, to the loop's registrar.
-    pub(super) fn ask_registrar(registrar: &mut Registrar, conn: &mut Conn, qp_num: u32) {
-        if let Some(req) = conn.take_registration() {
-            registrar.register(req, qp_num, conn.serial);
+    /// ended session's registrations to drop, if any, to the loop's registrar; `replaced`,
+    /// registrations of its own it no longer keeps, go with a registration it asks for again (to
+    /// be dropped before it is made), else to be dropped.
+    pub(super) fn ask_registrar(
+        registrar: &mut Registrar,
+        conn: &mut Conn,
+        qp_num: u32,
+        replaced: Vec<Grant>,
+    ) {
+        match conn.take_registration() {
+            Some(mut req) => {
+                req.replaced = replaced;
+                registrar.register(req, qp_num, conn.serial);
+            }
+            None => registrar.discard(replaced),
         }
         let ended = conn.take_release();
         if !ended.is_empty() {
@@ -144,11 +156,10 @@ impl PollLoop {
                 self.registrar.discard(grants);
                 continue;
             };
-            // What it does not keep is dropped (by the deregistering thread, while a
-            // registration asked for again, the namespaces changed meanwhile, is made).
+            // What it does not keep is dropped; first, by the registering thread, when it asks
+            // for a registration again (the namespaces changed meanwhile).
             let left = conn.registered(r.outcomes);
-            self.registrar.discard(left);
-            Self::ask_registrar(&mut self.registrar, conn, r.qp_num);
+            Self::ask_registrar(&mut self.registrar, conn, r.qp_num, left);
             // A refusal is sent; an admission too: the connection may have more to do.
             self.failed |= conn.overrun();
         }
