@@ -232,11 +232,10 @@ impl ConnectResponse {
     /// Makes the response fit in one message: sets `namespace_count` to how many namespaces
     /// there are and, when they do not all fit, cuts their failure and unavailability texts to
     /// 256 bytes and keeps in `namespaces` as many of them as one message holds beside the
-    /// other fields. Returns
-    /// the whole listing when some did not fit (the host asks for them with
-    /// [`NamespacesRequest`]s, answered from it by [`NamespacesResponse::page`]), None when all
-    /// did. Whether a namespace failed or is unavailable is kept (a text is cut, never taken
-    /// away).
+    /// other fields. Returns the whole listing when some did not fit (the host asks for them
+    /// with [`NamespacesRequest`]s, answered from it by [`NamespacesResponse::page`]), None
+    /// when all did. Whether a namespace failed or is unavailable is kept (a text is cut,
+    /// never taken away).
     pub fn paged(&mut self) -> Option<Vec<NamespaceDescriptor>> {
         self.namespace_count = u32::try_from(self.namespaces.len()).unwrap_or(u32::MAX);
         let room = MAX_MESSAGE_SIZE - HEADER_LEN - VARINT_U16 - 3 * VARINT_U32 - VARINT_U32;
