@@ -266,7 +266,7 @@ pub fn connect(
                 });
                 // Those its ConnectResponse had no room for, a page at a time.
                 s.namespaces = whole_listing("namespace", |start| {
-                    if let Some(first) = first.take().filter(|_| start == 0) {
+                    if let (0, Some(first)) = (start, first.take()) {
                         return Ok(first);
                     }
                     s.send_message(&Message::NamespacesRequest(NamespacesRequest { start }))?;

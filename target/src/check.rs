@@ -334,18 +334,6 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     for w in crate::subsystem::listing_warnings(&cfg, max, max_bytes) {
         writeln!(out, "warning: {w}")?;
     }
-    if let Some((nqn, len)) = crate::subsystem::discovery_entry_too_long(&cfg) {
-        if cfg.discovery {
-            // Valid, but a host whose listing reaches it gets no more of its listing.
-            writeln!(
-                out,
-                "warning: discovery: subsystem {nqn}'s entry, with every listen URL, may take \
-                 {len} bytes, more than a message holds ({}): a host whose listing reaches it \
-                 is told so and must connect by NQN",
-                rpma_common::proto::MAX_MESSAGE_SIZE
-            )?;
-        }
-    }
     if cfg.subsystems.is_empty() {
         // Valid (a reload can add subsystems), but seldom what was meant: an empty file, or the
         // wrong one.

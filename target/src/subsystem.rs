@@ -6,6 +6,7 @@ use rpma_common::proto::auth::{AuthContext, Psk};
 use rpma_common::proto::nqn::Nqn;
 use rpma_common::proto::{
     Connect, DiscoveryEntry, DiscoveryResponse, ListingEntry, Message, Refusal, RefusalReason,
+    MAX_MESSAGE_SIZE,
 };
 
 use std::net::{IpAddr, SocketAddr};
@@ -206,7 +207,7 @@ fn listing(
 /// with some hundreds of listeners makes one; a host whose listing reaches it is told so
 /// instead of given the rest (`rpma-target check-config` warns of it). Returns its NQN and
 /// the length of a page of it alone.
-pub fn discovery_entry_too_long(cfg: &Config) -> Option<(Nqn, usize)> {
+fn discovery_entry_too_long(cfg: &Config) -> Option<(Nqn, usize)> {
     let (longest, entry) = widest_entry(cfg)?;
     match DiscoveryResponse::page(std::slice::from_ref(&entry), 0, 0) {
         Some(_) => None,
@@ -254,9 +255,10 @@ fn widest_entry(cfg: &Config) -> Option<(&Subsystem, DiscoveryEntry)> {
 /// `max_bytes`: [`MAX_LISTING_BYTES`] of them once decoded): a subsystem of more namespaces
 /// (its hosts are refused by their own library; NVMe/TCP hosts are not limited), and more
 /// subsystems, or subsystems whose entries together may take more memory, than a host's
-/// discovery listing may list (counting every subsystem at the widest entry's cost). Only with
-/// a listener of rpma's own transports. (A session's namespaces cannot exceed `max_bytes`
-/// below `max` of them: a descriptor with its texts cut takes under a kilobyte.)
+/// discovery listing may list (counting every subsystem at the widest entry's cost), and a
+/// discovery entry longer than a message ([`discovery_entry_too_long`]). Only with a listener
+/// of rpma's own transports. (A session's namespaces cannot exceed `max_bytes` below `max` of
+/// them: a descriptor with its texts cut takes under a kilobyte.)
 ///
 /// [`MAX_LISTING`]: rpma_common::proto::MAX_LISTING
 /// [`MAX_LISTING_BYTES`]: rpma_common::proto::MAX_LISTING_BYTES
@@ -296,6 +298,14 @@ pub fn listing_warnings(cfg: &Config, max: usize, max_bytes: usize) -> Vec<Strin
                 max_bytes >> 20
             ));
         }
+    }
+    // Valid, but a host whose listing reaches it gets no more of its listing.
+    if let Some((nqn, len)) = discovery_entry_too_long(cfg).filter(|_| cfg.discovery) {
+        out.push(format!(
+            "discovery: subsystem {nqn}'s entry, with every listen URL, may take {len} bytes, \
+             more than a message holds ({MAX_MESSAGE_SIZE}): a host whose listing reaches it is \
+             told so and must connect by NQN"
+        ));
     }
     out
 }

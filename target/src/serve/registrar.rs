@@ -84,7 +84,7 @@ pub(crate) struct Released {
 }
 
 /// Which of a registrar's threads a [`Work`] goes to.
-#[derive(Clone, Copy, PartialEq, Eq)]
+#[derive(Clone, Copy)]
 enum Kind {
     /// Registrations.
     Register,
@@ -93,13 +93,6 @@ enum Kind {
 }
 
 impl Kind {
-    fn of(work: &Work) -> Kind {
-        match work {
-            Work::Register(..) => Kind::Register,
-            Work::Drop(_) | Work::Release(..) => Kind::Deregister,
-        }
-    }
-
     fn name(self) -> &'static str {
         match self {
             Kind::Register => "reg",
@@ -250,7 +243,6 @@ impl Registrar {
             .name(format!("rpma-{}-{}", kind.name(), self.index))
             .spawn(move || {
                 for w in rx {
-                    debug_assert!(Kind::of(&w) == kind);
                     match w {
                         Work::Register(req, qp_num, serial) => {
                             // (A loop that is gone takes nothing: dropped here.)
