@@ -537,3 +537,178 @@ fn cycling_controllers_writes_a_bounded_log() {
         "{summaries:?}"
     );
 }
+
+/// CPU clock ticks (utime + stime) of the target's NVMe/TCP poll loops (threads `rpma-nvme-N`;
+/// the accept threads' names, `rpma-nvme-accept-PORT`, are cut to `rpma-nvme-accep`).
+fn poll_loop_ticks(pid: u32) -> u64 {
+    let mut total = 0;
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let path = task.unwrap().path();
+        let comm = std::fs::read_to_string(path.join("comm")).unwrap_or_default();
+        if !comm.starts_with("rpma-nvme-") || comm.starts_with("rpma-nvme-acc") {
+            continue;
+        }
+        let Ok(stat) = std::fs::read_to_string(path.join("stat")) else {
+            continue; // a thread that just ended
+        };
+        // Fields after the name (in parentheses): utime is field 14, stime 15.
+        let rest = &stat[stat.rfind(')').unwrap() + 2..];
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        total += f[11].parse::<u64>().unwrap() + f[12].parse::<u64>().unwrap();
+    }
+    total
+}
+
+/// Bytes waiting to be read on `h`'s socket.
+fn unread(h: &Host) -> usize {
+    use std::os::fd::AsRawFd;
+    let mut n: libc::c_int = 0;
+    // SAFETY: FIONREAD writes one int into `n`, which outlives the call.
+    let r = unsafe { libc::ioctl(h.stream().as_raw_fd(), libc::FIONREAD, &mut n) };
+    assert_eq!(r, 0, "FIONREAD: {}", std::io::Error::last_os_error());
+    n as usize
+}
+
+/// Sends `commands` (framed by `h`) at once and reads none of their answers: returns once the
+/// target has stopped sending them (its answers fill the sockets and its own backlog, and it
+/// stops reading commands past 256 KiB waiting).
+fn send_and_read_nothing(h: &mut Host, commands: &[Sqe]) {
+    let mut burst = Vec::new();
+    for s in commands {
+        burst.extend_from_slice(&h.frame(pdu::CMD, 0, &s.0, &[]));
+    }
+    h.send_raw(&burst);
+    let deadline = Instant::now() + Duration::from_secs(30);
+    let mut last = unread(h);
+    loop {
+        std::thread::sleep(Duration::from_millis(300));
+        let now = unread(h);
+        if now == last {
+            return;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the target never stopped answering"
+        );
+        last = now;
+    }
+}
+
+/// The target's NVMe/TCP poll loops' CPU ticks over two seconds in which nothing is asked of
+/// them: a sleeping loop shows 0 (1 for a tick charged to it); a spinning one, on any machine
+/// that ran it at all, a good part of 200.
+fn idle_ticks(t: &Target) -> u64 {
+    std::thread::sleep(Duration::from_millis(200));
+    let before = poll_loop_ticks(t.pid());
+    std::thread::sleep(Duration::from_secs(2));
+    poll_loop_ticks(t.pid()) - before
+}
+
+/// A host that stops reading its answers (the queue stops reading past 256 KiB waiting) and
+/// then half-closes its side costs its poll loop nothing: the half-close is watched only with
+/// the reads. Before, it stayed in the epoll interest, and being level-triggered it woke every
+/// wait at once: the loop spun at a whole CPU until the controller's keep-alive ran out, an hour
+/// at most, and for any peer through a discovery controller (no host list) until the discovery
+/// time limit.
+#[test]
+fn a_peer_that_half_closes_without_reading_its_answers_does_not_spin_its_loop() {
+    let (_d, t, addr) = start("");
+    // Through a discovery controller, which any host may open: its 128 KiB log page a thousand
+    // times.
+    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
+    let c = h
+        .command(
+            connect_sqe(0, 31, 0),
+            &connect_data(
+                [2; 16],
+                0xffff,
+                rpma_tests::nvme::DISCOVERY_NQN,
+                "nqn.2026-11.io.rpma:stranger",
+            ),
+            0,
+        )
+        .unwrap();
+    assert!(c.ok(), "a discovery controller for anyone: {c:?}");
+    let enable = Sqe::fabrics(0x00)
+        .u32(44, 0x14)
+        .u32(48, rpma_tests::nvme::CC_ENABLE);
+    assert!(h.command(enable, &[], 0).unwrap().ok());
+    let numd = 128 * 1024 / 4 - 1;
+    let logs: Vec<Sqe> = (1..=1000u16)
+        .map(|cid| {
+            let mut s = Sqe::new(0x02, 0)
+                .cdw(10, 0x70 | ((numd & 0xffff) << 16))
+                .u16(2, cid);
+            s.0[32..36].copy_from_slice(&(128u32 * 1024).to_le_bytes());
+            s.0[39] = 0x5a;
+            s
+        })
+        .collect();
+    send_and_read_nothing(&mut h, &logs);
+    h.stream().shutdown(std::net::Shutdown::Write).unwrap();
+    let spun = idle_ticks(&t);
+    eprintln!("a discovery peer half-closed: the poll loops used {spun} tick(s) in 2 s");
+    assert!(spun <= 5, "the poll loops used {spun} ticks in 2 s");
+
+    // The same through an admitted controller's I/O queue: 600 Reads of 128 KiB.
+    let c = Controller::connect_kato(&addr, SUB, HOST, (false, false), 600_000).expect("admitted");
+    let mut q = c.io_queue(1).expect("I/O queue");
+    let reads: Vec<Sqe> = (1..=600u16)
+        .map(|cid| {
+            let mut s = Sqe::new(0x02, 1).cdw(10, 0).cdw(12, 255).u16(2, cid);
+            s.0[32..36].copy_from_slice(&(128u32 * 1024).to_le_bytes());
+            s.0[39] = 0x5a;
+            s
+        })
+        .collect();
+    send_and_read_nothing(&mut q, &reads);
+    q.stream().shutdown(std::net::Shutdown::Write).unwrap();
+    let spun = idle_ticks(&t);
+    eprintln!("an I/O queue half-closed: the poll loops used {spun} tick(s) in 2 s");
+    assert!(spun <= 5, "the poll loops used {spun} ticks in 2 s");
+    // The daemon serves on.
+    assert_eq!(read_back(&addr, 0).len(), 4096);
+}
+
+/// A host that stops reading its answers, reads a few, and stops again costs its poll loop
+/// nothing once the target stopped answering. Before, the few it read let the target's backlog
+/// fall back under its high mark while its receive buffer stayed full of commands, which it
+/// handled only once the socket took every byte: its readable socket woke every wait and nothing
+/// was read, the loop spinning at a whole CPU until the host read again.
+#[test]
+fn a_host_that_stops_reading_its_answers_does_not_spin_its_loop() {
+    let (_d, t, addr) = start("");
+    let c = Controller::connect_kato(&addr, SUB, HOST, (false, false), 600_000).expect("admitted");
+    let mut q = c.io_queue(1).expect("I/O queue");
+    // 128 KiB Reads, far more than the socket buffers and the backlog hold.
+    let reads: Vec<Sqe> = (0..600u16)
+        .map(|i| {
+            let mut s = Sqe::new(0x02, 1)
+                .cdw(10, 0)
+                .cdw(12, 255)
+                .u16(2, i % 100 + 1);
+            s.0[32..36].copy_from_slice(&(128u32 * 1024).to_le_bytes());
+            s.0[39] = 0x5a;
+            s
+        })
+        .collect();
+    send_and_read_nothing(&mut q, &reads);
+    // Two answers (their data and completions) read: the target sends some more, then the
+    // socket is full again.
+    let mut answered = 0;
+    for _ in 0..4 {
+        if q.recv().expect("an answer").kind == pdu::RESP {
+            answered += 1;
+        }
+    }
+    let spun = idle_ticks(&t);
+    eprintln!("a host reading little: the poll loops used {spun} tick(s) in 2 s");
+    assert!(spun <= 5, "the poll loops used {spun} ticks in 2 s");
+    // The daemon serves on, and so does the queue once its host reads again.
+    assert_eq!(read_back(&addr, 0).len(), 4096);
+    while answered < reads.len() {
+        if q.recv().expect("the rest of the answers").kind == pdu::RESP {
+            answered += 1;
+        }
+    }
+}

@@ -57,6 +57,8 @@ struct Conn {
     queue: Queue,
     /// The epoll interest registered now.
     interest: EpollFlags,
+    /// Registered with the loop's epoll (until its socket is done: [`Queue::socket_done`]).
+    watched: bool,
 }
 
 /// An NVMe/TCP poll loop: one thread, the connections handed to it.
@@ -248,6 +250,7 @@ impl Loop {
                 stream,
                 queue,
                 interest,
+                watched: true,
             },
         );
     }
@@ -288,6 +291,15 @@ impl Loop {
             }
         }
         flush_tx(c, &mut env);
+        // A hang-up or an error that no read will see (the queue does not read now: it is
+        // closing, or waits for its host to take its output): the socket is done. Epoll reports
+        // them whatever the interest, so left as they are, they would wake every wait.
+        if ready.intersects(EpollFlags::EPOLLERR | EpollFlags::EPOLLHUP)
+            && !c.queue.wants_read()
+            && !c.queue.socket_done
+        {
+            c.queue.peer_gone(&mut env);
+        }
         self.after_effects();
     }
 
@@ -390,6 +402,7 @@ impl Loop {
         let (mut env, conns) = self.env_parts();
         let mut done = Vec::new();
         let mut changed = Vec::new();
+        let mut unwatch = Vec::new();
         for (key, c) in conns.iter_mut() {
             env.conn = *key;
             flush_tx(c, &mut env);
@@ -397,9 +410,20 @@ impl Loop {
                 done.push(*key);
                 continue;
             }
-            let mut want = EpollFlags::EPOLLRDHUP;
+            if c.queue.socket_done {
+                // Its peer is gone: not watched any more (it waits only for its flushes).
+                if c.watched {
+                    unwatch.push(*key);
+                }
+                continue;
+            }
+            // The peer's half-close only with the reads: it is level-triggered, and a queue that
+            // does not read (closing, or its host not taking its output) would be woken by it
+            // at every wait, spinning its loop. Such a queue sees its peer go when it reads
+            // again or when a write fails.
+            let mut want = EpollFlags::empty();
             if c.queue.wants_read() {
-                want |= EpollFlags::EPOLLIN;
+                want |= EpollFlags::EPOLLIN | EpollFlags::EPOLLRDHUP;
             }
             if !c.queue.pending_tx().is_empty() {
                 want |= EpollFlags::EPOLLOUT;
@@ -416,9 +440,17 @@ impl Loop {
                 }
             }
         }
+        for key in unwatch {
+            if let Some(c) = self.conns.get_mut(&key) {
+                let _ = self.epoll.delete(c.stream.as_fd());
+                c.watched = false;
+            }
+        }
         for key in done {
             if let Some(c) = self.conns.remove(&key) {
-                let _ = self.epoll.delete(c.stream.as_fd());
+                if c.watched {
+                    let _ = self.epoll.delete(c.stream.as_fd());
+                }
                 self.load.fetch_sub(1, Ordering::Relaxed);
             }
         }
@@ -457,12 +489,16 @@ impl Loop {
 /// it had stopped for.
 fn flush_tx(c: &mut Conn, env: &mut Env<'_>) {
     for _ in 0..4 {
+        let mut full = false;
         while !c.queue.pending_tx().is_empty() {
             match (&c.stream).write(c.queue.pending_tx()) {
                 Ok(0) => break,
                 Ok(n) => c.queue.sent(n),
                 Err(e) if e.kind() == std::io::ErrorKind::Interrupted => {}
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    full = true;
+                    break;
+                }
                 Err(e) => {
                     log::debug!("{}: {e}", c.queue.peer);
                     c.queue.peer_gone(env);
@@ -470,9 +506,13 @@ fn flush_tx(c: &mut Conn, env: &mut Env<'_>) {
                 }
             }
         }
+        // What it received and left for the backlog is handled as far as the backlog now
+        // allows, even when the socket did not take all of it: a queue back under its high mark
+        // with its receive buffer full of commands would otherwise be woken by its readable
+        // socket at every wait and read nothing, its loop spinning until its host read.
         let before = c.queue.pending_tx().len();
         c.queue.process(env);
-        if c.queue.pending_tx().len() == before {
+        if full || c.queue.pending_tx().len() == before {
             return;
         }
     }

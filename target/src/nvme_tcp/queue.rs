@@ -148,6 +148,10 @@ pub(crate) struct Queue {
     pub(super) ended: bool,
     /// Bytes zeroed in this turn of the loop (see [`ZERO_BUDGET`]).
     pub(super) zeroed: u64,
+    /// The socket is done: its peer closed it or it failed. Nothing more comes in or goes out,
+    /// and its loop stops watching it (epoll reports a hang-up or an error whatever the
+    /// interest: watched, a queue still waiting for a flush would be woken at every wait).
+    pub(crate) socket_done: bool,
 }
 
 impl Queue {
@@ -188,6 +192,7 @@ impl Queue {
             ticket: Some(ticket),
             ended: false,
             zeroed: 0,
+            socket_done: false,
         }
     }
 
@@ -409,7 +414,11 @@ impl Queue {
 
     /// The peer closed its side or the socket failed.
     pub(crate) fn peer_gone(&mut self, env: &mut Env<'_>) {
+        self.socket_done = true;
         if self.closing.is_some() {
+            // Nothing more can be sent (a C2HTermReq or a refusal waiting to go).
+            self.tx.clear();
+            self.tx_sent = 0;
             return;
         }
         match &self.phase {
