@@ -197,6 +197,49 @@ fn a_loss_its_client_was_told_of_is_not_reported_to_the_next_connection() {
     assert_eq!(e.term().code(), Some(1), "{}", e.log());
 }
 
+/// A connection already in transmission at the loss, idle until then, hears of it at its first
+/// FLUSH, even though another connection was told meanwhile (a READ of it answered EIO): one
+/// client on several connections (`nbd-client -connections N`) has a FLUSH on any of them cover
+/// the writes answered on all of them. (It answered 0: a connection took its starting point at
+/// its first request, and any failed request, a READ's too, counted as the loss told.)
+#[test]
+fn a_flush_on_a_connection_open_before_the_loss_does_not_vouch_for_a_lost_write() {
+    let (_d, _shm, mut t, mut e, c1) = written_through_a_short_budget("open-before");
+    let mut c2 = Raw::connect(&e.sock);
+    let mut c3 = Raw::connect(&e.sock);
+    t.kill9();
+    e.log_line("the queue to the target failed");
+    assert_eq!(c3.read(8192, 4096).err(), Some(EIO), "the target is gone");
+    t.restart();
+    assert_eq!(c2.flush(), EIO, "c1's write was never made durable");
+    assert_eq!(c2.flush(), 0, "reported once");
+    drop((c1, c2, c3));
+    assert_eq!(e.term().code(), Some(1), "{}", e.log());
+}
+
+/// A READ answered EIO tells its client nothing of the writes answered before it: a later
+/// connection's first FLUSH still reports the loss. (It answered 0: any failed request counted
+/// as the loss told.)
+#[test]
+fn a_failed_read_does_not_count_as_a_loss_told() {
+    let (_d, _shm, mut t, mut e, c) = written_through_a_short_budget("read-told");
+    drop(c);
+    t.kill9();
+    e.log_line("the queue to the target failed");
+    let mut probe = Raw::connect(&e.sock);
+    assert_eq!(
+        probe.read(8192, 4096).err(),
+        Some(EIO),
+        "the target is gone"
+    );
+    drop(probe);
+    t.restart();
+    let mut c2 = Raw::connect(&e.sock);
+    assert_eq!(c2.flush(), EIO, "the lost write looked durable");
+    drop(c2);
+    assert_eq!(e.term().code(), Some(1), "{}", e.log());
+}
+
 /// Moves a zero-filled file of ns1's size over ns1 (an operator restoring a file).
 fn replace_ns1(t: &rpma_tests::Target) {
     let restored = t.dir().join("ns1.restored");

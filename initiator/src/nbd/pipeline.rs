@@ -120,6 +120,8 @@ pub(crate) struct Pipeline {
     pub(crate) answers: Vec<Answer>,
     /// WRITEs answered since the last look ([`Pipeline::take_written`]).
     written: usize,
+    /// WRITEs answered with an error since the last look ([`Pipeline::take_write_errors`]).
+    write_errors: usize,
     /// Large READs are read into buffers of their own ([`READ_IN_PLACE_MIN`];
     /// `Shared::in_place`).
     in_place: bool,
@@ -146,6 +148,11 @@ impl Pipeline {
     /// How many WRITEs were answered (successfully) since the last call.
     pub(crate) fn take_written(&mut self) -> usize {
         std::mem::take(&mut self.written)
+    }
+
+    /// How many WRITEs were answered with an error since the last call.
+    pub(crate) fn take_write_errors(&mut self) -> usize {
+        std::mem::take(&mut self.write_errors)
     }
 
     /// A reply buffer back for reuse.
@@ -454,6 +461,8 @@ impl Pipeline {
                     self.recycle(b);
                 } else if r.err == 0 {
                     self.written += 1;
+                } else {
+                    self.write_errors += 1;
                 }
                 self.answers
                     .push(Answer::Header(simple_reply_header(r.err, r.handle)));

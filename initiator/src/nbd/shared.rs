@@ -210,13 +210,16 @@ pub(crate) struct Shared {
     /// Queues given up (reconnect budget spent): each may have taken acknowledged writes that
     /// were not durable yet with it. Every connection's next FLUSH answers EIO once per loss.
     pub(crate) losses: AtomicU64,
-    /// The most losses some client was told of: a FLUSH answered EIO for them, or a request
-    /// that failed on the queue (answered with an error) since. A connection starts from here,
-    /// so that a loss no client heard of (the connections open at the time were idle, and
-    /// closed before any FLUSH) is reported by the first FLUSH of a later connection (a
-    /// `nbd-client -persist` that reconnected): `CAN_MULTI_CONN` has a FLUSH cover the writes
-    /// answered on every connection, the closed ones' too. One that was told (md, which failed
-    /// its leg on the WRITE errors) starts afresh on its new connection.
+    /// The most losses some client was told of: a FLUSH answered EIO for them, or a WRITE
+    /// (FUA or not, WRITE_ZEROES too) answered with an error since ([`told`](Self::told); a
+    /// READ's error says nothing of the writes before it). A connection starts from here as it
+    /// enters transmission, so that a loss no client heard of (the connections open at the
+    /// time were idle, and closed before any FLUSH) is reported by the first FLUSH of a later
+    /// connection (a `nbd-client -persist` that reconnected): `CAN_MULTI_CONN` has a FLUSH
+    /// cover the writes answered on every connection, the closed ones' too. One that was told
+    /// (md, which failed its leg on the WRITE errors) starts afresh on its new connection; a
+    /// connection already in transmission at the loss hears of it at its next FLUSH, whoever
+    /// was told meanwhile.
     pub(crate) losses_reported: AtomicU64,
     /// Client-caused WARN and ERROR lines (failed handshakes, evictions, refusals, failed
     /// requests), rate-limited.
@@ -406,27 +409,19 @@ impl Shared {
         g
     }
 
+    /// A WRITE (FUA or not, or WRITE_ZEROES) is answered with an error: its client hears that
+    /// writes failed, and so of the losses so far ([`losses_reported`](Self::losses_reported)).
+    pub(crate) fn told(&self) {
+        let losses = self.losses.load(Ordering::SeqCst);
+        self.losses_reported.fetch_max(losses, Ordering::SeqCst);
+    }
+
     /// Runs `f` on the namespace through a locked cell. A queue that gave up (its reconnect
     /// budget spent) is replaced by a new one on the next call, with one connection attempt:
     /// while the target stays gone each request fails at once (EIO), instead of waiting out a
     /// reconnect budget of its own behind the cell's lock (a kernel client's requests, one
     /// after another, would take minutes to fail, and md above it would not fail the leg).
     pub(crate) fn with_ns<T>(
-        &self,
-        cell: &Cell,
-        g: &mut Held<'_>,
-        f: impl FnOnce(&mut Namespace<'_>) -> crate::Result<T>,
-    ) -> crate::Result<T> {
-        let r = self.with_ns_inner(cell, g, f);
-        if r.is_err() {
-            // The request is answered with an error: its client hears that something failed.
-            let losses = self.losses.load(Ordering::SeqCst);
-            self.losses_reported.fetch_max(losses, Ordering::SeqCst);
-        }
-        r
-    }
-
-    fn with_ns_inner<T>(
         &self,
         cell: &Cell,
         g: &mut Held<'_>,

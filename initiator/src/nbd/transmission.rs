@@ -91,7 +91,7 @@ pub(crate) struct Client<'a> {
     pipe: Pipeline,
     stats: Stats,
     /// [`Shared::losses`] as of this client's last FLUSH, or [`Shared::losses_reported`] as of
-    /// its start.
+    /// the connection's start of transmission.
     losses_seen: u64,
     /// READs and WRITEs held back until another connection's writes of their bytes are
     /// placed, in the order they came ([`park`]).
@@ -112,13 +112,16 @@ pub(crate) struct Client<'a> {
 impl<'a> Client<'a> {
     /// `strict`: the client was told the block sizes, so misaligned requests fail. `slot` is
     /// the client's place in the export, idle (its handshake is over); `cell` its queue.
+    /// `losses_seen`: [`Shared::losses_reported`] when the connection entered transmission
+    /// (not at its first request: a loss meanwhile, that another client was told of, is one
+    /// this connection's writes may have shared in, as `CAN_MULTI_CONN` has it).
     pub(crate) fn new(
         shared: &'a Shared,
         cell: &'a Cell,
         stream: Stream,
         strict: bool,
-        slot: &'a Slot,
-        source: Source,
+        (slot, source): (&'a Slot, Source),
+        losses_seen: u64,
     ) -> Client<'a> {
         Client {
             slot,
@@ -144,7 +147,7 @@ impl<'a> Client<'a> {
             zeroes: Vec::new(),
             pipe: Pipeline::new(shared.in_place),
             stats: Stats::default(),
-            losses_seen: shared.losses_reported.load(Ordering::SeqCst),
+            losses_seen,
             parked: Vec::new(),
             after_write: false,
             flushes_writes: false,
@@ -344,6 +347,9 @@ impl<'a> Client<'a> {
         if let Err(e) = r {
             self.queue_error(&e, if a == Action::Read { "READ" } else { "WRITE" });
             if !taken {
+                if a != Action::Read {
+                    shared.told();
+                }
                 simple_reply(&mut self.out, errno(&e, a != Action::Read), handle);
                 self.answered(1);
             }
@@ -423,6 +429,9 @@ impl<'a> Client<'a> {
         }
         if self.pipe.take_written() > 0 {
             self.cell.mark_dirty();
+        }
+        if self.pipe.take_write_errors() > 0 {
+            self.shared.told();
         }
         for a in std::mem::take(&mut self.pipe.answers) {
             match a {
@@ -565,6 +574,7 @@ impl<'a> Client<'a> {
         drop(v);
         let (ok, fua_err) = match r {
             Err(e) => {
+                self.shared.told();
                 self.shared.problems.log(
                     Level::Warn,
                     self.source,

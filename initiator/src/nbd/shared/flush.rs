@@ -56,9 +56,8 @@ impl Shared {
         }
         if r.is_err() {
             // Answered with an error: its client hears that something failed (a cell's error
-            // that a later round got past is not an answer: [`with_ns`](Self::with_ns)).
-            let losses = self.losses.load(Ordering::SeqCst);
-            self.losses_reported.fetch_max(losses, Ordering::SeqCst);
+            // that a later round got past is not an answer).
+            self.told();
         }
         r
     }
@@ -90,7 +89,7 @@ impl Shared {
         if !cell.is_dirty() {
             return Ok(true);
         }
-        let d = self.with_ns_inner(cell, &mut g, |ns| ns.persist_own_writes())?;
+        let d = self.with_ns(cell, &mut g, |ns| ns.persist_own_writes())?;
         if d.is_durable() || self.opts.visible_ok {
             cell.mark_clean();
             return Ok(true);
@@ -175,7 +174,7 @@ impl Shared {
             }
             // Not an answer to a client (the request that asked is answered as its own
             // queue says): a loss this reveals is still owed to every connection's FLUSH.
-            if let Err(e) = self.with_ns_inner(&cell, &mut g, |ns| ns.place_writes()) {
+            if let Err(e) = self.with_ns(&cell, &mut g, |ns| ns.place_writes()) {
                 self.problems.log(
                     Level::Warn,
                     source,

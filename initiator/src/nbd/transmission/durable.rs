@@ -40,6 +40,7 @@ impl Client<'_> {
             }
             Err(e) => {
                 cell.mark_dirty();
+                self.shared.told();
                 self.shared.problems.log(
                     Level::Warn,
                     self.source,

@@ -118,6 +118,14 @@ impl Client<'_> {
         let shared = self.shared;
         let (off, len, handle) = (req.offset, req.len as usize, req.handle);
         let mut g = shared.lock(other);
+        if g.is_none() {
+            // Its queue went since it was named: given up (what it held is reported lost) or
+            // closed as a clean spare, and perhaps taken off the export's list, which a FLUSH
+            // walks. A queue opened on it here would take a WRITE no FLUSH ever covers: the
+            // request goes on this connection's own queue instead, behind nothing unplaced.
+            drop(g);
+            return self.start(req, a, data);
+        }
         let (pipe, buf, bufs) = (&mut self.pipe, &self.buf, &self.bufs);
         let mut taken = false;
         let mut r = shared.with_ns(other, &mut g, |ns| {
@@ -155,6 +163,9 @@ impl Client<'_> {
                 ),
             );
             if !taken {
+                if a != Action::Read {
+                    self.shared.told();
+                }
                 simple_reply(&mut self.out, errno(&e, a != Action::Read), handle);
                 self.answered(1);
             }

@@ -66,6 +66,7 @@ impl Client<'_> {
         }
         let e = match r {
             Err(e) => {
+                self.shared.told();
                 self.shared.problems.log(
                     Level::Warn,
                     self.source,
