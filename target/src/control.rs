@@ -166,6 +166,10 @@ impl Drop for ControlServer {
     }
 }
 
+/// How long a `reload` or `clear-failure` request waits for its answer: longer than the
+/// daemon's own wait for a reload, 270 s, which it answers within.
+const LONG_REQUEST_WAIT: Duration = Duration::from_secs(285);
+
 /// Sends one request and returns the raw answer.
 ///
 /// # Errors
@@ -203,13 +207,21 @@ pub fn query_status(path: &Path) -> Result<(Status, String)> {
 }
 
 /// Asks the daemon to clear the failure of namespace `nsid` of `subsystem` (`rpma-target
-/// clear-failure`). Returns what the daemon logged: what may have been lost.
+/// clear-failure`). Returns what the daemon logged: what may have been lost. Waits as long as
+/// [`reload`] does: the daemon reopens the file and maps it ahead of use, which takes a while
+/// for a big one (a client that gave up after 10 s said the clear failed while the daemon went
+/// on to clear it).
 ///
 /// # Errors
-/// [`ControlError::Connect`], [`ControlError::Refused`] (not root or the daemon's user, not
-/// failed, not configured, the state file could not be updated), [`ControlError::BadAnswer`].
+/// [`ControlError::Connect`] (no answer within 285 s included), [`ControlError::Refused`]
+/// (not root or the daemon's user, not failed, not configured, the state file could not be
+/// updated), [`ControlError::BadAnswer`].
 pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> {
-    let raw = request(path, &format!("clear-failure {subsystem} {nsid}"))?;
+    let raw = request_within(
+        path,
+        &format!("clear-failure {subsystem} {nsid}"),
+        LONG_REQUEST_WAIT,
+    )?;
     let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
     if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
         return Err(ControlError::Refused(e.to_owned()));
@@ -226,8 +238,7 @@ pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> 
 /// [`ControlError::Refused`] (not root or the daemon's user, the daemon stopping),
 /// [`ControlError::BadAnswer`].
 pub fn reload(path: &Path) -> Result<(bool, String)> {
-    // (Longer than the daemon's own wait for the reload, 270 s, which it answers within.)
-    let raw = request_within(path, "reload", Duration::from_secs(285))?;
+    let raw = request_within(path, "reload", LONG_REQUEST_WAIT)?;
     let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
     if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
         return Err(ControlError::Refused(e.to_owned()));

@@ -37,6 +37,7 @@ use crate::reload::ConfigDiff;
 pub use crate::seam::Serve;
 
 mod reloading;
+mod watchdog;
 
 /// Errors that stop the daemon.
 #[derive(Debug, thiserror::Error)]
@@ -153,6 +154,15 @@ impl Shared {
     fn lock(&self) -> MutexGuard<'_, State> {
         // A panic elsewhere must not take the status and reload paths down with it.
         self.state.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// [`lock`](Self::lock), unless another thread holds the state (None).
+    fn try_lock(&self) -> Option<MutexGuard<'_, State>> {
+        match self.state.try_lock() {
+            Ok(g) => Some(g),
+            Err(std::sync::TryLockError::Poisoned(p)) => Some(p.into_inner()),
+            Err(std::sync::TryLockError::WouldBlock) => None,
+        }
     }
 }
 
@@ -477,19 +487,11 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         notifier.ready(&line)?;
     }
 
-    let watchdog = notifier.watchdog_interval();
-    let mut last_ping = Instant::now();
-    let mut stalled = false;
-    if watchdog.is_some() {
-        notifier.watchdog()?;
-    }
+    // The serving threads are all started: their heartbeats, read with no lock held.
+    let beats = shared.lock().serve.heartbeats();
+    let mut pinger = watchdog::Pinger::start(&notifier, beats)?;
     loop {
-        let left = match watchdog {
-            Some(w) => w
-                .saturating_sub(last_ping.elapsed())
-                .max(Duration::from_millis(1)),
-            None => UNREADABLE_CHECK,
-        };
+        let left = pinger.left().unwrap_or(UNREADABLE_CHECK);
         let timeout = PollTimeout::try_from(left.min(UNREADABLE_CHECK)).unwrap_or(PollTimeout::MAX);
         let mut fds = [PollFd::new(sfd.as_fd(), PollFlags::POLLIN)];
         match poll(&mut fds, timeout) {
@@ -499,52 +501,17 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         // A page a Read met that the kernel could not give back (or a file found cut short)
         // fails its namespace: recorded and logged here, so that a restart remembers it even
         // if no host asks for durability on it again, and its sessions closed (the tcp
-        // transport already serves nothing more of it; a NIC would reach its memory).
-        let mut st = shared.lock();
-        let unreadable = st.namespaces.note_unreadable();
-        if !unreadable.is_empty() {
-            let State {
-                config,
-                namespaces,
-                serve,
-                ..
-            } = &mut *st;
-            let diff = ConfigDiff {
-                namespaces_unreadable: unreadable,
-                ..ConfigDiff::default()
-            };
-            // (Nothing removed or replaced: nothing to wait for.)
-            let _ = serve.reloaded(&diff, config, namespaces);
+        // transport already serves nothing more of it; a NIC would reach its memory). Not
+        // while a clear-failure holds the state: the next turn looks (waiting for the lock, the
+        // watchdog's pings waited too).
+        if let Some(mut st) = shared.try_lock() {
+            note_unreadable(&mut st);
         }
-        drop(st);
-        if let Some(w) = watchdog {
-            if last_ping.elapsed() >= w {
-                let stuck = shared.lock().serve.check_progress();
-                if stuck.is_empty() {
-                    if stalled {
-                        log::info!(
-                            "every serving thread makes progress again: watchdog pings resume"
-                        );
-                        stalled = false;
-                    }
-                    if let Err(e) = notifier.watchdog() {
-                        log::warn!("{}", rpma_common::error_chain(&e));
-                    }
-                } else if !stalled {
-                    // Said once; the service manager restarts the daemon if it stays so.
-                    log::error!(
-                        "{} made no progress within {} ms: not pinging the watchdog",
-                        stuck.join(", "),
-                        w.as_millis()
-                    );
-                    stalled = true;
-                }
-                last_ping = Instant::now();
-            }
-        }
+        pinger.tick();
         while let Ok(Some(info)) = sfd.read_signal() {
             match Signal::try_from(info.ssi_signo as i32) {
-                Ok(Signal::SIGHUP) => shared.reload_now(&notifier, &page),
+                // The pings go on while the reload holds this thread.
+                Ok(Signal::SIGHUP) => pinger.during(|| shared.reload_now(&notifier, &page)),
                 Ok(sig @ (Signal::SIGTERM | Signal::SIGINT)) => {
                     log::info!("{sig}: stopping");
                     let _ = notifier.stopping();
@@ -561,6 +528,27 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             }
         }
     }
+}
+
+/// Fails the namespaces with a page that could not be read or written since the last look, and
+/// closes their sessions.
+fn note_unreadable(st: &mut State) {
+    let unreadable = st.namespaces.note_unreadable();
+    if unreadable.is_empty() {
+        return;
+    }
+    let State {
+        config,
+        namespaces,
+        serve,
+        ..
+    } = st;
+    let diff = ConfigDiff {
+        namespaces_unreadable: unreadable,
+        ..ConfigDiff::default()
+    };
+    // (Nothing removed or replaced: nothing to wait for.)
+    let _ = serve.reloaded(&diff, config, namespaces);
 }
 
 /// How often the daemon looks for namespaces with a page that could not be read or written
@@ -599,3 +587,8 @@ fn warn_if_state_shares_a_filesystem(cfg: &Config) {
 /// poll loops to apply it (`reloading::reload_apply_wait`): a test that holds a loop up gives
 /// it more time than the hold, whatever the machine's load.
 pub const TEST_RELOAD_APPLY_WAIT_ENV: &str = "RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS";
+
+/// Test hook (never set in production): a reload and a clear-failure hold the daemon's state
+/// this many milliseconds longer, as one that maps a big namespace ahead of use does, so that a
+/// test can see the watchdog's pings go on meanwhile.
+pub const TEST_HOLD_STATE_ENV: &str = "RPMA_TARGET_TEST_HOLD_STATE_MS";

@@ -3,6 +3,8 @@
 //! the fabric-backed one ([`crate::serve`], with [`crate::nvme_tcp`]) implements it. Both build on
 //! this file and neither names the other, so the daemon's imports run one way.
 
+use std::os::fd::{AsFd, BorrowedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -10,9 +12,50 @@ use rpma_common::fabric;
 
 use crate::config::Config;
 use crate::control::{AdmissionStatus, ListenerStatus, SessionStatus};
+use crate::eventfd::EventFd;
 use crate::metrics::MetricsStatus;
 use crate::namespace::NamespaceTable;
 use crate::reload::ConfigDiff;
+
+/// A thread's sign of life: a counter it bumps every turn, and the eventfd that wakes it (so
+/// that an idle thread, blocked in its wait, turns once when checked).
+#[derive(Clone, Debug)]
+pub struct Heartbeat(Arc<(String, AtomicU64, Arc<EventFd>)>);
+
+impl Heartbeat {
+    pub(crate) fn new(name: String, wake: Arc<EventFd>) -> Heartbeat {
+        Heartbeat(Arc::new((name, AtomicU64::new(0), wake)))
+    }
+
+    /// The thread's name.
+    pub(crate) fn name(&self) -> &str {
+        &self.0 .0
+    }
+
+    /// Called by the thread each turn.
+    pub(crate) fn tick(&self) {
+        self.0 .1.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Turns counted so far.
+    pub(crate) fn count(&self) -> u64 {
+        self.0 .1.load(Ordering::Relaxed)
+    }
+
+    /// Wakes the thread.
+    pub(crate) fn ping(&self) {
+        self.0 .2.signal();
+    }
+
+    /// Called by the woken thread.
+    pub(crate) fn clear(&self) {
+        self.0 .2.clear();
+    }
+
+    pub(crate) fn wake_fd(&self) -> BorrowedFd<'_> {
+        self.0 .2.as_fd()
+    }
+}
 
 /// Errors of the serving machinery, as [`Serve::bind`] reports them.
 #[derive(Debug, thiserror::Error)]
@@ -177,11 +220,10 @@ pub trait Serve: Send {
         None
     }
 
-    /// The watchdog check: the names of the serving threads that made no progress since the
-    /// previous call (none on the first), after waking every one of them so that an idle thread
-    /// shows progress by the next call. The daemon pings the service manager's watchdog only
-    /// when this is empty.
-    fn check_progress(&mut self) -> Vec<String> {
+    /// The serving threads' heartbeats, for the watchdog check (the daemon reads them with no
+    /// lock held: a reload that maps big namespaces, or a clear-failure, holds its state for
+    /// a while, and the pings go on meanwhile while every serving thread turns).
+    fn heartbeats(&self) -> Vec<Heartbeat> {
         Vec::new()
     }
 

@@ -773,6 +773,115 @@ fn watchdog_pings_stop_while_a_poll_loop_is_stuck() {
     t.expect("WATCHDOG=1", WAIT);
 }
 
+/// A reload that holds the daemon's state (and its main thread) for long, as one that maps a big
+/// namespace ahead of use does, does not stop the watchdog's pings while every serving thread
+/// turns. (The main thread ran the reload and sent no ping until it was done: with the unit's
+/// WatchdogSec=30s, the service manager killed a daemon that reloaded an 8 GiB namespace.)
+#[test]
+fn watchdog_pings_go_on_through_a_long_reload() {
+    let d = scratch();
+    // WATCHDOG_USEC 400 ms: a check every 200 ms; the reload holds the state for 3 s.
+    let t = start_with_env(
+        d.path(),
+        "",
+        &[
+            ("WATCHDOG_USEC", "400000"),
+            ("RPMA_TARGET_TEST_HOLD_STATE_MS", "3000"),
+        ],
+    );
+    for _ in 0..3 {
+        t.expect("WATCHDOG=1", WAIT);
+    }
+    t.signal(Signal::SIGHUP);
+    // Every notification from RELOADING=1 to READY=1, in order.
+    let mut seen: Vec<String> = Vec::new();
+    while !seen.iter().any(|m| m.starts_with("READY=1")) {
+        let m = t.next(WAIT);
+        seen.push(m.unwrap_or_else(|| panic!("no notification in {WAIT:?}: {seen:?}")));
+    }
+    let from = seen
+        .iter()
+        .position(|m| m.starts_with("RELOADING=1"))
+        .unwrap_or_else(|| panic!("{seen:?}"));
+    let pings = seen[from..].iter().filter(|m| *m == "WATCHDOG=1").count();
+    // About 15 in 3 s; none before.
+    assert!(pings >= 2, "{pings} pings during the reload: {seen:?}");
+    t.expect("WATCHDOG=1", WAIT);
+}
+
+/// A clear-failure that holds the daemon's state for long (it reopens the file and maps it
+/// ahead of use) does not stop the watchdog's pings, and its client waits for the answer. (The
+/// main thread waited for the state every turn and sent no ping; the client gave up after 10 s
+/// and said the clear failed, while the daemon went on to clear it.)
+#[test]
+fn a_long_clear_failure_keeps_the_watchdog_pinged_and_its_client_waiting() {
+    let d = scratch();
+    // nsid 1's file, failed by an earlier run: it carries the mark.
+    let ns1 = d.path().join("ns1");
+    std::fs::File::create(&ns1)
+        .unwrap()
+        .set_len(2 << 20)
+        .unwrap();
+    let path = std::ffi::CString::new(ns1.as_os_str().as_encoded_bytes()).unwrap();
+    let mark = b"fdatasync 5";
+    // SAFETY: both strings are NUL-terminated and live; the value's pointer and length
+    // describe its bytes.
+    let r = unsafe {
+        libc::setxattr(
+            path.as_ptr(),
+            c"user.rpma.failed".as_ptr(),
+            mark.as_ptr().cast(),
+            mark.len(),
+            0,
+        )
+    };
+    assert_eq!(r, 0, "setxattr: {}", std::io::Error::last_os_error());
+    // A clear that takes 11 s: longer than the client waited.
+    let t = start_with_env(
+        d.path(),
+        "",
+        &[
+            ("WATCHDOG_USEC", "400000"),
+            ("RPMA_TARGET_TEST_HOLD_STATE_MS", "11000"),
+        ],
+    );
+    // SUB's nsid 1 in `status`: its `failed`.
+    let failed = |t: &rpma_tests::Target| {
+        let v = t.status();
+        v["subsystems"]
+            .as_array()
+            .and_then(|a| a.iter().find(|s| s["nqn"] == SUB))
+            .and_then(|s| s["namespaces"].as_array())
+            .and_then(|a| a.iter().find(|n| n["nsid"] == 1))
+            .unwrap_or_else(|| panic!("no {SUB} nsid 1 in {v}"))["failed"]
+            .clone()
+    };
+    assert!(failed(&t).is_string(), "{}", failed(&t));
+    for _ in 0..3 {
+        t.expect("WATCHDOG=1", WAIT);
+    }
+    let (done_tx, done) = std::sync::mpsc::channel();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            let _ = done_tx.send(t.clear_failure(SUB, 1));
+        });
+        let mut pings = 0;
+        let (code, out) = loop {
+            if let Ok(r) = done.try_recv() {
+                break r;
+            }
+            if t.next(Duration::from_millis(100)).as_deref() == Some("WATCHDOG=1") {
+                pings += 1;
+            }
+        };
+        assert_eq!(code, Some(0), "{out}");
+        // About 55 in 11 s; at most one before (a check under way as the clear began).
+        assert!(pings >= 5, "{pings} pings during the clear-failure");
+    });
+    assert!(failed(&t).is_null(), "{}", failed(&t));
+    t.expect("WATCHDOG=1", WAIT);
+}
+
 rpma_tests::rdma_runs!(
     idle_daemon_with_a_session_uses_no_cpu,
     watchdog_pings_stop_while_a_poll_loop_is_stuck,

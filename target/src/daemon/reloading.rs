@@ -3,7 +3,10 @@
 
 use std::time::{Duration, Instant};
 
-use super::{apply_metrics_listen, ready_line, Shared, State, TEST_RELOAD_APPLY_WAIT_ENV};
+use super::{
+    apply_metrics_listen, ready_line, Shared, State, TEST_HOLD_STATE_ENV,
+    TEST_RELOAD_APPLY_WAIT_ENV,
+};
 use crate::config::Config;
 use crate::metrics::listener::PageFn;
 use crate::notify::Notifier;
@@ -17,6 +20,16 @@ const RELOAD_REQUEST_WAIT: Duration = Duration::from_secs(270);
 /// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
 /// before it says READY (a loop applies it at the top of its next pass: at once, unless a sync
 /// of its own holds it). [`TEST_RELOAD_APPLY_WAIT_ENV`] sets another (tests).
+/// [`TEST_HOLD_STATE_ENV`]: sleeps that long (tests; nothing in production).
+fn test_hold_state() {
+    if let Some(ms) = std::env::var(TEST_HOLD_STATE_ENV)
+        .ok()
+        .and_then(|v| v.parse().ok())
+    {
+        std::thread::sleep(Duration::from_millis(ms));
+    }
+}
+
 fn reload_apply_wait() -> Duration {
     std::env::var(TEST_RELOAD_APPLY_WAIT_ENV)
         .ok()
@@ -40,6 +53,7 @@ impl Shared {
             .map_err(|_| format!("{nsid:?} is not a namespace id"))?;
         let key = (sub, nsid);
         let mut st = self.lock();
+        test_hold_state();
         let State {
             config,
             namespaces,
@@ -116,6 +130,7 @@ impl Shared {
             .map_err(|e| rpma_common::error_chain(&e))
             .and_then(|new| {
                 let mut st = self.lock();
+                test_hold_state();
                 let mut d = reload::diff(&st.config, &new);
                 for ((sub, nsid), f) in st.namespaces.reopen_failed(&mut d) {
                     log::warn!(

@@ -29,9 +29,9 @@
 //!   on a page-cache namespace an RDMA Flush, or the Read/Atomic that ends an APM sequence,
 //!   waits for msync of the dirty range in this thread, and stalls the loop's other
 //!   connections meanwhile (docs/architecture.md, "Durability and the poll loop").
-//! - Every accept thread and poll loop bumps a heartbeat each turn; the daemon's watchdog
-//!   check ([`Serve::check_progress`]) wakes them all and pings systemd only while every one
-//!   has moved since the previous check.
+//! - Every accept thread and poll loop bumps a heartbeat each turn ([`Serve::heartbeats`]); the
+//!   daemon's watchdog check wakes them all and pings systemd only while every one has moved
+//!   since the previous check.
 //! - Each connection has a protection domain of its own. Its namespaces are registered in that
 //!   domain at admission (one memory region per namespace, rights scoped: no remote write on a
 //!   read-only namespace), so its rkeys are its own, reachable from no other connection, and
@@ -76,7 +76,6 @@ pub(crate) fn slots(cfg: &Config) -> crate::memlock::Slots {
     }
 }
 
-use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc};
 use std::thread::JoinHandle;
@@ -105,8 +104,6 @@ pub struct FabricServe {
     acceptors: Vec<acceptor::Acceptor>,
     /// The `nvme-tcp://` listeners, when there are any.
     nvme: Option<crate::nvme_tcp::Server>,
-    /// Each thread's heartbeat count at the previous [`Serve::check_progress`], by name.
-    beats_seen: BTreeMap<String, u64>,
 }
 
 impl std::fmt::Debug for FabricServe {
@@ -157,7 +154,6 @@ impl FabricServe {
             loops: Vec::new(),
             acceptors: Vec::new(),
             nvme: None,
-            beats_seen: BTreeMap::new(),
         }
     }
 
@@ -315,23 +311,14 @@ impl Serve for FabricServe {
         self.acceptors.iter().filter_map(|a| a.down()).collect()
     }
 
-    fn check_progress(&mut self) -> Vec<String> {
-        let beats = self
-            .loops
+    fn heartbeats(&self) -> Vec<Heartbeat> {
+        self.loops
             .iter()
             .map(|l| &l.beat)
             .chain(self.acceptors.iter().map(|a| a.heartbeat()))
-            .chain(self.nvme.iter().flat_map(|n| n.heartbeats()));
-        let mut stuck = Vec::new();
-        for b in beats {
-            let now = b.count();
-            if self.beats_seen.insert(b.name().to_owned(), now) == Some(now) {
-                stuck.push(b.name().to_owned());
-            }
-            // Woken so that an idle thread turns (and counts) before the next check.
-            b.ping();
-        }
-        stuck
+            .chain(self.nvme.iter().flat_map(|n| n.heartbeats()))
+            .cloned()
+            .collect()
     }
 
     fn sessions(&self) -> Vec<SessionStatus> {

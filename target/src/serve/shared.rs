@@ -5,7 +5,6 @@
 //! listener's ([`crate::nvme_tcp`]) build on this file; it names neither.
 
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, BorrowedFd};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex, RwLock};
 use std::time::Duration;
@@ -22,6 +21,7 @@ use crate::eventfd::EventFd;
 use crate::metrics::{Events, HostCounters, LatencyStatus, LoopStats, MetricsStatus};
 use crate::namespace::{NamespaceTable, NsKey, OpenNamespace};
 use crate::reload::ConfigDiff;
+pub(crate) use crate::seam::Heartbeat;
 
 /// How long a connection lingers after the target sent its last message (a Refusal, or a
 /// Disconnect after keep-alive expiry, reload or shutdown) so that the host reads it. Its rkeys
@@ -30,46 +30,6 @@ pub const LINGER: Duration = Duration::from_secs(2);
 
 /// Shortest keep-alive period a host may ask for.
 pub const MIN_KEEP_ALIVE: Duration = Duration::from_millis(100);
-
-/// A thread's sign of life: a counter it bumps every turn, and the eventfd that wakes it (so
-/// that an idle thread, blocked in its wait, turns once when checked).
-#[derive(Clone, Debug)]
-pub(crate) struct Heartbeat(Arc<(String, AtomicU64, Arc<EventFd>)>);
-
-impl Heartbeat {
-    pub(crate) fn new(name: String, wake: Arc<EventFd>) -> Heartbeat {
-        Heartbeat(Arc::new((name, AtomicU64::new(0), wake)))
-    }
-
-    /// The thread's name.
-    pub(crate) fn name(&self) -> &str {
-        &self.0 .0
-    }
-
-    /// Called by the thread each turn.
-    pub(crate) fn tick(&self) {
-        self.0 .1.fetch_add(1, Ordering::Relaxed);
-    }
-
-    /// Turns counted so far.
-    pub(crate) fn count(&self) -> u64 {
-        self.0 .1.load(Ordering::Relaxed)
-    }
-
-    /// Wakes the thread.
-    pub(crate) fn ping(&self) {
-        self.0 .2.signal();
-    }
-
-    /// Called by the woken thread.
-    pub(crate) fn clear(&self) {
-        self.0 .2.clear();
-    }
-
-    pub(crate) fn wake_fd(&self) -> BorrowedFd<'_> {
-        self.0 .2.as_fd()
-    }
-}
 
 /// What every thread of the serving machinery shares.
 pub(crate) struct Shared {
