@@ -37,8 +37,6 @@ use crate::flusher::FlushTarget;
 use crate::metrics::{EndReason, HandshakeFailure, LoopStats};
 use crate::serve::{budget::Ticket, LogClass, LoopTx};
 
-/// MAXH2CDATA offered in the ICResp: the most data per H2CData PDU, so the most a queue buffers.
-pub const MAXH2CDATA: u32 = 64 * 1024;
 /// In-capsule data accepted (IOCCSZ is this plus the 64-byte command; the Linux host sends
 /// every Fabrics command, Connect included, with up to 8 KiB in the capsule on any queue).
 pub const IN_CAPSULE_DATA: u32 = 8192;
@@ -46,6 +44,12 @@ pub const IN_CAPSULE_DATA: u32 = 8192;
 pub const MDTS: u8 = 5;
 /// The largest transfer in bytes.
 pub const MAX_TRANSFER: u32 = 4096 << MDTS;
+/// MAXH2CDATA offered in the ICResp: the most data per H2CData PDU, so the most a queue buffers.
+/// The largest transfer, so that an R2T never asks for more than one PDU may carry: Linux hosts
+/// before 5.16 sent one H2CData PDU per R2T whatever the MAXH2CDATA (64 KiB here before: their
+/// Writes of 64-128 KiB were terminated, and the host reconnected for ever). Linux's nvmet
+/// offers 4 MiB.
+pub const MAXH2CDATA: u32 = MAX_TRANSFER;
 /// Above this many bytes waiting to be sent, a queue stops taking in commands.
 pub const TX_HIGH: usize = 256 * 1024;
 /// Bytes a queue may zero (Write Zeroes, deallocations) in one turn of its loop: past it, what
