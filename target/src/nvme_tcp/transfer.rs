@@ -1,8 +1,13 @@
 //! Data a command fetches with R2T: one R2T per command for all of its data, answered by
 //! H2CData PDUs that must come in order, within the R2T, under its transfer tag, each at most
 //! MAXH2CDATA long. A Write's data goes straight into its namespace, PDU by PDU, each only after
-//! its data digest matched (integrity before placement); the data of any other command (at most
-//! 8 KiB) is buffered and the command runs once it is whole.
+//! its data digest matched (integrity before placement). Only two other commands read data: a
+//! Connect (before it, the one command a queue takes) and a Dataset Management of an I/O queue;
+//! their data (at most 8 KiB, and 4 KiB) is buffered, at most [`BUFFERED_AT_ONCE`] commands' at
+//! a time, and the command runs once it is whole. Any other command runs at once without its
+//! data (none that reads data is supported): asked for by R2T, every command whose opcode says
+//! "data to the controller" held an 8 KiB buffer until its data came, as many as the queue had
+//! entries, on any queue, a discovery controller's (which any host may open) included.
 //!
 //! An H2CData PDU is checked against its R2T from its header alone, before its data is read
 //! into the receive buffer: data for a command that asked for none, under the wrong tag, at
@@ -16,6 +21,14 @@ use super::state::{Input, Phase, Sink, Transfer};
 
 /// Data of commands other than Writes fetched with R2T is buffered whole: at most this much.
 pub(crate) const MAX_BUFFERED: u32 = 8192;
+
+/// A Dataset Management's data: at most 256 ranges of 16 bytes.
+const MAX_DSM_DATA: u32 = 4096;
+
+/// Commands whose data is buffered at once, per queue: more wait for one to end with a
+/// retryable status (a host sends them in the capsule: Linux's are at most 4 KiB, within the
+/// 8 KiB it takes).
+pub(crate) const BUFFERED_AT_ONCE: usize = 4;
 
 impl Queue {
     /// A command whose data comes with R2T: a Write goes straight into its namespace, anything
@@ -32,10 +45,23 @@ impl Queue {
                 Ok(s) => s,
                 Err(st) => return self.complete(cid, 0, st),
             }
-        } else if len <= MAX_BUFFERED {
-            Sink::Buffer(Vec::with_capacity(len as usize))
         } else {
-            return self.complete(cid, 0, Status::SGL_LENGTH_INVALID);
+            let Some(most) = self.reads_data(&sqe) else {
+                // Nothing here reads its data: it runs without (and fails as it would with it).
+                return self.run(sqe, Input::Data(&[]), env);
+            };
+            if len > most {
+                return self.complete(cid, 0, Status::SGL_LENGTH_INVALID);
+            }
+            let buffered = self
+                .transfers
+                .values()
+                .filter(|t| matches!(t.sink, Sink::Buffer(_)))
+                .count();
+            if buffered >= BUFFERED_AT_ONCE {
+                return self.complete(cid, 0, Status::TRANSIENT_TRANSPORT);
+            }
+            Sink::Buffer(Vec::with_capacity(len as usize))
         };
         self.next_ttag = self.next_ttag.wrapping_add(1);
         let ttag = self.next_ttag;
@@ -53,6 +79,20 @@ impl Queue {
         );
         pdu::r2t(&mut self.tx, self.c2h.hdgst, cid, ttag, 0, len);
         let _ = env;
+    }
+
+    /// The most data `sqe` reads, if it is a command that reads data other than a Write: a
+    /// Connect before it, a Dataset Management on an I/O queue.
+    fn reads_data(&self, sqe: &Sqe) -> Option<u32> {
+        match &self.phase {
+            Phase::AwaitConnect
+                if sqe.opcode() == command::FABRICS && sqe.fctype() == command::fctype::CONNECT =>
+            {
+                Some(MAX_BUFFERED)
+            }
+            Phase::Io(_) if sqe.opcode() == command::io::DSM => Some(MAX_DSM_DATA),
+            _ => None,
+        }
     }
 
     /// Checks an H2CData PDU's header against the R2T it answers as soon as the header is in,
