@@ -18,6 +18,7 @@
 //! them as a [`Peer`] and asks [`Peer::may_change_state`].
 
 use std::io::{Read, Write};
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::{FileTypeExt, PermissionsExt};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -79,6 +80,8 @@ pub use status::*;
 pub struct ControlServer {
     path: PathBuf,
     stop: Arc<AtomicBool>,
+    /// The listening socket, to wake the blocking accept with (a shutdown makes it fail).
+    waker: UnixListener,
     clients: Arc<Clients>,
     thread: Option<JoinHandle<()>>,
 }
@@ -116,6 +119,7 @@ impl ControlServer {
         }
         let listener = UnixListener::bind(path).map_err(bind_err)?;
         std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o660)).map_err(bind_err)?;
+        let waker = listener.try_clone().map_err(bind_err)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = stop.clone();
         let clients = Arc::new(Clients::default());
@@ -141,6 +145,7 @@ impl ControlServer {
         Ok(ControlServer {
             path: path.to_owned(),
             stop,
+            waker,
             clients,
             thread: Some(thread),
         })
@@ -155,8 +160,11 @@ impl ControlServer {
 impl Drop for ControlServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the blocking accept with a connection of our own.
-        let _ = UnixStream::connect(&self.path);
+        // Wake the blocking accept: shut down, the listening socket fails it (a connection of
+        // our own did, and never came if the socket's file had been removed: the join waited
+        // for ever, and so did the daemon's stop).
+        let _ =
+            nix::sys::socket::shutdown(self.waker.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }
@@ -405,6 +413,27 @@ mod tests {
             query_status(&p),
             Err(ControlError::Connect { .. })
         ));
+    }
+
+    /// Dropping the server returns though its socket's file is gone, so that no connection can
+    /// reach it (before, it woke its accept thread with a connection of its own, which then
+    /// failed, and waited for that thread for ever: so did the daemon's stop).
+    #[test]
+    fn dropping_the_server_returns_when_its_file_is_gone() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("ctl.sock");
+        let handler: Handler = Arc::new(|_, _| Err("nothing".into()));
+        let server = ControlServer::bind(&p, handler).unwrap();
+        std::fs::remove_file(&p).unwrap();
+        let (done, dropped) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(server);
+            let _ = done.send(());
+        });
+        assert!(
+            dropped.recv_timeout(Duration::from_secs(30)).is_ok(),
+            "the drop waited for its accept thread"
+        );
     }
 
     /// Clients that trickle a request a byte at a time (and reconnect when cut off), more of

@@ -29,6 +29,7 @@
 use std::collections::BTreeMap;
 use std::io::{ErrorKind, Read, Write};
 use std::net::{IpAddr, Shutdown, SocketAddr, TcpListener, TcpStream};
+use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::thread::JoinHandle;
@@ -76,6 +77,8 @@ pub type PageFn = Arc<dyn Fn() -> String + Send + Sync>;
 pub struct MetricsServer {
     addr: SocketAddr,
     stop: Arc<AtomicBool>,
+    /// The listening socket, to wake the blocking accept with (a shutdown makes it fail).
+    waker: TcpListener,
     slots: Arc<Slots>,
     thread: Option<JoinHandle<()>>,
 }
@@ -98,6 +101,7 @@ impl MetricsServer {
         let bind_err = |source| ListenerError::Bind { addr, source };
         let listener = TcpListener::bind(addr).map_err(bind_err)?;
         let local = listener.local_addr().map_err(bind_err)?;
+        let waker = listener.try_clone().map_err(bind_err)?;
         let stop = Arc::new(AtomicBool::new(false));
         let stop2 = Arc::clone(&stop);
         let slots = Arc::new(Slots::default());
@@ -109,6 +113,7 @@ impl MetricsServer {
         Ok(MetricsServer {
             addr: local,
             stop,
+            waker,
             slots,
             thread: Some(thread),
         })
@@ -128,16 +133,12 @@ impl MetricsServer {
 impl Drop for MetricsServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Release);
-        // Wake the blocking accept with a connection of our own (to loopback if the listener
-        // is on a wildcard address).
-        let mut wake = self.addr;
-        if wake.ip().is_unspecified() {
-            wake.set_ip(match wake {
-                SocketAddr::V4(_) => std::net::Ipv4Addr::LOCALHOST.into(),
-                SocketAddr::V6(_) => std::net::Ipv6Addr::LOCALHOST.into(),
-            });
-        }
-        let _ = TcpStream::connect_timeout(&wake, Duration::from_secs(1));
+        // Wake the blocking accept: shut down, the listening socket fails it. (A connection of
+        // our own did, and never came where a firewall dropped it or the address was gone:
+        // the join waited for ever, and so did the daemon's stop, or a reload moving the
+        // listener.)
+        let _ =
+            nix::sys::socket::shutdown(self.waker.as_raw_fd(), nix::sys::socket::Shutdown::Both);
         if let Some(t) = self.thread.take() {
             let _ = t.join();
         }

@@ -351,3 +351,43 @@ fn a_slow_reader_does_not_stretch_an_answer_past_the_deadline() {
     stop.store(true, Ordering::Relaxed);
     reader.join().unwrap();
 }
+
+/// Dropping the listener returns though no connection can reach it (here: its network's
+/// loopback taken down; a firewall that drops the daemon's own connections, an address
+/// removed, do the same). Before, it woke its accept thread with a connection of its own and
+/// waited for that thread for ever: the daemon's stop hung, and so did a reload that moved
+/// `metrics_listen`. In a network namespace of its own (root only: said and passed otherwise).
+#[test]
+fn dropping_the_listener_returns_when_no_connection_can_reach_it() {
+    let r = std::thread::spawn(|| {
+        // SAFETY: unshare(2) takes no pointers; CLONE_NEWNET moves only this thread (and what
+        // it starts from now on) into a network namespace of its own.
+        if unsafe { libc::unshare(libc::CLONE_NEWNET) } != 0 {
+            eprintln!(
+                "not run: unshare(CLONE_NEWNET): {}",
+                std::io::Error::last_os_error()
+            );
+            return;
+        }
+        let ip = |args: &[&str]| {
+            let s = std::process::Command::new("ip").args(args).status();
+            assert!(s.as_ref().is_ok_and(|s| s.success()), "ip {args:?}: {s:?}");
+        };
+        ip(&["link", "set", "lo", "up"]);
+        let s = server();
+        assert!(get(s.local_addr(), b"GET /metrics HTTP/1.0\r\n\r\n").contains("x_total 1"));
+        ip(&["link", "set", "lo", "down"]);
+        assert!(TcpStream::connect_timeout(&s.local_addr(), Duration::from_secs(2)).is_err());
+        let (done, dropped) = std::sync::mpsc::channel();
+        std::thread::spawn(move || {
+            drop(s);
+            let _ = done.send(());
+        });
+        assert!(
+            dropped.recv_timeout(Duration::from_secs(30)).is_ok(),
+            "the drop waited for its accept thread"
+        );
+    })
+    .join();
+    assert!(r.is_ok());
+}
