@@ -969,3 +969,54 @@ fn newcomers_the_target_has_no_room_for_are_logged_within_the_limits() {
         .count();
     assert!(lines <= 5, "{lines} lines: {log}");
 }
+
+/// A peer that connects and closes as fast as it can keeps the listener's backlog from ever
+/// emptying: SIGTERM still stops the export (it answers what it took in, flushes, exits 0).
+/// Before, the accept loop took connections until none waited and never looked at the stop
+/// descriptor meanwhile: the export heard SIGTERM only once the flood stopped, and under
+/// systemd the stop timed out into SIGKILL, without the final flush.
+#[test]
+fn sigterm_stops_the_export_during_a_connection_flood() {
+    let (_d, _shm, t) = start("flood-term");
+    let mut e = Export::start(&t, 1, "flood-term", &[]);
+    let mut c = Raw::connect(&e.sock);
+    assert_eq!(c.write(0, 0, &[5; 4096]), 0);
+    let stop = Arc::new(AtomicBool::new(false));
+    let made = Arc::new(AtomicUsize::new(0));
+    let flooders: Vec<_> = (0..2)
+        .map(|_| {
+            let (sock, stop, made) = (e.sock.clone(), Arc::clone(&stop), Arc::clone(&made));
+            std::thread::spawn(move || {
+                while !stop.load(Ordering::Relaxed) {
+                    if UnixStream::connect(&sock).is_ok() {
+                        made.fetch_add(1, Ordering::Relaxed);
+                    }
+                }
+            })
+        })
+        .collect();
+    // The flood is on: a thousand connections went through.
+    let deadline = Instant::now() + WAIT;
+    while made.load(Ordering::Relaxed) < 1000 {
+        assert!(Instant::now() < deadline, "no flood");
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    drop(c);
+    // SAFETY: kill has no memory-safety preconditions; the pid is the test's live child's.
+    assert_eq!(unsafe { libc::kill(e.pid(), libc::SIGTERM) }, 0);
+    let deadline = Instant::now() + WAIT;
+    while e.running() && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let exited = !e.running();
+    stop.store(true, Ordering::Relaxed);
+    for f in flooders {
+        f.join().unwrap();
+    }
+    let made = made.load(Ordering::Relaxed);
+    assert!(
+        exited,
+        "still running {WAIT:?} after SIGTERM, the flood on ({made} connections)"
+    );
+    assert_eq!(e.wait().code(), Some(0), "{}", e.log());
+}

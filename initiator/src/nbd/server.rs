@@ -24,6 +24,8 @@ use super::transmission::{Client, Stats};
 use super::{ConnError, NbdError, Result, MAX_PAYLOAD};
 use crate::Connection;
 
+/// Connections taken in per round of the accept loop at most.
+const ACCEPTS_PER_ROUND: usize = 16;
 /// How long accepts pause after one failed (out of file descriptors: until a client leaves).
 const ACCEPT_PAUSE: Duration = Duration::from_millis(100);
 /// How often an idle queue is ticked (keep-alive: well under half the target's period).
@@ -173,8 +175,11 @@ impl Server {
         }
     }
 
+    /// Takes in the connections waiting, [`ACCEPTS_PER_ROUND`] at most: the next round's poll
+    /// looks at the stop descriptor first (a peer connecting and closing as fast as it could
+    /// kept the backlog from emptying, and the export from hearing SIGTERM).
     fn accept(&mut self) {
-        loop {
+        for _ in 0..ACCEPTS_PER_ROUND {
             let (stream, peer) = match self.listener.accept() {
                 Ok(Some(s)) => s,
                 Ok(None) => return,
