@@ -409,12 +409,12 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         remembered.len()
     );
     warn_if_state_shares_a_filesystem(&config);
-    let namespaces = NamespaceTable::open_all_remembering(&config, Some(ledger))?;
+    let namespaces = NamespaceTable::open_all_remembering(&config, Some(Arc::clone(&ledger)))?;
     log::info!("{} namespace(s) mapped", namespaces.len());
     // Before anything is served: a write-back failure the last run's sync took the report of
     // as it died fails its namespace now (crate::fdstore).
     let kept = fdstore.len();
-    let failed = fdstore.check(&namespaces, &notifier);
+    let failed = fdstore.check(&namespaces, &ledger, &notifier);
     if kept > 0 {
         log::info!(
             "{kept} namespace file descriptor(s) kept from the last run checked: {failed} \

@@ -16,7 +16,10 @@
 //! in the unit) and passes it back (`$LISTEN_FDS`). At start-up, before it serves anything,
 //! the daemon syncs each such description: an error it reports is one no sync of this run can
 //! hear, and the namespace fails with it (recorded as any write-back failure). A description
-//! of a file no longer served is taken out of the store.
+//! of a file no longer served is taken out of the store. An error reported for a file this
+//! start does not serve (its namespace taken out of the configuration meanwhile) marks the file
+//! failed and is remembered by its device and inode, so that a reload or a restart that serves
+//! it again opens it failed (it was dropped, and the file served healthy once added back).
 //!
 //! Outside systemd (no `$NOTIFY_SOCKET`) nothing is stored, and such a loss is not caught.
 //! An operator's `clear-failure` syncs the file's description, so that the failure it cleared
@@ -27,6 +30,7 @@ use std::os::fd::{AsFd, AsRawFd, OwnedFd};
 
 use rpma_common::pmem::{Domain, Persist, SyncFailure};
 
+use crate::failures::FailureLedger;
 use crate::namespace::NamespaceTable;
 use crate::notify::Notifier;
 
@@ -82,11 +86,16 @@ impl FdStore {
         self.held.is_empty()
     }
 
-    /// Before serving (start-up): syncs each stored description of a file `table` serves, and
-    /// fails the namespaces of a file whose sync reports an error (one that no sync of this
-    /// run can hear: see the module docs); then [`keep`](Self::keep). Returns how many
-    /// namespaces it failed.
-    pub fn check(&mut self, table: &NamespaceTable, notifier: &Notifier) -> usize {
+    /// Before serving (start-up): syncs each stored description, and fails the namespaces of a
+    /// file whose sync reports an error (one that no sync of this run can hear: see the module
+    /// docs); a file `table` does not serve is marked failed and remembered in `ledger`
+    /// instead. Then [`keep`](Self::keep). Returns how many namespaces it failed.
+    pub fn check(
+        &mut self,
+        table: &NamespaceTable,
+        ledger: &FailureLedger,
+        notifier: &Notifier,
+    ) -> usize {
         let mut failed = 0;
         for (id, fd) in &self.held {
             let Err(e) = nix::unistd::fdatasync(fd.as_raw_fd()) else {
@@ -94,6 +103,10 @@ impl FdStore {
             };
             let e = std::io::Error::from(e);
             let f = SyncFailure::new("fdatasync", &e);
+            if !table.iter().any(|(_, ns)| ns.file_id() == Some(*id)) {
+                unserved_failure(fd, *id, f, ledger);
+                continue;
+            }
             for (key, ns) in table.iter().filter(|(_, ns)| ns.file_id() == Some(*id)) {
                 if ns.mapping.record_failure(f) {
                     failed += 1;
@@ -181,4 +194,31 @@ impl FdStore {
             let _ = nix::unistd::fdatasync(fd.as_raw_fd());
         }
     }
+}
+
+/// A stored description's sync reported an error for a file no namespace of this start serves
+/// (taken out of the configuration after the run that wrote it): the file is marked failed
+/// ([`crate::namespace::mark`]) and remembered by its device and inode, so that a reload or a
+/// restart that serves it again opens it failed, as any failed file.
+fn unserved_failure(fd: &OwnedFd, id: FileId, f: SyncFailure, ledger: &FailureLedger) {
+    let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
+        .unwrap_or_else(|_| format!("(device {} inode {})", id.0, id.1).into());
+    let marked = match crate::namespace::mark::set(fd.as_fd(), &f) {
+        Ok(true) => "marked failed on the file itself".to_owned(),
+        Ok(false) => "not marked (the file takes no mark)".to_owned(),
+        Err(e) => format!("not marked ({e})"),
+    };
+    let remembered = match ledger.record_file("", 0, &path, Some(id), &f) {
+        Ok(_) => "remembered in the state file".to_owned(),
+        Err(e) => format!("not remembered ({})", rpma_common::error_chain(&e)),
+    };
+    log::error!(
+        "{} (device {} inode {}), which this configuration does not serve, FAILED a write-back \
+         ({f}) that the daemon's previous run ended before it recorded: {marked}, {remembered}; \
+         a namespace on it opens failed until an operator clears it (writes not acknowledged as \
+         durable before may be lost)",
+        path.display(),
+        id.0,
+        id.1
+    );
 }

@@ -15,7 +15,7 @@
 //! clears them together, is in table.rs, over it.
 
 mod claim;
-mod mark;
+pub(crate) mod mark;
 mod methods;
 mod notes;
 mod table;

@@ -729,3 +729,70 @@ fn a_writeback_error_a_killed_daemons_sync_took_is_heard_at_the_next_start() {
     );
     assert_eq!(c, Some(0), "{all}");
 }
+
+/// The same report heard at a start whose configuration no longer serves the file (its
+/// namespace taken out meanwhile): the file is marked failed and remembered, and a reload that
+/// serves it again opens it failed. (The report was dropped, and the file added back was served
+/// healthy: a retried flush of its lost pages would have been answered durable.)
+#[test]
+fn a_writeback_error_heard_for_a_file_this_start_does_not_serve_fails_it_when_served_again() {
+    let d = rpma_tests::scratch();
+    let Some(fs) = FragileFs::or_skip(d.path()) else {
+        return;
+    };
+    let m = fs.mnt.display();
+    let t_dir = d.path().join("target");
+    std::fs::create_dir(&t_dir).unwrap();
+    let ns1 = format!("[[subsystem.namespace]]\nnsid = 1\npath = \"{m}/ns1\"\nsize = \"8MiB\"\n");
+    let config = |with_ns1: bool| {
+        format!(
+            "[[subsystem]]\nnqn = \"{SUB}\"\nhosts = [{{ nqn = \"{HOST}\" }}]\n{}\
+             [[subsystem.namespace]]\nnsid = 2\npath = \"{}/ns2\"\nsize = \"8MiB\"\n",
+            if with_ns1 { ns1.as_str() } else { "" },
+            t_dir.display()
+        )
+    };
+    let mut t = Target::start(&t_dir, &config(true));
+    assert_eq!(t.fd_store().names().len(), 2);
+    {
+        let mut q = Connection::new(
+            &t.url(),
+            Nqn::new(SUB).unwrap(),
+            HostIdentity::new(Nqn::new(HOST).unwrap()),
+        )
+        .open_queue(0)
+        .unwrap();
+        let mut ns = q.namespace(1).unwrap();
+        ns.write_at(0, &[0x5a; 1 << 20]).unwrap();
+        ns.place_writes().unwrap();
+    }
+    fs.fill();
+    t.kill9();
+    let synced = std::fs::File::open(fs.mnt.join("ns1")).unwrap().sync_data();
+    assert!(synced.is_err(), "the write-back fails: {synced:?}");
+    fs.free();
+    // Started without nsid 1: its file's description still comes back from the store.
+    t.rewrite(&config(false));
+    t.start_again();
+    let lines = t.log_lines(
+        &["ns1", "which this configuration does not serve, FAILED"],
+        std::time::Duration::from_secs(10),
+    );
+    assert_eq!(lines.len(), 1, "{}", t.log());
+    // Served again: failed, saying by what.
+    t.rewrite(&config(true));
+    t.reload();
+    let failed = failed_of(&t, 1);
+    assert!(
+        failed.as_str().is_some_and(|f| f.contains("fdatasync")),
+        "{}",
+        ns_status(&t, 1)
+    );
+    let (c, all) = cli(
+        &t,
+        HOST,
+        "--nsid 1 --persist gpspm flush --offset 0 --length 1M",
+    );
+    assert_eq!(c, Some(1), "{all}");
+    assert!(failed_of(&t, 2).is_null(), "{}", ns_status(&t, 2));
+}
