@@ -233,6 +233,12 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                 "read-write"
             };
             let head = format!("  nsid {}: {}", ns.nsid, ns.path.display());
+            // Its failure, if remembered: by its path, or as the same file under another (moved
+            // and the configuration edited), as the daemon finds it.
+            let (key, file_id) = (
+                crate::failures::key_of(&ns.path),
+                crate::failures::file_id_of(&ns.path),
+            );
             // Plan only: checking creates, grows, allocates and maps nothing.
             match OpenNamespace::options(ns).plan() {
                 Ok(plan) => {
@@ -279,9 +285,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                     requested,
                     ..
                 }) if ns.power_loss_simulation.is_none()
-                    && (remembered
-                        .iter()
-                        .any(|f| f.path == crate::failures::key_of(&ns.path))
+                    && (remembered.iter().any(|f| f.is_of(&key, file_id))
                         || crate::namespace::marked_failed(&ns.path)) =>
                 {
                     writeln!(
@@ -296,8 +300,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
                     problems += 1;
                 }
             }
-            let key = crate::failures::key_of(&ns.path);
-            if let Some(f) = remembered.iter().find(|f| f.path == key) {
+            if let Some(f) = remembered.iter().find(|f| f.is_of(&key, file_id)) {
                 // Not a problem of the configuration: the daemon starts and serves it failed.
                 writeln!(
                     out,

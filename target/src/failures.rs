@@ -173,8 +173,9 @@ mod path_text {
 }
 
 impl Failed {
-    /// Whether this is the failure of the file at `path` (canonical `key`, file `id`).
-    fn is_of(&self, key: &Path, id: Option<(u64, u64)>) -> bool {
+    /// Whether this is the failure of the file at `path` (canonical `key`, file `id`): the
+    /// same path, or the same file under another path.
+    pub fn is_of(&self, key: &Path, id: Option<(u64, u64)>) -> bool {
         self.path == key || (self.file.is_some() && self.file == id)
     }
 }

@@ -251,6 +251,43 @@ fn a_restart_with_a_file_still_cut_short_serves_the_other_namespaces() {
     }
 }
 
+/// The same file moved, the configuration edited to its new path, on a filesystem that keeps no
+/// mark on it (here: its mark taken off): the daemon finds its failure in the state file by its
+/// device and inode, and the unit's ExecStartPre (check-config) lets it start too. (check-config
+/// matched the state file by path only: "would refuse", and the daemon did not start at all.)
+#[test]
+fn check_config_finds_a_moved_failed_file_by_its_device_and_inode() {
+    let (d, mut t) = a_read_of_a_cut_off_page_fails_the_namespace_not_the_daemon("");
+    t.kill9();
+    let (old, moved) = (d.path().join("ns1"), d.path().join("ns1.moved"));
+    std::fs::rename(&old, &moved).unwrap();
+    let p = std::ffi::CString::new(moved.as_os_str().as_encoded_bytes()).unwrap();
+    // SAFETY: both strings are NUL-terminated and live.
+    let r = unsafe { libc::removexattr(p.as_ptr(), c"user.rpma.failed".as_ptr()) };
+    assert_eq!(r, 0, "removexattr: {}", std::io::Error::last_os_error());
+    assert!(mark_of(&moved).is_none());
+    let edited = std::fs::read_to_string(t.dir().join("target.toml"))
+        .unwrap()
+        .replace(
+            &format!("{}\"", old.display()),
+            &format!("{}\"", moved.display()),
+        );
+    assert!(edited.contains("ns1.moved"), "{edited}");
+    std::fs::write(t.dir().join("target.toml"), &edited).unwrap();
+    let o = rpma_tests::check_config(&t.dir().join("target.toml"));
+    assert!(o.status.success(), "{}", text(&o));
+    assert!(text(&o).contains("opens FAILED as it is"), "{}", text(&o));
+    assert!(text(&o).contains("FAILED since"), "{}", text(&o));
+    t.start_again();
+    assert!(
+        failed_of(&t, 1)
+            .as_str()
+            .is_some_and(|s| s.contains("load/store")),
+        "{}",
+        failed_of(&t, 1)
+    );
+}
+
 /// A Write placed past the end of a file cut short (page-cache places a range's first Write
 /// after a sync with `pwrite`) grows it back, with zeros between, and no page ever faults:
 /// that durable write must not be answered durable, and the zeros must not be served. (The
