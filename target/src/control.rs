@@ -238,14 +238,16 @@ pub fn clear_failure(path: &Path, subsystem: &str, nsid: u32) -> Result<String> 
 }
 
 /// Asks for a reload and waits until it is done (the daemon says READY; a reload that removes
-/// or replaces namespace files once every poll loop applied it): whether it succeeded, and
-/// its summary or why it failed (the running configuration is kept then).
+/// or replaces namespace files once every poll loop applied it, or it stopped waiting for
+/// them): whether it succeeded, its summary or why it failed (the running configuration is
+/// kept then), and how many poll loops had not applied it yet (their sessions still reach the
+/// files it removed or replaced).
 ///
 /// # Errors
 /// [`ControlError::Connect`] (no answer within 285 s included),
 /// [`ControlError::Refused`] (not root or the daemon's user, the daemon stopping),
 /// [`ControlError::BadAnswer`].
-pub fn reload(path: &Path) -> Result<(bool, String)> {
+pub fn reload(path: &Path) -> Result<(bool, String, u64)> {
     let raw = request_within(path, "reload", LONG_REQUEST_WAIT)?;
     let v: serde_json::Value = serde_json::from_str(&raw).map_err(ControlError::BadAnswer)?;
     if let Some(e) = v.get("error").and_then(|e| e.as_str()) {
@@ -254,6 +256,7 @@ pub fn reload(path: &Path) -> Result<(bool, String)> {
     Ok((
         v["reloaded"].as_bool().unwrap_or(false),
         v["message"].as_str().unwrap_or_default().to_owned(),
+        v["loops_not_applied"].as_u64().unwrap_or(0),
     ))
 }
 

@@ -124,6 +124,9 @@ struct State {
     reload_attempts: u64,
     /// Whether the last reload succeeded ([`last_reload`](Self::last_reload) says what).
     last_reload_ok: bool,
+    /// Poll loops that had not applied the last reload when it stopped waiting for them: their
+    /// sessions still reach the namespace files it removed or replaced.
+    last_reload_lagging: usize,
     serve: Box<dyn Serve>,
     metrics: Option<MetricsServer>,
     metrics_status: Option<MetricsListenerStatus>,
@@ -435,6 +438,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             reload_started: 0,
             reload_attempts: 0,
             last_reload_ok: false,
+            last_reload_lagging: 0,
             serve,
             metrics: None,
             metrics_status: None,

@@ -968,6 +968,46 @@ fn rpma_target_reload_waits_for_the_reload_and_reports_its_outcome() {
     );
 }
 
+/// A reload whose removal a poll loop has not applied when the daemon stops waiting for it (a
+/// loop held up longer than the wait: a long sync of its own) is not reported done:
+/// `rpma-target reload` exits 1 saying how many loops had not applied it and not to reuse the
+/// files yet, and `status` says so too. (It exited 0, "reloaded", while that loop's sessions
+/// still reached the removed file: a file reused at once would have taken their writes.)
+#[test]
+fn a_reload_a_loop_has_not_applied_when_the_wait_ends_is_not_reported_done() {
+    let d = scratch();
+    let t = start_with_env(
+        d.path(),
+        HELD_UP_TOP,
+        &[
+            ("RPMA_TARGET_TEST_STALL_ON_RELOAD_MS", "4000"),
+            ("RPMA_TARGET_TEST_RELOAD_APPLY_WAIT_MS", "200"),
+        ],
+    );
+    let without_3 = rpma_tests::without_namespace(&demo_config(HELD_UP_TOP, ""), 3);
+    t.rewrite(&without_3);
+    let o = std::process::Command::new(rpma_tests::target_bin())
+        .args(["reload", "--socket"])
+        .arg(d.path().join("ctl.sock"))
+        .output()
+        .unwrap();
+    let said = rpma_tests::text(&o);
+    assert_eq!(o.status.code(), Some(1), "{said}");
+    assert!(
+        said.contains("namespaces removed")
+            && said.contains("poll loop(s) had not applied it")
+            && said.contains("do not reuse those files yet"),
+        "{said}"
+    );
+    let st = t.status();
+    assert!(
+        st["last_reload"]
+            .as_str()
+            .is_some_and(|s| s.contains("had not applied it")),
+        "{st}"
+    );
+}
+
 /// `reload` and `clear-failure` change the daemon's state: a member of the control socket's
 /// group who is neither root nor the daemon's user may read `status` but is refused them,
 /// with who may (SO_PEERCRED), and nothing is reloaded.

@@ -17,9 +17,6 @@ use crate::reload::{self, ConfigDiff};
 /// `TimeoutStartSec=`, which bounds its ExecReload.
 const RELOAD_REQUEST_WAIT: Duration = Duration::from_secs(270);
 
-/// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
-/// before it says READY (a loop applies it at the top of its next pass: at once, unless a sync
-/// of its own holds it). [`TEST_RELOAD_APPLY_WAIT_ENV`] sets another (tests).
 /// [`TEST_HOLD_STATE_ENV`]: sleeps that long (tests; nothing in production).
 fn test_hold_state() {
     if let Some(ms) = std::env::var(TEST_HOLD_STATE_ENV)
@@ -30,11 +27,16 @@ fn test_hold_state() {
     }
 }
 
+/// How long a reload that removes or replaces namespaces waits for every poll loop to apply it
+/// before it says READY (a loop applies it at the top of its next pass: at once, unless a sync
+/// of its own holds it; the watchdog's pings go on meanwhile). Past it the reload says how many
+/// had not, and `rpma-target reload` exits 1. [`TEST_RELOAD_APPLY_WAIT_ENV`] sets another
+/// (tests).
 fn reload_apply_wait() -> Duration {
     std::env::var(TEST_RELOAD_APPLY_WAIT_ENV)
         .ok()
         .and_then(|v| v.parse().ok())
-        .map_or(Duration::from_secs(5), Duration::from_millis)
+        .map_or(Duration::from_secs(30), Duration::from_millis)
 }
 
 impl Shared {
@@ -103,7 +105,12 @@ impl Shared {
                 if st.reload_attempts >= wanted {
                     let said = st.last_reload.clone().unwrap_or_default();
                     let ok = st.last_reload_ok;
-                    return Ok(serde_json::json!({ "reloaded": ok, "message": said }).to_string());
+                    return Ok(serde_json::json!({
+                        "reloaded": ok,
+                        "message": said,
+                        "loops_not_applied": st.last_reload_lagging,
+                    })
+                    .to_string());
                 }
             }
             if self.stopping.load(std::sync::atomic::Ordering::SeqCst) {
@@ -189,25 +196,38 @@ impl Shared {
             st.metrics = current;
             st.metrics_status = status;
         }
+        let mut lagging = 0;
         if let Some(ack) = pending {
             let within = reload_apply_wait();
-            let left = ack.wait(within);
-            if left > 0 {
+            lagging = ack.wait(within);
+            if lagging > 0 {
                 log::warn!(
-                    "reload: {left} poll loop(s) did not apply it within {} s (busy with a long \
-                 sync?): their sessions reach the removed or replaced namespace files until \
-                 they do",
+                    "reload: {lagging} poll loop(s) did not apply it within {} s (busy with a \
+                 long sync?): their sessions reach the removed or replaced namespace files \
+                 until they do",
                     within.as_secs()
                 );
             }
         }
         let mut st = self.lock();
         st.reload_attempts += 1;
+        st.last_reload_lagging = 0;
         match outcome {
-            Ok(summary) => {
+            Ok(mut summary) => {
                 log::info!("reloaded {}: {summary}", self.config_path.display());
                 // Counted once done (the loops applied it): what an operator waits for.
                 st.reloads += 1;
+                if lagging > 0 {
+                    // Said to whoever asked for it (`rpma-target reload` exits 1): the files
+                    // it removed or replaced must not be reused yet.
+                    summary.push_str(&format!(
+                        "; but {lagging} poll loop(s) had not applied it after {} s: until they \
+                         do, their sessions still reach the removed or replaced namespace files \
+                         (do not reuse those files yet)",
+                        reload_apply_wait().as_secs()
+                    ));
+                    st.last_reload_lagging = lagging;
+                }
                 st.last_reload = Some(summary);
                 st.last_reload_ok = true;
             }
