@@ -118,6 +118,11 @@ impl Client<'_> {
         let shared = self.shared;
         let (off, len, handle) = (req.offset, req.len as usize, req.handle);
         let mut g = shared.lock(other);
+        // What this connection's own queue answered is credited to it, not to `other`'s cell
+        // below (its started requests completed before it let its queue go).
+        if self.pipe.take_written() > 0 {
+            self.cell.mark_dirty();
+        }
         if g.is_none() {
             // Its queue went since it was named: given up (what it held is reported lost) or
             // closed as a clean spare, and perhaps taken off the export's list, which a FLUSH
