@@ -136,12 +136,18 @@ impl<'n> Pinger<'n> {
             if let Err(e) = &pinger {
                 log::warn!("cannot start the watchdog's thread for the reload ({e})");
             }
-            let r = f();
-            done.store(true, Ordering::Release);
-            if let Ok(t) = &pinger {
-                t.thread().unpark();
+            // Ends the pinging thread when `f` returns, or unwinds (the scope waits for it).
+            struct Done<'d>(&'d AtomicBool, Option<std::thread::Thread>);
+            impl Drop for Done<'_> {
+                fn drop(&mut self) {
+                    self.0.store(true, Ordering::Release);
+                    if let Some(t) = &self.1 {
+                        t.unpark();
+                    }
+                }
             }
-            r
+            let _done = Done(&done, pinger.as_ref().ok().map(|t| t.thread().clone()));
+            f()
         })
     }
 }
