@@ -337,6 +337,9 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     for w in crate::subsystem::listing_warnings(&cfg, max, max_bytes) {
         writeln!(out, "warning: {w}")?;
     }
+    if let Some(w) = crate::failures::capacity_warning(&cfg) {
+        writeln!(out, "warning: {w}")?;
+    }
     if cfg.subsystems.is_empty() {
         // Valid (a reload can add subsystems), but seldom what was meant: an empty file, or the
         // wrong one.

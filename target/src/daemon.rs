@@ -412,6 +412,9 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         remembered.len()
     );
     warn_if_state_shares_a_filesystem(&config);
+    if let Some(w) = crate::failures::capacity_warning(&config) {
+        log::warn!("{w}");
+    }
     let namespaces = NamespaceTable::open_all_remembering(&config, Some(Arc::clone(&ledger)))?;
     log::info!("{} namespace(s) mapped", namespaces.len());
     // Before anything is served: a write-back failure the last run's sync took the report of

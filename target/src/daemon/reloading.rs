@@ -138,6 +138,9 @@ impl Shared {
             .and_then(|new| {
                 let mut st = self.lock();
                 test_hold_state();
+                if let Some(w) = crate::failures::capacity_warning(&new) {
+                    log::warn!("reload: {w}");
+                }
                 let mut d = reload::diff(&st.config, &new);
                 for ((sub, nsid), f) in st.namespaces.reopen_failed(&mut d) {
                     log::warn!(

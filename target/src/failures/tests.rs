@@ -276,3 +276,42 @@ fn utc_dates() {
     assert_eq!(utc(1_764_588_000), "2025-12-01 11:20:00 UTC");
     assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
 }
+
+/// [`listable`] is what a copy holds: that many failures (of the longest text) are written, one
+/// more of the same shape is refused once the list passes a slot, and a clear is refused then.
+#[test]
+fn listable_is_what_one_copy_of_the_state_file_holds() {
+    let d = tempfile::tempdir().unwrap();
+    let l = FailureLedger::open(&d.path().join("state")).unwrap();
+    let sub = "nqn.2026-11.io.rpma:a-subsystem-of-the-fleet";
+    let paths: Vec<PathBuf> = (0..400)
+        .map(|i| d.path().join(format!("namespace-{i:04}.pmem")))
+        .collect();
+    for p in &paths {
+        std::fs::write(p, b"x").unwrap();
+    }
+    let n = listable(
+        paths
+            .iter()
+            .enumerate()
+            .map(|(i, p)| (sub, i as u32 + 1, p.as_path())),
+    );
+    assert!(n > 100 && n < 400, "{n}");
+    let f = SyncFailure::new(
+        "fdatasync",
+        &std::io::Error::from_raw_os_error(libc::ESHUTDOWN),
+    );
+    for (i, p) in paths.iter().take(n).enumerate() {
+        l.record(sub, i as u32 + 1, p, &f)
+            .unwrap_or_else(|e| panic!("failure {} of {n}: {e}", i + 1));
+    }
+    let refused = paths
+        .iter()
+        .enumerate()
+        .skip(n)
+        .find_map(|(i, p)| l.record(sub, i as u32 + 1, p, &f).err());
+    assert!(
+        matches!(refused, Some(LedgerError::TooLarge { .. })),
+        "{refused:?}"
+    );
+}
