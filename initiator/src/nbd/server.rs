@@ -456,9 +456,13 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
         src,
         format_args!("nbd: client {id} ({}) entered transmission", peer.name),
     );
-    // The losses some client was told of so far: a FLUSH of this connection answers EIO for
-    // any later one (its writes may be among what went).
-    let losses_seen = shared.losses_reported.load(Ordering::SeqCst);
+    // The losses some client was told of so far, and all so far: a FLUSH of this connection
+    // answers EIO for any later one (its writes may be among what went), and for an earlier
+    // one no client was told of yet.
+    let losses = (
+        shared.losses_reported.load(Ordering::SeqCst),
+        shared.losses.load(Ordering::SeqCst),
+    );
     // No queue until the first request: a connection that sends nothing costs the target no
     // session and the export no replay memory.
     let idle = shared.opts.limits.idle_timeout;
@@ -470,7 +474,7 @@ fn serve_client(shared: &Shared, mut stream: Stream, id: u64, peer: &Peer, slot:
             let Some(cell) = shared.take(slot, src) else {
                 return;
             };
-            let mut c = Client::new(shared, &cell, stream, strict, (slot, src), losses_seen);
+            let mut c = Client::new(shared, &cell, stream, strict, (slot, src), losses);
             let r = c.run();
             let s = c.stats();
             drop(c);

@@ -438,7 +438,7 @@ impl Shared {
         };
         let r = q.namespace(self.opts.nsid).and_then(|mut ns| f(&mut ns));
         if let Err(e) = &r {
-            self.check_lost(g, e);
+            self.check_lost(cell, g, e);
         }
         r
     }
@@ -523,14 +523,28 @@ impl Shared {
             || g.as_ref().is_some_and(Queue::is_broken)
     }
 
-    /// After an error of a locked cell's queue: drops a queue that gave up, counting the loss;
-    /// the next request opens a new one.
-    pub(crate) fn check_lost(&self, g: &mut Held<'_>, e: &Error) {
+    /// After an error of a locked cell's queue: drops a queue that gave up, counting the loss
+    /// if it held writes acknowledged and not made durable yet (`cell` dirty), or found the
+    /// namespace changed; the next request opens a new one. (A clean queue that gave up, an idle
+    /// export's while its target restarted for longer than the reconnect budget, counted a loss
+    /// too: every connection's next FLUSH answered EIO over nothing lost, and ext4's journal or
+    /// md above it took that for a failed disk.)
+    pub(crate) fn check_lost(&self, cell: &Cell, g: &mut Held<'_>, e: &Error) {
         if !Self::gave_up(g, e) {
             return;
         }
-        if matches!(e, Error::NamespaceChanged { .. }) {
+        let changed = matches!(e, Error::NamespaceChanged { .. });
+        if changed {
             self.change_counted.store(true, Ordering::SeqCst);
+        }
+        **g = None;
+        if !changed && !cell.is_dirty() {
+            warn!(
+                "nbd: the queue to the target failed ({}); it held no write that was not durable \
+                 yet: nothing is lost, the next request opens a new one",
+                rpma_common::error_chain(e)
+            );
+            return;
         }
         error!(
             "nbd: the queue to the target failed ({}); writes acknowledged but not yet durable \
@@ -538,7 +552,6 @@ impl Shared {
             rpma_common::error_chain(e)
         );
         self.losses.fetch_add(1, Ordering::SeqCst);
-        **g = None;
     }
 
     /// The most data requests a queue ever had in flight at once.
@@ -570,7 +583,7 @@ impl Shared {
             if let Some(q) = g.as_mut() {
                 if let Err(e) = q.tick() {
                     if Self::gave_up(&g, &e) {
-                        self.check_lost(&mut g, &e);
+                        self.check_lost(&cell, &mut g, &e);
                     } else {
                         warn!("nbd: keep-alive with the target failed: {e}");
                     }

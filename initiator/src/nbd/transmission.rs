@@ -93,6 +93,10 @@ pub(crate) struct Client<'a> {
     /// [`Shared::losses`] as of this client's last FLUSH, or [`Shared::losses_reported`] as of
     /// the connection's start of transmission.
     losses_seen: u64,
+    /// [`Shared::losses`] as of the connection's start of transmission: the losses before it
+    /// are owed to its FLUSH only while no client has been told of them (it had no write on
+    /// the queues they took).
+    losses_at_entry: u64,
     /// READs and WRITEs held back until another connection's writes of their bytes are
     /// placed, in the order they came ([`park`]).
     parked: Vec<Parked>,
@@ -112,16 +116,16 @@ pub(crate) struct Client<'a> {
 impl<'a> Client<'a> {
     /// `strict`: the client was told the block sizes, so misaligned requests fail. `slot` is
     /// the client's place in the export, idle (its handshake is over); `cell` its queue.
-    /// `losses_seen`: [`Shared::losses_reported`] when the connection entered transmission
-    /// (not at its first request: a loss meanwhile, that another client was told of, is one
-    /// this connection's writes may have shared in, as `CAN_MULTI_CONN` has it).
+    /// `losses`: [`Shared::losses_reported`] and [`Shared::losses`] when the connection entered
+    /// transmission (not at its first request: a loss meanwhile, that another client was told
+    /// of, is one this connection's writes may have shared in, as `CAN_MULTI_CONN` has it).
     pub(crate) fn new(
         shared: &'a Shared,
         cell: &'a Cell,
         stream: Stream,
         strict: bool,
         (slot, source): (&'a Slot, Source),
-        losses_seen: u64,
+        (losses_seen, losses_at_entry): (u64, u64),
     ) -> Client<'a> {
         Client {
             slot,
@@ -148,6 +152,7 @@ impl<'a> Client<'a> {
             pipe: Pipeline::new(shared.in_place),
             stats: Stats::default(),
             losses_seen,
+            losses_at_entry,
             parked: Vec::new(),
             after_write: false,
             flushes_writes: false,

@@ -65,11 +65,14 @@ impl Client<'_> {
             return 0;
         }
         let e = self.durable(self.shared.flush_all(self.source), 1, "FLUSH");
-        // A queue given up since this client's last FLUSH (or, for its first, one that no
-        // FLUSH reported yet) may have lost writes answered on some connection: this FLUSH
-        // cannot vouch for them.
+        // A queue given up since this client's last FLUSH (or, for its first, since it entered
+        // transmission, or before that while no client was told of it) may have lost writes
+        // answered on some connection: this FLUSH cannot vouch for them. (Several connections
+        // of one client entering after an untold loss: the first FLUSH reports it, once.)
         let losses = self.shared.losses.load(Ordering::SeqCst);
-        if losses != self.losses_seen {
+        let told = self.shared.losses_reported.load(Ordering::SeqCst);
+        let seen = self.losses_seen.max(self.losses_at_entry.min(told));
+        if losses != seen {
             self.losses_seen = losses;
             self.shared
                 .losses_reported
