@@ -124,14 +124,35 @@ struct State {
     reload_attempts: u64,
     /// Whether the last reload succeeded ([`last_reload`](Self::last_reload) says what).
     last_reload_ok: bool,
-    /// Poll loops that had not applied the last reload when it stopped waiting for them: their
-    /// sessions still reach the namespace files it removed or replaced.
-    last_reload_lagging: usize,
+    /// The last reload's acknowledgement, when poll loops had not applied it as it stopped
+    /// waiting for them: while they have not, their sessions still reach the namespace files it
+    /// removed or replaced ([`State::last_reload_said`]).
+    last_reload_lagging: Option<Arc<crate::seam::ReloadAck>>,
     serve: Box<dyn Serve>,
     metrics: Option<MetricsServer>,
     metrics_status: Option<MetricsListenerStatus>,
     /// The page-cache namespace files' descriptors kept with the service manager.
     fdstore: FdStore,
+}
+
+impl State {
+    /// What the last reload did (`last_reload`), with, while poll loops have not applied it yet,
+    /// how many and what that means; and how many.
+    fn last_reload_said(&self) -> (Option<String>, usize) {
+        let lagging = self
+            .last_reload_lagging
+            .as_ref()
+            .map_or(0, |ack| ack.wait(Duration::ZERO));
+        let said = self.last_reload.as_ref().map(|s| match lagging {
+            0 => s.clone(),
+            n => format!(
+                "{s}; but {n} poll loop(s) have not applied it yet: until they do, their \
+                 sessions still reach the removed or replaced namespace files (do not reuse \
+                 those files yet)"
+            ),
+        });
+        (said, lagging)
+    }
 }
 
 struct Shared {
@@ -214,7 +235,7 @@ fn status(shared: &Shared) -> Status {
         uptime_s: shared.started.elapsed().as_secs(),
         config: shared.config_path.clone(),
         reloads: st.reloads,
-        last_reload: st.last_reload.clone(),
+        last_reload: st.last_reload_said().0,
         listeners: {
             let down = st.serve.listeners_down();
             st.listeners
@@ -441,7 +462,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             reload_started: 0,
             reload_attempts: 0,
             last_reload_ok: false,
-            last_reload_lagging: 0,
+            last_reload_lagging: None,
             serve,
             metrics: None,
             metrics_status: None,

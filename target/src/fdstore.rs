@@ -203,6 +203,16 @@ impl FdStore {
 fn unserved_failure(fd: &OwnedFd, id: FileId, f: SyncFailure, ledger: &FailureLedger) {
     let path = std::fs::read_link(format!("/proc/self/fd/{}", fd.as_raw_fd()))
         .unwrap_or_else(|_| format!("(device {} inode {})", id.0, id.1).into());
+    if nix::sys::stat::fstat(fd.as_raw_fd()).is_ok_and(|st| st.st_nlink == 0) {
+        // Deleted: nothing can serve it again, and a record by its inode would fail the next
+        // file given that inode number.
+        log::warn!(
+            "{}, deleted and not in this configuration, failed a write-back ({f}) that the \
+             daemon's previous run ended before it recorded: nothing serves it any more",
+            path.display()
+        );
+        return;
+    }
     let marked = match crate::namespace::mark::set(fd.as_fd(), &f) {
         Ok(true) => "marked failed on the file itself".to_owned(),
         Ok(false) => "not marked (the file takes no mark)".to_owned(),

@@ -62,8 +62,8 @@ enum Command {
     /// Reload a running daemon's configuration (as SIGHUP does) and wait until the reload is
     /// done: exit 0 with what changed, or 1 with why it failed (the running configuration is
     /// kept), or 1 when it is applied but poll loops busy with a long sync had not applied it
-    /// after 30 s (their sessions still reach the files it removed or replaced: do not reuse
-    /// them yet). The unit's ExecReload, so that `systemctl reload` reports the outcome. Root
+    /// after 5 s (their sessions still reach the files it removed or replaced: do not reuse
+    /// them until `status` no longer says so). The unit's ExecReload, so that `systemctl reload` reports the outcome. Root
     /// or the daemon's user.
     Reload(ReloadArgs),
 }
@@ -145,7 +145,7 @@ fn reload(args: ReloadArgs) -> anyhow::Result<()> {
         lagging == 0,
         "the reload is applied, but {lagging} poll loop(s) had not applied it when the daemon \
          stopped waiting: their sessions still reach the namespace files it removed or replaced \
-         (the daemon's log says more)"
+         until they do (`rpma-target status` says so until then)"
     );
     Ok(())
 }

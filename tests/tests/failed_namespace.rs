@@ -736,6 +736,15 @@ fn a_writeback_error_a_killed_daemons_sync_took_is_heard_at_the_next_start() {
 /// healthy: a retried flush of its lost pages would have been answered durable.)
 #[test]
 fn a_writeback_error_heard_for_a_file_this_start_does_not_serve_fails_it_when_served_again() {
+    for deleted in [false, true] {
+        heard_for_a_file_this_start_does_not_serve(deleted);
+    }
+}
+
+/// [`a_writeback_error_heard_for_a_file_this_start_does_not_serve_fails_it_when_served_again`],
+/// the file kept, or `deleted` before the start: then nothing is remembered of it (a record by
+/// its inode would fail the next file given that inode number).
+fn heard_for_a_file_this_start_does_not_serve(deleted: bool) {
     let d = rpma_tests::scratch();
     let Some(fs) = FragileFs::or_skip(d.path()) else {
         return;
@@ -771,14 +780,34 @@ fn a_writeback_error_heard_for_a_file_this_start_does_not_serve_fails_it_when_se
     let synced = std::fs::File::open(fs.mnt.join("ns1")).unwrap().sync_data();
     assert!(synced.is_err(), "the write-back fails: {synced:?}");
     fs.free();
+    if deleted {
+        std::fs::remove_file(fs.mnt.join("ns1")).unwrap();
+    }
     // Started without nsid 1: its file's description still comes back from the store.
     t.rewrite(&config(false));
     t.start_again();
-    let lines = t.log_lines(
-        &["ns1", "which this configuration does not serve, FAILED"],
-        std::time::Duration::from_secs(10),
-    );
+    let said = if deleted {
+        "deleted and not in this configuration, failed a write-back"
+    } else {
+        "which this configuration does not serve, FAILED"
+    };
+    let lines = t.log_lines(&["ns1", said], std::time::Duration::from_secs(10));
     assert_eq!(lines.len(), 1, "{}", t.log());
+    if deleted {
+        // Nothing remembered: the next start finds no failure in the state file.
+        t.kill9();
+        t.start_again();
+        let log = t.log();
+        let starts: Vec<&str> = log
+            .lines()
+            .filter(|l| l.contains("failed namespace(s) remembered"))
+            .collect();
+        assert!(
+            starts.len() == 3 && starts.iter().all(|l| l.contains(": 0 failed")),
+            "{log}"
+        );
+        return;
+    }
     // Served again: failed, saying by what.
     t.rewrite(&config(true));
     t.reload();
