@@ -490,7 +490,7 @@ fn fsync_on_a_volatile_namespace_is_eio_unless_visible_ok() {
         if visible_ok {
             args.push("--visible-ok".into());
         }
-        let m = Mounted::start(&args, &root.join("mnt"), &[]);
+        let mut m = Mounted::start(&args, &root.join("mnt"), &[]);
         let f = std::fs::OpenOptions::new()
             .write(true)
             .open(&m.file)
@@ -501,8 +501,18 @@ fn fsync_on_a_volatile_namespace_is_eio_unless_visible_ok() {
         if let Err(e) = r {
             assert_eq!(e.raw_os_error(), Some(libc::EIO));
         }
+        // Written again and never synced (a close's flush fails as the fsync did, and leaves
+        // them to the unmount): the mount process exits 7, NOT durable, as the other commands
+        // do on a volatile namespace, unless --visible-ok. (It exited 0.)
+        f.write_all_at(b"never synced", 4096).unwrap();
         drop(f);
-        drop(m);
+        let code = m.sigterm().code();
+        assert_eq!(
+            code,
+            Some(if visible_ok { 0 } else { 7 }),
+            "--visible-ok {visible_ok}: {}",
+            m.log()
+        );
     }
 }
 

@@ -205,13 +205,22 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
         log::warn!("the FUSE session ended with: {e}");
     }
     match summary.final_persist {
-        Ok(_) => {
+        Ok(d) => {
             log::info!(
                 "{} unmounted after {} writes; disconnected",
                 dir.display(),
                 summary.writes
             );
-            Ok(())
+            // Writes on a volatile namespace, synced or not: visible, not durable (exit 7, as
+            // the other commands, unless --visible-ok; it exited 0).
+            let d = match d {
+                Some(d) => d,
+                None if choice == Some(Choice::VisibleOnly) && summary.writes > 0 => {
+                    rpma_initiator::Durability::VisibleOnly
+                }
+                None => return Ok(()),
+            };
+            crate::cli::require_durable(g, d)
         }
         Err(e) => Err(failure(
             1,
