@@ -337,7 +337,7 @@ pub fn check_config(path: &Path, out: &mut dyn Write) -> std::io::Result<bool> {
     for w in crate::subsystem::listing_warnings(&cfg, max, max_bytes) {
         writeln!(out, "warning: {w}")?;
     }
-    if let Some(w) = crate::failures::capacity_warning(&cfg) {
+    if let Some(w) = crate::failures::capacity::capacity_warning(&cfg) {
         writeln!(out, "warning: {w}")?;
     }
     if cfg.subsystems.is_empty() {

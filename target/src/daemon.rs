@@ -433,7 +433,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
         remembered.len()
     );
     warn_if_state_shares_a_filesystem(&config);
-    if let Some(w) = crate::failures::capacity_warning(&config) {
+    if let Some(w) = crate::failures::capacity::capacity_warning(&config) {
         log::warn!("{w}");
     }
     let namespaces = NamespaceTable::open_all_remembering(&config, Some(Arc::clone(&ledger)))?;

@@ -256,7 +256,7 @@ fn widest_entry(cfg: &Config) -> Option<(&Subsystem, DiscoveryEntry)> {
 /// (its hosts are refused by their own library; NVMe/TCP hosts are not limited), and more
 /// subsystems, or subsystems whose entries together may take more memory, than a host's
 /// discovery listing may list (counting every subsystem at the widest entry's cost), and a
-/// discovery entry longer than a message ([`discovery_entry_too_long`]). Only with a listener
+/// discovery entry longer than a message (`discovery_entry_too_long`). Only with a listener
 /// of rpma's own transports. (A session's namespaces cannot exceed `max_bytes` below `max` of
 /// them: a descriptor with its texts cut takes under a kilobyte.)
 ///

@@ -138,7 +138,7 @@ impl Shared {
             .and_then(|new| {
                 let mut st = self.lock();
                 test_hold_state();
-                if let Some(w) = crate::failures::capacity_warning(&new) {
+                if let Some(w) = crate::failures::capacity::capacity_warning(&new) {
                     log::warn!("reload: {w}");
                 }
                 let mut d = reload::diff(&st.config, &new);

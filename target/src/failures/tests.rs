@@ -277,7 +277,7 @@ fn utc_dates() {
     assert_eq!(utc(951_782_400), "2000-02-29 00:00:00 UTC");
 }
 
-/// [`listable`] is what a copy holds: that many failures (of the longest text) are written, one
+/// [`capacity::listable`] is what a copy holds: that many failures (of the longest text) are written, one
 /// more of the same shape is refused once the list passes a slot, and a clear is refused then.
 #[test]
 fn listable_is_what_one_copy_of_the_state_file_holds() {
@@ -290,7 +290,7 @@ fn listable_is_what_one_copy_of_the_state_file_holds() {
     for p in &paths {
         std::fs::write(p, b"x").unwrap();
     }
-    let n = listable(
+    let n = capacity::listable(
         paths
             .iter()
             .enumerate()
