@@ -124,10 +124,11 @@ struct State {
     reload_attempts: u64,
     /// Whether the last reload succeeded ([`last_reload`](Self::last_reload) says what).
     last_reload_ok: bool,
-    /// The last reload's acknowledgement, when poll loops had not applied it as it stopped
-    /// waiting for them: while they have not, their sessions still reach the namespace files it
-    /// removed or replaced ([`State::last_reload_said`]).
-    last_reload_lagging: Option<Arc<crate::seam::ReloadAck>>,
+    /// The acknowledgements of reloads that poll loops had not applied when the reload stopped
+    /// waiting for them: while they have not, their sessions still reach the namespace files
+    /// those reloads removed or replaced ([`State::last_reload_said`]). Kept across later
+    /// reloads (one that changes nothing waits for nothing, and must not hide them).
+    last_reload_lagging: Vec<Arc<crate::seam::ReloadAck>>,
     serve: Box<dyn Serve>,
     metrics: Option<MetricsServer>,
     metrics_status: Option<MetricsListenerStatus>,
@@ -136,13 +137,15 @@ struct State {
 }
 
 impl State {
-    /// What the last reload did (`last_reload`), with, while poll loops have not applied it yet,
-    /// how many and what that means; and how many.
+    /// What the last reload did (`last_reload`), with, while poll loops have not applied a
+    /// reload yet (this one or an earlier), how many and what that means; and how many.
     fn last_reload_said(&self) -> (Option<String>, usize) {
         let lagging = self
             .last_reload_lagging
-            .as_ref()
-            .map_or(0, |ack| ack.wait(Duration::ZERO));
+            .iter()
+            .map(|ack| ack.wait(Duration::ZERO))
+            .max()
+            .unwrap_or(0);
         let said = self.last_reload.as_ref().map(|s| match lagging {
             0 => s.clone(),
             n => format!(
@@ -462,7 +465,7 @@ pub fn run(config_path: &Path, serve: Box<dyn Serve>) -> Result<()> {
             reload_started: 0,
             reload_attempts: 0,
             last_reload_ok: false,
-            last_reload_lagging: None,
+            last_reload_lagging: Vec::new(),
             serve,
             metrics: None,
             metrics_status: None,

@@ -3,6 +3,7 @@
 //! `rpma-target`. Needs root, /dev/fuse and loop devices: without them each test prints why it
 //! was SKIPPED. Every mount and loop device is cleaned up by a guard, even when a test fails.
 
+use std::os::fd::AsRawFd;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -514,6 +515,17 @@ fn fsync_on_a_volatile_namespace_is_eio_unless_visible_ok() {
             m.log()
         );
     }
+    // Zeroed only (fallocate, as a loop device's discards are): written too.
+    let mut m = Mounted::start(&conn_args(&t.url(), 3), &root.join("mnt"), &[]);
+    let f = std::fs::OpenOptions::new()
+        .write(true)
+        .open(&m.file)
+        .unwrap();
+    // SAFETY: fallocate takes the open descriptor and plain integers.
+    let r = unsafe { libc::fallocate(f.as_raw_fd(), libc::FALLOC_FL_ZERO_RANGE, 0, 8192) };
+    assert_eq!(r, 0, "fallocate: {}", std::io::Error::last_os_error());
+    drop(f);
+    assert_eq!(m.sigterm().code(), Some(7), "{}", m.log());
 }
 
 #[test]

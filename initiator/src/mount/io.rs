@@ -57,6 +57,8 @@ pub(crate) struct Summary {
     pub(crate) final_persist: Result<Option<Durability>, Error>,
     /// Writes served.
     pub(crate) writes: u64,
+    /// Anything was written ([`Worker::wrote`]).
+    pub(crate) written: bool,
 }
 
 /// The errno a failed library call maps to.
@@ -75,6 +77,9 @@ struct Worker {
     visible_ok: bool,
     /// A write was acknowledged and not yet made durable (the queue holds it until then).
     dirty: bool,
+    /// Something was written (a write, a zeroing, an O_DSYNC write answered EIO): on a
+    /// volatile namespace, bytes that are visible and not durable.
+    written: bool,
     writes: u64,
     /// The last error logged (logged once until an operation succeeds again).
     logged: Option<String>,
@@ -94,6 +99,7 @@ pub(crate) fn spawn(
         read_only,
         visible_ok,
         dirty: false,
+        written: false,
         writes: 0,
         logged: None,
     };
@@ -130,6 +136,7 @@ impl Worker {
         Summary {
             final_persist,
             writes: self.writes,
+            written: self.written,
         }
     }
 
@@ -186,7 +193,7 @@ impl Worker {
                         .q
                         .namespace(self.nsid)
                         .and_then(|mut ns| ns.write_at(offset, &data));
-                    self.note("write", r).map(|()| self.dirty = true)
+                    self.note("write", r).map(|()| self.wrote())
                 };
                 match r {
                     Ok(()) => {
@@ -214,6 +221,12 @@ impl Worker {
         }
     }
 
+    /// Something was written: dirty until the next persist.
+    fn wrote(&mut self) {
+        self.dirty = true;
+        self.written = true;
+    }
+
     fn zero(&mut self, offset: u64, len: u64) -> Result<(), Errno> {
         const PIECE: u64 = 1 << 20;
         let zeros = vec![0u8; PIECE.min(len) as usize];
@@ -225,7 +238,7 @@ impl Worker {
                 .namespace(self.nsid)
                 .and_then(|mut ns| ns.write_at(offset + at, &zeros[..n as usize]));
             self.note("zeroing", r)?;
-            self.dirty = true;
+            self.wrote();
             at += n;
         }
         Ok(())
@@ -257,7 +270,7 @@ impl Worker {
             Ok(d) => d,
             Err(e) => {
                 // It may have been sent, and is held until durable: the next fsync tries again.
-                self.dirty = true;
+                self.wrote();
                 return Err(e);
             }
         };
@@ -266,7 +279,7 @@ impl Worker {
             Durability::VisibleOnly if self.visible_ok => Ok(()),
             Durability::VisibleOnly => {
                 // Written and visible, like any write: the next fsync answers the same.
-                self.dirty = true;
+                self.wrote();
                 Err(Errno::EIO)
             }
         }

@@ -8,7 +8,8 @@
 //! the main thread, which waits for a signal or the end of the session. Stopping: a signal
 //! detaches our loop device and unmounts; `umount` from another process does the same from
 //! outside. Either way the session ends, the I/O thread persists what is dirty and disconnects,
-//! and the process exits 0 (1 if that last persist failed).
+//! and the process exits 0 (1 if that last persist failed; 7 on a volatile namespace it wrote
+//! to, without `--visible-ok`).
 
 mod fs;
 mod io;
@@ -215,7 +216,7 @@ pub(crate) fn mount(g: &Global, a: &MountArgs<'_>) -> Result<(), Failure> {
             // the other commands, unless --visible-ok; it exited 0).
             let d = match d {
                 Some(d) => d,
-                None if choice == Some(Choice::VisibleOnly) && summary.writes > 0 => {
+                None if choice == Some(Choice::VisibleOnly) && summary.written => {
                     rpma_initiator::Durability::VisibleOnly
                 }
                 None => return Ok(()),

@@ -317,7 +317,8 @@ impl Server {
     ///
     /// # Errors
     /// [`NbdError::FinalFlush`]; [`NbdError::WritesLost`] when a queue gave up during the run
-    /// (the writes it held may be lost: no final flush can vouch for them).
+    /// holding writes that were not durable yet, or the namespace changed (those writes may be
+    /// lost: no final flush can vouch for them).
     pub fn shutdown(mut self) -> Result<bool> {
         self.shared.stopping.store(true, Ordering::SeqCst);
         for c in &self.clients {

@@ -151,7 +151,9 @@ impl Cell {
         }
     }
 
-    /// Records that writes were acknowledged on it, for the next FLUSH.
+    /// Records that writes were acknowledged on it, or started on its queue (a started write
+    /// may be answered in the call in which the queue gives up), for the next FLUSH and for
+    /// counting a give-up as a loss.
     pub(crate) fn mark_dirty(&self) {
         self.dirty.store(true, Ordering::SeqCst);
     }

@@ -341,6 +341,11 @@ impl<'a> Client<'a> {
         // gone) fails before: the request is answered here, or the client would wait for it
         // forever (the kernel's nbd, md above it, a sync).
         let mut taken = false;
+        if a != Action::Read {
+            // Before it is started: the pipeline may answer it (success) in the same call in
+            // which the queue gives up, and the give-up counts a loss only for a dirty cell.
+            cell.mark_dirty();
+        }
         let r = shared.with_ns(cell, g, |ns| {
             taken = true;
             let chunk = ns.chunk();

@@ -217,13 +217,16 @@ impl Shared {
         st.reload_attempts += 1;
         // Said, while they lag, to whoever asks (`status`, and `rpma-target reload`, which
         // exits 1): the files it removed or replaced must not be reused yet.
-        st.last_reload_lagging = None;
+        st.last_reload_lagging
+            .retain(|ack| ack.wait(Duration::ZERO) > 0);
+        if let Some(ack) = lagging {
+            st.last_reload_lagging.push(ack);
+        }
         match outcome {
             Ok(summary) => {
                 log::info!("reloaded {}: {summary}", self.config_path.display());
                 // Counted once done (the loops applied it): what an operator waits for.
                 st.reloads += 1;
-                st.last_reload_lagging = lagging;
                 st.last_reload = Some(summary);
                 st.last_reload_ok = true;
             }

@@ -133,6 +133,10 @@ impl Client<'_> {
         }
         let (pipe, buf, bufs) = (&mut self.pipe, &self.buf, &self.bufs);
         let mut taken = false;
+        if a != Action::Read {
+            // Before it is started, as `start` does.
+            other.mark_dirty();
+        }
         let mut r = shared.with_ns(other, &mut g, |ns| {
             taken = true;
             let chunk = ns.chunk();
