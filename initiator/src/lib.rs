@@ -63,6 +63,7 @@
 
 mod checks;
 mod connect;
+mod deadline;
 pub mod durability;
 mod error;
 mod idmap;

@@ -315,7 +315,7 @@ impl Session {
     /// # Errors
     /// [`Error::Timeout`], and those of [`handle`](Self::handle).
     pub fn wait_message(&mut self, timeout: Duration, what: &'static str) -> Result<Message> {
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline::after(timeout);
         let mut wcs = [Completion::EMPTY; 16];
         loop {
             if let Some(m) = self.inbox.pop_front() {
@@ -413,7 +413,7 @@ impl Session {
     ) -> Result<FlushStatus> {
         let token = self.send_flush_request(nsid, offset, length)?;
         // One deadline for the whole wait, however many other messages come meanwhile.
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline::after(timeout);
         loop {
             let left = deadline.saturating_duration_since(Instant::now());
             let m = self
@@ -461,7 +461,7 @@ impl Session {
             reason: "host disconnecting".into(),
         });
         self.send_message(&bye)?;
-        let deadline = Instant::now() + timeout;
+        let deadline = crate::deadline::after(timeout);
         let mut wcs = [Completion::EMPTY; 16];
         while self.bufs.unsent() > 0 && Instant::now() < deadline {
             let n = self

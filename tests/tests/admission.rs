@@ -468,7 +468,13 @@ fn a_discovery_listing_longer_than_one_message_comes_in_pages() {
     let out = rpma_tests::check_config(&d.path().join("target.toml"));
     let text = rpma_tests::text(&out);
     assert!(out.status.success(), "{text}");
-    assert!(!text.contains("warning"), "{text}");
+    // (Nothing of the listing; 250 namespaces are more than the state file lists failed at
+    // once, which it says: check_config's `check_config_warns_when_the_state_file_cannot_list_every_failure`.)
+    let warned: Vec<&str> = text
+        .lines()
+        .filter(|l| l.contains("warning") && !l.contains("the state file lists"))
+        .collect();
+    assert!(warned.is_empty(), "{text}");
 
     // Page by page on one discovery session, with a reload between two pages (its keep-alive
     // and time limit outlast the test).

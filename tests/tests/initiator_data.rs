@@ -686,6 +686,34 @@ fn open_queue_once_makes_one_attempt_whatever_the_reconnect_budget() {
     assert!(c.open_queue_once(1).is_ok());
 }
 
+/// A reconnect budget and backoffs of `Duration::MAX` ("for ever") are taken: the queue opens,
+/// serves, reconnects after a target restart and serves again. (Opening it panicked: a deadline
+/// of now plus `Duration::MAX` overflows `Instant`.)
+#[test]
+fn a_reconnect_budget_of_for_ever_is_taken() {
+    let (_d, _shm, mut t) = start("for-ever");
+    let c = conn(&t.url()).with_queue_options(QueueOptions {
+        reconnect: ReconnectPolicy {
+            max_backoff: Duration::MAX,
+            ..ReconnectPolicy::within(Duration::MAX)
+        },
+        ..QueueOptions::default()
+    });
+    let mut q = c.open_queue(0).unwrap();
+    assert!(q
+        .namespace(1)
+        .unwrap()
+        .write_durable(0, &[3; 4096])
+        .unwrap()
+        .is_durable());
+    t.kill9();
+    t.restart();
+    let mut ns = q.namespace(1).unwrap();
+    let mut b = vec![0u8; 4096];
+    ns.read_at(0, &mut b).unwrap();
+    assert!(b == [3; 4096]);
+}
+
 #[test]
 fn forced_method_is_checked_when_the_queue_opens() {
     let (_d, _shm, t) = start("forced");

@@ -89,7 +89,7 @@ impl ReconnectPolicy {
         timeout: Duration,
         mut attempt: impl FnMut(Duration) -> Result<T>,
     ) -> Result<T> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         let mut retries = 0;
         let mut each = timeout;
         loop {
@@ -99,7 +99,7 @@ impl ReconnectPolicy {
             };
             retries += 1;
             let wait = self.backoff(retries);
-            if retries > self.max_attempts || Instant::now() + wait > deadline {
+            if retries > self.max_attempts || crate::deadline::after(wait) > deadline {
                 return Err(e);
             }
             if retries == 1 {

@@ -54,7 +54,9 @@ impl Call {
     /// The deadline of this call's reconnects: set at its first loss.
     pub(super) fn deadline(&mut self) -> Instant {
         let budget = self.budget;
-        *self.deadline.get_or_insert_with(|| Instant::now() + budget)
+        *self
+            .deadline
+            .get_or_insert_with(|| crate::deadline::after(budget))
     }
 
     /// After a loss and a successful reconnect: whether to run the call again (else it fails
@@ -174,7 +176,7 @@ impl Reconnect {
         let mut attempts = 0;
         for attempt in 1..=policy.max_attempts {
             let wait = policy.backoff(attempt);
-            if Instant::now() + wait > deadline {
+            if crate::deadline::after(wait) > deadline {
                 break;
             }
             std::thread::sleep(wait);

@@ -361,14 +361,14 @@ impl Engine {
                 room.make_room(self)?;
                 continue;
             }
-            let deadline = *deadline.get_or_insert_with(|| Instant::now() + self.timeout);
+            let deadline = *deadline.get_or_insert_with(|| crate::deadline::after(self.timeout));
             self.poll_or_time_out(deadline, "completion to free a request slot")?;
         }
     }
 
     /// Waits until no Write or Read is outstanding (posted, or started and held back).
     pub(super) fn drain(&mut self) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         while self.pool.in_flight() > 0 {
             self.poll_or_time_out(deadline, "data completions")?;
         }
@@ -604,7 +604,7 @@ impl Engine {
         {
             return posted;
         }
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         loop {
             self.collect_reads(items)?;
             if self.pool.number(Kind::Reading) == 0 {

@@ -16,7 +16,6 @@
 //! [`Queue`](crate::Queue) runs them under its reconnect policy.
 
 use std::os::fd::BorrowedFd;
-use std::time::Instant;
 
 use rpma_common::fabric::SendFlags;
 
@@ -182,7 +181,7 @@ impl Engine {
         out: &mut Vec<Completed>,
         input: Option<BorrowedFd<'_>>,
     ) -> Result<bool> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         loop {
             if !self.started_done.is_empty() {
                 out.append(&mut self.started_done);

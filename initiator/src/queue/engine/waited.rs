@@ -3,8 +3,6 @@
 //! poll), and GPSPM FlushRequests (the last one's answer kept in `flush_answer`), with the 8-byte
 //! sink that APM Reads and atomic results land in.
 
-use std::time::Instant;
-
 use rpma_common::fabric::{SendOp, SendWr, Sge, WcStatus};
 use rpma_common::proto::msgbuf::CONTROL_BIT;
 use rpma_common::proto::FlushStatus;
@@ -45,7 +43,7 @@ impl Engine {
         what: &'static str,
         wr_id: u64,
     ) -> Result<()> {
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         loop {
             if let Some(&(_, status)) = self.waited_done.iter().find(|d| d.0 == wr_id) {
                 // wr_ids of waited requests grow (within the kind's bits): older entries
@@ -75,7 +73,7 @@ impl Engine {
             .as_mut()
             .ok_or(Error::Broken)?
             .send_flush_request(nsid, offset, len)?;
-        let deadline = Instant::now() + self.timeout;
+        let deadline = crate::deadline::after(self.timeout);
         loop {
             if let Some((_, status)) = self.flush_answer.take_if(|a| a.0 == token) {
                 return Ok(status);
