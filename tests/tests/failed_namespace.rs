@@ -638,6 +638,30 @@ fn clear_failure_is_refused_while_the_write_back_still_fails() {
     drop(t);
 }
 
+/// Writes 1 MiB to nsid 1 (on `fs`) through `t`, placed and not durable (dirty pages only the
+/// page cache holds), fills `fs` and SIGKILLs `t`; another process's sync then takes the
+/// write-back's failure, as the killed daemon's would have; then frees `fs` again (syncs succeed
+/// from now on, and the filesystem stays writable).
+fn killed_with_the_write_back_of_ns1_failing(fs: &FragileFs, t: &mut Target) {
+    {
+        let mut q = Connection::new(
+            &t.url(),
+            Nqn::new(SUB).unwrap(),
+            HostIdentity::new(Nqn::new(HOST).unwrap()),
+        )
+        .open_queue(0)
+        .unwrap();
+        let mut ns = q.namespace(1).unwrap();
+        ns.write_at(0, &[0x5a; 1 << 20]).unwrap();
+        ns.place_writes().unwrap();
+    }
+    fs.fill();
+    t.kill9();
+    let synced = std::fs::File::open(fs.mnt.join("ns1")).unwrap().sync_data();
+    assert!(synced.is_err(), "the write-back fails: {synced:?}");
+    fs.free();
+}
+
 /// A write-back error whose one report a sync the daemon did not live to record took (it was
 /// killed while its sync ran: the kernel finishes the sync, and the process is gone; here
 /// another process's sync after the SIGKILL plays that part): the next start hears of it
@@ -669,26 +693,7 @@ fn a_writeback_error_a_killed_daemons_sync_took_is_heard_at_the_next_start() {
         2,
         "one description per page-cache file: {names:?}"
     );
-    // Written, placed, not durable: dirty pages only the page cache holds.
-    {
-        let mut q = Connection::new(
-            &t.url(),
-            Nqn::new(SUB).unwrap(),
-            HostIdentity::new(Nqn::new(HOST).unwrap()),
-        )
-        .open_queue(0)
-        .unwrap();
-        let mut ns = q.namespace(1).unwrap();
-        ns.write_at(0, &[0x5a; 1 << 20]).unwrap();
-        ns.place_writes().unwrap();
-    }
-    fs.fill();
-    t.kill9();
-    let synced = std::fs::File::open(fs.mnt.join("ns1")).unwrap().sync_data();
-    assert!(synced.is_err(), "the write-back fails: {synced:?}");
-    // Room again before the start (syncs succeed now, and the filesystem stays writable): the
-    // failure is the one the killed daemon's sync took.
-    fs.free();
+    killed_with_the_write_back_of_ns1_failing(&fs, &mut t);
     t.start_again();
     let failed = failed_of(&t, 1);
     assert!(
@@ -763,23 +768,7 @@ fn heard_for_a_file_this_start_does_not_serve(deleted: bool) {
     };
     let mut t = Target::start(&t_dir, &config(true));
     assert_eq!(t.fd_store().names().len(), 2);
-    {
-        let mut q = Connection::new(
-            &t.url(),
-            Nqn::new(SUB).unwrap(),
-            HostIdentity::new(Nqn::new(HOST).unwrap()),
-        )
-        .open_queue(0)
-        .unwrap();
-        let mut ns = q.namespace(1).unwrap();
-        ns.write_at(0, &[0x5a; 1 << 20]).unwrap();
-        ns.place_writes().unwrap();
-    }
-    fs.fill();
-    t.kill9();
-    let synced = std::fs::File::open(fs.mnt.join("ns1")).unwrap().sync_data();
-    assert!(synced.is_err(), "the write-back fails: {synced:?}");
-    fs.free();
+    killed_with_the_write_back_of_ns1_failing(&fs, &mut t);
     if deleted {
         std::fs::remove_file(fs.mnt.join("ns1")).unwrap();
     }
