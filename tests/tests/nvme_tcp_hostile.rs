@@ -622,6 +622,26 @@ fn idle_ticks(t: &Target) -> u64 {
     poll_loop_ticks(t.pid()) - before
 }
 
+/// A discovery controller (which any host may open) of a host NQN no subsystem lists, its
+/// admin queue of `sqsize` + 1 entries, host identifier all `hostid`.
+fn discovery_controller(addr: &str, sqsize: u16, hostid: u8) -> Host {
+    let mut h = Host::icreq(Host::connect_tcp(addr), false, false).unwrap();
+    let c = h
+        .command(
+            connect_sqe(0, sqsize, 0),
+            &connect_data(
+                [hostid; 16],
+                0xffff,
+                rpma_tests::nvme::DISCOVERY_NQN,
+                "nqn.2026-11.io.rpma:stranger",
+            ),
+            0,
+        )
+        .unwrap();
+    assert!(c.ok(), "a discovery controller for anyone: {c:?}");
+    h
+}
+
 /// A host that stops reading its answers (the queue stops reading past 256 KiB waiting) and
 /// then half-closes its side costs its poll loop nothing: the half-close is watched only with
 /// the reads. Before, it stayed in the epoll interest, and being level-triggered it woke every
@@ -633,20 +653,7 @@ fn a_peer_that_half_closes_without_reading_its_answers_does_not_spin_its_loop() 
     let (_d, t, addr) = start("");
     // Through a discovery controller, which any host may open: its 128 KiB log page a thousand
     // times.
-    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
-    let c = h
-        .command(
-            connect_sqe(0, 31, 0),
-            &connect_data(
-                [2; 16],
-                0xffff,
-                rpma_tests::nvme::DISCOVERY_NQN,
-                "nqn.2026-11.io.rpma:stranger",
-            ),
-            0,
-        )
-        .unwrap();
-    assert!(c.ok(), "a discovery controller for anyone: {c:?}");
+    let mut h = discovery_controller(&addr, 31, 2);
     let enable = Sqe::fabrics(0x00)
         .u32(44, 0x14)
         .u32(48, rpma_tests::nvme::CC_ENABLE);
@@ -747,20 +754,7 @@ fn resp_of(r: &rpma_tests::nvme::Rx) -> (u16, u16) {
 fn only_commands_that_read_data_have_it_fetched_and_few_at_a_time() {
     let (_d, _t, addr) = start("");
     // A discovery controller: 64 Set Features asking for 8 KiB each by R2T.
-    let mut h = Host::icreq(Host::connect_tcp(&addr), false, false).unwrap();
-    let c = h
-        .command(
-            connect_sqe(0, 127, 0),
-            &connect_data(
-                [3; 16],
-                0xffff,
-                rpma_tests::nvme::DISCOVERY_NQN,
-                "nqn.2026-11.io.rpma:stranger",
-            ),
-            0,
-        )
-        .unwrap();
-    assert!(c.ok(), "a discovery controller for anyone: {c:?}");
+    let mut h = discovery_controller(&addr, 127, 3);
     let mut burst = Vec::new();
     for cid in 1..=64u16 {
         let mut s = Sqe::new(0x09, 0).cdw(10, 0x81).u16(2, cid);
